@@ -1,0 +1,42 @@
+"""Routing data plane: routed-expert codecs, on-volume store, stitching, replay padding (NumPy only)."""
+
+from r3operator.routing.codec import (
+    ROUTE_DTYPES,
+    RoutedExperts,
+    decode,
+    encode,
+    from_vllm,
+    from_wire,
+    narrowest_dtype,
+    to_torch,
+    to_wire,
+    validate_routes,
+)
+from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
+from r3operator.routing.stitch import TrajectoryRoutes, check_row_count, pad_for_replay, stack_for_replay
+from r3operator.routing.store import RoutingHeader, RoutingRecord, RoutingStore, read_file, write_file
+
+__all__ = [
+    "ROUTE_DTYPES",
+    "RoutedExperts",
+    "RoutingDataError",
+    "RoutingFileError",
+    "RoutingFileMissingError",
+    "RoutingHeader",
+    "RoutingRecord",
+    "RoutingStore",
+    "TrajectoryRoutes",
+    "check_row_count",
+    "decode",
+    "encode",
+    "from_vllm",
+    "from_wire",
+    "narrowest_dtype",
+    "pad_for_replay",
+    "read_file",
+    "stack_for_replay",
+    "to_torch",
+    "to_wire",
+    "validate_routes",
+    "write_file",
+]
