@@ -1,0 +1,91 @@
+"""Enumerations of the RLJob API.
+
+Values are the exact strings that appear in YAML. Kubernetes convention is CamelCase enum values;
+where a value mirrors a vLLM or Megatron flag verbatim (``mp``/``ray``, ``softmax``) we keep the
+upstream spelling so users can copy it from upstream docs.
+"""
+
+from enum import StrEnum
+
+
+class ReplayMode(StrEnum):
+    """How the trainer replays MoE routing decisions."""
+
+    DISABLED = "Disabled"
+    """Natural routing everywhere: no capture on the engines, no replay in the trainer."""
+    R2 = "R2"
+    """Router Replay: the trainer records its own routing in the old-logprob pass and replays it in
+    the update passes of the same step. Engines do not capture routes."""
+    R3 = "R3"
+    """Rollout Routing Replay: engines return the experts they chose, the trainer forces them."""
+
+
+class ExecutorBackend(StrEnum):
+    """vLLM ``--distributed-executor-backend``."""
+
+    MP = "mp"
+    RAY = "ray"
+
+
+class TrainerBackend(StrEnum):
+    FSDP = "FSDP"
+    MEGATRON = "Megatron"
+
+
+class RouterType(StrEnum):
+    """Score function of the MoE router."""
+
+    SOFTMAX = "softmax"
+    """Qwen2/3-MoE, OLMoE, Mixtral: softmax over expert logits, top-k, optional renormalisation."""
+    SIGMOID_BIAS = "sigmoid-bias"
+    """DeepSeek-V3 / Moonlight / GLM: sigmoid scores, a correction bias that only affects
+    selection, grouped top-k, a routed scaling factor."""
+
+
+class KVConnector(StrEnum):
+    NONE = "none"
+    NIXL = "nixl"
+    LMCACHE = "lmcache"
+    OFFLOADING = "offloading"
+
+
+class AccessMode(StrEnum):
+    READ_WRITE_MANY = "ReadWriteMany"
+    READ_WRITE_ONCE = "ReadWriteOnce"
+
+
+class RetainPolicy(StrEnum):
+    """What happens to the routing-data PVC when the RLJob is deleted."""
+
+    RETAIN = "Retain"
+    DELETE = "Delete"
+
+
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class ConditionType(StrEnum):
+    """Condition types on ``RLJob.status.conditions`` (positive polarity)."""
+
+    READY = "Ready"
+    """Rolled up from the others; carries the first failing reason."""
+    VALID = "Valid"
+    """The spec passed every compatibility rule, including those needing outside facts."""
+    ENGINES_READY = "EnginesReady"
+    TRAINER_READY = "TrainerReady"
+    ROUTING_REPLAY_ACTIVE = "RoutingReplayActive"
+    """True only after a canary request returned routes of shape [*, numLayers, topK]."""
+    PROGRESSING = "Progressing"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    """Terminal and sticky."""
+    FAILED = "Failed"
+    """Terminal and sticky."""

@@ -1,0 +1,100 @@
+"""Read RLJob manifests from YAML with errors that name the file and the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+
+
+@dataclass(frozen=True, slots=True)
+class FieldProblem:
+    field: str
+    message: str
+
+
+class RLJobLoadError(Exception):
+    """An RLJob could not be read: unreadable file, bad YAML, not an RLJob, or schema errors."""
+
+    def __init__(self, source: str, problems: list[FieldProblem]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("; ".join(f"{source}: {p.field}: {p.message}" if p.field else f"{source}: {p.message}"
+                                   for p in problems))
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _message(err: Any) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    if err["type"] == "missing":
+        return "required field is missing"
+    return str(err["msg"])
+
+
+def _problems(exc: ValidationError) -> list[FieldProblem]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        # Tagged-union / literal noise: keep the deepest, most specific location only.
+        problems.append(FieldProblem(_path(loc), _message(err)))
+    return problems
+
+
+def parse_rljob(obj: Any, *, source: str = "<object>") -> RLJob:
+    """Validate one decoded manifest. Raises RLJobLoadError naming the source and fields."""
+    if not isinstance(obj, dict):
+        raise RLJobLoadError(source, [FieldProblem("", f"expected a mapping, got {type(obj).__name__}")])
+    api_version, kind = obj.get("apiVersion"), obj.get("kind")
+    if api_version != API_VERSION or kind != KIND:
+        raise RLJobLoadError(
+            source, [FieldProblem("", f"not an RLJob: apiVersion {api_version!r}, kind {kind!r} "
+                                      f"(expected {API_VERSION}, {KIND})")]
+        )
+    try:
+        return RLJob.model_validate(obj)
+    except ValidationError as exc:
+        raise RLJobLoadError(source, _problems(exc)) from None
+
+
+def load_documents(path: Path) -> list[Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RLJobLoadError(str(path), [FieldProblem("", f"cannot read file: {reason}")]) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RLJobLoadError(str(path), [FieldProblem("", f"malformed YAML{where}: {problem}")]) from None
+    if not docs:
+        raise RLJobLoadError(str(path), [FieldProblem("", "no YAML documents in file")])
+    return docs
+
+
+def load_rljobs(path: Path) -> list[RLJob]:
+    """All RLJobs in a (possibly multi-document) YAML file."""
+    docs = load_documents(path)
+    source = str(path)
+    return [parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)]
+
+
+def load_rljob(path: Path) -> RLJob:
+    jobs = load_rljobs(path)
+    if len(jobs) != 1:
+        raise RLJobLoadError(str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")])
+    return jobs[0]

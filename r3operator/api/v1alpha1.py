@@ -1,0 +1,383 @@
+"""The RLJob custom resource, version ``r3operator.io/v1alpha1``.
+
+This module is the single source of truth: the CRD in ``crds/rljob.yaml`` is generated from these
+models (``r3operator crd``), and the operator, the CLI and the runtime all parse RLJobs with them.
+Attribute docstrings become the CRD ``description`` fields, so write them for users.
+
+Conventions (Kubernetes API conventions, see docs/api.md):
+- camelCase field names in YAML; unknown fields are rejected with their path;
+- derived values (GPUs per replica, EP sizes, the vLLM version) never go into ``spec`` — they are
+  computed into ``status.resolved``;
+- every string and list is bounded (the CEL cost estimator needs it).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from r3operator.api.enums import (
+    AccessMode,
+    ConditionStatus,
+    ExecutorBackend,
+    KVConnector,
+    ReplayMode,
+    RetainPolicy,
+    RouterType,
+    TrainerBackend,
+)
+
+GROUP = "r3operator.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SINGULAR = "rljob"
+SHORT_NAMES = ("rlj",)
+CATEGORIES = ("rl",)
+
+# Kubernetes resource.Quantity, e.g. "500m", "16Gi", "1.5".
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$"
+MODEL_URI_PATTERN = r"^(hf|s3|gs|pvc|file|r3operator)://[^\s]+$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# RLJob names prefix child names such as "<job>-engine-0"; StatefulSet pod names must stay under
+# 63 characters including the controller-revision-hash label, hence the tighter bound.
+MAX_JOB_NAME_LENGTH = 40
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
+
+
+class _Model(BaseModel):
+    """Base for every spec/status block: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        alias_generator=to_camel,
+        use_attribute_docstrings=True,
+        validate_assignment=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class ModelArchitecture(_Model):
+    """Architecture facts of the MoE model. The routing shape is [tokens, numLayers, topK]."""
+
+    num_layers: int = Field(ge=1, le=512)
+    """num_hidden_layers: vLLM reports routes for every decoder layer, dense ones included."""
+    num_experts: int = Field(ge=1, le=4096)
+    """Routed experts per MoE layer (1 for a dense model)."""
+    top_k: int = Field(alias="topK", ge=1, le=64)
+    """Experts chosen per token per MoE layer (num_experts_per_tok)."""
+    router_type: RouterType = RouterType.SOFTMAX
+    """Score function of the router: softmax (Qwen/OLMoE/Mixtral) or sigmoid-bias (DeepSeek-V3)."""
+    family: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9_]+$")
+    """transformers model_type, e.g. qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3."""
+    hybrid_attention: bool = False
+    """Hybrid attention (several KV-cache groups, e.g. Qwen3.5/3.6, Nemotron-H)."""
+    first_k_dense_layers: int = Field(default=0, ge=0, le=512)
+    """Leading dense decoder layers (DeepSeek-V3 has 3); their route rows are zero-filled."""
+
+
+class ModelSpec(_Model):
+    uri: str = Field(max_length=1024, pattern=MODEL_URI_PATTERN)
+    """Where the weights live: hf://org/name, s3://…, gs://…, pvc://claim/path, file:///path, or
+    r3operator://reference/<name> for the project's generated reference MoE."""
+    revision: str | None = Field(default=None, max_length=128)
+    """Commit, tag or branch for hf:// models; pin it for reproducible runs."""
+    architecture: ModelArchitecture | None = None
+    """Architecture facts. Needed by the replay rules; the operator may resolve them from the
+    model's config.json in a later version."""
+
+
+# ------------------------------------------------------------------------------- routing replay
+
+
+class RoutingReplaySpec(_Model):
+    mode: ReplayMode = ReplayMode.DISABLED
+    """Disabled, R2 (trainer records then replays its own routing) or R3 (replay the engines')."""
+    replay_ref: bool = Field(default=False, alias="replayRef")
+    """Also replay routes in the reference-model forward used by KL-to-ref."""
+
+
+# ------------------------------------------------------------------------------------ inference
+
+
+class SpeculativeDecodingSpec(_Model):
+    method: Literal["mtp", "eagle", "eagle3", "ngram", "draft_model"]
+    """vLLM speculative_config.method."""
+    num_speculative_tokens: int = Field(ge=1, le=16)
+
+
+class ResourceSpec(_Model):
+    """CPU and memory for each pod. GPUs are derived from the parallel sizes, never set here."""
+
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+
+
+class InferenceSpec(_Model):
+    image: ImageRef
+    """vLLM engine image; its tag is the vLLM version (change it to upgrade vLLM)."""
+    vllm_version: str | None = Field(default=None, alias="vllmVersion", max_length=32,
+                                     pattern=r"^[0-9]+\.[0-9]+\.[0-9]+([.+-][0-9A-Za-z.+-]*)?$")
+    """Explicit vLLM version when the image tag is not one (e.g. a digest or a custom build)."""
+    replicas: int = Field(default=1, ge=0, le=512)
+    """Engine replicas (each one vLLM server with its own KV cache)."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    data_parallel_size: int = Field(default=1, ge=1, le=512)
+    """vLLM data parallel size within one engine replica (attention DP for MoE)."""
+    data_parallel_size_local: int | None = Field(default=None, ge=1, le=64)
+    """DP ranks on one node; defaults to dataParallelSize (a replica on one node)."""
+    decode_context_parallel_size: int = Field(default=1, ge=1, le=64)
+    enable_expert_parallel: bool = False
+    """vLLM --enable-expert-parallel: experts sharded over tensorParallelSize × dataParallelSize."""
+    executor_backend: ExecutorBackend = ExecutorBackend.MP
+    """vLLM --distributed-executor-backend. R3 needs mp (ray hangs, vLLM #36237)."""
+    gpus_per_node: int = Field(default=8, ge=1, le=16)
+    kv_cache_offload: bool = False
+    """CPU KV-cache offload. External KV hits carry no routes, so R3 rejects it."""
+    kv_connector: KVConnector = Field(default=KVConnector.NONE, alias="kvConnector")
+    """KV transfer connector (P/D disaggregation or offload)."""
+    async_scheduling: bool = False
+    """vLLM --async-scheduling."""
+    model_runner_v2: bool = Field(default=False, alias="modelRunnerV2")
+    """Use vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)."""
+    speculative_decoding: SpeculativeDecodingSpec | None = None
+    max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=0.99)
+    extra_args: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
+    """Extra `vllm serve` arguments, appended last. Flags the operator derives are refused."""
+    port: int = Field(default=8000, ge=1024, le=65535)
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+
+
+# -------------------------------------------------------------------------------------- trainer
+
+
+class FSDPSpec(_Model):
+    reshard_after_forward: bool = True
+    """FSDP2 fully_shard(reshard_after_forward): ZeRO-3 style when true, ZeRO-2 style when false."""
+    ulysses_sequence_parallel_size: int = Field(default=1, ge=1, le=64)
+    sample_packing: bool = True
+    """Pack variable-length samples into one row (varlen attention); routes are packed alike."""
+    gradient_checkpointing: bool = False
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+class MegatronSpec(_Model):
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    context_parallel_size: int = Field(default=1, ge=1, le=64)
+    expert_parallel_size: int = Field(default=1, ge=1, le=512)
+    expert_tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    sequence_parallel: bool = False
+    router_fusion: bool = False
+    """moe_router_fusion. The fused top-k returns before replay is consulted, so replay refuses it."""
+    recompute: bool = False
+    """Activation recompute; replay then pops REPLAY_BACKWARD routes in forward order."""
+
+
+class TrainerSpec(_Model):
+    image: ImageRef
+    backend: TrainerBackend = TrainerBackend.FSDP
+    """FSDP (transformers models) or Megatron (megatron-core). Exactly the matching block may be set."""
+    fsdp: FSDPSpec | None = None
+    megatron: MegatronSpec | None = None
+    nodes: int = Field(default=1, ge=1, le=1024)
+    gpus_per_node: int = Field(default=8, ge=1, le=16)
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+
+
+# --------------------------------------------------------------------------- rollout / algorithm
+
+
+class RolloutSpec(_Model):
+    prompts_per_step: int = Field(default=32, ge=1, le=65536)
+    group_size: int = Field(default=8, ge=1, le=1024)
+    """Samples per prompt; GRPO advantages are normalised within a group."""
+    max_tokens: int = Field(default=256, ge=1, le=1_048_576)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    multi_turn: bool = False
+    retokenize_chat_history: bool = False
+    """Re-render and re-tokenise the chat history each turn (custom chat templates)."""
+    step_wise_trajectories: bool = False
+    """Train each turn of a multi-turn trajectory as a separate sample."""
+    partial_rollout: bool = False
+    """Resume unfinished trajectories across weight updates (fully-async style)."""
+
+
+class AlgorithmSpec(_Model):
+    name: Literal["GRPO"] = "GRPO"
+    steps: int = Field(default=100, ge=1, le=10_000_000)
+    learning_rate: float = Field(default=1e-6, gt=0.0, le=1.0)
+    clip_ratio_low: float = Field(default=0.2, ge=0.0, le=1.0)
+    clip_ratio_high: float = Field(default=0.28, ge=0.0, le=10.0)
+    mini_batches: int = Field(default=1, ge=1, le=1024)
+    """Policy updates per step; >1 makes later mini-batches off-policy."""
+    use_kl_loss: bool = Field(default=False, alias="useKLLoss")
+    kl_in_reward: bool = Field(default=False, alias="klInReward")
+    kl_coef: float = Field(default=0.0, ge=0.0, le=10.0)
+    sft_warmup_steps: int = Field(default=0, ge=0, le=100_000, alias="sftWarmupSteps")
+    """Supervised steps on reference answers before RL (for toy tasks on random-init models)."""
+
+
+class TaskSpec(_Model):
+    name: str = Field(default="count", max_length=63, pattern=DNS_LABEL_PATTERN)
+    """Built-in verifiable task (see `r3operator run --help`) or `dataset` for datasetPath."""
+    dataset_path: str | None = Field(default=None, max_length=1024)
+    """JSONL with {"prompt", "answer"} rows, on the shared volume or local disk."""
+    reward: Literal["exact-match", "prefix-match"] = "exact-match"
+
+
+class WeightSyncSpec(_Model):
+    chunk_size_mb: int = Field(default=512, ge=1, le=65536, alias="chunkSizeMB")
+    """Weights are streamed in chunks of this size inside one layerwise-reload bracket."""
+    canary: bool = True
+    """After each sync, greedy-decode fixed prompts on the engine and on the trainer; they must match."""
+
+
+class CheckpointSpec(_Model):
+    interval_steps: int = Field(default=1, ge=1, le=1_000_000)
+    keep_last: int = Field(default=2, ge=1, le=1000)
+
+
+class StorageSpec(_Model):
+    """The routing-data volume shared by engines and trainer (routes, checkpoints, run outputs)."""
+
+    existing_claim: str | None = Field(default=None, max_length=253, pattern=DNS_LABEL_PATTERN)
+    """Use this PVC instead of creating one."""
+    size: Quantity = "100Gi"
+    storage_class_name: str | None = Field(default=None, max_length=253)
+    access_mode: AccessMode = AccessMode.READ_WRITE_MANY
+    retain_policy: RetainPolicy = RetainPolicy.DELETE
+    """Retain keeps the created PVC when the RLJob is deleted."""
+    retention_steps: int = Field(default=4, ge=1, le=1_000_000)
+    """Routing files of the last N steps are kept on the volume."""
+
+
+class RunPolicy(_Model):
+    suspend: bool = False
+    """Scale engines to zero and suspend the trainer; resume restores."""
+    backoff_limit: int = Field(default=3, ge=0, le=100)
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete workloads this long after Succeeded/Failed; the RLJob (and a Retained PVC) stay."""
+
+
+class MonitoringSpec(_Model):
+    enabled: bool = True
+    port: int = Field(default=9400, ge=1024, le=65535)
+    """Prometheus port of the trainer driver."""
+    pod_monitor: bool = True
+    """Create a PodMonitor when the Prometheus Operator CRDs exist."""
+
+
+class RLJobSpec(_Model):
+    model: ModelSpec
+    routing_replay: RoutingReplaySpec = Field(default_factory=RoutingReplaySpec)
+    inference: InferenceSpec
+    trainer: TrainerSpec
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
+# --------------------------------------------------------------------------------------- status
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str = Field(max_length=316, pattern=r"^[A-Za-z][A-Za-z0-9]*$")
+    status: ConditionStatus
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(max_length=64)
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class ResolvedSpec(_Model):
+    """Values the operator derived from the spec and outside facts."""
+
+    vllm_version: str | None = Field(default=None, max_length=64)
+    vllm_version_source: Literal["spec", "image-tag", "unknown"] | None = None
+    engine_gpus_per_replica: int | None = None
+    engine_gpus_total: int | None = None
+    engine_expert_parallel_size: int | None = None
+    trainer_gpus_total: int | None = None
+    trainer_expert_parallel_size: int | None = None
+    routing_bytes_per_token: int | None = None
+    features: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list, max_length=64)
+    """vLLM feature gates in force for the resolved version."""
+
+
+class WorkloadCounts(_Model):
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+
+
+class Progress(_Model):
+    """Pushed by the trainer driver at step boundaries."""
+
+    step: int = 0
+    total_steps: int | None = None
+    reward_mean: float | None = None
+    logprob_abs_diff_mean: float | None = None
+    logprob_abs_diff_max: float | None = None
+    kl_k3: float | None = None
+    routing_agreement: float | None = None
+    last_checkpoint_step: int | None = None
+    updated_at: str | None = Field(default=None, max_length=64)
+
+
+class RLJobStatus(_Model):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list, max_length=32)
+    resolved: ResolvedSpec | None = None
+    engines: WorkloadCounts | None = None
+    trainer: WorkloadCounts | None = None
+    engines_ready: str | None = Field(default=None, max_length=32)
+    """"ready/desired" engine replicas, for `kubectl get`."""
+    progress: Progress | None = None
+    start_time: str | None = Field(default=None, max_length=64)
+    completion_time: str | None = Field(default=None, max_length=64)
+
+
+# ----------------------------------------------------------------------------------------- root
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metav1.ObjectMeta r3operator reads; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, alias_generator=to_camel)
+
+    name: str = Field(min_length=1, max_length=MAX_JOB_NAME_LENGTH, pattern=DNS_LABEL_PATTERN)
+    namespace: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    generation: int | None = None
+    uid: str | None = None
+
+
+class RLJob(_Model):
+    """An MoE RL post-training job: vLLM engines + a trainer sharing a routing-data volume."""
+
+    api_version: Literal["r3operator.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["RLJob"]
+    metadata: ObjectMeta
+    spec: RLJobSpec
+    status: RLJobStatus | None = None

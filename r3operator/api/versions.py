@@ -1,0 +1,149 @@
+"""The vLLM feature matrix: which release added or fixed what, with sources.
+
+Version-gated rules ask :func:`supports` whether a feature is in force for the engine's vLLM.
+``since`` is the first release we can *substantiate* (a cited upstream statement or a check of the
+installed source). When only a later release is verified, ``since`` is that later release and
+``note`` says so: an unverified earlier release is treated as lacking the feature, which is the
+fail-closed choice for a rule that refuses GPU spend.
+
+The engine's version comes from ``inference.vllmVersion`` or else the image tag
+(``vllm/vllm-openai:v0.22.1`` → 0.22.1). A tag that is not a version (``latest``, ``nightly``, a
+digest) leaves the version unknown, and every version-gated rule that applies then fails closed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from packaging.version import InvalidVersion, Version
+
+
+class VersionSource(StrEnum):
+    SPEC = "spec"
+    IMAGE_TAG = "image-tag"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Feature:
+    key: str
+    description: str
+    since: Version
+    sources: tuple[str, ...]
+    note: str = ""
+
+
+def _f(key: str, description: str, since: str, sources: tuple[str, ...], note: str = "") -> Feature:
+    return Feature(key=key, description=description, since=Version(since), sources=sources, note=note)
+
+
+FEATURES: dict[str, Feature] = {
+    f.key: f
+    for f in (
+        _f(
+            "routed-experts-return",
+            "enable_return_routed_experts and CompletionOutput.routed_experts",
+            "0.14.0",
+            ("vllm-project/vllm#28284",),
+            "checked in the published wheels: absent from 0.13.0, present in 0.14.0",
+        ),
+        _f(
+            "routed-experts-transfer-rewrite",
+            "routes travel in ModelRunnerOutput, buffer sized over the whole KV pool (hybrid-attention safe)",
+            "0.22.0",
+            ("vllm-project/vllm#39568", "vllm-project/vllm#40692", "verl-project/verl#6922",
+             "NovaSky-AI/SkyRL#1772"),
+        ),
+        _f(
+            "routed-experts-openai",
+            "routed_experts (base64 .npy) on /v1/completions and /v1/chat/completions choices",
+            "0.22.0",
+            ("vllm-project/vllm#38939", "agentscope-ai/Trinity-RFT#565"),
+        ),
+        _f(
+            "routed-experts-draft-router-fix",
+            "capturer bound to the target model only; MTP/draft routers no longer overwrite layer routes",
+            "0.30.0",
+            ("vllm-project/vllm#48622",),
+            "merged 2026-07; verified in the 0.30.0 source, earlier releases unverified",
+        ),
+        _f(
+            "routed-experts-mrv2",
+            "routed-experts capture under Model Runner V2",
+            "0.30.0",
+            ("vllm-project/vllm#50721",),
+            "merged 2026-08; verified in the 0.30.0 source, earlier releases unverified",
+        ),
+        _f(
+            "routed-experts-monolithic",
+            "capture with monolithic MoE kernels (FlashInfer TRT-LLM); absent from 0.26.0",
+            "0.30.0",
+            ("vllm-project/vllm#44214", "vllm-project/vllm#54730"),
+            "0.26.0 lacks it (#54730); verified in the 0.30.0 source",
+        ),
+        _f(
+            "routed-experts-prompt-start",
+            "SamplingParams.routed_experts_prompt_start (multi-turn deltas)",
+            "0.22.0",
+            ("vllm-project/vllm#39568", "vllm-project/vllm#51906"),
+            "the OpenAI request field needs #51906 (2026-08); SamplingParams field from the rewrite",
+        ),
+    )
+}
+
+_TAG_VERSION = re.compile(r"^v?(?P<v>[0-9]+\.[0-9]+\.[0-9]+(?:(?:rc|\.post)[0-9]+)?)(?:[-+_.].*)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVersion:
+    version: Version | None
+    source: VersionSource
+
+    @property
+    def known(self) -> bool:
+        return self.version is not None
+
+    def __str__(self) -> str:
+        return str(self.version) if self.version is not None else "unknown"
+
+
+def image_tag(image: str) -> str | None:
+    """The tag of an image reference, or None for a digest-only or untagged reference."""
+    if "@" in image:
+        return None
+    last = image.rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else None
+
+
+def version_from_image(image: str) -> Version | None:
+    tag = image_tag(image)
+    if tag is None:
+        return None
+    m = _TAG_VERSION.match(tag)
+    if m is None:
+        return None
+    try:
+        return Version(m.group("v"))
+    except InvalidVersion:
+        return None
+
+
+def resolve_engine_version(*, image: str, explicit: str | None) -> EngineVersion:
+    if explicit:
+        return EngineVersion(Version(explicit), VersionSource.SPEC)
+    v = version_from_image(image)
+    return EngineVersion(v, VersionSource.IMAGE_TAG if v is not None else VersionSource.UNKNOWN)
+
+
+def supports(version: EngineVersion, feature_key: str) -> bool | None:
+    """True/False when the version is known; None when it is not (callers fail closed)."""
+    if version.version is None:
+        return None
+    # Pre-releases and post-releases of a version count as that version.
+    return Version(version.version.base_version) >= FEATURES[feature_key].since
+
+
+def features_in_force(version: EngineVersion) -> list[str]:
+    return [key for key in FEATURES if supports(version, key)]

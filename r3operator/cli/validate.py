@@ -1,0 +1,54 @@
+"""`r3operator validate`: schema + rules over files, with stable JSON rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from r3operator.api import RLJobLoadError, Severity, evaluate, load_rljobs
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    file: str
+    rule: str
+    severity: str
+    field: str
+    message: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"file": self.file, "rule": self.rule, "severity": self.severity, "field": self.field,
+                "message": self.message}
+
+
+@dataclass(slots=True)
+class ValidationResults:
+    rows: list[Row] = field(default_factory=list)
+    files_ok: list[str] = field(default_factory=list)
+    load_failed: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        if self.load_failed:
+            return 2
+        return 1 if any(r.severity == Severity.ERROR for r in self.rows) else 0
+
+
+def validate_files(files: list[Path]) -> ValidationResults:
+    results = ValidationResults()
+    for path in files:
+        try:
+            jobs = load_rljobs(path)
+        except RLJobLoadError as exc:
+            results.load_failed = True
+            for p in exc.problems:
+                results.rows.append(Row(exc.source, "schema", Severity.ERROR.value, p.field, p.message))
+            continue
+        clean = True
+        for job in jobs:
+            for f in evaluate(job.spec):
+                clean = clean and f.severity is not Severity.ERROR
+                results.rows.append(Row(str(path), f.rule, f.severity.value, f.field, f.message))
+        if clean:
+            results.files_ok.append(str(path))
+    return results
