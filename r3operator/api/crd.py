@@ -114,8 +114,10 @@ def _structural(node: JSON) -> JSON:
     if node.get("type") == "array" and "items" in node:
         node["items"] = _structural(node["items"])
         node["items"].pop(_OPTIONAL, None)
-    if node.get("type") == "object" and "additionalProperties" in node and isinstance(
-        node["additionalProperties"], dict
+    if (
+        node.get("type") == "object"
+        and "additionalProperties" in node
+        and isinstance(node["additionalProperties"], dict)
     ):
         node["additionalProperties"] = _structural(node["additionalProperties"])
     return node

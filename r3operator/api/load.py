@@ -24,8 +24,11 @@ class RLJobLoadError(Exception):
     def __init__(self, source: str, problems: list[FieldProblem]) -> None:
         self.source = source
         self.problems = problems
-        super().__init__("; ".join(f"{source}: {p.field}: {p.message}" if p.field else f"{source}: {p.message}"
-                                   for p in problems))
+        super().__init__(
+            "; ".join(
+                f"{source}: {p.field}: {p.message}" if p.field else f"{source}: {p.message}" for p in problems
+            )
+        )
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
@@ -59,8 +62,14 @@ def parse_rljob(obj: Any, *, source: str = "<object>") -> RLJob:
     api_version, kind = obj.get("apiVersion"), obj.get("kind")
     if api_version != API_VERSION or kind != KIND:
         raise RLJobLoadError(
-            source, [FieldProblem("", f"not an RLJob: apiVersion {api_version!r}, kind {kind!r} "
-                                      f"(expected {API_VERSION}, {KIND})")]
+            source,
+            [
+                FieldProblem(
+                    "",
+                    f"not an RLJob: apiVersion {api_version!r}, kind {kind!r} "
+                    f"(expected {API_VERSION}, {KIND})",
+                )
+            ],
         )
     try:
         return RLJob.model_validate(obj)
@@ -90,11 +99,15 @@ def load_rljobs(path: Path) -> list[RLJob]:
     """All RLJobs in a (possibly multi-document) YAML file."""
     docs = load_documents(path)
     source = str(path)
-    return [parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)]
+    return [
+        parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)
+    ]
 
 
 def load_rljob(path: Path) -> RLJob:
     jobs = load_rljobs(path)
     if len(jobs) != 1:
-        raise RLJobLoadError(str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")])
+        raise RLJobLoadError(
+            str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")]
+        )
     return jobs[0]

@@ -52,14 +52,21 @@ def _replay_path(spec: RLJobSpec) -> str:
     if mode is ReplayMode.DISABLED:
         return "natural routing on engines and trainer (no capture, no replay)"
     if mode is ReplayMode.R2:
-        where = ("Megatron RouterReplay RECORD → REPLAY_FORWARD/BACKWARD" if backend is TrainerBackend.MEGATRON
-                 else "HF router hooks: record in the old-logprob pass, replay in the update")
+        where = (
+            "Megatron RouterReplay RECORD → REPLAY_FORWARD/BACKWARD"
+            if backend is TrainerBackend.MEGATRON
+            else "HF router hooks: record in the old-logprob pass, replay in the update"
+        )
         return f"R2: {where}; engines do not capture routes"
-    where = ("Megatron RouterReplay REPLAY_FORWARD/REPLAY_BACKWARD per micro-batch"
-             if backend is TrainerBackend.MEGATRON else "HF *TopKRouter forward hooks")
+    where = (
+        "Megatron RouterReplay REPLAY_FORWARD/REPLAY_BACKWARD per micro-batch"
+        if backend is TrainerBackend.MEGATRON
+        else "HF *TopKRouter forward hooks"
+    )
     ref = " + ref model" if spec.routing_replay.replay_ref else ""
-    return (f"R3: vLLM --enable-return-routed-experts → routing-data volume → {where} "
-            f"(old-logprob + update{ref})")
+    return (
+        f"R3: vLLM --enable-return-routed-experts → routing-data volume → {where} (old-logprob + update{ref})"
+    )
 
 
 def plan(job: RLJob | RLJobSpec) -> Plan:
@@ -71,8 +78,11 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     pods_per_replica = max(1, -(-inf.data_parallel_size // dp_local))
     per_replica = inf.tensor_parallel_size * inf.pipeline_parallel_size * inf.data_parallel_size
     engine_ep = inf.tensor_parallel_size * inf.data_parallel_size if inf.enable_expert_parallel else 1
-    trainer_ep = (trainer.megatron.expert_parallel_size
-                  if trainer.backend is TrainerBackend.MEGATRON and trainer.megatron is not None else 1)
+    trainer_ep = (
+        trainer.megatron.expert_parallel_size
+        if trainer.backend is TrainerBackend.MEGATRON and trainer.megatron is not None
+        else 1
+    )
     dtype = route_dtype(arch.num_experts) if arch is not None else None
     bytes_per_token = None
     if arch is not None and spec.routing_replay.mode is ReplayMode.R3:

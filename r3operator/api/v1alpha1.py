@@ -124,8 +124,12 @@ class ResourceSpec(_Model):
 class InferenceSpec(_Model):
     image: ImageRef
     """vLLM engine image; its tag is the vLLM version (change it to upgrade vLLM)."""
-    vllm_version: str | None = Field(default=None, alias="vllmVersion", max_length=32,
-                                     pattern=r"^[0-9]+\.[0-9]+\.[0-9]+([.+-][0-9A-Za-z.+-]*)?$")
+    vllm_version: str | None = Field(
+        default=None,
+        alias="vllmVersion",
+        max_length=32,
+        pattern=r"^[0-9]+\.[0-9]+\.[0-9]+([.+-][0-9A-Za-z.+-]*)?$",
+    )
     """Explicit vLLM version when the image tag is not one (e.g. a digest or a custom build)."""
     replicas: int = Field(default=1, ge=0, le=512)
     """Engine replicas (each one vLLM server with its own KV cache)."""

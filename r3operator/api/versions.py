@@ -53,8 +53,12 @@ FEATURES: dict[str, Feature] = {
             "routed-experts-transfer-rewrite",
             "routes travel in ModelRunnerOutput, buffer sized over the whole KV pool (hybrid-attention safe)",
             "0.22.0",
-            ("vllm-project/vllm#39568", "vllm-project/vllm#40692", "verl-project/verl#6922",
-             "NovaSky-AI/SkyRL#1772"),
+            (
+                "vllm-project/vllm#39568",
+                "vllm-project/vllm#40692",
+                "verl-project/verl#6922",
+                "NovaSky-AI/SkyRL#1772",
+            ),
         ),
         _f(
             "routed-experts-openai",

@@ -36,7 +36,9 @@ FilesArg = Annotated[list[Path], typer.Argument(help="RLJob YAML files (multi-do
 @app.command()
 def validate(
     files: FilesArg,
-    output_format: Annotated[OutputFormat, typer.Option("--output", "-o", help="text or json")] = OutputFormat.TEXT,
+    output_format: Annotated[
+        OutputFormat, typer.Option("--output", "-o", help="text or json")
+    ] = OutputFormat.TEXT,
 ) -> None:
     """Check RLJobs against the schema and every compatibility rule."""
     from r3operator.cli.validate import validate_files

@@ -43,21 +43,31 @@ def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:
     v = plan.engine_version
     t.add_row("vLLM version", f"{v} (from {v.source.value})")
     inf = spec.inference
-    t.add_row("engines", f"{inf.replicas} replica(s) x {plan.engine_gpus_per_replica} GPU "
-                         f"(tp {inf.tensor_parallel_size} x pp {inf.pipeline_parallel_size} x dp "
-                         f"{inf.data_parallel_size}), {plan.engine_pods_per_replica} pod(s) per replica, "
-                         f"executor {inf.executor_backend.value}")
+    t.add_row(
+        "engines",
+        f"{inf.replicas} replica(s) x {plan.engine_gpus_per_replica} GPU "
+        f"(tp {inf.tensor_parallel_size} x pp {inf.pipeline_parallel_size} x dp "
+        f"{inf.data_parallel_size}), {plan.engine_pods_per_replica} pod(s) per replica, "
+        f"executor {inf.executor_backend.value}",
+    )
     t.add_row("engine GPUs", str(plan.engine_gpus_total))
     t.add_row("engine EP size", str(plan.engine_expert_parallel_size))
     tr = spec.trainer
-    t.add_row("trainer", f"{tr.backend.value}: {tr.nodes} node(s) x {tr.gpus_per_node} GPU = "
-                         f"{plan.trainer_gpus_total} GPUs, EP {plan.trainer_expert_parallel_size}")
+    t.add_row(
+        "trainer",
+        f"{tr.backend.value}: {tr.nodes} node(s) x {tr.gpus_per_node} GPU = "
+        f"{plan.trainer_gpus_total} GPUs, EP {plan.trainer_expert_parallel_size}",
+    )
     t.add_row("replay", plan.replay_path)
     if plan.routing_bytes_per_token is not None:
-        t.add_row("routing data", f"{plan.routing_bytes_per_token} bytes/token ({plan.route_dtype}, "
-                                  "all layers x topK, dense layers included)")
-    gates = ", ".join(f"{k}={'yes' if ok else 'no' if ok is False else 'unknown'}"
-                      for k, ok in plan.features.items())
+        t.add_row(
+            "routing data",
+            f"{plan.routing_bytes_per_token} bytes/token ({plan.route_dtype}, "
+            "all layers x topK, dense layers included)",
+        )
+    gates = ", ".join(
+        f"{k}={'yes' if ok else 'no' if ok is False else 'unknown'}" for k, ok in plan.features.items()
+    )
     t.add_row("vLLM features", gates)
     out.print(t)
     for f in findings:

@@ -17,8 +17,13 @@ class Row:
     message: str
 
     def as_json(self) -> dict[str, str]:
-        return {"file": self.file, "rule": self.rule, "severity": self.severity, "field": self.field,
-                "message": self.message}
+        return {
+            "file": self.file,
+            "rule": self.rule,
+            "severity": self.severity,
+            "field": self.field,
+            "message": self.message,
+        }
 
 
 @dataclass(slots=True)
