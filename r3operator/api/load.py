@@ -25,9 +25,7 @@ class RLJobLoadError(Exception):
         self.source = source
         self.problems = problems
         super().__init__(
-            "; ".join(
-                f"{source}: {p.field}: {p.message}" if p.field else f"{source}: {p.message}" for p in problems
-            )
+            "; ".join(f"{source}: {p.field}: {p.message}" if p.field else f"{source}: {p.message}" for p in problems)
         )
 
 
@@ -66,8 +64,7 @@ def parse_rljob(obj: Any, *, source: str = "<object>") -> RLJob:
             [
                 FieldProblem(
                     "",
-                    f"not an RLJob: apiVersion {api_version!r}, kind {kind!r} "
-                    f"(expected {API_VERSION}, {KIND})",
+                    f"not an RLJob: apiVersion {api_version!r}, kind {kind!r} (expected {API_VERSION}, {KIND})",
                 )
             ],
         )
@@ -99,15 +96,11 @@ def load_rljobs(path: Path) -> list[RLJob]:
     """All RLJobs in a (possibly multi-document) YAML file."""
     docs = load_documents(path)
     source = str(path)
-    return [
-        parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)
-    ]
+    return [parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)]
 
 
 def load_rljob(path: Path) -> RLJob:
     jobs = load_rljobs(path)
     if len(jobs) != 1:
-        raise RLJobLoadError(
-            str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")]
-        )
+        raise RLJobLoadError(str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")])
     return jobs[0]

@@ -64,9 +64,7 @@ def _replay_path(spec: RLJobSpec) -> str:
         else "HF *TopKRouter forward hooks"
     )
     ref = " + ref model" if spec.routing_replay.replay_ref else ""
-    return (
-        f"R3: vLLM --enable-return-routed-experts → routing-data volume → {where} (old-logprob + update{ref})"
-    )
+    return f"R3: vLLM --enable-return-routed-experts → routing-data volume → {where} (old-logprob + update{ref})"
 
 
 def plan(job: RLJob | RLJobSpec) -> Plan:

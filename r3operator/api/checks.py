@@ -1,0 +1,339 @@
+"""The check functions behind the rules table (r3operator.api.rules).
+
+Each takes a :class:`RuleContext` and returns ``None`` when the spec is fine, or a message that
+quotes the offending values. Keep them pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from r3operator.api.context import RuleContext
+from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, TrainerBackend
+from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
+from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.versions import FEATURES, image_tag, supports
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _mode(s: RLJobSpec) -> ReplayMode:
+    return s.routing_replay.mode
+
+
+def _r3(s: RLJobSpec) -> bool:
+    return _mode(s) is ReplayMode.R3
+
+
+def _replay(s: RLJobSpec) -> bool:
+    return _mode(s) is not ReplayMode.DISABLED
+
+
+def _dp_local(s: RLJobSpec) -> int:
+    inf = s.inference
+    return inf.data_parallel_size_local if inf.data_parallel_size_local is not None else inf.data_parallel_size
+
+
+# The flags r3operator derives from the spec: setting them again in extraArgs would silently fight
+# the rules above (e.g. a KV connector smuggled past R3-KV-CONNECTOR), so they are refused.
+DERIVED_VLLM_FLAGS: tuple[str, ...] = (
+    "--enable-return-routed-experts",
+    "--no-enable-return-routed-experts",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--decode-context-parallel-size",
+    "--enable-expert-parallel",
+    "--distributed-executor-backend",
+    "--kv-transfer-config",
+    "--kv-offloading-size",
+    "--speculative-config",
+    "--max-model-len",
+    "--gpu-memory-utilization",
+    "--port",
+    "--async-scheduling",
+    "--no-async-scheduling",
+)
+
+
+# ----------------------------------------------------------------------------- intra-object rules
+
+
+def r3_executor_ray(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.inference.executor_backend is ExecutorBackend.RAY:
+        return (
+            "routingReplay.mode R3 needs inference.executorBackend mp, got ray: vLLM's ray executor "
+            "hangs with routed-experts return"
+        )
+    return None
+
+
+def mp_single_node(c: RuleContext) -> str | None:
+    inf = c.spec.inference
+    if inf.executor_backend is not ExecutorBackend.MP:
+        return None
+    per_pod = inf.tensor_parallel_size * inf.pipeline_parallel_size * _dp_local(c.spec)
+    if per_pod > inf.gpus_per_node:
+        return (
+            f"executorBackend mp runs one engine replica on one node, but tensorParallelSize "
+            f"{inf.tensor_parallel_size} x pipelineParallelSize {inf.pipeline_parallel_size} x "
+            f"data-parallel-local {_dp_local(c.spec)} = {per_pod} GPUs > gpusPerNode "
+            f"{inf.gpus_per_node}"
+        )
+    return None
+
+
+def r3_pp(c: RuleContext) -> str | None:
+    pp = c.spec.inference.pipeline_parallel_size
+    if _r3(c.spec) and pp > 1:
+        return f"routingReplay.mode R3 is incompatible with inference.pipelineParallelSize {pp} (> 1)"
+    return None
+
+
+def r3_dcp(c: RuleContext) -> str | None:
+    dcp = c.spec.inference.decode_context_parallel_size
+    if _r3(c.spec) and dcp > 1:
+        return f"routingReplay.mode R3 is incompatible with inference.decodeContextParallelSize {dcp} (> 1)"
+    return None
+
+
+def r3_kv_connector(c: RuleContext) -> str | None:
+    kv = c.spec.inference.kv_connector
+    if _r3(c.spec) and kv is not KVConnector.NONE:
+        return (
+            f"routingReplay.mode R3 is incompatible with inference.kvConnector {kv.value}: external KV "
+            "hits fill slots without an MoE forward, so routes would be stale or missing"
+        )
+    return None
+
+
+def r3_kv_offload(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.inference.kv_cache_offload:
+        return (
+            "routingReplay.mode R3 is incompatible with inference.kvCacheOffload true: offloaded KV "
+            "hits carry no routed-expert decisions"
+        )
+    return None
+
+
+def replay_needs_moe(c: RuleContext) -> str | None:
+    arch = c.spec.model.architecture
+    if _replay(c.spec) and arch is not None and arch.num_experts <= 1:
+        return (
+            f"routingReplay.mode {_mode(c.spec).value} needs an MoE model, but "
+            f"model.architecture.numExperts is {arch.num_experts}"
+        )
+    return None
+
+
+def topk_le_experts(c: RuleContext) -> str | None:
+    arch = c.spec.model.architecture
+    if arch is not None and arch.top_k > arch.num_experts:
+        return f"model.architecture.topK {arch.top_k} exceeds numExperts {arch.num_experts}"
+    return None
+
+
+def megatron_router_fusion(c: RuleContext) -> str | None:
+    t = c.spec.trainer
+    if t.backend is TrainerBackend.MEGATRON and _replay(c.spec) and t.megatron is not None and t.megatron.router_fusion:
+        return (
+            f"routingReplay.mode {_mode(c.spec).value} is incompatible with trainer.megatron.routerFusion "
+            "true: the fused top-k returns before replay is consulted, so routes are silently ignored"
+        )
+    return None
+
+
+def r3_retokenize(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.rollout.retokenize_chat_history:
+        return (
+            "routingReplay.mode R3 is incompatible with rollout.retokenizeChatHistory true: trained "
+            "tokens would differ from the tokens the engine routed"
+        )
+    return None
+
+
+def r3_stepwise(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.rollout.step_wise_trajectories:
+        return (
+            "routingReplay.mode R3 is incompatible with rollout.stepWiseTrajectories true: routes for "
+            "per-step samples and observations are undefined"
+        )
+    return None
+
+
+def engine_ep(c: RuleContext) -> str | None:
+    inf, arch = c.spec.inference, c.spec.model.architecture
+    if not inf.enable_expert_parallel or arch is None:
+        return None
+    ep = inf.tensor_parallel_size * inf.data_parallel_size
+    if arch.num_experts % ep != 0:
+        return (
+            f"model.architecture.numExperts {arch.num_experts} is not divisible by the engine "
+            f"expert-parallel size {ep} (tensorParallelSize {inf.tensor_parallel_size} x "
+            f"dataParallelSize {inf.data_parallel_size})"
+        )
+    return None
+
+
+def trainer_ep(c: RuleContext) -> str | None:
+    t, arch = c.spec.trainer, c.spec.model.architecture
+    if t.backend is not TrainerBackend.MEGATRON or t.megatron is None or arch is None:
+        return None
+    ep = t.megatron.expert_parallel_size
+    if arch.num_experts % ep != 0:
+        return (
+            f"model.architecture.numExperts {arch.num_experts} is not divisible by "
+            f"trainer.megatron.expertParallelSize {ep}"
+        )
+    return None
+
+
+def trainer_fit(c: RuleContext) -> str | None:
+    t = c.spec.trainer
+    if t.backend is not TrainerBackend.MEGATRON or t.megatron is None:
+        return None
+    m, world = t.megatron, t.nodes * t.gpus_per_node
+    dense = m.tensor_parallel_size * m.pipeline_parallel_size * m.context_parallel_size
+    expert = m.expert_parallel_size * m.expert_tensor_parallel_size * m.pipeline_parallel_size
+    if world % dense != 0 or world % expert != 0:
+        return (
+            f"trainer GPUs nodes {t.nodes} x gpusPerNode {t.gpus_per_node} = {world} must be divisible by "
+            f"tp*pp*cp = {dense} and by ep*etp*pp = {expert}"
+        )
+    return None
+
+
+def backend_union(c: RuleContext) -> str | None:
+    t = c.spec.trainer
+    if t.backend is TrainerBackend.FSDP and t.megatron is not None:
+        return "trainer.backend FSDP takes a trainer.fsdp block; trainer.megatron must not be set"
+    if t.backend is TrainerBackend.MEGATRON and t.fsdp is not None:
+        return "trainer.backend Megatron takes a trainer.megatron block; trainer.fsdp must not be set"
+    return None
+
+
+def fsdp_family(c: RuleContext) -> str | None:
+    t, arch = c.spec.trainer, c.spec.model.architecture
+    if t.backend is not TrainerBackend.FSDP or not _replay(c.spec) or arch is None:
+        return None
+    if arch.router_type not in HF_REPLAY_ROUTER_TYPES:
+        return (
+            f"FSDP replay hooks transformers softmax TopKRouter gates; routerType {arch.router_type.value} "
+            f"(family {arch.family or 'unset'}) replays only on trainer.backend Megatron"
+        )
+    if arch.family is not None and arch.family not in HF_REPLAY_FAMILIES:
+        return (
+            f"FSDP replay supports families {', '.join(sorted(HF_REPLAY_FAMILIES))}; family "
+            f"{arch.family} is not one of them: use trainer.backend Megatron"
+        )
+    return None
+
+
+def extra_args_derived(c: RuleContext) -> str | None:
+    bad = [a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in DERIVED_VLLM_FLAGS]
+    if bad:
+        return f"inference.extraArgs sets flags r3operator derives from the spec: {', '.join(bad)}"
+    return None
+
+
+# ------------------------------------------------------------------------- version-gated rules
+
+
+def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> str | None:
+    if not applies:
+        return None
+    ok = supports(c.engine_version, feature)
+    need = FEATURES[feature].since
+    if ok is None:
+        return (
+            f"{what} needs vLLM >= {need}, but the vLLM version of image {c.spec.inference.image} is "
+            "unknown: pin a version tag or set inference.vllmVersion"
+        )
+    if not ok:
+        return f"{what} needs vLLM >= {need}, got {c.engine_version.version}"
+    return None
+
+
+def r3_min_version(c: RuleContext) -> str | None:
+    return _version_gate(
+        c, "routed-experts-return", applies=_r3(c.spec), what="routingReplay.mode R3 (routed-experts return)"
+    )
+
+
+def r3_hybrid(c: RuleContext) -> str | None:
+    arch = c.spec.model.architecture
+    hybrid = arch is not None and arch.hybrid_attention
+    return _version_gate(
+        c,
+        "routed-experts-transfer-rewrite",
+        applies=_r3(c.spec) and hybrid,
+        what="R3 on a hybrid-attention model (capture buffer overrun before the rewrite)",
+    )
+
+
+def r3_spec_decode(c: RuleContext) -> str | None:
+    sd = c.spec.inference.speculative_decoding
+    return _version_gate(
+        c,
+        "routed-experts-draft-router-fix",
+        applies=_r3(c.spec) and sd is not None,
+        what="R3 with speculative decoding (draft routers overwrite layer routes)",
+    )
+
+
+def r3_mrv2(c: RuleContext) -> str | None:
+    return _version_gate(
+        c,
+        "routed-experts-mrv2",
+        applies=_r3(c.spec) and c.spec.inference.model_runner_v2,
+        what="R3 with inference.modelRunnerV2",
+    )
+
+
+# -------------------------------------------------------------------------------------- warnings
+
+
+def kl_ref_no_replay(c: RuleContext) -> str | None:
+    a = c.spec.algorithm
+    if _replay(c.spec) and (a.use_kl_loss or a.kl_in_reward) and not c.spec.routing_replay.replay_ref:
+        return (
+            "KL-to-ref is on (algorithm.useKLLoss/klInReward) but routingReplay.replayRef is false: KL will "
+            "compare replay-routed policy logprobs with naturally routed ref logprobs"
+        )
+    return None
+
+
+def partial_rollout(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.rollout.partial_rollout:
+        return (
+            "rollout.partialRollout with R3: routes of a resumed trajectory keep the old rows and append "
+            "only the new tail, so one trajectory may mix routes of two policy versions"
+        )
+    return None
+
+
+def unpinned_image(c: RuleContext) -> str | None:
+    inf = c.spec.inference
+    if inf.vllm_version is None and c.engine_version.version is None:
+        tag = image_tag(inf.image)
+        return (
+            f"inference.image {inf.image} has {'tag ' + tag if tag else 'no version tag'}, not a version: "
+            "pin a version tag or set inference.vllmVersion; version-gated rules fail closed"
+        )
+    return None
+
+
+def arch_unresolved(c: RuleContext) -> str | None:
+    if _replay(c.spec) and c.spec.model.architecture is None:
+        return (
+            f"routingReplay.mode {_mode(c.spec).value} without model.architecture: route-shape, MoE and "
+            "expert-parallel checks are deferred to the engine canary"
+        )
+    return None
+
+
+def r3_async_scheduling(c: RuleContext) -> str | None:
+    if _r3(c.spec) and c.spec.inference.async_scheduling:
+        return (
+            "R3 with inference.asyncScheduling: vLLM disabled or rejected this combination in some "
+            "releases; verify your vLLM build accepts it"
+        )
+    return None
