@@ -123,11 +123,9 @@ def test_all_zero_rows_are_dense_layers_not_duplicates() -> None:
         validate_routes(arr, num_experts=128)
 
 
-@pytest.mark.parametrize(
-    "bad", [np.zeros((4, 8)), np.zeros((1, 2, 3, 4)), np.zeros((2, 2, 2), dtype=np.float32)]
-)
+@pytest.mark.parametrize("bad", [np.zeros((4, 8)), np.zeros((1, 2, 3, 4)), np.zeros((2, 2, 2), dtype=np.float32)])
 def test_validate_rejects_non_3d_and_non_integer(bad: np.ndarray) -> None:
-    with pytest.raises(RoutingDataError, match="3-D|integer"):
+    with pytest.raises(RoutingDataError, match=r"3-D|integer"):
         encode(bad)
 
 

@@ -89,23 +89,15 @@ def test_sigkilled_writer_leaves_old_file_or_nothing(tmp_path: Path, had_old_ver
     store = RoutingStore(tmp_path)
     old = make_routes(64, 48, 8, NUM_EXPERTS, seed=1)
     if had_old_version:
-        store.put(
-            step=5, sample_id="victim", routes=encode(old, num_experts=128), num_experts=128, policy_version=1
-        )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
-    )
+        store.put(step=5, sample_id="victim", routes=encode(old, num_experts=128), num_experts=128, policy_version=1)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
         deadline = time.monotonic() + 60
         temp: list[Path] = []
         while time.monotonic() < deadline:  # wait until the temp file holds a partial payload
             step_dir = store.step_dir(5)
-            temp = (
-                [p for p in step_dir.iterdir() if p.name.startswith(".victim.r3r")]
-                if step_dir.is_dir()
-                else []
-            )
+            temp = [p for p in step_dir.iterdir() if p.name.startswith(".victim.r3r")] if step_dir.is_dir() else []
             if temp and temp[0].stat().st_size > 64 * 1024:
                 break
             time.sleep(0.005)

@@ -58,9 +58,7 @@ def test_file_round_trip(tmp_path: Path, num_experts: int, dtype: str) -> None:
 
 def test_empty_routes_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "e.r3r"
-    write_file(
-        path, encode(np.zeros((0, 4, 2), np.int32)), num_experts=8, policy_version=0, step=0, sample_id="e"
-    )
+    write_file(path, encode(np.zeros((0, 4, 2), np.int32)), num_experts=8, policy_version=0, step=0, sample_id="e")
     assert read_file(path).array().shape == (0, 4, 2)
 
 
@@ -147,9 +145,7 @@ def test_store_layout_and_batch(tmp_path: Path) -> None:
     store = RoutingStore(tmp_path)
     arrays = {f"sample-{i}": make_routes(10 + i, 3, 2, 16, seed=i) for i in range(3)}
     for sid, arr in arrays.items():
-        path = store.put(
-            step=42, sample_id=sid, routes=encode(arr, num_experts=16), num_experts=16, policy_version=5
-        )
+        path = store.put(step=42, sample_id=sid, routes=encode(arr, num_experts=16), num_experts=16, policy_version=5)
         assert path == tmp_path / "steps" / "000042" / f"{sid}.r3r"
     records = store.get_batch(step=42, sample_ids=list(arrays))
     for record, (sid, arr) in zip(records, arrays.items(), strict=True):
@@ -169,9 +165,7 @@ def test_unsafe_sample_ids_rejected(tmp_path: Path, bad: str) -> None:
 
 def test_misplaced_file_detected(tmp_path: Path) -> None:
     store = RoutingStore(tmp_path)
-    src = store.put(
-        step=1, sample_id="a", routes=encode(make_routes(3, 2, 2, 8)), num_experts=8, policy_version=0
-    )
+    src = store.put(step=1, sample_id="a", routes=encode(make_routes(3, 2, 2, 8)), num_experts=8, policy_version=0)
     dst = store.path_for(step=1, sample_id="b")
     os.replace(src, dst)
     with pytest.raises(RoutingFileError, match="misplaced"):

@@ -1,0 +1,96 @@
+"""`routing` CLI: inspect/encode/decode and one-line errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from r3r_test_helpers import make_routes
+from typer.testing import CliRunner
+
+from r3operator.cli.routing import app
+
+runner = CliRunner()
+
+
+def _encode(tmp_path: Path, *extra: str) -> tuple[Path, np.ndarray]:
+    arr = make_routes(30, 4, 8, 300, seed=3)
+    npy = tmp_path / "in.npy"
+    np.save(npy, arr)
+    out = tmp_path / "sample-7.r3r"
+    result = runner.invoke(app, ["encode", "--npy", str(npy), "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return out, arr
+
+
+def test_encode_inspect_decode_round_trip(tmp_path: Path) -> None:
+    out, arr = _encode(tmp_path, "--start", "2", "--num-experts", "320", "--step", "9", "--policy-version", "4")
+    result = runner.invoke(app, ["inspect", str(out)])
+    assert result.exit_code == 0, result.output
+    header = json.loads(result.stdout)
+    assert header["checksum_ok"] is True
+    assert (header["shape"], header["dtype"], header["start"]) == ([30, 4, 8], "uint16", 2)
+    assert (header["num_experts"], header["step"], header["policy_version"]) == (320, 9, 4)
+    assert header["sample_id"] == "sample-7"  # defaults to the output file's stem
+    back = tmp_path / "back.npy"
+    result = runner.invoke(app, ["decode", str(out), "--npy", str(back)])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(np.load(back), arr)
+
+
+def test_inspect_flipped_bit_prints_checksum_false_and_exits_1(tmp_path: Path) -> None:
+    out, _ = _encode(tmp_path)
+    data = bytearray(out.read_bytes())
+    data[-3] ^= 0x10
+    out.write_bytes(data)
+    result = runner.invoke(app, ["inspect", str(out)])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["checksum_ok"] is False
+    assert result.stderr.count("\n") == 1 and str(out) in result.stderr
+    decoded = runner.invoke(app, ["decode", str(out), "--npy", str(tmp_path / "x.npy")])
+    assert decoded.exit_code == 1 and "checksum mismatch" in decoded.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(b"\x89PNG\r\n\x1a\n" + bytes(100), "bad magic"), (None, "truncated"), ("missing", "no such")],
+)
+def test_bad_files_exit_1_with_one_line(tmp_path: Path, content, why: str) -> None:
+    path = tmp_path / "bad.r3r"
+    if content is None:
+        good, _ = _encode(tmp_path)
+        path.write_bytes(good.read_bytes()[:-10])
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    for args in (["inspect", str(path)], ["decode", str(path), "--npy", str(tmp_path / "o.npy")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert str(path) in result.stderr and why in result.stderr
+        assert "Traceback" not in result.output
+
+
+def test_encode_rejects_bad_input(tmp_path: Path) -> None:
+    text = tmp_path / "notes.npy"
+    text.write_text("not numpy")
+    result = runner.invoke(app, ["encode", "--npy", str(text), "--out", str(tmp_path / "o.r3r")])
+    assert result.exit_code == 1 and str(text) in result.stderr and result.stderr.count("\n") == 1
+    dup = tmp_path / "dup.npy"
+    np.save(dup, np.ones((3, 2, 2), np.int32))  # expert 1 twice per row
+    result = runner.invoke(app, ["encode", "--npy", str(dup), "--out", str(tmp_path / "o.r3r")])
+    assert result.exit_code == 1 and "duplicate" in result.stderr
+    assert not (tmp_path / "o.r3r").exists()
+
+
+def test_module_entry_point_reports_corrupt_file(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.r3r"
+    path.write_bytes(b"GIF89a" + bytes(50))
+    proc = subprocess.run(
+        [sys.executable, "-m", "r3operator.cli.routing", "inspect", str(path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: {path}: not an R3 routing-data file (bad magic)"]
