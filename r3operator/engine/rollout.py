@@ -1,0 +1,334 @@
+"""Rollout clients: token ids in; token ids, sampled-token logprobs and routed experts out.
+
+Two implementations behind one protocol:
+
+- `InProcessLLMClient` wraps `vllm.LLM` (imported lazily, so this module loads without vLLM);
+- `OpenAIHTTPClient` talks to `vllm serve` over `/v1/completions` with token-id prompts
+  (`return_token_ids: true`, `logprobs: 0` for the sampled token's logprob, `routed_experts` = base64 npy).
+
+Both derive per-request seeds the same way (prompt i gets `seed + i * n`; vLLM gives child j of a
+request `seed + j`), so the same prompts, seed and engine give the same samples through either client.
+
+Routes are validated with `check_row_count` (rows == prompt + generated - 1 - start). A sample whose
+routes are absent or malformed keeps `routes=None` and a `routes_error`: routes are treated as missing,
+never as truncated data (reference §8.1.3).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from r3operator.routing.codec import RoutedExperts, from_vllm
+from r3operator.routing.errors import RoutingDataError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3operator.routing.store import RoutingStore
+
+
+ROUTES_MISSING = "engine returned no routed_experts (capture off on the server, or the request aborted)"
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutSample:
+    """One generated completion. `logprobs[i]` is the engine's logprob of `token_ids[i]` (float32)."""
+
+    sample_id: str
+    prompt_index: int
+    choice_index: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: np.ndarray
+    routes: RoutedExperts | None
+    routes_error: str | None = None
+    finish_reason: str | None = None
+    routed_experts_prompt_start: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + self.token_ids
+
+    @property
+    def has_routes(self) -> bool:
+        return self.routes is not None
+
+    @property
+    def routes_status(self) -> Literal["ok", "missing", "invalid"]:
+        """missing: the engine sent none (capture off / aborted); invalid: failed validation."""
+        if self.routes is not None:
+            return "ok"
+        return "missing" if self.routes_error == ROUTES_MISSING else "invalid"
+
+
+@runtime_checkable
+class RolloutClient(Protocol):
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int = 1,
+        routed_experts_prompt_start: int = 0,
+    ) -> list[RolloutSample]: ...
+
+
+def request_seed(seed: int, prompt_index: int, n: int) -> int:
+    """Seed for prompt `prompt_index`; its n children get `+0..n-1` from vLLM, so no two samples share one."""
+    return seed + prompt_index * n
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], routed_experts_prompt_start: int) -> None:
+    if not prompts:
+        raise ValueError("prompts is empty")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] has no tokens")
+        if routed_experts_prompt_start >= len(prompt):
+            raise ValueError(
+                f"routed_experts_prompt_start={routed_experts_prompt_start} must be smaller than the "
+                f"length of prompts[{i}] ({len(prompt)})"
+            )
+
+
+def build_sample(
+    *,
+    prompt_index: int,
+    choice_index: int,
+    prompt_token_ids: Sequence[int],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float | None] | np.ndarray,
+    routed_experts: np.ndarray | str | bytes | None,
+    routed_experts_prompt_start: int,
+    num_experts: int | None,
+    finish_reason: str | None = None,
+) -> RolloutSample:
+    """Assemble a sample, converting and validating the engine's routed experts."""
+    from r3operator.routing.stitch import check_row_count
+
+    lp = np.asarray([np.nan if v is None else v for v in logprobs], dtype=np.float32)
+    if lp.shape != (len(token_ids),):
+        raise ValueError(f"got {lp.shape[0]} logprobs for {len(token_ids)} generated tokens")
+    routes: RoutedExperts | None = None
+    error: str | None = None
+    if routed_experts is None:
+        error = ROUTES_MISSING
+    else:
+        try:
+            routes = from_vllm(routed_experts, start=routed_experts_prompt_start, num_experts=num_experts)
+            check_row_count(routes, prompt_len=len(prompt_token_ids), generated_len=len(token_ids))
+        except RoutingDataError as exc:
+            routes, error = None, str(exc)
+    return RolloutSample(
+        sample_id=f"p{prompt_index}-c{choice_index}",
+        prompt_index=prompt_index,
+        choice_index=choice_index,
+        prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+        token_ids=tuple(int(t) for t in token_ids),
+        logprobs=lp,
+        routes=routes,
+        routes_error=error,
+        finish_reason=finish_reason,
+        routed_experts_prompt_start=routed_experts_prompt_start,
+    )
+
+
+def write_samples(
+    store: RoutingStore,
+    samples: Sequence[RolloutSample],
+    *,
+    step: int,
+    num_experts: int,
+    policy_version: int,
+    sample_id: Callable[[RolloutSample], str] | None = None,
+) -> dict[str, Path]:
+    """Write every sample's routes to `store`; samples without routes are skipped (they replay natively)."""
+    paths: dict[str, Path] = {}
+    for sample in samples:
+        if sample.routes is None:
+            continue
+        sid = sample_id(sample) if sample_id else sample.sample_id
+        paths[sid] = store.put(
+            step=step,
+            sample_id=sid,
+            routes=sample.routes,
+            num_experts=num_experts,
+            policy_version=policy_version,
+        )
+    return paths
+
+
+class InProcessLLMClient:
+    """`RolloutClient` over an in-process `vllm.LLM` (built from `llm_kwargs` or passed in)."""
+
+    def __init__(self, llm: Any = None, *, num_experts: int | None = None, **llm_kwargs: Any) -> None:
+        if llm is None:
+            from vllm import LLM  # lazy: vLLM is heavy and optional
+
+            llm_kwargs.setdefault("enable_return_routed_experts", True)
+            llm = LLM(**llm_kwargs)
+        self.llm = llm
+        if num_experts is None:
+            hf_config = llm.llm_engine.model_config.hf_config
+            num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+        self.num_experts = num_experts
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int = 1,
+        routed_experts_prompt_start: int = 0,
+    ) -> list[RolloutSample]:
+        from vllm import SamplingParams
+
+        _check_prompts(prompts, routed_experts_prompt_start)
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=request_seed(seed, i, n),
+                logprobs=0,  # the sampled token's logprob only
+                routed_experts_prompt_start=routed_experts_prompt_start,
+            )
+            for i in range(len(prompts))
+        ]
+        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        samples = []
+        for i, out in enumerate(outputs):
+            for j, choice in enumerate(out.outputs):
+                token_ids = list(choice.token_ids)
+                lps = [entry[tok].logprob for entry, tok in zip(choice.logprobs or [], token_ids, strict=True)]
+                samples.append(
+                    build_sample(
+                        prompt_index=i,
+                        choice_index=j,
+                        prompt_token_ids=out.prompt_token_ids,
+                        token_ids=token_ids,
+                        logprobs=lps,
+                        routed_experts=choice.routed_experts,
+                        routed_experts_prompt_start=routed_experts_prompt_start,
+                        num_experts=self.num_experts,
+                        finish_reason=choice.finish_reason,
+                    )
+                )
+        return samples
+
+
+class OpenAIHTTPClient:
+    """`RolloutClient` over a vLLM OpenAI server's `/v1/completions` (non-streaming; R3 needs that)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        num_experts: int | None = None,
+        timeout_s: float = 300.0,
+        max_concurrency: int = 8,
+        api_key: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[: -len("/v1")]
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.api_key = api_key
+        self.num_experts = num_experts
+        self.model = model or self._first_model()
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"{method} {self.base_url + path} failed: HTTP {exc.code}: {detail}") from exc
+
+    def _first_model(self) -> str:
+        models = self._request("GET", "/v1/models").get("data") or []
+        if not models:
+            raise RuntimeError(f"{self.base_url}/v1/models lists no model")
+        return str(models[0]["id"])
+
+    def completion_body(
+        self, prompt: Sequence[int], *, max_tokens: int, temperature: float, seed: int, n: int, start: int
+    ) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "n": n,
+            "logprobs": 0,  # token_logprobs[i] = logprob of the sampled token i
+            "return_token_ids": True,  # exact prompt_token_ids / token_ids, no detokenise round trip
+            "routed_experts_prompt_start": start,
+            "stream": False,
+        }
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int = 1,
+        routed_experts_prompt_start: int = 0,
+    ) -> list[RolloutSample]:
+        _check_prompts(prompts, routed_experts_prompt_start)
+
+        def one(i: int) -> list[RolloutSample]:
+            body = self.completion_body(
+                prompts[i],
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=request_seed(seed, i, n),
+                n=n,
+                start=routed_experts_prompt_start,
+            )
+            response = self._request("POST", "/v1/completions", body)
+            choices = sorted(response["choices"], key=lambda c: c["index"])
+            return [self._sample(i, j, c, routed_experts_prompt_start) for j, c in enumerate(choices)]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts)))) as pool:
+            return [s for batch in pool.map(one, range(len(prompts))) for s in batch]
+
+    def _sample(self, i: int, j: int, choice: dict[str, Any], start: int) -> RolloutSample:
+        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+            raise RuntimeError("server returned no token ids; it must support `return_token_ids` (vLLM >= 0.10)")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None:
+            raise RuntimeError("server returned no token_logprobs although `logprobs: 0` was requested")
+        return build_sample(
+            prompt_index=i,
+            choice_index=j,
+            prompt_token_ids=choice["prompt_token_ids"],
+            token_ids=choice["token_ids"],
+            logprobs=logprobs,
+            routed_experts=choice.get("routed_experts"),
+            routed_experts_prompt_start=start,
+            num_experts=self.num_experts,
+            finish_reason=choice.get("finish_reason"),
+        )

@@ -1,0 +1,54 @@
+"""Trainer-side per-token logprobs, computed the way vLLM computes the sampled token's logprob.
+
+vLLM (V1) takes the model's logits (in the model dtype), casts them to fp32, divides by the temperature
+only when logprobs are requested as "processed" (the default returns raw logprobs; with temperature 1
+the two coincide) and applies `log_softmax`. We do the same: fp32 `log_softmax` over the logits the
+model produced, gathered at the next token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) under softmax(logits / temperature), in fp32. logits [..., V], labels [...]."""
+    import torch
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    # gather(logit) - logsumexp avoids materialising the full [.., V] log_softmax twice.
+    picked = scaled.gather(-1, labels.unsqueeze(-1).to(torch.int64)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    **forward_kwargs: Any,
+) -> torch.Tensor:
+    """[B, S-1] fp32: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
+
+    Response token i of a sample whose prompt has P tokens (and `left_pad` padding) sits at column
+    `left_pad + P - 1 + i`. Runs under the caller's grad mode (use `torch.no_grad()` for old-logprob
+    passes), so the same function serves the policy-update forward.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **forward_kwargs,
+    )
+    return logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature=temperature)

@@ -1,0 +1,197 @@
+"""Rollout-vs-trainer fidelity and routing metrics, plus their Prometheus exporter.
+
+Pure functions take torch tensors or NumPy arrays (converted once) and never loop over tokens.
+All logprob statistics are over response tokens selected by a boolean mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+EXTREME_RATIO_TAU = 2.0
+
+
+def _np(x: Any, dtype: Any = None) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, duck-typed so torch stays optional here
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    return arr.astype(dtype, copy=False) if dtype is not None else arr
+
+
+@dataclass(frozen=True)
+class LogprobStats:
+    tokens: int
+    abs_diff_mean: float
+    abs_diff_std: float
+    abs_diff_max: float
+    abs_diff_min: float
+    kl_k3: float
+    extreme_token_fraction: float
+
+
+def logprob_stats(
+    rollout_logprobs: Any, trainer_logprobs: Any, mask: Any | None = None, *, tau: float = EXTREME_RATIO_TAU
+) -> LogprobStats:
+    """|rollout - trainer| mean/std/max/min, k3 KL(pi_rollout || pi_train) and F(tau) over masked tokens.
+
+    k3 (Schulman's estimator, samples drawn from pi_rollout): with r = p_train / p_rollout,
+    k3 = (r - 1) - log r, averaged over tokens; unbiased for KL(pi_rollout || pi_train) and >= 0.
+    F(tau) is the fraction of tokens with max(r, 1/r) > tau, i.e. |log r| > log tau.
+    """
+    roll = _np(rollout_logprobs, np.float64)
+    train = _np(trainer_logprobs, np.float64)
+    if roll.shape != train.shape:
+        raise ValueError(f"rollout logprobs {roll.shape} and trainer logprobs {train.shape} differ in shape")
+    sel = np.ones(roll.shape, dtype=bool) if mask is None else _np(mask).astype(bool)
+    if sel.shape != roll.shape:
+        raise ValueError(f"mask {sel.shape} does not match logprobs {roll.shape}")
+    log_ratio = (train - roll)[sel]
+    if log_ratio.size == 0:
+        nan = float("nan")
+        return LogprobStats(0, nan, nan, nan, nan, nan, nan)
+    absd = np.abs(log_ratio)
+    k3 = np.expm1(log_ratio) - log_ratio
+    return LogprobStats(
+        tokens=int(log_ratio.size),
+        abs_diff_mean=float(absd.mean()),
+        abs_diff_std=float(absd.std()),
+        abs_diff_max=float(absd.max()),
+        abs_diff_min=float(absd.min()),
+        kl_k3=float(k3.mean()),
+        extreme_token_fraction=float((absd > np.log(tau)).mean()),
+    )
+
+
+@dataclass(frozen=True)
+class RoutingAgreement:
+    token_layers: int
+    agreement_ratio: float  # token-layers whose top-k id SETS are equal
+    tokens_any_diff_ratio: float  # tokens with >= 1 layer that differs
+    per_layer: tuple[float, ...]  # agreement ratio per absolute layer (nan where a layer has no tokens)
+
+
+def _sorted_ids(x: Any) -> np.ndarray:
+    arr = _np(x)
+    return np.sort(arr.astype(np.int64, copy=False), axis=-1)
+
+
+def routing_agreement(trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:
+    """Compare two [..., L, K] id arrays as sets per (token, layer); `mask` [...] selects tokens."""
+    a, b = _sorted_ids(trainer_ids), _sorted_ids(engine_ids)
+    if a.shape != b.shape or a.ndim < 2:
+        raise ValueError(f"routing arrays must share shape [..., L, K]; got {a.shape} and {b.shape}")
+    num_layers = a.shape[-2]
+    equal = (a == b).all(axis=-1).reshape(-1, num_layers)  # [tokens, L]
+    if mask is not None:
+        sel = _np(mask).astype(bool).reshape(-1)
+        if sel.shape[0] != equal.shape[0]:
+            raise ValueError(f"mask selects over {sel.shape[0]} tokens, routes have {equal.shape[0]}")
+        equal = equal[sel]
+    if equal.shape[0] == 0:
+        nan = float("nan")
+        return RoutingAgreement(0, nan, nan, tuple([nan] * num_layers))
+    return RoutingAgreement(
+        token_layers=int(equal.size),
+        agreement_ratio=float(equal.mean()),
+        tokens_any_diff_ratio=float((~equal).any(axis=1).mean()),
+        per_layer=tuple(float(v) for v in equal.mean(axis=0)),
+    )
+
+
+# --- Prometheus ------------------------------------------------------------------------------------------
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+
+
+METRICS: list[MetricSpec] = [
+    MetricSpec("r3_logprob_abs_diff_mean", "gauge", ("job",),
+               "Mean |rollout - trainer| sampled-token logprob over response tokens, last step."),
+    MetricSpec("r3_logprob_abs_diff_std", "gauge", ("job",),
+               "Std of |rollout - trainer| logprob over response tokens, last step."),
+    MetricSpec("r3_logprob_abs_diff_max", "gauge", ("job",),
+               "Max |rollout - trainer| logprob over response tokens, last step."),
+    MetricSpec("r3_logprob_abs_diff_min", "gauge", ("job",),
+               "Min |rollout - trainer| logprob over response tokens, last step."),
+    MetricSpec("r3_kl_k3", "gauge", ("job",),
+               "k3 estimate of KL(pi_rollout || pi_train) per response token, last step."),
+    MetricSpec("r3_extreme_token_fraction", "gauge", ("job",),
+               "Fraction of response tokens with max(p_train/p_roll, p_roll/p_train) > 2, last step."),
+    MetricSpec("r3_routing_agreement_ratio", "gauge", ("job", "layer"),
+               "Token-layers whose trainer natural top-k expert set equals the engine's, per layer."),
+    MetricSpec("r3_routing_tokens_any_diff_ratio", "gauge", ("job",),
+               "Tokens whose natural trainer routing differs from the engine's in at least one layer."),
+    MetricSpec("r3_routing_bytes_total", "counter", ("job",),
+               "Bytes of routed-expert payload received from the engine."),
+    MetricSpec("r3_routes_missing_total", "counter", ("job",),
+               "Samples that came back without routed experts (capture off, aborted request)."),
+    MetricSpec("r3_routes_invalid_total", "counter", ("job",),
+               "Samples whose routed experts failed validation (row count, id range, duplicates)."),
+    MetricSpec("r3_replay_active", "gauge", ("job",),
+               "1 while router replay is armed in the trainer, else 0."),
+    MetricSpec("r3_routes_bytes_per_sample", "histogram", ("job",),
+               "Routed-expert payload bytes per sample with routes."),
+]  # fmt: skip
+
+_BYTES_BUCKETS = tuple(float(4**i) for i in range(4, 14))  # 256 B .. 64 MiB
+
+
+class R3Metrics:
+    """Holds the METRICS collectors on a registry (a fresh one unless given) with a fixed `job` label."""
+
+    def __init__(self, job: str, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.job = job
+        self.registry = registry if registry is not None else CollectorRegistry()
+        kinds = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
+        self._m: dict[str, Any] = {}
+        for spec in METRICS:
+            kwargs: dict[str, Any] = {"registry": self.registry}
+            if spec.type == "histogram":
+                kwargs["buckets"] = _BYTES_BUCKETS
+            # prometheus_client appends `_total` to counters itself: register the base name.
+            base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+            self._m[spec.name] = kinds[spec.type](base, spec.help, list(spec.labels), **kwargs)
+
+    def _get(self, name: str, **labels: str) -> Any:
+        return self._m[name].labels(job=self.job, **labels)
+
+    def observe_logprobs(self, rollout_logprobs: Any, trainer_logprobs: Any, mask: Any | None = None) -> LogprobStats:
+        stats = logprob_stats(rollout_logprobs, trainer_logprobs, mask)
+        for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max", "abs_diff_min"):
+            self._get(f"r3_logprob_{field}").set(getattr(stats, field))
+        self._get("r3_kl_k3").set(stats.kl_k3)
+        self._get("r3_extreme_token_fraction").set(stats.extreme_token_fraction)
+        return stats
+
+    def observe_routing(self, trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:
+        agreement = routing_agreement(trainer_ids, engine_ids, mask)
+        for layer, ratio in enumerate(agreement.per_layer):
+            self._get("r3_routing_agreement_ratio", layer=str(layer)).set(ratio)
+        self._get("r3_routing_tokens_any_diff_ratio").set(agreement.tokens_any_diff_ratio)
+        return agreement
+
+    def observe_rollout(self, samples: Any) -> None:
+        """Count route bytes, missing and invalid routes of `RolloutSample`s."""
+        for sample in samples:  # per sample, not per token
+            if sample.routes_status == "ok":
+                self._get("r3_routing_bytes_total").inc(sample.routes.nbytes)
+                self._get("r3_routes_bytes_per_sample").observe(sample.routes.nbytes)
+            elif sample.routes_status == "missing":
+                self._get("r3_routes_missing_total").inc()
+            else:
+                self._get("r3_routes_invalid_total").inc()
+
+    def set_replay_active(self, active: bool) -> None:
+        self._get("r3_replay_active").set(1.0 if active else 0.0)

@@ -1,0 +1,68 @@
+"""Tiny transformers MoE models of every router family the HF replay supports (built in-process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+VOCAB = 96
+
+
+def _common(**extra: Any) -> dict[str, Any]:
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    return {**base, **extra}
+
+
+def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None) -> Any:
+    """A random tiny MoE of `family` in eval mode; router weights widened so top-k is not tied."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**_common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=True))  # fmt: skip
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif family == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**_common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=32, norm_topk_prob=False))  # fmt: skip
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(**_common(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False))
+        model = tf.OlmoeForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**_common(num_local_experts=8, num_experts_per_tok=2))
+        model = tf.MixtralForCausalLM(cfg)
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**_common(
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+            norm_topk_prob=True))  # fmt: skip
+        model = tf.DeepseekV3ForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.3)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(-0.05, 0.05, buf.numel()))
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3"]
+
+
+@pytest.fixture
+def tiny_moe() -> Callable[..., Any]:
+    return build_tiny_moe
