@@ -148,9 +148,7 @@ def write_file(
     validate_sample_id(sample_id)
     for name, value in (("num_experts", num_experts), ("policy_version", policy_version), ("step", step)):
         if not isinstance(value, int) or value < 0 or (name == "num_experts" and value == 0):
-            raise RoutingDataError(
-                f"{name} must be a {'positive' if name == 'num_experts' else 'non-negative'} int"
-            )
+            raise RoutingDataError(f"{name} must be a {'positive' if name == 'num_experts' else 'non-negative'} int")
     if validate:
         validate_routes(decode(routes, validate=False), num_experts=num_experts)
     payload = memoryview(routes.data)  # the raw little-endian bytes, written as they are (no copy)
@@ -202,9 +200,7 @@ def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
         raise _fail(path, "header is not a JSON object")
     try:
         shape = body["shape"]
-        if not (
-            isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d >= 0 for d in shape)
-        ):
+        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise _fail(path, f"header shape {shape!r} is not 3 non-negative ints")
         if body["dtype"] not in ROUTE_DTYPES:
             raise _fail(path, f"header dtype {body['dtype']!r} is not one of {ROUTE_DTYPES}")
@@ -240,9 +236,7 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
                 raise _fail(path, f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
             _, version, flags, header_len, header_crc = _PREFIX.unpack(fixed)
             if version != FORMAT_VERSION:
-                raise _fail(
-                    path, f"unsupported format version {version} (this reader supports {FORMAT_VERSION})"
-                )
+                raise _fail(path, f"unsupported format version {version} (this reader supports {FORMAT_VERSION})")
             if flags:
                 raise _fail(path, f"unsupported flags 0x{flags:04x} for format version {version}")
             if header_len > _MAX_HEADER_LEN:
@@ -258,12 +252,12 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
             if size < offset + nbytes:
                 raise _fail(path, f"truncated: {size} bytes, expected {offset + nbytes}")
             if size > offset + nbytes:
-                raise _fail(
-                    path, f"{size - offset - nbytes} unexpected trailing bytes (expected {offset + nbytes})"
-                )
+                raise _fail(path, f"{size - offset - nbytes} unexpected trailing bytes (expected {offset + nbytes})")
             f.seek(offset)
-            data = bytearray(nbytes)
-            view = memoryview(data)
+            # np.empty, not bytearray(n): skips zero-filling memory that readinto overwrites anyway. The
+            # memoryview is writable, so decode() stays zero-copy.
+            data = memoryview(np.empty(nbytes, dtype=np.uint8))
+            view = data
             filled = 0
             while filled < nbytes:
                 got = f.readinto(view[filled:])
@@ -275,9 +269,7 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
     except IsADirectoryError as exc:
         raise _fail(path, "is a directory") from exc
     if verify and payload_checksum(data) != header.checksum:
-        raise _fail(
-            path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})"
-        )
+        raise _fail(path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})")
     try:
         routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
     except RoutingDataError as exc:
@@ -308,9 +300,7 @@ class RoutingStore:
     def path_for(self, *, step: int, sample_id: str) -> Path:
         return self.step_dir(step) / f"{validate_sample_id(sample_id)}{SUFFIX}"
 
-    def put(
-        self, *, step: int, sample_id: str, routes: RoutedExperts, num_experts: int, policy_version: int
-    ) -> Path:
+    def put(self, *, step: int, sample_id: str, routes: RoutedExperts, num_experts: int, policy_version: int) -> Path:
         path = self.path_for(step=step, sample_id=sample_id)
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -355,9 +345,7 @@ class RoutingStore:
     def steps(self) -> list[int]:
         if not self.steps_dir.is_dir():
             return []
-        return sorted(
-            int(p.name) for p in self.steps_dir.iterdir() if _STEP_DIR_RE.fullmatch(p.name) and p.is_dir()
-        )
+        return sorted(int(p.name) for p in self.steps_dir.iterdir() if _STEP_DIR_RE.fullmatch(p.name) and p.is_dir())
 
     def gc(self, *, keep_last_steps: int, temp_max_age_s: float = 3600.0) -> int:
         """Delete all steps but the newest ``keep_last_steps``; also delete writers' temp files older than
@@ -367,9 +355,7 @@ class RoutingStore:
         directory holding one is kept until a later gc.
         """
         if not isinstance(keep_last_steps, int) or keep_last_steps < 1:
-            raise ValueError(
-                f"keep_last_steps must be an int >= 1 (newest step always kept), got {keep_last_steps!r}"
-            )
+            raise ValueError(f"keep_last_steps must be an int >= 1 (newest step always kept), got {keep_last_steps!r}")
         steps = self.steps()
         keep = set(steps[-keep_last_steps:])
         now = time.time()
