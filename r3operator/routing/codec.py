@@ -52,17 +52,14 @@ class RoutedExperts:
             raise RoutingDataError(f"routes dtype {self.dtype!r} is not one of {ROUTE_DTYPES}")
         shape = tuple(self.shape)
         if len(shape) != 3 or not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
-            raise RoutingDataError(
-                f"routes shape {self.shape!r} must be 3 non-negative ints (tokens, layers, top_k)"
-            )
+            raise RoutingDataError(f"routes shape {self.shape!r} must be 3 non-negative ints (tokens, layers, top_k)")
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
         if not isinstance(self.start, int | np.integer) or self.start < 0:
             raise RoutingDataError(f"routes start {self.start!r} must be a non-negative int")
         got = memoryview(self.data).nbytes
         if got != self.nbytes:
             raise RoutingDataError(
-                f"routes byte length {got} does not match shape {self.shape} x {self.dtype} "
-                f"= {self.nbytes} bytes"
+                f"routes byte length {got} does not match shape {self.shape} x {self.dtype} = {self.nbytes} bytes"
             )
 
     @property
@@ -186,9 +183,7 @@ def encode(arr: np.ndarray, *, start: int = 0, num_experts: int | None = None) -
     packed = np.frombuffer(data, dtype=_WIRE_DTYPES[name]).reshape(arr.shape)
     np.copyto(packed, arr, casting="unsafe")
     if packed.size:
-        _check_duplicates(
-            packed
-        )  # on the narrowed copy: fewer bytes to compare than the caller's int32/int64
+        _check_duplicates(packed)  # on the narrowed copy: fewer bytes to compare than the caller's int32/int64
     return RoutedExperts(data=data, shape=arr.shape, dtype=name, start=int(start))
 
 
@@ -204,8 +199,7 @@ def decode(routes: RoutedExperts, *, num_experts: int | None = None, validate: b
     view = memoryview(routes.data)
     if view.nbytes != routes.nbytes:
         raise RoutingDataError(
-            f"routes byte length {view.nbytes} does not match shape {routes.shape} x {routes.dtype} "
-            f"= {routes.nbytes}"
+            f"routes byte length {view.nbytes} does not match shape {routes.shape} x {routes.dtype} = {routes.nbytes}"
         )
     if view.readonly:
         view = memoryview(bytearray(view))
@@ -246,9 +240,7 @@ def _b64encode(data: bytes | bytearray | memoryview) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def from_vllm(
-    value: np.ndarray | str | bytes, *, start: int = 0, num_experts: int | None = None
-) -> RoutedExperts:
+def from_vllm(value: np.ndarray | str | bytes, *, start: int = 0, num_experts: int | None = None) -> RoutedExperts:
     """Accept vLLM's ``CompletionOutput.routed_experts`` array or the OpenAI field (base64 ``np.save`` bytes).
 
     ``start`` is the ``routed_experts_prompt_start`` the request was sent with.

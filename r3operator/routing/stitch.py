@@ -102,9 +102,7 @@ class TrajectoryRoutes:
             self._invalidate(str(exc))
             return
         if routes.start > self.captured_len:
-            self._invalidate(
-                f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)"
-            )
+            self._invalidate(f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)")
             return
         self._write(routes.start, chunk)
         self.captured_len = routes.end
@@ -127,9 +125,7 @@ class TrajectoryRoutes:
             self._invalidate(str(exc))
             return
         if routes.start > self.captured_len:
-            self._invalidate(
-                f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)"
-            )
+            self._invalidate(f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)")
             return
         tail_from = self.captured_len - routes.start  # first chunk row that is new to the trajectory
         self._write(self.captured_len, chunk[tail_from:])

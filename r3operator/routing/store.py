@@ -85,7 +85,7 @@ class RoutingRecord:
     routes: RoutedExperts
 
     def array(self) -> np.ndarray:
-        """Writable, zero-copy view of the payload (the record owns a bytearray)."""
+        """Writable, zero-copy view of the payload (the record owns a writable buffer)."""
         return decode(self.routes, validate=False)
 
 
