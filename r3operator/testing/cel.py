@@ -240,9 +240,7 @@ def _celpy_bridged_functions() -> dict[str, Callable[..., Any]]:
         return call
 
     return {
-        name: bridge(function)
-        for name, function in STDLIB_FUNCTIONS.items()
-        if "." not in name and name not in builtin
+        name: bridge(function) for name, function in STDLIB_FUNCTIONS.items() if "." not in name and name not in builtin
     }
 
 
@@ -274,11 +272,7 @@ def to_cel_value(value: Any, schema: dict[str, Any] | None) -> Any:
     schema = schema or {}
     if isinstance(value, dict):
         props = schema.get("properties") or {}
-        extra = (
-            schema.get("additionalProperties")
-            if isinstance(schema.get("additionalProperties"), dict)
-            else None
-        )
+        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else None
         return {k: to_cel_value(v, props.get(k, extra)) for k, v in value.items()}
     if isinstance(value, list):
         items = schema.get("items") if isinstance(schema.get("items"), dict) else None
@@ -338,24 +332,18 @@ def _instances(
         old_map = old if has_old and isinstance(old, dict) else {}
         for name, sub in (schema.get("properties") or {}).items():
             if name in value:
-                yield from _instances(
-                    sub, value[name], old_map.get(name), _child(path, f".{name}"), name in old_map
-                )
+                yield from _instances(sub, value[name], old_map.get(name), _child(path, f".{name}"), name in old_map)
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
             known = set(schema.get("properties") or {})
             for key, item in value.items():
                 if key not in known:
-                    yield from _instances(
-                        extra, item, old_map.get(key), _child(path, f"[{key}]"), key in old_map
-                    )
+                    yield from _instances(extra, item, old_map.get(key), _child(path, f"[{key}]"), key in old_map)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         items = schema["items"]
         old_by_key: dict[tuple[Any, ...], Any] = {}
         keys = schema.get("x-kubernetes-list-map-keys") or []
-        correlate = (
-            has_old and schema.get("x-kubernetes-list-type") == "map" and keys and isinstance(old, list)
-        )
+        correlate = has_old and schema.get("x-kubernetes-list-type") == "map" and keys and isinstance(old, list)
         if correlate:
             old_by_key = {tuple(o.get(k) for k in keys): o for o in old if isinstance(o, dict)}
         for index, item in enumerate(value):
@@ -409,9 +397,7 @@ def _field_path(path: str, field_path: str | None) -> str:
     return base
 
 
-def evaluate(
-    schema: dict[str, Any], obj: Any, *, old_obj: Any = None, engine: Engine = "cel"
-) -> list[CelViolation]:
+def evaluate(schema: dict[str, Any], obj: Any, *, old_obj: Any = None, engine: Engine = "cel") -> list[CelViolation]:
     """Evaluate every CEL rule of ``schema`` against ``obj``; return the violations (empty = valid)."""
     return _violations(_outcomes(schema, obj, old_obj, engine))
 
