@@ -87,6 +87,7 @@ def _structural(node: JSON) -> JSON:
         node = inner
         # Optional (X | None) fields are simply not required. They are not marked nullable: the API
         # server then prunes an explicit null, which matches pydantic treating null as "unset".
+        node.pop("title", None)
         node[_OPTIONAL] = True
         if node.get("default", "absent") is None:
             del node["default"]

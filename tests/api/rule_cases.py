@@ -1,0 +1,151 @@
+"""For every rule: a spec that passes and a spec that fails it (mutations of the base manifest).
+
+Each failing case must be flagged by exactly the rule under test among errors, so the cases also
+pin that rules do not overlap by accident. tests/api/test_rules.py fails if a rule has no case.
+"""
+
+from __future__ import annotations
+
+from tests.api.conftest import Mutation, sets
+
+
+def _chain(*mutations: Mutation) -> Mutation:
+    def mutate(m: dict) -> None:
+        for fn in mutations:
+            fn(m)
+
+    return mutate
+
+
+MEGATRON = sets(**{"trainer.backend": "Megatron", "trainer.megatron": {"expertParallelSize": 8}})
+
+# rule id -> (passing mutation, failing mutation)
+CASES: dict[str, tuple[Mutation, Mutation]] = {
+    "R3-EXECUTOR-RAY": (
+        sets(**{"routingReplay.mode": "R2", "inference.executorBackend": "ray"}),
+        sets(**{"inference.executorBackend": "ray"}),
+    ),
+    "MP-SINGLE-NODE": (
+        sets(**{"inference.tensorParallelSize": 8, "inference.gpusPerNode": 8}),
+        sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}),
+    ),
+    "R3-INFERENCE-PP": (
+        sets(**{"routingReplay.mode": "Disabled", "inference.pipelineParallelSize": 2}),
+        sets(**{"inference.pipelineParallelSize": 2}),
+    ),
+    "R3-CONTEXT-PARALLEL": (
+        sets(**{"routingReplay.mode": "R2", "inference.decodeContextParallelSize": 2}),
+        sets(**{"inference.decodeContextParallelSize": 2}),
+    ),
+    "R3-KV-CONNECTOR": (
+        sets(**{"routingReplay.mode": "R2", "inference.kvConnector": "nixl"}),
+        sets(**{"inference.kvConnector": "lmcache"}),
+    ),
+    "R3-KV-OFFLOAD": (
+        sets(**{"routingReplay.mode": "Disabled", "inference.kvCacheOffload": True}),
+        sets(**{"inference.kvCacheOffload": True}),
+    ),
+    "REPLAY-NEEDS-MOE": (
+        sets(**{"routingReplay.mode": "Disabled", "model.architecture.numExperts": 1, "model.architecture.topK": 1}),
+        sets(**{"model.architecture.numExperts": 1, "model.architecture.topK": 1}),
+    ),
+    "MODEL-TOPK": (
+        sets(**{"model.architecture.topK": 8, "model.architecture.numExperts": 8}),
+        sets(**{"model.architecture.topK": 9, "model.architecture.numExperts": 8}),
+    ),
+    "MEGATRON-ROUTER-FUSION": (
+        _chain(MEGATRON, sets(**{"routingReplay.mode": "Disabled", "trainer.megatron.routerFusion": True})),
+        _chain(MEGATRON, sets(**{"trainer.megatron.routerFusion": True})),
+    ),
+    "R3-RETOKENIZE": (
+        sets(**{"routingReplay.mode": "R2", "rollout.retokenizeChatHistory": True}),
+        sets(**{"rollout.retokenizeChatHistory": True}),
+    ),
+    "R3-STEPWISE": (
+        sets(**{"routingReplay.mode": "R2", "rollout.stepWiseTrajectories": True}),
+        sets(**{"rollout.stepWiseTrajectories": True}),
+    ),
+    "ENGINE-EP-DIVISIBILITY": (
+        sets(**{"inference.enableExpertParallel": True, "inference.dataParallelSize": 4}),
+        sets(
+            **{
+                "inference.enableExpertParallel": True,
+                "inference.tensorParallelSize": 2,
+                "inference.dataParallelSize": 3,
+            }
+        ),
+    ),
+    "TRAINER-EP-DIVISIBILITY": (
+        MEGATRON,
+        _chain(
+            MEGATRON,
+            sets(**{"model.architecture.numExperts": 60, "trainer.megatron.expertParallelSize": 8, "trainer.nodes": 3}),
+        ),
+    ),
+    "TRAINER-PARALLEL-FIT": (
+        _chain(
+            MEGATRON,
+            sets(
+                **{
+                    "trainer.megatron.tensorParallelSize": 2,
+                    "trainer.megatron.pipelineParallelSize": 2,
+                    "trainer.megatron.expertParallelSize": 4,
+                }
+            ),
+        ),
+        _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 3})),
+    ),
+    "TRAINER-BACKEND-UNION": (
+        sets(**{"trainer.fsdp": {"samplePacking": False}}),
+        sets(**{"trainer.megatron": {"tensorParallelSize": 1}}),
+    ),
+    "FSDP-ROUTER-FAMILY": (
+        sets(**{"model.architecture.family": "olmoe"}),
+        sets(**{"model.architecture.family": "deepseek_v3", "model.architecture.routerType": "sigmoid-bias"}),
+    ),
+    "EXTRA-ARGS-DERIVED": (
+        sets(**{"inference.extraArgs": ["--enable-prefix-caching", "--max-num-seqs=256"]}),
+        sets(**{"inference.extraArgs": ["--max-num-seqs", "256", "--kv-transfer-config={}"]}),
+    ),
+    "R3-VLLM-MIN-VERSION": (
+        sets(**{"inference.image": "vllm/vllm-openai:v0.14.0"}),
+        sets(**{"inference.image": "vllm/vllm-openai:v0.13.0"}),
+    ),
+    "R3-HYBRID-VLLM": (
+        sets(**{"inference.image": "vllm/vllm-openai:v0.22.0", "model.architecture.hybridAttention": True}),
+        sets(**{"inference.image": "vllm/vllm-openai:v0.20.2", "model.architecture.hybridAttention": True}),
+    ),
+    "R3-SPEC-DECODE-VLLM": (
+        sets(**{"inference.speculativeDecoding": {"method": "mtp", "numSpeculativeTokens": 1}}),
+        sets(
+            **{
+                "inference.image": "vllm/vllm-openai:v0.22.1",
+                "inference.speculativeDecoding": {"method": "mtp", "numSpeculativeTokens": 1},
+            }
+        ),
+    ),
+    "R3-MRV2-VLLM": (
+        sets(**{"inference.modelRunnerV2": True}),
+        sets(**{"inference.image": "vllm/vllm-openai:v0.22.1", "inference.modelRunnerV2": True}),
+    ),
+    "KL-REF-NO-REPLAY": (
+        sets(**{"algorithm.useKLLoss": True}),
+        sets(**{"algorithm.klInReward": True, "routingReplay.replayRef": False}),
+    ),
+    "R3-PARTIAL-ROLLOUT": (
+        sets(**{"routingReplay.mode": "R2", "rollout.partialRollout": True}),
+        sets(**{"rollout.partialRollout": True}),
+    ),
+    "IMAGE-TAG-UNPINNED": (
+        sets(**{"inference.image": "vllm/vllm-openai:latest", "inference.vllmVersion": "0.30.0"}),
+        sets(**{"routingReplay.mode": "Disabled", "inference.image": "vllm/vllm-openai:latest"}),
+    ),
+    "MODEL-ARCH-UNRESOLVED": (
+        sets(**{"routingReplay.mode": "Disabled", "model.architecture": None}),
+        sets(**{"model.architecture": None}),
+    ),
+    "R3-ASYNC-SCHEDULING": (
+        sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
+        sets(**{"inference.asyncScheduling": True}),
+    ),
+}

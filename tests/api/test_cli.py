@@ -1,0 +1,113 @@
+"""`r3operator validate / explain / crd`: exit codes, one-line errors, JSON rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from r3operator.cli.main import app
+from tests.api.conftest import base_manifest, set_path
+from tests.api.rule_cases import CASES
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.yaml"))
+runner = CliRunner()
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_examples_validate_exit_0() -> None:
+    result = runner.invoke(app, ["validate", *EXAMPLES])
+    assert result.exit_code == 0, result.output
+    assert result.output.count(": valid") == len(EXAMPLES)
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_failing_case_in_json(tmp_path: Path, rule_id: str) -> None:
+    manifest = base_manifest()
+    CASES[rule_id][1](manifest)
+    path = _write(tmp_path, "job.yaml", yaml.safe_dump(manifest))
+    result = runner.invoke(app, ["validate", "--output", "json", str(path)])
+    rows = json.loads(result.stdout)
+    hit = [r for r in rows if r["rule"] == rule_id]
+    assert hit and set(hit[0]) == {"file", "rule", "severity", "field", "message"}
+    assert hit[0]["file"] == str(path)
+    assert result.exit_code == (1 if hit[0]["severity"] == "error" else 0)
+
+
+BAD_INPUTS = {
+    "malformed.yaml": ("spec: [1,\n", "malformed YAML at line 2"),
+    "pod.yaml": ("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", "not an RLJob"),
+    "list.yaml": ("- a\n- b\n", "expected a mapping"),
+    "empty.yaml": ("", "no YAML documents"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, name: str) -> None:
+    text, expected = BAD_INPUTS[name]
+    path = _write(tmp_path, name, text)
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{path}: ") and expected in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_unknown_field_and_wrong_type_name_their_paths(tmp_path: Path) -> None:
+    manifest = base_manifest()
+    set_path(manifest, "inference.tensorParalelSize", 2)
+    set_path(manifest, "rollout.groupSize", "eight")
+    path = _write(tmp_path, "typo.yaml", yaml.safe_dump(manifest))
+    result = runner.invoke(app, ["validate", "-o", "json", str(path)])
+    assert result.exit_code == 2
+    rows = {r["field"]: r for r in json.loads(result.stdout)}
+    assert rows["spec.inference.tensorParalelSize"]["message"] == "unknown field"
+    assert rows["spec.inference.tensorParalelSize"]["rule"] == "schema"
+    assert "integer" in rows["spec.rollout.groupSize"]["message"]
+
+
+def test_missing_file_exits_2(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "cannot read file" in result.stderr
+
+
+def test_worst_exit_code_wins_across_files(tmp_path: Path) -> None:
+    bad = _write(tmp_path, "bad.yaml", "spec: [\n")
+    result = runner.invoke(app, ["validate", EXAMPLES[0], str(bad)])
+    assert result.exit_code == 2
+
+
+def test_explain_prints_plan() -> None:
+    example = str(ROOT / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml")
+    result = runner.invoke(app, ["explain", example], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "0.22.1 (from image-tag)" in result.output
+    assert "384 bytes/token" in result.output  # 48 layers x top-8 x uint8
+    assert "engine EP size │ 4" in result.output
+
+
+def test_crd_command_matches_committed_file() -> None:
+    result = runner.invoke(app, ["crd"])
+    assert result.exit_code == 0
+    assert result.stdout == (ROOT / "crds" / "rljob.yaml").read_text()
+
+
+def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
+    """The installed entry point, as a user runs it."""
+    bad = _write(tmp_path, "bad.yaml", "kind: [\n")
+    exe = Path(sys.executable).with_name("r3operator")
+    proc = subprocess.run([str(exe), "validate", str(bad)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

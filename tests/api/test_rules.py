@@ -1,0 +1,70 @@
+"""Every rule: a passing and a failing spec; the failing one yields that rule id, with its values."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3operator.api import RULES, Severity, evaluate
+from r3operator.api.rules import RULES_BY_ID
+from tests.api.conftest import build, sets
+from tests.api.rule_cases import CASES
+
+
+def test_base_manifest_is_clean() -> None:
+    assert evaluate(build().spec) == []
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(CASES) == sorted(r.id for r in RULES)
+
+
+def test_rule_ids_are_unique_and_sourced() -> None:
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+    for rule in RULES:
+        assert rule.sources, rule.id
+        assert rule.field.startswith("spec."), rule.id
+        assert rule.reads, rule.id
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_passes(rule_id: str) -> None:
+    passing, _ = CASES[rule_id]
+    found = {f.rule for f in evaluate(build(passing).spec)}
+    assert rule_id not in found
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_fails_with_its_id_only(rule_id: str) -> None:
+    _, failing = CASES[rule_id]
+    findings = evaluate(build(failing).spec)
+    hits = [f for f in findings if f.rule == rule_id]
+    assert len(hits) == 1, findings
+    rule = RULES_BY_ID[rule_id]
+    assert hits[0].severity is rule.severity
+    assert hits[0].field == rule.field
+    # No other *error* fires on a case built for one rule: rules do not overlap by accident.
+    others = [f.rule for f in findings if f.rule != rule_id and f.severity is Severity.ERROR]
+    assert others == []
+
+
+def test_messages_quote_actual_values() -> None:
+    [f] = [f for f in evaluate(build(sets(**{"inference.pipelineParallelSize": 3})).spec)]
+    assert f.rule == "R3-INFERENCE-PP" and "3" in f.message
+    mp = build(sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4}))
+    [f] = [f for f in evaluate(mp.spec) if f.rule == "MP-SINGLE-NODE"]
+    assert "16 GPUs > gpusPerNode 8" in f.message
+
+
+def test_unknown_version_fails_closed() -> None:
+    job = build(sets(**{"inference.image": "vllm/vllm-openai:latest"}))
+    rules = {f.rule: f for f in evaluate(job.spec)}
+    assert rules["IMAGE-TAG-UNPINNED"].severity is Severity.WARNING
+    assert rules["R3-VLLM-MIN-VERSION"].severity is Severity.ERROR
+    assert "unknown" in rules["R3-VLLM-MIN-VERSION"].message
+
+
+def test_errors_sort_before_warnings() -> None:
+    job = build(sets(**{"inference.image": "vllm/vllm-openai:latest"}))
+    severities = [f.severity for f in evaluate(job.spec)]
+    assert severities == sorted(severities, key=lambda s: s is not Severity.ERROR)
