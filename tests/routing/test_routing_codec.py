@@ -231,3 +231,22 @@ def test_property_wire_round_trip(case: tuple[np.ndarray, int], start: int) -> N
     back = from_wire(to_wire(routes))
     assert (back.shape, back.dtype, back.start) == (routes.shape, routes.dtype, start)
     np.testing.assert_array_equal(decode(back, num_experts=num_experts), arr)
+
+
+def test_stdlib_base64_fallback_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    from r3operator.routing import codec
+
+    monkeypatch.setattr(codec, "_pybase64", None)  # as on a host without pybase64
+    arr = make_routes(9, 3, 4, 300)
+    back = from_wire(to_wire(encode(arr)))
+    assert isinstance(back.data, bytearray)
+    np.testing.assert_array_equal(decode(back), arr)
+    with pytest.raises(RoutingDataError, match="base64"):
+        from_wire({"data": "###", "shape": [1, 1, 1], "dtype": "uint8"})
+
+
+def test_decode_accepts_typed_writable_memoryview_zero_copy() -> None:
+    arr = make_routes(6, 2, 4, 1000).astype("<u2")
+    out = decode(RoutedExperts(data=memoryview(arr), shape=arr.shape, dtype="uint16"))
+    out[0, 0, 0] = 999
+    assert arr[0, 0, 0] == 999
