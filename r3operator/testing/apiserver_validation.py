@@ -56,9 +56,8 @@ def to_jsonschema(node: Any) -> Any:
     # OpenAPI v3.0 (what Kubernetes speaks) has boolean exclusiveMinimum/Maximum next to minimum/maximum;
     # draft 7 wants the bound itself as the exclusive value.
     for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if isinstance(out.get(flag), bool):
-            if out.pop(flag) and bound in out:
-                out[flag] = out.pop(bound)
+        if isinstance(out.get(flag), bool) and out.pop(flag) and bound in out:
+            out[flag] = out.pop(bound)
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
     return out

@@ -185,9 +185,7 @@ def test_syntax_error_is_a_compile_error() -> None:
 def test_message_expression_falls_back_to_message_on_error() -> None:
     schema = {
         "type": "object",
-        "x-kubernetes-validations": [
-            {"rule": "false", "message": "static", "messageExpression": "self.missing + 'x'"}
-        ],
+        "x-kubernetes-validations": [{"rule": "false", "message": "static", "messageExpression": "self.missing + 'x'"}],
     }
     (violation,) = cel.evaluate(schema, {})
     assert violation.message == "static"
