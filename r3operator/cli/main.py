@@ -74,6 +74,20 @@ def crd() -> None:
     sys.stdout.write(render_crd_yaml())
 
 
+@app.command()
+def rules(markdown: Annotated[bool, typer.Option("--markdown", help="Print docs/rules.md")] = False) -> None:
+    """List the compatibility rules: id, severity, where enforced, sources."""
+    from r3operator.api.docs import rules_markdown
+    from r3operator.api.rules import RULES
+
+    if markdown:
+        sys.stdout.write(rules_markdown())
+        return
+    for r in RULES:
+        where = "CEL" if r.cel is not None else "operator"
+        output.out.print(f"{r.id:<24} {r.severity.value:<8} {where:<9} {r.summary}", markup=False)
+
+
 def _mount_optional() -> None:
     # Sub-apps live in their own modules so `r3operator validate` stays import-light.
     from r3operator.cli import routing

@@ -111,3 +111,9 @@ def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run([str(exe), "validate", str(bad)], capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_rules_markdown_is_committed() -> None:
+    result = runner.invoke(app, ["rules", "--markdown"])
+    assert result.exit_code == 0
+    assert result.stdout == (ROOT / "docs" / "rules.md").read_text(), "docs/rules.md is stale"
