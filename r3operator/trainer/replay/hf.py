@@ -171,7 +171,11 @@ class RouterReplay:
     For a reference model, install another `RouterReplay` on it and arm it with the same indices.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, gate_dtype: torch.dtype | None = None) -> None:
+        """`gate_dtype=None` returns gate values in the dtype the family's router returns (exact match
+        with the model). `torch.float32` keeps them fp32 so the experts weight and accumulate in fp32,
+        like vLLM's fused MoE; a numerics choice for the fidelity benchmark, not a routing change."""
+        self.gate_dtype = gate_dtype
         self._sites: list[RouterSite] = []
         self._handles: list[Any] = []
         self._per_layer: dict[int, torch.Tensor] = {}
@@ -277,7 +281,10 @@ class RouterReplay:
             ids = ids.to(logits.device, non_blocking=True)
             if self._mask is not None:
                 ids = torch.where(self._mask.to(logits.device)[:, None], output[2].to(torch.int64), ids)
-            return logits, site.family.score_fn(module, logits, ids), ids
+            scores = site.family.score_fn(module, logits, ids)
+            if self.gate_dtype is not None:
+                scores = scores.to(self.gate_dtype)
+            return logits, scores, ids
 
         return hook
 

@@ -1,0 +1,70 @@
+"""RolloutSample assembly: routes validated against the row-count rule, never truncated."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3operator.engine.rollout import ROUTES_MISSING, RolloutSample, build_sample, request_seed, write_samples
+from r3operator.routing.store import RoutingStore
+
+
+def _routes(rows: int, layers: int = 2, k: int = 2) -> np.ndarray:
+    return (np.arange(rows * layers * k).reshape(rows, layers, k) % 8).astype(np.uint8)
+
+
+def _npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _sample(routed: object, *, prompt: int = 4, gen: int = 3, start: int = 0) -> RolloutSample:
+    return build_sample(
+        prompt_index=0, choice_index=1, prompt_token_ids=list(range(prompt)), token_ids=list(range(gen)),
+        logprobs=[-0.5] * gen, routed_experts=routed, routed_experts_prompt_start=start, num_experts=8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("as_b64", [False, True])
+def test_routes_with_the_expected_rows_are_kept(as_b64: bool) -> None:
+    arr = np.stack([np.stack([np.array([0, 1]), np.array([2, 3])])] * 6).astype(np.uint8)  # 4 + 3 - 1 rows
+    sample = _sample(_npy_b64(arr) if as_b64 else arr)
+    assert sample.routes_status == "ok"
+    assert sample.routes.shape == (6, 2, 2) and sample.routes.start == 0
+    assert sample.logprobs.dtype == np.float32 and sample.sequence == (0, 1, 2, 3, 0, 1, 2)
+    assert sample.sample_id == "p0-c1"
+
+
+def test_wrong_row_count_is_invalid_not_truncated() -> None:
+    sample = _sample(_routes(7))
+    assert sample.routes is None and sample.routes_status == "invalid"
+    assert "row" in sample.routes_error
+
+
+def test_prompt_start_shifts_the_expected_rows() -> None:
+    arr = np.tile(np.array([[0, 1], [2, 3]], dtype=np.uint8), (4, 1, 1))  # 4 + 3 - 1 - 2 rows
+    sample = _sample(arr, start=2)
+    assert sample.routes_status == "ok" and sample.routes.start == 2
+
+
+def test_missing_routes_are_reported_as_missing() -> None:
+    sample = _sample(None)
+    assert sample.routes_status == "missing" and sample.routes_error == ROUTES_MISSING
+
+
+def test_request_seeds_never_collide_across_prompts_and_children() -> None:
+    seeds = {request_seed(7, i, 3) + j for i in range(5) for j in range(3)}
+    assert len(seeds) == 15
+
+
+def test_write_samples_skips_samples_without_routes(tmp_path: Path) -> None:
+    ok = _sample(np.tile(np.array([[0, 1], [2, 3]], dtype=np.uint8), (6, 1, 1)))
+    paths = write_samples(RoutingStore(tmp_path), [ok, _sample(None)], step=3, num_experts=8, policy_version=1)
+    assert list(paths) == ["p0-c1"]
+    record = RoutingStore(tmp_path).get(step=3, sample_id="p0-c1")
+    assert np.array_equal(record.array(), np.tile(np.array([[0, 1], [2, 3]]), (6, 1, 1)))
