@@ -1,0 +1,123 @@
+"""RLJob inference spec → `vllm serve` arguments and environment. Pure: no vLLM import, no I/O.
+
+The operator's engine builder and the local runner both call these, so the flags an engine pod runs
+with are exactly the flags `r3operator render` shows.
+
+Replay modes and route capture:
+- R3: engines capture routes (``--enable-return-routed-experts``) and must use the ``mp`` executor
+  (the ray executor hangs with capture on, vLLM #36237);
+- R2 and Disabled: capture stays off. R2 replays the trainer's *own* routing, so an R2 engine must
+  never return rollout routes that something downstream could consume by mistake.
+
+``inference.extraArgs`` come last; the API rule EXTRA-ARGS-DERIVED refuses flags derived here.
+"""
+
+from __future__ import annotations
+
+import json
+
+from r3operator.api.enums import KVConnector, ReplayMode
+from r3operator.api.v1alpha1 import RLJobSpec
+
+WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
+"""Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
+VLLM_PLUGIN_NAME = "r3operator"
+"""Our `vllm.general_plugins` entry point name (pyproject.toml)."""
+ROUTING_MOUNT = "/var/lib/r3operator"
+"""Where the routing-data volume is mounted in every engine and trainer container."""
+CONFIG_PATH = "/etc/r3operator/config.json"
+"""The resolved runtime config (the RLJob ConfigMap) as seen inside every container."""
+REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/models"
+"""r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
+MODEL_MOUNT = "/mnt/model"
+"""pvc://claim/path models: the claim is mounted read-only here."""
+
+_KV_CONNECTORS: dict[KVConnector, str] = {
+    KVConnector.NIXL: "NixlConnector",
+    KVConnector.LMCACHE: "LMCacheConnectorV1",
+    KVConnector.OFFLOADING: "OffloadingConnector",
+}
+
+
+def model_path(spec: RLJobSpec) -> str:
+    """What `vllm serve` is given as the model for `spec.model.uri`."""
+    uri = spec.model.uri
+    scheme, _, rest = uri.partition("://")
+    if scheme == "hf":
+        return rest
+    if scheme == "file":
+        return rest if rest.startswith("/") else "/" + rest
+    if scheme == "pvc":
+        _claim, _, sub = rest.partition("/")
+        return f"{MODEL_MOUNT}/{sub}".rstrip("/")
+    if scheme == "r3operator":
+        return f"{REFERENCE_MODELS_DIR}/{rest.rsplit('/', 1)[-1]}"
+    # s3:// and gs:// are passed through: vLLM loads them with its object-storage streamer.
+    return uri
+
+
+def captures_routes(spec: RLJobSpec) -> bool:
+    """Only R3 consumes rollout routes; R2 and Disabled never turn capture on."""
+    return spec.routing_replay.mode is ReplayMode.R3
+
+
+def _dp_local(spec: RLJobSpec) -> int:
+    inf = spec.inference
+    return inf.data_parallel_size_local if inf.data_parallel_size_local is not None else inf.data_parallel_size
+
+
+def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
+    """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod."""
+    inf = spec.inference
+    args = ["vllm", "serve", model_path, "--port", str(inf.port)]
+    if spec.model.revision and spec.model.uri.startswith("hf://"):
+        args += ["--revision", spec.model.revision]
+    args += [
+        "--tensor-parallel-size",
+        str(inf.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(inf.pipeline_parallel_size),
+        "--data-parallel-size",
+        str(inf.data_parallel_size),
+        "--data-parallel-size-local",
+        str(_dp_local(spec)),
+    ]
+    if inf.decode_context_parallel_size > 1:
+        args += ["--decode-context-parallel-size", str(inf.decode_context_parallel_size)]
+    if inf.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    args += ["--distributed-executor-backend", inf.executor_backend.value]
+    if inf.max_model_len is not None:
+        args += ["--max-model-len", str(inf.max_model_len)]
+    args += ["--gpu-memory-utilization", f"{inf.gpu_memory_utilization:g}"]
+    if captures_routes(spec):
+        args.append("--enable-return-routed-experts")
+    if inf.async_scheduling:
+        args.append("--async-scheduling")
+    if inf.speculative_decoding is not None:
+        sd = inf.speculative_decoding
+        config = {"method": sd.method, "num_speculative_tokens": sd.num_speculative_tokens}
+        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    connector = _KV_CONNECTORS.get(inf.kv_connector)
+    if connector is None and inf.kv_cache_offload:
+        connector = _KV_CONNECTORS[KVConnector.OFFLOADING]
+    if connector is not None:
+        kv = {"kv_connector": connector, "kv_role": "kv_both"}
+        args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    args += ["--worker-extension-cls", WORKER_EXTENSION_CLS]
+    args += list(inf.extra_args)
+    return args
+
+
+def vllm_env(spec: RLJobSpec) -> dict[str, str]:
+    """Environment of the engine container (sorted keys, so manifests are stable)."""
+    env = {
+        # An allowlist: only our plugin loads, whatever else the image happens to ship.
+        "VLLM_PLUGINS": VLLM_PLUGIN_NAME,
+        "R3OPERATOR_CONFIG": CONFIG_PATH,
+        "R3OPERATOR_ROUTING_DIR": ROUTING_MOUNT,
+        "R3OPERATOR_REPLAY_MODE": spec.routing_replay.mode.value,
+    }
+    if spec.inference.model_runner_v2:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return dict(sorted(env.items()))

@@ -1,0 +1,1 @@
+"""Pure manifest builders: RLJob in, Kubernetes object dicts out. No client, no I/O."""

@@ -1,0 +1,58 @@
+"""The ConfigMap with the resolved runtime config that engines and the trainer driver both read.
+
+``config.json`` = the RLJob spec (camelCase, defaults filled) + the resolved plan + the names of the
+other children, so no process has to talk to the Kubernetes API to find its peers. It is mounted as a
+volume at /etc/r3operator; an edit updates the file in place and never restarts a pod by itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from r3operator.api.plan import plan
+from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
+from r3operator.operator import meta
+
+CONFIG_KEY = "config.json"
+
+
+def runtime_config(job: RLJob) -> dict[str, Any]:
+    namespace = job.metadata.namespace or "default"
+    engine_service = meta.child_name(job, meta.ROLE_ENGINE)
+    inf = job.spec.inference
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": job.metadata.name, "namespace": namespace},
+        "spec": job.spec.model_dump(mode="json", by_alias=True),
+        "resolved": plan(job).to_resolved().model_dump(mode="json", by_alias=True, exclude_none=True),
+        "runtime": {
+            "configPath": CONFIG_PATH,
+            "routingDir": ROUTING_MOUNT,
+            "routingClaim": meta.routing_claim_name(job),
+            "engineService": engine_service,
+            "engineStatefulSet": engine_service,
+            # One URL per engine replica: the DP leader pod of each replica serves the API.
+            "engineURLs": [
+                f"http://{engine_service}-{i * pods_per_replica(job)}.{engine_service}.{namespace}.svc:{inf.port}"
+                for i in range(inf.replicas)
+            ],
+            "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
+        },
+    }
+
+
+def pods_per_replica(job: RLJob) -> int:
+    return plan(job).engine_pods_per_replica
+
+
+def build_config_map(job: RLJob) -> dict[str, Any]:
+    text = json.dumps(runtime_config(job), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta.object_meta(job, meta.ROLE_CONFIG),
+        "data": {CONFIG_KEY: text + "\n"},
+    }

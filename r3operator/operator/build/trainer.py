@@ -1,0 +1,102 @@
+"""The trainer: a KubeRay ``RayJob`` (ray.io/v1) whose entrypoint is the r3operator runtime driver.
+
+The head pod is trainer node 0 (it gets ``gpusPerNode`` GPUs and runs the driver); the worker group
+has ``nodes - 1`` replicas. Every pod mounts the routing volume and the runtime config. ``spec.suspend``
+mirrors ``runPolicy.suspend``; the spec hash annotation tells the reconciler when the trainer spec
+changed (KubeRay fixes a RayJob's cluster per run, so a changed trainer is re-created, not patched).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3operator.api.v1alpha1 import RLJob
+from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
+from r3operator.operator import meta
+from r3operator.operator.hashing import trainer_spec_hash
+
+RAY_API_VERSION = "ray.io/v1"
+ENTRYPOINT = f"python -m r3operator.runtime --config {CONFIG_PATH}"
+WORKER_GROUP = "trainer"
+
+
+def _resources(job: RLJob) -> dict[str, Any]:
+    t = job.spec.trainer
+    gpus = str(t.gpus_per_node)
+    requests: dict[str, str] = {"nvidia.com/gpu": gpus}
+    limits: dict[str, str] = {"nvidia.com/gpu": gpus}
+    if t.resources.cpu:
+        requests["cpu"] = t.resources.cpu
+    if t.resources.memory:
+        requests["memory"] = t.resources.memory
+        limits["memory"] = t.resources.memory
+    return {"requests": requests, "limits": limits}
+
+
+def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
+    env = [
+        {"name": "R3OPERATOR_CONFIG", "value": CONFIG_PATH},
+        {"name": "R3OPERATOR_ROUTING_DIR", "value": ROUTING_MOUNT},
+    ]
+    ports = [{"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
+    container: dict[str, Any] = {
+        "name": container_name,
+        "image": job.spec.trainer.image,
+        "env": env,
+        "resources": _resources(job),
+        "volumeMounts": [
+            {"name": "routing", "mountPath": ROUTING_MOUNT},
+            {"name": "config", "mountPath": CONFIG_PATH.rsplit("/", 1)[0], "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if ports:
+        container["ports"] = ports
+    return {
+        "metadata": {"labels": meta.labels(job, meta.ROLE_TRAINER)},
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                {"name": "routing", "persistentVolumeClaim": {"claimName": meta.routing_claim_name(job)}},
+                {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            ],
+        },
+    }
+
+
+def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
+    t, run = job.spec.trainer, job.spec.run_policy
+    workers = t.nodes - 1
+    spec: dict[str, Any] = {
+        "entrypoint": ENTRYPOINT,
+        "suspend": suspend,
+        "shutdownAfterJobFinishes": True,
+        "backoffLimit": run.backoff_limit,
+        "rayClusterSpec": {
+            "headGroupSpec": {
+                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(t.gpus_per_node)},
+                "template": _pod_template(job, "ray-head", head=True),
+            },
+            "workerGroupSpecs": [
+                {
+                    "groupName": WORKER_GROUP,
+                    "replicas": workers,
+                    "minReplicas": workers,
+                    "maxReplicas": workers,
+                    "rayStartParams": {"num-gpus": str(t.gpus_per_node)},
+                    "template": _pod_template(job, "ray-worker", head=False),
+                }
+            ],
+        },
+    }
+    if run.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = run.active_deadline_seconds
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": meta.object_meta(
+            job, meta.ROLE_TRAINER, annotations={meta.ANNOTATION_SPEC_HASH: trainer_spec_hash(job.spec)}
+        ),
+        "spec": spec,
+    }

@@ -1,0 +1,72 @@
+"""Condition reasons (CamelCase machine tokens) and the metav1 merge rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from r3operator.api.enums import ConditionStatus, ConditionType
+from r3operator.api.v1alpha1 import Condition
+
+
+class Reason(StrEnum):
+    # Valid
+    SPEC_VALID = "SpecValid"
+    INCOMPATIBLE_SETTINGS = "IncompatibleSettings"
+    """A compatibility rule (api.rules) failed; the message lists rule ids and messages."""
+    KUBERAY_MISSING = "KubeRayMissing"
+    """The RayJob CRD (rayjobs.ray.io, v1) is not served: KubeRay is a prerequisite."""
+    # Workloads
+    NOT_CREATED = "NotCreated"
+    PODS_NOT_READY = "PodsNotReady"
+    UPDATING = "Updating"
+    ALL_REPLICAS_READY = "AllReplicasReady"
+    NO_REPLICAS = "NoReplicasRequested"
+    TRAINER_RUNNING = "Running"
+    TRAINER_STARTING = "TrainerStarting"
+    TRAINER_FAILED = "TrainerFailed"
+    TRAINER_SUCCEEDED = "TrainerSucceeded"
+    INVALID_SPEC = "InvalidSpec"
+    SUSPENDED = "Suspended"
+    SUSPENDING = "Suspending"
+    ACTIVE = "Active"
+    JOB_FINISHED = "JobFinished"
+    WORKLOADS_DELETED = "WorkloadsDeleted"
+    # RoutingReplayActive
+    REPLAY_DISABLED = "ReplayDisabled"
+    TRAINER_SIDE_REPLAY = "TrainerSideReplay"
+    ENGINES_NOT_READY = "EnginesNotReady"
+    CANARY_PENDING = "CanaryPending"
+    CANARY_PASSED = "CanaryPassed"
+    CANARY_FAILED = "CanaryFailed"
+    # Progressing
+    CHILDREN_UPDATED = "ChildrenUpdated"
+    WAITING_FOR_WORKLOADS = "WaitingForWorkloads"
+    TRAINING = "Training"
+    # Terminal
+    NOT_FINISHED = "NotFinished"
+    # Ready
+    READY = "Ready"
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    """A condition as computed this pass, before the metav1 merge with the previous one."""
+
+    type: ConditionType
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+
+
+def merge(old: Condition | None, new: Desired, *, generation: int | None, now: str) -> Condition:
+    """lastTransitionTime changes only when the status flips (metav1)."""
+    flipped = old is None or old.status is not new.status
+    return Condition(
+        type=new.type.value,
+        status=new.status,
+        reason=new.reason,
+        message=new.message[:32768],
+        last_transition_time=now if flipped or old is None else old.last_transition_time,
+        observed_generation=generation,
+    )

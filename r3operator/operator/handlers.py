@@ -1,0 +1,134 @@
+"""kopf handlers: thin. Each unpacks its kwargs, calls the reconciler, maps errors, records metrics.
+
+- create / update / resume → reconcile (edge triggers for a fast first reaction);
+- a timer every ``R3OPERATOR_RESYNC_SECONDS`` (idle-aware) → reconcile (the level-based safety net:
+  a child deleted by hand, a RayJob that finished, engines that became ready);
+- delete (optional) → keep a Retain PVC free of ownerReferences, forget per-job state.
+
+Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers --standalone``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from r3operator.api.load import parse_rljob
+from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+from r3operator.operator import meta, metrics
+from r3operator.operator.kube import KINDS, KubeClient, KubeError
+from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
+from r3operator.operator.settings import OperatorConfig
+
+CONFIG = OperatorConfig.from_env()
+_state: dict[str, Any] = {"connection": None, "reconciler": None}
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    settings.watching.server_timeout = CONFIG.watch_server_timeout_s
+    settings.watching.client_timeout = CONFIG.watch_client_timeout_s
+    settings.watching.connect_timeout = 30
+    settings.persistence.finalizer = meta.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=meta.PREFIX, key="last-handled-configuration"
+    )
+    # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
+    # bridge is limited to warnings so a reconcile never floods the Event stream.
+    settings.posting.level = logging.WARNING
+    if CONFIG.metrics_port:
+        try:
+            metrics.serve(CONFIG.metrics_port)
+        except OSError as exc:  # a second operator in one process (tests) or a taken port
+            logger.warning("metrics server not started on :%s: %s", CONFIG.metrics_port, exc)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo:
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        raise kopf.LoginError("no in-cluster service account and no kubeconfig ($KUBECONFIG or ~/.kube/config)")
+    _state["connection"] = info
+    _state["reconciler"] = None  # rebuilt with the new credentials on next use
+    return info
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if reconciler is not None:
+        await reconciler.client.close()
+
+
+def reconciler() -> Reconciler:
+    if _state["reconciler"] is None:
+        client = KubeClient.from_connection_info(_state["connection"])
+        _state["reconciler"] = Reconciler(
+            client,
+            ReconcilerSettings(
+                discovery_ttl_s=CONFIG.discovery_ttl_s, canary=CONFIG.canary, canary_url_template=CONFIG.canary_url
+            ),
+        )
+    return _state["reconciler"]
+
+
+async def _run(body: kopf.Body, logger: logging.Logger) -> None:
+    started = time.perf_counter()
+    try:
+        outcome = await reconciler().reconcile(dict(body))
+    except KubeError as exc:
+        metrics.RECONCILE_TOTAL.labels("error").inc()
+        metrics.RECONCILE_ERRORS.labels(exc.reason or str(exc.status)).inc()
+        raise kopf.TemporaryError(f"API error: {exc}", delay=5) from exc
+    except Exception as exc:
+        metrics.RECONCILE_TOTAL.labels("error").inc()
+        metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+        raise
+    finally:
+        metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+    metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    if outcome.written:
+        logger.info("reconciled: %s", "; ".join(outcome.written))
+    if outcome.status is not None:
+        metrics.observe_job(parse_rljob(dict(body)), outcome.status)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def on_change(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    await _run(body, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_s, idle=CONFIG.idle_s or None)
+async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    await _run(body, logger)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def on_delete(body: kopf.Body, name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+    """Retain: make sure the routing PVC has no ownerReference left, so the GC keeps it.
+
+    A Retain PVC is created without one; this covers a policy flipped to Retain shortly before the
+    delete (before a reconcile dropped the reference). Delete policy: the GC removes the children.
+    """
+    spec = body.get("spec", {})
+    storage = spec.get("storage") or {}
+    client = reconciler().client
+    if storage.get("retainPolicy") == "Retain" and not storage.get("existingClaim"):
+        claim = f"{name}-routing"
+        pvc = await client.get(KINDS["PersistentVolumeClaim"], namespace, claim)
+        refs = (pvc or {}).get("metadata", {}).get("ownerReferences") or []
+        if any(r.get("kind") == "RLJob" for r in refs):
+            others = [r for r in refs if r.get("kind") != "RLJob"]
+            patch = {"metadata": {"ownerReferences": others or None}}
+            await client.merge_patch(KINDS["PersistentVolumeClaim"], namespace, claim, patch)
+            logger.info("retained PVC %s: ownerReference removed", claim)
+    reconciler().forget(str(body.get("metadata", {}).get("uid", "")))
+    metrics.forget_job(namespace, name)

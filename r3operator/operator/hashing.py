@@ -1,0 +1,68 @@
+"""Spec hashes: which edits restart which component.
+
+Each hash covers only the *spec fields* a component's pods depend on, never the rendered manifest:
+a new operator version that renders a template slightly differently keeps the same hash, so an
+operator upgrade never rolls pods (KubeRay's ``ray.io/kuberay-version`` lesson). The reconciler
+rewrites a pod template only when its hash annotation differs.
+
+- engine hash: model, replay mode (route capture), every inference field except ``replicas``
+  (scaling is not a restart), and the routing claim name;
+- trainer hash: everything the runtime driver reads at start except inference and runPolicy, so an
+  engine-only edit (image tag, parallelism) never restarts the trainer and vice versa.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from r3operator.api.v1alpha1 import RLJobSpec
+
+HASH_LENGTH = 16
+
+
+def _digest(payload: Any) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
+
+
+def _dump(model: Any) -> Any:
+    return model.model_dump(mode="json", by_alias=True) if model is not None else None
+
+
+def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
+    inference = _dump(spec.inference)
+    inference.pop("replicas", None)
+    return {
+        "model": _dump(spec.model),
+        "replayMode": spec.routing_replay.mode.value,
+        "inference": inference,
+        "existingClaim": spec.storage.existing_claim,
+    }
+
+
+def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
+    # Only what the driver reads; size/class/retainPolicy concern the PVC, not how the trainer runs.
+    storage = {"existingClaim": spec.storage.existing_claim, "retentionSteps": spec.storage.retention_steps}
+    return {
+        "model": _dump(spec.model),
+        "routingReplay": _dump(spec.routing_replay),
+        "trainer": _dump(spec.trainer),
+        "rollout": _dump(spec.rollout),
+        "algorithm": _dump(spec.algorithm),
+        "task": _dump(spec.task),
+        "weightSync": _dump(spec.weight_sync),
+        "checkpoint": _dump(spec.checkpoint),
+        "storage": storage,
+        "monitoring": _dump(spec.monitoring),
+        "seed": spec.seed,
+    }
+
+
+def engine_spec_hash(spec: RLJobSpec) -> str:
+    return _digest(engine_hash_input(spec))
+
+
+def trainer_spec_hash(spec: RLJobSpec) -> str:
+    return _digest(trainer_hash_input(spec))

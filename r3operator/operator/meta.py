@@ -1,0 +1,85 @@
+"""Names, labels, annotations and ownerReferences shared by every child of an RLJob.
+
+Names are deterministic (``<job>-<suffix>``) so that a restarted operator, or two reconciles racing,
+can only ever find or create the *same* objects: duplicates are impossible by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+
+APP_NAME = "r3operator"
+MANAGED_BY = "r3operator"
+PREFIX = "r3operator.io"
+LABEL_JOB = f"{PREFIX}/job"
+LABEL_ROLE = f"{PREFIX}/role"
+ANNOTATION_SPEC_HASH = f"{PREFIX}/spec-hash"
+"""On engine pod templates and on the RayJob: hash of the spec fields that component depends on."""
+ANNOTATION_RETAINED_FROM = f"{PREFIX}/retained-from-uid"
+"""On a Retain PVC: the uid of the RLJob that created it (the PVC has no ownerReference)."""
+FINALIZER = f"{PREFIX}/finalizer"
+
+ROLE_STORAGE = "routing-storage"
+ROLE_CONFIG = "config"
+ROLE_ENGINE = "engine"
+ROLE_TRAINER = "trainer"
+ROLE_METRICS = "metrics"
+
+
+def routing_claim_name(job: RLJob) -> str:
+    """The PVC the routing volume uses: the user's existing claim or ``<job>-routing``."""
+    return job.spec.storage.existing_claim or f"{job.metadata.name}-routing"
+
+
+def child_name(job: RLJob, role: str) -> str:
+    suffix = {
+        ROLE_STORAGE: "routing",
+        ROLE_CONFIG: "config",
+        ROLE_ENGINE: "engine",
+        ROLE_TRAINER: "trainer",
+        ROLE_METRICS: "metrics",
+    }[role]
+    return f"{job.metadata.name}-{suffix}"
+
+
+def selector_labels(job: RLJob, role: str) -> dict[str, str]:
+    """The immutable subset used in StatefulSet selectors and Service selectors."""
+    return {LABEL_JOB: job.metadata.name, LABEL_ROLE: role}
+
+
+def labels(job: RLJob, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": job.metadata.name,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector_labels(job, role),
+    }
+
+
+def owner_reference(job: RLJob) -> dict[str, Any] | None:
+    """None when the RLJob has no uid yet (``r3operator render`` of a file)."""
+    if not job.metadata.uid:
+        return None
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(job: RLJob, role: str, *, owned: bool = True, annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": child_name(job, role), "labels": labels(job, role)}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    ref = owner_reference(job) if owned else None
+    if ref is not None:
+        meta["ownerReferences"] = [ref]
+    return meta

@@ -1,0 +1,109 @@
+"""Operator metrics (prometheus-client). kopf ships none; the server starts from a startup handler.
+
+``METRICS`` is the table docs/operator.md and dashboards are written from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from r3operator.api.plan import plan
+from r3operator.api.v1alpha1 import RLJob, RLJobStatus
+from r3operator.operator.status import CONDITION_ORDER
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDef:
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("r3operator_reconcile_total", "counter", ("result",), "Reconcile passes by result (ok, invalid, error)."),
+    MetricDef("r3operator_reconcile_errors_total", "counter", ("reason",), "Reconcile passes that raised, by reason."),
+    MetricDef("r3operator_reconcile_duration_seconds", "histogram", (), "Wall time of one reconcile pass."),
+    MetricDef(
+        "r3operator_rljob_info",
+        "gauge",
+        ("namespace", "rljob", "replay_mode", "trainer_backend", "vllm_version"),
+        "Always 1; labels describe the RLJob.",
+    ),
+    MetricDef(
+        "r3operator_rljob_condition",
+        "gauge",
+        ("namespace", "rljob", "type", "status"),
+        "1 for the condition's current status, 0 for the other two.",
+    ),
+    MetricDef("r3operator_rljob_step", "gauge", ("namespace", "rljob"), "status.progress.step (pushed by the driver)."),
+)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+_BY_NAME = {m.name: m for m in METRICS}
+
+
+def _labels(name: str) -> tuple[str, ...]:
+    return _BY_NAME[name].labels
+
+
+def _counter(name: str) -> Counter:
+    return Counter(name.removesuffix("_total"), _BY_NAME[name].help, _labels(name), registry=REGISTRY)
+
+
+def _gauge(name: str) -> Gauge:
+    return Gauge(name, _BY_NAME[name].help, _labels(name), registry=REGISTRY)
+
+
+RECONCILE_TOTAL = _counter("r3operator_reconcile_total")
+RECONCILE_ERRORS = _counter("r3operator_reconcile_errors_total")
+RECONCILE_DURATION = Histogram(
+    "r3operator_reconcile_duration_seconds",
+    _BY_NAME["r3operator_reconcile_duration_seconds"].help,
+    registry=REGISTRY,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+RLJOB_INFO = _gauge("r3operator_rljob_info")
+RLJOB_CONDITION = _gauge("r3operator_rljob_condition")
+RLJOB_STEP = _gauge("r3operator_rljob_step")
+
+_info_labels: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
+def observe_job(job: RLJob, status: RLJobStatus | None) -> None:
+    key = (job.metadata.namespace or "", job.metadata.name)
+    version = str(plan(job).engine_version)
+    info = (*key, job.spec.routing_replay.mode.value, job.spec.trainer.backend.value, version)
+    old = _info_labels.get(key)
+    if old is not None and old != info:
+        RLJOB_INFO.remove(*old)
+    _info_labels[key] = info
+    RLJOB_INFO.labels(*info).set(1)
+    if status is None:
+        return
+    current = {c.type: c.status.value for c in status.conditions}
+    for ctype in CONDITION_ORDER:
+        for value in ("True", "False", "Unknown"):
+            RLJOB_CONDITION.labels(*key, ctype.value, value).set(1 if current.get(ctype.value) == value else 0)
+    if status.progress is not None:
+        RLJOB_STEP.labels(*key).set(status.progress.step)
+
+
+def forget_job(namespace: str, name: str) -> None:
+    """Drop every series of a deleted RLJob (no stale 1s in dashboards)."""
+    info = _info_labels.pop((namespace, name), None)
+    if info is not None:
+        RLJOB_INFO.remove(*info)
+    for ctype in CONDITION_ORDER:
+        for value in ("True", "False", "Unknown"):
+            with contextlib.suppress(KeyError):
+                RLJOB_CONDITION.remove(namespace, name, ctype.value, value)
+    with contextlib.suppress(KeyError):
+        RLJOB_STEP.remove(namespace, name)
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=addr, registry=REGISTRY)

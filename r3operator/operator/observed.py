@@ -1,0 +1,26 @@
+"""What one reconcile pass saw in the cluster (input of compute_status)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from r3operator.api.rules import Finding
+from r3operator.operator.canary import CanaryResult
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    rule_errors: tuple[Finding, ...] = ()
+    kuberay_installed: bool = True
+    engine_set: dict[str, Any] | None = None
+    """The engine StatefulSet as read back (None when absent)."""
+    ray_job: dict[str, Any] | None = None
+    """The trainer RayJob as read back (None when absent)."""
+    canary: CanaryResult | None = None
+    """The latest canary for the current engine spec hash (None when none ran)."""
+    written: tuple[str, ...] = ()
+    """``Kind/name`` of children created, updated or deleted in this pass."""
+    workloads_deleted: bool = False
+    """ttlSecondsAfterFinished elapsed and the workloads are gone."""
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,286 @@
+"""compute_status(job, observed, now) → RLJobStatus, and status_changed(old, new). Pure.
+
+Conditions follow metav1: positive polarity, ``observedGeneration`` in each, ``lastTransitionTime``
+only on status flips. ``Succeeded``/``Failed`` are sticky. ``Ready`` is rolled up in a fixed order
+and carries the first failing reason. ``progress`` belongs to the trainer driver: it is copied
+through untouched and never included in what the operator writes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from r3operator.api.enums import ConditionStatus as S
+from r3operator.api.enums import ConditionType as T
+from r3operator.api.enums import ReplayMode
+from r3operator.api.plan import plan
+from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus, WorkloadCounts
+from r3operator.operator.conditions import Desired, Reason, merge
+from r3operator.operator.hashing import engine_spec_hash
+from r3operator.operator.lifecycle import format_time, is_suspended
+from r3operator.operator.observed import Observed
+
+CONDITION_ORDER = (
+    T.READY,
+    T.VALID,
+    T.ENGINES_READY,
+    T.TRAINER_READY,
+    T.ROUTING_REPLAY_ACTIVE,
+    T.PROGRESSING,
+    T.SUSPENDED,
+    T.SUCCEEDED,
+    T.FAILED,
+)
+
+
+def _old(job: RLJob) -> dict[str, Condition]:
+    return {c.type: c for c in job.status.conditions} if job.status else {}
+
+
+def _valid(job: RLJob, obs: Observed) -> Desired:
+    if obs.rule_errors:
+        text = "; ".join(f"{f.rule}: {f.message}" for f in obs.rule_errors)
+        return Desired(T.VALID, S.FALSE, Reason.INCOMPATIBLE_SETTINGS, text)
+    if not obs.kuberay_installed:
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.KUBERAY_MISSING,
+            "the RayJob CRD (rayjobs.ray.io, version v1) is not installed: install the KubeRay operator",
+        )
+    return Desired(T.VALID, S.TRUE, Reason.SPEC_VALID, "all compatibility rules passed")
+
+
+def engine_counts(job: RLJob, sts: dict[str, Any] | None) -> WorkloadCounts:
+    """Engine *replicas* (vLLM servers), not pods: a replica is ready when all its pods are."""
+    pods_per_replica = plan(job).engine_pods_per_replica
+    desired = 0 if sts is None else int(sts.get("spec", {}).get("replicas") or 0) // pods_per_replica
+    st = (sts or {}).get("status") or {}
+    return WorkloadCounts(
+        replicas=desired,
+        ready_replicas=int(st.get("readyReplicas") or 0) // pods_per_replica,
+        updated_replicas=int(st.get("updatedReplicas") or 0) // pods_per_replica,
+    )
+
+
+def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
+    if stopped is not None:
+        return Desired(T.ENGINES_READY, S.FALSE, stopped.reason, stopped.message)
+    sts = obs.engine_set
+    if sts is None:
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.NOT_CREATED, "the engine StatefulSet does not exist yet")
+    want = job.spec.inference.replicas
+    if want == 0:
+        return Desired(T.ENGINES_READY, S.TRUE, Reason.NO_REPLICAS, "inference.replicas is 0")
+    counts = engine_counts(job, sts)
+    generation = (sts.get("metadata") or {}).get("generation")
+    seen = ((sts.get("status") or {}).get("observedGeneration")) or 0
+    if (generation is not None and seen < generation) or counts.updated_replicas < want:
+        return Desired(
+            T.ENGINES_READY, S.FALSE, Reason.UPDATING, f"{counts.updated_replicas}/{want} engine replicas updated"
+        )
+    if counts.ready_replicas < want:
+        return Desired(
+            T.ENGINES_READY, S.FALSE, Reason.PODS_NOT_READY, f"{counts.ready_replicas}/{want} engine replicas ready"
+        )
+    return Desired(T.ENGINES_READY, S.TRUE, Reason.ALL_REPLICAS_READY, f"{want}/{want} engine replicas ready")
+
+
+def _ray_status(obs: Observed) -> tuple[str, str, str]:
+    st = (obs.ray_job or {}).get("status") or {}
+    return str(st.get("jobDeploymentStatus") or ""), str(st.get("jobStatus") or ""), str(st.get("message") or "")
+
+
+def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
+    if stopped is not None:
+        return Desired(T.TRAINER_READY, S.FALSE, stopped.reason, stopped.message)
+    if obs.ray_job is None:
+        return Desired(T.TRAINER_READY, S.FALSE, Reason.NOT_CREATED, "the trainer RayJob does not exist yet")
+    deployment, job_status, message = _ray_status(obs)
+    if deployment == "Running":
+        return Desired(T.TRAINER_READY, S.TRUE, Reason.TRAINER_RUNNING, f"RayJob running (jobStatus {job_status})")
+    if deployment in ("Failed", "ValidationFailed"):
+        return Desired(T.TRAINER_READY, S.FALSE, Reason.TRAINER_FAILED, message or f"RayJob {deployment}")
+    return Desired(
+        T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, f"RayJob jobDeploymentStatus {deployment or 'unset'}"
+    )
+
+
+def _replay(job: RLJob, obs: Observed, engines: Desired) -> Desired:
+    mode = job.spec.routing_replay.mode
+    if mode is ReplayMode.DISABLED:
+        return Desired(T.ROUTING_REPLAY_ACTIVE, S.FALSE, Reason.REPLAY_DISABLED, "routingReplay.mode is Disabled")
+    if mode is ReplayMode.R2:
+        return Desired(
+            T.ROUTING_REPLAY_ACTIVE,
+            S.FALSE,
+            Reason.TRAINER_SIDE_REPLAY,
+            "R2 replays the trainer's own routing; engines do not return routes",
+        )
+    canary = obs.canary
+    if canary is not None and canary.engine_hash == engine_spec_hash(job.spec):
+        if canary.ok:
+            return Desired(T.ROUTING_REPLAY_ACTIVE, S.TRUE, Reason.CANARY_PASSED, canary.message)
+        return Desired(T.ROUTING_REPLAY_ACTIVE, S.FALSE, Reason.CANARY_FAILED, canary.message)
+    if engines.status is not S.TRUE:
+        return Desired(
+            T.ROUTING_REPLAY_ACTIVE,
+            S.UNKNOWN,
+            Reason.ENGINES_NOT_READY,
+            "the routed-experts canary runs once the engines are ready",
+        )
+    return Desired(T.ROUTING_REPLAY_ACTIVE, S.UNKNOWN, Reason.CANARY_PENDING, "waiting for the routed-experts canary")
+
+
+def _terminal(old: dict[str, Condition], obs: Observed) -> tuple[Desired, Desired]:
+    deployment, job_status, message = _ray_status(obs)
+    succeeded = Desired(T.SUCCEEDED, S.FALSE, Reason.NOT_FINISHED)
+    failed = Desired(T.FAILED, S.FALSE, Reason.NOT_FINISHED)
+    if job_status == "SUCCEEDED" and deployment in ("Complete", ""):
+        succeeded = Desired(T.SUCCEEDED, S.TRUE, Reason.TRAINER_SUCCEEDED, message or "the trainer RayJob succeeded")
+    elif deployment == "Failed":
+        failed = Desired(T.FAILED, S.TRUE, Reason.TRAINER_FAILED, message or "the trainer RayJob failed")
+    # Sticky: once True, a terminal condition never goes back (no child recreation can undo it).
+    for ctype in (T.SUCCEEDED, T.FAILED):
+        previous = old.get(ctype.value)
+        if previous is not None and previous.status is S.TRUE:
+            kept = Desired(ctype, S.TRUE, previous.reason, previous.message)
+            succeeded, failed = (kept, failed) if ctype is T.SUCCEEDED else (succeeded, kept)
+    return succeeded, failed
+
+
+def _suspended(job: RLJob, obs: Observed) -> Desired:
+    if not is_suspended(job):
+        return Desired(T.SUSPENDED, S.FALSE, Reason.ACTIVE, "runPolicy.suspend is false")
+    sts_pods = int(((obs.engine_set or {}).get("status") or {}).get("replicas") or 0)
+    sts_spec = int(((obs.engine_set or {}).get("spec") or {}).get("replicas") or 0)
+    ray_suspended = obs.ray_job is None or bool((obs.ray_job.get("spec") or {}).get("suspend"))
+    if sts_spec == 0 and sts_pods == 0 and ray_suspended:
+        return Desired(T.SUSPENDED, S.TRUE, Reason.SUSPENDED, "engines scaled to 0 and the RayJob suspended")
+    return Desired(T.SUSPENDED, S.FALSE, Reason.SUSPENDING, f"{sts_pods} engine pods still running")
+
+
+def _progressing(obs: Observed, valid: Desired, stopped: Desired | None, others: list[Desired]) -> Desired:
+    if valid.status is not S.TRUE:
+        return Desired(T.PROGRESSING, S.FALSE, Reason.INVALID_SPEC, "no child is changed while the spec is invalid")
+    if stopped is not None:
+        return Desired(T.PROGRESSING, S.FALSE, stopped.reason, stopped.message)
+    if obs.written:
+        return Desired(T.PROGRESSING, S.TRUE, Reason.CHILDREN_UPDATED, "applied " + ", ".join(obs.written))
+    waiting = [d for d in others if d.status is not S.TRUE]
+    if waiting:
+        return Desired(T.PROGRESSING, S.TRUE, Reason.WAITING_FOR_WORKLOADS, f"{waiting[0].type}: {waiting[0].message}")
+    return Desired(T.PROGRESSING, S.TRUE, Reason.TRAINING, "engines and trainer are running")
+
+
+def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
+    checks: list[tuple[T, S]] = [
+        (T.FAILED, S.FALSE),
+        (T.SUCCEEDED, S.FALSE),
+        (T.VALID, S.TRUE),
+        (T.SUSPENDED, S.FALSE),
+        (T.ENGINES_READY, S.TRUE),
+        (T.TRAINER_READY, S.TRUE),
+    ]
+    if job.spec.routing_replay.mode is ReplayMode.R3:
+        checks.append((T.ROUTING_REPLAY_ACTIVE, S.TRUE))
+    for ctype, wanted in checks:
+        cond = by_type[ctype]
+        if cond.status is not wanted:
+            reason = cond.reason if ctype is not T.SUSPENDED else Reason.SUSPENDED
+            return Desired(T.READY, S.FALSE, reason, f"{ctype.value}: {cond.message}")
+    return Desired(T.READY, S.TRUE, Reason.READY, "engines, trainer and routing replay are ready")
+
+
+def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
+    old = _old(job)
+    valid = _valid(job, obs)
+    succeeded, failed = _terminal(old, obs)
+    stopped: Desired | None = None
+    if succeeded.status is S.TRUE or failed.status is S.TRUE:
+        reason = Reason.WORKLOADS_DELETED if obs.workloads_deleted else Reason.JOB_FINISHED
+        stopped = Desired(T.PROGRESSING, S.FALSE, reason, "the job finished")
+    elif is_suspended(job):
+        stopped = Desired(T.PROGRESSING, S.FALSE, Reason.SUSPENDED, "runPolicy.suspend is true")
+    elif valid.status is not S.TRUE and obs.engine_set is None and obs.ray_job is None:
+        stopped = Desired(T.PROGRESSING, S.FALSE, valid.reason, "no workload is created while the spec is invalid")
+    engines = _engines(job, obs, stopped)
+    trainer = _trainer(obs, stopped)
+    replay = _replay(job, obs, engines)
+    suspended = _suspended(job, obs)
+    progressing = _progressing(obs, valid, stopped, [engines, trainer, replay])
+    by_type = {
+        T.VALID: valid,
+        T.ENGINES_READY: engines,
+        T.TRAINER_READY: trainer,
+        T.ROUTING_REPLAY_ACTIVE: replay,
+        T.PROGRESSING: progressing,
+        T.SUSPENDED: suspended,
+        T.SUCCEEDED: succeeded,
+        T.FAILED: failed,
+    }
+    by_type[T.READY] = _ready(job, by_type)
+    return by_type
+
+
+def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobStatus:
+    stamp = format_time(now)
+    old_status = job.status or RLJobStatus()
+    old = _old(job)
+    by_type = compute_conditions(job, observed)
+    generation = job.metadata.generation
+    conditions = [merge(old.get(t.value), by_type[t], generation=generation, now=stamp) for t in CONDITION_ORDER]
+    engines = engine_counts(job, observed.engine_set)
+    terminal = any(by_type[t].status is S.TRUE for t in (T.SUCCEEDED, T.FAILED))
+    ray_job = observed.ray_job or {}
+    trainer_ready = 1 if by_type[T.TRAINER_READY].status is S.TRUE else 0
+    return RLJobStatus(
+        observed_generation=generation,
+        conditions=conditions,
+        resolved=plan(job).to_resolved(),
+        engines=engines,
+        trainer=WorkloadCounts(replicas=1 if ray_job else 0, ready_replicas=trainer_ready, updated_replicas=0),
+        engines_ready=f"{engines.ready_replicas}/{job.spec.inference.replicas}",
+        progress=old_status.progress,
+        start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
+        completion_time=old_status.completion_time or (stamp if terminal else None),
+    )
+
+
+def _comparable(status: RLJobStatus | None) -> dict[str, Any]:
+    data = (status or RLJobStatus()).model_dump(mode="json", by_alias=True)
+    data.pop("progress", None)
+    for cond in data.get("conditions", []):
+        cond.pop("lastTransitionTime", None)
+    return data
+
+
+def status_changed(old: RLJobStatus | None, new: RLJobStatus) -> bool:
+    """True when anything but timestamps (and driver-owned progress) differs."""
+    return _comparable(old) != _comparable(new)
+
+
+def status_patch(status: RLJobStatus) -> dict[str, Any]:
+    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's)."""
+    data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    data.pop("progress", None)
+    return {"status": data}
+
+
+def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
+    """Conditions whose status flipped (absent counts as Unknown): one Event each.
+
+    Absent → Unknown is not a transition; absent → False is one only for Valid (so an invalid RLJob
+    gets exactly one IncompatibleSettings event) and absent → True always is.
+    """
+    before = {c.type: c.status for c in (old.conditions if old else [])}
+    out = []
+    for cond in new.conditions:
+        prev = before.get(cond.type)
+        if prev is None:
+            if cond.status is S.TRUE or (cond.type == T.VALID.value and cond.status is S.FALSE):
+                out.append(cond)
+        elif prev is not cond.status:
+            out.append(cond)
+    return out
