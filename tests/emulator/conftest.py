@@ -109,6 +109,8 @@ class Cluster:
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if request.config.getoption("--real-cluster"):
         kubeconfig = Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
+        if not kubeconfig.is_file():
+            pytest.exit(f"--real-cluster: no kubeconfig at {kubeconfig} (set KUBECONFIG)", returncode=4)
         yield Cluster(kubeconfig, None)
         return
     with KubeAPIEmulator(kubeconfig_dir=tmp_path_factory.mktemp("kube")) as emulator:
