@@ -1,0 +1,97 @@
+"""`r3operator render` and `r3operator operator`: typer-compatible command functions.
+
+Mounted by the lead in r3operator/cli/main.py::
+
+    from r3operator.cli import operator_cmds
+    app.command("render")(operator_cmds.render)
+    app.command("operator")(operator_cmds.run_operator)
+
+Exit codes of ``render`` are those of ``validate``: 0 rendered, 1 a rule reported an error (nothing is
+rendered, as the operator would create nothing), 2 the file could not be read as an RLJob.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the runtime config JSON) as literal blocks, so a review diff is readable."""
+
+
+def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_BlockDumper.add_representer(str, _str_presenter)
+
+
+def render_yaml(children: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(children, Dumper=_BlockDumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def render(
+    file: Annotated[Path, typer.Argument(help="RLJob YAML file (multi-document files allowed).")],
+    no_pod_monitor: Annotated[
+        bool, typer.Option("--no-pod-monitor", help="Render as for a cluster without the Prometheus Operator.")
+    ] = False,
+) -> None:
+    """Print the children the operator would create for an RLJob, as a YAML stream (GitOps, review).
+
+    Rendered without ownerReferences (the RLJob has no uid until it exists in a cluster).
+    """
+    from r3operator.api import RLJobLoadError, load_rljobs
+    from r3operator.api.rules import errors, evaluate
+    from r3operator.cli import output
+    from r3operator.operator.desired import Facts, desired
+
+    try:
+        jobs = load_rljobs(file)
+    except RLJobLoadError as exc:
+        output.print_load_error(exc)
+        raise typer.Exit(2) from None
+    children: list[dict[str, Any]] = []
+    failed = False
+    for job in jobs:
+        problems = errors(evaluate(job.spec))
+        for f in problems:
+            output.err.print(f"{file}: error {f.rule} {f.field}: {f.message}", markup=False)
+        failed = failed or bool(problems)
+        children += desired(job, Facts(pod_monitor_crd=not no_pod_monitor))
+    if failed:
+        raise typer.Exit(1)
+    sys.stdout.write(render_yaml(children))
+
+
+def run_operator(
+    namespace: Annotated[
+        list[str] | None, typer.Option("--namespace", "-n", help="Watch this namespace (repeatable).")
+    ] = None,
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Watch every namespace.")] = False,
+    liveness: Annotated[
+        str, typer.Option(help="kopf liveness endpoint; empty disables it.")
+    ] = "http://0.0.0.0:8080/healthz",
+    kubeconfig: Annotated[
+        Path | None, typer.Option(help="Kubeconfig (default: in-cluster service account, else $KUBECONFIG).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the RLJob operator (kopf, standalone, one replica). Metrics on $R3OPERATOR_METRICS_PORT (9090)."""
+    from r3operator.operator.main import run
+
+    if not namespace and not all_namespaces:
+        typer.echo("pass --namespace NS (repeatable) or --all-namespaces", err=True)
+        raise typer.Exit(2)
+    run(
+        namespaces=namespace or (),
+        all_namespaces=all_namespaces,
+        liveness=liveness or None,
+        kubeconfig=str(kubeconfig) if kubeconfig else None,
+        verbose=verbose,
+    )
