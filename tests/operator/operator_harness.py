@@ -1,0 +1,147 @@
+"""Harness for the operator tests (imported by conftest.py and the test modules).
+
+The API emulator, the real kubectl, the real kopf operator.
+
+The operator reads its R3OPERATOR_* settings once, when r3operator.operator.handlers is imported, so
+they are set here, at collection time: a 1 s resync (tests poll with timeouts, they never sleep for
+a fixed time), a 1 s discovery cache, no metrics server, and a canary URL on a local port where
+test_operator_canary.py runs a fake vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).with_name("fixtures")
+EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CANARY_PORT = _free_port()
+os.environ.update(
+    R3OPERATOR_RESYNC_SECONDS="1",
+    R3OPERATOR_IDLE_SECONDS="0",
+    R3OPERATOR_DISCOVERY_TTL_SECONDS="0.5",
+    R3OPERATOR_METRICS_PORT="0",
+    R3OPERATOR_CANARY_URL=f"http://127.0.0.1:{CANARY_PORT}",
+)
+
+
+def kubectl_path() -> str | None:
+    local = REPO / ".tools" / "bin" / "kubectl"
+    return str(local) if local.exists() else shutil.which("kubectl")
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Cluster:
+    """The emulator seen through the real kubectl (writes users make) and plain HTTP (polling)."""
+
+    def __init__(self, api: Any) -> None:
+        self.api = api
+        self.kubectl_bin = kubectl_path()
+        assert self.kubectl_bin is not None
+        self.env = {**os.environ, "KUBECONFIG": str(api.kubeconfig_path)}
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.kubectl_bin, *args], input=stdin, env=self.env, capture_output=True, text=True, timeout=60
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def apply(self, manifest: dict[str, Any] | str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+        if isinstance(manifest, Path):
+            return self.kubectl("apply", "-f", str(manifest), check=check)
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+        return self.kubectl("apply", "-f", "-", stdin=text, check=check)
+
+    def http(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.api.url + path, data=data, method=method)
+        req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 and method == "GET":
+                return None
+            raise
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        return self.http("GET", path)
+
+    def patch_status(self, path: str, status: dict[str, Any]) -> None:
+        """What a controller would do (the StatefulSet controller, KubeRay, the trainer driver)."""
+        self.http("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
+
+    def namespace(self, name: str) -> None:
+        # `kubectl create namespace` sends protobuf, which the emulator refuses (415); apply sends JSON.
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+
+def paths(namespace: str, job: str) -> dict[str, str]:
+    return {
+        "rljob": f"/apis/r3operator.io/v1alpha1/namespaces/{namespace}/rljobs/{job}",
+        "pvc": f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{job}-routing",
+        "cm": f"/api/v1/namespaces/{namespace}/configmaps/{job}-config",
+        "svc": f"/api/v1/namespaces/{namespace}/services/{job}-engine",
+        "sts": f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{job}-engine",
+        "rayjob": f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs/{job}-trainer",
+    }
+
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == ctype:
+            return cond
+    return None
+
+
+def example(name: str, namespace: str, **edits: Any) -> dict[str, Any]:
+    """The shipped Qwen3 example under another name; ``edits`` are dotted spec paths → values."""
+    doc = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+def operator_args(namespaces: list[str]) -> list[str]:
+    args = ["run", "--standalone", "-m", "r3operator.operator.handlers"]
+    for ns in namespaces:
+        args += ["-n", ns]
+    return args

@@ -1,0 +1,267 @@
+"""The real kopf operator (KopfRunner) against the API emulator, driven with the real kubectl.
+
+One operator and one emulator for the module; each test uses its own RLJob name in namespace `rl`.
+What the emulator does not do (no StatefulSet controller, no KubeRay, no garbage collection) is done
+by the tests where a scenario needs it, by writing the /status a controller would write.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+from operator_harness import EXAMPLE, FIXTURES, Cluster, condition, example, operator_args, paths, wait_for
+
+from r3operator.operator.hashing import engine_spec_hash
+
+NS = "rl"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[KopfRunner]:
+    cluster.namespace(NS)
+    cluster.apply(FIXTURES / "rayjob-crd.yaml")
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
+    try:
+        with KopfRunner(operator_args([NS]), timeout=120) as runner:
+            yield runner
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output[-4000:]
+
+
+def _children(cluster: Cluster, job: str) -> dict[str, dict[str, Any] | None]:
+    return {key: cluster.get(path) for key, path in paths(NS, job).items() if key != "rljob"}
+
+
+def _all_children(cluster: Cluster, job: str) -> dict[str, dict[str, Any]]:
+    def ready() -> dict[str, dict[str, Any]] | None:
+        kids = _children(cluster, job)
+        return kids if all(kids.values()) else None  # type: ignore[return-value]
+
+    return wait_for(ready, what=f"children of {job}")
+
+
+def _uid(obj: dict[str, Any]) -> str:
+    return obj["metadata"]["uid"]
+
+
+def _rv(obj: dict[str, Any]) -> str:
+    return obj["metadata"]["resourceVersion"]
+
+
+def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        cond = condition(cluster.get(paths(NS, job)["rljob"]), ctype)
+        if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
+            return cond
+        return None
+
+    return wait_for(check, what=f"{job} {ctype}={status} {reason or ''}")
+
+
+def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:
+    items = cluster.get(f"/api/v1/namespaces/{NS}/events")["items"]
+    return [e for e in items if e["involvedObject"]["name"] == job and e["reason"] == reason]
+
+
+def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster: Cluster, operator: KopfRunner):
+    cluster.kubectl("apply", "-f", str(EXAMPLE))
+    kids = _all_children(cluster, "qwen3-30b-a3b-r3")
+    sts = kids["sts"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["vllm", "serve", "Qwen/Qwen3-30B-A3B"]
+    for flag in ("--enable-return-routed-experts", "--enable-expert-parallel"):
+        assert flag in command
+    joined = shlex.join(command)
+    assert "--distributed-executor-backend mp" in joined
+    assert "--tensor-parallel-size 2" in joined and "--data-parallel-size 2" in joined
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
+    assert sts["spec"]["replicas"] == 4
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/var/lib/r3operator" in mounts
+    rljob = cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rljob"])
+    for kind in ("sts", "svc", "cm", "rayjob"):
+        (owner,) = kids[kind]["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
+    assert "ownerReferences" not in kids["pvc"]["metadata"]  # retainPolicy: Retain
+    ray = kids["rayjob"]["spec"]
+    assert ray["entrypoint"] == "python -m r3operator.runtime --config /etc/r3operator/config.json"
+    assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
+    assert ray["suspend"] is False
+
+    _cond(cluster, "qwen3-30b-a3b-r3", "Valid", "True")
+    table = wait_for(
+        lambda: (out := cluster.kubectl("get", "rlj", "-n", NS).stdout) and "0/4" in out and out,
+        what="printer columns",
+    )
+    header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
+    assert header == ["NAME", "READY", "REASON", "REPLAY", "ENGINES", "TRAINER", "STEP", "AGE"]
+    assert row[:6] == ["qwen3-30b-a3b-r3", "False", "Updating", "R3", "0/4", "FSDP"]
+    wide = cluster.kubectl("get", "rlj", "-n", NS, "-o", "wide").stdout
+    assert "0.22.1" in wide and "vllm/vllm-openai:v0.22.1" in wide
+
+
+def test_cel_rule_is_refused_by_kubectl_apply(cluster: Cluster, operator: KopfRunner):
+    bad = example("bad-cel", NS, **{"inference.executorBackend": "ray"})
+    result = cluster.apply(bad, check=False)
+    assert result.returncode != 0
+    assert "routingReplay.mode R3 needs inference.executorBackend mp, got ray" in result.stderr
+    assert cluster.get(paths(NS, "bad-cel")["rljob"]) is None
+
+
+def test_python_only_rule_gives_valid_false_one_event_and_no_children_then_valid_edit_proceeds(
+    cluster: Cluster, operator: KopfRunner
+):
+    job = "old-vllm"
+    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.13.0"}))
+    cond = _cond(cluster, job, "Valid", "False", "IncompatibleSettings")
+    assert "R3-VLLM-MIN-VERSION" in cond["message"]
+    ready = _cond(cluster, job, "Ready", "False", "IncompatibleSettings")
+    assert ready["observedGeneration"] == 1
+    # Several timer passes later: still no child, still exactly one event for the transition.
+    wait_for(lambda: len(_events(cluster, job, "IncompatibleSettings")) == 1, what="the Valid=False event")
+    generation_writes = len([r for r in cluster.api.requests if r.path.endswith(f"/rljobs/{job}/status")])
+    _wait_passes(cluster, job, 3)
+    assert len(_events(cluster, job, "IncompatibleSettings")) == 1
+    assert len([r for r in cluster.api.requests if r.path.endswith(f"/rljobs/{job}/status")]) == generation_writes
+    assert not any(_children(cluster, job).values())
+
+    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.22.1"}))
+    _all_children(cluster, job)
+    _cond(cluster, job, "Valid", "True", "SpecValid")
+
+
+def _wait_passes(cluster: Cluster, job: str, n: int) -> None:
+    """Wait for n more reconcile passes: each pass GETs its RLJob once (a clock that needs no sleep)."""
+
+    def count() -> int:
+        return len([r for r in list(cluster.api.requests) if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
+
+    base = count()
+    wait_for(lambda: count() >= base + n, what=f"{n} reconcile passes of {job}")
+
+
+def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cluster: Cluster, operator: KopfRunner):
+    job = "upgrade"
+    cluster.apply(example(job, NS))
+    before = _all_children(cluster, job)
+    _cond(cluster, job, "Progressing", "True", "WaitingForWorkloads")
+
+    # Valid upgrade: only the engine pod template (its spec hash) changes.
+    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"}))
+    new_hash = engine_spec_hash(_spec(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"})))
+
+    def rolled() -> dict[str, Any] | None:
+        sts = cluster.get(paths(NS, job)["sts"])
+        annotations = sts["spec"]["template"]["metadata"]["annotations"]
+        return sts if annotations["r3operator.io/spec-hash"] == new_hash else None
+
+    sts = wait_for(rolled, what="engine template hash")
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.30.0"
+    after = _children(cluster, job)
+    for kind in ("pvc", "svc", "rayjob"):
+        assert _rv(after[kind]) == _rv(before[kind]), kind
+    assert after["rayjob"]["metadata"]["uid"] == before["rayjob"]["metadata"]["uid"]
+
+    # Invalid upgrade (R3 on vLLM 0.13): Valid=False and no child changes at all.
+    settled = _children(cluster, job)
+    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.13.0"}))
+    cond = _cond(cluster, job, "Valid", "False", "IncompatibleSettings")
+    assert "R3-VLLM-MIN-VERSION" in cond["message"]
+    assert cond["observedGeneration"] == 3
+    _wait_passes(cluster, job, 3)
+    now = _children(cluster, job)
+    for kind in settled:
+        assert _rv(now[kind]) == _rv(settled[kind]), kind
+
+    # Trainer-only edit: the RayJob is re-created, the engines are not touched.
+    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0", "algorithm.learningRate": 2e-6}))
+    wait_for(
+        lambda: (r := cluster.get(paths(NS, job)["rayjob"])) and _uid(r) != _uid(settled["rayjob"]),
+        what="trainer re-created",
+    )
+    assert _rv(cluster.get(paths(NS, job)["sts"])) == _rv(settled["sts"])
+
+
+def _spec(doc: dict[str, Any]) -> Any:
+    from r3operator.api.load import parse_rljob
+
+    return parse_rljob(doc).spec
+
+
+def test_suspend_and_resume(cluster: Cluster, operator: KopfRunner):
+    job = "pause"
+    cluster.apply(example(job, NS))
+    _all_children(cluster, job)
+    # The trainer driver owns status.progress; the operator must never overwrite it.
+    cluster.patch_status(paths(NS, job)["rljob"], {"progress": {"step": 7, "totalSteps": 500}})
+
+    cluster.apply(example(job, NS, **{"runPolicy.suspend": True}))
+    _cond(cluster, job, "Suspended", "True", "Suspended")
+    assert cluster.get(paths(NS, job)["sts"])["spec"]["replicas"] == 0
+    assert cluster.get(paths(NS, job)["rayjob"])["spec"]["suspend"] is True
+    assert _cond(cluster, job, "Ready", "False")["reason"] == "Suspended"
+
+    cluster.apply(example(job, NS, **{"runPolicy.suspend": False}))
+    _cond(cluster, job, "Suspended", "False", "Active")
+    wait_for(lambda: cluster.get(paths(NS, job)["sts"])["spec"]["replicas"] == 4, what="engines restored")
+    assert cluster.get(paths(NS, job)["rayjob"])["spec"]["suspend"] is False
+    assert cluster.get(paths(NS, job)["rljob"])["status"]["progress"]["step"] == 7
+    row = cluster.kubectl("get", "rlj", job, "-n", NS, "--no-headers").stdout.split()
+    assert row[6] == "7"  # the STEP printer column
+
+
+def test_child_deleted_by_hand_is_recreated(cluster: Cluster, operator: KopfRunner):
+    job = "heal"
+    cluster.apply(example(job, NS))
+    kids = _all_children(cluster, job)
+    cluster.kubectl("delete", "statefulset", f"{job}-engine", "-n", NS)
+    cluster.kubectl("delete", "configmap", f"{job}-config", "-n", NS)
+    healed = _all_children(cluster, job)
+    assert healed["sts"]["metadata"]["uid"] != kids["sts"]["metadata"]["uid"]
+    assert healed["cm"]["data"] == kids["cm"]["data"]
+
+
+def test_finished_job_scales_engines_down_and_ttl_deletes_workloads_keeping_retained_pvc(
+    cluster: Cluster, operator: KopfRunner
+):
+    job = "done"
+    cluster.apply(example(job, NS, **{"runPolicy.ttlSecondsAfterFinished": 0}))
+    kids = _all_children(cluster, job)
+    # KubeRay reports success.
+    cluster.patch_status(paths(NS, job)["rayjob"], {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"})
+    _cond(cluster, job, "Succeeded", "True", "TrainerSucceeded")
+    wait_for(lambda: not cluster.get(paths(NS, job)["sts"]), what="workloads deleted after TTL")
+    left = _children(cluster, job)
+    assert left["pvc"] is not None and _rv(left["pvc"]) == _rv(kids["pvc"])
+    assert left["cm"] is None and left["svc"] is None and left["rayjob"] is None
+    assert cluster.get(paths(NS, job)["rljob"]) is not None
+    # Sticky: the trainer is gone, Succeeded stays True.
+    _cond(cluster, job, "Succeeded", "True")
+    _cond(cluster, job, "Progressing", "False", "WorkloadsDeleted")
+
+
+def test_delete_with_retain_keeps_the_pvc_without_owner(cluster: Cluster, operator: KopfRunner):
+    job = "keep"
+    cluster.apply(example(job, NS))
+    _all_children(cluster, job)
+    cluster.apply(example("drop", NS, **{"storage.retainPolicy": "Delete"}))
+    dropped = _all_children(cluster, "drop")
+    assert dropped["pvc"]["metadata"]["ownerReferences"][0]["kind"] == "RLJob"  # the GC deletes it
+
+    cluster.kubectl("delete", "rlj", job, "-n", NS, "--wait=false")
+    wait_for(lambda: cluster.get(paths(NS, job)["rljob"]) is None, what="finalizer released")
+    pvc = cluster.get(paths(NS, job)["pvc"])
+    assert pvc is not None and not pvc["metadata"].get("ownerReferences")
+    assert pvc["metadata"]["annotations"]["r3operator.io/retained-from-uid"]

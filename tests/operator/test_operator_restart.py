@@ -1,0 +1,116 @@
+"""Operator lifecycle against the emulator: KubeRay missing, restart without writes, a pass cut short.
+
+Each scenario starts and stops its own real kopf operator (KopfRunner) on one emulator.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from kopf.testing import KopfRunner
+from operator_harness import FIXTURES, Cluster, condition, example, operator_args, paths, wait_for
+
+from r3operator.api.load import parse_rljob
+from r3operator.operator.desired import Facts, desired
+
+NS = "rl"
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: Cluster) -> Iterator[str]:
+    cluster.namespace(NS)
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
+    yield NS
+    if old is None:
+        os.environ.pop("KUBECONFIG", None)
+    else:
+        os.environ["KUBECONFIG"] = old
+
+
+def _run() -> KopfRunner:
+    return KopfRunner(operator_args([NS]), timeout=120)
+
+
+def _check(runner: KopfRunner) -> None:
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output[-4000:]
+
+
+def _child_paths(job: str) -> set[str]:
+    return {p for key, p in paths(NS, job).items() if key != "rljob"}
+
+
+def test_kuberay_missing_gives_valid_false_and_no_children_until_installed(cluster: Cluster, ns: str):
+    job = "no-kuberay"
+    with _run() as runner:
+        cluster.apply(example(job, NS))
+        cond = wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "False" and c,
+            what="Valid=False",
+        )
+        assert cond["reason"] == "KubeRayMissing"
+        assert all(cluster.get(p) is None for p in _child_paths(job) if "ray.io" not in p)
+        # Installing KubeRay later is enough: the next pass sees the CRD and creates everything.
+        cluster.apply(FIXTURES / "rayjob-crd.yaml")
+        wait_for(lambda: all(cluster.get(p) for p in _child_paths(job)), what="children after KubeRay install")
+        wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "True",
+            what="Valid=True",
+        )
+    _check(runner)
+
+
+def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicates(cluster: Cluster, ns: str):
+    cluster.apply(FIXTURES / "rayjob-crd.yaml")
+    stable, cut = "stable", "cut-short"
+    with _run() as runner:
+        cluster.apply(example(stable, NS))
+        wait_for(lambda: all(cluster.get(p) for p in _child_paths(stable)), what="children of the stable job")
+        wait_for(lambda: condition(cluster.get(paths(NS, stable)["rljob"]), "Valid"), what="status")
+    _check(runner)
+    versions = {p: cluster.get(p)["metadata"]["resourceVersion"] for p in _child_paths(stable)}
+
+    # What an operator killed in the middle of its first pass leaves behind: the RLJob, and only the
+    # first children of desired() (created exactly as the operator would have), no status.
+    cluster.apply(example(cut, NS))
+    body = cluster.get(paths(NS, cut)["rljob"])
+    partial = desired(parse_rljob(body), Facts(pod_monitor_crd=False))[:2]
+    assert [c["kind"] for c in partial] == ["PersistentVolumeClaim", "ConfigMap"]
+    for child in partial:
+        kind_path = paths(NS, cut)["pvc" if child["kind"] == "PersistentVolumeClaim" else "cm"]
+        cluster.http("POST", kind_path.rsplit("/", 1)[0], child)
+    partial_paths = (paths(NS, cut)["pvc"], paths(NS, cut)["cm"])
+    partial_versions = {p: cluster.get(p)["metadata"]["resourceVersion"] for p in partial_paths}
+
+    mark = len(cluster.api.requests)
+    with _run() as runner:
+        wait_for(lambda: all(cluster.get(p) for p in _child_paths(cut)), what="the cut-short job converged")
+        wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, stable)["rljob"]), "Valid")) and c["status"] == "True",
+            what="stable job seen again",
+        )
+        seen = len(cluster.api.requests)
+        wait_for(lambda: len(cluster.api.requests) > seen + 20, what="a few more passes")
+    _check(runner)
+
+    after = cluster.api.requests[mark:]
+    # The restart restarted nothing: not one write to any child of the running job.
+    stable_writes = [r for r in after if r.method in WRITES and r.path in _child_paths(stable)]
+    assert stable_writes == []
+    for p, version in versions.items():
+        assert cluster.get(p)["metadata"]["resourceVersion"] == version
+    # The cut-short job: its two existing children untouched, the rest created once, no 409 anywhere.
+    for p, version in partial_versions.items():
+        assert cluster.get(p)["metadata"]["resourceVersion"] == version
+    creates = [r for r in after if r.method == "POST" and "/events" not in r.path]
+    assert all(r.status == 201 for r in creates), creates
+    for plural in ("statefulsets", "services", "configmaps", "persistentvolumeclaims"):
+        group = "/apis/apps/v1" if plural == "statefulsets" else "/api/v1"
+        items = cluster.get(f"{group}/namespaces/{NS}/{plural}?labelSelector=r3operator.io/job={cut}")["items"]
+        assert len(items) == 1, (plural, [i["metadata"]["name"] for i in items])
+    rayjobs = cluster.get(f"/apis/ray.io/v1/namespaces/{NS}/rayjobs?labelSelector=r3operator.io/job={cut}")
+    assert len(rayjobs["items"]) == 1
