@@ -1,0 +1,62 @@
+{{/* Names and labels shared by every template. */}}
+{{- define "r3operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "r3operator.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "r3operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "r3operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "r3operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "r3operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: r3operator
+{{- end -}}
+
+{{- define "r3operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "r3operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "r3operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The namespaces whose RLJobs the operator reconciles: empty in cluster mode.
+values.schema.json requires at least one in namespaced mode; this guards `--set watch.namespaces=null`.
+*/}}
+{{- define "r3operator.watchedNamespaces" -}}
+{{- if eq .Values.watch.mode "namespaced" -}}
+{{- if not .Values.watch.namespaces -}}
+{{- fail "watch.namespaces: list at least one namespace when watch.mode is namespaced" -}}
+{{- end -}}
+{{- toJson .Values.watch.namespaces -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}

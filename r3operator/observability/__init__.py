@@ -1,0 +1,1 @@
+"""Observability as code: metrics contract, Prometheus rules, Grafana dashboards, PNG preview."""

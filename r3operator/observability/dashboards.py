@@ -1,0 +1,304 @@
+"""Grafana dashboards as plain JSON built in Python (no SDK dependency).
+
+Every target `expr` is PromQL over the metrics contract (metrics_contract.py) or the stable
+`r3operator:*` recording rules (rules.py); tests/observability parse each one in a real Prometheus and
+check that it returns series from real exporters. `python -m r3operator.observability.generate` writes
+the JSON into charts/r3operator/dashboards/ for the Grafana-sidecar ConfigMap.
+
+Label conventions (docs/metrics.md): every series carries `namespace` and `rljob`. The operator's
+own metrics have them as labels (scraped with honorLabels); trainer and engine pods get them from the
+PodMonitor the operator creates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from r3operator.observability.metrics_contract import ContractMetric, load_contract
+
+SCHEMA_VERSION = 39
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'namespace=~"$namespace", rljob=~"$rljob"'
+RI = "$__rate_interval"
+
+
+@dataclass
+class Target:
+    expr: str
+    legend: str = ""
+
+
+@dataclass
+class Panel:
+    title: str
+    targets: list[Target]
+    kind: str = "timeseries"  # timeseries | stat
+    unit: str = "short"
+    width: int = 8
+    height: int = 7
+    description: str = ""
+    thresholds: list[tuple[float | None, str]] = field(default_factory=list)
+    mappings: list[dict[str, Any]] = field(default_factory=list)
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+@dataclass
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    rows: list[tuple[str, list[Panel]]]
+    job_variables: bool = True
+    tags: tuple[str, ...] = ("r3operator",)
+
+
+def _sel(extra: str = "") -> str:
+    return "{" + SEL + (", " + extra if extra else "") + "}"
+
+
+class _Exprs:
+    """Type-aware PromQL over the contract, so a metric's type decides gauge vs rate vs histogram mean."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, ContractMetric] = load_contract().by_name()
+
+    def type_of(self, name: str, assumed: str) -> str:
+        metric = self.metrics.get(name)
+        return metric.type if metric is not None else assumed
+
+    def value(self, name: str, *, by: str = "", extra: str = "", assumed: str = "gauge") -> str:
+        """A gauge as is; a histogram/summary as its mean over the rate interval."""
+        kind = self.type_of(name, assumed)
+        group = f" by ({by})" if by else " by (namespace, rljob)"
+        if kind in ("histogram", "summary"):
+            return (f"sum{group} (rate({name}_sum{_sel(extra)}[{RI}]))"
+                    f" / sum{group} (rate({name}_count{_sel(extra)}[{RI}]))")  # fmt: skip
+        if kind == "counter":
+            series = name if name.endswith("_total") else f"{name}_total"
+            return f"sum{group} (rate({series}{_sel(extra)}[{RI}]))"
+        return f"max{group} ({name}{_sel(extra)})"
+
+
+def _job_overview(x: _Exprs) -> Dashboard:
+    ready = Panel(
+        "Ready", [Target("max by (namespace, rljob) (r3operator_rljob_condition"
+                         + _sel('type="Ready", status="True"') + ")", "{{rljob}}")],
+        kind="stat", width=6, height=5, description="1 when the RLJob's Ready condition is True.",
+        mappings=[{"type": "value", "options": {"0": {"text": "Not ready", "color": "red"},
+                                                "1": {"text": "Ready", "color": "green"}}}],
+        thresholds=[(None, "red"), (1, "green")],
+    )  # fmt: skip
+    return Dashboard(
+        uid="r3operator-job-overview",
+        title="R3 / RLJob overview",
+        description="Ready, step, reward and throughput of RLJobs.",
+        rows=[
+            ("Status", [
+                ready,
+                Panel("Step (status)", [Target(x.value("r3operator_rljob_step"), "{{rljob}}")], kind="stat",
+                      width=6, height=5, description="status.step written by the operator."),
+                Panel("Routing replay armed", [Target(x.value("r3_replay_active"), "{{rljob}}")], kind="stat",
+                      width=6, height=5,
+                      mappings=[{"type": "value", "options": {"0": {"text": "off"}, "1": {"text": "on"}}}]),
+                Panel("Weight-sync canary", [Target(x.value("r3_weight_sync_canary_ok"), "{{rljob}}")], kind="stat",
+                      width=6, height=5, thresholds=[(None, "red"), (1, "green")],
+                      description="1 when the engine's canary logprobs matched the trainer after the last sync."),
+            ]),
+            ("Training", [
+                Panel("Trainer step", [Target(x.value("r3_step"), "{{rljob}}")]),
+                Panel("Mean reward", [Target(x.value("r3_reward_mean"), "{{rljob}}")]),
+                Panel("Throughput", [Target(x.value("r3_tokens_per_second"), "{{rljob}}")], unit="short",
+                      description="Tokens per second through the RL loop."),
+                Panel("Step phases", [Target(x.value("r3_step_phase_seconds", by="namespace, rljob, phase"),
+                                             "{{rljob}} {{phase}}")], unit="s", width=12),
+                Panel("Weight sync", [Target(x.value("r3_weight_sync_seconds"), "{{rljob}}")], unit="s", width=12),
+            ]),
+        ],
+    )  # fmt: skip
+
+
+def _r3(x: _Exprs) -> Dashboard:
+    def g(name: str) -> str:
+        return x.value(name)
+
+    return Dashboard(
+        uid="r3operator-r3",
+        title="R3 / Rollout Routing Replay",
+        description="Rollout-vs-trainer fidelity and routing replay health.",
+        rows=[
+            ("Logprob fidelity", [
+                Panel("|Δ logprob| mean and max", [Target(g("r3_logprob_abs_diff_mean"), "mean {{rljob}}"),
+                                                    Target(g("r3_logprob_abs_diff_max"), "max {{rljob}}")],
+                      description="|rollout - trainer| logprob of sampled response tokens, last step."),
+                Panel("k3 KL(π_rollout ‖ π_train)", [Target(g("r3_kl_k3"), "{{rljob}}")]),
+                Panel("Extreme tokens (ratio > 2)", [Target(g("r3_extreme_token_fraction"), "{{rljob}}")],
+                      unit="percentunit"),
+            ]),
+            ("Routing", [
+                Panel("Routing agreement per layer",
+                      [Target(x.value("r3_routing_agreement_ratio", by="namespace, rljob, layer"), "layer {{layer}}")],
+                      unit="percentunit", width=12, minimum=0, maximum=1,
+                      description="Token-layers whose natural trainer top-k set equals the engine's."),
+                Panel("Tokens with any routing difference",
+                      [Target(g("r3_routing_tokens_any_diff_ratio"), "{{rljob}}")],
+                      unit="percentunit", width=12, minimum=0, maximum=1),
+                Panel("Routing bytes per step",
+                      [Target(f"sum by (namespace, rljob) (increase(r3_routing_bytes_total{_sel()}[5m]))"
+                              f" / clamp_min(max by (namespace, rljob) (delta(r3_step{_sel()}[5m])), 1)", "{{rljob}}")],
+                      unit="bytes", description="Routed-expert payload received per trainer step (5 m average)."),
+                Panel("Missing / invalid routes",
+                      [Target(f"sum by (namespace, rljob) (increase(r3_routes_missing_total{_sel()}[5m]))", "missing"),
+                       Target(f"sum by (namespace, rljob) (increase(r3_routes_invalid_total{_sel()}[5m]))", "invalid")],
+                      description="Samples per 5 m without routes, or with routes that failed validation."),
+                Panel("Replay armed", [Target(g("r3_replay_active"), "{{rljob}}")], minimum=0, maximum=1),
+            ]),
+        ],
+    )  # fmt: skip
+
+
+def _engines() -> Dashboard:
+    def r(record: str, legend: str = "{{pod}}") -> Target:
+        return Target(f"{record}{_sel()}", legend)
+
+    return Dashboard(
+        uid="r3operator-engines",
+        title="R3 / vLLM engines",
+        description="vLLM engines through the stable r3operator:engine_* recording rules (any vLLM version).",
+        rows=[
+            ("Load", [
+                Panel("Requests running", [r("r3operator:engine_requests_running")]),
+                Panel("Requests waiting", [r("r3operator:engine_requests_waiting")]),
+                Panel("KV-cache usage", [r("r3operator:engine_kv_cache_usage_ratio")], unit="percentunit",
+                      minimum=0, maximum=1),
+            ]),
+            ("Throughput", [
+                Panel("Generation tokens/s", [r("r3operator:engine_generation_tokens:rate1m")]),
+                Panel("Prompt tokens/s", [r("r3operator:engine_prompt_tokens:rate1m")]),
+                Panel("Finished requests/s and preemptions/s",
+                      [r("r3operator:engine_requests_finished:rate1m", "finished {{pod}}"),
+                       r("r3operator:engine_preemptions:rate1m", "preempted {{pod}}")]),
+            ]),
+            ("Latency", [
+                Panel("E2E latency p50 / p95",
+                      [r("r3operator:engine_e2e_latency_seconds:p50", "p50 {{pod}}"),
+                       r("r3operator:engine_e2e_latency_seconds:p95", "p95 {{pod}}")], unit="s"),
+                Panel("TTFT p95", [r("r3operator:engine_ttft_seconds:p95")], unit="s"),
+                Panel("Inter-token latency p95", [r("r3operator:engine_itl_seconds:p95")], unit="s"),
+                Panel("Prefix-cache hit ratio", [r("r3operator:engine_prefix_cache_hit_ratio")], unit="percentunit"),
+            ]),
+        ],
+    )  # fmt: skip
+
+
+def _operator(x: _Exprs) -> Dashboard:
+    dur = "r3operator_reconcile_duration_seconds"
+    return Dashboard(
+        uid="r3operator-operator",
+        title="R3 / operator health",
+        description="Reconcile rate, errors and latency of the r3operator controller; RLJobs by condition.",
+        job_variables=False,
+        rows=[
+            ("Reconcile", [
+                Panel("Reconciles/s by result", [Target(f"sum by (result) (rate(r3operator_reconcile_total[{RI}]))",
+                                                        "{{result}}")]),
+                Panel("Reconcile errors/s by reason",
+                      [Target(f"sum by (reason) (rate(r3operator_reconcile_errors_total[{RI}]))", "{{reason}}")]),
+                Panel("Reconcile duration p50 / p99",
+                      [Target(f"histogram_quantile(0.5, sum by (le) (rate({dur}_bucket[{RI}])))", "p50"),
+                       Target(f"histogram_quantile(0.99, sum by (le) (rate({dur}_bucket[{RI}])))", "p99")], unit="s"),
+            ]),
+            ("RLJobs", [
+                Panel("RLJobs", [Target("count(r3operator_rljob_info)", "RLJobs")], kind="stat", width=6),
+                Panel("RLJobs Ready", [Target('count(r3operator_rljob_condition{type="Ready", status="True"} == 1)'
+                                              " or vector(0)", "Ready")], kind="stat", width=6),
+                Panel("RLJobs by vLLM version and replay mode",
+                      [Target("count by (vllm_version, replay_mode, trainer_backend) (r3operator_rljob_info)",
+                              "{{vllm_version}} {{replay_mode}} {{trainer_backend}}")], width=12),
+            ]),
+        ],
+    )  # fmt: skip
+
+
+# --- JSON ---------------------------------------------------------------------------------------------------
+
+
+def _variables(job_variables: bool) -> list[dict[str, Any]]:
+    variables: list[dict[str, Any]] = [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {}, "hide": 0, "refresh": 1},
+    ]  # fmt: skip
+    if job_variables:
+        for name, query in (("namespace", "label_values(r3operator_rljob_info, namespace)"),
+                            ("rljob", 'label_values(r3operator_rljob_info{namespace=~"$namespace"}, rljob)')):
+            variables.append({
+                "name": name, "label": name, "type": "query", "datasource": DATASOURCE,
+                "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+                "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+                "refresh": 2, "sort": 1, "hide": 0,
+            })  # fmt: skip
+    return variables
+
+
+def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    steps = [{"color": color, "value": value} for value, color in (panel.thresholds or [(None, "green")])]
+    defaults: dict[str, Any] = {"unit": panel.unit, "thresholds": {"mode": "absolute", "steps": steps},
+                                "mappings": panel.mappings}
+    if panel.minimum is not None:
+        defaults["min"] = panel.minimum
+    if panel.maximum is not None:
+        defaults["max"] = panel.maximum
+    options: dict[str, Any]
+    if panel.kind == "stat":
+        options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                   "colorMode": "value", "graphMode": "area", "textMode": "auto"}
+    else:
+        options = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                   "tooltip": {"mode": "multi", "sort": "desc"}}
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
+    return {
+        "id": panel_id, "type": panel.kind, "title": panel.title, "description": panel.description,
+        "datasource": DATASOURCE, "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options,
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": t.expr,
+                     "legendFormat": t.legend or "__auto", "range": True} for i, t in enumerate(panel.targets)],
+    }  # fmt: skip
+
+
+def dashboard_json(dashboard: Dashboard) -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    panel_id, y = 1, 0
+    for row_title, row_panels in dashboard.rows:
+        panels.append({"id": panel_id, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
+        panel_id, y, x, row_height = panel_id + 1, y + 1, 0, 0
+        for panel in row_panels:
+            if x + panel.width > 24:
+                x, y, row_height = 0, y + row_height, 0
+            panels.append(_panel_json(panel, panel_id, x, y))
+            panel_id, x, row_height = panel_id + 1, x + panel.width, max(row_height, panel.height)
+        y += row_height
+    return {
+        "uid": dashboard.uid, "title": dashboard.title, "description": dashboard.description,
+        "tags": list(dashboard.tags), "editable": True, "graphTooltip": 1, "timezone": "browser",
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "refresh": "30s",
+        "time": {"from": "now-3h", "to": "now"}, "templating": {"list": _variables(dashboard.job_variables)},
+        "annotations": {"list": []}, "links": [], "panels": panels,
+    }  # fmt: skip
+
+
+def dashboards() -> list[Dashboard]:
+    x = _Exprs()
+    return [_job_overview(x), _r3(x), _engines(), _operator(x)]
+
+
+def render_dashboards() -> dict[str, str]:
+    """File name -> JSON text (stable formatting, so the committed files can be compared)."""
+    return {f"{d.uid}.json": json.dumps(dashboard_json(d), indent=2, ensure_ascii=False) + "\n" for d in dashboards()}
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of a dashboard JSON."""
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
