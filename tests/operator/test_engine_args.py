@@ -1,0 +1,87 @@
+"""engine/args.py: the vLLM command line and environment derived from the spec."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from r3operator.api.load import parse_rljob
+from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.engine.args import WORKER_EXTENSION_CLS, model_path, vllm_env, vllm_serve_args
+
+QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+
+
+def _spec(**edits: object) -> RLJobSpec:
+    doc = yaml.safe_load(QWEN.read_text())
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_rljob(doc).spec
+
+
+def _pairs(args: list[str]) -> dict[str, str]:
+    return {a: b for a, b in itertools.pairwise(args) if a.startswith("--") and not b.startswith("--")}
+
+
+def test_r3_args_capture_routes_with_mp_and_the_spec_parallelism():
+    args = vllm_serve_args(_spec(), model_path="Qwen/Qwen3-30B-A3B")
+    pairs = _pairs(args)
+    assert args[:3] == ["vllm", "serve", "Qwen/Qwen3-30B-A3B"]
+    assert "--enable-return-routed-experts" in args and "--enable-expert-parallel" in args
+    assert pairs["--distributed-executor-backend"] == "mp"
+    assert (pairs["--tensor-parallel-size"], pairs["--pipeline-parallel-size"]) == ("2", "1")
+    assert (pairs["--data-parallel-size"], pairs["--data-parallel-size-local"]) == ("2", "2")
+    assert (pairs["--max-model-len"], pairs["--gpu-memory-utilization"], pairs["--port"]) == ("8192", "0.85", "8000")
+    assert pairs["--worker-extension-cls"] == WORKER_EXTENSION_CLS
+    assert pairs["--revision"] == "main"
+
+
+@pytest.mark.parametrize("mode", ["R2", "Disabled"])
+def test_r2_and_disabled_never_turn_route_capture_on(mode: str):
+    args = vllm_serve_args(_spec(**{"routingReplay.mode": mode}), model_path="m")
+    assert not any("routed-experts" in a for a in args)
+
+
+def test_extra_args_come_last_and_optional_features_map_to_flags():
+    spec = _spec(
+        **{
+            "inference.extraArgs": ["--enable-prefix-caching", "--max-num-seqs=64"],
+            "inference.asyncScheduling": True,
+            "routingReplay.mode": "Disabled",
+            "inference.kvConnector": "nixl",
+            "inference.speculativeDecoding": {"method": "mtp", "numSpeculativeTokens": 1},
+        }
+    )
+    args = vllm_serve_args(spec, model_path="m")
+    assert args[-2:] == ["--enable-prefix-caching", "--max-num-seqs=64"]
+    assert "--async-scheduling" in args
+    assert _pairs(args)["--kv-transfer-config"] == '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+    assert _pairs(args)["--speculative-config"] == '{"method":"mtp","num_speculative_tokens":1}'
+
+
+def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
+    env = vllm_env(_spec())
+    assert env["VLLM_PLUGINS"] == "r3operator"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env
+    assert vllm_env(_spec(**{"inference.modelRunnerV2": True}))["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("hf://Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B"),
+        ("file:///models/q", "/models/q"),
+        ("pvc://weights/qwen/v1", "/mnt/model/qwen/v1"),
+        ("r3operator://reference/tiny", "/var/lib/r3operator/models/tiny"),
+        ("s3://bucket/model", "s3://bucket/model"),
+    ],
+)
+def test_model_path_per_uri_scheme(uri: str, expected: str):
+    assert model_path(_spec(**{"model.uri": uri})) == expected

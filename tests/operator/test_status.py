@@ -1,0 +1,197 @@
+"""compute_status / status_changed / transitions and the canary client: pure or local HTTP only."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as dt
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from aiohttp import web
+
+from r3operator.api.load import parse_rljob
+from r3operator.api.rules import errors, evaluate
+from r3operator.api.v1alpha1 import Progress, RLJob
+from r3operator.operator.canary import CanaryResult, check_routed_experts, run_canary
+from r3operator.operator.desired import desired
+from r3operator.operator.hashing import engine_spec_hash
+from r3operator.operator.observed import Observed
+from r3operator.operator.status import compute_status, status_changed, status_patch, transitions
+
+QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+T1 = T0 + dt.timedelta(minutes=5)
+
+
+def _job(generation: int = 1, **edits: Any) -> RLJob:
+    doc = yaml.safe_load(QWEN.read_text())
+    doc["metadata"].update(uid="u", generation=generation)
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_rljob(doc)
+
+
+def _ready_sts(job: RLJob) -> dict[str, Any]:
+    sts = next(c for c in desired(job) if c["kind"] == "StatefulSet")
+    sts["metadata"]["generation"] = 2
+    n = sts["spec"]["replicas"]
+    sts["status"] = {"observedGeneration": 2, "replicas": n, "readyReplicas": n, "updatedReplicas": n}
+    return sts
+
+
+def _running_rayjob() -> dict[str, Any]:
+    return {"spec": {"suspend": False}, "status": {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}}
+
+
+def _conds(status: Any) -> dict[str, Any]:
+    return {c.type: c for c in status.conditions}
+
+
+def _with(job: RLJob, status: Any) -> RLJob:
+    return job.model_copy(update={"status": status})
+
+
+def test_python_rule_error_is_valid_false_incompatible_settings_and_ready_carries_it():
+    job = _job(**{"inference.image": "vllm/vllm-openai:v0.13.0"})
+    obs = Observed(rule_errors=tuple(errors(evaluate(job.spec))))
+    c = _conds(compute_status(job, obs, T0))
+    assert (c["Valid"].status, c["Valid"].reason) == ("False", "IncompatibleSettings")
+    assert "R3-VLLM-MIN-VERSION" in c["Valid"].message
+    assert (c["Ready"].status, c["Ready"].reason) == ("False", "IncompatibleSettings")
+    assert all(cond.observed_generation == 1 for cond in c.values())
+
+
+def test_kuberay_missing_reason():
+    c = _conds(compute_status(_job(), Observed(kuberay_installed=False), T0))
+    assert (c["Valid"].status, c["Valid"].reason) == ("False", "KubeRayMissing")
+    assert c["Ready"].reason == "KubeRayMissing"
+
+
+def test_r3_is_ready_only_after_a_canary_for_the_current_engine_hash():
+    job = _job()
+    running = Observed(engine_set=_ready_sts(job), ray_job=_running_rayjob())
+    c = _conds(compute_status(job, running, T0))
+    assert c["EnginesReady"].status == "True" and c["TrainerReady"].status == "True"
+    assert (c["RoutingReplayActive"].status, c["RoutingReplayActive"].reason) == ("Unknown", "CanaryPending")
+    assert (c["Ready"].status, c["Ready"].reason) == ("False", "CanaryPending")
+    stale = CanaryResult(True, "ok", engine_hash="old")
+    assert _conds(compute_status(job, _obs(running, canary=stale), T0))["Ready"].status == "False"
+    passed = CanaryResult(True, "shape ok", engine_hash=engine_spec_hash(job.spec), shape=(5, 48, 8))
+    c = _conds(compute_status(job, _obs(running, canary=passed), T0))
+    assert (c["RoutingReplayActive"].status, c["Ready"].status, c["Ready"].reason) == ("True", "True", "Ready")
+
+
+def _obs(base: Observed, **changes: Any) -> Observed:
+    return dataclasses.replace(base, **changes)
+
+
+def test_without_engines_routing_replay_stays_unknown_with_a_reason_and_r2_does_not_need_it():
+    c = _conds(compute_status(_job(), Observed(), T0))
+    assert (c["RoutingReplayActive"].status, c["RoutingReplayActive"].reason) == ("Unknown", "EnginesNotReady")
+    r2 = _job(**{"routingReplay.mode": "R2"})
+    c = _conds(compute_status(r2, Observed(engine_set=_ready_sts(r2), ray_job=_running_rayjob()), T0))
+    assert (c["RoutingReplayActive"].status, c["RoutingReplayActive"].reason) == ("False", "TrainerSideReplay")
+    assert c["Ready"].status == "True"
+
+
+def test_last_transition_time_changes_only_on_flips_and_terminal_conditions_are_sticky():
+    job = _job()
+    first = compute_status(job, Observed(), T0)
+    again = compute_status(_with(job, first), Observed(), T1)
+    assert _conds(again)["Valid"].last_transition_time == _conds(first)["Valid"].last_transition_time
+    assert not status_changed(first, again)
+    done = Observed(ray_job={"spec": {}, "status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}})
+    succeeded = compute_status(_with(job, again), done, T1)
+    assert _conds(succeeded)["Succeeded"].status == "True"
+    assert _conds(succeeded)["Succeeded"].last_transition_time == "2026-01-01T00:05:00Z"
+    assert succeeded.completion_time == "2026-01-01T00:05:00Z"
+    gone = compute_status(_with(job, succeeded), Observed(workloads_deleted=True), T1 + dt.timedelta(hours=1))
+    assert _conds(gone)["Succeeded"].status == "True"  # the RayJob is gone; the verdict stays
+    assert _conds(gone)["Progressing"].reason == "WorkloadsDeleted"
+
+
+def test_progress_is_preserved_and_never_written_by_the_operator():
+    job = _job()
+    first = compute_status(job, Observed(), T0)
+    with_progress = first.model_copy(update={"progress": Progress(step=42)})
+    new = compute_status(_with(job, with_progress), Observed(), T1)
+    assert new.progress is not None and new.progress.step == 42
+    assert "progress" not in status_patch(new)["status"]
+    assert not status_changed(with_progress, new)
+
+
+def test_transitions_fire_once_per_flip_and_once_for_an_invalid_spec():
+    job = _job(**{"inference.image": "vllm/vllm-openai:v0.13.0"})
+    obs = Observed(rule_errors=tuple(errors(evaluate(job.spec))))
+    first = compute_status(job, obs, T0)
+    assert [(c.type, c.reason) for c in transitions(None, first) if c.type == "Valid"] == [
+        ("Valid", "IncompatibleSettings")
+    ]
+    again = compute_status(_with(job, first), obs, T1)
+    assert transitions(first, again) == []
+    fixed = compute_status(_with(_job(generation=2), again), Observed(), T1)
+    assert ("Valid", "True") in [(c.type, c.status.value) for c in transitions(again, fixed)]
+
+
+def test_engines_ready_counts_replicas_and_reports_updates():
+    job = _job()
+    sts = _ready_sts(job)
+    sts["status"]["updatedReplicas"] = 2
+    status = compute_status(job, Observed(engine_set=sts, ray_job=_running_rayjob()), T0)
+    assert (_conds(status)["EnginesReady"].reason, status.engines_ready) == ("Updating", "4/4")
+
+
+def _npy(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_check_routed_experts_decodes_and_checks_the_shape():
+    assert check_routed_experts(_npy(np.zeros((5, 48, 8), np.uint8)), num_layers=48, top_k=8).ok
+    wrong = check_routed_experts(_npy(np.zeros((5, 47, 8), np.uint8)), num_layers=48, top_k=8)
+    assert not wrong.ok and "[5, 47, 8]" in wrong.message
+    assert "no routed_experts" in check_routed_experts(None, num_layers=48, top_k=8).message
+    assert not check_routed_experts("not base64!", num_layers=48, top_k=8).ok
+
+
+@pytest.mark.parametrize(("layers", "ok"), [(4, True), (3, False)])
+async def test_canary_client_against_a_local_openai_server(layers: int, ok: bool, aiohttp_free_port: int):
+    seen: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        routes = _npy(np.zeros((6, layers, 2), np.uint8))
+        return web.json_response({"choices": [{"index": 0, "text": " 5", "routed_experts": routes}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", aiohttp_free_port).start()
+    try:
+        result = await run_canary(f"http://127.0.0.1:{aiohttp_free_port}", model="m", num_layers=4, top_k=2)
+    finally:
+        await runner.cleanup()
+    assert result.ok is ok
+    assert seen[0]["model"] == "m" and seen[0]["max_tokens"] == 2
+    refused = await run_canary(f"http://127.0.0.1:{aiohttp_free_port}", model="m", num_layers=4, top_k=2, timeout_s=2)
+    assert not refused.ok and "POST" in refused.message
+
+
+@pytest.fixture
+def aiohttp_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
