@@ -1,0 +1,119 @@
+"""Process group + megatron parallel_state set-up, and the two CPU shims a local-spec forward needs.
+
+On a CPU-only torch, megatron-core 0.19.2's forward path calls CUDA in exactly two places that the
+local (non-Transformer-Engine) spec cannot avoid:
+
+- `RotaryEmbedding.get_emb` and `Router.gating` move tensors to `torch.cuda.current_device()`;
+- `DotProductAttention.forward` forks the CUDA RNG tracker (`get_cuda_rng_tracker().fork()`) around
+  attention dropout, even when dropout is 0.
+
+`install_cpu_shims()` makes `torch.cuda.current_device()` return "cpu" and installs an RNG tracker whose
+`fork()` is a no-op. Neither touches routing, replay or any arithmetic; both are refused when CUDA exists.
+A third CUDA-only default (`get_default_causal_mask` builds the causal mask on "cuda") is avoided by always
+passing an explicit attention mask, which the trainer needs anyway for padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+_SHIMS_INSTALLED = False
+
+
+def install_cpu_shims() -> None:
+    global _SHIMS_INSTALLED
+    import torch
+
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU shims are for CUDA-less torch only")
+    if _SHIMS_INSTALLED:
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+
+    class _CpuRngTracker(mrandom.CudaRNGStatesTracker):
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:  # dropout is 0: nothing to fork
+            yield
+
+        def add(self, name: str, seed: int) -> None:
+            self.states_[name] = None
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _SHIMS_INSTALLED = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: Any | None) -> ParallelSizes:
+        """From the RLJob `trainer.megatron` block (r3operator.api.v1alpha1.MegatronSpec) or None."""
+        if spec is None:
+            return cls()
+        return cls(
+            tp=spec.tensor_parallel_size,
+            pp=spec.pipeline_parallel_size,
+            cp=spec.context_parallel_size,
+            ep=spec.expert_parallel_size,
+            etp=spec.expert_tensor_parallel_size,
+            sequence_parallel=spec.sequence_parallel,
+        )
+
+
+def init_parallel(sizes: ParallelSizes, device: str, *, seed: int = 0) -> None:
+    """torch.distributed (env:// under torchrun, else a 1-process group) + megatron parallel_state."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    cuda = device.startswith("cuda")
+    if not cuda:
+        install_cpu_shims()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if ps.model_parallel_is_initialized():
+        same = (
+            ps.get_tensor_model_parallel_world_size() == sizes.tp
+            and ps.get_pipeline_model_parallel_world_size() == sizes.pp
+            and ps.get_context_parallel_world_size() == sizes.cp
+            and ps.get_expert_model_parallel_world_size() == sizes.ep
+        )
+        if same:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
+    )
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
