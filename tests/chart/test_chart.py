@@ -1,0 +1,189 @@
+"""The chart: lint, schema validation, least-privilege RBAC, security settings, CRD and generated files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from r3operator.observability import rules
+from r3operator.observability.generate import CRD_COPY
+from tests.chart.conftest import ALL_ON, CHART, NAMESPACED, REPO, helm_template
+
+MIN_KUBERNETES = "1.29.0"  # Chart.yaml kubeVersion; CEL validation rules are GA from 1.29
+
+
+def test_helm_lint_strict(helm: str) -> None:
+    for sets in ((), NAMESPACED + ALL_ON):
+        args = [helm, "lint", "--strict", str(CHART)] + [a for s in sets for a in ("--set", s)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("sets", [(), ALL_ON, NAMESPACED + ALL_ON, ("crds.install=false", "rbac.create=false",
+                                  "serviceAccount.create=false", "serviceAccount.name=ops")], ids=str)
+def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path: Path, sets: tuple[str, ...]) -> None:
+    manifest = tmp_path / "chart.yaml"
+    manifest.write_text(render(*sets).text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", MIN_KUBERNETES, str(manifest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "passed for resource deployment/" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ("replicaCount=0", "/replicaCount"),
+        ("replicaCount=2", "/replicaCount"),
+        ("image.tag=latest", "/image/tag"),
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("image.digest=sha256:nothex", "/image/digest"),
+        ("watch.mode=everywhere", "/watch/mode"),
+        ("watch.mode=namespaced", "/watch/namespaces"),
+        ("watch.namespaces={Bad_Name}", "/watch/namespaces/0"),
+        ("operator.logLevel=loud", "/operator/logLevel"),
+        ("operator.metricsPort=80", "/operator/metricsPort"),
+        ("metrics.podMonitor.interval=often", "/metrics/podMonitor/interval"),
+        ("dashboards.enabled=maybe", "/dashboards/enabled"),
+        ("unknownKey=1", "unknownKey"),
+        ("operator.typo=1", "typo"),
+    ],
+)
+def test_values_schema_rejects_bad_values(helm: str, bad: str, field: str) -> None:
+    proc = helm_template(helm, bad)
+    assert proc.returncode != 0, f"--set {bad} rendered"
+    assert "schema" in proc.stderr and field in proc.stderr, proc.stderr
+
+
+def test_servicemonitor_needs_the_service(helm: str) -> None:
+    proc = helm_template(helm, "metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false")
+    assert proc.returncode != 0 and "metrics.service.enabled" in proc.stderr
+
+
+def _rbac_rules(docs) -> list[dict]:
+    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+
+
+@pytest.mark.parametrize("sets", [ALL_ON, NAMESPACED + ALL_ON], ids=["cluster", "namespaced"])
+def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: tuple[str, ...]) -> None:
+    granted = set()
+    for rule in _rbac_rules(render(*sets)):
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], f"wildcard in {key}: {rule}"
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    crud = ("get", "list", "watch", "create", "patch", "update", "delete")
+    expected = (
+        {("r3operator.io", "rljobs", v) for v in ("get", "list", "watch", "patch", "update")}
+        | {("r3operator.io", "rljobs/status", v) for v in ("get", "patch", "update")}
+        | {("apps", "statefulsets", v) for v in crud}
+        | {("", r, v) for r in ("services", "configmaps", "persistentvolumeclaims") for v in crud}
+        | {(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")}
+        | {("ray.io", "rayjobs", v) for v in crud}
+        | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
+        | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
+    )
+    assert granted == expected
+    # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation.
+    assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "roles", "clusterroles"}
+
+
+def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
+    docs = render()
+    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator", "r3-r3operator-crd-reader"}
+    assert not docs.kind("Role") and not docs.kind("RoleBinding")
+    args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["operator", "--all-namespaces"]
+
+
+def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
+    docs = render(*NAMESPACED)
+    assert {d["metadata"]["namespace"] for d in docs.kind("Role")} == {"team-a", "team-b"}
+    assert {d["metadata"]["namespace"] for d in docs.kind("RoleBinding")} == {"team-a", "team-b"}
+    for binding in docs.kind("RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
+    # Only the CRD reader stays cluster-wide (CRDs are cluster-scoped).
+    (cluster_role,) = docs.kind("ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                                      "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]}]
+    args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" not in args
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
+
+
+def test_deployment_is_single_recreate_non_root_read_only(render) -> None:
+    deployment = render().one("Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    health = next(p for p in container["ports"] if p["name"] == "healthz")["containerPort"]
+    assert f"--liveness=http://0.0.0.0:{health}/healthz" in container["args"]
+    assert container["image"] == "ghcr.io/r3operator/operator:0.1.0"  # appVersion, never latest
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_image_digest_wins_over_tag(render) -> None:
+    digest = "sha256:" + "a" * 64
+    container = render(f"image.digest={digest}").one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"ghcr.io/r3operator/operator@{digest}"
+
+
+def test_crd_template_is_the_generated_crd_plus_the_keep_policy(render) -> None:
+    source = yaml.safe_load((REPO / "crds/rljob.yaml").read_text())
+    rendered = render().one("CustomResourceDefinition")
+    assert rendered["metadata"]["annotations"].pop("helm.sh/resource-policy") == "keep"
+    assert rendered == source
+    assert not render("crds.install=false").kind("CustomResourceDefinition")
+
+
+def test_chart_crd_copy_is_byte_identical_to_crds_dir() -> None:
+    assert (REPO / CRD_COPY).read_bytes() == (REPO / "crds/rljob.yaml").read_bytes(), (
+        "charts/r3operator/files/crds/rljob.yaml is stale: run python -m r3operator.observability.generate"
+    )
+    assert not (CHART / "crds").exists(), "a chart crds/ dir would be installed once and never upgraded"
+
+
+def test_dashboards_configmap_carries_every_generated_dashboard(render) -> None:
+    configmap = next(d for d in render().kind("ConfigMap") if d["metadata"]["name"].endswith("-dashboards"))
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert len(files) == 4
+    assert {k: v.rstrip("\n") for k, v in configmap["data"].items()} == {k: v.rstrip("\n") for k, v in files.items()}
+    off = render("dashboards.enabled=false").kind("ConfigMap")
+    assert not [d for d in off if "dashboards" in d["metadata"]["name"]]
+
+
+def test_prometheus_rule_and_monitors_render_only_when_enabled(render) -> None:
+    assert not render().kind("PrometheusRule") and not render().kind("PodMonitor")
+    docs = render(*ALL_ON)
+    assert docs.one("PrometheusRule")["spec"] == rules.rule_groups()
+    endpoint = docs.one("PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    assert docs.one("ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"] is True
+
+
+def test_notes_tell_the_next_commands(helm: str) -> None:
+    proc = subprocess.run(
+        [helm, "install", "r3", str(CHART), "--dry-run=client", "-n", "r3-system", *("--set", NAMESPACED[0]),
+         *("--set", NAMESPACED[1])], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "kubectl apply -f examples/qwen3-30b-a3b-r3-fsdp.yaml" in notes
+    assert "kubectl get rlj -n rl -w" in notes
+    assert "must be one of team-a, team-b" in notes
+    assert (REPO / "examples/qwen3-30b-a3b-r3-fsdp.yaml").exists()
