@@ -1,0 +1,126 @@
+"""vLLM worker extension for multi-chunk weight sync inside ONE layerwise-reload bracket.
+
+Pass `worker_extension_cls="r3operator.engine.worker.WeightSyncWorkerExtension"` to `vllm.LLM` (or
+`--worker-extension-cls` to `vllm serve`) and call the methods through `collective_rpc`.
+
+Why a bracket (reference §2.6, SkyRL #1737, vLLM #42821): after loading, vLLM converts MoE weights to
+a kernel layout in place while keeping the checkpoint-format `weight_loader`; a second raw
+`model.load_weights` then writes checkpoint-layout bytes into kernel-layout buffers, and the per-chunk
+`reload_weights` restores every layer *absent* from the chunk. The correct sequence is:
+
+    r3_begin_weight_update()        initialize_layerwise_reload(model)            once
+    r3_load_chunk(chunk) × N        model.load_weights(chunk)  (loaders buffer per layer,
+                                     a layer is processed when all its weights arrived)
+    r3_finish_weight_update()       finalize_layerwise_reload(model, model_config) once
+
+then the driver resets the prefix cache (cached KV and routes predate the new policy).
+
+Every attribute here is prefixed `r3_` / `_r3_`: vLLM >= 0.22 asserts that an extension never shadows a
+`Worker` attribute (SkyRL's `start_weight_update` collided with the native method and killed every
+worker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+WORKER_EXTENSION_CLS = f"{__name__}.WeightSyncWorkerExtension"
+
+
+class WeightUpdateStateError(RuntimeError):
+    """A weight-update call came out of order (chunk outside a bracket, nested begin, finish without begin)."""
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's Worker by `worker_extension_cls`; `self` is the Worker."""
+
+    _r3_update_active: bool = False
+    _r3_chunks_loaded: int = 0
+    _r3_tensors_loaded: int = 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _r3_model(self) -> Any:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def _r3_context(self) -> ExitStack:
+        """vLLM config + target device current, as layerwise processing allocates and reads config."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        stack = ExitStack()
+        stack.enter_context(set_current_vllm_config(self.vllm_config))  # type: ignore[attr-defined]
+        stack.enter_context(torch.device(self.device))  # type: ignore[attr-defined]
+        return stack
+
+    # -- the bracket ------------------------------------------------------------------------------
+    def r3_begin_weight_update(self) -> None:
+        from r3operator.engine.plugin import self_check
+
+        if self._r3_update_active:
+            raise WeightUpdateStateError(
+                "r3_begin_weight_update: an update is already active; call r3_finish_weight_update "
+                "(or r3_abort_weight_update) first"
+            )
+        api = self_check().reload_api
+        with self._r3_context():
+            api["initialize_layerwise_reload"](self._r3_model())
+        self._r3_update_active = True
+        self._r3_chunks_loaded = 0
+        self._r3_tensors_loaded = 0
+
+    def r3_load_chunk(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
+        """Load one chunk of checkpoint-format (HF names) tensors; returns how many were loaded."""
+        if not self._r3_update_active:
+            raise WeightUpdateStateError("r3_load_chunk outside r3_begin_weight_update/r3_finish_weight_update")
+        with self._r3_context():
+            loaded = self._r3_model().load_weights(iter(list(named_tensors)))
+        self._r3_chunks_loaded += 1
+        count = len(loaded) if loaded is not None else len(named_tensors)
+        self._r3_tensors_loaded += count
+        return count
+
+    def r3_load_chunk_from_file(self, path: str) -> int:
+        """Load one chunk written as safetensors on a shared volume (engines reached over HTTP)."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(path, device="cpu")
+        return self.r3_load_chunk(sorted(tensors.items()))
+
+    def r3_finish_weight_update(self) -> dict[str, int]:
+        if not self._r3_update_active:
+            raise WeightUpdateStateError("r3_finish_weight_update without r3_begin_weight_update")
+        from r3operator.engine.plugin import self_check
+
+        api = self_check().reload_api
+        try:
+            with self._r3_context():
+                api["finalize_layerwise_reload"](self._r3_model(), self.model_config)  # type: ignore[attr-defined]
+        finally:
+            self._r3_update_active = False
+        return {"chunks": self._r3_chunks_loaded, "tensors": self._r3_tensors_loaded}
+
+    def r3_abort_weight_update(self) -> None:
+        """Close a bracket left open by a failed sync, so the next begin does not raise forever."""
+        if self._r3_update_active:
+            self.r3_finish_weight_update()
+
+    # -- diagnostics ------------------------------------------------------------------------------
+    def r3_weights_digest(self, names: Iterable[str] | None = None) -> str:
+        """sha256 over (name, dtype, shape, bytes) of the engine's parameters (kernel layout)."""
+        import torch
+
+        wanted = set(names) if names is not None else None
+        digest = hashlib.sha256()
+        for name, param in sorted(self._r3_model().named_parameters()):
+            if wanted is not None and name not in wanted:
+                continue
+            tensor = param.detach().to("cpu").contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
+
+    def r3_weight_update_active(self) -> bool:
+        return self._r3_update_active

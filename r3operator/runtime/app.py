@@ -1,0 +1,118 @@
+"""Entry points shared by `r3operator run`, `python -m r3operator.runtime` and the trainer pod."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
+from r3operator.runtime.progress import StepTable
+from r3operator.runtime.report import read_rows, write_plot, write_report
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def build_settings(
+    file: Path | None,
+    *,
+    config: Path | None = None,
+    steps: int | None = None,
+    out_dir: Path = Path("runs"),
+    resume: bool = True,
+    device: str = "auto",
+    model: str | None = None,
+    metrics_port: int | None = None,
+) -> RunSettings:
+    """Overrides: `steps`/`model` arguments, else env R3_STEPS / R3_MODEL (e.g. R3_MODEL=gpu)."""
+    engine_urls: list[str] = []
+    run_dir: Path | None = None
+    if config is not None:
+        job, data = load_job_config(config)
+        engine_urls = list(data.get("engines") or [])
+        run_dir = Path(data["runDir"]) if data.get("runDir") else None
+    elif file is not None:
+        job = load_job_file(file)
+    else:
+        raise ValueError("give an RLJob file or --config")
+    if env_urls := os.environ.get("R3_ENGINE_URLS"):
+        engine_urls = [u for u in env_urls.split(",") if u]
+    total = steps or _env_int("R3_STEPS") or job.spec.algorithm.steps
+    port = metrics_port if metrics_port is not None else (job.spec.monitoring.port if config else 0)
+    return RunSettings(
+        job=job,
+        run_dir=run_dir or out_dir / job.metadata.name,
+        device=resolve_device(device),
+        steps=total,
+        resume=resume,
+        model_override=model or os.environ.get("R3_MODEL") or None,
+        metrics_port=port or None,
+        engine_urls=engine_urls,
+        engine_dtype=os.environ.get("R3_ENGINE_DTYPE", "float32"),
+    )
+
+
+def _prepare_env(device: str) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device.startswith("cuda"):
+        # The driver touches CUDA (trainer) before any engine exists; see docs/real-vllm.md.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def run_once(settings: RunSettings, *, engines: Any = None, label: str | None = None) -> list[dict[str, Any]]:
+    from r3operator.runtime.loop import GRPORun
+
+    _prepare_env(settings.device)
+    run = GRPORun(settings, engines=engines)
+    title = f"{settings.name} [{label or run.mode.value}] on {settings.device}"
+    with StepTable(title, total_steps=settings.steps, enabled=settings.show_progress) as table:
+        run.run(table=table)
+    run.engines_used = run.engines  # type: ignore[attr-defined]
+    _LAST_RUN["run"] = run
+    return read_rows(settings.run_dir / "metrics.csv")
+
+
+_LAST_RUN: dict[str, Any] = {}
+
+
+def run_job(settings: RunSettings, *, compare_replay: bool = False) -> Path:
+    """Run (or compare replay off vs on) and write metrics.csv, report.md and plot.png; return the run dir."""
+    from dataclasses import replace
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    begin = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    engines = None
+    if compare_replay:
+        for label, mode in (("replay off (Disabled)", "Disabled"), ("replay on (R3)", "R3")):
+            sub = replace(settings, replay_override=mode, run_dir=settings.run_dir / mode.lower())
+            runs[label] = run_once(sub, engines=engines, label=label)
+            engines = _LAST_RUN["run"].engines
+    else:
+        runs[settings.job.spec.routing_replay.mode.value] = run_once(settings)
+    run = _LAST_RUN["run"]
+    out = settings.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    write_plot(out / "plot.png", runs)
+    facts = {
+        "model": str(run.model_dir),
+        "device": settings.device,
+        "vLLM": run.vllm_version,
+        "engine dtype": settings.engine_dtype,
+        "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
+        "steps": settings.steps,
+        "wall time (s, this invocation, incl. engine start)": f"{time.perf_counter() - begin:.1f}",
+    }
+    text = write_report(out / "report.md", job_name=settings.name, runs=runs, facts=facts)
+    if settings.show_progress:
+        from rich.console import Console
+
+        Console().print(text)
+    return out

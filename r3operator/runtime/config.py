@@ -1,0 +1,113 @@
+"""What the driver runs: the RLJob (from a file or the operator's ConfigMap) plus local overrides.
+
+In a pod the operator mounts a ConfigMap at `/etc/r3operator/config.json`:
+
+    {"rljob": <the RLJob manifest, or just its spec>, "engines": ["http://<job>-engine-0:8000", ...],
+     "runDir": "/data/runs/<job>"}
+
+`engines` (or env R3_ENGINE_URLS, comma-separated) switches rollouts to HTTP engine Services; without
+it the driver starts in-process vLLM engines in Ray actors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from r3operator.api.load import RLJobLoadError, load_rljob, parse_rljob
+from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+
+REFERENCE_PREFIX = "r3operator://reference/"
+DEFAULT_CONFIG_PATH = Path("/etc/r3operator/config.json")
+
+
+@dataclass
+class RunSettings:
+    job: RLJob
+    run_dir: Path
+    device: str = "cpu"
+    steps: int = 1
+    resume: bool = True
+    model_override: str | None = None
+    replay_override: str | None = None  # "R3" / "R2" / "Disabled" (compare-replay)
+    metrics_port: int | None = None
+    engine_urls: list[str] = field(default_factory=list)
+    engine_dtype: str = "float32"
+    show_progress: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.job.metadata.name
+
+
+def load_job_file(path: Path) -> RLJob:
+    return load_rljob(path)
+
+
+def load_job_config(path: Path) -> tuple[RLJob, dict[str, Any]]:
+    """The operator's ConfigMap JSON: the RLJob (manifest or spec) under "rljob"."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RLJobLoadError(str(path), []) from exc
+    if not isinstance(data, dict) or "rljob" not in data:
+        raise ValueError(f"{path}: expected a JSON object with key 'rljob'")
+    obj = data["rljob"]
+    if isinstance(obj, dict) and "apiVersion" not in obj:  # spec only: wrap with name/namespace from env
+        obj = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {
+                "name": os.environ.get("R3_RLJOB_NAME", "rljob"),
+                "namespace": os.environ.get("R3_RLJOB_NAMESPACE"),
+            },
+            "spec": obj,
+        }
+    return parse_rljob(obj, source=f"{path}:rljob"), data
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_model_dir(job: RLJob, override: str | None = None) -> Path:
+    """Local directory of the policy model. `override` (a reference name or a path) wins."""
+    from r3operator.models import ensure_reference_model
+
+    if override:
+        path = Path(override)
+        return path if path.is_dir() else ensure_reference_model(override)
+    if env_dir := os.environ.get("R3_MODEL_DIR"):
+        return Path(env_dir)
+    uri = job.spec.model.uri
+    if uri.startswith(REFERENCE_PREFIX):
+        return ensure_reference_model(uri.removeprefix(REFERENCE_PREFIX))
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    raise ValueError(
+        f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name> or file:// models; "
+        "for hf://, s3://, gs:// or pvc:// the operator mounts the model and sets R3_MODEL_DIR"
+    )
+
+
+def check_architecture(job: RLJob, hf_config: Any) -> None:
+    """spec.model.architecture must describe the model actually loaded (routes are shaped by it)."""
+    arch = job.spec.model.architecture
+    if arch is None:
+        return
+    actual = {
+        "numLayers": hf_config.num_hidden_layers,
+        "numExperts": getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None),
+        "topK": hf_config.num_experts_per_tok,
+    }
+    declared = {"numLayers": arch.num_layers, "numExperts": arch.num_experts, "topK": arch.top_k}
+    wrong = [f"{k}={declared[k]} (model has {actual[k]})" for k in declared if declared[k] != actual[k]]
+    if wrong:
+        raise ValueError("spec.model.architecture does not match the model: " + ", ".join(wrong))

@@ -1,0 +1,363 @@
+"""The GRPO driver: one RL step = the numbered, individually timed phases below.
+
+    1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
+                    (R3: routes written to the routing store on the volume)
+    2 reward        rule-based reward per sample
+    3 advantages    GRPO, normalised within each prompt's group
+    4 routes        R3: read each sample's routes back from the store (checksummed); a sample whose
+                    routes are missing/invalid/unreadable is dropped loudly and counted, never replayed
+    5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
+    6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
+    7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
+                    then prefix-cache reset
+    8 canary        greedy decode of fixed prompts on engine == trainer, else CanaryMismatchError
+    9 metrics       Prometheus, metrics.csv, RLJob status.progress
+   10 checkpoint    atomic, at the step boundary
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from r3operator.api.enums import ReplayMode
+from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.routing.codec import decode
+from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.store import RoutingStore
+from r3operator.runtime import checkpoint as ckpt
+from r3operator.runtime.batch import TrainBatch, build_batch
+from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
+from r3operator.runtime.engines import EngineGroup
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.progress import StepTable
+from r3operator.runtime.report import append_row
+from r3operator.runtime.trainer import OldPass, PolicyTrainer, UpdateStats
+from r3operator.runtime.weights import checkpoint_tensors, chunk_tensors
+from r3operator.trainer.grpo import tasks
+from r3operator.trainer.grpo.advantages import group_advantages
+from r3operator.trainer.metrics import routing_agreement
+
+log = logging.getLogger("r3operator.runtime")
+CANARY_PROMPTS = 4
+SFT_BATCH = 32
+
+
+class CanaryMismatchError(RuntimeError):
+    """After a weight sync, the engine's greedy decode differs from the trainer's: the sync is broken."""
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
+
+
+class GRPORun:
+    def __init__(self, settings: RunSettings, *, engines: EngineGroup | None = None) -> None:
+        self.s = settings
+        spec = settings.job.spec
+        self.spec = spec
+        self.mode = ReplayMode(settings.replay_override) if settings.replay_override else spec.routing_replay.mode
+        if spec.algorithm.use_kl_loss or spec.algorithm.kl_in_reward:
+            raise ValueError("spec.algorithm.useKLLoss/klInReward: KL to a reference model is not in this runtime yet")
+        self.run_dir = settings.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = resolve_model_dir(settings.job, settings.model_override)
+        self.engines = engines
+        self.trainer: PolicyTrainer | None = None
+        self.store = RoutingStore(self.run_dir / "routes", durable=False)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)
+        self.status = StatusPusher()
+        self.policy_version = 0
+        self.start_step = 1
+        self.last_checkpoint_step: int | None = None
+        self.rows: list[dict[str, Any]] = []
+
+    # -- setup --------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        if not self.s.model_override:
+            check_architecture(self.s.job, hf_config)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.num_experts = int(hf_config.num_experts)
+        self.pool = tasks.problems(self.spec.task.name, vocab_size=self.vocab_size)
+        self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
+        self.canary_tokens = tasks.max_answer_tokens(self.spec.task.name, vocab_size=self.vocab_size)
+        self.trainer = PolicyTrainer(
+            self.model_dir,
+            device=self.s.device,
+            learning_rate=self.spec.algorithm.learning_rate,
+            seed=self.spec.seed,
+            use_fsdp=self.s.device.startswith("cuda"),
+        )
+        if self.engines is None:
+            self.engines = start_engines(self.s, self.model_dir)
+        self.vllm_version = self.engines.vllm_version()
+        if self.s.resume and (info := ckpt.find_latest(self.ckpt_root)) is not None:
+            state = ckpt.load_checkpoint(info)
+            self.trainer.load_state(state["model"], state["optimizer"])
+            ckpt.set_rng_state(state["rng"])
+            self.start_step, self.policy_version = info.step + 1, info.policy_version
+            self.last_checkpoint_step = info.step
+            log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
+        elif self.spec.algorithm.sft_warmup_steps:
+            self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
+        # Engines may hold other weights (a fresh start, a previous run): sync once before step 1.
+        self.sync_weights()
+        self.canary()
+
+    def sft_warmup(self, steps: int) -> list[float]:
+        assert self.trainer is not None
+        rng = np.random.default_rng([self.spec.seed, 7])
+        losses = []
+        for _ in range(steps):
+            batch = tasks.sample_problems(self.pool, count=SFT_BATCH, rng=rng)
+            losses.append(self.trainer.sft_step([p.prompt_ids for p in batch], [p.answer_ids for p in batch]))
+        return losses
+
+    # -- the numbered phases ------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[list[RolloutSample], list[tasks.Problem]]:
+        """1. Generate `groupSize` samples for `promptsPerStep` prompts (deterministic per seed, step)."""
+        assert self.engines is not None
+        ro = self.spec.rollout
+        problems = tasks.sample_problems(
+            self.pool, count=ro.prompts_per_step, rng=np.random.default_rng([self.spec.seed, step])
+        )
+        samples = self.engines.generate(
+            [p.prompt_ids for p in problems],
+            max_tokens=ro.max_tokens,
+            temperature=ro.temperature,
+            seed=self.spec.seed * 1_000_003 + step * 10_007,
+            n=ro.group_size,
+        )
+        self.metrics.r3.observe_rollout(samples)
+        if self.mode is ReplayMode.R3:
+            write_samples(self.store, samples, step=step, num_experts=self.num_experts,
+                          policy_version=self.policy_version)  # fmt: skip
+        return samples, problems
+
+    def score(self, samples: Sequence[RolloutSample], problems: Sequence[tasks.Problem]) -> np.ndarray:
+        """2. Rule-based reward of each sample against its prompt's answer."""
+        kind = self.spec.task.reward
+        return np.asarray(
+            [tasks.reward(s.token_ids, problems[s.prompt_index].answer_ids, kind=kind) for s in samples],
+            dtype=np.float32,
+        )
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        """3. GRPO advantages, normalised within each prompt's group."""
+        return group_advantages(rewards, group_size=self.spec.rollout.group_size)
+
+    def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch:
+        """4. Build the batch. R3: routes from the store; a sample without valid routes is dropped."""
+        assert self.trainer is not None
+        kept, kept_adv, routes = [], [], []
+        for sample, a in zip(samples, adv, strict=True):
+            if self.mode is ReplayMode.R3:
+                array = self._read_routes(step, sample)
+                if array is None:
+                    continue
+            else:  # metrics only: R2/Disabled never replay rollout routes
+                array = decode(sample.routes) if sample.routes is not None else None
+            kept.append(sample)
+            kept_adv.append(a)
+            routes.append(array)
+        have_all = routes and all(r is not None for r in routes)
+        return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
+                           device=self.s.device)  # fmt: skip
+
+    def _read_routes(self, step: int, sample: RolloutSample) -> np.ndarray | None:
+        if sample.routes_status != "ok":
+            self._drop(sample, sample.routes_status, sample.routes_error or "")
+            return None
+        try:
+            record = self.store.get(step=step, sample_id=sample.sample_id)
+            array = decode(record.routes, num_experts=self.num_experts)
+        except RoutingDataError as exc:  # RoutingFileError (corrupt/truncated/missing file) included
+            self.metrics.r3._get("r3_routes_invalid_total").inc()
+            self._drop(sample, "routing_file", str(exc))
+            return None
+        return array
+
+    def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
+        log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)
+        self.metrics.inc("r3_samples_dropped_total", reason=reason)
+        self.dropped.append((sample.sample_id, reason))
+
+    def old_logprobs(self, batch: TrainBatch) -> OldPass:
+        """5. Old-logprob forward under the mode's routing."""
+        assert self.trainer is not None
+        self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)
+        try:
+            return self.trainer.old_logprobs(batch, self.mode)
+        finally:
+            self.metrics.r3.set_replay_active(False)
+
+    def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
+        """6. PPO-clip update with the same replay as the old-logprob pass."""
+        assert self.trainer is not None
+        alg = self.spec.algorithm
+        self.metrics.r3.set_replay_active(old.replay_ids is not None)
+        try:
+            return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
+                                       clip_high=alg.clip_ratio_high)  # fmt: skip
+        finally:
+            self.metrics.r3.set_replay_active(False)
+
+    def sync_weights(self) -> dict[str, int]:
+        """7. Chunked weight sync to every engine, one layerwise-reload bracket each."""
+        assert self.trainer is not None and self.engines is not None
+        mb = self.spec.weight_sync.chunk_size_mb
+        begin = time.perf_counter()
+        result = self.engines.update_weights(
+            lambda: chunk_tensors(checkpoint_tensors(self.trainer.model_state_dict()), chunk_size_mb=mb)
+        )
+        self.policy_version += 1
+        self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
+        return result
+
+    def canary(self) -> bool:
+        """8. Engine greedy == trainer greedy on fixed prompts; raises CanaryMismatchError otherwise."""
+        assert self.trainer is not None and self.engines is not None
+        if not self.spec.weight_sync.canary:
+            return False
+        want = self.trainer.greedy(self.canary_prompts, max_tokens=self.canary_tokens)
+        for engine_no, got in enumerate(self.engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens)):
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                if g != w:
+                    pos = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+                    self.metrics.set("r3_weight_sync_canary_ok", 0.0)
+                    raise CanaryMismatchError(
+                        f"weight-sync canary failed after policy version {self.policy_version}: engine {engine_no}, "
+                        f"prompt {i} {list(self.canary_prompts[i])}: first difference at generated token {pos}: "
+                        f"engine {g} vs trainer {w}"
+                    )
+        self.metrics.set("r3_weight_sync_canary_ok", 1.0)
+        return True
+
+    # -- one step -----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, Any]:
+        timer = PhaseTimer()
+        self.dropped: list[tuple[str, str]] = []
+        begin = time.perf_counter()
+        with timer("rollout"):
+            samples, problems = self.rollout(step)
+        with timer("reward"):
+            rewards = self.score(samples, problems)
+        with timer("advantages"):
+            adv = self.advantages(rewards)
+        with timer("routes"):
+            batch = self.load_routes(step, samples, adv)
+        with timer("old_logprob"):
+            old = self.old_logprobs(batch)
+        with timer("update"):
+            stats = self.update(batch, old)
+        with timer("weight_sync"):
+            self.sync_weights()
+        with timer("canary"):
+            canary_ok = self.canary()
+        with timer("metrics"):
+            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
+        with timer("checkpoint"):
+            self._checkpoint(step)
+            self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
+        row["t_metrics"] = timer.seconds["metrics"]
+        row["t_checkpoint"] = timer.seconds["checkpoint"]
+        row["step_seconds"] = time.perf_counter() - begin
+        self.metrics.observe_step(row, timer.seconds)
+        append_row(self.run_dir / "metrics.csv", row)
+        self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step))
+        self.rows.append(row)
+        return row
+
+    def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
+             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
+             begin: float) -> dict[str, Any]:  # fmt: skip
+        lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, batch.response_mask)
+        used = natural = float("nan")
+        if batch.engine_routes is not None:
+            mask = ~batch.route_pad
+            used = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
+            natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
+        tokens = sum(len(s.token_ids) for s in samples)
+        row: dict[str, Any] = {
+            "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
+            "samples_dropped": len(self.dropped), "tokens": tokens,
+            "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
+            "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
+            "routing_agreement": used, "routing_natural_agreement": natural, "loss": stats.loss,
+            "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
+            "step_seconds": time.perf_counter() - begin,
+        }  # fmt: skip
+        row.update({f"t_{k}": v for k, v in timer.seconds.items()})
+        return row
+
+    def _checkpoint(self, step: int) -> None:
+        assert self.trainer is not None
+        cfg = self.spec.checkpoint
+        if step % cfg.interval_steps and step != self.s.steps:
+            return
+        ckpt.save_checkpoint(
+            self.ckpt_root, step=step, policy_version=self.policy_version,
+            model_state=self.trainer.model_state_dict(), optimizer_state=self.trainer.optimizer_state_dict(),
+            keep_last=cfg.keep_last,
+        )  # fmt: skip
+        self.last_checkpoint_step = step
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
+        self.setup()
+        for step in range(self.start_step, self.s.steps + 1):
+            row = self.train_step(step)
+            if table is not None:
+                table.add(row)
+        return self.rows
+
+
+def start_ray(*, in_cluster: bool) -> None:
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if in_cluster:
+        ray.init(address="auto")
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def start_engines(settings: RunSettings, model_dir: Any) -> EngineGroup:
+    from r3operator.runtime.engines import HTTPEngine, RayEngine
+
+    if settings.engine_urls:
+        from transformers import AutoConfig
+
+        experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
+        return EngineGroup([
+            HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
+            for url in settings.engine_urls
+        ])  # fmt: skip
+    start_ray(in_cluster=False)
+    return EngineGroup([
+        RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
+                  max_model_len=512)
+    ])  # fmt: skip

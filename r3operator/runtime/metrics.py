@@ -1,0 +1,140 @@
+"""Driver metrics: the data-plane `r3_*` set (`R3Metrics`) plus step/reward/throughput/phase timings,
+on one Prometheus registry; and the RLJob `status.progress` merge-patch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from r3operator.trainer.metrics import MetricSpec, R3Metrics
+
+log = logging.getLogger(__name__)
+
+METRICS: list[MetricSpec] = [
+    MetricSpec("r3_step", "gauge", ("job",), "Last completed RL step."),
+    MetricSpec("r3_policy_version", "gauge", ("job",), "Policy version on the engines (weight syncs so far)."),
+    MetricSpec("r3_reward_mean", "gauge", ("job",), "Mean rollout reward of the last step."),
+    MetricSpec("r3_tokens_per_second", "gauge", ("job",), "Generated tokens per second of rollout, last step."),
+    MetricSpec("r3_step_seconds", "gauge", ("job",), "Wall time of the last step."),
+    MetricSpec("r3_step_phase_seconds", "gauge", ("job", "phase"), "Wall time of each phase of the last step."),
+    MetricSpec("r3_weight_sync_seconds", "gauge", ("job",), "Wall time of the last weight sync (canary excluded)."),
+    MetricSpec("r3_weight_sync_canary_ok", "gauge", ("job",), "1 if the last post-sync canary matched, else 0."),
+    MetricSpec("r3_samples_dropped_total", "counter", ("job", "reason"),
+               "Samples left out of training (routes invalid/missing under R3, unreadable routing file)."),
+    MetricSpec("r3_routing_agreement_used_ratio", "gauge", ("job",),
+               "Token-layers where the experts the trainer used equal the engine's (100% under R3)."),
+]  # fmt: skip
+
+
+class RuntimeMetrics:
+    """`R3Metrics` and this module's METRICS on one registry, optionally served over HTTP."""
+
+    def __init__(self, job: str, *, port: int | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.job = job
+        self.registry = CollectorRegistry()
+        self.r3 = R3Metrics(job, registry=self.registry)
+        self._m: dict[str, Any] = {}
+        for spec in METRICS:
+            cls = Counter if spec.type == "counter" else Gauge
+            base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+            self._m[spec.name] = cls(base, spec.help, list(spec.labels), registry=self.registry)
+        self.port: int | None = None
+        if port:
+            from prometheus_client import start_http_server
+
+            start_http_server(port, registry=self.registry)
+            self.port = port
+
+    def _get(self, name: str, **labels: str) -> Any:
+        return self._m[name].labels(job=self.job, **labels)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._get(name, **labels).set(value)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        self._get(name, **labels).inc(amount)
+
+    def observe_step(self, row: Mapping[str, Any], phases: Mapping[str, float]) -> None:
+        self.set("r3_step", row["step"])
+        self.set("r3_policy_version", row["policy_version"])
+        self.set("r3_reward_mean", row["reward_mean"])
+        self.set("r3_tokens_per_second", row["tokens_per_second"])
+        self.set("r3_step_seconds", row["step_seconds"])
+        self.set("r3_routing_agreement_used_ratio", row["routing_agreement"])
+        for phase, seconds in phases.items():
+            self.set("r3_step_phase_seconds", seconds, phase=phase)
+
+    def exposition(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+
+# ----------------------------------------------------------------------------- RLJob status.progress
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if f == f and f not in (float("inf"), float("-inf")) else None
+
+
+def progress_patch(
+    row: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None, now: dt.datetime | None = None
+) -> dict[str, Any]:
+    """JSON merge-patch body for the RLJob `/status` subresource (camelCase, as in `Progress`)."""
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    progress = {
+        "step": int(row["step"]),
+        "totalSteps": int(total_steps),
+        "rewardMean": _finite(row.get("reward_mean")),
+        "logprobAbsDiffMean": _finite(row.get("logprob_abs_diff_mean")),
+        "logprobAbsDiffMax": _finite(row.get("logprob_abs_diff_max")),
+        "klK3": _finite(row.get("kl_k3")),
+        "routingAgreement": _finite(row.get("routing_agreement")),
+        "lastCheckpointStep": last_checkpoint_step,
+        "updatedAt": stamp,
+    }
+    return {"status": {"progress": progress}}
+
+
+class StatusPusher:
+    """Merge-patches `status.progress` of the RLJob named by R3_RLJOB_NAME / R3_RLJOB_NAMESPACE.
+
+    Disabled (no-op) outside a cluster. A failed patch is logged, never fatal: training goes on.
+    """
+
+    def __init__(self, name: str | None = None, namespace: str | None = None) -> None:
+        self.name = name or os.environ.get("R3_RLJOB_NAME")
+        self.namespace = namespace or os.environ.get("R3_RLJOB_NAMESPACE")
+        self._api: Any = None
+        if self.name and self.namespace and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            from kubernetes import client, config
+
+            config.load_incluster_config()
+            self._api = client.CustomObjectsApi()
+
+    @property
+    def enabled(self) -> bool:
+        return self._api is not None
+
+    def push(self, body: dict[str, Any]) -> None:
+        if self._api is None:
+            return
+        from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+
+        try:
+            self._api.patch_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, body,
+                _content_type="application/merge-patch+json",
+            )  # fmt: skip
+        except Exception as exc:  # the API server being away must not kill a training step
+            log.warning("status.progress patch of rljob %s/%s failed: %s", self.namespace, self.name, exc)

@@ -1,0 +1,112 @@
+"""Run outputs: metrics.csv (one row per step), report.md and a PNG plot (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
+    "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
+    "routing_agreement", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
+    "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
+    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint",
+)  # fmt: skip
+
+
+def append_row(path: Path, row: Mapping[str, Any]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:  # a resumed run may repeat a step that was not checkpointed: keep the last
+        by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _f(row: Mapping[str, Any], key: str) -> float:
+    try:
+        return float(row[key])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+
+
+def reward_trend(rows: Sequence[Mapping[str, Any]], window: int = 3) -> tuple[float, float]:
+    """Mean reward of the first and last `window` steps."""
+    rewards = [_f(r, "reward_mean") for r in rows]
+    w = max(1, min(window, len(rewards) // 2 or 1))
+    return sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+
+
+def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward_mean", "reward (mean)"),
+        ("logprob_abs_diff_mean", "mean |Δlogprob| rollout vs trainer"),
+        ("routing_agreement", "routing agreement (experts used vs engine)"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for label, rows in runs.items():
+            ax.plot([int(r["step"]) for r in rows], [_f(r, key) for r in rows], marker="o", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+    vals = [_f(r, key) for r in rows if not math.isnan(_f(r, key))]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def write_report(
+    path: Path, *, job_name: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], facts: Mapping[str, Any]
+) -> str:
+    lines = [f"# r3operator run report: {job_name}", ""]
+    lines += [f"- {k}: {v}" for k, v in facts.items()]
+    lines.append("")
+    for label, rows in runs.items():
+        if not rows:
+            continue
+        start, end = reward_trend(rows)
+        rose = "rose" if end > start else "did NOT rise"
+        lines += [
+            f"## {label}",
+            "",
+            f"- steps: {rows[0]['step']}..{rows[-1]['step']}",
+            f"- reward: start {start:.3f} (mean of the first steps) → end {end:.3f} (mean of the last steps): "
+            f"the reward {rose} ({end - start:+.3f}); per step {_f(rows[0], 'reward_mean'):.3f} → "
+            f"{_f(rows[-1], 'reward_mean'):.3f}",
+            f"- mean |Δlogprob| rollout vs trainer (mean over steps): {_mean(rows, 'logprob_abs_diff_mean'):.5f}; "
+            f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.4f}",
+            f"- routing agreement, experts used vs engine: {_mean(rows, 'routing_agreement'):.4f}; "
+            f"trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}",
+            f"- weight-sync canary: {sum(1 for r in rows if str(r.get('canary_ok')) in ('1', 'True'))}/{len(rows)} ok",
+            "- mean phase seconds: "
+            + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
+            "",
+        ]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text

@@ -1,0 +1,70 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) wrapping for the GPU trainer.
+
+Each decoder layer is its own FSDP unit, then the root. World size 1 (one GPU, a process group of one)
+is supported so the path can be exercised on a single device; `torchrun` sets the env for more ranks.
+Router replay hooks are installed on the wrapped model's router modules exactly as without FSDP: FSDP2
+keeps module identities, so `find_routers` sees the same `*TopKRouter` modules.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def init_process_group_if_needed(device: str) -> tuple[int, int]:
+    """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) from env, defaulting to a group of one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def wrap_fsdp2(model: Any, *, reshard_after_forward: bool = True, param_dtype: str = "float32") -> Any:
+    """Shard every decoder layer, then the root. `param_dtype` bfloat16 = compute in bf16, fp32 master."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if param_dtype == "bfloat16" else torch.float32,
+        reduce_dtype=torch.float32,
+    )
+    layers = model.model.layers if hasattr(model, "model") and hasattr(model.model, "layers") else []
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
+
+
+def full_state_dict(model: Any) -> dict[str, Any]:
+    """Full (unsharded) model state dict on CPU, for weight sync and checkpoints."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def load_full_state(model: Any, optimizer: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True),
+    )

@@ -1,0 +1,1 @@
+"""GRPO pieces: group-normalised advantages, the PPO-clip loss, verifiable toy tasks and rewards."""
