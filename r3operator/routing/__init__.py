@@ -8,16 +8,19 @@ from r3operator.routing.codec import (
     from_vllm,
     from_wire,
     narrowest_dtype,
+    routes_from_array,
     to_torch,
     to_wire,
     validate_routes,
 )
 from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
+from r3operator.routing.packing import RankEncodingUnsupported, decode_ranks, encode_ranks, rank_bits, rank_supported
 from r3operator.routing.stitch import TrajectoryRoutes, check_row_count, pad_for_replay, stack_for_replay
 from r3operator.routing.store import RoutingHeader, RoutingRecord, RoutingStore, read_file, write_file
 
 __all__ = [
     "ROUTE_DTYPES",
+    "RankEncodingUnsupported",
     "RoutedExperts",
     "RoutingDataError",
     "RoutingFileError",
@@ -28,12 +31,17 @@ __all__ = [
     "TrajectoryRoutes",
     "check_row_count",
     "decode",
+    "decode_ranks",
     "encode",
+    "encode_ranks",
     "from_vllm",
     "from_wire",
     "narrowest_dtype",
     "pad_for_replay",
+    "rank_bits",
+    "rank_supported",
     "read_file",
+    "routes_from_array",
     "stack_for_replay",
     "to_torch",
     "to_wire",

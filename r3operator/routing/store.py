@@ -13,12 +13,19 @@ Layout of one file (all integers little-endian)::
 
 The file size must equal payload offset + payload length exactly, so truncation and trailing garbage are
 both detected before any checksum is computed.
+
+Format version 2 is the same layout with header ``"encoding": "rank"``: the payload is the bit-packed
+combinatorial rank of each (token, layer) row (``packing.py``), ``ceil(rows * rank_bits / 8)`` bytes. Raw
+files are still written as version 1, byte for byte as before, so older readers keep reading them; older
+readers reject version 2 explicitly instead of misreading it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -29,15 +36,20 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode, validate_routes
+from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode, routes_from_array, validate_routes
 from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
+from r3operator.routing.packing import decode_ranks, encode_ranks, rank_bits, rank_supported
 
 MAGIC = b"\x89R3R\r\n\x1a\n"  # PNG-style: non-ASCII first byte, CRLF and ^Z catch text-mode mangling
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # raw payload
+FORMAT_VERSION_RANK = 2  # same layout, "rank" payload encoding named in the header
+SUPPORTED_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_RANK)
+Encoding = Literal["raw", "rank"]
+ENCODINGS: tuple[str, ...] = ("raw", "rank")
 SUFFIX = ".r3r"
 _PREFIX = struct.Struct("<8sHHII")  # magic, format_version, flags, header_len, header_crc32
 _ALIGN = 64  # payload offset alignment: lets readers mmap / O_DIRECT the payload and keeps SIMD loads aligned
@@ -52,7 +64,8 @@ TEMP_MARKER = ".tmp-"
 class RoutingHeader:
     """Metadata of one routing-data file.
 
-    ``checksum`` is ``"crc32:<8 hex>"``: zlib (IEEE 802.3) CRC-32 of the payload bytes.
+    ``checksum`` is ``"crc32:<8 hex>"``: zlib (IEEE 802.3) CRC-32 of the payload bytes as stored (packed
+    for ``encoding="rank"``). ``payload_bytes`` is the stored payload length.
     """
 
     format_version: int
@@ -64,8 +77,13 @@ class RoutingHeader:
     step: int
     sample_id: str
     checksum: str
+    encoding: str = "raw"
+    payload_bytes: int = 0
 
     def to_json_dict(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"encoding": self.encoding, "payload_bytes": self.payload_bytes}
+        if self.encoding == "rank":
+            extra["rank_bits"] = rank_bits(self.num_experts, self.shape[2])
         return {
             "format_version": self.format_version,
             "shape": list(self.shape),
@@ -76,6 +94,7 @@ class RoutingHeader:
             "step": self.step,
             "sample_id": self.sample_id,
             "checksum": self.checksum,
+            **extra,
         }
 
 
@@ -104,6 +123,9 @@ def validate_sample_id(sample_id: str) -> str:
 def _header_bytes(header: RoutingHeader) -> bytes:
     body = header.to_json_dict()
     del body["format_version"]  # lives in the fixed prefix; one source of truth
+    del body["payload_bytes"]  # implied by shape/dtype (raw) or shape/num_experts (rank)
+    if header.encoding == "raw":  # version-1 files stay byte-identical to what older writers produced
+        del body["encoding"]
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -137,25 +159,39 @@ def write_file(
     sample_id: str,
     durable: bool = True,
     validate: bool = True,
-) -> None:
+    encoding: Encoding = "raw",
+) -> str:
     """Atomically write ``routes`` to ``path``: temp file in the same dir, fsync, ``os.replace``, fsync dir.
 
     Readers see either the previous complete file or the new complete file, never a partial one. With
     ``durable=False`` the fsyncs are skipped (still atomic for concurrent readers, not against power loss).
     ``validate`` checks ids against ``num_experts`` so bad data never reaches the volume.
+
+    ``encoding="rank"`` stores each row as its bit-packed combinatorial rank (format version 2; rows read
+    back sorted). When C(num_experts, top_k) is too large for it, the file is written raw instead. Returns
+    the encoding actually written.
     """
     path = Path(path)
     validate_sample_id(sample_id)
     for name, value in (("num_experts", num_experts), ("policy_version", policy_version), ("step", step)):
         if not isinstance(value, int) or value < 0 or (name == "num_experts" and value == 0):
             raise RoutingDataError(f"{name} must be a {'positive' if name == 'num_experts' else 'non-negative'} int")
+    if encoding not in ENCODINGS:
+        raise RoutingDataError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     if validate:
         validate_routes(decode(routes, validate=False), num_experts=num_experts)
-    payload = memoryview(routes.data)  # the raw little-endian bytes, written as they are (no copy)
-    if payload.ndim != 1 or payload.format != "B":
-        payload = payload.cast("B")
+    if encoding == "rank" and not rank_supported(num_experts, routes.top_k):
+        encoding = "raw"  # documented fallback: C(E, k) >= 2**63 (or k > E) cannot be rank-encoded
+    if encoding == "rank":
+        # encode_ranks re-checks range and distinctness itself, so even validate=False cannot store a payload
+        # that decodes to different routes.
+        payload = memoryview(encode_ranks(decode(routes, validate=False), num_experts=num_experts))
+    else:
+        payload = memoryview(routes.data)  # the raw little-endian bytes, written as they are (no copy)
+        if payload.ndim != 1 or payload.format != "B":
+            payload = payload.cast("B")
     header = RoutingHeader(
-        format_version=FORMAT_VERSION,
+        format_version=FORMAT_VERSION_RANK if encoding == "rank" else FORMAT_VERSION,
         shape=routes.shape,
         dtype=routes.dtype,
         start=routes.start,
@@ -164,9 +200,11 @@ def write_file(
         step=step,
         sample_id=sample_id,
         checksum=payload_checksum(payload),
+        encoding=encoding,
+        payload_bytes=payload.nbytes,
     )
     head = _header_bytes(header)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head), zlib.crc32(head) & 0xFFFFFFFF)
+    prefix = _PREFIX.pack(MAGIC, header.format_version, 0, len(head), zlib.crc32(head) & 0xFFFFFFFF)
     padding = b"\0" * (_payload_offset(len(head)) - _PREFIX.size - len(head))
     tmp = path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -185,10 +223,29 @@ def write_file(
         raise
     if durable:
         _fsync_dir(path.parent)
+    return encoding
 
 
 def _fail(path: Path, why: str) -> RoutingFileError:
     return RoutingFileError(f"{path}: {why}")
+
+
+def _payload_nbytes(path: Path, header: RoutingHeader) -> int:
+    if header.encoding == "raw":
+        return math.prod(header.shape) * np.dtype(header.dtype).itemsize
+    try:
+        return math.ceil(math.prod(header.shape[:2]) * rank_bits(header.num_experts, header.shape[2]) / 8)
+    except RoutingDataError as exc:
+        raise _fail(path, f"header describes a rank payload that cannot exist ({exc})") from exc
+
+
+def _parse_encoding(path: Path, body: dict[str, Any], version: int) -> str:
+    encoding = body.get("encoding", "raw" if version == FORMAT_VERSION else None)
+    if version == FORMAT_VERSION and encoding != "raw":
+        raise _fail(path, f"format version 1 holds raw payloads only, header says encoding {encoding!r}")
+    if encoding not in ENCODINGS:
+        raise _fail(path, f"header encoding {encoding!r} is not one of {ENCODINGS}")
+    return encoding
 
 
 def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
@@ -210,21 +267,29 @@ def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
             raise _fail(path, f"header field(s) {bad} are not non-negative ints")
         if not isinstance(body["sample_id"], str) or not isinstance(body["checksum"], str):
             raise _fail(path, "header sample_id/checksum are not strings")
-        return RoutingHeader(
+        header = RoutingHeader(
             format_version=version,
             shape=(shape[0], shape[1], shape[2]),
             dtype=body["dtype"],
             sample_id=body["sample_id"],
             checksum=body["checksum"],
+            encoding=_parse_encoding(path, body, version),
             **ints,
         )
     except KeyError as exc:
         raise _fail(path, f"header lacks field {exc.args[0]!r}") from exc
+    payload_bytes = _payload_nbytes(path, header)
+    if header.encoding == "rank" and body.get("rank_bits") != rank_bits(header.num_experts, header.shape[2]):
+        raise _fail(path, f"header rank_bits {body.get('rank_bits')!r} does not match num_experts and top_k")
+    return dataclasses.replace(header, payload_bytes=payload_bytes)
 
 
-def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
-    """Read one file. Raises :class:`RoutingFileError` naming the file on bad magic, unsupported version or
-    flags, header damage, truncation / trailing bytes, or (with ``verify``) a payload checksum mismatch."""
+def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
+    """The header and the payload bytes **as stored** (packed for ``encoding="rank"``), unverified.
+
+    Checks magic, version, flags, header CRC and exact file size; raises :class:`RoutingFileError` naming the
+    file otherwise (:class:`RoutingFileMissingError` when it does not exist).
+    """
     path = Path(path)
     try:
         with open(path, "rb", buffering=0) as f:
@@ -235,8 +300,8 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
             if len(fixed) < _PREFIX.size:
                 raise _fail(path, f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
             _, version, flags, header_len, header_crc = _PREFIX.unpack(fixed)
-            if version != FORMAT_VERSION:
-                raise _fail(path, f"unsupported format version {version} (this reader supports {FORMAT_VERSION})")
+            if version not in SUPPORTED_VERSIONS:
+                raise _fail(path, f"unsupported format version {version} (this reader supports {SUPPORTED_VERSIONS})")
             if flags:
                 raise _fail(path, f"unsupported flags 0x{flags:04x} for format version {version}")
             if header_len > _MAX_HEADER_LEN:
@@ -248,7 +313,7 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
                 raise _fail(path, "header checksum mismatch (corrupt header)")
             header = _parse_header(path, raw_header, version)
             offset = _payload_offset(header_len)
-            nbytes = int(np.prod(header.shape)) * np.dtype(header.dtype).itemsize
+            nbytes = header.payload_bytes
             if size < offset + nbytes:
                 raise _fail(path, f"truncated: {size} bytes, expected {offset + nbytes}")
             if size > offset + nbytes:
@@ -268,10 +333,23 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
         raise RoutingFileMissingError(f"{path}: no such routing-data file") from exc
     except IsADirectoryError as exc:
         raise _fail(path, "is a directory") from exc
+    return header, data
+
+
+def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
+    """Read one file. Raises :class:`RoutingFileError` naming the file on bad magic, unsupported version or
+    flags, header damage, truncation / trailing bytes, (with ``verify``) a payload checksum mismatch, or a
+    rank payload holding an invalid code. Rank payloads are decoded transparently (rows come back sorted)."""
+    path = Path(path)
+    header, data = read_stored(path)
     if verify and payload_checksum(data) != header.checksum:
         raise _fail(path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})")
     try:
-        routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
+        if header.encoding == "rank":
+            array = decode_ranks(data, header.shape, header.dtype, num_experts=header.num_experts)
+            routes = routes_from_array(array, start=header.start)
+        else:
+            routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
     except RoutingDataError as exc:
         raise _fail(path, str(exc)) from exc
     return RoutingRecord(header=header, routes=routes)
@@ -300,7 +378,18 @@ class RoutingStore:
     def path_for(self, *, step: int, sample_id: str) -> Path:
         return self.step_dir(step) / f"{validate_sample_id(sample_id)}{SUFFIX}"
 
-    def put(self, *, step: int, sample_id: str, routes: RoutedExperts, num_experts: int, policy_version: int) -> Path:
+    def put(
+        self,
+        *,
+        step: int,
+        sample_id: str,
+        routes: RoutedExperts,
+        num_experts: int,
+        policy_version: int,
+        encoding: Encoding = "raw",
+    ) -> Path:
+        """Publish one sample atomically; ``encoding="rank"`` stores the compact rank payload (see
+        :func:`write_file`, including its raw fallback)."""
         path = self.path_for(step=step, sample_id=sample_id)
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +403,7 @@ class RoutingStore:
             step=step,
             sample_id=sample_id,
             durable=self.durable,
+            encoding=encoding,
         )
         return path
 

@@ -1,0 +1,306 @@
+"""The "rank" payload encoding: each (token, layer) row as its combinatorial-number-system rank, bit-packed.
+
+The top-k expert ids of one row are a *set* (distinct; their order does not matter for replay, since HF and
+Megatron both accumulate per expert), so a row carries only ``log2 C(E, k)`` bits of information: 40.4 bits
+for E=128, k=8, against 64 bits raw uint8 and ~85 bits in vLLM's base64-``np.save`` field.
+
+Encoding of one row (sorted ids ``c_0 < c_1 < ... < c_{k-1}``)::
+
+    rank = C(c_0, 1) + C(c_1, 2) + ... + C(c_{k-1}, k)          in [0, C(E, k))
+
+An all-zero row (vLLM's dense layers, or an uncaptured row) gets the reserved code ``C(E, k)`` when k >= 2;
+for k = 1 the row ``[0]`` is an ordinary set with rank 0. Every code is stored in
+``bits = bit_length(C(E, k))`` bits (k >= 2) or ``bit_length(E - 1)`` bits (k = 1), so the reserved code
+costs an extra bit only when C(E, k) is a power of two, which for 2 <= k <= E - 2 never happens.
+
+Codes are concatenated into a little-endian bit stream (code ``j`` occupies stream bits ``[j*bits,
+(j+1)*bits)``; stream bit ``i`` is bit ``i % 8`` of byte ``i // 8``), zero-padded to a whole byte. Ranks are
+exact uint64 arithmetic, so C(E, k) must be below 2**63; larger (E, k) raise
+:class:`RankEncodingUnsupported` and callers fall back to the raw encoding.
+
+Decoding returns the **sorted** rows (writable, in the routes dtype). Two decoders give identical results:
+a numba kernel (``_rank_numba``, imported lazily: the operator image does not ship numba) and a vectorised
+NumPy fallback (one ``searchsorted`` per k position). Neither loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+
+from r3operator.routing.errors import RoutingDataError
+
+Backend = Literal["auto", "numba", "numpy"]
+_MAX_CODE = 2**63 - 1  # ranks and the reserved code are exact in int64/uint64 arithmetic
+_U64_MAX = np.iinfo(np.uint64).max
+_GROUP = 64  # codes per packing group: 64 codes of `bits` bits are exactly `bits` uint64 words
+LUT_MANTISSA_BITS = 6  # float-bucket lookup resolution of the numba unranker (2**6 buckets per octave)
+DIRECT_TABLE_MAX = 1 << 20  # levels whose C(E, m) is at most this are unranked by one exact table lookup
+
+
+class RankEncodingUnsupported(RoutingDataError):
+    """The (num_experts, top_k) combination cannot be rank-encoded (C(E, k) >= 2**63, or k > E)."""
+
+
+def rank_bits(num_experts: int, top_k: int) -> int:
+    """Bits per stored code for ``(num_experts, top_k)``; raises :class:`RankEncodingUnsupported`."""
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise RoutingDataError(f"rank encoding needs a positive num_experts, got {num_experts!r}")
+    if top_k < 0 or top_k > num_experts:
+        raise RankEncodingUnsupported(
+            f"rank encoding needs 0 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}"
+        )
+    if top_k == 0:
+        return 0
+    combos = math.comb(num_experts, top_k)
+    if combos > _MAX_CODE - 1:
+        raise RankEncodingUnsupported(
+            f"rank encoding needs C(num_experts, top_k) < 2**63, but C({num_experts}, {top_k}) ~ "
+            f"2**{math.log2(combos):.1f}; use the raw encoding"
+        )
+    return combos.bit_length() if top_k >= 2 else (num_experts - 1).bit_length()
+
+
+def rank_supported(num_experts: int, top_k: int) -> bool:
+    try:
+        rank_bits(num_experts, top_k)
+    except RankEncodingUnsupported:
+        return False
+    return True
+
+
+def rank_payload_nbytes(shape: tuple[int, int, int], num_experts: int) -> int:
+    return -(-shape[0] * shape[1] * rank_bits(num_experts, shape[2]) // 8)
+
+
+@functools.lru_cache(maxsize=64)
+def binomial_table(num_experts: int, top_k: int) -> np.ndarray:
+    """uint64 ``[top_k, E + 1]``: row ``m - 1`` holds C(c, m) for c in [0, E], saturated at 2**64 - 1.
+
+    Saturated entries are never reached by a valid rank (they exceed C(E, k)), and saturation keeps every row
+    non-decreasing, which ``searchsorted`` relies on.
+    """
+    table = np.empty((top_k, num_experts + 1), dtype=np.uint64)
+    for m in range(1, top_k + 1):
+        table[m - 1] = [min(math.comb(c, m), int(_U64_MAX)) for c in range(num_experts + 1)]
+    table.flags.writeable = False
+    return table
+
+
+def _sorting_network(n: int) -> list[tuple[int, int]]:
+    """Batcher's merge-exchange comparators (Knuth 5.2.2 M) for ``n`` items, O(n log^2 n)."""
+    if n < 2:
+        return []
+    t = (n - 1).bit_length()
+    pairs: list[tuple[int, int]] = []
+    p = 1 << (t - 1)
+    while p > 0:
+        q, r, d = 1 << (t - 1), 0, p
+        while True:
+            pairs.extend((i, i + d) for i in range(n - d) if i & p == r)
+            if q == p:
+                break
+            d, q, r = q - p, q >> 1, p
+        p >>= 1
+    return pairs
+
+
+def _sorted_planes(arr: np.ndarray) -> np.ndarray:
+    """k-major ``[k, rows]`` copy of ``arr`` with every row sorted ascending (a sorting network on planes:
+    vectorised over rows, ~20x faster than ``np.sort`` along a tiny last axis)."""
+    planes = np.ascontiguousarray(arr.reshape(-1, arr.shape[-1]).T)
+    for i, j in _sorting_network(planes.shape[0]):
+        low = np.minimum(planes[i], planes[j])
+        np.maximum(planes[i], planes[j], out=planes[j])
+        planes[i] = low
+    return planes
+
+
+def encode_ranks(arr: np.ndarray, *, num_experts: int) -> bytearray:
+    """Rank-encode a routes array ``[T, L, K]`` into the packed little-endian bit stream.
+
+    Checks ids in ``[0, num_experts)`` and distinct per row (all-zero rows allowed), so a malformed array can
+    never produce a payload that decodes to something else.
+    """
+    arr = np.asarray(arr)
+    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise RoutingDataError(f"routes must be a 3-D integer array, got {arr.dtype} shape {arr.shape}")
+    rows, top_k = arr.shape[0] * arr.shape[1], arr.shape[2]
+    bits = rank_bits(num_experts, top_k)
+    if rows == 0 or bits == 0:
+        return bytearray(-(-rows * bits // 8))
+    if (arr.dtype.kind == "i" and int(arr.min()) < 0) or int(arr.max()) >= num_experts:
+        raise RoutingDataError(f"expert ids must lie in [0, {num_experts}) for rank encoding")
+    planes = _sorted_planes(arr)
+    dense = planes[-1] == 0  # sorted ascending: the last id is 0 only when the whole row is zero
+    if top_k >= 2:
+        dup = (planes[1:] == planes[:-1]).any(axis=0) & ~dense
+        if dup.any():
+            row = int(np.argmax(dup))
+            token, layer = divmod(row, arr.shape[1])
+            raise RoutingDataError(
+                f"duplicate expert id in row (token={token}, layer={layer}): {arr[token, layer].tolist()}"
+            )
+    table = binomial_table(num_experts, top_k)
+    ranks = np.zeros(rows, dtype=np.uint64)
+    for m in range(top_k):  # loops over k positions, never over tokens
+        ranks += table[m][planes[m]]
+    if top_k >= 2:
+        ranks[dense] = math.comb(num_experts, top_k)
+    return pack_bits(ranks, bits)
+
+
+def pack_bits(values: np.ndarray, bits: int) -> bytearray:
+    """Little-endian bit stream of ``values`` (uint64, each < 2**bits), ``bits`` in [1, 63]."""
+    count = values.shape[0]
+    groups = -(-count // _GROUP)
+    padded = np.zeros(groups * _GROUP, dtype=np.uint64)
+    padded[:count] = values
+    codes = padded.reshape(groups, _GROUP)
+    words = np.zeros((groups, bits), dtype=np.uint64)
+    # Code p of a group starts at bit p*bits: the same word and shift for every group, so each of the 64
+    # positions is one vectorised OR over all groups.
+    for p in range(_GROUP):
+        word, shift = divmod(p * bits, 64)
+        words[:, word] |= codes[:, p] << np.uint64(shift)
+        if shift + bits > 64:
+            words[:, word + 1] |= codes[:, p] >> np.uint64(64 - shift)
+    out = bytearray(-(-count * bits // 8))
+    np.frombuffer(out, dtype=np.uint8)[:] = words.astype("<u8", copy=False).view(np.uint8).ravel()[: len(out)]
+    return out
+
+
+def unpack_bits(data: bytes | bytearray | memoryview, count: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``count`` uint64 codes."""
+    groups = -(-count // _GROUP)
+    raw = np.zeros(groups * bits * 8, dtype=np.uint8)
+    src = np.frombuffer(data, dtype=np.uint8)
+    raw[: src.shape[0]] = src
+    words = raw.view("<u8").astype(np.uint64, copy=False).reshape(groups, bits)
+    codes = np.empty((groups, _GROUP), dtype=np.uint64)
+    mask = np.uint64((1 << bits) - 1)
+    for p in range(_GROUP):
+        word, shift = divmod(p * bits, 64)
+        column = words[:, word] >> np.uint64(shift)
+        if shift + bits > 64:
+            column |= words[:, word + 1] << np.uint64(64 - shift)
+        codes[:, p] = column & mask
+    return codes.reshape(-1)[:count]
+
+
+def _check_payload(data: bytes | bytearray | memoryview, shape: tuple[int, int, int], num_experts: int) -> int:
+    expected = rank_payload_nbytes(shape, num_experts)
+    got = memoryview(data).nbytes
+    if got != expected:
+        raise RoutingDataError(
+            f"rank payload is {got} bytes, expected {expected} for shape {shape} and num_experts={num_experts}"
+        )
+    return rank_bits(num_experts, shape[2])
+
+
+def _bad_rank_error(row: int, code: int, shape: tuple[int, int, int], num_experts: int) -> RoutingDataError:
+    token, layer = divmod(row, shape[1])
+    limit = math.comb(num_experts, shape[2]) + (1 if shape[2] >= 2 else 0)
+    return RoutingDataError(
+        f"corrupt rank payload: code {code} at row (token={token}, layer={layer}) is not "
+        f"below {limit} (C({num_experts}, {shape[2]}) plus the dense-row code)"
+    )
+
+
+def decode_ranks_numpy(
+    data: bytes | bytearray | memoryview, shape: tuple[int, int, int], dtype: str, *, num_experts: int
+) -> np.ndarray:
+    """Vectorised NumPy decoder (no numba): one ``searchsorted`` per k position over all rows."""
+    bits = _check_payload(data, shape, num_experts)
+    rows, top_k = shape[0] * shape[1], shape[2]
+    out = np.zeros((rows, top_k), dtype=np.dtype(dtype))
+    if rows == 0 or top_k == 0 or bits == 0:
+        return out.reshape(shape)
+    ranks = unpack_bits(data, rows, bits)
+    combos = math.comb(num_experts, top_k)
+    limit = combos + 1 if top_k >= 2 else combos
+    bad = ranks >= np.uint64(limit)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise _bad_rank_error(row, int(ranks[row]), shape, num_experts)
+    live = ranks != np.uint64(combos) if top_k >= 2 else np.ones(rows, dtype=bool)
+    remaining = ranks[live]
+    table = binomial_table(num_experts, top_k)
+    picked = np.empty((top_k, remaining.shape[0]), dtype=np.intp)
+    for m in range(top_k, 0, -1):  # the largest id first; loops over k positions only
+        c = np.searchsorted(table[m - 1], remaining, side="right") - 1
+        picked[m - 1] = c
+        remaining -= table[m - 1][c]
+    out[live] = picked.T
+    return out.reshape(shape)
+
+
+@functools.lru_cache(maxsize=1)
+def _numba_kernel() -> ModuleType | None:
+    try:  # lazy: numba is optional (the operator image does not ship it)
+        from r3operator.routing import _rank_numba
+    except ImportError:
+        return None
+    return _rank_numba
+
+
+def numba_available() -> bool:
+    return _numba_kernel() is not None
+
+
+def decode_ranks(
+    data: bytes | bytearray | memoryview,
+    shape: tuple[int, int, int],
+    dtype: str,
+    *,
+    num_experts: int,
+    backend: Backend = "auto",
+    threads: int = 1,
+) -> np.ndarray:
+    """Decode a rank payload into a writable ``[T, L, K]`` array of ``dtype`` with every row sorted.
+
+    ``backend="auto"`` uses the numba kernel when numba is importable, else the NumPy fallback. A code that
+    is not a valid rank (bit rot that slipped past the checksum, or a forged payload) raises
+    :class:`RoutingDataError` naming the (token, layer) row. ``threads > 1`` splits the rows over that many
+    threads (numba kernel only; it releases the GIL).
+    """
+    if backend not in ("auto", "numba", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
+    kernel = None if backend == "numpy" else _numba_kernel()
+    if kernel is None:
+        if backend == "numba":
+            raise RoutingDataError("backend='numba' requested but numba (or its intrinsics) cannot be imported")
+        return decode_ranks_numpy(data, shape, dtype, num_experts=num_experts)
+
+    bits = _check_payload(data, shape, num_experts)
+    rows, top_k = shape[0] * shape[1], shape[2]
+    if rows == 0 or top_k == 0 or bits == 0:
+        return np.zeros(shape, dtype=np.dtype(dtype))
+    out = np.empty((rows, top_k), dtype=np.dtype(dtype))  # the kernel writes every element
+    # One copy into whole uint64 words plus a zero guard word, so the kernel reads two aligned words per code.
+    words = np.zeros(-(-rows * bits // 64) + 1, dtype=np.uint64)
+    words.view(np.uint8)[: memoryview(data).nbytes] = np.frombuffer(data, dtype=np.uint8)
+    if sys.byteorder == "big":  # pragma: no cover - the stream is little-endian
+        words.byteswap(inplace=True)
+    tables = kernel.unrank_tables(num_experts, top_k)
+    bounds = np.linspace(0, rows, max(1, min(int(threads), rows)) + 1).astype(np.int64)
+
+    def run(part: int) -> int:
+        return int(kernel.decode_into(words, bits, num_experts, top_k, *tables, bounds[part], bounds[part + 1], out))
+
+    if len(bounds) == 2:
+        bad_rows = [run(0)]
+    else:  # the kernel releases the GIL, so disjoint row ranges decode in parallel
+        with ThreadPoolExecutor(max_workers=len(bounds) - 1) as pool:
+            bad_rows = list(pool.map(run, range(len(bounds) - 1)))
+    bad_row = min((row for row in bad_rows if row >= 0), default=-1)
+    if bad_row >= 0:
+        code = int(unpack_bits(data, bad_row + 1, bits)[bad_row])
+        raise _bad_rank_error(bad_row, code, shape, num_experts)
+    return out.reshape(shape)
