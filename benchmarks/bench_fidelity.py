@@ -109,7 +109,7 @@ def rollout(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace)
 
     apply_engine_env(args.device)
     t0 = time.perf_counter()
-    client = InProcessLLMClient(**llm_kwargs(model_dir, device=args.device, seed=args.seed))
+    client = InProcessLLMClient(**llm_kwargs(model_dir, device=args.device, seed=args.seed, dtype=args.engine_dtype))
     samples = client.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, seed=args.seed)
     elapsed = time.perf_counter() - t0
     del client
@@ -125,6 +125,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument(
+        "--engine-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="vLLM dtype; float32 removes the engine's bf16 rounding from the residual gap",
+    )
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
@@ -143,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model": args.model,
         "model_dir": str(model_dir),
         "device": args.device,
+        "engine_dtype": args.engine_dtype,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "rollout_seconds": round(rollout_s, 2),
@@ -156,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"model={result['model']} device={result['device']} prompts={result['prompts']} "
+        f"model={result['model']} device={result['device']} engine={result['engine_dtype']} "
+        f"prompts={result['prompts']} "
         f"max_tokens={result['max_tokens']} rollout={result['rollout_seconds']}s",
         "| trainer numerics | routing mismatch off | agree under replay | mean |Δlp| off → replay | "
         "max |Δlp| off → replay | k3 KL off → replay | F(2) off → replay |",
