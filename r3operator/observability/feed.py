@@ -156,7 +156,7 @@ class SyntheticFeed:
 
     def _feed_trainer(self, metrics: Any, rng: np.random.Generator, step: int) -> None:
         tokens, top_k = 256, 2
-        drift = 0.02 + 0.015 * math.sin(step / 8.0) + (0.08 if step % 40 in range(30, 34) else 0.0)
+        drift = 0.02 + 0.015 * math.sin(step / 8.0) + (0.3 if step % 40 in range(30, 34) else 0.0)
         rollout = rng.normal(-1.5, 0.6, size=tokens)
         trainer_lp = rollout + rng.normal(0.0, drift, size=tokens)
         metrics.observe_logprobs(rollout, trainer_lp, rng.random(tokens) < 0.9)
