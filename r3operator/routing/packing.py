@@ -180,7 +180,7 @@ def unpack_bits(data: bytes | bytearray | memoryview, count: int, bits: int) -> 
     """Inverse of :func:`pack_bits`: ``count`` uint64 codes."""
     groups = -(-count // _GROUP)
     raw = np.zeros(groups * bits * 8, dtype=np.uint8)
-    src = np.frombuffer(data, dtype=np.uint8)
+    src = np.frombuffer(data, dtype=np.uint8)[: raw.shape[0]]  # callers may ask for a prefix of the codes
     raw[: src.shape[0]] = src
     words = raw.view("<u8").astype(np.uint64, copy=False).reshape(groups, bits)
     codes = np.empty((groups, _GROUP), dtype=np.uint64)
