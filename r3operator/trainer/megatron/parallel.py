@@ -5,10 +5,12 @@ local (non-Transformer-Engine) spec cannot avoid:
 
 - `RotaryEmbedding.get_emb` and `Router.gating` move tensors to `torch.cuda.current_device()`;
 - `DotProductAttention.forward` forks the CUDA RNG tracker (`get_cuda_rng_tracker().fork()`) around
-  attention dropout, even when dropout is 0.
+  attention dropout, even when dropout is 0, and activation recompute (`tensor_parallel.checkpoint`)
+  saves / restores the CUDA RNG state around each recomputed chunk.
 
-`install_cpu_shims()` makes `torch.cuda.current_device()` return "cpu" and installs an RNG tracker whose
-`fork()` is a no-op. Neither touches routing, replay or any arithmetic; both are refused when CUDA exists.
+`install_cpu_shims()` makes `torch.cuda.current_device()` return "cpu", installs an RNG tracker whose
+`fork()` is a no-op and makes the CUDA RNG state get/set no-ops (dropout is 0: no random numbers are drawn).
+None touches routing, replay or any arithmetic; all are refused when CUDA exists.
 A third CUDA-only default (`get_default_causal_mask` builds the causal mask on "cuda") is avoided by always
 passing an explicit attention mask, which the trainer needs anyway for padding.
 """
@@ -44,6 +46,9 @@ def install_cpu_shims() -> None:
             self.states_[name] = None
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Activation recompute (CheckpointFunction) saves/restores the CUDA RNG state around each chunk.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _SHIMS_INSTALLED = True

@@ -194,7 +194,7 @@ class MegatronTrainer:
                 (loss / len(parts)).backward()
                 for k, v in mb_stats.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
-                stats["loss"] = stats.get("loss", 0.0) + float(loss) / len(parts)
+                stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) / len(parts)
         self._allreduce_sequence_parallel_grads()
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip))
         self.optimizer.step()
@@ -282,10 +282,18 @@ def _shard_info(name: str, param: Any) -> tuple[int | None, int, int, Any]:
 
     dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
     if "local_experts" in name:
-        return dim, ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(), \
-            ps.get_expert_tensor_parallel_group(check_initialized=False)
-    return dim, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), \
-        ps.get_tensor_model_parallel_group()
+        return (
+            dim,
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(check_initialized=False),
+        )
+    return (
+        dim,
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
 
 
 def _offsets(model: Any, tconfig: Any) -> tuple[int, int]:
@@ -326,8 +334,10 @@ def gather_full_megatron(model: Any, tconfig: Any) -> dict[str, Any]:
             dist.all_gather(parts, t.contiguous(), group=group)
             t = join_shards(name, parts, partition_dim=dim)
         local[local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off)] = t.cpu()
-    for group, size in ((ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()),
-                        (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size())):
+    for group, size in (
+        (ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()),
+    ):
         if size > 1:  # small models only: objects through the group
             everything: list[Any] = [None] * size
             dist.all_gather_object(everything, local, group=group)

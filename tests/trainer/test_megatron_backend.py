@@ -1,0 +1,189 @@
+"""The Megatron backend on CPU (gloo world of 1, local spec): real GPTModel, real RouterReplay.
+
+A tiny Qwen3-MoE with a DENSE first layer (`mlp_only_layers=[0]`, like DeepSeek's first_k_dense) is
+built in transformers, converted, and compared with the HF model and the HF replay hooks.
+The two CPU shims (`torch.cuda.current_device` -> "cpu", no-op RNG-tracker fork) are described in
+r3operator/trainer/megatron/parallel.py; everything routing-related is megatron-core's own code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
+
+from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
+from r3operator.trainer.logprobs import token_logprobs  # noqa: E402
+from r3operator.trainer.megatron import build_megatron_trainer  # noqa: E402
+from r3operator.trainer.replay.hf import RouterReplay as HFRouterReplay  # noqa: E402
+from r3operator.trainer.replay.megatron import MegatronReplayError, replay_instances  # noqa: E402
+
+pytestmark = pytest.mark.slow
+LAYERS, EXPERTS, TOPK, VOCAB = 3, 8, 2, 96
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    route_pad: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=32,
+        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = tf.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)  # no top-k near-ties
+    path = tmp_path_factory.mktemp("dense-moe")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir: Path) -> Any:
+    return build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2)
+
+
+def make_batch(seed: int = 0) -> tuple[Batch, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, 10), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # left padded
+    attn[2, 7:] = 0  # right padded
+    ids = ids * attn
+    valid = (attn[:, 1:] * attn[:, :-1]).bool()
+    pad = ~attn.bool()
+    pad[0, -1] = pad[1, -1] = pad[2, 6] = True  # the final sampled token has no route
+    routes = torch.rand(3, 10, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK]
+    routes[:, :, 0] = 0  # dense layer: vLLM reports zeros
+    return Batch(ids, attn, valid, pad), routes
+
+
+def hf_logprobs(hf: Any, batch: Batch) -> torch.Tensor:
+    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return token_logprobs(hf, batch.input_ids, batch.attention_mask, position_ids=pos)
+
+
+def test_natural_logprobs_match_hf(trainer: Any, hf: Any) -> None:
+    batch, _ = make_batch()
+    out = trainer.logprobs(batch, None, "off")
+    diff = (out.logprobs - hf_logprobs(hf, batch))[batch.response_mask].abs()
+    assert diff.max() < 1e-4, diff.max()
+
+
+def test_hf_state_dict_round_trips_before_training(trainer: Any, hf: Any) -> None:
+    sd = trainer.hf_state_dict()
+    ref = hf.state_dict()
+    assert set(sd) == set(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_r3_dispatches_exactly_the_replayed_routes_and_matches_hf_replay(trainer: Any, hf: Any) -> None:
+    batch, routes = make_batch(1)
+    out = trainer.logprobs(batch, routes, "R3", probe=True)
+    captured = ~batch.route_pad
+    for layer in (1, 2):  # MoE layers; layer 0 is dense
+        assert torch.equal(out.used[:, :, layer][captured], routes[:, :, layer].sort(-1).values[captured])
+    dummy = out.used[:, :, 1][batch.route_pad]
+    assert (dummy == torch.arange(TOPK)).all()  # distinct dummy experts where no route was captured
+    natural = trainer.logprobs(batch, None, "off").logprobs
+    replay = HFRouterReplay().install(hf)
+    try:
+        with replay.armed(routes, padding_mask=batch.route_pad):
+            ref = hf_logprobs(hf, batch)
+    finally:
+        replay.remove()
+    # Compare where the query row had a route (masked rows: HF routes naturally, Megatron uses dummies).
+    cols = batch.response_mask & ~batch.route_pad[:, :-1]
+    assert (out.logprobs - ref)[cols].abs().max() < 1e-4
+    assert (out.logprobs - natural)[cols].abs().max() > 1e-3  # replay really changed the routing
+
+
+def test_r2_records_natural_routes_and_replaying_them_is_exact(trainer: Any) -> None:
+    batch, routes = make_batch(2)
+    rec = trainer.logprobs(batch, None, "R2", probe=True)
+    assert torch.equal(rec.recorded.sort(-1).values, rec.used)
+    assert rec.recorded[:, :, 0].eq(0).all()  # dense layer
+    batch.route_pad = torch.zeros_like(batch.route_pad)
+    again = trainer.logprobs(batch, rec.recorded, "R3")
+    # Attention pads get dummy routes in the replay: compare real tokens (expert batches then differ in
+    # size, so matmul blocking may differ in the last bit).
+    cols = batch.response_mask
+    assert (again.logprobs[cols] - rec.logprobs[cols]).abs().max() < 1e-5
+    with pytest.raises(MegatronReplayError, match="must not be given rollout routes"):
+        trainer.logprobs(batch, routes, "R2")
+
+
+def _assert_clear() -> None:
+    for inst in replay_instances():
+        assert inst.target_topk_idx is None and inst.replay_backward_list == [] and inst.router_replay_action is None
+
+
+def loss_fn(lp: torch.Tensor, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    mask = mb.response_mask.float()
+    return -(lp * mask).sum() / mask.sum(), {}
+
+
+def test_global_replay_state_is_cleared_before_and_after_each_schedule(trainer: Any) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    batch, routes = make_batch(3)
+    natural = trainer.logprobs(batch, None, "off").logprobs
+    trainer.logprobs(batch, routes, "R3")
+    _assert_clear()
+    # Stale state from elsewhere (a crashed schedule) must not leak into the next natural forward.
+    RouterReplay.set_replay_data([r.reshape(-1, TOPK)[:30] for r in routes[:, :, 1:].unbind(2)])
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    assert torch.equal(trainer.logprobs(batch, None, "off").logprobs, natural)
+    with pytest.raises(ValueError, match="does not match instances"):  # megatron's own length check
+        RouterReplay.set_replay_data([routes[0, :, 1]])
+    trainer.train_step(batch, routes, loss_fn)
+    _assert_clear()
+
+
+def test_router_fusion_is_refused_naming_the_field(model_dir: Path) -> None:
+    with pytest.raises(MegatronReplayError, match=r"trainer\.megatron\.routerFusion"):
+        build_megatron_trainer(MegatronSpec(router_fusion=True), model_dir, "cpu")
+
+
+def test_recompute_replays_in_forward_order_and_rebuild_invalidates_old_model(trainer: Any, model_dir: Path) -> None:
+    """Two micro-batches, full activation recompute: backward recompute pops REPLAY_BACKWARD routes FIFO.
+    Same gradients as without recompute only if every recomputed router got its own micro-batch's routes."""
+    batch, routes = make_batch(4)
+    plain = build_megatron_trainer(MegatronSpec(recompute=False), model_dir, "cpu", micro_batch_size=2)
+    s_plain = plain.train_step(batch, routes, loss_fn)
+    with pytest.raises(MegatronReplayError, match="global RouterReplay list changed"):
+        trainer.logprobs(batch, None, "off")  # `plain` replaced the process-global instance list
+    recompute = build_megatron_trainer(MegatronSpec(recompute=True), model_dir, "cpu", micro_batch_size=2)
+    s_re = recompute.train_step(batch, routes, loss_fn)
+    _assert_clear()
+    assert s_re["loss"] == pytest.approx(s_plain["loss"], rel=1e-6)
+    assert s_re["grad_norm"] == pytest.approx(s_plain["grad_norm"], rel=1e-5)
+    swapped = torch.cat([routes[2:], routes[:2]])  # wrong routes in recompute would change the gradient
+    s_other = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2).train_step(batch, swapped, loss_fn)
+    assert s_other["grad_norm"] != pytest.approx(s_plain["grad_norm"], rel=1e-5)
