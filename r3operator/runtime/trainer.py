@@ -138,7 +138,7 @@ class PolicyTrainer:
                 self.replay.disarm()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
             self.optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             clips.append(stats.clip_fraction)
             kls.append(stats.approx_kl)
             norms.append(float(norm))

@@ -1,0 +1,147 @@
+"""GRPO advantages, PPO-clip loss (hand-computed), tasks/rewards, status patch body, checkpoint atomicity."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+
+import numpy as np
+import pytest
+
+from r3operator.runtime.metrics import progress_patch
+from r3operator.trainer.grpo import tasks
+from r3operator.trainer.grpo.advantages import group_advantages
+
+
+def test_group_advantages_hand_values() -> None:
+    # group 1: [1, 0, 0, 1] mean .5, unbiased std sqrt(1/3) -> ±0.5/0.57735 = ±0.866025
+    # group 2: all equal -> 0
+    adv = group_advantages(np.array([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5]), group_size=4)
+    expected = 0.5 / math.sqrt(1 / 3)
+    np.testing.assert_allclose(adv[:4], [expected, -expected, -expected, expected], rtol=1e-5)
+    np.testing.assert_array_equal(adv[4:], 0.0)
+
+
+def test_group_advantages_rejects_partial_group() -> None:
+    with pytest.raises(ValueError, match="groupSize=4"):
+        group_advantages(np.zeros(6), group_size=4)
+
+
+def test_prefix_and_exact_rewards() -> None:
+    answer = [10, 11, 12, 2]
+    assert tasks.reward([10, 11, 12, 2, 5], answer, kind="exact-match") == 1.0
+    assert tasks.reward([10, 11, 13, 2], answer, kind="exact-match") == 0.0
+    assert tasks.reward([10, 11, 13, 2], answer, kind="prefix-match") == 0.5
+    assert tasks.reward([], answer, kind="prefix-match") == 0.0
+
+
+def test_count_task_problems_decode_to_the_rule() -> None:
+    from r3operator.models.tokenizer import vocabulary
+
+    vocab = vocabulary(512)
+    pool = tasks.problems("count", vocab_size=512)
+    assert len(pool) == 21  # starts 0..6 x lengths 2..4
+    for p in pool:
+        words = [vocab[i] for i in p.prompt_ids]
+        start, end = int(words[3]), int(words[5])
+        assert [vocab[i] for i in p.answer_ids] == [*map(str, range(start, end + 1)), "<eos>"]
+    with pytest.raises(ValueError, match=r"spec\.task\.name"):
+        tasks.problems("sort", vocab_size=512)
+
+
+def test_progress_patch_body() -> None:
+    row = {"step": 3, "reward_mean": 0.25, "logprob_abs_diff_mean": 0.01, "logprob_abs_diff_max": float("nan"),
+           "kl_k3": 1e-4, "routing_agreement": 1.0}  # fmt: skip
+    body = progress_patch(row, total_steps=10, last_checkpoint_step=2, now=dt.datetime(2026, 1, 2, 3, 4, 5))
+    assert body == {
+        "status": {
+            "progress": {
+                "step": 3, "totalSteps": 10, "rewardMean": 0.25, "logprobAbsDiffMean": 0.01,
+                "logprobAbsDiffMax": None, "klK3": 1e-4, "routingAgreement": 1.0, "lastCheckpointStep": 2,
+                "updatedAt": "2026-01-02T03:04:05Z",
+            }
+        }
+    }  # fmt: skip
+    # The body validates against the API's Progress model (camelCase aliases).
+    from r3operator.api.v1alpha1 import Progress
+
+    Progress.model_validate(body["status"]["progress"])
+
+
+@pytest.mark.slow
+def test_ppo_clip_loss_hand_values() -> None:
+    import torch
+
+    from r3operator.trainer.grpo.loss import ppo_clip_loss
+
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
+    mask = torch.tensor([[True, True, False]])
+    # A = +1: token0 max(-1.5, -1.28) = -1.28 (clipped); token1 max(-0.5, -0.8) = -0.5 -> mean -0.89
+    loss, stats = ppo_clip_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert float(loss) == pytest.approx(-0.89, abs=1e-6)
+    assert stats.clip_fraction == pytest.approx(0.5)
+    # A = -1: token0 max(1.5, 1.28) = 1.5; token1 max(0.5, 0.8) = 0.8 (clipped) -> mean 1.15
+    loss, _ = ppo_clip_loss(new, old, torch.tensor([-1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert float(loss) == pytest.approx(1.15, abs=1e-6)
+    # gradient flows only through unclipped tokens: d/dlp of -A*r = -r for token1 (A=+1 case)
+    new = new.clone().requires_grad_(True)
+    loss, _ = ppo_clip_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28)
+    loss.backward()
+    assert new.grad is not None
+    np.testing.assert_allclose(new.grad.numpy(), [[0.0, -0.25, 0.0]], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoint_atomic_and_latest(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from r3operator.runtime import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(root, step=step, policy_version=step + 1, model_state={"w": torch.full((2,), step)},
+                             optimizer_state={}, keep_last=2)  # fmt: skip
+    assert [c.step for c in ckpt.list_checkpoints(root)] == [2, 3]
+    latest = ckpt.find_latest(root)
+    assert latest is not None and (latest.step, latest.policy_version) == (3, 4)
+    assert torch.equal(ckpt.load_checkpoint(latest)["model"]["w"], torch.full((2,), 3))
+
+    # A writer killed mid-save leaves only a temp dir: never picked up, latest stays at 3.
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, step=4, policy_version=5, model_state={}, optimizer_state={})
+    monkeypatch.undo()
+    assert not list(root.glob(".tmp-*"))
+    assert ckpt.find_latest(root).step == 3  # type: ignore[union-attr]
+    # A stale `latest` pointing at a pruned dir falls back to the newest complete checkpoint.
+    (root / "latest").write_text("step-000009\n")
+    assert ckpt.find_latest(root).step == 3  # type: ignore[union-attr]
+    # An incomplete directory (no meta.json) is ignored.
+    (root / "step-000010").mkdir()
+    assert ckpt.find_latest(root).step == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_checkpoint_tensors_reproduce_the_checkpoint_file() -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from r3operator.models import ensure_reference_model
+    from r3operator.runtime.weights import checkpoint_tensors, chunk_tensors
+
+    model_dir = ensure_reference_model("tiny")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+    converted = dict(checkpoint_tensors(model.state_dict(), dtype=torch.bfloat16))
+    assert converted.keys() == on_disk.keys()
+    assert all(torch.equal(converted[k], on_disk[k]) for k in on_disk)
+    chunks = list(chunk_tensors(checkpoint_tensors(model.state_dict()), chunk_size_mb=4))
+    assert len(chunks) > 1
+    assert all(sum(t.numel() * 4 for _, t in c) <= 4 * 1024 * 1024 or len(c) == 1 for c in chunks)
+    assert sum(len(c) for c in chunks) == len(on_disk)
