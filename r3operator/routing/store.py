@@ -1,115 +1,65 @@
-"""On-volume format and store for routing data (``.r3r`` files); see docs/routing-format.md.
+"""On-volume store for routing data (``.r3r`` files): atomic writes, layout, retention.
 
-Layout of one file (all integers little-endian)::
-
-    0   8  magic            b"\\x89R3R\\r\\n\\x1a\\n"
-    8   2  format_version   uint16 (1)
-    10  2  flags            uint16 (0; non-zero = a feature this reader lacks)
-    12  4  header_len       uint32 N
-    16  4  header_crc32     uint32, zlib.crc32 of the N header bytes
-    20  N  header           UTF-8 JSON object (compact, sorted keys)
-    ..     zero padding to the next multiple of 64 bytes (= payload offset)
-    ..     payload          prod(shape) * itemsize bytes, C order, little-endian; crc32 in header["checksum"]
-
-The file size must equal payload offset + payload length exactly, so truncation and trailing garbage are
-both detected before any checksum is computed.
-
-Format version 2 is the same layout with header ``"encoding": "rank"``: the payload is the bit-packed
-combinatorial rank of each (token, layer) row (``packing.py``), ``ceil(rows * rank_bits / 8)`` bytes. Raw
-files are still written as version 1, byte for byte as before, so older readers keep reading them; older
-readers reject version 2 explicitly instead of misreading it.
+The file format itself (header, checksums, reading) is in ``fileformat.py``; see docs/routing-format.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import math
 import os
 import re
 import secrets
 import shutil
-import struct
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
-import numpy as np
+from r3operator.routing.codec import RoutedExperts, decode, validate_routes
+from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.fileformat import (  # re-exported: callers import the format's names from here
+    ENCODINGS,
+    FORMAT_VERSION,
+    FORMAT_VERSION_RANK,
+    MAGIC,
+    PREFIX,
+    SUPPORTED_VERSIONS,
+    Encoding,
+    RoutingHeader,
+    RoutingRecord,
+    fail,
+    header_bytes,
+    payload_checksum,
+    payload_offset,
+    read_file,
+    read_stored,
+)
+from r3operator.routing.packing import encode_ranks, rank_supported
 
-from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode, routes_from_array, validate_routes
-from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
-from r3operator.routing.packing import decode_ranks, encode_ranks, rank_bits, rank_supported
+__all__ = [
+    "ENCODINGS",
+    "FORMAT_VERSION",
+    "FORMAT_VERSION_RANK",
+    "MAGIC",
+    "SUFFIX",
+    "SUPPORTED_VERSIONS",
+    "TEMP_MARKER",
+    "Encoding",
+    "RoutingHeader",
+    "RoutingRecord",
+    "RoutingStore",
+    "payload_checksum",
+    "read_file",
+    "read_stored",
+    "validate_sample_id",
+    "write_file",
+]
 
-MAGIC = b"\x89R3R\r\n\x1a\n"  # PNG-style: non-ASCII first byte, CRLF and ^Z catch text-mode mangling
-FORMAT_VERSION = 1  # raw payload
-FORMAT_VERSION_RANK = 2  # same layout, "rank" payload encoding named in the header
-SUPPORTED_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_RANK)
-Encoding = Literal["raw", "rank"]
-ENCODINGS: tuple[str, ...] = ("raw", "rank")
 SUFFIX = ".r3r"
-_PREFIX = struct.Struct("<8sHHII")  # magic, format_version, flags, header_len, header_crc32
-_ALIGN = 64  # payload offset alignment: lets readers mmap / O_DIRECT the payload and keeps SIMD loads aligned
-_MAX_HEADER_LEN = 64 * 1024
 _CHUNK_BYTES = 8 * 1024 * 1024  # write in bounded chunks: no giant single syscalls, no payload copy
 _SAMPLE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:=+@-]{0,199}")
 _STEP_DIR_RE = re.compile(r"\d{6,}")
 TEMP_MARKER = ".tmp-"
-
-
-@dataclass(frozen=True)
-class RoutingHeader:
-    """Metadata of one routing-data file.
-
-    ``checksum`` is ``"crc32:<8 hex>"``: zlib (IEEE 802.3) CRC-32 of the payload bytes as stored (packed
-    for ``encoding="rank"``). ``payload_bytes`` is the stored payload length.
-    """
-
-    format_version: int
-    shape: tuple[int, int, int]
-    dtype: str
-    start: int
-    num_experts: int
-    policy_version: int
-    step: int
-    sample_id: str
-    checksum: str
-    encoding: str = "raw"
-    payload_bytes: int = 0
-
-    def to_json_dict(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"encoding": self.encoding, "payload_bytes": self.payload_bytes}
-        if self.encoding == "rank":
-            extra["rank_bits"] = rank_bits(self.num_experts, self.shape[2])
-        return {
-            "format_version": self.format_version,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "start": self.start,
-            "num_experts": self.num_experts,
-            "policy_version": self.policy_version,
-            "step": self.step,
-            "sample_id": self.sample_id,
-            "checksum": self.checksum,
-            **extra,
-        }
-
-
-@dataclass(frozen=True)
-class RoutingRecord:
-    header: RoutingHeader
-    routes: RoutedExperts
-
-    def array(self) -> np.ndarray:
-        """Writable, zero-copy view of the payload (the record owns a writable buffer)."""
-        return decode(self.routes, validate=False)
-
-
-def payload_checksum(data: bytes | bytearray | memoryview) -> str:
-    return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def validate_sample_id(sample_id: str) -> str:
@@ -118,19 +68,6 @@ def validate_sample_id(sample_id: str) -> str:
             f"sample id {sample_id!r} must be 1-200 chars of [A-Za-z0-9._:=+@-], not starting with '.' or '-'"
         )
     return sample_id
-
-
-def _header_bytes(header: RoutingHeader) -> bytes:
-    body = header.to_json_dict()
-    del body["format_version"]  # lives in the fixed prefix; one source of truth
-    del body["payload_bytes"]  # implied by shape/dtype (raw) or shape/num_experts (rank)
-    if header.encoding == "raw":  # version-1 files stay byte-identical to what older writers produced
-        del body["encoding"]
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-
-def _payload_offset(header_len: int) -> int:
-    return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -203,9 +140,9 @@ def write_file(
         encoding=encoding,
         payload_bytes=payload.nbytes,
     )
-    head = _header_bytes(header)
-    prefix = _PREFIX.pack(MAGIC, header.format_version, 0, len(head), zlib.crc32(head) & 0xFFFFFFFF)
-    padding = b"\0" * (_payload_offset(len(head)) - _PREFIX.size - len(head))
+    head = header_bytes(header)
+    prefix = PREFIX.pack(MAGIC, header.format_version, 0, len(head), zlib.crc32(head) & 0xFFFFFFFF)
+    padding = b"\0" * (payload_offset(len(head)) - PREFIX.size - len(head))
     tmp = path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -224,135 +161,6 @@ def write_file(
     if durable:
         _fsync_dir(path.parent)
     return encoding
-
-
-def _fail(path: Path, why: str) -> RoutingFileError:
-    return RoutingFileError(f"{path}: {why}")
-
-
-def _payload_nbytes(path: Path, header: RoutingHeader) -> int:
-    if header.encoding == "raw":
-        return math.prod(header.shape) * np.dtype(header.dtype).itemsize
-    try:
-        return math.ceil(math.prod(header.shape[:2]) * rank_bits(header.num_experts, header.shape[2]) / 8)
-    except RoutingDataError as exc:
-        raise _fail(path, f"header describes a rank payload that cannot exist ({exc})") from exc
-
-
-def _parse_encoding(path: Path, body: dict[str, Any], version: int) -> str:
-    encoding = body.get("encoding", "raw" if version == FORMAT_VERSION else None)
-    if version == FORMAT_VERSION and encoding != "raw":
-        raise _fail(path, f"format version 1 holds raw payloads only, header says encoding {encoding!r}")
-    if encoding not in ENCODINGS:
-        raise _fail(path, f"header encoding {encoding!r} is not one of {ENCODINGS}")
-    return encoding
-
-
-def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(path, f"header is not valid JSON ({exc})") from exc
-    if not isinstance(body, dict):
-        raise _fail(path, "header is not a JSON object")
-    try:
-        shape = body["shape"]
-        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise _fail(path, f"header shape {shape!r} is not 3 non-negative ints")
-        if body["dtype"] not in ROUTE_DTYPES:
-            raise _fail(path, f"header dtype {body['dtype']!r} is not one of {ROUTE_DTYPES}")
-        ints = {k: body[k] for k in ("start", "num_experts", "policy_version", "step")}
-        bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
-        if bad:
-            raise _fail(path, f"header field(s) {bad} are not non-negative ints")
-        if not isinstance(body["sample_id"], str) or not isinstance(body["checksum"], str):
-            raise _fail(path, "header sample_id/checksum are not strings")
-        header = RoutingHeader(
-            format_version=version,
-            shape=(shape[0], shape[1], shape[2]),
-            dtype=body["dtype"],
-            sample_id=body["sample_id"],
-            checksum=body["checksum"],
-            encoding=_parse_encoding(path, body, version),
-            **ints,
-        )
-    except KeyError as exc:
-        raise _fail(path, f"header lacks field {exc.args[0]!r}") from exc
-    payload_bytes = _payload_nbytes(path, header)
-    if header.encoding == "rank" and body.get("rank_bits") != rank_bits(header.num_experts, header.shape[2]):
-        raise _fail(path, f"header rank_bits {body.get('rank_bits')!r} does not match num_experts and top_k")
-    return dataclasses.replace(header, payload_bytes=payload_bytes)
-
-
-def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
-    """The header and the payload bytes **as stored** (packed for ``encoding="rank"``), unverified.
-
-    Checks magic, version, flags, header CRC and exact file size; raises :class:`RoutingFileError` naming the
-    file otherwise (:class:`RoutingFileMissingError` when it does not exist).
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            fixed = f.read(_PREFIX.size)
-            if len(fixed) < len(MAGIC) or fixed[: len(MAGIC)] != MAGIC:
-                raise _fail(path, "not an R3 routing-data file (bad magic)")
-            if len(fixed) < _PREFIX.size:
-                raise _fail(path, f"truncated: {size} bytes, shorter than the {_PREFIX.size}-byte prefix")
-            _, version, flags, header_len, header_crc = _PREFIX.unpack(fixed)
-            if version not in SUPPORTED_VERSIONS:
-                raise _fail(path, f"unsupported format version {version} (this reader supports {SUPPORTED_VERSIONS})")
-            if flags:
-                raise _fail(path, f"unsupported flags 0x{flags:04x} for format version {version}")
-            if header_len > _MAX_HEADER_LEN:
-                raise _fail(path, f"header length {header_len} exceeds {_MAX_HEADER_LEN}")
-            raw_header = f.read(header_len)
-            if len(raw_header) < header_len:
-                raise _fail(path, f"truncated inside the header ({size} bytes)")
-            if zlib.crc32(raw_header) & 0xFFFFFFFF != header_crc:
-                raise _fail(path, "header checksum mismatch (corrupt header)")
-            header = _parse_header(path, raw_header, version)
-            offset = _payload_offset(header_len)
-            nbytes = header.payload_bytes
-            if size < offset + nbytes:
-                raise _fail(path, f"truncated: {size} bytes, expected {offset + nbytes}")
-            if size > offset + nbytes:
-                raise _fail(path, f"{size - offset - nbytes} unexpected trailing bytes (expected {offset + nbytes})")
-            f.seek(offset)
-            # np.empty, not bytearray(n): skips zero-filling memory that readinto overwrites anyway. The
-            # memoryview is writable, so decode() stays zero-copy.
-            data = memoryview(np.empty(nbytes, dtype=np.uint8))
-            view = data
-            filled = 0
-            while filled < nbytes:
-                got = f.readinto(view[filled:])
-                if not got:
-                    raise _fail(path, f"truncated while reading payload at byte {offset + filled}")
-                filled += got
-    except FileNotFoundError as exc:
-        raise RoutingFileMissingError(f"{path}: no such routing-data file") from exc
-    except IsADirectoryError as exc:
-        raise _fail(path, "is a directory") from exc
-    return header, data
-
-
-def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
-    """Read one file. Raises :class:`RoutingFileError` naming the file on bad magic, unsupported version or
-    flags, header damage, truncation / trailing bytes, (with ``verify``) a payload checksum mismatch, or a
-    rank payload holding an invalid code. Rank payloads are decoded transparently (rows come back sorted)."""
-    path = Path(path)
-    header, data = read_stored(path)
-    if verify and payload_checksum(data) != header.checksum:
-        raise _fail(path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})")
-    try:
-        if header.encoding == "rank":
-            array = decode_ranks(data, header.shape, header.dtype, num_experts=header.num_experts)
-            routes = routes_from_array(array, start=header.start)
-        else:
-            routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
-    except RoutingDataError as exc:
-        raise _fail(path, str(exc)) from exc
-    return RoutingRecord(header=header, routes=routes)
 
 
 class RoutingStore:
@@ -411,7 +219,7 @@ class RoutingStore:
         path = self.path_for(step=step, sample_id=sample_id)
         record = read_file(path, verify=verify)
         if record.header.step != step or record.header.sample_id != sample_id:
-            raise _fail(
+            raise fail(
                 path,
                 f"holds step {record.header.step} sample {record.header.sample_id!r}, "
                 f"expected step {step} sample {sample_id!r} (misplaced file)",
