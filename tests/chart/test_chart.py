@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    crud = ("get", "list", "watch", "create", "patch", "update", "delete")
+    crud = ("get", "create", "patch", "delete")  # children: read by name and written (docs/operator.md)
     expected = (
         {("r3operator.io", "rljobs", v) for v in ("get", "list", "watch", "patch", "update")}
         | {("r3operator.io", "rljobs/status", v) for v in ("get", "patch", "update")}
@@ -90,9 +91,24 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
     )
+    if not any("watch.mode=namespaced" in s for s in sets):  # kopf --all-namespaces watches namespaces
+        expected |= {("", "namespaces", v) for v in ("get", "list", "watch")}
     assert granted == expected
     # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation.
     assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "roles", "clusterroles"}
+
+
+def test_rbac_matches_docs_operator_md(render) -> None:
+    # docs/operator.md (the operator's own table) is the source of truth; every row is granted.
+    doc = (REPO / "docs/operator.md").read_text().split("## RBAC the operator needs", 1)[1].split("\n## ", 1)[0]
+    granted = {(g, r, v) for rule in _rbac_rules(render()) for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}  # fmt: skip
+    rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \| ([a-z, ]+)", doc, re.M)
+    assert len(rows) >= 10
+    for group, resource, verbs in rows:
+        group = "" if group == '""' else group
+        for verb in (v.strip() for v in verbs.split(",")):
+            assert (group, resource, verb) in granted, (group, resource, verb)
 
 
 def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
@@ -132,6 +148,8 @@ def test_deployment_is_single_recreate_non_root_read_only(render) -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     health = next(p for p in container["ports"] if p["name"] == "healthz")["containerPort"]
     assert f"--liveness=http://0.0.0.0:{health}/healthz" in container["args"]
+    metrics_port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
+    assert {"name": "R3OPERATOR_METRICS_PORT", "value": str(metrics_port)} in container["env"]
     assert container["image"] == "ghcr.io/r3operator/operator:0.1.0"  # appVersion, never latest
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
 

@@ -1,4 +1,7 @@
-{{- /* The namespaced permissions of the operator; one list shared by Role and ClusterRole. */ -}}
+{{- /*
+The namespaced permissions of the operator; one list shared by Role and ClusterRole. Source of truth:
+docs/operator.md "RBAC the operator needs" (children are read by name and written, never listed/watched).
+*/ -}}
 {{- define "r3operator.operatorRules" -}}
 - apiGroups: ["r3operator.io"]
   resources: ["rljobs"]
@@ -8,10 +11,10 @@
   verbs: ["get", "patch", "update"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps", "persistentvolumeclaims"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -20,8 +23,8 @@
   verbs: ["create", "patch"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
