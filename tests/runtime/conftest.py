@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rljob-local.yaml"
-
-
-def small_job_manifest(**spec_overrides: Any) -> dict[str, Any]:
-    """The embedded example, shrunk to few prompts/tokens so a step takes seconds on 2 cores."""
-    manifest = yaml.safe_load(EXAMPLE.read_text())
-    spec = manifest["spec"]
-    spec["rollout"].update({"promptsPerStep": 4, "groupSize": 4, "maxTokens": 4})
-    spec["algorithm"].update({"steps": 2, "sftWarmupSteps": 0, "miniBatches": 1})
-    spec["checkpoint"].update({"intervalSteps": 1})
-    for key, value in spec_overrides.items():
-        spec[key] = {**spec.get(key, {}), **value}
-    return manifest
-
-
-def write_job(tmp_path: Path, **spec_overrides: Any) -> Path:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(small_job_manifest(**spec_overrides)))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +19,3 @@ def engines() -> Any:
     )
     yield group
     group.shutdown()
-
-
-def settings_for(job_path: Path, run_dir: Path, **kwargs: Any) -> Any:
-    from r3operator.runtime.app import build_settings
-
-    settings = build_settings(job_path, out_dir=run_dir, device="cpu", **kwargs)
-    settings.show_progress = False
-    return copy.copy(settings)

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.runtime.conftest import settings_for, write_job
+from runtime_test_helpers import settings_for, write_job
 
 pytestmark = pytest.mark.slow
 
