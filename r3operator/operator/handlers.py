@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+import aiohttp
 import kopf
 
 from r3operator.api.load import parse_rljob
@@ -84,6 +85,12 @@ async def _run(body: kopf.Body, logger: logging.Logger) -> None:
         metrics.RECONCILE_TOTAL.labels("error").inc()
         metrics.RECONCILE_ERRORS.labels(exc.reason or str(exc.status)).inc()
         raise kopf.TemporaryError(f"API error: {exc}", delay=5) from exc
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # The API server restarting, a dropped connection, or the operator shutting down mid-pass:
+        # the next pass (retry or timer) converges from whatever this one left.
+        metrics.RECONCILE_TOTAL.labels("error").inc()
+        metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+        raise kopf.TemporaryError(f"API connection: {type(exc).__name__}: {exc}", delay=5) from exc
     except Exception as exc:
         metrics.RECONCILE_TOTAL.labels("error").inc()
         metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()

@@ -140,6 +140,42 @@ def example(name: str, namespace: str, **edits: Any) -> dict[str, Any]:
     return doc
 
 
+_REGISTRY: list[Any] = []
+
+
+def operator_registry() -> Any:
+    """Our handlers in a registry of their own.
+
+    kopf's default registry is process-global: a KopfRunner started by another test module (e.g.
+    tests/emulator's sample operator) would otherwise also run our handlers, and ours would run its.
+    """
+    if not _REGISTRY:
+        import importlib
+        import sys
+
+        import kopf
+
+        previous = kopf.get_default_registry()
+        registry = kopf.OperatorRegistry()
+        kopf.set_default_registry(registry)
+        try:
+            name = "r3operator.operator.handlers"
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+            else:
+                importlib.import_module(name)
+        finally:
+            kopf.set_default_registry(previous)
+        _REGISTRY.append(registry)
+    return _REGISTRY[0]
+
+
+def kopf_runner(namespaces: list[str]) -> Any:
+    from kopf.testing import KopfRunner
+
+    return KopfRunner(operator_args(namespaces), timeout=120, registry=operator_registry())
+
+
 def operator_args(namespaces: list[str]) -> list[str]:
     args = ["run", "--standalone", "-m", "r3operator.operator.handlers"]
     for ns in namespaces:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
-from operator_harness import EXAMPLE, FIXTURES, Cluster, condition, example, operator_args, paths, wait_for
+from operator_harness import EXAMPLE, FIXTURES, Cluster, condition, example, kopf_runner, paths, wait_for
 
 from r3operator.operator.hashing import engine_spec_hash
 
@@ -28,7 +28,7 @@ def operator(cluster: Cluster) -> Iterator[KopfRunner]:
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
     try:
-        with KopfRunner(operator_args([NS]), timeout=120) as runner:
+        with kopf_runner([NS]) as runner:
             yield runner
     finally:
         if old is None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from kopf.testing import KopfRunner
-from operator_harness import FIXTURES, Cluster, condition, example, operator_args, paths, wait_for
+from operator_harness import FIXTURES, Cluster, condition, example, kopf_runner, paths, wait_for
 
 from r3operator.api.load import parse_rljob
 from r3operator.operator.desired import Facts, desired
@@ -32,7 +32,7 @@ def ns(cluster: Cluster) -> Iterator[str]:
 
 
 def _run() -> KopfRunner:
-    return KopfRunner(operator_args([NS]), timeout=120)
+    return kopf_runner([NS])
 
 
 def _check(runner: KopfRunner) -> None:
