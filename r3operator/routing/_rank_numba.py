@@ -141,3 +141,39 @@ def decode_into(
                 for m in range(top_k):
                     out[begin + i, m] = 0
     return -1
+
+
+@njit(nogil=True, cache=True)
+def encode_sorted_into(planes, num_experts, bits, binom, words):  # pragma: no cover - compiled
+    """Rank-encode the sorted k-major ``planes [k, rows]`` into the bit stream ``words`` (zeroed, whole words).
+
+    Returns -1, or the first row that repeats an id without being all zero (then ``words`` is incomplete).
+    Ids are already range-checked by the caller.
+    """
+    top_k, rows = planes.shape
+    combos = binom[top_k - 1, num_experts]
+    acc = np.uint64(0)
+    filled = 0
+    w = 0
+    for j in range(rows):
+        code = np.uint64(0)
+        repeated = False
+        for m in range(top_k):
+            code += binom[m, planes[m, j]]
+        for m in range(top_k - 1):
+            repeated |= planes[m, j] == planes[m + 1, j]
+        if top_k >= 2 and planes[top_k - 1, j] == 0:
+            code = combos  # all-zero (dense) row
+        elif repeated:
+            return j
+        acc |= code << np.uint64(filled)
+        filled += bits
+        if filled >= 64:
+            words[w] = acc
+            w += 1
+            filled -= 64
+            # The bits of this code that did not fit; (x >> 1) >> (n - 1) is x >> n without a shift by 64.
+            acc = (code >> np.uint64(1)) >> np.uint64(bits - filled - 1) if filled else np.uint64(0)
+    if filled:
+        words[w] = acc
+    return -1

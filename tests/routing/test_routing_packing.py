@@ -47,6 +47,14 @@ def _random_sets(tokens: int, layers: int, top_k: int, num_experts: int, *, seed
     return np.argsort(keys, axis=-1)[..., :top_k].astype(np.int64)
 
 
+def _encode(arr: np.ndarray, num_experts: int) -> bytearray:
+    """Encode with every available backend, check the bytes agree, return them."""
+    payload = encode_ranks(arr, num_experts=num_experts, backend="numpy")
+    if packing.numba_available():
+        assert encode_ranks(arr, num_experts=num_experts, backend="numba") == payload
+    return payload
+
+
 def _both(data: bytes | bytearray, shape: tuple[int, int, int], dtype: str, num_experts: int) -> np.ndarray:
     """Decode with every available backend, check they agree, return the result."""
     results = [decode_ranks(data, shape, dtype, num_experts=num_experts, backend="numpy")]
@@ -67,7 +75,7 @@ def _both(data: bytes | bytearray, shape: tuple[int, int, int], dtype: str, num_
 )  # fmt: skip
 def test_round_trip_sorts_rows(num_experts: int, top_k: int, dtype: str) -> None:
     arr = _random_sets(50, 7, top_k, num_experts, seed=top_k)
-    payload = encode_ranks(arr, num_experts=num_experts)
+    payload = _encode(arr, num_experts)
     bits = rank_bits(num_experts, top_k)
     assert len(payload) == math.ceil(50 * 7 * bits / 8)
     out = _both(payload, arr.shape, dtype, num_experts)
@@ -87,7 +95,7 @@ def test_extreme_ranks_round_trip() -> None:
     num_experts, top_k = 128, 8
     rows = np.array([np.arange(top_k), np.arange(num_experts - top_k, num_experts), [0, 1, 2, 3, 4, 5, 6, 127]])
     arr = np.tile(rows[:, None, :], (1, 67, 1))  # 201 codes: spans several 64-code groups and partial words
-    out = _both(encode_ranks(arr, num_experts=num_experts), arr.shape, "uint8", num_experts)
+    out = _both(_encode(arr, num_experts), arr.shape, "uint8", num_experts)
     np.testing.assert_array_equal(out, arr)
 
 
@@ -95,7 +103,7 @@ def test_dense_zero_rows_round_trip() -> None:
     arr = _random_sets(40, 6, 8, 128, seed=1)
     arr[:, 0] = 0  # a dense layer, as vLLM reports it
     arr[5:9, 3] = 0  # scattered uncaptured rows
-    out = _both(encode_ranks(arr, num_experts=128), arr.shape, "uint8", 128)
+    out = _both(_encode(arr, 128), arr.shape, "uint8", 128)
     np.testing.assert_array_equal(out, np.sort(arr, axis=-1))
     assert not out[:, 0].any() and not out[5:9, 3].any()
 
@@ -119,8 +127,9 @@ def test_unsupported_combination_is_refused_and_store_falls_back_to_raw(tmp_path
 def test_encoder_rejects_invalid_rows() -> None:
     arr = make_routes(5, 2, 4, 16)
     arr[3, 1] = [2, 5, 2, 9]
-    with pytest.raises(RoutingDataError, match=r"duplicate.*token=3, layer=1"):
-        encode_ranks(arr, num_experts=16)
+    for backend in ("numpy", "auto"):
+        with pytest.raises(RoutingDataError, match=r"duplicate.*token=3, layer=1"):
+            encode_ranks(arr, num_experts=16, backend=backend)  # type: ignore[arg-type]
     with pytest.raises(RoutingDataError, match=r"\[0, 8\)"):
         encode_ranks(make_routes(5, 2, 4, 16), num_experts=8)
 
@@ -143,7 +152,7 @@ def test_property_decoders_agree_and_invert_encoding(num_experts: int, data: st.
             encode_ranks(arr, num_experts=num_experts)
         return
     dtype = "uint8" if num_experts <= 256 else "uint16"
-    out = _both(encode_ranks(arr, num_experts=num_experts), arr.shape, dtype, num_experts)
+    out = _both(_encode(arr, num_experts), arr.shape, dtype, num_experts)
     np.testing.assert_array_equal(out, np.sort(arr, axis=-1))
 
 
@@ -184,10 +193,13 @@ def test_numpy_fallback_without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
     arr = _random_sets(20, 3, 8, 64, seed=5)
     payload = encode_ranks(arr, num_experts=64)
     monkeypatch.setattr(packing, "_numba_kernel", lambda: None)  # as in the operator image: no numba
+    assert encode_ranks(arr, num_experts=64) == payload
     out = decode_ranks(payload, arr.shape, "uint8", num_experts=64)
     np.testing.assert_array_equal(out, np.sort(arr, axis=-1))
     with pytest.raises(RoutingDataError, match="numba"):
         decode_ranks(payload, arr.shape, "uint8", num_experts=64, backend="numba")
+    with pytest.raises(RoutingDataError, match="numba"):
+        encode_ranks(arr, num_experts=64, backend="numba")
 
 
 def test_store_rank_round_trip_and_header(tmp_path: Path) -> None:
