@@ -27,7 +27,7 @@ class StepTable:
             table.add_column(col, justify="right")
         for r in self.rows[-25:]:
             table.add_row(
-                str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.5f}",
+                str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.3g}",
                 f"{r['routing_agreement']:.4f}", "ok" if r["canary_ok"] else "-",
                 *[f"{r.get('t_' + p, 0.0):.2f}" for p in PHASES], f"{r['step_seconds']:.2f}",
             )  # fmt: skip

@@ -98,8 +98,8 @@ def write_report(
             f"- reward: start {start:.3f} (mean of the first steps) → end {end:.3f} (mean of the last steps): "
             f"the reward {rose} ({end - start:+.3f}); per step {_f(rows[0], 'reward_mean'):.3f} → "
             f"{_f(rows[-1], 'reward_mean'):.3f}",
-            f"- mean |Δlogprob| rollout vs trainer (mean over steps): {_mean(rows, 'logprob_abs_diff_mean'):.5f}; "
-            f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.4f}",
+            f"- mean |Δlogprob| rollout vs trainer (mean over steps): {_mean(rows, 'logprob_abs_diff_mean'):.3g}; "
+            f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.3g}",
             f"- routing agreement, experts used vs engine: {_mean(rows, 'routing_agreement'):.4f}; "
             f"trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}",
             f"- weight-sync canary: {sum(1 for r in rows if str(r.get('canary_ok')) in ('1', 'True'))}/{len(rows)} ok",
