@@ -12,66 +12,13 @@ largest ``c`` with ``C(c, m) <= r``. Instead of a search over ``E`` candidates i
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from r3operator.routing.packing import DIRECT_TABLE_MAX, LUT_MANTISSA_BITS, binomial_table
+from r3operator.routing.packing import LUT_MANTISSA_BITS
 
 _BUCKETS_PER_OCTAVE = 1 << LUT_MANTISSA_BITS
-
-
-@functools.lru_cache(maxsize=16)
-def unrank_tables(num_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """``(binom, lut, direct, direct_offsets, fix_steps)`` for the kernel.
-
-    - ``binom [k, E+1] uint64``: ``C(c, m)`` (see ``packing.binomial_table``).
-    - ``lut [k, 64 * 2**M]``: ``lut[m - 1, bucket]`` is the largest c with ``C(c, m) <=`` the smallest r of the
-      bucket, a lower bound of the answer for every r in it.
-    - ``direct``: the exact answers for every r of each level m with ``C(E, m) <= DIRECT_TABLE_MAX``,
-      concatenated; ``direct_offsets[m - 1]`` is where level m starts, or -1 when it has no table.
-    - ``fix_steps``: the most upward corrections any reachable bucket needs (1 for E <= 128).
-    """
-    binom = binomial_table(num_experts, top_k)
-    index_dtype = np.uint8 if num_experts <= 0xFF else (np.uint16 if num_experts <= 0xFFFF else np.int32)
-    buckets = 64 * _BUCKETS_PER_OCTAVE
-    lows = [_bucket_low(b) for b in range(buckets)] + [1 << 64]
-    # The kernel looks up r | 1 (no branch for r = 0), so an even r = x - 1 shares x's bucket: one below
-    # each bucket's smallest integer is the smallest r that lands in it.
-    lows_u64 = np.array([min(v - 1, _U64_MAX) for v in lows[:-1]], dtype=np.uint64)
-    highs_u64 = np.array([min(v - 1, _U64_MAX) for v in lows[1:]], dtype=np.uint64)
-    lut = np.empty((top_k, buckets), dtype=index_dtype)
-    offsets = np.full(top_k, -1, dtype=np.int64)
-    direct_parts: list[np.ndarray] = []
-    fix_steps, filled = 0, 0
-    for m in range(top_k):
-        lut[m] = np.minimum(np.searchsorted(binom[m], lows_u64, side="right") - 1, num_experts - 1)
-        limit = int(binom[m, num_experts])  # every remainder at level m + 1 is below C(E, m + 1)
-        if m >= 1 and limit <= DIRECT_TABLE_MAX:
-            offsets[m] = filled
-            direct_parts.append(np.searchsorted(binom[m], np.arange(limit, dtype=np.uint64), "right") - 1)
-            filled += limit
-        elif m >= 1:
-            reachable = lows_u64 < binom[m, num_experts]
-            highs = np.minimum(highs_u64, binom[m, num_experts] - np.uint64(1))
-            worst = (np.searchsorted(binom[m], highs, side="right") - 1 - lut[m].astype(np.int64))[reachable]
-            fix_steps = max(fix_steps, int(worst.max(initial=0)))
-    direct = np.concatenate(direct_parts).astype(index_dtype) if direct_parts else np.zeros(1, dtype=index_dtype)
-    return binom, lut, direct, offsets, fix_steps
-
-
-_U64_MAX = (1 << 64) - 1
-
-
-def _bucket_low(bucket: int) -> int:
-    """Smallest integer whose octave and next M bits select ``bucket``."""
-    octave, step = divmod(bucket, _BUCKETS_PER_OCTAVE)
-    top = _BUCKETS_PER_OCTAVE + step
-    if octave >= LUT_MANTISSA_BITS:
-        return top << (octave - LUT_MANTISSA_BITS)
-    return -(-(top << octave) >> LUT_MANTISSA_BITS)
 
 
 _BLOCK = 256  # rows unranked together: each level's loop over a block has independent iterations

@@ -20,7 +20,8 @@ exact uint64 arithmetic, so C(E, k) must be below 2**63; larger (E, k) raise
 
 Decoding returns the **sorted** rows (writable, in the routes dtype). Two decoders give identical results:
 a numba kernel (``_rank_numba``, imported lazily: the operator image does not ship numba) and a vectorised
-NumPy fallback (one ``searchsorted`` per k position). Neither loops over tokens in Python.
+NumPy fallback (the same lookup tables, one vectorised pass per k position). Neither loops over tokens
+in Python.
 """
 
 from __future__ import annotations
@@ -34,13 +35,29 @@ from typing import Literal
 
 import numpy as np
 
+from r3operator.routing.bitstream import pack_bits, unpack_bits
 from r3operator.routing.errors import RoutingDataError
+
+__all__ = [  # pack_bits / unpack_bits are re-exported from bitstream
+    "RankEncodingUnsupported",
+    "binomial_table",
+    "decode_ranks",
+    "decode_ranks_numpy",
+    "encode_ranks",
+    "numba_available",
+    "pack_bits",
+    "rank_bits",
+    "rank_payload_nbytes",
+    "rank_supported",
+    "unpack_bits",
+    "unrank_tables",
+]
 
 Backend = Literal["auto", "numba", "numpy"]
 _MAX_CODE = 2**63 - 1  # ranks and the reserved code are exact in int64/uint64 arithmetic
 _U64_MAX = np.iinfo(np.uint64).max
-_GROUP = 64  # codes per packing group: 64 codes of `bits` bits are exactly `bits` uint64 words
 LUT_MANTISSA_BITS = 6  # float-bucket lookup resolution of the numba unranker (2**6 buckets per octave)
+BUCKETS_PER_OCTAVE = 1 << LUT_MANTISSA_BITS
 DIRECT_TABLE_MAX = 1 << 20  # levels whose C(E, m) is at most this are unranked by one exact table lookup
 
 
@@ -91,6 +108,55 @@ def binomial_table(num_experts: int, top_k: int) -> np.ndarray:
         table[m - 1] = [min(math.comb(c, m), int(_U64_MAX)) for c in range(num_experts + 1)]
     table.flags.writeable = False
     return table
+
+
+@functools.lru_cache(maxsize=16)
+def unrank_tables(num_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(binom, lut, direct, direct_offsets, fix_steps)`` for the kernel.
+
+    - ``binom [k, E+1] uint64``: ``C(c, m)`` (see ``packing.binomial_table``).
+    - ``lut [k, 64 * 2**M]``: ``lut[m - 1, bucket]`` is the largest c with ``C(c, m) <=`` the smallest r of the
+      bucket, a lower bound of the answer for every r in it.
+    - ``direct``: the exact answers for every r of each level m with ``C(E, m) <= DIRECT_TABLE_MAX``,
+      concatenated; ``direct_offsets[m - 1]`` is where level m starts, or -1 when it has no table.
+    - ``fix_steps``: the most upward corrections any reachable bucket needs (1 for E <= 128).
+    """
+    binom = binomial_table(num_experts, top_k)
+    index_dtype = np.uint8 if num_experts <= 0xFF else (np.uint16 if num_experts <= 0xFFFF else np.int32)
+    buckets = 64 * BUCKETS_PER_OCTAVE
+    lows = [_bucket_low(b) for b in range(buckets)] + [1 << 64]
+    # The kernel looks up r | 1 (no branch for r = 0), so an even r = x - 1 shares x's bucket: one below
+    # each bucket's smallest integer is the smallest r that lands in it.
+    cap = int(_U64_MAX)
+    lows_u64 = np.array([min(v - 1, cap) for v in lows[:-1]], dtype=np.uint64)
+    highs_u64 = np.array([min(v - 1, cap) for v in lows[1:]], dtype=np.uint64)
+    lut = np.empty((top_k, buckets), dtype=index_dtype)
+    offsets = np.full(top_k, -1, dtype=np.int64)
+    direct_parts: list[np.ndarray] = []
+    fix_steps, filled = 0, 0
+    for m in range(top_k):
+        lut[m] = np.minimum(np.searchsorted(binom[m], lows_u64, side="right") - 1, num_experts - 1)
+        limit = int(binom[m, num_experts])  # every remainder at level m + 1 is below C(E, m + 1)
+        if m >= 1 and limit <= DIRECT_TABLE_MAX:
+            offsets[m] = filled
+            direct_parts.append(np.searchsorted(binom[m], np.arange(limit, dtype=np.uint64), "right") - 1)
+            filled += limit
+        elif m >= 1:
+            reachable = lows_u64 < binom[m, num_experts]
+            highs = np.minimum(highs_u64, binom[m, num_experts] - np.uint64(1))
+            worst = (np.searchsorted(binom[m], highs, side="right") - 1 - lut[m].astype(np.int64))[reachable]
+            fix_steps = max(fix_steps, int(worst.max(initial=0)))
+    direct = np.concatenate(direct_parts).astype(index_dtype) if direct_parts else np.zeros(1, dtype=index_dtype)
+    return binom, lut, direct, offsets, fix_steps
+
+
+def _bucket_low(bucket: int) -> int:
+    """Smallest integer whose octave and next M bits select ``bucket``."""
+    octave, step = divmod(bucket, BUCKETS_PER_OCTAVE)
+    top = BUCKETS_PER_OCTAVE + step
+    if octave >= LUT_MANTISSA_BITS:
+        return top << (octave - LUT_MANTISSA_BITS)
+    return -(-(top << octave) >> LUT_MANTISSA_BITS)
 
 
 def _sorting_network(n: int) -> list[tuple[int, int]]:
@@ -172,44 +238,6 @@ def _duplicate_error(arr: np.ndarray, row: int) -> RoutingDataError:
     return RoutingDataError(f"duplicate expert id in row (token={token}, layer={layer}): {arr[token, layer].tolist()}")
 
 
-def pack_bits(values: np.ndarray, bits: int) -> bytearray:
-    """Little-endian bit stream of ``values`` (uint64, each < 2**bits), ``bits`` in [1, 63]."""
-    count = values.shape[0]
-    groups = -(-count // _GROUP)
-    padded = np.zeros(groups * _GROUP, dtype=np.uint64)
-    padded[:count] = values
-    codes = padded.reshape(groups, _GROUP)
-    words = np.zeros((groups, bits), dtype=np.uint64)
-    # Code p of a group starts at bit p*bits: the same word and shift for every group, so each of the 64
-    # positions is one vectorised OR over all groups.
-    for p in range(_GROUP):
-        word, shift = divmod(p * bits, 64)
-        words[:, word] |= codes[:, p] << np.uint64(shift)
-        if shift + bits > 64:
-            words[:, word + 1] |= codes[:, p] >> np.uint64(64 - shift)
-    out = bytearray(-(-count * bits // 8))
-    np.frombuffer(out, dtype=np.uint8)[:] = words.astype("<u8", copy=False).view(np.uint8).ravel()[: len(out)]
-    return out
-
-
-def unpack_bits(data: bytes | bytearray | memoryview, count: int, bits: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits`: ``count`` uint64 codes."""
-    groups = -(-count // _GROUP)
-    raw = np.zeros(groups * bits * 8, dtype=np.uint8)
-    src = np.frombuffer(data, dtype=np.uint8)[: raw.shape[0]]  # callers may ask for a prefix of the codes
-    raw[: src.shape[0]] = src
-    words = raw.view("<u8").astype(np.uint64, copy=False).reshape(groups, bits)
-    codes = np.empty((groups, _GROUP), dtype=np.uint64)
-    mask = np.uint64((1 << bits) - 1)
-    for p in range(_GROUP):
-        word, shift = divmod(p * bits, 64)
-        column = words[:, word] >> np.uint64(shift)
-        if shift + bits > 64:
-            column |= words[:, word + 1] << np.uint64(64 - shift)
-        codes[:, p] = column & mask
-    return codes.reshape(-1)[:count]
-
-
 def _check_payload(data: bytes | bytearray | memoryview, shape: tuple[int, int, int], num_experts: int) -> int:
     expected = rank_payload_nbytes(shape, num_experts)
     got = memoryview(data).nbytes
@@ -232,7 +260,8 @@ def _bad_rank_error(row: int, code: int, shape: tuple[int, int, int], num_expert
 def decode_ranks_numpy(
     data: bytes | bytearray | memoryview, shape: tuple[int, int, int], dtype: str, *, num_experts: int
 ) -> np.ndarray:
-    """Vectorised NumPy decoder (no numba): one ``searchsorted`` per k position over all rows."""
+    """Vectorised NumPy decoder (no numba): per k position, one bucket-table lookup plus fixed corrections
+    over all rows (the numba kernel's tables), or a ``searchsorted`` where buckets are coarse."""
     bits = _check_payload(data, shape, num_experts)
     rows, top_k = shape[0] * shape[1], shape[2]
     out = np.zeros((rows, top_k), dtype=np.dtype(dtype))
@@ -247,14 +276,39 @@ def decode_ranks_numpy(
         raise _bad_rank_error(row, int(ranks[row]), shape, num_experts)
     live = ranks != np.uint64(combos) if top_k >= 2 else np.ones(rows, dtype=bool)
     remaining = ranks[live]
-    table = binomial_table(num_experts, top_k)
+    binom, lut, direct, offsets, fix_steps = unrank_tables(num_experts, top_k)
     picked = np.empty((top_k, remaining.shape[0]), dtype=np.intp)
-    for m in range(top_k, 0, -1):  # the largest id first; loops over k positions only
-        c = np.searchsorted(table[m - 1], remaining, side="right") - 1
-        picked[m - 1] = c
-        remaining -= table[m - 1][c]
+    for m in range(top_k, 1, -1):  # the largest id first; loops over k positions only
+        picked[m - 1] = c = _largest_c(remaining, m, binom, lut, direct, int(offsets[m - 1]), fix_steps)
+        remaining -= binom[m - 1][c]
+    picked[0] = remaining
     out[live] = picked.T
     return out.reshape(shape)
+
+
+_EXACT_FLOAT = np.uint64(1 << 53)
+
+
+def _largest_c(
+    r: np.ndarray, m: int, binom: np.ndarray, lut: np.ndarray, direct: np.ndarray, at: int, fix_steps: int
+) -> np.ndarray:
+    """Vectorised: the largest c with C(c, m) <= r, for every r (same tables as the numba kernel)."""
+    row = binom[m - 1]
+    if at >= 0:
+        return direct[at + r.astype(np.intp)].astype(np.intp)
+    if fix_steps > 4:  # coarse buckets (very large E): a binary search per value is cheaper
+        return np.searchsorted(row, r, side="right") - 1
+    # Bucket of r | 1 = its octave and next M bits, read off an exact float64 conversion: values >= 2**53
+    # are shifted right by 11 first (still exact, same leading bits), and 11 octaves added back.
+    x = r | np.uint64(1)
+    big = x >= _EXACT_FLOAT
+    exact = np.where(big, x >> np.uint64(11), x).astype(np.float64).view(np.uint64)
+    bucket = (exact >> np.uint64(52 - LUT_MANTISSA_BITS)).astype(np.intp) - (1023 << LUT_MANTISSA_BITS)
+    bucket += big * (11 << LUT_MANTISSA_BITS)
+    c = lut[m - 1][bucket].astype(np.intp)
+    for _ in range(fix_steps):
+        c += row[c + 1] <= r
+    return c
 
 
 @functools.lru_cache(maxsize=1)
@@ -310,7 +364,7 @@ def decode_ranks(
     words.view(np.uint8)[: memoryview(data).nbytes] = np.frombuffer(data, dtype=np.uint8)
     if sys.byteorder == "big":  # pragma: no cover - the stream is little-endian
         words.byteswap(inplace=True)
-    tables = kernel.unrank_tables(num_experts, top_k)
+    tables = unrank_tables(num_experts, top_k)
     bounds = np.linspace(0, rows, max(1, min(int(threads), rows)) + 1).astype(np.int64)
 
     def run(part: int) -> int:
