@@ -177,13 +177,17 @@ def _sorting_network(n: int) -> list[tuple[int, int]]:
     return pairs
 
 
+def _id_dtype(num_experts: int) -> np.dtype:
+    """The narrowest routes dtype holding ids up to ``num_experts - 1``."""
+    return np.dtype(np.uint8 if num_experts <= 0x100 else (np.uint16 if num_experts <= 0x10000 else np.int32))
+
+
 def _sorted_planes(arr: np.ndarray, num_experts: int) -> np.ndarray:
     """k-major ``[k, rows]`` copy of ``arr`` (ids already range-checked) in the narrowest dtype holding
     ``num_experts - 1``, with every row sorted ascending: a sorting network on planes, vectorised over rows
     and ~20x faster than ``np.sort`` along a tiny last axis. The narrow dtype keeps the kernels' compiled
     variants to three."""
-    narrow = np.uint8 if num_experts <= 0x100 else (np.uint16 if num_experts <= 0x10000 else np.int32)
-    planes = np.ascontiguousarray(arr.reshape(-1, arr.shape[-1]).T, dtype=narrow)
+    planes = np.ascontiguousarray(arr.reshape(-1, arr.shape[-1]).T, dtype=_id_dtype(num_experts))
     for i, j in _sorting_network(planes.shape[0]):
         low = np.minimum(planes[i], planes[j])
         np.maximum(planes[i], planes[j], out=planes[j])
@@ -351,9 +355,36 @@ def decode_ranks(
     threads (numba kernel only; it releases the GIL).
     """
     kernel = _kernel_for(backend)
+    target = np.dtype(dtype)
+    if target.kind not in "iu":
+        raise RoutingDataError(f"routes dtype must be an integer type, got {dtype!r}")
+    # Decode into a dtype that holds every id < num_experts, so a forged payload cannot wrap around silently.
+    work = max(target, _id_dtype(num_experts), key=lambda d: d.itemsize)
     if kernel is None:
-        return decode_ranks_numpy(data, shape, dtype, num_experts=num_experts)
+        out = decode_ranks_numpy(data, shape, work.name, num_experts=num_experts)
+    else:
+        out = _decode_ranks_numba(kernel, data, shape, work.name, num_experts=num_experts, threads=threads)
+    if work == target:
+        return out
+    over = (out > np.iinfo(target).max).any(axis=-1)
+    if over.any():
+        token, layer = (int(i) for i in np.argwhere(over)[0])
+        raise RoutingDataError(
+            f"rank payload decodes to expert ids {out[token, layer].tolist()} at row (token={token}, "
+            f"layer={layer}), which do not fit dtype {dtype}"
+        )
+    return out.astype(target)
 
+
+def _decode_ranks_numba(
+    kernel: ModuleType,
+    data: bytes | bytearray | memoryview,
+    shape: tuple[int, int, int],
+    dtype: str,
+    *,
+    num_experts: int,
+    threads: int,
+) -> np.ndarray:
     bits = _check_payload(data, shape, num_experts)
     rows, top_k = shape[0] * shape[1], shape[2]
     if rows == 0 or top_k == 0 or bits == 0:
