@@ -21,6 +21,16 @@ from r3operator.routing.packing import LUT_MANTISSA_BITS
 _BUCKETS_PER_OCTAVE = 1 << LUT_MANTISSA_BITS
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _bucket(r):  # pragma: no cover - compiled
+    """Table index of ``r | 1``: its octave and the next M bits after the leading one (unsigned, so numba
+    emits no negative-index wraparound code)."""
+    x = r | np.uint64(1)
+    zeros = leading_zeros(x)
+    step = (x << zeros) >> np.uint64(63 - LUT_MANTISSA_BITS) & np.uint64(_BUCKETS_PER_OCTAVE - 1)
+    return (np.uint64(63) - zeros) * np.uint64(_BUCKETS_PER_OCTAVE) + step
+
+
 _BLOCK = 256  # rows unranked together: each level's loop over a block has independent iterations
 
 
@@ -68,20 +78,22 @@ def decode_into(
                     rem[i] = r - row[c]
                 continue
             table = lut[m - 1]
-            for i in range(n):
-                r = rem[i]
-                x = r | np.uint64(1)
-                zeros = np.int64(leading_zeros(x))
-                step = np.int64((x << np.uint64(zeros)) >> np.uint64(63 - LUT_MANTISSA_BITS)) & (
-                    _BUCKETS_PER_OCTAVE - 1
-                )
-                c = np.int64(table[(63 - zeros) * _BUCKETS_PER_OCTAVE + step])
-                c += np.int64(row[c + 1] <= r)  # one branch-free step covers E <= 128
-                if fix_steps > 1:
-                    while row[c + 1] <= r:
-                        c += 1
-                out[begin + i, m - 1] = c
-                rem[i] = r - row[c]
+            column = m - 1
+            if fix_steps <= 1:  # unswitched by hand: LLVM keeps the test inside the loop otherwise
+                for i in range(n):
+                    r = rem[i]
+                    c = np.uint64(table[_bucket(r)])
+                    c += np.uint64(row[c + np.uint64(1)] <= r)  # the one branch-free step E <= 128 needs
+                    out[begin + i, column] = c
+                    rem[i] = r - row[c]
+            else:
+                for i in range(n):
+                    r = rem[i]
+                    c = np.uint64(table[_bucket(r)])
+                    while row[c + np.uint64(1)] <= r:
+                        c += np.uint64(1)
+                    out[begin + i, column] = c
+                    rem[i] = r - row[c]
         for i in range(n):
             out[begin + i, 0] = rem[i]
             if is_dense[i]:
