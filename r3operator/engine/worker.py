@@ -82,6 +82,27 @@ class WeightSyncWorkerExtension:
         self._r3_tensors_loaded += count
         return count
 
+    def r3_load_packed(self, buffer: Any, entries: Sequence[Sequence[Any]]) -> int:
+        """Load one chunk sent as ONE flat uint8 buffer + (name, dtype, shape, offset) entries.
+
+        The tensors are views of `buffer` (zero-copy from Ray's object store); `load_weights` copies
+        them into the parameters. See `r3operator.runtime.weights.pack_chunk`.
+        """
+        from r3operator.runtime.weights import unpack_chunk
+
+        return self.r3_load_chunk(unpack_chunk(buffer, entries))
+
+    def r3_load_packed_file(self, path: str) -> int:
+        """A packed chunk staged on a shared volume as safetensors: tensor "buffer" + JSON "entries"."""
+        import json
+
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            entries = json.loads(fh.metadata()["entries"])
+            buffer = fh.get_tensor("buffer")
+        return self.r3_load_packed(buffer, entries)
+
     def r3_load_chunk_from_file(self, path: str) -> int:
         """Load one chunk written as safetensors on a shared volume (engines reached over HTTP)."""
         from safetensors.torch import load_file

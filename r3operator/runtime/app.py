@@ -43,18 +43,25 @@ def build_settings(
     if env_urls := os.environ.get("R3_ENGINE_URLS"):
         engine_urls = [u for u in env_urls.split(",") if u]
     total = steps or _env_int("R3_STEPS") or job.spec.algorithm.steps
+    resolved = resolve_device(device)
     port = metrics_port if metrics_port is not None else (job.spec.monitoring.port if config else 0)
     return RunSettings(
         job=job,
         run_dir=run_dir or out_dir / job.metadata.name,
-        device=resolve_device(device),
+        device=resolved,
         steps=total,
         resume=resume,
         model_override=model or os.environ.get("R3_MODEL") or None,
         metrics_port=port or None,
         engine_urls=engine_urls,
-        engine_dtype=os.environ.get("R3_ENGINE_DTYPE", "float32"),
+        engine_dtype=os.environ.get("R3_ENGINE_DTYPE") or default_engine_dtype(resolved),
     )
+
+
+def default_engine_dtype(device: str) -> str:
+    """fp32 on CPU (the canary demands exact greedy equality), bf16 on GPU (production numerics; the
+    canary then runs in near-tie mode, see runtime/canary.py)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def _prepare_env(device: str) -> None:

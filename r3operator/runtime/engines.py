@@ -17,6 +17,11 @@ from typing import Any, Protocol
 
 from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.worker import WORKER_EXTENSION_CLS
+from r3operator.runtime.weights import PackedChunk
+
+# Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,
+# without holding the whole model in the object store.
+MAX_CHUNKS_IN_FLIGHT = 2
 
 
 class Engine(Protocol):
@@ -24,7 +29,15 @@ class Engine(Protocol):
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
     ) -> list[RolloutSample]: ...
 
-    def update_weights(self, chunks: Iterable[list[tuple[str, Any]]]) -> dict[str, int]: ...
+    def begin_weight_update(self) -> None: ...
+
+    def load_packed(self, chunk: PackedChunk) -> None: ...
+
+    def release(self, chunk: PackedChunk) -> None: ...
+
+    def finish_weight_update(self) -> dict[str, int]: ...
+
+    def abort_weight_update(self) -> None: ...
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]: ...
 
@@ -69,6 +82,10 @@ class EngineActor:
 
     def load_chunk(self, chunk: list[tuple[str, Any]]) -> int:
         return int(sum(self.llm.collective_rpc("r3_load_chunk", args=(chunk,))))
+
+    def load_packed(self, buffer: Any, entries: list[Any]) -> int:
+        # `buffer` arrives as a read-only numpy view of the object store (zero-copy).
+        return int(sum(self.llm.collective_rpc("r3_load_packed", args=(buffer, entries))))
 
     def finish_weight_update(self) -> dict[str, int]:
         result = self.llm.collective_rpc("r3_finish_weight_update")[0]
@@ -116,15 +133,31 @@ class RayEngine:
     ) -> list[RolloutSample]:
         return self._ray.get(self._actor.generate.remote(list(map(list, prompts)), max_tokens, temperature, seed, n))
 
-    def update_weights(self, chunks: Iterable[list[tuple[str, Any]]]) -> dict[str, int]:
+    def begin_weight_update(self) -> None:
+        self._in_flight: list[Any] = []
         self._ray.get(self._actor.begin_weight_update.remote())
-        try:
-            for chunk in chunks:
-                self._ray.get(self._actor.load_chunk.remote(chunk))
-        except BaseException:
-            self._ray.get(self._actor.abort_weight_update.remote())
-            raise
+
+    def load_packed(self, chunk: PackedChunk) -> None:
+        """Submit the chunk (one `ray.put` per chunk, shared by every engine) without waiting for it."""
+        if "ray" not in chunk.handles:
+            chunk.handles["ray"] = self._ray.put(chunk.buffer)
+        self._in_flight.append(self._actor.load_packed.remote(chunk.handles["ray"], chunk.entries))
+        while len(self._in_flight) > MAX_CHUNKS_IN_FLIGHT:
+            self._ray.get(self._in_flight.pop(0))
+
+    def release(self, chunk: PackedChunk) -> None:
+        chunk.handles.pop("ray", None)  # submitted tasks keep their argument alive until they ran
+
+    def finish_weight_update(self) -> dict[str, int]:
+        # Every chunk must have loaded before the bracket closes: a failed chunk raises here, before
+        # finalize, and the caller aborts the bracket.
+        self._ray.get(self._in_flight)
+        self._in_flight = []
         return self._ray.get(self._actor.finish_weight_update.remote())
+
+    def abort_weight_update(self) -> None:
+        self._in_flight = []
+        self._ray.get(self._actor.abort_weight_update.remote())
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return self._ray.get(self._actor.greedy.remote(list(map(list, prompts)), max_tokens))
@@ -173,28 +206,33 @@ class HTTPEngine:
     ) -> list[RolloutSample]:
         return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
 
-    def update_weights(self, chunks: Iterable[list[tuple[str, Any]]]) -> dict[str, int]:
-        from safetensors.torch import save_file
-
+    def begin_weight_update(self) -> None:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._rpc("r3_begin_weight_update")
-        count = 0
-        try:
-            for chunk in chunks:
-                fd, name = tempfile.mkstemp(suffix=".safetensors", dir=self.staging_dir)
-                os.close(fd)
-                try:
-                    save_file(dict(chunk), name)
-                    self._rpc("r3_load_chunk_from_file", name)
-                finally:
-                    Path(name).unlink(missing_ok=True)
-                count += 1
-        except BaseException:
-            self._rpc("r3_abort_weight_update")
-            raise
-        self._rpc("r3_finish_weight_update")
+
+    def load_packed(self, chunk: PackedChunk) -> None:
+        """Stage the chunk once on the shared volume (one file for every engine), load it via RPC."""
+        if "file" not in chunk.handles:
+            import torch
+            from safetensors.torch import save_file
+
+            fd, name = tempfile.mkstemp(suffix=".safetensors", dir=self.staging_dir)
+            os.close(fd)
+            save_file({"buffer": torch.from_numpy(chunk.buffer)}, name, metadata={"entries": json.dumps(chunk.entries)})
+            chunk.handles["file"] = name
+        self._rpc("r3_load_packed_file", chunk.handles["file"])
+
+    def release(self, chunk: PackedChunk) -> None:
+        if name := chunk.handles.pop("file", None):
+            Path(name).unlink(missing_ok=True)
+
+    def finish_weight_update(self) -> dict[str, int]:
+        result = self._rpc("r3_finish_weight_update")
         self._post("/reset_prefix_cache")
-        return {"chunks": count}
+        return result if isinstance(result, dict) else {}
+
+    def abort_weight_update(self) -> None:
+        self._rpc("r3_abort_weight_update")
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
@@ -239,11 +277,30 @@ class EngineGroup:
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             return [s for part in pool.map(one, range(len(prompts))) for s in part]
 
-    def update_weights(self, chunks_factory: Any) -> dict[str, int]:
-        result: dict[str, int] = {}
+    def update_weights(self, chunks: Iterable[PackedChunk]) -> dict[str, int]:
+        """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (+ prefix-cache
+        reset). Each chunk is packed once and shipped to every engine; a failure aborts every bracket."""
         for engine in self.engines:
-            result = engine.update_weights(chunks_factory())
-        return result
+            engine.begin_weight_update()
+        count, nbytes = 0, 0
+        try:
+            for chunk in chunks:
+                for engine in self.engines:
+                    engine.load_packed(chunk)
+                for engine in self.engines:
+                    engine.release(chunk)
+                count, nbytes = count + 1, nbytes + chunk.nbytes
+            results = [engine.finish_weight_update() for engine in self.engines]
+        except BaseException:
+            for engine in self.engines:
+                try:
+                    engine.abort_weight_update()
+                except Exception as exc:  # keep the original error; the engine is probably gone
+                    import logging
+
+                    logging.getLogger(__name__).error("aborting the weight update failed: %s", exc)
+            raise
+        return {**(results[0] if results else {}), "chunks": count, "bytes": nbytes}
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return self.engines[0].greedy(prompts, max_tokens=max_tokens)

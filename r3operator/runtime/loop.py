@@ -10,7 +10,8 @@
     6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
     7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
                     then prefix-cache reset
-    8 canary        greedy decode of fixed prompts on engine == trainer, else CanaryMismatchError
+    8 canary        engine greedy decode of fixed prompts == trainer argmax at every position (fp32,
+                    teacher-forced; ε near-tie tolerance for a bf16 engine), else CanaryMismatchError
     9 metrics       Prometheus, metrics.csv, RLJob status.progress
    10 checkpoint    atomic, at the step boundary
 """
@@ -32,13 +33,14 @@ from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.batch import TrainBatch, build_batch
+from r3operator.runtime.canary import CanaryMismatchError, canary_epsilon, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row
-from r3operator.runtime.trainer import OldPass, PolicyTrainer, UpdateStats
-from r3operator.runtime.weights import checkpoint_tensors, chunk_tensors
+from r3operator.runtime.trainer import OldPass, PolicyTrainer, UpdateStats, build_trainer
+from r3operator.runtime.weights import packed_chunks
 from r3operator.trainer.grpo import tasks
 from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.trainer.metrics import routing_agreement
@@ -48,8 +50,7 @@ CANARY_PROMPTS = 4
 SFT_BATCH = 32
 
 
-class CanaryMismatchError(RuntimeError):
-    """After a weight sync, the engine's greedy decode differs from the trainer's: the sync is broken."""
+__all__ = ["CanaryMismatchError", "GRPORun", "start_engines", "start_ray"]
 
 
 class PhaseTimer:
@@ -77,7 +78,7 @@ class GRPORun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = resolve_model_dir(settings.job, settings.model_override)
         self.engines = engines
-        self.trainer: PolicyTrainer | None = None
+        self.trainer: PolicyTrainer | Any = None  # PolicyTrainer or the Megatron adapter (same methods)
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)
@@ -99,13 +100,9 @@ class GRPORun:
         self.pool = tasks.problems(self.spec.task.name, vocab_size=self.vocab_size)
         self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
         self.canary_tokens = tasks.max_answer_tokens(self.spec.task.name, vocab_size=self.vocab_size)
-        self.trainer = PolicyTrainer(
-            self.model_dir,
-            device=self.s.device,
-            learning_rate=self.spec.algorithm.learning_rate,
-            seed=self.spec.seed,
-            use_fsdp=self.s.device.startswith("cuda"),
-        )
+        self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device)
+        self.canary_eps = canary_epsilon(self.s.engine_dtype)
+        self.canary_near_ties = 0
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
         self.vllm_version = self.engines.vllm_version()
@@ -223,31 +220,40 @@ class GRPORun:
     def sync_weights(self) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each."""
         assert self.trainer is not None and self.engines is not None
+        import torch
+
         mb = self.spec.weight_sync.chunk_size_mb
         begin = time.perf_counter()
+        # Sent in the engine's dtype: the engine would cast anyway; a bf16 engine gets half the bytes.
+        wire_dtype = getattr(torch, self.s.engine_dtype, None)
         result = self.engines.update_weights(
-            lambda: chunk_tensors(checkpoint_tensors(self.trainer.model_state_dict()), chunk_size_mb=mb)
+            packed_chunks(self.trainer.model_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
         )
         self.policy_version += 1
         self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
         return result
 
     def canary(self) -> bool:
-        """8. Engine greedy == trainer greedy on fixed prompts; raises CanaryMismatchError otherwise."""
+        """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
+        near-ties within ε accepted for a bf16 engine, see runtime/canary.py); else CanaryMismatchError."""
         assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
             return False
-        want = self.trainer.greedy(self.canary_prompts, max_tokens=self.canary_tokens)
+        self.canary_near_ties = 0
         for engine_no, got in enumerate(self.engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens)):
-            for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                if g != w:
-                    pos = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
-                    self.metrics.set("r3_weight_sync_canary_ok", 0.0)
-                    raise CanaryMismatchError(
-                        f"weight-sync canary failed after policy version {self.policy_version}: engine {engine_no}, "
-                        f"prompt {i} {list(self.canary_prompts[i])}: first difference at generated token {pos}: "
-                        f"engine {g} vs trainer {w}"
-                    )
+            try:
+                result = check_engine_greedy(
+                    self.trainer.canary_logits, self.canary_prompts, got, epsilon=self.canary_eps,
+                    eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens,
+                    where=f"weight-sync canary failed after policy version {self.policy_version}: engine {engine_no}",
+                )  # fmt: skip
+            except CanaryMismatchError:
+                self.metrics.set("r3_weight_sync_canary_ok", 0.0)
+                raise
+            if result.near_ties:
+                log.info("canary: %d near-tie position(s) within ε=%g: %s", result.near_ties, self.canary_eps,
+                         "; ".join(result.details))  # fmt: skip
+            self.canary_near_ties += result.near_ties
         self.metrics.set("r3_weight_sync_canary_ok", 1.0)
         return True
 
@@ -304,6 +310,7 @@ class GRPORun:
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
             "routing_agreement": used, "routing_natural_agreement": natural, "loss": stats.loss,
             "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
+            "canary_near_ties": self.canary_near_ties,
             "step_seconds": time.perf_counter() - begin,
         }  # fmt: skip
         row.update({f"t_{k}": v for k, v in timer.seconds.items()})

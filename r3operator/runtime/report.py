@@ -12,6 +12,7 @@ COLUMNS = (
     "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
     "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
     "routing_agreement", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
+    "canary_near_ties",
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
     "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint",
 )  # fmt: skip

@@ -1,4 +1,11 @@
-"""The policy trainer: HF Qwen3-MoE (fp32 master) with router replay, old-logprob pass and PPO-clip update.
+"""The policy trainer: HF Qwen3-MoE with router replay, old-logprob pass and PPO-clip update.
+
+Numerics, like a production bf16 trainer: fp32 master weights and AdamW state; the old-logprob and
+update forwards (and the SFT warm-up) run under `torch.autocast(device_type, dtype=bfloat16)` when
+`compute_dtype` (RLJob `trainer.fsdp.paramDtype`, default bfloat16) is bfloat16. The weight-sync
+canary's forward (`canary_logits`) runs in fp32 WITHOUT autocast, so against an fp32 engine it can
+demand exact greedy equality. On CUDA the FSDP2 MixedPrecisionPolicy keeps param_dtype fp32 for the
+same reason (bf16 compute comes from autocast, not from FSDP's cast), see docs/runtime.md.
 
 Single process on CPU; FSDP2 (`r3operator.trainer.fsdp`) on CUDA. Replay modes (spec.routingReplay.mode):
 
@@ -14,6 +21,7 @@ ids the experts actually received, for the routing-agreement metrics.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +44,7 @@ class OldPass:
     used_ids: Any  # [B, S, L, K]: what the experts received (replayed ids under R3)
     replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
     replay_pad: Any | None
+    mode: ReplayMode | None = None
 
 
 @dataclass
@@ -56,13 +65,19 @@ class PolicyTrainer:
         learning_rate: float,
         seed: int,
         use_fsdp: bool = False,
+        compute_dtype: str = "bfloat16",
         fsdp_options: dict[str, Any] | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
+        if compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"trainer.fsdp.paramDtype: expected bfloat16 or float32, got {compute_dtype!r}")
         torch.manual_seed(seed)
         self.device = device
+        self.device_type = "cuda" if device.startswith("cuda") else "cpu"
+        self.compute_dtype = compute_dtype
+        # transformers >= 4.56 / 5.x take `dtype=` (`torch_dtype=` is deprecated): fp32 master weights.
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.model.config.use_cache = False
         self.use_fsdp = use_fsdp
@@ -70,7 +85,9 @@ class PolicyTrainer:
             from r3operator.trainer import fsdp
 
             fsdp.init_process_group_if_needed(device)
-            self.model = fsdp.wrap_fsdp2(self.model, **(fsdp_options or {}))
+            # param_dtype fp32: the canary forward must see fp32 weights; bf16 compute comes from autocast.
+            options = {**(fsdp_options or {}), "param_dtype": "float32"}
+            self.model = fsdp.wrap_fsdp2(self.model, **options)
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.eos_id = int(self.model.config.eos_token_id)
@@ -78,6 +95,14 @@ class PolicyTrainer:
         self.replay = RouterReplay().install(self.model)
 
     # -- passes -------------------------------------------------------------------------------------
+    def _compute(self) -> Any:
+        """Autocast context of the training-side forwards (old-logprob, update, SFT)."""
+        import torch
+
+        if self.compute_dtype == "bfloat16":
+            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return nullcontext()
+
     def _stacked(self, recorder: RouterRecorder, batch: TrainBatch) -> Any:
         ids = recorder.stacked(self.num_layers)
         b, s = batch.input_ids.shape
@@ -92,7 +117,7 @@ class PolicyTrainer:
         natural = RouterRecorder(natural=True).install(self.model)
         used = RouterRecorder(natural=False).install(self.model)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._compute():
                 if mode is ReplayMode.R3:
                     with self.replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
                         lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
@@ -108,7 +133,7 @@ class PolicyTrainer:
             replay_ids, replay_pad = natural_ids, None  # every row recorded: replay all of them
         else:
             replay_ids = replay_pad = None
-        return OldPass(lp, natural_ids, used_ids, replay_ids, replay_pad)
+        return OldPass(lp, natural_ids, used_ids, replay_ids, replay_pad, mode)
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
@@ -129,7 +154,8 @@ class PolicyTrainer:
                 pad = None if old.replay_pad is None else old.replay_pad[idx]
                 self.replay.arm(old.replay_ids[idx], padding_mask=pad)
             try:
-                lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+                with self._compute():
+                    lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
                 loss, stats = ppo_clip_loss(
                     lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high
                 )
@@ -164,7 +190,8 @@ class PolicyTrainer:
         ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        lp = token_logprobs(self.model, ids, attn)
+        with self._compute():
+            lp = token_logprobs(self.model, ids, attn)
         loss = -(lp * mask).sum() / mask.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
@@ -173,34 +200,16 @@ class PolicyTrainer:
         return float(loss.detach())
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
-        """Greedy decode with natural routing, full re-forward per token (exact; cheap at toy sizes).
+        """fp32 greedy decode (no autocast) with natural routing, full re-forward per token (diagnostics)."""
+        return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
 
-        Prompts of equal length are decoded as one batch (no padding, so nothing differs from a
-        single-prompt forward); a row stops growing after <eos>.
-        """
+    def canary_logits(self, sequence: Sequence[int]) -> Any:
+        """[len(sequence), V] fp32 next-token logits, fp32 weights, no autocast, natural routing."""
         import torch
 
-        out: dict[int, list[int]] = {}
-        by_len: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_len.setdefault(len(p), []).append(i)
+        ids = torch.as_tensor([list(sequence)], dtype=torch.int64, device=self.device)
         with torch.no_grad():
-            for rows in by_len.values():
-                ids = torch.as_tensor([list(prompts[i]) for i in rows], dtype=torch.int64, device=self.device)
-                done = [False] * len(rows)
-                for i in rows:
-                    out[i] = []
-                for _ in range(max_tokens):
-                    logits = self.model(input_ids=ids, use_cache=False).logits[:, -1].float()
-                    tokens = torch.argmax(logits, dim=-1)
-                    for r, i in enumerate(rows):
-                        if not done[r]:
-                            out[i].append(int(tokens[r]))
-                            done[r] = int(tokens[r]) == self.eos_id
-                    if all(done):
-                        break
-                    ids = torch.cat([ids, tokens[:, None]], dim=1)
-        return [out[i] for i in range(len(prompts))]
+            return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
 
     # -- state --------------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, Any]:
@@ -225,3 +234,40 @@ class PolicyTrainer:
             return
         self.model.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
+
+
+def greedy_decode(
+    logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int
+) -> list[list[int]]:
+    """Greedy continuation of each prompt with `logits_fn(sequence) -> [len, V]`; stops after <eos>."""
+    out: list[list[int]] = []
+    for prompt in prompts:
+        seq, gen = list(prompt), []
+        for _ in range(max_tokens):
+            token = int(logits_fn(seq)[-1].argmax())
+            gen.append(token)
+            seq.append(token)
+            if token == eos_id:
+                break
+        out.append(gen)
+    return out
+
+
+def build_trainer(spec: Any, model_dir: Path, *, device: str) -> Any:
+    """The trainer for `spec.trainer.backend`: FSDP (this module) or Megatron (the adapter)."""
+    from r3operator.api.enums import TrainerBackend
+
+    if spec.trainer.backend is TrainerBackend.MEGATRON:
+        from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer
+
+        return build_megatron_policy_trainer(spec, model_dir, device=device)
+    fsdp = spec.trainer.fsdp
+    return PolicyTrainer(
+        model_dir,
+        device=device,
+        learning_rate=spec.algorithm.learning_rate,
+        seed=spec.seed,
+        use_fsdp=device.startswith("cuda"),
+        compute_dtype=fsdp.param_dtype if fsdp is not None else "bfloat16",
+        fsdp_options={"reshard_after_forward": fsdp.reshard_after_forward} if fsdp is not None else None,
+    )

@@ -1,0 +1,202 @@
+"""The runtime's trainer interface (`r3operator.runtime.trainer.PolicyTrainer`'s methods) over the
+Megatron backend (`trainer.backend: Megatron`).
+
+Mapping (docs/megatron.md):
+
+| runtime call | Megatron backend |
+|---|---|
+| `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, "R3", probe=True)`; natural ids: extra `"off"` pass |
+| `old_logprobs(batch, R2)` | `logprobs(batch, None, "R2", probe=True)`; `.recorded` is replayed by the update |
+| `old_logprobs(batch, Disabled)` | `logprobs(batch, None, "off", probe=True)` |
+| `update(...)` | per mini-batch `train_step(mb, routes, PPO-clip closure, replay_mode=...)` |
+| `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
+| `sft_step`, `canary_logits`, `optimizer_state_dict`, `load_state` | written here |
+
+Numerics: fp32 parameters and AdamW state (the backend's default), forwards of the old-logprob pass, the
+update and the SFT warm-up under bf16 autocast like the FSDP path; the canary forward in fp32 without
+autocast. Under R3 the natural-routing ids come from a separate no-replay forward (the HF path records them
+inside the replayed forward), so `routing_natural_agreement` can differ slightly between backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3operator.api.enums import ReplayMode
+from r3operator.runtime.batch import TrainBatch
+from r3operator.runtime.trainer import GRAD_CLIP_NORM, OldPass, UpdateStats, greedy_decode
+from r3operator.trainer.grpo.loss import ppo_clip_loss
+
+MEGATRON_PACKAGE_HINT = (
+    "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
+    "extra `megatron`)"
+)
+
+
+class MegatronUnavailableError(RuntimeError):
+    """`trainer.backend: Megatron` was asked for but megatron-core cannot be imported."""
+
+
+@dataclass
+class _PPOBatch(TrainBatch):
+    old_logprobs: Any = None  # [B, S-1]: row-selected together with the batch by train_step
+
+
+@dataclass
+class _SFTBatch:
+    input_ids: Any
+    attention_mask: Any
+    loss_mask: Any
+
+
+class MegatronPolicyTrainer:
+    """`PolicyTrainer`'s interface on a `MegatronTrainer`."""
+
+    def __init__(self, trainer: Any, *, compute_dtype: str = "bfloat16") -> None:
+        self.mt = trainer
+        self.device = trainer.device
+        self.device_type = "cuda" if str(trainer.device).startswith("cuda") else "cpu"
+        self.compute_dtype = compute_dtype
+        cfg = trainer.hf_config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
+        self.eos_id = int(cfg.eos_token_id)
+
+    def _compute(self) -> Any:
+        import torch
+
+        if self.compute_dtype == "bfloat16":
+            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    # -- passes -------------------------------------------------------------------------------------
+    def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
+        if mode is ReplayMode.R3:
+            if batch.engine_routes is None:
+                raise ValueError("R3 needs engine routes in the batch")
+            with self._compute():
+                out = self.mt.logprobs(batch, batch.engine_routes, "R3", probe=True)
+                natural = self.mt.logprobs(batch, None, "off", probe=True).used
+            return OldPass(out.logprobs, natural, out.used, batch.engine_routes, batch.route_pad, mode)
+        if mode is ReplayMode.R2:
+            with self._compute():
+                out = self.mt.logprobs(batch, None, "R2", probe=True)
+            return OldPass(out.logprobs, out.recorded, out.used, out.recorded, None, mode)
+        with self._compute():
+            out = self.mt.logprobs(batch, None, "off", probe=True)
+        return OldPass(out.logprobs, out.used, out.used, None, None, mode)
+
+    def update(
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
+    ) -> UpdateStats:
+        import dataclasses
+
+        import torch
+
+        full = _PPOBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
+                         old_logprobs=old.logprobs)  # fmt: skip
+        replay_mode = "R2" if old.mode is ReplayMode.R2 else None
+
+        def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
+            mask = mb.response_mask.to(lp.device)
+            loss, stats = ppo_clip_loss(
+                lp, mb.old_logprobs.to(lp.device), mb.advantages.to(lp.device), mask,
+                clip_low=clip_low, clip_high=clip_high,
+            )  # fmt: skip
+            return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl}
+
+        n = batch.size
+        results, tokens = [], 0
+        for rows in (r for r in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if r):
+            mb = _select_rows(full, rows)
+            routes = None if old.replay_ids is None else old.replay_ids[torch.as_tensor(rows)]
+            with self._compute():
+                results.append(self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode,
+                                                  grad_clip=GRAD_CLIP_NORM))  # fmt: skip
+            tokens += int(mb.response_mask.sum())
+
+        def mean(key: str) -> float:
+            return float(np.mean([r.get(key, float("nan")) for r in results]))
+
+        return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens)
+
+    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+        import torch
+
+        seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.int64)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+        for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
+            ids[i, : len(seq)] = torch.as_tensor(seq)
+            attn[i, : len(seq)] = 1
+            mask[i, len(prompt) - 1 : len(seq) - 1] = True
+
+        def loss_fn(lp: Any, mb: _SFTBatch) -> tuple[Any, dict[str, float]]:
+            m = mb.loss_mask.to(lp.device)
+            return -(lp * m).sum() / m.sum().clamp(min=1), {}
+
+        with self._compute():
+            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM)
+        return float(stats["loss"])
+
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
+        return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
+
+    def canary_logits(self, sequence: Sequence[int]) -> Any:
+        """[len, V] fp32 logits, fp32 weights, no autocast, natural routing (replay off)."""
+        import torch
+
+        from r3operator.trainer.replay.megatron import replay_schedule
+
+        ids = torch.as_tensor([list(sequence)], dtype=torch.int64)
+        self.mt.model.eval()
+        with replay_schedule(), torch.no_grad():
+            logits = self.mt._forward("off", ids, torch.ones_like(ids), None, None)
+        return logits[0].float().cpu()
+
+    # -- state --------------------------------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, Any]:
+        return self.mt.hf_state_dict()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.mt.optimizer.state_dict()
+
+    def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        from r3operator.trainer.megatron.trainer import load_hf_weights
+
+        load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
+        self.mt.optimizer.load_state_dict(optim_sd)
+
+
+def _select_rows(batch: _PPOBatch, rows: Sequence[int]) -> _PPOBatch:
+    import dataclasses
+
+    base = batch.select(rows)
+    return _PPOBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
+                     old_logprobs=batch.old_logprobs[list(rows)])  # fmt: skip
+
+
+def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
+    """`spec` is the RLJob spec; raises `MegatronUnavailableError` naming trainer.backend when
+    megatron-core is not importable."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise MegatronUnavailableError(
+            f"spec.trainer.backend is Megatron, but megatron-core cannot be imported ({exc}). Install "
+            f"{MEGATRON_PACKAGE_HINT}, or set trainer.backend: FSDP."
+        ) from exc
+    from r3operator.trainer.megatron.trainer import build_megatron_trainer
+
+    trainer = build_megatron_trainer(
+        spec.trainer.megatron, model_dir, device, learning_rate=spec.algorithm.learning_rate, seed=spec.seed
+    )
+    return MegatronPolicyTrainer(trainer)
