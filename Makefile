@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TOOLS ?= .tools
-EXTRAS ?= operator,runtime,vllm,dev
+EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
 

@@ -90,9 +90,14 @@ def rules(markdown: Annotated[bool, typer.Option("--markdown", help="Print docs/
 
 def _mount_optional() -> None:
     # Sub-apps live in their own modules so `r3operator validate` stays import-light.
-    from r3operator.cli import routing
+    from r3operator.cli import observe_cmds, operator_cmds, routing, run_cmd
 
     app.add_typer(routing.app, name="routing")
+    app.command("render")(operator_cmds.render)
+    app.command("operator")(operator_cmds.run_operator)
+    app.command("run")(run_cmd.run)
+    app.command("dashboard-preview")(observe_cmds.dashboard_preview)
+    app.command("dashboards")(observe_cmds.dashboards)
 
 
 _mount_optional()

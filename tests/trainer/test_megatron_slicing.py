@@ -7,6 +7,7 @@ numbers of each stage's routers) are compared with `cp_zigzag`, `sp_shard` and `
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 
@@ -18,6 +19,7 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip ex
 from r3operator.trainer.replay.megatron import (  # noqa: E402
     MegatronReplayError,
     ParallelLayout,
+    adopt_layer_numbers,
     cp_zigzag,
     fill_dummy,
     instance_layers,
@@ -134,7 +136,12 @@ def _worker(rank: int, port: int, queue: object) -> None:
     # CP=2: megatron slices tokens; our routes must follow them row for row.
     ps.initialize_model_parallel(context_parallel_size=2)
     cp_group = ps.get_context_parallel_group()
-    got = get_batch_on_this_cp_rank({"tokens": tokens, "cu_seqlens": None}, False, cp_group=cp_group)
+    batch = {"tokens": tokens, "cu_seqlens": None}
+    # megatron-core 0.19 added a positional `is_hybrid_cp`; 0.16 (CI's Python 3.11) has only cp_group.
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        got = get_batch_on_this_cp_rank(batch, False, cp_group=cp_group)
+    else:
+        got = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
     ours = cp_zigzag(tokens, 2, ps.get_context_parallel_rank())
     plan = plan_micro_batch(x, None, [0, 2], ParallelLayout(cp_size=2, cp_rank=ps.get_context_parallel_rank()))
     expect = x[:, :, 2].gather(1, got["tokens"].remainder(8)[..., None].expand(2, 4, 3))
@@ -167,9 +174,10 @@ def _worker(rank: int, port: int, queue: object) -> None:
     )  # fmt: skip
     cfg = transformer_config(hf, ParallelSizes(pp=2), dtype=torch.float32, device="cpu")
     RouterReplay.clear_global_router_replay_instances()
-    GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, False, "RMSNorm"), vocab_size=64,
-             max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
-             post_process=ps.is_pipeline_last_stage())  # fmt: skip
+    stage = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, False, "RMSNorm"),
+                     vocab_size=64, max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())  # fmt: skip
+    adopt_layer_numbers(stage)
     layers = instance_layers(RouterReplay.global_router_replay_instances)
     out["pp_layers"] = layers
     routes4 = routes(layers=4, experts=16)

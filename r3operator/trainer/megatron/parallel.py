@@ -54,6 +54,16 @@ def install_cpu_shims() -> None:
     _SHIMS_INSTALLED = True
 
 
+def fill_upstream_gaps() -> None:
+    """megatron-core 0.16.x binds `moe_utils.te_general_gemm` only when Transformer Engine imports, yet the
+    router's gating linear reads the name unconditionally (NameError without TE). Bind it to None, which
+    selects megatron's own torch.mm path; a no-op on releases that define it."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +96,7 @@ class ParallelSizes:
 
 def init_parallel(sizes: ParallelSizes, device: str, *, seed: int = 0) -> None:
     """torch.distributed (env:// under torchrun, else a 1-process group) + megatron parallel_state."""
+    fill_upstream_gaps()
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps

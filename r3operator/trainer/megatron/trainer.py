@@ -28,6 +28,7 @@ from r3operator.trainer.replay.megatron import (
     ParallelLayout,
     ReplayMode,
     ReplaySession,
+    adopt_layer_numbers,
     check_replay_config,
     left_shifts,
     replay_schedule,
@@ -395,6 +396,7 @@ def build_megatron_trainer(
         rotary_base=int(_theta(hf_config)),
         parallel_output=True,
     )
+    adopt_layer_numbers(model)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     load_hf_weights(model, tconfig, hf.state_dict(), hf_config)
     del hf

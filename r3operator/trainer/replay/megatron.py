@@ -77,6 +77,23 @@ def clear_all_replay_state(*, instances: bool = False) -> None:
         RouterReplay.clear_global_router_replay_instances()
 
 
+def adopt_layer_numbers(model: Any) -> int:
+    """Give each router's RouterReplay its router's global layer number; returns how many were set.
+
+    megatron-core >= 0.19 propagates `TopKRouter.set_layer_number` to `router_replay.layer_number` itself.
+    0.16-0.18 (the releases that run on Python 3.11) set it on the router only, so we copy it across after
+    the model is built instead of monkey-patching `set_layer_number` (SkyRL's approach).
+    """
+    adopted = 0
+    for module in model.modules():
+        replay = getattr(module, "router_replay", None)
+        number = getattr(module, "layer_number", None)
+        if replay is not None and number is not None and getattr(replay, "layer_number", None) is None:
+            replay.layer_number = number
+            adopted += 1
+    return adopted
+
+
 def instance_layers(instances: Sequence[Any]) -> list[int]:
     """0-based global decoder-layer index of each RouterReplay instance, in instance order."""
     layers = []
