@@ -200,3 +200,12 @@ def test_ttl_after_finish_keeps_only_a_retained_pvc():
 def test_example_file_loads_as_written():
     assert load_rljob(QWEN).metadata.name == "qwen3-30b-a3b-r3"
     assert "--enable-return-routed-experts" in shlex.join(vllm_serve_args(_job().spec, model_path="m"))
+
+
+def test_pod_monitor_labels_series_with_the_rljob_the_dashboards_select_on():
+    [monitor] = [c for c in desired(_job(EXAMPLES[0])) if c["kind"] == "PodMonitor"]
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        [relabel] = endpoint["relabelings"]
+        # the pod label r3operator.io/job, as Prometheus' service discovery spells it
+        assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_r3operator_io_job"]
+        assert relabel["targetLabel"] == "rljob"

@@ -10,6 +10,16 @@ from r3operator.operator import meta
 POD_MONITOR_GROUP_VERSION = "monitoring.coreos.com/v1"
 
 
+# Dashboards and alerts select series by `namespace` (added by the Prometheus Operator) and `rljob`.
+_RLJOB_LABEL = [
+    {
+        "sourceLabels": ["__meta_kubernetes_pod_label_r3operator_io_job"],
+        "targetLabel": "rljob",
+        "action": "replace",
+    }
+]
+
+
 def wants_pod_monitor(job: RLJob) -> bool:
     return job.spec.monitoring.enabled and job.spec.monitoring.pod_monitor
 
@@ -24,8 +34,8 @@ def build_pod_monitor(job: RLJob) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": {meta.LABEL_JOB: job.metadata.name}},
             "podMetricsEndpoints": [
-                {"port": "http", "path": "/metrics", "interval": "30s"},
-                {"port": "metrics", "path": "/metrics", "interval": "30s"},
+                {"port": "http", "path": "/metrics", "interval": "30s", "relabelings": _RLJOB_LABEL},
+                {"port": "metrics", "path": "/metrics", "interval": "30s", "relabelings": _RLJOB_LABEL},
             ],
         },
     }

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU measurements for docs/benchmarks.md, run on the lent GPU machine from the repo root after
+# .whl/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
+#
+#   bash scripts/gpu-bench.sh OUT_DIR [steps...]
+#   steps: fidelity overhead megatron runtime (default: all)
+#
+# Each step writes OUT_DIR/<step>.log (+ .json); a failing step does not stop the others.
+set -uo pipefail
+out=${1:?usage: gpu-bench.sh OUT_DIR [steps...]}
+shift
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime)
+mkdir -p "$out"
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 R3_CACHE_DIR=${R3_CACHE_DIR:-/root/r3cache}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+
+run() {  # name timeout cmd...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$out/summary.txt"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+  tail -25 "$out/$name.log" >> "$out/summary.txt"
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    fidelity)
+      run fidelity 420 python3 -m benchmarks.bench_fidelity --model gpu --device cuda --prompts 64 --max-tokens 96 \
+        --variants bf16-sdpa-eager,bf16-sdpa-grouped_mm,fp32-sdpa-eager --json "$out/fidelity.json" ;;
+    overhead)
+      run overhead 300 python3 -m benchmarks.bench_replay_overhead --model gpu --device cuda ;;
+    megatron)
+      run megatron_tests 300 python3 -m pytest tests/gpu/test_megatron_replay.py -m gpu -q -p no:cacheprovider
+      run megatron_bench 300 python3 -m benchmarks.bench_megatron --model gpu --device cuda --prompts 16 \
+        --max-tokens 64 --trainer-dtype bfloat16 --json "$out/megatron.json" ;;
+    runtime)
+      run runtime 540 python3 -m r3operator.runtime examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
+        --no-resume --compare-replay
+      cp -r runs "$out/runs" 2>/dev/null || true ;;
+    *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;
+  esac
+done
