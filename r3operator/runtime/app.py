@@ -73,7 +73,10 @@ def _prepare_env(device: str) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def run_once(settings: RunSettings, *, engines: Any = None, label: str | None = None) -> list[dict[str, Any]]:
+def run_once(
+    settings: RunSettings, *, engines: Any = None, label: str | None = None
+) -> tuple[list[dict[str, Any]], Any]:
+    """One training run; returns its metrics rows (from metrics.csv, resumed steps included) and the run."""
     from r3operator.runtime.loop import GRPORun
 
     _prepare_env(settings.device)
@@ -81,45 +84,52 @@ def run_once(settings: RunSettings, *, engines: Any = None, label: str | None = 
     title = f"{settings.name} [{label or run.mode.value}] on {settings.device}"
     with StepTable(title, total_steps=settings.steps, enabled=settings.show_progress) as table:
         run.run(table=table)
-    run.engines_used = run.engines  # type: ignore[attr-defined]
-    _LAST_RUN["run"] = run
-    return read_rows(settings.run_dir / "metrics.csv")
+    return read_rows(settings.run_dir / "metrics.csv"), run
 
 
-_LAST_RUN: dict[str, Any] = {}
+def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any = None) -> Path:
+    """Run (or compare replay off vs on) and write metrics.csv, report.md and plot.png; return the run dir.
 
-
-def run_job(settings: RunSettings, *, compare_replay: bool = False) -> Path:
-    """Run (or compare replay off vs on) and write metrics.csv, report.md and plot.png; return the run dir."""
+    `--compare-replay`: Disabled then R3 with the same seed (same SFT warm-up, same rollout seeds, so step
+    1 samples identical sequences) into <run>/disabled and <run>/r3, sharing the engines; one plot.
+    """
     from dataclasses import replace
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     begin = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {}
-    engines = None
     if compare_replay:
         for label, mode in (("replay off (Disabled)", "Disabled"), ("replay on (R3)", "R3")):
             sub = replace(settings, replay_override=mode, run_dir=settings.run_dir / mode.lower())
-            runs[label] = run_once(sub, engines=engines, label=label)
-            engines = _LAST_RUN["run"].engines
+            runs[label], run = run_once(sub, engines=engines, label=label)
+            engines = run.engines
     else:
-        runs[settings.job.spec.routing_replay.mode.value] = run_once(settings)
-    run = _LAST_RUN["run"]
+        runs[settings.job.spec.routing_replay.mode.value], run = run_once(settings, engines=engines)
     out = settings.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    write_plot(out / "plot.png", runs)
+    plot_problem = write_plot(out / "plot.png", runs)
     facts = {
         "model": str(run.model_dir),
         "device": settings.device,
         "vLLM": run.vllm_version,
         "engine dtype": settings.engine_dtype,
+        "trainer": _trainer_fact(settings, run),
+        "weight-sync canary": run.canary_tol.describe(),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
         "steps": settings.steps,
         "wall time (s, this invocation, incl. engine start)": f"{time.perf_counter() - begin:.1f}",
+        "plot": plot_problem or "plot.png",
     }
     text = write_report(out / "report.md", job_name=settings.name, runs=runs, facts=facts)
     if settings.show_progress:
-        from rich.console import Console
-
-        Console().print(text)
+        print(text, flush=True)  # plain: readable in a CI log, markdown on a terminal
+    if plot_problem:
+        logging.getLogger("r3operator.runtime").warning(plot_problem)
     return out
+
+
+def _trainer_fact(settings: RunSettings, run: Any) -> str:
+    trainer = run.trainer
+    compute = getattr(trainer, "compute_dtype", "float32")
+    backend = settings.job.spec.trainer.backend.value
+    return f"{backend}, fp32 master weights + AdamW, forwards under {compute} autocast, canary forward fp32"

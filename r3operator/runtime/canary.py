@@ -6,15 +6,23 @@ must be the trainer's argmax. With the same prefix at every position this is exa
 trainer greedy" (including where each stops: an engine <eos> must be the trainer's argmax, and so must
 every token the engine emitted instead of the trainer's <eos>), for the cost of one forward per prompt.
 
-Two modes, chosen by the engine dtype (`canary_epsilon`):
+The engine also returns the logprob of each greedy token; it must match the trainer's fp32 logprob of
+that token within δ. Greedy tokens alone are a weak check on an untrained model: its logits are nearly
+flat, so a corrupted MoE layer can leave every argmax in place (measured on the random-init tiny model: a
+transposed expert layout moved logits by ~0.37 without changing one greedy token, but moved the greedy
+tokens' logprobs by up to 0.12, which δ_exact catches).
 
-- exact (ε = 0): an fp32 engine against the fp32 trainer forward (the CPU default). Any difference fails.
-- near-tie (ε > 0): a bf16/fp16 engine (the GPU default). Its logits carry rounding error, so at a
-  near-tie it may legitimately pick the trainer's runner-up. A position passes iff the engine token is the
-  trainer's argmax, or `logit[argmax] - logit[engine token] <= ε` in the trainer's fp32 logits (so the
-  trainer's top-2 margin there is below ε too). Teacher forcing keeps one accepted near-tie from
-  cascading into "everything after it differs". Real corruption (a wrong MoE layout, a stale or
-  sign-flipped tensor, a skipped chunk) moves logits by whole units, far above ε, and still fails.
+Two modes, chosen by the engine dtype (`canary_tolerance`):
+
+- exact (ε = 0, δ = 1e-3): an fp32 engine against the fp32 trainer forward (the CPU default; measured
+  agreement ~6e-6). Any token difference fails.
+- near-tie (ε = 0.5, δ = 0.25): a bf16/fp16 engine (the GPU default). Its logits carry rounding error, so
+  at a near-tie it may legitimately pick the trainer's runner-up. A position passes iff the engine token
+  is the trainer's argmax, or `logit[argmax] - logit[engine token] <= ε` in the trainer's fp32 logits
+  (so the trainer's top-2 margin there is below ε too). Teacher forcing keeps one accepted near-tie from
+  cascading into "everything after it differs". A stale policy, a sign-flipped or skipped tensor moves
+  tokens/logprobs by far more and fails; corruption smaller than the bf16 tolerances on the canary
+  prompts is, by construction, not detectable in this mode.
 """
 
 from __future__ import annotations
@@ -24,25 +32,57 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # Default ε (trainer fp32 logit units) for a bf16 engine. bf16 has an 8-bit mantissa: one rounding of a
 # logit of magnitude |z| moves it by up to |z|·2^-9, and the forward accumulates many roundings (plus
-# the occasional flipped expert near a router tie). Measured on the reference models (tiny, CPU; bf16
-# vs fp32 forward of the same weights): max |Δlogit| 0.06-0.2 on canary prompts. 0.5 leaves headroom,
-# and is still far below what a broken sync produces (top-1 margins of whole units, see tests).
+# the occasional flipped expert near a router tie). Measured on the tiny reference model (CPU, bf16 vs
+# fp32 forward of the same weights, every `count` task sequence): max |Δlogit| 0.097 at logit scale ~3.
+# 0.5 leaves headroom for larger logit scales, and is far below what a broken sync produces (a
+# transposed expert layout fails with a gap of whole units, tests/runtime/test_runtime_e2e.py).
 BF16_CANARY_EPSILON = 0.5
+# δ, |engine logprob - trainer fp32 logprob| of each greedy token. fp32 engine vs fp32 trainer: measured
+# <= 6e-6 over whole runs. bf16 (measured bf16-autocast trainer vs fp32 engine over 12 steps of rollouts,
+# routing flips included): <= 0.075; 0.25 leaves headroom.
+EXACT_LOGPROB_TOLERANCE = 1e-3
+BF16_LOGPROB_TOLERANCE = 0.25
 
 
-def canary_epsilon(engine_dtype: str) -> float:
-    """ε for the engine dtype; env R3_CANARY_EPSILON overrides (a user-set value, checked here)."""
-    if raw := os.environ.get("R3_CANARY_EPSILON"):
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"R3_CANARY_EPSILON: expected a number >= 0, got {raw!r}") from None
-        if value < 0 or value != value:
-            raise ValueError(f"R3_CANARY_EPSILON: expected a number >= 0, got {raw!r}")
-        return value
-    return 0.0 if engine_dtype in ("float32", "fp32") else BF16_CANARY_EPSILON
+@dataclass(frozen=True)
+class CanaryTolerance:
+    epsilon: float  # logit gap accepted at a near-tie (0: exact tokens)
+    logprob: float  # |Δlogprob| accepted per greedy token
+
+    @property
+    def mode(self) -> str:
+        return "exact" if self.epsilon == 0 else "near-tie"
+
+    def describe(self) -> str:
+        return f"{self.mode} (ε = {self.epsilon:g} logits, δ = {self.logprob:g} logprob)"
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number >= 0, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {raw!r}")
+    return value
+
+
+def canary_tolerance(engine_dtype: str) -> CanaryTolerance:
+    """Tolerances for the engine dtype; env R3_CANARY_EPSILON / R3_CANARY_LOGPROB_TOL override them."""
+    exact = engine_dtype in ("float32", "fp32")
+    eps = _env_float("R3_CANARY_EPSILON")
+    tol = _env_float("R3_CANARY_LOGPROB_TOL")
+    return CanaryTolerance(
+        epsilon=eps if eps is not None else (0.0 if exact else BF16_CANARY_EPSILON),
+        logprob=tol if tol is not None else (EXACT_LOGPROB_TOLERANCE if exact else BF16_LOGPROB_TOLERANCE),
+    )
 
 
 class CanaryMismatchError(RuntimeError):
@@ -54,6 +94,7 @@ class CanaryResult:
     positions: int = 0
     near_ties: int = 0  # positions accepted only because of ε
     max_gap: float = 0.0  # largest logit[argmax] - logit[engine token] seen (0 when all equal)
+    max_logprob_diff: float = 0.0
     details: list[str] = field(default_factory=list)
 
 
@@ -62,15 +103,18 @@ def check_engine_greedy(
     prompts: Sequence[Sequence[int]],
     engine_outputs: Sequence[Sequence[int]],
     *,
-    epsilon: float,
+    tolerance: CanaryTolerance,
     eos_id: int,
     max_tokens: int,
+    engine_logprobs: Sequence[Sequence[float]] | None = None,
     where: str = "engine 0",
 ) -> CanaryResult:
-    """Raise `CanaryMismatchError` at the first position the engine's greedy token is not the trainer's.
+    """Raise `CanaryMismatchError` at the first position where the engine's greedy token is not the
+    trainer's (beyond ε) or its logprob differs from the trainer's by more than δ.
 
     `logits_fn(sequence)` returns [len(sequence), V] fp32 next-token logits (trainer, natural routing).
     """
+    epsilon = tolerance.epsilon
     result = CanaryResult()
     for i, (prompt, got) in enumerate(zip(prompts, engine_outputs, strict=True)):
         got = [int(t) for t in got]
@@ -82,16 +126,27 @@ def check_engine_greedy(
             row = logits[len(prompt) - 1 + j]
             best = int(row.argmax())
             result.positions += 1
-            if token == best:
-                continue
-            gap = float(row[best] - row[token])
-            result.max_gap = max(result.max_gap, gap)
-            if gap <= epsilon:
+            if token != best:  # tokens first: the more telling message
+                gap = float(row[best] - row[token])
+                result.max_gap = max(result.max_gap, gap)
+                if gap > epsilon:
+                    raise CanaryMismatchError(
+                        f"{where}, prompt {i} {list(prompt)}: first difference at generated token {j}: engine "
+                        f"chose {token}, trainer argmax {best} (logit gap {gap:.4g} > ε {epsilon:g}); engine "
+                        f"output {got}"
+                    )
                 result.near_ties += 1
                 result.details.append(f"prompt {i} token {j}: engine {token} vs trainer {best}, gap {gap:.3g}")
-                continue
-            raise CanaryMismatchError(
-                f"{where}, prompt {i} {list(prompt)}: first difference at generated token {j}: engine chose "
-                f"{token}, trainer argmax {best} (logit gap {gap:.4g} > ε {epsilon:g}); engine output {got}"
-            )
+            if engine_logprobs is not None:
+                row64 = np.asarray(row, dtype=np.float64)
+                top = row64.max()
+                trainer_lp = row64[token] - top - np.log(np.exp(row64 - top).sum())
+                diff = abs(float(engine_logprobs[i][j]) - trainer_lp)
+                result.max_logprob_diff = max(result.max_logprob_diff, diff)
+                if diff > tolerance.logprob:
+                    raise CanaryMismatchError(
+                        f"{where}, prompt {i} {list(prompt)}: generated token {j} ({token}): engine logprob "
+                        f"{float(engine_logprobs[i][j]):.6g} vs trainer {trainer_lp:.6g} (|Δ| {diff:.3g} > δ "
+                        f"{tolerance.logprob:g}); engine output {got}"
+                    )
     return result

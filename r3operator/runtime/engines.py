@@ -19,6 +19,9 @@ from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.worker import WORKER_EXTENSION_CLS
 from r3operator.runtime.weights import PackedChunk
 
+Greedy = tuple[list[int], list[float]]  # greedy tokens and the engine's logprob of each
+
+
 # Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,
 # without holding the whole model in the object store.
 MAX_CHUNKS_IN_FLIGHT = 2
@@ -39,7 +42,7 @@ class Engine(Protocol):
 
     def abort_weight_update(self) -> None: ...
 
-    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]: ...
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]: ...
 
     def weights_digest(self) -> str: ...
 
@@ -95,12 +98,9 @@ class EngineActor:
     def abort_weight_update(self) -> None:
         self.llm.collective_rpc("r3_abort_weight_update")
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+    def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Greedy]:
+        samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
+        return [(list(s.token_ids), [float(x) for x in s.logprobs]) for s in samples]
 
     def weights_digest(self) -> str:
         return str(self.llm.collective_rpc("r3_weights_digest")[0])
@@ -159,7 +159,7 @@ class RayEngine:
         self._in_flight = []
         self._ray.get(self._actor.abort_weight_update.remote())
 
-    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         return self._ray.get(self._actor.greedy.remote(list(map(list, prompts)), max_tokens))
 
     def weights_digest(self) -> str:
@@ -234,9 +234,9 @@ class HTTPEngine:
     def abort_weight_update(self) -> None:
         self._rpc("r3_abort_weight_update")
 
-    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
-        return [list(s.token_ids) for s in samples]
+        return [(list(s.token_ids), [float(x) for x in s.logprobs]) for s in samples]
 
     def weights_digest(self) -> str:
         result = self._rpc("r3_weights_digest")
@@ -302,10 +302,10 @@ class EngineGroup:
             raise
         return {**(results[0] if results else {}), "chunks": count, "bytes": nbytes}
 
-    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         return self.engines[0].greedy(prompts, max_tokens=max_tokens)
 
-    def greedy_all(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[list[int]]]:
+    def greedy_all(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[Greedy]]:
         return [engine.greedy(prompts, max_tokens=max_tokens) for engine in self.engines]
 
     def weights_digest(self) -> str:

@@ -33,7 +33,7 @@ from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.batch import TrainBatch, build_batch
-from r3operator.runtime.canary import CanaryMismatchError, canary_epsilon, check_engine_greedy
+from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
@@ -101,12 +101,15 @@ class GRPORun:
         self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
         self.canary_tokens = tasks.max_answer_tokens(self.spec.task.name, vocab_size=self.vocab_size)
         self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device)
-        self.canary_eps = canary_epsilon(self.s.engine_dtype)
+        self.canary_tol = canary_tolerance(self.s.engine_dtype)
         self.canary_near_ties = 0
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
         self.vllm_version = self.engines.vllm_version()
-        if self.s.resume and (info := ckpt.find_latest(self.ckpt_root)) is not None:
+        info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
+        if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
+            (self.run_dir / "metrics.csv").unlink(missing_ok=True)
+        if info is not None:
             state = ckpt.load_checkpoint(info)
             self.trainer.load_state(state["model"], state["optimizer"])
             ckpt.set_rng_state(state["rng"])
@@ -243,7 +246,8 @@ class GRPORun:
         for engine_no, got in enumerate(self.engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens)):
             try:
                 result = check_engine_greedy(
-                    self.trainer.canary_logits, self.canary_prompts, got, epsilon=self.canary_eps,
+                    self.trainer.canary_logits, self.canary_prompts, [t for t, _ in got],
+                    engine_logprobs=[lp for _, lp in got], tolerance=self.canary_tol,
                     eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens,
                     where=f"weight-sync canary failed after policy version {self.policy_version}: engine {engine_no}",
                 )  # fmt: skip
@@ -251,7 +255,7 @@ class GRPORun:
                 self.metrics.set("r3_weight_sync_canary_ok", 0.0)
                 raise
             if result.near_ties:
-                log.info("canary: %d near-tie position(s) within ε=%g: %s", result.near_ties, self.canary_eps,
+                log.info("canary: %d near-tie position(s) within ε=%g: %s", result.near_ties, self.canary_tol.epsilon,
                          "; ".join(result.details))  # fmt: skip
             self.canary_near_ties += result.near_ties
         self.metrics.set("r3_weight_sync_canary_ok", 1.0)

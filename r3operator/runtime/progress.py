@@ -1,4 +1,8 @@
-"""Rich live table: one row per step (reward, |Δlogprob|, routing agreement, phase times)."""
+"""Step progress: a rich live table on a terminal; one plain line per step in a non-TTY log (CI).
+
+Rich's `Live` cannot refresh in place without a terminal and squeezes a wide table into 80 columns, so
+a CI log gets a header line and then one self-describing line per step instead.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,26 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-PHASES = ("rollout", "old_logprob", "update", "weight_sync", "canary", "checkpoint")
+PHASES = (("rollout", "rollout"), ("old_logprob", "old-lp"), ("update", "update"), ("weight_sync", "sync"),
+          ("canary", "canary"))  # fmt: skip
+
+
+def _pct(value: Any) -> str:
+    try:
+        return f"{100 * float(value):.2f}%"
+    except (TypeError, ValueError):
+        return "-"
+
+
+def step_line(row: Mapping[str, Any], total_steps: int) -> str:
+    """One plain-text progress line (the non-TTY form), every field named."""
+    times = " ".join(f"{label} {row.get('t_' + key, 0.0):.2f}s" for key, label in PHASES)
+    return (
+        f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
+        f"|dlogprob| mean {row['logprob_abs_diff_mean']:.3g} max {row['logprob_abs_diff_max']:.3g}  "
+        f"routing used {_pct(row['routing_agreement'])} natural {_pct(row.get('routing_natural_agreement'))}  "
+        f"canary {'ok' if row['canary_ok'] else '-'}  {times}  step {row['step_seconds']:.2f}s"
+    )
 
 
 class StepTable:
@@ -18,35 +41,44 @@ class StepTable:
         self.total_steps = total_steps
         self.enabled = enabled
         self.console = console or Console()
+        self.live_mode = self.console.is_terminal
         self.rows: list[Mapping[str, Any]] = []
         self._live: Live | None = None
 
     def _table(self) -> Table:
         table = Table(title=f"{self.title}  ({len(self.rows)}/{self.total_steps} steps)")
-        for col in ("step", "reward", "|Δlogprob|", "routing agr.", "canary", *[f"t_{p}" for p in PHASES], "step s"):
-            table.add_column(col, justify="right")
+        for col in ("step", "reward", "|Δlogprob|", "routing used", "natural", "canary",
+                    *[f"{label} s" for _, label in PHASES], "step s"):  # fmt: skip
+            table.add_column(col, justify="right", no_wrap=True)
         for r in self.rows[-25:]:
             table.add_row(
                 str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.3g}",
-                f"{r['routing_agreement']:.4f}", "ok" if r["canary_ok"] else "-",
-                *[f"{r.get('t_' + p, 0.0):.2f}" for p in PHASES], f"{r['step_seconds']:.2f}",
+                _pct(r["routing_agreement"]), _pct(r.get("routing_natural_agreement")),
+                "ok" if r["canary_ok"] else "-",
+                *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES], f"{r['step_seconds']:.2f}",
             )  # fmt: skip
         return table
 
     def __enter__(self) -> StepTable:
-        if self.enabled:
+        if not self.enabled:
+            return self
+        if self.live_mode:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
+        else:
+            self.console.print(f"{self.title}: {self.total_steps} steps", markup=False, highlight=False)
         return self
 
     def add(self, row: Mapping[str, Any]) -> None:
         self.rows.append(row)
         if self._live is not None:
             self._live.update(self._table())
+        elif self.enabled:
+            self.console.print(step_line(row, self.total_steps), markup=False, highlight=False, soft_wrap=True)
 
     def note(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message)
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:

@@ -36,6 +36,9 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
         assert row["canary_ok"] == 1
         assert row["samples_dropped"] == 0
     assert run.policy_version == 3  # setup sync + one per step
+    # bf16-autocast trainer vs fp32 engine: a real numerics gap, which replay removes from the routing.
+    assert all(row["logprob_abs_diff_mean"] > 1e-4 for row in rows)
+    assert min(row["routing_natural_agreement"] for row in rows) < 1.0
     csv = (run.run_dir / "metrics.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[0].startswith("step,")
     exposition = run.metrics.exposition()
@@ -43,11 +46,12 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
     assert 'r3_step{job="tiny-count-r3"} 2.0' in exposition
 
 
-@pytest.mark.parametrize("mode", ["R2", "Disabled"])
-def test_r2_and_disabled_modes_run(tmp_path, engines, mode) -> None:
+@pytest.mark.parametrize(("mode", "param_dtype"), [("R2", "bfloat16"), ("Disabled", "float32")])
+def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None:
     from r3operator.runtime.loop import GRPORun
 
-    job = write_job(tmp_path, routingReplay={"mode": mode}, algorithm={"steps": 1})
+    job = write_job(tmp_path, routingReplay={"mode": mode}, algorithm={"steps": 1},
+                    trainer={"fsdp": {"paramDtype": param_dtype}})  # fmt: skip
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
     rows = run.run()
     assert [r["step"] for r in rows] == [1]
@@ -55,6 +59,9 @@ def test_r2_and_disabled_modes_run(tmp_path, engines, mode) -> None:
     assert rows[0]["canary_ok"] == 1
     assert not list((run.run_dir / "routes").rglob("*.r3r"))  # rollout routes are never stored/consumed
     assert 0.0 < rows[0]["routing_agreement"] <= 1.0
+    if param_dtype == "float32":  # fp32 trainer vs fp32 engine: the same numbers up to reduction order
+        assert rows[0]["logprob_abs_diff_max"] < 1e-4
+        assert rows[0]["routing_natural_agreement"] == 1.0
 
 
 def test_corrupted_routing_file_drops_that_sample_loudly(tmp_path, engines, caplog) -> None:
@@ -118,3 +125,76 @@ def test_resume_after_kill_between_steps(tmp_path, engines) -> None:
     for step in range(run.start_step, 4):
         run.train_step(step)
     assert [int(r["step"]) for r in read_rows(run.run_dir / "metrics.csv")] == [1, 2, 3]
+
+
+def _sync_state(run, engines, state) -> None:
+    import torch
+
+    from r3operator.runtime.weights import packed_chunks
+
+    engines.update_weights(packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb,
+                                         dtype=torch.float32))  # fmt: skip
+
+
+def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> None:
+    """Corrupted weights sent through the real packed sync: experts in a transposed layout (the vLLM
+    #42821 class of bug) fail the exact canary; the bf16 near-tie canary accepts a good sync and fails
+    on an lm_head shifted by one vocabulary row (an offset bug)."""
+    from r3operator.runtime.canary import canary_tolerance
+    from r3operator.runtime.loop import CanaryMismatchError
+
+    run = _run(tmp_path, engines)
+    run.setup()
+    good = {k: v.detach().clone() for k, v in run.trainer.model_state_dict().items()}
+    transposed = dict(good)
+    for name, tensor in good.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            transposed[name] = tensor.transpose(-1, -2).reshape(tensor.shape).contiguous()
+    _sync_state(run, engines, transposed)
+    with pytest.raises(CanaryMismatchError, match=r"engine logprob|first difference"):
+        run.canary()
+
+    run.canary_tol = canary_tolerance("bfloat16")
+    _sync_state(run, engines, good)
+    assert run.canary()
+    shifted = {**good, "lm_head.weight": good["lm_head.weight"].roll(1, dims=0)}
+    _sync_state(run, engines, shifted)
+    with pytest.raises(CanaryMismatchError):
+        run.canary()
+
+
+def test_compare_replay_writes_both_runs_into_one_report(tmp_path, engines) -> None:
+    from r3operator.runtime.app import run_job
+    from r3operator.runtime.report import read_rows
+
+    job = write_job(tmp_path, algorithm={"steps": 1})
+    out = run_job(settings_for(job, tmp_path / "runs", resume=False), compare_replay=True, engines=engines)
+    off, on = read_rows(out / "disabled" / "metrics.csv"), read_rows(out / "r3" / "metrics.csv")
+    assert [r["replay_mode"] for r in off + on] == ["Disabled", "R3"]
+    assert float(on[0]["routing_agreement"]) == 1.0
+    assert float(off[0]["routing_agreement"]) == float(off[0]["routing_natural_agreement"]) < 1.0
+    # same seed: step 1 rolls out the same samples, so the |Δlogprob| figures are comparable
+    assert float(on[0]["logprob_abs_diff_mean"]) < float(off[0]["logprob_abs_diff_mean"])
+    report = (out / "report.md").read_text()
+    assert "## replay off (Disabled)" in report and "## replay on (R3)" in report
+    assert "## Replay off vs on (same seed)" in report
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in report
+    else:
+        assert (out / "plot.png").stat().st_size > 0
+
+
+def test_megatron_backend_runs_one_r3_step(tmp_path, engines) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
+    from r3operator.runtime.loop import GRPORun
+
+    job = write_job(tmp_path, trainer={"backend": "Megatron"}, algorithm={"steps": 1})
+    run = GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
+    run.setup()
+    before = engines.weights_digest()
+    row = run.train_step(1)
+    assert engines.weights_digest() != before  # the Megatron update reached the engine
+    assert row["routing_agreement"] == 1.0 and row["canary_ok"] == 1 and row["samples_dropped"] == 0
+    assert row["grad_norm"] > 0

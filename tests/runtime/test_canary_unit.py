@@ -1,0 +1,119 @@
+"""The canary's position check (exact and near-tie modes), the Megatron backend's missing-package error,
+and the packed weight-sync buffers."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from r3operator.runtime.canary import (
+    BF16_CANARY_EPSILON,
+    BF16_LOGPROB_TOLERANCE,
+    EXACT_LOGPROB_TOLERANCE,
+    CanaryMismatchError,
+    CanaryTolerance,
+    canary_tolerance,
+    check_engine_greedy,
+)
+
+EXACT = CanaryTolerance(epsilon=0.0, logprob=1e-3)
+NEAR_TIE = CanaryTolerance(epsilon=0.5, logprob=0.25)
+
+EOS = 2
+
+
+def logits_table(rows: dict[int, list[float]], length: int, vocab: int = 6):
+    """logits_fn whose row t (next-token logits after position t) is `rows[t]`, else argmax token 5."""
+
+    def fn(sequence):
+        assert len(sequence) == length
+        out = np.zeros((len(sequence), vocab), dtype=np.float32)
+        out[:, 5] = 10.0
+        for t, row in rows.items():
+            out[t] = row
+        return out
+
+    return fn
+
+
+def test_exact_mode_fails_on_any_difference_with_position() -> None:
+    # prompt [1, 1] + engine [5, 4]: position 1 (token 5) is the argmax, position 2 (token 4) is not.
+    near = {2: [0, 0, 0, 0, 9.99, 10.0]}
+    with pytest.raises(CanaryMismatchError, match=r"prompt 0 \[1, 1\]: first difference at generated token 1"):
+        check_engine_greedy(logits_table(near, 4), [[1, 1]], [[5, 4]], tolerance=EXACT, eos_id=EOS, max_tokens=2)
+
+
+def test_near_tie_mode_accepts_small_gaps_and_counts_them() -> None:
+    near = {2: [0, 0, 0, 0, 9.8, 10.0]}  # engine picked the runner-up, 0.2 below the trainer's argmax
+    result = check_engine_greedy(
+        logits_table(near, 4), [[1, 1]], [[5, 4]], tolerance=NEAR_TIE, eos_id=EOS, max_tokens=2
+    )
+    assert (result.positions, result.near_ties) == (2, 1)
+    assert result.max_gap == pytest.approx(0.2, abs=1e-5)
+
+
+def test_near_tie_mode_still_fails_on_a_real_difference() -> None:
+    far = {1: [0, 0, 0, 0, 3.0, 10.0]}  # gap 7: no bf16 rounding explains this
+    with pytest.raises(CanaryMismatchError, match=r"generated token 0: engine chose 4, trainer argmax 5 \(logit gap 7"):
+        check_engine_greedy(logits_table(far, 4), [[1, 1]], [[4, 5]], tolerance=NEAR_TIE, eos_id=EOS, max_tokens=2)
+
+
+def test_engine_stopping_early_needs_eos_as_the_trainers_argmax() -> None:
+    with pytest.raises(CanaryMismatchError, match="without <eos>"):
+        check_engine_greedy(logits_table({}, 3), [[1, 1]], [[5]], tolerance=EXACT, eos_id=EOS, max_tokens=4)
+    # stopped with <eos>, but the trainer would have continued with token 5: a difference at token 0
+    with pytest.raises(CanaryMismatchError, match="generated token 0"):
+        check_engine_greedy(logits_table({}, 3), [[1, 1]], [[EOS]], tolerance=EXACT, eos_id=EOS, max_tokens=4)
+
+
+def test_engine_logprobs_must_match_the_trainers_within_delta() -> None:
+    # same greedy tokens, but the engine's logprob of token 5 at position 1 is off by 0.01 > δ_exact
+    fn = logits_table({}, 4)
+    row = fn([0, 0, 0, 0])[1].astype(np.float64)
+    lp = float(row[5] - np.log(np.exp(row).sum()))
+    ok = check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp]], tolerance=EXACT, eos_id=EOS,
+                             max_tokens=2)  # fmt: skip
+    assert ok.max_logprob_diff < 1e-6
+    with pytest.raises(CanaryMismatchError, match=r"generated token 1 \(5\): engine logprob .* > δ 0\.001"):
+        check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp - 0.01]], tolerance=EXACT,
+                            eos_id=EOS, max_tokens=2)  # fmt: skip
+
+
+def test_canary_tolerance_by_engine_dtype_and_env(monkeypatch) -> None:
+    monkeypatch.delenv("R3_CANARY_EPSILON", raising=False)
+    monkeypatch.delenv("R3_CANARY_LOGPROB_TOL", raising=False)
+    assert canary_tolerance("float32") == CanaryTolerance(0.0, EXACT_LOGPROB_TOLERANCE)
+    assert canary_tolerance("bfloat16") == CanaryTolerance(BF16_CANARY_EPSILON, BF16_LOGPROB_TOLERANCE)
+    monkeypatch.setenv("R3_CANARY_EPSILON", "0.25")
+    assert canary_tolerance("bfloat16").epsilon == 0.25
+    monkeypatch.setenv("R3_CANARY_LOGPROB_TOL", "-1")
+    with pytest.raises(ValueError, match="R3_CANARY_LOGPROB_TOL"):
+        canary_tolerance("bfloat16")
+
+
+def test_megatron_backend_without_megatron_core_names_the_field_and_package(monkeypatch) -> None:
+    from r3operator.trainer.megatron.adapter import MegatronUnavailableError, build_megatron_policy_trainer
+
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core -> ImportError
+    with pytest.raises(MegatronUnavailableError, match=r"spec\.trainer\.backend is Megatron.*megatron-core"):
+        build_megatron_policy_trainer(object(), "unused", device="cpu")
+
+
+@pytest.mark.slow
+def test_packed_chunks_round_trip_and_ship_only_their_own_bytes() -> None:
+    import torch
+
+    from r3operator.runtime.weights import checkpoint_tensors, pack_chunk, unpack_chunk
+
+    fused = torch.randn(8, 6, 4)  # [E, 2I, H]: per-expert gate/up are views of this storage
+    state = {"model.layers.0.mlp.experts.gate_up_proj": fused, "lm_head.weight": torch.randn(5, 4)}
+    chunk = list(checkpoint_tensors(state, dtype=torch.bfloat16))
+    packed = pack_chunk(chunk)
+    own_bytes = sum(t.numel() * t.element_size() for _, t in chunk)
+    assert packed.nbytes < own_bytes + 64 * len(chunk)  # not 8 x the fused storage per expert view
+    back = unpack_chunk(packed.buffer, packed.entries)
+    assert [n for n, _ in back] == [n for n, _ in chunk]
+    for (_, want), (_, got) in zip(chunk, back, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
