@@ -34,10 +34,20 @@ def _resolve(value: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), value)
 
 
-def _pyproject_pins() -> dict[str, Requirement]:
+def _python_version(path: Path) -> str:
+    """major.minor of the image's Python, from its PYTHON_IMAGE tag (e.g. python:3.12.8-slim → 3.12)."""
+    image = _args(path).get("PYTHON_IMAGE", "")
+    match = re.search(r":(\d+\.\d+)", image)
+    return match.group(1) if match else "3.12"  # FROM images without PYTHON_IMAGE (vLLM's) are 3.12
+
+
+def _pyproject_pins(python_version: str = "3.11") -> dict[str, Requirement]:
+    """Requirements that apply on that Python (environment markers evaluated, e.g. megatron-core)."""
     reqs = PYPROJECT["project"]["dependencies"] + [r for e in PYPROJECT["project"]["optional-dependencies"].values()
                                                     for r in e]  # fmt: skip
-    return {Requirement(r).name: Requirement(r) for r in reqs}
+    parsed = [Requirement(r) for r in reqs]
+    env = {"python_version": python_version, "extra": ""}
+    return {r.name: r for r in parsed if r.marker is None or r.marker.evaluate(env)}
 
 
 @pytest.mark.parametrize("name", IMAGES)
@@ -86,7 +96,7 @@ def test_version_label_matches_package(name: str) -> None:
 
 @pytest.mark.parametrize("name", IMAGES)
 def test_pins_and_extras_agree_with_pyproject(name: str) -> None:
-    args, pins = _args(IMAGES[name]), _pyproject_pins()
+    args, pins = _args(IMAGES[name]), _pyproject_pins(_python_version(IMAGES[name]))
     runs = " ".join(_resolve(rest, args) for op, rest in _instructions(IMAGES[name]) if op == "RUN")
     for package, version in re.findall(r'"?([A-Za-z0-9_.-]+)(?:\[[\w,]+\])?==([\w.]+)"?', runs):
         assert package in pins, f"{name}: pins {package}, which pyproject.toml does not declare"
@@ -110,7 +120,8 @@ def test_engine_image_is_the_official_vllm_image_at_a_versioned_tag() -> None:
 
 def test_trainer_image_pins_torch_ray_megatron() -> None:
     args = _args(IMAGES["trainer"])
-    pins = _pyproject_pins()
+    pins = _pyproject_pins(_python_version(IMAGES["trainer"]))
+    assert Version(_python_version(IMAGES["trainer"])) >= Version("3.12"), "megatron-core 0.19 needs Python >= 3.12"
     assert Version(args["TORCH_VERSION"]) in pins["torch"].specifier
     assert Version(args["RAY_VERSION"]) in pins["ray"].specifier
     assert Version(args["MEGATRON_CORE_VERSION"]) in pins["megatron-core"].specifier
