@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,11 @@ def default_engine_dtype(device: str) -> str:
 def _prepare_env(device: str) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not sys.stdout.isatty():  # CI log: no carriage-return progress bars between the step lines
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if device.startswith("cuda"):
         # The driver touches CUDA (trainer) before any engine exists; see docs/real-vllm.md.
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -230,7 +230,7 @@ class GRPORun:
         # Sent in the engine's dtype: the engine would cast anyway; a bf16 engine gets half the bytes.
         wire_dtype = getattr(torch, self.s.engine_dtype, None)
         result = self.engines.update_weights(
-            packed_chunks(self.trainer.model_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
+            packed_chunks(self.trainer.sync_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
         )
         self.policy_version += 1
         self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)

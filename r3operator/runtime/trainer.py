@@ -219,6 +219,11 @@ class PolicyTrainer:
             return fsdp.full_state_dict(self.model)
         return self.model.state_dict()
 
+    def sync_state_dict(self) -> dict[str, Any]:
+        """What the weight sync streams: the live (under FSDP2: sharded DTensor) tensors, on the device;
+        `runtime.weights.checkpoint_tensors` gathers, casts and offloads them one at a time."""
+        return self.model.state_dict()
+
     def optimizer_state_dict(self) -> dict[str, Any]:
         if self.use_fsdp:
             from r3operator.trainer import fsdp

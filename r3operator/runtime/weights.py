@@ -19,15 +19,23 @@ _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
 
 
-def checkpoint_tensors(state_dict: Mapping[str, Any], *, dtype: Any = None) -> Iterator[tuple[str, Any]]:
-    """Yield (checkpoint name, tensor) for every trainer tensor, experts unfused, detached, on CPU."""
+def checkpoint_tensors(
+    state_dict: Mapping[str, Any], *, dtype: Any = None, device: Any = "cpu"
+) -> Iterator[tuple[str, Any]]:
+    """Yield (checkpoint name, tensor) for every trainer tensor, experts unfused, detached.
+
+    An FSDP2 DTensor is gathered one parameter at a time (`full_tensor()`, streaming: never the whole
+    model unsharded at once). The cast to `dtype` happens on the source device, before the move to
+    `device` (None: stay there), so a bf16 engine costs half the device-to-host bytes.
+    """
     for name, tensor in state_dict.items():
         t = tensor.detach()
         if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
             t = t.full_tensor()
-        t = t.to("cpu")
         if dtype is not None:
             t = t.to(dtype)
+        if device is not None:
+            t = t.to(device)
         if match := _FUSED_GATE_UP.match(name):
             half = t.shape[1] // 2
             for e in range(t.shape[0]):
@@ -86,6 +94,7 @@ class PackedChunk:
 
 
 def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:
+    """Pack on the tensors' device (one device-to-host copy per chunk on a GPU), return a CPU buffer."""
     import torch
 
     entries: list[tuple[str, str, tuple[int, ...], int]] = []
@@ -93,12 +102,13 @@ def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:
     for name, tensor in chunk:
         entries.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-    buffer = torch.empty(max(offset, 1), dtype=torch.uint8)
+    device = chunk[0][1].device if chunk else "cpu"
+    buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
     for (_name, _dtype, _shape, start), (_, tensor) in zip(entries, chunk, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
             buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-    return PackedChunk(buffer.numpy(), entries)
+    return PackedChunk(buffer.cpu().numpy(), entries)
 
 
 def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[str, Any]]:
@@ -124,6 +134,8 @@ def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[st
 def packed_chunks(
     state_dict: Mapping[str, Any], *, chunk_size_mb: int, dtype: Any = None
 ) -> Iterator[PackedChunk]:
-    """The trainer state as packed chunks, in checkpoint format (experts unfused), cast to `dtype`."""
-    for chunk in chunk_tensors(checkpoint_tensors(state_dict, dtype=dtype), chunk_size_mb=chunk_size_mb):
+    """The trainer state as packed chunks, in checkpoint format (experts unfused), cast to `dtype` and
+    packed on the trainer's device."""
+    tensors = checkpoint_tensors(state_dict, dtype=dtype, device=None)
+    for chunk in chunk_tensors(tensors, chunk_size_mb=chunk_size_mb):
         yield pack_chunk(chunk)

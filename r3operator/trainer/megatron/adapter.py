@@ -166,6 +166,9 @@ class MegatronPolicyTrainer:
     def model_state_dict(self) -> dict[str, Any]:
         return self.mt.hf_state_dict()
 
+    def sync_state_dict(self) -> dict[str, Any]:
+        return self.mt.hf_state_dict()
+
     def optimizer_state_dict(self) -> dict[str, Any]:
         return self.mt.optimizer.state_dict()
 
