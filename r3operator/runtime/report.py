@@ -117,7 +117,8 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
             "",
             f"- mean abs Δlogprob {on_label} / {off_label}: {on / off:.2f}× over all steps; step 1 (identical "
             f"rollouts: same seed, same weights): {first_on:.3g} vs {first_off:.3g} ({first_on / first_off:.2f}×)"
-            if first_off > 0 else "",
+            if first_off > 0
+            else "",
         ]
     return [*lines, ""]
 

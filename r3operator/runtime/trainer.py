@@ -241,9 +241,7 @@ class PolicyTrainer:
         self.optimizer.load_state_dict(optim_sd)
 
 
-def greedy_decode(
-    logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int
-) -> list[list[int]]:
+def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int) -> list[list[int]]:
     """Greedy continuation of each prompt with `logits_fn(sequence) -> [len, V]`; stops after <eos>."""
     out: list[list[int]] = []
     for prompt in prompts:

@@ -48,9 +48,7 @@ def checkpoint_tensors(
             yield name, t.contiguous()
 
 
-def chunk_tensors(
-    tensors: Iterator[tuple[str, Any]], *, chunk_size_mb: int
-) -> Iterator[list[tuple[str, Any]]]:
+def chunk_tensors(tensors: Iterator[tuple[str, Any]], *, chunk_size_mb: int) -> Iterator[list[tuple[str, Any]]]:
     """Group tensors into chunks of at most `chunk_size_mb` MiB (a larger single tensor is its own chunk)."""
     if chunk_size_mb < 1:
         raise ValueError(f"weightSync.chunkSizeMB must be >= 1, got {chunk_size_mb}")
@@ -131,9 +129,7 @@ def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[st
     return out
 
 
-def packed_chunks(
-    state_dict: Mapping[str, Any], *, chunk_size_mb: int, dtype: Any = None
-) -> Iterator[PackedChunk]:
+def packed_chunks(state_dict: Mapping[str, Any], *, chunk_size_mb: int, dtype: Any = None) -> Iterator[PackedChunk]:
     """The trainer state as packed chunks, in checkpoint format (experts unfused), cast to `dtype` and
     packed on the trainer's device."""
     tensors = checkpoint_tensors(state_dict, dtype=dtype, device=None)
