@@ -115,8 +115,9 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
         first_off, first_on = _f(off_rows[0], "logprob_abs_diff_mean"), _f(on_rows[0], "logprob_abs_diff_mean")
         lines += [
             "",
-            f"- mean abs Δlogprob {on_label} / {off_label}: {on / off:.2f}× over all steps; step 1 (identical "
-            f"rollouts: same seed, same weights): {first_on:.3g} vs {first_off:.3g} ({first_on / first_off:.2f}×)"
+            f"- mean abs Δlogprob {on_label} / {off_label}: {on / off:.2f}× over all steps; step 1 (same seed and "
+            f"warm-up, so the same rollouts up to CPU-kernel nondeterminism): {first_on:.3g} vs {first_off:.3g} "
+            f"({first_on / first_off:.2f}×)"
             if first_off > 0
             else "",
         ]
