@@ -13,7 +13,9 @@ a kernel layout in place while keeping the checkpoint-format `weight_loader`; a 
                                      a layer is processed when all its weights arrived)
     r3_finish_weight_update()       finalize_layerwise_reload(model, model_config) once
 
-then the driver resets the prefix cache (cached KV and routes predate the new policy).
+then the driver resets the prefix cache (cached KV and routes predate the new policy). The runtime sends
+each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from the shared volume over
+HTTP; `runtime/weights.pack_chunk`), unpacked into views and passed to `r3_load_chunk`.
 
 Every attribute here is prefixed `r3_` / `_r3_`: vLLM >= 0.22 asserts that an extension never shadows a
 `Worker` attribute (SkyRL's `start_weight_update` collided with the native method and killed every

@@ -117,3 +117,39 @@ def test_packed_chunks_round_trip_and_ship_only_their_own_bytes() -> None:
     assert [n for n, _ in back] == [n for n, _ in chunk]
     for (_, want), (_, got) in zip(chunk, back, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_http_engine_stages_one_packed_file_that_the_worker_extension_reads_back(tmp_path) -> None:
+    """The HTTP weight-sync path: the chunk is written once on the shared volume, the engine-side
+    `r3_load_packed_file` turns it back into the same named tensors; the file is gone after release."""
+    import torch
+
+    from r3operator.engine.worker import WeightSyncWorkerExtension
+    from r3operator.runtime.engines import HTTPEngine
+    from r3operator.runtime.weights import pack_chunk
+
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    class Worker(WeightSyncWorkerExtension):  # only the model load is replaced: no vLLM model here
+        def r3_load_chunk(self, named_tensors):
+            loaded.extend((n, t.clone()) for n, t in named_tensors)
+            return len(named_tensors)
+
+    chunk = [("a.weight", torch.randn(3, 5, dtype=torch.bfloat16)), ("b.bias", torch.arange(7.0))]
+    engine = HTTPEngine.__new__(HTTPEngine)  # no server: the constructor's client would connect
+    engine.staging_dir = tmp_path
+    calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def rpc(method: str, *args: str) -> int:  # what vLLM's /collective_rpc would call on the worker
+        calls.append((method, args))
+        return Worker().r3_load_packed_file(*args)
+
+    engine._rpc = rpc  # type: ignore[method-assign]
+    packed = pack_chunk(chunk)
+    engine.load_packed(packed)
+    assert [m for m, _ in calls] == ["r3_load_packed_file"]
+    assert [n for n, _ in loaded] == ["a.weight", "b.bias"]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(loaded, chunk, strict=True))
+    engine.release(packed)
+    assert not list(tmp_path.iterdir())
