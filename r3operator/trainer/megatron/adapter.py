@@ -77,20 +77,25 @@ class MegatronPolicyTrainer:
 
     # -- passes -------------------------------------------------------------------------------------
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
+        """The backend returns CPU tensors; they go back to the batch's device for the metrics/update."""
+        dev = batch.input_ids.device
         if mode is ReplayMode.R3:
             if batch.engine_routes is None:
                 raise ValueError("R3 needs engine routes in the batch")
             with self._compute():
                 out = self.mt.logprobs(batch, batch.engine_routes, "R3", probe=True)
                 natural = self.mt.logprobs(batch, None, "off", probe=True).used
-            return OldPass(out.logprobs, natural, out.used, batch.engine_routes, batch.route_pad, mode)
+            return OldPass(out.logprobs.to(dev), natural.to(dev), out.used.to(dev), batch.engine_routes,
+                           batch.route_pad, mode)  # fmt: skip
         if mode is ReplayMode.R2:
             with self._compute():
                 out = self.mt.logprobs(batch, None, "R2", probe=True)
-            return OldPass(out.logprobs, out.recorded, out.used, out.recorded, None, mode)
+            recorded = out.recorded.to(dev)
+            return OldPass(out.logprobs.to(dev), recorded, out.used.to(dev), recorded, None, mode)
         with self._compute():
             out = self.mt.logprobs(batch, None, "off", probe=True)
-        return OldPass(out.logprobs, out.used, out.used, None, None, mode)
+        used = out.used.to(dev)
+        return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
@@ -183,8 +188,11 @@ def _select_rows(batch: _PPOBatch, rows: Sequence[int]) -> _PPOBatch:
     import dataclasses
 
     base = batch.select(rows)
+    import torch
+
+    idx = torch.as_tensor(list(rows), dtype=torch.int64, device=batch.old_logprobs.device)
     return _PPOBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
-                     old_logprobs=batch.old_logprobs[list(rows)])  # fmt: skip
+                     old_logprobs=batch.old_logprobs[idx])  # fmt: skip
 
 
 def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
