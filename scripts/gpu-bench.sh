@@ -30,13 +30,13 @@ run() {  # name timeout cmd...
 for step in "${steps[@]}"; do
   case $step in
     fidelity)
-      run fidelity 420 python3 -m benchmarks.bench_fidelity --model gpu --device cuda --prompts 64 --max-tokens 96 \
-        --variants bf16-sdpa-eager,bf16-sdpa-grouped_mm,fp32-sdpa-eager --json "$out/fidelity.json" ;;
+      run fidelity 300 python3 -m benchmarks.bench_fidelity --model gpu --device cuda --prompts 32 --max-tokens 96 \
+        --variants bf16-sdpa-eager,fp32-sdpa-eager --json "$out/fidelity.json" ;;
     overhead)
-      run overhead 300 python3 -m benchmarks.bench_replay_overhead --model gpu --device cuda ;;
+      run overhead 150 python3 -m benchmarks.bench_replay_overhead --model gpu --device cuda --reps 10 ;;
     megatron)
-      run megatron_tests 300 python3 -m pytest tests/gpu/test_megatron_replay.py -m gpu -q -p no:cacheprovider
-      run megatron_bench 300 python3 -m benchmarks.bench_megatron --model gpu --device cuda --prompts 16 \
+      run megatron_tests 200 python3 -m pytest tests/gpu/test_megatron_replay.py -m gpu -q -p no:cacheprovider
+      run megatron_bench 240 python3 -m benchmarks.bench_megatron --model gpu --device cuda --prompts 16 \
         --max-tokens 64 --trainer-dtype bfloat16 --json "$out/megatron.json" ;;
     runtime)
       run runtime 540 python3 -m r3operator.runtime examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
