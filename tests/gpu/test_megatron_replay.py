@@ -68,6 +68,7 @@ def _worker(out: Path) -> None:
     from r3operator.trainer.megatron import build_megatron_trainer
 
     model_dir = ensure_reference_model("gpu")
+    # MoE + TP trains only with sequence parallel; without TE the backend swaps in tagged torch norms.
     spec = MegatronSpec(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True)
     tr = build_megatron_trainer(spec, model_dir, "cuda")
     batch, routes = synthetic_batch(model_dir)

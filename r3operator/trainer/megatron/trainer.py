@@ -22,6 +22,7 @@ from r3operator.trainer.megatron.convert import (
     megatron_to_hf,
     shard_tensor,
 )
+from r3operator.trainer.megatron.norms import use_tagged_norms
 from r3operator.trainer.megatron.parallel import ParallelSizes, init_parallel
 from r3operator.trainer.replay.megatron import (
     MegatronReplayError,
@@ -382,11 +383,12 @@ def build_megatron_trainer(
         raise NotImplementedError("data parallel > 1 is not implemented in the Megatron backend (world = TP*PP*CP)")
     RouterReplay.clear_global_router_replay_instances()  # the instance list is process-global
     torch.manual_seed(seed)
+    block_spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
+    if sizes.sequence_parallel:
+        block_spec = use_tagged_norms(block_spec)  # torch norms refuse SP; MoE + TP needs SP to train
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=get_gpt_decoder_block_spec(
-            tconfig, use_transformer_engine=False, normalization="RMSNorm"
-        ),
+        transformer_layer_spec=block_spec,
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
