@@ -201,6 +201,20 @@ def trainer_fit(c: RuleContext) -> str | None:
     return None
 
 
+def megatron_tp_needs_sp(c: RuleContext) -> str | None:
+    t = c.spec.trainer
+    if t.backend is not TrainerBackend.MEGATRON or t.megatron is None:
+        return None
+    m, arch = t.megatron, c.spec.model.architecture
+    moe = arch is None or arch.num_experts > 1
+    if moe and m.tensor_parallel_size > 1 and not m.sequence_parallel:
+        return (
+            f"trainer.megatron.tensorParallelSize {m.tensor_parallel_size} on an MoE model needs "
+            "trainer.megatron.sequenceParallel true: megatron-core refuses MoE + TP without SP when training"
+        )
+    return None
+
+
 def backend_union(c: RuleContext) -> str | None:
     t = c.spec.trainer
     if t.backend is TrainerBackend.FSDP and t.megatron is not None:

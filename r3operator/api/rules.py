@@ -318,6 +318,29 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "MEGATRON-TP-NEEDS-SP",
+        E,
+        "spec.trainer.megatron.sequenceParallel",
+        (
+            "trainer.backend",
+            "trainer.megatron.tensorParallelSize",
+            "trainer.megatron.sequenceParallel",
+            "model.architecture.numExperts",
+        ),
+        "Megatron MoE with tensor parallelism needs sequence parallelism",
+        ("NVIDIA/Megatron-LM: TransformerConfig.__post_init__ (MoE + TP without SP)",),
+        checks.megatron_tp_needs_sp,
+        CelRule(
+            "!(self.trainer.backend == 'Megatron' && has(self.trainer.megatron) && "
+            "self.trainer.megatron.tensorParallelSize > 1 && !self.trainer.megatron.sequenceParallel && "
+            "(!has(self.model.architecture) || self.model.architecture.numExperts > 1))",
+            "'trainer.megatron.tensorParallelSize ' + string(self.trainer.megatron.tensorParallelSize) + "
+            "' on an MoE model needs trainer.megatron.sequenceParallel true'",
+            ".trainer.megatron.sequenceParallel",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
         "TRAINER-BACKEND-UNION",
         E,
         "spec.trainer",

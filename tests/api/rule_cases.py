@@ -93,7 +93,11 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
                 }
             ),
         ),
-        _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 3})),
+        _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 3, "trainer.megatron.sequenceParallel": True})),
+    ),
+    "MEGATRON-TP-NEEDS-SP": (
+        _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 2, "trainer.megatron.sequenceParallel": True})),
+        _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 2})),
     ),
     "TRAINER-BACKEND-UNION": (
         sets(**{"trainer.fsdp": {"samplePacking": False}}),
