@@ -66,15 +66,22 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Each panel: (title, [(column, line label suffix, style)]). The routing panel shows both what the
+    # experts received (100 % under replay) and what the trainer would have chosen by itself.
     panels = [
-        ("reward_mean", "reward (mean)"),
-        ("logprob_abs_diff_mean", "mean |Δlogprob| rollout vs trainer"),
-        ("routing_agreement", "routing agreement (experts used vs engine)"),
+        ("reward (mean)", [("reward_mean", "", "-")]),
+        ("mean |Δlogprob| rollout vs trainer", [("logprob_abs_diff_mean", "", "-")]),
+        (
+            "routing agreement with the engine",
+            [("routing_agreement", " experts used", "-"), ("routing_natural_agreement", " trainer natural", "--")],
+        ),
     ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (key, title) in zip(axes, panels, strict=True):
+    for ax, (title, lines) in zip(axes, panels, strict=True):
         for label, rows in runs.items():
-            ax.plot([int(r["step"]) for r in rows], [_f(r, key) for r in rows], marker="o", label=label)
+            for key, suffix, style in lines:
+                ax.plot([int(r["step"]) for r in rows], [_f(r, key) for r in rows], style, marker="o",
+                        label=label + suffix)  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
