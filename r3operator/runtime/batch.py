@@ -94,3 +94,24 @@ def build_batch(
         route_pad=route_pad,
         sample_ids=[s.sample_id for s in samples],
     )
+
+
+def sft_tensors(
+    prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, pad_id: int
+) -> tuple[Any, Any, Any]:
+    """Right-padded (input_ids, attention_mask, answer_mask [B, S-1]) for the supervised warm-up.
+
+    answer_mask marks the next-token positions whose targets are answer tokens (the loss positions).
+    """
+    import torch
+
+    seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.int64)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+    for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
+        ids[i, : len(seq)] = torch.as_tensor(seq)
+        attn[i, : len(seq)] = 1
+        mask[i, len(prompt) - 1 : len(seq) - 1] = True
+    return ids, attn, mask

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.runtime.batch import TrainBatch
+from r3operator.runtime.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
@@ -178,15 +178,7 @@ class PolicyTrainer:
         """One supervised step (cross-entropy on answer tokens), natural routing: the toy-task warm-up."""
         import torch
 
-        seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.int64)
-        attn = torch.zeros_like(ids)
-        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-        for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
-            ids[i, : len(seq)] = torch.as_tensor(seq)
-            attn[i, : len(seq)] = 1
-            mask[i, len(prompt) - 1 : len(seq) - 1] = True
+        ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
         ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.runtime.batch import TrainBatch
+from r3operator.runtime.batch import TrainBatch, sft_tensors
 from r3operator.runtime.trainer import GRAD_CLIP_NORM, OldPass, UpdateStats, greedy_decode
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 
@@ -132,17 +132,8 @@ class MegatronPolicyTrainer:
         return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens)
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
-        import torch
 
-        seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.int64)
-        attn = torch.zeros_like(ids)
-        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-        for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
-            ids[i, : len(seq)] = torch.as_tensor(seq)
-            attn[i, : len(seq)] = 1
-            mask[i, len(prompt) - 1 : len(seq) - 1] = True
+        ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
 
         def loss_fn(lp: Any, mb: _SFTBatch) -> tuple[Any, dict[str, float]]:
             m = mb.loss_mask.to(lp.device)
