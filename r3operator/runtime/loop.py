@@ -97,6 +97,7 @@ class GRPORun:
             check_architecture(self.s.job, hf_config)
         self.vocab_size = int(hf_config.vocab_size)
         self.num_experts = int(hf_config.num_experts)
+        self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)  # a property of the job, not of a pass
         self.pool = tasks.problems(self.spec.task.name, vocab_size=self.vocab_size)
         self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
         self.canary_tokens = tasks.max_answer_tokens(self.spec.task.name, vocab_size=self.vocab_size)
@@ -190,7 +191,7 @@ class GRPORun:
             record = self.store.get(step=step, sample_id=sample.sample_id)
             array = decode(record.routes, num_experts=self.num_experts)
         except RoutingDataError as exc:  # RoutingFileError (corrupt/truncated/missing file) included
-            self.metrics.r3._get("r3_routes_invalid_total").inc()
+            self.metrics.r3.count_invalid_routes()
             self._drop(sample, "routing_file", str(exc))
             return None
         return array
@@ -203,22 +204,14 @@ class GRPORun:
     def old_logprobs(self, batch: TrainBatch) -> OldPass:
         """5. Old-logprob forward under the mode's routing."""
         assert self.trainer is not None
-        self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)
-        try:
-            return self.trainer.old_logprobs(batch, self.mode)
-        finally:
-            self.metrics.r3.set_replay_active(False)
+        return self.trainer.old_logprobs(batch, self.mode)
 
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip update with the same replay as the old-logprob pass."""
         assert self.trainer is not None
         alg = self.spec.algorithm
-        self.metrics.r3.set_replay_active(old.replay_ids is not None)
-        try:
-            return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                       clip_high=alg.clip_ratio_high)  # fmt: skip
-        finally:
-            self.metrics.r3.set_replay_active(False)
+        return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
+                                   clip_high=alg.clip_ratio_high)  # fmt: skip
 
     def sync_weights(self) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each."""

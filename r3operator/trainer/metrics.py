@@ -138,7 +138,7 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3_routes_invalid_total", "counter", ("job",),
                "Samples whose routed experts failed validation (row count, id range, duplicates)."),
     MetricSpec("r3_replay_active", "gauge", ("job",),
-               "1 while router replay is armed in the trainer, else 0."),
+               "1 while the job replays rollout routes (routingReplay.mode R3), else 0 (R2, Disabled)."),
     MetricSpec("r3_routes_bytes_per_sample", "histogram", ("job",),
                "Routed-expert payload bytes per sample with routes."),
 ]  # fmt: skip
@@ -163,6 +163,10 @@ class R3Metrics:
             # prometheus_client appends `_total` to counters itself: register the base name.
             base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
             self._m[spec.name] = kinds[spec.type](base, spec.help, list(spec.labels), **kwargs)
+            if spec.labels == ("job",):
+                # Create the job's series now, so counters read 0 (not "no data") until the first
+                # event and rate()/increase() see the start of the run.
+                self._get(spec.name)
 
     def _get(self, name: str, **labels: str) -> Any:
         return self._m[name].labels(job=self.job, **labels)
@@ -192,6 +196,10 @@ class R3Metrics:
                 self._get("r3_routes_missing_total").inc()
             else:
                 self._get("r3_routes_invalid_total").inc()
+
+    def count_invalid_routes(self, n: int = 1) -> None:
+        """A sample's routes were refused after the rollout (e.g. its routing file failed its checksum)."""
+        self._get("r3_routes_invalid_total").inc(n)
 
     def set_replay_active(self, active: bool) -> None:
         self._get("r3_replay_active").set(1.0 if active else 0.0)

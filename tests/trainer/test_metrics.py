@@ -67,3 +67,13 @@ def test_exporter_registers_every_documented_metric() -> None:
     assert 'r3_logprob_abs_diff_mean{job="job-a"} 0.25' in text
     assert 'r3_routing_agreement_ratio{job="job-a",layer="2"} 1.0' in text
     assert 'r3_replay_active{job="job-a"} 1.0' in text
+
+
+def test_job_series_exist_from_the_start_so_counters_read_zero_not_no_data():
+    from prometheus_client import generate_latest
+
+    from r3operator.trainer.metrics import R3Metrics
+
+    text = generate_latest(R3Metrics("job-b").registry).decode()
+    assert 'r3_routes_missing_total{job="job-b"} 0.0' in text
+    assert 'r3_routes_invalid_total{job="job-b"} 0.0' in text
