@@ -34,9 +34,10 @@ def build_settings(
     engine_urls: list[str] = []
     run_dir: Path | None = None
     if config is not None:
-        job, data = load_job_config(config)
-        engine_urls = list(data.get("engines") or [])
-        run_dir = Path(data["runDir"]) if data.get("runDir") else None
+        job, runtime = load_job_config(config)
+        engine_urls = list(runtime.get("engineURLs") or [])
+        if routing_dir := runtime.get("routingDir"):
+            run_dir = Path(routing_dir) / "runs" / job.metadata.name
     elif file is not None:
         job = load_job_file(file)
     else:

@@ -1,12 +1,16 @@
 """What the driver runs: the RLJob (from a file or the operator's ConfigMap) plus local overrides.
 
-In a pod the operator mounts a ConfigMap at `/etc/r3operator/config.json`:
+In a pod the operator mounts its ConfigMap at `/etc/r3operator/config.json`; the format is the one
+`r3operator.operator.build.config.runtime_config` writes (tests/runtime/test_config_contract.py pins it):
 
-    {"rljob": <the RLJob manifest, or just its spec>, "engines": ["http://<job>-engine-0:8000", ...],
-     "runDir": "/data/runs/<job>"}
+    {"apiVersion", "kind", "metadata", "spec",          # the RLJob, defaults filled
+     "resolved": {...},                                  # the operator's plan (status.resolved)
+     "runtime": {"engineURLs": ["http://<job>-engine-0.<job>-engine.<ns>.svc:8000", ...],
+                 "routingDir": "/var/lib/r3operator", ...}}
 
-`engines` (or env R3_ENGINE_URLS, comma-separated) switches rollouts to HTTP engine Services; without
-it the driver starts in-process vLLM engines in Ray actors.
+`runtime.engineURLs` (or env R3_ENGINE_URLS, comma-separated) switches rollouts to HTTP engine Services;
+without them the driver starts in-process vLLM engines in Ray actors. Run outputs (routes, checkpoints,
+metrics.csv) go to `<routingDir>/runs/<job>` on the shared volume.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from r3operator.api.load import RLJobLoadError, load_rljob, parse_rljob
-from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
+from r3operator.api.v1alpha1 import RLJob
 
 REFERENCE_PREFIX = "r3operator://reference/"
 DEFAULT_CONFIG_PATH = Path("/etc/r3operator/config.json")
@@ -48,25 +52,21 @@ def load_job_file(path: Path) -> RLJob:
 
 
 def load_job_config(path: Path) -> tuple[RLJob, dict[str, Any]]:
-    """The operator's ConfigMap JSON: the RLJob (manifest or spec) under "rljob"."""
+    """The operator's ConfigMap JSON -> (the RLJob, its `runtime` block)."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RLJobLoadError(str(path), []) from exc
-    if not isinstance(data, dict) or "rljob" not in data:
-        raise ValueError(f"{path}: expected a JSON object with key 'rljob'")
-    obj = data["rljob"]
-    if isinstance(obj, dict) and "apiVersion" not in obj:  # spec only: wrap with name/namespace from env
-        obj = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {
-                "name": os.environ.get("R3_RLJOB_NAME", "rljob"),
-                "namespace": os.environ.get("R3_RLJOB_NAMESPACE"),
-            },
-            "spec": obj,
-        }
-    return parse_rljob(obj, source=f"{path}:rljob"), data
+    except OSError as exc:
+        raise RLJobLoadError(str(path), [FieldProblem("", f"cannot read file: {exc.strerror or exc}")]) from None
+    except ValueError as exc:
+        raise RLJobLoadError(str(path), [FieldProblem("", f"malformed JSON: {exc}")]) from None
+    if not isinstance(data, dict) or "spec" not in data:
+        raise RLJobLoadError(str(path), [FieldProblem("", "expected the operator's runtime config (an RLJob with "
+                                                          "'spec', 'resolved' and 'runtime')")])
+    manifest = {k: data[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in data}
+    runtime = data.get("runtime") or {}
+    if not isinstance(runtime, dict):
+        raise RLJobLoadError(str(path), [FieldProblem("runtime", "expected an object")])
+    return parse_rljob(manifest, source=str(path)), runtime
 
 
 def resolve_device(device: str) -> str:

@@ -37,6 +37,9 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
     env = [
         {"name": "R3OPERATOR_CONFIG", "value": CONFIG_PATH},
         {"name": "R3OPERATOR_ROUTING_DIR", "value": ROUTING_MOUNT},
+        # The driver merge-patches status.progress of this RLJob (runtime.metrics.StatusPusher).
+        {"name": "R3_RLJOB_NAME", "value": job.metadata.name},
+        {"name": "R3_RLJOB_NAMESPACE", "value": job.metadata.namespace or "default"},
     ]
     ports = [{"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
     container: dict[str, Any] = {
