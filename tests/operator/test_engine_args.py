@@ -85,3 +85,12 @@ def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
 )
 def test_model_path_per_uri_scheme(uri: str, expected: str):
     assert model_path(_spec(**{"model.uri": uri})) == expected
+
+
+def test_engine_args_name_the_worker_extension_that_exists():
+    """args.py stays import-light (no torch/vLLM), so it spells the class path; it must match the class."""
+    from r3operator.engine import args, worker
+
+    assert args.WORKER_EXTENSION_CLS == worker.WORKER_EXTENSION_CLS
+    module, _, name = args.WORKER_EXTENSION_CLS.rpartition(".")
+    assert module == worker.__name__ and hasattr(worker, name)
