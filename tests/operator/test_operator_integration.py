@@ -7,14 +7,13 @@ by the tests where a scenario needs it, by writing the /status a controller woul
 
 from __future__ import annotations
 
-import os
 import shlex
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
-from operator_harness import EXAMPLE, FIXTURES, Cluster, condition, example, kopf_runner, paths, wait_for
+from operator_harness import EXAMPLE, Cluster, condition, example, paths, running_operator, wait_for
 
 from r3operator.operator.hashing import engine_spec_hash
 
@@ -23,20 +22,8 @@ NS = "rl"
 
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> Iterator[KopfRunner]:
-    cluster.namespace(NS)
-    cluster.apply(FIXTURES / "rayjob-crd.yaml")
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
-    try:
-        with kopf_runner([NS]) as runner:
-            yield runner
-    finally:
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output[-4000:]
+    with running_operator(cluster, NS) as runner:
+        yield runner
 
 
 def _children(cluster: Cluster, job: str) -> dict[str, dict[str, Any] | None]:
