@@ -9,6 +9,9 @@ for container lists):
 - PVC: only the ownerReference follows retainPolicy (PVC specs are immutable).
 - ConfigMap, Service, PodMonitor: patched when a field we set differs (server-side defaults in the
   observed object, such as a Service's clusterIP or port protocol, are ignored).
+- ServiceAccount: only our labels and ownerReferences are patched (the server adds the rest).
+- RoleBinding: ``roleRef`` is immutable, so a different one means delete-and-recreate; ``subjects``,
+  labels and ownerReferences are patched in place.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def _owner_patch(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any] |
     return None
 
 
+def _metadata_patch(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any] | None:
+    """Our labels and ownerReferences, when the observed object lacks them."""
+    meta_want = {k: want["metadata"][k] for k in ("labels", "ownerReferences") if k in want["metadata"]}
+    return None if is_subset(meta_want, have.get("metadata")) else {"metadata": meta_want}
+
+
 def plan_action(want: dict[str, Any], have: dict[str, Any] | None) -> Action:
     if have is None:
         return Action("create")
@@ -71,6 +80,16 @@ def plan_action(want: dict[str, Any], have: dict[str, Any] | None) -> Action:
         return Action("none")
     if kind == "PersistentVolumeClaim":
         patch = _owner_patch(want, have)
+        return Action("patch", patch) if patch else Action("none")
+    if kind == "ServiceAccount":
+        patch = _metadata_patch(want, have)
+        return Action("patch", patch) if patch else Action("none")
+    if kind == "RoleBinding":
+        if want["roleRef"] != have.get("roleRef"):
+            return Action("recreate")
+        patch = _metadata_patch(want, have) or {}
+        if not is_subset(want["subjects"], have.get("subjects")):
+            patch["subjects"] = want["subjects"]
         return Action("patch", patch) if patch else Action("none")
     if kind == "ConfigMap":
         return Action("none") if want["data"] == have.get("data") else Action("patch", {"data": want["data"]})

@@ -5,7 +5,8 @@ on the RLJob's own status (terminal conditions, completionTime) and on a few out
 :class:`Facts` (is the PodMonitor CRD installed, what time is it) — never on the children themselves.
 
 Lifecycle:
-- running: PVC, ConfigMap, engine Service + StatefulSet, RayJob, PodMonitor;
+- running: PVC, ConfigMap, engine Service + StatefulSet, trainer ServiceAccount + RoleBinding, RayJob,
+  PodMonitor;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - finished (Succeeded/Failed): engines at 0 replicas (free the GPUs now), the RayJob is kept;
 - finished and ``ttlSecondsAfterFinished`` elapsed: only a Retain PVC remains desired; the
@@ -25,6 +26,11 @@ from r3operator.operator.build.engine import build_engine_service, build_engine_
 from r3operator.operator.build.monitoring import build_pod_monitor, wants_pod_monitor
 from r3operator.operator.build.storage import build_routing_claim
 from r3operator.operator.build.trainer import build_ray_job
+from r3operator.operator.build.trainer_rbac import (
+    DEFAULT_TRAINER_CLUSTER_ROLE,
+    build_trainer_role_binding,
+    build_trainer_service_account,
+)
 from r3operator.operator.lifecycle import is_suspended, is_terminal, ttl_expired
 
 
@@ -36,6 +42,8 @@ class Facts:
     """monitoring.coreos.com/v1 PodMonitor is served (Prometheus Operator installed)."""
     now: dt.datetime | None = None
     """For ttlSecondsAfterFinished; None never expires anything."""
+    trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE
+    """The ClusterRole the trainer's RoleBinding refers to (R3OPERATOR_TRAINER_CLUSTERROLE)."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -51,6 +59,8 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
     children.append(build_engine_statefulset(job, replicas=0 if stopped else job.spec.inference.replicas))
+    children.append(build_trainer_service_account(job))
+    children.append(build_trainer_role_binding(job, facts.trainer_cluster_role))
     children.append(build_ray_job(job, suspend=is_suspended(job)))
     if facts.pod_monitor_crd and wants_pod_monitor(job):
         children.append(build_pod_monitor(job))

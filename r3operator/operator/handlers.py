@@ -71,7 +71,10 @@ def reconciler() -> Reconciler:
         _state["reconciler"] = Reconciler(
             client,
             ReconcilerSettings(
-                discovery_ttl_s=CONFIG.discovery_ttl_s, canary=CONFIG.canary, canary_url_template=CONFIG.canary_url
+                discovery_ttl_s=CONFIG.discovery_ttl_s,
+                canary=CONFIG.canary,
+                canary_url_template=CONFIG.canary_url,
+                trainer_cluster_role=CONFIG.trainer_cluster_role,
             ),
         )
     return _state["reconciler"]

@@ -47,6 +47,8 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "PersistentVolumeClaim": Kind("v1", "persistentvolumeclaims"),
     "ConfigMap": Kind("v1", "configmaps"),
+    "ServiceAccount": Kind("v1", "serviceaccounts"),
+    "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Service": Kind("v1", "services"),
     "Event": Kind("v1", "events"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),

@@ -28,6 +28,7 @@ from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import plan_action
+from r3operator.operator.build.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
@@ -42,6 +43,8 @@ log = logging.getLogger("r3operator.reconcile")
 _CHILD_KINDS = (
     (meta.ROLE_METRICS, "PodMonitor"),
     (meta.ROLE_TRAINER, "RayJob"),
+    (meta.ROLE_TRAINER, "RoleBinding"),
+    (meta.ROLE_TRAINER, "ServiceAccount"),
     (meta.ROLE_ENGINE, "StatefulSet"),
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
@@ -90,6 +93,8 @@ class ReconcilerSettings:
     canary_url_template: str = "http://{service}-0.{service}.{namespace}.svc:{port}"
     """Where the canary is sent; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
     canary_retry_s: float = 60.0
+    trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE
+    """The ClusterRole each RLJob's trainer RoleBinding refers to (the chart's ``<release>-trainer``)."""
 
 
 def _bad_polarity(cond_type: str, status: ConditionStatus) -> bool:
@@ -138,7 +143,8 @@ class Reconciler:
         observed: dict[str, dict[str, Any] | None] = {}
         if outcome.valid:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-            children = desired(job, Facts(pod_monitor_crd=pod_monitor, now=now))
+            facts = Facts(pod_monitor_crd=pod_monitor, now=now, trainer_cluster_role=self.settings.trainer_cluster_role)
+            children = desired(job, facts)
             for child in children:
                 observed[child["kind"]] = await self._converge(child, outcome)
             await self._prune(job, children, outcome, now)

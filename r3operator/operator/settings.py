@@ -37,6 +37,8 @@ class OperatorConfig:
     """R3OPERATOR_CANARY: 0 disables the R3 routed-experts canary."""
     canary_url: str = "http://{service}-0.{service}.{namespace}.svc:{port}"
     """R3OPERATOR_CANARY_URL: where the canary goes ({service}, {namespace}, {port}, {name})."""
+    trainer_cluster_role: str = "r3operator-trainer"
+    """R3OPERATOR_TRAINER_CLUSTERROLE: the ClusterRole bound to each RLJob's trainer ServiceAccount."""
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -49,4 +51,5 @@ class OperatorConfig:
             metrics_port=int(_float("R3OPERATOR_METRICS_PORT", cls.metrics_port)),
             canary=os.environ.get("R3OPERATOR_CANARY", "1") not in ("0", "false", "False"),
             canary_url=os.environ.get("R3OPERATOR_CANARY_URL") or cls.canary_url,
+            trainer_cluster_role=os.environ.get("R3OPERATOR_TRAINER_CLUSTERROLE") or cls.trainer_cluster_role,
         )

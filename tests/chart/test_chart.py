@@ -68,8 +68,13 @@ def test_servicemonitor_needs_the_service(helm: str) -> None:
     assert proc.returncode != 0 and "metrics.service.enabled" in proc.stderr
 
 
+TRAINER_ROLE = "r3-r3operator-trainer"
+
+
 def _rbac_rules(docs) -> list[dict]:
-    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    """The operator's own rules (the trainer ClusterRole is for the trainer pods, checked apart)."""
+    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") and d["metadata"]["name"] != TRAINER_ROLE
+            for r in d["rules"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("sets", [ALL_ON, NAMESPACED + ALL_ON], ids=["cluster", "namespaced"])
@@ -78,7 +83,11 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
     for rule in _rbac_rules(render(*sets)):
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        assert "nonResourceURLs" not in rule
+        if "resourceNames" in rule:  # only `bind` on the trainer ClusterRole, by name
+            assert rule == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                            "verbs": ["bind"], "resourceNames": [TRAINER_ROLE]}  # fmt: skip
+            continue
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     crud = ("get", "create", "patch", "delete")  # children: read by name and written (docs/operator.md)
     expected = (
@@ -89,13 +98,30 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")}
         | {("ray.io", "rayjobs", v) for v in crud}
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
+        | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
+        | {("rbac.authorization.k8s.io", "rolebindings", v) for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
     )
     if not any("watch.mode=namespaced" in s for s in sets):  # kopf --all-namespaces watches namespaces
         expected |= {("", "namespaces", v) for v in ("get", "list", "watch")}
     assert granted == expected
-    # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation.
+    # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation (bind: one role, above).
     assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "roles", "clusterroles"}
+    binds = [r for r in _rbac_rules(render(*sets)) if "resourceNames" in r]
+    assert len(binds) == (1 if not any("watch.mode=namespaced" in s for s in sets) else 2)  # per Role
+
+
+@pytest.mark.parametrize("sets", [(), NAMESPACED], ids=["cluster", "namespaced"])
+def test_trainer_cluster_role_grants_only_reading_the_rljob_and_patching_its_status(render, sets) -> None:
+    docs = render(*sets)
+    (role,) = [d for d in docs.kind("ClusterRole") if d["metadata"]["name"] == TRAINER_ROLE]
+    assert role["rules"] == [
+        {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "verbs": ["get"]},
+        {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "verbs": ["get", "patch"]},
+    ]
+    env = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "R3OPERATOR_TRAINER_CLUSTERROLE", "value": TRAINER_ROLE} in env
+    assert not [d for d in render("rbac.create=false").kind("ClusterRole")]
 
 
 def test_rbac_matches_docs_operator_md(render) -> None:
@@ -105,15 +131,15 @@ def test_rbac_matches_docs_operator_md(render) -> None:
                for v in rule["verbs"]}  # fmt: skip
     rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \| ([a-z, ]+)", doc, re.M)
     assert len(rows) >= 10
-    for group, resource, verbs in rows:
-        group = "" if group == '""' else group
-        for verb in (v.strip() for v in verbs.split(",")):
-            assert (group, resource, verb) in granted, (group, resource, verb)
+    documented = {("" if group == '""' else group, resource, verb.strip())
+                  for group, resource, verbs in rows for verb in verbs.split(",")}  # fmt: skip
+    assert documented == granted  # every row is granted, and nothing undocumented is
 
 
 def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
     docs = render()
-    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator", "r3-r3operator-crd-reader"}
+    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {
+        "r3-r3operator", "r3-r3operator-crd-reader", TRAINER_ROLE}  # fmt: skip
     assert not docs.kind("Role") and not docs.kind("RoleBinding")
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["operator", "--all-namespaces"]
@@ -125,8 +151,8 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     assert {d["metadata"]["namespace"] for d in docs.kind("RoleBinding")} == {"team-a", "team-b"}
     for binding in docs.kind("RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
-    # Only the CRD reader stays cluster-wide (CRDs are cluster-scoped).
-    (cluster_role,) = docs.kind("ClusterRole")
+    # Only the CRD reader stays cluster-wide (CRDs are cluster-scoped), besides the trainer's role.
+    (cluster_role,) = [d for d in docs.kind("ClusterRole") if d["metadata"]["name"] != TRAINER_ROLE]
     assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
                                       "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]}]
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -118,6 +118,8 @@ def paths(namespace: str, job: str) -> dict[str, str]:
         "svc": f"/api/v1/namespaces/{namespace}/services/{job}-engine",
         "sts": f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{job}-engine",
         "rayjob": f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs/{job}-trainer",
+        "sa": f"/api/v1/namespaces/{namespace}/serviceaccounts/{job}-trainer",
+        "rb": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings/{job}-trainer",
     }
 
 

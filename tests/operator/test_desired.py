@@ -50,6 +50,7 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     assert kinds["StatefulSet"] == kinds["Service"] == f"{name}-engine"
     assert kinds["RayJob"] == f"{name}-trainer"
     assert kinds["PodMonitor"] == f"{name}-metrics"
+    assert kinds["ServiceAccount"] == kinds["RoleBinding"] == f"{name}-trainer"
     for child in first:
         labels = child["metadata"]["labels"]
         assert labels["app.kubernetes.io/managed-by"] == "r3operator"
@@ -111,6 +112,50 @@ def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspe
     suspended = _by_kind(desired(_job(**{"runPolicy.suspend": True})))
     assert suspended["RayJob"]["spec"]["suspend"] is True
     assert suspended["StatefulSet"]["spec"]["replicas"] == 0
+
+
+def test_trainer_pods_run_as_a_per_job_service_account_bound_to_the_trainer_cluster_role():
+    job = _job()
+    name, namespace = job.metadata.name, job.metadata.namespace
+    kids = _by_kind(desired(job, Facts(trainer_cluster_role="r3-r3operator-trainer")))
+    sa, rb, ray = kids["ServiceAccount"], kids["RoleBinding"], kids["RayJob"]
+    owner = {"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob", "name": name, "uid": "uid-1",
+             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+    for child in (sa, rb):
+        assert child["metadata"]["name"] == f"{name}-trainer" and child["metadata"]["namespace"] == namespace
+        assert child["metadata"]["ownerReferences"] == [owner]
+        assert child["metadata"]["labels"]["r3operator.io/job"] == name
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "r3operator"
+    assert sa["apiVersion"] == "v1" and set(sa) == {"apiVersion", "kind", "metadata"}
+    assert rb["apiVersion"] == "rbac.authorization.k8s.io/v1"
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                             "name": "r3-r3operator-trainer"}  # fmt: skip
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-trainer", "namespace": namespace}]
+    assert _by_kind(desired(job))["RoleBinding"]["roleRef"]["name"] == "r3operator-trainer"  # the default
+    cluster = ray["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    assert [p["spec"]["serviceAccountName"] for p in pods] == [f"{name}-trainer"] * 2
+    kinds = [c["kind"] for c in desired(job)]
+    assert kinds.index("ServiceAccount") < kinds.index("RoleBinding") < kinds.index("RayJob")
+
+
+def test_diff_rules_for_the_trainer_service_account_and_role_binding():
+    kids = _by_kind(desired(_job()))
+    sa, rb = kids["ServiceAccount"], kids["RoleBinding"]
+    observed_sa = copy.deepcopy(sa)
+    observed_sa["metadata"].update(uid="x", resourceVersion="1")
+    observed_sa["secrets"] = [{"name": "token"}]
+    assert plan_action(sa, observed_sa).verb == "none"
+    observed_sa["metadata"]["labels"] = {}
+    ours = {k: sa["metadata"][k] for k in ("labels", "ownerReferences")}
+    assert plan_action(sa, observed_sa).patch == {"metadata": ours}
+    assert plan_action(rb, copy.deepcopy(rb)).verb == "none"
+    other_role = copy.deepcopy(rb)
+    other_role["roleRef"]["name"] = "old-trainer"
+    assert plan_action(rb, other_role).verb == "recreate"  # roleRef is immutable
+    other_subjects = copy.deepcopy(rb)
+    other_subjects["subjects"] = []
+    assert plan_action(rb, other_subjects).patch == {"subjects": rb["subjects"]}
 
 
 def test_pvc_ownership_follows_retain_policy_and_existing_claim_creates_none():

@@ -78,7 +78,7 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/var/lib/r3operator" in mounts
     rljob = cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rljob"])
-    for kind in ("sts", "svc", "cm", "rayjob"):
+    for kind in ("sts", "svc", "cm", "rayjob", "sa", "rb"):
         (owner,) = kids[kind]["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
     assert "ownerReferences" not in kids["pvc"]["metadata"]  # retainPolicy: Retain
@@ -86,6 +86,14 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     assert ray["entrypoint"] == "python -m r3operator.runtime --config /etc/r3operator/config.json"
     assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
     assert ray["suspend"] is False
+    # The trainer pods run as <job>-trainer, bound to the chart's trainer ClusterRole (default name).
+    pods = [ray["rayClusterSpec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in ray["rayClusterSpec"]["workerGroupSpecs"]
+    ]
+    assert {p["spec"]["serviceAccountName"] for p in pods} == {"qwen3-30b-a3b-r3-trainer"}
+    assert kids["rb"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                     "name": "r3operator-trainer"}  # fmt: skip
+    assert kids["rb"]["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-30b-a3b-r3-trainer", "namespace": NS}]
 
     _cond(cluster, "qwen3-30b-a3b-r3", "Valid", "True")
     table = wait_for(
@@ -233,6 +241,7 @@ def test_finished_job_scales_engines_down_and_ttl_deletes_workloads_keeping_reta
     left = _children(cluster, job)
     assert left["pvc"] is not None and _rv(left["pvc"]) == _rv(kids["pvc"])
     assert left["cm"] is None and left["svc"] is None and left["rayjob"] is None
+    assert left["sa"] is None and left["rb"] is None
     assert cluster.get(paths(NS, job)["rljob"]) is not None
     # Sticky: the trainer is gone, Succeeded stays True.
     _cond(cluster, job, "Succeeded", "True")

@@ -30,6 +30,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: r3operator
 {{- end -}}
 
+{{/*
+The ClusterRole each RLJob's trainer ServiceAccount is bound to (by a RoleBinding the operator creates
+in the RLJob's namespace); the operator reads the name from R3OPERATOR_TRAINER_CLUSTERROLE.
+*/}}
+{{- define "r3operator.trainerClusterRoleName" -}}
+{{- printf "%s-trainer" (include "r3operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "r3operator.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "r3operator.fullname" .) .Values.serviceAccount.name -}}

@@ -27,4 +27,16 @@ docs/operator.md "RBAC the operator needs" (children are read by name and writte
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
+# Per RLJob: the trainer's ServiceAccount and its RoleBinding to the trainer ClusterRole.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+# Binding a role needs its permissions or `bind` on it: only the trainer ClusterRole.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: [{{ include "r3operator.trainerClusterRoleName" . | quote }}]
 {{- end -}}

@@ -1,7 +1,8 @@
 """The trainer: a KubeRay ``RayJob`` (ray.io/v1) whose entrypoint is the r3operator runtime driver.
 
 The head pod is trainer node 0 (it gets ``gpusPerNode`` GPUs and runs the driver); the worker group
-has ``nodes - 1`` replicas. Every pod mounts the routing volume and the runtime config. ``spec.suspend``
+has ``nodes - 1`` replicas. Every pod runs as the ServiceAccount ``<job>-trainer`` (build/trainer_rbac.py)
+and mounts the routing volume and the runtime config. ``spec.suspend``
 mirrors ``runPolicy.suspend``; the spec hash annotation tells the reconciler when the trainer spec
 changed (KubeRay fixes a RayJob's cluster per run, so a changed trainer is re-created, not patched).
 """
@@ -13,6 +14,7 @@ from typing import Any
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
 from r3operator.operator import meta
+from r3operator.operator.build.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
 
 RAY_API_VERSION = "ray.io/v1"
@@ -58,6 +60,8 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
     return {
         "metadata": {"labels": meta.labels(job, meta.ROLE_TRAINER)},
         "spec": {
+            # <job>-trainer may patch this RLJob's status (build/trainer_rbac.py).
+            "serviceAccountName": trainer_service_account_name(job),
             "containers": [container],
             "volumes": [
                 {"name": "routing", "persistentVolumeClaim": {"claimName": meta.routing_claim_name(job)}},
