@@ -72,6 +72,19 @@ class TrajectoryRoutes:
             self._rows = grown
         self._rows[begin:end] = chunk  # same or wider dtype on the left: exact
 
+    def _fits(self, routes: RoutedExperts, *, prompt_len: int, generated_len: int) -> bool:
+        """Row count matches the turn and the chunk starts inside the captured rows; else invalidate."""
+        try:
+            check_row_count(routes, prompt_len=prompt_len, generated_len=generated_len)
+        except RoutingDataError as exc:
+            # Never treat a short array as "truncated routes": the rows could be shifted (reference §8.1).
+            self._invalidate(str(exc))
+            return False
+        if routes.start > self.captured_len:
+            self._invalidate(f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)")
+            return False
+        return True
+
     def add_turn(
         self, *, prompt_ids: Sequence[int], generated_ids: Sequence[int], routes: RoutedExperts | None
     ) -> None:
@@ -95,14 +108,7 @@ class TrajectoryRoutes:
         chunk = self._chunk(routes)
         if not self.valid or chunk is None or routes is None:
             return
-        try:
-            check_row_count(routes, prompt_len=len(prompt_ids), generated_len=len(generated_ids))
-        except RoutingDataError as exc:
-            # Never treat a short array as "truncated routes": the rows could be shifted (reference §8.1).
-            self._invalidate(str(exc))
-            return
-        if routes.start > self.captured_len:
-            self._invalidate(f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)")
+        if not self._fits(routes, prompt_len=len(prompt_ids), generated_len=len(generated_ids)):
             return
         self._write(routes.start, chunk)
         self.captured_len = routes.end
@@ -119,13 +125,7 @@ class TrajectoryRoutes:
         chunk = self._chunk(routes)
         if not self.valid or chunk is None or routes is None:
             return
-        try:
-            check_row_count(routes, prompt_len=prompt_len, generated_len=len(generated_ids))
-        except RoutingDataError as exc:
-            self._invalidate(str(exc))
-            return
-        if routes.start > self.captured_len:
-            self._invalidate(f"routes start at row {routes.start} but only {self.captured_len} rows are captured (gap)")
+        if not self._fits(routes, prompt_len=prompt_len, generated_len=len(generated_ids)):
             return
         tail_from = self.captured_len - routes.start  # first chunk row that is new to the trajectory
         self._write(self.captured_len, chunk[tail_from:])
