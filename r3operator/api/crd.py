@@ -98,7 +98,8 @@ def _structural(node: JSON) -> JSON:
         if bound in node and not isinstance(node[bound], bool):
             node[plain] = node.pop(bound)
             node[bound] = True
-    node.pop("additionalProperties", None) if "properties" in node else None
+    if "properties" in node:
+        node.pop("additionalProperties", None)
     if node.get("type") == "object" and "properties" in node:
         required = set(node.get("required", []))
         props = {}

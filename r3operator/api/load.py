@@ -45,12 +45,7 @@ def _message(err: Any) -> str:
 
 
 def _problems(exc: ValidationError) -> list[FieldProblem]:
-    problems = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        # Tagged-union / literal noise: keep the deepest, most specific location only.
-        problems.append(FieldProblem(_path(loc), _message(err)))
-    return problems
+    return [FieldProblem(_path(tuple(err["loc"])), _message(err)) for err in exc.errors()]
 
 
 def parse_rljob(obj: Any, *, source: str = "<object>") -> RLJob:

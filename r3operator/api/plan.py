@@ -72,7 +72,6 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     inf, trainer, arch = spec.inference, spec.trainer, spec.model.architecture
     version = resolve_engine_version(image=inf.image, explicit=inf.vllm_version)
     dp_local = inf.data_parallel_size_local or inf.data_parallel_size
-    per_pod = inf.tensor_parallel_size * inf.pipeline_parallel_size * dp_local
     pods_per_replica = max(1, -(-inf.data_parallel_size // dp_local))
     per_replica = inf.tensor_parallel_size * inf.pipeline_parallel_size * inf.data_parallel_size
     engine_ep = inf.tensor_parallel_size * inf.data_parallel_size if inf.enable_expert_parallel else 1
@@ -88,7 +87,7 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     return Plan(
         engine_version=version,
         engine_gpus_per_replica=per_replica,
-        engine_pods_per_replica=pods_per_replica if per_pod else 1,
+        engine_pods_per_replica=pods_per_replica,
         engine_gpus_total=per_replica * inf.replicas,
         engine_expert_parallel_size=engine_ep,
         trainer_gpus_total=trainer.nodes * trainer.gpus_per_node,

@@ -53,9 +53,6 @@ class Rule:
     check: Check = field(repr=False)
     cel: CelRule | None = None
 
-    @property
-    def needs_outside_facts(self) -> bool:
-        return self.cel is None and self.severity is Severity.ERROR
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,3 @@ def supports(version: EngineVersion, feature_key: str) -> bool | None:
         return None
     # Pre-releases and post-releases of a version count as that version.
     return Version(version.version.base_version) >= FEATURES[feature_key].since
-
-
-def features_in_force(version: EngineVersion) -> list[str]:
-    return [key for key in FEATURES if supports(version, key)]
