@@ -44,25 +44,10 @@ class ContractMetric:
         return (self.name,)
 
 
-def _field(spec: Any, *names: str) -> Any:
-    for name in names:
-        if isinstance(spec, dict) and name in spec:
-            return spec[name]
-        if hasattr(spec, name):
-            return getattr(spec, name)
-    raise AttributeError(f"metric spec {spec!r} has none of {names}")
-
-
 def _as_contract(spec: Any, source: str) -> ContractMetric:
-    # Duck-typed: each area owns its MetricSpec class; name/type/labels/help are the shared shape.
-    labels = _field(spec, "labels", "labelnames")
-    return ContractMetric(
-        name=str(_field(spec, "name")),
-        type=str(_field(spec, "type", "kind")).lower(),
-        labels=tuple(str(label) for label in labels),
-        help=str(_field(spec, "help", "documentation", "description")),
-        source=source,
-    )
+    # Each area owns its spec class (operator MetricDef, trainer/runtime MetricSpec); all share
+    # name/type/labels/help.
+    return ContractMetric(spec.name, spec.type, tuple(spec.labels), spec.help, source)
 
 
 @dataclass(frozen=True)
