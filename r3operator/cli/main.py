@@ -55,6 +55,7 @@ def validate(
 def explain(file: Annotated[Path, typer.Argument(help="An RLJob YAML file.")]) -> None:
     """Print the resolved plan: GPUs, EP sizes, vLLM version and gated features, replay path."""
     from r3operator.api import RLJobLoadError, evaluate, load_rljob, plan
+    from r3operator.api.rules import errors
 
     try:
         job = load_rljob(file)
@@ -63,7 +64,7 @@ def explain(file: Annotated[Path, typer.Argument(help="An RLJob YAML file.")]) -
         raise typer.Exit(2) from None
     findings = evaluate(job.spec)
     output.print_plan(job, plan(job), findings)
-    raise typer.Exit(1 if any(f.severity == "error" for f in findings) else 0)
+    raise typer.Exit(1 if errors(findings) else 0)
 
 
 @app.command()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from r3operator.api import RLJobLoadError, Severity, evaluate, load_rljobs
+from r3operator.api.rules import errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +50,8 @@ def validate_files(files: list[Path]) -> ValidationResults:
             for p in exc.problems:
                 results.rows.append(Row(exc.source, "schema", Severity.ERROR.value, p.field, p.message))
             continue
-        clean = True
-        for job in jobs:
-            for f in evaluate(job.spec):
-                clean = clean and f.severity is not Severity.ERROR
-                results.rows.append(Row(str(path), f.rule, f.severity.value, f.field, f.message))
-        if clean:
+        findings = [f for job in jobs for f in evaluate(job.spec)]
+        results.rows += [Row(str(path), f.rule, f.severity.value, f.field, f.message) for f in findings]
+        if not errors(findings):
             results.files_ok.append(str(path))
     return results
