@@ -96,12 +96,7 @@ class PolicyTrainer:
 
     # -- passes -------------------------------------------------------------------------------------
     def _compute(self) -> Any:
-        """Autocast context of the training-side forwards (old-logprob, update, SFT)."""
-        import torch
-
-        if self.compute_dtype == "bfloat16":
-            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
-        return nullcontext()
+        return compute_context(self.compute_dtype, self.device_type)
 
     def _stacked(self, recorder: RouterRecorder, batch: TrainBatch) -> Any:
         ids = recorder.stacked(self.num_layers)
@@ -138,14 +133,12 @@ class PolicyTrainer:
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
     ) -> UpdateStats:
-        """PPO-clip over `mini_batches` contiguous slices; replay (if any) armed through backward."""
+        """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward."""
         import torch
 
         self.model.train()
-        n = batch.size
-        slices = [list(range(n))[i::mini_batches] for i in range(mini_batches)]
         losses, clips, kls, norms, tokens = [], [], [], [], 0
-        for rows in (r for r in slices if r):
+        for rows in mini_batch_rows(batch.size, mini_batches):
             mb = batch.select(rows)
             idx = torch.as_tensor(rows, dtype=torch.int64)
             old_lp = old.logprobs[idx]
@@ -231,6 +224,21 @@ class PolicyTrainer:
             return
         self.model.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
+
+
+def compute_context(compute_dtype: str, device_type: str) -> Any:
+    """Autocast context of the training-side forwards (old-logprob, update, SFT): bf16 autocast when
+    `compute_dtype` is bfloat16, none for float32. Shared by both trainer backends."""
+    import torch
+
+    if compute_dtype == "bfloat16":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
+    """The update's mini-batches over `n` rows: strided slices `i::mini_batches`, empty ones dropped."""
+    return [rows for rows in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if rows]
 
 
 def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int) -> list[list[int]]:

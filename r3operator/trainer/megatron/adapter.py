@@ -21,7 +21,6 @@ inside the replayed forward), so `routing_natural_agreement` can differ slightly
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,14 @@ import numpy as np
 
 from r3operator.api.enums import ReplayMode
 from r3operator.runtime.batch import TrainBatch, sft_tensors
-from r3operator.runtime.trainer import GRAD_CLIP_NORM, OldPass, UpdateStats, greedy_decode
+from r3operator.runtime.trainer import (
+    GRAD_CLIP_NORM,
+    OldPass,
+    UpdateStats,
+    compute_context,
+    greedy_decode,
+    mini_batch_rows,
+)
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 
 MEGATRON_PACKAGE_HINT = (
@@ -69,11 +75,7 @@ class MegatronPolicyTrainer:
         self.eos_id = int(cfg.eos_token_id)
 
     def _compute(self) -> Any:
-        import torch
-
-        if self.compute_dtype == "bfloat16":
-            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
-        return nullcontext()
+        return compute_context(self.compute_dtype, self.device_type)
 
     # -- passes -------------------------------------------------------------------------------------
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
@@ -116,9 +118,8 @@ class MegatronPolicyTrainer:
             )  # fmt: skip
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl}
 
-        n = batch.size
         results, tokens = [], 0
-        for rows in (r for r in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if r):
+        for rows in mini_batch_rows(batch.size, mini_batches):
             mb = _select_rows(full, rows)
             routes = None if old.replay_ids is None else old.replay_ids[torch.as_tensor(rows)]
             with self._compute():
