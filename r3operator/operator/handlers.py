@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 import kopf
 
-from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import meta, metrics
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
@@ -105,8 +104,8 @@ async def _run(body: kopf.Body, logger: logging.Logger) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if outcome.written:
         logger.info("reconciled: %s", "; ".join(outcome.written))
-    if outcome.status is not None:
-        metrics.observe_job(parse_rljob(dict(body)), outcome.status)
+    if outcome.job is not None:
+        metrics.observe_job(outcome.job, outcome.status)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

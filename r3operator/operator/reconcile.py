@@ -62,6 +62,8 @@ class EventSpec:
 @dataclass(slots=True)
 class Outcome:
     status: RLJobStatus | None = None
+    job: RLJob | None = None
+    """The RLJob as this pass read and parsed it (None when it was gone or being deleted)."""
     status_written: bool = False
     events: list[EventSpec] = field(default_factory=list)
     written: list[str] = field(default_factory=list)
@@ -139,7 +141,7 @@ class Reconciler:
         namespace = job.metadata.namespace
         rule_errors = tuple(errors(evaluate(job.spec)))
         kuberay = await self.capabilities.serves("ray.io/v1", "rayjobs")
-        outcome = Outcome(valid=not rule_errors and kuberay)
+        outcome = Outcome(job=job, valid=not rule_errors and kuberay)
         observed: dict[str, dict[str, Any] | None] = {}
         if outcome.valid:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
