@@ -29,7 +29,7 @@ from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import plan_action
 from r3operator.operator.build.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
-from r3operator.operator.canary import CanaryResult, run_canary
+from r3operator.operator.canary import DEFAULT_CANARY_URL, CanaryResult, run_canary
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
@@ -92,7 +92,7 @@ class Capabilities:
 class ReconcilerSettings:
     discovery_ttl_s: float = 15.0
     canary: bool = True
-    canary_url_template: str = "http://{service}-0.{service}.{namespace}.svc:{port}"
+    canary_url_template: str = DEFAULT_CANARY_URL
     """Where the canary is sent; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
     canary_retry_s: float = 60.0
     trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE

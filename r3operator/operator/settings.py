@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from r3operator.operator.build.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
+from r3operator.operator.canary import DEFAULT_CANARY_URL
+
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(name)
@@ -35,9 +38,9 @@ class OperatorConfig:
     """R3OPERATOR_METRICS_PORT: prometheus-client port; 0 disables the server."""
     canary: bool = True
     """R3OPERATOR_CANARY: 0 disables the R3 routed-experts canary."""
-    canary_url: str = "http://{service}-0.{service}.{namespace}.svc:{port}"
+    canary_url: str = DEFAULT_CANARY_URL
     """R3OPERATOR_CANARY_URL: where the canary goes ({service}, {namespace}, {port}, {name})."""
-    trainer_cluster_role: str = "r3operator-trainer"
+    trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE
     """R3OPERATOR_TRAINER_CLUSTERROLE: the ClusterRole bound to each RLJob's trainer ServiceAccount."""
 
     @classmethod
