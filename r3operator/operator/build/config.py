@@ -22,6 +22,7 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
     namespace = job.metadata.namespace or "default"
     engine_service = meta.child_name(job, meta.ROLE_ENGINE)
     inf = job.spec.inference
+    pods = pods_per_replica(job)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -36,7 +37,7 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
             "engineStatefulSet": engine_service,
             # One URL per engine replica: the DP leader pod of each replica serves the API.
             "engineURLs": [
-                f"http://{engine_service}-{i * pods_per_replica(job)}.{engine_service}.{namespace}.svc:{inf.port}"
+                f"http://{engine_service}-{i * pods}.{engine_service}.{namespace}.svc:{inf.port}"
                 for i in range(inf.replicas)
             ],
             "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
