@@ -51,13 +51,42 @@ def parse_variant(name: str) -> dict[str, Any]:
     return {"dtype": parts[0], "attn": parts[1], "experts": parts[2], "fp32_gate": parts[3:] == ["fp32gate"]}
 
 
+def hf_off_and_replay(model: Any, replay: Any, batch: Any, device: str) -> tuple[Any, Any, Any, Any]:
+    """One no-grad pass of `model` (RouterReplay `replay` installed) without and with the engine's routes.
+
+    Returns (logprobs off, logprobs under replay, routing agreement of the natural top-k with the engine,
+    routing agreement of the ids the experts received under replay), all on the CPU.
+    """
+    import torch
+
+    from r3operator.trainer.logprobs import token_logprobs
+    from r3operator.trainer.metrics import routing_agreement
+    from r3operator.trainer.replay.hf import RouterRecorder, natural_routing
+
+    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    engine_ids, pad = batch.replay_indices, batch.replay_padding_mask
+    used = RouterRecorder(natural=False).install(model)
+    try:
+        with torch.no_grad():
+            off = token_logprobs(model, **to).cpu()
+            natural = natural_routing(model, **to).cpu()
+            with replay.armed(engine_ids.to(device), padding_mask=pad.to(device)):
+                on = token_logprobs(model, **to).cpu()
+            replay_used = used.stacked(model.config.num_hidden_layers).cpu().reshape(engine_ids.shape)
+    finally:
+        used.remove()
+    captured = ~pad  # token positions with an engine route
+    agree_off = routing_agreement(natural, engine_ids, captured)
+    return off, on, agree_off, routing_agreement(replay_used, engine_ids, captured)
+
+
 def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from r3operator.trainer.logprobs import batch_from_samples, token_logprobs
-    from r3operator.trainer.metrics import logprob_stats, routing_agreement
-    from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay, natural_routing
+    from r3operator.trainer.logprobs import batch_from_samples
+    from r3operator.trainer.metrics import logprob_stats
+    from r3operator.trainer.replay.hf import RouterReplay
 
     v = parse_variant(variant)
     model = AutoModelForCausalLM.from_pretrained(
@@ -68,24 +97,13 @@ def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device:
     ).to(device)
     model.eval()
     batch = batch_from_samples(samples, pad_token_id=model.config.pad_token_id)
-    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    engine_ids = batch.replay_indices
-    captured = ~batch.replay_padding_mask  # token positions with an engine route
     replay = RouterReplay(gate_dtype=torch.float32 if v["fp32_gate"] else None).install(model)
-    used = RouterRecorder(natural=False).install(model)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        off = token_logprobs(model, **to).cpu()
-        natural = natural_routing(model, **to).cpu()
-        with replay.armed(engine_ids.to(device), padding_mask=batch.replay_padding_mask.to(device)):
-            on = token_logprobs(model, **to).cpu()
-        replay_used = used.stacked(model.config.num_hidden_layers).cpu().reshape(engine_ids.shape)
+    off, on, agree_off, agree_on = hf_off_and_replay(model, replay, batch, device)
     elapsed = time.perf_counter() - t0
     mask = batch.response_mask
     s_off = logprob_stats(batch.rollout_logprobs, off, mask)
     s_on = logprob_stats(batch.rollout_logprobs, on, mask)
-    agree_off = routing_agreement(natural, engine_ids, captured)
-    agree_on = routing_agreement(replay_used, engine_ids, captured)
     del model
     gc.collect()
     return {
@@ -117,6 +135,21 @@ def rollout(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace)
     return samples, elapsed
 
 
+def reference_rollout(args: argparse.Namespace) -> tuple[Path, list[Any], float]:
+    """The reference model `args.model`, its vLLM rollout of `make_prompts` (every sample with routes), seconds."""
+    from transformers import AutoTokenizer
+
+    from r3operator.models import ensure_reference_model
+
+    model_dir = ensure_reference_model(args.model, args.cache_dir)
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts, args.seed)
+    samples, rollout_s = rollout(model_dir, prompts, args)
+    missing = [s.sample_id for s in samples if s.routes is None]
+    if missing:
+        raise RuntimeError(f"samples without routes: {missing[:5]}: {samples[0].routes_error}")
+    return model_dir, samples, rollout_s
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu")
@@ -135,16 +168,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    from r3operator.models import ensure_reference_model
-
-    model_dir = ensure_reference_model(args.model, args.cache_dir)
-    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts, args.seed)
-    samples, rollout_s = rollout(model_dir, prompts, args)
-    missing = [s.sample_id for s in samples if s.routes is None]
-    if missing:
-        raise RuntimeError(f"samples without routes: {missing[:5]}: {samples[0].routes_error}")
+    model_dir, samples, rollout_s = reference_rollout(args)
     result: dict[str, Any] = {
         "model": args.model,
         "model_dir": str(model_dir),

@@ -59,22 +59,16 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.bench_fidelity import hf_off_and_replay
     from r3operator.trainer.logprobs import token_logprobs
-    from r3operator.trainer.metrics import logprob_stats, routing_agreement
-    from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay, natural_routing
+    from r3operator.trainer.metrics import logprob_stats
+    from r3operator.trainer.replay.hf import RouterReplay
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     routes, pad = batch.replay_indices, batch.replay_padding_mask
     replay = RouterReplay().install(model)
-    used = RouterRecorder(natural=False).install(model)
-    with torch.no_grad():
-        off = token_logprobs(model, **to).cpu()
-        natural = natural_routing(model, **to).cpu()
-        with replay.armed(routes.to(device), padding_mask=pad.to(device)):
-            on = token_logprobs(model, **to).cpu()
-        replay_used = used.stacked(model.config.num_hidden_layers).cpu().reshape(routes.shape)
-    used.remove()
+    off, on, agree_off, agree_on = hf_off_and_replay(model, replay, batch, device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     mask = batch.response_mask.to(device)
 
@@ -92,9 +86,7 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     t_off = _timed(lambda: step(False), repeat, sync)
     t_on = _timed(lambda: step(True), repeat, sync)
-    captured = ~pad
-    return _summary(batch, off, on, routing_agreement(natural, routes, captured),
-                    routing_agreement(replay_used, routes, captured), t_off, t_on, logprob_stats)  # fmt: skip
+    return _summary(batch, off, on, agree_off, agree_on, t_off, t_on, logprob_stats)
 
 
 def _summary(batch: Any, off: Any, on: Any, agree_off: Any, agree_on: Any, t_off: float, t_on: float,
@@ -128,19 +120,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig
 
-    from benchmarks.bench_fidelity import make_prompts, rollout
-    from r3operator.models import ensure_reference_model
+    from benchmarks.bench_fidelity import reference_rollout
     from r3operator.trainer.logprobs import batch_from_samples
 
     args.engine_dtype = "bfloat16"
-    model_dir = ensure_reference_model(args.model, args.cache_dir)
-    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts, args.seed)
-    samples, rollout_s = rollout(model_dir, prompts, args)
-    if any(s.routes is None for s in samples):
-        raise RuntimeError(f"samples without routes: {samples[0].routes_error}")
-    from transformers import AutoConfig
+    model_dir, samples, rollout_s = reference_rollout(args)
 
     batch = batch_from_samples(samples, pad_token_id=AutoConfig.from_pretrained(model_dir).pad_token_id)
     dtype = getattr(torch, args.trainer_dtype)
