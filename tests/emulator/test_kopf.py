@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 from kopf.testing import KopfRunner
@@ -32,6 +34,19 @@ def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeAP
         yield api
 
 
+@contextlib.contextmanager
+def _own_default_registry() -> Iterator[kopf.OperatorRegistry]:
+    """kopf's default registry is process-wide: handlers another test module imported (r3operator's own,
+    with its startup settings) would run in this sample operator too. The sample file is loaded when the
+    runner starts, so a fresh registry stays the default until the runner stops."""
+    registry, previous = kopf.OperatorRegistry(), kopf.get_default_registry()
+    kopf.set_default_registry(registry)
+    try:
+        yield registry
+    finally:
+        kopf.set_default_registry(previous)
+
+
 def test_kopf_operator_handles_create_field_change_and_delete(emulator: KubeAPIEmulator) -> None:
     configuration = client.Configuration()
     configuration.host = os.environ["R3_EMULATOR_URL"]
@@ -42,7 +57,10 @@ def test_kopf_operator_handles_create_field_change_and_delete(emulator: KubeAPIE
     def get() -> dict[str, Any]:
         return custom.get_namespaced_custom_object(*args, "job")
 
-    with KopfRunner(["run", "-A", "--standalone", "--verbose", str(HANDLERS)], timeout=60) as runner:
+    with (
+        _own_default_registry() as registry,
+        KopfRunner(["run", "-A", "--standalone", "--verbose", str(HANDLERS)], timeout=60, registry=registry) as runner,
+    ):
         custom.create_namespaced_custom_object(*args, trainjob("job", replicas=1))
         wait_for(lambda: get().get("status", {}).get("phase") == "Created", what="create handler")
         config_map = core.read_namespaced_config_map("job-config", "default")
