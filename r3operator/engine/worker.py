@@ -88,9 +88,9 @@ class WeightSyncWorkerExtension:
         """Load one chunk sent as ONE flat uint8 buffer + (name, dtype, shape, offset) entries.
 
         The tensors are views of `buffer` (zero-copy from Ray's object store); `load_weights` copies
-        them into the parameters. See `r3operator.runtime.weights.pack_chunk`.
+        them into the parameters. See `r3operator.engine.weights.pack_chunk`.
         """
-        from r3operator.runtime.weights import unpack_chunk
+        from r3operator.engine.weights import unpack_chunk
 
         return self.r3_load_chunk(unpack_chunk(buffer, entries))
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from r3operator.api.enums import RetainPolicy
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.operator.build.config import build_config_map
-from r3operator.operator.build.engine import build_engine_service, build_engine_statefulset
-from r3operator.operator.build.monitoring import build_pod_monitor, wants_pod_monitor
-from r3operator.operator.build.storage import build_routing_claim
-from r3operator.operator.build.trainer import build_ray_job
-from r3operator.operator.build.trainer_rbac import (
+from r3operator.operator.builders.config import build_config_map
+from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
+from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
+from r3operator.operator.builders.storage import build_routing_claim
+from r3operator.operator.builders.trainer import build_ray_job
+from r3operator.operator.builders.trainer_rbac import (
     DEFAULT_TRAINER_CLUSTER_ROLE,
     build_trainer_role_binding,
     build_trainer_service_account,

@@ -28,7 +28,7 @@ from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import plan_action
-from r3operator.operator.build.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
+from r3operator.operator.builders.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
 from r3operator.operator.canary import DEFAULT_CANARY_URL, CanaryResult, run_canary
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from r3operator.operator.build.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
+from r3operator.operator.builders.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
 from r3operator.operator.canary import DEFAULT_CANARY_URL
 
 

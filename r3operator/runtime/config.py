@@ -1,7 +1,7 @@
 """What the driver runs: the RLJob (from a file or the operator's ConfigMap) plus local overrides.
 
 In a pod the operator mounts its ConfigMap at `/etc/r3operator/config.json`; the format is the one
-`r3operator.operator.build.config.runtime_config` writes (tests/runtime/test_config_contract.py pins it):
+`r3operator.operator.builders.config.runtime_config` writes (tests/runtime/test_config_contract.py pins it):
 
     {"apiVersion", "kind", "metadata", "spec",          # the RLJob, defaults filled
      "resolved": {...},                                  # the operator's plan (status.resolved)

@@ -28,19 +28,20 @@ import numpy as np
 
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.engine.weights import packed_chunks
 from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
-from r3operator.runtime.batch import TrainBatch, build_batch
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row
-from r3operator.runtime.trainer import OldPass, PolicyTrainer, UpdateStats, build_trainer
-from r3operator.runtime.weights import packed_chunks
+from r3operator.trainer.base import OldPass, Trainer, UpdateStats
+from r3operator.trainer.batch import TrainBatch, build_batch
+from r3operator.trainer.factory import build_trainer
 from r3operator.trainer.grpo import tasks
 from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.trainer.metrics import routing_agreement
@@ -78,7 +79,7 @@ class GRPORun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = resolve_model_dir(settings.job, settings.model_override)
         self.engines = engines
-        self.trainer: PolicyTrainer | Any = None  # PolicyTrainer or the Megatron adapter (same methods)
+        self.trainer: Trainer | None = None
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)

@@ -15,7 +15,7 @@ from r3operator.api.load import load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus
 from r3operator.engine.args import vllm_env, vllm_serve_args
 from r3operator.operator.apply import plan_action
-from r3operator.operator.build.engine import model_params_billions, startup_budget_seconds
+from r3operator.operator.builders.engine import model_params_billions, startup_budget_seconds
 from r3operator.operator.desired import Facts, desired
 
 REPO = Path(__file__).resolve().parents[2]

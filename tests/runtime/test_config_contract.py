@@ -9,7 +9,7 @@ import pytest
 
 from r3operator.api import load_rljob
 from r3operator.api.load import RLJobLoadError
-from r3operator.operator.build.config import CONFIG_KEY, build_config_map
+from r3operator.operator.builders.config import CONFIG_KEY, build_config_map
 from r3operator.runtime.app import build_settings
 from r3operator.runtime.config import load_job_config
 

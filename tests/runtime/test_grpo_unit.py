@@ -132,8 +132,8 @@ def test_checkpoint_tensors_reproduce_the_checkpoint_file() -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from r3operator.engine.weights import checkpoint_tensors, chunk_tensors
     from r3operator.models import ensure_reference_model
-    from r3operator.runtime.weights import checkpoint_tensors, chunk_tensors
 
     model_dir = ensure_reference_model("tiny")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -130,7 +130,7 @@ def test_resume_after_kill_between_steps(tmp_path, engines) -> None:
 def _sync_state(run, engines, state) -> None:
     import torch
 
-    from r3operator.runtime.weights import packed_chunks
+    from r3operator.engine.weights import packed_chunks
 
     engines.update_weights(packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb,
                                          dtype=torch.float32))  # fmt: skip

@@ -1,5 +1,5 @@
-"""The runtime's trainer interface (`r3operator.runtime.trainer.PolicyTrainer`'s methods) over the
-Megatron backend (`trainer.backend: Megatron`).
+"""The `r3operator.trainer.base.Trainer` protocol (which `hf_policy.PolicyTrainer` also implements) over
+the Megatron backend (`trainer.backend: Megatron`).
 
 Mapping (docs/megatron.md):
 
@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.runtime.batch import TrainBatch, sft_tensors
-from r3operator.runtime.trainer import (
+from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     OldPass,
     UpdateStats,
@@ -37,6 +36,7 @@ from r3operator.runtime.trainer import (
     greedy_decode,
     mini_batch_rows,
 )
+from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 
 MEGATRON_PACKAGE_HINT = (

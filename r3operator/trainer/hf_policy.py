@@ -21,39 +21,24 @@ ids the experts actually received, for the routing-agreement metrics.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.runtime.batch import TrainBatch, sft_tensors
+from r3operator.trainer.base import (
+    GRAD_CLIP_NORM,
+    OldPass,
+    UpdateStats,
+    compute_context,
+    greedy_decode,
+    mini_batch_rows,
+)
+from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
-
-GRAD_CLIP_NORM = 1.0
-
-
-@dataclass
-class OldPass:
-    logprobs: Any  # [B, S-1] fp32
-    natural_ids: Any  # [B, S, L, K]: what each router would pick on this forward
-    used_ids: Any  # [B, S, L, K]: what the experts received (replayed ids under R3)
-    replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
-    replay_pad: Any | None
-    mode: ReplayMode | None = None
-
-
-@dataclass
-class UpdateStats:
-    loss: float
-    clip_fraction: float
-    approx_kl: float
-    grad_norm: float
-    tokens: int
 
 
 class PolicyTrainer:
@@ -224,53 +209,3 @@ class PolicyTrainer:
             return
         self.model.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
-
-
-def compute_context(compute_dtype: str, device_type: str) -> Any:
-    """Autocast context of the training-side forwards (old-logprob, update, SFT): bf16 autocast when
-    `compute_dtype` is bfloat16, none for float32. Shared by both trainer backends."""
-    import torch
-
-    if compute_dtype == "bfloat16":
-        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
-    """The update's mini-batches over `n` rows: strided slices `i::mini_batches`, empty ones dropped."""
-    return [rows for rows in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if rows]
-
-
-def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int) -> list[list[int]]:
-    """Greedy continuation of each prompt with `logits_fn(sequence) -> [len, V]`; stops after <eos>."""
-    out: list[list[int]] = []
-    for prompt in prompts:
-        seq, gen = list(prompt), []
-        for _ in range(max_tokens):
-            token = int(logits_fn(seq)[-1].argmax())
-            gen.append(token)
-            seq.append(token)
-            if token == eos_id:
-                break
-        out.append(gen)
-    return out
-
-
-def build_trainer(spec: Any, model_dir: Path, *, device: str) -> Any:
-    """The trainer for `spec.trainer.backend`: FSDP (this module) or Megatron (the adapter)."""
-    from r3operator.api.enums import TrainerBackend
-
-    if spec.trainer.backend is TrainerBackend.MEGATRON:
-        from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer
-
-        return build_megatron_policy_trainer(spec, model_dir, device=device)
-    fsdp = spec.trainer.fsdp
-    return PolicyTrainer(
-        model_dir,
-        device=device,
-        learning_rate=spec.algorithm.learning_rate,
-        seed=spec.seed,
-        use_fsdp=device.startswith("cuda"),
-        compute_dtype=fsdp.param_dtype if fsdp is not None else "bfloat16",
-        fsdp_options={"reshard_after_forward": fsdp.reshard_after_forward} if fsdp is not None else None,
-    )

@@ -14,7 +14,7 @@ from typing import Any
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
 from r3operator.operator import meta
-from r3operator.operator.build.trainer_rbac import trainer_service_account_name
+from r3operator.operator.builders.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
 
 RAY_API_VERSION = "ray.io/v1"

@@ -1,0 +1,69 @@
+"""Ray actor body: one in-process vLLM `LLM` with routed-expert capture and the r3_ worker extension."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from r3operator.engine.base import Greedy
+from r3operator.engine.rollout import RolloutSample
+from r3operator.engine.worker import WORKER_EXTENSION_CLS
+
+
+class EngineActor:
+    """Ray actor body: one in-process vLLM `LLM` with routed-expert capture and the r3_ worker extension."""
+
+    def __init__(self, model_dir: str, *, device: str, dtype: str, seed: int, max_model_len: int) -> None:
+        from r3operator.engine.llm import apply_engine_env, llm_kwargs
+        from r3operator.engine.plugin import register, self_check
+
+        apply_engine_env(device)
+        register()  # vLLM also loads it via the entry point; idempotent
+        self_check()
+        from r3operator.engine.rollout import InProcessLLMClient
+
+        kwargs = llm_kwargs(
+            model_dir,
+            device=device,
+            seed=seed,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            extra={"skip_tokenizer_init": True, "worker_extension_cls": WORKER_EXTENSION_CLS},
+        )
+        self.client = InProcessLLMClient(**kwargs)
+        self.llm = self.client.llm
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int, n: int
+    ) -> list[RolloutSample]:
+        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
+
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc("r3_begin_weight_update")
+
+    def load_chunk(self, chunk: list[tuple[str, Any]]) -> int:
+        return int(sum(self.llm.collective_rpc("r3_load_chunk", args=(chunk,))))
+
+    def load_packed(self, buffer: Any, entries: list[Any]) -> int:
+        # `buffer` arrives as a read-only numpy view of the object store (zero-copy).
+        return int(sum(self.llm.collective_rpc("r3_load_packed", args=(buffer, entries))))
+
+    def finish_weight_update(self) -> dict[str, int]:
+        result = self.llm.collective_rpc("r3_finish_weight_update")[0]
+        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+        return result
+
+    def abort_weight_update(self) -> None:
+        self.llm.collective_rpc("r3_abort_weight_update")
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Greedy]:
+        samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
+        return [(list(s.token_ids), [float(x) for x in s.logprobs]) for s in samples]
+
+    def weights_digest(self) -> str:
+        return str(self.llm.collective_rpc("r3_weights_digest")[0])
+
+    def vllm_version(self) -> str:
+        import vllm
+
+        return str(vllm.__version__)

