@@ -1,8 +1,13 @@
-"""Suite-wide settings: GPU tests run only where CUDA is present; no test touches the network."""
+"""Suite-wide settings and fixtures: GPU tests run only where CUDA is present; no test touches the network;
+the real control plane (one per session) and a namespace per test."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -27,3 +32,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real control plane for the test session (tests/kubecluster): etcd, kube-apiserver,
+    kube-controller-manager, kube-scheduler, kwok with 16 fake 8-GPU nodes (tainted nvidia.com/gpu), KubeRay.
+    Built from pinned Go modules by scripts/install-cluster.sh on first use (cached by version)."""
+    from kubecluster.controlplane import control_plane as start
+
+    with start(tmp_path_factory.mktemp("control-plane")) as plane:
+        yield plane
+
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def namespace(control_plane: Any, request: pytest.FixtureRequest) -> str:
+    """A namespace of this test's own on the session's control plane."""
+    base = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"t{next(_namespaces)}-{base}".rstrip("-")
+    control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    return name

@@ -52,10 +52,10 @@ TRANSITION_RULES: dict[tuple[str, ...], JSON] = {
 ROOT_RULES: list[JSON] = [
     {
         "rule": f"self.metadata.name.size() <= {api.MAX_JOB_NAME_LENGTH}",
-        "messageExpression": f"'metadata.name must be at most {api.MAX_JOB_NAME_LENGTH} characters, got ' + "
-        "string(self.metadata.name.size())",
+        "messageExpression": f"'metadata.name must be at most {api.MAX_JOB_NAME_LENGTH} characters, got %d'"
+        ".format([self.metadata.name.size()])",
+        # No fieldPath: it must name a property the schema declares, and a CRD schema cannot declare metadata.
         "reason": "FieldValueInvalid",
-        "fieldPath": ".metadata.name",
     },
 ]
 

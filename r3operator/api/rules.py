@@ -112,9 +112,9 @@ RULES: tuple[Rule, ...] = (
         CelRule(
             "self.inference.executorBackend != 'mp' || self.inference.tensorParallelSize * "
             f"self.inference.pipelineParallelSize * {_CEL_DP_LOCAL} <= self.inference.gpusPerNode",
-            "'executorBackend mp runs one engine replica on one node: tp x pp x dpLocal = ' + "
-            "string(self.inference.tensorParallelSize * self.inference.pipelineParallelSize * "
-            f"{_CEL_DP_LOCAL}) + ' GPUs > gpusPerNode ' + string(self.inference.gpusPerNode)",
+            "'executorBackend mp runs one engine replica on one node: tp x pp x dpLocal = %d GPUs > gpusPerNode "
+            "%d'.format([self.inference.tensorParallelSize * self.inference.pipelineParallelSize * "
+            f"{_CEL_DP_LOCAL}, self.inference.gpusPerNode])",
             ".inference.tensorParallelSize",
             "FieldValueInvalid",
         ),
@@ -129,8 +129,8 @@ RULES: tuple[Rule, ...] = (
         checks.r3_pp,
         CelRule(
             f"!({_CEL_R3} && self.inference.pipelineParallelSize > 1)",
-            "'routingReplay.mode R3 is incompatible with inference.pipelineParallelSize ' + "
-            "string(self.inference.pipelineParallelSize)",
+            "'routingReplay.mode R3 is incompatible with inference.pipelineParallelSize "
+            "%d'.format([self.inference.pipelineParallelSize])",
             ".inference.pipelineParallelSize",
         ),
     ),
@@ -144,8 +144,8 @@ RULES: tuple[Rule, ...] = (
         checks.r3_dcp,
         CelRule(
             f"!({_CEL_R3} && self.inference.decodeContextParallelSize > 1)",
-            "'routingReplay.mode R3 is incompatible with inference.decodeContextParallelSize ' + "
-            "string(self.inference.decodeContextParallelSize)",
+            "'routingReplay.mode R3 is incompatible with inference.decodeContextParallelSize "
+            "%d'.format([self.inference.decodeContextParallelSize])",
             ".inference.decodeContextParallelSize",
         ),
     ),
@@ -187,8 +187,8 @@ RULES: tuple[Rule, ...] = (
         checks.replay_needs_moe,
         CelRule(
             f"!({_CEL_REPLAY} && has(self.model.architecture) && self.model.architecture.numExperts <= 1)",
-            "'routingReplay.mode ' + self.routingReplay.mode + ' needs an MoE model, numExperts is ' + "
-            "string(self.model.architecture.numExperts)",
+            "'routingReplay.mode %s needs an MoE model, numExperts is %d'.format([self.routingReplay.mode, "
+            "self.model.architecture.numExperts])",
             ".model.architecture.numExperts",
         ),
     ),
@@ -202,8 +202,8 @@ RULES: tuple[Rule, ...] = (
         checks.topk_le_experts,
         CelRule(
             "!has(self.model.architecture) || self.model.architecture.topK <= self.model.architecture.numExperts",
-            "'model.architecture.topK ' + string(self.model.architecture.topK) + ' exceeds numExperts ' + "
-            "string(self.model.architecture.numExperts)",
+            "'model.architecture.topK %d exceeds numExperts %d'.format([self.model.architecture.topK, "
+            "self.model.architecture.numExperts])",
             ".model.architecture.topK",
             "FieldValueInvalid",
         ),
@@ -269,9 +269,9 @@ RULES: tuple[Rule, ...] = (
             "!(self.inference.enableExpertParallel && has(self.model.architecture)) || "
             "self.model.architecture.numExperts % (self.inference.tensorParallelSize * "
             "self.inference.dataParallelSize) == 0",
-            "'numExperts ' + string(self.model.architecture.numExperts) + ' is not divisible by the engine "
-            "expert-parallel size ' + string(self.inference.tensorParallelSize * "
-            "self.inference.dataParallelSize)",
+            "'numExperts %d is not divisible by the engine expert-parallel size "
+            "%d'.format([self.model.architecture.numExperts, self.inference.tensorParallelSize * "
+            "self.inference.dataParallelSize])",
             ".inference.enableExpertParallel",
             "FieldValueInvalid",
         ),
@@ -288,8 +288,8 @@ RULES: tuple[Rule, ...] = (
             "!(self.trainer.backend == 'Megatron' && has(self.trainer.megatron) && "
             "has(self.model.architecture)) || self.model.architecture.numExperts % "
             "self.trainer.megatron.expertParallelSize == 0",
-            "'numExperts ' + string(self.model.architecture.numExperts) + ' is not divisible by "
-            "trainer.megatron.expertParallelSize ' + string(self.trainer.megatron.expertParallelSize)",
+            "'numExperts %d is not divisible by trainer.megatron.expertParallelSize "
+            "%d'.format([self.model.architecture.numExperts, self.trainer.megatron.expertParallelSize])",
             ".trainer.megatron.expertParallelSize",
             "FieldValueInvalid",
         ),
@@ -308,8 +308,8 @@ RULES: tuple[Rule, ...] = (
             "self.trainer.megatron.pipelineParallelSize * self.trainer.megatron.contextParallelSize) == 0 && "
             "(self.trainer.nodes * self.trainer.gpusPerNode) % (self.trainer.megatron.expertParallelSize * "
             "self.trainer.megatron.expertTensorParallelSize * self.trainer.megatron.pipelineParallelSize) == 0)",
-            "'trainer GPUs ' + string(self.trainer.nodes * self.trainer.gpusPerNode) + ' must be divisible "
-            "by tp*pp*cp and by ep*etp*pp'",
+            "'trainer GPUs %d must be divisible by tp*pp*cp and by ep*etp*pp'.format([self.trainer.nodes * "
+            "self.trainer.gpusPerNode])",
             ".trainer.megatron",
             "FieldValueInvalid",
         ),
@@ -331,8 +331,8 @@ RULES: tuple[Rule, ...] = (
             "!(self.trainer.backend == 'Megatron' && has(self.trainer.megatron) && "
             "self.trainer.megatron.tensorParallelSize > 1 && !self.trainer.megatron.sequenceParallel && "
             "(!has(self.model.architecture) || self.model.architecture.numExperts > 1))",
-            "'trainer.megatron.tensorParallelSize ' + string(self.trainer.megatron.tensorParallelSize) + "
-            "' on an MoE model needs trainer.megatron.sequenceParallel true'",
+            "'trainer.megatron.tensorParallelSize %d on an MoE model needs trainer.megatron.sequenceParallel "
+            "true'.format([self.trainer.megatron.tensorParallelSize])",
             ".trainer.megatron.sequenceParallel",
             "FieldValueRequired",
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ssl
 import tempfile
 from dataclasses import dataclass
+from json import loads as json_loads
 from typing import Any
 
 import aiohttp
@@ -113,10 +114,17 @@ class KubeClient:
         if content_type:
             headers["Content-Type"] = content_type
         async with self._session.request(method, self.server + path, json=json, headers=headers, ssl=self._ssl) as r:
-            body = await r.json(content_type=None) if r.content_length != 0 else None
+            text = await r.text()
+            # kube-apiserver answers some errors (404 for an unknown group) in plain text, not a Status.
+            try:
+                body = json_loads(text) if text else None
+            except ValueError:
+                body = None
             if r.status >= 400:
-                body = body if isinstance(body, dict) else {}
-                raise KubeError(r.status, str(body.get("message", "")), str(body.get("reason", "")))
+                status = body if isinstance(body, dict) else {"message": text[:500]}
+                raise KubeError(r.status, str(status.get("message", "")), str(status.get("reason", "")))
+            if text and body is None:
+                raise KubeError(r.status, f"not JSON: {text[:200]!r}", "BadResponse")
             return body
 
     async def close(self) -> None:

@@ -30,8 +30,9 @@ class OperatorConfig:
     """R3OPERATOR_IDLE_SECONDS: the timer waits until the RLJob was unchanged this long."""
     discovery_ttl_s: float = 15.0
     """R3OPERATOR_DISCOVERY_TTL_SECONDS: cache of 'is KubeRay / the PodMonitor CRD installed'."""
-    watch_server_timeout_s: float = 600.0
-    """R3OPERATOR_WATCH_SERVER_TIMEOUT: server-side watch timeout (kopf watches can hang silently)."""
+    watch_server_timeout_s: int = 600
+    """R3OPERATOR_WATCH_SERVER_TIMEOUT: server-side watch timeout (kopf watches can hang silently). Whole
+    seconds: kube-apiserver parses `timeoutSeconds` as an integer and refuses `600.0` with a 400."""
     watch_client_timeout_s: float = 660.0
     """R3OPERATOR_WATCH_CLIENT_TIMEOUT: client-side watch timeout, a bit above the server's."""
     metrics_port: int = 9090
@@ -49,7 +50,7 @@ class OperatorConfig:
             resync_s=_float("R3OPERATOR_RESYNC_SECONDS", cls.resync_s),
             idle_s=_float("R3OPERATOR_IDLE_SECONDS", cls.idle_s),
             discovery_ttl_s=_float("R3OPERATOR_DISCOVERY_TTL_SECONDS", cls.discovery_ttl_s),
-            watch_server_timeout_s=_float("R3OPERATOR_WATCH_SERVER_TIMEOUT", cls.watch_server_timeout_s),
+            watch_server_timeout_s=int(_float("R3OPERATOR_WATCH_SERVER_TIMEOUT", cls.watch_server_timeout_s)),
             watch_client_timeout_s=_float("R3OPERATOR_WATCH_CLIENT_TIMEOUT", cls.watch_client_timeout_s),
             metrics_port=int(_float("R3OPERATOR_METRICS_PORT", cls.metrics_port)),
             canary=os.environ.get("R3OPERATOR_CANARY", "1") not in ("0", "false", "False"),

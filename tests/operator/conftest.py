@@ -3,7 +3,6 @@ because a package named `operator` would shadow the standard library)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,24 +10,17 @@ from operator_harness import REPO, Cluster, kubectl_path
 
 
 @pytest.fixture(scope="module")
-def emulator() -> Iterator[Any]:
+def cluster(control_plane: Any) -> Cluster:
     if kubectl_path() is None:
-        pytest.skip("kubectl not found: run `bash scripts/install-tools.sh .tools` (puts kubectl in .tools/bin)")
-    from r3operator.testing.apiserver import KubeAPIEmulator
-
-    with KubeAPIEmulator() as api:
-        yield api
-
-
-@pytest.fixture(scope="module")
-def cluster(emulator: Any) -> Cluster:
-    c = Cluster(emulator)
-    c.kubectl("apply", "-f", str(REPO / "crds"))
+        pytest.fail("kubectl not found: run `make tools` (puts the pinned kubectl in .tools/bin)")
+    c = Cluster(control_plane)
+    c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    control_plane.wait_established("rljobs.r3operator.io")
     return c
 
 
 @pytest.fixture
 def kopf_env(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluster:
     """KopfRunner runs in this process: kopf's kubeconfig login reads $KUBECONFIG."""
-    monkeypatch.setenv("KUBECONFIG", str(cluster.api.kubeconfig_path))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     return cluster

@@ -1,6 +1,6 @@
 """Harness for the operator tests (imported by conftest.py and the test modules).
 
-The API emulator, the real kubectl, the real kopf operator.
+The real control plane (tests/kubecluster), the real kubectl, the real kopf operator.
 
 The operator reads its R3OPERATOR_* settings once, when r3operator.operator.handlers is imported, so
 they are set here, at collection time: a 1 s resync (tests poll with timeouts, they never sleep for
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import shutil
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,13 +61,14 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 20.0, what: str =
 
 
 class Cluster:
-    """The emulator seen through the real kubectl (writes users make) and plain HTTP (polling)."""
+    """The real control plane seen through the real kubectl (writes users make) and its REST API (polling)."""
 
-    def __init__(self, api: Any) -> None:
-        self.api = api
+    def __init__(self, plane: Any) -> None:
+        self.api = plane
         self.kubectl_bin = kubectl_path()
         assert self.kubectl_bin is not None
-        self.env = {**os.environ, "KUBECONFIG": str(api.kubeconfig_path)}
+        self.kubeconfig = plane.kubeconfig
+        self.env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig)}
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -87,27 +85,22 @@ class Cluster:
         return self.kubectl("apply", "-f", "-", stdin=text, check=check)
 
     def http(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.api.url + path, data=data, method=method)
-        req.add_header("Content-Type", content_type)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404 and method == "GET":
-                return None
-            raise
+        return self.api.request(method, path, body, content_type)
 
     def get(self, path: str) -> dict[str, Any] | None:
         return self.http("GET", path)
 
     def patch_status(self, path: str, status: dict[str, Any]) -> None:
-        """What a controller would do (the StatefulSet controller, KubeRay, the trainer driver)."""
+        """What a controller would do (KubeRay, the trainer driver)."""
         self.http("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
 
+    def requests(self) -> list[Any]:
+        """Every API request so far (the apiserver's audit log)."""
+        return list(self.api.requests())
+
     def namespace(self, name: str) -> None:
-        # `kubectl create namespace` sends protobuf, which the emulator refuses (415); apply sends JSON.
-        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        if self.get(f"/api/v1/namespaces/{name}") is None:
+            self.kubectl("create", "namespace", name)
 
 
 def paths(namespace: str, job: str) -> dict[str, str]:
@@ -181,12 +174,11 @@ def kopf_runner(namespaces: list[str]) -> Any:
 
 @contextlib.contextmanager
 def running_operator(cluster: Cluster, namespace: str) -> Iterator[Any]:
-    """The real kopf operator watching `namespace` (with the KubeRay RayJob CRD installed), run in a thread
+    """The real kopf operator watching `namespace` (KubeRay and its CRDs run in the control plane), run in a thread
     for the duration of the block; fails the test if the operator raised or logged a traceback."""
     cluster.namespace(namespace)
-    cluster.apply(FIXTURES / "rayjob-crd.yaml")
     old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     try:
         with kopf_runner([namespace]) as runner:
             yield runner

@@ -133,7 +133,7 @@ def _wait_passes(cluster: Cluster, job: str, n: int, *, never_true: bool = False
     """n more reconcile passes (each GETs its RLJob once); with never_true, RoutingReplayActive stays not True."""
 
     def count() -> int:
-        return len([r for r in list(cluster.api.requests) if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
+        return len([r for r in cluster.requests() if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
 
     base = count()
 

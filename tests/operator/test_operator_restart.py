@@ -23,7 +23,7 @@ WRITES = ("POST", "PUT", "PATCH", "DELETE")
 def ns(cluster: Cluster) -> Iterator[str]:
     cluster.namespace(NS)
     old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.api.kubeconfig_path)
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     yield NS
     if old is None:
         os.environ.pop("KUBECONFIG", None)
@@ -86,18 +86,18 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
     partial_paths = (paths(NS, cut)["pvc"], paths(NS, cut)["cm"])
     partial_versions = {p: cluster.get(p)["metadata"]["resourceVersion"] for p in partial_paths}
 
-    mark = len(cluster.api.requests)
+    mark = len(cluster.requests())
     with _run() as runner:
         wait_for(lambda: all(cluster.get(p) for p in _child_paths(cut)), what="the cut-short job converged")
         wait_for(
             lambda: (c := condition(cluster.get(paths(NS, stable)["rljob"]), "Valid")) and c["status"] == "True",
             what="stable job seen again",
         )
-        seen = len(cluster.api.requests)
-        wait_for(lambda: len(cluster.api.requests) > seen + 20, what="a few more passes")
+        seen = len(cluster.requests())
+        wait_for(lambda: len(cluster.requests()) > seen + 20, what="a few more passes")
     _check(runner)
 
-    after = cluster.api.requests[mark:]
+    after = cluster.requests()[mark:]
     # The restart restarted nothing: not one write to any child of the running job.
     stable_writes = [r for r in after if r.method in WRITES and r.path in _child_paths(stable)]
     assert stable_writes == []

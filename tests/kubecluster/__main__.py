@@ -1,0 +1,104 @@
+"""`make cluster-up` / `make cluster-down`: the test control plane for people.
+
+    PYTHONPATH=tests python -m kubecluster up [--dir .tools/cluster] [--nodes 16] [--gpus-per-node 8] [--no-kuberay]
+    PYTHONPATH=tests python -m kubecluster down [--dir .tools/cluster]
+    PYTHONPATH=tests python -m kubecluster status [--dir .tools/cluster]
+
+`up` leaves the processes running (each in its own session) and records their pids in DIR/state.json;
+`export KUBECONFIG=DIR/kubeconfig` then points kubectl, helm and `r3operator operator` at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from kubecluster.controlplane import REPO, ControlPlane, Fleet, binaries_dir
+
+DEFAULT_DIR = REPO / ".tools" / "cluster"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def up(directory: Path, fleet: Fleet, with_kuberay: bool) -> int:
+    state = directory / "state.json"
+    if state.exists() and any(_alive(p) for p in json.loads(state.read_text())["pids"].values()):
+        print(f"a control plane is already running from {directory} (make cluster-down first)", file=sys.stderr)
+        return 1
+    shutil.rmtree(directory, ignore_errors=True)
+    plane = ControlPlane(directory, binaries_dir(), fleet=fleet, with_kuberay=with_kuberay)
+    try:
+        plane.start()
+    except Exception:
+        plane.stop()
+        raise
+    pids = {name: proc.popen.pid for name, proc in plane.processes.items()}
+    state.write_text(json.dumps({"pids": pids, "url": plane.url}, indent=2))
+    nodes = f"{fleet.nodes} nodes × {fleet.gpus_per_node} GPUs"
+    print(f"control plane up in {plane.startup_seconds:.1f}s: {plane.url}, {nodes}")
+    print(f"logs in {plane.logs}")
+    print(f"export KUBECONFIG={plane.kubeconfig}")
+    return 0
+
+
+def down(directory: Path) -> int:
+    state = directory / "state.json"
+    if not state.exists():
+        print(f"no control plane recorded in {directory}", file=sys.stderr)
+        return 0
+    pids = json.loads(state.read_text())["pids"]
+    for pid in reversed(list(pids.values())):
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        time.sleep(0.2)
+    for pid in pids.values():
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    state.unlink()
+    print("control plane stopped")
+    return 0
+
+
+def status(directory: Path) -> int:
+    state = directory / "state.json"
+    if not state.exists():
+        print("down")
+        return 1
+    data = json.loads(state.read_text())
+    for name, pid in data["pids"].items():
+        print(f"{name:26} pid {pid:<8} {'running' if _alive(pid) else 'EXITED'}")
+    return 0 if all(_alive(p) for p in data["pids"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubecluster", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--nodes", type=int, default=Fleet.nodes)
+    parser.add_argument("--gpus-per-node", type=int, default=Fleet.gpus_per_node)
+    parser.add_argument("--no-kuberay", action="store_true")
+    args = parser.parse_args(argv)
+    directory = args.dir.resolve()
+    if args.command == "up":
+        return up(directory, Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node), not args.no_kuberay)
+    if args.command == "down":
+        return down(directory)
+    return status(directory)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,531 @@
+"""A real Kubernetes control plane on this machine, for tests and for people (`make cluster-up`).
+
+etcd + kube-apiserver (RBAC authorization, service-account token signing, the default admission chain)
++ kube-controller-manager (garbage collector, StatefulSet, Job, namespace, service-account controllers)
++ kube-scheduler + kwok (fake nodes, pod lifecycles) + the KubeRay operator, all built from pinned Go
+modules by scripts/install-cluster.sh. Every process listens on 127.0.0.1 only, on free ports.
+
+There is no kubelet: kwok plays every node. It marks scheduled pods Running/Ready, completes pods owned by
+a Job, and fails pods that carry the label in `FAIL_LABEL` (how tests drive a RayJob submitter to failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = Path(__file__).with_name("kwok-stages.yaml")
+GPU_RESOURCE = "nvidia.com/gpu"
+# Pods with this label are failed by kwok instead of completed (see kwok-stages.yaml).
+FAIL_LABEL = "kwok.r3operator.io/fail"
+ADMIN_USER = "r3-admin"
+
+
+class ControlPlaneError(RuntimeError):
+    """A component did not build, start or become ready; the message names it and its log."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The fake GPU nodes: labelled and tainted the way GPU operators and cloud providers do it."""
+
+    nodes: int = 16
+    gpus_per_node: int = 8
+    cpu: str = "96"
+    memory: str = "1Ti"
+    taint_gpu: bool = True
+
+    def node(self, index: int) -> dict[str, Any]:
+        name = f"gpu-node-{index:03d}"
+        taints = [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}] if self.taint_gpu else []
+        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110", GPU_RESOURCE: str(self.gpus_per_node)}
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "type": "kwok",
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                    "nvidia.com/gpu.count": str(self.gpus_per_node),
+                    "topology.kubernetes.io/zone": f"zone-{index % 2}",
+                },
+            },
+            "spec": {"taints": taints},
+            "status": {"allocatable": capacity, "capacity": capacity},
+        }
+
+
+def binaries_dir() -> Path:
+    """Build (once per version; a no-op when cached) and return the directory holding the binaries."""
+    tools = Path(os.environ.get("R3_CLUSTER_TOOLS", REPO / ".tools"))
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-cluster.sh"), str(tools)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise ControlPlaneError(f"scripts/install-cluster.sh failed:\n{result.stderr[-4000:]}")
+    return Path(result.stdout.strip().splitlines()[-1]) / "bin"
+
+
+def kubectl_binary() -> str:
+    local = REPO / ".tools" / "bin" / "kubectl"
+    found = str(local) if local.exists() else shutil.which("kubectl")
+    if found is None:
+        raise ControlPlaneError("kubectl not found: run `make tools` (installs the pinned kubectl into .tools/bin)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class ControlPlane:
+    """Start with `start()` (or as a context manager); `kubeconfig` is the admin's."""
+
+    workdir: Path
+    bin_dir: Path
+    fleet: Fleet = field(default_factory=Fleet)
+    with_kuberay: bool = True
+    processes: dict[str, _Process] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.pki = self.workdir / "pki"
+        self.logs = self.workdir / "logs"
+        self.kubeconfig = self.workdir / "kubeconfig"
+        self.etcd_port = _free_port()
+        self.etcd_peer_port = _free_port()
+        self.api_port = _free_port()
+        self.admin_token = os.urandom(16).hex()
+        self.url = f"https://127.0.0.1:{self.api_port}"
+
+    # ------------------------------------------------------------------------------------------ start/stop
+
+    def __enter__(self) -> ControlPlane:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        started = time.monotonic()
+        self.logs.mkdir(exist_ok=True)
+        self._make_pki()
+        self._start_etcd()
+        self.start_apiserver()
+        self._write_kubeconfig()
+        self._start_controllers()
+        self._wait_for_default_service_account()
+        self.add_nodes(self.fleet)
+        if self.with_kuberay:
+            self._start_kuberay()
+        self.startup_seconds = time.monotonic() - started
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.processes.values())):
+            self._terminate(proc)
+        self.processes.clear()
+
+    def restart_apiserver(self) -> None:
+        """Stop and start kube-apiserver on the same port and etcd: watches break, clients must reconnect."""
+        self._terminate(self.processes.pop("kube-apiserver"))
+        self.start_apiserver()
+
+    def _terminate(self, proc: _Process) -> None:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    # ------------------------------------------------------------------------------------------ components
+
+    def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> _Process:
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as handle:
+            popen = subprocess.Popen(
+                list(args),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # Ctrl-C in a test run must not reach the control plane first
+            )
+        proc = _Process(name, popen, log)
+        self.processes[name] = proc
+        return proc
+
+    def _wait(self, what: str, proc: _Process, ready: Any, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise ControlPlaneError(
+                    f"{what} exited with {proc.popen.returncode}; log {proc.log}:\n{_tail(proc.log)}"
+                )
+            with contextlib.suppress(Exception):
+                if ready():
+                    return
+            time.sleep(0.2)
+        raise ControlPlaneError(f"{what} not ready after {timeout:.0f}s; log {proc.log}:\n{_tail(proc.log)}")
+
+    def _make_pki(self) -> None:
+        self.pki.mkdir(exist_ok=True)
+        sa_key = self.pki / "sa.key"
+        if not sa_key.exists():
+            _run(["openssl", "genrsa", "-out", str(sa_key), "2048"])
+            _run(["openssl", "rsa", "-in", str(sa_key), "-pubout", "-out", str(self.pki / "sa.pub")])
+        tokens = self.pki / "tokens.csv"
+        tokens.write_text(f'{self.admin_token},{ADMIN_USER},r3-admin-uid,"system:masters"\n')
+        tokens.chmod(0o600)
+
+    def _start_etcd(self) -> None:
+        data = self.workdir / "etcd"
+        client = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        proc = self._spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--data-dir", str(data),
+                "--listen-client-urls", client,
+                "--advertise-client-urls", client,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"default={peer}",
+                # A throwaway test store: durability buys nothing and fsync dominates write latency.
+                "--unsafe-no-fsync",
+                "--log-level", "warn",
+            ],
+        )  # fmt: skip
+        self._wait("etcd", proc, lambda: _http_ok(f"{client}/health"))
+
+    def start_apiserver(self) -> None:
+        certs = self.pki / "serving"
+        proc = self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                "--etcd-servers", f"http://127.0.0.1:{self.etcd_port}",
+                "--bind-address", "127.0.0.1",
+                "--advertise-address", "127.0.0.1",
+                "--secure-port", str(self.api_port),
+                "--cert-dir", str(certs),
+                "--token-auth-file", str(self.pki / "tokens.csv"),
+                "--authorization-mode", "RBAC",
+                "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+                "--service-account-key-file", str(self.pki / "sa.pub"),
+                "--service-account-signing-key-file", str(self.pki / "sa.key"),
+                "--service-cluster-ip-range", "10.96.0.0/16",
+                "--allow-privileged=true",
+                # Endpoints may not name a loopback address, and this apiserver has no other.
+                "--endpoint-reconciler-type", "none",
+                "--profiling=false",
+                # Every request, with its user and user agent: what tests count (reconcile passes, status
+                # writes) and what the scale benchmark reports as API requests per RLJob.
+                "--audit-policy-file", str(self._audit_policy()),
+                "--audit-log-path", str(self.audit_log),
+                "--audit-log-format", "json",
+                "--audit-log-mode", "blocking",
+                "--v", "1",
+            ],
+        )  # fmt: skip
+        self._wait("kube-apiserver", proc, lambda: self.request("GET", "/readyz") == "ok", timeout=120)
+
+    @property
+    def audit_log(self) -> Path:
+        return self.logs / "audit.jsonl"
+
+    def _audit_policy(self) -> Path:
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "audit.k8s.io/v1",
+                    "kind": "Policy",
+                    "omitStages": ["RequestReceived", "ResponseStarted"],
+                    "rules": [{"level": "Metadata"}],
+                }
+            )
+        )
+        return policy
+
+    def requests(self) -> list[AuditRecord]:
+        """Every completed request so far, oldest first (from the apiserver's audit log)."""
+        records = []
+        with contextlib.suppress(FileNotFoundError), open(self.audit_log) as log:
+            for line in log:
+                if line.endswith("\n"):
+                    records.append(AuditRecord.from_event(json.loads(line)))
+        return records
+
+    def _write_kubeconfig(self) -> None:
+        self.kubeconfig.write_text(yaml.safe_dump(self.kubeconfig_for(ADMIN_USER, self.admin_token)))
+        self.kubeconfig.chmod(0o600)
+
+    def kubeconfig_for(self, user: str, token: str, namespace: str = "default") -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "r3-test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": user, "context": {"cluster": "r3-test", "user": user, "namespace": namespace}}],
+            "current-context": user,
+        }
+
+    @property
+    def ca(self) -> Path:
+        # kube-apiserver's self-generated serving cert: the file holds the cert and the CA that signed it.
+        return self.pki / "serving" / "apiserver.crt"
+
+    def _start_controllers(self) -> None:
+        kc = str(self.kubeconfig)
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                "--kubeconfig", kc,
+                "--authentication-kubeconfig", kc,
+                "--authorization-kubeconfig", kc,
+                "--leader-elect=false",
+                "--bind-address", "127.0.0.1",
+                "--secure-port", str(_free_port()),
+                "--service-account-private-key-file", str(self.pki / "sa.key"),
+                "--root-ca-file", str(self.ca),
+                "--use-service-account-credentials=false",
+                # No cloud, no pod CIDRs to hand out, no real kubelets to evict from.
+                "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
+                "--concurrent-gc-syncs", "10",
+                "--v", "1",
+            ],
+        )  # fmt: skip
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                "--kubeconfig", kc,
+                "--authentication-kubeconfig", kc,
+                "--authorization-kubeconfig", kc,
+                "--leader-elect=false",
+                "--bind-address", "127.0.0.1",
+                "--secure-port", str(_free_port()),
+                "--v", "1",
+            ],
+        )  # fmt: skip
+        self._spawn(
+            "kwok",
+            [
+                str(self.bin_dir / "kwok"),
+                "--kubeconfig", kc,
+                "--config", str(STAGES),
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
+                "--node-ip", "10.200.0.1",
+                "--cidr", "10.201.0.0/16",
+                "--server-address", f"127.0.0.1:{_free_port()}",
+                # kwok renews each node's Lease, so the node-lifecycle controller keeps them Ready.
+                "--node-lease-duration-seconds", "40",
+            ],
+        )  # fmt: skip
+
+    def _wait_for_default_service_account(self) -> None:
+        # Pods are refused until the service-account controller made `default` in their namespace.
+        proc = self.processes["kube-controller-manager"]
+        self._wait(
+            "kube-controller-manager (default ServiceAccount)",
+            proc,
+            lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default") is not None,
+        )
+
+    def add_nodes(self, fleet: Fleet, start: int = 0) -> list[str]:
+        names = []
+        for i in range(start, start + fleet.nodes):
+            node = fleet.node(i)
+            self.request("POST", "/api/v1/nodes", node)
+            names.append(node["metadata"]["name"])
+        proc = self.processes["kwok"]
+        self._wait("kwok (nodes Ready)", proc, lambda: self._nodes_ready(names), timeout=120)
+        return names
+
+    def _nodes_ready(self, names: list[str]) -> bool:
+        nodes = self.request("GET", "/api/v1/nodes")["items"]
+        ready = {
+            n["metadata"]["name"]
+            for n in nodes
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+        }
+        return set(names) <= ready
+
+    def _start_kuberay(self) -> None:
+        crds = self.bin_dir.parent / "crds"
+        kubectl = kubectl_binary()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        # The RayJob/RayCluster CRDs are larger than the last-applied annotation allows: server-side apply.
+        _run([kubectl, "apply", "--server-side", "-f", str(crds)], env=env)
+        self.wait_established("rayjobs.ray.io", "rayclusters.ray.io")
+        proc = self._spawn(
+            "kuberay-operator",
+            [
+                str(self.bin_dir / "kuberay-operator"),
+                "--metrics-addr", "0",
+                "--health-probe-bind-address", f"127.0.0.1:{(probe := _free_port())}",
+                "--enable-leader-election=false",
+            ],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )  # fmt: skip
+        self._wait("kuberay-operator", proc, lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"))
+
+    def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
+        def established(name: str) -> bool:
+            crd = self.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}") or {}
+            conditions = crd.get("status", {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        deadline = time.monotonic() + timeout
+        while not all(established(name) for name in crds):
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRDs {crds} not Established after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------------------------------ API access
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca))
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", token: str | None = None
+    ) -> Any:
+        """One API call as the admin (or `token`); None for a 404 GET, the parsed body otherwise."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {token or self.admin_token}")
+        req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 and method == "GET":
+                return None
+            raise ApiError(exc.code, exc.read().decode(errors="replace"), method, path) from None
+        text = raw.decode()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+    def token_for(self, namespace: str, service_account: str, *, hours: int = 1) -> str:
+        """A bound token of `service_account` (TokenRequest), to act with exactly its RBAC rights."""
+        review = self.request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": hours * 3600},
+            },
+        )
+        return str(review["status"]["token"])
+
+
+_HTTP_METHOD = {"get": "GET", "list": "GET", "watch": "GET", "create": "POST", "update": "PUT",
+                "patch": "PATCH", "delete": "DELETE", "deletecollection": "DELETE"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One API request as the apiserver audited it."""
+
+    verb: str  # the Kubernetes verb: get, list, watch, create, update, patch, delete
+    method: str  # the HTTP method that verb arrives as
+    path: str  # the request path without its query string
+    user: str
+    user_agent: str
+    code: int
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> AuditRecord:
+        verb = str(event.get("verb", ""))
+        return cls(
+            verb=verb,
+            method=_HTTP_METHOD.get(verb, verb.upper()),
+            path=str(event.get("requestURI", "")).split("?", 1)[0],
+            user=str(event.get("user", {}).get("username", "")),
+            user_agent=str(event.get("userAgent", "")),
+            code=int(event.get("responseStatus", {}).get("code", 0)),
+        )
+
+
+class ApiError(RuntimeError):
+    def __init__(self, code: int, body: str, method: str, path: str) -> None:
+        super().__init__(f"{method} {path}: HTTP {code}: {body[:2000]}")
+        self.code = code
+        self.body = body
+
+
+def _run(args: Sequence[str], env: dict[str, str] | None = None) -> None:
+    result = subprocess.run(list(args), capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise ControlPlaneError(f"{' '.join(args)} failed: {result.stderr[-2000:]}")
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return bool(resp.status == 200)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def control_plane(
+    workdir: Path | None = None, fleet: Fleet | None = None, with_kuberay: bool = True
+) -> Iterator[ControlPlane]:
+    """A started control plane in `workdir` (a fresh temporary directory by default), stopped on exit."""
+    own = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="r3-cluster-")) if workdir is None else workdir
+    plane = ControlPlane(root, binaries_dir(), fleet=fleet or Fleet(), with_kuberay=with_kuberay)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
