@@ -17,6 +17,8 @@ MAX_CHUNKS_IN_FLIGHT = 2
 
 
 class Engine(Protocol):
+    over_http: bool  # a separate `vllm serve` process (True) or an actor of this driver's Ray cluster
+
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
     ) -> list[RolloutSample]: ...

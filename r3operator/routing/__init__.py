@@ -1,4 +1,4 @@
-"""Routing data plane: routed-expert codecs, on-volume store, stitching, replay padding (NumPy only)."""
+"""Routing data plane: routed-expert codecs, on-volume store, multi-turn stitching (NumPy only)."""
 
 from r3operator.routing.codec import (
     ROUTE_DTYPES,
@@ -15,7 +15,7 @@ from r3operator.routing.codec import (
 )
 from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
 from r3operator.routing.packing import RankEncodingUnsupported, decode_ranks, encode_ranks, rank_bits, rank_supported
-from r3operator.routing.stitch import TrajectoryRoutes, check_row_count, pad_for_replay, stack_for_replay
+from r3operator.routing.stitch import TrajectoryRoutes, check_row_count
 from r3operator.routing.store import RoutingHeader, RoutingRecord, RoutingStore, read_file, write_file
 
 __all__ = [
@@ -37,12 +37,10 @@ __all__ = [
     "from_vllm",
     "from_wire",
     "narrowest_dtype",
-    "pad_for_replay",
     "rank_bits",
     "rank_supported",
     "read_file",
     "routes_from_array",
-    "stack_for_replay",
     "to_torch",
     "to_wire",
     "validate_routes",

@@ -1,4 +1,4 @@
-"""Stitching per-turn / per-chunk routes into one dense per-trajectory array, and padding for replay.
+"""Stitching per-turn / per-chunk routes into one dense per-trajectory array.
 
 Off-by-one rule (vLLM, SGLang): a request with P prompt tokens and G generated tokens returns routes for
 absolute positions ``[start, P + G - 1)``; the last sampled token was never fed back, so it has no route
@@ -140,70 +140,3 @@ class TrajectoryRoutes:
     def routes(self, *, num_experts: int | None = None) -> RoutedExperts:
         """The captured rows as compact :class:`RoutedExperts` starting at position 0."""
         return encode(self.array(), num_experts=num_experts)
-
-
-def _dummy_row(num_layers: int, top_k: int, dtype: np.dtype) -> np.ndarray:
-    # Distinct ids 0..top_k-1: Megatron's dropless dispatcher assumes tokens * top_k assignments, and
-    # duplicate ids (all-zero rows) collapse in its routing map.
-    return np.broadcast_to(np.arange(top_k, dtype=dtype), (num_layers, top_k))
-
-
-def pad_for_replay(
-    routes: np.ndarray, *, seq_len: int, left_pad: int = 0, top_k: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Place captured rows at ``[left_pad, left_pad + rows)`` of a ``seq_len`` sequence.
-
-    Returns ``(indices [seq_len, L, K] in the routes' dtype, padding_mask bool [seq_len])``; mask ``True``
-    means "no captured route" (left pad, the final sampled token, trailing pad) and those rows hold the
-    distinct dummy experts ``arange(top_k)``.
-    """
-    if routes.ndim != 3:
-        raise RoutingDataError(f"routes must be 3-D (tokens, layers, top_k), got shape {routes.shape}")
-    rows, num_layers, k = routes.shape
-    if top_k is not None and top_k != k:
-        raise RoutingDataError(f"top_k={top_k} does not match routes top_k {k}")
-    if left_pad < 0 or left_pad + rows > seq_len:
-        raise RoutingDataError(f"{rows} route rows at left_pad {left_pad} do not fit in seq_len {seq_len}")
-    indices = np.empty((seq_len, num_layers, k), dtype=routes.dtype)
-    indices[:] = _dummy_row(num_layers, k, routes.dtype)
-    indices[left_pad : left_pad + rows] = routes
-    mask = np.ones(seq_len, dtype=bool)
-    mask[left_pad : left_pad + rows] = False
-    return indices, mask
-
-
-def stack_for_replay(
-    samples: Sequence[np.ndarray],
-    *,
-    seq_lens: Sequence[int],
-    max_len: int | None = None,
-    left_padded: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Batch version of :func:`pad_for_replay`: ``([B, S, L, K] in the widest dtype, mask [B, S])``.
-
-    ``seq_lens[i]`` is sample i's real token count (prompt + response); ``S = max_len or max(seq_lens)``.
-    With ``left_padded`` (the default, matching left-padded ``sequences``) sample i starts at
-    ``S - seq_lens[i]``; otherwise at 0.
-    """
-    if not samples:
-        raise RoutingDataError("stack_for_replay needs at least one sample")
-    if len(seq_lens) != len(samples):
-        raise RoutingDataError(f"{len(samples)} samples but {len(seq_lens)} seq_lens")
-    shapes = {s.shape[1:] for s in samples}
-    if len(shapes) != 1 or any(s.ndim != 3 for s in samples):
-        raise RoutingDataError(f"samples must share (layers, top_k); got {sorted(shapes)}")
-    width = max(seq_lens) if max_len is None else max_len
-    if width < max(seq_lens):
-        raise RoutingDataError(f"max_len {width} is shorter than the longest sample ({max(seq_lens)})")
-    dtype = np.result_type(*samples)  # widest dtype: uint8 + uint16 -> uint16, never a wrapping cast
-    num_layers, k = samples[0].shape[1:]
-    indices = np.empty((len(samples), width, num_layers, k), dtype=dtype)
-    indices[:] = _dummy_row(num_layers, k, dtype)
-    mask = np.ones((len(samples), width), dtype=bool)
-    for i, (sample, length) in enumerate(zip(samples, seq_lens, strict=True)):
-        if len(sample) > length:
-            raise RoutingDataError(f"sample {i} has {len(sample)} route rows but only {length} tokens")
-        begin = width - length if left_padded else 0
-        indices[i, begin : begin + len(sample)] = sample
-        mask[i, begin : begin + len(sample)] = False
-    return indices, mask

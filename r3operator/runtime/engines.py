@@ -24,6 +24,8 @@ from r3operator.engine.weights import PackedChunk
 class RayEngine:
     """Typed façade over an `EngineActor` handle."""
 
+    over_http = False  # results (routes included) come back through Ray's object store
+
     def __init__(self, model_dir: Path, *, device: str, dtype: str, seed: int, max_model_len: int) -> None:
         import ray
 
@@ -92,6 +94,8 @@ class HTTPEngine:
     the shared volume (`staging_dir`) and calls the extension via vLLM's `/collective_rpc` dev route
     (`VLLM_SERVER_DEV_MODE=1`, set by the operator), then `/reset_prefix_cache`.
     """
+
+    over_http = True
 
     def __init__(self, base_url: str, *, staging_dir: Path, num_experts: int | None, timeout_s: float = 600) -> None:
         from r3operator.engine.rollout import OpenAIHTTPClient
@@ -167,6 +171,11 @@ class EngineGroup:
         if not engines:
             raise ValueError("no rollout engines")
         self.engines = list(engines)
+
+    @property
+    def over_http(self) -> bool:
+        """Some engine is a separate `vllm serve` process: routes go through the shared routing volume."""
+        return any(engine.over_http for engine in self.engines)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int

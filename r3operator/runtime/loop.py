@@ -29,7 +29,7 @@ import numpy as np
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.rollout import RolloutSample, write_samples
 from r3operator.engine.weights import packed_chunks
-from r3operator.routing.codec import decode
+from r3operator.routing.codec import RoutedExperts, decode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
@@ -81,6 +81,7 @@ class GRPORun:
         self.engines = engines
         self.trainer: Trainer | None = None
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
+        self.routes_on_volume = False  # set in setup(), from where the engines run
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)
         self.status = StatusPusher()
@@ -108,6 +109,9 @@ class GRPORun:
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
         self.vllm_version = self.engines.vllm_version()
+        # Routes cross one process boundary: engines in this process's Ray cluster hand them over through
+        # the object store; only engines behind HTTP put them on the shared volume.
+        self.routes_on_volume = self.engines.over_http
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
             (self.run_dir / "metrics.csv").unlink(missing_ok=True)
@@ -149,7 +153,7 @@ class GRPORun:
             n=ro.group_size,
         )
         self.metrics.r3.observe_rollout(samples)
-        if self.mode is ReplayMode.R3:
+        if self.mode is ReplayMode.R3 and self.routes_on_volume:
             write_samples(self.store, samples, step=step, num_experts=self.num_experts,
                           policy_version=self.policy_version)  # fmt: skip
         return samples, problems
@@ -167,35 +171,37 @@ class GRPORun:
         return group_advantages(rewards, group_size=self.spec.rollout.group_size)
 
     def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch:
-        """4. Build the batch. R3: routes from the store; a sample without valid routes is dropped."""
+        """4. Build the batch. R3: each sample's routes (from the store when they crossed the volume); a
+        sample without valid routes is dropped."""
         assert self.trainer is not None
         kept, kept_adv, routes = [], [], []
         for sample, a in zip(samples, adv, strict=True):
+            sample_routes = sample.routes  # R2/Disabled: metrics only, never replayed
             if self.mode is ReplayMode.R3:
-                array = self._read_routes(step, sample)
-                if array is None:
+                sample_routes = self._read_routes(step, sample)
+                if sample_routes is None:
                     continue
-            else:  # metrics only: R2/Disabled never replay rollout routes
-                array = decode(sample.routes) if sample.routes is not None else None
             kept.append(sample)
             kept_adv.append(a)
-            routes.append(array)
+            routes.append(sample_routes)
         have_all = routes and all(r is not None for r in routes)
         return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
                            device=self.s.device)  # fmt: skip
 
-    def _read_routes(self, step: int, sample: RolloutSample) -> np.ndarray | None:
+    def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         if sample.routes_status != "ok":
             self._drop(sample, sample.routes_status, sample.routes_error or "")
             return None
+        if not self.routes_on_volume:  # in memory from the engine; build_sample validated them
+            return sample.routes
         try:
             record = self.store.get(step=step, sample_id=sample.sample_id)
-            array = decode(record.routes, num_experts=self.num_experts)
+            decode(record.routes, num_experts=self.num_experts)  # validates ids and rows
         except RoutingDataError as exc:  # RoutingFileError (corrupt/truncated/missing file) included
             self.metrics.r3.count_invalid_routes()
             self._drop(sample, "routing_file", str(exc))
             return None
-        return array
+        return record.routes
 
     def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)

@@ -1,9 +1,15 @@
 """Rollout samples → right-padded training tensors, with replay indices aligned to the inputs.
 
-Right padding keeps every real token at its natural position (HF derives positions from the column
-index), so trainer logprobs line up with vLLM's without position_ids bookkeeping; causal attention
-never lets a real token see the trailing pad. Response token i of a sample with P prompt tokens sits
-at logprob column P - 1 + i.
+The one batch builder: the runtime, the benchmarks and both trainer backends consume `TrainBatch`.
+Right padding keeps every real token at its natural position (HF and Megatron both derive RoPE
+positions from the column index), so trainer logprobs line up with vLLM's without position_ids
+bookkeeping; causal attention never lets a real token see the trailing pad. Response token i of a
+sample with P prompt tokens sits at logprob column P - 1 + i.
+
+Route row r of a sample is absolute token position `routes.start + r` (the request's
+`routed_experts_prompt_start`), so it lands in column `start + r`; columns without a captured route
+(an uncaptured prefix, the last sampled token, the pad) are flagged in `route_pad` and route
+naturally in both replay backends.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3operator.routing.stitch import stack_for_replay
+from r3operator.routing.codec import RoutedExperts, decode
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -29,7 +35,7 @@ class TrainBatch:
     response_mask: torch.Tensor  # [B, S-1] bool, logprob columns of response tokens
     rollout_logprobs: torch.Tensor  # [B, S-1] fp32, engine logprobs at response columns (0 elsewhere)
     advantages: torch.Tensor  # [B] fp32
-    engine_routes: torch.Tensor | None  # [B, S, L, K] int64 (dummy rows where route_pad is True)
+    engine_routes: torch.Tensor | None  # [B, S, L, K] int64 (zero rows where route_pad is True)
     route_pad: torch.Tensor | None  # [B, S] bool, True = no captured route
     sample_ids: list[str]
 
@@ -40,7 +46,8 @@ class TrainBatch:
     def select(self, rows: Sequence[int]) -> TrainBatch:
         import torch
 
-        idx = torch.as_tensor(list(rows), dtype=torch.int64)
+        picked = [int(i) for i in rows]  # ints or 0-d tensors (a torch.arange split) alike
+        idx = torch.as_tensor(picked, dtype=torch.int64, device=self.input_ids.device)
         return TrainBatch(
             input_ids=self.input_ids[idx],
             attention_mask=self.attention_mask[idx],
@@ -49,23 +56,50 @@ class TrainBatch:
             advantages=self.advantages[idx],
             engine_routes=None if self.engine_routes is None else self.engine_routes[idx],
             route_pad=None if self.route_pad is None else self.route_pad[idx],
-            sample_ids=[self.sample_ids[i] for i in rows],
+            sample_ids=[self.sample_ids[i] for i in picked],
         )
+
+
+def place_routes(
+    routes: Sequence[RoutedExperts], *, lengths: Sequence[int], width: int, sample_ids: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """([B, width, L, K] int64 ids, [B, width] bool no-route mask): row r of sample i at column start + r.
+
+    Rows outside a sample's captured span stay zero and masked; "no route" is said by the mask only.
+    """
+    arrays = [decode(r, validate=False) for r in routes]
+    shapes = {a.shape[1:] for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"build_batch: samples' routes differ in (layers, top_k): {sorted(shapes)}")
+    num_layers, top_k = shapes.pop()
+    ids = np.zeros((len(arrays), width, num_layers, top_k), dtype=np.int64)
+    no_route = np.ones((len(arrays), width), dtype=bool)
+    for i, (r, rows, length) in enumerate(zip(routes, arrays, lengths, strict=True)):
+        if r.end > length:
+            raise ValueError(
+                f"build_batch: routes of sample {sample_ids[i]!r} cover positions [{r.start}, {r.end}) "
+                f"but the sample has {length} tokens"
+            )
+        ids[i, r.start : r.end] = rows
+        no_route[i, r.start : r.end] = False
+    return ids, no_route
 
 
 def build_batch(
     samples: Sequence[RolloutSample],
     advantages: Sequence[float],
     *,
-    routes: Sequence[np.ndarray] | None,
+    routes: Sequence[RoutedExperts] | None,
     pad_id: int,
     device: Any = "cpu",
 ) -> TrainBatch:
-    """Tensors for `samples`; `routes[i]` is sample i's [P+G-1, L, K] array (None: no replay data)."""
+    """Tensors for `samples`; `routes[i]` is sample i's routes (rows from `routes[i].start`), None: no replay."""
     import torch
 
     if not samples:
         raise ValueError("build_batch: no samples (every sample was dropped?)")
+    if len(advantages) != len(samples):
+        raise ValueError(f"build_batch: {len(samples)} samples but {len(advantages)} advantages")
     lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
     width = max(lengths)
     ids = np.full((len(samples), width), pad_id, dtype=np.int64)
@@ -81,9 +115,11 @@ def build_batch(
         roll[i, begin : begin + len(sample.token_ids)] = sample.logprobs
     engine_routes = route_pad = None
     if routes is not None:
-        stacked, pad = stack_for_replay(list(routes), seq_lens=lengths, max_len=width, left_padded=False)
-        engine_routes = torch.from_numpy(stacked.astype(np.int64)).to(device)
-        route_pad = torch.from_numpy(pad).to(device)
+        if len(routes) != len(samples):
+            raise ValueError(f"build_batch: {len(samples)} samples but {len(routes)} route arrays")
+        placed, no_route = place_routes(routes, lengths=lengths, width=width, sample_ids=[s.sample_id for s in samples])
+        engine_routes = torch.from_numpy(placed).to(device)
+        route_pad = torch.from_numpy(no_route).to(device)
     return TrainBatch(
         input_ids=torch.from_numpy(ids).to(device),
         attention_mask=torch.from_numpy(attn).to(device),

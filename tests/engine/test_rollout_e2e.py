@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -53,27 +52,27 @@ def test_replay_from_store_reproduces_engine_routing_and_narrows_logprob_gap(
 
     from r3operator.engine.rollout import write_samples
     from r3operator.routing.store import RoutingStore
-    from r3operator.trainer.logprobs import batch_from_samples, token_logprobs
+    from r3operator.trainer.batch import build_batch
+    from r3operator.trainer.logprobs import token_logprobs
     from r3operator.trainer.metrics import logprob_stats, routing_agreement
     from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 
     store = RoutingStore(tmp_path)
     write_samples(store, rollout, step=0, num_experts=32, policy_version=0)
     records = store.get_batch(step=0, sample_ids=[s.sample_id for s in rollout])
-    from_store = [dataclasses.replace(s, routes=r.routes) for s, r in zip(rollout, records, strict=True)]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
-    batch = batch_from_samples(from_store, pad_token_id=0)
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    batch = build_batch(rollout, [0.0] * len(rollout), routes=[r.routes for r in records], pad_id=0)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     replay = RouterReplay().install(model)
     used = RouterRecorder(natural=False).install(model)
     with torch.no_grad():
         off = token_logprobs(model, **inputs)
-        with replay.armed(batch.replay_indices, padding_mask=batch.replay_padding_mask):
+        with replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
             on = token_logprobs(model, **inputs)
-    captured = ~batch.replay_padding_mask
-    replayed = used.stacked(4).reshape(batch.replay_indices.shape)
-    agreement = routing_agreement(replayed, batch.replay_indices, captured)
+    captured = ~batch.route_pad
+    replayed = used.stacked(4).reshape(batch.engine_routes.shape)
+    agreement = routing_agreement(replayed, batch.engine_routes, captured)
     assert agreement.agreement_ratio == 1.0  # every captured token-layer used the engine's experts
     assert int(captured.sum()) == sum(s.routes.shape[0] for s in rollout)
 

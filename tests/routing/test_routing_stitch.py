@@ -1,4 +1,4 @@
-"""Stitching multi-turn and partial-rollout routes, row-count checks, replay padding."""
+"""Stitching multi-turn and partial-rollout routes, row-count checks."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from r3operator.routing import (
     TrajectoryRoutes,
     check_row_count,
     encode,
-    pad_for_replay,
-    stack_for_replay,
 )
 
 L, K, E = 4, 3, 64
@@ -135,36 +133,3 @@ def test_missing_routes_invalidate() -> None:
     traj = TrajectoryRoutes(num_layers=L, top_k=K)
     traj.add_turn(prompt_ids=[1, 2], generated_ids=[3], routes=None)
     assert not traj.valid and "no routed experts" in (traj.invalid_reason or "")
-
-
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
-def test_pad_for_replay_uses_distinct_dummy_rows_and_mask(dtype: str) -> None:
-    routes = make_routes(5, L, K, E, dtype=dtype)
-    routes[:, 0] = 0  # a dense layer stays as captured
-    indices, mask = pad_for_replay(routes, seq_len=10, left_pad=2)
-    assert indices.dtype == np.dtype(dtype) and indices.shape == (10, L, K)
-    assert mask.tolist() == [True, True] + [False] * 5 + [True] * 3
-    np.testing.assert_array_equal(indices[2:7], routes)
-    dummy = indices[mask]
-    assert (dummy == np.arange(K)).all()  # distinct experts 0..K-1 in every layer, never all-zero rows
-    assert all(len(set(row.tolist())) == K for row in dummy.reshape(-1, K))
-    with pytest.raises(RoutingDataError, match="do not fit"):
-        pad_for_replay(routes, seq_len=6, left_pad=2)
-    with pytest.raises(RoutingDataError, match="top_k"):
-        pad_for_replay(routes, seq_len=10, top_k=K + 1)
-
-
-def test_stack_for_replay_widest_dtype_and_left_padding() -> None:
-    small = make_routes(3, L, K, 200, dtype="uint8")
-    wide = make_routes(5, L, K, 200, dtype="uint16")
-    wide[0, 0, 0] = 300 if 300 not in wide[0, 0] else 301
-    indices, mask = stack_for_replay([small, wide], seq_lens=[4, 6])
-    assert indices.dtype == np.uint16 and indices.shape == (2, 6, L, K)
-    assert mask.tolist() == [[True, True, False, False, False, True], [False] * 5 + [True]]
-    np.testing.assert_array_equal(indices[0, 2:5], small)
-    np.testing.assert_array_equal(indices[1, :5], wide)
-    assert (indices[mask] == np.arange(K)).all()
-    right, right_mask = stack_for_replay([small, wide], seq_lens=[4, 6], left_padded=False, max_len=8)
-    assert right.shape == (2, 8, L, K) and right_mask[0].tolist() == [False] * 3 + [True] * 5
-    with pytest.raises(RoutingDataError, match="route rows"):
-        stack_for_replay([wide], seq_lens=[4])

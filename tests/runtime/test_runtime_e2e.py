@@ -36,6 +36,8 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
         assert row["canary_ok"] == 1
         assert row["samples_dropped"] == 0
     assert run.policy_version == 3  # setup sync + one per step
+    # A Ray-actor engine hands routes over through the object store: nothing goes through the volume.
+    assert not list((run.run_dir / "routes").rglob("*.r3r"))
     # bf16-autocast trainer vs fp32 engine: a real numerics gap, which replay removes from the routing.
     assert all(row["logprob_abs_diff_mean"] > 1e-4 for row in rows)
     assert min(row["routing_natural_agreement"] for row in rows) < 1.0
@@ -67,6 +69,7 @@ def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None
 def test_corrupted_routing_file_drops_that_sample_loudly(tmp_path, engines, caplog) -> None:
     run = _run(tmp_path, engines)
     run.setup()
+    run.routes_on_volume = True  # as with engines behind HTTP: routes cross the shared volume
     run.dropped = []
     samples, _ = run.rollout(1)
     victim = samples[1].sample_id

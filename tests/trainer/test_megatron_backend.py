@@ -8,31 +8,27 @@ r3operator/trainer/megatron/parallel.py; everything routing-related is megatron-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
+from r3operator.engine.rollout import RolloutSample  # noqa: E402
+from r3operator.routing.codec import encode  # noqa: E402
+from r3operator.trainer.batch import TrainBatch, build_batch  # noqa: E402
 from r3operator.trainer.logprobs import token_logprobs  # noqa: E402
 from r3operator.trainer.megatron import build_megatron_trainer  # noqa: E402
+from r3operator.trainer.replay.hf import RouterRecorder  # noqa: E402
 from r3operator.trainer.replay.hf import RouterReplay as HFRouterReplay  # noqa: E402
 from r3operator.trainer.replay.megatron import MegatronReplayError, replay_instances  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LAYERS, EXPERTS, TOPK, VOCAB = 3, 8, 2, 96
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-    route_pad: torch.Tensor
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +64,44 @@ def trainer(model_dir: Path) -> Any:
     return build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2)
 
 
-def make_batch(seed: int = 0) -> tuple[Batch, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (3, 10), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, :3] = 0  # left padded
-    attn[2, 7:] = 0  # right padded
-    ids = ids * attn
-    valid = (attn[:, 1:] * attn[:, :-1]).bool()
-    pad = ~attn.bool()
-    pad[0, -1] = pad[1, -1] = pad[2, 6] = True  # the final sampled token has no route
-    routes = torch.rand(3, 10, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK]
-    routes[:, :, 0] = 0  # dense layer: vLLM reports zeros
-    return Batch(ids, attn, valid, pad), routes
+def make_batch(seed: int = 0) -> tuple[TrainBatch, torch.Tensor]:
+    """Three right-padded samples through the production builder; the second has an uncaptured 3-token
+    prefix (`routed_experts_prompt_start=3`). Routes hold every layer, the dense layer 0 as zeros."""
+    rng = np.random.default_rng(seed)
+    samples, routes = [], []
+    for i, (prompt, gen, start) in enumerate(((6, 4, 0), (5, 3, 3), (4, 2, 0))):
+        rows = rng.random((prompt + gen - 1 - start, LAYERS, EXPERTS)).argsort(-1)[..., :TOPK]
+        rows[:, 0] = 0  # dense layer: vLLM reports zeros
+        r = encode(rows, start=start, num_experts=EXPERTS)
+        samples.append(RolloutSample(
+            sample_id=f"s{i}", prompt_index=i, choice_index=0,
+            prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, prompt)),
+            token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
+            logprobs=np.zeros(gen, dtype=np.float32), routes=r, routed_experts_prompt_start=start,
+        ))  # fmt: skip
+        routes.append(r)
+    batch = build_batch(samples, [1.0, -0.5, 0.25], routes=routes, pad_id=0)
+    assert batch.engine_routes is not None
+    return batch, batch.engine_routes
 
 
-def hf_logprobs(hf: Any, batch: Batch) -> torch.Tensor:
-    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+def hf_logprobs(hf: Any, batch: TrainBatch) -> torch.Tensor:
     with torch.no_grad():
-        return token_logprobs(hf, batch.input_ids, batch.attention_mask, position_ids=pos)
+        return token_logprobs(hf, batch.input_ids, batch.attention_mask)
+
+
+def hf_replay(hf: Any, batch: TrainBatch, routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logprobs and the ids its experts received [B, S, L, K] under replay of `routes`."""
+    replay = HFRouterReplay().install(hf)
+    used = RouterRecorder(natural=False).install(hf)
+    try:
+        with replay.armed(routes, padding_mask=batch.route_pad):
+            lp = hf_logprobs(hf, batch)
+        ids = used.stacked(LAYERS).reshape(*batch.input_ids.shape, LAYERS, TOPK).sort(-1).values
+    finally:
+        replay.remove()
+        used.remove()
+    return lp, ids
 
 
 def test_natural_logprobs_match_hf(trainer: Any, hf: Any) -> None:
@@ -109,19 +124,29 @@ def test_r3_dispatches_exactly_the_replayed_routes_and_matches_hf_replay(trainer
     captured = ~batch.route_pad
     for layer in (1, 2):  # MoE layers; layer 0 is dense
         assert torch.equal(out.used[:, :, layer][captured], routes[:, :, layer].sort(-1).values[captured])
-    dummy = out.used[:, :, 1][batch.route_pad]
-    assert (dummy == torch.arange(TOPK)).all()  # distinct dummy experts where no route was captured
     natural = trainer.logprobs(batch, None, "off").logprobs
-    replay = HFRouterReplay().install(hf)
-    try:
-        with replay.armed(routes, padding_mask=batch.route_pad):
-            ref = hf_logprobs(hf, batch)
-    finally:
-        replay.remove()
-    # Compare where the query row had a route (masked rows: HF routes naturally, Megatron uses dummies).
-    cols = batch.response_mask & ~batch.route_pad[:, :-1]
+    ref, _ = hf_replay(hf, batch, routes)
+    cols = batch.response_mask
     assert (out.logprobs - ref)[cols].abs().max() < 1e-4
     assert (out.logprobs - natural)[cols].abs().max() > 1e-3  # replay really changed the routing
+
+
+def test_uncaptured_prefix_routes_naturally_as_on_hf(trainer: Any, hf: Any) -> None:
+    """Rows without a route (sample 1's 3-token prefix, every last token) take the router's own choice on
+    both backends, so HF and Megatron agree on every real token, not only where routes were captured."""
+    batch, routes = make_batch(2)
+    out = trainer.logprobs(batch, routes, "R3", probe=True)
+    off = trainer.logprobs(batch, None, "off", probe=True)
+    ref_lp, ref_used = hf_replay(hf, batch, routes)
+    real = batch.attention_mask.bool()
+    moe = [1, 2]
+    assert torch.equal(out.used[:, :, moe][real], ref_used[:, :, moe][real])
+    # Inside the prefix the hidden states never saw a replayed token: exactly the natural routing.
+    assert torch.equal(out.used[1, :3], off.used[1, :3])
+    assert not torch.equal(out.used[1, :3, 1], routes[1, :3, 1].sort(-1).values)  # not the zero filler
+    real_cols = real[:, 1:] & real[:, :-1]
+    assert (out.logprobs - ref_lp)[real_cols].abs().max() < 1e-4
+    assert (out.logprobs[1, :2] - off.logprobs[1, :2]).abs().max() < 1e-5
 
 
 def test_r2_records_natural_routes_and_replaying_them_is_exact(trainer: Any) -> None:
@@ -129,10 +154,8 @@ def test_r2_records_natural_routes_and_replaying_them_is_exact(trainer: Any) -> 
     rec = trainer.logprobs(batch, None, "R2", probe=True)
     assert torch.equal(rec.recorded.sort(-1).values, rec.used)
     assert rec.recorded[:, :, 0].eq(0).all()  # dense layer
-    batch.route_pad = torch.zeros_like(batch.route_pad)
+    batch.route_pad = torch.zeros_like(batch.route_pad)  # every recorded row replays (pads route naturally)
     again = trainer.logprobs(batch, rec.recorded, "R3")
-    # Attention pads get dummy routes in the replay: compare real tokens (expert batches then differ in
-    # size, so matmul blocking may differ in the last bit).
     cols = batch.response_mask
     assert (again.logprobs[cols] - rec.logprobs[cols]).abs().max() < 1e-5
     with pytest.raises(MegatronReplayError, match="must not be given rollout routes"):
@@ -144,7 +167,7 @@ def _assert_clear() -> None:
         assert inst.target_topk_idx is None and inst.replay_backward_list == [] and inst.router_replay_action is None
 
 
-def loss_fn(lp: torch.Tensor, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
     mask = mb.response_mask.float()
     return -(lp * mask).sum() / mask.sum(), {}
 
@@ -184,6 +207,6 @@ def test_recompute_replays_in_forward_order_and_rebuild_invalidates_old_model(tr
     _assert_clear()
     assert s_re["loss"] == pytest.approx(s_plain["loss"], rel=1e-6)
     assert s_re["grad_norm"] == pytest.approx(s_plain["grad_norm"], rel=1e-5)
-    swapped = torch.cat([routes[2:], routes[:2]])  # wrong routes in recompute would change the gradient
+    swapped = (routes + 1) % EXPERTS  # other (still distinct) experts: wrong routes change the gradient
     s_other = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2).train_step(batch, swapped, loss_fn)
     assert s_other["grad_norm"] != pytest.approx(s_plain["grad_norm"], rel=1e-5)

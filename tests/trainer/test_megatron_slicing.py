@@ -17,16 +17,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
 from r3operator.trainer.replay.megatron import (  # noqa: E402
+    UNCAPTURED,
     MegatronReplayError,
     ParallelLayout,
     adopt_layer_numbers,
     cp_zigzag,
-    fill_dummy,
     instance_layers,
-    left_shifts,
     pack_rows,
     plan_micro_batch,
-    roll_rows,
     sp_shard,
     to_router_rows,
 )
@@ -54,23 +52,39 @@ def test_router_rows_are_sequence_major() -> None:
     assert to_router_rows(x).flatten().tolist() == [0, 3, 1, 4, 2, 5]  # row s*B + b
 
 
-def test_dummy_rows_are_distinct_and_flagged() -> None:
-    x = torch.zeros(1, 4, 2, 3, dtype=torch.int64)  # all-zero rows would collapse in the routing map
+def test_rows_without_a_route_are_marked_uncaptured_and_flagged() -> None:
+    x = routes(b=1, s=4, layers=2)
+    x[0, 0] = 0  # a row without a route carries whatever the batch put there (zeros): it is masked
     mask = torch.tensor([[True, False, False, True]])
-    out = fill_dummy(x, mask)
-    assert out[0, 0, 0].tolist() == [0, 1, 2] and out[0, 3, 1].tolist() == [0, 1, 2]
-    assert out[0, 1].eq(0).all()
-    plan = plan_micro_batch(x, mask, [0, 1], ParallelLayout())
-    for t in plan.per_layer:
-        assert all(len(set(row.tolist())) == 3 for row in t[[0, 3]])  # B=1: router rows = positions
+    plan = plan_micro_batch(x, mask, [0, 1], ParallelLayout(), num_experts=16)
+    for layer, t in enumerate(plan.per_layer):  # B=1: router rows = positions
+        assert (t[[0, 3]] == UNCAPTURED).all()
+        assert torch.equal(t[[1, 2]], x[0, 1:3, layer])
     assert torch.equal(plan.padding_mask, mask)
 
 
 def test_out_of_range_layer_and_expert_are_refused() -> None:
     with pytest.raises(MegatronReplayError, match="global layer 4"):
         plan_micro_batch(routes(), None, [4], ParallelLayout())
-    with pytest.raises(MegatronReplayError, match="out of range"):
+    with pytest.raises(MegatronReplayError, match=r"outside \[0, 8\)"):
         plan_micro_batch(routes(experts=16), None, [0], ParallelLayout(), num_experts=8)
+
+
+def test_layer_count_duplicates_and_zero_rows_on_moe_layers_are_refused() -> None:
+    with pytest.raises(MegatronReplayError, match="routes cover 4 layers but the model has 5 decoder layers"):
+        plan_micro_batch(routes(), None, [1], ParallelLayout(), num_experts=16, num_layers=5)
+    zero = routes()
+    zero[1, 2, 1] = 0  # an unmasked all-zero row on MoE layer 1 would replay expert 0 three times
+    with pytest.raises(MegatronReplayError, match=r"MoE layer 1: row 10 is all zero \[0, 0, 0\].*padding mask"):
+        plan_micro_batch(zero, None, [1, 3], ParallelLayout(), num_experts=16, num_layers=4)
+    masked = torch.zeros(2, 8, dtype=torch.bool)
+    masked[1, 2] = True  # the same row flagged "no route" is fine
+    plan_micro_batch(zero, masked, [1, 3], ParallelLayout(), num_experts=16, num_layers=4)
+    plan_micro_batch(zero, None, [3], ParallelLayout(), num_experts=16, num_layers=4)  # layer 1 dense here
+    dup = routes()
+    dup[0, 5, 3] = torch.tensor([7, 2, 7])
+    with pytest.raises(MegatronReplayError, match=r"MoE layer 3: row 5 repeats an expert id \[7, 2, 7\]"):
+        plan_micro_batch(dup, None, [1, 3], ParallelLayout(), num_experts=16, num_layers=4)
 
 
 def test_packing_keeps_the_inputs_token_order() -> None:
@@ -83,16 +97,6 @@ def test_packing_keeps_the_inputs_token_order() -> None:
     assert torch.equal(packed[0, 3], x[1, 0]) and packed.shape[:2] == (1, 5)
     plan = plan_micro_batch(x, None, [2], ParallelLayout(packed=True), attention_mask=attn)
     assert torch.equal(plan.per_layer[0], packed[0, :, 2])
-
-
-def test_left_padding_rotation_round_trips() -> None:
-    attn = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
-    shifts = left_shifts(attn)
-    assert shifts.tolist() == [2, 0, 0]
-    rolled = roll_rows(attn, shifts)
-    assert rolled[0].tolist() == [1, 1, 0, 0]
-    x = routes(b=3, s=4)
-    assert torch.equal(roll_rows(roll_rows(x, shifts), shifts, inverse=True), x)
 
 
 def test_cp_and_sp_shapes_and_errors() -> None:

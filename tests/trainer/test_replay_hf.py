@@ -222,13 +222,39 @@ def test_arm_rejects_misaligned_indices() -> None:
     model = build_tiny_moe("qwen3_moe")
     layers, experts, k = shape_of(model)
     replay = RouterReplay().install(model)
-    with pytest.raises(RouterReplayError, match="cover 2 layers"):
+    with pytest.raises(RouterReplayError, match="cover 2 layers but the model has 3 decoder layers"):
         replay.arm(random_ids(2, 12, 2, experts, k))
-    with pytest.raises(RouterReplayError, match="out of range"):
+    with pytest.raises(RouterReplayError, match="cover 4 layers but the model has 3 decoder layers"):
+        replay.arm(random_ids(2, 12, layers + 1, experts, k))  # extra layers are refused too
+    with pytest.raises(RouterReplayError, match="4 per-layer replay entries but the model has 3"):
+        replay.arm([None] * (layers + 1))
+    with pytest.raises(RouterReplayError, match=r"outside \[0, 8\)"):
         replay.arm(random_ids(2, 12, layers, experts, k) + experts)
     replay.arm(random_ids(2, 10, layers, experts, k))
     with pytest.raises(RouterReplayError, match="router sees 24 tokens but 20"), torch.no_grad():
         model(tokens())
+    replay.disarm()
+
+
+def test_arm_refuses_rows_that_are_not_k_distinct_experts_unless_masked() -> None:
+    model = build_tiny_moe("deepseek_v3")  # layer 0 dense (first_k_dense_replace=1), layers 1-2 MoE
+    layers, experts, k = shape_of(model)
+    replay = RouterReplay().install(model)
+    assert replay.layers == [1, 2]
+    ids = random_ids(2, 12, layers, experts, k)
+    ids[:, :, 0] = 0  # zero rows on the dense layer: what vLLM reports, never replayed
+    replay.arm(ids)
+    zero = ids.clone()
+    zero[1, 4, 2] = 0  # flat row 12 + 4 = 16 of MoE layer 2
+    with pytest.raises(RouterReplayError, match=r"MoE layer 2: row 16 is all zero \[0, 0\].*padding mask"):
+        replay.arm(zero)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[1, 4] = True
+    replay.arm(zero, padding_mask=mask)  # "no route" said by the mask: that row routes naturally
+    dup = ids.clone()
+    dup[0, 3, 1] = torch.tensor([5, 5])
+    with pytest.raises(RouterReplayError, match=r"MoE layer 1: row 3 repeats an expert id \[5, 5\]"):
+        replay.arm(dup)
     replay.disarm()
 
 

@@ -53,12 +53,29 @@ class MegatronUnavailableError(RuntimeError):
 class _PPOBatch(TrainBatch):
     old_logprobs: Any = None  # [B, S-1]: row-selected together with the batch by train_step
 
+    def select(self, rows: Sequence[int]) -> _PPOBatch:
+        import dataclasses
+
+        import torch
+
+        picked = [int(i) for i in rows]
+        base = TrainBatch.select(self, picked)
+        idx = torch.as_tensor(picked, dtype=torch.int64, device=self.old_logprobs.device)
+        return _PPOBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
+                         old_logprobs=self.old_logprobs[idx])  # fmt: skip
+
 
 @dataclass
 class _SFTBatch:
     input_ids: Any
     attention_mask: Any
     loss_mask: Any
+
+    def select(self, rows: Sequence[int]) -> _SFTBatch:
+        import torch
+
+        idx = torch.as_tensor([int(i) for i in rows], dtype=torch.int64, device=self.input_ids.device)
+        return _SFTBatch(self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx])
 
 
 class MegatronPolicyTrainer:
@@ -120,7 +137,7 @@ class MegatronPolicyTrainer:
 
         results, tokens = [], 0
         for rows in mini_batch_rows(batch.size, mini_batches):
-            mb = _select_rows(full, rows)
+            mb = full.select(rows)
             routes = None if old.replay_ids is None else old.replay_ids[torch.as_tensor(rows)]
             with self._compute():
                 results.append(self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode,
@@ -174,17 +191,6 @@ class MegatronPolicyTrainer:
 
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
         self.mt.optimizer.load_state_dict(optim_sd)
-
-
-def _select_rows(batch: _PPOBatch, rows: Sequence[int]) -> _PPOBatch:
-    import dataclasses
-
-    base = batch.select(rows)
-    import torch
-
-    idx = torch.as_tensor(list(rows), dtype=torch.int64, device=batch.old_logprobs.device)
-    return _PPOBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
-                     old_logprobs=batch.old_logprobs[idx])  # fmt: skip
 
 
 def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:

@@ -31,9 +31,7 @@ from r3operator.trainer.replay.megatron import (
     ReplaySession,
     adopt_layer_numbers,
     check_replay_config,
-    left_shifts,
     replay_schedule,
-    roll_rows,
 )
 
 Mode = Literal["off", "R3", "R2"]
@@ -61,7 +59,7 @@ class MegatronTrainer:
             tp_size=sizes.tp, tp_rank=ps.get_tensor_model_parallel_rank(), sequence_parallel=sizes.sequence_parallel,
             first_pp_stage=ps.is_pipeline_first_stage(),
         )  # fmt: skip
-        self.session = ReplaySession(self.layout, num_experts=int(hf_config.num_experts))
+        self.session = ReplaySession(self.layout, num_experts=int(hf_config.num_experts), num_layers=self.num_layers)
         self.micro_batch_size: int | None = None
 
     # -- forward ------------------------------------------------------------------------------------------
@@ -77,21 +75,18 @@ class MegatronTrainer:
         for t in extra:
             if t is None:
                 out.append(None)
-            elif t.dim() == 4:  # routes [B, S, L, K]: dummy rows, masked below
+            elif t.dim() == 4:  # routes [B, S, L, K]: the pad rows are flagged in the mask below
                 out.append(F.pad(t, (0, 0, 0, 0, 0, pad)))
             else:  # route padding mask [B, S]
                 out.append(F.pad(t, (0, pad), value=True))
         return tuple(out)
 
     def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any) -> Any:
-        """Logits [B, S, V] of one micro-batch with the replay state set for `mode`."""
+        """Logits [B, S, V] of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
+        indices, as in vLLM) with the replay state set for `mode`."""
         import torch
 
         s = ids.shape[1]
-        shifts = left_shifts(attn)  # left padding -> right padding: RoPE positions are column indices
-        ids, attn = roll_rows(ids, shifts), roll_rows(attn, shifts)
-        routes = None if routes is None else roll_rows(routes, shifts)
-        route_pad = None if route_pad is None else roll_rows(route_pad, shifts)
         ids, attn, routes, route_pad = self._pad_seq(ids, attn, routes, route_pad)
         if routes is not None and route_pad is None:
             route_pad = torch.zeros(routes.shape[:2], dtype=torch.bool)
@@ -108,8 +103,8 @@ class MegatronTrainer:
         )
         logits = self.model(ids, pos, mask, padding_mask=pad_mask, runtime_gather_output=True)
         self.session.after_forward(mode)
-        self._last_layout = (shifts, n, s)
-        return roll_rows(logits[:, :s], shifts, inverse=True)
+        self._last_layout = (n, s)
+        return logits[:, :s]
 
     def _split(self, b: int) -> list[Any]:
         import torch
@@ -119,16 +114,17 @@ class MegatronTrainer:
 
     def logprobs(self, batch: Any, routes: Any | None = None, replay_mode: Mode = "off", *,
                  probe: bool = False) -> LogprobOutput:  # fmt: skip
-        """No-grad [B, S-1] logprobs. R3: replay `routes` (engine routes, [B, S, L, K] + batch.route_pad /
-        batch.replay_padding_mask); R2: route naturally and RECORD (R2 never consumes rollout routes);
-        off: natural routing. `probe=True` also returns the ids the dispatcher received (routing_map)."""
+        """No-grad [B, S-1] logprobs of a `TrainBatch`. R3: replay `routes` (engine routes [B, S, L, K]; rows
+        flagged in `batch.route_pad` route naturally); R2: route naturally and RECORD (R2 never consumes
+        rollout routes); off: natural routing. `probe=True` also returns the ids the dispatcher received
+        (routing_map)."""
         import torch
 
         if replay_mode == "R2" and routes is not None:
             raise MegatronReplayError("R2 records the trainer's own routes; it must not be given rollout routes")
         if replay_mode == "R3" and routes is None:
             raise MegatronReplayError("R3 needs the rollout's routes")
-        pad = _route_pad(batch) if routes is not None else None
+        pad = batch.route_pad if routes is not None else None
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
         outs, recs, used = [], [], []
@@ -146,15 +142,15 @@ class MegatronTrainer:
                              torch.cat(used)[:, : batch.input_ids.shape[1]] if used else None)  # fmt: skip
 
     def _local_seq(self) -> int:
-        n = self._last_layout[1]
+        n = self._last_layout[0]
         return n // self.sizes.tp if self.sizes.sequence_parallel else n
 
     def _to_batch_layout(self, local: Any) -> Any:
         """Router-side [B, S_local, L_local, K] -> the caller's [B, S, L, K]: SP all-gather, drop the SP
-        pad, rotate left padding back, global layers (dense 0)."""
+        pad, global layers (dense 0)."""
         import torch
 
-        shifts, _n, s = self._last_layout
+        _n, s = self._last_layout
         if self.sizes.sequence_parallel and self.sizes.tp > 1:
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
@@ -162,8 +158,7 @@ class MegatronTrainer:
             parts = [torch.empty_like(local) for _ in range(self.sizes.tp)]
             dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
             local = torch.cat(parts, dim=1)
-        local = roll_rows(local[:, :s].cpu(), shifts.cpu(), inverse=True)
-        return self._scatter_layers(local)
+        return self._scatter_layers(local[:, :s].cpu())
 
     def _scatter_layers(self, local: Any) -> Any:
         """[B, S, L_local, K] in instance order -> [B, S, L, K] by global layer (dense layers 0)."""
@@ -176,12 +171,13 @@ class MegatronTrainer:
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: Mode | None = None,
                    grad_clip: float = 1.0) -> dict[str, float]:  # fmt: skip
-        """One optimizer step over `batch` (split in micro-batches). `routes` ([B, S, L, K]) are replayed
-        (R3: the engine's, R2: those `logprobs(..., "R2")` recorded); None routes naturally."""
+        """One optimizer step over `batch` (split in micro-batches; `loss_fn` gets `batch.select(rows)`).
+        `routes` ([B, S, L, K]) are replayed (R3: the engine's, rows flagged in `batch.route_pad` routing
+        naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally."""
         import torch
 
         mode: ReplayMode = "off" if routes is None else ("R2-replay" if replay_mode == "R2" else "R3")
-        pad = _route_pad(batch) if (routes is not None and mode == "R3") else None
+        pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = self._split(batch.input_ids.shape[0])
@@ -192,7 +188,7 @@ class MegatronTrainer:
                 logits = self._forward(mode, ids, attn, None if routes is None else routes[rows],
                                        None if pad is None else pad[rows])  # fmt: skip
                 lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:].to(logits.device))
-                loss, mb_stats = loss_fn(lp, _select(batch, rows, self.device))
+                loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
                 (loss / len(parts)).backward()
                 for k, v in mb_stats.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
@@ -219,30 +215,6 @@ class MegatronTrainer:
         """Full HF-named state dict (transformers in-memory names, experts fused) on CPU, every rank."""
         full = gather_full_megatron(self.model, self.tconfig)
         return megatron_to_hf(full, self.hf_config)
-
-
-def _route_pad(batch: Any) -> Any:
-    for name in ("route_pad", "replay_padding_mask"):
-        if getattr(batch, name, None) is not None:
-            return getattr(batch, name)
-    return None
-
-
-def _select(batch: Any, rows: Any, device: str) -> Any:
-    """Rows of a batch dataclass (TrainBatch / ReplayBatch), tensors moved to the trainer device."""
-    import dataclasses
-
-    import torch
-
-    fields = {}
-    for f in dataclasses.fields(batch):
-        v = getattr(batch, f.name)
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch.input_ids.shape[0]:
-            v = v[rows].to(device)
-        elif isinstance(v, list) and len(v) == batch.input_ids.shape[0]:
-            v = [v[int(i)] for i in rows]
-        fields[f.name] = v
-    return type(batch)(**fields)
 
 
 class _RoutingProbe:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from r3operator.trainer.replay.rows import replay_row_problem
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
@@ -180,6 +182,7 @@ class RouterReplay:
         self._handles: list[Any] = []
         self._per_layer: dict[int, torch.Tensor] = {}
         self._mask: torch.Tensor | None = None
+        self.num_layers = 0  # decoder layers of the installed model (dense ones included)
         self.active = False
 
     # -- lifetime ---------------------------------------------------------------------------------------
@@ -187,6 +190,8 @@ class RouterReplay:
         if self._handles:
             raise RuntimeError("RouterReplay is already installed; call remove() first")
         self._sites = find_routers(model)
+        config_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        self.num_layers = int(config_layers) if config_layers is not None else max(self.layers) + 1
         for site in self._sites:
             self._handles.append(site.module.register_forward_hook(self._make_hook(site)))
         return self
@@ -211,7 +216,10 @@ class RouterReplay:
         """Arm with [B, S, L, K] / [N, L, K] ids (absolute layer axis) or a per-layer list of [N, K].
 
         The ids are converted to int64 once here, not per hook call. A layer whose entry is None routes
-        naturally. Stays armed (through backward and checkpoint recompute) until `disarm()`.
+        naturally; so do rows flagged True in `padding_mask` ("no route"). Raises `RouterReplayError` when
+        the layer axis does not match the model, or a row that replays on an MoE layer is not K distinct
+        in-range ids (an all-zero row included). Stays armed (through backward and checkpoint recompute)
+        until `disarm()`.
         """
         import torch
 
@@ -219,14 +227,17 @@ class RouterReplay:
             raise RuntimeError("RouterReplay.arm() before install(model)")
         if isinstance(indices, torch.Tensor):
             flat, mask = flatten_for_router(indices, nnz_indices=nnz_indices, padding_mask=padding_mask)
-            need = max(self.layers) + 1
-            if flat.shape[1] < need:
+            if flat.shape[1] != self.num_layers:
                 raise RouterReplayError(
-                    f"replay indices cover {flat.shape[1]} layers but the model routes in layer {need - 1}; "
-                    "vLLM must report every decoder layer"
+                    f"replay indices cover {flat.shape[1]} layers but the model has {self.num_layers} decoder "
+                    "layers; routes must hold every decoder layer (dense ones as zero rows), as vLLM reports them"
                 )
             per_layer: dict[int, torch.Tensor] = {s.layer: flat[:, s.layer] for s in self._sites}
         else:
+            if len(indices) != self.num_layers:
+                raise RouterReplayError(
+                    f"{len(indices)} per-layer replay entries but the model has {self.num_layers} decoder layers"
+                )
             if padding_mask is not None:
                 mask = padding_mask.reshape(-1)
                 mask = mask[nnz_indices] if nnz_indices is not None else mask
@@ -242,8 +253,13 @@ class RouterReplay:
             if ids.dim() != 2 or ids.shape[1] != top_k:
                 raise RouterReplayError(f"layer {site.layer}: ids shape {tuple(ids.shape)} is not [N, top_k={top_k}]")
             ids = ids.to(torch.int64).contiguous()
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-                raise RouterReplayError(f"layer {site.layer}: expert id out of range [0, {num_experts})")
+            if mask is not None and mask.shape[0] != ids.shape[0]:
+                raise RouterReplayError(
+                    f"layer {site.layer}: padding_mask has {mask.shape[0]} rows, replay ids {ids.shape[0]}"
+                )
+            problem = replay_row_problem(ids, mask, num_experts=num_experts)
+            if problem is not None:
+                raise RouterReplayError(f"MoE layer {site.layer}: {problem}")
             self._per_layer[site.layer] = ids
         self._mask = mask.to(torch.bool) if mask is not None else None
         self.active = True

@@ -14,9 +14,10 @@ Megatron does none of the data alignment. Per micro-batch this module:
 
 1. maps the rollout's [B, S, L, K] routes (L = every decoder layer, dense ones included, as vLLM reports
    them) to this pipeline stage's routers by global `layer_number - 1`;
-2. fills rows without a captured route with the distinct dummy experts `arange(K)` (duplicates collapse
-   in the dispatcher's routing map) and passes the same rows as the MoE `padding_mask` (True = pad), so
-   aux-loss / expert-bias accounting skips them;
+2. marks rows without a captured route with `UNCAPTURED` ids; `ReplaySession` gives every RouterReplay
+   instance a top-k that routes those rows naturally (what the HF hook does), so an uncaptured prefix
+   moves later tokens exactly as it would without replay. The same rows go to GPTModel as the MoE
+   `padding_mask` (True = pad), so aux-loss / expert-bias accounting skips them;
 3. slices the rows exactly like the hidden states: optional THD packing (`pack_rows`, the inputs'
    non-pad tokens in row-major order), context parallel (2·cp zig-zag chunks, `cp_zigzag`, the same
    split as `megatron.core.utils.get_batch_on_this_cp_rank`), sequence parallel (this TP rank's
@@ -31,13 +32,17 @@ Pure functions (`plan_micro_batch` and friends) take torch tensors only, so CPU 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from r3operator.trainer.replay.rows import replay_row_problem
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+UNCAPTURED = -1  # replay id of a row without a captured route: that row routes naturally
 ROUTER_FUSION_FIELD = "trainer.megatron.routerFusion"
 ReplayMode = Literal["off", "R3", "R2-record", "R2-replay"]
 
@@ -148,50 +153,9 @@ def pack_rows(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return x[attention_mask.bool()].unsqueeze(0)
 
 
-def left_shifts(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] leading pad count per row (each row: pads, then one contiguous run of tokens, then pads)."""
-    return attention_mask.bool().int().argmax(dim=1)
-
-
-def roll_rows(x: torch.Tensor, shifts: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Rotate each row of [B, S, ...] left by shifts[b] (right by it when `inverse`).
-
-    Megatron's RoPE uses positions 0..S-1 for every row (position_ids only feed learned absolute
-    embeddings), so left-padded rows are rotated to start at column 0 before the forward; routes and
-    their padding mask rotate identically, and the logits rotate back.
-    """
-    import torch
-
-    s = x.shape[1]
-    sign = -1 if inverse else 1
-    idx = (torch.arange(s, device=x.device)[None, :] + sign * shifts.to(x.device)[:, None]) % s
-    idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
-    return x.gather(1, idx)
-
-
 def to_router_rows(x: torch.Tensor) -> torch.Tensor:
     """[B, S, K] -> [S*B, K]: the order in which the router sees tokens ([S, B, H] hidden states)."""
     return x.transpose(0, 1).reshape(-1, x.shape[-1])
-
-
-def dummy_routes(top_k: int, *, device: Any = None) -> torch.Tensor:
-    import torch
-
-    return torch.arange(top_k, dtype=torch.int64, device=device)
-
-
-def fill_dummy(indices: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """int64 copy of [B, S, L, K] with rows flagged True in padding_mask [B, S] set to arange(K)."""
-    import torch
-
-    out = indices.to(torch.int64).clone()
-    if padding_mask is not None:
-        if padding_mask.shape != indices.shape[:2]:
-            raise MegatronReplayError(
-                f"padding_mask {tuple(padding_mask.shape)} does not match routes {tuple(indices.shape[:2])}"
-            )
-        out[padding_mask.bool()] = dummy_routes(indices.shape[-1], device=indices.device)
-    return out
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -240,26 +204,46 @@ def plan_micro_batch(
     *,
     attention_mask: torch.Tensor | None = None,
     num_experts: int | None = None,
+    num_layers: int | None = None,
 ) -> ReplayPlan:
     """Per-router index tensors for one micro-batch.
 
-    `indices` [B, S, L, K] holds every decoder layer (dense ones ignored); `layers` are the global 0-based
-    layers of this stage's routers in instance order (`instance_layers`).
+    `indices` [B, S, L, K] holds every decoder layer (dense ones ignored; `num_layers`, when given, must
+    equal L); `layers` are the global 0-based layers of this stage's routers in instance order
+    (`instance_layers`). Rows flagged in `padding_mask` [B, S] become `UNCAPTURED` (natural routing);
+    every other row of a router's layer must be K distinct ids in `[0, num_experts)`.
     """
     import torch
 
     if indices.dim() != 4:
         raise MegatronReplayError(f"routes must be [B, S, L, K], got shape {tuple(indices.shape)}")
-    num_layers = indices.shape[2]
-    if layers and max(layers) >= num_layers:
+    if padding_mask is not None and padding_mask.shape != indices.shape[:2]:
         raise MegatronReplayError(
-            f"routes cover {num_layers} layers but a router sits in global layer {max(layers)}; "
+            f"padding_mask {tuple(padding_mask.shape)} does not match routes {tuple(indices.shape[:2])}"
+        )
+    have = indices.shape[2]
+    if num_layers is not None and have != num_layers:
+        raise MegatronReplayError(
+            f"routes cover {have} layers but the model has {num_layers} decoder layers; routes must hold every "
+            "decoder layer (dense ones as zero rows), as vLLM reports them"
+        )
+    if layers and max(layers) >= have:
+        raise MegatronReplayError(
+            f"routes cover {have} layers but a router sits in global layer {max(layers)}; "
             "vLLM must report every decoder layer"
         )
-    full = fill_dummy(indices, padding_mask)
-    if num_experts is not None and full.numel() and (int(full.min()) < 0 or int(full.max()) >= num_experts):
-        raise MegatronReplayError(f"expert id out of range [0, {num_experts})")
-    sel = full.index_select(2, torch.as_tensor(list(layers), dtype=torch.int64, device=full.device))
+    sel = indices.index_select(2, torch.as_tensor(list(layers), dtype=torch.int64, device=indices.device))
+    sel = sel.to(torch.int64)
+    no_route = None if padding_mask is None else padding_mask.bool().to(sel.device)
+    if num_experts is not None:
+        rows_no_route = None if no_route is None else no_route.reshape(-1)
+        for i, layer in enumerate(layers):
+            rows = sel[:, :, i].reshape(-1, sel.shape[-1])
+            problem = replay_row_problem(rows, rows_no_route, num_experts=num_experts)
+            if problem is not None:
+                raise MegatronReplayError(f"MoE layer {layer}: {problem} (rows are batch-major [B*S])")
+    if no_route is not None:
+        sel = sel.masked_fill(no_route[:, :, None, None], UNCAPTURED)
     sel = layout.router_slice(layout.slice_rows(sel, attention_mask))  # [B', S_local, L_local, K]
     per_layer = [to_router_rows(sel[:, :, i]).contiguous() for i in range(sel.shape[2])]
     mask = None
@@ -270,6 +254,43 @@ def plan_micro_batch(
         if layout.sequence_parallel and not layout.first_pp_stage:
             mask = layout.router_slice(mask)
     return ReplayPlan(per_layer, list(layers), mask)
+
+
+def _replay_topk_with_natural_rows(
+    replay: Any,
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    default_compute_topk: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RouterReplay.get_replay_topk` with one change: rows whose replay ids are `UNCAPTURED` take the
+    router's own top-k (computed on the live scores, exactly as without replay)."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    action = replay.router_replay_action
+    if action is RouterReplayAction.REPLAY_FORWARD:
+        target = replay.target_topk_idx
+    elif action is RouterReplayAction.REPLAY_BACKWARD:
+        target = replay.replay_backward_list.pop(0)
+    else:
+        return RouterReplay.get_replay_topk(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+    target = target.to(scores.device)
+    # The natural top-k for every row costs one topk per layer, the price of routing without replay; it
+    # avoids a host sync on "does this micro-batch have uncaptured rows".
+    natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
+    ids = torch.where(target < 0, natural, target)
+    return scores.gather(1, ids), ids
+
+
+def route_uncaptured_rows_naturally(instances: Sequence[Any]) -> None:
+    """Give each RouterReplay instance the top-k of `_replay_topk_with_natural_rows` (idempotent)."""
+    for inst in instances:
+        current = getattr(inst, "get_replay_topk", None)
+        if getattr(current, "func", None) is _replay_topk_with_natural_rows:
+            continue
+        inst.get_replay_topk = functools.partial(_replay_topk_with_natural_rows, inst)
 
 
 # --- the RouterReplay state machine ----------------------------------------------------------------------
@@ -295,11 +316,15 @@ class ReplaySession:
     then `after_forward()`; `recorded()` returns what RECORD captured (R2's old-logprob pass).
     """
 
-    def __init__(self, layout: ParallelLayout, *, num_experts: int | None = None) -> None:
+    def __init__(
+        self, layout: ParallelLayout, *, num_experts: int | None = None, num_layers: int | None = None
+    ) -> None:
         self.layout = layout
         self.num_experts = num_experts
+        self.num_layers = num_layers
         self.instances = replay_instances()
         self.layers = instance_layers(self.instances)
+        route_uncaptured_rows_naturally(self.instances)
 
     def _check_instances(self) -> None:
         current = replay_instances()
@@ -332,7 +357,7 @@ class ReplaySession:
             raise MegatronReplayError(f"replay mode {mode} needs routes for the micro-batch")
         plan = plan_micro_batch(
             indices, padding_mask, self.layers, self.layout, attention_mask=attention_mask,
-            num_experts=self.num_experts,
+            num_experts=self.num_experts, num_layers=self.num_layers,
         )  # fmt: skip
         if len(plan.per_layer) != len(self.instances):  # set_replay_data checks too; say why here
             raise MegatronReplayError(f"{len(plan.per_layer)} replay tensors for {len(self.instances)} routers")
