@@ -7,7 +7,11 @@ One vLLM rollout (bf16, temperature 1, sampled-token logprobs, routed experts) i
 trainer numerics settings (dtype, attention implementation, experts implementation). For each
 setting we report, over response tokens: the natural routing mismatch (trainer's own top-k vs the
 engine's, as sets per token-layer), mean/max |Δlogprob|, k3 KL(π_rollout‖π_train) and F(τ=2), with
-routing off and with replay; replay also checks that the experts received exactly the engine's ids.
+routing off and with replay, and under replay the router's own top-k vs the engine's (the alignment
+signal the runtime exports: it collapses when routes land on the wrong tokens).
+
+The batch is the runtime's: `trainer.batch.build_batch` (right padded, routes at their absolute
+positions), scored with the HF `RouterReplay` the policy trainer installs.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from r3operator.trainer.batch import TrainBatch, build_batch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3operator.engine.rollout import RolloutSample
+    from r3operator.trainer.metrics import RoutingAgreement
 
 DEFAULT_VARIANTS = (
     "bf16-sdpa-eager",
@@ -51,40 +62,59 @@ def parse_variant(name: str) -> dict[str, Any]:
     return {"dtype": parts[0], "attn": parts[1], "experts": parts[2], "fp32_gate": parts[3:] == ["fp32gate"]}
 
 
-def hf_off_and_replay(model: Any, replay: Any, batch: Any, device: str) -> tuple[Any, Any, Any, Any]:
-    """One no-grad pass of `model` (RouterReplay `replay` installed) without and with the engine's routes.
+@dataclass(frozen=True)
+class ReplayPass:
+    """One no-grad pass of a model without and with the engine's routes, all on the CPU."""
 
-    Returns (logprobs off, logprobs under replay, routing agreement of the natural top-k with the engine,
-    routing agreement of the ids the experts received under replay), all on the CPU.
-    """
+    off: Any  # logprobs, natural routing
+    on: Any  # logprobs, engine routes replayed
+    agree_off: RoutingAgreement  # natural top-k vs the engine, routing off
+    agree_natural_on: RoutingAgreement  # the router's own top-k inside the replayed forward vs the engine
+    replay_applied: RoutingAgreement  # ids the experts received under replay vs the engine (wiring check)
+
+
+def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -> ReplayPass:
+    """Score `batch` with `model` (RouterReplay `replay` installed) without and with its engine routes."""
     import torch
 
     from r3operator.trainer.logprobs import token_logprobs
     from r3operator.trainer.metrics import routing_agreement
-    from r3operator.trainer.replay.hf import RouterRecorder, natural_routing
+    from r3operator.trainer.replay.hf import RouterRecorder
 
-    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    engine_ids, pad = batch.replay_indices, batch.replay_padding_mask
+    if batch.engine_routes is None or batch.route_pad is None:
+        raise ValueError("the fidelity batch needs engine routes for every sample")
+    inputs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
+    engine_ids, pad = batch.engine_routes, batch.route_pad
+    layers = model.config.num_hidden_layers
+    natural = RouterRecorder(natural=True).install(model)
     used = RouterRecorder(natural=False).install(model)
     try:
         with torch.no_grad():
-            off = token_logprobs(model, **to).cpu()
-            natural = natural_routing(model, **to).cpu()
+            off = token_logprobs(model, **inputs).cpu()
+            natural_off = natural.stacked(layers).cpu().reshape(engine_ids.shape)
             with replay.armed(engine_ids.to(device), padding_mask=pad.to(device)):
-                on = token_logprobs(model, **to).cpu()
-            replay_used = used.stacked(model.config.num_hidden_layers).cpu().reshape(engine_ids.shape)
+                on = token_logprobs(model, **inputs).cpu()
+            natural_on = natural.stacked(layers).cpu().reshape(engine_ids.shape)
+            replay_used = used.stacked(layers).cpu().reshape(engine_ids.shape)
     finally:
+        natural.remove()
         used.remove()
     captured = ~pad  # token positions with an engine route
-    agree_off = routing_agreement(natural, engine_ids, captured)
-    return off, on, agree_off, routing_agreement(replay_used, engine_ids, captured)
+    return ReplayPass(
+        off, on, routing_agreement(natural_off, engine_ids, captured),
+        routing_agreement(natural_on, engine_ids, captured), routing_agreement(replay_used, engine_ids, captured),
+    )  # fmt: skip
+
+
+def fidelity_batch(samples: Sequence[RolloutSample], pad_id: int | None) -> TrainBatch:
+    """The runtime's batch of `samples` with every sample's routes (advantages are irrelevant here)."""
+    return build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=pad_id or 0)
 
 
 def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from r3operator.trainer.logprobs import batch_from_samples
     from r3operator.trainer.metrics import logprob_stats
     from r3operator.trainer.replay.hf import RouterReplay
 
@@ -96,22 +126,24 @@ def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device:
         experts_implementation=v["experts"],
     ).to(device)
     model.eval()
-    batch = batch_from_samples(samples, pad_token_id=model.config.pad_token_id)
+    batch = fidelity_batch(samples, model.config.pad_token_id)
     replay = RouterReplay(gate_dtype=torch.float32 if v["fp32_gate"] else None).install(model)
     t0 = time.perf_counter()
-    off, on, agree_off, agree_on = hf_off_and_replay(model, replay, batch, device)
+    p = hf_off_and_replay(model, replay, batch, device)
     elapsed = time.perf_counter() - t0
+    if p.replay_applied.agreement_ratio != 1.0:
+        raise RuntimeError(f"{variant}: the replay hook did not apply the engine's routes everywhere")
     mask = batch.response_mask
-    s_off = logprob_stats(batch.rollout_logprobs, off, mask)
-    s_on = logprob_stats(batch.rollout_logprobs, on, mask)
+    s_off = logprob_stats(batch.rollout_logprobs, p.off, mask)
+    s_on = logprob_stats(batch.rollout_logprobs, p.on, mask)
     del model
     gc.collect()
     return {
         "variant": variant,
         "response_tokens": s_off.tokens,
-        "routing_mismatch_off_pct": 100 * (1 - agree_off.agreement_ratio),
-        "tokens_any_layer_diff_off_pct": 100 * agree_off.tokens_any_diff_ratio,
-        "routing_agreement_replay_pct": 100 * agree_on.agreement_ratio,
+        "routing_mismatch_off_pct": 100 * (1 - p.agree_off.agreement_ratio),
+        "tokens_any_layer_diff_off_pct": 100 * p.agree_off.tokens_any_diff_ratio,
+        "natural_agreement_replay_pct": 100 * p.agree_natural_on.agreement_ratio,
         "abs_diff_mean": [s_off.abs_diff_mean, s_on.abs_diff_mean],
         "abs_diff_max": [s_off.abs_diff_max, s_on.abs_diff_max],
         "kl_k3": [s_off.kl_k3, s_on.kl_k3],
@@ -190,7 +222,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"model={result['model']} device={result['device']} engine={result['engine_dtype']} "
         f"prompts={result['prompts']} "
         f"max_tokens={result['max_tokens']} rollout={result['rollout_seconds']}s",
-        "| trainer numerics | routing mismatch off | agree under replay | mean |Δlp| off → replay | "
+        "| trainer numerics | routing mismatch off | natural agreement under replay | mean |Δlp| off → replay | "
         "max |Δlp| off → replay | k3 KL off → replay | F(2) off → replay |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -198,7 +230,7 @@ def format_table(result: dict[str, Any]) -> str:
         m, x, k, f = r["abs_diff_mean"], r["abs_diff_max"], r["kl_k3"], r["extreme_frac_tau2"]
         lines.append(
             f"| {r['variant']} | {r['routing_mismatch_off_pct']:.2f}% ({r['tokens_any_layer_diff_off_pct']:.1f}% tok) "
-            f"| {r['routing_agreement_replay_pct']:.1f}% | {m[0]:.5f} → {m[1]:.5f} ({r['replay_over_off_mean']:.2f}×) "
+            f"| {r['natural_agreement_replay_pct']:.2f}% | {m[0]:.5f} → {m[1]:.5f} ({r['replay_over_off_mean']:.2f}×) "
             f"| {x[0]:.4f} → {x[1]:.4f} | {k[0]:.2e} → {k[1]:.2e} | {f[0]:.4f} → {f[1]:.4f} |"
         )
     return "\n".join(lines)

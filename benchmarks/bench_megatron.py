@@ -4,9 +4,10 @@
     python -m benchmarks.bench_megatron --model gpu --device cuda      # vLLM 0.22.1 + megatron-core on a GPU
 
 For each backend (HF transformers, Megatron local spec) over the rollout's response tokens: mean / max
-|Δlogprob| vs the engine without and with R3 replay, routing agreement with the engine under replay
-(ids the MoE dispatch received), and the wall time of a train step (forward + backward + AdamW) with and
-without replay: the replay overhead per step.
+|Δlogprob| vs the engine without and with R3 replay, whether the MoE dispatch received exactly the
+engine's ids (a wiring check), and the wall time of a train step (forward + backward + AdamW) with and
+without replay: the replay overhead per step. Both backends get the runtime's batch
+(`trainer.batch.build_batch`, right padded); rows without a route route naturally on both.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _timed(fn: Any, repeat: int, sync: Any) -> float:
 
 
 def _loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
-    mask = mb.response_mask.float()
+    mask = mb.response_mask.to(lp.device).float()
     return -(lp * mask).sum() / mask.sum().clamp(min=1), {}
 
 
@@ -42,17 +43,17 @@ def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat:
     from r3operator.trainer.metrics import logprob_stats, routing_agreement
 
     tr = build_megatron_trainer(None, model_dir, device, dtype=dtype, learning_rate=0.0)
-    routes = batch.replay_indices
+    routes = batch.engine_routes
     off = tr.logprobs(batch, None, "off", probe=True)
     on = tr.logprobs(batch, routes, "R3", probe=True)
-    captured = ~batch.replay_padding_mask
+    captured = ~batch.route_pad
     moe = [layer for layer in range(routes.shape[2]) if layer in tr.session.layers]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     t_off = _timed(lambda: tr.train_step(batch, None, _loss), repeat, sync)
     t_on = _timed(lambda: tr.train_step(batch, routes, _loss), repeat, sync)
     agree_off = routing_agreement(off.used[:, :, moe], routes[:, :, moe], captured)
-    agree_on = routing_agreement(on.used[:, :, moe], routes[:, :, moe], captured)
-    return _summary(batch, off.logprobs, on.logprobs, agree_off, agree_on, t_off, t_on, logprob_stats)
+    applied = routing_agreement(on.used[:, :, moe], routes[:, :, moe], captured)
+    return _summary(batch, off.logprobs, on.logprobs, agree_off, applied, t_off, t_on, logprob_stats)
 
 
 def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
@@ -65,10 +66,10 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     from r3operator.trainer.replay.hf import RouterReplay
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    routes, pad = batch.replay_indices, batch.replay_padding_mask
+    to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask")}
+    routes, pad = batch.engine_routes, batch.route_pad
     replay = RouterReplay().install(model)
-    off, on, agree_off, agree_on = hf_off_and_replay(model, replay, batch, device)
+    p = hf_off_and_replay(model, replay, batch, device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     mask = batch.response_mask.to(device)
 
@@ -86,10 +87,10 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     t_off = _timed(lambda: step(False), repeat, sync)
     t_on = _timed(lambda: step(True), repeat, sync)
-    return _summary(batch, off, on, agree_off, agree_on, t_off, t_on, logprob_stats)
+    return _summary(batch, p.off, p.on, p.agree_off, p.replay_applied, t_off, t_on, logprob_stats)
 
 
-def _summary(batch: Any, off: Any, on: Any, agree_off: Any, agree_on: Any, t_off: float, t_on: float,
+def _summary(batch: Any, off: Any, on: Any, agree_off: Any, applied: Any, t_off: float, t_on: float,
              stats_fn: Any) -> dict[str, Any]:  # fmt: skip
     s_off = stats_fn(batch.rollout_logprobs, off, batch.response_mask)
     s_on = stats_fn(batch.rollout_logprobs, on, batch.response_mask)
@@ -99,7 +100,7 @@ def _summary(batch: Any, off: Any, on: Any, agree_off: Any, agree_on: Any, t_off
         "abs_diff_max": [s_off.abs_diff_max, s_on.abs_diff_max],
         "kl_k3": [s_off.kl_k3, s_on.kl_k3],
         "routing_mismatch_off_pct": 100 * (1 - agree_off.agreement_ratio),
-        "routing_agreement_replay_pct": 100 * agree_on.agreement_ratio,
+        "replay_applied_pct": 100 * applied.agreement_ratio,
         "step_seconds": [round(t_off, 4), round(t_on, 4)],
         "replay_overhead_pct": 100 * (t_on / t_off - 1),
         "_logprobs_replay": on,
@@ -122,13 +123,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
-    from benchmarks.bench_fidelity import reference_rollout
-    from r3operator.trainer.logprobs import batch_from_samples
+    from benchmarks.bench_fidelity import fidelity_batch, reference_rollout
 
     args.engine_dtype = "bfloat16"
     model_dir, samples, rollout_s = reference_rollout(args)
 
-    batch = batch_from_samples(samples, pad_token_id=AutoConfig.from_pretrained(model_dir).pad_token_id)
+    batch = fidelity_batch(samples, AutoConfig.from_pretrained(model_dir).pad_token_id)
     dtype = getattr(torch, args.trainer_dtype)
     hf = score_hf(model_dir, batch, args.device, dtype, args.repeat)
     mg = score_megatron(model_dir, batch, args.device, dtype, args.repeat)
@@ -150,7 +150,7 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"[{r['label']}] model={r['model']} trainer={r['trainer_dtype']} prompts={r['prompts']} "
         f"max_tokens={r['max_tokens']}",
-        "| backend | mean |Δlp| off → R3 | max |Δlp| off → R3 | routing mismatch off | agreement under R3 "
+        "| backend | mean |Δlp| off → R3 | max |Δlp| off → R3 | routing mismatch off | replay applied "
         "| step s off → R3 | replay overhead |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -159,7 +159,7 @@ def format_table(r: dict[str, Any]) -> str:
         m, x, t = b["abs_diff_mean"], b["abs_diff_max"], b["step_seconds"]
         lines.append(
             f"| {name} | {m[0]:.5f} → {m[1]:.5f} | {x[0]:.4f} → {x[1]:.4f} | {b['routing_mismatch_off_pct']:.2f}% "
-            f"| {b['routing_agreement_replay_pct']:.1f}% | {t[0]:.3f} → {t[1]:.3f} | {b['replay_overhead_pct']:+.1f}% |"
+            f"| {b['replay_applied_pct']:.1f}% | {t[0]:.3f} → {t[1]:.3f} | {b['replay_overhead_pct']:+.1f}% |"
         )
     c = r["hf_vs_megatron_replay_abs_diff"]
     lines.append(f"HF vs Megatron under R3: mean |Δlp| {c['mean']:.2e}, max {c['max']:.2e}")

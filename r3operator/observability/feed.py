@@ -145,8 +145,7 @@ class SyntheticFeed:
                   "weight_sync": 0.8}  # fmt: skip
         driver.observe_step(
             {"step": step, "policy_version": step, "reward_mean": 0.2 + 0.5 * (1 - math.exp(-step / 60.0)),
-             "tokens_per_second": 9000 + 800 * math.sin(step / 9.0), "step_seconds": sum(phases.values()),
-             "routing_agreement": 1.0},
+             "tokens_per_second": 9000 + 800 * math.sin(step / 9.0), "step_seconds": sum(phases.values())},
             phases,
         )  # fmt: skip
         driver.set("r3_weight_sync_seconds", phases["weight_sync"])

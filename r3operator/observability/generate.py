@@ -87,7 +87,9 @@ def render_metrics_doc() -> str:
         "Thresholds (constants in `r3operator/observability/rules.py`):",
         f"- logprob spike: mean |Δlogprob| above {rules.LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline and above "
         f"{rules.LOGPROB_DIFF_FLOOR} (bf16 rollout-vs-train noise is a few hundredths).",
-        f"- routing agreement under R3: layer mean below {rules.ROUTING_AGREEMENT_MIN:g} for 10 m.",
+        f"- routing agreement under R3: mean over MoE layers of the trainer routers' own top-k vs the engine's "
+        f"routes below {rules.ROUTING_AGREEMENT_MIN:g} for 10 m (about 0.98 when routes sit on the right tokens, "
+        "near 0 when every route is one token off).",
         f"- no progress: Ready but `r3operator_rljob_step` unchanged for {rules.NO_PROGRESS_MINUTES} m.",
         f"- reconcile errors: any for {rules.RECONCILE_ERROR_MINUTES} m.",
         "",

@@ -300,10 +300,12 @@ class GRPORun:
              old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
              begin: float) -> dict[str, Any]:  # fmt: skip
         lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, batch.response_mask)
-        used = natural = float("nan")
+        applied = natural = float("nan")
         if batch.engine_routes is not None:
             mask = ~batch.route_pad
-            used = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
+            # replay_applied: the hook handed the experts the engine's ids (a wiring check; blind to a
+            # misaligned batch). The routers' own choice vs the engine is the alignment signal.
+            applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
         tokens = sum(len(s.token_ids) for s in samples)
         row: dict[str, Any] = {
@@ -312,7 +314,7 @@ class GRPORun:
             "samples_dropped": len(self.dropped), "tokens": tokens,
             "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
-            "routing_agreement": used, "routing_natural_agreement": natural, "loss": stats.loss,
+            "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
             "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
             "canary_near_ties": self.canary_near_ties,
             "step_seconds": time.perf_counter() - begin,

@@ -25,8 +25,6 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3_weight_sync_canary_ok", "gauge", ("job",), "1 if the last post-sync canary matched, else 0."),
     MetricSpec("r3_samples_dropped_total", "counter", ("job", "reason"),
                "Samples left out of training (routes invalid/missing under R3, unreadable routing file)."),
-    MetricSpec("r3_routing_agreement_used_ratio", "gauge", ("job",),
-               "Token-layers where the experts the trainer used equal the engine's (100% under R3)."),
 ]  # fmt: skip
 
 
@@ -66,7 +64,6 @@ class RuntimeMetrics:
         self.set("r3_reward_mean", row["reward_mean"])
         self.set("r3_tokens_per_second", row["tokens_per_second"])
         self.set("r3_step_seconds", row["step_seconds"])
-        self.set("r3_routing_agreement_used_ratio", row["routing_agreement"])
         for phase, seconds in phases.items():
             self.set("r3_step_phase_seconds", seconds, phase=phase)
 
@@ -99,7 +96,7 @@ def progress_patch(
         "logprobAbsDiffMean": _finite(row.get("logprob_abs_diff_mean")),
         "logprobAbsDiffMax": _finite(row.get("logprob_abs_diff_max")),
         "klK3": _finite(row.get("kl_k3")),
-        "routingAgreement": _finite(row.get("routing_agreement")),
+        "routingAgreement": _finite(row.get("routing_natural_agreement")),
         "lastCheckpointStep": last_checkpoint_step,
         "updatedAt": stamp,
     }

@@ -30,7 +30,7 @@ def step_line(row: Mapping[str, Any], total_steps: int) -> str:
     return (
         f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
         f"|dlogprob| mean {row['logprob_abs_diff_mean']:.3g} max {row['logprob_abs_diff_max']:.3g}  "
-        f"routing used {_pct(row['routing_agreement'])} natural {_pct(row.get('routing_natural_agreement'))}  "
+        f"routing natural {_pct(row.get('routing_natural_agreement'))} replay {_pct(row.get('replay_applied'))}  "
         f"canary {'ok' if row['canary_ok'] else '-'}  {times}  step {row['step_seconds']:.2f}s"
     )
 
@@ -47,13 +47,13 @@ class StepTable:
 
     def _table(self) -> Table:
         table = Table(title=f"{self.title}  ({len(self.rows)}/{self.total_steps} steps)")
-        for col in ("step", "reward", "|Δlogprob|", "routing used", "natural", "canary",
+        for col in ("step", "reward", "|Δlogprob|", "routing natural", "replay", "canary",
                     *[f"{label} s" for _, label in PHASES], "step s"):  # fmt: skip
             table.add_column(col, justify="right", no_wrap=True)
         for r in self.rows[-25:]:
             table.add_row(
                 str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.3g}",
-                _pct(r["routing_agreement"]), _pct(r.get("routing_natural_agreement")),
+                _pct(r.get("routing_natural_agreement")), _pct(r.get("replay_applied")),
                 "ok" if r["canary_ok"] else "-",
                 *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES], f"{r['step_seconds']:.2f}",
             )  # fmt: skip

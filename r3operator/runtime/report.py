@@ -12,7 +12,7 @@ from typing import Any
 COLUMNS = (
     "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
     "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
-    "routing_agreement", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
+    "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
     "canary_near_ties",
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
     "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint",
@@ -66,14 +66,15 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # Each panel: (title, [(column, line label suffix, style)]). The routing panel shows both what the
-    # experts received (100 % under replay) and what the trainer would have chosen by itself.
+    # Each panel: (title, [(column, line label suffix, style)]). The routing panel shows what the trainer's
+    # routers would choose by themselves (the alignment signal) and whether replay handed the experts the
+    # engine's ids (100 % under R3 whenever the hook fires, aligned or not).
     panels = [
         ("reward (mean)", [("reward_mean", "", "-")]),
         ("mean |Δlogprob| rollout vs trainer", [("logprob_abs_diff_mean", "", "-")]),
         (
             "routing agreement with the engine",
-            [("routing_agreement", " experts used", "-"), ("routing_natural_agreement", " trainer natural", "--")],
+            [("routing_natural_agreement", " trainer natural", "-"), ("replay_applied", " replay applied", "--")],
         ),
     ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -103,7 +104,7 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
         "## Replay off vs on (same seed)",
         "",
         "| run | mean abs Δlogprob | max abs Δlogprob | k3 KL | routing mismatch, trainer natural vs engine "
-        "| routing agreement, experts used vs engine | reward start → end |",
+        "| replay applied (experts got the engine's ids) | reward start → end |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, rows in runs.items():
@@ -114,7 +115,7 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
             f"| {label} | {_mean(rows, 'logprob_abs_diff_mean'):.3g} | "
             f"{max(_f(r, 'logprob_abs_diff_max') for r in rows):.3g} | {_mean(rows, 'kl_k3'):.3g} | "
             f"{100 * (1 - _mean(rows, 'routing_natural_agreement')):.2f}% | "
-            f"{100 * _mean(rows, 'routing_agreement'):.2f}% | {start:.3f} → {end:.3f} |"
+            f"{100 * _mean(rows, 'replay_applied'):.2f}% | {start:.3f} → {end:.3f} |"
         )
     values = [(label, _mean(rows, "logprob_abs_diff_mean"), rows) for label, rows in runs.items() if rows]
     if len(values) == 2 and values[0][1] > 0:
@@ -152,8 +153,8 @@ def write_report(
             f"{_f(rows[-1], 'reward_mean'):.3f}",
             f"- mean |Δlogprob| rollout vs trainer (mean over steps): {_mean(rows, 'logprob_abs_diff_mean'):.3g}; "
             f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.3g}",
-            f"- routing agreement, experts used vs engine: {_mean(rows, 'routing_agreement'):.4f}; "
-            f"trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}",
+            f"- routing agreement, trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}; "
+            f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}",
             f"- weight-sync canary: {sum(1 for r in rows if str(r.get('canary_ok')) in ('1', 'True'))}/{len(rows)} ok",
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),

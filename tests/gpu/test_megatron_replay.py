@@ -21,29 +21,26 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def synthetic_batch(model_dir: Path, seed: int = 0) -> tuple[Any, Any]:
-    """A left/right-padded batch with random distinct routes (dense-layer rows 0), no engine needed."""
-    from dataclasses import dataclass
-
+    """A right-padded `TrainBatch` with random distinct routes, no engine needed."""
     from transformers import AutoConfig
 
+    from r3operator.trainer.batch import TrainBatch
+
     cfg = AutoConfig.from_pretrained(model_dir)
-
-    @dataclass
-    class Batch:
-        input_ids: Any
-        attention_mask: Any
-        response_mask: Any
-        replay_padding_mask: Any
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (4, 64), generator=g)
     attn = torch.ones_like(ids)
-    attn[1, :5] = 0
+    attn[1, 59:] = 0
     attn[3, 50:] = 0
     pad = ~attn.bool()
     routes = torch.rand(4, 64, cfg.num_hidden_layers, cfg.num_experts, generator=g).argsort(-1)
     routes = routes[..., : cfg.num_experts_per_tok]
-    return Batch(ids * attn, attn, (attn[:, 1:] * attn[:, :-1]).bool(), pad), routes
+    batch = TrainBatch(
+        input_ids=ids * attn, attention_mask=attn, response_mask=(attn[:, 1:] * attn[:, :-1]).bool(),
+        rollout_logprobs=torch.zeros(4, 63), advantages=torch.zeros(4), engine_routes=routes, route_pad=pad,
+        sample_ids=[f"s{i}" for i in range(4)],
+    )  # fmt: skip
+    return batch, routes
 
 
 @needs_cuda
@@ -54,7 +51,7 @@ def test_vllm_rollout_replayed_through_hf_and_megatron() -> None:
 
     r = main(["--model", "gpu", "--device", "cuda", "--prompts", "16", "--max-tokens", "64", "--repeat", "2"])
     for name in ("hf", "megatron"):
-        assert r[name]["routing_agreement_replay_pct"] == 100.0, name
+        assert r[name]["replay_applied_pct"] == 100.0, name
         off, on = r[name]["abs_diff_mean"]
         assert on < off, f"{name}: replay did not reduce |Δlogprob| ({off} -> {on})"
     cross = r["hf_vs_megatron_replay_abs_diff"]
@@ -74,7 +71,11 @@ def _worker(out: Path) -> None:
     batch, routes = synthetic_batch(model_dir)
     on = tr.logprobs(batch, routes, "R3", probe=True)
     rec = tr.logprobs(batch, None, "R2", probe=True)
-    stats = tr.train_step(batch, routes, lambda lp, mb: (-(lp * mb.response_mask).sum() / mb.response_mask.sum(), {}))
+    def loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
+        mask = mb.response_mask.to(lp.device)
+        return -(lp * mask).sum() / mask.sum(), {}
+
+    stats = tr.train_step(batch, routes, loss)
     sd = tr.hf_state_dict()
     if int(os.environ["RANK"]) == 0:
         from transformers import AutoModelForCausalLM
@@ -84,11 +85,10 @@ def _worker(out: Path) -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
         replay = RouterReplay().install(hf)
-        pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad(), replay.armed(routes.cuda(), padding_mask=batch.replay_padding_mask.cuda()):
-            ref = token_logprobs(hf, batch.input_ids.cuda(), batch.attention_mask.cuda(), position_ids=pos.cuda()).cpu()
-        cols = batch.response_mask & ~batch.replay_padding_mask[:, :-1]
-        captured = ~batch.replay_padding_mask
+        with torch.no_grad(), replay.armed(routes.cuda(), padding_mask=batch.route_pad.cuda()):
+            ref = token_logprobs(hf, batch.input_ids.cuda(), batch.attention_mask.cuda()).cpu()
+        cols = batch.response_mask  # rows without a route route naturally on both backends
+        captured = ~batch.route_pad
         out.write_text(
             json.dumps(
                 {

@@ -32,7 +32,7 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
     assert before != after_one != engines.weights_digest()  # every sync changed the engine's weights
     for row in rows:
         assert row["replay_mode"] == "R3"
-        assert row["routing_agreement"] == 1.0  # the experts the trainer used are the engine's
+        assert row["replay_applied"] == 1.0  # the experts the trainer used are the engine's
         assert row["canary_ok"] == 1
         assert row["samples_dropped"] == 0
     assert run.policy_version == 3  # setup sync + one per step
@@ -60,7 +60,7 @@ def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None
     assert rows[0]["replay_mode"] == mode
     assert rows[0]["canary_ok"] == 1
     assert not list((run.run_dir / "routes").rglob("*.r3r"))  # rollout routes are never stored/consumed
-    assert 0.0 < rows[0]["routing_agreement"] <= 1.0
+    assert 0.0 < rows[0]["replay_applied"] <= 1.0
     if param_dtype == "float32":  # fp32 trainer vs fp32 engine: the same numbers up to reduction order
         assert rows[0]["logprob_abs_diff_max"] < 1e-4
         assert rows[0]["routing_natural_agreement"] == 1.0
@@ -174,8 +174,8 @@ def test_compare_replay_writes_both_runs_into_one_report(tmp_path, engines) -> N
     out = run_job(settings_for(job, tmp_path / "runs", resume=False), compare_replay=True, engines=engines)
     off, on = read_rows(out / "disabled" / "metrics.csv"), read_rows(out / "r3" / "metrics.csv")
     assert [r["replay_mode"] for r in off + on] == ["Disabled", "R3"]
-    assert float(on[0]["routing_agreement"]) == 1.0
-    assert float(off[0]["routing_agreement"]) == float(off[0]["routing_natural_agreement"]) < 1.0
+    assert float(on[0]["replay_applied"]) == 1.0
+    assert float(off[0]["replay_applied"]) == float(off[0]["routing_natural_agreement"]) < 1.0
     # same seed: step 1 rolls out the same samples, so the |Δlogprob| figures are comparable
     assert float(on[0]["logprob_abs_diff_mean"]) < float(off[0]["logprob_abs_diff_mean"])
     report = (out / "report.md").read_text()
@@ -199,5 +199,5 @@ def test_megatron_backend_runs_one_r3_step(tmp_path, engines) -> None:
     before = engines.weights_digest()
     row = run.train_step(1)
     assert engines.weights_digest() != before  # the Megatron update reached the engine
-    assert row["routing_agreement"] == 1.0 and row["canary_ok"] == 1 and row["samples_dropped"] == 0
+    assert row["replay_applied"] == 1.0 and row["canary_ok"] == 1 and row["samples_dropped"] == 0
     assert row["grad_norm"] > 0

@@ -52,13 +52,22 @@ def test_routing_agreement_compares_sets_per_layer() -> None:
     assert masked.agreement_ratio == 1.0
 
 
+def test_dense_layers_stay_out_of_the_agreement() -> None:
+    engine = np.array([[[0, 0], [2, 3]], [[0, 0], [6, 7]]])  # layer 0 dense: vLLM's zero rows
+    trainer = np.array([[[0, 0], [2, 3]], [[0, 0], [6, 1]]])
+    a = routing_agreement(trainer, engine)
+    assert math.isnan(a.per_layer[0]) and a.per_layer[1] == 0.5
+    assert a.token_layers == 2 and a.agreement_ratio == 0.5 and a.tokens_any_diff_ratio == 0.5
+
+
 def test_exporter_registers_every_documented_metric() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
     metrics = R3Metrics("job-a", registry)
     metrics.observe_logprobs(np.array([-1.0, -2.0]), np.array([-1.5, -2.0]))
-    metrics.observe_routing(np.zeros((2, 3, 2)), np.zeros((2, 3, 2)))
+    routes = np.array([[[0, 0], [1, 2], [3, 4]], [[0, 0], [5, 6], [1, 7]]])  # [tokens, L=3, K=2], layer 0 dense
+    metrics.observe_routing(routes, routes)
     metrics.set_replay_active(True)
     text = generate_latest(registry).decode()
     for spec in METRICS:
@@ -66,6 +75,7 @@ def test_exporter_registers_every_documented_metric() -> None:
         assert f"# HELP {spec.name} " in text, spec.name
     assert 'r3_logprob_abs_diff_mean{job="job-a"} 0.25' in text
     assert 'r3_routing_agreement_ratio{job="job-a",layer="2"} 1.0' in text
+    assert 'layer="0"' not in text  # a dense layer has no routing to agree on
     assert 'r3_replay_active{job="job-a"} 1.0' in text
 
 
