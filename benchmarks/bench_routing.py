@@ -13,6 +13,13 @@ Run: ``python -m benchmarks.bench_routing`` (single process; NumPy only). Figure
    expert sets: bytes per token of the binary ``.r3r`` file and of the JSON ``to_wire(encoding="rank")``
    against vLLM's field (and the information bound log2 C(E, k)), and encode / decode
    GB/s (GB of uint8 index bytes) for the numba kernel (1 thread and all cores) and the NumPy fallback.
+5. Volume round trip, raw vs rank, end to end as the runtime does it over HTTP engines: ``RoutingStore.put``
+   (no fsync, like the runtime's store) then ``get`` (checksum verified) and ``decode`` validated against
+   ``num_experts``, per sample, for 4096 x 48 x top-8 of 128 and the reference models' shapes (512 tokens,
+   the runtime's ``max_model_len``). Also the volume bandwidth below which rank's smaller files would pay
+   for its extra CPU time: 2 x (raw - rank bytes) / (rank - raw seconds), a file written and read once.
+
+   ``python -m benchmarks.bench_routing roundtrip`` runs only this section.
 """
 
 from __future__ import annotations
@@ -221,21 +228,87 @@ def bench_rank() -> dict[str, float]:
     return figures
 
 
-def main() -> dict[str, Any]:
-    results: dict[str, Any] = {"wire": bench_wire(), "codec": bench_codec(), "rank": bench_rank()}
+# (label, tokens, layers, top_k, num_experts, samples): a realistic long-rollout shape, then the reference models.
+ROUNDTRIP_SHAPES = (
+    ("4096x48xk8of128", 4096, 48, 8, 128, 48),
+    ("tiny_512x4xk4of32", 512, 4, 4, 32, 256),
+    ("small_gpu_512x8xk8of64", 512, 8, 8, 64, 256),
+)
+
+
+def _roundtrip(root: Path, routes: list[Any], num_experts: int, encoding: str) -> tuple[float, float, int]:
+    """(write seconds, read seconds, stored bytes) of every sample through a fresh store directory."""
+    if root.exists():
+        shutil.rmtree(root)
+    store = RoutingStore(root, durable=False)
+    ids = [f"s{i:05d}" for i in range(len(routes))]
+    begin = time.perf_counter()
+    for sid, r in zip(ids, routes, strict=True):
+        store.put(step=1, sample_id=sid, routes=r, num_experts=num_experts, policy_version=0,
+                  encoding=encoding)  # type: ignore[arg-type]  # fmt: skip
+    write_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    for sid in ids:
+        decode(store.get(step=1, sample_id=sid).routes, num_experts=num_experts)
+    read_s = time.perf_counter() - begin
+    return write_s, read_s, sum(p.stat().st_size for p in root.rglob("*.r3r"))
+
+
+def bench_roundtrip(root: Path, *, passes: int = 3) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for label, tokens, layers, top_k, num_experts, samples in ROUNDTRIP_SHAPES:
+        distinct = [encode(_random_sets(tokens, layers, top_k, num_experts, seed), num_experts=num_experts)
+                    for seed in range(4)]  # fmt: skip
+        routes = [distinct[i % 4] for i in range(samples)]
+        best: dict[str, tuple[float, float, int]] = {}
+        for _ in range(passes):  # interleaved, best of `passes`: the machine is shared
+            for encoding in ("raw", "rank"):
+                got = _roundtrip(root / encoding, routes, num_experts, encoding)
+                if encoding not in best or sum(got[:2]) < sum(best[encoding][:2]):
+                    best[encoding] = got
+        for encoding, (write_s, read_s, nbytes) in best.items():
+            figures[f"{label}_{encoding}_write_ms_per_sample"] = 1e3 * write_s / samples
+            figures[f"{label}_{encoding}_read_ms_per_sample"] = 1e3 * read_s / samples
+            figures[f"{label}_{encoding}_total_ms_per_sample"] = 1e3 * (write_s + read_s) / samples
+            figures[f"{label}_{encoding}_stored_bytes_per_token"] = nbytes / samples / tokens
+        raw, rank = best["raw"], best["rank"]
+        extra_s = (sum(rank[:2]) - sum(raw[:2])) / samples
+        saved = 2 * (raw[2] - rank[2]) / samples  # written once, read once
+        figures[f"{label}_rank_over_raw_time"] = sum(rank[:2]) / sum(raw[:2])
+        figures[f"{label}_rank_breakeven_volume_mb_per_s"] = saved / extra_s / 1e6 if extra_s > 0 else math.inf
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    if argv and list(argv) == ["roundtrip"]:
+        root = Path(tempfile.mkdtemp(prefix="r3-bench-roundtrip-", dir="/tmp"))
+        try:
+            results: dict[str, Any] = {"roundtrip": bench_roundtrip(root)}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        _print(results)
+        return results
+    results = {"wire": bench_wire(), "codec": bench_codec(), "rank": bench_rank()}
     root = Path(tempfile.mkdtemp(prefix="r3-bench-routing-", dir="/tmp"))
     try:
         results["store"] = bench_store(root)
+        results["roundtrip"] = bench_roundtrip(root / "roundtrip")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    shape = f"{TOKENS} tokens x {LAYERS} layers x top-{TOP_K}, {NUM_EXPERTS} experts"
-    print(f"routing data plane ({shape}; store batch {STORE_SAMPLES} samples)")
-    print(f"{'section':<8} {'figure':<40} {'value':>12}")
-    for section, figures in results.items():
-        for name, value in figures.items():
-            print(f"{section:<8} {name:<40} {value:>12.3f}")
+    _print(results)
     return results
 
 
+def _print(results: dict[str, Any]) -> None:
+    shape = f"{TOKENS} tokens x {LAYERS} layers x top-{TOP_K}, {NUM_EXPERTS} experts"
+    print(f"routing data plane ({shape}; store batch {STORE_SAMPLES} samples)")
+    print(f"{'section':<9} {'figure':<52} {'value':>12}")
+    for section, figures in results.items():
+        for name, value in figures.items():
+            print(f"{section:<9} {name:<52} {value:>12.3f}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])
