@@ -7,19 +7,11 @@ Run: ``python -m benchmarks.bench_routing`` (single process; NumPy only). Figure
 2. Codec GB/s (payload bytes per second): ``encode`` (validate + narrow), ``decode`` zero-copy, ``decode``
    with validation, and decoding the wire form including base64.
 3. Store GB/s on local disk: 512 samples x 4096 tokens x 48 layers x top-8 uint8 (~805 MB) written with
-   ``RoutingStore.put`` (durable: fsync per file, and non-durable) and read back with ``get_batch``; the
-   same with ``encoding="rank"`` (non-durable write, verified read; GB/s of decoded index bytes).
-4. Rank encoding, for (48 layers, top-8, 128 experts) and (8 layers, top-8, 64 experts), uniformly random
-   expert sets: bytes per token of the binary ``.r3r`` file and of the JSON ``to_wire(encoding="rank")``
-   against vLLM's field (and the information bound log2 C(E, k)), and encode / decode
-   GB/s (GB of uint8 index bytes) for the numba kernel (1 thread and all cores) and the NumPy fallback.
-5. Volume round trip, raw vs rank, end to end as the runtime does it over HTTP engines: ``RoutingStore.put``
-   (no fsync, like the runtime's store) then ``get`` (checksum verified) and ``decode`` validated against
+   ``RoutingStore.put`` (durable: fsync per file, and non-durable) and read back with ``get_batch``.
+4. Volume round trip, end to end as the runtime does it with engines over HTTP: ``RoutingStore.put`` (no
+   fsync, like the runtime's store) then ``get`` (checksum verified) and ``decode`` validated against
    ``num_experts``, per sample, for 4096 x 48 x top-8 of 128 and the reference models' shapes (512 tokens,
-   the runtime's ``max_model_len``). Also the volume bandwidth below which rank's smaller files would pay
-   for its extra CPU time: 2 x (raw - rank bytes) / (rank - raw seconds), a file written and read once.
-
-   ``python -m benchmarks.bench_routing roundtrip`` runs only this section.
+   the runtime's ``max_model_len``). ``python -m benchmarks.bench_routing roundtrip`` runs only this.
 """
 
 from __future__ import annotations
@@ -27,8 +19,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import math
-import os
 import shutil
 import tempfile
 import time
@@ -38,17 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.routing import (
-    RoutingStore,
-    decode,
-    decode_ranks,
-    encode,
-    encode_ranks,
-    from_wire,
-    packing,
-    to_wire,
-    write_file,
-)
+from r3operator.routing import RoutingStore, decode, encode, from_wire, to_wire
 from r3operator.routing import codec as codec_module
 
 TOKENS, LAYERS, TOP_K, NUM_EXPERTS = 4096, 48, 8, 128
@@ -130,18 +110,11 @@ def bench_store(root: Path) -> dict[str, float]:
     total = STORE_SAMPLES * arrays[0].nbytes
     ids = [f"sample-{i:04d}" for i in range(STORE_SAMPLES)]
     figures: dict[str, float] = {"batch_mb": total / 1e6}
-    for label, durable, encoding in (("durable", True, "raw"), ("nodurable", False, "raw"), ("rank", False, "rank")):
+    for label, durable in (("durable", True), ("nodurable", False)):
         store = RoutingStore(root / label, durable=durable)
         begin = time.perf_counter()
         for i, sid in enumerate(ids):
-            store.put(
-                step=1,
-                sample_id=sid,
-                routes=arrays[i % 8],
-                num_experts=NUM_EXPERTS,
-                policy_version=0,
-                encoding=encoding,  # type: ignore[arg-type]
-            )
+            store.put(step=1, sample_id=sid, routes=arrays[i % 8], num_experts=NUM_EXPERTS, policy_version=0)
         figures[f"write_{label}_gbps"] = total / (time.perf_counter() - begin) / 1e9
     # Baseline: plain open/write of the same bytes (no header, crc, validation or fsync) = the host's ceiling.
     raw_dir = root / "raw"
@@ -162,70 +135,15 @@ def bench_store(root: Path) -> dict[str, float]:
         if not np.array_equal(records[3].array(), decode(arrays[3])):
             raise RuntimeError("store read back different routes")
         del records
-    rank_store = RoutingStore(root / "rank")
-    figures["rank_stored_mb"] = sum(p.stat().st_size for p in (root / "rank").rglob("*.r3r")) / 1e6
-    for _ in range(2):
-        begin = time.perf_counter()
-        records = rank_store.get_batch(step=1, sample_ids=ids, verify=True)
-        rate = total / (time.perf_counter() - begin) / 1e9
-        figures["read_rank_verified_gbps"] = max(rate, figures.get("read_rank_verified_gbps", 0.0))
-        if not np.array_equal(records[3].array(), np.sort(decode(arrays[3]), axis=-1)):
-            raise RuntimeError("rank store read back different routes")
-        del records
     return figures
 
 
-RANK_SHAPES = ((48, 8, 128), (8, 8, 64))  # (layers, top_k, num_experts)
-
-
 def _random_sets(tokens: int, layers: int, top_k: int, num_experts: int, seed: int) -> np.ndarray:
-    """Uniformly random expert sets (rank payload size does not depend on the distribution; speed barely)."""
+    """Uniformly random expert sets: (tokens, layers, top_k) uint8 distinct ids below `num_experts`."""
     rng = np.random.default_rng(seed)
     keys = rng.random((tokens * layers, num_experts), dtype=np.float32)
     ids = np.argpartition(keys, top_k, axis=1)[:, :top_k]
     return ids.astype(np.uint8).reshape(tokens, layers, top_k)
-
-
-def bench_rank() -> dict[str, float]:
-    figures: dict[str, float] = {"numba": float(packing.numba_available())}
-    threads = os.cpu_count() or 1
-    for layers, top_k, num_experts in RANK_SHAPES:
-        tag = f"L{layers}k{top_k}E{num_experts}"
-        arr = _random_sets(TOKENS, layers, top_k, num_experts, seed=layers)
-        routes = encode(arr, num_experts=num_experts)
-        index_bytes = arr.nbytes
-        rank_wire = to_wire(routes, encoding="rank", num_experts=num_experts)
-        vllm = len(json.dumps(_vllm_field(arr))) / TOKENS
-        ours = len(json.dumps(rank_wire)) / TOKENS
-        figures[f"{tag}_rank_wire_bytes_per_token"] = ours
-        figures[f"{tag}_vllm_npy_bytes_per_token"] = vllm
-        figures[f"{tag}_rank_vs_vllm_ratio"] = ours / vllm
-        figures[f"{tag}_raw_wire_vs_vllm_ratio"] = len(json.dumps(to_wire(routes))) / TOKENS / vllm
-        figures[f"{tag}_bound_vs_vllm_ratio"] = layers * math.log2(math.comb(num_experts, top_k)) / 8 / vllm
-        # The binary transport (the .r3r file on the routing volume): header and alignment included.
-        with tempfile.TemporaryDirectory(prefix="r3-bench-rank-") as tmp:
-            path = Path(tmp) / "s.r3r"
-            write_file(path, routes, num_experts=num_experts, policy_version=0, step=0, sample_id="s", encoding="rank")
-            figures[f"{tag}_rank_file_bytes_per_token"] = path.stat().st_size / TOKENS
-        figures[f"{tag}_rank_file_vs_vllm_ratio"] = figures[f"{tag}_rank_file_bytes_per_token"] / vllm
-        payload = encode_ranks(arr, num_experts=num_experts)
-        shape = arr.shape
-        seconds = _best_seconds(lambda a=arr, e=num_experts: encode_ranks(a, num_experts=e))
-        figures[f"{tag}_encode_gbps"] = index_bytes / seconds / 1e9
-        runs: list[tuple[str, str, int]] = [("numpy", "numpy", 1)]
-        if packing.numba_available():
-            runs += [("numba_1t", "numba", 1), (f"numba_{threads}t", "numba", threads)]
-        for label, backend, n in runs:
-            seconds = _best_seconds(
-                lambda b=backend, n=n, p=payload, s=shape, e=num_experts: decode_ranks(
-                    p, s, "uint8", num_experts=e, backend=b, threads=n
-                ),
-                repeats=3 if backend == "numpy" else 7,
-            )
-            figures[f"{tag}_decode_{label}_gbps"] = index_bytes / seconds / 1e9
-        seconds = _best_seconds(lambda w=rank_wire: from_wire(w))
-        figures[f"{tag}_from_wire_rank_gbps"] = index_bytes / seconds / 1e9
-    return figures
 
 
 # (label, tokens, layers, top_k, num_experts, samples): a realistic long-rollout shape, then the reference models.
@@ -236,7 +154,7 @@ ROUNDTRIP_SHAPES = (
 )
 
 
-def _roundtrip(root: Path, routes: list[Any], num_experts: int, encoding: str) -> tuple[float, float, int]:
+def _roundtrip(root: Path, routes: list[Any], num_experts: int) -> tuple[float, float, int]:
     """(write seconds, read seconds, stored bytes) of every sample through a fresh store directory."""
     if root.exists():
         shutil.rmtree(root)
@@ -244,8 +162,7 @@ def _roundtrip(root: Path, routes: list[Any], num_experts: int, encoding: str) -
     ids = [f"s{i:05d}" for i in range(len(routes))]
     begin = time.perf_counter()
     for sid, r in zip(ids, routes, strict=True):
-        store.put(step=1, sample_id=sid, routes=r, num_experts=num_experts, policy_version=0,
-                  encoding=encoding)  # type: ignore[arg-type]  # fmt: skip
+        store.put(step=1, sample_id=sid, routes=r, num_experts=num_experts, policy_version=0)
     write_s = time.perf_counter() - begin
     begin = time.perf_counter()
     for sid in ids:
@@ -260,22 +177,13 @@ def bench_roundtrip(root: Path, *, passes: int = 3) -> dict[str, float]:
         distinct = [encode(_random_sets(tokens, layers, top_k, num_experts, seed), num_experts=num_experts)
                     for seed in range(4)]  # fmt: skip
         routes = [distinct[i % 4] for i in range(samples)]
-        best: dict[str, tuple[float, float, int]] = {}
-        for _ in range(passes):  # interleaved, best of `passes`: the machine is shared
-            for encoding in ("raw", "rank"):
-                got = _roundtrip(root / encoding, routes, num_experts, encoding)
-                if encoding not in best or sum(got[:2]) < sum(best[encoding][:2]):
-                    best[encoding] = got
-        for encoding, (write_s, read_s, nbytes) in best.items():
-            figures[f"{label}_{encoding}_write_ms_per_sample"] = 1e3 * write_s / samples
-            figures[f"{label}_{encoding}_read_ms_per_sample"] = 1e3 * read_s / samples
-            figures[f"{label}_{encoding}_total_ms_per_sample"] = 1e3 * (write_s + read_s) / samples
-            figures[f"{label}_{encoding}_stored_bytes_per_token"] = nbytes / samples / tokens
-        raw, rank = best["raw"], best["rank"]
-        extra_s = (sum(rank[:2]) - sum(raw[:2])) / samples
-        saved = 2 * (raw[2] - rank[2]) / samples  # written once, read once
-        figures[f"{label}_rank_over_raw_time"] = sum(rank[:2]) / sum(raw[:2])
-        figures[f"{label}_rank_breakeven_volume_mb_per_s"] = saved / extra_s / 1e6 if extra_s > 0 else math.inf
+        write_s, read_s, nbytes = min(
+            (_roundtrip(root, routes, num_experts) for _ in range(passes)), key=lambda got: got[0] + got[1]
+        )  # best of `passes`: the machine is shared
+        figures[f"{label}_write_ms_per_sample"] = 1e3 * write_s / samples
+        figures[f"{label}_read_ms_per_sample"] = 1e3 * read_s / samples
+        figures[f"{label}_total_ms_per_sample"] = 1e3 * (write_s + read_s) / samples
+        figures[f"{label}_stored_bytes_per_token"] = nbytes / samples / tokens
     return figures
 
 
@@ -288,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
         _print(results)
         return results
-    results = {"wire": bench_wire(), "codec": bench_codec(), "rank": bench_rank()}
+    results = {"wire": bench_wire(), "codec": bench_codec()}
     root = Path(tempfile.mkdtemp(prefix="r3-bench-routing-", dir="/tmp"))
     try:
         results["store"] = bench_store(root)

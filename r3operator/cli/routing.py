@@ -15,7 +15,6 @@ import typer
 from r3operator.routing.codec import encode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.store import (
-    ENCODINGS,
     payload_checksum,
     read_file,
     read_stored,
@@ -33,8 +32,8 @@ def _die(message: str) -> typer.Exit:
 
 @app.command()
 def inspect(file: Path = typer.Argument(..., help="A routing-data (.r3r) file.")) -> None:
-    """Print the header as JSON (with the payload "encoding" and stored "payload_bytes") plus "checksum_ok";
-    exit 1 if the payload checksum does not match."""
+    """Print the header as JSON (with "payload_bytes") plus "checksum_ok"; exit 1 if the payload checksum
+    does not match."""
     try:
         header, payload = read_stored(file)
     except (RoutingDataError, OSError) as exc:
@@ -56,12 +55,6 @@ def encode_cmd(
     step: int = typer.Option(0, "--step", min=0),
     sample_id: str | None = typer.Option(None, "--sample-id", help="Default: the output file's stem."),
     policy_version: int = typer.Option(0, "--policy-version", min=0),
-    encoding: str = typer.Option(
-        "raw",
-        "--encoding",
-        help="Payload encoding: raw ids, or rank (bit-packed set rank; rows read back sorted; falls back to "
-        "raw when C(num_experts, top_k) >= 2**63).",
-    ),
 ) -> None:
     """Convert a .npy routes array into a routing-data file (atomic write)."""
     try:
@@ -71,28 +64,25 @@ def encode_cmd(
     if not isinstance(array, np.ndarray):
         raise _die(f"{npy}: holds an archive, not a single array")
     sample = sample_id if sample_id is not None else out.name.removesuffix(".r3r")
-    if encoding not in ENCODINGS:
-        raise _die(f"--encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
     try:
         validate_sample_id(sample)
         routes = encode(array, start=start, num_experts=num_experts)
         if num_experts is None:
             num_experts = int(array.max()) + 1 if array.size else 1
-        written = write_file(
+        write_file(
             out,
             routes,
             num_experts=num_experts,
             policy_version=policy_version,
             step=step,
             sample_id=sample,
-            encoding=encoding,  # type: ignore[arg-type]  # checked against ENCODINGS above
         )
     except RoutingDataError as exc:
         raise _die(f"{npy}: {exc}") from None
     except OSError as exc:
         raise _die(f"{out}: cannot write ({exc})") from None
     payload_bytes = read_stored(out)[0].payload_bytes
-    typer.echo(f"wrote {out} {routes.shape} {routes.dtype} encoding={written} ({payload_bytes} payload bytes)")
+    typer.echo(f"wrote {out} {routes.shape} {routes.dtype} ({payload_bytes} payload bytes)")
 
 
 @app.command("decode")

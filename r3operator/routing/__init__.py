@@ -8,19 +8,16 @@ from r3operator.routing.codec import (
     from_vllm,
     from_wire,
     narrowest_dtype,
-    routes_from_array,
     to_torch,
     to_wire,
     validate_routes,
 )
 from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
-from r3operator.routing.packing import RankEncodingUnsupported, decode_ranks, encode_ranks, rank_bits, rank_supported
 from r3operator.routing.stitch import TrajectoryRoutes, check_row_count
 from r3operator.routing.store import RoutingHeader, RoutingRecord, RoutingStore, read_file, write_file
 
 __all__ = [
     "ROUTE_DTYPES",
-    "RankEncodingUnsupported",
     "RoutedExperts",
     "RoutingDataError",
     "RoutingFileError",
@@ -31,16 +28,11 @@ __all__ = [
     "TrajectoryRoutes",
     "check_row_count",
     "decode",
-    "decode_ranks",
     "encode",
-    "encode_ranks",
     "from_vllm",
     "from_wire",
     "narrowest_dtype",
-    "rank_bits",
-    "rank_supported",
     "read_file",
-    "routes_from_array",
     "to_torch",
     "to_wire",
     "validate_routes",

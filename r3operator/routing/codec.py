@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from r3operator.routing.errors import RoutingDataError
-from r3operator.routing.packing import decode_ranks, encode_ranks
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -213,18 +212,6 @@ def decode(routes: RoutedExperts, *, num_experts: int | None = None, validate: b
     return arr
 
 
-def routes_from_array(arr: np.ndarray, *, start: int = 0) -> RoutedExperts:
-    """Wrap an already-valid routes array (e.g. a decoded rank payload) without copying when it is native
-    little-endian and C-contiguous; the payload stays writable."""
-    wire = _WIRE_DTYPES.get(arr.dtype.name)
-    if wire is None:
-        raise RoutingDataError(f"routes dtype {arr.dtype} is not one of {ROUTE_DTYPES}")
-    packed = np.ascontiguousarray(arr, dtype=wire)
-    return RoutedExperts(
-        data=memoryview(packed.reshape(-1).view(np.uint8)), shape=arr.shape, dtype=arr.dtype.name, start=int(start)
-    )
-
-
 def to_torch(routes: RoutedExperts, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A CPU tensor backed by writable memory (never ``torch.frombuffer`` on immutable bytes).
 
@@ -275,22 +262,9 @@ def from_vllm(value: np.ndarray | str | bytes, *, start: int = 0, num_experts: i
     return encode(arr, start=start, num_experts=num_experts)
 
 
-def to_wire(routes: RoutedExperts, *, encoding: str = "raw", num_experts: int | None = None) -> dict[str, Any]:
-    """Compact JSON-able form: ``{"data": base64(payload), "shape": [T, L, K], "dtype": str, "start": int}``.
-
-    ``encoding="rank"`` (needs ``num_experts``) sends the bit-packed combinatorial rank of each row instead of
-    the raw ids and adds ``"encoding": "rank", "num_experts": E``; :func:`from_wire` returns the rows sorted.
-    The raw form carries no ``encoding`` key, exactly as before.
-    """
-    wire: dict[str, Any] = {"shape": list(routes.shape), "dtype": routes.dtype, "start": routes.start}
-    if encoding == "raw":
-        return {"data": _b64encode(routes.data), **wire}
-    if encoding != "rank":
-        raise RoutingDataError(f"wire encoding must be 'raw' or 'rank', got {encoding!r}")
-    if not isinstance(num_experts, int) or num_experts <= 0:
-        raise RoutingDataError("to_wire(encoding='rank') needs num_experts (a positive int)")
-    packed = encode_ranks(decode(routes, validate=False), num_experts=num_experts)
-    return {"data": _b64encode(packed), **wire, "encoding": "rank", "num_experts": num_experts}
+def to_wire(routes: RoutedExperts) -> dict[str, Any]:
+    """Compact JSON-able form: ``{"data": base64(payload), "shape": [T, L, K], "dtype": str, "start": int}``."""
+    return {"data": _b64encode(routes.data), "shape": list(routes.shape), "dtype": routes.dtype, "start": routes.start}
 
 
 def from_wire(d: Mapping[str, Any]) -> RoutedExperts:
@@ -305,19 +279,7 @@ def from_wire(d: Mapping[str, Any]) -> RoutedExperts:
         raise RoutingDataError(f"wire routes shape {shape!r} must be a list of 3 ints")
     if not isinstance(d["data"], str | bytes):
         raise RoutingDataError(f"wire routes data must be a base64 string, got {type(d['data']).__name__}")
+    if d.get("encoding", "raw") != "raw":
+        raise RoutingDataError(f"wire routes encoding {d['encoding']!r} is not supported (raw payloads only)")
     data = _b64decode_to_bytearray(d["data"], what="wire routes data")
-    encoding = d.get("encoding", "raw")
-    if encoding == "raw":
-        return RoutedExperts(data=data, shape=tuple(shape), dtype=d["dtype"], start=d.get("start", 0))
-    if encoding != "rank":
-        raise RoutingDataError(f"wire routes encoding {encoding!r} is not 'raw' or 'rank'")
-    num_experts = d.get("num_experts")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-        raise RoutingDataError(f"wire routes with encoding 'rank' need a positive int num_experts, got {num_experts!r}")
-    if d["dtype"] not in ROUTE_DTYPES:
-        raise RoutingDataError(f"wire routes dtype {d['dtype']!r} is not one of {ROUTE_DTYPES}")
-    start = d.get("start", 0)
-    if not isinstance(start, int) or start < 0:
-        raise RoutingDataError(f"wire routes start {start!r} must be a non-negative int")
-    array = decode_ranks(data, (shape[0], shape[1], shape[2]), d["dtype"], num_experts=num_experts)
-    return routes_from_array(array, start=start)
+    return RoutedExperts(data=data, shape=tuple(shape), dtype=d["dtype"], start=d.get("start", 0))

@@ -3,7 +3,7 @@
 Layout of one file (all integers little-endian)::
 
     0   8  magic            b"\\x89R3R\\r\\n\\x1a\\n"
-    8   2  format_version   uint16 (1 raw; 2 payload encoding named in the header)
+    8   2  format_version   uint16 (1)
     10  2  flags            uint16 (0; non-zero = a feature this reader lacks)
     12  4  header_len       uint32 N
     16  4  header_crc32     uint32, zlib.crc32 of the N header bytes
@@ -13,11 +13,6 @@ Layout of one file (all integers little-endian)::
 
 The file size must equal payload offset + payload length exactly, so truncation and trailing garbage are
 both detected before any checksum is computed.
-
-Format version 2 is the same layout with header ``"encoding": "rank"``: the payload is the bit-packed
-combinatorial rank of each (token, layer) row (``packing.py``), ``ceil(rows * rank_bits / 8)`` bytes. Raw
-files are still written as version 1, byte for byte as before, so older readers keep reading them; older
-readers reject version 2 explicitly instead of misreading it.
 """
 
 from __future__ import annotations
@@ -30,20 +25,16 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode, routes_from_array
+from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode
 from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
-from r3operator.routing.packing import decode_ranks, rank_bits
 
 MAGIC = b"\x89R3R\r\n\x1a\n"  # PNG-style: non-ASCII first byte, CRLF and ^Z catch text-mode mangling
-FORMAT_VERSION = 1  # raw payload
-FORMAT_VERSION_RANK = 2  # same layout, "rank" payload encoding named in the header
-SUPPORTED_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_RANK)
-Encoding = Literal["raw", "rank"]
-ENCODINGS: tuple[str, ...] = ("raw", "rank")
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (FORMAT_VERSION,)
 PREFIX = struct.Struct("<8sHHII")  # magic, format_version, flags, header_len, header_crc32
 _ALIGN = 64  # payload offset alignment: lets readers mmap / O_DIRECT the payload and keeps SIMD loads aligned
 _MAX_HEADER_LEN = 64 * 1024
@@ -53,8 +44,8 @@ _MAX_HEADER_LEN = 64 * 1024
 class RoutingHeader:
     """Metadata of one routing-data file.
 
-    ``checksum`` is ``"crc32:<8 hex>"``: zlib (IEEE 802.3) CRC-32 of the payload bytes as stored (packed
-    for ``encoding="rank"``). ``payload_bytes`` is the stored payload length.
+    ``checksum`` is ``"crc32:<8 hex>"``: zlib (IEEE 802.3) CRC-32 of the payload bytes. ``payload_bytes``
+    is the payload length (implied by shape and dtype; not stored in the header).
     """
 
     format_version: int
@@ -66,13 +57,9 @@ class RoutingHeader:
     step: int
     sample_id: str
     checksum: str
-    encoding: str = "raw"
     payload_bytes: int = 0
 
     def to_json_dict(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"encoding": self.encoding, "payload_bytes": self.payload_bytes}
-        if self.encoding == "rank":
-            extra["rank_bits"] = rank_bits(self.num_experts, self.shape[2])
         return {
             "format_version": self.format_version,
             "shape": list(self.shape),
@@ -83,7 +70,7 @@ class RoutingHeader:
             "step": self.step,
             "sample_id": self.sample_id,
             "checksum": self.checksum,
-            **extra,
+            "payload_bytes": self.payload_bytes,
         }
 
 
@@ -104,9 +91,7 @@ def payload_checksum(data: bytes | bytearray | memoryview) -> str:
 def header_bytes(header: RoutingHeader) -> bytes:
     body = header.to_json_dict()
     del body["format_version"]  # lives in the fixed prefix; one source of truth
-    del body["payload_bytes"]  # implied by shape/dtype (raw) or shape/num_experts (rank)
-    if header.encoding == "raw":  # version-1 files stay byte-identical to what older writers produced
-        del body["encoding"]
+    del body["payload_bytes"]  # implied by shape and dtype
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -118,22 +103,8 @@ def fail(path: Path, why: str) -> RoutingFileError:
     return RoutingFileError(f"{path}: {why}")
 
 
-def _payload_nbytes(path: Path, header: RoutingHeader) -> int:
-    if header.encoding == "raw":
-        return math.prod(header.shape) * np.dtype(header.dtype).itemsize
-    try:
-        return math.ceil(math.prod(header.shape[:2]) * rank_bits(header.num_experts, header.shape[2]) / 8)
-    except RoutingDataError as exc:
-        raise fail(path, f"header describes a rank payload that cannot exist ({exc})") from exc
-
-
-def _parse_encoding(path: Path, body: dict[str, Any], version: int) -> str:
-    encoding = body.get("encoding", "raw" if version == FORMAT_VERSION else None)
-    if version == FORMAT_VERSION and encoding != "raw":
-        raise fail(path, f"format version 1 holds raw payloads only, header says encoding {encoding!r}")
-    if encoding not in ENCODINGS:
-        raise fail(path, f"header encoding {encoding!r} is not one of {ENCODINGS}")
-    return encoding
+def _payload_nbytes(header: RoutingHeader) -> int:
+    return math.prod(header.shape) * np.dtype(header.dtype).itemsize
 
 
 def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
@@ -161,19 +132,15 @@ def _parse_header(path: Path, raw: bytes, version: int) -> RoutingHeader:
             dtype=body["dtype"],
             sample_id=body["sample_id"],
             checksum=body["checksum"],
-            encoding=_parse_encoding(path, body, version),
             **ints,
         )
     except KeyError as exc:
         raise fail(path, f"header lacks field {exc.args[0]!r}") from exc
-    payload_bytes = _payload_nbytes(path, header)
-    if header.encoding == "rank" and body.get("rank_bits") != rank_bits(header.num_experts, header.shape[2]):
-        raise fail(path, f"header rank_bits {body.get('rank_bits')!r} does not match num_experts and top_k")
-    return dataclasses.replace(header, payload_bytes=payload_bytes)
+    return dataclasses.replace(header, payload_bytes=_payload_nbytes(header))
 
 
 def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
-    """The header and the payload bytes **as stored** (packed for ``encoding="rank"``), unverified.
+    """The header and the payload bytes, unverified.
 
     Checks magic, version, flags, header CRC and exact file size; raises :class:`RoutingFileError` naming the
     file otherwise (:class:`RoutingFileMissingError` when it does not exist).
@@ -226,18 +193,13 @@ def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
 
 def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
     """Read one file. Raises :class:`RoutingFileError` naming the file on bad magic, unsupported version or
-    flags, header damage, truncation / trailing bytes, (with ``verify``) a payload checksum mismatch, or a
-    rank payload holding an invalid code. Rank payloads are decoded transparently (rows come back sorted)."""
+    flags, header damage, truncation / trailing bytes, or (with ``verify``) a payload checksum mismatch."""
     path = Path(path)
     header, data = read_stored(path)
     if verify and payload_checksum(data) != header.checksum:
         raise fail(path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})")
     try:
-        if header.encoding == "rank":
-            array = decode_ranks(data, header.shape, header.dtype, num_experts=header.num_experts)
-            routes = routes_from_array(array, start=header.start)
-        else:
-            routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
+        routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
     except RoutingDataError as exc:
         raise fail(path, str(exc)) from exc
     return RoutingRecord(header=header, routes=routes)

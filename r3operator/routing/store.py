@@ -18,13 +18,10 @@ from pathlib import Path
 from r3operator.routing.codec import RoutedExperts, decode, validate_routes
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.fileformat import (  # re-exported: callers import the format's names from here
-    ENCODINGS,
     FORMAT_VERSION,
-    FORMAT_VERSION_RANK,
     MAGIC,
     PREFIX,
     SUPPORTED_VERSIONS,
-    Encoding,
     RoutingHeader,
     RoutingRecord,
     fail,
@@ -34,17 +31,13 @@ from r3operator.routing.fileformat import (  # re-exported: callers import the f
     read_file,
     read_stored,
 )
-from r3operator.routing.packing import encode_ranks, rank_supported
 
 __all__ = [
-    "ENCODINGS",
     "FORMAT_VERSION",
-    "FORMAT_VERSION_RANK",
     "MAGIC",
     "SUFFIX",
     "SUPPORTED_VERSIONS",
     "TEMP_MARKER",
-    "Encoding",
     "RoutingHeader",
     "RoutingRecord",
     "RoutingStore",
@@ -96,39 +89,25 @@ def write_file(
     sample_id: str,
     durable: bool = True,
     validate: bool = True,
-    encoding: Encoding = "raw",
-) -> str:
+) -> None:
     """Atomically write ``routes`` to ``path``: temp file in the same dir, fsync, ``os.replace``, fsync dir.
 
     Readers see either the previous complete file or the new complete file, never a partial one. With
     ``durable=False`` the fsyncs are skipped (still atomic for concurrent readers, not against power loss).
     ``validate`` checks ids against ``num_experts`` so bad data never reaches the volume.
-
-    ``encoding="rank"`` stores each row as its bit-packed combinatorial rank (format version 2; rows read
-    back sorted). When C(num_experts, top_k) is too large for it, the file is written raw instead. Returns
-    the encoding actually written.
     """
     path = Path(path)
     validate_sample_id(sample_id)
     for name, value in (("num_experts", num_experts), ("policy_version", policy_version), ("step", step)):
         if not isinstance(value, int) or value < 0 or (name == "num_experts" and value == 0):
             raise RoutingDataError(f"{name} must be a {'positive' if name == 'num_experts' else 'non-negative'} int")
-    if encoding not in ENCODINGS:
-        raise RoutingDataError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     if validate:
         validate_routes(decode(routes, validate=False), num_experts=num_experts)
-    if encoding == "rank" and not rank_supported(num_experts, routes.top_k):
-        encoding = "raw"  # documented fallback: C(E, k) >= 2**63 (or k > E) cannot be rank-encoded
-    if encoding == "rank":
-        # encode_ranks re-checks range and distinctness itself, so even validate=False cannot store a payload
-        # that decodes to different routes.
-        payload = memoryview(encode_ranks(decode(routes, validate=False), num_experts=num_experts))
-    else:
-        payload = memoryview(routes.data)  # the raw little-endian bytes, written as they are (no copy)
-        if payload.ndim != 1 or payload.format != "B":
-            payload = payload.cast("B")
+    payload = memoryview(routes.data)  # the raw little-endian bytes, written as they are (no copy)
+    if payload.ndim != 1 or payload.format != "B":
+        payload = payload.cast("B")
     header = RoutingHeader(
-        format_version=FORMAT_VERSION_RANK if encoding == "rank" else FORMAT_VERSION,
+        format_version=FORMAT_VERSION,
         shape=routes.shape,
         dtype=routes.dtype,
         start=routes.start,
@@ -137,7 +116,6 @@ def write_file(
         step=step,
         sample_id=sample_id,
         checksum=payload_checksum(payload),
-        encoding=encoding,
         payload_bytes=payload.nbytes,
     )
     head = header_bytes(header)
@@ -160,7 +138,6 @@ def write_file(
         raise
     if durable:
         _fsync_dir(path.parent)
-    return encoding
 
 
 class RoutingStore:
@@ -194,10 +171,8 @@ class RoutingStore:
         routes: RoutedExperts,
         num_experts: int,
         policy_version: int,
-        encoding: Encoding = "raw",
     ) -> Path:
-        """Publish one sample atomically; ``encoding="rank"`` stores the compact rank payload (see
-        :func:`write_file`, including its raw fallback)."""
+        """Publish one sample atomically (see :func:`write_file`)."""
         path = self.path_for(step=step, sample_id=sample_id)
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,7 +186,6 @@ class RoutingStore:
             step=step,
             sample_id=sample_id,
             durable=self.durable,
-            encoding=encoding,
         )
         return path
 

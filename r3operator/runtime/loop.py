@@ -1,11 +1,12 @@
 """The GRPO driver: one RL step = the numbered, individually timed phases below.
 
     1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
-                    (R3: routes written to the routing store on the volume)
+                    (R3 with engines over HTTP: routes written to the routing store on the volume)
     2 reward        rule-based reward per sample
     3 advantages    GRPO, normalised within each prompt's group
-    4 routes        R3: read each sample's routes back from the store (checksummed); a sample whose
-                    routes are missing/invalid/unreadable is dropped loudly and counted, never replayed
+    4 routes        R3: each sample's routes (over HTTP: read back from the store, checksummed) into
+                    the batch; a sample whose routes are missing/invalid/unreadable is dropped loudly
+                    and counted, never replayed
     5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
     6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
     7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,

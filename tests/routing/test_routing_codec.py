@@ -141,6 +141,12 @@ def test_wire_round_trip_keeps_dtype_and_start(dtype: str) -> None:
     np.testing.assert_array_equal(decode(back), arr)
 
 
+def test_from_wire_refuses_a_payload_encoding_it_cannot_read() -> None:
+    wire = {**to_wire(encode(np.zeros((2, 3, 2), dtype=np.uint8) + np.arange(2, dtype=np.uint8))), "encoding": "rank"}
+    with pytest.raises(RoutingDataError, match="encoding 'rank' is not supported"):
+        from_wire(wire)
+
+
 def test_from_wire_rejects_garbage() -> None:
     with pytest.raises(RoutingDataError, match="missing"):
         from_wire({"shape": [1, 1, 1], "dtype": "uint8"})

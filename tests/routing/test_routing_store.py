@@ -125,9 +125,9 @@ def test_newer_format_version_and_unknown_flags_rejected(tmp_path: Path) -> None
     path = tmp_path / "v.r3r"
     _write(path)
     data = bytearray(path.read_bytes())
-    struct.pack_into("<H", data, len(MAGIC), 3)  # 2 is the rank-encoded format; 3 does not exist yet
+    struct.pack_into("<H", data, len(MAGIC), 2)  # 2 was a bit-packed "rank" payload; this reader refuses it
     path.write_bytes(data)
-    with pytest.raises(RoutingFileError, match="unsupported format version 3"):
+    with pytest.raises(RoutingFileError, match=r"unsupported format version 2 \(this reader supports \(1,\)\)"):
         read_file(path)
     struct.pack_into("<HH", data, len(MAGIC), 1, 1)
     path.write_bytes(data)
