@@ -110,8 +110,8 @@ class GRPORun:
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
         self.vllm_version = self.engines.vllm_version()
-        # Routes cross one process boundary: engines in this process's Ray cluster hand them over through
-        # the object store; only engines behind HTTP put them on the shared volume.
+        # A Ray-actor engine hands routes over through the object store, so they stay in memory; with
+        # engines behind HTTP they go through the shared routing volume.
         self.routes_on_volume = self.engines.over_http
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
