@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from r3operator.trainer.replay.rows import replay_row_problem
+from r3operator.trainer.replay.rows import first_unreplayable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -244,23 +244,24 @@ class RouterReplay:
             else:
                 mask = None
             per_layer = {layer: t for layer, t in enumerate(indices) if t is not None}
-        self._per_layer = {}
+        checked: dict[int, torch.Tensor] = {}
         for site in self._sites:
             ids = per_layer.get(site.layer)
             if ids is None:
                 continue
-            top_k, num_experts = site.module.top_k, site.module.num_experts
+            top_k = site.module.top_k
             if ids.dim() != 2 or ids.shape[1] != top_k:
                 raise RouterReplayError(f"layer {site.layer}: ids shape {tuple(ids.shape)} is not [N, top_k={top_k}]")
-            ids = ids.to(torch.int64).contiguous()
             if mask is not None and mask.shape[0] != ids.shape[0]:
                 raise RouterReplayError(
                     f"layer {site.layer}: padding_mask has {mask.shape[0]} rows, replay ids {ids.shape[0]}"
                 )
-            problem = replay_row_problem(ids, mask, num_experts=num_experts)
+            checked[site.layer] = ids.to(torch.int64).contiguous()
+        if checked:
+            problem = first_unreplayable(checked, mask, num_experts=self._sites[0].module.num_experts)
             if problem is not None:
-                raise RouterReplayError(f"MoE layer {site.layer}: {problem}")
-            self._per_layer[site.layer] = ids
+                raise RouterReplayError(problem)
+        self._per_layer = checked
         self._mask = mask.to(torch.bool) if mask is not None else None
         self.active = True
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from r3operator.trainer.replay.rows import replay_row_problem
+from r3operator.trainer.replay.rows import first_unreplayable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -236,12 +236,11 @@ def plan_micro_batch(
     sel = sel.to(torch.int64)
     no_route = None if padding_mask is None else padding_mask.bool().to(sel.device)
     if num_experts is not None:
-        rows_no_route = None if no_route is None else no_route.reshape(-1)
-        for i, layer in enumerate(layers):
-            rows = sel[:, :, i].reshape(-1, sel.shape[-1])
-            problem = replay_row_problem(rows, rows_no_route, num_experts=num_experts)
-            if problem is not None:
-                raise MegatronReplayError(f"MoE layer {layer}: {problem} (rows are batch-major [B*S])")
+        per_layer_rows = {layer: sel[:, :, i].reshape(-1, sel.shape[-1]) for i, layer in enumerate(layers)}
+        flat_no_route = None if no_route is None else no_route.reshape(-1)
+        problem = first_unreplayable(per_layer_rows, flat_no_route, num_experts=num_experts)
+        if problem is not None:
+            raise MegatronReplayError(f"{problem} (rows are batch-major [B*S])")
     if no_route is not None:
         sel = sel.masked_fill(no_route[:, :, None, None], UNCAPTURED)
     sel = layout.router_slice(layout.slice_rows(sel, attention_mask))  # [B', S_local, L_local, K]
