@@ -138,12 +138,12 @@ def _r3(x: _Exprs) -> Dashboard:
                       unit="percentunit"),
             ]),
             ("Routing", [
-                Panel("Routing alignment per MoE layer (trainer router vs engine)",
+                Panel("Routing agreement per layer",
                       [Target(x.value("r3_routing_agreement_ratio", by="namespace, rljob, layer"), "layer {{layer}}")],
                       unit="percentunit", width=12, minimum=0, maximum=1,
-                      description="Tokens whose trainer router's own top-k set equals the engine's routes: "
-                                  "~98% aligned, near 0 when routes land on the wrong tokens "
-                                  "(alert R3RoutingAgreementLow)."),
+                      description="Alignment health, per MoE layer: tokens whose trainer router's own top-k "
+                                  "set equals the engine's routes; ~98% aligned, near 0 when routes land on "
+                                  "the wrong tokens (alert R3RoutingAgreementLow)."),
                 Panel("Tokens with any routing difference",
                       [Target(g("r3_routing_tokens_any_diff_ratio"), "{{rljob}}")],
                       unit="percentunit", width=12, minimum=0, maximum=1),
