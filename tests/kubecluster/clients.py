@@ -22,12 +22,12 @@ def kubectl(
     return subprocess.run([kubectl_binary(), *args], input=stdin, env=env, capture_output=True, text=True, timeout=120)
 
 
-def apply_crd(plane: ControlPlane, manifest: Path, field_manager: str = "r3-tests") -> dict[str, Any]:
+def apply_crd(plane: ControlPlane, manifest: Path | dict[str, Any], field_manager: str = "r3-tests") -> dict[str, Any]:
     """Server-side apply of a CRD file (as `kubectl apply --server-side` does); returns it once Established.
 
     Tests of several modules apply the same CRD into the one session cluster: identical values under
     several field managers are shared ownership, not a conflict."""
-    doc = yaml.safe_load(manifest.read_text())
+    doc = yaml.safe_load(manifest.read_text()) if isinstance(manifest, Path) else manifest
     name = doc["metadata"]["name"]
     applied = plane.request(
         "PATCH",
