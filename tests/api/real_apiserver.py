@@ -49,12 +49,11 @@ def rule_ids(causes: list[Cause]) -> set[str]:
     return {CEL_RULES_BY_CAUSE[(c.reason, c.field)].id for c in causes}
 
 
-def message_pattern(rule: Rule) -> re.Pattern[str]:
-    """The first string literal of the rule's messageExpression with `%d`/`%s` as the values they render to:
+def message_pattern(message_expression: str) -> re.Pattern[str]:
+    """The first string literal of a messageExpression with `%d`/`%s` as the values they render to:
     a message that matches came from the expression, with its values filled in."""
-    assert rule.cel is not None
-    literal = re.match(r"'((?:[^'\\]|\\.)*)'", rule.cel.message_expression)
-    assert literal is not None, f"{rule.id}: messageExpression does not start with a string literal"
+    literal = re.match(r"'((?:[^'\\]|\\.)*)'", message_expression)
+    assert literal is not None, f"messageExpression does not start with a string literal: {message_expression}"
     parts = re.split(r"(%d|%s)", literal.group(1))
     return re.compile("".join({"%d": r"-?\d+", "%s": r"[^\s%]+"}.get(p, re.escape(p)) for p in parts))
 

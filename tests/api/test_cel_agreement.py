@@ -54,7 +54,9 @@ def test_every_cel_rule_is_enforced_by_the_apiserver(rljob_api: RLJobApi) -> Non
 @pytest.mark.parametrize("rule_id", sorted(CEL_RULE_IDS))
 def test_cel_message_expressions_render_values(rljob_api: RLJobApi, rule_id: str) -> None:
     [cause] = [c for c in rljob_api.refusal(case(rule_id, 1)) if rule_ids([c]) == {rule_id}]
-    assert message_pattern(RULES_BY_ID[rule_id]).search(cause.message), cause.message
+    cel = RULES_BY_ID[rule_id].cel
+    assert cel is not None
+    assert message_pattern(cel.message_expression).search(cause.message), cause.message
     assert "%" not in cause.message and "failed rule" not in cause.message, cause.message
 
 
