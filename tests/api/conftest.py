@@ -1,14 +1,21 @@
-"""Shared builders for RLJob API tests."""
+"""Shared builders for RLJob API tests, and RLJobs on the session's real control plane."""
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubecluster.clients import apply_crd, create_namespace
 
 from r3operator.api import RLJob, parse_rljob
+from tests.api.real_apiserver import RLJobApi
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "rljob.yaml"
 
 Mutation = Callable[[dict[str, Any]], None]
 
@@ -59,3 +66,11 @@ def sets(**paths: Any) -> Mutation:
 @pytest.fixture
 def manifest() -> dict[str, Any]:
     return base_manifest()
+
+
+@pytest.fixture(scope="module")
+def rljob_api(control_plane: Any, request: pytest.FixtureRequest) -> RLJobApi:
+    """The RLJob CRD from crds/ applied to the real apiserver, and a namespace of this module's own."""
+    apply_crd(control_plane, CRD_FILE)
+    module = re.sub(r"[^a-z0-9-]", "-", request.module.__name__.rsplit(".", 1)[-1].lower())
+    return RLJobApi(control_plane, create_namespace(control_plane, f"m-{module}"[:63]))

@@ -1,9 +1,10 @@
-"""The CRD's CEL rules and the Python rules agree: two CEL engines and Python, same objects.
+"""The CRD's CEL rules and the Python rules agree, judged by the REAL kube-apiserver.
 
-For every object, the set of CEL-capable rule ids that Python reports as errors must equal the set
-of rules whose CEL expression fails, under both common-expression-language and cel-python
-(`cross_check` raises if the two engines disagree). Objects are the hand-written rule cases plus
-hypothesis-generated specs over every field a rule reads.
+For every object, the set of CEL-capable rule ids that Python reports as errors must equal the set of
+rules the apiserver refuses the object for (a dry-run create; its causes mapped back to rule ids by
+reason and fieldPath, see real_apiserver.py). Objects are the hand-written rule cases plus
+hypothesis-generated specs over every field a rule reads. The apiserver defaults the object before
+it runs CEL, exactly as it will in a user's cluster.
 """
 
 from __future__ import annotations
@@ -11,68 +12,86 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kubecluster.clients import kubectl
 
-from r3operator.api import RULES, Severity, evaluate, parse_rljob
-from r3operator.api.crd import crd
+from r3operator.api import Severity, evaluate, parse_rljob
 from r3operator.api.families import HF_REPLAY_FAMILIES
-from r3operator.testing.apiserver_validation import apply_defaults
-from r3operator.testing.cel import collect_rules, cross_check
+from r3operator.api.rules import RULES_BY_ID
 from tests.api.conftest import base_manifest, set_path
+from tests.api.real_apiserver import CEL_RULE_IDS, RLJobApi, message_pattern, rule_ids
 from tests.api.rule_cases import CASES
 
-SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-RULE_ID_BY_CEL = {r.cel.rule: r.id for r in RULES if r.cel is not None}
-CEL_RULE_IDS = set(RULE_ID_BY_CEL.values())
 
-
-def verdicts(manifest: dict[str, Any]) -> tuple[set[str], set[str]]:
-    """(python error rule ids among CEL-capable rules, CEL-violated rule ids)."""
+def verdicts(api: RLJobApi, manifest: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(Python's error rule ids among the CEL-capable rules, the rule ids the apiserver refused it for)."""
     job = parse_rljob(copy.deepcopy(manifest))
     python = {f.rule for f in evaluate(job.spec) if f.severity is Severity.ERROR and f.rule in CEL_RULE_IDS}
-    obj = apply_defaults(SCHEMA, copy.deepcopy(manifest))  # what the API server evaluates CEL on
-    violations = cross_check(SCHEMA, obj)
-    unknown = [v.rule for v in violations if v.rule not in RULE_ID_BY_CEL]
-    assert unknown == [], f"non-table CEL rule failed: {unknown}"
-    return python, {RULE_ID_BY_CEL[v.rule] for v in violations}
+    return python, rule_ids(api.refusal(manifest))
 
 
-def test_every_crd_rule_compiles_in_both_engines() -> None:
-    rules = collect_rules(SCHEMA)
-    assert {r.rule for r in rules} >= set(RULE_ID_BY_CEL)
-    from r3operator.testing.cel import check_rule
-
-    for rule in rules:
-        check_rule(rule)
+def case(rule_id: str, which: int) -> dict[str, Any]:
+    manifest = base_manifest()
+    CASES[rule_id][which](manifest)
+    return manifest
 
 
-def test_rule_cases_agree() -> None:
-    for rule_id, (passing, failing) in CASES.items():
-        for mutate in (passing, failing):
-            manifest = base_manifest()
-            mutate(manifest)
-            python, cel = verdicts(manifest)
-            assert python == cel, (rule_id, python, cel)
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_cases_agree(rljob_api: RLJobApi, rule_id: str) -> None:
+    for which in (0, 1):
+        python, server = verdicts(rljob_api, case(rule_id, which))
+        assert python == server, (rule_id, "passing" if which == 0 else "failing", python, server)
 
 
-def test_cel_message_expressions_render_values() -> None:
+def test_every_cel_rule_is_enforced_by_the_apiserver(rljob_api: RLJobApi) -> None:
+    refused = {rule_id for rule_id in CEL_RULE_IDS if rule_id in rule_ids(rljob_api.refusal(case(rule_id, 1)))}
+    assert refused == set(CEL_RULE_IDS)
+
+
+@pytest.mark.parametrize("rule_id", sorted(CEL_RULE_IDS))
+def test_cel_message_expressions_render_values(rljob_api: RLJobApi, rule_id: str) -> None:
+    [cause] = [c for c in rljob_api.refusal(case(rule_id, 1)) if rule_ids([c]) == {rule_id}]
+    cel = RULES_BY_ID[rule_id].cel
+    assert cel is not None
+    assert message_pattern(cel.message_expression).search(cause.message), cause.message
+    assert "%" not in cause.message and "failed rule" not in cause.message, cause.message
+
+
+def test_rendered_message_carries_the_offending_value(rljob_api: RLJobApi) -> None:
     manifest = base_manifest()
     set_path(manifest, "inference.pipelineParallelSize", 4)
-    obj = apply_defaults(SCHEMA, manifest)
-    [violation] = cross_check(SCHEMA, obj)
-    assert violation.field_path == "spec.inference.pipelineParallelSize"
-    assert violation.reason == "FieldValueForbidden"
-    assert violation.message.endswith("pipelineParallelSize 4")
+    [cause] = rljob_api.refusal(manifest)
+    assert cause.field == "spec.inference.pipelineParallelSize"
+    assert cause.reason == "FieldValueForbidden"
+    assert cause.message == "Forbidden: routingReplay.mode R3 is incompatible with inference.pipelineParallelSize 4"
 
 
-def test_transition_rule_blocks_backend_change() -> None:
-    old = apply_defaults(SCHEMA, base_manifest())
-    new = base_manifest()
-    set_path(new, "trainer.backend", "Megatron")
-    new = apply_defaults(SCHEMA, new)
-    fields = {v.field_path for v in cross_check(SCHEMA, new, old)}
-    assert "spec.trainer.backend" in fields
+def test_kubectl_apply_reports_the_rule_message_and_field(rljob_api: RLJobApi) -> None:
+    manifest = rljob_api.here(case("MP-SINGLE-NODE", 1))
+    result = kubectl(rljob_api.plane, "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(manifest))
+    assert result.returncode != 0
+    assert 'The RLJob "base" is invalid' in result.stderr
+    assert (
+        "spec.inference.tensorParallelSize: Invalid value: executorBackend mp runs one engine replica on one node: "
+        "tp x pp x dpLocal = 16 GPUs > gpusPerNode 8"
+    ) in result.stderr
+
+
+def test_transition_rule_blocks_backend_change(rljob_api: RLJobApi) -> None:
+    manifest = base_manifest()
+    manifest["metadata"]["name"] = "transition"
+    rljob_api.create(manifest, dry_run=False)
+    change = {"spec": {"trainer": {"backend": "Megatron", "megatron": {"expertParallelSize": 8}}}}
+    causes = rljob_api.patch_refusal("transition", change)
+    immutable = [c for c in causes if c.field == "spec.trainer.backend" and "trainer.backend is immutable" in c.message]
+    assert immutable, causes
+    # The same object under a new name is no transition: Megatron is accepted.
+    manifest["metadata"]["name"] = "fresh-megatron"
+    set_path(manifest, "trainer", {**manifest["spec"]["trainer"], **change["spec"]["trainer"]})
+    assert rljob_api.refusal(manifest) == []
 
 
 # ----------------------------------------------------------------------------- property-based
@@ -160,7 +179,7 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(specs())
-def test_generated_specs_never_crash_and_cel_agrees(manifest: dict[str, Any]) -> None:
-    python, cel = verdicts(manifest)
-    assert python == cel
+@given(manifest=specs())
+def test_generated_specs_agree_with_the_apiserver(rljob_api: RLJobApi, manifest: dict[str, Any]) -> None:
+    python, server = verdicts(rljob_api, manifest)
+    assert python == server

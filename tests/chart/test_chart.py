@@ -25,8 +25,16 @@ def test_helm_lint_strict(helm: str) -> None:
         assert "0 chart(s) failed" in proc.stdout
 
 
-@pytest.mark.parametrize("sets", [(), ALL_ON, NAMESPACED + ALL_ON, ("crds.install=false", "rbac.create=false",
-                                  "serviceAccount.create=false", "serviceAccount.name=ops")], ids=str)
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ALL_ON,
+        NAMESPACED + ALL_ON,
+        ("crds.install=false", "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=ops"),
+    ],
+    ids=str,
+)
 def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path: Path, sets: tuple[str, ...]) -> None:
     manifest = tmp_path / "chart.yaml"
     manifest.write_text(render(*sets).text)
@@ -101,9 +109,9 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
         | {("rbac.authorization.k8s.io", "rolebindings", v) for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
+        # kopf lists and watches namespaces in both modes, also when they are named.
+        | {("", "namespaces", v) for v in ("get", "list", "watch")}
     )
-    if not any("watch.mode=namespaced" in s for s in sets):  # kopf --all-namespaces watches namespaces
-        expected |= {("", "namespaces", v) for v in ("get", "list", "watch")}
     assert granted == expected
     # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation (bind: one role, above).
     assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "roles", "clusterroles"}
@@ -151,10 +159,16 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     assert {d["metadata"]["namespace"] for d in docs.kind("RoleBinding")} == {"team-a", "team-b"}
     for binding in docs.kind("RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
-    # Only the CRD reader stays cluster-wide (CRDs are cluster-scoped), besides the trainer's role.
+    # Only reading the cluster-scoped CRDs and namespaces stays cluster-wide, besides the trainer's role.
     (cluster_role,) = [d for d in docs.kind("ClusterRole") if d["metadata"]["name"] != TRAINER_ROLE]
-    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
-                                      "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]}]
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+    ]
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" not in args
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]

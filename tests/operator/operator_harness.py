@@ -142,8 +142,8 @@ _REGISTRY: list[Any] = []
 def operator_registry() -> Any:
     """Our handlers in a registry of their own.
 
-    kopf's default registry is process-global: a KopfRunner started by another test module (e.g.
-    tests/emulator's sample operator) would otherwise also run our handlers, and ours would run its.
+    kopf's default registry is process-global: a KopfRunner started by another test module with other
+    handlers would otherwise also run ours, and ours would run its.
     """
     if not _REGISTRY:
         import importlib

@@ -1,0 +1,308 @@
+"""End to end with real clients: `helm install` of charts/r3operator into the session's control plane.
+
+- What the apiserver lets the chart's operator ServiceAccount do (`kubectl auth can-i --list --as=...`) is
+  what the installed release declares (its Roles/ClusterRoles reached through its bindings) and nothing
+  more. The expectation is read from `helm get manifest`, never written down here, so the test follows
+  the chart's RBAC as it changes.
+- The operator, run in this process with that ServiceAccount's token (RBAC is the chart's, not the
+  admin's), turns an RLJob into all its children.
+- The per-job trainer ServiceAccount then can exactly what its RoleBinding's role grants, and with its
+  token reads its RLJob and patches its status, and nothing else.
+
+Both releases take ownership of the RLJob CRD (`--take-ownership`): the CRD is cluster-scoped, and other
+modules of the session apply it too. The operator Deployment's pod stays Pending (every fake node is a
+tainted GPU node), which does not matter: the operator under test runs here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+from kubecluster.clients import create_namespace, kubectl
+from kubecluster.controlplane import ApiError, ControlPlane
+
+from r3operator.operator.settings import OperatorConfig
+from r3operator.runtime.metrics import progress_patch
+from tests.chart.conftest import CHART, REPO
+
+Permission = tuple[str, str, str, str]
+"""(resource as kubectl prints it, e.g. `rljobs.r3operator.io/status`; non-resource URL; resource name; verb)"""
+
+
+# ----------------------------------------------------------------------------- releases
+
+
+@dataclasses.dataclass
+class Release:
+    name: str
+    namespace: str
+    docs: list[dict[str, Any]]
+
+    def one(self, kind: str) -> dict[str, Any]:
+        [doc] = [d for d in self.docs if d["kind"] == kind]
+        return doc
+
+    @property
+    def operator_account(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.one('ServiceAccount')['metadata']['name']}"
+
+    @property
+    def operator_env(self) -> dict[str, str]:
+        [container] = self.one("Deployment")["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _helm(helm: str, plane: ControlPlane, *args: str) -> str:
+    proc = subprocess.run(
+        [helm, *args, "--kubeconfig", str(plane.kubeconfig)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, f"helm {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+@contextlib.contextmanager
+def installed(helm: str, plane: ControlPlane, name: str, namespace: str, *sets: str) -> Iterator[Release]:
+    args = ["install", name, str(CHART), "--namespace", namespace, "--take-ownership"]
+    _helm(helm, plane, *args, *[a for s in sets for a in ("--set", s)])
+    manifest = _helm(helm, plane, "get", "manifest", name, "--namespace", namespace)
+    yield Release(name, namespace, [d for d in yaml.safe_load_all(manifest) if d])
+    _helm(helm, plane, "uninstall", name, "--namespace", namespace)
+
+
+@pytest.fixture(scope="module")
+def cluster_release(helm: str, control_plane: ControlPlane) -> Iterator[Release]:
+    namespace = create_namespace(control_plane, "chart-cluster-ops")
+    with installed(helm, control_plane, "cluster", namespace, "watch.mode=cluster") as release:
+        yield release
+
+
+@pytest.fixture(scope="module")
+def jobs_namespace(control_plane: ControlPlane) -> str:
+    return create_namespace(control_plane, "chart-jobs")
+
+
+@pytest.fixture(scope="module")
+def namespaced_release(helm: str, control_plane: ControlPlane, jobs_namespace: str) -> Iterator[Release]:
+    namespace = create_namespace(control_plane, "chart-ns-ops")
+    sets = ("watch.mode=namespaced", f"watch.namespaces={{{jobs_namespace}}}")
+    with installed(helm, control_plane, "scoped", namespace, *sets) as release:
+        yield release
+
+
+# ----------------------------------------------------------------------------- RBAC: declared vs enforced
+
+
+def _expand(rules: list[dict[str, Any]]) -> set[Permission]:
+    out: set[Permission] = set()
+    for rule in rules:
+        for verb in rule["verbs"]:
+            for url in rule.get("nonResourceURLs", []):
+                out.add(("", url, "", verb))
+            for group in rule.get("apiGroups", []):
+                for resource in rule.get("resources", []):
+                    base, slash, sub = resource.partition("/")
+                    printed = (f"{base}.{group}" if group else base) + slash + sub
+                    for name in rule.get("resourceNames") or [""]:
+                        out.add((printed, "", name, verb))
+    return out
+
+
+def declared(objects: list[dict[str, Any]], account: str, namespace: str) -> set[Permission]:
+    """What `objects` (Roles, ClusterRoles and their bindings) grant `account` in `namespace`."""
+    _, _, sa_namespace, sa_name = account.split(":")
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d for d in objects}
+    rules: list[dict[str, Any]] = []
+    for binding in objects:
+        applies = binding["kind"] == "ClusterRoleBinding" or (
+            binding["kind"] == "RoleBinding" and binding["metadata"]["namespace"] == namespace
+        )
+        subjects = binding.get("subjects") or []
+        if not applies or not any(
+            s["kind"] == "ServiceAccount" and s["name"] == sa_name and s.get("namespace") == sa_namespace
+            for s in subjects
+        ):
+            continue
+        ref = binding["roleRef"]
+        role_namespace = None if ref["kind"] == "ClusterRole" else binding["metadata"]["namespace"]
+        rules += roles[(ref["kind"], role_namespace, ref["name"])]["rules"]
+    return _expand(rules)
+
+
+def _bracketed(cell: str) -> list[str]:
+    inner = cell.strip().removeprefix("[").removesuffix("]")
+    return inner.split() if inner else []
+
+
+def can_i_list(plane: ControlPlane, account: str, namespace: str) -> set[Permission]:
+    """`kubectl auth can-i --list` as `account` (impersonated by the admin), one tuple per permission."""
+    result = kubectl(plane, "auth", "can-i", "--list", f"--as={account}", "--namespace", namespace)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    starts = [header.index(title) for title in ("Resources", "Non-Resource URLs", "Resource Names", "Verbs")]
+    out: set[Permission] = set()
+    for row in rows:
+        resource, urls, names, verbs = (row[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True))
+        for verb in _bracketed(verbs):
+            for url in _bracketed(urls) or [""]:
+                for name in _bracketed(names) or [""]:
+                    out.add((resource, url, name, verb))
+    return out
+
+
+def baseline(plane: ControlPlane, namespace: str) -> set[Permission]:
+    """What every ServiceAccount may do (discovery, self reviews): a fresh one with no bindings."""
+    with contextlib.suppress(ApiError):  # already made by another test of this module
+        plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "bare"}})
+    return can_i_list(plane, f"system:serviceaccount:{namespace}:bare", namespace)
+
+
+def assert_exactly(plane: ControlPlane, account: str, namespace: str, expected: set[Permission]) -> None:
+    base = baseline(plane, namespace)
+    actual = can_i_list(plane, account, namespace)
+    assert expected - base, f"the chart grants {account} nothing in {namespace}: nothing to compare"
+    assert sorted(actual - base) == sorted(expected - base), "enforced != declared"
+    assert base <= actual
+
+
+def test_operator_in_cluster_mode_can_exactly_what_the_chart_declares(
+    control_plane: ControlPlane, cluster_release: Release, jobs_namespace: str
+) -> None:
+    account = cluster_release.operator_account
+    expected = declared(cluster_release.docs, account, jobs_namespace)
+    assert ("rljobs.r3operator.io", "", "", "watch") in expected and ("namespaces", "", "", "list") in expected
+    assert_exactly(control_plane, account, jobs_namespace, expected)
+
+
+@pytest.mark.parametrize("where", ["watched", "own"])
+def test_operator_in_namespaced_mode_can_exactly_what_the_chart_declares(
+    control_plane: ControlPlane, namespaced_release: Release, jobs_namespace: str, where: str
+) -> None:
+    namespace = jobs_namespace if where == "watched" else namespaced_release.namespace
+    account = namespaced_release.operator_account
+    expected = declared(namespaced_release.docs, account, namespace)
+    if where == "watched":
+        assert ("statefulsets.apps", "", "", "create") in expected
+    else:  # outside the watched namespaces only the reads of cluster-scoped kinds remain
+        assert not {p[0] for p in expected} & {"statefulsets.apps", "rljobs.r3operator.io", "configmaps"}
+    assert_exactly(control_plane, account, namespace, expected)
+
+
+# ----------------------------------------------------------------------------- the operator with the chart's token
+
+
+def _operator_harness() -> ModuleType:
+    """tests/operator's kopf runner (that directory is no package: a package named `operator` shadows the stdlib)."""
+    directory = str(REPO / "tests" / "operator")
+    if directory not in sys.path:
+        sys.path.append(directory)
+    return importlib.import_module("operator_harness")
+
+
+JOB = "chart-e2e"
+
+
+@pytest.fixture(scope="module")
+def reconciled(
+    control_plane: ControlPlane,
+    namespaced_release: Release,
+    jobs_namespace: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, dict[str, Any]]]:
+    """The operator runs with the chart's ServiceAccount token and the chart's settings; an RLJob is applied
+    and all its children exist. Yields the children by kind."""
+    harness = _operator_harness()
+    kubeconfig = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    sa_namespace, sa_name = namespaced_release.operator_account.split(":")[2:]
+    token = control_plane.token_for(sa_namespace, sa_name)
+    kubeconfig.write_text(yaml.safe_dump(control_plane.kubeconfig_for(sa_name, token, namespace=jobs_namespace)))
+    registry = harness.operator_registry()
+    handlers = sys.modules["r3operator.operator.handlers"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KUBECONFIG", str(kubeconfig))
+        # The operator settings the chart passes (no metrics server: other operators share this process).
+        for name, value in namespaced_release.operator_env.items():
+            if name.startswith("R3OPERATOR_") and name != "R3OPERATOR_METRICS_PORT":
+                patch.setenv(name, value)
+        patch.setattr(handlers, "CONFIG", OperatorConfig.from_env())
+        from kopf.testing import KopfRunner
+
+        with KopfRunner(harness.operator_args([jobs_namespace]), timeout=120, registry=registry) as runner:
+            job = harness.example(JOB, jobs_namespace)
+            applied = kubectl(control_plane, "apply", "-f", "-", stdin=yaml.safe_dump(job))
+            assert applied.returncode == 0, applied.stderr
+            children = {k: p for k, p in harness.paths(jobs_namespace, JOB).items() if k != "rljob"}
+
+            def all_children() -> dict[str, dict[str, Any]] | None:
+                found = {k: control_plane.request("GET", p) for k, p in children.items()}
+                return found if all(found.values()) else None  # type: ignore[return-value]
+
+            yield harness.wait_for(all_children, timeout=60, what=f"children of {JOB} (operator output follows)")
+    assert runner.exception is None, runner.output
+    for problem in ("Traceback", "Forbidden"):
+        assert problem not in runner.output, runner.output[-4000:]
+
+
+def test_operator_with_the_charts_token_creates_every_child(
+    control_plane: ControlPlane, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
+) -> None:
+    assert set(reconciled) == {"pvc", "cm", "svc", "sts", "rayjob", "sa", "rb"}
+    rljob = control_plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{JOB}")
+    conditions = {c["type"]: c for c in rljob["status"]["conditions"]}
+    assert conditions["Valid"]["status"] == "True", conditions
+
+
+def _trainer(reconciled: dict[str, dict[str, Any]], namespace: str) -> str:
+    return f"system:serviceaccount:{namespace}:{reconciled['sa']['metadata']['name']}"
+
+
+def test_trainer_service_account_can_exactly_its_roles_rules(
+    control_plane: ControlPlane, namespaced_release: Release, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
+) -> None:
+    binding = reconciled["rb"]
+    ref = binding["roleRef"]
+    # The role is the chart's (ClusterRole) or, if the operator makes one per job, the Role it made.
+    role = next(
+        (d for d in namespaced_release.docs if d["kind"] == ref["kind"] and d["metadata"]["name"] == ref["name"]),
+        None,
+    ) or control_plane.request(
+        "GET",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_namespace}/roles/{ref['name']}"
+        if ref["kind"] == "Role"
+        else f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{ref['name']}",
+    )
+    account = _trainer(reconciled, jobs_namespace)
+    expected = declared([binding, role], account, jobs_namespace)
+    assert ("rljobs.r3operator.io/status", "", "", "patch") in {(r, u, "", v) for r, u, _, v in expected}
+    assert_exactly(control_plane, account, jobs_namespace, expected)
+
+
+def test_trainer_token_reads_its_rljob_and_patches_its_status_and_nothing_else(
+    control_plane: ControlPlane, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
+) -> None:
+    token = control_plane.token_for(jobs_namespace, reconciled["sa"]["metadata"]["name"])
+    rljob = f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{JOB}"
+    assert control_plane.request("GET", rljob, token=token)["metadata"]["name"] == JOB
+    patch = progress_patch({"step": 3, "reward_mean": 0.5}, total_steps=10, last_checkpoint_step=None)
+    patched = control_plane.request("PATCH", rljob + "/status", patch, "application/merge-patch+json", token=token)
+    assert patched["status"]["progress"]["step"] == 3
+    forbidden = [
+        ("PATCH", rljob, {"spec": {"rollout": {"promptsPerStep": 8}}}),
+        ("DELETE", rljob, None),
+        ("GET", f"/api/v1/namespaces/{jobs_namespace}/secrets", None),
+        ("POST", f"/api/v1/namespaces/{jobs_namespace}/pods", {"metadata": {"name": "x"}}),
+        ("GET", f"/apis/apps/v1/namespaces/{jobs_namespace}/statefulsets", None),
+    ]
+    for method, path, body in forbidden:
+        content_type = "application/merge-patch+json" if method == "PATCH" else "application/json"
+        with pytest.raises(ApiError) as refused:
+            control_plane.request(method, path, body, content_type, token=token)
+        assert refused.value.code == 403, (method, path, refused.value)
