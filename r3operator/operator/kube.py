@@ -16,7 +16,10 @@ from typing import Any
 
 import aiohttp
 
+from r3operator import __version__
+
 MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = f"r3operator/{__version__}"
 
 
 class KubeError(Exception):
@@ -91,7 +94,8 @@ class KubeClient:
 
     def __init__(self, server: str, *, headers: dict[str, str] | None = None, ssl_context: Any = False) -> None:
         self.server = server.rstrip("/")
-        self._headers = headers or {}
+        # A name of our own in the apiserver's audit log and its per-client metrics (kopf's watches say kopf/...).
+        self._headers = {"User-Agent": USER_AGENT, **(headers or {})}
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 

@@ -21,6 +21,11 @@ ANNOTATION_RETAINED_FROM = f"{PREFIX}/retained-from-uid"
 """On a Retain PVC: the uid of the RLJob that created it (the PVC has no ownerReference)."""
 FINALIZER = f"{PREFIX}/finalizer"
 
+# GPU nodes carry the taint nvidia.com/gpu:NoSchedule (the NVIDIA GPU Operator's and the managed clouds'
+# convention) so that only pods that asked for GPUs land there. Engine and trainer pods always request
+# nvidia.com/gpu, so they tolerate it; without this they stay Pending on a typical GPU cluster.
+GPU_TOLERATIONS: tuple[dict[str, str], ...] = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
+
 ROLE_STORAGE = "routing-storage"
 ROLE_CONFIG = "config"
 ROLE_ENGINE = "engine"

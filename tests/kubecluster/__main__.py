@@ -90,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--nodes", type=int, default=Fleet.nodes)
     parser.add_argument("--gpus-per-node", type=int, default=Fleet.gpus_per_node)
+    parser.add_argument("--cpu-nodes", type=int, default=Fleet.cpu_nodes)
     parser.add_argument("--no-kuberay", action="store_true")
     args = parser.parse_args(argv)
     directory = args.dir.resolve()
     if args.command == "up":
-        return up(directory, Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node), not args.no_kuberay)
+        fleet = Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu_nodes=args.cpu_nodes)
+        return up(directory, fleet, not args.no_kuberay)
     if args.command == "down":
         return down(directory)
     return status(directory)

@@ -19,6 +19,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -51,11 +52,24 @@ class Fleet:
     cpu: str = "96"
     memory: str = "1Ti"
     taint_gpu: bool = True
+    cpu_nodes: int = 2
+    """Untainted nodes without GPUs, where the operator and other CPU-only pods run, as on real clusters."""
 
-    def node(self, index: int) -> dict[str, Any]:
-        name = f"gpu-node-{index:03d}"
-        taints = [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}] if self.taint_gpu else []
-        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110", GPU_RESOURCE: str(self.gpus_per_node)}
+    def all_nodes(self) -> list[dict[str, Any]]:
+        return [self.node(i) for i in range(self.nodes)] + [self.node(i, gpu=False) for i in range(self.cpu_nodes)]
+
+    def node(self, index: int, *, gpu: bool = True) -> dict[str, Any]:
+        name = f"{'gpu' if gpu else 'cpu'}-node-{index:03d}"
+        taints = [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}] if gpu and self.taint_gpu else []
+        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110"}
+        gpu_labels = {}
+        if gpu:
+            capacity[GPU_RESOURCE] = str(self.gpus_per_node)
+            gpu_labels = {
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.count": str(self.gpus_per_node),
+            }
         return {
             "apiVersion": "v1",
             "kind": "Node",
@@ -67,10 +81,8 @@ class Fleet:
                     "kubernetes.io/os": "linux",
                     "kubernetes.io/arch": "amd64",
                     "type": "kwok",
-                    "nvidia.com/gpu.present": "true",
-                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                    "nvidia.com/gpu.count": str(self.gpus_per_node),
                     "topology.kubernetes.io/zone": f"zone-{index % 2}",
+                    **gpu_labels,
                 },
             },
             "spec": {"taints": taints},
@@ -150,6 +162,7 @@ class ControlPlane:
         self._start_controllers()
         self._wait_for_default_service_account()
         self.add_nodes(self.fleet)
+        self._start_provisioner()
         if self.with_kuberay:
             self._start_kuberay()
         self.startup_seconds = time.monotonic() - started
@@ -163,6 +176,16 @@ class ControlPlane:
         """Stop and start kube-apiserver on the same port and etcd: watches break, clients must reconnect."""
         self._terminate(self.processes.pop("kube-apiserver"))
         self.start_apiserver()
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """SIGSTOP a controller for the block (e.g. KubeRay, to write the RayJob status it would write)."""
+        proc = self.processes[name].popen
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGCONT)
 
     def _terminate(self, proc: _Process) -> None:
         if proc.popen.poll() is None:
@@ -371,15 +394,23 @@ class ControlPlane:
             lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default") is not None,
         )
 
-    def add_nodes(self, fleet: Fleet, start: int = 0) -> list[str]:
+    def add_nodes(self, fleet: Fleet) -> list[str]:
         names = []
-        for i in range(start, start + fleet.nodes):
-            node = fleet.node(i)
+        for node in fleet.all_nodes():
             self.request("POST", "/api/v1/nodes", node)
             names.append(node["metadata"]["name"])
         proc = self.processes["kwok"]
         self._wait("kwok (nodes Ready)", proc, lambda: self._nodes_ready(names), timeout=120)
         return names
+
+    def _start_provisioner(self) -> None:
+        proc = self._spawn(
+            "provisioner",
+            [sys.executable, "-m", "kubecluster.provisioner", "--kubeconfig", str(self.kubeconfig)],
+            env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+        path = "/apis/storage.k8s.io/v1/storageclasses/rwx-nfs"  # the last one it makes
+        self._wait("provisioner (StorageClass standard)", proc, lambda: self.request("GET", path) is not None)
 
     def _nodes_ready(self, names: list[str]) -> bool:
         nodes = self.request("GET", "/api/v1/nodes")["items"]

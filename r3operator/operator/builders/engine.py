@@ -173,6 +173,7 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
                 "spec": {
                     "containers": [container],
                     "volumes": volumes,
+                    "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
                     "terminationGracePeriodSeconds": 60,
                 },
             },

@@ -63,6 +63,7 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
             # <job>-trainer may patch this RLJob's status (build/trainer_rbac.py).
             "serviceAccountName": trainer_service_account_name(job),
             "containers": [container],
+            "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "volumes": [
                 {"name": "routing", "persistentVolumeClaim": {"claimName": meta.routing_claim_name(job)}},
                 {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
