@@ -8,7 +8,7 @@ EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv tools run test test-fast bench lint fmt crd clean
+.PHONY: venv tools cluster cluster-up cluster-down run test test-fast bench lint fmt crd clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,24 @@ $(TOOLS)/.stamp: scripts/install-tools.sh
 	bash scripts/install-tools.sh $(TOOLS)
 	touch $@
 
+# The real control plane the tests run on (kube-apiserver, controller-manager, scheduler, etcd, kwok,
+# KubeRay), built from the pinned Go modules in scripts/cluster/ into $(TOOLS)/k8s-<version>/ once per
+# version; a no-op afterwards.
+cluster:
+	bash scripts/install-cluster.sh $(TOOLS)
+
+# The same control plane for people: 16 fake 8-GPU nodes (tainted nvidia.com/gpu) + 2 CPU nodes, KubeRay.
+# Then: export KUBECONFIG=$(TOOLS)/cluster/kubeconfig
+cluster-up: venv tools cluster
+	PYTHONPATH=tests $(PY) -m kubecluster up --dir $(TOOLS)/cluster
+
+cluster-down: venv
+	PYTHONPATH=tests $(PY) -m kubecluster down --dir $(TOOLS)/cluster
+
 run: venv
 	$(VENV)/bin/r3operator run examples/rljob-local.yaml
 
-test: venv tools
+test: venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -36,7 +50,7 @@ test: venv tools
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: venv tools
+bench: venv tools cluster
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m benchmarks
 
 lint: venv
