@@ -6,7 +6,11 @@ stderr naming the file, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +62,8 @@ def encode_cmd(
 ) -> None:
     """Convert a .npy routes array into a routing-data file (atomic write)."""
     try:
+        if not stat.S_ISREG(npy.stat().st_mode):  # np.load of a FIFO would wait for a writer forever
+            raise _die(f"{npy}: not a regular file")
         array = np.load(npy, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise _die(f"{npy}: not a readable .npy array ({exc})") from None
@@ -95,10 +101,27 @@ def decode_cmd(
         record = read_file(file, verify=True)
     except (RoutingDataError, OSError) as exc:
         raise _die(str(exc) if str(file) in str(exc) else f"{file}: {exc}") from None
+    target = npy if npy.suffix == ".npy" else npy.with_name(npy.name + ".npy")  # np.save's naming rule
     try:
-        np.save(npy, record.array(), allow_pickle=False)
+        _save_npy_atomic(target, record.array())
     except OSError as exc:
-        raise _die(f"{npy}: cannot write ({exc})") from None
+        raise _die(f"{target}: cannot write ({exc})") from None
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """Write into a temp file in the same directory and rename it into place: a full disk or a crash leaves
+    the previous file (or none), never a truncated .npy that loads as garbage or fails far from here."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "xb") as fh:
+            np.save(fh, array, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 if __name__ == "__main__":

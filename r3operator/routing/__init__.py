@@ -12,7 +12,12 @@ from r3operator.routing.codec import (
     to_wire,
     validate_routes,
 )
-from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
+from r3operator.routing.errors import (
+    RoutingDataError,
+    RoutingFileError,
+    RoutingFileMissingError,
+    RoutingFileUnreadableError,
+)
 from r3operator.routing.stitch import TrajectoryRoutes, check_row_count
 from r3operator.routing.store import RoutingHeader, RoutingRecord, RoutingStore, read_file, write_file
 
@@ -22,6 +27,7 @@ __all__ = [
     "RoutingDataError",
     "RoutingFileError",
     "RoutingFileMissingError",
+    "RoutingFileUnreadableError",
     "RoutingHeader",
     "RoutingRecord",
     "RoutingStore",

@@ -135,6 +135,12 @@ def validate_routes(arr: np.ndarray, *, num_experts: int | None) -> None:
     _check_duplicates(arr)
 
 
+def check_id_range(arr: np.ndarray, *, num_experts: int | None) -> None:
+    """Raise :class:`RoutingDataError` naming the first id that is negative or ``>= num_experts``."""
+    if arr.size:
+        _check_range(arr, num_experts=num_experts)
+
+
 def _check_range(arr: np.ndarray, *, num_experts: int | None) -> None:
     if arr.dtype.kind == "i":
         low = int(arr.min())

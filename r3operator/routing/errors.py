@@ -21,3 +21,8 @@ class RoutingFileMissingError(RoutingFileError, FileNotFoundError):
 
     Also a ``FileNotFoundError`` so callers can treat "routes missing" (fall back to native routing) apart
     from "routes damaged"."""
+
+
+class RoutingFileUnreadableError(RoutingFileError):
+    """A routing-data path exists but cannot be read: permission denied, an I/O error, or not a regular file
+    (a FIFO would block the reader forever). The message names the file and the OS error."""

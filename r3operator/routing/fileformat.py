@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -29,8 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, decode
-from r3operator.routing.errors import RoutingDataError, RoutingFileError, RoutingFileMissingError
+from r3operator.routing.codec import ROUTE_DTYPES, RoutedExperts, check_id_range, decode
+from r3operator.routing.errors import (
+    RoutingDataError,
+    RoutingFileError,
+    RoutingFileMissingError,
+    RoutingFileUnreadableError,
+)
 
 MAGIC = b"\x89R3R\r\n\x1a\n"  # PNG-style: non-ASCII first byte, CRLF and ^Z catch text-mode mangling
 FORMAT_VERSION = 1
@@ -147,7 +153,7 @@ def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
     """
     path = Path(path)
     try:
-        with open(path, "rb", buffering=0) as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             fixed = f.read(PREFIX.size)
             if len(fixed) < len(MAGIC) or fixed[: len(MAGIC)] != MAGIC:
@@ -188,7 +194,36 @@ def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
         raise RoutingFileMissingError(f"{path}: no such routing-data file") from exc
     except IsADirectoryError as exc:
         raise fail(path, "is a directory") from exc
+    except OSError as exc:  # EACCES, EIO, ...: the file is there but this reader cannot have its bytes
+        raise RoutingFileUnreadableError(f"{path}: unreadable ({exc.strerror or exc})") from exc
     return header, data
+
+
+def _open_regular(path: Path) -> Any:
+    """Open for reading, refusing anything but a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer (it has no effect on a
+    regular file's reads), so the type check below runs on what was actually opened, without a race.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(f"{path} is a directory")
+        if not stat.S_ISREG(mode):
+            raise RoutingFileUnreadableError(f"{path}: not a regular file ({_file_kind(mode)})")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):  # fmt: skip
+        if test(mode):
+            return kind
+    return f"mode 0o{stat.S_IFMT(mode):o}"
 
 
 def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
@@ -200,6 +235,9 @@ def read_file(path: Path, *, verify: bool = True) -> RoutingRecord:
         raise fail(path, f"payload checksum mismatch (header {header.checksum}, data {payload_checksum(data)})")
     try:
         routes = RoutedExperts(data=data, shape=header.shape, dtype=header.dtype, start=header.start)
+        # The checksum proves the bytes are what the writer wrote, not that the writer validated them:
+        # ids must lie below the header's num_experts before anything gathers experts by them.
+        check_id_range(decode(routes, validate=False), num_experts=header.num_experts)
     except RoutingDataError as exc:
         raise fail(path, str(exc)) from exc
     return RoutingRecord(header=header, routes=routes)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +96,40 @@ def test_module_entry_point_reports_corrupt_file(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {path}: not an R3 routing-data file (bad magic)"]
+
+
+def test_inspect_refuses_a_fifo_instead_of_hanging(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.r3r"
+    os.mkfifo(fifo)
+    for args in (["inspect", str(fifo)], ["decode", str(fifo), "--npy", str(tmp_path / "o.npy")]):
+        # A reader that opens the FIFO blocks until a writer appears: the timeout turns a hang into a failure.
+        proc = subprocess.run([sys.executable, "-m", "r3operator.cli.routing", *args], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines() == [f"error: {fifo}: not a regular file (a FIFO)"]
+    fifo_npy = tmp_path / "in.npy"
+    os.mkfifo(fifo_npy)
+    result = runner.invoke(app, ["encode", "--npy", str(fifo_npy), "--out", str(tmp_path / "o.r3r")])
+    assert result.exit_code == 1 and f"{fifo_npy}: not a regular file" in result.stderr
+
+
+def test_decode_on_a_full_disk_leaves_no_partial_npy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, arr = _encode(tmp_path)
+    target = tmp_path / "routes.npy"
+    target.write_bytes(b"previous content")
+    real_save = np.save
+
+    def save_until_disk_full(fh, array, allow_pickle=False):  # header and a part of the data, then ENOSPC
+        real_save(fh, array[:1], allow_pickle=allow_pickle)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "save", save_until_disk_full)
+    result = runner.invoke(app, ["decode", str(out), "--npy", str(target)])
+    assert result.exit_code == 1
+    enospc = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    assert result.stderr.strip() == f"error: {target}: cannot write ({enospc})"
+    assert target.read_bytes() == b"previous content"  # the old file is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npy", "routes.npy", "sample-7.r3r"]  # no temp left
+    monkeypatch.setattr(np, "save", real_save)
+    assert runner.invoke(app, ["decode", str(out), "--npy", str(target)]).exit_code == 0
+    np.testing.assert_array_equal(np.load(target), arr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -194,3 +195,36 @@ def test_gc_keeps_newest_steps_and_live_temp_files(tmp_path: Path) -> None:
     assert store.sample_ids(step=3) == ["a", "b"] and store.sample_ids(step=10) == ["a", "b"]
     assert store.gc(keep_last_steps=2, temp_max_age_s=0) == 1
     assert store.steps() == [3, 10]
+
+
+def test_ids_out_of_range_are_refused_on_read(tmp_path: Path) -> None:
+    """A writer that skipped validation (or a foreign one) stores ids >= num_experts with a valid checksum:
+    the reader refuses them, naming the file, before any expert is gathered by them."""
+    path = tmp_path / "wide.r3r"
+    routes = encode(make_routes(5, 2, 4, 300))
+    write_file(path, routes, num_experts=200, policy_version=0, step=0, sample_id="wide", validate=False)
+    with pytest.raises(RoutingFileError, match=rf"{path}: expert id \d+ at .* out of range for num_experts=200"):
+        read_file(path)
+    within = tmp_path / "ok.r3r"
+    write_file(within, routes, num_experts=300, policy_version=0, step=0, sample_id="ok")
+    np.testing.assert_array_equal(read_file(within).array(), make_routes(5, 2, 4, 300))
+
+
+@pytest.mark.parametrize(("err", "text"), [(errno.EACCES, "Permission denied"), (errno.EIO, "Input/output error")])
+def test_unreadable_file_is_a_routing_file_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int,
+                                                 text: str) -> None:  # fmt: skip
+    from r3operator.routing import RoutingFileUnreadableError, fileformat
+
+    path = tmp_path / "s.r3r"
+    _write(path)
+    real_open = os.open
+
+    def failing_open(p, flags, *args):  # root ignores chmod 000, so the OS error is injected at open
+        if Path(p) == path:
+            raise OSError(err, os.strerror(err), str(p))
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(fileformat.os, "open", failing_open)
+    with pytest.raises(RoutingFileUnreadableError, match=f"{path}: unreadable \\({text}\\)"):
+        read_file(path)
+    assert issubclass(RoutingFileUnreadableError, RoutingFileError)  # callers that drop bad files drop these too
