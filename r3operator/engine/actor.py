@@ -48,13 +48,19 @@ class EngineActor:
         # `buffer` arrives as a read-only numpy view of the object store (zero-copy).
         return int(sum(self.llm.collective_rpc("r3_load_packed", args=(buffer, entries))))
 
-    def finish_weight_update(self) -> dict[str, int]:
-        result = self.llm.collective_rpc("r3_finish_weight_update")[0]
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        result = self.llm.collective_rpc("r3_finish_weight_update", args=(policy_tag,))[0]
         self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
         return result
 
     def abort_weight_update(self) -> None:
         self.llm.collective_rpc("r3_abort_weight_update")
+        self.llm.reset_prefix_cache()  # blocks computed by processed layers' new weights must not be reused
+
+    def policy_tag(self) -> str | None:
+        """The tag of the last finished sync if every worker holds it, else None (see the worker extension)."""
+        tags = set(self.llm.collective_rpc("r3_policy_tag"))
+        return tags.pop() if len(tags) == 1 else None
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)

@@ -17,7 +17,12 @@ MAX_CHUNKS_IN_FLIGHT = 2
 
 
 class Engine(Protocol):
+    """One rollout engine. `generate`, `greedy`, `policy_tag` and `wait_ready` retry transient faults and end
+    in `EngineUnavailableError`; the weight-update bracket calls do not retry (`engine/retry.py` says why).
+    `name` identifies the engine in errors and logs."""
+
     over_http: bool  # a separate `vllm serve` process (True) or an actor of this driver's Ray cluster
+    name: str
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
@@ -29,9 +34,13 @@ class Engine(Protocol):
 
     def release(self, chunk: PackedChunk) -> None: ...
 
-    def finish_weight_update(self) -> dict[str, int]: ...
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]: ...
 
     def abort_weight_update(self) -> None: ...
+
+    def policy_tag(self) -> str | None: ...
+
+    def wait_ready(self) -> None: ...
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]: ...
 

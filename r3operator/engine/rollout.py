@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from r3operator.engine.retry import Backoff, http_transient, retry_call
 from r3operator.routing.codec import RoutedExperts, from_vllm
 from r3operator.routing.errors import RoutingDataError
 
@@ -242,6 +243,7 @@ class OpenAIHTTPClient:
         timeout_s: float = 300.0,
         max_concurrency: int = 8,
         api_key: str | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
@@ -250,20 +252,34 @@ class OpenAIHTTPClient:
         self.max_concurrency = max_concurrency
         self.api_key = api_key
         self.num_experts = num_experts
+        self.backoff = backoff or Backoff.from_env()
         self.model = model or self._first_model()
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None, *, retry: bool = True) -> Any:
+        """One JSON request (None for an empty body). Transient failures (connection refused/reset, timeout,
+        HTTP 408/429/5xx) are retried with `self.backoff` and end in `EngineUnavailableError`; with
+        `retry=False` the first one does. Any other HTTP error raises `RuntimeError` with the server's text."""
+        url = self.base_url + path
+
+        def once() -> Any:
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(url, data=data, method=method)
+            req.add_header("Content-Type", "application/json")
+            if self.api_key:
+                req.add_header("Authorization", f"Bearer {self.api_key}")
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
+                raw = resp.read()
+            return json.loads(raw) if raw else None
+
+        backoff = self.backoff if retry else Backoff(attempts=1, sleep=self.backoff.sleep)
+        try:
+            return retry_call(once, what=f"{method} {url}", backoff=backoff, transient=http_transient)
+        except urllib.error.HTTPError as exc:  # not transient: a request this server refuses
             detail = exc.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"{method} {self.base_url + path} failed: HTTP {exc.code}: {detail}") from exc
+            raise RuntimeError(f"{method} {url} failed: HTTP {exc.code}: {detail}") from exc
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.request(method, path, body) or {}
 
     def _first_model(self) -> str:
         models = self._request("GET", "/v1/models").get("data") or []

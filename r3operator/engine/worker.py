@@ -42,6 +42,10 @@ class WeightSyncWorkerExtension:
     _r3_update_active: bool = False
     _r3_chunks_loaded: int = 0
     _r3_tensors_loaded: int = 0
+    # Which policy the weights are, as the driver named it at the last finished sync. None: the weights the
+    # engine started with, or a bracket is open / was aborted (weights in flux). A restarted engine process
+    # starts at None, which is how the driver tells that it must be re-synced before it gets rollouts.
+    _r3_policy_tag: str | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -70,6 +74,7 @@ class WeightSyncWorkerExtension:
         with self._r3_context():
             api["initialize_layerwise_reload"](self._r3_model())
         self._r3_update_active = True
+        self._r3_policy_tag = None
         self._r3_chunks_loaded = 0
         self._r3_tensors_loaded = 0
 
@@ -112,7 +117,8 @@ class WeightSyncWorkerExtension:
         tensors = load_file(path, device="cpu")
         return self.r3_load_chunk(sorted(tensors.items()))
 
-    def r3_finish_weight_update(self) -> dict[str, int]:
+    def r3_finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        """Close the bracket (finalize the layerwise reload) and record `policy_tag` as what the engine serves."""
         if not self._r3_update_active:
             raise WeightUpdateStateError("r3_finish_weight_update without r3_begin_weight_update")
         from r3operator.engine.plugin import self_check
@@ -123,12 +129,43 @@ class WeightSyncWorkerExtension:
                 api["finalize_layerwise_reload"](self._r3_model(), self.model_config)  # type: ignore[attr-defined]
         finally:
             self._r3_update_active = False
+        self._r3_policy_tag = policy_tag
         return {"chunks": self._r3_chunks_loaded, "tensors": self._r3_tensors_loaded}
 
-    def r3_abort_weight_update(self) -> None:
-        """Close a bracket left open by a failed sync, so the next begin does not raise forever."""
-        if self._r3_update_active:
-            self.r3_finish_weight_update()
+    def r3_abort_weight_update(self) -> dict[str, int]:
+        """Close a bracket left open by a failed sync WITHOUT finalising it.
+
+        Finalising would process every partially loaded layer: vLLM materialises its missing tensors
+        uninitialised and copies them into the kernel storage, so the engine would serve garbage in those
+        layers. Instead every layer still waiting for weights gets its kernel tensors back untouched (its
+        previous weights: loading only buffered into meta tensors). Layers that had received all their
+        weights were already processed and hold the new ones, so the engine is a mix of two policies until
+        the next complete sync: the policy tag stays None and the driver re-syncs before any rollout.
+        Returns how many layers were put back. Idempotent; a no-op outside a bracket.
+        """
+        if not self._r3_update_active:
+            return {"layers_restored": 0}
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        model = self._r3_model()
+        restored = 0
+        for layer in model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if not info.can_load():  # processed already, or not part of the bracket
+                continue
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)  # the inverse of restore_layer_on_meta
+                restored += 1
+            info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        self._r3_update_active = False
+        self._r3_policy_tag = None
+        return {"layers_restored": restored}
+
+    def r3_policy_tag(self) -> str | None:
+        return self._r3_policy_tag
 
     # -- diagnostics ------------------------------------------------------------------------------
     def r3_weights_digest(self, names: Iterable[str] | None = None) -> str:

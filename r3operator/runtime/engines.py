@@ -11,25 +11,44 @@ import json
 import os
 import tempfile
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from r3operator.engine.actor import EngineActor
 from r3operator.engine.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
+from r3operator.engine.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
 from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.weights import PackedChunk
 
 
 class RayEngine:
-    """Typed façade over an `EngineActor` handle."""
+    """Typed façade over an `EngineActor` handle.
+
+    The actor restarts up to `max_restarts` times when its process dies (Ray re-runs the constructor: the
+    engine comes back with the model's original weights and policy tag None, so the driver re-syncs it).
+    A call that outlives `call_timeout_s` kills the actor so that it restarts instead of hanging the run.
+    """
 
     over_http = False  # results (routes included) come back through Ray's object store
 
-    def __init__(self, model_dir: Path, *, device: str, dtype: str, seed: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        max_restarts: int = 3,
+        call_timeout_s: float = 600.0,
+        backoff: Backoff | None = None,
+        ready: Backoff | None = None,
+        name: str = "ray engine 0",
+    ) -> None:
         import ray
 
-        options: dict[str, Any] = {"num_cpus": 1}
+        options: dict[str, Any] = {"num_cpus": 1, "max_restarts": max_restarts, "max_task_retries": 0}
         env = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
         if device.startswith("cuda"):
             options["num_gpus"] = 0.5  # trainer (the driver) and engine share one GPU locally
@@ -38,16 +57,38 @@ class RayEngine:
             str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len
         )
         self._ray = ray
-        ray.get(self._actor.vllm_version.remote())  # wait for start; surfaces init errors here
+        self.name = name
+        self.call_timeout_s = call_timeout_s
+        self.backoff = backoff or Backoff.from_env()
+        self.ready = ready or ready_backoff()
+        self._in_flight: list[Any] = []
+        self.wait_ready()  # surfaces init errors here
+
+    def _call(self, what: str, submit: Callable[[], Any], *, retry: bool = True) -> Any:
+        def once() -> Any:
+            try:
+                return self._ray.get(submit(), timeout=self.call_timeout_s)
+            except self._ray.exceptions.GetTimeoutError:
+                self._ray.kill(self._actor, no_restart=False)  # hung: restart it (within max_restarts)
+                raise
+
+        backoff = self.backoff if retry else Backoff(attempts=1, sleep=self.backoff.sleep)
+        return retry_call(once, what=f"{self.name}: {what}", backoff=backoff, transient=ray_transient)
+
+    def wait_ready(self) -> None:
+        retry_call(lambda: self._ray.get(self._actor.vllm_version.remote(), timeout=self.call_timeout_s),
+                   what=f"{self.name}: waiting for the engine to start", backoff=self.ready,
+                   transient=ray_transient)  # fmt: skip
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
     ) -> list[RolloutSample]:
-        return self._ray.get(self._actor.generate.remote(list(map(list, prompts)), max_tokens, temperature, seed, n))
+        batch = list(map(list, prompts))
+        return self._call("generate", lambda: self._actor.generate.remote(batch, max_tokens, temperature, seed, n))
 
     def begin_weight_update(self) -> None:
-        self._in_flight: list[Any] = []
-        self._ray.get(self._actor.begin_weight_update.remote())
+        self._in_flight = []
+        self._call("begin weight update", self._actor.begin_weight_update.remote, retry=False)
 
     def load_packed(self, chunk: PackedChunk) -> None:
         """Submit the chunk (one `ray.put` per chunk, shared by every engine) without waiting for it."""
@@ -55,30 +96,36 @@ class RayEngine:
             chunk.handles["ray"] = self._ray.put(chunk.buffer)
         self._in_flight.append(self._actor.load_packed.remote(chunk.handles["ray"], chunk.entries))
         while len(self._in_flight) > MAX_CHUNKS_IN_FLIGHT:
-            self._ray.get(self._in_flight.pop(0))
+            ref = self._in_flight.pop(0)
+            self._call("load weight chunk", lambda ref=ref: ref, retry=False)
 
     def release(self, chunk: PackedChunk) -> None:
         chunk.handles.pop("ray", None)  # submitted tasks keep their argument alive until they ran
 
-    def finish_weight_update(self) -> dict[str, int]:
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
         # Every chunk must have loaded before the bracket closes: a failed chunk raises here, before
         # finalize, and the caller aborts the bracket.
-        self._ray.get(self._in_flight)
-        self._in_flight = []
-        return self._ray.get(self._actor.finish_weight_update.remote())
+        pending, self._in_flight = self._in_flight, []
+        self._call("load weight chunks", lambda: pending, retry=False)
+        return self._call("finish weight update", lambda: self._actor.finish_weight_update.remote(policy_tag),
+                          retry=False)  # fmt: skip
 
     def abort_weight_update(self) -> None:
         self._in_flight = []
-        self._ray.get(self._actor.abort_weight_update.remote())
+        self._call("abort weight update", self._actor.abort_weight_update.remote)
+
+    def policy_tag(self) -> str | None:
+        return self._call("policy tag", self._actor.policy_tag.remote)
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
-        return self._ray.get(self._actor.greedy.remote(list(map(list, prompts)), max_tokens))
+        batch = list(map(list, prompts))
+        return self._call("greedy decode", lambda: self._actor.greedy.remote(batch, max_tokens))
 
     def weights_digest(self) -> str:
-        return self._ray.get(self._actor.weights_digest.remote())
+        return self._call("weights digest", self._actor.weights_digest.remote)
 
     def vllm_version(self) -> str:
-        return self._ray.get(self._actor.vllm_version.remote())
+        return self._call("vLLM version", self._actor.vllm_version.remote)
 
     def shutdown(self) -> None:
         self._ray.kill(self._actor)
@@ -92,28 +139,47 @@ class HTTPEngine:
 
     Rollouts use `/v1/completions` (`OpenAIHTTPClient`). Weight sync writes each chunk as safetensors on
     the shared volume (`staging_dir`) and calls the extension via vLLM's `/collective_rpc` dev route
-    (`VLLM_SERVER_DEV_MODE=1`, set by the operator), then `/reset_prefix_cache`.
+    (`VLLM_SERVER_DEV_MODE=1`, set by the operator), then `/reset_prefix_cache`. Readiness is vLLM's
+    `GET /health`; a restarted pod serves the model's original weights with policy tag None.
     """
 
     over_http = True
 
-    def __init__(self, base_url: str, *, staging_dir: Path, num_experts: int | None, timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        staging_dir: Path,
+        num_experts: int | None,
+        timeout_s: float = 600,
+        backoff: Backoff | None = None,
+        ready: Backoff | None = None,
+    ) -> None:
         from r3operator.engine.rollout import OpenAIHTTPClient
 
         self.base_url = base_url.rstrip("/")
+        self.name = self.base_url
         self.staging_dir = staging_dir
         self.timeout_s = timeout_s
-        self.client = OpenAIHTTPClient(base_url, num_experts=num_experts, timeout_s=timeout_s)
+        self.backoff = backoff or Backoff.from_env()
+        self.ready = ready or ready_backoff()
+        self.wait_ready()
+        self.client = OpenAIHTTPClient(base_url, num_experts=num_experts, timeout_s=timeout_s, backoff=self.backoff)
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body or {}).encode(), method="POST")
-        req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            raw = resp.read()
-        return json.loads(raw) if raw else None
+    def _post(self, path: str, body: dict[str, Any] | None = None, *, retry: bool = True) -> Any:
+        return self.client.request("POST", path, body or {}, retry=retry)
 
-    def _rpc(self, method: str, *args: str) -> Any:
-        return self._post("/collective_rpc", {"method": method, "args": list(args)})
+    def _rpc(self, method: str, *args: str, retry: bool = True) -> Any:
+        """The extension method's result on the first worker (vLLM answers {"results": [one per worker]})."""
+        result = self._post("/collective_rpc", {"method": method, "args": list(args)}, retry=retry)
+        return result["results"][0] if isinstance(result, dict) and result.get("results") else None
+
+    def wait_ready(self) -> None:
+        def healthy() -> None:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=min(self.timeout_s, 30.0)):
+                return None
+
+        retry_call(healthy, what=f"{self.name}: waiting for GET /health", backoff=self.ready, transient=http_transient)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
@@ -122,7 +188,7 @@ class HTTPEngine:
 
     def begin_weight_update(self) -> None:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
-        self._rpc("r3_begin_weight_update")
+        self._rpc("r3_begin_weight_update", retry=False)
 
     def load_packed(self, chunk: PackedChunk) -> None:
         """Stage the chunk once on the shared volume (one file for every engine), load it via RPC."""
@@ -134,31 +200,35 @@ class HTTPEngine:
             os.close(fd)
             save_file({"buffer": torch.from_numpy(chunk.buffer)}, name, metadata={"entries": json.dumps(chunk.entries)})
             chunk.handles["file"] = name
-        self._rpc("r3_load_packed_file", chunk.handles["file"])
+        self._rpc("r3_load_packed_file", chunk.handles["file"], retry=False)
 
     def release(self, chunk: PackedChunk) -> None:
         if name := chunk.handles.pop("file", None):
             Path(name).unlink(missing_ok=True)
 
-    def finish_weight_update(self) -> dict[str, int]:
-        result = self._rpc("r3_finish_weight_update")
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        result = self._rpc("r3_finish_weight_update", *([policy_tag] if policy_tag else []), retry=False)
         self._post("/reset_prefix_cache")
         return result if isinstance(result, dict) else {}
 
     def abort_weight_update(self) -> None:
         self._rpc("r3_abort_weight_update")
+        self._post("/reset_prefix_cache")
+
+    def policy_tag(self) -> str | None:
+        result = self._post("/collective_rpc", {"method": "r3_policy_tag", "args": []})
+        tags = set(result.get("results") or [None]) if isinstance(result, dict) else {None}
+        return tags.pop() if len(tags) == 1 else None  # every worker must hold the same policy
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
         return [(list(s.token_ids), [float(x) for x in s.logprobs]) for s in samples]
 
     def weights_digest(self) -> str:
-        result = self._rpc("r3_weights_digest")
-        return str(result["results"][0] if isinstance(result, dict) else result[0])
+        return str(self._rpc("r3_weights_digest"))
 
     def vllm_version(self) -> str:
-        with urllib.request.urlopen(self.base_url + "/version", timeout=30) as resp:
-            return str(json.loads(resp.read()).get("version"))
+        return str((self.client.request("GET", "/version") or {}).get("version"))
 
     def shutdown(self) -> None:
         return None
@@ -196,9 +266,10 @@ class EngineGroup:
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             return [s for part in pool.map(one, range(len(prompts))) for s in part]
 
-    def update_weights(self, chunks: Iterable[PackedChunk]) -> dict[str, int]:
+    def update_weights(self, chunks: Iterable[PackedChunk], *, policy_tag: str | None = None) -> dict[str, int]:
         """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (+ prefix-cache
-        reset). Each chunk is packed once and shipped to every engine; a failure aborts every bracket."""
+        reset), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
+        engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`)."""
         for engine in self.engines:
             engine.begin_weight_update()
         count, nbytes = 0, 0
@@ -209,7 +280,7 @@ class EngineGroup:
                 for engine in self.engines:
                     engine.release(chunk)
                 count, nbytes = count + 1, nbytes + chunk.nbytes
-            results = [engine.finish_weight_update() for engine in self.engines]
+            results = [engine.finish_weight_update(policy_tag) for engine in self.engines]
         except BaseException:
             for engine in self.engines:
                 try:
@@ -217,7 +288,8 @@ class EngineGroup:
                 except Exception as exc:  # keep the original error; the engine is probably gone
                     import logging
 
-                    logging.getLogger(__name__).error("aborting the weight update failed: %s", exc)
+                    logging.getLogger(__name__).error("aborting the weight update on %s failed: %s",
+                                                      getattr(engine, "name", "an engine"), exc)  # fmt: skip
             raise
         return {**(results[0] if results else {}), "chunks": count, "bytes": nbytes}
 

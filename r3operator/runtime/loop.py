@@ -28,18 +28,20 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
+from r3operator.engine.base import Engine, Greedy
 from r3operator.engine.rollout import RolloutSample, write_samples
 from r3operator.engine.weights import packed_chunks
 from r3operator.routing.codec import RoutedExperts, decode
-from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.errors import RoutingDataError, RoutingFileUnreadableError
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.engines import EngineGroup
+from r3operator.runtime.faults import EngineSupervisor
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
 from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import append_row
+from r3operator.runtime.report import append_row, keep_rows_through
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
 from r3operator.trainer.factory import build_trainer
@@ -109,6 +111,10 @@ class GRPORun:
         self.canary_near_ties = 0
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
+        self.supervisor = EngineSupervisor(
+            self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
+            on_fault=lambda kind: self.metrics.inc("r3_engine_faults_total", kind=kind),
+        )  # fmt: skip
         self.vllm_version = self.engines.vllm_version()
         # A Ray-actor engine hands routes over through the object store, so they stay in memory; with
         # engines behind HTTP they go through the shared routing volume.
@@ -122,11 +128,14 @@ class GRPORun:
             ckpt.set_rng_state(state["rng"])
             self.start_step, self.policy_version = info.step + 1, info.policy_version
             self.last_checkpoint_step = info.step
+            # Steps finished after this checkpoint run again: their rows must not appear twice.
+            keep_rows_through(self.run_dir / "metrics.csv", info.step)
             log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
         elif self.spec.algorithm.sft_warmup_steps:
             self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
-        # Engines may hold other weights (a fresh start, a previous run): sync once before step 1.
-        self.sync_weights()
+        # Engines may hold other weights (a fresh start, a previous run): sync once before step 1. On a
+        # resume that sync installs the checkpoint's policy again; it is not a new policy version.
+        self.sync_weights(new_version=info is None)
         self.canary()
 
     def sft_warmup(self, steps: int) -> list[float]:
@@ -146,12 +155,16 @@ class GRPORun:
         problems = tasks.sample_problems(
             self.pool, count=ro.prompts_per_step, rng=np.random.default_rng([self.spec.seed, step])
         )
-        samples = self.engines.generate(
-            [p.prompt_ids for p in problems],
-            max_tokens=ro.max_tokens,
-            temperature=ro.temperature,
-            seed=self.spec.seed * 1_000_003 + step * 10_007,
-            n=ro.group_size,
+        engines = self.engines
+        samples = self.supervisor.on_policy(
+            lambda: engines.generate(
+                [p.prompt_ids for p in problems],
+                max_tokens=ro.max_tokens,
+                temperature=ro.temperature,
+                seed=self.spec.seed * 1_000_003 + step * 10_007,
+                n=ro.group_size,
+            ),
+            what=f"step {step} rollout",
         )
         self.metrics.r3.observe_rollout(samples)
         if self.mode is ReplayMode.R3 and self.routes_on_volume:
@@ -171,9 +184,9 @@ class GRPORun:
         """3. GRPO advantages, normalised within each prompt's group."""
         return group_advantages(rewards, group_size=self.spec.rollout.group_size)
 
-    def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch:
+    def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch | None:
         """4. Build the batch. R3: each sample's routes (from the store when they crossed the volume); a
-        sample without valid routes is dropped."""
+        sample without valid routes is dropped. None when no sample is left (the step is skipped)."""
         assert self.trainer is not None
         kept, kept_adv, routes = [], [], []
         for sample, a in zip(samples, adv, strict=True):
@@ -185,7 +198,9 @@ class GRPORun:
             kept.append(sample)
             kept_adv.append(a)
             routes.append(sample_routes)
-        have_all = routes and all(r is not None for r in routes)
+        if not kept:
+            return None
+        have_all = all(r is not None for r in routes)
         return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
                            device=self.s.device)  # fmt: skip
 
@@ -198,6 +213,9 @@ class GRPORun:
         try:
             record = self.store.get(step=step, sample_id=sample.sample_id)
             decode(record.routes, num_experts=self.num_experts)  # validates ids and rows
+        except RoutingFileUnreadableError as exc:  # EACCES/EIO/not a regular file: the volume, not the data
+            self._drop(sample, "routing_file_unreadable", str(exc))
+            return None
         except RoutingDataError as exc:  # RoutingFileError (corrupt/truncated/missing file) included
             self.metrics.r3.count_invalid_routes()
             self._drop(sample, "routing_file", str(exc))
@@ -221,21 +239,25 @@ class GRPORun:
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
                                    clip_high=alg.clip_ratio_high)  # fmt: skip
 
-    def sync_weights(self) -> dict[str, int]:
-        """7. Chunked weight sync to every engine, one layerwise-reload bracket each."""
-        assert self.trainer is not None and self.engines is not None
+    def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
+        """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is
+        aborted without finalising and repeated in full (runtime/faults.py)."""
+        begin = time.perf_counter()
+        version = self.policy_version + int(new_version)
+        result = self.supervisor.sync(version)
+        self.policy_version = version
+        self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
+        return result
+
+    def _weight_chunks(self) -> Iterator[Any]:
+        """The trainer's current weights as packed chunks, in the engine's dtype (the engine would cast
+        anyway; a bf16 engine gets half the bytes)."""
+        assert self.trainer is not None
         import torch
 
         mb = self.spec.weight_sync.chunk_size_mb
-        begin = time.perf_counter()
-        # Sent in the engine's dtype: the engine would cast anyway; a bf16 engine gets half the bytes.
         wire_dtype = getattr(torch, self.s.engine_dtype, None)
-        result = self.engines.update_weights(
-            packed_chunks(self.trainer.sync_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
-        )
-        self.policy_version += 1
-        self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
-        return result
+        return packed_chunks(self.trainer.sync_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
 
     def canary(self) -> bool:
         """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
@@ -243,14 +265,29 @@ class GRPORun:
         assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
             return False
+        engines = self.engines
+        outputs = self.supervisor.on_policy(
+            lambda: engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens), what="canary decode"
+        )
+        self._check_canary(outputs, names=[f"engine {i}" for i in range(len(outputs))])
+        return True
+
+    def _canary_engines(self, engines: Sequence[Engine]) -> None:
+        """The canary on `engines` only: an engine re-synced after a fault passes it before any rollout."""
+        if self.spec.weight_sync.canary:
+            outputs = [engine.greedy(self.canary_prompts, max_tokens=self.canary_tokens) for engine in engines]
+            self._check_canary(outputs, names=[engine.name for engine in engines])
+
+    def _check_canary(self, outputs: Sequence[Sequence[Greedy]], *, names: Sequence[str]) -> None:
+        assert self.trainer is not None
         self.canary_near_ties = 0
-        for engine_no, got in enumerate(self.engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens)):
+        for engine_no, got in zip(names, outputs, strict=True):
             try:
                 result = check_engine_greedy(
                     self.trainer.canary_logits, self.canary_prompts, [t for t, _ in got],
                     engine_logprobs=[lp for _, lp in got], tolerance=self.canary_tol,
                     eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens,
-                    where=f"weight-sync canary failed after policy version {self.policy_version}: engine {engine_no}",
+                    where=f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}",
                 )  # fmt: skip
             except CanaryMismatchError:
                 self.metrics.set("r3_weight_sync_canary_ok", 0.0)
@@ -260,7 +297,6 @@ class GRPORun:
                          "; ".join(result.details))  # fmt: skip
             self.canary_near_ties += result.near_ties
         self.metrics.set("r3_weight_sync_canary_ok", 1.0)
-        return True
 
     # -- one step -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -275,6 +311,8 @@ class GRPORun:
             adv = self.advantages(rewards)
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
+        if batch is None:
+            return self._skip_step(step, samples, rewards, timer, begin)
         with timer("old_logprob"):
             old = self.old_logprobs(batch)
         with timer("update"):
@@ -288,6 +326,9 @@ class GRPORun:
         with timer("checkpoint"):
             self._checkpoint(step)
             self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
+        return self._finish_step(row, timer, begin)
+
+    def _finish_step(self, row: dict[str, Any], timer: PhaseTimer, begin: float) -> dict[str, Any]:
         row["t_metrics"] = timer.seconds["metrics"]
         row["t_checkpoint"] = timer.seconds["checkpoint"]
         row["step_seconds"] = time.perf_counter() - begin
@@ -296,6 +337,32 @@ class GRPORun:
         self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step))
         self.rows.append(row)
         return row
+
+    def _skip_step(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer,
+                   begin: float) -> dict[str, Any]:  # fmt: skip
+        """Every sample was dropped: no update, so the engines keep the current policy (no sync, no new
+        policy version). The step is counted (`r3_steps_skipped_total`, `skipped` in metrics.csv, the
+        progress line) and checkpointed like any other, so a resume does not repeat it."""
+        log.error("step %d skipped: all %d samples were dropped (%s)", step, len(samples),
+                  ", ".join(sorted({reason for _, reason in self.dropped})))  # fmt: skip
+        self.metrics.inc("r3_steps_skipped_total", reason="no_usable_samples")
+        nan = float("nan")
+        with timer("metrics"):
+            tokens = sum(len(s.token_ids) for s in samples)
+            row: dict[str, Any] = {
+                "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
+                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
+                "samples_dropped": len(self.dropped), "tokens": tokens,
+                "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
+                "logprob_abs_diff_mean": nan, "logprob_abs_diff_max": nan, "kl_k3": nan, "replay_applied": nan,
+                "routing_natural_agreement": nan, "loss": nan, "clip_fraction": nan, "grad_norm": nan,
+                "canary_ok": 0, "canary_near_ties": 0, "skipped": 1,
+            }  # fmt: skip
+            row.update({f"t_{k}": v for k, v in timer.seconds.items()})
+        with timer("checkpoint"):
+            self._checkpoint(step)
+            self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
+        return self._finish_step(row, timer, begin)
 
     def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
              old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
@@ -317,7 +384,7 @@ class GRPORun:
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
             "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
             "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
-            "canary_near_ties": self.canary_near_ties,
+            "canary_near_ties": self.canary_near_ties, "skipped": 0,
             "step_seconds": time.perf_counter() - begin,
         }  # fmt: skip
         row.update({f"t_{k}": v for k, v in timer.seconds.items()})

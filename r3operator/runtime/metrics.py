@@ -25,6 +25,12 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3_weight_sync_canary_ok", "gauge", ("job",), "1 if the last post-sync canary matched, else 0."),
     MetricSpec("r3_samples_dropped_total", "counter", ("job", "reason"),
                "Samples left out of training (routes invalid/missing under R3, unreadable routing file)."),
+    MetricSpec("r3_steps_skipped_total", "counter", ("job", "reason"),
+               "Steps skipped without an update because no sample was usable (every one dropped)."),
+    MetricSpec("r3_engine_faults_total", "counter", ("job", "kind"),
+               "Engine faults ridden out: weight_sync (a sync aborted and repeated), stale_engine (an engine "
+               "found restarted or unsynced, re-synced), engine_call / stale_result (a rollout or canary "
+               "decode repeated)."),
 ]  # fmt: skip
 
 

@@ -27,6 +27,12 @@ def _pct(value: Any) -> str:
 def step_line(row: Mapping[str, Any], total_steps: int) -> str:
     """One plain-text progress line (the non-TTY form), every field named."""
     times = " ".join(f"{label} {row.get('t_' + key, 0.0):.2f}s" for key, label in PHASES)
+    if row.get("skipped"):
+        return (
+            f"step {row['step']}/{total_steps}  SKIPPED: no usable samples ({row.get('samples_dropped')} of "
+            f"{row.get('samples')} dropped), no update  reward {row['reward_mean']:.3f}  "
+            f"step {row['step_seconds']:.2f}s"
+        )
     return (
         f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
         f"|dlogprob| mean {row['logprob_abs_diff_mean']:.3g} max {row['logprob_abs_diff_max']:.3g}  "
@@ -54,7 +60,7 @@ class StepTable:
             table.add_row(
                 str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.3g}",
                 _pct(r.get("routing_natural_agreement")), _pct(r.get("replay_applied")),
-                "ok" if r["canary_ok"] else "-",
+                "skipped" if r.get("skipped") else "ok" if r["canary_ok"] else "-",
                 *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES], f"{r['step_seconds']:.2f}",
             )  # fmt: skip
         return table

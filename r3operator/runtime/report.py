@@ -15,7 +15,7 @@ COLUMNS = (
     "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
     "canary_near_ties",
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
-    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint",
+    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped",
 )  # fmt: skip
 
 
@@ -26,6 +26,35 @@ def append_row(path: Path, row: Mapping[str, Any]) -> None:
         if new:
             writer.writeheader()
         writer.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def keep_rows_through(path: Path, last_step: int) -> int:
+    """Keep only complete rows of steps <= `last_step`: a killed run may have finished steps after its last
+    checkpoint (the resumed run does them again) or died mid-append. Rewritten atomically. Returns how
+    many rows were dropped."""
+    if not path.exists():
+        return 0
+    text = path.read_text()
+    rows = list(csv.DictReader(text.splitlines()))
+    kept = [r for r in rows if _complete_row_through(r, last_step)]
+    if len(kept) == len(rows) and text.endswith("\n"):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: row.get(k, "") for k in COLUMNS} for row in kept)
+    tmp.replace(path)
+    return len(rows) - len(kept)
+
+
+def _complete_row_through(row: Mapping[str, Any], last_step: int) -> bool:
+    if None in row.values():  # csv fills the fields missing from a row cut short with None
+        return False
+    try:
+        return int(row["step"]) <= last_step
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -156,6 +185,7 @@ def write_report(
             f"- routing agreement, trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}; "
             f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}",
             f"- weight-sync canary: {sum(1 for r in rows if str(r.get('canary_ok')) in ('1', 'True'))}/{len(rows)} ok",
+            f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
             "",

@@ -141,7 +141,7 @@ def test_http_engine_stages_one_packed_file_that_the_worker_extension_reads_back
     engine.staging_dir = tmp_path
     calls: list[tuple[str, tuple[str, ...]]] = []
 
-    def rpc(method: str, *args: str) -> int:  # what vLLM's /collective_rpc would call on the worker
+    def rpc(method: str, *args: str, retry: bool = True) -> int:  # what vLLM's /collective_rpc would call on the worker
         calls.append((method, args))
         return Worker().r3_load_packed_file(*args)
 

@@ -135,8 +135,9 @@ def _sync_state(run, engines, state) -> None:
 
     from r3operator.engine.weights import packed_chunks
 
+    # Stamped with the current policy's tag: the engines serve "this version", with corrupted bytes.
     engines.update_weights(packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb,
-                                         dtype=torch.float32))  # fmt: skip
+                                         dtype=torch.float32), policy_tag=run.supervisor.tag)  # fmt: skip
 
 
 def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> None:

@@ -1,0 +1,147 @@
+"""Engine faults: keep every rollout engine on the trainer's current policy while engines fail and return.
+
+The fault model (docs/runtime.md, "Faults and retries"):
+
+- a single engine call that fails transiently is retried with backoff by the engine façade itself
+  (`engine/retry.py`); what reaches this module is an `EngineUnavailableError` (retries spent) or an engine
+  that answers again but was restarted meanwhile;
+- every finished weight sync stamps each engine with a policy tag (`<run nonce>:<policy version>`, kept in
+  the engine's worker extension). A restarted engine, or one whose sync was aborted, reports another tag
+  (None), so it is found before and after every rollout and canary decode;
+- a weight sync that fails part-way is aborted without finalising (the engine restores the layers that were
+  still loading) and then repeated in full, after every engine answers again; the engine's tag stays None
+  until a complete sync finishes, so no rollout runs on mixed weights;
+- an engine found stale is waited for, re-synced with the current weights, and must pass the canary
+  before any rollout goes to it; a rollout or canary decode that ran while an engine was stale is discarded
+  and run again (same prompts and seeds, so the same samples a healthy engine would have produced).
+
+Everything is bounded by the `Backoff` attempts; the final error names the engine, what was tried and
+the last error. A canary mismatch is never retried: it means the sync is wrong, not that an engine is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from r3operator.engine.base import Engine
+from r3operator.engine.retry import Backoff, EngineUnavailableError
+from r3operator.engine.weights import PackedChunk
+from r3operator.runtime.engines import EngineGroup
+
+log = logging.getLogger("r3operator.runtime")
+T = TypeVar("T")
+
+FaultCounter = Callable[[str], None]  # called with the fault kind, e.g. "engine_call" (a metrics counter)
+
+
+class EngineSupervisor:
+    """Installs policies on the engines and runs calls only against engines that serve the current one.
+
+    `chunks()` yields the trainer's current weights as packed chunks (called afresh for every attempt);
+    `canary(engines)` checks the given engines against the trainer and raises on a mismatch.
+    """
+
+    def __init__(
+        self,
+        group: EngineGroup,
+        *,
+        chunks: Callable[[], Iterable[PackedChunk]],
+        canary: Callable[[Sequence[Engine]], object],
+        backoff: Backoff | None = None,
+        on_fault: FaultCounter | None = None,
+        nonce: str | None = None,
+    ) -> None:
+        self.group = group
+        self.chunks = chunks
+        self.canary = canary
+        self.backoff = backoff or Backoff.from_env()
+        self.on_fault = on_fault or (lambda kind: None)
+        self.nonce = nonce or secrets.token_hex(4)  # a previous driver's "version 5" is not this run's
+        self.tag: str | None = None
+
+    def tag_for(self, version: int) -> str:
+        return f"{self.nonce}:{version}"
+
+    # -- weight sync --------------------------------------------------------------------------------
+    def sync(self, version: int) -> dict[str, int]:
+        """Install the trainer's current weights as policy `version` on every engine."""
+        result = self._install(self.group.engines, self.tag_for(version))
+        self.tag = self.tag_for(version)
+        return result
+
+    def _install(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        group = EngineGroup(engines)
+        for attempt in range(self.backoff.attempts):
+            try:
+                if attempt:  # a bracket a lost engine never saw aborted must not make `begin` refuse
+                    for engine in engines:
+                        engine.wait_ready()
+                        engine.abort_weight_update()
+                return group.update_weights(self.chunks(), policy_tag=tag)
+            except EngineUnavailableError as exc:
+                self.on_fault("weight_sync")
+                if attempt + 1 == self.backoff.attempts:
+                    raise EngineUnavailableError(
+                        f"weight sync of policy {tag} to {', '.join(e.name for e in engines)} failed "
+                        f"{self.backoff.attempts} times; each attempt was aborted without finalising, so these "
+                        f"engines serve no complete policy; last error: {exc}"
+                    ) from exc
+                pause = self.backoff.delay(attempt)
+                log.warning("weight sync of policy %s failed (attempt %d/%d), aborted without finalising; "
+                            "repeating it in full in %.2f s: %s", tag, attempt + 1, self.backoff.attempts, pause,
+                            exc)  # fmt: skip
+                self.backoff.sleep(pause)
+        raise AssertionError("unreachable: attempts >= 1")
+
+    # -- calls that need the current policy -----------------------------------------------------------
+    def stale_engines(self) -> list[Engine]:
+        """Engines whose policy tag is not the current one (restarted, or their last sync was aborted)."""
+        stale = []
+        for engine in self.group.engines:
+            try:
+                tag = engine.policy_tag()
+            except EngineUnavailableError as exc:
+                log.warning("%s does not answer (%s); waiting for it", engine.name, exc)
+                engine.wait_ready()
+                tag = engine.policy_tag()
+            if tag != self.tag:
+                stale.append(engine)
+        return stale
+
+    def ensure_current(self) -> list[Engine]:
+        """Re-sync and canary every stale engine; returns them (empty when all were current)."""
+        stale = self.stale_engines()
+        if stale and self.tag is not None:
+            for engine in stale:
+                self.on_fault("stale_engine")
+                log.warning("%s does not serve policy %s (restarted or an aborted sync): waiting for it, "
+                            "re-syncing the current weights and checking the canary before it gets rollouts",
+                            engine.name, self.tag)  # fmt: skip
+                engine.wait_ready()
+            self._install(stale, self.tag)
+            self.canary(stale)
+        return stale
+
+    def on_policy(self, call: Callable[[], T], *, what: str) -> T:
+        """`call()` with every engine on the current policy before and after it; a call that failed on an
+        engine, or that ran while an engine was stale, is repeated after the engines are re-synced."""
+        last: BaseException | None = None
+        for attempt in range(self.backoff.attempts):
+            try:
+                self.ensure_current()
+                result = call()
+                if not self.stale_engines():
+                    return result
+                self.on_fault("stale_result")
+                last = RuntimeError(f"an engine changed policy during the {what}")
+                log.warning("an engine lost policy %s during the %s: its result is discarded", self.tag, what)
+            except EngineUnavailableError as exc:
+                self.on_fault("engine_call")
+                last = exc
+                log.warning("%s failed (attempt %d/%d): %s", what, attempt + 1, self.backoff.attempts, exc)
+            if attempt + 1 < self.backoff.attempts:
+                self.backoff.sleep(self.backoff.delay(attempt))
+        raise EngineUnavailableError(f"{what} failed {self.backoff.attempts} times; last error: {last}") from last

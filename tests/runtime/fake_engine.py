@@ -1,0 +1,109 @@
+"""An in-process stand-in for a rollout engine, with scripted faults (not a test module).
+
+It keeps the engine-side state the runtime relies on: an open weight-update bracket and the policy tag of
+the last finished sync (None after a restart or an abort). Rollouts are random tokens with valid routes
+for the tiny model (4 layers, top-4 of 32 experts), seeded by the request seed like vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from r3operator.engine.base import Greedy
+from r3operator.engine.retry import EngineUnavailableError
+from r3operator.engine.rollout import RolloutSample, build_sample
+from r3operator.engine.weights import PackedChunk
+
+
+@dataclass
+class FakeEngine:
+    name: str = "fake engine"
+    num_layers: int = 4
+    top_k: int = 4
+    num_experts: int = 32
+    vocab: int = 512
+    routes: bool = True
+    tag: str | None = None
+    bracket_open: bool = False
+    restarts: int = 0
+    calls: list[str] = field(default_factory=list)
+    # fault script: method name -> 1-based call numbers on which the engine dies (EngineUnavailableError,
+    # and it comes back restarted: original weights, tag None)
+    die_on: dict[str, set[int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def _call(self, method: str) -> None:
+        self.calls.append(method)
+        self.counts[method] = self.counts.get(method, 0) + 1
+        if self.counts[method] in self.die_on.get(method, set()):
+            self.restart()
+            raise EngineUnavailableError(f"{self.name}: {method} failed 6 times; last error: connection refused")
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.tag, self.bracket_open = None, False
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
+    ) -> list[RolloutSample]:
+        self._call("generate")
+        samples = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                rng = np.random.default_rng([seed, i, j])
+                tokens = rng.integers(3, self.vocab, size=max_tokens)
+                rows = len(prompt) + max_tokens - 1
+                base = rng.integers(0, self.num_experts, size=(rows, self.num_layers, 1))
+                ids = ((base + np.arange(self.top_k)) % self.num_experts).astype(np.int32)
+                samples.append(build_sample(
+                    prompt_index=i, choice_index=j, prompt_token_ids=prompt, token_ids=tokens.tolist(),
+                    logprobs=np.full(max_tokens, -1.0), routed_experts=ids if self.routes else None,
+                    routed_experts_prompt_start=0, num_experts=self.num_experts,
+                ))  # fmt: skip
+        return samples
+
+    def begin_weight_update(self) -> None:
+        self._call("begin")
+        if self.bracket_open:
+            raise RuntimeError("r3_begin_weight_update: an update is already active")
+        self.bracket_open, self.tag = True, None
+
+    def load_packed(self, chunk: PackedChunk) -> None:
+        self._call("load")
+        assert self.bracket_open, "chunk outside a bracket"
+
+    def release(self, chunk: PackedChunk) -> None:
+        return None
+
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        self._call("finish")
+        assert self.bracket_open, "finish without begin"
+        self.bracket_open, self.tag = False, policy_tag
+        return {}
+
+    def abort_weight_update(self) -> None:
+        self._call("abort")
+        self.bracket_open, self.tag = False, None
+
+    def policy_tag(self) -> str | None:
+        self._call("policy_tag")
+        return self.tag
+
+    def wait_ready(self) -> None:
+        self._call("wait_ready")
+
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
+        self._call("greedy")
+        return [([2], [0.0]) for _ in prompts]
+
+    def weights_digest(self) -> str:
+        return self.tag or "original"
+
+    def vllm_version(self) -> str:
+        return "fake"
+
+    def shutdown(self) -> None:
+        return None
