@@ -94,10 +94,8 @@ def retry_call(fn: Callable[[], T], *, what: str, backoff: Backoff, transient: C
             if not transient(exc):
                 raise
             if attempt + 1 == backoff.attempts:
-                raise EngineUnavailableError(
-                    f"{what} failed {backoff.attempts} times over {waited:.1f} s of backoff; last error: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                tries = f"{backoff.attempts} times over {waited:.1f} s of backoff" if attempt else "(not retried)"
+                raise EngineUnavailableError(f"{what} failed {tries}; last error: {type(exc).__name__}: {exc}") from exc
             pause = backoff.delay(attempt)
             log.warning("%s failed (try %d/%d): %s: %s; retrying in %.2f s", what, attempt + 1, backoff.attempts,
                         type(exc).__name__, exc, pause)  # fmt: skip

@@ -275,10 +275,12 @@ class EngineGroup:
         count, nbytes = 0, 0
         try:
             for chunk in chunks:
-                for engine in self.engines:
-                    engine.load_packed(chunk)
-                for engine in self.engines:
-                    engine.release(chunk)
+                try:
+                    for engine in self.engines:
+                        engine.load_packed(chunk)
+                finally:  # a failed chunk's staged file must not outlive the attempt either
+                    for engine in self.engines:
+                        engine.release(chunk)
                 count, nbytes = count + 1, nbytes + chunk.nbytes
             results = [engine.finish_weight_update(policy_tag) for engine in self.engines]
         except BaseException:
