@@ -143,7 +143,7 @@ def check_engine_greedy(
                 trainer_lp = row64[token] - top - np.log(np.exp(row64 - top).sum())
                 diff = abs(float(engine_logprobs[i][j]) - trainer_lp)
                 result.max_logprob_diff = max(result.max_logprob_diff, diff)
-                if diff > tolerance.logprob:
+                if not diff <= tolerance.logprob:  # a NaN logprob (corrupt weights) fails too
                     raise CanaryMismatchError(
                         f"{where}, prompt {i} {list(prompt)}: generated token {j} ({token}): engine logprob "
                         f"{float(engine_logprobs[i][j]):.6g} vs trainer {trainer_lp:.6g} (|Δ| {diff:.3g} > δ "

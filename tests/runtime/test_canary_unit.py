@@ -81,6 +81,14 @@ def test_engine_logprobs_must_match_the_trainers_within_delta() -> None:
                             eos_id=EOS, max_tokens=2)  # fmt: skip
 
 
+def test_a_nan_engine_logprob_fails() -> None:
+    # NaN compares False with anything: "diff > δ" would let corrupt weights that produce NaN through
+    fn = logits_table({}, 4)
+    with pytest.raises(CanaryMismatchError, match=r"generated token 0 \(5\): engine logprob nan"):
+        check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[float("nan"), 0.0]], tolerance=EXACT,
+                            eos_id=EOS, max_tokens=2)  # fmt: skip
+
+
 def test_canary_tolerance_by_engine_dtype_and_env(monkeypatch) -> None:
     monkeypatch.delenv("R3_CANARY_EPSILON", raising=False)
     monkeypatch.delenv("R3_CANARY_LOGPROB_TOL", raising=False)

