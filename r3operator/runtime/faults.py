@@ -76,10 +76,12 @@ class EngineSupervisor:
         group = EngineGroup(engines)
         for attempt in range(self.backoff.attempts):
             try:
-                if attempt:  # a bracket a lost engine never saw aborted must not make `begin` refuse
-                    for engine in engines:
+                for engine in engines:
+                    if attempt:
                         engine.wait_ready()
-                        engine.abort_weight_update()
+                    # A bracket left open (an abort that never reached the engine, a driver killed
+                    # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise.
+                    engine.abort_weight_update()
                 return group.update_weights(self.chunks(), policy_tag=tag)
             except EngineUnavailableError as exc:
                 self.on_fault("weight_sync")

@@ -46,10 +46,12 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
     engine = FakeEngine(die_on={"load": {2}})  # the setup sync dies on its 2nd chunk
     run = _run(tmp_path, engine)
     run.setup()
-    first_sync = engine.calls[: engine.calls.index("finish") + 1]
     # The failed bracket is aborted, never finished; the sync is then repeated from its first chunk.
-    assert first_sync[:3] == ["begin", "load", "load"] and "finish" not in first_sync[:first_sync.index("abort")]
-    assert first_sync[first_sync.index("abort"):].count("begin") == 1
+    sync = [c for c in engine.calls if c != "vllm_version"]
+    chunks = sync.count("load") - 1  # one failed load, then every chunk
+    assert sync == ["abort", "begin", "load", "load", "abort", "wait_ready", "abort", "begin",
+                    *["load"] * (chunks - 1), "finish"]  # fmt: skip
+    assert chunks > 2
     assert engine.tag == run.supervisor.tag == run.supervisor.tag_for(1) and run.policy_version == 1
 
     engine.calls.clear()
@@ -77,6 +79,7 @@ def test_sync_that_never_succeeds_ends_with_a_clear_error(tmp_path: Path, _insta
                        r"each attempt was aborted without finalising"):  # fmt: skip
         run.setup()
     assert "finish" not in engine.calls and engine.calls.count("begin") == 4
+    assert engine.calls.count("abort") == 8  # each attempt: one before its bracket, one after its failure
     assert _instant_backoff == [1.0, 2.0, 4.0]  # exponential, between the 4 attempts
 
 
