@@ -9,6 +9,9 @@ Two implementations behind one protocol:
 Both derive per-request seeds the same way (prompt i gets `seed + i * n`; vLLM gives child j of a
 request `seed + j`), so the same prompts, seed and engine give the same samples through either client.
 
+`OpenAIHTTPClient` retries transient failures (connection refused/reset, timeouts, HTTP 408/429/5xx) with
+exponential backoff (`engine/retry.py`); a request is safe to repeat because its seed fixes its samples.
+
 Routes are validated with `check_row_count` (rows == prompt + generated - 1 - start). A sample whose
 routes are absent or malformed keeps `routes=None` and a `routes_error`: routes are treated as missing,
 never as truncated data (reference §8.1.3).

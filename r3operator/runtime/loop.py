@@ -30,7 +30,7 @@ import numpy as np
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.base import Engine, Greedy
 from r3operator.engine.rollout import RolloutSample, write_samples
-from r3operator.engine.weights import packed_chunks
+from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.routing.codec import RoutedExperts, decode
 from r3operator.routing.errors import RoutingDataError, RoutingFileUnreadableError
 from r3operator.routing.store import RoutingStore
@@ -249,7 +249,7 @@ class GRPORun:
         self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
         return result
 
-    def _weight_chunks(self) -> Iterator[Any]:
+    def _weight_chunks(self) -> Iterator[PackedChunk]:
         """The trainer's current weights as packed chunks, in the engine's dtype (the engine would cast
         anyway; a bf16 engine gets half the bytes)."""
         assert self.trainer is not None
