@@ -89,7 +89,7 @@ def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_pat
     finally:
         del engine.generate, engine.load_packed, run.update
     assert kills == ["rollout", "sync"]
-    assert row["samples_dropped"] == 0 and row["routing_agreement"] == 1.0 and row["canary_ok"] == 1
+    assert row["samples_dropped"] == 0 and row["replay_applied"] == 1.0 and row["canary_ok"] == 1
     assert row["policy_version"] == 2 and engine.policy_tag() == run.supervisor.tag_for(2)
     exposition = run.metrics.exposition()
     faults = {kind for kind in ("engine_call", "stale_result", "stale_engine", "weight_sync")

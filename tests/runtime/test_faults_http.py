@@ -167,7 +167,8 @@ def test_sync_failing_half_way_is_aborted_not_finished_then_repeated(server: Fak
         "r3_abort_weight_update",  # every attempt first closes any bracket the engine may still hold
         "r3_begin_weight_update", "r3_load_packed_file", "r3_load_packed_file",  # the 2nd chunk fails
         "r3_abort_weight_update",  # never r3_finish_weight_update on a partial load
-        "r3_abort_weight_update", "r3_begin_weight_update", "r3_load_packed_file", "r3_load_packed_file", "r3_load_packed_file",
+        "r3_abort_weight_update", "r3_begin_weight_update",
+        "r3_load_packed_file", "r3_load_packed_file", "r3_load_packed_file",
         "r3_finish_weight_update",
     ]  # fmt: skip
     assert server.tag == "run1:1" and not server.bracket_open
@@ -199,8 +200,9 @@ def test_engine_restarted_mid_rollout_is_resynced_and_canaried_before_the_rollou
     assert events == [
         "r3_policy_tag", "/v1/completions",  # served, but by an engine that restarted meanwhile:
         "r3_policy_tag",  # ... found after the call, so its result is discarded
-        "r3_policy_tag", "/health", "r3_abort_weight_update", "r3_begin_weight_update", "r3_load_packed_file", "r3_load_packed_file",
-        "r3_load_packed_file", "r3_finish_weight_update",  # re-synced with the current weights
+        "r3_policy_tag", "/health", "r3_abort_weight_update", "r3_begin_weight_update",
+        "r3_load_packed_file", "r3_load_packed_file", "r3_load_packed_file",
+        "r3_finish_weight_update",  # re-synced with the current weights
         "/v1/completions", "r3_policy_tag",  # the rollout again, on the current policy
     ]  # fmt: skip
     assert canaried == [[server.url]]  # the re-synced engine passed the canary before its rollout

@@ -104,7 +104,7 @@ def test_http_engine_killed_mid_rollout_and_mid_sync(tmp_path: Path) -> None:
         engine.generate, engine.load_packed, run.update = generate_after_kill, load_then_die, update_then_count_loads
         row = run.train_step(1)
         assert kills == ["rollout", "sync"] and server.starts == 3
-        assert row["samples_dropped"] == 0 and row["routing_agreement"] == 1.0 and row["canary_ok"] == 1
+        assert row["samples_dropped"] == 0 and row["replay_applied"] == 1.0 and row["canary_ok"] == 1
         assert engine.policy_tag() == run.supervisor.tag_for(2) and row["policy_version"] == 2
         exposition = run.metrics.exposition()
         assert 'kind="stale_engine"' in exposition and 'kind="weight_sync"' in exposition

@@ -106,7 +106,7 @@ def test_unreadable_routing_file_drops_only_that_sample(tmp_path: Path, monkeypa
 
     from r3operator.routing import fileformat
 
-    run = _run(tmp_path, FakeEngine(), steps=1)
+    run = _run(tmp_path, FakeEngine(over_http=True), steps=1)  # routes cross the volume
     run.setup()
     run.dropped = []
     samples, problems = run.rollout(1)
