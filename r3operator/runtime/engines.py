@@ -139,8 +139,9 @@ class HTTPEngine:
 
     Rollouts use `/v1/completions` (`OpenAIHTTPClient`). Weight sync writes each chunk as safetensors on
     the shared volume (`staging_dir`) and calls the extension via vLLM's `/collective_rpc` dev route
-    (`VLLM_SERVER_DEV_MODE=1`, set by the operator), then `/reset_prefix_cache`. Readiness is vLLM's
-    `GET /health`; a restarted pod serves the model's original weights with policy tag None.
+    (served only with `VLLM_SERVER_DEV_MODE=1` in the engine's environment), then `/reset_prefix_cache`.
+    Readiness is vLLM's `GET /health`; a restarted pod serves the model's original weights with policy tag
+    None.
     """
 
     over_http = True
