@@ -21,16 +21,16 @@ from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import meta, metrics
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
-from r3operator.operator.settings import OperatorConfig
+from r3operator.settings import operator_settings
 
-CONFIG = OperatorConfig.from_env()
+CONFIG = operator_settings()
 _state: dict[str, Any] = {"connection": None, "reconciler": None}
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
-    settings.watching.server_timeout = CONFIG.watch_server_timeout_s
-    settings.watching.client_timeout = CONFIG.watch_client_timeout_s
+    settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
+    settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
     settings.persistence.finalizer = meta.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
@@ -70,7 +70,7 @@ def reconciler() -> Reconciler:
         _state["reconciler"] = Reconciler(
             client,
             ReconcilerSettings(
-                discovery_ttl_s=CONFIG.discovery_ttl_s,
+                discovery_ttl_s=CONFIG.discovery_ttl_seconds,
                 canary=CONFIG.canary,
                 canary_url_template=CONFIG.canary_url,
                 trainer_cluster_role=CONFIG.trainer_cluster_role,
@@ -115,7 +115,7 @@ async def on_change(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     await _run(body, logger)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_s, idle=CONFIG.idle_s or None)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds, idle=CONFIG.idle_seconds or None)
 async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     await _run(body, logger)
 

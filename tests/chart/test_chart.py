@@ -128,7 +128,7 @@ def test_trainer_cluster_role_grants_only_reading_the_rljob_and_patching_its_sta
         {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "verbs": ["get", "patch"]},
     ]
     env = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "R3OPERATOR_TRAINER_CLUSTERROLE", "value": TRAINER_ROLE} in env
+    assert {"name": "R3OPERATOR_TRAINER_CLUSTER_ROLE", "value": TRAINER_ROLE} in env
     assert not [d for d in render("rbac.create=false").kind("ClusterRole")]
 
 

@@ -101,7 +101,7 @@ def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspe
     ray = _by_kind(desired(job))["RayJob"]
     assert ray["apiVersion"] == "ray.io/v1"
     spec = ray["spec"]
-    assert spec["entrypoint"] == "python -m r3operator.runtime --config /etc/r3operator/config.json"
+    assert spec["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert spec["suspend"] is False
     head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     (workers,) = spec["rayClusterSpec"]["workerGroupSpecs"]
