@@ -28,7 +28,7 @@ _state: dict[str, Any] = {"connection": None, "reconciler": None}
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
@@ -79,7 +79,7 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: logging.Logger) -> None:
+async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body))
@@ -111,22 +111,24 @@ async def _run(body: kopf.Body, logger: logging.Logger) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-async def on_change(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     await _run(body, logger)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds, idle=CONFIG.idle_seconds or None)
-async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     await _run(body, logger)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def on_delete(body: kopf.Body, name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any) -> None:
     """Retain: make sure the routing PVC has no ownerReference left, so the GC keeps it.
 
     A Retain PVC is created without one; this covers a policy flipped to Retain shortly before the
     delete (before a reconcile dropped the reference). Delete policy: the GC removes the children.
     """
+    if namespace is None:  # kopf types it optional for cluster-scoped kinds; the RLJob CRD is namespaced
+        raise kopf.PermanentError(f"rljob {name} has no namespace")
     spec = body.get("spec", {})
     storage = spec.get("storage") or {}
     client = reconciler().client

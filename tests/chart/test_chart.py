@@ -194,6 +194,15 @@ def test_deployment_is_single_recreate_non_root_read_only(render) -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
 
 
+def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
+    from r3operator.settings import ENV_PREFIX, OperatorSettings
+
+    container = render().one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    ours = {e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)}
+    assert ours == {"R3OPERATOR_METRICS_PORT", "R3OPERATOR_TRAINER_CLUSTER_ROLE"}
+    assert ours <= set(OperatorSettings.env_names())
+
+
 def test_image_digest_wins_over_tag(render) -> None:
     digest = "sha256:" + "a" * 64
     container = render(f"image.digest={digest}").one("Deployment")["spec"]["template"]["spec"]["containers"][0]
