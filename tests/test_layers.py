@@ -40,8 +40,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 
 # Import cycles that exist and are owned elsewhere; each must be gone or listed here.
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # The rank encoding's numba kernels import packing's helpers and packing imports the kernels lazily
-    # (issue 15, item 5 decides whether the encoding stays); delete this entry with the cycle.
+    # The rank encoding's numba kernels read packing's table size, and packing imports the kernels lazily
+    # (numba is not in the operator image); delete this entry with the cycle.
     frozenset({"r3operator.routing.packing", "r3operator.routing._rank_numba"}),
 ]
 
