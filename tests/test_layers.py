@@ -34,7 +34,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "trainer": frozenset({"api", "engine", "models", "routing", "settings"}),
     "runtime": frozenset({"api", "engine", "models", "routing", "settings", "trainer"}),
     "observability": frozenset({"api", "operator", "runtime", "settings"}),
-    "cli": frozenset({"api", "observability", "operator", "routing", "runtime", "settings"}),
+    "cli": frozenset({"api", "models", "observability", "operator", "routing", "runtime", "settings", "testing"}),
     "__main__": frozenset({"cli"}),
 }
 

@@ -100,6 +100,3 @@ def decode_cmd(
     except OSError as exc:
         raise _die(f"{npy}: cannot write ({exc})") from None
 
-
-if __name__ == "__main__":
-    app()

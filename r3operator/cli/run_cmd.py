@@ -1,7 +1,8 @@
 """`r3operator run`: train an RLJob, from a file on a workstation or from the operator's ConfigMap in the
 trainer pod (`r3operator run --config /etc/r3operator/config.json`, the RayJob entrypoint).
 
-Mounted by cli/main.py (`app.command("run")(run)`); `python -m r3operator run` is the same command.
+`r3operator reference-model NAME` generates (or finds) a reference model and prints its directory.
+Mounted by cli/main.py; `python -m r3operator run` is the same command.
 """
 
 from __future__ import annotations
@@ -61,3 +62,20 @@ def run(
     settings.show_progress = not quiet
     out = run_job(settings, compare_replay=compare_replay)
     typer.echo(f"run directory: {out}")
+
+
+def reference_model(
+    name: Annotated[str, typer.Argument(help="tiny, small or gpu.")] = "tiny",
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Where models are generated (default: R3OPERATOR_CACHE_DIR/models).")
+    ] = None,
+) -> None:
+    """Generate a reference MoE model (deterministic, no download) if it is not cached; print its directory."""
+    from r3operator.models import ensure_reference_model
+
+    try:
+        path = ensure_reference_model(name, cache_dir)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(str(path))
