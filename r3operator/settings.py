@@ -17,6 +17,8 @@ ours, so the operator, the engine, the trainer and the runtime all read it witho
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -147,6 +149,13 @@ def load(group: type[_S]) -> _S:
             name = group.env_name(field) if field in group.model_fields else field
             problems.append(f"{name}={error.get('input')!r}: {error['msg']}")
         raise SettingsError("; ".join(problems)) from None
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``R3OPERATOR_*`` variables no group declares: a misspelt name would otherwise be ignored silently."""
+    known = set(OperatorSettings.env_names()) | set(RuntimeSettings.env_names())
+    names = os.environ if environ is None else environ
+    return sorted(n for n in names if n.upper().startswith(ENV_PREFIX) and n.upper() not in known)
 
 
 def operator_settings() -> OperatorSettings:

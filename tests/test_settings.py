@@ -17,6 +17,7 @@ from r3operator.settings import (
     SettingsError,
     operator_settings,
     runtime_settings,
+    unknown_variables,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,3 +137,8 @@ def test_operator_canary_switch_reads_common_spellings(monkeypatch: pytest.Monke
         assert operator_settings().canary is False
     monkeypatch.delenv("R3OPERATOR_CANARY")
     assert operator_settings().canary is True
+
+
+def test_unknown_variables_with_the_prefix_are_reported() -> None:
+    environ = {"R3OPERATOR_STEP": "3", "R3OPERATOR_STEPS": "3", "R3OPERATOR_METRICS_PORT": "0", "HOME": "/root"}
+    assert unknown_variables(environ) == ["R3OPERATOR_STEP"]

@@ -21,7 +21,7 @@ from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import meta, metrics
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
-from r3operator.settings import operator_settings
+from r3operator.settings import operator_settings, unknown_variables
 
 CONFIG = operator_settings()
 _state: dict[str, Any] = {"connection": None, "reconciler": None}
@@ -40,6 +40,8 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
+    if unknown := unknown_variables():
+        logger.warning("ignored: %s (not a setting; see docs/operator.md, Settings)", ", ".join(unknown))
     if CONFIG.metrics_port:
         try:
             metrics.serve(CONFIG.metrics_port)

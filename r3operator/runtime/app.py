@@ -12,7 +12,7 @@ from typing import Any
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import read_rows, write_plot, write_report
-from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings
+from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings, unknown_variables
 
 
 def build_settings(
@@ -29,6 +29,10 @@ def build_settings(
     """Arguments win over the environment (RuntimeSettings: R3OPERATOR_STEPS, R3OPERATOR_MODEL, …),
     which wins over the RLJob and the operator's runtime config."""
     env = runtime_settings()
+    if unknown := unknown_variables():
+        logging.getLogger("r3operator.runtime").warning(
+            "ignored: %s (not a setting; see docs/runtime.md, Overrides)", ", ".join(unknown)
+        )
     engine_urls: list[str] = []
     run_dir: Path | None = None
     if config is not None:
