@@ -34,17 +34,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "trainer": frozenset({"api", "engine", "models", "routing", "settings"}),
     "runtime": frozenset({"api", "engine", "models", "routing", "settings", "trainer"}),
     "observability": frozenset({"api", "operator", "runtime", "settings"}),
-    "cli": frozenset({"api", "models", "observability", "operator", "routing", "runtime", "settings", "testing"}),
+    "cli": frozenset({"api", "models", "observability", "operator", "routing", "runtime", "settings"}),
     "__main__": frozenset({"cli"}),
 }
-
-# Import cycles that exist and are owned elsewhere; each must be gone or listed here.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # The rank encoding's numba kernels read packing's table size, and packing imports the kernels lazily
-    # (numba is not in the operator image); delete this entry with the cycle.
-    frozenset({"r3operator.routing.packing", "r3operator.routing._rank_numba"}),
-]
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -196,12 +188,9 @@ def test_the_layers_form_no_cycle_and_settings_and_api_import_nothing_of_ours() 
     assert MAY_IMPORT["settings"] == MAY_IMPORT["api"] == frozenset()
 
 
-def test_the_package_has_no_import_cycle_except_the_known_ones() -> None:
-    found = cycles(import_edges(_package_modules()))
-    unknown = [" <-> ".join(sorted(c)) for c in found if c not in KNOWN_CYCLES]
-    assert unknown == [], "import cycles:\n" + "\n".join(unknown)
-    stale = [c for c in KNOWN_CYCLES if c not in found]
-    assert stale == [], "a known cycle is gone: delete it from KNOWN_CYCLES"
+def test_the_package_has_no_import_cycle() -> None:
+    found = [" <-> ".join(sorted(c)) for c in cycles(import_edges(_package_modules()))]
+    assert found == [], "import cycles:\n" + "\n".join(found)
 
 
 def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:

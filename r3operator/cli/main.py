@@ -96,7 +96,6 @@ def _mount_optional() -> None:
     app.add_typer(routing.app, name="routing")
     app.command("render")(operator_cmds.render)
     app.command("operator")(operator_cmds.run_operator)
-    app.command("api-emulator", hidden=True)(operator_cmds.api_emulator)
     app.command("run")(run_cmd.run)
     app.command("reference-model")(run_cmd.reference_model)
     app.command("dashboard-preview")(observe_cmds.dashboard_preview)

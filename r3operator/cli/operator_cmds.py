@@ -1,11 +1,10 @@
-"""`r3operator render`, `r3operator operator` and `r3operator api-emulator`: typer-compatible command functions.
+"""`r3operator render` and `r3operator operator`: typer-compatible command functions.
 
 Mounted in r3operator/cli/main.py (kept apart so `r3operator validate` stays import-light)::
 
     from r3operator.cli import operator_cmds
     app.command("render")(operator_cmds.render)
     app.command("operator")(operator_cmds.run_operator)
-    app.command("api-emulator", hidden=True)(operator_cmds.api_emulator)
 
 Exit codes of ``render`` are those of ``validate``: 0 rendered, 1 a rule reported an error (nothing is
 rendered, as the operator would create nothing), 2 the file could not be read as an RLJob.
@@ -14,7 +13,6 @@ rendered, as the operator would create nothing), 2 the file could not be read as
 from __future__ import annotations
 
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -98,21 +96,3 @@ def run_operator(
         verbose=verbose,
     )
 
-
-class CelEngine(StrEnum):
-    CEL = "cel"
-    CELPY = "celpy"
-    CROSS_CHECK = "cross-check"
-
-
-def api_emulator(
-    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 8001,
-    kubeconfig: Annotated[Path | None, typer.Option(help="Write a kubeconfig pointing at the emulator here.")] = None,
-    cel_engine: Annotated[CelEngine, typer.Option(help="CEL implementation for x-kubernetes-validations.")] = (
-        CelEngine.CEL
-    ),
-) -> None:
-    """Serve the Kubernetes API emulator the tests use (loopback only) until interrupted."""
-    from r3operator.testing.apiserver import serve
-
-    serve(port=port, kubeconfig=kubeconfig, cel_engine=cel_engine.value)
