@@ -26,7 +26,6 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "r3operator": frozenset(),
     "settings": frozenset(),
     "api": frozenset(),
-    "testing": frozenset(),
     "routing": frozenset(),
     "models": frozenset({"settings"}),
     "engine": frozenset({"api", "routing", "settings"}),
