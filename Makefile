@@ -44,6 +44,7 @@ run: venv
 
 test: venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks
+	$(VENV)/bin/mypy
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Unit tier only: no vLLM, no kubectl.

@@ -13,7 +13,7 @@ after another at a fixed rate:
 
     python -m benchmarks.bench_operator [--jobs 50 200 500] [--nodes 256]
 
-Targets (issue 10): p50 ≤ 1 s, p95 ≤ 3 s, RSS ≤ 250 MB, zero steady-state writes.
+Targets: p50 ≤ 1 s, p95 ≤ 3 s, RSS ≤ 250 MB, zero steady-state writes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ steps=("$@")
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 R3_CACHE_DIR=${R3_CACHE_DIR:-/root/r3cache}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 R3OPERATOR_CACHE_DIR=${R3OPERATOR_CACHE_DIR:-/root/r3cache}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 
 run() {  # name timeout cmd...
@@ -39,7 +39,7 @@ for step in "${steps[@]}"; do
       run megatron_bench 240 python3 -m benchmarks.bench_megatron --model gpu --device cuda --prompts 16 \
         --max-tokens 64 --trainer-dtype bfloat16 --json "$out/megatron.json" ;;
     runtime)
-      run runtime 540 python3 -m r3operator.runtime examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
+      run runtime 540 python3 -m r3operator run examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
         --no-resume --compare-replay
       cp -r runs "$out/runs" 2>/dev/null || true ;;
     *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;

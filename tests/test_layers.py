@@ -1,21 +1,222 @@
-"""The package layers stay import-light: the operator image never needs torch, vLLM or Ray.
+"""The package's layers, checked on its own import graph and on what each layer loads.
 
-Each check imports one layer in a fresh interpreter and lists which heavy modules got loaded.
+The graph is read from the source (every ``import`` statement, function-level and TYPE_CHECKING ones
+included), so an import that runs only on some path still counts. docs/contributing.md explains the layers.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import pytest
 
+PACKAGE = Path(__file__).resolve().parents[1] / "r3operator"
+
+# Which of the package's parts each part may import (itself always). "engine.args" names one module:
+# the operator builds `vllm serve` command lines from it and may import nothing else of the engine.
+# `r3operator` itself (the root __init__, only __version__) is below everything.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "r3operator": frozenset(),
+    "settings": frozenset(),
+    "api": frozenset(),
+    "routing": frozenset(),
+    "models": frozenset({"settings"}),
+    "engine": frozenset({"api", "routing", "settings"}),
+    "operator": frozenset({"api", "settings", "engine.args"}),
+    "trainer": frozenset({"api", "engine", "models", "routing", "settings"}),
+    "runtime": frozenset({"api", "engine", "models", "routing", "settings", "trainer"}),
+    "observability": frozenset({"api", "operator", "runtime", "settings"}),
+    "cli": frozenset({"api", "models", "observability", "operator", "routing", "runtime", "settings"}),
+    "__main__": frozenset({"cli"}),
+}
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    line: int
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules_under(root: Path) -> dict[str, Path]:
+    """Module name → file for every module of the `r3operator` package under `root`."""
+    return {_module_name(p, root): p for p in sorted((root / "r3operator").rglob("*.py"))}
+
+
+@cache
+def _package_modules() -> dict[str, Path]:
+    return modules_under(PACKAGE.parent)
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an import names: `pkg.mod.Class` → `pkg.mod`, `pkg.mod` → `pkg.mod`."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in modules:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def _imported_names(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            origin = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            origin = node.module or ""
+        yield from (f"{origin}.{alias.name}" for alias in node.names)
+
+
+def import_edges(modules: dict[str, Path]) -> list[Edge]:
+    """Every import of one of `modules` by another, with its line."""
+    edges = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for name in _imported_names(node, module, path.name == "__init__.py"):
+                target = _resolve(name, modules)
+                if target is not None and target != module:
+                    edges.append(Edge(module, target, node.lineno))
+    return edges
+
+
+def part_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def allowed(source: str, target: str) -> bool:
+    src, dst = part_of(source), part_of(target)
+    if src == dst or dst == "r3operator":
+        return True
+    rules = MAY_IMPORT[src]
+    inside = target.removeprefix("r3operator.")
+    return dst in rules or any(inside == rule or inside.startswith(rule + ".") for rule in rules if "." in rule)
+
+
+def layer_violations(edges: list[Edge]) -> list[str]:
+    def may(part: str) -> str:
+        return ", ".join(sorted(MAY_IMPORT[part])) or "nothing of ours"
+
+    return [
+        f"{e.source} (line {e.line}) imports {e.target}; {part_of(e.source)} may import {may(part_of(e.source))}"
+        for e in edges
+        if not allowed(e.source, e.target)
+    ]
+
+
+def cycles(edges: list[Edge]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(frozenset(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_every_part_of_the_package_is_placed_in_a_layer() -> None:
+    assert {part_of(m) for m in _package_modules()} == set(MAY_IMPORT)
+
+
+def test_imports_between_parts_follow_the_layers() -> None:
+    violations = layer_violations(import_edges(_package_modules()))
+    assert violations == [], "\n".join(violations)
+
+
+def test_only_the_command_line_and_observability_import_the_runtime() -> None:
+    edges = import_edges(_package_modules())
+    importers = {part_of(e.source) for e in edges if part_of(e.target) == "runtime"} - {"runtime"}
+    assert importers <= {"cli", "observability"}
+
+
+def test_the_layers_form_no_cycle_and_settings_and_api_import_nothing_of_ours() -> None:
+    parts = {name: {rule.split(".")[0] for rule in rules} for name, rules in MAY_IMPORT.items()}
+    edges = [Edge(src, dst, 0) for src, targets in parts.items() for dst in targets]
+    assert cycles(edges) == []
+    assert MAY_IMPORT["settings"] == MAY_IMPORT["api"] == frozenset()
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    found = [" <-> ".join(sorted(c)) for c in cycles(import_edges(_package_modules()))]
+    assert found == [], "import cycles:\n" + "\n".join(found)
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
+    routing = tmp_path / "r3operator" / "routing"
+    routing.mkdir(parents=True)
+    (tmp_path / "r3operator" / "__init__.py").write_text("")
+    (routing / "__init__.py").write_text("")
+    (routing / "a.py").write_text("from r3operator.routing import b\n")
+    (routing / "b.py").write_text("def f():\n    from . import a\n    from r3operator.runtime import loop\n")
+    (tmp_path / "r3operator" / "runtime").mkdir()
+    (tmp_path / "r3operator" / "runtime" / "__init__.py").write_text("")
+    (tmp_path / "r3operator" / "runtime" / "loop.py").write_text("")
+    edges = import_edges(modules_under(tmp_path))
+    assert cycles(edges) == [frozenset({"r3operator.routing.a", "r3operator.routing.b"})]
+    assert layer_violations(edges) == [
+        "r3operator.routing.b (line 3) imports r3operator.runtime.loop; routing may import nothing of ours"
+    ]
+    assert allowed("r3operator.operator.builders.engine", "r3operator.engine.args")
+    assert not allowed("r3operator.operator.builders.engine", "r3operator.engine.llm")
+
+
 HEAVY = ("torch", "vllm", "ray", "megatron", "transformers", "kopf", "kubernetes")
 
-# layer -> heavy modules it may load
-ALLOWED: dict[str, set[str]] = {
+# module -> heavy libraries importing it may load (the operator image has no torch, vLLM or Ray)
+MAY_LOAD: dict[str, set[str]] = {
     "r3operator.api": set(),
+    "r3operator.settings": set(),
     "r3operator.routing": set(),
     "r3operator.cli.main": set(),
     "r3operator.operator.desired": set(),
@@ -33,6 +234,6 @@ def _loaded_heavy(module: str) -> set[str]:
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("module", sorted(ALLOWED))
-def test_layer_imports_only_what_it_may(module: str) -> None:
-    assert _loaded_heavy(module) <= ALLOWED[module]
+@pytest.mark.parametrize("module", sorted(MAY_LOAD))
+def test_layer_loads_only_the_libraries_it_may(module: str) -> None:
+    assert _loaded_heavy(module) <= MAY_LOAD[module]

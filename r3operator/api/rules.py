@@ -18,8 +18,9 @@ exceed the apiserver's CEL cost budget for message expressions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from r3operator.api import checks
 from r3operator.api.checks import DERIVED_VLLM_FLAGS
@@ -51,7 +52,7 @@ class Rule:
     reads: tuple[str, ...]
     summary: str
     sources: tuple[str, ...]
-    check: Check = field(repr=False)
+    check: Check = dataclasses.field(repr=False)  # `field` is also an attribute of Rule
     cel: CelRule | None = None
 
 

@@ -97,6 +97,7 @@ def _mount_optional() -> None:
     app.command("render")(operator_cmds.render)
     app.command("operator")(operator_cmds.run_operator)
     app.command("run")(run_cmd.run)
+    app.command("reference-model")(run_cmd.reference_model)
     app.command("dashboard-preview")(observe_cmds.dashboard_preview)
     app.command("dashboards")(observe_cmds.dashboards)
 

@@ -85,10 +85,11 @@ def dashboard_preview(
 def dashboards(
     check: Annotated[bool, typer.Option(help="Exit 1 if a committed generated file is stale.")] = False,
     print_uid: Annotated[str | None, typer.Option("--print", help="Print one dashboard's JSON.")] = None,
+    root: Annotated[Path, typer.Option(help="Repository root the generated files live under.")] = Path("."),
 ) -> None:
     """Regenerate the dashboards, rules, chart CRD copy and docs/metrics.md (or check them)."""
     from r3operator.observability import dashboards as dash
-    from r3operator.observability.generate import main
+    from r3operator.observability.generate import stale_files, write_files
 
     if print_uid:
         bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
@@ -97,4 +98,10 @@ def dashboards(
             raise typer.BadParameter(f"unknown dashboard {print_uid!r}; one of {known}", param_hint="--print")
         typer.echo(json.dumps(bodies[print_uid], indent=2, ensure_ascii=False))
         return
-    raise typer.Exit(main(["--check"] if check else []))
+    if check:
+        stale = stale_files(root)
+        for path in stale:
+            typer.echo(f"stale: {path} (run r3operator dashboards)", err=True)
+        raise typer.Exit(1 if stale else 0)
+    for path in write_files(root):
+        typer.echo(f"wrote {path}")

@@ -1,6 +1,6 @@
 """`r3operator render` and `r3operator operator`: typer-compatible command functions.
 
-Mounted by the lead in r3operator/cli/main.py::
+Mounted in r3operator/cli/main.py (kept apart so `r3operator validate` stays import-light)::
 
     from r3operator.cli import operator_cmds
     app.command("render")(operator_cmds.render)
@@ -95,3 +95,4 @@ def run_operator(
         kubeconfig=str(kubeconfig) if kubeconfig else None,
         verbose=verbose,
     )
+

@@ -123,6 +123,3 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
             tmp.unlink()
         raise
 
-
-if __name__ == "__main__":
-    app()

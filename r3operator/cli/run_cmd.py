@@ -1,4 +1,9 @@
-"""`r3operator run FILE`: train an RLJob on this machine (mounted by cli/main.py: `app.command("run")(run)`)."""
+"""`r3operator run`: train an RLJob, from a file on a workstation or from the operator's ConfigMap in the
+trainer pod (`r3operator run --config /etc/r3operator/config.json`, the RayJob entrypoint).
+
+`r3operator reference-model NAME` generates (or finds) a reference model and prints its directory.
+Mounted by cli/main.py; `python -m r3operator run` is the same command.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +12,70 @@ from typing import Annotated
 
 import typer
 
+from r3operator.settings import CONFIG_PATH
+
 
 def run(
-    file: Annotated[Path, typer.Argument(help="RLJob YAML file, e.g. examples/rljob-local.yaml.")],
+    file: Annotated[
+        Path | None, typer.Argument(help="RLJob YAML file, e.g. examples/rljob-local.yaml.", show_default=False)
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help=f"The operator's runtime config instead of FILE (in the trainer pod: {CONFIG_PATH})."),
+    ] = None,
     compare_replay: Annotated[
         bool, typer.Option("--compare-replay", help="Run the same seed with replay off, then R3; one plot.")
     ] = False,
-    steps: Annotated[int | None, typer.Option(help="Override spec.algorithm.steps (env R3_STEPS).")] = None,
-    out_dir: Annotated[Path, typer.Option(help="Runs are written to OUT_DIR/<job name>/.")] = Path("runs"),
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="Override spec.algorithm.steps (env R3OPERATOR_STEPS).")
+    ] = None,
+    out_dir: Annotated[
+        Path, typer.Option(help="Runs go to OUT_DIR/<job name>/ (unless a config has routingDir).")
+    ] = Path("runs"),
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint if there is one.")] = True,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     model: Annotated[
-        str | None, typer.Option(help="Reference model name or model directory (env R3_MODEL), e.g. gpu.")
+        str | None, typer.Option(help="Reference model name or model directory (env R3OPERATOR_MODEL), e.g. gpu.")
     ] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0/unset: off locally).")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Prometheus port; 0 = off (default: off for FILE, spec.monitoring.port for --config)."),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No live step table, no report on stdout.")] = False,
 ) -> None:
-    """Train an RLJob locally: vLLM engine in a Ray actor, GRPO trainer, R3/R2/Disabled replay."""
+    """Train an RLJob: vLLM engines (Ray actors, or a cluster's engine Services), GRPO, R3/R2/Disabled replay."""
     from r3operator.api import RLJobLoadError
     from r3operator.runtime.app import build_settings, run_job
 
+    if (file is None) == (config is None):
+        problem = "not both" if file is not None else "one of them"
+        typer.echo(f"error: give an RLJob FILE or --config ({problem})", err=True)
+        raise typer.Exit(2)
     try:
         settings = build_settings(
-            file, steps=steps, out_dir=out_dir, resume=resume, device=device, model=model, metrics_port=metrics_port
-        )
+            file, config=config, steps=steps, out_dir=out_dir, resume=resume, device=device, model=model,
+            metrics_port=metrics_port,
+        )  # fmt: skip
     except (RLJobLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    settings.show_progress = not quiet
     out = run_job(settings, compare_replay=compare_replay)
     typer.echo(f"run directory: {out}")
+
+
+def reference_model(
+    name: Annotated[str, typer.Argument(help="tiny, small or gpu.")] = "tiny",
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Where models are generated (default: R3OPERATOR_CACHE_DIR/models).")
+    ] = None,
+) -> None:
+    """Generate a reference MoE model (deterministic, no download) if it is not cached; print its directory."""
+    from r3operator.models import ensure_reference_model
+
+    try:
+        path = ensure_reference_model(name, cache_dir)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(str(path))

@@ -18,19 +18,12 @@ import json
 
 from r3operator.api.enums import KVConnector, ReplayMode
 from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
 VLLM_PLUGIN_NAME = "r3operator"
 """Our `vllm.general_plugins` entry point name (pyproject.toml)."""
-ROUTING_MOUNT = "/var/lib/r3operator"
-"""Where the routing-data volume is mounted in every engine and trainer container."""
-CONFIG_PATH = "/etc/r3operator/config.json"
-"""The resolved runtime config (the RLJob ConfigMap) as seen inside every container."""
-REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/models"
-"""r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
-MODEL_MOUNT = "/mnt/model"
-"""pvc://claim/path models: the claim is mounted read-only here."""
 
 _KV_CONNECTORS: dict[KVConnector, str] = {
     KVConnector.NIXL: "NixlConnector",
@@ -114,9 +107,6 @@ def vllm_env(spec: RLJobSpec) -> dict[str, str]:
     env = {
         # An allowlist: only our plugin loads, whatever else the image happens to ship.
         "VLLM_PLUGINS": VLLM_PLUGIN_NAME,
-        "R3OPERATOR_CONFIG": CONFIG_PATH,
-        "R3OPERATOR_ROUTING_DIR": ROUTING_MOUNT,
-        "R3OPERATOR_REPLAY_MODE": spec.routing_replay.mode.value,
     }
     if spec.inference.model_runner_v2:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"

@@ -68,10 +68,10 @@ def chunk_tensors(tensors: Iterator[tuple[str, Any]], *, chunk_size_mb: int) -> 
 
 # ---------------------------------------------------------------------- flat transport buffers
 #
-# Why: a chunk used to travel as a list of (name, tensor). The per-expert tensors above are views into
-# the fused [E, 2I, H] / [E, H, I] parameter, and pickling a view pickles its WHOLE storage: every
-# expert's gate/up/down shipped the full fused tensor again (measured: ~5-12 s of `ray.put` per sync for
-# the 16 MB tiny model). A chunk is now ONE contiguous uint8 buffer (each tensor copied in once, 64-byte
+# Why one buffer and not a list of (name, tensor): the per-expert tensors above are views into the fused
+# [E, 2I, H] / [E, H, I] parameter, and pickling a view pickles its WHOLE storage, so every expert's
+# gate/up/down would ship the full fused tensor again (measured with a list: ~5-12 s of `ray.put` per sync
+# for the 16 MB tiny model). A chunk is ONE contiguous uint8 buffer (each tensor copied in once, 64-byte
 # aligned) plus an entry table; Ray ships a numpy buffer zero-copy through the object store, and the
 # engine side rebuilds the tensors as views of that buffer (no per-tensor allocation before load_weights).
 

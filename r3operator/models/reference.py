@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import zlib
@@ -24,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from r3operator.models.tokenizer import BOS, EOS, PAD, save_tokenizer, vocabulary
+from r3operator.settings import runtime_settings
 
 # Bump when the generation procedure changes: it is part of the cache key.
 GENERATOR_VERSION = "1"
@@ -122,8 +122,8 @@ def get_spec(name: str) -> ReferenceModelSpec:
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("R3_CACHE_DIR")
-    return Path(env) / "models" if env else Path.home() / ".cache" / "r3operator" / "models"
+    root = runtime_settings().cache_dir or Path.home() / ".cache" / "r3operator"
+    return root / "models"
 
 
 def _std_for(name: str, spec: ReferenceModelSpec) -> float | None:
@@ -182,7 +182,7 @@ def _write_model(spec: ReferenceModelSpec, directory: Path) -> None:
 def ensure_reference_model(name: str = "tiny", cache_dir: Path | None = None) -> Path:
     """Return the directory of reference model `name`, generating it first if needed.
 
-    Directory: `<cache_dir or $R3_CACHE_DIR/models or ~/.cache/r3operator/models>/<name>-<hash>`.
+    Directory: `<cache_dir or $R3OPERATOR_CACHE_DIR/models or ~/.cache/r3operator/models>/<name>-<hash>`.
     Generation writes into a temporary sibling directory and renames it into place, so concurrent
     callers and interrupted runs never see a half-written model.
     """

@@ -2,7 +2,7 @@
 
 Every target `expr` is PromQL over the metrics contract (metrics_contract.py) or the stable
 `r3operator:*` recording rules (rules.py); tests/observability parse each one in a real Prometheus and
-check that it returns series from real exporters. `python -m r3operator.observability.generate` writes
+check that it returns series from real exporters. `r3operator dashboards` writes
 the JSON into charts/r3operator/dashboards/ for the Grafana-sidecar ConfigMap.
 
 Label conventions (docs/metrics.md): every series carries `namespace` and `rljob`. The operator's

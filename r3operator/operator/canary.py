@@ -18,8 +18,6 @@ import numpy as np
 
 CANARY_PROMPT = "1 2 3 4"
 CANARY_MAX_TOKENS = 2
-DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
-"""The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
 
 
 @dataclass(frozen=True, slots=True)

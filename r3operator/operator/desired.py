@@ -26,12 +26,9 @@ from r3operator.operator.builders.engine import build_engine_service, build_engi
 from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
 from r3operator.operator.builders.storage import build_routing_claim
 from r3operator.operator.builders.trainer import build_ray_job
-from r3operator.operator.builders.trainer_rbac import (
-    DEFAULT_TRAINER_CLUSTER_ROLE,
-    build_trainer_role_binding,
-    build_trainer_service_account,
-)
+from r3operator.operator.builders.trainer_rbac import build_trainer_role_binding, build_trainer_service_account
 from r3operator.operator.lifecycle import is_suspended, is_terminal, ttl_expired
+from r3operator.settings import DEFAULT_TRAINER_CLUSTER_ROLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +40,7 @@ class Facts:
     now: dt.datetime | None = None
     """For ttlSecondsAfterFinished; None never expires anything."""
     trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE
-    """The ClusterRole the trainer's RoleBinding refers to (R3OPERATOR_TRAINER_CLUSTERROLE)."""
+    """The ClusterRole the trainer's RoleBinding refers to (R3OPERATOR_TRAINER_CLUSTER_ROLE)."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:

@@ -21,16 +21,16 @@ from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import meta, metrics
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
-from r3operator.operator.settings import OperatorConfig
+from r3operator.settings import operator_settings, unknown_variables
 
-CONFIG = OperatorConfig.from_env()
+CONFIG = operator_settings()
 _state: dict[str, Any] = {"connection": None, "reconciler": None}
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
-    settings.watching.server_timeout = CONFIG.watch_server_timeout_s
-    settings.watching.client_timeout = CONFIG.watch_client_timeout_s
+async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
+    settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
+    settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
     settings.persistence.finalizer = meta.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
@@ -40,6 +40,8 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
+    if unknown := unknown_variables():
+        logger.warning("ignored: %s (not a setting; see docs/operator.md, Settings)", ", ".join(unknown))
     if CONFIG.metrics_port:
         try:
             metrics.serve(CONFIG.metrics_port)
@@ -70,7 +72,7 @@ def reconciler() -> Reconciler:
         _state["reconciler"] = Reconciler(
             client,
             ReconcilerSettings(
-                discovery_ttl_s=CONFIG.discovery_ttl_s,
+                discovery_ttl_s=CONFIG.discovery_ttl_seconds,
                 canary=CONFIG.canary,
                 canary_url_template=CONFIG.canary_url,
                 trainer_cluster_role=CONFIG.trainer_cluster_role,
@@ -79,7 +81,7 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: logging.Logger) -> None:
+async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body))
@@ -111,22 +113,24 @@ async def _run(body: kopf.Body, logger: logging.Logger) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-async def on_change(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     await _run(body, logger)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_s, idle=CONFIG.idle_s or None)
-async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds, idle=CONFIG.idle_seconds or None)
+async def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     await _run(body, logger)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def on_delete(body: kopf.Body, name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any) -> None:
     """Retain: make sure the routing PVC has no ownerReference left, so the GC keeps it.
 
     A Retain PVC is created without one; this covers a policy flipped to Retain shortly before the
     delete (before a reconcile dropped the reference). Delete policy: the GC removes the children.
     """
+    if namespace is None:  # kopf types it optional for cluster-scoped kinds; the RLJob CRD is namespaced
+        raise kopf.PermanentError(f"rljob {name} has no namespace")
     spec = body.get("spec", {})
     storage = spec.get("storage") or {}
     client = reconciler().client

@@ -78,7 +78,9 @@ def owner_reference(job: RLJob) -> dict[str, Any] | None:
     }
 
 
-def object_meta(job: RLJob, role: str, *, owned: bool = True, annotations: dict[str, str] | None = None) -> dict:
+def object_meta(
+    job: RLJob, role: str, *, owned: bool = True, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": child_name(job, role), "labels": labels(job, role)}
     if job.metadata.namespace:
         meta["namespace"] = job.metadata.namespace

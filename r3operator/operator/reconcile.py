@@ -28,14 +28,14 @@ from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import plan_action
-from r3operator.operator.builders.trainer_rbac import DEFAULT_TRAINER_CLUSTER_ROLE
-from r3operator.operator.canary import DEFAULT_CANARY_URL, CanaryResult, run_canary
+from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
 from r3operator.operator.lifecycle import ttl_expired
 from r3operator.operator.observed import Observed
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
+from r3operator.settings import DEFAULT_CANARY_URL, DEFAULT_TRAINER_CLUSTER_ROLE
 
 log = logging.getLogger("r3operator.reconcile")
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 try:  # pybase64 is a SIMD base64 codec; optional, ~10x faster than the stdlib for large payloads.
     import pybase64 as _pybase64
 except ImportError:  # pragma: no cover - depends on the environment
-    _pybase64 = None
+    _pybase64 = None  # type: ignore[assignment]  # a module or None: callers test for None
 
 ROUTE_DTYPES: tuple[str, ...] = ("uint8", "uint16", "int32")
 

@@ -182,7 +182,7 @@ def read_stored(path: Path) -> tuple[RoutingHeader, memoryview]:
             f.seek(offset)
             # np.empty, not bytearray(n): skips zero-filling memory that readinto overwrites anyway. The
             # memoryview is writable, so decode() stays zero-copy.
-            data = memoryview(np.empty(nbytes, dtype=np.uint8))
+            data = np.empty(nbytes, dtype=np.uint8).data
             view = data
             filled = 0
             while filled < nbytes:

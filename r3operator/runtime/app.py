@@ -1,4 +1,4 @@
-"""Entry points shared by `r3operator run`, `python -m r3operator.runtime` and the trainer pod."""
+"""What `r3operator run` runs, on a workstation (an RLJob file) and in the trainer pod (`--config`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,7 @@ from typing import Any
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import read_rows, write_plot, write_report
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
+from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings, unknown_variables
 
 
 def build_settings(
@@ -30,21 +26,27 @@ def build_settings(
     model: str | None = None,
     metrics_port: int | None = None,
 ) -> RunSettings:
-    """Overrides: `steps`/`model` arguments, else env R3_STEPS / R3_MODEL (e.g. R3_MODEL=gpu)."""
+    """Arguments win over the environment (RuntimeSettings: R3OPERATOR_STEPS, R3OPERATOR_MODEL, …),
+    which wins over the RLJob and the operator's runtime config."""
+    env = runtime_settings()
+    if unknown := unknown_variables():
+        logging.getLogger("r3operator.runtime").warning(
+            "ignored: %s (not a setting; see docs/runtime.md, Overrides)", ", ".join(unknown)
+        )
     engine_urls: list[str] = []
     run_dir: Path | None = None
     if config is not None:
         job, runtime = load_job_config(config)
-        engine_urls = list(runtime.get("engineURLs") or [])
-        if routing_dir := runtime.get("routingDir"):
-            run_dir = Path(routing_dir) / "runs" / job.metadata.name
+        engine_urls = list(runtime.get(ENGINE_URLS_KEY) or [])
+        if routing_dir := runtime.get(ROUTING_DIR_KEY):
+            run_dir = Path(routing_dir) / RUNS_DIR / job.metadata.name
     elif file is not None:
         job = load_job_file(file)
     else:
         raise ValueError("give an RLJob file or --config")
-    if env_urls := os.environ.get("R3_ENGINE_URLS"):
-        engine_urls = [u for u in env_urls.split(",") if u]
-    total = steps or _env_int("R3_STEPS") or job.spec.algorithm.steps
+    if env.engine_urls:
+        engine_urls = list(env.engine_urls)
+    total = steps or env.steps or job.spec.algorithm.steps
     resolved = resolve_device(device)
     port = metrics_port if metrics_port is not None else (job.spec.monitoring.port if config else 0)
     return RunSettings(
@@ -53,10 +55,10 @@ def build_settings(
         device=resolved,
         steps=total,
         resume=resume,
-        model_override=model or os.environ.get("R3_MODEL") or None,
+        model_override=model or env.model,
         metrics_port=port or None,
         engine_urls=engine_urls,
-        engine_dtype=os.environ.get("R3_ENGINE_DTYPE") or default_engine_dtype(resolved),
+        engine_dtype=env.engine_dtype or default_engine_dtype(resolved),
     )
 
 

@@ -27,12 +27,13 @@ Two modes, chosen by the engine dtype (`canary_tolerance`):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from r3operator.settings import runtime_settings
 
 # Default ε (trainer fp32 logit units) for a bf16 engine. bf16 has an 8-bit mantissa: one rounding of a
 # logit of magnitude |z| moves it by up to |z|·2^-9, and the forward accumulates many roundings (plus
@@ -61,24 +62,11 @@ class CanaryTolerance:
         return f"{self.mode} (ε = {self.epsilon:g} logits, δ = {self.logprob:g} logprob)"
 
 
-def _env_float(name: str) -> float | None:
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}: expected a number >= 0, got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {raw!r}")
-    return value
-
-
 def canary_tolerance(engine_dtype: str) -> CanaryTolerance:
-    """Tolerances for the engine dtype; env R3_CANARY_EPSILON / R3_CANARY_LOGPROB_TOL override them."""
+    """Tolerances for the engine dtype; R3OPERATOR_SYNC_CANARY_EPSILON / _LOGPROB_TOL override them."""
     exact = engine_dtype in ("float32", "fp32")
-    eps = _env_float("R3_CANARY_EPSILON")
-    tol = _env_float("R3_CANARY_LOGPROB_TOL")
+    env = runtime_settings()
+    eps, tol = env.sync_canary_epsilon, env.sync_canary_logprob_tol
     return CanaryTolerance(
         epsilon=eps if eps is not None else (0.0 if exact else BF16_CANARY_EPSILON),
         logprob=tol if tol is not None else (EXACT_LOGPROB_TOLERANCE if exact else BF16_LOGPROB_TOLERANCE),

@@ -8,7 +8,7 @@ In a pod the operator mounts its ConfigMap at `/etc/r3operator/config.json`; the
      "runtime": {"engineURLs": ["http://<job>-engine-0.<job>-engine.<ns>.svc:8000", ...],
                  "routingDir": "/var/lib/r3operator", ...}}
 
-`runtime.engineURLs` (or env R3_ENGINE_URLS, comma-separated) switches rollouts to HTTP engine Services;
+`runtime.engineURLs` (or env R3OPERATOR_ENGINE_URLS, comma-separated) switches rollouts to HTTP engine Services;
 without them the driver starts in-process vLLM engines in Ray actors. Run outputs (routes, checkpoints,
 metrics.csv) go to `<routingDir>/runs/<job>` on the shared volume.
 """
@@ -16,16 +16,15 @@ metrics.csv) go to `<routingDir>/runs/<job>` on the shared volume.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.settings import RUNTIME_KEY, RuntimeSettings, runtime_settings
 
 REFERENCE_PREFIX = "r3operator://reference/"
-DEFAULT_CONFIG_PATH = Path("/etc/r3operator/config.json")
 
 
 @dataclass
@@ -63,9 +62,9 @@ def load_job_config(path: Path) -> tuple[RLJob, dict[str, Any]]:
         raise RLJobLoadError(str(path), [FieldProblem("", "expected the operator's runtime config (an RLJob with "
                                                           "'spec', 'resolved' and 'runtime')")])
     manifest = {k: data[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in data}
-    runtime = data.get("runtime") or {}
+    runtime = data.get(RUNTIME_KEY) or {}
     if not isinstance(runtime, dict):
-        raise RLJobLoadError(str(path), [FieldProblem("runtime", "expected an object")])
+        raise RLJobLoadError(str(path), [FieldProblem(RUNTIME_KEY, "expected an object")])
     return parse_rljob(manifest, source=str(path)), runtime
 
 
@@ -84,8 +83,8 @@ def resolve_model_dir(job: RLJob, override: str | None = None) -> Path:
     if override:
         path = Path(override)
         return path if path.is_dir() else ensure_reference_model(override)
-    if env_dir := os.environ.get("R3_MODEL_DIR"):
-        return Path(env_dir)
+    if env_dir := runtime_settings().model_dir:
+        return env_dir
     uri = job.spec.model.uri
     if uri.startswith(REFERENCE_PREFIX):
         return ensure_reference_model(uri.removeprefix(REFERENCE_PREFIX))
@@ -93,7 +92,7 @@ def resolve_model_dir(job: RLJob, override: str | None = None) -> Path:
         return Path(uri.removeprefix("file://"))
     raise ValueError(
         f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name> or file:// models; "
-        "for hf://, s3://, gs:// or pvc:// the operator mounts the model and sets R3_MODEL_DIR"
+        f"for hf://, s3://, gs:// or pvc:// set {RuntimeSettings.env_name('model_dir')} to the model's directory"
     )
 
 

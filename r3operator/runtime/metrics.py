@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from r3operator.settings import runtime_settings
 from r3operator.trainer.metrics import MetricSpec, R3Metrics
 
 log = logging.getLogger(__name__)
@@ -110,16 +110,17 @@ def progress_patch(
 
 
 class StatusPusher:
-    """Merge-patches `status.progress` of the RLJob named by R3_RLJOB_NAME / R3_RLJOB_NAMESPACE.
+    """Merge-patches `status.progress` of the RLJob named by R3OPERATOR_RLJOB_NAME / _NAMESPACE.
 
     Disabled (no-op) outside a cluster. A failed patch is logged, never fatal: training goes on.
     """
 
     def __init__(self, name: str | None = None, namespace: str | None = None) -> None:
-        self.name = name or os.environ.get("R3_RLJOB_NAME")
-        self.namespace = namespace or os.environ.get("R3_RLJOB_NAMESPACE")
+        env = runtime_settings()
+        self.name = name or env.rljob_name
+        self.namespace = namespace or env.rljob_namespace
         self._api: Any = None
-        if self.name and self.namespace and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if self.name and self.namespace and env.in_cluster:
             from kubernetes import client, config
 
             config.load_incluster_config()

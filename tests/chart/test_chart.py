@@ -128,7 +128,7 @@ def test_trainer_cluster_role_grants_only_reading_the_rljob_and_patching_its_sta
         {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "verbs": ["get", "patch"]},
     ]
     env = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "R3OPERATOR_TRAINER_CLUSTERROLE", "value": TRAINER_ROLE} in env
+    assert {"name": "R3OPERATOR_TRAINER_CLUSTER_ROLE", "value": TRAINER_ROLE} in env
     assert not [d for d in render("rbac.create=false").kind("ClusterRole")]
 
 
@@ -192,6 +192,15 @@ def test_deployment_is_single_recreate_non_root_read_only(render) -> None:
     assert {"name": "R3OPERATOR_METRICS_PORT", "value": str(metrics_port)} in container["env"]
     assert container["image"] == "ghcr.io/r3operator/operator:0.1.0"  # appVersion, never latest
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
+    from r3operator.settings import ENV_PREFIX, OperatorSettings
+
+    container = render().one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    ours = {e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)}
+    assert ours == {"R3OPERATOR_METRICS_PORT", "R3OPERATOR_TRAINER_CLUSTER_ROLE"}
+    assert ours <= set(OperatorSettings.env_names())
 
 
 def test_image_digest_wins_over_tag(render) -> None:

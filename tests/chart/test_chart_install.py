@@ -30,8 +30,8 @@ import yaml
 from kubecluster.clients import create_namespace, kubectl
 from kubecluster.controlplane import ApiError, ControlPlane
 
-from r3operator.operator.settings import OperatorConfig
 from r3operator.runtime.metrics import progress_patch
+from r3operator.settings import ENV_PREFIX, operator_settings
 from tests.chart.conftest import CHART, REPO
 
 Permission = tuple[str, str, str, str]
@@ -230,9 +230,9 @@ def reconciled(
         patch.setenv("KUBECONFIG", str(kubeconfig))
         # The operator settings the chart passes (no metrics server: other operators share this process).
         for name, value in namespaced_release.operator_env.items():
-            if name.startswith("R3OPERATOR_") and name != "R3OPERATOR_METRICS_PORT":
+            if name.startswith(ENV_PREFIX) and name != "R3OPERATOR_METRICS_PORT":
                 patch.setenv(name, value)
-        patch.setattr(handlers, "CONFIG", OperatorConfig.from_env())
+        patch.setattr(handlers, "CONFIG", operator_settings())
         from kopf.testing import KopfRunner
 
         with KopfRunner(harness.operator_args([jobs_namespace]), timeout=120, registry=registry) as runner:

@@ -76,7 +76,7 @@ def test_engine_dashboard_reads_only_stable_series() -> None:
 
 
 def test_generated_files_are_current() -> None:
-    assert stale_files(REPO) == [], "run: python -m r3operator.observability.generate"
+    assert stale_files(REPO) == [], "run: r3operator dashboards"
 
 
 def test_metrics_doc_lists_every_metric_with_type_and_labels() -> None:

@@ -1,4 +1,4 @@
-"""Rules pass promtool and their unit tests; the alerts the issue asks for exist."""
+"""Rules pass promtool and their unit tests; the alerts the runbooks in docs/metrics.md rely on exist."""
 
 from __future__ import annotations
 

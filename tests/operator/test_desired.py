@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import yaml
 
 from r3operator.api.load import load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus
-from r3operator.engine.args import vllm_env, vllm_serve_args
 from r3operator.operator.apply import plan_action
 from r3operator.operator.builders.engine import model_params_billions, startup_budget_seconds
 from r3operator.operator.desired import Facts, desired
@@ -60,18 +58,29 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
 
 
 def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_volume():
-    job = _job()
-    sts = _by_kind(desired(job))["StatefulSet"]
+    # examples/qwen3-30b-a3b-r3-fsdp.yaml: TP2 x DP2 (all local), EP on, mp executor, R3, 4 replicas.
+    sts = _by_kind(desired(_job()))["StatefulSet"]
+    assert sts["spec"]["replicas"] == 4  # one pod per replica: dataParallelSizeLocal defaults to dataParallelSize
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == vllm_serve_args(job.spec, model_path="Qwen/Qwen3-30B-A3B")
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
-    assert {e["name"]: e["value"] for e in container["env"]} == vllm_env(job.spec)
+    assert container["command"] == [
+        "vllm", "serve", "Qwen/Qwen3-30B-A3B", "--port", "8000", "--revision", "main",
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+        "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
+        "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
+        "--enable-return-routed-experts",
+        "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension",
+    ]  # fmt: skip
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
+    assert container["env"] == [{"name": "VLLM_PLUGINS", "value": "r3operator"}]
     assert {"name": "routing", "mountPath": "/var/lib/r3operator"} in container["volumeMounts"]
+    assert {"name": "config", "mountPath": "/etc/r3operator", "readOnly": True} in container["volumeMounts"]
     claim = next(v for v in pod["volumes"] if v["name"] == "routing")["persistentVolumeClaim"]["claimName"]
     assert claim == "qwen3-30b-a3b-r3-routing"
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
-    assert container["startupProbe"]["failureThreshold"] * 10 == pytest.approx(startup_budget_seconds(job), abs=10)
+    # 30B parameters -> 60 GB of bf16 -> 300 s + 6 s/GB x 60 GB = 660 s, probed every 10 s.
+    assert container["startupProbe"]["periodSeconds"] == 10
+    assert container["startupProbe"]["failureThreshold"] == 66
 
 
 def test_startup_budget_grows_with_model_size_and_has_a_default():
@@ -101,7 +110,7 @@ def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspe
     ray = _by_kind(desired(job))["RayJob"]
     assert ray["apiVersion"] == "ray.io/v1"
     spec = ray["spec"]
-    assert spec["entrypoint"] == "python -m r3operator.runtime --config /etc/r3operator/config.json"
+    assert spec["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert spec["suspend"] is False
     head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     (workers,) = spec["rayClusterSpec"]["workerGroupSpecs"]
@@ -242,9 +251,12 @@ def test_ttl_after_finish_keeps_only_a_retained_pvc():
     assert [c["kind"] for c in desired(finished, Facts(now=late))] == ["PersistentVolumeClaim"]
 
 
-def test_example_file_loads_as_written():
+def test_only_r3_engines_capture_routes():
     assert load_rljob(QWEN).metadata.name == "qwen3-30b-a3b-r3"
-    assert "--enable-return-routed-experts" in shlex.join(vllm_serve_args(_job().spec, model_path="m"))
+    for mode, captures in (("R3", True), ("R2", False), ("Disabled", False)):
+        template = _by_kind(desired(_job(**{"routingReplay.mode": mode})))["StatefulSet"]["spec"]["template"]
+        argv = template["spec"]["containers"][0]["command"]
+        assert ("--enable-return-routed-experts" in argv) is captures, mode
 
 
 def test_pod_monitor_labels_series_with_the_rljob_the_dashboards_select_on():

@@ -89,7 +89,7 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
     assert "ownerReferences" not in kids["pvc"]["metadata"]  # retainPolicy: Retain
     ray = kids["rayjob"]["spec"]
-    assert ray["entrypoint"] == "python -m r3operator.runtime --config /etc/r3operator/config.json"
+    assert ray["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
     assert ray.get("suspend", False) is False  # KubeRay rewrites its objects with omitempty
     # The trainer pods run as <job>-trainer, bound to the chart's trainer ClusterRole (default name).

@@ -1,4 +1,4 @@
-"""`render` through typer's CliRunner on a small app (the lead mounts the same functions in main.py)."""
+"""`render` through typer's CliRunner on a small app (cli/main.py mounts the same functions)."""
 
 from __future__ import annotations
 

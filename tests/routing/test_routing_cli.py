@@ -88,11 +88,11 @@ def test_encode_rejects_bad_input(tmp_path: Path) -> None:
     assert not (tmp_path / "o.r3r").exists()
 
 
-def test_module_entry_point_reports_corrupt_file(tmp_path: Path) -> None:
+def test_the_r3operator_command_reports_a_corrupt_file(tmp_path: Path) -> None:
     path = tmp_path / "corrupt.r3r"
     path.write_bytes(b"GIF89a" + bytes(50))
     proc = subprocess.run(
-        [sys.executable, "-m", "r3operator.cli.routing", "inspect", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "r3operator", "routing", "inspect", str(path)], capture_output=True, text=True
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {path}: not an R3 routing-data file (bad magic)"]

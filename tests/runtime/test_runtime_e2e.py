@@ -110,7 +110,7 @@ def test_resume_after_kill_between_steps(tmp_path, engines) -> None:
     out = tmp_path / "runs"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "r3operator.runtime", str(job), "--out-dir", str(out), "--device", "cpu", "--quiet"],
+        [sys.executable, "-m", "r3operator", "run", str(job), "--out-dir", str(out), "--device", "cpu", "--quiet"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     latest = out / "tiny-count-r3" / "checkpoints" / "latest"

@@ -32,7 +32,7 @@ app.kubernetes.io/part-of: r3operator
 
 {{/*
 The ClusterRole each RLJob's trainer ServiceAccount is bound to (by a RoleBinding the operator creates
-in the RLJob's namespace); the operator reads the name from R3OPERATOR_TRAINER_CLUSTERROLE.
+in the RLJob's namespace); the operator reads the name from R3OPERATOR_TRAINER_CLUSTER_ROLE.
 */}}
 {{- define "r3operator.trainerClusterRoleName" -}}
 {{- printf "%s-trainer" (include "r3operator.fullname" .) | trunc 63 | trimSuffix "-" -}}

@@ -12,10 +12,8 @@ from typing import Any
 
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
-from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
 from r3operator.operator import meta
-
-CONFIG_KEY = "config.json"
+from r3operator.settings import CONFIG_KEY, CONFIG_PATH, ENGINE_URLS_KEY, ROUTING_DIR_KEY, ROUTING_MOUNT, RUNTIME_KEY
 
 
 def runtime_config(job: RLJob) -> dict[str, Any]:
@@ -29,14 +27,14 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
         "metadata": {"name": job.metadata.name, "namespace": namespace},
         "spec": job.spec.model_dump(mode="json", by_alias=True),
         "resolved": plan(job).to_resolved().model_dump(mode="json", by_alias=True, exclude_none=True),
-        "runtime": {
+        RUNTIME_KEY: {
             "configPath": CONFIG_PATH,
-            "routingDir": ROUTING_MOUNT,
+            ROUTING_DIR_KEY: ROUTING_MOUNT,
             "routingClaim": meta.routing_claim_name(job),
             "engineService": engine_service,
             "engineStatefulSet": engine_service,
             # One URL per engine replica: the DP leader pod of each replica serves the API.
-            "engineURLs": [
+            ENGINE_URLS_KEY: [
                 f"http://{engine_service}-{i * pods}.{engine_service}.{namespace}.svc:{inf.port}"
                 for i in range(inf.replicas)
             ],

@@ -15,9 +15,10 @@ from typing import Any
 
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import CONFIG_PATH, MODEL_MOUNT, ROUTING_MOUNT, model_path, vllm_env, vllm_serve_args
+from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
 from r3operator.operator.hashing import engine_spec_hash
+from r3operator.settings import CONFIG_DIR, MODEL_MOUNT, ROUTING_MOUNT
 
 CONTAINER_NAME = "vllm"
 DP_RPC_PORT = 13345
@@ -116,7 +117,7 @@ def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "routing", "mountPath": ROUTING_MOUNT},
-        {"name": "config", "mountPath": CONFIG_PATH.rsplit("/", 1)[0], "readOnly": True},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     uri = job.spec.model.uri

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import CONFIG_PATH, ROUTING_MOUNT
 from r3operator.operator import meta
 from r3operator.operator.builders.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
+from r3operator.settings import CONFIG_DIR, CONFIG_PATH, ROUTING_MOUNT, RuntimeSettings
 
 RAY_API_VERSION = "ray.io/v1"
-ENTRYPOINT = f"python -m r3operator.runtime --config {CONFIG_PATH}"
+ENTRYPOINT = f"r3operator run --config {CONFIG_PATH}"
 WORKER_GROUP = "trainer"
 
 
@@ -37,11 +37,9 @@ def _resources(job: RLJob) -> dict[str, Any]:
 
 def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
     env = [
-        {"name": "R3OPERATOR_CONFIG", "value": CONFIG_PATH},
-        {"name": "R3OPERATOR_ROUTING_DIR", "value": ROUTING_MOUNT},
         # The driver merge-patches status.progress of this RLJob (runtime.metrics.StatusPusher).
-        {"name": "R3_RLJOB_NAME", "value": job.metadata.name},
-        {"name": "R3_RLJOB_NAMESPACE", "value": job.metadata.namespace or "default"},
+        {"name": RuntimeSettings.env_name("rljob_name"), "value": job.metadata.name},
+        {"name": RuntimeSettings.env_name("rljob_namespace"), "value": job.metadata.namespace or "default"},
     ]
     ports = [{"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
     container: dict[str, Any] = {
@@ -51,7 +49,7 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
         "resources": _resources(job),
         "volumeMounts": [
             {"name": "routing", "mountPath": ROUTING_MOUNT},
-            {"name": "config", "mountPath": CONFIG_PATH.rsplit("/", 1)[0], "readOnly": True},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }

@@ -4,7 +4,7 @@ The trainer driver merge-patches ``status.progress`` of its RLJob from inside th
 (``runtime.metrics.StatusPusher``). The namespace's default ServiceAccount cannot, so every RLJob gets
 its own ServiceAccount, bound in its namespace to the chart's ClusterRole ``<release>-trainer`` (only
 ``get`` on ``rljobs`` and ``get``/``patch`` on ``rljobs/status``). The ClusterRole's name is an
-operator setting (``R3OPERATOR_TRAINER_CLUSTERROLE``) passed in, so these builders stay pure.
+operator setting (``R3OPERATOR_TRAINER_CLUSTER_ROLE``) passed in, so these builders stay pure.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.settings import DEFAULT_TRAINER_CLUSTER_ROLE
 
-DEFAULT_TRAINER_CLUSTER_ROLE = "r3operator-trainer"
 RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
 
 

@@ -1,0 +1,166 @@
+"""Every environment variable r3operator reads, and the paths and keys its processes share.
+
+One prefix, ``R3OPERATOR_``, for every variable; a variable's name is the prefix plus its field name in
+upper case (``RuntimeSettings.steps`` is ``R3OPERATOR_STEPS``). Two groups read them:
+
+- :class:`OperatorSettings`: the kopf operator (``r3operator operator``), read once at import of the handlers;
+- :class:`RuntimeSettings`: the training driver (``r3operator run``), local overrides and what the
+  operator sets on the trainer pods.
+
+The mount paths and ConfigMap keys below are written by the operator's builders and read by the
+engines and the runtime; keeping them here means neither side imports the other to agree on them.
+
+This module sits at the bottom of the package beside ``api``: it imports pydantic-settings and nothing of
+ours, so the operator, the engine, the trainer and the runtime all read it without importing each other
+(tests/test_layers.py enforces that).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "R3OPERATOR_"
+
+# Paths inside every engine and trainer container, and the ConfigMap that carries the runtime config.
+ROUTING_MOUNT = "/var/lib/r3operator"
+"""Where the routing-data volume is mounted in every engine and trainer container."""
+CONFIG_DIR = "/etc/r3operator"
+"""Where the RLJob's ConfigMap is mounted (read-only) in every engine and trainer container."""
+CONFIG_KEY = "config.json"
+"""The ConfigMap key holding the runtime config; the volume makes it the file CONFIG_PATH."""
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+"""The resolved runtime config as seen inside every container (``r3operator run --config`` reads it)."""
+REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/models"
+"""r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
+MODEL_MOUNT = "/mnt/model"
+"""pvc://claim/path models: the claim is mounted read-only here."""
+RUNS_DIR = "runs"
+"""Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
+
+# Keys of the ConfigMap's ``runtime`` block (operator/builders/config.py writes it, runtime/config.py reads it).
+RUNTIME_KEY = "runtime"
+ENGINE_URLS_KEY = "engineURLs"
+ROUTING_DIR_KEY = "routingDir"
+
+DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
+"""The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
+DEFAULT_TRAINER_CLUSTER_ROLE = "r3operator-trainer"
+"""The ClusterRole bound to each RLJob's trainer ServiceAccount; the chart sets ``<release>-trainer``."""
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value its setting refuses; the message names the variable."""
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="ignore")
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        """The environment variable that sets ``field`` (KeyError for a field this group lacks)."""
+        info = cls.model_fields[field]
+        alias = info.validation_alias
+        return alias if isinstance(alias, str) else ENV_PREFIX + field.upper()
+
+    @classmethod
+    def env_names(cls) -> list[str]:
+        return [cls.env_name(name) for name in cls.model_fields]
+
+
+class OperatorSettings(_Settings):
+    """What the operator reads from its Deployment's environment (charts/r3operator sets some)."""
+
+    resync_seconds: float = Field(10.0, gt=0)
+    """The level-based timer interval per RLJob."""
+    idle_seconds: float = Field(5.0, ge=0)
+    """The timer waits until the RLJob was unchanged this long (0: no wait)."""
+    discovery_ttl_seconds: float = Field(15.0, ge=0)
+    """Cache of 'is KubeRay / the PodMonitor CRD installed'."""
+    watch_server_timeout_seconds: int = Field(600, gt=0)
+    """Server-side watch timeout: a kopf watch can hang silently without one. Whole seconds:
+    kube-apiserver parses ``timeoutSeconds`` as an integer and refuses ``600.0`` with a 400."""
+    watch_client_timeout_seconds: float = Field(660.0, gt=0)
+    """Client-side watch timeout, a bit above the server's so the server closes first."""
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    """prometheus-client port; 0 disables the server."""
+    canary: bool = True
+    """False disables the R3 routed-experts canary (RoutingReplayActive then stays Unknown)."""
+    canary_url: str = DEFAULT_CANARY_URL
+    """Where the canary goes (``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in)."""
+    trainer_cluster_role: str = Field(DEFAULT_TRAINER_CLUSTER_ROLE, min_length=1)
+    """The ClusterRole bound to each RLJob's trainer ServiceAccount."""
+
+
+class RuntimeSettings(_Settings):
+    """What the training driver reads from its environment; command-line options win over these."""
+
+    steps: int | None = Field(None, ge=1)
+    """Replaces ``spec.algorithm.steps``."""
+    model: str | None = None
+    """A reference model name (``tiny``, ``small``, ``gpu``) or a model directory; skips the architecture check."""
+    model_dir: Path | None = None
+    """The policy model's directory, for models the runtime cannot fetch itself (hf://, s3://, gs://, pvc://)."""
+    engine_dtype: str | None = None
+    """vLLM engine dtype (default: float32 on CPU, bfloat16 on CUDA)."""
+    engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated engine URLs; replaces the ConfigMap's ``engineURLs`` (HTTP engines)."""
+    sync_canary_epsilon: float | None = Field(None, ge=0)
+    """Weight-sync canary: logit gap accepted at a near-tie (default 0 for an fp32 engine, 0.5 otherwise)."""
+    sync_canary_logprob_tol: float | None = Field(None, ge=0)
+    """Weight-sync canary: |Δlogprob| accepted per greedy token (default 1e-3 fp32 engine, 0.25 otherwise)."""
+    rljob_name: str | None = None
+    """The RLJob whose ``status.progress`` the driver patches (set by the operator on trainer pods)."""
+    rljob_namespace: str | None = None
+    """Its namespace (set by the operator on trainer pods)."""
+    cache_dir: Path | None = None
+    """Reference models are generated under ``<cache_dir>/models`` (default ``~/.cache/r3operator``)."""
+    kubernetes_service_host: str | None = Field(None, validation_alias="KUBERNETES_SERVICE_HOST")
+    """Set by Kubernetes in every pod: the driver only talks to the API server when it is there."""
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
+
+    @property
+    def in_cluster(self) -> bool:
+        return bool(self.kubernetes_service_host)
+
+
+_S = TypeVar("_S", bound=_Settings)
+
+
+def load(group: type[_S]) -> _S:
+    """Read ``group`` from the environment; a refused value raises SettingsError naming the variable."""
+    try:
+        return group()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            name = group.env_name(field) if field in group.model_fields else field
+            problems.append(f"{name}={error.get('input')!r}: {error['msg']}")
+        raise SettingsError("; ".join(problems)) from None
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``R3OPERATOR_*`` variables no group declares: a misspelt name would otherwise be ignored silently."""
+    known = set(OperatorSettings.env_names()) | set(RuntimeSettings.env_names())
+    names = os.environ if environ is None else environ
+    return sorted(n for n in names if n.upper().startswith(ENV_PREFIX) and n.upper() not in known)
+
+
+def operator_settings() -> OperatorSettings:
+    return load(OperatorSettings)
+
+
+def runtime_settings() -> RuntimeSettings:
+    return load(RuntimeSettings)
