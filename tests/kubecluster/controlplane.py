@@ -36,6 +36,8 @@ STAGES = Path(__file__).with_name("kwok-stages.yaml")
 GPU_RESOURCE = "nvidia.com/gpu"
 # Pods with this label are failed by kwok instead of completed (see kwok-stages.yaml).
 FAIL_LABEL = "kwok.r3operator.io/fail"
+# Pods owned by a Job in this namespace exit 1 instead of completing (a RayJob submitter that fails).
+FAIL_JOBS_NAMESPACE = "kwok-fail-jobs"
 ADMIN_USER = "r3-admin"
 
 

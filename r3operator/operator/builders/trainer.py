@@ -35,13 +35,23 @@ def _resources(job: RLJob) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+RAY_HEAD_PORTS: tuple[dict[str, Any], ...] = (
+    {"name": "gcs-server", "containerPort": 6379},
+    {"name": "dashboard", "containerPort": 8265},
+    {"name": "client", "containerPort": 10001},
+)
+
+
 def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
     env = [
         # The driver merge-patches status.progress of this RLJob (runtime.metrics.StatusPusher).
         {"name": RuntimeSettings.env_name("rljob_name"), "value": job.metadata.name},
         {"name": RuntimeSettings.env_name("rljob_namespace"), "value": job.metadata.namespace or "default"},
     ]
-    ports = [{"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
+    # KubeRay adds Ray's ports only to a head container that declares none; ours declares the driver's
+    # metrics port, so it must also name Ray's own: without `dashboard` KubeRay cannot find the job-submission
+    # endpoint and the RayJob never leaves Initializing ("dashboard port is not found").
+    ports = [*map(dict, RAY_HEAD_PORTS), {"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
     container: dict[str, Any] = {
         "name": container_name,
         "image": job.spec.trainer.image,

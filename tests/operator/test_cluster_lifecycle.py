@@ -1,0 +1,86 @@
+"""Job lifecycles that need the real controllers: KubeRay running our RayJob to failure, the garbage
+collector removing an RLJob's children, an apiserver restart under a running operator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
+
+FAIL_NS = "kwok-fail-jobs"  # kwok fails every Job-owned pod here (tests/kubecluster/kwok-stages.yaml)
+
+
+def small(name: str, namespace: str, **edits: Any) -> dict[str, Any]:
+    """The Qwen3 example at 1 engine GPU + 1 trainer GPU, so many fit the fake fleet."""
+    return example(
+        name,
+        namespace,
+        **{
+            "inference.replicas": 1,
+            "inference.tensorParallelSize": 1,
+            "inference.dataParallelSize": 1,
+            "inference.dataParallelSizeLocal": 1,
+            "inference.enableExpertParallel": False,
+            "trainer.nodes": 1,
+            "trainer.gpusPerNode": 1,
+            **edits,
+        },
+    )
+
+
+def _cond(cluster: Cluster, ns: str, job: str, ctype: str, status: str, timeout: float = 30.0) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        cond = condition(cluster.get(paths(ns, job)["rljob"]), ctype)
+        return cond if cond and cond["status"] == status else None
+
+    return wait_for(check, timeout=timeout, what=f"{job} {ctype}={status}")
+
+
+def test_kuberay_runs_the_trainer_and_its_failure_fails_the_rljob(cluster: Cluster) -> None:
+    job = "fails"
+    with running_operator(cluster, FAIL_NS):
+        cluster.apply(small(job, FAIL_NS, **{"runPolicy.backoffLimit": 0}))
+        # KubeRay turns our RayJob into a RayCluster whose head pod kwok runs on a GPU node.
+        cluster_name = wait_for(
+            lambda: (rj := cluster.get(paths(FAIL_NS, job)["rayjob"])) and rj.get("status", {}).get("rayClusterName"),
+            timeout=60,
+            what="KubeRay's RayCluster for the RayJob",
+        )
+        assert cluster.get(f"/apis/ray.io/v1/namespaces/{FAIL_NS}/rayclusters/{cluster_name}") is not None
+        # The submitter Job's pods exit 1 (kwok, this namespace): KubeRay fails the RayJob, we fail the RLJob.
+        failed = _cond(cluster, FAIL_NS, job, "Failed", "True", timeout=180)
+        assert failed["reason"] == "TrainerFailed"
+        rayjob = cluster.get(paths(FAIL_NS, job)["rayjob"])
+        assert rayjob["status"]["jobDeploymentStatus"] == "Failed"
+        assert condition(cluster.get(paths(FAIL_NS, job)["rljob"]), "Succeeded")["status"] == "False"
+
+
+def test_deleting_an_rljob_lets_the_garbage_collector_remove_its_children(cluster: Cluster) -> None:
+    ns, job = "gc", "collected"
+    with running_operator(cluster, ns):
+        cluster.apply(small(job, ns, **{"storage.retainPolicy": "Delete"}))
+        owned = {key: path for key, path in paths(ns, job).items() if key != "rljob"}
+        wait_for(lambda: all(cluster.get(p) for p in owned.values()), timeout=60, what="children")
+        wait_for(lambda: _engine_pods(cluster, ns, job), timeout=60, what="engine pod")
+        cluster.kubectl("delete", "rlj", job, "-n", ns, "--wait=false")
+        # Background propagation: the real garbage collector deletes every owned child, then the pods.
+        wait_for(lambda: not any(cluster.get(p) for p in owned.values()), timeout=90, what="children collected")
+        wait_for(lambda: not _engine_pods(cluster, ns, job), timeout=60, what="engine pods collected")
+
+
+def test_operator_rides_out_an_apiserver_restart(cluster: Cluster) -> None:
+    ns = "restart"
+    with running_operator(cluster, ns):
+        cluster.apply(small("before", ns))
+        wait_for(lambda: cluster.get(paths(ns, "before")["sts"]), timeout=60, what="children before the restart")
+        # Every watch breaks and every request fails until the apiserver is back; the operator reconnects.
+        cluster.api.restart_apiserver()
+        cluster.apply(small("after", ns))
+        kids = {key: p for key, p in paths(ns, "after").items() if key != "rljob"}
+        wait_for(lambda: all(cluster.get(p) for p in kids.values()), timeout=120, what="children after the restart")
+        _cond(cluster, ns, "after", "Valid", "True", timeout=60)
+
+
+def _engine_pods(cluster: Cluster, ns: str, job: str) -> list[dict[str, Any]]:
+    selector = f"r3operator.io/job={job},r3operator.io/role=engine"
+    return cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector={selector}")["items"]
