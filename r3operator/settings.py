@@ -120,6 +120,18 @@ class RuntimeSettings(_Settings):
     """Its namespace (set by the operator on trainer pods)."""
     cache_dir: Path | None = None
     """Reference models are generated under ``<cache_dir>/models`` (default ``~/.cache/r3operator``)."""
+    engine_retry_attempts: int | None = Field(None, ge=1)
+    """Tries of one engine call (HTTP or Ray) before it fails the step (default 6)."""
+    engine_retry_base_s: float | None = Field(None, ge=0)
+    """First backoff delay between tries, doubled each retry (default 1 s)."""
+    engine_retry_cap_s: float | None = Field(None, ge=0)
+    """Largest backoff delay between tries (default 30 s)."""
+    engine_ready_attempts: int | None = Field(None, ge=1)
+    """Checks of a (re)starting engine before giving up on it (default 40, about 9 minutes in all)."""
+    engine_ready_base_s: float | None = Field(None, ge=0)
+    """First delay between readiness checks (default 1 s)."""
+    engine_ready_cap_s: float | None = Field(None, ge=0)
+    """Largest delay between readiness checks (default 15 s)."""
     kubernetes_service_host: str | None = Field(None, validation_alias="KUBERNETES_SERVICE_HOST")
     """Set by Kubernetes in every pod: the driver only talks to the API server when it is there."""
 

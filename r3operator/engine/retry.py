@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import http.client
 import logging
-import os
 import random
 import time
 import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from r3operator.settings import runtime_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,24 +65,22 @@ class Backoff:
         return ceiling * (1.0 - self.jitter * self.rng.random())
 
     @classmethod
-    def from_env(cls, prefix: str = "R3_ENGINE_RETRY", **defaults: float | int) -> Backoff:
-        """`defaults` over the class defaults; env `<prefix>_ATTEMPTS`, `<prefix>_BASE_S`, `<prefix>_CAP_S` win."""
+    def from_env(cls, kind: str = "retry", **defaults: float | int) -> Backoff:
+        """`defaults` over the class defaults; the runtime settings R3OPERATOR_ENGINE_<KIND>_ATTEMPTS,
+        _BASE_S and _CAP_S (kind `retry` or `ready`, see r3operator.settings) win."""
+        settings = runtime_settings()
         values: dict[str, float | int] = dict(defaults)
-        for key, kind in (("attempts", int), ("base_s", float), ("cap_s", float)):
-            env = f"{prefix}_{key.upper()}"
-            raw = os.environ.get(env)
-            if raw:
-                try:
-                    values[key] = kind(raw)
-                except ValueError:
-                    raise ValueError(f"{env}: expected a {kind.__name__}, got {raw!r}") from None
+        for key in ("attempts", "base_s", "cap_s"):
+            value = getattr(settings, f"engine_{kind}_{key}")
+            if value is not None:
+                values[key] = value
         return cls(**values)  # type: ignore[arg-type]
 
 
 def ready_backoff() -> Backoff:
     """Patience for an engine that is (re)starting: a vLLM pod loads its model for minutes. About 9 minutes
-    in all by default; R3_ENGINE_READY_ATTEMPTS / _BASE_S / _CAP_S override it."""
-    return Backoff.from_env("R3_ENGINE_READY", attempts=40, base_s=1.0, cap_s=15.0)
+    in all by default; R3OPERATOR_ENGINE_READY_ATTEMPTS / _BASE_S / _CAP_S override it."""
+    return Backoff.from_env("ready", attempts=40, base_s=1.0, cap_s=15.0)
 
 
 def retry_call(fn: Callable[[], T], *, what: str, backoff: Backoff, transient: Callable[[BaseException], bool]) -> T:

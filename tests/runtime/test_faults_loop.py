@@ -20,7 +20,7 @@ def _instant_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     slept: list[float] = []
     from r3operator.runtime import faults
 
-    def make(prefix: str = "R3_ENGINE_RETRY", **defaults: Any) -> Backoff:
+    def make(kind: str = "retry", **defaults: Any) -> Backoff:
         return Backoff(attempts=int(defaults.get("attempts", 4)), base_s=1.0, cap_s=8.0, jitter=0.0,
                        sleep=slept.append)  # fmt: skip
 
