@@ -19,6 +19,7 @@ class Reason(StrEnum):
     # Workloads
     NOT_CREATED = "NotCreated"
     PODS_NOT_READY = "PodsNotReady"
+    UNSCHEDULABLE = "Unschedulable"
     UPDATING = "Updating"
     ALL_REPLICAS_READY = "AllReplicasReady"
     NO_REPLICAS = "NoReplicasRequested"

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from json import loads as json_loads
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -56,6 +57,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services"),
     "Event": Kind("v1", "events"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),
+    "Pod": Kind("v1", "pods"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "RLJob": Kind("r3operator.io/v1alpha1", "rljobs"),
@@ -143,6 +145,10 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, kind: Kind, namespace: str | None, *, label_selector: str) -> list[dict[str, Any]]:
+        path = kind.path(namespace) + "?" + urlencode({"labelSelector": label_selector})
+        return list((await self._request("GET", path) or {}).get("items") or [])
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = kind_of(obj)

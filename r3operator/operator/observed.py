@@ -21,6 +21,8 @@ class Observed:
     """The latest canary for the current engine spec hash (None when none ran)."""
     written: tuple[str, ...] = ()
     """``Kind/name`` of children created, updated or deleted in this pass."""
+    unschedulable: dict[str, str] = field(default_factory=dict)
+    """Role (``engine``, ``trainer``) -> the scheduler's reason for that role's pods that cannot be placed."""
     workloads_deleted: bool = False
     """ttlSecondsAfterFinished elapsed and the workloads are gone."""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -29,11 +29,13 @@ from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import plan_action
 from r3operator.operator.canary import CanaryResult, run_canary
+from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
-from r3operator.operator.lifecycle import ttl_expired
+from r3operator.operator.lifecycle import is_suspended, ttl_expired
 from r3operator.operator.observed import Observed
+from r3operator.operator.scheduling import unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
 from r3operator.settings import DEFAULT_CANARY_URL, DEFAULT_TRAINER_CLUSTER_ROLE
 
@@ -164,6 +166,11 @@ class Reconciler:
             written=tuple(outcome.written),
             workloads_deleted=ttl_expired(job, now),
         )
+        if _waiting_for_pods(job, obs):
+            # One LIST only while something is not up yet: the scheduler's reason goes into status.
+            selector = f"{meta.LABEL_JOB}={job.metadata.name}"
+            pods = await self.client.list(KINDS["Pod"], namespace, label_selector=selector)
+            obs = _replace(obs, unschedulable=unschedulable_by_role(pods))
         obs = await self._with_canary(job, obs)
         new_status = compute_status(job, obs, now)
         outcome.status = new_status
@@ -255,6 +262,14 @@ class Reconciler:
         self._canaries[uid] = (time.monotonic(), result)
         log.info("canary for %s/%s: %s", job.metadata.namespace, job.metadata.name, result.message)
         return _replace(obs, canary=result)
+
+
+def _waiting_for_pods(job: RLJob, obs: Observed) -> bool:
+    conditions = compute_conditions(job, obs)
+    return any(
+        conditions[t].status is not ConditionStatus.TRUE and conditions[t].reason is not Reason.NOT_CREATED
+        for t in (ConditionType.ENGINES_READY, ConditionType.TRAINER_READY)
+    ) and not is_suspended(job)
 
 
 def _replace(obs: Observed, **changes: Any) -> Observed:

@@ -16,6 +16,7 @@ from r3operator.api.enums import ConditionType as T
 from r3operator.api.enums import ReplayMode
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus, WorkloadCounts
+from r3operator.operator import meta
 from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended
@@ -80,6 +81,9 @@ def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
         return Desired(
             T.ENGINES_READY, S.FALSE, Reason.UPDATING, f"{counts.updated_replicas}/{want} engine replicas updated"
         )
+    if counts.ready_replicas < want and meta.ROLE_ENGINE in obs.unschedulable:
+        why = obs.unschedulable[meta.ROLE_ENGINE]
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.UNSCHEDULABLE, f"engine pods cannot be scheduled: {why}")
     if counts.ready_replicas < want:
         return Desired(
             T.ENGINES_READY, S.FALSE, Reason.PODS_NOT_READY, f"{counts.ready_replicas}/{want} engine replicas ready"
@@ -102,6 +106,9 @@ def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
         return Desired(T.TRAINER_READY, S.TRUE, Reason.TRAINER_RUNNING, f"RayJob running (jobStatus {job_status})")
     if deployment in ("Failed", "ValidationFailed"):
         return Desired(T.TRAINER_READY, S.FALSE, Reason.TRAINER_FAILED, message or f"RayJob {deployment}")
+    if meta.ROLE_TRAINER in obs.unschedulable:
+        why = obs.unschedulable[meta.ROLE_TRAINER]
+        return Desired(T.TRAINER_READY, S.FALSE, Reason.UNSCHEDULABLE, f"trainer pods cannot be scheduled: {why}")
     return Desired(
         T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, f"RayJob jobDeploymentStatus {deployment or 'unset'}"
     )

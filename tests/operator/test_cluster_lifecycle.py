@@ -84,3 +84,28 @@ def test_operator_rides_out_an_apiserver_restart(cluster: Cluster) -> None:
 def _engine_pods(cluster: Cluster, ns: str, job: str) -> list[dict[str, Any]]:
     selector = f"r3operator.io/job={job},r3operator.io/role=engine"
     return cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector={selector}")["items"]
+
+
+def test_a_job_larger_than_the_fleet_stays_pending_and_says_why(cluster: Cluster) -> None:
+    ns, job = "too-big", "greedy"
+    # 16 GPUs per engine pod (TP 8 × DP 2 on one node, declared as a 16-GPU node): the fleet's nodes have 8.
+    edits = {
+        "inference.tensorParallelSize": 8,
+        "inference.dataParallelSize": 2,
+        "inference.dataParallelSizeLocal": 2,
+        "inference.gpusPerNode": 16,
+        "inference.replicas": 1,
+    }
+    with running_operator(cluster, ns):
+        cluster.apply(example(job, ns, **edits))
+        cond = wait_for(
+            lambda: (c := condition(cluster.get(paths(ns, job)["rljob"]), "EnginesReady"))
+            and c["reason"] == "Unschedulable"
+            and "Insufficient nvidia.com/gpu" in c["message"]  # first the volume may not be bound yet
+            and c,
+            timeout=90,
+            what="EnginesReady=False Unschedulable for want of GPUs",
+        )
+        assert cond["message"].startswith("engine pods cannot be scheduled: 1 pod: 0/")
+        ready = condition(cluster.get(paths(ns, job)["rljob"]), "Ready")
+        assert ready["status"] == "False"

@@ -1,6 +1,7 @@
 {{- /*
 The namespaced permissions of the operator; one list shared by Role and ClusterRole. Source of truth:
-docs/operator.md "RBAC the operator needs" (children are read by name and written, never listed/watched).
+docs/operator.md "RBAC the operator needs" (children are read by name and written, never listed/watched;
+pods are listed, never written).
 */ -}}
 {{- define "r3operator.operatorRules" -}}
 - apiGroups: ["r3operator.io"]
@@ -18,6 +19,11 @@ docs/operator.md "RBAC the operator needs" (children are read by name and writte
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Read-only, listed by the job's label while its engines or trainer are not up: the scheduler's reason
+# for pods it cannot place goes into status (operator/scheduling.py).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
