@@ -46,6 +46,7 @@ def make_run(tmp_path: Path, *, over_http: bool) -> Any:
     run = GRPORun(settings_for(write_job(tmp_path), tmp_path / "runs"), engines=engines)  # type: ignore[arg-type]
     run.routes_on_volume = run.engines.over_http  # what setup() derives, without starting a trainer
     run.trainer = SimpleNamespace(pad_id=0)  # load_routes reads only the pad id
+    run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E
     run.pool = tasks.problems("count", vocab_size=512)
     run.dropped = []
