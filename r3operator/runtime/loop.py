@@ -348,16 +348,12 @@ class GRPORun:
         self.metrics.inc("r3_steps_skipped_total", reason="no_usable_samples")
         nan = float("nan")
         with timer("metrics"):
-            tokens = sum(len(s.token_ids) for s in samples)
-            row: dict[str, Any] = {
-                "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
-                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
-                "samples_dropped": len(self.dropped), "tokens": tokens,
-                "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
+            row = self._rollout_columns(step, samples, rewards, timer)
+            row.update({
                 "logprob_abs_diff_mean": nan, "logprob_abs_diff_max": nan, "kl_k3": nan, "replay_applied": nan,
                 "routing_natural_agreement": nan, "loss": nan, "clip_fraction": nan, "grad_norm": nan,
                 "canary_ok": 0, "canary_near_ties": 0, "skipped": 1,
-            }  # fmt: skip
+            })  # fmt: skip
             row.update({f"t_{k}": v for k, v in timer.seconds.items()})
         with timer("checkpoint"):
             self._checkpoint(step)
@@ -375,20 +371,27 @@ class GRPORun:
             # misaligned batch). The routers' own choice vs the engine is the alignment signal.
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
-        tokens = sum(len(s.token_ids) for s in samples)
-        row: dict[str, Any] = {
-            "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
-            "samples_dropped": len(self.dropped), "tokens": tokens,
-            "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
+        row = self._rollout_columns(step, samples, rewards, timer)
+        row.update({
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
             "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
             "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
             "canary_near_ties": self.canary_near_ties, "skipped": 0,
             "step_seconds": time.perf_counter() - begin,
-        }  # fmt: skip
+        })  # fmt: skip
         row.update({f"t_{k}": v for k, v in timer.seconds.items()})
         return row
+
+    def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
+                         timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
+        """The metrics.csv columns every step has, trained or skipped: what the rollout produced."""
+        tokens = sum(len(s.token_ids) for s in samples)
+        return {
+            "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
+            "samples_dropped": len(self.dropped), "tokens": tokens,
+            "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
+        }  # fmt: skip
 
     def _checkpoint(self, step: int) -> None:
         assert self.trainer is not None

@@ -337,40 +337,36 @@ class ControlPlane:
         # kube-apiserver's self-generated serving cert: the file holds the cert and the CA that signed it.
         return self.pki / "serving" / "apiserver.crt"
 
+    def _control_loop_flags(self) -> list[str]:
+        """What kube-controller-manager and kube-scheduler share: the admin's credentials for the API and for
+        their own authn/authz delegation, one instance (no leader election), a local serving port."""
+        kc = str(self.kubeconfig)
+        return [
+            "--kubeconfig", kc,
+            "--authentication-kubeconfig", kc,
+            "--authorization-kubeconfig", kc,
+            "--leader-elect=false",
+            "--bind-address", "127.0.0.1",
+            "--secure-port", str(_free_port()),
+            "--v", "1",
+        ]  # fmt: skip
+
     def _start_controllers(self) -> None:
         kc = str(self.kubeconfig)
         self._spawn(
             "kube-controller-manager",
             [
                 str(self.bin_dir / "kube-controller-manager"),
-                "--kubeconfig", kc,
-                "--authentication-kubeconfig", kc,
-                "--authorization-kubeconfig", kc,
-                "--leader-elect=false",
-                "--bind-address", "127.0.0.1",
-                "--secure-port", str(_free_port()),
+                *self._control_loop_flags(),
                 "--service-account-private-key-file", str(self.pki / "sa.key"),
                 "--root-ca-file", str(self.ca),
                 "--use-service-account-credentials=false",
                 # No cloud, no pod CIDRs to hand out, no real kubelets to evict from.
                 "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
                 "--concurrent-gc-syncs", "10",
-                "--v", "1",
             ],
         )  # fmt: skip
-        self._spawn(
-            "kube-scheduler",
-            [
-                str(self.bin_dir / "kube-scheduler"),
-                "--kubeconfig", kc,
-                "--authentication-kubeconfig", kc,
-                "--authorization-kubeconfig", kc,
-                "--leader-elect=false",
-                "--bind-address", "127.0.0.1",
-                "--secure-port", str(_free_port()),
-                "--v", "1",
-            ],
-        )  # fmt: skip
+        self._spawn("kube-scheduler", [str(self.bin_dir / "kube-scheduler"), *self._control_loop_flags()])
         self._spawn(
             "kwok",
             [
