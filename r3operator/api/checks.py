@@ -54,6 +54,20 @@ DERIVED_VLLM_FLAGS: tuple[str, ...] = (
 )
 
 
+# vLLM flags that import or run code named by the argument (or by the model repository): an RLJob
+# author may pass them only when model.trustRemoteCode says so, because the engine pods run next to
+# other jobs' data with the routing volume mounted.
+CODE_LOADING_VLLM_FLAGS: tuple[str, ...] = (
+    "--trust-remote-code",
+    "--worker-cls",
+    "--worker-extension-cls",
+    "--logits-processors",
+    "--middleware",
+    "--tool-parser-plugin",
+    "--reasoning-parser-plugin",
+)
+
+
 # ----------------------------------------------------------------------------- intra-object rules
 
 
@@ -237,6 +251,18 @@ def fsdp_family(c: RuleContext) -> str | None:
         return (
             f"FSDP replay supports families {', '.join(sorted(HF_REPLAY_FAMILIES))}; family "
             f"{arch.family} is not one of them: use trainer.backend Megatron"
+        )
+    return None
+
+
+def extra_args_code_loading(c: RuleContext) -> str | None:
+    if c.spec.model.trust_remote_code:
+        return None
+    bad = [a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in CODE_LOADING_VLLM_FLAGS]
+    if bad:
+        return (
+            f"inference.extraArgs loads code ({', '.join(bad)}) but model.trustRemoteCode is false: "
+            "set model.trustRemoteCode: true to allow it"
         )
     return None
 

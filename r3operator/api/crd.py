@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from r3operator import __version__
+from r3operator.api import names
 from r3operator.api import v1alpha1 as api
 from r3operator.api.rules import RULES
 
@@ -49,12 +50,27 @@ TRANSITION_RULES: dict[tuple[str, ...], JSON] = {
     },
 }
 
+
+def _limits_text() -> str:
+    """The children whose limits bind the name length (the others leave room)."""
+    binding = [c for c in names.CHILD_NAMES if c.limit - len(c.suffix) - 1 == names.MAX_JOB_NAME_LENGTH]
+    return ", ".join(f"<job>-{c.suffix} names a {c.why} and must be at most {c.limit}" for c in binding)
+
+
+# metadata.name prefixes every child's name (api/names.py): refuse, at admission, a name that cannot
+# make every child, with the reason, rather than let the operator meet it half-way through.
 ROOT_RULES: list[JSON] = [
     {
-        "rule": f"self.metadata.name.size() <= {api.MAX_JOB_NAME_LENGTH}",
-        "messageExpression": f"'metadata.name must be at most {api.MAX_JOB_NAME_LENGTH} characters, got %d'"
-        ".format([self.metadata.name.size()])",
+        "rule": f"self.metadata.name.matches('{names.DNS1035_LABEL_PATTERN}')",
+        "messageExpression": "'metadata.name %s must be a DNS-1035 label (lower-case letters, digits and dashes, "
+        "starting with a letter): it names the engine Service <job>-engine'.format([self.metadata.name])",
         # No fieldPath: it must name a property the schema declares, and a CRD schema cannot declare metadata.
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": f"self.metadata.name.size() <= {names.MAX_JOB_NAME_LENGTH}",
+        "messageExpression": f"'metadata.name must be at most {names.MAX_JOB_NAME_LENGTH} characters, got %d: "
+        f"{_limits_text()}'.format([self.metadata.name.size()])",
         "reason": "FieldValueInvalid",
     },
 ]

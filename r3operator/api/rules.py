@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3operator.api import checks
-from r3operator.api.checks import DERIVED_VLLM_FLAGS
+from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_FLAGS
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
 from r3operator.api.families import HF_REPLAY_FAMILIES
@@ -390,6 +390,23 @@ RULES: tuple[Rule, ...] = (
             + " && ".join(f"a != '{f}' && !a.startsWith('{f}=')" for f in DERIVED_VLLM_FLAGS)
             + ")",
             "'inference.extraArgs sets flags r3operator derives from the spec'",
+            ".inference.extraArgs",
+        ),
+    ),
+    Rule(
+        "EXTRA-ARGS-CODE-LOADING",
+        E,
+        "spec.inference.extraArgs",
+        ("inference.extraArgs", "model.trustRemoteCode"),
+        "code-loading vLLM flags need model.trustRemoteCode",
+        ("r3operator: security model (docs/operator.md)",),
+        checks.extra_args_code_loading,
+        CelRule(
+            "self.model.trustRemoteCode || self.inference.extraArgs.all(a, "
+            + " && ".join(f"a != '{f}' && !a.startsWith('{f}=')" for f in CODE_LOADING_VLLM_FLAGS)
+            + ")",
+            "'inference.extraArgs loads code but model.trustRemoteCode is false: "
+            "set model.trustRemoteCode: true to allow it'",
             ".inference.extraArgs",
         ),
     ),

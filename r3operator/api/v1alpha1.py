@@ -28,6 +28,7 @@ from r3operator.api.enums import (
     RouterType,
     TrainerBackend,
 )
+from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
 
 GROUP = "r3operator.io"
 VERSION = "v1alpha1"
@@ -42,9 +43,6 @@ CATEGORIES = ("rl",)
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$"
 MODEL_URI_PATTERN = r"^(hf|s3|gs|pvc|file|r3operator)://[^\s]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# RLJob names prefix child names such as "<job>-engine-0"; StatefulSet pod names must stay under
-# 63 characters including the controller-revision-hash label, hence the tighter bound.
-MAX_JOB_NAME_LENGTH = 40
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
 ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
@@ -90,6 +88,9 @@ class ModelSpec(_Model):
     r3operator://reference/<name> for the project's generated reference MoE."""
     revision: str | None = Field(default=None, max_length=128)
     """Commit, tag or branch for hf:// models; pin it for reproducible runs."""
+    trust_remote_code: bool = False
+    """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
+    gates the code-loading flags in inference.extraArgs (rule EXTRA-ARGS-CODE-LOADING)."""
     architecture: ModelArchitecture | None = None
     """Architecture facts. Needed by the replay rules; the operator may resolve them from the
     model's config.json in a later version."""
@@ -369,7 +370,8 @@ class ObjectMeta(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, alias_generator=to_camel)
 
-    name: str = Field(min_length=1, max_length=MAX_JOB_NAME_LENGTH, pattern=DNS_LABEL_PATTERN)
+    name: str = Field(min_length=1, max_length=MAX_JOB_NAME_LENGTH, pattern=DNS1035_LABEL_PATTERN)
+    """Prefixes every child's name (api/names.py): a DNS-1035 label short enough for all of them."""
     namespace: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

@@ -65,6 +65,8 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     args = ["vllm", "serve", model_path, "--port", str(inf.port)]
     if spec.model.revision and spec.model.uri.startswith("hf://"):
         args += ["--revision", spec.model.revision]
+    if spec.model.trust_remote_code:
+        args.append("--trust-remote-code")
     args += [
         "--tensor-parallel-size",
         str(inf.tensor_parallel_size),

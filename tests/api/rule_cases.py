@@ -111,6 +111,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.extraArgs": ["--enable-prefix-caching", "--max-num-seqs=256"]}),
         sets(**{"inference.extraArgs": ["--max-num-seqs", "256", "--kv-transfer-config={}"]}),
     ),
+    "EXTRA-ARGS-CODE-LOADING": (
+        sets(**{"model.trustRemoteCode": True, "inference.extraArgs": ["--trust-remote-code", "--worker-cls=x.W"]}),
+        sets(**{"inference.extraArgs": ["--max-num-seqs", "256", "--trust-remote-code"]}),
+    ),
     "R3-VLLM-MIN-VERSION": (
         sets(**{"inference.image": "vllm/vllm-openai:v0.14.0"}),
         sets(**{"inference.image": "vllm/vllm-openai:v0.13.0"}),

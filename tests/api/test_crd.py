@@ -243,6 +243,14 @@ BAD_INPUT = [
     # Refused by the CRD's root rule (child names append suffixes to the RLJob's, so it is capped below 63);
     # a root rule has no fieldPath, so the cause names no field.
     pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "<nil>", ROOT_RULE_MESSAGE, id="63-char-name"),
+    # One past the longest name whose RayJob <job>-trainer fits KubeRay's 47 characters.
+    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "<nil>",
+                 "at most 39 characters, got 40: <job>-trainer names a RayJob", id="40-char-name"),
+    # Not a DNS-1035 label: the engine Service <job>-engine could not be created.
+    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+                 id="name-starts-with-a-digit"),
+    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+                 id="name-with-a-dot"),
 ]  # fmt: skip
 
 
@@ -258,3 +266,14 @@ def test_bad_input_is_refused_by_the_apiserver_with_its_message(
     # pydantic refuses the same input (the operator reads RLJobs through it).
     with pytest.raises(RLJobLoadError):
         parse_rljob(manifest)
+
+
+def test_longest_accepted_name_makes_every_child_within_its_limit() -> None:
+    from r3operator.api import names
+
+    longest = "a" * names.MAX_JOB_NAME_LENGTH
+    assert len(names.child_name(longest, names.ROLE_TRAINER)) == 47  # KubeRay's RayJob limit binds
+    engine = names.child_name(longest, names.ROLE_ENGINE)
+    assert len(f"{engine}-0123456789") <= 63  # controller-revision-hash label: <statefulset>-<10-char hash>
+    with pytest.raises(RLJobLoadError, match=r"metadata\.name"):
+        parse_rljob({**base_manifest(), "metadata": {"name": longest + "a"}})

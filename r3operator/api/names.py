@@ -1,0 +1,66 @@
+"""Child names of an RLJob and the name limits they impose: one table, read by the operator's
+builders (``operator/meta.py``) and by the CRD's root CEL rule (``api/crd.py``).
+
+Every child is named ``<job>-<suffix>``. A child's name must fit the tightest limit of its kind, so
+the longest RLJob name is the minimum over the children of ``limit - len("-<suffix>")``. The CRD
+refuses longer names at admission, before any child exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""A Service name (and so the engine Service ``<job>-engine``) must be a DNS-1035 label: it starts
+with a letter. The RLJob name prefixes every child, so it must start with a letter too."""
+
+DNS_LABEL_MAX = 63
+DNS_SUBDOMAIN_MAX = 253
+KUBERAY_RAYJOB_NAME_MAX = 47
+"""KubeRay refuses longer RayJob names: it derives the RayCluster name and the head/worker pod names
+from it, each within the 63-character label limit."""
+REVISION_HASH_SUFFIX = 11
+"""The StatefulSet controller labels each pod ``controller-revision-hash: <statefulset>-<hash>``, a
+label value (≤ 63) with a hash of up to 10 characters and a dash; the pod names
+``<statefulset>-<ordinal>`` are shorter than that label whenever the ordinal has fewer than 11 digits."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildName:
+    role: str
+    suffix: str
+    limit: int
+    """The longest name the tightest of this child's kinds accepts."""
+    why: str
+
+
+ROLE_STORAGE = "routing-storage"
+ROLE_CONFIG = "config"
+ROLE_ENGINE = "engine"
+ROLE_TRAINER = "trainer"
+ROLE_METRICS = "metrics"
+
+CHILD_NAMES: tuple[ChildName, ...] = (
+    ChildName(ROLE_STORAGE, "routing", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
+    ChildName(ROLE_CONFIG, "config", DNS_SUBDOMAIN_MAX, "ConfigMap"),
+    ChildName(
+        ROLE_ENGINE,
+        "engine",
+        DNS_LABEL_MAX - REVISION_HASH_SUFFIX,
+        "StatefulSet (controller-revision-hash label) and headless Service (DNS-1035 label)",
+    ),
+    ChildName(ROLE_TRAINER, "trainer", KUBERAY_RAYJOB_NAME_MAX, "RayJob (KubeRay), ServiceAccount, Role, RoleBinding"),
+    ChildName(ROLE_METRICS, "metrics", DNS_SUBDOMAIN_MAX, "PodMonitor"),
+)
+SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
+
+
+def child_name(job_name: str, role: str) -> str:
+    return f"{job_name}-{SUFFIXES[role]}"
+
+
+def max_job_name_length() -> int:
+    return min(c.limit - len(c.suffix) - 1 for c in CHILD_NAMES)
+
+
+MAX_JOB_NAME_LENGTH = max_job_name_length()
