@@ -50,8 +50,6 @@ ROUTING_DIR_KEY = "routingDir"
 
 DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
 """The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
-DEFAULT_TRAINER_CLUSTER_ROLE = "r3operator-trainer"
-"""The ClusterRole bound to each RLJob's trainer ServiceAccount; the chart sets ``<release>-trainer``."""
 
 
 class SettingsError(ValueError):
@@ -93,8 +91,6 @@ class OperatorSettings(_Settings):
     """False disables the R3 routed-experts canary (RoutingReplayActive then stays Unknown)."""
     canary_url: str = DEFAULT_CANARY_URL
     """Where the canary goes (``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in)."""
-    trainer_cluster_role: str = Field(DEFAULT_TRAINER_CLUSTER_ROLE, min_length=1)
-    """The ClusterRole bound to each RLJob's trainer ServiceAccount."""
 
 
 class RuntimeSettings(_Settings):

@@ -1,17 +1,27 @@
-"""The diff step: for one desired child and what exists, the single write (if any) that converges it.
+"""The diff step: for one desired child and what exists under its name, the single write (if any).
 
-Rules per kind (writes are JSON merge-patches; lists are replaced wholesale, which is what we want
-for container lists):
-- StatefulSet: the pod template is rewritten only when its spec-hash annotation differs (so an
-  operator upgrade that renders templates differently never rolls pods); ``replicas`` separately.
+Ownership first. The operator writes only objects it controls: a controller ownerReference to this
+RLJob (by uid), or, for a ``Retain`` routing claim, which has no ownerReference, the
+``r3operator.io/retained-from-uid`` annotation with this job's label. Anything else under a child's
+name is someone else's: the verdict is ``conflict`` and the reconciler touches nothing.
+
+Writes are server-side apply with the field manager ``r3operator`` (``kube.FIELD_MANAGER``). The
+comparison is on the fields we set (``is_subset``): keys, labels and annotations that others add
+never make an object look different, so they never cause a write, and the apply leaves them alone.
+A field we set that someone changed (an image edited by hand) is taken back with ``force``.
+
+Rules per kind:
+- StatefulSet: the whole object is applied when the pod template's spec-hash annotation differs, or
+  when a container's ``image``/``command``/``args`` drifted from ours. Hashes cover spec fields, not
+  the rendering, so an operator upgrade that renders the template differently rolls no pod unless it
+  changes an engine's image or command line. ``replicas`` alone goes through its own field manager,
+  so scaling never rewrites the template.
 - RayJob: a different spec hash means delete-and-recreate (KubeRay fixes a RayJob's cluster per
-  run); ``suspend`` is patched in place.
-- PVC: only the ownerReference follows retainPolicy (PVC specs are immutable).
-- ConfigMap, Service, PodMonitor: patched when a field we set differs (server-side defaults in the
-  observed object, such as a Service's clusterIP or port protocol, are ignored).
-- ServiceAccount: only our labels and ownerReferences are patched (the server adds the rest).
-- RoleBinding: ``roleRef`` is immutable, so a different one means delete-and-recreate; ``subjects``,
-  labels and ownerReferences are patched in place.
+  run); ``suspend`` alone goes through its own field manager.
+- PVC: the spec is immutable, so the apply carries the spec as it is; only labels, annotations and
+  the ownerReference follow the RLJob (``retainPolicy``).
+- RoleBinding: ``roleRef`` is immutable: a different one means delete-and-recreate.
+- Everything else: the whole object is applied when a field we set differs.
 """
 
 from __future__ import annotations
@@ -20,12 +30,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from r3operator.operator import meta
+from r3operator.operator.kube import FIELD_MANAGER
+
+SCALE_MANAGER = f"{FIELD_MANAGER}-scale"
+"""Field manager of ``spec.replicas`` (StatefulSet) and ``spec.suspend`` (RayJob) alone: a partial
+apply under the main manager would remove every other field that manager applied before."""
+
+Verb = Literal["apply", "recreate", "none", "conflict"]
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    verb: Literal["create", "patch", "recreate", "none"]
-    patch: dict[str, Any] | None = None
+    verb: Verb
+    body: dict[str, Any] | None = None
+    """The apply configuration (a whole object, or the few fields of ``manager``)."""
+    force: bool = False
+    manager: str = FIELD_MANAGER
+    why: str = ""
 
 
 def is_subset(want: Any, have: Any) -> bool:
@@ -37,6 +58,25 @@ def is_subset(want: Any, have: Any) -> bool:
     return want == have
 
 
+def is_ours(have: dict[str, Any], job_uid: str | None) -> bool:
+    """Controlled by this RLJob, or a Retain routing claim an RLJob of this name created."""
+    controller = meta.controller_uid(have)
+    if controller is not None:
+        return job_uid is not None and controller == job_uid
+    metadata = have.get("metadata") or {}
+    return have.get("kind") == "PersistentVolumeClaim" and meta.ANNOTATION_RETAINED_FROM in (
+        metadata.get("annotations") or {}
+    )
+
+
+def describe_owner(have: dict[str, Any]) -> str:
+    """Who controls ``have``, for the NameConflict message."""
+    for ref in (have.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return f"controlled by {ref.get('kind')}/{ref.get('name')} (uid {ref.get('uid')})"
+    return "not controlled by this RLJob (no controller ownerReference)"
+
+
 def _hash(obj: dict[str, Any], *path: str) -> str | None:
     node: Any = obj
     for key in path:
@@ -44,55 +84,78 @@ def _hash(obj: dict[str, Any], *path: str) -> str | None:
     return ((node or {}).get("annotations") or {}).get(meta.ANNOTATION_SPEC_HASH)
 
 
-def _owner_patch(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any] | None:
-    wanted = want["metadata"].get("ownerReferences")
-    current = have["metadata"].get("ownerReferences")
-    if wanted and not is_subset(wanted, current):
-        return {"metadata": {"ownerReferences": wanted}}
-    if not wanted and current:
-        ours = [r for r in current if r.get("kind") != "RLJob"]
-        return {"metadata": {"ownerReferences": ours or None}}
+def _partial(want: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = {"name": want["metadata"]["name"], "namespace": want["metadata"].get("namespace")}
+    return {"apiVersion": want["apiVersion"], "kind": want["kind"], "metadata": name, "spec": spec}
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return (((obj.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+
+
+def _engine_drift(want: dict[str, Any], have: dict[str, Any]) -> str | None:
+    """A container's image/command/args differ from what the operator set (edited by hand)."""
+    observed = {c.get("name"): c for c in _containers(have)}
+    for container in _containers(want):
+        seen = observed.get(container["name"]) or {}
+        for key in ("image", "command", "args"):
+            if container.get(key) != seen.get(key):
+                return f"container {container['name']} {key} differs from the spec"
     return None
 
 
-def _metadata_patch(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any] | None:
-    """Our labels and ownerReferences, when the observed object lacks them."""
-    meta_want = {k: want["metadata"][k] for k in ("labels", "ownerReferences") if k in want["metadata"]}
-    return None if is_subset(meta_want, have.get("metadata")) else {"metadata": meta_want}
+def _statefulset(want: dict[str, Any], have: dict[str, Any]) -> Action:
+    if _hash(want, "spec", "template", "metadata") != _hash(have, "spec", "template", "metadata"):
+        return Action("apply", want, force=True, why="spec changed")
+    drift = _engine_drift(want, have)
+    if drift is not None or not is_subset(_owned_metadata(want), have.get("metadata")):
+        return Action("apply", want, force=True, why=drift or "labels or ownerReference changed")
+    replicas = want["spec"]["replicas"]
+    if replicas != (have.get("spec") or {}).get("replicas"):
+        return Action("apply", _partial(want, {"replicas": replicas}), force=True, manager=SCALE_MANAGER)
+    return Action("none")
 
 
-def plan_action(want: dict[str, Any], have: dict[str, Any] | None) -> Action:
+def _ray_job(want: dict[str, Any], have: dict[str, Any]) -> Action:
+    if _hash(want, "metadata") != _hash(have, "metadata"):
+        return Action("recreate", want, why="spec changed")
+    suspend = bool(want["spec"]["suspend"])
+    if suspend != bool((have.get("spec") or {}).get("suspend")):
+        return Action("apply", _partial(want, {"suspend": suspend}), force=True, manager=SCALE_MANAGER)
+    return Action("none")
+
+
+def _owned_metadata(want: dict[str, Any]) -> dict[str, Any]:
+    return {k: want["metadata"][k] for k in ("labels", "annotations", "ownerReferences") if k in want["metadata"]}
+
+
+def _claim(want: dict[str, Any], have: dict[str, Any]) -> Action:
+    current_refs = [r for r in (have.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")]
+    wanted_refs = want["metadata"].get("ownerReferences") or []
+    if is_subset(_owned_metadata(want), have.get("metadata")) and len(current_refs) == len(wanted_refs):
+        return Action("none")
+    spec = have.get("spec") or {}
+    as_is = {k: spec[k] for k in want["spec"] if k in spec}
+    return Action("apply", {**want, "spec": as_is}, force=True, why="ownerReference follows retainPolicy")
+
+
+def plan_action(want: dict[str, Any], have: dict[str, Any] | None, *, job_uid: str | None) -> Action:
     if have is None:
-        return Action("create")
+        # Not forced: should the name be taken between our read and this write, the apply does not
+        # take over fields someone else set.
+        return Action("apply", want, force=False, why="created")
+    if not is_ours(have, job_uid):
+        return Action("conflict", why=describe_owner(have))
     kind = want["kind"]
     if kind == "StatefulSet":
-        if _hash(want, "spec", "template", "metadata") != _hash(have, "spec", "template", "metadata"):
-            spec = want["spec"]
-            return Action("patch", {"spec": {"template": spec["template"], "replicas": spec["replicas"]}})
-        if want["spec"]["replicas"] != (have.get("spec") or {}).get("replicas"):
-            return Action("patch", {"spec": {"replicas": want["spec"]["replicas"]}})
-        return Action("none")
+        return _statefulset(want, have)
     if kind == "RayJob":
-        if _hash(want, "metadata") != _hash(have, "metadata"):
-            return Action("recreate")
-        if bool(want["spec"]["suspend"]) != bool((have.get("spec") or {}).get("suspend")):
-            return Action("patch", {"spec": {"suspend": want["spec"]["suspend"]}})
-        return Action("none")
+        return _ray_job(want, have)
     if kind == "PersistentVolumeClaim":
-        patch = _owner_patch(want, have)
-        return Action("patch", patch) if patch else Action("none")
-    if kind == "ServiceAccount":
-        patch = _metadata_patch(want, have)
-        return Action("patch", patch) if patch else Action("none")
-    if kind == "RoleBinding":
-        if want["roleRef"] != have.get("roleRef"):
-            return Action("recreate")
-        patch = _metadata_patch(want, have) or {}
-        if not is_subset(want["subjects"], have.get("subjects")):
-            patch["subjects"] = want["subjects"]
-        return Action("patch", patch) if patch else Action("none")
-    if kind == "ConfigMap":
-        return Action("none") if want["data"] == have.get("data") else Action("patch", {"data": want["data"]})
-    if is_subset(want["spec"], have.get("spec")):
+        return _claim(want, have)
+    if kind == "RoleBinding" and want["roleRef"] != have.get("roleRef"):
+        return Action("recreate", want, why="roleRef is immutable")
+    fields = {k: v for k, v in want.items() if k not in ("apiVersion", "kind", "metadata")}
+    if is_subset(fields, have) and is_subset(_owned_metadata(want), have.get("metadata")):
         return Action("none")
-    return Action("patch", {"spec": want["spec"]})
+    return Action("apply", want, force=True, why="a field we set differs")

@@ -16,6 +16,17 @@ class Reason(StrEnum):
     """A compatibility rule (api.rules) failed; the message lists rule ids and messages."""
     KUBERAY_MISSING = "KubeRayMissing"
     """The RayJob CRD (rayjobs.ray.io, v1) is not served: KubeRay is a prerequisite."""
+    NAME_CONFLICT = "NameConflict"
+    """A child's name is taken by an object this RLJob does not control; the message names it."""
+    CLAIM_NOT_FOUND = "ClaimNotFound"
+    """storage.existingClaim (or the pvc:// model claim) does not exist in the namespace."""
+    PARSE_ERROR = "ParseError"
+    """The RLJob does not parse (a field the CRD schema let through); the message names the fields."""
+    # Progressing / Ready: the operator cannot write
+    NAMESPACE_TERMINATING = "NamespaceTerminating"
+    """The namespace is being deleted: the API server refuses new objects in it."""
+    API_ERROR = "APIError"
+    """A write the API server keeps refusing; the message has the object, HTTP status and reason."""
     # Workloads
     NOT_CREATED = "NotCreated"
     PODS_NOT_READY = "PodsNotReady"

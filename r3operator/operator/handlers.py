@@ -75,7 +75,6 @@ def reconciler() -> Reconciler:
                 discovery_ttl_s=CONFIG.discovery_ttl_seconds,
                 canary=CONFIG.canary,
                 canary_url_template=CONFIG.canary_url,
-                trainer_cluster_role=CONFIG.trainer_cluster_role,
             ),
         )
     return _state["reconciler"]
@@ -101,13 +100,19 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         raise
     finally:
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
-    metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if outcome.written:
         logger.info("reconciled: %s", "; ".join(outcome.written))
     if outcome.job is not None:
         metrics.observe_job(outcome.job, outcome.status)
+    error = outcome.error
+    if error is not None and not error.namespace_terminating:
+        # Already in status (once it persists) and in the events above; kopf retries the pass.
+        metrics.RECONCILE_TOTAL.labels("error").inc()
+        metrics.RECONCILE_ERRORS.labels(error.reason or str(error.status)).inc()
+        raise kopf.TemporaryError(f"API error: {error}", delay=5)
+    metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -138,8 +143,9 @@ async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: k
         claim = f"{name}-routing"
         pvc = await client.get(KINDS["PersistentVolumeClaim"], namespace, claim)
         refs = (pvc or {}).get("metadata", {}).get("ownerReferences") or []
-        if any(r.get("kind") == "RLJob" for r in refs):
-            others = [r for r in refs if r.get("kind") != "RLJob"]
+        uid = body.get("metadata", {}).get("uid")
+        if any(r.get("uid") == uid for r in refs):  # only this RLJob's own reference, on its own claim
+            others = [r for r in refs if r.get("uid") != uid]
             patch = {"metadata": {"ownerReferences": others or None}}
             await client.merge_patch(KINDS["PersistentVolumeClaim"], namespace, claim, patch)
             logger.info("retained PVC %s: ownerReference removed", claim)

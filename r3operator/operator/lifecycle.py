@@ -1,11 +1,42 @@
-"""Where an RLJob is in its life, read from its spec and its (previous) status. Pure."""
+"""Where an RLJob is in its life. Pure.
+
+The end of a job is read from the trainer RayJob the operator observes (KubeRay writes its status;
+the trainer's ServiceAccount cannot), never from the RLJob's own status: that status is output, and
+whoever may patch ``rljobs/status`` (the job's own trainer pods, an admin by mistake) could otherwise
+make the operator stop engines or delete children and data. See "Security model" in docs/operator.md.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
+from typing import Any
 
 from r3operator.api.enums import ConditionStatus, ConditionType
 from r3operator.api.v1alpha1 import RLJob
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The trainer RayJob reached a terminal state, as KubeRay reports it."""
+
+    succeeded: bool
+    message: str
+    ended_at: dt.datetime | None
+    """RayJob ``status.endTime`` (None when KubeRay did not set it)."""
+
+
+def observed_finish(ray_job: dict[str, Any] | None) -> Finish | None:
+    status = (ray_job or {}).get("status") or {}
+    deployment = str(status.get("jobDeploymentStatus") or "")
+    job_status = str(status.get("jobStatus") or "")
+    message = str(status.get("message") or "")
+    ended_at = parse_time(status.get("endTime"))
+    if job_status == "SUCCEEDED" and deployment in ("Complete", ""):
+        return Finish(True, message or "the trainer RayJob succeeded", ended_at)
+    if deployment == "Failed":
+        return Finish(False, message or "the trainer RayJob failed", ended_at)
+    return None
 
 
 def condition_true(job: RLJob, ctype: ConditionType) -> bool:
@@ -15,8 +46,13 @@ def condition_true(job: RLJob, ctype: ConditionType) -> bool:
     return any(c.type == ctype.value and c.status is ConditionStatus.TRUE for c in status.conditions)
 
 
-def is_terminal(job: RLJob) -> bool:
-    """Succeeded or Failed is True: sticky, no child recreation can undo it."""
+def status_says_finished(job: RLJob) -> bool:
+    """The RLJob's status records an end (Succeeded or Failed True).
+
+    Trusted for one thing only: when the RayJob is gone (deleted after the TTL, or by hand), a
+    recorded end keeps the operator from creating a new RayJob that would train again. It never
+    stops, scales down or deletes anything.
+    """
     return condition_true(job, ConditionType.SUCCEEDED) or condition_true(job, ConditionType.FAILED)
 
 
@@ -27,17 +63,27 @@ def is_suspended(job: RLJob) -> bool:
 def parse_time(text: str | None) -> dt.datetime | None:
     if not text:
         return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def format_time(when: dt.datetime) -> str:
     return when.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def ttl_expired(job: RLJob, now: dt.datetime | None) -> bool:
-    """``ttlSecondsAfterFinished`` elapsed since ``status.completionTime``."""
+def finished_at(job: RLJob, finish: Finish) -> dt.datetime | None:
+    """The RayJob's endTime; without one, the completionTime the operator recorded when it saw the end."""
+    if finish.ended_at is not None:
+        return finish.ended_at
+    return parse_time(job.status.completion_time) if job.status else None
+
+
+def ttl_expired(job: RLJob, finish: Finish | None, now: dt.datetime | None) -> bool:
+    """``ttlSecondsAfterFinished`` elapsed since the observed end of the trainer RayJob."""
     ttl = job.spec.run_policy.ttl_seconds_after_finished
-    if ttl is None or now is None or not is_terminal(job) or job.status is None:
+    if ttl is None or now is None or finish is None:
         return False
-    finished = parse_time(job.status.completion_time)
-    return finished is not None and (now - finished).total_seconds() >= ttl
+    ended = finished_at(job, finish)
+    return ended is not None and (now - ended).total_seconds() >= ttl

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api import names
 from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
 
 APP_NAME = "r3operator"
@@ -26,27 +27,21 @@ FINALIZER = f"{PREFIX}/finalizer"
 # nvidia.com/gpu, so they tolerate it; without this they stay Pending on a typical GPU cluster.
 GPU_TOLERATIONS: tuple[dict[str, str], ...] = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
 
-ROLE_STORAGE = "routing-storage"
-ROLE_CONFIG = "config"
-ROLE_ENGINE = "engine"
-ROLE_TRAINER = "trainer"
-ROLE_METRICS = "metrics"
+ROLE_STORAGE = names.ROLE_STORAGE
+ROLE_CONFIG = names.ROLE_CONFIG
+ROLE_ENGINE = names.ROLE_ENGINE
+ROLE_TRAINER = names.ROLE_TRAINER
+ROLE_METRICS = names.ROLE_METRICS
 
 
 def routing_claim_name(job: RLJob) -> str:
     """The PVC the routing volume uses: the user's existing claim or ``<job>-routing``."""
-    return job.spec.storage.existing_claim or f"{job.metadata.name}-routing"
+    return job.spec.storage.existing_claim or child_name(job, ROLE_STORAGE)
 
 
 def child_name(job: RLJob, role: str) -> str:
-    suffix = {
-        ROLE_STORAGE: "routing",
-        ROLE_CONFIG: "config",
-        ROLE_ENGINE: "engine",
-        ROLE_TRAINER: "trainer",
-        ROLE_METRICS: "metrics",
-    }[role]
-    return f"{job.metadata.name}-{suffix}"
+    """``<job>-<suffix>``; the suffixes and the name limits they imply are in ``api/names.py``."""
+    return names.child_name(job.metadata.name, role)
 
 
 def selector_labels(job: RLJob, role: str) -> dict[str, str]:
@@ -90,3 +85,11 @@ def object_meta(
     if ref is not None:
         meta["ownerReferences"] = [ref]
     return meta
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    """The uid of the object's controller ownerReference (``controller: true``), if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid") or "") or None
+    return None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from r3operator.api.rules import Finding
 from r3operator.operator.canary import CanaryResult
+from r3operator.operator.lifecycle import Finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +18,10 @@ class Observed:
     """The engine StatefulSet as read back (None when absent)."""
     ray_job: dict[str, Any] | None = None
     """The trainer RayJob as read back (None when absent)."""
+    finish: Finish | None = None
+    """The RayJob's terminal state (lifecycle.observed_finish)."""
+    finish_recorded: bool = False
+    """No RayJob, and this RLJob's status records an end: the RayJob was deleted after it finished."""
     canary: CanaryResult | None = None
     """The latest canary for the current engine spec hash (None when none ran)."""
     written: tuple[str, ...] = ()
@@ -25,4 +30,10 @@ class Observed:
     """Role (``engine``, ``trainer``) -> the scheduler's reason for that role's pods that cannot be placed."""
     workloads_deleted: bool = False
     """ttlSecondsAfterFinished elapsed and the workloads are gone."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    name_conflict: str | None = None
+    """``Kind/name …`` of a child's name held by an object this RLJob does not control."""
+    missing_claims: tuple[str, ...] = ()
+    """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
+    namespace_terminating: bool = False
+    api_error: str | None = None
+    """A write the API server refused, reported once it persists (reconcile.py decides)."""

@@ -3,11 +3,16 @@
 Level-based and idempotent: every handler (create, update, resume, the timer) calls
 :meth:`Reconciler.reconcile` with the current object, which converges the children to ``desired()``
 whatever happened before — including an operator killed halfway through a previous pass (names are
-deterministic, a create that meets 409 AlreadyExists reads the object and diffs it instead).
+deterministic and every write is a server-side apply, which creates or updates alike).
 
-Validation comes first: an RLJob that breaks a compatibility rule (``api.rules``), or whose cluster
-lacks KubeRay, gets ``Valid=False`` and **no child is created or changed**. Existing children of a
-previously valid spec are left exactly as they are (an invalid upgrade changes nothing).
+Validation comes first: an RLJob that does not parse, breaks a compatibility rule (``api.rules``),
+whose cluster lacks KubeRay, whose child names are held by objects it does not control, or whose
+claims do not exist gets ``Valid=False`` and **no child is created or changed**. Existing children
+of a previously valid spec are left exactly as they are (an invalid upgrade changes nothing).
+
+What the pass trusts: the spec, and what it reads of the objects it controls (the RayJob's status
+says when training ended). The RLJob's own status is output; see "Security model" in
+docs/operator.md.
 """
 
 from __future__ import annotations
@@ -22,36 +27,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy
-from r3operator.api.load import parse_rljob
+from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
-from r3operator.operator.apply import plan_action
+from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
-from r3operator.operator.lifecycle import is_suspended, ttl_expired
+from r3operator.operator.lifecycle import format_time, is_suspended, observed_finish, status_says_finished, ttl_expired
 from r3operator.operator.observed import Observed
 from r3operator.operator.scheduling import unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
-from r3operator.settings import DEFAULT_CANARY_URL, DEFAULT_TRAINER_CLUSTER_ROLE
+from r3operator.settings import DEFAULT_CANARY_URL
 
 log = logging.getLogger("r3operator.reconcile")
 
-# Every child kind the operator may own, by role: prune candidates when desired() drops them.
+# Every child kind the operator may own, by role: prune candidates when desired() drops them. The
+# RayJob goes last: its status is the record that the job ended, so a pass killed halfway through
+# the TTL deletion still knows on the next run that the rest is to be deleted, not re-created.
 _CHILD_KINDS = (
     (meta.ROLE_METRICS, "PodMonitor"),
-    (meta.ROLE_TRAINER, "RayJob"),
     (meta.ROLE_TRAINER, "RoleBinding"),
+    (meta.ROLE_TRAINER, "Role"),
     (meta.ROLE_TRAINER, "ServiceAccount"),
     (meta.ROLE_ENGINE, "StatefulSet"),
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
+    (meta.ROLE_TRAINER, "RayJob"),
 )
+
+# A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
+# a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
+API_ERROR_PASSES = 3
+_PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,8 @@ class Outcome:
     events: list[EventSpec] = field(default_factory=list)
     written: list[str] = field(default_factory=list)
     valid: bool = True
+    error: KubeError | None = None
+    """A write the API server refused: the handler retries after posting the events."""
 
 
 class Capabilities:
@@ -97,8 +112,6 @@ class ReconcilerSettings:
     canary_url_template: str = DEFAULT_CANARY_URL
     """Where the canary is sent; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
     canary_retry_s: float = 60.0
-    trainer_cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE
-    """The ClusterRole each RLJob's trainer RoleBinding refers to (the chart's ``<release>-trainer``)."""
 
 
 def _bad_polarity(cond_type: str, status: ConditionStatus) -> bool:
@@ -123,10 +136,12 @@ class Reconciler:
         self.clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
         self._canaries: dict[str, tuple[float, CanaryResult]] = {}
+        self._failures: dict[str, int] = {}
 
     def forget(self, uid: str) -> None:
         self._locks.pop(uid, None)
         self._canaries.pop(uid, None)
+        self._failures.pop(uid, None)
 
     async def reconcile(self, body: dict[str, Any]) -> Outcome:
         uid = str(body.get("metadata", {}).get("uid", ""))
@@ -136,88 +151,198 @@ class Reconciler:
             fresh = await self.client.get(KINDS["RLJob"], body["metadata"].get("namespace"), body["metadata"]["name"])
             if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                 return Outcome()
-            return await self._reconcile(parse_rljob(fresh, source=f"rljob {body['metadata']['name']}"))
+            try:
+                job = parse_rljob(fresh, source=f"rljob {body['metadata']['name']}")
+            except RLJobLoadError as exc:
+                return await self._unparsable(fresh, exc)
+            return await self._reconcile(job)
+
+    async def _unparsable(self, raw: dict[str, Any], exc: RLJobLoadError) -> Outcome:
+        """Valid=False (ParseError) and one Event, written once; nothing else is read or changed."""
+        metadata = raw.get("metadata") or {}
+        message = "; ".join(f"{p.field}: {p.message}" if p.field else p.message for p in exc.problems)[:32768]
+        conditions = ((raw.get("status") or {}).get("conditions")) or []
+        current = next((c for c in conditions if c.get("type") == ConditionType.VALID.value), None)
+        reason = Reason.PARSE_ERROR.value
+        outcome = Outcome(valid=False)
+        if current is not None and (current.get("reason"), current.get("message")) == (reason, message):
+            return outcome
+        stamp = format_time(self.clock())
+        generation = metadata.get("generation")
+        patch = {
+            "status": {
+                "observedGeneration": generation,
+                "conditions": [
+                    {
+                        "type": ctype.value,
+                        "status": ConditionStatus.FALSE.value,
+                        "reason": reason,
+                        "message": message,
+                        "lastTransitionTime": stamp,
+                        "observedGeneration": generation,
+                    }
+                    for ctype in (ConditionType.READY, ConditionType.VALID)
+                ],
+            }
+        }
+        await self.client.merge_patch(KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch,
+                                      subresource="status")  # fmt: skip
+        outcome.status_written = True
+        outcome.events.append(EventSpec("Warning", reason, f"Valid=False: {message}"[:1024]))
+        return outcome
 
     async def _reconcile(self, job: RLJob) -> Outcome:
         now = self.clock()
-        namespace = job.metadata.namespace
+        uid = job.metadata.uid
         rule_errors = tuple(errors(evaluate(job.spec)))
         kuberay = await self.capabilities.serves("ray.io/v1", "rayjobs")
         outcome = Outcome(job=job, valid=not rule_errors and kuberay)
-        observed: dict[str, dict[str, Any] | None] = {}
-        if outcome.valid:
+        ray_job = await self._read_own(job, "RayJob") if kuberay else None
+        finish = observed_finish(ray_job)
+        recorded = ray_job is None and status_says_finished(job)
+        expired = ttl_expired(job, finish, now)
+        observed: dict[str, dict[str, Any] | None] = {"RayJob": ray_job}
+        conflict: str | None = None
+        missing: tuple[str, ...] = ()
+        if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-            facts = Facts(pod_monitor_crd=pod_monitor, now=now, trainer_cluster_role=self.settings.trainer_cluster_role)
-            children = desired(job, facts)
-            for child in children:
-                observed[child["kind"]] = await self._converge(child, outcome)
-            await self._prune(job, children, outcome, now)
+            children = desired(job, Facts(pod_monitor_crd=pod_monitor, finished=finish is not None, expired=expired))
+            plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in await self._read(children)]
+            conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
+            conflict = conflicts[0] if conflicts else None
+            missing = await self._missing_claims(job) if finish is None else ()
+            if conflict is not None or missing:
+                outcome.valid = False
+                observed["StatefulSet"] = next((h for c, h, a in plans if c["kind"] == "StatefulSet"
+                                                and a.verb != "conflict"), None)  # fmt: skip
+            else:
+                await self._write_all(job, plans, finish is not None, expired, observed, outcome)
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
-            for role, kind in ((meta.ROLE_ENGINE, "StatefulSet"), (meta.ROLE_TRAINER, "RayJob")):
-                if kind == "RayJob" and not kuberay:
-                    continue
-                observed[kind] = await self.client.get(KINDS[kind], namespace, meta.child_name(job, role))
+            observed["StatefulSet"] = await self._read_own(job, "StatefulSet")
         obs = Observed(
             rule_errors=rule_errors,
             kuberay_installed=kuberay,
             engine_set=observed.get("StatefulSet"),
             ray_job=observed.get("RayJob"),
+            finish=finish,
+            finish_recorded=recorded,
             written=tuple(outcome.written),
-            workloads_deleted=ttl_expired(job, now),
+            workloads_deleted=expired or recorded,
+            name_conflict=conflict,
+            missing_claims=missing,
+            namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
+            api_error=self._reported_error(job, outcome.error),
         )
-        if _waiting_for_pods(job, obs):
+        if outcome.valid and _waiting_for_pods(job, obs):
             # One LIST only while something is not up yet: the scheduler's reason goes into status.
             selector = f"{meta.LABEL_JOB}={job.metadata.name}"
-            pods = await self.client.list(KINDS["Pod"], namespace, label_selector=selector)
+            pods = await self.client.list(KINDS["Pod"], job.metadata.namespace, label_selector=selector)
             obs = _replace(obs, unschedulable=unschedulable_by_role(pods))
-        obs = await self._with_canary(job, obs)
-        new_status = compute_status(job, obs, now)
-        outcome.status = new_status
-        if status_changed(job.status, new_status):
-            patch = status_patch(new_status)
-            await self.client.merge_patch(KINDS["RLJob"], namespace, job.metadata.name, patch, subresource="status")
-            outcome.status_written = True
-            for cond in transitions(job.status, new_status):
-                kind = "Warning" if _bad_polarity(cond.type, cond.status) else "Normal"
-                message = f"{cond.type}={cond.status.value}: {cond.message}"[:1024]
-                outcome.events.append(EventSpec(kind, cond.reason, message))
+        if outcome.valid:
+            obs = await self._with_canary(job, obs)
+        await self._write_status(job, compute_status(job, obs, now), outcome)
         return outcome
 
-    async def _converge(self, want: dict[str, Any], outcome: Outcome) -> dict[str, Any] | None:
+    async def _read_own(self, job: RLJob, kind: str) -> dict[str, Any] | None:
+        """A child as it is, or None when absent or not controlled by this RLJob (never trust its status)."""
+        role = meta.ROLE_TRAINER if kind == "RayJob" else meta.ROLE_ENGINE
+        have = await self.client.get(KINDS[kind], job.metadata.namespace, meta.child_name(job, role))
+        return have if have is not None and is_ours(have, job.metadata.uid) else None
+
+    async def _read(self, children: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        out = []
+        for child in children:
+            have = await self.client.get(kind_of(child), child["metadata"].get("namespace"), child["metadata"]["name"])
+            out.append((child, have))
+        return out
+
+    async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
+        """Claims the spec names but the operator does not create: checked before any pod mounts them."""
+        claims = [job.spec.storage.existing_claim] if job.spec.storage.existing_claim else []
+        uri = job.spec.model.uri
+        if uri.startswith("pvc://"):
+            claims.append(uri.removeprefix("pvc://").split("/", 1)[0])
+        kind = KINDS["PersistentVolumeClaim"]
+        return tuple(
+            [c for c in dict.fromkeys(claims) if await self.client.get(kind, job.metadata.namespace, c) is None]
+        )
+
+    async def _write_all(
+        self,
+        job: RLJob,
+        plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]],
+        finished: bool,
+        expired: bool,
+        observed: dict[str, dict[str, Any] | None],
+        outcome: Outcome,
+    ) -> None:
+        try:
+            for child, have, action in plans:
+                if child["kind"] == "RayJob" and finished:
+                    continue  # a finished RayJob is the record of the end: never re-run or changed
+                observed[child["kind"]] = await self._converge(child, have, action, outcome)
+            await self._prune(job, plans, expired, outcome)
+        except KubeError as exc:
+            outcome.error = exc
+            return
+        self._failures.pop(job.metadata.uid or "", None)
+
+    def _reported_error(self, job: RLJob, error: KubeError | None) -> str | None:
+        """The API error for status once it persists (see API_ERROR_PASSES); None while it may pass."""
+        if error is None or error.namespace_terminating:
+            return None
+        key = job.metadata.uid or ""
+        self._failures[key] = passes = self._failures.get(key, 0) + 1
+        if error.status in _PERMANENT_STATUSES or passes >= API_ERROR_PASSES:
+            return f"{error} (refused {passes} pass(es) in a row)"
+        return None
+
+    async def _write_status(self, job: RLJob, new_status: RLJobStatus, outcome: Outcome) -> None:
+        outcome.status = new_status
+        if not status_changed(job.status, new_status):
+            return
+        patch = status_patch(new_status)
+        await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
+                                      subresource="status")  # fmt: skip
+        outcome.status_written = True
+        for cond in transitions(job.status, new_status):
+            kind = "Warning" if _bad_polarity(cond.type, cond.status) else "Normal"
+            message = f"{cond.type}={cond.status.value}: {cond.message}"[:1024]
+            outcome.events.append(EventSpec(kind, cond.reason, message))
+
+    async def _converge(
+        self, want: dict[str, Any], have: dict[str, Any] | None, action: Action, outcome: Outcome
+    ) -> dict[str, Any] | None:
         kind = kind_of(want)
         namespace, name = want["metadata"].get("namespace"), want["metadata"]["name"]
-        have = await self.client.get(kind, namespace, name)
-        action = plan_action(want, have)
         label = f"{want['kind']}/{name}"
         if action.verb == "none":
             return have
-        if action.verb == "create":
-            try:
-                created = await self.client.create(want)
-            except KubeError as exc:
-                if exc.status != 409:
-                    raise
-                # Created by a pass we did not see finish (operator restart): diff it instead.
-                return await self._converge(want, outcome)
-            outcome.written.append(f"created {label}")
-            return created
         if action.verb == "recreate":
-            await self.client.delete(kind, namespace, name)
-            outcome.written.append(f"deleted {label} (spec changed)")
-            if await self.client.get(kind, namespace, name) is None:
-                created = await self.client.create(want)
-                outcome.written.append(f"created {label}")
-                return created
-            return None  # still finalizing (KubeRay's finalizer); the next pass creates it
-        assert action.patch is not None
-        patched = await self.client.merge_patch(kind, namespace, name, action.patch)
-        outcome.written.append(f"updated {label}")
-        return patched
+            assert have is not None
+            await self.client.delete(kind, namespace, name, uid=have["metadata"].get("uid"))
+            outcome.written.append(f"deleted {label} ({action.why})")
+            if await self.client.get(kind, namespace, name) is not None:
+                return None  # still finalizing (KubeRay's finalizer); the next pass creates it
+            have, action = None, plan_action(want, None, job_uid=None)
+        assert action.body is not None
+        applied = await self.client.apply(action.body, force=action.force, field_manager=action.manager)
+        unchanged = have is not None and (applied.get("metadata") or {}).get("resourceVersion") == (
+            have.get("metadata") or {}
+        ).get("resourceVersion")
+        if not unchanged:  # an apply the server found equal to what is there writes nothing
+            outcome.written.append(f"{'created' if have is None else 'updated'} {label}")
+        return applied
 
-    async def _prune(self, job: RLJob, children: list[dict[str, Any]], outcome: Outcome, now: dt.datetime) -> None:
-        wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
-        expired = ttl_expired(job, now)
+    async def _prune(
+        self,
+        job: RLJob,
+        plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]],
+        expired: bool,
+        outcome: Outcome,
+    ) -> None:
+        wanted = {(c["kind"], c["metadata"]["name"]) for c, _, _ in plans}
         for role, kind in _CHILD_KINDS:
             name = meta.child_name(job, role)
             if (kind, name) in wanted:
@@ -227,14 +352,18 @@ class Reconciler:
                 expired and storage.retain_policy is RetainPolicy.DELETE and not storage.existing_claim
             ):
                 continue  # data: deleted only by TTL with retainPolicy Delete, never by an edit
+            if kind == "RayJob" and not expired:
+                continue  # the RayJob is dropped from desired() only after the TTL
             if kind == "PodMonitor" and not await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors"):
                 continue
             if kind == "RayJob" and not await self.capabilities.serves("ray.io/v1", "rayjobs"):
                 continue
             have = await self.client.get(KINDS[kind], job.metadata.namespace, name)
-            if have is None or (have["metadata"].get("labels") or {}).get(meta.LABEL_JOB) != job.metadata.name:
-                continue  # absent, or not ours: never delete what we did not create
-            await self.client.delete(KINDS[kind], job.metadata.namespace, name)
+            if have is None or not is_ours(have, job.metadata.uid):
+                continue  # absent, or not ours: never delete what this RLJob does not control
+            if kind == "PersistentVolumeClaim" and meta.controller_uid(have) != job.metadata.uid:
+                continue  # a claim without our controller reference is retained data
+            await self.client.delete(KINDS[kind], job.metadata.namespace, name, uid=have["metadata"].get("uid"))
             outcome.written.append(f"deleted {kind}/{name}")
 
     async def _with_canary(self, job: RLJob, obs: Observed) -> Observed:

@@ -50,7 +50,36 @@ def _valid(job: RLJob, obs: Observed) -> Desired:
             Reason.KUBERAY_MISSING,
             "the RayJob CRD (rayjobs.ray.io, version v1) is not installed: install the KubeRay operator",
         )
+    if obs.name_conflict is not None:
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.NAME_CONFLICT,
+            f"{obs.name_conflict}; nothing was changed: rename the RLJob or remove that object",
+        )
+    if obs.missing_claims:
+        claims = ", ".join(f"PersistentVolumeClaim/{c}" for c in obs.missing_claims)
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.CLAIM_NOT_FOUND,
+            f"{claims} not found in namespace {job.metadata.namespace}: create it or fix the spec",
+        )
     return Desired(T.VALID, S.TRUE, Reason.SPEC_VALID, "all compatibility rules passed")
+
+
+def _blocked(obs: Observed) -> Desired | None:
+    """The API server refuses what this pass must write (Progressing=False, Ready=False)."""
+    if obs.namespace_terminating:
+        return Desired(
+            T.PROGRESSING,
+            S.FALSE,
+            Reason.NAMESPACE_TERMINATING,
+            "the namespace is being deleted: no child can be created in it",
+        )
+    if obs.api_error is not None:
+        return Desired(T.PROGRESSING, S.FALSE, Reason.API_ERROR, obs.api_error)
+    return None
 
 
 def engine_counts(job: RLJob, sts: dict[str, Any] | None) -> WorkloadCounts:
@@ -141,14 +170,18 @@ def _replay(job: RLJob, obs: Observed, engines: Desired) -> Desired:
 
 
 def _terminal(old: dict[str, Condition], obs: Observed) -> tuple[Desired, Desired]:
-    deployment, job_status, message = _ray_status(obs)
     succeeded = Desired(T.SUCCEEDED, S.FALSE, Reason.NOT_FINISHED)
     failed = Desired(T.FAILED, S.FALSE, Reason.NOT_FINISHED)
-    if job_status == "SUCCEEDED" and deployment in ("Complete", ""):
-        succeeded = Desired(T.SUCCEEDED, S.TRUE, Reason.TRAINER_SUCCEEDED, message or "the trainer RayJob succeeded")
-    elif deployment == "Failed":
-        failed = Desired(T.FAILED, S.TRUE, Reason.TRAINER_FAILED, message or "the trainer RayJob failed")
-    # Sticky: once True, a terminal condition never goes back (no child recreation can undo it).
+    finish = obs.finish
+    if finish is not None and finish.succeeded:
+        succeeded = Desired(T.SUCCEEDED, S.TRUE, Reason.TRAINER_SUCCEEDED, finish.message)
+    elif finish is not None:
+        failed = Desired(T.FAILED, S.TRUE, Reason.TRAINER_FAILED, finish.message)
+    if not obs.finish_recorded:
+        # The RayJob is there and decides: a terminal condition someone wrote into the status while
+        # it runs is overwritten.
+        return succeeded, failed
+    # The RayJob is gone after its end: keep the end this status recorded (sticky).
     for ctype in (T.SUCCEEDED, T.FAILED):
         previous = old.get(ctype.value)
         if previous is not None and previous.status is S.TRUE:
@@ -171,6 +204,9 @@ def _suspended(job: RLJob, obs: Observed) -> Desired:
 def _progressing(obs: Observed, valid: Desired, stopped: Desired | None, others: list[Desired]) -> Desired:
     if valid.status is not S.TRUE:
         return Desired(T.PROGRESSING, S.FALSE, Reason.INVALID_SPEC, "no child is changed while the spec is invalid")
+    blocked = _blocked(obs)
+    if blocked is not None:
+        return blocked
     if stopped is not None:
         return Desired(T.PROGRESSING, S.FALSE, stopped.reason, stopped.message)
     if obs.written:
@@ -186,6 +222,7 @@ def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
         (T.FAILED, S.FALSE),
         (T.SUCCEEDED, S.FALSE),
         (T.VALID, S.TRUE),
+        (T.PROGRESSING, S.TRUE),
         (T.SUSPENDED, S.FALSE),
         (T.ENGINES_READY, S.TRUE),
         (T.TRAINER_READY, S.TRUE),
@@ -194,6 +231,8 @@ def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
         checks.append((T.ROUTING_REPLAY_ACTIVE, S.TRUE))
     for ctype, wanted in checks:
         cond = by_type[ctype]
+        if ctype is T.PROGRESSING and cond.reason not in (Reason.NAMESPACE_TERMINATING, Reason.API_ERROR):
+            continue  # only a refused write rolls up from Progressing; the other reasons have their own
         if cond.status is not wanted:
             reason = cond.reason if ctype is not T.SUSPENDED else Reason.SUSPENDED
             return Desired(T.READY, S.FALSE, reason, f"{ctype.value}: {cond.message}")
@@ -240,6 +279,7 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
     conditions = [merge(old.get(t.value), by_type[t], generation=generation, now=stamp) for t in CONDITION_ORDER]
     engines = engine_counts(job, observed.engine_set)
     terminal = any(by_type[t].status is S.TRUE for t in (T.SUCCEEDED, T.FAILED))
+    completion = _completion_time(old_status, observed, stamp) if terminal else None
     ray_job = observed.ray_job or {}
     trainer_ready = 1 if by_type[T.TRAINER_READY].status is S.TRUE else 0
     return RLJobStatus(
@@ -251,8 +291,15 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
         engines_ready=f"{engines.ready_replicas}/{job.spec.inference.replicas}",
         progress=old_status.progress,
         start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
-        completion_time=old_status.completion_time or (stamp if terminal else None),
+        completion_time=completion,
     )
+
+
+def _completion_time(old: RLJobStatus, obs: Observed, now: str) -> str:
+    """The RayJob's endTime when KubeRay reports one; otherwise when the operator first saw the end."""
+    if obs.finish is not None and obs.finish.ended_at is not None:
+        return format_time(obs.finish.ended_at)
+    return old.completion_time or now
 
 
 def _comparable(status: RLJobStatus | None) -> dict[str, Any]:

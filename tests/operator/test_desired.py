@@ -73,10 +73,11 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
     ]  # fmt: skip
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
     assert container["env"] == [{"name": "VLLM_PLUGINS", "value": "r3operator"}]
-    assert {"name": "routing", "mountPath": "/var/lib/r3operator"} in container["volumeMounts"]
+    # Engines only read the routing volume; the trainer writes it.
+    assert {"name": "routing", "mountPath": "/var/lib/r3operator", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "mountPath": "/etc/r3operator", "readOnly": True} in container["volumeMounts"]
-    claim = next(v for v in pod["volumes"] if v["name"] == "routing")["persistentVolumeClaim"]["claimName"]
-    assert claim == "qwen3-30b-a3b-r3-routing"
+    claim = next(v for v in pod["volumes"] if v["name"] == "routing")["persistentVolumeClaim"]
+    assert claim == {"claimName": "qwen3-30b-a3b-r3-routing", "readOnly": True}
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     # 30B parameters -> 60 GB of bf16 -> 300 s + 6 s/GB x 60 GB = 660 s, probed every 10 s.
     assert container["startupProbe"]["periodSeconds"] == 10
@@ -123,48 +124,112 @@ def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspe
     assert suspended["StatefulSet"]["spec"]["replicas"] == 0
 
 
-def test_trainer_pods_run_as_a_per_job_service_account_bound_to_the_trainer_cluster_role():
+def test_trainer_pods_run_as_a_per_job_service_account_whose_role_names_only_its_own_rljob():
     job = _job()
     name, namespace = job.metadata.name, job.metadata.namespace
-    kids = _by_kind(desired(job, Facts(trainer_cluster_role="r3-r3operator-trainer")))
-    sa, rb, ray = kids["ServiceAccount"], kids["RoleBinding"], kids["RayJob"]
+    kids = _by_kind(desired(job))
+    sa, role, rb, ray = kids["ServiceAccount"], kids["Role"], kids["RoleBinding"], kids["RayJob"]
     owner = {"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob", "name": name, "uid": "uid-1",
              "controller": True, "blockOwnerDeletion": True}  # fmt: skip
-    for child in (sa, rb):
+    for child in (sa, role, rb):
         assert child["metadata"]["name"] == f"{name}-trainer" and child["metadata"]["namespace"] == namespace
         assert child["metadata"]["ownerReferences"] == [owner]
         assert child["metadata"]["labels"]["r3operator.io/job"] == name
-        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "r3operator"
     assert sa["apiVersion"] == "v1" and set(sa) == {"apiVersion", "kind", "metadata"}
-    assert rb["apiVersion"] == "rbac.authorization.k8s.io/v1"
-    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                             "name": "r3-r3operator-trainer"}  # fmt: skip
+    # Every rule is limited to this RLJob by name: another job's pods cannot patch this job's status.
+    assert role["rules"] == [
+        {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "resourceNames": [name], "verbs": ["get"]},
+        {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "resourceNames": [name],
+         "verbs": ["get", "patch"]},
+    ]  # fmt: skip
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-trainer"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-trainer", "namespace": namespace}]
-    assert _by_kind(desired(job))["RoleBinding"]["roleRef"]["name"] == "r3operator-trainer"  # the default
     cluster = ray["spec"]["rayClusterSpec"]
     pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     assert [p["spec"]["serviceAccountName"] for p in pods] == [f"{name}-trainer"] * 2
     kinds = [c["kind"] for c in desired(job)]
-    assert kinds.index("ServiceAccount") < kinds.index("RoleBinding") < kinds.index("RayJob")
+    assert kinds.index("ServiceAccount") < kinds.index("Role") < kinds.index("RoleBinding") < kinds.index("RayJob")
 
 
-def test_diff_rules_for_the_trainer_service_account_and_role_binding():
+def test_engine_and_trainer_pods_meet_the_restricted_pod_security_level():
+    kids = _by_kind(desired(_job()))
+    cluster = kids["RayJob"]["spec"]["rayClusterSpec"]
+    pods = [kids["StatefulSet"]["spec"]["template"], cluster["headGroupSpec"]["template"]]
+    pods += [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"]:
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+            }
+        # restricted allows only these volume types
+        assert {next(k for k in v if k != "name") for v in spec["volumes"]} <= {
+            "persistentVolumeClaim", "configMap", "emptyDir",
+        }  # fmt: skip
+
+
+def _observed(obj: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    have = copy.deepcopy(obj)
+    have["metadata"].update(uid="child-uid", resourceVersion="1", **metadata)
+    return have
+
+
+def test_diff_rules_for_the_trainer_identity_compare_only_the_fields_we_set():
     kids = _by_kind(desired(_job()))
     sa, rb = kids["ServiceAccount"], kids["RoleBinding"]
-    observed_sa = copy.deepcopy(sa)
-    observed_sa["metadata"].update(uid="x", resourceVersion="1")
+    observed_sa = _observed(sa)
     observed_sa["secrets"] = [{"name": "token"}]
-    assert plan_action(sa, observed_sa).verb == "none"
+    observed_sa["metadata"]["labels"]["team"] = "theirs"  # a foreign label is not a difference
+    assert plan_action(sa, observed_sa, job_uid="uid-1").verb == "none"
     observed_sa["metadata"]["labels"] = {}
-    ours = {k: sa["metadata"][k] for k in ("labels", "ownerReferences")}
-    assert plan_action(sa, observed_sa).patch == {"metadata": ours}
-    assert plan_action(rb, copy.deepcopy(rb)).verb == "none"
-    other_role = copy.deepcopy(rb)
+    action = plan_action(sa, observed_sa, job_uid="uid-1")
+    assert (action.verb, action.body, action.force) == ("apply", sa, True)
+    assert plan_action(rb, _observed(rb), job_uid="uid-1").verb == "none"
+    other_role = _observed(rb)
     other_role["roleRef"]["name"] = "old-trainer"
-    assert plan_action(rb, other_role).verb == "recreate"  # roleRef is immutable
-    other_subjects = copy.deepcopy(rb)
+    assert plan_action(rb, other_role, job_uid="uid-1").verb == "recreate"  # roleRef is immutable
+    other_subjects = _observed(rb)
     other_subjects["subjects"] = []
-    assert plan_action(rb, other_subjects).patch == {"subjects": rb["subjects"]}
+    assert plan_action(rb, other_subjects, job_uid="uid-1").body == rb
+
+
+@pytest.mark.parametrize("kind", ["RoleBinding", "Service", "ConfigMap", "StatefulSet", "RayJob", "ServiceAccount"])
+def test_an_object_under_a_child_name_that_this_rljob_does_not_control_is_a_conflict(kind: str):
+    want = _by_kind(desired(_job()))[kind]
+    foreign = _observed(want, ownerReferences=[])
+    assert plan_action(want, foreign, job_uid="uid-1").verb == "conflict"
+    other_job = _observed(want)
+    other_job["metadata"]["ownerReferences"][0]["uid"] = "uid-of-another-rljob"
+    action = plan_action(want, other_job, job_uid="uid-1")
+    assert action.verb == "conflict" and "uid-of-another-rljob" in action.why
+    # A matching label is no claim: only the controller reference is.
+    labelled = _observed(want, ownerReferences=None)
+    assert labelled["metadata"]["labels"]["r3operator.io/job"] == "qwen3-30b-a3b-r3"
+    assert plan_action(want, labelled, job_uid="uid-1").verb == "conflict"
+
+
+def test_a_foreign_key_in_our_config_map_is_not_a_difference_and_a_changed_key_of_ours_is():
+    want = _by_kind(desired(_job()))["ConfigMap"]
+    have = _observed(want)
+    have["data"]["extra.json"] = "{}"
+    have["metadata"]["annotations"] = {"someone/else": "x"}
+    assert plan_action(want, have, job_uid="uid-1").verb == "none"
+    have["data"]["config.json"] = "{}"
+    action = plan_action(want, have, job_uid="uid-1")
+    assert (action.verb, action.body, action.force) == ("apply", want, True)
+
+
+def test_an_engine_image_edited_by_hand_is_taken_back_with_the_hash_unchanged():
+    want = _by_kind(desired(_job()))["StatefulSet"]
+    have = _observed(want)
+    have["spec"]["template"]["spec"]["containers"][0]["image"] = "attacker/vllm:evil"
+    action = plan_action(want, have, job_uid="uid-1")
+    assert (action.verb, action.body, action.force) == ("apply", want, True)
+    assert "image" in action.why
 
 
 def test_pvc_ownership_follows_retain_policy_and_existing_claim_creates_none():
@@ -177,7 +242,24 @@ def test_pvc_ownership_follows_retain_policy_and_existing_claim_creates_none():
     existing = _by_kind(desired(_job(**{"storage.existingClaim": "shared-rwx"})))
     assert "PersistentVolumeClaim" not in existing
     volumes = existing["StatefulSet"]["spec"]["template"]["spec"]["volumes"]
-    assert volumes[0]["persistentVolumeClaim"]["claimName"] == "shared-rwx"
+    assert volumes[0]["persistentVolumeClaim"] == {"claimName": "shared-rwx", "readOnly": True}
+
+
+def test_a_retained_claim_is_ours_by_its_annotation_and_its_spec_is_never_rewritten():
+    retain = _by_kind(desired(_job()))["PersistentVolumeClaim"]
+    have = _observed(retain)
+    have["spec"]["volumeName"] = "pv-1"
+    assert plan_action(retain, have, job_uid="uid-1").verb == "none"
+    # retainPolicy Delete: our controller reference is added; a bigger size in the spec is not applied
+    delete = _by_kind(desired(_job(**{"storage.retainPolicy": "Delete", "storage.size": "9Ti"})))
+    action = plan_action(delete["PersistentVolumeClaim"], have, job_uid="uid-1")
+    assert action.verb == "apply" and action.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert action.body["spec"] == {k: have["spec"][k] for k in ("accessModes", "resources", "storageClassName")}
+    # and back to Retain: the apply leaves the reference out, which removes it
+    owned = _observed(delete["PersistentVolumeClaim"])
+    assert plan_action(retain, owned, job_uid="uid-1").body["metadata"].get("ownerReferences") is None
+    stranger = _observed(retain, annotations={})
+    assert plan_action(retain, stranger, job_uid="uid-1").verb == "conflict"
 
 
 def test_render_without_uid_has_no_owner_references_and_pod_monitor_needs_the_crd():
@@ -209,46 +291,79 @@ def test_image_edit_changes_only_the_engine_hash_and_trainer_edit_only_the_train
 
 def test_diff_rules_never_roll_pods_for_a_template_rendered_differently_with_the_same_hash():
     want = _by_kind(desired(_job()))["StatefulSet"]
-    have = copy.deepcopy(want)
+    have = _observed(want)
     have["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "OLD_OPERATOR", "value": "1"})
-    assert plan_action(want, have).verb == "none"
+    assert plan_action(want, have, job_uid="uid-1").verb == "none"
     have["spec"]["replicas"] = 0
-    assert plan_action(want, have).patch == {"spec": {"replicas": 4}}
+    scale = plan_action(want, have, job_uid="uid-1")
+    # replicas alone, under a field manager of its own: the template is not part of that write
+    assert scale.manager == "r3operator-scale" and scale.body["spec"] == {"replicas": 4}
     new_image = _by_kind(desired(_job(**{"inference.image": "vllm/vllm-openai:v0.30.0"})))["StatefulSet"]
-    assert set(plan_action(new_image, want).patch["spec"]) == {"template", "replicas"}
-    assert plan_action(want, None).verb == "create"
+    assert plan_action(new_image, _observed(want), job_uid="uid-1").body == new_image
+    created = plan_action(want, None, job_uid="uid-1")
+    assert (created.verb, created.force) == ("apply", False)
 
 
 def test_diff_rules_ignore_server_defaults_and_recreate_a_changed_rayjob():
     service = _by_kind(desired(_job()))["Service"]
-    observed = copy.deepcopy(service)
+    observed = _observed(service)
     observed["spec"]["ports"][0]["protocol"] = "TCP"
     observed["spec"]["sessionAffinity"] = "None"
-    assert plan_action(service, observed).verb == "none"
-    ray = _by_kind(desired(_job()))["RayJob"]
+    assert plan_action(service, observed, job_uid="uid-1").verb == "none"
+    ray = _observed(_by_kind(desired(_job()))["RayJob"])
     changed = _by_kind(desired(_job(**{"trainer.nodes": 4})))["RayJob"]
-    assert plan_action(changed, ray).verb == "recreate"
+    assert plan_action(changed, ray, job_uid="uid-1").verb == "recreate"
     suspended = _by_kind(desired(_job(**{"runPolicy.suspend": True})))["RayJob"]
-    assert plan_action(suspended, ray).patch == {"spec": {"suspend": True}}
+    assert plan_action(suspended, ray, job_uid="uid-1").body["spec"] == {"suspend": True}
 
 
-def test_ttl_after_finish_keeps_only_a_retained_pvc():
+def test_finished_stops_engines_and_ttl_expiry_keeps_only_a_retained_pvc():
     job = _job(**{"runPolicy.ttlSecondsAfterFinished": 60})
-    finished = job.model_copy(
-        update={
-            "status": RLJobStatus(
-                conditions=[
-                    Condition(type="Succeeded", status="True", reason="TrainerSucceeded", last_transition_time="x")
-                ],
-                completion_time="2026-01-01T00:00:00Z",
-            )
-        }
+    finished = _by_kind(desired(job, Facts(finished=True)))
+    assert finished["StatefulSet"]["spec"]["replicas"] == 0  # finished: free the GPUs at once
+    assert [c["kind"] for c in desired(job, Facts(finished=True, expired=True))] == ["PersistentVolumeClaim"]
+    delete = _job(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"})
+    assert desired(delete, Facts(finished=True, expired=True)) == []
+
+
+def _with_status(job: RLJob, completion: str | None, *conditions: tuple[str, str]) -> RLJob:
+    status = RLJobStatus(
+        conditions=[Condition(type=t, status=s, reason="X", last_transition_time="x") for t, s in conditions],
+        completion_time=completion,
     )
-    early = dt.datetime(2026, 1, 1, 0, 0, 30, tzinfo=dt.UTC)
-    late = dt.datetime(2026, 1, 1, 0, 1, 0, tzinfo=dt.UTC)
-    before = _by_kind(desired(finished, Facts(now=early)))
-    assert before["StatefulSet"]["spec"]["replicas"] == 0  # finished: free the GPUs at once
-    assert [c["kind"] for c in desired(finished, Facts(now=late))] == ["PersistentVolumeClaim"]
+    return job.model_copy(update={"status": status})
+
+
+def _ray(deployment: str, job_status: str = "", end: str | None = None) -> dict[str, Any]:
+    status = {"jobDeploymentStatus": deployment, "jobStatus": job_status}
+    return {"kind": "RayJob", "status": status | ({"endTime": end} if end else {})}
+
+
+def test_a_forged_terminal_status_neither_finishes_nor_expires_a_job_whose_rayjob_runs():
+    from r3operator.operator.lifecycle import observed_finish, ttl_expired
+
+    job = _job(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"})
+    forged = _with_status(job, "2020-01-01T00:00:00Z", ("Succeeded", "True"))
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    finish = observed_finish(_ray("Running", "RUNNING"))
+    assert finish is None and not ttl_expired(forged, finish, now)
+    kids = _by_kind(desired(forged, Facts(finished=finish is not None, expired=ttl_expired(forged, finish, now))))
+    assert kids["StatefulSet"]["spec"]["replicas"] == 4  # not stopped: 4 replicas of one pod each
+    assert set(kids) >= {"PersistentVolumeClaim", "RayJob", "ConfigMap", "Service", "Role", "RoleBinding"}
+
+
+def test_ttl_counts_from_the_rayjobs_end_time():
+    from r3operator.operator.lifecycle import observed_finish, ttl_expired
+
+    job = _job(**{"runPolicy.ttlSecondsAfterFinished": 60})
+    finish = observed_finish(_ray("Complete", "SUCCEEDED", "2026-01-01T00:00:00Z"))
+    assert finish is not None and finish.succeeded
+    # an earlier completionTime written into the status does not bring the deletion forward
+    forged = _with_status(job, "2020-01-01T00:00:00Z", ("Succeeded", "True"))
+    assert not ttl_expired(forged, finish, dt.datetime(2026, 1, 1, 0, 0, 30, tzinfo=dt.UTC))
+    assert ttl_expired(forged, finish, dt.datetime(2026, 1, 1, 0, 1, 0, tzinfo=dt.UTC))
+    failed = observed_finish(_ray("Failed", "FAILED"))
+    assert failed is not None and not failed.succeeded
 
 
 def test_only_r3_engines_capture_routes():

@@ -16,10 +16,11 @@ from aiohttp import web
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.rules import errors, evaluate
-from r3operator.api.v1alpha1 import Progress, RLJob
+from r3operator.api.v1alpha1 import Condition, Progress, RLJob, RLJobStatus
 from r3operator.operator.canary import CanaryResult, check_routed_experts, run_canary
 from r3operator.operator.desired import desired
 from r3operator.operator.hashing import engine_spec_hash
+from r3operator.operator.lifecycle import observed_finish
 from r3operator.operator.observed import Observed
 from r3operator.operator.status import compute_status, status_changed, status_patch, transitions
 
@@ -103,20 +104,66 @@ def test_without_engines_routing_replay_stays_unknown_with_a_reason_and_r2_does_
     assert c["Ready"].status == "True"
 
 
-def test_last_transition_time_changes_only_on_flips_and_terminal_conditions_are_sticky():
+def _finished(ray_status: dict[str, Any]) -> Observed:
+    ray_job = {"spec": {}, "status": ray_status}
+    return Observed(ray_job=ray_job, finish=observed_finish(ray_job))
+
+
+def test_last_transition_time_changes_only_on_flips_and_a_recorded_end_is_sticky_once_the_rayjob_is_gone():
     job = _job()
     first = compute_status(job, Observed(), T0)
     again = compute_status(_with(job, first), Observed(), T1)
     assert _conds(again)["Valid"].last_transition_time == _conds(first)["Valid"].last_transition_time
     assert not status_changed(first, again)
-    done = Observed(ray_job={"spec": {}, "status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}})
+    done = _finished({"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"})
     succeeded = compute_status(_with(job, again), done, T1)
     assert _conds(succeeded)["Succeeded"].status == "True"
     assert _conds(succeeded)["Succeeded"].last_transition_time == "2026-01-01T00:05:00Z"
     assert succeeded.completion_time == "2026-01-01T00:05:00Z"
-    gone = compute_status(_with(job, succeeded), Observed(workloads_deleted=True), T1 + dt.timedelta(hours=1))
-    assert _conds(gone)["Succeeded"].status == "True"  # the RayJob is gone; the verdict stays
-    assert _conds(gone)["Progressing"].reason == "WorkloadsDeleted"
+    gone = Observed(workloads_deleted=True, finish_recorded=True)
+    after = compute_status(_with(job, succeeded), gone, T1 + dt.timedelta(hours=1))
+    assert _conds(after)["Succeeded"].status == "True"  # the RayJob is gone; the verdict stays
+    assert _conds(after)["Progressing"].reason == "WorkloadsDeleted"
+
+
+def test_completion_time_is_the_rayjobs_end_time():
+    ended = _finished({"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "endTime": "2026-01-01T00:01:02Z"})
+    status = compute_status(_job(), ended, T1)
+    assert _conds(status)["Failed"].status == "True"
+    assert status.completion_time == "2026-01-01T00:01:02Z"
+
+
+def test_a_terminal_status_written_while_the_rayjob_runs_is_overwritten():
+    job = _job()
+    forged = RLJobStatus(
+        conditions=[Condition(type="Succeeded", status="True", reason="TrainerSucceeded", last_transition_time="x")],
+        completion_time="2020-01-01T00:00:00Z",
+    )
+    running = Observed(engine_set=_ready_sts(job), ray_job=_running_rayjob())
+    status = compute_status(_with(job, forged), running, T1)
+    conds = _conds(status)
+    assert (conds["Succeeded"].status, conds["Succeeded"].reason) == ("False", "NotFinished")
+    assert status.completion_time is None
+    assert conds["Progressing"].status == "True"
+
+
+@pytest.mark.parametrize(
+    ("observed", "ctype", "reason", "named"),
+    [
+        (Observed(name_conflict="ConfigMap/team-config not controlled by this RLJob"), "Valid", "NameConflict",
+         "ConfigMap/team-config"),
+        (Observed(missing_claims=("shared",)), "Valid", "ClaimNotFound", "PersistentVolumeClaim/shared"),
+        (Observed(namespace_terminating=True), "Progressing", "NamespaceTerminating", "namespace"),
+        (Observed(api_error="HTTP 403 Forbidden: no"), "Progressing", "APIError", "HTTP 403 Forbidden"),
+    ],
+)  # fmt: skip
+def test_every_failure_the_operator_meets_is_a_condition_and_rolls_up_to_ready(
+    observed: Observed, ctype: str, reason: str, named: str
+):
+    conds = _conds(compute_status(_job(), observed, T0))
+    assert (conds[ctype].status, conds[ctype].reason) == ("False", reason)
+    assert named in conds[ctype].message
+    assert (conds["Ready"].status, conds["Ready"].reason) == ("False", reason)
 
 
 def test_progress_is_preserved_and_never_written_by_the_operator():

@@ -17,6 +17,7 @@ from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
+from r3operator.operator.builders.security import ENGINE_UID, container_security_context, pod_security_context
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.settings import CONFIG_DIR, MODEL_MOUNT, ROUTING_MOUNT
 
@@ -110,13 +111,16 @@ def _resources(job: RLJob) -> dict[str, Any]:
 
 
 def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # Engines only read the routing volume (weights for a sync, reference models); the trainer driver
+    # writes it. Read-only here keeps an engine from changing data of a claim it shares.
+    claim = {"claimName": meta.routing_claim_name(job), "readOnly": True}
     volumes: list[dict[str, Any]] = [
-        {"name": "routing", "persistentVolumeClaim": {"claimName": meta.routing_claim_name(job)}},
+        {"name": "routing", "persistentVolumeClaim": claim},
         {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
     mounts: list[dict[str, Any]] = [
-        {"name": "routing", "mountPath": ROUTING_MOUNT},
+        {"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
@@ -155,6 +159,7 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
         "env": [{"name": k, "value": v} for k, v in vllm_env(job.spec).items()],
         "resources": _resources(job),
         "volumeMounts": mounts,
+        "securityContext": container_security_context(),
         **probes(job),
     }
     return {
@@ -172,6 +177,7 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
                     "annotations": {meta.ANNOTATION_SPEC_HASH: engine_spec_hash(job.spec)},
                 },
                 "spec": {
+                    "securityContext": pod_security_context(ENGINE_UID),
                     "containers": [container],
                     "volumes": volumes,
                     "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],

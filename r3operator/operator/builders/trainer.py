@@ -13,6 +13,7 @@ from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
 from r3operator.operator.builders.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
 from r3operator.settings import CONFIG_DIR, CONFIG_PATH, ROUTING_MOUNT, RuntimeSettings
@@ -62,14 +63,16 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
+        "securityContext": container_security_context(),
     }
     if ports:
         container["ports"] = ports
     return {
         "metadata": {"labels": meta.labels(job, meta.ROLE_TRAINER)},
         "spec": {
-            # <job>-trainer may patch this RLJob's status (build/trainer_rbac.py).
+            # <job>-trainer may patch this RLJob's status, and no other RLJob's (builders/trainer_rbac.py).
             "serviceAccountName": trainer_service_account_name(job),
+            "securityContext": pod_security_context(TRAINER_UID),
             "containers": [container],
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "volumes": [

@@ -1,21 +1,24 @@
-"""The trainer's identity: a ServiceAccount ``<job>-trainer`` and a RoleBinding ``<job>-trainer``.
+"""The trainer's identity: ServiceAccount, Role and RoleBinding, all named ``<job>-trainer``.
 
 The trainer driver merge-patches ``status.progress`` of its RLJob from inside the RayJob pods
-(``runtime.metrics.StatusPusher``). The namespace's default ServiceAccount cannot, so every RLJob gets
-its own ServiceAccount, bound in its namespace to the chart's ClusterRole ``<release>-trainer`` (only
-``get`` on ``rljobs`` and ``get``/``patch`` on ``rljobs/status``). The ClusterRole's name is an
-operator setting (``R3OPERATOR_TRAINER_CLUSTER_ROLE``) passed in, so these builders stay pure.
+(``runtime.metrics.StatusPusher``). Those pods run the job author's ``trainer.image``, so what they
+may do is scoped to their own RLJob by name: a Role per RLJob whose rules carry
+``resourceNames: [<job>]`` (``get`` on the RLJob, ``get``/``patch`` on its ``/status``). One job's
+pods cannot read or write another job's RLJob, which a namespace-wide grant would allow.
+
+RBAC cannot narrow a status patch to ``status.progress``; the operator therefore never acts on
+what the status says (terminal state comes from the RayJob it observes, see ``lifecycle.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from r3operator.api.v1alpha1 import RLJob
+from r3operator.api.v1alpha1 import GROUP, PLURAL, RLJob
 from r3operator.operator import meta
-from r3operator.settings import DEFAULT_TRAINER_CLUSTER_ROLE
 
 RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 def trainer_service_account_name(job: RLJob) -> str:
@@ -30,12 +33,30 @@ def build_trainer_service_account(job: RLJob) -> dict[str, Any]:
     }
 
 
-def build_trainer_role_binding(job: RLJob, cluster_role: str = DEFAULT_TRAINER_CLUSTER_ROLE) -> dict[str, Any]:
+def build_trainer_role(job: RLJob) -> dict[str, Any]:
+    only_this_job = [job.metadata.name]
+    return {
+        "apiVersion": RBAC_API_VERSION,
+        "kind": "Role",
+        "metadata": meta.object_meta(job, meta.ROLE_TRAINER),
+        "rules": [
+            {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": only_this_job, "verbs": ["get"]},
+            {
+                "apiGroups": [GROUP],
+                "resources": [f"{PLURAL}/status"],
+                "resourceNames": only_this_job,
+                "verbs": ["get", "patch"],
+            },
+        ],
+    }
+
+
+def build_trainer_role_binding(job: RLJob) -> dict[str, Any]:
     return {
         "apiVersion": RBAC_API_VERSION,
         "kind": "RoleBinding",
         "metadata": meta.object_meta(job, meta.ROLE_TRAINER),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "roleRef": {"apiGroup": RBAC_GROUP, "kind": "Role", "name": meta.child_name(job, meta.ROLE_TRAINER)},
         "subjects": [
             {
                 "kind": "ServiceAccount",
