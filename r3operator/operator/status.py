@@ -22,6 +22,8 @@ from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended
 from r3operator.operator.observed import Observed
 
+_REFUSED_WRITE = (Reason.API_ERROR, Reason.NAMESPACE_TERMINATING)
+
 CONDITION_ORDER = (
     T.READY,
     T.VALID,
@@ -231,7 +233,7 @@ def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
         checks.append((T.ROUTING_REPLAY_ACTIVE, S.TRUE))
     for ctype, wanted in checks:
         cond = by_type[ctype]
-        if ctype is T.PROGRESSING and cond.reason not in (Reason.NAMESPACE_TERMINATING, Reason.API_ERROR):
+        if ctype is T.PROGRESSING and cond.reason not in _REFUSED_WRITE:
             continue  # only a refused write rolls up from Progressing; the other reasons have their own
         if cond.status is not wanted:
             reason = cond.reason if ctype is not T.SUSPENDED else Reason.SUSPENDED
@@ -319,6 +321,8 @@ def status_patch(status: RLJobStatus) -> dict[str, Any]:
     """The /status merge patch: every operator-owned field, never ``progress`` (the driver's)."""
     data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     data.pop("progress", None)
+    if status.completion_time is None:
+        data["completionTime"] = None  # a merge patch removes an end someone else wrote
     return {"status": data}
 
 
@@ -326,14 +330,18 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
     """Conditions whose status flipped (absent counts as Unknown): one Event each.
 
     Absent → Unknown is not a transition; absent → False is one only for Valid (so an invalid RLJob
-    gets exactly one IncompatibleSettings event) and absent → True always is.
+    gets exactly one IncompatibleSettings event) and for a refused write (APIError,
+    NamespaceTerminating on Progressing); absent → True always is.
     """
     before = {c.type: c.status for c in (old.conditions if old else [])}
     out = []
     for cond in new.conditions:
         prev = before.get(cond.type)
         if prev is None:
-            if cond.status is S.TRUE or (cond.type == T.VALID.value and cond.status is S.FALSE):
+            reported = cond.type == T.VALID.value or (
+                cond.type == T.PROGRESSING.value and cond.reason in _REFUSED_WRITE
+            )
+            if cond.status is S.TRUE or (reported and cond.status is S.FALSE):
                 out.append(cond)
         elif prev is not cond.status:
             out.append(cond)

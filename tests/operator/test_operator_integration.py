@@ -92,13 +92,13 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     assert ray["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
     assert ray.get("suspend", False) is False  # KubeRay rewrites its objects with omitempty
-    # The trainer pods run as <job>-trainer, bound to the chart's trainer ClusterRole (default name).
+    # The trainer pods run as <job>-trainer, bound to a Role of its own that names only this RLJob.
     pods = [ray["rayClusterSpec"]["headGroupSpec"]["template"]] + [
         g["template"] for g in ray["rayClusterSpec"]["workerGroupSpecs"]
     ]
     assert {p["spec"]["serviceAccountName"] for p in pods} == {"qwen3-30b-a3b-r3-trainer"}
-    assert kids["rb"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                     "name": "r3operator-trainer"}  # fmt: skip
+    assert kids["rb"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                     "name": "qwen3-30b-a3b-r3-trainer"}  # fmt: skip
     assert kids["rb"]["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-30b-a3b-r3-trainer", "namespace": NS}]
 
     _cond(cluster, "qwen3-30b-a3b-r3", "Valid", "True")

@@ -1,0 +1,185 @@
+"""Trust boundaries, end to end: the real kopf operator against an API server, driven with kubectl.
+
+What others may write (the RLJob status, objects under a child's name, keys in our children, a
+hand-edited image) must never make the operator destroy, take over or loop. The operator writes its
+children with server-side apply; the API emulator serves a documented subset of it
+(r3operator/testing/apiserver_apply.py) and these tests skip on a server that refuses apply-patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
+
+NS = "trust"
+
+
+def _server_applies(cluster: Cluster) -> bool:
+    probe = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa-probe", "namespace": "default"}}
+    try:
+        cluster.http("PATCH", "/api/v1/namespaces/default/configmaps/ssa-probe?fieldManager=probe", probe,
+                     "application/apply-patch+yaml")  # fmt: skip
+    except Exception:  # any refusal (415, 404, …) means this server cannot run these tests
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[KopfRunner]:
+    if not _server_applies(cluster):
+        pytest.skip("this API server refuses server-side apply (application/apply-patch+yaml)")
+    with running_operator(cluster, NS) as runner:
+        yield runner
+
+
+def _children(cluster: Cluster, job: str) -> dict[str, dict[str, Any] | None]:
+    return {key: cluster.get(path) for key, path in paths(NS, job).items() if key != "rljob"}
+
+
+def _all_children(cluster: Cluster, job: str) -> dict[str, dict[str, Any]]:
+    def ready() -> dict[str, dict[str, Any]] | None:
+        kids = _children(cluster, job)
+        return kids if all(kids.values()) else None  # type: ignore[return-value]
+
+    return wait_for(ready, what=f"children of {job}")
+
+
+def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        cond = condition(cluster.get(paths(NS, job)["rljob"]), ctype)
+        if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
+            return cond
+        return None
+
+    return wait_for(check, what=f"{job} {ctype}={status} {reason or ''}")
+
+
+def _passes(cluster: Cluster, job: str, n: int) -> None:
+    """Wait for n more reconcile passes: each pass GETs its RLJob once."""
+
+    def count() -> int:
+        return len([r for r in list(cluster.api.requests) if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
+
+    base = count()
+    wait_for(lambda: count() >= base + n, what=f"{n} reconcile passes of {job}")
+
+
+def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:
+    items = cluster.get(f"/api/v1/namespaces/{NS}/events")["items"]
+    return [e for e in items if e["involvedObject"]["name"] == job and e["reason"] == reason]
+
+
+def _writes_to(cluster: Cluster, name_prefix: str) -> list[Any]:
+    return [
+        r
+        for r in list(cluster.api.requests)
+        if r.method in ("PATCH", "PUT", "POST", "DELETE") and f"/{name_prefix}" in r.path and "/rljobs/" not in r.path
+    ]
+
+
+def test_a_forged_terminal_status_deletes_nothing_and_is_overwritten(cluster: Cluster, operator: KopfRunner):
+    job = "forged"
+    cluster.apply(example(job, NS, **{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
+    before = _all_children(cluster, job)
+    cluster.patch_status(paths(NS, job)["rayjob"], {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+    _cond(cluster, job, "TrainerReady", "True")
+    forged = {
+        "type": "Succeeded",
+        "status": "True",
+        "reason": "TrainerSucceeded",
+        "message": "forged",
+        "lastTransitionTime": "2020-01-01T00:00:00Z",
+    }
+    rljob = cluster.get(paths(NS, job)["rljob"])
+    others = [c for c in rljob["status"]["conditions"] if c["type"] != "Succeeded"]
+    cluster.patch_status(paths(NS, job)["rljob"], {"conditions": [*others, forged],
+                                                   "completionTime": "2020-01-01T00:00:00Z"})  # fmt: skip
+    _passes(cluster, job, 3)
+    after = _children(cluster, job)
+    for kind, obj in before.items():
+        assert after[kind] is not None and after[kind]["metadata"]["uid"] == obj["metadata"]["uid"], kind
+    assert after["sts"]["spec"]["replicas"] == before["sts"]["spec"]["replicas"]  # engines not stopped
+    assert not [r for r in _writes_to(cluster, f"{job}-") if r.method == "DELETE"]
+    # The status is output: the operator writes back what it observes.
+    _cond(cluster, job, "Succeeded", "False", "NotFinished")
+    assert "completionTime" not in cluster.get(paths(NS, job)["rljob"])["status"]
+
+
+def test_names_held_by_foreign_objects_are_reported_and_never_touched(cluster: Cluster, operator: KopfRunner):
+    job = "team"
+    cluster.namespace(NS)
+    foreign = [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": f"{job}-trainer", "namespace": NS},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
+         "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{job}-engine", "namespace": NS},
+         "spec": {"ports": [{"port": 80}], "selector": {"app": "theirs"}}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job}-config", "namespace": NS},
+         "data": {"theirs": "1"}},
+    ]  # fmt: skip
+    for obj in foreign:
+        cluster.apply(obj)
+    theirs = {key: cluster.get(paths(NS, job)[key]) for key in ("rb", "svc", "cm")}
+    cluster.apply(example(job, NS))
+    cond = _cond(cluster, job, "Valid", "False", "NameConflict")
+    assert "ConfigMap/team-config" in cond["message"]
+    assert _cond(cluster, job, "Ready", "False")["reason"] == "NameConflict"
+    _passes(cluster, job, 3)
+    assert len(_events(cluster, job, "NameConflict")) == 1
+    for key, obj in theirs.items():
+        assert cluster.get(paths(NS, job)[key])["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
+    assert _writes_to(cluster, f"{job}-") == [], "nothing under the RLJob's child names is written"
+    assert cluster.get(paths(NS, job)["sts"]) is None and cluster.get(paths(NS, job)["pvc"]) is None
+
+
+def test_foreign_keys_cause_no_write_loop_and_a_hand_edited_image_is_reverted(cluster: Cluster, operator: KopfRunner):
+    job = "drift"
+    cluster.apply(example(job, NS))
+    kids = _all_children(cluster, job)
+    cm_path, sts_path = paths(NS, job)["cm"], paths(NS, job)["sts"]
+    cluster.http("PATCH", cm_path, {"data": {"stray.json": "{}"}, "metadata": {"annotations": {"team/note": "x"}}},
+                 "application/merge-patch+json")  # fmt: skip
+    patched_rv = cluster.get(cm_path)["metadata"]["resourceVersion"]
+    _passes(cluster, job, 3)
+    cm = cluster.get(cm_path)
+    assert cm["metadata"]["resourceVersion"] == patched_rv  # compared on our fields: no write, no loop
+    assert cm["data"]["stray.json"] == "{}" and cm["data"]["config.json"] == kids["cm"]["data"]["config.json"]
+
+    image = kids["sts"]["spec"]["template"]["spec"]["containers"][0]["image"]
+    cluster.kubectl("set", "image", f"statefulset/{job}-engine", "vllm=attacker/vllm:evil", "-n", NS)
+    wait_for(
+        lambda: cluster.get(sts_path)["spec"]["template"]["spec"]["containers"][0]["image"] == image,
+        what="the engine image taken back",
+    )
+
+
+def test_a_missing_existing_claim_is_reported_before_any_pod_would_mount_it(cluster: Cluster, operator: KopfRunner):
+    job = "byo"
+    cluster.apply(example(job, NS, **{"storage.existingClaim": "byo-data"}))
+    cond = _cond(cluster, job, "Valid", "False", "ClaimNotFound")
+    assert "PersistentVolumeClaim/byo-data" in cond["message"]
+    _passes(cluster, job, 2)
+    assert cluster.get(paths(NS, job)["sts"]) is None
+    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                   "metadata": {"name": "byo-data", "namespace": NS}, "spec": spec})  # fmt: skip
+    _cond(cluster, job, "Valid", "True", "SpecValid")
+    sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), what="engines created once the claim exists")
+    mount = next(m for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == "routing")
+    assert mount["readOnly"] is True
+
+
+@pytest.mark.parametrize(
+    ("name", "refused_because"),
+    [("1job", "DNS-1035"), ("my.job", "DNS-1035"), ("a" * 40, "at most 39 characters")],
+)
+def test_names_that_cannot_make_every_child_are_refused_by_kubectl_apply(
+    cluster: Cluster, operator: KopfRunner, name: str, refused_because: str
+):
+    result = cluster.apply(example(name, NS), check=False)
+    assert result.returncode != 0 and refused_because in result.stderr, result.stderr

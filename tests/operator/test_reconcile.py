@@ -1,0 +1,177 @@
+"""The reconcile pass against an in-memory client: what it writes, deletes and reports when the API
+server refuses, when the RLJob does not parse, and whose status it trusts. No server, no kopf."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from r3operator.operator.kube import KINDS, Kind, KubeError
+from r3operator.operator.reconcile import API_ERROR_PASSES, Reconciler
+
+REPO = Path(__file__).resolve().parents[2]
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+class FakeClient:
+    """Objects by (plural, namespace, name); every write is recorded; ``refuse`` makes writes fail."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self.writes: list[tuple[str, str, str]] = []
+        self.refuse: KubeError | None = None
+        self._rv = 0
+
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        self._rv += 1
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{obj['kind']}-{meta['name']}")
+        meta["resourceVersion"] = str(self._rv)
+        self.objects[(KINDS[obj["kind"]].plural, meta.get("namespace"), meta["name"])] = obj
+        return obj
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        found = self.objects.get((kind.plural, namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
+        self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        if self.refuse is not None:
+            raise self.refuse
+        key = (KINDS[obj["kind"]].plural, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        merged = copy.deepcopy(self.objects.get(key) or {})
+        merged.update(copy.deepcopy(obj))
+        return self.put(merged)
+
+    async def merge_patch(self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *,
+                          subresource: str | None = None) -> dict[str, Any]:  # fmt: skip
+        self.writes.append(("patch" + (f"/{subresource}" if subresource else ""), kind.plural, name))
+        obj = self.objects[(kind.plural, namespace, name)]
+        obj.setdefault("status", {}).update(patch.get("status") or {})
+        return copy.deepcopy(obj)
+
+    async def delete(self, kind: Kind, namespace: str | None, name: str, *, uid: str | None = None) -> bool:
+        self.writes.append(("delete", kind.plural, name))
+        return self.objects.pop((kind.plural, namespace, name), None) is not None
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        return plural == "rayjobs"
+
+
+def _rljob(**spec_edits: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
+    doc["metadata"] = {"name": "job", "namespace": "rl", "uid": "job-uid", "generation": 1}
+    for dotted, value in spec_edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+def _reconcile(client: FakeClient, body: dict[str, Any]) -> Any:
+    reconciler = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    return reconciler, asyncio.run(reconciler.reconcile(body))
+
+
+def _status(client: FakeClient) -> dict[str, Any]:
+    return client.objects[("rljobs", "rl", "job")].get("status") or {}
+
+
+def _condition(client: FakeClient, ctype: str) -> dict[str, Any]:
+    return next(c for c in _status(client)["conditions"] if c["type"] == ctype)
+
+
+def test_an_rljob_that_does_not_parse_gets_valid_false_and_one_event_once():
+    client = FakeClient()
+    body = client.put({**_rljob(), "spec": {**_rljob()["spec"], "notAField": 1}})
+    reconciler = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    first = asyncio.run(reconciler.reconcile(body))
+    assert [e.reason for e in first.events] == ["ParseError"] and first.events[0].type == "Warning"
+    valid = _condition(client, "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "ParseError") and "notAField" in valid["message"]
+    again = asyncio.run(reconciler.reconcile(body))
+    assert again.events == [] and not again.status_written
+    assert [w for w in client.writes if w[0] != "patch/status"] == []  # nothing but its own status
+
+
+def test_a_foreign_rayjob_under_the_trainer_name_is_not_believed_and_not_touched():
+    client = FakeClient()
+    body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
+    client.put({"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "job-trainer", "namespace": "rl"},
+                "status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
+                           "endTime": "2020-01-01T00:00:00Z"}})  # fmt: skip
+    _, outcome = _reconcile(client, body)
+    assert not [w for w in client.writes if w[0] != "patch/status"], client.writes
+    assert (_condition(client, "Valid")["reason"], _condition(client, "Succeeded")["status"]) == (
+        "NameConflict",
+        "False",
+    )
+    assert "RayJob/job-trainer" in _condition(client, "Valid")["message"]
+    assert [e.reason for e in outcome.events if e.type == "Warning"] == ["NameConflict"]
+
+
+def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_last():
+    client = FakeClient()
+    body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
+    _reconcile(client, body)
+    ray = client.objects[("rayjobs", "rl", "job-trainer")]
+    ray["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2025-12-31T23:00:00Z"}
+    client.writes.clear()
+    _reconcile(client, client.objects[("rljobs", "rl", "job")])
+    deletes = [w[1] for w in client.writes if w[0] == "delete"]
+    assert deletes[-1] == "rayjobs" and "persistentvolumeclaims" in deletes
+    assert set(deletes) == {"rolebindings", "roles", "serviceaccounts", "statefulsets", "services", "configmaps",
+                            "persistentvolumeclaims", "rayjobs", "podmonitors"} - {"podmonitors"}  # fmt: skip
+    assert _condition(client, "Succeeded")["status"] == "True"
+    # The RayJob is gone; the recorded end keeps the operator from training again.
+    client.writes.clear()
+    _reconcile(client, client.objects[("rljobs", "rl", "job")])
+    assert [w for w in client.writes if w[0] != "patch/status"] == []
+    assert _condition(client, "Progressing")["reason"] == "WorkloadsDeleted"
+
+
+def test_a_namespace_being_deleted_is_reported_without_retrying_as_an_error():
+    client = FakeClient()
+    body = client.put(_rljob())
+    client.refuse = KubeError(403, 'unable to create new content in namespace rl because it is being terminated',
+                              "Forbidden", ("NamespaceTerminating",))  # fmt: skip
+    _, outcome = _reconcile(client, body)
+    assert outcome.error is client.refuse and outcome.error.namespace_terminating
+    assert (_condition(client, "Progressing")["reason"], _condition(client, "Ready")["reason"]) == (
+        "NamespaceTerminating",
+        "NamespaceTerminating",
+    )
+
+
+@pytest.mark.parametrize(("error", "passes_until_reported"), [
+    (KubeError(422, "spec.template: Invalid value", "Invalid"), 1),
+    (KubeError(500, "etcdserver: request timed out", "InternalError"), API_ERROR_PASSES),
+])  # fmt: skip
+def test_a_refused_write_is_in_status_once_it_persists(error: KubeError, passes_until_reported: int):
+    client = FakeClient()
+    client.put(_rljob())
+    client.refuse = error
+    reconciler = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    events: list[str] = []
+    for n in range(1, passes_until_reported + 1):
+        outcome = asyncio.run(reconciler.reconcile(client.objects[("rljobs", "rl", "job")]))
+        events += [e.reason for e in outcome.events]
+        reported = _condition(client, "Progressing")["reason"] == "APIError"
+        assert reported == (n == passes_until_reported), n
+    message = _condition(client, "Progressing")["message"]
+    assert error.message in message and str(error.status) in message
+    assert _condition(client, "Ready")["reason"] == "APIError"
+    assert events.count("APIError") == 1
+    # The write goes through again: the error leaves the status.
+    client.refuse = None
+    asyncio.run(reconciler.reconcile(client.objects[("rljobs", "rl", "job")]))
+    assert _condition(client, "Progressing")["reason"] != "APIError"
