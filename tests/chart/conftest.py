@@ -59,3 +59,4 @@ def render(helm: str) -> Any:
 
 ALL_ON = ("metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true", "prometheusRule.enabled=true")
 NAMESPACED = ("watch.mode=namespaced", "watch.namespaces={team-a,team-b}")
+CLUSTER = ("watch.mode=cluster",)

@@ -12,13 +12,13 @@ import yaml
 
 from r3operator.observability import rules
 from r3operator.observability.generate import CRD_COPY
-from tests.chart.conftest import ALL_ON, CHART, NAMESPACED, REPO, helm_template
+from tests.chart.conftest import ALL_ON, CHART, CLUSTER, NAMESPACED, REPO, helm_template
 
 MIN_KUBERNETES = "1.29.0"  # Chart.yaml kubeVersion; CEL validation rules are GA from 1.29
 
 
 def test_helm_lint_strict(helm: str) -> None:
-    for sets in ((), NAMESPACED + ALL_ON):
+    for sets in ((), CLUSTER + ALL_ON, NAMESPACED + ALL_ON):
         args = [helm, "lint", "--strict", str(CHART)] + [a for s in sets for a in ("--set", s)]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,7 +55,6 @@ def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path:
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("image.digest=sha256:nothex", "/image/digest"),
         ("watch.mode=everywhere", "/watch/mode"),
-        ("watch.mode=namespaced", "/watch/namespaces"),
         ("watch.namespaces={Bad_Name}", "/watch/namespaces/0"),
         ("operator.logLevel=loud", "/operator/logLevel"),
         ("operator.metricsPort=80", "/operator/metricsPort"),
@@ -76,26 +75,17 @@ def test_servicemonitor_needs_the_service(helm: str) -> None:
     assert proc.returncode != 0 and "metrics.service.enabled" in proc.stderr
 
 
-TRAINER_ROLE = "r3-r3operator-trainer"
-
-
 def _rbac_rules(docs) -> list[dict]:
-    """The operator's own rules (the trainer ClusterRole is for the trainer pods, checked apart)."""
-    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") and d["metadata"]["name"] != TRAINER_ROLE
-            for r in d["rules"]]  # fmt: skip
+    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
 
 
-@pytest.mark.parametrize("sets", [ALL_ON, NAMESPACED + ALL_ON], ids=["cluster", "namespaced"])
+@pytest.mark.parametrize("sets", [CLUSTER + ALL_ON, NAMESPACED + ALL_ON], ids=["cluster", "namespaced"])
 def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: tuple[str, ...]) -> None:
     granted = set()
     for rule in _rbac_rules(render(*sets)):
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
-        assert "nonResourceURLs" not in rule
-        if "resourceNames" in rule:  # only `bind` on the trainer ClusterRole, by name
-            assert rule == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
-                            "verbs": ["bind"], "resourceNames": [TRAINER_ROLE]}  # fmt: skip
-            continue
+        assert "nonResourceURLs" not in rule and "resourceNames" not in rule
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     crud = ("get", "create", "patch", "delete")  # children: read by name and written (docs/operator.md)
     expected = (
@@ -107,35 +97,32 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("ray.io", "rayjobs", v) for v in crud}
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
-        | {("rbac.authorization.k8s.io", "rolebindings", v) for v in crud}
+        | {("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings") for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
         # kopf lists and watches namespaces in both modes, also when they are named.
         | {("", "namespaces", v) for v in ("get", "list", "watch")}
     )
     assert granted == expected
-    # Never: secrets, pods/exec, leases (kopf runs --standalone), RBAC escalation (bind: one role, above).
-    assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "roles", "clusterroles"}
-    binds = [r for r in _rbac_rules(render(*sets)) if "resourceNames" in r]
-    assert len(binds) == (1 if not any("watch.mode=namespaced" in s for s in sets) else 2)  # per Role
+    # Never: secrets, pods/exec, leases (kopf runs --standalone), and no RBAC escalation: no bind or
+    # escalate, no cluster roles (the per-job trainer Role grants only what the operator holds).
+    assert not {r for _, r, _ in granted} & {"secrets", "pods", "pods/exec", "leases", "clusterroles"}
+    assert not {v for _, _, v in granted} & {"bind", "escalate", "impersonate"}
 
 
-@pytest.mark.parametrize("sets", [(), NAMESPACED], ids=["cluster", "namespaced"])
-def test_trainer_cluster_role_grants_only_reading_the_rljob_and_patching_its_status(render, sets) -> None:
-    docs = render(*sets)
-    (role,) = [d for d in docs.kind("ClusterRole") if d["metadata"]["name"] == TRAINER_ROLE]
-    assert role["rules"] == [
-        {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "verbs": ["get"]},
-        {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "verbs": ["get", "patch"]},
-    ]
+def test_namespaced_is_the_default_and_watches_the_release_namespace(render) -> None:
+    docs = render()
+    assert [d["metadata"]["namespace"] for d in docs.kind("Role")] == ["r3-system"]
+    args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" not in args and "--namespace=r3-system" in args
+    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator-crd-reader"}
     env = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "R3OPERATOR_TRAINER_CLUSTER_ROLE", "value": TRAINER_ROLE} in env
-    assert not [d for d in render("rbac.create=false").kind("ClusterRole")]
+    assert not [e for e in env if e["name"] == "R3OPERATOR_TRAINER_CLUSTER_ROLE"]  # the trainer Role is per job
 
 
 def test_rbac_matches_docs_operator_md(render) -> None:
     # docs/operator.md (the operator's own table) is the source of truth; every row is granted.
     doc = (REPO / "docs/operator.md").read_text().split("## RBAC the operator needs", 1)[1].split("\n## ", 1)[0]
-    granted = {(g, r, v) for rule in _rbac_rules(render()) for g in rule["apiGroups"] for r in rule["resources"]
+    granted = {(g, r, v) for rule in _rbac_rules(render(*CLUSTER)) for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}  # fmt: skip
     rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \| ([a-z, ]+)", doc, re.M)
     assert len(rows) >= 10
@@ -145,9 +132,8 @@ def test_rbac_matches_docs_operator_md(render) -> None:
 
 
 def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
-    docs = render()
-    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {
-        "r3-r3operator", "r3-r3operator-crd-reader", TRAINER_ROLE}  # fmt: skip
+    docs = render(*CLUSTER)
+    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator", "r3-r3operator-crd-reader"}
     assert not docs.kind("Role") and not docs.kind("RoleBinding")
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["operator", "--all-namespaces"]
@@ -159,8 +145,8 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     assert {d["metadata"]["namespace"] for d in docs.kind("RoleBinding")} == {"team-a", "team-b"}
     for binding in docs.kind("RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
-    # Only reading the cluster-scoped CRDs and namespaces stays cluster-wide, besides the trainer's role.
-    (cluster_role,) = [d for d in docs.kind("ClusterRole") if d["metadata"]["name"] != TRAINER_ROLE]
+    # Only reading the cluster-scoped CRDs and namespaces stays cluster-wide.
+    (cluster_role,) = docs.kind("ClusterRole")
     assert cluster_role["rules"] == [
         {
             "apiGroups": ["apiextensions.k8s.io"],

@@ -156,6 +156,7 @@ def test_engine_and_trainer_pods_meet_the_restricted_pod_security_level():
     cluster = kids["RayJob"]["spec"]["rayClusterSpec"]
     pods = [kids["StatefulSet"]["spec"]["template"], cluster["headGroupSpec"]["template"]]
     pods += [g["template"] for g in cluster["workerGroupSpecs"]]
+    assert pods[0]["spec"]["automountServiceAccountToken"] is False  # engines never call the API
     for pod in pods:
         spec = pod["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True

@@ -30,14 +30,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: r3operator
 {{- end -}}
 
-{{/*
-The ClusterRole each RLJob's trainer ServiceAccount is bound to (by a RoleBinding the operator creates
-in the RLJob's namespace); the operator reads the name from R3OPERATOR_TRAINER_CLUSTER_ROLE.
-*/}}
-{{- define "r3operator.trainerClusterRoleName" -}}
-{{- printf "%s-trainer" (include "r3operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
-{{- end -}}
-
 {{- define "r3operator.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "r3operator.fullname" .) .Values.serviceAccount.name -}}
@@ -55,15 +47,12 @@ in the RLJob's namespace); the operator reads the name from R3OPERATOR_TRAINER_C
 {{- end -}}
 
 {{/*
-The namespaces whose RLJobs the operator reconciles: empty in cluster mode.
-values.schema.json requires at least one in namespaced mode; this guards `--set watch.namespaces=null`.
+The namespaces whose RLJobs the operator reconciles: empty in cluster mode; in namespaced mode
+watch.namespaces, or the release namespace when that list is empty.
 */}}
 {{- define "r3operator.watchedNamespaces" -}}
 {{- if eq .Values.watch.mode "namespaced" -}}
-{{- if not .Values.watch.namespaces -}}
-{{- fail "watch.namespaces: list at least one namespace when watch.mode is namespaced" -}}
-{{- end -}}
-{{- toJson .Values.watch.namespaces -}}
+{{- toJson (default (list .Release.Namespace) .Values.watch.namespaces) -}}
 {{- else -}}
 []
 {{- end -}}

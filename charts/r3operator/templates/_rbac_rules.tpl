@@ -33,16 +33,13 @@ pods are listed, never written).
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
-# Per RLJob: the trainer's ServiceAccount and its RoleBinding to the trainer ClusterRole.
+# Per RLJob: the trainer's ServiceAccount, a Role naming only that RLJob, and their RoleBinding.
+# The API server lets the operator grant in a Role only what it holds itself (get on rljobs,
+# get/patch on rljobs/status, above): no `bind` or `escalate` is needed.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
-  resources: ["rolebindings"]
+  resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "patch", "delete"]
-# Binding a role needs its permissions or `bind` on it: only the trainer ClusterRole.
-- apiGroups: ["rbac.authorization.k8s.io"]
-  resources: ["clusterroles"]
-  verbs: ["bind"]
-  resourceNames: [{{ include "r3operator.trainerClusterRoleName" . | quote }}]
 {{- end -}}

@@ -177,6 +177,8 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
                     "annotations": {meta.ANNOTATION_SPEC_HASH: engine_spec_hash(job.spec)},
                 },
                 "spec": {
+                    # vLLM never calls the Kubernetes API: no token in the engine pods.
+                    "automountServiceAccountToken": False,
                     "securityContext": pod_security_context(ENGINE_UID),
                     "containers": [container],
                     "volumes": volumes,
