@@ -197,7 +197,10 @@ class Reconciler:
         rule_errors = tuple(errors(evaluate(job.spec)))
         kuberay = await self.capabilities.serves("ray.io/v1", "rayjobs")
         outcome = Outcome(job=job, valid=not rule_errors and kuberay)
-        ray_job = await self._read_own(job, "RayJob") if kuberay else None
+        trainer = meta.child_name(job, meta.ROLE_TRAINER)
+        raw_ray_job = await self.client.get(KINDS["RayJob"], job.metadata.namespace, trainer) if kuberay else None
+        # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
+        ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
         finish = observed_finish(ray_job)
         recorded = ray_job is None and status_says_finished(job)
         expired = ttl_expired(job, finish, now)
@@ -207,7 +210,8 @@ class Reconciler:
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
             children = desired(job, Facts(pod_monitor_crd=pod_monitor, finished=finish is not None, expired=expired))
-            plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in await self._read(children)]
+            read = await self._read(children, known={("RayJob", trainer): raw_ray_job})
+            plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
             conflict = conflicts[0] if conflicts else None
             missing = await self._missing_claims(job) if finish is None else ()
@@ -219,7 +223,9 @@ class Reconciler:
                 await self._write_all(job, plans, finish is not None, expired, observed, outcome)
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
-            observed["StatefulSet"] = await self._read_own(job, "StatefulSet")
+            engines = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace,
+                                            meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
+            observed["StatefulSet"] = engines if engines is not None and is_ours(engines, uid) else None
         obs = Observed(
             rule_errors=rule_errors,
             kuberay_installed=kuberay,
@@ -244,16 +250,17 @@ class Reconciler:
         await self._write_status(job, compute_status(job, obs, now), outcome)
         return outcome
 
-    async def _read_own(self, job: RLJob, kind: str) -> dict[str, Any] | None:
-        """A child as it is, or None when absent or not controlled by this RLJob (never trust its status)."""
-        role = meta.ROLE_TRAINER if kind == "RayJob" else meta.ROLE_ENGINE
-        have = await self.client.get(KINDS[kind], job.metadata.namespace, meta.child_name(job, role))
-        return have if have is not None and is_ours(have, job.metadata.uid) else None
-
-    async def _read(self, children: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    async def _read(
+        self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]
+    ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """Each child as it is under its name (``known``: read earlier in this pass)."""
         out = []
         for child in children:
-            have = await self.client.get(kind_of(child), child["metadata"].get("namespace"), child["metadata"]["name"])
+            key = (child["kind"], child["metadata"]["name"])
+            if key in known:
+                out.append((child, known[key]))
+                continue
+            have = await self.client.get(kind_of(child), child["metadata"].get("namespace"), key[1])
             out.append((child, have))
         return out
 
