@@ -220,6 +220,8 @@ MAY_LOAD: dict[str, set[str]] = {
     "r3operator.routing": set(),
     "r3operator.cli.main": set(),
     "r3operator.operator.desired": set(),
+    # kopf imports the kubernetes client for type checks whenever it is installed (thirdparty.py);
+    # the operator's own calls go through operator/kube.py.
     "r3operator.operator.handlers": {"kopf", "kubernetes"},
     "r3operator.engine.args": set(),
 }
