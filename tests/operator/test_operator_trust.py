@@ -183,3 +183,22 @@ def test_names_that_cannot_make_every_child_are_refused_by_kubectl_apply(
 ):
     result = cluster.apply(example(name, NS), check=False)
     assert result.returncode != 0 and refused_because in result.stderr, result.stderr
+
+
+def test_a_jobs_trainer_may_patch_only_its_own_rljob_status(cluster: Cluster, operator: KopfRunner):
+    for job in ("rbac-a", "rbac-b"):
+        cluster.apply(example(job, NS))
+        _all_children(cluster, job)
+
+    def can(verb: str, target: str, trainer_of: str, *extra: str) -> str:
+        who = f"system:serviceaccount:{NS}:{trainer_of}-trainer"
+        result = cluster.kubectl("auth", "can-i", verb, f"rljobs.r3operator.io/{target}", *extra, "-n", NS,
+                                 f"--as={who}", check=False)  # fmt: skip
+        return result.stdout.strip()
+
+    if can("patch", "rbac-a", "rbac-a", "--subresource=status") not in ("yes", "no"):
+        pytest.skip("this API server does not answer SelfSubjectAccessReviews (no RBAC)")
+    assert can("patch", "rbac-a", "rbac-a", "--subresource=status") == "yes"
+    assert can("patch", "rbac-a", "rbac-b", "--subresource=status") == "no"
+    assert can("patch", "rbac-a", "rbac-a") == "no"  # the spec is the author's
+    assert can("delete", "rbac-a", "rbac-a") == "no"
