@@ -31,11 +31,20 @@ def _dump(model: Any) -> Any:
     return model.model_dump(mode="json", by_alias=True) if model is not None else None
 
 
+def _model(spec: RLJobSpec) -> dict[str, Any]:
+    model = _dump(spec.model)
+    # Added after the first release: left out at its default so existing jobs keep their hashes and
+    # an operator upgrade restarts nothing.
+    if not spec.model.trust_remote_code:
+        model.pop("trustRemoteCode", None)
+    return model
+
+
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     inference = _dump(spec.inference)
     inference.pop("replicas", None)
     return {
-        "model": _dump(spec.model),
+        "model": _model(spec),
         "replayMode": spec.routing_replay.mode.value,
         "inference": inference,
         "existingClaim": spec.storage.existing_claim,
@@ -46,7 +55,7 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     # Only what the driver reads; size/class/retainPolicy concern the PVC, not how the trainer runs.
     storage = {"existingClaim": spec.storage.existing_claim, "retentionSteps": spec.storage.retention_steps}
     return {
-        "model": _dump(spec.model),
+        "model": _model(spec),
         "routingReplay": _dump(spec.routing_replay),
         "trainer": _dump(spec.trainer),
         "rollout": _dump(spec.rollout),

@@ -382,3 +382,15 @@ def test_pod_monitor_labels_series_with_the_rljob_the_dashboards_select_on():
         # the pod label r3operator.io/job, as Prometheus' service discovery spells it
         assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_r3operator_io_job"]
         assert relabel["targetLabel"] == "rljob"
+
+
+def test_trust_remote_code_left_at_false_keeps_the_hashes_of_existing_jobs():
+    from r3operator.operator.hashing import engine_hash_input, trainer_hash_input
+
+    spec = _job().spec
+    assert "trustRemoteCode" not in engine_hash_input(spec)["model"]
+    assert "trustRemoteCode" not in trainer_hash_input(spec)["model"]
+    trusted = _job(**{"model.trustRemoteCode": True})
+    assert _template_hash(trusted) != _template_hash(_job()) and _trainer_hash(trusted) != _trainer_hash(_job())
+    assert "--trust-remote-code" in _by_kind(desired(trusted))["StatefulSet"]["spec"]["template"]["spec"][
+        "containers"][0]["command"]  # fmt: skip
