@@ -22,7 +22,8 @@ EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 @pytest.mark.parametrize("mode", ["cluster", "namespaced"])
 def test_rendered_chart_is_accepted_by_server_dry_run(helm: str, control_plane: Any, namespace: str, mode: str) -> None:
     watched = create_namespace(control_plane, f"{namespace}-jobs")
-    sets = ("watch.mode=namespaced", f"watch.namespaces={{{watched}}}") if mode == "namespaced" else ("watch.mode=cluster",)
+    namespaced = ("watch.mode=namespaced", f"watch.namespaces={{{watched}}}")
+    sets = namespaced if mode == "namespaced" else ("watch.mode=cluster",)
     proc = helm_template(helm, *sets, namespace=namespace)
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
