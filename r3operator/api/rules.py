@@ -408,6 +408,9 @@ RULES: tuple[Rule, ...] = (
             "'inference.extraArgs loads code but model.trustRemoteCode is false: "
             "set model.trustRemoteCode: true to allow it'",
             ".inference.extraArgs",
+            # Invalid, not Forbidden: EXTRA-ARGS-DERIVED refuses the same field, and a cause must name
+            # one rule by reason and field.
+            "FieldValueInvalid",
         ),
     ),
     # Python-only: need the vLLM version matrix (outside facts).
