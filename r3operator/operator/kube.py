@@ -143,7 +143,7 @@ class KubeClient:
             except ValueError:
                 body = None
             if r.status >= 400:
-                status = body if isinstance(body, dict) else {"message": text[:500]}
+                status: dict[str, Any] = body if isinstance(body, dict) else {"message": text[:500]}
                 details = status.get("details") or {}
                 causes = tuple(str(c.get("reason", "")) for c in details.get("causes") or [])
                 raise KubeError(r.status, str(status.get("message", "")), str(status.get("reason", "")), causes)

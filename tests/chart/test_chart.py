@@ -185,7 +185,7 @@ def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
 
     container = render().one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     ours = {e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)}
-    assert ours == {"R3OPERATOR_METRICS_PORT", "R3OPERATOR_TRAINER_CLUSTER_ROLE"}
+    assert ours == {"R3OPERATOR_METRICS_PORT"}
     assert ours <= set(OperatorSettings.env_names())
 
 

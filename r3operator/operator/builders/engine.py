@@ -113,9 +113,9 @@ def _resources(job: RLJob) -> dict[str, Any]:
 def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     # Engines only read the routing volume (weights for a sync, reference models); the trainer driver
     # writes it. Read-only here keeps an engine from changing data of a claim it shares.
-    claim = {"claimName": meta.routing_claim_name(job), "readOnly": True}
+    routing_claim = {"claimName": meta.routing_claim_name(job), "readOnly": True}
     volumes: list[dict[str, Any]] = [
-        {"name": "routing", "persistentVolumeClaim": claim},
+        {"name": "routing", "persistentVolumeClaim": routing_claim},
         {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
