@@ -69,7 +69,8 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> list[float]:
     with open(plane.audit_log) as log:
         for line in log:
             event = json.loads(line)
-            if event.get("verb") != "create" or event.get("responseStatus", {}).get("code") != 201:
+            # The operator creates children with server-side apply: a patch answered 201 Created.
+            if event.get("verb") not in ("create", "patch") or event.get("responseStatus", {}).get("code") != 201:
                 continue
             ref = event.get("objectRef", {})
             if ref.get("namespace") != NS:
