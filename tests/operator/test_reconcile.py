@@ -41,6 +41,15 @@ class FakeClient:
         found = self.objects.get((kind.plural, namespace, name))
         return copy.deepcopy(found) if found is not None else None
 
+    async def list(self, kind: Kind, namespace: str | None, *, label_selector: str) -> list[dict[str, Any]]:
+        wanted = dict(pair.split("=", 1) for pair in label_selector.split(","))
+
+        def matches(obj: dict[str, Any]) -> bool:
+            return wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+
+        return [copy.deepcopy(o) for (p, ns, _), o in self.objects.items() if (p, ns) == (kind.plural, namespace)
+                and matches(o)]  # fmt: skip
+
     async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
         self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
         if self.refuse is not None:
