@@ -33,6 +33,9 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
     settings.persistence.finalizer = meta.FINALIZER
+    # A resync pass still running when its RLJob is deleted keeps kopf from releasing the finalizer until
+    # kopf looks again: every 60 s by default, which made a deletion wait a minute for a pass of a second.
+    settings.background.cancellation_polling = 2.0
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=meta.PREFIX, key="last-handled-configuration"
