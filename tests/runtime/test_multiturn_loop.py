@@ -1,0 +1,132 @@
+"""Multi-turn R3 rollouts through the driver's code path (`GRPORun.rollout` → `load_routes` → a step), on
+CPU: the real trainer (tiny model) against the in-process fake engine, whose route rows are a function of
+the token and position they were computed for, so a row stitched onto the wrong token shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine
+from runtime_test_helpers import settings_for, write_job
+
+from r3operator.models.tokenizer import vocabulary
+from r3operator.routing.codec import decode
+
+VOCAB = vocabulary(512)
+ENV_WORDS = {"<", ">", "no", "A", ":"}
+MULTI_TURN = {"rollout": {"multiTurn": True, "promptsPerStep": 2, "groupSize": 3, "maxTokens": 3},
+              "task": {"name": "guess"}, "weightSync": {"canary": False}}  # fmt: skip
+
+
+def _run(tmp_path: Path, engine: FakeEngine, **spec: Any) -> Any:
+    from r3operator.runtime.engines import EngineGroup
+    from r3operator.runtime.loop import GRPORun
+
+    job = write_job(tmp_path, **{**MULTI_TURN, **spec})
+    return GRPORun(settings_for(job, tmp_path / "runs", steps=2), engines=EngineGroup([engine]))
+
+
+def _env_spans(sample: Any) -> list[tuple[int, int]]:
+    """[begin, end) positions in the sequence of the tokens the loss mask leaves out."""
+    offset = len(sample.prompt_token_ids)
+    out = np.flatnonzero(~sample.loss_mask) + offset
+    spans: list[tuple[int, int]] = []
+    for p in out.tolist():
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
+
+
+@pytest.mark.parametrize("over_http", [False, True], ids=["in-memory", "routing-store"])
+def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tmp_path: Path, over_http: bool) -> None:
+    engine = FakeEngine(over_http=over_http)
+    run = _run(tmp_path, engine)
+    run.setup()
+    engine.starts_seen.clear()
+    samples, problems = run.rollout(1)
+
+    assert len(samples) == 2 * 3 and [s.sample_id for s in samples[:3]] == ["p0-c0", "p0-c1", "p0-c2"]
+    turns = [s.extra["turns"] for s in samples]
+    assert max(turns) > 1, "no conversation went past its first turn: nothing multi-turn was exercised"
+    # Turn 1 asks for every row; turn t > 1 asks only for rows after those already held, i.e. it starts at
+    # the previous turn's last sampled token (the boundary row), which sits just before the env reply.
+    assert engine.starts_seen[0] == [0] * 6
+    assert len(engine.starts_seen) == max(turns)
+    for turn_starts in engine.starts_seen[1:]:
+        assert all(start > len(problems[0].prompt_ids) for start in turn_starts)
+
+    for sample in samples:
+        sequence = sample.sequence
+        routes = sample.routes
+        assert sample.routes_status == "ok" and routes.start == 0
+        # Every position but the last sampled token has its engine row, env tokens included.
+        assert routes.end == len(sequence) - 1
+        rows = decode(routes)
+        for position in range(routes.end):
+            np.testing.assert_array_equal(rows[position], engine.route_row(position, sequence[position]))
+        # The loss mask drops exactly the env replies: one 3-token reply ("<"|">"|"no", "A", ":") between turns.
+        spans = _env_spans(sample)
+        assert len(spans) == sample.extra["turns"] - 1 == sample.extra["env_tokens"] // 3
+        for begin, end in spans:
+            words = [VOCAB[t] for t in sequence[begin:end]]
+            assert end - begin == 3 and words[0] in {"<", ">", "no"} and words[1:] == ["A", ":"]
+        assert int(sample.loss_mask.sum()) == 3 * sample.extra["turns"]  # maxTokens per model turn
+        # The boundary rows: each env reply follows a model token whose row only the next turn returned.
+        for begin, _ in spans:
+            np.testing.assert_array_equal(rows[begin - 1], engine.route_row(begin - 1, sequence[begin - 1]))
+
+    if over_http:  # stitched trajectories, not per-turn arrays, are what crosses the volume
+        assert len(list((run.run_dir / "routes").rglob("*.r3r"))) == 6
+
+    rewards = run.score(samples, problems)
+    batch = run.load_routes(1, samples, run.advantages(rewards))
+    assert batch is not None and batch.engine_routes is not None and batch.size == 6
+    for i, sample in enumerate(samples):
+        sequence = sample.sequence
+        env_positions = {p for begin, end in _env_spans(sample) for p in range(begin, end)}
+        # response_mask column c predicts token c + 1: env tokens are never a target of the loss...
+        trained_targets = {c + 1 for c in np.flatnonzero(batch.response_mask[i].numpy()).tolist()}
+        assert trained_targets == set(range(len(sample.prompt_token_ids), len(sequence))) - env_positions
+        # ...but keep their routes for the context every later token was computed in.
+        assert not batch.route_pad[i, sorted(env_positions)].any()
+        for position in range(len(sequence) - 1):
+            np.testing.assert_array_equal(batch.engine_routes[i, position].numpy(),
+                                          engine.route_row(position, sequence[position]))  # fmt: skip
+        assert batch.route_pad[i, len(sequence) - 1 :].all()  # the last sampled token and the pad
+
+
+def test_a_multi_turn_r3_step_replays_every_route(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    run = _run(tmp_path, engine)
+    run.setup()
+    row = run.train_step(1)
+    assert row["skipped"] == 0 and row["samples_dropped"] == 0
+    assert row["replay_applied"] == 1.0  # the trainer's experts are the stitched engine routes
+    assert np.isfinite(row["loss"])
+
+
+def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
+    engine = FakeEngine(routes=False)
+    run = _run(tmp_path, engine)
+    run.setup()
+    samples, _ = run.rollout(1)
+    assert all(s.routes is None and s.routes_error.startswith("turn 1: engine returned no routed_experts")
+               for s in samples)  # fmt: skip
+    assert run.train_step(1)["skipped"] == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"task": {"name": "count"}}, "spec.rollout.multiTurn: task 'count' has no multi-turn environment"),
+        ({"rollout": {"multiTurn": False}}, "spec.task.name: 'guess' is a multi-turn game"),
+    ],
+)
+def test_multi_turn_and_its_task_come_together(tmp_path: Path, spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _run(tmp_path, FakeEngine(), **spec)
