@@ -130,3 +130,14 @@ def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
 def test_multi_turn_and_its_task_come_together(tmp_path: Path, spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _run(tmp_path, FakeEngine(), **spec)
+
+
+def test_engine_group_sends_each_prompt_its_own_start() -> None:
+    from r3operator.runtime.engines import EngineGroup
+
+    first, second = FakeEngine(name="a"), FakeEngine(name="b")
+    prompts = [[1, 5, 6], [1, 5, 6, 7, 8], [1, 9]]
+    samples = EngineGroup([first, second]).generate(prompts, max_tokens=2, temperature=1.0, seed=0, n=1,
+                                                    routed_experts_prompt_start=[0, 3, 1])  # fmt: skip
+    assert first.starts_seen == [[0], [1]] and second.starts_seen == [[3]]  # prompts 0, 2 and 1
+    assert [(s.sample_id, s.routes.start) for s in samples] == [("p0-c0", 0), ("p1-c0", 3), ("p2-c0", 1)]
