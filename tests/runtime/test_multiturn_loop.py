@@ -141,3 +141,18 @@ def test_engine_group_sends_each_prompt_its_own_start() -> None:
                                                     routed_experts_prompt_start=[0, 3, 1])  # fmt: skip
     assert first.starts_seen == [[0], [1]] and second.starts_seen == [[3]]  # prompts 0, 2 and 1
     assert [(s.sample_id, s.routes.start) for s in samples] == [("p0-c0", 0), ("p1-c0", 3), ("p2-c0", 1)]
+
+
+def test_http_engine_sends_each_prompt_its_own_start(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    from fake_vllm_server import FakeVLLMServer
+
+    from r3operator.runtime.engines import HTTPEngine
+
+    with FakeVLLMServer() as server:
+        engine = HTTPEngine(server.url, staging_dir=tmp_path, num_experts=32)
+        prompts = [[1, 5, 6], [1, 5, 6, 7, 8]]
+        samples = engine.generate(prompts, max_tokens=2, temperature=1.0, seed=0, n=1,
+                                  routed_experts_prompt_start=[0, 3])  # fmt: skip
+    assert sorted(server.starts) == [0, 3]  # one request per prompt, in parallel
+    assert [(s.routes.start, s.routes.num_tokens) for s in samples] == [(0, 3 + 2 - 1), (3, 5 + 2 - 1 - 3)]
