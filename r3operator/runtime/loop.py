@@ -42,7 +42,7 @@ from r3operator.runtime.config import RunSettings, check_architecture, resolve_m
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.faults import EngineSupervisor
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
-from r3operator.runtime.multiturn import Conversation, roll_out_conversations
+from r3operator.runtime.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through
 from r3operator.trainer import envs
@@ -418,6 +418,8 @@ class GRPORun:
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
         row = self._rollout_columns(step, samples, rewards, timer)
+        if self.spec.rollout.multi_turn:
+            row["routing_agreement_by_turn"] = self._agreement_by_turn(samples, batch, old)
         row.update({
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
             "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
@@ -432,12 +434,25 @@ class GRPORun:
                          timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
         """The metrics.csv columns every step has, trained or skipped: what the rollout produced."""
         tokens = sum(len(s.token_ids) for s in samples)
-        return {
+        columns: dict[str, Any] = {
             "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
             "samples_dropped": len(self.dropped), "tokens": tokens,
             "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
         }  # fmt: skip
+        if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
+            columns["turns_mean"] = float(np.mean([s.extra["turns"] for s in samples]))
+            columns["env_tokens"] = int(sum(s.extra["env_tokens"] for s in samples))
+        return columns
+
+    def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
+        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; runtime/multiturn.py)."""
+        if batch.engine_routes is None or batch.route_pad is None:
+            return ""
+        by_id = {s.sample_id: s for s in samples}
+        kept = [by_id[sid] for sid in batch.sample_ids]
+        by_turn = agreement_by_turn(old.natural_ids, batch.engine_routes, batch.route_pad, kept)
+        return ";".join(f"{x:.4f}" for x in by_turn)
 
     def _checkpoint(self, step: int) -> None:
         assert self.trainer is not None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from r3operator.engine.rollout import RolloutSample
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.stitch import TrajectoryRoutes
 from r3operator.trainer.envs import Environment
+from r3operator.trainer.metrics import routing_agreement
 
 log = logging.getLogger("r3operator.runtime")
 
@@ -43,6 +45,7 @@ class Conversation:
     env: Environment
     tokens: list[int] = field(default_factory=list)  # the whole conversation, prompt included
     trained: list[bool] = field(default_factory=list)  # per token after the prompt: the model sampled it
+    turn_of: list[int] = field(default_factory=list)  # per token: the turn (1-based) whose request prefilled it
     logprobs: list[float] = field(default_factory=list)  # per token after the prompt (0 for env tokens)
     routes: TrajectoryRoutes | None = None
     routes_error: str | None = None
@@ -53,6 +56,7 @@ class Conversation:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
+        self.turn_of = [1] * len(self.prompt)
 
     @property
     def known_rows(self) -> int:
@@ -73,6 +77,7 @@ class Conversation:
         self.logprobs.extend(float(x) for x in sample.logprobs)
         self.finish_reason = sample.finish_reason
         self.turns += 1
+        self.turn_of.extend([self.turns] * len(sample.token_ids))
 
     def _stitch(self, sample: RolloutSample) -> None:
         if self.routes_error is not None:
@@ -90,6 +95,7 @@ class Conversation:
         self.tokens.extend(int(t) for t in tokens)
         self.trained.extend([False] * len(tokens))
         self.logprobs.extend([0.0] * len(tokens))
+        self.turn_of.extend([self.turns + 1] * len(tokens))  # the next turn's request prefills them
 
     def sample(self, *, num_experts: int) -> RolloutSample:
         """The trajectory as one sample: routes stitched from position 0, env tokens out of the loss."""
@@ -109,7 +115,12 @@ class Conversation:
             finish_reason=self.finish_reason,
             routed_experts_prompt_start=0,
             loss_mask=np.asarray(self.trained, dtype=bool),
-            extra={"reward": self.reward, "turns": self.turns, "env_tokens": self.trained.count(False)},
+            extra={
+                "reward": self.reward,
+                "turns": self.turns,
+                "env_tokens": self.trained.count(False),
+                "turn_of": np.asarray(self.turn_of, dtype=np.int64),
+            },
         )
 
 
@@ -135,3 +146,20 @@ def roll_out_conversations(
             log.warning("conversation p%d-c%d has no usable routes: %s", conversation.prompt_index,
                         conversation.choice_index, conversation.routes_error)  # fmt: skip
     return [c.sample(num_experts=num_experts) for c in conversations]
+
+
+def agreement_by_turn(
+    natural_ids: Any, engine_routes: Any, route_pad: Any, samples: Sequence[RolloutSample]
+) -> list[float]:  # tensors [B, S, L, K], [B, S, L, K], [B, S]
+    """Trainer-natural vs engine routing agreement over the positions each turn's request prefilled or
+    generated (turn 1: the prompt and the first answer). A stitching error shows as a drop from some turn
+    on, which the all-token figure averages away. `samples` are the batch's rows, in order."""
+    turn = np.zeros(tuple(route_pad.shape), dtype=np.int64)  # 0: padding, no turn
+    for i, sample in enumerate(samples):
+        turn_of = sample.extra["turn_of"]
+        turn[i, : len(turn_of)] = turn_of
+    has_route = ~route_pad.cpu().numpy().astype(bool)
+    return [
+        routing_agreement(natural_ids, engine_routes, has_route & (turn == t)).agreement_ratio
+        for t in range(1, int(turn.max()) + 1)
+    ]

@@ -59,6 +59,8 @@ def test_two_multi_turn_r3_steps_replay_stitched_routes(tmp_path: Path, engines:
         # would put this near 0).
         assert row["routing_natural_agreement"] > 0.9
         assert row["logprob_abs_diff_mean"] < 0.05
+        # ...and keeps agreeing in every turn: later turns' rows were stitched, not recomputed.
+        assert all(float(x) > 0.8 for x in row["routing_agreement_by_turn"].split(";"))
     for step_samples, batch in batches:
         for i, sample in enumerate(step_samples):
             env = np.flatnonzero(~sample.loss_mask) + len(sample.prompt_token_ids)
@@ -66,5 +68,13 @@ def test_two_multi_turn_r3_steps_replay_stitched_routes(tmp_path: Path, engines:
             assert not set(env.tolist()) & set(targets.tolist())  # env tokens: never a loss target
             assert len(targets) == int(sample.loss_mask.sum())
             assert not batch.route_pad[i, env].any()  # but replayed with the engine's routes
-    keys = ("reward_mean", "routing_natural_agreement", "logprob_abs_diff_mean", "replay_applied")
+    keys = (
+        "reward_mean",
+        "routing_natural_agreement",
+        "routing_agreement_by_turn",
+        "logprob_abs_diff_mean",
+        "replay_applied",
+        "turns_mean",
+        "env_tokens",
+    )
     print("multi-turn rows:", [{k: row[k] for k in keys} for row in rows], "single-shot agreement:", same / total)

@@ -5,6 +5,7 @@ the token and position they were computed for, so a row stitched onto the wrong 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,11 @@ def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tm
             words = [VOCAB[t] for t in sequence[begin:end]]
             assert end - begin == 3 and words[0] in {"<", ">", "no"} and words[1:] == ["A", ":"]
         assert int(sample.loss_mask.sum()) == 3 * sample.extra["turns"]  # maxTokens per model turn
+        # Each position is attributed to the turn whose request prefilled or generated it: the prompt and
+        # turn 1's tokens to turn 1, an env reply to the turn after it.
+        turn_of = sample.extra["turn_of"].tolist()
+        assert len(turn_of) == len(sequence) and turn_of[: len(problems[0].prompt_ids) + 3] == [1] * 15
+        assert [turn_of[begin] for begin, _ in spans] == list(range(2, sample.extra["turns"] + 1))
         # The boundary rows: each env reply follows a model token whose row only the next turn returned.
         for begin, _ in spans:
             np.testing.assert_array_equal(rows[begin - 1], engine.route_row(begin - 1, sequence[begin - 1]))
@@ -108,6 +114,27 @@ def test_a_multi_turn_r3_step_replays_every_route(tmp_path: Path) -> None:
     assert row["skipped"] == 0 and row["samples_dropped"] == 0
     assert row["replay_applied"] == 1.0  # the trainer's experts are the stitched engine routes
     assert np.isfinite(row["loss"])
+    by_turn = row["routing_agreement_by_turn"].split(";")
+    assert 1 < len(by_turn) <= 4 and row["turns_mean"] > 1 and row["env_tokens"] > 0
+    assert all(0.0 <= float(x) <= 1.0 for x in by_turn)
+    header = (run.run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[-3:] == ["turns_mean", "env_tokens", "routing_agreement_by_turn"]
+
+
+def test_agreement_by_turn_shows_the_turn_whose_routes_disagree() -> None:
+    import torch
+
+    from r3operator.runtime.multiturn import agreement_by_turn
+
+    engine = torch.arange(2 * 6 * 1 * 2).reshape(2, 6, 1, 2) % 32
+    natural = engine.clone()
+    natural[0, 3:5] = (natural[0, 3:5] + 7) % 32  # sample 0's turn-2 positions disagree
+    route_pad = torch.zeros(2, 6, dtype=torch.bool)
+    route_pad[:, 5] = True  # the last sampled token
+    samples = [SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 1, 2, 2, 2])}),
+               SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 2, 2])})]  # fmt: skip
+    # Turn 1: 5 positions, all agree. Turn 2: sample 0's two routed positions disagree, sample 1's agree.
+    assert agreement_by_turn(natural, engine, route_pad, samples) == [1.0, 0.5]  # type: ignore[arg-type]
 
 
 def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
