@@ -137,6 +137,33 @@ def test_agreement_by_turn_shows_the_turn_whose_routes_disagree() -> None:
     assert agreement_by_turn(natural, engine, route_pad, samples) == [1.0, 0.5]  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("mode", ["R2", "Disabled"])
+def test_multi_turn_runs_without_replay_too(tmp_path: Path, mode: str) -> None:
+    run = _run(tmp_path, FakeEngine(), routingReplay={"mode": mode})
+    run.setup()
+    row = run.train_step(1)
+    assert row["replay_mode"] == mode and row["skipped"] == 0 and np.isfinite(row["loss"])
+    assert row["turns_mean"] > 1  # the routes still feed the per-turn agreement (metrics only)
+    assert len(row["routing_agreement_by_turn"].split(";")) > 1
+
+
+def test_an_engine_that_rewrites_the_conversation_is_refused() -> None:
+    from r3operator.engine.rollout import build_sample
+    from r3operator.routing.errors import RoutingDataError
+    from r3operator.runtime.multiturn import Conversation, roll_out_conversations
+    from r3operator.trainer.envs import GuessGame
+
+    def generate(prompts: list[list[int]], starts: list[int], turn: int) -> list[Any]:
+        echoed = [p if turn == 0 else [p[0], 99, *p[2:]] for p in prompts]  # turn 2 sees other history ids
+        return [build_sample(prompt_index=i, choice_index=0, prompt_token_ids=e, token_ids=[60, 2],
+                             logprobs=[-1.0, -1.0], routed_experts=None, routed_experts_prompt_start=s,
+                             num_experts=32) for i, (e, s) in enumerate(zip(echoed, starts, strict=True))]  # fmt: skip
+
+    conversation = Conversation(prompt_index=0, choice_index=0, prompt=(1, 20, 21), env=GuessGame(3, vocab_size=512))
+    with pytest.raises(RoutingDataError, match=r"turn 2: the engine's prompt token ids differ .*R3-RETOKENIZE"):
+        roll_out_conversations([conversation], generate, num_experts=32)
+
+
 def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
     engine = FakeEngine(routes=False)
     run = _run(tmp_path, engine)
