@@ -8,7 +8,7 @@ EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv tools cluster cluster-up cluster-down run test test-fast bench lint fmt crd clean
+.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn test test-fast bench lint fmt crd clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ cluster-down: venv
 
 run: venv
 	$(VENV)/bin/r3operator run examples/rljob-local.yaml
+
+# The same runtime on a multi-turn R3 job (the guessing game of r3operator/trainer/envs.py).
+run-multiturn: venv
+	$(VENV)/bin/r3operator run examples/rljob-local-multiturn.yaml
 
 test: venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks

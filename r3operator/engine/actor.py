@@ -34,9 +34,11 @@ class EngineActor:
         self.llm = self.client.llm
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]:
-        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
+        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
+                                    routed_experts_prompt_start=routed_experts_prompt_start or 0)  # fmt: skip
 
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("r3_begin_weight_update")

@@ -25,8 +25,12 @@ class Engine(Protocol):
     name: str
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]: ...
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
+        """`routed_experts_prompt_start[i]`: the rows of prompt i's first tokens that the caller already holds
+        (a multi-turn conversation's earlier turns) are not returned; None: every row."""
+        ...
 
     def begin_weight_update(self) -> None: ...
 

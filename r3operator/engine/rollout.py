@@ -55,6 +55,10 @@ class RolloutSample:
     routes_error: str | None = None
     finish_reason: str | None = None
     routed_experts_prompt_start: int = 0
+    loss_mask: np.ndarray | None = None
+    """bool per generated token: True = the model sampled it (trained). None: every generated token is the
+    model's. A multi-turn trajectory sets False on the environment's tokens: they keep their routes (the
+    context the model saw) but are no action of the policy."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -83,7 +87,7 @@ class RolloutClient(Protocol):
         temperature: float,
         seed: int,
         n: int = 1,
-        routed_experts_prompt_start: int = 0,
+        routed_experts_prompt_start: int | Sequence[int] = 0,
     ) -> list[RolloutSample]: ...
 
 
@@ -92,17 +96,27 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return seed + prompt_index * n
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], routed_experts_prompt_start: int) -> None:
+def prompt_starts(prompts: Sequence[Sequence[int]], routed_experts_prompt_start: int | Sequence[int]) -> list[int]:
+    """One `routed_experts_prompt_start` per prompt (an int applies to all), each checked against its prompt.
+
+    A multi-turn request asks only for the rows it does not hold yet, so every conversation has its own start.
+    """
     if not prompts:
         raise ValueError("prompts is empty")
-    for i, prompt in enumerate(prompts):
+    if isinstance(routed_experts_prompt_start, int):
+        starts = [routed_experts_prompt_start] * len(prompts)
+    else:
+        starts = [int(s) for s in routed_experts_prompt_start]
+        if len(starts) != len(prompts):
+            raise ValueError(f"{len(starts)} routed_experts_prompt_start values for {len(prompts)} prompts")
+    for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{i}] has no tokens")
-        if routed_experts_prompt_start >= len(prompt):
+        if not 0 <= start < len(prompt):
             raise ValueError(
-                f"routed_experts_prompt_start={routed_experts_prompt_start} must be smaller than the "
-                f"length of prompts[{i}] ({len(prompt)})"
+                f"routed_experts_prompt_start={start} must be in [0, {len(prompt)}), the length of prompts[{i}]"
             )
+    return starts
 
 
 def build_sample(
@@ -195,11 +209,11 @@ class InProcessLLMClient:
         temperature: float,
         seed: int,
         n: int = 1,
-        routed_experts_prompt_start: int = 0,
+        routed_experts_prompt_start: int | Sequence[int] = 0,
     ) -> list[RolloutSample]:
         from vllm import SamplingParams
 
-        _check_prompts(prompts, routed_experts_prompt_start)
+        starts = prompt_starts(prompts, routed_experts_prompt_start)
         params = [
             SamplingParams(
                 n=n,
@@ -207,7 +221,7 @@ class InProcessLLMClient:
                 temperature=temperature,
                 seed=request_seed(seed, i, n),
                 logprobs=0,  # the sampled token's logprob only
-                routed_experts_prompt_start=routed_experts_prompt_start,
+                routed_experts_prompt_start=starts[i],
             )
             for i in range(len(prompts))
         ]
@@ -226,7 +240,7 @@ class InProcessLLMClient:
                         token_ids=token_ids,
                         logprobs=lps,
                         routed_experts=choice.routed_experts,
-                        routed_experts_prompt_start=routed_experts_prompt_start,
+                        routed_experts_prompt_start=starts[i],
                         num_experts=self.num_experts,
                         finish_reason=choice.finish_reason,
                     )
@@ -314,9 +328,9 @@ class OpenAIHTTPClient:
         temperature: float,
         seed: int,
         n: int = 1,
-        routed_experts_prompt_start: int = 0,
+        routed_experts_prompt_start: int | Sequence[int] = 0,
     ) -> list[RolloutSample]:
-        _check_prompts(prompts, routed_experts_prompt_start)
+        starts = prompt_starts(prompts, routed_experts_prompt_start)
 
         def one(i: int) -> list[RolloutSample]:
             body = self.completion_body(
@@ -325,11 +339,11 @@ class OpenAIHTTPClient:
                 temperature=temperature,
                 seed=request_seed(seed, i, n),
                 n=n,
-                start=routed_experts_prompt_start,
+                start=starts[i],
             )
             response = self._request("POST", "/v1/completions", body)
             choices = sorted(response["choices"], key=lambda c: c["index"])
-            return [self._sample(i, j, c, routed_experts_prompt_start) for j, c in enumerate(choices)]
+            return [self._sample(i, j, c, starts[i]) for j, c in enumerate(choices)]
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts)))) as pool:
             return [s for batch in pool.map(one, range(len(prompts))) for s in batch]

@@ -81,10 +81,13 @@ class RayEngine:
                    transient=ray_transient)  # fmt: skip
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]:
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
         batch = list(map(list, prompts))
-        return self._call("generate", lambda: self._actor.generate.remote(batch, max_tokens, temperature, seed, n))
+        starts = None if routed_experts_prompt_start is None else [int(s) for s in routed_experts_prompt_start]
+        remote = self._actor.generate.remote
+        return self._call("generate", lambda: remote(batch, max_tokens, temperature, seed, n, starts))
 
     def begin_weight_update(self) -> None:
         self._in_flight = []
@@ -183,9 +186,11 @@ class HTTPEngine:
         retry_call(healthy, what=f"{self.name}: waiting for GET /health", backoff=self.ready, transient=http_transient)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]:
-        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
+        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
+                                    routed_experts_prompt_start=routed_experts_prompt_start or 0)  # fmt: skip
 
     def begin_weight_update(self) -> None:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -249,18 +254,28 @@ class EngineGroup:
         return any(engine.over_http for engine in self.engines)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]:
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
+        """Every prompt's samples; `routed_experts_prompt_start` is passed on only when given, so an engine
+        that predates multi-turn rollouts still serves single-turn ones."""
+        starts = routed_experts_prompt_start
+        if starts is not None and len(starts) != len(prompts):
+            raise ValueError(f"{len(starts)} routed_experts_prompt_start values for {len(prompts)} prompts")
         if len(self.engines) == 1:
-            return self.engines[0].generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
+            extra: dict[str, Any] = {} if starts is None else {"routed_experts_prompt_start": starts}
+            return self.engines[0].generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
+                                            **extra)  # fmt: skip
         from concurrent.futures import ThreadPoolExecutor
         from dataclasses import replace
 
         def one(global_i: int) -> list[RolloutSample]:
             # Seeds follow the global prompt index (request_seed), so the split does not change samples.
             engine = self.engines[global_i % len(self.engines)]
+            extra: dict[str, Any] = {} if starts is None else {"routed_experts_prompt_start": [starts[global_i]]}
             part = engine.generate(
-                [prompts[global_i]], max_tokens=max_tokens, temperature=temperature, seed=seed + global_i * n, n=n
+                [prompts[global_i]], max_tokens=max_tokens, temperature=temperature, seed=seed + global_i * n, n=n,
+                **extra,
             )
             return [replace(s, prompt_index=global_i, sample_id=f"p{global_i}-c{s.choice_index}") for s in part]
 

@@ -1,6 +1,8 @@
 """The GRPO driver: one RL step = the numbered, individually timed phases below.
 
     1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
+                    (multiTurn: group_size conversations per prompt against an environment, each
+                    turn asking only for the new rows, routes stitched per trajectory)
                     (R3 with engines over HTTP: routes written to the routing store on the volume)
     2 reward        rule-based reward per sample
     3 advantages    GRPO, normalised within each prompt's group
@@ -40,8 +42,10 @@ from r3operator.runtime.config import RunSettings, check_architecture, resolve_m
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.faults import EngineSupervisor
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through
+from r3operator.trainer import envs
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
 from r3operator.trainer.factory import build_trainer
@@ -80,6 +84,14 @@ class GRPORun:
             raise ValueError("spec.algorithm.useKLLoss/klInReward: KL to a reference model is not in this runtime yet")
         self.run_dir = settings.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        multi_turn_task = spec.task.name in envs.ENVIRONMENTS
+        if spec.rollout.multi_turn and not multi_turn_task:
+            raise ValueError(f"spec.rollout.multiTurn: task {spec.task.name!r} has no multi-turn environment; "
+                             f"set spec.task.name to one of {sorted(envs.ENVIRONMENTS)}")  # fmt: skip
+        if multi_turn_task and not spec.rollout.multi_turn:
+            raise ValueError(
+                f"spec.task.name: {spec.task.name!r} is a multi-turn game; set spec.rollout.multiTurn: true"
+            )
         self.model_dir = resolve_model_dir(settings.job, settings.model_override)
         self.engines = engines
         self.trainer: Trainer | None = None
@@ -155,8 +167,21 @@ class GRPORun:
         problems = tasks.sample_problems(
             self.pool, count=ro.prompts_per_step, rng=np.random.default_rng([self.spec.seed, step])
         )
+        if ro.multi_turn:
+            samples = self._multi_turn_rollout(step, problems)
+        else:
+            samples = self._single_turn_rollout(step, problems)
+        self.metrics.r3.observe_rollout(samples)
+        if self.mode is ReplayMode.R3 and self.routes_on_volume:
+            write_samples(self.store, samples, step=step, num_experts=self.num_experts,
+                          policy_version=self.policy_version)  # fmt: skip
+        return samples, problems
+
+    def _single_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
+        assert self.engines is not None
+        ro = self.spec.rollout
         engines = self.engines
-        samples = self.supervisor.on_policy(
+        return self.supervisor.on_policy(
             lambda: engines.generate(
                 [p.prompt_ids for p in problems],
                 max_tokens=ro.max_tokens,
@@ -166,14 +191,35 @@ class GRPORun:
             ),
             what=f"step {step} rollout",
         )
-        self.metrics.r3.observe_rollout(samples)
-        if self.mode is ReplayMode.R3 and self.routes_on_volume:
-            write_samples(self.store, samples, step=step, num_experts=self.num_experts,
-                          policy_version=self.policy_version)  # fmt: skip
-        return samples, problems
+
+    def _multi_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
+        """`groupSize` conversations per prompt, each played against its own environment; one batched
+        request per turn sends each open conversation whole, as token ids, and asks only for its new rows
+        (runtime/multiturn.py). A turn is repeated like a rollout when an engine fails or turns stale."""
+        assert self.engines is not None
+        ro = self.spec.rollout
+        engines = self.engines
+        conversations = [
+            Conversation(prompt_index=i, choice_index=j, prompt=problem.prompt_ids,
+                         env=envs.environment(self.spec.task.name, problem, vocab_size=self.vocab_size))
+            for i, problem in enumerate(problems)
+            for j in range(ro.group_size)
+        ]  # fmt: skip
+
+        def turn(prompts: list[list[int]], starts: list[int], turn_no: int) -> list[RolloutSample]:
+            seed = self.spec.seed * 1_000_003 + step * 10_007 + turn_no * 100_003
+            def call() -> list[RolloutSample]:
+                return engines.generate(prompts, max_tokens=ro.max_tokens, temperature=ro.temperature, seed=seed,
+                                        n=1, routed_experts_prompt_start=starts)  # fmt: skip
+
+            return self.supervisor.on_policy(call, what=f"step {step} rollout, turn {turn_no + 1}")
+
+        return roll_out_conversations(conversations, turn, num_experts=self.num_experts)
 
     def score(self, samples: Sequence[RolloutSample], problems: Sequence[tasks.Problem]) -> np.ndarray:
         """2. Rule-based reward of each sample against its prompt's answer."""
+        if self.spec.rollout.multi_turn:  # the environment scored the conversation when it ended
+            return np.asarray([s.extra["reward"] for s in samples], dtype=np.float32)
         kind = self.spec.task.reward
         return np.asarray(
             [tasks.reward(s.token_ids, problems[s.prompt_index].answer_ids, kind=kind) for s in samples],
@@ -372,6 +418,8 @@ class GRPORun:
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
         row = self._rollout_columns(step, samples, rewards, timer)
+        if self.spec.rollout.multi_turn:
+            row["routing_agreement_by_turn"] = self._agreement_by_turn(samples, batch, old)
         row.update({
             "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
             "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
@@ -386,12 +434,25 @@ class GRPORun:
                          timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
         """The metrics.csv columns every step has, trained or skipped: what the rollout produced."""
         tokens = sum(len(s.token_ids) for s in samples)
-        return {
+        columns: dict[str, Any] = {
             "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
             "samples_dropped": len(self.dropped), "tokens": tokens,
             "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
         }  # fmt: skip
+        if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
+            columns["turns_mean"] = float(np.mean([s.extra["turns"] for s in samples]))
+            columns["env_tokens"] = int(sum(s.extra["env_tokens"] for s in samples))
+        return columns
+
+    def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
+        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; runtime/multiturn.py)."""
+        if batch.engine_routes is None or batch.route_pad is None:
+            return ""
+        by_id = {s.sample_id: s for s in samples}
+        kept = [by_id[sid] for sid in batch.sample_ids]
+        by_turn = agreement_by_turn(old.natural_ids, batch.engine_routes, batch.route_pad, kept)
+        return ";".join(f"{x:.4f}" for x in by_turn)
 
     def _checkpoint(self, step: int) -> None:
         assert self.trainer is not None

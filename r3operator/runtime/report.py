@@ -16,6 +16,7 @@ COLUMNS = (
     "canary_near_ties",
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
     "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped",
+    "turns_mean", "env_tokens", "routing_agreement_by_turn",  # multi-turn jobs only; empty otherwise
 )  # fmt: skip
 
 

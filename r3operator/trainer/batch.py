@@ -4,7 +4,8 @@ The one batch builder: the runtime, the benchmarks and both trainer backends con
 Right padding keeps every real token at its natural position (HF and Megatron both derive RoPE
 positions from the column index), so trainer logprobs line up with vLLM's without position_ids
 bookkeeping; causal attention never lets a real token see the trailing pad. Response token i of a
-sample with P prompt tokens sits at logprob column P - 1 + i.
+sample with P prompt tokens sits at logprob column P - 1 + i. A sample's `loss_mask` (a multi-turn
+trajectory's environment tokens are False) takes tokens out of `response_mask`, never out of the input.
 
 Route row r of a sample is absolute token position `routes.start + r` (the request's
 `routed_experts_prompt_start`), so it lands in column `start + r`; columns without a captured route
@@ -111,8 +112,12 @@ def build_batch(
         ids[i, : len(seq)] = seq
         attn[i, : len(seq)] = 1
         begin = len(sample.prompt_token_ids) - 1
-        resp[i, begin : begin + len(sample.token_ids)] = True
-        roll[i, begin : begin + len(sample.token_ids)] = sample.logprobs
+        trained = np.ones(len(sample.token_ids), dtype=bool) if sample.loss_mask is None else sample.loss_mask
+        if trained.shape != (len(sample.token_ids),):
+            raise ValueError(f"build_batch: sample {sample.sample_id!r} has a loss mask of {trained.shape[0]} "
+                             f"entries for {len(sample.token_ids)} generated tokens")  # fmt: skip
+        resp[i, begin : begin + len(sample.token_ids)] = trained
+        roll[i, begin : begin + len(sample.token_ids)] = np.where(trained, sample.logprobs, 0.0)
     engine_routes = route_pad = None
     if routes is not None:
         if len(routes) != len(samples):

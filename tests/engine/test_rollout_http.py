@@ -72,3 +72,20 @@ def test_http_rollout_returns_tokens_logprobs_and_routes(server_url: str) -> Non
     assert samples[0].token_ids != samples[1].token_ids  # children got distinct seeds
     (skipped,) = client.generate(prompts[:1], max_tokens=4, temperature=1.0, seed=3, routed_experts_prompt_start=3)
     assert skipped.routes.start == 3 and skipped.routes.shape[0] == 8 + len(skipped.token_ids) - 1 - 3
+
+
+def test_http_rollout_takes_one_routes_start_per_prompt(server_url: str) -> None:
+    """What a multi-turn turn sends: each conversation its own `routed_experts_prompt_start`. The rows after
+    the start equal those of a request for every row (greedy, same prompt: same tokens)."""
+    import numpy as np
+
+    from r3operator.engine.rollout import OpenAIHTTPClient
+    from r3operator.routing.codec import decode
+
+    client = OpenAIHTTPClient(server_url + "/v1", num_experts=32)
+    prompts = [[1, 28, 5, 6, 14, 11, 18, 23], [1, 20, 21, 22, 24]]
+    whole = client.generate(prompts, max_tokens=3, temperature=0.0, seed=0)
+    delta = client.generate(prompts, max_tokens=3, temperature=0.0, seed=0, routed_experts_prompt_start=[6, 2])
+    for full, part, start in zip(whole, delta, [6, 2], strict=True):
+        assert part.token_ids == full.token_ids and part.routes.start == start
+        np.testing.assert_array_equal(np.sort(decode(part.routes), -1), np.sort(decode(full.routes)[start:], -1))

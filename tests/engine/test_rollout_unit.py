@@ -68,3 +68,16 @@ def test_write_samples_skips_samples_without_routes(tmp_path: Path) -> None:
     assert list(paths) == ["p0-c1"]
     record = RoutingStore(tmp_path).get(step=3, sample_id="p0-c1")
     assert np.array_equal(record.array(), np.tile(np.array([[0, 1], [2, 3]]), (6, 1, 1)))
+
+
+def test_prompt_starts_one_per_prompt_each_inside_its_prompt() -> None:
+    from r3operator.engine.rollout import prompt_starts
+
+    assert prompt_starts([[1, 2, 3], [1, 2]], 1) == [1, 1]
+    assert prompt_starts([[1, 2, 3], [1, 2]], [2, 0]) == [2, 0]
+    with pytest.raises(
+        ValueError, match="routed_experts_prompt_start=2 must be in \\[0, 2\\), the length of prompts\\[1\\]"
+    ):
+        prompt_starts([[1, 2, 3], [1, 2]], [0, 2])
+    with pytest.raises(ValueError, match="1 routed_experts_prompt_start values for 2 prompts"):
+        prompt_starts([[1, 2, 3], [1, 2]], [0])

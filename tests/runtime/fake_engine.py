@@ -1,8 +1,9 @@
 """An in-process stand-in for a rollout engine, with scripted faults (not a test module).
 
 It keeps the engine-side state the runtime relies on: an open weight-update bracket and the policy tag of
-the last finished sync (None after a restart or an abort). Rollouts are random tokens with valid routes
-for the tiny model (4 layers, top-4 of 32 experts), seeded by the request seed like vLLM.
+the last finished sync (None after a restart or an abort). Rollouts are random tokens seeded by the request
+seed like vLLM, with routes for the tiny model (4 layers, top-4 of 32 experts) that are a function of token
+and position (`route_row`), returned from each request's `routed_experts_prompt_start` on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class FakeEngine:
     # and it comes back restarted: original weights, tag None)
     die_on: dict[str, set[int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    starts_seen: list[list[int]] = field(default_factory=list)  # routed_experts_prompt_start of each request
 
     def _call(self, method: str) -> None:
         self.calls.append(method)
@@ -47,22 +49,31 @@ class FakeEngine:
         self.restarts += 1
         self.tag, self.bracket_open = None, False
 
+    def route_row(self, position: int, token: int) -> np.ndarray:
+        """The experts this fake routes `token` at `position` to ([layers, top_k]): a test can tell from a
+        stitched row which token and position it was computed for."""
+        base = (token * 7 + position * 3 + np.arange(self.num_layers)[:, None] * 5) % self.num_experts
+        return ((base + np.arange(self.top_k)[None, :]) % self.num_experts).astype(np.int32)
+
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int
-    ) -> list[RolloutSample]:
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        routed_experts_prompt_start: Sequence[int] | None = None,
+    ) -> list[RolloutSample]:  # fmt: skip
         self._call("generate")
+        starts = [0] * len(prompts) if routed_experts_prompt_start is None else list(routed_experts_prompt_start)
+        self.starts_seen.append(starts)
         samples = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 rng = np.random.default_rng([seed, i, j])
                 tokens = rng.integers(3, self.vocab, size=max_tokens)
-                rows = len(prompt) + max_tokens - 1
-                base = rng.integers(0, self.num_experts, size=(rows, self.num_layers, 1))
-                ids = ((base + np.arange(self.top_k)) % self.num_experts).astype(np.int32)
+                sequence = [*prompt, *tokens.tolist()]
+                # Rows for positions [start, P + G - 1): the last sampled token is never fed back.
+                ids = np.stack([self.route_row(p, sequence[p]) for p in range(starts[i], len(sequence) - 1)])
                 samples.append(build_sample(
                     prompt_index=i, choice_index=j, prompt_token_ids=prompt, token_ids=tokens.tolist(),
                     logprobs=np.full(max_tokens, -1.0), routed_experts=ids if self.routes else None,
-                    routed_experts_prompt_start=0, num_experts=self.num_experts,
+                    routed_experts_prompt_start=starts[i], num_experts=self.num_experts,
                 ))  # fmt: skip
         return samples
 

@@ -1,8 +1,9 @@
 """A fake `vllm serve` on 127.0.0.1 (aiohttp, in a thread) that fails on request (not a test module).
 
 It serves what the runtime uses: `/health`, `/version`, `/v1/models`, `/v1/completions` (token ids,
-logprobs, base64-npy routed experts for a 4-layer top-4 of 32 experts model), `/collective_rpc` for the
-r3_ weight-sync methods (with the engine-side bracket and policy tag) and `/reset_prefix_cache`.
+logprobs, base64-npy routed experts for a 4-layer top-4 of 32 experts model, from the request's
+`routed_experts_prompt_start` on), `/collective_rpc` for the r3_ weight-sync methods (with the engine-side
+bracket and policy tag) and `/reset_prefix_cache`.
 
 `script[path]` is a queue of what the next requests to `path` get: "ok", an HTTP status (int), "drop"
 (the connection is closed without an answer) or "hang" (no answer until the server stops). `restart()`
@@ -26,6 +27,7 @@ class FakeVLLMServer:
     def __init__(self) -> None:
         self.script: dict[str, deque[str | int]] = defaultdict(deque)
         self.log: list[str] = []  # "path" or "/collective_rpc:<method>", in arrival order
+        self.starts: list[int] = []  # routed_experts_prompt_start of each completion request
         self.tag: str | None = None
         self.bracket_open = False
         self.on_completion: Any = None  # called before answering each completion (e.g. restart mid-rollout)
@@ -103,11 +105,13 @@ class FakeVLLMServer:
             self.on_completion(self)
         body = await request.json()
         prompt, n, max_tokens = body["prompt"], body["n"], body["max_tokens"]
+        start = int(body.get("routed_experts_prompt_start", 0))
+        self.starts.append(start)
         choices = []
         for j in range(n):
             rng = np.random.default_rng([body["seed"], j])
             tokens = rng.integers(3, 512, size=max_tokens).tolist()
-            base = rng.integers(0, 32, size=(len(prompt) + max_tokens - 1, 4, 1))
+            base = rng.integers(0, 32, size=(len(prompt) + max_tokens - 1 - start, 4, 1))
             buf = io.BytesIO()
             np.save(buf, ((base + np.arange(4)) % 32).astype(np.int32))
             choices.append({

@@ -96,3 +96,30 @@ def test_replayed_experts_follow_the_prompt_start_through_the_hf_hook() -> None:
     for layer in range(L):
         got = used.records[layer][start : start + len(rows)]
         np.testing.assert_array_equal(got.numpy(), rows[:, layer])
+
+
+def test_loss_mask_takes_env_tokens_out_of_the_loss_but_not_out_of_the_routes() -> None:
+    """A multi-turn trajectory: model turn [8, 9], env reply [40, 41], model turn [10]."""
+    prompt, gen = [5, 6, 7], [8, 9, 40, 41, 10]
+    rows = distinct_routes(len(prompt) + len(gen) - 1, seed=4)
+    traj = RolloutSample(
+        sample_id="t", prompt_index=0, choice_index=0, prompt_token_ids=tuple(prompt), token_ids=tuple(gen),
+        logprobs=np.asarray([-0.5, -0.4, 0.0, 0.0, -0.3], dtype=np.float32), routes=encode(rows, num_experts=E),
+        loss_mask=np.asarray([True, True, False, False, True]),
+    )  # fmt: skip
+    batch = build_batch([traj], [1.0], routes=[traj.routes], pad_id=0)
+    # Column c predicts token c + 1: targets 8, 9 and 10 are trained, the env's 40 and 41 are not.
+    assert batch.response_mask.tolist() == [[False, False, True, True, False, False, True]]
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx([0, 0, -0.5, -0.4, 0, 0, -0.3])
+    assert batch.input_ids[0].tolist() == prompt + gen  # the env tokens stay in the context
+    assert batch.route_pad[0].tolist() == [False] * 7 + [True]  # and keep their routes
+    np.testing.assert_array_equal(batch.engine_routes[0, :7].numpy(), rows)
+
+
+def test_loss_mask_of_the_wrong_length_is_refused() -> None:
+    bad = RolloutSample(
+        sample_id="bad", prompt_index=0, choice_index=0, prompt_token_ids=(5, 6), token_ids=(7, 8),
+        logprobs=np.zeros(2, dtype=np.float32), routes=None, loss_mask=np.asarray([True]),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sample 'bad' has a loss mask of 1 entries for 2 generated tokens"):
+        build_batch([bad], [1.0], routes=None, pad_id=0)

@@ -5,7 +5,10 @@ so no tokenizer round trip sits between the reward and what the engine generated
 
 - `count`: "<bos> count from 3 to 6 :" -> "3 4 5 6 <eos>" (2-4 numbers; a random-init model cannot
   do it, a few supervised warm-up steps make it partially right, RL then raises the reward);
-- `next`:  "<bos> Q : next number after 4 ? A :" -> "5 <eos>".
+- `next`:  "<bos> Q : next number after 4 ? A :" -> "5 <eos>";
+- `guess`: the multi-turn guessing game of `trainer/envs.py` ("<bos> Q : what number from 0 to 9 ? A :",
+  a secret digit per problem). Its answer "7 <eos>" is the format the supervised warm-up teaches; the
+  reward comes from the environment at the end of the conversation, not from `reward` below.
 
 Rewards: `exact-match` (1 if the completion up to and including <eos> equals the answer) and
 `prefix-match` (fraction of answer tokens matched before the first mistake; smoother for tiny models).
@@ -21,7 +24,8 @@ import numpy as np
 
 from r3operator.models.tokenizer import BOS, EOS, vocabulary
 
-TASKS = ("count", "next")
+TASKS = ("count", "next", "guess")
+GUESS_PROMPT = (BOS, "Q", ":", "what", "number", "from", "0", "to", "9", "?", "A", ":")
 REWARDS = ("exact-match", "prefix-match")
 
 
@@ -57,6 +61,9 @@ def problems(task: str, *, vocab_size: int) -> list[Problem]:
         for n in range(9):
             prompt = [BOS, "Q", ":", "next", "number", "after", str(n), "?", "A", ":"]
             out.append(Problem(_ids(prompt, vocab_size), _ids([str(n + 1), EOS], vocab_size)))
+    elif task == "guess":
+        for secret in range(10):
+            out.append(Problem(_ids(GUESS_PROMPT, vocab_size), _ids([str(secret), EOS], vocab_size)))
     else:
         raise ValueError(f"spec.task.name: unknown built-in task {task!r}; choose one of {list(TASKS)}")
     return out
