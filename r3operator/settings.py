@@ -129,6 +129,8 @@ class RuntimeSettings(_Settings):
     engine_ready_cap_s: float | None = Field(None, ge=0)
     """Largest delay between readiness checks (default 15 s)."""
     kubernetes_service_host: str | None = Field(None, validation_alias="KUBERNETES_SERVICE_HOST")
+    kubernetes_service_port: int = Field(443, validation_alias="KUBERNETES_SERVICE_PORT")
+    """Set by Kubernetes beside the host: the API server's port inside the cluster."""
     """Set by Kubernetes in every pod: the driver only talks to the API server when it is there."""
 
     @field_validator("engine_urls", mode="before")
