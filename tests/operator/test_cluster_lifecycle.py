@@ -109,3 +109,23 @@ def test_a_job_larger_than_the_fleet_stays_pending_and_says_why(cluster: Cluster
         assert cond["message"].startswith("engine pods cannot be scheduled: 1 pod: 0/")
         ready = condition(cluster.get(paths(ns, job)["rljob"]), "Ready")
         assert ready["status"] == "False"
+
+
+def test_engine_and_trainer_pods_are_admitted_under_the_restricted_pod_security_level(cluster: Cluster) -> None:
+    ns, job = "restricted", "locked-down"
+    cluster.namespace(ns)
+    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bare", "namespace": ns},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}  # fmt: skip
+    refused = cluster.apply(bare, check=False)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr  # enforcement is on
+    with running_operator(cluster, ns):
+        cluster.apply(small(job, ns))
+        # The admission plugin refuses a non-compliant pod outright: pods that exist were admitted.
+        wait_for(lambda: _engine_pods(cluster, ns, job), timeout=60, what="engine pod admitted")
+        selector = f"r3operator.io/job={job},r3operator.io/role=trainer"
+        wait_for(
+            lambda: cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector={selector}")["items"],
+            timeout=90,
+            what="KubeRay's trainer head pod admitted",
+        )
