@@ -277,6 +277,12 @@ def extra_args_derived(c: RuleContext) -> str | None:
 # ------------------------------------------------------------------------- version-gated rules
 
 
+_VERSION_HOWTO = (
+    "tag the image <own-version>-vllm<X.Y.Z> (e.g. ghcr.io/r3operator/engine:0.1.0-vllm0.22.1), use a vLLM "
+    "image's version tag (vllm/vllm-openai:v0.22.1) or set inference.vllmVersion"
+)
+
+
 def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> str | None:
     if not applies:
         return None
@@ -284,8 +290,8 @@ def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> 
     need = FEATURES[feature].since
     if ok is None:
         return (
-            f"{what} needs vLLM >= {need}, but the vLLM version of image {c.spec.inference.image} is "
-            "unknown: pin a version tag or set inference.vllmVersion"
+            f"{what} needs vLLM >= {need}, but the vLLM version of inference.image {c.spec.inference.image} is "
+            f"unknown: {_VERSION_HOWTO}"
         )
     if not ok:
         return f"{what} needs vLLM >= {need}, got {c.engine_version.version}"
@@ -355,8 +361,8 @@ def unpinned_image(c: RuleContext) -> str | None:
     if inf.vllm_version is None and c.engine_version.version is None:
         tag = image_tag(inf.image)
         return (
-            f"inference.image {inf.image} has {'tag ' + tag if tag else 'no version tag'}, not a version: "
-            "pin a version tag or set inference.vllmVersion; version-gated rules fail closed"
+            f"inference.image {inf.image} has {'tag ' + tag if tag else 'no tag'}, which does not name a vLLM "
+            f"version: {_VERSION_HOWTO}; version-gated rules fail closed"
         )
     return None
 

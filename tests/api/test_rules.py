@@ -64,6 +64,22 @@ def test_unknown_version_fails_closed() -> None:
     assert "unknown" in rules["R3-VLLM-MIN-VERSION"].message
 
 
+def test_our_engine_image_tag_is_read_as_its_vllm_version() -> None:
+    job = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.30.0"}))
+    assert evaluate(job.spec) == []
+    old = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.13.0"}))
+    [f] = [f for f in evaluate(old.spec) if f.rule == "R3-VLLM-MIN-VERSION"]
+    assert "got 0.13.0" in f.message
+
+
+def test_own_version_tag_of_a_non_vllm_image_fails_closed_naming_the_field() -> None:
+    job = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0"}))
+    rules = {f.rule: f for f in evaluate(job.spec)}
+    assert "inference.image ghcr.io/r3operator/engine:0.1.0" in rules["R3-VLLM-MIN-VERSION"].message
+    assert "-vllm<X.Y.Z>" in rules["IMAGE-TAG-UNPINNED"].message
+    assert "inference.vllmVersion" in rules["IMAGE-TAG-UNPINNED"].message
+
+
 def test_errors_sort_before_warnings() -> None:
     job = build(sets(**{"inference.image": "vllm/vllm-openai:latest"}))
     severities = [f.severity for f in evaluate(job.spec)]
