@@ -56,6 +56,12 @@ class SettingsError(ValueError):
     """An environment variable holds a value its setting refuses; the message names the variable."""
 
 
+def _comma_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
 class _Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="ignore")
 
@@ -91,6 +97,16 @@ class OperatorSettings(_Settings):
     """False disables the R3 routed-experts canary (RoutingReplayActive then stays Unknown)."""
     canary_url: str = DEFAULT_CANARY_URL
     """Where the canary goes (``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in)."""
+    operator_namespace: str | None = Field(None, min_length=1)
+    """The operator's namespace (the chart sets it from the downward API): each RLJob's engine NetworkPolicy
+    admits it to the engine port, for the canary. Unset outside a cluster: no namespace is admitted."""
+    engine_ingress_namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated namespaces also admitted to the engine port, e.g. the one Prometheus scrapes from."""
+
+    @field_validator("engine_ingress_namespaces", mode="before")
+    @classmethod
+    def _split_namespaces(cls, value: Any) -> Any:
+        return _comma_list(value)
 
 
 class RuntimeSettings(_Settings):
@@ -136,9 +152,7 @@ class RuntimeSettings(_Settings):
     @field_validator("engine_urls", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [url.strip() for url in value.split(",") if url.strip()]
-        return value
+        return _comma_list(value)
 
     @property
     def in_cluster(self) -> bool:

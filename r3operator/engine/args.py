@@ -109,6 +109,9 @@ def vllm_env(spec: RLJobSpec) -> dict[str, str]:
     env = {
         # An allowlist: only our plugin loads, whatever else the image happens to ship.
         "VLLM_PLUGINS": VLLM_PLUGIN_NAME,
+        # The trainer drives weight sync over HTTP (/collective_rpc, /reset_prefix_cache), which vLLM serves
+        # only in dev mode; the operator fences the port with a NetworkPolicy (operator/builders/network.py).
+        "VLLM_SERVER_DEV_MODE": "1",
     }
     if spec.inference.model_runner_v2:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"

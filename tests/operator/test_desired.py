@@ -49,6 +49,7 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     assert kinds["RayJob"] == f"{name}-trainer"
     assert kinds["PodMonitor"] == f"{name}-metrics"
     assert kinds["ServiceAccount"] == kinds["RoleBinding"] == f"{name}-trainer"
+    assert kinds["NetworkPolicy"] == f"{name}-engine"
     for child in first:
         labels = child["metadata"]["labels"]
         assert labels["app.kubernetes.io/managed-by"] == "r3operator"
@@ -72,7 +73,10 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
         "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension",
     ]  # fmt: skip
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
-    assert container["env"] == [{"name": "VLLM_PLUGINS", "value": "r3operator"}]
+    assert container["env"] == [
+        {"name": "VLLM_PLUGINS", "value": "r3operator"},
+        {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
+    ]
     # Engines only read the routing volume; the trainer writes it.
     assert {"name": "routing", "mountPath": "/var/lib/r3operator", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "mountPath": "/etc/r3operator", "readOnly": True} in container["volumeMounts"]
@@ -394,3 +398,44 @@ def test_trust_remote_code_left_at_false_keeps_the_hashes_of_existing_jobs():
     assert _template_hash(trusted) != _template_hash(_job()) and _trainer_hash(trusted) != _trainer_hash(_job())
     assert "--trust-remote-code" in _by_kind(desired(trusted))["StatefulSet"]["spec"]["template"]["spec"][
         "containers"][0]["command"]  # fmt: skip
+def test_engine_network_policy_admits_the_engine_port_only_from_this_job_and_the_operator_namespace():
+    job = _job()
+    facts = Facts(operator_namespace="r3operator-system", engine_ingress_namespaces=("monitoring",))
+    children = _by_kind(desired(job, facts))
+    policy, sts = children["NetworkPolicy"], children["StatefulSet"]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    engine_pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= engine_pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    same_job, namespaces = policy["spec"]["ingress"]
+    # Every port from this job's trainer pods (HTTP weight sync + NCCL) and its engine pods (DP traffic).
+    trainer_labels = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    worker_template = children["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    peers = [p["podSelector"]["matchLabels"] for p in same_job["from"]]
+    assert "ports" not in same_job and all("namespaceSelector" not in p for p in same_job["from"])
+    assert any(p.items() <= trainer_labels.items() for p in peers)
+    assert any(p.items() <= worker_template["metadata"]["labels"].items() for p in peers)
+    assert any(p.items() <= engine_pod_labels.items() for p in peers)
+    # No peer selects another job's pods or pods of this job in another role.
+    other = _job(uid="uid-2")
+    other.metadata.name = "someone-else"
+    other_labels = _by_kind(desired(other))["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    assert not any(p.items() <= other_labels.items() for p in peers)
+    # The operator's namespace (canary) and the admitted ones reach only the engine port.
+    [peer] = namespaces["from"]
+    [expr] = peer["namespaceSelector"]["matchExpressions"]
+    admitted = ["monitoring", "r3operator-system"]
+    assert expr == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": admitted}
+    assert namespaces["ports"] == [{"protocol": "TCP", "port": job.spec.inference.port}]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == job.spec.inference.port
+
+
+def test_engine_network_policy_without_an_operator_namespace_admits_only_the_job():
+    policy = _by_kind(desired(_job()))["NetworkPolicy"]
+    assert len(policy["spec"]["ingress"]) == 1 and "ports" not in policy["spec"]["ingress"][0]
+
+
+def test_engines_run_in_vllm_dev_mode_for_http_weight_sync():
+    container = _by_kind(desired(_job()))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]

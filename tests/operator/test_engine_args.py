@@ -67,7 +67,8 @@ def test_extra_args_come_last_and_optional_features_map_to_flags():
 
 
 def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
-    assert vllm_env(_spec()) == {"VLLM_PLUGINS": "r3operator"}  # the engine reads no R3OPERATOR_* variable
+    # The engine reads no R3OPERATOR_* variable; dev mode serves /collective_rpc for HTTP weight sync.
+    assert vllm_env(_spec()) == {"VLLM_PLUGINS": "r3operator", "VLLM_SERVER_DEV_MODE": "1"}
     assert vllm_env(_spec(**{"inference.modelRunnerV2": True}))["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
