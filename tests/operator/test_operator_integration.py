@@ -363,6 +363,11 @@ def test_engine_network_policy_selects_this_jobs_engine_pods_and_admits_its_trai
         what="KubeRay's trainer pods selected by a peer",
     )
     assert {p["metadata"]["labels"]["ray.io/node-type"] for p in trainer_pods} >= {"head"}
+    # KubeRay read our rayVersion and injected httpGet probes: its wget exec probes would fail in our image.
+    for pod in trainer_pods:
+        ray_container = pod["spec"]["containers"][0]
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert ray_container[kind]["httpGet"]["path"] == "/api/healthz" and "exec" not in ray_container[kind]
     admitted = {p["metadata"]["name"] for sel in peer_selectors for p in _selected_pods(cluster, sel)}
     assert set(engine_names) <= admitted
     assert not any(name.startswith("walled-") for name in admitted)  # another job's pods stay out

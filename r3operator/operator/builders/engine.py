@@ -53,18 +53,43 @@ def startup_budget_seconds(job: RLJob) -> int:
     return int(min(STARTUP_MAX_S, STARTUP_BASE_S + STARTUP_S_PER_GB * weight_gb))
 
 
+def _leader_health_check(job: RLJob, pods_per_replica: int, timeout_s: int) -> dict[str, Any]:
+    """An exec probe for multi-pod replicas: the DP leader's /health, and success on a ``--headless`` pod.
+
+    One StatefulSet template serves leaders and followers alike, and a headless pod serves no HTTP at all,
+    so an httpGet probe would restart every follower forever. A follower has nothing to ask: its engine
+    cores exit when they lose the leader, which restarts the container; the leader's /health answers only
+    once every DP rank of the replica has joined, so the leader's readiness stands for the replica.
+    ``python3 -S`` (the vLLM image's Python, without site-packages) keeps the check to a fraction of a second.
+    """
+    port = job.spec.inference.port
+    fetch = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout={timeout_s - 1})"
+    script = (
+        'HOST="${HOSTNAME:-$(cat /etc/hostname)}"; ORD="${HOST##*-}"; '
+        f'if [ "$((ORD % {pods_per_replica}))" -ne 0 ]; then exit 0; fi; '
+        f'exec python3 -S -c "{fetch}"'
+    )
+    return {"exec": {"command": ["/bin/sh", "-c", script]}}
+
+
 def probes(job: RLJob) -> dict[str, Any]:
-    port = {"path": "/health", "port": "http"}
+    pods = plan(job).engine_pods_per_replica
+
+    def check(timeout_s: int) -> dict[str, Any]:
+        if pods > 1:
+            return _leader_health_check(job, pods, timeout_s)
+        return {"httpGet": {"path": "/health", "port": "http"}}
+
     return {
         # /health answers only once the engine is up; the startup probe holds liveness off until then.
         "startupProbe": {
-            "httpGet": port,
+            **check(5),
             "periodSeconds": PROBE_PERIOD_S,
             "timeoutSeconds": 5,
             "failureThreshold": math.ceil(startup_budget_seconds(job) / PROBE_PERIOD_S),
         },
-        "readinessProbe": {"httpGet": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": port, "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {**check(5), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**check(10), "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
     }
 
 

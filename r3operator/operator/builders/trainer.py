@@ -19,6 +19,11 @@ from r3operator.operator.hashing import trainer_spec_hash
 from r3operator.settings import CONFIG_DIR, CONFIG_PATH, ROUTING_MOUNT, RuntimeSettings
 
 RAY_API_VERSION = "ray.io/v1"
+RAY_VERSION = "2.60.0"
+"""The Ray the trainer image ships (images/trainer/Dockerfile ``RAY_VERSION``; a test pins them equal).
+KubeRay (v1.6) injects httpGet probes on the dashboard agent's ``/api/healthz`` for Ray >= 2.53 and
+``wget`` exec probes otherwise, and an unset ``rayVersion`` counts as otherwise; the slim trainer image
+has no wget, so without this every trainer pod would fail its probes."""
 ENTRYPOINT = f"r3operator run --config {CONFIG_PATH}"
 WORKER_GROUP = "trainer"
 
@@ -93,6 +98,7 @@ def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
         "shutdownAfterJobFinishes": True,
         "backoffLimit": run.backoff_limit,
         "rayClusterSpec": {
+            "rayVersion": RAY_VERSION,
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(t.gpus_per_node)},
                 "template": _pod_template(job, "ray-head", head=True),
