@@ -9,6 +9,7 @@ from __future__ import annotations
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
+from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import FEATURES, image_tag, supports
 
@@ -383,3 +384,23 @@ def r3_async_scheduling(c: RuleContext) -> str | None:
             "releases; verify your vLLM build accepts it"
         )
     return None
+
+
+def checkpoints_fit_storage(c: RuleContext) -> str | None:
+    """keepLast checkpoints plus the one being written must fit the created routing volume."""
+    storage, ckpt = c.spec.storage, c.spec.checkpoint
+    params = model_params_billions(c.spec.model.uri)
+    if storage.existing_claim is not None or params is None:
+        return None  # an existing claim's size is not in the spec; an unnamed size cannot be estimated
+    one = checkpoint_bytes(params)
+    # The runtime writes the new checkpoint before it prunes the oldest: keepLast + 1 exist at the peak.
+    peak = one * (ckpt.keep_last + 1)
+    size = quantity_bytes(storage.size)
+    if peak <= size:
+        return None
+    fix = "raise storage.size" + (" or lower checkpoint.keepLast" if ckpt.keep_last > 1 else "")
+    return (
+        f"storage.size {storage.size} ({gib(size)}) cannot hold checkpoint.keepLast {ckpt.keep_last} checkpoints plus "
+        f"the one being written: ~{gib(one)} each for a {params:g}B-parameter model (fp32 weights + AdamW), "
+        f"{gib(peak)} at the peak, before routing data; {fix}"
+    )

@@ -484,6 +484,15 @@ RULES: tuple[Rule, ...] = (
         checks.unpinned_image,
     ),
     Rule(
+        "CHECKPOINT-FITS-STORAGE",
+        W,
+        "spec.storage.size",
+        ("model.uri", "checkpoint.keepLast", "storage.size", "storage.existingClaim"),
+        "keepLast checkpoints (+1 being written) must fit the routing volume",
+        ("r3operator: runtime/checkpoint.py (fp32 weights + AdamW, pruned after the new one is written)",),
+        checks.checkpoints_fit_storage,
+    ),
+    Rule(
         "MODEL-ARCH-UNRESOLVED",
         W,
         "spec.model.architecture",

@@ -34,6 +34,8 @@ def base_manifest() -> dict[str, Any]:
             "routingReplay": {"mode": "R3", "replayRef": True},
             "inference": {"image": "vllm/vllm-openai:v0.30.0", "tensorParallelSize": 2},
             "trainer": {"image": "ghcr.io/r3operator/trainer:0.1.0", "backend": "FSDP"},
+            # Two ~335 GiB checkpoints of the 30B model fit (CHECKPOINT-FITS-STORAGE).
+            "storage": {"size": "1Ti"},
         },
     }
 

@@ -148,6 +148,11 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.image": "vllm/vllm-openai:latest", "inference.vllmVersion": "0.30.0"}),
         sets(**{"routingReplay.mode": "Disabled", "inference.image": "vllm/vllm-openai:latest"}),
     ),
+    "CHECKPOINT-FITS-STORAGE": (
+        # Qwen3-30B-A3B: ~335 GiB per checkpoint; keepLast 1 peaks at 2 of them (670 GiB).
+        sets(**{"checkpoint.keepLast": 1, "storage.size": "700Gi"}),
+        sets(**{"checkpoint.keepLast": 2, "storage.size": "1000Gi"}),
+    ),
     "MODEL-ARCH-UNRESOLVED": (
         sets(**{"routingReplay.mode": "Disabled", "model.architecture": None}),
         sets(**{"model.architecture": None}),

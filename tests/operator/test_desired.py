@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from r3operator.api.load import load_rljob, parse_rljob
+from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus
 from r3operator.operator.apply import plan_action
-from r3operator.operator.builders.engine import model_params_billions, startup_budget_seconds
+from r3operator.operator.builders.engine import startup_budget_seconds
 from r3operator.operator.desired import Facts, desired
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,11 +9,11 @@ and join it by its stable DNS name.
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from typing import Any
 
 from r3operator.api.plan import plan
+from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
@@ -32,18 +32,6 @@ STARTUP_S_PER_GB = 6
 STARTUP_UNKNOWN_S = 900
 STARTUP_MAX_S = 3 * 3600
 PROBE_PERIOD_S = 10
-
-_PARAMS = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[Bb](?![A-Za-z])")
-_ACTIVE_PARAMS = re.compile(r"[Aa](\d+(?:\.\d+)?)[Bb](?![A-Za-z])")
-
-
-def model_params_billions(uri: str) -> float | None:
-    """Total parameters from the model name, e.g. Qwen3-30B-A3B → 30 (the A3B active count is ignored)."""
-    name = uri.rsplit("/", 1)[-1]
-    name = _ACTIVE_PARAMS.sub("", name)
-    found = [float(m.group(1)) for m in _PARAMS.finditer(name.replace("_", "-"))]
-    return max(found) if found else None
-
 
 def startup_budget_seconds(job: RLJob) -> int:
     params = model_params_billions(job.spec.model.uri)
