@@ -92,7 +92,8 @@ def test_pods_get_only_variables_the_runtime_reads() -> None:
     containers = [c for child in children for template in _pod_templates(child) for c in template["spec"]["containers"]]
     names = {e["name"] for c in containers for e in c.get("env", [])}
     ours = {n for n in names if n.startswith(ENV_PREFIX)}
-    assert ours == {"R3OPERATOR_RLJOB_NAME", "R3OPERATOR_RLJOB_NAMESPACE"}
+    # The example's hf:// model is downloaded into the pods: the trainer is told where (R3OPERATOR_MODEL_DIR).
+    assert ours == {"R3OPERATOR_RLJOB_NAME", "R3OPERATOR_RLJOB_NAMESPACE", "R3OPERATOR_MODEL_DIR"}
     assert ours <= set(RuntimeSettings.env_names())
 
 

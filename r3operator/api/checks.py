@@ -404,3 +404,16 @@ def checkpoints_fit_storage(c: RuleContext) -> str | None:
         f"the one being written: ~{gib(one)} each for a {params:g}B-parameter model (fp32 weights + AdamW), "
         f"{gib(peak)} at the peak, before routing data; {fix}"
     )
+
+
+UNFETCHED_MODEL_SCHEMES = ("s3://", "gs://")
+
+
+def model_uri_scheme(c: RuleContext) -> str | None:
+    uri = c.spec.model.uri
+    if uri.startswith(UNFETCHED_MODEL_SCHEMES):
+        return (
+            f"model.uri {uri}: s3:// and gs:// models are not fetched into the pods yet; copy the model to a "
+            "PersistentVolumeClaim (pvc://claim/path) or use hf://org/name"
+        )
+    return None

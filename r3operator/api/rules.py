@@ -413,6 +413,21 @@ RULES: tuple[Rule, ...] = (
             "FieldValueInvalid",
         ),
     ),
+    Rule(
+        "MODEL-URI-SCHEME",
+        E,
+        "spec.model.uri",
+        ("model.uri",),
+        "s3:// and gs:// models are not fetched yet",
+        ("r3operator: engine/args.py model_source",),
+        checks.model_uri_scheme,
+        CelRule(
+            "!self.model.uri.startsWith('s3://') && !self.model.uri.startsWith('gs://')",
+            "'model.uri ' + self.model.uri + ': s3:// and gs:// models are not fetched into the pods yet; copy the "
+            "model to a PersistentVolumeClaim (pvc://claim/path) or use hf://org/name'",
+            ".model.uri",
+        ),
+    ),
     # Python-only: need the vLLM version matrix (outside facts).
     Rule(
         "R3-VLLM-MIN-VERSION",

@@ -148,6 +148,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.image": "vllm/vllm-openai:latest", "inference.vllmVersion": "0.30.0"}),
         sets(**{"routingReplay.mode": "Disabled", "inference.image": "vllm/vllm-openai:latest"}),
     ),
+    "MODEL-URI-SCHEME": (
+        sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
+        sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
+    ),
     "CHECKPOINT-FITS-STORAGE": (
         # Qwen3-30B-A3B: ~335 GiB per checkpoint; keepLast 1 peaks at 2 of them (670 GiB).
         sets(**{"checkpoint.keepLast": 1, "storage.size": "700Gi"}),

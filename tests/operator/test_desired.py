@@ -73,7 +73,8 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == [
-        "vllm", "serve", "Qwen/Qwen3-30B-A3B", "--port", "8000", "--revision", "main",
+        # hf://Qwen/Qwen3-30B-A3B (revision main) is downloaded by the init container; vLLM loads the copy.
+        "vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B", "--port", "8000",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
         "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
@@ -505,3 +506,67 @@ def test_engine_network_policy_without_an_operator_namespace_admits_only_the_job
 def test_engines_run_in_vllm_dev_mode_for_http_weight_sync():
     container = _by_kind(desired(_job()))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
+
+
+def _pod_specs(children: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    ray = children["RayJob"]["spec"]["rayClusterSpec"]
+    return {
+        "engine": children["StatefulSet"]["spec"]["template"]["spec"],
+        "head": ray["headGroupSpec"]["template"]["spec"],
+        "worker": ray["workerGroupSpecs"][0]["template"]["spec"],
+    }
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_pvc_model_is_mounted_read_only_in_engines_and_trainer_at_the_path_each_loads():
+    children = _by_kind(desired(_job(**{"model.uri": "pvc://weights/qwen/v1", "model.revision": None})))
+    engine_command = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert engine_command[2] == "/mnt/model/qwen/v1"
+    for role, pod in _pod_specs(children).items():
+        [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}, role
+        (container,) = pod["containers"]
+        assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in container["volumeMounts"], role
+        assert "initContainers" not in pod, role
+        if role != "engine":
+            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/qwen/v1"
+
+
+def test_hf_model_is_downloaded_by_an_init_container_into_every_pod_with_the_pinned_revision_and_token():
+    secret = {"name": "hf-token", "key": "hf"}
+    children = _by_kind(desired(_job(**{"model.tokenSecretRef": secret})))
+    engine_command = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert engine_command[2] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B" and "--revision" not in engine_command
+    for role, pod in _pod_specs(children).items():
+        [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume == {"name": "model", "emptyDir": {}}, role
+        (fetch,) = pod["initContainers"]
+        assert fetch["image"] == pod["containers"][0]["image"]  # an engine edit never touches trainer pods
+        assert fetch["command"][:2] == ["python3", "-c"]
+        assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
+        assert {"name": "model", "mountPath": "/mnt/model"} in fetch["volumeMounts"]  # writable for the download
+        assert fetch["securityContext"] == pod["containers"][0]["securityContext"]  # as locked down as the pod's
+        env = _env(fetch)
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
+        assert env["HF_HOME"].startswith("/mnt/model/")  # the image's home may be read-only
+        (container,) = pod["containers"]
+        assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in container["volumeMounts"], role
+        if role != "engine":
+            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B"
+
+
+def test_hf_model_without_a_token_secret_downloads_anonymously():
+    children = _by_kind(desired(_job()))
+    for pod in _pod_specs(children).values():
+        (fetch,) = pod["initContainers"]
+        assert "HF_TOKEN" not in _env(fetch)
+
+
+def test_reference_model_mounts_nothing_extra():
+    children = _by_kind(desired(_job(REPO / "examples" / "rljob-local.yaml")))
+    for pod in _pod_specs(children).values():
+        assert "initContainers" not in pod and all(v["name"] != "model" for v in pod["volumes"])
+        assert "R3OPERATOR_MODEL_DIR" not in _env(pod["containers"][0])

@@ -75,7 +75,9 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     sts = kids["sts"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     command = container["command"]
-    assert command[:3] == ["vllm", "serve", "Qwen/Qwen3-30B-A3B"]
+    assert command[:3] == ["vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
+    (fetch,) = sts["spec"]["template"]["spec"]["initContainers"]
+    assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
     for flag in ("--enable-return-routed-experts", "--enable-expert-parallel"):
         assert flag in command
     joined = shlex.join(command)

@@ -17,9 +17,10 @@ from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
+from r3operator.operator.builders.model import ModelMount, model_mount
 from r3operator.operator.builders.security import ENGINE_UID, container_security_context, pod_security_context
 from r3operator.operator.hashing import engine_spec_hash
-from r3operator.settings import CONFIG_DIR, MODEL_MOUNT, ROUTING_MOUNT
+from r3operator.settings import CONFIG_DIR, ROUTING_MOUNT
 
 CONTAINER_NAME = "vllm"
 DP_RPC_PORT = 13345
@@ -123,7 +124,7 @@ def _resources(job: RLJob) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(job: RLJob, model: ModelMount) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     # Engines only read the routing volume (weights for a sync, reference models); the trainer driver
     # writes it. Read-only here keeps an engine from changing data of a claim it shares.
     routing_claim = {"claimName": meta.routing_claim_name(job), "readOnly": True}
@@ -137,12 +138,7 @@ def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    uri = job.spec.model.uri
-    if uri.startswith("pvc://"):
-        claim = uri.removeprefix("pvc://").split("/", 1)[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    return volumes, mounts
+    return volumes + model.volumes, mounts + model.mounts
 
 
 def build_engine_service(job: RLJob) -> dict[str, Any]:
@@ -163,7 +159,8 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
 def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
     """``replicas`` are engine replicas (0 when suspended or finished); pods = replicas × podsPerReplica."""
     inf = job.spec.inference
-    volumes, mounts = _volumes(job)
+    model = model_mount(job, image=inf.image)
+    volumes, mounts = _volumes(job, model)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": inf.image,
@@ -193,6 +190,7 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
                     # vLLM never calls the Kubernetes API: no token in the engine pods.
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security_context(ENGINE_UID),
+                    **({"initContainers": model.init_containers} if model.init_containers else {}),
                     "containers": [container],
                     "volumes": volumes,
                     "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
