@@ -11,7 +11,7 @@ from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, Train
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import FEATURES, image_tag, supports
+from r3operator.api.versions import FEATURES, STOCK_VLLM_REPOSITORIES, image_repository, image_tag, supports
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -417,3 +417,15 @@ def model_uri_scheme(c: RuleContext) -> str | None:
             "PersistentVolumeClaim (pvc://claim/path) or use hf://org/name"
         )
     return None
+
+
+def stock_engine_image(c: RuleContext) -> str | None:
+    image = c.spec.inference.image
+    if image_repository(image) not in STOCK_VLLM_REPOSITORIES:
+        return None
+    return (
+        f"inference.image {image} is the stock vLLM image: it lacks the r3operator package that the engine "
+        "arguments load (--worker-extension-cls r3operator.engine.worker.WeightSyncWorkerExtension and the "
+        "routed-experts plugin), so vllm serve fails at start; use images/engine/Dockerfile built FROM it "
+        "(ghcr.io/r3operator/engine:<version>-vllm<X.Y.Z>)"
+    )

@@ -499,6 +499,15 @@ RULES: tuple[Rule, ...] = (
         checks.unpinned_image,
     ),
     Rule(
+        "ENGINE-IMAGE-PLUGIN",
+        W,
+        "spec.inference.image",
+        ("inference.image",),
+        "the stock vLLM image lacks the r3operator plugin and worker extension",
+        ("r3operator: images/engine/Dockerfile", "r3operator: engine/args.py WORKER_EXTENSION_CLS"),
+        checks.stock_engine_image,
+    ),
+    Rule(
         "CHECKPOINT-FITS-STORAGE",
         W,
         "spec.storage.size",

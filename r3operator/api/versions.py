@@ -136,6 +136,19 @@ def image_repository_name(image: str) -> str:
     return name.split(":", 1)[0]
 
 
+STOCK_VLLM_REPOSITORIES = frozenset(
+    {"vllm/vllm-openai", "docker.io/vllm/vllm-openai", "index.docker.io/vllm/vllm-openai"}
+)
+"""The official vLLM server image, which lacks the r3operator plugin (images/engine/Dockerfile adds it)."""
+
+
+def image_repository(image: str) -> str:
+    """The repository of an image reference, without tag or digest (``vllm/vllm-openai:v1`` → vllm/vllm-openai)."""
+    ref = image.split("@", 1)[0]
+    head, _, last = ref.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+
+
 def version_from_image(image: str) -> Version | None:
     """The vLLM version an image's tag names, or None when the tag does not say it (see the module doc)."""
     tag = image_tag(image)

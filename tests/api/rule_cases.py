@@ -152,6 +152,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
         sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
     ),
+    "ENGINE-IMAGE-PLUGIN": (
+        sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build
+        sets(**{"inference.image": "docker.io/vllm/vllm-openai:v0.30.0"}),
+    ),
     "CHECKPOINT-FITS-STORAGE": (
         # Qwen3-30B-A3B: ~335 GiB per checkpoint; keepLast 1 peaks at 2 of them (670 GiB).
         sets(**{"checkpoint.keepLast": 1, "storage.size": "700Gi"}),

@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 from packaging.version import Version
 
-from r3operator.api.versions import FEATURES, VersionSource, resolve_engine_version, supports, version_from_image
+from r3operator.api.versions import (
+    FEATURES,
+    VersionSource,
+    image_repository,
+    resolve_engine_version,
+    supports,
+    version_from_image,
+)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +37,19 @@ from r3operator.api.versions import FEATURES, VersionSource, resolve_engine_vers
 def test_version_from_image(image: str, expected: str | None) -> None:
     got = version_from_image(image)
     assert (str(got) if got else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("image", "repository"),
+    [
+        ("vllm/vllm-openai:v0.22.1", "vllm/vllm-openai"),
+        ("registry.example.com:5000/vllm/vllm-openai:v0.22.1", "registry.example.com:5000/vllm/vllm-openai"),
+        ("vllm/vllm-openai@sha256:" + "0" * 64, "vllm/vllm-openai"),
+        ("engine", "engine"),
+    ],
+)
+def test_image_repository(image: str, repository: str) -> None:
+    assert image_repository(image) == repository
 
 
 def test_explicit_version_wins_over_tag() -> None:
