@@ -121,7 +121,7 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     assert len(engine_pods) == 4
     assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in engine_pods)
     wide = cluster.kubectl("get", "rlj", "-n", NS, "-o", "wide").stdout
-    assert "0.22.1" in wide and "vllm/vllm-openai:v0.22.1" in wide
+    assert "0.22.1" in wide and "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1" in wide
 
 
 def test_cel_rule_is_refused_by_kubectl_apply(cluster: Cluster, operator: KopfRunner):
