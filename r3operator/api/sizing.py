@@ -17,8 +17,13 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 fp32 moments (8 bytes). A lower bound for Megatron, which may also keep bf16 copies."""
 
 _QUANTITY = re.compile(r"^[+]?(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<suffix>[eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$")
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_BINARY: dict[str, Decimal] = {
+    s: Decimal(2) ** (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))
+}
+_DECIMAL: dict[str, Decimal] = {
+    "m": Decimal("0.001"),
+    **{s: Decimal(10) ** (3 * (i + 1)) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
 
 
 def model_params_billions(uri: str) -> float | None:
