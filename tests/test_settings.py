@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "r3operator"
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 # Variables other programs define; reading them is part of talking to those programs.
-FOREIGN = {"KUBERNETES_SERVICE_HOST"}
+FOREIGN = {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
 # torch.distributed's launch contract, read where the process group is set up.
 DISTRIBUTED = {"WORLD_SIZE", "LOCAL_RANK"}
 
