@@ -39,7 +39,9 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/models"
 """r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
 MODEL_MOUNT = "/mnt/model"
-"""pvc://claim/path models: the claim is mounted read-only here."""
+"""pvc://claim/path models: the claim is mounted read-only here; hf:// models are downloaded into an emptyDir here."""
+HF_DOWNLOAD_SUBDIR = "hf"
+"""hf://org/name is downloaded to ``MODEL_MOUNT/hf/org/name``."""
 RUNS_DIR = "runs"
 """Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
 
@@ -54,6 +56,12 @@ DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
 
 class SettingsError(ValueError):
     """An environment variable holds a value its setting refuses; the message names the variable."""
+
+
+def _comma_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
 
 
 class _Settings(BaseSettings):
@@ -91,6 +99,16 @@ class OperatorSettings(_Settings):
     """False disables the R3 routed-experts canary (RoutingReplayActive then stays Unknown)."""
     canary_url: str = DEFAULT_CANARY_URL
     """Where the canary goes (``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in)."""
+    operator_namespace: str | None = Field(None, min_length=1)
+    """The operator's namespace (the chart sets it from the downward API): each RLJob's engine NetworkPolicy
+    admits it to the engine port, for the canary. Unset outside a cluster: no namespace is admitted."""
+    engine_ingress_namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated namespaces also admitted to the engine port, e.g. the one Prometheus scrapes from."""
+
+    @field_validator("engine_ingress_namespaces", mode="before")
+    @classmethod
+    def _split_namespaces(cls, value: Any) -> Any:
+        return _comma_list(value)
 
 
 class RuntimeSettings(_Settings):
@@ -136,9 +154,7 @@ class RuntimeSettings(_Settings):
     @field_validator("engine_urls", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [url.strip() for url in value.split(",") if url.strip()]
-        return value
+        return _comma_list(value)
 
     @property
     def in_cluster(self) -> bool:

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "r3operator"
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 # Variables other programs define; reading them is part of talking to those programs.
-FOREIGN = {"KUBERNETES_SERVICE_HOST"}
+FOREIGN = {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
 # torch.distributed's launch contract, read where the process group is set up.
 DISTRIBUTED = {"WORLD_SIZE", "LOCAL_RANK"}
 
@@ -92,7 +92,8 @@ def test_pods_get_only_variables_the_runtime_reads() -> None:
     containers = [c for child in children for template in _pod_templates(child) for c in template["spec"]["containers"]]
     names = {e["name"] for c in containers for e in c.get("env", [])}
     ours = {n for n in names if n.startswith(ENV_PREFIX)}
-    assert ours == {"R3OPERATOR_RLJOB_NAME", "R3OPERATOR_RLJOB_NAMESPACE"}
+    # The example's hf:// model is downloaded into the pods: the trainer is told where (R3OPERATOR_MODEL_DIR).
+    assert ours == {"R3OPERATOR_RLJOB_NAME", "R3OPERATOR_RLJOB_NAMESPACE", "R3OPERATOR_MODEL_DIR"}
     assert ours <= set(RuntimeSettings.env_names())
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
+from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import FEATURES, image_tag, supports
+from r3operator.api.versions import FEATURES, STOCK_VLLM_REPOSITORIES, image_repository, image_tag, supports
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -277,6 +278,12 @@ def extra_args_derived(c: RuleContext) -> str | None:
 # ------------------------------------------------------------------------- version-gated rules
 
 
+_VERSION_HOWTO = (
+    "tag the image <own-version>-vllm<X.Y.Z> (e.g. ghcr.io/r3operator/engine:0.1.0-vllm0.22.1), use a vLLM "
+    "image's version tag (vllm/vllm-openai:v0.22.1) or set inference.vllmVersion"
+)
+
+
 def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> str | None:
     if not applies:
         return None
@@ -284,8 +291,8 @@ def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> 
     need = FEATURES[feature].since
     if ok is None:
         return (
-            f"{what} needs vLLM >= {need}, but the vLLM version of image {c.spec.inference.image} is "
-            "unknown: pin a version tag or set inference.vllmVersion"
+            f"{what} needs vLLM >= {need}, but the vLLM version of inference.image {c.spec.inference.image} is "
+            f"unknown: {_VERSION_HOWTO}"
         )
     if not ok:
         return f"{what} needs vLLM >= {need}, got {c.engine_version.version}"
@@ -355,8 +362,8 @@ def unpinned_image(c: RuleContext) -> str | None:
     if inf.vllm_version is None and c.engine_version.version is None:
         tag = image_tag(inf.image)
         return (
-            f"inference.image {inf.image} has {'tag ' + tag if tag else 'no version tag'}, not a version: "
-            "pin a version tag or set inference.vllmVersion; version-gated rules fail closed"
+            f"inference.image {inf.image} has {'tag ' + tag if tag else 'no tag'}, which does not name a vLLM "
+            f"version: {_VERSION_HOWTO}; version-gated rules fail closed"
         )
     return None
 
@@ -377,3 +384,48 @@ def r3_async_scheduling(c: RuleContext) -> str | None:
             "releases; verify your vLLM build accepts it"
         )
     return None
+
+
+def checkpoints_fit_storage(c: RuleContext) -> str | None:
+    """keepLast checkpoints plus the one being written must fit the created routing volume."""
+    storage, ckpt = c.spec.storage, c.spec.checkpoint
+    params = model_params_billions(c.spec.model.uri)
+    if storage.existing_claim is not None or params is None:
+        return None  # an existing claim's size is not in the spec; an unnamed size cannot be estimated
+    one = checkpoint_bytes(params)
+    # The runtime writes the new checkpoint before it prunes the oldest: keepLast + 1 exist at the peak.
+    peak = one * (ckpt.keep_last + 1)
+    size = quantity_bytes(storage.size)
+    if peak <= size:
+        return None
+    fix = "raise storage.size" + (" or lower checkpoint.keepLast" if ckpt.keep_last > 1 else "")
+    return (
+        f"storage.size {storage.size} ({gib(size)}) cannot hold checkpoint.keepLast {ckpt.keep_last} checkpoints plus "
+        f"the one being written: ~{gib(one)} each for a {params:g}B-parameter model (fp32 weights + AdamW), "
+        f"{gib(peak)} at the peak, before routing data; {fix}"
+    )
+
+
+UNFETCHED_MODEL_SCHEMES = ("s3://", "gs://")
+
+
+def model_uri_scheme(c: RuleContext) -> str | None:
+    uri = c.spec.model.uri
+    if uri.startswith(UNFETCHED_MODEL_SCHEMES):
+        return (
+            f"model.uri {uri}: s3:// and gs:// models are not fetched into the pods yet; copy the model to a "
+            "PersistentVolumeClaim (pvc://claim/path) or use hf://org/name"
+        )
+    return None
+
+
+def stock_engine_image(c: RuleContext) -> str | None:
+    image = c.spec.inference.image
+    if image_repository(image) not in STOCK_VLLM_REPOSITORIES:
+        return None
+    return (
+        f"inference.image {image} is the stock vLLM image: it lacks the r3operator package that the engine "
+        "arguments load (--worker-extension-cls r3operator.engine.worker.WeightSyncWorkerExtension and the "
+        "routed-experts plugin), so vllm serve fails at start; use images/engine/Dockerfile built FROM it "
+        "(ghcr.io/r3operator/engine:<version>-vllm<X.Y.Z>)"
+    )

@@ -413,6 +413,21 @@ RULES: tuple[Rule, ...] = (
             "FieldValueInvalid",
         ),
     ),
+    Rule(
+        "MODEL-URI-SCHEME",
+        E,
+        "spec.model.uri",
+        ("model.uri",),
+        "s3:// and gs:// models are not fetched yet",
+        ("r3operator: engine/args.py model_source",),
+        checks.model_uri_scheme,
+        CelRule(
+            "!self.model.uri.startsWith('s3://') && !self.model.uri.startsWith('gs://')",
+            "'model.uri ' + self.model.uri + ': s3:// and gs:// models are not fetched into the pods yet; copy the "
+            "model to a PersistentVolumeClaim (pvc://claim/path) or use hf://org/name'",
+            ".model.uri",
+        ),
+    ),
     # Python-only: need the vLLM version matrix (outside facts).
     Rule(
         "R3-VLLM-MIN-VERSION",
@@ -482,6 +497,24 @@ RULES: tuple[Rule, ...] = (
         "the engine image tag is not a version",
         ("r3operator: version-gated rules",),
         checks.unpinned_image,
+    ),
+    Rule(
+        "ENGINE-IMAGE-PLUGIN",
+        W,
+        "spec.inference.image",
+        ("inference.image",),
+        "the stock vLLM image lacks the r3operator plugin and worker extension",
+        ("r3operator: images/engine/Dockerfile", "r3operator: engine/args.py WORKER_EXTENSION_CLS"),
+        checks.stock_engine_image,
+    ),
+    Rule(
+        "CHECKPOINT-FITS-STORAGE",
+        W,
+        "spec.storage.size",
+        ("model.uri", "checkpoint.keepLast", "storage.size", "storage.existingClaim"),
+        "keepLast checkpoints (+1 being written) must fit the routing volume",
+        ("r3operator: runtime/checkpoint.py (fp32 weights + AdamW, pruned after the new one is written)",),
+        checks.checkpoints_fit_storage,
     ),
     Rule(
         "MODEL-ARCH-UNRESOLVED",

@@ -43,6 +43,7 @@ CATEGORIES = ("rl",)
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$"
 MODEL_URI_PATTERN = r"^(hf|s3|gs|pvc|file|r3operator)://[^\s]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
 ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
@@ -82,15 +83,25 @@ class ModelArchitecture(_Model):
     """Leading dense decoder layers (DeepSeek-V3 has 3); their route rows are zero-filled."""
 
 
+class SecretKeyRef(_Model):
+    """A key of a Secret in the RLJob's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
 class ModelSpec(_Model):
     uri: str = Field(max_length=1024, pattern=MODEL_URI_PATTERN)
-    """Where the weights live: hf://org/name, s3://…, gs://…, pvc://claim/path, file:///path, or
-    r3operator://reference/<name> for the project's generated reference MoE."""
+    """Where the weights live: hf://org/name (downloaded into each pod), pvc://claim/path (mounted
+    read-only), file:///path (inside the image), or r3operator://reference/<name> for the project's
+    generated reference MoE. s3:// and gs:// are refused for now (MODEL-URI-SCHEME)."""
     revision: str | None = Field(default=None, max_length=128)
     """Commit, tag or branch for hf:// models; pin it for reproducible runs."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
     gates the code-loading flags in inference.extraArgs (rule EXTRA-ARGS-CODE-LOADING)."""
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret key holding a Hugging Face token (HF_TOKEN of the download) for gated or private hf:// models."""
     architecture: ModelArchitecture | None = None
     """Architecture facts. Needed by the replay rules; the operator may resolve them from the
     model's config.json in a later version."""
@@ -249,8 +260,11 @@ class WeightSyncSpec(_Model):
 
 
 class CheckpointSpec(_Model):
-    interval_steps: int = Field(default=1, ge=1, le=1_000_000)
-    keep_last: int = Field(default=2, ge=1, le=1000)
+    interval_steps: int = Field(default=50, ge=1, le=1_000_000)
+    """Save every N steps, and always after the last step. A checkpoint holds fp32 weights and AdamW
+    state, 12 bytes per parameter (~360 GB for a 30B model), so saving every step costs real time."""
+    keep_last: int = Field(default=1, ge=1, le=1000)
+    """Complete checkpoints kept; while a new one is written, keepLast + 1 are on the volume."""
 
 
 class StorageSpec(_Model):

@@ -6,9 +6,16 @@ installed source). When only a later release is verified, ``since`` is that late
 ``note`` says so: an unverified earlier release is treated as lacking the feature, which is the
 fail-closed choice for a rule that refuses GPU spend.
 
-The engine's version comes from ``inference.vllmVersion`` or else the image tag
-(``vllm/vllm-openai:v0.22.1`` → 0.22.1). A tag that is not a version (``latest``, ``nightly``, a
-digest) leaves the version unknown, and every version-gated rule that applies then fails closed.
+The engine's version comes from ``inference.vllmVersion`` or else the image tag:
+
+- a ``vllm<version>`` part of the tag names it, whatever comes before: our engine image
+  ``ghcr.io/r3operator/engine:0.1.0-vllm0.22.1`` → 0.22.1 (the leading 0.1.0 is r3operator's version);
+- otherwise a version tag counts only on an image whose repository name says vLLM
+  (``vllm/vllm-openai:v0.22.1`` → 0.22.1): on any other image a plain version tag is that image's own
+  version, and reading it as vLLM's would pass version gates on a guess.
+
+Anything else (``latest``, ``nightly``, a digest, ``acme/engine:1.2.0``) leaves the version unknown, and
+every version-gated rule that applies then fails closed.
 """
 
 from __future__ import annotations
@@ -97,7 +104,9 @@ FEATURES: dict[str, Feature] = {
     )
 }
 
-_TAG_VERSION = re.compile(r"^v?(?P<v>[0-9]+\.[0-9]+\.[0-9]+(?:(?:rc|\.post)[0-9]+)?)(?:[-+_.].*)?$")
+_VERSION = r"(?P<v>[0-9]+\.[0-9]+\.[0-9]+(?:(?:rc|\.post)[0-9]+)?)"
+_TAG_VERSION = re.compile(rf"^v?{_VERSION}(?:[-+_.].*)?$")
+_TAG_VLLM_SUFFIX = re.compile(rf"(?:^|[-_.])vllm[-_]?v?{_VERSION}(?:[-+_].*)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +130,33 @@ def image_tag(image: str) -> str | None:
     return last.split(":", 1)[1] if ":" in last else None
 
 
+def image_repository_name(image: str) -> str:
+    """The last path segment of the repository, without tag or digest (``vllm/vllm-openai:v1`` → vllm-openai)."""
+    name = image.split("@", 1)[0].rsplit("/", 1)[-1]
+    return name.split(":", 1)[0]
+
+
+STOCK_VLLM_REPOSITORIES = frozenset(
+    {"vllm/vllm-openai", "docker.io/vllm/vllm-openai", "index.docker.io/vllm/vllm-openai"}
+)
+"""The official vLLM server image, which lacks the r3operator plugin (images/engine/Dockerfile adds it)."""
+
+
+def image_repository(image: str) -> str:
+    """The repository of an image reference, without tag or digest (``vllm/vllm-openai:v1`` → vllm/vllm-openai)."""
+    ref = image.split("@", 1)[0]
+    head, _, last = ref.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+
+
 def version_from_image(image: str) -> Version | None:
+    """The vLLM version an image's tag names, or None when the tag does not say it (see the module doc)."""
     tag = image_tag(image)
     if tag is None:
         return None
-    m = _TAG_VERSION.match(tag)
+    m = _TAG_VLLM_SUFFIX.search(tag)
+    if m is None and "vllm" in image_repository_name(image).lower():
+        m = _TAG_VERSION.match(tag)
     if m is None:
         return None
     try:

@@ -15,10 +15,11 @@ Replay modes and route capture:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from r3operator.api.enums import KVConnector, ReplayMode
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
+from r3operator.settings import HF_DOWNLOAD_SUBDIR, MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
@@ -32,21 +33,50 @@ _KV_CONNECTORS: dict[KVConnector, str] = {
 }
 
 
-def model_path(spec: RLJobSpec) -> str:
-    """What `vllm serve` is given as the model for `spec.model.uri`."""
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where engine and trainer pods find the model of ``spec.model.uri``: the one resolver both use.
+
+    - ``pvc://claim/path``: the claim is mounted read-only at MODEL_MOUNT, the model is ``MODEL_MOUNT/path``;
+    - ``hf://org/name``: an init container downloads it (``revision`` pinned, token from
+      ``model.tokenSecretRef``) into an emptyDir at MODEL_MOUNT, the model is ``MODEL_MOUNT/hf/org/name``;
+    - ``file:///path``: a path already inside the pod's image or node;
+    - ``r3operator://reference/<name>``: generated onto the routing volume by the trainer driver;
+    - ``s3://``/``gs://``: passed through (the rule MODEL-URI-SCHEME refuses them: nothing fetches them).
+    """
+
+    scheme: str
+    directory: str
+    """The model's directory inside every pod (the URI itself for s3:// and gs://)."""
+    claim: str | None = None
+    """pvc:// only: the PersistentVolumeClaim mounted at MODEL_MOUNT."""
+    hf_repo: str | None = None
+    """hf:// only: the repository the init container downloads."""
+
+    @property
+    def mounted(self) -> bool:
+        """The pods get a ``model`` volume at MODEL_MOUNT (a claim or a download)."""
+        return self.claim is not None or self.hf_repo is not None
+
+
+def model_source(spec: RLJobSpec) -> ModelSource:
     uri = spec.model.uri
     scheme, _, rest = uri.partition("://")
     if scheme == "hf":
-        return rest
+        return ModelSource(scheme, f"{MODEL_MOUNT}/{HF_DOWNLOAD_SUBDIR}/{rest}", hf_repo=rest)
     if scheme == "file":
-        return rest if rest.startswith("/") else "/" + rest
+        return ModelSource(scheme, rest if rest.startswith("/") else "/" + rest)
     if scheme == "pvc":
-        _claim, _, sub = rest.partition("/")
-        return f"{MODEL_MOUNT}/{sub}".rstrip("/")
+        claim, _, sub = rest.partition("/")
+        return ModelSource(scheme, f"{MODEL_MOUNT}/{sub}".rstrip("/"), claim=claim)
     if scheme == "r3operator":
-        return f"{REFERENCE_MODELS_DIR}/{rest.rsplit('/', 1)[-1]}"
-    # s3:// and gs:// are passed through: vLLM loads them with its object-storage streamer.
-    return uri
+        return ModelSource(scheme, f"{REFERENCE_MODELS_DIR}/{rest.rsplit('/', 1)[-1]}")
+    return ModelSource(scheme, uri)
+
+
+def model_path(spec: RLJobSpec) -> str:
+    """What `vllm serve` is given as the model for `spec.model.uri` (and so the name it serves it under)."""
+    return model_source(spec).directory
 
 
 def captures_routes(spec: RLJobSpec) -> bool:
@@ -63,8 +93,6 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod."""
     inf = spec.inference
     args = ["vllm", "serve", model_path, "--port", str(inf.port)]
-    if spec.model.revision and spec.model.uri.startswith("hf://"):
-        args += ["--revision", spec.model.revision]
     if spec.model.trust_remote_code:
         args.append("--trust-remote-code")
     args += [
@@ -109,6 +137,9 @@ def vllm_env(spec: RLJobSpec) -> dict[str, str]:
     env = {
         # An allowlist: only our plugin loads, whatever else the image happens to ship.
         "VLLM_PLUGINS": VLLM_PLUGIN_NAME,
+        # The trainer drives weight sync over HTTP (/collective_rpc, /reset_prefix_cache), which vLLM serves
+        # only in dev mode; the operator fences the port with a NetworkPolicy (operator/builders/network.py).
+        "VLLM_SERVER_DEV_MODE": "1",
     }
     if spec.inference.model_runner_v2:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"

@@ -5,8 +5,8 @@ on outside facts the reconciler observed (:class:`Facts`: is the PodMonitor CRD 
 trainer RayJob finish, has the TTL after that passed) — never on the RLJob's status, which is output.
 
 Lifecycle:
-- running: PVC, ConfigMap, engine Service + StatefulSet, trainer ServiceAccount + Role + RoleBinding,
-  RayJob, PodMonitor;
+- running: PVC, ConfigMap, engine Service + StatefulSet + NetworkPolicy, trainer ServiceAccount + Role +
+  RoleBinding, RayJob, PodMonitor;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - finished (the RayJob says so): engines at 0 replicas (free the GPUs now), the RayJob is kept;
 - finished and ``ttlSecondsAfterFinished`` elapsed: only a Retain PVC remains desired; the
@@ -23,6 +23,7 @@ from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
 from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
+from r3operator.operator.builders.network import build_engine_network_policy
 from r3operator.operator.builders.storage import build_routing_claim
 from r3operator.operator.builders.trainer import build_ray_job
 from r3operator.operator.builders.trainer_rbac import (
@@ -43,6 +44,10 @@ class Facts:
     """The trainer RayJob reached Succeeded or Failed (lifecycle.observed_finish)."""
     expired: bool = False
     """ttlSecondsAfterFinished elapsed since the RayJob's end (lifecycle.ttl_expired)."""
+    operator_namespace: str | None = None
+    """Where the operator runs (its canary reaches the engines from there); None outside a cluster."""
+    engine_ingress_namespaces: tuple[str, ...] = ()
+    """Further namespaces admitted to the engine port (R3OPERATOR_ENGINE_INGRESS_NAMESPACES)."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -58,6 +63,11 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
     children.append(build_engine_statefulset(job, replicas=0 if stopped else job.spec.inference.replicas))
+    children.append(
+        build_engine_network_policy(
+            job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces
+        )
+    )
     children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))

@@ -78,6 +78,8 @@ def reconciler() -> Reconciler:
                 discovery_ttl_s=CONFIG.discovery_ttl_seconds,
                 canary=CONFIG.canary,
                 canary_url_template=CONFIG.canary_url,
+                operator_namespace=CONFIG.operator_namespace,
+                engine_ingress_namespaces=tuple(CONFIG.engine_ingress_namespaces),
             ),
         )
     return _state["reconciler"]

@@ -74,6 +74,7 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("v1", "events"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),
     "Pod": Kind("v1", "pods"),
+    "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "RLJob": Kind("r3operator.io/v1alpha1", "rljobs"),

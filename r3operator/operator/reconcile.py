@@ -55,6 +55,7 @@ _CHILD_KINDS = (
     (meta.ROLE_TRAINER, "Role"),
     (meta.ROLE_TRAINER, "ServiceAccount"),
     (meta.ROLE_ENGINE, "StatefulSet"),
+    (meta.ROLE_ENGINE, "NetworkPolicy"),
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
@@ -112,6 +113,9 @@ class ReconcilerSettings:
     canary_url_template: str = DEFAULT_CANARY_URL
     """Where the canary is sent; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
     canary_retry_s: float = 60.0
+    operator_namespace: str | None = None
+    """The operator's own namespace (R3OPERATOR_OPERATOR_NAMESPACE), admitted to the engine port for the canary."""
+    engine_ingress_namespaces: tuple[str, ...] = ()
 
 
 def _bad_polarity(cond_type: str, status: ConditionStatus) -> bool:
@@ -209,7 +213,14 @@ class Reconciler:
         missing: tuple[str, ...] = ()
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-            children = desired(job, Facts(pod_monitor_crd=pod_monitor, finished=finish is not None, expired=expired))
+            facts = Facts(
+                pod_monitor_crd=pod_monitor,
+                finished=finish is not None,
+                expired=expired,
+                operator_namespace=self.settings.operator_namespace,
+                engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
+            )
+            children = desired(job, facts)
             read = await self._read(children, known={("RayJob", trainer): raw_ray_job})
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.engine.args import model_source
 from r3operator.settings import RUNTIME_KEY, RuntimeSettings, runtime_settings
 
 REFERENCE_PREFIX = "r3operator://reference/"
@@ -88,11 +89,21 @@ def resolve_model_dir(job: RLJob, override: str | None = None) -> Path:
     uri = job.spec.model.uri
     if uri.startswith(REFERENCE_PREFIX):
         return ensure_reference_model(uri.removeprefix(REFERENCE_PREFIX))
-    if uri.startswith("file://"):
-        return Path(uri.removeprefix("file://"))
+    source = model_source(job.spec)
+    if source.scheme == "file":
+        return Path(source.directory)
+    if source.mounted:
+        # In a pod the operator mounts the claim or the downloaded copy here (operator/builders/model.py).
+        directory = Path(source.directory)
+        if directory.is_dir():
+            return directory
+        raise ValueError(
+            f"spec.model.uri {uri!r}: the model's directory {directory} is not there; in a pod the operator mounts "
+            f"it, elsewhere set {RuntimeSettings.env_name('model_dir')} to the model's directory"
+        )
     raise ValueError(
-        f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name> or file:// models; "
-        f"for hf://, s3://, gs:// or pvc:// set {RuntimeSettings.env_name('model_dir')} to the model's directory"
+        f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name>, file://, pvc:// and hf:// "
+        f"models; for others set {RuntimeSettings.env_name('model_dir')} to the model's directory"
     )
 
 

@@ -32,8 +32,10 @@ def base_manifest() -> dict[str, Any]:
                 "architecture": {"numLayers": 48, "numExperts": 128, "topK": 8, "family": "qwen3_moe"},
             },
             "routingReplay": {"mode": "R3", "replayRef": True},
-            "inference": {"image": "vllm/vllm-openai:v0.30.0", "tensorParallelSize": 2},
+            "inference": {"image": "ghcr.io/r3operator/engine:0.1.0-vllm0.30.0", "tensorParallelSize": 2},
             "trainer": {"image": "ghcr.io/r3operator/trainer:0.1.0", "backend": "FSDP"},
+            # Two ~335 GiB checkpoints of the 30B model fit (CHECKPOINT-FITS-STORAGE).
+            "storage": {"size": "1Ti"},
         },
     }
 

@@ -148,6 +148,19 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.image": "vllm/vllm-openai:latest", "inference.vllmVersion": "0.30.0"}),
         sets(**{"routingReplay.mode": "Disabled", "inference.image": "vllm/vllm-openai:latest"}),
     ),
+    "MODEL-URI-SCHEME": (
+        sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
+        sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
+    ),
+    "ENGINE-IMAGE-PLUGIN": (
+        sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build
+        sets(**{"inference.image": "docker.io/vllm/vllm-openai:v0.30.0"}),
+    ),
+    "CHECKPOINT-FITS-STORAGE": (
+        # Qwen3-30B-A3B: ~335 GiB per checkpoint; keepLast 1 peaks at 2 of them (670 GiB).
+        sets(**{"checkpoint.keepLast": 1, "storage.size": "700Gi"}),
+        sets(**{"checkpoint.keepLast": 2, "storage.size": "1000Gi"}),
+    ),
     "MODEL-ARCH-UNRESOLVED": (
         sets(**{"routingReplay.mode": "Disabled", "model.architecture": None}),
         sets(**{"model.architecture": None}),

@@ -64,6 +64,40 @@ def test_unknown_version_fails_closed() -> None:
     assert "unknown" in rules["R3-VLLM-MIN-VERSION"].message
 
 
+def test_our_engine_image_tag_is_read_as_its_vllm_version() -> None:
+    job = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.30.0"}))
+    assert evaluate(job.spec) == []
+    old = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.13.0"}))
+    [f] = [f for f in evaluate(old.spec) if f.rule == "R3-VLLM-MIN-VERSION"]
+    assert "got 0.13.0" in f.message
+
+
+def test_own_version_tag_of_a_non_vllm_image_fails_closed_naming_the_field() -> None:
+    job = build(sets(**{"inference.image": "ghcr.io/r3operator/engine:0.1.0"}))
+    rules = {f.rule: f for f in evaluate(job.spec)}
+    assert "inference.image ghcr.io/r3operator/engine:0.1.0" in rules["R3-VLLM-MIN-VERSION"].message
+    assert "-vllm<X.Y.Z>" in rules["IMAGE-TAG-UNPINNED"].message
+    assert "inference.vllmVersion" in rules["IMAGE-TAG-UNPINNED"].message
+
+
+def test_checkpoint_warning_quotes_sizes_and_skips_what_it_cannot_estimate() -> None:
+    job = build(sets(**{"checkpoint.keepLast": 2, "storage.size": "500Gi"}))
+    [f] = [f for f in evaluate(job.spec) if f.rule == "CHECKPOINT-FITS-STORAGE"]
+    assert "storage.size 500Gi (500 GiB)" in f.message and "keepLast 2" in f.message
+    assert "~335 GiB each for a 30B-parameter model" in f.message and "1006 GiB at the peak" in f.message
+    existing = build(sets(**{"storage.size": "1Gi", "storage.existingClaim": "models"}))
+    unnamed = build(sets(**{"storage.size": "1Gi", "model.uri": "hf://org/mystery-moe"}))
+    for spec in (existing.spec, unnamed.spec):
+        assert "CHECKPOINT-FITS-STORAGE" not in {f.rule for f in evaluate(spec)}
+
+
+def test_default_checkpoint_settings_fit_the_default_volume_for_a_7b_model() -> None:
+    job = build(sets(**{"model.uri": "hf://allenai/OLMoE-1B-7B-0924", "storage": {}}))
+    assert job.spec.checkpoint.interval_steps == 50 and job.spec.checkpoint.keep_last == 1
+    [f] = [f for f in evaluate(job.spec) if f.rule == "CHECKPOINT-FITS-STORAGE"]  # 2 x 78 GiB > 100Gi
+    assert "100Gi" in f.message
+
+
 def test_errors_sort_before_warnings() -> None:
     job = build(sets(**{"inference.image": "vllm/vllm-openai:latest"}))
     severities = [f.severity for f in evaluate(job.spec)]

@@ -97,6 +97,7 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("", "pods", "list")}  # the scheduler's reason for pods it cannot place
         | {("ray.io", "rayjobs", v) for v in crud}
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
+        | {("networking.k8s.io", "networkpolicies", v) for v in crud}  # the engine port's fence
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
         | {("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings") for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
@@ -187,7 +188,9 @@ def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
 
     container = render().one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     ours = {e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)}
-    assert ours == {"R3OPERATOR_METRICS_PORT"}
+    assert ours == {"R3OPERATOR_METRICS_PORT", "R3OPERATOR_OPERATOR_NAMESPACE"}
+    namespace_env = next(e for e in container["env"] if e["name"] == "R3OPERATOR_OPERATOR_NAMESPACE")
+    assert namespace_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert ours <= set(OperatorSettings.env_names())
 
 

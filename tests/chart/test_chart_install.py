@@ -254,7 +254,7 @@ def reconciled(
 def test_operator_with_the_charts_token_creates_every_child(
     control_plane: ControlPlane, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
 ) -> None:
-    assert set(reconciled) == {"pvc", "cm", "svc", "sts", "rayjob", "sa", "rb"}
+    assert set(reconciled) == {"pvc", "cm", "svc", "sts", "rayjob", "sa", "rb", "np"}  # np: networkpolicies granted
     rljob = control_plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{JOB}")
     conditions = {c["type"]: c for c in rljob["status"]["conditions"]}
     assert conditions["Valid"]["status"] == "True", conditions

@@ -118,6 +118,14 @@ def test_engine_image_is_the_official_vllm_image_at_a_versioned_tag() -> None:
     assert entry_points == {"r3operator": "r3operator.engine.plugin:register"}
 
 
+def test_rayjob_declares_the_ray_version_the_trainer_image_ships() -> None:
+    # KubeRay picks httpGet probes (no wget in the image) from rayClusterSpec.rayVersion >= 2.53.
+    from r3operator.operator.builders.trainer import RAY_VERSION
+
+    assert _args(IMAGES["trainer"])["RAY_VERSION"] == RAY_VERSION
+    assert Version(RAY_VERSION) >= Version("2.53.0")
+
+
 def test_trainer_image_pins_torch_ray_megatron() -> None:
     args = _args(IMAGES["trainer"])
     pins = _pyproject_pins(_python_version(IMAGES["trainer"]))

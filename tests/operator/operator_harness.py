@@ -35,12 +35,17 @@ def _free_port() -> int:
 
 
 CANARY_PORT = _free_port()
+OPERATOR_NAMESPACE = "r3operator-system"
+METRICS_NAMESPACE = "monitoring"
 os.environ.update(
     R3OPERATOR_RESYNC_SECONDS="1",
     R3OPERATOR_IDLE_SECONDS="0",
     R3OPERATOR_DISCOVERY_TTL_SECONDS="0.5",
     R3OPERATOR_METRICS_PORT="0",
     R3OPERATOR_CANARY_URL=f"http://127.0.0.1:{CANARY_PORT}",
+    # What the chart sets from the downward API, and one namespace admitted for metrics scraping.
+    R3OPERATOR_OPERATOR_NAMESPACE=OPERATOR_NAMESPACE,
+    R3OPERATOR_ENGINE_INGRESS_NAMESPACES=METRICS_NAMESPACE,
 )
 
 
@@ -127,6 +132,7 @@ def paths(namespace: str, job: str) -> dict[str, str]:
         "rayjob": f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs/{job}-trainer",
         "sa": f"/api/v1/namespaces/{namespace}/serviceaccounts/{job}-trainer",
         "rb": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings/{job}-trainer",
+        "np": f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies/{job}-engine",
     }
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
+import http.server
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +18,10 @@ import pytest
 import yaml
 
 from r3operator.api.load import load_rljob, parse_rljob
+from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus
 from r3operator.operator.apply import plan_action
-from r3operator.operator.builders.engine import model_params_billions, startup_budget_seconds
+from r3operator.operator.builders.engine import startup_budget_seconds
 from r3operator.operator.desired import Facts, desired
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +57,7 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     assert kinds["RayJob"] == f"{name}-trainer"
     assert kinds["PodMonitor"] == f"{name}-metrics"
     assert kinds["ServiceAccount"] == kinds["RoleBinding"] == f"{name}-trainer"
+    assert kinds["NetworkPolicy"] == f"{name}-engine"
     for child in first:
         labels = child["metadata"]["labels"]
         assert labels["app.kubernetes.io/managed-by"] == "r3operator"
@@ -64,7 +73,8 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == [
-        "vllm", "serve", "Qwen/Qwen3-30B-A3B", "--port", "8000", "--revision", "main",
+        # hf://Qwen/Qwen3-30B-A3B (revision main) is downloaded by the init container; vLLM loads the copy.
+        "vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B", "--port", "8000",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
         "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
@@ -72,7 +82,10 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
         "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension",
     ]  # fmt: skip
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
-    assert container["env"] == [{"name": "VLLM_PLUGINS", "value": "r3operator"}]
+    assert container["env"] == [
+        {"name": "VLLM_PLUGINS", "value": "r3operator"},
+        {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
+    ]
     # Engines only read the routing volume; the trainer writes it.
     assert {"name": "routing", "mountPath": "/var/lib/r3operator", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "mountPath": "/etc/r3operator", "readOnly": True} in container["volumeMounts"]
@@ -106,6 +119,62 @@ def test_multi_pod_replica_uses_ordinals_for_dp_ranks_and_headless_followers():
     assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "4"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _health_server(port: int, status: int) -> Iterator[None]:
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _run_probe(probe: dict[str, Any], hostname: str) -> int:
+    env = {"PATH": os.environ["PATH"], "HOSTNAME": hostname}
+    return subprocess.run(probe["exec"]["command"], env=env, timeout=30, check=False).returncode
+
+
+def test_single_pod_replicas_probe_health_over_http():
+    container = _by_kind(desired(_job()))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[kind]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_headless_followers_of_a_multi_pod_replica_pass_their_probes_and_leaders_check_health():
+    port = _free_port()
+    job = _job(**{"inference.dataParallelSize": 4, "inference.dataParallelSizeLocal": 2, "inference.port": port})
+    container = _by_kind(desired(job))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
+    assert all("httpGet" not in p for p in probes)  # a --headless pod serves no HTTP
+    for probe in probes:
+        # Ordinals 1 and 3 are --headless followers (2 pods per replica): nothing listens, they still pass.
+        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-1") == 0
+        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-3") == 0
+        # Leaders (0, 2) fail while their /health does not answer, and pass once it answers 200.
+        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-2") != 0
+        with _health_server(port, 503):
+            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-0") != 0
+        with _health_server(port, 200):
+            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-0") == 0
+            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-2") == 0
+
+
 def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspend():
     job = _job()
     ray = _by_kind(desired(job))["RayJob"]
@@ -119,6 +188,8 @@ def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspe
     for pod in (head, workers["template"]["spec"]):
         assert pod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"
         assert {"name": "routing", "mountPath": "/var/lib/r3operator"} in pod["containers"][0]["volumeMounts"]
+    # KubeRay injects httpGet probes (not wget exec probes, which the trainer image cannot run) for Ray >= 2.53.
+    assert spec["rayClusterSpec"]["rayVersion"] == "2.60.0"
     suspended = _by_kind(desired(_job(**{"runPolicy.suspend": True})))
     assert suspended["RayJob"]["spec"]["suspend"] is True
     assert suspended["StatefulSet"]["spec"]["replicas"] == 0
@@ -394,3 +465,108 @@ def test_trust_remote_code_left_at_false_keeps_the_hashes_of_existing_jobs():
     assert _template_hash(trusted) != _template_hash(_job()) and _trainer_hash(trusted) != _trainer_hash(_job())
     assert "--trust-remote-code" in _by_kind(desired(trusted))["StatefulSet"]["spec"]["template"]["spec"][
         "containers"][0]["command"]  # fmt: skip
+def test_engine_network_policy_admits_the_engine_port_only_from_this_job_and_the_operator_namespace():
+    job = _job()
+    facts = Facts(operator_namespace="r3operator-system", engine_ingress_namespaces=("monitoring",))
+    children = _by_kind(desired(job, facts))
+    policy, sts = children["NetworkPolicy"], children["StatefulSet"]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    engine_pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= engine_pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    same_job, namespaces = policy["spec"]["ingress"]
+    # Every port from this job's trainer pods (HTTP weight sync + NCCL) and its engine pods (DP traffic).
+    trainer_labels = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    worker_template = children["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    peers = [p["podSelector"]["matchLabels"] for p in same_job["from"]]
+    assert "ports" not in same_job and all("namespaceSelector" not in p for p in same_job["from"])
+    assert any(p.items() <= trainer_labels.items() for p in peers)
+    assert any(p.items() <= worker_template["metadata"]["labels"].items() for p in peers)
+    assert any(p.items() <= engine_pod_labels.items() for p in peers)
+    # No peer selects another job's pods or pods of this job in another role.
+    other = _job(uid="uid-2")
+    other.metadata.name = "someone-else"
+    other_labels = _by_kind(desired(other))["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    assert not any(p.items() <= other_labels.items() for p in peers)
+    # The operator's namespace (canary) and the admitted ones reach only the engine port.
+    [peer] = namespaces["from"]
+    [expr] = peer["namespaceSelector"]["matchExpressions"]
+    admitted = ["monitoring", "r3operator-system"]
+    assert expr == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": admitted}
+    assert namespaces["ports"] == [{"protocol": "TCP", "port": job.spec.inference.port}]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == job.spec.inference.port
+
+
+def test_engine_network_policy_without_an_operator_namespace_admits_only_the_job():
+    policy = _by_kind(desired(_job()))["NetworkPolicy"]
+    assert len(policy["spec"]["ingress"]) == 1 and "ports" not in policy["spec"]["ingress"][0]
+
+
+def test_engines_run_in_vllm_dev_mode_for_http_weight_sync():
+    container = _by_kind(desired(_job()))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
+
+
+def _pod_specs(children: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    ray = children["RayJob"]["spec"]["rayClusterSpec"]
+    return {
+        "engine": children["StatefulSet"]["spec"]["template"]["spec"],
+        "head": ray["headGroupSpec"]["template"]["spec"],
+        "worker": ray["workerGroupSpecs"][0]["template"]["spec"],
+    }
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_pvc_model_is_mounted_read_only_in_engines_and_trainer_at_the_path_each_loads():
+    children = _by_kind(desired(_job(**{"model.uri": "pvc://weights/qwen/v1", "model.revision": None})))
+    engine_command = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert engine_command[2] == "/mnt/model/qwen/v1"
+    for role, pod in _pod_specs(children).items():
+        [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}, role
+        (container,) = pod["containers"]
+        assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in container["volumeMounts"], role
+        assert "initContainers" not in pod, role
+        if role != "engine":
+            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/qwen/v1"
+
+
+def test_hf_model_is_downloaded_by_an_init_container_into_every_pod_with_the_pinned_revision_and_token():
+    secret = {"name": "hf-token", "key": "hf"}
+    children = _by_kind(desired(_job(**{"model.tokenSecretRef": secret})))
+    engine_command = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert engine_command[2] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B" and "--revision" not in engine_command
+    for role, pod in _pod_specs(children).items():
+        [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume == {"name": "model", "emptyDir": {}}, role
+        (fetch,) = pod["initContainers"]
+        assert fetch["image"] == pod["containers"][0]["image"]  # an engine edit never touches trainer pods
+        assert fetch["command"][:2] == ["python3", "-c"]
+        assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
+        assert {"name": "model", "mountPath": "/mnt/model"} in fetch["volumeMounts"]  # writable for the download
+        assert fetch["securityContext"] == pod["containers"][0]["securityContext"]  # as locked down as the pod's
+        env = _env(fetch)
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
+        assert env["HF_HOME"].startswith("/mnt/model/")  # the image's home may be read-only
+        (container,) = pod["containers"]
+        assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in container["volumeMounts"], role
+        if role != "engine":
+            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B"
+
+
+def test_hf_model_without_a_token_secret_downloads_anonymously():
+    children = _by_kind(desired(_job()))
+    for pod in _pod_specs(children).values():
+        (fetch,) = pod["initContainers"]
+        assert "HF_TOKEN" not in _env(fetch)
+
+
+def test_reference_model_mounts_nothing_extra():
+    children = _by_kind(desired(_job(REPO / "examples" / "rljob-local.yaml")))
+    for pod in _pod_specs(children).values():
+        assert "initContainers" not in pod and all(v["name"] != "model" for v in pod["volumes"])
+        assert "R3OPERATOR_MODEL_DIR" not in _env(pod["containers"][0])

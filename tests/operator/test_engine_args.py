@@ -40,7 +40,7 @@ def test_r3_args_capture_routes_with_mp_and_the_spec_parallelism():
     assert (pairs["--data-parallel-size"], pairs["--data-parallel-size-local"]) == ("2", "2")
     assert (pairs["--max-model-len"], pairs["--gpu-memory-utilization"], pairs["--port"]) == ("8192", "0.85", "8000")
     assert pairs["--worker-extension-cls"] == WORKER_EXTENSION_CLS
-    assert pairs["--revision"] == "main"
+    assert "--revision" not in args  # the revision is pinned by the download; vLLM loads a local copy
 
 
 @pytest.mark.parametrize("mode", ["R2", "Disabled"])
@@ -67,14 +67,15 @@ def test_extra_args_come_last_and_optional_features_map_to_flags():
 
 
 def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
-    assert vllm_env(_spec()) == {"VLLM_PLUGINS": "r3operator"}  # the engine reads no R3OPERATOR_* variable
+    # The engine reads no R3OPERATOR_* variable; dev mode serves /collective_rpc for HTTP weight sync.
+    assert vllm_env(_spec()) == {"VLLM_PLUGINS": "r3operator", "VLLM_SERVER_DEV_MODE": "1"}
     assert vllm_env(_spec(**{"inference.modelRunnerV2": True}))["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
 @pytest.mark.parametrize(
     ("uri", "expected"),
     [
-        ("hf://Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B"),
+        ("hf://Qwen/Qwen3-30B-A3B", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"),
         ("file:///models/q", "/models/q"),
         ("pvc://weights/qwen/v1", "/mnt/model/qwen/v1"),
         ("r3operator://reference/tiny", "/var/lib/r3operator/models/tiny"),

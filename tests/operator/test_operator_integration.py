@@ -16,6 +16,8 @@ import pytest
 from kopf.testing import KopfRunner
 from operator_harness import (
     EXAMPLE,
+    METRICS_NAMESPACE,
+    OPERATOR_NAMESPACE,
     Cluster,
     condition,
     example,
@@ -73,7 +75,9 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     sts = kids["sts"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     command = container["command"]
-    assert command[:3] == ["vllm", "serve", "Qwen/Qwen3-30B-A3B"]
+    assert command[:3] == ["vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
+    (fetch,) = sts["spec"]["template"]["spec"]["initContainers"]
+    assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
     for flag in ("--enable-return-routed-experts", "--enable-expert-parallel"):
         assert flag in command
     joined = shlex.join(command)
@@ -117,7 +121,7 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     assert len(engine_pods) == 4
     assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in engine_pods)
     wide = cluster.kubectl("get", "rlj", "-n", NS, "-o", "wide").stdout
-    assert "0.22.1" in wide and "vllm/vllm-openai:v0.22.1" in wide
+    assert "0.22.1" in wide and "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1" in wide
 
 
 def test_cel_rule_is_refused_by_kubectl_apply(cluster: Cluster, operator: KopfRunner):
@@ -289,7 +293,7 @@ def test_finished_job_scales_engines_down_and_ttl_deletes_workloads_keeping_reta
     left = _children(cluster, job)
     assert left["pvc"] is not None and _uid(left["pvc"]) == _uid(kids["pvc"])
     assert left["cm"] is None and left["svc"] is None and left["rayjob"] is None
-    assert left["sa"] is None and left["rb"] is None
+    assert left["sa"] is None and left["rb"] is None and left["np"] is None
     assert cluster.get(paths(NS, job)["rljob"]) is not None
     # Sticky: the trainer is gone, Succeeded stays True.
     _cond(cluster, job, "Succeeded", "True")
@@ -309,3 +313,75 @@ def test_delete_with_retain_keeps_the_pvc_without_owner(cluster: Cluster, operat
     pvc = cluster.get(paths(NS, job)["pvc"])
     assert pvc is not None and not pvc["metadata"].get("ownerReferences")
     assert pvc["metadata"]["annotations"]["r3operator.io/retained-from-uid"]
+
+
+def _selected_pods(cluster: Cluster, match_labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The pods the API server itself returns for a label selector (what a CNI would match)."""
+    selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+    items = cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_engine_network_policy_selects_this_jobs_engine_pods_and_admits_its_trainer_pods(
+    cluster: Cluster, operator: KopfRunner
+):
+    job = "fence"
+    cluster.apply(example(job, NS))
+    cluster.apply(example("walled", NS))
+    kids = _all_children(cluster, job)
+    policy = kids["np"]
+    rljob = cluster.get(paths(NS, job)["rljob"])
+    (owner,) = policy["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+    # The selector picks exactly this job's engine pods, made by the real StatefulSet controller.
+    engine_names = wait_for(
+        lambda: (
+            (names := sorted(p["metadata"]["name"] for p in _pods(cluster, job, "statefulset.kubernetes.io/pod-name")))
+            and len(names) == 4
+            and names
+        ),
+        timeout=60,
+        what="the 4 engine pods",
+    )
+    selected = _selected_pods(cluster, policy["spec"]["podSelector"]["matchLabels"])
+    assert sorted(p["metadata"]["name"] for p in selected) == engine_names
+    assert all(p["metadata"]["name"].startswith(f"{job}-engine-") for p in selected)
+
+    # Peers of the all-ports rule: this job's trainer pods (made by the real KubeRay) and its engine pods.
+    same_job, namespaces = policy["spec"]["ingress"]
+    assert "ports" not in same_job
+    peer_selectors = [peer["podSelector"]["matchLabels"] for peer in same_job["from"]]
+    assert all("namespaceSelector" not in peer for peer in same_job["from"])
+    trainer_pods = wait_for(
+        lambda: [
+            p
+            for sel in peer_selectors
+            for p in _selected_pods(cluster, sel)
+            if "ray.io/node-type" in p["metadata"]["labels"]
+        ],
+        timeout=60,
+        what="KubeRay's trainer pods selected by a peer",
+    )
+    assert {p["metadata"]["labels"]["ray.io/node-type"] for p in trainer_pods} >= {"head"}
+    # KubeRay read our rayVersion and injected httpGet probes: its wget exec probes would fail in our image.
+    for pod in trainer_pods:
+        ray_container = pod["spec"]["containers"][0]
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert ray_container[kind]["httpGet"]["path"] == "/api/healthz" and "exec" not in ray_container[kind]
+    admitted = {p["metadata"]["name"] for sel in peer_selectors for p in _selected_pods(cluster, sel)}
+    assert set(engine_names) <= admitted
+    assert not any(name.startswith("walled-") for name in admitted)  # another job's pods stay out
+
+    # The operator's namespace (canary) and the admitted metrics namespace reach only the engine port.
+    [peer] = namespaces["from"]
+    [expr] = peer["namespaceSelector"]["matchExpressions"]
+    assert expr == {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "In",
+        "values": sorted([METRICS_NAMESPACE, OPERATOR_NAMESPACE]),
+    }
+    assert namespaces["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # The API server labels every namespace with its name, which is what that selector matches on.
+    assert cluster.get(f"/api/v1/namespaces/{NS}")["metadata"]["labels"]["kubernetes.io/metadata.name"] == NS

@@ -138,8 +138,8 @@ def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_la
     _reconcile(client, client.objects[("rljobs", "rl", "job")])
     deletes = [w[1] for w in client.writes if w[0] == "delete"]
     assert deletes[-1] == "rayjobs" and "persistentvolumeclaims" in deletes
-    assert set(deletes) == {"rolebindings", "roles", "serviceaccounts", "statefulsets", "services", "configmaps",
-                            "persistentvolumeclaims", "rayjobs", "podmonitors"} - {"podmonitors"}  # fmt: skip
+    assert set(deletes) == {"rolebindings", "roles", "serviceaccounts", "statefulsets", "networkpolicies", "services",
+                            "configmaps", "persistentvolumeclaims", "rayjobs"}  # fmt: skip
     assert _condition(client, "Succeeded")["status"] == "True"
     # The RayJob is gone; the recorded end keeps the operator from training again.
     client.writes.clear()

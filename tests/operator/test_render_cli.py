@@ -21,8 +21,8 @@ def test_render_prints_the_children_as_a_yaml_stream():
     assert result.exit_code == 0, result.output
     docs = list(yaml.safe_load_all(result.stdout))
     assert [d["kind"] for d in docs] == [
-        "PersistentVolumeClaim", "ConfigMap", "Service", "StatefulSet", "ServiceAccount", "Role", "RoleBinding",
-        "RayJob", "PodMonitor",
+        "PersistentVolumeClaim", "ConfigMap", "Service", "StatefulSet", "NetworkPolicy", "ServiceAccount", "Role",
+        "RoleBinding", "RayJob", "PodMonitor",
     ]  # fmt: skip
     assert '"numLayers": 48' in docs[1]["data"]["config.json"]
 

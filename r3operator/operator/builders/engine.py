@@ -9,17 +9,18 @@ and join it by its stable DNS name.
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from typing import Any
 
 from r3operator.api.plan import plan
+from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
+from r3operator.operator.builders.model import ModelMount, model_mount
 from r3operator.operator.builders.security import ENGINE_UID, container_security_context, pod_security_context
 from r3operator.operator.hashing import engine_spec_hash
-from r3operator.settings import CONFIG_DIR, MODEL_MOUNT, ROUTING_MOUNT
+from r3operator.settings import CONFIG_DIR, ROUTING_MOUNT
 
 CONTAINER_NAME = "vllm"
 DP_RPC_PORT = 13345
@@ -33,18 +34,6 @@ STARTUP_UNKNOWN_S = 900
 STARTUP_MAX_S = 3 * 3600
 PROBE_PERIOD_S = 10
 
-_PARAMS = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[Bb](?![A-Za-z])")
-_ACTIVE_PARAMS = re.compile(r"[Aa](\d+(?:\.\d+)?)[Bb](?![A-Za-z])")
-
-
-def model_params_billions(uri: str) -> float | None:
-    """Total parameters from the model name, e.g. Qwen3-30B-A3B → 30 (the A3B active count is ignored)."""
-    name = uri.rsplit("/", 1)[-1]
-    name = _ACTIVE_PARAMS.sub("", name)
-    found = [float(m.group(1)) for m in _PARAMS.finditer(name.replace("_", "-"))]
-    return max(found) if found else None
-
-
 def startup_budget_seconds(job: RLJob) -> int:
     params = model_params_billions(job.spec.model.uri)
     if params is None:
@@ -53,18 +42,43 @@ def startup_budget_seconds(job: RLJob) -> int:
     return int(min(STARTUP_MAX_S, STARTUP_BASE_S + STARTUP_S_PER_GB * weight_gb))
 
 
+def _leader_health_check(job: RLJob, pods_per_replica: int, timeout_s: int) -> dict[str, Any]:
+    """An exec probe for multi-pod replicas: the DP leader's /health, and success on a ``--headless`` pod.
+
+    One StatefulSet template serves leaders and followers alike, and a headless pod serves no HTTP at all,
+    so an httpGet probe would restart every follower forever. A follower has nothing to ask: its engine
+    cores exit when they lose the leader, which restarts the container; the leader's /health answers only
+    once every DP rank of the replica has joined, so the leader's readiness stands for the replica.
+    ``python3 -S`` (the vLLM image's Python, without site-packages) keeps the check to a fraction of a second.
+    """
+    port = job.spec.inference.port
+    fetch = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout={timeout_s - 1})"
+    script = (
+        'HOST="${HOSTNAME:-$(cat /etc/hostname)}"; ORD="${HOST##*-}"; '
+        f'if [ "$((ORD % {pods_per_replica}))" -ne 0 ]; then exit 0; fi; '
+        f'exec python3 -S -c "{fetch}"'
+    )
+    return {"exec": {"command": ["/bin/sh", "-c", script]}}
+
+
 def probes(job: RLJob) -> dict[str, Any]:
-    port = {"path": "/health", "port": "http"}
+    pods = plan(job).engine_pods_per_replica
+
+    def check(timeout_s: int) -> dict[str, Any]:
+        if pods > 1:
+            return _leader_health_check(job, pods, timeout_s)
+        return {"httpGet": {"path": "/health", "port": "http"}}
+
     return {
         # /health answers only once the engine is up; the startup probe holds liveness off until then.
         "startupProbe": {
-            "httpGet": port,
+            **check(5),
             "periodSeconds": PROBE_PERIOD_S,
             "timeoutSeconds": 5,
             "failureThreshold": math.ceil(startup_budget_seconds(job) / PROBE_PERIOD_S),
         },
-        "readinessProbe": {"httpGet": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": port, "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {**check(5), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**check(10), "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
     }
 
 
@@ -110,7 +124,7 @@ def _resources(job: RLJob) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(job: RLJob, model: ModelMount) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     # Engines only read the routing volume (weights for a sync, reference models); the trainer driver
     # writes it. Read-only here keeps an engine from changing data of a claim it shares.
     routing_claim = {"claimName": meta.routing_claim_name(job), "readOnly": True}
@@ -124,12 +138,7 @@ def _volumes(job: RLJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    uri = job.spec.model.uri
-    if uri.startswith("pvc://"):
-        claim = uri.removeprefix("pvc://").split("/", 1)[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    return volumes, mounts
+    return volumes + model.volumes, mounts + model.mounts
 
 
 def build_engine_service(job: RLJob) -> dict[str, Any]:
@@ -150,7 +159,8 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
 def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
     """``replicas`` are engine replicas (0 when suspended or finished); pods = replicas × podsPerReplica."""
     inf = job.spec.inference
-    volumes, mounts = _volumes(job)
+    model = model_mount(job, image=inf.image)
+    volumes, mounts = _volumes(job, model)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": inf.image,
@@ -180,6 +190,7 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
                     # vLLM never calls the Kubernetes API: no token in the engine pods.
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security_context(ENGINE_UID),
+                    **({"initContainers": model.init_containers} if model.init_containers else {}),
                     "containers": [container],
                     "volumes": volumes,
                     "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],

@@ -12,13 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.engine.args import model_source
 from r3operator.operator import meta
+from r3operator.operator.builders.model import model_mount
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
 from r3operator.operator.builders.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
 from r3operator.settings import CONFIG_DIR, CONFIG_PATH, ROUTING_MOUNT, RuntimeSettings
 
 RAY_API_VERSION = "ray.io/v1"
+RAY_VERSION = "2.60.0"
+"""The Ray the trainer image ships (images/trainer/Dockerfile ``RAY_VERSION``; a test pins them equal).
+KubeRay (v1.6) injects httpGet probes on the dashboard agent's ``/api/healthz`` for Ray >= 2.53 and
+``wget`` exec probes otherwise, and an unset ``rayVersion`` counts as otherwise; the slim trainer image
+has no wget, so without this every trainer pod would fail its probes."""
 ENTRYPOINT = f"r3operator run --config {CONFIG_PATH}"
 WORKER_GROUP = "trainer"
 
@@ -49,6 +56,9 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
         {"name": RuntimeSettings.env_name("rljob_name"), "value": job.metadata.name},
         {"name": RuntimeSettings.env_name("rljob_namespace"), "value": job.metadata.namespace or "default"},
     ]
+    model = model_mount(job, image=job.spec.trainer.image)
+    if model.volumes:
+        env.append({"name": RuntimeSettings.env_name("model_dir"), "value": model_source(job.spec).directory})
     # KubeRay adds Ray's ports only to a head container that declares none; ours declares the driver's
     # metrics port, so it must also name Ray's own: without `dashboard` KubeRay cannot find the job-submission
     # endpoint and the RayJob never leaves Initializing ("dashboard port is not found").
@@ -62,6 +72,7 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
             {"name": "routing", "mountPath": ROUTING_MOUNT},
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *model.mounts,
         ],
         "securityContext": container_security_context(),
     }
@@ -73,12 +84,14 @@ def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, A
             # <job>-trainer may patch this RLJob's status, and no other RLJob's (builders/trainer_rbac.py).
             "serviceAccountName": trainer_service_account_name(job),
             "securityContext": pod_security_context(TRAINER_UID),
+            **({"initContainers": model.init_containers} if model.init_containers else {}),
             "containers": [container],
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "volumes": [
                 {"name": "routing", "persistentVolumeClaim": {"claimName": meta.routing_claim_name(job)}},
                 {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                *model.volumes,
             ],
         },
     }
@@ -93,6 +106,7 @@ def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
         "shutdownAfterJobFinishes": True,
         "backoffLimit": run.backoff_limit,
         "rayClusterSpec": {
+            "rayVersion": RAY_VERSION,
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(t.gpus_per_node)},
                 "template": _pod_template(job, "ray-head", head=True),
