@@ -289,7 +289,7 @@ def test_finished_job_scales_engines_down_and_ttl_deletes_workloads_keeping_reta
         cluster.patch_status(paths(NS, job)["rayjob"], status)
         _cond(cluster, job, "Succeeded", "True", "TrainerSucceeded")
         # The RayJob goes last: its status is the record that the job ended.
-    wait_for(lambda: not cluster.get(paths(NS, job)["rayjob"]), what="workloads deleted after TTL")
+    wait_for(lambda: not cluster.get(paths(NS, job)["rayjob"]), timeout=60, what="workloads deleted after TTL")
     left = _children(cluster, job)
     assert left["pvc"] is not None and _uid(left["pvc"]) == _uid(kids["pvc"])
     assert left["cm"] is None and left["svc"] is None and left["rayjob"] is None
