@@ -136,6 +136,31 @@ def paths(namespace: str, job: str) -> dict[str, str]:
     }
 
 
+def children(cluster: Cluster, namespace: str, job: str) -> dict[str, dict[str, Any] | None]:
+    """Each child of the job by its key in `paths` (None where absent)."""
+    return {key: cluster.get(path) for key, path in paths(namespace, job).items() if key != "rljob"}
+
+
+def all_children(cluster: Cluster, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+    def ready() -> dict[str, dict[str, Any]] | None:
+        kids = children(cluster, namespace, job)
+        return kids if all(kids.values()) else None  # type: ignore[return-value]
+
+    return wait_for(ready, what=f"children of {job}")
+
+
+def wait_condition(
+    cluster: Cluster, namespace: str, job: str, ctype: str, status: str, reason: str | None = None
+) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        cond = condition(cluster.get(paths(namespace, job)["rljob"]), ctype)
+        if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
+            return cond
+        return None
+
+    return wait_for(check, what=f"{job} {ctype}={status} {reason or ''}")
+
+
 def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
     for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
         if cond["type"] == ctype:

@@ -19,11 +19,13 @@ from operator_harness import (
     METRICS_NAMESPACE,
     OPERATOR_NAMESPACE,
     Cluster,
-    condition,
+    all_children,
+    children,
     example,
     operator_writes,
     paths,
     running_operator,
+    wait_condition,
     wait_for,
 )
 
@@ -39,15 +41,11 @@ def operator(cluster: Cluster) -> Iterator[KopfRunner]:
 
 
 def _children(cluster: Cluster, job: str) -> dict[str, dict[str, Any] | None]:
-    return {key: cluster.get(path) for key, path in paths(NS, job).items() if key != "rljob"}
+    return children(cluster, NS, job)
 
 
 def _all_children(cluster: Cluster, job: str) -> dict[str, dict[str, Any]]:
-    def ready() -> dict[str, dict[str, Any]] | None:
-        kids = _children(cluster, job)
-        return kids if all(kids.values()) else None  # type: ignore[return-value]
-
-    return wait_for(ready, what=f"children of {job}")
+    return all_children(cluster, NS, job)
 
 
 def _uid(obj: dict[str, Any]) -> str:
@@ -55,13 +53,7 @@ def _uid(obj: dict[str, Any]) -> str:
 
 
 def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        cond = condition(cluster.get(paths(NS, job)["rljob"]), ctype)
-        if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
-            return cond
-        return None
-
-    return wait_for(check, what=f"{job} {ctype}={status} {reason or ''}")
+    return wait_condition(cluster, NS, job, ctype, status, reason)
 
 
 def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:
