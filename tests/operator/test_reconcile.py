@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from operator_harness import example
 
 from r3operator.operator.kube import KINDS, Kind, KubeError
 from r3operator.operator.reconcile import API_ERROR_PASSES, Reconciler
@@ -75,14 +75,8 @@ class FakeClient:
 
 
 def _rljob(**spec_edits: Any) -> dict[str, Any]:
-    doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
-    doc["metadata"] = {"name": "job", "namespace": "rl", "uid": "job-uid", "generation": 1}
-    for dotted, value in spec_edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    doc = example("job", "rl", **spec_edits)
+    doc["metadata"].update(uid="job-uid", generation=1)
     return doc
 
 
