@@ -21,7 +21,6 @@ class Engine(Protocol):
     in `EngineUnavailableError`; the weight-update bracket calls do not retry (`engine/retry.py` says why).
     `name` identifies the engine in errors and logs."""
 
-    over_http: bool  # a separate `vllm serve` process (True) or an actor of this driver's Ray cluster
     name: str
 
     def generate(

@@ -30,8 +30,6 @@ class RayEngine:
     A call that outlives `call_timeout_s` kills the actor so that it restarts instead of hanging the run.
     """
 
-    over_http = False  # results (routes included) come back through Ray's object store
-
     def __init__(
         self,
         model_dir: Path,
@@ -147,8 +145,6 @@ class HTTPEngine:
     None.
     """
 
-    over_http = True
-
     def __init__(
         self,
         base_url: str,
@@ -247,11 +243,6 @@ class EngineGroup:
         if not engines:
             raise ValueError("no rollout engines")
         self.engines = list(engines)
-
-    @property
-    def over_http(self) -> bool:
-        """Some engine is a separate `vllm serve` process: routes go through the shared routing volume."""
-        return any(engine.over_http for engine in self.engines)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,

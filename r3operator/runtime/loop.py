@@ -3,12 +3,12 @@
     1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
                     (multiTurn: group_size conversations per prompt against an environment, each
                     turn asking only for the new rows, routes stitched per trajectory)
-                    (R3 with engines over HTTP: routes written to the routing store on the volume)
+                    (routes cross the process boundary once, in the engine's answer; R3: the
+                    step's routes are recorded on the volume in the background, never read back)
     2 reward        rule-based reward per sample
     3 advantages    GRPO, normalised within each prompt's group
-    4 routes        R3: each sample's routes (over HTTP: read back from the store, checksummed) into
-                    the batch; a sample whose routes are missing/invalid/unreadable is dropped loudly
-                    and counted, never replayed
+    4 routes        R3: each sample's routes, validated when they arrived, into the batch; a sample
+                    whose routes are missing or invalid is dropped loudly and counted, never replayed
     5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
     6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
     7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
@@ -31,10 +31,9 @@ import numpy as np
 
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.base import Engine, Greedy
-from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.weights import PackedChunk, packed_chunks
-from r3operator.routing.codec import RoutedExperts, decode
-from r3operator.routing.errors import RoutingDataError, RoutingFileUnreadableError
+from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
@@ -45,6 +44,7 @@ from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_pa
 from r3operator.runtime.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through
+from r3operator.runtime.route_record import RouteRecorder
 from r3operator.trainer import envs
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
@@ -96,7 +96,7 @@ class GRPORun:
         self.engines = engines
         self.trainer: Trainer | None = None
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
-        self.routes_on_volume = False  # set in setup(), from where the engines run
+        self.recorder: RouteRecorder | None = None  # R3: the step's routes on the volume (setup())
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)
         self.status = StatusPusher()
@@ -128,9 +128,7 @@ class GRPORun:
             on_fault=lambda kind: self.metrics.inc("r3_engine_faults_total", kind=kind),
         )  # fmt: skip
         self.vllm_version = self.engines.vllm_version()
-        # A Ray-actor engine hands routes over through the object store, so they stay in memory; with
-        # engines behind HTTP they go through the shared routing volume.
-        self.routes_on_volume = self.engines.over_http
+        self._start_recorder()
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
             (self.run_dir / "metrics.csv").unlink(missing_ok=True)
@@ -172,10 +170,16 @@ class GRPORun:
         else:
             samples = self._single_turn_rollout(step, problems)
         self.metrics.r3.observe_rollout(samples)
-        if self.mode is ReplayMode.R3 and self.routes_on_volume:
-            write_samples(self.store, samples, step=step, num_experts=self.num_experts,
-                          policy_version=self.policy_version)  # fmt: skip
+        if self.recorder is not None:
+            self.recorder.record(step, samples, policy_version=self.policy_version)
         return samples, problems
+
+    def _start_recorder(self) -> None:
+        if self.mode is ReplayMode.R3 and self.recorder is None:
+            self.recorder = RouteRecorder(
+                self.store, num_experts=self.num_experts, retention_steps=self.spec.storage.retention_steps,
+                on_failure=lambda what: self.metrics.inc("r3_route_record_failures_total", operation=what),
+            )  # fmt: skip
 
     def _single_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
         assert self.engines is not None
@@ -231,8 +235,8 @@ class GRPORun:
         return group_advantages(rewards, group_size=self.spec.rollout.group_size)
 
     def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch | None:
-        """4. Build the batch. R3: each sample's routes (from the store when they crossed the volume); a
-        sample without valid routes is dropped. None when no sample is left (the step is skipped)."""
+        """4. Build the batch. R3: each sample's routes, in memory from the engine's answer; a sample
+        without valid routes is dropped. None when no sample is left (the step is skipped)."""
         assert self.trainer is not None
         kept, kept_adv, routes = [], [], []
         for sample, a in zip(samples, adv, strict=True):
@@ -251,22 +255,11 @@ class GRPORun:
                            device=self.s.device)  # fmt: skip
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
+        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
         if sample.routes_status != "ok":
             self._drop(sample, sample.routes_status, sample.routes_error or "")
             return None
-        if not self.routes_on_volume:  # in memory from the engine; build_sample validated them
-            return sample.routes
-        try:
-            record = self.store.get(step=step, sample_id=sample.sample_id)
-            decode(record.routes, num_experts=self.num_experts)  # validates ids and rows
-        except RoutingFileUnreadableError as exc:  # EACCES/EIO/not a regular file: the volume, not the data
-            self._drop(sample, "routing_file_unreadable", str(exc))
-            return None
-        except RoutingDataError as exc:  # RoutingFileError (corrupt/truncated/missing file) included
-            self.metrics.r3.count_invalid_routes()
-            self._drop(sample, "routing_file", str(exc))
-            return None
-        return record.routes
+        return sample.routes
 
     def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)
@@ -371,7 +364,6 @@ class GRPORun:
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
         with timer("checkpoint"):
             self._checkpoint(step)
-            self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
         return self._finish_step(row, timer, begin)
 
     def _finish_step(self, row: dict[str, Any], timer: PhaseTimer, begin: float) -> dict[str, Any]:
@@ -403,7 +395,6 @@ class GRPORun:
             row.update({f"t_{k}": v for k, v in timer.seconds.items()})
         with timer("checkpoint"):
             self._checkpoint(step)
-            self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
         return self._finish_step(row, timer, begin)
 
     def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
@@ -469,10 +460,14 @@ class GRPORun:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
         self.setup()
-        for step in range(self.start_step, self.s.steps + 1):
-            row = self.train_step(step)
-            if table is not None:
-                table.add(row)
+        try:
+            for step in range(self.start_step, self.s.steps + 1):
+                row = self.train_step(step)
+                if table is not None:
+                    table.add(row)
+        finally:
+            if self.recorder is not None:
+                self.recorder.close()
         return self.rows
 
 

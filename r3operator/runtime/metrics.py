@@ -28,7 +28,10 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3_weight_sync_seconds", "gauge", ("job",), "Wall time of the last weight sync (canary excluded)."),
     MetricSpec("r3_weight_sync_canary_ok", "gauge", ("job",), "1 if the last post-sync canary matched, else 0."),
     MetricSpec("r3_samples_dropped_total", "counter", ("job", "reason"),
-               "Samples left out of training (routes invalid/missing under R3, unreadable routing file)."),
+               "Samples left out of training (routes invalid or missing under R3)."),
+    MetricSpec("r3_route_record_failures_total", "counter", ("job", "operation"),
+               "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
+               "goes on without it."),
     MetricSpec("r3_steps_skipped_total", "counter", ("job", "reason"),
                "Steps skipped without an update because no sample was usable (every one dropped)."),
     MetricSpec("r3_engine_faults_total", "counter", ("job", "kind"),

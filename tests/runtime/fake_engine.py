@@ -22,7 +22,6 @@ from r3operator.engine.weights import PackedChunk
 @dataclass
 class FakeEngine:
     name: str = "fake engine"
-    over_http: bool = False  # True: R3 routes go through the routing store, as with engines over HTTP
     num_layers: int = 4
     top_k: int = 4
     num_experts: int = 32

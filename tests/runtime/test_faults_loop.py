@@ -101,31 +101,6 @@ def test_step_with_no_usable_samples_is_skipped_and_counted(tmp_path: Path) -> N
     assert "SKIPPED: no usable samples (16 of 16 dropped)" in step_line(row, total_steps=1)
 
 
-def test_unreadable_routing_file_drops_only_that_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import errno
-
-    from r3operator.routing import fileformat
-
-    run = _run(tmp_path, FakeEngine(over_http=True), steps=1)  # routes cross the volume
-    run.setup()
-    run.dropped = []
-    samples, problems = run.rollout(1)
-    victim = run.store.path_for(step=1, sample_id=samples[2].sample_id)
-    real_open = fileformat.os.open
-
-    def open_with_eio(path: Any, flags: int, *args: Any) -> int:
-        if Path(path) == victim:
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(fileformat.os, "open", open_with_eio)
-    batch = run.load_routes(1, samples, run.advantages(run.score(samples, problems)))
-    assert batch is not None and batch.size == len(samples) - 1 and samples[2].sample_id not in batch.sample_ids
-    assert run.dropped == [(samples[2].sample_id, "routing_file_unreadable")]
-    exposition = run.metrics.exposition()
-    assert 'r3_samples_dropped_total{job="tiny-count-r3",reason="routing_file_unreadable"} 1.0' in exposition
-
-
 def test_resume_keeps_policy_version_and_writes_each_step_once(tmp_path: Path) -> None:
     engine = FakeEngine()
     straight = _run(tmp_path / "straight", engine, steps=3)

@@ -43,9 +43,8 @@ def _env_spans(sample: Any) -> list[tuple[int, int]]:
     return spans
 
 
-@pytest.mark.parametrize("over_http", [False, True], ids=["in-memory", "routing-store"])
-def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tmp_path: Path, over_http: bool) -> None:
-    engine = FakeEngine(over_http=over_http)
+def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tmp_path: Path) -> None:
+    engine = FakeEngine()
     run = _run(tmp_path, engine)
     run.setup()
     engine.starts_seen.clear()
@@ -86,8 +85,10 @@ def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tm
         for begin, _ in spans:
             np.testing.assert_array_equal(rows[begin - 1], engine.route_row(begin - 1, sequence[begin - 1]))
 
-    if over_http:  # stitched trajectories, not per-turn arrays, are what crosses the volume
-        assert len(list((run.run_dir / "routes").rglob("*.r3r"))) == 6
+    run.recorder.flush()  # the record holds stitched trajectories, not per-turn arrays
+    assert [run.store.get(step=1, sample_id=s.sample_id).routes.end for s in samples] == [
+        s.routes.end for s in samples
+    ]
 
     rewards = run.score(samples, problems)
     batch = run.load_routes(1, samples, run.advantages(rewards))

@@ -36,8 +36,9 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
         assert row["canary_ok"] == 1
         assert row["samples_dropped"] == 0
     assert run.policy_version == 3  # setup sync + one per step
-    # A Ray-actor engine hands routes over through the object store: nothing goes through the volume.
-    assert not list((run.run_dir / "routes").rglob("*.r3r"))
+    # The routes came over once (Ray's object store) and trained from memory; the volume keeps their record.
+    run.recorder.flush()
+    assert run.store.steps() == [1, 2] and len(run.store.sample_ids(step=2)) == rows[1]["samples"]
     # bf16-autocast trainer vs fp32 engine: a real numerics gap, which replay removes from the routing.
     assert all(row["logprob_abs_diff_mean"] > 1e-4 for row in rows)
     assert min(row["routing_natural_agreement"] for row in rows) < 1.0
@@ -64,29 +65,6 @@ def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None
     if param_dtype == "float32":  # fp32 trainer vs fp32 engine: the same numbers up to reduction order
         assert rows[0]["logprob_abs_diff_max"] < 1e-4
         assert rows[0]["routing_natural_agreement"] == 1.0
-
-
-def test_corrupted_routing_file_drops_that_sample_loudly(tmp_path, engines, caplog) -> None:
-    run = _run(tmp_path, engines)
-    run.setup()
-    run.routes_on_volume = True  # as with engines behind HTTP: routes cross the shared volume
-    run.dropped = []
-    samples, _ = run.rollout(1)
-    victim = samples[1].sample_id
-    path = run.store.path_for(step=1, sample_id=victim)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF  # flip a payload byte: the checksum must catch it
-    path.write_bytes(bytes(data))
-    adv = run.advantages(run.score(samples, _))
-    batch = run.load_routes(1, samples, adv)
-    assert victim not in batch.sample_ids and batch.size == len(samples) - 1
-    assert run.dropped == [(victim, "routing_file")]
-    assert victim in caplog.text and "checksum" in caplog.text
-    exposition = run.metrics.exposition()
-    assert 'r3_routes_invalid_total{job="tiny-count-r3"} 1.0' in exposition
-    assert 'r3_samples_dropped_total{job="tiny-count-r3",reason="routing_file"} 1.0' in exposition
-    old = run.old_logprobs(batch)  # the rest still trains with exact replay
-    assert old.used_ids.shape[0] == batch.size
 
 
 def test_canary_fails_loudly_when_engine_and_trainer_disagree(tmp_path, engines) -> None:
