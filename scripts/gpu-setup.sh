@@ -14,7 +14,7 @@ for f in "$stash"/*.whl; do
     typer-*|rich-*|click-*|shellingham-*|markdown_it_py-*|mdurl-*|pygments-*|pyyaml-*|PyYAML-*|packaging-*|\
     prometheus_client-*|matplotlib-*|contourpy-*|cycler-*|fonttools-*|kiwisolver-*|pillow-*|pyparsing-*|\
     python_dateutil-*|six-*|typing_extensions-*|msgpack-*|protobuf-*|requests-*|certifi-*|charset_normalizer-*|\
-    idna-*|urllib3-*|filelock-*) mv "$f" /root/extra/ ;;
+    idna-*|urllib3-*|filelock-*|pydantic_settings-*|python_dotenv-*) mv "$f" /root/extra/ ;;
   esac
 done
 mv "$stash"/*.whl /root/vllm-stash/
@@ -26,7 +26,7 @@ for f in /root/extra/*.whl; do
   mod=$(echo "$name" | tr 'A-Z' 'a-z')
   case "$mod" in
     pyyaml) mod=yaml ;; python_dateutil) mod=dateutil ;; markdown_it_py) mod=markdown_it ;;
-    pillow) mod=PIL ;; charset_normalizer) mod=charset_normalizer ;; protobuf) mod=google.protobuf ;;
+    pillow) mod=PIL ;; python_dotenv) mod=dotenv ;; charset_normalizer) mod=charset_normalizer ;; protobuf) mod=google.protobuf ;;
   esac
   python3 -c "import $mod" 2>/dev/null || need+=("$f")
 done

@@ -15,7 +15,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 extra=.whl/extra && mkdir -p "$extra"
 for p in typer==0.29.1 rich click shellingham markdown-it-py mdurl pygments pyyaml packaging prometheus-client \
          matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six typing-extensions \
-         msgpack protobuf requests certifi charset-normalizer idna urllib3 filelock; do
+         msgpack protobuf requests certifi charset-normalizer idna urllib3 filelock pydantic-settings python-dotenv; do
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$extra" "$p"
 done
 python3 -m pip download -q --no-deps "${plat[@]}" -d .whl/ray ray==2.60.0
