@@ -146,6 +146,8 @@ class RuntimeSettings(_Settings):
     """First delay between readiness checks (default 1 s)."""
     engine_ready_cap_s: float | None = Field(None, ge=0)
     """Largest delay between readiness checks (default 15 s)."""
+    service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+    """The pod's ServiceAccount token and CA (what the driver's status patches authenticate with)."""
     kubernetes_service_host: str | None = Field(None, validation_alias="KUBERNETES_SERVICE_HOST")
     kubernetes_service_port: int = Field(443, validation_alias="KUBERNETES_SERVICE_PORT")
     """Set by Kubernetes beside the host: the API server's port inside the cluster."""

@@ -30,6 +30,7 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "Engines", "type": "string", "jsonPath": ".status.enginesReady"},
     {"name": "Trainer", "type": "string", "jsonPath": ".spec.trainer.backend"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Upgrade", "type": "string", "jsonPath": ".status.upgrade.phase"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "vLLM", "type": "string", "jsonPath": ".status.resolved.vllmVersion", "priority": 1},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.resolved.engineGpusTotal", "priority": 1},

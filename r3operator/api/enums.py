@@ -89,3 +89,5 @@ class ConditionType(StrEnum):
     """Terminal and sticky."""
     FAILED = "Failed"
     """Terminal and sticky."""
+    UPGRADE_BLOCKED = "UpgradeBlocked"
+    """An engine image change failed its fidelity canary; the engines are back on the old image."""

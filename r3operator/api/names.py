@@ -39,6 +39,9 @@ ROLE_CONFIG = "config"
 ROLE_ENGINE = "engine"
 ROLE_TRAINER = "trainer"
 ROLE_METRICS = "metrics"
+ROLE_UPGRADE_CANARY = "upgrade-canary"
+JOB_POD_SUFFIX = 6
+"""The Job controller names its pods ``<job>-<5 random characters>``, a DNS label."""
 
 CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_STORAGE, "routing", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
@@ -51,6 +54,8 @@ CHILD_NAMES: tuple[ChildName, ...] = (
     ),
     ChildName(ROLE_TRAINER, "trainer", KUBERAY_RAYJOB_NAME_MAX, "RayJob (KubeRay), ServiceAccount, Role, RoleBinding"),
     ChildName(ROLE_METRICS, "metrics", DNS_SUBDOMAIN_MAX, "PodMonitor"),
+    ChildName(ROLE_UPGRADE_CANARY, "upgrade-canary", DNS_LABEL_MAX - JOB_POD_SUFFIX,
+              "Job of the engine-upgrade canary (its pods are <job>-<5 characters>)"),
 )
 SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
 

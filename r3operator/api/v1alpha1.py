@@ -133,6 +133,22 @@ class ResourceSpec(_Model):
     memory: Quantity | None = None
 
 
+class UpgradePolicySpec(_Model):
+    """How an engine image change rolls out: a canary replica first, scored by the trainer, then the rest."""
+
+    canary: bool = True
+    """Run the fidelity canary before more than one replica moves. Off: every replica rolls at once."""
+    prompts: int = Field(default=8, ge=1, le=256)
+    """Fixed prompts the canary sends to the old and the new engine."""
+    max_tokens: int = Field(default=16, ge=1, le=4096)
+    max_mismatch_factor: float = Field(default=1.5, ge=1.0, le=100.0)
+    """Fail when the new engine's natural routing mismatch vs the trainer exceeds the old one's × this."""
+    max_logprob_diff_factor: float = Field(default=1.5, ge=1.0, le=100.0)
+    """Fail when the new engine's mean |Δlogprob| vs the trainer exceeds the old one's × this."""
+    timeout_seconds: int = Field(default=1800, ge=60, le=86_400)
+    """A canary without a verdict after this long blocks the upgrade."""
+
+
 class InferenceSpec(_Model):
     image: ImageRef
     """vLLM engine image; its tag is the vLLM version (change it to upgrade vLLM)."""
@@ -172,6 +188,8 @@ class InferenceSpec(_Model):
     """Extra `vllm serve` arguments, appended last. Flags the operator derives are refused."""
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    upgrade_policy: UpgradePolicySpec = Field(default_factory=UpgradePolicySpec)
+    """Engine image changes: canary replica → fidelity canary → roll on or roll back (docs/operator.md)."""
 
 
 # -------------------------------------------------------------------------------------- trainer
@@ -363,6 +381,46 @@ class Progress(_Model):
     updated_at: str | None = Field(default=None, max_length=64)
 
 
+class EngineFidelity(_Model):
+    """One engine's figures in the upgrade canary, scored by the trainer on its current weights."""
+
+    image: str = Field(max_length=512)
+    routes_valid: bool
+    """Routed experts of shape [*, numLayers, topK], ids in range, no duplicate within a row."""
+    replay_agreement: float | None = None
+    """Experts the trainer used under replay = the engine's (must be 1.0)."""
+    natural_mismatch: float | None = None
+    """Fraction of token-layers where the trainer's own router differs from the engine's choice."""
+    logprob_abs_diff_off: float | None = None
+    logprob_abs_diff_r3: float | None = None
+    message: str = Field(default="", max_length=1024)
+
+
+class UpgradeCanary(_Model):
+    """Written by the canary Job (`r3operator upgrade-canary`), read by the operator."""
+
+    attempt: str = Field(max_length=64)
+    """The upgrade attempt it answers (status.upgrade.attempt); a verdict for another attempt is ignored."""
+    passed: bool
+    message: str = Field(default="", max_length=2048)
+    old: EngineFidelity | None = None
+    new: EngineFidelity | None = None
+    finished_at: str | None = Field(default=None, max_length=64)
+
+
+class UpgradeStatus(_Model):
+    """An engine image change in progress or the last one's outcome."""
+
+    from_image: str = Field(alias="from", max_length=512)
+    to: str = Field(max_length=512)
+    phase: Literal["Canary", "Rolling", "Complete", "Blocked", "Cancelled"]
+    attempt: str = Field(max_length=64)
+    replicas_updated: int = 0
+    started_at: str | None = Field(default=None, max_length=64)
+    message: str = Field(default="", max_length=2048)
+    canary: UpgradeCanary | None = None
+
+
 class RLJobStatus(_Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=32)
@@ -374,6 +432,7 @@ class RLJobStatus(_Model):
     progress: Progress | None = None
     start_time: str | None = Field(default=None, max_length=64)
     completion_time: str | None = Field(default=None, max_length=64)
+    upgrade: UpgradeStatus | None = None
 
 
 # ----------------------------------------------------------------------------------------- root

@@ -98,6 +98,7 @@ def _mount_optional() -> None:
     app.command("operator")(operator_cmds.run_operator)
     app.command("run")(run_cmd.run)
     app.command("reference-model")(run_cmd.reference_model)
+    app.command("upgrade-canary")(run_cmd.upgrade_canary)
     app.command("dashboard-preview")(observe_cmds.dashboard_preview)
     app.command("dashboards")(observe_cmds.dashboards)
 

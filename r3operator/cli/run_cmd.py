@@ -79,3 +79,33 @@ def reference_model(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(str(path))
+
+
+def upgrade_canary(
+    config: Annotated[Path, typer.Option(help=f"The operator's runtime config (in the pod: {CONFIG_PATH}).")],
+    old: Annotated[str, typer.Option(help="URL of an engine replica on the current image.")],
+    new: Annotated[str, typer.Option(help="URL of the engine replica on the new image.")],
+    attempt: Annotated[str, typer.Option(help="The upgrade attempt this verdict answers (status.upgrade.attempt).")],
+    old_image: Annotated[str, typer.Option(help="The old replica's image (for the figures).")] = "",
+    new_image: Annotated[str, typer.Option(help="The new replica's image (for the figures).")] = "",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    model: Annotated[
+        str | None, typer.Option(help="Reference model name or model directory instead of the job's model.")
+    ] = None,
+) -> None:
+    """Score an old and a new engine replica with the trainer (the engine-upgrade canary; operator Job)."""
+    from r3operator.api import RLJobLoadError
+    from r3operator.runtime.app import build_settings
+    from r3operator.runtime.upgrade_canary import publish, run_upgrade_canary
+
+    try:
+        settings = build_settings(None, config=config, resume=True, device=device, model=model)
+    except (RLJobLoadError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    result = run_upgrade_canary(settings, old_url=old, new_url=new, old_image=old_image, new_image=new_image,
+                                attempt=attempt)  # fmt: skip
+    if not publish(result):
+        typer.echo("error: the verdict could not be written to status.upgrade.canary", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"canary {'passed' if result.passed else 'FAILED'}: {result.message}", err=True)

@@ -110,9 +110,26 @@ def _statefulset(want: dict[str, Any], have: dict[str, Any]) -> Action:
     drift = _engine_drift(want, have)
     if drift is not None or not is_subset(_owned_metadata(want), have.get("metadata")):
         return Action("apply", want, force=True, why=drift or "labels or ownerReference changed")
+    if _partition(want) != _partition(have):  # an upgrade's canary partition set or lifted
+        return Action("apply", want, force=True, why="rollout partition changed")
     replicas = want["spec"]["replicas"]
     if replicas != (have.get("spec") or {}).get("replicas"):
         return Action("apply", _partial(want, {"replicas": replicas}), force=True, manager=SCALE_MANAGER)
+    return Action("none")
+
+
+def _partition(statefulset: dict[str, Any]) -> int:
+    strategy = (statefulset.get("spec") or {}).get("updateStrategy") or {}
+    return int((strategy.get("rollingUpdate") or {}).get("partition") or 0)
+
+
+def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
+    """A Job's pod template is immutable: a Job of another upgrade attempt is replaced, never patched."""
+    label = f"{meta.PREFIX}/upgrade-attempt"
+    if (want["metadata"].get("labels") or {}).get(label) != ((have.get("metadata") or {}).get("labels") or {}).get(
+        label
+    ):
+        return Action("recreate", want, why="another upgrade attempt")
     return Action("none")
 
 
@@ -151,6 +168,8 @@ def plan_action(want: dict[str, Any], have: dict[str, Any] | None, *, job_uid: s
         return _statefulset(want, have)
     if kind == "RayJob":
         return _ray_job(want, have)
+    if kind == "Job":
+        return _job(want, have)
     if kind == "PersistentVolumeClaim":
         return _claim(want, have)
     if kind == "RoleBinding" and want["roleRef"] != have.get("roleRef"):

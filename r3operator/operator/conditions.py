@@ -51,6 +51,12 @@ class Reason(StrEnum):
     CANARY_PENDING = "CanaryPending"
     CANARY_PASSED = "CanaryPassed"
     CANARY_FAILED = "CanaryFailed"
+    # UpgradeBlocked (False while no engine upgrade is blocked, with the upgrade's phase as reason)
+    NO_UPGRADE = "NoUpgrade"
+    UPGRADE_CANARY = "CanaryRunning"
+    UPGRADE_ROLLING = "Rolling"
+    UPGRADE_COMPLETE = "UpgradeComplete"
+    UPGRADE_CANCELLED = "UpgradeCancelled"
     # Progressing
     CHILDREN_UPDATED = "ChildrenUpdated"
     WAITING_FOR_WORKLOADS = "WaitingForWorkloads"

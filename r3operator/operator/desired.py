@@ -9,6 +9,8 @@ Lifecycle:
   RoleBinding, RayJob, PodMonitor;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - finished (the RayJob says so): engines at 0 replicas (free the GPUs now), the RayJob is kept;
+- an engine image upgrade under way (``Facts.engine_rollout``, from operator/upgrade.py): the engine
+  StatefulSet on the rollout's image, with a surge canary replica and a partition, plus the canary Job;
 - finished and ``ttlSecondsAfterFinished`` elapsed: only a Retain PVC remains desired; the
   reconciler deletes every other child it owns (the RLJob itself stays).
 """
@@ -31,7 +33,9 @@ from r3operator.operator.builders.trainer_rbac import (
     build_trainer_role_binding,
     build_trainer_service_account,
 )
+from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
 from r3operator.operator.lifecycle import is_suspended
+from r3operator.operator.upgrade import CanaryTarget, EngineRollout
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,10 @@ class Facts:
     """Where the operator runs (its canary reaches the engines from there); None outside a cluster."""
     engine_ingress_namespaces: tuple[str, ...] = ()
     """Further namespaces admitted to the engine port (R3OPERATOR_ENGINE_INGRESS_NAMESPACES)."""
+    engine_rollout: EngineRollout | None = None
+    """An engine image upgrade under way (operator/upgrade.py): the image, surge replica and partition."""
+    upgrade_canary: CanaryTarget | None = None
+    """The upgrade's canary Job to run (operator/upgrade.py)."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -62,7 +70,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(claim)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
-    children.append(build_engine_statefulset(job, replicas=0 if stopped else job.spec.inference.replicas))
+    children.append(_engine_statefulset(job, stopped=stopped, rollout=facts.engine_rollout))
     children.append(
         build_engine_network_policy(
             job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces
@@ -74,4 +82,23 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children.append(build_ray_job(job, suspend=is_suspended(job)))
     if facts.pod_monitor_crd and wants_pod_monitor(job):
         children.append(build_pod_monitor(job))
+    if facts.upgrade_canary is not None and not stopped:
+        children.append(build_upgrade_canary_job(job, facts.upgrade_canary))
     return children
+
+
+def _engine_statefulset(job: RLJob, *, stopped: bool, rollout: EngineRollout | None) -> dict[str, Any]:
+    """The spec's engines, or, during an upgrade, the engines on the rollout's image plus its surge
+    replica, with a partition that keeps the existing pods where they are."""
+    replicas = 0 if stopped else job.spec.inference.replicas
+    if rollout is None:
+        return build_engine_statefulset(job, replicas=replicas)
+    inference = job.spec.inference.model_copy(update={"image": rollout.image})
+    effective = job.model_copy(update={"spec": job.spec.model_copy(update={"inference": inference})})
+    surge = 0 if stopped else rollout.surge_replicas
+    statefulset = build_engine_statefulset(effective, replicas=replicas + surge)
+    if rollout.partition and not stopped:
+        statefulset["spec"]["updateStrategy"] = {
+            "type": "RollingUpdate", "rollingUpdate": {"partition": rollout.partition},
+        }  # fmt: skip
+    return statefulset

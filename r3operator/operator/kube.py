@@ -76,6 +76,7 @@ KINDS: dict[str, Kind] = {
     "Pod": Kind("v1", "pods"),
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
+    "Job": Kind("batch/v1", "jobs"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "RLJob": Kind("r3operator.io/v1alpha1", "rljobs"),
 }

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.api.rules import Finding
+from r3operator.api.v1alpha1 import UpgradeStatus
 from r3operator.operator.canary import CanaryResult
 from r3operator.operator.lifecycle import Finish
 
@@ -35,5 +36,7 @@ class Observed:
     missing_claims: tuple[str, ...] = ()
     """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
     namespace_terminating: bool = False
+    upgrade: UpgradeStatus | None = None
+    """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""
     api_error: str | None = None
     """A write the API server refused, reported once it persists (reconcile.py decides)."""

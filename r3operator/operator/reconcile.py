@@ -33,6 +33,7 @@ from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.apply import Action, is_ours, plan_action
+from r3operator.operator.builders.config import pods_per_replica
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
@@ -42,6 +43,7 @@ from r3operator.operator.lifecycle import format_time, is_suspended, observed_fi
 from r3operator.operator.observed import Observed
 from r3operator.operator.scheduling import unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
+from r3operator.operator.upgrade import UpgradePlan, plan_upgrade
 from r3operator.settings import DEFAULT_CANARY_URL
 
 log = logging.getLogger("r3operator.reconcile")
@@ -60,6 +62,7 @@ _CHILD_KINDS = (
     (meta.ROLE_CONFIG, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
     (meta.ROLE_TRAINER, "RayJob"),
+    (meta.ROLE_UPGRADE_CANARY, "Job"),
 )
 
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
@@ -211,17 +214,24 @@ class Reconciler:
         observed: dict[str, dict[str, Any] | None] = {"RayJob": ray_job}
         conflict: str | None = None
         missing: tuple[str, ...] = ()
+        upgrade = UpgradePlan(job.status.upgrade if job.status else None)
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
+            engine_name = meta.child_name(job, meta.ROLE_ENGINE)
+            raw_engine_set = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace, engine_name)
+            upgrade = await self._plan_upgrade(job, raw_engine_set, stopped=finish is not None, now=now)
             facts = Facts(
                 pod_monitor_crd=pod_monitor,
                 finished=finish is not None,
                 expired=expired,
                 operator_namespace=self.settings.operator_namespace,
                 engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
+                engine_rollout=upgrade.rollout,
+                upgrade_canary=upgrade.canary,
             )
             children = desired(job, facts)
-            read = await self._read(children, known={("RayJob", trainer): raw_ray_job})
+            known = {("RayJob", trainer): raw_ray_job, ("StatefulSet", engine_name): raw_engine_set}
+            read = await self._read(children, known=known)
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
             conflict = conflicts[0] if conflicts else None
@@ -250,6 +260,7 @@ class Reconciler:
             missing_claims=missing,
             namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
             api_error=self._reported_error(job, outcome.error),
+            upgrade=upgrade.status,
         )
         if outcome.valid and _waiting_for_pods(job, obs):
             # One LIST only while something is not up yet: the scheduler's reason goes into status.
@@ -260,6 +271,27 @@ class Reconciler:
             obs = await self._with_canary(job, obs)
         await self._write_status(job, compute_status(job, obs, now), outcome)
         return outcome
+
+    async def _plan_upgrade(
+        self, job: RLJob, raw_engine_set: dict[str, Any] | None, *, stopped: bool, now: dt.datetime
+    ) -> UpgradePlan:
+        """operator/upgrade.py's plan from the StatefulSet as it is and, while a canary runs, its Job."""
+        ours = raw_engine_set is not None and is_ours(raw_engine_set, job.metadata.uid)
+        engine_set = raw_engine_set if ours else None
+        prev = job.status.upgrade if job.status else None
+        canary_job = None
+        if prev is not None and prev.phase == "Canary":
+            name = meta.child_name(job, meta.ROLE_UPGRADE_CANARY)
+            raw = await self.client.get(KINDS["Job"], job.metadata.namespace, name)
+            canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
+        stopped = stopped or is_suspended(job)
+        plan = plan_upgrade(job, engine_set, pods_per_replica=pods_per_replica(job), canary_job=canary_job,
+                            stopped=stopped, now=now)  # fmt: skip
+        if plan.status is not None and (prev is None or (prev.attempt, prev.phase) != (plan.status.attempt,
+                                                                                       plan.status.phase)):
+            log.info("%s/%s: engine upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
+                     plan.status.from_image, plan.status.to, plan.status.phase, plan.status.message)  # fmt: skip
+        return plan
 
     async def _read(
         self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]
@@ -320,7 +352,12 @@ class Reconciler:
         outcome.status = new_status
         if not status_changed(job.status, new_status):
             return
-        patch = status_patch(new_status)
+        old_upgrade = job.status.upgrade if job.status else None
+        new_attempt = new_status.upgrade is not None and (
+            old_upgrade is None or (old_upgrade.attempt, old_upgrade.to) != (new_status.upgrade.attempt,
+                                                                              new_status.upgrade.to)
+        )  # fmt: skip
+        patch = status_patch(new_status, new_upgrade_attempt=new_attempt)
         await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
                                       subresource="status")  # fmt: skip
         outcome.status_written = True
@@ -376,6 +413,9 @@ class Reconciler:
                 continue
             if kind == "RayJob" and not await self.capabilities.serves("ray.io/v1", "rayjobs"):
                 continue
+            upgrade = job.status.upgrade if job.status else None
+            if kind == "Job" and not (expired or (upgrade is not None and upgrade.phase in ("Rolling", "Blocked"))):
+                continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             have = await self.client.get(KINDS[kind], job.metadata.namespace, name)
             if have is None or not is_ours(have, job.metadata.uid):
                 continue  # absent, or not ours: never delete what this RLJob does not control

@@ -34,7 +34,27 @@ CONDITION_ORDER = (
     T.SUSPENDED,
     T.SUCCEEDED,
     T.FAILED,
+    T.UPGRADE_BLOCKED,
 )
+
+_UPGRADE_REASONS = {
+    "Canary": Reason.UPGRADE_CANARY,
+    "Rolling": Reason.UPGRADE_ROLLING,
+    "Complete": Reason.UPGRADE_COMPLETE,
+    "Cancelled": Reason.UPGRADE_CANCELLED,
+}
+
+
+def _upgrade_blocked(obs: Observed) -> Desired:
+    """True (CanaryFailed) while an engine image change is held back by its canary; the message carries
+    the figures and what to do. False otherwise, with the upgrade's phase as the reason."""
+    upgrade = obs.upgrade
+    if upgrade is None:
+        return Desired(T.UPGRADE_BLOCKED, S.FALSE, Reason.NO_UPGRADE, "no engine image change so far")
+    if upgrade.phase == "Blocked":
+        return Desired(T.UPGRADE_BLOCKED, S.TRUE, Reason.CANARY_FAILED, upgrade.message)
+    what = f"{upgrade.from_image} → {upgrade.to}: {upgrade.message}"
+    return Desired(T.UPGRADE_BLOCKED, S.FALSE, _UPGRADE_REASONS[upgrade.phase], what)
 
 
 def _old(job: RLJob) -> dict[str, Condition]:
@@ -108,7 +128,9 @@ def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
     counts = engine_counts(job, sts)
     generation = (sts.get("metadata") or {}).get("generation")
     seen = ((sts.get("status") or {}).get("observedGeneration")) or 0
-    if (generation is not None and seen < generation) or counts.updated_replicas < want:
+    # During an upgrade's canary the partition keeps the regular replicas on the old revision on purpose.
+    held = obs.upgrade is not None and obs.upgrade.phase == "Canary"
+    if (generation is not None and seen < generation) or (counts.updated_replicas < want and not held):
         return Desired(
             T.ENGINES_READY, S.FALSE, Reason.UPDATING, f"{counts.updated_replicas}/{want} engine replicas updated"
         )
@@ -267,6 +289,7 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         T.SUSPENDED: suspended,
         T.SUCCEEDED: succeeded,
         T.FAILED: failed,
+        T.UPGRADE_BLOCKED: _upgrade_blocked(obs),
     }
     by_type[T.READY] = _ready(job, by_type)
     return by_type
@@ -294,6 +317,7 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
         progress=old_status.progress,
         start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
         completion_time=completion,
+        upgrade=observed.upgrade,
     )
 
 
@@ -317,10 +341,16 @@ def status_changed(old: RLJobStatus | None, new: RLJobStatus) -> bool:
     return _comparable(old) != _comparable(new)
 
 
-def status_patch(status: RLJobStatus) -> dict[str, Any]:
-    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's)."""
+def status_patch(status: RLJobStatus, *, new_upgrade_attempt: bool = False) -> dict[str, Any]:
+    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's) nor
+    ``upgrade.canary`` (the canary Job's verdict), except that a new upgrade attempt removes the last
+    attempt's verdict."""
     data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     data.pop("progress", None)
+    if "upgrade" in data:
+        data["upgrade"].pop("canary", None)
+        if new_upgrade_attempt:
+            data["upgrade"]["canary"] = None
     if status.completion_time is None:
         data["completionTime"] = None  # a merge patch removes an end someone else wrote
     return {"status": data}

@@ -116,7 +116,6 @@ def progress_patch(
     return {"status": {"progress": progress}}
 
 
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class StatusPusher:
@@ -128,13 +127,13 @@ class StatusPusher:
     """
 
     def __init__(
-        self, name: str | None = None, namespace: str | None = None, *, account_dir: Path = SERVICE_ACCOUNT_DIR
+        self, name: str | None = None, namespace: str | None = None, *, account_dir: Path | None = None
     ) -> None:
         env = runtime_settings()
         self.name = name or env.rljob_name
         self.namespace = namespace or env.rljob_namespace
         self._url: str | None = None
-        self._account_dir = account_dir
+        self._account_dir = account_dir or env.service_account_dir
         if self.name and self.namespace and env.in_cluster:
             from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 
@@ -149,9 +148,10 @@ class StatusPusher:
     def enabled(self) -> bool:
         return self._url is not None
 
-    def push(self, body: dict[str, Any]) -> None:
+    def push(self, body: dict[str, Any]) -> bool:
+        """True when the API server took the patch (False: logged, or not in a cluster)."""
         if self._url is None:
-            return
+            return False
         try:
             # The token is re-read each time: the kubelet rotates projected tokens in place.
             token = (self._account_dir / "token").read_text().strip()
@@ -162,4 +162,6 @@ class StatusPusher:
             with urllib.request.urlopen(request, timeout=10, context=context) as response:
                 response.read()
         except Exception as exc:  # the API server being away must not kill a training step
-            log.warning("status.progress patch of rljob %s/%s failed: %s", self.namespace, self.name, exc)
+            log.warning("status patch of rljob %s/%s failed: %s", self.namespace, self.name, exc)
+            return False
+        return True

@@ -27,6 +27,10 @@ pods are listed, never written).
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# The engine-upgrade canary (operator/upgrade.py): one Job per upgrade attempt.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
   verbs: ["get", "create", "patch", "delete"]

@@ -17,14 +17,12 @@ from r3operator.settings import CONFIG_KEY, CONFIG_PATH, ENGINE_URLS_KEY, ROUTIN
 
 
 def runtime_config(job: RLJob) -> dict[str, Any]:
-    namespace = job.metadata.namespace or "default"
     engine_service = meta.child_name(job, meta.ROLE_ENGINE)
     inf = job.spec.inference
-    pods = pods_per_replica(job)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": job.metadata.name, "namespace": namespace},
+        "metadata": {"name": job.metadata.name, "namespace": job.metadata.namespace or "default"},
         "spec": job.spec.model_dump(mode="json", by_alias=True),
         "resolved": plan(job).to_resolved().model_dump(mode="json", by_alias=True, exclude_none=True),
         RUNTIME_KEY: {
@@ -34,13 +32,18 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
             "engineService": engine_service,
             "engineStatefulSet": engine_service,
             # One URL per engine replica: the DP leader pod of each replica serves the API.
-            ENGINE_URLS_KEY: [
-                f"http://{engine_service}-{i * pods}.{engine_service}.{namespace}.svc:{inf.port}"
-                for i in range(inf.replicas)
-            ],
+            ENGINE_URLS_KEY: [engine_replica_url(job, i) for i in range(inf.replicas)],
             "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
         },
     }
+
+
+def engine_replica_url(job: RLJob, replica: int) -> str:
+    """The API of engine replica ``replica``: its DP leader, the replica's first StatefulSet ordinal."""
+    service = meta.child_name(job, meta.ROLE_ENGINE)
+    namespace = job.metadata.namespace or "default"
+    ordinal = replica * pods_per_replica(job)
+    return f"http://{service}-{ordinal}.{service}.{namespace}.svc:{job.spec.inference.port}"
 
 
 def pods_per_replica(job: RLJob) -> int:

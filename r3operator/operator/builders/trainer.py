@@ -50,7 +50,7 @@ RAY_HEAD_PORTS: tuple[dict[str, Any], ...] = (
 )
 
 
-def _pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
+def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
     env = [
         # The driver merge-patches status.progress of this RLJob (runtime.metrics.StatusPusher).
         {"name": RuntimeSettings.env_name("rljob_name"), "value": job.metadata.name},
@@ -109,7 +109,7 @@ def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
             "rayVersion": RAY_VERSION,
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(t.gpus_per_node)},
-                "template": _pod_template(job, "ray-head", head=True),
+                "template": trainer_pod_template(job, "ray-head", head=True),
             },
             "workerGroupSpecs": [
                 {
@@ -118,7 +118,7 @@ def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
                     "minReplicas": workers,
                     "maxReplicas": workers,
                     "rayStartParams": {"num-gpus": str(t.gpus_per_node)},
-                    "template": _pod_template(job, "ray-worker", head=False),
+                    "template": trainer_pod_template(job, "ray-worker", head=False),
                 }
             ],
         },

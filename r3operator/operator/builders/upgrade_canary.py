@@ -1,0 +1,51 @@
+"""The engine-upgrade canary: a Job with the trainer image that scores an old and the new engine replica.
+
+It runs `r3operator upgrade-canary` (runtime/upgrade_canary.py) in a pod shaped like a trainer pod (the
+trainer's ServiceAccount, config, routing volume with the latest checkpoint, model mount, one GPU), so the
+scoring uses the trainer's current weights and numerics. Its verdict goes to status.upgrade.canary (the
+trainer Role may patch this RLJob's status and no other's). One Job per attempt: the attempt is in its
+labels and arguments, and a Job of an earlier attempt is replaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3operator.api.v1alpha1 import RLJob
+from r3operator.operator import meta
+from r3operator.operator.builders.config import engine_replica_url
+from r3operator.operator.builders.trainer import trainer_pod_template
+from r3operator.operator.upgrade import CanaryTarget
+from r3operator.settings import CONFIG_PATH
+
+CONTAINER_NAME = "upgrade-canary"
+LABEL_ATTEMPT = f"{meta.PREFIX}/upgrade-attempt"
+
+
+def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]:
+    template = trainer_pod_template(job, CONTAINER_NAME, head=False)
+    container = template["spec"]["containers"][0]
+    container["command"] = ["r3operator", "upgrade-canary"]
+    container["args"] = [
+        "--config", CONFIG_PATH,
+        "--old", engine_replica_url(job, target.old_replica), "--old-image", target.old_image,
+        "--new", engine_replica_url(job, target.new_replica), "--new-image", target.new_image,
+        "--attempt", target.attempt,
+    ]  # fmt: skip
+    gpus = "1"  # one trainer GPU scores both engines' samples
+    container["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
+    labels = {**meta.labels(job, meta.ROLE_UPGRADE_CANARY), LABEL_ATTEMPT: target.attempt}
+    template["metadata"] = {"labels": labels}
+    template["spec"]["restartPolicy"] = "Never"
+    metadata = meta.object_meta(job, meta.ROLE_UPGRADE_CANARY)
+    metadata["labels"] = {**metadata.get("labels", {}), LABEL_ATTEMPT: target.attempt}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata,
+        "spec": {
+            "backoffLimit": 1,
+            "ttlSecondsAfterFinished": 3600,
+            "template": template,
+        },
+    }

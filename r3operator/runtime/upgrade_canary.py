@@ -1,0 +1,186 @@
+"""The fidelity canary of an engine image upgrade: an old and a new engine replica, scored by the trainer.
+
+The operator (operator/upgrade.py) starts one replica on the new image and runs this in a Job with the
+trainer image (`r3operator upgrade-canary`). Both engines get the same fixed prompts and seed; each one's
+samples are checked (routed experts of shape [*, numLayers, topK], ids in range, no duplicate within a
+row) and scored by the trainer on its current weights (the latest checkpoint, else the model) twice:
+with the engine's routes replayed (R3) and with natural routing. Per engine that gives
+
+- replay agreement: experts the trainer used under replay = the engine's (must be 1.0: R3 works at all);
+- natural mismatch: token-layers where the trainer's own router differs from the engine's choice;
+- mean |Δlogprob| off and under R3: the rollout-vs-train gap R3 is there to shrink.
+
+The new engine passes when its routes are valid, replay agreement is 1.0, and its natural mismatch and
+mean |Δlogprob| (off) are within `upgradePolicy.max*Factor` × the old engine's, measured in the same run,
+so that the trainer's own numerics cancel out. The verdict goes to status.upgrade.canary (merge patch,
+the trainer's ServiceAccount) and to stdout as JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from r3operator.api.enums import ReplayMode
+from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary, UpgradePolicySpec
+from r3operator.engine.rollout import OpenAIHTTPClient, RolloutSample
+from r3operator.routing.codec import decode
+from r3operator.routing.errors import RoutingDataError
+from r3operator.runtime import checkpoint as ckpt
+from r3operator.runtime.config import RunSettings, resolve_model_dir
+from r3operator.runtime.metrics import StatusPusher
+from r3operator.trainer.base import Trainer
+from r3operator.trainer.batch import build_batch
+from r3operator.trainer.factory import build_trainer
+from r3operator.trainer.metrics import logprob_stats, routing_agreement
+
+log = logging.getLogger(__name__)
+PROMPT_LENGTH = 16
+FLOOR = 1e-6
+"""Below this the old engine's figure counts as zero: a factor of zero would fail on any noise."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    vocab_size: int
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
+def canary_prompts(count: int, *, vocab_size: int, seed: int) -> list[list[int]]:
+    """Fixed token prompts: a function of the job's seed only, so old and new see the same ones."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    low = min(3, vocab_size - 1)  # keep clear of the usual special ids (pad/bos/eos)
+    return [rng.integers(low, vocab_size, size=PROMPT_LENGTH).tolist() for _ in range(count)]
+
+
+def check_samples(samples: list[RolloutSample], shape: ModelShape) -> str | None:
+    """Why the engine's routed experts are unusable, or None."""
+    for sample in samples:
+        if sample.routes is None:
+            return f"sample {sample.sample_id}: {sample.routes_error or 'no routed experts'}"
+        try:
+            rows = decode(sample.routes, num_experts=shape.num_experts)  # ids in range, no duplicates
+        except RoutingDataError as exc:
+            return f"sample {sample.sample_id}: {exc}"
+        if rows.shape[1:] != (shape.num_layers, shape.top_k):
+            return f"sample {sample.sample_id}: routed experts {list(rows.shape)}, expected [*, " \
+                   f"{shape.num_layers}, {shape.top_k}]"  # fmt: skip
+    return None
+
+
+def score_engine(trainer: Trainer, samples: list[RolloutSample], *, image: str, shape: ModelShape,
+                 device: str) -> EngineFidelity:  # fmt: skip
+    problem = check_samples(samples, shape)
+    if problem is not None:
+        return EngineFidelity(image=image, routes_valid=False, message=problem[:1024])
+    routes = [s.routes for s in samples]
+    batch = build_batch(samples, [0.0] * len(samples), routes=routes, pad_id=trainer.pad_id, device=device)  # type: ignore[arg-type]
+    assert batch.engine_routes is not None and batch.route_pad is not None
+    mask = ~batch.route_pad
+    replayed = trainer.old_logprobs(batch, ReplayMode.R3)
+    natural = trainer.old_logprobs(batch, ReplayMode.DISABLED)
+    off = logprob_stats(batch.rollout_logprobs, natural.logprobs, batch.response_mask)
+    r3 = logprob_stats(batch.rollout_logprobs, replayed.logprobs, batch.response_mask)
+    return EngineFidelity(
+        image=image,
+        routes_valid=True,
+        replay_agreement=routing_agreement(replayed.used_ids, batch.engine_routes, mask).agreement_ratio,
+        natural_mismatch=1.0 - routing_agreement(natural.natural_ids, batch.engine_routes, mask).agreement_ratio,
+        logprob_abs_diff_off=off.abs_diff_mean,
+        logprob_abs_diff_r3=r3.abs_diff_mean,
+        message=f"{off.tokens} tokens",
+    )
+
+
+def verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec) -> tuple[bool, str]:
+    """Pass/fail and a message with the figures side by side."""
+
+    def figures(e: EngineFidelity) -> str:
+        if not e.routes_valid:
+            return f"{e.image}: routes invalid ({e.message})"
+        return (f"{e.image}: replay agreement {e.replay_agreement:.4f}, natural mismatch {e.natural_mismatch:.4f}, "
+                f"mean |Δlogprob| off {e.logprob_abs_diff_off:.5f} → R3 {e.logprob_abs_diff_r3:.5f}")  # fmt: skip
+
+    side_by_side = f"new {figures(new)}; old {figures(old)}"
+    if not new.routes_valid:
+        return False, f"the new engine's routed experts are unusable; {side_by_side}"
+    if not old.routes_valid:
+        return False, f"the old engine gave no usable baseline; {side_by_side}"
+    assert new.replay_agreement is not None and new.natural_mismatch is not None
+    assert old.natural_mismatch is not None and new.logprob_abs_diff_off is not None
+    assert old.logprob_abs_diff_off is not None
+    failures = []
+    if new.replay_agreement < 1.0:
+        failures.append(f"replay agreement {new.replay_agreement:.4f} < 1")
+    mismatch_limit = max(old.natural_mismatch, FLOOR) * policy.max_mismatch_factor
+    if new.natural_mismatch > mismatch_limit:
+        failures.append(f"natural mismatch {new.natural_mismatch:.4f} > {mismatch_limit:.4f} "
+                        f"(old × maxMismatchFactor {policy.max_mismatch_factor:g})")  # fmt: skip
+    diff_limit = max(old.logprob_abs_diff_off, FLOOR) * policy.max_logprob_diff_factor
+    if new.logprob_abs_diff_off > diff_limit:
+        failures.append(f"mean |Δlogprob| {new.logprob_abs_diff_off:.5f} > {diff_limit:.5f} "
+                        f"(old × maxLogprobDiffFactor {policy.max_logprob_diff_factor:g})")  # fmt: skip
+    if failures:
+        return False, f"{'; '.join(failures)}; {side_by_side}"
+    return True, side_by_side
+
+
+def load_policy(settings: RunSettings, model_dir: Path) -> Trainer:
+    """The trainer on its latest checkpoint's weights (the model's own when there is none yet)."""
+    trainer = build_trainer(settings.job.spec, model_dir, device=settings.device)
+    info = ckpt.find_latest(settings.run_dir / "checkpoints")
+    if info is not None:
+        state = ckpt.load_checkpoint(info)
+        trainer.load_state(state["model"], state["optimizer"])
+        log.info("scoring with the checkpoint of step %s", info.step)
+    else:
+        log.info("no checkpoint under %s: scoring with the model's weights", settings.run_dir / "checkpoints")
+    return trainer
+
+
+def run_upgrade_canary(
+    settings: RunSettings, *, old_url: str, new_url: str, old_image: str, new_image: str, attempt: str
+) -> UpgradeCanary:
+    from transformers import AutoConfig
+
+    spec = settings.job.spec
+    policy = spec.inference.upgrade_policy
+    model_dir = resolve_model_dir(settings.job, settings.model_override)
+    config = AutoConfig.from_pretrained(model_dir)
+    shape = ModelShape(int(config.vocab_size), int(config.num_hidden_layers), int(config.num_experts_per_tok),
+                       int(config.num_experts))  # fmt: skip
+    trainer = load_policy(settings, model_dir)
+    prompts = canary_prompts(policy.prompts, vocab_size=shape.vocab_size, seed=spec.seed)
+    scored: dict[str, EngineFidelity] = {}
+    for role, url, image in (("old", old_url, old_image), ("new", new_url, new_image)):
+        try:
+            client = OpenAIHTTPClient(url, num_experts=shape.num_experts)
+            samples = client.generate(prompts, max_tokens=policy.max_tokens, temperature=1.0, seed=spec.seed, n=1)
+            scored[role] = score_engine(trainer, samples, image=image, shape=shape, device=settings.device)
+        except Exception as exc:  # an engine that does not answer is a failed canary, with the reason
+            log.error("%s engine %s: %s", role, url, exc)
+            scored[role] = EngineFidelity(image=image, routes_valid=False, message=f"{url}: {exc}"[:1024])
+    passed, message = verdict(scored["old"], scored["new"], policy)
+    return UpgradeCanary(
+        attempt=attempt, passed=passed, message=message[:2048], old=scored["old"], new=scored["new"],
+        finished_at=dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )  # fmt: skip
+
+
+def publish(result: UpgradeCanary, pusher: StatusPusher | None = None) -> bool:
+    """Print the verdict as JSON and merge-patch status.upgrade.canary (nothing else). False when the
+    patch did not land (the Job then fails, and the operator blocks the upgrade saying so)."""
+    verdict_json = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+    print(json.dumps(verdict_json, indent=2))
+    pusher = pusher or StatusPusher()
+    if not pusher.enabled:
+        log.warning("not in a cluster (no KUBERNETES_SERVICE_HOST or RLJob name): the verdict is printed only")
+        return True
+    return pusher.push({"status": {"upgrade": {"canary": verdict_json}}})
