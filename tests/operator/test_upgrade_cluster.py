@@ -1,0 +1,159 @@
+"""Engine image upgrades on the real control plane: the real kopf operator, the real StatefulSet and Job
+controllers, kwok nodes. The canary Job's pod keeps running under kwok (tests/kubecluster/kwok-stages.yaml),
+and the test writes its verdict the way the Job does: `runtime.upgrade_canary.publish` with the job's
+trainer ServiceAccount token, through RBAC. Scoring real engines is in test_upgrade_canary_vllm.py.
+
+- pass: one surge replica on the new image behind a partition, the canary Job; a passing verdict rolls
+  every pod to the new image, `Complete`, the Job is deleted;
+- fail + operator restart: a failing verdict written while the operator is down is found on restart; the
+  engines go back to the old image, `UpgradeBlocked=True CanaryFailed` with the figures, one Event;
+- a second image change supersedes the blocked attempt: a new attempt, the old verdict gone, a new Job;
+- another job's trainer cannot write this job's verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
+
+from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
+
+NS = "upgrades"
+OLD, NEW, BAD, NEWER = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2, 3, 4))
+
+
+def _job(name: str) -> dict[str, Any]:
+    return example(name, NS, **{"inference.image": OLD, "inference.replicas": 2, "inference.upgradePolicy": {
+        "timeoutSeconds": 600}})  # fmt: skip
+
+
+def _pod_images(cluster: Cluster, job: str) -> dict[str, str]:
+    pods = cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=r3operator.io/job={job},r3operator.io/role=engine")
+    return {p["metadata"]["name"]: p["spec"]["containers"][0]["image"] for p in (pods or {}).get("items", [])}
+
+
+def _upgrade(cluster: Cluster, job: str) -> dict[str, Any]:
+    return ((cluster.get(paths(NS, job)["rljob"]) or {}).get("status") or {}).get("upgrade") or {}
+
+
+def _wait_phase(cluster: Cluster, job: str, phase: str, timeout: float = 60.0) -> dict[str, Any]:
+    return wait_for(lambda: (u := _upgrade(cluster, job)).get("phase") == phase and u, timeout=timeout,
+                    what=f"{job} upgrade phase {phase}")  # fmt: skip
+
+
+def _canary_job(cluster: Cluster, job: str) -> dict[str, Any] | None:
+    return cluster.get(f"/apis/batch/v1/namespaces/{NS}/jobs/{job}-upgrade-canary")
+
+
+def _set_image(cluster: Cluster, job: str, image: str) -> None:
+    cluster.kubectl("-n", NS, "patch", "rlj", job, "--type=merge", "-p",
+                    f'{{"spec":{{"inference":{{"image":"{image}"}}}}}}')  # fmt: skip
+
+
+def _verdict(attempt: str, *, passed: bool) -> UpgradeCanary:
+    def engine(image: str, mismatch: float) -> EngineFidelity:
+        return EngineFidelity(image=image, routes_valid=True, replay_agreement=1.0, natural_mismatch=mismatch,
+                              logprob_abs_diff_off=0.005, logprob_abs_diff_r3=0.004)  # fmt: skip
+
+    new_mismatch = 0.02 if passed else 0.09
+    return UpgradeCanary(attempt=attempt, passed=passed, message=f"natural mismatch {new_mismatch} vs 0.02",
+                         old=engine(OLD, 0.02), new=engine(NEW, new_mismatch))  # fmt: skip
+
+
+@pytest.fixture
+def publish_as(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """publish(verdict) as the pod of `service_account` would: its token, the cluster CA, in-cluster env."""
+    from r3operator.runtime.metrics import StatusPusher
+    from r3operator.runtime.upgrade_canary import publish
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.api.api_port))
+
+    def run(job: str, verdict: UpgradeCanary, service_account: str | None = None) -> bool:
+        account = tmp_path / (service_account or f"{job}-trainer")
+        account.mkdir(exist_ok=True)
+        (account / "token").write_text(cluster.api.token_for(NS, service_account or f"{job}-trainer"))
+        (account / "ca.crt").write_bytes(Path(cluster.api.ca).read_bytes())
+        return publish(verdict, StatusPusher(job, NS, account_dir=account))
+
+    yield run
+
+
+def test_a_passing_canary_rolls_every_replica(cluster: Cluster, publish_as: Any) -> None:
+    with running_operator(cluster, NS):
+        cluster.apply(_job("up-pass"))
+        wait_condition(cluster, NS, "up-pass", "EnginesReady", "True")
+        _set_image(cluster, "up-pass", NEW)
+        upgrade = _wait_phase(cluster, "up-pass", "Canary")
+        assert (upgrade["from"], upgrade["to"]) == (OLD, NEW)
+        sts = cluster.get(paths(NS, "up-pass")["sts"])
+        assert sts["spec"]["replicas"] == 3 and sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == 2
+        images = wait_for(lambda: (i := _pod_images(cluster, "up-pass")) and len(i) == 3 and i, what="surge pod")
+        assert images == {"up-pass-engine-0": OLD, "up-pass-engine-1": OLD, "up-pass-engine-2": NEW}
+        job = wait_for(lambda: _canary_job(cluster, "up-pass"), what="canary Job")
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "up-pass-engine-2.up-pass-engine.upgrades.svc" in args[args.index("--new") + 1]
+        assert job["spec"]["template"]["spec"]["serviceAccountName"] == "up-pass-trainer"
+        wait_condition(cluster, NS, "up-pass", "EnginesReady", "True")  # the partition holds them on purpose
+
+        assert publish_as("up-pass", _verdict(upgrade["attempt"], passed=True))
+        done = _wait_phase(cluster, "up-pass", "Complete", timeout=120)
+        assert done["replicasUpdated"] == 2 and done["canary"]["passed"] is True
+        assert wait_for(lambda: _pod_images(cluster, "up-pass") == {"up-pass-engine-0": NEW, "up-pass-engine-1": NEW},
+                        timeout=60, what="every engine pod on the new image")  # fmt: skip
+        wait_for(lambda: _canary_job(cluster, "up-pass") is None, what="canary Job deleted")
+        blocked = condition(cluster.get(paths(NS, "up-pass")["rljob"]), "UpgradeBlocked")
+        assert blocked is not None and (blocked["status"], blocked["reason"]) == ("False", "UpgradeComplete")
+        printed = cluster.kubectl("-n", NS, "get", "rlj", "up-pass").stdout
+        assert "UPGRADE" in printed and "Complete" in printed
+
+
+def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_supersedes_it(
+    cluster: Cluster, publish_as: Any
+) -> None:
+    with running_operator(cluster, NS):
+        cluster.apply(_job("up-fail"))
+        wait_condition(cluster, NS, "up-fail", "EnginesReady", "True")
+        _set_image(cluster, "up-fail", BAD)
+        upgrade = _wait_phase(cluster, "up-fail", "Canary")
+        wait_for(lambda: _canary_job(cluster, "up-fail"), what="canary Job")
+    # The operator is down when the verdict arrives; the next one reads it from status.
+    assert publish_as("up-fail", _verdict(upgrade["attempt"], passed=False))
+    with running_operator(cluster, NS):
+        blocked = _wait_phase(cluster, "up-fail", "Blocked")
+        assert OLD in blocked["message"] and "natural mismatch 0.09" in blocked["message"]
+        cond = wait_condition(cluster, NS, "up-fail", "UpgradeBlocked", "True", "CanaryFailed")
+        assert "r3operator.io/upgrade=force" in cond["message"]
+        sts = cluster.get(paths(NS, "up-fail")["sts"])
+        assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD and sts["spec"]["replicas"] == 2
+        assert wait_for(lambda: _pod_images(cluster, "up-fail") == {"up-fail-engine-0": OLD, "up-fail-engine-1": OLD},
+                        what="surge pod gone, the others untouched")  # fmt: skip
+        assert cluster.get(paths(NS, "up-fail")["rljob"])["spec"]["inference"]["image"] == BAD  # the user's to change
+        events = cluster.get(f"/api/v1/namespaces/{NS}/events")["items"]
+        assert [e for e in events if e["involvedObject"]["name"] == "up-fail" and e["reason"] == "CanaryFailed"]
+
+        _set_image(cluster, "up-fail", NEWER)
+        retry = wait_for(lambda: (u := _upgrade(cluster, "up-fail")).get("to") == NEWER and u.get("phase") == "Canary"
+                         and u, what="a new attempt")  # fmt: skip
+        assert retry["from"] == OLD and retry["attempt"] != upgrade["attempt"] and "canary" not in retry
+        job = wait_for(lambda: (j := _canary_job(cluster, "up-fail")) and
+                       j["metadata"]["labels"]["r3operator.io/upgrade-attempt"] == retry["attempt"] and j,
+                       what="the new attempt's canary Job")  # fmt: skip
+        assert BAD not in job["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_another_jobs_trainer_cannot_write_the_verdict(cluster: Cluster, publish_as: Any) -> None:
+    with running_operator(cluster, NS):
+        cluster.apply(_job("up-victim"))
+        cluster.apply(_job("up-other"))
+        wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/up-other-trainer"), what="other SA")
+        wait_condition(cluster, NS, "up-victim", "EnginesReady", "True")
+        _set_image(cluster, "up-victim", NEW)
+        upgrade = _wait_phase(cluster, "up-victim", "Canary")
+        forged = _verdict(upgrade["attempt"], passed=True)
+        assert not publish_as("up-victim", forged, service_account="up-other-trainer")
+        assert "canary" not in _upgrade(cluster, "up-victim")
