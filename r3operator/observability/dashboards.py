@@ -53,6 +53,17 @@ class Dashboard:
     rows: list[tuple[str, list[Panel]]]
     job_variables: bool = True
     tags: tuple[str, ...] = ("r3operator",)
+    annotations: tuple[dict[str, Any], ...] = ()
+    """Grafana annotation queries (e.g. engine upgrades marked on every time series)."""
+
+
+UPGRADE_ANNOTATION: dict[str, Any] = {
+    "name": "Engine upgrades", "enable": True, "iconColor": "orange", "datasource": DATASOURCE,
+    "expr": "max by (namespace, rljob, phase) (r3operator_upgrade_phase{" + SEL + ', phase=~"Canary|Blocked|Complete"})'
+            " == 1",
+    "step": "1m", "titleFormat": "engine upgrade: {{phase}}", "textFormat": "{{namespace}}/{{rljob}}",
+    "useValueForTime": False,
+}  # fmt: skip
 
 
 def _sel(extra: str = "") -> str:
@@ -94,7 +105,8 @@ def _job_overview(x: _Exprs) -> Dashboard:
     return Dashboard(
         uid="r3operator-job-overview",
         title="R3 / RLJob overview",
-        description="Ready, step, reward and throughput of RLJobs.",
+        description="Ready, step, reward and throughput of RLJobs; engine upgrades as annotations.",
+        annotations=(UPGRADE_ANNOTATION,),
         rows=[
             ("Status", [
                 ready,
@@ -287,7 +299,7 @@ def dashboard_json(dashboard: Dashboard) -> dict[str, Any]:
         "tags": list(dashboard.tags), "editable": True, "graphTooltip": 1, "timezone": "browser",
         "schemaVersion": SCHEMA_VERSION, "version": 1, "refresh": "30s",
         "time": {"from": "now-3h", "to": "now"}, "templating": {"list": _variables(dashboard.job_variables)},
-        "annotations": {"list": []}, "links": [], "panels": panels,
+        "annotations": {"list": [dict(a) for a in dashboard.annotations]}, "links": [], "panels": panels,
     }  # fmt: skip
 
 

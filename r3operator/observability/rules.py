@@ -173,6 +173,14 @@ ALERTS: tuple[Alert, ...] = (
         "The job is Ready but status.step has not moved. Look at the trainer logs and r3_step_phase_seconds.",
     ),
     Alert(
+        "RLJobUpgradeBlocked",
+        f"max by ({_JOB}) (r3operator_rljob_condition{{type=\"UpgradeBlocked\",status=\"True\"}}) == 1",
+        "0m", "warning",
+        "Engine upgrade of {{ $labels.namespace }}/{{ $labels.rljob }} blocked by its fidelity canary",
+        "The new engine image failed the canary and the engines are back on the old one; spec.inference.image "
+        "still names the new image. `kubectl describe rlj` shows the figures (condition UpgradeBlocked).",
+    ),
+    Alert(
         "R3OperatorReconcileErrors",
         "sum by (reason) (rate(r3operator_reconcile_errors_total[5m])) > 0",
         f"{RECONCILE_ERROR_MINUTES}m", "warning",

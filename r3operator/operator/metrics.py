@@ -40,6 +40,24 @@ METRICS: tuple[MetricDef, ...] = (
         "1 for the condition's current status, 0 for the other two.",
     ),
     MetricDef("r3operator_rljob_step", "gauge", ("namespace", "rljob"), "status.progress.step (pushed by the driver)."),
+    MetricDef(
+        "r3operator_upgrade_phase",
+        "gauge",
+        ("namespace", "rljob", "phase"),
+        "1 for the engine image upgrade's current phase (Canary, Rolling, Complete, Blocked, Cancelled), 0 otherwise.",
+    ),
+    MetricDef(
+        "r3operator_upgrade_canary_natural_mismatch_ratio",
+        "gauge",
+        ("namespace", "rljob", "engine"),
+        "Upgrade canary: token-layers where the trainer's router differs from the engine (engine=old|new).",
+    ),
+    MetricDef(
+        "r3operator_upgrade_canary_logprob_abs_diff",
+        "gauge",
+        ("namespace", "rljob", "engine", "replay"),
+        "Upgrade canary: mean |rollout - trainer logprob| per engine (old|new), replay off or R3.",
+    ),
 )
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -69,6 +87,10 @@ RECONCILE_DURATION = Histogram(
 RLJOB_INFO = _gauge("r3operator_rljob_info")
 RLJOB_CONDITION = _gauge("r3operator_rljob_condition")
 RLJOB_STEP = _gauge("r3operator_rljob_step")
+UPGRADE_PHASE = _gauge("r3operator_upgrade_phase")
+CANARY_MISMATCH = _gauge("r3operator_upgrade_canary_natural_mismatch_ratio")
+CANARY_LOGPROB = _gauge("r3operator_upgrade_canary_logprob_abs_diff")
+UPGRADE_PHASES = ("Canary", "Rolling", "Complete", "Blocked", "Cancelled")
 
 _info_labels: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -90,6 +112,24 @@ def observe_job(job: RLJob, status: RLJobStatus | None) -> None:
             RLJOB_CONDITION.labels(*key, ctype.value, value).set(1 if current.get(ctype.value) == value else 0)
     if status.progress is not None:
         RLJOB_STEP.labels(*key).set(status.progress.step)
+    if status.upgrade is not None:
+        _observe_upgrade(key, status)
+
+
+def _observe_upgrade(key: tuple[str, str], status: RLJobStatus) -> None:
+    upgrade = status.upgrade
+    assert upgrade is not None
+    for phase in UPGRADE_PHASES:
+        UPGRADE_PHASE.labels(*key, phase).set(1 if upgrade.phase == phase else 0)
+    canary = upgrade.canary
+    for engine, figures in (("old", canary.old if canary else None), ("new", canary.new if canary else None)):
+        if figures is None or not figures.routes_valid:
+            continue
+        if figures.natural_mismatch is not None:
+            CANARY_MISMATCH.labels(*key, engine).set(figures.natural_mismatch)
+        for replay, value in (("off", figures.logprob_abs_diff_off), ("r3", figures.logprob_abs_diff_r3)):
+            if value is not None:
+                CANARY_LOGPROB.labels(*key, engine, replay).set(value)
 
 
 def forget_job(namespace: str, name: str) -> None:
@@ -103,6 +143,15 @@ def forget_job(namespace: str, name: str) -> None:
                 RLJOB_CONDITION.remove(namespace, name, ctype.value, value)
     with contextlib.suppress(KeyError):
         RLJOB_STEP.remove(namespace, name)
+    for phase in UPGRADE_PHASES:
+        with contextlib.suppress(KeyError):
+            UPGRADE_PHASE.remove(namespace, name, phase)
+    for engine in ("old", "new"):
+        with contextlib.suppress(KeyError):
+            CANARY_MISMATCH.remove(namespace, name, engine)
+        for replay in ("off", "r3"):
+            with contextlib.suppress(KeyError):
+                CANARY_LOGPROB.remove(namespace, name, engine, replay)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:
