@@ -95,7 +95,8 @@ class UpPlan:
 
     def as_json(self) -> dict[str, Any]:
         def proc(p: ProcessSpec) -> dict[str, Any]:
-            return {**asdict(p), "healthURL": p.health_url}
+            fields = {_camel(k): v for k, v in asdict(p).items()}
+            return {**fields, "healthURL": p.health_url}
 
         return {
             "job": self.job,
@@ -112,6 +113,11 @@ class UpPlan:
             "processes": [proc(p) for p in [*self.engines, self.trainer]],
             "notes": self.notes,
         }
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
 
 
 def _one(children: list[dict[str, Any]], kind: str) -> dict[str, Any]:
