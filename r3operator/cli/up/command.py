@@ -169,7 +169,11 @@ def _run(plan: object, *, max_restarts: int) -> int:
     try:
         runner.prepare()
         if plan.reference_model and plan.routing_dir is not None:
+            from transformers.utils import logging as hf_logging
+
             from r3operator.models import place_reference_model
+
+            hf_logging.disable_progress_bar()  # one line per event here; the bar is the model's shard writes
 
             _say(f"  reference model {plan.reference_model}: generating onto the routing volume (the driver's "
                  f"job in a pod; done first here so that the engines find it)")  # fmt: skip
