@@ -184,7 +184,7 @@ def reference_rollout(args: argparse.Namespace) -> tuple[Path, list[Any], float]
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu")
+    parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu | a3b")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (trainer and vLLM)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -109,7 +109,7 @@ def _summary(batch: Any, off: Any, on: Any, agree_off: Any, applied: Any, t_off:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu")
+    parser.add_argument("--model", default="tiny", help="reference model: tiny | small | gpu | a3b")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)

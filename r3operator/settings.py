@@ -36,7 +36,8 @@ CONFIG_KEY = "config.json"
 """The ConfigMap key holding the runtime config; the volume makes it the file CONFIG_PATH."""
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 """The resolved runtime config as seen inside every container (``r3operator run --config`` reads it)."""
-REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/models"
+REFERENCE_MODELS_SUBDIR = "models"
+REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/{REFERENCE_MODELS_SUBDIR}"
 """r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
 MODEL_MOUNT = "/mnt/model"
 """pvc://claim/path models: the claim is mounted read-only here; hf:// models are downloaded into an emptyDir here."""
@@ -117,13 +118,20 @@ class RuntimeSettings(_Settings):
     steps: int | None = Field(None, ge=1)
     """Replaces ``spec.algorithm.steps``."""
     model: str | None = None
-    """A reference model name (``tiny``, ``small``, ``gpu``) or a model directory; skips the architecture check."""
+    """A reference model name (``tiny``, ``small``, ``gpu``, ``a3b``) or a model directory; skips the architecture
+    check."""
     model_dir: Path | None = None
     """The policy model's directory, for models the runtime cannot fetch itself (hf://, s3://, gs://, pvc://)."""
     engine_dtype: str | None = None
     """vLLM engine dtype (default: float32 on CPU, bfloat16 on CUDA)."""
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated engine URLs; replaces the ConfigMap's ``engineURLs`` (HTTP engines)."""
+    mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)
+    """Comma-separated ``CONTAINER_PATH=HOST_PATH`` pairs: where a pod's volume lives outside a pod
+    (``r3operator up``). Paths the driver reads from its argv, the ConfigMap and the environment
+    (``--config``, ``routingDir``, the model directory) are looked up through them (:meth:`host_path`)."""
+    driver_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """The driver's Prometheus port; replaces ``spec.monitoring.port`` under ``--config`` (0: off)."""
     sync_canary_epsilon: float | None = Field(None, ge=0)
     """Weight-sync canary: logit gap accepted at a near-tie (default 0 for an fp32 engine, 0.5 otherwise)."""
     sync_canary_logprob_tol: float | None = Field(None, ge=0)
@@ -158,9 +166,30 @@ class RuntimeSettings(_Settings):
     def _split_commas(cls, value: Any) -> Any:
         return _comma_list(value)
 
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _split_mounts(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        mounts: dict[str, str] = {}
+        for item in _comma_list(value):
+            inside, sep, outside = item.partition("=")
+            if not sep or not inside.startswith("/") or not outside:
+                raise ValueError(f"{item!r} is not CONTAINER_PATH=HOST_PATH with an absolute CONTAINER_PATH")
+            mounts[inside.rstrip("/") or "/"] = outside
+        return mounts
+
     @property
     def in_cluster(self) -> bool:
         return bool(self.kubernetes_service_host)
+
+    def host_path(self, path: str | Path) -> Path:
+        """``path`` as seen in a container → where it is on this host, through the longest matching mount."""
+        text = str(path)
+        for inside in sorted(self.mounts, key=len, reverse=True):
+            if text == inside or text.startswith(inside.rstrip("/") + "/"):
+                return Path(self.mounts[inside]) / text[len(inside) :].lstrip("/")
+        return Path(text)
 
 
 _S = TypeVar("_S", bound=_Settings)
@@ -184,6 +213,11 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     known = set(OperatorSettings.env_names()) | set(RuntimeSettings.env_names())
     names = os.environ if environ is None else environ
     return sorted(n for n in names if n.upper().startswith(ENV_PREFIX) and n.upper() not in known)
+
+
+def process_environment() -> dict[str, str]:
+    """This process's whole environment, for a launcher that hands it on to its children (``r3operator up``)."""
+    return dict(os.environ)
 
 
 def operator_settings() -> OperatorSettings:

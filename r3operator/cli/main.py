@@ -92,11 +92,13 @@ def rules(markdown: Annotated[bool, typer.Option("--markdown", help="Print docs/
 def _mount_optional() -> None:
     # Sub-apps live in their own modules so `r3operator validate` stays import-light.
     from r3operator.cli import observe_cmds, operator_cmds, routing, run_cmd
+    from r3operator.cli.up import command as up_command
 
     app.add_typer(routing.app, name="routing")
     app.command("render")(operator_cmds.render)
     app.command("operator")(operator_cmds.run_operator)
     app.command("run")(run_cmd.run)
+    app.command("up")(up_command.up)
     app.command("reference-model")(run_cmd.reference_model)
     app.command("upgrade-canary")(run_cmd.upgrade_canary)
     app.command("dashboard-preview")(observe_cmds.dashboard_preview)

@@ -35,7 +35,7 @@ def run(
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint if there is one.")] = True,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     model: Annotated[
-        str | None, typer.Option(help="Reference model name or model directory (env R3OPERATOR_MODEL), e.g. gpu.")
+        str | None, typer.Option(help="Reference model name or model directory (env R3OPERATOR_MODEL), e.g. a3b.")
     ] = None,
     metrics_port: Annotated[
         int | None,
@@ -65,7 +65,9 @@ def run(
 
 
 def reference_model(
-    name: Annotated[str, typer.Argument(help="tiny, small or gpu.")] = "tiny",
+    name: Annotated[
+        str, typer.Argument(help="tiny, small, gpu or a3b (4 layers shaped as Qwen3-30B-A3B's; GPU-sized).")
+    ] = "tiny",
     cache_dir: Annotated[
         Path | None, typer.Option(help="Where models are generated (default: R3OPERATOR_CACHE_DIR/models).")
     ] = None,

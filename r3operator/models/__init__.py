@@ -6,6 +6,7 @@ from r3operator.models.reference import (
     default_cache_root,
     ensure_reference_model,
     get_spec,
+    place_reference_model,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "default_cache_root",
     "ensure_reference_model",
     "get_spec",
+    "place_reference_model",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import zlib
@@ -27,7 +28,7 @@ from r3operator.settings import runtime_settings
 
 # Bump when the generation procedure changes: it is part of the cache key.
 GENERATOR_VERSION = "1"
-ReferenceName = Literal["tiny", "small", "gpu"]
+ReferenceName = Literal["tiny", "small", "gpu", "a3b"]
 
 
 class ReferenceModelSpec(BaseModel):
@@ -110,6 +111,25 @@ REFERENCE_SPECS: dict[str, ReferenceModelSpec] = {
         router_std=0.03,
         lm_head_std=0.03,
     ),
+    # Two GPUs: Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of 768, top-8,
+    # rope theta 1e6) with 4 of its 48 layers and a 2048-token vocabulary: 2.5 B parameters, so the trainer's
+    # fp32 weights + grads + AdamW moments (16 B/param, ~40 GB) fit one 80 GB GPU and the bf16 engine another.
+    "a3b": ReferenceModelSpec(
+        name="a3b",
+        vocab_size=2048,
+        hidden_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        rope_theta=1_000_000.0,
+        router_std=0.03,
+        lm_head_std=0.03,
+    ),
 }
 
 
@@ -177,6 +197,22 @@ def _write_model(spec: ReferenceModelSpec, directory: Path) -> None:
         json.dumps({"generator_version": GENERATOR_VERSION, **spec.model_dump()}, indent=2, sort_keys=True)
         + "\n"
     )
+
+
+def place_reference_model(name: str, models_dir: Path) -> Path:
+    """Generate reference model `name` under `models_dir` and return ``models_dir/<name>``: the path an engine
+    pod's ``vllm serve`` is given (engine/args.model_source), a symlink to the content-addressed directory."""
+    target = ensure_reference_model(name, models_dir)
+    link = models_dir / name
+    if link.is_symlink() and link.readlink() == Path(target.name):
+        return link
+    if link.exists() and not link.is_symlink():
+        raise ValueError(f"{link}: expected a link to a generated reference model, found a real file or directory")
+    tmp = models_dir / f".{name}.link-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)  # relative: valid wherever the volume is mounted
+    os.replace(tmp, link)  # atomic: a concurrent reader sees the old link or the new one
+    return link
 
 
 def ensure_reference_model(name: str = "tiny", cache_dir: Path | None = None) -> Path:

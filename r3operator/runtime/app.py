@@ -35,11 +35,14 @@ def build_settings(
         )
     engine_urls: list[str] = []
     run_dir: Path | None = None
+    routing_dir: Path | None = None
     if config is not None:
-        job, runtime = load_job_config(config)
+        # Paths inside a pod; R3OPERATOR_MOUNTS says where they are outside one (`r3operator up`).
+        job, runtime = load_job_config(env.host_path(config))
         engine_urls = list(runtime.get(ENGINE_URLS_KEY) or [])
-        if routing_dir := runtime.get(ROUTING_DIR_KEY):
-            run_dir = Path(routing_dir) / RUNS_DIR / job.metadata.name
+        if routing := runtime.get(ROUTING_DIR_KEY):
+            routing_dir = env.host_path(routing)
+            run_dir = routing_dir / RUNS_DIR / job.metadata.name
     elif file is not None:
         job = load_job_file(file)
     else:
@@ -48,10 +51,13 @@ def build_settings(
         engine_urls = list(env.engine_urls)
     total = steps or env.steps or job.spec.algorithm.steps
     resolved = resolve_device(device)
-    port = metrics_port if metrics_port is not None else (job.spec.monitoring.port if config else 0)
+    port = metrics_port if metrics_port is not None else env.driver_metrics_port
+    if port is None:
+        port = job.spec.monitoring.port if config else 0
     return RunSettings(
         job=job,
         run_dir=run_dir or out_dir / job.metadata.name,
+        routing_dir=routing_dir,
         device=resolved,
         steps=total,
         resume=resume,

@@ -23,7 +23,7 @@ from typing import Any
 from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
-from r3operator.settings import RUNTIME_KEY, RuntimeSettings, runtime_settings
+from r3operator.settings import REFERENCE_MODELS_SUBDIR, RUNTIME_KEY, RuntimeSettings, runtime_settings
 
 REFERENCE_PREFIX = "r3operator://reference/"
 
@@ -41,6 +41,8 @@ class RunSettings:
     engine_urls: list[str] = field(default_factory=list)
     engine_dtype: str = "float32"
     show_progress: bool = True
+    routing_dir: Path | None = None
+    """The routing volume (``--config`` only): reference models are generated onto it for the engines."""
 
     @property
     def name(self) -> str:
@@ -77,24 +79,31 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_model_dir(job: RLJob, override: str | None = None) -> Path:
-    """Local directory of the policy model. `override` (a reference name or a path) wins."""
-    from r3operator.models import ensure_reference_model
+def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: Path | None = None) -> Path:
+    """Local directory of the policy model. `override` (a reference name or a path) wins.
+
+    With a routing volume (`routing_dir`), a reference model is also placed where the engine pods' `vllm serve`
+    looks for it (``<routingDir>/models/<name>``, engine/args.model_source)."""
+    from r3operator.models import ensure_reference_model, place_reference_model
 
     if override:
         path = Path(override)
         return path if path.is_dir() else ensure_reference_model(override)
-    if env_dir := runtime_settings().model_dir:
-        return env_dir
+    env = runtime_settings()
+    if env.model_dir:
+        return env.host_path(env.model_dir)
     uri = job.spec.model.uri
     if uri.startswith(REFERENCE_PREFIX):
-        return ensure_reference_model(uri.removeprefix(REFERENCE_PREFIX))
+        name = uri.removeprefix(REFERENCE_PREFIX)
+        if routing_dir is not None:
+            return place_reference_model(name, routing_dir / REFERENCE_MODELS_SUBDIR)
+        return ensure_reference_model(name)
     source = model_source(job.spec)
     if source.scheme == "file":
-        return Path(source.directory)
+        return env.host_path(source.directory)
     if source.mounted:
         # In a pod the operator mounts the claim or the downloaded copy here (operator/builders/model.py).
-        directory = Path(source.directory)
+        directory = env.host_path(source.directory)
         if directory.is_dir():
             return directory
         raise ValueError(

@@ -92,7 +92,7 @@ class GRPORun:
             raise ValueError(
                 f"spec.task.name: {spec.task.name!r} is a multi-turn game; set spec.rollout.multiTurn: true"
             )
-        self.model_dir = resolve_model_dir(settings.job, settings.model_override)
+        self.model_dir = resolve_model_dir(settings.job, settings.model_override, routing_dir=settings.routing_dir)
         self.engines = engines
         self.trainer: Trainer | None = None
         self.store = RoutingStore(self.run_dir / "routes", durable=False)

@@ -1,0 +1,156 @@
+"""`r3operator up --dry-run`: the processes are the rendered pods, argv and env equal to the containers'
+except for the documented substitutions (cli/up/plan.py): `--port`'s value, mountPath prefixes in argv, and
+the added variables."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from r3operator.api.load import parse_rljob
+from r3operator.cli.main import app
+from r3operator.cli.up.plan import UpError, plan_up
+from r3operator.operator.desired import desired
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "examples" / "rljob-local.yaml"
+QWEN = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+ROUTING, CONFIG, MODEL = "/var/lib/r3operator", "/etc/r3operator", "/mnt/model"
+ENGINE_ADDED = {"PATH", "HOSTNAME"}
+TRAINER_ADDED = {"PATH", "HOSTNAME", "R3OPERATOR_MOUNTS", "R3OPERATOR_ENGINE_URLS", "R3OPERATOR_DRIVER_METRICS_PORT"}
+
+
+def _doc(path: Path = LOCAL, **edits: Any) -> dict[str, Any]:
+    doc = yaml.safe_load(path.read_text())
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+def _write(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _dry_run(tmp_path: Path, job: Path, *options: str) -> dict[str, Any]:
+    result = CliRunner().invoke(app, ["up", str(job), "--dry-run", "-o", "json", "--out-dir", str(tmp_path / "runs"),
+                                      *options])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _rendered(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine container and the trainer head container, as the operator renders them."""
+    children = {c["kind"]: c for c in desired(parse_rljob(doc))}
+    engine = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    return engine, {**head, "entrypoint": children["RayJob"]["spec"]["entrypoint"]}
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _differences(rendered: list[str], argv: list[str]) -> list[tuple[str, str]]:
+    assert len(rendered) == len(argv)
+    return [(r, a) for r, a in zip(rendered, argv, strict=True) if r != a]
+
+
+def test_processes_run_the_rendered_containers_modulo_the_documented_substitutions(tmp_path: Path) -> None:
+    doc = _doc()
+    plan = _dry_run(tmp_path, LOCAL, "--gpus", "none", "--port-offset", "100")
+    engine_c, trainer_c = _rendered(doc)
+    engine, trainer = plan["processes"]
+    routing_host = plan["hostDirs"][ROUTING]
+    assert Path(routing_host).is_relative_to(tmp_path / "runs" / "tiny-count-r3")
+
+    rendered_argv = engine_c["command"] + engine_c.get("args", [])
+    assert engine["renderedArgv"] == rendered_argv
+    # Exactly two arguments differ: the model path on the routing volume, and the port.
+    assert _differences(rendered_argv, engine["argv"]) == [
+        (f"{ROUTING}/models/tiny", f"{routing_host}/models/tiny"),
+        ("8000", "8100"),
+    ]
+    assert engine["argv"][engine["argv"].index("--port") + 1] == "8100" and engine["port"] == 8100
+    assert {k: v for k, v in engine["env"].items() if k not in ENGINE_ADDED} == _env(engine_c)
+    assert engine["env"]["HOSTNAME"] == "tiny-count-r3-engine-0" and "CUDA_VISIBLE_DEVICES" not in engine["env"]
+    assert engine["env"]["PATH"].split(":")[0].endswith("/bin")
+
+    assert trainer["argv"] == shlex.split(trainer_c["entrypoint"]) == ["r3operator", "run", "--config",
+                                                                        f"{CONFIG}/config.json"]  # fmt: skip
+    added = {k: v for k, v in trainer["env"].items() if k not in _env(trainer_c)}
+    assert {k: v for k, v in trainer["env"].items() if k in _env(trainer_c)} == _env(trainer_c)
+    # The example's engine runs --dtype float32: the driver is told, for the canary's tolerance.
+    assert set(added) == TRAINER_ADDED | {"R3OPERATOR_ENGINE_DTYPE"}
+    assert added["R3OPERATOR_ENGINE_DTYPE"] == "float32"
+    assert added["R3OPERATOR_ENGINE_URLS"] == "http://127.0.0.1:8100"
+    assert added["R3OPERATOR_DRIVER_METRICS_PORT"] == str(doc["spec"]["monitoring"]["port"] + 100)
+    mounts = dict(item.split("=", 1) for item in added["R3OPERATOR_MOUNTS"].split(","))
+    assert mounts == {CONFIG: plan["hostDirs"][CONFIG], ROUTING: routing_host}
+
+
+def test_the_configmap_is_written_as_rendered_where_the_trainer_reads_it(tmp_path: Path) -> None:
+    config_map = next(c for c in desired(parse_rljob(_doc())) if c["kind"] == "ConfigMap")
+    plan = plan_up(parse_rljob(_doc()), run_dir=tmp_path, gpus=[], bin_dir=tmp_path / "bin", host_path="")
+    assert plan.config_files == {f"{plan.host_dirs[CONFIG]}/config.json": config_map["data"]["config.json"]}
+
+
+def test_replicas_get_distinct_ports_gpus_and_engine_urls(tmp_path: Path) -> None:
+    job = _write(tmp_path, _doc(**{"inference.replicas": 2}))
+    plan = _dry_run(tmp_path, job, "--gpus", "4,5,6", "--port-offset", "7")
+    engine0, engine1, trainer = plan["processes"]
+    assert (engine0["port"], engine1["port"]) == (8007, 8008)
+    assert (engine0["gpus"], engine1["gpus"], trainer["gpus"]) == (["4"], ["5"], ["6"])
+    assert [p["env"].get("CUDA_VISIBLE_DEVICES") for p in plan["processes"]] == ["4", "5", "6"]
+    assert trainer["env"]["R3OPERATOR_ENGINE_URLS"] == "http://127.0.0.1:8007,http://127.0.0.1:8008"
+    assert engine1["env"]["HOSTNAME"] == "tiny-count-r3-engine-1"
+
+
+def test_too_few_gpus_is_refused_with_the_counts(tmp_path: Path) -> None:
+    job = _write(tmp_path, _doc(**{"inference.replicas": 2}))
+    result = CliRunner().invoke(app, ["up", str(job), "--dry-run", "--gpus", "0,1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "request 3 GPUs (2 engine pod(s) × 1 + trainer 1); this machine has 2 (0,1)" in result.output
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"trainer.nodes": 2}, "spec.trainer.nodes=2: up runs the trainer's head pod only"),
+        ({"inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1}, "cluster DNS"),
+    ],
+)
+def test_topologies_a_machine_cannot_hold_are_refused(edits: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(UpError, match=message):
+        plan_up(parse_rljob(_doc(**edits)), run_dir=tmp_path, gpus=[], bin_dir=tmp_path, host_path="")
+
+
+def test_a_downloaded_model_needs_its_volume_and_then_maps_it(tmp_path: Path) -> None:
+    job = parse_rljob(_doc(QWEN, **{"trainer.nodes": 1}))
+    with pytest.raises(UpError, match=r"init container\(s\) \['fetch-model'\].*--volume /mnt/model=DIR"):
+        plan_up(job, run_dir=tmp_path, gpus=[], bin_dir=tmp_path, host_path="")
+    models = tmp_path / "models"
+    plan = plan_up(job, run_dir=tmp_path, gpus=[], bin_dir=tmp_path, host_path="", volumes={MODEL: models})
+    (engine, *_), trainer = plan.engines, plan.trainer
+    assert engine.argv[2] == f"{models}/hf/Qwen/Qwen3-30B-A3B"
+    # The trainer's R3OPERATOR_MODEL_DIR stays as rendered; the driver reads it through R3OPERATOR_MOUNTS.
+    assert trainer.env["R3OPERATOR_MODEL_DIR"] == f"{MODEL}/hf/Qwen/Qwen3-30B-A3B"
+    assert f"{MODEL}={models}" in trainer.env["R3OPERATOR_MOUNTS"].split(",")
+
+
+def test_a_rule_error_starts_nothing(tmp_path: Path) -> None:
+    job = _write(tmp_path, _doc(**{"inference.executorBackend": "ray"}))  # R3 + ray executor: R3-EXECUTOR-RAY
+    result = CliRunner().invoke(app, ["up", str(job), "--out-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 1 and "R3-EXECUTOR-RAY" in result.output
+    assert not (tmp_path / "runs").exists()
