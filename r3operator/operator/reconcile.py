@@ -122,7 +122,7 @@ class ReconcilerSettings:
 
 
 def _bad_polarity(cond_type: str, status: ConditionStatus) -> bool:
-    if cond_type == ConditionType.FAILED.value:
+    if cond_type in (ConditionType.FAILED.value, ConditionType.UPGRADE_BLOCKED.value):
         return status is ConditionStatus.TRUE
     if cond_type in (ConditionType.SUSPENDED.value, ConditionType.SUCCEEDED.value, ConditionType.PROGRESSING.value):
         return False

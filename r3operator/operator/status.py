@@ -313,7 +313,8 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
         resolved=plan(job).to_resolved(),
         engines=engines,
         trainer=WorkloadCounts(replicas=1 if ray_job else 0, ready_replicas=trainer_ready, updated_replicas=0),
-        engines_ready=f"{engines.ready_replicas}/{job.spec.inference.replicas}",
+        # An upgrade's canary replica is not one of the job's engines: at most desired/desired.
+        engines_ready=f"{min(engines.ready_replicas, job.spec.inference.replicas)}/{job.spec.inference.replicas}",
         progress=old_status.progress,
         start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
         completion_time=completion,

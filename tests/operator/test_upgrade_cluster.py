@@ -134,7 +134,9 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
                         what="surge pod gone, the others untouched")  # fmt: skip
         assert cluster.get(paths(NS, "up-fail")["rljob"])["spec"]["inference"]["image"] == BAD  # the user's to change
         events = cluster.get(f"/api/v1/namespaces/{NS}/events")["items"]
-        assert [e for e in events if e["involvedObject"]["name"] == "up-fail" and e["reason"] == "CanaryFailed"]
+        blocked = [e for e in events if e["involvedObject"]["name"] == "up-fail"
+                   and e["message"].startswith("UpgradeBlocked=True")]  # fmt: skip
+        assert [(e["type"], e["reason"]) for e in blocked] == [("Warning", "CanaryFailed")]
 
         _set_image(cluster, "up-fail", NEWER)
         retry = wait_for(lambda: (u := _upgrade(cluster, "up-fail")).get("to") == NEWER and u.get("phase") == "Canary"
