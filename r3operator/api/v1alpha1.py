@@ -134,17 +134,18 @@ class ResourceSpec(_Model):
 
 
 class UpgradePolicySpec(_Model):
-    """How an engine image change rolls out: a canary replica first, scored by the trainer, then the rest."""
+    """How an image change rolls out: engines get a canary replica scored by the trainer before the rest
+    move; a new trainer image scores an engine beside the old one before the RayJob is replaced."""
 
     canary: bool = True
     """Run the fidelity canary before more than one replica moves. Off: every replica rolls at once."""
     prompts: int = Field(default=8, ge=1, le=256)
-    """Fixed prompts the canary sends to the old and the new engine."""
+    """Fixed prompts the canary sends to the engines it scores."""
     max_tokens: int = Field(default=16, ge=1, le=4096)
     max_mismatch_factor: float = Field(default=1.5, ge=1.0, le=100.0)
-    """Fail when the new engine's natural routing mismatch vs the trainer exceeds the old one's × this."""
+    """Fail when the new side's natural routing mismatch exceeds the old side's × this."""
     max_logprob_diff_factor: float = Field(default=1.5, ge=1.0, le=100.0)
-    """Fail when the new engine's mean |Δlogprob| vs the trainer exceeds the old one's × this."""
+    """Fail when the new side's mean |rollout - trainer logprob| exceeds the old side's × this."""
     timeout_seconds: int = Field(default=1800, ge=60, le=86_400)
     """A canary without a verdict after this long blocks the upgrade."""
 
@@ -188,8 +189,6 @@ class InferenceSpec(_Model):
     """Extra `vllm serve` arguments, appended last. Flags the operator derives are refused."""
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
-    upgrade_policy: UpgradePolicySpec = Field(default_factory=UpgradePolicySpec)
-    """Engine image changes: canary replica → fidelity canary → roll on or roll back (docs/operator.md)."""
 
 
 # -------------------------------------------------------------------------------------- trainer
@@ -329,6 +328,8 @@ class RLJobSpec(_Model):
     storage: StorageSpec = Field(default_factory=StorageSpec)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    upgrade_policy: UpgradePolicySpec = Field(default_factory=UpgradePolicySpec)
+    """Engine and trainer image changes: a fidelity canary first, then roll on or back (docs/operator.md)."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
 
 
@@ -382,7 +383,8 @@ class Progress(_Model):
 
 
 class EngineFidelity(_Model):
-    """One engine's figures in the upgrade canary, scored by the trainer on its current weights."""
+    """One side's figures in the upgrade canary: an engine scored by the trainer on its current weights
+    (engine upgrades), or the trainer image scoring one engine (trainer upgrades)."""
 
     image: str = Field(max_length=512)
     routes_valid: bool
@@ -411,6 +413,8 @@ class UpgradeCanary(_Model):
 class UpgradeStatus(_Model):
     """An engine image change in progress or the last one's outcome."""
 
+    component: Literal["engine", "trainer"] = "engine"
+    """Which image changed: the engines' (inference.image) or the trainer's (trainer.image)."""
     from_image: str = Field(alias="from", max_length=512)
     to: str = Field(max_length=512)
     phase: Literal["Canary", "Rolling", "Complete", "Blocked", "Cancelled"]

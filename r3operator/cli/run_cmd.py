@@ -85,29 +85,49 @@ def reference_model(
 
 def upgrade_canary(
     config: Annotated[Path, typer.Option(help=f"The operator's runtime config (in the pod: {CONFIG_PATH}).")],
-    old: Annotated[str, typer.Option(help="URL of an engine replica on the current image.")],
-    new: Annotated[str, typer.Option(help="URL of the engine replica on the new image.")],
-    attempt: Annotated[str, typer.Option(help="The upgrade attempt this verdict answers (status.upgrade.attempt).")],
-    old_image: Annotated[str, typer.Option(help="The old replica's image (for the figures).")] = "",
-    new_image: Annotated[str, typer.Option(help="The new replica's image (for the figures).")] = "",
+    new: Annotated[str, typer.Option(help="URL of the engine replica to score (the new one, for an engine upgrade).")],
+    new_image: Annotated[str, typer.Option(help="The image under test (engine or trainer), for the figures.")] = "",
+    old: Annotated[str | None, typer.Option(help="Engine upgrade: URL of a replica on the current image.")] = None,
+    old_image: Annotated[str, typer.Option(help="The current image (engine or trainer), for the figures.")] = "",
+    attempt: Annotated[str, typer.Option(help="The attempt the verdict answers (status.upgrade.attempt).")] = "",
+    score_only: Annotated[
+        Path | None, typer.Option(help="Trainer upgrade, old image: write this trainer's figures here, no verdict.")
+    ] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="Trainer upgrade, new image: compare with the old trainer's figures here.")
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     model: Annotated[
         str | None, typer.Option(help="Reference model name or model directory instead of the job's model.")
     ] = None,
 ) -> None:
-    """Score an old and a new engine replica with the trainer (the engine-upgrade canary; operator Job)."""
+    """The upgrade canary (the operator's Job): score engine replicas with the trainer, write the verdict."""
     from r3operator.api import RLJobLoadError
+    from r3operator.runtime import upgrade_canary as canary
     from r3operator.runtime.app import build_settings
-    from r3operator.runtime.upgrade_canary import publish, run_upgrade_canary
 
+    modes = [m for m, on in (("--old", old is not None), ("--score-only", score_only), ("--baseline", baseline)) if on]
+    if len(modes) != 1:
+        typer.echo(f"error: give exactly one of --old, --score-only, --baseline (got {modes or 'none'})", err=True)
+        raise typer.Exit(2)
+    if score_only is None and not attempt:
+        typer.echo("error: --attempt is required with --old or --baseline", err=True)
+        raise typer.Exit(2)
     try:
         settings = build_settings(None, config=config, resume=True, device=device, model=model)
+        prior = canary.read_score(baseline) if baseline is not None else None
     except (RLJobLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    result = run_upgrade_canary(settings, old_url=old, new_url=new, old_image=old_image, new_image=new_image,
-                                attempt=attempt)  # fmt: skip
-    if not publish(result):
+    ctx = canary.canary_context(settings)
+    if score_only is not None:
+        canary.write_score(score_only, canary.score_url(ctx, new, image=new_image))
+        typer.echo(f"figures of {new_image or 'this trainer'} written to {score_only}", err=True)
+        return
+    policy = settings.job.spec.upgrade_policy
+    old_figures = prior if prior is not None else canary.score_url(ctx, str(old), image=old_image)
+    result = canary.make_verdict(old_figures, canary.score_url(ctx, new, image=new_image), policy, attempt=attempt)
+    if not canary.publish(result):
         typer.echo("error: the verdict could not be written to status.upgrade.canary", err=True)
         raise typer.Exit(1)
     typer.echo(f"canary {'passed' if result.passed else 'FAILED'}: {result.message}", err=True)

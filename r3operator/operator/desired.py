@@ -56,6 +56,8 @@ class Facts:
     """An engine image upgrade under way (operator/upgrade.py): the image, surge replica and partition."""
     upgrade_canary: CanaryTarget | None = None
     """The upgrade's canary Job to run (operator/upgrade.py)."""
+    trainer_image: str | None = None
+    """The trainer image the RayJob keeps while a new one is canaried (operator/upgrade.py)."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -79,12 +81,21 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))
-    children.append(build_ray_job(job, suspend=is_suspended(job)))
+    children.append(build_ray_job(_with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job)))
     if facts.pod_monitor_crd and wants_pod_monitor(job):
         children.append(build_pod_monitor(job))
     if facts.upgrade_canary is not None and not stopped:
         children.append(build_upgrade_canary_job(job, facts.upgrade_canary))
     return children
+
+
+def _with_trainer_image(job: RLJob, image: str | None) -> RLJob:
+    """The job as the RayJob should run it: the old trainer image while a new one is canaried, so that
+    the trainer hash stays the same and the running RayJob is not replaced."""
+    if image is None or image == job.spec.trainer.image:
+        return job
+    trainer = job.spec.trainer.model_copy(update={"image": image})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"trainer": trainer})})
 
 
 def _engine_statefulset(job: RLJob, *, stopped: bool, rollout: EngineRollout | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ operator upgrade never rolls pods (KubeRay's ``ray.io/kuberay-version`` lesson).
 rewrites a pod template only when its hash annotation differs.
 
 - engine hash: model, replay mode (route capture), every inference field except ``replicas``
-  (scaling is not a restart) and ``upgradePolicy`` (how a change rolls out), and the routing claim name;
+  (scaling is not a restart), and the routing claim name;
 - trainer hash: everything the runtime driver reads at start except inference and runPolicy, so an
   engine-only edit (image tag, parallelism) never restarts the trainer and vice versa.
 """
@@ -43,7 +43,6 @@ def _model(spec: RLJobSpec) -> dict[str, Any]:
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     inference = _dump(spec.inference)
     inference.pop("replicas", None)
-    inference.pop("upgradePolicy", None)  # how an image change rolls out, not what the engines run
     return {
         "model": _model(spec),
         "replayMode": spec.routing_replay.mode.value,

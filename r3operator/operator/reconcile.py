@@ -219,7 +219,8 @@ class Reconciler:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
             raw_engine_set = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace, engine_name)
-            upgrade = await self._plan_upgrade(job, raw_engine_set, stopped=finish is not None, now=now)
+            ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
+            upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=finish is not None, now=now)
             facts = Facts(
                 pod_monitor_crd=pod_monitor,
                 finished=finish is not None,
@@ -228,6 +229,7 @@ class Reconciler:
                 engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
                 engine_rollout=upgrade.rollout,
                 upgrade_canary=upgrade.canary,
+                trainer_image=upgrade.trainer_image,
             )
             children = desired(job, facts)
             known = {("RayJob", trainer): raw_ray_job, ("StatefulSet", engine_name): raw_engine_set}
@@ -273,7 +275,13 @@ class Reconciler:
         return outcome
 
     async def _plan_upgrade(
-        self, job: RLJob, raw_engine_set: dict[str, Any] | None, *, stopped: bool, now: dt.datetime
+        self,
+        job: RLJob,
+        raw_engine_set: dict[str, Any] | None,
+        ray_job: dict[str, Any] | None,
+        *,
+        stopped: bool,
+        now: dt.datetime,
     ) -> UpgradePlan:
         """operator/upgrade.py's plan from the StatefulSet as it is and, while a canary runs, its Job."""
         ours = raw_engine_set is not None and is_ours(raw_engine_set, job.metadata.uid)
@@ -286,11 +294,12 @@ class Reconciler:
             canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
         stopped = stopped or is_suspended(job)
         plan = plan_upgrade(job, engine_set, pods_per_replica=pods_per_replica(job), canary_job=canary_job,
-                            stopped=stopped, now=now)  # fmt: skip
+                            ray_job=ray_job, stopped=stopped, now=now)  # fmt: skip
         if plan.status is not None and (prev is None or (prev.attempt, prev.phase) != (plan.status.attempt,
                                                                                        plan.status.phase)):
-            log.info("%s/%s: engine upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
-                     plan.status.from_image, plan.status.to, plan.status.phase, plan.status.message)  # fmt: skip
+            log.info("%s/%s: %s upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
+                     plan.status.component, plan.status.from_image, plan.status.to, plan.status.phase,
+                     plan.status.message)  # fmt: skip
         return plan
 
     async def _read(

@@ -25,7 +25,7 @@ image that is known good.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
@@ -50,13 +50,16 @@ class EngineRollout:
 
 @dataclass(frozen=True, slots=True)
 class CanaryTarget:
-    """The canary Job's inputs: which replica is old, which is new, and the attempt it answers."""
+    """The canary Job's inputs: which replica is old, which is new, and the attempt it answers.
+
+    component "trainer": one engine replica (``old_replica``) scored by the old and the new trainer image."""
 
     attempt: str
     old_image: str
     new_image: str
     old_replica: int
     new_replica: int
+    component: str = "engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class UpgradePlan:
     canary: CanaryTarget | None = None
     """Not None: the canary Job must exist for this attempt."""
     blocked_message: str | None = None
+    trainer_image: str | None = None
+    """Not None: render the RayJob with this trainer image (the old one, while its successor is canaried)."""
 
 
 def template_image(statefulset: dict[str, Any] | None) -> str | None:
@@ -106,20 +111,60 @@ def canary_job_failed(canary_job: dict[str, Any] | None) -> str | None:
     return None
 
 
+ACTIVE = ("Canary", "Rolling", "Blocked")
+
+
+def trainer_image(ray_job: dict[str, Any] | None) -> str | None:
+    """The trainer image of the RayJob's head as the cluster has it."""
+    head = ((((ray_job or {}).get("spec") or {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {})
+    containers = ((head.get("template") or {}).get("spec") or {}).get("containers") or []
+    return str(containers[0].get("image") or "") or None if containers else None
+
+
 def plan_upgrade(
     job: RLJob,
     statefulset: dict[str, Any] | None,
     *,
     pods_per_replica: int,
     canary_job: dict[str, Any] | None = None,
+    ray_job: dict[str, Any] | None = None,
     stopped: bool = False,
     now: dt.datetime,
 ) -> UpgradePlan:
-    """What the engines should run given the spec, the StatefulSet as read and status.upgrade."""
-    spec_image = job.spec.inference.image
-    policy = job.spec.inference.upgrade_policy
-    replicas = job.spec.inference.replicas
+    """What the engines and the trainer should run, given the spec, what the cluster runs and
+    status.upgrade. One upgrade at a time: an engine image change waits for a trainer upgrade under way
+    (the engines stay on what they run) and a trainer image change waits for an engine upgrade."""
     prev = job.status.upgrade if job.status else None
+    if prev is not None and prev.component == "trainer" and prev.phase in ACTIVE:
+        plan = _plan_trainer(job, prev, ray_job, canary_job, stopped, now)
+        running = template_image(statefulset)
+        if running is not None and running != job.spec.inference.image:
+            plan = replace(plan, rollout=EngineRollout(image=running))  # the engine change waits its turn
+        return plan
+    engine_prev = prev if prev is None or prev.component == "engine" else None
+    engines = _plan_engines(job, statefulset, engine_prev, pods_per_replica=pods_per_replica, canary_job=canary_job,
+                            stopped=stopped, now=now)  # fmt: skip
+    if engines.status is not None and engines.status.phase in ACTIVE:
+        return engines
+    running_trainer = trainer_image(ray_job)
+    if not stopped and running_trainer is not None and running_trainer != job.spec.trainer.image:
+        return _trainer_attempt(job, running_trainer, now)
+    return engines if engines.status is not None else UpgradePlan(prev)
+
+
+def _plan_engines(
+    job: RLJob,
+    statefulset: dict[str, Any] | None,
+    prev: UpgradeStatus | None,
+    *,
+    pods_per_replica: int,
+    canary_job: dict[str, Any] | None,
+    stopped: bool,
+    now: dt.datetime,
+) -> UpgradePlan:
+    spec_image = job.spec.inference.image
+    policy = job.spec.upgrade_policy
+    replicas = job.spec.inference.replicas
     running = template_image(statefulset)
     force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
     active = prev is not None and prev.phase in ("Canary", "Rolling", "Blocked")
@@ -173,24 +218,14 @@ def _continue(
     replicas = job.spec.inference.replicas
     pods = 0 if stopped else replicas * pods_per_replica
     if prev.phase == "Canary":
-        verdict = prev.canary if prev.canary is not None and prev.canary.attempt == prev.attempt else None
         if force or stopped:
             why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
             return _rolling(prev, f"canary skipped: {why}")
-        if verdict is not None and verdict.passed:
-            return _rolling(prev, f"canary passed: {verdict.message}")
-        failure = None
-        if verdict is not None:
-            failure = f"canary failed: {verdict.message}"
-        elif (reason := canary_job_failed(canary_job)) is not None:
-            failure = reason
-        else:
-            started = parse_time(prev.started_at)
-            limit = job.spec.inference.upgrade_policy.timeout_seconds
-            if started is not None and (now - started).total_seconds() > limit:
-                failure = f"canary timed out: no verdict after {limit} s (upgradePolicy.timeoutSeconds)"
-        if failure is not None:
-            return _blocked(prev, failure)
+        passed, why = canary_outcome(job, prev, canary_job, now)
+        if passed is True:
+            return _rolling(prev, why)
+        if passed is False:
+            return _blocked(prev, why)
         return _canary(prev, replicas, pods_per_replica)
     if prev.phase == "Blocked":
         if force:
@@ -204,6 +239,89 @@ def _continue(
         return UpgradePlan(status)
     status = prev.model_copy(update={"replicas_updated": min(replicas_updated, replicas)})
     return UpgradePlan(status, EngineRollout(image=prev.to))
+
+
+def canary_outcome(
+    job: RLJob, prev: UpgradeStatus, canary_job: dict[str, Any] | None, now: dt.datetime
+) -> tuple[bool | None, str]:
+    """(True, why) passed; (False, why) failed, timed out or the Job failed; (None, "") still waiting."""
+    verdict = prev.canary if prev.canary is not None and prev.canary.attempt == prev.attempt else None
+    if verdict is not None:
+        return verdict.passed, f"canary {'passed' if verdict.passed else 'failed'}: {verdict.message}"
+    if (reason := canary_job_failed(canary_job)) is not None:
+        return False, reason
+    started = parse_time(prev.started_at)
+    limit = job.spec.upgrade_policy.timeout_seconds
+    if started is not None and (now - started).total_seconds() > limit:
+        return False, f"canary timed out: no verdict after {limit} s (upgradePolicy.timeoutSeconds)"
+    return None, ""
+
+
+# ------------------------------------------------------------------------------------- trainer image
+
+
+def _trainer_attempt(job: RLJob, good: str, now: dt.datetime) -> UpgradePlan:
+    """A new trainer image: the RayJob keeps `good` while the canary Job scores one engine replica with
+    both images; without a canary (not wanted, forced, no engine to score) the RayJob is replaced now."""
+    to = job.spec.trainer.image
+    status = UpgradeStatus.model_validate({
+        "component": "trainer", "from": good, "to": to, "phase": "Canary",
+        "attempt": f"{job.metadata.generation or 0}", "startedAt": format_time(now),
+    })  # fmt: skip
+    force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
+    if force or not job.spec.upgrade_policy.canary or job.spec.inference.replicas == 0:
+        why = ("forced by the r3operator.io/upgrade=force annotation" if force
+               else "upgradePolicy.canary is false" if job.spec.upgrade_policy.canary is False
+               else "no engine replica to score")  # fmt: skip
+        return UpgradePlan(status.model_copy(update={"phase": "Rolling", "message": f"replacing the RayJob: {why}"}))
+    return _trainer_canary(status)
+
+
+def _trainer_canary(status: UpgradeStatus) -> UpgradePlan:
+    status = status.model_copy(update={
+        "message": f"canary: trainer images {status.to} and {status.from_image} score the same engine replica",
+    })  # fmt: skip
+    target = CanaryTarget(attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0,
+                          new_replica=0, component="trainer")  # fmt: skip
+    return UpgradePlan(status, canary=target, trainer_image=status.from_image)
+
+
+def _plan_trainer(
+    job: RLJob,
+    prev: UpgradeStatus,
+    ray_job: dict[str, Any] | None,
+    canary_job: dict[str, Any] | None,
+    stopped: bool,
+    now: dt.datetime,
+) -> UpgradePlan:
+    spec_image = job.spec.trainer.image
+    force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
+    if prev.to != spec_image:
+        if prev.phase in ("Canary", "Blocked") and spec_image == prev.from_image:
+            message = f"spec.trainer.image is {spec_image} again; the upgrade to {prev.to} was abandoned"
+            return UpgradePlan(prev.model_copy(update={"phase": "Cancelled", "message": message}))
+        return _trainer_attempt(job, prev.to if prev.phase == "Rolling" else prev.from_image, now)
+    if prev.phase == "Rolling":
+        if trainer_image(ray_job) == prev.to:
+            return UpgradePlan(prev.model_copy(update={"phase": "Complete", "message": f"the trainer runs {prev.to}"}))
+        return UpgradePlan(prev)  # the RayJob is being replaced
+    if prev.phase == "Blocked":
+        if force:
+            message = "forced by the r3operator.io/upgrade=force annotation after a failed canary"
+            return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": message}))
+        return UpgradePlan(prev, trainer_image=prev.from_image, blocked_message=prev.message)
+    if force or stopped:
+        why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
+        return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": f"canary skipped: {why}"}))
+    passed, why = canary_outcome(job, prev, canary_job, now)
+    if passed is True:
+        return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": why}))
+    if passed is False:
+        message = (f"{why}. The trainer stays on {prev.from_image}; spec.trainer.image still says {prev.to}: change "
+                   f"it to retry with another image, or annotate the RLJob {ANNOTATION_UPGRADE}={FORCE} to roll anyway")
+        blocked = prev.model_copy(update={"phase": "Blocked", "message": message[:2048]})
+        return UpgradePlan(blocked, trainer_image=prev.from_image, blocked_message=blocked.message)
+    return _trainer_canary(prev)
 
 
 def _rolling(prev: UpgradeStatus, message: str) -> UpgradePlan:

@@ -14,6 +14,11 @@ The new engine passes when its routes are valid, replay agreement is 1.0, and it
 mean |Δlogprob| (off) are within `upgradePolicy.max*Factor` × the old engine's, measured in the same run,
 so that the trainer's own numerics cancel out. The verdict goes to status.upgrade.canary (merge patch,
 the trainer's ServiceAccount) and to stdout as JSON.
+
+A trainer image change is canaried the same way from the other side: the old trainer image scores one
+engine replica (`--score-only FILE`, an init container), then the new trainer image scores the same
+replica with the same prompts and seed and compares (`--baseline FILE`): the new trainer must agree with
+the engine as well as the old one did.
 """
 
 from __future__ import annotations
@@ -145,33 +150,70 @@ def load_policy(settings: RunSettings, model_dir: Path) -> Trainer:
     return trainer
 
 
-def run_upgrade_canary(
-    settings: RunSettings, *, old_url: str, new_url: str, old_image: str, new_image: str, attempt: str
-) -> UpgradeCanary:
+@dataclass(frozen=True, slots=True)
+class CanaryContext:
+    settings: RunSettings
+    shape: ModelShape
+    trainer: Trainer
+    prompts: list[list[int]]
+
+
+def canary_context(settings: RunSettings) -> CanaryContext:
+    """The model's routing shape, the trainer on its current weights and the fixed prompts."""
     from transformers import AutoConfig
 
     spec = settings.job.spec
-    policy = spec.inference.upgrade_policy
     model_dir = resolve_model_dir(settings.job, settings.model_override)
     config = AutoConfig.from_pretrained(model_dir)
     shape = ModelShape(int(config.vocab_size), int(config.num_hidden_layers), int(config.num_experts_per_tok),
                        int(config.num_experts))  # fmt: skip
-    trainer = load_policy(settings, model_dir)
-    prompts = canary_prompts(policy.prompts, vocab_size=shape.vocab_size, seed=spec.seed)
-    scored: dict[str, EngineFidelity] = {}
-    for role, url, image in (("old", old_url, old_image), ("new", new_url, new_image)):
-        try:
-            client = OpenAIHTTPClient(url, num_experts=shape.num_experts)
-            samples = client.generate(prompts, max_tokens=policy.max_tokens, temperature=1.0, seed=spec.seed, n=1)
-            scored[role] = score_engine(trainer, samples, image=image, shape=shape, device=settings.device)
-        except Exception as exc:  # an engine that does not answer is a failed canary, with the reason
-            log.error("%s engine %s: %s", role, url, exc)
-            scored[role] = EngineFidelity(image=image, routes_valid=False, message=f"{url}: {exc}"[:1024])
-    passed, message = verdict(scored["old"], scored["new"], policy)
+    prompts = canary_prompts(spec.upgrade_policy.prompts, vocab_size=shape.vocab_size, seed=spec.seed)
+    return CanaryContext(settings, shape, load_policy(settings, model_dir), prompts)
+
+
+def score_url(ctx: CanaryContext, url: str, *, image: str) -> EngineFidelity:
+    """One engine's samples scored by this trainer; an engine that does not answer scores as invalid."""
+    spec = ctx.settings.job.spec
+    try:
+        client = OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
+        samples = client.generate(ctx.prompts, max_tokens=spec.upgrade_policy.max_tokens, temperature=1.0,
+                                  seed=spec.seed, n=1)  # fmt: skip
+        return score_engine(ctx.trainer, samples, image=image, shape=ctx.shape, device=ctx.settings.device)
+    except Exception as exc:  # the canary fails with the reason instead of crashing without a verdict
+        log.error("engine %s: %s", url, exc)
+        return EngineFidelity(image=image, routes_valid=False, message=f"{url}: {exc}"[:1024])
+
+
+def run_upgrade_canary(
+    settings: RunSettings, *, old_url: str, new_url: str, old_image: str, new_image: str, attempt: str
+) -> UpgradeCanary:
+    """Engine upgrade: the trainer scores an old and the new engine replica."""
+    ctx = canary_context(settings)
+    old = score_url(ctx, old_url, image=old_image)
+    new = score_url(ctx, new_url, image=new_image)
+    return make_verdict(old, new, settings.job.spec.upgrade_policy, attempt=attempt)
+
+
+def make_verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec, *, attempt: str) -> UpgradeCanary:
+    passed, message = verdict(old, new, policy)
     return UpgradeCanary(
-        attempt=attempt, passed=passed, message=message[:2048], old=scored["old"], new=scored["new"],
+        attempt=attempt, passed=passed, message=message[:2048], old=old, new=new,
         finished_at=dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )  # fmt: skip
+
+
+def write_score(path: Path, fidelity: EngineFidelity) -> None:
+    """Trainer upgrades: the old trainer image's figures for the new image's run (atomic)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(fidelity.model_dump_json(by_alias=True))
+    tmp.replace(path)
+
+
+def read_score(path: Path) -> EngineFidelity:
+    try:
+        return EngineFidelity.model_validate_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: the old trainer's figures are unreadable ({exc})") from None
 
 
 def publish(result: UpgradeCanary, pusher: StatusPusher | None = None) -> bool:

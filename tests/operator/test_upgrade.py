@@ -25,7 +25,8 @@ def job(image: str = NEW, *, replicas: int = 2, upgrade: dict[str, Any] | None =
         annotations: dict[str, str] | None = None, **policy: Any) -> RLJob:  # fmt: skip
     doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
     doc["metadata"].update(uid="uid-1", namespace="ml", generation=generation, annotations=annotations or {})
-    doc["spec"]["inference"].update(image=image, replicas=replicas, upgradePolicy=policy)
+    doc["spec"]["inference"].update(image=image, replicas=replicas)
+    doc["spec"]["upgradePolicy"] = policy
     if upgrade is not None:
         doc["status"] = {"upgrade": upgrade}
     return RLJob.model_validate(doc)
@@ -187,3 +188,63 @@ def test_the_verdict_compares_the_new_engine_with_the_old_in_the_same_run(new: E
     ok, message = verdict(fidelity(OLD, mismatch=0.030, diff=0.0050), new, UpgradePolicySpec())
     assert ok is passed and says in message and OLD in message
     UpgradeCanary(attempt="7", passed=ok, message=message[:2048], new=new)  # fits the status schema
+
+
+# ------------------------------------------------------------------------------------- trainer image
+T_OLD, T_NEW = "ghcr.io/r3operator/trainer:0.1.0", "ghcr.io/r3operator/trainer:0.2.0"
+
+
+def trainer_job(image: str = T_NEW, *, upgrade: dict[str, Any] | None = None, **kwargs: Any) -> RLJob:
+    doc = job(upgrade=upgrade, **kwargs).model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["trainer"]["image"] = image
+    doc["spec"]["inference"]["image"] = OLD
+    return RLJob.model_validate(doc)
+
+
+def ray_job(image: str) -> dict[str, Any]:
+    return {"spec": {"rayClusterSpec": {"headGroupSpec": {"template": {"spec": {"containers": [{"image": image}]}}}}}}
+
+
+def rayjob_of(children: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(c for c in children if c["kind"] == "RayJob")
+
+
+def test_a_trainer_image_change_keeps_the_rayjob_while_both_images_score_one_engine() -> None:
+    plan = plan_upgrade(trainer_job(), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)
+    assert plan.status is not None and (plan.status.component, plan.status.phase) == ("trainer", "Canary")
+    assert plan.trainer_image == T_OLD and plan.canary is not None and plan.canary.component == "trainer"
+    children = desired(trainer_job(), Facts(upgrade_canary=plan.canary, trainer_image=plan.trainer_image))
+    running = rayjob_of(desired(trainer_job(T_OLD), Facts()))
+    assert rayjob_of(children)["metadata"]["annotations"] == running["metadata"]["annotations"]  # same hash: kept
+    (canary,) = [c for c in children if c["kind"] == "Job"]
+    pod = canary["spec"]["template"]["spec"]
+    old, new = pod["initContainers"][-1], pod["containers"][0]
+    assert (old["image"], new["image"]) == (T_OLD, T_NEW)
+    assert old["args"][old["args"].index("--score-only") + 1] == new["args"][new["args"].index("--baseline") + 1]
+    assert old["args"][old["args"].index("--new") + 1] == new["args"][new["args"].index("--new") + 1]  # one engine
+
+
+def test_a_trainer_canary_verdict_replaces_the_rayjob_or_keeps_the_old_image() -> None:
+    canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
+              "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
+    passed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=True)}), engines(OLD),
+                          pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+    assert passed.status is not None and passed.status.phase == "Rolling" and passed.trainer_image is None
+    rolling = passed.status.model_dump(mode="json", by_alias=True)
+    done = plan_upgrade(trainer_job(upgrade=rolling), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_NEW),
+                        now=NOW)  # fmt: skip
+    assert done.status is not None and done.status.phase == "Complete"
+    failed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=False)}), engines(OLD),
+                          pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+    assert failed.status is not None and failed.status.phase == "Blocked" and failed.trainer_image == T_OLD
+    assert "spec.trainer.image still says" in failed.status.message
+
+
+def test_an_engine_change_waits_for_a_trainer_upgrade_under_way() -> None:
+    canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
+              "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
+    doc = trainer_job(upgrade=canary).model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["inference"]["image"] = NEW
+    plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)
+    assert plan.status is not None and plan.status.component == "trainer"
+    assert plan.rollout is not None and plan.rollout.image == OLD  # the engines stay on what they run

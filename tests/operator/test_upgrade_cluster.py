@@ -27,7 +27,7 @@ OLD, NEW, BAD, NEWER = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in
 
 
 def _job(name: str) -> dict[str, Any]:
-    return example(name, NS, **{"inference.image": OLD, "inference.replicas": 2, "inference.upgradePolicy": {
+    return example(name, NS, **{"inference.image": OLD, "inference.replicas": 2, "upgradePolicy": {
         "timeoutSeconds": 600}})  # fmt: skip
 
 
@@ -159,3 +159,31 @@ def test_another_jobs_trainer_cannot_write_the_verdict(cluster: Cluster, publish
         forged = _verdict(upgrade["attempt"], passed=True)
         assert not publish_as("up-victim", forged, service_account="up-other-trainer")
         assert "canary" not in _upgrade(cluster, "up-victim")
+
+
+def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluster: Cluster, publish_as: Any) -> None:
+    t_old, t_new = "ghcr.io/r3operator/trainer:0.1.0", "ghcr.io/r3operator/trainer:0.2.0"
+    rayjob_path = f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/up-trainer-trainer"
+
+    def head_image() -> str:
+        rayjob = cluster.get(rayjob_path) or {}
+        return rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+
+    with running_operator(cluster, NS):
+        cluster.apply({**_job("up-trainer"), "spec": {**_job("up-trainer")["spec"],
+                                                      "trainer": {**_job("up-trainer")["spec"]["trainer"],
+                                                                  "image": t_old}}})  # fmt: skip
+        first = wait_for(lambda: cluster.get(rayjob_path), what="RayJob")
+        cluster.kubectl("-n", NS, "patch", "rlj", "up-trainer", "--type=merge", "-p",
+                        f'{{"spec":{{"trainer":{{"image":"{t_new}"}}}}}}')  # fmt: skip
+        upgrade = _wait_phase(cluster, "up-trainer", "Canary")
+        assert (upgrade["component"], upgrade["from"], upgrade["to"]) == ("trainer", t_old, t_new)
+        job = wait_for(lambda: _canary_job(cluster, "up-trainer"), what="canary Job")
+        pod = job["spec"]["template"]["spec"]
+        assert [c["image"] for c in pod["initContainers"]][-1] == t_old and pod["containers"][0]["image"] == t_new
+        assert head_image() == t_old
+        assert cluster.get(rayjob_path)["metadata"]["uid"] == first["metadata"]["uid"]  # not replaced meanwhile
+
+        assert publish_as("up-trainer", _verdict(upgrade["attempt"], passed=True))
+        _wait_phase(cluster, "up-trainer", "Complete", timeout=120)
+        assert head_image() == t_new and cluster.get(rayjob_path)["metadata"]["uid"] != first["metadata"]["uid"]

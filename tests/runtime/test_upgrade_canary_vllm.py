@@ -102,7 +102,7 @@ def settings(servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
 
     doc = yaml.safe_load((REPO / "examples" / "rljob-local.yaml").read_text())
     doc["metadata"]["namespace"] = "ml"
-    doc["spec"]["inference"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
+    doc["spec"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
     config = runtime_config(parse_rljob(doc))
     config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
     path = tmp_path_factory.mktemp("config") / "config.json"

@@ -1,4 +1,5 @@
-"""The engine-upgrade canary: a Job with the trainer image that scores an old and the new engine replica.
+"""The upgrade canary: a Job with the trainer image that scores an old and the new engine replica (an
+engine image change), or one replica with the old and the new trainer image (a trainer image change).
 
 It runs `r3operator upgrade-canary` (runtime/upgrade_canary.py) in a pod shaped like a trainer pod (the
 trainer's ServiceAccount, config, routing volume with the latest checkpoint, model mount, one GPU), so the
@@ -20,20 +21,34 @@ from r3operator.settings import CONFIG_PATH
 
 CONTAINER_NAME = "upgrade-canary"
 LABEL_ATTEMPT = f"{meta.PREFIX}/upgrade-attempt"
+BASELINE_DIR = "/var/run/r3operator-canary"
+BASELINE = f"{BASELINE_DIR}/old-trainer.json"
 
 
 def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]:
+    """Engine upgrades: the trainer image scores an old and the new replica. Trainer upgrades: an init
+    container with the old trainer image scores replica 0 into a shared emptyDir, then the new trainer
+    image scores the same replica and compares (`--baseline`)."""
     template = trainer_pod_template(job, CONTAINER_NAME, head=False)
     container = template["spec"]["containers"][0]
     container["command"] = ["r3operator", "upgrade-canary"]
-    container["args"] = [
-        "--config", CONFIG_PATH,
-        "--old", engine_replica_url(job, target.old_replica), "--old-image", target.old_image,
-        "--new", engine_replica_url(job, target.new_replica), "--new-image", target.new_image,
-        "--attempt", target.attempt,
-    ]  # fmt: skip
-    gpus = "1"  # one trainer GPU scores both engines' samples
+    common = ["--config", CONFIG_PATH, "--new", engine_replica_url(job, target.new_replica)]
+    gpus = "1"  # one trainer GPU scores the engines' samples
     container["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
+    if target.component == "trainer":
+        container["image"] = target.new_image
+        container["args"] = [*common, "--new-image", target.new_image, "--baseline", BASELINE,
+                             "--old-image", target.old_image, "--attempt", target.attempt]  # fmt: skip
+        scratch = {"name": "canary", "mountPath": BASELINE_DIR}
+        container["volumeMounts"] = [*container["volumeMounts"], scratch]
+        old = {**container, "name": "score-old-trainer", "image": target.old_image,
+               "args": [*common, "--new-image", target.old_image, "--score-only", BASELINE]}  # fmt: skip
+        template["spec"]["initContainers"] = [*template["spec"].get("initContainers", []), old]
+        template["spec"]["volumes"] = [*template["spec"]["volumes"], {"name": "canary", "emptyDir": {}}]
+    else:
+        container["args"] = [*common, "--new-image", target.new_image, "--old",
+                             engine_replica_url(job, target.old_replica), "--old-image", target.old_image,
+                             "--attempt", target.attempt]  # fmt: skip
     labels = {**meta.labels(job, meta.ROLE_UPGRADE_CANARY), LABEL_ATTEMPT: target.attempt}
     template["metadata"] = {"labels": labels}
     template["spec"]["restartPolicy"] = "Never"
