@@ -77,16 +77,19 @@ def _short_patterns(table: OptionTable, dests: frozenset[str]) -> set[str]:
     return patterns
 
 
+_Trie = dict[str, "_Trie"]
+
+
 def _trie_regex(words: Iterable[str]) -> str:
     """A compact alternation of `words` (a trie), each `-` matching `-` or `_`."""
-    trie: dict[str, dict] = {}
+    trie: _Trie = {}
     for word in words:
         node = trie
         for char in word:
             node = node.setdefault(char, {})
         node[""] = {}
 
-    def emit(node: dict[str, dict]) -> str:
+    def emit(node: _Trie) -> str:
         ends = "" in node
         branches = ["[-_]" + emit(child) if char == "-" else re.escape(char) + emit(child)
                     for char, child in sorted(node.items()) if char]  # fmt: skip

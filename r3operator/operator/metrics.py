@@ -82,7 +82,7 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 # No `*_created` series next to each counter and histogram: nothing reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 REGISTRY = CollectorRegistry(auto_describe=True)
 _BY_NAME = {m.name: m for m in METRICS}
 

@@ -167,7 +167,7 @@ def disable_created_series() -> None:
     the series count and nothing here reads them (process-wide, as the library's switch is)."""
     from prometheus_client import disable_created_metrics
 
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class R3Metrics:
