@@ -62,8 +62,16 @@ def _now() -> str:
 
 
 class LeaderElector:
-    def __init__(self, client: KubeClient, config: LeaseConfig, *, exit_on_loss: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        client: KubeClient,
+        config: LeaseConfig,
+        *,
+        exit_on_loss: Callable[[], None] | None = None,
+        on_leading: Callable[[bool], None] | None = None,
+    ) -> None:
         self.client, self.config = client, config
+        self._on_leading = on_leading or (lambda _: None)
         self.identity = config.identity or default_identity()
         self.leading = False
         self.last_contact = 0.0  # monotonic time of the last answer from the API server
@@ -121,6 +129,7 @@ class LeaderElector:
             try:
                 if await self.try_acquire_or_renew():
                     self.leading = True
+                    self._on_leading(True)
                     log.info("leader election: %s acquired lease %s/%s", self.identity, c.namespace, c.name)
                     return
             except (TimeoutError, KubeError, OSError) as exc:
@@ -142,6 +151,7 @@ class LeaderElector:
                 last_renewal = time.monotonic()
             elif time.monotonic() - last_renewal >= c.renew_deadline_s or self._lost_to_another():
                 self.leading = False
+                self._on_leading(False)
                 log.error("leader election: lost lease %s/%s; exiting so no two replicas reconcile",
                           c.namespace, c.name)  # fmt: skip
                 self._exit_on_loss()
@@ -157,6 +167,7 @@ class LeaderElector:
         if not self.leading:
             return
         self.leading = False
+        self._on_leading(False)
         try:
             lease = await self.client.get(LEASE, c.namespace, c.name)
             if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:

@@ -56,16 +56,22 @@ async def _run_elected(
 ) -> None:
     import kopf
 
+    from r3operator.operator import metrics
     from r3operator.operator.health import health_app, serve_health
     from r3operator.operator.kube import KubeClient
     from r3operator.operator.leader import LeaderElector, run_as_leader
+    from r3operator.settings import operator_settings
 
     settings = kopf.OperatorSettings()
     info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
     if info is None:
         raise RuntimeError("leader election: no in-cluster service account and no kubeconfig")
     client = KubeClient.from_connection_info(info)
-    elector = LeaderElector(client, lease)
+    port = operator_settings().metrics_port
+    if port:  # a standby is scraped as well: it reports r3operator_leader 0 and no RLJob series
+        metrics.serve(port)
+    metrics.LEADER.set(0)
+    elector = LeaderElector(client, lease, on_leading=lambda leading: metrics.LEADER.set(1 if leading else 0))
     kopf_task: list[asyncio.Task[None]] = []
 
     async def operate() -> None:

@@ -67,6 +67,12 @@ METRICS: tuple[MetricDef, ...] = (
         "Upgrade canary: mean |rollout - trainer logprob| per engine (old|new), replay off or R3.",
     ),
     MetricDef(
+        "r3operator_leader",
+        "gauge",
+        (),
+        "1 on the replica that holds the leader-election Lease and reconciles, 0 on a standby.",
+    ),
+    MetricDef(
         "r3operator_rljob_last_progress_timestamp_seconds",
         "gauge",
         ("namespace", "rljob"),
@@ -114,6 +120,7 @@ UPGRADE_PHASE = _gauge("r3operator_upgrade_phase")
 CANARY_MISMATCH = _gauge("r3operator_upgrade_canary_natural_mismatch_ratio")
 CANARY_LOGPROB = _gauge("r3operator_upgrade_canary_logprob_abs_diff")
 UPGRADE_PHASES = ("Canary", "Rolling", "Complete", "Blocked", "Cancelled")
+LEADER = _gauge("r3operator_leader")
 RLJOB_LAST_PROGRESS = _gauge("r3operator_rljob_last_progress_timestamp_seconds")
 RLJOB_NO_PROGRESS_THRESHOLD = _gauge("r3operator_rljob_no_progress_threshold_seconds")
 _PER_JOB = (RLJOB_STEP, RLJOB_LAST_PROGRESS, RLJOB_NO_PROGRESS_THRESHOLD)
@@ -206,5 +213,13 @@ def forget_job(namespace: str, name: str) -> None:
                 CANARY_LOGPROB.remove(namespace, name, engine, replay)
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Start the exporter once per port: with leader election it starts before kopf (a standby is scraped
+    too), and kopf's startup handler then finds it running."""
+    if port in _serving:
+        return
     start_http_server(port, addr=addr, registry=REGISTRY)
+    _serving.add(port)

@@ -43,6 +43,7 @@ class Replica:
     name: str
     proc: subprocess.Popen[str]
     health: str
+    metrics: str
     lines: list[str] = field(default_factory=list)
 
     def read(self) -> None:
@@ -65,6 +66,16 @@ class Replica:
     def reconciled(self, job: str) -> list[dt.datetime]:
         return self.stamped(rf"\[{NS}/{job}\]")
 
+    def leader_gauge(self) -> float | None:
+        """`r3operator_leader` as this replica exports it (a standby is scraped too)."""
+        try:
+            with urllib.request.urlopen(self.metrics, timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        m = re.search(r"^r3operator_leader (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
     def ready(self) -> str | None:
         try:
             with urllib.request.urlopen(self.health.replace("/healthz", "/readyz"), timeout=2) as r:
@@ -85,15 +96,15 @@ def replicas(cluster: Cluster) -> Iterator[list[Replica]]:
 
 
 def _start(cluster: Cluster, replicas: list[Replica], name: str) -> Replica:
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     health = f"http://127.0.0.1:{port}/healthz"
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO), "HOSTNAME": name,
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+           "PYTHONUNBUFFERED": "1", "R3OPERATOR_METRICS_PORT": str(metrics_port)}  # fmt: skip
     args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect",
             "--leader-election-namespace", NS, "--liveness", health,
             "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    replica = Replica(name, proc, health)
+    replica = Replica(name, proc, health, f"http://127.0.0.1:{metrics_port}/metrics")
     threading.Thread(target=replica.read, daemon=True).start()
     replicas.append(replica)
     return replica
@@ -114,6 +125,7 @@ def test_only_the_lease_holder_reconciles_and_a_rolling_update_hands_over_withou
     with urllib.request.urlopen(b.health, timeout=2) as live:  # a standby passes its liveness probe
         assert live.status == 200
     assert a.ready() == "leader" and _holder(cluster).startswith("replica-a_")
+    assert (a.leader_gauge(), b.leader_gauge()) == (1.0, 0.0)
 
     cluster.apply(example("ha-one", NS))
     all_children(cluster, NS, "ha-one")
@@ -127,7 +139,7 @@ def test_only_the_lease_holder_reconciles_and_a_rolling_update_hands_over_withou
     [released] = a.stamped("released lease")
     [acquired] = b.stamped("acquired lease")
     assert max(a.reconciled("ha-one")) <= released <= acquired, (a.log(), b.log())
-    assert _holder(cluster).startswith("replica-b_") and b.ready() == "leader"
+    assert _holder(cluster).startswith("replica-b_") and b.ready() == "leader" and b.leader_gauge() == 1.0
 
     cluster.apply(example("ha-two", NS))
     all_children(cluster, NS, "ha-two")
