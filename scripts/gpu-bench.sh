@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements for docs/benchmarks.md, run on the lent GPU machine from the repo root after
-# .whl/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
+# scripts/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [steps...]
 #   steps: fidelity overhead megatron runtime (default: all)

@@ -6,6 +6,9 @@ quotes the offending values. Keep them pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import re
+
+from r3operator.api import vllm_cli
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
@@ -33,26 +36,42 @@ def _dp_local(s: RLJobSpec) -> int:
     return inf.data_parallel_size_local if inf.data_parallel_size_local is not None else inf.data_parallel_size
 
 
-# The flags r3operator derives from the spec: setting them again in extraArgs would silently fight
-# the rules above (e.g. a KV connector smuggled past R3-KV-CONNECTOR), so they are refused.
-DERIVED_VLLM_FLAGS: tuple[str, ...] = (
-    "--enable-return-routed-experts",
-    "--no-enable-return-routed-experts",
-    "--tensor-parallel-size",
-    "--pipeline-parallel-size",
-    "--data-parallel-size",
-    "--decode-context-parallel-size",
-    "--enable-expert-parallel",
-    "--distributed-executor-backend",
-    "--kv-transfer-config",
-    "--kv-offloading-size",
-    "--speculative-config",
-    "--max-model-len",
-    "--gpu-memory-utilization",
-    "--port",
-    "--async-scheduling",
-    "--no-async-scheduling",
+# The vLLM arguments (argparse dests) r3operator derives from the spec, and those whose change breaks the
+# operator's own calls to the engine (the served model name, the weight-sync worker extension, an API key
+# or a socket other than the port, a server other than HTTP). Setting them again in extraArgs would
+# silently fight the rules above (e.g. a KV connector smuggled past R3-KV-CONNECTOR), so they are refused
+# under every spelling vLLM accepts (api/vllm_cli.py).
+DERIVED_VLLM_DESTS: tuple[str, ...] = (
+    "enable_return_routed_experts",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "data_parallel_size_local",
+    "decode_context_parallel_size",
+    "enable_expert_parallel",
+    "distributed_executor_backend",
+    "kv_transfer_config",
+    "kv_offloading_size",
+    "kv_offloading_backend",
+    "speculative_config",
+    "spec_method",
+    "spec_model",
+    "spec_tokens",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "async_scheduling",
+    "model",
+    "served_model_name",
+    "worker_extension_cls",
+    "port",
+    "uds",
+    "api_key",
+    "headless",
+    "grpc",
+    "config",  # a YAML file of arguments could set any of the above unseen
 )
+DERIVED_VLLM_PATTERN = vllm_cli.derived_pattern(DERIVED_VLLM_DESTS)
+_DERIVED = re.compile(DERIVED_VLLM_PATTERN)
 
 
 # vLLM flags that import or run code named by the argument (or by the model repository): an RLJob
@@ -269,9 +288,10 @@ def extra_args_code_loading(c: RuleContext) -> str | None:
 
 
 def extra_args_derived(c: RuleContext) -> str | None:
-    bad = [a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in DERIVED_VLLM_FLAGS]
+    bad = [a for a in c.spec.inference.extra_args if _DERIVED.match(a)]
     if bad:
-        return f"inference.extraArgs sets flags r3operator derives from the spec: {', '.join(bad)}"
+        named = ", ".join(f"{a} ({vllm_cli.dest_of(a) or 'derived'})" for a in bad)
+        return f"inference.extraArgs sets vLLM arguments r3operator derives from the spec: {named}"
     return None
 
 

@@ -69,6 +69,30 @@ def parse_rljob(obj: Any, *, source: str = "<object>") -> RLJob:
         raise RLJobLoadError(source, _problems(exc)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping with a key twice, as kubectl does: PyYAML would keep the last
+    value silently, so two manifests pasted without `---` between them would apply only the second's
+    fields under the first's metadata."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merge keys may repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key; construct_mapping reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first at line {first.start_mark.line + 1})", key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_documents(path: Path) -> list[Any]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -76,7 +100,7 @@ def load_documents(path: Path) -> list[Any]:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise RLJobLoadError(str(path), [FieldProblem("", f"cannot read file: {reason}")]) from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3operator.api import checks
-from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_FLAGS
+from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_PATTERN
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
 from r3operator.api.families import HF_REPLAY_FAMILIES
@@ -76,6 +76,13 @@ _CEL_DP_LOCAL = (
 
 def _cel_list(items: list[str]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+def _cel_string(regex: str) -> str:
+    """A CEL raw string literal: backslashes reach RE2 as written."""
+    if "'" in regex:
+        raise ValueError(f"regex {regex!r} has a quote a CEL raw string cannot hold")
+    return f"r'{regex}'"
 
 
 # ----------------------------------------------------------------------------------------- table
@@ -383,13 +390,12 @@ RULES: tuple[Rule, ...] = (
         "spec.inference.extraArgs",
         ("inference.extraArgs",),
         "extraArgs may not override derived vLLM flags",
-        ("r3operator: derived flags",),
+        ("r3operator: derived flags; vLLM's own parser (api/vllm_cli_tables, scripts/gen-vllm-cli-table.py)",),
         checks.extra_args_derived,
         CelRule(
-            "self.inference.extraArgs.all(a, "
-            + " && ".join(f"a != '{f}' && !a.startsWith('{f}=')" for f in DERIVED_VLLM_FLAGS)
-            + ")",
-            "'inference.extraArgs sets flags r3operator derives from the spec'",
+            f"self.inference.extraArgs.all(a, !a.matches({_cel_string(DERIVED_VLLM_PATTERN)}))",
+            "'inference.extraArgs sets vLLM arguments r3operator derives from the spec (any spelling vLLM accepts: "
+            "short options, underscores, prefixes, --no- forms)'",
             ".inference.extraArgs",
         ),
     ),

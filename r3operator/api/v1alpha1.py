@@ -313,6 +313,9 @@ class MonitoringSpec(_Model):
     """Prometheus port of the trainer driver."""
     pod_monitor: bool = True
     """Create a PodMonitor when the Prometheus Operator CRDs exist."""
+    no_progress_seconds: int = Field(default=900, ge=60, le=7 * 24 * 3600)
+    """Alert RLJobNoProgress when the job is Ready and no step completed for this long; a step of a large
+    model can take longer than the 15-minute default."""
 
 
 class RLJobSpec(_Model):

@@ -1,7 +1,8 @@
 """The `r3operator` command line.
 
-Exit codes (validate, render): 0 no errors; 1 a rule reported an error; 2 the input could not be
-read as an RLJob (unreadable file, malformed YAML, not an RLJob, unknown field, wrong type).
+Exit codes (validate, explain, render): 0 no errors; 1 a rule reported an error; 2 the input could not
+be read as an RLJob (unreadable file, malformed YAML or a key given twice, not an RLJob, unknown field,
+wrong type).
 """
 
 from __future__ import annotations
@@ -28,43 +29,75 @@ app = typer.Typer(
 class OutputFormat(StrEnum):
     TEXT = "text"
     JSON = "json"
+    YAML = "yaml"
 
 
 FilesArg = Annotated[list[Path], typer.Argument(help="RLJob YAML files (multi-document files allowed).")]
+OutputOption = Annotated[OutputFormat, typer.Option("--output", "-o", help="text, json or yaml")]
+
+
+def _print_data(data: object, output_format: OutputFormat) -> None:
+    if output_format is OutputFormat.JSON:
+        print(json.dumps(data, indent=2))
+    else:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from r3operator import __version__
+
+        print(f"r3operator {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Kubernetes operator for MoE RL post-training with Rollout Routing Replay (R3)."""
 
 
 @app.command()
-def validate(
-    files: FilesArg,
-    output_format: Annotated[
-        OutputFormat, typer.Option("--output", "-o", help="text or json")
-    ] = OutputFormat.TEXT,
-) -> None:
+def validate(files: FilesArg, output_format: OutputOption = OutputFormat.TEXT) -> None:
     """Check RLJobs against the schema and every compatibility rule."""
     from r3operator.cli.validate import validate_files
 
     results = validate_files(files)
-    if output_format is OutputFormat.JSON:
-        print(json.dumps([r.as_json() for r in results.rows], indent=2))
-    else:
+    if output_format is OutputFormat.TEXT:
         output.print_validation(results)
+    else:
+        _print_data([r.as_json() for r in results.rows], output_format)
     raise typer.Exit(results.exit_code)
 
 
 @app.command()
-def explain(file: Annotated[Path, typer.Argument(help="An RLJob YAML file.")]) -> None:
-    """Print the resolved plan: GPUs, EP sizes, vLLM version and gated features, replay path."""
-    from r3operator.api import RLJobLoadError, evaluate, load_rljob, plan
+def explain(
+    file: Annotated[Path, typer.Argument(help="An RLJob YAML file (multi-document files allowed).")],
+    output_format: OutputOption = OutputFormat.TEXT,
+) -> None:
+    """Print the resolved plan of each RLJob: GPUs, EP sizes, vLLM version, replay path, and the vLLM
+    routed-experts feature gates when replay needs them (R3). json/yaml print a list, one entry per RLJob."""
+    from r3operator.api import RLJobLoadError, evaluate, load_rljobs, plan
     from r3operator.api.rules import errors
+    from r3operator.cli.explain import plan_json
 
     try:
-        job = load_rljob(file)
+        jobs = load_rljobs(file)
     except RLJobLoadError as exc:
         output.print_load_error(exc)
         raise typer.Exit(2) from None
-    findings = evaluate(job.spec)
-    output.print_plan(job, plan(job), findings)
-    raise typer.Exit(1 if errors(findings) else 0)
+    planned = [(job, plan(job), evaluate(job.spec)) for job in jobs]
+    if output_format is OutputFormat.TEXT:
+        for job, job_plan, findings in planned:
+            output.print_plan(job, job_plan, findings)
+    else:
+        _print_data([plan_json(str(file), *entry) for entry in planned], output_format)
+    raise typer.Exit(1 if any(errors(findings) for _, _, findings in planned) else 0)
 
 
 @app.command()
@@ -76,13 +109,22 @@ def crd() -> None:
 
 
 @app.command()
-def rules(markdown: Annotated[bool, typer.Option("--markdown", help="Print docs/rules.md")] = False) -> None:
+def rules(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print docs/rules.md")] = False,
+    output_format: OutputOption = OutputFormat.TEXT,
+) -> None:
     """List the compatibility rules: id, severity, where enforced, sources."""
     from r3operator.api.docs import rules_markdown
     from r3operator.api.rules import RULES
 
     if markdown:
         sys.stdout.write(rules_markdown())
+        return
+    if output_format is not OutputFormat.TEXT:
+        rows = [{"id": r.id, "severity": r.severity.value, "field": r.field, "reads": list(r.reads),
+                 "enforcedBy": ["operator", "CEL"] if r.cel is not None else ["operator"], "summary": r.summary,
+                 "sources": list(r.sources)} for r in RULES]  # fmt: skip
+        _print_data(rows, output_format)
         return
     for r in RULES:
         where = "CEL" if r.cel is not None else "operator"

@@ -81,18 +81,46 @@ def run_operator(
         Path | None, typer.Option(help="Kubeconfig (default: in-cluster service account, else $KUBECONFIG).")
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    leader_elect: Annotated[
+        bool, typer.Option("--leader-elect", help="Reconcile only while holding a coordination.k8s.io Lease.")
+    ] = False,
+    leader_election_namespace: Annotated[
+        str | None, typer.Option(help="Namespace of the Lease (default: $R3OPERATOR_OPERATOR_NAMESPACE).")
+    ] = None,
+    leader_election_id: Annotated[str, typer.Option(help="Name of the Lease.")] = "r3operator-leader",
+    lease_duration: Annotated[float, typer.Option(help="Seconds a standby waits for an unrenewed Lease.")] = 15.0,
+    renew_deadline: Annotated[float, typer.Option(help="Seconds the leader may fail to renew before it exits.")] = 10.0,
+    retry_period: Annotated[float, typer.Option(help="Seconds between Lease attempts.")] = 2.0,
 ) -> None:
-    """Run the RLJob operator (kopf, standalone, one replica). Metrics on $R3OPERATOR_METRICS_PORT (9090)."""
+    """Run the RLJob operator (kopf, standalone). Metrics on $R3OPERATOR_METRICS_PORT (9090).
+
+    With --leader-elect, several replicas may run: only the Lease holder reconciles; the liveness
+    address then also serves /readyz (leader or standby)."""
+    from r3operator.operator.leader import LeaseConfig
     from r3operator.operator.main import run
+    from r3operator.settings import operator_settings
 
     if not namespace and not all_namespaces:
         typer.echo("pass --namespace NS (repeatable) or --all-namespaces", err=True)
         raise typer.Exit(2)
+    lease = None
+    if leader_elect:
+        lease_namespace = leader_election_namespace or operator_settings().operator_namespace
+        if not lease_namespace:
+            typer.echo("--leader-elect needs --leader-election-namespace or R3OPERATOR_OPERATOR_NAMESPACE", err=True)
+            raise typer.Exit(2)
+        try:
+            lease = LeaseConfig(lease_namespace, leader_election_id, lease_duration_s=lease_duration,
+                                renew_deadline_s=renew_deadline, retry_period_s=retry_period)  # fmt: skip
+        except ValueError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
     run(
         namespaces=namespace or (),
         all_namespaces=all_namespaces,
         liveness=liveness or None,
         kubeconfig=str(kubeconfig) if kubeconfig else None,
         verbose=verbose,
+        lease=lease,
     )
 

@@ -65,10 +65,13 @@ def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:
             f"{plan.routing_bytes_per_token} bytes/token ({plan.route_dtype}, "
             "all layers x topK, dense layers included)",
         )
-    gates = ", ".join(
-        f"{k}={'yes' if ok else 'no' if ok is False else 'unknown'}" for k, ok in plan.features.items()
-    )
-    t.add_row("vLLM features", gates)
+    from r3operator.cli.explain import routed_experts_needed
+
+    if routed_experts_needed(job):
+        gates = ", ".join(
+            f"{k}={'yes' if ok else 'no' if ok is False else 'unknown'}" for k, ok in plan.features.items()
+        )
+        t.add_row("vLLM features", gates)
     out.print(t)
     for f in findings:
         out.print(f"[{_STYLE[f.severity.value]}]{f.severity.value}[/] {f.rule} {f.field}: ", end="")

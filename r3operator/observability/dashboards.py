@@ -5,9 +5,14 @@ Every target `expr` is PromQL over the metrics contract (metrics_contract.py) or
 check that it returns series from real exporters. `r3operator dashboards` writes
 the JSON into charts/r3operator/dashboards/ for the Grafana-sidecar ConfigMap.
 
-Label conventions (docs/metrics.md): every series carries `namespace` and `rljob`. The operator's
-own metrics have them as labels (scraped with honorLabels); trainer and engine pods get them from the
-PodMonitor the operator creates.
+Label conventions (docs/metrics.md): every series carries `namespace` and `rljob`. The operator and the
+trainer driver export them as labels (scraped with honorLabels); engine pods get them from the PodMonitor
+the operator creates. A `cluster` label, when an aggregating Prometheus (Thanos, Mimir) adds one, selects
+the cluster; without one `cluster=~".*"` matches every series.
+
+The variables read only series that a default install scrapes (the trainer and engine PodMonitor of each
+RLJob), never the operator's own metrics, whose ServiceMonitor is off by default. Every panel has a 30 s
+minimum interval (the PodMonitor's scrape interval), so Grafana's `$__rate_interval` is at least 4 scrapes.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.observability.metrics_contract import ContractMetric, load_contract
+from r3operator.observability.rules import RATE_SUFFIX, SCRAPE_INTERVAL_SECONDS
 
 SCHEMA_VERSION = 39
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-SEL = 'namespace=~"$namespace", rljob=~"$rljob"'
+CLUSTER = 'cluster=~"$cluster"'
+SEL = CLUSTER + ', namespace=~"$namespace", rljob=~"$rljob"'
+BY_JOB = "cluster, namespace, rljob"
 RI = "$__rate_interval"
+MIN_INTERVAL = f"{SCRAPE_INTERVAL_SECONDS}s"
 
 
 @dataclass
@@ -70,6 +79,11 @@ def _sel(extra: str = "") -> str:
     return "{" + SEL + (", " + extra if extra else "") + "}"
 
 
+def _csel(extra: str = "") -> str:
+    """Selector of the operator's own series, which have no RLJob to filter on."""
+    return "{" + CLUSTER + (", " + extra if extra else "") + "}"
+
+
 class _Exprs:
     """Type-aware PromQL over the contract, so a metric's type decides gauge vs rate vs histogram mean."""
 
@@ -83,7 +97,7 @@ class _Exprs:
     def value(self, name: str, *, by: str = "", extra: str = "", assumed: str = "gauge") -> str:
         """A gauge as is; a histogram/summary as its mean over the rate interval."""
         kind = self.type_of(name, assumed)
-        group = f" by ({by})" if by else " by (namespace, rljob)"
+        group = f" by ({by})" if by else f" by ({BY_JOB})"
         if kind in ("histogram", "summary"):
             return (f"sum{group} (rate({name}_sum{_sel(extra)}[{RI}]))"
                     f" / sum{group} (rate({name}_count{_sel(extra)}[{RI}]))")  # fmt: skip
@@ -95,9 +109,11 @@ class _Exprs:
 
 def _job_overview(x: _Exprs) -> Dashboard:
     ready = Panel(
-        "Ready", [Target("max by (namespace, rljob) (r3operator_rljob_condition"
+        "Ready", [Target(f"max by ({BY_JOB}) (r3operator_rljob_condition"
                          + _sel('type="Ready", status="True"') + ")", "{{rljob}}")],
-        kind="stat", width=6, height=5, description="1 when the RLJob's Ready condition is True.",
+        kind="stat", width=6, height=5,
+        description="1 when the RLJob's Ready condition is True. From the operator's own metrics: enable "
+                    "metrics.serviceMonitor (or podMonitor) in the chart.",
         mappings=[{"type": "value", "options": {"0": {"text": "Not ready", "color": "red"},
                                                 "1": {"text": "Ready", "color": "green"}}}],
         thresholds=[(None, "red"), (1, "green")],
@@ -111,22 +127,25 @@ def _job_overview(x: _Exprs) -> Dashboard:
             ("Status", [
                 ready,
                 Panel("Step (status)", [Target(x.value("r3operator_rljob_step"), "{{rljob}}")], kind="stat",
-                      width=6, height=5, description="status.step written by the operator."),
-                Panel("Routing replay armed", [Target(x.value("r3_replay_active"), "{{rljob}}")], kind="stat",
                       width=6, height=5,
+                      description="status.step, from the operator's own metrics (chart metrics.serviceMonitor); "
+                                  "Trainer step below reads the driver."),
+                Panel("Routing replay armed", [Target(x.value("r3operator_replay_active"), "{{rljob}}")],
+                      kind="stat", width=6, height=5,
                       mappings=[{"type": "value", "options": {"0": {"text": "off"}, "1": {"text": "on"}}}]),
-                Panel("Weight-sync canary", [Target(x.value("r3_weight_sync_canary_ok"), "{{rljob}}")], kind="stat",
-                      width=6, height=5, thresholds=[(None, "red"), (1, "green")],
+                Panel("Weight-sync canary", [Target(x.value("r3operator_weight_sync_canary_ok"), "{{rljob}}")],
+                      kind="stat", width=6, height=5, thresholds=[(None, "red"), (1, "green")],
                       description="1 when the engine's canary logprobs matched the trainer after the last sync."),
             ]),
             ("Training", [
-                Panel("Trainer step", [Target(x.value("r3_step"), "{{rljob}}")]),
-                Panel("Mean reward", [Target(x.value("r3_reward_mean"), "{{rljob}}")]),
-                Panel("Throughput", [Target(x.value("r3_tokens_per_second"), "{{rljob}}")], unit="short",
+                Panel("Trainer step", [Target(x.value("r3operator_step"), "{{rljob}}")]),
+                Panel("Mean reward", [Target(x.value("r3operator_reward_mean"), "{{rljob}}")]),
+                Panel("Throughput", [Target(x.value("r3operator_tokens_per_second"), "{{rljob}}")], unit="short",
                       description="Tokens per second through the RL loop."),
-                Panel("Step phases", [Target(x.value("r3_step_phase_seconds", by="namespace, rljob, phase"),
+                Panel("Step phases", [Target(x.value("r3operator_step_phase_seconds", by=f"{BY_JOB}, phase"),
                                              "{{rljob}} {{phase}}")], unit="s", width=12),
-                Panel("Weight sync", [Target(x.value("r3_weight_sync_seconds"), "{{rljob}}")], unit="s", width=12),
+                Panel("Weight sync", [Target(x.value("r3operator_weight_sync_seconds"), "{{rljob}}")], unit="s",
+                      width=12),
             ]),
         ],
     )  # fmt: skip
@@ -142,32 +161,32 @@ def _r3(x: _Exprs) -> Dashboard:
         description="Rollout-vs-trainer fidelity and routing replay health.",
         rows=[
             ("Logprob fidelity", [
-                Panel("|Δ logprob| mean and max", [Target(g("r3_logprob_abs_diff_mean"), "mean {{rljob}}"),
-                                                    Target(g("r3_logprob_abs_diff_max"), "max {{rljob}}")],
+                Panel("|Δ logprob| mean and max", [Target(g("r3operator_logprob_abs_diff_mean"), "mean {{rljob}}"),
+                                                    Target(g("r3operator_logprob_abs_diff_max"), "max {{rljob}}")],
                       description="|rollout - trainer| logprob of sampled response tokens, last step."),
-                Panel("k3 KL(π_rollout ‖ π_train)", [Target(g("r3_kl_k3"), "{{rljob}}")]),
-                Panel("Extreme tokens (ratio > 2)", [Target(g("r3_extreme_token_fraction"), "{{rljob}}")],
+                Panel("k3 KL(π_rollout ‖ π_train)", [Target(g("r3operator_kl_k3"), "{{rljob}}")]),
+                Panel("Extreme tokens (ratio > 2)", [Target(g("r3operator_extreme_token_ratio"), "{{rljob}}")],
                       unit="percentunit"),
             ]),
             ("Routing", [
                 Panel("Routing agreement per layer",
-                      [Target(x.value("r3_routing_agreement_ratio", by="namespace, rljob, layer"), "layer {{layer}}")],
+                      [Target(x.value("r3operator_routing_agreement_ratio", by=f"{BY_JOB}, layer"), "layer {{layer}}")],
                       unit="percentunit", width=12, minimum=0, maximum=1,
                       description="Alignment health, per MoE layer: tokens whose trainer router's own top-k "
                                   "set equals the engine's routes; ~98% aligned, near 0 when routes land on "
                                   "the wrong tokens (alert R3RoutingAgreementLow)."),
                 Panel("Tokens with any routing difference",
-                      [Target(g("r3_routing_tokens_any_diff_ratio"), "{{rljob}}")],
+                      [Target(g("r3operator_routing_tokens_any_diff_ratio"), "{{rljob}}")],
                       unit="percentunit", width=12, minimum=0, maximum=1),
                 Panel("Routing bytes per step",
-                      [Target(f"sum by (namespace, rljob) (increase(r3_routing_bytes_total{_sel()}[5m]))"
-                              f" / clamp_min(max by (namespace, rljob) (delta(r3_step{_sel()}[5m])), 1)", "{{rljob}}")],
+                      [Target(f"sum by ({BY_JOB}) (increase(r3operator_routing_bytes_total{_sel()}[5m]))"
+                              f" / clamp_min(max by ({BY_JOB}) (delta(r3operator_step{_sel()}[5m])), 1)", "{{rljob}}")],
                       unit="bytes", description="Routed-expert payload received per trainer step (5 m average)."),
                 Panel("Missing / invalid routes",
-                      [Target(f"sum by (namespace, rljob) (increase(r3_routes_missing_total{_sel()}[5m]))", "missing"),
-                       Target(f"sum by (namespace, rljob) (increase(r3_routes_invalid_total{_sel()}[5m]))", "invalid")],
+                      [Target(f"sum by ({BY_JOB}) (increase(r3operator_routes_missing_total{_sel()}[5m]))", "missing"),
+                       Target(f"sum by ({BY_JOB}) (increase(r3operator_routes_invalid_total{_sel()}[5m]))", "invalid")],
                       description="Samples per 5 m without routes, or with routes that failed validation."),
-                Panel("Replay armed", [Target(g("r3_replay_active"), "{{rljob}}")], minimum=0, maximum=1),
+                Panel("Replay armed", [Target(g("r3operator_replay_active"), "{{rljob}}")], minimum=0, maximum=1),
             ]),
         ],
     )  # fmt: skip
@@ -189,11 +208,11 @@ def _engines() -> Dashboard:
                       minimum=0, maximum=1),
             ]),
             ("Throughput", [
-                Panel("Generation tokens/s", [r("r3operator:engine_generation_tokens:rate1m")]),
-                Panel("Prompt tokens/s", [r("r3operator:engine_prompt_tokens:rate1m")]),
+                Panel("Generation tokens/s", [r(f"r3operator:engine_generation_tokens:{RATE_SUFFIX}")]),
+                Panel("Prompt tokens/s", [r(f"r3operator:engine_prompt_tokens:{RATE_SUFFIX}")]),
                 Panel("Finished requests/s and preemptions/s",
-                      [r("r3operator:engine_requests_finished:rate1m", "finished {{pod}}"),
-                       r("r3operator:engine_preemptions:rate1m", "preempted {{pod}}")]),
+                      [r(f"r3operator:engine_requests_finished:{RATE_SUFFIX}", "finished {{pod}}"),
+                       r(f"r3operator:engine_preemptions:{RATE_SUFFIX}", "preempted {{pod}}")]),
             ]),
             ("Latency", [
                 Panel("E2E latency p50 / p95",
@@ -207,6 +226,9 @@ def _engines() -> Dashboard:
     )  # fmt: skip
 
 
+READY = 'type="Ready", status="True"'
+
+
 def _operator(x: _Exprs) -> Dashboard:
     dur = "r3operator_reconcile_duration_seconds"
     return Dashboard(
@@ -216,20 +238,22 @@ def _operator(x: _Exprs) -> Dashboard:
         job_variables=False,
         rows=[
             ("Reconcile", [
-                Panel("Reconciles/s by result", [Target(f"sum by (result) (rate(r3operator_reconcile_total[{RI}]))",
-                                                        "{{result}}")]),
+                Panel("Reconciles/s by result",
+                      [Target(f"sum by (result) (rate(r3operator_reconcile_total{_csel()}[{RI}]))", "{{result}}")]),
                 Panel("Reconcile errors/s by reason",
-                      [Target(f"sum by (reason) (rate(r3operator_reconcile_errors_total[{RI}]))", "{{reason}}")]),
+                      [Target(f"sum by (reason) (rate(r3operator_reconcile_errors_total{_csel()}[{RI}]))",
+                              "{{reason}}")]),
                 Panel("Reconcile duration p50 / p99",
-                      [Target(f"histogram_quantile(0.5, sum by (le) (rate({dur}_bucket[{RI}])))", "p50"),
-                       Target(f"histogram_quantile(0.99, sum by (le) (rate({dur}_bucket[{RI}])))", "p99")], unit="s"),
+                      [Target(f"histogram_quantile(0.5, sum by (le) (rate({dur}_bucket{_csel()}[{RI}])))", "p50"),
+                       Target(f"histogram_quantile(0.99, sum by (le) (rate({dur}_bucket{_csel()}[{RI}])))", "p99")],
+                      unit="s"),
             ]),
             ("RLJobs", [
-                Panel("RLJobs", [Target("count(r3operator_rljob_info)", "RLJobs")], kind="stat", width=6),
-                Panel("RLJobs Ready", [Target('count(r3operator_rljob_condition{type="Ready", status="True"} == 1)'
+                Panel("RLJobs", [Target(f"count(r3operator_rljob_info{_csel()})", "RLJobs")], kind="stat", width=6),
+                Panel("RLJobs Ready", [Target(f"count(r3operator_rljob_condition{_csel(READY)} == 1)"
                                               " or vector(0)", "Ready")], kind="stat", width=6),
                 Panel("RLJobs by vLLM version and replay mode",
-                      [Target("count by (vllm_version, replay_mode, trainer_backend) (r3operator_rljob_info)",
+                      [Target(f"count by (vllm_version, replay_mode, trainer_backend) (r3operator_rljob_info{_csel()})",
                               "{{vllm_version}} {{replay_mode}} {{trainer_backend}}")], width=12),
             ]),
         ],
@@ -239,20 +263,30 @@ def _operator(x: _Exprs) -> Dashboard:
 # --- JSON ---------------------------------------------------------------------------------------------------
 
 
+def _query_variable(name: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": name, "type": "query", "datasource": DATASOURCE,
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+        "refresh": 2, "sort": 1, "hide": 0,
+    }  # fmt: skip
+
+
+# Any series of an RLJob's pods: the trainer driver and the engines, scraped by the PodMonitor the operator
+# creates for every RLJob by default.
+_RLJOB_SERIES = '{rljob!="", ' + CLUSTER
+
+
 def _variables(job_variables: bool) -> list[dict[str, Any]]:
     variables: list[dict[str, Any]] = [
         {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1},
+        # `up` exists for every target Prometheus scrapes; no `cluster` label leaves only "All".
+        _query_variable("cluster", "label_values(up, cluster)"),
     ]  # fmt: skip
     if job_variables:
-        for name, query in (("namespace", "label_values(r3operator_rljob_info, namespace)"),
-                            ("rljob", 'label_values(r3operator_rljob_info{namespace=~"$namespace"}, rljob)')):
-            variables.append({
-                "name": name, "label": name, "type": "query", "datasource": DATASOURCE,
-                "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
-                "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
-                "refresh": 2, "sort": 1, "hide": 0,
-            })  # fmt: skip
+        variables.append(_query_variable("namespace", f"label_values({_RLJOB_SERIES}}}, namespace)"))
+        variables.append(_query_variable("rljob", f'label_values({_RLJOB_SERIES}, namespace=~"$namespace"}}, rljob)'))
     return variables
 
 
@@ -274,7 +308,8 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
     return {
         "id": panel_id, "type": panel.kind, "title": panel.title, "description": panel.description,
-        "datasource": DATASOURCE, "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
+        "datasource": DATASOURCE, "interval": MIN_INTERVAL,
+        "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
         "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options,
         "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": t.expr,
                      "legendFormat": t.legend or "__auto", "range": True} for i, t in enumerate(panel.targets)],

@@ -2,7 +2,7 @@
 
 - driver: the real `RuntimeMetrics` (r3operator.runtime.metrics, which holds the trainer's `R3Metrics`)
   fed with synthetic rollout/trainer logprobs, routing ids, rollout samples and step rows, so the
-  project's own statistics code computes the r3_* values.
+  project's own statistics code computes the r3operator_* fidelity and routing values.
 - operator: the real r3operator.operator.metrics collectors (its module registry), fed through
   `observe_job` with the RLJob of examples/qwen3-30b-a3b-r3-fsdp.yaml and a synthetic status, plus
   reconcile counts and durations.
@@ -10,7 +10,9 @@
   metric names with `prometheus_client` as vLLM does: one engine with the vLLM 0.30.0 names, one with
   the legacy pre-rename names, so the recording rules are exercised on both sides of a rename.
 
-Prometheus sees each exporter with the target labels a PodMonitor would add (`namespace`, `rljob`).
+Prometheus sees each engine with the target labels a PodMonitor adds (`namespace`, `rljob`); the driver and
+the operator carry those labels themselves and are scraped with honor_labels, as the PodMonitor and the
+chart's Service/PodMonitor do.
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ class SyntheticFeed:
         from r3operator.runtime.metrics import RuntimeMetrics
 
         rng = np.random.default_rng(self.seed)
-        driver = RuntimeMetrics(job=self.rljob)
-        self._add("driver", driver.registry, "r3operator.runtime.metrics.RuntimeMetrics (real class)")
+        driver = RuntimeMetrics(self.rljob, namespace=self.namespace)
+        # The driver labels its series with namespace/rljob itself; the PodMonitor honours them.
+        self._add("driver", driver.registry, "r3operator.runtime.metrics.RuntimeMetrics (real class)",
+                  honor_labels=True)  # fmt: skip
         self._tickers.append(lambda step: self._feed_driver(driver, rng, step))
 
         from r3operator.operator import metrics as operator_metrics
@@ -148,10 +152,10 @@ class SyntheticFeed:
              "tokens_per_second": 9000 + 800 * math.sin(step / 9.0), "step_seconds": sum(phases.values())},
             phases,
         )  # fmt: skip
-        driver.set("r3_weight_sync_seconds", phases["weight_sync"])
-        driver.set("r3_weight_sync_canary_ok", 1.0)
+        driver.set("r3operator_weight_sync_seconds", phases["weight_sync"])
+        driver.set("r3operator_weight_sync_canary_ok", 1.0)
         if step % 25 == 0:
-            driver.inc("r3_samples_dropped_total", reason="routes_invalid")
+            driver.inc("r3operator_samples_dropped_total", reason="routes_invalid")
 
     def _feed_trainer(self, metrics: Any, rng: np.random.Generator, step: int) -> None:
         tokens, top_k = 256, 2

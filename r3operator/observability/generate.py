@@ -34,10 +34,18 @@ def render_metrics_doc() -> str:
         "stable `r3operator:*` series the engine dashboard uses, and the alerts. Dashboards may query only",
         "these series (`tests/observability/test_contract.py` parses every dashboard and rule expression).",
         "",
-        "**Labels.** Every series carries `namespace` and `rljob`. The operator exports them itself (its",
-        "Pod/ServiceMonitor sets `honorLabels: true` so Prometheus keeps them); trainer and engine pods get them",
-        "as target labels from the PodMonitor the operator creates. The trainer's own `job` label is the RLJob",
-        "name; Prometheus stores it as `exported_job` unless scraped with `honorLabels`.",
+        "**Labels.** Every series carries `namespace` and `rljob` (never `job`, which is Prometheus' own target",
+        "label). The operator and the trainer driver export them themselves and are scraped with",
+        "`honorLabels: true` (the chart's Pod/ServiceMonitor, the trainer endpoint of each RLJob's PodMonitor);",
+        "engine pods get them as target labels from the PodMonitor the operator creates.",
+        "",
+        "**Names.** One prefix, `r3operator_` (recording rules: `r3operator:`); counters end in `_total`, ratios",
+        "in `_ratio`, durations in `_seconds`, sizes in `_bytes`. No `_created` series are exported",
+        "(`prometheus_client.disable_created_metrics()`).",
+        "",
+        f"**Rate windows.** The PodMonitor scrapes every {rules.SCRAPE_INTERVAL_SECONDS} s; recording rules use",
+        f"`[{rules.RATE}]` (4 scrapes) and dashboard panels have a {rules.SCRAPE_INTERVAL_SECONDS} s minimum interval,",
+        "so Grafana's `$__rate_interval` is never shorter.",
         "",
     ]
     for source, module in SOURCES.items():
@@ -76,8 +84,13 @@ def render_metrics_doc() -> str:
         "|---|---|---|",
     ]
     out += [f"| `{r.record}` | {_cell(r.help)} | `{_cell(r.expr)}` |" for r in rules.RECORDINGS]
-    out += ["", "## Alerts", "", "| Alert | Severity | For | Expression | Summary |", "|---|---|---|---|---|"]
-    out += [f"| `{a.alert}` | {a.severity} | {a.for_} | `{_cell(a.expr)}` | {_cell(a.summary)} |" for a in rules.ALERTS]
+    out += ["", "## Alerts", "", "Each alert's `runbook_url` annotation links its section below.", "",
+            "| Alert | Severity | For | Expression | Summary |", "|---|---|---|---|---|"]  # fmt: skip
+    out += [f"| [`{a.alert}`](#{a.anchor}) | {a.severity} | {a.for_} | `{_cell(a.expr)}` | {_cell(a.summary)} |"
+            for a in rules.ALERTS]  # fmt: skip
+    out += ["", "## Runbooks", ""]
+    for a in rules.ALERTS:
+        out += [f"### {a.alert}", "", a.runbook, ""]
     out += [
         "",
         "Thresholds (constants in `r3operator/observability/rules.py`):",
@@ -86,7 +99,8 @@ def render_metrics_doc() -> str:
         f"- routing agreement under R3: mean over MoE layers of the trainer routers' own top-k vs the engine's "
         f"routes below {rules.ROUTING_AGREEMENT_MIN:g} for 10 m (about 0.98 when routes sit on the right tokens, "
         "near 0 when every route is one token off).",
-        f"- no progress: Ready but `r3operator_rljob_step` unchanged for {rules.NO_PROGRESS_MINUTES} m.",
+        "- no progress: Ready and no step for longer than the job's `spec.monitoring.noProgressSeconds` (default",
+        f"  900 s, exported as `r3operator_rljob_no_progress_threshold_seconds`), for {rules.NO_PROGRESS_FOR}.",
         f"- reconcile errors: any for {rules.RECONCILE_ERROR_MINUTES} m.",
         "",
         "## Dashboards",

@@ -154,7 +154,7 @@ _KEYWORDS = frozenset(
     {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
      "offset", "inf", "nan", "Inf", "NaN", "start", "end", "atan2"}
 )  # fmt: skip
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__interval": "15s", "$__range": "1h"}
 
 
 def substitute_grafana_variables(expr: str, values: dict[str, str] | None = None) -> str:

@@ -24,10 +24,17 @@ LOGPROB_DIFF_FLOOR = 0.05  # below this a "spike" is noise (bf16 rollout-vs-trai
 # Mean over MoE layers of the trainer routers' own top-k vs the engine's routes: ~0.98 aligned, ~0.003
 # with every route one token off, so 0.8 separates them with margin for bf16 near-ties.
 ROUTING_AGREEMENT_MIN = 0.80
-NO_PROGRESS_MINUTES = 15
+NO_PROGRESS_FOR = "5m"  # the per-job threshold (spec.monitoring.noProgressSeconds) must be exceeded this long
 RECONCILE_ERROR_MINUTES = 10
 
-RATE = "1m"  # recording-rule rate window; >= 4 scrape intervals of the default 15 s
+# The PodMonitor scrapes every 30 s; a rate window needs >= 4 samples to survive one missed scrape.
+SCRAPE_INTERVAL_SECONDS = 30
+RATE = "2m"
+RATE_SUFFIX = f"rate{RATE}"
+
+# Alerts link their runbook section in docs/metrics.md; the chart swaps this base for
+# `prometheusRule.runbookBaseURL` (a fork or an internal mirror).
+RUNBOOK_BASE = "https://github.com/r3operator/r3operator/blob/main/docs/metrics.md"
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,17 @@ class Alert:
     severity: str
     summary: str
     description: str
+    runbook: str  # markdown: what to check first; docs/metrics.md renders it under `### <alert>`
     labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def anchor(self) -> str:
+        """The GitHub anchor of the alert's `### <alert>` heading in docs/metrics.md."""
+        return self.alert.lower()
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOK_BASE}#{self.anchor}"
 
     def as_rule(self) -> dict[str, Any]:
         return {
@@ -53,8 +70,9 @@ class Alert:
             "expr": self.expr,
             "for": self.for_,
             "labels": {"severity": self.severity, **self.labels},
-            "annotations": {"summary": self.summary, "description": self.description},
-        }
+            "annotations": {"summary": self.summary, "description": self.description,
+                            "runbook_url": self.runbook_url},
+        }  # fmt: skip
 
 
 def vllm(series: str) -> str:
@@ -88,16 +106,16 @@ _READABLE: tuple[Recording, ...] = (
     Recording("r3operator:engine_kv_cache_usage_ratio",
               _current_or_legacy("max", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
               "KV-cache usage (0..1), max over the pod's DP ranks."),
-    Recording("r3operator:engine_generation_tokens:rate1m",
+    Recording("r3operator:engine_generation_tokens:" + RATE_SUFFIX,
               _by_engine("sum", f"rate(vllm:generation_tokens_total[{RATE}])"),
               "Generated tokens per second, per engine pod."),
-    Recording("r3operator:engine_prompt_tokens:rate1m",
+    Recording("r3operator:engine_prompt_tokens:" + RATE_SUFFIX,
               _by_engine("sum", f"rate(vllm:prompt_tokens_total[{RATE}])"),
               "Prefill tokens per second, per engine pod."),
-    Recording("r3operator:engine_requests_finished:rate1m",
+    Recording("r3operator:engine_requests_finished:" + RATE_SUFFIX,
               f"sum without (engine, finished_reason) (rate(vllm:request_success_total[{RATE}]))",
               "Finished requests per second, per engine pod."),
-    Recording("r3operator:engine_preemptions:rate1m",
+    Recording("r3operator:engine_preemptions:" + RATE_SUFFIX,
               _by_engine("sum", f"rate(vllm:num_preemptions_total[{RATE}])"),
               "Preemptions per second (KV-cache pressure), per engine pod."),
     Recording("r3operator:engine_prefix_cache_hit_ratio",
@@ -105,7 +123,7 @@ _READABLE: tuple[Recording, ...] = (
               f" / {_by_engine('sum', f'rate(vllm:prefix_cache_queries_total[{RATE}])')})"
               f" or ({_by_engine('sum', f'rate(vllm:gpu_prefix_cache_hits_total[{RATE}])')}"
               f" / {_by_engine('sum', f'rate(vllm:gpu_prefix_cache_queries_total[{RATE}])')})",
-              "Prefix-cache hit ratio over 1 m (NaN while idle)."),
+              f"Prefix-cache hit ratio over {RATE} (NaN while idle)."),
     Recording("r3operator:engine_e2e_latency_seconds:p50", _quantile(0.5, "vllm:e2e_request_latency_seconds"),
               "Median end-to-end request latency."),
     Recording("r3operator:engine_e2e_latency_seconds:p95", _quantile(0.95, "vllm:e2e_request_latency_seconds"),
@@ -128,49 +146,73 @@ _JOB = "namespace, rljob"
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "R3LogprobDiffSpike",
-        f"r3_logprob_abs_diff_mean > {LOGPROB_DIFF_SPIKE_FACTOR}"
-        " * avg_over_time(r3_logprob_abs_diff_mean[1h] offset 10m)"
-        f" and r3_logprob_abs_diff_mean > {LOGPROB_DIFF_FLOOR}",
+        f"r3operator_logprob_abs_diff_mean > {LOGPROB_DIFF_SPIKE_FACTOR}"
+        " * avg_over_time(r3operator_logprob_abs_diff_mean[1h] offset 10m)"
+        f" and r3operator_logprob_abs_diff_mean > {LOGPROB_DIFF_FLOOR}",
         "5m", "warning",
         "Rollout-vs-trainer logprob mismatch spiked for {{ $labels.namespace }}/{{ $labels.rljob }}",
         "Mean |Δlogprob| is {{ $value | printf \"%.3f\" }}, over "
-        f"{LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline. Check weight sync (r3_weight_sync_canary_ok), the "
+        f"{LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline. Check weight sync (r3operator_weight_sync_canary_ok), the "
         "vLLM version and whether routing replay is active.",
+        "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
+        "baseline. In order: (1) `r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
+        "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
+        "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "
+        "`spec.inference.vllmVersion` (kernels changed numerics). `kubectl get rljob <job> -o "
+        "jsonpath='{.status.resolved}'` shows the resolved version."
     ),
     Alert(
         "R3RoutingAgreementLow",
-        f"avg without (layer) (r3_routing_agreement_ratio) < {ROUTING_AGREEMENT_MIN}"
-        f" and on ({_JOB}) (max by ({_JOB}) (r3_replay_active) == 1)",
+        f"avg without (layer) (r3operator_routing_agreement_ratio) < {ROUTING_AGREEMENT_MIN}"
+        f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1)",
         "10m", "warning",
         "Routing agreement {{ $value | humanizePercentage }} under R3 for {{ $labels.namespace }}/{{ $labels.rljob }}",
         "The trainer's routers agree with the engine's routes on ~98% of token-layers when the routes sit on the "
         "right tokens. This low, the replayed routes land on the wrong tokens (a misaligned batch) or the "
         "policies drifted (stale weights, a failed weight sync).",
+        "Replayed routes no longer match what the trainer's routers would choose. A sudden drop to near 0 means "
+        "routes are applied to the wrong tokens (a misaligned batch: check the driver log for retokenization or "
+        "truncation warnings and `r3operator_routes_invalid_total`); a slow decline means the policies drifted "
+        "(check `r3operator_weight_sync_canary_ok` and the weight-sync timings)."
     ),
     Alert(
         "R3RoutesMissing",
-        f"sum by ({_JOB}) (increase(r3_routes_missing_total[10m])) > 0"
-        f" and on ({_JOB}) (max by ({_JOB}) (r3_replay_active) == 1)",
+        f"sum by ({_JOB}) (increase(r3operator_routes_missing_total[10m])) > 0"
+        f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1)",
         "0m", "warning",
         "Samples without routed experts under R3 in {{ $labels.namespace }}/{{ $labels.rljob }}",
         "{{ $value | printf \"%.0f\" }} samples in 10 m came back without routes; they train without replay. "
         "Check the engine's routed-experts capture and aborted requests.",
+        "Samples came back from the engines without routed experts and trained without replay. Check that the "
+        "engines were started with routed-experts capture (`r3operator render <job.yaml>` shows the engine "
+        "arguments), that no `extraArgs` override it, and the engine log for aborted requests."
     ),
     Alert(
         "R3RoutesInvalid",
-        f"sum by ({_JOB}) (increase(r3_routes_invalid_total[10m])) > 0",
+        f"sum by ({_JOB}) (increase(r3operator_routes_invalid_total[10m])) > 0",
         "0m", "critical",
         "Invalid routed experts in {{ $labels.namespace }}/{{ $labels.rljob }}",
         "{{ $value | printf \"%.0f\" }} samples in 10 m had routes that failed validation (row count, id range, "
         "duplicates): the engine and trainer disagree on the model layout.",
+        "Routes failed validation (row count, expert id range, duplicates): the engine's model and the "
+        "trainer's model disagree on the layout. Check that `spec.model` points at the same checkpoint for both "
+        "and that the engine's `--max-model-len` and tokenizer match; the driver drops these samples "
+        "(`r3operator_samples_dropped_total`)."
     ),
     Alert(
         "RLJobNoProgress",
-        f"changes(r3operator_rljob_step[{NO_PROGRESS_MINUTES}m]) == 0"
-        f" and on ({_JOB}) (r3operator_rljob_condition{{type=\"Ready\",status=\"True\"}} == 1)",
-        "0m", "warning",
-        f"RLJob {{{{ $labels.namespace }}}}/{{{{ $labels.rljob }}}} made no step in {NO_PROGRESS_MINUTES} m",
-        "The job is Ready but status.step has not moved. Look at the trainer logs and r3_step_phase_seconds.",
+        # max by: a standby replica of the operator (leader election) could still hold a job's series.
+        f"(time() - max by ({_JOB}) (r3operator_rljob_last_progress_timestamp_seconds))"
+        f" > on ({_JOB}) max by ({_JOB}) (r3operator_rljob_no_progress_threshold_seconds)"
+        f' and on ({_JOB}) (max by ({_JOB}) (r3operator_rljob_condition{{type="Ready",status="True"}}) == 1)',
+        NO_PROGRESS_FOR, "warning",
+        "RLJob {{ $labels.namespace }}/{{ $labels.rljob }} made no step in {{ $value | humanizeDuration }}",
+        "The job is Ready but no step completed for longer than its spec.monitoring.noProgressSeconds. Look at "
+        "the trainer logs and r3operator_step_phase_seconds.",
+        "The job is Ready but no step completed for longer than `spec.monitoring.noProgressSeconds` (default "
+        "900; raise it for models whose steps take longer). Check the trainer head pod's log, "
+        "`r3operator_step_phase_seconds` for the phase that stalled, engine readiness "
+        "(`kubectl get rljob <job> -o yaml` conditions) and `r3operator_engine_faults_total`."
     ),
     Alert(
         "RLJobUpgradeBlocked",
@@ -179,6 +221,12 @@ ALERTS: tuple[Alert, ...] = (
         "Engine upgrade of {{ $labels.namespace }}/{{ $labels.rljob }} blocked by its fidelity canary",
         "The new engine image failed the canary and the engines are back on the old one; spec.inference.image "
         "still names the new image. `kubectl describe rlj` shows the figures (condition UpgradeBlocked).",
+        "The fidelity canary scored the new engine image worse than the old one and the operator rolled back. "
+        "Compare `r3operator_upgrade_canary_logprob_abs_diff` and "
+        "`r3operator_upgrade_canary_natural_mismatch_ratio` for engine=old and engine=new, read the condition "
+        "message (`kubectl describe rlj <job>`), then either set `spec.inference.image` back to the old image "
+        "or fix the new one (its vLLM version, kernels, dtype) and apply it again: a changed image starts a new "
+        "attempt (docs/operator.md, engine image upgrades).",
     ),
     Alert(
         "R3OperatorReconcileErrors",
@@ -187,6 +235,9 @@ ALERTS: tuple[Alert, ...] = (
         "r3operator reconcile errors ({{ $labels.reason }})",
         f"Reconciles have failed for {RECONCILE_ERROR_MINUTES} m at {{{{ $value | printf \"%.2f\" }}}}/s "
         "(reason {{ $labels.reason }}). See the operator logs and RLJob events.",
+        "Reconcile passes raise. The `reason` label names the exception class; the operator's log and the "
+        "RLJob's events (`kubectl describe rljob <job>`) carry the message. `Forbidden` usually means the "
+        "operator's Role lacks a verb in a watched namespace; `Conflict` that resolves by itself is harmless."
     ),
 )
 

@@ -153,6 +153,10 @@ class KubeClient:
                 raise KubeError(r.status, f"not JSON: {text[:200]!r}", "BadResponse")
             return body
 
+    async def request(self, method: str, path: str, body: Any = None) -> Any:
+        """A JSON request (POST create, PUT replace) the typed helpers below do not cover."""
+        return await self._request(method, path, json=body, content_type="application/json" if body else None)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

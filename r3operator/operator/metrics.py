@@ -6,9 +6,17 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus
@@ -58,8 +66,29 @@ METRICS: tuple[MetricDef, ...] = (
         ("namespace", "rljob", "engine", "replay"),
         "Upgrade canary: mean |rollout - trainer logprob| per engine (old|new), replay off or R3.",
     ),
+    MetricDef(
+        "r3operator_leader",
+        "gauge",
+        (),
+        "1 on the replica that holds the leader-election Lease and reconciles, 0 on a standby.",
+    ),
+    MetricDef(
+        "r3operator_rljob_last_progress_timestamp_seconds",
+        "gauge",
+        ("namespace", "rljob"),
+        "Unix time of the later of the last completed step (status.progress.updatedAt) and the Ready "
+        "condition turning True.",
+    ),
+    MetricDef(
+        "r3operator_rljob_no_progress_threshold_seconds",
+        "gauge",
+        ("namespace", "rljob"),
+        "spec.monitoring.noProgressSeconds: RLJobNoProgress fires when a Ready job has made no step for longer.",
+    ),
 )
 
+# No `*_created` series next to each counter and histogram: nothing reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 REGISTRY = CollectorRegistry(auto_describe=True)
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -91,6 +120,10 @@ UPGRADE_PHASE = _gauge("r3operator_upgrade_phase")
 CANARY_MISMATCH = _gauge("r3operator_upgrade_canary_natural_mismatch_ratio")
 CANARY_LOGPROB = _gauge("r3operator_upgrade_canary_logprob_abs_diff")
 UPGRADE_PHASES = ("Canary", "Rolling", "Complete", "Blocked", "Cancelled")
+LEADER = _gauge("r3operator_leader")
+RLJOB_LAST_PROGRESS = _gauge("r3operator_rljob_last_progress_timestamp_seconds")
+RLJOB_NO_PROGRESS_THRESHOLD = _gauge("r3operator_rljob_no_progress_threshold_seconds")
+_PER_JOB = (RLJOB_STEP, RLJOB_LAST_PROGRESS, RLJOB_NO_PROGRESS_THRESHOLD)
 
 _info_labels: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -104,6 +137,7 @@ def observe_job(job: RLJob, status: RLJobStatus | None) -> None:
         RLJOB_INFO.remove(*old)
     _info_labels[key] = info
     RLJOB_INFO.labels(*info).set(1)
+    RLJOB_NO_PROGRESS_THRESHOLD.labels(*key).set(job.spec.monitoring.no_progress_seconds)
     if status is None:
         return
     current = {c.type: c.status.value for c in status.conditions}
@@ -114,6 +148,9 @@ def observe_job(job: RLJob, status: RLJobStatus | None) -> None:
         RLJOB_STEP.labels(*key).set(status.progress.step)
     if status.upgrade is not None:
         _observe_upgrade(key, status)
+    last = last_progress_time(status)
+    if last is not None:
+        RLJOB_LAST_PROGRESS.labels(*key).set(last)
 
 
 def _observe_upgrade(key: tuple[str, str], status: RLJobStatus) -> None:
@@ -132,6 +169,27 @@ def _observe_upgrade(key: tuple[str, str], status: RLJobStatus) -> None:
                 CANARY_LOGPROB.labels(*key, engine, replay).set(value)
 
 
+def _unix(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def last_progress_time(status: RLJobStatus) -> float | None:
+    """The later of the last step and Ready turning True: a job that never steps after becoming Ready
+    (or after a resume) counts from then, not from a step of an earlier run."""
+    ready = next((c for c in status.conditions if c.type == "Ready" and c.status.value == "True"), None)
+    stamps = [
+        _unix(status.progress.updated_at if status.progress else None),
+        _unix(ready.last_transition_time if ready else None),
+    ]
+    known = [s for s in stamps if s is not None]
+    return max(known) if known else None
+
+
 def forget_job(namespace: str, name: str) -> None:
     """Drop every series of a deleted RLJob (no stale 1s in dashboards)."""
     info = _info_labels.pop((namespace, name), None)
@@ -141,8 +199,9 @@ def forget_job(namespace: str, name: str) -> None:
         for value in ("True", "False", "Unknown"):
             with contextlib.suppress(KeyError):
                 RLJOB_CONDITION.remove(namespace, name, ctype.value, value)
-    with contextlib.suppress(KeyError):
-        RLJOB_STEP.remove(namespace, name)
+    for gauge in _PER_JOB:
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name)
     for phase in UPGRADE_PHASES:
         with contextlib.suppress(KeyError):
             UPGRADE_PHASE.remove(namespace, name, phase)
@@ -154,5 +213,13 @@ def forget_job(namespace: str, name: str) -> None:
                 CANARY_LOGPROB.remove(namespace, name, engine, replay)
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Start the exporter once per port: with leader election it starts before kopf (a standby is scraped
+    too), and kopf's startup handler then finds it running."""
+    if port in _serving:
+        return
     start_http_server(port, addr=addr, registry=REGISTRY)
+    _serving.add(port)

@@ -83,7 +83,7 @@ def _prepare_env(device: str) -> None:
 
         hf_logging.disable_progress_bar()
     if device.startswith("cuda"):
-        # The driver touches CUDA (trainer) before any engine exists; see docs/real-vllm.md.
+        # The driver touches CUDA (trainer) before any engine exists; see docs/runtime.md, "The GPU path".
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -98,7 +98,9 @@ class GRPORun:
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.recorder: RouteRecorder | None = None  # R3: the step's routes on the volume (setup())
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.metrics = RuntimeMetrics(settings.name, port=settings.metrics_port)
+        self.metrics = RuntimeMetrics(
+            settings.name, namespace=settings.job.metadata.namespace or "default", port=settings.metrics_port
+        )
         self.status = StatusPusher()
         self.policy_version = 0
         self.start_step = 1
@@ -125,7 +127,7 @@ class GRPORun:
             self.engines = start_engines(self.s, self.model_dir)
         self.supervisor = EngineSupervisor(
             self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
-            on_fault=lambda kind: self.metrics.inc("r3_engine_faults_total", kind=kind),
+            on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
         )  # fmt: skip
         self.vllm_version = self.engines.vllm_version()
         self._start_recorder()
@@ -178,7 +180,7 @@ class GRPORun:
         if self.mode is ReplayMode.R3 and self.recorder is None:
             self.recorder = RouteRecorder(
                 self.store, num_experts=self.num_experts, retention_steps=self.spec.storage.retention_steps,
-                on_failure=lambda what: self.metrics.inc("r3_route_record_failures_total", operation=what),
+                on_failure=lambda what: self.metrics.inc("r3operator_route_record_failures_total", operation=what),
             )  # fmt: skip
 
     def _single_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
@@ -263,7 +265,7 @@ class GRPORun:
 
     def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)
-        self.metrics.inc("r3_samples_dropped_total", reason=reason)
+        self.metrics.inc("r3operator_samples_dropped_total", reason=reason)
         self.dropped.append((sample.sample_id, reason))
 
     def old_logprobs(self, batch: TrainBatch) -> OldPass:
@@ -285,7 +287,7 @@ class GRPORun:
         version = self.policy_version + int(new_version)
         result = self.supervisor.sync(version)
         self.policy_version = version
-        self.metrics.set("r3_weight_sync_seconds", time.perf_counter() - begin)
+        self.metrics.set("r3operator_weight_sync_seconds", time.perf_counter() - begin)
         return result
 
     def _weight_chunks(self) -> Iterator[PackedChunk]:
@@ -329,13 +331,13 @@ class GRPORun:
                     where=f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}",
                 )  # fmt: skip
             except CanaryMismatchError:
-                self.metrics.set("r3_weight_sync_canary_ok", 0.0)
+                self.metrics.set("r3operator_weight_sync_canary_ok", 0.0)
                 raise
             if result.near_ties:
                 log.info("canary: %d near-tie position(s) within ε=%g: %s", result.near_ties, self.canary_tol.epsilon,
                          "; ".join(result.details))  # fmt: skip
             self.canary_near_ties += result.near_ties
-        self.metrics.set("r3_weight_sync_canary_ok", 1.0)
+        self.metrics.set("r3operator_weight_sync_canary_ok", 1.0)
 
     # -- one step -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -379,11 +381,11 @@ class GRPORun:
     def _skip_step(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer,
                    begin: float) -> dict[str, Any]:  # fmt: skip
         """Every sample was dropped: no update, so the engines keep the current policy (no sync, no new
-        policy version). The step is counted (`r3_steps_skipped_total`, `skipped` in metrics.csv, the
+        policy version). The step is counted (`r3operator_steps_skipped_total`, `skipped` in metrics.csv, the
         progress line) and checkpointed like any other, so a resume does not repeat it."""
         log.error("step %d skipped: all %d samples were dropped (%s)", step, len(samples),
                   ", ".join(sorted({reason for _, reason in self.dropped})))  # fmt: skip
-        self.metrics.inc("r3_steps_skipped_total", reason="no_usable_samples")
+        self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
         nan = float("nan")
         with timer("metrics"):
             row = self._rollout_columns(step, samples, rewards, timer)

@@ -1,4 +1,4 @@
-"""Driver metrics: the data-plane `r3_*` set (`R3Metrics`) plus step/reward/throughput/phase timings,
+"""Driver metrics: the data-plane fidelity and routing set (`R3Metrics`) plus step/reward/throughput/phase timings,
 on one Prometheus registry; and the RLJob `status.progress` merge-patch.
 """
 
@@ -14,27 +14,29 @@ from pathlib import Path
 from typing import Any
 
 from r3operator.settings import runtime_settings
-from r3operator.trainer.metrics import MetricSpec, R3Metrics
+from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
 
 log = logging.getLogger(__name__)
 
+_ID = IDENTITY_LABELS
+
 METRICS: list[MetricSpec] = [
-    MetricSpec("r3_step", "gauge", ("job",), "Last completed RL step."),
-    MetricSpec("r3_policy_version", "gauge", ("job",), "Policy version on the engines (weight syncs so far)."),
-    MetricSpec("r3_reward_mean", "gauge", ("job",), "Mean rollout reward of the last step."),
-    MetricSpec("r3_tokens_per_second", "gauge", ("job",), "Generated tokens per second of rollout, last step."),
-    MetricSpec("r3_step_seconds", "gauge", ("job",), "Wall time of the last step."),
-    MetricSpec("r3_step_phase_seconds", "gauge", ("job", "phase"), "Wall time of each phase of the last step."),
-    MetricSpec("r3_weight_sync_seconds", "gauge", ("job",), "Wall time of the last weight sync (canary excluded)."),
-    MetricSpec("r3_weight_sync_canary_ok", "gauge", ("job",), "1 if the last post-sync canary matched, else 0."),
-    MetricSpec("r3_samples_dropped_total", "counter", ("job", "reason"),
+    MetricSpec("r3operator_step", "gauge", _ID, "Last completed RL step."),
+    MetricSpec("r3operator_policy_version", "gauge", _ID, "Policy version on the engines (weight syncs so far)."),
+    MetricSpec("r3operator_reward_mean", "gauge", _ID, "Mean rollout reward of the last step."),
+    MetricSpec("r3operator_tokens_per_second", "gauge", _ID, "Generated tokens per second of rollout, last step."),
+    MetricSpec("r3operator_step_seconds", "gauge", _ID, "Wall time of the last step."),
+    MetricSpec("r3operator_step_phase_seconds", "gauge", (*_ID, "phase"), "Wall time of each phase of the last step."),
+    MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
+    MetricSpec("r3operator_weight_sync_canary_ok", "gauge", _ID, "1 if the last post-sync canary matched, else 0."),
+    MetricSpec("r3operator_samples_dropped_total", "counter", (*_ID, "reason"),
                "Samples left out of training (routes invalid or missing under R3)."),
-    MetricSpec("r3_route_record_failures_total", "counter", ("job", "operation"),
+    MetricSpec("r3operator_route_record_failures_total", "counter", (*_ID, "operation"),
                "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
                "goes on without it."),
-    MetricSpec("r3_steps_skipped_total", "counter", ("job", "reason"),
+    MetricSpec("r3operator_steps_skipped_total", "counter", (*_ID, "reason"),
                "Steps skipped without an update because no sample was usable (every one dropped)."),
-    MetricSpec("r3_engine_faults_total", "counter", ("job", "kind"),
+    MetricSpec("r3operator_engine_faults_total", "counter", (*_ID, "kind"),
                "Engine faults ridden out: weight_sync (a sync aborted and repeated), stale_engine (an engine "
                "found restarted or unsynced, re-synced), engine_call / stale_result (a rollout or canary "
                "decode repeated)."),
@@ -44,12 +46,13 @@ METRICS: list[MetricSpec] = [
 class RuntimeMetrics:
     """`R3Metrics` and this module's METRICS on one registry, optionally served over HTTP."""
 
-    def __init__(self, job: str, *, port: int | None = None) -> None:
+    def __init__(self, rljob: str, *, namespace: str = "default", port: int | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
-        self.job = job
+        disable_created_series()
+        self.rljob, self.namespace = rljob, namespace
         self.registry = CollectorRegistry()
-        self.r3 = R3Metrics(job, registry=self.registry)
+        self.r3 = R3Metrics(rljob, registry=self.registry, namespace=namespace)
         self._m: dict[str, Any] = {}
         for spec in METRICS:
             cls = Counter if spec.type == "counter" else Gauge
@@ -63,7 +66,7 @@ class RuntimeMetrics:
             self.port = port
 
     def _get(self, name: str, **labels: str) -> Any:
-        return self._m[name].labels(job=self.job, **labels)
+        return self._m[name].labels(namespace=self.namespace, rljob=self.rljob, **labels)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         self._get(name, **labels).set(value)
@@ -72,13 +75,13 @@ class RuntimeMetrics:
         self._get(name, **labels).inc(amount)
 
     def observe_step(self, row: Mapping[str, Any], phases: Mapping[str, float]) -> None:
-        self.set("r3_step", row["step"])
-        self.set("r3_policy_version", row["policy_version"])
-        self.set("r3_reward_mean", row["reward_mean"])
-        self.set("r3_tokens_per_second", row["tokens_per_second"])
-        self.set("r3_step_seconds", row["step_seconds"])
+        self.set("r3operator_step", row["step"])
+        self.set("r3operator_policy_version", row["policy_version"])
+        self.set("r3operator_reward_mean", row["reward_mean"])
+        self.set("r3operator_tokens_per_second", row["tokens_per_second"])
+        self.set("r3operator_step_seconds", row["step_seconds"])
         for phase, seconds in phases.items():
-            self.set("r3_step_phase_seconds", seconds, phase=phase)
+            self.set("r3operator_step_phase_seconds", seconds, phase=phase)
 
     def exposition(self) -> str:
         from prometheus_client import generate_latest

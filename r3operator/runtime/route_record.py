@@ -9,7 +9,7 @@ What the volume keeps is the *record*: every R3 sample's routes of the last `ret
 the checksummed `.r3r` format, for `r3operator routes inspect` and for a post-mortem when
 `R3RoutingAgreementLow` fires. One background thread writes it (and prunes old steps, in order with the
 writes), so a slow or failing volume costs the step nothing: a failed write is logged and counted in
-`r3_route_record_failures_total`, and training goes on.
+`r3operator_route_record_failures_total`, and training goes on.
 """
 
 from __future__ import annotations

@@ -124,46 +124,61 @@ class MetricSpec:
     help: str
 
 
+# One prefix for every series we export (`r3operator_`), `namespace` and `rljob` on each: `job` would
+# collide with Prometheus' own target label and be stored as `exported_job`.
+IDENTITY_LABELS = ("namespace", "rljob")
+_ID = IDENTITY_LABELS
+
 METRICS: list[MetricSpec] = [
-    MetricSpec("r3_logprob_abs_diff_mean", "gauge", ("job",),
+    MetricSpec("r3operator_logprob_abs_diff_mean", "gauge", _ID,
                "Mean |rollout - trainer| sampled-token logprob over response tokens, last step."),
-    MetricSpec("r3_logprob_abs_diff_std", "gauge", ("job",),
+    MetricSpec("r3operator_logprob_abs_diff_std", "gauge", _ID,
                "Std of |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3_logprob_abs_diff_max", "gauge", ("job",),
+    MetricSpec("r3operator_logprob_abs_diff_max", "gauge", _ID,
                "Max |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3_logprob_abs_diff_min", "gauge", ("job",),
+    MetricSpec("r3operator_logprob_abs_diff_min", "gauge", _ID,
                "Min |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3_kl_k3", "gauge", ("job",),
+    MetricSpec("r3operator_kl_k3", "gauge", _ID,
                "k3 estimate of KL(pi_rollout || pi_train) per response token, last step."),
-    MetricSpec("r3_extreme_token_fraction", "gauge", ("job",),
+    MetricSpec("r3operator_extreme_token_ratio", "gauge", _ID,
                "Fraction of response tokens with max(p_train/p_roll, p_roll/p_train) > 2, last step."),
-    MetricSpec("r3_routing_agreement_ratio", "gauge", ("job", "layer"),
+    MetricSpec("r3operator_routing_agreement_ratio", "gauge", (*_ID, "layer"),
                "Alignment health: tokens whose trainer router's own top-k expert set equals the engine's routes, "
                "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens)."),
-    MetricSpec("r3_routing_tokens_any_diff_ratio", "gauge", ("job",),
+    MetricSpec("r3operator_routing_tokens_any_diff_ratio", "gauge", _ID,
                "Tokens whose natural trainer routing differs from the engine's in at least one MoE layer."),
-    MetricSpec("r3_routing_bytes_total", "counter", ("job",),
+    MetricSpec("r3operator_routing_bytes_total", "counter", _ID,
                "Bytes of routed-expert payload received from the engine."),
-    MetricSpec("r3_routes_missing_total", "counter", ("job",),
+    MetricSpec("r3operator_routes_missing_total", "counter", _ID,
                "Samples that came back without routed experts (capture off, aborted request)."),
-    MetricSpec("r3_routes_invalid_total", "counter", ("job",),
+    MetricSpec("r3operator_routes_invalid_total", "counter", _ID,
                "Samples whose routed experts failed validation (row count, id range, duplicates)."),
-    MetricSpec("r3_replay_active", "gauge", ("job",),
+    MetricSpec("r3operator_replay_active", "gauge", _ID,
                "1 while the job replays rollout routes (routingReplay.mode R3), else 0 (R2, Disabled)."),
-    MetricSpec("r3_routes_bytes_per_sample", "histogram", ("job",),
+    MetricSpec("r3operator_routes_per_sample_bytes", "histogram", _ID,
                "Routed-expert payload bytes per sample with routes."),
 ]  # fmt: skip
 
 _BYTES_BUCKETS = tuple(float(4**i) for i in range(4, 14))  # 256 B .. 64 MiB
 
 
-class R3Metrics:
-    """Holds the METRICS collectors on a registry (a fresh one unless given) with a fixed `job` label."""
+def disable_created_series() -> None:
+    """Stop prometheus_client from exporting a `*_created` series per counter and histogram: they double
+    the series count and nothing here reads them (process-wide, as the library's switch is)."""
+    from prometheus_client import disable_created_metrics
 
-    def __init__(self, job: str, registry: Any = None) -> None:
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+class R3Metrics:
+    """Holds the METRICS collectors on a registry (a fresh one unless given), every series labelled with
+    the RLJob's `namespace` and `rljob`."""
+
+    def __init__(self, rljob: str, registry: Any = None, *, namespace: str = "default") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.job = job
+        disable_created_series()
+        self.rljob, self.namespace = rljob, namespace
         self.registry = registry if registry is not None else CollectorRegistry()
         kinds = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
         self._m: dict[str, Any] = {}
@@ -174,20 +189,20 @@ class R3Metrics:
             # prometheus_client appends `_total` to counters itself: register the base name.
             base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
             self._m[spec.name] = kinds[spec.type](base, spec.help, list(spec.labels), **kwargs)
-            if spec.labels == ("job",):
+            if spec.labels == IDENTITY_LABELS:
                 # Create the job's series now, so counters read 0 (not "no data") until the first
                 # event and rate()/increase() see the start of the run.
                 self._get(spec.name)
 
     def _get(self, name: str, **labels: str) -> Any:
-        return self._m[name].labels(job=self.job, **labels)
+        return self._m[name].labels(namespace=self.namespace, rljob=self.rljob, **labels)
 
     def observe_logprobs(self, rollout_logprobs: Any, trainer_logprobs: Any, mask: Any | None = None) -> LogprobStats:
         stats = logprob_stats(rollout_logprobs, trainer_logprobs, mask)
         for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max", "abs_diff_min"):
-            self._get(f"r3_logprob_{field}").set(getattr(stats, field))
-        self._get("r3_kl_k3").set(stats.kl_k3)
-        self._get("r3_extreme_token_fraction").set(stats.extreme_token_fraction)
+            self._get(f"r3operator_logprob_{field}").set(getattr(stats, field))
+        self._get("r3operator_kl_k3").set(stats.kl_k3)
+        self._get("r3operator_extreme_token_ratio").set(stats.extreme_token_fraction)
         return stats
 
     def observe_routing(self, trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:
@@ -200,24 +215,24 @@ class R3Metrics:
         agreement = routing_agreement(trainer_ids, engine_ids, mask)
         for layer, ratio in enumerate(agreement.per_layer):
             if not np.isnan(ratio):  # dense layers have no routing to agree on
-                self._get("r3_routing_agreement_ratio", layer=str(layer)).set(ratio)
-        self._get("r3_routing_tokens_any_diff_ratio").set(agreement.tokens_any_diff_ratio)
+                self._get("r3operator_routing_agreement_ratio", layer=str(layer)).set(ratio)
+        self._get("r3operator_routing_tokens_any_diff_ratio").set(agreement.tokens_any_diff_ratio)
         return agreement
 
     def observe_rollout(self, samples: Any) -> None:
         """Count route bytes, missing and invalid routes of `RolloutSample`s."""
         for sample in samples:  # per sample, not per token
             if sample.routes_status == "ok":
-                self._get("r3_routing_bytes_total").inc(sample.routes.nbytes)
-                self._get("r3_routes_bytes_per_sample").observe(sample.routes.nbytes)
+                self._get("r3operator_routing_bytes_total").inc(sample.routes.nbytes)
+                self._get("r3operator_routes_per_sample_bytes").observe(sample.routes.nbytes)
             elif sample.routes_status == "missing":
-                self._get("r3_routes_missing_total").inc()
+                self._get("r3operator_routes_missing_total").inc()
             else:
-                self._get("r3_routes_invalid_total").inc()
+                self._get("r3operator_routes_invalid_total").inc()
 
     def count_invalid_routes(self, n: int = 1) -> None:
         """A sample's routes were refused after the rollout (e.g. its routing file failed its checksum)."""
-        self._get("r3_routes_invalid_total").inc(n)
+        self._get("r3operator_routes_invalid_total").inc(n)
 
     def set_replay_active(self, active: bool) -> None:
-        self._get("r3_replay_active").set(1.0 if active else 0.0)
+        self._get("r3operator_replay_active").set(1.0 if active else 0.0)

@@ -108,8 +108,8 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"model.architecture.family": "deepseek_v3", "model.architecture.routerType": "sigmoid-bias"}),
     ),
     "EXTRA-ARGS-DERIVED": (
-        sets(**{"inference.extraArgs": ["--enable-prefix-caching", "--max-num-seqs=256"]}),
-        sets(**{"inference.extraArgs": ["--max-num-seqs", "256", "--kv-transfer-config={}"]}),
+        sets(**{"inference.extraArgs": ["--enable-prefix-caching", "--max-num-seqs=256", "-O3", "-dpa=10.0.0.1"]}),
+        sets(**{"inference.extraArgs": ["--max-num-seqs", "256", "--kv_transfer_config.kv_connector=X"]}),
     ),
     "EXTRA-ARGS-CODE-LOADING": (
         sets(**{"model.trustRemoteCode": True, "inference.extraArgs": ["--trust-remote-code", "--worker-cls=x.W"]}),

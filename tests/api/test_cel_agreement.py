@@ -104,6 +104,15 @@ _FLAGS = [
     "--seed=1",
     "--kv-transfer-config={}",
     "--enforce-eager",
+    # other spellings of derived flags (api/vllm_cli.py), and near misses that set other arguments
+    "-tp4",
+    "--served_model_name=m",
+    "--no-async-scheduling",
+    "--speculative-config.method=ngram",
+    "--max-model",
+    "-dpa=10.0.0.1",
+    "--max-num-batched-tokens=8192",
+    "-O3",
 ]
 
 

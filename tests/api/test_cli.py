@@ -117,3 +117,97 @@ def test_rules_markdown_is_committed() -> None:
     result = runner.invoke(app, ["rules", "--markdown"])
     assert result.exit_code == 0
     assert result.stdout == (ROOT / "docs" / "rules.md").read_text(), "docs/rules.md is stale"
+
+
+# --- duplicate keys, multi-document explain, -o json|yaml, --version ----------------------------------------
+
+LOCAL = ROOT / "examples" / "rljob-local.yaml"  # R3
+QWEN = ROOT / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+
+
+@pytest.mark.parametrize("command", ["validate", "explain", "render"])
+def test_two_manifests_pasted_without_a_separator_exit_2_naming_the_duplicate_key(
+    tmp_path: Path, command: str
+) -> None:
+    pasted = _write(tmp_path, "pasted.yaml", LOCAL.read_text() + QWEN.read_text())
+    result = runner.invoke(app, [command, str(pasted)])
+    assert result.exit_code == 2, result.output
+    assert "duplicate key 'apiVersion'" in result.stderr and result.stdout == ""
+
+
+def test_a_duplicate_key_deep_in_the_spec_is_refused_too(tmp_path: Path) -> None:
+    text = LOCAL.read_text().replace("\nspec:\n", "\nspec:\n  seed: 1\n  seed: 2\n", 1)
+    result = runner.invoke(app, ["validate", str(_write(tmp_path, "seed.yaml", text))])
+    assert result.exit_code == 2 and "duplicate key 'seed'" in result.stderr
+
+
+def test_explain_takes_a_multi_document_file(tmp_path: Path) -> None:
+    both = _write(tmp_path, "both.yaml", LOCAL.read_text() + "---\n" + QWEN.read_text())
+    result = runner.invoke(app, ["explain", str(both)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "RLJob tiny-count-r3: resolved plan" in result.output
+    assert "RLJob qwen3-30b-a3b-r3: resolved plan" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_explain_prints_machine_readable_plans(tmp_path: Path, fmt: str) -> None:
+    both = _write(tmp_path, "both.yaml", LOCAL.read_text() + "---\n" + QWEN.read_text())
+    result = runner.invoke(app, ["explain", "-o", fmt, str(both)])
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout) if fmt == "json" else yaml.safe_load(result.stdout)
+    assert [p["name"] for p in plans] == ["tiny-count-r3", "qwen3-30b-a3b-r3"]
+    qwen = plans[1]
+    assert qwen["vllmVersion"] == {"version": "0.22.1", "source": "image-tag"}
+    assert qwen["replay"]["routingBytesPerToken"] == 384 and qwen["engines"]["expertParallelSize"] == 4
+    assert qwen["findings"] == []
+
+
+def _r2(tmp_path: Path) -> Path:
+    manifest = yaml.safe_load(QWEN.read_text())
+    manifest["spec"]["routingReplay"]["mode"] = "R2"
+    return _write(tmp_path, "r2.yaml", yaml.safe_dump(manifest))
+
+
+def test_explain_shows_routed_experts_gates_only_when_replay_captures_routes(tmp_path: Path) -> None:
+    r3 = runner.invoke(app, ["explain", str(QWEN)], terminal_width=300)
+    r2 = runner.invoke(app, ["explain", str(_r2(tmp_path))], terminal_width=300)
+    assert r3.exit_code == 0 and r2.exit_code == 0, r2.output
+    assert "routed-experts-return=yes" in r3.output
+    assert "routed-experts" not in r2.output and "vLLM features" not in r2.output
+    [plan] = json.loads(runner.invoke(app, ["explain", "-o", "json", str(_r2(tmp_path))]).stdout)
+    assert plan["replay"] == {"mode": "R2", "path": plan["replay"]["path"]}
+
+
+def test_explain_exit_code_is_1_when_a_rule_fails(tmp_path: Path) -> None:
+    manifest = base_manifest()
+    CASES["EXTRA-ARGS-DERIVED"][1](manifest)
+    result = runner.invoke(app, ["explain", "-o", "json", str(_write(tmp_path, "bad.yaml", yaml.safe_dump(manifest)))])
+    assert result.exit_code == 1
+    [plan] = json.loads(result.stdout)
+    assert [f["rule"] for f in plan["findings"] if f["severity"] == "error"] == ["EXTRA-ARGS-DERIVED"]
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_rules_machine_readable(fmt: str) -> None:
+    from r3operator.api.rules import RULES
+
+    result = runner.invoke(app, ["rules", "-o", fmt])
+    assert result.exit_code == 0
+    rows = json.loads(result.stdout) if fmt == "json" else yaml.safe_load(result.stdout)
+    assert [r["id"] for r in rows] == [r.id for r in RULES]
+    derived = next(r for r in rows if r["id"] == "EXTRA-ARGS-DERIVED")
+    assert derived["severity"] == "error" and derived["enforcedBy"] == ["operator", "CEL"]
+
+
+def test_version_flag_prints_the_package_version() -> None:
+    from r3operator import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"r3operator {__version__}\n"
+
+
+def test_validate_yaml_rows(tmp_path: Path) -> None:
+    manifest = base_manifest()
+    CASES["EXTRA-ARGS-DERIVED"][1](manifest)
+    result = runner.invoke(app, ["validate", "-o", "yaml", str(_write(tmp_path, "j.yaml", yaml.safe_dump(manifest)))])
+    assert result.exit_code == 1 and yaml.safe_load(result.stdout)[0]["rule"] == "EXTRA-ARGS-DERIVED"

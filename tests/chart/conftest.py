@@ -34,9 +34,13 @@ class Rendered(list[dict[str, Any]]):
         return found[0]
 
 
+# No r3operator image is published, so the chart has no default repository (docs/install.md, Images).
+IMAGE = "image.repository=registry.example.com/r3operator/operator"
+
+
 def helm_template(helm: str, *sets: str, namespace: str = "r3-system") -> subprocess.CompletedProcess[str]:
     args = [helm, "template", "r3", str(CHART), "--namespace", namespace]
-    for item in sets:
+    for item in (IMAGE, *sets):
         args += ["--set", item]
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 

@@ -12,14 +12,14 @@ import yaml
 
 from r3operator.observability import rules
 from r3operator.observability.generate import CRD_COPY
-from tests.chart.conftest import ALL_ON, CHART, CLUSTER, NAMESPACED, REPO, helm_template
+from tests.chart.conftest import ALL_ON, CHART, CLUSTER, IMAGE, NAMESPACED, REPO, helm_template
 
-MIN_KUBERNETES = "1.29.0"  # Chart.yaml kubeVersion; CEL validation rules are GA from 1.29
+MIN_KUBERNETES = "1.30.0"  # Chart.yaml kubeVersion and the README: CEL messageExpression, reason, fieldPath
 
 
 def test_helm_lint_strict(helm: str) -> None:
     for sets in ((), CLUSTER + ALL_ON, NAMESPACED + ALL_ON):
-        args = [helm, "lint", "--strict", str(CHART)] + [a for s in sets for a in ("--set", s)]
+        args = [helm, "lint", "--strict", str(CHART)] + [a for s in (IMAGE, *sets) for a in ("--set", s)]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "0 chart(s) failed" in proc.stdout
@@ -50,8 +50,9 @@ def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path:
     ("bad", "field"),
     [
         ("replicaCount=0", "/replicaCount"),
-        ("replicaCount=2", "/replicaCount"),
-        ("image.tag=latest", "/image/tag"),
+        ("leaderElection.enabled=maybe", "/leaderElection/enabled"),
+        ("podSecurityContext=none", "/podSecurityContext"),
+        ("prometheusRule.runbookBaseURL=wiki", "/prometheusRule/runbookBaseURL"),
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("image.digest=sha256:nothex", "/image/digest"),
         ("watch.mode=everywhere", "/watch/mode"),
@@ -75,8 +76,13 @@ def test_servicemonitor_needs_the_service(helm: str) -> None:
     assert proc.returncode != 0 and "metrics.service.enabled" in proc.stderr
 
 
+def _aggregated(doc: dict) -> bool:
+    """The ClusterRoles the chart adds to the built-in admin/edit/view: users' rights, not the operator's."""
+    return any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in doc["metadata"].get("labels", {}))
+
+
 def _rbac_rules(docs) -> list[dict]:
-    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    return [r for d in docs if d["kind"] in ("Role", "ClusterRole") and not _aggregated(d) for r in d["rules"]]
 
 
 @pytest.mark.parametrize("sets", [CLUSTER + ALL_ON, NAMESPACED + ALL_ON], ids=["cluster", "namespaced"])
@@ -85,7 +91,8 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
     for rule in _rbac_rules(render(*sets)):
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
-        assert "nonResourceURLs" not in rule and "resourceNames" not in rule
+        assert "nonResourceURLs" not in rule
+        assert "resourceNames" not in rule or rule["resources"] == ["leases"]
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     crud = ("get", "create", "patch", "delete")  # children: read by name and written (docs/operator.md)
     expected = (
@@ -104,21 +111,25 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
         # kopf lists and watches namespaces in both modes, also when they are named.
         | {("", "namespaces", v) for v in ("get", "list", "watch")}
+        # leader election: its one Lease in the release namespace
+        | {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
     )
     assert granted == expected
-    # Never: secrets, pods/exec, leases (kopf runs --standalone), and no RBAC escalation: no bind or
-    # escalate, no cluster roles (the per-job trainer Role grants only what the operator holds).
-    assert not {r for _, r, _ in granted} & {"secrets", "pods/exec", "leases", "clusterroles"}
+    # Never: secrets, pods/exec, and no RBAC escalation: no bind or escalate, no cluster roles (the
+    # per-job trainer Role grants only what the operator holds).
+    assert not {r for _, r, _ in granted} & {"secrets", "pods/exec", "clusterroles"}
     assert {v for _, r, v in granted if r == "pods"} == {"list"}
     assert not {v for _, _, v in granted} & {"bind", "escalate", "impersonate"}
 
 
 def test_namespaced_is_the_default_and_watches_the_release_namespace(render) -> None:
     docs = render()
-    assert [d["metadata"]["namespace"] for d in docs.kind("Role")] == ["r3-system"]
+    assert {d["metadata"]["name"]: d["metadata"]["namespace"] for d in docs.kind("Role")} == {
+        "r3-r3operator": "r3-system", "r3-r3operator-leader-election": "r3-system"}  # fmt: skip
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" not in args and "--namespace=r3-system" in args
-    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator-crd-reader"}
+    operator_cluster_roles = {d["metadata"]["name"] for d in docs.kind("ClusterRole") if not _aggregated(d)}
+    assert operator_cluster_roles == {"r3-r3operator-crd-reader"}
     env = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if e["name"] == "R3OPERATOR_TRAINER_CLUSTER_ROLE"]  # the trainer Role is per job
 
@@ -137,20 +148,24 @@ def test_rbac_matches_docs_operator_md(render) -> None:
 
 def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
     docs = render(*CLUSTER)
-    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole")} == {"r3-r3operator", "r3-r3operator-crd-reader"}
-    assert not docs.kind("Role") and not docs.kind("RoleBinding")
+    assert {d["metadata"]["name"] for d in docs.kind("ClusterRole") if not _aggregated(d)} == {
+        "r3-r3operator", "r3-r3operator-crd-reader"}  # fmt: skip
+    # Only the leader-election Role stays namespaced.
+    assert [d["metadata"]["name"] for d in docs.kind("Role")] == ["r3-r3operator-leader-election"]
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["operator", "--all-namespaces"]
 
 
 def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     docs = render(*NAMESPACED)
-    assert {d["metadata"]["namespace"] for d in docs.kind("Role")} == {"team-a", "team-b"}
-    assert {d["metadata"]["namespace"] for d in docs.kind("RoleBinding")} == {"team-a", "team-b"}
+    operator_roles = [d for d in docs.kind("Role") if d["metadata"]["name"] == "r3-r3operator"]
+    assert {d["metadata"]["namespace"] for d in operator_roles} == {"team-a", "team-b"}
+    bindings = [d for d in docs.kind("RoleBinding") if d["metadata"]["name"] == "r3-r3operator"]
+    assert {d["metadata"]["namespace"] for d in bindings} == {"team-a", "team-b"}
     for binding in docs.kind("RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
     # Only reading the cluster-scoped CRDs and namespaces stays cluster-wide.
-    (cluster_role,) = docs.kind("ClusterRole")
+    (cluster_role,) = [d for d in docs.kind("ClusterRole") if not _aggregated(d)]
     assert cluster_role["rules"] == [
         {
             "apiGroups": ["apiextensions.k8s.io"],
@@ -164,24 +179,95 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
 
 
-def test_deployment_is_single_recreate_non_root_read_only(render) -> None:
-    deployment = render().one("Deployment")
-    spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+def test_deployment_is_ha_with_leader_election_non_root_read_only(render) -> None:
+    docs = render()
+    spec = docs.one("Deployment")["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = spec["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # No fixed UID (the image's USER 65532 applies; OpenShift restricted-v2 may assign another).
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     (container,) = pod["containers"]
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True and "runAsUser" not in sc
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
     health = next(p for p in container["ports"] if p["name"] == "healthz")["containerPort"]
     assert f"--liveness=http://0.0.0.0:{health}/healthz" in container["args"]
+    assert {"--leader-elect", "--leader-election-namespace=r3-system", "--leader-election-id=r3-r3operator-leader",
+            "--lease-duration=15", "--renew-deadline=10", "--retry-period=2"} <= set(container["args"])  # fmt: skip
+    [lease_role] = [r for r in docs.kind("Role") if r["metadata"]["name"].endswith("-leader-election")]
+    named = next(rule for rule in lease_role["rules"] if "resourceNames" in rule)
+    assert named["resourceNames"] == ["r3-r3operator-leader"]  # the --leader-election-id above
     metrics_port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
     assert {"name": "R3OPERATOR_METRICS_PORT", "value": str(metrics_port)} in container["env"]
-    assert container["image"] == "ghcr.io/r3operator/operator:0.1.0"  # appVersion, never latest
+    assert container["image"] == "registry.example.com/r3operator/operator:0.1.0"  # appVersion, never latest
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    pdb = docs.one("PodDisruptionBudget")["spec"]
+    assert pdb["minAvailable"] == 1 and pdb["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+
+
+def test_one_replica_without_leader_election_is_recreate_and_has_no_pdb(render, helm: str) -> None:
+    docs = render("replicaCount=1", "leaderElection.enabled=false")
+    spec = docs.one("Deployment")["spec"]
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert "readinessProbe" not in spec["template"]["spec"]["containers"][0]
+    assert not docs.kind("PodDisruptionBudget")
+    assert not [r for r in docs.kind("Role") if "leader" in r["metadata"]["name"]]
+    proc = helm_template(helm, "replicaCount=2", "leaderElection.enabled=false")
+    assert proc.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled=true" in proc.stderr
+
+
+def test_security_contexts_are_overridable(render) -> None:
+    docs = render("podSecurityContext.runAsNonRoot=true", "podSecurityContext.fsGroup=1000680000",
+                  "securityContext.runAsUser=1000680000")  # fmt: skip
+    pod = docs.one("Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == 1000680000
+    assert pod["containers"][0]["securityContext"]["runAsUser"] == 1000680000
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("image.tag=latest",), "image.tag=latest: pin a version tag"),
+        (("image.repository=",), "image.repository is not set: no r3operator image is published"),
+        (("leaderElection.renewDeadline=20",), "renewDeadline must be shorter than leaderElection.leaseDuration"),
+    ],
+)
+def test_refusals_say_what_is_wrong(helm: str, sets: tuple[str, ...], message: str) -> None:
+    proc = helm_template(helm, *sets)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_chart_works_as_a_subchart_with_global_values(render) -> None:
+    assert render("global.imageRegistry=mirror.example.com", "global.storageClass=fast").one("Deployment")
+
+
+def test_kube_version_is_the_one_the_readme_states() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    readme = re.search(r"Kubernetes ≥ (\d+\.\d+)", (REPO / "README.md").read_text())
+    assert readme is not None
+    assert chart["kubeVersion"] == f">={readme.group(1)}.0-0" == f">={MIN_KUBERNETES}-0"
+
+
+def test_aggregated_cluster_roles_extend_admin_edit_and_view_to_rljobs(render) -> None:
+    docs = render()
+    aggregated = {d["metadata"]["name"]: d for d in docs.kind("ClusterRole") if _aggregated(d)}
+    edit, view = aggregated["r3-r3operator-rljob-edit"], aggregated["r3-r3operator-rljob-view"]
+    labels = edit["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "update", "patch", "delete"} <= set(edit["rules"][0]["verbs"])
+    assert {v for rule in view["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
+    assert not [d for d in render("rbac.aggregateToDefaultRoles=false").kind("ClusterRole") if _aggregated(d)]
+
+
+def test_runbook_urls_follow_the_configured_base(render) -> None:
+    spec = render(*ALL_ON, "prometheusRule.runbookBaseURL=https://wiki.example.com/r3/").one("PrometheusRule")["spec"]
+    urls = [r["annotations"]["runbook_url"] for g in spec["groups"] for r in g["rules"] if "alert" in r]
+    assert urls and all(u.startswith("https://wiki.example.com/r3#") for u in urls)
 
 
 def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
@@ -198,7 +284,7 @@ def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
 def test_image_digest_wins_over_tag(render) -> None:
     digest = "sha256:" + "a" * 64
     container = render(f"image.digest={digest}").one("Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == f"ghcr.io/r3operator/operator@{digest}"
+    assert container["image"] == f"registry.example.com/r3operator/operator@{digest}"
 
 
 def test_crd_template_is_the_generated_crd_plus_the_keep_policy(render) -> None:
@@ -237,8 +323,8 @@ def test_prometheus_rule_and_monitors_render_only_when_enabled(render) -> None:
 
 def test_notes_tell_the_next_commands(helm: str) -> None:
     proc = subprocess.run(
-        [helm, "install", "r3", str(CHART), "--dry-run=client", "-n", "r3-system", *("--set", NAMESPACED[0]),
-         *("--set", NAMESPACED[1])], capture_output=True, text=True, timeout=60,
+        [helm, "install", "r3", str(CHART), "--dry-run=client", "-n", "r3-system", *("--set", IMAGE),
+         *("--set", NAMESPACED[0]), *("--set", NAMESPACED[1])], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]

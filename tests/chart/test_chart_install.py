@@ -32,7 +32,7 @@ from kubecluster.controlplane import ApiError, ControlPlane
 
 from r3operator.runtime.metrics import progress_patch
 from r3operator.settings import ENV_PREFIX, operator_settings
-from tests.chart.conftest import CHART, REPO
+from tests.chart.conftest import CHART, IMAGE, REPO
 
 Permission = tuple[str, str, str, str]
 """(resource as kubectl prints it, e.g. `rljobs.r3operator.io/status`; non-resource URL; resource name; verb)"""
@@ -72,7 +72,7 @@ def _helm(helm: str, plane: ControlPlane, *args: str) -> str:
 @contextlib.contextmanager
 def installed(helm: str, plane: ControlPlane, name: str, namespace: str, *sets: str) -> Iterator[Release]:
     args = ["install", name, str(CHART), "--namespace", namespace, "--take-ownership"]
-    _helm(helm, plane, *args, *[a for s in sets for a in ("--set", s)])
+    _helm(helm, plane, *args, *[a for s in (IMAGE, *sets) for a in ("--set", s)])
     manifest = _helm(helm, plane, "get", "manifest", name, "--namespace", namespace)
     yield Release(name, namespace, [d for d in yaml.safe_load_all(manifest) if d])
     _helm(helm, plane, "uninstall", name, "--namespace", namespace)
@@ -306,3 +306,31 @@ def test_trainer_token_reads_its_rljob_and_patches_its_status_and_nothing_else(
         with pytest.raises(ApiError) as refused:
             control_plane.request(method, path, body, content_type, token=token)
         assert refused.value.code == 403, (method, path, refused.value)
+
+
+# ----------------------------------------------------------------------------- users: aggregated roles
+
+
+def _can(plane: ControlPlane, user: str, verb: str, namespace: str) -> bool:
+    result = kubectl(plane, "auth", "can-i", verb, "rljobs.r3operator.io", f"--as={user}", "--namespace", namespace)
+    return result.stdout.strip() == "yes"
+
+
+def test_namespace_editors_manage_rljobs_and_viewers_read_them(
+    control_plane: ControlPlane, namespaced_release: Release, jobs_namespace: str
+) -> None:
+    for user, role in (("alice", "edit"), ("bob", "view")):
+        binding = {"metadata": {"name": f"{user}-{role}"}, "subjects": [
+            {"kind": "User", "name": user, "apiGroup": "rbac.authorization.k8s.io"}],
+            "roleRef": {"kind": "ClusterRole", "name": role, "apiGroup": "rbac.authorization.k8s.io"}}  # fmt: skip
+        with contextlib.suppress(ApiError):
+            control_plane.request(
+                "POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_namespace}/rolebindings", binding
+            )
+    # The controller manager folds the chart's labelled ClusterRoles into edit and view.
+    harness = _operator_harness()
+    harness.wait_for(lambda: _can(control_plane, "alice", "create", jobs_namespace), timeout=60,
+                     what="edit aggregates the chart's RLJob rules")  # fmt: skip
+    assert all(_can(control_plane, "alice", v, jobs_namespace) for v in ("create", "update", "delete", "list"))
+    assert all(_can(control_plane, "bob", v, jobs_namespace) for v in ("get", "list", "watch"))
+    assert not any(_can(control_plane, "bob", v, jobs_namespace) for v in ("create", "patch", "delete"))

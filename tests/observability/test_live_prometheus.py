@@ -20,7 +20,7 @@ EXPRS = [(p.stem, title, expr)
 def test_prometheus_rejects_a_broken_expression(live) -> None:
     prom, _ = live
     with pytest.raises(PromQLError) as err:
-        prom.query("sum(rate(r3_routing_bytes_total[5m])")
+        prom.query("sum(rate(r3operator_routing_bytes_total[5m])")
     assert err.value.error_type == "bad_data" and "parse error" in err.value.error
 
 

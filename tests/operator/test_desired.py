@@ -455,6 +455,20 @@ def test_pod_monitor_labels_series_with_the_rljob_the_dashboards_select_on():
         assert relabel["targetLabel"] == "rljob"
 
 
+def test_driver_metrics_port_leaves_kubernetes_metrics_name_to_ray_and_is_scraped_with_its_own_labels():
+    job = _job(EXAMPLES[0])
+    children = _by_kind(desired(job))
+    head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert ports["metrics"] == 8080  # Ray's own metrics export, the name KubeRay's head Service uses
+    assert ports["r3-metrics"] == job.spec.monitoring.port
+    assert len(ports) == len(head["ports"]) and all(len(name) <= 15 for name in ports)  # IANA_SVC_NAME
+    endpoints = {e["port"]: e for e in children["PodMonitor"]["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) == {"http", "r3-metrics"}
+    assert endpoints["r3-metrics"]["honorLabels"] is True and "honorLabels" not in endpoints["http"]
+    assert {e["interval"] for e in endpoints.values()} == {"30s"}
+
+
 def test_trust_remote_code_left_at_false_keeps_the_hashes_of_existing_jobs():
     from r3operator.operator.hashing import engine_hash_input, trainer_hash_input
 

@@ -13,6 +13,8 @@ from runtime_test_helpers import settings_for, write_job
 
 from r3operator.engine.retry import Backoff
 
+JOB = 'namespace="default",rljob="tiny-count-r3"'  # the identity labels of every driver series
+
 
 @pytest.fixture(autouse=True)
 def _instant_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
@@ -65,9 +67,9 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
     assert "begin" in resync and "finish" in resync and resync.index("finish") < resync.index("generate")
     assert row["samples"] == 16 and row["samples_dropped"] == 0 and row["policy_version"] == 2
     exposition = run.metrics.exposition()
-    assert 'r3_engine_faults_total{job="tiny-count-r3",kind="weight_sync"} 1.0' in exposition
-    assert 'r3_engine_faults_total{job="tiny-count-r3",kind="engine_call"} 1.0' in exposition
-    assert 'r3_engine_faults_total{job="tiny-count-r3",kind="stale_engine"} 1.0' in exposition
+    assert f'r3operator_engine_faults_total{{kind="weight_sync",{JOB}}} 1.0' in exposition
+    assert f'r3operator_engine_faults_total{{kind="engine_call",{JOB}}} 1.0' in exposition
+    assert f'r3operator_engine_faults_total{{kind="stale_engine",{JOB}}} 1.0' in exposition
 
 
 def test_sync_that_never_succeeds_ends_with_a_clear_error(tmp_path: Path, _instant_backoff: list[float]) -> None:
@@ -93,7 +95,8 @@ def test_step_with_no_usable_samples_is_skipped_and_counted(tmp_path: Path) -> N
     assert "begin" not in engine.calls  # no update, so no sync: the engines keep the current policy
     assert run.policy_version == 1 and row["policy_version"] == 1
     assert run.last_checkpoint_step == 1  # a resume does not redo it
-    assert 'r3_steps_skipped_total{job="tiny-count-r3",reason="no_usable_samples"} 1.0' in run.metrics.exposition()
+    skipped = 'r3operator_steps_skipped_total{namespace="default",reason="no_usable_samples",rljob="tiny-count-r3"}'
+    assert f"{skipped} 1.0" in run.metrics.exposition()
     (written,) = _csv(run)
     assert written["skipped"] == "1" and written["step"] == "1"
     from r3operator.runtime.progress import step_line

@@ -88,7 +88,8 @@ def test_a_failing_volume_is_counted_and_training_goes_on(tmp_path: Path, monkey
     run.recorder.flush()
     batch = run.load_routes(1, samples, np.zeros(len(samples)))
     assert batch.size == 2 and run.dropped == []
-    assert 'r3_route_record_failures_total{job="tiny-count-r3",operation="write"} 1.0' in run.metrics.exposition()
+    failures = 'r3operator_route_record_failures_total{namespace="default",operation="write",rljob="tiny-count-r3"}'
+    assert f"{failures} 1.0" in run.metrics.exposition()
 
 
 def test_modes_without_replay_keep_no_record(tmp_path: Path) -> None:

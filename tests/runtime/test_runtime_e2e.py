@@ -45,8 +45,8 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
     csv = (run.run_dir / "metrics.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[0].startswith("step,")
     exposition = run.metrics.exposition()
-    assert 'r3_weight_sync_canary_ok{job="tiny-count-r3"} 1.0' in exposition
-    assert 'r3_step{job="tiny-count-r3"} 2.0' in exposition
+    assert 'r3operator_weight_sync_canary_ok{namespace="default",rljob="tiny-count-r3"} 1.0' in exposition
+    assert 'r3operator_step{namespace="default",rljob="tiny-count-r3"} 2.0' in exposition
 
 
 @pytest.mark.parametrize(("mode", "param_dtype"), [("R2", "bfloat16"), ("Disabled", "float32")])

@@ -40,14 +40,15 @@ def trainer(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
 
 
 def exported_agreement(trainer, samples: list[RolloutSample], routes: list) -> dict[int, float]:  # type: ignore[no-untyped-def]
-    """Per-layer `r3_routing_agreement_ratio` after one R3 old-logprob pass, as the driver exports it."""
+    """Per-layer `r3operator_routing_agreement_ratio` after one R3 old-logprob pass, as the driver exports it."""
     batch = build_batch(samples, [0.0] * len(samples), routes=routes, pad_id=0)
     old = trainer.old_logprobs(batch, ReplayMode.R3)
     metrics = R3Metrics("j")
     metrics.observe_routing(old.natural_ids, batch.engine_routes, ~batch.route_pad)
     values = {}
     for layer in range(LAYERS):
-        value = metrics.registry.get_sample_value("r3_routing_agreement_ratio", {"job": "j", "layer": str(layer)})
+        labels = {"namespace": "default", "rljob": "j", "layer": str(layer)}
+        value = metrics.registry.get_sample_value("r3operator_routing_agreement_ratio", labels)
         assert value is not None, f"layer {layer} not exported"
         values[layer] = value
     return values
@@ -74,7 +75,7 @@ def test_routes_one_token_off_drop_the_agreement_and_fire_the_alert(trainer, tmp
 
     # Feed the exported values to the shipped rule: 15 min aligned, then 20 min one token off.
     series = "\n".join(
-        f"      - series: 'r3_routing_agreement_ratio{{namespace=\"rl\", rljob=\"j\", layer=\"{layer}\"}}'\n"
+        f"      - series: 'r3operator_routing_agreement_ratio{{namespace=\"rl\", rljob=\"j\", layer=\"{layer}\"}}'\n"
         f"        values: '{good[layer]!r}x15 {bad[layer]!r}x20'"
         for layer in range(LAYERS)
     )
@@ -87,7 +88,7 @@ tests:
   - interval: 1m
     input_series:
 {series}
-      - series: 'r3_replay_active{{namespace="rl", rljob="j"}}'
+      - series: 'r3operator_replay_active{{namespace="rl", rljob="j"}}'
         values: '1x35'
     promql_expr_test:
       - expr: '{firing}'

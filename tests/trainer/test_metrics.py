@@ -71,12 +71,12 @@ def test_exporter_registers_every_documented_metric() -> None:
     metrics.set_replay_active(True)
     text = generate_latest(registry).decode()
     for spec in METRICS:
-        assert spec.name.startswith("r3_") and spec.help
+        assert spec.name.startswith("r3operator_") and spec.help
         assert f"# HELP {spec.name} " in text, spec.name
-    assert 'r3_logprob_abs_diff_mean{job="job-a"} 0.25' in text
-    assert 'r3_routing_agreement_ratio{job="job-a",layer="2"} 1.0' in text
+    assert 'r3operator_logprob_abs_diff_mean{namespace="default",rljob="job-a"} 0.25' in text
+    assert 'r3operator_routing_agreement_ratio{layer="2",namespace="default",rljob="job-a"} 1.0' in text
     assert 'layer="0"' not in text  # a dense layer has no routing to agree on
-    assert 'r3_replay_active{job="job-a"} 1.0' in text
+    assert 'r3operator_replay_active{namespace="default",rljob="job-a"} 1.0' in text
 
 
 def test_job_series_exist_from_the_start_so_counters_read_zero_not_no_data():
@@ -85,5 +85,5 @@ def test_job_series_exist_from_the_start_so_counters_read_zero_not_no_data():
     from r3operator.trainer.metrics import R3Metrics
 
     text = generate_latest(R3Metrics("job-b").registry).decode()
-    assert 'r3_routes_missing_total{job="job-b"} 0.0' in text
-    assert 'r3_routes_invalid_total{job="job-b"} 0.0' in text
+    assert 'r3operator_routes_missing_total{namespace="default",rljob="job-b"} 0.0' in text
+    assert 'r3operator_routes_invalid_total{namespace="default",rljob="job-b"} 0.0' in text

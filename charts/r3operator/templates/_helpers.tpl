@@ -39,10 +39,14 @@ app.kubernetes.io/part-of: r3operator
 {{- end -}}
 
 {{- define "r3operator.image" -}}
+{{- $repository := required "image.repository is not set: no r3operator image is published; build images/operator/Dockerfile, push it to a registry your cluster pulls from (docs/install.md, Images) and set image.repository" .Values.image.repository -}}
+{{- if eq .Values.image.tag "latest" -}}
+{{- fail "image.tag=latest: pin a version tag (the chart's appVersion when empty) or set image.digest; latest makes every node run whatever it pulled last" -}}
+{{- end -}}
 {{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- printf "%s@%s" $repository .Values.image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 {{- end -}}
 

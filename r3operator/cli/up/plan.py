@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 from r3operator.operator.desired import Facts, desired
 from r3operator.settings import CONFIG_DIR, ENGINE_URLS_KEY, ROUTING_MOUNT, RUNTIME_KEY, RuntimeSettings
 
@@ -295,7 +296,7 @@ def plan_up(
     table = vols.mount_table(trainer_pod, head["spec"], trainer_container)
     runtime = json.loads(next(iter(config_map["data"].values())))[RUNTIME_KEY]
     urls = [_local_url(url, local_ports) for url in runtime[ENGINE_URLS_KEY]]
-    (metrics_spec,) = [p for p in trainer_container["ports"] if p["name"] == "metrics"]
+    (metrics_spec,) = [p for p in trainer_container["ports"] if p["name"] == DRIVER_METRICS_PORT_NAME]
     mounts = {k: v for k, v in table.items() if k != v}  # /dev/shm is the host's own
     trainer_env = {
         **rendered_trainer_env,

@@ -6,8 +6,10 @@ from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 
 POD_MONITOR_GROUP_VERSION = "monitoring.coreos.com/v1"
+SCRAPE_INTERVAL = "30s"  # rules.SCRAPE_INTERVAL_SECONDS: rate windows are sized on it (a test pins them equal)
 
 
 # Dashboards and alerts select series by `namespace` (added by the Prometheus Operator) and `rljob`.
@@ -26,7 +28,9 @@ def wants_pod_monitor(job: RLJob) -> bool:
 
 def build_pod_monitor(job: RLJob) -> dict[str, Any]:
     # Endpoints name container ports; pods without a port of that name are skipped by Prometheus,
-    # so one PodMonitor covers vLLM engines (`http`, /metrics) and the trainer driver (`metrics`).
+    # so one PodMonitor covers vLLM engines (`http`, /metrics) and the trainer driver (`r3-metrics`). The
+    # driver labels its series with `namespace` and `rljob` itself (honorLabels keeps them, not
+    # `exported_namespace`); the engines' vLLM series get them from the relabeling.
     return {
         "apiVersion": POD_MONITOR_GROUP_VERSION,
         "kind": "PodMonitor",
@@ -34,8 +38,9 @@ def build_pod_monitor(job: RLJob) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": {meta.LABEL_JOB: job.metadata.name}},
             "podMetricsEndpoints": [
-                {"port": "http", "path": "/metrics", "interval": "30s", "relabelings": _RLJOB_LABEL},
-                {"port": "metrics", "path": "/metrics", "interval": "30s", "relabelings": _RLJOB_LABEL},
+                {"port": "http", "path": "/metrics", "interval": SCRAPE_INTERVAL, "relabelings": _RLJOB_LABEL},
+                {"port": DRIVER_METRICS_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL,
+                 "honorLabels": True, "relabelings": _RLJOB_LABEL},
             ],
         },
     }

@@ -47,7 +47,11 @@ RAY_HEAD_PORTS: tuple[dict[str, Any], ...] = (
     {"name": "gcs-server", "containerPort": 6379},
     {"name": "dashboard", "containerPort": 8265},
     {"name": "client", "containerPort": 10001},
+    # Ray's own metrics export; KubeRay's head Service and its Prometheus guides select it by this name.
+    {"name": "metrics", "containerPort": 8080},
 )
+DRIVER_METRICS_PORT_NAME = "r3-metrics"
+"""The trainer driver's port (spec.monitoring.port): not `metrics`, which is Ray's own on a KubeRay head."""
 
 
 def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict[str, Any]:
@@ -62,7 +66,8 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
     # KubeRay adds Ray's ports only to a head container that declares none; ours declares the driver's
     # metrics port, so it must also name Ray's own: without `dashboard` KubeRay cannot find the job-submission
     # endpoint and the RayJob never leaves Initializing ("dashboard port is not found").
-    ports = [*map(dict, RAY_HEAD_PORTS), {"name": "metrics", "containerPort": job.spec.monitoring.port}] if head else []
+    driver_port = {"name": DRIVER_METRICS_PORT_NAME, "containerPort": job.spec.monitoring.port}
+    ports = [*map(dict, RAY_HEAD_PORTS), driver_port] if head else []
     container: dict[str, Any] = {
         "name": container_name,
         "image": job.spec.trainer.image,

@@ -1,0 +1,164 @@
+"""Two operator processes against the real control plane: only the Lease holder reconciles, a rolling
+update (SIGTERM to the leader) hands over without two active reconcilers, and a leader that loses its
+Lease exits.
+
+Each process is `r3operator operator --leader-elect` as the chart runs it, with short Lease timings.
+kopf prefixes every log line about an object with its timestamp and `[namespace/name]`; those lines are
+how the test sees which process reconciled what, and when.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from operator_harness import REPO, Cluster, all_children, example, wait_for
+
+NS = "rl-ha"
+LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/r3operator-leader"
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Replica:
+    name: str
+    proc: subprocess.Popen[str]
+    health: str
+    metrics: str
+    lines: list[str] = field(default_factory=list)
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def stamped(self, pattern: str) -> list[dt.datetime]:
+        """Timestamps of this replica's log lines matching `pattern`."""
+        out = []
+        for line in self.lines:
+            m = _STAMP.match(line)
+            if m and re.search(pattern, line):
+                out.append(dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
+        return out
+
+    def reconciled(self, job: str) -> list[dt.datetime]:
+        return self.stamped(rf"\[{NS}/{job}\]")
+
+    def leader_gauge(self) -> float | None:
+        """`r3operator_leader` as this replica exports it (a standby is scraped too)."""
+        try:
+            with urllib.request.urlopen(self.metrics, timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        m = re.search(r"^r3operator_leader (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    def ready(self) -> str | None:
+        try:
+            with urllib.request.urlopen(self.health.replace("/healthz", "/readyz"), timeout=2) as r:
+                return r.read().decode().strip() if r.status == 200 else None
+        except (urllib.error.URLError, OSError):
+            return None
+
+
+@pytest.fixture
+def replicas(cluster: Cluster) -> Iterator[list[Replica]]:
+    cluster.namespace(NS)
+    started: list[Replica] = []
+    yield started
+    for replica in started:
+        if replica.proc.poll() is None:
+            replica.proc.kill()
+            replica.proc.wait(timeout=30)
+
+
+def _start(cluster: Cluster, replicas: list[Replica], name: str) -> Replica:
+    port, metrics_port = _free_port(), _free_port()
+    health = f"http://127.0.0.1:{port}/healthz"
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO), "HOSTNAME": name,
+           "PYTHONUNBUFFERED": "1", "R3OPERATOR_METRICS_PORT": str(metrics_port)}  # fmt: skip
+    args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect",
+            "--leader-election-namespace", NS, "--liveness", health,
+            "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5"]  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    replica = Replica(name, proc, health, f"http://127.0.0.1:{metrics_port}/metrics")
+    threading.Thread(target=replica.read, daemon=True).start()
+    replicas.append(replica)
+    return replica
+
+
+def _holder(cluster: Cluster) -> str:
+    lease = cluster.get(LEASE) or {}
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def test_only_the_lease_holder_reconciles_and_a_rolling_update_hands_over_without_overlap(
+    cluster: Cluster, replicas: list[Replica]
+) -> None:
+    a = _start(cluster, replicas, "replica-a")
+    wait_for(lambda: a.stamped("acquired lease"), timeout=60, what=f"replica-a leads\n{a.log()}")
+    b = _start(cluster, replicas, "replica-b")
+    assert wait_for(lambda: b.ready() == "standby", timeout=60, what=f"replica-b standby\n{b.log()}")
+    with urllib.request.urlopen(b.health, timeout=2) as live:  # a standby passes its liveness probe
+        assert live.status == 200
+    assert a.ready() == "leader" and _holder(cluster).startswith("replica-a_")
+    assert (a.leader_gauge(), b.leader_gauge()) == (1.0, 0.0)
+
+    cluster.apply(example("ha-one", NS))
+    all_children(cluster, NS, "ha-one")
+    wait_for(lambda: a.reconciled("ha-one"), what="replica-a logs its reconcile")
+    assert b.reconciled("ha-one") == [], b.log()
+
+    # A rolling update: the old pod gets SIGTERM while the new one stands by.
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=60) == 0, a.log()
+    wait_for(lambda: b.stamped("acquired lease"), timeout=30, what=f"replica-b takes over\n{b.log()}")
+    [released] = a.stamped("released lease")
+    [acquired] = b.stamped("acquired lease")
+    assert max(a.reconciled("ha-one")) <= released <= acquired, (a.log(), b.log())
+    assert _holder(cluster).startswith("replica-b_") and b.ready() == "leader" and b.leader_gauge() == 1.0
+
+    cluster.apply(example("ha-two", NS))
+    all_children(cluster, NS, "ha-two")
+    wait_for(lambda: b.reconciled("ha-two"), what="replica-b reconciles after the hand-over")
+    assert min(b.reconciled("ha-one") + b.reconciled("ha-two")) >= acquired
+
+    # A leader whose Lease is taken (a partition, a manual edit) stops at once instead of reconciling on.
+    lease = cluster.get(LEASE)
+    assert lease is not None
+    lease["spec"]["holderIdentity"] = "intruder"
+    cluster.http("PUT", LEASE, lease)
+    assert b.proc.wait(timeout=30) == 1, b.log()
+    assert b.stamped("lost lease"), b.log()
+
+
+def test_leader_election_flags_are_checked(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect", "--leader-election-namespace",
+         NS, "--lease-duration", "2", "--renew-deadline", "5"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "renew deadline < lease duration" in proc.stderr
