@@ -152,6 +152,25 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
         sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
     ),
+    "TASK-DATASET-PATH": (
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/math/train.jsonl", "reward": "math"}}),
+        sets(**{"task": {"name": "dataset", "reward": "math"}}),
+    ),
+    "TASK-REWARD": (
+        sets(**{"task": {"name": "next", "reward": "prefix-match"}}),
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/math/train.jsonl", "reward": "prefix-match"}}),
+    ),
+    "TASK-REWARD-FUNCTION": (
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/a.jsonl", "reward": "function",
+                         "rewardFunction": "my_rewards.score:judge"}}),  # fmt: skip
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/a.jsonl", "reward": "function"}}),
+    ),
+    "TASK-REWARD-URL": (
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/a.jsonl", "reward": "http",
+                         "rewardURL": "http://reward.rl.svc:8080/score"}}),  # fmt: skip
+        sets(**{"task": {"name": "dataset", "datasetPath": "/data/a.jsonl", "reward": "exact-match",
+                         "rewardURL": "http://reward.rl.svc:8080/score"}}),  # fmt: skip
+    ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build
         sets(**{"inference.image": "docker.io/vllm/vllm-openai:v0.30.0"}),
