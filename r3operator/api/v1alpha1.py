@@ -24,8 +24,8 @@ from r3operator.api.enums import (
     ExecutorBackend,
     KVConnector,
     ReplayMode,
-    RewardKind,
     RetainPolicy,
+    RewardKind,
     RouterType,
     TrainerBackend,
 )
