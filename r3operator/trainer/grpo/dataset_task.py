@@ -30,7 +30,8 @@ import numpy as np
 
 from r3operator.engine.rollout import RolloutSample
 from r3operator.trainer.grpo.dataset_reader import DatasetError, DatasetRow, read_rows
-from r3operator.trainer.grpo.rewards import RewardInput, TextReward
+from r3operator.trainer.grpo.reward_base import RewardInput
+from r3operator.trainer.grpo.rewards import TextReward
 from r3operator.trainer.grpo.tasks import Problem
 
 log = logging.getLogger(__name__)

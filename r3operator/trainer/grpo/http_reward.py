@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3operator.engine.retry import Backoff, EngineUnavailableError, http_transient, retry_call
-from r3operator.trainer.grpo.rewards import RewardError, RewardInput, checked_score
+from r3operator.trainer.grpo.reward_base import RewardError, RewardInput, checked_score
 
 DEFAULT_BACKOFF = Backoff(attempts=4, base_s=1.0, cap_s=10.0)
 BODY_EXCERPT = 300  # characters of an error answer quoted in the message

@@ -16,29 +16,19 @@ row the content of its last message; `completion` is the generated text (special
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from r3operator.api.enums import RewardKind
 from r3operator.api.v1alpha1 import TaskSpec
+from r3operator.trainer.grpo.http_reward import HTTPReward
 from r3operator.trainer.grpo.math_answer import answers_match
+from r3operator.trainer.grpo.reward_base import RewardError, RewardInput, checked_score
+
+__all__ = ["ExactMatchReward", "FunctionReward", "HTTPReward", "MathReward", "RewardError", "RewardInput",
+           "TextReward", "build_reward", "load_reward_function"]  # fmt: skip
 
 RewardFunction = Callable[[str, str, str, Mapping[str, Any]], float]
-
-
-class RewardError(ValueError):
-    """A reward could not be computed: the function is missing or returned no number, the endpoint refused."""
-
-
-@dataclass(frozen=True)
-class RewardInput:
-    sample_id: str
-    prompt: str
-    completion: str
-    answer: str
-    metadata: Mapping[str, Any]
 
 
 class TextReward(Protocol):
@@ -77,15 +67,6 @@ def load_reward_function(reference: str) -> RewardFunction:
     return function  # type: ignore[no-any-return]
 
 
-def checked_score(value: Any, *, what: str) -> float:
-    """A reward must be a finite real number (a bool counts as 0/1)."""
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, int | float) or not math.isfinite(value):
-        raise RewardError(f"{what} returned {value!r}; a reward is a finite number")
-    return float(value)
-
-
 class FunctionReward:
     def __init__(self, reference: str, function: RewardFunction | None = None) -> None:
         self.reference = reference
@@ -110,8 +91,6 @@ def build_reward(task: TaskSpec) -> TextReward:
             raise RewardError("spec.task.rewardFunction: task.reward function needs module:function")
         return FunctionReward(task.reward_function)
     if task.reward is RewardKind.HTTP:
-        from r3operator.trainer.grpo.http_reward import HTTPReward
-
         if task.reward_url is None:
             raise RewardError("spec.task.rewardURL: task.reward http needs the endpoint's URL")
         return HTTPReward(task.reward_url, timeout_s=task.reward_timeout_seconds)

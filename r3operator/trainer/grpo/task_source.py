@@ -22,7 +22,9 @@ CANARY_PROMPTS = 4
 
 
 class TaskSource(Protocol):
-    pool: Sequence[tasks.Problem]
+    @property
+    def pool(self) -> Sequence[tasks.Problem]: ...
+
     canary_prompts: list[tuple[int, ...]]
     canary_tokens: int
 
