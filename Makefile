@@ -8,7 +8,7 @@ EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn test test-fast bench lint fmt crd clean
+.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn run-dataset test test-fast bench lint fmt crd clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,10 @@ run: venv
 # The same runtime on a multi-turn R3 job (the guessing game of r3operator/trainer/envs.py).
 run-multiturn: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-multiturn.yaml
+
+# The same runtime on a dataset task: examples/data/arith.jsonl, chat template, math reward.
+run-dataset: venv
+	$(VENV)/bin/r3operator run examples/rljob-local-dataset.yaml
 
 test: venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks

@@ -122,6 +122,9 @@ class RuntimeSettings(_Settings):
     check."""
     model_dir: Path | None = None
     """The policy model's directory, for models the runtime cannot fetch itself (hf://, s3://, gs://, pvc://)."""
+    dataset_path: Path | None = None
+    """The dataset file of ``task.name: dataset``; wins over ``spec.task.datasetPath`` (set it where the file was
+    fetched or mounted somewhere else)."""
     engine_dtype: str | None = None
     """vLLM engine dtype (default: float32 on CPU, bfloat16 on CUDA)."""
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -10,7 +10,7 @@ import re
 
 from r3operator.api import vllm_cli
 from r3operator.api.context import RuleContext
-from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, TrainerBackend
+from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, RewardKind, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
@@ -449,3 +449,54 @@ def stock_engine_image(c: RuleContext) -> str | None:
         "routed-experts plugin), so vllm serve fails at start; use images/engine/Dockerfile built FROM it "
         "(ghcr.io/r3operator/engine:<version>-vllm<X.Y.Z>)"
     )
+
+
+# ------------------------------------------------------------------------------------------ task
+
+DATASET_TASK = "dataset"
+TOKEN_REWARDS = frozenset({RewardKind.EXACT_MATCH, RewardKind.PREFIX_MATCH})
+"""What the built-in tasks score with: their answers are token ids, compared as such."""
+TEXT_REWARDS = frozenset({RewardKind.EXACT_MATCH, RewardKind.MATH, RewardKind.FUNCTION, RewardKind.HTTP})
+"""What a dataset task scores with: the decoded completion against the row's answer."""
+
+
+def dataset_path(c: RuleContext) -> str | None:
+    task = c.spec.task
+    if task.name == DATASET_TASK and task.dataset_path is None:
+        return "task.name dataset needs task.datasetPath: a JSONL or Parquet file of prompt/messages + answer rows"
+    if task.name != DATASET_TASK and task.dataset_path is not None:
+        return f"task.name {task.name} reads no task.datasetPath (only task.name dataset does)"
+    return None
+
+
+def reward_fits_task(c: RuleContext) -> str | None:
+    task = c.spec.task
+    if task.name == DATASET_TASK and task.reward not in TEXT_REWARDS:
+        return (
+            f"task.reward {task.reward} compares token ids of the built-in tasks; a dataset task scores text with "
+            "exact-match, function, http or math"
+        )
+    if task.name != DATASET_TASK and task.reward not in TOKEN_REWARDS:
+        return (
+            f"task.reward {task.reward} scores dataset text; the built-in task {task.name} scores with exact-match "
+            "or prefix-match"
+        )
+    return None
+
+
+def reward_function_ref(c: RuleContext) -> str | None:
+    task = c.spec.task
+    if task.reward is RewardKind.FUNCTION and task.reward_function is None:
+        return "task.reward function needs task.rewardFunction (module:function, importable in the trainer image)"
+    if task.reward is not RewardKind.FUNCTION and task.reward_function is not None:
+        return f"task.reward {task.reward} reads no task.rewardFunction (only task.reward function does)"
+    return None
+
+
+def reward_url(c: RuleContext) -> str | None:
+    task = c.spec.task
+    if task.reward is RewardKind.HTTP and task.reward_url is None:
+        return "task.reward http needs task.rewardURL (the endpoint the samples are POSTed to)"
+    if task.reward is not RewardKind.HTTP and task.reward_url is not None:
+        return f"task.reward {task.reward} reads no task.rewardURL (only task.reward http does)"
+    return None

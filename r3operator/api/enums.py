@@ -91,3 +91,20 @@ class ConditionType(StrEnum):
     """Terminal and sticky."""
     UPGRADE_BLOCKED = "UpgradeBlocked"
     """An engine image change failed its fidelity canary; the engines are back on the old image."""
+
+
+class RewardKind(StrEnum):
+    """How a single-turn task scores a completion (``spec.task.reward``)."""
+
+    EXACT_MATCH = "exact-match"
+    """Built-in tasks: the generated token ids up to <eos> equal the answer's. Dataset: the decoded
+    completion equals the answer, whitespace-normalised."""
+    PREFIX_MATCH = "prefix-match"
+    """Built-in tasks only: the fraction of answer tokens matched before the first mistake."""
+    MATH = "math"
+    """Dataset only: the completion's final answer (``\\boxed{}``, ``#### x``, else its last number) equals
+    the answer's, numerically when both are numbers."""
+    FUNCTION = "function"
+    """Dataset only: ``task.rewardFunction``, a ``module:function`` importable in the trainer image."""
+    HTTP = "http"
+    """Dataset only: POST the step's samples as JSON to ``task.rewardURL``; it answers their scores."""

@@ -434,6 +434,74 @@ RULES: tuple[Rule, ...] = (
             ".model.uri",
         ),
     ),
+    Rule(
+        "TASK-DATASET-PATH",
+        E,
+        "spec.task.datasetPath",
+        ("task.name", "task.datasetPath"),
+        "task.name dataset reads task.datasetPath, and only it does",
+        ("r3operator: trainer/grpo/dataset.py",),
+        checks.dataset_path,
+        CelRule(
+            "(self.task.name == 'dataset') == has(self.task.datasetPath)",
+            "'task.name ' + self.task.name + (self.task.name == 'dataset' ? ' needs task.datasetPath: a JSONL or "
+            "Parquet file of prompt/messages + answer rows' : ' reads no task.datasetPath (only task.name dataset "
+            "does)')",
+            ".task.datasetPath",
+            "FieldValueInvalid",
+        ),
+    ),
+    Rule(
+        "TASK-REWARD",
+        E,
+        "spec.task.reward",
+        ("task.name", "task.reward"),
+        "built-in tasks score token ids (exact-match, prefix-match); a dataset scores text",
+        ("r3operator: trainer/grpo/rewards.py",),
+        checks.reward_fits_task,
+        CelRule(
+            "self.task.name == 'dataset' ? self.task.reward != 'prefix-match' : "
+            "self.task.reward in ['exact-match', 'prefix-match']",
+            "'task.reward ' + self.task.reward + (self.task.name == 'dataset' ? ' compares token ids of the built-in "
+            "tasks; a dataset task scores text with exact-match, function, http or math' : ' scores dataset text; "
+            "the built-in task ' + self.task.name + ' scores with exact-match or prefix-match')",
+            ".task.reward",
+            "FieldValueInvalid",
+        ),
+    ),
+    Rule(
+        "TASK-REWARD-FUNCTION",
+        E,
+        "spec.task.rewardFunction",
+        ("task.reward", "task.rewardFunction"),
+        "task.reward function reads task.rewardFunction, and only it does",
+        ("r3operator: trainer/grpo/rewards.py",),
+        checks.reward_function_ref,
+        CelRule(
+            "(self.task.reward == 'function') == has(self.task.rewardFunction)",
+            "'task.reward ' + self.task.reward + (self.task.reward == 'function' ? ' needs task.rewardFunction "
+            "(module:function, importable in the trainer image)' : ' reads no task.rewardFunction (only task.reward "
+            "function does)')",
+            ".task.rewardFunction",
+            "FieldValueInvalid",
+        ),
+    ),
+    Rule(
+        "TASK-REWARD-URL",
+        E,
+        "spec.task.rewardURL",
+        ("task.reward", "task.rewardURL"),
+        "task.reward http reads task.rewardURL, and only it does",
+        ("r3operator: trainer/grpo/http_reward.py",),
+        checks.reward_url,
+        CelRule(
+            "(self.task.reward == 'http') == has(self.task.rewardURL)",
+            "'task.reward ' + self.task.reward + (self.task.reward == 'http' ? ' needs task.rewardURL (the endpoint "
+            "the samples are POSTed to)' : ' reads no task.rewardURL (only task.reward http does)')",
+            ".task.rewardURL",
+            "FieldValueInvalid",
+        ),
+    ),
     # Python-only: need the vLLM version matrix (outside facts).
     Rule(
         "R3-VLLM-MIN-VERSION",

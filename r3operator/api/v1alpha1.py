@@ -25,6 +25,7 @@ from r3operator.api.enums import (
     KVConnector,
     ReplayMode,
     RetainPolicy,
+    RewardKind,
     RouterType,
     TrainerBackend,
 )
@@ -43,6 +44,7 @@ CATEGORIES = ("rl",)
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$"
 MODEL_URI_PATTERN = r"^(hf|s3|gs|pvc|file|r3operator)://[^\s]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+REWARD_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
@@ -263,10 +265,22 @@ class AlgorithmSpec(_Model):
 
 class TaskSpec(_Model):
     name: str = Field(default="count", max_length=63, pattern=DNS_LABEL_PATTERN)
-    """Built-in verifiable task (see `r3operator run --help`) or `dataset` for datasetPath."""
+    """Built-in verifiable task (`count`, `next`, the multi-turn `guess`) or `dataset` for datasetPath."""
     dataset_path: str | None = Field(default=None, max_length=1024)
-    """JSONL with {"prompt", "answer"} rows, on the shared volume or local disk."""
-    reward: Literal["exact-match", "prefix-match"] = "exact-match"
+    """A JSONL (.jsonl) or Parquet (.parquet) file whose rows hold `prompt` (a string) or `messages` (a chat
+    list), `answer` (a string) and optionally `id`; a path inside the trainer container."""
+    reward: RewardKind = RewardKind.EXACT_MATCH
+    """exact-match / prefix-match (built-in tasks); exact-match / math / function / http (dataset)."""
+    reward_function: str | None = Field(default=None, max_length=256, pattern=REWARD_FUNCTION_PATTERN)
+    """For reward: function, `module:function` importable in the trainer image, called as
+    `(prompt, completion, answer, metadata) -> float`."""
+    reward_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://[^\s]+$", alias="rewardURL")
+    """For reward: http, the endpoint the step's samples are POSTed to as JSON; it answers their scores."""
+    reward_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    """Per-request timeout of the reward endpoint (transient failures are retried with backoff)."""
+    max_prompt_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+    """Dataset prompts longer than this (chat template applied) are dropped with a counted warning.
+    Default: inference.maxModelLen - rollout.maxTokens when maxModelLen is set, else no limit."""
 
 
 class WeightSyncSpec(_Model):

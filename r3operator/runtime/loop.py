@@ -38,6 +38,7 @@ from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
+from r3operator.runtime.dataset_file import resolve_dataset_file
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.faults import EngineSupervisor
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
@@ -51,10 +52,10 @@ from r3operator.trainer.batch import TrainBatch, build_batch
 from r3operator.trainer.factory import build_trainer
 from r3operator.trainer.grpo import tasks
 from r3operator.trainer.grpo.advantages import group_advantages
+from r3operator.trainer.grpo.task_source import build_task_source
 from r3operator.trainer.metrics import routing_agreement
 
 log = logging.getLogger("r3operator.runtime")
-CANARY_PROMPTS = 4
 SFT_BATCH = 32
 
 
@@ -117,9 +118,11 @@ class GRPORun:
         self.vocab_size = int(hf_config.vocab_size)
         self.num_experts = int(hf_config.num_experts)
         self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)  # a property of the job, not of a pass
-        self.pool = tasks.problems(self.spec.task.name, vocab_size=self.vocab_size)
-        self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
-        self.canary_tokens = tasks.max_answer_tokens(self.spec.task.name, vocab_size=self.vocab_size)
+        self.task = build_task_source(self.spec, model_dir=self.model_dir, vocab_size=self.vocab_size,
+                                      dataset_file=resolve_dataset_file(self.s.job))  # fmt: skip
+        self.pool = self.task.pool
+        self.canary_prompts = self.task.canary_prompts
+        self.canary_tokens = self.task.canary_tokens
         self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device)
         self.canary_tol = canary_tolerance(self.s.engine_dtype)
         self.canary_near_ties = 0
@@ -164,9 +167,7 @@ class GRPORun:
         """1. Generate `groupSize` samples for `promptsPerStep` prompts (deterministic per seed, step)."""
         assert self.engines is not None
         ro = self.spec.rollout
-        problems = tasks.sample_problems(
-            self.pool, count=ro.prompts_per_step, rng=np.random.default_rng([self.spec.seed, step])
-        )
+        problems = list(self.task.batch(step, ro.prompts_per_step))
         if ro.multi_turn:
             samples = self._multi_turn_rollout(step, problems)
         else:
@@ -223,14 +224,10 @@ class GRPORun:
         return roll_out_conversations(conversations, turn, num_experts=self.num_experts)
 
     def score(self, samples: Sequence[RolloutSample], problems: Sequence[tasks.Problem]) -> np.ndarray:
-        """2. Rule-based reward of each sample against its prompt's answer."""
+        """2. The task's reward of each sample against its prompt's answer (trainer/grpo/task_source.py)."""
         if self.spec.rollout.multi_turn:  # the environment scored the conversation when it ended
             return np.asarray([s.extra["reward"] for s in samples], dtype=np.float32)
-        kind = self.spec.task.reward
-        return np.asarray(
-            [tasks.reward(s.token_ids, problems[s.prompt_index].answer_ids, kind=kind) for s in samples],
-            dtype=np.float32,
-        )
+        return self.task.score(samples, problems)
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """3. GRPO advantages, normalised within each prompt's group."""

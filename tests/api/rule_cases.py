@@ -17,6 +17,7 @@ def _chain(*mutations: Mutation) -> Mutation:
     return mutate
 
 
+DATASET = {"name": "dataset", "datasetPath": "/data/math/train.jsonl"}
 MEGATRON = sets(**{"trainer.backend": "Megatron", "trainer.megatron": {"expertParallelSize": 8}})
 
 # rule id -> (passing mutation, failing mutation)
@@ -151,6 +152,22 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
     "MODEL-URI-SCHEME": (
         sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
         sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
+    ),
+    "TASK-DATASET-PATH": (
+        sets(task={**DATASET, "reward": "math"}),
+        sets(task={"name": "dataset", "reward": "math"}),
+    ),
+    "TASK-REWARD": (
+        sets(task={"name": "next", "reward": "prefix-match"}),
+        sets(task={**DATASET, "reward": "prefix-match"}),
+    ),
+    "TASK-REWARD-FUNCTION": (
+        sets(task={**DATASET, "reward": "function", "rewardFunction": "my_rewards.score:judge"}),
+        sets(task={**DATASET, "reward": "function"}),
+    ),
+    "TASK-REWARD-URL": (
+        sets(task={**DATASET, "reward": "http", "rewardURL": "http://reward.rl.svc:8080/score"}),
+        sets(task={**DATASET, "reward": "exact-match", "rewardURL": "http://reward.rl.svc:8080/score"}),
     ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build

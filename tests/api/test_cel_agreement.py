@@ -184,6 +184,17 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         k: draw(st.booleans()) for k in ("retokenizeChatHistory", "stepWiseTrajectories", "partialRollout", "multiTurn")
     }
     s["algorithm"] = {"useKLLoss": draw(st.booleans()), "klInReward": draw(st.booleans())}
+    task: dict[str, Any] = {
+        "name": draw(st.sampled_from(["count", "guess", "dataset"])),
+        "reward": draw(st.sampled_from(["exact-match", "prefix-match", "math", "function", "http"])),
+    }
+    if draw(st.booleans()):
+        task["datasetPath"] = "/data/math/train.jsonl"
+    if draw(st.booleans()):
+        task["rewardFunction"] = "my_rewards.score:judge"
+    if draw(st.booleans()):
+        task["rewardURL"] = "http://reward.rl.svc:8080/score"
+    s["task"] = task
     return m
 
 

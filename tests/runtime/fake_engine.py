@@ -8,7 +8,7 @@ and position (`route_row`), returned from each request's `routed_experts_prompt_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +36,9 @@ class FakeEngine:
     die_on: dict[str, set[int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     starts_seen: list[list[int]] = field(default_factory=list)  # routed_experts_prompt_start of each request
+    # (prompt ids, choice index) -> the completion to return instead of random tokens, or None for random ones
+    answer: Callable[[tuple[int, ...], int], list[int] | None] | None = None
+    prompts_seen: list[tuple[int, ...]] = field(default_factory=list)
 
     def _call(self, method: str) -> None:
         self.calls.append(method)
@@ -63,15 +66,19 @@ class FakeEngine:
         self.starts_seen.append(starts)
         samples = []
         for i, prompt in enumerate(prompts):
+            self.prompts_seen.append(tuple(prompt))
             for j in range(n):
                 rng = np.random.default_rng([seed, i, j])
                 tokens = rng.integers(3, self.vocab, size=max_tokens)
+                scripted = self.answer(tuple(prompt), j) if self.answer is not None else None
+                if scripted is not None:
+                    tokens = np.asarray(scripted[:max_tokens])
                 sequence = [*prompt, *tokens.tolist()]
                 # Rows for positions [start, P + G - 1): the last sampled token is never fed back.
                 ids = np.stack([self.route_row(p, sequence[p]) for p in range(starts[i], len(sequence) - 1)])
                 samples.append(build_sample(
                     prompt_index=i, choice_index=j, prompt_token_ids=prompt, token_ids=tokens.tolist(),
-                    logprobs=np.full(max_tokens, -1.0), routed_experts=ids if self.routes else None,
+                    logprobs=np.full(len(tokens), -1.0), routed_experts=ids if self.routes else None,
                     routed_experts_prompt_start=starts[i], num_experts=self.num_experts,
                 ))  # fmt: skip
         return samples

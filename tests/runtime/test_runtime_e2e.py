@@ -180,3 +180,12 @@ def test_megatron_backend_runs_one_r3_step(tmp_path, engines) -> None:
     assert engines.weights_digest() != before  # the Megatron update reached the engine
     assert row["replay_applied"] == 1.0 and row["canary_ok"] == 1 and row["samples_dropped"] == 0
     assert row["grad_norm"] > 0
+
+
+def test_dataset_task_runs_one_r3_step_with_the_canary_on_its_chat_prompts(tmp_path, engines) -> None:
+    arith = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
+    run = _run(tmp_path, engines, task={"name": "dataset", "datasetPath": str(arith), "reward": "math"})
+    run.setup()  # the canary decodes the first dataset prompts on the engine and on the trainer
+    row = run.train_step(1)
+    assert row["canary_ok"] == 1 and row["replay_applied"] == 1.0 and row["samples_dropped"] == 0
+    assert row["samples"] == 4 * 4 and 0.0 <= row["reward_mean"] <= 1.0
