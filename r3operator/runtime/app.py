@@ -149,4 +149,6 @@ def _trainer_fact(settings: RunSettings, run: Any) -> str:
     trainer = run.trainer
     compute = getattr(trainer, "compute_dtype", "float32")
     backend = settings.job.spec.trainer.backend.value
-    return f"{backend}, fp32 master weights + AdamW, forwards under {compute} autocast, canary forward fp32"
+    ranks = getattr(trainer, "world_size", 1)
+    return (f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
+            f"canary forward fp32")  # fmt: skip
