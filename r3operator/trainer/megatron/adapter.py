@@ -211,7 +211,10 @@ class MegatronPolicyTrainer:
         # Read whole (no template): a fresh optimizer's state dict has no slots to load into.
         self.checkpointer.wait()
         state = read_full_state(directory)
-        self.load_state(state["model"], state["optimizer"])
+        optim = state["optimizer"]
+        # DCP stores the optimizer's per-parameter keys as strings; torch matches them to `params` as ints.
+        optim["state"] = {int(k): v for k, v in optim["state"].items()}
+        self.load_state(state["model"], optim)
 
     def close(self) -> None:
         """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
