@@ -200,8 +200,12 @@ class DistributedTrainer:
                     placement_group=self._placement, placement_group_bundle_index=rank
                 )
             self.ranks.append(actor.options(**options_for_rank).remote(rank, world_size, device))
-        master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        infos = self._all(lambda r: r.start.remote(master_addr, master_port, str(model_dir), options))
+        try:
+            master_addr, master_port = ray.get(self.ranks[0].address.remote())
+            infos = self._all(lambda r: r.start.remote(master_addr, master_port, str(model_dir), options))
+        except BaseException:
+            self.close()  # ranks that did start would otherwise wait in the rendezvous, holding their GPUs
+            raise
         self.pad_id = int(infos[0]["pad_id"])
         self.eos_id = int(infos[0]["eos_id"])
 
