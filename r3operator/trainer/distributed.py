@@ -186,9 +186,11 @@ class DistributedTrainer:
         }  # fmt: skip
         if device.startswith("cuda"):
             self._placement = self._reserve_gpus(world_size)
-            actor_options.update(num_cpus=1, num_gpus=1)
+            actor_options.update(num_cpus=0, num_gpus=1)
         else:
-            actor_options.update(num_cpus=0)  # CPU ranks share the box with the engines; the OS schedules
+            actor_options.update(num_cpus=0)
+        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
+        # cores with the engines; GPUs are the resource that places them.
         actor = ray.remote(TrainerRank)
         self.ranks = []
         for rank in range(world_size):
@@ -218,7 +220,7 @@ class DistributedTrainer:
                 f"trainer.nodes × trainer.gpusPerNode asks for {world_size} trainer GPUs, but the Ray cluster "
                 f"has {have}; lower them (or --trainer-ranks) or give the RayJob more GPU workers"
             )
-        group = placement_group([{"GPU": 1, "CPU": 1}] * world_size, strategy="PACK")
+        group = placement_group([{"GPU": 1}] * world_size, strategy="PACK")
         try:
             self._ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except self._ray.exceptions.GetTimeoutError:
