@@ -179,20 +179,18 @@ class DistributedTrainer:
         self.compute_dtype = options.compute_dtype
         self._placement: Any = None
         threads = str(max(1, (os.cpu_count() or 1) // world_size))
+        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
+        # cores with the engines; GPUs are the resource that places them.
         actor_options: dict[str, Any] = {
-            "max_restarts": 0, "max_concurrency": 1,
+            "num_cpus": 0, "max_restarts": 0, "max_concurrency": 1,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                                          "RAY_USAGE_STATS_ENABLED": "0"}},
         }  # fmt: skip
         if device.startswith("cuda"):
             self._placement = self._reserve_gpus(world_size)
-            actor_options.update(num_cpus=0, num_gpus=1)
-        else:
-            actor_options.update(num_cpus=0)
-        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
-        # cores with the engines; GPUs are the resource that places them.
+            actor_options["num_gpus"] = 1
         actor = ray.remote(TrainerRank)
-        self.ranks = []
+        self.ranks: list[Any] = []
         for rank in range(world_size):
             options_for_rank = dict(actor_options)
             if self._placement is not None:
