@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "fidelity": ("benchmarks.bench_fidelity", ["--model", "tiny", "--device", "cpu"]),
     "replay_overhead": ("benchmarks.bench_replay_overhead", ["--model", "tiny", "--device", "cpu"]),
     "megatron": ("benchmarks.bench_megatron", ["--device", "cpu"]),
+    "trainer_ranks": ("benchmarks.bench_trainer_ranks", ["--model", "tiny", "--device", "cpu", "--ranks", "1", "2",
+                                                         "--steps", "2"]),
 }
 
 

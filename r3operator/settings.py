@@ -127,6 +127,8 @@ class RuntimeSettings(_Settings):
     fetched or mounted somewhere else)."""
     engine_dtype: str | None = None
     """vLLM engine dtype (default: float32 on CPU, bfloat16 on CUDA)."""
+    trainer_ranks: int | None = Field(None, ge=1)
+    """Trainer ranks (Ray actors, FSDP2 over all); default: trainer.nodes × trainer.gpusPerNode on CUDA, 1 on CPU."""
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated engine URLs; replaces the ConfigMap's ``engineURLs`` (HTTP engines)."""
     mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)

@@ -3,14 +3,14 @@
 # scripts/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [steps...]
-#   steps: fidelity overhead megatron runtime (default: all)
+#   steps: fidelity overhead megatron runtime ranks (default: all)
 #
 # Each step writes OUT_DIR/<step>.log (+ .json); a failing step does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu-bench.sh OUT_DIR [steps...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime)
+[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime ranks)
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
@@ -42,6 +42,9 @@ for step in "${steps[@]}"; do
       run runtime 540 python3 -m r3operator run examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
         --no-resume --compare-replay
       cp -r runs "$out/runs" 2>/dev/null || true ;;
+    ranks)  # rank counts above the GPUs present are skipped and listed in the JSON
+      run trainer_ranks 600 python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks 1 2 4 \
+        --json "$out/trainer_ranks.json" ;;
     *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;
   esac
 done

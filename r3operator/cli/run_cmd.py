@@ -41,6 +41,11 @@ def run(
         int | None,
         typer.Option(help="Prometheus port; 0 = off (default: off for FILE, spec.monitoring.port for --config)."),
     ] = None,
+    trainer_ranks: Annotated[
+        int | None,
+        typer.Option(min=1, help="Trainer ranks, one Ray actor each, FSDP2 across them (env R3OPERATOR_TRAINER_RANKS; "
+                     "default: trainer.nodes × gpusPerNode on CUDA, 1 on CPU)."),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No live step table, no report on stdout.")] = False,
 ) -> None:
     """Train an RLJob: vLLM engines (Ray actors, or a cluster's engine Services), GRPO, R3/R2/Disabled replay."""
@@ -54,7 +59,7 @@ def run(
     try:
         settings = build_settings(
             file, config=config, steps=steps, out_dir=out_dir, resume=resume, device=device, model=model,
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, trainer_ranks=trainer_ranks,
         )  # fmt: skip
     except (RLJobLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

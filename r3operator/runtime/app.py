@@ -25,6 +25,7 @@ def build_settings(
     device: str = "auto",
     model: str | None = None,
     metrics_port: int | None = None,
+    trainer_ranks: int | None = None,
 ) -> RunSettings:
     """Arguments win over the environment (RuntimeSettings: R3OPERATOR_STEPS, R3OPERATOR_MODEL, …),
     which wins over the RLJob and the operator's runtime config."""
@@ -65,6 +66,7 @@ def build_settings(
         metrics_port=port or None,
         engine_urls=engine_urls,
         engine_dtype=env.engine_dtype or default_engine_dtype(resolved),
+        trainer_ranks=trainer_ranks or env.trainer_ranks,
     )
 
 
@@ -147,4 +149,6 @@ def _trainer_fact(settings: RunSettings, run: Any) -> str:
     trainer = run.trainer
     compute = getattr(trainer, "compute_dtype", "float32")
     backend = settings.job.spec.trainer.backend.value
-    return f"{backend}, fp32 master weights + AdamW, forwards under {compute} autocast, canary forward fp32"
+    ranks = getattr(trainer, "world_size", 1)
+    return (f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
+            f"canary forward fp32")  # fmt: skip

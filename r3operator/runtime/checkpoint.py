@@ -1,31 +1,43 @@
-"""Atomic step-boundary checkpoints: model + optimizer + step + RNG + policy version.
+"""Step-boundary checkpoints, sharded and asynchronous, committed atomically.
 
 Layout under `<run dir>/checkpoints/` (cluster: the shared volume):
 
-    step-000004/state.pt     torch.save of {model, optimizer, rng, extra}
-    step-000004/meta.json    {"step", "policy_version", "format": 1}; written last inside the temp dir
-    latest                   "step-000004\\n", replaced atomically after the rename
+    step-000004/policy/.metadata           DCP's global plan (rank 0)
+    step-000004/policy/__<rank>_0.distcp   one shard of model + AdamW state per trainer rank
+    step-000004/policy/rng-rank<rank>.pt   each rank's RNG state
+    step-000004/driver.pt                  the driver's RNG state
+    step-000004/meta.json                  {"format": 2, "step", "policy_version", "ranks"}; written last
+    latest                                 "step-000004\\n", replaced atomically after the rename
 
-A checkpoint is written into `.tmp-step-000004-<random>/`, fsynced, then renamed into place: a reader
-(a restarted driver) sees a complete checkpoint or none. `latest` is only a hint; `find_latest` falls
-back to the newest complete `step-*` directory if `latest` is missing or points at a removed one.
+`AsyncCheckpoints.start` writes into `.tmp-step-000004-<random>/` and returns as soon as the trainer's
+ranks have staged their state in memory; the step goes on while the shards are written. The commit
+(meta.json, fsync, rename, `latest`, retention) follows once every rank's write has finished: at the
+next checkpoint, or at `finish` (end of the run). A reader (a restarted driver) sees a complete
+checkpoint or none; a killed writer leaves only a temp dir, removed at the next commit. `latest` is a
+hint; `find_latest` falls back to the newest complete `step-*` directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from r3operator.trainer.base import Trainer
+from r3operator.trainer.sharded_checkpoint import fsync_file, rng_state, set_rng_state
 
-FORMAT = 1
+FORMAT = 2
 LATEST = "latest"
+POLICY = "policy"
+DRIVER_STATE = "driver.pt"
+META = "meta.json"
+
+__all__ = ["AsyncCheckpoints", "CheckpointInfo", "find_latest", "list_checkpoints", "load_checkpoint",
+           "set_rng_state"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,81 +47,80 @@ class CheckpointInfo:
     policy_version: int
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+@dataclass(frozen=True)
+class _InFlight:
+    tmp: Path
+    step: int
+    policy_version: int
 
 
-def rng_state() -> dict[str, Any]:
-    import torch
+class AsyncCheckpoints:
+    """At most one checkpoint in flight; `start` commits the previous one first."""
 
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    def __init__(self, root: Path, trainer: Trainer, *, keep_last: int, ranks: int = 1) -> None:
+        if keep_last < 1:
+            raise ValueError(f"spec.checkpoint.keepLast: expected at least 1, got {keep_last}")
+        self.root, self.trainer, self.keep_last, self.ranks = root, trainer, keep_last, ranks
+        self._in_flight: _InFlight | None = None
 
+    @property
+    def in_flight_step(self) -> int | None:
+        return None if self._in_flight is None else self._in_flight.step
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    import torch
+    def start(self, *, step: int, policy_version: int) -> CheckpointInfo | None:
+        """Commit the checkpoint in flight (if any; returned), then start writing this step's."""
+        import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        committed = self.finish()
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-step-{step:06d}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            torch.save({"rng": rng_state()}, tmp / DRIVER_STATE)
+            fsync_file(tmp / DRIVER_STATE)
+            self.trainer.save_checkpoint_async(tmp / POLICY)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._in_flight = _InFlight(tmp, step, policy_version)
+        return committed
 
+    def finish(self) -> CheckpointInfo | None:
+        """Wait for the checkpoint in flight to be written by every rank, then commit it."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        try:
+            self.trainer.wait_checkpoint()
+            return self._commit(pending)
+        except BaseException:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise
 
-def save_checkpoint(
-    root: Path,
-    *,
-    step: int,
-    policy_version: int,
-    model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
-    extra: dict[str, Any] | None = None,
-    keep_last: int = 2,
-) -> CheckpointInfo:
-    import torch
-
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    tmp = root / f".tmp-{name}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        state = {"model": model_state, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}}
-        torch.save(state, tmp / "state.pt")
-        _fsync_path(tmp / "state.pt")
-        meta = {"format": FORMAT, "step": step, "policy_version": policy_version}
-        (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
-        _fsync_path(tmp / "meta.json")
-        final = root / name
+    def _commit(self, pending: _InFlight) -> CheckpointInfo:
+        meta = {"format": FORMAT, "step": pending.step, "policy_version": pending.policy_version, "ranks": self.ranks}
+        (pending.tmp / META).write_text(json.dumps(meta) + "\n")
+        fsync_file(pending.tmp / META)
+        final = self.root / f"step-{pending.step:06d}"
         if final.exists():  # a re-run of the same step after a crash between rename and `latest`
             shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    latest_tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / LATEST)
-    _prune(root, keep_last=keep_last)
-    return CheckpointInfo(final, step, policy_version)
+        os.rename(pending.tmp, final)
+        fsync_file(self.root)
+        latest_tmp = self.root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, self.root / LATEST)
+        _prune(self.root, keep_last=self.keep_last)
+        return CheckpointInfo(final, pending.step, pending.policy_version)
 
 
 def _complete(path: Path) -> CheckpointInfo | None:
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / META).read_text())
     except (OSError, ValueError):
         return None
-    if meta.get("format") != FORMAT or not (path / "state.pt").is_file():
+    if meta.get("format") != FORMAT or not (path / POLICY / ".metadata").is_file():
+        return None
+    if not (path / DRIVER_STATE).is_file():
         return None
     return CheckpointInfo(path, int(meta["step"]), int(meta["policy_version"]))
 
@@ -131,14 +142,16 @@ def find_latest(root: Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(info: CheckpointInfo) -> dict[str, Any]:
+def load_checkpoint(info: CheckpointInfo, trainer: Trainer) -> dict[str, Any]:
+    """Load the trainer's shards (on however many ranks it has now) and return the driver's state."""
     import torch
 
-    return torch.load(info.path / "state.pt", map_location="cpu", weights_only=False)
+    trainer.load_checkpoint(info.path / POLICY)
+    return dict(torch.load(info.path / DRIVER_STATE, map_location="cpu", weights_only=False))
 
 
 def _prune(root: Path, *, keep_last: int) -> None:
     for info in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(info.path, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):  # left by a killed writer
+    for stale in root.glob(".tmp-step-*"):  # left by a killed writer; none is in flight during a commit
         shutil.rmtree(stale, ignore_errors=True)

@@ -43,6 +43,7 @@ class RunSettings:
     show_progress: bool = True
     routing_dir: Path | None = None
     """The routing volume (``--config`` only): reference models are generated onto it for the engines."""
+    trainer_ranks: int | None = None  # None: trainer/factory.world_size decides from the RLJob and the device
 
     @property
     def name(self) -> str:

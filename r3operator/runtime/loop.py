@@ -16,7 +16,9 @@
     8 canary        engine greedy decode of fixed prompts == trainer argmax at every position (fp32,
                     teacher-forced; ε near-tie tolerance for a bf16 engine), else CanaryMismatchError
     9 metrics       Prometheus, metrics.csv, RLJob status.progress
-   10 checkpoint    atomic, at the step boundary
+   10 checkpoint    sharded (one file per trainer rank), written in the background and committed
+                    atomically once every rank has finished (runtime/checkpoint.py); the step waits
+                    only for the state to be staged in memory
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.base import Engine, Greedy
 from r3operator.engine.rollout import RolloutSample
-from r3operator.engine.weights import PackedChunk, packed_chunks
+from r3operator.engine.weights import PackedChunk
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
@@ -49,7 +51,7 @@ from r3operator.runtime.route_record import RouteRecorder
 from r3operator.trainer import envs
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
-from r3operator.trainer.factory import build_trainer
+from r3operator.trainer.factory import build_trainer, world_size
 from r3operator.trainer.grpo import tasks
 from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.trainer.grpo.task_source import build_task_source
@@ -123,7 +125,14 @@ class GRPORun:
         self.pool = self.task.pool
         self.canary_prompts = self.task.canary_prompts
         self.canary_tokens = self.task.canary_tokens
-        self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device)
+        ranks = world_size(self.spec, device=self.s.device, override=self.s.trainer_ranks)
+        if ranks > 1:  # the ranks are Ray actors: in a pod, on the RayJob's cluster
+            from r3operator.settings import runtime_settings
+
+            start_ray(in_cluster=runtime_settings().in_cluster)
+        self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device, ranks=ranks)
+        self.checkpoints = ckpt.AsyncCheckpoints(self.ckpt_root, self.trainer, keep_last=self.spec.checkpoint.keep_last,
+                                                 ranks=ranks)  # fmt: skip
         self.canary_tol = canary_tolerance(self.s.engine_dtype)
         self.canary_near_ties = 0
         if self.engines is None:
@@ -138,8 +147,7 @@ class GRPORun:
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
             (self.run_dir / "metrics.csv").unlink(missing_ok=True)
         if info is not None:
-            state = ckpt.load_checkpoint(info)
-            self.trainer.load_state(state["model"], state["optimizer"])
+            state = ckpt.load_checkpoint(info, self.trainer)
             ckpt.set_rng_state(state["rng"])
             self.start_step, self.policy_version = info.step + 1, info.policy_version
             self.last_checkpoint_step = info.step
@@ -251,7 +259,7 @@ class GRPORun:
             return None
         have_all = all(r is not None for r in routes)
         return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
-                           device=self.s.device)  # fmt: skip
+                           device=self.trainer.batch_device)  # fmt: skip
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
@@ -295,7 +303,7 @@ class GRPORun:
 
         mb = self.spec.weight_sync.chunk_size_mb
         wire_dtype = getattr(torch, self.s.engine_dtype, None)
-        return packed_chunks(self.trainer.sync_state_dict(), chunk_size_mb=mb, dtype=wire_dtype)
+        return self.trainer.weight_chunks(chunk_size_mb=mb, dtype=wire_dtype)
 
     def canary(self) -> bool:
         """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
@@ -449,24 +457,36 @@ class GRPORun:
         cfg = self.spec.checkpoint
         if step % cfg.interval_steps and step != self.s.steps:
             return
-        ckpt.save_checkpoint(
-            self.ckpt_root, step=step, policy_version=self.policy_version,
-            model_state=self.trainer.model_state_dict(), optimizer_state=self.trainer.optimizer_state_dict(),
-            keep_last=cfg.keep_last,
-        )  # fmt: skip
-        self.last_checkpoint_step = step
+        committed = self.checkpoints.start(step=step, policy_version=self.policy_version)
+        if committed is not None:
+            self.last_checkpoint_step = committed.step
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint in flight and commit it (the end of a run)."""
+        committed = self.checkpoints.finish()
+        if committed is not None:
+            self.last_checkpoint_step = committed.step
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
         self.setup()
+        assert self.trainer is not None
         try:
             for step in range(self.start_step, self.s.steps + 1):
                 row = self.train_step(step)
                 if table is not None:
                     table.add(row)
+            self.finish_checkpoint()
+        except BaseException:
+            try:  # a checkpoint already staged is still worth committing
+                self.finish_checkpoint()
+            except Exception as exc:
+                log.error("the checkpoint in flight could not be committed: %s", exc)
+            raise
         finally:
             if self.recorder is not None:
                 self.recorder.close()
+            self.trainer.close()
         return self.rows
 
 

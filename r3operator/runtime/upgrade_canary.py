@@ -142,8 +142,7 @@ def load_policy(settings: RunSettings, model_dir: Path) -> Trainer:
     trainer = build_trainer(settings.job.spec, model_dir, device=settings.device)
     info = ckpt.find_latest(settings.run_dir / "checkpoints")
     if info is not None:
-        state = ckpt.load_checkpoint(info)
-        trainer.load_state(state["model"], state["optimizer"])
+        ckpt.load_checkpoint(info, trainer)  # one process reads every rank's shard (DCP reshards on load)
         log.info("scoring with the checkpoint of step %s", info.step)
     else:
         log.info("no checkpoint under %s: scoring with the model's weights", settings.run_dir / "checkpoints")

@@ -4,13 +4,17 @@ driver talks to."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from r3operator.api.enums import ReplayMode
 from r3operator.trainer.batch import TrainBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3operator.engine.weights import PackedChunk
 
 GRAD_CLIP_NORM = 1.0
 
@@ -23,6 +27,18 @@ class OldPass:
     replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
     replay_pad: Any | None
     mode: ReplayMode | None = None
+
+
+def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids: Any, used_ids: Any) -> OldPass:
+    """The old-logprob pass result for `mode`: what the update replays (R3: the engine's routes; R2:
+    the trainer's own natural choices, every row; Disabled: nothing)."""
+    if mode is ReplayMode.R3:
+        replay_ids, replay_pad = batch.engine_routes, batch.route_pad
+    elif mode is ReplayMode.R2:
+        replay_ids, replay_pad = natural_ids, None
+    else:
+        replay_ids = replay_pad = None
+    return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode)
 
 
 @dataclass
@@ -65,10 +81,12 @@ def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_token
 
 
 class Trainer(Protocol):
-    """The policy trainer the driver steps: `hf_policy.PolicyTrainer` (HF/FSDP) and the Megatron adapter."""
+    """The policy trainer the driver steps: `hf_policy.PolicyTrainer` (HF/FSDP, one process),
+    `distributed.DistributedTrainer` (HF/FSDP2 over Ray-actor ranks) and the Megatron adapter."""
 
     pad_id: int
     eos_id: int
+    batch_device: str  # where the driver builds the step's TrainBatch
 
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass: ...
 
@@ -89,3 +107,22 @@ class Trainer(Protocol):
     def optimizer_state_dict(self) -> dict[str, Any]: ...
 
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None: ...
+
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+        """The current weights for the engines: checkpoint names, `dtype`, packed (engine/weights.py)."""
+        ...
+
+    def save_checkpoint_async(self, directory: Path) -> None:
+        """Start writing model + optimizer state into `directory` (sharded, one file per rank); returns
+        once the state is staged, so training may go on while it is written."""
+        ...
+
+    def wait_checkpoint(self) -> None:
+        """Block until the save started last is on disk on every rank; raise its error."""
+        ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+    def close(self) -> None:
+        """Release what the trainer holds beyond this process (rank actors); a no-op otherwise."""
+        ...

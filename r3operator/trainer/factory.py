@@ -1,4 +1,4 @@
-"""Pick the trainer backend named by `spec.trainer.backend`."""
+"""Pick the trainer backend named by `spec.trainer.backend`, on how many ranks."""
 
 from __future__ import annotations
 
@@ -8,23 +8,49 @@ from typing import Any
 from r3operator.trainer.base import Trainer
 
 
-def build_trainer(spec: Any, model_dir: Path, *, device: str) -> Trainer:
-    """The trainer for `spec.trainer.backend`: FSDP (`hf_policy`) or Megatron (the adapter)."""
+def world_size(spec: Any, *, device: str, override: int | None = None) -> int:
+    """Trainer ranks: `override` (`r3operator run --trainer-ranks`) if given; on GPU one per GPU of the
+    RayJob (`trainer.nodes × trainer.gpusPerNode`); on CPU one."""
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"trainer ranks: expected at least 1, got {override}")
+        return override
+    if device.startswith("cuda"):
+        return int(spec.trainer.nodes) * int(spec.trainer.gpus_per_node)
+    return 1
+
+
+def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) -> Trainer:
+    """The trainer for `spec.trainer.backend`: FSDP (`hf_policy`, in this process for one rank, else
+    `distributed.DistributedTrainer` over `ranks` Ray actors) or Megatron (the adapter, one rank)."""
     from r3operator.api.enums import TrainerBackend
 
+    fsdp = spec.trainer.fsdp
+    compute_dtype = fsdp.param_dtype if fsdp is not None else "bfloat16"
+    reshard = fsdp.reshard_after_forward if fsdp is not None else True
     if spec.trainer.backend is TrainerBackend.MEGATRON:
+        if ranks > 1:
+            raise ValueError(
+                f"spec.trainer.backend Megatron: this runtime trains it on one rank, but {ranks} were asked for "
+                f"(trainer.nodes × trainer.gpusPerNode on GPU, or --trainer-ranks); set them to 1 or use FSDP"
+            )
         from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer
 
         return build_megatron_policy_trainer(spec, model_dir, device=device)
+    if ranks > 1:
+        from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
+
+        options = PolicyOptions(learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
+                                compute_dtype=compute_dtype, reshard_after_forward=reshard)  # fmt: skip
+        return DistributedTrainer(model_dir, world_size=ranks, device=device, options=options)
     from r3operator.trainer.hf_policy import PolicyTrainer
 
-    fsdp = spec.trainer.fsdp
     return PolicyTrainer(
         model_dir,
         device=device,
         learning_rate=spec.algorithm.learning_rate,
         seed=spec.seed,
         use_fsdp=device.startswith("cuda"),
-        compute_dtype=fsdp.param_dtype if fsdp is not None else "bfloat16",
-        fsdp_options={"reshard_after_forward": fsdp.reshard_after_forward} if fsdp is not None else None,
+        compute_dtype=compute_dtype,
+        fsdp_options={"reshard_after_forward": reshard} if fsdp is not None else None,
     )

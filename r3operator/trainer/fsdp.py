@@ -1,7 +1,8 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) wrapping for the GPU trainer.
 
 Each decoder layer is its own FSDP unit, then the root. World size 1 (one GPU, a process group of one)
-is supported so the path can be exercised on a single device; `torchrun` sets the env for more ranks.
+is the in-process trainer's; `trainer/distributed.py` starts one rank per GPU (or CPU process) and
+joins them with `init_rank` before the wrap.
 Router replay hooks are installed on the wrapped model's router modules exactly as without FSDP: FSDP2
 keeps module identities, so `find_routers` sees the same `*TopKRouter` modules.
 """
@@ -23,8 +24,26 @@ def init_process_group_if_needed(device: str) -> tuple[int, int]:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    dist.init_process_group(backend=process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
+
+
+def process_group_backend(device: str) -> str:
+    """NCCL for CUDA tensors plus gloo for CPU ones: the asynchronous checkpoint's planning collectives
+    run on CPU tensors (DCP refuses a group without a CPU backend)."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_rank(*, rank: int, world_size: int, master_addr: str, master_port: int, device: str) -> None:
+    """Join the trainer's process group as `rank` (rank 0 chose the address and port)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # fmt: skip
+    dist.init_process_group(backend=process_group_backend(device), rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=30))  # fmt: skip
 
 
 def wrap_fsdp2(model: Any, *, reshard_after_forward: bool = True, param_dtype: str = "float32") -> Any:

@@ -7,7 +7,9 @@ canary's forward (`canary_logits`) runs in fp32 WITHOUT autocast, so against an 
 demand exact greedy equality. On CUDA the FSDP2 MixedPrecisionPolicy keeps param_dtype fp32 for the
 same reason (bf16 compute comes from autocast, not from FSDP's cast), see docs/runtime.md.
 
-Single process on CPU; FSDP2 (`r3operator.trainer.fsdp`) on CUDA. Replay modes (spec.routingReplay.mode):
+One process (FSDP2 over a group of one on CUDA), or one rank of `distributed.DistributedTrainer`
+(FSDP2 over all ranks; `update_shares`/`sft_share` take the rank's part of the batch, `trainer/shards.py`).
+Replay modes (spec.routingReplay.mode):
 
 - R3: old-logprob pass and update replay the ENGINE's routes (from the routing store);
 - R2: the old-logprob pass routes naturally and records the trainer's own choices (RouterRecorder),
@@ -20,25 +22,26 @@ ids the experts actually received, for the routing-agreement metrics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from r3operator.api.enums import ReplayMode
+from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     OldPass,
     UpdateStats,
     compute_context,
     greedy_decode,
-    mini_batch_rows,
+    old_pass_for,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
+from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
+from r3operator.trainer.shards import Share, ShareStats, combine_update, update_plan
 
 
 class PolicyTrainer:
@@ -60,6 +63,7 @@ class PolicyTrainer:
             raise ValueError(f"trainer.fsdp.paramDtype: expected bfloat16 or float32, got {compute_dtype!r}")
         torch.manual_seed(seed)
         self.device = device
+        self.batch_device = device
         self.device_type = "cuda" if device.startswith("cuda") else "cpu"
         self.compute_dtype = compute_dtype
         # transformers >= 4.56 / 5.x take `dtype=` (`torch_dtype=` is deprecated): fp32 master weights.
@@ -78,6 +82,7 @@ class PolicyTrainer:
         self.eos_id = int(self.model.config.eos_token_id)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
         self.replay = RouterReplay().install(self.model)
+        self.checkpointer = ShardedCheckpointer()
 
     # -- passes -------------------------------------------------------------------------------------
     def _compute(self) -> Any:
@@ -107,13 +112,7 @@ class PolicyTrainer:
         finally:
             natural.remove()
             used.remove()
-        if mode is ReplayMode.R3:
-            replay_ids, replay_pad = batch.engine_routes, batch.route_pad
-        elif mode is ReplayMode.R2:
-            replay_ids, replay_pad = natural_ids, None  # every row recorded: replay all of them
-        else:
-            replay_ids = replay_pad = None
-        return OldPass(lp, natural_ids, used_ids, replay_ids, replay_pad, mode)
+        return old_pass_for(mode, batch, lp, natural_ids, used_ids)
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
@@ -121,53 +120,74 @@ class PolicyTrainer:
         """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward."""
         import torch
 
+        (plan,) = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=1)
+        idx = torch.as_tensor(plan.rows, dtype=torch.int64, device=old.logprobs.device)
+        replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
+        replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
+        stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
+                                   clip_low=clip_low, clip_high=clip_high)  # fmt: skip
+        return combine_update([stats])
+
+    def update_shares(
+        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
+        clip_low: float, clip_high: float,
+    ) -> list[ShareStats]:  # fmt: skip
+        """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
+        and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
+        ranks' averaged gradients are the whole mini-batch's (trainer/shards.py)."""
+        import torch
+
         self.model.train()
-        losses, clips, kls, norms, tokens = [], [], [], [], 0
-        for rows in mini_batch_rows(batch.size, mini_batches):
-            mb = batch.select(rows)
-            idx = torch.as_tensor(rows, dtype=torch.int64)
-            old_lp = old.logprobs[idx]
+        out = []
+        for share in shares:
+            mb = batch.select(share.rows)
+            idx = torch.as_tensor(share.rows, dtype=torch.int64, device=old_logprobs.device)
             self.optimizer.zero_grad(set_to_none=True)
-            if old.replay_ids is not None:
-                pad = None if old.replay_pad is None else old.replay_pad[idx]
-                self.replay.arm(old.replay_ids[idx], padding_mask=pad)
+            if replay_ids is not None:
+                pad = None if replay_pad is None else replay_pad[idx]
+                self.replay.arm(replay_ids[idx], padding_mask=pad)
             try:
                 with self._compute():
                     lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
                 loss, stats = ppo_clip_loss(
-                    lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high
+                    lp, old_logprobs[idx], mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high
                 )
-                loss.backward()
+                (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:
                 self.replay.disarm()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
             self.optimizer.step()
-            losses.append(float(loss.detach()))
-            clips.append(stats.clip_fraction)
-            kls.append(stats.approx_kl)
-            norms.append(float(norm))
-            tokens += int(mb.response_mask.sum())
+            tokens = 0 if share.padding else int(mb.response_mask.sum())
+            out.append(ShareStats(float(loss.detach()), stats.clip_fraction, stats.approx_kl, tokens, _scalar(norm)))
         self.model.eval()
-        return UpdateStats(
-            float(np.mean(losses)), float(np.mean(clips)), float(np.mean(kls)), float(np.mean(norms)), tokens
-        )
+        return out
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
         """One supervised step (cross-entropy on answer tokens), natural routing: the toy-task warm-up."""
+        return self.sft_share(prompts, answers, total_tokens=None)[0]
+
+    def sft_share(
+        self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, total_tokens: int | None,
+        world: int = 1, padding: bool = False,
+    ) -> tuple[float, int]:  # fmt: skip
+        """This rank's part of one SFT step: (its token-mean loss, its answer tokens). `total_tokens`
+        (all ranks' answer tokens; None: this rank has them all) scales the loss as in `update_shares`."""
         import torch
 
         ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
         ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
+        tokens = int(mask.sum())
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         with self._compute():
             lp = token_logprobs(self.model, ids, attn)
         loss = -(lp * mask).sum() / mask.sum()
-        loss.backward()
+        weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
+        (loss if weight == 1.0 else loss * weight).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
         self.model.eval()
-        return float(loss.detach())
+        return float(loss.detach()), 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         """fp32 greedy decode (no autocast) with natural routing, full re-forward per token (diagnostics)."""
@@ -209,3 +229,28 @@ class PolicyTrainer:
             return
         self.model.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
+
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+        return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
+
+    def save_checkpoint_async(self, directory: Path) -> None:
+        self.checkpointer.save_async(directory, policy_state(self.model, self.optimizer))
+
+    def wait_checkpoint(self) -> None:
+        self.checkpointer.wait()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        self.checkpointer.wait()
+        state = policy_state(self.model, self.optimizer)
+        self.checkpointer.load(directory, state)
+        load_policy_state(self.model, self.optimizer, state)
+
+    def close(self) -> None:
+        """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
+
+
+def _scalar(value: Any) -> float:
+    """A float from a tensor that may be an FSDP2 DTensor (clip_grad_norm_ returns a replicated one)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)

@@ -94,6 +94,7 @@ def test_step_with_no_usable_samples_is_skipped_and_counted(tmp_path: Path) -> N
     assert row["skipped"] == 1 and row["samples_dropped"] == row["samples"] == 16
     assert "begin" not in engine.calls  # no update, so no sync: the engines keep the current policy
     assert run.policy_version == 1 and row["policy_version"] == 1
+    run.finish_checkpoint()  # its checkpoint was written in the background; committed now
     assert run.last_checkpoint_step == 1  # a resume does not redo it
     skipped = 'r3operator_steps_skipped_total{namespace="default",reason="no_usable_samples",rljob="tiny-count-r3"}'
     assert f"{skipped} 1.0" in run.metrics.exposition()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,28 +94,72 @@ def test_ppo_clip_loss_hand_values() -> None:
     np.testing.assert_allclose(new.grad.numpy(), [[0.0, -0.25, 0.0]], atol=1e-6)
 
 
-@pytest.mark.slow
-def test_checkpoint_atomic_and_latest(tmp_path, monkeypatch) -> None:
-    import torch
+class LinearPolicy:
+    """The checkpoint side of a Trainer over one nn.Linear + AdamW (the real sharded checkpointer)."""
 
+    def __init__(self, fill: float = 0.0) -> None:
+        import torch
+
+        from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer
+
+        self.model = torch.nn.Linear(2, 1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.checkpointer = ShardedCheckpointer()
+        self.fill(fill)
+
+    def fill(self, value: float) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.model.weight.fill_(value)
+
+    def save_checkpoint_async(self, directory: Path) -> None:
+        from r3operator.trainer.sharded_checkpoint import policy_state
+
+        self.checkpointer.save_async(directory, policy_state(self.model, self.optimizer))
+
+    def wait_checkpoint(self) -> None:
+        self.checkpointer.wait()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from r3operator.trainer.sharded_checkpoint import load_policy_state, policy_state
+
+        state = policy_state(self.model, self.optimizer)
+        self.checkpointer.load(directory, state)
+        load_policy_state(self.model, self.optimizer, state)
+
+
+@pytest.mark.slow
+def test_checkpoint_async_commit_atomic_and_latest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from r3operator.runtime import checkpoint as ckpt
 
     root = tmp_path / "checkpoints"
-    for step in (1, 2, 3):
-        ckpt.save_checkpoint(root, step=step, policy_version=step + 1, model_state={"w": torch.full((2,), step)},
-                             optimizer_state={}, keep_last=2)  # fmt: skip
+    policy = LinearPolicy()
+    saver = ckpt.AsyncCheckpoints(root, policy, keep_last=2)  # type: ignore[arg-type]
+    assert saver.start(step=1, policy_version=2) is None
+    assert ckpt.find_latest(root) is None  # in flight: not visible until committed
+    for step in (2, 3):
+        policy.fill(float(step - 1))  # the weights this step's checkpoint stages
+        committed = saver.start(step=step, policy_version=step + 1)
+        assert committed is not None and committed.step == step - 1  # starting a save commits the previous
+    policy.fill(3.0)
+    assert saver.finish() is not None
     assert [c.step for c in ckpt.list_checkpoints(root)] == [2, 3]
     latest = ckpt.find_latest(root)
     assert latest is not None and (latest.step, latest.policy_version) == (3, 4)
-    assert torch.equal(ckpt.load_checkpoint(latest)["model"]["w"], torch.full((2,), 3))
+    fresh = LinearPolicy(fill=-7.0)
+    driver = ckpt.load_checkpoint(latest, fresh)  # type: ignore[arg-type]
+    assert set(driver) == {"rng"} and float(fresh.model.weight[0, 0]) == 2.0  # staged at start(step=3)
 
-    # A writer killed mid-save leaves only a temp dir: never picked up, latest stays at 3.
-    def boom(*args, **kwargs):
+    # A commit killed before its rename leaves no step-4 directory and no temp dir; latest stays at 3.
+    def boom(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
+    saver.start(step=4, policy_version=5)
+    policy.wait_checkpoint()  # the shards are written; only the commit's rename fails
     monkeypatch.setattr(os, "rename", boom)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save_checkpoint(root, step=4, policy_version=5, model_state={}, optimizer_state={})
+        saver.finish()
     monkeypatch.undo()
     assert not list(root.glob(".tmp-*"))
     assert ckpt.find_latest(root).step == 3  # type: ignore[union-attr]

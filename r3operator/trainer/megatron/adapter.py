@@ -11,6 +11,7 @@ Mapping (docs/megatron.md):
 | `update(...)` | per mini-batch `train_step(mb, routes, PPO-clip closure, replay_mode=...)` |
 | `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
 | `sft_step`, `canary_logits`, `optimizer_state_dict`, `load_state` | written here |
+| `save_checkpoint_async`, `load_checkpoint` | DCP of `{model: hf_state_dict(), optimizer}`, one rank |
 
 Numerics: fp32 parameters and AdamW state (the backend's default), forwards of the old-logprob pass, the
 update and the SFT warm-up under bf16 autocast like the FSDP path; the canary forward in fp32 without
@@ -20,7 +21,7 @@ inside the replayed forward), so `routing_natural_agreement` can differ slightly
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
+from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     OldPass,
@@ -38,6 +40,7 @@ from r3operator.trainer.base import (
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss
+from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
@@ -84,6 +87,8 @@ class MegatronPolicyTrainer:
     def __init__(self, trainer: Any, *, compute_dtype: str = "bfloat16") -> None:
         self.mt = trainer
         self.device = trainer.device
+        self.batch_device = str(trainer.device)
+        self.checkpointer = ShardedCheckpointer()
         self.device_type = "cuda" if str(trainer.device).startswith("cuda") else "cpu"
         self.compute_dtype = compute_dtype
         cfg = trainer.hf_config
@@ -191,6 +196,28 @@ class MegatronPolicyTrainer:
 
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
         self.mt.optimizer.load_state_dict(optim_sd)
+
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+        return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
+
+    def save_checkpoint_async(self, directory: Path) -> None:
+        state = {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
+        self.checkpointer.save_async(directory, state)
+
+    def wait_checkpoint(self) -> None:
+        self.checkpointer.wait()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        # Read whole (no template): a fresh optimizer's state dict has no slots to load into.
+        self.checkpointer.wait()
+        state = read_full_state(directory)
+        optim = state["optimizer"]
+        # DCP stores the optimizer's per-parameter keys as strings; torch matches them to `params` as ints.
+        optim["state"] = {int(k): v for k, v in optim["state"].items()}
+        self.load_state(state["model"], optim)
+
+    def close(self) -> None:
+        """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
 
 
 def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:

@@ -1,0 +1,338 @@
+"""The HF trainer over many processes: one Ray actor per rank (one per GPU of the RayJob, or a chosen
+number of CPU processes), torch.distributed between them (NCCL + gloo on GPU, gloo on CPU), FSDP2
+sharding the model and AdamW state over all of them. `DistributedTrainer` is the driver's `Trainer`:
+each call fans out to every rank and gathers their answers, so the step loop does not know how many
+ranks there are.
+
+- Rendezvous: rank 0's actor picks its node's address and a free port; the driver passes both to
+  every rank (`fsdp.init_rank`). On GPU the ranks sit in one placement group (PACK: ranks of one node
+  are neighbours), one GPU each.
+- Data: the driver builds the step's batch on CPU and puts each rank's slice (its rows, their
+  routed-experts arrays, old logprobs and replay ids) in the Ray object store: one object per rank
+  per call, never the whole batch to every rank. `trainer/shards.py` says which rows go where and how
+  the per-rank losses are weighted so that the update equals the single-process one.
+- Weight sync: every rank takes part in gathering each parameter (`DTensor.full_tensor`, one at a
+  time); rank 0 packs the full tensors exactly as the single-process trainer does (engine/weights.py)
+  and streams the chunks back to the driver (a Ray streaming generator).
+- Checkpoints: each rank writes its own DCP shard asynchronously (`sharded_checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from r3operator.api.enums import ReplayMode
+from r3operator.engine.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
+from r3operator.trainer.base import OldPass, UpdateStats, greedy_decode, old_pass_for
+from r3operator.trainer.batch import TrainBatch
+from r3operator.trainer.shards import Share, ShareStats, combine_update, forward_rows, update_plan
+
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What every rank builds its `PolicyTrainer` with."""
+
+    learning_rate: float
+    seed: int
+    compute_dtype: str = "bfloat16"
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class UpdateSlice:
+    """One rank's input to the update: its rows of the batch and of the old-logprob pass."""
+
+    batch: TrainBatch
+    old_logprobs: Any
+    replay_ids: Any
+    replay_pad: Any
+
+
+def batch_to(batch: TrainBatch, device: str) -> TrainBatch:
+    changes = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+               if hasattr(getattr(batch, f.name), "to")}  # fmt: skip
+    return replace(batch, **changes)
+
+
+def _to(value: Any, device: str) -> Any:
+    return None if value is None else value.to(device)
+
+
+class TrainerRank:
+    """One rank in its own Ray actor process: a `PolicyTrainer` wrapped in FSDP2 over all ranks."""
+
+    def __init__(self, rank: int, world_size: int, device: str) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.trainer: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port: the rendezvous of the process group (rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, master_addr: str, master_port: int, model_dir: str, options: PolicyOptions) -> dict[str, Any]:
+        from r3operator.trainer import fsdp
+        from r3operator.trainer.hf_policy import PolicyTrainer
+
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(0)  # Ray gave this actor one GPU: CUDA_VISIBLE_DEVICES holds only it
+        fsdp.init_rank(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                       master_port=master_port, device=self.device)  # fmt: skip
+        self.trainer = PolicyTrainer(
+            Path(model_dir), device=self.device, learning_rate=options.learning_rate, seed=options.seed,
+            use_fsdp=True, compute_dtype=options.compute_dtype,
+            fsdp_options={"reshard_after_forward": options.reshard_after_forward},
+        )  # fmt: skip
+        return {"pad_id": self.trainer.pad_id, "eos_id": self.trainer.eos_id}
+
+    def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
+        old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
+        return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode)
+
+    def update(self, part: UpdateSlice, shares: Sequence[Share], clip_low: float, clip_high: float) -> list[ShareStats]:
+        return self.trainer.update_shares(
+            batch_to(part.batch, self.device), _to(part.old_logprobs, self.device), _to(part.replay_ids, self.device),
+            _to(part.replay_pad, self.device), shares, clip_low=clip_low, clip_high=clip_high,
+        )  # fmt: skip
+
+    def sft(self, prompts: list[list[int]], answers: list[list[int]], total_tokens: int,
+            padding: bool) -> tuple[float, int]:  # fmt: skip
+        return self.trainer.sft_share(prompts, answers, total_tokens=total_tokens, world=self.world_size,
+                                      padding=padding)  # fmt: skip
+
+    def canary_logits(self, sequence: list[int]) -> Any:
+        return self.trainer.canary_logits(sequence)
+
+    def sync_chunks(self, chunk_size_mb: int, dtype_name: str | None) -> Iterator[PackedChunk]:
+        """Rank 0 yields the packed chunks; every other rank only takes part in each gather."""
+        import torch
+
+        dtype = None if dtype_name is None else getattr(torch, dtype_name)
+        tensors = checkpoint_tensors(self.trainer.sync_state_dict(), dtype=dtype, device=None)
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return
+        for chunk in chunk_tensors(tensors, chunk_size_mb=chunk_size_mb):
+            yield pack_chunk(chunk)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return self.trainer.model_state_dict()  # full on rank 0, empty elsewhere (cpu_offload)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.trainer.optimizer_state_dict()
+
+    def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        self.trainer.load_state(model_sd, optim_sd)
+
+    def save_checkpoint_async(self, directory: str) -> None:
+        self.trainer.save_checkpoint_async(Path(directory))
+
+    def wait_checkpoint(self) -> None:
+        self.trainer.wait_checkpoint()
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.trainer.load_checkpoint(Path(directory))
+
+    def peak_memory_bytes(self, reset: bool) -> int:
+        """Peak GPU memory allocated by this rank (CPU: the process's peak resident set)."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            peak = int(torch.cuda.max_memory_allocated())
+            if reset:
+                torch.cuda.reset_peak_memory_stats()
+            return peak
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class DistributedTrainer:
+    """The driver's handle on `world_size` `TrainerRank` actors (Ray must be initialised)."""
+
+    def __init__(self, model_dir: Path, *, world_size: int, device: str, options: PolicyOptions) -> None:
+        import ray
+
+        if world_size < 1:
+            raise ValueError(f"trainer ranks: expected at least 1, got {world_size}")
+        if not ray.is_initialized():
+            raise RuntimeError("DistributedTrainer: Ray is not initialised (the driver starts or joins it first)")
+        self._ray = ray
+        self.world_size = world_size
+        self.device = device
+        self.batch_device = "cpu"
+        self.compute_dtype = options.compute_dtype
+        self._placement: Any = None
+        threads = str(max(1, (os.cpu_count() or 1) // world_size))
+        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
+        # cores with the engines; GPUs are the resource that places them.
+        actor_options: dict[str, Any] = {
+            "num_cpus": 0, "max_restarts": 0, "max_concurrency": 1,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                                         "RAY_USAGE_STATS_ENABLED": "0"}},
+        }  # fmt: skip
+        if device.startswith("cuda"):
+            self._placement = self._reserve_gpus(world_size)
+            actor_options["num_gpus"] = 1
+        actor = ray.remote(TrainerRank)
+        self.ranks: list[Any] = []
+        for rank in range(world_size):
+            options_for_rank = dict(actor_options)
+            if self._placement is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options_for_rank["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement, placement_group_bundle_index=rank
+                )
+            self.ranks.append(actor.options(**options_for_rank).remote(rank, world_size, device))
+        try:
+            master_addr, master_port = ray.get(self.ranks[0].address.remote())
+            infos = self._all(lambda r: r.start.remote(master_addr, master_port, str(model_dir), options))
+        except BaseException:
+            self.close()  # ranks that did start would otherwise wait in the rendezvous, holding their GPUs
+            raise
+        self.pad_id = int(infos[0]["pad_id"])
+        self.eos_id = int(infos[0]["eos_id"])
+
+    def _reserve_gpus(self, world_size: int) -> Any:
+        from ray.util.placement_group import placement_group
+
+        have = int(self._ray.cluster_resources().get("GPU", 0))
+        if have < world_size:
+            raise ValueError(
+                f"trainer.nodes × trainer.gpusPerNode asks for {world_size} trainer GPUs, but the Ray cluster "
+                f"has {have}; lower them (or --trainer-ranks) or give the RayJob more GPU workers"
+            )
+        group = placement_group([{"GPU": 1}] * world_size, strategy="PACK")
+        try:
+            self._ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except self._ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{world_size} trainer GPUs were not free within {PLACEMENT_TIMEOUT_S:.0f} s "
+                               f"(engines on the same Ray cluster hold some?)") from None  # fmt: skip
+        return group
+
+    # -- fan-out ------------------------------------------------------------------------------------
+    def _gather(self, refs: Sequence[Any]) -> list[Any]:
+        """Every rank's result; the first rank failure is raised at once (the others would otherwise wait
+        for it in a collective until the group's timeout)."""
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1)
+            self._ray.get(ready)
+        return list(self._ray.get(list(refs)))
+
+    def _all(self, call: Callable[[Any], Any]) -> list[Any]:
+        return self._gather([call(rank) for rank in self.ranks])
+
+    # -- Trainer ------------------------------------------------------------------------------------
+    def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
+        import torch
+
+        if mode is ReplayMode.R3 and batch.engine_routes is None:
+            raise ValueError("R3 needs engine routes in the batch")
+        split = forward_rows(batch.size, self.world_size)
+        refs = [
+            rank.old_logprobs.remote(self._ray.put(batch_to(batch.select(rows), "cpu")), mode)
+            for rank, (rows, _padding) in zip(self.ranks, split, strict=True)
+        ]
+        parts = [part for part, (_rows, padding) in zip(self._gather(refs), split, strict=True) if not padding]
+        return old_pass_for(
+            mode, batch, torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
+            torch.cat([p.natural_ids for p in parts]), torch.cat([p.used_ids for p in parts]),
+        )  # fmt: skip
+
+    def update(
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
+    ) -> UpdateStats:
+        import torch
+
+        plans = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches,
+                            world=self.world_size)  # fmt: skip
+        refs = []
+        for rank, plan in zip(self.ranks, plans, strict=True):
+            idx = torch.as_tensor(plan.rows, dtype=torch.int64)
+            part = UpdateSlice(
+                batch_to(batch.select(plan.rows), "cpu"), old.logprobs.cpu()[idx],
+                None if old.replay_ids is None else old.replay_ids.cpu()[idx],
+                None if old.replay_pad is None else old.replay_pad.cpu()[idx],
+            )  # fmt: skip
+            refs.append(rank.update.remote(self._ray.put(part), plan.shares, clip_low, clip_high))
+        return combine_update(self._gather(refs))
+
+    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+        total = sum(len(a) for a in answers)
+        refs = []
+        for rank, (rows, padding) in zip(self.ranks, forward_rows(len(prompts), self.world_size), strict=True):
+            refs.append(rank.sft.remote([list(prompts[i]) for i in rows], [list(answers[i]) for i in rows],
+                                        total, padding))  # fmt: skip
+        parts = self._gather(refs)
+        return sum(loss * tokens for loss, tokens in parts) / max(total, 1)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
+        return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
+
+    def canary_logits(self, sequence: Sequence[int]) -> Any:
+        """Every rank runs the forward (it gathers the shards); rank 0's logits are the answer."""
+        return self._all(lambda r: r.canary_logits.remote(list(sequence)))[0]
+
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+        streams = [rank.sync_chunks.options(num_returns="streaming").remote(chunk_size_mb, dtype_name)
+                   for rank in self.ranks]  # fmt: skip
+        for ref in streams[0]:
+            yield self._ray.get(ref)
+        for follower in streams[1:]:
+            for ref in follower:  # none: a follower's stream only ends (or carries its error)
+                self._ray.get(ref)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return dict(self._all(lambda r: r.model_state_dict.remote())[0])
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        return self.model_state_dict()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return dict(self._all(lambda r: r.optimizer_state_dict.remote())[0])
+
+    def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        model_ref, optim_ref = self._ray.put(model_sd), self._ray.put(optim_sd)
+        self._all(lambda r: r.load_state.remote(model_ref, optim_ref))
+
+    def save_checkpoint_async(self, directory: Path) -> None:
+        self._all(lambda r: r.save_checkpoint_async.remote(str(directory)))
+
+    def wait_checkpoint(self) -> None:
+        self._all(lambda r: r.wait_checkpoint.remote())
+
+    def load_checkpoint(self, directory: Path) -> None:
+        self._all(lambda r: r.load_checkpoint.remote(str(directory)))
+
+    def peak_memory_bytes(self, *, reset: bool = False) -> list[int]:
+        return [int(b) for b in self._all(lambda r: r.peak_memory_bytes.remote(reset))]
+
+    def close(self) -> None:
+        """End the rank actors and free their GPUs. A save still in flight dies with them and stays an
+        uncommitted temp dir: the driver finishes its checkpoints before it closes the trainer."""
+        for rank in self.ranks:
+            self._ray.kill(rank)
+        self.ranks = []
+        if self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement)
+            self._placement = None

@@ -1,0 +1,100 @@
+"""How one step's batch is split over the trainer's data-parallel ranks, and how their results combine.
+
+FSDP2 averages gradients over ranks, so a rank whose loss is its own token-mean scaled by
+`local tokens / mini-batch tokens × world` contributes exactly its share of the single-process loss
+(the token-mean over the whole mini-batch, `grpo/loss.py`): the gradients, the clipped norm and the
+AdamW step equal the single-process ones up to summation order.
+
+Every rank must run the same number of forwards and backwards (each one all-gathers the sharded
+parameters), so a rank without rows in a mini-batch gets one padding row with weight 0: its
+forward and backward happen, its loss contributes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from r3operator.trainer.base import UpdateStats, mini_batch_rows
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's part of one mini-batch."""
+
+    rows: list[int]  # positions in the rank's own slice (RankPlan.rows), not batch rows
+    weight: float  # the loss multiplier: local tokens / mini-batch tokens × world; 0 for padding
+    padding: bool = False  # a stand-in row for a rank with nothing in this mini-batch
+
+
+@dataclass
+class RankPlan:
+    rows: list[int] = field(default_factory=list)  # the batch rows this rank receives, in slice order
+    shares: list[Share] = field(default_factory=list)  # one per mini-batch, in order
+
+
+@dataclass(frozen=True)
+class ShareStats:
+    """A rank's result for one share: its token-means and the tokens they are over."""
+
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    tokens: int
+    grad_norm: float  # of the whole (all-rank) gradient: the same on every rank
+
+
+def forward_rows(n: int, world: int) -> list[tuple[list[int], bool]]:
+    """Each rank's rows for a forward over all `n` rows (contiguous blocks), with a padding flag: a rank
+    left without rows (n < world) gets row 0 and discards its result."""
+    if n < 1 or world < 1:
+        raise ValueError(f"forward_rows: need at least one row and one rank, got {n} rows, {world} ranks")
+    base, extra = divmod(n, world)
+    out, start = [], 0
+    for rank in range(world):
+        size = base + (1 if rank < extra else 0)
+        out.append((list(range(start, start + size)), False) if size else ([0], True))
+        start += size
+    return out
+
+
+def update_plan(tokens: Sequence[int], *, mini_batches: int, world: int) -> list[RankPlan]:
+    """Per rank: the rows it receives and its share of each mini-batch (`mini_batch_rows`, then strided
+    over ranks). `tokens[i]` is row i's count of loss tokens (its response mask)."""
+    plans = [RankPlan() for _ in range(world)]
+    for rows in mini_batch_rows(len(tokens), mini_batches):
+        total = sum(int(tokens[i]) for i in rows)
+        for rank, plan in enumerate(plans):
+            mine = rows[rank::world]
+            padding = not mine
+            if padding:
+                mine = rows[:1]
+            local = sum(int(tokens[i]) for i in mine)
+            weight = 0.0 if padding or total == 0 else local / total * world
+            start = len(plan.rows)
+            plan.rows.extend(mine)
+            plan.shares.append(Share(list(range(start, start + len(mine))), weight, padding))
+    return plans
+
+
+def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
+    """The single-process `UpdateStats` from every rank's per-mini-batch results: token-weighted means
+    within a mini-batch, plain means over mini-batches (as the single-process update reports them)."""
+    losses, clips, kls, norms, tokens = [], [], [], [], 0
+    for parts in zip(*per_rank, strict=True):
+        total = sum(p.tokens for p in parts)
+        if len(parts) == 1:
+            loss, clip, kl = parts[0].loss, parts[0].clip_fraction, parts[0].approx_kl
+        elif total:
+            loss = sum(p.loss * p.tokens for p in parts) / total
+            clip = sum(p.clip_fraction * p.tokens for p in parts) / total
+            kl = sum(p.approx_kl * p.tokens for p in parts) / total
+        else:
+            loss = clip = kl = 0.0
+        losses.append(loss)
+        clips.append(clip)
+        kls.append(kl)
+        norms.append(parts[0].grad_norm)
+        tokens += total
+    count = max(len(losses), 1)
+    return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens)
