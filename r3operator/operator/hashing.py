@@ -28,7 +28,9 @@ def _digest(payload: Any) -> str:
 
 
 def _dump(model: Any) -> Any:
-    return model.model_dump(mode="json", by_alias=True) if model is not None else None
+    # Fields at their default are left out: a field added to the API later (with a default that keeps
+    # today's behaviour) then changes no existing job's hash, so an operator upgrade restarts nothing.
+    return model.model_dump(mode="json", by_alias=True, exclude_defaults=True) if model is not None else None
 
 
 def _model(spec: RLJobSpec) -> dict[str, Any]:

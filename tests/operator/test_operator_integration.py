@@ -159,7 +159,8 @@ def _wait_passes(cluster: Cluster, job: str, n: int) -> None:
 
 def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cluster: Cluster, operator: KopfRunner):
     job = "upgrade"
-    cluster.apply(example(job, NS))
+    no_canary = {"upgradePolicy.canary": False}  # the canary's own flow: test_upgrade_cluster.py
+    cluster.apply(example(job, NS, **no_canary))
     before = _all_children(cluster, job)
     _cond(cluster, job, "Progressing", "True", "WaitingForWorkloads")
 
@@ -168,7 +169,7 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
 
     # Valid upgrade: only the engine pod template (its spec hash) changes.
     mark = len(cluster.requests())
-    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"}))
+    cluster.apply(example(job, NS, **no_canary, **{"inference.image": "vllm/vllm-openai:v0.30.0"}))
     new_hash = engine_spec_hash(_spec(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.30.0"})))
 
     def rolled() -> dict[str, Any] | None:
@@ -191,7 +192,7 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
     # Invalid upgrade (R3 on vLLM 0.13): Valid=False and no child changes at all.
     settled = _children(cluster, job)
     mark = len(cluster.requests())
-    cluster.apply(example(job, NS, **{"inference.image": "vllm/vllm-openai:v0.13.0"}))
+    cluster.apply(example(job, NS, **no_canary, **{"inference.image": "vllm/vllm-openai:v0.13.0"}))
     cond = _cond(cluster, job, "Valid", "False", "IncompatibleSettings")
     assert "R3-VLLM-MIN-VERSION" in cond["message"]
     assert cond["observedGeneration"] == 3
