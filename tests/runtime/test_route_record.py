@@ -41,14 +41,14 @@ def make_samples() -> list[RolloutSample]:
 
 def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
     from r3operator.runtime.loop import GRPORun
-    from r3operator.trainer.grpo import tasks
+    from r3operator.trainer.grpo.task_source import BuiltinTask
 
     job = write_job(tmp_path, routingReplay={"mode": mode}, storage={"retentionSteps": retention})
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=Engines(make_samples()))  # type: ignore[arg-type]
     run.trainer = SimpleNamespace(pad_id=0)  # load_routes reads only the pad id
     run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E
-    run.pool = tasks.problems("count", vocab_size=512)
+    run.task = BuiltinTask("count", vocab_size=512, reward="exact-match", seed=0)
     run.dropped = []
     run._start_recorder()  # what setup() does once the model's expert count is known
     return run
