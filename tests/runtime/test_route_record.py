@@ -45,7 +45,7 @@ def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
 
     job = write_job(tmp_path, routingReplay={"mode": mode}, storage={"retentionSteps": retention})
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=Engines(make_samples()))  # type: ignore[arg-type]
-    run.trainer = SimpleNamespace(pad_id=0)  # load_routes reads only the pad id
+    run.trainer = SimpleNamespace(pad_id=0, batch_device="cpu")  # all that load_routes reads of it
     run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E
     run.task = BuiltinTask("count", vocab_size=512, reward="exact-match", seed=0)
