@@ -53,8 +53,8 @@ class LeaseConfig:
 
 
 def default_identity() -> str:
-    """The pod name (HOSTNAME in a pod) plus a random suffix: a restarted container is a new candidate."""
-    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    """The pod name (a pod's hostname) plus a random suffix: a restarted container is a new candidate."""
+    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def _now() -> str:
