@@ -45,6 +45,7 @@ DERIVED_VLLM_FLAGS: tuple[str, ...] = (
     "--enable-expert-parallel",
     "--distributed-executor-backend",
     "--kv-transfer-config",
+    "--weight-transfer-config",
     "--kv-offloading-size",
     "--speculative-config",
     "--max-model-len",
