@@ -379,8 +379,7 @@ class Progress(_Model):
     routing_agreement: float | None = None
     last_checkpoint_step: int | None = None
     weight_sync: str | None = Field(default=None, max_length=512)
-    """The weight-sync transport in use (nccl, ipc or packed) and why; "fallback:" when the native one
-    could not be used."""
+    """The weight-sync transport in use (nccl, ipc or packed) and why ("fallback:" when native was not usable)."""
     updated_at: str | None = Field(default=None, max_length=64)
 
 
