@@ -3,14 +3,14 @@
 # .whl/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [steps...]
-#   steps: fidelity overhead megatron runtime (default: all)
+#   steps: fidelity overhead megatron runtime weightsync (default: all)
 #
 # Each step writes OUT_DIR/<step>.log (+ .json); a failing step does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu-bench.sh OUT_DIR [steps...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime)
+[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime weightsync)
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
@@ -42,6 +42,13 @@ for step in "${steps[@]}"; do
       run runtime 540 python3 -m r3operator run examples/rljob-local.yaml --model gpu --steps 5 --device cuda \
         --no-resume --compare-replay
       cp -r runs "$out/runs" 2>/dev/null || true ;;
+    weightsync)  # 1 GPU: IPC vs the file path (+ a fault mid-sync); the NCCL test skips below 2 GPUs
+      run weightsync_tests 480 python3 -m pytest tests/gpu/test_native_weight_sync.py -m gpu -q -p no:cacheprovider
+      run weightsync_bench 360 python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5 \
+        --log-dir "$out/weightsync" --json "$out/weightsync.json" ;;
+    weightsync2)  # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to raw NCCL broadcast
+      run weightsync_nccl 600 python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed \
+        --engine-gpu 1 --syncs 5 --log-dir "$out/weightsync2" --json "$out/weightsync2.json" ;;
     *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;
   esac
 done

@@ -72,7 +72,7 @@ class EngineActor:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def native_start(self) -> None:
-        self.llm.collective_rpc("r3_set_policy_tag")  # weights in flux from here until the finish
+        self.llm.collective_rpc("r3_before_native_weight_update")  # weights in flux until the finish
         self.llm.start_weight_update()
 
     def native_update(self, update_info: dict[str, Any]) -> None:

@@ -171,8 +171,17 @@ class WeightSyncWorkerExtension:
 
     # -- around vLLM's native weight transfer (start/update/finish_weight_update of the Worker) ------
     # vLLM's bracket has no abort and no notion of which policy the weights are; these two add that.
+    def r3_before_native_weight_update(self) -> None:
+        """Called right before vLLM's `start_weight_update`: the weights are in flux until a finished sync
+        stamps them, and the plugin's patches must be in force in this worker (`self_check` registers it
+        where vLLM did not load general plugins, e.g. r3operator not installed as a package)."""
+        from r3operator.engine.plugin import self_check
+
+        self_check()
+        self._r3_policy_tag = None
+
     def r3_set_policy_tag(self, policy_tag: str | None = None) -> None:
-        """Record which policy the weights are: None before a native start, the tag after its finish."""
+        """Record which policy the weights are (after vLLM's `finish_weight_update`)."""
         self._r3_policy_tag = policy_tag
 
     def r3_abort_native_weight_update(self) -> dict[str, int]:

@@ -247,7 +247,7 @@ class HTTPEngine:
         self._post("/init_weight_transfer_engine", {"init_info": init_info}, retry=False)
 
     def native_start(self) -> None:
-        self._rpc("r3_set_policy_tag", retry=False)  # weights in flux from here until the finish
+        self._rpc("r3_before_native_weight_update", retry=False)  # weights in flux until the finish
         # vLLM 0.22 parses this body (is_checkpoint_format); 0.30 ignores it.
         self._post("/start_weight_update", {"is_checkpoint_format": True}, retry=False)
 
