@@ -64,7 +64,14 @@ class FanOutClient:
             raise ValueError("no engines to transfer weights to")
         self.endpoints = list(endpoints)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
-        self.world_sizes = [int(e.native_world_size()) for e in self.endpoints]
+        self._world_sizes: list[int] | None = None
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Each engine's worker count (TP x PP x DP), asked once; only NCCL needs it."""
+        if self._world_sizes is None:
+            self._world_sizes = [int(e.native_world_size()) for e in self.endpoints]
+        return self._world_sizes
 
     @property
     def world_size(self) -> int:
