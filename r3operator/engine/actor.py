@@ -83,6 +83,9 @@ class EngineActor:
         self.llm.collective_rpc("r3_set_policy_tag", args=(policy_tag,))
         self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
 
+    def device_uuids(self) -> list[str | None]:
+        return list(self.llm.collective_rpc("r3_device_uuid"))
+
     def native_abort(self) -> None:
         self.llm.collective_rpc("r3_abort_native_weight_update")
         self.llm.reset_prefix_cache()

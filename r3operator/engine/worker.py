@@ -203,6 +203,15 @@ class WeightSyncWorkerExtension:
             self._r3_policy_tag = None
         return {"layers_restored": restored}
 
+    def r3_device_uuid(self) -> str | None:
+        """The physical GPU this worker runs on (None on CPU): the driver compares it with its own, because
+        NCCL cannot join two ranks on one GPU (a shared GPU needs the IPC backend)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
     def r3_native_weight_update_active(self) -> bool:
         return bool(getattr(self, "_weight_update_active", False))
 

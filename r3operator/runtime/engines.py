@@ -137,6 +137,9 @@ class RayEngine:
     def native_abort(self) -> None:
         self._call("abort weight update", self._actor.native_abort.remote)
 
+    def device_uuids(self) -> list[str | None]:
+        return self._call("device uuids", self._actor.device_uuids.remote)
+
     def policy_tag(self) -> str | None:
         return self._call("policy tag", self._actor.policy_tag.remote)
 
@@ -262,6 +265,10 @@ class HTTPEngine:
     def native_abort(self) -> None:
         self._rpc("r3_abort_native_weight_update")
         self._post("/reset_prefix_cache")
+
+    def device_uuids(self) -> list[str | None]:
+        result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})
+        return list(result.get("results") or []) if isinstance(result, dict) else []
 
     def policy_tag(self) -> str | None:
         result = self._post("/collective_rpc", {"method": "r3_policy_tag", "args": []})

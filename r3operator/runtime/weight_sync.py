@@ -64,6 +64,7 @@ def check_runtime(
     trainer_vllm: str | None,
     trainer_api: str | None,
     over_http: bool,
+    engine_on_trainer_gpu: bool = False,
 ) -> TransferChoice:
     """`wanted` if every precondition of its native method holds here, else the packed fallback saying which
     one failed. A packed `wanted` is returned as it is."""
@@ -80,6 +81,9 @@ def check_runtime(
         return fallback(f"native {method} transfer sends with vLLM's trainer-side code, and the trainer's "
                         "environment has no vLLM weight-transfer sender (install the engine's vLLM release "
                         "there)")  # fmt: skip
+    if wanted.method is TransferMethod.NCCL and engine_on_trainer_gpu:
+        return fallback("an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU, and the "
+                        "engine was started for nccl, not ipc")  # fmt: skip
     engine = _version(engine_vllm)
     topology = Topology.SEPARATE_GPUS if wanted.method is TransferMethod.NCCL else Topology.SHARED_GPU
     by_engine = choose_transfer(topology, engine)
@@ -182,6 +186,15 @@ def reached_by_url(engines: EngineGroup) -> bool:
     return any(getattr(engine, "base_url", None) for engine in engines.engines)
 
 
+def engine_on_gpu_of(device: str, engines: EngineGroup) -> bool:
+    """Some engine worker runs on the trainer's physical GPU (compared by UUID, whatever the device masks)."""
+    import torch
+
+    index = torch.device(device).index
+    mine = str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+    return any(mine in engine.device_uuids() for engine in engines.engines)
+
+
 def master_address_for(engines: EngineGroup) -> str:
     """Where the engines reach the trainer's NCCL store: our address on the route to the first engine."""
     from urllib.parse import urlparse
@@ -213,8 +226,10 @@ def resolve(
         if started != {"ipc"}:
             wanted = TransferChoice(TransferMethod.PACKED, "the engines were started without the ipc backend",
                                     fallback=True)  # fmt: skip
+    shared = wanted.method is TransferMethod.NCCL and device.startswith("cuda") and engine_on_gpu_of(device, engines)
     choice = check_runtime(wanted, device=device, engine_vllm=engine_vllm, trainer_vllm=trainer_vllm_version(),
-                           trainer_api=trainer_vllm_api(), over_http=over_http)  # fmt: skip
+                           trainer_api=trainer_vllm_api(), over_http=over_http,
+                           engine_on_trainer_gpu=shared)  # fmt: skip
     if choice.fallback:
         log.warning("weight sync: %s", choice.describe())
     else:

@@ -44,6 +44,7 @@ def test_every_precondition_holds_native_is_used() -> None:
          "the engine answers as vLLM 0.16.0: engine vLLM 0.16.0 lacks native nccl transfer "
          "(weight-transfer-bracket needs >= 0.22.1)"),
         ({"engine_vllm": None}, "the engine answers as vLLM unknown"),
+        ({"engine_on_trainer_gpu": True}, "an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU"),
         ({"trainer_vllm": "0.30.0"},
          "needs the trainer's vLLM release to be the engine's (trainer 0.30.0, engine 0.22.1)"),
     ],
