@@ -103,10 +103,11 @@ def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
 
 
 class _FailingHalfway(Mapping[str, Any]):
-    """A state dict whose iteration fails after `keep` tensors: a trainer dying in the middle of a sync."""
+    """A state dict whose second pass (the tensors; the first announces the metadata) fails after `keep`
+    tensors: a trainer dying in the middle of a sync."""
 
     def __init__(self, inner: Mapping[str, Any], keep: int) -> None:
-        self.inner, self.keep = inner, keep
+        self.inner, self.keep, self.passes = inner, keep, 0
 
     def __getitem__(self, key: str) -> Any:
         return self.inner[key]
@@ -115,8 +116,9 @@ class _FailingHalfway(Mapping[str, Any]):
         return len(self.inner)
 
     def __iter__(self) -> Iterator[str]:
+        self.passes += 1
         for i, key in enumerate(self.inner):
-            if i == self.keep:
+            if self.passes > 1 and i == self.keep:
                 raise RuntimeError(f"injected: the trainer failed after {self.keep} tensors of the sync")
             yield key
 
@@ -157,11 +159,9 @@ def fault_mid_sync(run: Any, engine: Any) -> dict[str, Any]:
     install = run.native_install
     healthy = install.state_dict
     keep = len(healthy()) // 2
-    calls = {"n": 0}
 
     def failing() -> Mapping[str, Any]:
-        calls["n"] += 1  # the first call announces the metadata, the second streams the tensors
-        return healthy() if calls["n"] == 1 else _FailingHalfway(healthy(), keep)
+        return _FailingHalfway(healthy(), keep)
 
     run.supervisor.install = install
     install.close()  # a fresh rendezvous with small buffers: several chunks land before the failure

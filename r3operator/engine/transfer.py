@@ -188,13 +188,20 @@ class NativeSender:
         self.master_address = master_address
         self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
+        self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
 
     # -- what goes out ----------------------------------------------------------------------------
+    def _state_dict(self) -> Mapping[str, Any]:
+        # One state_dict() per sync: a Megatron trainer gathers its whole model to build it.
+        return self._state if self._state is not None else self.state_dict()
+
     def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        return checkpoint_metadata(self.state_dict(), dtype=self.dtype)
+        return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
-        return checkpoint_tensors(self.state_dict(), dtype=self.dtype, device=None)
+        """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
+        on the CPU), cast to the engine's dtype first."""
+        return checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -242,6 +249,13 @@ class NativeSender:
     # -- one sync ---------------------------------------------------------------------------------
     def send(self, policy_tag: str) -> SendStats:
         """ONE bracket per engine around every tensor; the caller aborts on an exception."""
+        self._state = self.state_dict()
+        try:
+            return self._send(policy_tag)
+        finally:
+            self._state = None
+
+    def _send(self, policy_tag: str) -> SendStats:
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         if self.api == "factory":
