@@ -95,6 +95,13 @@ FEATURES: dict[str, Feature] = {
             "0.26.0 lacks it (#54730); verified in the 0.30.0 source",
         ),
         _f(
+            "routed-experts-prompt-start",
+            "SamplingParams.routed_experts_prompt_start (multi-turn deltas)",
+            "0.22.0",
+            ("vllm-project/vllm#39568", "vllm-project/vllm#51906"),
+            "the OpenAI request field needs #51906 (2026-08); SamplingParams field from the rewrite",
+        ),
+        _f(
             "weight-transfer-nccl",
             "native weight transfer, NCCL backend: --weight-transfer-config, /init_weight_transfer_engine, "
             "/update_weights",
@@ -123,13 +130,6 @@ FEATURES: dict[str, Feature] = {
             "0.30.0",
             ("vllm-project/vllm#48042", "vllm-project/vllm#48981"),
             "0.22.1 has only the static trainer_send_weights (checked in its wheel); verified in the 0.30.0 source",
-        ),
-        _f(
-            "routed-experts-prompt-start",
-            "SamplingParams.routed_experts_prompt_start (multi-turn deltas)",
-            "0.22.0",
-            ("vllm-project/vllm#39568", "vllm-project/vllm#51906"),
-            "the OpenAI request field needs #51906 (2026-08); SamplingParams field from the rewrite",
         ),
     )
 }
