@@ -112,7 +112,6 @@ def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> Non
 class _HTTPish:
     """Only what `resolve` reads of an engine reached over HTTP."""
 
-    over_http: bool = True
     name: str = "http engine"
     base_url: str = "http://127.0.0.1:8000"
 
