@@ -43,8 +43,8 @@ for step in "${steps[@]}"; do
         --no-resume --compare-replay
       cp -r runs "$out/runs" 2>/dev/null || true ;;
     weightsync)  # 1 GPU: IPC vs the file path (+ a fault mid-sync); the NCCL test skips below 2 GPUs
-      run weightsync_tests 480 python3 -m pytest tests/gpu/test_native_weight_sync.py -m gpu -q -p no:cacheprovider
-      run weightsync_bench 360 python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5 \
+      run weightsync_tests 330 python3 -m pytest tests/gpu/test_native_weight_sync.py -m gpu -q -p no:cacheprovider
+      run weightsync_bench 240 python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5 \
         --log-dir "$out/weightsync" --json "$out/weightsync.json" ;;
     weightsync2)  # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to raw NCCL broadcast
       run weightsync_nccl 600 python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed \
