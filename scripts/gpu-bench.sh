@@ -3,14 +3,14 @@
 # scripts/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [steps...]
-#   steps: fidelity overhead megatron runtime ranks (default: all)
+#   steps: fidelity overhead megatron runtime ranks weightsync (default: all but weightsync2)
 #
 # Each step writes OUT_DIR/<step>.log (+ .json); a failing step does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu-bench.sh OUT_DIR [steps...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime ranks)
+[ ${#steps[@]} -gt 0 ] || steps=(fidelity overhead megatron runtime ranks weightsync)
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
@@ -45,6 +45,13 @@ for step in "${steps[@]}"; do
     ranks)  # rank counts above the GPUs present are skipped and listed in the JSON
       run trainer_ranks 600 python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks 1 2 4 \
         --json "$out/trainer_ranks.json" ;;
+    weightsync)  # 1 GPU: IPC vs the file path (+ a fault mid-sync); the NCCL test skips below 2 GPUs
+      run weightsync_tests 330 python3 -m pytest tests/gpu/test_native_weight_sync.py -m gpu -q -p no:cacheprovider
+      run weightsync_bench 240 python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5 \
+        --log-dir "$out/weightsync" --json "$out/weightsync.json" ;;
+    weightsync2)  # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to raw NCCL broadcast
+      run weightsync_nccl 600 python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed \
+        --engine-gpu 1 --syncs 5 --log-dir "$out/weightsync2" --json "$out/weightsync2.json" ;;
     *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;
   esac
 done

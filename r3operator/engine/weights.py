@@ -48,6 +48,25 @@ def checkpoint_tensors(
             yield name, t.contiguous()
 
 
+def checkpoint_metadata(state_dict: Mapping[str, Any], *, dtype: Any = None) -> list[tuple[str, Any, tuple[int, ...]]]:
+    """(checkpoint name, dtype, shape) of every tensor `checkpoint_tensors` yields, in the same order,
+    without materialising anything (an FSDP2 DTensor's shape is its global shape)."""
+    out: list[tuple[str, Any, tuple[int, ...]]] = []
+    for name, tensor in state_dict.items():
+        dt = dtype if dtype is not None else tensor.dtype
+        shape = tuple(int(d) for d in tensor.shape)
+        if match := _FUSED_GATE_UP.match(name):
+            half = (shape[1] // 2, *shape[2:])
+            for e in range(shape[0]):
+                out.append((f"{match['prefix']}.{e}.gate_proj.weight", dt, half))
+                out.append((f"{match['prefix']}.{e}.up_proj.weight", dt, half))
+        elif match := _FUSED_DOWN.match(name):
+            out.extend((f"{match['prefix']}.{e}.down_proj.weight", dt, shape[1:]) for e in range(shape[0]))
+        else:
+            out.append((name, dt, shape))
+    return out
+
+
 def chunk_tensors(tensors: Iterator[tuple[str, Any]], *, chunk_size_mb: int) -> Iterator[list[tuple[str, Any]]]:
     """Group tensors into chunks of at most `chunk_size_mb` MiB (a larger single tensor is its own chunk)."""
     if chunk_size_mb < 1:

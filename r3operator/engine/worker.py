@@ -145,6 +145,13 @@ class WeightSyncWorkerExtension:
         """
         if not self._r3_update_active:
             return {"layers_restored": 0}
+        restored = self._r3_restore_loading_layers()
+        self._r3_update_active = False
+        self._r3_policy_tag = None
+        return {"layers_restored": restored}
+
+    def _r3_restore_loading_layers(self) -> int:
+        """Give every layer still waiting for weights its kernel tensors back; returns how many."""
         from vllm.model_executor.model_loader.reload import layerwise
 
         model = self._r3_model()
@@ -160,9 +167,53 @@ class WeightSyncWorkerExtension:
         layerwise.LOADING_LAYERS.clear()
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
-        self._r3_update_active = False
+        return restored
+
+    # -- around vLLM's native weight transfer (start/update/finish_weight_update of the Worker) ------
+    # vLLM's bracket has no abort and no notion of which policy the weights are; these two add that.
+    def r3_before_native_weight_update(self) -> None:
+        """Called right before vLLM's `start_weight_update`: the weights are in flux until a finished sync
+        stamps them, and the plugin's patches must be in force in this worker (`self_check` registers it
+        where vLLM did not load general plugins, e.g. r3operator not installed as a package)."""
+        from r3operator.engine.plugin import self_check
+
+        self_check()
         self._r3_policy_tag = None
+
+    def r3_set_policy_tag(self, policy_tag: str | None = None) -> None:
+        """Record which policy the weights are (after vLLM's `finish_weight_update`)."""
+        self._r3_policy_tag = policy_tag
+
+    def r3_abort_native_weight_update(self) -> dict[str, int]:
+        """Close a native bracket (`start_weight_update`) left open by a failed sync WITHOUT finalising it.
+
+        The same restoration as `r3_abort_weight_update`, then vLLM's own "update active" state is cleared
+        so that the next `start_weight_update` is accepted. The weights may mix two policies (layers that
+        completed hold the new ones): the tag stays None until a complete sync. Outside a bracket it
+        restores nothing and leaves the tag alone.
+        """
+        # Restore by layer state, not by vLLM's flag: vLLM 0.30 clears the flag itself when an update
+        # fails, leaving the layers that were loading on meta tensors.
+        restored = self._r3_restore_loading_layers()
+        self._weight_update_active = False
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "reset_weight_update_target"):  # vLLM >= 0.30
+            engine.reset_weight_update_target()
+        if restored:
+            self._r3_policy_tag = None
         return {"layers_restored": restored}
+
+    def r3_device_uuid(self) -> str | None:
+        """The physical GPU this worker runs on (None on CPU): the driver compares it with its own, because
+        NCCL cannot join two ranks on one GPU (a shared GPU needs the IPC backend)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    def r3_native_weight_update_active(self) -> bool:
+        return bool(getattr(self, "_weight_update_active", False))
 
     def r3_policy_tag(self) -> str | None:
         return self._r3_policy_tag

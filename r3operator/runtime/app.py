@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from r3operator.api.load import FieldProblem, RLJobLoadError
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import read_rows, write_plot, write_report
+from r3operator.runtime.weight_sync import configured_choice
 from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings, unknown_variables
 
 
@@ -37,9 +39,15 @@ def build_settings(
     engine_urls: list[str] = []
     run_dir: Path | None = None
     routing_dir: Path | None = None
+    weight_transfer = None
     if config is not None:
         # Paths inside a pod; R3OPERATOR_MOUNTS says where they are outside one (`r3operator up`).
-        job, runtime = load_job_config(env.host_path(config))
+        config_file = env.host_path(config)
+        job, runtime = load_job_config(config_file)
+        try:
+            weight_transfer = configured_choice(runtime)
+        except ValueError as exc:
+            raise RLJobLoadError(str(config_file), [FieldProblem("", str(exc))]) from None
         engine_urls = list(runtime.get(ENGINE_URLS_KEY) or [])
         if routing := runtime.get(ROUTING_DIR_KEY):
             routing_dir = env.host_path(routing)
@@ -67,6 +75,7 @@ def build_settings(
         engine_urls=engine_urls,
         engine_dtype=env.engine_dtype or default_engine_dtype(resolved),
         trainer_ranks=trainer_ranks or env.trainer_ranks,
+        weight_transfer=weight_transfer,
     )
 
 
@@ -131,6 +140,7 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "vLLM": run.vllm_version,
         "engine dtype": settings.engine_dtype,
         "trainer": _trainer_fact(settings, run),
+        "weight sync": run.weight_transfer.describe(),
         "weight-sync canary": run.canary_tol.describe(),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
         "steps": settings.steps,

@@ -22,6 +22,7 @@ from typing import Any
 
 from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.api.weight_transfer import TransferChoice
 from r3operator.engine.args import model_source
 from r3operator.settings import REFERENCE_MODELS_SUBDIR, RUNTIME_KEY, RuntimeSettings, runtime_settings
 
@@ -44,6 +45,8 @@ class RunSettings:
     routing_dir: Path | None = None
     """The routing volume (``--config`` only): reference models are generated onto it for the engines."""
     trainer_ranks: int | None = None  # None: trainer/factory.world_size decides from the RLJob and the device
+    weight_transfer: TransferChoice | None = None
+    """The operator's weight-sync choice (runtime.weightTransfer); None: chosen from the local topology."""
 
     @property
     def name(self) -> str:

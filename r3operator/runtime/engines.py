@@ -43,6 +43,7 @@ class RayEngine:
         backoff: Backoff | None = None,
         ready: Backoff | None = None,
         name: str = "ray engine 0",
+        weight_transfer_backend: str | None = None,
     ) -> None:
         import ray
 
@@ -52,8 +53,10 @@ class RayEngine:
             options["num_gpus"] = 0.5  # trainer (the driver) and engine share one GPU locally
         actor_cls = ray.remote(EngineActor).options(**options, runtime_env={"env_vars": env})
         self._actor = actor_cls.remote(
-            str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len
-        )
+            str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            weight_transfer_backend=weight_transfer_backend,
+        )  # fmt: skip
+        self.weight_transfer_backend = weight_transfer_backend
         self._ray = ray
         self.name = name
         self.call_timeout_s = call_timeout_s
@@ -114,6 +117,28 @@ class RayEngine:
     def abort_weight_update(self) -> None:
         self._in_flight = []
         self._call("abort weight update", self._actor.abort_weight_update.remote)
+
+    # -- vLLM's native weight transfer (no retries inside a bracket, as for the packed path) ----------
+    def native_world_size(self) -> int:
+        return int(self._call("world size", self._actor.native_world_size.remote))
+
+    def native_init(self, init_info: dict[str, Any]) -> None:
+        self._call("init weight transfer", lambda: self._actor.native_init.remote(init_info), retry=False)
+
+    def native_start(self) -> None:
+        self._call("start weight update", self._actor.native_start.remote, retry=False)
+
+    def native_update(self, update_info: dict[str, Any]) -> None:
+        self._call("update weights", lambda: self._actor.native_update.remote(update_info), retry=False)
+
+    def native_finish(self, policy_tag: str | None) -> None:
+        self._call("finish weight update", lambda: self._actor.native_finish.remote(policy_tag), retry=False)
+
+    def native_abort(self) -> None:
+        self._call("abort weight update", self._actor.native_abort.remote)
+
+    def device_uuids(self) -> list[str | None]:
+        return self._call("device uuids", self._actor.device_uuids.remote)
 
     def policy_tag(self) -> str | None:
         return self._call("policy tag", self._actor.policy_tag.remote)
@@ -217,6 +242,34 @@ class HTTPEngine:
         self._rpc("r3_abort_weight_update")
         self._post("/reset_prefix_cache")
 
+    # -- vLLM's native weight transfer: its routes (dev mode, like /collective_rpc) ---------------------
+    def native_world_size(self) -> int:
+        return int((self.client.request("GET", "/get_world_size") or {})["world_size"])
+
+    def native_init(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info}, retry=False)
+
+    def native_start(self) -> None:
+        self._rpc("r3_before_native_weight_update", retry=False)  # weights in flux until the finish
+        # vLLM 0.22 parses this body (is_checkpoint_format); 0.30 ignores it.
+        self._post("/start_weight_update", {"is_checkpoint_format": True}, retry=False)
+
+    def native_update(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)
+
+    def native_finish(self, policy_tag: str | None) -> None:
+        self._post("/finish_weight_update", {}, retry=False)
+        self._rpc("r3_set_policy_tag", *([policy_tag] if policy_tag else []), retry=False)
+        self._post("/reset_prefix_cache")
+
+    def native_abort(self) -> None:
+        self._rpc("r3_abort_native_weight_update")
+        self._post("/reset_prefix_cache")
+
+    def device_uuids(self) -> list[str | None]:
+        result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})
+        return list(result.get("results") or []) if isinstance(result, dict) else []
+
     def policy_tag(self) -> str | None:
         result = self._post("/collective_rpc", {"method": "r3_policy_tag", "args": []})
         tags = set(result.get("results") or [None]) if isinstance(result, dict) else {None}
@@ -234,6 +287,19 @@ class HTTPEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+def json_safe_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
+    """CUDA IPC handles are not JSON: over HTTP vLLM takes them pickled + base64 as `ipc_handles_pickled`
+    (the engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1). NCCL update infos are plain JSON already."""
+    if update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
+    return out
 
 
 class EngineGroup:

@@ -53,9 +53,13 @@ class EngineSupervisor:
         backoff: Backoff | None = None,
         on_fault: FaultCounter | None = None,
         nonce: str | None = None,
+        install: Callable[[Sequence[Engine], str], dict[str, int]] | None = None,
     ) -> None:
         self.group = group
         self.chunks = chunks
+        # How one attempt installs a policy: vLLM's native transfer (runtime/weight_sync.py) or, by
+        # default, the packed chunks through our worker extension.
+        self.install = install or self._install_packed
         self.canary = canary
         self.backoff = backoff or Backoff.from_env()
         self.on_fault = on_fault or (lambda kind: None)
@@ -72,8 +76,10 @@ class EngineSupervisor:
         self.tag = self.tag_for(version)
         return result
 
+    def _install_packed(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag)
+
     def _install(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
-        group = EngineGroup(engines)
         for attempt in range(self.backoff.attempts):
             try:
                 for engine in engines:
@@ -82,7 +88,7 @@ class EngineSupervisor:
                     # A bracket left open (an abort that never reached the engine, a driver killed
                     # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise.
                     engine.abort_weight_update()
-                return group.update_weights(self.chunks(), policy_tag=tag)
+                return self.install(engines, tag)
             except EngineUnavailableError as exc:
                 self.on_fault("weight_sync")
                 if attempt + 1 == self.backoff.attempts:

@@ -38,6 +38,7 @@ from r3operator.engine.weights import PackedChunk
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
+from r3operator.runtime import weight_sync
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.dataset_file import resolve_dataset_file
@@ -137,11 +138,14 @@ class GRPORun:
         self.canary_near_ties = 0
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
+        self.vllm_version = self.engines.vllm_version()
+        self.weight_transfer = weight_sync.resolve(device=self.s.device, engines=self.engines,
+                                                   configured=self.s.weight_transfer, engine_vllm=self.vllm_version)
         self.supervisor = EngineSupervisor(
             self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
             on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
+            install=self._native_install(),
         )  # fmt: skip
-        self.vllm_version = self.engines.vllm_version()
         self._start_recorder()
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
@@ -305,6 +309,20 @@ class GRPORun:
         wire_dtype = getattr(torch, self.s.engine_dtype, None)
         return self.trainer.weight_chunks(chunk_size_mb=mb, dtype=wire_dtype)
 
+    def _native_install(self) -> weight_sync.NativeInstall | None:
+        """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks."""
+        if not self.weight_transfer.native:
+            return None
+        assert self.trainer is not None and self.engines is not None
+        import torch
+
+        return weight_sync.NativeInstall(
+            self.weight_transfer.method, state_dict=self.trainer.sync_state_dict,
+            dtype=getattr(torch, self.s.engine_dtype, None),
+            buffer_size_bytes=self.spec.weight_sync.chunk_size_mb * 1024 * 1024,
+            master_address=weight_sync.master_address_for(self.engines),
+        )  # fmt: skip
+
     def canary(self) -> bool:
         """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
         near-ties within ε accepted for a bf16 engine, see runtime/canary.py); else CanaryMismatchError."""
@@ -379,7 +397,8 @@ class GRPORun:
         row["step_seconds"] = time.perf_counter() - begin
         self.metrics.observe_step(row, timer.seconds)
         append_row(self.run_dir / "metrics.csv", row)
-        self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step))
+        self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step,
+                                        weight_sync=self.weight_transfer.describe()))  # fmt: skip
         self.rows.append(row)
         return row
 
@@ -516,7 +535,8 @@ def start_engines(settings: RunSettings, model_dir: Any) -> EngineGroup:
             for url in settings.engine_urls
         ])  # fmt: skip
     start_ray(in_cluster=False)
+    backend = weight_sync.local_engine_backend(settings.device)
     return EngineGroup([
         RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
-                  max_model_len=512)
+                  max_model_len=512, weight_transfer_backend=backend)
     ])  # fmt: skip

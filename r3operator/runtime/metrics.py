@@ -101,7 +101,8 @@ def _finite(value: Any) -> float | None:
 
 
 def progress_patch(
-    row: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None, now: dt.datetime | None = None
+    row: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None, now: dt.datetime | None = None,
+    weight_sync: str | None = None,
 ) -> dict[str, Any]:
     """JSON merge-patch body for the RLJob `/status` subresource (camelCase, as in `Progress`)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -116,6 +117,8 @@ def progress_patch(
         "lastCheckpointStep": last_checkpoint_step,
         "updatedAt": stamp,
     }
+    if weight_sync is not None:
+        progress["weightSync"] = weight_sync[:512]
     return {"status": {"progress": progress}}
 
 

@@ -96,6 +96,7 @@ def test_explain_prints_plan() -> None:
     assert "0.22.1 (from image-tag)" in result.output
     assert "384 bytes/token" in result.output  # 48 layers x top-8 x uint8
     assert "engine EP size │ 4" in result.output
+    assert "weight sync    │ nccl (vLLM 0.22.1 native nccl weight transfer)" in result.output
 
 
 def test_crd_command_matches_committed_file() -> None:

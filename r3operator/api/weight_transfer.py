@@ -1,0 +1,114 @@
+"""Which weight-sync transport a job uses: vLLM's native transfer (NCCL or CUDA IPC) or the packed fallback.
+
+Pure: a function of where trainer and engines run and of the engine's vLLM version (the feature matrix in
+`api/versions.py`). The operator renders `--weight-transfer-config` from it and writes the choice into the
+runtime config; the trainer driver makes the same choice for the engines it starts itself and re-checks it
+against what the running engines and its own vLLM actually offer (`runtime/weight_sync.py`).
+
+- NCCL when trainer and engines hold separate GPUs (the cluster topology: engine pods and trainer pods);
+- CUDA IPC when they share one GPU (the local run: the engine is an actor on the driver's GPU);
+- the packed path (our worker extension: packed chunks through Ray's object store, or safetensors files on
+  the shared volume over HTTP) where neither exists: CPU engines, or a vLLM without the native API.
+
+The native path needs the backend AND the start/finish bracket (one layerwise reload per sync, so MoE
+experts sent per expert are processed once); a version with the backend but not the bracket falls back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+
+from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports
+
+
+class TransferMethod(StrEnum):
+    NCCL = "nccl"
+    IPC = "ipc"
+    PACKED = "packed"
+    """Our worker extension's packed chunks (Ray object store, or safetensors files on the shared volume)."""
+
+
+class Topology(StrEnum):
+    SEPARATE_GPUS = "separate-gpus"
+    """Trainer and engines on different GPUs (possibly different nodes): the cluster."""
+    SHARED_GPU = "shared-gpu"
+    """The engine runs on the trainer's GPU (local run, engine in a Ray actor)."""
+    CPU = "cpu"
+
+
+NATIVE_BACKEND_FEATURE: dict[TransferMethod, str] = {
+    TransferMethod.NCCL: "weight-transfer-nccl",
+    TransferMethod.IPC: "weight-transfer-ipc",
+}
+BRACKET_FEATURE = "weight-transfer-bracket"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferChoice:
+    method: TransferMethod
+    reason: str
+    """Why this method; for a fallback, what the native path lacked."""
+    fallback: bool = False
+    """True when a native method was wanted but is not available (logged and pushed to status)."""
+
+    @property
+    def native(self) -> bool:
+        return self.method is not TransferMethod.PACKED
+
+    def describe(self) -> str:
+        """One line for logs, reports and status.progress.weightSync."""
+        return f"{self.method.value} ({'fallback: ' if self.fallback else ''}{self.reason})"
+
+
+def wanted_method(topology: Topology) -> TransferMethod:
+    """The transport the topology calls for if the engine had every feature."""
+    if topology is Topology.SEPARATE_GPUS:
+        return TransferMethod.NCCL
+    if topology is Topology.SHARED_GPU:
+        return TransferMethod.IPC
+    return TransferMethod.PACKED
+
+
+def choose_transfer(topology: Topology, version: EngineVersion) -> TransferChoice:
+    """The transport for `topology` on an engine of `version` (unknown versions fail closed: packed)."""
+    wanted = wanted_method(topology)
+    if wanted is TransferMethod.PACKED:
+        return TransferChoice(wanted, "engines on CPU: vLLM's NCCL and IPC backends need CUDA")
+    missing = []
+    for key in (NATIVE_BACKEND_FEATURE[wanted], BRACKET_FEATURE):
+        ok = supports(version, key)
+        if ok is None:
+            return TransferChoice(
+                TransferMethod.PACKED,
+                f"engine vLLM version unknown; native {wanted.value} transfer needs vLLM >= "
+                f"{native_since(wanted)} (set spec.inference.vllmVersion)",
+                fallback=True,
+            )
+        if not ok:
+            missing.append(FEATURES[key])
+    if missing:
+        lacks = "; ".join(f"{f.key} needs >= {f.since}" for f in missing)
+        reason = f"engine vLLM {version} lacks native {wanted.value} transfer ({lacks})"
+        return TransferChoice(TransferMethod.PACKED, reason, fallback=True)
+    return TransferChoice(wanted, f"vLLM {version} native {wanted.value} weight transfer")
+
+
+def native_since(method: TransferMethod) -> str:
+    """The first vLLM release with everything the native `method` needs."""
+    return str(max(FEATURES[NATIVE_BACKEND_FEATURE[method]].since, FEATURES[BRACKET_FEATURE].since))
+
+
+def weight_transfer_config_arg(method: TransferMethod) -> str:
+    """The value of `vllm serve --weight-transfer-config` for a native method."""
+    if method is TransferMethod.PACKED:
+        raise ValueError("the packed path needs no --weight-transfer-config")
+    return json.dumps({"backend": method.value}, separators=(",", ":"))
+
+
+def cluster_transfer(spec: RLJobSpec) -> TransferChoice:
+    """The transport of the rendered topology: engine pods and trainer pods hold separate GPUs."""
+    version = resolve_engine_version(image=spec.inference.image, explicit=spec.inference.vllm_version)
+    return choose_transfer(Topology.SEPARATE_GPUS, version)

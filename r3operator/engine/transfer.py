@@ -1,0 +1,339 @@
+"""Trainer side of vLLM's native weight transfer (NCCL / CUDA IPC), driven with vLLM's own sender code.
+
+vLLM ships the trainer-side senders; this module only wires them to the job's engines:
+
+- `FanOutClient` is vLLM's `VLLMWeightSyncClient` protocol (init / start / update / finish) over EVERY
+  engine of the job: one bracket per engine per sync, `update_weights` sent to all engines at once (an
+  NCCL broadcast needs every receiver inside it), each engine's NCCL ranks offset after the previous
+  engine's. Around vLLM's bracket it adds what vLLM lacks: the policy tag (None from start until the
+  finish stamps it) and the abort (`r3_abort_native_weight_update`, see engine/worker.py).
+- `NativeSender` picks vLLM's sender API of the installed release:
+  - vLLM >= 0.30 (`WeightTransferTrainerFactory`, vllm#48042/#48981): `trainer_init(init_info, client=…,
+    source=…)` once, then `send_weights()` per sync, which itself calls start / update / finish;
+  - vLLM 0.22 (static, verified in the 0.22.1 wheel): `NCCLWeightTransferEngine.trainer_init` once and
+    `trainer_send_weights(iterator, args)` per sync, with start / finish around it here.
+  Both send packed: vLLM's `packed_tensor` producers copy the tensors into `packed_buffer_size_bytes`
+  buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk).
+
+The trainer's vLLM must be the engine's release: the update-info wire format moved between them
+(packed flags left the per-round payload in vllm#48981). `runtime/weight_sync.py` checks that.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from r3operator.api.weight_transfer import TransferMethod
+from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
+
+log = logging.getLogger(__name__)
+
+StateDictFn = Callable[[], Mapping[str, Any]]
+
+
+class NativeEndpoint(Protocol):
+    """One engine's native weight-transfer control plane (runtime/engines.py: `RayEngine`, `HTTPEngine`)."""
+
+    name: str
+
+    def native_world_size(self) -> int: ...
+
+    def native_init(self, init_info: dict[str, Any]) -> None: ...
+
+    def native_start(self) -> None: ...
+
+    def native_update(self, update_info: dict[str, Any]) -> None: ...
+
+    def native_finish(self, policy_tag: str | None) -> None: ...
+
+    def native_abort(self) -> None: ...
+
+    def policy_tag(self) -> str | None: ...
+
+
+class FanOutClient:
+    """vLLM's `VLLMWeightSyncClient` over every engine of the job (see the module doc)."""
+
+    def __init__(self, endpoints: Sequence[NativeEndpoint]) -> None:
+        if not endpoints:
+            raise ValueError("no engines to transfer weights to")
+        self.endpoints = list(endpoints)
+        self.policy_tag: str | None = None  # stamped by finish_weight_update
+        self._world_sizes: list[int] | None = None
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Each engine's worker count (TP x PP x DP), asked once; only NCCL needs it."""
+        if self._world_sizes is None:
+            self._world_sizes = [int(e.native_world_size()) for e in self.endpoints]
+        return self._world_sizes
+
+    @property
+    def world_size(self) -> int:
+        """The NCCL group: the trainer (rank 0) and every engine worker."""
+        return 1 + sum(self.world_sizes)
+
+    def rank_offsets(self) -> list[int]:
+        offsets, next_rank = [], 1
+        for size in self.world_sizes:
+            offsets.append(next_rank)
+            next_rank += size
+        return offsets
+
+    def _concurrently(self, calls: Sequence[Callable[[], None]]) -> None:
+        if len(calls) == 1:
+            calls[0]()
+            return
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            for future in [pool.submit(call) for call in calls]:
+                future.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Every engine joins at once (an NCCL rendezvous waits for all ranks); its ranks follow the
+        previous engine's, whatever `rank_offset` the sender assumed for a single engine."""
+        infos = [dict(init_info) for _ in self.endpoints]
+        if "rank_offset" in init_info:
+            for info, offset in zip(infos, self.rank_offsets(), strict=True):
+                info["rank_offset"] = offset
+        self._concurrently([lambda e=e, i=i: e.native_init(i) for e, i in zip(self.endpoints, infos, strict=True)])
+
+    def start_weight_update(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.native_start()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
+            raise ValueError("per-engine update payloads are not supported: send one payload for every engine")
+        self._concurrently([lambda e=e: e.native_update(update_info) for e in self.endpoints])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        for endpoint in self.endpoints:
+            endpoint.native_finish(self.policy_tag)
+
+    def abort(self) -> None:
+        """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
+        (the caller re-raises the sync's own error, and the supervisor re-syncs the engine later)."""
+        for endpoint in self.endpoints:
+            try:
+                endpoint.native_abort()
+            except Exception as exc:
+                log.error("aborting the native weight update on %s failed: %s", endpoint.name, exc)
+
+
+def trainer_vllm_api() -> str | None:
+    """Which sender API the trainer's own vLLM offers: "factory" (>= 0.30), "static" (0.22), None."""
+    try:
+        from vllm.distributed.weight_transfer import factory
+    except ImportError:
+        return None
+    if hasattr(factory, "WeightTransferTrainerFactory"):
+        return "factory"
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    except ImportError:
+        return None
+    return "static" if hasattr(IPCWeightTransferEngine, "trainer_send_weights") else None
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (what the engines connect to for the NCCL store)."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return str(probe.getsockname()[0])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class SendStats:
+    tensors: int
+    bytes: int
+
+
+class NativeSender:
+    """Sends the trainer's weights to `client`'s engines with vLLM's sender (see the module doc).
+
+    `state_dict()` is called at every sync; tensors go out in checkpoint format (experts unfused, the
+    engine's `load_weights` names), cast to `dtype`, from the trainer's GPU.
+    """
+
+    def __init__(
+        self,
+        method: TransferMethod,
+        client: FanOutClient,
+        state_dict: StateDictFn,
+        *,
+        dtype: Any,
+        buffer_size_bytes: int,
+        master_address: str = "127.0.0.1",
+    ) -> None:
+        if method is TransferMethod.PACKED:
+            raise ValueError("NativeSender sends over vLLM's nccl or ipc backend, not the packed path")
+        api = trainer_vllm_api()
+        if api is None:
+            raise RuntimeError("this process's vLLM has no trainer-side weight-transfer sender")
+        self.method, self.client, self.api = method, client, api
+        self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
+        self.master_address = master_address
+        self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
+        self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
+        self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
+
+    # -- what goes out ----------------------------------------------------------------------------
+    def _state_dict(self) -> Mapping[str, Any]:
+        # One state_dict() per sync: a Megatron trainer gathers its whole model to build it.
+        return self._state if self._state is not None else self.state_dict()
+
+    def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
+        return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
+        on the CPU), cast to the engine's dtype first."""
+        return checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
+
+    # -- rendezvous -------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Rendezvous with every engine (again after a failure or an engine restart)."""
+        self.close()
+        if self.api == "factory":
+            self._engine = self._factory_init()
+        elif self.method is TransferMethod.NCCL:
+            self._group = self._static_nccl_init()
+        # static IPC needs no init on either side (IPCWeightTransferEngine.init_transfer_engine is a no-op)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._engine = self._group = None
+
+    def _nccl_endpoint(self) -> dict[str, Any]:
+        return {"master_address": self.master_address, "master_port": free_port(),
+                "world_size": self.client.world_size}  # fmt: skip
+
+    def _static_nccl_init(self) -> Any:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        endpoint = self._nccl_endpoint()
+        with ThreadPoolExecutor(max_workers=1) as pool:  # engines block in the rendezvous until we join
+            joined = pool.submit(self.client.init_weight_transfer_engine, {**endpoint, "rank_offset": 1})
+            group = NCCLWeightTransferEngine.trainer_init(endpoint)
+            joined.result()
+        return group
+
+    def _factory_init(self) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        if self.method is TransferMethod.NCCL:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info: Any = NCCLTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.buffer_size_bytes,
+                                            **self._nccl_endpoint())  # fmt: skip
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.buffer_size_bytes)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=_weight_source(self))
+
+    # -- one sync ---------------------------------------------------------------------------------
+    def send(self, policy_tag: str) -> SendStats:
+        """ONE bracket per engine around every tensor; the caller aborts on an exception."""
+        self._state = self.state_dict()
+        try:
+            return self._send(policy_tag)
+        finally:
+            self._state = None
+
+    def _send(self, policy_tag: str) -> SendStats:
+        meta = self.metadata()
+        self.client.policy_tag = policy_tag
+        if self.api == "factory":
+            if self._engine is None:
+                self.connect()
+            self._engine.send_weights()  # start, update(s), finish through `self.client`
+        else:
+            if self.method is TransferMethod.NCCL and self._group is None:
+                self.connect()
+            self.client.start_weight_update()
+            if self.method is TransferMethod.NCCL:
+                self._static_nccl_send(meta)
+            else:
+                self._static_ipc_send()
+            self.client.finish_weight_update()
+        nbytes = sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in meta)
+        return SendStats(tensors=len(meta), bytes=nbytes)
+
+    def _static_ipc_send(self) -> None:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+        args = IPCTrainerSendWeightsArgs(
+            send_mode=lambda info: self.client.update_weights(asdict(info)),
+            packed=True,
+            packed_buffer_size_bytes=self.buffer_size_bytes,
+        )
+        IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)
+
+    def _static_nccl_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerSendWeightsArgs,
+            NCCLWeightTransferEngine,
+            NCCLWeightTransferUpdateInfo,
+        )
+
+        info = NCCLWeightTransferUpdateInfo(
+            names=[name for name, _, _ in meta],
+            dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
+            shapes=[list(shape) for _, _, shape in meta],
+            packed=True,
+            packed_buffer_size_bytes=self.buffer_size_bytes,
+        )
+        args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True,
+                                          packed_buffer_size_bytes=self.buffer_size_bytes)  # fmt: skip
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:  # the engines receive inside the same NCCL broadcasts: their update runs alongside
+            receiving = pool.submit(self.client.update_weights, asdict(info))
+            NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)
+            receiving.result()
+        except BaseException:
+            self._group = None  # a broken broadcast leaves the communicator unusable: rendezvous again
+            raise
+        finally:
+            pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
+def _weight_source(sender: NativeSender) -> Any:
+    """vLLM's `WeightSource` (>= 0.30) over the sender's checkpoint-format tensors, fresh at every pass."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class TrainerWeights(WeightSource):
+        def metadata(self) -> list[Any]:
+            return [ParamMeta(name, dtype, shape) for name, dtype, shape in sender.metadata()]
+
+        def __iter__(self) -> Iterator[tuple[str, Any]]:
+            return sender.tensors()
+
+    return TrainerWeights()

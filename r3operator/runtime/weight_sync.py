@@ -1,0 +1,237 @@
+"""Which weight-sync transport this run uses, checked against what the engines and the trainer really offer.
+
+The wanted method comes from the topology (`api/weight_transfer.py`): the operator's runtime config names it
+for engines reached over HTTP (`runtime.weightTransfer.method`, rendered with the engines'
+`--weight-transfer-config`); engines this driver starts itself share its GPU (IPC) or run on CPU (packed).
+Then every precondition of the native path is checked here, and a missing one falls back to the packed
+path with the reason (logged as a warning, pushed to `status.progress.weightSync`, written to the report):
+
+- the trainer on a CUDA device (vLLM's senders share or broadcast CUDA tensors);
+- vLLM importable in the trainer process (the sender is vLLM's code) with a sender API we drive;
+- the engine's vLLM having the backend and the start/finish bracket (the feature matrix);
+- for engines over HTTP, the engine's vLLM release equal to the trainer's (the update-info wire format
+  changed between releases; both sides must encode and decode it alike).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from r3operator.api.versions import EngineVersion, VersionSource
+from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
+from r3operator.engine.base import Engine
+from r3operator.engine.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
+from r3operator.runtime.engines import EngineGroup
+
+log = logging.getLogger("r3operator.runtime")
+
+WEIGHT_TRANSFER_KEY = "weightTransfer"
+"""The runtime config's block naming the method the operator rendered the engines for."""
+
+
+def local_topology(device: str) -> Topology:
+    """Engines this driver starts run in Ray actors on its own device."""
+    return Topology.SHARED_GPU if device.startswith("cuda") else Topology.CPU
+
+
+def local_engine_backend(device: str) -> str | None:
+    """The `weight_transfer_config` backend for an engine this driver starts (same vLLM as the driver's):
+    "ipc" on a GPU whose vLLM has it, else None (the packed path needs no native engine)."""
+    choice = choose_transfer(local_topology(device), _version(trainer_vllm_version()))
+    return choice.method.value if choice.native and trainer_vllm_api() is not None else None
+
+
+def _version(text: str | None) -> EngineVersion:
+    try:
+        return EngineVersion(Version(text), VersionSource.SPEC) if text else EngineVersion(None, VersionSource.UNKNOWN)
+    except InvalidVersion:
+        return EngineVersion(None, VersionSource.UNKNOWN)
+
+
+def _release(version: Version) -> tuple[int, int, int]:
+    return version.major, version.minor, version.micro
+
+
+def check_runtime(
+    wanted: TransferChoice,
+    *,
+    device: str,
+    engine_vllm: str | None,
+    trainer_vllm: str | None,
+    trainer_api: str | None,
+    over_http: bool,
+    engine_on_trainer_gpu: bool = False,
+) -> TransferChoice:
+    """`wanted` if every precondition of its native method holds here, else the packed fallback saying which
+    one failed. A packed `wanted` is returned as it is."""
+    if not wanted.native:
+        return wanted
+
+    def fallback(reason: str) -> TransferChoice:
+        return TransferChoice(TransferMethod.PACKED, reason, fallback=True)
+
+    method = wanted.method.value
+    if not device.startswith("cuda"):
+        return fallback(f"native {method} transfer needs the trainer on CUDA, it runs on {device}")
+    if trainer_api is None:
+        return fallback(f"native {method} transfer sends with vLLM's trainer-side code, and the trainer's "
+                        "environment has no vLLM weight-transfer sender (install the engine's vLLM release "
+                        "there)")  # fmt: skip
+    if wanted.method is TransferMethod.NCCL and engine_on_trainer_gpu:
+        return fallback("an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU, and the "
+                        "engine was started for nccl, not ipc")  # fmt: skip
+    engine = _version(engine_vllm)
+    topology = Topology.SEPARATE_GPUS if wanted.method is TransferMethod.NCCL else Topology.SHARED_GPU
+    by_engine = choose_transfer(topology, engine)
+    if not by_engine.native:
+        return fallback(f"the engine answers as vLLM {engine_vllm or 'unknown'}: {by_engine.reason}")
+    trainer = _version(trainer_vllm)
+    if over_http and (trainer.version is None or engine.version is None
+                      or _release(trainer.version) != _release(engine.version)):  # fmt: skip
+        return fallback(f"native {method} transfer needs the trainer's vLLM release to be the engine's "
+                        f"(trainer {trainer_vllm}, engine {engine_vllm}): the update-info format changed between "
+                        "releases")  # fmt: skip
+    return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
+
+
+def configured_choice(runtime: Mapping[str, Any] | None) -> TransferChoice | None:
+    """The operator's choice from the runtime config (`runtime.weightTransfer`), None when it has none."""
+    block = (runtime or {}).get(WEIGHT_TRANSFER_KEY)
+    if not block:
+        return None
+    if not isinstance(block, Mapping) or "method" not in block:
+        raise ValueError(f"runtime.{WEIGHT_TRANSFER_KEY}: expected an object with 'method', got {block!r}")
+    try:
+        method = TransferMethod(str(block["method"]))
+    except ValueError:
+        allowed = ", ".join(m.value for m in TransferMethod)
+        raise ValueError(f"runtime.{WEIGHT_TRANSFER_KEY}.method: {block['method']!r} is not one of {allowed}") from None
+    return TransferChoice(method, str(block.get("reason") or "rendered by the operator"),
+                          fallback=bool(block.get("fallback", False)))  # fmt: skip
+
+
+def trainer_vllm_version() -> str | None:
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return str(getattr(vllm, "__version__", "")) or None
+
+
+class NativeInstall:
+    """`EngineSupervisor.install` over vLLM's native transfer: ONE bracket per engine per sync (vLLM's
+    start/finish), aborted unfinalised on any failure (`r3_abort_native_weight_update`), the policy tag
+    stamped only by a finished sync, so the canary and the supervisor see an aborted engine as stale.
+
+    The rendezvous is made again when the set of engines changes, after a failed attempt, and when an
+    engine no longer reports the last policy this sender installed (it restarted and lost its group).
+    """
+
+    def __init__(
+        self,
+        method: TransferMethod,
+        *,
+        state_dict: Callable[[], Mapping[str, Any]],
+        dtype: Any,
+        buffer_size_bytes: int,
+        master_address: str = "127.0.0.1",
+    ) -> None:
+        self.method = method
+        self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
+        self.master_address = master_address
+        self._sender: NativeSender | None = None
+        self._engines: tuple[int, ...] = ()
+        self._last_tag: str | None = None
+
+    def _needs_rendezvous(self, engines: Sequence[Engine]) -> bool:
+        if self._sender is None or self._engines != tuple(id(e) for e in engines):
+            return True
+        return any(engine.policy_tag() != self._last_tag for engine in engines)
+
+    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        endpoints: list[Any] = list(engines)
+        for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
+            engine.native_abort()
+        if self._needs_rendezvous(engines):
+            self.close()
+            client = FanOutClient(endpoints)
+            self._sender = NativeSender(self.method, client, self.state_dict, dtype=self.dtype,
+                                        buffer_size_bytes=self.buffer_size_bytes,
+                                        master_address=self.master_address)  # fmt: skip
+            self._engines = tuple(id(e) for e in engines)
+        sender = self._sender
+        assert sender is not None  # set just above
+        try:
+            stats = sender.send(tag)
+        except BaseException:
+            sender.client.abort()
+            self.close()  # the next attempt makes the rendezvous again
+            raise
+        self._last_tag = tag
+        return {"tensors": stats.tensors, "bytes": stats.bytes}
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = None
+
+
+def reached_by_url(engines: EngineGroup) -> bool:
+    """Some engine is a separate `vllm serve` process reached over HTTP (`HTTPEngine.base_url`), with a vLLM
+    of its own; an engine in a Ray actor of this driver shares the driver's environment."""
+    return any(getattr(engine, "base_url", None) for engine in engines.engines)
+
+
+def engine_on_gpu_of(device: str, engines: EngineGroup) -> bool:
+    """Some engine worker runs on the trainer's physical GPU (compared by UUID, whatever the device masks)."""
+    import torch
+
+    index = torch.device(device).index
+    mine = str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+    return any(mine in engine.device_uuids() for engine in engines.engines)
+
+
+def master_address_for(engines: EngineGroup) -> str:
+    """Where the engines reach the trainer's NCCL store: our address on the route to the first engine."""
+    from urllib.parse import urlparse
+
+    for engine in engines.engines:
+        if host := urlparse(getattr(engine, "base_url", None) or "").hostname:
+            return local_address_towards(host)
+    return "127.0.0.1"
+
+
+def resolve(
+    *,
+    device: str,
+    engines: EngineGroup,
+    configured: TransferChoice | None,
+    engine_vllm: str | None,
+) -> TransferChoice:
+    """The method this run uses (see the module doc); logs a fallback as a warning."""
+    over_http = reached_by_url(engines)
+    if configured is not None:
+        wanted = configured
+    elif over_http:  # engines named by URL without the operator's choice: assume the cluster shape
+        wanted = choose_transfer(Topology.SEPARATE_GPUS if device.startswith("cuda") else Topology.CPU,
+                                 _version(engine_vllm))  # fmt: skip
+    else:
+        wanted = choose_transfer(local_topology(device), _version(engine_vllm))
+    if not over_http and wanted.method is TransferMethod.IPC:
+        started = {getattr(e, "weight_transfer_backend", None) for e in engines.engines}
+        if started != {"ipc"}:
+            wanted = TransferChoice(TransferMethod.PACKED, "the engines were started without the ipc backend",
+                                    fallback=True)  # fmt: skip
+    shared = wanted.method is TransferMethod.NCCL and device.startswith("cuda") and engine_on_gpu_of(device, engines)
+    choice = check_runtime(wanted, device=device, engine_vllm=engine_vllm, trainer_vllm=trainer_vllm_version(),
+                           trainer_api=trainer_vllm_api(), over_http=over_http,
+                           engine_on_trainer_gpu=shared)  # fmt: skip
+    if choice.fallback:
+        log.warning("weight sync: %s", choice.describe())
+    else:
+        log.info("weight sync: %s", choice.describe())
+    return choice

@@ -1,0 +1,132 @@
+"""api/weight_transfer.py: which weight-sync transport for which topology and vLLM release, and the engine
+flags the operator renders for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.version import Version
+
+from r3operator.api.load import parse_rljob
+from r3operator.api.rules import evaluate
+from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.versions import EngineVersion, VersionSource
+from r3operator.api.weight_transfer import (
+    Topology,
+    TransferMethod,
+    choose_transfer,
+    cluster_transfer,
+    native_since,
+    weight_transfer_config_arg,
+)
+from r3operator.engine.args import vllm_serve_args
+from r3operator.operator.builders.config import runtime_config
+
+QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+
+
+def _version(text: str | None) -> EngineVersion:
+    return EngineVersion(Version(text) if text else None, VersionSource.SPEC if text else VersionSource.UNKNOWN)
+
+
+def _doc(**edits: object) -> dict:
+    doc = yaml.safe_load(QWEN.read_text())
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+def _spec(image: str) -> RLJobSpec:
+    return parse_rljob(_doc(**{"inference.image": image})).spec
+
+
+@pytest.mark.parametrize(
+    ("topology", "version", "method", "fallback"),
+    [
+        # the cluster: NCCL from the first release with the backend AND the start/finish bracket
+        (Topology.SEPARATE_GPUS, "0.22.1", TransferMethod.NCCL, False),
+        (Topology.SEPARATE_GPUS, "0.30.0", TransferMethod.NCCL, False),
+        (Topology.SEPARATE_GPUS, "0.16.0", TransferMethod.PACKED, True),  # NCCL backend, no bracket
+        (Topology.SEPARATE_GPUS, "0.14.0", TransferMethod.PACKED, True),  # no native API at all
+        (Topology.SEPARATE_GPUS, None, TransferMethod.PACKED, True),  # unknown: fail closed
+        # the local GPU run: the engine shares the trainer's GPU
+        (Topology.SHARED_GPU, "0.22.1", TransferMethod.IPC, False),
+        (Topology.SHARED_GPU, "0.17.1", TransferMethod.PACKED, True),
+        (Topology.SHARED_GPU, "0.16.0", TransferMethod.PACKED, True),  # NCCL only: no IPC backend yet
+        # CPU engines: the packed path is the design, not a fallback
+        (Topology.CPU, "0.30.0", TransferMethod.PACKED, False),
+        (Topology.CPU, None, TransferMethod.PACKED, False),
+    ],
+)
+def test_method_per_topology_and_release(
+    topology: Topology, version: str | None, method: TransferMethod, fallback: bool
+) -> None:
+    choice = choose_transfer(topology, _version(version))
+    assert (choice.method, choice.fallback) == (method, fallback)
+
+
+def test_a_fallback_names_the_missing_feature_and_the_release_that_has_it() -> None:
+    choice = choose_transfer(Topology.SEPARATE_GPUS, _version("0.16.0"))
+    assert choice.describe() == (
+        "packed (fallback: engine vLLM 0.16.0 lacks native nccl transfer (weight-transfer-bracket needs >= 0.22.1))"
+    )
+    unknown = choose_transfer(Topology.SHARED_GPU, _version(None))
+    assert "version unknown" in unknown.reason and ">= 0.22.1" in unknown.reason
+    assert "spec.inference.vllmVersion" in unknown.reason
+
+
+def test_native_since_is_the_later_of_backend_and_bracket() -> None:
+    assert native_since(TransferMethod.NCCL) == "0.22.1"
+    assert native_since(TransferMethod.IPC) == "0.22.1"
+
+
+@pytest.mark.parametrize(
+    ("image", "flag"),
+    [
+        ("ghcr.io/r3operator/engine:0.1.0-vllm0.30.0", '{"backend":"nccl"}'),
+        ("vllm/vllm-openai:v0.22.1", '{"backend":"nccl"}'),
+        ("vllm/vllm-openai:v0.16.0", None),  # the backend without the bracket: the packed path, no flag
+        ("vllm/vllm-openai:v0.14.0", None),
+        ("vllm/vllm-openai:latest", None),
+    ],
+)
+def test_engine_flag_rendered_only_on_images_that_have_the_native_transfer(image: str, flag: str | None) -> None:
+    args = vllm_serve_args(_spec(image), model_path="m")
+    rendered = args[args.index("--weight-transfer-config") + 1] if "--weight-transfer-config" in args else None
+    assert rendered == flag
+    # the packed path stays available on every image: the worker extension is always there
+    assert "--worker-extension-cls" in args
+
+
+def test_runtime_config_tells_the_trainer_the_rendered_method() -> None:
+    native = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"})))
+    assert native["runtime"]["weightTransfer"] == {
+        "method": "nccl", "reason": "vLLM 0.22.1 native nccl weight transfer", "fallback": False,
+    }  # fmt: skip
+    old = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"})))
+    assert old["runtime"]["weightTransfer"]["method"] == "packed"
+    assert old["runtime"]["weightTransfer"]["fallback"] is True
+
+
+def test_cluster_transfer_reads_the_explicit_version_over_the_tag() -> None:
+    spec = parse_rljob(_doc(**{"inference.image": "acme/engine@sha256:" + "0" * 64, "inference.vllmVersion": "0.22.1"}))
+    assert cluster_transfer(spec.spec).method is TransferMethod.NCCL
+
+
+def test_extra_args_may_not_set_the_derived_weight_transfer_flag() -> None:
+    job = parse_rljob(_doc(**{"inference.extraArgs": ['--weight-transfer-config={"backend":"ipc"}']}))
+    findings = [f for f in evaluate(job.spec) if f.rule == "EXTRA-ARGS-DERIVED"]
+    assert findings and "--weight-transfer-config" in findings[0].message
+
+
+def test_the_packed_path_has_no_engine_flag() -> None:
+    assert json.loads(weight_transfer_config_arg(TransferMethod.IPC)) == {"backend": "ipc"}
+    with pytest.raises(ValueError, match="packed path needs no --weight-transfer-config"):
+        weight_transfer_config_arg(TransferMethod.PACKED)

