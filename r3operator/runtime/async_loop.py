@@ -76,11 +76,11 @@ class AsyncGRPORun(GRPORun):
         assert engines is not None
 
         def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
-            return self.supervisor.on_policy(
-                lambda: engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed,
-                                         n=1, routed_experts_prompt_start=starts),  # fmt: skip
-                what="asynchronous rollout segment",
-            )
+            def call() -> list[RolloutSample]:
+                return engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed,
+                                        n=1, routed_experts_prompt_start=starts)  # fmt: skip
+
+            return self.supervisor.on_policy(call, what="asynchronous rollout segment")
 
         def next_prompt(problem_no: int) -> Sequence[int]:
             rng = np.random.default_rng([self.spec.seed, PROBLEM_SEED, self.start_step, problem_no])

@@ -108,8 +108,11 @@ class Trajectory:
             routes_error=None if routes is not None else (self.routes_error or "no segment returned routes"),
             finish_reason=self.finish_reason,
             routed_experts_prompt_start=0,
-            extra={"token_versions": np.asarray(self.versions, dtype=np.int64), "partial": self.partial,
-                   "segments": self.segments},  # fmt: skip
+            extra={
+                "token_versions": np.asarray(self.versions, dtype=np.int64),
+                "partial": self.partial,
+                "segments": self.segments,
+            },
         )
 
 

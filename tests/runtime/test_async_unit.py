@@ -60,9 +60,7 @@ def test_a_weight_update_between_segments_keeps_the_old_rows_and_appends_the_new
             tag = "run:1" if position < first else "run:2"
             np.testing.assert_array_equal(rows[position], engine.route_row(position, sequence[position], tag))
         # ...and they are not what policy 2 would have routed there: the old rows were not recomputed.
-        assert any(
-            not np.array_equal(rows[p], engine.route_row(p, sequence[p], "run:2")) for p in range(first)
-        )
+        assert any(not np.array_equal(rows[p], engine.route_row(p, sequence[p], "run:2")) for p in range(first))
 
 
 def test_without_partial_rollouts_a_segment_is_the_whole_response() -> None:
@@ -86,9 +84,10 @@ def test_a_trajectory_ends_at_a_stop_before_its_budget() -> None:
 
 
 def _sample(versions: list[int], sid: str = "x") -> RolloutSample:
+    extra = {"token_versions": np.asarray(versions), "partial": len(set(versions)) > 1}
     return RolloutSample(sample_id=sid, prompt_index=0, choice_index=0, prompt_token_ids=(1,),
                          token_ids=tuple(range(len(versions))), logprobs=np.zeros(len(versions), np.float32),
-                         routes=None, extra={"token_versions": np.asarray(versions), "partial": len(set(versions)) > 1})  # fmt: skip
+                         routes=None, extra=extra)  # fmt: skip
 
 
 def test_staleness_counts_from_the_oldest_token() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -77,4 +76,3 @@ def test_shape_mismatch_is_named() -> None:
     with pytest.raises(ValueError, match="importance_weights has shape"):
         ppo_clip_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool),
                       clip_low=0.2, clip_high=0.2, importance_weights=torch.ones(1, 2))  # fmt: skip
-
