@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -118,6 +119,7 @@ class RolloutProducer:
         self.problems_started = 0
         self.requests = 0
         self.tokens_generated = 0
+        self.engine_busy_seconds = 0.0  # wall time with a segment request on the engines
         self.segments_resumed_after_update = 0
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -192,7 +194,9 @@ class RolloutProducer:
                 requests = [t.request() for t in trajectories]
                 seed = self.seed * 1_000_003 + self.requests * 10_007
                 self.requests += 1
+                begin = time.perf_counter()
                 samples = self.generate([p for p, _ in requests], [s for _, s in requests], length, seed)
+                self.engine_busy_seconds += time.perf_counter() - begin
                 if len(samples) != len(trajectories):
                     raise RuntimeError(f"the engine returned {len(samples)} samples for {len(trajectories)} prompts")
                 for trajectory, sample in zip(trajectories, samples, strict=True):
