@@ -140,11 +140,13 @@ class AsyncGRPORun(GRPORun):
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
                                    clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap)  # fmt: skip
 
-    def sync_and_canary(self) -> bool:
+    def sync_and_canary(self, timer: PhaseTimer) -> bool:
         """7-8. With the engines paused: sync, canary, then publish the new version and resume."""
         with self.gate.paused():
-            self.sync_weights()
-            canary_ok = self.canary()
+            with timer("weight_sync"):
+                self.sync_weights()
+            with timer("canary"):
+                canary_ok = self.canary()
             self.gate.set_version(self.policy_version)
         return canary_ok
 
@@ -167,8 +169,9 @@ class AsyncGRPORun(GRPORun):
             old = self.old_logprobs(batch)
         with timer("update"):
             stats = self.update(batch, old)
-        with timer("weight_sync"):
-            canary_ok = self.sync_and_canary()
+        with timer("pause"):  # waiting for the segment in flight; the sync and canary are timed inside
+            canary_ok = self.sync_and_canary(timer)
+        timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
         with timer("metrics"):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
             row.update({"importance_weight_mean": stats.importance_weight_mean,
