@@ -117,11 +117,14 @@ class AsyncGRPORun(GRPORun):
                 self.metrics.observe("r3_rollout_staleness", staleness(sample, current_version=self.policy_version))
                 self.metrics.inc("r3_partial_rollouts_total", int(sample.extra["partial"]))
             fresh, stale = split_stale(taken, current_version=self.policy_version, max_staleness=limit)
-            for group in stale:
-                for sample in group:
-                    self._drop(sample, "stale", f"older than algorithm.maxStaleness={limit} policy versions")
-                    self.step_stale_dropped += 1
+            for group in stale:  # expected in this mode, so counted and summarised, not logged per sample
+                self.metrics.inc("r3_samples_dropped_total", len(group), reason="stale")
+                self.dropped.extend((sample.sample_id, "stale") for sample in group)
+                self.step_stale_dropped += len(group)
             kept.extend(fresh)
+        if self.step_stale_dropped:
+            log.info("step %d: %d samples older than algorithm.maxStaleness=%d policy versions dropped", step,
+                     self.step_stale_dropped, limit)  # fmt: skip
         for sample in (s for group in kept for s in group):  # the step's columns describe what it trains on
             self.step_staleness.append(staleness(sample, current_version=self.policy_version))
             self.step_partial += int(sample.extra["partial"])
