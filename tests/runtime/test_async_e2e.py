@@ -90,16 +90,31 @@ def test_a_partial_rollout_keeps_its_rows_across_a_weight_update_and_appends_the
     assert tail_same / tail_total >= 0.95, f"tail rows agree with policy 2's prefill on {tail_same}/{tail_total}"
     assert old_changed > 0, "the perturbation changed no routing: the test could not tell old rows from new"
 
-    # R3 replays the stitched routes: the tokens sampled under policy 2 (the trainer's weights now) get the
-    # engine's logprobs back; the policy 1 tokens differ by the policy change (what the importance weights
-    # correct in the asynchronous mode).
-    batch = build_batch(group, [1.0] * len(group), routes=[s.routes for s in group], pad_id=run.trainer.pad_id)
-    old = run.trainer.old_logprobs(batch, ReplayMode.R3)
-    new_diffs = []
-    for i, sample in enumerate(group):
-        begin = len(sample.prompt_token_ids) - 1
-        lp = old.logprobs[i, begin : begin + len(sample.token_ids)].float().numpy()
-        v2 = sample.extra["token_versions"] == 2
-        new_diffs.append(np.abs(lp[v2] - sample.logprobs[v2]))
-    assert float(np.concatenate(new_diffs).mean()) < 0.05
-    print("partial rollout: tail agreement", tail_same / tail_total, "old rows changed by the update", old_changed)
+    # R3 on the tail: replaying the routes the engine used for the resumed request (policy 2's at every
+    # position, the single shot's) gives the tail tokens' engine logprobs back. The stitched routes keep
+    # policy 1's rows on the earlier positions, where the resumed request re-routed them under policy 2: the
+    # tail's logprobs were computed in a context the trainer does not replay exactly (verl #6046's choice;
+    # docs/runtime.md says what it costs). Printed, not asserted: its size depends on how far routing moved.
+    pad = run.trainer.pad_id
+    tail_diffs: dict[str, list[np.ndarray]] = {"engine_routes": [], "stitched": []}
+    for name, routes in (("engine_routes", [s.routes for s in shots]), ("stitched", [s.routes for s in group])):
+        batch = build_batch(group, [1.0] * len(group), routes=_cut(routes, group), pad_id=pad)
+        old = run.trainer.old_logprobs(batch, ReplayMode.R3)
+        for i, sample in enumerate(group):
+            begin = len(sample.prompt_token_ids) - 1
+            lp = old.logprobs[i, begin : begin + len(sample.token_ids)].float().numpy()
+            v2 = sample.extra["token_versions"] == 2
+            tail_diffs[name].append(np.abs(lp[v2] - sample.logprobs[v2]))
+    engine_routes_diff = float(np.concatenate(tail_diffs["engine_routes"]).mean())
+    stitched_diff = float(np.concatenate(tail_diffs["stitched"]).mean())
+    assert engine_routes_diff < 0.05
+    print(f"partial rollout: tail agreement {tail_same / tail_total:.4f}, old rows the update re-routed "
+          f"{old_changed}, tail |dlogprob| replaying the engine's routes {engine_routes_diff:.4f}, replaying the "
+          f"stitched routes {stitched_diff:.4f}")
+
+
+def _cut(routes: list[Any], samples: list[RolloutSample]) -> list[Any]:
+    """Each sample's routes for its own positions only (a single shot also routed its one extra token)."""
+    from r3operator.routing.codec import encode
+
+    return [encode(decode(r)[: len(s.sequence) - 1]) for r, s in zip(routes, samples, strict=True)]
