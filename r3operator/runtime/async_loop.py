@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.api.enums import ReplayMode
-from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.engine.rollout import RolloutSample
 from r3operator.runtime.config import RunSettings
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.loop import GRPORun, PhaseTimer
@@ -131,9 +130,8 @@ class AsyncGRPORun(GRPORun):
         problems = [self.problems.pop(group[0].prompt_index) for group in kept]
         samples = renumber(kept)
         self.metrics.r3.observe_rollout(samples)
-        if self.mode is ReplayMode.R3 and self.routes_on_volume:
-            write_samples(self.store, samples, step=step, num_experts=self.num_experts,
-                          policy_version=self.policy_version)  # fmt: skip
+        if self.recorder is not None:  # R3: the step's routes on the volume, written in the background
+            self.recorder.record(step, samples, policy_version=self.policy_version)
         return samples, problems
 
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
@@ -182,7 +180,6 @@ class AsyncGRPORun(GRPORun):
             self.metrics.set("r3_importance_weight_mean", stats.importance_weight_mean)
         with timer("checkpoint"):
             self._checkpoint(step)
-            self.store.gc(keep_last_steps=self.spec.storage.retention_steps)
         return self._finish_step(row, timer, begin)
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
