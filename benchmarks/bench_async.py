@@ -40,6 +40,8 @@ def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
         settings.device = args.trainer_device
     spec = settings.job.spec
     spec.algorithm.mode = mode
+    spec.rollout.max_tokens = args.max_tokens or spec.rollout.max_tokens
+    spec.rollout.prompts_per_step = args.prompts_per_step or spec.rollout.prompts_per_step
     spec.rollout.partial_rollout = mode == "async"
     spec.weight_sync.canary = not args.no_canary
     settings.show_progress = False
@@ -125,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--trainer-device", default=None, help="e.g. cuda:1: train on another GPU than the engine")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=None, help="override spec.rollout.maxTokens")
+    parser.add_argument("--prompts-per-step", type=int, default=None, help="override spec.rollout.promptsPerStep")
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/async"))
     parser.add_argument("--no-canary", action="store_true", help="skip the post-sync canary in both modes")
