@@ -40,7 +40,8 @@ def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
         settings.device = args.trainer_device
     spec = settings.job.spec
     spec.algorithm.mode = mode
-    spec.rollout.max_tokens = args.max_tokens or spec.rollout.max_tokens
+    if args.max_tokens:  # the segment follows: maxTokens / 4
+        spec.rollout.max_tokens, spec.rollout.partial_rollout_segment = args.max_tokens, None
     spec.rollout.prompts_per_step = args.prompts_per_step or spec.rollout.prompts_per_step
     spec.rollout.partial_rollout = mode == "async"
     spec.weight_sync.canary = not args.no_canary
