@@ -120,6 +120,7 @@ class AsyncGRPORun(GRPORun):
                 self.metrics.inc("r3_samples_dropped_total", len(group), reason="stale")
                 self.dropped.extend((sample.sample_id, "stale") for sample in group)
                 self.step_stale_dropped += len(group)
+                self.problems.pop(group[0].prompt_index, None)
             kept.extend(fresh)
         if self.step_stale_dropped:
             log.info("step %d: %d samples older than algorithm.maxStaleness=%d policy versions dropped", step,
