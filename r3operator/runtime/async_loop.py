@@ -5,7 +5,7 @@ step of this driver is
 
     1 rollout       take `promptsPerStep` finished groups from the queue (the time spent waiting is the
                     trainer's idle time); a group with a sample more than `maxStaleness` policy versions old
-                    is dropped and counted (`r3_samples_dropped_total{reason="stale"}`) and another taken
+                    is dropped and counted (`r3operator_samples_dropped_total{reason="stale"}`) and another taken
     2-5             reward, advantages, routes, old-logprob pass: as in the synchronous step (loop.py); the
                     old-logprob pass runs under the current weights, the policy the update starts from
     6 update        PPO-clip, every token weighted by its truncated importance weight
@@ -113,11 +113,12 @@ class AsyncGRPORun(GRPORun):
         while len(kept) < pps:
             taken = self.producer.take(pps - len(kept))
             for sample in (s for group in taken for s in group):
-                self.metrics.observe("r3_rollout_staleness", staleness(sample, current_version=self.policy_version))
-                self.metrics.inc("r3_partial_rollouts_total", int(sample.extra["partial"]))
+                age = staleness(sample, current_version=self.policy_version)
+                self.metrics.observe("r3operator_rollout_staleness", age)
+                self.metrics.inc("r3operator_partial_rollouts_total", int(sample.extra["partial"]))
             fresh, stale = split_stale(taken, current_version=self.policy_version, max_staleness=limit)
             for group in stale:  # expected in this mode, so counted and summarised, not logged per sample
-                self.metrics.inc("r3_samples_dropped_total", len(group), reason="stale")
+                self.metrics.inc("r3operator_samples_dropped_total", len(group), reason="stale")
                 self.dropped.extend((sample.sample_id, "stale") for sample in group)
                 self.step_stale_dropped += len(group)
                 self.problems.pop(group[0].prompt_index, None)
@@ -178,7 +179,7 @@ class AsyncGRPORun(GRPORun):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
             row.update({"importance_weight_mean": stats.importance_weight_mean,
                         "importance_truncated_fraction": stats.importance_truncated_fraction})  # fmt: skip
-            self.metrics.set("r3_importance_weight_mean", stats.importance_weight_mean)
+            self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
         with timer("checkpoint"):
             self._checkpoint(step)
         return self._finish_step(row, timer, begin)

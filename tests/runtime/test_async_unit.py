@@ -193,11 +193,21 @@ def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_pa
     assert sorted(run.step_staleness) == [0, 1, 1, 1]  # the samples kept (the histogram has them all)
     assert run.step_partial == 1  # q0-c1 spans two versions (q1-c0 too, but it was dropped)
     exposition = run.metrics.exposition()
-    assert 'r3_samples_dropped_total{job="' in exposition and 'reason="stale"} 2.0' in exposition
-    assert "r3_rollout_staleness_count" in exposition and 'r3_partial_rollouts_total{job="' in exposition
-    histogram = {line.split("le=")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-                 for line in exposition.splitlines() if line.startswith("r3_rollout_staleness_bucket")}  # fmt: skip
-    assert histogram['"0.0"'] == 2 and histogram['"1.0"'] == 5 and histogram['"2.0"'] == 6
+    [(labels, dropped)] = _series(exposition, "r3operator_samples_dropped_total")
+    assert 'reason="stale"' in labels and dropped == 2
+    assert [v for _, v in _series(exposition, "r3operator_partial_rollouts_total")] == [2]  # kept or dropped
+    histogram = {labels.split('le="')[1].split('"')[0]: v
+                 for labels, v in _series(exposition, "r3operator_rollout_staleness_bucket")}  # fmt: skip
+    assert histogram["0.0"] == 2 and histogram["1.0"] == 5 and histogram["2.0"] == 6
+
+
+def _series(exposition: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of series `name` in a Prometheus text exposition."""
+    return [
+        (line[len(name) : line.rindex(" ")], float(line.rsplit(" ", 1)[1]))
+        for line in exposition.splitlines()
+        if line.startswith(name + "{")
+    ]
 
 
 def _replace_no(sample: RolloutSample, no: int, j: int) -> RolloutSample:
@@ -231,6 +241,5 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
         written = list(csv.DictReader(fh))
     assert [int(r["staleness_max"]) for r in written] == [r["staleness_max"] for r in rows]
     exposition = run.metrics.exposition()
-    count = next(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
-                 if line.startswith("r3_rollout_staleness_count"))  # fmt: skip
+    [(_, count)] = _series(exposition, "r3operator_rollout_staleness_count")
     assert count == sum(r["samples"] + r["stale_dropped"] for r in rows)  # every sample taken was observed
