@@ -76,3 +76,17 @@ def test_shape_mismatch_is_named() -> None:
     with pytest.raises(ValueError, match="importance_weights has shape"):
         ppo_clip_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool),
                       clip_low=0.2, clip_high=0.2, importance_weights=torch.ones(1, 2))  # fmt: skip
+
+
+def test_ranks_importance_figures_combine_token_weighted_and_stay_nan_without_weights() -> None:
+    from r3operator.trainer.shards import ShareStats, combine_update
+
+    # two mini-batches, two ranks: rank 0 has 3 tokens at weight 1.0, rank 1 has 1 token at weight 0.6
+    rank0 = [ShareStats(0.1, 0.0, 0.0, 3, 1.0, 1.0, 0.0), ShareStats(0.1, 0.0, 0.0, 2, 1.0, 0.5, 0.5)]
+    rank1 = [ShareStats(0.1, 0.0, 0.0, 1, 1.0, 0.6, 1.0), ShareStats(0.1, 0.0, 0.0, 2, 1.0, 1.5, 0.0)]
+    stats = combine_update([rank0, rank1])
+    # mini-batch 1: (3 * 1.0 + 1 * 0.6) / 4 = 0.9; mini-batch 2: (2 * 0.5 + 2 * 1.5) / 4 = 1.0 -> mean 0.95
+    assert stats.importance_weight_mean == pytest.approx(0.95)
+    assert stats.importance_truncated_fraction == pytest.approx((0.25 + 0.25) / 2)
+    plain = combine_update([[ShareStats(0.1, 0.0, 0.0, 3, 1.0)]])
+    assert np.isnan(plain.importance_weight_mean) and np.isnan(plain.importance_truncated_fraction)
