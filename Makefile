@@ -8,7 +8,7 @@ EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn run-dataset test test-fast bench lint fmt crd clean
+.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn run-dataset run-async test test-fast bench lint fmt crd clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ run-multiturn: venv
 # The same runtime on a dataset task: examples/data/arith.jsonl, chat template, math reward.
 run-dataset: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-dataset.yaml
+
+# The same runtime in the fully asynchronous mode, with partial rollouts (algorithm.mode async).
+run-async: venv
+	$(VENV)/bin/r3operator run examples/rljob-local-async.yaml
 
 test: venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks

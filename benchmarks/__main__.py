@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "megatron": ("benchmarks.bench_megatron", ["--device", "cpu"]),
     "trainer_ranks": ("benchmarks.bench_trainer_ranks", ["--model", "tiny", "--device", "cpu", "--ranks", "1", "2",
                                                          "--steps", "2"]),
+    "async": ("benchmarks.bench_async", ["--device", "cpu"]),
 }
 
 

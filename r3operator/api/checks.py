@@ -369,11 +369,18 @@ def kl_ref_no_replay(c: RuleContext) -> str | None:
     return None
 
 
+def partial_rollout_sync(c: RuleContext) -> str | None:
+    if c.spec.rollout.partial_rollout and c.spec.algorithm.mode != "async":
+        return f"rollout.partialRollout needs algorithm.mode async, got {c.spec.algorithm.mode}"
+    return None
+
+
 def partial_rollout(c: RuleContext) -> str | None:
     if _r3(c.spec) and c.spec.rollout.partial_rollout:
         return (
             "rollout.partialRollout with R3: routes of a resumed trajectory keep the old rows and append "
-            "only the new tail, so one trajectory may mix routes of two policy versions"
+            "only the new tail, so one trajectory may mix routes of several policy versions (at most "
+            "algorithm.maxStaleness apart; the importance weights correct the tokens' logprobs)"
         )
     return None
 

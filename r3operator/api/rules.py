@@ -544,6 +544,20 @@ RULES: tuple[Rule, ...] = (
         ("vllm-project/vllm#50721",),
         checks.r3_mrv2,
     ),
+    Rule(
+        "PARTIAL-ROLLOUT-SYNC",
+        E,
+        "spec.rollout.partialRollout",
+        ("rollout.partialRollout", "algorithm.mode"),
+        "partial rollouts exist only in the asynchronous mode",
+        ("r3operator: runtime/async_loop.py (a synchronous step has no rollout in flight at a weight update)",),
+        checks.partial_rollout_sync,
+        CelRule(
+            "!self.rollout.partialRollout || self.algorithm.mode == 'async'",
+            "'rollout.partialRollout needs algorithm.mode async, got ' + self.algorithm.mode",
+            ".rollout.partialRollout",
+        ),
+    ),
     # Warnings: legal but risky.
     Rule(
         "KL-REF-NO-REPLAY",

@@ -245,7 +245,12 @@ class RolloutSpec(_Model):
     step_wise_trajectories: bool = False
     """Train each turn of a multi-turn trajectory as a separate sample."""
     partial_rollout: bool = False
-    """Resume unfinished trajectories across weight updates (fully-async style)."""
+    """algorithm.mode async only: a weight update interrupts unfinished trajectories, which then continue
+    under the new weights keeping their earlier tokens and routes (each token records its policy version).
+    Off: a weight update waits for the requests in flight to finish."""
+    partial_rollout_segment: int | None = Field(default=None, ge=1, le=1_048_576)
+    """With partialRollout: tokens one request generates before a pending weight update may interrupt the
+    trajectory (the driver's pause point). Default: maxTokens / 4, at least 1."""
 
 
 class AlgorithmSpec(_Model):
@@ -261,6 +266,14 @@ class AlgorithmSpec(_Model):
     kl_coef: float = Field(default=0.0, ge=0.0, le=10.0)
     sft_warmup_steps: int = Field(default=0, ge=0, le=100_000, alias="sftWarmupSteps")
     """Supervised steps on reference answers before RL (for toy tasks on random-init models)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: rollout, train, sync, repeat. async: rollouts run continuously while the trainer consumes
+    finished trajectories; samples may be up to maxStaleness policy versions old."""
+    max_staleness: int = Field(default=1, ge=0, le=1000)
+    """async: a sample with a token sampled more than this many policy versions before the update that
+    would train on it is dropped (and counted)."""
+    importance_weight_cap: float = Field(default=2.0, gt=0.0, le=1000.0)
+    """async: token-level importance weights pi_old/pi_rollout are truncated at this value (TIS)."""
 
 
 class TaskSpec(_Model):

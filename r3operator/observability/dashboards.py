@@ -147,8 +147,30 @@ def _job_overview(x: _Exprs) -> Dashboard:
                 Panel("Weight sync", [Target(x.value("r3operator_weight_sync_seconds"), "{{rljob}}")], unit="s",
                       width=12),
             ]),
+            ("Asynchronous rollouts (algorithm.mode async)", _async_panels(x)),
         ],
     )  # fmt: skip
+
+
+def _async_panels(x: _Exprs) -> list[Panel]:
+    staleness = f"r3operator_rollout_staleness_bucket{_sel()}"
+    return [
+        Panel("Rollout staleness",
+              [Target(f"histogram_quantile({q}, sum by (namespace, rljob, le) (rate({staleness}[{RI}])))",
+                      f"p{round(q * 100)} {{{{rljob}}}}") for q in (0.5, 0.9, 1.0)],
+              description="Policy versions between a sample's oldest token and the update that takes it from the "
+                          "rollout queue; samples beyond algorithm.maxStaleness are dropped."),
+        Panel("Partial rollouts and stale drops",
+              [Target(x.value("r3operator_partial_rollouts_total"), "partial {{rljob}}"),
+               Target(x.value("r3operator_samples_dropped_total", extra='reason="stale"'), "dropped stale {{rljob}}")],
+              unit="short",
+              description="Samples per second taken from the rollout queue whose tokens span several policy "
+                          "versions (a weight update interrupted them; they kept their routes), and samples "
+                          "dropped as older than algorithm.maxStaleness."),
+        Panel("Importance weight (TIS)", [Target(x.value("r3operator_importance_weight_mean"), "{{rljob}}")],
+              description="Mean truncated importance weight min(pi_old / pi_rollout, cap) over trained tokens: 1 "
+                          "on-policy; it falls as samples grow stale."),
+    ]  # fmt: skip
 
 
 def _r3(x: _Exprs) -> Dashboard:

@@ -103,10 +103,12 @@ def run_once(
     settings: RunSettings, *, engines: Any = None, label: str | None = None
 ) -> tuple[list[dict[str, Any]], Any]:
     """One training run; returns its metrics rows (from metrics.csv, resumed steps included) and the run."""
+    from r3operator.runtime.async_loop import AsyncGRPORun
     from r3operator.runtime.loop import GRPORun
 
     _prepare_env(settings.device)
-    run = GRPORun(settings, engines=engines)
+    run_class = AsyncGRPORun if settings.job.spec.algorithm.mode == "async" else GRPORun
+    run = run_class(settings, engines=engines)
     title = f"{settings.name} [{label or run.mode.value}] on {settings.device}"
     with StepTable(title, total_steps=settings.steps, enabled=settings.show_progress) as table:
         run.run(table=table)

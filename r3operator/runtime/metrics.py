@@ -30,7 +30,17 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
     MetricSpec("r3operator_weight_sync_canary_ok", "gauge", _ID, "1 if the last post-sync canary matched, else 0."),
     MetricSpec("r3operator_samples_dropped_total", "counter", (*_ID, "reason"),
-               "Samples left out of training (routes invalid or missing under R3)."),
+               "Samples left out of training (routes invalid or missing under R3; stale: older than "
+               "algorithm.maxStaleness in the asynchronous mode)."),
+    MetricSpec("r3operator_rollout_staleness", "histogram", _ID,
+               "Asynchronous mode: policy versions between a sample's oldest token and the update that takes it "
+               "(every sample taken from the rollout queue, kept or dropped as stale)."),
+    MetricSpec("r3operator_partial_rollouts_total", "counter", _ID,
+               "Asynchronous mode: samples taken from the rollout queue whose tokens were sampled under more "
+               "than one policy version (a weight update interrupted them; they kept their routes)."),
+    MetricSpec("r3operator_importance_weight_mean", "gauge", _ID,
+               "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last "
+               "step."),
     MetricSpec("r3operator_route_record_failures_total", "counter", (*_ID, "operation"),
                "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
                "goes on without it."),
@@ -42,12 +52,15 @@ METRICS: list[MetricSpec] = [
                "decode repeated)."),
 ]  # fmt: skip
 
+# Policy versions; the only histogram of this list. A sample older than maxStaleness lands in a bucket too.
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
+
 
 class RuntimeMetrics:
     """`R3Metrics` and this module's METRICS on one registry, optionally served over HTTP."""
 
     def __init__(self, rljob: str, *, namespace: str = "default", port: int | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         disable_created_series()
         self.rljob, self.namespace = rljob, namespace
@@ -55,8 +68,12 @@ class RuntimeMetrics:
         self.r3 = R3Metrics(rljob, registry=self.registry, namespace=namespace)
         self._m: dict[str, Any] = {}
         for spec in METRICS:
-            cls = Counter if spec.type == "counter" else Gauge
             base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+            if spec.type == "histogram":
+                self._m[spec.name] = Histogram(base, spec.help, list(spec.labels), registry=self.registry,
+                                               buckets=STALENESS_BUCKETS)  # fmt: skip
+                continue
+            cls = Counter if spec.type == "counter" else Gauge
             self._m[spec.name] = cls(base, spec.help, list(spec.labels), registry=self.registry)
         self.port: int | None = None
         if port:
@@ -73,6 +90,9 @@ class RuntimeMetrics:
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         self._get(name, **labels).inc(amount)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._get(name, **labels).observe(value)
 
     def observe_step(self, row: Mapping[str, Any], phases: Mapping[str, float]) -> None:
         self.set("r3operator_step", row["step"])

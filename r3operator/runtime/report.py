@@ -17,6 +17,8 @@ COLUMNS = (
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
     "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped",
     "turns_mean", "env_tokens", "routing_agreement_by_turn",  # multi-turn jobs only; empty otherwise
+    "staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds",
+    "importance_weight_mean", "importance_truncated_fraction", "t_pause",  # algorithm.mode async only
 )  # fmt: skip
 
 

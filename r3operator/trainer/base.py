@@ -48,6 +48,8 @@ class UpdateStats:
     approx_kl: float
     grad_norm: float
     tokens: int
+    importance_weight_mean: float = float("nan")  # with importance_cap: mean truncated weight, else NaN
+    importance_truncated_fraction: float = float("nan")
 
 
 def compute_context(compute_dtype: str, device_type: str) -> Any:
@@ -91,8 +93,11 @@ class Trainer(Protocol):
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass: ...
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
-    ) -> UpdateStats: ...
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
+        importance_cap: float | None = None,
+    ) -> UpdateStats:  # fmt: skip
+        """`importance_cap`: weight each token by min(pi_old / pi_rollout, cap) (asynchronous mode)."""
+        ...
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float: ...
 

@@ -103,10 +103,12 @@ class TrainerRank:
         old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
         return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode)
 
-    def update(self, part: UpdateSlice, shares: Sequence[Share], clip_low: float, clip_high: float) -> list[ShareStats]:
+    def update(self, part: UpdateSlice, shares: Sequence[Share], clip_low: float, clip_high: float,
+               importance_cap: float | None = None) -> list[ShareStats]:  # fmt: skip
         return self.trainer.update_shares(
             batch_to(part.batch, self.device), _to(part.old_logprobs, self.device), _to(part.replay_ids, self.device),
             _to(part.replay_pad, self.device), shares, clip_low=clip_low, clip_high=clip_high,
+            importance_cap=importance_cap,
         )  # fmt: skip
 
     def sft(self, prompts: list[list[int]], answers: list[list[int]], total_tokens: int,
@@ -257,8 +259,9 @@ class DistributedTrainer:
         )  # fmt: skip
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
-    ) -> UpdateStats:
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
+        importance_cap: float | None = None,
+    ) -> UpdateStats:  # fmt: skip
         import torch
 
         plans = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches,
@@ -271,7 +274,7 @@ class DistributedTrainer:
                 None if old.replay_ids is None else old.replay_ids.cpu()[idx],
                 None if old.replay_pad is None else old.replay_pad.cpu()[idx],
             )  # fmt: skip
-            refs.append(rank.update.remote(self._ray.put(part), plan.shares, clip_low, clip_high))
+            refs.append(rank.update.remote(self._ray.put(part), plan.shares, clip_low, clip_high, importance_cap))
         return combine_update(self._gather(refs))
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:

@@ -37,7 +37,7 @@ from r3operator.trainer.base import (
     old_pass_for,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
-from r3operator.trainer.grpo.loss import ppo_clip_loss
+from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
@@ -115,9 +115,11 @@ class PolicyTrainer:
         return old_pass_for(mode, batch, lp, natural_ids, used_ids)
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
-    ) -> UpdateStats:
-        """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward."""
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
+        importance_cap: float | None = None,
+    ) -> UpdateStats:  # fmt: skip
+        """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward. With
+        `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout (grpo/loss.py)."""
         import torch
 
         (plan,) = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=1)
@@ -125,12 +127,12 @@ class PolicyTrainer:
         replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
         replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
         stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
-                                   clip_low=clip_low, clip_high=clip_high)  # fmt: skip
+                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
         return combine_update([stats])
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float,
+        clip_low: float, clip_high: float, importance_cap: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
         and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
@@ -147,10 +149,15 @@ class PolicyTrainer:
                 pad = None if replay_pad is None else replay_pad[idx]
                 self.replay.arm(replay_ids[idx], padding_mask=pad)
             try:
+                old_lp, weights, iw = old_logprobs[idx], None, None
+                if importance_cap is not None:
+                    weights, iw = truncated_importance_weights(old_lp, mb.rollout_logprobs, mb.response_mask,
+                                                               cap=importance_cap)  # fmt: skip
                 with self._compute():
                     lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
                 loss, stats = ppo_clip_loss(
-                    lp, old_logprobs[idx], mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high
+                    lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high,
+                    importance_weights=weights,
                 )
                 (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:
@@ -158,7 +165,8 @@ class PolicyTrainer:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
             self.optimizer.step()
             tokens = 0 if share.padding else int(mb.response_mask.sum())
-            out.append(ShareStats(float(loss.detach()), stats.clip_fraction, stats.approx_kl, tokens, _scalar(norm)))
+            out.append(ShareStats(float(loss.detach()), stats.clip_fraction, stats.approx_kl, tokens, _scalar(norm),
+                                  *((iw.weight_mean, iw.truncated_fraction) if iw is not None else ())))  # fmt: skip
         self.model.eval()
         return out
 

@@ -42,6 +42,8 @@ class ShareStats:
     approx_kl: float
     tokens: int
     grad_norm: float  # of the whole (all-rank) gradient: the same on every rank
+    importance_weight_mean: float = float("nan")  # asynchronous mode (importance_cap): token-mean TIS weight
+    importance_truncated_fraction: float = float("nan")
 
 
 def forward_rows(n: int, world: int) -> list[tuple[list[int], bool]]:
@@ -81,6 +83,8 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     """The single-process `UpdateStats` from every rank's per-mini-batch results: token-weighted means
     within a mini-batch, plain means over mini-batches (as the single-process update reports them)."""
     losses, clips, kls, norms, tokens = [], [], [], [], 0
+    weights: list[float] = []
+    truncated: list[float] = []
     for parts in zip(*per_rank, strict=True):
         total = sum(p.tokens for p in parts)
         if len(parts) == 1:
@@ -96,5 +100,12 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
         kls.append(kl)
         norms.append(parts[0].grad_norm)
         tokens += total
+        weighted = [p for p in parts if p.tokens and p.importance_weight_mean == p.importance_weight_mean]
+        if weighted:  # token-weighted like the loss; NaN (no importance weights) parts stay out
+            n = sum(p.tokens for p in weighted)
+            weights.append(sum(p.importance_weight_mean * p.tokens for p in weighted) / n)
+            truncated.append(sum(p.importance_truncated_fraction * p.tokens for p in weighted) / n)
     count = max(len(losses), 1)
-    return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens)
+    importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
+    return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens,
+                       *importance)  # fmt: skip

@@ -142,7 +142,11 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"algorithm.klInReward": True, "routingReplay.replayRef": False}),
     ),
     "R3-PARTIAL-ROLLOUT": (
-        sets(**{"routingReplay.mode": "R2", "rollout.partialRollout": True}),
+        sets(**{"routingReplay.mode": "R2", "rollout.partialRollout": True, "algorithm.mode": "async"}),
+        sets(**{"rollout.partialRollout": True, "algorithm.mode": "async"}),
+    ),
+    "PARTIAL-ROLLOUT-SYNC": (
+        sets(**{"rollout.partialRollout": True, "algorithm.mode": "async"}),
         sets(**{"rollout.partialRollout": True}),
     ),
     "IMAGE-TAG-UNPINNED": (

@@ -39,6 +39,9 @@ class FakeEngine:
     # (prompt ids, choice index) -> the completion to return instead of random tokens, or None for random ones
     answer: Callable[[tuple[int, ...], int], list[int] | None] | None = None
     prompts_seen: list[tuple[int, ...]] = field(default_factory=list)
+    # True: the routes also depend on the installed policy tag, as a real router's do on the weights, so a
+    # test can tell which policy computed a stitched row
+    routes_follow_policy: bool = False
 
     def _call(self, method: str) -> None:
         self.calls.append(method)
@@ -51,10 +54,12 @@ class FakeEngine:
         self.restarts += 1
         self.tag, self.bracket_open = None, False
 
-    def route_row(self, position: int, token: int) -> np.ndarray:
+    def route_row(self, position: int, token: int, tag: str | None = None) -> np.ndarray:
         """The experts this fake routes `token` at `position` to ([layers, top_k]): a test can tell from a
-        stitched row which token and position it was computed for."""
-        base = (token * 7 + position * 3 + np.arange(self.num_layers)[:, None] * 5) % self.num_experts
+        stitched row which token and position it was computed for (and, with `routes_follow_policy`, under
+        which policy tag)."""
+        salt = sum(map(ord, tag or "")) if self.routes_follow_policy else 0
+        base = (token * 7 + position * 3 + salt + np.arange(self.num_layers)[:, None] * 5) % self.num_experts
         return ((base + np.arange(self.top_k)[None, :]) % self.num_experts).astype(np.int32)
 
     def generate(
@@ -75,7 +80,7 @@ class FakeEngine:
                     tokens = np.asarray(scripted[:max_tokens])
                 sequence = [*prompt, *tokens.tolist()]
                 # Rows for positions [start, P + G - 1): the last sampled token is never fed back.
-                ids = np.stack([self.route_row(p, sequence[p]) for p in range(starts[i], len(sequence) - 1)])
+                ids = np.stack([self.route_row(p, sequence[p], self.tag) for p in range(starts[i], len(sequence) - 1)])
                 samples.append(build_sample(
                     prompt_index=i, choice_index=j, prompt_token_ids=prompt, token_ids=tokens.tolist(),
                     logprobs=np.full(len(tokens), -1.0), routed_experts=ids if self.routes else None,

@@ -39,7 +39,7 @@ from r3operator.trainer.base import (
     mini_batch_rows,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
-from r3operator.trainer.grpo.loss import ppo_clip_loss
+from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
 
 MEGATRON_PACKAGE_HINT = (
@@ -122,8 +122,9 @@ class MegatronPolicyTrainer:
         return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float
-    ) -> UpdateStats:
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
+        importance_cap: float | None = None,
+    ) -> UpdateStats:  # fmt: skip
         import dataclasses
 
         import torch
@@ -134,11 +135,18 @@ class MegatronPolicyTrainer:
 
         def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
             mask = mb.response_mask.to(lp.device)
+            old_lp = mb.old_logprobs.to(lp.device)
+            weights, extra = None, {}
+            if importance_cap is not None:
+                weights, iw = truncated_importance_weights(old_lp, mb.rollout_logprobs.to(lp.device), mask,
+                                                           cap=importance_cap)  # fmt: skip
+                extra = {"importance_weight_mean": iw.weight_mean,
+                         "importance_truncated_fraction": iw.truncated_fraction}  # fmt: skip
             loss, stats = ppo_clip_loss(
-                lp, mb.old_logprobs.to(lp.device), mb.advantages.to(lp.device), mask,
-                clip_low=clip_low, clip_high=clip_high,
+                lp, old_lp, mb.advantages.to(lp.device), mask,
+                clip_low=clip_low, clip_high=clip_high, importance_weights=weights,
             )  # fmt: skip
-            return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl}
+            return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
         results, tokens = [], 0
         for rows in mini_batch_rows(batch.size, mini_batches):
@@ -152,7 +160,8 @@ class MegatronPolicyTrainer:
         def mean(key: str) -> float:
             return float(np.mean([r.get(key, float("nan")) for r in results]))
 
-        return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens)
+        return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens,
+                           mean("importance_weight_mean"), mean("importance_truncated_fraction"))  # fmt: skip
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
 

@@ -1,0 +1,209 @@
+"""The asynchronous GRPO driver (`algorithm.mode: async`): rollouts never stop for training.
+
+A producer thread (runtime/producer.py) keeps the engines generating GRPO groups into a bounded queue; a
+step of this driver is
+
+    1 rollout       take `promptsPerStep` finished groups from the queue (the time spent waiting is the
+                    trainer's idle time); a group with a sample more than `maxStaleness` policy versions old
+                    is dropped and counted (`r3operator_samples_dropped_total{reason="stale"}`) and another taken
+    2-5             reward, advantages, routes, old-logprob pass: as in the synchronous step (loop.py); the
+                    old-logprob pass runs under the current weights, the policy the update starts from
+    6 update        PPO-clip, every token weighted by its truncated importance weight
+                    min(pi_old / pi_rollout, importanceWeightCap) (trainer/grpo/loss.py): the rollout
+                    logprobs come from the (older) policies that sampled the tokens
+    7 weight_sync   pause the producer at its next pause point (the segment in flight finishes), sync,
+    8 canary        check the canary, publish the new policy version, resume: unfinished trajectories
+                    continue under the new weights keeping their tokens and routes (partial rollouts)
+    9-10            metrics (staleness histogram, partial-rollout count), checkpoint
+
+Under R3 the stitched routes of a partial rollout hold each token's rows from the weights that routed it,
+and the replayed old-logprob pass reproduces the rollout logprobs up to the policy change, so the
+importance weight measures staleness rather than a routing mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from r3operator.engine.rollout import RolloutSample
+from r3operator.runtime.config import RunSettings
+from r3operator.runtime.engines import EngineGroup
+from r3operator.runtime.loop import GRPORun, PhaseTimer
+from r3operator.runtime.partial import renumber, split_stale, staleness
+from r3operator.runtime.producer import EngineGate, RolloutProducer
+from r3operator.runtime.progress import StepTable
+from r3operator.trainer.base import OldPass, UpdateStats
+from r3operator.trainer.batch import TrainBatch
+from r3operator.trainer.grpo import tasks
+
+log = logging.getLogger("r3operator.runtime")
+PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws
+
+
+def segment_tokens(max_tokens: int, partial_rollout: bool, segment: int | None) -> int:
+    """Tokens per request: with partial rollouts the configured segment (default maxTokens / 4, at least 1),
+    else the whole response, so that a weight update waits for the requests in flight."""
+    if not partial_rollout:
+        return max_tokens
+    return min(max_tokens, segment or max(1, max_tokens // 4))
+
+
+class AsyncGRPORun(GRPORun):
+    def __init__(self, settings: RunSettings, *, engines: EngineGroup | None = None) -> None:
+        super().__init__(settings, engines=engines)
+        if self.spec.algorithm.mode != "async":
+            raise ValueError(f"AsyncGRPORun needs spec.algorithm.mode async, got {self.spec.algorithm.mode}")
+        if self.spec.rollout.multi_turn:
+            raise ValueError("spec.algorithm.mode async with spec.rollout.multiTurn is not in this runtime yet")
+        self.producer: RolloutProducer | None = None
+        self.problems: dict[int, tasks.Problem] = {}  # the producer's problem number -> problem
+        self.gate = EngineGate()
+        self._tokens_seen = 0
+        self._clock = time.perf_counter()
+
+    # -- setup --------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        ro, alg = self.spec.rollout, self.spec.algorithm
+        self.gate.set_version(self.policy_version)
+        engines = self.engines
+        assert engines is not None
+
+        def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
+            def call() -> list[RolloutSample]:
+                return engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed,
+                                        n=1, routed_experts_prompt_start=starts)  # fmt: skip
+
+            return self.supervisor.on_policy(call, what="asynchronous rollout segment")
+
+        def next_prompt(problem_no: int) -> Sequence[int]:
+            rng = np.random.default_rng([self.spec.seed, PROBLEM_SEED, self.start_step, problem_no])
+            problem = tasks.sample_problems(self.pool, count=1, rng=rng)[0]
+            self.problems[problem_no] = problem
+            return problem.prompt_ids
+
+        self.producer = RolloutProducer(
+            generate=generate, next_prompt=next_prompt, gate=self.gate, group_size=ro.group_size,
+            max_tokens=ro.max_tokens,
+            segment_tokens=segment_tokens(ro.max_tokens, ro.partial_rollout, ro.partial_rollout_segment),
+            groups_in_flight=ro.prompts_per_step, queue_groups=ro.prompts_per_step * max(1, alg.max_staleness),
+            num_experts=self.num_experts, seed=self.spec.seed,
+        )  # fmt: skip
+        self._clock = time.perf_counter()
+        self.producer.start()
+
+    def shutdown(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+
+    # -- the numbered phases ------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[list[RolloutSample], list[tasks.Problem]]:
+        """1. `promptsPerStep` groups from the queue, none more than `maxStaleness` versions old."""
+        assert self.producer is not None
+        pps, limit = self.spec.rollout.prompts_per_step, self.spec.algorithm.max_staleness
+        kept: list[list[RolloutSample]] = []
+        self.step_staleness: list[int] = []
+        self.step_partial = 0
+        self.step_stale_dropped = 0
+        while len(kept) < pps:
+            taken = self.producer.take(pps - len(kept))
+            for sample in (s for group in taken for s in group):
+                age = staleness(sample, current_version=self.policy_version)
+                self.metrics.observe("r3operator_rollout_staleness", age)
+                self.metrics.inc("r3operator_partial_rollouts_total", int(sample.extra["partial"]))
+            fresh, stale = split_stale(taken, current_version=self.policy_version, max_staleness=limit)
+            for group in stale:  # expected in this mode, so counted and summarised, not logged per sample
+                self.metrics.inc("r3operator_samples_dropped_total", len(group), reason="stale")
+                self.dropped.extend((sample.sample_id, "stale") for sample in group)
+                self.step_stale_dropped += len(group)
+                self.problems.pop(group[0].prompt_index, None)
+            kept.extend(fresh)
+        if self.step_stale_dropped:
+            log.info("step %d: %d samples older than algorithm.maxStaleness=%d policy versions dropped", step,
+                     self.step_stale_dropped, limit)  # fmt: skip
+        for sample in (s for group in kept for s in group):  # the step's columns describe what it trains on
+            self.step_staleness.append(staleness(sample, current_version=self.policy_version))
+            self.step_partial += int(sample.extra["partial"])
+        problems = [self.problems.pop(group[0].prompt_index) for group in kept]
+        samples = renumber(kept)
+        self.metrics.r3.observe_rollout(samples)
+        if self.recorder is not None:  # R3: the step's routes on the volume, written in the background
+            self.recorder.record(step, samples, policy_version=self.policy_version)
+        return samples, problems
+
+    def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
+        """6. PPO-clip with truncated importance weights pi_old / pi_rollout per token."""
+        assert self.trainer is not None
+        alg = self.spec.algorithm
+        return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
+                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap)  # fmt: skip
+
+    def sync_and_canary(self, timer: PhaseTimer) -> bool:
+        """7-8. With the engines paused: sync, canary, then publish the new version and resume."""
+        with self.gate.paused():
+            with timer("weight_sync"):
+                self.sync_weights()
+            with timer("canary"):
+                canary_ok = self.canary()
+            self.gate.set_version(self.policy_version)
+        return canary_ok
+
+    # -- one step -----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, Any]:
+        timer = PhaseTimer()
+        self.dropped: list[tuple[str, str]] = []
+        begin = time.perf_counter()
+        with timer("rollout"):
+            samples, problems = self.rollout(step)
+        with timer("reward"):
+            rewards = self.score(samples, problems)
+        with timer("advantages"):
+            adv = self.advantages(rewards)
+        with timer("routes"):
+            batch = self.load_routes(step, samples, adv)
+        if batch is None:
+            return self._skip_step(step, samples, rewards, timer, begin)
+        with timer("old_logprob"):
+            old = self.old_logprobs(batch)
+        with timer("update"):
+            stats = self.update(batch, old)
+        with timer("pause"):  # waiting for the segment in flight; the sync and canary are timed inside
+            canary_ok = self.sync_and_canary(timer)
+        timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
+        with timer("metrics"):
+            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
+            row.update({"importance_weight_mean": stats.importance_weight_mean,
+                        "importance_truncated_fraction": stats.importance_truncated_fraction})  # fmt: skip
+            self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
+        with timer("checkpoint"):
+            self._checkpoint(step)
+        return self._finish_step(row, timer, begin)
+
+    def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
+                         timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
+        """The synchronous columns, with throughput from the producer (the rollout phase here is the time the
+        trainer waited for it) and the asynchronous ones: staleness, partial rollouts, stale drops."""
+        columns = super()._rollout_columns(step, samples, rewards, timer)
+        assert self.producer is not None
+        now, produced = time.perf_counter(), self.producer.tokens_generated
+        columns["tokens_per_second"] = (produced - self._tokens_seen) / max(now - self._clock, 1e-9)
+        self._tokens_seen, self._clock = produced, now
+        ages = np.asarray(self.step_staleness or [0])
+        columns.update({
+            "staleness_mean": float(ages.mean()), "staleness_max": int(ages.max()),
+            "partial_rollouts": self.step_partial, "stale_dropped": self.step_stale_dropped,
+            "trainer_idle_seconds": timer.seconds["rollout"],
+        })  # fmt: skip
+        return columns
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
+        try:
+            return super().run(table=table)
+        finally:
+            self.shutdown()
