@@ -103,6 +103,8 @@ class OperatorSettings(_Settings):
     operator_namespace: str | None = Field(None, min_length=1)
     """The operator's namespace (the chart sets it from the downward API): each RLJob's engine NetworkPolicy
     admits it to the engine port, for the canary. Unset outside a cluster: no namespace is admitted."""
+    pod_name: str | None = Field(None, min_length=1)
+    """This replica's pod name (the chart sets it from the downward API): its leader-election identity."""
     engine_ingress_namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated namespaces also admitted to the engine port, e.g. the one Prometheus scrapes from."""
 

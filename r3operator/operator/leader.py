@@ -53,8 +53,10 @@ class LeaseConfig:
 
 
 def default_identity() -> str:
-    """The pod name (a pod's hostname) plus a random suffix: a restarted container is a new candidate."""
-    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    """The pod name plus a random suffix: a restarted container is a new candidate."""
+    from r3operator.settings import operator_settings
+
+    return f"{operator_settings().pod_name or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def _now() -> str:

@@ -98,7 +98,7 @@ def replicas(cluster: Cluster) -> Iterator[list[Replica]]:
 def _start(cluster: Cluster, replicas: list[Replica], name: str) -> Replica:
     port, metrics_port = _free_port(), _free_port()
     health = f"http://127.0.0.1:{port}/healthz"
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO), "HOSTNAME": name,
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO), "R3OPERATOR_POD_NAME": name,
            "PYTHONUNBUFFERED": "1", "R3OPERATOR_METRICS_PORT": str(metrics_port)}  # fmt: skip
     args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect",
             "--leader-election-namespace", NS, "--liveness", health,
