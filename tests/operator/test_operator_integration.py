@@ -107,7 +107,7 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         what="printer columns with the engines Ready",
     )
     header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
-    assert header == ["NAME", "READY", "REASON", "REPLAY", "ENGINES", "TRAINER", "STEP", "AGE"]
+    assert header == ["NAME", "READY", "REASON", "REPLAY", "ENGINES", "TRAINER", "STEP", "UPGRADE", "AGE"]
     assert row[:6] == ["qwen3-30b-a3b-r3", "False", row[2], "R3", "4/4", "FSDP"]
     engine_pods = _pods(cluster, "qwen3-30b-a3b-r3", "statefulset.kubernetes.io/pod-name")
     assert len(engine_pods) == 4
