@@ -32,6 +32,7 @@ from r3operator.operator.builders.trainer_rbac import (
     build_trainer_role,
     build_trainer_role_binding,
     build_trainer_service_account,
+    chosen_service_account,
 )
 from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
 from r3operator.operator.lifecycle import is_suspended
@@ -78,7 +79,8 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
             job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces
         )
     )
-    children.append(build_trainer_service_account(job))
+    if chosen_service_account(job) is None:
+        children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))
     children.append(build_ray_job(_with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job)))

@@ -42,14 +42,27 @@ def _model(spec: RLJobSpec) -> dict[str, Any]:
     return model
 
 
+def _without_unset_template(block: dict[str, Any]) -> dict[str, Any]:
+    # podTemplate was added after the first release: an unset one leaves the hash as it was.
+    if block.get("podTemplate") is None:
+        block.pop("podTemplate", None)
+    return block
+
+
+def _job_template(spec: RLJobSpec) -> dict[str, Any]:
+    """spec.podTemplate shapes every pod, so it joins both hashes, and only when set."""
+    return {"podTemplate": _dump(spec.pod_template)} if spec.pod_template is not None else {}
+
+
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
-    inference = _dump(spec.inference)
+    inference = _without_unset_template(_dump(spec.inference))
     inference.pop("replicas", None)
     return {
         "model": _model(spec),
         "replayMode": spec.routing_replay.mode.value,
         "inference": inference,
         "existingClaim": spec.storage.existing_claim,
+        **_job_template(spec),
     }
 
 
@@ -59,7 +72,7 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     return {
         "model": _model(spec),
         "routingReplay": _dump(spec.routing_replay),
-        "trainer": _dump(spec.trainer),
+        "trainer": _without_unset_template(_dump(spec.trainer)),
         "rollout": _dump(spec.rollout),
         "algorithm": _dump(spec.algorithm),
         "task": _dump(spec.task),
@@ -68,6 +81,7 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
         "storage": storage,
         "monitoring": _dump(spec.monitoring),
         "seed": spec.seed,
+        **_job_template(spec),
     }
 
 
