@@ -22,7 +22,8 @@ from r3operator.api.v1alpha1 import RLJobSpec
 HASH_LENGTH = 16
 
 
-def _digest(payload: Any) -> str:
+def digest(payload: Any) -> str:
+    """A short stable hash of a JSON-able payload."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
 
@@ -86,8 +87,8 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
 
 
 def engine_spec_hash(spec: RLJobSpec) -> str:
-    return _digest(engine_hash_input(spec))
+    return digest(engine_hash_input(spec))
 
 
 def trainer_spec_hash(spec: RLJobSpec) -> str:
-    return _digest(trainer_hash_input(spec))
+    return digest(trainer_hash_input(spec))
