@@ -43,20 +43,13 @@ def _model(spec: RLJobSpec) -> dict[str, Any]:
     return model
 
 
-def _without_unset_template(block: dict[str, Any]) -> dict[str, Any]:
-    # podTemplate was added after the first release: an unset one leaves the hash as it was.
-    if block.get("podTemplate") is None:
-        block.pop("podTemplate", None)
-    return block
-
-
 def _job_template(spec: RLJobSpec) -> dict[str, Any]:
-    """spec.podTemplate shapes every pod, so it joins both hashes, and only when set."""
+    """spec.podTemplate shapes every pod, so it joins both hashes (only when set: see _dump)."""
     return {"podTemplate": _dump(spec.pod_template)} if spec.pod_template is not None else {}
 
 
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
-    inference = _without_unset_template(_dump(spec.inference))
+    inference = _dump(spec.inference)
     inference.pop("replicas", None)
     return {
         "model": _model(spec),
@@ -73,7 +66,7 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     return {
         "model": _model(spec),
         "routingReplay": _dump(spec.routing_replay),
-        "trainer": _without_unset_template(_dump(spec.trainer)),
+        "trainer": _dump(spec.trainer),
         "rollout": _dump(spec.rollout),
         "algorithm": _dump(spec.algorithm),
         "task": _dump(spec.task),
