@@ -7,11 +7,14 @@
 #   scripts/cluster/etcd/go.mod       : etcd (go.etcd.io/etcd/server/v3)
 #   scripts/cluster/kwok/go.mod       : kwok (fake nodes and pod lifecycles)
 #   scripts/cluster/kuberay/go.mod    : the KubeRay operator; its CRDs are copied from the module
+#   scripts/cluster/kueue/go.mod      : Kueue (queueing and gang admission); its CRDs and webhook
+#                                       configurations are copied from the module into kueue/
 #
 # Each go.mod (with its go.sum) is the one pin of its component. Binaries land in
 # DIR/k8s-<kubernetes version>/bin and are rebuilt only when a go.mod/go.sum or the Go toolchain changes
 # (a stamp holds their hash), so the build runs once per version; after the first build it is offline
-# (Go's module cache). No binary download, no docker: the ordinary `go` client only.
+# (Go's module cache). No binary download, no docker: the ordinary `go` client only. Kueue's go.mod has a
+# stamp of its own (.stamp-kueue): bumping Kueue rebuilds Kueue only.
 #
 # Usage: bash scripts/install-cluster.sh [DIR]   (default .tools); prints the directory it built.
 set -euo pipefail
@@ -38,13 +41,33 @@ K8S_VERSION="$(pinned kubernetes k8s.io/kubernetes)"
 ETCD_VERSION="$(pinned etcd go.etcd.io/etcd/server/v3)"
 KWOK_VERSION="$(pinned kwok sigs.k8s.io/kwok)"
 KUBERAY_VERSION="$(pinned kuberay github.com/ray-project/kuberay/ray-operator)"
+KUEUE_VERSION="$(pinned kueue sigs.k8s.io/kueue)"
 
 OUT="$DIR/k8s-$K8S_VERSION"
 BIN="$OUT/bin"
 STAMP="$OUT/.stamp"
-want="$( (go env GOVERSION; cat "$SRC"/*/go.mod "$SRC"/*/go.sum "$0") | sha256sum | cut -c1-16)"
+CORE=(kubernetes etcd kwok kuberay)
+want="$( (go env GOVERSION; for c in "${CORE[@]}"; do cat "$SRC/$c/go.mod" "$SRC/$c/go.sum"; done; cat "$0") |
+        sha256sum | cut -c1-16)"
+want_kueue="$( (go env GOVERSION; cat "$SRC/kueue/go.mod" "$SRC/kueue/go.sum") | sha256sum | cut -c1-16)"
+
+build_kueue() {
+  log "building Kueue $KUEUE_VERSION"
+  mkdir -p "$BIN" "$OUT/kueue/crds"
+  (cd "$SRC/kueue" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--mod=mod}" go build -trimpath -p "${GO_BUILD_JOBS:-2}" \
+    -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" -o "$BIN/kueue" sigs.k8s.io/kueue/cmd/kueue)
+  local dir
+  dir="$(cd "$SRC/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  install -m 0644 "$dir"/config/components/crd/bases/kueue.x-k8s.io_*.yaml "$OUT/kueue/crds/"
+  # The webhook configurations as the module has them (service and ports are filled in at start).
+  install -m 0644 "$dir/config/components/webhook/manifests.yaml" "$OUT/kueue/webhooks.yaml"
+  echo "$want_kueue" >"$OUT/.stamp-kueue"
+}
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  if [[ ! -f "$OUT/.stamp-kueue" || "$(cat "$OUT/.stamp-kueue")" != "$want_kueue" ]]; then
+    build_kueue
+  fi
   log "up to date: $OUT"
   echo "$OUT"
   exit 0
@@ -80,11 +103,14 @@ log "building the KubeRay operator $KUBERAY_VERSION"
 kuberay_dir="$(cd "$SRC/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)"
 install -m 0644 "$kuberay_dir"/config/crd/bases/ray.io_*.yaml "$OUT/crds/"
 
+build_kueue
+
 cat >"$OUT/versions.txt" <<EOF
 kubernetes $K8S_VERSION
 etcd $ETCD_VERSION
 kwok $KWOK_VERSION
 kuberay $KUBERAY_VERSION
+kueue $KUEUE_VERSION
 go $(go env GOVERSION)
 EOF
 echo "$want" >"$STAMP"

@@ -79,6 +79,8 @@ class ConditionType(StrEnum):
     """Rolled up from the others; carries the first failing reason."""
     VALID = "Valid"
     """The spec passed every compatibility rule, including those needing outside facts."""
+    ADMITTED = "Admitted"
+    """Kueue admitted the job's Workload (engines and trainer as one unit); True when no queue is set."""
     ENGINES_READY = "EnginesReady"
     TRAINER_READY = "TrainerReady"
     ROUTING_REPLAY_ACTIVE = "RoutingReplayActive"

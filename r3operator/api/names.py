@@ -42,6 +42,7 @@ ROLE_METRICS = "metrics"
 ROLE_UPGRADE_CANARY = "upgrade-canary"
 JOB_POD_SUFFIX = 6
 """The Job controller names its pods ``<job>-<5 random characters>``, a DNS label."""
+ROLE_WORKLOAD = "workload"
 
 CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_STORAGE, "routing", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
@@ -56,6 +57,7 @@ CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_METRICS, "metrics", DNS_SUBDOMAIN_MAX, "PodMonitor"),
     ChildName(ROLE_UPGRADE_CANARY, "upgrade-canary", DNS_LABEL_MAX - JOB_POD_SUFFIX,
               "Job of the engine-upgrade canary (its pods are <job>-<5 characters>)"),
+    ChildName(ROLE_WORKLOAD, "workload", DNS_SUBDOMAIN_MAX, "Kueue Workload"),
 )
 SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
 

@@ -27,6 +27,7 @@ from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_PATTERN
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
 from r3operator.api.families import HF_REPLAY_FAMILIES
+from r3operator.api.pod_rules import SITES, check_derived, check_mounts, derived_cel, mounts_cel
 from r3operator.api.v1alpha1 import RLJobSpec
 
 
@@ -83,6 +84,39 @@ def _cel_string(regex: str) -> str:
     if "'" in regex:
         raise ValueError(f"regex {regex!r} has a quote a CEL raw string cannot hold")
     return f"r'{regex}'"
+
+
+def _pod_template_rules() -> tuple[Rule, ...]:
+    """Two rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
+    rules: list[Rule] = []
+    for site in SITES:
+        derived, derived_message = derived_cel(site)
+        mounts, mounts_message = mounts_cel(site)
+        rules.append(
+            Rule(
+                f"{site.rule_prefix}-DERIVED",
+                Severity.ERROR,
+                f"spec.{site.path}",
+                (site.path,),
+                "a pod template may not set the env, volumes, mounts, GPUs or labels r3operator derives",
+                ("r3operator: builders/overrides.py (derived fields)",),
+                check_derived(site),
+                CelRule(derived, derived_message, f".{site.path}"),
+            )
+        )
+        rules.append(
+            Rule(
+                f"{site.rule_prefix}-MOUNTS",
+                Severity.ERROR,
+                f"spec.{site.path}.volumeMounts",
+                (site.path, "podTemplate.volumes"),
+                "every volumeMount of a pod template names a volume it (or spec.podTemplate) defines",
+                ("Kubernetes: PodSpec validation (volumeMounts[].name must be a volume)",),
+                check_mounts(site),
+                CelRule(mounts, mounts_message, f".{site.path}.volumeMounts", "FieldValueInvalid"),
+            )
+        )
+    return tuple(rules)
 
 
 # ----------------------------------------------------------------------------------------- table
@@ -502,6 +536,7 @@ RULES: tuple[Rule, ...] = (
             "FieldValueInvalid",
         ),
     ),
+    *_pod_template_rules(),
     # Python-only: need the vLLM version matrix (outside facts).
     Rule(
         "R3-VLLM-MIN-VERSION",

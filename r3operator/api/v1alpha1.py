@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from r3operator.api.base import ApiModel as _Model
 from r3operator.api.enums import (
     AccessMode,
     ConditionStatus,
@@ -30,6 +31,7 @@ from r3operator.api.enums import (
     TrainerBackend,
 )
 from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
+from r3operator.api.pods import PodTemplate
 
 GROUP = "r3operator.io"
 VERSION = "v1alpha1"
@@ -49,18 +51,6 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
 ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
-
-
-class _Model(BaseModel):
-    """Base for every spec/status block: camelCase aliases, unknown fields rejected."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        alias_generator=to_camel,
-        use_attribute_docstrings=True,
-        validate_assignment=False,
-    )
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -191,6 +181,8 @@ class InferenceSpec(_Model):
     """Extra `vllm serve` arguments, appended last. Flags the operator derives are refused."""
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    pod_template: PodTemplate | None = None
+    """Engine pods: scheduling, identity, extra env/volumes (merged over spec.podTemplate)."""
 
 
 # -------------------------------------------------------------------------------------- trainer
@@ -228,6 +220,8 @@ class TrainerSpec(_Model):
     nodes: int = Field(default=1, ge=1, le=1024)
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    pod_template: PodTemplate | None = None
+    """Trainer (Ray head and worker) pods: scheduling, identity, extra env/volumes (merged over spec.podTemplate)."""
 
 
 # --------------------------------------------------------------------------- rollout / algorithm
@@ -360,6 +354,10 @@ class RLJobSpec(_Model):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     upgrade_policy: UpgradePolicySpec = Field(default_factory=UpgradePolicySpec)
     """Engine and trainer image changes: a fidelity canary first, then roll on or back (docs/operator.md)."""
+    pod_template: PodTemplate | None = None
+    """Every engine and trainer pod; inference.podTemplate and trainer.podTemplate add to it and win on conflicts."""
+    queue_name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
+    """Kueue LocalQueue in the RLJob's namespace: engines and trainer are admitted as one workload, or not at all."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
 
 

@@ -81,10 +81,13 @@ def explain(
     output_format: OutputOption = OutputFormat.TEXT,
 ) -> None:
     """Print the resolved plan of each RLJob: GPUs, EP sizes, vLLM version, replay path, and the vLLM
-    routed-experts feature gates when replay needs them (R3). json/yaml print a list, one entry per RLJob."""
+    routed-experts feature gates when replay needs them (R3); in text, also the scheduling picture (per role:
+    pods x GPUs, node selectors, tolerations, priority; the queue; the model). json/yaml print a list, one
+    entry per RLJob."""
     from r3operator.api import RLJobLoadError, evaluate, load_rljobs, plan
     from r3operator.api.rules import errors
     from r3operator.cli.explain import plan_json
+    from r3operator.operator.picture import scheduling_picture
 
     try:
         jobs = load_rljobs(file)
@@ -95,6 +98,7 @@ def explain(
     if output_format is OutputFormat.TEXT:
         for job, job_plan, findings in planned:
             output.print_plan(job, job_plan, findings)
+            output.print_scheduling(scheduling_picture(job))
     else:
         _print_data([plan_json(str(file), *entry) for entry in planned], output_format)
     raise typer.Exit(1 if any(errors(findings) for _, _, findings in planned) else 0)

@@ -10,6 +10,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from r3operator.api import Finding, Plan, RLJob, RLJobLoadError
     from r3operator.cli.validate import ValidationResults
+    from r3operator.operator.picture import SchedulingPicture
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -33,6 +34,23 @@ def print_validation(results: ValidationResults) -> None:
         out.print(row.message, markup=False)
     for f in results.files_ok:
         out.print(f"{f}: [green]valid[/]")
+
+
+def print_scheduling(picture: SchedulingPicture) -> None:
+    t = Table(title=f"scheduling: {picture.gpus} GPUs in all", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for r in picture.roles:
+        t.add_row(r.role, f"{r.pods} pod(s) x {r.gpus_per_pod} GPU")
+        t.add_row("  nodeSelector", r.node_selector)
+        t.add_row("  tolerations", r.tolerations)
+        t.add_row("  affinity", r.affinity)
+        t.add_row("  priorityClass", r.priority_class)
+        t.add_row("  serviceAccount", r.service_account)
+        t.add_row("  imagePullSecrets", r.image_pull_secrets)
+    t.add_row("queue", picture.queue)
+    t.add_row("model", picture.model)
+    out.print(t)
 
 
 def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:

@@ -21,6 +21,8 @@ Rules per kind:
 - PVC: the spec is immutable, so the apply carries the spec as it is; only labels, annotations and
   the ownerReference follow the RLJob (``retainPolicy``).
 - RoleBinding: ``roleRef`` is immutable: a different one means delete-and-recreate.
+- Workload (Kueue): a different spec hash (pod sets, queue, priority) means delete-and-recreate; the
+  status is Kueue's and the job controller's (operator/admission.py), never applied.
 - Everything else: the whole object is applied when a field we set differs.
 """
 
@@ -142,6 +144,13 @@ def _ray_job(want: dict[str, Any], have: dict[str, Any]) -> Action:
     return Action("none")
 
 
+def _workload(want: dict[str, Any], have: dict[str, Any]) -> Action:
+    # Kueue refuses pod-set changes while quota is reserved: a new Workload queues the changed job whole.
+    if _hash(want, "metadata") != _hash(have, "metadata"):
+        return Action("recreate", want, why="pod sets changed")
+    return Action("none")
+
+
 def _owned_metadata(want: dict[str, Any]) -> dict[str, Any]:
     return {k: want["metadata"][k] for k in ("labels", "annotations", "ownerReferences") if k in want["metadata"]}
 
@@ -172,6 +181,8 @@ def plan_action(want: dict[str, Any], have: dict[str, Any] | None, *, job_uid: s
         return _job(want, have)
     if kind == "PersistentVolumeClaim":
         return _claim(want, have)
+    if kind == "Workload":
+        return _workload(want, have)
     if kind == "RoleBinding" and want["roleRef"] != have.get("roleRef"):
         return Action("recreate", want, why="roleRef is immutable")
     fields = {k: v for k, v in want.items() if k not in ("apiVersion", "kind", "metadata")}

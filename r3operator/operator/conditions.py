@@ -20,6 +20,10 @@ class Reason(StrEnum):
     """A child's name is taken by an object this RLJob does not control; the message names it."""
     CLAIM_NOT_FOUND = "ClaimNotFound"
     """storage.existingClaim (or the pvc:// model claim) does not exist in the namespace."""
+    KUEUE_MISSING = "KueueMissing"
+    """spec.queueName is set but the Kueue Workload API (workloads.kueue.x-k8s.io/v1beta1) is not served."""
+    REFERENCE_NOT_FOUND = "ReferenceNotFound"
+    """A Secret, ConfigMap, claim, ServiceAccount or PriorityClass a pod template names does not exist."""
     PARSE_ERROR = "ParseError"
     """The RLJob does not parse (a field the CRD schema let through); the message names the fields."""
     # Progressing / Ready: the operator cannot write
@@ -27,6 +31,14 @@ class Reason(StrEnum):
     """The namespace is being deleted: the API server refuses new objects in it."""
     API_ERROR = "APIError"
     """A write the API server keeps refusing; the message has the object, HTTP status and reason."""
+    # Admitted (Kueue)
+    NOT_QUEUED = "NotQueued"
+    WAITING_FOR_ADMISSION = "WaitingForAdmission"
+    """Queued: Kueue has not admitted the Workload (the message is Kueue's, e.g. insufficient quota)."""
+    ADMITTED = "Admitted"
+    EVICTED = "Evicted"
+    """Kueue took the admission back (preemption, ...): the job is suspended and queued again."""
+    QUOTA_RELEASED = "QuotaReleased"
     # Workloads
     NOT_CREATED = "NotCreated"
     PODS_NOT_READY = "PodsNotReady"

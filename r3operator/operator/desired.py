@@ -8,6 +8,8 @@ Lifecycle:
 - running: PVC, ConfigMap, engine Service + StatefulSet + NetworkPolicy, trainer ServiceAccount + Role +
   RoleBinding, RayJob, PodMonitor;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
+- queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
+  it (and again when Kueue evicts it) the children are those of a suspended job;
 - finished (the RayJob says so): engines at 0 replicas (free the GPUs now), the RayJob is kept;
 - an engine image upgrade under way (``Facts.engine_rollout``, from operator/upgrade.py): the engine
   StatefulSet on the rollout's image, with a surge canary replica and a partition, plus the canary Job;
@@ -32,8 +34,10 @@ from r3operator.operator.builders.trainer_rbac import (
     build_trainer_role,
     build_trainer_role_binding,
     build_trainer_service_account,
+    chosen_service_account,
 )
 from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
+from r3operator.operator.builders.workload import build_workload
 from r3operator.operator.lifecycle import is_suspended
 from r3operator.operator.upgrade import CanaryTarget, EngineRollout
 
@@ -58,6 +62,10 @@ class Facts:
     """The upgrade's canary Job to run (operator/upgrade.py)."""
     trainer_image: str | None = None
     """The trainer image the RayJob keeps while a new one is canaried (operator/upgrade.py)."""
+    admitted: bool = True
+    """Kueue admitted the job's Workload and has not evicted it (always true without spec.queueName)."""
+    priority: int | None = None
+    """The value of the PriorityClass the pods name, for the Workload's priority."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -66,7 +74,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     if facts.expired:
         keep = claim is not None and job.spec.storage.retain_policy is RetainPolicy.RETAIN
         return [claim] if keep and claim is not None else []
-    stopped = is_suspended(job) or facts.finished
+    stopped = is_suspended(job) or facts.finished or not facts.admitted
     children: list[dict[str, Any]] = []
     if claim is not None:
         children.append(claim)
@@ -78,10 +86,15 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
             job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces
         )
     )
-    children.append(build_trainer_service_account(job))
+    if chosen_service_account(job) is None:
+        children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))
-    children.append(build_ray_job(_with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job)))
+    children.append(
+        build_ray_job(_with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job) or not facts.admitted)
+    )
+    if job.spec.queue_name is not None:
+        children.append(build_workload(job, priority=facts.priority))
     if facts.pod_monitor_crd and wants_pod_monitor(job):
         children.append(build_pod_monitor(job))
     if facts.upgrade_canary is not None and not stopped:

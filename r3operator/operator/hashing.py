@@ -22,7 +22,8 @@ from r3operator.api.v1alpha1 import RLJobSpec
 HASH_LENGTH = 16
 
 
-def _digest(payload: Any) -> str:
+def digest(payload: Any) -> str:
+    """A short stable hash of a JSON-able payload."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
 
@@ -42,6 +43,11 @@ def _model(spec: RLJobSpec) -> dict[str, Any]:
     return model
 
 
+def _job_template(spec: RLJobSpec) -> dict[str, Any]:
+    """spec.podTemplate shapes every pod, so it joins both hashes (only when set: see _dump)."""
+    return {"podTemplate": _dump(spec.pod_template)} if spec.pod_template is not None else {}
+
+
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
     inference = _dump(spec.inference)
     inference.pop("replicas", None)
@@ -50,6 +56,7 @@ def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
         "replayMode": spec.routing_replay.mode.value,
         "inference": inference,
         "existingClaim": spec.storage.existing_claim,
+        **_job_template(spec),
     }
 
 
@@ -68,12 +75,13 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
         "storage": storage,
         "monitoring": _dump(spec.monitoring),
         "seed": spec.seed,
+        **_job_template(spec),
     }
 
 
 def engine_spec_hash(spec: RLJobSpec) -> str:
-    return _digest(engine_hash_input(spec))
+    return digest(engine_hash_input(spec))
 
 
 def trainer_spec_hash(spec: RLJobSpec) -> str:
-    return _digest(trainer_hash_input(spec))
+    return digest(trainer_hash_input(spec))

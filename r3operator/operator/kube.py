@@ -79,6 +79,9 @@ KINDS: dict[str, Kind] = {
     "Job": Kind("batch/v1", "jobs"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "RLJob": Kind("r3operator.io/v1alpha1", "rljobs"),
+    "Workload": Kind("kueue.x-k8s.io/v1beta1", "workloads"),
+    "Secret": Kind("v1", "secrets"),
+    "PriorityClass": Kind("scheduling.k8s.io/v1", "priorityclasses", namespaced=False),
 }
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from r3operator.api.rules import Finding
 from r3operator.api.v1alpha1 import UpgradeStatus
+from r3operator.operator.admission import NOT_QUEUED, Admission
 from r3operator.operator.canary import CanaryResult
 from r3operator.operator.lifecycle import Finish
 
@@ -35,6 +36,12 @@ class Observed:
     """``Kind/name …`` of a child's name held by an object this RLJob does not control."""
     missing_claims: tuple[str, ...] = ()
     """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
+    missing_references: tuple[str, ...] = ()
+    """Secrets, ConfigMaps, claims, ServiceAccounts, PriorityClasses the pod templates name that do not exist."""
+    kueue_installed: bool = True
+    """The Kueue Workload API is served (checked only for a job with spec.queueName)."""
+    admission: Admission = NOT_QUEUED
+    """Kueue's verdict on the job's Workload."""
     namespace_terminating: bool = False
     upgrade: UpgradeStatus | None = None
     """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""

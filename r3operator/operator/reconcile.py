@@ -32,15 +32,25 @@ from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
+from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.builders.config import pods_per_replica
+from r3operator.operator.builders.workload import priority_class_name
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
-from r3operator.operator.lifecycle import format_time, is_suspended, observed_finish, status_says_finished, ttl_expired
+from r3operator.operator.lifecycle import (
+    Finish,
+    format_time,
+    is_suspended,
+    observed_finish,
+    status_says_finished,
+    ttl_expired,
+)
 from r3operator.operator.observed import Observed
+from r3operator.operator.references import check_references
 from r3operator.operator.scheduling import unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
 from r3operator.operator.upgrade import UpgradePlan, plan_upgrade
@@ -48,10 +58,13 @@ from r3operator.settings import DEFAULT_CANARY_URL
 
 log = logging.getLogger("r3operator.reconcile")
 
+KUEUE_WORKLOADS = ("kueue.x-k8s.io/v1beta1", "workloads")
+
 # Every child kind the operator may own, by role: prune candidates when desired() drops them. The
 # RayJob goes last: its status is the record that the job ended, so a pass killed halfway through
 # the TTL deletion still knows on the next run that the rest is to be deleted, not re-created.
 _CHILD_KINDS = (
+    (meta.ROLE_WORKLOAD, "Workload"),
     (meta.ROLE_METRICS, "PodMonitor"),
     (meta.ROLE_TRAINER, "RoleBinding"),
     (meta.ROLE_TRAINER, "Role"),
@@ -203,11 +216,20 @@ class Reconciler:
         uid = job.metadata.uid
         rule_errors = tuple(errors(evaluate(job.spec)))
         kuberay = await self.capabilities.serves("ray.io/v1", "rayjobs")
-        outcome = Outcome(job=job, valid=not rule_errors and kuberay)
+        queued = job.spec.queue_name is not None
+        kueue = await self.capabilities.serves(*KUEUE_WORKLOADS) if queued else True
+        outcome = Outcome(job=job, valid=not rule_errors and kuberay and kueue)
         trainer = meta.child_name(job, meta.ROLE_TRAINER)
         raw_ray_job = await self.client.get(KINDS["RayJob"], job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
         ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
+        workload_name = meta.child_name(job, meta.ROLE_WORKLOAD)
+        raw_workload = None
+        if queued and kueue:
+            raw_workload = await self.client.get(KINDS["Workload"], job.metadata.namespace, workload_name)
+        # Only a Workload this RLJob controls admits it; a foreign one is a NameConflict.
+        ours = raw_workload if raw_workload is not None and is_ours(raw_workload, uid) else None
+        admission = read_admission(job.spec.queue_name, ours)
         finish = observed_finish(ray_job)
         recorded = ray_job is None and status_says_finished(job)
         expired = ttl_expired(job, finish, now)
@@ -215,8 +237,11 @@ class Reconciler:
         conflict: str | None = None
         missing: tuple[str, ...] = ()
         upgrade = UpgradePlan(job.status.upgrade if job.status else None)
+        missing_refs: tuple[str, ...] = ()
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
+            refs = await check_references(self.client, job, priority_class=priority_class_name(job))
+            missing_refs = refs.missing if finish is None else ()
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
             raw_engine_set = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
@@ -230,20 +255,28 @@ class Reconciler:
                 engine_rollout=upgrade.rollout,
                 upgrade_canary=upgrade.canary,
                 trainer_image=upgrade.trainer_image,
+                admitted=admission.runs,
+                priority=refs.priority,
             )
             children = desired(job, facts)
-            known = {("RayJob", trainer): raw_ray_job, ("StatefulSet", engine_name): raw_engine_set}
+            known = {
+                ("RayJob", trainer): raw_ray_job,
+                ("StatefulSet", engine_name): raw_engine_set,
+                ("Workload", workload_name): raw_workload,
+            }
             read = await self._read(children, known=known)
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
             conflict = conflicts[0] if conflicts else None
             missing = await self._missing_claims(job) if finish is None else ()
-            if conflict is not None or missing:
+            if conflict is not None or missing or missing_refs:
                 outcome.valid = False
                 observed["StatefulSet"] = next((h for c, h, a in plans if c["kind"] == "StatefulSet"
                                                 and a.verb != "conflict"), None)  # fmt: skip
             else:
                 await self._write_all(job, plans, finish is not None, expired, observed, outcome)
+                if queued and outcome.error is None:
+                    await self._settle_workload(job, observed, finish, outcome)
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
             engines = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace,
@@ -260,6 +293,9 @@ class Reconciler:
             workloads_deleted=expired or recorded,
             name_conflict=conflict,
             missing_claims=missing,
+            missing_references=missing_refs,
+            kueue_installed=kueue,
+            admission=admission,
             namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
             api_error=self._reported_error(job, outcome.error),
             upgrade=upgrade.status,
@@ -315,6 +351,25 @@ class Reconciler:
             have = await self.client.get(kind_of(child), child["metadata"].get("namespace"), key[1])
             out.append((child, have))
         return out
+
+    async def _settle_workload(
+        self,
+        job: RLJob,
+        observed: dict[str, dict[str, Any] | None],
+        finish: Finish | None,
+        outcome: Outcome,
+    ) -> None:
+        """The job controller's part of Kueue's protocol (operator/admission.py), after the children converged."""
+        workload = observed.get("Workload")
+        active = _engines_running(observed.get("StatefulSet")) or _trainer_running(observed.get("RayJob"))
+        try:
+            done = await settle(self.client, workload, active=active, finish=finish, now=self.clock())
+        except KubeError as exc:
+            if exc.status != 409:  # 409: Kueue wrote the Workload meanwhile; the next pass reads it again
+                outcome.error = exc
+            return
+        if done is not None:
+            outcome.written.append(f"{done} (Workload/{meta.child_name(job, meta.ROLE_WORKLOAD)})")
 
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""
@@ -425,6 +480,8 @@ class Reconciler:
             upgrade = job.status.upgrade if job.status else None
             if kind == "Job" and not (expired or (upgrade is not None and upgrade.phase in ("Rolling", "Blocked"))):
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
+            if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):
+                continue
             have = await self.client.get(KINDS[kind], job.metadata.namespace, name)
             if have is None or not is_ours(have, job.metadata.uid):
                 continue  # absent, or not ours: never delete what this RLJob does not control
@@ -458,6 +515,22 @@ class Reconciler:
         self._canaries[uid] = (time.monotonic(), result)
         log.info("canary for %s/%s: %s", job.metadata.namespace, job.metadata.name, result.message)
         return _replace(obs, canary=result)
+
+
+def _engines_running(engine_set: dict[str, Any] | None) -> bool:
+    status = (engine_set or {}).get("status") or {}
+    return int(status.get("replicas") or 0) > 0 or int(((engine_set or {}).get("spec") or {}).get("replicas") or 0) > 0
+
+
+# KubeRay's jobDeploymentStatus values in which a RayCluster of the job may still hold pods.
+_RAY_ACTIVE = frozenset({"Initializing", "Running", "Suspending", "Retrying", "Waiting"})
+
+
+def _trainer_running(ray_job: dict[str, Any] | None) -> bool:
+    if ray_job is None:
+        return False
+    deployment = str(((ray_job.get("status") or {}).get("jobDeploymentStatus")) or "")
+    return deployment in _RAY_ACTIVE or (deployment == "" and not (ray_job.get("spec") or {}).get("suspend"))
 
 
 def _waiting_for_pods(job: RLJob, obs: Observed) -> bool:

@@ -17,6 +17,7 @@ from r3operator.api.enums import ReplayMode
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus, WorkloadCounts
 from r3operator.operator import meta
+from r3operator.operator.admission import AdmissionState
 from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended
@@ -27,6 +28,7 @@ _REFUSED_WRITE = (Reason.API_ERROR, Reason.NAMESPACE_TERMINATING)
 CONDITION_ORDER = (
     T.READY,
     T.VALID,
+    T.ADMITTED,
     T.ENGINES_READY,
     T.TRAINER_READY,
     T.ROUTING_REPLAY_ACTIVE,
@@ -87,7 +89,43 @@ def _valid(job: RLJob, obs: Observed) -> Desired:
             Reason.CLAIM_NOT_FOUND,
             f"{claims} not found in namespace {job.metadata.namespace}: create it or fix the spec",
         )
+    if not obs.kueue_installed:
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.KUEUE_MISSING,
+            "spec.queueName is set but the Kueue Workload API (workloads.kueue.x-k8s.io, v1beta1) is not served: "
+            "install Kueue or remove spec.queueName",
+        )
+    if obs.missing_references:
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.REFERENCE_NOT_FOUND,
+            f"{'; '.join(obs.missing_references)} (namespace {job.metadata.namespace}): create them or fix the "
+            "spec; nothing was created",
+        )
     return Desired(T.VALID, S.TRUE, Reason.SPEC_VALID, "all compatibility rules passed")
+
+
+_ADMITTED: dict[AdmissionState, tuple[S, Reason]] = {
+    AdmissionState.NOT_QUEUED: (S.TRUE, Reason.NOT_QUEUED),
+    AdmissionState.ADMITTED: (S.TRUE, Reason.ADMITTED),
+    AdmissionState.PENDING: (S.FALSE, Reason.WAITING_FOR_ADMISSION),
+    AdmissionState.EVICTED: (S.FALSE, Reason.EVICTED),
+    AdmissionState.FINISHED: (S.FALSE, Reason.QUOTA_RELEASED),
+}
+
+
+def _admitted(obs: Observed) -> Desired:
+    admission = obs.admission
+    status, reason = _ADMITTED[admission.state]
+    message = admission.message
+    if admission.state is AdmissionState.PENDING:
+        message = f"waiting for Kueue to admit engines and trainer as one workload: {message}"
+    elif admission.state is AdmissionState.EVICTED:
+        message = f"evicted by Kueue ({admission.reason}): {message}; suspended and queued again"
+    return Desired(T.ADMITTED, status, reason, message)
 
 
 def _blocked(obs: Observed) -> Desired | None:
@@ -214,13 +252,17 @@ def _terminal(old: dict[str, Condition], obs: Observed) -> tuple[Desired, Desire
     return succeeded, failed
 
 
-def _suspended(job: RLJob, obs: Observed) -> Desired:
-    if not is_suspended(job):
+def _suspended(job: RLJob, obs: Observed, admitted: Desired) -> Desired:
+    held = admitted.status is not S.TRUE and admitted.reason is not Reason.QUOTA_RELEASED
+    if not is_suspended(job) and not held:
         return Desired(T.SUSPENDED, S.FALSE, Reason.ACTIVE, "runPolicy.suspend is false")
     sts_pods = int(((obs.engine_set or {}).get("status") or {}).get("replicas") or 0)
     sts_spec = int(((obs.engine_set or {}).get("spec") or {}).get("replicas") or 0)
     ray_suspended = obs.ray_job is None or bool((obs.ray_job.get("spec") or {}).get("suspend"))
     if sts_spec == 0 and sts_pods == 0 and ray_suspended:
+        if not is_suspended(job):
+            message = f"engines at 0 and the RayJob suspended: {admitted.message}"
+            return Desired(T.SUSPENDED, S.TRUE, admitted.reason, message)
         return Desired(T.SUSPENDED, S.TRUE, Reason.SUSPENDED, "engines scaled to 0 and the RayJob suspended")
     return Desired(T.SUSPENDED, S.FALSE, Reason.SUSPENDING, f"{sts_pods} engine pods still running")
 
@@ -247,6 +289,7 @@ def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
         (T.SUCCEEDED, S.FALSE),
         (T.VALID, S.TRUE),
         (T.PROGRESSING, S.TRUE),
+        (T.ADMITTED, S.TRUE),
         (T.SUSPENDED, S.FALSE),
         (T.ENGINES_READY, S.TRUE),
         (T.TRAINER_READY, S.TRUE),
@@ -266,6 +309,7 @@ def _ready(job: RLJob, by_type: dict[T, Desired]) -> Desired:
 def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
     old = _old(job)
     valid = _valid(job, obs)
+    admitted = _admitted(obs)
     succeeded, failed = _terminal(old, obs)
     stopped: Desired | None = None
     if succeeded.status is S.TRUE or failed.status is S.TRUE:
@@ -273,15 +317,18 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         stopped = Desired(T.PROGRESSING, S.FALSE, reason, "the job finished")
     elif is_suspended(job):
         stopped = Desired(T.PROGRESSING, S.FALSE, Reason.SUSPENDED, "runPolicy.suspend is true")
+    elif valid.status is S.TRUE and admitted.status is not S.TRUE and admitted.reason is not Reason.QUOTA_RELEASED:
+        stopped = Desired(T.PROGRESSING, S.FALSE, admitted.reason, admitted.message)
     elif valid.status is not S.TRUE and obs.engine_set is None and obs.ray_job is None:
         stopped = Desired(T.PROGRESSING, S.FALSE, valid.reason, "no workload is created while the spec is invalid")
     engines = _engines(job, obs, stopped)
     trainer = _trainer(obs, stopped)
     replay = _replay(job, obs, engines)
-    suspended = _suspended(job, obs)
+    suspended = _suspended(job, obs, admitted)
     progressing = _progressing(obs, valid, stopped, [engines, trainer, replay])
     by_type = {
         T.VALID: valid,
+        T.ADMITTED: admitted,
         T.ENGINES_READY: engines,
         T.TRAINER_READY: trainer,
         T.ROUTING_REPLAY_ACTIVE: replay,

@@ -20,6 +20,15 @@ def _chain(*mutations: Mutation) -> Mutation:
 DATASET = {"name": "dataset", "datasetPath": "/data/math/train.jsonl"}
 MEGATRON = sets(**{"trainer.backend": "Megatron", "trainer.megatron": {"expertParallelSize": 8}})
 
+_POD_TEMPLATES = (
+    ("POD-TEMPLATE", "podTemplate"),
+    ("ENGINE-POD-TEMPLATE", "inference.podTemplate"),
+    ("TRAINER-POD-TEMPLATE", "trainer.podTemplate"),
+)
+
+_DATA_VOLUME = {"name": "data", "emptyDir": {}}
+_DATA_MOUNT = {"name": "data", "mountPath": "/data"}
+
 # rule id -> (passing mutation, failing mutation)
 CASES: dict[str, tuple[Mutation, Mutation]] = {
     "R3-EXECUTOR-RAY": (
@@ -190,4 +199,18 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
         sets(**{"inference.asyncScheduling": True}),
     ),
+    **{
+        f"{prefix}-DERIVED": (
+            sets(**{path: {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}], "labels": {"team": "rl"}}}),
+            sets(**{path: {"env": [{"name": "VLLM_PLUGINS", "value": "x"}], "labels": {"r3operator.io/role": "x"}}}),
+        )
+        for prefix, path in _POD_TEMPLATES
+    },
+    **{
+        f"{prefix}-MOUNTS": (
+            sets(**{path: {"volumes": [_DATA_VOLUME], "volumeMounts": [_DATA_MOUNT]}}),
+            sets(**{path: {"volumeMounts": [_DATA_MOUNT]}}),
+        )
+        for prefix, path in _POD_TEMPLATES
+    },
 }

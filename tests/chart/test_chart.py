@@ -105,6 +105,8 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("ray.io", "rayjobs", v) for v in crud}
         | {("batch", "jobs", v) for v in crud}  # the engine-upgrade canary
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
+        | {("kueue.x-k8s.io", "workloads", v) for v in crud} | {("kueue.x-k8s.io", "workloads/status", "patch")}
+        | {("scheduling.k8s.io", "priorityclasses", "get")}  # a pod template's PriorityClass must exist
         | {("networking.k8s.io", "networkpolicies", v) for v in crud}  # the engine port's fence
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
         | {("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings") for v in crud}
@@ -164,7 +166,7 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
     assert {d["metadata"]["namespace"] for d in bindings} == {"team-a", "team-b"}
     for binding in docs.kind("RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r3-r3operator", "namespace": "r3-system"}]
-    # Only reading the cluster-scoped CRDs and namespaces stays cluster-wide.
+    # Only reading the cluster-scoped CRDs, namespaces and PriorityClasses stays cluster-wide.
     (cluster_role,) = [d for d in docs.kind("ClusterRole") if not _aggregated(d)]
     assert cluster_role["rules"] == [
         {
@@ -173,6 +175,7 @@ def test_namespaced_mode_grants_a_role_per_watched_namespace(render) -> None:
             "verbs": ["get", "list", "watch"],
         },
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["get"]},
     ]
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" not in args

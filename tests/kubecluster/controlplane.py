@@ -11,6 +11,7 @@ a Job, and fails pods that carry the label in `FAIL_LABEL` (how tests drive a Ra
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -39,6 +40,11 @@ FAIL_LABEL = "kwok.r3operator.io/fail"
 # Pods owned by a Job in this namespace exit 1 instead of completing (a RayJob submitter that fails).
 FAIL_JOBS_NAMESPACE = "kwok-fail-jobs"
 ADMIN_USER = "r3-admin"
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
+KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
+KUEUE_CONVERTED = frozenset({"localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters"})
+"""The CRDs Kueue converts by webhook (its config/components/crd kustomization; the others convert with None)."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -437,6 +443,94 @@ class ControlPlane:
             env={"KUBECONFIG": str(self.kubeconfig)},
         )  # fmt: skip
         self._wait("kuberay-operator", proc, lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"))
+
+    def start_kueue(self) -> None:
+        """Kueue's CRDs, webhooks and controller, once (idempotent): started by the tests that queue jobs.
+
+        Kueue serves v1beta1 and v1beta2 through its conversion webhook, so the apiserver must reach Kueue's
+        webhook server: the Service ``kueue-webhook-service`` is an ExternalName for localhost (the apiserver
+        dials ``localhost:<port>`` and checks the certificate against the Service's DNS name, which Kueue's
+        cert rotator puts in it). Kueue's admission webhooks are registered for its own API group only: the
+        ones for Pods, Deployments and Jobs would reach into every other test. Kueue manages only what
+        carries a queue name, with the batch/job integration alone.
+        """
+        if "kueue" in self.processes:
+            return
+        kueue_dir = self.bin_dir.parent / "kueue"
+        port, probe = _free_port(), _free_port()
+        service = {"namespace": KUEUE_NAMESPACE, "name": KUEUE_WEBHOOK_SERVICE, "port": port}
+        if self.request("GET", f"/api/v1/namespaces/{KUEUE_NAMESPACE}") is None:
+            self.request("POST", "/api/v1/namespaces", {"metadata": {"name": KUEUE_NAMESPACE}})
+            # Kueue's release manifests ship these two; its cert rotator fills the Secret, it does not create it.
+            secret = {"metadata": {"name": KUEUE_CERT_SECRET}, "type": "Opaque"}
+            self.request("POST", f"/api/v1/namespaces/{KUEUE_NAMESPACE}/secrets", secret)
+            external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
+            self.request("POST", f"/api/v1/namespaces/{KUEUE_NAMESPACE}/services",
+                         {"metadata": {"name": KUEUE_WEBHOOK_SERVICE}, "spec": external})  # fmt: skip
+        kubectl = kubectl_binary()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        manifests = self.workdir / "kueue-manifests"
+        manifests.mkdir(exist_ok=True)
+        for path in sorted((kueue_dir / "crds").glob("*.yaml")):
+            crd = yaml.safe_load(path.read_text())
+            if crd["spec"]["names"]["plural"] in KUEUE_CONVERTED:
+                crd["spec"]["conversion"] = {
+                    "strategy": "Webhook",
+                    "webhook": {"clientConfig": {"service": {**service, "path": "/convert"}},
+                                "conversionReviewVersions": ["v1"]},
+                }  # fmt: skip
+            (manifests / path.name).write_text(yaml.safe_dump(crd))
+        for config in yaml.safe_load_all((kueue_dir / "webhooks.yaml").read_text()):
+            if not config:
+                continue
+            kind = "mutating" if config["kind"].startswith("Mutating") else "validating"
+            config["metadata"]["name"] = f"kueue-{kind}-webhook-configuration"
+            config["webhooks"] = [
+                {**hook, "clientConfig": {"service": {**service, "path": hook["clientConfig"]["service"]["path"]}}}
+                for hook in config["webhooks"]
+                if all(group == "kueue.x-k8s.io" for rule in hook["rules"] for group in rule["apiGroups"])
+            ]
+            (manifests / f"webhooks-{kind}.yaml").write_text(yaml.safe_dump(config))
+        _run([kubectl, "apply", "--server-side", "-f", str(manifests)], env=env)
+        self.wait_established("workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io")
+        cert_dir = self.workdir / "kueue-certs"
+        config = {
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+            "kind": "Configuration",
+            "namespace": KUEUE_NAMESPACE,
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
+            "metrics": {"bindAddress": "0"},
+            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {
+                "enable": True,
+                "webhookServiceName": KUEUE_WEBHOOK_SERVICE,
+                "webhookSecretName": KUEUE_CERT_SECRET,
+            },
+            "manageJobsWithoutQueueName": False,
+            "integrations": {"frameworks": ["batch/job"]},
+        }
+        config_path = self.workdir / "kueue-config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        proc = self._spawn(
+            "kueue",
+            [str(self.bin_dir / "kueue"), "--config", str(config_path), "--feature-gates", "VisibilityOnDemand=false"],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )
+
+        def ready() -> bool:
+            self._mount_secret(KUEUE_NAMESPACE, KUEUE_CERT_SECRET, cert_dir)
+            return _http_ok(f"http://127.0.0.1:{probe}/readyz")
+
+        self._wait("kueue", proc, ready, timeout=120)
+
+    def _mount_secret(self, namespace: str, name: str, directory: Path) -> None:
+        """What a kubelet's secret volume does: the Secret's keys as files. Kueue's cert rotator writes its
+        serving certificate into the Secret and waits until it appears in its certDir."""
+        secret = self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}") or {}
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, value in (secret.get("data") or {}).items():
+            (directory / key).write_bytes(base64.b64decode(value))
 
     def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
         def established(name: str) -> bool:

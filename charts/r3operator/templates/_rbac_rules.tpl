@@ -40,6 +40,14 @@ pods are listed, never written).
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
+# The Workload of a queued RLJob (spec.queueName), and its status: the operator is its job controller
+# (it releases the quota of an evicted Workload and marks a finished one, operator/admission.py).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 # Per RLJob: the trainer's ServiceAccount, a Role naming only that RLJob, and their RoleBinding.
 # The API server lets the operator grant in a Role only what it holds itself (get on rljobs,
 # get/patch on rljobs/status, above): no `bind` or `escalate` is needed.

@@ -18,6 +18,7 @@ from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
 from r3operator.operator.builders.model import ModelMount, model_mount
+from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import ENGINE_UID, container_security_context, pod_security_context
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.settings import CONFIG_DIR, ROUTING_MOUNT
@@ -172,6 +173,22 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
         "securityContext": container_security_context(),
         **probes(job),
     }
+    pod: dict[str, Any] = {
+        "metadata": {
+            "labels": meta.labels(job, meta.ROLE_ENGINE),
+            "annotations": {meta.ANNOTATION_SPEC_HASH: engine_spec_hash(job.spec)},
+        },
+        "spec": {
+            # vLLM never calls the Kubernetes API: no token in the engine pods.
+            "automountServiceAccountToken": False,
+            "securityContext": pod_security_context(ENGINE_UID),
+            **({"initContainers": model.init_containers} if model.init_containers else {}),
+            "containers": [container],
+            "volumes": volumes,
+            "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
+            "terminationGracePeriodSeconds": 60,
+        },
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -181,21 +198,6 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
             "replicas": engine_pod_count(job, replicas=replicas),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": meta.selector_labels(job, meta.ROLE_ENGINE)},
-            "template": {
-                "metadata": {
-                    "labels": meta.labels(job, meta.ROLE_ENGINE),
-                    "annotations": {meta.ANNOTATION_SPEC_HASH: engine_spec_hash(job.spec)},
-                },
-                "spec": {
-                    # vLLM never calls the Kubernetes API: no token in the engine pods.
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security_context(ENGINE_UID),
-                    **({"initContainers": model.init_containers} if model.init_containers else {}),
-                    "containers": [container],
-                    "volumes": volumes,
-                    "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
-                    "terminationGracePeriodSeconds": 60,
-                },
-            },
+            "template": apply_template(pod, CONTAINER_NAME, role_template(job, meta.ROLE_ENGINE)),
         },
     }

@@ -1,8 +1,8 @@
 """The trainer: a KubeRay ``RayJob`` (ray.io/v1) whose entrypoint is the r3operator runtime driver.
 
 The head pod is trainer node 0 (it gets ``gpusPerNode`` GPUs and runs the driver); the worker group
-has ``nodes - 1`` replicas. Every pod runs as the ServiceAccount ``<job>-trainer`` (build/trainer_rbac.py)
-and mounts the routing volume and the runtime config. ``spec.suspend``
+has ``nodes - 1`` replicas. Every pod runs as the ServiceAccount ``<job>-trainer`` or the one a pod
+template names (builders/trainer_rbac.py) and mounts the routing volume and the runtime config. ``spec.suspend``
 mirrors ``runPolicy.suspend``; the spec hash annotation tells the reconciler when the trainer spec
 changed (KubeRay fixes a RayJob's cluster per run, so a changed trainer is re-created, not patched).
 """
@@ -15,6 +15,7 @@ from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.model import model_mount
+from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
 from r3operator.operator.builders.trainer_rbac import trainer_service_account_name
 from r3operator.operator.hashing import trainer_spec_hash
@@ -83,7 +84,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
     }
     if ports:
         container["ports"] = ports
-    return {
+    pod = {
         "metadata": {"labels": meta.labels(job, meta.ROLE_TRAINER)},
         "spec": {
             # <job>-trainer may patch this RLJob's status, and no other RLJob's (builders/trainer_rbac.py).
@@ -100,6 +101,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
             ],
         },
     }
+    return apply_template(pod, container_name, role_template(job, meta.ROLE_TRAINER))
 
 
 def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:

@@ -16,16 +16,26 @@ from typing import Any
 
 from r3operator.api.v1alpha1 import GROUP, PLURAL, RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.overrides import role_template
 
 RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
 RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
+def chosen_service_account(job: RLJob) -> str | None:
+    """The trainer pods' ServiceAccount named by a pod template (trainer's, else spec.podTemplate), if any."""
+    template = role_template(job, meta.ROLE_TRAINER)
+    return template.service_account_name if template is not None else None
+
+
 def trainer_service_account_name(job: RLJob) -> str:
-    return meta.child_name(job, meta.ROLE_TRAINER)
+    """The ServiceAccount the trainer pods run as, and the one the Role is bound to: a chosen one keeps
+    exactly the narrow grant of <job>-trainer (the Role is the same), it just runs under the user's name."""
+    return chosen_service_account(job) or meta.child_name(job, meta.ROLE_TRAINER)
 
 
 def build_trainer_service_account(job: RLJob) -> dict[str, Any]:
+    """<job>-trainer; not created when a pod template names the trainer's ServiceAccount."""
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
