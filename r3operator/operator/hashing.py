@@ -39,7 +39,21 @@ def _model(spec: RLJobSpec) -> dict[str, Any]:
     # an operator upgrade restarts nothing.
     if not spec.model.trust_remote_code:
         model.pop("trustRemoteCode", None)
+    for added in _ADDED_MODEL_FIELDS:
+        if model.get(added) is None:
+            model.pop(added, None)
     return model
+
+
+_ADDED_MODEL_FIELDS = ("s3", "cache")
+"""Model fields added after the first release, left out while unset for the same reason."""
+
+
+def _task(spec: RLJobSpec) -> dict[str, Any]:
+    task = _dump(spec.task)
+    if task.get("s3") is None:
+        task.pop("s3", None)
+    return task
 
 
 def engine_hash_input(spec: RLJobSpec) -> dict[str, Any]:
@@ -62,7 +76,7 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
         "trainer": _dump(spec.trainer),
         "rollout": _dump(spec.rollout),
         "algorithm": _dump(spec.algorithm),
-        "task": _dump(spec.task),
+        "task": _task(spec),
         "weightSync": _dump(spec.weight_sync),
         "checkpoint": _dump(spec.checkpoint),
         "storage": storage,
@@ -77,3 +91,18 @@ def engine_spec_hash(spec: RLJobSpec) -> str:
 
 def trainer_spec_hash(spec: RLJobSpec) -> str:
     return _digest(trainer_hash_input(spec))
+
+
+def model_fetch_hash(spec: RLJobSpec) -> str:
+    """What the model-fetch Job's pod runs: a change re-creates the Job (a Job's template is immutable)."""
+    model = spec.model
+    return _digest(
+        {
+            "uri": model.uri,
+            "revision": model.revision,
+            "tokenSecretRef": _dump(model.token_secret_ref),
+            "s3": _dump(model.s3),
+            "cache": _dump(model.cache),
+            "image": spec.trainer.image,
+        }
+    )

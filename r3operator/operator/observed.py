@@ -35,6 +35,9 @@ class Observed:
     """``Kind/name …`` of a child's name held by an object this RLJob does not control."""
     missing_claims: tuple[str, ...] = ()
     """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
+    model_fetch: str | None = None
+    """While the model cache is not filled: ``"running"``, or the failed model-fetch Job's message."""
+    model_fetch_failed: bool = False
     namespace_terminating: bool = False
     upgrade: UpgradeStatus | None = None
     """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""
