@@ -89,6 +89,8 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
         cluster.apply(example(stable, NS))
         wait_for(lambda: all(cluster.get(p) for p in _child_paths(stable)), what="children of the stable job")
         wait_for(lambda: condition(cluster.get(paths(NS, stable)["rljob"]), "Valid"), what="status")
+        # Running: the model-fetch Job has filled the cache and the engines are scaled up.
+        wait_for(lambda: cluster.get(paths(NS, stable)["sts"])["spec"]["replicas"] > 0, what="stable engines up")
     _check(runner)
 
     # What an operator killed in the middle of its first pass leaves behind: the RLJob, and only the
