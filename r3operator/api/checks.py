@@ -434,19 +434,6 @@ def checkpoints_fit_storage(c: RuleContext) -> str | None:
     )
 
 
-UNFETCHED_MODEL_SCHEMES = ("s3://", "gs://")
-
-
-def model_uri_scheme(c: RuleContext) -> str | None:
-    uri = c.spec.model.uri
-    if uri.startswith(UNFETCHED_MODEL_SCHEMES):
-        return (
-            f"model.uri {uri}: s3:// and gs:// models are not fetched into the pods yet; copy the model to a "
-            "PersistentVolumeClaim (pvc://claim/path) or use hf://org/name"
-        )
-    return None
-
-
 def stock_engine_image(c: RuleContext) -> str | None:
     image = c.spec.inference.image
     if image_repository(image) not in STOCK_VLLM_REPOSITORIES:

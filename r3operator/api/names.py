@@ -43,6 +43,8 @@ ROLE_UPGRADE_CANARY = "upgrade-canary"
 JOB_POD_SUFFIX = 6
 """The Job controller names its pods ``<job>-<5 random characters>``, a DNS label."""
 ROLE_WORKLOAD = "workload"
+ROLE_MODEL_CACHE = "model-cache"
+ROLE_MODEL_FETCH = "model-fetch"
 
 CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_STORAGE, "routing", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
@@ -58,6 +60,9 @@ CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_UPGRADE_CANARY, "upgrade-canary", DNS_LABEL_MAX - JOB_POD_SUFFIX,
               "Job of the engine-upgrade canary (its pods are <job>-<5 characters>)"),
     ChildName(ROLE_WORKLOAD, "workload", DNS_SUBDOMAIN_MAX, "Kueue Workload"),
+    ChildName(ROLE_MODEL_CACHE, "model-cache", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
+    ChildName(ROLE_MODEL_FETCH, "model-fetch", DNS_LABEL_MAX - JOB_POD_SUFFIX,
+              "Job that fills the model cache (its pods are <job>-<5 characters>)"),
 )
 SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
 

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from r3operator.api import checks
+from r3operator.api import checks, source_checks
 from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_PATTERN
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
@@ -458,13 +458,14 @@ RULES: tuple[Rule, ...] = (
         E,
         "spec.model.uri",
         ("model.uri",),
-        "s3:// and gs:// models are not fetched yet",
-        ("r3operator: engine/args.py model_source",),
-        checks.model_uri_scheme,
+        "gs:// models are not fetched",
+        ("r3operator: docs/models.md",),
+        source_checks.model_uri_scheme,
         CelRule(
-            "!self.model.uri.startsWith('s3://') && !self.model.uri.startsWith('gs://')",
-            "'model.uri ' + self.model.uri + ': s3:// and gs:// models are not fetched into the pods yet; copy the "
-            "model to a PersistentVolumeClaim (pvc://claim/path) or use hf://org/name'",
+            "!self.model.uri.startsWith('gs://')",
+            "'model.uri ' + self.model.uri + ': gs:// models are not fetched; copy the model to an S3-compatible "
+            "bucket (s3://bucket/prefix with model.s3) or a PersistentVolumeClaim (pvc://claim/path), or use "
+            "hf://org/name'",
             ".model.uri",
         ),
     ),
@@ -537,6 +538,64 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     *_pod_template_rules(),
+    Rule(
+        "MODEL-S3-CREDENTIALS",
+        E,
+        "spec.model.s3",
+        ("model.uri", "model.s3"),
+        "an s3:// model needs a credentials Secret",
+        ("r3operator: docs/models.md",),
+        source_checks.model_s3_credentials,
+        CelRule(
+            "!self.model.uri.startsWith('s3://') || has(self.model.s3)",
+            "'model.uri ' + self.model.uri + ' needs model.s3.credentialsSecret: a Secret with AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY (model.s3.endpointURL for an S3-compatible store)'",
+            ".model.s3",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
+        "DATASET-URI-SCHEME",
+        E,
+        "spec.task.datasetPath",
+        ("task.datasetPath",),
+        "a dataset is a path or s3://",
+        ("r3operator: docs/models.md",),
+        source_checks.dataset_uri_scheme,
+        CelRule(
+            "!has(self.task.datasetPath) || !self.task.datasetPath.contains('://') || "
+            "self.task.datasetPath.startsWith('s3://') || self.task.datasetPath.startsWith('file://')",
+            "'task.datasetPath ' + self.task.datasetPath + ': use a path (on the routing volume or in the image) "
+            "or s3://bucket/key'",
+            ".task.datasetPath",
+        ),
+    ),
+    Rule(
+        "DATASET-S3-CREDENTIALS",
+        E,
+        "spec.task.s3",
+        ("task.datasetPath", "task.s3"),
+        "an s3:// dataset needs a credentials Secret",
+        ("r3operator: docs/models.md",),
+        source_checks.dataset_s3_credentials,
+        CelRule(
+            "!has(self.task.datasetPath) || !self.task.datasetPath.startsWith('s3://') || has(self.task.s3)",
+            "'task.datasetPath ' + self.task.datasetPath + ' needs task.s3.credentialsSecret: a Secret with "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)'",
+            ".task.s3",
+            "FieldValueRequired",
+        ),
+    ),
+    # Python-only: the resolver's own parse (api/sources.py), which CEL cannot repeat.
+    Rule(
+        "MODEL-URI-FORM",
+        E,
+        "spec.model.uri",
+        ("model.uri", "model.revision"),
+        "the model URI parses, with one revision",
+        ("r3operator: api/sources.py",),
+        source_checks.model_uri_form,
+    ),
     # Python-only: need the vLLM version matrix (outside facts).
     Rule(
         "R3-VLLM-MIN-VERSION",

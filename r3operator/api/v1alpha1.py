@@ -82,13 +82,46 @@ class SecretKeyRef(_Model):
     key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
 
 
+class S3Access(_Model):
+    """How to reach an s3:// bucket: AWS S3 or any S3-compatible store (MinIO, Ceph RGW, R2, ...)."""
+
+    credentials_secret: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """Secret in the RLJob's namespace with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and
+    AWS_SESSION_TOKEN for temporary credentials); only the fetch step gets them, as secretKeyRef env."""
+    endpoint_url: str | None = Field(
+        default=None, alias="endpointURL", max_length=512, pattern=r"^https?://[^\s/]+(/[^\s]*)?$"
+    )
+    """An S3-compatible store's URL, e.g. http://minio.storage:9000; unset: AWS S3."""
+    region: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9-]+$")
+
+
+class ModelCacheSpec(_Model):
+    """The volume hf:// and s3:// models are fetched into once, then mounted read-only by every engine and
+    trainer pod."""
+
+    claim_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """A claim the user owns, shared by RLJobs (a model already in it is not fetched again); unset: the
+    operator creates <job>-model-cache for this RLJob."""
+    size: Quantity = "200Gi"
+    """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
+    storage_class_name: str | None = Field(default=None, max_length=253)
+    access_mode: AccessMode = AccessMode.READ_WRITE_MANY
+    """ReadWriteMany lets engine and trainer pods on several nodes read it; ReadWriteOnce fits one node."""
+
+
 class ModelSpec(_Model):
     uri: str = Field(max_length=1024, pattern=MODEL_URI_PATTERN)
-    """Where the weights live: hf://org/name (downloaded into each pod), pvc://claim/path (mounted
-    read-only), file:///path (inside the image), or r3operator://reference/<name> for the project's
-    generated reference MoE. s3:// and gs:// are refused for now (MODEL-URI-SCHEME)."""
+    """Where the weights live: hf://org/name[@revision] or s3://bucket/prefix (fetched once into the model
+    cache), pvc://claim/path (mounted read-only), file:///path (inside the image), or
+    r3operator://reference/<name> for the project's generated reference MoE. gs:// is refused
+    (MODEL-URI-SCHEME). docs/models.md has each scheme."""
     revision: str | None = Field(default=None, max_length=128)
-    """Commit, tag or branch for hf:// models; pin it for reproducible runs."""
+    """Commit, tag or branch for hf:// models (or hf://org/name@revision); pin it for reproducible runs."""
+    s3: S3Access | None = None
+    """Credentials and endpoint for an s3:// model (required with one: S3-CREDENTIALS)."""
+    cache: ModelCacheSpec | None = None
+    """Where hf:// and s3:// models are fetched to (unset: a per-job claim of the default size; unused by
+    the other schemes)."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
     gates the code-loading flags in inference.extraArgs (rule EXTRA-ARGS-CODE-LOADING)."""
@@ -275,7 +308,10 @@ class TaskSpec(_Model):
     """Built-in verifiable task (`count`, `next`, the multi-turn `guess`) or `dataset` for datasetPath."""
     dataset_path: str | None = Field(default=None, max_length=1024)
     """A JSONL (.jsonl) or Parquet (.parquet) file whose rows hold `prompt` (a string) or `messages` (a chat
-    list), `answer` (a string) and optionally `id`; a path inside the trainer container."""
+    list), `answer` (a string) and optionally `id`; a path inside the trainer container, or s3://bucket/key, which
+    the trainer's head pod fetches before it starts (DATASET-URI-SCHEME, docs/models.md)."""
+    s3: S3Access | None = None
+    """Credentials and endpoint for an s3:// datasetPath (required with one: DATASET-S3-CREDENTIALS)."""
     reward: RewardKind = RewardKind.EXACT_MATCH
     """exact-match / prefix-match (built-in tasks); exact-match / math / function / http (dataset)."""
     reward_function: str | None = Field(default=None, max_length=256, pattern=REWARD_FUNCTION_PATTERN)

@@ -137,7 +137,7 @@ def rules(
 
 def _mount_optional() -> None:
     # Sub-apps live in their own modules so `r3operator validate` stays import-light.
-    from r3operator.cli import observe_cmds, operator_cmds, routing, run_cmd
+    from r3operator.cli import fetch_cmd, observe_cmds, operator_cmds, routing, run_cmd
     from r3operator.cli.up import command as up_command
 
     app.add_typer(routing.app, name="routing")
@@ -147,6 +147,7 @@ def _mount_optional() -> None:
     app.command("up")(up_command.up)
     app.command("reference-model")(run_cmd.reference_model)
     app.command("upgrade-canary")(run_cmd.upgrade_canary)
+    app.command("fetch")(fetch_cmd.fetch)
     app.command("dashboard-preview")(observe_cmds.dashboard_preview)
     app.command("dashboards")(observe_cmds.dashboards)
 

@@ -79,6 +79,9 @@ def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:
         f"{plan.trainer_gpus_total} GPUs, EP {plan.trainer_expert_parallel_size}",
     )
     t.add_row("replay", plan.replay_path)
+    from r3operator.cli.sources_view import model_summary
+
+    t.add_row("model", model_summary(job))
     if plan.routing_bytes_per_token is not None:
         t.add_row(
             "routing data",

@@ -18,9 +18,10 @@ import json
 from dataclasses import dataclass
 
 from r3operator.api.enums import KVConnector, ReplayMode
+from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.weight_transfer import cluster_transfer, weight_transfer_config_arg
-from r3operator.settings import HF_DOWNLOAD_SUBDIR, MODEL_MOUNT, REFERENCE_MODELS_DIR
+from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
@@ -38,41 +39,49 @@ _KV_CONNECTORS: dict[KVConnector, str] = {
 class ModelSource:
     """Where engine and trainer pods find the model of ``spec.model.uri``: the one resolver both use.
 
+    - ``hf://org/name[@rev]`` and ``s3://bucket/prefix``: fetched once into the model cache claim, which every
+      engine and trainer pod mounts read-only at MODEL_MOUNT; the model is ``MODEL_MOUNT/<cache key>``
+      (api/sources.py; runtime/fetch.py fills and verifies that directory);
     - ``pvc://claim/path``: the claim is mounted read-only at MODEL_MOUNT, the model is ``MODEL_MOUNT/path``;
-    - ``hf://org/name``: an init container downloads it (``revision`` pinned, token from
-      ``model.tokenSecretRef``) into an emptyDir at MODEL_MOUNT, the model is ``MODEL_MOUNT/hf/org/name``;
     - ``file:///path``: a path already inside the pod's image or node;
     - ``r3operator://reference/<name>``: generated onto the routing volume by the trainer driver;
-    - ``s3://``/``gs://``: passed through (the rule MODEL-URI-SCHEME refuses them: nothing fetches them).
+    - ``gs://``: passed through (the rule MODEL-URI-SCHEME refuses it: nothing fetches it).
     """
 
-    scheme: str
+    source: SourceURI
     directory: str
-    """The model's directory inside every pod (the URI itself for s3:// and gs://)."""
+    """The model's directory inside every pod (the URI itself for gs://)."""
     claim: str | None = None
     """pvc:// only: the PersistentVolumeClaim mounted at MODEL_MOUNT."""
-    hf_repo: str | None = None
-    """hf:// only: the repository the init container downloads."""
+
+    @property
+    def scheme(self) -> str:
+        return self.source.scheme
+
+    @property
+    def fetched(self) -> bool:
+        """Copied into the model cache before any engine or trainer pod starts."""
+        return self.source.fetched
 
     @property
     def mounted(self) -> bool:
-        """The pods get a ``model`` volume at MODEL_MOUNT (a claim or a download)."""
-        return self.claim is not None or self.hf_repo is not None
+        """The pods get a ``model`` volume at MODEL_MOUNT (the user's claim or the model cache)."""
+        return self.claim is not None or self.fetched
 
 
 def model_source(spec: RLJobSpec) -> ModelSource:
+    """SourceURIError for a URI the rules refuse (MODEL-URI-SCHEME); they run before anything is rendered."""
     uri = spec.model.uri
-    scheme, _, rest = uri.partition("://")
-    if scheme == "hf":
-        return ModelSource(scheme, f"{MODEL_MOUNT}/{HF_DOWNLOAD_SUBDIR}/{rest}", hf_repo=rest)
-    if scheme == "file":
-        return ModelSource(scheme, rest if rest.startswith("/") else "/" + rest)
-    if scheme == "pvc":
-        claim, _, sub = rest.partition("/")
-        return ModelSource(scheme, f"{MODEL_MOUNT}/{sub}".rstrip("/"), claim=claim)
-    if scheme == "r3operator":
-        return ModelSource(scheme, f"{REFERENCE_MODELS_DIR}/{rest.rsplit('/', 1)[-1]}")
-    return ModelSource(scheme, uri)
+    source = parse_source_uri(uri, revision=spec.model.revision)
+    if source.fetched:
+        return ModelSource(source, f"{MODEL_MOUNT}/{source.cache_key}")
+    if source.scheme == "pvc":
+        return ModelSource(source, f"{MODEL_MOUNT}/{source.path}".rstrip("/"), claim=source.location)
+    if source.scheme == "file":
+        return ModelSource(source, source.location)
+    if source.scheme == "r3operator":
+        return ModelSource(source, f"{REFERENCE_MODELS_DIR}/{source.location}")
+    return ModelSource(source, uri)
 
 
 def model_path(spec: RLJobSpec) -> str:

@@ -23,6 +23,7 @@ Rules per kind:
 - RoleBinding: ``roleRef`` is immutable: a different one means delete-and-recreate.
 - Workload (Kueue): a different spec hash (pod sets, queue, priority) means delete-and-recreate; the
   status is Kueue's and the job controller's (operator/admission.py), never applied.
+- Job (the model fetch): a different spec hash means delete-and-recreate; otherwise it is left alone.
 - Everything else: the whole object is applied when a field we set differs.
 """
 
@@ -126,12 +127,15 @@ def _partition(statefulset: dict[str, Any]) -> int:
 
 
 def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
-    """A Job's pod template is immutable: a Job of another upgrade attempt is replaced, never patched."""
+    """A Job's pod template is immutable: a Job of another upgrade attempt, or a model-fetch Job whose spec
+    hash changed, is replaced, never patched; a finished model-fetch Job is the record that the cache is filled."""
     label = f"{meta.PREFIX}/upgrade-attempt"
     if (want["metadata"].get("labels") or {}).get(label) != ((have.get("metadata") or {}).get("labels") or {}).get(
         label
     ):
         return Action("recreate", want, why="another upgrade attempt")
+    if _hash(want, "metadata") != _hash(have, "metadata"):
+        return Action("recreate", want, why="spec changed")
     return Action("none")
 
 

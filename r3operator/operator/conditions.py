@@ -55,6 +55,10 @@ class Reason(StrEnum):
     SUSPENDING = "Suspending"
     ACTIVE = "Active"
     JOB_FINISHED = "JobFinished"
+    FETCHING_MODEL = "FetchingModel"
+    """The model-fetch Job is filling the model cache; engines and trainer wait for it."""
+    MODEL_FETCH_FAILED = "ModelFetchFailed"
+    """The model-fetch Job failed (its backoffLimit is spent); its pod's log says why."""
     WORKLOADS_DELETED = "WorkloadsDeleted"
     # RoutingReplayActive
     REPLAY_DISABLED = "ReplayDisabled"

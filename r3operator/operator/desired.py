@@ -6,7 +6,8 @@ trainer RayJob finish, has the TTL after that passed) — never on the RLJob's s
 
 Lifecycle:
 - running: PVC, ConfigMap, engine Service + StatefulSet + NetworkPolicy, trainer ServiceAccount + Role +
-  RoleBinding, RayJob, PodMonitor;
+  RoleBinding, RayJob, PodMonitor; for an hf:// or s3:// model also the model cache claim and its fetch Job;
+- filling the model cache (the fetch Job has not completed): engines at 0 replicas, RayJob ``suspend: true``;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
   it (and again when Kueue evicts it) the children are those of a suspended job;
@@ -26,6 +27,7 @@ from r3operator.api.enums import RetainPolicy
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
+from r3operator.operator.builders.model_cache import build_model_cache_claim, build_model_fetch_job
 from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
 from r3operator.operator.builders.network import build_engine_network_policy
 from r3operator.operator.builders.storage import build_routing_claim
@@ -66,6 +68,9 @@ class Facts:
     """Kueue admitted the job's Workload and has not evicted it (always true without spec.queueName)."""
     priority: int | None = None
     """The value of the PriorityClass the pods name, for the Workload's priority."""
+    model_fetched: bool = True
+    """The model-fetch Job completed (builders/model_cache.py); only read when the model is fetched.
+    Until then engines stay at 0 replicas and the RayJob suspended: nothing reads a cache being filled."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -74,10 +79,17 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     if facts.expired:
         keep = claim is not None and job.spec.storage.retain_policy is RetainPolicy.RETAIN
         return [claim] if keep and claim is not None else []
-    stopped = is_suspended(job) or facts.finished or not facts.admitted
+    fetch = build_model_fetch_job(job)
+    filling = fetch is not None and not facts.model_fetched
+    stopped = is_suspended(job) or facts.finished or not facts.admitted or filling
     children: list[dict[str, Any]] = []
     if claim is not None:
         children.append(claim)
+    cache = build_model_cache_claim(job)
+    if cache is not None:
+        children.append(cache)
+    if fetch is not None:
+        children.append(fetch)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
     children.append(_engine_statefulset(job, stopped=stopped, rollout=facts.engine_rollout))
@@ -90,9 +102,8 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))
-    children.append(
-        build_ray_job(_with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job) or not facts.admitted)
-    )
+    children.append(build_ray_job(_with_trainer_image(job, facts.trainer_image),
+                                  suspend=is_suspended(job) or not facts.admitted or filling))
     if job.spec.queue_name is not None:
         children.append(build_workload(job, priority=facts.priority))
     if facts.pod_monitor_crd and wants_pod_monitor(job):

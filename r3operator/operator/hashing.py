@@ -35,12 +35,7 @@ def _dump(model: Any) -> Any:
 
 
 def _model(spec: RLJobSpec) -> dict[str, Any]:
-    model = _dump(spec.model)
-    # Added after the first release: left out at its default so existing jobs keep their hashes and
-    # an operator upgrade restarts nothing.
-    if not spec.model.trust_remote_code:
-        model.pop("trustRemoteCode", None)
-    return model
+    return dict(_dump(spec.model))
 
 
 def _job_template(spec: RLJobSpec) -> dict[str, Any]:
@@ -85,3 +80,18 @@ def engine_spec_hash(spec: RLJobSpec) -> str:
 
 def trainer_spec_hash(spec: RLJobSpec) -> str:
     return digest(trainer_hash_input(spec))
+
+
+def model_fetch_hash(spec: RLJobSpec) -> str:
+    """What the model-fetch Job's pod runs: a change re-creates the Job (a Job's template is immutable)."""
+    model = spec.model
+    return digest(
+        {
+            "uri": model.uri,
+            "revision": model.revision,
+            "tokenSecretRef": _dump(model.token_secret_ref),
+            "s3": _dump(model.s3),
+            "cache": _dump(model.cache),
+            "image": spec.trainer.image,
+        }
+    )

@@ -42,6 +42,9 @@ class Observed:
     """The Kueue Workload API is served (checked only for a job with spec.queueName)."""
     admission: Admission = NOT_QUEUED
     """Kueue's verdict on the job's Workload."""
+    model_fetch: str | None = None
+    """While the model cache is not filled: ``"running"``, or the failed model-fetch Job's message."""
+    model_fetch_failed: bool = False
     namespace_terminating: bool = False
     upgrade: UpgradeStatus | None = None
     """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""

@@ -15,7 +15,7 @@ from typing import Any
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
-from r3operator.operator.builders.model import FETCH_CONTAINER
+from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name
 from r3operator.operator.builders.workload import POD_SET_ENGINE, POD_SET_HEAD, POD_SET_WORKERS, pod_sets
 
 GPU = "nvidia.com/gpu"
@@ -92,12 +92,16 @@ def _model(job: RLJob) -> str:
     revision = f" @ {model.revision}" if model.revision else " (revision not pinned)"
     if source.claim is not None:
         return f"{model.uri}: PersistentVolumeClaim {source.claim} mounted read-only, model at {source.directory}"
-    if source.hf_repo is not None:
-        token = "no token"
+    if source.fetched:
+        credentials = "no token"
         if model.token_secret_ref is not None:
-            token = f"token from Secret {model.token_secret_ref.name} key {model.token_secret_ref.key}"
-        how = f"downloaded by each pod's {FETCH_CONTAINER} init container"
-        return f"{model.uri}{revision}: {how} ({token}), no shared cache"
+            credentials = f"token from Secret {model.token_secret_ref.name} key {model.token_secret_ref.key}"
+        if model.s3 is not None:
+            credentials = f"credentials from Secret {model.s3.credentials_secret}"
+        shared = "shared claim" if cache_spec(job).claim_name else "per-job claim"
+        how = f"fetched once by Job {meta.child_name(job, meta.ROLE_MODEL_FETCH)} into the model cache"
+        return (f"{model.uri}{revision}: {how} ({credentials}); {shared} {model_cache_claim_name(job)} "
+                f"mounted read-only at {source.directory}")  # fmt: skip
     return f"{model.uri}: {source.directory}"
 
 

@@ -35,6 +35,11 @@ from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.builders.config import pods_per_replica
+from r3operator.operator.builders.model_cache import (
+    model_fetch_complete,
+    model_fetch_failed,
+    uses_model_cache,
+)
 from r3operator.operator.builders.workload import priority_class_name
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
@@ -74,6 +79,8 @@ _CHILD_KINDS = (
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
+    (meta.ROLE_MODEL_FETCH, "Job"),
+    (meta.ROLE_MODEL_CACHE, "PersistentVolumeClaim"),
     (meta.ROLE_TRAINER, "RayJob"),
     (meta.ROLE_UPGRADE_CANARY, "Job"),
 )
@@ -238,15 +245,25 @@ class Reconciler:
         missing: tuple[str, ...] = ()
         upgrade = UpgradePlan(job.status.upgrade if job.status else None)
         missing_refs: tuple[str, ...] = ()
+        observed_fetch: tuple[str | None, bool] = (None, False)
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
             refs = await check_references(self.client, job, priority_class=priority_class_name(job))
             missing_refs = refs.missing if finish is None else ()
+            fetch_job = await self._read_fetch_job(job)
+            fetch_ours = [o for o in fetch_job.values() if o is not None and is_ours(o, uid)]
+            fetched = all(model_fetch_complete(o) for o in fetch_ours) and len(fetch_ours) == len(fetch_job)
+            if not fetched:
+                failed = next((m for o in fetch_ours if (m := model_fetch_failed(o)) is not None), None)
+                observed_fetch = (failed or "running", failed is not None)
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
             raw_engine_set = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
-            upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=finish is not None, now=now)
+            # Engines down while the model cache fills: no upgrade canary can run against them.
+            stopped = finish is not None or not fetched
+            upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=stopped, now=now)
             facts = Facts(
+                model_fetched=fetched,
                 pod_monitor_crd=pod_monitor,
                 finished=finish is not None,
                 expired=expired,
@@ -263,6 +280,7 @@ class Reconciler:
                 ("RayJob", trainer): raw_ray_job,
                 ("StatefulSet", engine_name): raw_engine_set,
                 ("Workload", workload_name): raw_workload,
+                **fetch_job,
             }
             read = await self._read(children, known=known)
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
@@ -296,6 +314,8 @@ class Reconciler:
             missing_references=missing_refs,
             kueue_installed=kueue,
             admission=admission,
+            model_fetch=observed_fetch[0],
+            model_fetch_failed=observed_fetch[1],
             namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
             api_error=self._reported_error(job, outcome.error),
             upgrade=upgrade.status,
@@ -371,12 +391,21 @@ class Reconciler:
         if done is not None:
             outcome.written.append(f"{done} (Workload/{meta.child_name(job, meta.ROLE_WORKLOAD)})")
 
+    async def _read_fetch_job(self, job: RLJob) -> dict[tuple[str, str], dict[str, Any] | None]:
+        """The model-fetch Job as it is now (nothing when the model is not fetched), keyed like ``_read``'s known."""
+        if not uses_model_cache(job):
+            return {}
+        name = meta.child_name(job, meta.ROLE_MODEL_FETCH)
+        return {("Job", name): await self.client.get(KINDS["Job"], job.metadata.namespace, name)}
+
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""
         claims = [job.spec.storage.existing_claim] if job.spec.storage.existing_claim else []
         uri = job.spec.model.uri
         if uri.startswith("pvc://"):
             claims.append(uri.removeprefix("pvc://").split("/", 1)[0])
+        if uses_model_cache(job) and job.spec.model.cache is not None and job.spec.model.cache.claim_name:
+            claims.append(job.spec.model.cache.claim_name)
         kind = KINDS["PersistentVolumeClaim"]
         return tuple(
             [c for c in dict.fromkeys(claims) if await self.client.get(kind, job.metadata.namespace, c) is None]
@@ -467,7 +496,9 @@ class Reconciler:
             if (kind, name) in wanted:
                 continue
             storage = job.spec.storage
-            if kind == "PersistentVolumeClaim" and not (
+            if role in (meta.ROLE_MODEL_CACHE, meta.ROLE_MODEL_FETCH) and not expired:
+                continue  # the model copy and its fetch record go with the TTL (or the RLJob); no GET otherwise
+            if role == meta.ROLE_STORAGE and not (
                 expired and storage.retain_policy is RetainPolicy.DELETE and not storage.existing_claim
             ):
                 continue  # data: deleted only by TTL with retainPolicy Delete, never by an edit
@@ -478,7 +509,8 @@ class Reconciler:
             if kind == "RayJob" and not await self.capabilities.serves("ray.io/v1", "rayjobs"):
                 continue
             upgrade = job.status.upgrade if job.status else None
-            if kind == "Job" and not (expired or (upgrade is not None and upgrade.phase in ("Rolling", "Blocked"))):
+            canary_done = upgrade is not None and upgrade.phase in ("Rolling", "Blocked")
+            if role == meta.ROLE_UPGRADE_CANARY and not (expired or canary_done):
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):
                 continue

@@ -252,6 +252,24 @@ def _terminal(old: dict[str, Condition], obs: Observed) -> tuple[Desired, Desire
     return succeeded, failed
 
 
+def _model_fetch(job: RLJob, obs: Observed) -> Desired:
+    fetch = meta.child_name(job, meta.ROLE_MODEL_FETCH)
+    if obs.model_fetch_failed:
+        return Desired(
+            T.PROGRESSING,
+            S.FALSE,
+            Reason.MODEL_FETCH_FAILED,
+            f"Job/{fetch} failed ({obs.model_fetch}): `kubectl logs job/{fetch}` says why; fix the source, its "
+            f"credentials or the cache claim, then `kubectl delete job/{fetch}` to fetch again",
+        )
+    return Desired(
+        T.PROGRESSING,
+        S.TRUE,
+        Reason.FETCHING_MODEL,
+        f"Job/{fetch} is filling the model cache; engines and trainer start when it completes",
+    )
+
+
 def _suspended(job: RLJob, obs: Observed, admitted: Desired) -> Desired:
     held = admitted.status is not S.TRUE and admitted.reason is not Reason.QUOTA_RELEASED
     if not is_suspended(job) and not held:
@@ -274,7 +292,7 @@ def _progressing(obs: Observed, valid: Desired, stopped: Desired | None, others:
     if blocked is not None:
         return blocked
     if stopped is not None:
-        return Desired(T.PROGRESSING, S.FALSE, stopped.reason, stopped.message)
+        return Desired(T.PROGRESSING, stopped.status, stopped.reason, stopped.message)
     if obs.written:
         return Desired(T.PROGRESSING, S.TRUE, Reason.CHILDREN_UPDATED, "applied " + ", ".join(obs.written))
     waiting = [d for d in others if d.status is not S.TRUE]
@@ -321,6 +339,8 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         stopped = Desired(T.PROGRESSING, S.FALSE, admitted.reason, admitted.message)
     elif valid.status is not S.TRUE and obs.engine_set is None and obs.ray_job is None:
         stopped = Desired(T.PROGRESSING, S.FALSE, valid.reason, "no workload is created while the spec is invalid")
+    elif obs.model_fetch is not None:
+        stopped = _model_fetch(job, obs)
     engines = _engines(job, obs, stopped)
     trainer = _trainer(obs, stopped)
     replay = _replay(job, obs, engines)

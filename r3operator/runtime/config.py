@@ -24,6 +24,7 @@ from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.api.weight_transfer import TransferChoice
 from r3operator.engine.args import model_source
+from r3operator.runtime.sources import fetched_model_dir
 from r3operator.settings import REFERENCE_MODELS_SUBDIR, RUNTIME_KEY, RuntimeSettings, runtime_settings
 
 REFERENCE_PREFIX = "r3operator://reference/"
@@ -105,8 +106,10 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
     source = model_source(job.spec)
     if source.scheme == "file":
         return env.host_path(source.directory)
+    if source.fetched:
+        return fetched_model_dir(job)
     if source.mounted:
-        # In a pod the operator mounts the claim or the downloaded copy here (operator/builders/model.py).
+        # In a pod the operator mounts the claim here (operator/builders/model.py).
         directory = env.host_path(source.directory)
         if directory.is_dir():
             return directory
@@ -115,8 +118,8 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
             f"it, elsewhere set {RuntimeSettings.env_name('model_dir')} to the model's directory"
         )
     raise ValueError(
-        f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name>, file://, pvc:// and hf:// "
-        f"models; for others set {RuntimeSettings.env_name('model_dir')} to the model's directory"
+        f"spec.model.uri {uri!r}: the runtime loads r3operator://reference/<name>, file://, pvc://, hf:// and "
+        f"s3:// models; for others set {RuntimeSettings.env_name('model_dir')} to the model's directory"
     )
 
 

@@ -164,6 +164,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
     ),
     "MODEL-URI-SCHEME": (
         sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
+        sets(**{"model.uri": "gs://bucket/Qwen3-30B-A3B"}),
+    ),
+    "MODEL-S3-CREDENTIALS": (
+        sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B", "model.s3": {"credentialsSecret": "store"}}),
         sets(**{"model.uri": "s3://bucket/Qwen3-30B-A3B"}),
     ),
     "TASK-DATASET-PATH": (
@@ -181,6 +185,18 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
     "TASK-REWARD-URL": (
         sets(task={**DATASET, "reward": "http", "rewardURL": "http://reward.rl.svc:8080/score"}),
         sets(task={**DATASET, "reward": "exact-match", "rewardURL": "http://reward.rl.svc:8080/score"}),
+    ),
+    "MODEL-URI-FORM": (
+        sets(**{"model.uri": "hf://Qwen/Qwen3-30B-A3B@abc123", "model.revision": "abc123"}),
+        sets(**{"model.uri": "hf://Qwen/Qwen3-30B-A3B@abc123", "model.revision": "def456"}),
+    ),
+    "DATASET-URI-SCHEME": (
+        sets(task={**DATASET, "reward": "math", "datasetPath": "/var/lib/r3operator/data/train.jsonl"}),
+        sets(task={**DATASET, "reward": "math", "datasetPath": "gs://data/train.jsonl"}),
+    ),
+    "DATASET-S3-CREDENTIALS": (
+        sets(task={**DATASET, "reward": "math", "datasetPath": "s3://d/train.jsonl", "s3": {"credentialsSecret": "s"}}),
+        sets(task={**DATASET, "reward": "math", "datasetPath": "s3://data/train.jsonl"}),
     ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build

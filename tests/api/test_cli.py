@@ -97,6 +97,20 @@ def test_explain_prints_plan() -> None:
     assert "384 bytes/token" in result.output  # 48 layers x top-8 x uint8
     assert "engine EP size │ 4" in result.output
     assert "weight sync    │ nccl (vLLM 0.22.1 native nccl weight transfer)" in result.output
+    assert "│ model          │ hf://Qwen/Qwen3-30B-A3B fetched once by Job" in result.output
+
+
+def test_explain_names_the_model_cache_claim_and_the_credentials_secret() -> None:
+    from r3operator.api.load import parse_rljob
+    from r3operator.cli.sources_view import model_summary
+
+    doc = yaml.safe_load((ROOT / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
+    doc["spec"]["model"] |= {"uri": "s3://models/qwen3", "revision": None, "s3": {"credentialsSecret": "store"},
+                             "cache": {"claimName": "team-models"}}  # fmt: skip
+    assert model_summary(parse_rljob(doc)) == (
+        "s3://models/qwen3 fetched once by Job qwen3-30b-a3b-r3-model-fetch into claim team-models, read-only at "
+        "/mnt/model/s3/models/qwen3 in every engine and trainer pod; AWS credentials from Secret store"
+    )
 
 
 def test_crd_command_matches_committed_file() -> None:

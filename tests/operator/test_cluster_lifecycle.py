@@ -39,7 +39,9 @@ def _cond(cluster: Cluster, ns: str, job: str, ctype: str, status: str, timeout:
 def test_kuberay_runs_the_trainer_and_its_failure_fails_the_rljob(cluster: Cluster) -> None:
     job = "fails"
     with running_operator(cluster, FAIL_NS):
-        cluster.apply(small(job, FAIL_NS, **{"runPolicy.backoffLimit": 0}))
+        # A model in the image: kwok would fail the model-fetch Job's pod here too, and the trainer would wait.
+        in_image = {"model.uri": "file:///models/Qwen3-30B-A3B", "model.revision": None}
+        cluster.apply(small(job, FAIL_NS, **{"runPolicy.backoffLimit": 0}, **in_image))
         # KubeRay turns our RayJob into a RayCluster whose head pod kwok runs on a GPU node.
         cluster_name = wait_for(
             lambda: (rj := cluster.get(paths(FAIL_NS, job)["rayjob"])) and rj.get("status", {}).get("rayClusterName"),

@@ -42,7 +42,11 @@ def _job(path: Path = QWEN, uid: str | None = "uid-1", **edits: Any) -> RLJob:
 
 
 def _by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {c["kind"]: c for c in children}
+    """The first child of each kind (the routing claim comes before the model cache claim)."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in children:
+        out.setdefault(c["kind"], c)
+    return out
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -73,8 +77,8 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == [
-        # hf://Qwen/Qwen3-30B-A3B (revision main) is downloaded by the init container; vLLM loads the copy.
-        "vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B", "--port", "8000",
+        # hf://Qwen/Qwen3-30B-A3B (revision main) is fetched into the model cache; vLLM loads that copy.
+        "vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main", "--port", "8000",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
         "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
@@ -313,7 +317,7 @@ def test_pvc_ownership_follows_retain_policy_and_existing_claim_creates_none():
     assert retain["spec"]["accessModes"] == ["ReadWriteMany"]
     delete = _by_kind(desired(_job(**{"storage.retainPolicy": "Delete"})))["PersistentVolumeClaim"]
     assert delete["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    existing = _by_kind(desired(_job(**{"storage.existingClaim": "shared-rwx"})))
+    existing = _by_kind(desired(_job(**{"storage.existingClaim": "shared-rwx", "model.uri": "pvc://w/q"})))
     assert "PersistentVolumeClaim" not in existing
     volumes = existing["StatefulSet"]["spec"]["template"]["spec"]["volumes"]
     assert volumes[0]["persistentVolumeClaim"] == {"claimName": "shared-rwx", "readOnly": True}
@@ -551,34 +555,100 @@ def test_pvc_model_is_mounted_read_only_in_engines_and_trainer_at_the_path_each_
             assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/qwen/v1"
 
 
-def test_hf_model_is_downloaded_by_an_init_container_into_every_pod_with_the_pinned_revision_and_token():
+def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_only_after_a_verify_step():
     secret = {"name": "hf-token", "key": "hf"}
-    children = _by_kind(desired(_job(**{"model.tokenSecretRef": secret})))
-    engine_command = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert engine_command[2] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B" and "--revision" not in engine_command
-    for role, pod in _pod_specs(children).items():
+    children = desired(_job(**{"model.tokenSecretRef": secret}))
+    by_kind = _by_kind(children)
+    engine_command = by_kind["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    # revision main (the example pins it) is a directory of the cache: a new pin never reads an old copy.
+    assert engine_command[2] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main" and "--revision" not in engine_command
+    [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
+    assert cache["kind"] == "PersistentVolumeClaim" and cache["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert cache["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    fetch_pod = by_kind["Job"]["spec"]["template"]["spec"]
+    (fetch,) = fetch_pod["containers"]
+    assert fetch["command"] == ["r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main"]
+    assert fetch["image"] == by_kind["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
+        "containers"][0]["image"]  # the trainer image ships the fetch clients
+    assert {"name": "model", "mountPath": "/mnt/model"} in fetch["volumeMounts"]  # writable for the fill
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": cache["metadata"]["name"]}} in fetch_pod[
+        "volumes"]
+    assert fetch_pod["restartPolicy"] == "Never" and fetch_pod["automountServiceAccountToken"] is False
+    env = _env(fetch)
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
+    assert env["HF_HOME"].startswith("/mnt/model/")  # the image's home may be read-only
+    for role, pod in _pod_specs(by_kind).items():
         [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
-        assert volume == {"name": "model", "emptyDir": {}}, role
-        (fetch,) = pod["initContainers"]
-        assert fetch["image"] == pod["containers"][0]["image"]  # an engine edit never touches trainer pods
-        assert fetch["command"][:2] == ["python3", "-c"]
-        assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
-        assert {"name": "model", "mountPath": "/mnt/model"} in fetch["volumeMounts"]  # writable for the download
-        assert fetch["securityContext"] == pod["containers"][0]["securityContext"]  # as locked down as the pod's
-        env = _env(fetch)
-        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
-        assert env["HF_HOME"].startswith("/mnt/model/")  # the image's home may be read-only
+        assert volume["persistentVolumeClaim"] == {"claimName": cache["metadata"]["name"], "readOnly": True}, role
+        (verify,) = pod["initContainers"]
+        assert verify["image"] == pod["containers"][0]["image"]  # an engine edit never touches trainer pods
+        assert verify["command"] == [
+            "r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main", "--verify"
+        ]  # fmt: skip
+        assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in verify["volumeMounts"], role
+        assert "env" not in verify, role  # no credentials outside the fetch Job
+        assert verify["securityContext"] == pod["containers"][0]["securityContext"]
         (container,) = pod["containers"]
         assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in container["volumeMounts"], role
         if role != "engine":
-            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B"
+            assert _env(container)["R3OPERATOR_MODEL_DIR"] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main"
 
 
-def test_hf_model_without_a_token_secret_downloads_anonymously():
-    children = _by_kind(desired(_job()))
-    for pod in _pod_specs(children).values():
-        (fetch,) = pod["initContainers"]
-        assert "HF_TOKEN" not in _env(fetch)
+def test_engines_and_trainer_wait_while_the_model_cache_fills():
+    filling = _by_kind(desired(_job(), Facts(model_fetched=False)))
+    assert filling["StatefulSet"]["spec"]["replicas"] == 0
+    assert filling["RayJob"]["spec"]["suspend"] is True
+    assert "Job" in filling  # the fill itself is there
+    filled = _by_kind(desired(_job(), Facts(model_fetched=True)))
+    assert filled["StatefulSet"]["spec"]["replicas"] == 4 and filled["RayJob"]["spec"]["suspend"] is False
+    # A model that is not fetched never waits for the fact.
+    pvc = _by_kind(desired(_job(**{"model.uri": "pvc://weights/qwen/v1"}), Facts(model_fetched=False)))
+    assert "Job" not in pvc and pvc["StatefulSet"]["spec"]["replicas"] == 4
+
+
+def test_a_shared_cache_claim_is_mounted_and_never_created():
+    children = desired(_job(**{"model.cache": {"claimName": "team-models"}}))
+    assert [c["metadata"]["name"] for c in children if c["kind"] == "PersistentVolumeClaim"] == [
+        "qwen3-30b-a3b-r3-routing"
+    ]
+    fetch_volumes = _by_kind(children)["Job"]["spec"]["template"]["spec"]["volumes"]
+    assert fetch_volumes == [{"name": "model", "persistentVolumeClaim": {"claimName": "team-models"}}]
+
+
+def test_s3_model_credentials_reach_only_the_fetch_container_as_secret_references():
+    s3 = {"credentialsSecret": "store-creds", "endpointURL": "http://minio.storage:9000", "region": "eu-1"}
+    children = _by_kind(desired(_job(**{"model.uri": "s3://models/qwen3", "model.revision": None, "model.s3": s3})))
+    (fetch,) = children["Job"]["spec"]["template"]["spec"]["containers"]
+    assert fetch["command"] == [
+        "r3operator", "fetch", "s3://models/qwen3", "/mnt/model",
+        "--endpoint-url", "http://minio.storage:9000", "--region", "eu-1",
+    ]  # fmt: skip
+    env = _env(fetch)
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "store-creds", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "store-creds", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert env["AWS_SESSION_TOKEN"] == {
+        "secretKeyRef": {"name": "store-creds", "key": "AWS_SESSION_TOKEN", "optional": True}
+    }
+    for role, pod in _pod_specs(children).items():
+        every_env = [e for c in [*pod["containers"], *pod.get("initContainers", [])] for e in c.get("env", [])]
+        assert not [e for e in every_env if e["name"].startswith("AWS_")], role
+        if role != "engine":
+            assert _env(pod["containers"][0])["R3OPERATOR_MODEL_DIR"] == "/mnt/model/s3/models/qwen3"
+
+
+def test_s3_dataset_is_fetched_by_the_trainer_head_only():
+    s3 = {"credentialsSecret": "data-creds"}
+    children = _by_kind(desired(_job(**{"task.datasetPath": "s3://data/math/train.jsonl", "task.s3": s3})))
+    cluster = children["RayJob"]["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    fetch = next(c for c in head["initContainers"] if c["name"] == "fetch-dataset")
+    assert fetch["command"] == ["r3operator", "fetch", "s3://data/math/train.jsonl", "/mnt/data"]
+    assert _env(fetch)["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "data-creds", "key": "AWS_ACCESS_KEY_ID"}}
+    assert {"name": "data", "emptyDir": {}} in head["volumes"]
+    assert {"name": "data", "mountPath": "/mnt/data", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    assert all(c["name"] != "fetch-dataset" for c in worker.get("initContainers", []))
 
 
 def test_reference_model_mounts_nothing_extra():

@@ -75,15 +75,17 @@ def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
 @pytest.mark.parametrize(
     ("uri", "expected"),
     [
-        ("hf://Qwen/Qwen3-30B-A3B", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"),
+        ("hf://Qwen/Qwen3-30B-A3B", "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main"),
+        ("hf://Qwen/Qwen3-30B-A3B@0a1b2c", "/mnt/model/hf/Qwen/Qwen3-30B-A3B/0a1b2c"),
         ("file:///models/q", "/models/q"),
         ("pvc://weights/qwen/v1", "/mnt/model/qwen/v1"),
         ("r3operator://reference/tiny", "/var/lib/r3operator/models/tiny"),
-        ("s3://bucket/model", "s3://bucket/model"),
+        ("s3://bucket/models/qwen3", "/mnt/model/s3/bucket/models/qwen3"),
+        ("gs://bucket/model", "gs://bucket/model"),
     ],
 )
 def test_model_path_per_uri_scheme(uri: str, expected: str):
-    assert model_path(_spec(**{"model.uri": uri})) == expected
+    assert model_path(_spec(**{"model.uri": uri, "model.revision": None})) == expected
 
 
 def test_engine_args_name_the_worker_extension_that_exists():

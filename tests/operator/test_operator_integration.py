@@ -67,16 +67,20 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     sts = kids["sts"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     command = container["command"]
-    assert command[:3] == ["vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
-    (fetch,) = sts["spec"]["template"]["spec"]["initContainers"]
-    assert fetch["command"][3:] == ["Qwen/Qwen3-30B-A3B", "main", "/mnt/model/hf/Qwen/Qwen3-30B-A3B"]
+    assert command[:3] == ["vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main"]
+    # The model-fetch Job fills the model cache once; each engine only verifies that copy.
+    (verify,) = sts["spec"]["template"]["spec"]["initContainers"]
+    assert verify["command"] == [
+        "r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main", "--verify"
+    ]  # fmt: skip
     for flag in ("--enable-return-routed-experts", "--enable-expert-parallel"):
         assert flag in command
     joined = shlex.join(command)
     assert "--distributed-executor-backend mp" in joined
     assert "--tensor-parallel-size 2" in joined and "--data-parallel-size 2" in joined
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
-    assert sts["spec"]["replicas"] == 4
+    # Scaled up once kwok has completed the fetch Job's pod.
+    wait_for(lambda: cluster.get(paths(NS, "qwen3-30b-a3b-r3")["sts"])["spec"]["replicas"] == 4, what="4 engines")
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/var/lib/r3operator" in mounts
     rljob = cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rljob"])
@@ -84,7 +88,9 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         (owner,) = kids[kind]["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
     assert "ownerReferences" not in kids["pvc"]["metadata"]  # retainPolicy: Retain
-    ray = kids["rayjob"]["spec"]
+    wait_for(lambda: not cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rayjob"])["spec"].get("suspend"),
+             what="the RayJob resumed after the model fetch")  # fmt: skip
+    ray = cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rayjob"])["spec"]
     assert ray["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
     assert ray.get("suspend", False) is False  # KubeRay rewrites its objects with omitempty

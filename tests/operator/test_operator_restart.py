@@ -89,13 +89,16 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
         cluster.apply(example(stable, NS))
         wait_for(lambda: all(cluster.get(p) for p in _child_paths(stable)), what="children of the stable job")
         wait_for(lambda: condition(cluster.get(paths(NS, stable)["rljob"]), "Valid"), what="status")
+        # Running: the model-fetch Job has filled the cache and the engines are scaled up.
+        wait_for(lambda: cluster.get(paths(NS, stable)["sts"])["spec"]["replicas"] > 0, what="stable engines up")
     _check(runner)
 
     # What an operator killed in the middle of its first pass leaves behind: the RLJob, and only the
     # first children of desired() (created exactly as the operator would have), no status.
     cluster.apply(example(cut, NS))
     body = cluster.get(paths(NS, cut)["rljob"])
-    partial = desired(parse_rljob(body), Facts(pod_monitor_crd=False))[:2]
+    first = desired(parse_rljob(body), Facts(pod_monitor_crd=False))
+    partial = [c for c in first if c["metadata"]["name"] in (f"{cut}-routing", f"{cut}-config")]
     assert [c["kind"] for c in partial] == ["PersistentVolumeClaim", "ConfigMap"]
     for child in partial:
         kind_path = paths(NS, cut)["pvc" if child["kind"] == "PersistentVolumeClaim" else "cm"]
@@ -121,9 +124,10 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
     # The operator creates children with server-side apply: a patch that answers 201 Created.
     creates = [r for r in operator_writes(after) if r.code == 201 and "/events" not in r.path]
     assert creates and all(r.code != 409 for r in operator_writes(after)), creates
-    for plural in ("statefulsets", "services", "configmaps", "persistentvolumeclaims"):
+    # One of each; two claims: the routing volume and the hf:// model's cache.
+    for plural, count in (("statefulsets", 1), ("services", 1), ("configmaps", 1), ("persistentvolumeclaims", 2)):
         group = "/apis/apps/v1" if plural == "statefulsets" else "/api/v1"
         items = cluster.get(f"{group}/namespaces/{NS}/{plural}?labelSelector=r3operator.io/job={cut}")["items"]
-        assert len(items) == 1, (plural, [i["metadata"]["name"] for i in items])
+        assert len(items) == count, (plural, [i["metadata"]["name"] for i in items])
     rayjobs = cluster.get(f"/apis/ray.io/v1/namespaces/{NS}/rayjobs?labelSelector=r3operator.io/job={cut}")
     assert len(rayjobs["items"]) == 1

@@ -74,6 +74,9 @@ def _operator_writes(cluster: Cluster, name_prefix: str) -> list[Any]:
 def test_a_forged_terminal_status_deletes_nothing_and_is_overwritten(cluster: Cluster, operator: KopfRunner):
     job = "forged"
     cluster.apply(example(job, NS, **{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
+    _all_children(cluster, job)
+    # The engines scale up once the model-fetch Job has filled the model cache (kwok completes its pod).
+    wait_for(lambda: cluster.get(paths(NS, job)["sts"])["spec"]["replicas"] > 0, what="engines scaled up")
     before = _all_children(cluster, job)
     cluster.patch_status(paths(NS, job)["rayjob"], {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
     _cond(cluster, job, "TrainerReady", "True")

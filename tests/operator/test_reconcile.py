@@ -132,8 +132,10 @@ def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_la
     _reconcile(client, client.objects[("rljobs", "rl", "job")])
     deletes = [w[1] for w in client.writes if w[0] == "delete"]
     assert deletes[-1] == "rayjobs" and "persistentvolumeclaims" in deletes
+    # The example's hf:// model also has a model-fetch Job and a model cache claim.
     assert set(deletes) == {"rolebindings", "roles", "serviceaccounts", "statefulsets", "networkpolicies", "services",
-                            "configmaps", "persistentvolumeclaims", "rayjobs"}  # fmt: skip
+                            "configmaps", "persistentvolumeclaims", "jobs", "rayjobs"}  # fmt: skip
+    assert deletes.count("persistentvolumeclaims") == 2
     assert _condition(client, "Succeeded")["status"] == "True"
     # The RayJob is gone; the recorded end keeps the operator from training again.
     client.writes.clear()

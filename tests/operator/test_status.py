@@ -242,3 +242,16 @@ def aiohttp_free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_filling_model_cache_is_progress_and_a_failed_fetch_stops_the_job_naming_the_job_to_look_at():
+    filling = _conds(compute_status(_job(), Observed(model_fetch="running"), T0))
+    assert (filling["Progressing"].status, filling["Progressing"].reason) == ("True", "FetchingModel")
+    assert "Job/qwen3-30b-a3b-r3-model-fetch" in filling["Progressing"].message
+    assert (filling["EnginesReady"].status, filling["EnginesReady"].reason) == ("False", "FetchingModel")
+    assert (filling["Ready"].status, filling["Ready"].reason) == ("False", "FetchingModel")
+    failed = _conds(compute_status(_job(), Observed(model_fetch="BackoffLimitExceeded", model_fetch_failed=True), T0))
+    assert (failed["Progressing"].status, failed["Progressing"].reason) == ("False", "ModelFetchFailed")
+    assert "kubectl logs job/qwen3-30b-a3b-r3-model-fetch" in failed["Progressing"].message
+    assert "BackoffLimitExceeded" in failed["Progressing"].message
+    assert (failed["TrainerReady"].status, failed["Ready"].reason) == ("False", "ModelFetchFailed")

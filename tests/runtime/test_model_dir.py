@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +10,9 @@ import yaml
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine import args
-from r3operator.operator.builders.model import FETCH_SCRIPT
 from r3operator.operator.desired import desired
 from r3operator.runtime.config import resolve_model_dir
+from r3operator.runtime.fetch import SourceNotReady
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
@@ -32,13 +29,10 @@ def _trainer_model_dir(job: RLJob) -> str:
     return next(e["value"] for e in env if e["name"] == "R3OPERATOR_MODEL_DIR")
 
 
-@pytest.mark.parametrize("uri", ["pvc://weights/qwen/v1", "hf://Qwen/Qwen3-30B-A3B"])
-def test_runtime_loads_the_directory_the_operator_mounts(
-    uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_runtime_loads_the_directory_the_operator_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("R3OPERATOR_MODEL_DIR", raising=False)
     monkeypatch.setattr(args, "MODEL_MOUNT", str(tmp_path))  # the pod's mount point, here
-    job = _job(uri)
+    job = _job("pvc://weights/qwen/v1")
     mounted = Path(_trainer_model_dir(job))
     assert mounted.is_relative_to(tmp_path)
     mounted.mkdir(parents=True)
@@ -59,16 +53,16 @@ def test_file_uri_is_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_model_dir(_job("file:///models/q")) == Path("/models/q")
 
 
-def test_fetch_script_calls_huggingface_hub_with_the_arguments_it_is_given(tmp_path: Path) -> None:
-    """Runs the init container's script against the installed huggingface_hub, offline: the call's
-    signature and argument order are real, and an offline miss fails the container (nonzero exit)."""
-    from huggingface_hub import snapshot_download
-
-    assert {"revision", "local_dir"} <= set(inspect.signature(snapshot_download).parameters)
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(
-        [sys.executable, "-c", FETCH_SCRIPT, "org/absent-model", "", str(tmp_path / "out")],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "org/absent-model" in proc.stderr or "offline" in proc.stderr.lower(), proc.stderr[-2000:]
+def test_a_mounted_cache_copy_without_its_ready_marker_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pod the hf:// model is the cache directory; files without the marker are a fetch in progress."""
+    monkeypatch.delenv("R3OPERATOR_MODEL_DIR", raising=False)
+    monkeypatch.setattr(args, "MODEL_MOUNT", str(tmp_path))
+    job = _job("hf://Qwen/Qwen3-30B-A3B")  # the example pins revision main
+    mounted = Path(_trainer_model_dir(job))
+    assert mounted == tmp_path / "hf" / "Qwen" / "Qwen3-30B-A3B" / "main"
+    mounted.mkdir(parents=True)
+    (mounted / "config.json").write_text("{}")
+    with pytest.raises(SourceNotReady, match="has no ready marker"):
+        resolve_model_dir(job)

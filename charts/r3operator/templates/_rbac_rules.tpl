@@ -27,7 +27,8 @@ pods are listed, never written).
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
-# The engine-upgrade canary (operator/upgrade.py): one Job per upgrade attempt.
+# The engine-upgrade canary (operator/upgrade.py): one Job per upgrade attempt; the model-fetch Job that
+# fills an hf:// or s3:// model's cache once (builders/model_cache.py).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "create", "patch", "delete"]

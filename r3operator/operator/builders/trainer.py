@@ -14,6 +14,7 @@ from typing import Any
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
+from r3operator.operator.builders.dataset import dataset_mount
 from r3operator.operator.builders.model import model_mount
 from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
@@ -62,6 +63,8 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
         {"name": RuntimeSettings.env_name("rljob_namespace"), "value": job.metadata.namespace or "default"},
     ]
     model = model_mount(job, image=job.spec.trainer.image)
+    data = dataset_mount(job, image=job.spec.trainer.image, head=head)
+    init_containers = model.init_containers + data.init_containers
     if model.volumes:
         env.append({"name": RuntimeSettings.env_name("model_dir"), "value": model_source(job.spec).directory})
     # KubeRay adds Ray's ports only to a head container that declares none; ours declares the driver's
@@ -79,6 +82,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model.mounts,
+            *data.mounts,
         ],
         "securityContext": container_security_context(),
     }
@@ -90,7 +94,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
             # <job>-trainer may patch this RLJob's status, and no other RLJob's (builders/trainer_rbac.py).
             "serviceAccountName": trainer_service_account_name(job),
             "securityContext": pod_security_context(TRAINER_UID),
-            **({"initContainers": model.init_containers} if model.init_containers else {}),
+            **({"initContainers": init_containers} if init_containers else {}),
             "containers": [container],
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "volumes": [
@@ -98,6 +102,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
                 {"name": "config", "configMap": {"name": meta.child_name(job, meta.ROLE_CONFIG)}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                 *model.volumes,
+                *data.volumes,
             ],
         },
     }

@@ -1,0 +1,33 @@
+"""`r3operator explain`'s line on the model: where it comes from, how it reaches the pods, which Secret it needs."""
+
+from __future__ import annotations
+
+from r3operator.api import names
+from r3operator.api.sources import SourceURIError, parse_source_uri
+from r3operator.api.v1alpha1 import ModelCacheSpec, RLJob
+from r3operator.settings import MODEL_MOUNT
+
+
+def model_summary(job: RLJob) -> str:
+    model = job.spec.model
+    try:
+        source = parse_source_uri(model.uri, revision=model.revision)
+    except SourceURIError as exc:
+        return f"{model.uri}: {exc}"
+    if source.scheme == "pvc":
+        return f"claim {source.location} mounted read-only, model at {MODEL_MOUNT}/{source.path}".rstrip("/")
+    if not source.fetched:
+        return f"{model.uri} (nothing fetched)"
+    cache = model.cache or ModelCacheSpec()
+    created = names.child_name(job.metadata.name, names.ROLE_MODEL_CACHE)
+    claim = cache.claim_name or f"{created} (created, {cache.size}, {cache.access_mode.value})"
+    fetch = names.child_name(job.metadata.name, names.ROLE_MODEL_FETCH)
+    secret = ""
+    if model.token_secret_ref is not None:
+        secret = f"; HF_TOKEN from Secret {model.token_secret_ref.name}/{model.token_secret_ref.key}"
+    if model.s3 is not None:
+        secret = f"; AWS credentials from Secret {model.s3.credentials_secret}"
+    return (
+        f"{model.uri} fetched once by Job {fetch} into claim {claim}, read-only at "
+        f"{MODEL_MOUNT}/{source.cache_key} in every engine and trainer pod{secret}"
+    )

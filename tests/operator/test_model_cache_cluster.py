@@ -1,0 +1,159 @@
+"""The model cache on the real control plane: the fetch Job fills it before any engine or trainer pod exists,
+every engine pod mounts it read-only behind a verify step, and no Secret value lands in anything the operator
+writes or logs. kwok plays the nodes: it completes the fetch Job's pod (tests/kubecluster/kwok-stages.yaml)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
+
+NS = "model-cache"
+HF_TOKEN = "hf_9c1e7a44d2b0secretTOKENvalue"
+AWS_KEY_ID = "AKIACACHETESTKEY0042"
+AWS_SECRET = "aws-secret-5d8e1f0b9a7c3e2d"
+SECRET_VALUES = (HF_TOKEN, AWS_KEY_ID, AWS_SECRET)
+
+
+def small(name: str, **edits: Any) -> dict[str, Any]:
+    """The Qwen3 example (hf://Qwen/Qwen3-30B-A3B, revision main) at 1 engine GPU + 1 trainer GPU."""
+    return example(
+        name,
+        NS,
+        **{
+            "inference.replicas": 2,
+            "inference.tensorParallelSize": 1,
+            "inference.dataParallelSize": 1,
+            "inference.dataParallelSizeLocal": 1,
+            "inference.enableExpertParallel": False,
+            "trainer.nodes": 1,
+            "trainer.gpusPerNode": 1,
+            **edits,
+        },
+    )
+
+
+def _secret(cluster: Cluster, name: str, data: dict[str, str]) -> None:
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}, "data": encoded})
+
+
+def _list(cluster: Cluster, path: str, selector: str | None = None) -> list[dict[str, Any]]:
+    query = f"?labelSelector={selector}" if selector else ""
+    return (cluster.get(path + query) or {}).get("items") or []
+
+
+def _engine_pods(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    return _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"r3operator.io/job={job},r3operator.io/role=engine")
+
+
+def _fetch_job(cluster: Cluster, job: str) -> dict[str, Any] | None:
+    return cluster.get(f"/apis/batch/v1/namespaces/{NS}/jobs/{job}-model-fetch")
+
+
+def test_engines_and_trainer_start_only_after_the_cache_is_filled_and_mount_it_read_only(cluster: Cluster) -> None:
+    job = "cached"
+    with running_operator(cluster, NS):
+        _secret(cluster, "hf", {"token": HF_TOKEN})
+        # kwok paused: the fetch Job's pod is created and scheduled but does not complete yet.
+        with cluster.api.paused("kwok"):
+            cluster.apply(small(job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"}}))
+            fetch = wait_for(lambda: _fetch_job(cluster, job), timeout=30, what="the model-fetch Job")
+            sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), timeout=30, what="the engine StatefulSet")
+            rayjob = wait_for(lambda: cluster.get(paths(NS, job)["rayjob"]), timeout=30, what="the RayJob")
+            assert sts["spec"]["replicas"] == 0 and rayjob["spec"]["suspend"] is True
+            wait_for(
+                lambda: _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"job-name={job}-model-fetch"),
+                timeout=30,
+                what="the fetch pod",
+            )
+            assert _engine_pods(cluster, job) == []
+            assert not (fetch.get("status") or {}).get("succeeded")
+        cache = cluster.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{job}-model-cache")
+        assert cache is not None and cache["spec"]["accessModes"] == ["ReadWriteMany"]
+        # kwok runs again: the fetch completes, then the operator scales the engines up and resumes the trainer.
+        done = wait_for(
+            lambda: (j := _fetch_job(cluster, job)) and condition(j, "Complete") and j, timeout=60, what="fill done"
+        )
+        pods = wait_for(lambda: len(p := _engine_pods(cluster, job)) == 2 and p, timeout=60, what="2 engine pods")
+        completed = condition(done, "Complete")["lastTransitionTime"]
+        assert all(p["metadata"]["creationTimestamp"] >= completed for p in pods)
+        wait_for(lambda: cluster.get(paths(NS, job)["rayjob"])["spec"]["suspend"] is False, what="RayJob resumed")
+        for pod in pods:
+            spec = pod["spec"]
+            [volume] = [v for v in spec["volumes"] if v["name"] == "model"]
+            assert volume["persistentVolumeClaim"] == {"claimName": f"{job}-model-cache", "readOnly": True}
+            [verify] = spec["initContainers"]
+            assert verify["command"][:2] == ["r3operator", "fetch"] and verify["command"][-1] == "--verify"
+            assert all(m.get("readOnly") for m in verify["volumeMounts"] if m["name"] == "model")
+            mounts = spec["containers"][0]["volumeMounts"]
+            assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in mounts
+
+
+def test_a_shared_cache_claim_that_does_not_exist_creates_nothing(cluster: Cluster) -> None:
+    job = "no-cache-claim"
+    with running_operator(cluster, NS):
+        cluster.apply(small(job, **{"model.cache": {"claimName": "team-models"}}))
+        valid = wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "False" and c,
+            timeout=30,
+            what="Valid=False",
+        )
+        assert "PersistentVolumeClaim/team-models" in valid["message"]
+        assert _fetch_job(cluster, job) is None and cluster.get(paths(NS, job)["sts"]) is None
+
+
+def test_a_failed_fetch_stops_the_job_with_a_condition_that_names_the_fetch_job(cluster: Cluster) -> None:
+    ns, job = "kwok-fail-jobs", "fetch-fails"  # kwok fails every Job-owned pod in this namespace
+    with running_operator(cluster, ns):
+        cluster.apply({**small(job, **{"runPolicy.backoffLimit": 0}), "metadata": {"name": job, "namespace": ns}})
+        progressing = wait_for(
+            lambda: (c := condition(cluster.get(paths(ns, job)["rljob"]), "Progressing"))
+            and c["reason"] == "ModelFetchFailed" and c,
+            timeout=90,
+            what="Progressing=False ModelFetchFailed",
+        )  # fmt: skip
+        assert progressing["status"] == "False"
+        assert f"kubectl logs job/{job}-model-fetch" in progressing["message"]
+        assert cluster.get(paths(ns, job)["sts"])["spec"]["replicas"] == 0
+        assert cluster.get(paths(ns, job)["rayjob"])["spec"]["suspend"] is True
+
+
+def test_no_secret_value_lands_in_any_object_event_status_or_operator_log(cluster: Cluster) -> None:
+    hf_job, s3_job = "secret-hf", "secret-s3"
+    with running_operator(cluster, NS) as runner:
+        _secret(cluster, "hf", {"token": HF_TOKEN})
+        _secret(cluster, "store", {"AWS_ACCESS_KEY_ID": AWS_KEY_ID, "AWS_SECRET_ACCESS_KEY": AWS_SECRET})
+        cluster.apply(small(hf_job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"}}))
+        s3 = {"credentialsSecret": "store", "endpointURL": "http://minio.storage:9000"}
+        s3_source = {"model.uri": "s3://models/qwen3-30b-a3b", "model.revision": None, "model.s3": s3}
+        s3_dataset = {"task.datasetPath": "s3://data/math/train.jsonl", "task.s3": s3}
+        cluster.apply(small(s3_job, **s3_source, **s3_dataset))
+        for job in (hf_job, s3_job):
+            wait_for(lambda j=job: len(_engine_pods(cluster, j)) == 2, timeout=90, what=f"{job} engines")
+            wait_for(lambda j=job: (cluster.get(paths(NS, j)["rljob"]) or {}).get("status"), what=f"{job} status")
+        written = {
+            kind: _list(cluster, path)
+            for kind, path in {
+                "configmaps": f"/api/v1/namespaces/{NS}/configmaps",
+                "statefulsets": f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+                "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
+                "pods": f"/api/v1/namespaces/{NS}/pods",
+                "rayjobs": f"/apis/ray.io/v1/namespaces/{NS}/rayjobs",
+                "rayclusters": f"/apis/ray.io/v1/namespaces/{NS}/rayclusters",
+                "events": f"/api/v1/namespaces/{NS}/events",
+                "rljobs": f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs",
+            }.items()
+        }
+    log = runner.output  # complete once the operator has stopped
+    dump = json.dumps(written)
+    # The references are there (the grep below looks where the values would be)...
+    assert '"secretKeyRef": {"key": "token", "name": "hf"}' in json.dumps(written["jobs"], sort_keys=True)
+    assert '"name": "store"' in json.dumps(written["rayjobs"])  # the dataset fetch of the s3 job's head pod
+    assert written["configmaps"] and written["events"] and written["rljobs"]
+    # ...and no value is, anywhere the operator writes or logs.
+    for value in SECRET_VALUES:
+        assert value not in dump
+        assert value not in log
