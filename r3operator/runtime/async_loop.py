@@ -144,45 +144,21 @@ class AsyncGRPORun(GRPORun):
                                    clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap)  # fmt: skip
 
     def sync_and_canary(self, timer: PhaseTimer) -> bool:
-        """7-8. With the engines paused: sync, canary, then publish the new version and resume."""
-        with self.gate.paused():
+        """7-8. With the engines paused: sync, canary, then publish the new version and resume. `pause` is
+        the wait for the segment in flight (the sync and the canary are timed on their own)."""
+        with timer("pause"), self.gate.paused():
             with timer("weight_sync"):
                 self.sync_weights()
             with timer("canary"):
                 canary_ok = self.canary()
             self.gate.set_version(self.policy_version)
+        timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
         return canary_ok
 
-    # -- one step -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, Any]:
-        timer = PhaseTimer()
-        self.dropped: list[tuple[str, str]] = []
-        begin = time.perf_counter()
-        with timer("rollout"):
-            samples, problems = self.rollout(step)
-        with timer("reward"):
-            rewards = self.score(samples, problems)
-        with timer("advantages"):
-            adv = self.advantages(rewards)
-        with timer("routes"):
-            batch = self.load_routes(step, samples, adv)
-        if batch is None:
-            return self._skip_step(step, samples, rewards, timer, begin)
-        with timer("old_logprob"):
-            old = self.old_logprobs(batch)
-        with timer("update"):
-            stats = self.update(batch, old)
-        with timer("pause"):  # waiting for the segment in flight; the sync and canary are timed inside
-            canary_ok = self.sync_and_canary(timer)
-        timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
-        with timer("metrics"):
-            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
-            row.update({"importance_weight_mean": stats.importance_weight_mean,
-                        "importance_truncated_fraction": stats.importance_truncated_fraction})  # fmt: skip
-            self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
-        with timer("checkpoint"):
-            self._checkpoint(step)
-        return self._finish_step(row, timer, begin)
+    def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
+        row.update({"importance_weight_mean": stats.importance_weight_mean,
+                    "importance_truncated_fraction": stats.importance_truncated_fraction})  # fmt: skip
+        self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
                          timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip

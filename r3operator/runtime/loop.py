@@ -381,15 +381,23 @@ class GRPORun:
             old = self.old_logprobs(batch)
         with timer("update"):
             stats = self.update(batch, old)
-        with timer("weight_sync"):
-            self.sync_weights()
-        with timer("canary"):
-            canary_ok = self.canary()
+        canary_ok = self.sync_and_canary(timer)
         with timer("metrics"):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
+            self._update_columns(row, stats)
         with timer("checkpoint"):
             self._checkpoint(step)
         return self._finish_step(row, timer, begin)
+
+    def sync_and_canary(self, timer: PhaseTimer) -> bool:
+        """7-8. Weight sync, then the canary (the asynchronous driver pauses the engines around both)."""
+        with timer("weight_sync"):
+            self.sync_weights()
+        with timer("canary"):
+            return self.canary()
+
+    def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
+        """Columns a driver adds from the update's figures (none in the synchronous loop)."""
 
     def _finish_step(self, row: dict[str, Any], timer: PhaseTimer, begin: float) -> dict[str, Any]:
         row["t_metrics"] = timer.seconds["metrics"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.version import Version
+from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.rules import evaluate
@@ -34,12 +35,7 @@ def _version(text: str | None) -> EngineVersion:
 
 def _doc(**edits: object) -> dict:
     doc = yaml.safe_load(QWEN.read_text())
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return doc
 
 

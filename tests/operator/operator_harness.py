@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from spec_edits import apply_edits
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).with_name("fixtures")
@@ -172,12 +173,7 @@ def example(name: str, namespace: str, **edits: Any) -> dict[str, Any]:
     """The shipped Qwen3 example under another name; ``edits`` are dotted spec paths → values."""
     doc = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     doc["metadata"] = {"name": name, "namespace": namespace}
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return doc
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from spec_edits import apply_edits
 
 from r3operator.api.load import load_rljob, parse_rljob
 from r3operator.api.sizing import model_params_billions
@@ -32,12 +33,7 @@ QWEN = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 def _job(path: Path = QWEN, uid: str | None = "uid-1", **edits: Any) -> RLJob:
     doc = yaml.safe_load(path.read_text())
     doc["metadata"]["uid"] = uid
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return parse_rljob(doc)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJobSpec
@@ -17,12 +18,7 @@ QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp
 
 def _spec(**edits: object) -> RLJobSpec:
     doc = yaml.safe_load(QWEN.read_text())
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return parse_rljob(doc).spec
 
 

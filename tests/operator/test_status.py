@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from aiohttp import web
+from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.rules import errors, evaluate
@@ -32,12 +33,7 @@ T1 = T0 + dt.timedelta(minutes=5)
 def _job(generation: int = 1, **edits: Any) -> RLJob:
     doc = yaml.safe_load(QWEN.read_text())
     doc["metadata"].update(uid="u", generation=generation)
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return parse_rljob(doc)
 
 

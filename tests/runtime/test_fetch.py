@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJob
@@ -82,12 +83,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def _job(**edits: Any) -> RLJob:
     doc = yaml.safe_load(EXAMPLE.read_text())
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return parse_rljob(doc)
 
 

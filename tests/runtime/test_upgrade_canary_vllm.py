@@ -9,29 +9,17 @@ logprobs that moved). The same server as old and new passes; the perturbed one a
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from vllm_server import VLLMServer, free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _perturbed_copy(model_dir: Path, dest: Path) -> Path:
@@ -59,38 +47,15 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
     tiny = ensure_reference_model("tiny", tmp_path_factory.mktemp("models"))
     bad = _perturbed_copy(tiny, tmp_path_factory.mktemp("bad") / "model")
-    procs, urls, logs = [], {}, {}
-    for role, model in (("good", tiny), ("bad", bad)):
-        port = _free_port()
-        log_path = tmp_path_factory.mktemp(f"serve-{role}") / "server.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--enable-return-routed-experts", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        procs.append(subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env))
-        urls[role], logs[role] = f"http://127.0.0.1:{port}", log_path
+    started = {role: VLLMServer(model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log", max_model_len=256)
+               for role, model in (("good", tiny), ("bad", bad))}  # fmt: skip
     try:
-        deadline = time.monotonic() + 600
-        for (role, url), proc in zip(urls.items(), procs, strict=True):
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"{role} vLLM server exited:\n{logs[role].read_text()[-4000:]}")
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"{role} vLLM server not healthy:\n{logs[role].read_text()[-4000:]}")
-                    time.sleep(1)
-        yield {"urls": urls, "model": tiny}
+        for server in started.values():
+            server.wait_healthy()
+        yield {"urls": {role: server.url for role, server in started.items()}, "model": tiny}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +106,6 @@ def test_an_engine_that_does_not_answer_fails_naming_it(settings: Any, monkeypat
     from r3operator.runtime.upgrade_canary import run_upgrade_canary
 
     monkeypatch.setenv("R3OPERATOR_ENGINE_RETRY_ATTEMPTS", "1")
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     result = run_upgrade_canary(settings, old_url=dead, new_url=dead, old_image="a", new_image="b", attempt="3")
     assert not result.passed and dead in result.message

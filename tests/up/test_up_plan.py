@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from spec_edits import apply_edits
 from typer.testing import CliRunner
 
 from r3operator.api.load import parse_rljob
@@ -28,12 +29,7 @@ TRAINER_ADDED = {"PATH", "HOSTNAME", "R3OPERATOR_MOUNTS", "R3OPERATOR_ENGINE_URL
 
 def _doc(path: Path = LOCAL, **edits: Any) -> dict[str, Any]:
     doc = yaml.safe_load(path.read_text())
-    for dotted, value in edits.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_edits(doc, edits)
     return doc
 
 
@@ -138,14 +134,14 @@ def test_topologies_a_machine_cannot_hold_are_refused(edits: dict[str, Any], mes
 
 def test_a_downloaded_model_needs_its_volume_and_then_maps_it(tmp_path: Path) -> None:
     job = parse_rljob(_doc(QWEN, **{"trainer.nodes": 1}))
-    with pytest.raises(UpError, match=r"init container\(s\) \['fetch-model'\].*--volume /mnt/model=DIR"):
+    with pytest.raises(UpError, match=r"filled by Job qwen3-30b-a3b-r3-model-fetch .*--volume /mnt/model=DIR"):
         plan_up(job, run_dir=tmp_path, gpus=[], bin_dir=tmp_path, host_path="")
     models = tmp_path / "models"
     plan = plan_up(job, run_dir=tmp_path, gpus=[], bin_dir=tmp_path, host_path="", volumes={MODEL: models})
     (engine, *_), trainer = plan.engines, plan.trainer
-    assert engine.argv[2] == f"{models}/hf/Qwen/Qwen3-30B-A3B"
+    assert engine.argv[2] == f"{models}/hf/Qwen/Qwen3-30B-A3B/main"  # the cache key: hf/<repo>/<revision>
     # The trainer's R3OPERATOR_MODEL_DIR stays as rendered; the driver reads it through R3OPERATOR_MOUNTS.
-    assert trainer.env["R3OPERATOR_MODEL_DIR"] == f"{MODEL}/hf/Qwen/Qwen3-30B-A3B"
+    assert trainer.env["R3OPERATOR_MODEL_DIR"] == f"{MODEL}/hf/Qwen/Qwen3-30B-A3B/main"
     assert f"{MODEL}={models}" in trainer.env["R3OPERATOR_MOUNTS"].split(",")
 
 

@@ -147,11 +147,14 @@ class _Volumes:
     directory, claims a directory per claim (shared by every pod, as an RWX claim is), Memory emptyDirs at
     /dev/shm the host's own; ``overrides`` (``--volume MOUNT_PATH=DIR``) win."""
 
-    def __init__(self, run_dir: Path, overrides: dict[str, Path], config_maps: dict[str, dict[str, str]]) -> None:
+    def __init__(self, run_dir: Path, overrides: dict[str, Path], config_maps: dict[str, dict[str, str]],
+                 filled_by_jobs: dict[str, str] | None = None) -> None:  # fmt: skip
         self.run_dir = run_dir
         self.overrides = {k.rstrip("/"): v for k, v in overrides.items()}
         self.config_maps = config_maps
         self.config_files: dict[str, str] = {}
+        self.filled_by_jobs = filled_by_jobs or {}
+        """Claim name → the rendered Job that fills it (the model cache's fetch Job)."""
 
     def host_dir(self, pod: str, pod_spec: dict[str, Any], mount: dict[str, Any]) -> str:
         path = mount["mountPath"].rstrip("/")
@@ -165,7 +168,12 @@ class _Volumes:
                 self.config_files[str(directory / key)] = text
             return str(directory)
         if "persistentVolumeClaim" in volume:
-            return str(self.run_dir / "volumes" / volume["persistentVolumeClaim"]["claimName"])
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            if claim in self.filled_by_jobs:
+                raise UpError(f"pod {pod}: volume {mount['name']!r} at {path} is claim {claim}, filled by Job "
+                              f"{self.filled_by_jobs[claim]} (up runs no Jobs); fetch it with `r3operator fetch "
+                              f"URI DIR` and give --volume {path}=DIR")  # fmt: skip
+            return str(self.run_dir / "volumes" / claim)
         empty = volume.get("emptyDir")
         if empty is not None and path == "/dev/shm":
             return path
@@ -229,7 +237,12 @@ def plan_up(
     statefulset = _one(children, "StatefulSet")
     ray_job = _one(children, "RayJob")
     run_dir = run_dir.absolute()
-    vols = _Volumes(run_dir, volumes or {}, {config_map["metadata"]["name"]: config_map["data"]})
+    filled_by_jobs = {
+        v["persistentVolumeClaim"]["claimName"]: c["metadata"]["name"]
+        for c in children if c["kind"] == "Job"
+        for v in c["spec"]["template"]["spec"].get("volumes", []) if "persistentVolumeClaim" in v
+    }  # fmt: skip
+    vols = _Volumes(run_dir, volumes or {}, {config_map["metadata"]["name"]: config_map["data"]}, filled_by_jobs)
     bins = [str(run_dir / "bin")] if vllm_entry_point else []
     path_env = ":".join([*bins, str(bin_dir), *([host_path] if host_path else [])])
     notes: list[str] = []

