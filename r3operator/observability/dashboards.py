@@ -200,6 +200,12 @@ def _r3(x: _Exprs) -> Dashboard:
                 Panel("Tokens with any routing difference",
                       [Target(g("r3operator_routing_tokens_any_diff_ratio"), "{{rljob}}")],
                       unit="percentunit", width=12, minimum=0, maximum=1),
+                Panel("Routing agreement per turn (multi-turn)",
+                      [Target(x.value("r3operator_routing_agreement_by_turn_ratio", by=f"{BY_JOB}, turn"),
+                              "turn {{turn}}")],
+                      unit="percentunit", width=12, minimum=0, maximum=1,
+                      description="Multi-turn rollouts: natural agreement over the tokens each turn's request "
+                                  "prefilled or generated; a drop at later turns points at the stitching."),
                 Panel("Routing bytes per step",
                       [Target(f"sum by ({BY_JOB}) (increase(r3operator_routing_bytes_total{_sel()}[5m]))"
                               f" / clamp_min(max by ({BY_JOB}) (delta(r3operator_step{_sel()}[5m])), 1)", "{{rljob}}")],

@@ -156,6 +156,16 @@ class SyntheticFeed:
         driver.set("r3operator_weight_sync_canary_ok", 1.0)
         if step % 25 == 0:
             driver.inc("r3operator_samples_dropped_total", reason="routes_invalid")
+        # The asynchronous mode's series: staleness per sample, partial rollouts, stale drops, TIS weight.
+        for _ in range(8):
+            driver.observe("r3operator_rollout_staleness", float(rng.integers(0, 3)))
+        driver.inc("r3operator_partial_rollouts_total", float(rng.integers(0, 6)))
+        if step % 10 == 0:
+            driver.inc("r3operator_samples_dropped_total", reason="stale")
+        driver.set("r3operator_importance_weight_mean", 0.95 + 0.03 * math.sin(step / 11.0))
+        # Multi-turn rollouts: natural agreement per turn, a little lower at later turns.
+        for turn in (1, 2, 3):
+            driver.set("r3operator_routing_agreement_by_turn_ratio", 0.985 - 0.004 * turn, turn=str(turn))
 
     def _feed_trainer(self, metrics: Any, rng: np.random.Generator, step: int) -> None:
         tokens, top_k = 256, 2

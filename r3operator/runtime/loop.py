@@ -477,6 +477,9 @@ class GRPORun:
         by_id = {s.sample_id: s for s in samples}
         kept = [by_id[sid] for sid in batch.sample_ids]
         by_turn = agreement_by_turn(old.natural_ids, batch.engine_routes, batch.route_pad, kept)
+        for turn, ratio in enumerate(by_turn, start=1):
+            if ratio == ratio:  # a turn no conversation reached this step is NaN: no sample, no series
+                self.metrics.set("r3operator_routing_agreement_by_turn_ratio", float(ratio), turn=str(turn))
         return ";".join(f"{x:.4f}" for x in by_turn)
 
     def _checkpoint(self, step: int) -> None:

@@ -41,6 +41,9 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_importance_weight_mean", "gauge", _ID,
                "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last "
                "step."),
+    MetricSpec("r3operator_routing_agreement_by_turn_ratio", "gauge", (*_ID, "turn"),
+               "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the tokens each "
+               "turn's request prefilled or generated (turn 1 = the prompt and the first reply), last step."),
     MetricSpec("r3operator_route_record_failures_total", "counter", (*_ID, "operation"),
                "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
                "goes on without it."),

@@ -118,6 +118,10 @@ def test_a_multi_turn_r3_step_replays_every_route(tmp_path: Path) -> None:
     by_turn = row["routing_agreement_by_turn"].split(";")
     assert 1 < len(by_turn) <= 4 and row["turns_mean"] > 1 and row["env_tokens"] > 0
     assert all(0.0 <= float(x) <= 1.0 for x in by_turn)
+    for turn, value in enumerate(by_turn, start=1):  # the same figures, one series per turn, for dashboards
+        labels = {"namespace": "default", "rljob": "tiny-count-r3", "turn": str(turn)}
+        exported = run.metrics.registry.get_sample_value("r3operator_routing_agreement_by_turn_ratio", labels)
+        assert exported == pytest.approx(float(value), abs=1e-4)
     header = (run.run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
     turns = header.index("turns_mean")
     assert header[turns : turns + 3] == ["turns_mean", "env_tokens", "routing_agreement_by_turn"]
