@@ -29,7 +29,8 @@ def test_the_picture_has_each_roles_pods_gpus_and_constraints_in_force():
     assert roles["trainer head"].affinity == "podAntiAffinity: 0 required, 1 preferred term(s)"
     assert picture.queue.startswith("LocalQueue gpu-research: Kueue Workload qwen3-30b-a3b-r3-queued-workload")
     assert "32 GPUs" in picture.queue
-    assert picture.model.startswith("hf://Qwen/Qwen3-30B-A3B @ main: downloaded by each pod's fetch-model")
+    fetch = "fetched once by Job qwen3-30b-a3b-r3-queued-model-fetch"
+    assert picture.model.startswith(f"hf://Qwen/Qwen3-30B-A3B @ main: {fetch}")
 
 
 def test_an_unqueued_job_says_so_and_keeps_the_gpu_toleration():

@@ -64,7 +64,7 @@ def test_an_image_change_starts_a_canary_on_one_surge_replica_behind_a_partition
     assert sts["spec"]["replicas"] == 3  # two regular replicas and the canary
     assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 2}}
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == NEW
-    (canary,) = [c for c in children if c["kind"] == "Job"]
+    (canary,) = [c for c in children if c["metadata"]["name"].endswith("-upgrade-canary")]
     args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--new") + 1].split("//")[1].split(".")[0].endswith("-engine-2")  # the surge ordinal
     assert args[args.index("--old") + 1].split("//")[1].split(".")[0].endswith("-engine-0")
@@ -149,7 +149,7 @@ def test_a_second_image_change_supersedes_a_canary_and_reverting_cancels_it() ->
 def test_a_canary_job_of_another_attempt_is_replaced_and_partition_changes_are_applied() -> None:
     plan = plan_upgrade(job(), engines(OLD), pods_per_replica=1, now=NOW)
     children = desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
-    (canary,) = [c for c in children if c["kind"] == "Job"]
+    (canary,) = [c for c in children if c["metadata"]["name"].endswith("-upgrade-canary")]
     earlier = {**canary, "metadata": {**canary["metadata"],
                                       "labels": {**canary["metadata"]["labels"], "r3operator.io/upgrade-attempt": "6"}}}
     assert plan_action(canary, earlier, job_uid="uid-1").verb == "recreate"
@@ -216,7 +216,7 @@ def test_a_trainer_image_change_keeps_the_rayjob_while_both_images_score_one_eng
     children = desired(trainer_job(), Facts(upgrade_canary=plan.canary, trainer_image=plan.trainer_image))
     running = rayjob_of(desired(trainer_job(T_OLD), Facts()))
     assert rayjob_of(children)["metadata"]["annotations"] == running["metadata"]["annotations"]  # same hash: kept
-    (canary,) = [c for c in children if c["kind"] == "Job"]
+    (canary,) = [c for c in children if c["metadata"]["name"].endswith("-upgrade-canary")]
     pod = canary["spec"]["template"]["spec"]
     old, new = pod["initContainers"][-1], pod["containers"][0]
     assert (old["image"], new["image"]) == (T_OLD, T_NEW)
