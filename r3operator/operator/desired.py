@@ -88,7 +88,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     cache = build_model_cache_claim(job)
     if cache is not None:
         children.append(cache)
-    if fetch is not None:
+    if fetch is not None and facts.admitted:  # Kueue admits the job before any of its pods runs, the fetch too
         children.append(fetch)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))

@@ -83,7 +83,9 @@ def trainer_spec_hash(spec: RLJobSpec) -> str:
 
 
 def model_fetch_hash(spec: RLJobSpec) -> str:
-    """What the model-fetch Job's pod runs: a change re-creates the Job (a Job's template is immutable)."""
+    """What the model-fetch Job fetches: a change re-creates the Job (a Job's template is immutable). Not the
+    trainer image it runs in: a new trainer image changes nothing about the cached model, and re-fetching
+    would stop the engines while the trainer's own upgrade is canaried."""
     model = spec.model
     return digest(
         {
@@ -92,6 +94,5 @@ def model_fetch_hash(spec: RLJobSpec) -> str:
             "tokenSecretRef": _dump(model.token_secret_ref),
             "s3": _dump(model.s3),
             "cache": _dump(model.cache),
-            "image": spec.trainer.image,
         }
     )

@@ -133,7 +133,8 @@ def test_job_waits_for_quota_suspended_then_runs_when_admitted(cluster: Cluster,
     # The engine pods land on the tainted fake GPU nodes (the default toleration, and Kueue's flavor).
     pods = wait_for(
         lambda: [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
-                 if p["metadata"]["labels"].get("r3operator.io/job") == job and p["spec"].get("nodeName")],
+                 if p["metadata"]["labels"].get("r3operator.io/job") == job and p["spec"].get("nodeName")
+                     and p["metadata"]["labels"].get("r3operator.io/role") == "engine"],
         what="scheduled engine pods",
     )  # fmt: skip
     assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in pods)
