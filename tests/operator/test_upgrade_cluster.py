@@ -173,7 +173,10 @@ def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluste
         cluster.apply({**_job("up-trainer"), "spec": {**_job("up-trainer")["spec"],
                                                       "trainer": {**_job("up-trainer")["spec"]["trainer"],
                                                                   "image": t_old}}})  # fmt: skip
-        first = wait_for(lambda: cluster.get(rayjob_path), what="RayJob")
+        # A running trainer: the model cache is filled and the RayJob no longer suspended (a trainer image
+        # changed while nothing runs yet just replaces the suspended RayJob: nothing to canary against).
+        first = wait_for(lambda: (r := cluster.get(rayjob_path)) and not r["spec"].get("suspend") and r,
+                         timeout=60, what="a running RayJob")  # fmt: skip
         cluster.kubectl("-n", NS, "patch", "rlj", "up-trainer", "--type=merge", "-p",
                         f'{{"spec":{{"trainer":{{"image":"{t_new}"}}}}}}')  # fmt: skip
         upgrade = _wait_phase(cluster, "up-trainer", "Canary")
