@@ -479,19 +479,21 @@ def reward_fits_task(c: RuleContext) -> str | None:
     return None
 
 
-def reward_function_ref(c: RuleContext) -> str | None:
-    task = c.spec.task
-    if task.reward is RewardKind.FUNCTION and task.reward_function is None:
-        return "task.reward function needs task.rewardFunction (module:function, importable in the trainer image)"
-    if task.reward is not RewardKind.FUNCTION and task.reward_function is not None:
-        return f"task.reward {task.reward} reads no task.rewardFunction (only task.reward function does)"
+def _set_only_with(kind: RewardKind, value: object, field: str, what: str, c: RuleContext) -> str | None:
+    """`field` is set exactly when task.reward is `kind` (it is read by that reward and no other)."""
+    reward = c.spec.task.reward
+    if reward is kind and value is None:
+        return f"task.reward {kind} needs task.{field} ({what})"
+    if reward is not kind and value is not None:
+        return f"task.reward {reward} reads no task.{field} (only task.reward {kind} does)"
     return None
+
+
+def reward_function_ref(c: RuleContext) -> str | None:
+    return _set_only_with(RewardKind.FUNCTION, c.spec.task.reward_function, "rewardFunction",
+                          "module:function, importable in the trainer image", c)  # fmt: skip
 
 
 def reward_url(c: RuleContext) -> str | None:
-    task = c.spec.task
-    if task.reward is RewardKind.HTTP and task.reward_url is None:
-        return "task.reward http needs task.rewardURL (the endpoint the samples are POSTed to)"
-    if task.reward is not RewardKind.HTTP and task.reward_url is not None:
-        return f"task.reward {task.reward} reads no task.rewardURL (only task.reward http does)"
-    return None
+    return _set_only_with(RewardKind.HTTP, c.spec.task.reward_url, "rewardURL",
+                          "the endpoint the samples are POSTed to", c)  # fmt: skip
