@@ -3,7 +3,7 @@
 # scripts/gpu-setup.sh installed vLLM 0.22.1 (+ ray, megatron-core 0.19.2) into /tmp/site.
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [steps...]
-#   steps: fidelity overhead megatron runtime ranks weightsync (default: all but weightsync2)
+#   steps: fidelity overhead megatron runtime ranks weightsync (default) | weightsync2 a3b a3b_ranks
 #
 # Each step writes OUT_DIR/<step>.log (+ .json); a failing step does not stop the others.
 set -uo pipefail
@@ -52,6 +52,14 @@ for step in "${steps[@]}"; do
     weightsync2)  # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to raw NCCL broadcast
       run weightsync_nccl 600 python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed \
         --engine-gpu 1 --syncs 5 --log-dir "$out/weightsync2" --json "$out/weightsync2.json" ;;
+    a3b)  # #14: the a3b model, 10 R3 steps on the JSONL math dataset read from a mounted path, FSDP on 1 GPU
+      mkdir -p /tmp/pvc/datasets && cp examples/data/arith.jsonl /tmp/pvc/datasets/
+      run a3b_run 560 python3 -m r3operator run benchmarks/jobs/a3b-math.yaml --device cuda --no-resume \
+        --out-dir "$out/runs"
+      rm -rf "$out"/runs/*/checkpoints ;;  # ~30 GB: the figures are in metrics.csv / report.md
+    a3b_ranks)  # the trainer alone at the a3b shape through the Ray-actor path (1 rank per GPU present)
+      run a3b_ranks 560 python3 -m benchmarks.bench_trainer_ranks --model a3b --device cuda --ranks 1 2 4 \
+        --json "$out/a3b_ranks.json" ;;
     *) echo "unknown step $step" | tee -a "$out/summary.txt" ;;
   esac
 done

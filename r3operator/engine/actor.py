@@ -15,7 +15,7 @@ class EngineActor:
 
     def __init__(
         self, model_dir: str, *, device: str, dtype: str, seed: int, max_model_len: int,
-        weight_transfer_backend: str | None = None,
+        weight_transfer_backend: str | None = None, gpu_memory_utilization: float | None = None,
     ) -> None:  # fmt: skip
         from r3operator.engine.llm import apply_engine_env, llm_kwargs
         from r3operator.engine.plugin import register, self_check
@@ -31,6 +31,7 @@ class EngineActor:
             seed=seed,
             max_model_len=max_model_len,
             dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
             extra={"skip_tokenizer_init": True, "worker_extension_cls": WORKER_EXTENSION_CLS,
                    **({"weight_transfer_config": {"backend": weight_transfer_backend}}
                       if weight_transfer_backend else {})},

@@ -18,6 +18,8 @@ CPU_ENV: Mapping[str, str] = {
 }
 # GPU: flashinfer is not installed in our image; vLLM then uses the PyTorch sampler.
 GPU_ENV: Mapping[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+SHARED_GPU_FRACTION = 0.5
+"""The engine's share of a GPU it shares with the trainer (`r3operator run`), unless the job sets its own."""
 
 
 def apply_engine_env(device: str) -> None:
@@ -33,6 +35,7 @@ def llm_kwargs(
     seed: int = 0,
     max_model_len: int = 1024,
     dtype: str = "bfloat16",
+    gpu_memory_utilization: float | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` with routed-expert capture on.
@@ -40,6 +43,8 @@ def llm_kwargs(
     Prefix caching stays at vLLM's default: cached blocks keep their routing, and the caller resets the
     cache on every weight update (reference §8.1.4). `enforce_eager` on CPU (no CUDA graphs/compile);
     on GPU we also default to eager so a small benchmark does not spend minutes compiling.
+    `gpu_memory_utilization`: the user's `spec.inference.gpuMemoryUtilization` when set; else half the GPU,
+    because locally the trainer shares the engine's GPU.
     """
     kwargs: dict[str, Any] = {
         "model": str(model),
@@ -50,6 +55,6 @@ def llm_kwargs(
         "seed": seed,
     }
     if device != "cpu":
-        kwargs["gpu_memory_utilization"] = 0.5
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization or SHARED_GPU_FRACTION
     kwargs.update(extra or {})
     return kwargs

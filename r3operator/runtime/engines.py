@@ -44,6 +44,7 @@ class RayEngine:
         ready: Backoff | None = None,
         name: str = "ray engine 0",
         weight_transfer_backend: str | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         import ray
 
@@ -54,7 +55,7 @@ class RayEngine:
         actor_cls = ray.remote(EngineActor).options(**options, runtime_env={"env_vars": env})
         self._actor = actor_cls.remote(
             str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            weight_transfer_backend=weight_transfer_backend,
+            weight_transfer_backend=weight_transfer_backend, gpu_memory_utilization=gpu_memory_utilization,
         )  # fmt: skip
         self.weight_transfer_backend = weight_transfer_backend
         self._ray = ray

@@ -396,6 +396,18 @@ class GRPORun:
         with timer("canary"):
             return self.canary()
 
+    def _trainer_peak_gib(self) -> float | None:
+        """The largest peak GPU memory of any trainer rank so far (GiB); None on CPU, where the driver's
+        resident set also holds the rollout and would say nothing about the trainer."""
+        if not self.s.device.startswith("cuda") or self.trainer is None:
+            return None
+        per_rank = getattr(self.trainer, "peak_memory_bytes", None)
+        if per_rank is not None:  # ranks in Ray actors
+            return max(per_rank()) / 2**30
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) / 2**30  # the trainer runs in this process
+
     def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
         """Columns a driver adds from the update's figures (none in the synchronous loop)."""
 
@@ -403,6 +415,7 @@ class GRPORun:
         row["t_metrics"] = timer.seconds["metrics"]
         row["t_checkpoint"] = timer.seconds["checkpoint"]
         row["step_seconds"] = time.perf_counter() - begin
+        row["trainer_peak_memory_gib"] = self._trainer_peak_gib()
         self.metrics.observe_step(row, timer.seconds)
         append_row(self.run_dir / "metrics.csv", row)
         self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step,
@@ -547,7 +560,10 @@ def start_engines(settings: RunSettings, model_dir: Any) -> EngineGroup:
         ])  # fmt: skip
     start_ray(in_cluster=False)
     backend = weight_sync.local_engine_backend(settings.device)
+    inference = settings.job.spec.inference
+    # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
+    share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
     return EngineGroup([
         RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
-                  max_model_len=512, weight_transfer_backend=backend)
+                  max_model_len=512, weight_transfer_backend=backend, gpu_memory_utilization=share)
     ])  # fmt: skip

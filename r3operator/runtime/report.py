@@ -15,7 +15,7 @@ COLUMNS = (
     "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
     "canary_near_ties",
     "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
-    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped",
+    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped", "trainer_peak_memory_gib",
     "turns_mean", "env_tokens", "routing_agreement_by_turn",  # multi-turn jobs only; empty otherwise
     "staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds",
     "importance_weight_mean", "importance_truncated_fraction", "t_pause",  # algorithm.mode async only
@@ -24,11 +24,29 @@ COLUMNS = (
 
 def append_row(path: Path, row: Mapping[str, Any]) -> None:
     new = not path.exists()
+    if not new:
+        _upgrade_header(path)
     with path.open("a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def _upgrade_header(path: Path) -> None:
+    """A run resumed by a newer image finds a metrics.csv whose header lacks newer columns: rewrite it under
+    today's header (atomically) so that the rows appended next line up with their names."""
+    with path.open() as fh:
+        header = fh.readline().rstrip("\r\n").split(",")
+    if header == list(COLUMNS):
+        return
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: r.get(k, "") or "" for k in COLUMNS} for r in rows)
+    tmp.replace(path)
 
 
 def keep_rows_through(path: Path, last_step: int) -> int:
@@ -164,6 +182,12 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
     return [*lines, ""]
 
 
+def _peak_memory_line(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    peaks = [_f(r, "trainer_peak_memory_gib") for r in rows]
+    peaks = [p for p in peaks if not math.isnan(p)]
+    return [f"- trainer peak GPU memory (largest rank): {max(peaks):.1f} GiB"] if peaks else []
+
+
 def write_report(
     path: Path, *, job_name: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], facts: Mapping[str, Any]
 ) -> str:
@@ -191,6 +215,7 @@ def write_report(
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
+            *_peak_memory_line(rows),
             "",
         ]
     if len(runs) > 1:
