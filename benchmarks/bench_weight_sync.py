@@ -130,7 +130,7 @@ class _FailingHalfway(Mapping[str, Any]):
 
 def _greedy_tokens(run: Any) -> list[list[int]]:
     outputs = run.engines.greedy_all(run.canary_prompts, max_tokens=run.canary_tokens)
-    return [[list(t) for t, _ in per_engine] for per_engine in outputs]
+    return [[list(g.tokens) for g in per_engine] for per_engine in outputs]
 
 
 def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -> dict[str, Any]:

@@ -98,7 +98,7 @@ class EngineActor:
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
-        return [(list(s.token_ids), [float(x) for x in s.logprobs]) for s in samples]
+        return [Greedy(list(s.token_ids), [float(x) for x in s.logprobs], s.routes) for s in samples]
 
     def weights_digest(self) -> str:
         return str(self.llm.collective_rpc("r3_weights_digest")[0])

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.weights import PackedChunk
 
-Greedy = tuple[list[int], list[float]]  # greedy tokens and the engine's logprob of each
+
+class Greedy(NamedTuple):
+    """One greedy continuation: its tokens, the engine's logprob of each, and the experts the engine routed
+    the sequence through (None when the engine returned none); the weight canary replays them."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    routes: Any = None  # RoutedExperts of prompt + tokens
 
 
 # Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,

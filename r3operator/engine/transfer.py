@@ -198,6 +198,12 @@ class NativeSender:
     def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
         return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
 
+    def packed_buffer_bytes(self) -> int:
+        """`weightSync.chunkSizeMB`, or the largest tensor when that is bigger: vLLM's packed senders refuse
+        a tensor that does not fit one buffer (an embedding or expert block can exceed a small chunk)."""
+        largest = max((_numel(shape) * _itemsize(dtype) for _, dtype, shape in self.metadata()), default=0)
+        return max(self.buffer_size_bytes, largest)
+
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
         on the CPU), cast to the engine's dtype first."""
@@ -238,12 +244,12 @@ class NativeSender:
         if self.method is TransferMethod.NCCL:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info: Any = NCCLTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.buffer_size_bytes,
+            info: Any = NCCLTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.packed_buffer_bytes(),
                                             **self._nccl_endpoint())  # fmt: skip
         else:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.buffer_size_bytes)
+            info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.packed_buffer_bytes())
         return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=_weight_source(self))
 
     # -- one sync ---------------------------------------------------------------------------------
@@ -280,7 +286,7 @@ class NativeSender:
         args = IPCTrainerSendWeightsArgs(
             send_mode=lambda info: self.client.update_weights(asdict(info)),
             packed=True,
-            packed_buffer_size_bytes=self.buffer_size_bytes,
+            packed_buffer_size_bytes=self.packed_buffer_bytes(),
         )
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)
 
@@ -291,15 +297,15 @@ class NativeSender:
             NCCLWeightTransferUpdateInfo,
         )
 
+        buffer = self.packed_buffer_bytes()
         info = NCCLWeightTransferUpdateInfo(
             names=[name for name, _, _ in meta],
             dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
             shapes=[list(shape) for _, _, shape in meta],
             packed=True,
-            packed_buffer_size_bytes=self.buffer_size_bytes,
+            packed_buffer_size_bytes=buffer,
         )
-        args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True,
-                                          packed_buffer_size_bytes=self.buffer_size_bytes)  # fmt: skip
+        args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True, packed_buffer_size_bytes=buffer)
         pool = ThreadPoolExecutor(max_workers=1)
         try:  # the engines receive inside the same NCCL broadcasts: their update runs alongside
             receiving = pool.submit(self.client.update_weights, asdict(info))

@@ -1,8 +1,8 @@
 """The post-sync weight canary: the engine's greedy decode must be the trainer's greedy decode.
 
 The engine greedy-decodes fixed prompts; the trainer then teacher-forces each engine continuation through
-ONE fp32 forward (no autocast, natural routing) and checks every generated position: the engine's token
-must be the trainer's argmax. With the same prefix at every position this is exactly "engine greedy ==
+ONE fp32 forward (no autocast) and checks every generated position: the engine's token must be the
+trainer's argmax. With the same prefix at every position this is exactly "engine greedy ==
 trainer greedy" (including where each stops: an engine <eos> must be the trainer's argmax, and so must
 every token the engine emitted instead of the trainer's <eos>), for the cost of one forward per prompt.
 
@@ -11,6 +11,15 @@ that token within δ. Greedy tokens alone are a weak check on an untrained model
 flat, so a corrupted MoE layer can leave every argmax in place (measured on the random-init tiny model: a
 transposed expert layout moved logits by ~0.37 without changing one greedy token, but moved the greedy
 tokens' logprobs by up to 0.12, which δ_exact catches).
+
+The trainer's forward replays the experts the engine chose for that continuation (R3's own mechanism), so
+the canary compares the weights, not the routers' near-ties: a bf16 engine and the fp32 trainer route
+differently wherever two experts score alike, and on a random-init model with 128 experts one such flip
+moved a greedy token's logprob by 0.89 while R3 rollouts of the same run agreed to 0.007 (H100, a3b
+model, docs/benchmarks.md). The routers' own weights are checked apart: the trainer's natural choices on
+the same forward must agree with the engine's on at least `MIN_ROUTING_AGREEMENT` of the token-layers (a
+stale or corrupt gate agrees on about top-k / experts of them). An engine that returned no routes gets
+the natural-routing forward.
 
 Two modes, chosen by the engine dtype (`canary_tolerance`):
 
@@ -47,6 +56,10 @@ BF16_CANARY_EPSILON = 0.5
 # routing flips included): <= 0.075; 0.25 leaves headroom.
 EXACT_LOGPROB_TOLERANCE = 1e-3
 BF16_LOGPROB_TOLERANCE = 0.25
+# Share of routed token-layers where the trainer's natural top-k set must equal the engine's. Measured
+# natural agreement, bf16 engine vs trainer: 0.93 on the random-init a3b model (128 experts, H100); a gate
+# that does not match the engine's agrees on about top_k / num_experts (0.06 there).
+MIN_ROUTING_AGREEMENT = 0.5
 
 
 @dataclass(frozen=True)
@@ -138,3 +151,53 @@ def check_engine_greedy(
                         f"{tolerance.logprob:g}); engine output {got}"
                     )
     return result
+
+
+@dataclass(frozen=True)
+class CanaryForwards:
+    """The trainer's canary forwards of one engine's continuations, by sequence."""
+
+    logits: dict[tuple[int, ...], Any]
+    routing_agreement: float | None  # None: the engine returned no routes
+
+    def logits_fn(self, sequence: Sequence[int]) -> Any:
+        return self.logits[tuple(sequence)]
+
+
+def canary_forwards(trainer: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Any]) -> CanaryForwards:
+    """One trainer forward per engine continuation (`Greedy`), the engine's routes replayed where it sent
+    them; the natural-vs-engine routing agreement over all of them."""
+    import torch
+
+    from r3operator.trainer.batch import place_routes
+    from r3operator.trainer.metrics import routing_agreement
+
+    logits: dict[tuple[int, ...], Any] = {}
+    natural, engine, masks = [], [], []
+    for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
+        sequence = tuple(int(t) for t in prompt) + tuple(int(t) for t in got.tokens)
+        if got.routes is None:
+            logits[sequence] = trainer.canary_logits(list(sequence))
+            continue
+        placed, no_route = place_routes([got.routes], lengths=[len(sequence)], width=len(sequence),
+                                        sample_ids=[f"canary prompt {i}"])  # fmt: skip
+        routes, pad = torch.from_numpy(placed), torch.from_numpy(no_route)
+        forward = trainer.canary_forward(list(sequence), routes, pad)
+        logits[sequence] = forward.logits
+        natural.append(np.asarray(forward.natural_ids))
+        engine.append(placed[0])
+        masks.append(~no_route[0])
+    if not natural:
+        return CanaryForwards(logits, None)
+    agreement = routing_agreement(np.concatenate(natural), np.concatenate(engine), np.concatenate(masks))
+    return CanaryForwards(logits, agreement.agreement_ratio)
+
+
+def check_routing_agreement(agreement: float | None, *, where: str, floor: float = MIN_ROUTING_AGREEMENT) -> None:
+    """The routers' weights: natural trainer routing must mostly pick the engine's experts (NaN: no routed
+    layer among the canary tokens, nothing to compare)."""
+    if agreement is not None and agreement < floor:
+        raise CanaryMismatchError(
+            f"{where}: the trainer's routers pick the engine's experts on {agreement:.1%} of the canary's "
+            f"token-layers (at least {floor:.0%} expected): the router (gate) weights differ"
+        )

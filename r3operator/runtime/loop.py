@@ -39,7 +39,13 @@ from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime import weight_sync
-from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy
+from r3operator.runtime.canary import (
+    CanaryMismatchError,
+    canary_forwards,
+    canary_tolerance,
+    check_engine_greedy,
+    check_routing_agreement,
+)
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
 from r3operator.runtime.dataset_file import resolve_dataset_file
 from r3operator.runtime.engines import EngineGroup
@@ -346,13 +352,15 @@ class GRPORun:
         assert self.trainer is not None
         self.canary_near_ties = 0
         for engine_no, got in zip(names, outputs, strict=True):
+            where = f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}"
             try:
+                forwards = canary_forwards(self.trainer, self.canary_prompts, got)
                 result = check_engine_greedy(
-                    self.trainer.canary_logits, self.canary_prompts, [t for t, _ in got],
-                    engine_logprobs=[lp for _, lp in got], tolerance=self.canary_tol,
-                    eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens,
-                    where=f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}",
+                    forwards.logits_fn, self.canary_prompts, [g.tokens for g in got],
+                    engine_logprobs=[g.logprobs for g in got], tolerance=self.canary_tol,
+                    eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens, where=where,
                 )  # fmt: skip
+                check_routing_agreement(forwards.routing_agreement, where=where)
             except CanaryMismatchError:
                 self.metrics.set("r3operator_weight_sync_canary_ok", 0.0)
                 raise

@@ -42,6 +42,14 @@ def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids
 
 
 @dataclass
+class CanaryForward:
+    """The weight canary's trainer forward of one sequence with the engine's routes replayed."""
+
+    logits: Any  # [S, V] fp32 next-token logits
+    natural_ids: Any  # [S, L, K] what the trainer's routers would have chosen on that forward
+
+
+@dataclass
 class UpdateStats:
     loss: float
     clip_fraction: float
@@ -104,6 +112,11 @@ class Trainer(Protocol):
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]: ...
 
     def canary_logits(self, sequence: Sequence[int]) -> Any: ...
+
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+        """fp32 logits of `sequence` with `routes` ([1, S, L, K]; rows flagged in `route_pad` [1, S] route
+        naturally) replayed, and the routers' natural choices on the same forward."""
+        ...
 
     def model_state_dict(self) -> dict[str, Any]: ...
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
-from r3operator.trainer.base import OldPass, UpdateStats, greedy_decode, old_pass_for
+from r3operator.trainer.base import CanaryForward, OldPass, UpdateStats, greedy_decode, old_pass_for
 from r3operator.trainer.batch import TrainBatch
 from r3operator.trainer.shards import Share, ShareStats, combine_update, forward_rows, update_plan
 
@@ -118,6 +118,9 @@ class TrainerRank:
 
     def canary_logits(self, sequence: list[int]) -> Any:
         return self.trainer.canary_logits(sequence)
+
+    def canary_forward(self, sequence: list[int], routes: Any, route_pad: Any) -> CanaryForward:
+        return self.trainer.canary_forward(sequence, routes, route_pad)
 
     def sync_chunks(self, chunk_size_mb: int, dtype_name: str | None) -> Iterator[PackedChunk]:
         """Rank 0 yields the packed chunks; every other rank only takes part in each gather."""
@@ -292,6 +295,10 @@ class DistributedTrainer:
     def canary_logits(self, sequence: Sequence[int]) -> Any:
         """Every rank runs the forward (it gathers the shards); rank 0's logits are the answer."""
         return self._all(lambda r: r.canary_logits.remote(list(sequence)))[0]
+
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+        """Like `canary_logits`: every rank runs it, rank 0 answers."""
+        return self._all(lambda r: r.canary_forward.remote(list(sequence), routes, route_pad))[0]
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")

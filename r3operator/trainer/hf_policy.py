@@ -30,6 +30,7 @@ from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
+    CanaryForward,
     OldPass,
     UpdateStats,
     compute_context,
@@ -208,6 +209,19 @@ class PolicyTrainer:
         ids = torch.as_tensor([list(sequence)], dtype=torch.int64, device=self.device)
         with torch.no_grad():
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+        import torch
+
+        ids = torch.as_tensor([list(sequence)], dtype=torch.int64, device=self.device)
+        natural = RouterRecorder(natural=True).install(self.model)
+        try:
+            with torch.no_grad(), self.replay.armed(routes.to(self.device), padding_mask=route_pad.to(self.device)):
+                logits = self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+            natural_ids = natural.stacked(self.num_layers).cpu()
+        finally:
+            natural.remove()
+        return CanaryForward(logits, natural_ids)
 
     # -- state --------------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, Any]:

@@ -120,7 +120,7 @@ class FakeEngine:
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         self._call("greedy")
-        return [([2], [0.0]) for _ in prompts]
+        return [Greedy([2], [0.0]) for _ in prompts]
 
     def weights_digest(self) -> str:
         return self.tag or "original"

@@ -46,7 +46,7 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
         # vLLM's native routes are served and read our requests
         assert engine.native_world_size() == 1
         digest = engine.weights_digest()
-        greedy = engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens)
+        greedy = [(g.tokens, g.logprobs) for g in engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens)]
         engine.native_start()  # /start_weight_update: vLLM's layerwise-reload bracket is open
         assert engine.policy_tag() is None  # weights in flux: no policy until a finished sync
         update = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[256]]}
@@ -55,7 +55,8 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
 
         engine.native_abort()  # our extension: every layer still loading gets its weights back
         assert engine.weights_digest() == digest
-        assert engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens) == greedy
+        after = engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens)
+        assert [(g.tokens, g.logprobs) for g in after] == greedy
         engine.native_start()  # vLLM accepts a new bracket: the abort cleared its state too
         engine.native_abort()
 

@@ -145,6 +145,25 @@ def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> Non
         run.canary()
 
 
+def test_canary_fails_on_a_gate_that_routes_to_other_experts(tmp_path, engines) -> None:
+    """The canary replays the engine's routes, so the experts' weights alone decide the logprobs; a router
+    whose rows are permuted (each expert's score goes to another) routes elsewhere and is caught by the
+    routing-agreement floor."""
+    from r3operator.runtime.canary import canary_tolerance
+    from r3operator.runtime.loop import CanaryMismatchError
+
+    run = _run(tmp_path, engines)
+    run.setup()
+    run.canary_tol = canary_tolerance("bfloat16")
+    good = {k: v.detach().clone() for k, v in run.trainer.model_state_dict().items()}
+    permuted = {k: (v.roll(1, dims=0) if k.endswith("mlp.gate.weight") else v) for k, v in good.items()}
+    _sync_state(run, engines, permuted)
+    with pytest.raises(CanaryMismatchError, match=r"routers pick the engine's experts on .*gate"):
+        run.canary()
+    _sync_state(run, engines, good)
+    assert run.canary()
+
+
 def test_compare_replay_writes_both_runs_into_one_report(tmp_path, engines) -> None:
     from r3operator.runtime.app import run_job
     from r3operator.runtime.report import read_rows

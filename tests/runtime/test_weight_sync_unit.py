@@ -284,3 +284,23 @@ def test_wanted_method_for_the_local_run() -> None:
     assert local_topology("cuda") is Topology.SHARED_GPU
     assert local_topology("cuda:1") is Topology.SHARED_GPU
     assert local_topology("cpu") is Topology.CPU
+
+
+def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> None:
+    """vLLM's packed senders refuse a tensor bigger than one buffer: a small weightSync.chunkSizeMB must not
+    make a large embedding unsendable (the a3b model's q_proj is 16 MiB in bf16)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from r3operator.engine.transfer import FanOutClient, NativeSender, trainer_vllm_api
+
+    if trainer_vllm_api() is None:
+        pytest.skip("this vLLM has no trainer-side sender")
+    state = {"model.embed_tokens.weight": torch.zeros(64, 32), "model.norm.weight": torch.zeros(32)}
+
+    def sender(buffer: int) -> NativeSender:
+        return NativeSender(TransferMethod.IPC, FanOutClient([_Endpoint("a")]), lambda: state,  # type: ignore[list-item]
+                            dtype=torch.bfloat16, buffer_size_bytes=buffer)  # fmt: skip
+
+    assert sender(1024).packed_buffer_bytes() == 64 * 32 * 2
+    assert sender(1 << 20).packed_buffer_bytes() == 1 << 20

@@ -210,3 +210,22 @@ def test_recompute_replays_in_forward_order_and_rebuild_invalidates_old_model(tr
     swapped = (routes + 1) % EXPERTS  # other (still distinct) experts: wrong routes change the gradient
     s_other = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2).train_step(batch, swapped, loss_fn)
     assert s_other["grad_norm"] != pytest.approx(s_plain["grad_norm"], rel=1e-5)
+
+
+def test_canary_forward_replays_the_engines_routes_and_reports_the_natural_ones(trainer: Any) -> None:
+    """The adapter's weight-canary forward: logits under the replayed routes equal the R3 pass; the natural
+    ids are what the routers pick without replay."""
+    from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
+
+    batch, routes = make_batch(2)
+    row, length = 0, int(batch.attention_mask[0].sum())
+    sequence = batch.input_ids[row, :length].tolist()
+    seq_routes, pad = routes[row : row + 1, :length], batch.route_pad[row : row + 1, :length]
+    forward = MegatronPolicyTrainer(trainer).canary_forward(sequence, seq_routes, pad)
+
+    replayed = trainer.logprobs(batch, routes, "R3").logprobs[row, : length - 1]
+    ids = torch.as_tensor(sequence[1:])
+    lp = torch.log_softmax(forward.logits[:-1], -1).gather(-1, ids[:, None])[:, 0]
+    assert (lp - replayed).abs().max() < 1e-4
+    natural = trainer.logprobs(batch, None, "off", probe=True).used[row, :length]
+    assert torch.equal(forward.natural_ids.sort(-1).values, natural.sort(-1).values)

@@ -32,6 +32,7 @@ from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
+    CanaryForward,
     OldPass,
     UpdateStats,
     compute_context,
@@ -189,6 +190,25 @@ class MegatronPolicyTrainer:
         with replay_schedule(), torch.no_grad():
             logits = self.mt._forward("off", ids, torch.ones_like(ids), None, None)
         return logits[0].float().cpu()
+
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+        """The replayed forward, then a natural one under the routing probe (the HF path records the natural
+        choices inside its replayed forward; Megatron's replay replaces the router's top-k)."""
+        import torch
+
+        from r3operator.trainer.megatron.trainer import RoutingProbe
+        from r3operator.trainer.replay.megatron import replay_schedule
+
+        ids = torch.as_tensor([list(sequence)], dtype=torch.int64)
+        attn = torch.ones_like(ids)
+        self.mt.model.eval()
+        with torch.no_grad():
+            with replay_schedule():
+                logits = self.mt._forward("R3", ids, attn, routes, route_pad)
+            with replay_schedule(), RoutingProbe(self.mt.model, enabled=True) as probe:
+                self.mt._forward("off", ids, attn, None, None)
+                natural = self.mt._to_batch_layout(probe.take(1, self.mt._local_seq()))
+        return CanaryForward(logits[0].float().cpu(), natural[0, : ids.shape[1]])
 
     # -- state --------------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, Any]:

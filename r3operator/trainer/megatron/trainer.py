@@ -128,7 +128,7 @@ class MegatronTrainer:
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
         outs, recs, used = [], [], []
-        with replay_schedule(), torch.no_grad(), _RoutingProbe(self.model, enabled=probe) as rp:
+        with replay_schedule(), torch.no_grad(), RoutingProbe(self.model, enabled=probe) as rp:
             for rows in self._split(batch.input_ids.shape[0]):
                 ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
                 logits = self._forward(mode, ids, attn, None if routes is None else routes[rows],
@@ -217,13 +217,13 @@ class MegatronTrainer:
         return megatron_to_hf(full, self.hf_config)
 
 
-class _RoutingProbe:
+class RoutingProbe:
     """Forward hooks on every TopKRouter: the routing_map the dispatcher receives, as sorted ids."""
 
     def __init__(self, model: Any, *, enabled: bool) -> None:
         self.model, self.enabled, self.maps, self.handles = model, enabled, [], []
 
-    def __enter__(self) -> _RoutingProbe:
+    def __enter__(self) -> RoutingProbe:
         if self.enabled:
             from megatron.core.transformer.moe.router import TopKRouter
 
