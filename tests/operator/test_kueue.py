@@ -83,6 +83,12 @@ def _workload(cluster: Cluster, job: str) -> dict[str, Any] | None:
     return cluster.get(f"{KUEUE}/namespaces/{NS}/workloads/{job}-workload")
 
 
+def _fetch_job(cluster: Cluster, job: str) -> dict[str, Any]:
+    found = cluster.get(f"/apis/batch/v1/namespaces/{NS}/jobs/{job}-model-fetch")
+    assert found is not None, f"{job}-model-fetch"
+    return found
+
+
 def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
     return wait_condition(cluster, NS, job, ctype, status, reason)
 
@@ -124,11 +130,14 @@ def test_job_waits_for_quota_suspended_then_runs_when_admitted(cluster: Cluster,
     assert {(p["name"], p["count"]) for p in workload["spec"]["podSets"]} == {("engine", 1), ("trainer-head", 1)}
     assert not [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
                 if p["metadata"]["labels"].get("r3operator.io/job") == job]  # fmt: skip
+    # The model fetch is gated like the rest: its Job waits suspended, no fetch pod runs outside the quota.
+    assert _fetch_job(cluster, job)["spec"]["suspend"] is True
 
     # The queue grows: Kueue admits the whole job and the operator starts engines and trainer together.
     cluster.apply(_cluster_queue(queue, gpus=8))
     _cond(cluster, job, "Admitted", "True", "Admitted")
     assert wait_for(lambda: _running(cluster, job), what="engines and trainer started")
+    assert condition(_fetch_job(cluster, job), "Complete")  # the cache filled first, after admission
     _cond(cluster, job, "Suspended", "False", "Active")
     # The engine pods land on the tainted fake GPU nodes (the default toleration, and Kueue's flavor).
     pods = wait_for(
