@@ -183,3 +183,34 @@ def test_missing_priority_class_is_valid_false_and_nothing_is_created(cluster: C
     assert "PriorityClass/does-not-exist" in valid["message"], valid["message"]
     assert _workload(cluster, job) is None
     assert cluster.get(paths(NS, job)["sts"]) is None and cluster.get(paths(NS, job)["rayjob"]) is None
+
+
+def _fetch_pods(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    selector = f"job-name={job}-model-fetch"
+    return cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector}")["items"]
+
+
+def test_an_eviction_during_the_model_fetch_stops_the_fetch_before_the_quota_is_released(
+    cluster: Cluster, operator: KopfRunner
+):
+    queue = _queue(cluster, "q-fetch", gpus=8)  # room for one job
+    low, high = "fetch-low", "fetch-high"
+    # kwok (the nodes' kubelet) paused: the fetch pod neither completes nor, once deleted, goes away.
+    with cluster.api.paused("kwok"):
+        cluster.apply(_job(low, queue, podTemplate={"priorityClassName": "rl-low"}))
+        _cond(cluster, low, "Admitted", "True", "Admitted")
+        wait_for(lambda: _fetch_pods(cluster, low), what=f"{low}'s fetch pod")
+        assert _held(cluster, low)  # engines and trainer wait for the cache
+        cluster.apply(_job(high, queue, podTemplate={"priorityClassName": "rl-high"}))
+        _says(cluster, low, "Admitted", "Evicted", "Preempted")
+        wait_for(lambda: _fetch_job(cluster, low)["spec"]["suspend"] is True, what=f"{low}'s fetch suspended")
+        wait_for(lambda: all(p["metadata"].get("deletionTimestamp") for p in _fetch_pods(cluster, low)),
+                 what="the fetch pod deleted by the Job controller")  # fmt: skip
+        # Its pod is still there (terminating): the operator keeps the quota, the preemptor waits.
+        assert condition(_workload(cluster, low), "QuotaReserved")["status"] == "True"
+        assert cluster.get(paths(NS, high)["sts"])["spec"]["replicas"] == 0
+    # The pod goes: the quota is released, the preemptor admitted, and the evicted job queued again.
+    _cond(cluster, high, "Admitted", "True", "Admitted")
+    assert wait_for(lambda: not _fetch_pods(cluster, low), what=f"{low}'s fetch pod gone")
+    _cond(cluster, low, "Admitted", "False", "WaitingForAdmission")
+    assert _fetch_job(cluster, low)["spec"]["suspend"] is True

@@ -117,3 +117,8 @@ def test_a_fetch_pod_stuck_on_a_missing_secret_stops_progress_with_the_secrets_n
     progressing = compute_conditions(job, obs)[ConditionType.PROGRESSING]
     assert (progressing.status.value, progressing.reason) == ("False", "ReferenceNotFound")
     assert 'secret "hf" not found' in progressing.message and "job-model-fetch" in progressing.message
+    pending = Observed(model_fetch="running", unschedulable={"model-fetch": "1 pod: 0/18 nodes are available: "
+                                                                             "16 node(s) had untolerated taint."})
+    progressing = compute_conditions(job, pending)[ConditionType.PROGRESSING]
+    assert (progressing.status.value, progressing.reason) == ("False", "Unschedulable")
+    assert "untolerated taint" in progressing.message
