@@ -40,10 +40,10 @@ REFERENCE_MODELS_SUBDIR = "models"
 REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/{REFERENCE_MODELS_SUBDIR}"
 """r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
 MODEL_MOUNT = "/mnt/model"
-"""pvc://claim/path models: the claim is mounted read-only here; hf:// and s3:// models: the model cache is
-(``MODEL_MOUNT/<cache key>``, api/sources.py)."""
+"""pvc://claim/path models: the claim is mounted read-only here; hf://, s3:// and gs:// models: the model cache
+is (``MODEL_MOUNT/<cache key>``, api/sources.py)."""
 DATA_MOUNT = "/mnt/data"
-"""An s3:// ``task.datasetPath`` is fetched to ``DATA_MOUNT/<cache key>`` in the trainer's head pod."""
+"""An s3:// or gs:// ``task.datasetPath`` is fetched to ``DATA_MOUNT/<cache key>`` in the trainer's head pod."""
 RUNS_DIR = "runs"
 """Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
 

@@ -454,19 +454,19 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "MODEL-URI-SCHEME",
+        "MODEL-GCS-CREDENTIALS",
         E,
-        "spec.model.uri",
-        ("model.uri",),
-        "gs:// models are not fetched",
-        ("r3operator: docs/models.md",),
-        source_checks.model_uri_scheme,
+        "spec.model.gcs",
+        ("model.uri", "model.gcs"),
+        "a gs:// model needs an HMAC key Secret",
+        ("r3operator: docs/models.md", "Cloud Storage: simple migration from Amazon S3 (HMAC keys)"),
+        source_checks.model_gcs_credentials,
         CelRule(
-            "!self.model.uri.startsWith('gs://')",
-            "'model.uri ' + self.model.uri + ': gs:// models are not fetched; copy the model to an S3-compatible "
-            "bucket (s3://bucket/prefix with model.s3) or a PersistentVolumeClaim (pvc://claim/path), or use "
-            "hf://org/name'",
-            ".model.uri",
+            "!self.model.uri.startsWith('gs://') || has(self.model.gcs)",
+            "'model.uri ' + self.model.uri + ' needs model.gcs.credentialsSecret: a Secret with an HMAC key (access "
+            "ID as AWS_ACCESS_KEY_ID, secret as AWS_SECRET_ACCESS_KEY)'",
+            ".model.gcs",
+            "FieldValueRequired",
         ),
     ),
     Rule(
@@ -559,14 +559,15 @@ RULES: tuple[Rule, ...] = (
         E,
         "spec.task.datasetPath",
         ("task.datasetPath",),
-        "a dataset is a path or s3://",
+        "a dataset is a path, s3:// or gs://",
         ("r3operator: docs/models.md",),
         source_checks.dataset_uri_scheme,
         CelRule(
             "!has(self.task.datasetPath) || !self.task.datasetPath.contains('://') || "
-            "self.task.datasetPath.startsWith('s3://') || self.task.datasetPath.startsWith('file://')",
-            "'task.datasetPath ' + self.task.datasetPath + ': use a path (on the routing volume or in the image) "
-            "or s3://bucket/key'",
+            "self.task.datasetPath.startsWith('s3://') || self.task.datasetPath.startsWith('gs://') || "
+            "self.task.datasetPath.startsWith('file://')",
+            "'task.datasetPath ' + self.task.datasetPath + ': use a path (on the routing volume or in the image), "
+            "s3://bucket/key or gs://bucket/key'",
             ".task.datasetPath",
         ),
     ),
@@ -583,6 +584,22 @@ RULES: tuple[Rule, ...] = (
             "'task.datasetPath ' + self.task.datasetPath + ' needs task.s3.credentialsSecret: a Secret with "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)'",
             ".task.s3",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
+        "DATASET-GCS-CREDENTIALS",
+        E,
+        "spec.task.gcs",
+        ("task.datasetPath", "task.gcs"),
+        "a gs:// dataset needs an HMAC key Secret",
+        ("r3operator: docs/models.md", "Cloud Storage: simple migration from Amazon S3 (HMAC keys)"),
+        source_checks.dataset_gcs_credentials,
+        CelRule(
+            "!has(self.task.datasetPath) || !self.task.datasetPath.startsWith('gs://') || has(self.task.gcs)",
+            "'task.datasetPath ' + self.task.datasetPath + ' needs task.gcs.credentialsSecret: a Secret with an "
+            "HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as AWS_SECRET_ACCESS_KEY)'",
+            ".task.gcs",
             "FieldValueRequired",
         ),
     ),

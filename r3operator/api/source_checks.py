@@ -1,23 +1,20 @@
-"""Rule checks on model and dataset sources (api/sources.py): schemes nothing fetches, URIs the resolver
-cannot parse, s3:// without credentials. rules.py lists them with their CEL twins."""
+"""Rule checks on model and dataset sources (api/sources.py): URIs the resolver cannot parse, dataset schemes
+nothing fetches, s3:// and gs:// without credentials. rules.py lists them with their CEL twins."""
 
 from __future__ import annotations
 
 from r3operator.api.context import RuleContext
 from r3operator.api.sources import SourceURIError, parse_source_uri
 
-UNFETCHED_MODEL_SCHEMES = ("gs://",)
-DATASET_SCHEMES = ("s3://", "file://")
+DATASET_SCHEMES = ("s3://", "gs://", "file://")
 """Besides a plain path (on the routing volume or in the image)."""
+GCS_SECRET = "a Secret with an HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as AWS_SECRET_ACCESS_KEY)"
 
 
-def model_uri_scheme(c: RuleContext) -> str | None:
-    uri = c.spec.model.uri
-    if uri.startswith(UNFETCHED_MODEL_SCHEMES):
-        return (
-            f"model.uri {uri}: gs:// models are not fetched; copy the model to an S3-compatible bucket "
-            "(s3://bucket/prefix with model.s3) or a PersistentVolumeClaim (pvc://claim/path), or use hf://org/name"
-        )
+def model_gcs_credentials(c: RuleContext) -> str | None:
+    model = c.spec.model
+    if model.uri.startswith("gs://") and model.gcs is None:
+        return f"model.uri {model.uri} needs model.gcs.credentialsSecret: {GCS_SECRET}"
     return None
 
 
@@ -43,7 +40,10 @@ def model_s3_credentials(c: RuleContext) -> str | None:
 def dataset_uri_scheme(c: RuleContext) -> str | None:
     path = c.spec.task.dataset_path
     if path and "://" in path and not path.startswith(DATASET_SCHEMES):
-        return f"task.datasetPath {path}: use a path (on the routing volume or in the image) or s3://bucket/key"
+        return (
+            f"task.datasetPath {path}: use a path (on the routing volume or in the image), s3://bucket/key or "
+            "gs://bucket/key"
+        )
     return None
 
 
@@ -54,4 +54,11 @@ def dataset_s3_credentials(c: RuleContext) -> str | None:
             f"task.datasetPath {task.dataset_path} needs task.s3.credentialsSecret: a Secret with "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)"
         )
+    return None
+
+
+def dataset_gcs_credentials(c: RuleContext) -> str | None:
+    task = c.spec.task
+    if task.dataset_path and task.dataset_path.startswith("gs://") and task.gcs is None:
+        return f"task.datasetPath {task.dataset_path} needs task.gcs.credentialsSecret: {GCS_SECRET}"
     return None

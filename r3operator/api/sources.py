@@ -7,10 +7,10 @@ directory the engines and the trainer read: ``<root>/<cache_key>``.
 Schemes:
 - ``hf://org/name`` or ``hf://org/name@revision``: a Hugging Face Hub repository, fetched;
 - ``s3://bucket/prefix``: every object under the prefix (or the one object the key names), fetched;
+- ``gs://bucket/prefix``: the same from Google Cloud Storage, through its S3-compatible XML API;
 - ``pvc://claim/path``: a PersistentVolumeClaim, mounted as it is (nothing fetched);
 - ``file:///path`` or a plain absolute or relative path: already on the pod's or the machine's disk;
 - ``r3operator://reference/<name>``: a generated reference model (``r3operator.models``);
-- ``gs://``: parsed so rules can name it; nothing fetches it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Literal
 
 Scheme = Literal["hf", "s3", "gs", "pvc", "file", "r3operator"]
 SCHEMES: tuple[Scheme, ...] = ("hf", "s3", "gs", "pvc", "file", "r3operator")
-FETCHED_SCHEMES: frozenset[str] = frozenset({"hf", "s3"})
+FETCHED_SCHEMES: frozenset[str] = frozenset({"hf", "s3", "gs"})
 """Copied into a local directory (the model cache, a data directory) before anything reads them."""
 DEFAULT_HF_REVISION = "main"
 """The Hub's default branch: what an unpinned hf:// URI fetches, and the cache directory it fills."""

@@ -95,8 +95,20 @@ class S3Access(_Model):
     region: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9-]+$")
 
 
+class GCSAccess(_Model):
+    """How to reach a gs:// bucket: Google Cloud Storage through its S3-compatible XML API, with an HMAC key."""
+
+    credentials_secret: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """Secret in the RLJob's namespace with the HMAC key: its access ID under AWS_ACCESS_KEY_ID and its secret
+    under AWS_SECRET_ACCESS_KEY (the names the S3 client reads); only the fetch step gets them."""
+    endpoint_url: str | None = Field(
+        default=None, alias="endpointURL", max_length=512, pattern=r"^https?://[^\s/]+(/[^\s]*)?$"
+    )
+    """The XML API endpoint; unset: https://storage.googleapis.com (a Private Service Connect endpoint here)."""
+
+
 class ModelCacheSpec(_Model):
-    """The volume hf:// and s3:// models are fetched into once, then mounted read-only by every engine and
+    """The volume hf://, s3:// and gs:// models are fetched into once, then mounted read-only by every engine and
     trainer pod."""
 
     claim_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
@@ -111,16 +123,17 @@ class ModelCacheSpec(_Model):
 
 class ModelSpec(_Model):
     uri: str = Field(max_length=1024, pattern=MODEL_URI_PATTERN)
-    """Where the weights live: hf://org/name[@revision] or s3://bucket/prefix (fetched once into the model
-    cache), pvc://claim/path (mounted read-only), file:///path (inside the image), or
-    r3operator://reference/<name> for the project's generated reference MoE. gs:// is refused
-    (MODEL-URI-SCHEME). docs/models.md has each scheme."""
+    """Where the weights live: hf://org/name[@revision], s3://bucket/prefix or gs://bucket/prefix (fetched once
+    into the model cache), pvc://claim/path (mounted read-only), file:///path (inside the image), or
+    r3operator://reference/<name> for the project's generated reference MoE. docs/models.md has each scheme."""
     revision: str | None = Field(default=None, max_length=128)
     """Commit, tag or branch for hf:// models (or hf://org/name@revision); pin it for reproducible runs."""
     s3: S3Access | None = None
     """Credentials and endpoint for an s3:// model (required with one: S3-CREDENTIALS)."""
+    gcs: GCSAccess | None = None
+    """HMAC credentials for a gs:// model (required with one: MODEL-GCS-CREDENTIALS)."""
     cache: ModelCacheSpec | None = None
-    """Where hf:// and s3:// models are fetched to (unset: a per-job claim of the default size; unused by
+    """Where hf://, s3:// and gs:// models are fetched to (unset: a per-job claim of the default size; unused by
     the other schemes)."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
@@ -308,10 +321,12 @@ class TaskSpec(_Model):
     """Built-in verifiable task (`count`, `next`, the multi-turn `guess`) or `dataset` for datasetPath."""
     dataset_path: str | None = Field(default=None, max_length=1024)
     """A JSONL (.jsonl) or Parquet (.parquet) file whose rows hold `prompt` (a string) or `messages` (a chat
-    list), `answer` (a string) and optionally `id`; a path inside the trainer container, or s3://bucket/key, which
-    the trainer's head pod fetches before it starts (DATASET-URI-SCHEME, docs/models.md)."""
+    list), `answer` (a string) and optionally `id`; a path inside the trainer container, or s3://bucket/key or
+    gs://bucket/key, which the trainer's head pod fetches before it starts (DATASET-URI-SCHEME, docs/models.md)."""
     s3: S3Access | None = None
     """Credentials and endpoint for an s3:// datasetPath (required with one: DATASET-S3-CREDENTIALS)."""
+    gcs: GCSAccess | None = None
+    """HMAC credentials for a gs:// datasetPath (required with one: DATASET-GCS-CREDENTIALS)."""
     reward: RewardKind = RewardKind.EXACT_MATCH
     """exact-match / prefix-match (built-in tasks); exact-match / math / function / http (dataset)."""
     reward_function: str | None = Field(default=None, max_length=256, pattern=REWARD_FUNCTION_PATTERN)

@@ -1,4 +1,4 @@
-"""`r3operator fetch URI ROOT`: copy an hf:// or s3:// source into ``ROOT/<cache key>`` once and print the local
+"""`r3operator fetch URI ROOT`: copy an hf://, s3:// or gs:// source into ``ROOT/<cache key>`` once and print the local
 path; ``--verify`` only checks a copy. The operator's model-fetch Job, the dataset init container and the
 engines' and trainer's ``verify-model`` init containers run exactly this (operator/builders/model_cache.py).
 
@@ -15,11 +15,15 @@ import typer
 
 
 def fetch(
-    uri: Annotated[str, typer.Argument(help="hf://org/name[@revision] or s3://bucket/prefix.")],
+    uri: Annotated[str, typer.Argument(help="hf://org/name[@revision], s3://bucket/prefix or gs://bucket/prefix.")],
     root: Annotated[Path, typer.Argument(help="The cache root; the copy goes to ROOT/<cache key>.")],
     revision: Annotated[str | None, typer.Option(help="hf:// revision, unless the URI pins one (@revision).")] = None,
     endpoint_url: Annotated[
-        str | None, typer.Option("--endpoint-url", help="S3-compatible store URL (default: AWS S3).")
+        str | None,
+        typer.Option(
+            "--endpoint-url",
+            help="S3-compatible store URL (default: AWS S3; for gs://, https://storage.googleapis.com).",
+        ),
     ] = None,
     region: Annotated[str | None, typer.Option(help="S3 region.")] = None,
     verify_only: Annotated[
@@ -27,7 +31,8 @@ def fetch(
     ] = False,
     checksums: Annotated[bool, typer.Option(help="Also re-read every file against its sha256.")] = False,
 ) -> None:
-    """Fetch a model or dataset into a cache directory (credentials from HF_TOKEN / AWS_* in the environment)."""
+    """Fetch a model or dataset into a cache directory (credentials from HF_TOKEN / AWS_* in the environment;
+    for gs://, AWS_* hold a Cloud Storage HMAC key)."""
     from r3operator.api.sources import SourceURIError, parse_source_uri
     from r3operator.runtime import fetch as fetching
 
@@ -35,7 +40,7 @@ def fetch(
     try:
         source = parse_source_uri(uri, revision=revision)
         if not source.fetched:
-            raise SourceURIError(f"{uri}: only hf:// and s3:// sources are fetched")
+            raise SourceURIError(f"{uri}: only hf://, s3:// and gs:// sources are fetched")
         if verify_only:
             done = fetching.verify(fetching.target_directory(source, root), checksums=checksums)
         else:

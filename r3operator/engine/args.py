@@ -39,18 +39,18 @@ _KV_CONNECTORS: dict[KVConnector, str] = {
 class ModelSource:
     """Where engine and trainer pods find the model of ``spec.model.uri``: the one resolver both use.
 
-    - ``hf://org/name[@rev]`` and ``s3://bucket/prefix``: fetched once into the model cache claim, which every
-      engine and trainer pod mounts read-only at MODEL_MOUNT; the model is ``MODEL_MOUNT/<cache key>``
+    - ``hf://org/name[@rev]``, ``s3://bucket/prefix`` and ``gs://bucket/prefix``: fetched once into the model
+      cache claim, which every engine and trainer pod mounts read-only at MODEL_MOUNT; the model is
+      ``MODEL_MOUNT/<cache key>``
       (api/sources.py; runtime/fetch.py fills and verifies that directory);
     - ``pvc://claim/path``: the claim is mounted read-only at MODEL_MOUNT, the model is ``MODEL_MOUNT/path``;
     - ``file:///path``: a path already inside the pod's image or node;
     - ``r3operator://reference/<name>``: generated onto the routing volume by the trainer driver;
-    - ``gs://``: passed through (the rule MODEL-URI-SCHEME refuses it: nothing fetches it).
     """
 
     source: SourceURI
     directory: str
-    """The model's directory inside every pod (the URI itself for gs://)."""
+    """The model's directory inside every pod."""
     claim: str | None = None
     """pvc:// only: the PersistentVolumeClaim mounted at MODEL_MOUNT."""
 
@@ -70,7 +70,7 @@ class ModelSource:
 
 
 def model_source(spec: RLJobSpec) -> ModelSource:
-    """SourceURIError for a URI the rules refuse (MODEL-URI-SCHEME); they run before anything is rendered."""
+    """SourceURIError for a URI the rules refuse (MODEL-URI-FORM); they run before anything is rendered."""
     uri = spec.model.uri
     source = parse_source_uri(uri, revision=spec.model.revision)
     if source.fetched:

@@ -23,7 +23,9 @@ Rules per kind:
 - RoleBinding: ``roleRef`` is immutable: a different one means delete-and-recreate.
 - Workload (Kueue): a different spec hash (pod sets, queue, priority) means delete-and-recreate; the
   status is Kueue's and the job controller's (operator/admission.py), never applied.
-- Job (the model fetch): a different spec hash means delete-and-recreate; otherwise it is left alone.
+- Job (the model fetch): a different spec hash means delete-and-recreate. Until it completes, a different
+  pod hash (its pod customisation) is a recreate too, and ``suspend`` alone goes through its own field
+  manager (Kueue admission, ``runPolicy.suspend``); a completed one is left alone.
 - Everything else: the whole object is applied when a field we set differs.
 """
 
@@ -136,7 +138,28 @@ def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
         return Action("recreate", want, why="another upgrade attempt")
     if _hash(want, "metadata") != _hash(have, "metadata"):
         return Action("recreate", want, why="spec changed")
+    if _job_condition(have, "Complete"):
+        return Action("none")
+    pod_hash = _annotation(have, meta.ANNOTATION_POD_HASH)
+    # No annotation: a Job of an operator version before it; an operator upgrade restarts no fetch. A failed
+    # fetch is replaced too: the new pod template may be its fix (a proxy, a CA bundle, a pull secret).
+    if pod_hash is not None and pod_hash != _annotation(want, meta.ANNOTATION_POD_HASH):
+        return Action("recreate", want, why="pod template changed before the fetch completed")
+    suspend = (want.get("spec") or {}).get("suspend")
+    if _job_condition(have, "Failed"):
+        return Action("none")
+    if suspend is not None and bool(suspend) != bool((have.get("spec") or {}).get("suspend")):
+        return Action("apply", _partial(want, {"suspend": suspend}), force=True, manager=SCALE_MANAGER)
     return Action("none")
+
+
+def _annotation(obj: dict[str, Any], key: str) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
+
+
+def _job_condition(job: dict[str, Any], ctype: str) -> bool:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == ctype and c.get("status") == "True" for c in conditions)
 
 
 def _ray_job(want: dict[str, Any], have: dict[str, Any]) -> Action:

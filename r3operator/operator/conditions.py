@@ -23,7 +23,8 @@ class Reason(StrEnum):
     KUEUE_MISSING = "KueueMissing"
     """spec.queueName is set but the Kueue Workload API (workloads.kueue.x-k8s.io/v1beta1) is not served."""
     REFERENCE_NOT_FOUND = "ReferenceNotFound"
-    """A Secret, ConfigMap, claim, ServiceAccount or PriorityClass a pod template names does not exist."""
+    """A Secret, ConfigMap, claim, ServiceAccount or PriorityClass the spec names does not exist (Valid=False,
+    nothing created), or, where Secrets cannot be read, the pods' CreateContainerConfigError says so."""
     PARSE_ERROR = "ParseError"
     """The RLJob does not parse (a field the CRD schema let through); the message names the fields."""
     # Progressing / Ready: the operator cannot write

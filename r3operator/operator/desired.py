@@ -6,11 +6,12 @@ trainer RayJob finish, has the TTL after that passed) — never on the RLJob's s
 
 Lifecycle:
 - running: PVC, ConfigMap, engine Service + StatefulSet + NetworkPolicy, trainer ServiceAccount + Role +
-  RoleBinding, RayJob, PodMonitor; for an hf:// or s3:// model also the model cache claim and its fetch Job;
+  RoleBinding, RayJob, PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim and its fetch Job;
 - filling the model cache (the fetch Job has not completed): engines at 0 replicas, RayJob ``suspend: true``;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
   it (and again when Kueue evicts it) the children are those of a suspended job;
+- suspended or not admitted: the model-fetch Job too is ``suspend: true`` (no fetch pod runs);
 - finished (the RayJob says so): engines at 0 replicas (free the GPUs now), the RayJob is kept;
 - an engine image upgrade under way (``Facts.engine_rollout``, from operator/upgrade.py): the engine
   StatefulSet on the rollout's image, with a surge canary replica and a partition, plus the canary Job;
@@ -79,7 +80,8 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     if facts.expired:
         keep = claim is not None and job.spec.storage.retain_policy is RetainPolicy.RETAIN
         return [claim] if keep and claim is not None else []
-    fetch = build_model_fetch_job(job)
+    # Created suspended like every job Kueue gates: its pod runs only while the job may run.
+    fetch = build_model_fetch_job(job, suspend=is_suspended(job) or not facts.admitted)
     filling = fetch is not None and not facts.model_fetched
     stopped = is_suspended(job) or facts.finished or not facts.admitted or filling
     children: list[dict[str, Any]] = []
@@ -88,7 +90,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     cache = build_model_cache_claim(job)
     if cache is not None:
         children.append(cache)
-    if fetch is not None and facts.admitted:  # Kueue admits the job before any of its pods runs, the fetch too
+    if fetch is not None:
         children.append(fetch)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))

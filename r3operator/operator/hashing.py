@@ -87,12 +87,13 @@ def model_fetch_hash(spec: RLJobSpec) -> str:
     trainer image it runs in: a new trainer image changes nothing about the cached model, and re-fetching
     would stop the engines while the trainer's own upgrade is canaried."""
     model = spec.model
-    return digest(
-        {
-            "uri": model.uri,
-            "revision": model.revision,
-            "tokenSecretRef": _dump(model.token_secret_ref),
-            "s3": _dump(model.s3),
-            "cache": _dump(model.cache),
-        }
-    )
+    fetched = {
+        "uri": model.uri,
+        "revision": model.revision,
+        "tokenSecretRef": _dump(model.token_secret_ref),
+        "s3": _dump(model.s3),
+        "cache": _dump(model.cache),
+    }
+    if model.gcs is not None:  # only when set: the hash of every job without it stays as it was
+        fetched["gcs"] = _dump(model.gcs)
+    return digest(fetched)

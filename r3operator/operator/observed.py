@@ -30,6 +30,9 @@ class Observed:
     """``Kind/name`` of children created, updated or deleted in this pass."""
     unschedulable: dict[str, str] = field(default_factory=dict)
     """Role (``engine``, ``trainer``) -> the scheduler's reason for that role's pods that cannot be placed."""
+    config_errors: dict[str, str] = field(default_factory=dict)
+    """Role (``engine``, ``trainer``, ``model-fetch``) -> the kubelet's CreateContainerConfigError of that role's
+    pods (a Secret or ConfigMap an env var names is missing or lacks the key)."""
     workloads_deleted: bool = False
     """ttlSecondsAfterFinished elapsed and the workloads are gone."""
     name_conflict: str | None = None

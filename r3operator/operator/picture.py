@@ -15,7 +15,7 @@ from typing import Any
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
-from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name
+from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, store
 from r3operator.operator.builders.workload import POD_SET_ENGINE, POD_SET_HEAD, POD_SET_WORKERS, pod_sets
 
 GPU = "nvidia.com/gpu"
@@ -96,8 +96,9 @@ def _model(job: RLJob) -> str:
         credentials = "no token"
         if model.token_secret_ref is not None:
             credentials = f"token from Secret {model.token_secret_ref.name} key {model.token_secret_ref.key}"
-        if model.s3 is not None:
-            credentials = f"credentials from Secret {model.s3.credentials_secret}"
+        access = store(model.uri, model.s3, model.gcs)
+        if access is not None:
+            credentials = f"credentials from Secret {access.credentials_secret}"
         shared = "shared claim" if cache_spec(job).claim_name else "per-job claim"
         how = f"fetched once by Job {meta.child_name(job, meta.ROLE_MODEL_FETCH)} into the model cache"
         return (f"{model.uri}{revision}: {how} ({credentials}); {shared} {model_cache_claim_name(job)} "

@@ -56,7 +56,7 @@ from r3operator.operator.lifecycle import (
 )
 from r3operator.operator.observed import Observed
 from r3operator.operator.references import check_references
-from r3operator.operator.scheduling import unschedulable_by_role
+from r3operator.operator.scheduling import config_errors_by_role, unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
 from r3operator.operator.upgrade import UpgradePlan, plan_upgrade
 from r3operator.settings import DEFAULT_CANARY_URL
@@ -324,7 +324,7 @@ class Reconciler:
             # One LIST only while something is not up yet: the scheduler's reason goes into status.
             selector = f"{meta.LABEL_JOB}={job.metadata.name}"
             pods = await self.client.list(KINDS["Pod"], job.metadata.namespace, label_selector=selector)
-            obs = _replace(obs, unschedulable=unschedulable_by_role(pods))
+            obs = _replace(obs, unschedulable=unschedulable_by_role(pods), config_errors=config_errors_by_role(pods))
         if outcome.valid:
             obs = await self._with_canary(job, obs)
         await self._write_status(job, compute_status(job, obs, now), outcome)
@@ -381,7 +381,9 @@ class Reconciler:
     ) -> None:
         """The job controller's part of Kueue's protocol (operator/admission.py), after the children converged."""
         workload = observed.get("Workload")
-        active = _engines_running(observed.get("StatefulSet")) or _trainer_running(observed.get("RayJob"))
+        fetch = observed.get(f"Job/{meta.child_name(job, meta.ROLE_MODEL_FETCH)}")
+        active = (_engines_running(observed.get("StatefulSet")) or _trainer_running(observed.get("RayJob"))
+                  or _fetch_running(fetch))  # fmt: skip
         try:
             done = await settle(self.client, workload, active=active, finish=finish, now=self.clock())
         except KubeError as exc:
@@ -424,7 +426,8 @@ class Reconciler:
             for child, have, action in plans:
                 if child["kind"] == "RayJob" and finished:
                     continue  # a finished RayJob is the record of the end: never re-run or changed
-                observed[child["kind"]] = await self._converge(child, have, action, outcome)
+                result = await self._converge(child, have, action, outcome)
+                observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
             await self._prune(job, plans, expired, outcome)
         except KubeError as exc:
             outcome.error = exc
@@ -552,6 +555,15 @@ class Reconciler:
 def _engines_running(engine_set: dict[str, Any] | None) -> bool:
     status = (engine_set or {}).get("status") or {}
     return int(status.get("replicas") or 0) > 0 or int(((engine_set or {}).get("spec") or {}).get("replicas") or 0) > 0
+
+
+def _fetch_running(fetch_job: dict[str, Any] | None) -> bool:
+    """The model-fetch Job may hold a pod: not finished, and not suspended or still deleting its pod."""
+    if fetch_job is None or model_fetch_complete(fetch_job) or model_fetch_failed(fetch_job) is not None:
+        return False
+    status = fetch_job.get("status") or {}
+    pods = int(status.get("active") or 0) + int(status.get("terminating") or 0)
+    return pods > 0 or not (fetch_job.get("spec") or {}).get("suspend")
 
 
 # KubeRay's jobDeploymentStatus values in which a RayCluster of the job may still hold pods.

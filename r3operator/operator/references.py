@@ -1,10 +1,15 @@
-"""Objects the pod templates name but the operator does not create: checked before any pod is made.
+"""Objects the spec names but the operator does not create: checked before any pod is made.
 
-A missing Secret, ConfigMap, claim, ServiceAccount or PriorityClass would leave pods stuck
-(CreateContainerConfigError, FailedCreate, ...) long after the RLJob was accepted; checked here, it is
-``Valid=False`` with the object's name and nothing is created. Optional references (``optional: true``)
-are not required. Secret values are read only to see whether the key exists, and never kept or logged;
-where the operator may not read Secrets (the chart's default RBAC), Secret references are not checked.
+The pod templates' Secrets, ConfigMaps, claims, ServiceAccount and PriorityClass, and the credentials of
+the sources: ``model.tokenSecretRef`` and ``model.s3``/``model.gcs`` of a fetched model, ``task.s3``/
+``task.gcs`` of a fetched dataset. A missing one would leave pods stuck (CreateContainerConfigError,
+FailedCreate, ...) long after the RLJob was accepted; checked here, it is ``Valid=False`` with the object's
+name and nothing is created. Optional references (``optional: true``) are not required.
+
+A Secret is read only for the names of its keys: the values are dropped as soon as the response is parsed,
+never kept, compared or logged. Where the operator may not read Secrets (the chart's
+``rbac.checkSecretReferences: false``) Secret references are not checked here; the pods' own
+CreateContainerConfigError then reaches status instead (operator/scheduling.py).
 """
 
 from __future__ import annotations
@@ -13,12 +18,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from r3operator.api.pods import PodTemplate
+from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.model_cache import credential_keys, uses_model_cache
 from r3operator.operator.builders.overrides import role_template
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 
-_UNREADABLE = {"unreadable": True}
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What is kept of an object that exists: its key names (Secret, ConfigMap), a PriorityClass's value."""
+
+    keys: frozenset[str] = frozenset()
+    value: int | None = None
+
+
+_UNREADABLE = _Found()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +84,28 @@ def _template_references(template: PodTemplate, where: str) -> list[Reference]:
     return refs
 
 
+def _source_references(job: RLJob) -> list[Reference]:
+    """The credentials of the sources that are fetched: the fetch step's secretKeyRef env."""
+    refs: list[Reference] = []
+    model = job.spec.model
+    if uses_model_cache(job):
+        if model.token_secret_ref is not None:
+            token = model.token_secret_ref
+            refs.append(Reference("Secret", token.name, token.key, "model.tokenSecretRef"))
+        keys = credential_keys(model.uri, model.s3, model.gcs, "model")
+        refs += [Reference("Secret", name, key, where) for name, key, where in keys]
+    task = job.spec.task
+    if task.dataset_path and parse_source_uri(task.dataset_path).fetched:
+        keys = credential_keys(task.dataset_path, task.s3, task.gcs, "task")
+        refs += [Reference("Secret", name, key, where) for name, key, where in keys]
+    return refs
+
+
 def references(job: RLJob) -> list[Reference]:
-    """Every required outside object of the engine and trainer pods, once each (first naming kept)."""
+    """Every required outside object of the job's pods, once each (first naming kept)."""
     found: dict[tuple[str, str, str | None], Reference] = {}
+    for ref in _source_references(job):
+        found.setdefault((ref.kind, ref.name, ref.key), ref)
     # The effective template of each role: a name from spec.podTemplate is reported under both roles' paths.
     for role, where in ((meta.ROLE_ENGINE, "inference.podTemplate"), (meta.ROLE_TRAINER, "trainer.podTemplate")):
         template = role_template(job, role)
@@ -81,29 +116,38 @@ def references(job: RLJob) -> list[Reference]:
     return list(found.values())
 
 
+def _kept(kind: str, obj: dict[str, Any]) -> _Found:
+    """The key names, never the values; a PriorityClass's value."""
+    if kind == "PriorityClass":
+        return _Found(value=int(obj["value"]) if "value" in obj else None)
+    return _Found(keys=frozenset({**(obj.get("data") or {}), **(obj.get("binaryData") or {})}))
+
+
 async def check_references(client: KubeClient, job: RLJob, *, priority_class: str | None) -> ReferenceCheck:
     missing: list[str] = []
-    cache: dict[tuple[str, str], dict[str, Any] | None] = {}
+    cache: dict[tuple[str, str], _Found | None] = {}
     for ref in references(job):
         if (ref.kind, ref.name) not in cache:
             namespace = None if ref.kind == "PriorityClass" else job.metadata.namespace
             try:
-                cache[(ref.kind, ref.name)] = await client.get(KINDS[ref.kind], namespace, ref.name)
+                obj = await client.get(KINDS[ref.kind], namespace, ref.name)
             except KubeError as exc:
                 if exc.status != 403:
                     raise
-                # The chart grants no access to Secrets: such a reference cannot be checked up front, and
-                # a missing one shows as the pods' CreateContainerConfigError instead (docs/operator.md).
+                # Secrets without rbac.checkSecretReferences: a missing one shows as the pods'
+                # CreateContainerConfigError instead (operator/scheduling.py, docs/operator.md).
                 cache[(ref.kind, ref.name)] = _UNREADABLE
-        obj = cache[(ref.kind, ref.name)]
-        if obj is _UNREADABLE:
+            else:
+                cache[(ref.kind, ref.name)] = None if obj is None else _kept(ref.kind, obj)
+        found = cache[(ref.kind, ref.name)]
+        if found is _UNREADABLE:
             continue
-        if obj is None:
+        if found is None:
             missing.append(f"{ref.describe()} does not exist")
-        elif ref.key is not None and ref.key not in {**(obj.get("data") or {}), **(obj.get("binaryData") or {})}:
+        elif ref.key is not None and ref.key not in found.keys:
             missing.append(f"{ref.describe()} has no such key")
     priority = None
     if priority_class is not None:
         found = cache.get(("PriorityClass", priority_class))
-        priority = int(found["value"]) if found is not None and "value" in found else None
+        priority = found.value if found is not None else None
     return ReferenceCheck(tuple(missing), priority)

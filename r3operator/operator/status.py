@@ -175,6 +175,9 @@ def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
     if counts.ready_replicas < want and meta.ROLE_ENGINE in obs.unschedulable:
         why = obs.unschedulable[meta.ROLE_ENGINE]
         return Desired(T.ENGINES_READY, S.FALSE, Reason.UNSCHEDULABLE, f"engine pods cannot be scheduled: {why}")
+    if counts.ready_replicas < want and meta.ROLE_ENGINE in obs.config_errors:
+        why = obs.config_errors[meta.ROLE_ENGINE]
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"engine pods cannot start: {why}")
     if counts.ready_replicas < want:
         return Desired(
             T.ENGINES_READY, S.FALSE, Reason.PODS_NOT_READY, f"{counts.ready_replicas}/{want} engine replicas ready"
@@ -200,6 +203,9 @@ def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
     if meta.ROLE_TRAINER in obs.unschedulable:
         why = obs.unschedulable[meta.ROLE_TRAINER]
         return Desired(T.TRAINER_READY, S.FALSE, Reason.UNSCHEDULABLE, f"trainer pods cannot be scheduled: {why}")
+    if meta.ROLE_TRAINER in obs.config_errors:
+        why = obs.config_errors[meta.ROLE_TRAINER]
+        return Desired(T.TRAINER_READY, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"trainer pods cannot start: {why}")
     return Desired(
         T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, f"RayJob jobDeploymentStatus {deployment or 'unset'}"
     )
@@ -262,6 +268,12 @@ def _model_fetch(job: RLJob, obs: Observed) -> Desired:
             f"Job/{fetch} failed ({obs.model_fetch}): `kubectl logs job/{fetch}` says why; fix the source, its "
             f"credentials or the cache claim, then `kubectl delete job/{fetch}` to fetch again",
         )
+    if meta.ROLE_MODEL_FETCH in obs.config_errors:
+        why = obs.config_errors[meta.ROLE_MODEL_FETCH]
+        return Desired(T.PROGRESSING, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"Job/{fetch} cannot start its pod: {why}")
+    if meta.ROLE_MODEL_FETCH in obs.unschedulable:
+        why = obs.unschedulable[meta.ROLE_MODEL_FETCH]
+        return Desired(T.PROGRESSING, S.FALSE, Reason.UNSCHEDULABLE, f"Job/{fetch}'s pod cannot be scheduled: {why}")
     return Desired(
         T.PROGRESSING,
         S.TRUE,

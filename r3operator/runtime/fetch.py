@@ -1,4 +1,4 @@
-"""Fetch an hf:// or s3:// source into ``<root>/<cache key>`` once, and verify a fetched copy: the I/O half of
+"""Fetch an hf://, s3:// or gs:// source into ``<root>/<cache key>`` once, and verify a fetched copy: the I/O half of
 the one resolver (api/sources.py parses). ``r3operator fetch`` runs it in the model-fetch Job and the dataset
 init container, the engines' and trainer's ``verify-model`` init containers run ``r3operator fetch --verify``,
 and the driver calls it for a local run, so every reader sees one layout and one readiness test.
@@ -11,6 +11,11 @@ fetch killed halfway, a full disk or two fetches racing into one shared cache ne
 Credentials come from the environment only, the way each client library reads them: ``HF_TOKEN`` for the
 Hub, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN`` for S3 (the operator sets them
 from Secrets with ``secretKeyRef``). Nothing here prints or records them.
+
+gs:// goes through Google Cloud Storage's XML API, which speaks the S3 protocol to an HMAC key (Google's
+"simple migration from Amazon S3"): the same boto3 code with the endpoint https://storage.googleapis.com,
+the HMAC access ID and secret as the AWS variables, SigV4 with region ``auto``, and checksums only where
+an operation requires them (boto3 >= 1.36 otherwise adds ``x-amz-checksum-*`` headers other stores refuse).
 """
 
 from __future__ import annotations
@@ -44,11 +49,24 @@ class FetchError(Exception):
     """A fetch that could not complete (nothing found under the URI, a refused request); names the URI."""
 
 
+GCS_ENDPOINT = "https://storage.googleapis.com"
+GCS_REGION = "auto"
+"""What Cloud Storage's XML API accepts as the SigV4 region whatever the bucket's location."""
+
+
 @dataclass(frozen=True, slots=True)
 class S3Options:
     endpoint_url: str | None = None
-    """An S3-compatible store; None: AWS S3 (or ``AWS_ENDPOINT_URL`` from the environment)."""
+    """An S3-compatible store; None: AWS S3 (or ``AWS_ENDPOINT_URL`` from the environment); for gs://,
+    Cloud Storage's XML API (GCS_ENDPOINT)."""
     region: str | None = None
+
+
+def _store_options(source: SourceURI, options: S3Options) -> tuple[S3Options, bool]:
+    """The endpoint and region to use for ``source``, and whether checksums go only where required."""
+    if source.scheme == "gs":
+        return S3Options(options.endpoint_url or GCS_ENDPOINT, options.region or GCS_REGION), True
+    return options, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +104,10 @@ def fetch(
         partial.mkdir()
         if source.scheme == "hf":
             entry = _fetch_hf(source, partial)
-        elif source.scheme == "s3":
+        elif source.scheme in ("s3", "gs"):
             entry = _fetch_s3(source, partial, s3 or S3Options())
         else:
-            raise FetchError(f"{uri}: {source.scheme}:// is not fetched (only hf:// and s3:// are)")
+            raise FetchError(f"{uri}: {source.scheme}:// is not fetched (only hf://, s3:// and gs:// are)")
         marker = _write_marker(partial, uri=uri, source=source, entry=entry)
         _publish(partial, target, checksums=checksums)
     finally:
@@ -149,14 +167,16 @@ def _fetch_s3(source: SourceURI, dest: Path, options: S3Options) -> str:
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
-    uri = f"s3://{source.location}/{source.path}"
+    uri = f"{source.scheme}://{source.location}/{source.path}"
+    options, only_required_checksums = _store_options(source, options)
+    config = Config(retries={"max_attempts": 10, "mode": "standard"})
+    if only_required_checksums:
+        config = config.merge(Config(request_checksum_calculation="when_required",
+                                     response_checksum_validation="when_required"))  # fmt: skip
     # A session of its own: boto3's default session keeps the credentials it resolved first, and a fetch must
     # use the environment it runs with.
     client = boto3.session.Session().client(
-        "s3",
-        endpoint_url=options.endpoint_url,
-        region_name=options.region,
-        config=Config(retries={"max_attempts": 10, "mode": "standard"}),
+        "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
     )
     prefix = source.path
     try:

@@ -1,6 +1,6 @@
 """The driver's side of the one resolver: the local path of ``spec.model.uri`` and ``spec.task.datasetPath``.
 
-In a pod the operator has fetched hf:// and s3:// sources already (the model cache at MODEL_MOUNT, the
+In a pod the operator has fetched hf://, s3:// and gs:// sources already (the model cache at MODEL_MOUNT, the
 dataset at DATA_MOUNT): the driver verifies that copy and never fetches itself. Outside a cluster (a local
 ``r3operator run``) the same fetch fills ``<cache dir>/sources`` on first use, with the credentials of the
 environment.
@@ -11,29 +11,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from r3operator.api.sources import parse_source_uri
-from r3operator.api.v1alpha1 import RLJob, S3Access
+from r3operator.api.v1alpha1 import GCSAccess, RLJob, S3Access
 from r3operator.engine.args import model_source
 from r3operator.runtime.fetch import S3Options, fetch, target_directory, verify
 from r3operator.settings import DATA_MOUNT, runtime_settings
 
 
 def local_sources_root() -> Path:
-    """Where a run outside a cluster fetches hf:// and s3:// sources (``R3OPERATOR_CACHE_DIR`` moves it)."""
+    """Where a run outside a cluster fetches hf://, s3:// and gs:// sources (``R3OPERATOR_CACHE_DIR`` moves it)."""
     return (runtime_settings().cache_dir or Path.home() / ".cache" / "r3operator") / "sources"
 
 
-def s3_options(access: S3Access | None) -> S3Options:
-    return S3Options() if access is None else S3Options(endpoint_url=access.endpoint_url, region=access.region)
+def store_options(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Options:
+    """The endpoint of the store ``uri`` names, from its spec block (``s3`` or ``gcs``)."""
+    if uri.startswith("gs://"):
+        return S3Options() if gcs is None else S3Options(endpoint_url=gcs.endpoint_url)
+    return S3Options() if s3 is None else S3Options(endpoint_url=s3.endpoint_url, region=s3.region)
 
 
 def fetched_model_dir(job: RLJob) -> Path:
-    """The verified local copy of an hf:// or s3:// model: the mounted cache in a pod, else a local fetch."""
+    """The verified local copy of a fetched model: the mounted cache in a pod, else a local fetch."""
     model = job.spec.model
     env = runtime_settings()
     mounted = env.host_path(model_source(job.spec).directory)  # R3OPERATOR_MOUNTS maps a pod path to this host
     if mounted.is_dir() or env.in_cluster:
         return verify(mounted).path
-    return fetch(model.uri, local_sources_root(), revision=model.revision, s3=s3_options(model.s3)).path
+    options = store_options(model.uri, model.s3, model.gcs)
+    return fetch(model.uri, local_sources_root(), revision=model.revision, s3=options).path
 
 
 def resolve_dataset_path(job: RLJob) -> Path | None:
@@ -45,9 +49,9 @@ def resolve_dataset_path(job: RLJob) -> Path | None:
     if source.scheme == "file":
         return Path(source.location)
     if not source.fetched:
-        raise ValueError(f"spec.task.datasetPath {task.dataset_path}: use a path or s3://bucket/key")
+        raise ValueError(f"spec.task.datasetPath {task.dataset_path}: use a path, s3://bucket/key or gs://bucket/key")
     env = runtime_settings()
     in_pod = env.host_path(target_directory(source, Path(DATA_MOUNT)))
     if in_pod.is_dir() or env.in_cluster:
         return verify(in_pod).path
-    return fetch(task.dataset_path, local_sources_root(), s3=s3_options(task.s3)).path
+    return fetch(task.dataset_path, local_sources_root(), s3=store_options(task.dataset_path, task.s3, task.gcs)).path

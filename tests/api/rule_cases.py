@@ -162,8 +162,8 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.image": "vllm/vllm-openai:latest", "inference.vllmVersion": "0.30.0"}),
         sets(**{"routingReplay.mode": "Disabled", "inference.image": "vllm/vllm-openai:latest"}),
     ),
-    "MODEL-URI-SCHEME": (
-        sets(**{"model.uri": "pvc://models/qwen3-30b-a3b"}),
+    "MODEL-GCS-CREDENTIALS": (
+        sets(**{"model.uri": "gs://bucket/Qwen3-30B-A3B", "model.gcs": {"credentialsSecret": "hmac"}}),
         sets(**{"model.uri": "gs://bucket/Qwen3-30B-A3B"}),
     ),
     "MODEL-S3-CREDENTIALS": (
@@ -192,11 +192,15 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
     ),
     "DATASET-URI-SCHEME": (
         sets(task={**DATASET, "reward": "math", "datasetPath": "/var/lib/r3operator/data/train.jsonl"}),
-        sets(task={**DATASET, "reward": "math", "datasetPath": "gs://data/train.jsonl"}),
+        sets(task={**DATASET, "reward": "math", "datasetPath": "hdfs://data/train.jsonl"}),
     ),
     "DATASET-S3-CREDENTIALS": (
         sets(task={**DATASET, "reward": "math", "datasetPath": "s3://d/train.jsonl", "s3": {"credentialsSecret": "s"}}),
         sets(task={**DATASET, "reward": "math", "datasetPath": "s3://data/train.jsonl"}),
+    ),
+    "DATASET-GCS-CREDENTIALS": (
+        sets(task={**DATASET, "reward": "math", "datasetPath": "gs://d/t.jsonl", "gcs": {"credentialsSecret": "s"}}),
+        sets(task={**DATASET, "reward": "math", "datasetPath": "gs://data/train.jsonl"}),
     ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build

@@ -61,6 +61,7 @@ def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path:
         ("operator.metricsPort=80", "/operator/metricsPort"),
         ("metrics.podMonitor.interval=often", "/metrics/podMonitor/interval"),
         ("dashboards.enabled=maybe", "/dashboards/enabled"),
+        ("rbac.checkSecretReferences=sometimes", "/rbac/checkSecretReferences"),
         ("unknownKey=1", "unknownKey"),
         ("operator.typo=1", "typo"),
     ],
@@ -109,6 +110,7 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("scheduling.k8s.io", "priorityclasses", "get")}  # a pod template's PriorityClass must exist
         | {("networking.k8s.io", "networkpolicies", v) for v in crud}  # the engine port's fence
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
+        | {("", "secrets", "get")}  # rbac.checkSecretReferences (default): a named Secret and key must exist
         | {("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings") for v in crud}
         | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
         # kopf lists and watches namespaces in both modes, also when they are named.
@@ -117,11 +119,23 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
     )
     assert granted == expected
-    # Never: secrets, pods/exec, and no RBAC escalation: no bind or escalate, no cluster roles (the
-    # per-job trainer Role grants only what the operator holds).
-    assert not {r for _, r, _ in granted} & {"secrets", "pods/exec", "clusterroles"}
+    # Never: pods/exec, Secrets beyond get by name, and no RBAC escalation: no bind or escalate, no cluster
+    # roles (the per-job trainer Role grants only what the operator holds).
+    assert not {r for _, r, _ in granted} & {"pods/exec", "clusterroles"}
+    assert {v for _, r, v in granted if r == "secrets"} == {"get"}
     assert {v for _, r, v in granted if r == "pods"} == {"list"}
     assert not {v for _, _, v in granted} & {"bind", "escalate", "impersonate"}
+
+
+@pytest.mark.parametrize("sets", [CLUSTER, NAMESPACED], ids=["cluster", "namespaced"])
+def test_secret_access_is_get_by_name_and_only_with_check_secret_references(render, sets: tuple[str, ...]) -> None:
+    def secret_verbs(*extra: str) -> set[str]:
+        rules = _rbac_rules(render(*sets, *extra))
+        return {v for rule in rules if "secrets" in rule["resources"] for v in rule["verbs"]}
+
+    assert secret_verbs() == {"get"}  # on by default: a missing HF token or store Secret is Valid=False
+    assert secret_verbs("rbac.checkSecretReferences=true") == {"get"}
+    assert secret_verbs("rbac.checkSecretReferences=false") == set()
 
 
 def test_namespaced_is_the_default_and_watches_the_release_namespace(render) -> None:

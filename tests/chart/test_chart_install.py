@@ -260,6 +260,28 @@ def test_operator_with_the_charts_token_creates_every_child(
     assert conditions["Valid"]["status"] == "True", conditions
 
 
+def test_with_the_charts_token_a_missing_secret_is_valid_false_with_its_name(
+    control_plane: ControlPlane, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
+) -> None:
+    """rbac.checkSecretReferences (the default) lets the operator GET a Secret the spec names: a missing HF token
+    is refused before anything is created (no Forbidden in the operator's output: the fixture checks)."""
+    harness = _operator_harness()
+    name = "chart-no-token"
+    job = harness.example(name, jobs_namespace, **{"model.tokenSecretRef": {"name": "hf-absent", "key": "token"}})
+    applied = kubectl(control_plane, "apply", "-f", "-", stdin=yaml.safe_dump(job))
+    assert applied.returncode == 0, applied.stderr
+    path = f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{name}"
+
+    def valid() -> dict[str, Any] | None:
+        conditions = (control_plane.request("GET", path).get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Valid" and c["status"] == "False"), None)
+
+    refused = harness.wait_for(valid, timeout=60, what=f"{name} Valid=False")
+    assert refused["reason"] == "ReferenceNotFound"
+    assert "Secret/hf-absent (key token), named in model.tokenSecretRef, does not exist" in refused["message"]
+    assert control_plane.request("GET", harness.paths(jobs_namespace, name)["sts"]) is None  # nothing created
+
+
 def _trainer(reconciled: dict[str, dict[str, Any]], namespace: str) -> str:
     return f"system:serviceaccount:{namespace}:{reconciled['sa']['metadata']['name']}"
 

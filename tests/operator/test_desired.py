@@ -633,6 +633,26 @@ def test_s3_model_credentials_reach_only_the_fetch_container_as_secret_reference
             assert _env(pod["containers"][0])["R3OPERATOR_MODEL_DIR"] == "/mnt/model/s3/models/qwen3"
 
 
+def test_gs_model_and_dataset_fetch_with_the_hmac_key_and_cloud_storages_endpoint():
+    gcs = {"credentialsSecret": "gcs-hmac"}
+    children = _by_kind(desired(_job(**{"model.uri": "gs://models/qwen3", "model.revision": None, "model.gcs": gcs,
+                                        "task.datasetPath": "gs://data/train.jsonl",
+                                        "task.gcs": {**gcs, "endpointURL": "https://storage-psc.p.googleapis.com"}})))
+    (fetch,) = children["Job"]["spec"]["template"]["spec"]["containers"]
+    # No endpoint flag: the fetch's own default is https://storage.googleapis.com.
+    assert fetch["command"] == ["r3operator", "fetch", "gs://models/qwen3", "/mnt/model"]
+    env = _env(fetch)
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "gcs-hmac", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "gcs-hmac", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert "AWS_SESSION_TOKEN" not in env  # an HMAC key has none
+    head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert _env(head["containers"][0])["R3OPERATOR_MODEL_DIR"] == "/mnt/model/gs/models/qwen3"
+    data = next(c for c in head["initContainers"] if c["name"] == "fetch-dataset")
+    assert data["command"] == ["r3operator", "fetch", "gs://data/train.jsonl", "/mnt/data",
+                               "--endpoint-url", "https://storage-psc.p.googleapis.com"]  # fmt: skip
+    assert _env(data)["AWS_ACCESS_KEY_ID"]["secretKeyRef"]["name"] == "gcs-hmac"
+
+
 def test_s3_dataset_is_fetched_by_the_trainer_head_only():
     s3 = {"credentialsSecret": "data-creds"}
     children = _by_kind(desired(_job(**{"task.datasetPath": "s3://data/math/train.jsonl", "task.s3": s3})))

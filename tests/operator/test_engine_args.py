@@ -77,7 +77,7 @@ def test_env_allowlists_our_plugin_and_sets_mrv2_only_when_asked():
         ("pvc://weights/qwen/v1", "/mnt/model/qwen/v1"),
         ("r3operator://reference/tiny", "/var/lib/r3operator/models/tiny"),
         ("s3://bucket/models/qwen3", "/mnt/model/s3/bucket/models/qwen3"),
-        ("gs://bucket/model", "gs://bucket/model"),
+        ("gs://bucket/model", "/mnt/model/gs/bucket/model"),
     ],
 )
 def test_model_path_per_uri_scheme(uri: str, expected: str):

@@ -83,6 +83,12 @@ def _workload(cluster: Cluster, job: str) -> dict[str, Any] | None:
     return cluster.get(f"{KUEUE}/namespaces/{NS}/workloads/{job}-workload")
 
 
+def _fetch_job(cluster: Cluster, job: str) -> dict[str, Any]:
+    found = cluster.get(f"/apis/batch/v1/namespaces/{NS}/jobs/{job}-model-fetch")
+    assert found is not None, f"{job}-model-fetch"
+    return found
+
+
 def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | None = None) -> dict[str, Any]:
     return wait_condition(cluster, NS, job, ctype, status, reason)
 
@@ -124,11 +130,14 @@ def test_job_waits_for_quota_suspended_then_runs_when_admitted(cluster: Cluster,
     assert {(p["name"], p["count"]) for p in workload["spec"]["podSets"]} == {("engine", 1), ("trainer-head", 1)}
     assert not [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
                 if p["metadata"]["labels"].get("r3operator.io/job") == job]  # fmt: skip
+    # The model fetch is gated like the rest: its Job waits suspended, no fetch pod runs outside the quota.
+    assert _fetch_job(cluster, job)["spec"]["suspend"] is True
 
     # The queue grows: Kueue admits the whole job and the operator starts engines and trainer together.
     cluster.apply(_cluster_queue(queue, gpus=8))
     _cond(cluster, job, "Admitted", "True", "Admitted")
     assert wait_for(lambda: _running(cluster, job), what="engines and trainer started")
+    assert condition(_fetch_job(cluster, job), "Complete")  # the cache filled first, after admission
     _cond(cluster, job, "Suspended", "False", "Active")
     # The engine pods land on the tainted fake GPU nodes (the default toleration, and Kueue's flavor).
     pods = wait_for(
@@ -174,3 +183,34 @@ def test_missing_priority_class_is_valid_false_and_nothing_is_created(cluster: C
     assert "PriorityClass/does-not-exist" in valid["message"], valid["message"]
     assert _workload(cluster, job) is None
     assert cluster.get(paths(NS, job)["sts"]) is None and cluster.get(paths(NS, job)["rayjob"]) is None
+
+
+def _fetch_pods(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    selector = f"job-name={job}-model-fetch"
+    return cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector}")["items"]
+
+
+def test_an_eviction_during_the_model_fetch_stops_the_fetch_before_the_quota_is_released(
+    cluster: Cluster, operator: KopfRunner
+):
+    queue = _queue(cluster, "q-fetch", gpus=8)  # room for one job
+    low, high = "fetch-low", "fetch-high"
+    # kwok (the nodes' kubelet) paused: the fetch pod neither completes nor, once deleted, goes away.
+    with cluster.api.paused("kwok"):
+        cluster.apply(_job(low, queue, podTemplate={"priorityClassName": "rl-low"}))
+        _cond(cluster, low, "Admitted", "True", "Admitted")
+        wait_for(lambda: _fetch_pods(cluster, low), what=f"{low}'s fetch pod")
+        assert _held(cluster, low)  # engines and trainer wait for the cache
+        cluster.apply(_job(high, queue, podTemplate={"priorityClassName": "rl-high"}))
+        _says(cluster, low, "Admitted", "Evicted", "Preempted")
+        wait_for(lambda: _fetch_job(cluster, low)["spec"]["suspend"] is True, what=f"{low}'s fetch suspended")
+        wait_for(lambda: all(p["metadata"].get("deletionTimestamp") for p in _fetch_pods(cluster, low)),
+                 what="the fetch pod deleted by the Job controller")  # fmt: skip
+        # Its pod is still there (terminating): the operator keeps the quota, the preemptor waits.
+        assert condition(_workload(cluster, low), "QuotaReserved")["status"] == "True"
+        assert cluster.get(paths(NS, high)["sts"])["spec"]["replicas"] == 0
+    # The pod goes: the quota is released, the preemptor admitted, and the evicted job queued again.
+    _cond(cluster, high, "Admitted", "True", "Admitted")
+    assert wait_for(lambda: not _fetch_pods(cluster, low), what=f"{low}'s fetch pod gone")
+    _cond(cluster, low, "Admitted", "False", "WaitingForAdmission")
+    assert _fetch_job(cluster, low)["spec"]["suspend"] is True

@@ -57,18 +57,27 @@ def test_engines_and_trainer_start_only_after_the_cache_is_filled_and_mount_it_r
     job = "cached"
     with running_operator(cluster, NS):
         _secret(cluster, "hf", {"token": HF_TOKEN})
+        _secret(cluster, "registry", {".dockerconfigjson": "{}"})
+        # The trainer's pool: the fetch pod runs the trainer image, so it pulls and lands like a trainer pod.
+        gpu_pool = {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                    "imagePullSecrets": [{"name": "registry"}]}  # fmt: skip
         # kwok paused: the fetch Job's pod is created and scheduled but does not complete yet.
         with cluster.api.paused("kwok"):
-            cluster.apply(small(job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"}}))
+            cluster.apply(small(job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"},
+                                        "trainer.podTemplate": gpu_pool}))  # fmt: skip
             fetch = wait_for(lambda: _fetch_job(cluster, job), timeout=30, what="the model-fetch Job")
             sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), timeout=30, what="the engine StatefulSet")
             rayjob = wait_for(lambda: cluster.get(paths(NS, job)["rayjob"]), timeout=30, what="the RayJob")
             assert sts["spec"]["replicas"] == 0 and rayjob["spec"]["suspend"] is True
-            wait_for(
-                lambda: _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"job-name={job}-model-fetch"),
+            [fetch_pod] = wait_for(
+                lambda: [p for p in _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"job-name={job}-model-fetch")
+                         if p["spec"].get("nodeName")],
                 timeout=30,
-                what="the fetch pod",
-            )
+                what="the fetch pod scheduled",
+            )  # fmt: skip
+            # On the tainted GPU pool the trainer's template chose, with the registry's pull secret.
+            assert fetch_pod["spec"]["nodeName"].startswith("gpu-node-")
+            assert fetch_pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
             assert _engine_pods(cluster, job) == []
             assert not (fetch.get("status") or {}).get("succeeded")
         cache = cluster.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{job}-model-cache")
@@ -157,3 +166,26 @@ def test_no_secret_value_lands_in_any_object_event_status_or_operator_log(cluste
     for value in SECRET_VALUES:
         assert value not in dump
         assert value not in log
+
+
+def test_a_missing_credentials_secret_is_valid_false_with_its_name_until_it_is_created(cluster: Cluster) -> None:
+    job = "no-token-yet"
+    with running_operator(cluster, NS):
+        cluster.apply(small(job, **{"model.tokenSecretRef": {"name": "hf-late", "key": "token"}}))
+        valid = wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "False" and c,
+            timeout=30,
+            what="Valid=False",
+        )
+        assert valid["reason"] == "ReferenceNotFound"
+        assert "Secret/hf-late (key token), named in model.tokenSecretRef, does not exist" in valid["message"]
+        assert _fetch_job(cluster, job) is None and cluster.get(paths(NS, job)["sts"]) is None
+        assert cluster.get(paths(NS, job)["rayjob"]) is None and cluster.get(paths(NS, job)["cm"]) is None
+        # The Secret appears: the job goes on, the fetch first.
+        _secret(cluster, "hf-late", {"token": HF_TOKEN})
+        wait_for(lambda: _fetch_job(cluster, job), timeout=60, what="the model-fetch Job")
+        wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "True" and c,
+            timeout=30,
+            what="Valid=True",
+        )

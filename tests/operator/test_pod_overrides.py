@@ -12,6 +12,7 @@ import yaml
 from r3operator.api import RLJob, RLJobLoadError, evaluate, parse_rljob
 from r3operator.api.pod_rules import RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_MOUNT_PATHS, RESERVED_VOLUMES
 from r3operator.api.pods import PodTemplate
+from r3operator.operator.apply import plan_action
 from r3operator.operator.builders.overrides import merge_templates
 from r3operator.operator.builders.workload import build_workload, pod_sets
 from r3operator.operator.desired import Facts, desired
@@ -107,6 +108,98 @@ def test_without_templates_pods_keep_the_gpu_toleration_and_nothing_else_is_adde
     pod = _engine_pod(_job())
     assert pod["spec"]["tolerations"] == [GPU_TOLERATION]
     assert not {"nodeSelector", "affinity", "priorityClassName", "imagePullSecrets"} & set(pod["spec"])
+
+
+TRAINER_ONLY = {
+    "nodeSelector": {"pool": "training"},
+    "tolerations": [{"key": "team", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]}}},
+    "serviceAccountName": "store-reader",
+    "podSecurityContext": {"fsGroup": 2000},
+    "securityContext": {"readOnlyRootFilesystem": True},
+    "annotations": {"example.com/owner": "rl"},
+    "env": [{"name": "HF_ENDPOINT", "value": "https://hf-mirror.internal"}, {"name": "HF_HOME", "value": "/tmp/x"}],
+    "volumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+    "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+    "resources": {"requests": {"cpu": "64", "rdma/ib": "1"}},
+}  # fmt: skip
+
+
+def _fetch_job(job: RLJob, facts: Facts | None = None) -> dict[str, Any]:
+    return {c["kind"]: c for c in desired(job, facts or Facts()) if c["kind"] == "Job"}["Job"]
+
+
+def test_the_model_fetch_pod_gets_the_trainers_template_but_keeps_its_own_env_and_resources():
+    job = _job(podTemplate=JOB_WIDE, **{"trainer.podTemplate": TRAINER_ONLY, "inference.podTemplate": ENGINE_ONLY,
+                                        "model.tokenSecretRef": {"name": "hf", "key": "token"}})  # fmt: skip
+    pod = _fetch_job(job)["spec"]["template"]
+    spec, [container] = pod["spec"], pod["spec"]["containers"]
+    # Pulls the trainer image from the private registry and lands where the trainer pods land.
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "training"}
+    assert spec["tolerations"] == [GPU_TOLERATION, JOB_WIDE["tolerations"][0], TRAINER_ONLY["tolerations"][0]]
+    [trainer_head, _] = _trainer_pods(job)
+    assert spec["affinity"] == trainer_head["spec"]["affinity"]
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["values"] == ["z1"]  # a zonal cache claim binds in the readers' zone
+    assert spec["priorityClassName"] == "rl-batch"
+    assert spec["serviceAccountName"] == "store-reader" and spec["automountServiceAccountToken"] is False
+    assert pod["metadata"]["labels"]["team"] == "post-training"
+    assert pod["metadata"]["labels"]["r3operator.io/role"] == "model-fetch"  # derived labels win
+    assert pod["metadata"]["annotations"] == {"example.com/owner": "rl"}
+    assert spec["securityContext"]["fsGroup"] == 2000 and spec["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.internal" and env["HTTPS_PROXY"]["value"]
+    assert env["HF_HOME"]["value"] == "/mnt/model/.hf-home"  # the fetch's own env wins, once
+    assert [e["name"] for e in container["env"]].count("HF_HOME") == 1
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert "WANDB_API_KEY" not in env  # the engines' template is not the fetch's
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in spec["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in container["volumeMounts"]
+    # A training pod's requests are not the fetch's.
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+
+
+def test_the_model_fetch_job_runs_only_while_the_job_may_run():
+    assert _fetch_job(_job())["spec"]["suspend"] is False
+    assert _fetch_job(_job(queueName="q"), Facts(admitted=False))["spec"]["suspend"] is True
+    assert _fetch_job(_job(queueName="q"), Facts(admitted=True))["spec"]["suspend"] is False
+    assert _fetch_job(_job(**{"runPolicy.suspend": True}))["spec"]["suspend"] is True
+
+
+def _observed_job(job: dict[str, Any], *conditions: str, **spec: Any) -> dict[str, Any]:
+    status = {"conditions": [{"type": c, "status": "True"} for c in conditions]}
+    ref = {"controller": True, "uid": "uid-1"}
+    metadata = {**job["metadata"], "ownerReferences": [ref]}
+    return {**job, "metadata": metadata, "spec": {**job["spec"], **spec}, "status": status}
+
+
+def test_a_fetch_job_follows_admission_and_its_pod_template_until_it_completes():
+    job = _job()
+    job.metadata.uid = "uid-1"
+    running = _fetch_job(job)
+    assert plan_action(running, _observed_job(running), job_uid="uid-1").verb == "none"
+    # Kueue evicts: only suspend is written, under its own field manager.
+    held = _fetch_job(job.model_copy(update={"spec": job.spec.model_copy(update={"queue_name": "q"})}),
+                      Facts(admitted=False))  # fmt: skip
+    action = plan_action(held, _observed_job(running), job_uid="uid-1")
+    assert action.verb == "apply" and action.body is not None and action.body["spec"] == {"suspend": True}
+    assert action.manager != "r3operator"
+    # A toleration added while the fetch pod is Pending replaces the Job; once complete, nothing does.
+    tolerant = _job(**{"trainer.podTemplate": {"tolerations": [{"key": "pool", "operator": "Exists"}]}})
+    tolerant.metadata.uid = "uid-1"
+    fixed = _fetch_job(tolerant)
+    assert plan_action(fixed, _observed_job(running), job_uid="uid-1").verb == "recreate"
+    assert plan_action(fixed, _observed_job(running, "Failed"), job_uid="uid-1").verb == "recreate"
+    assert plan_action(fixed, _observed_job(running, "Complete"), job_uid="uid-1").verb == "none"
+    # A Job without the annotation (an older operator's) is not restarted by an operator upgrade.
+    old = _observed_job(running)
+    old["metadata"] = {**old["metadata"], "annotations": {"r3operator.io/spec-hash": "x"}}
+    old_want = {**fixed, "metadata": {**fixed["metadata"], "annotations": {"r3operator.io/spec-hash": "x"}}}
+    assert plan_action(old_want, old, job_uid="uid-1").verb == "none"
 
 
 def test_a_chosen_trainer_service_account_gets_the_jobs_role_and_ours_is_not_created():

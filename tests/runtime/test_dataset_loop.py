@@ -71,8 +71,8 @@ def test_dataset_task_stops_at_setup_naming_the_file_and_line(tmp_path: Path) ->
 def test_dataset_path_from_the_environment_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from r3operator.runtime.dataset_file import resolve_dataset_file
 
-    run = _run(tmp_path, FakeEngine(), datasetPath="gs://bucket/math.jsonl")
-    with pytest.raises(ValueError, match=r"fetches s3://, not gs://; .* or set R3OPERATOR_DATASET_PATH"):
+    run = _run(tmp_path, FakeEngine(), datasetPath="hdfs://bucket/math.jsonl")
+    with pytest.raises(ValueError, match=r"fetches s3:// and gs://, not hdfs://; .* or set R3OPERATOR_DATASET_PATH"):
         resolve_dataset_file(run.s.job)
     monkeypatch.setenv("R3OPERATOR_DATASET_PATH", str(ARITH))
     assert resolve_dataset_file(run.s.job) == ARITH

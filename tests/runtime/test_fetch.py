@@ -18,12 +18,22 @@ import yaml
 from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
+from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine import args
 from r3operator.models import ensure_reference_model
 from r3operator.runtime import sources
 from r3operator.runtime.config import resolve_model_dir
-from r3operator.runtime.fetch import READY_FILE, FetchError, S3Options, SourceNotReady, fetch, verify
+from r3operator.runtime.fetch import (
+    GCS_ENDPOINT,
+    READY_FILE,
+    FetchError,
+    S3Options,
+    SourceNotReady,
+    _store_options,
+    fetch,
+    verify,
+)
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) serves S3 in these tests")
 boto3 = pytest.importorskip("boto3")
@@ -222,6 +232,36 @@ def test_dataset_path_resolves_plain_paths_as_they_are_and_fetches_s3(
     assert path is not None and path.read_text().startswith('{"prompt": "1+1"')
 
 
+def test_gs_goes_to_cloud_storages_xml_api_unless_an_endpoint_is_given():
+    gs, s3 = parse_source_uri("gs://models/ref/tiny"), parse_source_uri("s3://models/ref/tiny")
+    assert _store_options(gs, S3Options()) == (S3Options(GCS_ENDPOINT, "auto"), True)
+    assert _store_options(gs, S3Options("https://storage-psc.p.googleapis.com")) == (
+        S3Options("https://storage-psc.p.googleapis.com", "auto"), True)  # fmt: skip
+    assert GCS_ENDPOINT == "https://storage.googleapis.com"
+    assert _store_options(s3, S3Options()) == (S3Options(), False)  # AWS S3 keeps boto3's checksums
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_gs_sources_are_fetched_through_the_s3_protocol_with_the_hmac_key(
+    reference: Path, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The moto server stands in for storage.googleapis.com: the same boto3 path, SigV4 with the HMAC key from
+    the AWS_* variables, the gcs block's endpoint override."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("R3OPERATOR_MODEL_DIR", raising=False)
+    monkeypatch.setenv("R3OPERATOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(args, "MODEL_MOUNT", str(tmp_path / "not-mounted"))
+    gcs = {"credentialsSecret": "hmac", "endpointURL": s3_endpoint}
+    local = resolve_model_dir(_job(**{"model.uri": "gs://models/ref/tiny", "model.revision": None, "model.gcs": gcs}))
+    assert local == tmp_path / "cache" / "sources" / "gs" / "models" / "ref" / "tiny"
+    assert _tree(local) == _tree(reference)
+    dataset = _job(**{"task.datasetPath": "gs://data/math/train.jsonl", "task.gcs": gcs})
+    path = sources.resolve_dataset_path(dataset)
+    assert path is not None and path.read_text().startswith('{"prompt": "1+1"')
+    with pytest.raises(FetchError, match=r"gs://models/absent: no objects under this prefix"):
+        fetch("gs://models/absent", tmp_path, s3=S3Options(endpoint_url=s3_endpoint))
+
+
 def test_a_local_hf_layout_directory_and_a_pvc_path_are_used_where_they_are(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -254,11 +294,14 @@ def test_cli_fetch_and_verify_exit_codes_and_never_print_the_credentials(s3_endp
     assert ok.stdout.strip() == str(root / "s3" / "models" / "ref" / "tiny")
     verified = _cli("s3://models/ref/tiny", str(root), "--verify", "--checksums", env=env)
     assert verified.returncode == 0 and verified.stdout == ok.stdout
+    gs = _cli("gs://models/ref/tiny", str(root), "--endpoint-url", s3_endpoint, env=env)
+    assert gs.returncode == 0, gs.stderr[-2000:]
+    assert gs.stdout.strip() == str(root / "gs" / "models" / "ref" / "tiny")
     failed = _cli("s3://no-such-bucket/m", str(root), "--endpoint-url", s3_endpoint, env=env)
     assert failed.returncode == 1 and "NoSuchBucket" in failed.stderr
     bad = _cli("hf://not-a-repo", str(root), env=env)
     assert bad.returncode == 2 and "expected hf://org/name" in bad.stderr
-    for run in (missing, ok, verified, failed, bad):
+    for run in (missing, ok, verified, gs, failed, bad):
         assert SECRET_KEY not in run.stdout + run.stderr
         assert ACCESS_KEY not in run.stdout + run.stderr
 

@@ -68,8 +68,10 @@ def test_unknown_format_missing_and_empty_files_are_refused(tmp_path: Path) -> N
 
 
 def test_parquet_rows_and_a_malformed_row_named_by_its_number(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    # A dependency of the runtime extra (pyproject.toml): missing, this fails rather than skips.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     good = tmp_path / "train.parquet"
     pq.write_table(pa.table({"prompt": ["what is 3 plus 4 ?", "what is 2 times 3 ?"], "answer": ["7", "6"],
                              "source": ["a", "b"]}), good)  # fmt: skip

@@ -28,7 +28,7 @@ pods are listed, never written).
   resources: ["events"]
   verbs: ["create", "patch"]
 # The engine-upgrade canary (operator/upgrade.py): one Job per upgrade attempt; the model-fetch Job that
-# fills an hf:// or s3:// model's cache once (builders/model_cache.py).
+# fills an hf://, s3:// or gs:// model's cache once (builders/model_cache.py).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "create", "patch", "delete"]
@@ -49,6 +49,15 @@ pods are listed, never written).
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
+{{- if .Values.rbac.checkSecretReferences }}
+# A Secret the spec names (model.tokenSecretRef, s3/gcs credentials, env secretKeyRef, secret volumes,
+# imagePullSecrets) must exist with its key before any pod is made (operator/references.py): `get` by
+# name, never list or watch; only the key names are kept, never a value. An operator that creates pods
+# in a namespace can already mount any Secret there, so this adds no reach.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+{{- end }}
 # Per RLJob: the trainer's ServiceAccount, a Role naming only that RLJob, and their RoleBinding.
 # The API server lets the operator grant in a Role only what it holds itself (get on rljobs,
 # get/patch on rljobs/status, above): no `bind` or `escalate` is needed.

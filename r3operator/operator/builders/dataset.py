@@ -1,4 +1,4 @@
-"""An s3:// ``task.datasetPath``: fetched by an init container of the trainer's head pod (where the driver runs
+"""An s3:// or gs:// ``task.datasetPath``: fetched by an init container of the trainer's head pod (where the driver runs
 and reads it) into an emptyDir at DATA_MOUNT, with the same ``r3operator fetch`` as the model cache. One pod
 fetches, so there is nothing to share; the credentials reach only that init container (secretKeyRef env).
 The driver finds the copy with runtime/sources.py ``resolve_dataset_path``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.model import ModelMount
-from r3operator.operator.builders.model_cache import fetch_command, secret_env
+from r3operator.operator.builders.model_cache import fetch_command, secret_env, store
 from r3operator.operator.builders.security import container_security_context
 from r3operator.settings import DATA_MOUNT
 
@@ -28,11 +28,12 @@ def dataset_mount(job: RLJob, *, image: str, head: bool) -> ModelMount:
     task = job.spec.task
     if not head or not fetches_dataset(job) or task.dataset_path is None:
         return ModelMount()
+    access = store(task.dataset_path, task.s3, task.gcs)
     fetch = {
         "name": FETCH_DATASET_CONTAINER,
         "image": image,
-        "command": fetch_command(task.dataset_path, DATA_MOUNT, s3=task.s3),
-        "env": secret_env(None, task.s3),
+        "command": fetch_command(task.dataset_path, DATA_MOUNT, access=access),
+        "env": secret_env(None, access),
         "volumeMounts": [{"name": DATA_VOLUME, "mountPath": DATA_MOUNT}],
         "securityContext": container_security_context(),
     }

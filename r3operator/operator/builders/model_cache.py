@@ -1,4 +1,4 @@
-"""The model cache: hf:// and s3:// models are fetched ONCE into a claim that every engine and trainer pod
+"""The model cache: hf://, s3:// and gs:// models are fetched ONCE into a claim that every engine and trainer pod
 then mounts read-only, instead of each pod downloading its own copy.
 
 - the claim: ``model.cache.claimName`` (the user's, shared by RLJobs) or ``<job>-model-cache`` (created here);
@@ -11,19 +11,36 @@ then mounts read-only, instead of each pod downloading its own copy.
 - the readers: each engine and trainer pod first runs ``r3operator fetch --verify`` (its own image,
   the claim read-only), which refuses a copy whose marker or file sizes do not check out.
 
-Credentials reach only the fetch container, as ``valueFrom.secretKeyRef`` env (HF_TOKEN, AWS_*): the
-operator never reads a Secret, and nothing it writes (ConfigMap, status, Events, logs) holds one.
+Credentials reach only the fetch container, as ``valueFrom.secretKeyRef`` env (HF_TOKEN, AWS_*): nothing the
+operator writes (ConfigMap, status, Events, logs) holds one.
+
+The fetch pod runs the trainer image, so it gets the trainer's effective pod template (``trainer.podTemplate``
+over ``spec.podTemplate``, builders/overrides.py): imagePullSecrets to pull that image, nodeSelector,
+tolerations and affinity to land on the node pool of the pods that read the cache (a zonal claim binds in
+the zone of its first pod, which is this one), priorityClassName, labels, annotations, serviceAccountName
+(workload identity for the store), securityContext, env (a proxy, ``HF_ENDPOINT``, a CA bundle) and extra
+volumes with their mounts. Precedence, highest first: what the fetch derives (its command, the model volume,
+its own env: a template variable of the same name is dropped, so ``model.s3``/``model.tokenSecretRef`` win),
+then the template, then the defaults (restricted securityContext, the ``nvidia.com/gpu`` toleration the
+trainer pods have). Not the template's ``resources``: those size a training pod, the fetch has its own.
+
+Kueue: the Job is created suspended and runs only while the job's Workload is admitted (and
+``runPolicy.suspend`` is false); on eviction it is suspended again, its pod deleted, before the quota is
+released (operator/admission.py). It is not a pod set: it runs before any engine or trainer pod exists,
+inside the reservation made for them, and a pod set of its own would hold its CPU for the job's whole life.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from r3operator.api.v1alpha1 import ModelCacheSpec, RLJob, S3Access, SecretKeyRef
+from r3operator.api.pods import PodTemplate
+from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
+from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
-from r3operator.operator.hashing import model_fetch_hash
+from r3operator.operator.hashing import digest, model_fetch_hash
 from r3operator.settings import MODEL_MOUNT
 
 FETCH_CONTAINER = "fetch-model"
@@ -67,33 +84,60 @@ def build_model_cache_claim(job: RLJob) -> dict[str, Any] | None:
     }
 
 
-def secret_env(token: SecretKeyRef | None, s3: S3Access | None) -> list[dict[str, Any]]:
+def store(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Access | GCSAccess | None:
+    """The spec block of the object store ``uri`` names: ``s3`` for s3://, ``gcs`` for gs:// (whose HMAC key
+    the S3 client reads under the same AWS_* names), None otherwise."""
+    if uri.startswith("s3://"):
+        return s3
+    if uri.startswith("gs://"):
+        return gcs
+    return None
+
+
+def secret_env(token: SecretKeyRef | None, access: S3Access | GCSAccess | None) -> list[dict[str, Any]]:
     """The credentials of one fetch, by reference only."""
     env: list[dict[str, Any]] = []
     if token is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
-    if s3 is not None:
+    if access is not None:
         for key in AWS_KEYS:
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": s3.credentials_secret, "key": key}}})
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": access.credentials_secret, "key": key}}})
+    if isinstance(access, S3Access):  # temporary AWS credentials; an HMAC key has no session token
         for key in AWS_OPTIONAL_KEYS:
-            ref = {"name": s3.credentials_secret, "key": key, "optional": True}
+            ref = {"name": access.credentials_secret, "key": key, "optional": True}
             env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
+def credential_keys(uri: str, s3: S3Access | None, gcs: GCSAccess | None, where: str) -> list[tuple[str, str, str]]:
+    """(Secret, key, field) of each required key the fetch of ``uri`` reads (``where``: ``model`` or ``task``):
+    what references.py checks before any pod is made."""
+    access = store(uri, s3, gcs)
+    if access is None:
+        return []
+    field = f"{where}.{'s3' if isinstance(access, S3Access) else 'gcs'}.credentialsSecret"
+    return [(access.credentials_secret, key, field) for key in AWS_KEYS]
+
+
 def fetch_command(
-    uri: str, root: str, *, revision: str | None = None, s3: S3Access | None = None, verify: bool = False
+    uri: str,
+    root: str,
+    *,
+    revision: str | None = None,
+    access: S3Access | GCSAccess | None = None,
+    verify: bool = False,
 ) -> list[str]:
-    """``r3operator fetch`` (cli/fetch_cmd.py) with what it needs to find the same directory everywhere."""
+    """``r3operator fetch`` (cli/fetch_cmd.py) with what it needs to find the same directory everywhere.
+    ``access``: the store's spec block (``store()``); an unset gcs endpoint is Cloud Storage's own."""
     command = ["r3operator", "fetch", uri, root]
     if revision:
         command += ["--revision", revision]
     if verify:
         return [*command, "--verify"]
-    if s3 is not None and s3.endpoint_url:
-        command += ["--endpoint-url", s3.endpoint_url]
-    if s3 is not None and s3.region:
-        command += ["--region", s3.region]
+    if access is not None and access.endpoint_url:
+        command += ["--endpoint-url", access.endpoint_url]
+    if isinstance(access, S3Access) and access.region:
+        command += ["--region", access.region]
     return command
 
 
@@ -109,44 +153,67 @@ def verify_container(job: RLJob, image: str) -> dict[str, Any]:
     }
 
 
-def build_model_fetch_job(job: RLJob) -> dict[str, Any] | None:
-    """``<job>-model-fetch``, or None when the model is not fetched."""
+def fetch_pod_template(job: RLJob, own_env: list[dict[str, Any]]) -> PodTemplate | None:
+    """The trainer's effective template as the fetch pod takes it: no ``resources``, no env the fetch sets."""
+    template = role_template(job, meta.ROLE_TRAINER)
+    if template is None:
+        return None
+    own = {e["name"] for e in own_env}
+    return template.model_copy(update={"resources": None, "env": [e for e in template.env if e.name not in own]})
+
+
+def fetch_pod_hash(template: PodTemplate | None) -> str:
+    """What the fetch pod runs with besides the source: a change replaces a Job that has not completed yet
+    (one stuck Pending for want of a toleration or a pull secret), never a completed one."""
+    return digest(None if template is None else template.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+
+
+def build_model_fetch_job(job: RLJob, *, suspend: bool = False) -> dict[str, Any] | None:
+    """``<job>-model-fetch``, or None when the model is not fetched. ``suspend``: no pod may run now (not
+    admitted by Kueue, or ``runPolicy.suspend``)."""
     if not uses_model_cache(job):
         return None
     model = job.spec.model
     env = [
         {"name": "HF_HOME", "value": HF_HOME},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        *secret_env(model.token_secret_ref, model.s3),
+        *secret_env(model.token_secret_ref, store(model.uri, model.s3, model.gcs)),
     ]
+    access = store(model.uri, model.s3, model.gcs)
     container = {
         "name": FETCH_CONTAINER,
         "image": job.spec.trainer.image,
-        "command": fetch_command(model.uri, MODEL_MOUNT, revision=model.revision, s3=model.s3),
+        "command": fetch_command(model.uri, MODEL_MOUNT, revision=model.revision, access=access),
         "env": env,
         "resources": FETCH_RESOURCES,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
         "securityContext": container_security_context(),
     }
+    pod = {
+        "metadata": {"labels": meta.labels(job, meta.ROLE_MODEL_FETCH)},
+        "spec": {
+            "restartPolicy": "Never",
+            # The fetch talks to the Hub or the object store, never to the Kubernetes API.
+            "automountServiceAccountToken": False,
+            "securityContext": pod_security_context(TRAINER_UID),
+            "containers": [container],
+            "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
+            "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": model_cache_claim_name(job)}}],
+        },
+    }
+    template = fetch_pod_template(job, env)
+    annotations = {
+        meta.ANNOTATION_SPEC_HASH: model_fetch_hash(job.spec),
+        meta.ANNOTATION_POD_HASH: fetch_pod_hash(template),
+    }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta.object_meta(
-            job, meta.ROLE_MODEL_FETCH, annotations={meta.ANNOTATION_SPEC_HASH: model_fetch_hash(job.spec)}
-        ),
+        "metadata": meta.object_meta(job, meta.ROLE_MODEL_FETCH, annotations=annotations),
         "spec": {
             "backoffLimit": job.spec.run_policy.backoff_limit,
-            "template": {
-                "metadata": {"labels": meta.labels(job, meta.ROLE_MODEL_FETCH)},
-                "spec": {
-                    "restartPolicy": "Never",
-                    # The fetch talks to the Hub or the object store, never to the Kubernetes API.
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security_context(TRAINER_UID),
-                    "containers": [container],
-                    "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": model_cache_claim_name(job)}}],
-                },
-            },
+            "suspend": suspend,
+            "template": apply_template(pod, FETCH_CONTAINER, template),
         },
     }
 

@@ -1,4 +1,4 @@
-"""Rows of a dataset file (`spec.task.datasetPath`): JSONL, or Parquet when pyarrow is installed.
+"""Rows of a dataset file (`spec.task.datasetPath`): JSONL or Parquet (pyarrow, in the runtime extra).
 
 A row is one JSON object (one line of a `.jsonl` file) or one row of a `.parquet` file with:
 
