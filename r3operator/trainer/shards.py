@@ -12,10 +12,12 @@ forward and backward happen, its loss contributes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from r3operator.trainer.base import UpdateStats, mini_batch_rows
+from r3operator.trainer.base import OldPass, UpdateStats, mini_batch_rows
+from r3operator.trainer.batch import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,17 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
     return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens,
                        *importance)  # fmt: skip
+
+
+def single_rank_update(update_shares: Callable[..., list[ShareStats]], batch: TrainBatch, old: OldPass, *,
+                       mini_batches: int, **options: Any) -> UpdateStats:  # fmt: skip
+    """A one-process trainer's `update` through its `update_shares` (a world of one: every share weighs 1):
+    the same code path a rank of a distributed trainer runs on its part."""
+    import torch
+
+    (plan,) = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=1)
+    idx = torch.as_tensor(plan.rows, dtype=torch.int64, device=old.logprobs.device)
+    replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
+    replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
+    return combine_update([update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad,
+                                         plan.shares, **options)])  # fmt: skip

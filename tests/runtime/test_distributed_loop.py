@@ -103,14 +103,17 @@ def test_trainer_ranks_come_from_the_flag_or_the_environment(tmp_path: Path, mon
 
 def test_more_ranks_than_the_backend_or_the_cluster_can_take_is_refused(tmp_path: Path) -> None:
     from r3operator.api.enums import TrainerBackend
+    from r3operator.api.v1alpha1 import MegatronSpec
     from r3operator.runtime.loop import start_ray
     from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
     from r3operator.trainer.factory import build_trainer
 
     spec = settings_for(write_job(tmp_path), tmp_path / "runs").job.spec
-    megatron = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"backend": TrainerBackend.MEGATRON})})
-    with pytest.raises(ValueError, match=r"spec.trainer.backend Megatron: this runtime trains it on one rank, but 2"):
-        build_trainer(megatron, tmp_path, device="cpu", ranks=2)
+    tp2 = MegatronSpec(tensor_parallel_size=2, sequence_parallel=True)
+    megatron = spec.model_copy(update={"trainer": spec.trainer.model_copy(
+        update={"backend": TrainerBackend.MEGATRON, "megatron": tp2})})  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensorParallelSize × .* = 2 does not divide the trainer's 3 ranks"):
+        build_trainer(megatron, tmp_path, device="cpu", ranks=3)
     start_ray(in_cluster=False)  # a CPU-only Ray cluster: no GPU for any rank
     with pytest.raises(ValueError, match=r"asks for 2 trainer GPUs, but the Ray cluster has 0"):
         DistributedTrainer(tmp_path, world_size=2, device="cuda", options=PolicyOptions(learning_rate=1e-6, seed=0))

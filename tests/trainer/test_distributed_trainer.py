@@ -13,12 +13,11 @@ torch = pytest.importorskip("torch")
 
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch  # noqa: E402
-from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
+from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}
-ROWS, WIDTH, LAYERS, EXPERTS, TOP_K = 5, 14, 3, 8, 2
 
 
 @pytest.fixture(scope="module")
@@ -33,29 +32,6 @@ def ray_started() -> None:
     from r3operator.runtime.loop import start_ray
 
     start_ray(in_cluster=False)
-
-
-def r3_batch(seed: int = 0) -> TrainBatch:
-    """5 right-padded rows of different lengths; every token has engine routes (k distinct experts per
-    layer, drawn at random, so they differ from the routers' own choice) except the pad."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [14, 9, 12, 7, 11]
-    prompt = 4
-    ids = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros(ROWS, WIDTH - 1, dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
-        attn[i, :n] = 1
-        resp[i, prompt - 1 : n - 1] = True
-    routes = torch.rand(ROWS, WIDTH, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
-    pad = attn == 0
-    routes[pad] = 0
-    return TrainBatch(
-        input_ids=ids, attention_mask=attn, response_mask=resp,
-        rollout_logprobs=torch.zeros(ROWS, WIDTH - 1), advantages=torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3]),
-        engine_routes=routes, route_pad=pad, sample_ids=[f"s{i}" for i in range(ROWS)],
-    )  # fmt: skip
 
 
 def single_trainer(model_dir: Path) -> Any:

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
@@ -36,11 +34,11 @@ from r3operator.trainer.base import (
     UpdateStats,
     compute_context,
     greedy_decode,
-    mini_batch_rows,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
+from r3operator.trainer.shards import Share, ShareStats, single_rank_update
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
@@ -125,13 +123,23 @@ class MegatronPolicyTrainer:
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
         importance_cap: float | None = None,
     ) -> UpdateStats:  # fmt: skip
+        return single_rank_update(self.update_shares, batch, old, mini_batches=mini_batches, clip_low=clip_low,
+                                  clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
+
+    def update_shares(
+        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
+        clip_low: float, clip_high: float, importance_cap: float | None = None,
+    ) -> list[ShareStats]:  # fmt: skip
+        """One `train_step` per share (this data-parallel replica's part of one mini-batch), its loss scaled
+        by the share's weight (trainer/shards.py; the DP mean happens in `megatron/grads.py`). Replay ids
+        without a pad mask are R2's recorded routes (every row replays); with one, R3's engine routes."""
         import dataclasses
 
         import torch
 
         full = _PPOBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
-                         old_logprobs=old.logprobs)  # fmt: skip
-        replay_mode = "R2" if old.mode is ReplayMode.R2 else None
+                         old_logprobs=old_logprobs)  # fmt: skip
+        replay_mode = "R2" if replay_ids is not None and replay_pad is None else None
 
         def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
             mask = mb.response_mask.to(lp.device)
@@ -148,32 +156,39 @@ class MegatronPolicyTrainer:
             )  # fmt: skip
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
-        results, tokens = [], 0
-        for rows in mini_batch_rows(batch.size, mini_batches):
-            mb = full.select(rows)
-            routes = None if old.replay_ids is None else old.replay_ids[torch.as_tensor(rows)]
+        out = []
+        for share in shares:
+            mb = full.select(share.rows)
+            routes = None if replay_ids is None else replay_ids[torch.as_tensor(share.rows)]
             with self._compute():
-                results.append(self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode,
-                                                  grad_clip=GRAD_CLIP_NORM))  # fmt: skip
-            tokens += int(mb.response_mask.sum())
-
-        def mean(key: str) -> float:
-            return float(np.mean([r.get(key, float("nan")) for r in results]))
-
-        return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens,
-                           mean("importance_weight_mean"), mean("importance_truncated_fraction"))  # fmt: skip
+                r = self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode, grad_clip=GRAD_CLIP_NORM,
+                                       loss_scale=share.weight)  # fmt: skip
+            tokens = 0 if share.padding else int(mb.response_mask.sum())
+            iw = (r["importance_weight_mean"], r["importance_truncated_fraction"]) if importance_cap is not None else ()
+            out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
+        return out
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+        return self.sft_share(prompts, answers, total_tokens=None)[0]
 
+    def sft_share(
+        self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, total_tokens: int | None,
+        world: int = 1, padding: bool = False,
+    ) -> tuple[float, int]:  # fmt: skip
+        """This data-parallel replica's part of one SFT step, weighted like `hf_policy.PolicyTrainer.sft_share`
+        (`world`: the data-parallel size)."""
         ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
+        tokens = int(mask.sum())
+        weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
 
         def loss_fn(lp: Any, mb: _SFTBatch) -> tuple[Any, dict[str, float]]:
             m = mb.loss_mask.to(lp.device)
             return -(lp * m).sum() / m.sum().clamp(min=1), {}
 
         with self._compute():
-            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM)
-        return float(stats["loss"])
+            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM,
+                                       loss_scale=weight)  # fmt: skip
+        return float(stats["loss"]), 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
@@ -198,13 +213,17 @@ class MegatronPolicyTrainer:
         return self.mt.hf_state_dict()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        return self.mt.optimizer.state_dict()
+        """AdamW state by full Megatron parameter name (`trainer.optimizer_full_state`): whole on every
+        rank, so a checkpoint loads under other TP/EP sizes too."""
+        from r3operator.trainer.megatron.trainer import optimizer_full_state
+
+        return optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer)
 
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        from r3operator.trainer.megatron.trainer import load_hf_weights
+        from r3operator.trainer.megatron.trainer import load_hf_weights, load_optimizer_full_state
 
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
-        self.mt.optimizer.load_state_dict(optim_sd)
+        load_optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer, optim_sd)
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
         return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
@@ -217,21 +236,17 @@ class MegatronPolicyTrainer:
         self.checkpointer.wait()
 
     def load_checkpoint(self, directory: Path) -> None:
-        # Read whole (no template): a fresh optimizer's state dict has no slots to load into.
+        # Read whole (no template) on every rank: the state is kept whole, and each rank takes its shards.
         self.checkpointer.wait()
         state = read_full_state(directory)
-        optim = state["optimizer"]
-        # DCP stores the optimizer's per-parameter keys as strings; torch matches them to `params` as ints.
-        optim["state"] = {int(k): v for k, v in optim["state"].items()}
-        self.load_state(state["model"], optim)
+        self.load_state(state["model"], state["optimizer"])
 
     def close(self) -> None:
         """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
 
 
-def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
-    """`spec` is the RLJob spec; raises `MegatronUnavailableError` naming trainer.backend when
-    megatron-core is not importable."""
+def require_megatron() -> None:
+    """Raise `MegatronUnavailableError` naming trainer.backend when megatron-core is not importable."""
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
@@ -239,6 +254,11 @@ def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) ->
             f"spec.trainer.backend is Megatron, but megatron-core cannot be imported ({exc}). Install "
             f"{MEGATRON_PACKAGE_HINT}, or set trainer.backend: FSDP."
         ) from exc
+
+
+def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
+    """`spec` is the RLJob spec; the trainer in this process (a world of one)."""
+    require_megatron()
     from r3operator.trainer.megatron.trainer import build_megatron_trainer
 
     trainer = build_megatron_trainer(
