@@ -55,6 +55,13 @@ def two_ranks(model_dir: Path, spec: MegatronSpec) -> Any:
     return DistributedTrainer(model_dir, world_size=2, device="cpu", options=options)
 
 
+def synced(trainer: Any) -> dict[str, Any]:
+    from r3operator.engine.weights import unpack_chunk
+
+    return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=1, dtype=None)
+            for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip
+
+
 def largest_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
     assert got.keys() == want.keys()
     return max((got[k] - want[k]).abs().max().item() for k in want)
@@ -83,6 +90,8 @@ def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_
         assert s1.grad_norm > 0 and s1.loss != 0
         assert largest_difference(after, before) > 100 * 1e-5  # it trained
         assert largest_difference(ranks.model_state_dict(), after) <= 1e-5
+        # The weight sync: rank 0 streams the gathered weights, packed as the one-process trainer packs them.
+        assert largest_difference(synced(ranks), synced(single)) <= 1e-5
     except BaseException:
         ranks.close()
         raise
