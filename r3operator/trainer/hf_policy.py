@@ -31,7 +31,6 @@ from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     OldPass,
-    UpdateStats,
     compute_context,
     greedy_decode,
     old_pass_for,
@@ -41,10 +40,10 @@ from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_wei
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
-from r3operator.trainer.shards import Share, ShareStats, single_rank_update
+from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 
 
-class PolicyTrainer:
+class PolicyTrainer(UpdateByShares):
     def __init__(
         self,
         model_dir: Path,
@@ -113,15 +112,6 @@ class PolicyTrainer:
             natural.remove()
             used.remove()
         return old_pass_for(mode, batch, lp, natural_ids, used_ids)
-
-    def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
-        """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward. With
-        `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout (grpo/loss.py)."""
-        return single_rank_update(self.update_shares, batch, old, mini_batches=mini_batches, clip_low=clip_low,
-                                  clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,

@@ -13,25 +13,11 @@ torch = pytest.importorskip("torch")
 
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch  # noqa: E402
-from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
+from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-moe")
-    build_tiny_moe("qwen3_moe").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ray_started() -> None:
-    from r3operator.runtime.loop import start_ray
-
-    start_ray(in_cluster=False)
 
 
 def single_trainer(model_dir: Path) -> Any:
@@ -53,11 +39,11 @@ def assert_states_close(got: dict[str, Any], want: dict[str, Any], *, atol: floa
     assert worst <= atol, f"largest difference {worst:g} > {atol:g}"
 
 
-def test_two_ranks_train_like_one_process_with_r3_replay(model_dir: Path, ray_started: None) -> None:
+def test_two_ranks_train_like_one_process_with_r3_replay(tiny_moe_dir: Path, ray_started: None) -> None:
     batch = r3_batch()
-    single = single_trainer(model_dir)
+    single = single_trainer(tiny_moe_dir)
     before = {k: v.clone() for k, v in single.model_state_dict().items()}
-    ranks = two_ranks(model_dir)
+    ranks = two_ranks(tiny_moe_dir)
     try:
         one = single.old_logprobs(batch, ReplayMode.R3)
         two = ranks.old_logprobs(batch, ReplayMode.R3)
@@ -92,10 +78,12 @@ def test_two_ranks_train_like_one_process_with_r3_replay(model_dir: Path, ray_st
         ranks.close()
 
 
-def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray_started: None, tmp_path: Path) -> None:
+def test_async_sharded_checkpoint_resumes_two_ranks_exactly(
+    tiny_moe_dir: Path, ray_started: None, tmp_path: Path
+) -> None:
     batch = r3_batch(seed=1)
     checkpoint = tmp_path / "step-1"
-    first = two_ranks(model_dir)
+    first = two_ranks(tiny_moe_dir)
     try:
         first.update(batch, first.old_logprobs(batch, ReplayMode.R3), mini_batches=2, **CLIP)  # step 1
         first.save_checkpoint_async(checkpoint)
@@ -110,7 +98,7 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank00000.pt", "rng-rank00001.pt"
     ]  # fmt: skip
 
-    resumed = two_ranks(model_dir)  # a fresh driver's ranks: the first ones are gone
+    resumed = two_ranks(tiny_moe_dir)  # a fresh driver's ranks: the first ones are gone
     try:
         resumed.load_checkpoint(checkpoint)
         assert_states_close(resumed.model_state_dict(), at_save, atol=0.0)
@@ -126,6 +114,6 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray
             assert torch.equal(optim["state"][name][slot], slots[slot]), (name, slot)
 
     # DCP reshards on load: one process reads the two ranks' shards.
-    single = single_trainer(model_dir)
+    single = single_trainer(tiny_moe_dir)
     single.load_checkpoint(checkpoint)
     assert_states_close(single.model_state_dict(), at_save, atol=0.0)

@@ -16,27 +16,13 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip ex
 
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
-from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
+from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16], [17, 18]]
 ANSWERS = [[20, 21], [22, 23, 24], [25], [26, 27], [28, 29, 30]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-moe")
-    build_tiny_moe("qwen3_moe").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ray_started() -> None:
-    from r3operator.runtime.loop import start_ray
-
-    start_ray(in_cluster=False)
 
 
 def one_process(model_dir: Path) -> Any:
@@ -98,18 +84,18 @@ def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_
     return ranks, single
 
 
-def test_tp2_sequence_parallel_over_two_ranks_trains_like_one_process(model_dir: Path, ray_started: None) -> None:
+def test_tp2_sequence_parallel_over_two_ranks_trains_like_one_process(tiny_moe_dir: Path, ray_started: None) -> None:
     ranks, _single = assert_trains_like_one_process(
-        model_dir, MegatronSpec(tensor_parallel_size=2, sequence_parallel=True), mini_batches=2
+        tiny_moe_dir, MegatronSpec(tensor_parallel_size=2, sequence_parallel=True), mini_batches=2
     )
     ranks.close()
 
 
 def test_ep2_data_parallel_over_two_ranks_trains_and_resumes_like_one_process(
-    model_dir: Path, ray_started: None, tmp_path: Path
+    tiny_moe_dir: Path, ray_started: None, tmp_path: Path
 ) -> None:
     # 3 mini-batches of rows [0, 3], [1, 4], [2]: replica 1 has no row in the last one (a padding row).
-    ranks, single = assert_trains_like_one_process(model_dir, MegatronSpec(expert_parallel_size=2), mini_batches=3)
+    ranks, single = assert_trains_like_one_process(tiny_moe_dir, MegatronSpec(expert_parallel_size=2), mini_batches=3)
     try:
         assert ranks.sft_step(PROMPTS, ANSWERS) == pytest.approx(single.sft_step(PROMPTS, ANSWERS), rel=1e-5)
         assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
@@ -121,12 +107,12 @@ def test_ep2_data_parallel_over_two_ranks_trains_and_resumes_like_one_process(
     finally:
         ranks.close()
     # The gathered state loads under another layout: one process, no expert parallelism.
-    resumed = one_process(model_dir)
+    resumed = one_process(tiny_moe_dir)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert largest_difference(resumed.model_state_dict(), at_save) == 0.0
     resumed.sft_step(PROMPTS, ANSWERS)  # with the restored AdamW moments: the same second step
     assert largest_difference(resumed.model_state_dict(), after_two) <= 1e-5
-    fresh = one_process(model_dir)
+    fresh = one_process(tiny_moe_dir)
     fresh.load_state(at_save, one_process_optimizer_without_moments(fresh))
     fresh.sft_step(PROMPTS, ANSWERS)  # the same weights without the moments: a visibly different step
     assert largest_difference(fresh.model_state_dict(), after_two) > 1e-4

@@ -31,14 +31,13 @@ from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     OldPass,
-    UpdateStats,
     compute_context,
     greedy_decode,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
-from r3operator.trainer.shards import Share, ShareStats, single_rank_update
+from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
@@ -79,7 +78,7 @@ class _SFTBatch:
         return _SFTBatch(self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx])
 
 
-class MegatronPolicyTrainer:
+class MegatronPolicyTrainer(UpdateByShares):
     """`PolicyTrainer`'s interface on a `MegatronTrainer`."""
 
     def __init__(self, trainer: Any, *, compute_dtype: str = "bfloat16") -> None:
@@ -118,13 +117,6 @@ class MegatronPolicyTrainer:
             out = self.mt.logprobs(batch, None, "off", probe=True)
         used = out.used.to(dev)
         return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
-
-    def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
-        return single_rank_update(self.update_shares, batch, old, mini_batches=mini_batches, clip_low=clip_low,
-                                  clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
