@@ -16,10 +16,11 @@ how many ranks there are.
   routes on each of its ranks), never the whole batch to every rank. `trainer/shards.py` says which
   rows go where and how the per-replica losses are weighted so that the update equals the
   single-process one.
-- Weight sync: every rank takes part in gathering each parameter (`DTensor.full_tensor`, one at a
-  time); rank 0 packs the full tensors exactly as the single-process trainer does (engine/weights.py)
-  and streams the chunks back to the driver (a Ray streaming generator).
-- Checkpoints: each rank writes its own DCP shard asynchronously (`sharded_checkpoint.py`).
+- Weight sync: every rank takes part in gathering each parameter (FSDP: `DTensor.full_tensor`, one at a
+  time; Megatron: `hf_state_dict`); rank 0 packs the full tensors exactly as the single-process trainer
+  does (engine/weights.py) and streams the chunks back to the driver (a Ray streaming generator).
+- Checkpoints: each rank writes its part of a DCP checkpoint asynchronously (`sharded_checkpoint.py`;
+  FSDP: its shard; Megatron: the gathered state, each tensor written once).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class TrainerRank:
             yield pack_chunk(chunk)
 
     def model_state_dict(self) -> dict[str, Any]:
-        return self.trainer.model_state_dict()  # full on rank 0, empty elsewhere (cpu_offload)
+        return self.trainer.model_state_dict()  # full on rank 0 (FSDP: empty elsewhere, cpu_offload)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return self.trainer.optimizer_state_dict()
