@@ -8,10 +8,14 @@ Mapping (docs/megatron.md):
 | `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, "R3", probe=True)`; natural ids: extra `"off"` pass |
 | `old_logprobs(batch, R2)` | `logprobs(batch, None, "R2", probe=True)`; `.recorded` is replayed by the update |
 | `old_logprobs(batch, Disabled)` | `logprobs(batch, None, "off", probe=True)` |
-| `update(...)` | per mini-batch `train_step(mb, routes, PPO-clip closure, replay_mode=...)` |
+| `update`, `update_shares` | per share (mini-batch) `train_step(mb, routes, PPO-clip loss, loss_scale=weight)` |
 | `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
-| `sft_step`, `canary_logits`, `optimizer_state_dict`, `load_state` | written here |
-| `save_checkpoint_async`, `load_checkpoint` | DCP of `{model: hf_state_dict(), optimizer}`, one rank |
+| `optimizer_state_dict`, `load_state` | AdamW state by full Megatron name (`optimizer_full_state`), any TP/EP |
+| `sft_step`, `sft_share`, `canary_logits` | written here |
+| `save_checkpoint_async`, `load_checkpoint` | DCP of that whole `{model, optimizer}`; every rank reads it back |
+
+The same object is one rank of `distributed.DistributedTrainer` (`megatron/ranks.py`): `update_shares` and
+`sft_share` then take its data-parallel replica's rows.
 
 Numerics: fp32 parameters and AdamW state (the backend's default), forwards of the old-logprob pass, the
 update and the SFT warm-up under bf16 autocast like the FSDP path; the canary forward in fp32 without
