@@ -65,13 +65,13 @@ class MegatronTrainer:
 
     # -- forward ------------------------------------------------------------------------------------------
     def _padded_shape(self, b: int, s: int) -> tuple[int, int]:
-        """The micro-batch shape every rank of an expert-parallel group runs: its dispatcher gathers
-        hidden states across the group, which cuts across data-parallel replicas holding different rows
-        (the largest row count and width over all ranks; all ranks run their forwards in step). The
+        """The micro-batch shape every rank of an expert-parallel (× expert-TP) group runs: its dispatcher
+        gathers hidden states across the group, which cuts across data-parallel replicas holding different
+        rows (the largest row count and width over all ranks; all ranks run their forwards in step). The
         width is a multiple of TP when sequence parallel slices it."""
         from megatron.core import parallel_state as ps
 
-        if self.sizes.ep > 1 and ps.get_data_parallel_world_size() > 1:
+        if self.sizes.ep * self.sizes.etp > 1 and ps.get_data_parallel_world_size() > 1:
             import torch
             import torch.distributed as dist
 
@@ -192,7 +192,6 @@ class MegatronTrainer:
         naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally. `loss_scale`
         multiplies the loss that is differentiated (this data-parallel replica's share weight,
         `trainer/shards.py`); the reported loss is unscaled."""
-
         mode: ReplayMode = "off" if routes is None else ("R2-replay" if replay_mode == "R2" else "R3")
         pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
