@@ -1,6 +1,7 @@
 """The Megatron backend over 2 gloo ranks (Ray actors) against the one-process Megatron trainer on the same
-batch with R3 replay: TP=2 + SP (one data-parallel replica over both ranks, experts replicated on each) and
-EP=2 (two data-parallel replicas whose expert-parallel group cuts across them). The old logprobs, the ids
+batch with R3 (then R2) replay: TP=2 + SP (one data-parallel replica over both ranks, experts replicated on
+each), TP=2 + SP + EP=2 (experts split over the TP ranks) and EP=2 (two data-parallel replicas whose
+expert-parallel group cuts across them). The old logprobs, the ids
 the experts received, the update's statistics and the weights after it must come out as on one process;
 then a checkpoint written by the two ranks resumes on one."""
 
@@ -84,11 +85,30 @@ def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_
     return ranks, single
 
 
-def test_tp2_sequence_parallel_over_two_ranks_trains_like_one_process(tiny_moe_dir: Path, ray_started: None) -> None:
-    ranks, _single = assert_trains_like_one_process(
-        tiny_moe_dir, MegatronSpec(tensor_parallel_size=2, sequence_parallel=True), mini_batches=2
-    )
-    ranks.close()
+@pytest.mark.parametrize(
+    "spec",
+    [MegatronSpec(tensor_parallel_size=2, sequence_parallel=True),
+     MegatronSpec(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)],
+    ids=["tp2-sp", "tp2-sp-ep2"],
+)  # fmt: skip
+def test_tensor_parallel_over_two_ranks_trains_like_one_process_under_r3_then_r2(
+    tiny_moe_dir: Path, ray_started: None, spec: MegatronSpec
+) -> None:
+    ranks, single = assert_trains_like_one_process(tiny_moe_dir, spec, mini_batches=2)
+    try:
+        # R2: each side records its own natural routes in the old-logprob pass and the update replays them.
+        batch = r3_batch(seed=1)
+        real = batch.attention_mask.bool()
+        one = single.old_logprobs(batch, ReplayMode.R2)
+        two = ranks.old_logprobs(batch, ReplayMode.R2)
+        assert torch.equal(two.replay_ids[real], one.replay_ids[real])
+        s1 = single.update(batch, one, mini_batches=2, **CLIP)
+        s2 = ranks.update(batch, two, mini_batches=2, **CLIP)
+        for name in ("loss", "grad_norm"):
+            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
+        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 2e-5
+    finally:
+        ranks.close()
 
 
 def test_ep2_data_parallel_over_two_ranks_trains_and_resumes_like_one_process(
