@@ -98,7 +98,8 @@ def reference() -> dict[str, Any]:
             "synced": synced(single)}  # fmt: skip
 
 
-@pytest.mark.parametrize(("gpus", "megatron"), CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize(("gpus", "megatron"), CASES,
+                         ids=["2gpu-tp2-sp", "2gpu-ep2", "4gpu-tp2-sp-ep2", "4gpu-tp2-sp-dp2", "4gpu-ep4"])  # fmt: skip
 def test_megatron_over_ray_ranks_trains_like_one_process(
     gpus: int, megatron: dict[str, Any], reference: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -345,9 +345,11 @@ def optimizer_full_state(model: Any, tconfig: Any, optimizer: Any) -> dict[str, 
     state = optimizer.state
     out: dict[str, Any] = {}
     for slot in ADAM_SLOTS:
-        out[slot] = gather_full_megatron(
-            model, tconfig, lambda p, slot=slot: state[p][slot].detach() if p in state else torch.zeros_like(p)
-        )
+
+        def moment(p: Any, slot: str = slot) -> Any:
+            return state[p][slot].detach() if p in state else torch.zeros_like(p)
+
+        out[slot] = gather_full_megatron(model, tconfig, moment)
     layer_off, expert_off = _offsets(model, tconfig)
     steps = {local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off):
              torch.as_tensor(float(state[p]["step"]) if p in state else 0.0)
