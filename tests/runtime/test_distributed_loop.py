@@ -38,6 +38,13 @@ class RecordingEngine(FakeEngine):
         return super().finish_weight_update(policy_tag)
 
 
+def assert_two_replayed_steps(run: Any) -> None:
+    with (run.run_dir / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["step"] for r in rows] == ["1", "2"] and all(r["skipped"] == "0" for r in rows)
+    assert all(float(r["replay_applied"]) == 1.0 for r in rows)  # R3 replay reached the ranks' experts
+
+
 def _run(tmp_path: Path, engine: FakeEngine, *, steps: int, **spec: Any) -> Any:
     from r3operator.runtime.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
@@ -58,10 +65,7 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
     run = _run(tmp_path, engine, steps=2)
     run.run()
     assert isinstance(run.trainer, DistributedTrainer) and run.trainer.world_size == 2
-    with (run.run_dir / "metrics.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert [r["step"] for r in rows] == ["1", "2"] and all(r["skipped"] == "0" for r in rows)
-    assert all(float(r["replay_applied"]) == 1.0 for r in rows)  # R3 replay reached the ranks' experts
+    assert_two_replayed_steps(run)
     assert run.last_checkpoint_step == 2
 
     step2 = run.ckpt_root / "step-000002"
@@ -100,10 +104,7 @@ def test_a_megatron_run_on_two_expert_parallel_ranks_syncs_and_checkpoints(tmp_p
     run = _run(tmp_path, engine, steps=2, trainer={"backend": "Megatron", "megatron": {"expertParallelSize": 2}})
     run.run()
     assert isinstance(run.trainer, DistributedTrainer) and run.trainer.dp_size == 2
-    with (run.run_dir / "metrics.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert [r["step"] for r in rows] == ["1", "2"] and all(r["skipped"] == "0" for r in rows)
-    assert all(float(r["replay_applied"]) == 1.0 for r in rows)  # R3 replay reached both ranks' experts
+    assert_two_replayed_steps(run)
     step2 = run.ckpt_root / "step-000002"
     want = dict(checkpoint_tensors(read_full_state(step2 / "policy")["model"], dtype=torch.float32))
     assert engine.weights.keys() == want.keys()
