@@ -91,8 +91,8 @@ def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_token
 
 
 class Trainer(Protocol):
-    """The policy trainer the driver steps: `hf_policy.PolicyTrainer` (HF/FSDP, one process),
-    `distributed.DistributedTrainer` (HF/FSDP2 over Ray-actor ranks) and the Megatron adapter."""
+    """The policy trainer the driver steps: `hf_policy.PolicyTrainer` (HF/FSDP, one process), the Megatron
+    adapter (one process) and `distributed.DistributedTrainer` (either backend over Ray-actor ranks)."""
 
     pad_id: int
     eos_id: int

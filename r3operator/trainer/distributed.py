@@ -1,20 +1,26 @@
-"""The HF trainer over many processes: one Ray actor per rank (one per GPU of the RayJob, or a chosen
-number of CPU processes), torch.distributed between them (NCCL + gloo on GPU, gloo on CPU), FSDP2
-sharding the model and AdamW state over all of them. `DistributedTrainer` is the driver's `Trainer`:
-each call fans out to every rank and gathers their answers, so the step loop does not know how many
-ranks there are.
+"""A trainer over many processes: one Ray actor per rank (one per GPU of the RayJob, or a chosen number
+of CPU processes), torch.distributed between them (NCCL + gloo on GPU, gloo on CPU). What each rank
+builds is the `RankBuilder`'s choice: `PolicyOptions` (HF model, FSDP2 sharding the model and AdamW
+state over all ranks: every rank is its own data-parallel replica) or
+`megatron.ranks.MegatronOptions` (megatron-core TP/EP/SP groups; ranks of one TP group form one
+data-parallel replica). `DistributedTrainer` is the driver's `Trainer`: each call fans out to every
+rank and gathers the answers of one rank per data-parallel replica, so the step loop does not know
+how many ranks there are.
 
 - Rendezvous: rank 0's actor picks its node's address and a free port; the driver passes both to
   every rank (`fsdp.init_rank`). On GPU the ranks sit in one placement group (PACK: ranks of one node
   are neighbours), one GPU each.
-- Data: the driver builds the step's batch on CPU and puts each rank's slice (its rows, their
-  routed-experts arrays, old logprobs and replay ids) in the Ray object store: one object per rank
-  per call, never the whole batch to every rank. `trainer/shards.py` says which rows go where and how
-  the per-rank losses are weighted so that the update equals the single-process one.
-- Weight sync: every rank takes part in gathering each parameter (`DTensor.full_tensor`, one at a
-  time); rank 0 packs the full tensors exactly as the single-process trainer does (engine/weights.py)
-  and streams the chunks back to the driver (a Ray streaming generator).
-- Checkpoints: each rank writes its own DCP shard asynchronously (`sharded_checkpoint.py`).
+- Data: the driver builds the step's batch on CPU and puts each data-parallel replica's slice (its
+  rows, their routed-experts arrays, old logprobs and replay ids) in the Ray object store: one object
+  per replica per call, read by every rank of that replica (a TP/EP group needs the same rows and
+  routes on each of its ranks), never the whole batch to every rank. `trainer/shards.py` says which
+  rows go where and how the per-replica losses are weighted so that the update equals the
+  single-process one.
+- Weight sync: every rank takes part in gathering each parameter (FSDP: `DTensor.full_tensor`, one at a
+  time; Megatron: `hf_state_dict`); rank 0 packs the full tensors exactly as the single-process trainer
+  does (engine/weights.py) and streams the chunks back to the driver (a Ray streaming generator).
+- Checkpoints: each rank writes its part of a DCP checkpoint asynchronously (`sharded_checkpoint.py`;
+  FSDP: its shard; Megatron: the gathered state, each tensor written once).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
@@ -35,13 +41,42 @@ PLACEMENT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
+class RankRole:
+    """A rank's place in the data-parallel dimension: which replica's rows it gets, and whether its
+    results are that replica's answer (one rank per replica answers; its TP/EP peers computed the same)."""
+
+    dp_rank: int
+    dp_size: int
+    answers: bool
+
+
+class RankBuilder(Protocol):
+    """What a rank builds once its process group is up (picklable: it travels to the rank actors)."""
+
+    compute_dtype: str  # of the training forwards (bfloat16 autocast or float32)
+
+    def build(self, model_dir: Path, device: str, *, rank: int, world_size: int) -> tuple[Any, RankRole]:
+        """This rank's trainer (`update_shares`, `sft_share` and the `Trainer` state calls) and its role."""
+        ...
+
+
+@dataclass(frozen=True)
 class PolicyOptions:
-    """What every rank builds its `PolicyTrainer` with."""
+    """What every rank builds its `PolicyTrainer` with: FSDP2 over all ranks, each its own replica."""
 
     learning_rate: float
     seed: int
     compute_dtype: str = "bfloat16"
     reshard_after_forward: bool = True
+
+    def build(self, model_dir: Path, device: str, *, rank: int, world_size: int) -> tuple[Any, RankRole]:
+        from r3operator.trainer.hf_policy import PolicyTrainer
+
+        trainer = PolicyTrainer(
+            model_dir, device=device, learning_rate=self.learning_rate, seed=self.seed, use_fsdp=True,
+            compute_dtype=self.compute_dtype, fsdp_options={"reshard_after_forward": self.reshard_after_forward},
+        )  # fmt: skip
+        return trainer, RankRole(dp_rank=rank, dp_size=world_size, answers=True)
 
 
 @dataclass
@@ -65,11 +100,12 @@ def _to(value: Any, device: str) -> Any:
 
 
 class TrainerRank:
-    """One rank in its own Ray actor process: a `PolicyTrainer` wrapped in FSDP2 over all ranks."""
+    """One rank in its own Ray actor process: the trainer its `RankBuilder` builds over all ranks."""
 
     def __init__(self, rank: int, world_size: int, device: str) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.trainer: Any = None
+        self.role = RankRole(dp_rank=rank, dp_size=world_size, answers=True)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port: the rendezvous of the process group (rank 0)."""
@@ -82,9 +118,8 @@ class TrainerRank:
             port = int(sock.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def start(self, master_addr: str, master_port: int, model_dir: str, options: PolicyOptions) -> dict[str, Any]:
+    def start(self, master_addr: str, master_port: int, model_dir: str, options: RankBuilder) -> dict[str, Any]:
         from r3operator.trainer import fsdp
-        from r3operator.trainer.hf_policy import PolicyTrainer
 
         if self.device.startswith("cuda"):
             import torch
@@ -92,12 +127,9 @@ class TrainerRank:
             torch.cuda.set_device(0)  # Ray gave this actor one GPU: CUDA_VISIBLE_DEVICES holds only it
         fsdp.init_rank(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                        master_port=master_port, device=self.device)  # fmt: skip
-        self.trainer = PolicyTrainer(
-            Path(model_dir), device=self.device, learning_rate=options.learning_rate, seed=options.seed,
-            use_fsdp=True, compute_dtype=options.compute_dtype,
-            fsdp_options={"reshard_after_forward": options.reshard_after_forward},
-        )  # fmt: skip
-        return {"pad_id": self.trainer.pad_id, "eos_id": self.trainer.eos_id}
+        self.trainer, self.role = options.build(Path(model_dir), self.device, rank=self.rank,
+                                                world_size=self.world_size)  # fmt: skip
+        return {"pad_id": self.trainer.pad_id, "eos_id": self.trainer.eos_id, "role": self.role}
 
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
         old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
@@ -111,9 +143,9 @@ class TrainerRank:
             importance_cap=importance_cap,
         )  # fmt: skip
 
-    def sft(self, prompts: list[list[int]], answers: list[list[int]], total_tokens: int,
-            padding: bool) -> tuple[float, int]:  # fmt: skip
-        return self.trainer.sft_share(prompts, answers, total_tokens=total_tokens, world=self.world_size,
+    def sft(self, part: tuple[list[list[int]], list[list[int]], bool], total_tokens: int) -> tuple[float, int]:
+        prompts, answers, padding = part
+        return self.trainer.sft_share(prompts, answers, total_tokens=total_tokens, world=self.role.dp_size,
                                       padding=padding)  # fmt: skip
 
     def canary_logits(self, sequence: list[int]) -> Any:
@@ -136,7 +168,7 @@ class TrainerRank:
             yield pack_chunk(chunk)
 
     def model_state_dict(self) -> dict[str, Any]:
-        return self.trainer.model_state_dict()  # full on rank 0, empty elsewhere (cpu_offload)
+        return self.trainer.model_state_dict()  # full on rank 0 (FSDP: empty elsewhere, cpu_offload)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return self.trainer.optimizer_state_dict()
@@ -170,7 +202,7 @@ class TrainerRank:
 class DistributedTrainer:
     """The driver's handle on `world_size` `TrainerRank` actors (Ray must be initialised)."""
 
-    def __init__(self, model_dir: Path, *, world_size: int, device: str, options: PolicyOptions) -> None:
+    def __init__(self, model_dir: Path, *, world_size: int, device: str, options: RankBuilder) -> None:
         import ray
 
         if world_size < 1:
@@ -213,6 +245,13 @@ class DistributedTrainer:
             raise
         self.pad_id = int(infos[0]["pad_id"])
         self.eos_id = int(infos[0]["eos_id"])
+        roles: list[RankRole] = [info["role"] for info in infos]
+        self.dp_size = roles[0].dp_size
+        self._replica_of = [role.dp_rank for role in roles]  # rank -> its data-parallel replica
+        self._answering = sorted((i for i, role in enumerate(roles) if role.answers), key=lambda i: roles[i].dp_rank)
+        if [roles[i].dp_rank for i in self._answering] != list(range(self.dp_size)):
+            self.close()
+            raise RuntimeError(f"trainer ranks: expected one answering rank per data-parallel replica, got {roles}")
 
     def _reserve_gpus(self, world_size: int) -> Any:
         from ray.util.placement_group import placement_group
@@ -244,18 +283,24 @@ class DistributedTrainer:
     def _all(self, call: Callable[[Any], Any]) -> list[Any]:
         return self._gather([call(rank) for rank in self.ranks])
 
+    def _per_replica(self, objects: Sequence[Any], call: Callable[[Any, int, Any], Any]) -> list[Any]:
+        """`call(rank, replica, ref)` on every rank with its replica's object (put once per replica); the
+        answering ranks' results, in replica order."""
+        refs = [self._ray.put(obj) for obj in objects]
+        results = self._gather([call(rank, self._replica_of[i], refs[self._replica_of[i]])
+                                for i, rank in enumerate(self.ranks)])  # fmt: skip
+        return [results[i] for i in self._answering]
+
     # -- Trainer ------------------------------------------------------------------------------------
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
         import torch
 
         if mode is ReplayMode.R3 and batch.engine_routes is None:
             raise ValueError("R3 needs engine routes in the batch")
-        split = forward_rows(batch.size, self.world_size)
-        refs = [
-            rank.old_logprobs.remote(self._ray.put(batch_to(batch.select(rows), "cpu")), mode)
-            for rank, (rows, _padding) in zip(self.ranks, split, strict=True)
-        ]
-        parts = [part for part, (_rows, padding) in zip(self._gather(refs), split, strict=True) if not padding]
+        split = forward_rows(batch.size, self.dp_size)
+        answers = self._per_replica([batch_to(batch.select(rows), "cpu") for rows, _padding in split],
+                                    lambda rank, _replica, ref: rank.old_logprobs.remote(ref, mode))  # fmt: skip
+        parts = [part for part, (_rows, padding) in zip(answers, split, strict=True) if not padding]
         return old_pass_for(
             mode, batch, torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
             torch.cat([p.natural_ids for p in parts]), torch.cat([p.used_ids for p in parts]),
@@ -268,25 +313,26 @@ class DistributedTrainer:
         import torch
 
         plans = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches,
-                            world=self.world_size)  # fmt: skip
-        refs = []
-        for rank, plan in zip(self.ranks, plans, strict=True):
+                            world=self.dp_size)  # fmt: skip
+        parts = []
+        for plan in plans:
             idx = torch.as_tensor(plan.rows, dtype=torch.int64)
-            part = UpdateSlice(
+            parts.append(UpdateSlice(
                 batch_to(batch.select(plan.rows), "cpu"), old.logprobs.cpu()[idx],
                 None if old.replay_ids is None else old.replay_ids.cpu()[idx],
                 None if old.replay_pad is None else old.replay_pad.cpu()[idx],
-            )  # fmt: skip
-            refs.append(rank.update.remote(self._ray.put(part), plan.shares, clip_low, clip_high, importance_cap))
-        return combine_update(self._gather(refs))
+            ))  # fmt: skip
+        return combine_update(self._per_replica(
+            parts, lambda rank, replica, ref: rank.update.remote(ref, plans[replica].shares, clip_low, clip_high,
+                                                                 importance_cap),
+        ))  # fmt: skip
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
         total = sum(len(a) for a in answers)
-        refs = []
-        for rank, (rows, padding) in zip(self.ranks, forward_rows(len(prompts), self.world_size), strict=True):
-            refs.append(rank.sft.remote([list(prompts[i]) for i in rows], [list(answers[i]) for i in rows],
-                                        total, padding))  # fmt: skip
-        parts = self._gather(refs)
+        split = forward_rows(len(prompts), self.dp_size)
+        rows_of = [([list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], padding)
+                   for rows, padding in split]  # fmt: skip
+        parts = self._per_replica(rows_of, lambda rank, _replica, ref: rank.sft.remote(ref, total))
         return sum(loss * tokens for loss, tokens in parts) / max(total, 1)
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:

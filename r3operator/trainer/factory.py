@@ -21,22 +21,27 @@ def world_size(spec: Any, *, device: str, override: int | None = None) -> int:
 
 
 def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) -> Trainer:
-    """The trainer for `spec.trainer.backend`: FSDP (`hf_policy`, in this process for one rank, else
-    `distributed.DistributedTrainer` over `ranks` Ray actors) or Megatron (the adapter, one rank)."""
+    """The trainer for `spec.trainer.backend`, in this process for one rank, else
+    `distributed.DistributedTrainer` over `ranks` Ray actors: FSDP (`hf_policy`, FSDP2 over the ranks) or
+    Megatron (the adapter; TP/EP/SP groups and data parallel over the ranks, `megatron/ranks.py`)."""
     from r3operator.api.enums import TrainerBackend
 
     fsdp = spec.trainer.fsdp
     compute_dtype = fsdp.param_dtype if fsdp is not None else "bfloat16"
     reshard = fsdp.reshard_after_forward if fsdp is not None else True
     if spec.trainer.backend is TrainerBackend.MEGATRON:
-        if ranks > 1:
-            raise ValueError(
-                f"spec.trainer.backend Megatron: this runtime trains it on one rank, but {ranks} were asked for "
-                f"(trainer.nodes × trainer.gpusPerNode on GPU, or --trainer-ranks); set them to 1 or use FSDP"
-            )
-        from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer
+        from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer, require_megatron
+        from r3operator.trainer.megatron.parallel import ParallelSizes, check_world
 
-        return build_megatron_policy_trainer(spec, model_dir, device=device)
+        check_world(ParallelSizes.from_spec(spec.trainer.megatron), ranks)  # before any rank starts
+        require_megatron()
+        if ranks == 1:
+            return build_megatron_policy_trainer(spec, model_dir, device=device)
+        from r3operator.trainer.distributed import DistributedTrainer
+        from r3operator.trainer.megatron.ranks import MegatronOptions
+
+        megatron = MegatronOptions(spec.trainer.megatron, learning_rate=spec.algorithm.learning_rate, seed=spec.seed)
+        return DistributedTrainer(model_dir, world_size=ranks, device=device, options=megatron)
     if ranks > 1:
         from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
 

@@ -32,7 +32,6 @@ from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
     OldPass,
-    UpdateStats,
     compute_context,
     greedy_decode,
     old_pass_for,
@@ -42,10 +41,10 @@ from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_wei
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
-from r3operator.trainer.shards import Share, ShareStats, combine_update, update_plan
+from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 
 
-class PolicyTrainer:
+class PolicyTrainer(UpdateByShares):
     def __init__(
         self,
         model_dir: Path,
@@ -114,22 +113,6 @@ class PolicyTrainer:
             natural.remove()
             used.remove()
         return old_pass_for(mode, batch, lp, natural_ids, used_ids)
-
-    def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
-        """PPO-clip over `mini_batch_rows` (strided) slices; replay (if any) armed through backward. With
-        `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout (grpo/loss.py)."""
-        import torch
-
-        (plan,) = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=1)
-        idx = torch.as_tensor(plan.rows, dtype=torch.int64, device=old.logprobs.device)
-        replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
-        replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
-        stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
-                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
-        return combine_update([stats])
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,

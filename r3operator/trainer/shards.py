@@ -12,10 +12,13 @@ forward and backward happen, its loss contributes nothing.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from r3operator.trainer.base import UpdateStats, mini_batch_rows
+from r3operator.trainer.base import OldPass, UpdateStats, mini_batch_rows
+from r3operator.trainer.batch import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,31 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
     return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens,
                        *importance)  # fmt: skip
+
+
+class UpdateByShares(ABC):
+    """`Trainer.update` of a one-process trainer through its own `update_shares` (a world of one: every
+    share weighs 1), the code path a rank of a distributed trainer runs on its part of the batch."""
+
+    @abstractmethod
+    def update_shares(
+        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
+        clip_low: float, clip_high: float, importance_cap: float | None = None,
+    ) -> list[ShareStats]:  # fmt: skip
+        """One optimizer step per share of this process's rows (`hf_policy`, `megatron/adapter`)."""
+
+    def update(
+        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
+        importance_cap: float | None = None,
+    ) -> UpdateStats:  # fmt: skip
+        """PPO-clip over `mini_batch_rows` (strided) slices, one optimizer step each; replay (if any) through
+        backward. With `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout."""
+        import torch
+
+        (plan,) = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=1)
+        idx = torch.as_tensor(plan.rows, dtype=torch.int64, device=old.logprobs.device)
+        replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
+        replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
+        stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
+                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
+        return combine_update([stats])

@@ -38,11 +38,18 @@ class RecordingEngine(FakeEngine):
         return super().finish_weight_update(policy_tag)
 
 
-def _run(tmp_path: Path, engine: FakeEngine, *, steps: int) -> Any:
+def assert_two_replayed_steps(run: Any) -> None:
+    with (run.run_dir / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["step"] for r in rows] == ["1", "2"] and all(r["skipped"] == "0" for r in rows)
+    assert all(float(r["replay_applied"]) == 1.0 for r in rows)  # R3 replay reached the ranks' experts
+
+
+def _run(tmp_path: Path, engine: FakeEngine, *, steps: int, **spec: Any) -> Any:
     from r3operator.runtime.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
-    job = write_job(tmp_path, weightSync={"canary": False}, algorithm={"steps": steps})
+    job = write_job(tmp_path, weightSync={"canary": False}, algorithm={"steps": steps}, **spec)
     settings = settings_for(job, tmp_path / "runs", steps=steps, trainer_ranks=2)
     return GRPORun(settings, engines=EngineGroup([engine]))
 
@@ -58,10 +65,7 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
     run = _run(tmp_path, engine, steps=2)
     run.run()
     assert isinstance(run.trainer, DistributedTrainer) and run.trainer.world_size == 2
-    with (run.run_dir / "metrics.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert [r["step"] for r in rows] == ["1", "2"] and all(r["skipped"] == "0" for r in rows)
-    assert all(float(r["replay_applied"]) == 1.0 for r in rows)  # R3 replay reached the ranks' experts
+    assert_two_replayed_steps(run)
     assert run.last_checkpoint_step == 2
 
     step2 = run.ckpt_root / "step-000002"
@@ -86,6 +90,27 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
         resumed.trainer.close()
 
 
+def test_a_megatron_run_on_two_expert_parallel_ranks_syncs_and_checkpoints(tmp_path: Path) -> None:
+    """EP=2 over the 2 ranks (two data-parallel replicas): the loop does not know; the engine receives the
+    weights both ranks gathered, equal to the checkpoint's."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
+    import torch
+
+    from r3operator.engine.weights import checkpoint_tensors
+    from r3operator.trainer.distributed import DistributedTrainer
+    from r3operator.trainer.sharded_checkpoint import read_full_state
+
+    engine = RecordingEngine()
+    run = _run(tmp_path, engine, steps=2, trainer={"backend": "Megatron", "megatron": {"expertParallelSize": 2}})
+    run.run()
+    assert isinstance(run.trainer, DistributedTrainer) and run.trainer.dp_size == 2
+    assert_two_replayed_steps(run)
+    step2 = run.ckpt_root / "step-000002"
+    want = dict(checkpoint_tensors(read_full_state(step2 / "policy")["model"], dtype=torch.float32))
+    assert engine.weights.keys() == want.keys()
+    assert all(torch.equal(engine.weights[name], want[name]) for name in want)
+
+
 def test_trainer_ranks_come_from_the_flag_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from r3operator.trainer.factory import world_size
 
@@ -103,14 +128,17 @@ def test_trainer_ranks_come_from_the_flag_or_the_environment(tmp_path: Path, mon
 
 def test_more_ranks_than_the_backend_or_the_cluster_can_take_is_refused(tmp_path: Path) -> None:
     from r3operator.api.enums import TrainerBackend
+    from r3operator.api.v1alpha1 import MegatronSpec
     from r3operator.runtime.loop import start_ray
     from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
     from r3operator.trainer.factory import build_trainer
 
     spec = settings_for(write_job(tmp_path), tmp_path / "runs").job.spec
-    megatron = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"backend": TrainerBackend.MEGATRON})})
-    with pytest.raises(ValueError, match=r"spec.trainer.backend Megatron: this runtime trains it on one rank, but 2"):
-        build_trainer(megatron, tmp_path, device="cpu", ranks=2)
+    tp2 = MegatronSpec(tensor_parallel_size=2, sequence_parallel=True)
+    megatron = spec.model_copy(update={"trainer": spec.trainer.model_copy(
+        update={"backend": TrainerBackend.MEGATRON, "megatron": tp2})})  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensorParallelSize × .* = 2 does not divide the trainer's 3 ranks"):
+        build_trainer(megatron, tmp_path, device="cpu", ranks=3)
     start_ray(in_cluster=False)  # a CPU-only Ray cluster: no GPU for any rank
     with pytest.raises(ValueError, match=r"asks for 2 trainer GPUs, but the Ray cluster has 0"):
         DistributedTrainer(tmp_path, world_size=2, device="cuda", options=PolicyOptions(learning_rate=1e-6, seed=0))

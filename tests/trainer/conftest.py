@@ -60,9 +60,55 @@ def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None) -> Any:
     return model.eval()
 
 
+ROWS, WIDTH, LAYERS, EXPERTS, TOP_K = 5, 14, 3, 8, 2  # r3_batch, for build_tiny_moe("qwen3_moe")
+
+
+def r3_batch(seed: int = 0) -> Any:
+    """5 right-padded rows of different lengths; every token has engine routes (k distinct experts per
+    layer, drawn at random, so they differ from the routers' own choice) except the pad."""
+    import torch
+
+    from r3operator.trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [14, 9, 12, 7, 11]
+    prompt = 4
+    ids = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros(ROWS, WIDTH - 1, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+        attn[i, :n] = 1
+        resp[i, prompt - 1 : n - 1] = True
+    routes = torch.rand(ROWS, WIDTH, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
+    pad = attn == 0
+    routes[pad] = 0
+    return TrainBatch(
+        input_ids=ids, attention_mask=attn, response_mask=resp,
+        rollout_logprobs=torch.zeros(ROWS, WIDTH - 1), advantages=torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3]),
+        engine_routes=routes, route_pad=pad, sample_ids=[f"s{i}" for i in range(ROWS)],
+    )  # fmt: skip
+
+
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3"]
 
 
 @pytest.fixture
 def tiny_moe() -> Callable[..., Any]:
     return build_tiny_moe
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A saved `build_tiny_moe("qwen3_moe")` (the shape `r3_batch` is for)."""
+    path = tmp_path_factory.mktemp("tiny-moe")
+    build_tiny_moe("qwen3_moe").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_started() -> None:
+    """A local Ray for the trainer's rank actors."""
+    from r3operator.runtime.loop import start_ray
+
+    start_ray(in_cluster=False)

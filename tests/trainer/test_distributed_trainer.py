@@ -13,49 +13,11 @@ torch = pytest.importorskip("torch")
 
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch  # noqa: E402
-from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
+from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}
-ROWS, WIDTH, LAYERS, EXPERTS, TOP_K = 5, 14, 3, 8, 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-moe")
-    build_tiny_moe("qwen3_moe").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ray_started() -> None:
-    from r3operator.runtime.loop import start_ray
-
-    start_ray(in_cluster=False)
-
-
-def r3_batch(seed: int = 0) -> TrainBatch:
-    """5 right-padded rows of different lengths; every token has engine routes (k distinct experts per
-    layer, drawn at random, so they differ from the routers' own choice) except the pad."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [14, 9, 12, 7, 11]
-    prompt = 4
-    ids = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros(ROWS, WIDTH - 1, dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
-        attn[i, :n] = 1
-        resp[i, prompt - 1 : n - 1] = True
-    routes = torch.rand(ROWS, WIDTH, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
-    pad = attn == 0
-    routes[pad] = 0
-    return TrainBatch(
-        input_ids=ids, attention_mask=attn, response_mask=resp,
-        rollout_logprobs=torch.zeros(ROWS, WIDTH - 1), advantages=torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3]),
-        engine_routes=routes, route_pad=pad, sample_ids=[f"s{i}" for i in range(ROWS)],
-    )  # fmt: skip
 
 
 def single_trainer(model_dir: Path) -> Any:
@@ -77,11 +39,11 @@ def assert_states_close(got: dict[str, Any], want: dict[str, Any], *, atol: floa
     assert worst <= atol, f"largest difference {worst:g} > {atol:g}"
 
 
-def test_two_ranks_train_like_one_process_with_r3_replay(model_dir: Path, ray_started: None) -> None:
+def test_two_ranks_train_like_one_process_with_r3_replay(tiny_moe_dir: Path, ray_started: None) -> None:
     batch = r3_batch()
-    single = single_trainer(model_dir)
+    single = single_trainer(tiny_moe_dir)
     before = {k: v.clone() for k, v in single.model_state_dict().items()}
-    ranks = two_ranks(model_dir)
+    ranks = two_ranks(tiny_moe_dir)
     try:
         one = single.old_logprobs(batch, ReplayMode.R3)
         two = ranks.old_logprobs(batch, ReplayMode.R3)
@@ -116,10 +78,12 @@ def test_two_ranks_train_like_one_process_with_r3_replay(model_dir: Path, ray_st
         ranks.close()
 
 
-def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray_started: None, tmp_path: Path) -> None:
+def test_async_sharded_checkpoint_resumes_two_ranks_exactly(
+    tiny_moe_dir: Path, ray_started: None, tmp_path: Path
+) -> None:
     batch = r3_batch(seed=1)
     checkpoint = tmp_path / "step-1"
-    first = two_ranks(model_dir)
+    first = two_ranks(tiny_moe_dir)
     try:
         first.update(batch, first.old_logprobs(batch, ReplayMode.R3), mini_batches=2, **CLIP)  # step 1
         first.save_checkpoint_async(checkpoint)
@@ -134,7 +98,7 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank00000.pt", "rng-rank00001.pt"
     ]  # fmt: skip
 
-    resumed = two_ranks(model_dir)  # a fresh driver's ranks: the first ones are gone
+    resumed = two_ranks(tiny_moe_dir)  # a fresh driver's ranks: the first ones are gone
     try:
         resumed.load_checkpoint(checkpoint)
         assert_states_close(resumed.model_state_dict(), at_save, atol=0.0)
@@ -150,6 +114,6 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(model_dir: Path, ray
             assert torch.equal(optim["state"][name][slot], slots[slot]), (name, slot)
 
     # DCP reshards on load: one process reads the two ranks' shards.
-    single = single_trainer(model_dir)
+    single = single_trainer(tiny_moe_dir)
     single.load_checkpoint(checkpoint)
     assert_states_close(single.model_state_dict(), at_save, atol=0.0)

@@ -8,10 +8,14 @@ Mapping (docs/megatron.md):
 | `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, "R3", probe=True)`; natural ids: extra `"off"` pass |
 | `old_logprobs(batch, R2)` | `logprobs(batch, None, "R2", probe=True)`; `.recorded` is replayed by the update |
 | `old_logprobs(batch, Disabled)` | `logprobs(batch, None, "off", probe=True)` |
-| `update(...)` | per mini-batch `train_step(mb, routes, PPO-clip closure, replay_mode=...)` |
+| `update`, `update_shares` | per share (mini-batch) `train_step(mb, routes, PPO-clip loss, loss_scale=weight)` |
 | `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
-| `sft_step`, `canary_logits`, `optimizer_state_dict`, `load_state` | written here |
-| `save_checkpoint_async`, `load_checkpoint` | DCP of `{model: hf_state_dict(), optimizer}`, one rank |
+| `optimizer_state_dict`, `load_state` | AdamW state by full Megatron name (`optimizer_full_state`), any TP/EP |
+| `sft_step`, `sft_share`, `canary_logits` | written here |
+| `save_checkpoint_async`, `load_checkpoint` | DCP of that whole `{model, optimizer}`; every rank reads it back |
+
+The same object is one rank of `distributed.DistributedTrainer` (`megatron/ranks.py`): `update_shares` and
+`sft_share` then take its data-parallel replica's rows.
 
 Numerics: fp32 parameters and AdamW state (the backend's default), forwards of the old-logprob pass, the
 update and the SFT warm-up under bf16 autocast like the FSDP path; the canary forward in fp32 without
@@ -26,22 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
     OldPass,
-    UpdateStats,
     compute_context,
     greedy_decode,
-    mini_batch_rows,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
+from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
@@ -82,7 +83,7 @@ class _SFTBatch:
         return _SFTBatch(self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx])
 
 
-class MegatronPolicyTrainer:
+class MegatronPolicyTrainer(UpdateByShares):
     """`PolicyTrainer`'s interface on a `MegatronTrainer`."""
 
     def __init__(self, trainer: Any, *, compute_dtype: str = "bfloat16") -> None:
@@ -122,17 +123,20 @@ class MegatronPolicyTrainer:
         used = out.used.to(dev)
         return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
 
-    def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
+    def update_shares(
+        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
+        clip_low: float, clip_high: float, importance_cap: float | None = None,
+    ) -> list[ShareStats]:  # fmt: skip
+        """One `train_step` per share (this data-parallel replica's part of one mini-batch), its loss scaled
+        by the share's weight (trainer/shards.py; the DP mean happens in `megatron/grads.py`). Replay ids
+        without a pad mask are R2's recorded routes (every row replays); with one, R3's engine routes."""
         import dataclasses
 
         import torch
 
         full = _PPOBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
-                         old_logprobs=old.logprobs)  # fmt: skip
-        replay_mode = "R2" if old.mode is ReplayMode.R2 else None
+                         old_logprobs=old_logprobs)  # fmt: skip
+        replay_mode = "R2" if replay_ids is not None and replay_pad is None else None
 
         def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
             mask = mb.response_mask.to(lp.device)
@@ -149,32 +153,39 @@ class MegatronPolicyTrainer:
             )  # fmt: skip
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
-        results, tokens = [], 0
-        for rows in mini_batch_rows(batch.size, mini_batches):
-            mb = full.select(rows)
-            routes = None if old.replay_ids is None else old.replay_ids[torch.as_tensor(rows)]
+        out = []
+        for share in shares:
+            mb = full.select(share.rows)
+            routes = None if replay_ids is None else replay_ids[torch.as_tensor(share.rows)]
             with self._compute():
-                results.append(self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode,
-                                                  grad_clip=GRAD_CLIP_NORM))  # fmt: skip
-            tokens += int(mb.response_mask.sum())
-
-        def mean(key: str) -> float:
-            return float(np.mean([r.get(key, float("nan")) for r in results]))
-
-        return UpdateStats(mean("loss"), mean("clip_fraction"), mean("approx_kl"), mean("grad_norm"), tokens,
-                           mean("importance_weight_mean"), mean("importance_truncated_fraction"))  # fmt: skip
+                r = self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode, grad_clip=GRAD_CLIP_NORM,
+                                       loss_scale=share.weight)  # fmt: skip
+            tokens = 0 if share.padding else int(mb.response_mask.sum())
+            iw = (r["importance_weight_mean"], r["importance_truncated_fraction"]) if importance_cap is not None else ()
+            out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
+        return out
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+        return self.sft_share(prompts, answers, total_tokens=None)[0]
 
+    def sft_share(
+        self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, total_tokens: int | None,
+        world: int = 1, padding: bool = False,
+    ) -> tuple[float, int]:  # fmt: skip
+        """This data-parallel replica's part of one SFT step, weighted like `hf_policy.PolicyTrainer.sft_share`
+        (`world`: the data-parallel size)."""
         ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
+        tokens = int(mask.sum())
+        weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
 
         def loss_fn(lp: Any, mb: _SFTBatch) -> tuple[Any, dict[str, float]]:
             m = mb.loss_mask.to(lp.device)
             return -(lp * m).sum() / m.sum().clamp(min=1), {}
 
         with self._compute():
-            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM)
-        return float(stats["loss"])
+            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM,
+                                       loss_scale=weight)  # fmt: skip
+        return float(stats["loss"]), 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
@@ -218,13 +229,17 @@ class MegatronPolicyTrainer:
         return self.mt.hf_state_dict()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        return self.mt.optimizer.state_dict()
+        """AdamW state by full Megatron parameter name (`trainer.optimizer_full_state`): whole on every
+        rank, so a checkpoint loads under other TP/EP sizes too."""
+        from r3operator.trainer.megatron.trainer import optimizer_full_state
+
+        return optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer)
 
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        from r3operator.trainer.megatron.trainer import load_hf_weights
+        from r3operator.trainer.megatron.trainer import load_hf_weights, load_optimizer_full_state
 
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
-        self.mt.optimizer.load_state_dict(optim_sd)
+        load_optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer, optim_sd)
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
         return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
@@ -237,21 +252,17 @@ class MegatronPolicyTrainer:
         self.checkpointer.wait()
 
     def load_checkpoint(self, directory: Path) -> None:
-        # Read whole (no template): a fresh optimizer's state dict has no slots to load into.
+        # Read whole (no template) on every rank: the state is kept whole, and each rank takes its shards.
         self.checkpointer.wait()
         state = read_full_state(directory)
-        optim = state["optimizer"]
-        # DCP stores the optimizer's per-parameter keys as strings; torch matches them to `params` as ints.
-        optim["state"] = {int(k): v for k, v in optim["state"].items()}
-        self.load_state(state["model"], optim)
+        self.load_state(state["model"], state["optimizer"])
 
     def close(self) -> None:
         """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
 
 
-def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
-    """`spec` is the RLJob spec; raises `MegatronUnavailableError` naming trainer.backend when
-    megatron-core is not importable."""
+def require_megatron() -> None:
+    """Raise `MegatronUnavailableError` naming trainer.backend when megatron-core is not importable."""
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
@@ -259,6 +270,11 @@ def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) ->
             f"spec.trainer.backend is Megatron, but megatron-core cannot be imported ({exc}). Install "
             f"{MEGATRON_PACKAGE_HINT}, or set trainer.backend: FSDP."
         ) from exc
+
+
+def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) -> MegatronPolicyTrainer:
+    """`spec` is the RLJob spec; the trainer in this process (a world of one)."""
+    require_megatron()
     from r3operator.trainer.megatron.trainer import build_megatron_trainer
 
     trainer = build_megatron_trainer(

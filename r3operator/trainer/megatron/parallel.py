@@ -133,3 +133,31 @@ def init_parallel(sizes: ParallelSizes, device: str, *, seed: int = 0) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
+
+
+def check_world(sizes: ParallelSizes, world: int, *, num_experts: int | None = None) -> None:
+    """Refuse a rank count the parallel sizes do not fit, naming the fields (before any process starts)."""
+    ranks = f"the trainer's {world} ranks (trainer.nodes × trainer.gpusPerNode, or --trainer-ranks)"
+    model = sizes.tp * sizes.pp * sizes.cp
+    if world % model:
+        raise ValueError(
+            f"trainer.megatron: tensorParallelSize × pipelineParallelSize × contextParallelSize = {sizes.tp} × "
+            f"{sizes.pp} × {sizes.cp} = {model} does not divide {ranks}; the data-parallel size is their quotient"
+        )
+    expert = sizes.ep * sizes.etp * sizes.pp
+    if world % expert:
+        raise ValueError(
+            f"trainer.megatron: expertParallelSize × expertTensorParallelSize × pipelineParallelSize = {sizes.ep} × "
+            f"{sizes.etp} × {sizes.pp} = {expert} does not divide {ranks}"
+        )
+    if num_experts is not None and num_experts % sizes.ep:
+        raise ValueError(f"trainer.megatron.expertParallelSize {sizes.ep} does not divide the model's "
+                         f"{num_experts} experts")  # fmt: skip
+    if sizes.pp > 1:
+        raise NotImplementedError(
+            "trainer.megatron.pipelineParallelSize > 1: stage layer mapping is implemented and tested, the "
+            "pipelined schedule is not wired in this backend yet"
+        )
+    if sizes.tp > 1 and not sizes.sequence_parallel:
+        raise ValueError(f"trainer.megatron.tensorParallelSize {sizes.tp} on an MoE model needs "
+                         f"trainer.megatron.sequenceParallel: true")  # fmt: skip

@@ -22,8 +22,9 @@ from r3operator.trainer.megatron.convert import (
     megatron_to_hf,
     shard_tensor,
 )
+from r3operator.trainer.megatron.grads import clip_global_grad_norm, finalize_grads
 from r3operator.trainer.megatron.norms import use_tagged_norms
-from r3operator.trainer.megatron.parallel import ParallelSizes, init_parallel
+from r3operator.trainer.megatron.parallel import ParallelSizes, check_world, init_parallel
 from r3operator.trainer.replay.megatron import (
     MegatronReplayError,
     ParallelLayout,
@@ -63,39 +64,54 @@ class MegatronTrainer:
         self.micro_batch_size: int | None = None
 
     # -- forward ------------------------------------------------------------------------------------------
-    def _pad_seq(self, ids: Any, attn: Any, *extra: Any) -> tuple[Any, ...]:
-        """Right-pad the sequence to a multiple of TP when sequence parallel slices it."""
+    def _padded_shape(self, b: int, s: int) -> tuple[int, int]:
+        """The micro-batch shape every rank of an expert-parallel (× expert-TP) group runs: its dispatcher
+        gathers hidden states across the group, which cuts across data-parallel replicas holding different
+        rows (the largest row count and width over all ranks; all ranks run their forwards in step). The
+        width is a multiple of TP when sequence parallel slices it."""
+        from megatron.core import parallel_state as ps
+
+        if self.sizes.ep * self.sizes.etp > 1 and ps.get_data_parallel_world_size() > 1:
+            import torch
+            import torch.distributed as dist
+
+            shape = torch.tensor([b, s], dtype=torch.int64, device=self.device)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+            b, s = int(shape[0]), int(shape[1])
+        mult = self.sizes.tp if self.sizes.sequence_parallel else 1
+        return b, s + (-s) % mult
+
+    def _pad_to(self, rows: int, cols: int, ids: Any, attn: Any, routes: Any, route_pad: Any) -> tuple[Any, ...]:
+        """Right-pad columns (attention 0, no route) and append rows that attend to their first token
+        only (a row with no key at all would give NaN attention); their logits are cut off again."""
         import torch.nn.functional as F
 
-        mult = self.sizes.tp if self.sizes.sequence_parallel else 1
-        pad = (-ids.shape[1]) % mult
-        if not pad:
-            return (ids, attn, *extra)
-        out = [F.pad(ids, (0, pad)), F.pad(attn, (0, pad))]
-        for t in extra:
-            if t is None:
-                out.append(None)
-            elif t.dim() == 4:  # routes [B, S, L, K]: the pad rows are flagged in the mask below
-                out.append(F.pad(t, (0, 0, 0, 0, 0, pad)))
-            else:  # route padding mask [B, S]
-                out.append(F.pad(t, (0, pad), value=True))
-        return tuple(out)
+        dr, dc = rows - ids.shape[0], cols - ids.shape[1]
+        if not (dr or dc):
+            return ids, attn, routes, route_pad
+        ids, attn = F.pad(ids, (0, dc, 0, dr)), F.pad(attn, (0, dc, 0, dr))
+        if dr:
+            attn[-dr:, 0] = 1
+        if routes is not None:  # padded rows and columns are flagged in the mask: they route naturally
+            routes = F.pad(routes, (0, 0, 0, 0, 0, dc, 0, dr))
+            route_pad = F.pad(route_pad, (0, dc, 0, dr), value=True)
+        return ids, attn, routes, route_pad
 
     def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any) -> Any:
         """Logits [B, S, V] of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
         indices, as in vLLM) with the replay state set for `mode`."""
         import torch
 
-        s = ids.shape[1]
-        ids, attn, routes, route_pad = self._pad_seq(ids, attn, routes, route_pad)
+        b, s = ids.shape
         if routes is not None and route_pad is None:
             route_pad = torch.zeros(routes.shape[:2], dtype=torch.bool)
+        ids, attn, routes, route_pad = self._pad_to(*self._padded_shape(b, s), ids, attn, routes, route_pad)
         if route_pad is not None:  # attention padding never has a route either
             route_pad = route_pad.bool() | ~attn.bool().to(route_pad.device)
         dev = self.device
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        n = ids.shape[1]
+        rows, n = ids.shape
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
         mask = causal[None, None] | ~attn.bool()[:, None, None, :]  # True = masked out
         pad_mask = self.session.before_forward(
@@ -103,8 +119,8 @@ class MegatronTrainer:
         )
         logits = self.model(ids, pos, mask, padding_mask=pad_mask, runtime_gather_output=True)
         self.session.after_forward(mode)
-        self._last_layout = (n, s)
-        return logits[:, :s]
+        self._last_layout = (rows, n, b, s)
+        return logits[:b, :s]
 
     def _split(self, b: int) -> list[Any]:
         import torch
@@ -135,22 +151,22 @@ class MegatronTrainer:
                                        None if pad is None else pad[rows])  # fmt: skip
                 outs.append(logprobs_from_logits(logits[:, :-1], ids[:, 1:].to(logits.device)).cpu())
                 if mode == "R2-record":
-                    recs.append(self._to_batch_layout(self.session.recorded(ids.shape[0], self._local_seq())))
+                    recs.append(self._to_batch_layout(self.session.recorded(self._last_layout[0], self._local_seq())))
                 if probe:
-                    used.append(self._to_batch_layout(rp.take(ids.shape[0], self._local_seq())))
+                    used.append(self._to_batch_layout(rp.take(self._last_layout[0], self._local_seq())))
         return LogprobOutput(torch.cat(outs), torch.cat(recs)[:, : batch.input_ids.shape[1]] if recs else None,
                              torch.cat(used)[:, : batch.input_ids.shape[1]] if used else None)  # fmt: skip
 
     def _local_seq(self) -> int:
-        n = self._last_layout[0]
+        n = self._last_layout[1]
         return n // self.sizes.tp if self.sizes.sequence_parallel else n
 
     def _to_batch_layout(self, local: Any) -> Any:
-        """Router-side [B, S_local, L_local, K] -> the caller's [B, S, L, K]: SP all-gather, drop the SP
-        pad, global layers (dense 0)."""
+        """Router-side [B, S_local, L_local, K] -> the caller's [B, S, L, K]: SP all-gather, drop the padded
+        rows and columns, global layers (dense 0)."""
         import torch
 
-        _n, s = self._last_layout
+        _rows, _n, b, s = self._last_layout
         if self.sizes.sequence_parallel and self.sizes.tp > 1:
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
@@ -158,7 +174,7 @@ class MegatronTrainer:
             parts = [torch.empty_like(local) for _ in range(self.sizes.tp)]
             dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
             local = torch.cat(parts, dim=1)
-        return self._scatter_layers(local[:, :s].cpu())
+        return self._scatter_layers(local[:b, :s].cpu())
 
     def _scatter_layers(self, local: Any) -> Any:
         """[B, S, L_local, K] in instance order -> [B, S, L, K] by global layer (dense layers 0)."""
@@ -170,12 +186,12 @@ class MegatronTrainer:
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: Mode | None = None,
-                   grad_clip: float = 1.0) -> dict[str, float]:  # fmt: skip
+                   grad_clip: float = 1.0, loss_scale: float = 1.0) -> dict[str, float]:  # fmt: skip
         """One optimizer step over `batch` (split in micro-batches; `loss_fn` gets `batch.select(rows)`).
         `routes` ([B, S, L, K]) are replayed (R3: the engine's, rows flagged in `batch.route_pad` routing
-        naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally."""
-        import torch
-
+        naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally. `loss_scale`
+        multiplies the loss that is differentiated (this data-parallel replica's share weight,
+        `trainer/shards.py`); the reported loss is unscaled."""
         mode: ReplayMode = "off" if routes is None else ("R2-replay" if replay_mode == "R2" else "R3")
         pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
@@ -189,26 +205,15 @@ class MegatronTrainer:
                                        None if pad is None else pad[rows])  # fmt: skip
                 lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:].to(logits.device))
                 loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
-                (loss / len(parts)).backward()
+                (loss * (loss_scale / len(parts))).backward()
                 for k, v in mb_stats.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
                 stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) / len(parts)
-        self._allreduce_sequence_parallel_grads()
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip))
+        finalize_grads(self.model)
+        stats["grad_norm"] = clip_global_grad_norm(self.model, grad_clip)
         self.optimizer.step()
         self.model.eval()
         return stats
-
-    def _allreduce_sequence_parallel_grads(self) -> None:
-        """Norm/router weights see only this rank's sequence chunk under SP: sum their grads over TP."""
-        if not (self.sizes.sequence_parallel and self.sizes.tp > 1):
-            return
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        for p in self.model.parameters():
-            if getattr(p, "sequence_parallel", False) and p.grad is not None:
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
     # -- weights ------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, Any]:
@@ -293,21 +298,31 @@ def load_hf_weights(model: Any, tconfig: Any, hf_sd: dict[str, Any], hf_config: 
             p.copy_(t.to(p.dtype))
 
 
-def gather_full_megatron(model: Any, tconfig: Any) -> dict[str, Any]:
+def gather_full_megatron(model: Any, tconfig: Any, value: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Every parameter whole, in full Megatron names (global layers and experts, TP shards joined), on CPU
+    on every rank. `value(param)` picks what is gathered (default: the parameter itself; AdamW moments
+    have its shape and sharding)."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     layer_off, expert_off = _offsets(model, tconfig)
     local: dict[str, Any] = {}
     for name, p in model.named_parameters():
         dim, size, _rank, group = _shard_info(name, p)
-        t = p.detach()
+        t = p.detach() if value is None else value(p)
         if dim is not None and size > 1:
             parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t.contiguous(), group=group)
             t = join_shards(name, parts, partition_dim=dim)
         local[local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off)] = t.cpu()
+    return merge_over_expert_and_pipeline(local)
+
+
+def merge_over_expert_and_pipeline(local: dict[str, Any]) -> dict[str, Any]:
+    """The union of the expert-parallel and pipeline peers' dicts (each holds other experts / layers)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     for group, size in (
         (ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()),
@@ -317,6 +332,52 @@ def gather_full_megatron(model: Any, tconfig: Any) -> dict[str, Any]:
             dist.all_gather_object(everything, local, group=group)
             local = {k: v for part in everything for k, v in part.items()}
     return local
+
+
+ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_full_state(model: Any, tconfig: Any, optimizer: Any) -> dict[str, Any]:
+    """AdamW's state like `gather_full_megatron`: per full Megatron name its step (0: no state yet) and
+    whole moments; the same on every rank, and loadable under any TP/EP sizes (`load_optimizer_full_state`)."""
+    import torch
+
+    state = optimizer.state
+    out: dict[str, Any] = {}
+    for slot in ADAM_SLOTS:
+
+        def moment(p: Any, slot: str = slot) -> Any:
+            return state[p][slot].detach() if p in state else torch.zeros_like(p)
+
+        out[slot] = gather_full_megatron(model, tconfig, moment)
+    layer_off, expert_off = _offsets(model, tconfig)
+    steps = {local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off):
+             torch.as_tensor(float(state[p]["step"]) if p in state else 0.0)
+             for name, p in model.named_parameters()}  # fmt: skip
+    out["step"] = merge_over_expert_and_pipeline(steps)
+    out["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return out
+
+
+def load_optimizer_full_state(model: Any, tconfig: Any, optimizer: Any, full: dict[str, Any]) -> None:
+    """Put `optimizer_full_state`'s output back: each parameter takes its shard of the moments."""
+    import torch
+
+    layer_off, expert_off = _offsets(model, tconfig)
+    for name, p in model.named_parameters():
+        key = local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off)
+        step = float(full["step"][key])
+        if not step:
+            optimizer.state.pop(p, None)
+            continue
+        dim, size, rank, _ = _shard_info(name, p)
+        entry = {"step": torch.tensor(step, dtype=torch.float32)}
+        for slot in ADAM_SLOTS:
+            t = shard_tensor(name, full[slot][key], partition_dim=dim, tp=size, rank=rank)
+            entry[slot] = t.to(device=p.device, dtype=p.dtype).clone()
+        optimizer.state[p] = entry
+    for group, saved in zip(optimizer.param_groups, full["param_groups"], strict=True):
+        group.update(saved)
 
 
 def build_megatron_trainer(
@@ -339,20 +400,14 @@ def build_megatron_trainer(
 
     dtype = dtype or torch.float32
     sizes = ParallelSizes.from_spec(spec)
-    if sizes.pp > 1:
-        raise NotImplementedError(
-            "trainer.megatron.pipelineParallelSize > 1: stage layer mapping is implemented and tested, the "
-            "pipelined schedule is not wired in this backend yet"
-        )
     hf_config = AutoConfig.from_pretrained(model_dir)
+    check_world(sizes, _world_size(), num_experts=int(hf_config.num_experts))
     tconfig = transformer_config(
         hf_config, sizes, dtype=dtype, device=device, router_fusion=bool(getattr(spec, "router_fusion", False)),
         recompute=bool(getattr(spec, "recompute", False)),
     )  # fmt: skip
     check_replay_config(tconfig)
     init_parallel(sizes, device, seed=seed)
-    if ps.get_data_parallel_world_size() > 1:
-        raise NotImplementedError("data parallel > 1 is not implemented in the Megatron backend (world = TP*PP*CP)")
     RouterReplay.clear_global_router_replay_instances()  # the instance list is process-global
     torch.manual_seed(seed)
     block_spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
@@ -371,6 +426,7 @@ def build_megatron_trainer(
         parallel_output=True,
     )
     adopt_layer_numbers(model)
+    tag_tensor_parallel(model)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     load_hf_weights(model, tconfig, hf.state_dict(), hf_config)
     del hf
@@ -378,6 +434,39 @@ def build_megatron_trainer(
     trainer = MegatronTrainer(hf_config, model, tconfig, sizes, device, learning_rate)
     trainer.micro_batch_size = micro_batch_size
     return trainer
+
+
+def tag_tensor_parallel(model: Any) -> None:
+    """Give every TP-parallel weight megatron's `tensor_model_parallel` / `partition_dim` tags. megatron-core
+    0.16 sets them only inside its own weight initialisation, which this backend skips (the weights come
+    from the HF checkpoint); weight loading, gathering and the gradient norm read them. Tags megatron set
+    itself are kept."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
+def _world_size() -> int:
+    """The process group's size, or the one `init_parallel` is about to join (env://, else 1)."""
+    import os
+
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _theta(hf_config: Any) -> float:
