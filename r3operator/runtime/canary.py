@@ -1,16 +1,21 @@
 """The post-sync weight canary: the engine's greedy decode must be the trainer's greedy decode.
 
 The engine greedy-decodes fixed prompts; the trainer then teacher-forces each engine continuation through
-ONE fp32 forward (no autocast) and checks every generated position: the engine's token must be the
+ONE forward (fp32 against an fp32 engine, bf16 autocast against a bf16 one, see below) and checks every
+generated position: the engine's token must be the
 trainer's argmax. With the same prefix at every position this is exactly "engine greedy ==
 trainer greedy" (including where each stops: an engine <eos> must be the trainer's argmax, and so must
 every token the engine emitted instead of the trainer's <eos>), for the cost of one forward per prompt.
 
-The engine also returns the logprob of each greedy token; it must match the trainer's fp32 logprob of
-that token within δ. Greedy tokens alone are a weak check on an untrained model: its logits are nearly
+The engine also returns the logprob of each greedy token; it must match the trainer's logprob of that
+token within δ. Greedy tokens alone are a weak check on an untrained model: its logits are nearly
 flat, so a corrupted MoE layer can leave every argmax in place (measured on the random-init tiny model: a
 transposed expert layout moved logits by ~0.37 without changing one greedy token, but moved the greedy
 tokens' logprobs by up to 0.12, which δ_exact catches).
+
+Against a bf16 engine (near-tie mode) that forward runs under the trainer's bf16 autocast, like with like: on
+the H100 a3b run the fp32 forward put a greedy token 0.53 logits below the trainer's argmax where the
+bf16-autocast R3 pass of the same run agreed with the engine to 0.007 mean |Δlogprob|.
 
 The trainer's forward replays the experts the engine chose for that continuation (R3's own mechanism), so
 the canary compares the weights, not the routers' near-ties: a bf16 engine and the fp32 trainer route
@@ -164,9 +169,12 @@ class CanaryForwards:
         return self.logits[tuple(sequence)]
 
 
-def canary_forwards(trainer: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Any]) -> CanaryForwards:
+def canary_forwards(
+    trainer: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Any], *, compute: bool = False
+) -> CanaryForwards:
     """One trainer forward per engine continuation (`Greedy`), the engine's routes replayed where it sent
-    them; the natural-vs-engine routing agreement over all of them."""
+    them; the natural-vs-engine routing agreement over all of them. `compute`: the replayed forwards run in
+    the trainer's compute precision (bf16 autocast), the precision of a bf16 engine."""
     import torch
 
     from r3operator.trainer.batch import place_routes
@@ -182,7 +190,7 @@ def canary_forwards(trainer: Any, prompts: Sequence[Sequence[int]], outputs: Seq
         placed, no_route = place_routes([got.routes], lengths=[len(sequence)], width=len(sequence),
                                         sample_ids=[f"canary prompt {i}"])  # fmt: skip
         routes, pad = torch.from_numpy(placed), torch.from_numpy(no_route)
-        forward = trainer.canary_forward(list(sequence), routes, pad)
+        forward = trainer.canary_forward(list(sequence), routes, pad, compute=compute)
         logits[sequence] = forward.logits
         natural.append(np.asarray(forward.natural_ids))
         engine.append(placed[0])

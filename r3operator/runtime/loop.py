@@ -354,7 +354,8 @@ class GRPORun:
         for engine_no, got in zip(names, outputs, strict=True):
             where = f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}"
             try:
-                forwards = canary_forwards(self.trainer, self.canary_prompts, got)
+                forwards = canary_forwards(self.trainer, self.canary_prompts, got,
+                                           compute=self.canary_tol.mode == "near-tie")  # fmt: skip
                 result = check_engine_greedy(
                     forwards.logits_fn, self.canary_prompts, [g.tokens for g in got],
                     engine_logprobs=[g.logprobs for g in got], tolerance=self.canary_tol,

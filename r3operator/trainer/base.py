@@ -113,9 +113,12 @@ class Trainer(Protocol):
 
     def canary_logits(self, sequence: Sequence[int]) -> Any: ...
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
-        """fp32 logits of `sequence` with `routes` ([1, S, L, K]; rows flagged in `route_pad` [1, S] route
-        naturally) replayed, and the routers' natural choices on the same forward."""
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
+                       compute: bool = False) -> CanaryForward:  # fmt: skip
+        """Logits of `sequence` with `routes` ([1, S, L, K]; rows flagged in `route_pad` [1, S] route
+        naturally) replayed, and the routers' natural choices on the same forward. fp32 without autocast;
+        `compute=True`: under the trainer's compute context (bf16 autocast by default), the precision of a
+        bf16 engine."""
         ...
 
     def model_state_dict(self) -> dict[str, Any]: ...

@@ -151,8 +151,8 @@ class TrainerRank:
     def canary_logits(self, sequence: list[int]) -> Any:
         return self.trainer.canary_logits(sequence)
 
-    def canary_forward(self, sequence: list[int], routes: Any, route_pad: Any) -> CanaryForward:
-        return self.trainer.canary_forward(sequence, routes, route_pad)
+    def canary_forward(self, sequence: list[int], routes: Any, route_pad: Any, compute: bool) -> CanaryForward:
+        return self.trainer.canary_forward(sequence, routes, route_pad, compute=compute)
 
     def sync_chunks(self, chunk_size_mb: int, dtype_name: str | None) -> Iterator[PackedChunk]:
         """Rank 0 yields the packed chunks; every other rank only takes part in each gather."""
@@ -342,9 +342,10 @@ class DistributedTrainer:
         """Every rank runs the forward (it gathers the shards); rank 0's logits are the answer."""
         return self._all(lambda r: r.canary_logits.remote(list(sequence)))[0]
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
+                       compute: bool = False) -> CanaryForward:  # fmt: skip
         """Like `canary_logits`: every rank runs it, rank 0 answers."""
-        return self._all(lambda r: r.canary_forward.remote(list(sequence), routes, route_pad))[0]
+        return self._all(lambda r: r.canary_forward.remote(list(sequence), routes, route_pad, compute))[0]
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")

@@ -23,6 +23,7 @@ ids the experts actually received, for the routing-agreement metrics.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -193,13 +194,15 @@ class PolicyTrainer(UpdateByShares):
         with torch.no_grad():
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
+                       compute: bool = False) -> CanaryForward:  # fmt: skip
         import torch
 
         ids = torch.as_tensor([list(sequence)], dtype=torch.int64, device=self.device)
         natural = RouterRecorder(natural=True).install(self.model)
+        armed = self.replay.armed(routes.to(self.device), padding_mask=route_pad.to(self.device))
         try:
-            with torch.no_grad(), self.replay.armed(routes.to(self.device), padding_mask=route_pad.to(self.device)):
+            with torch.no_grad(), armed, (self._compute() if compute else nullcontext()):
                 logits = self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
             natural_ids = natural.stacked(self.num_layers).cpu()
         finally:

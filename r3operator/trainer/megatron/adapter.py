@@ -26,6 +26,7 @@ inside the replayed forward), so `routing_natural_agreement` can differ slightly
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +203,8 @@ class MegatronPolicyTrainer(UpdateByShares):
             logits = self.mt._forward("off", ids, torch.ones_like(ids), None, None)
         return logits[0].float().cpu()
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any) -> CanaryForward:
+    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
+                       compute: bool = False) -> CanaryForward:  # fmt: skip
         """The replayed forward, then a natural one under the routing probe (the HF path records the natural
         choices inside its replayed forward; Megatron's replay replaces the router's top-k)."""
         import torch
@@ -214,7 +216,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         attn = torch.ones_like(ids)
         self.mt.model.eval()
         with torch.no_grad():
-            with replay_schedule():
+            with replay_schedule(), (self._compute() if compute else nullcontext()):
                 logits = self.mt._forward("R3", ids, attn, routes, route_pad)
             with replay_schedule(), RoutingProbe(self.mt.model, enabled=True) as probe:
                 self.mt._forward("off", ids, attn, None, None)
