@@ -119,10 +119,11 @@ def _lws_replica(c: RuleContext) -> str | None:
     layout = engine_layout(c.spec)
     if not layout.multi_pod:
         return None
+    inf = c.spec.inference
     return (
-        f"an engine replica of dataParallelSize {c.spec.inference.data_parallel_size} spans "
-        f"{layout.pods_per_replica} pods of {layout.dp_local} DP rank(s) x {layout.gpus_per_pod // layout.dp_local} "
-        f"GPU(s) (gpusPerNode {c.spec.inference.gpus_per_node})"
+        f"an engine replica of {layout.pods_per_replica * layout.gpus_per_pod} GPUs (dataParallelSize "
+        f"{inf.data_parallel_size}) spans {layout.pods_per_replica} pods of {layout.dp_local} DP rank(s), "
+        f"{layout.gpus_per_pod} GPUs each (gpusPerNode {inf.gpus_per_node})"
     )
 
 
