@@ -20,7 +20,7 @@
 # Stamps, one per part, each the hash of the Go toolchain and that part's inputs only:
 #   .stamp-core   the core go.mod/go.sum files and scripts/cluster/core.sh (the core's recipe)
 #   .stamp-kueue  scripts/cluster/kueue/go.mod + go.sum
-#   .stamp-lws    scripts/cluster/lws/go.mod + go.sum
+#   .stamp-lws    scripts/cluster/lws/go.mod + go.sum and build_lws below
 # so adding or bumping an add-on, or editing this script, never rebuilds the core (~15 min on 2 cores).
 #
 # Usage: bash scripts/install-cluster.sh [DIR]   (default .tools); prints the directory it built.
@@ -60,7 +60,6 @@ fresh() { [[ -f "$OUT/$1" && "$(cat "$OUT/$1")" == "$2" ]]; }
 mapfile -t core_inputs < <(module_files "${CORE_COMPONENTS[@]}")
 want_core="$(hash_of "${core_inputs[@]}" "$SRC/core.sh")"
 want_kueue="$(hash_of "$SRC/kueue/go.mod" "$SRC/kueue/go.sum")"
-want_lws="$(hash_of "$SRC/lws/go.mod" "$SRC/lws/go.sum")"
 
 adopt_legacy_core() {
   # A tree built before the core had a stamp of its own (.stamp hashed the whole install script) is
@@ -107,6 +106,10 @@ build_lws() {
   install -m 0644 "$dir/config/webhook/manifests.yaml" "$OUT/lws/webhooks.yaml"
   echo "$want_lws" >"$OUT/.stamp-lws"
 }
+
+# LWS's stamp also covers its recipe (build_lws, below), so a change to what is copied rebuilds it.
+# Kueue's covers its go.mod/go.sum alone, as the trees built before these stamps have it.
+want_lws="$(hash_of "$SRC/lws/go.mod" "$SRC/lws/go.sum" <(declare -f build_lws))"
 
 start=$SECONDS
 built=()
