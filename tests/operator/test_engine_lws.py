@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 import yaml
 from spec_edits import apply_edits
+from typer.testing import CliRunner
 
 from r3operator.api.context import RuleContext
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.load import parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.cli.main import app
 from r3operator.operator.builders.config import runtime_config
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.picture import scheduling_picture
@@ -203,3 +205,18 @@ def test_explain_shows_the_groups_leaders_and_workers() -> None:
     assert "1 leader serving the API + 1 --headless worker(s)" in picture.engines
     single = scheduling_picture(_job(**{"inference.dataParallelSize": 2}))
     assert single.engines == "StatefulSet qwen3-30b-a3b-r3-engine: 3 replica(s) of 1 pod x 8 GPU"
+
+
+def test_explain_json_names_the_workload_and_the_pods_of_a_replica(tmp_path: Path) -> None:
+    doc = yaml.safe_load(QWEN.read_text())
+    apply_edits(doc, TWO_NODES)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(app, ["explain", "--leaderworkerset", "--output", "json", str(path)])
+    assert result.exit_code == 0, result.output
+    [entry] = json.loads(result.stdout)
+    engines = entry["engines"]
+    assert engines["workload"] == "LeaderWorkerSet"
+    assert (engines["podsPerReplica"], engines["dataParallelSizeLocal"]) == (2, 2)
+    assert (engines["gpusPerPod"], engines["gpusPerReplica"]) == (8, 16)
+    assert entry["findings"] == []  # the cluster has LeaderWorkerSet: no ENGINE-LWS-ASSUMED warning
