@@ -623,12 +623,22 @@ class ControlPlane:
         return True
 
     def _mount_secret(self, namespace: str, name: str, directory: Path) -> None:
-        """What a kubelet's secret volume does: the Secret's keys as files. Kueue's cert rotator writes its
-        serving certificate into the Secret and waits until it appears in its certDir."""
+        """What a kubelet's secret volume does: the Secret's keys as files. Kueue's and LWS's cert rotators
+        write their serving certificate into the Secret and wait until it appears in their certDir.
+
+        Each file is replaced whole (written aside, then renamed) and only when it changed, as a kubelet's
+        atomic writer does: the webhook server reads the certificate while this runs, and a half-written one
+        stops it ("failed to find any PEM data")."""
         secret = self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}") or {}
         directory.mkdir(parents=True, exist_ok=True)
+        changed = []
         for key, value in (secret.get("data") or {}).items():
-            (directory / key).write_bytes(base64.b64decode(value))
+            path, data = directory / key, base64.b64decode(value)
+            if not path.exists() or path.read_bytes() != data:
+                (directory / f".{key}.tmp").write_bytes(data)
+                changed.append(key)
+        for key in changed:  # the certificate and its key land together
+            os.replace(directory / f".{key}.tmp", directory / key)
 
     def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
         def established(name: str) -> bool:

@@ -8,13 +8,19 @@ plane (tests run in file order; no other module installs it).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
+
+from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 
 LWS_CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/leaderworkersets.leaderworkerset.x-k8s.io"
 KUEUE = "/apis/kueue.x-k8s.io/v1beta1"
 GPU = "nvidia.com/gpu"
+UPGRADE_NS = "lws-upgrade"
 TWO_NODE_REPLICA = {
     "inference.replicas": 1,
     "inference.tensorParallelSize": 4,
@@ -128,3 +134,77 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
         ready = _cond(cluster, ns, job, "EnginesReady", "True", timeout=90)
         assert ready["message"] == "1/1 engine replicas ready"
         assert condition(cluster.get(paths(ns, job)["rljob"]), "Valid")["status"] == "True"
+
+
+@pytest.fixture
+def publish_as(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """publish(verdict) as the canary Job's pod would (tests/operator/test_upgrade_cluster.py): the job's trainer
+    ServiceAccount token and the cluster CA, in-cluster environment."""
+    from r3operator.runtime.metrics import StatusPusher
+    from r3operator.runtime.upgrade_canary import publish
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.api.api_port))
+
+    def run(job: str, verdict: UpgradeCanary) -> bool:
+        account = tmp_path / job
+        account.mkdir(exist_ok=True)
+        (account / "token").write_text(cluster.api.token_for(UPGRADE_NS, f"{job}-trainer"))
+        (account / "ca.crt").write_bytes(Path(cluster.api.ca).read_bytes())
+        return publish(verdict, StatusPusher(job, UPGRADE_NS, account_dir=account))
+
+    yield run
+
+
+def _passing_verdict(attempt: str, old: str, new: str) -> UpgradeCanary:
+    def engine(image: str) -> EngineFidelity:
+        return EngineFidelity(image=image, routes_valid=True, replay_agreement=1.0, natural_mismatch=0.02,
+                              logprob_abs_diff_off=0.005, logprob_abs_diff_r3=0.004)  # fmt: skip
+
+    return UpgradeCanary(attempt=attempt, passed=True, message="natural mismatch 0.02 vs 0.02", old=engine(old),
+                         new=engine(new))  # fmt: skip
+
+
+def _pod_images(cluster: Cluster, ns: str, job: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["spec"]["containers"][0]["image"] for p in _engine_pods(cluster, ns, job)}
+
+
+def _upgrade_phase(cluster: Cluster, ns: str, job: str, phase: str, timeout: float) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        upgrade = ((cluster.get(paths(ns, job)["rljob"]) or {}).get("status") or {}).get("upgrade") or {}
+        return upgrade if upgrade.get("phase") == phase else None
+
+    return wait_for(check, timeout=timeout, what=f"{job} upgrade phase {phase}")
+
+
+def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_rolls_every_group(
+    cluster: Cluster, publish_as: Any
+) -> None:
+    cluster.api.start_lws()
+    ns, job = UPGRADE_NS, "wide-up"
+    old, new = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2))
+    edits = {**TWO_NODE_REPLICA, "inference.replicas": 2, "inference.image": old,
+             "upgradePolicy": {"timeoutSeconds": 600}}  # fmt: skip
+    with running_operator(cluster, ns):
+        cluster.apply(example(job, ns, **edits))
+        _cond(cluster, ns, job, "EnginesReady", "True", timeout=120)
+        cluster.kubectl("-n", ns, "patch", "rlj", job, "--type=merge", "-p",
+                        f'{{"spec":{{"inference":{{"image":"{new}"}}}}}}')  # fmt: skip
+        upgrade = _upgrade_phase(cluster, ns, job, "Canary", timeout=60)
+        lws = cluster.get(_lws_path(ns, job))
+        assert lws["spec"]["replicas"] == 3
+        assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["partition"] == 2
+        # The LWS controller puts the surge group (index 2, leader and worker) on the new image and keeps
+        # groups 0 and 1 where they are.
+        want = {f"{job}-engine-{g}{w}": (new if g == 2 else old) for g in range(3) for w in ("", "-1")}
+        assert wait_for(lambda: _pod_images(cluster, ns, job) == want, timeout=90, what="the canary group")
+        canary = wait_for(lambda: cluster.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-upgrade-canary"),
+                          what="the canary Job")  # fmt: skip
+        args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--new") + 1].startswith(f"http://{job}-engine-2.{job}-engine.{ns}.svc")
+
+        assert publish_as(job, _passing_verdict(upgrade["attempt"], old, new))
+        done = _upgrade_phase(cluster, ns, job, "Complete", timeout=180)
+        assert done["replicasUpdated"] == 2
+        every = {f"{job}-engine-{g}{w}": new for g in range(2) for w in ("", "-1")}
+        assert wait_for(lambda: _pod_images(cluster, ns, job) == every, timeout=90, what="every group on the new image")

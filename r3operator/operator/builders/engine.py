@@ -107,7 +107,7 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
     }
 
 
-def engine_container(job: RLJob, model: ModelMount, *, command: list[str], serves_api: bool) -> dict[str, Any]:
+def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], serves_api: bool) -> dict[str, Any]:
     """The vLLM container; ``serves_api`` False for a ``--headless`` DP follower, which has no HTTP to probe
     (its engine cores exit when they lose the leader, which restarts the container)."""
     inf = job.spec.inference
@@ -139,7 +139,7 @@ def engine_pod_template(job: RLJob, *, command: list[str], serves_api: bool = Tr
             "automountServiceAccountToken": False,
             "securityContext": pod_security_context(ENGINE_UID),
             **({"initContainers": model.init_containers} if model.init_containers else {}),
-            "containers": [engine_container(job, model, command=command, serves_api=serves_api)],
+            "containers": [_engine_container(job, model, command=command, serves_api=serves_api)],
             "volumes": volumes,
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "terminationGracePeriodSeconds": 60,
