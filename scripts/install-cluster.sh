@@ -37,6 +37,13 @@ die() { printf '[install-cluster] ERROR: %s\n' "$*" >&2; exit 1; }
 
 command -v go >/dev/null || die "Go is required (go 1.25 or newer on PATH) to build the control plane"
 
+# One build at a time per tree: test sessions of several checkouts share one .tools (R3_CLUSTER_TOOLS) and
+# each runs this script; a second one waits for the first, then finds the stamps fresh.
+if command -v flock >/dev/null; then
+  exec 9>"$DIR/.install-cluster.lock"
+  flock 9
+fi
+
 pinned() {  # pinned MODULE-DIR MODULE-PATH -> version required in that go.mod
   local v
   v="$(awk -v m="$2" '$1 == m && $2 ~ /^v/ {print $2; exit}' "$SRC/$1/go.mod")"
