@@ -9,12 +9,19 @@
 #   scripts/cluster/kuberay/go.mod    : the KubeRay operator; its CRDs are copied from the module
 #   scripts/cluster/kueue/go.mod      : Kueue (queueing and gang admission); its CRDs and webhook
 #                                       configurations are copied from the module into kueue/
+#   scripts/cluster/lws/go.mod        : LeaderWorkerSet (multi-node engine replicas); its CRD and webhook
+#                                       configurations are copied from the module into lws/
 #
 # Each go.mod (with its go.sum) is the one pin of its component. Binaries land in
-# DIR/k8s-<kubernetes version>/bin and are rebuilt only when a go.mod/go.sum or the Go toolchain changes
-# (a stamp holds their hash), so the build runs once per version; after the first build it is offline
-# (Go's module cache). No binary download, no docker: the ordinary `go` client only. Kueue's go.mod has a
-# stamp of its own (.stamp-kueue): bumping Kueue rebuilds Kueue only.
+# DIR/k8s-<kubernetes version>/bin and are rebuilt only when what builds them changes, so the build runs
+# once per version; after the first build it is offline (Go's module cache). No binary download, no
+# docker: the ordinary `go` client only.
+#
+# Stamps, one per part, each the hash of the Go toolchain and that part's inputs only:
+#   .stamp-core   the core go.mod/go.sum files and scripts/cluster/core.sh (the core's recipe)
+#   .stamp-kueue  scripts/cluster/kueue/go.mod + go.sum
+#   .stamp-lws    scripts/cluster/lws/go.mod + go.sum and build_lws below
+# so adding or bumping an add-on, or editing this script, never rebuilds the core (~15 min on 2 cores).
 #
 # Usage: bash scripts/install-cluster.sh [DIR]   (default .tools); prints the directory it built.
 set -euo pipefail
@@ -30,6 +37,13 @@ die() { printf '[install-cluster] ERROR: %s\n' "$*" >&2; exit 1; }
 
 command -v go >/dev/null || die "Go is required (go 1.25 or newer on PATH) to build the control plane"
 
+# One build at a time per tree: test sessions of several checkouts share one .tools (R3_CLUSTER_TOOLS) and
+# each runs this script; a second one waits for the first, then finds the stamps fresh.
+if command -v flock >/dev/null; then
+  exec 9>"$DIR/.install-cluster.lock"
+  flock 9
+fi
+
 pinned() {  # pinned MODULE-DIR MODULE-PATH -> version required in that go.mod
   local v
   v="$(awk -v m="$2" '$1 == m && $2 ~ /^v/ {print $2; exit}' "$SRC/$1/go.mod")"
@@ -38,82 +52,95 @@ pinned() {  # pinned MODULE-DIR MODULE-PATH -> version required in that go.mod
 }
 
 K8S_VERSION="$(pinned kubernetes k8s.io/kubernetes)"
-ETCD_VERSION="$(pinned etcd go.etcd.io/etcd/server/v3)"
-KWOK_VERSION="$(pinned kwok sigs.k8s.io/kwok)"
-KUBERAY_VERSION="$(pinned kuberay github.com/ray-project/kuberay/ray-operator)"
 KUEUE_VERSION="$(pinned kueue sigs.k8s.io/kueue)"
-
+LWS_VERSION="$(pinned lws sigs.k8s.io/lws)"
 OUT="$DIR/k8s-$K8S_VERSION"
 BIN="$OUT/bin"
-STAMP="$OUT/.stamp"
-CORE=(kubernetes etcd kwok kuberay)
-want="$( (go env GOVERSION; for c in "${CORE[@]}"; do cat "$SRC/$c/go.mod" "$SRC/$c/go.sum"; done; cat "$0") |
-        sha256sum | cut -c1-16)"
-want_kueue="$( (go env GOVERSION; cat "$SRC/kueue/go.mod" "$SRC/kueue/go.sum") | sha256sum | cut -c1-16)"
+GOVERSION="$(go env GOVERSION)"
+# shellcheck source=cluster/core.sh
+source "$SRC/core.sh"
+
+hash_of() { (echo "$GOVERSION"; cat "$@") | sha256sum | cut -c1-16; }
+module_files() { local c; for c in "$@"; do printf '%s\n' "$SRC/$c/go.mod" "$SRC/$c/go.sum"; done; }
+fresh() { [[ -f "$OUT/$1" && "$(cat "$OUT/$1")" == "$2" ]]; }
+
+mapfile -t core_inputs < <(module_files "${CORE_COMPONENTS[@]}")
+want_core="$(hash_of "${core_inputs[@]}" "$SRC/core.sh")"
+want_kueue="$(hash_of "$SRC/kueue/go.mod" "$SRC/kueue/go.sum")"
+
+adopt_legacy_core() {
+  # A tree built before the core had a stamp of its own (.stamp hashed the whole install script) is
+  # adopted when its versions.txt names exactly the core pins and Go of now: same inputs, no rebuild.
+  [[ -f "$OUT/.stamp" && -f "$OUT/versions.txt" && ! -f "$OUT/.stamp-core" ]] || return 1
+  local line
+  for line in "kubernetes $K8S_VERSION" "etcd $(pinned etcd go.etcd.io/etcd/server/v3)" \
+              "kwok $(pinned kwok sigs.k8s.io/kwok)" \
+              "kuberay $(pinned kuberay github.com/ray-project/kuberay/ray-operator)" "go $GOVERSION"; do
+    grep -qxF "$line" "$OUT/versions.txt" || return 1
+  done
+  log "adopting the core built by the previous recipe in $OUT (same pins, same Go)"
+  echo "$want_core" >"$OUT/.stamp-core"
+}
+
+build_go_tool() {  # build_go_tool MODULE-DIR PACKAGE OUTPUT LDFLAGS
+  (cd "$SRC/$1" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--mod=mod}" go build -trimpath -p "${GO_BUILD_JOBS:-2}" \
+    -ldflags "-s -w $4" -o "$BIN/$3" "$2")
+}
+
+module_dir() { (cd "$SRC/$1" && go list -m -f '{{.Dir}}' "$2"); }
 
 build_kueue() {
   log "building Kueue $KUEUE_VERSION"
   mkdir -p "$BIN" "$OUT/kueue/crds"
-  (cd "$SRC/kueue" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--mod=mod}" go build -trimpath -p "${GO_BUILD_JOBS:-2}" \
-    -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" -o "$BIN/kueue" sigs.k8s.io/kueue/cmd/kueue)
+  build_go_tool kueue sigs.k8s.io/kueue/cmd/kueue kueue "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
   local dir
-  dir="$(cd "$SRC/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  dir="$(module_dir kueue sigs.k8s.io/kueue)"
   install -m 0644 "$dir"/config/components/crd/bases/kueue.x-k8s.io_*.yaml "$OUT/kueue/crds/"
   # The webhook configurations as the module has them (service and ports are filled in at start).
   install -m 0644 "$dir/config/components/webhook/manifests.yaml" "$OUT/kueue/webhooks.yaml"
   echo "$want_kueue" >"$OUT/.stamp-kueue"
 }
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
-  if [[ ! -f "$OUT/.stamp-kueue" || "$(cat "$OUT/.stamp-kueue")" != "$want_kueue" ]]; then
-    build_kueue
-  fi
-  log "up to date: $OUT"
-  echo "$OUT"
-  exit 0
-fi
+build_lws() {
+  log "building LeaderWorkerSet $LWS_VERSION"
+  mkdir -p "$BIN" "$OUT/lws/crds"
+  build_go_tool lws sigs.k8s.io/lws/cmd lws "-X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION"
+  local dir
+  dir="$(module_dir lws sigs.k8s.io/lws)"
+  install -m 0644 "$dir"/config/crd/bases/leaderworkerset.x-k8s.io_*.yaml "$OUT/lws/crds/"
+  # The webhook configurations before kustomize: the objectSelector of the pod webhooks (its
+  # config/webhook patches) and the service are filled in at start.
+  install -m 0644 "$dir/config/webhook/manifests.yaml" "$OUT/lws/webhooks.yaml"
+  echo "$want_lws" >"$OUT/.stamp-lws"
+}
 
-mkdir -p "$BIN" "$OUT/crds"
-export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--mod=mod}"
-# Keep the build's memory in bounds on a 2-core / 24 GiB machine; -p 2 matches the cores.
-BUILD=(go build -trimpath -p "${GO_BUILD_JOBS:-2}")
+# LWS's stamp also covers its recipe (build_lws, below), so a change to what is copied rebuilds it.
+# Kueue's covers its go.mod/go.sum alone, as the trees built before these stamps have it.
+want_lws="$(hash_of "$SRC/lws/go.mod" "$SRC/lws/go.sum" <(declare -f build_lws))"
+
 start=$SECONDS
+built=()
+if ! fresh .stamp-core "$want_core" && ! adopt_legacy_core; then
+  build_core
+  echo "$want_core" >"$OUT/.stamp-core"
+  built+=(core)
+fi
+if ! fresh .stamp-kueue "$want_kueue"; then build_kueue; built+=(kueue); fi
+if ! fresh .stamp-lws "$want_lws"; then build_lws; built+=(lws); fi
 
-minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
-# kube-apiserver reports this version to clients (helm's kubeVersion check, kubectl's skew warning).
-K8S_LDFLAGS="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
--X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor \
--X k8s.io/component-base/version.gitTreeState=clean"
-
-log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (first build: several minutes)"
-(cd "$SRC/kubernetes" && "${BUILD[@]}" -ldflags "$K8S_LDFLAGS" -o "$BIN/" \
-  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler)
-
-log "building etcd $ETCD_VERSION"
-(cd "$SRC/etcd" && "${BUILD[@]}" -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3)
-
-log "building kwok $KWOK_VERSION"
-(cd "$SRC/kwok" && "${BUILD[@]}" -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" \
-  -o "$BIN/kwok" sigs.k8s.io/kwok/cmd/kwok)
-
-log "building the KubeRay operator $KUBERAY_VERSION"
-(cd "$SRC/kuberay" && "${BUILD[@]}" -ldflags "-s -w" -o "$BIN/kuberay-operator" \
-  github.com/ray-project/kuberay/ray-operator)
-kuberay_dir="$(cd "$SRC/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)"
-install -m 0644 "$kuberay_dir"/config/crd/bases/ray.io_*.yaml "$OUT/crds/"
-
-build_kueue
-
-cat >"$OUT/versions.txt" <<EOF
-kubernetes $K8S_VERSION
-etcd $ETCD_VERSION
-kwok $KWOK_VERSION
-kuberay $KUBERAY_VERSION
+versions="kubernetes $K8S_VERSION
+etcd $(pinned etcd go.etcd.io/etcd/server/v3)
+kwok $(pinned kwok sigs.k8s.io/kwok)
+kuberay $(pinned kuberay github.com/ray-project/kuberay/ray-operator)
 kueue $KUEUE_VERSION
-go $(go env GOVERSION)
-EOF
-echo "$want" >"$STAMP"
-log "built in $((SECONDS - start)) s into $OUT ($(du -sh "$OUT" | cut -f1)):"
-sed 's/^/[install-cluster]   /' "$OUT/versions.txt" >&2
+lws $LWS_VERSION
+go $GOVERSION"
+# Written only when it changes: the tree is shared by concurrent test runs, which all call this script.
+[[ -f "$OUT/versions.txt" && "$(cat "$OUT/versions.txt")" == "$versions" ]] || echo "$versions" >"$OUT/versions.txt"
+if ((${#built[@]} == 0)); then
+  log "up to date: $OUT"
+else
+  log "built ${built[*]} in $((SECONDS - start)) s into $OUT ($(du -sh "$OUT" | cut -f1)):"
+  sed 's/^/[install-cluster]   /' "$OUT/versions.txt" >&2
+fi
 echo "$OUT"

@@ -10,6 +10,7 @@ import re
 
 from r3operator.api import vllm_cli
 from r3operator.api.context import RuleContext
+from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, RewardKind, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
@@ -29,11 +30,6 @@ def _r3(s: RLJobSpec) -> bool:
 
 def _replay(s: RLJobSpec) -> bool:
     return _mode(s) is not ReplayMode.DISABLED
-
-
-def _dp_local(s: RLJobSpec) -> int:
-    inf = s.inference
-    return inf.data_parallel_size_local if inf.data_parallel_size_local is not None else inf.data_parallel_size
 
 
 # The vLLM arguments (argparse dests) r3operator derives from the spec, and those whose change breaks the
@@ -102,18 +98,50 @@ def r3_executor_ray(c: RuleContext) -> str | None:
 
 
 def mp_single_node(c: RuleContext) -> str | None:
+    """Each engine pod stays on one node; a replica wider than a node is split along DP only
+    (api/engine_layout.py), so the smallest pod is one DP rank, or dataParallelSizeLocal ranks when set."""
     inf = c.spec.inference
     if inf.executor_backend is not ExecutorBackend.MP:
         return None
-    per_pod = inf.tensor_parallel_size * inf.pipeline_parallel_size * _dp_local(c.spec)
+    ranks = inf.data_parallel_size_local or 1
+    per_pod = inf.tensor_parallel_size * inf.pipeline_parallel_size * ranks
     if per_pod > inf.gpus_per_node:
         return (
-            f"executorBackend mp runs one engine replica on one node, but tensorParallelSize "
+            f"executorBackend mp keeps each engine pod on one node, but tensorParallelSize "
             f"{inf.tensor_parallel_size} x pipelineParallelSize {inf.pipeline_parallel_size} x "
-            f"data-parallel-local {_dp_local(c.spec)} = {per_pod} GPUs > gpusPerNode "
-            f"{inf.gpus_per_node}"
+            f"data-parallel-local {ranks} = {per_pod} GPUs > gpusPerNode {inf.gpus_per_node}"
         )
     return None
+
+
+def _lws_replica(c: RuleContext) -> str | None:
+    """The shape of a replica that renders as a LeaderWorkerSet, or None when it is one pod."""
+    layout = engine_layout(c.spec)
+    if not layout.multi_pod:
+        return None
+    inf = c.spec.inference
+    return (
+        f"an engine replica of {layout.pods_per_replica * layout.gpus_per_pod} GPUs (dataParallelSize "
+        f"{inf.data_parallel_size}) spans {layout.pods_per_replica} pods of {layout.dp_local} DP rank(s), "
+        f"{layout.gpus_per_pod} GPUs each (gpusPerNode {inf.gpus_per_node})"
+    )
+
+
+def engine_lws_missing(c: RuleContext) -> str | None:
+    shape = _lws_replica(c)
+    if shape is None or c.leader_worker_set is not False:
+        return None
+    return (
+        f"{shape}, which is rendered as a LeaderWorkerSet, but the cluster does not serve {LWS_CRD}: install "
+        f"LeaderWorkerSet (sigs.k8s.io/lws v0.7 or newer), or fit a replica on one node (inference.dataParallelSize)"
+    )
+
+
+def engine_lws_assumed(c: RuleContext) -> str | None:
+    shape = _lws_replica(c)
+    if shape is None or c.leader_worker_set is not None:
+        return None
+    return f"{shape}, rendered as a LeaderWorkerSet: the cluster must serve {LWS_CRD} (install LeaderWorkerSet)"
 
 
 def r3_pp(c: RuleContext) -> str | None:

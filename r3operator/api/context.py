@@ -12,8 +12,10 @@ from r3operator.api.versions import EngineVersion, resolve_engine_version
 class RuleContext:
     spec: RLJobSpec
     engine_version: EngineVersion
+    leader_worker_set: bool | None = None
+    """The cluster serves leaderworkersets.leaderworkerset.x-k8s.io; None: not known (offline validate/render)."""
 
     @classmethod
-    def for_spec(cls, spec: RLJobSpec) -> RuleContext:
+    def for_spec(cls, spec: RLJobSpec, *, leader_worker_set: bool | None = None) -> RuleContext:
         version = resolve_engine_version(image=spec.inference.image, explicit=spec.inference.vllm_version)
-        return cls(spec=spec, engine_version=version)
+        return cls(spec=spec, engine_version=version, leader_worker_set=leader_worker_set)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ReplayMode, TrainerBackend
 from r3operator.api.v1alpha1 import ResolvedSpec, RLJob, RLJobSpec
 from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports
@@ -71,8 +72,7 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     spec = job.spec if isinstance(job, RLJob) else job
     inf, trainer, arch = spec.inference, spec.trainer, spec.model.architecture
     version = resolve_engine_version(image=inf.image, explicit=inf.vllm_version)
-    dp_local = inf.data_parallel_size_local or inf.data_parallel_size
-    pods_per_replica = max(1, -(-inf.data_parallel_size // dp_local))
+    pods_per_replica = engine_layout(spec).pods_per_replica
     per_replica = inf.tensor_parallel_size * inf.pipeline_parallel_size * inf.data_parallel_size
     engine_ep = inf.tensor_parallel_size * inf.data_parallel_size if inf.enable_expert_parallel else 1
     trainer_ep = (

@@ -69,9 +69,16 @@ class Finding:
 
 _CEL_R3 = "self.routingReplay.mode == 'R3'"
 _CEL_REPLAY = "self.routingReplay.mode != 'Disabled'"
-_CEL_DP_LOCAL = (
-    "(has(self.inference.dataParallelSizeLocal) ? self.inference.dataParallelSizeLocal"
-    " : self.inference.dataParallelSize)"
+# The fewest DP ranks one engine pod holds: dataParallelSizeLocal when set, else one (the operator splits a
+# replica wider than a node along DP, api/engine_layout.py).
+_CEL_DP_LOCAL_POD = "(has(self.inference.dataParallelSizeLocal) ? self.inference.dataParallelSizeLocal : 1)"
+_LWS_READS = (
+    "inference.executorBackend",
+    "inference.tensorParallelSize",
+    "inference.pipelineParallelSize",
+    "inference.dataParallelSize",
+    "inference.dataParallelSizeLocal",
+    "inference.gpusPerNode",
 )
 
 
@@ -149,18 +156,36 @@ RULES: tuple[Rule, ...] = (
             "inference.dataParallelSizeLocal",
             "inference.gpusPerNode",
         ),
-        "with the mp executor one engine replica fits one node",
-        ("NovaSky-AI/SkyRL#1309",),
+        "with the mp executor each engine pod fits one node (a wider replica is split along DP only)",
+        ("NovaSky-AI/SkyRL#1309", "vllm-project/vllm: docs/serving/data_parallel_deployment.md"),
         checks.mp_single_node,
         CelRule(
             "self.inference.executorBackend != 'mp' || self.inference.tensorParallelSize * "
-            f"self.inference.pipelineParallelSize * {_CEL_DP_LOCAL} <= self.inference.gpusPerNode",
-            "'executorBackend mp runs one engine replica on one node: tp x pp x dpLocal = %d GPUs > gpusPerNode "
+            f"self.inference.pipelineParallelSize * {_CEL_DP_LOCAL_POD} <= self.inference.gpusPerNode",
+            "'executorBackend mp keeps each engine pod on one node: tp x pp x dpLocal = %d GPUs > gpusPerNode "
             "%d'.format([self.inference.tensorParallelSize * self.inference.pipelineParallelSize * "
-            f"{_CEL_DP_LOCAL}, self.inference.gpusPerNode])",
+            f"{_CEL_DP_LOCAL_POD}, self.inference.gpusPerNode])",
             ".inference.tensorParallelSize",
             "FieldValueInvalid",
         ),
+    ),
+    Rule(
+        "ENGINE-LWS",
+        E,
+        "spec.inference.dataParallelSize",
+        _LWS_READS,
+        "an engine replica wider than one pod needs LeaderWorkerSet in the cluster",
+        ("kubernetes-sigs/lws: docs/concepts", "vllm-project/vllm: docs/serving/data_parallel_deployment.md"),
+        checks.engine_lws_missing,
+    ),
+    Rule(
+        "ENGINE-LWS-ASSUMED",
+        W,
+        "spec.inference.dataParallelSize",
+        _LWS_READS,
+        "offline (validate, explain, render): a multi-pod engine replica assumes LeaderWorkerSet in the cluster",
+        ("kubernetes-sigs/lws: docs/concepts",),
+        checks.engine_lws_assumed,
     ),
     Rule(
         "R3-INFERENCE-PP",

@@ -205,7 +205,8 @@ class InferenceSpec(_Model):
     data_parallel_size: int = Field(default=1, ge=1, le=512)
     """vLLM data parallel size within one engine replica (attention DP for MoE)."""
     data_parallel_size_local: int | None = Field(default=None, ge=1, le=64)
-    """DP ranks on one node; defaults to dataParallelSize (a replica on one node)."""
+    """DP ranks per engine pod (one node). Default: the whole replica when it fits gpusPerNode, else the largest
+    divisor of dataParallelSize whose ranks fit a node; a replica of several pods is a LeaderWorkerSet group."""
     decode_context_parallel_size: int = Field(default=1, ge=1, le=64)
     enable_expert_parallel: bool = False
     """vLLM --enable-expert-parallel: experts sharded over tensorParallelSize × dataParallelSize."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from r3operator.api import Finding, Plan, RLJob
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ReplayMode
 
 
@@ -26,6 +27,7 @@ def plan_json(source: str, job: RLJob, plan: Plan, findings: list[Finding]) -> d
         replay |= {"routingBytesPerToken": plan.routing_bytes_per_token, "routeDtype": plan.route_dtype,
                    "vllmFeatures": dict(plan.features)}  # fmt: skip
     version = plan.engine_version
+    layout = engine_layout(job.spec)
     return {
         "file": source,
         "name": job.metadata.name,
@@ -39,6 +41,10 @@ def plan_json(source: str, job: RLJob, plan: Plan, findings: list[Finding]) -> d
             "executor": inf.executor_backend.value,
             "gpusPerReplica": plan.engine_gpus_per_replica,
             "podsPerReplica": plan.engine_pods_per_replica,
+            # A replica of several pods is a LeaderWorkerSet group: a leader serving the API + headless workers.
+            "workload": "LeaderWorkerSet" if layout.multi_pod else "StatefulSet",
+            "dataParallelSizeLocal": layout.dp_local,
+            "gpusPerPod": layout.gpus_per_pod,
             "gpusTotal": plan.engine_gpus_total,
             "expertParallelSize": plan.engine_expert_parallel_size,
         },

@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from r3operator.cli import output
+from r3operator.cli.cluster_facts import LeaderWorkerSetOption
 
 app = typer.Typer(
     name="r3operator",
@@ -63,11 +64,13 @@ def _main(
 
 
 @app.command()
-def validate(files: FilesArg, output_format: OutputOption = OutputFormat.TEXT) -> None:
+def validate(
+    files: FilesArg, output_format: OutputOption = OutputFormat.TEXT, leader_worker_set: LeaderWorkerSetOption = None
+) -> None:
     """Check RLJobs against the schema and every compatibility rule."""
     from r3operator.cli.validate import validate_files
 
-    results = validate_files(files)
+    results = validate_files(files, leader_worker_set=leader_worker_set)
     if output_format is OutputFormat.TEXT:
         output.print_validation(results)
     else:
@@ -79,6 +82,7 @@ def validate(files: FilesArg, output_format: OutputOption = OutputFormat.TEXT) -
 def explain(
     file: Annotated[Path, typer.Argument(help="An RLJob YAML file (multi-document files allowed).")],
     output_format: OutputOption = OutputFormat.TEXT,
+    leader_worker_set: LeaderWorkerSetOption = None,
 ) -> None:
     """Print the resolved plan of each RLJob: GPUs, EP sizes, vLLM version, replay path, and the vLLM
     routed-experts feature gates when replay needs them (R3); in text, also the scheduling picture (per role:
@@ -86,6 +90,7 @@ def explain(
     entry per RLJob."""
     from r3operator.api import RLJobLoadError, evaluate, load_rljobs, plan
     from r3operator.api.rules import errors
+    from r3operator.cli.cluster_facts import rule_context
     from r3operator.cli.explain import plan_json
     from r3operator.operator.picture import scheduling_picture
 
@@ -94,7 +99,7 @@ def explain(
     except RLJobLoadError as exc:
         output.print_load_error(exc)
         raise typer.Exit(2) from None
-    planned = [(job, plan(job), evaluate(job.spec)) for job in jobs]
+    planned = [(job, plan(job), evaluate(job.spec, context=rule_context(job.spec, leader_worker_set))) for job in jobs]
     if output_format is OutputFormat.TEXT:
         for job, job_plan, findings in planned:
             output.print_plan(job, job_plan, findings)

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from r3operator.cli.cluster_facts import LeaderWorkerSetOption
+
 
 class _BlockDumper(yaml.SafeDumper):
     """Multi-line strings (the runtime config JSON) as literal blocks, so a review diff is readable."""
@@ -41,6 +43,7 @@ def render(
     no_pod_monitor: Annotated[
         bool, typer.Option("--no-pod-monitor", help="Render as for a cluster without the Prometheus Operator.")
     ] = False,
+    leader_worker_set: LeaderWorkerSetOption = None,
 ) -> None:
     """Print the children the operator would create for an RLJob, as a YAML stream (GitOps, review).
 
@@ -49,6 +52,7 @@ def render(
     from r3operator.api import RLJobLoadError, load_rljobs
     from r3operator.api.rules import errors, evaluate
     from r3operator.cli import output
+    from r3operator.cli.cluster_facts import rule_context
     from r3operator.operator.desired import Facts, desired
 
     try:
@@ -59,7 +63,7 @@ def render(
     children: list[dict[str, Any]] = []
     failed = False
     for job in jobs:
-        problems = errors(evaluate(job.spec))
+        problems = errors(evaluate(job.spec, context=rule_context(job.spec, leader_worker_set)))
         for f in problems:
             output.err.print(f"{file}: error {f.rule} {f.field}: {f.message}", markup=False)
         failed = failed or bool(problems)

@@ -40,6 +40,7 @@ def print_scheduling(picture: SchedulingPicture) -> None:
     t = Table(title=f"scheduling: {picture.gpus} GPUs in all", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
+    t.add_row("engine workload", picture.engines)
     for r in picture.roles:
         t.add_row(r.role, f"{r.pods} pod(s) x {r.gpus_per_pod} GPU")
         t.add_row("  nodeSelector", r.node_selector)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from r3operator.api import RLJobLoadError, Severity, evaluate, load_rljobs
 from r3operator.api.rules import errors
+from r3operator.cli.cluster_facts import rule_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,8 @@ class ValidationResults:
         return 1 if any(r.severity == Severity.ERROR for r in self.rows) else 0
 
 
-def validate_files(files: list[Path]) -> ValidationResults:
+def validate_files(files: list[Path], *, leader_worker_set: bool | None = None) -> ValidationResults:
+    """``leader_worker_set``: whether the cluster serves LeaderWorkerSet (None: not known, cli/cluster_facts.py)."""
     results = ValidationResults()
     for path in files:
         try:
@@ -50,7 +52,7 @@ def validate_files(files: list[Path]) -> ValidationResults:
             for p in exc.problems:
                 results.rows.append(Row(exc.source, "schema", Severity.ERROR.value, p.field, p.message))
             continue
-        findings = [f for job in jobs for f in evaluate(job.spec)]
+        findings = [f for job in jobs for f in evaluate(job.spec, context=rule_context(job.spec, leader_worker_set))]
         results.rows += [Row(str(path), f.rule, f.severity.value, f.field, f.message) for f in findings]
         if not errors(findings):
             results.files_ok.append(str(path))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import KVConnector, ReplayMode
 from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import RLJobSpec
@@ -94,11 +95,6 @@ def captures_routes(spec: RLJobSpec) -> bool:
     return spec.routing_replay.mode is ReplayMode.R3
 
 
-def _dp_local(spec: RLJobSpec) -> int:
-    inf = spec.inference
-    return inf.data_parallel_size_local if inf.data_parallel_size_local is not None else inf.data_parallel_size
-
-
 def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod."""
     inf = spec.inference
@@ -113,7 +109,7 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
         "--data-parallel-size",
         str(inf.data_parallel_size),
         "--data-parallel-size-local",
-        str(_dp_local(spec)),
+        str(engine_layout(spec).dp_local),
     ]
     if inf.decode_context_parallel_size > 1:
         args += ["--decode-context-parallel-size", str(inf.decode_context_parallel_size)]

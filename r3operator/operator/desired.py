@@ -5,8 +5,9 @@ on outside facts the reconciler observed (:class:`Facts`: is the PodMonitor CRD 
 trainer RayJob finish, has the TTL after that passed) — never on the RLJob's status, which is output.
 
 Lifecycle:
-- running: PVC, ConfigMap, engine Service + StatefulSet + NetworkPolicy, trainer ServiceAccount + Role +
-  RoleBinding, RayJob, PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim and its fetch Job;
+- running: PVC, ConfigMap, engine Service + StatefulSet (a LeaderWorkerSet when an engine replica spans
+  pods, api/engine_layout.py) + NetworkPolicy, trainer ServiceAccount + Role + RoleBinding, RayJob,
+  PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim and its fetch Job;
 - filling the model cache (the fetch Job has not completed): engines at 0 replicas, RayJob ``suspend: true``;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
@@ -14,7 +15,8 @@ Lifecycle:
 - suspended or not admitted: the model-fetch Job too is ``suspend: true`` (no fetch pod runs);
 - finished (the RayJob says so): engines at 0 replicas (free the GPUs now), the RayJob is kept;
 - an engine image upgrade under way (``Facts.engine_rollout``, from operator/upgrade.py): the engine
-  StatefulSet on the rollout's image, with a surge canary replica and a partition, plus the canary Job;
+  StatefulSet (or LeaderWorkerSet) on the rollout's image, with a surge canary replica and a partition,
+  plus the canary Job;
 - finished and ``ttlSecondsAfterFinished`` elapsed: only a Retain PVC remains desired; the
   reconciler deletes every other child it owns (the RLJob itself stays).
 """
@@ -24,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import RetainPolicy
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
+from r3operator.operator.builders.engine_lws import build_engine_leader_worker_set
 from r3operator.operator.builders.model_cache import build_model_cache_claim, build_model_fetch_job
 from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
 from r3operator.operator.builders.network import build_engine_network_policy
@@ -94,7 +98,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(fetch)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
-    children.append(_engine_statefulset(job, stopped=stopped, rollout=facts.engine_rollout))
+    children.append(_engines(job, stopped=stopped, rollout=facts.engine_rollout))
     children.append(
         build_engine_network_policy(
             job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces
@@ -124,18 +128,23 @@ def _with_trainer_image(job: RLJob, image: str | None) -> RLJob:
     return job.model_copy(update={"spec": job.spec.model_copy(update={"trainer": trainer})})
 
 
-def _engine_statefulset(job: RLJob, *, stopped: bool, rollout: EngineRollout | None) -> dict[str, Any]:
-    """The spec's engines, or, during an upgrade, the engines on the rollout's image plus its surge
-    replica, with a partition that keeps the existing pods where they are."""
+def _engines(job: RLJob, *, stopped: bool, rollout: EngineRollout | None) -> dict[str, Any]:
+    """The spec's engines (a StatefulSet, or a LeaderWorkerSet when a replica spans pods), or, during an
+    upgrade, the engines on the rollout's image plus its surge replica, with a partition that keeps the
+    existing replicas where they are."""
     replicas = 0 if stopped else job.spec.inference.replicas
+    multi_pod = engine_layout(job.spec).multi_pod
     if rollout is None:
+        if multi_pod:
+            return build_engine_leader_worker_set(job, replicas=replicas)
         return build_engine_statefulset(job, replicas=replicas)
     inference = job.spec.inference.model_copy(update={"image": rollout.image})
     effective = job.model_copy(update={"spec": job.spec.model_copy(update={"inference": inference})})
     surge = 0 if stopped else rollout.surge_replicas
+    partition = 0 if stopped else rollout.partition
+    if multi_pod:
+        return build_engine_leader_worker_set(effective, replicas=replicas + surge, partition=partition)
     statefulset = build_engine_statefulset(effective, replicas=replicas + surge)
-    if rollout.partition and not stopped:
-        statefulset["spec"]["updateStrategy"] = {
-            "type": "RollingUpdate", "rollingUpdate": {"partition": rollout.partition},
-        }  # fmt: skip
+    if partition:
+        statefulset["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     return statefulset

@@ -21,6 +21,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from r3operator import __version__
+from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = f"r3operator/{__version__}"
@@ -73,6 +74,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services"),
     "Event": Kind("v1", "events"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),
+    "LeaderWorkerSet": Kind(LWS_API_VERSION, LWS_PLURAL),
     "Pod": Kind("v1", "pods"),
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),

@@ -17,7 +17,7 @@ class Observed:
     rule_errors: tuple[Finding, ...] = ()
     kuberay_installed: bool = True
     engine_set: dict[str, Any] | None = None
-    """The engine StatefulSet as read back (None when absent)."""
+    """The engine StatefulSet, or LeaderWorkerSet, as read back (None when absent)."""
     ray_job: dict[str, Any] | None = None
     """The trainer RayJob as read back (None when absent)."""
     finish: Finish | None = None

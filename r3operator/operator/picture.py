@@ -12,11 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, store
-from r3operator.operator.builders.workload import POD_SET_ENGINE, POD_SET_HEAD, POD_SET_WORKERS, pod_sets
+from r3operator.operator.builders.workload import (
+    POD_SET_ENGINE,
+    POD_SET_ENGINE_LEADERS,
+    POD_SET_ENGINE_WORKERS,
+    POD_SET_HEAD,
+    POD_SET_WORKERS,
+    pod_sets,
+)
 
 GPU = "nvidia.com/gpu"
 
@@ -40,6 +48,8 @@ class SchedulingPicture:
     roles: tuple[RolePicture, ...]
     queue: str
     model: str
+    engines: str
+    """The engines' workload: a StatefulSet of one pod per replica, or a LeaderWorkerSet's groups."""
 
     @property
     def gpus(self) -> int:
@@ -83,7 +93,13 @@ def _role(name: str, count: int, template: dict[str, Any]) -> RolePicture:
     )
 
 
-_ROLE_NAMES = {POD_SET_ENGINE: "engines", POD_SET_HEAD: "trainer head", POD_SET_WORKERS: "trainer workers"}
+_ROLE_NAMES = {
+    POD_SET_ENGINE: "engines",
+    POD_SET_ENGINE_LEADERS: "engine leaders",
+    POD_SET_ENGINE_WORKERS: "engine workers",
+    POD_SET_HEAD: "trainer head",
+    POD_SET_WORKERS: "trainer workers",
+}
 
 
 def _model(job: RLJob) -> str:
@@ -119,4 +135,18 @@ def scheduling_picture(job: RLJob) -> SchedulingPicture:
             f"LocalQueue {job.spec.queue_name}: Kueue Workload {name} ({counts}; {total} GPUs) admitted as one "
             "unit; engines at 0 and the RayJob suspended until then"
         )
-    return SchedulingPicture(roles, queue, _model(job))
+    return SchedulingPicture(roles, queue, _model(job), _engines(job))
+
+
+def _engines(job: RLJob) -> str:
+    layout = engine_layout(job.spec)
+    name = meta.child_name(job, meta.ROLE_ENGINE)
+    replicas = job.spec.inference.replicas
+    if not layout.multi_pod:
+        return f"StatefulSet {name}: {replicas} replica(s) of 1 pod x {layout.gpus_per_pod} GPU"
+    workers = layout.pods_per_replica - 1
+    return (
+        f"LeaderWorkerSet {name}: {replicas} replica(s) of {layout.pods_per_replica} pods x {layout.gpus_per_pod} "
+        f"GPU = {layout.pods_per_replica * layout.gpus_per_pod} GPU each (1 leader serving the API + {workers} "
+        f"--headless worker(s), {layout.dp_local} DP rank(s) per pod); the cluster must serve {LWS_CRD}"
+    )

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from r3operator.api.context import RuleContext
+from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_layout
 from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
@@ -34,7 +36,6 @@ from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
-from r3operator.operator.builders.config import pods_per_replica
 from r3operator.operator.builders.model_cache import (
     model_fetch_complete,
     model_fetch_failed,
@@ -75,6 +76,7 @@ _CHILD_KINDS = (
     (meta.ROLE_TRAINER, "Role"),
     (meta.ROLE_TRAINER, "ServiceAccount"),
     (meta.ROLE_ENGINE, "StatefulSet"),
+    (meta.ROLE_ENGINE, "LeaderWorkerSet"),
     (meta.ROLE_ENGINE, "NetworkPolicy"),
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
@@ -221,7 +223,11 @@ class Reconciler:
     async def _reconcile(self, job: RLJob) -> Outcome:
         now = self.clock()
         uid = job.metadata.uid
-        rule_errors = tuple(errors(evaluate(job.spec)))
+        engine_kind = _engine_kind(job)
+        # Discovery only for a job that needs LeaderWorkerSet; the rules know it is present otherwise.
+        lws = engine_kind != "LeaderWorkerSet" or await self.capabilities.serves(LWS_API_VERSION, LWS_PLURAL)
+        context = RuleContext.for_spec(job.spec, leader_worker_set=lws)
+        rule_errors = tuple(errors(evaluate(job.spec, context=context)))
         kuberay = await self.capabilities.serves("ray.io/v1", "rayjobs")
         queued = job.spec.queue_name is not None
         kueue = await self.capabilities.serves(*KUEUE_WORKLOADS) if queued else True
@@ -257,7 +263,7 @@ class Reconciler:
                 failed = next((m for o in fetch_ours if (m := model_fetch_failed(o)) is not None), None)
                 observed_fetch = (failed or "running", failed is not None)
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
-            raw_engine_set = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace, engine_name)
+            raw_engine_set = await self.client.get(KINDS[engine_kind], job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
             # Engines down while the model cache fills: no upgrade canary can run against them.
             stopped = finish is not None or not fetched
@@ -278,7 +284,7 @@ class Reconciler:
             children = desired(job, facts)
             known = {
                 ("RayJob", trainer): raw_ray_job,
-                ("StatefulSet", engine_name): raw_engine_set,
+                (engine_kind, engine_name): raw_engine_set,
                 ("Workload", workload_name): raw_workload,
                 **fetch_job,
             }
@@ -289,21 +295,23 @@ class Reconciler:
             missing = await self._missing_claims(job) if finish is None else ()
             if conflict is not None or missing or missing_refs:
                 outcome.valid = False
-                observed["StatefulSet"] = next((h for c, h, a in plans if c["kind"] == "StatefulSet"
-                                                and a.verb != "conflict"), None)  # fmt: skip
+                observed[engine_kind] = next((h for c, h, a in plans if c["kind"] == engine_kind
+                                              and a.verb != "conflict"), None)  # fmt: skip
             else:
                 await self._write_all(job, plans, finish is not None, expired, observed, outcome)
                 if queued and outcome.error is None:
                     await self._settle_workload(job, observed, finish, outcome)
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
-            engines = await self.client.get(KINDS["StatefulSet"], job.metadata.namespace,
-                                            meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
-            observed["StatefulSet"] = engines if engines is not None and is_ours(engines, uid) else None
+            engines = None
+            if lws:  # without the CRD there is no LeaderWorkerSet to read
+                engines = await self.client.get(KINDS[engine_kind], job.metadata.namespace,
+                                                meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
+            observed[engine_kind] = engines if engines is not None and is_ours(engines, uid) else None
         obs = Observed(
             rule_errors=rule_errors,
             kuberay_installed=kuberay,
-            engine_set=observed.get("StatefulSet"),
+            engine_set=observed.get(engine_kind),
             ray_job=observed.get("RayJob"),
             finish=finish,
             finish_recorded=recorded,
@@ -339,7 +347,8 @@ class Reconciler:
         stopped: bool,
         now: dt.datetime,
     ) -> UpgradePlan:
-        """operator/upgrade.py's plan from the StatefulSet as it is and, while a canary runs, its Job."""
+        """operator/upgrade.py's plan from the engines (StatefulSet or LeaderWorkerSet) as they are and, while a
+        canary runs, its Job."""
         ours = raw_engine_set is not None and is_ours(raw_engine_set, job.metadata.uid)
         engine_set = raw_engine_set if ours else None
         prev = job.status.upgrade if job.status else None
@@ -349,8 +358,7 @@ class Reconciler:
             raw = await self.client.get(KINDS["Job"], job.metadata.namespace, name)
             canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
         stopped = stopped or is_suspended(job)
-        plan = plan_upgrade(job, engine_set, pods_per_replica=pods_per_replica(job), canary_job=canary_job,
-                            ray_job=ray_job, stopped=stopped, now=now)  # fmt: skip
+        plan = plan_upgrade(job, engine_set, canary_job=canary_job, ray_job=ray_job, stopped=stopped, now=now)
         if plan.status is not None and (prev is None or (prev.attempt, prev.phase) != (plan.status.attempt,
                                                                                        plan.status.phase)):
             log.info("%s/%s: %s upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
@@ -382,7 +390,7 @@ class Reconciler:
         """The job controller's part of Kueue's protocol (operator/admission.py), after the children converged."""
         workload = observed.get("Workload")
         fetch = observed.get(f"Job/{meta.child_name(job, meta.ROLE_MODEL_FETCH)}")
-        active = (_engines_running(observed.get("StatefulSet")) or _trainer_running(observed.get("RayJob"))
+        active = (_engines_running(observed.get(_engine_kind(job))) or _trainer_running(observed.get("RayJob"))
                   or _fetch_running(fetch))  # fmt: skip
         try:
             done = await settle(self.client, workload, active=active, finish=finish, now=self.clock())
@@ -511,6 +519,8 @@ class Reconciler:
                 continue
             if kind == "RayJob" and not await self.capabilities.serves("ray.io/v1", "rayjobs"):
                 continue
+            if kind == "LeaderWorkerSet" and not await self.capabilities.serves(LWS_API_VERSION, LWS_PLURAL):
+                continue
             upgrade = job.status.upgrade if job.status else None
             canary_done = upgrade is not None and upgrade.phase in ("Rolling", "Blocked")
             if role == meta.ROLE_UPGRADE_CANARY and not (expired or canary_done):
@@ -550,6 +560,11 @@ class Reconciler:
         self._canaries[uid] = (time.monotonic(), result)
         log.info("canary for %s/%s: %s", job.metadata.namespace, job.metadata.name, result.message)
         return _replace(obs, canary=result)
+
+
+def _engine_kind(job: RLJob) -> str:
+    """The kind of the engine child: a LeaderWorkerSet when a replica spans pods (api/engine_layout.py)."""
+    return "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
 
 
 def _engines_running(engine_set: dict[str, Any] | None) -> bool:

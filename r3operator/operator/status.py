@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ConditionStatus as S
 from r3operator.api.enums import ConditionType as T
 from r3operator.api.enums import ReplayMode
@@ -143,14 +144,14 @@ def _blocked(obs: Observed) -> Desired | None:
 
 
 def engine_counts(job: RLJob, sts: dict[str, Any] | None) -> WorkloadCounts:
-    """Engine *replicas* (vLLM servers), not pods: a replica is ready when all its pods are."""
-    pods_per_replica = plan(job).engine_pods_per_replica
-    desired = 0 if sts is None else int(sts.get("spec", {}).get("replicas") or 0) // pods_per_replica
+    """Engine *replicas* (vLLM servers): StatefulSet pods, or LeaderWorkerSet groups (ready when all their
+    pods are), one per replica either way."""
+    desired = 0 if sts is None else int(sts.get("spec", {}).get("replicas") or 0)
     st = (sts or {}).get("status") or {}
     return WorkloadCounts(
         replicas=desired,
-        ready_replicas=int(st.get("readyReplicas") or 0) // pods_per_replica,
-        updated_replicas=int(st.get("updatedReplicas") or 0) // pods_per_replica,
+        ready_replicas=int(st.get("readyReplicas") or 0),
+        updated_replicas=int(st.get("updatedReplicas") or 0),
     )
 
 
@@ -159,13 +160,16 @@ def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
         return Desired(T.ENGINES_READY, S.FALSE, stopped.reason, stopped.message)
     sts = obs.engine_set
     if sts is None:
-        return Desired(T.ENGINES_READY, S.FALSE, Reason.NOT_CREATED, "the engine StatefulSet does not exist yet")
+        kind = "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.NOT_CREATED, f"the engine {kind} does not exist yet")
     want = job.spec.inference.replicas
     if want == 0:
         return Desired(T.ENGINES_READY, S.TRUE, Reason.NO_REPLICAS, "inference.replicas is 0")
     counts = engine_counts(job, sts)
     generation = (sts.get("metadata") or {}).get("generation")
     seen = ((sts.get("status") or {}).get("observedGeneration")) or 0
+    if sts.get("kind") == "LeaderWorkerSet":
+        seen = generation or 0  # its status has no observedGeneration: updatedReplicas alone tells a rollout
     # During an upgrade's canary the partition keeps the regular replicas on the old revision on purpose.
     held = obs.upgrade is not None and obs.upgrade.phase == "Canary"
     if (generation is not None and seen < generation) or (counts.updated_replicas < want and not held):

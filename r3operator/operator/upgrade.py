@@ -5,13 +5,14 @@ A new vLLM can pass every compatibility rule and still move the numbers R3 depen
 MoE kernel shifts the natural routing mismatch, a capture regression returns routes of the wrong shape,
 a sampler change shifts logprobs). So an image change does not roll every replica at once:
 
-    Canary   the StatefulSet grows by one replica (surge ordinals) carrying the new image; a partition
-             keeps every existing pod on the old one, and the trainer never sends it a rollout (its
+    Canary   the StatefulSet grows by one replica (surge ordinal) carrying the new image; a partition
+             keeps every existing pod on the old one (a LeaderWorkerSet the same way, in groups: one
+             surge group, rolloutStrategy partition), and the trainer never sends it a rollout (its
              engine list names only the regular replicas). The canary Job (trainer image,
              `r3operator upgrade-canary`) scores an old and the new replica with the trainer's current
              weights, with and without replay, and writes its verdict to status.upgrade.canary.
     Rolling  passed (or forced, or no canary wanted): the surge replica goes, the partition drops to 0
-             and the StatefulSet controller rolls the rest, one pod at a time.
+             and the StatefulSet (LeaderWorkerSet) controller rolls the rest, one replica at a time.
     Complete every pod runs the new revision.
     Blocked  failed or timed out: the template goes back to the old image (the surge pod goes, nobody
              else moved), condition UpgradeBlocked carries the figures; the spec keeps the new image until
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
+from r3operator.operator.builders.engine_lws import leader_worker_templates
 from r3operator.operator.lifecycle import format_time, parse_time
 
 ANNOTATION_UPGRADE = "r3operator.io/upgrade"
@@ -45,7 +47,8 @@ class EngineRollout:
     surge_replicas: int = 0
     """Engine replicas beyond spec.inference.replicas (the canary replica)."""
     partition: int = 0
-    """Pods with a lower ordinal stay on the current revision (StatefulSet rollingUpdate.partition)."""
+    """Replicas with a lower index stay on the current revision (StatefulSet rollingUpdate.partition over
+    ordinals, LeaderWorkerSet rollingUpdateConfiguration.partition over groups: one replica each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +78,12 @@ class UpgradePlan:
 
 
 def template_image(statefulset: dict[str, Any] | None) -> str | None:
-    """The engine image of the StatefulSet's pod template as the cluster has it."""
+    """The engine image of the StatefulSet's (or LeaderWorkerSet leader's) pod template as the cluster has it."""
     if statefulset is None:
         return None
-    containers = (((statefulset.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+    spec = statefulset.get("spec") or {}
+    template = spec.get("template") or leader_worker_templates(statefulset)[0]
+    containers = (template.get("spec") or {}).get("containers") or []
     for container in containers:
         if container.get("name") == ENGINE_CONTAINER:
             return str(container.get("image") or "") or None
@@ -86,9 +91,12 @@ def template_image(statefulset: dict[str, Any] | None) -> str | None:
 
 
 def rolled_out(statefulset: dict[str, Any] | None, *, pods: int) -> tuple[bool, int]:
-    """(every pod on the update revision, pods updated so far) from the StatefulSet's status."""
+    """(every replica on the update revision, replicas updated so far) from the StatefulSet's status
+    (``pods``: one per replica) or the LeaderWorkerSet's (``pods``: groups)."""
     if statefulset is None:
         return False, 0
+    if statefulset.get("kind") == "LeaderWorkerSet":
+        return _groups_rolled_out(statefulset, groups=pods)
     status = statefulset.get("status") or {}
     generation = (statefulset.get("metadata") or {}).get("generation")
     updated = int(status.get("updatedReplicas") or 0)
@@ -99,6 +107,23 @@ def rolled_out(statefulset: dict[str, Any] | None, *, pods: int) -> tuple[bool, 
         and int(status.get("replicas") or 0) == pods
         and current is not None
         and current == status.get("updateRevision")
+    )
+    return done, updated
+
+
+def _groups_rolled_out(lws: dict[str, Any], *, groups: int) -> tuple[bool, int]:
+    """A LeaderWorkerSet's status has no revisions nor observedGeneration: done is every group updated and
+    ready, no surge group left (the canary's) and no UpdateInProgress condition. The surge group keeps
+    status.replicas above ``groups`` until the controller has seen the partition lifted."""
+    status = lws.get("status") or {}
+    updated = int(status.get("updatedReplicas") or 0)
+    updating = any(c.get("type") == "UpdateInProgress" and c.get("status") == "True"
+                   for c in status.get("conditions") or [])  # fmt: skip
+    done = (
+        not updating
+        and int(status.get("replicas") or 0) == groups
+        and updated >= groups
+        and int(status.get("readyReplicas") or 0) >= groups
     )
     return done, updated
 
@@ -125,7 +150,6 @@ def plan_upgrade(
     job: RLJob,
     statefulset: dict[str, Any] | None,
     *,
-    pods_per_replica: int,
     canary_job: dict[str, Any] | None = None,
     ray_job: dict[str, Any] | None = None,
     stopped: bool = False,
@@ -142,8 +166,7 @@ def plan_upgrade(
             plan = replace(plan, rollout=EngineRollout(image=running))  # the engine change waits its turn
         return plan
     engine_prev = prev if prev is None or prev.component == "engine" else None
-    engines = _plan_engines(job, statefulset, engine_prev, pods_per_replica=pods_per_replica, canary_job=canary_job,
-                            stopped=stopped, now=now)  # fmt: skip
+    engines = _plan_engines(job, statefulset, engine_prev, canary_job=canary_job, stopped=stopped, now=now)
     if engines.status is not None and engines.status.phase in ACTIVE:
         return engines
     running_trainer = trainer_image(ray_job)
@@ -157,7 +180,6 @@ def _plan_engines(
     statefulset: dict[str, Any] | None,
     prev: UpgradeStatus | None,
     *,
-    pods_per_replica: int,
     canary_job: dict[str, Any] | None,
     stopped: bool,
     now: dt.datetime,
@@ -170,7 +192,7 @@ def _plan_engines(
     active = prev is not None and prev.phase in ("Canary", "Rolling", "Blocked")
 
     if active and prev is not None and prev.to == spec_image:
-        return _continue(job, prev, statefulset, canary_job, pods_per_replica, force, stopped, now)
+        return _continue(job, prev, statefulset, canary_job, force, stopped, now)
     if active and prev is not None and prev.phase in ("Canary", "Blocked") and spec_image == prev.from_image:
         # The user went back to the image that is running: nothing to roll, the attempt is over.
         cancelled = prev.model_copy(update={"phase": "Cancelled", "message": f"spec.inference.image is "
@@ -191,14 +213,14 @@ def _plan_engines(
                else "upgradePolicy.canary is false" if not policy.canary else "no engine replica runs")  # fmt: skip
         status = status.model_copy(update={"phase": "Rolling", "message": f"rolling every replica: {why}"})
         return UpgradePlan(status, EngineRollout(image=spec_image))
-    return _canary(status, replicas, pods_per_replica)
+    return _canary(status, replicas)
 
 
-def _canary(status: UpgradeStatus, replicas: int, pods_per_replica: int) -> UpgradePlan:
+def _canary(status: UpgradeStatus, replicas: int) -> UpgradePlan:
     status = status.model_copy(update={
         "message": f"canary: one extra replica on {status.to} is scored against one on {status.from_image}",
     })  # fmt: skip
-    rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas * pods_per_replica)
+    rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas)
     target = CanaryTarget(
         attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0, new_replica=replicas
     )
@@ -210,13 +232,12 @@ def _continue(
     prev: UpgradeStatus,
     statefulset: dict[str, Any] | None,
     canary_job: dict[str, Any] | None,
-    pods_per_replica: int,
     force: bool,
     stopped: bool,
     now: dt.datetime,
 ) -> UpgradePlan:
     replicas = job.spec.inference.replicas
-    pods = 0 if stopped else replicas * pods_per_replica
+    pods = 0 if stopped else replicas  # StatefulSet pods or LeaderWorkerSet groups: one per replica
     if prev.phase == "Canary":
         if force or stopped:
             why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
@@ -226,13 +247,12 @@ def _continue(
             return _rolling(prev, why)
         if passed is False:
             return _blocked(prev, why)
-        return _canary(prev, replicas, pods_per_replica)
+        return _canary(prev, replicas)
     if prev.phase == "Blocked":
         if force:
             return _rolling(prev, "forced by the r3operator.io/upgrade=force annotation after a failed canary")
         return UpgradePlan(prev, EngineRollout(image=prev.from_image), blocked_message=prev.message)
-    done, updated = rolled_out(statefulset, pods=pods)
-    replicas_updated = updated // max(1, pods_per_replica)
+    done, replicas_updated = rolled_out(statefulset, pods=pods)
     if done:
         status = prev.model_copy(update={"phase": "Complete", "replicas_updated": replicas,
                                          "message": f"every replica runs {prev.to}"})  # fmt: skip

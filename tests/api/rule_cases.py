@@ -6,6 +6,8 @@ pin that rules do not overlap by accident. tests/api/test_rules.py fails if a ru
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.api.conftest import Mutation, sets
 
 
@@ -36,6 +38,16 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.executorBackend": "ray"}),
     ),
     "MP-SINGLE-NODE": (
+        # 16 GPUs a replica, 8 a node: split along DP into two pods (a LeaderWorkerSet), not refused.
+        sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}),
+        sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4,
+                "inference.dataParallelSizeLocal": 4, "inference.gpusPerNode": 8}),
+    ),
+    "ENGINE-LWS": (
+        sets(**{"inference.tensorParallelSize": 8, "inference.gpusPerNode": 8}),
+        sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}),
+    ),
+    "ENGINE-LWS-ASSUMED": (
         sets(**{"inference.tensorParallelSize": 8, "inference.gpusPerNode": 8}),
         sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}),
     ),
@@ -233,4 +245,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         )
         for prefix, path in _POD_TEMPLATES
     },
+}
+
+
+# Rules that read an outside fact: the facts each case is evaluated with (api/context.py RuleContext).
+FACTS: dict[str, dict[str, Any]] = {
+    "ENGINE-LWS": {"leader_worker_set": False},  # the operator saw no LeaderWorkerSet CRD
 }

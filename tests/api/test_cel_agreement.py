@@ -75,7 +75,7 @@ def test_kubectl_apply_reports_the_rule_message_and_field(rljob_api: RLJobApi) -
     assert result.returncode != 0
     assert 'The RLJob "base" is invalid' in result.stderr
     assert (
-        "spec.inference.tensorParallelSize: Invalid value: executorBackend mp runs one engine replica on one node: "
+        "spec.inference.tensorParallelSize: Invalid value: executorBackend mp keeps each engine pod on one node: "
         "tp x pp x dpLocal = 16 GPUs > gpusPerNode 8"
     ) in result.stderr
 

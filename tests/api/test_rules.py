@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from r3operator.api import RULES, Severity, evaluate
+from r3operator.api import RULES, Finding, RLJobSpec, Severity, evaluate
+from r3operator.api.context import RuleContext
 from r3operator.api.rules import RULES_BY_ID
 from tests.api.conftest import build, sets
-from tests.api.rule_cases import CASES
+from tests.api.rule_cases import CASES, FACTS
+
+
+def _evaluate(rule_id: str, spec: RLJobSpec) -> list[Finding]:
+    return evaluate(spec, context=RuleContext.for_spec(spec, **FACTS.get(rule_id, {})))
 
 
 def test_base_manifest_is_clean() -> None:
@@ -30,14 +35,14 @@ def test_rule_ids_are_unique_and_sourced() -> None:
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_passes(rule_id: str) -> None:
     passing, _ = CASES[rule_id]
-    found = {f.rule for f in evaluate(build(passing).spec)}
+    found = {f.rule for f in _evaluate(rule_id, build(passing).spec)}
     assert rule_id not in found
 
 
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_fails_with_its_id_only(rule_id: str) -> None:
     _, failing = CASES[rule_id]
-    findings = evaluate(build(failing).spec)
+    findings = _evaluate(rule_id, build(failing).spec)
     hits = [f for f in findings if f.rule == rule_id]
     assert len(hits) == 1, findings
     rule = RULES_BY_ID[rule_id]
@@ -51,7 +56,8 @@ def test_rule_fails_with_its_id_only(rule_id: str) -> None:
 def test_messages_quote_actual_values() -> None:
     [f] = [f for f in evaluate(build(sets(**{"inference.pipelineParallelSize": 3})).spec)]
     assert f.rule == "R3-INFERENCE-PP" and "3" in f.message
-    mp = build(sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4}))
+    mp = build(sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4,
+                       "inference.dataParallelSizeLocal": 4}))  # fmt: skip
     [f] = [f for f in evaluate(mp.spec) if f.rule == "MP-SINGLE-NODE"]
     assert "16 GPUs > gpusPerNode 8" in f.message
 

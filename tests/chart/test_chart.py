@@ -104,6 +104,7 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")}
         | {("", "pods", "list")}  # the scheduler's reason for pods it cannot place
         | {("ray.io", "rayjobs", v) for v in crud}
+        | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in crud}  # engines wider than a node
         | {("batch", "jobs", v) for v in crud}  # the engine-upgrade canary and the model-fetch Job
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
         | {("kueue.x-k8s.io", "workloads", v) for v in crud} | {("kueue.x-k8s.io", "workloads/status", "patch")}

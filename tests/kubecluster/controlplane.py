@@ -46,6 +46,15 @@ KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
 KUEUE_CONVERTED = frozenset({"localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters"})
 """The CRDs Kueue converts by webhook (its config/components/crd kustomization; the others convert with None)."""
 
+LWS_NAMESPACE = "lws-system"
+LWS_WEBHOOK_SERVICE = "lws-webhook-service"
+LWS_CERT_SECRET = "lws-webhook-server-cert"
+LWS_MUTATING = "lws-mutating-webhook-configuration"
+LWS_VALIDATING = "lws-validating-webhook-configuration"
+"""The names LWS's cert rotator injects its CA into (sigs.k8s.io/lws pkg/cert)."""
+LWS_SET_LABEL = "leaderworkerset.sigs.k8s.io/name"
+"""LWS's pod webhooks see only pods that carry this label (the objectSelector its config/webhook patches add)."""
+
 
 class ControlPlaneError(RuntimeError):
     """A component did not build, start or become ready; the message names it and its log."""
@@ -524,13 +533,112 @@ class ControlPlane:
 
         self._wait("kueue", proc, ready, timeout=120)
 
+    def start_lws(self) -> None:
+        """LeaderWorkerSet's CRD, webhooks and controller, once (idempotent): started by the tests of multi-node
+        engine replicas.
+
+        LWS's webhooks default and validate LeaderWorkerSets and give each of its pods the LWS_* environment
+        (leader address, worker index), so the apiserver must reach them: as for Kueue, the Service
+        ``lws-webhook-service`` is an ExternalName for localhost and LWS's cert rotator fills the Secret and
+        injects the CA into ``lws-{mutating,validating}-webhook-configuration`` (the names it looks for). Its
+        pod webhooks get the objectSelector of LWS's own kustomize patches: only pods of a LeaderWorkerSet.
+        """
+        if "lws" in self.processes:
+            return
+        lws_dir = self.bin_dir.parent / "lws"
+        port, probe = _free_port(), _free_port()
+        service = {"namespace": LWS_NAMESPACE, "name": LWS_WEBHOOK_SERVICE, "port": port}
+        if self.request("GET", f"/api/v1/namespaces/{LWS_NAMESPACE}") is None:
+            self.request("POST", "/api/v1/namespaces", {"metadata": {"name": LWS_NAMESPACE}})
+            secret = {"metadata": {"name": LWS_CERT_SECRET}, "type": "Opaque"}
+            self.request("POST", f"/api/v1/namespaces/{LWS_NAMESPACE}/secrets", secret)
+            external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
+            self.request("POST", f"/api/v1/namespaces/{LWS_NAMESPACE}/services",
+                         {"metadata": {"name": LWS_WEBHOOK_SERVICE}, "spec": external})  # fmt: skip
+        manifests = self.workdir / "lws-manifests"
+        manifests.mkdir(exist_ok=True)
+        for path in sorted((lws_dir / "crds").glob("*.yaml")):
+            shutil.copy(path, manifests / path.name)
+        for config in yaml.safe_load_all((lws_dir / "webhooks.yaml").read_text()):
+            if not config:
+                continue
+            kind = "mutating" if config["kind"].startswith("Mutating") else "validating"
+            config["metadata"]["name"] = LWS_MUTATING if kind == "mutating" else LWS_VALIDATING
+            hooks = []
+            for hook in config["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook = {**hook, "clientConfig": {"service": {**service, "path": path}}}
+                if any(group == "" for rule in hook["rules"] for group in rule["apiGroups"]):
+                    hook["objectSelector"] = {"matchExpressions": [{"key": LWS_SET_LABEL, "operator": "Exists"}]}
+                hooks.append(hook)
+            config["webhooks"] = hooks
+            (manifests / f"webhooks-{kind}.yaml").write_text(yaml.safe_dump(config))
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        # The CRD is larger than the last-applied annotation allows: server-side apply.
+        _run([kubectl_binary(), "apply", "--server-side", "-f", str(manifests)], env=env)
+        self.wait_established("leaderworkersets.leaderworkerset.x-k8s.io")
+        cert_dir = self.workdir / "lws-certs"
+        config = {
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
+            "metrics": {"bindAddress": "0"},
+            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {
+                "enable": True,
+                "webhookServiceName": LWS_WEBHOOK_SERVICE,
+                "webhookSecretName": LWS_CERT_SECRET,
+            },
+        }
+        config_path = self.workdir / "lws-config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        proc = self._spawn("lws", [str(self.bin_dir / "lws"), "--config", str(config_path)],
+                           env={"KUBECONFIG": str(self.kubeconfig)})  # fmt: skip
+
+        def ready() -> bool:
+            self._mount_secret(LWS_NAMESPACE, LWS_CERT_SECRET, cert_dir)
+            hooks = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/" + LWS_MUTATING
+            injected = all(h["clientConfig"].get("caBundle") for h in self.request("GET", hooks)["webhooks"])
+            return injected and _http_ok(f"http://127.0.0.1:{probe}/readyz")
+
+        self._wait("lws", proc, ready, timeout=120)
+        # The CA is injected before the webhook server has loaded the certificate: a LeaderWorkerSet dry run
+        # passes through both webhooks once they serve.
+        self._wait("lws (webhooks serving)", proc, self._lws_webhooks_serve, timeout=60)
+
+    def _lws_webhooks_serve(self) -> bool:
+        container = {"name": "c", "image": "c"}
+        probe = {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": {"name": "webhook-probe", "namespace": "default"},
+            "spec": {"leaderWorkerTemplate": {"workerTemplate": {"spec": {"containers": [container]}}}},
+        }
+        path = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/default/leaderworkersets?dryRun=All"
+        try:
+            self.request("POST", path, probe)
+        except ApiError:
+            return False
+        return True
+
     def _mount_secret(self, namespace: str, name: str, directory: Path) -> None:
-        """What a kubelet's secret volume does: the Secret's keys as files. Kueue's cert rotator writes its
-        serving certificate into the Secret and waits until it appears in its certDir."""
+        """What a kubelet's secret volume does: the Secret's keys as files. Kueue's and LWS's cert rotators
+        write their serving certificate into the Secret and wait until it appears in their certDir.
+
+        Each file is replaced whole (written aside, then renamed) and only when it changed, as a kubelet's
+        atomic writer does: the webhook server reads the certificate while this runs, and a half-written one
+        stops it ("failed to find any PEM data")."""
         secret = self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}") or {}
         directory.mkdir(parents=True, exist_ok=True)
+        changed = []
         for key, value in (secret.get("data") or {}).items():
-            (directory / key).write_bytes(base64.b64decode(value))
+            path, data = directory / key, base64.b64decode(value)
+            if not path.exists() or path.read_bytes() != data:
+                (directory / f".{key}.tmp").write_bytes(data)
+                changed.append(key)
+        for key in changed:  # the certificate and its key land together
+            os.replace(directory / f".{key}.tmp", directory / key)
 
     def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
         def established(name: str) -> bool:

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime as dt
-import http.server
-import os
-import socket
-import subprocess
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,70 +104,10 @@ def test_startup_budget_grows_with_model_size_and_has_a_default():
     assert startup_budget_seconds(big) <= 3 * 3600
 
 
-def test_multi_pod_replica_uses_ordinals_for_dp_ranks_and_headless_followers():
-    job = _job(**{"inference.dataParallelSize": 4, "inference.dataParallelSizeLocal": 2, "inference.replicas": 2})
-    sts = _by_kind(desired(job))["StatefulSet"]
-    assert sts["spec"]["replicas"] == 4  # 2 replicas x 2 pods
-    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:2] == ["/bin/sh", "-c"]
-    assert "--headless" in command[2] and "--data-parallel-address" in command[2]
-    assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "4"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _health_server(port: int, status: int) -> Iterator[None]:
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(status if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _run_probe(probe: dict[str, Any], hostname: str) -> int:
-    env = {"PATH": os.environ["PATH"], "HOSTNAME": hostname}
-    return subprocess.run(probe["exec"]["command"], env=env, timeout=30, check=False).returncode
-
-
 def test_single_pod_replicas_probe_health_over_http():
     container = _by_kind(desired(_job()))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[kind]["httpGet"] == {"path": "/health", "port": "http"}
-
-
-def test_headless_followers_of_a_multi_pod_replica_pass_their_probes_and_leaders_check_health():
-    port = _free_port()
-    job = _job(**{"inference.dataParallelSize": 4, "inference.dataParallelSizeLocal": 2, "inference.port": port})
-    container = _by_kind(desired(job))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
-    probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
-    assert all("httpGet" not in p for p in probes)  # a --headless pod serves no HTTP
-    for probe in probes:
-        # Ordinals 1 and 3 are --headless followers (2 pods per replica): nothing listens, they still pass.
-        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-1") == 0
-        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-3") == 0
-        # Leaders (0, 2) fail while their /health does not answer, and pass once it answers 200.
-        assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-2") != 0
-        with _health_server(port, 503):
-            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-0") != 0
-        with _health_server(port, 200):
-            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-0") == 0
-            assert _run_probe(probe, "qwen3-30b-a3b-r3-engine-2") == 0
 
 
 def test_trainer_rayjob_sizes_groups_mounts_routing_everywhere_and_mirrors_suspend():

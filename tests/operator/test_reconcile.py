@@ -180,3 +180,41 @@ def test_a_refused_write_is_in_status_once_it_persists(error: KubeError, passes_
     client.refuse = None
     asyncio.run(reconciler.reconcile(client.objects[("rljobs", "rl", "job")]))
     assert _condition(client, "Progressing")["reason"] != "APIError"
+
+
+# A replica of 16 GPUs on 8-GPU nodes: two pods, a LeaderWorkerSet group (api/engine_layout.py).
+TWO_NODE_REPLICAS = {"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}
+
+
+class LeaderWorkerSetClient(FakeClient):
+    async def serves(self, group_version: str, plural: str) -> bool:
+        return plural in ("rayjobs", "leaderworkersets")
+
+
+def test_a_multi_node_replica_without_the_lws_crd_is_refused_naming_the_rule_and_nothing_is_created():
+    client = FakeClient()  # serves RayJobs only
+    body = client.put(_rljob(**TWO_NODE_REPLICAS))
+    _, outcome = _reconcile(client, body)
+    valid = _condition(client, "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "IncompatibleSettings")
+    assert valid["message"].startswith("ENGINE-LWS: ") and "install LeaderWorkerSet" in valid["message"]
+    assert [w for w in client.writes if w[0] != "patch/status"] == []
+    assert not outcome.valid
+
+
+def test_a_multi_node_replica_with_the_lws_crd_gets_a_leader_worker_set_and_its_groups_make_it_ready():
+    client = LeaderWorkerSetClient()
+    body = client.put(_rljob(**TWO_NODE_REPLICAS, **{"inference.replicas": 2, "model.uri": "file:///models/Qwen3-30B-A3B"}))
+    _reconcile(client, body)
+    created = {w[1] for w in client.writes if w[0] == "apply"}
+    assert "LeaderWorkerSet" in created and "StatefulSet" not in created
+    assert _condition(client, "Valid")["status"] == "True"
+    lws = client.objects[("leaderworkersets", "rl", "job-engine")]
+    assert lws["spec"]["replicas"] == 2
+    lws["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
+    _reconcile(client, client.objects[("rljobs", "rl", "job")])
+    engines = _condition(client, "EnginesReady")
+    assert (engines["status"], engines["message"]) == ("False", "1/2 engine replicas ready")
+    lws["status"]["readyReplicas"] = 2  # groups, not pods: each group is a leader and a worker
+    _reconcile(client, client.objects[("rljobs", "rl", "job")])
+    assert _condition(client, "EnginesReady")["message"] == "2/2 engine replicas ready"

@@ -55,7 +55,7 @@ def statefulset_of(children: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_an_image_change_starts_a_canary_on_one_surge_replica_behind_a_partition() -> None:
-    plan = plan_upgrade(job(), engines(OLD), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(), engines(OLD), now=NOW)
     assert plan.status is not None
     assert (plan.status.phase, plan.status.from_image, plan.status.to) == ("Canary", OLD, NEW)
     assert plan.canary is not None and (plan.canary.old_replica, plan.canary.new_replica) == (0, 2)
@@ -75,8 +75,8 @@ def test_an_image_change_starts_a_canary_on_one_surge_replica_behind_a_partition
 
 
 def test_no_upgrade_when_nothing_changed_or_at_creation() -> None:
-    assert plan_upgrade(job(), None, pods_per_replica=1, now=NOW).rollout is None
-    assert plan_upgrade(job(), engines(NEW), pods_per_replica=1, now=NOW).status is None
+    assert plan_upgrade(job(), None, now=NOW).rollout is None
+    assert plan_upgrade(job(), engines(NEW), now=NOW).status is None
 
 
 @pytest.mark.parametrize(
@@ -84,53 +84,53 @@ def test_no_upgrade_when_nothing_changed_or_at_creation() -> None:
     [({"canary": False}, "upgradePolicy.canary is false"), ({"annotations": {ANNOTATION_UPGRADE: "force"}}, "forced")],
 )
 def test_no_canary_wanted_or_forced_rolls_every_replica(kwargs: dict[str, Any], why: str) -> None:
-    plan = plan_upgrade(job(**kwargs), engines(OLD), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(**kwargs), engines(OLD), now=NOW)
     assert plan.status is not None and plan.status.phase == "Rolling" and why in plan.status.message
     assert plan.canary is None and plan.rollout is not None and plan.rollout.partition == 0
 
 
 def test_a_passing_verdict_rolls_on_and_completion_is_read_from_the_statefulset() -> None:
     upgrade = canary_status(canary=verdict_for("7", passed=True))
-    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3, updated=1), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3, updated=1), now=NOW)
     assert plan.status is not None and plan.status.phase == "Rolling" and plan.canary is None
     sts = statefulset_of(desired(job(upgrade=upgrade), Facts(engine_rollout=plan.rollout)))
     assert sts["spec"]["replicas"] == 2 and "updateStrategy" not in sts["spec"]
     rolling = plan.status.model_dump(mode="json", by_alias=True)
-    midway = plan_upgrade(job(upgrade=rolling), engines(NEW, updated=1, same_revision=False), pods_per_replica=1,
+    midway = plan_upgrade(job(upgrade=rolling), engines(NEW, updated=1, same_revision=False),
                           now=NOW)  # fmt: skip
     assert midway.status is not None and (midway.status.phase, midway.status.replicas_updated) == ("Rolling", 1)
-    done = plan_upgrade(job(upgrade=rolling), engines(NEW), pods_per_replica=1, now=NOW)
+    done = plan_upgrade(job(upgrade=rolling), engines(NEW), now=NOW)
     assert done.status is not None and (done.status.phase, done.status.replicas_updated) == ("Complete", 2)
     assert done.rollout is None
 
 
 def test_a_failing_verdict_rolls_back_and_blocks_until_the_image_changes_or_force() -> None:
     upgrade = canary_status(canary=verdict_for("7", passed=False))
-    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3), now=NOW)
     assert plan.status is not None and plan.status.phase == "Blocked"
     assert OLD in plan.status.message and "r3operator.io/upgrade=force" in plan.status.message
     sts = statefulset_of(desired(job(upgrade=upgrade), Facts(engine_rollout=plan.rollout)))
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD and sts["spec"]["replicas"] == 2
     blocked = plan.status.model_dump(mode="json", by_alias=True)
-    again = plan_upgrade(job(upgrade=blocked), engines(OLD), pods_per_replica=1, now=NOW)
+    again = plan_upgrade(job(upgrade=blocked), engines(OLD), now=NOW)
     assert again.status is not None and again.status.phase == "Blocked" and again.rollout.image == OLD  # type: ignore[union-attr]
     forced = plan_upgrade(job(upgrade=blocked, annotations={ANNOTATION_UPGRADE: "force"}), engines(OLD),
-                          pods_per_replica=1, now=NOW)  # fmt: skip
+                          now=NOW)  # fmt: skip
     assert forced.status is not None and forced.status.phase == "Rolling" and forced.rollout.image == NEW  # type: ignore[union-attr]
-    retry = plan_upgrade(job(NEWER, upgrade=blocked, generation=9), engines(OLD), pods_per_replica=1, now=NOW)
+    retry = plan_upgrade(job(NEWER, upgrade=blocked, generation=9), engines(OLD), now=NOW)
     assert retry.status is not None and (retry.status.phase, retry.status.from_image, retry.status.to,
                                          retry.status.attempt) == ("Canary", OLD, NEWER, "9")  # fmt: skip
 
 
 def test_a_verdict_for_another_attempt_is_ignored_and_a_missing_one_times_out() -> None:
     stale = canary_status(canary=verdict_for("6", passed=True))
-    plan = plan_upgrade(job(upgrade=stale), engines(NEW, pods=3), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(upgrade=stale), engines(NEW, pods=3), now=NOW)
     assert plan.status is not None and plan.status.phase == "Canary"
-    late = plan_upgrade(job(upgrade=stale, timeoutSeconds=60), engines(NEW, pods=3), pods_per_replica=1,
+    late = plan_upgrade(job(upgrade=stale, timeoutSeconds=60), engines(NEW, pods=3),
                         now=NOW + dt.timedelta(minutes=10))  # fmt: skip
     assert late.status is not None and late.status.phase == "Blocked" and "timed out" in late.status.message
     failed_job = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
-    crashed = plan_upgrade(job(upgrade=canary_status()), engines(NEW, pods=3), pods_per_replica=1,
+    crashed = plan_upgrade(job(upgrade=canary_status()), engines(NEW, pods=3),
                            canary_job=failed_job, now=NOW)  # fmt: skip
     assert crashed.status is not None and crashed.status.phase == "Blocked"
     assert "BackoffLimitExceeded" in crashed.status.message
@@ -138,16 +138,16 @@ def test_a_verdict_for_another_attempt_is_ignored_and_a_missing_one_times_out() 
 
 def test_a_second_image_change_supersedes_a_canary_and_reverting_cancels_it() -> None:
     upgrade = canary_status()
-    newer = plan_upgrade(job(NEWER, upgrade=upgrade, generation=8), engines(NEW, pods=3), pods_per_replica=1, now=NOW)
+    newer = plan_upgrade(job(NEWER, upgrade=upgrade, generation=8), engines(NEW, pods=3), now=NOW)
     assert newer.status is not None and (newer.status.from_image, newer.status.to, newer.status.attempt) == (
         OLD, NEWER, "8")  # fmt: skip
     assert newer.canary is not None and newer.canary.attempt == "8"
-    back = plan_upgrade(job(OLD, upgrade=upgrade, generation=8), engines(NEW, pods=3), pods_per_replica=1, now=NOW)
+    back = plan_upgrade(job(OLD, upgrade=upgrade, generation=8), engines(NEW, pods=3), now=NOW)
     assert back.status is not None and back.status.phase == "Cancelled" and back.rollout is None
 
 
 def test_a_canary_job_of_another_attempt_is_replaced_and_partition_changes_are_applied() -> None:
-    plan = plan_upgrade(job(), engines(OLD), pods_per_replica=1, now=NOW)
+    plan = plan_upgrade(job(), engines(OLD), now=NOW)
     children = desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
     (canary,) = [c for c in children if c["metadata"]["name"].endswith("-upgrade-canary")]
     earlier = {**canary, "metadata": {**canary["metadata"],
@@ -210,7 +210,7 @@ def rayjob_of(children: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_a_trainer_image_change_keeps_the_rayjob_while_both_images_score_one_engine() -> None:
-    plan = plan_upgrade(trainer_job(), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)
+    plan = plan_upgrade(trainer_job(), engines(OLD), ray_job=ray_job(T_OLD), now=NOW)
     assert plan.status is not None and (plan.status.component, plan.status.phase) == ("trainer", "Canary")
     assert plan.trainer_image == T_OLD and plan.canary is not None and plan.canary.component == "trainer"
     children = desired(trainer_job(), Facts(upgrade_canary=plan.canary, trainer_image=plan.trainer_image))
@@ -228,14 +228,14 @@ def test_a_trainer_canary_verdict_replaces_the_rayjob_or_keeps_the_old_image() -
     canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
               "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
     passed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=True)}), engines(OLD),
-                          pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+                          ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
     assert passed.status is not None and passed.status.phase == "Rolling" and passed.trainer_image is None
     rolling = passed.status.model_dump(mode="json", by_alias=True)
-    done = plan_upgrade(trainer_job(upgrade=rolling), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_NEW),
+    done = plan_upgrade(trainer_job(upgrade=rolling), engines(OLD), ray_job=ray_job(T_NEW),
                         now=NOW)  # fmt: skip
     assert done.status is not None and done.status.phase == "Complete"
     failed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=False)}), engines(OLD),
-                          pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+                          ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
     assert failed.status is not None and failed.status.phase == "Blocked" and failed.trainer_image == T_OLD
     assert "spec.trainer.image still says" in failed.status.message
 
@@ -245,6 +245,6 @@ def test_an_engine_change_waits_for_a_trainer_upgrade_under_way() -> None:
               "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
     doc = trainer_job(upgrade=canary).model_dump(mode="json", by_alias=True, exclude_none=True)
     doc["spec"]["inference"]["image"] = NEW
-    plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), pods_per_replica=1, ray_job=ray_job(T_OLD), now=NOW)
+    plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), ray_job=ray_job(T_OLD), now=NOW)
     assert plan.status is not None and plan.status.component == "trainer"
     assert plan.rollout is not None and plan.rollout.image == OLD  # the engines stay on what they run

@@ -32,6 +32,10 @@ pods are listed, never written).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "create", "patch", "delete"]
+# The engines of an RLJob whose replica spans pods (api/engine_layout.py): one LeaderWorkerSet.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
   verbs: ["get", "create", "patch", "delete"]

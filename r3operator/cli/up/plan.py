@@ -234,6 +234,10 @@ def plan_up(
     ``vllm_entry_point``: ``<run dir>/bin/vllm`` (cli/up/vllm_cli.py) comes before ``bin_dir``."""
     children = desired(job, Facts(pod_monitor_crd=False))
     config_map = _one(children, "ConfigMap")
+    if any(c["kind"] == "LeaderWorkerSet" for c in children):
+        raise UpError("spec.inference.dataParallelSize spans several pods per replica (a LeaderWorkerSet group): "
+                      "their ranks meet over cluster DNS, which up does not have; run one pod per replica "
+                      "(dataParallelSizeLocal = dataParallelSize, within inference.gpusPerNode)")  # fmt: skip
     statefulset = _one(children, "StatefulSet")
     ray_job = _one(children, "RayJob")
     run_dir = run_dir.absolute()
@@ -255,10 +259,6 @@ def plan_up(
     sts_spec = statefulset["spec"]
     pod_spec = sts_spec["template"]["spec"]
     (engine_container,) = pod_spec["containers"]
-    if engine_container["command"][:2] == ["/bin/sh", "-c"]:
-        raise UpError("spec.inference.dataParallelSize spans several pods per replica: their ranks meet over "
-                      "cluster DNS, which up does not have; run one pod per replica (dataParallelSizeLocal = "
-                      "dataParallelSize)")  # fmt: skip
     head = cluster["headGroupSpec"]["template"]
     (trainer_container,) = head["spec"]["containers"]
     engine_gpus = _gpu_count(engine_container)

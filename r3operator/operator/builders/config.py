@@ -32,7 +32,7 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
             ROUTING_DIR_KEY: ROUTING_MOUNT,
             "routingClaim": meta.routing_claim_name(job),
             "engineService": engine_service,
-            "engineStatefulSet": engine_service,
+            "engineStatefulSet": engine_service,  # the LeaderWorkerSet's name too, when a replica spans pods
             # One URL per engine replica: the DP leader pod of each replica serves the API.
             ENGINE_URLS_KEY: [engine_replica_url(job, i) for i in range(inf.replicas)],
             "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
@@ -48,15 +48,11 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
 
 
 def engine_replica_url(job: RLJob, replica: int) -> str:
-    """The API of engine replica ``replica``: its DP leader, the replica's first StatefulSet ordinal."""
+    """The API of engine replica ``replica``: pod ``<job>-engine-<replica>``, the StatefulSet's ordinal or the
+    LeaderWorkerSet group's leader (the DP leader), by its DNS name under the engine Service."""
     service = meta.child_name(job, meta.ROLE_ENGINE)
     namespace = job.metadata.namespace or "default"
-    ordinal = replica * pods_per_replica(job)
-    return f"http://{service}-{ordinal}.{service}.{namespace}.svc:{job.spec.inference.port}"
-
-
-def pods_per_replica(job: RLJob) -> int:
-    return plan(job).engine_pods_per_replica
+    return f"http://{service}-{replica}.{service}.{namespace}.svc:{job.spec.inference.port}"
 
 
 def build_config_map(job: RLJob) -> dict[str, Any]:

@@ -1,18 +1,17 @@
-"""vLLM engines: one StatefulSet + one headless Service per engine group.
+"""vLLM engines: one headless Service + one StatefulSet (or LeaderWorkerSet) per engine group.
 
-An engine replica is one vLLM server (its own KV cache). When ``dataParallelSize`` spans more pods
-than one (``dataParallelSize > dataParallelSizeLocal``), a replica is ``podsPerReplica`` consecutive
-StatefulSet ordinals: the first is the DP leader that serves the API, the others run ``--headless``
-and join it by its stable DNS name.
+An engine replica is one vLLM server (its own KV cache). A replica that fits one pod (api/engine_layout.py)
+is one StatefulSet ordinal; a replica of several pods is one LeaderWorkerSet group (builders/engine_lws.py),
+which shares this module's container and pod template. Either way replica ``i`` serves its API from the pod
+``<job>-engine-<i>`` (StatefulSet ordinal, LWS leader), reached through the Service's per-pod DNS.
 """
 
 from __future__ import annotations
 
 import math
-import shlex
 from typing import Any
 
-from r3operator.api.plan import plan
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
@@ -43,73 +42,24 @@ def startup_budget_seconds(job: RLJob) -> int:
     return int(min(STARTUP_MAX_S, STARTUP_BASE_S + STARTUP_S_PER_GB * weight_gb))
 
 
-def _leader_health_check(job: RLJob, pods_per_replica: int, timeout_s: int) -> dict[str, Any]:
-    """An exec probe for multi-pod replicas: the DP leader's /health, and success on a ``--headless`` pod.
-
-    One StatefulSet template serves leaders and followers alike, and a headless pod serves no HTTP at all,
-    so an httpGet probe would restart every follower forever. A follower has nothing to ask: its engine
-    cores exit when they lose the leader, which restarts the container; the leader's /health answers only
-    once every DP rank of the replica has joined, so the leader's readiness stands for the replica.
-    ``python3 -S`` (the vLLM image's Python, without site-packages) keeps the check to a fraction of a second.
-    """
-    port = job.spec.inference.port
-    fetch = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout={timeout_s - 1})"
-    script = (
-        'HOST="${HOSTNAME:-$(cat /etc/hostname)}"; ORD="${HOST##*-}"; '
-        f'if [ "$((ORD % {pods_per_replica}))" -ne 0 ]; then exit 0; fi; '
-        f'exec python3 -S -c "{fetch}"'
-    )
-    return {"exec": {"command": ["/bin/sh", "-c", script]}}
-
-
 def probes(job: RLJob) -> dict[str, Any]:
-    pods = plan(job).engine_pods_per_replica
-
-    def check(timeout_s: int) -> dict[str, Any]:
-        if pods > 1:
-            return _leader_health_check(job, pods, timeout_s)
-        return {"httpGet": {"path": "/health", "port": "http"}}
-
+    """The probes of a pod that serves the API: a one-pod replica, or the leader of a multi-pod one."""
+    health = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         # /health answers only once the engine is up; the startup probe holds liveness off until then.
         "startupProbe": {
-            **check(5),
+            **health,
             "periodSeconds": PROBE_PERIOD_S,
             "timeoutSeconds": 5,
             "failureThreshold": math.ceil(startup_budget_seconds(job) / PROBE_PERIOD_S),
         },
-        "readinessProbe": {**check(5), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**check(10), "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 20, "timeoutSeconds": 10, "failureThreshold": 6},
     }
 
 
 def gpus_per_pod(job: RLJob) -> int:
-    inf = job.spec.inference
-    dp_local = inf.data_parallel_size_local or inf.data_parallel_size
-    return inf.tensor_parallel_size * inf.pipeline_parallel_size * dp_local
-
-
-def engine_pod_count(job: RLJob, *, replicas: int) -> int:
-    return replicas * plan(job).engine_pods_per_replica
-
-
-def _command(job: RLJob) -> list[str]:
-    args = vllm_serve_args(job.spec, model_path=model_path(job.spec))
-    pods = plan(job).engine_pods_per_replica
-    if pods == 1:
-        return args
-    inf = job.spec.inference
-    dp_local = inf.data_parallel_size_local or inf.data_parallel_size
-    service = meta.child_name(job, meta.ROLE_ENGINE)
-    # Rank arithmetic on the StatefulSet ordinal: replica r owns ordinals [r*pods, (r+1)*pods).
-    script = (
-        f"ORD=${{HOSTNAME##*-}}; LOCAL=$((ORD % {pods})); LEADER=$((ORD - LOCAL)); "
-        f"EXTRA=\"--data-parallel-start-rank $((LOCAL * {dp_local})) "
-        f"--data-parallel-address {service}-$LEADER.{service} --data-parallel-rpc-port {DP_RPC_PORT}\"; "
-        f"if [ \"$LOCAL\" -ne 0 ]; then EXTRA=\"$EXTRA --headless\"; fi; "
-        f"exec {shlex.join(args)} $EXTRA"
-    )
-    return ["/bin/sh", "-c", script]
+    return engine_layout(job.spec).gpus_per_pod
 
 
 def _resources(job: RLJob) -> dict[str, Any]:
@@ -157,22 +107,28 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
     }
 
 
-def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
-    """``replicas`` are engine replicas (0 when suspended or finished); pods = replicas × podsPerReplica."""
+def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], serves_api: bool) -> dict[str, Any]:
+    """The vLLM container; ``serves_api`` False for a ``--headless`` DP follower, which has no HTTP to probe
+    (its engine cores exit when they lose the leader, which restarts the container)."""
     inf = job.spec.inference
-    model = model_mount(job, image=inf.image)
-    volumes, mounts = _volumes(job, model)
-    container: dict[str, Any] = {
+    _, mounts = _volumes(job, model)
+    return {
         "name": CONTAINER_NAME,
         "image": inf.image,
-        "command": _command(job),
+        "command": command,
         "ports": [{"name": "http", "containerPort": inf.port}],
         "env": [{"name": k, "value": v} for k, v in vllm_env(job.spec).items()],
         "resources": _resources(job),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        **probes(job),
+        **(probes(job) if serves_api else {}),
     }
+
+
+def engine_pod_template(job: RLJob, *, command: list[str], serves_api: bool = True) -> dict[str, Any]:
+    """The engine pod template with the user's pod templates merged (builders/overrides.py)."""
+    model = model_mount(job, image=job.spec.inference.image)
+    volumes, _ = _volumes(job, model)
     pod: dict[str, Any] = {
         "metadata": {
             "labels": meta.labels(job, meta.ROLE_ENGINE),
@@ -183,21 +139,28 @@ def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
             "automountServiceAccountToken": False,
             "securityContext": pod_security_context(ENGINE_UID),
             **({"initContainers": model.init_containers} if model.init_containers else {}),
-            "containers": [container],
+            "containers": [_engine_container(job, model, command=command, serves_api=serves_api)],
             "volumes": volumes,
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "terminationGracePeriodSeconds": 60,
         },
     }
+    return apply_template(pod, CONTAINER_NAME, role_template(job, meta.ROLE_ENGINE))
+
+
+def build_engine_statefulset(job: RLJob, *, replicas: int) -> dict[str, Any]:
+    """Engines whose replica is one pod: ``replicas`` pods (0 when suspended or finished). A replica of
+    several pods is a LeaderWorkerSet group instead (builders/engine_lws.py)."""
+    command = vllm_serve_args(job.spec, model_path=model_path(job.spec))
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": meta.object_meta(job, meta.ROLE_ENGINE),
         "spec": {
             "serviceName": meta.child_name(job, meta.ROLE_ENGINE),
-            "replicas": engine_pod_count(job, replicas=replicas),
+            "replicas": replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": meta.selector_labels(job, meta.ROLE_ENGINE)},
-            "template": apply_template(pod, CONTAINER_NAME, role_template(job, meta.ROLE_ENGINE)),
+            "template": engine_pod_template(job, command=command),
         },
     }

@@ -1,14 +1,15 @@
 """The Kueue ``Workload`` of a queued RLJob (``spec.queueName``): engines and trainer as one unit.
 
 Kueue admits a Workload whole or not at all, so one Workload with a pod set per role makes the RLJob
-gang-admitted: the engine pods (``inference.replicas`` × pods per replica), the Ray head and the Ray
-workers. The pod sets carry the same pod templates the StatefulSet and the RayJob get, so Kueue sees
-the GPUs, node selectors and tolerations the pods will have and assigns flavors that fit them.
+gang-admitted: the engine pods (``inference.replicas`` × pods per replica: for a LeaderWorkerSet a set of
+leaders and a set of workers), the Ray head and the Ray workers. The pod sets carry the same pod templates
+the engines and the RayJob get, so Kueue sees the GPUs, node selectors and tolerations the pods will have
+and assigns flavors that fit them.
 
 The operator is the Workload's job controller (docs/operator.md, "Queueing with Kueue"): it keeps
 engines at 0 and the RayJob suspended until Kueue admits, stops them when Kueue evicts, and then
 hands the quota back (operator/admission.py). Kueue's own integrations are not involved: the
-StatefulSet and the RayJob carry no queue label.
+StatefulSet (LeaderWorkerSet) and the RayJob carry no queue label.
 
 Pod sets are immutable while quota is reserved, so a changed pod set (another replica count, another
 GPU count) re-creates the Workload: the job is queued again as a whole. The spec-hash annotation
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
-from r3operator.operator.builders.engine import build_engine_statefulset, engine_pod_count
+from r3operator.operator.builders.engine import build_engine_statefulset
+from r3operator.operator.builders.engine_lws import build_engine_leader_worker_set, leader_worker_templates
 from r3operator.operator.builders.trainer import build_ray_job
 from r3operator.operator.hashing import digest
 
@@ -29,19 +32,35 @@ KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_SOURCE = "scheduling.k8s.io/priorityclass"
 POD_SET_ENGINE = "engine"
+POD_SET_ENGINE_LEADERS = "engine-leaders"
+POD_SET_ENGINE_WORKERS = "engine-workers"
 POD_SET_HEAD = "trainer-head"
 POD_SET_WORKERS = "trainer-workers"
 
 _SCHEDULING_KEYS = ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName")
 
 
+def _engine_sets(job: RLJob) -> list[tuple[str, int, dict[str, Any]]]:
+    """One pod set of the StatefulSet's pods, or, for a LeaderWorkerSet, one of the leaders (a pod per
+    replica) and one of the workers (``podsPerReplica - 1`` per replica): their templates differ."""
+    replicas = job.spec.inference.replicas
+    layout = engine_layout(job.spec)
+    if not layout.multi_pod:
+        template = build_engine_statefulset(job, replicas=replicas)["spec"]["template"]
+        return [(POD_SET_ENGINE, replicas, template)]
+    leader, worker = leader_worker_templates(build_engine_leader_worker_set(job, replicas=replicas))
+    return [
+        (POD_SET_ENGINE_LEADERS, replicas, leader),
+        (POD_SET_ENGINE_WORKERS, replicas * (layout.pods_per_replica - 1), worker),
+    ]
+
+
 def pod_sets(job: RLJob) -> list[dict[str, Any]]:
     """The job's pods by role, at full size (whatever the suspend state of the children)."""
-    engine_template = build_engine_statefulset(job, replicas=job.spec.inference.replicas)["spec"]["template"]
     cluster = build_ray_job(job, suspend=True)["spec"]["rayClusterSpec"]
     [workers] = cluster["workerGroupSpecs"]
     sets = [
-        (POD_SET_ENGINE, engine_pod_count(job, replicas=job.spec.inference.replicas), engine_template),
+        *_engine_sets(job),
         (POD_SET_HEAD, 1, cluster["headGroupSpec"]["template"]),
         (POD_SET_WORKERS, workers["replicas"], workers["template"]),
     ]
