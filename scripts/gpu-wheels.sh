@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Prepares .whl/part-00..07 for the offline GPU machine: vLLM 0.22.1 and its wheels (from
+# Prepares .whl/part-NN for the offline GPU machine: vLLM 0.22.1 and its wheels (from
 # ../shared/gpu/vllm-wheels.sh), plus what the image lacks for r3operator (typer, rich, prometheus-client,
-# matplotlib, …) and ray 2.60 split in two, every part ≤ 61 MB so each fits one device transfer.
+# matplotlib, …) and ray 2.60 split in two, repacked so that every part stays ≤ 48 MiB: each transfer carries one
+# part AND the working tree under the device's 64 MiB limit.
 #   bash scripts/gpu-wheels.sh      then send each .whl/part-NN, then scripts/gpu-setup.sh on the machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +25,5 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d .whl/ray ray==2.60.0
 mv "$extra"/* .whl/part-04/ && mv .whl/ray/ray.whl.part.00 .whl/part-06/
 mkdir -p .whl/part-07 && mv .whl/ray/ray.whl.part.01 .whl/part-07/
 rmdir "$extra" .whl/ray
+python3 scripts/gpu-wheel-parts.py .whl --max-mib 48
 du -sh .whl/part-*
