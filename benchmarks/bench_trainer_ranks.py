@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -80,6 +81,8 @@ def measure(model_dir: Path, *, ranks: int, device: str, batch: Any, steps: int,
                 mark = time.perf_counter()
                 trainer.wait_checkpoint()  # outside the step: what the background write took after staging
                 t["checkpoint_write_after_step"] = time.perf_counter() - mark
+                # One checkpoint on disk at a time: the a3b model's is 30 GB, a GPU machine's disk 64 GB.
+                shutil.rmtree(Path(ckpt_root) / f"step-{step}")
                 if step:
                     per_step.append(t)
             peaks = trainer.peak_memory_bytes()
