@@ -2,7 +2,7 @@
 Megatron trainer on the same R3 batch (fp32 weights and compute): TP=2+SP, EP=2 (two data-parallel
 replicas), and on 4 GPUs TP=2+SP+EP=2, TP=2+SP with 2 replicas (experts replicated over 4 ranks) and EP=4.
 
-    PYTHONPATH=. python -m pytest tests/gpu/test_megatron_ranks.py -m gpu -q
+    PYTHONPATH=. python -m pytest tests/gpu/test_megatron_ranks_gpu.py -m gpu -q
 
 Each case starts a local Ray (all visible GPUs), builds the ranks, and checks: the replayed experts are the
 engine's routes on every real token; old logprobs within 1e-3 of one process; loss / grad norm within
