@@ -453,6 +453,19 @@ class ControlPlane:
         )  # fmt: skip
         self._wait("kuberay-operator", proc, lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"))
 
+    def _webhook_service(self, namespace: str, name: str, cert_secret: str, port: int) -> dict[str, Any]:
+        """The namespace of a controller with webhooks, the empty Secret its cert rotator fills (release
+        manifests ship it; the rotator does not create it), and its webhook Service as an ExternalName for
+        localhost, where the controller serves on `port`. Returns the webhook clientConfig's service."""
+        if self.request("GET", f"/api/v1/namespaces/{namespace}") is None:
+            self.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+            secret = {"metadata": {"name": cert_secret}, "type": "Opaque"}
+            self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", secret)
+            external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
+            self.request("POST", f"/api/v1/namespaces/{namespace}/services",
+                         {"metadata": {"name": name}, "spec": external})  # fmt: skip
+        return {"namespace": namespace, "name": name, "port": port}
+
     def start_kueue(self) -> None:
         """Kueue's CRDs, webhooks and controller, once (idempotent): started by the tests that queue jobs.
 
@@ -467,15 +480,7 @@ class ControlPlane:
             return
         kueue_dir = self.bin_dir.parent / "kueue"
         port, probe = _free_port(), _free_port()
-        service = {"namespace": KUEUE_NAMESPACE, "name": KUEUE_WEBHOOK_SERVICE, "port": port}
-        if self.request("GET", f"/api/v1/namespaces/{KUEUE_NAMESPACE}") is None:
-            self.request("POST", "/api/v1/namespaces", {"metadata": {"name": KUEUE_NAMESPACE}})
-            # Kueue's release manifests ship these two; its cert rotator fills the Secret, it does not create it.
-            secret = {"metadata": {"name": KUEUE_CERT_SECRET}, "type": "Opaque"}
-            self.request("POST", f"/api/v1/namespaces/{KUEUE_NAMESPACE}/secrets", secret)
-            external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
-            self.request("POST", f"/api/v1/namespaces/{KUEUE_NAMESPACE}/services",
-                         {"metadata": {"name": KUEUE_WEBHOOK_SERVICE}, "spec": external})  # fmt: skip
+        service = self._webhook_service(KUEUE_NAMESPACE, KUEUE_WEBHOOK_SERVICE, KUEUE_CERT_SECRET, port)
         kubectl = kubectl_binary()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         manifests = self.workdir / "kueue-manifests"
@@ -547,14 +552,7 @@ class ControlPlane:
             return
         lws_dir = self.bin_dir.parent / "lws"
         port, probe = _free_port(), _free_port()
-        service = {"namespace": LWS_NAMESPACE, "name": LWS_WEBHOOK_SERVICE, "port": port}
-        if self.request("GET", f"/api/v1/namespaces/{LWS_NAMESPACE}") is None:
-            self.request("POST", "/api/v1/namespaces", {"metadata": {"name": LWS_NAMESPACE}})
-            secret = {"metadata": {"name": LWS_CERT_SECRET}, "type": "Opaque"}
-            self.request("POST", f"/api/v1/namespaces/{LWS_NAMESPACE}/secrets", secret)
-            external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
-            self.request("POST", f"/api/v1/namespaces/{LWS_NAMESPACE}/services",
-                         {"metadata": {"name": LWS_WEBHOOK_SERVICE}, "spec": external})  # fmt: skip
+        service = self._webhook_service(LWS_NAMESPACE, LWS_WEBHOOK_SERVICE, LWS_CERT_SECRET, port)
         manifests = self.workdir / "lws-manifests"
         manifests.mkdir(exist_ok=True)
         for path in sorted((lws_dir / "crds").glob("*.yaml")):
