@@ -3,9 +3,11 @@
     PYTHONPATH=tests python -m kubecluster up [--dir .tools/cluster] [--nodes 16] [--gpus-per-node 8] [--no-kuberay]
     PYTHONPATH=tests python -m kubecluster down [--dir .tools/cluster]
     PYTHONPATH=tests python -m kubecluster status [--dir .tools/cluster]
+    PYTHONPATH=tests python -m kubecluster walkthrough --out FILE [--docs docs/install.md]
 
 `up` leaves the processes running (each in its own session) and records their pids in DIR/state.json;
-`export KUBECONFIG=DIR/kubeconfig` then points kubectl, helm and `r3operator operator` at it.
+`export KUBECONFIG=DIR/kubeconfig` then points kubectl, helm and `r3operator operator` at it. `walkthrough`
+records docs/install.md's shared-GPU-cluster walk-through on a control plane of its own (kubecluster/walkthrough.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def status(directory: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["walkthrough"]:
+        from kubecluster import walkthrough
+
+        return walkthrough.main(args_in[1:])
     parser = argparse.ArgumentParser(prog="kubecluster", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=Fleet.gpus_per_node)
     parser.add_argument("--cpu-nodes", type=int, default=Fleet.cpu_nodes)
     parser.add_argument("--no-kuberay", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     directory = args.dir.resolve()
     if args.command == "up":
         fleet = Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu_nodes=args.cpu_nodes)
