@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -171,7 +172,11 @@ class Recorder:
                 raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(1.0)
 
-    def text(self, markdown: str) -> None:
+    def text(self, prose: str) -> None:
+        """A paragraph between the console blocks, wrapped like the rest of docs/."""
+        self.raw(textwrap.fill(prose, width=110, break_on_hyphens=False, break_long_words=False))
+
+    def raw(self, markdown: str) -> None:
         self._flush()
         self.parts.append(markdown.strip("\n"))
 
@@ -245,15 +250,16 @@ def record(workdir: Path) -> str:
 
 
 def _steps(rec: Recorder) -> None:
-    rec.text(
-        f"`setup.yaml` (what a cluster admin creates once: the flavor of the GPU nodes, a ClusterQueue of "
-        f"{GPUS_SHORT} GPUs, the LocalQueue and the PriorityClass the example names):\n\n"
-        "```yaml\n" + yaml_stream(setup_manifests()) + "```"
-    )
     rec.show(
         "kubectl get nodes -o custom-columns='NAME:.metadata.name,GPUS:.status.allocatable.nvidia\\.com/gpu,"
         "TAINTS:.spec.taints[*].key,EFFECT:.spec.taints[*].effect'"
     )
+    rec.text(
+        f"`setup.yaml`, what a cluster admin creates once: the flavor of the GPU nodes (their label and taint), "
+        f"a ClusterQueue of {GPUS_SHORT} GPUs with CPU and memory quota (Kueue admits only what every requested "
+        "resource has quota for), the LocalQueue and the PriorityClass the example names:"
+    )
+    rec.raw("```yaml\n" + yaml_stream(setup_manifests()) + "```")
     rec.show(f"kubectl create namespace {NAMESPACE}")
     rec.show("kubectl apply -f setup.yaml")
     for command in secret_commands():
