@@ -1,5 +1,5 @@
 """The trainer on 1, 2, 4 ranks (Ray actors, FSDP2 over all, `trainer/distributed.py`): step time split,
-tokens/s per GPU, peak memory per GPU, and the checkpoint's staging vs background write.
+tokens/s per GPU, peak memory per GPU, and the checkpoint's in-step cost vs its background copy and write.
 
     python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks 1 2 4 --json out.json
     python -m benchmarks.bench_trainer_ranks --model tiny --device cpu --ranks 1 2
@@ -8,7 +8,9 @@ One global batch (`--batch` rows of `--seq` tokens, the second half a response, 
 random) for every rank count, so the ranks split the same work (strong scaling). Every rank count runs
 through the same Ray-actor path, one rank included. Per step: old-logprob pass (R3 replay), PPO update,
 weight-sync gather (rank 0 packs the full bf16 weights, as for the engines), checkpoint staging (what
-the step waits for); the background write is timed separately, after the step. The first step is a
+the step waits for: the copy into host memory enqueued). After the step, timed one after the other: the
+copy into host memory (in a run it overlaps the next step's rollout and old-logprob pass; the next
+optimizer step waits for it) and the write to disk. The first step is a
 warm-up and not reported; figures are medians over `--steps`. Rank counts above the GPUs present are
 skipped and said so.
 """
@@ -79,7 +81,10 @@ def measure(model_dir: Path, *, ranks: int, device: str, batch: Any, steps: int,
                 t["checkpoint_stage"] = time.perf_counter() - mark
                 t["step"] = sum(t[p] for p in PHASES)
                 mark = time.perf_counter()
-                trainer.wait_checkpoint()  # outside the step: what the background write took after staging
+                trainer.wait_checkpoint_staged()  # outside the step: the rest of the copy into host memory
+                t["checkpoint_copy_after_step"] = time.perf_counter() - mark
+                mark = time.perf_counter()
+                trainer.wait_checkpoint()  # then the write to disk
                 t["checkpoint_write_after_step"] = time.perf_counter() - mark
                 # One checkpoint on disk at a time: the a3b model's is 30 GB, a GPU machine's disk 64 GB.
                 shutil.rmtree(Path(ckpt_root) / f"step-{step}")
@@ -147,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         m = result["median_seconds"]
         print(f"{ranks} rank(s): step {m['step']:.3f} s = old_logprob {m['old_logprob']:.3f} + update "
               f"{m['update']:.3f} + weight_sync {m['weight_sync']:.3f} + checkpoint staging "
-              f"{m['checkpoint_stage']:.3f} (write after step {m['checkpoint_write_after_step']:.3f}); "
+              f"{m['checkpoint_stage']:.3f} (after the step: copy {m['checkpoint_copy_after_step']:.3f}, write "
+              f"{m['checkpoint_write_after_step']:.3f}); "
               f"{result['tokens_per_second_per_rank']:.0f} tokens/s per rank; peak memory per rank "
               f"{result['peak_memory_gib_per_rank']} GiB", flush=True)  # fmt: skip
     report = {

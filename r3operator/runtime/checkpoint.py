@@ -10,7 +10,8 @@ Layout under `<run dir>/checkpoints/` (cluster: the shared volume):
     latest                                 "step-000004\\n", replaced atomically after the rename
 
 `AsyncCheckpoints.start` writes into `.tmp-step-000004-<random>/` and returns as soon as the trainer's
-ranks have staged their state in memory; the step goes on while the shards are written. The commit
+ranks have enqueued the copy of their state into host memory; the run goes on while the copy and then
+the write proceed (each rank's next optimizer step waits for its copy). The commit
 (meta.json, fsync, rename, `latest`, retention) follows once every rank's write has finished: at the
 next checkpoint, or at `finish` (end of the run). A reader (a restarted driver) sees a complete
 checkpoint or none; a killed writer leaves only a temp dir, removed at the next commit. `latest` is a

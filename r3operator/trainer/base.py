@@ -135,7 +135,8 @@ class Trainer(Protocol):
 
     def save_checkpoint_async(self, directory: Path) -> None:
         """Start writing model + optimizer state into `directory` (sharded, one file per rank); returns
-        once the state is staged, so training may go on while it is written."""
+        once the copy into host memory is enqueued. The trainer's next optimizer step (and any load) waits
+        for that copy, so what follows the save (rollout, forward passes) overlaps with it and the write."""
         ...
 
     def wait_checkpoint(self) -> None:

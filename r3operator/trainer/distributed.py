@@ -179,6 +179,9 @@ class TrainerRank:
     def save_checkpoint_async(self, directory: str) -> None:
         self.trainer.save_checkpoint_async(Path(directory))
 
+    def wait_checkpoint_staged(self) -> None:
+        self.trainer.wait_checkpoint_staged()
+
     def wait_checkpoint(self) -> None:
         self.trainer.wait_checkpoint()
 
@@ -372,6 +375,11 @@ class DistributedTrainer:
 
     def save_checkpoint_async(self, directory: Path) -> None:
         self._all(lambda r: r.save_checkpoint_async.remote(str(directory)))
+
+    def wait_checkpoint_staged(self) -> None:
+        """Block until every rank has copied its state out of the live tensors (each rank's next optimizer
+        step waits for its own copy anyway)."""
+        self._all(lambda r: r.wait_checkpoint_staged.remote())
 
     def wait_checkpoint(self) -> None:
         self._all(lambda r: r.wait_checkpoint.remote())

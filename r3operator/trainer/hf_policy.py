@@ -84,6 +84,7 @@ class PolicyTrainer(UpdateByShares):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
         self.replay = RouterReplay().install(self.model)
         self.checkpointer = ShardedCheckpointer()
+        self.checkpointer.guard(self.optimizer)
 
     # -- passes -------------------------------------------------------------------------------------
     def _compute(self) -> Any:
@@ -230,6 +231,7 @@ class PolicyTrainer(UpdateByShares):
         return self.optimizer.state_dict()
 
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        self.checkpointer.wait_staged()  # the load overwrites the tensors a save in flight may still copy
         if self.use_fsdp:
             from r3operator.trainer import fsdp
 
@@ -244,6 +246,10 @@ class PolicyTrainer(UpdateByShares):
     def save_checkpoint_async(self, directory: Path) -> None:
         self.checkpointer.save_async(directory, policy_state(self.model, self.optimizer))
 
+    def wait_checkpoint_staged(self) -> None:
+        """Block until the save in flight has copied the state (the next optimizer step waits for it anyway)."""
+        self.checkpointer.wait_staged()
+
     def wait_checkpoint(self) -> None:
         self.checkpointer.wait()
 
@@ -254,7 +260,8 @@ class PolicyTrainer(UpdateByShares):
         load_policy_state(self.model, self.optimizer, state)
 
     def close(self) -> None:
-        """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
+        """Finish the save in flight and release the checkpoint's staging buffers."""
+        self.checkpointer.close()
 
 
 def _scalar(value: Any) -> float:

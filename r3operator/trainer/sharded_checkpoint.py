@@ -2,9 +2,12 @@
 
 Every rank writes its own shard of the model and of the AdamW state (`__<rank>_0.distcp`; rank 0 also
 writes the global `.metadata`) plus its RNG state (`rng-rank<rank>.pt`). `save_async` returns once the
-state is staged (copied into CPU memory), so the next step may change the live tensors at once; the
-write runs in a background thread. That thread talks to the other ranks on a gloo group of its own: its
-collectives must never interleave with the training's on the default group.
+copy of the state into host memory is enqueued (`checkpoint_staging.py`: pinned buffers reused across
+saves on CUDA); the copy and then the write run in background threads. Until the copy is done the live
+tensors must not change: `guard(optimizer)` makes the optimizer's next step wait for it, so the copy
+overlaps with the next step's rollout and forward passes, and every load waits for it too. The writer
+thread talks to the other ranks on a gloo group of its own: its collectives must never interleave with
+the training's on the default group.
 
 Single-process trainers use the same path (DCP without a process group). A checkpoint is readable by
 any number of ranks (DCP reshards on load), so a resume may change the world size.
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from r3operator.trainer.checkpoint_staging import SaveInFlight, new_stager, start_save
 
 
 def rng_state() -> dict[str, Any]:
@@ -74,31 +79,55 @@ def load_policy_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None
 
 
 class ShardedCheckpointer:
-    """At most one save in flight per rank; `wait` surfaces its error."""
+    """At most one save in flight per rank; `wait` surfaces its error.
 
-    def __init__(self) -> None:
+    `stager`: an `AsyncStager` for `dcp.async_save`; by default a `DefaultStager` chosen at the first save
+    for the state's device (`checkpoint_staging.new_stager`)."""
+
+    def __init__(self, *, stager: Any = None) -> None:
         import torch.distributed as dist
 
-        self._future: Any = None
+        self._stager = stager
+        self._in_flight: SaveInFlight | None = None
         # Created now, while every rank constructs its trainer in step: new_group is collective.
         self._group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
 
+    def guard(self, optimizer: Any) -> None:
+        """Make every `optimizer.step()` wait until the save in flight has copied the live tensors."""
+        optimizer.register_step_pre_hook(lambda _optimizer, _args, _kwargs: self.wait_staged())
+
     def save_async(self, directory: Path, state: dict[str, Any]) -> None:
         import torch
-        import torch.distributed.checkpoint as dcp
 
+        # The stager reuses its host buffers: the previous save's writer must be done reading them.
         self.wait()
         directory.mkdir(parents=True, exist_ok=True)
         rng_file = directory / f"rng-rank{_rank():05d}.pt"
         torch.save(rng_state(), rng_file)
         fsync_file(rng_file)
-        self._future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group)
+        if self._stager is None:
+            self._stager = new_stager(state)
+        self._in_flight = start_save(state, directory, stager=self._stager, process_group=self._group)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the state out of the live tensors; raise its error."""
+        if self._in_flight is not None:
+            self._in_flight.staged.result()
 
     def wait(self) -> None:
         """Block until this rank's last save is on disk (DCP fsyncs its files); raise its error."""
-        future, self._future = self._future, None
-        if future is not None:
-            future.result()
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.written.result()
+
+    def close(self) -> None:
+        """Finish the save in flight, then release the stager's thread and host buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def load(self, directory: Path, state: dict[str, Any]) -> None:
         """Fill `state` (a `policy_state` template) in place from `directory`; restore this rank's RNG if
@@ -106,6 +135,7 @@ class ShardedCheckpointer:
         import torch
         import torch.distributed.checkpoint as dcp
 
+        self.wait()  # a save in flight still reads the live tensors that the load overwrites
         if not (directory / ".metadata").is_file():
             raise FileNotFoundError(f"{directory}: not a sharded checkpoint (no .metadata)")
         dcp.load(state, checkpoint_id=str(directory), process_group=self._group)

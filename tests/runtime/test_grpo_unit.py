@@ -110,6 +110,8 @@ class LinearPolicy:
     def fill(self, value: float) -> None:
         import torch
 
+        # A mutation of the live weights, like an optimizer step: it waits for the save in flight's copy.
+        self.checkpointer.wait_staged()
         with torch.no_grad():
             self.model.weight.fill_(value)
 

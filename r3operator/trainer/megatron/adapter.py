@@ -92,6 +92,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         self.device = trainer.device
         self.batch_device = str(trainer.device)
         self.checkpointer = ShardedCheckpointer()
+        self.checkpointer.guard(trainer.optimizer)
         self.device_type = "cuda" if str(trainer.device).startswith("cuda") else "cpu"
         self.compute_dtype = compute_dtype
         cfg = trainer.hf_config
@@ -240,6 +241,7 @@ class MegatronPolicyTrainer(UpdateByShares):
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         from r3operator.trainer.megatron.trainer import load_hf_weights, load_optimizer_full_state
 
+        self.checkpointer.wait_staged()  # the load overwrites the tensors a save in flight may still copy
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
         load_optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer, optim_sd)
 
@@ -249,6 +251,9 @@ class MegatronPolicyTrainer(UpdateByShares):
     def save_checkpoint_async(self, directory: Path) -> None:
         state = {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
         self.checkpointer.save_async(directory, state)
+
+    def wait_checkpoint_staged(self) -> None:
+        self.checkpointer.wait_staged()
 
     def wait_checkpoint(self) -> None:
         self.checkpointer.wait()
@@ -260,7 +265,8 @@ class MegatronPolicyTrainer(UpdateByShares):
         self.load_state(state["model"], state["optimizer"])
 
     def close(self) -> None:
-        """Nothing beyond this process to release (a save in flight is the checkpointer's to finish)."""
+        """Finish the save in flight and release the checkpoint's staging buffers."""
+        self.checkpointer.close()
 
 
 def require_megatron() -> None:
