@@ -212,11 +212,13 @@ def test_recompute_replays_in_forward_order_and_rebuild_invalidates_old_model(tr
     assert s_other["grad_norm"] != pytest.approx(s_plain["grad_norm"], rel=1e-5)
 
 
-def test_canary_forward_replays_the_engines_routes_and_reports_the_natural_ones(trainer: Any) -> None:
+def test_canary_forward_replays_the_engines_routes_and_reports_the_natural_ones(model_dir: Path) -> None:
     """The adapter's weight-canary forward: logits under the replayed routes equal the R3 pass; the natural
-    ids are what the routers pick without replay."""
+    ids are what the routers pick without replay. (Its own model: the one of the module fixture was replaced
+    by the rebuild test, and megatron's replay instances are process-global.)"""
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
 
+    trainer = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2)
     batch, routes = make_batch(2)
     row, length = 0, int(batch.attention_mask[0].sum())
     sequence = batch.input_ids[row, :length].tolist()
