@@ -35,6 +35,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 STAGES = Path(__file__).with_name("kwok-stages.yaml")
 GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+"""The `nvidia.com/gpu.product` label of the fake GPU nodes (as the GPU Operator's feature discovery sets it)."""
 # Pods with this label are failed by kwok instead of completed (see kwok-stages.yaml).
 FAIL_LABEL = "kwok.r3operator.io/fail"
 # Pods owned by a Job in this namespace exit 1 instead of completing (a RayJob submitter that fails).
@@ -84,7 +86,7 @@ class Fleet:
             capacity[GPU_RESOURCE] = str(self.gpus_per_node)
             gpu_labels = {
                 "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.product": GPU_PRODUCT,
                 "nvidia.com/gpu.count": str(self.gpus_per_node),
             }
         return {
@@ -758,3 +760,17 @@ def control_plane(
         plane.stop()
         if own:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def gpu_resource_flavor(name: str = "h100") -> dict[str, Any]:
+    """A Kueue ResourceFlavor of the fake GPU nodes: their label and taint (Kueue gives the flavor only to pods
+    that select and tolerate them)."""
+    return {
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "ResourceFlavor",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeLabels": {"nvidia.com/gpu.product": GPU_PRODUCT},
+            "nodeTaints": [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}],
+        },
+    }

@@ -27,7 +27,14 @@ from typing import Any
 
 import yaml
 
-from kubecluster.controlplane import REPO, ControlPlane, Fleet, binaries_dir, kubectl_binary
+from kubecluster.controlplane import (
+    REPO,
+    ControlPlane,
+    Fleet,
+    binaries_dir,
+    gpu_resource_flavor,
+    kubectl_binary,
+)
 
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp-kueue.yaml"
 NAMESPACE = "rl"
@@ -40,7 +47,6 @@ PRIORITY_CLASS = "rl-training"
 PULL_SECRET = "ghcr-pull"
 TOKEN_SECRET = "hf-token"
 TOKEN_KEY = "token"
-GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPUS_SHORT, GPUS_ENOUGH = 16, 32
 """The queue starts with half of the example's 32 GPUs, then grows to all of them."""
 FAKE_HF_TOKEN = "hf_walkthroughNOTaREALtoken0042"
@@ -53,16 +59,7 @@ END_MARK = "<!-- WALKTHROUGH:END -->"
 
 
 def resource_flavor() -> dict[str, Any]:
-    """The GPU nodes' label and taint: Kueue gives this flavor only to pods that select and tolerate them."""
-    return {
-        "apiVersion": "kueue.x-k8s.io/v1beta1",
-        "kind": "ResourceFlavor",
-        "metadata": {"name": FLAVOR},
-        "spec": {
-            "nodeLabels": {"nvidia.com/gpu.product": GPU_PRODUCT},
-            "nodeTaints": [{"key": GPU, "value": "present", "effect": "NoSchedule"}],
-        },
-    }
+    return gpu_resource_flavor(FLAVOR)
 
 
 def cluster_queue(gpus: int) -> dict[str, Any]:

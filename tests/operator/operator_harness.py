@@ -150,6 +150,24 @@ def all_children(cluster: Cluster, namespace: str, job: str) -> dict[str, dict[s
     return wait_for(ready, what=f"children of {job}")
 
 
+def written_objects(cluster: Cluster, namespace: str, *, kueue: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Every object in `namespace` the operator writes or that is made from what it writes (pods, KubeRay's
+    RayClusters, events; Kueue's Workloads with `kueue`): where a leaked secret value would show."""
+    kinds = {
+        "configmaps": f"/api/v1/namespaces/{namespace}/configmaps",
+        "statefulsets": f"/apis/apps/v1/namespaces/{namespace}/statefulsets",
+        "jobs": f"/apis/batch/v1/namespaces/{namespace}/jobs",
+        "pods": f"/api/v1/namespaces/{namespace}/pods",
+        "rayjobs": f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs",
+        "rayclusters": f"/apis/ray.io/v1/namespaces/{namespace}/rayclusters",
+        "events": f"/api/v1/namespaces/{namespace}/events",
+        "rljobs": f"/apis/r3operator.io/v1alpha1/namespaces/{namespace}/rljobs",
+    }
+    if kueue:
+        kinds["workloads"] = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{namespace}/workloads"
+    return {kind: (cluster.get(path) or {}).get("items") or [] for kind, path in kinds.items()}
+
+
 def wait_condition(
     cluster: Cluster, namespace: str, job: str, ctype: str, status: str, reason: str | None = None
 ) -> dict[str, Any]:

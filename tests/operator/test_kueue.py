@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
+from kubecluster.controlplane import gpu_resource_flavor
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
 
 NS = "rl-kueue"
@@ -23,16 +24,7 @@ GPU = "nvidia.com/gpu"
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> Iterator[KopfRunner]:
     cluster.api.start_kueue()
-    flavor = {
-        "apiVersion": "kueue.x-k8s.io/v1beta1",
-        "kind": "ResourceFlavor",
-        "metadata": {"name": "h100"},
-        # The fake GPU nodes' label and taint: Kueue assigns this flavor only to pods that tolerate it.
-        "spec": {
-            "nodeLabels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-            "nodeTaints": [{"key": GPU, "value": "present", "effect": "NoSchedule"}],
-        },
-    }
+    flavor = gpu_resource_flavor()
     cluster.apply(flavor)
     for name, value in (("rl-low", 10), ("rl-high", 1000)):
         cluster.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},

@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 from kubecluster import walkthrough as wt
-from operator_harness import REPO, Cluster, condition, paths, running_operator, wait_for
+from kubecluster.controlplane import GPU_PRODUCT
+from operator_harness import REPO, Cluster, condition, paths, running_operator, wait_for, written_objects
 
 NS, JOB = wt.NAMESPACE, wt.JOB
 KUEUE = "/apis/kueue.x-k8s.io/v1beta1"
@@ -41,24 +42,6 @@ def _cond(cluster: Cluster, ctype: str, status: str, reason: str | None = None, 
         return None
 
     return wait_for(check, timeout=90, what=f"{ctype}={status} {reason or ''} saying {text!r}")
-
-
-def _written(cluster: Cluster) -> dict[str, list[dict[str, Any]]]:
-    """Everything in the namespace the operator writes or that is made from what it writes."""
-    return {
-        kind: cluster.get(path)["items"]
-        for kind, path in {
-            "configmaps": f"/api/v1/namespaces/{NS}/configmaps",
-            "statefulsets": f"/apis/apps/v1/namespaces/{NS}/statefulsets",
-            "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
-            "pods": f"/api/v1/namespaces/{NS}/pods",
-            "rayjobs": f"/apis/ray.io/v1/namespaces/{NS}/rayjobs",
-            "rayclusters": f"/apis/ray.io/v1/namespaces/{NS}/rayclusters",
-            "workloads": f"{KUEUE}/namespaces/{NS}/workloads",
-            "events": f"/api/v1/namespaces/{NS}/events",
-            "rljobs": f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs",
-        }.items()
-    }
 
 
 def _delete_the_job(cluster: Cluster) -> None:
@@ -109,7 +92,7 @@ def test_the_shipped_kueue_example_waits_for_quota_then_runs_on_tainted_gpu_node
                 name, spec = pod["metadata"]["name"], pod["spec"]
                 node = nodes[spec["nodeName"]]
                 assert gpu_taint in node["spec"]["taints"], (name, node["metadata"]["name"])
-                assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == wt.GPU_PRODUCT, name
+                assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == GPU_PRODUCT, name
                 assert spec["imagePullSecrets"] == [{"name": wt.PULL_SECRET}], name
                 assert spec["priorityClassName"] == wt.PRIORITY_CLASS, name
                 assert {
@@ -132,7 +115,7 @@ def test_the_shipped_kueue_example_waits_for_quota_then_runs_on_tainted_gpu_node
             _cond(cluster, "RoutingReplayActive", "False", "CanaryFailed", "/v1/completions")
             ready = _cond(cluster, "Ready", "False", "CanaryFailed")
             assert ready["message"].startswith("RoutingReplayActive: POST "), ready["message"]
-            written = _written(cluster)
+            written = written_objects(cluster, NS, kueue=True)
         finally:
             _delete_the_job(cluster)
     log = runner.output  # complete once the operator has stopped

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubecluster.controlplane import gpu_resource_flavor
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
 
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
@@ -65,15 +66,7 @@ def test_without_leaderworkerset_a_multi_node_replica_is_valid_false_naming_the_
 
 
 def _queue(cluster: Cluster, ns: str, name: str, gpus: int) -> None:
-    flavor = {
-        "apiVersion": "kueue.x-k8s.io/v1beta1",
-        "kind": "ResourceFlavor",
-        "metadata": {"name": "h100"},
-        "spec": {
-            "nodeLabels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-            "nodeTaints": [{"key": GPU, "value": "present", "effect": "NoSchedule"}],
-        },
-    }
+    flavor = gpu_resource_flavor()
     quota = [{"name": GPU, "nominalQuota": gpus}]
     cluster_queue = {
         "apiVersion": "kueue.x-k8s.io/v1beta1",

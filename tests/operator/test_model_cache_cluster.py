@@ -8,7 +8,7 @@ import base64
 import json
 from typing import Any
 
-from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
+from operator_harness import Cluster, condition, example, paths, running_operator, wait_for, written_objects
 
 NS = "model-cache"
 HF_TOKEN = "hf_9c1e7a44d2b0secretTOKENvalue"
@@ -143,19 +143,7 @@ def test_no_secret_value_lands_in_any_object_event_status_or_operator_log(cluste
         for job in (hf_job, s3_job):
             wait_for(lambda j=job: len(_engine_pods(cluster, j)) == 2, timeout=90, what=f"{job} engines")
             wait_for(lambda j=job: (cluster.get(paths(NS, j)["rljob"]) or {}).get("status"), what=f"{job} status")
-        written = {
-            kind: _list(cluster, path)
-            for kind, path in {
-                "configmaps": f"/api/v1/namespaces/{NS}/configmaps",
-                "statefulsets": f"/apis/apps/v1/namespaces/{NS}/statefulsets",
-                "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
-                "pods": f"/api/v1/namespaces/{NS}/pods",
-                "rayjobs": f"/apis/ray.io/v1/namespaces/{NS}/rayjobs",
-                "rayclusters": f"/apis/ray.io/v1/namespaces/{NS}/rayclusters",
-                "events": f"/api/v1/namespaces/{NS}/events",
-                "rljobs": f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs",
-            }.items()
-        }
+        written = written_objects(cluster, NS)
     log = runner.output  # complete once the operator has stopped
     dump = json.dumps(written)
     # The references are there (the grep below looks where the values would be)...
