@@ -162,8 +162,10 @@ def check_world(sizes: ParallelSizes, world: int, *, num_experts: int | None = N
     if sizes.pp > 1 and tied_embeddings:
         # The last stage would hold a copy of the input embedding whose gradient must be summed with the
         # first stage's (megatron's embedding group); this backend does not do that reduction.
-        raise ValueError(f"trainer.megatron.pipelineParallelSize {sizes.pp} with a model that ties its input "
-                         "and output embeddings (tie_word_embeddings) is not supported; use pipelineParallelSize 1")
+        raise ValueError(
+            f"trainer.megatron.pipelineParallelSize {sizes.pp} with a model that ties its input "
+            "and output embeddings (tie_word_embeddings) is not supported; use pipelineParallelSize 1"
+        )
     if sizes.tp > 1 and not sizes.sequence_parallel:
         raise ValueError(f"trainer.megatron.tensorParallelSize {sizes.tp} on an MoE model needs "
                          f"trainer.megatron.sequenceParallel: true")  # fmt: skip

@@ -4,8 +4,9 @@ Each rank joins the process group (`fsdp.init_rank`: rank 0's address and port),
 `build_megatron_trainer` sets megatron's parallel state over it: TP, EP, (SP) groups as
 `trainer.megatron` says, data parallel over the rest (world / (TP × PP × CP) replicas). A TP × PP group is
 one data-parallel replica: its ranks get the same micro-batch rows and routes, and the TP rank 0 of its
-last pipeline stage answers for it (the last stage computes the logprobs and the loss). Rows, share weights and the gradient reductions that make the update equal the one-process update
-are `trainer/shards.py` and `megatron/grads.py`.
+last pipeline stage answers for it (the last stage computes the logprobs and the loss). Rows, share
+weights and the gradient reductions that make the update equal the one-process update are
+`trainer/shards.py` and `megatron/grads.py`; the pipeline schedule is `megatron/pipeline.py`.
 """
 
 from __future__ import annotations
