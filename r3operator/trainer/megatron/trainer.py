@@ -168,8 +168,10 @@ class MegatronTrainer:
 
         if self.stage.size == 1:
             return value
-        buf = value.float().contiguous() if self.stage.last else torch.empty(shape, dtype=torch.float32,
-                                                                              device=self.device)  # fmt: skip
+        if self.stage.last:  # on the device: NCCL broadcasts device tensors only
+            buf = value.to(device=self.device, dtype=torch.float32).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=torch.float32, device=self.device)
         dist.broadcast(buf, src=self.stage.last_rank, group=self.stage.group)
         return buf
 
@@ -497,6 +499,11 @@ def build_megatron_trainer(
     )  # fmt: skip
     check_replay_config(tconfig)
     init_parallel(sizes, device, seed=seed)
+    if micro_batch_size is not None and sizes.ep * sizes.etp > 1 and ps.get_data_parallel_world_size() > 1:
+        # The expert-parallel group spans replicas whose shares have different row counts: their micro-batch
+        # counts would differ, and a forward one replica runs alone would wait in the dispatcher's gather.
+        raise ValueError("micro_batch_size with trainer.megatron.expertParallelSize > 1 across data-parallel "
+                         "replicas: leave it unset (one micro-batch per share)")  # fmt: skip
     RouterReplay.clear_global_router_replay_instances()  # the instance list is process-global
     torch.manual_seed(seed)
     block_spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
