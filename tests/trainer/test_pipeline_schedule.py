@@ -22,8 +22,9 @@ def _network() -> list[torch.nn.Module]:
 
 
 def _inputs() -> list[torch.Tensor]:
+    """Micro-batches of different row counts: each transfer must take its own micro-batch's shape."""
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(2, WIDTH, generator=g) for _ in range(MICRO_BATCHES)]
+    return [torch.randn(i + 1, WIDTH, generator=g) for i in range(MICRO_BATCHES)]
 
 
 def _loss(out: torch.Tensor, i: int) -> torch.Tensor:
@@ -39,7 +40,7 @@ def _worker(rank: int, port: int, queue: object) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     stage = Stage(index=rank, size=STAGES, prev_rank=rank - 1 if rank else None,
                   next_rank=rank + 1 if rank < STAGES - 1 else None, last_rank=STAGES - 1)  # fmt: skip
-    link = StageLink(stage, "cpu")
+    link = StageLink(stage, "cpu", torch.float32)
     part, inputs = _network()[rank], _inputs()
     events: list[str] = []
     outputs: list[torch.Tensor] = []
@@ -54,11 +55,11 @@ def _worker(rank: int, port: int, queue: object) -> None:
             return _loss(out, i)
         return out
 
-    run_one_f_one_b(MICRO_BATCHES, link, forward)
+    run_one_f_one_b(MICRO_BATCHES, link, forward, lambda i: tuple(inputs[i].shape))
     grads = [p.grad.clone() for p in part.parameters()]
     outputs.clear()
     with torch.no_grad():
-        run_forward_only(MICRO_BATCHES, link, forward)
+        run_forward_only(MICRO_BATCHES, link, forward, lambda i: tuple(inputs[i].shape))
     dist.destroy_process_group()
     # Plain lists: a tensor sent through the queue is shared memory the exiting child takes with it.
     queue.put((rank, events[: 2 * MICRO_BATCHES], [g.tolist() for g in grads],  # type: ignore[attr-defined]

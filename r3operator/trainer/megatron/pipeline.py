@@ -5,16 +5,19 @@ megatron-core's own schedule (`forward_backward_pipelining_without_interleaving`
 in `torch.zeros([], device="cuda")` and enters `torch.autocast("cuda")`, which no CPU shim
 (`parallel.install_cpu_shims`) can stand in for; and the old-logprob pass needs each micro-batch's
 recorded routes and probe ids, which its forward-only path does not hand back. So this module runs the
-same 1F1B order on torch.distributed point-to-point (gloo on CPU, NCCL on GPU):
+same 1F1B order, with the same pairing of transfers, on torch.distributed point-to-point (gloo on CPU, NCCL
+on GPU):
 
 - stage `i` of `p` runs `min(p - i - 1, m)` forwards first (warm-up), then alternates one forward and
   one backward, then the remaining backwards. Backwards run in forward order on every stage, which is
   the order the REPLAY_BACKWARD FIFO of megatron's RouterReplay pops (activation recompute re-runs each
   micro-batch's routers inside its backward, `trainer/replay/megatron.py`);
-- sends are non-blocking (`isend`, waited at the end of the schedule) and receives blocking, so a stage
-  never waits on its neighbour's receive: the 1F1B order then cannot deadlock;
-- each activation is preceded by a small header (dtype, shape), because under bf16 autocast the dtype
-  of a stage's output is whatever its last op produced; a gradient has its activation's dtype and shape.
+- in the alternating part a forward's send to the next stage goes out in one batch with the receive of
+  the gradient from it, and a backward's send to the previous stage with the receive of the next
+  activation from it (megatron's `send_forward_recv_backward` / `send_backward_recv_forward`): two
+  neighbours that both send before they receive would otherwise wait on each other under NCCL;
+- as in megatron, every activation travels in the pipeline dtype (the parameters' dtype) and with a shape
+  both sides know from the micro-batch, so no metadata is exchanged.
 
 With one stage every exchange is skipped and the order is forward, backward per micro-batch.
 """
@@ -25,8 +28,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -65,59 +66,62 @@ class Stage:
 
 @dataclass
 class StageLink:
-    """Point-to-point between this stage and its neighbours; `finish()` waits for the sends in flight."""
+    """Point-to-point between this stage and its neighbours. Every transfer is waited for before the call
+    returns, except plain sends (`send_forward` / `send_backward`), which `finish()` waits for."""
 
     stage: Stage
     device: Any
+    dtype: Any  # the pipeline dtype every activation and its gradient travel in
     pending: list[tuple[Any, Any]] = field(default_factory=list)  # (work, tensor kept alive until sent)
 
-    def _isend(self, tensor: Any, dst: int) -> None:
+    def _buffer(self, shape: tuple[int, ...]) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _wire(self, tensor: Any) -> Any:
+        return tensor.detach().to(dtype=self.dtype).contiguous()
+
+    def _exchange(self, send: Any, peer: int, recv_shape: tuple[int, ...]) -> Any:
         import torch.distributed as dist
 
-        tensor = tensor.contiguous()
-        self.pending.append((dist.isend(tensor, dst=dst), tensor))
+        out, buf = self._wire(send), self._buffer(recv_shape)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, buf, peer)])
+        for work in works:
+            work.wait()
+        return buf
+
+    def _send(self, tensor: Any, peer: int) -> None:
+        import torch.distributed as dist
+
+        out = self._wire(tensor)
+        self.pending.append((dist.isend(out, dst=peer), out))
+
+    def _recv(self, shape: tuple[int, ...], peer: int) -> Any:
+        import torch.distributed as dist
+
+        buf = self._buffer(shape)
+        dist.recv(buf, src=peer)
+        return buf
+
+    def recv_forward(self, shape: tuple[int, ...]) -> Any:
+        return self._recv(shape, _peer(self.stage.prev_rank, "previous"))
 
     def send_forward(self, hidden: Any) -> None:
-        import torch
+        self._send(hidden, _peer(self.stage.next_rank, "next"))
 
-        if self.stage.next_rank is None:
-            raise RuntimeError("the last pipeline stage has no next stage to send to")
-        dtype = str(hidden.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES or hidden.dim() > 4:
-            raise RuntimeError(f"pipeline activations must be {_DTYPES} with <= 4 dims, got {dtype} {hidden.dim()}")
-        shape = list(hidden.shape) + [0] * (4 - hidden.dim())
-        header = torch.tensor([_DTYPES.index(dtype), hidden.dim(), *shape], dtype=torch.int64, device=self.device)
-        self._isend(header, self.stage.next_rank)
-        self._isend(hidden.detach(), self.stage.next_rank)
-
-    def recv_forward(self) -> Any:
-        import torch
-        import torch.distributed as dist
-
-        if self.stage.prev_rank is None:
-            raise RuntimeError("the first pipeline stage has no previous stage to receive from")
-        header = torch.empty(6, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self.stage.prev_rank)
-        code, ndim, *shape = (int(v) for v in header.tolist())
-        hidden = torch.empty(shape[:ndim], dtype=getattr(torch, _DTYPES[code]), device=self.device)
-        dist.recv(hidden, src=self.stage.prev_rank)
-        return hidden
+    def recv_backward(self, shape: tuple[int, ...]) -> Any:
+        return self._recv(shape, _peer(self.stage.next_rank, "next"))
 
     def send_backward(self, grad: Any) -> None:
-        if self.stage.prev_rank is None:
-            raise RuntimeError("the first pipeline stage has no previous stage to send a gradient to")
-        self._isend(grad, self.stage.prev_rank)
+        self._send(grad, _peer(self.stage.prev_rank, "previous"))
 
-    def recv_backward(self, output: Any) -> Any:
-        """The gradient of `output` (this stage's activation of the micro-batch) from the next stage."""
-        import torch
-        import torch.distributed as dist
+    def send_forward_recv_backward(self, hidden: Any, shape: tuple[int, ...]) -> Any:
+        """Send this micro-batch's activation on; take the gradient (`shape`) of the oldest one in flight."""
+        return self._exchange(hidden, _peer(self.stage.next_rank, "next"), shape)
 
-        if self.stage.next_rank is None:
-            raise RuntimeError("the last pipeline stage has no next stage to receive a gradient from")
-        grad = torch.empty_like(output)
-        dist.recv(grad, src=self.stage.next_rank)
-        return grad
+    def send_backward_recv_forward(self, grad: Any, shape: tuple[int, ...]) -> Any:
+        return self._exchange(grad, _peer(self.stage.prev_rank, "previous"), shape)
 
     def finish(self) -> None:
         for work, _tensor in self.pending:
@@ -125,22 +129,30 @@ class StageLink:
         self.pending = []
 
 
+def _peer(rank: int | None, which: str) -> int:
+    if rank is None:
+        raise RuntimeError(f"this pipeline stage has no {which} stage")
+    return rank
+
+
 # forward(i, received): micro-batch i's output on this stage. `received` is the previous stage's activation
 # (None on the first stage); the last stage returns the scalar loss to differentiate, others their activation.
 StageForward = Callable[[int, Any], Any]
+# shape_of(i): the shape of the activation micro-batch i passes between stages (the same on every stage).
+ActivationShape = Callable[[int], tuple[int, ...]]
 
 
-def run_forward_only(count: int, link: StageLink, forward: StageForward) -> None:
+def run_forward_only(count: int, link: StageLink, forward: StageForward, shape_of: ActivationShape) -> None:
     """Every micro-batch forward through this stage, in order (no gradients)."""
     stage = link.stage
     for i in range(count):
-        out = forward(i, None if stage.first else link.recv_forward())
+        out = forward(i, None if stage.first else link.recv_forward(shape_of(i)))
         if not stage.last:
             link.send_forward(out)
     link.finish()
 
 
-def run_one_f_one_b(count: int, link: StageLink, forward: StageForward) -> None:
+def run_one_f_one_b(count: int, link: StageLink, forward: StageForward, shape_of: ActivationShape) -> None:
     """Forward and backward of `count` micro-batches through this stage in 1F1B order (module docstring);
     gradients accumulate in the parameters."""
     import torch
@@ -148,30 +160,49 @@ def run_one_f_one_b(count: int, link: StageLink, forward: StageForward) -> None:
     stage = link.stage
     in_flight: deque[tuple[Any, Any]] = deque()  # (received activation, output) of forwards not yet backward
 
-    def step_forward(i: int) -> None:
-        received = None if stage.first else link.recv_forward().requires_grad_()
+    def run_forward(i: int, received: Any) -> Any:
+        if received is not None:
+            received.requires_grad_()
         out = forward(i, received)
-        if not stage.last:
-            link.send_forward(out)
         in_flight.append((received, out))
+        return out
 
-    def step_backward() -> None:
+    def run_backward(grad: Any) -> Any:
+        """Backward of the oldest micro-batch in flight; the gradient of its input (None on the first stage)."""
         received, out = in_flight.popleft()
         if stage.last:
             out.backward()
         else:
-            torch.autograd.backward(out, grad_tensors=link.recv_backward(out))
-        if not stage.first:
-            if received.grad is None:
-                raise RuntimeError("pipeline stage input got no gradient: is the input tensor set on the model?")
-            link.send_backward(received.grad)
+            torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
+        if stage.first:
+            return None
+        if received.grad is None:
+            raise RuntimeError("pipeline stage input got no gradient: is the input tensor set on the model?")
+        return received.grad
+
+    def receive(i: int) -> Any:
+        return None if stage.first else link.recv_forward(shape_of(i))
 
     warmup = min(stage.size - stage.index - 1, count)
     for i in range(warmup):
-        step_forward(i)
+        out = run_forward(i, receive(i))
+        if not stage.last:
+            link.send_forward(out)
+    received = receive(warmup) if warmup < count else None
     for i in range(warmup, count):
-        step_forward(i)
-        step_backward()
+        out = run_forward(i, received)
+        grad = None if stage.last else link.send_forward_recv_backward(out, tuple(in_flight[0][1].shape))
+        input_grad = run_backward(grad)
+        if i == count - 1:
+            if input_grad is not None:
+                link.send_backward(input_grad)
+        elif input_grad is not None:
+            received = link.send_backward_recv_forward(input_grad, shape_of(i + 1))
+        else:
+            received = receive(i + 1)
     for _ in range(warmup):
-        step_backward()
+        grad = None if stage.last else link.recv_backward(tuple(in_flight[0][1].shape))
+        input_grad = run_backward(grad)
+        if input_grad is not None:
+            link.send_backward(input_grad)
     link.finish()  # not on an error: a neighbour that failed would never take the sends

@@ -68,7 +68,7 @@ class MegatronTrainer:
         self.session = ReplaySession(self.layout, num_experts=int(hf_config.num_experts), num_layers=self.num_layers)
         self.micro_batch_size: int | None = None
         self.stage = Stage.current()
-        self.link = StageLink(self.stage, device)
+        self.link = StageLink(self.stage, device, tconfig.pipeline_dtype or tconfig.params_dtype)
 
     # -- forward ------------------------------------------------------------------------------------------
     def _padded_shape(self, b: int, s: int) -> tuple[int, int]:
@@ -106,18 +106,26 @@ class MegatronTrainer:
             route_pad = F.pad(route_pad, (0, dc, 0, dr), value=True)
         return ids, attn, routes, route_pad
 
+    def _activation_shape(self, padded: tuple[int, int]) -> tuple[int, int, int]:
+        """[S', B', H] of the hidden states a stage passes on for a micro-batch padded to `padded` rows, cols
+        (this TP rank's sequence chunk under sequence parallelism)."""
+        rows, n = padded
+        return (n // self.sizes.tp if self.sizes.sequence_parallel else n, rows, int(self.hf_config.hidden_size))
+
     def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any,
-                 received: Any = None) -> Any:  # fmt: skip
+                 received: Any = None, padded: tuple[int, int] | None = None) -> Any:  # fmt: skip
         """This stage's part of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
         indices, as in vLLM) with the replay state set for `mode`: logits [B, S, V] on the last stage, the
-        hidden states to send on (padded, [S', B', H]) on the others. `received`: the previous stage's
-        hidden states (None on the first stage)."""
+        hidden states to send on (`_activation_shape`) on the others. `received`: the previous stage's
+        hidden states (None on the first stage); `padded`: the micro-batch's `_padded_shape`, when the
+        caller agreed on it already."""
         import torch
 
         b, s = ids.shape
         if routes is not None and route_pad is None:
             route_pad = torch.zeros(routes.shape[:2], dtype=torch.bool)
-        ids, attn, routes, route_pad = self._pad_to(*self._padded_shape(b, s), ids, attn, routes, route_pad)
+        ids, attn, routes, route_pad = self._pad_to(*(padded or self._padded_shape(b, s)), ids, attn, routes,
+                                                    route_pad)  # fmt: skip
         if route_pad is not None:  # attention padding never has a route either
             route_pad = route_pad.bool() | ~attn.bool().to(route_pad.device)
         dev = self.device
@@ -143,9 +151,10 @@ class MegatronTrainer:
         received ([B, S, L, K], dense layers 0)."""
         used: list[Any] = []
         logits: list[Any] = []
+        padded = self._padded_shape(*ids.shape)
 
         def forward(_i: int, received: Any) -> Any:
-            out = self._forward(mode, ids, attn, routes, route_pad, received)
+            out = self._forward(mode, ids, attn, routes, route_pad, received, padded)
             if probe:
                 used.append(self._to_batch_layout(rp.take(self._last_layout[0], self._local_seq())))
             if self.stage.last:
@@ -153,7 +162,7 @@ class MegatronTrainer:
             return out
 
         with RoutingProbe(self.model, enabled=probe) as rp:
-            run_forward_only(1, self.link, forward)
+            run_forward_only(1, self.link, forward, lambda _i: self._activation_shape(padded))
         b, s = ids.shape
         whole = self._from_last_stage(logits[0] if logits else None, (b, s, self._vocab()))
         return whole, (self._sum_over_stages(used[0]) if probe else None)
@@ -185,6 +194,11 @@ class MegatronTrainer:
         dist.all_reduce(t, group=self.stage.group)
         return t.cpu()
 
+    def _padded_shapes(self, parts: list[Any], width: int) -> list[tuple[int, int]]:
+        """Every micro-batch's `_padded_shape`, agreed before the schedule: every stage needs it to size the
+        activations it receives, and the agreement is a collective the stages must not interleave."""
+        return [self._padded_shape(len(rows), width) for rows in parts]
+
     def _split(self, b: int) -> list[Any]:
         import torch
 
@@ -207,13 +221,14 @@ class MegatronTrainer:
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
         parts = self._split(batch.input_ids.shape[0])
+        padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         outs, recs, used = [], [], []
 
         def forward(i: int, received: Any) -> Any:
             rows = parts[i]
             ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
             out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                None if pad is None else pad[rows], received)  # fmt: skip
+                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if self.stage.last:
                 outs.append(logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device)).cpu())
             if mode == "R2-record":
@@ -223,7 +238,7 @@ class MegatronTrainer:
             return out
 
         with replay_schedule(), torch.no_grad(), RoutingProbe(self.model, enabled=probe) as rp:
-            run_forward_only(len(parts), self.link, forward)
+            run_forward_only(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
         b, s = batch.input_ids.shape
         logprobs = self._from_last_stage(torch.cat(outs) if outs else None, (b, s - 1)).cpu()
         return LogprobOutput(logprobs, self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
@@ -269,13 +284,14 @@ class MegatronTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = self._split(batch.input_ids.shape[0])
+        padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         stats: dict[str, float] = {}
 
         def forward(i: int, received: Any) -> Any:
             rows = parts[i]
             ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
             out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                None if pad is None else pad[rows], received)  # fmt: skip
+                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if not self.stage.last:
                 return out
             lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device))
@@ -286,7 +302,7 @@ class MegatronTrainer:
             return loss * (loss_scale / len(parts))
 
         with replay_schedule():
-            run_one_f_one_b(len(parts), self.link, forward)
+            run_one_f_one_b(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
         stats = self._stats_from_last_stage(stats)
         finalize_grads(self.model)
         stats["grad_norm"] = clip_global_grad_norm(self.model, grad_clip)
