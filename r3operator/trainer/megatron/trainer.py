@@ -156,7 +156,7 @@ class MegatronTrainer:
         def forward(_i: int, received: Any) -> Any:
             out = self._forward(mode, ids, attn, routes, route_pad, received, padded)
             if probe:
-                used.append(self._to_batch_layout(rp.take(self._last_layout[0], self._local_seq())))
+                used.append(self._stage_ids(rp.take))
             if self.stage.last:
                 logits.append(out)
             return out
@@ -232,9 +232,9 @@ class MegatronTrainer:
             if self.stage.last:
                 outs.append(logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device)).cpu())
             if mode == "R2-record":
-                recs.append(self._to_batch_layout(self.session.recorded(self._last_layout[0], self._local_seq())))
+                recs.append(self._stage_ids(self.session.recorded))
             if probe:
-                used.append(self._to_batch_layout(rp.take(self._last_layout[0], self._local_seq())))
+                used.append(self._stage_ids(rp.take))
             return out
 
         with replay_schedule(), torch.no_grad(), RoutingProbe(self.model, enabled=probe) as rp:
@@ -243,6 +243,16 @@ class MegatronTrainer:
         logprobs = self._from_last_stage(torch.cat(outs) if outs else None, (b, s - 1)).cpu()
         return LogprobOutput(logprobs, self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
                              self._sum_over_stages(torch.cat(used)[:, :s]) if used else None)  # fmt: skip
+
+    def _stage_ids(self, take: Callable[[int, int], Any]) -> Any:
+        """The last forward's per-router ids on this stage (`take(rows, local seq)`: probed or recorded) in the
+        caller's [B, S, L, K]; a stage without a router (only dense layers) contributes zeros."""
+        import torch
+
+        rows, seq = self._last_layout[0], self._local_seq()
+        if not self.session.layers:
+            return self._to_batch_layout(torch.zeros(rows, seq, 0, self.top_k, dtype=torch.int64, device=self.device))
+        return self._to_batch_layout(take(rows, seq))
 
     def _local_seq(self) -> int:
         n = self._last_layout[1]
