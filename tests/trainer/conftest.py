@@ -19,15 +19,17 @@ def _common(layers: int = 3, **extra: Any) -> dict[str, Any]:
     return {**base, **extra}
 
 
-def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None, layers: int = 3) -> Any:
-    """A random tiny MoE of `family` in eval mode; router weights widened so top-k is not tied."""
+def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None, layers: int = 3,
+                   dense_layers: tuple[int, ...] = ()) -> Any:  # fmt: skip
+    """A random tiny MoE of `family` in eval mode; router weights widened so top-k is not tied.
+    `dense_layers` (qwen3_moe only): layers with a dense MLP instead of experts (`mlp_only_layers`)."""
     import torch
     import transformers as tf
 
     torch.manual_seed(seed)
     if family == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**_common(layers, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          norm_topk_prob=True))  # fmt: skip
+                                          norm_topk_prob=True, mlp_only_layers=list(dense_layers)))  # fmt: skip
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(**_common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -4,7 +4,8 @@ really interleaves (stage 0 runs micro-batch 1's forward before micro-batch 0's 
 recompute replays each backward from the REPLAY_BACKWARD FIFO. Under R3 every stage's routers must take
 the engine's routes, and the old logprobs, the update's statistics, the weights after it, the weight sync,
 an SFT step, the canary forward and a checkpoint that resumes on one process must come out as on one
-process; then one R2 step."""
+process; then one R2 step. A second case runs 3 stages of a 6-layer model whose first stage has only
+dense layers (no router)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def four_layer_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def six_layers_first_two_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-moe-6")
+    build_tiny_moe("qwen3_moe", layers=6, dense_layers=(0, 1)).save_pretrained(path)
+    return path
+
+
 def one_process(model_dir: Path) -> Any:
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
@@ -41,13 +49,13 @@ def one_process(model_dir: Path) -> Any:
     return MegatronPolicyTrainer(trainer, compute_dtype="float32")
 
 
-def two_stages(model_dir: Path) -> Any:
+def two_stages(model_dir: Path, stages: int = 2) -> Any:
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.megatron.ranks import MegatronOptions
 
-    spec = MegatronSpec(pipeline_parallel_size=2, recompute=True)
+    spec = MegatronSpec(pipeline_parallel_size=stages, recompute=True)
     options = MegatronOptions(spec, learning_rate=LR, seed=0, compute_dtype="float32", micro_batch_size=MICRO_BATCH)
-    return DistributedTrainer(model_dir, world_size=2, device="cpu", options=options)
+    return DistributedTrainer(model_dir, world_size=stages, device="cpu", options=options)
 
 
 def test_two_pipeline_stages_train_like_one_process_under_r3_then_r2(
@@ -106,3 +114,28 @@ def test_two_pipeline_stages_train_like_one_process_under_r3_then_r2(
     assert largest_difference(resumed.model_state_dict(), at_save) == 0.0
     resumed.sft_step(PROMPTS, ANSWERS)
     assert largest_difference(resumed.model_state_dict(), after_two) <= 1e-5
+
+
+def test_three_stages_with_a_router_less_first_stage_replay_and_train_like_one_process(
+    six_layers_first_two_dense_dir: Path, ray_started: None
+) -> None:
+    """6 layers, 0-1 dense, in 3 stages: stage 0 has no router (it still sends and receives every
+    micro-batch), stage 1 is a middle stage that receives activations and sends gradients both ways."""
+    batch = r3_batch(layers=6)
+    batch.engine_routes[:, :, :2] = 0  # vLLM reports dense layers as zero rows
+    single = one_process(six_layers_first_two_dense_dir)
+    one = single.old_logprobs(batch, ReplayMode.R3)
+    s1 = single.update(batch, one, mini_batches=1, **CLIP)  # 5 rows: micro-batches of 2, 2, 1
+    ranks = two_stages(six_layers_first_two_dense_dir, stages=3)
+    try:
+        two = ranks.old_logprobs(batch, ReplayMode.R3)
+        real = ~batch.route_pad
+        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
+        assert bool((two.used_ids[real][:, 2:] != 0).any())
+        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
+        s2 = ranks.update(batch, two, mini_batches=1, **CLIP)
+        for name in ("loss", "grad_norm"):
+            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
+        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
+    finally:
+        ranks.close()
