@@ -5,7 +5,7 @@ recompute replays each backward from the REPLAY_BACKWARD FIFO. Under R3 every st
 the engine's routes, and the old logprobs, the update's statistics, the weights after it, the weight sync,
 an SFT step, the canary forward and a checkpoint that resumes on one process must come out as on one
 process; then one R2 step. A second case runs 3 stages of a 6-layer model whose first stage has only
-dense layers (no router)."""
+dense layers (no router), and two cases on 4 ranks: PP=2 × TP=2+SP and PP=2 × EP=2 (2 replicas per stage)."""
 
 from __future__ import annotations
 
@@ -41,21 +41,23 @@ def six_layers_first_two_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> 
     return path
 
 
-def one_process(model_dir: Path) -> Any:
+def one_process(model_dir: Path, micro_batch_size: int | None = MICRO_BATCH) -> Any:
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
 
-    trainer = build_megatron_trainer(None, model_dir, "cpu", learning_rate=LR, micro_batch_size=MICRO_BATCH)
+    trainer = build_megatron_trainer(None, model_dir, "cpu", learning_rate=LR, micro_batch_size=micro_batch_size)
     return MegatronPolicyTrainer(trainer, compute_dtype="float32")
 
 
-def two_stages(model_dir: Path, stages: int = 2) -> Any:
+def two_stages(model_dir: Path, stages: int = 2, spec: MegatronSpec | None = None, ranks: int | None = None,
+               micro_batch_size: int | None = MICRO_BATCH) -> Any:  # fmt: skip
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.megatron.ranks import MegatronOptions
 
-    spec = MegatronSpec(pipeline_parallel_size=stages, recompute=True)
-    options = MegatronOptions(spec, learning_rate=LR, seed=0, compute_dtype="float32", micro_batch_size=MICRO_BATCH)
-    return DistributedTrainer(model_dir, world_size=stages, device="cpu", options=options)
+    spec = spec or MegatronSpec(pipeline_parallel_size=stages, recompute=True)
+    options = MegatronOptions(spec, learning_rate=LR, seed=0, compute_dtype="float32",
+                              micro_batch_size=micro_batch_size)  # fmt: skip
+    return DistributedTrainer(model_dir, world_size=ranks or stages, device="cpu", options=options)
 
 
 def test_two_pipeline_stages_train_like_one_process_under_r3_then_r2(
@@ -134,6 +136,37 @@ def test_three_stages_with_a_router_less_first_stage_replay_and_train_like_one_p
         assert bool((two.used_ids[real][:, 2:] != 0).any())
         torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
         s2 = ranks.update(batch, two, mini_batches=1, **CLIP)
+        for name in ("loss", "grad_norm"):
+            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
+        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "micro_batch_size", "replicas"),
+    [(MegatronSpec(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), MICRO_BATCH, 1),
+     # EP across 2 replicas per stage: one micro-batch per share (build_megatron_trainer refuses more).
+     (MegatronSpec(pipeline_parallel_size=2, expert_parallel_size=2), None, 2)],
+    ids=["pp2-tp2-sp", "pp2-ep2-dp2"],
+)  # fmt: skip
+def test_two_stages_with_tensor_or_expert_parallelism_over_four_ranks(
+    four_layer_moe_dir: Path, ray_started: None, spec: MegatronSpec, micro_batch_size: int | None, replicas: int
+) -> None:
+    """Each stage is itself a TP=2+SP group (activations are this TP rank's sequence chunk) or an EP=2
+    group over two replicas (the row agreement stays within a stage)."""
+    batch = r3_batch(layers=LAYERS)
+    single = one_process(four_layer_moe_dir, micro_batch_size)
+    one = single.old_logprobs(batch, ReplayMode.R3)
+    s1 = single.update(batch, one, mini_batches=2, **CLIP)
+    ranks = two_stages(four_layer_moe_dir, spec=spec, ranks=4, micro_batch_size=micro_batch_size)
+    try:
+        assert ranks.dp_size == replicas
+        two = ranks.old_logprobs(batch, ReplayMode.R3)
+        real = ~batch.route_pad
+        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
+        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
+        s2 = ranks.update(batch, two, mini_batches=2, **CLIP)
         for name in ("loss", "grad_norm"):
             assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
         assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
