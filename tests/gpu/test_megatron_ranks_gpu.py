@@ -1,6 +1,7 @@
 """GPU: the Megatron backend over 2 and 4 Ray-actor ranks (one GPU each, NCCL) against the one-process
 Megatron trainer on the same R3 batch (fp32 weights and compute): TP=2+SP, EP=2 (two data-parallel
-replicas), and on 4 GPUs TP=2+SP+EP=2, TP=2+SP with 2 replicas (experts replicated over 4 ranks) and EP=4.
+replicas), PP=2 (layers 0-3 and 4-7), and on 4 GPUs TP=2+SP+EP=2, TP=2+SP with 2 replicas (experts
+replicated over 4 ranks), EP=4, PP=2 × TP=2+SP and PP=2 × EP=2 (2 replicas per stage).
 
     PYTHONPATH=. python -m pytest tests/gpu/test_megatron_ranks_gpu.py -m gpu -q
 
@@ -29,6 +30,9 @@ CASES = [  # (GPUs, trainer.megatron)
     (4, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2}),
     (4, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     (4, {"expert_parallel_size": 4}),
+    (2, {"pipeline_parallel_size": 2}),
+    (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
+    (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}),
 ]
 
 
@@ -99,7 +103,8 @@ def reference() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("gpus", "megatron"), CASES,
-                         ids=["2gpu-tp2-sp", "2gpu-ep2", "4gpu-tp2-sp-ep2", "4gpu-tp2-sp-dp2", "4gpu-ep4"])  # fmt: skip
+                         ids=["2gpu-tp2-sp", "2gpu-ep2", "4gpu-tp2-sp-ep2", "4gpu-tp2-sp-dp2", "4gpu-ep4", "2gpu-pp2",
+                              "4gpu-pp2-tp2-sp", "4gpu-pp2-ep2"])  # fmt: skip
 def test_megatron_over_ray_ranks_trains_like_one_process(
     gpus: int, megatron: dict[str, Any], reference: dict[str, Any], tmp_path: Path
 ) -> None:

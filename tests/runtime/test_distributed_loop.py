@@ -90,9 +90,13 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
         resumed.trainer.close()
 
 
-def test_a_megatron_run_on_two_expert_parallel_ranks_syncs_and_checkpoints(tmp_path: Path) -> None:
-    """EP=2 over the 2 ranks (two data-parallel replicas): the loop does not know; the engine receives the
-    weights both ranks gathered, equal to the checkpoint's."""
+@pytest.mark.parametrize(("megatron", "replicas"), [({"expertParallelSize": 2}, 2), ({"pipelineParallelSize": 2}, 1)],
+                         ids=["ep2", "pp2"])  # fmt: skip
+def test_a_megatron_run_on_two_ranks_syncs_and_checkpoints(tmp_path: Path, megatron: dict[str, Any],
+                                                           replicas: int) -> None:  # fmt: skip
+    """EP=2 over the 2 ranks (two data-parallel replicas) or two pipeline stages (one replica; rank 0, the
+    first stage, streams the sync): the loop does not know; the engine receives the weights the ranks
+    gathered, equal to the checkpoint's."""
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
     import torch
 
@@ -101,9 +105,9 @@ def test_a_megatron_run_on_two_expert_parallel_ranks_syncs_and_checkpoints(tmp_p
     from r3operator.trainer.sharded_checkpoint import read_full_state
 
     engine = RecordingEngine()
-    run = _run(tmp_path, engine, steps=2, trainer={"backend": "Megatron", "megatron": {"expertParallelSize": 2}})
+    run = _run(tmp_path, engine, steps=2, trainer={"backend": "Megatron", "megatron": megatron})
     run.run()
-    assert isinstance(run.trainer, DistributedTrainer) and run.trainer.dp_size == 2
+    assert isinstance(run.trainer, DistributedTrainer) and run.trainer.dp_size == replicas
     assert_two_replayed_steps(run)
     step2 = run.ckpt_root / "step-000002"
     want = dict(checkpoint_tensors(read_full_state(step2 / "policy")["model"], dtype=torch.float32))

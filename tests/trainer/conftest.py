@@ -10,24 +10,26 @@ import pytest
 VOCAB = 96
 
 
-def _common(**extra: Any) -> dict[str, Any]:
+def _common(layers: int = 3, **extra: Any) -> dict[str, Any]:
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
         eos_token_id=2,
     )  # fmt: skip
     return {**base, **extra}
 
 
-def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None) -> Any:
-    """A random tiny MoE of `family` in eval mode; router weights widened so top-k is not tied."""
+def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None, layers: int = 3,
+                   dense_layers: tuple[int, ...] = ()) -> Any:  # fmt: skip
+    """A random tiny MoE of `family` in eval mode; router weights widened so top-k is not tied.
+    `dense_layers` (qwen3_moe only): layers with a dense MLP instead of experts (`mlp_only_layers`)."""
     import torch
     import transformers as tf
 
     torch.manual_seed(seed)
     if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**_common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          norm_topk_prob=True))  # fmt: skip
+        cfg = tf.Qwen3MoeConfig(**_common(layers, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=True, mlp_only_layers=list(dense_layers)))  # fmt: skip
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(**_common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -63,7 +65,7 @@ def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None) -> Any:
 ROWS, WIDTH, LAYERS, EXPERTS, TOP_K = 5, 14, 3, 8, 2  # r3_batch, for build_tiny_moe("qwen3_moe")
 
 
-def r3_batch(seed: int = 0) -> Any:
+def r3_batch(seed: int = 0, layers: int = LAYERS) -> Any:
     """5 right-padded rows of different lengths; every token has engine routes (k distinct experts per
     layer, drawn at random, so they differ from the routers' own choice) except the pad."""
     import torch
@@ -80,7 +82,7 @@ def r3_batch(seed: int = 0) -> Any:
         ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
         attn[i, :n] = 1
         resp[i, prompt - 1 : n - 1] = True
-    routes = torch.rand(ROWS, WIDTH, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
+    routes = torch.rand(ROWS, WIDTH, layers, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
     pad = attn == 0
     routes[pad] = 0
     return TrainBatch(

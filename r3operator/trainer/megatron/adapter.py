@@ -201,7 +201,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         ids = torch.as_tensor([list(sequence)], dtype=torch.int64)
         self.mt.model.eval()
         with replay_schedule(), torch.no_grad():
-            logits = self.mt._forward("off", ids, torch.ones_like(ids), None, None)
+            logits, _ = self.mt.forward_logits("off", ids, torch.ones_like(ids), None, None)
         return logits[0].float().cpu()
 
     def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
@@ -210,7 +210,6 @@ class MegatronPolicyTrainer(UpdateByShares):
         choices inside its replayed forward; Megatron's replay replaces the router's top-k)."""
         import torch
 
-        from r3operator.trainer.megatron.trainer import RoutingProbe
         from r3operator.trainer.replay.megatron import replay_schedule
 
         ids = torch.as_tensor([list(sequence)], dtype=torch.int64)
@@ -218,10 +217,9 @@ class MegatronPolicyTrainer(UpdateByShares):
         self.mt.model.eval()
         with torch.no_grad():
             with replay_schedule(), (self._compute() if compute else nullcontext()):
-                logits = self.mt._forward("R3", ids, attn, routes, route_pad)
-            with replay_schedule(), RoutingProbe(self.mt.model, enabled=True) as probe:
-                self.mt._forward("off", ids, attn, None, None)
-                natural = self.mt._to_batch_layout(probe.take(1, self.mt._local_seq()))
+                logits, _ = self.mt.forward_logits("R3", ids, attn, routes, route_pad)
+            with replay_schedule():
+                _, natural = self.mt.forward_logits("off", ids, attn, None, None, probe=True)
         return CanaryForward(logits[0].float().cpu(), natural[0, : ids.shape[1]])
 
     # -- state --------------------------------------------------------------------------------------

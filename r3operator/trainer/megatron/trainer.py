@@ -1,9 +1,13 @@
 """Megatron trainer backend: GPTModel (local spec) from the HF reference checkpoint, replayed logprobs,
 a forward/backward step with a caller-supplied loss, and weights back in HF names for vLLM sync.
 
-Micro-batch schedule (pipeline size 1): every micro-batch runs forward -> REPLAY_BACKWARD -> loss ->
-backward, all inside one `replay_schedule()` (clear before / after), like Megatron's
-`forward_backward_no_pipelining` (whose CUDA-only token counter keeps it off CPU).
+Micro-batch schedule: `pipeline.py`'s 1F1B over the pipeline stages, all micro-batches inside one
+`replay_schedule()` (clear before / after). Each stage arms its own routers per micro-batch
+(`ReplaySession.before_forward`, REPLAY_BACKWARD after the forward) and runs its backwards in forward
+order. With one stage that is forward -> REPLAY_BACKWARD -> loss -> backward per micro-batch, like
+Megatron's `forward_backward_no_pipelining` (whose CUDA-only token counter keeps it off CPU). The last
+stage computes logprobs and the loss; the old-logprob pass, its recorded / probed routes and the update's
+statistics are then shared over the pipeline group, so every rank returns the whole answer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from r3operator.trainer.megatron.convert import (
 from r3operator.trainer.megatron.grads import clip_global_grad_norm, finalize_grads
 from r3operator.trainer.megatron.norms import use_tagged_norms
 from r3operator.trainer.megatron.parallel import ParallelSizes, check_world, init_parallel
+from r3operator.trainer.megatron.pipeline import Stage, StageLink, run_forward_only, run_one_f_one_b
 from r3operator.trainer.replay.megatron import (
     MegatronReplayError,
     ParallelLayout,
@@ -62,6 +67,8 @@ class MegatronTrainer:
         )  # fmt: skip
         self.session = ReplaySession(self.layout, num_experts=int(hf_config.num_experts), num_layers=self.num_layers)
         self.micro_batch_size: int | None = None
+        self.stage = Stage.current()
+        self.link = StageLink(self.stage, device, tconfig.pipeline_dtype or tconfig.params_dtype)
 
     # -- forward ------------------------------------------------------------------------------------------
     def _padded_shape(self, b: int, s: int) -> tuple[int, int]:
@@ -75,8 +82,10 @@ class MegatronTrainer:
             import torch
             import torch.distributed as dist
 
+            # Over this stage's data-parallel peers only: the other pipeline stages run their forwards of the
+            # same micro-batch at other times, and reduce the same rows to the same shape themselves.
             shape = torch.tensor([b, s], dtype=torch.int64, device=self.device)
-            dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
             b, s = int(shape[0]), int(shape[1])
         mult = self.sizes.tp if self.sizes.sequence_parallel else 1
         return b, s + (-s) % mult
@@ -97,15 +106,26 @@ class MegatronTrainer:
             route_pad = F.pad(route_pad, (0, dc, 0, dr), value=True)
         return ids, attn, routes, route_pad
 
-    def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any) -> Any:
-        """Logits [B, S, V] of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
-        indices, as in vLLM) with the replay state set for `mode`."""
+    def _activation_shape(self, padded: tuple[int, int]) -> tuple[int, int, int]:
+        """[S', B', H] of the hidden states a stage passes on for a micro-batch padded to `padded` rows, cols
+        (this TP rank's sequence chunk under sequence parallelism)."""
+        rows, n = padded
+        return (n // self.sizes.tp if self.sizes.sequence_parallel else n, rows, int(self.hf_config.hidden_size))
+
+    def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any,
+                 received: Any = None, padded: tuple[int, int] | None = None) -> Any:  # fmt: skip
+        """This stage's part of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
+        indices, as in vLLM) with the replay state set for `mode`: logits [B, S, V] on the last stage, the
+        hidden states to send on (`_activation_shape`) on the others. `received`: the previous stage's
+        hidden states (None on the first stage); `padded`: the micro-batch's `_padded_shape`, when the
+        caller agreed on it already."""
         import torch
 
         b, s = ids.shape
         if routes is not None and route_pad is None:
             route_pad = torch.zeros(routes.shape[:2], dtype=torch.bool)
-        ids, attn, routes, route_pad = self._pad_to(*self._padded_shape(b, s), ids, attn, routes, route_pad)
+        ids, attn, routes, route_pad = self._pad_to(*(padded or self._padded_shape(b, s)), ids, attn, routes,
+                                                    route_pad)  # fmt: skip
         if route_pad is not None:  # attention padding never has a route either
             route_pad = route_pad.bool() | ~attn.bool().to(route_pad.device)
         dev = self.device
@@ -117,10 +137,67 @@ class MegatronTrainer:
         pad_mask = self.session.before_forward(
             mode, None if routes is None else routes.to(dev), None if route_pad is None else route_pad.to(dev)
         )
-        logits = self.model(ids, pos, mask, padding_mask=pad_mask, runtime_gather_output=True)
+        if not self.stage.first:
+            self.model.set_input_tensor(received)
+        out = self.model(ids, pos, mask, padding_mask=pad_mask, runtime_gather_output=True)
         self.session.after_forward(mode)
         self._last_layout = (rows, n, b, s)
-        return logits[:b, :s]
+        return out[:b, :s] if self.stage.last else out
+
+    def forward_logits(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any, *,
+                       probe: bool = False) -> tuple[Any, Any | None]:  # fmt: skip
+        """One micro-batch through every stage without gradients (call inside `replay_schedule()` and
+        `torch.no_grad()`): logits [B, S, V] on every rank, and with `probe` the ids the dispatchers
+        received ([B, S, L, K], dense layers 0)."""
+        used: list[Any] = []
+        logits: list[Any] = []
+        padded = self._padded_shape(*ids.shape)
+
+        def forward(_i: int, received: Any) -> Any:
+            out = self._forward(mode, ids, attn, routes, route_pad, received, padded)
+            if probe:
+                used.append(self._stage_ids(rp.take))
+            if self.stage.last:
+                logits.append(out)
+            return out
+
+        with RoutingProbe(self.model, enabled=probe) as rp:
+            run_forward_only(1, self.link, forward, lambda _i: self._activation_shape(padded))
+        b, s = ids.shape
+        whole = self._from_last_stage(logits[0] if logits else None, (b, s, self._vocab()))
+        return whole, (self._sum_over_stages(used[0]) if probe else None)
+
+    def _vocab(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def _from_last_stage(self, value: Any | None, shape: tuple[int, ...]) -> Any:
+        """The last stage's tensor on every rank of the pipeline group (float32, on this rank's device)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.stage.size == 1:
+            return value
+        if self.stage.last:  # on the device: NCCL broadcasts device tensors only
+            buf = value.to(device=self.device, dtype=torch.float32).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(buf, src=self.stage.last_rank, group=self.stage.group)
+        return buf
+
+    def _sum_over_stages(self, ids: Any) -> Any:
+        """Per-layer ids each stage filled for its own layers (zeros elsewhere) -> every layer on every rank."""
+        import torch.distributed as dist
+
+        if self.stage.size == 1:
+            return ids
+        t = ids.to(self.device)
+        dist.all_reduce(t, group=self.stage.group)
+        return t.cpu()
+
+    def _padded_shapes(self, parts: list[Any], width: int) -> list[tuple[int, int]]:
+        """Every micro-batch's `_padded_shape`, agreed before the schedule: every stage needs it to size the
+        activations it receives, and the agreement is a collective the stages must not interleave."""
+        return [self._padded_shape(len(rows), width) for rows in parts]
 
     def _split(self, b: int) -> list[Any]:
         import torch
@@ -143,19 +220,39 @@ class MegatronTrainer:
         pad = batch.route_pad if routes is not None else None
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
+        parts = self._split(batch.input_ids.shape[0])
+        padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         outs, recs, used = [], [], []
+
+        def forward(i: int, received: Any) -> Any:
+            rows = parts[i]
+            ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+            out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
+                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
+            if self.stage.last:
+                outs.append(logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device)).cpu())
+            if mode == "R2-record":
+                recs.append(self._stage_ids(self.session.recorded))
+            if probe:
+                used.append(self._stage_ids(rp.take))
+            return out
+
         with replay_schedule(), torch.no_grad(), RoutingProbe(self.model, enabled=probe) as rp:
-            for rows in self._split(batch.input_ids.shape[0]):
-                ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-                logits = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                       None if pad is None else pad[rows])  # fmt: skip
-                outs.append(logprobs_from_logits(logits[:, :-1], ids[:, 1:].to(logits.device)).cpu())
-                if mode == "R2-record":
-                    recs.append(self._to_batch_layout(self.session.recorded(self._last_layout[0], self._local_seq())))
-                if probe:
-                    used.append(self._to_batch_layout(rp.take(self._last_layout[0], self._local_seq())))
-        return LogprobOutput(torch.cat(outs), torch.cat(recs)[:, : batch.input_ids.shape[1]] if recs else None,
-                             torch.cat(used)[:, : batch.input_ids.shape[1]] if used else None)  # fmt: skip
+            run_forward_only(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
+        b, s = batch.input_ids.shape
+        logprobs = self._from_last_stage(torch.cat(outs) if outs else None, (b, s - 1)).cpu()
+        return LogprobOutput(logprobs, self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
+                             self._sum_over_stages(torch.cat(used)[:, :s]) if used else None)  # fmt: skip
+
+    def _stage_ids(self, take: Callable[[int, int], Any]) -> Any:
+        """The last forward's per-router ids on this stage (`take(rows, local seq)`: probed or recorded) in the
+        caller's [B, S, L, K]; a stage without a router (only dense layers) contributes zeros."""
+        import torch
+
+        rows, seq = self._last_layout[0], self._local_seq()
+        if not self.session.layers:
+            return self._to_batch_layout(torch.zeros(rows, seq, 0, self.top_k, dtype=torch.int64, device=self.device))
+        return self._to_batch_layout(take(rows, seq))
 
     def _local_seq(self) -> int:
         n = self._last_layout[1]
@@ -197,23 +294,41 @@ class MegatronTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = self._split(batch.input_ids.shape[0])
+        padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         stats: dict[str, float] = {}
+
+        def forward(i: int, received: Any) -> Any:
+            rows = parts[i]
+            ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+            out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
+                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
+            if not self.stage.last:
+                return out
+            lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device))
+            loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
+            for k, v in mb_stats.items():
+                stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
+            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) / len(parts)
+            return loss * (loss_scale / len(parts))
+
         with replay_schedule():
-            for rows in parts:
-                ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-                logits = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                       None if pad is None else pad[rows])  # fmt: skip
-                lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:].to(logits.device))
-                loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
-                (loss * (loss_scale / len(parts))).backward()
-                for k, v in mb_stats.items():
-                    stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
-                stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) / len(parts)
+            run_one_f_one_b(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
+        stats = self._stats_from_last_stage(stats)
         finalize_grads(self.model)
         stats["grad_norm"] = clip_global_grad_norm(self.model, grad_clip)
         self.optimizer.step()
         self.model.eval()
         return stats
+
+    def _stats_from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """The loss statistics (computed on the last stage) on every rank of the pipeline group."""
+        import torch.distributed as dist
+
+        if self.stage.size == 1:
+            return stats
+        box = [stats]
+        dist.broadcast_object_list(box, src=self.stage.last_rank, group=self.stage.group)
+        return dict(box[0])
 
     # -- weights ------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, Any]:
@@ -401,13 +516,20 @@ def build_megatron_trainer(
     dtype = dtype or torch.float32
     sizes = ParallelSizes.from_spec(spec)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    check_world(sizes, _world_size(), num_experts=int(hf_config.num_experts))
+    check_world(sizes, _world_size(), num_experts=int(hf_config.num_experts),
+                num_layers=int(hf_config.num_hidden_layers),
+                tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))  # fmt: skip
     tconfig = transformer_config(
         hf_config, sizes, dtype=dtype, device=device, router_fusion=bool(getattr(spec, "router_fusion", False)),
         recompute=bool(getattr(spec, "recompute", False)),
     )  # fmt: skip
     check_replay_config(tconfig)
     init_parallel(sizes, device, seed=seed)
+    if micro_batch_size is not None and sizes.ep * sizes.etp > 1 and ps.get_data_parallel_world_size() > 1:
+        # The expert-parallel group spans replicas whose shares have different row counts: their micro-batch
+        # counts would differ, and a forward one replica runs alone would wait in the dispatcher's gather.
+        raise ValueError("micro_batch_size with trainer.megatron.expertParallelSize > 1 across data-parallel "
+                         "replicas: leave it unset (one micro-batch per share)")  # fmt: skip
     RouterReplay.clear_global_router_replay_instances()  # the instance list is process-global
     torch.manual_seed(seed)
     block_spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
