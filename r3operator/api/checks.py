@@ -278,6 +278,23 @@ def megatron_tp_needs_sp(c: RuleContext) -> str | None:
     return None
 
 
+def megatron_micro_batch_ep(c: RuleContext) -> str | None:
+    t = c.spec.trainer
+    if t.backend is not TrainerBackend.MEGATRON or t.megatron is None or t.megatron.micro_batch_size is None:
+        return None
+    m = t.megatron
+    model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size * m.context_parallel_size
+    data_parallel = (t.nodes * t.gpus_per_node) // model_parallel
+    if m.expert_parallel_size * m.expert_tensor_parallel_size > 1 and data_parallel > 1:
+        return (
+            f"trainer.megatron.microBatchSize {m.micro_batch_size} with expertParallelSize "
+            f"{m.expert_parallel_size} across {data_parallel} data-parallel replicas: the expert group spans "
+            "replicas whose shares differ in size, so they cannot agree on one micro-batch sequence; unset "
+            "microBatchSize or make the data-parallel size 1"
+        )
+    return None
+
+
 def backend_union(c: RuleContext) -> str | None:
     t = c.spec.trainer
     if t.backend is TrainerBackend.FSDP and t.megatron is not None:

@@ -406,6 +406,21 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "MEGATRON-MICRO-BATCH-EP",
+        E,
+        "spec.trainer.megatron.microBatchSize",
+        (
+            "trainer.backend",
+            "trainer.megatron.microBatchSize",
+            "trainer.megatron.expertParallelSize",
+            "trainer.nodes",
+            "trainer.gpusPerNode",
+        ),
+        "Megatron micro-batches cannot be used when the expert group spans data-parallel replicas",
+        ("r3operator: trainer/megatron/trainer.py build_megatron_trainer",),
+        checks.megatron_micro_batch_ep,
+    ),
+    Rule(
         "TRAINER-BACKEND-UNION",
         E,
         "spec.trainer",

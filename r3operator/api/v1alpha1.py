@@ -256,6 +256,9 @@ class MegatronSpec(_Model):
     """moe_router_fusion. The fused top-k returns before replay is consulted, so replay refuses it."""
     recompute: bool = False
     """Activation recompute; replay then pops REPLAY_BACKWARD routes in forward order."""
+    micro_batch_size: int | None = Field(default=None, ge=1, le=65536)
+    """Rows per micro-batch of each rank's share. Pipeline stages overlap only with several micro-batches per
+    share (1F1B); unset: one micro-batch per share."""
 
 
 class TrainerSpec(_Model):

@@ -40,7 +40,9 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
         from r3operator.trainer.distributed import DistributedTrainer
         from r3operator.trainer.megatron.ranks import MegatronOptions
 
-        megatron = MegatronOptions(spec.trainer.megatron, learning_rate=spec.algorithm.learning_rate, seed=spec.seed)
+        block = spec.trainer.megatron
+        megatron = MegatronOptions(block, learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
+                                   micro_batch_size=None if block is None else block.micro_batch_size)  # fmt: skip
         return DistributedTrainer(model_dir, world_size=ranks, device=device, options=megatron)
     if ranks > 1:
         from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions

@@ -121,6 +121,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 2, "trainer.megatron.sequenceParallel": True})),
         _chain(MEGATRON, sets(**{"trainer.megatron.tensorParallelSize": 2})),
     ),
+    "MEGATRON-MICRO-BATCH-EP": (
+        _chain(MEGATRON, sets(**{"trainer.megatron.expertParallelSize": 1, "trainer.megatron.microBatchSize": 4})),
+        _chain(MEGATRON, sets(**{"trainer.megatron.microBatchSize": 4})),
+    ),
     "TRAINER-BACKEND-UNION": (
         sets(**{"trainer.fsdp": {"samplePacking": False}}),
         sets(**{"trainer.megatron": {"tensorParallelSize": 1}}),

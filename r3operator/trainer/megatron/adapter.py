@@ -283,7 +283,9 @@ def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) ->
     require_megatron()
     from r3operator.trainer.megatron.trainer import build_megatron_trainer
 
+    megatron = spec.trainer.megatron
     trainer = build_megatron_trainer(
-        spec.trainer.megatron, model_dir, device, learning_rate=spec.algorithm.learning_rate, seed=spec.seed
-    )
+        megatron, model_dir, device, learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
+        micro_batch_size=None if megatron is None else megatron.micro_batch_size,
+    )  # fmt: skip
     return MegatronPolicyTrainer(trainer)
