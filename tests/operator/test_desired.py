@@ -11,6 +11,7 @@ import pytest
 import yaml
 from spec_edits import apply_edits
 
+from r3operator.api.engine_layout import engine_layout
 from r3operator.api.load import load_rljob, parse_rljob
 from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus
@@ -46,7 +47,10 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     name = job.metadata.name
     kinds = {c["kind"]: c["metadata"]["name"] for c in first}
     assert kinds["ConfigMap"] == f"{name}-config"
-    assert kinds["StatefulSet"] == kinds["Service"] == f"{name}-engine"
+    # One StatefulSet of single-pod replicas, or a LeaderWorkerSet when a replica spans pods (never both).
+    workload = "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
+    assert kinds[workload] == kinds["Service"] == f"{name}-engine"
+    assert ({"StatefulSet", "LeaderWorkerSet"} - {workload}).isdisjoint(kinds)
     assert kinds["RayJob"] == f"{name}-trainer"
     assert kinds["PodMonitor"] == f"{name}-metrics"
     assert kinds["ServiceAccount"] == kinds["RoleBinding"] == f"{name}-trainer"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kubecluster.controlplane import ApiError
 from operator_harness import REPO, Cluster, all_children, example, wait_for
 
 NS = "rl-ha"
@@ -147,12 +148,25 @@ def test_only_the_lease_holder_reconciles_and_a_rolling_update_hands_over_withou
     assert min(b.reconciled("ha-one") + b.reconciled("ha-two")) >= acquired
 
     # A leader whose Lease is taken (a partition, a manual edit) stops at once instead of reconciling on.
-    lease = cluster.get(LEASE)
-    assert lease is not None
-    lease["spec"]["holderIdentity"] = "intruder"
-    cluster.http("PUT", LEASE, lease)
+    _take_lease(cluster, "intruder")
     assert b.proc.wait(timeout=30) == 1, b.log()
     assert b.stamped("lost lease"), b.log()
+
+
+def _take_lease(cluster: Cluster, holder: str) -> None:
+    """Write another holder into the Lease; the leader renews it meanwhile, so a conflicting write is retried
+    on the fresh object (as `kubectl edit` would have to)."""
+    for _ in range(20):
+        lease = cluster.get(LEASE)
+        assert lease is not None
+        lease["spec"]["holderIdentity"] = holder
+        try:
+            cluster.http("PUT", LEASE, lease)
+            return
+        except ApiError as exc:
+            if exc.code != 409:
+                raise
+    raise AssertionError("the Lease changed under every one of 20 writes")
 
 
 def test_leader_election_flags_are_checked(tmp_path: Path) -> None:
