@@ -186,6 +186,12 @@ class Runner:
             code = self.trainer.proc.poll()
             if code is not None:
                 self._drain()
+                # The trainer may have seen a restarted engine answer before the last watch pass did: the
+                # account of the run ends with what the engines are now.
+                now = time.monotonic()
+                for child in self.engines:
+                    if child.proc is not None and child.proc.poll() is None:
+                        self._note_recovery(child, now)
                 return code
             self._watch_engines()
 
@@ -209,16 +215,18 @@ class Runner:
         while self._selector.get_map() and time.monotonic() < deadline:
             self._relay(timeout=0.2)
 
+    def _note_recovery(self, child: Child, now: float) -> None:
+        if not child.healthy and self._healthy(child):
+            child.healthy = True
+            self.say(f"  {child.spec.name} healthy again after {now - child.started_at:.1f} s (start {child.starts})")
+
     def _watch_engines(self) -> None:
         now = time.monotonic()
         for child in self.engines:
             assert child.proc is not None
             code = child.proc.poll()
             if code is None:
-                if not child.healthy and self._healthy(child):
-                    child.healthy = True
-                    self.say(f"  {child.spec.name} healthy again after {now - child.started_at:.1f} s "
-                             f"(start {child.starts})")  # fmt: skip
+                self._note_recovery(child, now)
                 continue
             if child.restart_at is None:
                 _signal_group(child, signal.SIGKILL)  # what it forked dies with it, as with a container
