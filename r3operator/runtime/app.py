@@ -162,5 +162,7 @@ def _trainer_fact(settings: RunSettings, run: Any) -> str:
     compute = getattr(trainer, "compute_dtype", "float32")
     backend = settings.job.spec.trainer.backend.value
     ranks = getattr(trainer, "world_size", 1)
+    # The canary's forward matches the engine: fp32 against an fp32 engine, the trainer's compute otherwise.
+    canary = "fp32" if run.canary_tol.mode == "exact" else f"{compute} autocast"
     return (f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
-            f"canary forward fp32")  # fmt: skip
+            f"canary forward {canary} with the engine's routes replayed")  # fmt: skip
