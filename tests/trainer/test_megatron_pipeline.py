@@ -20,7 +20,14 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip ex
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
 from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
-from tests.trainer.test_megatron_ranks import ANSWERS, CLIP, LR, PROMPTS, largest_difference, synced  # noqa: E402
+from tests.trainer.test_megatron_ranks import (  # noqa: E402
+    ANSWERS,
+    CLIP,
+    LR,
+    PROMPTS,
+    assert_r3_step_matches,
+    largest_difference,
+)
 
 pytestmark = pytest.mark.slow
 LAYERS = 4
@@ -63,31 +70,14 @@ def two_stages(model_dir: Path, stages: int = 2, spec: MegatronSpec | None = Non
 def test_two_pipeline_stages_train_like_one_process_under_r3_then_r2(
     four_layer_moe_dir: Path, ray_started: None, tmp_path: Path
 ) -> None:
-    batch = r3_batch(layers=LAYERS)
     single = one_process(four_layer_moe_dir)
-    before = {k: v.clone() for k, v in single.model_state_dict().items()}
-    one = single.old_logprobs(batch, ReplayMode.R3)
-    s1 = single.update(batch, one, mini_batches=2, **CLIP)
-    after = single.model_state_dict()
     ranks = two_stages(four_layer_moe_dir)
     try:
         assert ranks.dp_size == 1
-        two = ranks.old_logprobs(batch, ReplayMode.R3)
-        real = ~batch.route_pad
-        # Both stages' layers (0-1 on rank 0, 2-3 on rank 1): the experts received are the engine's routes.
+        # Both stages' layers (0-1 on rank 0, 2-3 on rank 1) get the engine's routes, and rank 0 (the first
+        # stage) streams a weight sync that holds the last stage's layers too.
+        _, two = assert_r3_step_matches(single, ranks, r3_batch(layers=LAYERS), mini_batches=2)
         assert two.used_ids.shape[2] == LAYERS
-        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
-        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
-        torch.testing.assert_close(two.natural_ids, one.natural_ids, atol=0, rtol=0)
-        s2 = ranks.update(batch, two, mini_batches=2, **CLIP)
-        assert s2.tokens == s1.tokens == int(batch.response_mask.sum())
-        for name in ("loss", "clip_fraction", "approx_kl", "grad_norm"):
-            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
-        assert s1.grad_norm > 0 and s1.loss != 0
-        assert largest_difference(after, before) > 100 * 1e-5  # it trained
-        assert largest_difference(ranks.model_state_dict(), after) <= 1e-5
-        # Rank 0 (the first stage) streams the weight sync: it must hold the last stage's layers too.
-        assert largest_difference(synced(ranks), synced(single)) <= 1e-5
         torch.testing.assert_close(ranks.canary_logits(PROMPTS[0]), single.canary_logits(PROMPTS[0]),
                                    atol=1e-5, rtol=0)  # fmt: skip
         assert ranks.sft_step(PROMPTS, ANSWERS) == pytest.approx(single.sft_step(PROMPTS, ANSWERS), rel=1e-5)

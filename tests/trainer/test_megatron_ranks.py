@@ -54,31 +54,37 @@ def largest_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_batches: int) -> tuple[Any, Any]:
-    """R3 old-logprob pass + one update on both; returns the two-rank trainer (the caller closes it)."""
-    batch = r3_batch()
-    single = one_process(model_dir)
+def assert_r3_step_matches(single: Any, ranks: Any, batch: Any, *, mini_batches: int) -> tuple[Any, Any]:
+    """One R3 old-logprob pass + update on the one-process trainer and on the ranks: the same experts, logprobs,
+    update statistics, weights and weight sync. Returns both old-logprob passes."""
     before = {k: v.clone() for k, v in single.model_state_dict().items()}
     one = single.old_logprobs(batch, ReplayMode.R3)
     s1 = single.update(batch, one, mini_batches=mini_batches, **CLIP)
     after = single.model_state_dict()
+    two = ranks.old_logprobs(batch, ReplayMode.R3)
+    real = ~batch.route_pad
+    # Every replayed token's experts are exactly its engine routes (ids sorted, as the dispatcher sees them).
+    assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
+    torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(two.natural_ids, one.natural_ids, atol=0, rtol=0)
+    s2 = ranks.update(batch, two, mini_batches=mini_batches, **CLIP)
+    assert s2.tokens == s1.tokens == int(batch.response_mask.sum())
+    for name in ("loss", "clip_fraction", "approx_kl", "grad_norm"):
+        assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
+    assert s1.grad_norm > 0 and s1.loss != 0
+    assert largest_difference(after, before) > 100 * 1e-5  # it trained
+    assert largest_difference(ranks.model_state_dict(), after) <= 1e-5
+    # The weight sync: rank 0 streams the gathered weights, packed as the one-process trainer packs them.
+    assert largest_difference(synced(ranks), synced(single)) <= 1e-5
+    return one, two
+
+
+def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_batches: int) -> tuple[Any, Any]:
+    """R3 old-logprob pass + one update on both; returns the two-rank trainer (the caller closes it)."""
+    single = one_process(model_dir)
     ranks = two_ranks(model_dir, spec)
     try:
-        two = ranks.old_logprobs(batch, ReplayMode.R3)
-        real = ~batch.route_pad
-        # Every replayed token's experts are exactly its engine routes (ids sorted, as the dispatcher sees them).
-        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
-        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
-        torch.testing.assert_close(two.natural_ids, one.natural_ids, atol=0, rtol=0)
-        s2 = ranks.update(batch, two, mini_batches=mini_batches, **CLIP)
-        assert s2.tokens == s1.tokens == int(batch.response_mask.sum())
-        for name in ("loss", "clip_fraction", "approx_kl", "grad_norm"):
-            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
-        assert s1.grad_norm > 0 and s1.loss != 0
-        assert largest_difference(after, before) > 100 * 1e-5  # it trained
-        assert largest_difference(ranks.model_state_dict(), after) <= 1e-5
-        # The weight sync: rank 0 streams the gathered weights, packed as the one-process trainer packs them.
-        assert largest_difference(synced(ranks), synced(single)) <= 1e-5
+        assert_r3_step_matches(single, ranks, r3_batch(), mini_batches=mini_batches)
     except BaseException:
         ranks.close()
         raise
