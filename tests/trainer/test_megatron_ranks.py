@@ -79,6 +79,20 @@ def assert_r3_step_matches(single: Any, ranks: Any, batch: Any, *, mini_batches:
     return one, two
 
 
+def assert_r2_step_matches(single: Any, ranks: Any, batch: Any, *, mini_batches: int) -> None:
+    """R2 on both: each side records its own natural routes (every layer) in the old-logprob pass and the
+    update replays them; the recorded routes, update statistics and weights agree."""
+    attended = batch.attention_mask.bool()
+    one = single.old_logprobs(batch, ReplayMode.R2)
+    two = ranks.old_logprobs(batch, ReplayMode.R2)
+    assert torch.equal(two.replay_ids[attended], one.replay_ids[attended])
+    s1 = single.update(batch, one, mini_batches=mini_batches, **CLIP)
+    s2 = ranks.update(batch, two, mini_batches=mini_batches, **CLIP)
+    for name in ("loss", "grad_norm"):
+        assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
+    assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 2e-5
+
+
 def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_batches: int) -> tuple[Any, Any]:
     """R3 old-logprob pass + one update on both; returns the two-rank trainer (the caller closes it)."""
     single = one_process(model_dir)
@@ -102,17 +116,7 @@ def test_tensor_parallel_over_two_ranks_trains_like_one_process_under_r3_then_r2
 ) -> None:
     ranks, single = assert_trains_like_one_process(tiny_moe_dir, spec, mini_batches=2)
     try:
-        # R2: each side records its own natural routes in the old-logprob pass and the update replays them.
-        batch = r3_batch(seed=1)
-        real = batch.attention_mask.bool()
-        one = single.old_logprobs(batch, ReplayMode.R2)
-        two = ranks.old_logprobs(batch, ReplayMode.R2)
-        assert torch.equal(two.replay_ids[real], one.replay_ids[real])
-        s1 = single.update(batch, one, mini_batches=2, **CLIP)
-        s2 = ranks.update(batch, two, mini_batches=2, **CLIP)
-        for name in ("loss", "grad_norm"):
-            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
-        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 2e-5
+        assert_r2_step_matches(single, ranks, r3_batch(seed=1), mini_batches=2)
     finally:
         ranks.close()
 
