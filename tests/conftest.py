@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+# What a session writes under the temp dir at its peak (tmp_path of the trainer runs, the control plane's
+# etcd, torch's compile cache): ~2.3 GB measured on a fresh clone (docs/benchmarks.md), with headroom.
+# Below it the suite would end in hundreds of ENOSPC errors far from their cause, so it stops at once.
+MIN_FREE_TMP_GIB = 4.0
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    tmp = tempfile.gettempdir()
+    free_gib = shutil.disk_usage(tmp).free / 2**30
+    if free_gib < MIN_FREE_TMP_GIB:
+        pytest.exit(
+            f"only {free_gib:.1f} GiB free in {tmp}; the suite needs about {MIN_FREE_TMP_GIB:.0f} GiB there "
+            "(free some space, or point TMPDIR at a larger disk)",
+            returncode=3,
+        )
 
 
 def _cuda_available() -> bool:

@@ -17,12 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
-from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
 from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
 from tests.trainer.test_megatron_ranks import (  # noqa: E402
     ANSWERS,
-    CLIP,
     LR,
     PROMPTS,
     assert_r2_step_matches,
@@ -108,19 +106,10 @@ def test_three_stages_with_a_router_less_first_stage_replay_and_train_like_one_p
     batch = r3_batch(layers=6)
     batch.engine_routes[:, :, :2] = 0  # vLLM reports dense layers as zero rows
     single = one_process(six_layers_first_two_dense_dir)
-    one = single.old_logprobs(batch, ReplayMode.R3)
-    s1 = single.update(batch, one, mini_batches=1, **CLIP)  # 5 rows: micro-batches of 2, 2, 1
     ranks = two_stages(six_layers_first_two_dense_dir, stages=3)
-    try:
-        two = ranks.old_logprobs(batch, ReplayMode.R3)
-        real = ~batch.route_pad
-        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
-        assert bool((two.used_ids[real][:, 2:] != 0).any())
-        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
-        s2 = ranks.update(batch, two, mini_batches=1, **CLIP)
-        for name in ("loss", "grad_norm"):
-            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
-        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
+    try:  # 5 rows in one mini-batch: micro-batches of 2, 2, 1
+        _, three = assert_r3_step_matches(single, ranks, batch, mini_batches=1)
+        assert bool((three.used_ids[~batch.route_pad][:, 2:] != 0).any())
     finally:
         ranks.close()
 
@@ -137,20 +126,10 @@ def test_two_stages_with_tensor_or_expert_parallelism_over_four_ranks(
 ) -> None:
     """Each stage is itself a TP=2+SP group (activations are this TP rank's sequence chunk) or an EP=2
     group over two replicas (the row agreement stays within a stage)."""
-    batch = r3_batch(layers=LAYERS)
     single = one_process(four_layer_moe_dir, micro_batch_size)
-    one = single.old_logprobs(batch, ReplayMode.R3)
-    s1 = single.update(batch, one, mini_batches=2, **CLIP)
     ranks = two_stages(four_layer_moe_dir, spec=spec, ranks=4, micro_batch_size=micro_batch_size)
     try:
         assert ranks.dp_size == replicas
-        two = ranks.old_logprobs(batch, ReplayMode.R3)
-        real = ~batch.route_pad
-        assert torch.equal(two.used_ids[real], batch.engine_routes.sort(-1).values[real])
-        torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
-        s2 = ranks.update(batch, two, mini_batches=2, **CLIP)
-        for name in ("loss", "grad_norm"):
-            assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
-        assert largest_difference(ranks.model_state_dict(), single.model_state_dict()) <= 1e-5
+        assert_r3_step_matches(single, ranks, r3_batch(layers=LAYERS), mini_batches=2)
     finally:
         ranks.close()
