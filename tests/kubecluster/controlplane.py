@@ -468,6 +468,25 @@ class ControlPlane:
                          {"metadata": {"name": name}, "spec": external})  # fmt: skip
         return {"namespace": namespace, "name": name, "port": port}
 
+    def _manager_config(self, name: str, api_version: str, *, probe: int, port: int, cert_dir: Path, service: str,
+                        cert_secret: str, **extra: Any) -> Path:  # fmt: skip
+        """The Configuration file of a controller-runtime manager with webhooks (Kueue, LWS): probes and
+        webhooks on localhost, no metrics, no leader election, and its own cert rotation into `cert_secret`
+        for `service`; `extra` holds the controller's own fields."""
+        config = {
+            "apiVersion": api_version,
+            "kind": "Configuration",
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
+            "metrics": {"bindAddress": "0"},
+            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": True, "webhookServiceName": service, "webhookSecretName": cert_secret},
+            **extra,
+        }
+        path = self.workdir / f"{name}-config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def start_kueue(self) -> None:
         """Kueue's CRDs, webhooks and controller, once (idempotent): started by the tests that queue jobs.
 
@@ -510,24 +529,11 @@ class ControlPlane:
         _run([kubectl, "apply", "--server-side", "-f", str(manifests)], env=env)
         self.wait_established("workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io")
         cert_dir = self.workdir / "kueue-certs"
-        config = {
-            "apiVersion": "config.kueue.x-k8s.io/v1beta2",
-            "kind": "Configuration",
-            "namespace": KUEUE_NAMESPACE,
-            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
-            "metrics": {"bindAddress": "0"},
-            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
-            "leaderElection": {"leaderElect": False},
-            "internalCertManagement": {
-                "enable": True,
-                "webhookServiceName": KUEUE_WEBHOOK_SERVICE,
-                "webhookSecretName": KUEUE_CERT_SECRET,
-            },
-            "manageJobsWithoutQueueName": False,
-            "integrations": {"frameworks": ["batch/job"]},
-        }
-        config_path = self.workdir / "kueue-config.yaml"
-        config_path.write_text(yaml.safe_dump(config))
+        config_path = self._manager_config(
+            "kueue", "config.kueue.x-k8s.io/v1beta2", probe=probe, port=port, cert_dir=cert_dir,
+            service=KUEUE_WEBHOOK_SERVICE, cert_secret=KUEUE_CERT_SECRET,
+            namespace=KUEUE_NAMESPACE, manageJobsWithoutQueueName=False, integrations={"frameworks": ["batch/job"]},
+        )  # fmt: skip
         proc = self._spawn(
             "kueue",
             [str(self.bin_dir / "kueue"), "--config", str(config_path), "--feature-gates", "VisibilityOnDemand=false"],
@@ -578,21 +584,10 @@ class ControlPlane:
         _run([kubectl_binary(), "apply", "--server-side", "-f", str(manifests)], env=env)
         self.wait_established("leaderworkersets.leaderworkerset.x-k8s.io")
         cert_dir = self.workdir / "lws-certs"
-        config = {
-            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
-            "kind": "Configuration",
-            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
-            "metrics": {"bindAddress": "0"},
-            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
-            "leaderElection": {"leaderElect": False},
-            "internalCertManagement": {
-                "enable": True,
-                "webhookServiceName": LWS_WEBHOOK_SERVICE,
-                "webhookSecretName": LWS_CERT_SECRET,
-            },
-        }
-        config_path = self.workdir / "lws-config.yaml"
-        config_path.write_text(yaml.safe_dump(config))
+        config_path = self._manager_config(
+            "lws", "config.lws.x-k8s.io/v1alpha1", probe=probe, port=port, cert_dir=cert_dir,
+            service=LWS_WEBHOOK_SERVICE, cert_secret=LWS_CERT_SECRET,
+        )  # fmt: skip
         proc = self._spawn("lws", [str(self.bin_dir / "lws"), "--config", str(config_path)],
                            env={"KUBECONFIG": str(self.kubeconfig)})  # fmt: skip
 

@@ -75,7 +75,7 @@ def test_routes_one_token_off_drop_the_agreement_and_fire_the_alert(trainer, tmp
 
     # Feed the exported values to the shipped rule: 15 min aligned, then 20 min one token off.
     series = "\n".join(
-        f"      - series: 'r3operator_routing_agreement_ratio{{namespace=\"rl\", rljob=\"j\", layer=\"{layer}\"}}'\n"
+        f'      - series: \'r3operator_routing_agreement_ratio{{namespace="rl", rljob="j", layer="{layer}"}}\'\n'
         f"        values: '{good[layer]!r}x15 {bad[layer]!r}x20'"
         for layer in range(LAYERS)
     )

@@ -13,27 +13,15 @@ from r3operator.engine.base import Greedy  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
 from r3operator.runtime.canary import CanaryMismatchError, canary_forwards, check_routing_agreement  # noqa: E402
 from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
+from tests.trainer.conftest import build_tiny_moe  # noqa: E402
 
-LAYERS, EXPERTS, TOPK, VOCAB = 2, 8, 2, 64
+LAYERS, EXPERTS, TOPK = 2, 8, 2  # build_tiny_moe("qwen3_moe") has 8 experts, top-2
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> PolicyTrainer:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=16,
-        norm_topk_prob=True, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    model = tf.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # decisive routers: no top-k near-ties
     path = tmp_path_factory.mktemp("canary-moe")
-    model.save_pretrained(path)
+    build_tiny_moe("qwen3_moe", layers=LAYERS).save_pretrained(path)
     return PolicyTrainer(path, device="cpu", learning_rate=1e-4, seed=0, compute_dtype="float32")
 
 
@@ -64,8 +52,9 @@ def test_other_routes_change_the_logits_but_not_the_recorded_natural_choice(trai
 
 def _greedy(routes: np.ndarray, prompt_len: int) -> Greedy:
     """The engine's answer: tokens after the prompt, routes of every position but the last (never forwarded)."""
-    return Greedy(SEQUENCE[prompt_len:], [0.0] * (len(SEQUENCE) - prompt_len), encode(routes[:-1], start=0,
-                                                                                      num_experts=EXPERTS))
+    return Greedy(
+        SEQUENCE[prompt_len:], [0.0] * (len(SEQUENCE) - prompt_len), encode(routes[:-1], start=0, num_experts=EXPERTS)
+    )
 
 
 def test_agreement_is_one_with_the_engines_own_routes_and_fails_with_a_foreign_gate(trainer: PolicyTrainer) -> None:

@@ -26,29 +26,16 @@ from r3operator.trainer.megatron import build_megatron_trainer  # noqa: E402
 from r3operator.trainer.replay.hf import RouterRecorder  # noqa: E402
 from r3operator.trainer.replay.hf import RouterReplay as HFRouterReplay  # noqa: E402
 from r3operator.trainer.replay.megatron import MegatronReplayError, replay_instances  # noqa: E402
+from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
-LAYERS, EXPERTS, TOPK, VOCAB = 3, 8, 2, 96
+LAYERS, EXPERTS, TOPK = 3, 8, 2  # build_tiny_moe("qwen3_moe"): 8 experts, top-2
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=32,
-        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    model = tf.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)  # no top-k near-ties
     path = tmp_path_factory.mktemp("dense-moe")
-    model.save_pretrained(path)
+    build_tiny_moe("qwen3_moe", layers=LAYERS, dense_layers=(0,)).save_pretrained(path)  # layer 0 dense
     return path
 
 
