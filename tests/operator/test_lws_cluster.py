@@ -122,8 +122,8 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
         assert (_env(leader)["LWS_LEADER_ADDRESS"], _env(leader)["LWS_WORKER_INDEX"]) == (address, "0")
         assert (_env(worker)["LWS_LEADER_ADDRESS"], _env(worker)["LWS_WORKER_INDEX"]) == (address, "1")
         assert leader["spec"]["subdomain"] == f"{job}-engine"
-        assert "--headless" in worker["spec"]["containers"][0]["command"][2]
-        assert "--headless" not in leader["spec"]["containers"][0]["command"][2]
+        assert "--headless" in worker["spec"]["containers"][0]["args"]
+        assert "--headless" not in leader["spec"]["containers"][0]["args"]
         ready = _cond(cluster, ns, job, "EnginesReady", "True", timeout=90)
         assert ready["message"] == "1/1 engine replicas ready"
         assert condition(cluster.get(paths(ns, job)["rljob"]), "Valid")["status"] == "True"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,69 @@ def test_replicas_get_distinct_ports_gpus_and_engine_urls(tmp_path: Path) -> Non
     assert engine1["env"]["HOSTNAME"] == "tiny-count-r3-engine-1"
 
 
+LWS_ADDED = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
+
+
+def test_leader_worker_set_groups_run_as_leaders_and_headless_workers(tmp_path: Path) -> None:
+    """Two replicas of DP=2 over pods of one rank: two LeaderWorkerSet groups of a leader (the API) and a
+    --headless worker; each group meets on its own DP RPC port, and the trainer reaches the leaders only."""
+    doc = _doc(**{"inference.replicas": 2, "inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1})
+    lws = next(c for c in desired(parse_rljob(doc)) if c["kind"] == "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    rendered = {"leader": template["leaderTemplate"]["spec"]["containers"][0],
+                "worker": template["workerTemplate"]["spec"]["containers"][0]}  # fmt: skip
+    plan = _dry_run(tmp_path, _write(tmp_path, doc), "--gpus", "0,1,2,3,4", "--port-offset", "7")
+    *engines, trainer = plan["processes"]
+    routing_host = plan["hostDirs"][ROUTING]
+    name = lws["metadata"]["name"]
+    assert [(e["name"], e["pod"], e["group"]) for e in engines] == [
+        ("engine-0", f"{name}-0", f"{name}-0"), ("engine-0-1", f"{name}-0-1", f"{name}-0"),
+        ("engine-1", f"{name}-1", f"{name}-1"), ("engine-1-1", f"{name}-1-1", f"{name}-1"),
+    ]  # fmt: skip
+    assert [e["port"] for e in engines] == [8007, None, 8008, None]  # a --headless worker serves no HTTP
+    assert [e["gpus"] for e in [*engines, trainer]] == [["0"], ["1"], ["2"], ["3"], ["4"]]
+    for engine, group, role in zip(engines, [0, 0, 1, 1], ["leader", "worker"] * 2, strict=True):
+        container = rendered[role]
+        assert engine["renderedArgv"] == container["command"] + container["args"]
+        # Exactly three arguments differ: the model path, the HTTP port, and the group's DP RPC port.
+        assert _differences(engine["renderedArgv"], engine["argv"]) == [
+            (f"{ROUTING}/models/tiny", f"{routing_host}/models/tiny"),
+            ("8000", str(8007 + group)),
+            ("13345", str(13345 + 7 + group)),
+        ]
+        added = {k: v for k, v in engine["env"].items() if k not in _env(container)}
+        assert set(added) == ENGINE_ADDED | {"CUDA_VISIBLE_DEVICES"} | LWS_ADDED
+        assert (added["LWS_LEADER_ADDRESS"], added["LWS_GROUP_SIZE"]) == ("127.0.0.1", "2")
+        assert added["LWS_WORKER_INDEX"] == ("0" if role == "leader" else "1")
+    assert trainer["env"]["R3OPERATOR_ENGINE_URLS"] == "http://127.0.0.1:8007,http://127.0.0.1:8008"
+
+
+def test_a_group_member_runs_its_own_dp_ranks_against_the_local_leader(tmp_path: Path) -> None:
+    """The rendered shell, run with up's environment and a `vllm` that prints its argv: the worker starts at
+    DP rank 1 (the leader names none), both meet at 127.0.0.1 on the group's local RPC port, only the worker
+    is headless."""
+    doc = _doc(**{"inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1})
+    fake = tmp_path / "fake-bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    plan = plan_up(parse_rljob(doc), run_dir=tmp_path / "run", gpus=[], bin_dir=fake.parent, host_path="/usr/bin:/bin")
+    argvs = []
+    for engine in plan.engines:
+        out = subprocess.run(engine.argv, env=engine.env, capture_output=True, text=True, check=True)
+        argvs.append(json.loads(out.stdout))
+    assert "--data-parallel-start-rank" not in argvs[0] and _flag(argvs[1], "--data-parallel-start-rank") == "1"
+    for argv in argvs:
+        assert argv[0] == "serve"
+        assert _flag(argv, "--data-parallel-address") == "127.0.0.1"
+        assert _flag(argv, "--data-parallel-rpc-port") == "13345"
+    assert ["--headless" in argv for argv in argvs] == [False, True]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
 def test_too_few_gpus_is_refused_with_the_counts(tmp_path: Path) -> None:
     job = _write(tmp_path, _doc(**{"inference.replicas": 2}))
     result = CliRunner().invoke(app, ["up", str(job), "--dry-run", "--gpus", "0,1", "--out-dir", str(tmp_path)])
@@ -124,7 +188,6 @@ def test_too_few_gpus_is_refused_with_the_counts(tmp_path: Path) -> None:
     ("edits", "message"),
     [
         ({"trainer.nodes": 2}, "spec.trainer.nodes=2: up runs the trainer's head pod only"),
-        ({"inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1}, "cluster DNS"),
     ],
 )
 def test_topologies_a_machine_cannot_hold_are_refused(edits: dict[str, Any], message: str, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,54 @@ def test_an_engine_that_dies_before_it_is_healthy_fails_up_with_its_log(tmp_path
     with pytest.raises(UpFailed, match=r"engine-0 exited with code 2 before it was healthy(.|\n)*no such model"):
         _run(plan)
     assert not (tmp_path / "logs" / "trainer.log").exists()  # the trainer never started
+
+
+# A worker stand-in of a LeaderWorkerSet group: no HTTP (a --headless vLLM), it only lives.
+WORKER = "import time; time.sleep(600)"
+
+# A trainer stand-in that kills the second engine, waits until `up` has started it again (the engines start in
+# order: a group's leader, when it restarts, has by then), and then for the first engine's /health.
+TRAINER_KILLS_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time, urllib.request
+    run_dir, url = sys.argv[1], sys.argv[2]
+    def starts():
+        return [p["starts"] for p in json.load(open(os.path.join(run_dir, "up.json")))["processes"][:2]]
+    os.killpg(starts()[1][0]["pid"], signal.SIGKILL)
+    for _ in range(600):
+        if len(starts()[1]) == 2:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                sys.exit(0)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    sys.exit(99)
+""")
+
+
+def test_a_dead_group_member_restarts_its_whole_leader_worker_group(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, TRAINER_KILLS_WORKER)
+    leader = replace(plan.engines[0], group="job-engine-0")
+    worker = replace(leader, name="engine-0-1", pod="job-engine-0-1", argv=[sys.executable, "-c", WORKER], port=None)
+    code, said, _, runner = _run(replace(plan, engines=[leader, worker]))
+    assert code == 0
+    manifest = json.loads((tmp_path / "up.json").read_text())
+    leader_starts, worker_starts = (p["starts"] for p in manifest["processes"][:2])
+    assert worker_starts[0]["exitCode"] == -9 and len(worker_starts) == 2
+    # The leader was alive: up stopped it, as RecreateGroupOnPodRestart recreates the group's pods.
+    assert leader_starts[0]["exitCode"] == -9 and len(leader_starts) == 2
+    assert any("engine-0 stopped with it: group job-engine-0 restarts whole" in line for line in said)
+    assert [c.starts for c in runner.engines] == [2, 2]
+
+
+def test_engines_outside_a_group_restart_alone(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, TRAINER_KILLS_WORKER)
+    worker = replace(plan.engines[0], name="engine-1", pod="job-engine-1", argv=[sys.executable, "-c", WORKER],
+                     port=None)  # fmt: skip
+    code, *_ = _run(replace(plan, engines=[plan.engines[0], worker]))
+    assert code == 0
+    manifest = json.loads((tmp_path / "up.json").read_text())
+    assert [len(p["starts"]) for p in manifest["processes"][:2]] == [1, 2]
 
 
 @pytest.mark.parametrize(("returncode", "status"), [(0, 0), (3, 3), (-9, 137), (-15, 143)])

@@ -8,11 +8,15 @@ argv (engines only; the trainer's argv is the rendered entrypoint unchanged):
   - ``--port P`` → ``--port L``: the local port, P + ``port_offset`` + the pod's ordinal (Services are gone,
     so two engines cannot share P);
   - an argument that starts with a volume's ``mountPath`` → the same under that volume's host directory
-    (vLLM is given its model as a path on the routing volume or the model volume).
+    (vLLM is given its model as a path on the routing volume or the model volume);
+  - ``--data-parallel-rpc-port R`` (a LeaderWorkerSet group's pods) → R + ``port_offset`` + the group's index:
+    every group meets on its own port of this one host.
 env, added (the host environment is inherited beneath, without ``KUBERNETES_SERVICE_HOST``/``_PORT``):
   - every process: ``PATH`` (this Python's bin directory first, so ``vllm``/``r3operator`` are this
     environment's), ``HOSTNAME`` (the pod's name), ``CUDA_VISIBLE_DEVICES`` (the GPUs its
     ``nvidia.com/gpu`` request got; not set when the machine has none);
+  - a LeaderWorkerSet group's pods: what LWS's pod webhook injects, ``LWS_LEADER_ADDRESS`` (127.0.0.1: the
+    leader's DNS name in a cluster), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX`` (0 for the leader);
   - the trainer: ``R3OPERATOR_MOUNTS`` (its volumeMounts → host directories; the driver reads ``--config``,
     ``routingDir`` and the model directory through it), ``R3OPERATOR_ENGINE_URLS`` (the ConfigMap's engine
     Service URLs → the engines' local ports), ``R3OPERATOR_DRIVER_METRICS_PORT`` (the metrics containerPort
@@ -32,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.operator.builders.engine_lws import leader_worker_templates
 from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 from r3operator.operator.desired import Facts, desired
 from r3operator.settings import CONFIG_DIR, ENGINE_URLS_KEY, ROUTING_MOUNT, RUNTIME_KEY, RuntimeSettings
@@ -39,8 +44,10 @@ from r3operator.settings import CONFIG_DIR, ENGINE_URLS_KEY, ROUTING_MOUNT, RUNT
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_GRACE_S = 30
 """Kubernetes' terminationGracePeriodSeconds when a pod does not set one."""
-ARGV_SUBSTITUTIONS = ("--port", "mountPath prefixes")
+ARGV_SUBSTITUTIONS = ("--port", "mountPath prefixes", "--data-parallel-rpc-port")
 ENV_ADDED_EVERYWHERE = ("PATH", "HOSTNAME", "CUDA_VISIBLE_DEVICES")
+ENV_ADDED_LWS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+DP_RPC_PORT_FLAG = "--data-parallel-rpc-port"
 ENV_ADDED_TRAINER = tuple(
     RuntimeSettings.env_name(f) for f in ("mounts", "engine_urls", "driver_metrics_port", "steps", "engine_dtype")
 )
@@ -54,7 +61,8 @@ class UpError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
     name: str
-    """``engine-<ordinal>`` or ``trainer``: the log file's name."""
+    """``engine-<ordinal>``, ``engine-<group>-<worker index>`` (a LeaderWorkerSet group's worker) or
+    ``trainer``: the log file's name."""
     role: str
     pod: str
     """The pod this process stands for."""
@@ -71,6 +79,8 @@ class ProcessSpec:
     """Engines: the rendered startupProbe's periodSeconds × failureThreshold."""
     grace_s: float = DEFAULT_GRACE_S
     """The pod's terminationGracePeriodSeconds: SIGTERM, then this long, then SIGKILL."""
+    group: str | None = None
+    """A LeaderWorkerSet group's leader pod: its members restart together (``RecreateGroupOnPodRestart``)."""
 
     @property
     def health_url(self) -> str | None:
@@ -108,12 +118,53 @@ class UpPlan:
             "substitutions": {
                 "argv": list(ARGV_SUBSTITUTIONS),
                 "envAdded": list(ENV_ADDED_EVERYWHERE),
+                "envAddedLeaderWorkerSet": list(ENV_ADDED_LWS),
                 "envAddedTrainer": list(ENV_ADDED_TRAINER),
                 "envDropped": list(ENV_DROPPED),
             },
             "processes": [proc(p) for p in [*self.engines, self.trainer]],
             "notes": self.notes,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class _EnginePod:
+    pod: str
+    name: str
+    """The process's name (its log file)."""
+    replica: int
+    """The engine replica (the StatefulSet's ordinal, the LeaderWorkerSet's group index): its ports' offset."""
+    pod_spec: dict[str, Any]
+    container: dict[str, Any]
+    group: str | None = None
+    lws_env: dict[str, str] = field(default_factory=dict)
+
+
+def _engine_pods(children: list[dict[str, Any]]) -> list[_EnginePod]:
+    """Every engine pod the rendered StatefulSet or LeaderWorkerSet would have, with the pod names the
+    controllers give them: ``<sts>-<ordinal>``; ``<lws>-<group>`` (leader) and ``<lws>-<group>-<index>``."""
+    lws = [c for c in children if c["kind"] == "LeaderWorkerSet"]
+    if not lws:
+        statefulset = _one(children, "StatefulSet")
+        pod_spec = statefulset["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        name = statefulset["metadata"]["name"]
+        return [_EnginePod(f"{name}-{i}", f"engine-{i}", i, pod_spec, container)
+                for i in range(int(statefulset["spec"]["replicas"]))]  # fmt: skip
+    (group_set,) = lws
+    name = group_set["metadata"]["name"]
+    size = int(group_set["spec"]["leaderWorkerTemplate"]["size"])
+    leader, worker = leader_worker_templates(group_set)
+    pods = []
+    for group in range(int(group_set["spec"]["replicas"])):
+        for index in range(size):
+            template = leader if index == 0 else worker
+            (container,) = template["spec"]["containers"]
+            pod = f"{name}-{group}" if index == 0 else f"{name}-{group}-{index}"
+            lws_env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
+            pods.append(_EnginePod(pod, f"engine-{group}" if index == 0 else f"engine-{group}-{index}", group,
+                                   template["spec"], container, group=f"{name}-{group}", lws_env=lws_env))  # fmt: skip
+    return pods
 
 
 def _camel(name: str) -> str:
@@ -194,13 +245,20 @@ def _remap_path(arg: str, table: dict[str, str]) -> str:
     return arg
 
 
-def _substitute_argv(argv: list[str], *, port: int, local_port: int, table: dict[str, str]) -> list[str]:
+def _substitute_argv(argv: list[str], *, port: int, local_port: int, table: dict[str, str],
+                     rpc_port: int | None = None) -> list[str]:  # fmt: skip
+    """``rpc_port``: a LeaderWorkerSet group's local DP RPC port (the rendered one is replaced)."""
     out = [_remap_path(a, table) for a in argv]
     hits = [i for i, a in enumerate(out[:-1]) if a == "--port"]
     if any(out[i + 1] != str(port) for i in hits) or any(a.startswith("--port=") for a in out):
         raise UpError(f"engine argv names a port other than the containerPort {port}: {shlex.join(argv)}")
     for i in hits:
         out[i + 1] = str(local_port)
+    if rpc_port is not None:
+        rpc = [i for i, a in enumerate(out[:-1]) if a == DP_RPC_PORT_FLAG]
+        if len(rpc) != 1 or any(a.startswith(DP_RPC_PORT_FLAG + "=") for a in out):
+            raise UpError(f"a LeaderWorkerSet pod's argv must name {DP_RPC_PORT_FLAG} once: {shlex.join(argv)}")
+        out[rpc[0] + 1] = str(rpc_port)
     return out
 
 
@@ -234,11 +292,7 @@ def plan_up(
     ``vllm_entry_point``: ``<run dir>/bin/vllm`` (cli/up/vllm_cli.py) comes before ``bin_dir``."""
     children = desired(job, Facts(pod_monitor_crd=False))
     config_map = _one(children, "ConfigMap")
-    if any(c["kind"] == "LeaderWorkerSet" for c in children):
-        raise UpError("spec.inference.dataParallelSize spans several pods per replica (a LeaderWorkerSet group): "
-                      "their ranks meet over cluster DNS, which up does not have; run one pod per replica "
-                      "(dataParallelSizeLocal = dataParallelSize, within inference.gpusPerNode)")  # fmt: skip
-    statefulset = _one(children, "StatefulSet")
+    engine_pods = _engine_pods(children)
     ray_job = _one(children, "RayJob")
     run_dir = run_dir.absolute()
     filled_by_jobs = {
@@ -256,18 +310,16 @@ def plan_up(
     if workers:
         raise UpError(f"spec.trainer.nodes={job.spec.trainer.nodes}: up runs the trainer's head pod only; "
                       f"set spec.trainer.nodes: 1")  # fmt: skip
-    sts_spec = statefulset["spec"]
-    pod_spec = sts_spec["template"]["spec"]
-    (engine_container,) = pod_spec["containers"]
     head = cluster["headGroupSpec"]["template"]
     (trainer_container,) = head["spec"]["containers"]
-    engine_gpus = _gpu_count(engine_container)
     trainer_gpus = _gpu_count(trainer_container)
-    pods = int(sts_spec["replicas"])
-    needed = pods * engine_gpus + trainer_gpus
+    engine_gpus = [_gpu_count(p.container) for p in engine_pods]
+    needed = sum(engine_gpus) + trainer_gpus
     if gpus and len(gpus) < needed:
-        raise UpError(f"the rendered pods request {needed} GPUs ({pods} engine pod(s) × {engine_gpus} + trainer "
-                      f"{trainer_gpus}); this machine has {len(gpus)} ({','.join(gpus)}); see --gpus")  # fmt: skip
+        per_pod = "/".join(sorted({str(n) for n in engine_gpus})) or "0"
+        have = f"{len(gpus)} ({','.join(gpus)})"
+        raise UpError(f"the rendered pods request {needed} GPUs ({len(engine_pods)} engine pod(s) × {per_pod} + "
+                      f"trainer {trainer_gpus}); this machine has {have}; see --gpus")  # fmt: skip
     if not gpus:
         notes.append(f"no GPUs: the {needed} GPU(s) the pods request are not assigned; everything runs on CPU")
     free = list(gpus)
@@ -278,30 +330,41 @@ def plan_up(
         taken, free[:] = free[:count], free[count:]
         return taken
 
-    (port_spec,) = [p for p in engine_container["ports"] if p["name"] == "http"]
-    container_port = int(port_spec["containerPort"])
-    probe = engine_container["startupProbe"]
-    budget = float(probe["periodSeconds"]) * float(probe["failureThreshold"])
-    service_pods = statefulset["metadata"]["name"]
     engines: list[ProcessSpec] = []
     local_ports: dict[str, int] = {}
-    for ordinal in range(pods):
-        pod = f"{service_pods}-{ordinal}"
-        rendered_argv = [*engine_container["command"], *engine_container.get("args", [])]
-        rendered_env = _env(engine_container, pod)
-        table = vols.mount_table(pod, pod_spec, engine_container)
-        local_port = container_port + port_offset + ordinal
-        argv = _substitute_argv(rendered_argv, port=container_port, local_port=local_port, table=table)
-        assigned = take(engine_gpus)
-        env = {**rendered_env, "PATH": path_env, "HOSTNAME": pod}
+    host_dirs: dict[str, str] = {}
+    for engine_pod in engine_pods:
+        container = engine_pod.container
+        (port_spec,) = [p for p in container["ports"] if p["name"] == "http"]
+        container_port = int(port_spec["containerPort"])
+        rendered_argv = [*container["command"], *container.get("args", [])]
+        rendered_env = _env(container, engine_pod.pod)
+        table = vols.mount_table(engine_pod.pod, engine_pod.pod_spec, container)
+        host_dirs.update(table)
+        local_port = container_port + port_offset + engine_pod.replica
+        rpc_port = None
+        if engine_pod.group is not None:
+            rendered_rpc = _flag_value(rendered_argv, DP_RPC_PORT_FLAG)
+            if rendered_rpc is None:
+                raise UpError(f"pod {engine_pod.pod}: a LeaderWorkerSet pod's argv names no {DP_RPC_PORT_FLAG}")
+            rpc_port = int(rendered_rpc) + port_offset + engine_pod.replica
+        argv = _substitute_argv(rendered_argv, port=container_port, local_port=local_port, table=table,
+                                rpc_port=rpc_port)  # fmt: skip
+        assigned = take(_gpu_count(container))
+        env = {**rendered_env, **engine_pod.lws_env, "PATH": path_env, "HOSTNAME": engine_pod.pod}
         if assigned:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
+        serves_api = "startupProbe" in container
+        probe = engine_pods[0].container["startupProbe"]  # the replica's leader: its budget covers the group
         engines.append(ProcessSpec(
-            name=f"engine-{ordinal}", role="engine", pod=pod, container=engine_container["name"], argv=argv,
-            env=env, rendered_argv=rendered_argv, rendered_env=rendered_env, gpus=assigned, port=local_port,
-            startup_budget_s=budget, grace_s=_grace(pod_spec),
+            name=engine_pod.name, role="engine", pod=engine_pod.pod, container=container["name"], argv=argv,
+            env=env, rendered_argv=rendered_argv, rendered_env=rendered_env, gpus=assigned,
+            port=local_port if serves_api else None,
+            startup_budget_s=float(probe["periodSeconds"]) * float(probe["failureThreshold"]),
+            grace_s=_grace(engine_pod.pod_spec), group=engine_pod.group,
         ))  # fmt: skip
-        local_ports[pod] = local_port
+        if serves_api:
+            local_ports[engine_pod.pod] = local_port
 
     trainer_pod = f"{ray_job['metadata']['name']}-head"
     rendered_trainer_argv = shlex.split(ray_job["spec"]["entrypoint"])
@@ -333,9 +396,7 @@ def plan_up(
     uri = job.spec.model.uri
     reference = uri.rsplit("/", 1)[-1] if uri.startswith("r3operator://reference/") else None
     routing = table.get(ROUTING_MOUNT.rstrip("/"))
-    host_dirs = {**vols.mount_table(trainer_pod, head["spec"], trainer_container)}
-    for engine in engines:
-        host_dirs.update(vols.mount_table(engine.pod, pod_spec, engine_container))
+    host_dirs.update(vols.mount_table(trainer_pod, head["spec"], trainer_container))
     if CONFIG_DIR not in host_dirs:
         raise UpError(f"the trainer pod does not mount the ConfigMap at {CONFIG_DIR}")
     return UpPlan(
@@ -350,6 +411,6 @@ def _local_url(url: str, local_ports: dict[str, int]) -> str:
     """``http://<pod>.<service>.<ns>.svc:<port>`` (the ConfigMap's engineURLs) → that pod's local port."""
     pod = (urlsplit(url).hostname or "").split(".", 1)[0]
     if pod not in local_ports:
-        raise UpError(f"ConfigMap engineURLs names {url}, which is no engine pod of the StatefulSet "
+        raise UpError(f"ConfigMap engineURLs names {url}, which is no engine pod serving the API "
                       f"({sorted(local_ports)})")  # fmt: skip
     return f"http://127.0.0.1:{local_ports[pod]}"

@@ -229,21 +229,35 @@ class Runner:
                 self._note_recovery(child, now)
                 continue
             if child.restart_at is None:
-                _signal_group(child, signal.SIGKILL)  # what it forked dies with it, as with a container
-                restarts = child.starts - 1
-                if restarts >= self.max_restarts:
-                    raise UpFailed(f"{child.spec.name} exited with code {code} after {self.max_restarts} restarts; "
-                                   f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
-                delay = min(RESTART_CAP_S, RESTART_BASE_S * 2**restarts)
-                child.restart_at = now + delay
-                child.history[-1]["exitCode"] = code
-                self.write_manifest()
-                self.say(
-                    f"  {child.spec.name} exited with code {code}; restarting it in {delay:.0f} s "
-                    f"(restart {restarts + 1}/{self.max_restarts}), as the kubelet restarts a container"
-                )
+                self._schedule_restart(child, code, now)
             elif now >= child.restart_at:
                 self._start(child)
+
+    def _schedule_restart(self, child: Child, code: int, now: float) -> None:
+        """As the kubelet restarts a container, with its back-off; a LeaderWorkerSet group's member takes
+        the whole group with it (``RecreateGroupOnPodRestart``: its DP ranks share one collective)."""
+        _signal_group(child, signal.SIGKILL)  # what it forked dies with it, as with a container
+        restarts = child.starts - 1
+        if restarts >= self.max_restarts:
+            raise UpFailed(f"{child.spec.name} exited with code {code} after {self.max_restarts} restarts; "
+                           f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
+        delay = min(RESTART_CAP_S, RESTART_BASE_S * 2**restarts)
+        child.restart_at = now + delay
+        child.history[-1]["exitCode"] = code
+        self.say(
+            f"  {child.spec.name} exited with code {code}; restarting it in {delay:.0f} s "
+            f"(restart {restarts + 1}/{self.max_restarts}), as the kubelet restarts a container"
+        )
+        members = [c for c in self.engines if child.spec.group is not None and c.spec.group == child.spec.group]
+        for member in members:
+            if member is child or member.restart_at is not None:
+                continue
+            assert member.proc is not None
+            _signal_group(member, signal.SIGKILL)
+            member.history[-1]["exitCode"] = member.proc.wait()
+            member.restart_at = child.restart_at
+            self.say(f"  {member.spec.name} stopped with it: group {child.spec.group} restarts whole")
+        self.write_manifest()
 
     # -- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -34,6 +34,7 @@ STARTUP_UNKNOWN_S = 900
 STARTUP_MAX_S = 3 * 3600
 PROBE_PERIOD_S = 10
 
+
 def startup_budget_seconds(job: RLJob) -> int:
     params = model_params_billions(job.spec.model.uri)
     if params is None:
@@ -107,7 +108,8 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
     }
 
 
-def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], serves_api: bool) -> dict[str, Any]:
+def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], args: list[str] | None,
+                      serves_api: bool) -> dict[str, Any]:  # fmt: skip
     """The vLLM container; ``serves_api`` False for a ``--headless`` DP follower, which has no HTTP to probe
     (its engine cores exit when they lose the leader, which restarts the container)."""
     inf = job.spec.inference
@@ -116,6 +118,7 @@ def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], serv
         "name": CONTAINER_NAME,
         "image": inf.image,
         "command": command,
+        **({"args": args} if args else {}),
         "ports": [{"name": "http", "containerPort": inf.port}],
         "env": [{"name": k, "value": v} for k, v in vllm_env(job.spec).items()],
         "resources": _resources(job),
@@ -125,7 +128,8 @@ def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], serv
     }
 
 
-def engine_pod_template(job: RLJob, *, command: list[str], serves_api: bool = True) -> dict[str, Any]:
+def engine_pod_template(job: RLJob, *, command: list[str], args: list[str] | None = None,
+                        serves_api: bool = True) -> dict[str, Any]:  # fmt: skip
     """The engine pod template with the user's pod templates merged (builders/overrides.py)."""
     model = model_mount(job, image=job.spec.inference.image)
     volumes, _ = _volumes(job, model)
@@ -139,7 +143,7 @@ def engine_pod_template(job: RLJob, *, command: list[str], serves_api: bool = Tr
             "automountServiceAccountToken": False,
             "securityContext": pod_security_context(ENGINE_UID),
             **({"initContainers": model.init_containers} if model.init_containers else {}),
-            "containers": [_engine_container(job, model, command=command, serves_api=serves_api)],
+            "containers": [_engine_container(job, model, command=command, args=args, serves_api=serves_api)],
             "volumes": volumes,
             "tolerations": [dict(t) for t in meta.GPU_TOLERATIONS],
             "terminationGracePeriodSeconds": 60,

@@ -18,7 +18,6 @@ controller adopts as the group's subdomain since it carries the LWS's name) and 
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from r3operator.api.engine_layout import LWS_API_VERSION, engine_layout
@@ -32,16 +31,24 @@ WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 
 
 def _command(job: RLJob, *, leader: bool) -> list[str]:
-    """``vllm serve`` with this pod's DP ranks; a shell only for the rank arithmetic on the worker index."""
-    args = vllm_serve_args(job.spec, model_path=model_path(job.spec))
+    """A shell for the values only the pod knows: the leader's address and a worker's first DP rank (from its
+    worker index). vLLM's own argv is the container's ``args`` (``$0 "$@"``), one flag per item, as the
+    StatefulSet's engines have it.
+
+    The leader names no ``--data-parallel-start-rank``: vLLM 0.30 reads any start rank on a pod that serves
+    the API (0 included; 0.22 only a non-zero one) as hybrid load balancing, where every node runs its own API
+    server, and then refuses the ``--headless`` workers ("must not use --headless in external or hybrid dp lb
+    mode"). Without it the leader's API server balances over every rank of the replica, as the trainer needs:
+    it reaches a replica through its leader only."""
     dp_local = engine_layout(job.spec).dp_local
-    start = "0" if leader else f"$(({WORKER_INDEX_ENV} * {dp_local}))"
-    script = (
-        f"exec {shlex.join(args)} --data-parallel-start-rank {start} "
-        f'--data-parallel-address "${LEADER_ADDRESS_ENV}" --data-parallel-rpc-port {DP_RPC_PORT}'
-        f"{'' if leader else ' --headless'}"
-    )
-    return ["/bin/sh", "-c", script]
+    start = "" if leader else f"--data-parallel-start-rank $(({WORKER_INDEX_ENV} * {dp_local})) "
+    return ["/bin/sh", "-c", f'exec "$0" "$@" {start}--data-parallel-address "${LEADER_ADDRESS_ENV}"']
+
+
+def _args(job: RLJob, *, leader: bool) -> list[str]:
+    """``vllm serve`` with the replica's DP shape; a worker runs ``--headless`` (no API server)."""
+    args = vllm_serve_args(job.spec, model_path=model_path(job.spec))
+    return [*args, "--data-parallel-rpc-port", str(DP_RPC_PORT), *([] if leader else ["--headless"])]
 
 
 def build_engine_leader_worker_set(job: RLJob, *, replicas: int, partition: int = 0) -> dict[str, Any]:
@@ -63,8 +70,12 @@ def build_engine_leader_worker_set(job: RLJob, *, replicas: int, partition: int 
             "leaderWorkerTemplate": {
                 "size": layout.pods_per_replica,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": engine_pod_template(job, command=_command(job, leader=True)),
-                "workerTemplate": engine_pod_template(job, command=_command(job, leader=False), serves_api=False),
+                "leaderTemplate": engine_pod_template(
+                    job, command=_command(job, leader=True), args=_args(job, leader=True)
+                ),
+                "workerTemplate": engine_pod_template(
+                    job, command=_command(job, leader=False), args=_args(job, leader=False), serves_api=False
+                ),
             },
         },
     }
