@@ -4,27 +4,22 @@ sync. The engine is killed mid-run: `up` starts it again, the driver waits for i
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from up_process import metrics_rows, run_dir, small_local_job, up_output, up_process
 
 from r3operator.api.load import parse_rljob
 from r3operator.operator.desired import desired
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-LOCAL = REPO / "examples" / "rljob-local.yaml"
 RUN_TIMEOUT_S = 1800
 
 
@@ -32,17 +27,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _job(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    """The local example with a smaller batch (2 shared CPU cores): same engine and trainer pods."""
-    doc = yaml.safe_load(LOCAL.read_text())
-    doc["spec"]["rollout"].update(promptsPerStep=4, groupSize=4)
-    doc["spec"]["algorithm"].update(sftWarmupSteps=0)
-    doc["spec"]["checkpoint"].update(intervalSteps=2)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path, doc
 
 
 def _proc(pid: int, what: str) -> list[str]:
@@ -59,29 +43,13 @@ def _wait(predicate: Any, up: subprocess.Popen[bytes], what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    if not path.is_file():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
 def test_up_runs_the_rendered_topology_and_survives_an_engine_kill(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    job, doc = _job(tmp_path)
+    job, doc = small_local_job(tmp_path)
     offset = _free_port() - 8000
-    runs = tmp_path / "runs"
-    out = (tmp_path / "up.out").open("wb")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "r3operator", "up", str(job), "--out-dir", str(runs), "--steps", "3",
-         "--port-offset", str(offset), "--gpus", "none"],
-        cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    run_dir = runs / "tiny-count-r3"
-    metrics = run_dir / "volumes" / "tiny-count-r3-routing" / "runs" / "tiny-count-r3" / "metrics.csv"
-    try:
-        _wait(lambda: True if len(_rows(metrics)) >= 1 else None, up, "step 1")
-        manifest = json.loads((run_dir / "up.json").read_text())
+    with up_process(tmp_path, job, steps=3, port_offset=offset) as up:
+        _wait(lambda: True if metrics_rows(tmp_path) else None, up, "step 1")
+        manifest = json.loads((run_dir(tmp_path) / "up.json").read_text())
         engine, trainer = manifest["processes"]
         engine_pid, trainer_pid = engine["starts"][-1]["pid"], trainer["starts"][-1]["pid"]
 
@@ -108,28 +76,23 @@ def test_up_runs_the_rendered_topology_and_survives_an_engine_kill(tmp_path: Pat
         assert "KUBERNETES_SERVICE_HOST" not in trainer_env
 
         os.killpg(engine_pid, signal.SIGKILL)  # mid-run: the pod dies with its engine core
-        assert up.wait(timeout=RUN_TIMEOUT_S) == 0, (tmp_path / "up.out").read_text()[-4000:]
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            up.wait(timeout=120)
-        out.close()
+        assert up.wait(timeout=RUN_TIMEOUT_S) == 0, up_output(tmp_path)[-4000:]
 
-    rows = _rows(metrics)
+    rows = metrics_rows(tmp_path)
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     assert all(r["canary_ok"] == "1" and r["skipped"] in ("0", "False", "") for r in rows)
     assert all(float(r["replay_applied"]) == 1.0 for r in rows)
-    manifest = json.loads((run_dir / "up.json").read_text())
+    manifest = json.loads((run_dir(tmp_path) / "up.json").read_text())
     starts = manifest["processes"][0]["starts"]
     assert len(starts) == 2 and starts[0]["exitCode"] == -9
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    trainer_log = (run_dir(tmp_path) / "logs" / "trainer.log").read_text()
     # The kill lands between steps (a stale engine, re-synced), inside a weight sync (aborted and repeated in
     # full once the engine is back), or just before a sync (its first engine call retries until the engine is
     # back, then the whole sync goes to it): each way the next canary passed on the restarted engine (rows above).
     assert ("re-syncing the current weights and checking the canary" in trainer_log
             or "aborted without finalising; repeating it in full" in trainer_log
             or "/collective_rpc failed (try 1/" in trainer_log), trainer_log[-3000:]  # fmt: skip
-    said = (tmp_path / "up.out").read_text()
+    said = up_output(tmp_path)
     assert "engine-0 exited with code -9; restarting it" in said and "engine-0 healthy again" in said
     # Nothing of either pod is left running.
     for pid in (engine_pid, trainer_pid, starts[1]["pid"]):

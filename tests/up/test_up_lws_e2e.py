@@ -9,25 +9,19 @@ collectives of the MoE dispatch (vllm-project/vllm#57837). The engines get them 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from up_process import REPO, metrics_rows, run_dir, small_local_job, up_output, up_process
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-LOCAL = REPO / "examples" / "rljob-local.yaml"
 CPU_DP = REPO / "tests" / "vllm_cpu_dp"
 RUN_TIMEOUT_S = 1800
 HTTP_PORT, DP_RPC_PORT = 8000, 13345
@@ -49,13 +43,6 @@ def _port_offset() -> int:
         if _free(HTTP_PORT + offset) and _free(DP_RPC_PORT + offset):
             return offset
     raise AssertionError("no free port pair")
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    if not path.is_file():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 def _served_by_engine(url: str) -> dict[str, float]:
@@ -80,46 +67,27 @@ def _cmdline(pid: int) -> list[str] | None:
 
 def test_a_two_pod_engine_replica_serves_r3_training_from_both_dp_ranks(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    doc = yaml.safe_load(LOCAL.read_text())
-    doc["spec"]["inference"].update(dataParallelSize=2, dataParallelSizeLocal=1)
-    doc["spec"]["rollout"].update(promptsPerStep=4, groupSize=4)
-    doc["spec"]["algorithm"].update(sftWarmupSteps=0)
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(doc))
+    job, _ = small_local_job(tmp_path, dataParallelSize=2, dataParallelSizeLocal=1)
     offset = _port_offset()
-    runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CPU_DP), os.environ.get("PYTHONPATH")]))}
-    out = (tmp_path / "up.out").open("wb")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "r3operator", "up", str(job), "--out-dir", str(runs), "--steps", "2",
-         "--port-offset", str(offset), "--gpus", "none"],
-        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    run_dir = runs / "tiny-count-r3"
-    metrics = run_dir / "volumes" / "tiny-count-r3-routing" / "runs" / "tiny-count-r3" / "metrics.csv"
+    manifest = run_dir(tmp_path) / "up.json"
     served: dict[str, float] = {}
     worker_argv: list[str] | None = None
-    try:
+    with up_process(tmp_path, job, steps=2, port_offset=offset, env=env) as up:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while up.poll() is None and time.monotonic() < deadline:
             served = _served_by_engine(f"http://127.0.0.1:{HTTP_PORT + offset}/metrics") or served
-            if worker_argv is None and (run_dir / "up.json").is_file():
-                worker = json.loads((run_dir / "up.json").read_text())["processes"][1]
+            if worker_argv is None and manifest.is_file():
+                worker = json.loads(manifest.read_text())["processes"][1]
                 if worker["starts"]:
                     worker_argv = _cmdline(worker["starts"][-1]["pid"])
             time.sleep(1)
-        assert up.wait(timeout=60) == 0, (tmp_path / "up.out").read_text()[-4000:]
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            up.wait(timeout=120)
-        out.close()
+        assert up.wait(timeout=60) == 0, up_output(tmp_path)[-4000:]
 
-    rows = _rows(metrics)
+    rows = metrics_rows(tmp_path)
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert all(r["canary_ok"] == "1" and float(r["replay_applied"]) == 1.0 for r in rows)
-    manifest = json.loads((run_dir / "up.json").read_text())
-    leader, worker = manifest["processes"][:2]
+    leader, worker = json.loads(manifest.read_text())["processes"][:2]
     assert (leader["name"], worker["name"]) == ("engine-0", "engine-0-1")
     assert (leader["env"]["LWS_WORKER_INDEX"], worker["env"]["LWS_WORKER_INDEX"]) == ("0", "1")
     # The worker's shell exec'd vLLM as DP rank 1 of the leader's replica, with no API server of its own.

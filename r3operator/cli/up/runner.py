@@ -140,7 +140,7 @@ class Runner:
 
     def _healthy(self, child: Child) -> bool:
         url = child.spec.health_url
-        if url is None:
+        if url is None:  # a --headless worker: its leader answers /health only once every DP rank joined
             return True
         try:
             with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as response:
@@ -154,8 +154,9 @@ class Runner:
         for child in self.engines:
             self._start(child)
             gpus = ",".join(child.spec.gpus) or "-"
+            port = f"port {child.spec.port}" if child.spec.port is not None else f"no HTTP (group {child.spec.group})"
             self.say(f"  started {child.spec.name} ({child.spec.pod}) pid {child.proc.pid if child.proc else '?'} "
-                     f"port {child.spec.port} GPUs {gpus}  log {child.log_path}")  # fmt: skip
+                     f"{port} GPUs {gpus}  log {child.log_path}")  # fmt: skip
         waiting = list(self.engines)
         while waiting:
             for child in list(waiting):
@@ -168,7 +169,8 @@ class Runner:
                 if self._healthy(child):
                     child.healthy = True
                     waiting.remove(child)
-                    self.say(f"  {child.spec.name} healthy after {elapsed:.1f} s ({child.spec.health_url})")
+                    if child.spec.health_url is not None:
+                        self.say(f"  {child.spec.name} healthy after {elapsed:.1f} s ({child.spec.health_url})")
                 elif elapsed > child.spec.startup_budget_s:
                     raise UpFailed(f"{child.spec.name} not healthy after {elapsed:.0f} s (the rendered startupProbe's "
                                    f"budget); last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
