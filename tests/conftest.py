@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 # What a session writes under the temp dir at its peak (tmp_path of the trainer runs, the control plane's
-# etcd, torch's compile cache): ~2.3 GB measured on a fresh clone (docs/benchmarks.md), with headroom.
+# etcd, torch's compile cache): +2.2 GB measured on a fresh clone (docs/benchmarks.md), with headroom.
 # Below it the suite would end in hundreds of ENOSPC errors far from their cause, so it stops at once.
 MIN_FREE_TMP_GIB = 4.0
 

@@ -6,8 +6,6 @@ Pure: desired() and its builders, no cluster (tests/operator/test_lws_cluster.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ import pytest
 import yaml
 from spec_edits import apply_edits
 from typer.testing import CliRunner
+from vllm_argv import exec_argv, flag
 
 from r3operator.api.context import RuleContext
 from r3operator.api.engine_layout import engine_layout
@@ -102,18 +101,8 @@ def test_a_multi_node_replica_is_a_leader_worker_set_group_and_no_statefulset() 
 
 
 def _argv(container: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> list[str]:
-    """Run the container's command with a `vllm` on PATH that prints its argv (what the pod would exec)."""
-    fake = tmp_path / "vllm"
-    fake.write_text('#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n')
-    fake.chmod(0o755)
-    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    argv = [*container["command"], *container.get("args", [])]
-    out = subprocess.run(argv, env={"PATH": path, **env}, capture_output=True, text=True, check=True)
-    return list(json.loads(out.stdout))
-
-
-def _flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
+    """What the pod would exec: the container's command + args, with a `vllm` that prints its argv."""
+    return exec_argv([*container["command"], *container.get("args", [])], env, tmp_path)
 
 
 def test_each_pod_runs_its_own_dp_ranks_against_the_leader_address_lws_injects(tmp_path: Path) -> None:
@@ -125,13 +114,13 @@ def test_each_pod_runs_its_own_dp_ranks_against_the_leader_address_lws_injects(t
     follow = _argv(worker, tmp_path, {"LWS_LEADER_ADDRESS": address, "LWS_WORKER_INDEX": "1"})
     for argv in (lead, follow):
         assert argv[0] == "serve"
-        assert (_flag(argv, "--data-parallel-size"), _flag(argv, "--data-parallel-size-local")) == ("6", "3")
-        assert _flag(argv, "--data-parallel-address") == address
-        assert _flag(argv, "--data-parallel-rpc-port") == "13345"
+        assert (flag(argv, "--data-parallel-size"), flag(argv, "--data-parallel-size-local")) == ("6", "3")
+        assert flag(argv, "--data-parallel-address") == address
+        assert flag(argv, "--data-parallel-rpc-port") == "13345"
         assert "--enable-return-routed-experts" in argv  # R3 capture on every rank
     # The leader names no start rank: vLLM 0.30 would read even 0 as hybrid load balancing and refuse the workers.
     assert "--data-parallel-start-rank" not in lead and "--headless" not in lead
-    assert _flag(follow, "--data-parallel-start-rank") == "3" and "--headless" in follow
+    assert flag(follow, "--data-parallel-start-rank") == "3" and "--headless" in follow
 
 
 def test_stopped_engines_are_zero_groups_and_the_trainer_reaches_each_replicas_leader() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 import yaml
 from spec_edits import apply_edits
 from typer.testing import CliRunner
+from vllm_argv import exec_argv, flag
 
 from r3operator.api.load import parse_rljob
 from r3operator.cli.main import app
@@ -156,25 +156,14 @@ def test_a_group_member_runs_its_own_dp_ranks_against_the_local_leader(tmp_path:
     DP rank 1 (the leader names none), both meet at 127.0.0.1 on the group's local RPC port, only the worker
     is headless."""
     doc = _doc(**{"inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1})
-    fake = tmp_path / "fake-bin" / "vllm"
-    fake.parent.mkdir()
-    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    fake.chmod(0o755)
-    plan = plan_up(parse_rljob(doc), run_dir=tmp_path / "run", gpus=[], bin_dir=fake.parent, host_path="/usr/bin:/bin")
-    argvs = []
-    for engine in plan.engines:
-        out = subprocess.run(engine.argv, env=engine.env, capture_output=True, text=True, check=True)
-        argvs.append(json.loads(out.stdout))
-    assert "--data-parallel-start-rank" not in argvs[0] and _flag(argvs[1], "--data-parallel-start-rank") == "1"
+    plan = plan_up(parse_rljob(doc), run_dir=tmp_path / "run", gpus=[], bin_dir=tmp_path, host_path="/usr/bin:/bin")
+    argvs = [exec_argv(engine.argv, engine.env, tmp_path) for engine in plan.engines]
+    assert "--data-parallel-start-rank" not in argvs[0] and flag(argvs[1], "--data-parallel-start-rank") == "1"
     for argv in argvs:
         assert argv[0] == "serve"
-        assert _flag(argv, "--data-parallel-address") == "127.0.0.1"
-        assert _flag(argv, "--data-parallel-rpc-port") == "13345"
+        assert flag(argv, "--data-parallel-address") == "127.0.0.1"
+        assert flag(argv, "--data-parallel-rpc-port") == "13345"
     assert ["--headless" in argv for argv in argvs] == [False, True]
-
-
-def _flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
 
 
 def test_too_few_gpus_is_refused_with_the_counts(tmp_path: Path) -> None:

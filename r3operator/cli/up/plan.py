@@ -36,7 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.operator.builders.engine_lws import leader_worker_templates
+from r3operator.operator.builders.engine_lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, leader_worker_templates
 from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 from r3operator.operator.desired import Facts, desired
 from r3operator.settings import CONFIG_DIR, ENGINE_URLS_KEY, ROUTING_MOUNT, RUNTIME_KEY, RuntimeSettings
@@ -46,7 +46,8 @@ DEFAULT_GRACE_S = 30
 """Kubernetes' terminationGracePeriodSeconds when a pod does not set one."""
 ARGV_SUBSTITUTIONS = ("--port", "mountPath prefixes", "--data-parallel-rpc-port")
 ENV_ADDED_EVERYWHERE = ("PATH", "HOSTNAME", "CUDA_VISIBLE_DEVICES")
-ENV_ADDED_LWS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
+ENV_ADDED_LWS = (LEADER_ADDRESS_ENV, GROUP_SIZE_ENV, WORKER_INDEX_ENV)
 DP_RPC_PORT_FLAG = "--data-parallel-rpc-port"
 ENV_ADDED_TRAINER = tuple(
     RuntimeSettings.env_name(f) for f in ("mounts", "engine_urls", "driver_metrics_port", "steps", "engine_dtype")
@@ -136,6 +137,8 @@ class _EnginePod:
     """The engine replica (the StatefulSet's ordinal, the LeaderWorkerSet's group index): its ports' offset."""
     pod_spec: dict[str, Any]
     container: dict[str, Any]
+    serves_api: bool = True
+    """False for a LeaderWorkerSet worker (``--headless``): no HTTP, no engine URL."""
     group: str | None = None
     lws_env: dict[str, str] = field(default_factory=dict)
 
@@ -161,9 +164,10 @@ def _engine_pods(children: list[dict[str, Any]]) -> list[_EnginePod]:
             template = leader if index == 0 else worker
             (container,) = template["spec"]["containers"]
             pod = f"{name}-{group}" if index == 0 else f"{name}-{group}-{index}"
-            lws_env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
+            lws_env = {LEADER_ADDRESS_ENV: "127.0.0.1", GROUP_SIZE_ENV: str(size), WORKER_INDEX_ENV: str(index)}
             pods.append(_EnginePod(pod, f"engine-{group}" if index == 0 else f"engine-{group}-{index}", group,
-                                   template["spec"], container, group=f"{name}-{group}", lws_env=lws_env))  # fmt: skip
+                                   template["spec"], container, serves_api=index == 0, group=f"{name}-{group}",
+                                   lws_env=lws_env))  # fmt: skip
     return pods
 
 
@@ -246,19 +250,20 @@ def _remap_path(arg: str, table: dict[str, str]) -> str:
 
 
 def _substitute_argv(argv: list[str], *, port: int, local_port: int, table: dict[str, str],
-                     rpc_port: int | None = None) -> list[str]:  # fmt: skip
-    """``rpc_port``: a LeaderWorkerSet group's local DP RPC port (the rendered one is replaced)."""
+                     rpc_shift: int | None = None) -> list[str]:  # fmt: skip
+    """``rpc_shift``: a LeaderWorkerSet pod's ``--data-parallel-rpc-port`` is moved by this much (its group's
+    own port on this host)."""
     out = [_remap_path(a, table) for a in argv]
     hits = [i for i, a in enumerate(out[:-1]) if a == "--port"]
     if any(out[i + 1] != str(port) for i in hits) or any(a.startswith("--port=") for a in out):
         raise UpError(f"engine argv names a port other than the containerPort {port}: {shlex.join(argv)}")
     for i in hits:
         out[i + 1] = str(local_port)
-    if rpc_port is not None:
+    if rpc_shift is not None:
         rpc = [i for i, a in enumerate(out[:-1]) if a == DP_RPC_PORT_FLAG]
         if len(rpc) != 1 or any(a.startswith(DP_RPC_PORT_FLAG + "=") for a in out):
             raise UpError(f"a LeaderWorkerSet pod's argv must name {DP_RPC_PORT_FLAG} once: {shlex.join(argv)}")
-        out[rpc[0] + 1] = str(rpc_port)
+        out[rpc[0] + 1] = str(int(out[rpc[0] + 1]) + rpc_shift)
     return out
 
 
@@ -330,6 +335,7 @@ def plan_up(
         taken, free[:] = free[:count], free[count:]
         return taken
 
+    budget = 0.0
     engines: list[ProcessSpec] = []
     local_ports: dict[str, int] = {}
     host_dirs: dict[str, str] = {}
@@ -341,29 +347,24 @@ def plan_up(
         rendered_env = _env(container, engine_pod.pod)
         table = vols.mount_table(engine_pod.pod, engine_pod.pod_spec, container)
         host_dirs.update(table)
+        if engine_pod.serves_api:  # a worker (no probes) follows its group's leader, rendered just before it
+            probe = container["startupProbe"]
+            budget = float(probe["periodSeconds"]) * float(probe["failureThreshold"])
         local_port = container_port + port_offset + engine_pod.replica
-        rpc_port = None
-        if engine_pod.group is not None:
-            rendered_rpc = _flag_value(rendered_argv, DP_RPC_PORT_FLAG)
-            if rendered_rpc is None:
-                raise UpError(f"pod {engine_pod.pod}: a LeaderWorkerSet pod's argv names no {DP_RPC_PORT_FLAG}")
-            rpc_port = int(rendered_rpc) + port_offset + engine_pod.replica
+        rpc_shift = None if engine_pod.group is None else port_offset + engine_pod.replica
         argv = _substitute_argv(rendered_argv, port=container_port, local_port=local_port, table=table,
-                                rpc_port=rpc_port)  # fmt: skip
+                                rpc_shift=rpc_shift)  # fmt: skip
         assigned = take(_gpu_count(container))
         env = {**rendered_env, **engine_pod.lws_env, "PATH": path_env, "HOSTNAME": engine_pod.pod}
         if assigned:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
-        serves_api = "startupProbe" in container
-        probe = engine_pods[0].container["startupProbe"]  # the replica's leader: its budget covers the group
         engines.append(ProcessSpec(
             name=engine_pod.name, role="engine", pod=engine_pod.pod, container=container["name"], argv=argv,
             env=env, rendered_argv=rendered_argv, rendered_env=rendered_env, gpus=assigned,
-            port=local_port if serves_api else None,
-            startup_budget_s=float(probe["periodSeconds"]) * float(probe["failureThreshold"]),
+            port=local_port if engine_pod.serves_api else None, startup_budget_s=budget,
             grace_s=_grace(engine_pod.pod_spec), group=engine_pod.group,
         ))  # fmt: skip
-        if serves_api:
+        if engine_pod.serves_api:
             local_ports[engine_pod.pod] = local_port
 
     trainer_pod = f"{ray_job['metadata']['name']}-head"
