@@ -20,7 +20,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-.whl-verl}
-grep -qx '/.whl-verl/' .git/info/exclude 2>/dev/null || echo '/.whl-verl/' >> "$(git rev-parse --git-path info/exclude)"
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx "/$(basename "$out")/" "$exclude" 2>/dev/null || echo "/$(basename "$out")/" >> "$exclude"
 mkdir -p "$out/all"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
@@ -32,7 +33,7 @@ done
 # their needs that are not on the image either. wandb/tensorboard are imported only for those loggers (we log to
 # console + file), flash-attn only for the FSDP engine's remove-padding path (the Megatron engine does not import it).
 pkgs=(verl==0.9.1 transformers==5.9.0 tokenizers==0.23.2 huggingface-hub==1.33.0
-  hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 codetiming tensordict==0.10.0 torchdata
+  hydra-core==1.3.2 omegaconf==2.3.0 codetiming tensordict==0.10.0 torchdata
   pybind11 pylatexenc peft datasets pyarrow pandas pytz tzdata xxhash multiprocess fsspec orjson
   mbridge==0.15.1 einops transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 nvtx
   aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs)
@@ -40,18 +41,32 @@ for p in "${pkgs[@]}"; do
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/all" "$p" 2>&1 | grep -v WARNING || true
 done
 # transformer-engine-torch has no binary wheel on PyPI: its source archive, built on the machine (verl-setup.sh).
-python3 -m pip download -q --no-deps --no-binary=:all: -d "$out/all" transformer-engine-torch==2.20.2 2>&1 \
-  | grep -v WARNING || true
-# Files over 40 MiB are cut into NAME.part.NN (joined on the machine by verl-setup.sh); then everything is packed
+# `pip download` would build its metadata, which needs torch here; the archive comes from the simple index instead,
+# checked against the sha256 the index lists.
+python3 - "$out/all" transformer-engine-torch 2.20.2 <<'PY'
+import hashlib, re, sys, urllib.request
+dest, name, version = sys.argv[1:]
+page = urllib.request.urlopen(f"https://pypi.org/simple/{name}/", timeout=60).read().decode()
+want = f"{name.replace('-', '_')}-{version}.tar.gz"
+match = re.search(r'href="([^"#]*/' + re.escape(want) + r')#sha256=([0-9a-f]{64})"', page)
+if match is None:
+    sys.exit(f"{want}: not on the index")
+data = urllib.request.urlopen(match.group(1), timeout=300).read()
+if hashlib.sha256(data).hexdigest() != match.group(2):
+    sys.exit(f"{want}: sha256 differs from the index's")
+open(f"{dest}/{want}", "wb").write(data)
+PY
+# omegaconf 2.3 needs antlr4 4.9.*, published as a source archive only (pure Python): built into a wheel here.
+python3 -m pip wheel -q --no-deps -w "$out/all" antlr4-python3-runtime==4.9.3 2>&1 | grep -v WARNING || true
+# Files over 46 MiB are cut into NAME.part.NN (joined on the machine by verl-setup.sh); then everything is packed
 # first-fit into parts of ≤ 48 MiB by r3operator's own repacker.
 for f in "$out"/all/*; do
-  if [ "$(stat -c %s "$f")" -gt $((40 * 2**20)) ]; then
-    ( cd "$out/all" && split -b 40M -d "$(basename "$f")" "$(basename "$f").part." && rm "$(basename "$f")" )
+  if [ "$(stat -c %s "$f")" -gt $((46 * 2**20)) ]; then
+    ( cd "$out/all" && split -b 46M -d "$(basename "$f")" "$(basename "$f").part." && rm "$(basename "$f")" )
   fi
 done
 mkdir -p "$out/part-00"
 mv "$out"/all/* "$out/part-00/" && rmdir "$out/all"
-cp benchmarks/peers/verl-setup.sh "$out/part-00/"
 python3 scripts/gpu-wheel-parts.py "$out" --max-mib 48
 du -sh "$out"/part-*
 echo "$(ls -d "$out"/part-* | wc -l) parts for verl (one device call each; see docs/benchmarks.md, Against verl)"
