@@ -97,10 +97,16 @@ def prepare(out: Path, model: str) -> None:
 
     export_model(model, out / "inputs" / "model")
     convert_arith(ARITH, out / "inputs" / "data")
-    pvc = Path("/tmp/pvc/datasets")  # the job's datasetPath, as a trainer pod's mounted volume
+    print(f"== prepare: {out / 'inputs'}", flush=True)
+
+
+def place_dataset() -> None:
+    """The RLJob's datasetPath, where a trainer pod finds its mounted volume."""
+    from benchmarks.peers.verl_inputs import ARITH
+
+    pvc = Path("/tmp/pvc/datasets")
     pvc.mkdir(parents=True, exist_ok=True)
     shutil.copy(ARITH, pvc / "arith.jsonl")
-    print(f"== prepare: {out / 'inputs'}", flush=True)
 
 
 def r3_command(args: argparse.Namespace) -> list[str]:
@@ -119,6 +125,7 @@ def run_part(part: str, args: argparse.Namespace) -> int:
         prepare(args.out, args.model)
         return 0
     if part == "r3":
+        place_dataset()
         env = environment([args.site, str(REPO)])
         rc = run_logged("r3operator (off, then R3)", r3_command(args), env, args.out / "r3", args.timeout_s)
         shutil.rmtree(args.out / "r3" / JOB_NAME / "disabled" / "checkpoints", ignore_errors=True)
@@ -128,6 +135,10 @@ def run_part(part: str, args: argparse.Namespace) -> int:
         replay = part.removeprefix("verl-")
         run_dir = args.out / part
         inputs = args.out / "inputs"
+        for needed in (inputs / "model" / "config.json", inputs / "data" / "train.parquet"):
+            if not needed.is_file():
+                print(f"== {part}: {needed} is missing; run --parts prepare first", flush=True)
+                return 2
         overrides = verl_overrides(model_dir=inputs / "model", data_dir=inputs / "data",
                                    reward_file=PEERS / "verl_reward.py", gpus=args.gpus, steps=args.steps,
                                    replay=replay, log_file=run_dir / "metrics.jsonl")  # fmt: skip

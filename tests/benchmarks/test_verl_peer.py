@@ -269,41 +269,60 @@ def test_exported_model_loads_the_way_verl_loads_it(tmp_path: Path) -> None:
     assert facts["chat_text"].endswith("assistant :")
 
 
+def load_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modules: dict[str, str]) -> None:
+    """Stand-ins for verl's and mbridge's modules at their real import paths (`modules`: dotted name -> source),
+    then the hook loaded the way Python loads a sitecustomize; its finder is removed at the test's end."""
+    for dotted, source in modules.items():
+        parts = dotted.split(".")
+        for i in range(1, len(parts)):
+            package = tmp_path.joinpath(*parts[:i])
+            package.mkdir(parents=True, exist_ok=True)
+            (package / "__init__.py").touch()
+        tmp_path.joinpath(*parts[:-1], parts[-1] + ".py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] in {d.split(".")[0] for d in modules}]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook's finder goes with the test
+    hook_path = REPO / "benchmarks" / "peers" / "verl_hook" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("peer_sitecustomize", hook_path)
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_hook_gives_mbridge_the_rope_theta_transformers_5_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bridge = (
+        "class AutoBridge:\n"
+        "    @classmethod\n"
+        "    def from_config(cls, hf_config, **kwargs):\n"
+        "        return (cls.__name__, hf_config.rope_theta, kwargs)\n"  # what mbridge's LLMBridge reads
+    )
+    load_hook(tmp_path, monkeypatch, {"mbridge.core.auto_bridge": bridge})
+    from mbridge.core.auto_bridge import AutoBridge  # type: ignore[import-not-found]
+
+    config = type("Config", (), {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})()
+    assert AutoBridge.from_config(config, dtype="bf16") == ("AutoBridge", 1e6, {"dtype": "bf16"})
+    legacy = type("Legacy", (), {"rope_theta": 5.0, "rope_parameters": {"rope_theta": 1e6}})()
+    assert AutoBridge.from_config(legacy)[1] == 5.0  # a config that has it keeps its own
+
+
 @pytest.mark.slow
 def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    # A stand-in for verl's module at its real import path: the hook must wrap whatever that module defines.
-    package = tmp_path / "verl" / "utils" / "debug"
-    package.mkdir(parents=True)
-    for d in (tmp_path / "verl", tmp_path / "verl" / "utils", package):
-        (d / "__init__.py").write_text("")
-    (package / "metrics.py").write_text(
-        "def calculate_debug_metrics(data):\n    return {'training/rollout_probs_diff_mean': 0.5}\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
-        monkeypatch.delitem(sys.modules, name)
-    hook_path = REPO / "benchmarks" / "peers" / "verl_hook" / "sitecustomize.py"
-    spec = importlib.util.spec_from_file_location("peer_sitecustomize", hook_path)
-    assert spec is not None and spec.loader is not None
-    hook = importlib.util.module_from_spec(spec)
-    before = list(sys.meta_path)
-    spec.loader.exec_module(hook)
-    try:
-        import verl.utils.debug.metrics as metrics  # type: ignore[import-not-found]
+    metrics_source = "def calculate_debug_metrics(data):\n    return {'training/rollout_probs_diff_mean': 0.5}\n"
+    load_hook(tmp_path, monkeypatch, {"verl.utils.debug.metrics": metrics_source})
+    import verl.utils.debug.metrics as metrics  # type: ignore[import-not-found]
 
-        rollout = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-0.5, -0.5, -0.5, -0.5]])
-        trainer = torch.tensor([[0.0, -1.5, -2.0, -9.0], [-0.25, -0.5, -0.5, -0.5]])
-        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # -9.0 is padding and must not count
-        batch = {"rollout_log_probs": rollout, "old_log_probs": trainer, "response_mask": mask,
-                 "responses": torch.zeros(2, 4)}  # fmt: skip
-        got = metrics.calculate_debug_metrics(type("Data", (), {"batch": batch})())
-    finally:
-        sys.meta_path[:] = before
-    diffs = [0.0, 0.5, 0.0, 0.25]  # |trainer - rollout| over the 5 unmasked tokens, zeros included
-    log_ratios = [0.0, -0.5, 0.0, 0.25, 0.0]
+    rollout = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-0.5, -0.5, -0.5, -0.5]])
+    trainer = torch.tensor([[0.0, -1.5, -2.0, -9.0], [-0.25, -0.5, -0.5, -0.5]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # -9.0 is padding and must not count
+    batch = {"rollout_log_probs": rollout, "old_log_probs": trainer, "response_mask": mask,
+             "responses": torch.zeros(2, 4)}  # fmt: skip
+    got = metrics.calculate_debug_metrics(type("Data", (), {"batch": batch})())
+    log_ratios = [0.0, -0.5, 0.0, 0.25, 0.0]  # trainer - rollout over the 5 unmasked tokens
     assert got["training/rollout_probs_diff_mean"] == 0.5  # verl's own metrics stay
-    assert got["peer/logprob_abs_diff_mean"] == pytest.approx(sum(diffs) / 5)
+    assert got["peer/logprob_abs_diff_mean"] == pytest.approx(sum(abs(x) for x in log_ratios) / 5)
     assert got["peer/logprob_abs_diff_max"] == pytest.approx(0.5)
     assert got["peer/kl_k3"] == pytest.approx(sum(math.expm1(x) - x for x in log_ratios) / 5)

@@ -1,11 +1,13 @@
-"""Loaded by every Python process of a verl run (the runner puts this folder first on verl's PYTHONPATH): adds
-the rollout-vs-trainer |Δlogprob| that r3operator logs to verl's step metrics.
+"""Loaded by every Python process of a verl run (the runner puts this folder first on verl's PYTHONPATH). Two
+changes, each made when its module is first imported; nothing else of verl changes:
 
-verl's own `training/rollout_probs_diff_*` (verl/utils/debug/metrics.py) is |p_trainer − p_rollout| in
-probability space, which cannot be set next to r3operator's |logp_trainer − logp_rollout|. When the module
-`verl.utils.debug.metrics` is imported, its `calculate_debug_metrics` is wrapped to add, from the same batch
-(`rollout_log_probs`, `old_log_probs`, the response mask), `peer/logprob_abs_diff_mean` and `_max` (token-level,
-over response tokens) and `peer/kl_k3`. Nothing else of verl changes; any failure here leaves verl as shipped.
+1. The rollout-vs-trainer |Δlogprob| that r3operator logs, added to verl's step metrics. verl's own
+   `training/rollout_probs_diff_*` (verl/utils/debug/metrics.py) is |p_trainer − p_rollout| in probability space,
+   which cannot be set next to r3operator's |logp_trainer − logp_rollout|. `calculate_debug_metrics` is wrapped to
+   add, from the same batch (`rollout_log_probs`, `old_log_probs`, the response mask), `peer/logprob_abs_diff_mean`
+   and `_max` (token-level, over response tokens) and `peer/kl_k3`. A failure there leaves verl's metrics as they are.
+2. mbridge 0.15.1 (verl's `vanilla_mbridge` path) reads `hf_config.rope_theta`, which transformers 5 no longer sets
+   (it keeps the value in `rope_parameters`); `AutoBridge.from_config` is wrapped to set it from there first.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import importlib.abc
 import importlib.machinery
 import sys
 from typing import Any
-
-TARGET = "verl.utils.debug.metrics"
 
 
 def logprob_metrics(batch: Any) -> dict[str, float]:
@@ -34,7 +34,7 @@ def logprob_metrics(batch: Any) -> dict[str, float]:
     }
 
 
-def _wrap(module: Any) -> None:
+def _wrap_debug_metrics(module: Any) -> None:
     original = module.calculate_debug_metrics
 
     def calculate_debug_metrics(data: Any) -> dict:
@@ -48,9 +48,30 @@ def _wrap(module: Any) -> None:
     module.calculate_debug_metrics = calculate_debug_metrics
 
 
+def with_rope_theta(hf_config: Any) -> Any:
+    """`hf_config` with the `rope_theta` attribute transformers 4 had, taken from `rope_parameters`."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if getattr(hf_config, "rope_theta", None) is None and isinstance(params, dict) and "rope_theta" in params:
+        hf_config.rope_theta = params["rope_theta"]
+    return hf_config
+
+
+def _wrap_auto_bridge(module: Any) -> None:
+    original = module.AutoBridge.from_config.__func__
+
+    def from_config(cls: Any, hf_config: Any, **kwargs: Any) -> Any:
+        return original(cls, with_rope_theta(hf_config), **kwargs)
+
+    module.AutoBridge.from_config = classmethod(from_config)
+
+
+PATCHES = {"verl.utils.debug.metrics": _wrap_debug_metrics, "mbridge.core.auto_bridge": _wrap_auto_bridge}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TARGET:
+        patch = PATCHES.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -60,7 +81,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_and_wrap(module: Any) -> None:
             exec_module(module)
-            _wrap(module)
+            patch(module)
 
         loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
         return spec
