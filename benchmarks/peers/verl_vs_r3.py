@@ -110,8 +110,8 @@ def place_dataset() -> None:
 
 
 def r3_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "r3operator", "run", str(JOB), "--device", "cuda", "--no-resume", "--compare-replay",
-           "--steps", str(args.steps), "--out-dir", str(args.out / "r3"), "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "r3operator", "run", str(JOB), "--device", args.device, "--no-resume",
+           "--compare-replay", "--steps", str(args.steps), "--out-dir", str(args.out / "r3"), "--quiet"]  # fmt: skip
     if args.model != "a3b":  # a smoke test on a smaller reference model
         cmd += ["--model", args.model]
     if args.gpus > 2:
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order: {', '.join(PARTS)}")
     parser.add_argument("--model", default="a3b", help="reference model (a3b; tiny for a smoke test)")
+    parser.add_argument("--device", default="cuda", help="r3operator's device (cpu: a smoke test of the r3 part)")
     parser.add_argument("--site", default="/tmp/site", help="r3operator's GPU packages (scripts/gpu-setup.sh)")
     parser.add_argument("--verl-site", default="/tmp/verl-site", help="verl's packages (verl-setup.sh)")
     parser.add_argument("--timeout-s", type=int, default=540, help="limit for each framework's run")
