@@ -20,8 +20,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-.whl-verl}
-exclude=$(git rev-parse --git-path info/exclude)
-grep -qx "/$(basename "$out")/" "$exclude" 2>/dev/null || echo "/$(basename "$out")/" >> "$exclude"
 mkdir -p "$out/all"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
