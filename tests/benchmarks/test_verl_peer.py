@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -305,6 +306,16 @@ def test_hook_gives_mbridge_the_rope_theta_transformers_5_moved(
     assert AutoBridge.from_config(config, dtype="bf16") == ("AutoBridge", 1e6, {"dtype": "bf16"})
     legacy = type("Legacy", (), {"rope_theta": 5.0, "rope_parameters": {"rope_theta": 1e6}})()
     assert AutoBridge.from_config(legacy)[1] == 5.0  # a config that has it keeps its own
+
+
+def test_hook_still_runs_the_sitecustomize_it_shadows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    image_site = tmp_path / "image-site"
+    image_site.mkdir()
+    (image_site / "sitecustomize.py").write_text("import os\nos.environ['R3_TEST_IMAGE_SITECUSTOMIZE'] = 'ran'\n")
+    monkeypatch.syspath_prepend(str(image_site))
+    monkeypatch.delenv("R3_TEST_IMAGE_SITECUSTOMIZE", raising=False)
+    load_hook(tmp_path / "stand-ins", monkeypatch, {})
+    assert os.environ.get("R3_TEST_IMAGE_SITECUSTOMIZE") == "ran"
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -87,4 +89,19 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def run_shadowed_sitecustomize() -> None:
+    """Python imports one `sitecustomize`, the first on the path: this one shadows the image's, if it has one,
+    so that one runs here."""
+    here = Path(__file__).resolve().parent
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "sitecustomize.py"
+        if candidate.resolve().parent == here or not candidate.is_file():
+            continue
+        spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", candidate)
+        if spec is not None and spec.loader is not None:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        return
+
+
 sys.meta_path.insert(0, _Finder())
+run_shadowed_sitecustomize()
