@@ -1,0 +1,129 @@
+"""verl 0.9.1's configuration for the comparison, as the Hydra overrides of `verl.trainer.main_ppo` on its
+`ppo_megatron_trainer` config, each one matched to a field of benchmarks/jobs/a3b-verl-peer.yaml.
+
+R3 in verl 0.9.1 is two switches (read from its source, not guessed): the rollout asks vLLM for the routed experts
+(`actor_rollout_ref.rollout.enable_rollout_routing_replay`, which sets vLLM's `enable_return_routed_experts` and
+needs vLLM ≥ 0.22.0) and the Megatron engine replays them (`actor_rollout_ref.actor.megatron.router_replay.mode=R3`,
+`verl/utils/megatron/router_replay_{patch,utils}.py` over megatron-core's TopKRouter). Replay off is `mode=disabled`
+with the rollout switch off. Router replay exists only on verl's Megatron and VeOmni engines, not its FSDP engine.
+
+The two frameworks differ where they cannot be the same, and the table's reader must know it:
+- verl colocates (its "hybrid engine"): every GPU holds a Megatron rank and a vLLM replica that sleeps during the
+  update; r3operator's local runtime gives the vLLM engine `gpuMemoryUtilization` of one GPU and the trainer whole
+  GPUs (docs/benchmarks.md, "Against verl", says what that costs on 2 GPUs).
+- verl's Megatron trainer is bf16 with fp32 master weights in the distributed optimizer; r3operator's FSDP trainer
+  keeps fp32 weights and computes under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+REPLAY_MODES = ("R3", "disabled")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both frameworks run; the defaults are benchmarks/jobs/a3b-verl-peer.yaml's."""
+
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_prompt_tokens: int = 64
+    max_response_tokens: int = 64
+    temperature: float = 1.0
+    learning_rate: float = 1e-5
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    mini_batches: int = 2
+    engine_memory_fraction: float = 0.3
+    seed: int = 0
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+def verl_overrides(*, model_dir: Path, data_dir: Path, reward_file: Path, gpus: int, steps: int, replay: str,
+                   log_file: Path, work: Workload = Workload()) -> list[str]:  # fmt: skip
+    """The full override list (Hydra `key=value`) for one verl run."""
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"replay: expected one of {REPLAY_MODES}, got {replay!r}")
+    if gpus < 1:
+        raise ValueError(f"gpus: expected at least 1, got {gpus}")
+    if work.prompts_per_step % work.mini_batches:
+        raise ValueError(f"prompts_per_step {work.prompts_per_step} is not divisible by mini_batches "
+                         f"{work.mini_batches}")  # fmt: skip
+    r3 = replay == "R3"
+    actor = "actor_rollout_ref.actor"
+    rollout = "actor_rollout_ref.rollout"
+    return [
+        # GRPO on the arith parquet, same prompts and lengths
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=True",  # (r - mean) / (std + eps), as r3operator's GRPO
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'test.parquet'}",
+        f"data.train_batch_size={work.prompts_per_step}",
+        f"data.max_prompt_length={work.max_prompt_tokens}",
+        f"data.max_response_length={work.max_response_tokens}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.shuffle=True",
+        f"data.seed={work.seed}",
+        f"reward.custom_reward_function.path={reward_file}",
+        "reward.custom_reward_function.name=compute_score",
+        # the model and the trainer: Megatron, experts split over the GPUs, no offload
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"{actor}.strategy=megatron",
+        f"{actor}.optim.lr={work.learning_rate}",
+        f"{actor}.optim.clip_grad=1.0",
+        f"{actor}.ppo_mini_batch_size={work.prompts_per_step // work.mini_batches}",
+        f"{actor}.ppo_micro_batch_size_per_gpu={work.group_size}",
+        f"{actor}.ppo_epochs=1",
+        f"{actor}.clip_ratio_low={work.clip_low}",
+        f"{actor}.clip_ratio_high={work.clip_high}",
+        f"{actor}.loss_agg_mode=token-mean",
+        f"{actor}.entropy_coeff=0",
+        f"{actor}.use_kl_loss=False",
+        f"{actor}.megatron.tensor_model_parallel_size=1",
+        f"{actor}.megatron.pipeline_model_parallel_size=1",
+        f"{actor}.megatron.expert_model_parallel_size={gpus}",
+        f"{actor}.megatron.param_offload=False",
+        f"{actor}.megatron.optimizer_offload=False",
+        f"{actor}.megatron.use_mbridge=True",
+        f"{actor}.megatron.vanilla_mbridge=True",  # mbridge, not Megatron-Bridge (one dependency fewer)
+        f"{actor}.megatron.seed={work.seed}",
+        f"{actor}.megatron.router_replay.mode={replay}",
+        # rollout: vLLM (the release r3operator uses), one replica per GPU, eager like r3operator's engine
+        f"{rollout}.name=vllm",
+        f"{rollout}.mode=async",
+        f"{rollout}.tensor_model_parallel_size=1",
+        f"{rollout}.gpu_memory_utilization={work.engine_memory_fraction}",
+        f"{rollout}.enforce_eager=True",
+        f"{rollout}.n={work.group_size}",
+        f"{rollout}.temperature={work.temperature}",
+        f"{rollout}.top_p=1.0",
+        f"{rollout}.top_k=-1",
+        f"{rollout}.calculate_log_probs=True",  # the rollout logprobs the |Δlogprob| metrics need
+        f"{rollout}.enable_rollout_routing_replay={r3}",
+        f"{rollout}.log_prob_micro_batch_size_per_gpu={work.group_size}",
+        # the run: N steps, no validation, no checkpoints, metrics to the console and one JSONL file
+        f"trainer.n_gpus_per_node={gpus}",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1000",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.critic_warmup=0",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=r3operator-peer",
+        f"trainer.experiment_name=a3b-{replay.lower()}",
+        f"trainer.default_local_dir={log_file.parent / 'checkpoints'}",
+    ]
+
+
+def verl_command(python: str, overrides: list[str]) -> list[str]:
+    return [python, "-m", "verl.trainer.main_ppo", "--config-name=ppo_megatron_trainer", *overrides]

@@ -1,0 +1,235 @@
+"""verl 0.9.1 and r3operator on the same GPUs, model, prompts, lengths, batch and replay mode: one table.
+
+On the GPU machine, after scripts/gpu-setup.sh (r3operator, vLLM 0.22.1 into /tmp/site) and
+benchmarks/peers/verl-setup.sh (verl into /tmp/verl-site), from the repository root:
+
+    python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR                 # everything
+    python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR --parts verl-R3  # one part per call
+    python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --out DIR --parts table               # the table again
+
+Parts: `prepare` (the a3b model in the HF layout + the arith parquet, benchmarks/peers/verl_inputs.py), `r3`
+(benchmarks/jobs/a3b-verl-peer.yaml with --compare-replay: replay off, then R3, same seed), `verl-R3`,
+`verl-disabled` (benchmarks/peers/verl_config.py), `table` (benchmarks/peers/compare.py). Each run's console goes
+to DIR/<part>/console.log, nvidia-smi's memory samples to DIR/<part>/gpu_memory.csv; the table to DIR/table.md
+and DIR/summary.json. A part that fails or times out is reported, and the table shows it as not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.peers.compare import MetricsError, RunSummary, ratio_line, reward_table, summarize_r3, summarize_verl
+from benchmarks.peers.compare import table as make_table
+from benchmarks.peers.verl_config import Workload, verl_command, verl_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = Path(__file__).resolve().parent
+JOB = REPO / "benchmarks" / "jobs" / "a3b-verl-peer.yaml"
+JOB_NAME = "a3b-verl-peer"
+PARTS = ("prepare", "r3", "verl-R3", "verl-disabled", "table")
+# Kept set for every program on the lent multi-GPU hosts (NVLink multicast can take the host's GPUs down).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+COMMON_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **SAFE_ENV}  # fmt: skip
+
+
+class GpuMemorySampler:
+    """nvidia-smi's used memory per GPU once a second into `path` (`gpu,used_mib`): the same measure for both
+    frameworks, engine and trainer together, whichever process holds the memory."""
+
+    def __init__(self, path: Path, period_s: float = 1.0) -> None:
+        self.path, self.period_s = path, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuMemorySampler:
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with self.path.open("a") as fh:
+            while not self._stop.wait(self.period_s):
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, check=False).stdout  # fmt: skip
+                fh.write(out)
+                fh.flush()
+
+
+def run_logged(name: str, cmd: list[str], env: dict[str, str], out: Path, timeout_s: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"== {name}: {' '.join(cmd[:6])} … (log {out / 'console.log'})", flush=True)
+    begin = time.perf_counter()
+    with (out / "console.log").open("w") as log, GpuMemorySampler(out / "gpu_memory.csv"):
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO,
+                                  check=False)  # fmt: skip
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"   rc={rc} in {time.perf_counter() - begin:.0f} s", flush=True)
+    return rc
+
+
+def environment(pythonpath: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(COMMON_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def prepare(out: Path, model: str) -> None:
+    from benchmarks.peers.verl_inputs import ARITH, convert_arith, export_model
+
+    export_model(model, out / "inputs" / "model")
+    convert_arith(ARITH, out / "inputs" / "data")
+    print(f"== prepare: {out / 'inputs'}", flush=True)
+
+
+def place_dataset() -> None:
+    """The RLJob's datasetPath, where a trainer pod finds its mounted volume."""
+    from benchmarks.peers.verl_inputs import ARITH
+
+    pvc = Path("/tmp/pvc/datasets")
+    pvc.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ARITH, pvc / "arith.jsonl")
+
+
+def r3_command(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "r3operator", "run", str(JOB), "--device", args.device, "--no-resume",
+           "--compare-replay", "--steps", str(args.steps), "--out-dir", str(args.out / "r3"), "--quiet"]  # fmt: skip
+    if args.model != "a3b":  # a smoke test on a smaller reference model
+        cmd += ["--model", args.model]
+    if args.gpus > 2:
+        # The local runtime gives the engine half a GPU and each trainer rank a whole one (docs: "Against verl").
+        cmd += ["--trainer-ranks", str(args.gpus - 1)]
+    return cmd
+
+
+def run_part(part: str, args: argparse.Namespace) -> int:
+    if part == "prepare":
+        prepare(args.out, args.model)
+        return 0
+    if part == "r3":
+        place_dataset()
+        env = environment([args.site, str(REPO)])
+        rc = run_logged("r3operator (off, then R3)", r3_command(args), env, args.out / "r3", args.timeout_s)
+        shutil.rmtree(args.out / "r3" / JOB_NAME / "disabled" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(args.out / "r3" / JOB_NAME / "r3" / "checkpoints", ignore_errors=True)
+        return rc
+    if part.startswith("verl-"):
+        replay = part.removeprefix("verl-")
+        run_dir = args.out / part
+        inputs = args.out / "inputs"
+        for needed in (inputs / "model" / "config.json", inputs / "data" / "train.parquet"):
+            if not needed.is_file():
+                print(f"== {part}: {needed} is missing; run --parts prepare first", flush=True)
+                return 2
+        overrides = verl_overrides(model_dir=inputs / "model", data_dir=inputs / "data",
+                                   reward_file=PEERS / "verl_reward.py", gpus=args.gpus, steps=args.steps,
+                                   replay=replay, log_file=run_dir / "metrics.jsonl")  # fmt: skip
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
+        env = environment([str(PEERS / "verl_hook"), args.verl_site, args.site, str(REPO)])
+        env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's overlap of communication and compute
+        rc = run_logged(f"verl ({replay})", verl_command(sys.executable, overrides), env, run_dir, args.timeout_s)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        return rc
+    if part == "table":
+        text, summary = build_table(args.out, gpus=args.gpus)
+        (args.out / "table.md").write_text(text + "\n")
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        print(text, flush=True)
+        return 0
+    raise ValueError(f"--parts: unknown part {part!r}; choose from {', '.join(PARTS)}")
+
+
+def _verl_log(run_dir: Path) -> Path:
+    jsonl = run_dir / "metrics.jsonl"
+    return jsonl if jsonl.is_file() and jsonl.stat().st_size else run_dir / "console.log"
+
+
+def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[str, dict[str, object]]:
+    """The table from whatever runs under `out` finished; a missing or unreadable run is a 'not run' column and a
+    line saying why."""
+    from benchmarks.peers.compare import read_gpu_peaks
+
+    problems: list[str] = []
+    runs: dict[str, RunSummary | None] = {}
+
+    def attempt(label: str, make: Callable[[], RunSummary]) -> None:
+        try:
+            runs[label] = make()
+        except MetricsError as exc:
+            runs[label] = None
+            problems.append(f"{label}: {exc}")
+
+    for replay in ("R3", "disabled"):
+        run_dir = out / f"verl-{replay}"
+        attempt(f"verl {replay}", lambda d=run_dir, r=replay: summarize_verl(
+            _verl_log(d), replay=r, gpus=gpus, samples_per_step=work.samples_per_step,
+            gpu_peaks=read_gpu_peaks(d / "gpu_memory.csv")))  # fmt: skip
+    # --compare-replay shares one engine and one nvidia-smi log between its two runs: the peak covers both.
+    r3_peaks = read_gpu_peaks(out / "r3" / "gpu_memory.csv")
+    for replay, sub in (("R3", "r3"), ("disabled", "disabled")):
+        path = out / "r3" / JOB_NAME / sub / "metrics.csv"
+        attempt(f"r3operator {replay}", lambda p=path, r=replay: summarize_r3(p, replay=r, gpus=gpus,
+                                                                             gpu_peaks=r3_peaks))  # fmt: skip
+    labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
+    ordered = [runs[label] for label in labels]
+    header = [f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, arith, {work.prompts_per_step}×{work.group_size} "
+              f"samples of ≤ {work.max_response_tokens} tokens", ""]  # fmt: skip
+    lines = [*header, make_table(ordered, labels), "", ratio_line(runs["r3operator R3"], runs["verl R3"]), "",
+             "### Reward per step", "", reward_table(ordered, labels)]  # fmt: skip
+    if problems:
+        lines += ["", "### Not in the table", "", *(f"- {p}" for p in problems)]
+    text = "\n".join(lines)
+    summary: dict[str, object] = {label: (None if r is None else r.to_json()) for label, r in runs.items()}
+    summary["problems"] = problems
+    return text, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs both frameworks use (2, or 4 where lent)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order: {', '.join(PARTS)}")
+    parser.add_argument("--model", default="a3b", help="reference model (a3b; tiny for a smoke test)")
+    parser.add_argument("--device", default="cuda", help="r3operator's device (cpu: a smoke test of the r3 part)")
+    parser.add_argument("--site", default="/tmp/site", help="r3operator's GPU packages (scripts/gpu-setup.sh)")
+    parser.add_argument("--verl-site", default="/tmp/verl-site", help="verl's packages (verl-setup.sh)")
+    parser.add_argument("--timeout-s", type=int, default=540, help="limit for each framework's run")
+    args = parser.parse_args(argv)
+    if args.gpus < 1 or args.steps < 1:
+        parser.error("--gpus and --steps must be at least 1")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = [part for part in parts if run_part(part, args) != 0]
+    if failed:
+        print(f"failed: {', '.join(failed)} (see DIR/<part>/console.log)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""The verl comparison's CPU-checkable half (benchmarks/peers): reading verl's logged metrics and r3operator's
+metrics.csv into one table, the arith parquet verl trains on, the model export verl loads, the reward and the
+metrics hook. verl itself is never imported: its logs are recorded samples built here in its documented formats
+(`FileLogger` JSONL lines, `concat_dict_to_str` console lines) and every expected figure is written out below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.peers.compare import (
+    MetricsError,
+    read_gpu_peaks,
+    read_verl_log,
+    summarize_r3,
+    summarize_verl,
+)
+from benchmarks.peers.verl_config import Workload, verl_overrides
+from benchmarks.peers.verl_inputs import ConversionError, convert_arith, read_jsonl
+from benchmarks.peers.verl_reward import DATA_SOURCE, compute_score
+from benchmarks.peers.verl_vs_r3 import JOB, JOB_NAME, build_table
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = 128  # 16 prompts × 8
+
+# Three verl steps as its trainer logs them (values picked so every figure below is checkable by hand).
+VERL_STEPS = {
+    1: {"timing_s/gen": 9.0, "timing_s/old_log_prob": 2.0, "timing_s/update_actor": 5.0,
+        "timing_s/update_weights": 3.0, "timing_s/step": 20.0, "response_length/mean": 50.0,
+        "perf/max_memory_allocated_gb": 30.5, "critic/score/mean": 0.0,
+        "training/rollout_probs_diff_mean": 0.01, "training/rollout_probs_diff_max": 0.9,
+        "peer/logprob_abs_diff_mean": 0.5, "peer/logprob_abs_diff_max": 9.0, "peer/kl_k3": 0.3},
+    2: {"timing_s/gen": 1.0, "timing_s/old_log_prob": 0.5, "timing_s/update_actor": 1.5,
+        "timing_s/update_weights": 0.25, "timing_s/step": 4.0, "response_length/mean": 64.0,
+        "perf/max_memory_allocated_gb": 31.0, "critic/score/mean": 0.125,
+        "training/rollout_probs_diff_mean": 0.002, "training/rollout_probs_diff_max": 0.2,
+        "peer/logprob_abs_diff_mean": 0.004, "peer/logprob_abs_diff_max": 0.3, "peer/kl_k3": 0.001},
+    3: {"timing_s/gen": 3.0, "timing_s/old_log_prob": 0.5, "timing_s/update_actor": 2.5,
+        "timing_s/update_weights": 0.75, "timing_s/step": 8.0, "response_length/mean": 32.0,
+        "perf/max_memory_allocated_gb": 30.0, "critic/score/mean": 0.25,
+        "training/rollout_probs_diff_mean": 0.004, "training/rollout_probs_diff_max": 0.4,
+        "peer/logprob_abs_diff_mean": 0.006, "peer/logprob_abs_diff_max": 0.5, "peer/kl_k3": 0.003},
+}  # fmt: skip
+
+
+def write_verl_jsonl(path: Path, steps: dict[int, dict[str, float]]) -> Path:
+    path.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in steps.items()))
+    return path
+
+
+def write_verl_console(path: Path, steps: dict[int, dict[str, float]]) -> Path:
+    lines = ["(TaskRunner pid=1) Training Progress: 0%|", "INFO ray started"]
+    for s, d in steps.items():
+        lines.append(" - ".join([f"step:{s}", *(f"{k}:{v!r}" for k, v in d.items())]))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_verl_summary_leaves_step_one_out_and_divides_by_gpus(tmp_path: Path) -> None:
+    s = summarize_verl(write_verl_jsonl(tmp_path / "m.jsonl", VERL_STEPS), replay="R3", gpus=2,
+                       samples_per_step=SAMPLES)  # fmt: skip
+    tokens = (64 + 32) * SAMPLES  # steps 2 and 3
+    assert s.steps == 3 and s.measured_steps == 2
+    assert s.generated_tokens_per_s_per_gpu == pytest.approx(tokens / (1.0 + 3.0) / 2)
+    assert s.trained_tokens_per_s_per_gpu == pytest.approx(tokens / (4.0 + 8.0) / 2)
+    assert s.step_seconds == pytest.approx(6.0)
+    assert s.split == pytest.approx({"rollout": 2.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5,
+                                     "other": 6.0 - 5.0})  # fmt: skip
+    assert s.trainer_peak_gib == 31.0  # the peak over every step, the first included
+    assert s.logprob_abs_diff_mean == pytest.approx(0.005)
+    assert s.logprob_abs_diff_max == pytest.approx(0.5)
+    assert s.kl_k3 == pytest.approx(0.002)
+    assert s.extra == pytest.approx({"prob_abs_diff_mean": 0.003, "prob_abs_diff_max": 0.4})
+    assert s.reward == [0.0, 0.125, 0.25]
+    assert s.routing_agreement is None
+
+
+def test_verl_console_log_reads_like_the_jsonl(tmp_path: Path) -> None:
+    from_console = read_verl_log(write_verl_console(tmp_path / "console.log", VERL_STEPS))
+    assert from_console == read_verl_log(write_verl_jsonl(tmp_path / "m.jsonl", VERL_STEPS))
+    assert from_console[2]["timing_s/update_weights"] == 0.25
+
+
+def test_verl_log_errors_name_the_file_and_the_gap(tmp_path: Path) -> None:
+    empty = tmp_path / "console.log"
+    empty.write_text("ray started\nno metrics here\n")
+    with pytest.raises(MetricsError, match=r"console\.log: no step metrics"):
+        read_verl_log(empty)
+    broken = tmp_path / "m.jsonl"
+    broken.write_text('{"step": 1, "data": {}}\n{"nope": 2}\n')
+    with pytest.raises(MetricsError, match=r"m\.jsonl:2: not a verl metrics line"):
+        read_verl_log(broken)
+    lacking = {1: {k: v for k, v in VERL_STEPS[1].items() if k != "timing_s/update_weights"}}
+    with pytest.raises(MetricsError, match="step 1 lacks timing_s/update_weights"):
+        summarize_verl(write_verl_jsonl(tmp_path / "l.jsonl", lacking), replay="R3", gpus=2, samples_per_step=8)
+
+
+def write_r3_metrics(path: Path, rows: list[dict[str, float | int | str]]) -> Path:
+    """Through r3operator's own writer, so the test reads exactly what a run writes."""
+    from r3operator.runtime.report import append_row
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        append_row(path, row)
+    return path
+
+
+def r3_row(step: int, **overrides: float | int | str) -> dict[str, float | int | str]:
+    row: dict[str, float | int | str] = {
+        "step": step, "replay_mode": "R3", "reward_mean": 0.1 * step, "tokens": 1000, "step_seconds": 5.0,
+        "t_rollout": 1.0, "t_old_logprob": 0.5, "t_update": 2.0, "t_weight_sync": 0.5, "t_checkpoint": 0.0,
+        "logprob_abs_diff_mean": 0.002, "logprob_abs_diff_max": 0.1, "kl_k3": 1e-4,
+        "routing_natural_agreement": 0.9, "trainer_peak_memory_gib": 40.0, "skipped": 0,
+    }  # fmt: skip
+    row.update(overrides)
+    return row
+
+
+def test_r3_summary_leaves_out_skipped_steps_and_the_final_checkpoint(tmp_path: Path) -> None:
+    path = write_r3_metrics(tmp_path / "metrics.csv", [
+        r3_row(1, step_seconds=30.0, t_rollout=20.0, tokens=900, trainer_peak_memory_gib=38.0),
+        r3_row(2, routing_natural_agreement=0.8, logprob_abs_diff_max=0.3),
+        r3_row(3, skipped=1, tokens=1000, step_seconds=0.5),
+        r3_row(4, step_seconds=29.0, t_checkpoint=24.0, tokens=600, trainer_peak_memory_gib=41.5),
+    ])  # fmt: skip
+    s = summarize_r3(path, replay="R3", gpus=2)
+    assert s.steps == 3 and s.measured_steps == 2  # step 3 skipped, step 1 warm-up
+    assert s.generated_tokens_per_s_per_gpu == pytest.approx((1000 + 600) / (1.0 + 1.0) / 2)
+    assert s.trained_tokens_per_s_per_gpu == pytest.approx((1000 + 600) / (5.0 + 5.0) / 2)
+    assert s.split == pytest.approx({"rollout": 1.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5,
+                                     "other": 1.0})  # fmt: skip
+    assert s.trainer_peak_gib == 41.5
+    assert s.routing_agreement == pytest.approx(0.85)
+    assert s.logprob_abs_diff_max == pytest.approx(0.3)
+    assert s.reward == pytest.approx([0.1, 0.2, 0.4])
+    assert s.extra == {"checkpoint_seconds_total": 24.0}
+
+
+def test_r3_metrics_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(MetricsError, match=r"metrics\.csv: no such file"):
+        summarize_r3(tmp_path / "metrics.csv", replay="R3", gpus=1)
+    bad = tmp_path / "other.csv"
+    bad.write_text("step,tokens\n1,5\n")
+    with pytest.raises(MetricsError, match=r"other\.csv: not an r3operator metrics\.csv \(no column step_seconds"):
+        summarize_r3(bad, replay="R3", gpus=1)
+
+
+def test_gpu_peaks_per_gpu_in_gib(tmp_path: Path) -> None:
+    path = tmp_path / "gpu_memory.csv"
+    path.write_text("0, 1024\n1, 2048\n0, 40960\n1, 512\nNVIDIA-SMI has failed\n")
+    assert read_gpu_peaks(path) == [40.0, 2.0]
+    assert read_gpu_peaks(tmp_path / "absent.csv") is None
+
+
+def test_table_from_a_run_directory(tmp_path: Path) -> None:
+    (tmp_path / "verl-R3").mkdir()
+    write_verl_jsonl(tmp_path / "verl-R3" / "metrics.jsonl", VERL_STEPS)
+    (tmp_path / "verl-R3" / "gpu_memory.csv").write_text("0, 40960\n1, 30720\n")
+    runs = tmp_path / "r3" / JOB_NAME
+    write_r3_metrics(runs / "r3" / "metrics.csv", [r3_row(1), r3_row(2), r3_row(3)])
+    write_r3_metrics(runs / "disabled" / "metrics.csv", [r3_row(1), r3_row(2, tokens=2000)])
+    text, summary = build_table(tmp_path, gpus=2)
+    ours = (1000 + 1000) / (5.0 + 5.0) / 2  # r3operator R3, steps 2-3
+    theirs = (64 + 32) * SAMPLES / (4.0 + 8.0) / 2
+    assert f"{ours / theirs:.2f}×" in text
+    header, _rule, *rows = text.split("\n\n")[1].splitlines()
+    assert header == "| | verl R3 | r3operator R3 | verl disabled | r3operator disabled |"
+    by_name = {r.split(" | ")[0].strip("| "): r.split(" | ")[1:] for r in rows}
+    assert by_name["trained tokens/s/GPU"][0] == f"{theirs:.3g}"
+    assert by_name["trained tokens/s/GPU"][2] == "not run"  # verl without replay did not run
+    assert by_name["GPU peak memory per GPU (GiB, nvidia-smi)"][0] == "40 / 30"
+    assert by_name["routing agreement (trainer's own routes vs rollout's)"][:2] == ["—", "0.9"]
+    assert summary["verl disabled"] is None
+    assert any("verl disabled" in p and "no such file" in p for p in summary["problems"])  # type: ignore[union-attr]
+    assert math.isclose(summary["r3operator R3"]["trained_tokens_per_s_per_gpu"], ours)  # type: ignore[index]
+
+
+# ---- the inputs verl reads ------------------------------------------------------------------------------------
+
+
+def test_arith_parquet_holds_every_row_in_verls_schema(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    source = REPO / "examples" / "data" / "arith.jsonl"
+    lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    train, test = convert_arith(source, tmp_path)
+    rows = pq.read_table(train).to_pylist()
+    assert len(rows) == len(lines) == len(pq.read_table(test).to_pylist())
+    for row, line in zip(rows, lines, strict=True):
+        assert row["prompt"] == [{"role": "user", "content": line["prompt"]}]
+        assert row["reward_model"] == {"style": "rule", "ground_truth": line["answer"]}
+        assert row["data_source"] == DATA_SOURCE
+        assert compute_score(row["data_source"], f"so the answer is {line['answer']}", line["answer"]) == 1.0
+
+
+def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"prompt": "what is 1 plus 1 ?", "answer": "2"}\n{"prompt": "x"}\n')
+    with pytest.raises(ConversionError, match=r"d\.jsonl:2: field 'answer'"):
+        read_jsonl(bad)
+    with pytest.raises(ConversionError, match=r"d\.jsonl:2: field 'answer'"):
+        convert_arith(bad, tmp_path / "out")
+    assert not (tmp_path / "out" / "train.parquet").exists()  # nothing half-written
+
+
+def test_reward_is_r3operators_math_reward() -> None:
+    assert compute_score(DATA_SOURCE, "4", "4") == 1.0
+    assert compute_score(DATA_SOURCE, "1 plus 3 is 5", "4") == 0.0
+    assert compute_score(DATA_SOURCE, "\\boxed{1/2}", "0.5") == 1.0
+    with pytest.raises(ValueError, match="gsm8k"):
+        compute_score("gsm8k", "4", "4")
+
+
+def test_verl_config_matches_the_rljob_and_switches_both_r3_halves() -> None:
+    from r3operator.api import load_rljob
+
+    spec = load_rljob(JOB).spec
+    work = Workload()
+    assert (work.prompts_per_step, work.group_size, work.max_response_tokens) == (
+        spec.rollout.prompts_per_step, spec.rollout.group_size, spec.rollout.max_tokens)  # fmt: skip
+    assert (work.learning_rate, work.clip_low, work.clip_high, work.mini_batches) == (
+        spec.algorithm.learning_rate, spec.algorithm.clip_ratio_low, spec.algorithm.clip_ratio_high,
+        spec.algorithm.mini_batches)  # fmt: skip
+    assert (work.temperature, work.seed, work.engine_memory_fraction) == (
+        spec.rollout.temperature, spec.seed, spec.inference.gpu_memory_utilization)  # fmt: skip
+    assert spec.algorithm.sft_warmup_steps == 0  # verl has no SFT warm-up
+
+    def overrides(replay: str) -> dict[str, str]:
+        items = verl_overrides(model_dir=Path("/m"), data_dir=Path("/d"), reward_file=Path("/r.py"), gpus=2,
+                               steps=30, replay=replay, log_file=Path("/o/metrics.jsonl"))  # fmt: skip
+        return dict(item.split("=", 1) for item in items)
+
+    on, off = overrides("R3"), overrides("disabled")
+    assert on["actor_rollout_ref.actor.megatron.router_replay.mode"] == "R3"
+    assert on["actor_rollout_ref.rollout.enable_rollout_routing_replay"] == "True"
+    assert off["actor_rollout_ref.actor.megatron.router_replay.mode"] == "disabled"
+    assert off["actor_rollout_ref.rollout.enable_rollout_routing_replay"] == "False"
+    assert {k for k in on if on[k] != off[k]} == {
+        "actor_rollout_ref.actor.megatron.router_replay.mode",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+        "trainer.experiment_name",
+    }
+    # verl counts a mini-batch in prompts and multiplies by n; two mini-batches per step as in the RLJob
+    assert int(on["actor_rollout_ref.actor.ppo_mini_batch_size"]) * spec.algorithm.mini_batches == 16
+    assert on["trainer.n_gpus_per_node"] == "2" and on["trainer.total_training_steps"] == "30"
+    with pytest.raises(ValueError, match="replay"):
+        overrides("R2")
+
+
+# ---- torch: the model export and verl's metrics hook ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_exported_model_loads_the_way_verl_loads_it(tmp_path: Path) -> None:
+    from benchmarks.peers.verl_inputs import check_hf_layout, export_model
+
+    model_dir = export_model("tiny", tmp_path / "model")
+    assert not model_dir.is_symlink() and (model_dir / "model.safetensors").is_file()
+    facts = check_hf_layout(model_dir)
+    assert facts["architectures"] == ["Qwen3MoeForCausalLM"] and facts["model_type"] == "qwen3_moe"
+    assert (facts["num_experts"], facts["top_k"]) == (32, 4)
+    assert facts["logits_shape"] == [1, facts["prompt_tokens"], 512] and facts["finite"]
+    assert facts["chat_text"].endswith("assistant :")
+
+
+def load_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modules: dict[str, str]) -> None:
+    """Stand-ins for verl's and mbridge's modules at their real import paths (`modules`: dotted name -> source),
+    then the hook loaded the way Python loads a sitecustomize; its finder is removed at the test's end."""
+    for dotted, source in modules.items():
+        parts = dotted.split(".")
+        for i in range(1, len(parts)):
+            package = tmp_path.joinpath(*parts[:i])
+            package.mkdir(parents=True, exist_ok=True)
+            (package / "__init__.py").touch()
+        tmp_path.joinpath(*parts[:-1], parts[-1] + ".py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] in {d.split(".")[0] for d in modules}]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook's finder goes with the test
+    hook_path = REPO / "benchmarks" / "peers" / "verl_hook" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("peer_sitecustomize", hook_path)
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_hook_gives_mbridge_the_rope_theta_transformers_5_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bridge = (
+        "class AutoBridge:\n"
+        "    @classmethod\n"
+        "    def from_config(cls, hf_config, **kwargs):\n"
+        "        return (cls.__name__, hf_config.rope_theta, kwargs)\n"  # what mbridge's LLMBridge reads
+    )
+    load_hook(tmp_path, monkeypatch, {"mbridge.core.auto_bridge": bridge})
+    from mbridge.core.auto_bridge import AutoBridge  # type: ignore[import-not-found]
+
+    config = type("Config", (), {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})()
+    assert AutoBridge.from_config(config, dtype="bf16") == ("AutoBridge", 1e6, {"dtype": "bf16"})
+    legacy = type("Legacy", (), {"rope_theta": 5.0, "rope_parameters": {"rope_theta": 1e6}})()
+    assert AutoBridge.from_config(legacy)[1] == 5.0  # a config that has it keeps its own
+
+
+def test_hook_still_runs_the_sitecustomize_it_shadows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    image_site = tmp_path / "image-site"
+    image_site.mkdir()
+    (image_site / "sitecustomize.py").write_text("import os\nos.environ['R3_TEST_IMAGE_SITECUSTOMIZE'] = 'ran'\n")
+    monkeypatch.syspath_prepend(str(image_site))
+    monkeypatch.delenv("R3_TEST_IMAGE_SITECUSTOMIZE", raising=False)
+    load_hook(tmp_path / "stand-ins", monkeypatch, {})
+    assert os.environ.get("R3_TEST_IMAGE_SITECUSTOMIZE") == "ran"
+
+
+@pytest.mark.slow
+def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    metrics_source = "def calculate_debug_metrics(data):\n    return {'training/rollout_probs_diff_mean': 0.5}\n"
+    load_hook(tmp_path, monkeypatch, {"verl.utils.debug.metrics": metrics_source})
+    import verl.utils.debug.metrics as metrics  # type: ignore[import-not-found]
+
+    rollout = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-0.5, -0.5, -0.5, -0.5]])
+    trainer = torch.tensor([[0.0, -1.5, -2.0, -9.0], [-0.25, -0.5, -0.5, -0.5]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # -9.0 is padding and must not count
+    batch = {"rollout_log_probs": rollout, "old_log_probs": trainer, "response_mask": mask,
+             "responses": torch.zeros(2, 4)}  # fmt: skip
+    got = metrics.calculate_debug_metrics(type("Data", (), {"batch": batch})())
+    log_ratios = [0.0, -0.5, 0.0, 0.25, 0.0]  # trainer - rollout over the 5 unmasked tokens
+    assert got["training/rollout_probs_diff_mean"] == 0.5  # verl's own metrics stay
+    assert got["peer/logprob_abs_diff_mean"] == pytest.approx(sum(abs(x) for x in log_ratios) / 5)
+    assert got["peer/logprob_abs_diff_max"] == pytest.approx(0.5)
+    assert got["peer/kl_k3"] == pytest.approx(sum(math.expm1(x) - x for x in log_ratios) / 5)
