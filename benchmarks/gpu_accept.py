@@ -544,14 +544,22 @@ def cleanup(ctx: Context) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def pack_logs(work: Path, out: Path, part_label: str, max_file_bytes: int = 4 * 2**20) -> Path:
-    """Logs, JSON, CSV and reports of this invocation's rows (large files and model weights left out)."""
+def pack_logs(work: Path, out: Path, part_label: str, rows: Sequence[str], *, max_file_bytes: int = 4 * 2**20,
+              max_total_bytes: int = 24 * 2**20) -> Path:  # fmt: skip
+    """Logs, JSON, CSV and reports of `rows` (model weights, checkpoints and large files left out), the rows'
+    own logs first; at most `max_total_bytes` before compression, so the archive comes back whole."""
     target = out / f"logs-{part_label}.tar.gz"
     keep = (".log", ".json", ".csv", ".md", ".txt")
+    candidates = [work / f"{name}.log" for name in rows] + [p for name in rows for p in (work / name).rglob("*")]
+    files = [p for p in candidates if p.is_file() and p.suffix in keep and p.stat().st_size <= max_file_bytes]
+    files.sort(key=lambda p: (p.parent != work, str(p)))
+    total = 0
     with tarfile.open(target, "w:gz") as tar:
-        for path in sorted(work.rglob("*")):
-            if path.is_file() and path.suffix in keep and path.stat().st_size <= max_file_bytes:
-                tar.add(path, arcname=str(path.relative_to(work)))
+        for path in files:
+            total += path.stat().st_size
+            if total > max_total_bytes:
+                break
+            tar.add(path, arcname=str(path.relative_to(work)))
     return target
 
 
@@ -629,8 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
         done.append(record)
         write_record(args.out, header, done)
-    if not args.dry and args.work.is_dir():
-        pack_logs(args.work, args.out, label)
+    ran = [r["name"] for r in done if r["exit_code"] is not None]
+    if ran:
+        pack_logs(args.work, args.out, label, ran)
     merged = write_record(args.out, header, done)
     print(
         f"{sum(r['status'] == PASS for r in merged)} passed, {sum(r['status'] == FAIL for r in merged)} failed, "
