@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 40
 MARKER = "R3_ACCEPT_ROW"  # in every row process's environment: stragglers are found by it and ended
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
+BUDGET_REASON = "not started: its estimate"
 
 
 @dataclass
@@ -257,7 +258,7 @@ def judge_fsdp(ctx: Context, code: int, log: str) -> Verdict:
 
 
 def weight_sync_command(ctx: Context) -> str:
-    common = f"--model gpu --syncs 5 --log-dir {ctx.path('weightsync')} --json {ctx.path('weight_sync.json')}"
+    common = f"--model gpu --syncs 3 --log-dir {ctx.path('weightsync')} --json {ctx.path('weight_sync.json')}"
     copy = f"python3 -m benchmarks.bench_gpu_copy --json {ctx.path('gpu_copy.json')}"
     if ctx.gpus >= 2:
         sync = f"python3 -m benchmarks.bench_weight_sync --methods nccl,packed --engine-gpu 1 {common}"
@@ -307,21 +308,10 @@ ROWS: list[Row] = [
         "both modes finish; the resume continues at step 3 with steps 1-2 unchanged; canary every step; "
         "R3 |Δlogprob| < Disabled",
         1,
-        280,
+        300,
         480,
         main_job_command,
         judge_main_job,
-    ),
-    Row(
-        "fsdp_ranks",
-        1,
-        "FSDP2 trainer over 1 → 2 (→ 4) Ray-actor ranks: tokens/s and memory per rank count",
-        "every rank count the GPUs allow measured (checkpoint staging included)",
-        1,
-        180,
-        420,
-        fsdp_command,
-        judge_fsdp,
     ),
     Row(
         "up_2gpu",
@@ -333,6 +323,17 @@ ROWS: list[Row] = [
         360,
         up_command("examples/rljob-local.yaml", "0,1", 3),
         judge_up("tiny-count-r3", 3),
+    ),
+    Row(
+        "fsdp_ranks",
+        1,
+        "FSDP2 trainer over 1 → 2 (→ 4) Ray-actor ranks: tokens/s and memory per rank count",
+        "every rank count the GPUs allow measured (checkpoint staging included)",
+        1,
+        150,
+        420,
+        fsdp_command,
+        judge_fsdp,
     ),
     Row(
         "megatron_ranks",
@@ -473,13 +474,32 @@ def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def gpu_facts() -> tuple[int, str]:
+    """(GPU count, their names): nvidia-smi's, else torch's (a machine without nvidia-smi on PATH)."""
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return 0, "no GPU (nvidia-smi absent or failing)"
+        probe = (
+            "import torch; print(*(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), sep='\\n')"
+        )
+        try:
+            names = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                   check=True).stdout.split("\n")  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return 0, "no GPU (neither nvidia-smi nor torch.cuda sees one)"
     names = [n.strip() for n in names if n.strip()]
     return len(names), ", ".join(sorted(set(names))) if names else "no GPU"
+
+
+def budget_left_over(out: Path, chosen: Sequence[Row]) -> list[Row]:
+    """Rows of other parts that an earlier invocation into OUT did not start for want of budget: run after
+    this invocation's own rows while budget is left, so two calls run as much as fits."""
+    path = out / "accept.json"
+    if not path.is_file():
+        return []
+    skipped = {r["name"] for r in json.loads(path.read_text()).get("rows", [])
+               if r["status"] == NOT_RUN and (r.get("reason") or "").startswith(BUDGET_REASON)}  # fmt: skip
+    return [r for r in ROWS if r.name in skipped and r not in chosen]
 
 
 def versions() -> dict[str, str]:
@@ -565,7 +585,7 @@ def pack_logs(work: Path, out: Path, part_label: str, rows: Sequence[str], *, ma
 
 def record_for(row: Row, command: str) -> dict[str, Any]:
     return {"name": row.name, "part": row.part, "what": row.what, "target": row.target, "command": command,
-            "min_gpus": row.min_gpus, "estimate_s": row.est_s, "status": NOT_RUN, "figure": None,
+            "min_gpus": row.min_gpus, "estimate_s": row.est_s, "status": NOT_RUN, "started": None, "figure": None,
             "target_met": None, "seconds": None, "exit_code": None, "reason": None, "log_tail": None,
             "data": None}  # fmt: skip
 
@@ -602,9 +622,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpus, device = (0, "dry run: nothing executed") if args.dry else gpu_facts()
     if args.dry:
         gpus = int(os.environ.get("ACCEPT_DRY_GPUS", "2"))
+    elif os.environ.get("ACCEPT_GPUS"):  # use fewer GPUs than the machine has (e.g. the 1-GPU rows on 2)
+        gpus = min(gpus, int(os.environ["ACCEPT_GPUS"]))
     header = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device, "gpus": gpus,
               "versions": versions(), "budget_s": args.budget}  # fmt: skip
     chosen = select(ROWS, args.part, args.rows.split(",") if args.rows else None)
+    if not args.rows and not args.dry:
+        chosen += budget_left_over(args.out, chosen)
     label = ("rows-" + "-".join(r.name for r in chosen) if args.rows
              else "part" + "-".join(map(str, args.part)) if args.part else "all")  # fmt: skip
     done: list[dict[str, Any]] = []
@@ -619,9 +643,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif gpus < row.min_gpus:
             record["reason"] = f"needs {row.min_gpus} GPUs, this machine has {gpus}"
         elif row.est_s > left:
-            record["reason"] = (f"not started: its estimate ({row.est_s} s) exceeds what is left of this "
+            record["reason"] = (f"{BUDGET_REASON} ({row.est_s} s) exceeds what is left of this "
                                 f"invocation's budget ({left:.0f} s); run it with --rows {row.name}")  # fmt: skip
         else:
+            record["started"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
             code, log, seconds, timed_out = run_row(row, ctx, command, min(row.timeout_s, max(left - 5, 30)))
             record.update(seconds=round(seconds, 1), exit_code=code, log_tail=log_tail(log))
             if timed_out:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,22 @@ def test_a_second_part_into_the_same_out_keeps_the_first_parts_rows(
     record = json.loads((machine / "accept.json").read_text())
     assert [(r["name"], r["status"]) for r in record["rows"]] == [("first", "pass"), ("second", "pass")]
     assert {"logs-part1.tar.gz", "logs-part2.tar.gz"} <= {p.name for p in machine.iterdir()}
+
+
+def test_a_row_the_budget_left_out_runs_in_the_next_invocation_after_its_own_rows(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = [_row("big", "echo big", part=1, est_s=100), _row("own", "echo own", part=2, est_s=1)]
+    monkeypatch.setattr(gpu_accept, "ROWS", rows)
+    gpu_accept.main([str(machine), "--part", "1", "--budget", "50"])
+    first = json.loads((machine / "accept.json").read_text())["rows"]
+    assert [(r["name"], r["status"]) for r in first] == [("big", "not run")]
+    gpu_accept.main([str(machine), "--part", "2", "--budget", "500"])
+    final = json.loads((machine / "accept.json").read_text())["rows"]
+    assert [(r["name"], r["status"]) for r in final] == [("big", "pass"), ("own", "pass")]
+    assert final[1]["started"] < final[0]["started"]  # its own row first, then the carried one
+    with tarfile.open(machine / "logs-part2.tar.gz") as tar:
+        assert sorted(n for n in tar.getnames() if n.endswith(".log")) == ["big.log", "own.log"]
 
 
 def test_dry_mode_runs_nothing_and_records_every_row_with_its_command(
