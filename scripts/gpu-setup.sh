@@ -2,7 +2,9 @@
 # On the GPU machine, after every .whl/part-NN was copied into /root/stash:
 # installs vLLM 0.22.1 (+ its wheels) into /tmp/site, then the extra wheels the image lacks
 # (only those whose module does not import already, so the image's torch stack stays as is),
-# then ray (joined from two parts), then r3operator itself (no deps).
+# then ray (joined from two parts), then r3operator itself (no deps), then the `vllm` and `r3operator`
+# executables `r3operator up` runs, in /tmp/site/bin. Afterwards:
+#   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site
 set -euo pipefail
 stash=${1:-/root/stash}
 repo=${2:-$PWD}
@@ -38,6 +40,38 @@ if ! python3 -c "import ray" 2>/dev/null && ls "$stash"/ray.whl.part.* >/dev/nul
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site "$repo" 2>&1 | tail -2 || true
+# A --target install leaves its console scripts unusable (they need /tmp/site on the path, and no bin/ is on
+# PATH): wrappers that put /tmp/site first on sys.path and PYTHONPATH (for the processes they start), then run
+# the distribution's own entry point. The __main__ guard: vLLM's engine core re-imports its main script (spawn).
+python3 - /tmp/site <<'PY'
+import os
+import sys
+from importlib.metadata import distribution
+from pathlib import Path
+
+site = sys.argv[1]
+sys.path.insert(0, site)
+bin_dir = Path(site) / "bin"
+bin_dir.mkdir(exist_ok=True)
+for dist_name, script in (("vllm", "vllm"), ("r3operator", "r3operator")):
+    try:
+        [ep] = [e for e in distribution(dist_name).entry_points if e.group == "console_scripts" and e.name == script]
+    except Exception as exc:  # report, don't stop: the version table below says what is missing
+        print(f"no {script} executable: {type(exc).__name__}: {exc}")
+        continue
+    module, _, func = ep.value.partition(":")
+    wrapper = bin_dir / script
+    wrapper.write_text(
+        f"#!{sys.executable}\n"
+        "import os\nimport sys\n\n"
+        f"sys.path.insert(0, {site!r})\n"
+        f"os.environ['PYTHONPATH'] = os.pathsep.join(p for p in ({site!r}, os.environ.get('PYTHONPATH')) if p)\n"
+        f"from {module} import {func}\n\n"
+        f"if __name__ == '__main__':\n    sys.exit({func}())\n"
+    )
+    wrapper.chmod(0o755)
+    print(f"{script:14s} -> {wrapper} ({ep.value})")
+PY
 python3 - <<'PY'
 import importlib
 for m in ("torch", "transformers", "vllm", "ray", "megatron.core", "pydantic", "typer", "rich", "r3operator"):
@@ -47,3 +81,4 @@ for m in ("torch", "transformers", "vllm", "ray", "megatron.core", "pydantic", "
     except Exception as exc:  # report, don't stop: the caller decides what it needs
         print(f"{m:14s} MISSING ({type(exc).__name__}: {exc})")
 PY
+echo "put the executables on PATH: export PATH=/tmp/site/bin:\$PATH PYTHONPATH=/tmp/site"

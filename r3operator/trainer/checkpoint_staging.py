@@ -14,11 +14,18 @@ thread, so it still overlaps with what follows the save.
 
 What the overlap demands of the caller: nothing may change the live tensors until `staged` is done.
 `ShardedCheckpointer` enforces it (an optimizer step pre-hook, and a wait before any load).
+
+torch 2.11 (the GPU image's) closes the stager's inner `StateDictStager` at the end of every stage: that
+empties its deepcopy dispatch table and its buffer cache, so a second stage through the same
+`DefaultStager` fails (`KeyError: <class 'type'>`) and nothing is reused anyway. `stager_is_reusable`
+finds that out by staging a small state twice; where it is not, the checkpointer takes a fresh stager
+for every save (on CUDA its pinned buffers are then pinned anew at each save, as that torch does itself).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +68,28 @@ def new_stager(state: Any) -> Any:
     from torch.distributed.checkpoint.staging import DefaultStager
 
     return DefaultStager(staging_options(cuda=state_on_cuda(state)))
+
+
+@functools.cache
+def stager_is_reusable() -> bool:
+    """Whether one `DefaultStager` can stage more than once in this torch (see the module's docstring).
+    Found by doing it, on CPU and synchronously, with the kinds of objects a policy state holds (nested
+    dicts, a list, a tuple, tensors): a version check would have to guess which releases are affected."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    options = staging_options(cuda=False)
+    options.use_async_staging = False
+    probe = {"model": {"w": torch.zeros(2)}, "optimizer": {"param_groups": [{"betas": (0.9, 0.999)}]}}
+    stager = DefaultStager(options)
+    try:
+        for _ in range(2):
+            stager.stage(probe)
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 def start_save(state: dict[str, Any], directory: Path, *, stager: Any, process_group: Any) -> SaveInFlight:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.trainer.checkpoint_staging import SaveInFlight, new_stager, start_save
+from r3operator.trainer.checkpoint_staging import SaveInFlight, new_stager, stager_is_reusable, start_save
 
 
 def rng_state() -> dict[str, Any]:
@@ -82,12 +82,14 @@ class ShardedCheckpointer:
     """At most one save in flight per rank; `wait` surfaces its error.
 
     `stager`: an `AsyncStager` for `dcp.async_save`; by default a `DefaultStager` chosen at the first save
-    for the state's device (`checkpoint_staging.new_stager`)."""
+    for the state's device (`checkpoint_staging.new_stager`), and again at every save where this torch's
+    stager cannot stage twice (`checkpoint_staging.stager_is_reusable`)."""
 
     def __init__(self, *, stager: Any = None) -> None:
         import torch.distributed as dist
 
         self._stager = stager
+        self._own_stager = stager is None
         self._in_flight: SaveInFlight | None = None
         # Created now, while every rank constructs its trainer in step: new_group is collective.
         self._group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
@@ -105,6 +107,9 @@ class ShardedCheckpointer:
         rng_file = directory / f"rng-rank{_rank():05d}.pt"
         torch.save(rng_state(), rng_file)
         fsync_file(rng_file)
+        if self._own_stager and self._stager is not None and not stager_is_reusable():
+            self._stager.close()  # its save is written (`wait` above); this torch cannot stage through it again
+            self._stager = None
         if self._stager is None:
             self._stager = new_stager(state)
         self._in_flight = start_save(state, directory, stager=self._stager, process_group=self._group)

@@ -7,8 +7,23 @@ replicated over 4 ranks), EP=4, PP=2 × TP=2+SP and PP=2 × EP=2 (2 replicas per
 
 Each case starts a local Ray (all visible GPUs), builds the ranks, and checks: the replayed experts are the
 engine's routes on every real token; old logprobs within 1e-3 of one process; loss / grad norm within
-1e-3 relative; the weights after one update within 5% of that update's size; the weight sync streams the
-same tensors; a checkpoint the ranks write loads exactly into one process.
+1e-3 relative; the weights after the update, and what the weight sync streams, off by at most 5% of each
+tensor's own update (L2 norms, see below); a checkpoint the ranks write loads exactly into one process.
+
+Why the weight bound is on each tensor's norm, not on its largest element. The update is AdamW, two
+optimizer steps (mini_batches=2). Adam's step is scale-free per element: lr·m̂/√v̂ ≈ lr·sign(g) after the
+first step, and after the second a function of the ratio g2/g1 alone, whose slope near cancellation
+(g2 ≈ −0.9·g1) is ≈ 0.55 lr per unit of relative error in that ratio. TP splits every matmul's
+reduction over two GPUs (and SP reduce-scatters the sequence-parallel activations' gradients), so each
+gradient element is summed in another order, by other cuBLAS kernels, than on one GPU: an fp32 rounding
+of ~1e-7 of the summands' size. For the few elements whose gradient lies near that floor (or whose two
+gradients nearly cancel) the relative error is O(1), and Adam turns it into an O(lr) difference in the
+weight, the size of the whole update: on 2 H200s the largest element differed by 2.39e-5 with an update
+of 2.0e-4 (0.12×) while everything else agreed. No element-wise bound below the update's own size can
+hold for such an optimizer over a reordered reduction; EP and PP keep every matmul whole and met 5% of it
+anyway. A real fault (a missing reduction over the TP group, a wrong shard, a weight updated from another
+rank's gradient) moves a whole tensor, i.e. a share of its update's L2 norm of order one, which the norm
+bound catches; the noise-floor elements are a vanishing share of it.
 """
 
 from __future__ import annotations
@@ -80,6 +95,20 @@ def largest_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
     return max((got[k].float().cpu() - want[k].float().cpu()).abs().max().item() for k in want)
 
 
+def worst_update_error(got: dict[str, Any], want: dict[str, Any], before: dict[str, Any]) -> tuple[float, str]:
+    """The largest ‖got − want‖₂ / ‖want − before‖₂ over the tensors (the error relative to that tensor's own
+    update; the module docstring says why a norm), and that tensor's name."""
+    assert got.keys() == want.keys()
+    worst = (0.0, "")
+    for k in want:
+        w = want[k].float().cpu()
+        error = (got[k].float().cpu() - w).norm().item()
+        update = (w - before[k].float().cpu()).norm().item()
+        ratio = error / update if update > 0 else (0.0 if error == 0 else float("inf"))
+        worst = max(worst, (ratio, k))
+    return worst
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     """The one-process result every case is compared with."""
@@ -95,11 +124,12 @@ def reference() -> dict[str, Any]:
     batch = r3_batch(AutoConfig.from_pretrained(model_dir))
     single = one_process(model_dir)
     before = {k: v.clone() for k, v in single.model_state_dict().items()}
+    synced_before = synced(single)
     old = single.old_logprobs(batch, ReplayMode.R3)
     stats = single.update(batch, old, mini_batches=2, **CLIP)
     after = {k: v.clone() for k, v in single.model_state_dict().items()}
     return {"model_dir": model_dir, "batch": batch, "old": old, "stats": stats, "before": before, "after": after,
-            "synced": synced(single)}  # fmt: skip
+            "synced": synced(single), "synced_before": synced_before}  # fmt: skip
 
 
 @pytest.mark.parametrize(("gpus", "megatron"), CASES,
@@ -131,10 +161,11 @@ def test_megatron_over_ray_ranks_trains_like_one_process(
         assert stats.tokens == want.tokens
         assert stats.loss == pytest.approx(want.loss, rel=1e-3, abs=1e-5)
         assert stats.grad_norm == pytest.approx(want.grad_norm, rel=1e-3)
-        step = largest_difference(reference["after"], reference["before"])
-        assert step > 0
-        assert largest_difference(ranks.model_state_dict(), reference["after"]) <= 0.05 * step
-        assert largest_difference(synced(ranks), reference["synced"]) <= 0.05 * step
+        assert largest_difference(reference["after"], reference["before"]) > 0
+        error, name = worst_update_error(ranks.model_state_dict(), reference["after"], reference["before"])
+        assert error <= 0.05, f"{name}: off by {error:.3g} of its update (L2)"
+        error, name = worst_update_error(synced(ranks), reference["synced"], reference["synced_before"])
+        assert error <= 0.05, f"weight sync {name}: off by {error:.3g} of its update (L2)"
         ranks.save_checkpoint_async(tmp_path / "ckpt")
         ranks.wait_checkpoint()
         at_save = ranks.model_state_dict()

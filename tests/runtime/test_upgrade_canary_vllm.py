@@ -9,35 +9,16 @@ logprobs that moved). The same server as old and new passes; the perturbed one a
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from vllm_server import VLLMServer, free_port
+from vllm_server import VLLMServer, free_port, perturbed_router_copy
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _perturbed_copy(model_dir: Path, dest: Path) -> Path:
-    """The model with every router (``mlp.gate.weight``) replaced by noise of the same scale."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, dest)
-    tensors = load_file(str(model_dir / "model.safetensors"))
-    generator = torch.Generator().manual_seed(0)
-    routers = [k for k in tensors if k.endswith("mlp.gate.weight")]
-    assert routers, "the reference model has no router weights named mlp.gate.weight"
-    for key in routers:
-        weight = tensors[key]
-        noise = torch.randn(weight.shape, generator=generator) * weight.float().std()
-        tensors[key] = noise.to(weight.dtype)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +27,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     from r3operator.models import ensure_reference_model
 
     tiny = ensure_reference_model("tiny", tmp_path_factory.mktemp("models"))
-    bad = _perturbed_copy(tiny, tmp_path_factory.mktemp("bad") / "model")
+    bad = perturbed_router_copy(tiny, tmp_path_factory.mktemp("bad") / "model")
     started = {role: VLLMServer(model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log", max_model_len=256)
                for role, model in (("good", tiny), ("bad", bad))}  # fmt: skip
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from up_process import metrics_rows, run_dir, small_local_job, up_output, up_process
+from up_process import metrics_csv, metrics_rows, run_dir, small_local_job, up_output, up_process
 
 from r3operator.api.load import parse_rljob
 from r3operator.operator.desired import desired
@@ -94,6 +94,10 @@ def test_up_runs_the_rendered_topology_and_survives_an_engine_kill(tmp_path: Pat
             or "/collective_rpc failed (try 1/" in trainer_log), trainer_log[-3000:]  # fmt: skip
     said = up_output(tmp_path)
     assert "engine-0 exited with code -9; restarting it" in said and "engine-0 healthy again" in said
+    # The driver's report times the driver alone: the engine was serving before it started.
+    report = (metrics_csv(tmp_path).parent / "report.md").read_text()
+    assert "excl. engine start" in report and "incl. engine start" not in report, report
+    assert "(engines healthy after" in said
     # Nothing of either pod is left running.
     for pid in (engine_pid, trainer_pid, starts[1]["pid"]):
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"

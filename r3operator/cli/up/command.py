@@ -181,10 +181,12 @@ def _run(plan: object, *, max_restarts: int) -> int:
             _say(f"  reference model at {path}")
         _say(f"  starting {len(plan.engines)} engine(s); waiting for /health")
         runner.start_engines()
+        engines_up = time.monotonic() - begin
         code = exit_status(runner.run_trainer())
         verdict = "finished" if code == 0 else f"failed (exit code {code})"
-        _say(f"r3operator up {plan.job}: trainer {verdict} after {time.monotonic() - begin:.0f} s; "
-             f"logs in {runner.log_dir}")  # fmt: skip
+        # The trainer's report times the driver alone: the engines were serving before it started.
+        _say(f"r3operator up {plan.job}: trainer {verdict} after {time.monotonic() - begin:.0f} s in all "
+             f"(engines healthy after {engines_up:.0f} s of it); logs in {runner.log_dir}")  # fmt: skip
     except UpFailed as exc:
         output.err.print(f"error: {exc}", markup=False)
         code = 1

