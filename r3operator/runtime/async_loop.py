@@ -141,7 +141,8 @@ class AsyncGRPORun(GRPORun):
         assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap)  # fmt: skip
+                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap,
+                                   clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
 
     def sync_and_canary(self, timer: PhaseTimer) -> bool:
         """7-8. With the engines paused: sync, canary, then publish the new version and resume. `pause` is

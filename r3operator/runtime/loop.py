@@ -293,7 +293,7 @@ class GRPORun:
         assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high)  # fmt: skip
+                                   clip_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
 
     def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is

@@ -118,7 +118,7 @@ class PolicyTrainer(UpdateByShares):
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None,
+        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
         and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
@@ -143,7 +143,7 @@ class PolicyTrainer(UpdateByShares):
                     lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
                 loss, stats = ppo_clip_loss(
                     lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high,
-                    importance_weights=weights,
+                    importance_weights=weights, clip_ratio_c=clip_ratio_c,
                 )
                 (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:

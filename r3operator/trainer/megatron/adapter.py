@@ -127,7 +127,7 @@ class MegatronPolicyTrainer(UpdateByShares):
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None,
+        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One `train_step` per share (this data-parallel replica's part of one mini-batch), its loss scaled
         by the share's weight (trainer/shards.py; the DP mean happens in `megatron/grads.py`). Replay ids
@@ -151,7 +151,7 @@ class MegatronPolicyTrainer(UpdateByShares):
                          "importance_truncated_fraction": iw.truncated_fraction}  # fmt: skip
             loss, stats = ppo_clip_loss(
                 lp, old_lp, mb.advantages.to(lp.device), mask,
-                clip_low=clip_low, clip_high=clip_high, importance_weights=weights,
+                clip_low=clip_low, clip_high=clip_high, importance_weights=weights, clip_ratio_c=clip_ratio_c,
             )  # fmt: skip
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
