@@ -54,3 +54,38 @@ def test_the_spec_default_clip_ratio_c_reaches_the_update(tiny_moe_dir: Path) ->
     adv = batch.advantages
     per_row = torch.where(adv < 0, -adv * c, -adv * (1 + 0.28))  # A > 0: clipped at 1 + clip_high
     assert stats.loss == pytest.approx(float((per_row * tokens).sum() / tokens.sum()), rel=1e-5)
+
+
+def test_the_trainer_scores_tokens_at_the_rollout_temperature(tiny_moe_dir: Path) -> None:
+    """Reference: log_softmax(logits / T) of a plain transformers forward, gathered at the next token. The
+    old-logprob pass must give it at T = 0.6, and the update (same weights) must see ratio 1 everywhere, so
+    its on-policy loss is -sum_i A_i n_i / sum_i n_i."""
+    from transformers import AutoModelForCausalLM
+
+    from r3operator.trainer.hf_policy import PolicyTrainer
+
+    temperature = 0.6
+    batch = r3_batch()
+    batch.temperature = temperature
+    plain = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+
+    trainer = PolicyTrainer(tiny_moe_dir, device="cpu", learning_rate=1e-6, seed=0, compute_dtype="float32")
+    old = trainer.old_logprobs(batch, ReplayMode.DISABLED)
+    mask = batch.response_mask
+    assert (old.logprobs - expected)[mask].abs().max() < 1e-4
+    stats = trainer.update(batch, old, mini_batches=1, clip_low=0.2, clip_high=0.28)
+    tokens = mask.sum(dim=1).float()
+    assert stats.loss == pytest.approx(float(-(batch.advantages * tokens).sum() / tokens.sum()), rel=1e-4)
+    assert stats.clip_fraction == 0.0
+
+
+def test_greedy_rollouts_are_scored_unscaled_as_vllm_reports_them() -> None:
+    from r3operator.trainer.batch import scoring_temperature
+
+    assert scoring_temperature(0.6) == 0.6
+    assert scoring_temperature(0.0) == 1.0  # vLLM's processed logprobs of a greedy request: plain log_softmax
+    with pytest.raises(ValueError, match=r"rollout\.temperature"):
+        scoring_temperature(-1.0)

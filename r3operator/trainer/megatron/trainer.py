@@ -220,6 +220,7 @@ class MegatronTrainer:
         pad = batch.route_pad if routes is not None else None
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
+        temperature = float(getattr(batch, "temperature", 1.0))  # TrainBatch: the rollout's (batch.py)
         parts = self._split(batch.input_ids.shape[0])
         padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         outs, recs, used = [], [], []
@@ -230,7 +231,8 @@ class MegatronTrainer:
             out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
                                 None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if self.stage.last:
-                outs.append(logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device)).cpu())
+                lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
+                outs.append(lp.cpu())
             if mode == "R2-record":
                 recs.append(self._stage_ids(self.session.recorded))
             if probe:
@@ -299,6 +301,7 @@ class MegatronTrainer:
         pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        temperature = float(getattr(batch, "temperature", 1.0))  # an SFT batch has none: 1
         parts = self._split(batch.input_ids.shape[0])
         padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         weights = micro_batch_weights(parts, row_tokens)
@@ -311,7 +314,7 @@ class MegatronTrainer:
                                 None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if not self.stage.last:
                 return out
-            lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device))
+            lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
             loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
             for k, v in mb_stats.items():
                 stats[k] = stats.get(k, 0.0) + float(v) * weights[i]
