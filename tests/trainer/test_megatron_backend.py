@@ -98,6 +98,17 @@ def test_natural_logprobs_match_hf(trainer: Any, hf: Any) -> None:
     assert diff.max() < 1e-4, diff.max()
 
 
+def test_logprobs_are_scored_at_the_rollout_temperature(trainer: Any, hf: Any) -> None:
+    """Reference: log_softmax(logits / T) of the HF forward, written out here, at T = 0.6."""
+    batch, _ = make_batch()
+    batch.temperature = 0.6
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    expected = torch.log_softmax(logits / 0.6, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    out = trainer.logprobs(batch, None, "off")
+    assert (out.logprobs - expected)[batch.response_mask].abs().max() < 1e-4
+
+
 def test_hf_state_dict_round_trips_before_training(trainer: Any, hf: Any) -> None:
     sd = trainer.hf_state_dict()
     ref = hf.state_dict()
