@@ -57,6 +57,7 @@ DERIVED_VLLM_DESTS: tuple[str, ...] = (
     "max_model_len",
     "gpu_memory_utilization",
     "async_scheduling",
+    "logprobs_mode",  # the trainer scores tokens as processed_logprobs reports them (engine/args.py)
     "model",
     "served_model_name",
     "worker_extension_cls",
@@ -404,12 +405,14 @@ def r3_mrv2(c: RuleContext) -> str | None:
 # -------------------------------------------------------------------------------------- warnings
 
 
-def kl_ref_no_replay(c: RuleContext) -> str | None:
+def kl_to_reference(c: RuleContext) -> str | None:
     a = c.spec.algorithm
-    if _replay(c.spec) and (a.use_kl_loss or a.kl_in_reward) and not c.spec.routing_replay.replay_ref:
+    on = [name for name, value in (("useKLLoss", a.use_kl_loss), ("klInReward", a.kl_in_reward)) if value]
+    if on:
         return (
-            "KL-to-ref is on (algorithm.useKLLoss/klInReward) but routingReplay.replayRef is false: KL will "
-            "compare replay-routed policy logprobs with naturally routed ref logprobs"
+            f"algorithm.{on[0]} is true, but the trainer keeps no reference policy: a KL term to a reference "
+            "(its weights kept, the replayed routes applied to its forward too) is not implemented; set "
+            "algorithm.useKLLoss and algorithm.klInReward to false"
         )
     return None
 

@@ -709,16 +709,23 @@ RULES: tuple[Rule, ...] = (
             ".rollout.partialRollout",
         ),
     ),
-    # Warnings: legal but risky.
     Rule(
-        "KL-REF-NO-REPLAY",
-        W,
-        "spec.routingReplay.replayRef",
-        ("routingReplay.mode", "routingReplay.replayRef", "algorithm.useKLLoss", "algorithm.klInReward"),
-        "KL-to-ref while the ref does not replay",
-        ("NovaSky-AI/SkyRL#1772",),
-        checks.kl_ref_no_replay,
+        "KL-REFERENCE-UNSUPPORTED",
+        E,
+        "spec.algorithm.useKLLoss",
+        ("algorithm.useKLLoss", "algorithm.klInReward"),
+        "no KL to a reference policy: the trainer keeps no reference weights",
+        ("r3operator: docs/runtime.md (what the loss is)", "NovaSky-AI/SkyRL#1772 (a reference must replay too)"),
+        checks.kl_to_reference,
+        CelRule(
+            "!self.algorithm.useKLLoss && !self.algorithm.klInReward",
+            "'algorithm.' + (self.algorithm.useKLLoss ? 'useKLLoss' : 'klInReward') + ' is true, but the trainer "
+            "keeps no reference policy (KL to a reference is not implemented); set algorithm.useKLLoss and "
+            "algorithm.klInReward to false'",
+            ".algorithm.useKLLoss",
+        ),
     ),
+    # Warnings: legal but risky.
     Rule(
         "R3-PARTIAL-ROLLOUT",
         W,

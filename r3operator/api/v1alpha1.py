@@ -303,6 +303,11 @@ class AlgorithmSpec(_Model):
     learning_rate: float = Field(default=1e-6, gt=0.0, le=1.0)
     clip_ratio_low: float = Field(default=0.2, ge=0.0, le=1.0)
     clip_ratio_high: float = Field(default=0.28, ge=0.0, le=10.0)
+    clip_ratio_c: float = Field(default=3.0, gt=1.0, le=1000.0, alias="clipRatioC")
+    """Dual-clip: a token with a negative advantage contributes at most -A·clipRatioC to the loss, however
+    far its ratio pi/pi_old has grown (stale asynchronous samples, later mini-batches). 3.0 as in verl, so
+    verl recipes carry over; a sync step with one mini-batch never reaches it (its ratio is 1). 1000 makes
+    the bound practically inert."""
     mini_batches: int = Field(default=1, ge=1, le=1024)
     """Policy updates per step; >1 makes later mini-batches off-policy."""
     use_kl_loss: bool = Field(default=False, alias="useKLLoss")

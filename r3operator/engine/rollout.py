@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 ROUTES_MISSING = "engine returned no routed_experts (capture off on the server, or the request aborted)"
+FULL_DISTRIBUTION: dict[str, float | int] = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+"""Sampling parameters that leave softmax(logits / T) untouched: what the trainer's logprobs assume."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,6 +221,7 @@ class InProcessLLMClient:
                 n=n,
                 max_tokens=max_tokens,
                 temperature=temperature,
+                **FULL_DISTRIBUTION,
                 seed=request_seed(seed, i, n),
                 logprobs=0,  # the sampled token's logprob only
                 routed_experts_prompt_start=starts[i],
@@ -312,6 +315,10 @@ class OpenAIHTTPClient:
             "prompt": [int(t) for t in prompt],
             "max_tokens": max_tokens,
             "temperature": temperature,
+            # vLLM's server fills parameters a request leaves out from the model's generation_config.json
+            # (Qwen3: top_k 20, top_p 0.95); the trainer scores the full softmax of logits / T, so sampling
+            # must not truncate it.
+            **FULL_DISTRIBUTION,
             "seed": seed,
             "n": n,
             "logprobs": 0,  # token_logprobs[i] = logprob of the sampled token i

@@ -155,7 +155,10 @@ ALERTS: tuple[Alert, ...] = (
         f"{LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline. Check weight sync (r3operator_weight_sync_canary_ok), the "
         "vLLM version and whether routing replay is active.",
         "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
-        "baseline. In order: (1) `r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
+        "baseline, under the same weights: in algorithm.mode async the figure covers only tokens the current "
+        "policy version sampled (the older tokens' gap is staleness, `logprob_abs_diff_mean_stale` in "
+        "metrics.csv, corrected by the importance weights, never a weight-sync fault). In order: (1) "
+        "`r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
         "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
         "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "
         "`spec.inference.vllmVersion` (kernels changed numerics). `kubectl get rljob <job> -o "
@@ -169,7 +172,8 @@ ALERTS: tuple[Alert, ...] = (
         "Routing agreement {{ $value | humanizePercentage }} under R3 for {{ $labels.namespace }}/{{ $labels.rljob }}",
         "The trainer's routers agree with the engine's routes on ~98% of token-layers when the routes sit on the "
         "right tokens. This low, the replayed routes land on the wrong tokens (a misaligned batch) or the "
-        "policies drifted (stale weights, a failed weight sync).",
+        "policies drifted (stale weights, a failed weight sync). In async mode only the current version's rows "
+        "count, so policy drift between versions does not show here.",
         "Replayed routes no longer match what the trainer's routers would choose. A sudden drop to near 0 means "
         "routes are applied to the wrong tokens (a misaligned batch: check the driver log for retokenization or "
         "truncation warnings and `r3operator_routes_invalid_total`); a slow decline means the policies drifted "

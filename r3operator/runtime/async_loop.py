@@ -34,7 +34,7 @@ from r3operator.engine.rollout import RolloutSample
 from r3operator.runtime.config import RunSettings
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.loop import GRPORun, PhaseTimer
-from r3operator.runtime.partial import renumber, split_stale, staleness
+from r3operator.runtime.partial import current_version_masks, renumber, split_stale, staleness
 from r3operator.runtime.producer import EngineGate, RolloutProducer
 from r3operator.runtime.progress import StepTable
 from r3operator.trainer.base import OldPass, UpdateStats
@@ -79,7 +79,8 @@ class AsyncGRPORun(GRPORun):
                 return engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed,
                                         n=1, routed_experts_prompt_start=starts)  # fmt: skip
 
-            return self.supervisor.on_policy(call, what="asynchronous rollout segment")
+            # Never re-syncs from this thread: a stale engine is recovered by the trainer thread (rollout()).
+            return self.supervisor.current_only(call, what="asynchronous rollout segment")
 
         def next_prompt(problem_no: int) -> Sequence[int]:
             rng = np.random.default_rng([self.spec.seed, PROBLEM_SEED, self.start_step, problem_no])
@@ -111,7 +112,7 @@ class AsyncGRPORun(GRPORun):
         self.step_partial = 0
         self.step_stale_dropped = 0
         while len(kept) < pps:
-            taken = self.producer.take(pps - len(kept))
+            taken = self.producer.take(pps - len(kept), while_waiting=self.recover_engines)
             for sample in (s for group in taken for s in group):
                 age = staleness(sample, current_version=self.policy_version)
                 self.metrics.observe("r3operator_rollout_staleness", age)
@@ -136,12 +137,20 @@ class AsyncGRPORun(GRPORun):
             self.recorder.record(step, samples, policy_version=self.policy_version)
         return samples, problems
 
+    def recover_engines(self) -> None:
+        """Re-sync and canary the engines the producer found stale, on this (the trainer's) thread, with the
+        engines paused, while the weights are those of the published version (no update is in progress
+        during the rollout phase): the re-synced engine serves exactly the version its tokens are stamped
+        with."""
+        self.gate.recover(self.supervisor.ensure_current)
+
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip with truncated importance weights pi_old / pi_rollout per token."""
         assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap)  # fmt: skip
+                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap,
+                                   clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
 
     def sync_and_canary(self, timer: PhaseTimer) -> bool:
         """7-8. With the engines paused: sync, canary, then publish the new version and resume. `pause` is
@@ -152,12 +161,36 @@ class AsyncGRPORun(GRPORun):
             with timer("canary"):
                 canary_ok = self.canary()
             self.gate.set_version(self.policy_version)
+            self.gate.recovered()  # the sync installed the new version on every engine
         timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
         return canary_ok
 
+    def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
+                        old: OldPass) -> tuple[Any, Any | None]:  # fmt: skip
+        """Only the tokens and route rows of the current policy version: the old-logprob pass runs under its
+        weights, so there engine vs trainer is the mismatch alone. The older tokens' gap is staleness (the
+        policy moved since), reported apart in `logprob_abs_diff_mean_stale` and corrected by the
+        importance weights. With no current-version token in the step the figures are NaN."""
+        import torch
+
+        from r3operator.trainer.metrics import logprob_stats
+
+        by_id = {s.sample_id: s for s in samples}
+        rows_in_batch = [by_id[sid] for sid in batch.sample_ids]
+        tokens, rows = current_version_masks(rows_in_batch, width=int(batch.input_ids.shape[1]),
+                                             version=self.policy_version)  # fmt: skip
+        device = batch.response_mask.device
+        current = batch.response_mask & torch.from_numpy(tokens).to(device)
+        self.step_current_tokens = int(current.sum())
+        self.step_stale_diff = logprob_stats(batch.rollout_logprobs, old.logprobs,
+                                             batch.response_mask & ~current).abs_diff_mean  # fmt: skip
+        return current, torch.from_numpy(rows).to(device)
+
     def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
         row.update({"importance_weight_mean": stats.importance_weight_mean,
-                    "importance_truncated_fraction": stats.importance_truncated_fraction})  # fmt: skip
+                    "importance_truncated_fraction": stats.importance_truncated_fraction,
+                    "current_version_tokens": self.step_current_tokens,
+                    "logprob_abs_diff_mean_stale": self.step_stale_diff})  # fmt: skip
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,

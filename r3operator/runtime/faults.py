@@ -37,6 +37,10 @@ T = TypeVar("T")
 FaultCounter = Callable[[str], None]  # called with the fault kind, e.g. "engine_call" (a metrics counter)
 
 
+class StaleEngineError(RuntimeError):
+    """An engine does not serve the current policy; `current_only` leaves the recovery to its caller."""
+
+
 class EngineSupervisor:
     """Installs policies on the engines and runs calls only against engines that serve the current one.
 
@@ -132,6 +136,21 @@ class EngineSupervisor:
             self._install(stale, self.tag)
             self.canary(stale)
         return stale
+
+    def current_only(self, call: Callable[[], T], *, what: str) -> T:
+        """`call()` only while every engine serves the current policy, before and after it; installs nothing.
+
+        The asynchronous producer's calls: a re-sync from its thread would load the trainer's live weights
+        (possibly mid-update) stamped with the published version, and its canary would arm the trainer's
+        router replay beside an update. Raises `StaleEngineError` (or the `EngineUnavailableError` of the
+        call) so that the trainer thread recovers the engines inside the gate (runtime/producer.py)."""
+        if self.stale_engines():
+            raise StaleEngineError(f"an engine does not serve policy {self.tag}; the {what} waits for its re-sync")
+        result = call()
+        if self.stale_engines():
+            self.on_fault("stale_result")
+            raise StaleEngineError(f"an engine lost policy {self.tag} during the {what}: its result is discarded")
+        return result
 
     def on_policy(self, call: Callable[[], T], *, what: str) -> T:
         """`call()` with every engine on the current policy before and after it; a call that failed on an

@@ -269,7 +269,7 @@ class GRPORun:
             return None
         have_all = all(r is not None for r in routes)
         return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
-                           device=self.trainer.batch_device)  # fmt: skip
+                           device=self.trainer.batch_device, temperature=self.spec.rollout.temperature)  # fmt: skip
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
@@ -293,7 +293,7 @@ class GRPORun:
         assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high)  # fmt: skip
+                                   clip_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
 
     def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is
@@ -456,14 +456,18 @@ class GRPORun:
     def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
              old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
              begin: float) -> dict[str, Any]:  # fmt: skip
-        lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, batch.response_mask)
+        tokens, rows = self._fidelity_masks(samples, batch, old)
+        lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
         applied = natural = float("nan")
         if batch.engine_routes is not None:
+            assert batch.route_pad is not None
             mask = ~batch.route_pad
             # replay_applied: the hook handed the experts the engine's ids (a wiring check; blind to a
             # misaligned batch). The routers' own choice vs the engine is the alignment signal.
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
-            natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, mask).agreement_ratio
+            fidelity_rows = mask if rows is None else mask & rows
+            natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes,
+                                                      fidelity_rows).agreement_ratio  # fmt: skip
         row = self._rollout_columns(step, samples, rewards, timer)
         if self.spec.rollout.multi_turn:
             row["routing_agreement_by_turn"] = self._agreement_by_turn(samples, batch, old)
@@ -476,6 +480,13 @@ class GRPORun:
         })  # fmt: skip
         row.update({f"t_{k}": v for k, v in timer.seconds.items()})
         return row
+
+    def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
+                        old: OldPass) -> tuple[Any, Any | None]:  # fmt: skip
+        """The response tokens and route rows the engine/trainer fidelity metrics run over (None: every
+        captured row): all of them here, where every token was sampled by the weights the old-logprob pass
+        runs (async_loop.py narrows them to the current version's)."""
+        return batch.response_mask, None
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
                          timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip

@@ -42,8 +42,8 @@ METRICS: list[MetricSpec] = [
                "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last "
                "step."),
     MetricSpec("r3operator_routing_agreement_by_turn_ratio", "gauge", (*_ID, "turn"),
-               "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the tokens each "
-               "turn's request prefilled or generated (turn 1 = the prompt and the first reply), last step."),
+               "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the rows each "
+               "turn's request returned (turn 1 = the prompt and the first reply but its last token), last step."),
     MetricSpec("r3operator_route_record_failures_total", "counter", (*_ID, "operation"),
                "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
                "goes on without it."),

@@ -45,7 +45,7 @@ class Conversation:
     env: Environment
     tokens: list[int] = field(default_factory=list)  # the whole conversation, prompt included
     trained: list[bool] = field(default_factory=list)  # per token after the prompt: the model sampled it
-    turn_of: list[int] = field(default_factory=list)  # per token: the turn (1-based) whose request prefilled it
+    turn_of: list[int] = field(default_factory=list)  # per token: the turn whose request returned its row
     logprobs: list[float] = field(default_factory=list)  # per token after the prompt (0 for env tokens)
     routes: TrajectoryRoutes | None = None
     routes_error: str | None = None
@@ -77,7 +77,9 @@ class Conversation:
         self.logprobs.extend(float(x) for x in sample.logprobs)
         self.finish_reason = sample.finish_reason
         self.turns += 1
-        self.turn_of.extend([self.turns] * len(sample.token_ids))
+        # The last sampled token is fed to the engine only by the next turn's request, which returns its row.
+        generated = len(sample.token_ids)
+        self.turn_of.extend([self.turns] * (generated - 1) + [self.turns + 1] * min(generated, 1))
 
     def _stitch(self, sample: RolloutSample) -> None:
         if self.routes_error is not None:
@@ -159,7 +161,9 @@ def agreement_by_turn(
         turn_of = sample.extra["turn_of"]
         turn[i, : len(turn_of)] = turn_of
     has_route = ~route_pad.cpu().numpy().astype(bool)
+    # The final turn's last token was never fed back: it carries a turn number but no route.
+    last = int(turn[has_route].max()) if has_route.any() else 0
     return [
         routing_agreement(natural_ids, engine_routes, has_route & (turn == t)).agreement_ratio
-        for t in range(1, int(turn.max()) + 1)
+        for t in range(1, last + 1)
     ]

@@ -158,3 +158,28 @@ def renumber(groups: Sequence[Sequence[RolloutSample]]) -> list[RolloutSample]:
         for i, group in enumerate(groups)
         for j, sample in enumerate(group)
     ]
+
+
+def current_version_masks(
+    samples: Sequence[RolloutSample], *, width: int, version: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([B, S-1] logprob columns, [B, S] route rows) that the policy `version` produced, for the batch rows
+    `samples` (in batch order; S = `width`). Response token j of a sample with P prompt tokens is
+    logprob column P - 1 + j; its version is `token_versions[j]`. Route row p is computed when token p is
+    fed: the prompt's rows by the first segment, generated token j's row by the request that generated
+    token j + 1 (a segment's last token is prefilled by the next segment).
+
+    The fidelity metrics (|Δlogprob|, natural routing agreement) over these alone compare the engine with
+    the trainer under the same weights: the mismatch. Over older tokens they also measure the policy's
+    drift since (staleness), which the importance weights correct and which is not a weight-sync fault."""
+    tokens = np.zeros((len(samples), width - 1), dtype=bool)
+    rows = np.zeros((len(samples), width), dtype=bool)
+    for i, sample in enumerate(samples):
+        versions = token_versions(sample)
+        if versions.size == 0:
+            continue
+        p = len(sample.prompt_token_ids)
+        tokens[i, p - 1 : p - 1 + versions.size] = versions == version
+        row_versions = np.concatenate([np.full(p, versions[0]), versions[1:]])
+        rows[i, : row_versions.size] = row_versions == version
+    return tokens, rows

@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from r3operator.engine.retry import EngineUnavailableError
 from r3operator.engine.rollout import RolloutSample
+from r3operator.runtime.faults import StaleEngineError
 from r3operator.runtime.partial import Trajectory
 
 log = logging.getLogger("r3operator.runtime")
@@ -35,23 +37,52 @@ SegmentGenerate = Callable[[list[list[int]], list[int], int, int], Sequence[Roll
 # the next problem's prompt token ids, given the producer's running problem number
 NextPrompt = Callable[[int], Sequence[int]]
 QUEUE_POLL_S = 0.1
+MAX_FAILED_SEGMENTS = 8  # in a row: the engines keep failing even after the trainer recovered them
 
 
 class EngineGate:
     """Mutual exclusion between the producer's segments and the trainer's weight updates, plus the policy
-    version the engines serve. A pause waits for the segment in flight; the producer waits while paused."""
+    version the engines serve. A pause waits for the segment in flight; the producer waits while paused,
+    and while an engine it found stale waits for the trainer thread to recover it (`recover`)."""
 
     def __init__(self, version: int = 0) -> None:
         self._cond = threading.Condition()
         self._paused = False
         self._busy = False
+        self._recovery_needed = False
         self.version = version
+
+    @property
+    def recovery_needed(self) -> bool:
+        return self._recovery_needed
+
+    def request_recovery(self) -> None:
+        """The producer found an engine off the current policy: no segment runs until `recover`."""
+        with self._cond:
+            self._recovery_needed = True
+
+    def recover(self, recover_engines: Callable[[], object]) -> bool:
+        """On the trainer thread, while its weights are the published version's (between updates): if the
+        producer asked for it, pause and `recover_engines()` (re-sync + canary of the stale engines). Returns
+        whether it ran."""
+        if not self._recovery_needed:
+            return False
+        with self.paused():
+            recover_engines()
+            self.recovered()
+        return True
+
+    def recovered(self) -> None:
+        """Every engine serves the current policy again (a recovery or a full weight sync finished)."""
+        with self._cond:
+            self._recovery_needed = False
+            self._cond.notify_all()
 
     @contextmanager
     def segment(self) -> Iterator[int]:
         """Run one segment (the producer); yields the policy version the engines serve meanwhile."""
         with self._cond:
-            while self._paused:
+            while self._paused or self._recovery_needed:
                 self._cond.wait()
             self._busy = True
             version = self.version
@@ -121,6 +152,7 @@ class RolloutProducer:
         self.tokens_generated = 0
         self.engine_busy_seconds = 0.0  # wall time with a segment request on the engines
         self.segments_resumed_after_update = 0
+        self.failed_segments = 0  # discarded in a row (stale or unavailable engine), reset by a good one
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -141,10 +173,13 @@ class RolloutProducer:
                 log.error("the rollout producer did not stop within %.0f s", timeout_s)
             self._thread = None
 
-    def take(self, groups: int) -> list[list[RolloutSample]]:
-        """The next `groups` finished groups, oldest first; blocks until they are there."""
+    def take(self, groups: int, *, while_waiting: Callable[[], object] | None = None) -> list[list[RolloutSample]]:
+        """The next `groups` finished groups, oldest first; blocks until they are there, calling
+        `while_waiting()` (the trainer's engine recovery) between polls."""
         out: list[list[RolloutSample]] = []
         while len(out) < groups:
+            if while_waiting is not None:
+                while_waiting()
             if self._error is not None:
                 raise ProducerFailedError(f"the rollout producer stopped: {self._error}") from self._error
             if self._thread is None and self.queue.empty():
@@ -195,7 +230,21 @@ class RolloutProducer:
                 seed = self.seed * 1_000_003 + self.requests * 10_007
                 self.requests += 1
                 begin = time.perf_counter()
-                samples = self.generate([p for p, _ in requests], [s for _, s in requests], length, seed)
+                try:
+                    samples = self.generate([p for p, _ in requests], [s for _, s in requests], length, seed)
+                except (StaleEngineError, EngineUnavailableError) as exc:
+                    # Nothing of this request is kept: its trajectories send the same segment again once the
+                    # trainer thread has re-synced the engines (the gate holds the next segment until then).
+                    self.failed_segments += 1
+                    if self.failed_segments >= MAX_FAILED_SEGMENTS:
+                        raise RuntimeError(
+                            f"{self.failed_segments} rollout segments in a row failed although the trainer "
+                            f"re-synced the engines in between; last error: {exc}"
+                        ) from exc
+                    log.warning("rollout segment discarded, waiting for the trainer to recover the engines: %s", exc)
+                    self.gate.request_recovery()
+                    return
+                self.failed_segments = 0
                 self.engine_busy_seconds += time.perf_counter() - begin
                 if len(samples) != len(trajectories):
                     raise RuntimeError(f"the engine returned {len(samples)} samples for {len(trajectories)} prompts")

@@ -19,6 +19,9 @@ COLUMNS = (
     "turns_mean", "env_tokens", "routing_agreement_by_turn",  # multi-turn jobs only; empty otherwise
     "staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds",
     "importance_weight_mean", "importance_truncated_fraction", "t_pause",  # algorithm.mode async only
+    # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
+    # mismatch); the older tokens' |Δlogprob| (the staleness) is apart
+    "current_version_tokens", "logprob_abs_diff_mean_stale",
 )  # fmt: skip
 
 

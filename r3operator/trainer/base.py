@@ -102,9 +102,10 @@ class Trainer(Protocol):
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
+        importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> UpdateStats:  # fmt: skip
-        """`importance_cap`: weight each token by min(pi_old / pi_rollout, cap) (asynchronous mode)."""
+        """`importance_cap`: weight each token by min(pi_old / pi_rollout, cap) (asynchronous mode);
+        `clip_ratio_c`: the dual-clip bound of negative-advantage tokens (`grpo.loss.ppo_clip_loss`)."""
         ...
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float: ...

@@ -39,6 +39,9 @@ class TrainBatch:
     engine_routes: torch.Tensor | None  # [B, S, L, K] int64 (zero rows where route_pad is True)
     route_pad: torch.Tensor | None  # [B, S] bool, True = no captured route
     sample_ids: list[str]
+    temperature: float = 1.0
+    """What the trainer divides logits by to score these tokens: the rollout temperature they were sampled
+    at (`scoring_temperature`), so that log pi is the sampling distribution's, as the engine reports it."""
 
     @property
     def size(self) -> int:
@@ -58,7 +61,16 @@ class TrainBatch:
             engine_routes=None if self.engine_routes is None else self.engine_routes[idx],
             route_pad=None if self.route_pad is None else self.route_pad[idx],
             sample_ids=[self.sample_ids[i] for i in picked],
+            temperature=self.temperature,
         )
+
+
+def scoring_temperature(rollout_temperature: float) -> float:
+    """The logits divisor that scores a token like the engine's `processed_logprobs` (engine/args.py):
+    the sampling temperature; 1 for greedy rollouts (T = 0), whose logprobs vLLM reports unscaled."""
+    if rollout_temperature < 0:
+        raise ValueError(f"rollout.temperature must be >= 0, got {rollout_temperature}")
+    return rollout_temperature if rollout_temperature > 0 else 1.0
 
 
 def place_routes(
@@ -93,8 +105,10 @@ def build_batch(
     routes: Sequence[RoutedExperts] | None,
     pad_id: int,
     device: Any = "cpu",
+    temperature: float = 1.0,
 ) -> TrainBatch:
-    """Tensors for `samples`; `routes[i]` is sample i's routes (rows from `routes[i].start`), None: no replay."""
+    """Tensors for `samples`; `routes[i]` is sample i's routes (rows from `routes[i].start`), None: no replay.
+    `temperature`: the rollout temperature the samples were drawn at."""
     import torch
 
     if not samples:
@@ -134,6 +148,7 @@ def build_batch(
         engine_routes=engine_routes,
         route_pad=route_pad,
         sample_ids=[s.sample_id for s in samples],
+        temperature=scoring_temperature(temperature),
     )
 
 

@@ -136,11 +136,11 @@ class TrainerRank:
         return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode)
 
     def update(self, part: UpdateSlice, shares: Sequence[Share], clip_low: float, clip_high: float,
-               importance_cap: float | None = None) -> list[ShareStats]:  # fmt: skip
+               importance_cap: float | None = None, clip_ratio_c: float | None = None) -> list[ShareStats]:  # fmt: skip
         return self.trainer.update_shares(
             batch_to(part.batch, self.device), _to(part.old_logprobs, self.device), _to(part.replay_ids, self.device),
             _to(part.replay_pad, self.device), shares, clip_low=clip_low, clip_high=clip_high,
-            importance_cap=importance_cap,
+            importance_cap=importance_cap, clip_ratio_c=clip_ratio_c,
         )  # fmt: skip
 
     def sft(self, part: tuple[list[list[int]], list[list[int]], bool], total_tokens: int) -> tuple[float, int]:
@@ -311,7 +311,7 @@ class DistributedTrainer:
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
+        importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> UpdateStats:  # fmt: skip
         import torch
 
@@ -327,7 +327,7 @@ class DistributedTrainer:
             ))  # fmt: skip
         return combine_update(self._per_replica(
             parts, lambda rank, replica, ref: rank.update.remote(ref, plans[replica].shares, clip_low, clip_high,
-                                                                 importance_cap),
+                                                                 importance_cap, clip_ratio_c),
         ))  # fmt: skip
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:

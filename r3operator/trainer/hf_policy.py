@@ -107,9 +107,11 @@ class PolicyTrainer(UpdateByShares):
             with torch.no_grad(), self._compute():
                 if mode is ReplayMode.R3:
                     with self.replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
-                        lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+                        lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                            temperature=batch.temperature)  # fmt: skip
                 else:
-                    lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+                    lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                        temperature=batch.temperature)  # fmt: skip
             natural_ids, used_ids = self._stacked(natural, batch), self._stacked(used, batch)
         finally:
             natural.remove()
@@ -118,7 +120,7 @@ class PolicyTrainer(UpdateByShares):
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None,
+        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
         and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
@@ -140,10 +142,10 @@ class PolicyTrainer(UpdateByShares):
                     weights, iw = truncated_importance_weights(old_lp, mb.rollout_logprobs, mb.response_mask,
                                                                cap=importance_cap)  # fmt: skip
                 with self._compute():
-                    lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+                    lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature=mb.temperature)
                 loss, stats = ppo_clip_loss(
                     lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high,
-                    importance_weights=weights,
+                    importance_weights=weights, clip_ratio_c=clip_ratio_c,
                 )
                 (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:

@@ -131,7 +131,8 @@ _ID = IDENTITY_LABELS
 
 METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_logprob_abs_diff_mean", "gauge", _ID,
-               "Mean |rollout - trainer| sampled-token logprob over response tokens, last step."),
+               "Mean |rollout - trainer| sampled-token logprob over response tokens, last step (async: only tokens "
+               "of the current policy version, so it measures the mismatch, not the staleness)."),
     MetricSpec("r3operator_logprob_abs_diff_std", "gauge", _ID,
                "Std of |rollout - trainer| logprob over response tokens, last step."),
     MetricSpec("r3operator_logprob_abs_diff_max", "gauge", _ID,
@@ -144,7 +145,8 @@ METRICS: list[MetricSpec] = [
                "Fraction of response tokens with max(p_train/p_roll, p_roll/p_train) > 2, last step."),
     MetricSpec("r3operator_routing_agreement_ratio", "gauge", (*_ID, "layer"),
                "Alignment health: tokens whose trainer router's own top-k expert set equals the engine's routes, "
-               "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens)."),
+               "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens; async: "
+               "rows of the current policy version only)."),
     MetricSpec("r3operator_routing_tokens_any_diff_ratio", "gauge", _ID,
                "Tokens whose natural trainer routing differs from the engine's in at least one MoE layer."),
     MetricSpec("r3operator_routing_bytes_total", "counter", _ID,

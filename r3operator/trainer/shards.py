@@ -121,13 +121,13 @@ class UpdateByShares(ABC):
     @abstractmethod
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None,
+        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One optimizer step per share of this process's rows (`hf_policy`, `megatron/adapter`)."""
 
     def update(
         self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None,
+        importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> UpdateStats:  # fmt: skip
         """PPO-clip over `mini_batch_rows` (strided) slices, one optimizer step each; replay (if any) through
         backward. With `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout."""
@@ -138,5 +138,6 @@ class UpdateByShares(ABC):
         replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
         replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
         stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
-                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap)  # fmt: skip
+                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap,
+                                   clip_ratio_c=clip_ratio_c)  # fmt: skip
         return combine_update([stats])

@@ -162,9 +162,9 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.modelRunnerV2": True}),
         sets(**{"inference.image": "vllm/vllm-openai:v0.22.1", "inference.modelRunnerV2": True}),
     ),
-    "KL-REF-NO-REPLAY": (
-        sets(**{"algorithm.useKLLoss": True}),
-        sets(**{"algorithm.klInReward": True, "routingReplay.replayRef": False}),
+    "KL-REFERENCE-UNSUPPORTED": (
+        sets(**{"algorithm.useKLLoss": False, "algorithm.klCoef": 0.001}),
+        sets(**{"algorithm.klInReward": True}),
     ),
     "R3-PARTIAL-ROLLOUT": (
         sets(**{"routingReplay.mode": "R2", "rollout.partialRollout": True, "algorithm.mode": "async"}),

@@ -81,3 +81,34 @@ def test_replay_from_store_reproduces_engine_routing_and_narrows_logprob_gap(
     assert s_off.tokens == sum(len(s.token_ids) for s in rollout)
     assert s_on.abs_diff_mean < s_off.abs_diff_mean
     assert s_on.abs_diff_max < 0.1  # numerics floor, not a routing flip
+
+
+def test_engine_logprobs_at_temperature_match_the_trainer_scoring_logits_over_t(
+    vllm_client: Any, rollout: list[Any], tiny_model_dir: Path
+) -> None:
+    """At T = 0.6 the engine's logprob of each sampled token is that of softmax(logits / T) (the
+    distribution it was drawn from), written out here over a transformers forward with the engine's routes
+    replayed; raw (T = 1) logprobs would be off by far more than the bf16 floor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from r3operator.trainer.batch import build_batch
+    from r3operator.trainer.replay.hf import RouterReplay
+
+    temperature = 0.6
+    samples = vllm_client.generate([s.prompt_token_ids for s in rollout], max_tokens=16, temperature=temperature,
+                                   seed=11)  # fmt: skip
+    batch = build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=0,
+                        temperature=temperature)  # fmt: skip
+    assert batch.temperature == temperature
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    replay = RouterReplay().install(model)
+    with torch.no_grad(), replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    labels = batch.input_ids[:, 1:, None]
+    at_t = torch.log_softmax(logits / temperature, dim=-1).gather(-1, labels)[..., 0]
+    raw = torch.log_softmax(logits, dim=-1).gather(-1, labels)[..., 0]
+    mask = batch.response_mask
+    engine = batch.rollout_logprobs
+    assert (engine - at_t)[mask].abs().max() < 0.1  # the bf16 floor of the T = 1 test above
+    assert (engine - raw)[mask].abs().mean() > 5 * (engine - at_t)[mask].abs().mean()

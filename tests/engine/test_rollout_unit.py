@@ -81,3 +81,15 @@ def test_prompt_starts_one_per_prompt_each_inside_its_prompt() -> None:
         prompt_starts([[1, 2, 3], [1, 2]], [0, 2])
     with pytest.raises(ValueError, match="1 routed_experts_prompt_start values for 2 prompts"):
         prompt_starts([[1, 2, 3], [1, 2]], [0])
+
+
+def test_http_requests_sample_the_full_softmax_whatever_the_models_generation_config() -> None:
+    """vLLM's server takes top_k/top_p/min_p/repetition_penalty a request omits from the model's
+    generation_config.json (Qwen3 ships top_k 20, top_p 0.95): each request must turn them off itself."""
+    from r3operator.engine.rollout import OpenAIHTTPClient
+
+    client = OpenAIHTTPClient.__new__(OpenAIHTTPClient)
+    client.model = "m"
+    body = client.completion_body([1, 2], max_tokens=4, temperature=0.6, seed=0, n=1, start=0)
+    assert (body["top_k"], body["top_p"], body["min_p"], body["repetition_penalty"]) == (-1, 1.0, 0.0, 1.0)
+    assert body["temperature"] == 0.6

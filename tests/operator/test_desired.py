@@ -75,6 +75,8 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
         "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
+        # logprobs of the distribution sampled from (after temperature): what the trainer scores
+        "--logprobs-mode", "processed_logprobs",
         "--enable-return-routed-experts",
         # vLLM 0.22.1 (the image tag) has the native NCCL transfer; engines and trainer hold separate GPUs
         "--weight-transfer-config", '{"backend":"nccl"}',

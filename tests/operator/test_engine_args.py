@@ -91,3 +91,12 @@ def test_engine_args_name_the_worker_extension_that_exists():
     assert args.WORKER_EXTENSION_CLS == worker.WORKER_EXTENSION_CLS
     module, _, name = args.WORKER_EXTENSION_CLS.rpartition(".")
     assert module == worker.__name__ and hasattr(worker, name)
+
+
+def test_engines_report_logprobs_after_temperature_and_users_cannot_turn_that_off():
+    from r3operator.api.rules import errors, evaluate
+
+    pairs = _pairs(vllm_serve_args(_spec(), model_path="m"))
+    assert pairs["--logprobs-mode"] == "processed_logprobs"  # the trainer scores logits / T (trainer/batch.py)
+    found = errors(evaluate(_spec(**{"inference.extraArgs": ["--logprobs-mode", "raw_logprobs"]})))
+    assert [f.rule for f in found] == ["EXTRA-ARGS-DERIVED"]

@@ -157,7 +157,7 @@ class _QueuedGroups:
     def __init__(self, groups: list[list[RolloutSample]]) -> None:
         self.groups = groups
 
-    def take(self, n: int) -> list[list[RolloutSample]]:
+    def take(self, n: int, *, while_waiting: Any = None) -> list[list[RolloutSample]]:
         taken, self.groups = self.groups[:n], self.groups[n:]
         return taken
 
@@ -243,3 +243,62 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
     exposition = run.metrics.exposition()
     [(_, count)] = _series(exposition, "r3operator_rollout_staleness_count")
     assert count == sum(r["samples"] + r["stale_dropped"] for r in rows)  # every sample taken was observed
+
+
+class _ThreadRecordingEngine(FakeEngine):
+    """Records, for every call, the thread it ran on and whether the engine gate was paused then."""
+
+    gate: EngineGate | None = None
+    where: list[tuple[str, str, bool]]
+
+    def _call(self, method: str) -> None:
+        if not hasattr(self, "where"):
+            self.where = []
+        paused = self.gate is not None and self.gate._paused
+        self.where.append((method, threading.current_thread().name, paused))
+        super()._call(method)
+
+
+def test_a_restarted_engine_is_recovered_only_on_the_trainer_thread_inside_the_gate(tmp_path: Path) -> None:
+    """The engine dies on its 2nd rollout segment (it comes back with the model's original weights). The
+    re-sync (begin/load/finish) must run on the trainer's thread with the producer paused, never on the
+    producer thread, which then would load the trainer's live weights under an old version stamp."""
+    from r3operator.runtime.async_loop import AsyncGRPORun
+    from r3operator.runtime.engines import EngineGroup
+
+    job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "maxTokens": 4, "partialRollout": True,
+                                       "partialRolloutSegment": 2},
+                    algorithm={"mode": "async", "maxStaleness": 1, "importanceWeightCap": 2.0},
+                    weightSync={"canary": False})  # fmt: skip
+    engine = _ThreadRecordingEngine(die_on={"generate": {2}})
+    run = AsyncGRPORun(settings_for(job, tmp_path / "runs", steps=2), engines=EngineGroup([engine]))
+    engine.gate = run.gate
+    trainer_thread = threading.current_thread().name
+    rows = run.run()
+
+    assert engine.restarts == 1 and [r["step"] for r in rows] == [1, 2]
+    installs = [(thread, paused) for method, thread, paused in engine.where if method in {"begin", "load", "finish"}]
+    assert {thread for thread, _ in installs} == {trainer_thread}
+    setup = next(i for i, (method, _, _) in enumerate(engine.where) if method == "finish")  # before the producer
+    later = [paused for method, _, paused in engine.where[setup + 1 :] if method in {"begin", "load", "finish"}]
+    assert len(later) > 0 and all(later)  # the recovery and both steps' syncs: with the producer paused
+    assert {thread for method, thread, _ in engine.where if method == "generate"} == {"r3-rollout-producer"}
+
+
+def test_fidelity_metrics_run_over_the_current_versions_tokens_and_rows_only() -> None:
+    """Prompt of 3 tokens, 4 generated tokens of versions [1, 1, 2, 2] (a weight update after 2 tokens), the
+    batch 9 wide. Current version 2: logprob columns P-1+j for j = 2, 3 -> 4, 5; route rows: token p's row is
+    computed when p is fed, the prompt's by the first segment (v1), generated token j's by the request
+    that generated token j + 1: rows 3 (token 0, fed with token 1, v1), 4 (token 1, v2: the boundary row,
+    prefilled by the second segment), 5 (token 2, v2); token 3 (position 6) has no row."""
+    from dataclasses import replace
+
+    from r3operator.runtime.partial import current_version_masks
+
+    sample = replace(_sample([1, 1, 2, 2]), prompt_token_ids=(5, 6, 7), token_ids=(10, 11, 12, 13))
+    tokens, rows = current_version_masks([sample], width=9, version=2)
+    assert np.flatnonzero(tokens[0]).tolist() == [4, 5]
+    assert np.flatnonzero(rows[0]).tolist() == [4, 5]
+    tokens, rows = current_version_masks([sample], width=9, version=1)
+    assert np.flatnonzero(tokens[0]).tolist() == [2, 3]
+    assert np.flatnonzero(rows[0]).tolist() == [0, 1, 2, 3]

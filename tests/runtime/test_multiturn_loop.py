@@ -76,10 +76,11 @@ def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tm
             words = [VOCAB[t] for t in sequence[begin:end]]
             assert end - begin == 3 and words[0] in {"<", ">", "no"} and words[1:] == ["A", ":"]
         assert int(sample.loss_mask.sum()) == 3 * sample.extra["turns"]  # maxTokens per model turn
-        # Each position is attributed to the turn whose request prefilled or generated it: the prompt and
-        # turn 1's tokens to turn 1, an env reply to the turn after it.
+        # Each position is attributed to the turn whose request returned its row: the prompt and turn 1's
+        # tokens but the last to turn 1; that boundary token and an env reply to the turn after it.
         turn_of = sample.extra["turn_of"].tolist()
-        assert len(turn_of) == len(sequence) and turn_of[: len(problems[0].prompt_ids) + 3] == [1] * 15
+        first = len(problems[0].prompt_ids) + 3
+        assert len(turn_of) == len(sequence) and turn_of[:first] == [1] * (first - 1) + [2]
         assert [turn_of[begin] for begin, _ in spans] == list(range(2, sample.extra["turns"] + 1))
         # The boundary rows: each env reply follows a model token whose row only the next turn returned.
         for begin, _ in spans:
@@ -216,3 +217,29 @@ def test_http_engine_sends_each_prompt_its_own_start(tmp_path: Path) -> None:
                                   routed_experts_prompt_start=[0, 3])  # fmt: skip
     assert sorted(server.starts) == [0, 3]  # one request per prompt, in parallel
     assert [(s.routes.start, s.routes.num_tokens) for s in samples] == [(0, 3 + 2 - 1), (3, 5 + 2 - 1 - 3)]
+
+
+def test_each_row_is_attributed_to_the_turn_whose_request_returned_it() -> None:
+    """Reference: every request stamps the rows it returns with its own turn number (expert ids turn,
+    turn + 10). After stitching, `turn_of` must name that turn at every routed position, the boundary row
+    (the previous turn's last sampled token, returned with the next turn's prefill) included."""
+    from r3operator.engine.rollout import build_sample
+    from r3operator.routing.codec import decode
+    from r3operator.runtime.multiturn import Conversation, roll_out_conversations
+    from r3operator.trainer.envs import GuessGame
+
+    def generate(prompts: list[list[int]], starts: list[int], turn: int) -> list[Any]:
+        out = []
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            rows = np.tile(np.asarray([turn + 1, turn + 11], dtype=np.int64), (len(prompt) + 2 - 1 - start, 1, 1))
+            out.append(build_sample(prompt_index=i, choice_index=0, prompt_token_ids=prompt, token_ids=[60, 61],
+                                    logprobs=[-1.0, -1.0], routed_experts=rows, routed_experts_prompt_start=start,
+                                    num_experts=32))  # fmt: skip
+        return out
+
+    conversation = Conversation(prompt_index=0, choice_index=0, prompt=(1, 20, 21), env=GuessGame(3, vocab_size=512))
+    (sample,) = roll_out_conversations([conversation], generate, num_experts=32)
+    assert sample.extra["turns"] > 1 and sample.routes is not None
+    stamped = decode(sample.routes)[:, 0, 0]  # the turn whose request returned each routed position
+    turn_of = sample.extra["turn_of"][: len(stamped)]
+    np.testing.assert_array_equal(turn_of, stamped)

@@ -98,6 +98,17 @@ def test_natural_logprobs_match_hf(trainer: Any, hf: Any) -> None:
     assert diff.max() < 1e-4, diff.max()
 
 
+def test_logprobs_are_scored_at_the_rollout_temperature(trainer: Any, hf: Any) -> None:
+    """Reference: log_softmax(logits / T) of the HF forward, written out here, at T = 0.6."""
+    batch, _ = make_batch()
+    batch.temperature = 0.6
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    expected = torch.log_softmax(logits / 0.6, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    out = trainer.logprobs(batch, None, "off")
+    assert (out.logprobs - expected)[batch.response_mask].abs().max() < 1e-4
+
+
 def test_hf_state_dict_round_trips_before_training(trainer: Any, hf: Any) -> None:
     sd = trainer.hf_state_dict()
     ref = hf.state_dict()
@@ -218,3 +229,41 @@ def test_canary_forward_replays_the_engines_routes_and_reports_the_natural_ones(
     assert (lp - replayed).abs().max() < 1e-4
     natural = trainer.logprobs(batch, None, "off", probe=True).used[row, :length]
     assert torch.equal(forward.natural_ids.sort(-1).values, natural.sort(-1).values)
+
+
+def _two_rows(long: int, short: int) -> TrainBatch:
+    """Two rows with `long` and `short` response tokens, no routes (natural routing)."""
+    rng = np.random.default_rng(7)
+    samples = []
+    for i, gen in enumerate((long, short)):
+        samples.append(RolloutSample(
+            sample_id=f"r{i}", prompt_index=i, choice_index=0,
+            prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, 4)),
+            token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
+            logprobs=np.zeros(gen, dtype=np.float32), routes=None,
+        ))  # fmt: skip
+    return build_batch(samples, [1.0, -0.5], routes=None, pad_id=0)
+
+
+def test_micro_batches_weigh_every_token_like_the_global_token_mean(model_dir: Path) -> None:
+    """The update's loss is the token-mean over the whole mini-batch (verl's token-level aggregation),
+    whatever `trainer.megatron.microBatchSize` is. Reference 1, written out: on-policy (ratio 1) the PPO loss
+    is -sum_i A_i n_i / sum_i n_i over rows with n_i response tokens. Reference 2: the same update without
+    micro-batches (one micro-batch) has the same gradient norm. A mean of per-micro-batch token-means gives
+    -(1 - 0.5) / 2 and a gradient norm ~1.8x off on these rows of 12 and 2 tokens."""
+    from r3operator.api.enums import ReplayMode
+    from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
+
+    batch = _two_rows(12, 2)
+    tokens = batch.response_mask.sum(dim=1).tolist()
+    assert tokens == [12, 2]
+    expected_loss = -(1.0 * 12 - 0.5 * 2) / (12 + 2)
+    results = {}
+    for micro in (None, 1):  # built one after the other: megatron's replay instances are process-global
+        policy = MegatronPolicyTrainer(build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=micro),
+                                       compute_dtype="float32")  # fmt: skip
+        old = policy.old_logprobs(batch, ReplayMode.DISABLED)
+        results[micro] = policy.update(batch, old, mini_batches=1, clip_low=0.2, clip_high=0.28)
+    for stats in results.values():
+        assert stats.loss == pytest.approx(expected_loss, rel=1e-5)
+    assert results[1].grad_norm == pytest.approx(results[None].grad_norm, rel=1e-4)

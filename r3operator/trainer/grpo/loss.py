@@ -15,6 +15,7 @@ class LossStats:
     clip_fraction: float
     ratio_mean: float
     approx_kl: float
+    dual_clip_fraction: float = 0.0  # masked tokens whose loss the dual-clip bound -A·c replaced
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,13 @@ def ppo_clip_loss(
     clip_low: float,
     clip_high: float,
     importance_weights: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Token-mean of w·max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)), r = exp(logprobs - old_logprobs).
+
+    `clip_ratio_c` (dual-clip, Ye et al. 2020, verl's `clip_ratio_c`): a token with A < 0 contributes at
+    most -A·c, so a ratio far above 1 on a stale sample cannot make its loss (and gradient) unbounded;
+    None: no such bound.
 
     logprobs/old_logprobs/mask are [B, T]; advantages is [B] (one per sample) or [B, T]. The mean runs
     over all masked tokens of the batch (each token weighs the same, as in DAPO), so long responses are
@@ -78,6 +84,13 @@ def ppo_clip_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"algorithm.clipRatioC must be > 1, got {clip_ratio_c}")
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound.expand_as(per_token), per_token)
     if importance_weights is not None:
         if importance_weights.shape != per_token.shape:
             raise ValueError(f"importance_weights has shape {tuple(importance_weights.shape)}, "
@@ -90,5 +103,6 @@ def ppo_clip_loss(
             clip_fraction=float(((clipped > unclipped).to(mask_f.dtype) * mask_f).sum() / tokens),
             ratio_mean=float((ratio * mask_f).sum() / tokens),
             approx_kl=float((((ratio - 1) - log_ratio) * mask_f).sum() / tokens),
+            dual_clip_fraction=float((dual.to(mask_f.dtype) * mask_f).sum() / tokens),
         )
     return loss, stats

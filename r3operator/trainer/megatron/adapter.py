@@ -8,7 +8,7 @@ Mapping (docs/megatron.md):
 | `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, "R3", probe=True)`; natural ids: extra `"off"` pass |
 | `old_logprobs(batch, R2)` | `logprobs(batch, None, "R2", probe=True)`; `.recorded` is replayed by the update |
 | `old_logprobs(batch, Disabled)` | `logprobs(batch, None, "off", probe=True)` |
-| `update`, `update_shares` | per share (mini-batch) `train_step(mb, routes, PPO-clip loss, loss_scale=weight)` |
+| `update`, `update_shares` | per share (mini-batch) `train_step(mb, routes, PPO-clip, loss_scale=weight, row_tokens)` |
 | `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
 | `optimizer_state_dict`, `load_state` | AdamW state by full Megatron name (`optimizer_full_state`), any TP/EP |
 | `sft_step`, `sft_share`, `canary_logits` | written here |
@@ -127,7 +127,7 @@ class MegatronPolicyTrainer(UpdateByShares):
 
     def update_shares(
         self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None,
+        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:  # fmt: skip
         """One `train_step` per share (this data-parallel replica's part of one mini-batch), its loss scaled
         by the share's weight (trainer/shards.py; the DP mean happens in `megatron/grads.py`). Replay ids
@@ -151,7 +151,7 @@ class MegatronPolicyTrainer(UpdateByShares):
                          "importance_truncated_fraction": iw.truncated_fraction}  # fmt: skip
             loss, stats = ppo_clip_loss(
                 lp, old_lp, mb.advantages.to(lp.device), mask,
-                clip_low=clip_low, clip_high=clip_high, importance_weights=weights,
+                clip_low=clip_low, clip_high=clip_high, importance_weights=weights, clip_ratio_c=clip_ratio_c,
             )  # fmt: skip
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
@@ -161,7 +161,8 @@ class MegatronPolicyTrainer(UpdateByShares):
             routes = None if replay_ids is None else replay_ids[torch.as_tensor(share.rows)]
             with self._compute():
                 r = self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode, grad_clip=GRAD_CLIP_NORM,
-                                       loss_scale=share.weight)  # fmt: skip
+                                       loss_scale=share.weight,
+                                       row_tokens=mb.response_mask.sum(dim=1).tolist())  # fmt: skip
             tokens = 0 if share.padding else int(mb.response_mask.sum())
             iw = (r["importance_weight_mean"], r["importance_truncated_fraction"]) if importance_cap is not None else ()
             out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
@@ -186,7 +187,7 @@ class MegatronPolicyTrainer(UpdateByShares):
 
         with self._compute():
             stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM,
-                                       loss_scale=weight)  # fmt: skip
+                                       loss_scale=weight, row_tokens=mask.sum(dim=1).tolist())  # fmt: skip
         return float(stats["loss"]), 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:

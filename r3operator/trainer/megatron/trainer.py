@@ -220,6 +220,7 @@ class MegatronTrainer:
         pad = batch.route_pad if routes is not None else None
         mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
         self.model.eval()
+        temperature = float(getattr(batch, "temperature", 1.0))  # TrainBatch: the rollout's (batch.py)
         parts = self._split(batch.input_ids.shape[0])
         padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         outs, recs, used = [], [], []
@@ -230,7 +231,8 @@ class MegatronTrainer:
             out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
                                 None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if self.stage.last:
-                outs.append(logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device)).cpu())
+                lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
+                outs.append(lp.cpu())
             if mode == "R2-record":
                 recs.append(self._stage_ids(self.session.recorded))
             if probe:
@@ -283,18 +285,26 @@ class MegatronTrainer:
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: Mode | None = None,
-                   grad_clip: float = 1.0, loss_scale: float = 1.0) -> dict[str, float]:  # fmt: skip
+                   grad_clip: float = 1.0, loss_scale: float = 1.0,
+                   row_tokens: Any | None = None) -> dict[str, float]:  # fmt: skip
         """One optimizer step over `batch` (split in micro-batches; `loss_fn` gets `batch.select(rows)`).
         `routes` ([B, S, L, K]) are replayed (R3: the engine's, rows flagged in `batch.route_pad` routing
         naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally. `loss_scale`
         multiplies the loss that is differentiated (this data-parallel replica's share weight,
-        `trainer/shards.py`); the reported loss is unscaled."""
+        `trainer/shards.py`); the reported loss is unscaled.
+
+        `row_tokens` ([B], the loss tokens of each row) makes the step's loss the token-mean over the whole
+        batch when `loss_fn` returns a token-mean: micro-batch i's loss weighs its tokens / the batch's
+        tokens, so a token weighs the same whatever the lengths of the rows it shares a micro-batch with
+        (`micro_batch_weights`). None: every micro-batch weighs 1 / their count (a per-row-mean loss)."""
         mode: ReplayMode = "off" if routes is None else ("R2-replay" if replay_mode == "R2" else "R3")
         pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        temperature = float(getattr(batch, "temperature", 1.0))  # an SFT batch has none: 1
         parts = self._split(batch.input_ids.shape[0])
         padded = self._padded_shapes(parts, batch.input_ids.shape[1])
+        weights = micro_batch_weights(parts, row_tokens)
         stats: dict[str, float] = {}
 
         def forward(i: int, received: Any) -> Any:
@@ -304,12 +314,12 @@ class MegatronTrainer:
                                 None if pad is None else pad[rows], received, padded[i])  # fmt: skip
             if not self.stage.last:
                 return out
-            lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device))
+            lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
             loss, mb_stats = loss_fn(lp, batch.select(rows.tolist()))
             for k, v in mb_stats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) / len(parts)
-            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) / len(parts)
-            return loss * (loss_scale / len(parts))
+                stats[k] = stats.get(k, 0.0) + float(v) * weights[i]
+            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach()) * weights[i]
+            return loss * (loss_scale * weights[i])
 
         with replay_schedule():
             run_one_f_one_b(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
@@ -335,6 +345,19 @@ class MegatronTrainer:
         """Full HF-named state dict (transformers in-memory names, experts fused) on CPU, every rank."""
         full = gather_full_megatron(self.model, self.tconfig)
         return megatron_to_hf(full, self.hf_config)
+
+
+def micro_batch_weights(parts: list[Any], row_tokens: Any | None) -> list[float]:
+    """Each micro-batch's weight in the step's loss: its share of the loss tokens (`row_tokens[rows]`
+    summed over the batch's), so that the sum of the micro-batches' weighted token-means is the token-mean
+    over the whole batch. Equal weights without `row_tokens` or when the batch has no loss token."""
+    if row_tokens is None:
+        return [1.0 / len(parts)] * len(parts)
+    counts = [float(sum(float(row_tokens[int(r)]) for r in rows)) for rows in parts]
+    total = sum(counts)
+    if total <= 0:
+        return [1.0 / len(parts)] * len(parts)
+    return [c / total for c in counts]
 
 
 class RoutingProbe:
