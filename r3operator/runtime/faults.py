@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from r3operator.engine.base import Engine
 from r3operator.engine.retry import Backoff, EngineUnavailableError
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.weights import PackedChunk
 from r3operator.runtime.engines import EngineGroup
 
@@ -54,12 +55,14 @@ class EngineSupervisor:
         on_fault: FaultCounter | None = None,
         nonce: str | None = None,
         install: Callable[[Sequence[Engine], str], dict[str, int]] | None = None,
+        phases: SyncPhases | None = None,
     ) -> None:
         self.group = group
         self.chunks = chunks
         # How one attempt installs a policy: vLLM's native transfer (runtime/weight_sync.py) or, by
         # default, the packed chunks through our worker extension.
         self.install = install or self._install_packed
+        self.phases = phases if phases is not None else SyncPhases()  # of the packed path's syncs
         self.canary = canary
         self.backoff = backoff or Backoff.from_env()
         self.on_fault = on_fault or (lambda kind: None)
@@ -77,7 +80,7 @@ class EngineSupervisor:
         return result
 
     def _install_packed(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
-        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag)
+        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag, phases=self.phases)
 
     def _install(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
         for attempt in range(self.backoff.attempts):

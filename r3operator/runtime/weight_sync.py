@@ -24,6 +24,8 @@ from packaging.version import InvalidVersion, Version
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
 from r3operator.engine.base import Engine
+from r3operator.engine.receipt import FingerprintLog
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
 from r3operator.runtime.engines import EngineGroup
 
@@ -139,8 +141,12 @@ class NativeInstall:
         dtype: Any,
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
+        sent: FingerprintLog | None = None,
+        phases: SyncPhases | None = None,
     ) -> None:
         self.method = method
+        self.sent = sent if sent is not None else FingerprintLog()
+        self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
         self._sender: NativeSender | None = None
@@ -158,10 +164,10 @@ class NativeInstall:
             engine.native_abort()
         if self._needs_rendezvous(engines):
             self.close()
-            client = FanOutClient(endpoints)
+            client = FanOutClient(endpoints, phases=self.phases)
             self._sender = NativeSender(self.method, client, self.state_dict, dtype=self.dtype,
                                         buffer_size_bytes=self.buffer_size_bytes,
-                                        master_address=self.master_address)  # fmt: skip
+                                        master_address=self.master_address, sent=self.sent)  # fmt: skip
             self._engines = tuple(id(e) for e in engines)
         sender = self._sender
         assert sender is not None  # set just above
