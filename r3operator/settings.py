@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -146,6 +146,10 @@ class RuntimeSettings(_Settings):
     sync_canary_logprob_tol: float | None = Field(None, ge=0)
     """Weight-sync canary: |Δlogprob| accepted per greedy token (default 64 × the engine's unit roundoff +
     2^-13: 0.25 for bf16, 0.031 for fp32 on CUDA, 1.3e-4 for fp32 on CPU)."""
+    sync_pre_abort: Literal["auto", "always"] = "auto"
+    """Native weight sync: close brackets left open before a sync only where one can be open ("auto": before a
+    rendezvous, after a failure) or before every sync ("always", the earlier behaviour: two round trips more
+    per engine and sync)."""
     sync_receipt: bool = True
     """Weight-sync canary: compare every engine worker's receipt of a sync (fingerprints of each tensor it
     loaded, parameters that kept old values) with what the trainer sent; false skips that comparison."""

@@ -89,8 +89,10 @@ class EngineSupervisor:
                     if attempt:
                         engine.wait_ready()
                     # A bracket left open (an abort that never reached the engine, a driver killed
-                    # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise.
-                    engine.abort_weight_update()
+                    # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise. An
+                    # install that closes open brackets itself (the native one) does it on a first attempt.
+                    if attempt or not getattr(self.install, "closes_open_brackets", False):
+                        engine.abort_weight_update()
                 return self.install(engines, tag)
             except EngineUnavailableError as exc:
                 self.on_fault("weight_sync")

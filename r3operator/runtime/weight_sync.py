@@ -131,7 +131,15 @@ class NativeInstall:
 
     The rendezvous is made again when the set of engines changes, after a failed attempt, and when an
     engine no longer reports the last policy this sender installed (it restarted and lost its group).
+
+    Brackets left open are closed (`native_abort`, a round trip or two per engine) only where one can be
+    open: before a rendezvous. When every engine reports the tag this sender stamped last, no bracket was
+    opened since (opening one clears the tag), so the abort is skipped; R3OPERATOR_SYNC_PRE_ABORT=always
+    restores it before every sync. The supervisor leaves the pre-sync abort to this install
+    (`closes_open_brackets`).
     """
+
+    closes_open_brackets = True
 
     def __init__(
         self,
@@ -159,10 +167,14 @@ class NativeInstall:
         return any(engine.policy_tag() != self._last_tag for engine in engines)
 
     def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        from r3operator.settings import runtime_settings
+
         endpoints: list[Any] = list(engines)
-        for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
-            engine.native_abort()
-        if self._needs_rendezvous(engines):
+        rendezvous = self._needs_rendezvous(engines)
+        if rendezvous or runtime_settings().sync_pre_abort == "always":
+            for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
+                engine.native_abort()
+        if rendezvous:
             self.close()
             client = FanOutClient(endpoints, phases=self.phases)
             self._sender = NativeSender(self.method, client, self.state_dict, dtype=self.dtype,
