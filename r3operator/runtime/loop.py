@@ -13,8 +13,10 @@
     6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
     7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
                     then prefix-cache reset
-    8 canary        engine greedy decode of fixed prompts == trainer argmax at every position (fp32,
-                    teacher-forced; ε near-tie tolerance for a bf16 engine), else CanaryMismatchError
+    8 canary        every engine worker's receipt of the sync == what the trainer sent (exact
+                    fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
+                    position (teacher-forced; ε and δ from the engine's dtype and device), else
+                    CanaryMismatchError
     9 metrics       Prometheus, metrics.csv, RLJob status.progress
    10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                     atomically once every rank has finished (runtime/checkpoint.py); the step waits
@@ -345,8 +347,9 @@ class GRPORun:
         )  # fmt: skip
 
     def canary(self) -> bool:
-        """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
-        near-ties within ε accepted for a bf16 engine, see runtime/canary.py); else CanaryMismatchError."""
+        """8. Each engine's receipt of the sync, then engine greedy decode == trainer argmax at every position
+        (teacher-forced; near-ties within ε, logprobs within δ, see runtime/canary.py); else
+        CanaryMismatchError. False when `weightSync.canary` is off."""
         assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
             return False
