@@ -121,6 +121,8 @@ class GRPORun:
         self.start_step = 1
         self.last_checkpoint_step: int | None = None
         self.rows: list[dict[str, Any]] = []
+        self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
+        self.sync_phases = SyncPhases()  # where the last sync spent its time (engine/sync_phases.py)
 
     # -- setup --------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -147,8 +149,6 @@ class GRPORun:
                                                  ranks=ranks)  # fmt: skip
         self.canary_tol = canary_tolerance(self.s.engine_dtype, self.s.device)
         self.canary_near_ties = 0
-        self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
-        self.sync_phases = SyncPhases()  # where the last sync spent its time (engine/sync_phases.py)
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
         self.vllm_version = self.engines.vllm_version()
