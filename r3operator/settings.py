@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -141,9 +141,18 @@ class RuntimeSettings(_Settings):
     driver_metrics_port: int | None = Field(None, ge=0, le=65535)
     """The driver's Prometheus port; replaces ``spec.monitoring.port`` under ``--config`` (0: off)."""
     sync_canary_epsilon: float | None = Field(None, ge=0)
-    """Weight-sync canary: logit gap accepted at a near-tie (default 0 for an fp32 engine, 0.5 otherwise)."""
+    """Weight-sync canary: logit gap accepted at a near-tie (default 128 × the engine's unit roundoff: 0.5 for
+    bf16, 0.0625 for fp32 on CUDA, 7.6e-6 for fp32 on CPU)."""
     sync_canary_logprob_tol: float | None = Field(None, ge=0)
-    """Weight-sync canary: |Δlogprob| accepted per greedy token (default 1e-3 fp32 engine, 0.25 otherwise)."""
+    """Weight-sync canary: |Δlogprob| accepted per greedy token (default 64 × the engine's unit roundoff +
+    2^-13: 0.25 for bf16, 0.031 for fp32 on CUDA, 1.3e-4 for fp32 on CPU)."""
+    sync_pre_abort: Literal["auto", "always"] = "auto"
+    """Native weight sync: close brackets left open before a sync only where one can be open ("auto": before a
+    rendezvous, after a failure) or before every sync ("always", the earlier behaviour: two round trips more
+    per engine and sync)."""
+    sync_receipt: bool = True
+    """Weight-sync canary: compare every engine worker's receipt of a sync (fingerprints of each tensor it
+    loaded, parameters that kept old values) with what the trainer sent; false skips that comparison."""
     rljob_name: str | None = None
     """The RLJob whose ``status.progress`` the driver patches (set by the operator on trainer pods)."""
     rljob_namespace: str | None = None

@@ -81,7 +81,7 @@ class EngineActor:
 
     def native_finish(self, policy_tag: str | None) -> None:
         self.llm.finish_weight_update()
-        self.llm.collective_rpc("r3_set_policy_tag", args=(policy_tag,))
+        self.llm.collective_rpc("r3_after_native_weight_update", args=(policy_tag,))
         self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
 
     def device_uuids(self) -> list[str | None]:
@@ -99,6 +99,9 @@ class EngineActor:
     def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
         return [Greedy(list(s.token_ids), [float(x) for x in s.logprobs], s.routes) for s in samples]
+
+    def sync_receipts(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("r3_sync_receipt"))
 
     def weights_digest(self) -> str:
         return str(self.llm.collective_rpc("r3_weights_digest")[0])

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from r3operator.api.weight_transfer import TransferMethod
+from r3operator.engine.receipt import FingerprintLog
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
 
 log = logging.getLogger(__name__)
@@ -59,10 +62,11 @@ class NativeEndpoint(Protocol):
 class FanOutClient:
     """vLLM's `VLLMWeightSyncClient` over every engine of the job (see the module doc)."""
 
-    def __init__(self, endpoints: Sequence[NativeEndpoint]) -> None:
+    def __init__(self, endpoints: Sequence[NativeEndpoint], *, phases: SyncPhases | None = None) -> None:
         if not endpoints:
             raise ValueError("no engines to transfer weights to")
         self.endpoints = list(endpoints)
+        self.phases = phases if phases is not None else SyncPhases()
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
 
@@ -103,8 +107,9 @@ class FanOutClient:
         self._concurrently([lambda e=e, i=i: e.native_init(i) for e, i in zip(self.endpoints, infos, strict=True)])
 
     def start_weight_update(self) -> None:
-        for endpoint in self.endpoints:
-            endpoint.native_start()
+        with self.phases("begin"):
+            for endpoint in self.endpoints:
+                endpoint.native_start()
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -112,8 +117,9 @@ class FanOutClient:
         self._concurrently([lambda e=e: e.native_update(update_info) for e in self.endpoints])
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        for endpoint in self.endpoints:
-            endpoint.native_finish(self.policy_tag)
+        with self.phases("finish"):
+            for endpoint in self.endpoints:
+                endpoint.native_finish(self.policy_tag)
 
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
@@ -177,6 +183,7 @@ class NativeSender:
         dtype: Any,
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
+        sent: FingerprintLog | None = None,
     ) -> None:
         if method is TransferMethod.PACKED:
             raise ValueError("NativeSender sends over vLLM's nccl or ipc backend, not the packed path")
@@ -186,6 +193,7 @@ class NativeSender:
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
+        self.sent = sent if sent is not None else FingerprintLog()  # fingerprints of what went out
         self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
@@ -206,8 +214,13 @@ class NativeSender:
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
-        on the CPU), cast to the engine's dtype first."""
-        return checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
+        on the CPU), cast to the engine's dtype first; each fingerprinted on the way (engine/receipt.py)."""
+        phases = self.client.phases
+        for name, tensor in phases.timed("gather", checkpoint_tensors(self._state_dict(), dtype=self.dtype,
+                                                                      device="cuda")):  # fmt: skip
+            with phases("fingerprint"):
+                self.sent.add(name, tensor)
+            yield name, tensor
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -255,9 +268,18 @@ class NativeSender:
     # -- one sync ---------------------------------------------------------------------------------
     def send(self, policy_tag: str) -> SendStats:
         """ONE bracket per engine around every tensor; the caller aborts on an exception."""
-        self._state = self.state_dict()
+        phases = self.client.phases
+        with phases("gather"):
+            self._state = self.state_dict()
+        self.sent.clear()
+        counted, begin = sum(phases.seconds.values()), time.perf_counter()
         try:
-            return self._send(policy_tag)
+            stats = self._send(policy_tag)
+            with phases("fingerprint"):
+                self.sent.result()  # the fingerprints' one host sync, outside the transfer
+            # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
+            phases.add("transfer", time.perf_counter() - begin - (sum(phases.seconds.values()) - counted))
+            return stats
         finally:
             self._state = None
             if self.method is TransferMethod.IPC:

@@ -9,11 +9,15 @@ load-time fusion (gate rows first, then up rows), checked in tests against the f
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from r3operator.engine.receipt import Fingerprint, FingerprintLog
+from r3operator.engine.sync_phases import SyncPhases
 
 _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
@@ -104,6 +108,8 @@ class PackedChunk:
     buffer: np.ndarray
     entries: list[tuple[str, str, tuple[int, ...], int]]
     handles: dict[str, Any] = field(default_factory=dict)  # per-transport memo (ray ref, staged file)
+    fingerprints: dict[str, Fingerprint] = field(default_factory=dict)  # of each tensor (engine/receipt.py)
+    seconds: dict[str, float] = field(default_factory=dict)  # trainer-side sync phases (engine/sync_phases.py)
 
     @property
     def nbytes(self) -> int:
@@ -120,12 +126,20 @@ def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:
         entries.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     device = chunk[0][1].device if chunk else "cpu"
+    begin = time.perf_counter()
+    sent = FingerprintLog()
+    for name, tensor in chunk:
+        sent.add(name, tensor)
+    fingerprints = sent.result()
+    packing = time.perf_counter()
     buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
     for (_name, _dtype, _shape, start), (_, tensor) in zip(entries, chunk, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
             buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-    return PackedChunk(buffer.cpu().numpy(), entries)
+    host = buffer.cpu().numpy()
+    seconds = {"fingerprint": packing - begin, "pack": time.perf_counter() - packing}
+    return PackedChunk(host, entries, fingerprints=fingerprints, seconds=seconds)
 
 
 def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[str, Any]]:
@@ -151,6 +165,9 @@ def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[st
 def packed_chunks(state_dict: Mapping[str, Any], *, chunk_size_mb: int, dtype: Any = None) -> Iterator[PackedChunk]:
     """The trainer state as packed chunks, in checkpoint format (experts unfused), cast to `dtype` and
     packed on the trainer's device."""
-    tensors = checkpoint_tensors(state_dict, dtype=dtype, device=None)
+    phases = SyncPhases()
+    tensors = phases.timed("gather", checkpoint_tensors(state_dict, dtype=dtype, device=None))
     for chunk in chunk_tensors(tensors, chunk_size_mb=chunk_size_mb):
-        yield pack_chunk(chunk)
+        packed = pack_chunk(chunk)
+        packed.seconds["gather"] = phases.seconds.pop("gather", 0.0)
+        yield packed

@@ -17,6 +17,9 @@ then the driver resets the prefix cache (cached KV and routes predate the new po
 each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from the shared volume over
 HTTP; `runtime/weights.pack_chunk`), unpacked into views and passed to `r3_load_chunk`.
 
+Every bracket also keeps a receipt (`engine/receipt.py`): the fingerprint of every tensor `load_weights` was
+handed, and whether the parameters named like them changed; `r3_sync_receipt` returns it for the canary.
+
 Every attribute here is prefixed `r3_` / `_r3_`: vLLM >= 0.22 asserts that an extension never shadows a
 `Worker` attribute (SkyRL's `start_weight_update` collided with the native method and killed every
 worker).
@@ -46,6 +49,7 @@ class WeightSyncWorkerExtension:
     # engine started with, or a bracket is open / was aborted (weights in flux). A restarted engine process
     # starts at None, which is how the driver tells that it must be re-synced before it gets rollouts.
     _r3_policy_tag: str | None = None
+    _r3_receipt_state: Any = None  # engine/receipt.py SyncReceipt, created at the first bracket
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -61,6 +65,16 @@ class WeightSyncWorkerExtension:
         stack.enter_context(torch.device(self.device))  # type: ignore[attr-defined]
         return stack
 
+    def _r3_receipt(self) -> Any:
+        from r3operator.engine.receipt import SyncReceipt
+
+        if self._r3_receipt_state is None:
+            self._r3_receipt_state = SyncReceipt()
+        return self._r3_receipt_state
+
+    def _r3_parameters(self) -> list[tuple[str, Any]]:
+        return [(name, param.detach()) for name, param in self._r3_model().named_parameters()]
+
     # -- the bracket ------------------------------------------------------------------------------
     def r3_begin_weight_update(self) -> None:
         from r3operator.engine.plugin import self_check
@@ -71,6 +85,7 @@ class WeightSyncWorkerExtension:
                 "(or r3_abort_weight_update) first"
             )
         api = self_check().reload_api
+        self._r3_receipt().begin(self._r3_parameters())
         with self._r3_context():
             api["initialize_layerwise_reload"](self._r3_model())
         self._r3_update_active = True
@@ -82,6 +97,8 @@ class WeightSyncWorkerExtension:
         """Load one chunk of checkpoint-format (HF names) tensors; returns how many were loaded."""
         if not self._r3_update_active:
             raise WeightUpdateStateError("r3_load_chunk outside r3_begin_weight_update/r3_finish_weight_update")
+        named_tensors = list(named_tensors)
+        self._r3_receipt().record(named_tensors)
         with self._r3_context():
             loaded = self._r3_model().load_weights(iter(list(named_tensors)))
         self._r3_chunks_loaded += 1
@@ -129,6 +146,7 @@ class WeightSyncWorkerExtension:
                 api["finalize_layerwise_reload"](self._r3_model(), self.model_config)  # type: ignore[attr-defined]
         finally:
             self._r3_update_active = False
+        self._r3_receipt().finish(self._r3_parameters())
         self._r3_policy_tag = policy_tag
         return {"chunks": self._r3_chunks_loaded, "tensors": self._r3_tensors_loaded}
 
@@ -148,6 +166,7 @@ class WeightSyncWorkerExtension:
         restored = self._r3_restore_loading_layers()
         self._r3_update_active = False
         self._r3_policy_tag = None
+        self._r3_receipt().closed = False
         return {"layers_restored": restored}
 
     def _r3_restore_loading_layers(self) -> int:
@@ -179,10 +198,40 @@ class WeightSyncWorkerExtension:
 
         self_check()
         self._r3_policy_tag = None
+        self._r3_receipt().begin(self._r3_parameters())
+        self._r3_tap_load_weights()
+
+    def _r3_tap_load_weights(self) -> None:
+        """vLLM's receivers hand each unpacked batch to `model.load_weights` (looked up on the model at every
+        call): an instance attribute in front of the class's method records the batch in the receipt."""
+        model = self._r3_model()
+        model.__dict__.pop("load_weights", None)
+        original = model.load_weights
+        receipt = self._r3_receipt()
+
+        def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
+            batch = list(weights)
+            receipt.record(batch)
+            return original(iter(batch), *args, **kwargs)
+
+        model.load_weights = load_weights
+
+    def _r3_untap_load_weights(self) -> None:
+        self._r3_model().__dict__.pop("load_weights", None)
 
     def r3_set_policy_tag(self, policy_tag: str | None = None) -> None:
         """Record which policy the weights are (after vLLM's `finish_weight_update`)."""
         self._r3_policy_tag = policy_tag
+
+    def r3_after_native_weight_update(self, policy_tag: str | None = None) -> None:
+        """Called right after vLLM's `finish_weight_update`: close the receipt, record the policy."""
+        self._r3_untap_load_weights()
+        self._r3_receipt().finish(self._r3_parameters())
+        self._r3_policy_tag = policy_tag
+
+    def r3_sync_receipt(self) -> dict[str, Any]:
+        """What the last bracket delivered (engine/receipt.py `SyncReceipt.report`)."""
+        return dict(self._r3_receipt().report())
 
     def r3_abort_native_weight_update(self) -> dict[str, int]:
         """Close a native bracket (`start_weight_update`) left open by a failed sync WITHOUT finalising it.
@@ -194,6 +243,8 @@ class WeightSyncWorkerExtension:
         """
         # Restore by layer state, not by vLLM's flag: vLLM 0.30 clears the flag itself when an update
         # fails, leaving the layers that were loading on meta tensors.
+        self._r3_untap_load_weights()
+        self._r3_receipt().closed = False
         restored = self._r3_restore_loading_layers()
         self._weight_update_active = False
         engine = getattr(self, "weight_transfer_engine", None)

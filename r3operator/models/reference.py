@@ -28,7 +28,7 @@ from r3operator.settings import runtime_settings
 
 # Bump when the generation procedure changes: it is part of the cache key.
 GENERATOR_VERSION = "1"
-ReferenceName = Literal["tiny", "small", "gpu", "a3b"]
+ReferenceName = Literal["tiny", "small", "gpu", "a3b", "a3b-x16l"]
 
 
 class ReferenceModelSpec(BaseModel):
@@ -131,6 +131,10 @@ REFERENCE_SPECS: dict[str, ReferenceModelSpec] = {
         lm_head_std=0.03,
     ),
 }
+# The weight-sync benchmark's larger model (bench_weight_sync --model a3b-x16l): the a3b layer 16 times, 4x its
+# parameters (9.8 B, 19.6 GB in bf16), so a sync's fixed cost and its cost per byte separate. Only its
+# weights fit one 80 GB GPU in fp32: the benchmark perturbs them between syncs instead of training.
+REFERENCE_SPECS["a3b-x16l"] = REFERENCE_SPECS["a3b"].model_copy(update={"name": "a3b-x16l", "num_hidden_layers": 16})
 
 
 def get_spec(name: str) -> ReferenceModelSpec:

@@ -146,13 +146,14 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "engine dtype": settings.engine_dtype,
         "trainer": _trainer_fact(settings, run),
         "weight sync": run.weight_transfer.describe(),
-        "weight-sync canary": run.canary_tol.describe(),
+        "weight-sync canary": canary_fact(settings, run),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
         "steps": settings.steps,
         "wall time (s, this invocation)": wall_time_fact(time.perf_counter() - begin, engines_started_here),
         "plot": plot_problem or "plot.png",
     }
-    text = write_report(out / "report.md", job_name=settings.name, runs=runs, facts=facts)
+    text = write_report(out / "report.md", job_name=settings.name, runs=runs, facts=facts,
+                        canary=settings.job.spec.weight_sync.canary)  # fmt: skip
     if settings.show_progress:
         print(text, flush=True)  # plain: readable in a CI log, markdown on a terminal
     if plot_problem:
@@ -166,12 +167,23 @@ def wall_time_fact(seconds: float, engines_started_here: bool) -> str:
     return f"{seconds:.1f}, excl. engine start (the engines were serving before this invocation)"
 
 
+def canary_fact(settings: RunSettings, run: Any) -> str:
+    """What the canary checked after each sync, or that it did not run."""
+    if not settings.job.spec.weight_sync.canary:
+        return "off (spec.weightSync.canary: false): no check after the syncs"
+    from r3operator.settings import runtime_settings
+
+    receipt = ("every engine worker's receipt matched the trainer's fingerprints of each tensor sent"
+               if runtime_settings().sync_receipt else "receipt check off (R3OPERATOR_SYNC_RECEIPT=false)")  # fmt: skip
+    return f"{receipt}; greedy decode: {run.canary_tol.describe()}"
+
+
 def _trainer_fact(settings: RunSettings, run: Any) -> str:
     trainer = run.trainer
     compute = getattr(trainer, "compute_dtype", "float32")
     backend = settings.job.spec.trainer.backend.value
     ranks = getattr(trainer, "world_size", 1)
     # The canary's forward matches the engine: fp32 against an fp32 engine, the trainer's compute otherwise.
-    canary = "fp32" if run.canary_tol.mode == "exact" else f"{compute} autocast"
+    canary = f"{compute} autocast" if run.canary_tol.autocast else "fp32"
     return (f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
             f"canary forward {canary} with the engine's routes replayed")  # fmt: skip

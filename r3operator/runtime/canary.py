@@ -26,41 +26,53 @@ the same forward must agree with the engine's on at least `MIN_ROUTING_AGREEMENT
 stale or corrupt gate agrees on about top-k / experts of them). An engine that returned no routes gets
 the natural-routing forward.
 
-Two modes, chosen by the engine dtype (`canary_tolerance`):
+Before any forward, every engine worker's receipt of the sync is compared with what the trainer sent
+(`check_receipts`, engine/receipt.py): exact fingerprints of every tensor, and whether the parameters that
+received new bytes changed. That is what catches an engine that kept its previous weights, skipped a tensor
+or loaded nothing, on the first sync it happens: those move the greedy logprobs by less than a tolerance
+that accepts the engine's rounding (an fp32 engine 10 updates behind moved them by 8e-4).
 
-- exact (ε = 0, δ = 1e-3): an fp32 engine against the fp32 trainer forward (the CPU default; measured
-  agreement ~6e-6). Any token difference fails.
-- near-tie (ε = 0.5, δ = 0.25): a bf16/fp16 engine (the GPU default). Its logits carry rounding error, so
-  at a near-tie it may legitimately pick the trainer's runner-up. A position passes iff the engine token
-  is the trainer's argmax, or `logit[argmax] - logit[engine token] <= ε` in the trainer's fp32 logits
-  (so the trainer's top-2 margin there is below ε too). Teacher forcing keeps one accepted near-tie from
-  cascading into "everything after it differs". A stale policy, a sign-flipped or skipped tensor moves
-  tokens/logprobs by far more and fails; corruption smaller than the bf16 tolerances on the canary
-  prompts is, by construction, not detectable in this mode.
+The tolerances follow the engine's dtype and device (`canary_tolerance`, the derivation is next to the
+constants below). A position passes iff the engine token is the trainer's argmax, or
+`logit[argmax] - logit[engine token] <= ε` in the trainer's fp32 logits (a near-tie: a low-precision engine
+may legitimately pick the trainer's runner-up), and the engine's logprob of it is within δ of the
+trainer's. Teacher forcing keeps one accepted near-tie from cascading into "everything after it differs".
+A sign-flipped or transposed tensor moves tokens/logprobs by far more and fails; corruption smaller than
+the tolerances on the canary prompts is, by construction, left to the receipt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from r3operator.engine.receipt import Fingerprint, ReceiptMismatchError, compare_receipt
 from r3operator.settings import runtime_settings
 
-# Default ε (trainer fp32 logit units) for a bf16 engine. bf16 has an 8-bit mantissa: one rounding of a
-# logit of magnitude |z| moves it by up to |z|·2^-9, and the forward accumulates many roundings (plus
-# the occasional flipped expert near a router tie). Measured on the tiny reference model (CPU, bf16 vs
-# fp32 forward of the same weights, every `count` task sequence): max |Δlogit| 0.097 at logit scale ~3.
-# 0.5 leaves headroom for larger logit scales, and is far below what a broken sync produces (a
-# transposed expert layout fails with a gap of whole units, tests/runtime/test_runtime_e2e.py).
-BF16_CANARY_EPSILON = 0.5
-# δ, |engine logprob - trainer fp32 logprob| of each greedy token. fp32 engine vs fp32 trainer: measured
-# <= 6e-6 over whole runs. bf16 (measured bf16-autocast trainer vs fp32 engine over 12 steps of rollouts,
-# routing flips included): <= 0.075; 0.25 leaves headroom.
-EXACT_LOGPROB_TOLERANCE = 1e-3
-BF16_LOGPROB_TOLERANCE = 0.25
+# The tolerances follow the engine's arithmetic: its unit roundoff u (dtype and device) times a fixed
+# number of roundings, so an fp32 engine on a GPU is not held to what fp32 achieves on a CPU.
+#
+# u: fp32 2^-24 on the CPU; fp32 on CUDA 2^-11, TF32's (GPU kernels may take fp32 products at TF32's 10-bit
+# mantissa: an fp32 engine on 2 H100s differed from the fp32 trainer by 1.1e-3 in a greedy logprob, two
+# orders above fp32 rounding); fp16 2^-11; bf16 2^-8.
+# δ = 64·u + 2^-13: bf16 0.25 (measured max 0.075 over 12 steps of rollouts, bf16 trainer vs fp32 engine);
+# fp32 on CUDA 0.031 (measured 1.1e-3); fp32 on CPU 1.3e-4, where the 2^-13 floor (a logprob's own fp32
+# log-sum-exp over a 150k vocabulary, returned through JSON) dominates (measured <= 6e-6).
+# ε = 128·u logits: bf16 0.5 (measured max |Δlogit| 0.097 at logit scale ~3 on the tiny model; a transposed
+# expert layout fails with a gap of whole units, tests/runtime/test_runtime_e2e.py); fp32 on CUDA 0.0625;
+# fp32 on CPU 7.6e-6 (in effect exact tokens).
+# What the tolerances cannot see (an engine that kept its previous weights, skipped a tensor or loaded
+# nothing: logprobs move less than any δ that accepts rounding), the sync receipt checks exactly
+# (engine/receipt.py, `check_receipts`).
+LOGPROB_ROUNDINGS = 64
+LOGPROB_FLOOR = 2.0**-13
+GAP_ROUNDINGS = 128
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+TF32_ROUNDOFF = 2.0**-11
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 # Share of routed token-layers where the trainer's natural top-k set must equal the engine's. Measured
 # natural agreement, bf16 engine vs trainer: 0.93 on the random-init a3b model (128 experts, H100); a gate
 # that does not match the engine's agrees on about top_k / num_experts (0.06 there).
@@ -69,25 +81,45 @@ MIN_ROUTING_AGREEMENT = 0.5
 
 @dataclass(frozen=True)
 class CanaryTolerance:
-    epsilon: float  # logit gap accepted at a near-tie (0: exact tokens)
+    epsilon: float  # logit gap accepted at a near-tie
     logprob: float  # |Δlogprob| accepted per greedy token
-
-    @property
-    def mode(self) -> str:
-        return "exact" if self.epsilon == 0 else "near-tie"
+    autocast: bool = False  # the trainer's canary forward runs in its compute precision (a low-precision engine)
+    basis: str = ""  # where the numbers come from, for reports
 
     def describe(self) -> str:
-        return f"{self.mode} (ε = {self.epsilon:g} logits, δ = {self.logprob:g} logprob)"
+        text = (f"engine token = trainer argmax, or within ε = {self.epsilon:.2g} logits of it; |Δlogprob| <= "
+                f"δ = {self.logprob:.2g}")  # fmt: skip
+        return f"{text} ({self.basis})" if self.basis else text
 
 
-def canary_tolerance(engine_dtype: str) -> CanaryTolerance:
-    """Tolerances for the engine dtype; R3OPERATOR_SYNC_CANARY_EPSILON / _LOGPROB_TOL override them."""
-    exact = engine_dtype in ("float32", "fp32")
+def engine_roundoff(engine_dtype: str, device: str) -> tuple[float, str]:
+    """The unit roundoff of the engine's arithmetic and how it was chosen."""
+    dtype = _DTYPE_ALIASES.get(engine_dtype, engine_dtype)
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"engine dtype {engine_dtype!r}: the canary knows {', '.join(sorted(UNIT_ROUNDOFF))}")
+    on_gpu = device.startswith("cuda")
+    if dtype == "float32" and on_gpu:
+        return TF32_ROUNDOFF, "fp32 engine on CUDA: TF32 unit roundoff 2^-11"
+    exponent = {"float32": 24, "float16": 11, "bfloat16": 8}[dtype]
+    return UNIT_ROUNDOFF[dtype], f"{dtype} engine on {'CUDA' if on_gpu else 'CPU'}: unit roundoff 2^-{exponent}"
+
+
+def canary_tolerance(engine_dtype: str, device: str = "cpu") -> CanaryTolerance:
+    """Tolerances derived from the engine's dtype and device (see above); R3OPERATOR_SYNC_CANARY_EPSILON /
+    _LOGPROB_TOL override them."""
+    u, basis = engine_roundoff(engine_dtype, device)
     env = runtime_settings()
     eps, tol = env.sync_canary_epsilon, env.sync_canary_logprob_tol
+    notes = [basis]
+    if eps is not None:
+        notes.append("ε set by R3OPERATOR_SYNC_CANARY_EPSILON")
+    if tol is not None:
+        notes.append("δ set by R3OPERATOR_SYNC_CANARY_LOGPROB_TOL")
     return CanaryTolerance(
-        epsilon=eps if eps is not None else (0.0 if exact else BF16_CANARY_EPSILON),
-        logprob=tol if tol is not None else (EXACT_LOGPROB_TOLERANCE if exact else BF16_LOGPROB_TOLERANCE),
+        epsilon=eps if eps is not None else GAP_ROUNDINGS * u,
+        logprob=tol if tol is not None else LOGPROB_ROUNDINGS * u + LOGPROB_FLOOR,
+        autocast=_DTYPE_ALIASES.get(engine_dtype, engine_dtype) != "float32",
+        basis="; ".join(notes),
     )
 
 
@@ -209,3 +241,19 @@ def check_routing_agreement(agreement: float | None, *, where: str, floor: float
             f"{where}: the trainer's routers pick the engine's experts on {agreement:.1%} of the canary's "
             f"token-layers (at least {floor:.0%} expected): the router (gate) weights differ"
         )
+
+
+def check_receipts(sent: Mapping[str, Fingerprint], receipts: Sequence[Mapping[str, Any]], *, where: str) -> int:
+    """Every worker's receipt of the last sync against the trainer's sent fingerprints (engine/receipt.py);
+    returns how many parameters were checked for having changed. A mismatch is a `CanaryMismatchError`."""
+    if not receipts:
+        raise CanaryMismatchError(f"{where}: the engine returned no receipt of the weight sync")
+    checked = 0
+    for worker, receipt in enumerate(receipts):
+        label = where if len(receipts) == 1 else f"{where}, worker {worker}"
+        try:
+            compare_receipt(sent, receipt, where=label)
+        except ReceiptMismatchError as exc:
+            raise CanaryMismatchError(str(exc)) from None
+        checked = max(checked, int(receipt.get("checked") or 0))
+    return checked

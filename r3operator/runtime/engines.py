@@ -19,6 +19,7 @@ from r3operator.engine.actor import EngineActor
 from r3operator.engine.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
 from r3operator.engine.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
 from r3operator.engine.rollout import RolloutSample
+from r3operator.engine.sync_phases import SyncPhases, chunk_seconds
 from r3operator.engine.weights import PackedChunk
 
 
@@ -148,6 +149,9 @@ class RayEngine:
         batch = list(map(list, prompts))
         return self._call("greedy decode", lambda: self._actor.greedy.remote(batch, max_tokens))
 
+    def sync_receipts(self) -> list[dict[str, Any]]:
+        return self._call("sync receipts", self._actor.sync_receipts.remote)
+
     def weights_digest(self) -> str:
         return self._call("weights digest", self._actor.weights_digest.remote)
 
@@ -260,7 +264,7 @@ class HTTPEngine:
 
     def native_finish(self, policy_tag: str | None) -> None:
         self._post("/finish_weight_update", {}, retry=False)
-        self._rpc("r3_set_policy_tag", *([policy_tag] if policy_tag else []), retry=False)
+        self._rpc("r3_after_native_weight_update", *([policy_tag] if policy_tag else []), retry=False)
         self._post("/reset_prefix_cache")
 
     def native_abort(self) -> None:
@@ -279,6 +283,11 @@ class HTTPEngine:
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
         samples = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0, seed=0, n=1)
         return [Greedy(list(s.token_ids), [float(x) for x in s.logprobs], s.routes) for s in samples]
+
+    def sync_receipts(self) -> list[dict[str, Any]]:
+        """Every worker's receipt of the last sync (a TP engine has one per worker)."""
+        result = self._post("/collective_rpc", {"method": "r3_sync_receipt", "args": []})
+        return list(result.get("results") or []) if isinstance(result, dict) else []
 
     def weights_digest(self) -> str:
         return str(self._rpc("r3_weights_digest"))
@@ -340,23 +349,36 @@ class EngineGroup:
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             return [s for part in pool.map(one, range(len(prompts))) for s in part]
 
-    def update_weights(self, chunks: Iterable[PackedChunk], *, policy_tag: str | None = None) -> dict[str, int]:
+    def update_weights(
+        self, chunks: Iterable[PackedChunk], *, policy_tag: str | None = None, phases: SyncPhases | None = None
+    ) -> dict[str, int]:
         """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (+ prefix-cache
         reset), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
-        engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`)."""
-        for engine in self.engines:
-            engine.begin_weight_update()
+        engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`). `phases`
+        gets the seconds of each phase (engine/sync_phases.py)."""
+        clock = phases if phases is not None else SyncPhases()
+        with clock("begin"):
+            for engine in self.engines:
+                engine.begin_weight_update()
         count, nbytes = 0, 0
         try:
-            for chunk in chunks:
+            for chunk in clock.timed("produce", chunks):
+                # The chunk says what it spent on the trainer's side; the rest of producing it (a trainer
+                # rank's chunk crossing Ray) counts as gathering.
+                own = chunk_seconds(chunk)
+                clock.merge(own)
+                clock.add("gather", clock.seconds.pop("produce", 0.0) - sum(own.values()))
                 try:
-                    for engine in self.engines:
-                        engine.load_packed(chunk)
+                    with clock("transfer"):
+                        for engine in self.engines:
+                            engine.load_packed(chunk)
                 finally:  # a failed chunk's staged file must not outlive the attempt either
                     for engine in self.engines:
                         engine.release(chunk)
                 count, nbytes = count + 1, nbytes + chunk.nbytes
-            results = [engine.finish_weight_update(policy_tag) for engine in self.engines]
+            clock.add("gather", clock.seconds.pop("produce", 0.0))
+            with clock("finish"):
+                results = [engine.finish_weight_update(policy_tag) for engine in self.engines]
         except BaseException:
             for engine in self.engines:
                 try:

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from r3operator.engine.base import Engine
 from r3operator.engine.retry import Backoff, EngineUnavailableError
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.weights import PackedChunk
 from r3operator.runtime.engines import EngineGroup
 
@@ -58,12 +59,14 @@ class EngineSupervisor:
         on_fault: FaultCounter | None = None,
         nonce: str | None = None,
         install: Callable[[Sequence[Engine], str], dict[str, int]] | None = None,
+        phases: SyncPhases | None = None,
     ) -> None:
         self.group = group
         self.chunks = chunks
         # How one attempt installs a policy: vLLM's native transfer (runtime/weight_sync.py) or, by
         # default, the packed chunks through our worker extension.
         self.install = install or self._install_packed
+        self.phases = phases if phases is not None else SyncPhases()  # of the packed path's syncs
         self.canary = canary
         self.backoff = backoff or Backoff.from_env()
         self.on_fault = on_fault or (lambda kind: None)
@@ -81,7 +84,7 @@ class EngineSupervisor:
         return result
 
     def _install_packed(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
-        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag)
+        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag, phases=self.phases)
 
     def _install(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
         for attempt in range(self.backoff.attempts):
@@ -90,8 +93,10 @@ class EngineSupervisor:
                     if attempt:
                         engine.wait_ready()
                     # A bracket left open (an abort that never reached the engine, a driver killed
-                    # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise.
-                    engine.abort_weight_update()
+                    # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise. An
+                    # install that closes open brackets itself (the native one) does it on a first attempt.
+                    if attempt or not getattr(self.install, "closes_open_brackets", False):
+                        engine.abort_weight_update()
                 return self.install(engines, tag)
             except EngineUnavailableError as exc:
                 self.on_fault("weight_sync")

@@ -13,8 +13,10 @@
     6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
     7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
                     then prefix-cache reset
-    8 canary        engine greedy decode of fixed prompts == trainer argmax at every position (fp32,
-                    teacher-forced; ε near-tie tolerance for a bf16 engine), else CanaryMismatchError
+    8 canary        every engine worker's receipt of the sync == what the trainer sent (exact
+                    fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
+                    position (teacher-forced; ε and δ from the engine's dtype and device), else
+                    CanaryMismatchError
     9 metrics       Prometheus, metrics.csv, RLJob status.progress
    10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                     atomically once every rank has finished (runtime/checkpoint.py); the step waits
@@ -33,7 +35,9 @@ import numpy as np
 
 from r3operator.api.enums import ReplayMode
 from r3operator.engine.base import Engine, Greedy
+from r3operator.engine.receipt import FingerprintLog
 from r3operator.engine.rollout import RolloutSample
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.weights import PackedChunk
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
@@ -44,6 +48,7 @@ from r3operator.runtime.canary import (
     canary_forwards,
     canary_tolerance,
     check_engine_greedy,
+    check_receipts,
     check_routing_agreement,
 )
 from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
@@ -116,6 +121,8 @@ class GRPORun:
         self.start_step = 1
         self.last_checkpoint_step: int | None = None
         self.rows: list[dict[str, Any]] = []
+        self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
+        self.sync_phases = SyncPhases()  # where the last sync spent its time (engine/sync_phases.py)
 
     # -- setup --------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -140,7 +147,7 @@ class GRPORun:
         self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device, ranks=ranks)
         self.checkpoints = ckpt.AsyncCheckpoints(self.ckpt_root, self.trainer, keep_last=self.spec.checkpoint.keep_last,
                                                  ranks=ranks)  # fmt: skip
-        self.canary_tol = canary_tolerance(self.s.engine_dtype)
+        self.canary_tol = canary_tolerance(self.s.engine_dtype, self.s.device)
         self.canary_near_ties = 0
         if self.engines is None:
             self.engines = start_engines(self.s, self.model_dir)
@@ -150,7 +157,7 @@ class GRPORun:
         self.supervisor = EngineSupervisor(
             self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
             on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
-            install=self._native_install(),
+            install=self._native_install(), phases=self.sync_phases,
         )  # fmt: skip
         self._start_recorder()
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
@@ -300,9 +307,12 @@ class GRPORun:
         aborted without finalising and repeated in full (runtime/faults.py)."""
         begin = time.perf_counter()
         version = self.policy_version + int(new_version)
+        self.sync_phases.reset()
         result = self.supervisor.sync(version)
         self.policy_version = version
         self.metrics.set("r3operator_weight_sync_seconds", time.perf_counter() - begin)
+        for phase, seconds in self.sync_phases.seconds.items():
+            self.metrics.set("r3operator_weight_sync_phase_seconds", seconds, phase=phase)
         return result
 
     def _weight_chunks(self) -> Iterator[PackedChunk]:
@@ -313,7 +323,14 @@ class GRPORun:
 
         mb = self.spec.weight_sync.chunk_size_mb
         wire_dtype = getattr(torch, self.s.engine_dtype, None)
-        return self.trainer.weight_chunks(chunk_size_mb=mb, dtype=wire_dtype)
+        return self._record_sent(self.trainer.weight_chunks(chunk_size_mb=mb, dtype=wire_dtype))
+
+    def _record_sent(self, chunks: Iterator[PackedChunk]) -> Iterator[PackedChunk]:
+        """Pass the chunks on, keeping each one's fingerprints (computed where it was packed)."""
+        self.sent.clear()
+        for chunk in chunks:
+            self.sent.merge(chunk.fingerprints)
+            yield chunk
 
     def _native_install(self) -> weight_sync.NativeInstall | None:
         """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks."""
@@ -326,36 +343,61 @@ class GRPORun:
             self.weight_transfer.method, state_dict=self.trainer.sync_state_dict,
             dtype=getattr(torch, self.s.engine_dtype, None),
             buffer_size_bytes=self.spec.weight_sync.chunk_size_mb * 1024 * 1024,
-            master_address=weight_sync.master_address_for(self.engines),
+            master_address=weight_sync.master_address_for(self.engines), sent=self.sent, phases=self.sync_phases,
         )  # fmt: skip
 
     def canary(self) -> bool:
-        """8. Engine greedy decode == trainer argmax at every position (teacher-forced, fp32, no autocast;
-        near-ties within ε accepted for a bf16 engine, see runtime/canary.py); else CanaryMismatchError."""
+        """8. Each engine's receipt of the sync, then engine greedy decode == trainer argmax at every position
+        (teacher-forced; near-ties within ε, logprobs within δ, see runtime/canary.py); else
+        CanaryMismatchError. False when `weightSync.canary` is off."""
         assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
             return False
         engines = self.engines
-        outputs = self.supervisor.on_policy(
-            lambda: engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens), what="canary decode"
-        )
-        self._check_canary(outputs, names=[f"engine {i}" for i in range(len(outputs))])
+        names = [f"engine {i}" for i in range(len(engines.engines))]
+
+        def receipts_then_decode() -> list[list[Greedy]]:
+            self._check_receipts(engines.engines, names=names)
+            return engines.greedy_all(self.canary_prompts, max_tokens=self.canary_tokens)
+
+        outputs = self.supervisor.on_policy(receipts_then_decode, what="canary decode")
+        self._check_canary(outputs, names=names)
         return True
 
     def _canary_engines(self, engines: Sequence[Engine]) -> None:
         """The canary on `engines` only: an engine re-synced after a fault passes it before any rollout."""
         if self.spec.weight_sync.canary:
+            names = [engine.name for engine in engines]
+            self._check_receipts(engines, names=names)
             outputs = [engine.greedy(self.canary_prompts, max_tokens=self.canary_tokens) for engine in engines]
-            self._check_canary(outputs, names=[engine.name for engine in engines])
+            self._check_canary(outputs, names=names)
+
+    def _where(self, engine_no: str) -> str:
+        return f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}"
+
+    def _check_receipts(self, engines: Sequence[Engine], *, names: Sequence[str]) -> None:
+        """Exact, before any decode: each engine worker received and applied every tensor the trainer sent
+        in the last sync (engine/receipt.py); R3OPERATOR_SYNC_RECEIPT=false skips it."""
+        from r3operator.settings import runtime_settings
+
+        if not runtime_settings().sync_receipt:
+            return
+        sent = self.sent.result()
+        for engine, engine_no in zip(engines, names, strict=True):
+            try:
+                check_receipts(sent, engine.sync_receipts(), where=self._where(engine_no))
+            except CanaryMismatchError:
+                self.metrics.set("r3operator_weight_sync_canary_ok", 0.0)
+                raise
 
     def _check_canary(self, outputs: Sequence[Sequence[Greedy]], *, names: Sequence[str]) -> None:
         assert self.trainer is not None
         self.canary_near_ties = 0
         for engine_no, got in zip(names, outputs, strict=True):
-            where = f"weight-sync canary failed after policy version {self.policy_version}: {engine_no}"
+            where = self._where(engine_no)
             try:
                 forwards = canary_forwards(self.trainer, self.canary_prompts, got,
-                                           compute=self.canary_tol.mode == "near-tie")  # fmt: skip
+                                           compute=self.canary_tol.autocast)  # fmt: skip
                 result = check_engine_greedy(
                     forwards.logits_fn, self.canary_prompts, [g.tokens for g in got],
                     engine_logprobs=[g.logprobs for g in got], tolerance=self.canary_tol,
@@ -479,6 +521,7 @@ class GRPORun:
             "step_seconds": time.perf_counter() - begin,
         })  # fmt: skip
         row.update({f"t_{k}": v for k, v in timer.seconds.items()})
+        row.update({f"sync_{k}": v for k, v in self.sync_phases.seconds.items()})
         return row
 
     def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,

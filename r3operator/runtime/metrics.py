@@ -28,6 +28,9 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_step_seconds", "gauge", _ID, "Wall time of the last step."),
     MetricSpec("r3operator_step_phase_seconds", "gauge", (*_ID, "phase"), "Wall time of each phase of the last step."),
     MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
+    MetricSpec("r3operator_weight_sync_phase_seconds", "gauge", (*_ID, "phase"),
+               "Seconds of each phase of the last weight sync (gather, pack, fingerprint, begin, transfer, finish; "
+               "docs/runtime.md)."),
     MetricSpec("r3operator_weight_sync_canary_ok", "gauge", _ID, "1 if the last post-sync canary matched, else 0."),
     MetricSpec("r3operator_samples_dropped_total", "counter", (*_ID, "reason"),
                "Samples left out of training (routes invalid or missing under R3; stale: older than "

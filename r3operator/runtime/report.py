@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.engine.sync_phases import SYNC_PHASES
+
 COLUMNS = (
     "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
     "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
@@ -22,6 +24,7 @@ COLUMNS = (
     # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
     # mismatch); the older tokens' |Δlogprob| (the staleness) is apart
     "current_version_tokens", "logprob_abs_diff_mean_stale",
+    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (engine/sync_phases.py)
 )  # fmt: skip
 
 
@@ -185,14 +188,34 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
     return [*lines, ""]
 
 
+def _sync_phase_line(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    means = {p: _mean(rows, f"sync_{p}") for p in SYNC_PHASES}
+    shown = [f"{p} {v:.3f}" for p, v in means.items() if not math.isnan(v)]
+    return [f"- weight sync by phase (mean seconds): {', '.join(shown)}"] if shown else []
+
+
 def _peak_memory_line(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     peaks = [_f(r, "trainer_peak_memory_gib") for r in rows]
     peaks = [p for p in peaks if not math.isnan(p)]
     return [f"- trainer peak GPU memory (largest rank): {max(peaks):.1f} GiB"] if peaks else []
 
 
+def _canary_line(rows: Sequence[Mapping[str, Any]], canary: bool) -> str:
+    """How many of the steps' syncs passed the canary; "off" when it never ran (not "0/N ok")."""
+    if not canary:
+        return "- weight-sync canary: off (spec.weightSync.canary: false)"
+    synced = [r for r in rows if str(r.get("skipped")) not in ("1", "True")]  # a skipped step has no sync
+    ok = sum(1 for r in synced if str(r.get("canary_ok")) in ("1", "True"))
+    return f"- weight-sync canary: passed after {ok} of {len(synced)} step syncs"
+
+
 def write_report(
-    path: Path, *, job_name: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], facts: Mapping[str, Any]
+    path: Path,
+    *,
+    job_name: str,
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    facts: Mapping[str, Any],
+    canary: bool = True,
 ) -> str:
     """report.md: per-run reward start → end and whether it rose, Δlogprob, routing, canary, phase times."""
     lines = [f"# r3operator run report: {job_name}", ""]
@@ -214,10 +237,11 @@ def write_report(
             f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.3g}",
             f"- routing agreement, trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}; "
             f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}",
-            f"- weight-sync canary: {sum(1 for r in rows if str(r.get('canary_ok')) in ('1', 'True'))}/{len(rows)} ok",
+            _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
+            *_sync_phase_line(rows),
             *_peak_memory_line(rows),
             "",
         ]

@@ -24,6 +24,8 @@ from packaging.version import InvalidVersion, Version
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
 from r3operator.engine.base import Engine
+from r3operator.engine.receipt import FingerprintLog
+from r3operator.engine.sync_phases import SyncPhases
 from r3operator.engine.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
 from r3operator.runtime.engines import EngineGroup
 
@@ -129,7 +131,15 @@ class NativeInstall:
 
     The rendezvous is made again when the set of engines changes, after a failed attempt, and when an
     engine no longer reports the last policy this sender installed (it restarted and lost its group).
+
+    Brackets left open are closed (`native_abort`, a round trip or two per engine) only where one can be
+    open: before a rendezvous. When every engine reports the tag this sender stamped last, no bracket was
+    opened since (opening one clears the tag), so the abort is skipped; R3OPERATOR_SYNC_PRE_ABORT=always
+    restores it before every sync. The supervisor leaves the pre-sync abort to this install
+    (`closes_open_brackets`).
     """
+
+    closes_open_brackets = True
 
     def __init__(
         self,
@@ -139,8 +149,12 @@ class NativeInstall:
         dtype: Any,
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
+        sent: FingerprintLog | None = None,
+        phases: SyncPhases | None = None,
     ) -> None:
         self.method = method
+        self.sent = sent if sent is not None else FingerprintLog()
+        self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
         self._sender: NativeSender | None = None
@@ -153,15 +167,19 @@ class NativeInstall:
         return any(engine.policy_tag() != self._last_tag for engine in engines)
 
     def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        from r3operator.settings import runtime_settings
+
         endpoints: list[Any] = list(engines)
-        for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
-            engine.native_abort()
-        if self._needs_rendezvous(engines):
+        rendezvous = self._needs_rendezvous(engines)
+        if rendezvous or runtime_settings().sync_pre_abort == "always":
+            for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
+                engine.native_abort()
+        if rendezvous:
             self.close()
-            client = FanOutClient(endpoints)
+            client = FanOutClient(endpoints, phases=self.phases)
             self._sender = NativeSender(self.method, client, self.state_dict, dtype=self.dtype,
                                         buffer_size_bytes=self.buffer_size_bytes,
-                                        master_address=self.master_address)  # fmt: skip
+                                        master_address=self.master_address, sent=self.sent)  # fmt: skip
             self._engines = tuple(id(e) for e in engines)
         sender = self._sender
         assert sender is not None  # set just above

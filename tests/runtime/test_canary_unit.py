@@ -9,9 +9,6 @@ import numpy as np
 import pytest
 
 from r3operator.runtime.canary import (
-    BF16_CANARY_EPSILON,
-    BF16_LOGPROB_TOLERANCE,
-    EXACT_LOGPROB_TOLERANCE,
     CanaryMismatchError,
     CanaryTolerance,
     canary_tolerance,
@@ -92,10 +89,10 @@ def test_a_nan_engine_logprob_fails() -> None:
 def test_canary_tolerance_by_engine_dtype_and_env(monkeypatch) -> None:
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
-    assert canary_tolerance("float32") == CanaryTolerance(0.0, EXACT_LOGPROB_TOLERANCE)
-    assert canary_tolerance("bfloat16") == CanaryTolerance(BF16_CANARY_EPSILON, BF16_LOGPROB_TOLERANCE)
+    assert canary_tolerance("bfloat16", "cuda").epsilon == 0.5  # 128 x bf16's unit roundoff 2^-8
     monkeypatch.setenv("R3OPERATOR_SYNC_CANARY_EPSILON", "0.25")
-    assert canary_tolerance("bfloat16").epsilon == 0.25
+    assert canary_tolerance("bfloat16", "cuda").epsilon == 0.25
+    assert "ε set by R3OPERATOR_SYNC_CANARY_EPSILON" in canary_tolerance("bfloat16", "cuda").describe()
     monkeypatch.setenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", "-1")
     with pytest.raises(ValueError, match="R3OPERATOR_SYNC_CANARY_LOGPROB_TOL"):
         canary_tolerance("bfloat16")

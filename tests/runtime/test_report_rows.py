@@ -34,3 +34,14 @@ def test_the_report_names_the_largest_peak_and_leaves_it_out_on_cpu(tmp_path: Pa
     assert "trainer peak GPU memory (largest rank): 41.8 GiB" in text
     cpu_rows = [{"step": "1", "reward_mean": "0", "trainer_peak_memory_gib": ""}]
     assert "peak GPU memory" not in write_report(tmp_path / "cpu.md", job_name="j", runs={"R3": cpu_rows}, facts={})
+
+
+def test_the_canary_line_says_off_when_it_never_ran_and_counts_only_steps_that_synced(tmp_path: Path) -> None:
+    rows = [{"step": "1", "reward_mean": "0", "canary_ok": "0", "skipped": "0"},
+            {"step": "2", "reward_mean": "1", "canary_ok": "0", "skipped": "0"}]  # fmt: skip
+    off = write_report(tmp_path / "off.md", job_name="j", runs={"R3": rows}, facts={}, canary=False)
+    assert "- weight-sync canary: off (spec.weightSync.canary: false)" in off and "0/2" not in off
+    ran = [{**rows[0], "canary_ok": "1"}, {**rows[1], "skipped": "1"}]  # a skipped step has no sync
+    assert "- weight-sync canary: passed after 1 of 1 step syncs" in write_report(
+        tmp_path / "on.md", job_name="j", runs={"R3": ran}, facts={}
+    )

@@ -24,7 +24,7 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     def run_once(settings: RunSettings, *, engines: Any = None, label: str | None = None) -> tuple[list, Any]:
         handed.append(engines)
-        described = SimpleNamespace(describe=lambda: "-", mode="exact")
+        described = SimpleNamespace(describe=lambda: "-", mode="exact", autocast=False)
         run = SimpleNamespace(model_dir="m", vllm_version="v", weight_transfer=described, canary_tol=described,
                               trainer=SimpleNamespace(), engines=object())  # fmt: skip
         return [], run

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from runtime_test_helpers import settings_for, write_job
@@ -113,9 +114,10 @@ def _sync_state(run, engines, state) -> None:
 
     from r3operator.engine.weights import packed_chunks
 
-    # Stamped with the current policy's tag: the engines serve "this version", with corrupted bytes.
-    engines.update_weights(packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb,
-                                         dtype=torch.float32), policy_tag=run.supervisor.tag)  # fmt: skip
+    # Stamped with the current policy's tag: the engines serve "this version", with corrupted bytes, and the
+    # trainer's record of what it sent says the same (the receipt matches): only the forwards can tell.
+    chunks = packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb, dtype=torch.float32)
+    engines.update_weights(run._record_sent(chunks), policy_tag=run.supervisor.tag)
 
 
 def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> None:
@@ -143,6 +145,78 @@ def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> Non
     _sync_state(run, engines, shifted)
     with pytest.raises(CanaryMismatchError):
         run.canary()
+
+
+class _LossyTransport:
+    """The module's real engine behind a transport that loses data on the way (`fault`): "skip" drops one
+    expert tensor from every chunk, "flip" negates one, "nothing" delivers no chunk, "stale" delivers the
+    chunks of the last good sync again (an engine that stays behind while its tag says current)."""
+
+    EXPERT = "model.layers.1.mlp.experts.5.down_proj.weight"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.fault = engine, None
+        self.name = "lossy engine"
+        self.kept: list[Any] = []
+        self.sending: list[Any] = []
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.engine, attribute)
+
+    def begin_weight_update(self) -> None:
+        self.sending = []
+        self.engine.begin_weight_update()
+        if self.fault == "stale":
+            for chunk in self.kept:
+                self.engine.load_packed(chunk)
+
+    def load_packed(self, chunk: Any) -> None:
+        from r3operator.engine.weights import pack_chunk, unpack_chunk
+
+        tensors = unpack_chunk(chunk.buffer, chunk.entries)
+        if self.fault is None:
+            self.sending.append(pack_chunk([(n, t.clone()) for n, t in tensors]))
+        if self.fault in ("nothing", "stale"):
+            return
+        if self.fault == "skip":
+            tensors = [(n, t) for n, t in tensors if n != self.EXPERT]
+        elif self.fault == "flip":
+            tensors = [(n, -t if n == self.EXPERT else t) for n, t in tensors]
+        if tensors:
+            self.engine.load_packed(pack_chunk(tensors))
+
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        result = self.engine.finish_weight_update(policy_tag)
+        if self.fault is None:
+            self.kept = self.sending
+        return result
+
+
+def test_canary_catches_a_lossy_or_stale_sync_on_its_first_sync(tmp_path, engines) -> None:
+    """A tensor skipped, a sign flipped in an expert the canary's prompts need not route to, no tensor at all,
+    or the previous policy delivered again: each fails the first canary after that sync, by the receipt, with
+    what went wrong; a good sync through the same engine then passes."""
+    from r3operator.runtime.engines import EngineGroup
+    from r3operator.runtime.loop import CanaryMismatchError
+
+    lossy = _LossyTransport(engines.engines[0])
+    run = _run(tmp_path, EngineGroup([lossy]))
+    run.setup()
+    expected = {
+        "skip": rf"received \d+ of the \d+ tensors sent; missing: {lossy.EXPERT}",
+        "flip": rf"1 tensor\(s\) arrived with other bytes than the trainer sent: {lossy.EXPERT}",
+        "nothing": r"the engine's last sync loaded no tensor",
+        "stale": r"arrived with other bytes than the trainer sent",
+    }
+    for fault, message in expected.items():
+        lossy.fault = fault
+        run.sft_warmup(1)  # a new policy: the sync must move new bytes
+        run.sync_weights()
+        with pytest.raises(CanaryMismatchError, match=message):
+            run.canary()
+    lossy.fault = None
+    run.sync_weights()
+    assert run.canary()
 
 
 def test_canary_fails_on_a_gate_that_routes_to_other_experts(tmp_path, engines) -> None:

@@ -304,3 +304,45 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
 
     assert sender(1024).packed_buffer_bytes() == 64 * 32 * 2
     assert sender(1 << 20).packed_buffer_bytes() == 1 << 20
+
+
+class _TaggedEndpoint(_Endpoint):
+    tag: str | None = None
+
+    def policy_tag(self) -> str | None:
+        return self.tag
+
+
+def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine reporting the tag this sender stamped last means no bracket was opened since (opening one
+    clears the tag): the two round trips of an abort are skipped; after an engine restart (no tag) or with
+    R3OPERATOR_SYNC_PRE_ABORT=always they run."""
+    from r3operator.runtime.weight_sync import NativeInstall
+
+    class Sender:  # vLLM's sender needs CUDA; what it sends does not matter here
+        def send(self, tag: str) -> Any:
+            for endpoint in engines:
+                endpoint.tag = tag
+            return type("Stats", (), {"tensors": 1, "bytes": 2})()
+
+        def close(self) -> None:
+            return None
+
+    monkeypatch.delenv("R3OPERATOR_SYNC_PRE_ABORT", raising=False)
+    engines = [_TaggedEndpoint("a"), _TaggedEndpoint("b")]
+    install = NativeInstall(TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1)
+    monkeypatch.setattr("r3operator.runtime.weight_sync.NativeSender", lambda *a, **k: Sender())
+
+    def aborts() -> int:
+        return sum(kind == "abort" for e in engines for kind, _ in e.calls)
+
+    install(engines, "run:1")  # type: ignore[arg-type]
+    assert aborts() == 2  # the first sync: brackets a dead driver left open are closed
+    install(engines, "run:2")  # type: ignore[arg-type]
+    assert aborts() == 2
+    engines[1].tag = None  # engine b restarted
+    install(engines, "run:3")  # type: ignore[arg-type]
+    assert aborts() == 4
+    monkeypatch.setenv("R3OPERATOR_SYNC_PRE_ABORT", "always")
+    install(engines, "run:4")  # type: ignore[arg-type]
+    assert aborts() == 6

@@ -1,0 +1,89 @@
+"""Where one weight sync spends its time, phase by phase (the run's metrics, metrics.csv, bench_weight_sync).
+
+Phases (seconds, summed over the sync's chunks; `SYNC_PHASES` is the order reports use):
+
+- gather      the trainer's state dict (FSDP full tensors, the Megatron TP/EP gather), the cast to the
+              engine's dtype and the checkpoint name/layout mapping (experts unfused)
+- pack        copying each chunk's tensors into one buffer (packed path; vLLM's senders pack inside
+              `transfer`)
+- fingerprint the sent tensors' fingerprints for the receipt (engine/receipt.py)
+- begin       opening every engine's bracket (an HTTP/RPC round trip each)
+- transfer    moving the bytes: the packed path's staging and load RPCs (which include the engine's
+              `load_weights` of each chunk over HTTP), or vLLM's NCCL / IPC sender
+- finish      closing every bracket: the chunks still loading, the engine's layerwise post-processing
+              (kernel layouts), the receipt, the prefix-cache reset, and the HTTP/RPC round trips
+
+On a GPU, work is asynchronous: a phase's seconds are the host's, and GPU work lands in the phase that waits
+for it, unless the clock synchronizes at every phase boundary (`synchronize=True`, bench_weight_sync
+`--phase-sync`), which itself costs a little.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+SYNC_PHASES = ("gather", "pack", "fingerprint", "begin", "transfer", "finish")
+
+
+class SyncPhases:
+    """Seconds per phase of the current sync (`reset` before each)."""
+
+    def __init__(self, *, synchronize: bool = False) -> None:
+        self.synchronize = synchronize
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def _sync(self) -> None:
+        if self.synchronize:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def merge(self, seconds: Mapping[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.add(phase, value)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        self._sync()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.add(phase, time.perf_counter() - begin)
+
+    def timed(self, phase: str, items: Iterable[T]) -> Iterator[T]:
+        """`items`, with the time spent producing each one counted to `phase`."""
+        iterator = iter(items)
+        while True:
+            self._sync()
+            begin = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self.add(phase, time.perf_counter() - begin)
+                return
+            self._sync()
+            self.add(phase, time.perf_counter() - begin)
+            yield item
+
+    def rounded(self) -> dict[str, float]:
+        return {phase: round(self.seconds[phase], 4) for phase in (*SYNC_PHASES, *self.seconds)
+                if phase in self.seconds}  # fmt: skip
+
+
+def chunk_seconds(chunk: Any) -> Mapping[str, float]:
+    """The trainer-side phases a packed chunk measured where it was built (engine/weights.py)."""
+    return dict(getattr(chunk, "seconds", None) or {})

@@ -1,0 +1,180 @@
+"""The sync receipt (engine/receipt.py) and the canary's tolerances, without vLLM: fingerprints, the engine-side
+record of a bracket against deliberately broken engines, and tolerances derived from the engine's dtype/device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from r3operator.engine.receipt import (
+    SyncReceipt,
+    _fingerprint_numpy,
+    _fingerprint_torch,
+    _words,
+    fingerprint,
+)
+from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy, check_receipts
+
+
+def _reference_fingerprint(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """The definition written out: the bytes as little-endian 16-bit words (bytes when their count is odd),
+    count, plain sum, and the sum weighted by (position mod 251) + 1, in Python integers."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    words = np.frombuffer(raw, dtype="<i2") if len(raw) % 2 == 0 else np.frombuffer(raw, dtype=np.uint8)
+    values = [int(v) for v in words]
+    return len(values), sum(values), sum(v * (i % 251 + 1) for i, v in enumerate(values))
+
+
+TENSORS = [torch.randn(7, 300).to(torch.bfloat16), torch.randn(503), torch.arange(5, dtype=torch.uint8),
+           torch.ones(()), torch.empty(0), torch.randn(3, 4, 5).to(torch.float16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tensor", TENSORS, ids=["bf16", "fp32", "odd-bytes", "scalar", "empty", "fp16-3d"])
+def test_fingerprint_is_the_written_out_definition_on_both_code_paths(tensor: torch.Tensor) -> None:
+    # The GPU path (torch) and the CPU path (numpy) must agree: the trainer and the engine may use either.
+    expected = _reference_fingerprint(tensor)
+    assert fingerprint(tensor) == expected
+    assert tuple(int(x) for x in _fingerprint_torch(_words(tensor)).tolist()) == expected
+    assert tuple(_fingerprint_numpy(_words(tensor).numpy())) == expected
+
+
+def test_fingerprint_tells_a_sign_flip_a_shift_and_a_single_changed_value() -> None:
+    base = torch.randn(64, 64)
+    flipped = base.clone()
+    flipped[5] = -flipped[5]
+    one = base.clone()
+    one[63, 63] = torch.nextafter(one[63, 63], torch.tensor(float("inf")))
+    prints = {fingerprint(t) for t in (base, flipped, base.roll(1, dims=0), one, base.t().contiguous())}
+    assert len(prints) == 5
+    assert fingerprint(base.clone()) == fingerprint(base)
+
+
+class _Engine:
+    """An engine worker's model, as the receipt sees it: parameters named like the checkpoint (a norm, the
+    router gate) plus a fused 3-D expert block that no checkpoint tensor is named like."""
+
+    def __init__(self) -> None:
+        self.params = {
+            "model.norm.weight": torch.ones(8),
+            "model.layers.0.mlp.gate.weight": torch.randn(4, 8),
+            "model.layers.0.mlp.experts.w13_weight": torch.randn(4, 6, 8),
+        }
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.params.items())
+
+    def load(self, named: list[tuple[str, torch.Tensor]], mode: str) -> None:
+        """`mode`: "ok" loads; "keep" keeps the old values (received, not applied)."""
+        for name, tensor in named:
+            if mode == "ok" and name in self.params:
+                self.params[name] = tensor.clone()
+            elif mode == "ok":  # per-expert checkpoint tensors go into the fused block
+                expert = int(name.split(".")[5])
+                block = self.params["model.layers.0.mlp.experts.w13_weight"].clone()
+                block[expert] = tensor
+                self.params["model.layers.0.mlp.experts.w13_weight"] = block
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {"model.norm.weight": 1 + 0.01 * torch.randn(8, generator=g),
+             "model.layers.0.mlp.gate.weight": torch.randn(4, 8, generator=g)}  # fmt: skip
+    state.update({f"model.layers.0.mlp.experts.{e}.w13.weight": torch.randn(6, 8, generator=g) for e in range(4)})
+    return state
+
+
+def _sync(engine: _Engine, receipt: SyncReceipt, state: dict[str, torch.Tensor], *, mode: str = "ok",
+          skip: str | None = None, flip: str | None = None, nothing: bool = False) -> dict[str, Any]:  # fmt: skip
+    receipt.begin(engine.named_parameters())
+    delivered = [(n, -t if n == flip else t) for n, t in state.items() if n != skip]
+    if not nothing:
+        receipt.record(delivered)
+        engine.load(delivered, mode)
+    receipt.finish(engine.named_parameters())
+    return receipt.report()
+
+
+def _sent(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, int, int]]:
+    return {name: fingerprint(t) for name, t in state.items()}
+
+
+def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync() -> None:
+    first, second = _checkpoint(1), _checkpoint(2)
+    engine, receipt = _Engine(), SyncReceipt()
+    check_receipts(_sent(first), [_sync(engine, receipt, first)], where="engine 0")
+    check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
+
+    cases = {
+        "keep": (dict(mode="keep"), r"kept its previous values in 2 of the 2 parameters .*model.layers.0.mlp.gate"),
+        "skip": (dict(skip="model.layers.0.mlp.experts.3.w13.weight"),
+                 r"received 5 of the 6 tensors sent; missing: model.layers.0.mlp.experts.3.w13.weight"),
+        "flip": (dict(flip="model.layers.0.mlp.experts.2.w13.weight"),
+                 r"1 tensor\(s\) arrived with other bytes .*experts.2.w13.weight"),
+        "nothing": (dict(nothing=True), r"loaded no tensor \(6 were sent\)"),
+    }  # fmt: skip
+    for what, (broken, message) in cases.items():
+        engine, receipt = _Engine(), SyncReceipt()
+        with pytest.raises(CanaryMismatchError, match=message):
+            check_receipts(_sent(first), [_sync(engine, receipt, first, **broken)], where=f"engine {what}")
+
+
+def test_an_engine_that_stops_applying_later_is_caught_on_that_sync() -> None:
+    engine, receipt = _Engine(), SyncReceipt()
+    states = [_checkpoint(seed) for seed in range(4)]
+    for state in states[:3]:
+        check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
+    with pytest.raises(CanaryMismatchError, match="kept its previous values"):
+        check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
+
+
+def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_receipt() -> None:
+    state = _checkpoint(1)
+    engine, receipt = _Engine(), SyncReceipt()
+    _sync(engine, receipt, state)
+    check_receipts(_sent(state), [_sync(engine, receipt, state, mode="keep")], where="engine 0")
+    receipt.begin(engine.named_parameters())  # a bracket that never finished (aborted)
+    with pytest.raises(CanaryMismatchError, match="no receipt of a finished weight sync"):
+        check_receipts(_sent(state), [receipt.report()], where="engine 0")
+    with pytest.raises(CanaryMismatchError, match=r"worker 1: .*loaded no tensor"):
+        check_receipts(_sent(state), [_sync(engine, receipt, state), {"closed": True, "received": {}}],
+                       where="engine 0")  # fmt: skip
+
+
+def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:
+    monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
+    monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
+    # The written-out rule: δ = 64·u + 2^-13, ε = 128·u, u the engine's unit roundoff on its device.
+    for dtype, device, u in [("float32", "cpu", 2.0**-24), ("float32", "cuda", 2.0**-11),
+                             ("bfloat16", "cuda", 2.0**-8), ("float16", "cuda:1", 2.0**-11)]:  # fmt: skip
+        tol = canary_tolerance(dtype, device)
+        assert tol.logprob == pytest.approx(64 * u + 2.0**-13) and tol.epsilon == pytest.approx(128 * u)
+        assert tol.autocast == (dtype != "float32")
+        assert "exact" not in tol.describe() and "ε = 0 " not in tol.describe()
+    with pytest.raises(ValueError, match="engine dtype 'int8'"):
+        canary_tolerance("int8", "cpu")
+
+
+def _one_token_logits(trainer_logprob: float) -> Any:
+    """Logits over 100 tokens where token 1 is the argmax with exactly `trainer_logprob`."""
+    row = np.full(100, np.log((1 - np.exp(trainer_logprob)) / 99))
+    row[1] = trainer_logprob
+    return lambda sequence: np.tile(row, (len(sequence), 1))
+
+
+def test_fp32_engine_on_cuda_passes_its_rounding_and_fails_a_real_mismatch(monkeypatch) -> None:
+    """The 2-GPU run's first canary: engine -2.38534 vs trainer -2.38422 with an fp32 engine (|Δ| 1.1e-3, a
+    CPU-calibrated δ of 1e-3 stopped the run). On CUDA that is rounding; a transposed expert layout's 0.12 is not."""
+    monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
+    monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
+    gpu = canary_tolerance("float32", "cuda")
+    logits = _one_token_logits(-2.38422)
+    check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38534]], tolerance=gpu, eos_id=3, max_tokens=1)
+    with pytest.raises(CanaryMismatchError, match=r"\|Δ\| 0.12"):
+        check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38422 - 0.12]], tolerance=gpu, eos_id=3,
+                            max_tokens=1)  # fmt: skip
+    with pytest.raises(CanaryMismatchError):  # on the CPU the same gap is far beyond fp32 rounding
+        check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38534]], tolerance=canary_tolerance("float32"),
+                            eos_id=3, max_tokens=1)  # fmt: skip
