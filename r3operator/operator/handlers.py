@@ -11,6 +11,7 @@ Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers -
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -43,6 +44,9 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
+    # `kubectl describe` shows the component as the Events' `From`: this operator, not the framework.
+    settings.posting.reporting_component = meta.EVENT_COMPONENT
+    settings.posting.reporting_instance = socket.gethostname()
     if unknown := unknown_variables():
         logger.warning("ignored: %s (not a setting; see docs/operator.md, Settings)", ", ".join(unknown))
     if CONFIG.metrics_port:

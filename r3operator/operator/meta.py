@@ -13,6 +13,8 @@ from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
 
 APP_NAME = "r3operator"
 MANAGED_BY = "r3operator"
+EVENT_COMPONENT = "r3operator"
+"""The Events' reporting component (`From:` in `kubectl describe`)."""
 PREFIX = "r3operator.io"
 LABEL_JOB = f"{PREFIX}/job"
 LABEL_ROLE = f"{PREFIX}/role"

@@ -80,7 +80,8 @@ def _valid(job: RLJob, obs: Observed) -> Desired:
             T.VALID,
             S.FALSE,
             Reason.NAME_CONFLICT,
-            f"{obs.name_conflict}; nothing was changed: rename the RLJob or remove that object",
+            f"{obs.name_conflict}; nothing was changed: rename the RLJob or remove those objects (one that is "
+            "terminating goes by itself)",
         )
     if obs.missing_claims:
         claims = ", ".join(f"PersistentVolumeClaim/{c}" for c in obs.missing_claims)

@@ -223,6 +223,20 @@ def test_an_object_under_a_child_name_that_this_rljob_does_not_control_is_a_conf
     assert plan_action(want, labelled, job_uid="uid-1").verb == "conflict"
 
 
+def test_a_conflicting_object_that_is_being_deleted_is_reported_as_terminating():
+    # A same-named RLJob deleted and applied again: the old claim waits for its pods before it goes.
+    want = _by_kind(desired(_job()))["PersistentVolumeClaim"]
+    old = _observed(want, deletionTimestamp="2026-11-26T07:00:00Z")
+    old["metadata"]["ownerReferences"] = [{"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob",
+                                           "name": "qwen3-30b-a3b-r3", "uid": "uid-old", "controller": True}]  # fmt: skip
+    action = plan_action(want, old, job_uid="uid-new")
+    assert action.verb == "conflict"
+    assert action.why == (
+        "controlled by RLJob/qwen3-30b-a3b-r3 (uid uid-old), terminating since 2026-11-26T07:00:00Z: "
+        "retrying until it is gone"
+    )
+
+
 def test_a_foreign_key_in_our_config_map_is_not_a_difference_and_a_changed_key_of_ours_is():
     want = _by_kind(desired(_job()))["ConfigMap"]
     have = _observed(want)
