@@ -227,8 +227,8 @@ def test_a_conflicting_object_that_is_being_deleted_is_reported_as_terminating()
     # A same-named RLJob deleted and applied again: the old claim waits for its pods before it goes.
     want = _by_kind(desired(_job()))["PersistentVolumeClaim"]
     old = _observed(want, deletionTimestamp="2026-11-26T07:00:00Z")
-    old["metadata"]["ownerReferences"] = [{"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob",
-                                           "name": "qwen3-30b-a3b-r3", "uid": "uid-old", "controller": True}]  # fmt: skip
+    ref = {"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob", "name": "qwen3-30b-a3b-r3", "uid": "uid-old"}
+    old["metadata"]["ownerReferences"] = [{**ref, "controller": True}]
     action = plan_action(want, old, job_uid="uid-new")
     assert action.verb == "conflict"
     assert action.why == (
