@@ -277,3 +277,14 @@ def test_longest_accepted_name_makes_every_child_within_its_limit() -> None:
     assert len(f"{engine}-0123456789") <= 63  # controller-revision-hash label: <statefulset>-<10-char hash>
     with pytest.raises(RLJobLoadError, match=r"metadata\.name"):
         parse_rljob({**base_manifest(), "metadata": {"name": longest + "a"}})
+
+
+@pytest.mark.parametrize("section", [("runPolicy",), ("model", "cache")], ids=".".join)
+def test_kubectl_explain_has_a_description_for_every_field_of(section: tuple[str, ...]) -> None:
+    # `kubectl explain rljob.spec.runPolicy` printed <no description> for fields whose model had no docstring.
+    node = _schema()["properties"]["spec"]
+    for key in section:
+        parent, node = node, node["properties"][key]
+    assert parent["properties"][section[-1]].get("description"), section
+    undescribed = [name for name, field in node["properties"].items() if not field.get("description")]
+    assert undescribed == []

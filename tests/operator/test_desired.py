@@ -512,7 +512,12 @@ def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_
     [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
     assert cache["kind"] == "PersistentVolumeClaim" and cache["spec"]["accessModes"] == ["ReadWriteMany"]
     assert cache["spec"]["resources"]["requests"]["storage"] == "200Gi"
-    assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # Kept by default: no ownerReference for the garbage collector, the creator and the model recorded.
+    assert "ownerReferences" not in cache["metadata"]
+    assert cache["metadata"]["annotations"] == {
+        "r3operator.io/retained-from-uid": "uid-1",
+        "r3operator.io/model-source": "hf://Qwen/Qwen3-30B-A3B@main",
+    }
     fetch_pod = by_kind["Job"]["spec"]["template"]["spec"]
     (fetch,) = fetch_pod["containers"]
     assert fetch["command"] == ["r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main"]
@@ -623,3 +628,10 @@ def test_reference_model_mounts_nothing_extra():
     for pod in _pod_specs(children).values():
         assert "initContainers" not in pod and all(v["name"] != "model" for v in pod["volumes"])
         assert "R3OPERATOR_MODEL_DIR" not in _env(pod["containers"][0])
+
+
+def test_a_model_cache_with_retain_policy_delete_goes_with_the_rljob():
+    children = desired(_job(**{"model.cache": {"retainPolicy": "Delete"}}))
+    [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
+    assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert "r3operator.io/retained-from-uid" not in cache["metadata"]["annotations"]
