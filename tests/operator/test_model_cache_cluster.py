@@ -211,9 +211,11 @@ def test_the_model_cache_outlives_its_rljob_and_is_adopted_again_or_named_by_ano
         assert second_fetch["metadata"]["uid"] != first_fetch["metadata"]["uid"]
         uid = cluster.get(paths(NS, job)["rljob"])["metadata"]["uid"]
         adopted = wait_for(
-            lambda: (c := _cache_claim(cluster, claim))
-            and c["metadata"]["annotations"].get("r3operator.io/retained-from-uid") == uid
-            and c,
+            lambda: (
+                (c := _cache_claim(cluster, claim))
+                and c["metadata"]["annotations"].get("r3operator.io/retained-from-uid") == uid
+                and c
+            ),
             what="the kept claim adopted by the new RLJob",
         )
         assert adopted["metadata"]["uid"] == kept["metadata"]["uid"]
@@ -230,8 +232,10 @@ def test_the_model_cache_outlives_its_rljob_and_is_adopted_again_or_named_by_ano
         _filled(cluster, throwaway)
         cluster.kubectl("delete", "rljob", throwaway, "-n", NS, "--wait=true", "--timeout=60s")
         wait_for(
-            lambda: (c := _cache_claim(cluster, f"{throwaway}-model-cache")) is None
-            or bool(c["metadata"].get("deletionTimestamp")),
+            lambda: (
+                (c := _cache_claim(cluster, f"{throwaway}-model-cache")) is None
+                or bool(c["metadata"].get("deletionTimestamp"))
+            ),
             timeout=60,
             what="the Delete-policy claim collected",
         )
