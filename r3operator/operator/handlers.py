@@ -149,7 +149,7 @@ async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: k
     spec = body.get("spec", {})
     storage = spec.get("storage") or {}
     cache = (spec.get("model") or {}).get("cache") or {}
-    kept = []
+    kept: list[str] = []
     if storage.get("retainPolicy") == "Retain" and not storage.get("existingClaim"):
         kept.append(f"{name}-routing")
     if cache.get("retainPolicy", "Retain") == "Retain" and not cache.get("claimName"):
