@@ -139,10 +139,8 @@ class ModelSpec(_Model):
     gcs: GCSAccess | None = None
     """HMAC credentials for a gs:// model (required with one: MODEL-GCS-CREDENTIALS)."""
     cache: ModelCacheSpec | None = None
-    """The volume an hf://, s3:// or gs:// model is fetched into once (docs/models.md); unset: a 200Gi
-    ReadWriteMany claim <job>-model-cache, kept when the RLJob is deleted."""
-    """Where hf://, s3:// and gs:// models are fetched to (unset: a per-job claim of the default size; unused by
-    the other schemes)."""
+    """Where hf://, s3:// and gs:// models are fetched to (unset: a per-job claim of the default size, kept when
+    the RLJob is deleted; unused by the other schemes)."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
     gates the code-loading flags in inference.extraArgs (rule EXTRA-ARGS-CODE-LOADING)."""

@@ -241,15 +241,16 @@ BAD_INPUT = [
     pytest.param(_set("spec.inference.extraArgs", ["--enforce-eager"] * 10_000), "FieldValueTooMany",
                  "spec.inference.extraArgs", "Too many: 10000: must have at most 32 items", id="10k-element-list"),
     # Refused by the CRD's root rule (child names append suffixes to the RLJob's, so it is capped below 63);
-    # a root rule has no fieldPath, so the cause names no field.
-    pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "<nil>", ROOT_RULE_MESSAGE, id="63-char-name"),
+    # its fieldPath names metadata.name (kubectl showed `<nil>` for a root rule without one).
+    pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "metadata.name", ROOT_RULE_MESSAGE,
+                 id="63-char-name"),
     # One past the longest name whose RayJob <job>-trainer fits KubeRay's 47 characters.
-    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "<nil>",
+    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "metadata.name",
                  "at most 39 characters, got 40: <job>-trainer names a RayJob", id="40-char-name"),
     # Not a DNS-1035 label: the engine Service <job>-engine could not be created.
-    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
                  id="name-starts-with-a-digit"),
-    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
                  id="name-with-a-dot"),
 ]  # fmt: skip
 
