@@ -56,7 +56,7 @@ def up(directory: Path, fleet: Fleet, with_kuberay: bool, with_kueue: bool = Tru
     pids = {name: proc.popen.pid for name, proc in plane.processes.items()}
     state.write_text(json.dumps({"pids": pids, "url": plane.url}, indent=2))
     nodes = f"{fleet.nodes} nodes × {fleet.gpus_per_node} GPUs"
-    extras = ", ".join(name for name in ("kuberay", "kueue", "lws") if name in plane.processes) or "no add-ons"
+    extras = ", ".join(name for name in ("kuberay-operator", "kueue", "lws") if name in plane.processes) or "no add-ons"
     print(f"control plane up in {plane.startup_seconds:.1f}s: {plane.url}, {nodes}, {extras}")
     print(f"logs in {plane.logs}")
     print(f"export KUBECONFIG={plane.kubeconfig}")
