@@ -52,7 +52,8 @@ $(TOOLS)/.stamp: scripts/install-tools.sh
 cluster:
 	bash scripts/install-cluster.sh $(TOOLS)
 
-# The same control plane for people: 16 fake 8-GPU nodes (tainted nvidia.com/gpu) + 2 CPU nodes, KubeRay.
+# The same control plane for people: 16 fake 8-GPU nodes (tainted nvidia.com/gpu) + 2 CPU nodes, KubeRay,
+# Kueue and LeaderWorkerSet (--no-kueue / --no-lws: PYTHONPATH=tests python -m kubecluster up --help).
 # Then: export KUBECONFIG=$(TOOLS)/cluster/kubeconfig
 cluster-up: venv tools cluster
 	PYTHONPATH=tests $(PY) -m kubecluster up --dir $(TOOLS)/cluster

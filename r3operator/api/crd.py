@@ -65,13 +65,16 @@ ROOT_RULES: list[JSON] = [
         "rule": f"self.metadata.name.matches('{names.DNS1035_LABEL_PATTERN}')",
         "messageExpression": "'metadata.name %s must be a DNS-1035 label (lower-case letters, digits and dashes, "
         "starting with a letter): it names the engine Service <job>-engine'.format([self.metadata.name])",
-        # No fieldPath: it must name a property the schema declares, and a CRD schema cannot declare metadata.
+        # fieldPath must name a property the schema declares: openapi_schema() declares metadata.name (the one
+        # metadata field a CRD may), so the refusal names the field instead of `<nil>`.
+        "fieldPath": ".metadata.name",
         "reason": "FieldValueInvalid",
     },
     {
         "rule": f"self.metadata.name.size() <= {names.MAX_JOB_NAME_LENGTH}",
         "messageExpression": f"'metadata.name must be at most {names.MAX_JOB_NAME_LENGTH} characters, got %d: "
         f"{_limits_text()}'.format([self.metadata.name.size()])",
+        "fieldPath": ".metadata.name",
         "reason": "FieldValueInvalid",
     },
 ]
@@ -154,7 +157,7 @@ def openapi_schema() -> JSON:
     defs = raw.pop("$defs", {})
     schema = _structural(_inline(raw, defs))
     schema.pop(_OPTIONAL, None)
-    schema["properties"]["metadata"] = {"type": "object"}
+    schema["properties"]["metadata"] = {"type": "object", "properties": {"name": {"type": "string"}}}
     schema["properties"]["apiVersion"] = {"type": "string"}
     schema["properties"]["kind"] = {"type": "string"}
     schema["required"] = ["spec"]

@@ -55,7 +55,7 @@ class AccessMode(StrEnum):
 
 
 class RetainPolicy(StrEnum):
-    """What happens to the routing-data PVC when the RLJob is deleted."""
+    """What happens to a claim the operator created (routing data, model cache) when the RLJob is deleted."""
 
     RETAIN = "Retain"
     DELETE = "Delete"

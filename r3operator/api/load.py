@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,33 +94,54 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+STDIN = Path("-")
+"""The file name that means standard input (`kubectl get rlj x -o yaml | r3operator explain -`)."""
+
+
+def source_name(path: Path) -> str:
+    return "<stdin>" if path == STDIN else str(path)
+
+
+def _read(path: Path) -> str:
+    if path == STDIN:
+        return sys.stdin.read()
+    return path.read_text(encoding="utf-8")
+
+
+def _is_list(doc: Any) -> bool:
+    return isinstance(doc, dict) and doc.get("kind") == "List" and doc.get("apiVersion") == "v1"
+
+
 def load_documents(path: Path) -> list[Any]:
+    """The YAML documents of ``path``, or of standard input for ``-``."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read(path)
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise RLJobLoadError(str(path), [FieldProblem("", f"cannot read file: {reason}")]) from None
+        raise RLJobLoadError(source_name(path), [FieldProblem("", f"cannot read file: {reason}")]) from None
     try:
         docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RLJobLoadError(str(path), [FieldProblem("", f"malformed YAML{where}: {problem}")]) from None
+        raise RLJobLoadError(source_name(path), [FieldProblem("", f"malformed YAML{where}: {problem}")]) from None
+    # `kubectl get rlj -o yaml` without a name prints a List: its items are the objects.
+    docs = [item for d in docs for item in ((d.get("items") or []) if _is_list(d) else [d])]
     if not docs:
-        raise RLJobLoadError(str(path), [FieldProblem("", "no YAML documents in file")])
+        raise RLJobLoadError(source_name(path), [FieldProblem("", "no YAML documents in file")])
     return docs
 
 
 def load_rljobs(path: Path) -> list[RLJob]:
     """All RLJobs in a (possibly multi-document) YAML file."""
     docs = load_documents(path)
-    source = str(path)
+    source = source_name(path)
     return [parse_rljob(doc, source=source if len(docs) == 1 else f"{source}#{i}") for i, doc in enumerate(docs)]
 
 
 def load_rljob(path: Path) -> RLJob:
     jobs = load_rljobs(path)
     if len(jobs) != 1:
-        raise RLJobLoadError(str(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")])
+        raise RLJobLoadError(source_name(path), [FieldProblem("", f"expected one RLJob, found {len(jobs)} documents")])
     return jobs[0]

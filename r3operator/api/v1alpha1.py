@@ -117,8 +117,14 @@ class ModelCacheSpec(_Model):
     size: Quantity = "200Gi"
     """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
     storage_class_name: str | None = Field(default=None, max_length=253)
+    """StorageClass of the created claim; unset: the cluster's default class."""
     access_mode: AccessMode = AccessMode.READ_WRITE_MANY
     """ReadWriteMany lets engine and trainer pods on several nodes read it; ReadWriteOnce fits one node."""
+    retain_policy: RetainPolicy = RetainPolicy.RETAIN
+    """What happens to the created claim when the RLJob is deleted (or its ttlSecondsAfterFinished passes).
+    Retain (default): it stays, with the model in it; an RLJob applied again under the same name adopts it and
+    its fetch finds the verified copy and downloads nothing; another RLJob reuses it with model.cache.claimName.
+    Delete: it goes with the RLJob."""
 
 
 class ModelSpec(_Model):
@@ -133,8 +139,8 @@ class ModelSpec(_Model):
     gcs: GCSAccess | None = None
     """HMAC credentials for a gs:// model (required with one: MODEL-GCS-CREDENTIALS)."""
     cache: ModelCacheSpec | None = None
-    """Where hf://, s3:// and gs:// models are fetched to (unset: a per-job claim of the default size; unused by
-    the other schemes)."""
+    """Where hf://, s3:// and gs:// models are fetched to (unset: a per-job claim of the default size, kept when
+    the RLJob is deleted; unused by the other schemes)."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (vLLM --trust-remote-code). Off by default: it also
     gates the code-loading flags in inference.extraArgs (rule EXTRA-ARGS-CODE-LOADING)."""
@@ -383,7 +389,10 @@ class RunPolicy(_Model):
     suspend: bool = False
     """Scale engines to zero and suspend the trainer; resume restores."""
     backoff_limit: int = Field(default=3, ge=0, le=100)
+    """Retries of the trainer RayJob (KubeRay's backoffLimit) and of the model-fetch Job before the job is Failed."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Wall-clock limit of the trainer RayJob in seconds (KubeRay's activeDeadlineSeconds); past it the job is
+    Failed. Unset: no limit."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete workloads this long after Succeeded/Failed; the RLJob (and a Retained PVC) stay."""
 
@@ -411,6 +420,7 @@ class RLJobSpec(_Model):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    """Suspend and resume, retries, a deadline and the clean-up after the end."""
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     upgrade_policy: UpgradePolicySpec = Field(default_factory=UpgradePolicySpec)
     """Engine and trainer image changes: a fidelity canary first, then roll on or back (docs/operator.md)."""

@@ -33,7 +33,9 @@ class OutputFormat(StrEnum):
     YAML = "yaml"
 
 
-FilesArg = Annotated[list[Path], typer.Argument(help="RLJob YAML files (multi-document files allowed).")]
+FilesArg = Annotated[
+    list[Path], typer.Argument(help="RLJob YAML files (multi-document files allowed); - reads standard input.")
+]
 OutputOption = Annotated[OutputFormat, typer.Option("--output", "-o", help="text, json or yaml")]
 
 
@@ -80,7 +82,9 @@ def validate(
 
 @app.command()
 def explain(
-    file: Annotated[Path, typer.Argument(help="An RLJob YAML file (multi-document files allowed).")],
+    file: Annotated[
+        Path, typer.Argument(help="An RLJob YAML file (multi-document files allowed); - reads standard input.")
+    ],
     output_format: OutputOption = OutputFormat.TEXT,
     leader_worker_set: LeaderWorkerSetOption = None,
 ) -> None:

@@ -39,7 +39,7 @@ def render_yaml(children: list[dict[str, Any]]) -> str:
 
 
 def render(
-    file: Annotated[Path, typer.Argument(help="RLJob YAML file (multi-document files allowed).")],
+    file: Annotated[Path, typer.Argument(help="RLJob YAML file (multi-document files allowed); - reads stdin.")],
     no_pod_monitor: Annotated[
         bool, typer.Option("--no-pod-monitor", help="Render as for a cluster without the Prometheus Operator.")
     ] = False,

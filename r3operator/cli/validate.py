@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from r3operator.api import RLJobLoadError, Severity, evaluate, load_rljobs
+from r3operator.api.load import source_name
 from r3operator.api.rules import errors
 from r3operator.cli.cluster_facts import rule_context
 
@@ -53,7 +54,7 @@ def validate_files(files: list[Path], *, leader_worker_set: bool | None = None) 
                 results.rows.append(Row(exc.source, "schema", Severity.ERROR.value, p.field, p.message))
             continue
         findings = [f for job in jobs for f in evaluate(job.spec, context=rule_context(job.spec, leader_worker_set))]
-        results.rows += [Row(str(path), f.rule, f.severity.value, f.field, f.message) for f in findings]
+        results.rows += [Row(source_name(path), f.rule, f.severity.value, f.field, f.message) for f in findings]
         if not errors(findings):
-            results.files_ok.append(str(path))
+            results.files_ok.append(source_name(path))
     return results

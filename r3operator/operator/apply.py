@@ -75,11 +75,17 @@ def is_ours(have: dict[str, Any], job_uid: str | None) -> bool:
 
 
 def describe_owner(have: dict[str, Any]) -> str:
-    """Who controls ``have``, for the NameConflict message."""
-    for ref in (have.get("metadata") or {}).get("ownerReferences") or []:
+    """Who controls ``have``, for the NameConflict message; an object being deleted (typically a child of a
+    deleted RLJob of the same name, a claim waiting for its pods) says so: the conflict ends by itself."""
+    metadata = have.get("metadata") or {}
+    owner = "not controlled by this RLJob (no controller ownerReference)"
+    for ref in metadata.get("ownerReferences") or []:
         if ref.get("controller"):
-            return f"controlled by {ref.get('kind')}/{ref.get('name')} (uid {ref.get('uid')})"
-    return "not controlled by this RLJob (no controller ownerReference)"
+            owner = f"controlled by {ref.get('kind')}/{ref.get('name')} (uid {ref.get('uid')})"
+            break
+    if metadata.get("deletionTimestamp"):
+        return f"{owner}, terminating since {metadata['deletionTimestamp']}: retrying until it is gone"
+    return owner
 
 
 def _hash(obj: dict[str, Any], *path: str) -> str | None:

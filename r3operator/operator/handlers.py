@@ -11,6 +11,7 @@ Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers -
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -43,6 +44,9 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
+    # `kubectl describe` shows the component as the Events' `From`: this operator, not the framework.
+    settings.posting.reporting_component = meta.EVENT_COMPONENT
+    settings.posting.reporting_instance = socket.gethostname()
     if unknown := unknown_variables():
         logger.warning("ignored: %s (not a setting; see docs/operator.md, Settings)", ", ".join(unknown))
     if CONFIG.metrics_port:
@@ -134,21 +138,27 @@ async def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any) -> None:
-    """Retain: make sure the routing PVC has no ownerReference left, so the GC keeps it.
+    """Retain: make sure the routing and model cache claims have no ownerReference left, so the GC keeps them.
 
     A Retain PVC is created without one; this covers a policy flipped to Retain shortly before the
-    delete (before a reconcile dropped the reference). Delete policy: the GC removes the children.
+    delete (before a reconcile dropped the reference), and a model cache created with one by an operator
+    from before its retainPolicy. Delete policy: the GC removes the children.
     """
     if namespace is None:  # kopf types it optional for cluster-scoped kinds; the RLJob CRD is namespaced
         raise kopf.PermanentError(f"rljob {name} has no namespace")
     spec = body.get("spec", {})
     storage = spec.get("storage") or {}
-    client = reconciler().client
+    cache = (spec.get("model") or {}).get("cache") or {}
+    kept: list[str] = []
     if storage.get("retainPolicy") == "Retain" and not storage.get("existingClaim"):
-        claim = f"{name}-routing"
+        kept.append(f"{name}-routing")
+    if cache.get("retainPolicy", "Retain") == "Retain" and not cache.get("claimName"):
+        kept.append(f"{name}-model-cache")
+    client = reconciler().client
+    uid = body.get("metadata", {}).get("uid")
+    for claim in kept:
         pvc = await client.get(KINDS["PersistentVolumeClaim"], namespace, claim)
         refs = (pvc or {}).get("metadata", {}).get("ownerReferences") or []
-        uid = body.get("metadata", {}).get("uid")
         if any(r.get("uid") == uid for r in refs):  # only this RLJob's own reference, on its own claim
             others = [r for r in refs if r.get("uid") != uid]
             patch = {"metadata": {"ownerReferences": others or None}}

@@ -13,6 +13,8 @@ from r3operator.api.v1alpha1 import API_VERSION, KIND, RLJob
 
 APP_NAME = "r3operator"
 MANAGED_BY = "r3operator"
+EVENT_COMPONENT = "r3operator"
+"""The Events' reporting component (`From:` in `kubectl describe`)."""
 PREFIX = "r3operator.io"
 LABEL_JOB = f"{PREFIX}/job"
 LABEL_ROLE = f"{PREFIX}/role"
@@ -22,6 +24,8 @@ ANNOTATION_POD_HASH = f"{PREFIX}/pod-hash"
 """On the model-fetch Job: hash of the pod customisation it runs with; a new one replaces a Job not yet complete."""
 ANNOTATION_RETAINED_FROM = f"{PREFIX}/retained-from-uid"
 """On a Retain PVC: the uid of the RLJob that created it (the PVC has no ownerReference)."""
+ANNOTATION_MODEL_SOURCE = f"{PREFIX}/model-source"
+"""On a created model cache claim: the model URI (and @revision) it was made for."""
 FINALIZER = f"{PREFIX}/finalizer"
 
 # GPU nodes carry the taint nvidia.com/gpu:NoSchedule (the NVIDIA GPU Operator's and the managed clouds'

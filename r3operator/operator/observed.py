@@ -36,7 +36,7 @@ class Observed:
     workloads_deleted: bool = False
     """ttlSecondsAfterFinished elapsed and the workloads are gone."""
     name_conflict: str | None = None
-    """``Kind/name …`` of a child's name held by an object this RLJob does not control."""
+    """``Kind/name …`` of every child name held by an object this RLJob does not control, ``; ``-separated."""
     missing_claims: tuple[str, ...] = ()
     """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
     missing_references: tuple[str, ...] = ()

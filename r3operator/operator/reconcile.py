@@ -291,7 +291,7 @@ class Reconciler:
             read = await self._read(children, known=known)
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
-            conflict = conflicts[0] if conflicts else None
+            conflict = "; ".join(conflicts) if conflicts else None
             missing = await self._missing_claims(job) if finish is None else ()
             if conflict is not None or missing or missing_refs:
                 outcome.valid = False

@@ -80,7 +80,8 @@ def _valid(job: RLJob, obs: Observed) -> Desired:
             T.VALID,
             S.FALSE,
             Reason.NAME_CONFLICT,
-            f"{obs.name_conflict}; nothing was changed: rename the RLJob or remove that object",
+            f"{obs.name_conflict}; nothing was changed: rename the RLJob or remove those objects (one that is "
+            "terminating goes by itself)",
         )
     if obs.missing_claims:
         claims = ", ".join(f"PersistentVolumeClaim/{c}" for c in obs.missing_claims)
@@ -120,6 +121,9 @@ _ADMITTED: dict[AdmissionState, tuple[S, Reason]] = {
 
 def _admitted(obs: Observed) -> Desired:
     admission = obs.admission
+    if not obs.kueue_installed and admission.state is not AdmissionState.NOT_QUEUED:
+        # Nothing can admit it, and nothing was created to hold back: not "waiting", not "suspended".
+        return Desired(T.ADMITTED, S.FALSE, Reason.KUEUE_MISSING, "no Kueue is installed to admit spec.queueName")
     status, reason = _ADMITTED[admission.state]
     message = admission.message
     if admission.state is AdmissionState.PENDING:
@@ -201,7 +205,8 @@ def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
         return Desired(T.TRAINER_READY, S.FALSE, Reason.NOT_CREATED, "the trainer RayJob does not exist yet")
     deployment, job_status, message = _ray_status(obs)
     if deployment == "Running":
-        return Desired(T.TRAINER_READY, S.TRUE, Reason.TRAINER_RUNNING, f"RayJob running (jobStatus {job_status})")
+        detail = f"jobStatus {job_status}" if job_status else "the Ray job has reported no jobStatus yet"
+        return Desired(T.TRAINER_READY, S.TRUE, Reason.TRAINER_RUNNING, f"RayJob running ({detail})")
     if deployment in ("Failed", "ValidationFailed"):
         return Desired(T.TRAINER_READY, S.FALSE, Reason.TRAINER_FAILED, message or f"RayJob {deployment}")
     if meta.ROLE_TRAINER in obs.unschedulable:
@@ -287,7 +292,7 @@ def _model_fetch(job: RLJob, obs: Observed) -> Desired:
 
 
 def _suspended(job: RLJob, obs: Observed, admitted: Desired) -> Desired:
-    held = admitted.status is not S.TRUE and admitted.reason is not Reason.QUOTA_RELEASED
+    held = admitted.reason in (Reason.WAITING_FOR_ADMISSION, Reason.EVICTED)
     if not is_suspended(job) and not held:
         return Desired(T.SUSPENDED, S.FALSE, Reason.ACTIVE, "runPolicy.suspend is false")
     sts_pods = int(((obs.engine_set or {}).get("status") or {}).get("replicas") or 0)

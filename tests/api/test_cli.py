@@ -228,3 +228,40 @@ def test_validate_yaml_rows(tmp_path: Path) -> None:
     CASES["EXTRA-ARGS-DERIVED"][1](manifest)
     result = runner.invoke(app, ["validate", "-o", "yaml", str(_write(tmp_path, "j.yaml", yaml.safe_dump(manifest)))])
     assert result.exit_code == 1 and yaml.safe_load(result.stdout)[0]["rule"] == "EXTRA-ARGS-DERIVED"
+
+
+def _as_kubectl_prints_it() -> dict:
+    """The Qwen3 example as `kubectl get rlj NAME -o yaml` prints it: server fields, status, managedFields."""
+    doc = yaml.safe_load(QWEN.read_text())
+    managed = [{"manager": "kubectl", "operation": "Apply", "fieldsType": "FieldsV1"}]
+    doc["metadata"].update(uid="3f1c", resourceVersion="123", generation=2, managedFields=managed)
+    ready = {"type": "Ready", "status": "False", "reason": "X", "lastTransitionTime": "2026-11-26T06:00:00Z"}
+    doc["status"] = {"observedGeneration": 2, "conditions": [ready]}
+    return doc
+
+
+@pytest.mark.parametrize("command", ["validate", "explain", "render"])
+def test_a_dash_reads_a_piped_object_or_list_from_standard_input(command: str) -> None:
+    # kubectl get rlj qwen3-30b-a3b-r3 -o yaml | r3operator explain -
+    one = yaml.safe_dump(_as_kubectl_prints_it())
+    result = runner.invoke(app, [command, "-"], input=one, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    direct = runner.invoke(app, [command, str(QWEN)], terminal_width=200)
+    if command == "validate":
+        assert result.stdout == direct.stdout.replace(str(QWEN), "<stdin>")
+    elif command == "render":  # the live object has a uid, so ownerReferences: the same objects and specs
+
+        def objects(text: str) -> list[tuple[str, str, object]]:
+            return [(d["kind"], d["metadata"]["name"], d.get("spec")) for d in yaml.safe_load_all(text) if d]
+
+        assert objects(result.stdout) == objects(direct.stdout)
+    else:
+        assert result.stdout == direct.stdout
+    # kubectl get rlj -o yaml (no name) prints a List of them.
+    listed = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [_as_kubectl_prints_it()]})
+    assert runner.invoke(app, [command, "-"], input=listed, terminal_width=200).stdout == result.stdout
+
+
+def test_a_dash_with_nothing_piped_is_exit_2_naming_stdin() -> None:
+    result = runner.invoke(app, ["validate", "-"], input="")
+    assert result.exit_code == 2 and "<stdin>" in result.stderr and "no YAML documents" in result.stderr

@@ -241,15 +241,16 @@ BAD_INPUT = [
     pytest.param(_set("spec.inference.extraArgs", ["--enforce-eager"] * 10_000), "FieldValueTooMany",
                  "spec.inference.extraArgs", "Too many: 10000: must have at most 32 items", id="10k-element-list"),
     # Refused by the CRD's root rule (child names append suffixes to the RLJob's, so it is capped below 63);
-    # a root rule has no fieldPath, so the cause names no field.
-    pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "<nil>", ROOT_RULE_MESSAGE, id="63-char-name"),
+    # its fieldPath names metadata.name (kubectl showed `<nil>` for a root rule without one).
+    pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "metadata.name", ROOT_RULE_MESSAGE,
+                 id="63-char-name"),
     # One past the longest name whose RayJob <job>-trainer fits KubeRay's 47 characters.
-    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "<nil>",
+    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "metadata.name",
                  "at most 39 characters, got 40: <job>-trainer names a RayJob", id="40-char-name"),
     # Not a DNS-1035 label: the engine Service <job>-engine could not be created.
-    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
                  id="name-starts-with-a-digit"),
-    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "<nil>", "must be a DNS-1035 label",
+    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
                  id="name-with-a-dot"),
 ]  # fmt: skip
 
@@ -277,3 +278,14 @@ def test_longest_accepted_name_makes_every_child_within_its_limit() -> None:
     assert len(f"{engine}-0123456789") <= 63  # controller-revision-hash label: <statefulset>-<10-char hash>
     with pytest.raises(RLJobLoadError, match=r"metadata\.name"):
         parse_rljob({**base_manifest(), "metadata": {"name": longest + "a"}})
+
+
+@pytest.mark.parametrize("section", [("runPolicy",), ("model", "cache")], ids=".".join)
+def test_kubectl_explain_has_a_description_for_every_field_of(section: tuple[str, ...]) -> None:
+    # `kubectl explain rljob.spec.runPolicy` printed <no description> for fields whose model had no docstring.
+    node = _schema()["properties"]["spec"]
+    for key in section:
+        parent, node = node, node["properties"][key]
+    assert parent["properties"][section[-1]].get("description"), section
+    undescribed = [name for name, field in node["properties"].items() if not field.get("description")]
+    assert undescribed == []

@@ -1,6 +1,7 @@
 """`make cluster-up` / `make cluster-down`: the test control plane for people.
 
-    PYTHONPATH=tests python -m kubecluster up [--dir .tools/cluster] [--nodes 16] [--gpus-per-node 8] [--no-kuberay]
+    PYTHONPATH=tests python -m kubecluster up [--dir .tools/cluster] [--nodes 16] [--gpus-per-node 8]
+                                             [--no-kuberay] [--no-kueue] [--no-lws]
     PYTHONPATH=tests python -m kubecluster down [--dir .tools/cluster]
     PYTHONPATH=tests python -m kubecluster status [--dir .tools/cluster]
     PYTHONPATH=tests python -m kubecluster walkthrough --out FILE [--docs docs/install.md]
@@ -34,7 +35,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def up(directory: Path, fleet: Fleet, with_kuberay: bool) -> int:
+def up(directory: Path, fleet: Fleet, with_kuberay: bool, with_kueue: bool = True, with_lws: bool = True) -> int:
+    """Start the control plane and leave it running; Kueue and LeaderWorkerSet too unless switched off, as
+    docs/install.md's walk-through and the Kueue and LWS examples need them."""
     state = directory / "state.json"
     if state.exists() and any(_alive(p) for p in json.loads(state.read_text())["pids"].values()):
         print(f"a control plane is already running from {directory} (make cluster-down first)", file=sys.stderr)
@@ -43,13 +46,18 @@ def up(directory: Path, fleet: Fleet, with_kuberay: bool) -> int:
     plane = ControlPlane(directory, binaries_dir(), fleet=fleet, with_kuberay=with_kuberay)
     try:
         plane.start()
+        if with_kueue:
+            plane.start_kueue()
+        if with_lws:
+            plane.start_lws()
     except Exception:
         plane.stop()
         raise
     pids = {name: proc.popen.pid for name, proc in plane.processes.items()}
     state.write_text(json.dumps({"pids": pids, "url": plane.url}, indent=2))
     nodes = f"{fleet.nodes} nodes × {fleet.gpus_per_node} GPUs"
-    print(f"control plane up in {plane.startup_seconds:.1f}s: {plane.url}, {nodes}")
+    extras = ", ".join(name for name in ("kuberay-operator", "kueue", "lws") if name in plane.processes) or "no add-ons"
+    print(f"control plane up in {plane.startup_seconds:.1f}s: {plane.url}, {nodes}, {extras}")
     print(f"logs in {plane.logs}")
     print(f"export KUBECONFIG={plane.kubeconfig}")
     return 0
@@ -99,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=Fleet.gpus_per_node)
     parser.add_argument("--cpu-nodes", type=int, default=Fleet.cpu_nodes)
     parser.add_argument("--no-kuberay", action="store_true")
+    parser.add_argument("--no-kueue", action="store_true", help="leave Kueue out (RLJobs with spec.queueName)")
+    parser.add_argument("--no-lws", action="store_true", help="leave LeaderWorkerSet out (multi-node engines)")
     args = parser.parse_args(args_in)
     directory = args.dir.resolve()
     if args.command == "up":
         fleet = Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu_nodes=args.cpu_nodes)
-        return up(directory, fleet, not args.no_kuberay)
+        return up(directory, fleet, not args.no_kuberay, not args.no_kueue, not args.no_lws)
     if args.command == "down":
         return down(directory)
     return status(directory)

@@ -225,6 +225,20 @@ def test_an_object_under_a_child_name_that_this_rljob_does_not_control_is_a_conf
     assert plan_action(want, labelled, job_uid="uid-1").verb == "conflict"
 
 
+def test_a_conflicting_object_that_is_being_deleted_is_reported_as_terminating():
+    # A same-named RLJob deleted and applied again: the old claim waits for its pods before it goes.
+    want = _by_kind(desired(_job()))["PersistentVolumeClaim"]
+    old = _observed(want, deletionTimestamp="2026-11-26T07:00:00Z")
+    ref = {"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob", "name": "qwen3-30b-a3b-r3", "uid": "uid-old"}
+    old["metadata"]["ownerReferences"] = [{**ref, "controller": True}]
+    action = plan_action(want, old, job_uid="uid-new")
+    assert action.verb == "conflict"
+    assert action.why == (
+        "controlled by RLJob/qwen3-30b-a3b-r3 (uid uid-old), terminating since 2026-11-26T07:00:00Z: "
+        "retrying until it is gone"
+    )
+
+
 def test_a_foreign_key_in_our_config_map_is_not_a_difference_and_a_changed_key_of_ours_is():
     want = _by_kind(desired(_job()))["ConfigMap"]
     have = _observed(want)
@@ -500,7 +514,12 @@ def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_
     [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
     assert cache["kind"] == "PersistentVolumeClaim" and cache["spec"]["accessModes"] == ["ReadWriteMany"]
     assert cache["spec"]["resources"]["requests"]["storage"] == "200Gi"
-    assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # Kept by default: no ownerReference for the garbage collector, the creator and the model recorded.
+    assert "ownerReferences" not in cache["metadata"]
+    assert cache["metadata"]["annotations"] == {
+        "r3operator.io/retained-from-uid": "uid-1",
+        "r3operator.io/model-source": "hf://Qwen/Qwen3-30B-A3B@main",
+    }
     fetch_pod = by_kind["Job"]["spec"]["template"]["spec"]
     (fetch,) = fetch_pod["containers"]
     assert fetch["command"] == ["r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main"]
@@ -611,3 +630,10 @@ def test_reference_model_mounts_nothing_extra():
     for pod in _pod_specs(children).values():
         assert "initContainers" not in pod and all(v["name"] != "model" for v in pod["volumes"])
         assert "R3OPERATOR_MODEL_DIR" not in _env(pod["containers"][0])
+
+
+def test_a_model_cache_with_retain_policy_delete_goes_with_the_rljob():
+    children = desired(_job(**{"model.cache": {"retainPolicy": "Delete"}}))
+    [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
+    assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert "r3operator.io/retained-from-uid" not in cache["metadata"]["annotations"]

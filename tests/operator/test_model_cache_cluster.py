@@ -177,3 +177,65 @@ def test_a_missing_credentials_secret_is_valid_false_with_its_name_until_it_is_c
             timeout=30,
             what="Valid=True",
         )
+
+
+def _cache_claim(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    return cluster.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{name}")
+
+
+def _filled(cluster: Cluster, job: str) -> dict[str, Any]:
+    done = wait_for(lambda: (j := _fetch_job(cluster, job)) and condition(j, "Complete") and j, what=f"{job} filled")
+    return dict(done)
+
+
+def test_the_model_cache_outlives_its_rljob_and_is_adopted_again_or_named_by_another(cluster: Cluster) -> None:
+    job, other, throwaway = "kept-cache", "reuses-cache", "dropped-cache"
+    claim = f"{job}-model-cache"
+    with running_operator(cluster, NS):
+        cluster.apply(small(job))
+        first_fetch = _filled(cluster, job)
+        kept = _cache_claim(cluster, claim)
+        assert kept is not None and not kept["metadata"].get("ownerReferences")
+        assert kept["metadata"]["annotations"]["r3operator.io/model-source"] == "hf://Qwen/Qwen3-30B-A3B@main"
+        cluster.kubectl("delete", "rljob", job, "-n", NS, "--wait=true", "--timeout=60s")
+        # The garbage collector takes what the RLJob owned (the fetch Job among them); the model copy stays.
+        wait_for(lambda: _fetch_job(cluster, job) is None, timeout=60, what="the old fetch Job collected")
+        still = _cache_claim(cluster, claim)
+        assert still is not None and still["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert not still["metadata"].get("deletionTimestamp")
+
+        # Applied again under the same name: the kept claim is adopted (no second claim), and the new fetch
+        # Job runs against it (`r3operator fetch` finds the verified copy there: tests/runtime/test_fetch.py).
+        cluster.apply(small(job))
+        second_fetch = _filled(cluster, job)
+        assert second_fetch["metadata"]["uid"] != first_fetch["metadata"]["uid"]
+        uid = cluster.get(paths(NS, job)["rljob"])["metadata"]["uid"]
+        adopted = wait_for(
+            lambda: (
+                (c := _cache_claim(cluster, claim))
+                and c["metadata"]["annotations"].get("r3operator.io/retained-from-uid") == uid
+                and c
+            ),
+            what="the kept claim adopted by the new RLJob",
+        )
+        assert adopted["metadata"]["uid"] == kept["metadata"]["uid"]
+
+        # Another RLJob of the same model names the kept claim: no claim of its own, its fetch fills that one.
+        cluster.apply(small(other, **{"model.cache": {"claimName": claim}}))
+        fetch = _filled(cluster, other)
+        [volume] = fetch["spec"]["template"]["spec"]["volumes"]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim
+        assert _cache_claim(cluster, f"{other}-model-cache") is None
+
+        # retainPolicy Delete: the claim goes with its RLJob.
+        cluster.apply(small(throwaway, **{"model.cache": {"retainPolicy": "Delete"}}))
+        _filled(cluster, throwaway)
+        cluster.kubectl("delete", "rljob", throwaway, "-n", NS, "--wait=true", "--timeout=60s")
+        wait_for(
+            lambda: (
+                (c := _cache_claim(cluster, f"{throwaway}-model-cache")) is None
+                or bool(c["metadata"].get("deletionTimestamp"))
+            ),
+            timeout=60,
+            what="the Delete-policy claim collected",
+        )

@@ -120,10 +120,12 @@ def test_names_held_by_foreign_objects_are_reported_and_never_touched(cluster: C
     theirs = {key: cluster.get(paths(NS, job)[key]) for key in ("rb", "svc", "cm")}
     cluster.apply(example(job, NS))
     cond = _cond(cluster, job, "Valid", "False", "NameConflict")
-    assert "ConfigMap/team-config" in cond["message"]
+    for held in ("ConfigMap/team-config", "Service/team-engine", "RoleBinding/team-trainer"):
+        assert held in cond["message"]  # every name held, not only the first
     assert _cond(cluster, job, "Ready", "False")["reason"] == "NameConflict"
     _passes(cluster, job, 3)
-    assert len(_events(cluster, job, "NameConflict")) == 1
+    (event,) = _events(cluster, job, "NameConflict")
+    assert event["source"]["component"] == event["reportingComponent"] == "r3operator"  # `From:` in describe
     for key, obj in theirs.items():
         assert cluster.get(paths(NS, job)[key])["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
     assert _operator_writes(cluster, f"{job}-") == [], "nothing under the RLJob's child names is written"

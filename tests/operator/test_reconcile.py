@@ -122,9 +122,28 @@ def test_a_foreign_rayjob_under_the_trainer_name_is_not_believed_and_not_touched
     assert [e.reason for e in outcome.events if e.type == "Warning"] == ["NameConflict"]
 
 
-def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_last():
+def _expire(client: FakeClient) -> list[str]:
+    """The RayJob ends (long ago) and the next pass runs past ttlSecondsAfterFinished: the kinds it deleted."""
+    ray = client.objects[("rayjobs", "rl", "job-trainer")]
+    ray["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2025-12-31T23:00:00Z"}
+    client.writes.clear()
+    _reconcile(client, client.objects[("rljobs", "rl", "job")])
+    return [w[1] for w in client.writes if w[0] == "delete"]
+
+
+def test_the_ttl_keeps_the_model_cache_by_default():
     client = FakeClient()
     body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
+    _reconcile(client, body)
+    deletes = _expire(client)
+    assert deletes.count("persistentvolumeclaims") == 1  # the routing claim; the model copy stays
+    assert ("persistentvolumeclaims", "rl", "job-model-cache") in client.objects
+
+
+def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_last():
+    client = FakeClient()
+    body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete",
+                                "model.cache": {"retainPolicy": "Delete"}}))  # fmt: skip
     _reconcile(client, body)
     ray = client.objects[("rayjobs", "rl", "job-trainer")]
     ray["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2025-12-31T23:00:00Z"}

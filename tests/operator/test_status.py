@@ -18,6 +18,7 @@ from spec_edits import apply_edits
 from r3operator.api.load import parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import Condition, Progress, RLJob, RLJobStatus
+from r3operator.operator.admission import read_admission
 from r3operator.operator.canary import CanaryResult, check_routed_experts, run_canary
 from r3operator.operator.desired import desired
 from r3operator.operator.hashing import engine_spec_hash
@@ -251,3 +252,26 @@ def test_a_filling_model_cache_is_progress_and_a_failed_fetch_stops_the_job_nami
     assert "kubectl logs job/qwen3-30b-a3b-r3-model-fetch" in failed["Progressing"].message
     assert "BackoffLimitExceeded" in failed["Progressing"].message
     assert (failed["TrainerReady"].status, failed["Ready"].reason) == ("False", "ModelFetchFailed")
+
+
+def test_a_queued_job_without_kueue_says_kueue_missing_and_neither_waiting_nor_suspended():
+    job = _job(**{"queueName": "gpu-research"})
+    obs = Observed(kueue_installed=False, admission=read_admission("gpu-research", None))
+    c = _conds(compute_status(job, obs, T0))
+    assert (c["Valid"].status, c["Valid"].reason) == ("False", "KueueMissing")
+    assert (c["Admitted"].status, c["Admitted"].reason) == ("False", "KueueMissing")
+    assert c["Suspended"].status == "False" and c["Suspended"].reason != "WaitingForAdmission"
+    assert not [name for name, cond in c.items() if cond.reason == "WaitingForAdmission"]
+    assert c["Ready"].reason == "KueueMissing"
+
+
+def test_trainer_ready_says_when_the_ray_job_has_no_status_yet_instead_of_empty_brackets():
+    job = _job()
+    no_status = {"spec": {"suspend": False}, "status": {"jobDeploymentStatus": "Running"}}
+    message = _conds(compute_status(job, Observed(engine_set=_ready_sts(job), ray_job=no_status), T0))[
+        "TrainerReady"
+    ].message
+    assert "()" not in message and "( " not in message and "jobStatus )" not in message
+    assert message == "RayJob running (the Ray job has reported no jobStatus yet)"
+    running = _conds(compute_status(job, Observed(engine_set=_ready_sts(job), ray_job=_running_rayjob()), T0))
+    assert running["TrainerReady"].message == "RayJob running (jobStatus RUNNING)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api.enums import RetainPolicy
 from r3operator.api.pods import PodTemplate
 from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
 from r3operator.engine.args import model_source
@@ -66,10 +67,22 @@ def model_cache_claim_name(job: RLJob) -> str:
 
 
 def build_model_cache_claim(job: RLJob) -> dict[str, Any] | None:
-    """``<job>-model-cache``, or None when the model is not fetched or the user names a shared claim."""
+    """``<job>-model-cache``, or None when the model is not fetched or the user names a shared claim.
+
+    ``retainPolicy: Retain`` (the default: a model copy is what people keep) works as for the routing claim
+    (builders/storage.py): no ownerReference, so the garbage collector leaves it when the RLJob goes, the
+    creating RLJob's uid in an annotation, and an RLJob applied again under the same name adopts it; its
+    fetch then finds the verified copy and downloads nothing. The annotation ``r3operator.io/model-source``
+    says which model the claim was made for, to find it for ``model.cache.claimName`` of another RLJob.
+    """
     cache = cache_spec(job)
     if not uses_model_cache(job) or cache.claim_name:
         return None
+    retain = cache.retain_policy is RetainPolicy.RETAIN
+    model = job.spec.model
+    annotations = {meta.ANNOTATION_MODEL_SOURCE: f"{model.uri}@{model.revision}" if model.revision else model.uri}
+    if retain and job.metadata.uid:
+        annotations[meta.ANNOTATION_RETAINED_FROM] = job.metadata.uid
     spec: dict[str, Any] = {
         "accessModes": [cache.access_mode.value],
         "resources": {"requests": {"storage": cache.size}},
@@ -79,7 +92,7 @@ def build_model_cache_claim(job: RLJob) -> dict[str, Any] | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": meta.object_meta(job, meta.ROLE_MODEL_CACHE),
+        "metadata": meta.object_meta(job, meta.ROLE_MODEL_CACHE, owned=not retain, annotations=annotations),
         "spec": spec,
     }
 
