@@ -56,6 +56,8 @@ def _upgrade_blocked(obs: Observed) -> Desired:
         return Desired(T.UPGRADE_BLOCKED, S.FALSE, Reason.NO_UPGRADE, "no engine image change so far")
     if upgrade.phase == "Blocked":
         return Desired(T.UPGRADE_BLOCKED, S.TRUE, Reason.CANARY_FAILED, upgrade.message)
+    if obs.upgrade_unschedulable is not None:
+        return Desired(T.UPGRADE_BLOCKED, S.TRUE, Reason.CANARY_UNSCHEDULABLE, upgrade.message)
     what = f"{upgrade.from_image} → {upgrade.to}: {upgrade.message}"
     return Desired(T.UPGRADE_BLOCKED, S.FALSE, _UPGRADE_REASONS[upgrade.phase], what)
 
@@ -425,16 +427,13 @@ def status_changed(old: RLJobStatus | None, new: RLJobStatus) -> bool:
     return _comparable(old) != _comparable(new)
 
 
-def status_patch(status: RLJobStatus, *, new_upgrade_attempt: bool = False) -> dict[str, Any]:
-    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's) nor
-    ``upgrade.canary`` (the canary Job's verdict), except that a new upgrade attempt removes the last
-    attempt's verdict."""
+def status_patch(status: RLJobStatus) -> dict[str, Any]:
+    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's). The upgrade
+    is written whole, unset fields as null, so that nothing another writer put there survives the patch."""
     data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     data.pop("progress", None)
-    if "upgrade" in data:
-        data["upgrade"].pop("canary", None)
-        if new_upgrade_attempt:
-            data["upgrade"]["canary"] = None
+    if status.upgrade is not None:
+        data["upgrade"] = status.upgrade.model_dump(mode="json", by_alias=True)
     if status.completion_time is None:
         data["completionTime"] = None  # a merge patch removes an end someone else wrote
     return {"status": data}
