@@ -383,8 +383,10 @@ def _plan_trainer(
     if passed is True:
         return UpgradePlan(judged.model_copy(update={"phase": "Rolling", "message": why}))
     if passed is False:
-        message = (f"{why}. The trainer stays on {prev.from_image}; spec.trainer.image still says {prev.to}: change "
-                   f"it to retry with another image, or annotate the RLJob {ANNOTATION_UPGRADE}={FORCE} to roll anyway")  # fmt: skip
+        message = (
+            f"{why}. The trainer stays on {prev.from_image}; spec.trainer.image still says {prev.to}: change "
+            f"it to retry with another image, or annotate the RLJob {ANNOTATION_UPGRADE}={FORCE} to roll anyway"
+        )
         blocked = judged.model_copy(update={"phase": "Blocked", "message": message[:2048]})
         return UpgradePlan(blocked, trainer_image=prev.from_image, blocked_message=blocked.message)
     return _waiting(job, _trainer_canary(prev), canary, now)

@@ -103,7 +103,8 @@ def test_the_canary_clock_starts_when_its_pods_run_not_when_the_upgrade_starts()
     assert waiting.status is not None and waiting.status.phase == "Canary" and waiting.status.canary_started_at is None
     up = CanaryInputs(pods=PodProgress(running=True))
     ran = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=rec(started), canary=up, now=NOW)
-    assert ran.status is not None and ran.status.phase == "Canary" and ran.status.canary_started_at == "2026-11-23T12:00:00Z"
+    assert ran.status is not None and ran.status.phase == "Canary"
+    assert ran.status.canary_started_at == "2026-11-23T12:00:00Z"
     later = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=ran.status, canary=up,
                          now=NOW + dt.timedelta(seconds=61))  # fmt: skip
     assert later.status is not None and later.status.phase == "Blocked" and "after its pods ran" in later.status.message
@@ -118,7 +119,8 @@ def test_a_canary_that_cannot_be_scheduled_is_reported_at_once_and_rolled_back_a
     assert "no GPU" in plan.status.message and plan.rollout is not None and plan.rollout.surge_replicas == 1
     late = plan_upgrade(job(startTimeoutSeconds=60), engines(NEW, pods=3), prev=rec(canary_status()), canary=stuck,
                         now=now + dt.timedelta(seconds=31))  # fmt: skip
-    assert late.status is not None and late.status.phase == "Blocked" and "did not start within 60 s" in late.status.message
+    assert late.status is not None and late.status.phase == "Blocked"
+    assert "did not start within 60 s" in late.status.message
     assert late.rollout is not None and (late.rollout.image, late.rollout.surge_replicas) == (OLD, 0)  # GPUs released
     assert late.canary is None and "no GPU" in late.status.message
 
