@@ -124,7 +124,8 @@ def test_what_the_trainer_writes_in_status_changes_nothing_the_operator_renders(
 def test_a_verdict_and_a_from_image_forged_during_an_upgrade_are_ignored(
     cluster: Cluster, operator: KopfRunner
 ) -> None:
-    from r3operator.api.canary_verdict import termination_message
+    from canary_ending import end_canary
+
     from r3operator.api.v1alpha1 import UpgradeCanary
 
     job = "forge-up"
@@ -144,14 +145,8 @@ def test_a_verdict_and_a_from_image_forged_during_an_upgrade_are_ignored(
     assert cluster.get(paths(NS, job)["rljob"])["status"]["upgrade"]["phase"] == "Canary"
 
     # The real verdict (a failure) arrives as the canary pod's termination message: back to OLD, not EVIL.
-    selector = f"r3operator.io/job={job},r3operator.io/role=upgrade-canary"
-    pod = wait_for(lambda: next((p for p in (cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector}")
-                                             or {}).get("items", []) if p["status"].get("phase") == "Running"), None),
-                   what="a running canary pod")  # fmt: skip
     verdict = UpgradeCanary(attempt=upgrade["attempt"], passed=False, message="natural mismatch 0.09 vs 0.02")
-    note = {"metadata": {"annotations": {"kwok.r3operator.io/termination-message": termination_message(verdict)}}}
-    cluster.http("PATCH", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}", note,
-                 "application/merge-patch+json")  # fmt: skip
+    end_canary(cluster, NS, job, verdict)
     wait_condition(cluster, NS, job, "UpgradeBlocked", "True", "CanaryFailed")
     after = wait_for(lambda: (r := _rendered(cluster, job))["engine replicas"] == 2 and r, what="rolled back")
     assert after["engine image"] == [OLD]

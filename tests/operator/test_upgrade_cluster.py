@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from canary_ending import end_canary
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
 
-from r3operator.api.canary_verdict import termination_message
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 
 NS = "upgrades"
@@ -65,17 +65,6 @@ def _verdict(attempt: str, *, passed: bool) -> UpgradeCanary:
                          old=engine(OLD, 0.02), new=engine(NEW, new_mismatch))  # fmt: skip
 
 
-def end_canary(cluster: Cluster, job: str, verdict: UpgradeCanary) -> None:
-    """The canary container ends with ``verdict`` as its termination message (kwok plays the kubelet)."""
-    selector = f"r3operator.io/job={job},r3operator.io/role=upgrade-canary"
-    pod = wait_for(lambda: next((p for p in (cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector}")
-                                             or {}).get("items", []) if p["status"].get("phase") == "Running"), None),
-                   what="a running canary pod")  # fmt: skip
-    patch = {"metadata": {"annotations": {"kwok.r3operator.io/termination-message": termination_message(verdict)}}}
-    cluster.http("PATCH", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}", patch,
-                 "application/merge-patch+json")  # fmt: skip
-
-
 def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
     with running_operator(cluster, NS):
         cluster.apply(_job("up-pass"))
@@ -95,7 +84,7 @@ def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
 
         ran = wait_for(lambda: _upgrade(cluster, "up-pass").get("canaryStartedAt"), what="the canary's clock")
         assert ran >= upgrade["startedAt"]
-        end_canary(cluster, "up-pass", _verdict(upgrade["attempt"], passed=True))
+        end_canary(cluster, NS, "up-pass", _verdict(upgrade["attempt"], passed=True))
         done = _wait_phase(cluster, "up-pass", "Complete", timeout=120)
         assert done["replicasUpdated"] == 2 and done["canary"]["passed"] is True
         assert wait_for(lambda: _pod_images(cluster, "up-pass") == {"up-pass-engine-0": NEW, "up-pass-engine-1": NEW},
@@ -116,7 +105,7 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
         wait_for(lambda: _canary_job(cluster, "up-fail"), what="canary Job")
     # The operator is down when the verdict arrives; the next one reads it from the pod, the upgrade's
     # state from the engine StatefulSet.
-    end_canary(cluster, "up-fail", _verdict(upgrade["attempt"], passed=False))
+    end_canary(cluster, NS, "up-fail", _verdict(upgrade["attempt"], passed=False))
     with running_operator(cluster, NS):
         blocked = _wait_phase(cluster, "up-fail", "Blocked")
         assert OLD in blocked["message"] and "natural mismatch 0.09" in blocked["message"]
@@ -203,6 +192,6 @@ def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluste
         assert head_image() == t_old
         assert cluster.get(rayjob_path)["metadata"]["uid"] == first["metadata"]["uid"]  # not replaced meanwhile
 
-        end_canary(cluster, "up-trainer", _verdict(upgrade["attempt"], passed=True))
+        end_canary(cluster, NS, "up-trainer", _verdict(upgrade["attempt"], passed=True))
         _wait_phase(cluster, "up-trainer", "Complete", timeout=120)
         assert head_image() == t_new and cluster.get(rayjob_path)["metadata"]["uid"] != first["metadata"]["uid"]
