@@ -8,6 +8,7 @@ import datetime as dt
 import json
 from typing import Any
 
+import pytest
 from test_upgrade import NEW, NOW, OLD, canary_status, engines, job, rec
 
 from r3operator.api.canary_verdict import TERMINATION_MESSAGE_LIMIT, parse_verdict, termination_message
@@ -134,3 +135,22 @@ def test_an_image_neither_in_the_spec_nor_the_record_nor_running_is_refused() ->
     assert EVIL in refused.blocked_message
     fine = UpgradePlan(rec(canary_status()), EngineRollout(OLD))
     assert refuse_unknown_images(fine, allowed) is fine
+
+
+def test_the_canary_pod_writes_its_verdict_as_its_termination_message_and_has_no_api_token(tmp_path: Any) -> None:
+    plan = plan_upgrade(job(), engines(OLD), now=NOW)
+    (canary,) = [c for c in desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
+                 if c["metadata"]["name"].endswith("-upgrade-canary")]  # fmt: skip
+    pod = canary["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert (container["terminationMessagePath"], container["terminationMessagePolicy"]) == ("/dev/termination-log",
+                                                                                             "File")  # fmt: skip
+    assert pod["automountServiceAccountToken"] is False
+
+    pytest.importorskip("torch")  # the runtime module imports the trainer
+    from r3operator.runtime.upgrade_canary import publish
+
+    verdict = UpgradeCanary(attempt="7", passed=False, message="figures")
+    log = tmp_path / "termination-log"
+    assert publish(verdict, log) and parse_verdict(log.read_text()) == verdict
+    assert not publish(verdict, tmp_path / "missing" / "termination-log")
