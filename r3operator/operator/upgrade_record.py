@@ -33,12 +33,9 @@ ATTEMPT_LABEL = f"{meta.PREFIX}/upgrade-attempt"
 
 
 def record_annotation(upgrade: UpgradeStatus) -> str:
-    """The annotation value for ``upgrade`` (the verdict's per-engine figures stay in status only)."""
-    data = upgrade.model_dump(mode="json", by_alias=True, exclude_none=True)
-    canary = data.get("canary")
-    if isinstance(canary, dict):
-        data["canary"] = {k: v for k, v in canary.items() if k in ("attempt", "passed", "message", "finishedAt")}
-    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+    """The annotation value for ``upgrade``, the verdict with its figures included (a few KiB at most)."""
+    return json.dumps(upgrade.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"),
+                      sort_keys=True)  # fmt: skip
 
 
 def read_record(engine_set: dict[str, Any] | None) -> UpgradeStatus | None:
