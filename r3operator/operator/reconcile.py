@@ -579,7 +579,7 @@ class Reconciler:
                 continue
             if kind == "LeaderWorkerSet" and not await self.capabilities.serves(LWS_API_VERSION, LWS_PLURAL):
                 continue
-            canary_done = upgrade_phase in ("Rolling", "Blocked")
+            canary_done = upgrade_phase in ("Rolling", "Blocked", "Cancelled")  # its pod holds a GPU
             if role == meta.ROLE_UPGRADE_CANARY and not (expired or canary_done):
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):
