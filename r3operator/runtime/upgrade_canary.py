@@ -218,8 +218,12 @@ def read_score(path: Path) -> EngineFidelity:
 
 def publish(result: UpgradeCanary, termination_log: Path = Path(TERMINATION_LOG)) -> bool:
     """Print the verdict as JSON and write it as the termination message. False when it could not be
-    written (the Job then fails, and the operator blocks the upgrade saying so)."""
+    written (the Job then fails, and the operator blocks the upgrade saying so). Outside a pod (no
+    termination log, which the kubelet mounts in every container) the verdict is printed only."""
     print(json.dumps(result.model_dump(mode="json", by_alias=True, exclude_none=True), indent=2))
+    if not termination_log.exists():
+        log.warning("%s does not exist (not in a pod): the verdict is printed only", termination_log)
+        return True
     try:
         termination_log.write_text(termination_message(result))
     except OSError as exc:

@@ -152,5 +152,8 @@ def test_the_canary_pod_writes_its_verdict_as_its_termination_message_and_has_no
 
     verdict = UpgradeCanary(attempt="7", passed=False, message="figures")
     log = tmp_path / "termination-log"
+    log.touch()  # the kubelet creates it in the container
     assert publish(verdict, log) and parse_verdict(log.read_text()) == verdict
-    assert not publish(verdict, tmp_path / "missing" / "termination-log")
+    assert publish(verdict, tmp_path / "absent")  # not in a pod: printed only
+    (tmp_path / "unwritable").mkdir()
+    assert not publish(verdict, tmp_path / "unwritable")  # the Job fails, the upgrade is blocked saying so
