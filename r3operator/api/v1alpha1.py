@@ -191,7 +191,10 @@ class UpgradePolicySpec(_Model):
     max_logprob_diff_factor: float = Field(default=1.5, ge=1.0, le=100.0)
     """Fail when the new side's mean |rollout - trainer logprob| exceeds the old side's × this."""
     timeout_seconds: int = Field(default=1800, ge=60, le=86_400)
-    """A canary without a verdict after this long blocks the upgrade."""
+    """A canary without a verdict this long after its replica (and pod) started running blocks the upgrade."""
+    start_timeout_seconds: int = Field(default=600, ge=10, le=86_400)
+    """A canary whose surge replica or pod does not run this long after the upgrade started (it cannot be
+    scheduled, its image cannot be pulled) is rolled back, releasing the GPUs it holds."""
 
 
 class InferenceSpec(_Model):
@@ -499,7 +502,8 @@ class EngineFidelity(_Model):
 
 
 class UpgradeCanary(_Model):
-    """Written by the canary Job (`r3operator upgrade-canary`), read by the operator."""
+    """The canary Job's verdict (`r3operator upgrade-canary`): the operator reads it from the canary pod's
+    termination message (written by the kubelet) and copies it here; it never reads it back from status."""
 
     attempt: str = Field(max_length=64)
     """The upgrade attempt it answers (status.upgrade.attempt); a verdict for another attempt is ignored."""
@@ -511,7 +515,8 @@ class UpgradeCanary(_Model):
 
 
 class UpgradeStatus(_Model):
-    """An engine image change in progress or the last one's outcome."""
+    """An image change in progress or the last one's outcome. Output only: the operator keeps its own copy
+    on the engine StatefulSet (LeaderWorkerSet), see operator/upgrade_record.py."""
 
     component: Literal["engine", "trainer"] = "engine"
     """Which image changed: the engines' (inference.image) or the trainer's (trainer.image)."""
@@ -521,6 +526,9 @@ class UpgradeStatus(_Model):
     attempt: str = Field(max_length=64)
     replicas_updated: int = 0
     started_at: str | None = Field(default=None, max_length=64)
+    canary_started_at: str | None = Field(default=None, max_length=64)
+    """When the canary's replica (engine upgrade) or pod (trainer upgrade) first ran: timeoutSeconds counts
+    from here."""
     message: str = Field(default="", max_length=2048)
     canary: UpgradeCanary | None = None
 

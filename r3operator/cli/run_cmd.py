@@ -94,7 +94,7 @@ def upgrade_canary(
     new_image: Annotated[str, typer.Option(help="The image under test (engine or trainer), for the figures.")] = "",
     old: Annotated[str | None, typer.Option(help="Engine upgrade: URL of a replica on the current image.")] = None,
     old_image: Annotated[str, typer.Option(help="The current image (engine or trainer), for the figures.")] = "",
-    attempt: Annotated[str, typer.Option(help="The attempt the verdict answers (status.upgrade.attempt).")] = "",
+    attempt: Annotated[str, typer.Option(help="The upgrade attempt the verdict answers.")] = "",
     score_only: Annotated[
         Path | None, typer.Option(help="Trainer upgrade, old image: write this trainer's figures here, no verdict.")
     ] = None,
@@ -133,6 +133,6 @@ def upgrade_canary(
     old_figures = prior if prior is not None else canary.score_url(ctx, str(old), image=old_image)
     result = canary.make_verdict(old_figures, canary.score_url(ctx, new, image=new_image), policy, attempt=attempt)
     if not canary.publish(result):
-        typer.echo("error: the verdict could not be written to status.upgrade.canary", err=True)
+        typer.echo("error: the verdict could not be written as the termination message", err=True)
         raise typer.Exit(1)
     typer.echo(f"canary {'passed' if result.passed else 'FAILED'}: {result.message}", err=True)

@@ -74,6 +74,8 @@ class Reason(StrEnum):
     UPGRADE_ROLLING = "Rolling"
     UPGRADE_COMPLETE = "UpgradeComplete"
     UPGRADE_CANCELLED = "UpgradeCancelled"
+    CANARY_UNSCHEDULABLE = "CanaryUnschedulable"
+    """True: the canary's surge replica or pod cannot be scheduled; rolled back after startTimeoutSeconds."""
     # Progressing
     CHILDREN_UPDATED = "ChildrenUpdated"
     WAITING_FOR_WORKLOADS = "WaitingForWorkloads"

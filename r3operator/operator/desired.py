@@ -28,7 +28,7 @@ from typing import Any
 
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import RetainPolicy
-from r3operator.api.v1alpha1 import RLJob
+from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
 from r3operator.operator.builders.engine_lws import build_engine_leader_worker_set
@@ -47,6 +47,7 @@ from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
 from r3operator.operator.builders.workload import build_workload
 from r3operator.operator.lifecycle import is_suspended
 from r3operator.operator.upgrade import CanaryTarget, EngineRollout
+from r3operator.operator.upgrade_record import ANNOTATION_UPGRADE_STATE, record_annotation
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,8 @@ class Facts:
     """The upgrade's canary Job to run (operator/upgrade.py)."""
     trainer_image: str | None = None
     """The trainer image the RayJob keeps while a new one is canaried (operator/upgrade.py)."""
+    upgrade_record: UpgradeStatus | None = None
+    """The upgrade state to keep on the engine StatefulSet (LeaderWorkerSet), operator/upgrade_record.py."""
     admitted: bool = True
     """Kueue admitted the job's Workload and has not evicted it (always true without spec.queueName)."""
     priority: int | None = None
@@ -98,7 +101,11 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(fetch)
     children.append(build_config_map(job))
     children.append(build_engine_service(job))
-    children.append(_engines(job, stopped=stopped, rollout=facts.engine_rollout))
+    engines = _engines(job, stopped=stopped, rollout=facts.engine_rollout)
+    if facts.upgrade_record is not None:
+        annotations = engines["metadata"].setdefault("annotations", {})
+        annotations[ANNOTATION_UPGRADE_STATE] = record_annotation(facts.upgrade_record)
+    children.append(engines)
     children.append(
         build_engine_network_policy(
             job, operator_namespace=facts.operator_namespace, admitted_namespaces=facts.engine_ingress_namespaces

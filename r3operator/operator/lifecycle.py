@@ -4,6 +4,10 @@ The end of a job is read from the trainer RayJob the operator observes (KubeRay 
 the trainer's ServiceAccount cannot), never from the RLJob's own status: that status is output, and
 whoever may patch ``rljobs/status`` (the job's own trainer pods, an admin by mistake) could otherwise
 make the operator stop engines or delete children and data. See "Security model" in docs/operator.md.
+
+Once the RayJob is deleted (after ``ttlSecondsAfterFinished``), the record of the end is the RLJob's
+annotation ``r3operator.io/finished`` ("Succeeded|Failed <time>"), which the operator writes when it
+first sees the end: metadata, which a ``/status`` patch cannot change.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 from r3operator.api.enums import ConditionStatus, ConditionType
 from r3operator.api.v1alpha1 import RLJob
+
+ANNOTATION_FINISHED = "r3operator.io/finished"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +53,20 @@ def condition_true(job: RLJob, ctype: ConditionType) -> bool:
 
 
 def status_says_finished(job: RLJob) -> bool:
-    """The RLJob's status records an end (Succeeded or Failed True).
-
-    Trusted for one thing only: when the RayJob is gone (deleted after the TTL, or by hand), a
-    recorded end keeps the operator from creating a new RayJob that would train again. It never
-    stops, scales down or deletes anything.
-    """
+    """The RLJob's status shows an end (Succeeded or Failed True). Output, and forgeable by the trainer
+    pods: reconcile.py consults it only for a job with neither a RayJob nor engines nor the finished
+    annotation, i.e. one that ended and was cleaned up under an operator that kept no annotation."""
     return condition_true(job, ConditionType.SUCCEEDED) or condition_true(job, ConditionType.FAILED)
+
+
+def finish_annotation(finish: Finish, now: dt.datetime) -> str:
+    """The value of ANNOTATION_FINISHED for an end first seen ``now``."""
+    return f"{'Succeeded' if finish.succeeded else 'Failed'} {format_time(finish.ended_at or now)}"
+
+
+def recorded_end(job: RLJob) -> dt.datetime | None:
+    """When the end the operator recorded in ANNOTATION_FINISHED happened; None without a (readable) record."""
+    return parse_time(job.metadata.annotations.get(ANNOTATION_FINISHED, "").rpartition(" ")[2])
 
 
 def is_suspended(job: RLJob) -> bool:
@@ -74,10 +87,10 @@ def format_time(when: dt.datetime) -> str:
 
 
 def finished_at(job: RLJob, finish: Finish) -> dt.datetime | None:
-    """The RayJob's endTime; without one, the completionTime the operator recorded when it saw the end."""
+    """The RayJob's endTime; without one, the time the operator recorded when it first saw the end."""
     if finish.ended_at is not None:
         return finish.ended_at
-    return parse_time(job.status.completion_time) if job.status else None
+    return recorded_end(job)
 
 
 def ttl_expired(job: RLJob, finish: Finish | None, now: dt.datetime | None) -> bool:

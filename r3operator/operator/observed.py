@@ -51,5 +51,7 @@ class Observed:
     namespace_terminating: bool = False
     upgrade: UpgradeStatus | None = None
     """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""
+    upgrade_unschedulable: str | None = None
+    """The upgrade's canary replica or pod cannot be scheduled (the scheduler's reason)."""
     api_error: str | None = None
     """A write the API server refused, reported once it persists (reconcile.py decides)."""

@@ -11,8 +11,9 @@ claims do not exist gets ``Valid=False`` and **no child is created or changed**.
 of a previously valid spec are left exactly as they are (an invalid upgrade changes nothing).
 
 What the pass trusts: the spec, and what it reads of the objects it controls (the RayJob's status
-says when training ended). The RLJob's own status is output; see "Security model" in
-docs/operator.md.
+says when training ended; the engine StatefulSet's annotation holds the upgrade record; the canary
+pod's termination message, written by the kubelet, holds the canary's verdict). The RLJob's own
+status is output, never an input; see "Security model" in docs/operator.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_lay
 from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
-from r3operator.api.v1alpha1 import RLJob, RLJobStatus
+from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
 from r3operator.engine.args import model_path
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
@@ -41,6 +42,7 @@ from r3operator.operator.builders.model_cache import (
     model_fetch_failed,
     uses_model_cache,
 )
+from r3operator.operator.builders.upgrade_canary import CONTAINER_NAME as CANARY_CONTAINER
 from r3operator.operator.builders.workload import priority_class_name
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
@@ -48,7 +50,9 @@ from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
 from r3operator.operator.lifecycle import (
+    ANNOTATION_FINISHED,
     Finish,
+    finish_annotation,
     format_time,
     is_suspended,
     observed_finish,
@@ -59,7 +63,21 @@ from r3operator.operator.observed import Observed
 from r3operator.operator.references import check_references
 from r3operator.operator.scheduling import config_errors_by_role, unschedulable_by_role
 from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
-from r3operator.operator.upgrade import UpgradePlan, plan_upgrade
+from r3operator.operator.upgrade import (
+    CanaryInputs,
+    UpgradePlan,
+    allowed_images,
+    plan_upgrade,
+    refuse_unknown_images,
+)
+from r3operator.operator.upgrade_record import (
+    PodProgress,
+    canary_pods,
+    pod_progress,
+    read_record,
+    surge_pods,
+    verdict_from_pods,
+)
 from r3operator.settings import DEFAULT_CANARY_URL
 
 log = logging.getLogger("r3operator.reconcile")
@@ -244,12 +262,14 @@ class Reconciler:
         ours = raw_workload if raw_workload is not None and is_ours(raw_workload, uid) else None
         admission = read_admission(job.spec.queue_name, ours)
         finish = observed_finish(ray_job)
-        recorded = ray_job is None and status_says_finished(job)
+        if finish is not None and ANNOTATION_FINISHED not in job.metadata.annotations:
+            job = await self._record_finish(job, finish, now)
+        recorded = ray_job is None and await self._ended_before(job, engine_kind)
         expired = ttl_expired(job, finish, now)
         observed: dict[str, dict[str, Any] | None] = {"RayJob": ray_job}
         conflict: str | None = None
         missing: tuple[str, ...] = ()
-        upgrade = UpgradePlan(job.status.upgrade if job.status else None)
+        upgrade = UpgradePlan(None)
         missing_refs: tuple[str, ...] = ()
         observed_fetch: tuple[str | None, bool] = (None, False)
         if outcome.valid and not recorded:
@@ -278,6 +298,7 @@ class Reconciler:
                 engine_rollout=upgrade.rollout,
                 upgrade_canary=upgrade.canary,
                 trainer_image=upgrade.trainer_image,
+                upgrade_record=upgrade.status,
                 admitted=admission.runs,
                 priority=refs.priority,
             )
@@ -308,6 +329,7 @@ class Reconciler:
                 engines = await self.client.get(KINDS[engine_kind], job.metadata.namespace,
                                                 meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
             observed[engine_kind] = engines if engines is not None and is_ours(engines, uid) else None
+            upgrade = UpgradePlan(read_record(observed[engine_kind]))
         obs = Observed(
             rule_errors=rule_errors,
             kuberay_installed=kuberay,
@@ -327,6 +349,7 @@ class Reconciler:
             namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
             api_error=self._reported_error(job, outcome.error),
             upgrade=upgrade.status,
+            upgrade_unschedulable=upgrade.unschedulable,
         )
         if outcome.valid and _waiting_for_pods(job, obs):
             # One LIST only while something is not up yet: the scheduler's reason goes into status.
@@ -351,20 +374,56 @@ class Reconciler:
         canary runs, its Job."""
         ours = raw_engine_set is not None and is_ours(raw_engine_set, job.metadata.uid)
         engine_set = raw_engine_set if ours else None
-        prev = job.status.upgrade if job.status else None
-        canary_job = None
-        if prev is not None and prev.phase == "Canary":
-            name = meta.child_name(job, meta.ROLE_UPGRADE_CANARY)
-            raw = await self.client.get(KINDS["Job"], job.metadata.namespace, name)
-            canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
+        prev = read_record(engine_set)  # the operator's own record, never status.upgrade
+        canary = await self._read_canary(job, prev) if prev is not None and prev.phase == "Canary" else None
         stopped = stopped or is_suspended(job)
-        plan = plan_upgrade(job, engine_set, canary_job=canary_job, ray_job=ray_job, stopped=stopped, now=now)
-        if plan.status is not None and (prev is None or (prev.attempt, prev.phase) != (plan.status.attempt,
-                                                                                       plan.status.phase)):
+        plan = plan_upgrade(job, engine_set, prev=prev, canary=canary, ray_job=ray_job, stopped=stopped, now=now)
+        plan = refuse_unknown_images(plan, allowed_images(job, prev, engine_set, ray_job))
+        changed = prev is None or (prev.attempt, prev.phase) != (plan.status.attempt, plan.status.phase) \
+            if plan.status is not None else False  # fmt: skip
+        if plan.status is not None and changed:
             log.info("%s/%s: %s upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
                      plan.status.component, plan.status.from_image, plan.status.to, plan.status.phase,
                      plan.status.message)  # fmt: skip
         return plan
+
+    async def _read_canary(self, job: RLJob, prev: UpgradeStatus) -> CanaryInputs:
+        """The canary Job, its verdict (the canary pod's termination message) and whether the canary's pods
+        (its pod, and an engine upgrade's surge replica) run: all written by Kubernetes controllers and the
+        kubelet, none by the trainer pods."""
+        namespace = job.metadata.namespace
+        raw = await self.client.get(KINDS["Job"], namespace, meta.child_name(job, meta.ROLE_UPGRADE_CANARY))
+        canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
+        selector = f"{meta.LABEL_JOB}={job.metadata.name}"
+        pods = await self.client.list(KINDS["Pod"], namespace, label_selector=selector)
+        canary = canary_pods(pods, prev.attempt)
+        verdict = verdict_from_pods(canary, canary_job, container=CANARY_CONTAINER, attempt=prev.attempt)
+        progress = pod_progress(canary)
+        if prev.component == "engine":
+            surge = pod_progress(surge_pods(pods, meta.child_name(job, meta.ROLE_ENGINE), job.spec.inference.replicas))
+            progress = PodProgress(progress.running and surge.running, surge.unschedulable or progress.unschedulable)
+        return CanaryInputs(job=canary_job, verdict=verdict, pods=progress)
+
+    async def _record_finish(self, job: RLJob, finish: Finish, now: dt.datetime) -> RLJob:
+        """Write ANNOTATION_FINISHED on the RLJob once the RayJob ended: metadata, which no /status patch changes."""
+        value = finish_annotation(finish, now)
+        patch = {"metadata": {"annotations": {ANNOTATION_FINISHED: value}}}
+        await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch)
+        metadata = job.metadata.model_copy(update={"annotations": {**job.metadata.annotations,
+                                                                    ANNOTATION_FINISHED: value}})  # fmt: skip
+        return job.model_copy(update={"metadata": metadata})
+
+    async def _ended_before(self, job: RLJob, engine_kind: str) -> bool:
+        """No RayJob: did this job end before? The operator's annotation says so; a job that ended under an
+        operator that kept no annotation is known by its status only once its engines are gone too (its TTL
+        ran): the trainer pods, who may write that status, can remove neither the RayJob nor the engines."""
+        if ANNOTATION_FINISHED in job.metadata.annotations:
+            return True
+        if not status_says_finished(job):
+            return False
+        engines = await self.client.get(KINDS[engine_kind], job.metadata.namespace,
+                                        meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
+        return engines is None
 
     async def _read(
         self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]
@@ -456,12 +515,7 @@ class Reconciler:
         outcome.status = new_status
         if not status_changed(job.status, new_status):
             return
-        old_upgrade = job.status.upgrade if job.status else None
-        new_attempt = new_status.upgrade is not None and (
-            old_upgrade is None or (old_upgrade.attempt, old_upgrade.to) != (new_status.upgrade.attempt,
-                                                                              new_status.upgrade.to)
-        )  # fmt: skip
-        patch = status_patch(new_status, new_upgrade_attempt=new_attempt)
+        patch = status_patch(new_status)
         await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
                                       subresource="status")  # fmt: skip
         outcome.status_written = True
@@ -502,6 +556,10 @@ class Reconciler:
         outcome: Outcome,
     ) -> None:
         wanted = {(c["kind"], c["metadata"]["name"]) for c, _, _ in plans}
+        engine_name = meta.child_name(job, meta.ROLE_ENGINE)
+        record = next((read_record(c) for c, _, _ in plans if c["metadata"]["name"] == engine_name
+                       and c["kind"] in ("StatefulSet", "LeaderWorkerSet")), None)  # fmt: skip
+        upgrade_phase = record.phase if record is not None else None
         for role, kind in _CHILD_KINDS:
             name = meta.child_name(job, role)
             if (kind, name) in wanted:
@@ -521,8 +579,7 @@ class Reconciler:
                 continue
             if kind == "LeaderWorkerSet" and not await self.capabilities.serves(LWS_API_VERSION, LWS_PLURAL):
                 continue
-            upgrade = job.status.upgrade if job.status else None
-            canary_done = upgrade is not None and upgrade.phase in ("Rolling", "Blocked")
+            canary_done = upgrade_phase in ("Rolling", "Blocked", "Cancelled")  # its pod holds a GPU
             if role == meta.ROLE_UPGRADE_CANARY and not (expired or canary_done):
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):

@@ -21,7 +21,7 @@ from r3operator.operator import meta
 from r3operator.operator.admission import AdmissionState
 from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
-from r3operator.operator.lifecycle import format_time, is_suspended
+from r3operator.operator.lifecycle import format_time, is_suspended, recorded_end
 from r3operator.operator.observed import Observed
 
 _REFUSED_WRITE = (Reason.API_ERROR, Reason.NAMESPACE_TERMINATING)
@@ -56,6 +56,8 @@ def _upgrade_blocked(obs: Observed) -> Desired:
         return Desired(T.UPGRADE_BLOCKED, S.FALSE, Reason.NO_UPGRADE, "no engine image change so far")
     if upgrade.phase == "Blocked":
         return Desired(T.UPGRADE_BLOCKED, S.TRUE, Reason.CANARY_FAILED, upgrade.message)
+    if obs.upgrade_unschedulable is not None:
+        return Desired(T.UPGRADE_BLOCKED, S.TRUE, Reason.CANARY_UNSCHEDULABLE, upgrade.message)
     what = f"{upgrade.from_image} → {upgrade.to}: {upgrade.message}"
     return Desired(T.UPGRADE_BLOCKED, S.FALSE, _UPGRADE_REASONS[upgrade.phase], what)
 
@@ -392,7 +394,7 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
     conditions = [merge(old.get(t.value), by_type[t], generation=generation, now=stamp) for t in CONDITION_ORDER]
     engines = engine_counts(job, observed.engine_set)
     terminal = any(by_type[t].status is S.TRUE for t in (T.SUCCEEDED, T.FAILED))
-    completion = _completion_time(old_status, observed, stamp) if terminal else None
+    completion = _completion_time(job, observed, stamp) if terminal else None
     ray_job = observed.ray_job or {}
     trainer_ready = 1 if by_type[T.TRAINER_READY].status is S.TRUE else 0
     return RLJobStatus(
@@ -410,11 +412,13 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
     )
 
 
-def _completion_time(old: RLJobStatus, obs: Observed, now: str) -> str:
-    """The RayJob's endTime when KubeRay reports one; otherwise when the operator first saw the end."""
+def _completion_time(job: RLJob, obs: Observed, now: str) -> str:
+    """The RayJob's endTime when KubeRay reports one; otherwise when the operator first saw the end (its
+    r3operator.io/finished annotation), never what the status said before."""
     if obs.finish is not None and obs.finish.ended_at is not None:
         return format_time(obs.finish.ended_at)
-    return old.completion_time or now
+    recorded = recorded_end(job)
+    return format_time(recorded) if recorded is not None else now
 
 
 def _comparable(status: RLJobStatus | None) -> dict[str, Any]:
@@ -430,16 +434,12 @@ def status_changed(old: RLJobStatus | None, new: RLJobStatus) -> bool:
     return _comparable(old) != _comparable(new)
 
 
-def status_patch(status: RLJobStatus, *, new_upgrade_attempt: bool = False) -> dict[str, Any]:
-    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's) nor
-    ``upgrade.canary`` (the canary Job's verdict), except that a new upgrade attempt removes the last
-    attempt's verdict."""
+def status_patch(status: RLJobStatus) -> dict[str, Any]:
+    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's). The upgrade
+    is written whole, unset fields as null, so that nothing another writer put there survives the patch."""
     data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     data.pop("progress", None)
-    if "upgrade" in data:
-        data["upgrade"].pop("canary", None)
-        if new_upgrade_attempt:
-            data["upgrade"]["canary"] = None
+    data["upgrade"] = status.upgrade.model_dump(mode="json", by_alias=True) if status.upgrade else None
     if status.completion_time is None:
         data["completionTime"] = None  # a merge patch removes an end someone else wrote
     return {"status": data}

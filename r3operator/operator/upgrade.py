@@ -10,7 +10,10 @@ a sampler change shifts logprobs). So an image change does not roll every replic
              surge group, rolloutStrategy partition), and the trainer never sends it a rollout (its
              engine list names only the regular replicas). The canary Job (trainer image,
              `r3operator upgrade-canary`) scores an old and the new replica with the trainer's current
-             weights, with and without replay, and writes its verdict to status.upgrade.canary.
+             weights, with and without replay, and ends with its verdict as the termination message.
+             upgradePolicy.timeoutSeconds counts from when the surge replica and the canary pod run;
+             one that cannot be scheduled is reported at once (UpgradeBlocked=True CanaryUnschedulable)
+             and rolled back after upgradePolicy.startTimeoutSeconds, releasing its GPUs.
     Rolling  passed (or forced, or no canary wanted): the surge replica goes, the partition drops to 0
              and the StatefulSet (LeaderWorkerSet) controller rolls the rest, one replica at a time.
     Complete every pod runs the new revision.
@@ -18,20 +21,23 @@ a sampler change shifts logprobs). So an image change does not roll every replic
              else moved), condition UpgradeBlocked carries the figures; the spec keeps the new image until
              the user changes it. `kubectl annotate rlj NAME r3operator.io/upgrade=force` skips the canary.
 
-All state lives in status.upgrade (from, to, phase, attempt), so an operator restarted mid-upgrade
-resumes in the same phase; a spec image change during an upgrade starts a new attempt from the last
-image that is known good.
+The state (from, to, phase, attempt, clocks, verdict) is the operator's own record on the engine
+StatefulSet (operator/upgrade_record.py), never read from the RLJob's status (which the trainer pods may
+patch), so an operator restarted mid-upgrade resumes in the same phase; a spec image change during an
+upgrade starts a new attempt from the last image that is known good. `allowed_images` is the last word
+before rendering: no image that is neither in the spec nor in that record nor running now.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
+from r3operator.api.v1alpha1 import RLJob, UpgradeCanary, UpgradeStatus
 from r3operator.operator.builders.engine_lws import leader_worker_templates
 from r3operator.operator.lifecycle import format_time, parse_time
+from r3operator.operator.upgrade_record import PodProgress
 
 ANNOTATION_UPGRADE = "r3operator.io/upgrade"
 FORCE = "force"
@@ -75,6 +81,20 @@ class UpgradePlan:
     blocked_message: str | None = None
     trainer_image: str | None = None
     """Not None: render the RayJob with this trainer image (the old one, while its successor is canaried)."""
+    unschedulable: str | None = None
+    """The canary's surge replica or pod cannot be scheduled (the scheduler's reason): UpgradeBlocked now."""
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryInputs:
+    """What the reconciler read of a canary under way, from objects only trusted parties write."""
+
+    job: dict[str, Any] | None = None
+    """The canary Job this RLJob controls (its Failed condition: no verdict will come)."""
+    verdict: UpgradeCanary | None = None
+    """The canary pod's termination message for this attempt (upgrade_record.verdict_from_pods)."""
+    pods: PodProgress = field(default_factory=lambda: PodProgress(running=False))
+    """The surge replica's pods (engine upgrade) and the canary pod: do they run yet."""
 
 
 def template_image(statefulset: dict[str, Any] | None) -> str | None:
@@ -150,23 +170,25 @@ def plan_upgrade(
     job: RLJob,
     statefulset: dict[str, Any] | None,
     *,
-    canary_job: dict[str, Any] | None = None,
+    prev: UpgradeStatus | None = None,
+    canary: CanaryInputs | None = None,
     ray_job: dict[str, Any] | None = None,
     stopped: bool = False,
     now: dt.datetime,
 ) -> UpgradePlan:
-    """What the engines and the trainer should run, given the spec, what the cluster runs and
-    status.upgrade. One upgrade at a time: an engine image change waits for a trainer upgrade under way
-    (the engines stay on what they run) and a trainer image change waits for an engine upgrade."""
-    prev = job.status.upgrade if job.status else None
+    """What the engines and the trainer should run, given the spec, what the cluster runs and the
+    operator's record of the upgrade (``prev``, upgrade_record.read_record). One upgrade at a time: an
+    engine image change waits for a trainer upgrade under way (the engines stay on what they run) and a
+    trainer image change waits for an engine upgrade."""
+    canary = canary or CanaryInputs()
     if prev is not None and prev.component == "trainer" and prev.phase in ACTIVE:
-        plan = _plan_trainer(job, prev, ray_job, canary_job, stopped, now)
+        plan = _plan_trainer(job, prev, ray_job, canary, stopped, now)
         running = template_image(statefulset)
         if running is not None and running != job.spec.inference.image:
             plan = replace(plan, rollout=EngineRollout(image=running))  # the engine change waits its turn
         return plan
     engine_prev = prev if prev is None or prev.component == "engine" else None
-    engines = _plan_engines(job, statefulset, engine_prev, canary_job=canary_job, stopped=stopped, now=now)
+    engines = _plan_engines(job, statefulset, engine_prev, canary=canary, stopped=stopped, now=now)
     if engines.status is not None and engines.status.phase in ACTIVE:
         return engines
     running_trainer = trainer_image(ray_job)
@@ -180,7 +202,7 @@ def _plan_engines(
     statefulset: dict[str, Any] | None,
     prev: UpgradeStatus | None,
     *,
-    canary_job: dict[str, Any] | None,
+    canary: CanaryInputs,
     stopped: bool,
     now: dt.datetime,
 ) -> UpgradePlan:
@@ -192,7 +214,7 @@ def _plan_engines(
     active = prev is not None and prev.phase in ("Canary", "Rolling", "Blocked")
 
     if active and prev is not None and prev.to == spec_image:
-        return _continue(job, prev, statefulset, canary_job, force, stopped, now)
+        return _continue(job, prev, statefulset, canary, force, stopped, now)
     if active and prev is not None and prev.phase in ("Canary", "Blocked") and spec_image == prev.from_image:
         # The user went back to the image that is running: nothing to roll, the attempt is over.
         cancelled = prev.model_copy(update={"phase": "Cancelled", "message": f"spec.inference.image is "
@@ -231,7 +253,7 @@ def _continue(
     job: RLJob,
     prev: UpgradeStatus,
     statefulset: dict[str, Any] | None,
-    canary_job: dict[str, Any] | None,
+    canary: CanaryInputs,
     force: bool,
     stopped: bool,
     now: dt.datetime,
@@ -242,12 +264,13 @@ def _continue(
         if force or stopped:
             why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
             return _rolling(prev, f"canary skipped: {why}")
-        passed, why = canary_outcome(job, prev, canary_job, now)
+        passed, why = canary_outcome(job, prev, canary, now)
+        judged = prev.model_copy(update={"canary": canary.verdict}) if canary.verdict is not None else prev
         if passed is True:
-            return _rolling(prev, why)
+            return _rolling(judged, why)
         if passed is False:
-            return _blocked(prev, why)
-        return _canary(prev, replicas)
+            return _blocked(judged, why)
+        return _waiting(job, _canary(prev, replicas), canary, now)
     if prev.phase == "Blocked":
         if force:
             return _rolling(prev, "forced by the r3operator.io/upgrade=force annotation after a failed canary")
@@ -261,20 +284,42 @@ def _continue(
     return UpgradePlan(status, EngineRollout(image=prev.to))
 
 
-def canary_outcome(
-    job: RLJob, prev: UpgradeStatus, canary_job: dict[str, Any] | None, now: dt.datetime
-) -> tuple[bool | None, str]:
-    """(True, why) passed; (False, why) failed, timed out or the Job failed; (None, "") still waiting."""
-    verdict = prev.canary if prev.canary is not None and prev.canary.attempt == prev.attempt else None
+def canary_outcome(job: RLJob, prev: UpgradeStatus, canary: CanaryInputs, now: dt.datetime) -> tuple[bool | None, str]:
+    """(True, why) passed; (False, why) failed, timed out, never started or the Job failed; (None, "")
+    still waiting. The verdict clock runs from when the canary's pods ran (``canaryStartedAt``), not from
+    the image change: pulling a new image and loading a model may take long, waiting for a GPU longer."""
+    verdict = canary.verdict if canary.verdict is not None and canary.verdict.attempt == prev.attempt else None
     if verdict is not None:
         return verdict.passed, f"canary {'passed' if verdict.passed else 'failed'}: {verdict.message}"
-    if (reason := canary_job_failed(canary_job)) is not None:
+    if (reason := canary_job_failed(canary.job)) is not None:
         return False, reason
+    policy = job.spec.upgrade_policy
+    ran = parse_time(prev.canary_started_at)
+    if ran is not None and (now - ran).total_seconds() > policy.timeout_seconds:
+        return False, (f"canary timed out: no verdict {policy.timeout_seconds} s after its pods ran "
+                       "(upgradePolicy.timeoutSeconds)")  # fmt: skip
     started = parse_time(prev.started_at)
-    limit = job.spec.upgrade_policy.timeout_seconds
-    if started is not None and (now - started).total_seconds() > limit:
-        return False, f"canary timed out: no verdict after {limit} s (upgradePolicy.timeoutSeconds)"
+    waited = (now - started).total_seconds() if started is not None else 0.0
+    if ran is None and not canary.pods.running and waited > policy.start_timeout_seconds:
+        why = canary.pods.unschedulable or "its pods are not running (image pull, crash or no node)"
+        return False, (f"the canary did not start within {policy.start_timeout_seconds} s "
+                       f"(upgradePolicy.startTimeoutSeconds): {why}")  # fmt: skip
     return None, ""
+
+
+def _waiting(job: RLJob, plan: UpgradePlan, canary: CanaryInputs, now: dt.datetime) -> UpgradePlan:
+    """A canary without a verdict yet: its clock starts once its pods run; one that cannot be scheduled
+    is reported now (UpgradeBlocked) and rolled back by canary_outcome after startTimeoutSeconds."""
+    assert plan.status is not None
+    status = plan.status
+    if status.canary_started_at is None and canary.pods.running:
+        status = status.model_copy(update={"canary_started_at": format_time(now)})
+    reason = canary.pods.unschedulable
+    if reason is not None and status.canary_started_at is None:
+        limit = job.spec.upgrade_policy.start_timeout_seconds
+        message = f"{reason}; the canary is rolled back if it does not run within {limit} s of the upgrade's start"
+        status = status.model_copy(update={"message": message[:2048]})
+    return replace(plan, status=status, unschedulable=reason if status.canary_started_at is None else None)
 
 
 # ------------------------------------------------------------------------------------- trainer image
@@ -310,7 +355,7 @@ def _plan_trainer(
     job: RLJob,
     prev: UpgradeStatus,
     ray_job: dict[str, Any] | None,
-    canary_job: dict[str, Any] | None,
+    canary: CanaryInputs,
     stopped: bool,
     now: dt.datetime,
 ) -> UpgradePlan:
@@ -333,15 +378,18 @@ def _plan_trainer(
     if force or stopped:
         why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
         return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": f"canary skipped: {why}"}))
-    passed, why = canary_outcome(job, prev, canary_job, now)
+    passed, why = canary_outcome(job, prev, canary, now)
+    judged = prev.model_copy(update={"canary": canary.verdict}) if canary.verdict is not None else prev
     if passed is True:
-        return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": why}))
+        return UpgradePlan(judged.model_copy(update={"phase": "Rolling", "message": why}))
     if passed is False:
-        message = (f"{why}. The trainer stays on {prev.from_image}; spec.trainer.image still says {prev.to}: change "
-                   f"it to retry with another image, or annotate the RLJob {ANNOTATION_UPGRADE}={FORCE} to roll anyway")
-        blocked = prev.model_copy(update={"phase": "Blocked", "message": message[:2048]})
+        message = (
+            f"{why}. The trainer stays on {prev.from_image}; spec.trainer.image still says {prev.to}: change "
+            f"it to retry with another image, or annotate the RLJob {ANNOTATION_UPGRADE}={FORCE} to roll anyway"
+        )
+        blocked = judged.model_copy(update={"phase": "Blocked", "message": message[:2048]})
         return UpgradePlan(blocked, trainer_image=prev.from_image, blocked_message=blocked.message)
-    return _trainer_canary(prev)
+    return _waiting(job, _trainer_canary(prev), canary, now)
 
 
 def _rolling(prev: UpgradeStatus, message: str) -> UpgradePlan:
@@ -356,3 +404,41 @@ def _blocked(prev: UpgradeStatus, failure: str) -> UpgradePlan:
     )
     status = prev.model_copy(update={"phase": "Blocked", "message": message[:2048]})
     return UpgradePlan(status, EngineRollout(image=prev.from_image), blocked_message=status.message)
+
+
+# ------------------------------------------------------------------------------ the last word on images
+
+
+def allowed_images(
+    job: RLJob, prev: UpgradeStatus | None, statefulset: dict[str, Any] | None, ray_job: dict[str, Any] | None
+) -> dict[str, set[str]]:
+    """Per component, the only images the operator may render: the spec's, what runs now, and the
+    from/to of its own record of the upgrade (which came from earlier specs and running objects)."""
+    allowed = {"engine": {job.spec.inference.image}, "trainer": {job.spec.trainer.image}}
+    for component, running in (("engine", template_image(statefulset)), ("trainer", trainer_image(ray_job))):
+        if running is not None:
+            allowed[component].add(running)
+    if prev is not None:
+        allowed[prev.component] |= {prev.from_image, prev.to}
+    return allowed
+
+
+def refuse_unknown_images(plan: UpgradePlan, allowed: dict[str, set[str]]) -> UpgradePlan:
+    """``plan`` when every image it renders is allowed; otherwise a plan that renders the spec as it is,
+    no canary, and says which image was refused. A bug or a forged record must not run an image nobody
+    approved."""
+    wanted = []
+    if plan.rollout is not None:
+        wanted.append(("engine", plan.rollout.image))
+    if plan.trainer_image is not None:
+        wanted.append(("trainer", plan.trainer_image))
+    if plan.canary is not None:
+        wanted += [(plan.canary.component, plan.canary.old_image), (plan.canary.component, plan.canary.new_image)]
+    refused = [(c, image) for c, image in wanted if image not in allowed[c]]
+    if not refused:
+        return plan
+    component, image = refused[0]
+    message = (f"refused to render {component} image {image}: it is neither in the spec nor in the operator's "
+               "record of the previous spec nor running; the spec is rendered as it is")  # fmt: skip
+    status = plan.status.model_copy(update={"phase": "Blocked", "message": message}) if plan.status else None
+    return UpgradePlan(status, blocked_message=message)

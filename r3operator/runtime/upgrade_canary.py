@@ -12,8 +12,9 @@ with the engine's routes replayed (R3) and with natural routing. Per engine that
 
 The new engine passes when its routes are valid, replay agreement is 1.0, and its natural mismatch and
 mean |Δlogprob| (off) are within `upgradePolicy.max*Factor` × the old engine's, measured in the same run,
-so that the trainer's own numerics cancel out. The verdict goes to status.upgrade.canary (merge patch,
-the trainer's ServiceAccount) and to stdout as JSON.
+so that the trainer's own numerics cancel out. The verdict goes to stdout as JSON and to the container's
+termination message (``/dev/termination-log``): the operator reads it from the Pod's status, which the
+kubelet writes, never from the RLJob's status, which the trainer pods may patch.
 
 A trainer image change is canaried the same way from the other side: the old trainer image scores one
 engine replica (`--score-only FILE`, an init container), then the new trainer image scores the same
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from r3operator.api.canary_verdict import TERMINATION_LOG, termination_message
 from r3operator.api.enums import ReplayMode
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary, UpgradePolicySpec
 from r3operator.engine.rollout import OpenAIHTTPClient, RolloutSample
@@ -38,7 +40,6 @@ from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
-from r3operator.runtime.metrics import StatusPusher
 from r3operator.trainer.base import Trainer
 from r3operator.trainer.batch import build_batch
 from r3operator.trainer.factory import build_trainer
@@ -215,13 +216,17 @@ def read_score(path: Path) -> EngineFidelity:
         raise ValueError(f"{path}: the old trainer's figures are unreadable ({exc})") from None
 
 
-def publish(result: UpgradeCanary, pusher: StatusPusher | None = None) -> bool:
-    """Print the verdict as JSON and merge-patch status.upgrade.canary (nothing else). False when the
-    patch did not land (the Job then fails, and the operator blocks the upgrade saying so)."""
-    verdict_json = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-    print(json.dumps(verdict_json, indent=2))
-    pusher = pusher or StatusPusher()
-    if not pusher.enabled:
-        log.warning("not in a cluster (no KUBERNETES_SERVICE_HOST or RLJob name): the verdict is printed only")
+def publish(result: UpgradeCanary, termination_log: Path = Path(TERMINATION_LOG)) -> bool:
+    """Print the verdict as JSON and write it as the termination message. False when it could not be
+    written (the Job then fails, and the operator blocks the upgrade saying so). Outside a pod (no
+    termination log, which the kubelet mounts in every container) the verdict is printed only."""
+    print(json.dumps(result.model_dump(mode="json", by_alias=True, exclude_none=True), indent=2))
+    if not termination_log.exists():
+        log.warning("%s does not exist (not in a pod): the verdict is printed only", termination_log)
         return True
-    return pusher.push({"status": {"upgrade": {"canary": verdict_json}}})
+    try:
+        termination_log.write_text(termination_message(result))
+    except OSError as exc:
+        log.error("the verdict could not be written to %s: %s", termination_log, exc)
+        return False
+    return True

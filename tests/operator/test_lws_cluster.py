@@ -8,11 +8,9 @@ plane (tests run in file order; no other module installs it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
+from canary_ending import end_canary
 from kubecluster.controlplane import gpu_resource_flavor
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
 
@@ -129,26 +127,6 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
         assert condition(cluster.get(paths(ns, job)["rljob"]), "Valid")["status"] == "True"
 
 
-@pytest.fixture
-def publish_as(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """publish(verdict) as the canary Job's pod would (tests/operator/test_upgrade_cluster.py): the job's trainer
-    ServiceAccount token and the cluster CA, in-cluster environment."""
-    from r3operator.runtime.metrics import StatusPusher
-    from r3operator.runtime.upgrade_canary import publish
-
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.api.api_port))
-
-    def run(job: str, verdict: UpgradeCanary) -> bool:
-        account = tmp_path / job
-        account.mkdir(exist_ok=True)
-        (account / "token").write_text(cluster.api.token_for(UPGRADE_NS, f"{job}-trainer"))
-        (account / "ca.crt").write_bytes(Path(cluster.api.ca).read_bytes())
-        return publish(verdict, StatusPusher(job, UPGRADE_NS, account_dir=account))
-
-    yield run
-
-
 def _passing_verdict(attempt: str, old: str, new: str) -> UpgradeCanary:
     def engine(image: str) -> EngineFidelity:
         return EngineFidelity(image=image, routes_valid=True, replay_agreement=1.0, natural_mismatch=0.02,
@@ -170,9 +148,7 @@ def _upgrade_phase(cluster: Cluster, ns: str, job: str, phase: str, timeout: flo
     return wait_for(check, timeout=timeout, what=f"{job} upgrade phase {phase}")
 
 
-def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_rolls_every_group(
-    cluster: Cluster, publish_as: Any
-) -> None:
+def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_rolls_every_group(cluster: Cluster) -> None:
     cluster.api.start_lws()
     ns, job = UPGRADE_NS, "wide-up"
     old, new = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2))
@@ -196,7 +172,7 @@ def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_roll
         args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--new") + 1].startswith(f"http://{job}-engine-2.{job}-engine.{ns}.svc")
 
-        assert publish_as(job, _passing_verdict(upgrade["attempt"], old, new))
+        end_canary(cluster, UPGRADE_NS, job, _passing_verdict(upgrade["attempt"], old, new))
         done = _upgrade_phase(cluster, ns, job, "Complete", timeout=180)
         assert done["replicasUpdated"] == 2
         every = {f"{job}-engine-{g}{w}": new for g in range(2) for w in ("", "-1")}

@@ -1,5 +1,5 @@
-"""Engine image upgrades, pure: the plan from spec + StatefulSet + status.upgrade, its rendering, the
-canary verdict. The same flow against a real API server is in test_upgrade_cluster.py."""
+"""Engine image upgrades, pure: the plan from spec + StatefulSet + the operator's upgrade record, its
+rendering, the canary verdict. The same flow against a real API server is in test_upgrade_cluster.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from r3operator.api.v1alpha1 import EngineFidelity, RLJob, UpgradeCanary, UpgradePolicySpec
+from r3operator.api.v1alpha1 import EngineFidelity, RLJob, UpgradeCanary, UpgradePolicySpec, UpgradeStatus
 from r3operator.operator.apply import plan_action
 from r3operator.operator.desired import Facts, desired
-from r3operator.operator.upgrade import ANNOTATION_UPGRADE, plan_upgrade
+from r3operator.operator.upgrade import ANNOTATION_UPGRADE, CanaryInputs, plan_upgrade
+from r3operator.operator.upgrade_record import PodProgress
 
 REPO = Path(__file__).resolve().parents[2]
 OLD, NEW, NEWER = ("ghcr.io/r3operator/engine:0.1.0-vllm0.22.1", "ghcr.io/r3operator/engine:0.2.0-vllm0.22.1",
@@ -21,15 +22,18 @@ OLD, NEW, NEWER = ("ghcr.io/r3operator/engine:0.1.0-vllm0.22.1", "ghcr.io/r3oper
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
 
-def job(image: str = NEW, *, replicas: int = 2, upgrade: dict[str, Any] | None = None, generation: int = 7,
-        annotations: dict[str, str] | None = None, **policy: Any) -> RLJob:  # fmt: skip
+def job(image: str = NEW, *, replicas: int = 2, generation: int = 7, annotations: dict[str, str] | None = None,
+        **policy: Any) -> RLJob:  # fmt: skip
     doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
     doc["metadata"].update(uid="uid-1", namespace="ml", generation=generation, annotations=annotations or {})
     doc["spec"]["inference"].update(image=image, replicas=replicas)
     doc["spec"]["upgradePolicy"] = policy
-    if upgrade is not None:
-        doc["status"] = {"upgrade": upgrade}
     return RLJob.model_validate(doc)
+
+
+def rec(upgrade: dict[str, Any]) -> UpgradeStatus:
+    """The operator's upgrade record (upgrade_record.read_record) as plan_upgrade gets it."""
+    return UpgradeStatus.model_validate(upgrade)
 
 
 def engines(image: str, *, pods: int = 2, updated: int | None = None, same_revision: bool = True) -> dict[str, Any]:
@@ -46,8 +50,10 @@ def canary_status(**extra: Any) -> dict[str, Any]:
     return {"from": OLD, "to": NEW, "phase": "Canary", "attempt": "7", "startedAt": "2026-11-23T11:55:00Z", **extra}
 
 
-def verdict_for(attempt: str, *, passed: bool) -> dict[str, Any]:
-    return {"attempt": attempt, "passed": passed, "message": "figures"}
+def said(attempt: str, *, passed: bool) -> CanaryInputs:
+    """The canary pod's verdict for ``attempt``, its pods running."""
+    verdict = UpgradeCanary(attempt=attempt, passed=passed, message="figures")
+    return CanaryInputs(verdict=verdict, pods=PodProgress(running=True))
 
 
 def statefulset_of(children: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,59 +96,61 @@ def test_no_canary_wanted_or_forced_rolls_every_replica(kwargs: dict[str, Any], 
 
 
 def test_a_passing_verdict_rolls_on_and_completion_is_read_from_the_statefulset() -> None:
-    upgrade = canary_status(canary=verdict_for("7", passed=True))
-    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3, updated=1), now=NOW)
+    upgrade = canary_status()
+    plan = plan_upgrade(job(), engines(NEW, pods=3, updated=1), prev=rec(upgrade), canary=said("7", passed=True),
+                        now=NOW)  # fmt: skip
     assert plan.status is not None and plan.status.phase == "Rolling" and plan.canary is None
-    sts = statefulset_of(desired(job(upgrade=upgrade), Facts(engine_rollout=plan.rollout)))
+    assert plan.status.canary is not None and plan.status.canary.passed  # the verdict, for status
+    sts = statefulset_of(desired(job(), Facts(engine_rollout=plan.rollout)))
     assert sts["spec"]["replicas"] == 2 and "updateStrategy" not in sts["spec"]
     rolling = plan.status.model_dump(mode="json", by_alias=True)
-    midway = plan_upgrade(job(upgrade=rolling), engines(NEW, updated=1, same_revision=False),
+    midway = plan_upgrade(job(), engines(NEW, updated=1, same_revision=False), prev=rec(rolling),
                           now=NOW)  # fmt: skip
     assert midway.status is not None and (midway.status.phase, midway.status.replicas_updated) == ("Rolling", 1)
-    done = plan_upgrade(job(upgrade=rolling), engines(NEW), now=NOW)
+    done = plan_upgrade(job(), engines(NEW), prev=rec(rolling), now=NOW)
     assert done.status is not None and (done.status.phase, done.status.replicas_updated) == ("Complete", 2)
     assert done.rollout is None
 
 
 def test_a_failing_verdict_rolls_back_and_blocks_until_the_image_changes_or_force() -> None:
-    upgrade = canary_status(canary=verdict_for("7", passed=False))
-    plan = plan_upgrade(job(upgrade=upgrade), engines(NEW, pods=3), now=NOW)
+    upgrade = canary_status()
+    plan = plan_upgrade(job(), engines(NEW, pods=3), prev=rec(upgrade), canary=said("7", passed=False), now=NOW)
     assert plan.status is not None and plan.status.phase == "Blocked"
     assert OLD in plan.status.message and "r3operator.io/upgrade=force" in plan.status.message
-    sts = statefulset_of(desired(job(upgrade=upgrade), Facts(engine_rollout=plan.rollout)))
+    sts = statefulset_of(desired(job(), Facts(engine_rollout=plan.rollout)))
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD and sts["spec"]["replicas"] == 2
     blocked = plan.status.model_dump(mode="json", by_alias=True)
-    again = plan_upgrade(job(upgrade=blocked), engines(OLD), now=NOW)
+    again = plan_upgrade(job(), engines(OLD), prev=rec(blocked), now=NOW)
     assert again.status is not None and again.status.phase == "Blocked" and again.rollout.image == OLD  # type: ignore[union-attr]
-    forced = plan_upgrade(job(upgrade=blocked, annotations={ANNOTATION_UPGRADE: "force"}), engines(OLD),
+    forced = plan_upgrade(job(annotations={ANNOTATION_UPGRADE: "force"}), engines(OLD), prev=rec(blocked),
                           now=NOW)  # fmt: skip
     assert forced.status is not None and forced.status.phase == "Rolling" and forced.rollout.image == NEW  # type: ignore[union-attr]
-    retry = plan_upgrade(job(NEWER, upgrade=blocked, generation=9), engines(OLD), now=NOW)
+    retry = plan_upgrade(job(NEWER, generation=9), engines(OLD), prev=rec(blocked), now=NOW)
     assert retry.status is not None and (retry.status.phase, retry.status.from_image, retry.status.to,
                                          retry.status.attempt) == ("Canary", OLD, NEWER, "9")  # fmt: skip
 
 
 def test_a_verdict_for_another_attempt_is_ignored_and_a_missing_one_times_out() -> None:
-    stale = canary_status(canary=verdict_for("6", passed=True))
-    plan = plan_upgrade(job(upgrade=stale), engines(NEW, pods=3), now=NOW)
+    ran = canary_status(canaryStartedAt="2026-11-23T11:58:00Z")
+    plan = plan_upgrade(job(), engines(NEW, pods=3), prev=rec(ran), canary=said("6", passed=True), now=NOW)
     assert plan.status is not None and plan.status.phase == "Canary"
-    late = plan_upgrade(job(upgrade=stale, timeoutSeconds=60), engines(NEW, pods=3),
+    late = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=rec(ran), canary=said("6", passed=True),
                         now=NOW + dt.timedelta(minutes=10))  # fmt: skip
     assert late.status is not None and late.status.phase == "Blocked" and "timed out" in late.status.message
     failed_job = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
-    crashed = plan_upgrade(job(upgrade=canary_status()), engines(NEW, pods=3),
-                           canary_job=failed_job, now=NOW)  # fmt: skip
+    crashed = plan_upgrade(job(), engines(NEW, pods=3), prev=rec(canary_status()),
+                           canary=CanaryInputs(job=failed_job), now=NOW)  # fmt: skip
     assert crashed.status is not None and crashed.status.phase == "Blocked"
     assert "BackoffLimitExceeded" in crashed.status.message
 
 
 def test_a_second_image_change_supersedes_a_canary_and_reverting_cancels_it() -> None:
     upgrade = canary_status()
-    newer = plan_upgrade(job(NEWER, upgrade=upgrade, generation=8), engines(NEW, pods=3), now=NOW)
+    newer = plan_upgrade(job(NEWER, generation=8), engines(NEW, pods=3), prev=rec(upgrade), now=NOW)
     assert newer.status is not None and (newer.status.from_image, newer.status.to, newer.status.attempt) == (
         OLD, NEWER, "8")  # fmt: skip
     assert newer.canary is not None and newer.canary.attempt == "8"
-    back = plan_upgrade(job(OLD, upgrade=upgrade, generation=8), engines(NEW, pods=3), now=NOW)
+    back = plan_upgrade(job(OLD, generation=8), engines(NEW, pods=3), prev=rec(upgrade), now=NOW)
     assert back.status is not None and back.status.phase == "Cancelled" and back.rollout is None
 
 
@@ -194,8 +202,8 @@ def test_the_verdict_compares_the_new_engine_with_the_old_in_the_same_run(new: E
 T_OLD, T_NEW = "ghcr.io/r3operator/trainer:0.1.0", "ghcr.io/r3operator/trainer:0.2.0"
 
 
-def trainer_job(image: str = T_NEW, *, upgrade: dict[str, Any] | None = None, **kwargs: Any) -> RLJob:
-    doc = job(upgrade=upgrade, **kwargs).model_dump(mode="json", by_alias=True, exclude_none=True)
+def trainer_job(image: str = T_NEW, **kwargs: Any) -> RLJob:
+    doc = job(**kwargs).model_dump(mode="json", by_alias=True, exclude_none=True)
     doc["spec"]["trainer"]["image"] = image
     doc["spec"]["inference"]["image"] = OLD
     return RLJob.model_validate(doc)
@@ -227,14 +235,14 @@ def test_a_trainer_image_change_keeps_the_rayjob_while_both_images_score_one_eng
 def test_a_trainer_canary_verdict_replaces_the_rayjob_or_keeps_the_old_image() -> None:
     canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
               "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
-    passed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=True)}), engines(OLD),
+    passed = plan_upgrade(trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=True),
                           ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
     assert passed.status is not None and passed.status.phase == "Rolling" and passed.trainer_image is None
     rolling = passed.status.model_dump(mode="json", by_alias=True)
-    done = plan_upgrade(trainer_job(upgrade=rolling), engines(OLD), ray_job=ray_job(T_NEW),
+    done = plan_upgrade(trainer_job(), engines(OLD), prev=rec(rolling), ray_job=ray_job(T_NEW),
                         now=NOW)  # fmt: skip
     assert done.status is not None and done.status.phase == "Complete"
-    failed = plan_upgrade(trainer_job(upgrade={**canary, "canary": verdict_for("7", passed=False)}), engines(OLD),
+    failed = plan_upgrade(trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=False),
                           ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
     assert failed.status is not None and failed.status.phase == "Blocked" and failed.trainer_image == T_OLD
     assert "spec.trainer.image still says" in failed.status.message
@@ -243,8 +251,8 @@ def test_a_trainer_canary_verdict_replaces_the_rayjob_or_keeps_the_old_image() -
 def test_an_engine_change_waits_for_a_trainer_upgrade_under_way() -> None:
     canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
               "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
-    doc = trainer_job(upgrade=canary).model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc = trainer_job().model_dump(mode="json", by_alias=True, exclude_none=True)
     doc["spec"]["inference"]["image"] = NEW
-    plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), ray_job=ray_job(T_OLD), now=NOW)
+    plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), prev=rec(canary), ray_job=ray_job(T_OLD), now=NOW)
     assert plan.status is not None and plan.status.component == "trainer"
     assert plan.rollout is not None and plan.rollout.image == OLD  # the engines stay on what they run

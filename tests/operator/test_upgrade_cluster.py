@@ -1,23 +1,24 @@
 """Engine image upgrades on the real control plane: the real kopf operator, the real StatefulSet and Job
-controllers, kwok nodes. The canary Job's pod keeps running under kwok (tests/kubecluster/kwok-stages.yaml),
-and the test writes its verdict the way the Job does: `runtime.upgrade_canary.publish` with the job's
-trainer ServiceAccount token, through RBAC. Scoring real engines is in test_upgrade_canary_vllm.py.
+controllers, kwok nodes. The canary Job's pod keeps running under kwok (tests/kubecluster/kwok-stages.yaml)
+until the test plays its end: it annotates the pod with the verdict (`api.canary_verdict.termination_message`)
+and kwok, as the kubelet would from /dev/termination-log, ends the container with it as the termination
+message. Scoring real engines is in test_upgrade_canary_vllm.py; forged status in test_status_is_output_cluster.py.
 
 - pass: one surge replica on the new image behind a partition, the canary Job; a passing verdict rolls
   every pod to the new image, `Complete`, the Job is deleted;
 - fail + operator restart: a failing verdict written while the operator is down is found on restart; the
   engines go back to the old image, `UpgradeBlocked=True CanaryFailed` with the figures, one Event;
 - a second image change supersedes the blocked attempt: a new attempt, the old verdict gone, a new Job;
-- another job's trainer cannot write this job's verdict.
+- a surge replica that cannot be scheduled (no free GPU on its node): UpgradeBlocked=True CanaryUnschedulable
+  at once, rolled back after upgradePolicy.startTimeoutSeconds, the surge pod and the canary Job gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import json
 from typing import Any
 
-import pytest
+from canary_ending import end_canary
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
 
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
@@ -64,26 +65,7 @@ def _verdict(attempt: str, *, passed: bool) -> UpgradeCanary:
                          old=engine(OLD, 0.02), new=engine(NEW, new_mismatch))  # fmt: skip
 
 
-@pytest.fixture
-def publish_as(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """publish(verdict) as the pod of `service_account` would: its token, the cluster CA, in-cluster env."""
-    from r3operator.runtime.metrics import StatusPusher
-    from r3operator.runtime.upgrade_canary import publish
-
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.api.api_port))
-
-    def run(job: str, verdict: UpgradeCanary, service_account: str | None = None) -> bool:
-        account = tmp_path / (service_account or f"{job}-trainer")
-        account.mkdir(exist_ok=True)
-        (account / "token").write_text(cluster.api.token_for(NS, service_account or f"{job}-trainer"))
-        (account / "ca.crt").write_bytes(Path(cluster.api.ca).read_bytes())
-        return publish(verdict, StatusPusher(job, NS, account_dir=account))
-
-    yield run
-
-
-def test_a_passing_canary_rolls_every_replica(cluster: Cluster, publish_as: Any) -> None:
+def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
     with running_operator(cluster, NS):
         cluster.apply(_job("up-pass"))
         wait_condition(cluster, NS, "up-pass", "EnginesReady", "True")
@@ -100,7 +82,9 @@ def test_a_passing_canary_rolls_every_replica(cluster: Cluster, publish_as: Any)
         assert job["spec"]["template"]["spec"]["serviceAccountName"] == "up-pass-trainer"
         wait_condition(cluster, NS, "up-pass", "EnginesReady", "True")  # the partition holds them on purpose
 
-        assert publish_as("up-pass", _verdict(upgrade["attempt"], passed=True))
+        ran = wait_for(lambda: _upgrade(cluster, "up-pass").get("canaryStartedAt"), what="the canary's clock")
+        assert ran >= upgrade["startedAt"]
+        end_canary(cluster, NS, "up-pass", _verdict(upgrade["attempt"], passed=True))
         done = _wait_phase(cluster, "up-pass", "Complete", timeout=120)
         assert done["replicasUpdated"] == 2 and done["canary"]["passed"] is True
         assert wait_for(lambda: _pod_images(cluster, "up-pass") == {"up-pass-engine-0": NEW, "up-pass-engine-1": NEW},
@@ -112,17 +96,16 @@ def test_a_passing_canary_rolls_every_replica(cluster: Cluster, publish_as: Any)
         assert "UPGRADE" in printed and "Complete" in printed
 
 
-def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_supersedes_it(
-    cluster: Cluster, publish_as: Any
-) -> None:
+def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_supersedes_it(cluster: Cluster) -> None:
     with running_operator(cluster, NS):
         cluster.apply(_job("up-fail"))
         wait_condition(cluster, NS, "up-fail", "EnginesReady", "True")
         _set_image(cluster, "up-fail", BAD)
         upgrade = _wait_phase(cluster, "up-fail", "Canary")
         wait_for(lambda: _canary_job(cluster, "up-fail"), what="canary Job")
-    # The operator is down when the verdict arrives; the next one reads it from status.
-    assert publish_as("up-fail", _verdict(upgrade["attempt"], passed=False))
+    # The operator is down when the verdict arrives; the next one reads it from the pod, the upgrade's
+    # state from the engine StatefulSet.
+    end_canary(cluster, NS, "up-fail", _verdict(upgrade["attempt"], passed=False))
     with running_operator(cluster, NS):
         blocked = _wait_phase(cluster, "up-fail", "Blocked")
         assert OLD in blocked["message"] and "natural mismatch 0.09" in blocked["message"]
@@ -148,20 +131,42 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
         assert BAD not in job["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def test_another_jobs_trainer_cannot_write_the_verdict(cluster: Cluster, publish_as: Any) -> None:
+def _idle_gpu_node(cluster: Cluster) -> str:
+    """A GPU node no pod runs on (earlier tests' pods are spread over the fleet)."""
+    busy = {p["spec"].get("nodeName") for p in cluster.get("/api/v1/pods")["items"]}
+    nodes = [n["metadata"]["name"] for n in cluster.get("/api/v1/nodes?labelSelector=nvidia.com/gpu.present")["items"]]
+    return next(n for n in reversed(nodes) if n not in busy)
+
+
+def test_a_surge_replica_without_a_free_gpu_is_reported_at_once_and_rolled_back(cluster: Cluster) -> None:
+    # Both regular replicas (4 GPUs each) fill the one 8-GPU node the engines may use: the surge cannot fit.
+    node = _idle_gpu_node(cluster)
+    job = {**_job("up-nogpu")}
+    job["spec"] = {**job["spec"], "upgradePolicy": {"timeoutSeconds": 600, "startTimeoutSeconds": 15},
+                   "inference": {**job["spec"]["inference"],
+                                 "podTemplate": {"nodeSelector": {"kubernetes.io/hostname": node}}}}  # fmt: skip
     with running_operator(cluster, NS):
-        cluster.apply(_job("up-victim"))
-        cluster.apply(_job("up-other"))
-        wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/up-other-trainer"), what="other SA")
-        wait_condition(cluster, NS, "up-victim", "EnginesReady", "True")
-        _set_image(cluster, "up-victim", NEW)
-        upgrade = _wait_phase(cluster, "up-victim", "Canary")
-        forged = _verdict(upgrade["attempt"], passed=True)
-        assert not publish_as("up-victim", forged, service_account="up-other-trainer")
-        assert "canary" not in _upgrade(cluster, "up-victim")
+        cluster.apply(job)
+        wait_condition(cluster, NS, "up-nogpu", "EnginesReady", "True")
+        _set_image(cluster, "up-nogpu", NEW)
+        upgrade = _wait_phase(cluster, "up-nogpu", "Canary")
+        cond = wait_condition(cluster, NS, "up-nogpu", "UpgradeBlocked", "True", "CanaryUnschedulable")
+        assert "up-nogpu-engine-2 cannot be scheduled" in cond["message"] and "nvidia.com/gpu" in cond["message"]
+        assert "canaryStartedAt" not in _upgrade(cluster, "up-nogpu")  # the clock has not started
+        blocked = _wait_phase(cluster, "up-nogpu", "Blocked", timeout=60)
+        assert blocked["attempt"] == upgrade["attempt"] and "did not start within 15 s" in blocked["message"]
+        sts = wait_for(lambda: (s := cluster.get(paths(NS, "up-nogpu")["sts"]))["spec"]["replicas"] == 2 and s,
+                       what="the surge replica removed")  # fmt: skip
+        assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD
+        wait_for(lambda: _canary_job(cluster, "up-nogpu") is None, what="the canary Job deleted (its GPU released)")
+        assert wait_for(lambda: set(_pod_images(cluster, "up-nogpu")) == {"up-nogpu-engine-0", "up-nogpu-engine-1"},
+                        what="the surge pod gone")  # fmt: skip
+        wait_condition(cluster, NS, "up-nogpu", "UpgradeBlocked", "True", "CanaryFailed")
+        record = json.loads(sts["metadata"]["annotations"]["r3operator.io/upgrade-state"])
+        assert record["phase"] == "Blocked"
 
 
-def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluster: Cluster, publish_as: Any) -> None:
+def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluster: Cluster) -> None:
     t_old, t_new = "ghcr.io/r3operator/trainer:0.1.0", "ghcr.io/r3operator/trainer:0.2.0"
     rayjob_path = f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/up-trainer-trainer"
 
@@ -187,6 +192,6 @@ def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluste
         assert head_image() == t_old
         assert cluster.get(rayjob_path)["metadata"]["uid"] == first["metadata"]["uid"]  # not replaced meanwhile
 
-        assert publish_as("up-trainer", _verdict(upgrade["attempt"], passed=True))
+        end_canary(cluster, NS, "up-trainer", _verdict(upgrade["attempt"], passed=True))
         _wait_phase(cluster, "up-trainer", "Complete", timeout=120)
         assert head_image() == t_new and cluster.get(rayjob_path)["metadata"]["uid"] != first["metadata"]["uid"]

@@ -3,15 +3,18 @@ engine image change), or one replica with the old and the new trainer image (a t
 
 It runs `r3operator upgrade-canary` (runtime/upgrade_canary.py) in a pod shaped like a trainer pod (the
 trainer's ServiceAccount, config, routing volume with the latest checkpoint, model mount, one GPU), so the
-scoring uses the trainer's current weights and numerics. Its verdict goes to status.upgrade.canary (the
-trainer Role may patch this RLJob's status and no other's). One Job per attempt: the attempt is in its
-labels and arguments, and a Job of an earlier attempt is replaced.
+scoring uses the trainer's current weights and numerics. Its verdict is the container's termination message
+(``/dev/termination-log``), which the kubelet copies into the Pod's status and the operator reads from there
+(operator/upgrade_record.py): nothing the trainer pods may write (the RLJob's status) carries it, and the pod
+gets no API token, since it writes nothing. One Job per attempt: the attempt is in its labels and
+arguments, and a Job of an earlier attempt is replaced.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api.canary_verdict import TERMINATION_LOG
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
 from r3operator.operator.builders.config import engine_replica_url
@@ -32,6 +35,8 @@ def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]
     template = trainer_pod_template(job, CONTAINER_NAME, head=False)
     container = template["spec"]["containers"][0]
     container["command"] = ["r3operator", "upgrade-canary"]
+    container["terminationMessagePath"] = TERMINATION_LOG
+    container["terminationMessagePolicy"] = "File"  # the verdict, not the log's tail
     common = ["--config", CONFIG_PATH, "--new", engine_replica_url(job, target.new_replica)]
     gpus = "1"  # one trainer GPU scores the engines' samples
     container["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
@@ -52,6 +57,7 @@ def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]
     labels = {**meta.labels(job, meta.ROLE_UPGRADE_CANARY), LABEL_ATTEMPT: target.attempt}
     template["metadata"] = {"labels": labels}
     template["spec"]["restartPolicy"] = "Never"
+    template["spec"]["automountServiceAccountToken"] = False
     metadata = meta.object_meta(job, meta.ROLE_UPGRADE_CANARY)
     metadata["labels"] = {**metadata.get("labels", {}), LABEL_ATTEMPT: target.attempt}
     return {

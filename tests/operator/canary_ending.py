@@ -1,0 +1,35 @@
+"""How the tests on the kwok cluster play the upgrade canary's end (not a test module).
+
+The canary Job's pod keeps running under kwok until the test annotates it with the verdict; kwok then ends
+the container with that text as its termination message (tests/kubecluster/kwok-stages.yaml, stage
+pod-canary-verdict), as the kubelet does from /dev/termination-log. The operator reads it from there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operator_harness import Cluster, wait_for
+
+from r3operator.api.canary_verdict import termination_message
+from r3operator.api.v1alpha1 import UpgradeCanary
+
+MESSAGE_ANNOTATION = "kwok.r3operator.io/termination-message"
+
+
+def running_canary_pod(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
+    selector = f"r3operator.io/job={job},r3operator.io/role=upgrade-canary"
+
+    def find() -> dict[str, Any] | None:
+        pods = (cluster.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}).get("items", [])
+        return next((p for p in pods if p["status"].get("phase") == "Running"), None)
+
+    return wait_for(find, timeout=60, what=f"a running canary pod of {job}")
+
+
+def end_canary(cluster: Cluster, namespace: str, job: str, verdict: UpgradeCanary) -> None:
+    """The canary container of ``job`` ends with ``verdict`` as its termination message."""
+    pod = running_canary_pod(cluster, namespace, job)
+    patch = {"metadata": {"annotations": {MESSAGE_ANNOTATION: termination_message(verdict)}}}
+    cluster.http("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}", patch,
+                 "application/merge-patch+json")  # fmt: skip
