@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# One-GPU rows of the acceptance run side by side: lane i runs its rows on GPU i alone, so a 2-GPU machine
-# does two 1-GPU rows in the wall time of one.
+# Rows of the acceptance run side by side, each lane on GPUs of its own, so a 4-GPU machine runs four 1-GPU
+# rows (or two 2-GPU rows) in the wall time of one.
 #
-#   bash scripts/gpu-accept-lanes.sh OUT ROWS_GPU0 [ROWS_GPU1 ...]    e.g. OUT main_job upgrade_canary,megatron_replay
+#   bash scripts/gpu-accept-lanes.sh OUT LANE [LANE ...]
+#   LANE is ROWS (lane i runs on GPU i) or GPUS:ROWS, e.g.  OUT main_job upgrade_canary,megatron_replay
+#                                                      or   OUT 0,1:up_2gpu,weight_sync 2,3:megatron_ranks
 #
-# Lane i: CUDA_VISIBLE_DEVICES=i, ACCEPT_GPUS=1, its own work and model-cache folders (two processes that
-# generate the same reference model into one cache would race), results in OUT/lane<i>/ (accept.json,
-# accept.md, logs-*.tar.gz), its console in /tmp/r3-accept-lane<i>.log. Put lanes whose rows start Ray
-# in-process on at most one lane: two drivers on one machine could join each other's Ray cluster.
-# Exit code 1 when a lane failed.
+# Each lane gets CUDA_VISIBLE_DEVICES=GPUS, ACCEPT_GPUS=<their count>, its own work, model-cache and Ray temp
+# folders (two processes generating one reference model into one cache would race; two Ray drivers must not
+# find each other's cluster), results in OUT/lane<i>/ (accept.json, accept.md, logs-*.tar.gz) and its console
+# in /tmp/r3-accept-lane<i>.log. Exit code 1 when a lane failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu-accept-lanes.sh OUT ROWS_GPU0 [ROWS_GPU1 ...]}
+out=${1:?usage: gpu-accept-lanes.sh OUT LANE [LANE ...]}
 shift
 [ $# -gt 0 ] || { echo "gpu-accept-lanes.sh: name the rows of at least one lane" >&2; exit 2; }
 pids=()
 lane=0
-for rows in "$@"; do
-  mkdir -p "$out/lane$lane"
-  CUDA_VISIBLE_DEVICES=$lane ACCEPT_GPUS=1 ACCEPT_WORK=/tmp/r3-accept-lane$lane \
+for spec in "$@"; do
+  if [[ $spec == *:* ]]; then gpus=${spec%%:*} rows=${spec#*:}; else gpus=$lane rows=$spec; fi
+  count=$(tr ',' '\n' <<<"$gpus" | grep -c .)
+  mkdir -p "$out/lane$lane" "/tmp/ray-lane$lane"
+  CUDA_VISIBLE_DEVICES=$gpus ACCEPT_GPUS=$count ACCEPT_WORK=/tmp/r3-accept-lane$lane RAY_TMPDIR=/tmp/ray-lane$lane \
     R3OPERATOR_CACHE_DIR=${R3OPERATOR_CACHE_DIR:-/root/r3cache}-lane$lane \
     bash scripts/gpu-accept.sh "$out/lane$lane" --rows "$rows" > "/tmp/r3-accept-lane$lane.log" 2>&1 &
   pids+=($!)
+  echo "lane $lane: GPUs $gpus: $rows"
   lane=$((lane + 1))
 done
 rc=0

@@ -10,6 +10,7 @@ keeps module identities, so `find_routers` sees the same `*TopKRouter` modules.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 
@@ -20,12 +21,21 @@ def init_process_group_if_needed(device: str) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
+    # A free port, not a fixed one: two one-process trainers on one host (two runs, a run next to a test)
+    # would otherwise both listen on the same port and the second one fail with EADDRINUSE.
+    os.environ.setdefault("MASTER_PORT", str(free_local_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     dist.init_process_group(backend=process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
+
+
+def free_local_port() -> int:
+    """A TCP port on the loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def process_group_backend(device: str) -> str:
