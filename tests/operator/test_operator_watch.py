@@ -36,7 +36,7 @@ class OperatorProcess:
     def __init__(self, cluster: Cluster) -> None:
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO),
                "PYTHONUNBUFFERED": "1", "R3OPERATOR_RESYNC_SECONDS": RESYNC_S}  # fmt: skip
-        args = [sys.executable, "-m", "r3operator", "operator", "-n", NS]
+        args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--liveness", ""]
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
