@@ -84,6 +84,17 @@ def _version(obj: dict[str, Any]) -> str | None:
     return (obj.get("metadata") or {}).get("resourceVersion")
 
 
+def _newer(obj: dict[str, Any], than: dict[str, Any] | None) -> bool:
+    """``obj`` is a later state than ``than``: resourceVersions are etcd revisions (integers) in every
+    kube-apiserver; were one not, the later arrival wins."""
+    if than is None:
+        return True
+    mine, theirs = _version(obj), _version(than)
+    if mine is not None and theirs is not None and mine.isdigit() and theirs.isdigit():
+        return int(mine) >= int(theirs)
+    return True
+
+
 def _owner(obj: dict[str, Any]) -> str | None:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(SELECTOR)
 
@@ -187,11 +198,21 @@ class ChildCache:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
 
+    def remember(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
+        """What a write of this operator's returned: held at once, so that a pass right after it does not
+        read the object as it was before (its watch event arrives a moment later and changes nothing)."""
+        store = self._stores.get((kind, namespace))
+        if store is not None and store.synced:
+            name = str((obj.get("metadata") or {}).get("name") or "")
+            if _newer(obj, store.objects.get(name)):
+                store.objects[name] = _slim(kind, obj)
+
     def _put(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
         name = str((obj.get("metadata") or {}).get("name") or "")
         old = store.objects.get(name)
-        store.objects[name] = _slim(kind, obj)
+        if _newer(obj, old):
+            store.objects[name] = _slim(kind, obj)
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))
 

@@ -520,6 +520,8 @@ class Reconciler:
             have, action = None, plan_action(want, None, job_uid=None)
         assert action.body is not None
         applied = await self.client.apply(action.body, force=action.force, field_manager=action.manager)
+        if self.cache is not None and namespace:
+            self.cache.remember(want["kind"], namespace, applied)
         unchanged = have is not None and (applied.get("metadata") or {}).get("resourceVersion") == (
             have.get("metadata") or {}
         ).get("resourceVersion")
