@@ -125,6 +125,7 @@ class KubeClient:
         self._headers = {"User-Agent": USER_AGENT, **(headers or {})}
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_connection_info(cls, info: Any) -> KubeClient:
@@ -165,9 +166,10 @@ class KubeClient:
         return await self._request(method, path, json=body, content_type="application/json" if body else None)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
+        self._session = self._watch_session = None
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
@@ -213,13 +215,16 @@ class KubeClient:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": timeout_s,
         }
-        if self._session is None or self._session.closed:
-            await self._request("GET", "/version")  # opens the session with its headers
-        assert self._session is not None
-        # No total timeout: the stream lives for timeout_s; a silent connection still ends within a minute of it.
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=timeout_s + 60)
+        if self._watch_session is None or self._watch_session.closed:
+            # A session of their own: each open watch holds a connection, and the requests' pool (100) must never
+            # wait behind them. No total timeout: a stream lives for timeout_s; a silent one ends a minute after.
+            self._watch_session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=timeout_s + 60),
+            )
         url = self.server + kind.path(namespace) + "?" + urlencode(query)
-        async with self._session.get(url, headers={"Accept": "application/json"}, ssl=self._ssl, timeout=timeout) as r:
+        async with self._watch_session.get(url, headers={"Accept": "application/json"}, ssl=self._ssl) as r:
             if r.status >= 400:
                 text = await r.text()
                 try:
