@@ -106,7 +106,7 @@ class _Store:
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
     synced: bool = False
     unserved: bool = False
-    """The last list was refused with a 404: the kind's CRD is not installed."""
+    """The last list was refused: 404, the kind's CRD is not installed; 403, the operator may not list it."""
 
 
 class Wakeups:
@@ -254,7 +254,9 @@ class ChildCache:
             except asyncio.CancelledError:
                 raise
             except KubeError as exc:
-                if exc.status == 404:  # the CRD is not installed (yet): reads go to the API server meanwhile
+                if exc.status in (403, 404):  # no CRD (yet), or no list/watch right: reads go to the API server
+                    if exc.status == 403 and not store.unserved:
+                        log.warning("no list/watch of %s in %s (%s): its reads are GETs", kind, namespace, exc)
                     store.synced, store.unserved = False, True
                     store.objects.clear()
                     await asyncio.sleep(UNSERVED_RETRY_S)
