@@ -224,8 +224,12 @@ def _start_operator(plane: ControlPlane, name: str) -> subprocess.Popen[bytes]:
            "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO)}  # fmt: skip
     for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
         env.pop(variable, None)  # production defaults
+    # Lease timings: 60/40/10 s rather than the defaults' 15/10/2: on the shared 2-core box a renewal (GET + PUT)
+    # can take over 2 s, and a leader that cannot renew exits. The failover below is a SIGTERM, which releases
+    # the Lease: the standby's takeover does not wait for the lease duration either way.
     cmd = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--liveness", "", "--leader-elect",
-           "--leader-election-namespace", NS]  # fmt: skip
+           "--leader-election-namespace", NS, "--lease-duration", "60", "--renew-deadline", "40",
+           "--retry-period", "10"]  # fmt: skip
     log = open(plane.logs / f"operator-{name}.log", "wb")  # noqa: SIM115 (the process owns it)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
