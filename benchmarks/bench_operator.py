@@ -189,11 +189,17 @@ class Recorder:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
+        # A refused or broken watch (429 from a loaded apiserver) starts again: its first events re-send every
+        # object, which first() skips past only where a condition was first met while it was down.
         request = urllib.request.Request(self._url, headers={"Authorization": f"Bearer {self._plane.admin_token}"})
-        with urllib.request.urlopen(request, context=self._plane.ssl_context(), timeout=3700) as stream:
-            for line in stream:
-                event = json.loads(line)
-                self.events.append((time.time(), event.get("object") or {}))
+        while True:
+            try:
+                with urllib.request.urlopen(request, context=self._plane.ssl_context(), timeout=3700) as stream:
+                    for line in stream:
+                        event = json.loads(line)
+                        self.events.append((time.time(), event.get("object") or {}))
+            except (OSError, ValueError):
+                time.sleep(1)
 
     def first(self, name: str, predicate: Any, since: float = 0.0) -> float | None:
         for at, obj in list(self.events):
