@@ -147,7 +147,9 @@ async def _stopping(stopped: kopf.DaemonStopped) -> None:
     await stopped.wait()
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+# On stop (the RLJob deleted, the operator exiting or losing the Lease) a pass under way finishes first
+# (backoff), so no pass is cut between two writes; one still running after that is cancelled.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=10.0, cancellation_timeout=5.0)
 async def reconcile_loop(
     body: kopf.Body, name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
 ) -> None:
