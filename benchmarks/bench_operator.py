@@ -83,6 +83,7 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> list[float]:
     refined with the audit log's sub-second stage timestamps."""
     created: dict[str, float] = {}
     last_child: dict[str, float] = {}
+    first_create: dict[str, float] = {}
     with open(plane.audit_log) as log:
         for line in log:
             event = json.loads(line)
@@ -98,7 +99,9 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> list[float]:
                 created[name] = at
             elif ref.get("resource") in ("statefulsets", "services", "configmaps", "persistentvolumeclaims", "rayjobs"):
                 job = name.rsplit("-", 1)[0]
-                last_child[job] = max(last_child.get(job, 0.0), at)
+                # Each child's first create: the failover below deletes one and the operator creates it again.
+                first_create.setdefault(name, at)
+                last_child[job] = max(last_child.get(job, 0.0), first_create[name])
     return [last_child[j] - created[j] for j in jobs if j in created and j in last_child]
 
 
