@@ -1,19 +1,27 @@
 """Operator scale benchmark on the real control plane (tests/kubecluster: kube-apiserver, controllers,
 scheduler, kwok fake GPU nodes, KubeRay).
 
-The operator runs as its own process (``kopf run -m r3operator.operator.handlers --standalone``) with its
-production defaults (10 s resync, 5 s idle). For each fleet size it measures, over N RLJobs created one
-after another at a fixed rate:
+Two operator processes run as the chart runs them (``r3operator operator --leader-elect``, production
+defaults: 300 s resync, children from watches): one leads, one stands by. For each fleet size, over N
+RLJobs created one after another at a fixed rate, it measures:
 
-- apply → every child exists (p50/p95/max), from the RLJob's create to the last child's create;
-- time until every engine pod is Running (real StatefulSet controller + scheduler + kwok);
-- API requests per RLJob made by the operator (the apiserver's audit log, by user agent), while
-  converging, and writes per minute in the steady state (target 0: nothing changes, nothing is written);
-- operator RSS and CPU seconds.
+- apply → every child exists (p50/p95/max), from the RLJob's create to the last child's create, and the
+  time until every engine pod is Running (real StatefulSet controller + scheduler + kwok);
+- API requests per RLJob made by the operator (the apiserver's audit log, by user agent) while converging;
+- convergence, detected: the first moment after which, for ``QUIET_S``, no RLJob changed and the operator
+  wrote nothing (kwok's RayJobs fail a few minutes after they start; that, too, must have settled);
+- at rest, over ``STEADY_S`` after convergence: requests per minute by verb and resource, its watches
+  aside (target: 0 writes and ≤ 1 request per minute per RLJob), and the operator's RSS;
+- child change → RLJob status: the engine StatefulSet's last status write (the controller's, when its
+  pod became Ready) → the operator's next status write of that RLJob; and, for a sample, the RayJob
+  finishing (the status KubeRay would write, KubeRay paused) → the operator's status write;
+- leader failover under load: the leader gets SIGTERM, a child is deleted at once; the time until the
+  standby has taken the Lease and re-created it.
 
-    python -m benchmarks.bench_operator [--jobs 50 200 500] [--nodes 256]
+    python -m benchmarks.bench_operator [--jobs 100 500] [--nodes 256] [--out benchmarks/results/x.json]
 
-Targets: p50 ≤ 1 s, p95 ≤ 3 s, RSS ≤ 250 MB, zero steady-state writes.
+Targets: p50 ≤ 1 s, p95 ≤ 3 s, child change → status p95 ≤ 2 s, RSS ≤ 250 MB at 500, zero writes at rest,
+failover ≤ 15 s.
 """
 
 from __future__ import annotations
@@ -22,11 +30,15 @@ import argparse
 import copy
 import json
 import os
-import statistics
+import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,7 +54,12 @@ from kubecluster.controlplane import ControlPlane, Fleet, control_plane  # noqa:
 NS = "bench"
 OPERATOR_AGENTS = ("r3operator/", "kopf/")
 WRITES = ("create", "update", "patch", "delete")
-RESYNC_S = 10.0
+QUIET_S = 30.0
+"""Convergence: this long with no RLJob changed and no operator write."""
+STEADY_S = 60.0
+CONVERGE_TIMEOUT_S = 900.0
+FINISH_SAMPLE = 20
+"""RLJobs whose RayJob is made to finish, for the RayJob → status latency."""
 
 
 def small_job(name: str) -> dict[str, Any]:
@@ -66,6 +83,7 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> list[float]:
     refined with the audit log's sub-second stage timestamps."""
     created: dict[str, float] = {}
     last_child: dict[str, float] = {}
+    first_create: dict[str, float] = {}
     with open(plane.audit_log) as log:
         for line in log:
             event = json.loads(line)
@@ -81,7 +99,9 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> list[float]:
                 created[name] = at
             elif ref.get("resource") in ("statefulsets", "services", "configmaps", "persistentvolumeclaims", "rayjobs"):
                 job = name.rsplit("-", 1)[0]
-                last_child[job] = max(last_child.get(job, 0.0), at)
+                # Each child's first create: the failover below deletes one and the operator creates it again.
+                first_create.setdefault(name, at)
+                last_child[job] = max(last_child.get(job, 0.0), first_create[name])
     return [last_child[j] - created[j] for j in jobs if j in created and j in last_child]
 
 
@@ -98,8 +118,142 @@ def _engine_pods_running(plane: ControlPlane) -> tuple[int, int]:
     return sum(1 for p in pods if p["status"].get("phase") == "Running"), len(pods)
 
 
-def _operator_requests(plane: ControlPlane, since: int) -> list[Any]:
-    return [r for r in plane.requests()[since:] if r.user_agent.startswith(OPERATOR_AGENTS)]
+def _audit(plane: ControlPlane) -> Iterator[dict[str, Any]]:
+    with open(plane.audit_log) as log:
+        for line in log:
+            if line.endswith("\n"):
+                yield json.loads(line)
+
+
+def _stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["stageTimestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def _by_operator(event: dict[str, Any]) -> bool:
+    return str(event.get("userAgent", "")).startswith(OPERATOR_AGENTS)
+
+
+def _operator_requests(plane: ControlPlane, since: float, until: float | None = None) -> list[dict[str, Any]]:
+    """The operator's completed requests in [since, until) (wall clock), its open watches and its Lease aside."""
+    return [
+        e
+        for e in _audit(plane)
+        if _by_operator(e)
+        and e.get("verb") != "watch"
+        and (e.get("objectRef") or {}).get("resource") != "leases"
+        and since <= _stamp(e) < (until if until is not None else float("inf"))
+    ]
+
+
+def _resource(event: dict[str, Any]) -> str:
+    ref = event.get("objectRef") or {}
+    sub = ref.get("subresource")
+    return f"{ref.get('resource', '?')}/{sub}" if sub else str(ref.get("resource", "?"))
+
+
+def _rljob_versions(plane: ControlPlane) -> dict[str, str]:
+    items = plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")["items"]
+    return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}
+
+
+def _wait_converged(plane: ControlPlane, since: float) -> float:
+    """Seconds after ``since`` until QUIET_S passed with no RLJob changed and no operator write (events aside)."""
+    versions, quiet_from = _rljob_versions(plane), time.time()
+    while time.time() - since < CONVERGE_TIMEOUT_S:
+        time.sleep(5)
+        now_versions = _rljob_versions(plane)
+        writes = [e for e in _operator_requests(plane, quiet_from)
+                  if e.get("verb") in WRITES and _resource(e) != "events"]  # fmt: skip
+        if now_versions != versions or writes:
+            versions, quiet_from = now_versions, time.time()
+        elif time.time() - quiet_from >= QUIET_S:
+            return quiet_from - since
+    raise TimeoutError(f"not converged after {CONVERGE_TIMEOUT_S} s")
+
+
+def _pct(values: list[float], q: float) -> float:
+    return round(sorted(values)[int(q * (len(values) - 1))], 3) if values else float("nan")
+
+
+def _latencies(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_s": _pct(values, 0.5), "p95_s": _pct(values, 0.95), "max_s": round(max(values), 3)}
+
+
+class Recorder:
+    """A watch of one resource in NS from the benchmark's side: (arrival time, object) of every event, to time
+    a child's change against the RLJob's status as a client sees both."""
+
+    def __init__(self, plane: ControlPlane, path: str) -> None:
+        self.events: list[tuple[float, dict[str, Any]]] = []
+        self._url = f"{plane.url}{path}?watch=true&timeoutSeconds=3600"
+        self._plane = plane
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        # A refused or broken watch (429 from a loaded apiserver) starts again: its first events re-send every
+        # object, which first() skips past only where a condition was first met while it was down.
+        request = urllib.request.Request(self._url, headers={"Authorization": f"Bearer {self._plane.admin_token}"})
+        while True:
+            try:
+                with urllib.request.urlopen(request, context=self._plane.ssl_context(), timeout=3700) as stream:
+                    for line in stream:
+                        event = json.loads(line)
+                        self.events.append((time.time(), event.get("object") or {}))
+            except (OSError, ValueError):
+                time.sleep(1)
+
+    def first(self, name: str, predicate: Any, since: float = 0.0) -> float | None:
+        for at, obj in list(self.events):
+            if at >= since and obj.get("metadata", {}).get("name") == name and predicate(obj):
+                return at
+        return None
+
+
+def _condition_true(ctype: str) -> Any:
+    def check(obj: dict[str, Any]) -> bool:
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        return any(c.get("type") == ctype and c.get("status") == "True" for c in conditions)
+
+    return check
+
+
+def _sts_ready(obj: dict[str, Any]) -> bool:
+    want = int((obj.get("spec") or {}).get("replicas") or 0)
+    return want > 0 and int((obj.get("status") or {}).get("readyReplicas") or 0) >= want
+
+
+def _gaps(pairs: list[tuple[float | None, float | None]]) -> list[float]:
+    return [b - a for a, b in pairs if a is not None and b is not None]
+
+
+def _start_operator(plane: ControlPlane, name: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "R3OPERATOR_METRICS_PORT": "0",
+           "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO)}  # fmt: skip
+    for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
+        env.pop(variable, None)  # production defaults
+    # Lease timings: 60/40/10 s rather than the defaults' 15/10/2: on the shared 2-core box a renewal (GET + PUT)
+    # can take over 2 s, and a leader that cannot renew exits. The failover below is a SIGTERM, which releases
+    # the Lease: the standby's takeover does not wait for the lease duration either way.
+    cmd = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--liveness", "", "--leader-elect",
+           "--leader-election-namespace", NS, "--lease-duration", "60", "--renew-deadline", "40",
+           "--retry-period", "10"]  # fmt: skip
+    log = open(plane.logs / f"operator-{name}.log", "wb")  # noqa: SIM115 (the process owns it)
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _holder(plane: ControlPlane) -> str:
+    lease = plane.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/r3operator-leader") or {}
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
 
 
 def run_size(jobs: int, nodes: int, rate_per_s: float) -> dict[str, Any]:
@@ -111,13 +265,17 @@ def run_size(jobs: int, nodes: int, rate_per_s: float) -> dict[str, Any]:
             env={**os.environ, "KUBECONFIG": str(plane.kubeconfig)}, check=True, capture_output=True,
         )  # fmt: skip
         plane.wait_established("rljobs.r3operator.io")
-        env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "R3OPERATOR_METRICS_PORT": "0"}
-        cmd = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", NS, "-m", "r3operator.operator.handlers"]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        operator = psutil.Process(proc.pid)
+        leader = _start_operator(plane, "op-a")
+        procs = [leader]
         try:
+            _wait(lambda: _holder(plane).startswith("op-a_"), 60, "op-a never took the Lease")
+            standby = _start_operator(plane, "op-b")
+            procs.append(standby)
+            operator = psutil.Process(leader.pid)
+            sts = Recorder(plane, f"/apis/apps/v1/namespaces/{NS}/statefulsets")
+            rljobs = Recorder(plane, f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")
             time.sleep(5)  # start-up (imports, login, first list/watch) is not part of the figures
-            mark, cpu0 = len(plane.requests()), sum(operator.cpu_times()[:2])
+            cpu0, t0_wall = sum(operator.cpu_times()[:2]), time.time()
             names = [f"job-{i:03d}" for i in range(jobs)]
             t0 = time.monotonic()
             path = f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs"
@@ -135,37 +293,82 @@ def run_size(jobs: int, nodes: int, rate_per_s: float) -> dict[str, Any]:
                     raise TimeoutError(f"engine pods running {running} after 600 s")
                 time.sleep(1)
             engines_running_s = time.monotonic() - t0
-            converge_requests = _operator_requests(plane, mark)
+            converge_requests = _operator_requests(plane, t0_wall)
+            converged_after_s = _wait_converged(plane, t0_wall)
             cpu_converge = sum(operator.cpu_times()[:2]) - cpu0
-            # Steady state: let status settle (engines Ready, conditions), then watch three resync rounds.
-            time.sleep(2 * RESYNC_S)
-            steady_mark, steady_t0, cpu1 = len(plane.requests()), time.monotonic(), sum(operator.cpu_times()[:2])
-            time.sleep(3 * RESYNC_S)
-            steady = _operator_requests(plane, steady_mark)
-            steady_minutes = (time.monotonic() - steady_t0) / 60
-            steady_writes = [r for r in steady if r.verb in WRITES and "/events" not in r.path]
+            # At rest.
+            steady_t0, cpu1 = time.time(), sum(operator.cpu_times()[:2])
+            time.sleep(STEADY_S)
+            steady_t1 = time.time()
+            steady = _operator_requests(plane, steady_t0, steady_t1)
+            steady_minutes = (steady_t1 - steady_t0) / 60
+            steady_writes = [e for e in steady if e.get("verb") in WRITES and _resource(e) != "events"]
             rss_mb = operator.memory_info().rss / 2**20
             cpu_steady = sum(operator.cpu_times()[:2]) - cpu1
+            engines_to_status = _gaps(
+                [
+                    (sts.first(f"{n}-engine", _sts_ready), rljobs.first(n, _condition_true("EnginesReady")))
+                    for n in names
+                ]
+            )
+            # The RayJob finishing → status, for a sample, at 2 per second.
+            sample = names[:: max(1, jobs // FINISH_SAMPLE)][:FINISH_SAMPLE]
+            patched: dict[str, float] = {}
+            with plane.paused("kuberay-operator"):
+                for name in sample:
+                    patched[name] = time.time()
+                    plane.request("PATCH", f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/{name}-trainer/status",
+                                  {"status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}},
+                                  "application/merge-patch+json")  # fmt: skip
+                    time.sleep(0.5)
+                time.sleep(10)
+            finish_to_status = _gaps([(patched[n], rljobs.first(n, _condition_true("Succeeded"), patched[n]))
+                                      for n in sample])  # fmt: skip
+            # Leader failover: SIGTERM (a rolling update), then a child deleted at once.
+            victim = f"/api/v1/namespaces/{NS}/configmaps/{names[-1]}-config"
+            old_uid = plane.request("GET", victim)["metadata"]["uid"]
+            t_fail = time.monotonic()
+            leader.send_signal(signal.SIGTERM)
+            plane.request("DELETE", victim)
+            _wait(lambda: _holder(plane).startswith("op-b_"), 120, "op-b never took the Lease")
+            lease_after_s = time.monotonic() - t_fail
+            uid = lambda: ((plane.request("GET", victim) or {}).get("metadata") or {}).get("uid")  # noqa: E731
+            _wait(lambda: uid() not in (None, old_uid), 180, "the deleted ConfigMap was not re-created after failover")
+            failover_s = time.monotonic() - t_fail
+            rss_standby_mb = psutil.Process(standby.pid).memory_info().rss / 2**20
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
         latencies = _children_latency(plane, names)
-    by_verb = Counter(r.verb for r in converge_requests)
+    by_verb = Counter(e["verb"] for e in converge_requests)
+    by_resource = Counter(f"{e['verb']} {_resource(e)}" for e in steady)
     return {
         "jobs": jobs,
         "nodes": nodes,
         "create_rate_per_s": rate_per_s,
-        "apply_to_children_p50_s": round(statistics.median(latencies), 3),
-        "apply_to_children_p95_s": round(sorted(latencies)[int(0.95 * (len(latencies) - 1))], 3),
-        "apply_to_children_max_s": round(max(latencies), 3),
+        "apply_to_children": _latencies(latencies),
         "all_children_after_s": round(all_children_s, 1),
         "all_engine_pods_running_after_s": round(engines_running_s, 1),
+        "converged_after_s": round(converged_after_s, 1),
         "operator_requests_per_rljob_converging": round(len(converge_requests) / jobs, 1),
         "operator_requests_by_verb_converging": dict(by_verb),
+        "steady_window_s": STEADY_S,
         "steady_state_writes_per_min": round(len(steady_writes) / steady_minutes, 2),
-        "steady_state_write_paths": sorted({r.path for r in steady_writes})[:10],
+        "steady_state_write_paths": sorted({e.get("requestURI", "") for e in steady_writes})[:10],
         "steady_state_requests_per_min": round(len(steady) / steady_minutes, 1),
+        "steady_state_requests_per_min_per_rljob": round(len(steady) / steady_minutes / jobs, 3),
+        "steady_state_requests_by_verb_resource": dict(by_resource),
+        "engine_ready_to_status": _latencies(engines_to_status),
+        "rayjob_finished_to_status": _latencies(finish_to_status),
+        "failover_lease_taken_after_s": round(lease_after_s, 1),
+        "failover_child_recreated_after_s": round(failover_s, 1),
         "operator_rss_mb": round(rss_mb, 1),
+        "standby_rss_mb_after_taking_over": round(rss_standby_mb, 1),
         "operator_cpu_s_converging": round(cpu_converge, 1),
         "operator_cpu_s_per_min_steady": round(cpu_steady / steady_minutes, 2),
     }
@@ -176,10 +379,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--jobs", type=int, nargs="+", default=[50])
     parser.add_argument("--nodes", type=int, default=256)
     parser.add_argument("--rate", type=float, default=5.0, help="RLJob creates per second")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv or [])
+    load_before = os.getloadavg()
     sizes = [run_size(n, args.nodes, args.rate) for n in args.jobs]
-    result = {"sizes": sizes, "targets": {"p50_s": 1.0, "p95_s": 3.0, "rss_mb": 250, "steady_writes_per_min": 0}}
-    print(json.dumps(result, indent=2))
+    result = {
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "sizes": sizes,
+        "targets": {"p50_s": 1.0, "p95_s": 3.0, "change_to_status_p95_s": 2.0, "rss_mb": 250,
+                    "steady_writes_per_min": 0, "steady_requests_per_min_per_rljob": 1, "failover_s": 15},
+    }  # fmt: skip
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
     return result
 
 

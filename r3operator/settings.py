@@ -84,10 +84,9 @@ class _Settings(BaseSettings):
 class OperatorSettings(_Settings):
     """What the operator reads from its Deployment's environment (charts/r3operator sets some)."""
 
-    resync_seconds: float = Field(10.0, gt=0)
-    """The level-based timer interval per RLJob."""
-    idle_seconds: float = Field(5.0, ge=0)
-    """The timer waits until the RLJob was unchanged this long (0: no wait)."""
+    resync_seconds: float = Field(300.0, gt=0)
+    """The longest an RLJob goes without a pass: the safety net under the watches, which wake a pass
+    within a second of a child's change."""
     discovery_ttl_seconds: float = Field(15.0, ge=0)
     """Cache of 'is KubeRay / the PodMonitor CRD installed'."""
     watch_server_timeout_seconds: int = Field(600, gt=0)

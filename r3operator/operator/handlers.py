@@ -1,8 +1,11 @@
 """kopf handlers: thin. Each unpacks its kwargs, calls the reconciler, maps errors, records metrics.
 
-- create / update / resume → reconcile (edge triggers for a fast first reaction);
-- a timer every ``R3OPERATOR_RESYNC_SECONDS`` (idle-aware) → reconcile (the level-based safety net:
-  a child deleted by hand, a RayJob that finished, engines that became ready);
+- a daemon per RLJob runs its passes, one at a time: one when it starts (a new RLJob, or every RLJob when
+  the operator starts or takes the lead), then each time it is woken, and at the latest every
+  ``R3OPERATOR_RESYNC_SECONDS`` (the level-based safety net, minutes);
+- it is woken by a change of one of the RLJob's children (the watches of informer.py: an engine pod
+  ready, the RayJob finished, a child deleted or edited by hand) and by create / update / resume of the
+  RLJob itself (a spec edit); wake-ups during a pass make one more pass, not one each;
 - delete (optional) → keep a Retain PVC free of ownerReferences, forget per-job state.
 
 Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers --standalone``.
@@ -10,6 +13,7 @@ Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers -
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -20,16 +24,20 @@ import kopf
 
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import meta, metrics
+from r3operator.operator.informer import ChildCache, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
 from r3operator.settings import operator_settings, unknown_variables
 
 CONFIG = operator_settings()
-_state: dict[str, Any] = {"connection": None, "reconciler": None}
+_state: dict[str, Any] = {"connection": None, "reconciler": None, "wakeups": Wakeups()}
+RETRY_S = 5.0
+"""A pass that failed (API error, connection) runs again after this long."""
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
+    _state["wakeups"] = Wakeups()  # its asyncio.Events belong to this run's event loop
     settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
@@ -70,12 +78,18 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo:
 async def close(**_: Any) -> None:
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
+        if reconciler.cache is not None:
+            await reconciler.cache.close()
         await reconciler.client.close()
 
 
 def reconciler() -> Reconciler:
     if _state["reconciler"] is None:
         client = KubeClient.from_connection_info(_state["connection"])
+        wakeups: Wakeups = _state["wakeups"]
+        cache = ChildCache(
+            client, wakeups.wake, wakeups.wake_namespace, watch_timeout_s=CONFIG.watch_server_timeout_seconds
+        )
         _state["reconciler"] = Reconciler(
             client,
             ReconcilerSettings(
@@ -85,6 +99,7 @@ def reconciler() -> Reconciler:
                 operator_namespace=CONFIG.operator_namespace,
                 engine_ingress_namespaces=tuple(CONFIG.engine_ingress_namespaces),
             ),
+            cache=cache,
         )
     return _state["reconciler"]
 
@@ -127,13 +142,47 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-async def on_change(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    await _run(body, logger)
+async def on_change(name: str, namespace: str | None, **_: Any) -> None:
+    """The spec (or labels, annotations) changed: the RLJob's daemon makes a pass (it makes its first on start)."""
+    _state["wakeups"].wake((namespace or "", name))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds, idle=CONFIG.idle_seconds or None)
-async def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    await _run(body, logger)
+async def _stopping(stopped: kopf.DaemonStopped) -> None:
+    await stopped.wait()
+
+
+# On stop (the RLJob deleted, the operator exiting or losing the Lease) a pass under way finishes first
+# (backoff), so no pass is cut between two writes; one still running after that is cancelled.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=10.0, cancellation_timeout=5.0)
+async def reconcile_loop(
+    body: kopf.Body, name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
+) -> None:
+    """The RLJob's passes, one at a time (module docstring)."""
+    key = (namespace or "", name)
+    wakeups: Wakeups = _state["wakeups"]
+    wake = wakeups.subscribe(key)
+    wake.set()  # the first pass
+    loop = asyncio.get_running_loop()
+    stop = asyncio.ensure_future(_stopping(stopped))
+    try:
+        while not stopped:
+            woken = asyncio.ensure_future(wake.wait())
+            await asyncio.wait({woken, stop}, timeout=CONFIG.resync_seconds, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            if stopped:
+                break
+            wake.clear()
+            try:
+                await _run(body, logger)
+            except kopf.TemporaryError as exc:
+                logger.warning("%s; again in %.0f s", exc, exc.delay or RETRY_S)
+                loop.call_later(exc.delay or RETRY_S, wake.set)
+            except Exception:
+                logger.exception("reconcile failed; again in %.0f s", RETRY_S)
+                loop.call_later(RETRY_S, wake.set)
+    finally:
+        stop.cancel()
+        wakeups.unsubscribe(key)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)

@@ -11,8 +11,10 @@ server as the same user.
 
 from __future__ import annotations
 
+import builtins
 import ssl
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from json import loads as json_loads
 from typing import Any
@@ -123,6 +125,7 @@ class KubeClient:
         self._headers = {"User-Agent": USER_AGENT, **(headers or {})}
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_connection_info(cls, info: Any) -> KubeClient:
@@ -163,9 +166,10 @@ class KubeClient:
         return await self._request(method, path, json=body, content_type="application/json" if body else None)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
+        self._session = self._watch_session = None
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
@@ -178,6 +182,64 @@ class KubeClient:
     async def list(self, kind: Kind, namespace: str | None, *, label_selector: str) -> list[dict[str, Any]]:
         path = kind.path(namespace) + "?" + urlencode({"labelSelector": label_selector})
         return list((await self._request("GET", path) or {}).get("items") or [])
+
+    async def list_with_version(
+        self, kind: Kind, namespace: str | None, *, label_selector: str, page: int = 500
+    ) -> tuple[builtins.list[dict[str, Any]], str]:
+        """Every object matching ``label_selector`` (paged) and the list's resourceVersion, where a watch
+        resumes. Items of a list carry no ``kind``; it is set here so they look like what a GET returns."""
+        items: builtins.list[dict[str, Any]] = []
+        query: dict[str, Any] = {"labelSelector": label_selector, "limit": page}
+        while True:
+            body = await self._request("GET", kind.path(namespace) + "?" + urlencode(query)) or {}
+            kind_name = str(body.get("kind") or "").removesuffix("List")
+            for item in body.get("items") or []:
+                item.setdefault("kind", kind_name)
+                item.setdefault("apiVersion", kind.api_version)
+                items.append(item)
+            metadata = body.get("metadata") or {}
+            if not metadata.get("continue"):
+                return items, str(metadata.get("resourceVersion") or "")
+            query["continue"] = metadata["continue"]
+
+    async def watch(
+        self, kind: Kind, namespace: str | None, *, label_selector: str, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The watch events (``{"type", "object"}``) after ``resource_version``, with bookmarks, until the
+        server closes the stream after ``timeout_s``. A 410 Gone arrives as an ``ERROR`` event (or a
+        KubeError 410 when the server refuses at once): the caller lists again."""
+        query = {
+            "watch": "true",
+            "labelSelector": label_selector,
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": timeout_s,
+        }
+        if self._watch_session is None or self._watch_session.closed:
+            # A session of their own: each open watch holds a connection, and the requests' pool (100) must never
+            # wait behind them. No total timeout: a stream lives for timeout_s; a silent one ends a minute after.
+            self._watch_session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=timeout_s + 60),
+            )
+        url = self.server + kind.path(namespace) + "?" + urlencode(query)
+        async with self._watch_session.get(url, headers={"Accept": "application/json"}, ssl=self._ssl) as r:
+            if r.status >= 400:
+                text = await r.text()
+                try:
+                    status = json_loads(text)
+                except ValueError:
+                    status = {"message": text[:500]}
+                raise KubeError(r.status, str(status.get("message", "")), str(status.get("reason", "")))
+            # One JSON document per line; lines are split by hand (aiohttp's line reader caps a line at 128 KiB).
+            buffer = b""
+            async for chunk in r.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json_loads(line)
 
     async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Server-side apply of ``obj`` (creates it when absent). The server merges by the fields each

@@ -48,6 +48,7 @@ from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
+from r3operator.operator.informer import UNKNOWN, ChildCache
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
 from r3operator.operator.lifecycle import (
     ANNOTATION_FINISHED,
@@ -108,6 +109,7 @@ _CHILD_KINDS = (
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
 # a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
 API_ERROR_PASSES = 3
+CACHE_SYNC_WAIT_S = 10.0
 _PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
 
 
@@ -176,8 +178,11 @@ class Reconciler:
         settings: ReconcilerSettings | None = None,
         *,
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+        cache: ChildCache | None = None,
     ) -> None:
         self.client = client
+        self.cache = cache
+        """Where children are read (informer.py); None: every read is a GET."""
         self.settings = settings or ReconcilerSettings()
         self.capabilities = Capabilities(client, self.settings.discovery_ttl_s)
         self.clock = clock
@@ -194,7 +199,13 @@ class Reconciler:
         uid = str(body.get("metadata", {}).get("uid", ""))
         lock = self._locks.setdefault(uid, asyncio.Lock())
         async with lock:
-            # Re-read: a timer and a change handler may have queued on the lock with stale bodies.
+            namespace = body["metadata"].get("namespace")
+            if self.cache is not None and namespace:
+                self.cache.watch_namespace(namespace)
+                # A namespace's first pass after a start waits for its lists rather than GET every child.
+                await self.cache.wait_synced(namespace, CACHE_SYNC_WAIT_S)
+            # The RLJob itself is read from the API server: it must include this operator's last status write,
+            # which kopf's watch (the body handed in) may not have delivered yet.
             fresh = await self.client.get(KINDS["RLJob"], body["metadata"].get("namespace"), body["metadata"]["name"])
             if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                 return Outcome()
@@ -251,13 +262,13 @@ class Reconciler:
         kueue = await self.capabilities.serves(*KUEUE_WORKLOADS) if queued else True
         outcome = Outcome(job=job, valid=not rule_errors and kuberay and kueue)
         trainer = meta.child_name(job, meta.ROLE_TRAINER)
-        raw_ray_job = await self.client.get(KINDS["RayJob"], job.metadata.namespace, trainer) if kuberay else None
+        raw_ray_job = await self._get("RayJob", job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
         ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
         workload_name = meta.child_name(job, meta.ROLE_WORKLOAD)
         raw_workload = None
         if queued and kueue:
-            raw_workload = await self.client.get(KINDS["Workload"], job.metadata.namespace, workload_name)
+            raw_workload = await self._get("Workload", job.metadata.namespace, workload_name)
         # Only a Workload this RLJob controls admits it; a foreign one is a NameConflict.
         ours = raw_workload if raw_workload is not None and is_ours(raw_workload, uid) else None
         admission = read_admission(job.spec.queue_name, ours)
@@ -283,7 +294,7 @@ class Reconciler:
                 failed = next((m for o in fetch_ours if (m := model_fetch_failed(o)) is not None), None)
                 observed_fetch = (failed or "running", failed is not None)
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
-            raw_engine_set = await self.client.get(KINDS[engine_kind], job.metadata.namespace, engine_name)
+            raw_engine_set = await self._get(engine_kind, job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
             # Engines down while the model cache fills: no upgrade canary can run against them.
             stopped = finish is not None or not fetched
@@ -326,8 +337,7 @@ class Reconciler:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
             engines = None
             if lws:  # without the CRD there is no LeaderWorkerSet to read
-                engines = await self.client.get(KINDS[engine_kind], job.metadata.namespace,
-                                                meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
+                engines = await self._get(engine_kind, job.metadata.namespace, meta.child_name(job, meta.ROLE_ENGINE))
             observed[engine_kind] = engines if engines is not None and is_ours(engines, uid) else None
             upgrade = UpgradePlan(read_record(observed[engine_kind]))
         obs = Observed(
@@ -353,8 +363,7 @@ class Reconciler:
         )
         if outcome.valid and _waiting_for_pods(job, obs):
             # One LIST only while something is not up yet: the scheduler's reason goes into status.
-            selector = f"{meta.LABEL_JOB}={job.metadata.name}"
-            pods = await self.client.list(KINDS["Pod"], job.metadata.namespace, label_selector=selector)
+            pods = await self._pods(job)
             obs = _replace(obs, unschedulable=unschedulable_by_role(pods), config_errors=config_errors_by_role(pods))
         if outcome.valid:
             obs = await self._with_canary(job, obs)
@@ -392,10 +401,9 @@ class Reconciler:
         (its pod, and an engine upgrade's surge replica) run: all written by Kubernetes controllers and the
         kubelet, none by the trainer pods."""
         namespace = job.metadata.namespace
-        raw = await self.client.get(KINDS["Job"], namespace, meta.child_name(job, meta.ROLE_UPGRADE_CANARY))
+        raw = await self._get("Job", namespace, meta.child_name(job, meta.ROLE_UPGRADE_CANARY))
         canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
-        selector = f"{meta.LABEL_JOB}={job.metadata.name}"
-        pods = await self.client.list(KINDS["Pod"], namespace, label_selector=selector)
+        pods = await self._pods(job)
         canary = canary_pods(pods, prev.attempt)
         verdict = verdict_from_pods(canary, canary_job, container=CANARY_CONTAINER, attempt=prev.attempt)
         progress = pod_progress(canary)
@@ -435,9 +443,32 @@ class Reconciler:
             if key in known:
                 out.append((child, known[key]))
                 continue
-            have = await self.client.get(kind_of(child), child["metadata"].get("namespace"), key[1])
+            have = await self._get(child["kind"], child["metadata"].get("namespace"), key[1])
             out.append((child, have))
         return out
+
+    async def _get(
+        self, kind: str, namespace: str | None, name: str, *, absent_known: bool = False
+    ) -> dict[str, Any] | None:
+        """A child from the cache when it holds it; from the API server when the cache cannot say and, unless
+        ``absent_known``, when no labelled object has that name: an object someone else put under a child's
+        name lacks the operator's label, so only a GET shows it (a NameConflict, never overwritten). With
+        ``absent_known`` (pruning) an unlabelled object is not ours to delete anyway."""
+        if self.cache is not None and namespace:
+            hit = self.cache.lookup(kind, namespace, name)
+            if isinstance(hit, dict):
+                return hit
+            if hit is None and absent_known:
+                return None
+        return await self.client.get(KINDS[kind], namespace, name)
+
+    async def _pods(self, job: RLJob) -> list[dict[str, Any]]:
+        namespace = job.metadata.namespace
+        cached = self.cache.of_job("Pod", namespace, job.metadata.name) if self.cache and namespace else UNKNOWN
+        if isinstance(cached, list):
+            return cached
+        selector = f"{meta.LABEL_JOB}={job.metadata.name}"
+        return await self.client.list(KINDS["Pod"], namespace, label_selector=selector)
 
     async def _settle_workload(
         self,
@@ -465,7 +496,7 @@ class Reconciler:
         if not uses_model_cache(job):
             return {}
         name = meta.child_name(job, meta.ROLE_MODEL_FETCH)
-        return {("Job", name): await self.client.get(KINDS["Job"], job.metadata.namespace, name)}
+        return {("Job", name): await self._get("Job", job.metadata.namespace, name)}
 
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""
@@ -541,6 +572,8 @@ class Reconciler:
             have, action = None, plan_action(want, None, job_uid=None)
         assert action.body is not None
         applied = await self.client.apply(action.body, force=action.force, field_manager=action.manager)
+        if self.cache is not None and namespace:
+            self.cache.remember(want["kind"], namespace, applied)
         unchanged = have is not None and (applied.get("metadata") or {}).get("resourceVersion") == (
             have.get("metadata") or {}
         ).get("resourceVersion")
@@ -584,7 +617,7 @@ class Reconciler:
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):
                 continue
-            have = await self.client.get(KINDS[kind], job.metadata.namespace, name)
+            have = await self._get(kind, job.metadata.namespace, name, absent_known=True)
             if have is None or not is_ours(have, job.metadata.uid):
                 continue  # absent, or not ours: never delete what this RLJob does not control
             if kind == "PersistentVolumeClaim" and meta.controller_uid(have) != job.metadata.uid:

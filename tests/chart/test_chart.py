@@ -95,14 +95,15 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         assert "nonResourceURLs" not in rule
         assert "resourceNames" not in rule or rule["resources"] == ["leases"]
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    crud = ("get", "create", "patch", "delete")  # children: read by name and written (docs/operator.md)
+    # children: listed and watched by the operator's label (its cache), written (docs/operator.md)
+    crud = ("get", "list", "watch", "create", "patch", "delete")
     expected = (
         {("r3operator.io", "rljobs", v) for v in ("get", "list", "watch", "patch", "update")}
         | {("r3operator.io", "rljobs/status", v) for v in ("get", "patch", "update")}
         | {("apps", "statefulsets", v) for v in crud}
         | {("", r, v) for r in ("services", "configmaps", "persistentvolumeclaims") for v in crud}
         | {(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")}
-        | {("", "pods", "list")}  # the scheduler's reason for pods it cannot place
+        | {("", "pods", v) for v in ("list", "watch")}  # the scheduler's reason for pods it cannot place
         | {("ray.io", "rayjobs", v) for v in crud}
         | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in crud}  # engines wider than a node
         | {("batch", "jobs", v) for v in crud}  # the engine-upgrade canary and the model-fetch Job
@@ -124,7 +125,7 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
     # roles (the per-job trainer Role grants only what the operator holds).
     assert not {r for _, r, _ in granted} & {"pods/exec", "clusterroles"}
     assert {v for _, r, v in granted if r == "secrets"} == {"get"}
-    assert {v for _, r, v in granted if r == "pods"} == {"list"}
+    assert {v for _, r, v in granted if r == "pods"} == {"list", "watch"}
     assert not {v for _, _, v in granted} & {"bind", "escalate", "impersonate"}
 
 

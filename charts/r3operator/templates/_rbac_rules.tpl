@@ -1,7 +1,7 @@
 {{- /*
 The namespaced permissions of the operator; one list shared by Role and ClusterRole. Source of truth:
-docs/operator.md "RBAC the operator needs" (children are read by name and written, never listed/watched;
-pods are listed, never written).
+docs/operator.md "RBAC the operator needs" (children are listed and watched by the operator's label into
+its cache, and written; pods are listed and watched, never written).
 */ -}}
 {{- define "r3operator.operatorRules" -}}
 - apiGroups: ["r3operator.io"]
@@ -12,18 +12,18 @@ pods are listed, never written).
   verbs: ["get", "patch", "update"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps", "persistentvolumeclaims"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
-# Read-only, listed by the job's label while its engines or trainer are not up: the scheduler's reason
-# for pods it cannot place goes into status (operator/scheduling.py).
+# Read-only, watched by the job's label into the operator's cache: the scheduler's reason for pods it
+# cannot place goes into status (operator/scheduling.py).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -31,25 +31,25 @@ pods are listed, never written).
 # fills an hf://, s3:// or gs:// model's cache once (builders/model_cache.py).
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The engines of an RLJob whose replica spans pods (api/engine_layout.py): one LeaderWorkerSet.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The Workload of a queued RLJob (spec.queueName), and its status: the operator is its job controller
 # (it releases the quota of an evicted Workload and marks a finished one, operator/admission.py).
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
@@ -67,8 +67,8 @@ pods are listed, never written).
 # get/patch on rljobs/status, above): no `bind` or `escalate` is needed.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}

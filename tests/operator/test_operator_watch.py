@@ -1,0 +1,204 @@
+"""The operator reacts to its children's changes from watches, not a timer, on the real control plane.
+
+The operator runs as its own process (``r3operator operator``) with a resync of 10 minutes, so anything
+that happens within a test's seconds was caused by a watch event: a child deleted or edited by hand, the
+RayJob finishing, the API server restarting under the watches, edits made while the operator was down. At
+rest it makes no request at all but its watches. The informer's relist after a 410 Gone is driven against
+the real API server too (a watch from resourceVersion 1, long compacted out of its watch cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from operator_harness import REPO, Cluster, all_children, condition, example, paths, wait_for
+
+from r3operator.operator.informer import ChildCache
+from r3operator.operator.kube import KubeClient
+
+NS = "rl-watch"
+RESYNC_S = "600"
+REACT_S = 10.0
+"""Seconds a test allows for a reaction (the target is one; the 2-core CI box is shared with the control
+plane); the resync is sixty times longer."""
+
+
+class OperatorProcess:
+    def __init__(self, cluster: Cluster) -> None:
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO),
+               "PYTHONUNBUFFERED": "1", "R3OPERATOR_RESYNC_SECONDS": RESYNC_S}  # fmt: skip
+        args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--liveness", ""]
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        assert "Traceback" not in "\n".join(self.lines), self.log()
+
+
+@pytest.fixture
+def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
+    cluster.namespace(NS)
+    op = OperatorProcess(cluster)
+    yield op
+    op.stop()
+
+
+def _operator_requests(cluster: Cluster, since: int) -> list[Any]:
+    """The operator's requests after ``since`` (audit log), its long-running watches left out."""
+    return [
+        r
+        for r in cluster.requests()[since:]
+        if r.user_agent.startswith(("r3operator/", "kopf/")) and r.verb != "watch" and "/leases/" not in r.path
+    ]
+
+
+def _uid(obj: dict[str, Any] | None) -> str:
+    return str(((obj or {}).get("metadata") or {}).get("uid") or "")
+
+
+def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_rest(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    job = "watched"
+    p = paths(NS, job)
+    cluster.apply(example(job, NS))
+    kids = all_children(cluster, NS, job)
+    wait_for(lambda: condition(cluster.get(p["rljob"]), "Valid"), timeout=60, what=f"status\n{operator.log()}")
+
+    # At rest: once nothing changes, the operator sends nothing but its open watches.
+    def quiet() -> bool:
+        mark = len(cluster.requests())
+        time.sleep(5)
+        return not _operator_requests(cluster, mark)
+
+    wait_for(quiet, timeout=90, what="the operator at rest")
+    mark = len(cluster.requests())
+    time.sleep(10)
+    assert _operator_requests(cluster, mark) == []
+
+    # A child deleted by hand comes back, a hand edit of a field the operator sets is taken back.
+    cluster.kubectl("delete", "configmap", f"{job}-config", "-n", NS)
+    healed = wait_for(lambda: (cm := cluster.get(p["cm"])) and _uid(cm) != _uid(kids["cm"]) and cm,
+                      timeout=REACT_S, what="the ConfigMap re-created")  # fmt: skip
+    assert healed["data"] == kids["cm"]["data"]
+    patch = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "example.com/edited:1"}]}}}}
+    cluster.http("PATCH", p["sts"], patch, "application/strategic-merge-patch+json")
+    want = kids["sts"]["spec"]["template"]["spec"]["containers"][0]["image"]
+    wait_for(lambda: cluster.get(p["sts"])["spec"]["template"]["spec"]["containers"][0]["image"] == want,
+             timeout=REACT_S, what="the engine image taken back")  # fmt: skip
+
+    # The RayJob finishing (the status KubeRay would write; KubeRay paused so it does not overwrite it).
+    with cluster.api.paused("kuberay-operator"):
+        started = time.monotonic()
+        cluster.patch_status(p["rayjob"], {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"})
+        wait_for(lambda: (c := condition(cluster.get(p["rljob"]), "Succeeded")) and c["status"] == "True",
+                 timeout=REACT_S, what=f"Succeeded=True\n{operator.log()}")  # fmt: skip
+        assert time.monotonic() - started < REACT_S
+
+
+def test_watches_survive_an_api_server_restart_and_edits_made_while_the_operator_was_down(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    job = "survivor"
+    p = paths(NS, job)
+    cluster.apply(example(job, NS))
+    kids = all_children(cluster, NS, job)
+
+    # The API server restarts: every watch breaks; the operator lists again and keeps reacting.
+    cluster.api.restart_apiserver()
+    cluster.kubectl("delete", "service", f"{job}-engine", "-n", NS)
+    wait_for(lambda: _uid(cluster.get(p["svc"])) not in ("", _uid(kids["svc"])), timeout=4 * REACT_S,
+             what=f"the Service re-created after the restart\n{operator.log()}")  # fmt: skip
+
+    # Down: a child deleted, another edited. Up again: both converge, nothing duplicated.
+    operator.stop()
+    cluster.kubectl("delete", "networkpolicy", f"{job}-engine", "-n", NS)
+    cluster.http("PATCH", p["cm"], {"data": {"edited": "by hand"}}, "application/merge-patch+json")
+    cm_data = kids["cm"]["data"]
+    restarted = OperatorProcess(cluster)
+    try:
+        wait_for(lambda: cluster.get(p["np"]) is not None, timeout=60, what=f"NetworkPolicy\n{restarted.log()}")
+        # The hand-added key is not ours (server-side apply leaves it); every key we set is as we set it.
+        wait_for(lambda: all(cluster.get(p["cm"])["data"].get(k) == v for k, v in cm_data.items()), timeout=60,
+                 what="the ConfigMap as the operator set it")  # fmt: skip
+        items = cluster.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets?labelSelector=r3operator.io/job={job}")
+        assert len(items["items"]) == 1
+    finally:
+        restarted.stop()
+
+
+def test_the_informer_lists_again_after_410_gone_and_drops_what_vanished(cluster: Cluster) -> None:
+    """A watch from a version the API server no longer holds (what a long outage or compaction leaves) is
+    answered 410 Gone; the informer lists again, replaces its store and wakes the owners of what changed."""
+    cluster.namespace(NS)
+    cm = lambda name, job: {"metadata": {"name": name, "namespace": NS, "labels": {"r3operator.io/job": job}}}  # noqa: E731
+    base = f"/api/v1/namespaces/{NS}/configmaps"
+    for name in ("gone-a", "gone-b", "kept-c"):
+        if cluster.get(f"{base}/{name}") is not None:
+            cluster.http("DELETE", f"{base}/{name}")
+    cluster.http("POST", base, cm("kept-c", "job-c"))
+
+    async def scenario() -> tuple[list[tuple[str, str]], list[str], set[str]]:
+        from kubecluster.controlplane import ControlPlane
+
+        plane: ControlPlane = cluster.api
+        auth = {"Authorization": f"Bearer {plane.admin_token}"}
+        client = KubeClient(plane.url, headers=auth, ssl_context=plane.ssl_context())
+        woken: list[tuple[str, str]] = []
+        lists: list[str] = []
+        real_list = client.list_with_version
+
+        async def listing(*args: Any, **kwargs: Any) -> tuple[list[dict[str, Any]], str]:
+            items, version = await real_list(*args, **kwargs)
+            lists.append(version)
+            # The first list's objects, as if they had been seen long ago: its version is long compacted.
+            if len(lists) > 1:
+                return items, version
+            return [*items, cm("gone-a", "job-a"), cm("gone-b", "job-b")], "1"
+
+        client.list_with_version = listing  # type: ignore[method-assign]
+        cache = ChildCache(client, woken.append, kinds=("ConfigMap",), watch_timeout_s=30)
+        cache.watch_namespace(NS)
+        try:
+            for _ in range(200):
+                if len(lists) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            held = cache.of_job("ConfigMap", NS, "job-c")
+            names = {o["metadata"]["name"] for o in held} if isinstance(held, list) else set()
+            gone = {n for n in ("gone-a", "gone-b") if cache.lookup("ConfigMap", NS, n) is not None}
+        finally:
+            await cache.close()
+            await client.close()
+        return woken, lists, names | gone
+
+    woken, lists, held = asyncio.run(scenario())
+    assert len(lists) >= 2, "no second list after the 410"
+    assert held == {"kept-c"}, held
+    assert (NS, "job-a") in woken and (NS, "job-b") in woken

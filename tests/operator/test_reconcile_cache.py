@@ -1,0 +1,111 @@
+"""The reconcile pass reading its children from the informer cache (operator/informer.py) over an in-memory
+client: a second pass asks the API server for no child, a child changed behind the cache's back (no event
+yet) is seen at the next event, and an object someone else put under a child's name, which the labelled
+watch cannot hold, is still a NameConflict. No server, no kopf."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from test_reconcile import NOW, FakeClient, _condition, _rljob
+
+from r3operator.operator import meta
+from r3operator.operator.informer import ChildCache
+from r3operator.operator.kube import KINDS, Kind
+from r3operator.operator.reconcile import Reconciler
+
+CHILD_KINDS = ("StatefulSet", "RayJob", "ConfigMap", "Service", "PersistentVolumeClaim", "ServiceAccount", "Role",
+               "RoleBinding", "NetworkPolicy", "Job")  # fmt: skip
+CHILD_PLURALS = {KINDS[k].plural for k in CHILD_KINDS}
+
+
+class WatchedClient(FakeClient):
+    """FakeClient plus what the informer uses: a labelled LIST with a version and a WATCH fed from the writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, str]] = []
+        self.queues: list[tuple[str, asyncio.Queue[dict[str, Any]]]] = []
+
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        stored = super().put(obj)
+        for plural, queue in self.queues:
+            if plural == KINDS[stored["kind"]].plural and meta.LABEL_JOB in (stored["metadata"].get("labels") or {}):
+                queue.put_nowait({"type": "MODIFIED", "object": stored})
+        return stored
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        self.reads.append((kind.plural, name))
+        return await super().get(kind, namespace, name)
+
+    async def list_with_version(
+        self, kind: Kind, namespace: str | None, *, label_selector: str, page: int = 500
+    ) -> tuple[list[dict[str, Any]], str]:
+        def labelled(o: dict[str, Any]) -> bool:
+            return label_selector in (o["metadata"].get("labels") or {})
+
+        items = [o for (p, ns, _), o in self.objects.items() if (p, ns) == (kind.plural, namespace) and labelled(o)]
+        return items, str(self._rv)
+
+    async def watch(
+        self, kind: Kind, namespace: str | None, *, label_selector: str, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.queues.append((kind.plural, queue))
+        while True:
+            yield await queue.get()
+
+
+async def _passes(client: WatchedClient, body: dict[str, Any], woken: list[Any]) -> Reconciler:
+    cache = ChildCache(client, woken.append)  # type: ignore[arg-type]
+    reconciler = Reconciler(client, clock=lambda: NOW, cache=cache)  # type: ignore[arg-type]
+    await reconciler.reconcile(body)
+    return reconciler
+
+
+def test_a_pass_reads_its_children_from_the_cache_and_reacts_to_their_events():
+    client = WatchedClient()
+    body = client.put(_rljob())
+    woken: list[Any] = []
+
+    async def scenario() -> None:
+        reconciler = await _passes(client, body, woken)  # the first pass: children created
+        assert reconciler.cache is not None
+        await asyncio.sleep(0.05)  # the apply results reach the watches
+        client.reads.clear()
+        client.writes.clear()
+        again = await reconciler.reconcile(body)
+        assert again.written == [] and [w for w in client.writes if w[0] != "patch/status"] == []
+        # No child is read from the API server: the RLJob itself, and what the operator does not own, only.
+        assert not [r for r in client.reads if r[0] in CHILD_PLURALS], client.reads
+        # A child's event wakes its RLJob, by the job label.
+        woken.clear()
+        sts = client.objects[("statefulsets", "rl", "job-engine")]
+        client.put({**sts, "status": {"replicas": 1, "readyReplicas": 1}})
+        await asyncio.sleep(0.05)
+        assert woken == [("rl", "job")]
+        cached = reconciler.cache.lookup("StatefulSet", "rl", "job-engine")
+        assert isinstance(cached, dict) and cached["status"]["readyReplicas"] == 1
+        await reconciler.cache.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_unlabelled_object_under_a_child_name_is_read_from_the_api_server_and_is_a_name_conflict():
+    client = WatchedClient()
+    body = client.put(_rljob())
+    # Someone else's ConfigMap under the job's config name, without the operator's label: the watch never sees it.
+    client.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "job-config", "namespace": "rl"}})
+
+    async def scenario() -> None:
+        reconciler = await _passes(client, body, [])
+        assert reconciler.cache is not None
+        assert reconciler.cache.lookup("ConfigMap", "rl", "job-config") is None
+        await reconciler.cache.close()
+
+    asyncio.run(scenario())
+    assert ("configmaps", "job-config") in client.reads
+    assert _condition(client, "Valid")["reason"] == "NameConflict"
+    assert not [w for w in client.writes if w[0] == "apply"], client.writes
