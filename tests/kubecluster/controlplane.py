@@ -6,8 +6,7 @@ etcd + kube-apiserver (RBAC authorization, service-account token signing, the de
 modules by scripts/install-cluster.sh. Every process listens on 127.0.0.1 only, on free ports.
 
 There is no kubelet: kwok plays every node. It marks scheduled pods Running/Ready, completes pods owned by
-a Job (but KubeRay's submitter, which runs as long as the Ray job would), and fails pods that carry the label
-in `FAIL_LABEL` (how tests drive a RayJob submitter to failure).
+a Job, and fails pods that carry the label in `FAIL_LABEL` (how tests drive a RayJob submitter to failure).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ collector removing an RLJob's children, an apiserver restart under a running ope
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
@@ -63,30 +62,6 @@ def test_kuberay_runs_the_trainer_and_its_failure_fails_the_rljob(cluster: Clust
         rayjob = cluster.get(paths(FAIL_NS, job)["rayjob"])
         assert rayjob["status"]["jobDeploymentStatus"] == "Failed"
         assert condition(cluster.get(paths(FAIL_NS, job)["rljob"]), "Succeeded")["status"] == "False"
-
-
-def test_on_kwok_the_trainer_keeps_running_like_a_real_one(cluster: Cluster) -> None:
-    # KubeRay fails a RayJob 30 s after its submitter finished if no Ray dashboard reported the job terminal;
-    # here none answers, so a submitter that exits (as kwok completes Job pods) failed every job ~2.5 min in.
-    # kwok keeps the submitter running, as `ray job submit` does while a real job trains.
-    ns, job = "kwok-trainer", "keeps-training"
-    with running_operator(cluster, ns):
-        cluster.apply(small(job, ns, **{"model.uri": "file:///models/Qwen3-30B-A3B", "model.revision": None}))
-        _cond(cluster, ns, job, "TrainerReady", "True", timeout=90)
-
-        def submitter() -> dict[str, Any] | None:
-            pods = cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=job-name={job}-trainer")["items"]
-            return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
-
-        pod = wait_for(submitter, timeout=60, what="KubeRay's submitter pod running")
-        assert pod["spec"]["containers"][0]["name"] == "ray-job-submitter"
-        # Other Job pods still complete at once; the submitter does not, and its Job does not finish.
-        for _ in range(3):
-            wait_for(lambda: submitter() is not None, timeout=5, what="the submitter still running")
-            submitter_job = cluster.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-trainer")
-            assert not (submitter_job.get("status") or {}).get("completionTime")
-            assert cluster.get(paths(ns, job)["rayjob"])["status"]["jobDeploymentStatus"] == "Running"
-            time.sleep(2)
 
 
 def test_deleting_an_rljob_lets_the_garbage_collector_remove_its_children(cluster: Cluster) -> None:
