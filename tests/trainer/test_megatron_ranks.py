@@ -78,7 +78,7 @@ def assert_r3_step_matches(single: Any, ranks: Any, batch: Any, *, mini_batches:
     # 1e-6 more on one side (docs/megatron.md); pp2 x tp2+sp measured 1.004e-5 on CPU.
     assert largest_difference(ranks.model_state_dict(), after) <= 2e-5
     # The weight sync: rank 0 streams the gathered weights, packed as the one-process trainer packs them.
-    assert largest_difference(synced(ranks), synced(single)) <= 1e-5
+    assert largest_difference(synced(ranks), synced(single)) <= 2e-5  # the same weights: the same bound
     return one, two
 
 
