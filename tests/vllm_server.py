@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +76,23 @@ def perturbed_router_copy(model_dir: Path, dest: Path) -> Path:
         tensors[key] = noise.to(weight.dtype)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+def upgrade_canary_settings(tmp_path_factory: pytest.TempPathFactory, model: Path, *, device: str) -> Any:
+    """What the upgrade canary Job reads: the operator's runtime config of the local example, mounted as a file,
+    with the canary's prompts cut to what a test needs."""
+    import yaml
+
+    from r3operator.api.load import parse_rljob
+    from r3operator.operator.builders.config import runtime_config
+    from r3operator.runtime.app import build_settings
+
+    repo = Path(__file__).resolve().parents[1]
+    doc = yaml.safe_load((repo / "examples" / "rljob-local.yaml").read_text())
+    doc["metadata"]["namespace"] = "ml"
+    doc["spec"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
+    config = runtime_config(parse_rljob(doc))
+    config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(config))
+    return build_settings(None, config=path, device=device, model=str(model))

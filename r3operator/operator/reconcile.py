@@ -429,9 +429,7 @@ class Reconciler:
             return True
         if not status_says_finished(job):
             return False
-        engines = await self.client.get(KINDS[engine_kind], job.metadata.namespace,
-                                        meta.child_name(job, meta.ROLE_ENGINE))  # fmt: skip
-        return engines is None
+        return await self._get(engine_kind, job.metadata.namespace, meta.child_name(job, meta.ROLE_ENGINE)) is None
 
     async def _read(
         self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]

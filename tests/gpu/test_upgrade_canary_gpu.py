@@ -10,18 +10,14 @@ old and new passes; the perturbed one as new fails, its natural mismatch far abo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from vllm_server import VLLMServer, perturbed_router_copy
+from vllm_server import VLLMServer, perturbed_router_copy, upgrade_canary_settings
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +45,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 @pytest.fixture(scope="module")
 def settings(servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from r3operator.api.load import parse_rljob
-    from r3operator.operator.builders.config import runtime_config
-    from r3operator.runtime.app import build_settings
-
-    doc = yaml.safe_load((REPO / "examples" / "rljob-local.yaml").read_text())
-    doc["metadata"]["namespace"] = "ml"
-    doc["spec"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
-    config = runtime_config(parse_rljob(doc))
-    config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
-    path = tmp_path_factory.mktemp("config") / "config.json"
-    path.write_text(json.dumps(config))
-    return build_settings(None, config=path, device="cuda", model=str(servers["model"]))
+    return upgrade_canary_settings(tmp_path_factory, servers["model"], device="cuda")
 
 
 def test_the_same_engine_as_old_and_new_passes_on_the_gpu(servers: dict[str, Any], settings: Any) -> None:

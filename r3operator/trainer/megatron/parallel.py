@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from r3operator.trainer.fsdp import free_local_port
 
 _SHIMS_INSTALLED = False
 
@@ -64,12 +65,6 @@ def fill_upstream_gaps() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class ParallelSizes:
     tp: int = 1
@@ -107,7 +102,7 @@ def init_parallel(sizes: ParallelSizes, device: str, *, seed: int = 0) -> None:
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_local_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
