@@ -79,7 +79,7 @@ run-async: venv
 test: venv compat-venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks
 	$(VENV)/bin/mypy
-	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 	$(COMPAT_VENV)/bin/python -m pytest -q $(TORCH_COMPAT_TESTS)
 
 # The trainer and runtime tests that need no vLLM, on the GPU image's torch (also the last step of `make test`).

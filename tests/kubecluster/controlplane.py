@@ -410,8 +410,12 @@ class ControlPlane:
         )
 
     def add_nodes(self, fleet: Fleet) -> list[str]:
+        return self.add_node_objects(fleet.all_nodes())
+
+    def add_node_objects(self, nodes: list[dict[str, Any]]) -> list[str]:
+        """Create these Node objects and wait until kwok has made them Ready."""
         names = []
-        for node in fleet.all_nodes():
+        for node in nodes:
             self.request("POST", "/api/v1/nodes", node)
             names.append(node["metadata"]["name"])
         proc = self.processes["kwok"]

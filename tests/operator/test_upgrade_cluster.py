@@ -15,7 +15,9 @@ message. Scoring real engines is in test_upgrade_canary_vllm.py; forged status i
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from canary_ending import end_canary
@@ -131,16 +133,28 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
         assert BAD not in job["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def _idle_gpu_node(cluster: Cluster) -> str:
-    """A GPU node no pod runs on (earlier tests' pods are spread over the fleet)."""
-    busy = {p["spec"].get("nodeName") for p in cluster.get("/api/v1/pods")["items"]}
-    nodes = [n["metadata"]["name"] for n in cluster.get("/api/v1/nodes?labelSelector=nvidia.com/gpu.present")["items"]]
-    return next(n for n in reversed(nodes) if n not in busy)
+@contextlib.contextmanager
+def _own_gpu_node(cluster: Cluster, name: str) -> Iterator[str]:
+    """An 8-GPU node of this test's own: the session's fleet is shared with earlier tests' pods, so whether
+    one of its nodes is still idle depends on test order."""
+    from kubecluster.controlplane import Fleet
+
+    node = Fleet(nodes=1, cpu_nodes=0).node(0)
+    node["metadata"]["name"] = node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+    cluster.api.add_node_objects([node])
+    try:
+        yield name
+    finally:
+        cluster.http("DELETE", f"/api/v1/nodes/{name}")
 
 
 def test_a_surge_replica_without_a_free_gpu_is_reported_at_once_and_rolled_back(cluster: Cluster) -> None:
     # Both regular replicas (4 GPUs each) fill the one 8-GPU node the engines may use: the surge cannot fit.
-    node = _idle_gpu_node(cluster)
+    with _own_gpu_node(cluster, "gpu-node-up-nogpu") as node:
+        _surge_without_a_free_gpu(cluster, node)
+
+
+def _surge_without_a_free_gpu(cluster: Cluster, node: str) -> None:
     job = {**_job("up-nogpu")}
     job["spec"] = {**job["spec"], "upgradePolicy": {"timeoutSeconds": 600, "startTimeoutSeconds": 15},
                    "inference": {**job["spec"]["inference"],
