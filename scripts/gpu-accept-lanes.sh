@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-accept-lanes.sh OUT LANE [LANE ...]
 #   LANE is ROWS (lane i runs on GPU i) or GPUS:ROWS, e.g.  OUT main_job upgrade_canary,megatron_replay
-#                                                      or   OUT 0,1:up_2gpu,weight_sync 2,3:megatron_ranks
+#                                                      or   OUT 0,1:up_2gpu,weight_sync 2,3:megatron_ranks_2gpu
 #
 # Each lane gets CUDA_VISIBLE_DEVICES=GPUS, ACCEPT_GPUS=<their count>, its own work, model-cache and Ray temp
 # folders (two processes generating one reference model into one cache would race; two Ray drivers must not

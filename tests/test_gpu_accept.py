@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -165,8 +166,26 @@ def test_pytest_rows_allow_only_the_skips_the_gpu_count_explains() -> None:
                                                                                "skipped": 5}  # fmt: skip
 
 
-def test_the_megatron_skip_count_follows_the_tests_cases() -> None:
+def test_the_megatron_rows_split_the_tests_cases_with_their_gpu_counts() -> None:
     tree = ast.parse((REPO / "tests" / "gpu" / "test_megatron_ranks_gpu.py").read_text())
     [cases] = [n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CASES"]
+    [ids] = [k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "ids"]
     assert isinstance(cases, ast.List)
-    assert tuple(ast.literal_eval(case.elts[0]) for case in cases.elts) == gpu_accept.MEGATRON_CASE_GPUS
+    gpus = [ast.literal_eval(case.elts[0]) for case in cases.elts]
+    assert list(zip(ast.literal_eval(ids), gpus, strict=True)) == list(gpu_accept.MEGATRON_CASES)
+    grouped = [i for _, group in gpu_accept.MEGATRON_GROUPS for i in group]
+    assert sorted(grouped) == sorted(i for i, _ in gpu_accept.MEGATRON_CASES)  # each case in one row
+
+
+@pytest.mark.parametrize(("name", "ids"), gpu_accept.MEGATRON_GROUPS)
+def test_each_megatron_row_selects_exactly_its_cases(name: str, ids: tuple[str, ...], tmp_path: Path) -> None:
+    from _pytest.mark.expression import Expression  # pytest's own `-k` grammar and substring matching
+
+    [row] = [r for r in gpu_accept.ROWS if r.name == name]
+    [expression] = re.findall(r"-k '([^']+)'", row.command(Context(gpus=4, work=tmp_path)))
+    node_ids = [f"test_megatron_over_ray_ranks_trains_like_one_process[{i}]" for i, _ in gpu_accept.MEGATRON_CASES]
+    compiled = Expression.compile(expression)
+    selected = [n for n in node_ids if compiled.evaluate(lambda word, n=n, **_: word in n)]
+    assert selected == [n for n in node_ids if n.endswith(tuple(f"[{i}]" for i in ids))]
+    assert row.min_gpus == min(dict(gpu_accept.MEGATRON_CASES)[i] for i in ids)
+    assert row.judge(Context(gpus=row.min_gpus, work=tmp_path), 0, f"{len(ids)} passed in 9.0s").passed
