@@ -55,7 +55,11 @@ def up(
         return 1
     shutil.rmtree(directory, ignore_errors=True)
     plane = ControlPlane(
-        directory, binaries_dir(), fleet=fleet, with_kuberay=with_kuberay, keep_submitters_running=keep_submitters_running
+        directory,
+        binaries_dir(),
+        fleet=fleet,
+        with_kuberay=with_kuberay,
+        keep_submitters_running=keep_submitters_running,
     )
     try:
         plane.start()
