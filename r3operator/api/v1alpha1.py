@@ -113,18 +113,20 @@ class ModelCacheSpec(_Model):
 
     claim_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """A claim the user owns, shared by RLJobs (a model already in it is not fetched again); unset: the
-    operator creates <job>-model-cache for this RLJob."""
+    operator creates one: model-cache-<hash of the source and revision>, shared by the namespace's RLJobs of that
+    model (with retainPolicy Retain and accessMode ReadWriteMany, the defaults), else <job>-model-cache."""
     size: Quantity = "200Gi"
     """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
     storage_class_name: str | None = Field(default=None, max_length=253)
     """StorageClass of the created claim; unset: the cluster's default class."""
     access_mode: AccessMode = AccessMode.READ_WRITE_MANY
-    """ReadWriteMany lets engine and trainer pods on several nodes read it; ReadWriteOnce fits one node."""
+    """ReadWriteMany lets engine and trainer pods on several nodes, and several RLJobs, read it; ReadWriteOnce fits
+    one node, so the claim is this RLJob's own <job>-model-cache, never shared with another RLJob."""
     retain_policy: RetainPolicy = RetainPolicy.RETAIN
     """What happens to the created claim when the RLJob is deleted (or its ttlSecondsAfterFinished passes).
-    Retain (default): it stays, with the model in it; an RLJob applied again under the same name adopts it and
-    its fetch finds the verified copy and downloads nothing; another RLJob reuses it with model.cache.claimName.
-    Delete: it goes with the RLJob."""
+    Retain (default): it stays, with the model in it, and the next RLJob in the namespace with the same source
+    and revision mounts it (the claim's name derives from them; its fetch finds the verified copy and downloads
+    nothing); deleting an RLJob never deletes it. Delete: the claim is this RLJob's own and goes with it."""
 
 
 class ModelSpec(_Model):

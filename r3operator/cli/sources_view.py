@@ -5,6 +5,7 @@ from __future__ import annotations
 from r3operator.api import names
 from r3operator.api.sources import SourceURIError, parse_source_uri
 from r3operator.api.v1alpha1 import ModelCacheSpec, RLJob
+from r3operator.operator.builders.model_cache import model_cache_claim_name, shares_model_cache
 from r3operator.settings import MODEL_MOUNT
 
 
@@ -19,8 +20,9 @@ def model_summary(job: RLJob) -> str:
     if not source.fetched:
         return f"{model.uri} (nothing fetched)"
     cache = model.cache or ModelCacheSpec()
-    created = names.child_name(job.metadata.name, names.ROLE_MODEL_CACHE)
-    claim = cache.claim_name or f"{created} (created, {cache.size}, {cache.access_mode.value})"
+    shared = ", shared by source and revision" if shares_model_cache(job) else ""
+    created = f"{model_cache_claim_name(job)} (created, {cache.size}, {cache.access_mode.value}{shared})"
+    claim = cache.claim_name or created
     fetch = names.child_name(job.metadata.name, names.ROLE_MODEL_FETCH)
     secret = ""
     if model.token_secret_ref is not None:

@@ -1,8 +1,9 @@
 """The diff step: for one desired child and what exists under its name, the single write (if any).
 
 Ownership first. The operator writes only objects it controls: a controller ownerReference to this
-RLJob (by uid), or, for a ``Retain`` routing claim, which has no ownerReference, the
-``r3operator.io/retained-from-uid`` annotation with this job's label. Anything else under a child's
+RLJob (by uid), or, for a ``Retain`` claim, which has no ownerReference, the
+``r3operator.io/retained-from-uid`` annotation with this job's label, or, for a model cache claim shared by
+source and revision, its ``r3operator.io/model-cache`` label. Anything else under a child's
 name is someone else's: the verdict is ``conflict`` and the reconciler touches nothing.
 
 Writes are server-side apply with the field manager ``r3operator`` (``kube.FIELD_MANAGER``). The
@@ -64,13 +65,16 @@ def is_subset(want: Any, have: Any) -> bool:
 
 
 def is_ours(have: dict[str, Any], job_uid: str | None) -> bool:
-    """Controlled by this RLJob, or a Retain routing claim an RLJob of this name created."""
+    """Controlled by this RLJob, a Retain claim an RLJob of this name created, or a model cache claim shared by
+    source and revision (builders/model_cache.py), which no RLJob controls and any of that model uses."""
     controller = meta.controller_uid(have)
     if controller is not None:
         return job_uid is not None and controller == job_uid
     metadata = have.get("metadata") or {}
-    return have.get("kind") == "PersistentVolumeClaim" and meta.ANNOTATION_RETAINED_FROM in (
-        metadata.get("annotations") or {}
+    if have.get("kind") != "PersistentVolumeClaim":
+        return False
+    return meta.ANNOTATION_RETAINED_FROM in (metadata.get("annotations") or {}) or meta.LABEL_MODEL_CACHE in (
+        metadata.get("labels") or {}
     )
 
 

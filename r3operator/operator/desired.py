@@ -7,7 +7,8 @@ trainer RayJob finish, has the TTL after that passed) — never on the RLJob's s
 Lifecycle:
 - running: PVC, ConfigMap, engine Service + StatefulSet (a LeaderWorkerSet when an engine replica spans
   pods, api/engine_layout.py) + NetworkPolicy, trainer ServiceAccount + Role + RoleBinding, RayJob,
-  PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim and its fetch Job;
+  PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim (shared by the namespace's RLJobs
+  of the same source and revision, builders/model_cache.py) and its fetch Job;
 - filling the model cache (the fetch Job has not completed): engines at 0 replicas, RayJob ``suspend: true``;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
@@ -32,7 +33,13 @@ from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
 from r3operator.operator.builders.engine_lws import build_engine_leader_worker_set
-from r3operator.operator.builders.model_cache import build_model_cache_claim, build_model_fetch_job
+from r3operator.operator.builders.model_cache import (
+    build_model_cache_claim,
+    build_model_fetch_job,
+    model_cache_claim_name,
+    own_claim_name,
+    shares_model_cache,
+)
 from r3operator.operator.builders.monitoring import build_pod_monitor, wants_pod_monitor
 from r3operator.operator.builders.network import build_engine_network_policy
 from r3operator.operator.builders.storage import build_routing_claim
@@ -79,6 +86,10 @@ class Facts:
     model_fetched: bool = True
     """The model-fetch Job completed (builders/model_cache.py); only read when the model is fetched.
     Until then engines stay at 0 replicas and the RayJob suspended: nothing reads a cache being filled."""
+    own_model_cache: bool = False
+    """The RLJob's own ``<job>-model-cache`` exists (made by an operator before model caches were shared by source
+    and revision, or kept from a deleted RLJob of this name): it keeps that claim, with its copy, instead of the
+    shared one, so an operator upgrade neither empties a running job's cache nor fetches the model again."""
 
 
 def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
@@ -94,7 +105,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children: list[dict[str, Any]] = []
     if claim is not None:
         children.append(claim)
-    cache = build_model_cache_claim(job)
+    cache = build_model_cache_claim(job, own=facts.own_model_cache)
     if cache is not None:
         children.append(cache)
     if fetch is not None:
@@ -123,7 +134,24 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(build_pod_monitor(job))
     if facts.upgrade_canary is not None and not stopped:
         children.append(build_upgrade_canary_job(job, facts.upgrade_canary))
+    if facts.own_model_cache and shares_model_cache(job):
+        for child in children:
+            _rename_claim(child, model_cache_claim_name(job), own_claim_name(job))
     return children
+
+
+def _rename_claim(node: Any, old: str, new: str) -> None:
+    """Every pod volume of ``node`` that mounts the claim ``old`` mounts ``new`` instead. The claim name is no
+    input of the spec hashes, so the pods of a running job keep their template."""
+    if isinstance(node, dict):
+        claim = node.get("persistentVolumeClaim")
+        if isinstance(claim, dict) and claim.get("claimName") == old:
+            claim["claimName"] = new
+        for value in node.values():
+            _rename_claim(value, old, new)
+    elif isinstance(node, list):
+        for item in node:
+            _rename_claim(item, old, new)
 
 
 def _with_trainer_image(job: RLJob, image: str | None) -> RLJob:

@@ -26,6 +26,9 @@ ANNOTATION_RETAINED_FROM = f"{PREFIX}/retained-from-uid"
 """On a Retain PVC: the uid of the RLJob that created it (the PVC has no ownerReference)."""
 ANNOTATION_MODEL_SOURCE = f"{PREFIX}/model-source"
 """On a created model cache claim: the model URI (and @revision) it was made for."""
+LABEL_MODEL_CACHE = f"{PREFIX}/model-cache"
+"""On a model cache claim shared by source and revision: the hash its name ends with (builders/model_cache.py);
+``kubectl get pvc -l r3operator.io/model-cache`` lists them. Their ``r3operator.io/job`` label is empty."""
 FINALIZER = f"{PREFIX}/finalizer"
 
 # GPU nodes carry the taint nvidia.com/gpu:NoSchedule (the NVIDIA GPU Operator's and the managed clouds'

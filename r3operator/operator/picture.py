@@ -16,7 +16,7 @@ from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.engine.args import model_source
 from r3operator.operator import meta
-from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, store
+from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, shares_model_cache, store
 from r3operator.operator.builders.workload import (
     POD_SET_ENGINE,
     POD_SET_ENGINE_LEADERS,
@@ -115,9 +115,13 @@ def _model(job: RLJob) -> str:
         access = store(model.uri, model.s3, model.gcs)
         if access is not None:
             credentials = f"credentials from Secret {access.credentials_secret}"
-        shared = "shared claim" if cache_spec(job).claim_name else "per-job claim"
+        claim = f"per-job claim {model_cache_claim_name(job)}"
+        if cache_spec(job).claim_name:
+            claim = f"shared claim {model_cache_claim_name(job)}"
+        elif shares_model_cache(job):
+            claim = f"claim {model_cache_claim_name(job)} (kept, shared by source and revision)"
         how = f"fetched once by Job {meta.child_name(job, meta.ROLE_MODEL_FETCH)} into the model cache"
-        return (f"{model.uri}{revision}: {how} ({credentials}); {shared} {model_cache_claim_name(job)} "
+        return (f"{model.uri}{revision}: {how} ({credentials}); {claim} "
                 f"mounted read-only at {source.directory}")  # fmt: skip
     return f"{model.uri}: {source.directory}"
 

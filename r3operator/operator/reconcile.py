@@ -40,6 +40,8 @@ from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.builders.model_cache import (
     model_fetch_complete,
     model_fetch_failed,
+    own_claim_name,
+    shares_model_cache,
     uses_model_cache,
 )
 from r3operator.operator.builders.upgrade_canary import CONTAINER_NAME as CANARY_CONTAINER
@@ -301,6 +303,7 @@ class Reconciler:
             upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=stopped, now=now)
             facts = Facts(
                 model_fetched=fetched,
+                own_model_cache=await self._own_model_cache(job),
                 pod_monitor_crd=pod_monitor,
                 finished=finish is not None,
                 expired=expired,
@@ -495,6 +498,15 @@ class Reconciler:
             return {}
         name = meta.child_name(job, meta.ROLE_MODEL_FETCH)
         return {("Job", name): await self._get("Job", job.metadata.namespace, name)}
+
+    async def _own_model_cache(self, job: RLJob) -> bool:
+        """A job whose model cache is shared by source still has its own ``<job>-model-cache`` (from an operator
+        before shared caches, or kept from a deleted RLJob of its name): it keeps reading that copy (Facts)."""
+        if not shares_model_cache(job):
+            return False
+        name = own_claim_name(job)
+        have = await self._get("PersistentVolumeClaim", job.metadata.namespace, name, absent_known=True)
+        return have is not None and is_ours(have, job.metadata.uid) and not have["metadata"].get("deletionTimestamp")
 
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""

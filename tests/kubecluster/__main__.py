@@ -1,7 +1,7 @@
 """`make cluster-up` / `make cluster-down`: the test control plane for people.
 
     PYTHONPATH=tests python -m kubecluster up [--dir .tools/cluster] [--nodes 16] [--gpus-per-node 8]
-                                             [--no-kuberay] [--no-kueue] [--no-lws]
+                                             [--no-kuberay] [--no-kueue] [--no-lws] [--complete-submitters]
     PYTHONPATH=tests python -m kubecluster down [--dir .tools/cluster]
     PYTHONPATH=tests python -m kubecluster status [--dir .tools/cluster]
     PYTHONPATH=tests python -m kubecluster walkthrough --out FILE [--docs docs/install.md]
@@ -9,6 +9,9 @@
 `up` leaves the processes running (each in its own session) and records their pids in DIR/state.json;
 `export KUBECONFIG=DIR/kubeconfig` then points kubectl, helm and `r3operator operator` at it. `walkthrough`
 records docs/install.md's shared-GPU-cluster walk-through on a control plane of its own (kubecluster/walkthrough.py).
+On the cluster `up` starts, KubeRay's submitter pods keep running as `ray job submit` does while a job trains, so
+a RayJob (and the RLJob's trainer) stays Running until deleted; `--complete-submitters` lets them complete as the
+test session's control plane does (KubeRay then fails each RayJob ~30 s later: no Ray dashboard reports it).
 """
 
 from __future__ import annotations
@@ -35,15 +38,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def up(directory: Path, fleet: Fleet, with_kuberay: bool, with_kueue: bool = True, with_lws: bool = True) -> int:
+def up(
+    directory: Path,
+    fleet: Fleet,
+    with_kuberay: bool,
+    with_kueue: bool = True,
+    with_lws: bool = True,
+    keep_submitters_running: bool = True,
+) -> int:
     """Start the control plane and leave it running; Kueue and LeaderWorkerSet too unless switched off, as
-    docs/install.md's walk-through and the Kueue and LWS examples need them."""
+    docs/install.md's walk-through and the Kueue and LWS examples need them. `keep_submitters_running`: a
+    RayJob stays Running as on a real cluster (the test session's control plane leaves it off)."""
     state = directory / "state.json"
     if state.exists() and any(_alive(p) for p in json.loads(state.read_text())["pids"].values()):
         print(f"a control plane is already running from {directory} (make cluster-down first)", file=sys.stderr)
         return 1
     shutil.rmtree(directory, ignore_errors=True)
-    plane = ControlPlane(directory, binaries_dir(), fleet=fleet, with_kuberay=with_kuberay)
+    plane = ControlPlane(
+        directory,
+        binaries_dir(),
+        fleet=fleet,
+        with_kuberay=with_kuberay,
+        keep_submitters_running=keep_submitters_running,
+    )
     try:
         plane.start()
         if with_kueue:
@@ -109,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kuberay", action="store_true")
     parser.add_argument("--no-kueue", action="store_true", help="leave Kueue out (RLJobs with spec.queueName)")
     parser.add_argument("--no-lws", action="store_true", help="leave LeaderWorkerSet out (multi-node engines)")
+    parser.add_argument(
+        "--complete-submitters",
+        action="store_true",
+        help="KubeRay's submitter pods complete (each RayJob then fails ~30 s later), as in the test session",
+    )
     args = parser.parse_args(args_in)
     directory = args.dir.resolve()
     if args.command == "up":
         fleet = Fleet(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu_nodes=args.cpu_nodes)
-        return up(directory, fleet, not args.no_kuberay, not args.no_kueue, not args.no_lws)
+        return up(
+            directory, fleet, not args.no_kuberay, not args.no_kueue, not args.no_lws, not args.complete_submitters
+        )
     if args.command == "down":
         return down(directory)
     return status(directory)

@@ -7,6 +7,10 @@ modules by scripts/install-cluster.sh. Every process listens on 127.0.0.1 only, 
 
 There is no kubelet: kwok plays every node. It marks scheduled pods Running/Ready, completes pods owned by
 a Job, and fails pods that carry the label in `FAIL_LABEL` (how tests drive a RayJob submitter to failure).
+KubeRay's submitter pod keeps running, as `ray job submit` does while a Ray job trains, in the namespace
+`KEEP_TRAINING_NAMESPACE`, or everywhere with `ControlPlane(keep_submitters_running=True)` (`make cluster-up`):
+had it completed, KubeRay would fail the RayJob ~30 s later, as no Ray dashboard reports the job. The test
+session leaves it off, so that its jobs end and hand their fake GPUs back.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 FAIL_LABEL = "kwok.r3operator.io/fail"
 # Pods owned by a Job in this namespace exit 1 instead of completing (a RayJob submitter that fails).
 FAIL_JOBS_NAMESPACE = "kwok-fail-jobs"
+KEEP_TRAINING_NAMESPACE = "kwok-keep-training"
+"""KubeRay's submitter pods here keep running (a RayJob stays Running) whatever `keep_submitters_running` says."""
+SUBMITTER_CONTAINER = "ray-job-submitter"
+"""The container KubeRay (v1.6) names in the submitter Job it makes for a RayJob's `ray job submit`."""
 ADMIN_USER = "r3-admin"
 KUEUE_NAMESPACE = "kueue-system"
 KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
@@ -109,6 +117,20 @@ class Fleet:
         }
 
 
+def kwok_stages(*, keep_submitters_running: bool) -> str:
+    """kwok-stages.yaml as kwok gets it: with `keep_submitters_running`, its pod-complete stage leaves KubeRay's
+    submitter pods running in every namespace (not only in `KEEP_TRAINING_NAMESPACE`)."""
+    text = STAGES.read_text()
+    if not keep_submitters_running:
+        return text
+    stages = list(yaml.safe_load_all(text))
+    complete = next(s for s in stages if s["metadata"]["name"] == "pod-complete")
+    complete["spec"]["selector"]["matchExpressions"].append(
+        {"key": ".spec.containers.[0].name", "operator": "NotIn", "values": [SUBMITTER_CONTAINER]}
+    )
+    return yaml.safe_dump_all(stages, sort_keys=False)
+
+
 def binaries_dir() -> Path:
     """Build (once per version; a no-op when cached) and return the directory holding the binaries."""
     tools = Path(os.environ.get("R3_CLUSTER_TOOLS", REPO / ".tools"))
@@ -149,6 +171,9 @@ class ControlPlane:
     bin_dir: Path
     fleet: Fleet = field(default_factory=Fleet)
     with_kuberay: bool = True
+    keep_submitters_running: bool = False
+    """KubeRay's submitter pods keep running in every namespace, so every RayJob stays Running until deleted (what
+    a person's cluster wants); off, only in `KEEP_TRAINING_NAMESPACE` (what a test opts into)."""
     processes: dict[str, _Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -389,7 +414,7 @@ class ControlPlane:
             [
                 str(self.bin_dir / "kwok"),
                 "--kubeconfig", kc,
-                "--config", str(STAGES),
+                "--config", str(self._stages()),
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
                 "--node-ip", "10.200.0.1",
@@ -399,6 +424,11 @@ class ControlPlane:
                 "--node-lease-duration-seconds", "40",
             ],
         )  # fmt: skip
+
+    def _stages(self) -> Path:
+        path = self.workdir / "kwok-stages.yaml"
+        path.write_text(kwok_stages(keep_submitters_running=self.keep_submitters_running))
+        return path
 
     def _wait_for_default_service_account(self) -> None:
         # Pods are refused until the service-account controller made `default` in their namespace.

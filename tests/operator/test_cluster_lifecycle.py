@@ -3,11 +3,19 @@ collector removing an RLJob's children, an apiserver restart under a running ope
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+from kubecluster import __main__ as kubecluster_cli
+from kubecluster.controlplane import KEEP_TRAINING_NAMESPACE, SUBMITTER_CONTAINER, kwok_stages
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_for
 
 FAIL_NS = "kwok-fail-jobs"  # kwok fails every Job-owned pod here (tests/kubecluster/kwok-stages.yaml)
+KUBERAY_SUBMITTER_GRACE_S = 30
+"""KubeRay (v1.6) fails a RayJob this long after its submitter finished when no Ray dashboard reported the job."""
 
 
 def small(name: str, namespace: str, **edits: Any) -> dict[str, Any]:
@@ -62,6 +70,86 @@ def test_kuberay_runs_the_trainer_and_its_failure_fails_the_rljob(cluster: Clust
         rayjob = cluster.get(paths(FAIL_NS, job)["rayjob"])
         assert rayjob["status"]["jobDeploymentStatus"] == "Failed"
         assert condition(cluster.get(paths(FAIL_NS, job)["rljob"]), "Succeeded")["status"] == "False"
+
+
+def _plain_job(name: str, namespace: str, container: str) -> dict[str, Any]:
+    pod = {"restartPolicy": "Never", "containers": [{"name": container, "image": "busybox", "command": ["true"]}]}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod}},
+    }
+
+
+def _pod_of_job(cluster: Cluster, ns: str, job: str, phase: str) -> dict[str, Any] | None:
+    pods = cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=job-name={job}")["items"]
+    return pods[0] if pods and pods[0]["status"].get("phase") == phase else None
+
+
+def test_on_kwok_the_trainer_keeps_running_only_where_a_test_opts_in(cluster: Cluster) -> None:
+    # KubeRay fails a RayJob 30 s after its submitter finished if no Ray dashboard reported the job terminal;
+    # kwok runs no dashboard, so a submitter that exits (kwok completes Job pods) fails the job ~2.5 min in.
+    # In the opt-in namespace kwok keeps the submitter running, as `ray job submit` does while a job trains.
+    ns, job = KEEP_TRAINING_NAMESPACE, "keeps-training"
+    other = "default-submitters"
+    cluster.namespace(other)
+    with running_operator(cluster, ns):
+        try:
+            cluster.apply(small(job, ns, **{"model.uri": "file:///models/Qwen3-30B-A3B", "model.revision": None}))
+            # Off (the session's default) elsewhere: a submitter container there completes at once, and in the
+            # opt-in namespace every other Job pod completes too.
+            cluster.apply(_plain_job("submitter-elsewhere", other, SUBMITTER_CONTAINER))
+            cluster.apply(_plain_job("worker-here", ns, "worker"))
+            _cond(cluster, ns, job, "TrainerReady", "True", timeout=90)
+            pod = wait_for(lambda: _pod_of_job(cluster, ns, f"{job}-trainer", "Running"), timeout=60,
+                           what="KubeRay's submitter pod running")  # fmt: skip
+            assert pod["spec"]["containers"][0]["name"] == SUBMITTER_CONTAINER
+            wait_for(lambda: _pod_of_job(cluster, other, "submitter-elsewhere", "Succeeded"), timeout=60,
+                     what="a submitter outside the opt-in namespace completed")  # fmt: skip
+            wait_for(lambda: _pod_of_job(cluster, ns, "worker-here", "Succeeded"), timeout=60,
+                     what="another Job's pod in the opt-in namespace completed")  # fmt: skip
+            # Past the point where a completed submitter would have failed the RayJob, all still runs.
+            time.sleep(KUBERAY_SUBMITTER_GRACE_S + 5)
+            assert _pod_of_job(cluster, ns, f"{job}-trainer", "Running") is not None
+            submitter_job = cluster.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-trainer")
+            assert not (submitter_job.get("status") or {}).get("completionTime")
+            assert cluster.get(paths(ns, job)["rayjob"])["status"]["jobDeploymentStatus"] == "Running"
+            rljob = cluster.get(paths(ns, job)["rljob"])
+            assert condition(rljob, "TrainerReady")["status"] == "True"
+            assert condition(rljob, "Failed") is None or condition(rljob, "Failed")["status"] != "True"
+        finally:
+            # A job that never ends holds its fake GPUs: give them back to the session's fleet.
+            cluster.kubectl("delete", "rlj", job, "-n", ns, "--wait=false", check=False)
+
+
+def _completes(stages: str, pod: dict[str, Any]) -> bool:
+    """Whether the pod-complete stage's selector (In/NotIn on a namespace or the first container's name, the
+    only expressions it uses on those) lets kwok complete this Job pod."""
+    complete = next(s for s in yaml.safe_load_all(stages) if s["metadata"]["name"] == "pod-complete")
+    values = {".metadata.namespace": pod["namespace"], ".spec.containers.[0].name": pod["container"]}
+    for expression in complete["spec"]["selector"]["matchExpressions"]:
+        if expression["key"] in values:
+            inside = values[expression["key"]] in expression["values"]
+            if inside != (expression["operator"] == "In"):
+                return False
+    return True
+
+
+def test_a_persons_cluster_keeps_every_submitter_running_and_the_sessions_does_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    submitter = {"namespace": "rl", "container": SUBMITTER_CONTAINER}
+    worker = {"namespace": "rl", "container": "fetch-model"}
+    assert _completes(kwok_stages(keep_submitters_running=False), submitter)
+    assert not _completes(kwok_stages(keep_submitters_running=True), submitter)
+    assert _completes(kwok_stages(keep_submitters_running=True), worker)
+    # `make cluster-up` (kubecluster up) turns it on; --complete-submitters gives the session's behaviour.
+    seen: list[bool] = []
+    monkeypatch.setattr(kubecluster_cli, "up", lambda *args: seen.append(args[-1]) or 0)
+    assert kubecluster_cli.main(["up", "--dir", str(tmp_path)]) == 0
+    assert kubecluster_cli.main(["up", "--dir", str(tmp_path), "--complete-submitters"]) == 0
+    assert seen == [True, False]
 
 
 def test_deleting_an_rljob_lets_the_garbage_collector_remove_its_children(cluster: Cluster) -> None:

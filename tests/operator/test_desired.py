@@ -58,9 +58,12 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     for child in first:
         labels = child["metadata"]["labels"]
         assert labels["app.kubernetes.io/managed-by"] == "r3operator"
+        assert labels["r3operator.io/role"] == labels["app.kubernetes.io/component"]
+        if "r3operator.io/model-cache" in labels:  # a model's cache, shared by jobs: it names none of them
+            assert "app.kubernetes.io/instance" not in labels and labels["r3operator.io/job"] == ""
+            continue
         assert labels["app.kubernetes.io/instance"] == name
         assert labels["r3operator.io/job"] == name
-        assert labels["r3operator.io/role"] == labels["app.kubernetes.io/component"]
 
 
 def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_volume():
@@ -511,15 +514,12 @@ def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_
     engine_command = by_kind["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
     # revision main (the example pins it) is a directory of the cache: a new pin never reads an old copy.
     assert engine_command[2] == "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main" and "--revision" not in engine_command
-    [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
+    [cache] = [c for c in children if c["metadata"]["name"] == _shared_name("hf/Qwen/Qwen3-30B-A3B/main")]
     assert cache["kind"] == "PersistentVolumeClaim" and cache["spec"]["accessModes"] == ["ReadWriteMany"]
     assert cache["spec"]["resources"]["requests"]["storage"] == "200Gi"
-    # Kept by default: no ownerReference for the garbage collector, the creator and the model recorded.
+    # Kept by default and shared by source: no ownerReference for the garbage collector, the model recorded.
     assert "ownerReferences" not in cache["metadata"]
-    assert cache["metadata"]["annotations"] == {
-        "r3operator.io/retained-from-uid": "uid-1",
-        "r3operator.io/model-source": "hf://Qwen/Qwen3-30B-A3B@main",
-    }
+    assert cache["metadata"]["annotations"] == {"r3operator.io/model-source": "hf://Qwen/Qwen3-30B-A3B@main"}
     fetch_pod = by_kind["Job"]["spec"]["template"]["spec"]
     (fetch,) = fetch_pod["containers"]
     assert fetch["command"] == ["r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main"]
@@ -637,3 +637,75 @@ def test_a_model_cache_with_retain_policy_delete_goes_with_the_rljob():
     [cache] = [c for c in children if c["metadata"]["name"] == "qwen3-30b-a3b-r3-model-cache"]
     assert cache["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert "r3operator.io/retained-from-uid" not in cache["metadata"]["annotations"]
+
+
+def _shared_name(cache_dir: str, endpoint: str | None = None) -> str:
+    """model-cache-<the first 16 hex digits of the sha256 of the copy's directory and store endpoint>."""
+    import hashlib
+    import json
+
+    text = json.dumps({"endpoint": endpoint, "source": cache_dir}, sort_keys=True, separators=(",", ":"))
+    return "model-cache-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _claims(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in children if c["kind"] == "PersistentVolumeClaim"}
+
+
+def _model_claims_mounted(children: list[dict[str, Any]]) -> set[str]:
+    """The claim behind every ``model`` volume of the engine, trainer and fetch pods."""
+    by_kind = _by_kind(children)
+    pods = [*_pod_specs(by_kind).values(), by_kind["Job"]["spec"]["template"]["spec"]]
+    return {v["persistentVolumeClaim"]["claimName"] for p in pods for v in p["volumes"] if v["name"] == "model"}
+
+
+def test_rljobs_of_the_same_model_source_and_revision_share_one_kept_cache_claim():
+    first = desired(_job(uid="uid-1"))
+    other = _job(uid="uid-2", **{"model.uri": "hf://Qwen/Qwen3-30B-A3B@main", "model.revision": None})
+    other = other.model_copy(update={"metadata": other.metadata.model_copy(update={"name": "another-job"})})
+    second = desired(other)
+    name = _shared_name("hf/Qwen/Qwen3-30B-A3B/main")
+    # The same claim, object for object: nothing in it names one of the jobs, so neither rewrites it.
+    assert _claims(first)[name] == _claims(second)[name]
+    claim = _claims(first)[name]
+    assert claim["metadata"]["labels"]["r3operator.io/model-cache"] == name.removeprefix("model-cache-")
+    assert claim["metadata"]["labels"]["r3operator.io/job"] == ""  # in the operator's watch, no one job's
+    assert "ownerReferences" not in claim["metadata"]
+    assert _model_claims_mounted(first) == _model_claims_mounted(second) == {name}
+    # The other job applies it: the existing claim (made by the first) is its own to use, not a NameConflict.
+    made = {**claim, "metadata": {**claim["metadata"], "uid": "pvc-1"}, "status": {"phase": "Bound"}}
+    assert plan_action(_claims(second)[name], made, job_uid="uid-2").verb == "none"
+
+
+def test_another_revision_or_store_endpoint_is_another_cache_claim():
+    rev2 = desired(_job(**{"model.revision": "r2"}))
+    assert _model_claims_mounted(rev2) == {_shared_name("hf/Qwen/Qwen3-30B-A3B/r2")}
+    s3 = {"model.uri": "s3://models/qwen3", "model.revision": None, "model.s3": {"credentialsSecret": "store"}}
+    at_aws = desired(_job(**s3))
+    at_minio = desired(_job(**s3, **{"model.s3.endpointURL": "http://minio.storage:9000"}))
+    assert _model_claims_mounted(at_aws) == {_shared_name("s3/models/qwen3")}
+    assert _model_claims_mounted(at_minio) == {_shared_name("s3/models/qwen3", "http://minio.storage:9000")}
+
+
+def test_a_read_write_once_cache_is_never_shared_it_is_the_jobs_own():
+    # One node mounts a ReadWriteOnce volume: two jobs' pods on different nodes could not both use it.
+    children = desired(_job(**{"model.cache": {"accessMode": "ReadWriteOnce"}}))
+    own = _claims(children)["qwen3-30b-a3b-r3-model-cache"]
+    assert own["metadata"]["annotations"]["r3operator.io/retained-from-uid"] == "uid-1"
+    assert "r3operator.io/model-cache" not in own["metadata"]["labels"]
+    assert _model_claims_mounted(children) == {"qwen3-30b-a3b-r3-model-cache"}
+
+
+def test_a_job_that_has_its_own_cache_claim_keeps_reading_it_and_its_pods_keep_their_template():
+    job = _job()
+    shared = desired(job)
+    own = desired(job, Facts(own_model_cache=True))
+    assert "qwen3-30b-a3b-r3-model-cache" in _claims(own)
+    assert not any(n.startswith("model-cache-") for n in _claims(own))
+    assert _model_claims_mounted(own) == {"qwen3-30b-a3b-r3-model-cache"}
+    # An operator upgrade rolls no pod and restarts no fetch: the hashes stay what they were.
+    for kind in ("StatefulSet", "RayJob", "Job"):
+        before, after = _by_kind(shared)[kind], _by_kind(own)[kind]
+        assert before["metadata"].get("annotations") == after["metadata"].get("annotations"), kind
+    sts = _by_kind(own)["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert sts == _by_kind(shared)["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]

@@ -80,8 +80,9 @@ def test_engines_and_trainer_start_only_after_the_cache_is_filled_and_mount_it_r
             assert fetch_pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
             assert _engine_pods(cluster, job) == []
             assert not (fetch.get("status") or {}).get("succeeded")
-        cache = cluster.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{job}-model-cache")
-        assert cache is not None and cache["spec"]["accessModes"] == ["ReadWriteMany"]
+        [cache] = _shared_claims(cluster, "hf://Qwen/Qwen3-30B-A3B@main")
+        assert cache["spec"]["accessModes"] == ["ReadWriteMany"]
+        claim = cache["metadata"]["name"]
         # kwok runs again: the fetch completes, then the operator scales the engines up and resumes the trainer.
         done = wait_for(
             lambda: (j := _fetch_job(cluster, job)) and condition(j, "Complete") and j, timeout=60, what="fill done"
@@ -93,7 +94,7 @@ def test_engines_and_trainer_start_only_after_the_cache_is_filled_and_mount_it_r
         for pod in pods:
             spec = pod["spec"]
             [volume] = [v for v in spec["volumes"] if v["name"] == "model"]
-            assert volume["persistentVolumeClaim"] == {"claimName": f"{job}-model-cache", "readOnly": True}
+            assert volume["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
             [verify] = spec["initContainers"]
             assert verify["command"][:2] == ["r3operator", "fetch"] and verify["command"][-1] == "--verify"
             assert all(m.get("readOnly") for m in verify["volumeMounts"] if m["name"] == "model")
@@ -188,48 +189,56 @@ def _filled(cluster: Cluster, job: str) -> dict[str, Any]:
     return dict(done)
 
 
-def test_the_model_cache_outlives_its_rljob_and_is_adopted_again_or_named_by_another(cluster: Cluster) -> None:
-    job, other, throwaway = "kept-cache", "reuses-cache", "dropped-cache"
-    claim = f"{job}-model-cache"
+def _shared_claims(cluster: Cluster, source: str) -> list[dict[str, Any]]:
+    """The namespace's model cache claims shared by source and revision that hold ``source``, found as the docs
+    say (the label, then the annotation)."""
+    claims = _list(cluster, f"/api/v1/namespaces/{NS}/persistentvolumeclaims", "r3operator.io/model-cache")
+    return [c for c in claims if c["metadata"]["annotations"]["r3operator.io/model-source"] == source]
+
+
+def _mounted_claim(fetch: dict[str, Any]) -> str:
+    [volume] = fetch["spec"]["template"]["spec"]["volumes"]
+    return str(volume["persistentVolumeClaim"]["claimName"])
+
+
+def test_a_kept_model_cache_is_reused_by_the_next_job_of_the_same_source_and_revision(cluster: Cluster) -> None:
+    first, second, new_revision, throwaway = "kept-cache", "reuses-cache", "other-revision", "dropped-cache"
     with running_operator(cluster, NS):
-        cluster.apply(small(job))
-        first_fetch = _filled(cluster, job)
-        kept = _cache_claim(cluster, claim)
-        assert kept is not None and not kept["metadata"].get("ownerReferences")
-        assert kept["metadata"]["annotations"]["r3operator.io/model-source"] == "hf://Qwen/Qwen3-30B-A3B@main"
-        cluster.kubectl("delete", "rljob", job, "-n", NS, "--wait=true", "--timeout=60s")
+        cluster.apply(small(first))
+        first_fetch = _filled(cluster, first)
+        claim = _mounted_claim(first_fetch)
+        [kept] = _shared_claims(cluster, "hf://Qwen/Qwen3-30B-A3B@main")
+        assert kept["metadata"]["name"] == claim and not kept["metadata"].get("ownerReferences")
+        cluster.kubectl("delete", "rljob", first, "-n", NS, "--wait=true", "--timeout=60s")
         # The garbage collector takes what the RLJob owned (the fetch Job among them); the model copy stays.
-        wait_for(lambda: _fetch_job(cluster, job) is None, timeout=60, what="the old fetch Job collected")
+        wait_for(lambda: _fetch_job(cluster, first) is None, timeout=60, what="the old fetch Job collected")
         still = _cache_claim(cluster, claim)
         assert still is not None and still["metadata"]["uid"] == kept["metadata"]["uid"]
         assert not still["metadata"].get("deletionTimestamp")
 
-        # Applied again under the same name: the kept claim is adopted (no second claim), and the new fetch
-        # Job runs against it (`r3operator fetch` finds the verified copy there: tests/runtime/test_fetch.py).
-        cluster.apply(small(job))
-        second_fetch = _filled(cluster, job)
-        assert second_fetch["metadata"]["uid"] != first_fetch["metadata"]["uid"]
-        uid = cluster.get(paths(NS, job)["rljob"])["metadata"]["uid"]
-        adopted = wait_for(
-            lambda: (
-                (c := _cache_claim(cluster, claim))
-                and c["metadata"]["annotations"].get("r3operator.io/retained-from-uid") == uid
-                and c
-            ),
-            what="the kept claim adopted by the new RLJob",
-        )
-        assert adopted["metadata"]["uid"] == kept["metadata"]["uid"]
+        # Another RLJob, same source and revision, names no claim: it finds the kept one (same PVC), its fetch
+        # runs against it (`r3operator fetch` finds the verified copy there: tests/runtime/test_fetch.py).
+        cluster.apply(small(second))
+        fetch = _filled(cluster, second)
+        assert _mounted_claim(fetch) == claim and fetch["metadata"]["uid"] != first_fetch["metadata"]["uid"]
+        engines = wait_for(lambda: len(p := _engine_pods(cluster, second)) == 2 and p, timeout=60, what="engines")
+        for pod in engines:
+            [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]
+            assert volume["persistentVolumeClaim"]["claimName"] == claim
+        [reused] = _shared_claims(cluster, "hf://Qwen/Qwen3-30B-A3B@main")
+        assert reused["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert _cache_claim(cluster, f"{second}-model-cache") is None
 
-        # Another RLJob of the same model names the kept claim: no claim of its own, its fetch fills that one.
-        cluster.apply(small(other, **{"model.cache": {"claimName": claim}}))
-        fetch = _filled(cluster, other)
-        [volume] = fetch["spec"]["template"]["spec"]["volumes"]
-        assert volume["persistentVolumeClaim"]["claimName"] == claim
-        assert _cache_claim(cluster, f"{other}-model-cache") is None
+        # Same source, another revision: another copy, in a claim of its own.
+        cluster.apply(small(new_revision, **{"model.revision": "r2"}))
+        other_claim = _mounted_claim(_filled(cluster, new_revision))
+        [made] = _shared_claims(cluster, "hf://Qwen/Qwen3-30B-A3B@r2")
+        assert made["metadata"]["name"] == other_claim != claim
+        assert made["metadata"]["uid"] != kept["metadata"]["uid"]
 
-        # retainPolicy Delete: the claim goes with its RLJob.
+        # retainPolicy Delete: the job's own claim, which goes with its RLJob.
         cluster.apply(small(throwaway, **{"model.cache": {"retainPolicy": "Delete"}}))
-        _filled(cluster, throwaway)
+        assert _mounted_claim(_filled(cluster, throwaway)) == f"{throwaway}-model-cache"
         cluster.kubectl("delete", "rljob", throwaway, "-n", NS, "--wait=true", "--timeout=60s")
         wait_for(
             lambda: (
@@ -239,3 +248,9 @@ def test_the_model_cache_outlives_its_rljob_and_is_adopted_again_or_named_by_ano
             timeout=60,
             what="the Delete-policy claim collected",
         )
+        # Deleting the jobs that share a kept claim leaves it, with its copy.
+        for job in (second, new_revision):
+            cluster.kubectl("delete", "rljob", job, "-n", NS, "--wait=true", "--timeout=60s")
+        for name, uid in ((claim, kept["metadata"]["uid"]), (other_claim, made["metadata"]["uid"])):
+            left = _cache_claim(cluster, name)
+            assert left is not None and left["metadata"]["uid"] == uid and not left["metadata"].get("deletionTimestamp")

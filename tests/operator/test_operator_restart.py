@@ -126,10 +126,13 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
     # The operator creates children with server-side apply: a patch that answers 201 Created.
     creates = [r for r in operator_writes(after) if r.code == 201 and "/events" not in r.path]
     assert creates and all(r.code != 409 for r in operator_writes(after)), creates
-    # One of each; two claims: the routing volume and the hf:// model's cache.
-    for plural, count in (("statefulsets", 1), ("services", 1), ("configmaps", 1), ("persistentvolumeclaims", 2)):
+    # One of each; the job's own claim is the routing volume: the hf:// model's cache is the one claim of that
+    # source and revision, which the stable job made and both mount.
+    for plural, count in (("statefulsets", 1), ("services", 1), ("configmaps", 1), ("persistentvolumeclaims", 1)):
         group = "/apis/apps/v1" if plural == "statefulsets" else "/api/v1"
         items = cluster.get(f"{group}/namespaces/{NS}/{plural}?labelSelector=r3operator.io/job={cut}")["items"]
         assert len(items) == count, (plural, [i["metadata"]["name"] for i in items])
+    caches = cluster.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims?labelSelector=r3operator.io/model-cache")
+    assert len(caches["items"]) == 1, [i["metadata"]["name"] for i in caches["items"]]
     rayjobs = cluster.get(f"/apis/ray.io/v1/namespaces/{NS}/rayjobs?labelSelector=r3operator.io/job={cut}")
     assert len(rayjobs["items"]) == 1

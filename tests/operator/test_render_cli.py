@@ -42,7 +42,10 @@ def test_render_shows_the_model_fetch_its_secret_references_and_the_read_only_ca
     ]  # fmt: skip
     secret_ref = {"secretKeyRef": {"name": "store", "key": "AWS_SECRET_ACCESS_KEY"}}
     assert {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": secret_ref} in fetch["env"]
-    assert ("PersistentVolumeClaim", "qwen3-30b-a3b-r3-model-cache") in docs
+    [claim] = [name for kind, name in docs if kind == "PersistentVolumeClaim" and name.startswith("model-cache-")]
+    assert docs[("PersistentVolumeClaim", claim)]["metadata"]["annotations"] == {
+        "r3operator.io/model-source": "s3://models/qwen3-30b-a3b"
+    }
     engine = docs[("StatefulSet", "qwen3-30b-a3b-r3-engine")]["spec"]["template"]["spec"]
     assert engine["initContainers"][0]["command"][-1] == "--verify"
     assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in engine["containers"][0]["volumeMounts"]

@@ -1,7 +1,10 @@
 """The model cache: hf://, s3:// and gs:// models are fetched ONCE into a claim that every engine and trainer pod
 then mounts read-only, instead of each pod downloading its own copy.
 
-- the claim: ``model.cache.claimName`` (the user's, shared by RLJobs) or ``<job>-model-cache`` (created here);
+- the claim: ``model.cache.claimName`` (the user's, shared by RLJobs), or one created here: with the defaults
+  (``retainPolicy: Retain``, ``accessMode: ReadWriteMany``) ``model-cache-<hash of source and revision>``,
+  shared by every RLJob of the namespace that fetches the same model (see ``build_model_cache_claim``);
+  otherwise ``<job>-model-cache``, this RLJob's own;
 - the fill: the Job ``<job>-model-fetch``, one pod running ``r3operator fetch <uri> MODEL_MOUNT`` in the
   trainer image (it ships huggingface_hub and boto3) with the claim mounted read-write. The fetch writes
   a complete copy with a ready marker or nothing (runtime/fetch.py); a copy already in a shared claim is
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from r3operator.api.enums import RetainPolicy
+from r3operator.api.enums import AccessMode, RetainPolicy
 from r3operator.api.pods import PodTemplate
 from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
 from r3operator.engine.args import model_source
@@ -62,18 +65,62 @@ def cache_spec(job: RLJob) -> ModelCacheSpec:
     return job.spec.model.cache or ModelCacheSpec()
 
 
+SHARED_CLAIM_PREFIX = "model-cache-"
+"""A shared model cache claim is ``model-cache-<model_cache_key>``: no RLJob child is named so (theirs end in a
+role suffix), and two RLJobs of the same model applied at once both name, so create or find, this one claim."""
+
+
+def shares_model_cache(job: RLJob) -> bool:
+    """The created claim is shared by source and revision: it is kept (``Retain``) and every node may mount it
+    (``ReadWriteMany``). A ReadWriteOnce claim mounts on one node only, so the pods of two RLJobs on different
+    nodes could not both use it: each RLJob gets its own ``<job>-model-cache``, never mounted by another."""
+    cache = cache_spec(job)
+    return (
+        uses_model_cache(job)
+        and not cache.claim_name
+        and cache.retain_policy is RetainPolicy.RETAIN
+        and cache.access_mode is AccessMode.READ_WRITE_MANY
+    )
+
+
+def model_cache_key(job: RLJob) -> str:
+    """What the copy in the cache is: its directory (runtime/fetch.py's, which names the source and the revision,
+    ``main`` when unpinned) and, for an object store, the endpoint that serves the bucket. Not the credentials,
+    the size or the class: the same files, reached with another token, are the same copy."""
+    model = job.spec.model
+    access = store(model.uri, model.s3, model.gcs)
+    return digest({"source": model_source(job.spec).source.cache_key, "endpoint": access and access.endpoint_url})
+
+
+def own_claim_name(job: RLJob) -> str:
+    """``<job>-model-cache``: the claim of this RLJob alone (ReadWriteOnce, ``Delete``, or made by an operator
+    from before shared caches)."""
+    return meta.child_name(job, meta.ROLE_MODEL_CACHE)
+
+
 def model_cache_claim_name(job: RLJob) -> str:
-    return cache_spec(job).claim_name or meta.child_name(job, meta.ROLE_MODEL_CACHE)
+    if cache_spec(job).claim_name:
+        return str(cache_spec(job).claim_name)
+    if shares_model_cache(job):
+        return SHARED_CLAIM_PREFIX + model_cache_key(job)
+    return own_claim_name(job)
 
 
-def build_model_cache_claim(job: RLJob) -> dict[str, Any] | None:
-    """``<job>-model-cache``, or None when the model is not fetched or the user names a shared claim.
+def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] | None:
+    """The model cache claim to create, or None when the model is not fetched or the user names a claim.
 
-    ``retainPolicy: Retain`` (the default: a model copy is what people keep) works as for the routing claim
-    (builders/storage.py): no ownerReference, so the garbage collector leaves it when the RLJob goes, the
-    creating RLJob's uid in an annotation, and an RLJob applied again under the same name adopts it; its
-    fetch then finds the verified copy and downloads nothing. The annotation ``r3operator.io/model-source``
-    says which model the claim was made for, to find it for ``model.cache.claimName`` of another RLJob.
+    Shared (``shares_model_cache``): ``model-cache-<key>``, with no ownerReference and nothing of any one RLJob
+    in its metadata (the label ``r3operator.io/model-cache: <key>``, ``r3operator.io/job`` empty, the model in
+    ``r3operator.io/model-source``),
+    so RLJobs of the same model in the namespace all find it by name, none rewrites it, and deleting any of them
+    (or its TTL) never deletes it: the garbage collector has no owner to follow, the reconciler prunes only
+    names of its own. Their fetch Jobs each verify the copy, and the first one fills it (runtime/fetch.py
+    publishes a complete copy with one rename; a concurrent fetch keeps the copy that is there).
+
+    Otherwise (or ``own``: this RLJob already has ``<job>-model-cache``, kept from an operator before shared
+    caches) ``<job>-model-cache``. With ``retainPolicy: Retain`` it works as the routing claim
+    (builders/storage.py): no ownerReference, the creating RLJob's uid in an annotation, adopted by an RLJob
+    applied again under the same name, whose fetch finds the verified copy and downloads nothing.
     """
     cache = cache_spec(job)
     if not uses_model_cache(job) or cache.claim_name:
@@ -81,14 +128,28 @@ def build_model_cache_claim(job: RLJob) -> dict[str, Any] | None:
     retain = cache.retain_policy is RetainPolicy.RETAIN
     model = job.spec.model
     annotations = {meta.ANNOTATION_MODEL_SOURCE: f"{model.uri}@{model.revision}" if model.revision else model.uri}
-    if retain and job.metadata.uid:
-        annotations[meta.ANNOTATION_RETAINED_FROM] = job.metadata.uid
     spec: dict[str, Any] = {
         "accessModes": [cache.access_mode.value],
         "resources": {"requests": {"storage": cache.size}},
     }
     if cache.storage_class_name:
         spec["storageClassName"] = cache.storage_class_name
+    if shares_model_cache(job) and not own:
+        key = meta.LABEL_MODEL_CACHE
+        hashed = model_cache_key(job)
+        labels = {k: v for k, v in meta.labels(job, meta.ROLE_MODEL_CACHE).items() if k != "app.kubernetes.io/instance"}
+        # r3operator.io/job is there, empty (no one RLJob's): the operator's labelled watch holds the claim, so
+        # the passes of the jobs that mount it read it from the cache (operator/informer.py), and it wakes none.
+        metadata: dict[str, Any] = {
+            "name": SHARED_CLAIM_PREFIX + hashed,
+            "labels": {**labels, meta.LABEL_JOB: "", key: hashed},
+            "annotations": annotations,
+        }
+        if job.metadata.namespace:
+            metadata["namespace"] = job.metadata.namespace
+        return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": metadata, "spec": spec}
+    if retain and job.metadata.uid:
+        annotations[meta.ANNOTATION_RETAINED_FROM] = job.metadata.uid
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
