@@ -19,7 +19,9 @@ weights: the noise floor of re-prefilling in another batch):
 3. each open trajectory is continued with `routed_experts_prompt_start = 0`, so vLLM returns the rows of the
    whole re-prefilled prefix too; those are compared with the rows from step 1: per MoE layer, the fraction
    of (token, top-k slot) pairs whose expert is not in the other pass's top-k set of that token and layer,
-   and the fraction of tokens with any change in any layer;
+   and the fraction of tokens with any change in any layer; split into "prompt rows" (the prompt's tokens
+   but its last: their forward predicts a prompt token) and "generated rows" (the rest: each produced the
+   distribution a token was sampled from);
 4. with `--updates N`, steps 2-3 repeat (still against the rows of step 1): the prefix after N updates.
 
 It also checks what the stitching keeps: the continued trajectory's routes must be the step-1 rows for
