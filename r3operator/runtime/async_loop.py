@@ -192,8 +192,9 @@ class AsyncGRPORun(GRPORun):
         tokens, rows = current_version_masks(rows_in_batch, width=width, version=self.step_version)
         lags = token_lags(rows_in_batch, width=width, version=self.step_version)
         lags[~batch.response_mask.cpu().numpy()] = -1
-        gaps = abs_diff_by_lag(batch.rollout_logprobs.float().cpu().numpy(), old.logprobs.float().cpu().numpy(),
-                               lags, max_lag=max(self.spec.algorithm.max_staleness, int(lags.max(initial=0))))  # fmt: skip
+        max_lag = max(self.spec.algorithm.max_staleness, int(lags.max(initial=0)))
+        engine, trainer = batch.rollout_logprobs.float().cpu().numpy(), old.logprobs.float().cpu().numpy()
+        gaps = abs_diff_by_lag(engine, trainer, lags, max_lag=max_lag)
         self.step_by_lag = format_by_lag(gaps)
         stale = [g for g in gaps if g.lag > 0 and g.tokens]
         self.step_stale_diff = (sum(g.tokens * (g.abs_diff_mean or 0.0) for g in stale)
