@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "trainer_ranks": ("benchmarks.bench_trainer_ranks", ["--model", "tiny", "--device", "cpu", "--ranks", "1", "2",
                                                          "--steps", "2"]),
     "async": ("benchmarks.bench_async", ["--device", "cpu"]),
+    "partial_routes": ("benchmarks.bench_partial_routes", ["--device", "cpu"]),
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
 }
 

@@ -74,8 +74,10 @@ def throughput(args: argparse.Namespace, engines: Any, out: Path, mode: str) -> 
         "trainer_idle_seconds": round(idle, 2), "trainer_idle_fraction": round(idle / wall, 3),
         "engine_idle_fraction": round(max(0.0, 1 - busy / wall), 3),
         "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
-        "logprob_abs_diff_mean": float(sum(r["logprob_abs_diff_mean"] for r in rows) / len(rows)),
     }  # fmt: skip
+    # Over the steps that measured it (async: a step without a current-version token has None).
+    measured = [float(r["logprob_abs_diff_mean"]) for r in rows if r["logprob_abs_diff_mean"] is not None]
+    result["logprob_abs_diff_mean"] = sum(measured) / len(measured) if measured else None
     if mode == "async":
         result.update({
             "staleness_mean": float(sum(r["staleness_mean"] for r in rows) / len(rows)),

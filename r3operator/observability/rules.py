@@ -155,9 +155,10 @@ ALERTS: tuple[Alert, ...] = (
         f"{LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline. Check weight sync (r3operator_weight_sync_canary_ok), the "
         "vLLM version and whether routing replay is active.",
         "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
-        "baseline, under the same weights: in algorithm.mode async the figure covers only tokens the current "
-        "policy version sampled (the older tokens' gap is staleness, `logprob_abs_diff_mean_stale` in "
-        "metrics.csv, corrected by the importance weights, never a weight-sync fault). In order: (1) "
+        "baseline, under the same weights: in algorithm.mode async the figure covers only tokens of the policy "
+        "version the step trained from, and a step without any leaves the series out (not NaN). The older "
+        "tokens' gap is staleness (`logprob_abs_diff_by_lag` per lag in metrics.csv, corrected by the importance "
+        "weights, never a weight-sync fault). In order: (1) "
         "`r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
         "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
         "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "

@@ -34,7 +34,15 @@ from r3operator.engine.rollout import RolloutSample
 from r3operator.runtime.config import RunSettings
 from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.loop import GRPORun, PhaseTimer
-from r3operator.runtime.partial import current_version_masks, renumber, split_stale, staleness
+from r3operator.runtime.partial import (
+    abs_diff_by_lag,
+    current_version_masks,
+    format_by_lag,
+    renumber,
+    split_stale,
+    staleness,
+    token_lags,
+)
 from r3operator.runtime.producer import EngineGate, RolloutProducer
 from r3operator.runtime.progress import StepTable
 from r3operator.trainer.base import OldPass, UpdateStats
@@ -63,6 +71,7 @@ class AsyncGRPORun(GRPORun):
         self.producer: RolloutProducer | None = None
         self.problems: dict[int, tasks.Problem] = {}  # the producer's problem number -> problem
         self.gate = EngineGate()
+        self.step_version = 0  # the policy version the step in progress trains from (set by rollout())
         self._tokens_seen = 0
         self._clock = time.perf_counter()
 
@@ -130,6 +139,9 @@ class AsyncGRPORun(GRPORun):
         for sample in (s for group in kept for s in group):  # the step's columns describe what it trains on
             self.step_staleness.append(staleness(sample, current_version=self.policy_version))
             self.step_partial += int(sample.extra["partial"])
+        # The version this step trains from (the old-logprob pass runs its weights); the metrics phase
+        # comes after the sync, when `policy_version` already names the next one.
+        self.step_version = self.policy_version
         problems = [self.problems.pop(group[0].prompt_index) for group in kept]
         samples = renumber(kept)
         self.metrics.r3.observe_rollout(samples)
@@ -168,29 +180,36 @@ class AsyncGRPORun(GRPORun):
     def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
                         old: OldPass) -> tuple[Any, Any | None]:  # fmt: skip
         """Only the tokens and route rows of the current policy version: the old-logprob pass runs under its
-        weights, so there engine vs trainer is the mismatch alone. The older tokens' gap is staleness (the
-        policy moved since), reported apart in `logprob_abs_diff_mean_stale` and corrected by the
-        importance weights. With no current-version token in the step the figures are NaN."""
+        weights, so there engine vs trainer is the mismatch alone. A step with none of them has no mismatch
+        figure (empty cells, no Prometheus series: loop.py). The gap per staleness lag goes apart
+        (`logprob_abs_diff_by_lag`, `tokens_by_lag`): lag 0 is the mismatch again, lag L > 0 adds what L
+        updates moved the policy, which the importance weights correct and a weight sync did not cause."""
         import torch
-
-        from r3operator.trainer.metrics import logprob_stats
 
         by_id = {s.sample_id: s for s in samples}
         rows_in_batch = [by_id[sid] for sid in batch.sample_ids]
-        tokens, rows = current_version_masks(rows_in_batch, width=int(batch.input_ids.shape[1]),
-                                             version=self.policy_version)  # fmt: skip
+        width = int(batch.input_ids.shape[1])
+        tokens, rows = current_version_masks(rows_in_batch, width=width, version=self.step_version)
+        lags = token_lags(rows_in_batch, width=width, version=self.step_version)
+        lags[~batch.response_mask.cpu().numpy()] = -1
+        max_lag = max(self.spec.algorithm.max_staleness, int(lags.max(initial=0)))
+        engine, trainer = batch.rollout_logprobs.float().cpu().numpy(), old.logprobs.float().cpu().numpy()
+        gaps = abs_diff_by_lag(engine, trainer, lags, max_lag=max_lag)
+        self.step_by_lag = format_by_lag(gaps)
+        stale = [g for g in gaps if g.lag > 0 and g.tokens]
+        self.step_stale_diff = (sum(g.tokens * (g.abs_diff_mean or 0.0) for g in stale)
+                                / sum(g.tokens for g in stale)) if stale else None  # fmt: skip
         device = batch.response_mask.device
         current = batch.response_mask & torch.from_numpy(tokens).to(device)
         self.step_current_tokens = int(current.sum())
-        self.step_stale_diff = logprob_stats(batch.rollout_logprobs, old.logprobs,
-                                             batch.response_mask & ~current).abs_diff_mean  # fmt: skip
         return current, torch.from_numpy(rows).to(device)
 
     def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
         row.update({"importance_weight_mean": stats.importance_weight_mean,
                     "importance_truncated_fraction": stats.importance_truncated_fraction,
                     "current_version_tokens": self.step_current_tokens,
-                    "logprob_abs_diff_mean_stale": self.step_stale_diff})  # fmt: skip
+                    "logprob_abs_diff_mean_stale": self.step_stale_diff,
+                    "logprob_abs_diff_by_lag": self.step_by_lag[0], "tokens_by_lag": self.step_by_lag[1]})  # fmt: skip
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,

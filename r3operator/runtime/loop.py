@@ -499,8 +499,16 @@ class GRPORun:
              old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
              begin: float) -> dict[str, Any]:  # fmt: skip
         tokens, rows = self._fidelity_masks(samples, batch, old)
-        lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
-        applied = natural = float("nan")
+        # No token to measure (async: none the current version sampled): the cells stay empty and the
+        # gauges lose their series, as NaN would read as a figure and blind avg_over_time() for its window.
+        measured = bool(tokens.any())
+        lp_mean = lp_max = kl = natural = None
+        if measured:
+            lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
+            lp_mean, lp_max, kl = lp.abs_diff_mean, lp.abs_diff_max, lp.kl_k3
+        else:
+            self.metrics.r3.clear_fidelity()
+        applied = float("nan")
         if batch.engine_routes is not None:
             assert batch.route_pad is not None
             mask = ~batch.route_pad
@@ -508,13 +516,18 @@ class GRPORun:
             # misaligned batch). The routers' own choice vs the engine is the alignment signal.
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             fidelity_rows = mask if rows is None else mask & rows
-            natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes,
-                                                      fidelity_rows).agreement_ratio  # fmt: skip
+            if measured and bool(fidelity_rows.any()):
+                natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes,
+                                                          fidelity_rows).agreement_ratio  # fmt: skip
+            elif measured:
+                self.metrics.r3.clear_fidelity(routing_only=True)
+        elif measured:
+            natural = float("nan")
         row = self._rollout_columns(step, samples, rewards, timer)
         if self.spec.rollout.multi_turn:
             row["routing_agreement_by_turn"] = self._agreement_by_turn(samples, batch, old)
         row.update({
-            "logprob_abs_diff_mean": lp.abs_diff_mean, "logprob_abs_diff_max": lp.abs_diff_max, "kl_k3": lp.kl_k3,
+            "logprob_abs_diff_mean": lp_mean, "logprob_abs_diff_max": lp_max, "kl_k3": kl,
             "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
             "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
             "canary_near_ties": self.canary_near_ties, "skipped": 0,

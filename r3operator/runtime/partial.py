@@ -183,3 +183,44 @@ def current_version_masks(
         row_versions = np.concatenate([np.full(p, versions[0]), versions[1:]])
         rows[i, : row_versions.size] = row_versions == version
     return tokens, rows
+
+
+def token_lags(samples: Sequence[RolloutSample], *, width: int, version: int) -> np.ndarray:
+    """[B, S-1] logprob columns: `version` minus the version that sampled the response token there (0: the
+    current policy), -1 where there is no response token. Columns as in `current_version_masks`."""
+    lags = np.full((len(samples), width - 1), -1, dtype=np.int64)
+    for i, sample in enumerate(samples):
+        versions = token_versions(sample)
+        p = len(sample.prompt_token_ids)
+        lags[i, p - 1 : p - 1 + versions.size] = version - versions
+    return lags
+
+
+@dataclass(frozen=True)
+class LagGap:
+    """Mean |rollout logprob - trainer logprob| over the `tokens` response tokens of one staleness lag (None
+    when there are none). At lag 0 engine and trainer ran the same weights: the mismatch. At lag L > 0 it
+    adds how far the policy moved in L updates (staleness, which the importance weights correct)."""
+
+    lag: int
+    tokens: int
+    abs_diff_mean: float | None
+
+
+def abs_diff_by_lag(rollout_logprobs: np.ndarray, trainer_logprobs: np.ndarray, lags: np.ndarray,
+                    *, max_lag: int) -> list[LagGap]:  # fmt: skip
+    """One `LagGap` per lag 0..max_lag (every column with a lag; `lags` -1 elsewhere, see `token_lags`)."""
+    gaps = []
+    diff = np.abs(np.asarray(rollout_logprobs, dtype=np.float64) - np.asarray(trainer_logprobs, dtype=np.float64))
+    for lag in range(max_lag + 1):
+        at = lags == lag
+        count = int(at.sum())
+        gaps.append(LagGap(lag, count, float(diff[at].mean()) if count else None))
+    return gaps
+
+
+def format_by_lag(gaps: Sequence[LagGap]) -> tuple[str, str]:
+    """metrics.csv's `logprob_abs_diff_by_lag` ("0.0041;0.0812;-": lag 0 first, "-" where no token) and
+    `tokens_by_lag` ("12;480;0")."""
+    diffs = ";".join("-" if g.abs_diff_mean is None else f"{g.abs_diff_mean:.4g}" for g in gaps)
+    return diffs, ";".join(str(g.tokens) for g in gaps)

@@ -24,6 +24,11 @@ def _pct(value: Any) -> str:
         return "-"
 
 
+def _num(value: Any) -> str:
+    """A figure, or "-" where the step had nothing to measure it on (async: no current-version token)."""
+    return "-" if value is None else f"{float(value):.3g}"
+
+
 def step_line(row: Mapping[str, Any], total_steps: int) -> str:
     """One plain-text progress line (the non-TTY form), every field named."""
     times = " ".join(f"{label} {row.get('t_' + key, 0.0):.2f}s" for key, label in PHASES)
@@ -35,7 +40,7 @@ def step_line(row: Mapping[str, Any], total_steps: int) -> str:
         )
     return (
         f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
-        f"|dlogprob| mean {row['logprob_abs_diff_mean']:.3g} max {row['logprob_abs_diff_max']:.3g}  "
+        f"|dlogprob| mean {_num(row['logprob_abs_diff_mean'])} max {_num(row['logprob_abs_diff_max'])}  "
         f"routing natural {_pct(row.get('routing_natural_agreement'))} replay {_pct(row.get('replay_applied'))}  "
         f"canary {'ok' if row['canary_ok'] else '-'}  {times}  step {row['step_seconds']:.2f}s"
     )
@@ -58,7 +63,7 @@ class StepTable:
             table.add_column(col, justify="right", no_wrap=True)
         for r in self.rows[-25:]:
             table.add_row(
-                str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['logprob_abs_diff_mean']:.3g}",
+                str(r["step"]), f"{r['reward_mean']:.3f}", _num(r["logprob_abs_diff_mean"]),
                 _pct(r.get("routing_natural_agreement")), _pct(r.get("replay_applied")),
                 "skipped" if r.get("skipped") else "ok" if r["canary_ok"] else "-",
                 *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES], f"{r['step_seconds']:.2f}",

@@ -22,8 +22,9 @@ COLUMNS = (
     "staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds",
     "importance_weight_mean", "importance_truncated_fraction", "t_pause",  # algorithm.mode async only
     # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
-    # mismatch); the older tokens' |Δlogprob| (the staleness) is apart
-    "current_version_tokens", "logprob_abs_diff_mean_stale",
+    # mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart,
+    # also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts
+    "current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag",
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (engine/sync_phases.py)
 )  # fmt: skip
 
@@ -200,6 +201,53 @@ def _peak_memory_line(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"- trainer peak GPU memory (largest rank): {max(peaks):.1f} GiB"] if peaks else []
 
 
+def _by_lag(rows: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int, float]]:
+    """lag -> (tokens, mean |Δlogprob|) over every step, token-weighted, from the `*_by_lag` columns."""
+    total: dict[int, tuple[int, float]] = {}
+    for row in rows:
+        diffs, counts = str(row.get("logprob_abs_diff_by_lag") or ""), str(row.get("tokens_by_lag") or "")
+        if not diffs or not counts:
+            continue
+        for lag, (diff, count) in enumerate(zip(diffs.split(";"), counts.split(";"), strict=True)):
+            if int(count):
+                tokens, weighted = total.get(lag, (0, 0.0))
+                total[lag] = (tokens + int(count), weighted + int(count) * float(diff))
+    return {lag: (tokens, weighted / tokens) for lag, (tokens, weighted) in sorted(total.items())}
+
+
+def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Engine vs trainer: |Δlogprob| and natural routing agreement over the steps that measured them; in
+    the asynchronous mode only tokens of the current policy version count (the same weights on both
+    sides), and the gap per staleness lag follows on its own line. A run where no step had such a token
+    says so rather than printing NaN."""
+    lagged = _by_lag(rows)
+    measured = [r for r in rows if not math.isnan(_f(r, "logprob_abs_diff_mean"))]
+    applied = f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}"
+    scope = ""
+    if lagged:
+        scope = (f" (tokens the current policy version sampled, {len(measured)} of {len(rows)} steps had them; "
+                 "the rest is staleness, by lag below)")  # fmt: skip
+    if measured:
+        lines = [
+            f"- mean |Δlogprob| rollout vs trainer (mean over steps){scope}: "
+            f"{_mean(measured, 'logprob_abs_diff_mean'):.3g}; max over steps: "
+            f"{max(_f(r, 'logprob_abs_diff_max') for r in measured):.3g}",
+            f"- routing agreement, trainer natural vs engine: {_mean(measured, 'routing_natural_agreement'):.4f}; "
+            f"{applied}",
+        ]
+    else:
+        why = ("no step trained a token of the current policy version (the rollout queue ran ahead of the "
+               "trainer), so nothing compares engine and trainer under the same weights but the weight-sync "
+               "canary" if lagged else "no step trained a token")  # fmt: skip
+        lines = [f"- mean |Δlogprob| and routing agreement, rollout vs trainer: not measured: {why}; {applied}"]
+    if lagged:
+        shown = ", ".join(f"lag {lag} {diff:.3g} ({tokens} tokens)" for lag, (tokens, diff) in lagged.items())
+        lines.append(f"- mean |Δlogprob| by staleness lag (policy updates between sampling and training; lag 0 is "
+                     f"the mismatch alone, lag ≥ 1 adds the policy's drift, which the importance weights correct): "
+                     f"{shown}")  # fmt: skip
+    return lines
+
+
 def _canary_line(rows: Sequence[Mapping[str, Any]], canary: bool) -> str:
     """How many of the steps' syncs passed the canary; "off" when it never ran (not "0/N ok")."""
     if not canary:
@@ -233,10 +281,7 @@ def write_report(
             f"- reward: start {start:.3f} (mean of the first steps) → end {end:.3f} (mean of the last steps): "
             f"the reward {rose} ({end - start:+.3f}); per step {_f(rows[0], 'reward_mean'):.3f} → "
             f"{_f(rows[-1], 'reward_mean'):.3f}",
-            f"- mean |Δlogprob| rollout vs trainer (mean over steps): {_mean(rows, 'logprob_abs_diff_mean'):.3g}; "
-            f"max over steps: {max(_f(r, 'logprob_abs_diff_max') for r in rows):.3g}",
-            f"- routing agreement, trainer natural vs engine: {_mean(rows, 'routing_natural_agreement'):.4f}; "
-            f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}",
+            *fidelity_lines(rows),
             _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
             "- mean phase seconds: "

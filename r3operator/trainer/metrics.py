@@ -184,6 +184,7 @@ class R3Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         kinds = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
         self._m: dict[str, Any] = {}
+        self._layers_exported: set[str] = set()
         for spec in METRICS:
             kwargs: dict[str, Any] = {"registry": self.registry}
             if spec.type == "histogram":
@@ -218,8 +219,24 @@ class R3Metrics:
         for layer, ratio in enumerate(agreement.per_layer):
             if not np.isnan(ratio):  # dense layers have no routing to agree on
                 self._get("r3operator_routing_agreement_ratio", layer=str(layer)).set(ratio)
+                self._layers_exported.add(str(layer))
         self._get("r3operator_routing_tokens_any_diff_ratio").set(agreement.tokens_any_diff_ratio)
         return agreement
+
+    def clear_fidelity(self, *, routing_only: bool = False) -> None:
+        """Remove the job's engine/trainer fidelity series (what `observe_logprobs` and `observe_routing`
+        set) for a step that had no token to measure them on: no series reads "not measured" on a dashboard
+        and in an alert, where NaN would be a sample that blinds avg_over_time() for its whole window."""
+        names = ["r3operator_routing_tokens_any_diff_ratio"]
+        if not routing_only:
+            names += [f"r3operator_logprob_{field}" for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max",
+                                                                   "abs_diff_min")]  # fmt: skip
+            names += ["r3operator_kl_k3", "r3operator_extreme_token_ratio"]
+        for name in names:
+            self._m[name].remove(self.namespace, self.rljob)
+        for layer in self._layers_exported:
+            self._m["r3operator_routing_agreement_ratio"].remove(self.namespace, self.rljob, layer)
+        self._layers_exported.clear()
 
     def observe_rollout(self, samples: Any) -> None:
         """Count route bytes, missing and invalid routes of `RolloutSample`s."""

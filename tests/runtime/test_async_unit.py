@@ -243,6 +243,32 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
     exposition = run.metrics.exposition()
     [(_, count)] = _series(exposition, "r3operator_rollout_staleness_count")
     assert count == sum(r["samples"] + r["stale_dropped"] for r in rows)  # every sample taken was observed
+    _check_fidelity_split(rows, written, exposition)
+
+
+def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, str]], exposition: str) -> None:
+    """Every trained token is counted under its lag; the mismatch figures are those of lag 0, and a step
+    without a lag-0 token has empty cells and no Prometheus series, never NaN."""
+    # Step 1 takes groups the producer generated under the weights of the setup's sync, which step 1's
+    # old-logprob pass runs: every token is of the current version.
+    assert rows[0]["current_version_tokens"] == rows[0]["tokens"] > 0
+    fidelity = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3", "routing_natural_agreement")
+    for row, cells in zip(rows, written, strict=True):
+        counts = [int(c) for c in row["tokens_by_lag"].split(";")]
+        diffs = row["logprob_abs_diff_by_lag"].split(";")
+        assert len(counts) == len(diffs) == 2 and sum(counts) == row["tokens"]  # maxStaleness 1: lags 0, 1
+        assert counts[0] == row["current_version_tokens"]
+        if counts[0]:
+            assert float(diffs[0]) == pytest.approx(row["logprob_abs_diff_mean"], rel=1e-3)
+            assert all(np.isfinite(float(cells[key])) for key in fidelity)
+        else:
+            assert diffs[0] == "-" and all(row[key] is None and cells[key] == "" for key in fidelity)
+    names = ("r3operator_logprob_", "r3operator_kl_k3", "r3operator_routing_agreement_ratio",
+             "r3operator_routing_tokens_any_diff_ratio")  # fmt: skip
+    assert not [line for line in exposition.splitlines() if line.startswith(names) and "NaN" in line]
+    if rows[-1]["current_version_tokens"] == 0:  # the gauges describe the last step: not measured, no series
+        assert not _series(exposition, "r3operator_logprob_abs_diff_mean")
+    print("current-version tokens per step:", [r["current_version_tokens"] for r in rows])
 
 
 class _ThreadRecordingEngine(FakeEngine):
@@ -302,3 +328,27 @@ def test_fidelity_metrics_run_over_the_current_versions_tokens_and_rows_only() -
     tokens, rows = current_version_masks([sample], width=9, version=1)
     assert np.flatnonzero(tokens[0]).tolist() == [2, 3]
     assert np.flatnonzero(rows[0]).tolist() == [0, 1, 2, 3]
+
+
+def test_the_logprob_gap_is_split_by_staleness_lag() -> None:
+    """Two samples, prompts of 2 and 3 tokens, batch 8 wide, current version 5. Sample a: versions [5, 4, 4]
+    (columns 1, 2, 3: lags 0, 1, 1); sample b: versions [3, 5] (columns 2, 3: lags 2, 0). Rollout minus
+    trainer logprobs at those columns: a 0.01, 0.2, -0.4; b 1.0, -0.03. By lag: 0 -> (0.01 + 0.03) / 2 =
+    0.02 over 2 tokens, 1 -> (0.2 + 0.4) / 2 = 0.3 over 2, 2 -> 1.0 over 1, 3 -> none."""
+    from dataclasses import replace
+
+    from r3operator.runtime.partial import abs_diff_by_lag, format_by_lag, token_lags
+
+    a = replace(_sample([5, 4, 4], "a"), prompt_token_ids=(1, 2), token_ids=(7, 8, 9))
+    b = replace(_sample([3, 5], "b"), prompt_token_ids=(1, 2, 3), token_ids=(7, 8))
+    lags = token_lags([a, b], width=8, version=5)
+    assert lags.tolist() == [[-1, 0, 1, 1, -1, -1, -1], [-1, -1, 2, 0, -1, -1, -1]]
+    trainer = np.full((2, 7), -1.5)
+    rollout = trainer.copy()
+    rollout[0, 1:4] += [0.01, 0.2, -0.4]
+    rollout[1, 2:4] += [1.0, -0.03]
+    rollout[0, 5] += 9.0  # no response token there: must not count
+    gaps = abs_diff_by_lag(rollout, trainer, lags, max_lag=3)
+    assert [(g.lag, g.tokens) for g in gaps] == [(0, 2), (1, 2), (2, 1), (3, 0)]
+    assert [g.abs_diff_mean for g in gaps] == pytest.approx([0.02, 0.3, 1.0, None])  # type: ignore[list-item]
+    assert format_by_lag(gaps) == ("0.02;0.3;1;-", "2;2;1;0")

@@ -45,3 +45,31 @@ def test_the_canary_line_says_off_when_it_never_ran_and_counts_only_steps_that_s
     assert "- weight-sync canary: passed after 1 of 1 step syncs" in write_report(
         tmp_path / "on.md", job_name="j", runs={"R3": ran}, facts={}
     )
+
+
+def test_an_async_report_without_current_version_tokens_says_so_and_splits_the_gap_by_lag(tmp_path: Path) -> None:
+    """metrics.csv rows of an asynchronous run (strings, as read back). Lag 1 over both steps: (30 x 0.1 +
+    10 x 0.2) / 40 = 0.125; lag 2: 0.4 over 10 tokens; no lag-0 token, so no mismatch figure (not NaN)."""
+    empty = {"logprob_abs_diff_mean": "", "logprob_abs_diff_max": "", "kl_k3": "", "routing_natural_agreement": ""}
+    rows = [{"step": "1", "reward_mean": "0", "replay_applied": "1.0", "current_version_tokens": "0", **empty,
+             "logprob_abs_diff_by_lag": "-;0.1;0.4", "tokens_by_lag": "0;30;10"},
+            {"step": "2", "reward_mean": "1", "replay_applied": "1.0", "current_version_tokens": "0", **empty,
+             "logprob_abs_diff_by_lag": "-;0.2;-", "tokens_by_lag": "0;10;0"}]  # fmt: skip
+    text = write_report(tmp_path / "async.md", job_name="j", runs={"R3": rows}, facts={})
+    assert "nan" not in _fidelity(text)
+    assert "rollout vs trainer: not measured: no step trained a token of the current policy version" in text
+    assert "lag 1 0.125 (40 tokens), lag 2 0.4 (10 tokens)" in text
+
+    measured = {"step": "3", "reward_mean": "1", "replay_applied": "1.0", "current_version_tokens": "8",
+                "logprob_abs_diff_mean": "0.004", "logprob_abs_diff_max": "0.05", "kl_k3": "1e-5",
+                "routing_natural_agreement": "0.99", "logprob_abs_diff_by_lag": "0.004;0.3;-",
+                "tokens_by_lag": "8;20;0"}  # fmt: skip
+    text = write_report(tmp_path / "mixed.md", job_name="j", runs={"R3": [*rows, measured]}, facts={})
+    assert "nan" not in _fidelity(text)
+    assert "(tokens the current policy version sampled, 1 of 3 steps had them" in text
+    assert ": 0.004; max over steps: 0.05" in text and "natural vs engine: 0.9900" in text
+    assert "lag 0 0.004 (8 tokens), lag 1 0.183 (60 tokens), lag 2 0.4 (10 tokens)" in text
+
+
+def _fidelity(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if "Δlogprob" in line or "routing" in line).lower()
