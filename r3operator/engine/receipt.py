@@ -26,6 +26,7 @@ the same as one tensor at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,38 +150,68 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     return torch.stack([table[0], columns.sum(dim=1), (columns * weights).sum(dim=1)], dim=1)
 
 
+@dataclass
+class _Bucket:
+    names: list[str] = field(default_factory=list)
+    tensors: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    stream: Any = None  # the CUDA stream current when its tensors were added (None off CUDA)
+
+
+def _current_stream(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _on_stream(stream: Any) -> AbstractContextManager[Any]:
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
 class FingerprintLog:
     """Fingerprints of named tensors, computed on their device and read back once (`result`).
 
     On a GPU `add` only takes the tensor into an open bucket (`BUCKET_BYTES`), fingerprinted in one go when
     it fills or at `flush`: the caller must not change or reuse a tensor's memory before then (a receiver's
     buffer: flush at the end of each batch, as `add_many` does). Tensors on the CPU (numpy), of an odd byte
-    count or bigger than a bucket are fingerprinted at once, one by one."""
+    count or bigger than a bucket are fingerprinted at once, one by one.
+
+    A bucket is fingerprinted on the CUDA stream its tensors were added under, and closes when the current
+    stream changes: vLLM's packed NCCL producer runs the sender's iterator (the cast, this log) on one side
+    stream per buffer, so a tensor is only ready, and its memory only safe to reuse, in its own stream's
+    order."""
 
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[list[str], Any]] = []  # (names, their fingerprints [k, 3] on a device)
         self._done: dict[str, Fingerprint] = {}
-        self._open: dict[Any, tuple[list[str], list[Any], int]] = {}  # device -> (names, tensors, bytes)
+        self._open: dict[Any, _Bucket] = {}  # by device
 
     def add(self, name: str, tensor: Any) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         device = tensor.device
+        stream = _current_stream(device)
+        bucket = self._open.get(device)
+        if bucket is not None and bucket.stream != stream:
+            self._close(device)
         if (device.type == "cpu" and NUMPY_ON_CPU) or nbytes % 2 or nbytes > self.bucket_bytes:
             if device in self._open:  # keep the order added (a name added twice keeps the last)
                 self._close(device)
             self._pending.append(([name], fingerprint_device(tensor).unsqueeze(0)))
             return
-        names, tensors, held = self._open.setdefault(device, ([], [], 0))
-        names.append(name)
-        tensors.append(tensor.detach())
-        self._open[device] = (names, tensors, held + nbytes)
-        if held + nbytes >= self.bucket_bytes:
+        bucket = self._open.setdefault(device, _Bucket(stream=stream))
+        bucket.names.append(name)
+        bucket.tensors.append(tensor.detach())
+        bucket.nbytes += nbytes
+        if bucket.nbytes >= self.bucket_bytes:
             self._close(device)
 
     def _close(self, device: Any) -> None:
-        names, tensors, _ = self._open.pop(device)
-        self._pending.append((names, fingerprint_bucket(tensors)))
+        bucket = self._open.pop(device)
+        with _on_stream(bucket.stream):
+            self._pending.append((bucket.names, fingerprint_bucket(bucket.tensors)))
 
     def flush(self) -> None:
         """Fingerprint the open buckets now (their kernels are queued; `result` reads them back)."""

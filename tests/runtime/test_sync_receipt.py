@@ -101,6 +101,39 @@ def test_a_receiver_that_reuses_its_buffer_gets_the_fingerprints_of_what_it_was_
     assert receipt.received.result() == expected
 
 
+def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(monkeypatch) -> None:
+    # vLLM's packed NCCL producer runs the sender's iterator under one side stream per buffer, alternating:
+    # a bucket that spanned two streams would read a tensor another stream may not have written yet.
+    from contextlib import contextmanager
+
+    monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", False)
+    current = ["s0"]
+    monkeypatch.setattr(receipt_module, "_current_stream", lambda device: current[0])
+    fingerprinted: list[tuple[str, list[str]]] = []
+    real_bucket = receipt_module.fingerprint_bucket
+
+    @contextmanager
+    def on_stream(stream: Any) -> Any:
+        def bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+            fingerprinted.append((stream, [added[t.data_ptr()] for t in tensors]))
+            return real_bucket(tensors)
+
+        monkeypatch.setattr(receipt_module, "fingerprint_bucket", bucket)
+        yield
+        monkeypatch.setattr(receipt_module, "fingerprint_bucket", real_bucket)
+
+    monkeypatch.setattr(receipt_module, "_on_stream", on_stream)
+    log, added, named = FingerprintLog(bucket_bytes=1 << 20), {}, []
+    for i, stream in enumerate(["s0", "s0", "s1", "s1", "s0"]):
+        current[0] = stream
+        tensor = torch.randn(64).to(torch.bfloat16)
+        added[tensor.data_ptr()] = f"t{i}@{stream}"
+        named.append((f"t{i}", tensor))
+        log.add(f"t{i}", tensor)
+    assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
+    assert fingerprinted == [("s0", ["t0@s0", "t1@s0"]), ("s1", ["t2@s1", "t3@s1"]), ("s0", ["t4@s0"])]
+
+
 def _counted_ops(run: Any) -> int:
     """Aten operators that do work (views left out) while `run()` runs: on a GPU each launches kernels."""
     from torch.utils._python_dispatch import TorchDispatchMode
