@@ -170,6 +170,15 @@ def _on_stream(stream: Any) -> AbstractContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
+def _wait_for(streams: Iterable[Any]) -> None:
+    """Order the current stream after everything queued so far on `streams` (reading fingerprints that
+    were computed there: vLLM 0.22's producer returns without synchronizing its side streams)."""
+    import torch
+
+    for stream in streams:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
 class FingerprintLog:
     """Fingerprints of named tensors, computed on their device and read back once (`result`).
 
@@ -186,6 +195,7 @@ class FingerprintLog:
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[list[str], Any]] = []  # (names, their fingerprints [k, 3] on a device)
+        self._streams: list[Any] = []  # the side streams buckets were fingerprinted on
         self._done: dict[str, Fingerprint] = {}
         self._open: dict[Any, _Bucket] = {}  # by device
 
@@ -212,6 +222,8 @@ class FingerprintLog:
         bucket = self._open.pop(device)
         with _on_stream(bucket.stream):
             self._pending.append((bucket.names, fingerprint_bucket(bucket.tensors)))
+        if bucket.stream is not None and bucket.stream not in self._streams:
+            self._streams.append(bucket.stream)
 
     def flush(self) -> None:
         """Fingerprint the open buckets now (their kernels are queued; `result` reads them back)."""
@@ -234,6 +246,8 @@ class FingerprintLog:
 
     def result(self) -> dict[str, Fingerprint]:
         self.flush()
+        _wait_for(self._streams)
+        self._streams = []
         if self._pending:
             import torch
 
@@ -253,7 +267,7 @@ class FingerprintLog:
         return dict(self._done)
 
     def clear(self) -> None:
-        self._pending, self._done, self._open = [], {}, {}
+        self._pending, self._done, self._open, self._streams = [], {}, {}, []
 
 
 def _as_fp(values: Sequence[int]) -> Fingerprint:

@@ -123,6 +123,8 @@ def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(mo
         monkeypatch.setattr(receipt_module, "fingerprint_bucket", real_bucket)
 
     monkeypatch.setattr(receipt_module, "_on_stream", on_stream)
+    waited: list[Any] = []  # the streams the reader waits for before reading the fingerprints back
+    monkeypatch.setattr(receipt_module, "_wait_for", lambda streams: waited.extend(streams))
     log, added, named = FingerprintLog(bucket_bytes=1 << 20), {}, []
     for i, stream in enumerate(["s0", "s0", "s1", "s1", "s0"]):
         current[0] = stream
@@ -132,6 +134,7 @@ def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(mo
         log.add(f"t{i}", tensor)
     assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
     assert fingerprinted == [("s0", ["t0@s0", "t1@s0"]), ("s1", ["t2@s1", "t3@s1"]), ("s0", ["t4@s0"])]
+    assert waited == ["s0", "s1"]
 
 
 def _counted_ops(run: Any) -> int:
