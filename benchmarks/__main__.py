@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
                                                          "--steps", "2"]),
     "async": ("benchmarks.bench_async", ["--device", "cpu"]),
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
+    "fingerprint": ("benchmarks.bench_fingerprint", ["--models", "a3b"]),
 }
 
 
