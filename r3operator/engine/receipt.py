@@ -195,7 +195,7 @@ class FingerprintLog:
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[list[str], Any]] = []  # (names, their fingerprints [k, 3] on a device)
-        self._streams: list[Any] = []  # the side streams buckets were fingerprinted on
+        self._streams: list[Any] = []  # the CUDA streams fingerprints were computed on
         self._done: dict[str, Fingerprint] = {}
         self._open: dict[Any, _Bucket] = {}  # by device
 
@@ -210,6 +210,7 @@ class FingerprintLog:
             if device in self._open:  # keep the order added (a name added twice keeps the last)
                 self._close(device)
             self._pending.append(([name], fingerprint_device(tensor).unsqueeze(0)))
+            self._note(stream)
             return
         bucket = self._open.setdefault(device, _Bucket(stream=stream))
         bucket.names.append(name)
@@ -222,8 +223,11 @@ class FingerprintLog:
         bucket = self._open.pop(device)
         with _on_stream(bucket.stream):
             self._pending.append((bucket.names, fingerprint_bucket(bucket.tensors)))
-        if bucket.stream is not None and bucket.stream not in self._streams:
-            self._streams.append(bucket.stream)
+        self._note(bucket.stream)
+
+    def _note(self, stream: Any) -> None:
+        if stream is not None and stream not in self._streams:
+            self._streams.append(stream)
 
     def flush(self) -> None:
         """Fingerprint the open buckets now (their kernels are queued; `result` reads them back)."""
@@ -256,10 +260,10 @@ class FingerprintLog:
                 by_device.setdefault(fps.device, []).append(i)
             rows_of: dict[int, list[list[int]]] = {}
             for indices in by_device.values():  # one host sync per device
-                rows = torch.cat([self._pending[i][1] for i in indices]).tolist()
+                rows, at = torch.cat([self._pending[i][1] for i in indices]).tolist(), 0
                 for i in indices:
                     count = len(self._pending[i][0])
-                    rows_of[i], rows = rows[:count], rows[count:]
+                    rows_of[i], at = rows[at : at + count], at + count
             for i, (names, _) in enumerate(self._pending):  # in the order added: a name added twice keeps the last
                 for name, row in zip(names, rows_of[i], strict=True):
                     self._done[name] = _as_fp(row)
