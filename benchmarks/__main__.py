@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "async": ("benchmarks.bench_async", ["--device", "cpu"]),
     "partial_routes": ("benchmarks.bench_partial_routes", ["--device", "cpu"]),
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
+    "fingerprint": ("benchmarks.bench_fingerprint", ["--models", "a3b"]),
 }
 
 

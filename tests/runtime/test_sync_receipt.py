@@ -9,12 +9,17 @@ import numpy as np
 import pytest
 import torch
 
+from r3operator.engine import receipt as receipt_module
 from r3operator.engine.receipt import (
+    GROUP_ROWS,
+    WEIGHT_PERIOD,
+    FingerprintLog,
     SyncReceipt,
     _fingerprint_numpy,
     _fingerprint_torch,
     _words,
     fingerprint,
+    fingerprint_bucket,
 )
 from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy, check_receipts
 
@@ -50,6 +55,113 @@ def test_fingerprint_tells_a_sign_flip_a_shift_and_a_single_changed_value() -> N
     prints = {fingerprint(t) for t in (base, flipped, base.roll(1, dims=0), one, base.t().contiguous())}
     assert len(prints) == 5
     assert fingerprint(base.clone()) == fingerprint(base)
+
+
+BLOCK = GROUP_ROWS * WEIGHT_PERIOD  # words per group of rows in a bucket's slot
+BUCKET_TENSORS = [torch.randn(7, 300).to(torch.bfloat16), torch.randn(503), torch.ones(()), torch.empty(0),
+                  torch.randn(3, 4, 5).to(torch.float16), torch.randn(2 * BLOCK + 5).to(torch.bfloat16),
+                  torch.randn(BLOCK).to(torch.float16), torch.randn(40, 30).t(),
+                  torch.randn(BLOCK // 2 - 1)]  # fmt: skip
+
+
+def test_a_bucket_fingerprints_each_tensor_as_the_written_out_definition() -> None:
+    # Slots of several groups, one exactly a group, one a group's last word short, a transposed view, empties.
+    assert fingerprint_bucket(BUCKET_TENSORS).tolist() == [list(_reference_fingerprint(t)) for t in BUCKET_TENSORS]
+    assert fingerprint_bucket([]).shape == (0, 3)
+    with pytest.raises(ValueError, match="tensor 1 has an odd number of bytes"):
+        fingerprint_bucket([torch.randn(4), torch.arange(5, dtype=torch.uint8)])
+
+
+@pytest.fixture(params=["numpy", "buckets"])
+def fingerprint_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU's path (numpy, one tensor at a time) or the GPU's (`fingerprint_bucket`), here on the CPU."""
+    monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", request.param == "numpy")
+    return str(request.param)
+
+
+def test_a_log_of_buckets_keeps_every_name_in_order(fingerprint_path: str) -> None:
+    # A bucket of 4 KiB: buckets close mid-way, with odd-byte and oversized tensors (one by one) between them.
+    named = [(f"t{i}", t) for i, t in enumerate(BUCKET_TENSORS)]
+    named += [("odd", torch.arange(5, dtype=torch.uint8)), ("big", torch.randn(4096)), ("t0", -BUCKET_TENSORS[0])]
+    log = FingerprintLog(bucket_bytes=4096)
+    for name, tensor in named:
+        log.add(name, tensor)
+    assert log.result() == {name: _reference_fingerprint(t) for name, t in named}  # "t0" twice: the last
+
+
+def test_a_receiver_that_reuses_its_buffer_gets_the_fingerprints_of_what_it_was_handed(fingerprint_path: str) -> None:
+    # vLLM's receivers hand `load_weights` views of one buffer and overwrite it with the next batch.
+    buffer = torch.randn(2 * BLOCK).to(torch.bfloat16)
+    batch = [("a", buffer[:BLOCK].view(BLOCK // 64, 64)), ("b", buffer[BLOCK:])]
+    expected = {name: _reference_fingerprint(t) for name, t in batch}
+    receipt = SyncReceipt()
+    receipt.begin([])
+    receipt.record(batch)
+    buffer.copy_(torch.randn(2 * BLOCK).to(torch.bfloat16))
+    assert receipt.received.result() == expected
+
+
+def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(monkeypatch) -> None:
+    # vLLM's packed NCCL producer runs the sender's iterator under one side stream per buffer, alternating:
+    # a bucket that spanned two streams would read a tensor another stream may not have written yet.
+    from contextlib import contextmanager
+
+    monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", False)
+    current = ["s0"]
+    monkeypatch.setattr(receipt_module, "_current_stream", lambda device: current[0])
+    fingerprinted: list[tuple[str, list[str]]] = []
+    real_bucket = receipt_module.fingerprint_bucket
+
+    @contextmanager
+    def on_stream(stream: Any) -> Any:
+        def bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+            fingerprinted.append((stream, [added[t.data_ptr()] for t in tensors]))
+            return real_bucket(tensors)
+
+        monkeypatch.setattr(receipt_module, "fingerprint_bucket", bucket)
+        yield
+        monkeypatch.setattr(receipt_module, "fingerprint_bucket", real_bucket)
+
+    monkeypatch.setattr(receipt_module, "_on_stream", on_stream)
+    waited: list[Any] = []  # the streams the reader waits for before reading the fingerprints back
+    monkeypatch.setattr(receipt_module, "_wait_for", lambda streams: waited.extend(streams))
+    log, added, named = FingerprintLog(bucket_bytes=1 << 20), {}, []
+    for i, stream in enumerate(["s0", "s0", "s1", "s1", "s0"]):
+        current[0] = stream
+        tensor = torch.randn(64).to(torch.bfloat16)
+        added[tensor.data_ptr()] = f"t{i}@{stream}"
+        named.append((f"t{i}", tensor))
+        log.add(f"t{i}", tensor)
+    assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
+    assert fingerprinted == [("s0", ["t0@s0", "t1@s0"]), ("s1", ["t2@s1", "t3@s1"]), ("s0", ["t4@s0"])]
+    assert waited == ["s0", "s1"]
+
+
+def _counted_ops(run: Any) -> int:
+    """Aten operators that do work (views left out) while `run()` runs: on a GPU each launches kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.ops += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.ops
+
+
+def test_a_bucket_costs_the_same_operators_for_ten_tensors_as_for_a_thousand() -> None:
+    # On the meta device (shapes only): what a GPU would launch. One tensor at a time grows with the count.
+    def experts(count: int) -> list[tuple[str, torch.Tensor]]:
+        return [(f"e{i}", torch.empty(96, 256, dtype=torch.bfloat16, device="meta")) for i in range(count)]
+
+    ten, thousand = experts(10), experts(1000)
+    assert _counted_ops(lambda: FingerprintLog().add_many(ten)) == _counted_ops(
+        lambda: FingerprintLog().add_many(thousand)) < _counted_ops(
+        lambda: FingerprintLog(bucket_bytes=0).add_many(ten))  # fmt: skip
 
 
 class _Engine:
@@ -101,7 +213,7 @@ def _sent(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, int, int]]:
     return {name: fingerprint(t) for name, t in state.items()}
 
 
-def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync() -> None:
+def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync(fingerprint_path: str) -> None:
     first, second = _checkpoint(1), _checkpoint(2)
     engine, receipt = _Engine(), SyncReceipt()
     check_receipts(_sent(first), [_sync(engine, receipt, first)], where="engine 0")
@@ -121,7 +233,7 @@ def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync() -> 
             check_receipts(_sent(first), [_sync(engine, receipt, first, **broken)], where=f"engine {what}")
 
 
-def test_an_engine_that_stops_applying_later_is_caught_on_that_sync() -> None:
+def test_an_engine_that_stops_applying_later_is_caught_on_that_sync(fingerprint_path: str) -> None:
     engine, receipt = _Engine(), SyncReceipt()
     states = [_checkpoint(seed) for seed in range(4)]
     for state in states[:3]:
@@ -130,7 +242,7 @@ def test_an_engine_that_stops_applying_later_is_caught_on_that_sync() -> None:
         check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
 
 
-def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_receipt() -> None:
+def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_receipt(fingerprint_path: str) -> None:
     state = _checkpoint(1)
     engine, receipt = _Engine(), SyncReceipt()
     _sync(engine, receipt, state)

@@ -1,0 +1,155 @@
+"""The weight-sync receipt's fingerprints (engine/receipt.py): one tensor at a time vs buckets.
+
+    # CPU, no memory needed: the a3b and a3b-x16l parameter sets as meta tensors (shapes only)
+    python3 -m benchmarks.bench_fingerprint --models a3b,a3b-x16l --json OUT/fingerprint.json
+    # GPU: the same sets as real bf16 tensors on cuda:0, each way timed with a synchronize
+    python3 -m benchmarks.bench_fingerprint --models a3b,a3b-x16l --device cuda --repeats 5
+
+What a sync fingerprints, per side, as the runtime does it:
+- trainer: every checkpoint tensor it sends (experts unfused, bf16), one `FingerprintLog` per sync;
+- engine: the same tensors in the batches vLLM's packed receiver hands `load_weights` (`--batch-mb`, the
+  job's `weightSync.chunkSizeMB`), `SyncReceipt.record` once per batch.
+"one_by_one" is the path before buckets (`FingerprintLog(bucket_bytes=0)`: every tensor through
+`_fingerprint_torch`, as every tensor was before); "buckets" is the default (`BUCKET_BYTES`).
+
+For each: the aten operators that do work (views left out; on a GPU each launches one kernel or more, and
+an MoE sync is launch-bound), the host seconds spent issuing them (on `meta` that is all there is: no data
+is touched, so it is the floor a GPU cannot go below while launch-bound), and on a real device the seconds
+to the fingerprints on the host (median of `--repeats`, after one warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of every tensor the trainer sends for reference model `model`."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from r3operator.engine.weights import checkpoint_tensors
+    from r3operator.models.reference import get_spec
+
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(get_spec(model).hf_config())
+    return [(name, tuple(t.shape)) for name, t in checkpoint_tensors(hf.state_dict(), dtype=torch.bfloat16,
+                                                                      device=None)]  # fmt: skip
+
+
+def counted_ops(run: Callable[[], Any]) -> tuple[int, float]:
+    """(aten operators that do work, host seconds) while `run()` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.ops += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    begin = time.perf_counter()  # again without the counting mode's own overhead
+    run()
+    return Count.ops, time.perf_counter() - begin
+
+
+def _trainer(tensors: list[tuple[str, Any]], bucket_bytes: int, read: bool) -> Callable[[], Any]:
+    from r3operator.engine.receipt import FingerprintLog
+
+    def run() -> Any:
+        log = FingerprintLog(bucket_bytes=bucket_bytes)
+        for name, tensor in tensors:
+            log.add(name, tensor)
+        log.flush()
+        return log.result() if read else None
+
+    return run
+
+
+def _engine(tensors: list[tuple[str, Any]], bucket_bytes: int, batch_bytes: int, read: bool) -> Callable[[], Any]:
+    from r3operator.engine.receipt import FingerprintLog
+
+    batches: list[list[tuple[str, Any]]] = [[]]
+    held = 0
+    for name, tensor in tensors:  # vLLM's packed producer: a new batch once the buffer would overflow
+        nbytes = tensor.numel() * tensor.element_size()
+        if batches[-1] and held + nbytes > batch_bytes:
+            batches.append([])
+            held = 0
+        batches[-1].append((name, tensor))
+        held += nbytes
+
+    def run() -> Any:
+        log = FingerprintLog(bucket_bytes=bucket_bytes)
+        for batch in batches:
+            log.add_many(batch)  # what `SyncReceipt.record` does with each batch
+        return log.result() if read else None
+
+    return run
+
+
+def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    run()
+    sync()
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        run()  # `result()` reads the fingerprints back: the host waits for every kernel
+        sync()
+        seconds.append(time.perf_counter() - begin)
+    return round(statistics.median(seconds), 4)
+
+
+def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from r3operator.engine.receipt import BUCKET_BYTES
+
+    shapes = checkpoint_shapes(model)
+    if device == "meta":
+        tensors = [(name, torch.empty(shape, dtype=torch.bfloat16, device="meta")) for name, shape in shapes]
+    else:
+        tensors = [(name, torch.randn(shape, dtype=torch.bfloat16, device=device)) for name, shape in shapes]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    out: dict[str, Any] = {"model": model, "tensors": len(tensors), "bytes": nbytes, "device": device}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
+        for side, make in (("trainer", lambda r, b=bucket: _trainer(tensors, b, r)),
+                           ("engine", lambda r, b=bucket: _engine(tensors, b, batch_mb << 20, r))):  # fmt: skip
+            ops, host = counted_ops(make(False))
+            row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
+            if device != "meta":
+                row["seconds"] = _timed(make(True), repeats, sync)
+            out[f"{side}_{way}"] = row
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="a3b,a3b-x16l", help="reference models, comma-separated")
+    parser.add_argument("--device", default="meta", help="meta (shapes only: operator counts), cuda, cuda:1 …")
+    parser.add_argument("--batch-mb", type=int, default=512, help="the engine's receive batch (chunkSizeMB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result = {"models": [measure(m, device=args.device, batch_mb=args.batch_mb, repeats=args.repeats)
+                         for m in args.models.split(",")]}  # fmt: skip
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
