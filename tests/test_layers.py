@@ -207,7 +207,7 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
     assert layer_violations(edges) == [
         "r3operator.routing.b (line 3) imports r3operator.runtime.loop; routing may import nothing of ours"
     ]
-    assert allowed("r3operator.operator.builders.engine", "r3operator.engine.args")
+    assert allowed("r3operator.operator.builders.engine", "r3operator.api.vllm_args")
     assert not allowed("r3operator.operator.builders.engine", "r3operator.engine.llm")
 
 
@@ -223,7 +223,7 @@ MAY_LOAD: dict[str, set[str]] = {
     # kopf imports the kubernetes client for type checks whenever it is installed (thirdparty.py);
     # the operator's own calls go through operator/kube.py.
     "r3operator.operator.handlers": {"kopf", "kubernetes"},
-    "r3operator.engine.args": set(),
+    "r3operator.api.vllm_args": set(),
 }
 
 

@@ -33,7 +33,7 @@ from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, Ret
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
-from r3operator.engine.args import model_path
+from r3operator.api.vllm_args import model_path
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action

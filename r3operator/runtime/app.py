@@ -13,8 +13,8 @@ from r3operator.api.load import FieldProblem, RLJobLoadError
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import read_rows, write_plot, write_report
-from r3operator.runtime.weight_sync import configured_choice
 from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings, unknown_variables
+from r3operator.weightsync.sync import configured_choice
 
 
 def build_settings(
@@ -81,7 +81,7 @@ def build_settings(
 
 def default_engine_dtype(device: str) -> str:
     """fp32 on CPU (the canary demands exact greedy equality), bf16 on GPU (production numerics; the
-    canary then runs in near-tie mode, see runtime/canary.py)."""
+    canary then runs in near-tie mode, see weightsync/canary.py)."""
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 

@@ -1,6 +1,6 @@
 """The asynchronous GRPO driver (`algorithm.mode: async`): rollouts never stop for training.
 
-A producer thread (runtime/producer.py) keeps the engines generating GRPO groups into a bounded queue; a
+A producer thread (rollout/producer.py) keeps the engines generating GRPO groups into a bounded queue; a
 step of this driver is
 
     1 rollout       take `promptsPerStep` finished groups from the queue (the time spent waiting is the
@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.client import RolloutSample
+from r3operator.rollout.engines import EngineGroup
+from r3operator.rollout.partial import current_version_masks, renumber, split_stale, staleness
+from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.runtime.config import RunSettings
-from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.loop import GRPORun, PhaseTimer
-from r3operator.runtime.partial import current_version_masks, renumber, split_stale, staleness
-from r3operator.runtime.producer import EngineGate, RolloutProducer
 from r3operator.runtime.progress import StepTable
+from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
-from r3operator.trainer.grpo import tasks
 
 log = logging.getLogger("r3operator.runtime")
 PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws

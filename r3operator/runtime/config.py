@@ -22,8 +22,8 @@ from typing import Any
 
 from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.api.vllm_args import model_source
 from r3operator.api.weight_transfer import TransferChoice
-from r3operator.engine.args import model_source
 from r3operator.runtime.sources import fetched_model_dir
 from r3operator.settings import REFERENCE_MODELS_SUBDIR, RUNTIME_KEY, RuntimeSettings, runtime_settings
 
@@ -88,7 +88,7 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
     """Local directory of the policy model. `override` (a reference name or a path) wins.
 
     With a routing volume (`routing_dir`), a reference model is also placed where the engine pods' `vllm serve`
-    looks for it (``<routingDir>/models/<name>``, engine/args.model_source)."""
+    looks for it (``<routingDir>/models/<name>``, api/vllm_args.model_source)."""
     from r3operator.models import ensure_reference_model, place_reference_model
 
     if override:

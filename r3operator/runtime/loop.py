@@ -34,16 +34,29 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.engine.base import Engine, Greedy
-from r3operator.engine.receipt import FingerprintLog
-from r3operator.engine.rollout import RolloutSample
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.weights import PackedChunk
+from r3operator.rollout.base import Engine, Greedy
+from r3operator.rollout.client import RolloutSample
+from r3operator.rollout.engines import EngineGroup
+from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
-from r3operator.runtime import weight_sync
-from r3operator.runtime.canary import (
+from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
+from r3operator.runtime.dataset_file import resolve_dataset_file
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.progress import StepTable
+from r3operator.runtime.report import append_row, keep_rows_through
+from r3operator.runtime.route_record import RouteRecorder
+from r3operator.tasks import envs
+from r3operator.tasks import toy as tasks
+from r3operator.tasks.source import build_task_source
+from r3operator.trainer.base import OldPass, Trainer, UpdateStats
+from r3operator.trainer.batch import TrainBatch, build_batch
+from r3operator.trainer.factory import build_trainer, world_size
+from r3operator.trainer.grpo.advantages import group_advantages
+from r3operator.trainer.metrics import routing_agreement
+from r3operator.weightsync import sync as weight_sync
+from r3operator.weightsync.canary import (
     CanaryMismatchError,
     canary_forwards,
     canary_tolerance,
@@ -51,23 +64,10 @@ from r3operator.runtime.canary import (
     check_receipts,
     check_routing_agreement,
 )
-from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
-from r3operator.runtime.dataset_file import resolve_dataset_file
-from r3operator.runtime.engines import EngineGroup
-from r3operator.runtime.faults import EngineSupervisor
-from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
-from r3operator.runtime.multiturn import Conversation, agreement_by_turn, roll_out_conversations
-from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import append_row, keep_rows_through
-from r3operator.runtime.route_record import RouteRecorder
-from r3operator.trainer import envs
-from r3operator.trainer.base import OldPass, Trainer, UpdateStats
-from r3operator.trainer.batch import TrainBatch, build_batch
-from r3operator.trainer.factory import build_trainer, world_size
-from r3operator.trainer.grpo import tasks
-from r3operator.trainer.grpo.advantages import group_advantages
-from r3operator.trainer.grpo.task_source import build_task_source
-from r3operator.trainer.metrics import routing_agreement
+from r3operator.weightsync.faults import EngineSupervisor
+from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
+from r3operator.wire.weights import PackedChunk
 
 log = logging.getLogger("r3operator.runtime")
 SFT_BATCH = 32
@@ -122,7 +122,7 @@ class GRPORun:
         self.last_checkpoint_step: int | None = None
         self.rows: list[dict[str, Any]] = []
         self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
-        self.sync_phases = SyncPhases()  # where the last sync spent its time (engine/sync_phases.py)
+        self.sync_phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
 
     # -- setup --------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -227,7 +227,7 @@ class GRPORun:
     def _multi_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
         """`groupSize` conversations per prompt, each played against its own environment; one batched
         request per turn sends each open conversation whole, as token ids, and asks only for its new rows
-        (runtime/multiturn.py). A turn is repeated like a rollout when an engine fails or turns stale."""
+        (rollout/multiturn.py). A turn is repeated like a rollout when an engine fails or turns stale."""
         assert self.engines is not None
         ro = self.spec.rollout
         engines = self.engines
@@ -249,7 +249,7 @@ class GRPORun:
         return roll_out_conversations(conversations, turn, num_experts=self.num_experts)
 
     def score(self, samples: Sequence[RolloutSample], problems: Sequence[tasks.Problem]) -> np.ndarray:
-        """2. The task's reward of each sample against its prompt's answer (trainer/grpo/task_source.py)."""
+        """2. The task's reward of each sample against its prompt's answer (tasks/source.py)."""
         if self.spec.rollout.multi_turn:  # the environment scored the conversation when it ended
             return np.asarray([s.extra["reward"] for s in samples], dtype=np.float32)
         return self.task.score(samples, problems)
@@ -304,7 +304,7 @@ class GRPORun:
 
     def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is
-        aborted without finalising and repeated in full (runtime/faults.py)."""
+        aborted without finalising and repeated in full (weightsync/faults.py)."""
         begin = time.perf_counter()
         version = self.policy_version + int(new_version)
         self.sync_phases.reset()
@@ -348,7 +348,7 @@ class GRPORun:
 
     def canary(self) -> bool:
         """8. Each engine's receipt of the sync, then engine greedy decode == trainer argmax at every position
-        (teacher-forced; near-ties within ε, logprobs within δ, see runtime/canary.py); else
+        (teacher-forced; near-ties within ε, logprobs within δ, see weightsync/canary.py); else
         CanaryMismatchError. False when `weightSync.canary` is off."""
         assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
@@ -377,7 +377,7 @@ class GRPORun:
 
     def _check_receipts(self, engines: Sequence[Engine], *, names: Sequence[str]) -> None:
         """Exact, before any decode: each engine worker received and applied every tensor the trainer sent
-        in the last sync (engine/receipt.py); R3OPERATOR_SYNC_RECEIPT=false skips it."""
+        in the last sync (wire/receipt.py); R3OPERATOR_SYNC_RECEIPT=false skips it."""
         from r3operator.settings import runtime_settings
 
         if not runtime_settings().sync_receipt:
@@ -547,7 +547,7 @@ class GRPORun:
         return columns
 
     def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
-        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; runtime/multiturn.py)."""
+        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; rollout/multiturn.py)."""
         if batch.engine_routes is None or batch.route_pad is None:
             return ""
         by_id = {s.sample_id: s for s in samples}
@@ -611,7 +611,7 @@ def start_ray(*, in_cluster: bool) -> None:
 
 
 def start_engines(settings: RunSettings, model_dir: Any) -> EngineGroup:
-    from r3operator.runtime.engines import HTTPEngine, RayEngine
+    from r3operator.rollout.engines import HTTPEngine, RayEngine
 
     if settings.engine_urls:
         from transformers import AutoConfig

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from r3operator.engine.sync_phases import SYNC_PHASES
+from r3operator.wire.sync_phases import SYNC_PHASES
 
 COLUMNS = (
     "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
@@ -24,7 +24,7 @@ COLUMNS = (
     # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
     # mismatch); the older tokens' |Δlogprob| (the staleness) is apart
     "current_version_tokens", "logprob_abs_diff_mean_stale",
-    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (engine/sync_phases.py)
+    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
 )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.rollout.client import RolloutSample, write_samples
 from r3operator.routing.store import RoutingStore
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import GCSAccess, RLJob, S3Access
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.runtime.fetch import S3Options, fetch, target_directory, verify
 from r3operator.settings import DATA_MOUNT, runtime_settings
 

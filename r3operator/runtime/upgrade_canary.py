@@ -35,7 +35,7 @@ import numpy as np
 from r3operator.api.canary_verdict import TERMINATION_LOG, termination_message
 from r3operator.api.enums import ReplayMode
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary, UpgradePolicySpec
-from r3operator.engine.rollout import OpenAIHTTPClient, RolloutSample
+from r3operator.rollout.client import OpenAIHTTPClient, RolloutSample
 from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.runtime import checkpoint as ckpt

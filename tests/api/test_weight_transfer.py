@@ -15,6 +15,7 @@ from r3operator.api.load import parse_rljob
 from r3operator.api.rules import evaluate
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import EngineVersion, VersionSource
+from r3operator.api.vllm_args import vllm_serve_args
 from r3operator.api.weight_transfer import (
     Topology,
     TransferMethod,
@@ -23,7 +24,6 @@ from r3operator.api.weight_transfer import (
     native_since,
     weight_transfer_config_arg,
 )
-from r3operator.engine.args import vllm_serve_args
 from r3operator.operator.builders.config import runtime_config
 
 QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"

@@ -84,7 +84,7 @@ def one_process(model_dir: Path) -> Any:
 
 
 def synced(trainer: Any) -> dict[str, Any]:
-    from r3operator.engine.weights import unpack_chunk
+    from r3operator.wire.weights import unpack_chunk
 
     return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=64, dtype=None)
             for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.client import RolloutSample
 from r3operator.routing.codec import decode, encode
 
 pytestmark = pytest.mark.slow  # the batch builder needs torch
@@ -41,7 +41,7 @@ def make_samples() -> list[RolloutSample]:
 
 def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
     from r3operator.runtime.loop import GRPORun
-    from r3operator.trainer.grpo.task_source import BuiltinTask
+    from r3operator.tasks.source import BuiltinTask
 
     job = write_job(tmp_path, routingReplay={"mode": mode}, storage={"retentionSteps": retention})
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=Engines(make_samples()))  # type: ignore[arg-type]

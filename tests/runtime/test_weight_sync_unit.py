@@ -1,4 +1,4 @@
-"""runtime/weight_sync.py + engine/transfer.py on CPU: which method a run really uses and why, the fallback
+"""weightsync/sync.py + weightsync/transfer.py on CPU: which method a run really uses and why, the fallback
 message (log and status), and the fan-out of vLLM's weight-sync control plane over every engine."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 from r3operator.api.load import RLJobLoadError
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod
-from r3operator.engine.transfer import FanOutClient
-from r3operator.runtime.engines import EngineGroup, json_safe_update_info
+from r3operator.rollout.engines import EngineGroup, json_safe_update_info
 from r3operator.runtime.metrics import progress_patch
-from r3operator.runtime.weight_sync import check_runtime, configured_choice, resolve
+from r3operator.weightsync.sync import check_runtime, configured_choice, resolve
+from r3operator.weightsync.transfer import FanOutClient
 
 NCCL = TransferChoice(TransferMethod.NCCL, "rendered by the operator")
 IPC = TransferChoice(TransferMethod.IPC, "local GPU")
@@ -237,7 +237,7 @@ def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
     streamed tensors one for one, fused experts unfused as the engine's load_weights wants them."""
     import torch
 
-    from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
+    from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
 
     state = {
         "model.embed_tokens.weight": torch.zeros(16, 8),
@@ -261,8 +261,8 @@ def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
     pytest.importorskip("vllm")
     import torch
 
-    from r3operator.engine.transfer import trainer_vllm_api
-    from r3operator.runtime.weight_sync import NativeInstall
+    from r3operator.weightsync.sync import NativeInstall
+    from r3operator.weightsync.transfer import trainer_vllm_api
 
     if trainer_vllm_api() is None:
         pytest.skip("this vLLM has no trainer-side sender")
@@ -279,7 +279,7 @@ def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
 
 
 def test_wanted_method_for_the_local_run() -> None:
-    from r3operator.runtime.weight_sync import local_topology
+    from r3operator.weightsync.sync import local_topology
 
     assert local_topology("cuda") is Topology.SHARED_GPU
     assert local_topology("cuda:1") is Topology.SHARED_GPU
@@ -292,7 +292,7 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
     pytest.importorskip("vllm")
     import torch
 
-    from r3operator.engine.transfer import FanOutClient, NativeSender, trainer_vllm_api
+    from r3operator.weightsync.transfer import FanOutClient, NativeSender, trainer_vllm_api
 
     if trainer_vllm_api() is None:
         pytest.skip("this vLLM has no trainer-side sender")
@@ -317,7 +317,7 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     """Every engine reporting the tag this sender stamped last means no bracket was opened since (opening one
     clears the tag): the two round trips of an abort are skipped; after an engine restart (no tag) or with
     R3OPERATOR_SYNC_PRE_ABORT=always they run."""
-    from r3operator.runtime.weight_sync import NativeInstall
+    from r3operator.weightsync.sync import NativeInstall
 
     class Sender:  # vLLM's sender needs CUDA; what it sends does not matter here
         def send(self, tag: str) -> Any:
@@ -331,7 +331,7 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     monkeypatch.delenv("R3OPERATOR_SYNC_PRE_ABORT", raising=False)
     engines = [_TaggedEndpoint("a"), _TaggedEndpoint("b")]
     install = NativeInstall(TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1)
-    monkeypatch.setattr("r3operator.runtime.weight_sync.NativeSender", lambda *a, **k: Sender())
+    monkeypatch.setattr("r3operator.weightsync.sync.NativeSender", lambda *a, **k: Sender())
 
     def aborts() -> int:
         return sum(kind == "abort" for e in engines for kind, _ in e.calls)

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from r3operator.engine.rollout import RolloutSample  # noqa: E402
+from r3operator.rollout.client import RolloutSample  # noqa: E402
 from r3operator.routing.codec import RoutedExperts, encode  # noqa: E402
 from r3operator.trainer.batch import build_batch  # noqa: E402
 

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
-from r3operator.engine.rollout import RolloutSample  # noqa: E402
+from r3operator.rollout.client import RolloutSample  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch, build_batch  # noqa: E402
 from r3operator.trainer.logprobs import token_logprobs  # noqa: E402

@@ -37,7 +37,7 @@ def runtime_config(job: RLJob) -> dict[str, Any]:
             ENGINE_URLS_KEY: [engine_replica_url(job, i) for i in range(inf.replicas)],
             "trainerRayJob": meta.child_name(job, meta.ROLE_TRAINER),
             # The transport the engines were rendered for (their --weight-transfer-config); the driver
-            # re-checks it against the running engines and its own vLLM (runtime/weight_sync.py).
+            # re-checks it against the running engines and its own vLLM (weightsync/sync.py).
             "weightTransfer": {
                 "method": transfer.method.value,
                 "reason": transfer.reason,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator.builders.model_cache import model_cache_claim_name, verify_container
 from r3operator.settings import MODEL_MOUNT
 

@@ -37,7 +37,7 @@ from typing import Any
 from r3operator.api.enums import RetainPolicy
 from r3operator.api.pods import PodTemplate
 from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context

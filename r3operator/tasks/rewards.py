@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 from r3operator.api.enums import RewardKind
 from r3operator.api.v1alpha1 import TaskSpec
-from r3operator.trainer.grpo.http_reward import HTTPReward
-from r3operator.trainer.grpo.math_answer import answers_match
-from r3operator.trainer.grpo.reward_base import RewardError, RewardInput, checked_score
+from r3operator.tasks.http_reward import HTTPReward
+from r3operator.tasks.math_answer import answers_match
+from r3operator.tasks.reward_base import RewardError, RewardInput, checked_score
 
 __all__ = ["ExactMatchReward", "FunctionReward", "HTTPReward", "MathReward", "RewardError", "RewardInput",
            "TextReward", "build_reward", "load_reward_function"]  # fmt: skip

@@ -10,7 +10,7 @@ Both derive per-request seeds the same way (prompt i gets `seed + i * n`; vLLM g
 request `seed + j`), so the same prompts, seed and engine give the same samples through either client.
 
 `OpenAIHTTPClient` retries transient failures (connection refused/reset, timeouts, HTTP 408/429/5xx) with
-exponential backoff (`engine/retry.py`); a request is safe to repeat because its seed fixes its samples.
+exponential backoff (`wire/retry.py`); a request is safe to repeat because its seed fixes its samples.
 
 Routes are validated with `check_row_count` (rows == prompt + generated - 1 - start). A sample whose
 routes are absent or malformed keeps `routes=None` and a `routes_error`: routes are treated as missing,
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from r3operator.engine.retry import Backoff, http_transient, retry_call
 from r3operator.routing.codec import RoutedExperts, from_vllm
 from r3operator.routing.errors import RoutingDataError
+from r3operator.wire.retry import Backoff, http_transient, retry_call
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.store import RoutingStore

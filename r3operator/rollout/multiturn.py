@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.client import RolloutSample
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.stitch import TrajectoryRoutes
-from r3operator.trainer.envs import Environment
+from r3operator.tasks.envs import Environment
 from r3operator.trainer.metrics import routing_agreement
 
 log = logging.getLogger("r3operator.runtime")

@@ -23,11 +23,11 @@ from packaging.version import InvalidVersion, Version
 
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
-from r3operator.engine.base import Engine
-from r3operator.engine.receipt import FingerprintLog
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
-from r3operator.runtime.engines import EngineGroup
+from r3operator.rollout.base import Engine
+from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
+from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
 
 log = logging.getLogger("r3operator.runtime")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.client import RolloutSample
 from r3operator.routing.stitch import TrajectoryRoutes
 
 
