@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from r3operator.trainer.batch import TrainBatch, build_batch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3operator.rollout.client import RolloutSample
     from r3operator.trainer.metrics import RoutingAgreement
+    from r3operator.wire.sample import RolloutSample
 
 DEFAULT_VARIANTS = (
     "bf16-sdpa-eager",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from r3operator.rollout.client import RolloutSample
+from r3operator.wire.sample import RolloutSample
 from r3operator.wire.weights import PackedChunk
 
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.rollout.client import RolloutSample
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.partial import current_version_masks, renumber, split_stale, staleness
 from r3operator.rollout.producer import EngineGate, RolloutProducer
@@ -40,6 +39,7 @@ from r3operator.runtime.progress import StepTable
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
+from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws

@@ -35,7 +35,6 @@ import numpy as np
 
 from r3operator.api.enums import ReplayMode
 from r3operator.rollout.base import Engine, Greedy
-from r3operator.rollout.client import RolloutSample
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.routing.codec import RoutedExperts
@@ -66,6 +65,7 @@ from r3operator.weightsync.canary import (
 )
 from r3operator.weightsync.faults import EngineSupervisor
 from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
 

@@ -26,7 +26,7 @@ from r3operator.routing.codec import RoutedExperts, decode
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from r3operator.rollout.client import RolloutSample
+    from r3operator.wire.sample import RolloutSample
 
 
 @dataclass

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from r3operator.rollout.base import Greedy
-from r3operator.rollout.client import RolloutSample, build_sample
+from r3operator.rollout.client import build_sample
 from r3operator.wire.retry import EngineUnavailableError
+from r3operator.wire.sample import RolloutSample
 from r3operator.wire.weights import PackedChunk
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.rollout.client import RolloutSample
 from r3operator.routing.codec import decode
+from r3operator.wire.sample import RolloutSample
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ import pytest
 from fake_engine import FakeEngine
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.rollout.client import RolloutSample
 from r3operator.rollout.partial import Trajectory, renumber, split_stale, staleness
 from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.routing.codec import decode
 from r3operator.runtime.async_loop import segment_tokens
+from r3operator.wire.sample import RolloutSample
 
 PROMPT = (5, 6, 7, 8)
 
