@@ -1,0 +1,1 @@
+"""What crosses a process boundary of the data plane: the rollout sample, the weight chunk format, retried calls."""
