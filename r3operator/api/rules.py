@@ -515,7 +515,7 @@ RULES: tuple[Rule, ...] = (
         "spec.task.datasetPath",
         ("task.name", "task.datasetPath"),
         "task.name dataset reads task.datasetPath, and only it does",
-        ("r3operator: trainer/grpo/dataset.py",),
+        ("r3operator: tasks/dataset_task.py",),
         checks.dataset_path,
         CelRule(
             "(self.task.name == 'dataset') == has(self.task.datasetPath)",

@@ -1,4 +1,4 @@
-"""The model volume of engine and trainer pods, from ``engine.args.model_source`` (one resolver for both).
+"""The model volume of engine and trainer pods, from ``api.vllm_args.model_source`` (one resolver for both).
 
 - ``hf://`` and ``s3://``: the model cache claim (builders/model_cache.py), filled once by the model-fetch
   Job before any engine or trainer pod exists, mounted read-only at MODEL_MOUNT; an init container in the
