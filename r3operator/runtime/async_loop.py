@@ -72,7 +72,6 @@ class AsyncGRPORun(GRPORun):
         ro, alg = self.spec.rollout, self.spec.algorithm
         self.gate.set_version(self.policy_version)
         engines = self.engines
-        assert engines is not None
 
         def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
             def call() -> list[RolloutSample]:
@@ -146,7 +145,6 @@ class AsyncGRPORun(GRPORun):
 
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip with truncated importance weights pi_old / pi_rollout per token."""
-        assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
                                    clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap,

@@ -219,7 +219,7 @@ class DistributedTrainer:
         self.compute_dtype = options.compute_dtype
         self._placement: Any = None
         threads = str(max(1, (os.cpu_count() or 1) // world_size))
-        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
+        # No Ray CPU for a rank: a local Ray has as few as 2 (setup.start_ray) and the ranks share the
         # cores with the engines; GPUs are the resource that places them.
         actor_options: dict[str, Any] = {
             "num_cpus": 0, "max_restarts": 0, "max_concurrency": 1,

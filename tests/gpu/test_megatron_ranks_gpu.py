@@ -142,7 +142,7 @@ def test_megatron_over_ray_ranks_trains_like_one_process(
         pytest.skip(f"needs {gpus} GPUs")
     from r3operator.api.enums import ReplayMode
     from r3operator.api.v1alpha1 import MegatronSpec
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.megatron.ranks import MegatronOptions
 

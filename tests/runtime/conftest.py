@@ -11,7 +11,7 @@ import pytest
 def engines() -> Any:
     from r3operator.models import ensure_reference_model
     from r3operator.rollout.engines import EngineGroup, RayEngine
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
 
     start_ray(in_cluster=False)
     group = EngineGroup(

@@ -133,7 +133,7 @@ def test_trainer_ranks_come_from_the_flag_or_the_environment(tmp_path: Path, mon
 def test_more_ranks_than_the_backend_or_the_cluster_can_take_is_refused(tmp_path: Path) -> None:
     from r3operator.api.enums import TrainerBackend
     from r3operator.api.v1alpha1 import MegatronSpec
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
     from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
     from r3operator.trainer.factory import build_trainer
 

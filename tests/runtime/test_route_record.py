@@ -44,7 +44,9 @@ def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
     from r3operator.tasks.source import BuiltinTask
 
     job = write_job(tmp_path, routingReplay={"mode": mode}, storage={"retentionSteps": retention})
-    run = GRPORun(settings_for(job, tmp_path / "runs"), engines=Engines(make_samples()))  # type: ignore[arg-type]
+    run = GRPORun(settings_for(job, tmp_path / "runs"))
+    # what setup() would build (runtime/setup.py), as far as rollout and load_routes read it
+    run.engines = Engines(make_samples())
     run.trainer = SimpleNamespace(pad_id=0, batch_device="cpu")  # all that load_routes reads of it
     run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E
