@@ -102,11 +102,11 @@ def test_engine_flag_rendered_only_on_images_that_have_the_native_transfer(image
 
 
 def test_runtime_config_tells_the_trainer_the_rendered_method() -> None:
-    native = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"})))
+    native = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"}))).to_json())
     assert native["runtime"]["weightTransfer"] == {
         "method": "nccl", "reason": "vLLM 0.22.1 native nccl weight transfer", "fallback": False,
     }  # fmt: skip
-    old = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"})))
+    old = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"}))).to_json())
     assert old["runtime"]["weightTransfer"]["method"] == "packed"
     assert old["runtime"]["weightTransfer"]["fallback"] is True
 

@@ -92,7 +92,7 @@ def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> Non
     from r3operator.runtime.app import build_settings
 
     example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
-    data = runtime_config(load_rljob(example))
+    data = json.loads(runtime_config(load_rljob(example)).to_json())
     path = tmp_path / CONFIG_KEY
     path.write_text(json.dumps(data))
     assert build_settings(None, config=path, device="cpu").weight_transfer == TransferChoice(
