@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,10 +14,11 @@ from typing import Any
 import pytest
 
 from r3operator.api.load import RLJobLoadError
+from r3operator.api.runtime_config import RuntimeConfig, WeightTransferConfig
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod
 from r3operator.rollout.engines import EngineGroup, json_safe_update_info
 from r3operator.runtime.metrics import progress_patch
-from r3operator.weightsync.sync import check_runtime, configured_choice, resolve
+from r3operator.weightsync.sync import check_runtime, resolve
 from r3operator.weightsync.transfer import FanOutClient
 
 NCCL = TransferChoice(TransferMethod.NCCL, "rendered by the operator")
@@ -68,22 +70,27 @@ def test_the_packed_choice_passes_through_unchanged() -> None:
 # ------------------------------------------------------------------------------- runtime config block
 
 
-def test_configured_choice_reads_the_operators_block() -> None:
-    assert configured_choice({}) is None
-    choice = configured_choice({"weightTransfer": {"method": "nccl", "reason": "r", "fallback": False}})
-    assert choice == TransferChoice(TransferMethod.NCCL, "r", fallback=False)
+def test_the_operators_block_is_the_choice_it_names() -> None:
+    block = WeightTransferConfig.model_validate({"method": "nccl", "reason": "r", "fallback": False})
+    assert block.choice() == TransferChoice(TransferMethod.NCCL, "r", fallback=False)
 
 
 @pytest.mark.parametrize(
     ("block", "says"),
     [
-        ({"method": "rdma"}, "runtime.weightTransfer.method: 'rdma' is not one of nccl, ipc, packed"),
-        ("nccl", "runtime.weightTransfer: expected an object with 'method'"),
+        ({"method": "rdma"}, "runtime.weightTransfer.method: Input should be 'nccl', 'ipc' or 'packed'"),
+        ("nccl", "runtime.weightTransfer: Input should be a valid dictionary"),
     ],
 )
 def test_a_bad_block_names_the_field(block: Any, says: str) -> None:
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
-        configured_choice({"weightTransfer": block})
+    from r3operator.api import load_rljob
+    from r3operator.operator.builders.config import runtime_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+    data = json.loads(runtime_config(load_rljob(example)).to_json())
+    data["runtime"]["weightTransfer"] = block
+    with pytest.raises(RLJobLoadError, match=re.escape(says)):
+        RuntimeConfig.from_json(json.dumps(data), source="config.json")
 
 
 def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> None:
