@@ -27,8 +27,6 @@ from r3operator.api.weight_transfer import TransferChoice
 from r3operator.runtime.sources import fetched_model_dir
 from r3operator.settings import REFERENCE_MODELS_SUBDIR, RuntimeSettings, runtime_settings
 
-REFERENCE_PREFIX = "r3operator://reference/"
-
 
 @dataclass
 class RunSettings:
@@ -89,12 +87,12 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
     if env.model_dir:
         return env.host_path(env.model_dir)
     uri = job.spec.model.uri
-    if uri.startswith(REFERENCE_PREFIX):
-        name = uri.removeprefix(REFERENCE_PREFIX)
+    source = model_source(job.spec)
+    if source.scheme == "r3operator":
+        name = source.source.location
         if routing_dir is not None:
             return place_reference_model(name, routing_dir / REFERENCE_MODELS_SUBDIR)
         return ensure_reference_model(name)
-    source = model_source(job.spec)
     if source.scheme == "file":
         return env.host_path(source.directory)
     if source.fetched:

@@ -24,7 +24,7 @@ def local_sources_root() -> Path:
 
 def store_options(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Options:
     """The endpoint of the store ``uri`` names, from its spec block (``s3`` or ``gcs``)."""
-    if uri.startswith("gs://"):
+    if parse_source_uri(uri).scheme == "gs":
         return S3Options() if gcs is None else S3Options(endpoint_url=gcs.endpoint_url)
     return S3Options() if s3 is None else S3Options(endpoint_url=s3.endpoint_url, region=s3.region)
 

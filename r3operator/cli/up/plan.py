@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from r3operator.api.runtime_config import RuntimeConfig
+from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.engine_lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, leader_worker_templates
 from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
@@ -394,8 +395,8 @@ def plan_up(
         argv=list(rendered_trainer_argv), env=trainer_env, rendered_argv=rendered_trainer_argv,
         rendered_env=rendered_trainer_env, gpus=assigned, grace_s=_grace(head["spec"]),
     )  # fmt: skip
-    uri = job.spec.model.uri
-    reference = uri.rsplit("/", 1)[-1] if uri.startswith("r3operator://reference/") else None
+    model = parse_source_uri(job.spec.model.uri, revision=job.spec.model.revision)
+    reference = model.location if model.scheme == "r3operator" else None
     routing = table.get(ROUTING_MOUNT.rstrip("/"))
     host_dirs.update(vols.mount_table(trainer_pod, head["spec"], trainer_container))
     if CONFIG_DIR not in host_dirs:
