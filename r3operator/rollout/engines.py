@@ -405,4 +405,4 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         for engine in self.engines:
-            engine.shutdown()  # type: ignore[attr-defined]
+            engine.shutdown()
