@@ -64,7 +64,7 @@ def load_reward_function(reference: str) -> RewardFunction:
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardError(f"spec.task.rewardFunction {reference!r}: {module_name} has no callable {attribute!r}")
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 class FunctionReward:
