@@ -18,6 +18,12 @@ class Greedy(NamedTuple):
     routes: Any = None  # RoutedExperts of prompt + tokens
 
 
+class StaleEngineError(RuntimeError):
+    """An engine does not serve the current policy: a result it produced is discarded. The weight-sync
+    supervisor raises it (`weightsync/faults.py`, `current_only`); the producer catches it beside
+    `EngineUnavailableError`."""
+
+
 # Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,
 # without holding the whole model in the object store.
 MAX_CHUNKS_IN_FLIGHT = 2

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from r3operator.rollout.base import StaleEngineError
 from r3operator.rollout.partial import Trajectory
-from r3operator.weightsync.faults import StaleEngineError
 from r3operator.wire.retry import EngineUnavailableError
 from r3operator.wire.sample import RolloutSample
 

@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from r3operator.rollout.base import Engine
+from r3operator.rollout.base import Engine, StaleEngineError
 from r3operator.rollout.engines import EngineGroup
 from r3operator.wire.retry import Backoff, EngineUnavailableError
 from r3operator.wire.sync_phases import SyncPhases
@@ -36,10 +36,6 @@ log = logging.getLogger("r3operator.runtime")
 T = TypeVar("T")
 
 FaultCounter = Callable[[str], None]  # called with the fault kind, e.g. "engine_call" (a metrics counter)
-
-
-class StaleEngineError(RuntimeError):
-    """An engine does not serve the current policy; `current_only` leaves the recovery to its caller."""
 
 
 class EngineSupervisor:
