@@ -65,7 +65,7 @@ cluster-down: venv
 run: venv
 	$(VENV)/bin/r3operator run examples/rljob-local.yaml
 
-# The same runtime on a multi-turn R3 job (the guessing game of r3operator/trainer/envs.py).
+# The same runtime on a multi-turn R3 job (the guessing game of r3operator/tasks/envs.py).
 run-multiturn: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-multiturn.yaml
 

@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from r3operator.models import ensure_reference_model
     from r3operator.runtime.app import _prepare_env
     from r3operator.runtime.config import resolve_model_dir
-    from r3operator.runtime.loop import start_engines
+    from r3operator.runtime.setup import start_engines
 
     _prepare_env(args.device)
     if args.model == "tiny":

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from r3operator.trainer.batch import TrainBatch, build_batch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3operator.engine.rollout import RolloutSample
     from r3operator.trainer.metrics import RoutingAgreement
+    from r3operator.wire.sample import RolloutSample
 
 DEFAULT_VARIANTS = (
     "bf16-sdpa-eager",
@@ -155,7 +155,7 @@ def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device:
 
 def rollout(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[Any], float]:
     from r3operator.engine.llm import apply_engine_env, llm_kwargs
-    from r3operator.engine.rollout import InProcessLLMClient
+    from r3operator.rollout.client import InProcessLLMClient
 
     apply_engine_env(args.device)
     t0 = time.perf_counter()

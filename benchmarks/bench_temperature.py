@@ -27,8 +27,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from r3operator.engine.llm import apply_engine_env, llm_kwargs
-    from r3operator.engine.rollout import InProcessLLMClient
     from r3operator.models import ensure_reference_model
+    from r3operator.rollout.client import InProcessLLMClient
     from r3operator.trainer.batch import build_batch
     from r3operator.trainer.replay.hf import RouterReplay
 

@@ -21,7 +21,7 @@ weights) through the runtime's supervisor, exactly as a training step does, and 
 canary (the sync's receipt, then engine greedy decode == trainer argmax). "packed" is the HTTP fallback:
 safetensors chunks staged on the shared volume and loaded through `/collective_rpc`.
 
-The JSON has, per method, every sync's seconds and the median of each phase (engine/sync_phases.py: gather,
+The JSON has, per method, every sync's seconds and the median of each phase (wire/sync_phases.py: gather,
 pack, fingerprint, begin, transfer, finish) next to the canary's receipt check and decode; with
 `--engines 2` also the same syncs to the first engine alone (`multi_engine_ratio`, target <= 1.2).
 
@@ -197,7 +197,7 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
 
 def measure_one_engine(run: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     """The same syncs to the first engine alone (the multi-engine target compares against it)."""
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
 
     group, alone = run.engines, EngineGroup(run.engines.engines[:1])
     run.engines = run.supervisor.group = alone
@@ -276,12 +276,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from r3operator.api.weight_transfer import TransferChoice, TransferMethod
-    from r3operator.engine.retry import Backoff
-    from r3operator.engine.weights import checkpoint_metadata
     from r3operator.models import ensure_reference_model
+    from r3operator.rollout.engines import EngineGroup, HTTPEngine
     from r3operator.runtime.app import build_settings
-    from r3operator.runtime.engines import EngineGroup, HTTPEngine
     from r3operator.runtime.loop import GRPORun
+    from r3operator.wire.retry import Backoff
+    from r3operator.wire.weights import checkpoint_metadata
 
     model_dir = ensure_reference_model(args.model)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))

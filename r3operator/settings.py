@@ -47,11 +47,6 @@ DATA_MOUNT = "/mnt/data"
 RUNS_DIR = "runs"
 """Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
 
-# Keys of the ConfigMap's ``runtime`` block (operator/builders/config.py writes it, runtime/config.py reads it).
-RUNTIME_KEY = "runtime"
-ENGINE_URLS_KEY = "engineURLs"
-ROUTING_DIR_KEY = "routingDir"
-
 DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
 """The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
 

@@ -91,7 +91,7 @@ def upgrade_canary_settings(tmp_path_factory: pytest.TempPathFactory, model: Pat
     doc = yaml.safe_load((repo / "examples" / "rljob-local.yaml").read_text())
     doc["metadata"]["namespace"] = "ml"
     doc["spec"]["upgradePolicy"] = {"prompts": 4, "maxTokens": 8}
-    config = runtime_config(parse_rljob(doc))
+    config = json.loads(runtime_config(parse_rljob(doc)).to_json())
     config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
     path = tmp_path_factory.mktemp("config") / "config.json"
     path.write_text(json.dumps(config))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from r3operator.trainer.grpo.math_answer import answers_match
+from r3operator.tasks.math_answer import answers_match
 
 DATA_SOURCE = "r3operator/arith"
 

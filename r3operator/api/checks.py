@@ -57,7 +57,7 @@ DERIVED_VLLM_DESTS: tuple[str, ...] = (
     "max_model_len",
     "gpu_memory_utilization",
     "async_scheduling",
-    "logprobs_mode",  # the trainer scores tokens as processed_logprobs reports them (engine/args.py)
+    "logprobs_mode",  # the trainer scores tokens as processed_logprobs reports them (api/vllm_args.py)
     "model",
     "served_model_name",
     "worker_extension_cls",

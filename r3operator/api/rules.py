@@ -515,7 +515,7 @@ RULES: tuple[Rule, ...] = (
         "spec.task.datasetPath",
         ("task.name", "task.datasetPath"),
         "task.name dataset reads task.datasetPath, and only it does",
-        ("r3operator: trainer/grpo/dataset.py",),
+        ("r3operator: tasks/dataset_task.py",),
         checks.dataset_path,
         CelRule(
             "(self.task.name == 'dataset') == has(self.task.datasetPath)",
@@ -532,7 +532,7 @@ RULES: tuple[Rule, ...] = (
         "spec.task.reward",
         ("task.name", "task.reward"),
         "built-in tasks score token ids (exact-match, prefix-match); a dataset scores text",
-        ("r3operator: trainer/grpo/rewards.py",),
+        ("r3operator: tasks/rewards.py",),
         checks.reward_fits_task,
         CelRule(
             "self.task.name == 'dataset' ? self.task.reward != 'prefix-match' : "
@@ -550,7 +550,7 @@ RULES: tuple[Rule, ...] = (
         "spec.task.rewardFunction",
         ("task.reward", "task.rewardFunction"),
         "task.reward function reads task.rewardFunction, and only it does",
-        ("r3operator: trainer/grpo/rewards.py",),
+        ("r3operator: tasks/rewards.py",),
         checks.reward_function_ref,
         CelRule(
             "(self.task.reward == 'function') == has(self.task.rewardFunction)",
@@ -567,7 +567,7 @@ RULES: tuple[Rule, ...] = (
         "spec.task.rewardURL",
         ("task.reward", "task.rewardURL"),
         "task.reward http reads task.rewardURL, and only it does",
-        ("r3operator: trainer/grpo/http_reward.py",),
+        ("r3operator: tasks/http_reward.py",),
         checks.reward_url,
         CelRule(
             "(self.task.reward == 'http') == has(self.task.rewardURL)",
@@ -750,7 +750,7 @@ RULES: tuple[Rule, ...] = (
         "spec.inference.image",
         ("inference.image",),
         "the stock vLLM image lacks the r3operator plugin and worker extension",
-        ("r3operator: images/engine/Dockerfile", "r3operator: engine/args.py WORKER_EXTENSION_CLS"),
+        ("r3operator: images/engine/Dockerfile", "r3operator: api/vllm_args.py WORKER_EXTENSION_CLS"),
         checks.stock_engine_image,
     ),
     Rule(

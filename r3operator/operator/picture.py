@@ -14,7 +14,7 @@ from typing import Any
 
 from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, shares_model_cache, store
 from r3operator.operator.builders.workload import (

@@ -33,7 +33,7 @@ from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, Ret
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
-from r3operator.engine.args import model_path
+from r3operator.api.vllm_args import model_path, model_source
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
@@ -511,9 +511,8 @@ class Reconciler:
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""
         claims = [job.spec.storage.existing_claim] if job.spec.storage.existing_claim else []
-        uri = job.spec.model.uri
-        if uri.startswith("pvc://"):
-            claims.append(uri.removeprefix("pvc://").split("/", 1)[0])
+        if (claim := model_source(job.spec).claim) is not None:
+            claims.append(claim)
         if uses_model_cache(job) and job.spec.model.cache is not None and job.spec.model.cache.claim_name:
             claims.append(job.spec.model.cache.claim_name)
         kind = KINDS["PersistentVolumeClaim"]

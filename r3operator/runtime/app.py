@@ -9,12 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from r3operator.api.load import FieldProblem, RLJobLoadError
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import read_rows, write_plot, write_report
-from r3operator.runtime.weight_sync import configured_choice
-from r3operator.settings import ENGINE_URLS_KEY, ROUTING_DIR_KEY, RUNS_DIR, runtime_settings, unknown_variables
+from r3operator.settings import RUNS_DIR, runtime_settings, unknown_variables
 
 
 def build_settings(
@@ -43,15 +41,13 @@ def build_settings(
     if config is not None:
         # Paths inside a pod; R3OPERATOR_MOUNTS says where they are outside one (`r3operator up`).
         config_file = env.host_path(config)
-        job, runtime = load_job_config(config_file)
-        try:
-            weight_transfer = configured_choice(runtime)
-        except ValueError as exc:
-            raise RLJobLoadError(str(config_file), [FieldProblem("", str(exc))]) from None
-        engine_urls = list(runtime.get(ENGINE_URLS_KEY) or [])
-        if routing := runtime.get(ROUTING_DIR_KEY):
-            routing_dir = env.host_path(routing)
-            run_dir = routing_dir / RUNS_DIR / job.metadata.name
+        runtime_config = load_job_config(config_file)
+        job, runtime = runtime_config.job, runtime_config.runtime
+        if runtime.weight_transfer is not None:
+            weight_transfer = runtime.weight_transfer.choice()
+        engine_urls = list(runtime.engine_urls)
+        routing_dir = env.host_path(runtime.routing_dir)
+        run_dir = routing_dir / RUNS_DIR / job.metadata.name
     elif file is not None:
         job = load_job_file(file)
     else:
@@ -81,7 +77,7 @@ def build_settings(
 
 def default_engine_dtype(device: str) -> str:
     """fp32 on CPU (the canary demands exact greedy equality), bf16 on GPU (production numerics; the
-    canary then runs in near-tie mode, see runtime/canary.py)."""
+    canary then runs in near-tie mode, see weightsync/canary.py)."""
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 

@@ -1,6 +1,6 @@
 """The asynchronous GRPO driver (`algorithm.mode: async`): rollouts never stop for training.
 
-A producer thread (runtime/producer.py) keeps the engines generating GRPO groups into a bounded queue; a
+A producer thread (rollout/producer.py) keeps the engines generating GRPO groups into a bounded queue; a
 step of this driver is
 
     1 rollout       take `promptsPerStep` finished groups from the queue (the time spent waiting is the
@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.engines import EngineGroup
+from r3operator.rollout.partial import current_version_masks, renumber, split_stale, staleness
+from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.runtime.config import RunSettings
-from r3operator.runtime.engines import EngineGroup
 from r3operator.runtime.loop import GRPORun, PhaseTimer
 from r3operator.runtime.partial import (
     abs_diff_by_lag,
@@ -45,9 +46,10 @@ from r3operator.runtime.partial import (
 )
 from r3operator.runtime.producer import EngineGate, RolloutProducer
 from r3operator.runtime.progress import StepTable
+from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
-from r3operator.trainer.grpo import tasks
+from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws
@@ -81,7 +83,6 @@ class AsyncGRPORun(GRPORun):
         ro, alg = self.spec.rollout, self.spec.algorithm
         self.gate.set_version(self.policy_version)
         engines = self.engines
-        assert engines is not None
 
         def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
             def call() -> list[RolloutSample]:
@@ -158,7 +159,6 @@ class AsyncGRPORun(GRPORun):
 
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip with truncated importance weights pi_old / pi_rollout per token."""
-        assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
                                    clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap,

@@ -1,7 +1,7 @@
 """What the driver runs: the RLJob (from a file or the operator's ConfigMap) plus local overrides.
 
-In a pod the operator mounts its ConfigMap at `/etc/r3operator/config.json`; the format is the one
-`r3operator.operator.builders.config.runtime_config` writes (tests/runtime/test_config_contract.py pins it):
+In a pod the operator mounts its ConfigMap at `/etc/r3operator/config.json`: an `api.runtime_config.RuntimeConfig`,
+which `r3operator.operator.builders.config.runtime_config` writes (tests/runtime/test_config_contract.py pins it):
 
     {"apiVersion", "kind", "metadata", "spec",          # the RLJob, defaults filled
      "resolved": {...},                                  # the operator's plan (status.resolved)
@@ -15,19 +15,17 @@ metrics.csv) go to `<routingDir>/runs/<job>` on the shared volume.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob, parse_rljob
+from r3operator.api.load import FieldProblem, RLJobLoadError, load_rljob
+from r3operator.api.runtime_config import RuntimeConfig
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.api.vllm_args import model_source
 from r3operator.api.weight_transfer import TransferChoice
-from r3operator.engine.args import model_source
 from r3operator.runtime.sources import fetched_model_dir
-from r3operator.settings import REFERENCE_MODELS_SUBDIR, RUNTIME_KEY, RuntimeSettings, runtime_settings
-
-REFERENCE_PREFIX = "r3operator://reference/"
+from r3operator.settings import REFERENCE_MODELS_SUBDIR, RuntimeSettings, runtime_settings
 
 
 @dataclass
@@ -58,22 +56,13 @@ def load_job_file(path: Path) -> RLJob:
     return load_rljob(path)
 
 
-def load_job_config(path: Path) -> tuple[RLJob, dict[str, Any]]:
-    """The operator's ConfigMap JSON -> (the RLJob, its `runtime` block)."""
+def load_job_config(path: Path) -> RuntimeConfig:
+    """The operator's ConfigMap file; RLJobLoadError names the file and each field that does not fit."""
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except OSError as exc:
         raise RLJobLoadError(str(path), [FieldProblem("", f"cannot read file: {exc.strerror or exc}")]) from None
-    except ValueError as exc:
-        raise RLJobLoadError(str(path), [FieldProblem("", f"malformed JSON: {exc}")]) from None
-    if not isinstance(data, dict) or "spec" not in data:
-        raise RLJobLoadError(str(path), [FieldProblem("", "expected the operator's runtime config (an RLJob with "
-                                                          "'spec', 'resolved' and 'runtime')")])
-    manifest = {k: data[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in data}
-    runtime = data.get(RUNTIME_KEY) or {}
-    if not isinstance(runtime, dict):
-        raise RLJobLoadError(str(path), [FieldProblem(RUNTIME_KEY, "expected an object")])
-    return parse_rljob(manifest, source=str(path)), runtime
+    return RuntimeConfig.from_json(text, source=str(path))
 
 
 def resolve_device(device: str) -> str:
@@ -88,7 +77,7 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
     """Local directory of the policy model. `override` (a reference name or a path) wins.
 
     With a routing volume (`routing_dir`), a reference model is also placed where the engine pods' `vllm serve`
-    looks for it (``<routingDir>/models/<name>``, engine/args.model_source)."""
+    looks for it (``<routingDir>/models/<name>``, api/vllm_args.model_source)."""
     from r3operator.models import ensure_reference_model, place_reference_model
 
     if override:
@@ -98,12 +87,12 @@ def resolve_model_dir(job: RLJob, override: str | None = None, *, routing_dir: P
     if env.model_dir:
         return env.host_path(env.model_dir)
     uri = job.spec.model.uri
-    if uri.startswith(REFERENCE_PREFIX):
-        name = uri.removeprefix(REFERENCE_PREFIX)
+    source = model_source(job.spec)
+    if source.scheme == "r3operator":
+        name = source.source.location
         if routing_dir is not None:
             return place_reference_model(name, routing_dir / REFERENCE_MODELS_SUBDIR)
         return ensure_reference_model(name)
-    source = model_source(job.spec)
     if source.scheme == "file":
         return env.host_path(source.directory)
     if source.fetched:

@@ -34,46 +34,46 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.engine.base import Engine, Greedy
-from r3operator.engine.receipt import FingerprintLog
-from r3operator.engine.rollout import RolloutSample
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.weights import PackedChunk
+from r3operator.api.weight_transfer import TransferChoice
+from r3operator.rollout.base import Engine, Greedy
+from r3operator.rollout.engines import EngineGroup
+from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
-from r3operator.runtime import weight_sync
-from r3operator.runtime.canary import (
+from r3operator.runtime.config import RunSettings, resolve_model_dir
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.progress import StepTable
+from r3operator.runtime.report import append_row, keep_rows_through
+from r3operator.runtime.route_record import RouteRecorder
+from r3operator.runtime.setup import build_parts
+from r3operator.tasks import envs
+from r3operator.tasks import toy as tasks
+from r3operator.tasks.source import TaskSource
+from r3operator.trainer.base import OldPass, Trainer, UpdateStats
+from r3operator.trainer.batch import TrainBatch, build_batch
+from r3operator.trainer.grpo.advantages import group_advantages
+from r3operator.trainer.metrics import routing_agreement
+from r3operator.weightsync import sync as weight_sync
+from r3operator.weightsync.canary import (
     CanaryMismatchError,
+    CanaryTolerance,
     canary_forwards,
-    canary_tolerance,
     check_engine_greedy,
     check_receipts,
     check_routing_agreement,
 )
-from r3operator.runtime.config import RunSettings, check_architecture, resolve_model_dir
-from r3operator.runtime.dataset_file import resolve_dataset_file
-from r3operator.runtime.engines import EngineGroup
-from r3operator.runtime.faults import EngineSupervisor
-from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
-from r3operator.runtime.multiturn import Conversation, agreement_by_turn, roll_out_conversations
-from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import append_row, keep_rows_through
-from r3operator.runtime.route_record import RouteRecorder
-from r3operator.trainer import envs
-from r3operator.trainer.base import OldPass, Trainer, UpdateStats
-from r3operator.trainer.batch import TrainBatch, build_batch
-from r3operator.trainer.factory import build_trainer, world_size
-from r3operator.trainer.grpo import tasks
-from r3operator.trainer.grpo.advantages import group_advantages
-from r3operator.trainer.grpo.task_source import build_task_source
-from r3operator.trainer.metrics import routing_agreement
+from r3operator.weightsync.faults import EngineSupervisor
+from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sample import RolloutSample
+from r3operator.wire.sync_phases import SyncPhases
+from r3operator.wire.weights import PackedChunk
 
 log = logging.getLogger("r3operator.runtime")
 SFT_BATCH = 32
 
 
-__all__ = ["CanaryMismatchError", "GRPORun", "start_engines", "start_ray"]
+__all__ = ["CanaryMismatchError", "GRPORun"]
 
 
 class PhaseTimer:
@@ -108,8 +108,7 @@ class GRPORun:
                 f"spec.task.name: {spec.task.name!r} is a multi-turn game; set spec.rollout.multiTurn: true"
             )
         self.model_dir = resolve_model_dir(settings.job, settings.model_override, routing_dir=settings.routing_dir)
-        self.engines = engines
-        self.trainer: Trainer | None = None
+        self._given_engines = engines  # None: setup() starts them
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.recorder: RouteRecorder | None = None  # R3: the step's routes on the volume (setup())
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -122,38 +121,38 @@ class GRPORun:
         self.last_checkpoint_step: int | None = None
         self.rows: list[dict[str, Any]] = []
         self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
-        self.sync_phases = SyncPhases()  # where the last sync spent its time (engine/sync_phases.py)
+        self.sync_phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
 
     # -- setup --------------------------------------------------------------------------------------
-    def setup(self) -> None:
-        from transformers import AutoConfig
+    # What setup() puts in place (runtime/setup.py builds it): typed as present, since nothing of the
+    # step loop runs before it.
+    vocab_size: int
+    num_experts: int
+    task: TaskSource
+    pool: Any
+    canary_prompts: list[list[int]]
+    canary_tokens: int
+    trainer: Trainer
+    checkpoints: ckpt.AsyncCheckpoints
+    engines: EngineGroup
+    vllm_version: str
+    weight_transfer: TransferChoice
+    canary_tol: CanaryTolerance
+    canary_near_ties: int
+    supervisor: EngineSupervisor
 
-        hf_config = AutoConfig.from_pretrained(self.model_dir)
-        if not self.s.model_override:
-            check_architecture(self.s.job, hf_config)
-        self.vocab_size = int(hf_config.vocab_size)
-        self.num_experts = int(hf_config.num_experts)
+    def setup(self) -> None:
+        parts = build_parts(self.s, self.model_dir, engines=self._given_engines, ckpt_root=self.ckpt_root)
+        self.vocab_size, self.num_experts = parts.vocab_size, parts.num_experts
         self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)  # a property of the job, not of a pass
-        self.task = build_task_source(self.spec, model_dir=self.model_dir, vocab_size=self.vocab_size,
-                                      dataset_file=resolve_dataset_file(self.s.job))  # fmt: skip
+        self.task = parts.task
         self.pool = self.task.pool
         self.canary_prompts = self.task.canary_prompts
         self.canary_tokens = self.task.canary_tokens
-        ranks = world_size(self.spec, device=self.s.device, override=self.s.trainer_ranks)
-        if ranks > 1:  # the ranks are Ray actors: in a pod, on the RayJob's cluster
-            from r3operator.settings import runtime_settings
-
-            start_ray(in_cluster=runtime_settings().in_cluster)
-        self.trainer = build_trainer(self.spec, self.model_dir, device=self.s.device, ranks=ranks)
-        self.checkpoints = ckpt.AsyncCheckpoints(self.ckpt_root, self.trainer, keep_last=self.spec.checkpoint.keep_last,
-                                                 ranks=ranks)  # fmt: skip
-        self.canary_tol = canary_tolerance(self.s.engine_dtype, self.s.device)
+        self.trainer, self.checkpoints = parts.trainer, parts.checkpoints
+        self.canary_tol = parts.canary_tol
         self.canary_near_ties = 0
-        if self.engines is None:
-            self.engines = start_engines(self.s, self.model_dir)
-        self.vllm_version = self.engines.vllm_version()
-        self.weight_transfer = weight_sync.resolve(device=self.s.device, engines=self.engines,
-                                                   configured=self.s.weight_transfer, engine_vllm=self.vllm_version)
+        self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
         self.supervisor = EngineSupervisor(
             self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
             on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
@@ -179,7 +178,6 @@ class GRPORun:
         self.canary()
 
     def sft_warmup(self, steps: int) -> list[float]:
-        assert self.trainer is not None
         rng = np.random.default_rng([self.spec.seed, 7])
         losses = []
         for _ in range(steps):
@@ -190,7 +188,6 @@ class GRPORun:
     # -- the numbered phases ------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[RolloutSample], list[tasks.Problem]]:
         """1. Generate `groupSize` samples for `promptsPerStep` prompts (deterministic per seed, step)."""
-        assert self.engines is not None
         ro = self.spec.rollout
         problems = list(self.task.batch(step, ro.prompts_per_step))
         if ro.multi_turn:
@@ -210,7 +207,6 @@ class GRPORun:
             )  # fmt: skip
 
     def _single_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
-        assert self.engines is not None
         ro = self.spec.rollout
         engines = self.engines
         return self.supervisor.on_policy(
@@ -227,8 +223,7 @@ class GRPORun:
     def _multi_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
         """`groupSize` conversations per prompt, each played against its own environment; one batched
         request per turn sends each open conversation whole, as token ids, and asks only for its new rows
-        (runtime/multiturn.py). A turn is repeated like a rollout when an engine fails or turns stale."""
-        assert self.engines is not None
+        (rollout/multiturn.py). A turn is repeated like a rollout when an engine fails or turns stale."""
         ro = self.spec.rollout
         engines = self.engines
         conversations = [
@@ -249,7 +244,7 @@ class GRPORun:
         return roll_out_conversations(conversations, turn, num_experts=self.num_experts)
 
     def score(self, samples: Sequence[RolloutSample], problems: Sequence[tasks.Problem]) -> np.ndarray:
-        """2. The task's reward of each sample against its prompt's answer (trainer/grpo/task_source.py)."""
+        """2. The task's reward of each sample against its prompt's answer (tasks/source.py)."""
         if self.spec.rollout.multi_turn:  # the environment scored the conversation when it ended
             return np.asarray([s.extra["reward"] for s in samples], dtype=np.float32)
         return self.task.score(samples, problems)
@@ -261,7 +256,6 @@ class GRPORun:
     def load_routes(self, step: int, samples: Sequence[RolloutSample], adv: np.ndarray) -> TrainBatch | None:
         """4. Build the batch. R3: each sample's routes, in memory from the engine's answer; a sample
         without valid routes is dropped. None when no sample is left (the step is skipped)."""
-        assert self.trainer is not None
         kept, kept_adv, routes = [], [], []
         for sample, a in zip(samples, adv, strict=True):
             sample_routes = sample.routes  # R2/Disabled: metrics only, never replayed
@@ -292,19 +286,17 @@ class GRPORun:
 
     def old_logprobs(self, batch: TrainBatch) -> OldPass:
         """5. Old-logprob forward under the mode's routing."""
-        assert self.trainer is not None
         return self.trainer.old_logprobs(batch, self.mode)
 
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip update with the same replay as the old-logprob pass."""
-        assert self.trainer is not None
         alg = self.spec.algorithm
         return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
                                    clip_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
 
     def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is
-        aborted without finalising and repeated in full (runtime/faults.py)."""
+        aborted without finalising and repeated in full (weightsync/faults.py)."""
         begin = time.perf_counter()
         version = self.policy_version + int(new_version)
         self.sync_phases.reset()
@@ -318,7 +310,6 @@ class GRPORun:
     def _weight_chunks(self) -> Iterator[PackedChunk]:
         """The trainer's current weights as packed chunks, in the engine's dtype (the engine would cast
         anyway; a bf16 engine gets half the bytes)."""
-        assert self.trainer is not None
         import torch
 
         mb = self.spec.weight_sync.chunk_size_mb
@@ -336,7 +327,6 @@ class GRPORun:
         """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks."""
         if not self.weight_transfer.native:
             return None
-        assert self.trainer is not None and self.engines is not None
         import torch
 
         return weight_sync.NativeInstall(
@@ -348,9 +338,8 @@ class GRPORun:
 
     def canary(self) -> bool:
         """8. Each engine's receipt of the sync, then engine greedy decode == trainer argmax at every position
-        (teacher-forced; near-ties within ε, logprobs within δ, see runtime/canary.py); else
+        (teacher-forced; near-ties within ε, logprobs within δ, see weightsync/canary.py); else
         CanaryMismatchError. False when `weightSync.canary` is off."""
-        assert self.trainer is not None and self.engines is not None
         if not self.spec.weight_sync.canary:
             return False
         engines = self.engines
@@ -377,7 +366,7 @@ class GRPORun:
 
     def _check_receipts(self, engines: Sequence[Engine], *, names: Sequence[str]) -> None:
         """Exact, before any decode: each engine worker received and applied every tensor the trainer sent
-        in the last sync (engine/receipt.py); R3OPERATOR_SYNC_RECEIPT=false skips it."""
+        in the last sync (wire/receipt.py); R3OPERATOR_SYNC_RECEIPT=false skips it."""
         from r3operator.settings import runtime_settings
 
         if not runtime_settings().sync_receipt:
@@ -391,7 +380,6 @@ class GRPORun:
                 raise
 
     def _check_canary(self, outputs: Sequence[Sequence[Greedy]], *, names: Sequence[str]) -> None:
-        assert self.trainer is not None
         self.canary_near_ties = 0
         for engine_no, got in zip(names, outputs, strict=True):
             where = self._where(engine_no)
@@ -450,7 +438,7 @@ class GRPORun:
     def _trainer_peak_gib(self) -> float | None:
         """The largest peak GPU memory of any trainer rank so far (GiB); None on CPU, where the driver's
         resident set also holds the rollout and would say nothing about the trainer."""
-        if not self.s.device.startswith("cuda") or self.trainer is None:
+        if not self.s.device.startswith("cuda"):
             return None
         per_rank = getattr(self.trainer, "peak_memory_bytes", None)
         if per_rank is not None:  # ranks in Ray actors
@@ -560,7 +548,7 @@ class GRPORun:
         return columns
 
     def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
-        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; runtime/multiturn.py)."""
+        """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; rollout/multiturn.py)."""
         if batch.engine_routes is None or batch.route_pad is None:
             return ""
         by_id = {s.sample_id: s for s in samples}
@@ -572,7 +560,6 @@ class GRPORun:
         return ";".join(f"{x:.4f}" for x in by_turn)
 
     def _checkpoint(self, step: int) -> None:
-        assert self.trainer is not None
         cfg = self.spec.checkpoint
         if step % cfg.interval_steps and step != self.s.steps:
             return
@@ -589,7 +576,6 @@ class GRPORun:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
         self.setup()
-        assert self.trainer is not None
         try:
             for step in range(self.start_step, self.s.steps + 1):
                 row = self.train_step(step)
@@ -608,38 +594,3 @@ class GRPORun:
             self.trainer.close()
         return self.rows
 
-
-def start_ray(*, in_cluster: bool) -> None:
-    import os
-
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if in_cluster:
-        ray.init(address="auto")
-    else:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-
-def start_engines(settings: RunSettings, model_dir: Any) -> EngineGroup:
-    from r3operator.runtime.engines import HTTPEngine, RayEngine
-
-    if settings.engine_urls:
-        from transformers import AutoConfig
-
-        experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
-        return EngineGroup([
-            HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
-            for url in settings.engine_urls
-        ])  # fmt: skip
-    start_ray(in_cluster=False)
-    backend = weight_sync.local_engine_backend(settings.device)
-    inference = settings.job.spec.inference
-    # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
-    share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
-    return EngineGroup([
-        RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
-                  max_model_len=512, weight_transfer_backend=backend, gpu_memory_utilization=share)
-    ])  # fmt: skip

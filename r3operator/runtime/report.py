@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from r3operator.engine.sync_phases import SYNC_PHASES
+from r3operator.wire.sync_phases import SYNC_PHASES
 
 COLUMNS = (
     "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
@@ -25,7 +25,7 @@ COLUMNS = (
     # mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart,
     # also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts
     "current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag",
-    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (engine/sync_phases.py)
+    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
 )  # fmt: skip
 
 

@@ -18,8 +18,9 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from r3operator.engine.rollout import RolloutSample, write_samples
+from r3operator.rollout.client import write_samples
 from r3operator.routing.store import RoutingStore
+from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 

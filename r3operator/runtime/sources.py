@@ -12,7 +12,7 @@ from pathlib import Path
 
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import GCSAccess, RLJob, S3Access
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.runtime.fetch import S3Options, fetch, target_directory, verify
 from r3operator.settings import DATA_MOUNT, runtime_settings
 
@@ -24,7 +24,7 @@ def local_sources_root() -> Path:
 
 def store_options(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Options:
     """The endpoint of the store ``uri`` names, from its spec block (``s3`` or ``gcs``)."""
-    if uri.startswith("gs://"):
+    if parse_source_uri(uri).scheme == "gs":
         return S3Options() if gcs is None else S3Options(endpoint_url=gcs.endpoint_url)
     return S3Options() if s3 is None else S3Options(endpoint_url=s3.endpoint_url, region=s3.region)
 

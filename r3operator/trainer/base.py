@@ -14,7 +14,7 @@ from r3operator.api.enums import ReplayMode
 from r3operator.trainer.batch import TrainBatch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3operator.engine.weights import PackedChunk
+    from r3operator.wire.weights import PackedChunk
 
 GRAD_CLIP_NORM = 1.0
 
@@ -131,7 +131,7 @@ class Trainer(Protocol):
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None: ...
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
-        """The current weights for the engines: checkpoint names, `dtype`, packed (engine/weights.py)."""
+        """The current weights for the engines: checkpoint names, `dtype`, packed (wire/weights.py)."""
         ...
 
     def save_checkpoint_async(self, directory: Path) -> None:

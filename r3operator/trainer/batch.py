@@ -26,7 +26,7 @@ from r3operator.routing.codec import RoutedExperts, decode
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from r3operator.engine.rollout import RolloutSample
+    from r3operator.wire.sample import RolloutSample
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TrainBatch:
 
 
 def scoring_temperature(rollout_temperature: float) -> float:
-    """The logits divisor that scores a token like the engine's `processed_logprobs` (engine/args.py):
+    """The logits divisor that scores a token like the engine's `processed_logprobs` (api/vllm_args.py):
     the sampling temperature; 1 for greedy rollouts (T = 0), whose logprobs vLLM reports unscaled."""
     if rollout_temperature < 0:
         raise ValueError(f"rollout.temperature must be >= 0, got {rollout_temperature}")

@@ -18,7 +18,7 @@ how many ranks there are.
   single-process one.
 - Weight sync: every rank takes part in gathering each parameter (FSDP: `DTensor.full_tensor`, one at a
   time; Megatron: `hf_state_dict`); rank 0 packs the full tensors exactly as the single-process trainer
-  does (engine/weights.py) and streams the chunks back to the driver (a Ray streaming generator).
+  does (wire/weights.py) and streams the chunks back to the driver (a Ray streaming generator).
 - Checkpoints: each rank writes its part of a DCP checkpoint asynchronously (`sharded_checkpoint.py`;
   FSDP: its shard; Megatron: the gathered state, each tensor written once).
 """
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from r3operator.api.enums import ReplayMode
-from r3operator.engine.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
 from r3operator.trainer.base import CanaryForward, OldPass, UpdateStats, greedy_decode, old_pass_for
 from r3operator.trainer.batch import TrainBatch
 from r3operator.trainer.shards import Share, ShareStats, combine_update, forward_rows, update_plan
+from r3operator.wire.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
 
 PLACEMENT_TIMEOUT_S = 600.0
 
@@ -219,7 +219,7 @@ class DistributedTrainer:
         self.compute_dtype = options.compute_dtype
         self._placement: Any = None
         threads = str(max(1, (os.cpu_count() or 1) // world_size))
-        # No Ray CPU for a rank: a local Ray has as few as 2 (loop.start_ray) and the ranks share the
+        # No Ray CPU for a rank: a local Ray has as few as 2 (setup.start_ray) and the ranks share the
         # cores with the engines; GPUs are the resource that places them.
         actor_options: dict[str, Any] = {
             "num_cpus": 0, "max_restarts": 0, "max_concurrency": 1,

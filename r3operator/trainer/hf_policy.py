@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from r3operator.api.enums import ReplayMode
-from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
@@ -43,6 +42,7 @@ from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
+from r3operator.wire.weights import PackedChunk, packed_chunks
 
 
 class PolicyTrainer(UpdateByShares):

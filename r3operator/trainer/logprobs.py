@@ -2,10 +2,10 @@
 
 vLLM (V1) takes the model's logits (in the model dtype), casts them to fp32, divides by the temperature
 when logprobs are requested as "processed" (our engines run `--logprobs-mode processed_logprobs`,
-engine/args.py: the default, raw, ignores the temperature) and applies `log_softmax`. We do the same:
+api/vllm_args.py: the default, raw, ignores the temperature) and applies `log_softmax`. We do the same:
 fp32 `log_softmax` over the logits the model produced divided by the rollout temperature
 (`TrainBatch.temperature`), gathered at the next token. Top-k/top-p/min-p would also shape vLLM's
-processed logprobs; our requests turn them off (`engine.rollout.FULL_DISTRIBUTION`), so there is no mask.
+processed logprobs; our requests turn them off (`FULL_DISTRIBUTION` in rollout/client.py), so there is no mask.
 """
 
 from __future__ import annotations

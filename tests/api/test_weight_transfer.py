@@ -15,6 +15,7 @@ from r3operator.api.load import parse_rljob
 from r3operator.api.rules import evaluate
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import EngineVersion, VersionSource
+from r3operator.api.vllm_args import vllm_serve_args
 from r3operator.api.weight_transfer import (
     Topology,
     TransferMethod,
@@ -23,7 +24,6 @@ from r3operator.api.weight_transfer import (
     native_since,
     weight_transfer_config_arg,
 )
-from r3operator.engine.args import vllm_serve_args
 from r3operator.operator.builders.config import runtime_config
 
 QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
@@ -102,11 +102,11 @@ def test_engine_flag_rendered_only_on_images_that_have_the_native_transfer(image
 
 
 def test_runtime_config_tells_the_trainer_the_rendered_method() -> None:
-    native = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"})))
+    native = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"}))).to_json())
     assert native["runtime"]["weightTransfer"] == {
         "method": "nccl", "reason": "vLLM 0.22.1 native nccl weight transfer", "fallback": False,
     }  # fmt: skip
-    old = runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"})))
+    old = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"}))).to_json())
     assert old["runtime"]["weightTransfer"]["method"] == "packed"
     assert old["runtime"]["weightTransfer"]["fallback"] is True
 

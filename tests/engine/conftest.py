@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_client(tiny_model_dir: Path) -> Iterator[Any]:
     pytest.importorskip("vllm")
     from r3operator.engine.llm import apply_engine_env, llm_kwargs
-    from r3operator.engine.rollout import InProcessLLMClient
+    from r3operator.rollout.client import InProcessLLMClient
 
     apply_engine_env("cpu")
     yield InProcessLLMClient(**llm_kwargs(tiny_model_dir, device="cpu", seed=0, max_model_len=512))

@@ -50,7 +50,7 @@ def test_replay_from_store_reproduces_engine_routing_and_narrows_logprob_gap(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from r3operator.engine.rollout import write_samples
+    from r3operator.rollout.client import write_samples
     from r3operator.routing.store import RoutingStore
     from r3operator.trainer.batch import build_batch
     from r3operator.trainer.logprobs import token_logprobs

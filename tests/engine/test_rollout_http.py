@@ -23,7 +23,7 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_http_rollout_returns_tokens_logprobs_and_routes(server_url: str) -> None:
-    from r3operator.engine.rollout import OpenAIHTTPClient, RolloutClient
+    from r3operator.rollout.client import OpenAIHTTPClient, RolloutClient
 
     client = OpenAIHTTPClient(server_url + "/v1", num_experts=32)
     assert isinstance(client, RolloutClient)
@@ -45,7 +45,7 @@ def test_http_rollout_takes_one_routes_start_per_prompt(server_url: str) -> None
     the start equal those of a request for every row (greedy, same prompt: same tokens)."""
     import numpy as np
 
-    from r3operator.engine.rollout import OpenAIHTTPClient
+    from r3operator.rollout.client import OpenAIHTTPClient
     from r3operator.routing.codec import decode
 
     client = OpenAIHTTPClient(server_url + "/v1", num_experts=32)

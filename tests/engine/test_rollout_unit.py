@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3operator.engine.rollout import ROUTES_MISSING, RolloutSample, build_sample, request_seed, write_samples
+from r3operator.rollout.client import build_sample, request_seed, write_samples
 from r3operator.routing.store import RoutingStore
+from r3operator.wire.sample import ROUTES_MISSING, RolloutSample
 
 
 def _routes(rows: int, layers: int = 2, k: int = 2) -> np.ndarray:
@@ -71,7 +72,7 @@ def test_write_samples_skips_samples_without_routes(tmp_path: Path) -> None:
 
 
 def test_prompt_starts_one_per_prompt_each_inside_its_prompt() -> None:
-    from r3operator.engine.rollout import prompt_starts
+    from r3operator.rollout.client import prompt_starts
 
     assert prompt_starts([[1, 2, 3], [1, 2]], 1) == [1, 1]
     assert prompt_starts([[1, 2, 3], [1, 2]], [2, 0]) == [2, 0]
@@ -86,7 +87,7 @@ def test_prompt_starts_one_per_prompt_each_inside_its_prompt() -> None:
 def test_http_requests_sample_the_full_softmax_whatever_the_models_generation_config() -> None:
     """vLLM's server takes top_k/top_p/min_p/repetition_penalty a request omits from the model's
     generation_config.json (Qwen3 ships top_k 20, top_p 0.95): each request must turn them off itself."""
-    from r3operator.engine.rollout import OpenAIHTTPClient
+    from r3operator.rollout.client import OpenAIHTTPClient
 
     client = OpenAIHTTPClient.__new__(OpenAIHTTPClient)
     client.model = "m"

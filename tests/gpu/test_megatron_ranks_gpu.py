@@ -84,7 +84,7 @@ def one_process(model_dir: Path) -> Any:
 
 
 def synced(trainer: Any) -> dict[str, Any]:
-    from r3operator.engine.weights import unpack_chunk
+    from r3operator.wire.weights import unpack_chunk
 
     return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=64, dtype=None)
             for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip
@@ -142,7 +142,7 @@ def test_megatron_over_ray_ranks_trains_like_one_process(
         pytest.skip(f"needs {gpus} GPUs")
     from r3operator.api.enums import ReplayMode
     from r3operator.api.v1alpha1 import MegatronSpec
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.megatron.ranks import MegatronOptions
 

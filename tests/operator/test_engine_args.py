@@ -1,4 +1,4 @@
-"""engine/args.py: the vLLM command line and environment derived from the spec."""
+"""api/vllm_args.py: the vLLM command line and environment derived from the spec."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from spec_edits import apply_edits
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.engine.args import WORKER_EXTENSION_CLS, model_path, vllm_env, vllm_serve_args
+from r3operator.api.vllm_args import WORKER_EXTENSION_CLS, model_path, vllm_env, vllm_serve_args
 
 QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
@@ -86,7 +86,8 @@ def test_model_path_per_uri_scheme(uri: str, expected: str):
 
 def test_engine_args_name_the_worker_extension_that_exists():
     """args.py stays import-light (no torch/vLLM), so it spells the class path; it must match the class."""
-    from r3operator.engine import args, worker
+    from r3operator.api import vllm_args as args
+    from r3operator.engine import worker
 
     assert args.WORKER_EXTENSION_CLS == worker.WORKER_EXTENSION_CLS
     module, _, name = args.WORKER_EXTENSION_CLS.rpartition(".")

@@ -25,7 +25,6 @@ from r3operator.operator.builders.config import runtime_config
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.picture import scheduling_picture
 from r3operator.operator.upgrade import EngineRollout, rolled_out, template_image
-from r3operator.settings import ENGINE_URLS_KEY, RUNTIME_KEY
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
@@ -127,7 +126,7 @@ def test_stopped_engines_are_zero_groups_and_the_trainer_reaches_each_replicas_l
     job = _job()
     assert _engines(desired(job, Facts(admitted=False)))["spec"]["replicas"] == 0
     assert _engines(desired(_job(**{"runPolicy.suspend": True})))["spec"]["replicas"] == 0
-    urls = runtime_config(job)[RUNTIME_KEY][ENGINE_URLS_KEY]
+    urls = runtime_config(job).runtime.engine_urls
     # Group i's leader is pod <lws>-i: the replica's API, as a StatefulSet's ordinal i is.
     assert urls == [f"http://qwen3-30b-a3b-r3-engine-{i}.qwen3-30b-a3b-r3-engine.{job.metadata.namespace or 'default'}"
                     f".svc:8000" for i in range(3)]  # fmt: skip

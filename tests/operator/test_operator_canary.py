@@ -42,9 +42,9 @@ MODEL_URI = "r3operator://reference/tiny"
 
 
 def _served_name() -> str:
-    """What the operator's canary sends as ``model`` (engine/args.model_path of MODEL_URI)."""
+    """What the operator's canary sends as ``model`` (api/vllm_args.model_path of MODEL_URI)."""
     from r3operator.api.load import parse_rljob
-    from r3operator.engine.args import model_path
+    from r3operator.api.vllm_args import model_path
 
     return model_path(parse_rljob(_job("name-probe")).spec)
 

@@ -10,8 +10,8 @@ import pytest
 @pytest.fixture(scope="module")
 def engines() -> Any:
     from r3operator.models import ensure_reference_model
-    from r3operator.runtime.engines import EngineGroup, RayEngine
-    from r3operator.runtime.loop import start_ray
+    from r3operator.rollout.engines import EngineGroup, RayEngine
+    from r3operator.runtime.setup import start_ray
 
     start_ray(in_cluster=False)
     group = EngineGroup(

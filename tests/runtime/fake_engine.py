@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from r3operator.engine.base import Greedy
-from r3operator.engine.retry import EngineUnavailableError
-from r3operator.engine.rollout import RolloutSample, build_sample
-from r3operator.engine.weights import PackedChunk
+from r3operator.rollout.base import Greedy
+from r3operator.rollout.client import build_sample
+from r3operator.wire.retry import EngineUnavailableError
+from r3operator.wire.sample import RolloutSample
+from r3operator.wire.weights import PackedChunk
 
 
 @dataclass

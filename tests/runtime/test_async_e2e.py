@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.rollout import RolloutSample
 from r3operator.routing.codec import decode
+from r3operator.wire.sample import RolloutSample
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,8 @@ def test_a_partial_rollout_keeps_its_rows_across_a_weight_update_and_appends_the
     import torch
 
     from r3operator.api.enums import ReplayMode
+    from r3operator.rollout.producer import EngineGate, RolloutProducer
     from r3operator.runtime.loop import GRPORun
-    from r3operator.runtime.producer import EngineGate, RolloutProducer
     from r3operator.trainer.batch import build_batch
 
     run = GRPORun(settings_for(write_job(tmp_path), tmp_path / "runs"), engines=engines)

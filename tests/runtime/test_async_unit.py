@@ -12,11 +12,11 @@ import pytest
 from fake_engine import FakeEngine
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.rollout import RolloutSample
+from r3operator.rollout.partial import Trajectory, renumber, split_stale, staleness
+from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.routing.codec import decode
 from r3operator.runtime.async_loop import segment_tokens
-from r3operator.runtime.partial import Trajectory, renumber, split_stale, staleness
-from r3operator.runtime.producer import EngineGate, RolloutProducer
+from r3operator.wire.sample import RolloutSample
 
 PROMPT = (5, 6, 7, 8)
 
@@ -163,9 +163,9 @@ class _QueuedGroups:
 
 
 def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_path: Path) -> None:
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.async_loop import AsyncGRPORun
-    from r3operator.runtime.engines import EngineGroup
-    from r3operator.trainer.grpo import tasks
+    from r3operator.tasks import toy as tasks
 
     job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "partialRollout": True},
                     algorithm={"mode": "async", "maxStaleness": 1})  # fmt: skip
@@ -220,8 +220,8 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
     """Three asynchronous steps through the driver (the real trainer on the tiny model, the fake engine)."""
     import csv
 
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.async_loop import AsyncGRPORun
-    from r3operator.runtime.engines import EngineGroup
 
     job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "maxTokens": 4, "partialRollout": True,
                                        "partialRolloutSegment": 2},
@@ -289,8 +289,8 @@ def test_a_restarted_engine_is_recovered_only_on_the_trainer_thread_inside_the_g
     """The engine dies on its 2nd rollout segment (it comes back with the model's original weights). The
     re-sync (begin/load/finish) must run on the trainer's thread with the producer paused, never on the
     producer thread, which then would load the trainer's live weights under an old version stamp."""
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.async_loop import AsyncGRPORun
-    from r3operator.runtime.engines import EngineGroup
 
     job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "maxTokens": 4, "partialRollout": True,
                                        "partialRolloutSegment": 2},
@@ -319,7 +319,7 @@ def test_fidelity_metrics_run_over_the_current_versions_tokens_and_rows_only() -
     prefilled by the second segment), 5 (token 2, v2); token 3 (position 6) has no row."""
     from dataclasses import replace
 
-    from r3operator.runtime.partial import current_version_masks
+    from r3operator.rollout.partial import current_version_masks
 
     sample = replace(_sample([1, 1, 2, 2]), prompt_token_ids=(5, 6, 7), token_ids=(10, 11, 12, 13))
     tokens, rows = current_version_masks([sample], width=9, version=2)

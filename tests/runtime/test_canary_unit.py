@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from r3operator.runtime.canary import (
+from r3operator.weightsync.canary import (
     CanaryMismatchError,
     CanaryTolerance,
     canary_tolerance,
@@ -110,7 +110,7 @@ def test_megatron_backend_without_megatron_core_names_the_field_and_package(monk
 def test_packed_chunks_round_trip_and_ship_only_their_own_bytes() -> None:
     import torch
 
-    from r3operator.engine.weights import checkpoint_tensors, pack_chunk, unpack_chunk
+    from r3operator.wire.weights import checkpoint_tensors, pack_chunk, unpack_chunk
 
     fused = torch.randn(8, 6, 4)  # [E, 2I, H]: per-expert gate/up are views of this storage
     state = {"model.layers.0.mlp.experts.gate_up_proj": fused, "lm_head.weight": torch.randn(5, 4)}
@@ -130,9 +130,9 @@ def test_http_engine_stages_one_packed_file_that_the_worker_extension_reads_back
     `r3_load_packed_file` turns it back into the same named tensors; the file is gone after release."""
     import torch
 
-    from r3operator.engine.weights import pack_chunk
     from r3operator.engine.worker import WeightSyncWorkerExtension
-    from r3operator.runtime.engines import HTTPEngine
+    from r3operator.rollout.engines import HTTPEngine
+    from r3operator.wire.weights import pack_chunk
 
     loaded: list[tuple[str, torch.Tensor]] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,12 +27,13 @@ def _mounted(tmp_path: Path) -> tuple[Path, dict]:
 
 def test_driver_reads_the_operators_config_map(tmp_path: Path) -> None:
     path, written = _mounted(tmp_path)
-    job, runtime = load_job_config(path)
-    original = load_rljob(EXAMPLE)
+    config = load_job_config(path)
+    job, original = config.job, load_rljob(EXAMPLE)
     assert job.spec == original.spec
     assert job.metadata.name == original.metadata.name and job.metadata.namespace == original.metadata.namespace
-    assert runtime["engineURLs"] == written["runtime"]["engineURLs"]
-    assert len(runtime["engineURLs"]) == original.spec.inference.replicas
+    assert config.runtime.engine_urls == written["runtime"]["engineURLs"]
+    assert len(config.runtime.engine_urls) == original.spec.inference.replicas
+    assert config.to_json() == path.read_text()  # what the driver reads is what the operator wrote
 
 
 def test_settings_from_config_use_the_engine_services_and_the_shared_volume(tmp_path: Path) -> None:
@@ -48,3 +50,21 @@ def test_bad_config_names_the_file(tmp_path: Path, text: str, expected: str) -> 
     with pytest.raises(RLJobLoadError) as info:
         load_job_config(path)
     assert str(path) in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        # a string where the list of URLs belongs: read as a list it would be one URL per character
+        (lambda runtime: runtime.update(engineURLs="http://rl-engine-0.rl-engine.ns.svc:8000"), "runtime.engineURLs"),
+        # without the volume's path the run's outputs would go to the container's working directory
+        (lambda runtime: runtime.pop("routingDir"), "runtime.routingDir"),
+    ],
+)
+def test_a_runtime_block_that_does_not_fit_names_the_field(tmp_path: Path, edit: Any, field: str) -> None:
+    path, written = _mounted(tmp_path)
+    edit(written["runtime"])
+    path.write_text(json.dumps(written))
+    with pytest.raises(RLJobLoadError) as info:
+        build_settings(None, config=path, device="cpu")
+    assert str(path) in str(info.value) and field in str(info.value)

@@ -25,7 +25,7 @@ def _ids(text: str) -> tuple[int, ...]:
 
 
 def _run(tmp_path: Path, engine: FakeEngine, **task: Any) -> Any:
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
     job = write_job(tmp_path, task={"name": "dataset", "datasetPath": str(ARITH), "reward": "math", **task},

@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeEngine
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.weights import PackedChunk, unpack_chunk
+from r3operator.wire.weights import PackedChunk, unpack_chunk
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def assert_two_replayed_steps(run: Any) -> None:
 
 
 def _run(tmp_path: Path, engine: FakeEngine, *, steps: int, **spec: Any) -> Any:
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
     job = write_job(tmp_path, weightSync={"canary": False}, algorithm={"steps": steps}, **spec)
@@ -57,9 +57,9 @@ def _run(tmp_path: Path, engine: FakeEngine, *, steps: int, **spec: Any) -> Any:
 def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path) -> None:
     import torch
 
-    from r3operator.engine.weights import checkpoint_tensors
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.hf_policy import PolicyTrainer
+    from r3operator.wire.weights import checkpoint_tensors
 
     engine = RecordingEngine()
     run = _run(tmp_path, engine, steps=2)
@@ -100,9 +100,9 @@ def test_a_megatron_run_on_two_ranks_syncs_and_checkpoints(tmp_path: Path, megat
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
     import torch
 
-    from r3operator.engine.weights import checkpoint_tensors
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.sharded_checkpoint import read_full_state
+    from r3operator.wire.weights import checkpoint_tensors
 
     engine = RecordingEngine()
     run = _run(tmp_path, engine, steps=2, trainer={"backend": "Megatron", "megatron": megatron})
@@ -133,7 +133,7 @@ def test_trainer_ranks_come_from_the_flag_or_the_environment(tmp_path: Path, mon
 def test_more_ranks_than_the_backend_or_the_cluster_can_take_is_refused(tmp_path: Path) -> None:
     from r3operator.api.enums import TrainerBackend
     from r3operator.api.v1alpha1 import MegatronSpec
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
     from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
     from r3operator.trainer.factory import build_trainer
 

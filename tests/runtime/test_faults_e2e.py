@@ -33,7 +33,7 @@ def test_abort_puts_back_a_partially_loaded_layer_where_finish_would_corrupt_it(
     weights into kernel storage that `named_parameters` does not show), hence the canary for that part."""
     import torch
 
-    from r3operator.engine.weights import checkpoint_tensors, pack_chunk
+    from r3operator.wire.weights import checkpoint_tensors, pack_chunk
 
     run = _run(tmp_path, engines)
     run.setup()

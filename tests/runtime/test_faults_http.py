@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fake_vllm_server import FakeVLLMServer
 
-from r3operator.engine.retry import Backoff, EngineUnavailableError, http_transient, retry_call
+from r3operator.wire.retry import Backoff, EngineUnavailableError, http_transient, retry_call
 
 pytest.importorskip("aiohttp")
 
@@ -75,7 +75,7 @@ def test_a_non_transient_error_is_raised_at_once() -> None:
 
 
 def _client(server: FakeVLLMServer, slept: list[float], **kwargs: object) -> object:
-    from r3operator.engine.rollout import OpenAIHTTPClient
+    from r3operator.rollout.client import OpenAIHTTPClient
 
     return OpenAIHTTPClient(server.url, num_experts=32, backoff=_backoff(slept), **kwargs)  # type: ignore[arg-type]
 
@@ -122,7 +122,7 @@ def test_a_refused_request_is_not_retried(server: FakeVLLMServer) -> None:
 
 
 def _engine(server: FakeVLLMServer, tmp_path: Path, slept: list[float]) -> object:
-    from r3operator.runtime.engines import HTTPEngine
+    from r3operator.rollout.engines import HTTPEngine
 
     return HTTPEngine(server.url, staging_dir=tmp_path / "staging", num_experts=32, backoff=_backoff(slept),
                       ready=_backoff(slept, attempts=10))  # fmt: skip
@@ -131,14 +131,14 @@ def _engine(server: FakeVLLMServer, tmp_path: Path, slept: list[float]) -> objec
 def _chunks() -> list[object]:
     import torch
 
-    from r3operator.engine.weights import pack_chunk
+    from r3operator.wire.weights import pack_chunk
 
     return [pack_chunk([(f"layer{i}.weight", torch.full((4, 4), float(i)))]) for i in range(3)]
 
 
 def _supervisor(engine: object, slept: list[float], canaried: list[list[str]]) -> object:
-    from r3operator.runtime.engines import EngineGroup
-    from r3operator.runtime.faults import EngineSupervisor
+    from r3operator.rollout.engines import EngineGroup
+    from r3operator.weightsync.faults import EngineSupervisor
 
     def canary(engines: list[object]) -> None:
         canaried.append([e.name for e in engines])  # type: ignore[attr-defined]

@@ -61,10 +61,10 @@ class Server:
 
 def test_http_engine_killed_mid_rollout_and_mid_sync(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from r3operator.engine.retry import Backoff
     from r3operator.models import ensure_reference_model
-    from r3operator.runtime.engines import EngineGroup, HTTPEngine
+    from r3operator.rollout.engines import EngineGroup, HTTPEngine
     from r3operator.runtime.loop import GRPORun
+    from r3operator.wire.retry import Backoff
 
     server = Server(ensure_reference_model("tiny"), tmp_path)
     server.start()

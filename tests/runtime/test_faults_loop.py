@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.retry import Backoff
+from r3operator.wire.retry import Backoff
 
 JOB = 'namespace="default",rljob="tiny-count-r3"'  # the identity labels of every driver series
 
@@ -20,7 +20,7 @@ JOB = 'namespace="default",rljob="tiny-count-r3"'  # the identity labels of ever
 def _instant_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The supervisor's waits go to a list instead of the clock."""
     slept: list[float] = []
-    from r3operator.runtime import faults
+    from r3operator.weightsync import faults
 
     def make(kind: str = "retry", **defaults: Any) -> Backoff:
         return Backoff(attempts=int(defaults.get("attempts", 4)), base_s=1.0, cap_s=8.0, jitter=0.0,
@@ -31,7 +31,7 @@ def _instant_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def _run(tmp_path: Path, engine: FakeEngine, *, steps: int = 2, resume: bool = True, **spec: Any) -> Any:
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
 
 
 def test_sync_that_never_succeeds_ends_with_a_clear_error(tmp_path: Path, _instant_backoff: list[float]) -> None:
-    from r3operator.engine.retry import EngineUnavailableError
+    from r3operator.wire.retry import EngineUnavailableError
 
     engine = FakeEngine(die_on={"load": set(range(1, 100))})
     run = _run(tmp_path, engine)

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from spec_edits import apply_edits
 
+from r3operator.api import vllm_args as args
 from r3operator.api.load import parse_rljob
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine import args
 from r3operator.models import ensure_reference_model
 from r3operator.runtime import sources
 from r3operator.runtime.config import resolve_model_dir

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from r3operator.runtime.metrics import progress_patch
-from r3operator.trainer.grpo import tasks
+from r3operator.tasks import toy as tasks
 from r3operator.trainer.grpo.advantages import group_advantages
 
 
@@ -179,8 +179,8 @@ def test_checkpoint_tensors_reproduce_the_checkpoint_file() -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from r3operator.engine.weights import checkpoint_tensors, chunk_tensors
     from r3operator.models import ensure_reference_model
+    from r3operator.wire.weights import checkpoint_tensors, chunk_tensors
 
     model_dir = ensure_reference_model("tiny")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

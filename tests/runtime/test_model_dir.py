@@ -1,4 +1,4 @@
-"""The driver finds the model where the operator put it: one resolver (engine/args.model_source) for both."""
+"""The driver finds the model where the operator put it: one resolver (api/vllm_args.model_source) for both."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from r3operator.api import vllm_args as args
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine import args
 from r3operator.operator.desired import desired
 from r3operator.runtime.config import resolve_model_dir
 from r3operator.runtime.fetch import SourceNotReady

@@ -50,7 +50,7 @@ def test_the_driver_finds_config_and_volume_through_the_mounts(tmp_path: Path, m
 def test_a_reference_model_is_placed_where_the_engine_pods_look(tmp_path: Path) -> None:
     routing = tmp_path / "routing"
     path = resolve_model_dir(load_rljob(LOCAL), routing_dir=routing)
-    # engine/args.model_source: r3operator://reference/tiny → <routing volume>/models/tiny
+    # api/vllm_args.model_source: r3operator://reference/tiny → <routing volume>/models/tiny
     assert path == routing / "models" / "tiny"
     assert path.is_symlink() and not path.readlink().is_absolute()
     assert (path / "config.json").is_file()

@@ -23,7 +23,7 @@ MULTI_TURN = {"rollout": {"multiTurn": True, "promptsPerStep": 2, "groupSize": 3
 
 
 def _run(tmp_path: Path, engine: FakeEngine, **spec: Any) -> Any:
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
     job = write_job(tmp_path, **{**MULTI_TURN, **spec})
@@ -131,7 +131,7 @@ def test_a_multi_turn_r3_step_replays_every_route(tmp_path: Path) -> None:
 def test_agreement_by_turn_shows_the_turn_whose_routes_disagree() -> None:
     import torch
 
-    from r3operator.runtime.multiturn import agreement_by_turn
+    from r3operator.rollout.multiturn import agreement_by_turn
 
     engine = torch.arange(2 * 6 * 1 * 2).reshape(2, 6, 1, 2) % 32
     natural = engine.clone()
@@ -155,10 +155,10 @@ def test_multi_turn_runs_without_replay_too(tmp_path: Path, mode: str) -> None:
 
 
 def test_an_engine_that_rewrites_the_conversation_is_refused() -> None:
-    from r3operator.engine.rollout import build_sample
+    from r3operator.rollout.client import build_sample
+    from r3operator.rollout.multiturn import Conversation, roll_out_conversations
     from r3operator.routing.errors import RoutingDataError
-    from r3operator.runtime.multiturn import Conversation, roll_out_conversations
-    from r3operator.trainer.envs import GuessGame
+    from r3operator.tasks.envs import GuessGame
 
     def generate(prompts: list[list[int]], starts: list[int], turn: int) -> list[Any]:
         echoed = [p if turn == 0 else [p[0], 99, *p[2:]] for p in prompts]  # turn 2 sees other history ids
@@ -194,7 +194,7 @@ def test_multi_turn_and_its_task_come_together(tmp_path: Path, spec: dict[str, A
 
 
 def test_engine_group_sends_each_prompt_its_own_start() -> None:
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
 
     first, second = FakeEngine(name="a"), FakeEngine(name="b")
     prompts = [[1, 5, 6], [1, 5, 6, 7, 8], [1, 9]]
@@ -208,7 +208,7 @@ def test_http_engine_sends_each_prompt_its_own_start(tmp_path: Path) -> None:
     pytest.importorskip("aiohttp")
     from fake_vllm_server import FakeVLLMServer
 
-    from r3operator.runtime.engines import HTTPEngine
+    from r3operator.rollout.engines import HTTPEngine
 
     with FakeVLLMServer() as server:
         engine = HTTPEngine(server.url, staging_dir=tmp_path, num_experts=32)
@@ -223,10 +223,10 @@ def test_each_row_is_attributed_to_the_turn_whose_request_returned_it() -> None:
     """Reference: every request stamps the rows it returns with its own turn number (expert ids turn,
     turn + 10). After stitching, `turn_of` must name that turn at every routed position, the boundary row
     (the previous turn's last sampled token, returned with the next turn's prefill) included."""
-    from r3operator.engine.rollout import build_sample
+    from r3operator.rollout.client import build_sample
+    from r3operator.rollout.multiturn import Conversation, roll_out_conversations
     from r3operator.routing.codec import decode
-    from r3operator.runtime.multiturn import Conversation, roll_out_conversations
-    from r3operator.trainer.envs import GuessGame
+    from r3operator.tasks.envs import GuessGame
 
     def generate(prompts: list[list[int]], starts: list[int], turn: int) -> list[Any]:
         out = []

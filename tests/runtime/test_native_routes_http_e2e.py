@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from r3operator.api.weight_transfer import TransferChoice, TransferMethod, weight_transfer_config_arg
-    from r3operator.engine.retry import Backoff, EngineUnavailableError
     from r3operator.models import ensure_reference_model
-    from r3operator.runtime.engines import EngineGroup, HTTPEngine
+    from r3operator.rollout.engines import EngineGroup, HTTPEngine
     from r3operator.runtime.loop import GRPORun
+    from r3operator.wire.retry import Backoff, EngineUnavailableError
 
     server = Server(ensure_reference_model("tiny"), tmp_path)
     server.cmd += ["--weight-transfer-config", weight_transfer_config_arg(TransferMethod.NCCL)]

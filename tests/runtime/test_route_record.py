@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.engine.rollout import RolloutSample
 from r3operator.routing.codec import decode, encode
+from r3operator.wire.sample import RolloutSample
 
 pytestmark = pytest.mark.slow  # the batch builder needs torch
 E, L, K = 8, 2, 2
@@ -41,10 +41,12 @@ def make_samples() -> list[RolloutSample]:
 
 def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
     from r3operator.runtime.loop import GRPORun
-    from r3operator.trainer.grpo.task_source import BuiltinTask
+    from r3operator.tasks.source import BuiltinTask
 
     job = write_job(tmp_path, routingReplay={"mode": mode}, storage={"retentionSteps": retention})
-    run = GRPORun(settings_for(job, tmp_path / "runs"), engines=Engines(make_samples()))  # type: ignore[arg-type]
+    run = GRPORun(settings_for(job, tmp_path / "runs"))
+    # what setup() would build (runtime/setup.py), as far as rollout and load_routes read it
+    run.engines = Engines(make_samples())
     run.trainer = SimpleNamespace(pad_id=0, batch_device="cpu")  # all that load_routes reads of it
     run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E

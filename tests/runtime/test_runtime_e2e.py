@@ -112,7 +112,7 @@ def test_resume_after_kill_between_steps(tmp_path, engines) -> None:
 def _sync_state(run, engines, state) -> None:
     import torch
 
-    from r3operator.engine.weights import packed_chunks
+    from r3operator.wire.weights import packed_chunks
 
     # Stamped with the current policy's tag: the engines serve "this version", with corrupted bytes, and the
     # trainer's record of what it sent says the same (the receipt matches): only the forwards can tell.
@@ -124,8 +124,8 @@ def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> Non
     """Corrupted weights sent through the real packed sync: experts in a transposed layout (the vLLM
     #42821 class of bug) fail the exact canary; the bf16 near-tie canary accepts a good sync and fails
     on an lm_head shifted by one vocabulary row (an offset bug)."""
-    from r3operator.runtime.canary import canary_tolerance
     from r3operator.runtime.loop import CanaryMismatchError
+    from r3operator.weightsync.canary import canary_tolerance
 
     run = _run(tmp_path, engines)
     run.setup()
@@ -171,7 +171,7 @@ class _LossyTransport:
                 self.engine.load_packed(chunk)
 
     def load_packed(self, chunk: Any) -> None:
-        from r3operator.engine.weights import pack_chunk, unpack_chunk
+        from r3operator.wire.weights import pack_chunk, unpack_chunk
 
         tensors = unpack_chunk(chunk.buffer, chunk.entries)
         if self.fault is None:
@@ -196,7 +196,7 @@ def test_canary_catches_a_lossy_or_stale_sync_on_its_first_sync(tmp_path, engine
     """A tensor skipped, a sign flipped in an expert the canary's prompts need not route to, no tensor at all,
     or the previous policy delivered again: each fails the first canary after that sync, by the receipt, with
     what went wrong; a good sync through the same engine then passes."""
-    from r3operator.runtime.engines import EngineGroup
+    from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import CanaryMismatchError
 
     lossy = _LossyTransport(engines.engines[0])
@@ -223,8 +223,8 @@ def test_canary_fails_on_a_gate_that_routes_to_other_experts(tmp_path, engines) 
     """The canary replays the engine's routes, so the experts' weights alone decide the logprobs; a router
     whose rows are permuted (each expert's score goes to another) routes elsewhere and is caught by the
     routing-agreement floor."""
-    from r3operator.runtime.canary import canary_tolerance
     from r3operator.runtime.loop import CanaryMismatchError
+    from r3operator.weightsync.canary import canary_tolerance
 
     run = _run(tmp_path, engines)
     run.setup()

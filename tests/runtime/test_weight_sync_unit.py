@@ -1,10 +1,11 @@
-"""runtime/weight_sync.py + engine/transfer.py on CPU: which method a run really uses and why, the fallback
+"""weightsync/sync.py + weightsync/transfer.py on CPU: which method a run really uses and why, the fallback
 message (log and status), and the fan-out of vLLM's weight-sync control plane over every engine."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,12 @@ from typing import Any
 import pytest
 
 from r3operator.api.load import RLJobLoadError
+from r3operator.api.runtime_config import RuntimeConfig, WeightTransferConfig
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod
-from r3operator.engine.transfer import FanOutClient
-from r3operator.runtime.engines import EngineGroup, json_safe_update_info
+from r3operator.rollout.engines import EngineGroup, json_safe_update_info
 from r3operator.runtime.metrics import progress_patch
-from r3operator.runtime.weight_sync import check_runtime, configured_choice, resolve
+from r3operator.weightsync.sync import check_runtime, resolve
+from r3operator.weightsync.transfer import FanOutClient
 
 NCCL = TransferChoice(TransferMethod.NCCL, "rendered by the operator")
 IPC = TransferChoice(TransferMethod.IPC, "local GPU")
@@ -68,22 +70,27 @@ def test_the_packed_choice_passes_through_unchanged() -> None:
 # ------------------------------------------------------------------------------- runtime config block
 
 
-def test_configured_choice_reads_the_operators_block() -> None:
-    assert configured_choice({}) is None
-    choice = configured_choice({"weightTransfer": {"method": "nccl", "reason": "r", "fallback": False}})
-    assert choice == TransferChoice(TransferMethod.NCCL, "r", fallback=False)
+def test_the_operators_block_is_the_choice_it_names() -> None:
+    block = WeightTransferConfig.model_validate({"method": "nccl", "reason": "r", "fallback": False})
+    assert block.choice() == TransferChoice(TransferMethod.NCCL, "r", fallback=False)
 
 
 @pytest.mark.parametrize(
     ("block", "says"),
     [
-        ({"method": "rdma"}, "runtime.weightTransfer.method: 'rdma' is not one of nccl, ipc, packed"),
-        ("nccl", "runtime.weightTransfer: expected an object with 'method'"),
+        ({"method": "rdma"}, "runtime.weightTransfer.method: Input should be 'nccl', 'ipc' or 'packed'"),
+        ("nccl", "runtime.weightTransfer: Input should be a valid dictionary"),
     ],
 )
 def test_a_bad_block_names_the_field(block: Any, says: str) -> None:
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
-        configured_choice({"weightTransfer": block})
+    from r3operator.api import load_rljob
+    from r3operator.operator.builders.config import runtime_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
+    data = json.loads(runtime_config(load_rljob(example)).to_json())
+    data["runtime"]["weightTransfer"] = block
+    with pytest.raises(RLJobLoadError, match=re.escape(says)):
+        RuntimeConfig.from_json(json.dumps(data), source="config.json")
 
 
 def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> None:
@@ -92,7 +99,7 @@ def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> Non
     from r3operator.runtime.app import build_settings
 
     example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
-    data = runtime_config(load_rljob(example))
+    data = json.loads(runtime_config(load_rljob(example)).to_json())
     path = tmp_path / CONFIG_KEY
     path.write_text(json.dumps(data))
     assert build_settings(None, config=path, device="cpu").weight_transfer == TransferChoice(
@@ -237,7 +244,7 @@ def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
     streamed tensors one for one, fused experts unfused as the engine's load_weights wants them."""
     import torch
 
-    from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
+    from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
 
     state = {
         "model.embed_tokens.weight": torch.zeros(16, 8),
@@ -261,8 +268,8 @@ def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
     pytest.importorskip("vllm")
     import torch
 
-    from r3operator.engine.transfer import trainer_vllm_api
-    from r3operator.runtime.weight_sync import NativeInstall
+    from r3operator.weightsync.sync import NativeInstall
+    from r3operator.weightsync.transfer import trainer_vllm_api
 
     if trainer_vllm_api() is None:
         pytest.skip("this vLLM has no trainer-side sender")
@@ -279,7 +286,7 @@ def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
 
 
 def test_wanted_method_for_the_local_run() -> None:
-    from r3operator.runtime.weight_sync import local_topology
+    from r3operator.weightsync.sync import local_topology
 
     assert local_topology("cuda") is Topology.SHARED_GPU
     assert local_topology("cuda:1") is Topology.SHARED_GPU
@@ -292,7 +299,7 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
     pytest.importorskip("vllm")
     import torch
 
-    from r3operator.engine.transfer import FanOutClient, NativeSender, trainer_vllm_api
+    from r3operator.weightsync.transfer import FanOutClient, NativeSender, trainer_vllm_api
 
     if trainer_vllm_api() is None:
         pytest.skip("this vLLM has no trainer-side sender")
@@ -317,7 +324,7 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     """Every engine reporting the tag this sender stamped last means no bracket was opened since (opening one
     clears the tag): the two round trips of an abort are skipped; after an engine restart (no tag) or with
     R3OPERATOR_SYNC_PRE_ABORT=always they run."""
-    from r3operator.runtime.weight_sync import NativeInstall
+    from r3operator.weightsync.sync import NativeInstall
 
     class Sender:  # vLLM's sender needs CUDA; what it sends does not matter here
         def send(self, tag: str) -> Any:
@@ -331,7 +338,7 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     monkeypatch.delenv("R3OPERATOR_SYNC_PRE_ABORT", raising=False)
     engines = [_TaggedEndpoint("a"), _TaggedEndpoint("b")]
     install = NativeInstall(TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1)
-    monkeypatch.setattr("r3operator.runtime.weight_sync.NativeSender", lambda *a, **k: Sender())
+    monkeypatch.setattr("r3operator.weightsync.sync.NativeSender", lambda *a, **k: Sender())
 
     def aborts() -> int:
         return sum(kind == "abort" for e in engines for kind, _ in e.calls)

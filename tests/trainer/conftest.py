@@ -111,6 +111,6 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def ray_started() -> None:
     """A local Ray for the trainer's rank actors."""
-    from r3operator.runtime.loop import start_ray
+    from r3operator.runtime.setup import start_ray
 
     start_ray(in_cluster=False)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from r3operator.trainer.grpo.dataset_reader import DatasetError, read_rows
+from r3operator.tasks.dataset_reader import DatasetError, read_rows
 
 
 def _jsonl(tmp_path: Path, *lines: Any, name: str = "train.jsonl") -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from r3operator.models.tokenizer import vocabulary
-from r3operator.trainer.envs import GuessGame, environment
-from r3operator.trainer.grpo import tasks
+from r3operator.tasks import toy as tasks
+from r3operator.tasks.envs import GuessGame, environment
 
 VOCAB = vocabulary(512)
 ID = {tok: i for i, tok in enumerate(VOCAB)}

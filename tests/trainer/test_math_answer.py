@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from r3operator.trainer.grpo.math_answer import answers_match, as_number, last_boxed, marked_answer
+from r3operator.tasks.math_answer import answers_match, as_number, last_boxed, marked_answer
 
 
 @pytest.mark.parametrize(

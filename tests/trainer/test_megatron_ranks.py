@@ -43,7 +43,7 @@ def two_ranks(model_dir: Path, spec: MegatronSpec) -> Any:
 
 
 def synced(trainer: Any) -> dict[str, Any]:
-    from r3operator.engine.weights import unpack_chunk
+    from r3operator.wire.weights import unpack_chunk
 
     return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=1, dtype=None)
             for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip

@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 
 from r3operator.api.v1alpha1 import TaskSpec
-from r3operator.engine.retry import Backoff
-from r3operator.trainer.grpo.http_reward import HTTPReward
-from r3operator.trainer.grpo.rewards import (
+from r3operator.tasks.http_reward import HTTPReward
+from r3operator.tasks.rewards import (
     ExactMatchReward,
     FunctionReward,
     MathReward,
@@ -23,6 +22,7 @@ from r3operator.trainer.grpo.rewards import (
     RewardInput,
     build_reward,
 )
+from r3operator.wire.retry import Backoff
 
 
 def _input(completion: str, answer: str, n: int = 0, **metadata: Any) -> RewardInput:

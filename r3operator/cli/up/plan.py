@@ -28,18 +28,19 @@ Pure: no process is started and nothing is written (cli/up/runner.py does both).
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from r3operator.api.runtime_config import RuntimeConfig
+from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator.builders.engine_lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, leader_worker_templates
 from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 from r3operator.operator.desired import Facts, desired
-from r3operator.settings import CONFIG_DIR, ENGINE_URLS_KEY, ROUTING_MOUNT, RUNTIME_KEY, RuntimeSettings
+from r3operator.settings import CONFIG_DIR, CONFIG_KEY, ROUTING_MOUNT, RuntimeSettings
 
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_GRACE_S = 30
@@ -371,8 +372,8 @@ def plan_up(
     rendered_trainer_argv = shlex.split(ray_job["spec"]["entrypoint"])
     rendered_trainer_env = _env(trainer_container, trainer_pod)
     table = vols.mount_table(trainer_pod, head["spec"], trainer_container)
-    runtime = json.loads(next(iter(config_map["data"].values())))[RUNTIME_KEY]
-    urls = [_local_url(url, local_ports) for url in runtime[ENGINE_URLS_KEY]]
+    runtime = RuntimeConfig.from_json(config_map["data"][CONFIG_KEY], source="the rendered ConfigMap").runtime
+    urls = [_local_url(url, local_ports) for url in runtime.engine_urls]
     (metrics_spec,) = [p for p in trainer_container["ports"] if p["name"] == DRIVER_METRICS_PORT_NAME]
     mounts = {k: v for k, v in table.items() if k != v}  # /dev/shm is the host's own
     trainer_env = {
@@ -394,8 +395,8 @@ def plan_up(
         argv=list(rendered_trainer_argv), env=trainer_env, rendered_argv=rendered_trainer_argv,
         rendered_env=rendered_trainer_env, gpus=assigned, grace_s=_grace(head["spec"]),
     )  # fmt: skip
-    uri = job.spec.model.uri
-    reference = uri.rsplit("/", 1)[-1] if uri.startswith("r3operator://reference/") else None
+    model = parse_source_uri(job.spec.model.uri, revision=job.spec.model.revision)
+    reference = model.location if model.scheme == "r3operator" else None
     routing = table.get(ROUTING_MOUNT.rstrip("/"))
     host_dirs.update(vols.mount_table(trainer_pod, head["spec"], trainer_container))
     if CONFIG_DIR not in host_dirs:

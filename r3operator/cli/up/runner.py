@@ -3,7 +3,7 @@
 Each child runs in its own session (process group), so a signal reaches the whole tree a container would
 hold (``vllm serve`` forks its engine core); on Linux each also gets SIGTERM if this process dies. A dead
 engine is started again with the same argv and env after a back-off, as the kubelet restarts a container;
-the driver waits for it and re-syncs its weights (runtime/faults.py). The trainer's exit ends the run and
+the driver waits for it and re-syncs its weights (weightsync/faults.py). The trainer's exit ends the run and
 is the exit code; Ctrl-C or SIGTERM stop every child (SIGTERM, the pod's grace period, SIGKILL).
 """
 

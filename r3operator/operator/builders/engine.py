@@ -14,7 +14,7 @@ from typing import Any
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.sizing import model_params_billions
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_path, vllm_env, vllm_serve_args
+from r3operator.api.vllm_args import model_path, vllm_env, vllm_serve_args
 from r3operator.operator import meta
 from r3operator.operator.builders.model import ModelMount, model_mount
 from r3operator.operator.builders.overrides import apply_template, role_template

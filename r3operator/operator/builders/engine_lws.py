@@ -22,7 +22,7 @@ from typing import Any
 
 from r3operator.api.engine_layout import LWS_API_VERSION, engine_layout
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_path, vllm_serve_args
+from r3operator.api.vllm_args import model_path, vllm_serve_args
 from r3operator.operator import meta
 from r3operator.operator.builders.engine import DP_RPC_PORT, engine_pod_template
 

@@ -1,4 +1,4 @@
-"""The model volume of engine and trainer pods, from ``engine.args.model_source`` (one resolver for both).
+"""The model volume of engine and trainer pods, from ``api.vllm_args.model_source`` (one resolver for both).
 
 - ``hf://`` and ``s3://``: the model cache claim (builders/model_cache.py), filled once by the model-fetch
   Job before any engine or trainer pod exists, mounted read-only at MODEL_MOUNT; an init container in the
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator.builders.model_cache import model_cache_claim_name, verify_container
 from r3operator.settings import MODEL_MOUNT
 

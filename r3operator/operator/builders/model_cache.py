@@ -39,8 +39,9 @@ from typing import Any
 
 from r3operator.api.enums import AccessMode, RetainPolicy
 from r3operator.api.pods import PodTemplate
+from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
@@ -161,11 +162,8 @@ def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] 
 def store(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Access | GCSAccess | None:
     """The spec block of the object store ``uri`` names: ``s3`` for s3://, ``gcs`` for gs:// (whose HMAC key
     the S3 client reads under the same AWS_* names), None otherwise."""
-    if uri.startswith("s3://"):
-        return s3
-    if uri.startswith("gs://"):
-        return gcs
-    return None
+    scheme = parse_source_uri(uri).scheme
+    return s3 if scheme == "s3" else gcs if scheme == "gs" else None
 
 
 def secret_env(token: SecretKeyRef | None, access: S3Access | GCSAccess | None) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob
-from r3operator.engine.args import model_source
+from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.dataset import dataset_mount
 from r3operator.operator.builders.model import model_mount

@@ -1,1 +1,1 @@
-"""GRPO pieces: group-normalised advantages, the PPO-clip loss, verifiable toy tasks and rewards."""
+"""GRPO pieces: group-normalised advantages and the PPO-clip loss."""

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from r3operator.api.enums import ReplayMode
-from r3operator.engine.weights import PackedChunk, packed_chunks
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
@@ -44,6 +43,7 @@ from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
+from r3operator.wire.weights import PackedChunk, packed_chunks
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "

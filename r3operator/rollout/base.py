@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from r3operator.engine.rollout import RolloutSample
-from r3operator.engine.weights import PackedChunk
+from r3operator.wire.sample import RolloutSample
+from r3operator.wire.weights import PackedChunk
 
 
 class Greedy(NamedTuple):
@@ -18,6 +18,12 @@ class Greedy(NamedTuple):
     routes: Any = None  # RoutedExperts of prompt + tokens
 
 
+class StaleEngineError(RuntimeError):
+    """An engine does not serve the current policy: a result it produced is discarded. The weight-sync
+    supervisor raises it (`weightsync/faults.py`, `current_only`); the producer catches it beside
+    `EngineUnavailableError`."""
+
+
 # Chunks in flight to one Ray engine: the next chunk is packed and put while the engine loads this one,
 # without holding the whole model in the object store.
 MAX_CHUNKS_IN_FLIGHT = 2
@@ -25,7 +31,7 @@ MAX_CHUNKS_IN_FLIGHT = 2
 
 class Engine(Protocol):
     """One rollout engine. `generate`, `greedy`, `policy_tag` and `wait_ready` retry transient faults and end
-    in `EngineUnavailableError`; the weight-update bracket calls do not retry (`engine/retry.py` says why).
+    in `EngineUnavailableError`; the weight-update bracket calls do not retry (`wire/retry.py` says why).
     `name` identifies the engine in errors and logs."""
 
     name: str
@@ -48,7 +54,7 @@ class Engine(Protocol):
 
     def abort_weight_update(self) -> None: ...
 
-    # vLLM's native weight transfer (engine/transfer.py, runtime/weight_sync.py)
+    # vLLM's native weight transfer (weightsync/transfer.py, weightsync/sync.py)
     def native_world_size(self) -> int: ...
 
     def native_init(self, init_info: dict[str, Any]) -> None: ...
@@ -72,9 +78,11 @@ class Engine(Protocol):
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]: ...
 
     def sync_receipts(self) -> list[dict[str, Any]]:
-        """Each worker's receipt of the last finished sync (engine/receipt.py)."""
+        """Each worker's receipt of the last finished sync (wire/receipt.py)."""
         ...
 
     def weights_digest(self) -> str: ...
 
     def vllm_version(self) -> str: ...
+
+    def shutdown(self) -> None: ...

@@ -6,7 +6,7 @@ so no tokenizer round trip sits between the reward and what the engine generated
 - `count`: "<bos> count from 3 to 6 :" -> "3 4 5 6 <eos>" (2-4 numbers; a random-init model cannot
   do it, a few supervised warm-up steps make it partially right, RL then raises the reward);
 - `next`:  "<bos> Q : next number after 4 ? A :" -> "5 <eos>";
-- `guess`: the multi-turn guessing game of `trainer/envs.py` ("<bos> Q : what number from 0 to 9 ? A :",
+- `guess`: the multi-turn guessing game of `tasks/envs.py` ("<bos> Q : what number from 0 to 9 ? A :",
   a secret digit per problem). Its answer "7 <eos>" is the format the supervised warm-up teaches; the
   reward comes from the environment at the end of the conversation, not from `reward` below.
 

@@ -3,7 +3,7 @@
 The fault model (docs/runtime.md, "Faults and retries"):
 
 - a single engine call that fails transiently is retried with backoff by the engine façade itself
-  (`engine/retry.py`); what reaches this module is an `EngineUnavailableError` (retries spent) or an engine
+  (`wire/retry.py`); what reaches this module is an `EngineUnavailableError` (retries spent) or an engine
   that answers again but was restarted meanwhile;
 - every finished weight sync stamps each engine with a policy tag (`<run nonce>:<policy version>`, kept in
   the engine's worker extension). A restarted engine, or one whose sync was aborted, reports another tag
@@ -26,20 +26,16 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from r3operator.engine.base import Engine
-from r3operator.engine.retry import Backoff, EngineUnavailableError
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.weights import PackedChunk
-from r3operator.runtime.engines import EngineGroup
+from r3operator.rollout.base import Engine, StaleEngineError
+from r3operator.rollout.engines import EngineGroup
+from r3operator.wire.retry import Backoff, EngineUnavailableError
+from r3operator.wire.sync_phases import SyncPhases
+from r3operator.wire.weights import PackedChunk
 
 log = logging.getLogger("r3operator.runtime")
 T = TypeVar("T")
 
 FaultCounter = Callable[[str], None]  # called with the fault kind, e.g. "engine_call" (a metrics counter)
-
-
-class StaleEngineError(RuntimeError):
-    """An engine does not serve the current policy; `current_only` leaves the recovery to its caller."""
 
 
 class EngineSupervisor:
@@ -63,7 +59,7 @@ class EngineSupervisor:
     ) -> None:
         self.group = group
         self.chunks = chunks
-        # How one attempt installs a policy: vLLM's native transfer (runtime/weight_sync.py) or, by
+        # How one attempt installs a policy: vLLM's native transfer (weightsync/sync.py) or, by
         # default, the packed chunks through our worker extension.
         self.install = install or self._install_packed
         self.phases = phases if phases is not None else SyncPhases()  # of the packed path's syncs
@@ -148,7 +144,7 @@ class EngineSupervisor:
         The asynchronous producer's calls: a re-sync from its thread would load the trainer's live weights
         (possibly mid-update) stamped with the published version, and its canary would arm the trainer's
         router replay beside an update. Raises `StaleEngineError` (or the `EngineUnavailableError` of the
-        call) so that the trainer thread recovers the engines inside the gate (runtime/producer.py)."""
+        call) so that the trainer thread recovers the engines inside the gate (rollout/producer.py)."""
         if self.stale_engines():
             raise StaleEngineError(f"an engine does not serve policy {self.tag}; the {what} waits for its re-sync")
         result = call()

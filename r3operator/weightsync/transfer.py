@@ -16,7 +16,7 @@ vLLM ships the trainer-side senders; this module only wires them to the job's en
   buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk).
 
 The trainer's vLLM must be the engine's release: the update-info wire format moved between them
-(packed flags left the per-round payload in vllm#48981). `runtime/weight_sync.py` checks that.
+(packed flags left the per-round payload in vllm#48981). `weightsync/sync.py` checks that.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from r3operator.api.weight_transfer import TransferMethod
-from r3operator.engine.receipt import FingerprintLog
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.weights import checkpoint_metadata, checkpoint_tensors
+from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
+from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ StateDictFn = Callable[[], Mapping[str, Any]]
 
 
 class NativeEndpoint(Protocol):
-    """One engine's native weight-transfer control plane (runtime/engines.py: `RayEngine`, `HTTPEngine`)."""
+    """One engine's native weight-transfer control plane (rollout/engines.py: `RayEngine`, `HTTPEngine`)."""
 
     name: str
 
@@ -214,7 +214,7 @@ class NativeSender:
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
-        on the CPU), cast to the engine's dtype first; each fingerprinted on the way (engine/receipt.py)."""
+        on the CPU), cast to the engine's dtype first; each fingerprinted on the way (wire/receipt.py)."""
         phases = self.client.phases
         for name, tensor in phases.timed("gather", checkpoint_tensors(self._state_dict(), dtype=self.dtype,
                                                                       device="cuda")):  # fmt: skip

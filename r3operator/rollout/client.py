@@ -10,7 +10,7 @@ Both derive per-request seeds the same way (prompt i gets `seed + i * n`; vLLM g
 request `seed + j`), so the same prompts, seed and engine give the same samples through either client.
 
 `OpenAIHTTPClient` retries transient failures (connection refused/reset, timeouts, HTTP 408/429/5xx) with
-exponential backoff (`engine/retry.py`); a request is safe to repeat because its seed fixes its samples.
+exponential backoff (`wire/retry.py`); a request is safe to repeat because its seed fixes its samples.
 
 Routes are validated with `check_row_count` (rows == prompt + generated - 1 - start). A sample whose
 routes are absent or malformed keeps `routes=None` and a `routes_error`: routes are treated as missing,
@@ -24,59 +24,22 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from r3operator.engine.retry import Backoff, http_transient, retry_call
 from r3operator.routing.codec import RoutedExperts, from_vllm
 from r3operator.routing.errors import RoutingDataError
+from r3operator.wire.retry import Backoff, http_transient, retry_call
+from r3operator.wire.sample import ROUTES_MISSING, RolloutSample
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.store import RoutingStore
 
 
-ROUTES_MISSING = "engine returned no routed_experts (capture off on the server, or the request aborted)"
 FULL_DISTRIBUTION: dict[str, float | int] = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 """Sampling parameters that leave softmax(logits / T) untouched: what the trainer's logprobs assume."""
-
-
-@dataclass(frozen=True, eq=False)
-class RolloutSample:
-    """One generated completion. `logprobs[i]` is the engine's logprob of `token_ids[i]` (float32)."""
-
-    sample_id: str
-    prompt_index: int
-    choice_index: int
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    logprobs: np.ndarray
-    routes: RoutedExperts | None
-    routes_error: str | None = None
-    finish_reason: str | None = None
-    routed_experts_prompt_start: int = 0
-    loss_mask: np.ndarray | None = None
-    """bool per generated token: True = the model sampled it (trained). None: every generated token is the
-    model's. A multi-turn trajectory sets False on the environment's tokens: they keep their routes (the
-    context the model saw) but are no action of the policy."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def sequence(self) -> tuple[int, ...]:
-        return self.prompt_token_ids + self.token_ids
-
-    @property
-    def has_routes(self) -> bool:
-        return self.routes is not None
-
-    @property
-    def routes_status(self) -> Literal["ok", "missing", "invalid"]:
-        """missing: the engine sent none (capture off / aborted); invalid: failed validation."""
-        if self.routes is not None:
-            return "ok"
-        return "missing" if self.routes_error == ROUTES_MISSING else "invalid"
 
 
 @runtime_checkable

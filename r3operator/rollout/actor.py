@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from r3operator.engine.base import Greedy
-from r3operator.engine.rollout import RolloutSample
 from r3operator.engine.worker import WORKER_EXTENSION_CLS
+from r3operator.rollout.base import Greedy
+from r3operator.wire.sample import RolloutSample
 
 
 class EngineActor:
@@ -23,7 +23,7 @@ class EngineActor:
         apply_engine_env(device)
         register()  # vLLM also loads it via the entry point; idempotent
         self_check()
-        from r3operator.engine.rollout import InProcessLLMClient
+        from r3operator.rollout.client import InProcessLLMClient
 
         kwargs = llm_kwargs(
             model_dir,
@@ -65,7 +65,7 @@ class EngineActor:
         self.llm.collective_rpc("r3_abort_weight_update")
         self.llm.reset_prefix_cache()  # blocks computed by processed layers' new weights must not be reused
 
-    # -- vLLM's native weight transfer (engine/transfer.py drives it) -----------------------------
+    # -- vLLM's native weight transfer (weightsync/transfer.py drives it) -----------------------------
     def native_world_size(self) -> int:
         return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
 

@@ -1,7 +1,7 @@
 """The asynchronous mode's rollout producer: a thread that keeps the engines generating while the trainer
 trains, and hands finished GRPO groups to it through a bounded queue.
 
-Pause points. The producer sends one segment at a time for every open trajectory (runtime/partial.py) and
+Pause points. The producer sends one segment at a time for every open trajectory (rollout/partial.py) and
 holds the `EngineGate` while a segment is in flight. A weight update takes the gate in `paused()`: new
 segments wait, the segment in flight finishes, the trainer syncs the weights (and runs the canary) with no
 request on the engines, sets the new policy version and resumes. Trajectories that were not finished continue
@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from r3operator.engine.retry import EngineUnavailableError
-from r3operator.engine.rollout import RolloutSample
-from r3operator.runtime.faults import StaleEngineError
-from r3operator.runtime.partial import Trajectory
+from r3operator.rollout.base import StaleEngineError
+from r3operator.rollout.partial import Trajectory
+from r3operator.wire.retry import EngineUnavailableError
+from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from r3operator.models.tokenizer import vocabulary
-from r3operator.trainer.grpo.tasks import Problem
+from r3operator.tasks.toy import Problem
 
 
 @dataclass(frozen=True)

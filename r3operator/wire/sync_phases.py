@@ -6,7 +6,7 @@ Phases (seconds, summed over the sync's chunks; `SYNC_PHASES` is the order repor
               engine's dtype and the checkpoint name/layout mapping (experts unfused)
 - pack        copying each chunk's tensors into one buffer (packed path; vLLM's senders pack inside
               `transfer`)
-- fingerprint the sent tensors' fingerprints for the receipt (engine/receipt.py)
+- fingerprint the sent tensors' fingerprints for the receipt (wire/receipt.py)
 - begin       opening every engine's bracket (an HTTP/RPC round trip each)
 - transfer    moving the bytes: the packed path's staging and load RPCs (which include the engine's
               `load_weights` of each chunk over HTTP), or vLLM's NCCL / IPC sender
@@ -85,5 +85,5 @@ class SyncPhases:
 
 
 def chunk_seconds(chunk: Any) -> Mapping[str, float]:
-    """The trainer-side phases a packed chunk measured where it was built (engine/weights.py)."""
+    """The trainer-side phases a packed chunk measured where it was built (wire/weights.py)."""
     return dict(getattr(chunk, "seconds", None) or {})

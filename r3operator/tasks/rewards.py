@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 from r3operator.api.enums import RewardKind
 from r3operator.api.v1alpha1 import TaskSpec
-from r3operator.trainer.grpo.http_reward import HTTPReward
-from r3operator.trainer.grpo.math_answer import answers_match
-from r3operator.trainer.grpo.reward_base import RewardError, RewardInput, checked_score
+from r3operator.tasks.http_reward import HTTPReward
+from r3operator.tasks.math_answer import answers_match
+from r3operator.tasks.reward_base import RewardError, RewardInput, checked_score
 
 __all__ = ["ExactMatchReward", "FunctionReward", "HTTPReward", "MathReward", "RewardError", "RewardInput",
            "TextReward", "build_reward", "load_reward_function"]  # fmt: skip
@@ -64,7 +64,7 @@ def load_reward_function(reference: str) -> RewardFunction:
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardError(f"spec.task.rewardFunction {reference!r}: {module_name} has no callable {attribute!r}")
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 class FunctionReward:

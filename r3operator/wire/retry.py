@@ -13,7 +13,7 @@ is safe to repeat goes through `retry_call`:
 Which errors are transient is the caller's `transient` predicate (`http_transient`, `ray_transient`).
 Calls inside a weight-sync bracket are NOT retried here: loading one chunk twice would write
 checkpoint-layout bytes into kernel-layout storage. A failed bracket is aborted and the whole sync is
-repeated (`runtime/faults.py`).
+repeated (`weightsync/faults.py`).
 """
 
 from __future__ import annotations

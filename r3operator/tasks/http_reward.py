@@ -7,7 +7,7 @@ One POST per batch of at most `batch_size` samples, body and answer JSON:
 
 A request is safe to repeat (scoring has no side effect the driver relies on), so connection errors,
 timeouts (`spec.task.rewardTimeoutSeconds` per request) and HTTP 408/429/5xx are retried with exponential
-backoff (`engine/retry.py`); any other status, a malformed answer, or a failure left after every retry
+backoff (`wire/retry.py`); any other status, a malformed answer, or a failure left after every retry
 stops the step with a RewardError naming the URL.
 """
 
@@ -19,8 +19,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from r3operator.engine.retry import Backoff, EngineUnavailableError, http_transient, retry_call
-from r3operator.trainer.grpo.reward_base import RewardError, RewardInput, checked_score
+from r3operator.tasks.reward_base import RewardError, RewardInput, checked_score
+from r3operator.wire.retry import Backoff, EngineUnavailableError, http_transient, retry_call
 
 DEFAULT_BACKOFF = Backoff(attempts=4, base_s=1.0, cap_s=10.0)
 BODY_EXCERPT = 300  # characters of an error answer quoted in the message

@@ -27,7 +27,7 @@ stale or corrupt gate agrees on about top-k / experts of them). An engine that r
 the natural-routing forward.
 
 Before any forward, every engine worker's receipt of the sync is compared with what the trainer sent
-(`check_receipts`, engine/receipt.py): exact fingerprints of every tensor, and whether the parameters that
+(`check_receipts`, wire/receipt.py): exact fingerprints of every tensor, and whether the parameters that
 received new bytes changed. That is what catches an engine that kept its previous weights, skipped a tensor
 or loaded nothing, on the first sync it happens: those move the greedy logprobs by less than a tolerance
 that accepts the engine's rounding (an fp32 engine 10 updates behind moved them by 8e-4).
@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.receipt import Fingerprint, ReceiptMismatchError, compare_receipt
 from r3operator.settings import runtime_settings
+from r3operator.wire.receipt import Fingerprint, ReceiptMismatchError, compare_receipt
 
 # The tolerances follow the engine's arithmetic: its unit roundoff u (dtype and device) times a fixed
 # number of roundings, so an fp32 engine on a GPU is not held to what fp32 achieves on a CPU.
@@ -66,7 +66,7 @@ from r3operator.settings import runtime_settings
 # fp32 on CPU 7.6e-6 (in effect exact tokens).
 # What the tolerances cannot see (an engine that kept its previous weights, skipped a tensor or loaded
 # nothing: logprobs move less than any δ that accepts rounding), the sync receipt checks exactly
-# (engine/receipt.py, `check_receipts`).
+# (wire/receipt.py, `check_receipts`).
 LOGPROB_ROUNDINGS = 64
 LOGPROB_FLOOR = 2.0**-13
 GAP_ROUNDINGS = 128
@@ -244,7 +244,7 @@ def check_routing_agreement(agreement: float | None, *, where: str, floor: float
 
 
 def check_receipts(sent: Mapping[str, Fingerprint], receipts: Sequence[Mapping[str, Any]], *, where: str) -> int:
-    """Every worker's receipt of the last sync against the trainer's sent fingerprints (engine/receipt.py);
+    """Every worker's receipt of the last sync against the trainer's sent fingerprints (wire/receipt.py);
     returns how many parameters were checked for having changed. A mismatch is a `CanaryMismatchError`."""
     if not receipts:
         raise CanaryMismatchError(f"{where}: the engine returned no receipt of the weight sync")

@@ -15,8 +15,8 @@ import numpy as np
 
 from r3operator.api.checks import DATASET_TASK
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.engine.rollout import RolloutSample
-from r3operator.trainer.grpo import tasks
+from r3operator.tasks import toy as tasks
+from r3operator.wire.sample import RolloutSample
 
 CANARY_PROMPTS = 4
 
@@ -69,8 +69,8 @@ def build_task_source(spec: RLJobSpec, *, model_dir: Path, vocab_size: int, data
         raise ValueError("spec.task.datasetPath: task.name dataset needs a dataset file")
     from transformers import AutoTokenizer
 
-    from r3operator.trainer.grpo.dataset_task import DatasetTask, load_problems
-    from r3operator.trainer.grpo.rewards import build_reward
+    from r3operator.tasks.dataset_task import DatasetTask, load_problems
+    from r3operator.tasks.rewards import build_reward
 
     reward = build_reward(spec.task)  # before the file is read: a missing reward function fails at once
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

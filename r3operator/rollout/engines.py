@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from r3operator.engine.actor import EngineActor
-from r3operator.engine.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
-from r3operator.engine.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
-from r3operator.engine.rollout import RolloutSample
-from r3operator.engine.sync_phases import SyncPhases, chunk_seconds
-from r3operator.engine.weights import PackedChunk
+from r3operator.rollout.actor import EngineActor
+from r3operator.rollout.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
+from r3operator.wire.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
+from r3operator.wire.sample import RolloutSample
+from r3operator.wire.sync_phases import SyncPhases, chunk_seconds
+from r3operator.wire.weights import PackedChunk
 
 
 class RayEngine:
@@ -185,7 +185,7 @@ class HTTPEngine:
         backoff: Backoff | None = None,
         ready: Backoff | None = None,
     ) -> None:
-        from r3operator.engine.rollout import OpenAIHTTPClient
+        from r3operator.rollout.client import OpenAIHTTPClient
 
         self.base_url = base_url.rstrip("/")
         self.name = self.base_url
@@ -355,7 +355,7 @@ class EngineGroup:
         """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (+ prefix-cache
         reset), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
         engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`). `phases`
-        gets the seconds of each phase (engine/sync_phases.py)."""
+        gets the seconds of each phase (wire/sync_phases.py)."""
         clock = phases if phases is not None else SyncPhases()
         with clock("begin"):
             for engine in self.engines:
@@ -405,4 +405,4 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         for engine in self.engines:
-            engine.shutdown()  # type: ignore[attr-defined]
+            engine.shutdown()

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.receipt import Fingerprint, FingerprintLog
-from r3operator.engine.sync_phases import SyncPhases
+from r3operator.wire.receipt import Fingerprint, FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
 
 _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
@@ -108,8 +108,8 @@ class PackedChunk:
     buffer: np.ndarray
     entries: list[tuple[str, str, tuple[int, ...], int]]
     handles: dict[str, Any] = field(default_factory=dict)  # per-transport memo (ray ref, staged file)
-    fingerprints: dict[str, Fingerprint] = field(default_factory=dict)  # of each tensor (engine/receipt.py)
-    seconds: dict[str, float] = field(default_factory=dict)  # trainer-side sync phases (engine/sync_phases.py)
+    fingerprints: dict[str, Fingerprint] = field(default_factory=dict)  # of each tensor (wire/receipt.py)
+    seconds: dict[str, float] = field(default_factory=dict)  # trainer-side sync phases (wire/sync_phases.py)
 
     @property
     def nbytes(self) -> int:

@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.engine.rollout import RolloutSample
-from r3operator.trainer.grpo.dataset_reader import DatasetError, DatasetRow, read_rows
-from r3operator.trainer.grpo.reward_base import RewardInput
-from r3operator.trainer.grpo.rewards import TextReward
-from r3operator.trainer.grpo.tasks import Problem
+from r3operator.tasks.dataset_reader import DatasetError, DatasetRow, read_rows
+from r3operator.tasks.reward_base import RewardInput
+from r3operator.tasks.rewards import TextReward
+from r3operator.tasks.toy import Problem
+from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 CANARY_PROMPTS = 4  # as for the built-in tasks: the first rows of the file

@@ -23,16 +23,13 @@ from packaging.version import InvalidVersion, Version
 
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
-from r3operator.engine.base import Engine
-from r3operator.engine.receipt import FingerprintLog
-from r3operator.engine.sync_phases import SyncPhases
-from r3operator.engine.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
-from r3operator.runtime.engines import EngineGroup
+from r3operator.rollout.base import Engine
+from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
+from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
 
 log = logging.getLogger("r3operator.runtime")
-
-WEIGHT_TRANSFER_KEY = "weightTransfer"
-"""The runtime config's block naming the method the operator rendered the engines for."""
 
 
 def local_topology(device: str) -> Topology:
@@ -98,22 +95,6 @@ def check_runtime(
                         f"(trainer {trainer_vllm}, engine {engine_vllm}): the update-info format changed between "
                         "releases")  # fmt: skip
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
-
-
-def configured_choice(runtime: Mapping[str, Any] | None) -> TransferChoice | None:
-    """The operator's choice from the runtime config (`runtime.weightTransfer`), None when it has none."""
-    block = (runtime or {}).get(WEIGHT_TRANSFER_KEY)
-    if not block:
-        return None
-    if not isinstance(block, Mapping) or "method" not in block:
-        raise ValueError(f"runtime.{WEIGHT_TRANSFER_KEY}: expected an object with 'method', got {block!r}")
-    try:
-        method = TransferMethod(str(block["method"]))
-    except ValueError:
-        allowed = ", ".join(m.value for m in TransferMethod)
-        raise ValueError(f"runtime.{WEIGHT_TRANSFER_KEY}.method: {block['method']!r} is not one of {allowed}") from None
-    return TransferChoice(method, str(block.get("reason") or "rendered by the operator"),
-                          fallback=bool(block.get("fallback", False)))  # fmt: skip
 
 
 def trainer_vllm_version() -> str | None:

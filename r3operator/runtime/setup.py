@@ -1,0 +1,107 @@
+"""The run's set-up: what the step loop works with, built once before step 1.
+
+`build_parts` reads the model's config, builds the task source, the trainer (on Ray ranks when there are
+several), its checkpointer, the engines (unless the caller brought them) and the weight-sync method, in
+that order, and hands them back as one `RunParts`: the loop (runtime/loop.py) never sees a part that is
+not there yet. What needs the loop itself — resuming a checkpoint, the SFT warm-up, the first weight sync
+and canary — stays in `GRPORun.setup`, which calls this first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from r3operator.api.weight_transfer import TransferChoice
+from r3operator.rollout.engines import EngineGroup
+from r3operator.runtime import checkpoint as ckpt
+from r3operator.runtime.config import RunSettings, check_architecture
+from r3operator.runtime.dataset_file import resolve_dataset_file
+from r3operator.tasks.source import TaskSource, build_task_source
+from r3operator.trainer.base import Trainer
+from r3operator.trainer.factory import build_trainer, world_size
+from r3operator.weightsync import sync as weight_sync
+from r3operator.weightsync.canary import CanaryTolerance, canary_tolerance
+
+
+@dataclass(frozen=True)
+class RunParts:
+    vocab_size: int
+    num_experts: int
+    task: TaskSource
+    trainer: Trainer
+    checkpoints: ckpt.AsyncCheckpoints
+    engines: EngineGroup
+    vllm_version: str
+    weight_transfer: TransferChoice
+    canary_tol: CanaryTolerance
+
+
+def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup | None, ckpt_root: Path) -> RunParts:
+    from transformers import AutoConfig
+
+    spec = settings.job.spec
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if not settings.model_override:
+        check_architecture(settings.job, hf_config)
+    vocab_size = int(hf_config.vocab_size)
+    task = build_task_source(spec, model_dir=model_dir, vocab_size=vocab_size,
+                             dataset_file=resolve_dataset_file(settings.job))  # fmt: skip
+    ranks = world_size(spec, device=settings.device, override=settings.trainer_ranks)
+    if ranks > 1:  # the ranks are Ray actors: in a pod, on the RayJob's cluster
+        from r3operator.settings import runtime_settings
+
+        start_ray(in_cluster=runtime_settings().in_cluster)
+    trainer = build_trainer(spec, model_dir, device=settings.device, ranks=ranks)
+    checkpoints = ckpt.AsyncCheckpoints(ckpt_root, trainer, keep_last=spec.checkpoint.keep_last, ranks=ranks)
+    if engines is None:
+        engines = start_engines(settings, model_dir)
+    vllm_version = engines.vllm_version()
+    transfer = weight_sync.resolve(device=settings.device, engines=engines, configured=settings.weight_transfer,
+                                   engine_vllm=vllm_version)  # fmt: skip
+    return RunParts(
+        vocab_size=vocab_size,
+        num_experts=int(hf_config.num_experts),
+        task=task,
+        trainer=trainer,
+        checkpoints=checkpoints,
+        engines=engines,
+        vllm_version=vllm_version,
+        weight_transfer=transfer,
+        canary_tol=canary_tolerance(settings.engine_dtype, settings.device),
+    )
+
+
+def start_ray(*, in_cluster: bool) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if in_cluster:
+        ray.init(address="auto")
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
+    from r3operator.rollout.engines import HTTPEngine, RayEngine
+
+    if settings.engine_urls:
+        from transformers import AutoConfig
+
+        experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
+        return EngineGroup([
+            HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
+            for url in settings.engine_urls
+        ])  # fmt: skip
+    start_ray(in_cluster=False)
+    backend = weight_sync.local_engine_backend(settings.device)
+    inference = settings.job.spec.inference
+    # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
+    share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
+    return EngineGroup([
+        RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
+                  max_model_len=512, weight_transfer_backend=backend, gpu_memory_utilization=share)
+    ])  # fmt: skip

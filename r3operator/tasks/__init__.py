@@ -1,0 +1,1 @@
+"""Prompts, datasets, rewards and multi-turn environments: what a rollout is asked and how it is scored."""
