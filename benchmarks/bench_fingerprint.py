@@ -1,4 +1,4 @@
-"""The weight-sync receipt's fingerprints (engine/receipt.py): one tensor at a time vs buckets.
+"""The weight-sync receipt's fingerprints (wire/receipt.py): one tensor at a time vs buckets.
 
     # CPU, no memory needed: the a3b and a3b-x16l parameter sets as meta tensors (shapes only)
     python3 -m benchmarks.bench_fingerprint --models a3b,a3b-x16l --json OUT/fingerprint.json
@@ -35,8 +35,8 @@ def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    from r3operator.engine.weights import checkpoint_tensors
     from r3operator.models.reference import get_spec
+    from r3operator.wire.weights import checkpoint_tensors
 
     with torch.device("meta"):
         hf = Qwen3MoeForCausalLM(get_spec(model).hf_config())
@@ -63,7 +63,7 @@ def counted_ops(run: Callable[[], Any]) -> tuple[int, float]:
 
 
 def _trainer(tensors: list[tuple[str, Any]], bucket_bytes: int, read: bool) -> Callable[[], Any]:
-    from r3operator.engine.receipt import FingerprintLog
+    from r3operator.wire.receipt import FingerprintLog
 
     def run() -> Any:
         log = FingerprintLog(bucket_bytes=bucket_bytes)
@@ -76,7 +76,7 @@ def _trainer(tensors: list[tuple[str, Any]], bucket_bytes: int, read: bool) -> C
 
 
 def _engine(tensors: list[tuple[str, Any]], bucket_bytes: int, batch_bytes: int, read: bool) -> Callable[[], Any]:
-    from r3operator.engine.receipt import FingerprintLog
+    from r3operator.wire.receipt import FingerprintLog
 
     batches: list[list[tuple[str, Any]]] = [[]]
     held = 0
@@ -112,7 +112,7 @@ def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
 def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from r3operator.engine.receipt import BUCKET_BYTES
+    from r3operator.wire.receipt import BUCKET_BYTES
 
     shapes = checkpoint_shapes(model)
     if device == "meta":

@@ -11,7 +11,7 @@ row on (docs/runtime.md, "Partial rollouts"). This measures how far the two diff
 Per learning rate (a fresh driver from the same seed and SFT warm-up each time; `0` re-syncs the same
 weights: the noise floor of re-prefilling in another batch):
 
-1. the async producer (runtime/producer.py) generates the first segment of `promptsPerStep x groupSize`
+1. the async producer (rollout/producer.py) generates the first segment of `promptsPerStep x groupSize`
    trajectories of the job (examples/rljob-local-async.yaml) under policy v; each open trajectory's rows are
    kept;
 2. one real GRPO step of the synchronous driver at that learning rate (fresh rollouts, PPO-clip update,
@@ -64,11 +64,11 @@ def _settings(args: argparse.Namespace, out: Path, lr: float) -> Any:
 
 
 def measure(args: argparse.Namespace, engines: Any, lr: float) -> list[dict[str, Any]]:
+    from r3operator.rollout.producer import EngineGate, RolloutProducer
     from r3operator.routing.codec import decode
     from r3operator.runtime.async_loop import segment_tokens
     from r3operator.runtime.loop import GRPORun
-    from r3operator.runtime.producer import EngineGate, RolloutProducer
-    from r3operator.trainer.grpo import tasks
+    from r3operator.tasks import toy as tasks
 
     run = GRPORun(_settings(args, args.out / f"lr{lr:g}", lr), engines=engines)
     run.setup()  # SFT warm-up, first sync and canary: the engine serves policy v
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from r3operator.models import ensure_reference_model
     from r3operator.runtime.app import _prepare_env
     from r3operator.runtime.config import resolve_model_dir
-    from r3operator.runtime.loop import start_engines
+    from r3operator.runtime.setup import start_engines
 
     _prepare_env(args.device)
     if args.model == "tiny":

@@ -31,11 +31,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.rollout.engines import EngineGroup
-from r3operator.rollout.partial import current_version_masks, renumber, split_stale, staleness
-from r3operator.rollout.producer import EngineGate, RolloutProducer
-from r3operator.runtime.config import RunSettings
-from r3operator.runtime.loop import GRPORun, PhaseTimer
-from r3operator.runtime.partial import (
+from r3operator.rollout.partial import (
     abs_diff_by_lag,
     current_version_masks,
     format_by_lag,
@@ -44,7 +40,9 @@ from r3operator.runtime.partial import (
     staleness,
     token_lags,
 )
-from r3operator.runtime.producer import EngineGate, RolloutProducer
+from r3operator.rollout.producer import EngineGate, RolloutProducer
+from r3operator.runtime.config import RunSettings
+from r3operator.runtime.loop import GRPORun, PhaseTimer
 from r3operator.runtime.progress import StepTable
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats

@@ -337,7 +337,7 @@ def test_the_logprob_gap_is_split_by_staleness_lag() -> None:
     0.02 over 2 tokens, 1 -> (0.2 + 0.4) / 2 = 0.3 over 2, 2 -> 1.0 over 1, 3 -> none."""
     from dataclasses import replace
 
-    from r3operator.runtime.partial import abs_diff_by_lag, format_by_lag, token_lags
+    from r3operator.rollout.partial import abs_diff_by_lag, format_by_lag, token_lags
 
     a = replace(_sample([5, 4, 4], "a"), prompt_token_ids=(1, 2), token_ids=(7, 8, 9))
     b = replace(_sample([3, 5], "b"), prompt_token_ids=(1, 2, 3), token_ids=(7, 8))

@@ -1,4 +1,4 @@
-"""The sync receipt (engine/receipt.py) and the canary's tolerances, without vLLM: fingerprints, the engine-side
+"""The sync receipt (wire/receipt.py) and the canary's tolerances, without vLLM: fingerprints, the engine-side
 record of a bracket against deliberately broken engines, and tolerances derived from the engine's dtype/device."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from r3operator.engine import receipt as receipt_module
-from r3operator.engine.receipt import (
+from r3operator.weightsync.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy, check_receipts
+from r3operator.wire import receipt as receipt_module
+from r3operator.wire.receipt import (
     GROUP_ROWS,
     WEIGHT_PERIOD,
     FingerprintLog,
@@ -21,7 +22,6 @@ from r3operator.engine.receipt import (
     fingerprint,
     fingerprint_bucket,
 )
-from r3operator.runtime.canary import CanaryMismatchError, canary_tolerance, check_engine_greedy, check_receipts
 
 
 def _reference_fingerprint(tensor: torch.Tensor) -> tuple[int, int, int]:
