@@ -84,7 +84,7 @@ def _version(obj: dict[str, Any]) -> str | None:
     return (obj.get("metadata") or {}).get("resourceVersion")
 
 
-def _newer(obj: dict[str, Any], than: dict[str, Any] | None) -> bool:
+def is_newer(obj: dict[str, Any], than: dict[str, Any] | None) -> bool:
     """``obj`` is a later state than ``than``: resourceVersions are etcd revisions (integers) in every
     kube-apiserver; were one not, the later arrival wins."""
     if than is None:
@@ -204,14 +204,14 @@ class ChildCache:
         store = self._stores.get((kind, namespace))
         if store is not None and store.synced:
             name = str((obj.get("metadata") or {}).get("name") or "")
-            if _newer(obj, store.objects.get(name)):
+            if is_newer(obj, store.objects.get(name)):
                 store.objects[name] = _slim(kind, obj)
 
     def _put(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
         name = str((obj.get("metadata") or {}).get("name") or "")
         old = store.objects.get(name)
-        if _newer(obj, old):
+        if is_newer(obj, old):
             store.objects[name] = _slim(kind, obj)
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))

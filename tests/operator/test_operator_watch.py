@@ -106,11 +106,19 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
     healed = wait_for(lambda: (cm := cluster.get(p["cm"])) and _uid(cm) != _uid(kids["cm"]) and cm,
                       timeout=REACT_S, what="the ConfigMap re-created")  # fmt: skip
     assert healed["data"] == kids["cm"]["data"]
+    wait_for(quiet, timeout=30, what="the operator at rest after the re-create")
+    mark = len(cluster.requests())
     patch = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "example.com/edited:1"}]}}}}
     cluster.http("PATCH", p["sts"], patch, "application/strategic-merge-patch+json")
     want = kids["sts"]["spec"]["template"]["spec"]["containers"][0]["image"]
     wait_for(lambda: cluster.get(p["sts"])["spec"]["template"]["spec"]["containers"][0]["image"] == want,
              timeout=REACT_S, what="the engine image taken back")  # fmt: skip
+    # The pass that took it back read the RLJob from kopf's watch and the StatefulSet from the cache: it sent
+    # its write and nothing else (no GET of the RLJob, no GET of a child).
+    time.sleep(2)
+    sent = _operator_requests(cluster, mark)
+    assert [r for r in sent if r.verb == "get" and "/namespaces/" in r.path] == [], [(r.verb, r.path) for r in sent]
+    assert any(r.verb == "patch" and r.path.startswith(p["sts"]) for r in sent)
 
     # The RayJob finishing (the status KubeRay would write; KubeRay paused so it does not overwrite it).
     with cluster.api.paused("kuberay-operator"):
