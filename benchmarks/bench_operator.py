@@ -234,19 +234,19 @@ def _ray_job_failed(obj: dict[str, Any]) -> bool:
     return (obj.get("status") or {}).get("jobDeploymentStatus") == "Failed"
 
 
-def _start_operator(plane: ControlPlane, name: str, profile: Path | None = None) -> subprocess.Popen[bytes]:
+def _start_operator(plane: ControlPlane, name: str, retry_s: float, profile: Path | None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "R3OPERATOR_METRICS_PORT": "0",
            "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO)}  # fmt: skip
     for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
         env.pop(variable, None)  # production defaults
-    # Lease duration and renew deadline 60/40 s rather than the defaults' 15/10: on the shared 2-core box a
-    # renewal (GET + PUT) can take over 2 s, and a leader that cannot renew exits. The retry period is the
-    # default's 2 s: it is how often the standby asks, so it bounds the takeover. The failover below is a
-    # SIGTERM, which releases the Lease: the takeover does not wait for the lease duration.
+    # Lease duration and renew deadline 60/40 s rather than the defaults' 15/10: on the shared 2-core box the API
+    # server can stall for seconds, and a leader that cannot renew within the deadline exits. The retry period
+    # (--lease-retry, the chart's 2 s by default) is how often the standby asks: it bounds the takeover. The
+    # failover below is a SIGTERM, which releases the Lease: no wait for the lease duration.
     prefix = [sys.executable] if profile is None else [sys.executable, "-m", "cProfile", "-o", str(profile)]
     cmd = [*prefix, "-m", "r3operator", "operator", "-n", NS, "--liveness", "", "--leader-elect",
            "--leader-election-namespace", NS, "--lease-duration", "60", "--renew-deadline", "40",
-           "--retry-period", "2"]  # fmt: skip
+           "--retry-period", str(retry_s)]  # fmt: skip
     log = open(plane.logs / f"operator-{name}.log", "wb")  # noqa: SIM115 (the process owns it)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -264,7 +264,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def run_size(jobs: int, nodes: int, rate_per_s: float, profile: Path | None = None) -> dict[str, Any]:
+def run_size(jobs: int, nodes: int, rate_per_s: float, retry_s: float, profile: Path | None) -> dict[str, Any]:
     fleet = Fleet(nodes=nodes, gpus_per_node=8, cpu_nodes=2)
     with control_plane(fleet=fleet) as plane:
         plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS}})
@@ -273,11 +273,11 @@ def run_size(jobs: int, nodes: int, rate_per_s: float, profile: Path | None = No
             env={**os.environ, "KUBECONFIG": str(plane.kubeconfig)}, check=True, capture_output=True,
         )  # fmt: skip
         plane.wait_established("rljobs.r3operator.io")
-        leader = _start_operator(plane, "op-a", profile.resolve() / f"op-a-{jobs}.prof" if profile else None)
+        leader = _start_operator(plane, "op-a", retry_s, profile.resolve() / f"op-a-{jobs}.prof" if profile else None)
         procs = [leader]
         try:
             _wait(lambda: _holder(plane).startswith("op-a_"), 60, "op-a never took the Lease")
-            standby = _start_operator(plane, "op-b")
+            standby = _start_operator(plane, "op-b", retry_s, None)
             procs.append(standby)
             operator = psutil.Process(leader.pid)
             sts = Recorder(plane, f"/apis/apps/v1/namespaces/{NS}/statefulsets")
@@ -350,6 +350,7 @@ def run_size(jobs: int, nodes: int, rate_per_s: float, profile: Path | None = No
     return {
         "jobs": jobs,
         "nodes": nodes,
+        "lease_retry_period_s": retry_s,
         "create_rate_per_s": rate_per_s,
         "apply_to_children": _latencies(latencies),
         "all_children_after_s": round(all_children_s, 1),
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--nodes", type=int, default=256)
     parser.add_argument("--rate", type=float, default=5.0, help="RLJob creates per second")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--lease-retry", type=float, default=2.0, help="the operators' --retry-period (s)")
     parser.add_argument("--profile", type=Path, help="run the leader under cProfile, its stats in this folder")
     args = parser.parse_args(argv or [])
     # A SIGTERM stops the run through its finally blocks: the operators and the control plane go with it.
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    sizes = [run_size(n, args.nodes, args.rate, args.profile) for n in args.jobs]
+    sizes = [run_size(n, args.nodes, args.rate, args.lease_retry, args.profile) for n in args.jobs]
     result = {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
