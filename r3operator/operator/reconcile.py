@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -193,11 +194,14 @@ class Reconciler:
         self._canaries: dict[str, tuple[float, CanaryResult]] = {}
         self._failures: dict[str, int] = {}
         self._written: dict[str, dict[str, Any]] = {}
+        self._rendered: dict[str, tuple[tuple[str, ...], list[dict[str, Any]]]] = {}
+        """Per RLJob uid, the last desired() and what it was rendered from."""
         """Per RLJob uid, the RLJob as this operator's last write of it returned, until a live body catches up."""
 
     def forget(self, uid: str) -> None:
         self._locks.pop(uid, None)
         self._written.pop(uid, None)
+        self._rendered.pop(uid, None)
         self._canaries.pop(uid, None)
         self._failures.pop(uid, None)
 
@@ -226,6 +230,22 @@ class Reconciler:
             except RLJobLoadError as exc:
                 return await self._unparsable(fresh, exc)
             return await self._reconcile(job)
+
+    def _desired(self, job: RLJob, facts: Facts) -> list[dict[str, Any]]:
+        """desired(), rendered again only when what it reads changed (the spec, the job's name, uid, labels and
+        annotations, the facts): most passes are woken by a child's status and would render the same children.
+        Nothing downstream changes the children it returns."""
+        meta_ = job.metadata
+        labels, annotations = json.dumps(meta_.labels, sort_keys=True), json.dumps(meta_.annotations, sort_keys=True)
+        key = (job.spec.model_dump_json(), meta_.name, meta_.namespace or "", meta_.uid or "", labels, annotations,
+               repr(facts))  # fmt: skip
+        held = self._rendered.get(meta_.uid or "")
+        if held is not None and held[0] == key:
+            return held[1]
+        children = desired(job, facts)
+        if meta_.uid:
+            self._rendered[meta_.uid] = (key, children)
+        return children
 
     def _newest(self, uid: str, body: dict[str, Any]) -> dict[str, Any]:
         mine = self._written.get(uid)
@@ -337,7 +357,7 @@ class Reconciler:
                 admitted=admission.runs,
                 priority=refs.priority,
             )
-            children = desired(job, facts)
+            children = self._desired(job, facts)
             known = {
                 ("RayJob", trainer): raw_ray_job,
                 (engine_kind, engine_name): raw_engine_set,
