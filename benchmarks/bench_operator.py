@@ -8,8 +8,8 @@ RLJobs created one after another at a fixed rate, it measures:
 - apply → every child exists (p50/p95/max), from the RLJob's create to the last child's create, and the
   time until every engine pod is Running (real StatefulSet controller + scheduler + kwok);
 - API requests per RLJob made by the operator (the apiserver's audit log, by user agent) while converging;
-- convergence, detected: the first moment after which, for ``QUIET_S``, no RLJob changed and the operator
-  wrote nothing (kwok's RayJobs fail a few minutes after they start; that, too, must have settled);
+- convergence, detected: every RLJob has ended (kwok's RayJobs fail a few minutes after they start, once:
+  ``backoffLimit`` 0) and then, for ``QUIET_S``, no RLJob changed and the operator wrote nothing;
 - at rest, over ``STEADY_S`` after convergence: requests per minute by verb and resource, its watches
   aside (target: 0 writes and ≤ 1 request per minute per RLJob), and the operator's RSS;
 - child change → RLJob status, both as a client's watch sees them: the engine StatefulSet ready (the
@@ -166,21 +166,25 @@ def _resource(event: dict[str, Any]) -> str:
     return f"{ref.get('resource', '?')}/{sub}" if sub else str(ref.get("resource", "?"))
 
 
-def _rljob_versions(plane: ControlPlane) -> dict[str, str]:
+def _rljob_versions(plane: ControlPlane) -> tuple[dict[str, str], int]:
+    """Each RLJob's resourceVersion, and how many have ended (Failed or Succeeded True)."""
     items = plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")["items"]
-    return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}
+    ended = sum(1 for i in items if _condition_true("Failed")(i) or _condition_true("Succeeded")(i))
+    return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}, ended
 
 
-def _wait_converged(plane: ControlPlane, since: float, timeout_s: float) -> float | None:
-    """Seconds after ``since`` until QUIET_S passed with no RLJob changed and no operator write (events aside);
-    None when that did not happen within ``timeout_s`` (the figures after it are then not at rest, and say so)."""
-    versions, quiet_from = _rljob_versions(plane), time.time()
+def _wait_converged(plane: ControlPlane, since: float, jobs: int, timeout_s: float) -> float | None:
+    """Seconds after ``since`` until every RLJob has ended (each RayJob fails once here) and then QUIET_S passed
+    with no RLJob changed and no operator write (events aside): a quiet spell while KubeRay still waits on its
+    RayJobs is not rest. None when that did not happen within ``timeout_s`` (the figures after it are then not
+    at rest, and say so)."""
+    (versions, _), quiet_from = _rljob_versions(plane), time.time()
     while time.time() - since < timeout_s:
         time.sleep(5)
-        now_versions = _rljob_versions(plane)
+        now_versions, ended = _rljob_versions(plane)
         writes = [e for e in _operator_requests(plane, quiet_from)
                   if e.get("verb") in WRITES and _resource(e) != "events"]  # fmt: skip
-        if now_versions != versions or writes:
+        if now_versions != versions or writes or ended < jobs:
             versions, quiet_from = now_versions, time.time()
         elif time.time() - quiet_from >= QUIET_S:
             return quiet_from - since
@@ -328,7 +332,7 @@ def run_size(
                 if (running := _engine_pods_running(plane))[0] >= jobs:
                     engines_running_s = time.monotonic() - t0
                 time.sleep(2)
-            converged_after_s = _wait_converged(plane, t0_wall, converge_timeout_s)
+            converged_after_s = _wait_converged(plane, t0_wall, jobs, converge_timeout_s)
             converge_requests = _operator_requests(plane, t0_wall)
             cpu_converge = sum(operator.cpu_times()[:2]) - cpu0
             # At rest.
