@@ -107,7 +107,7 @@ def reconciler() -> Reconciler:
 async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
     started = time.perf_counter()
     try:
-        outcome = await reconciler().reconcile(dict(body))
+        outcome = await reconciler().reconcile(dict(body), live=True)
     except KubeError as exc:
         metrics.RECONCILE_TOTAL.labels("error").inc()
         metrics.RECONCILE_ERRORS.labels(exc.reason or str(exc.status)).inc()

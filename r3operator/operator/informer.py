@@ -84,7 +84,7 @@ def _version(obj: dict[str, Any]) -> str | None:
     return (obj.get("metadata") or {}).get("resourceVersion")
 
 
-def _newer(obj: dict[str, Any], than: dict[str, Any] | None) -> bool:
+def is_newer(obj: dict[str, Any], than: dict[str, Any] | None) -> bool:
     """``obj`` is a later state than ``than``: resourceVersions are etcd revisions (integers) in every
     kube-apiserver; were one not, the later arrival wins."""
     if than is None:
@@ -104,9 +104,30 @@ class _Store:
     """One kind in one namespace."""
 
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_job: dict[str, set[str]] = field(default_factory=dict)
+    """The names of each RLJob's objects: a pass asks for its own pods without a scan of every pod."""
     synced: bool = False
     unserved: bool = False
     """The last list was refused: 404, the kind's CRD is not installed; 403, the operator may not list it."""
+
+    def set(self, name: str, obj: dict[str, Any]) -> None:
+        self.pop(name)
+        self.objects[name] = obj
+        if (job := _owner(obj)) is not None:
+            self.by_job.setdefault(job, set()).add(name)
+
+    def pop(self, name: str) -> dict[str, Any] | None:
+        old = self.objects.pop(name, None)
+        if old is not None and (job := _owner(old)) is not None and (names := self.by_job.get(job)) is not None:
+            names.discard(name)
+            if not names:
+                del self.by_job[job]
+        return old
+
+    def reset(self, objects: dict[str, dict[str, Any]]) -> None:
+        self.objects, self.by_job = {}, {}
+        for name, obj in objects.items():
+            self.set(name, obj)
 
 
 class Wakeups:
@@ -186,7 +207,7 @@ class ChildCache:
         store = self._stores.get((kind, namespace))
         if store is None or not store.synced:
             return UNKNOWN
-        return [o for o in store.objects.values() if _owner(o) == job]
+        return [store.objects[name] for name in store.by_job.get(job, ())]
 
     def size(self) -> int:
         return sum(len(s.objects) for s in self._stores.values())
@@ -204,21 +225,23 @@ class ChildCache:
         store = self._stores.get((kind, namespace))
         if store is not None and store.synced:
             name = str((obj.get("metadata") or {}).get("name") or "")
-            if _newer(obj, store.objects.get(name)):
-                store.objects[name] = _slim(kind, obj)
+            if is_newer(obj, store.objects.get(name)):
+                store.set(name, _slim(kind, obj))
 
     def _put(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
         name = str((obj.get("metadata") or {}).get("name") or "")
         old = store.objects.get(name)
-        if _newer(obj, old):
-            store.objects[name] = _slim(kind, obj)
+        if old is not None and _version(old) is not None and _version(old) == _version(obj):
+            return  # held already: the echo of this operator's own write (remember), which its pass has seen
+        if is_newer(obj, old):
+            store.set(name, _slim(kind, obj))
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))
 
     def _drop(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
-        old = store.objects.pop(str((obj.get("metadata") or {}).get("name") or ""), None)
+        old = store.pop(str((obj.get("metadata") or {}).get("name") or ""))
         if (job := _owner(old if old is not None else obj)) is not None:
             self._on_change((namespace, job))
 
@@ -227,7 +250,7 @@ class ChildCache:
         store = self._stores[(kind, namespace)]
         old = store.objects
         new = {str(o["metadata"]["name"]): _slim(kind, o) for o in items}
-        store.objects = new
+        store.reset(new)
         was_synced, store.synced = store.synced, True
         if store.unserved:  # a CRD installed meanwhile (KubeRay after the RLJob): every RLJob looks again
             store.unserved = False
@@ -258,7 +281,7 @@ class ChildCache:
                     if exc.status == 403 and not store.unserved:
                         log.warning("no list/watch of %s in %s (%s): its reads are GETs", kind, namespace, exc)
                     store.synced, store.unserved = False, True
-                    store.objects.clear()
+                    store.reset({})
                     await asyncio.sleep(UNSERVED_RETRY_S)
                     continue
                 log.warning("watch of %s in %s: %s; listing again", kind, namespace, exc)

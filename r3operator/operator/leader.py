@@ -144,8 +144,12 @@ class LeaderElector:
         last_renewal = time.monotonic()
         while True:
             await asyncio.sleep(c.retry_period_s)
+            # One round may take what is left of the renew deadline, as client-go's renew loop allows: on a
+            # loaded API server (or a busy event loop) a GET + PUT can outlast the retry period with the Lease
+            # in no danger; a leader that gave each round only the retry period exited while it still held it.
+            remaining = c.renew_deadline_s - (time.monotonic() - last_renewal)
             try:
-                renewed = await asyncio.wait_for(self.try_acquire_or_renew(), timeout=c.retry_period_s)
+                renewed = remaining > 0 and await asyncio.wait_for(self.try_acquire_or_renew(), timeout=remaining)
             except (TimeoutError, KubeError, OSError) as exc:
                 log.warning("leader election: renewal failed: %s", exc)
                 renewed = False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
-from r3operator.operator.informer import UNKNOWN, ChildCache
+from r3operator.operator.informer import UNKNOWN, ChildCache, is_newer
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
 from r3operator.operator.lifecycle import (
     ANNOTATION_FINISHED,
@@ -107,6 +108,9 @@ _CHILD_KINDS = (
     (meta.ROLE_TRAINER, "RayJob"),
     (meta.ROLE_UPGRADE_CANARY, "Job"),
 )
+
+_POD_MAKERS = frozenset({"StatefulSet", "LeaderWorkerSet", "RayJob", "Job", "Workload"})
+"""Children whose controllers make pods (a Workload admits them): written after what those pods need."""
 
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
 # a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
@@ -191,13 +195,23 @@ class Reconciler:
         self._locks: dict[str, asyncio.Lock] = {}
         self._canaries: dict[str, tuple[float, CanaryResult]] = {}
         self._failures: dict[str, int] = {}
+        self._written: dict[str, dict[str, Any]] = {}
+        self._rendered: dict[str, tuple[tuple[str, ...], list[dict[str, Any]]]] = {}
+        """Per RLJob uid, the last desired() and what it was rendered from."""
+        """Per RLJob uid, the RLJob as this operator's last write of it returned, until a live body catches up."""
 
     def forget(self, uid: str) -> None:
         self._locks.pop(uid, None)
+        self._written.pop(uid, None)
+        self._rendered.pop(uid, None)
         self._canaries.pop(uid, None)
         self._failures.pop(uid, None)
 
-    async def reconcile(self, body: dict[str, Any]) -> Outcome:
+    async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
+        """One pass over the RLJob ``body``. ``live``: the body is kopf's live view of it (a daemon's), as current
+        as kopf's watch; the pass takes it, or this operator's own last write of the RLJob where that is newer
+        (the watch event of a status write arrives a moment after it), and reads nothing from the API server
+        unless a child is missing from the cache. Otherwise the RLJob is read from the API server."""
         uid = str(body.get("metadata", {}).get("uid", ""))
         lock = self._locks.setdefault(uid, asyncio.Lock())
         async with lock:
@@ -206,9 +220,11 @@ class Reconciler:
                 self.cache.watch_namespace(namespace)
                 # A namespace's first pass after a start waits for its lists rather than GET every child.
                 await self.cache.wait_synced(namespace, CACHE_SYNC_WAIT_S)
-            # The RLJob itself is read from the API server: it must include this operator's last status write,
-            # which kopf's watch (the body handed in) may not have delivered yet.
-            fresh = await self.client.get(KINDS["RLJob"], body["metadata"].get("namespace"), body["metadata"]["name"])
+            # The RLJob must include this operator's last status write, which kopf's watch may not have delivered.
+            if live:
+                fresh: dict[str, Any] | None = self._newest(uid, body)
+            else:
+                fresh = await self.client.get(KINDS["RLJob"], namespace, body["metadata"]["name"])
             if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                 return Outcome()
             try:
@@ -216,6 +232,33 @@ class Reconciler:
             except RLJobLoadError as exc:
                 return await self._unparsable(fresh, exc)
             return await self._reconcile(job)
+
+    def _desired(self, job: RLJob, facts: Facts) -> list[dict[str, Any]]:
+        """desired(), rendered again only when what it reads changed (the spec, the job's name, uid, labels and
+        annotations, the facts): most passes are woken by a child's status and would render the same children.
+        Nothing downstream changes the children it returns."""
+        meta_ = job.metadata
+        labels, annotations = json.dumps(meta_.labels, sort_keys=True), json.dumps(meta_.annotations, sort_keys=True)
+        key = (job.spec.model_dump_json(), meta_.name, meta_.namespace or "", meta_.uid or "", labels, annotations,
+               repr(facts))  # fmt: skip
+        held = self._rendered.get(meta_.uid or "")
+        if held is not None and held[0] == key:
+            return held[1]
+        children = desired(job, facts)
+        if meta_.uid:
+            self._rendered[meta_.uid] = (key, children)
+        return children
+
+    def _newest(self, uid: str, body: dict[str, Any]) -> dict[str, Any]:
+        mine = self._written.get(uid)
+        if mine is None or is_newer(body, mine):
+            self._written.pop(uid, None)  # the live body holds the write now
+            return body
+        return mine
+
+    def _wrote(self, uid: str | None, returned: dict[str, Any]) -> None:
+        if uid and is_newer(returned, self._written.get(uid)):
+            self._written[uid] = returned
 
     async def _unparsable(self, raw: dict[str, Any], exc: RLJobLoadError) -> Outcome:
         """Valid=False (ParseError) and one Event, written once; nothing else is read or changed."""
@@ -245,8 +288,9 @@ class Reconciler:
                 ],
             }
         }
-        await self.client.merge_patch(KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch,
-                                      subresource="status")  # fmt: skip
+        written = await self.client.merge_patch(KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch,
+                                                subresource="status")  # fmt: skip
+        self._wrote(metadata.get("uid"), written)
         outcome.status_written = True
         outcome.events.append(EventSpec("Warning", reason, f"Valid=False: {message}"[:1024]))
         return outcome
@@ -316,7 +360,7 @@ class Reconciler:
                 admitted=admission.runs,
                 priority=refs.priority,
             )
-            children = desired(job, facts)
+            children = self._desired(job, facts)
             known = {
                 ("RayJob", trainer): raw_ray_job,
                 (engine_kind, engine_name): raw_engine_set,
@@ -419,7 +463,8 @@ class Reconciler:
         """Write ANNOTATION_FINISHED on the RLJob once the RayJob ended: metadata, which no /status patch changes."""
         value = finish_annotation(finish, now)
         patch = {"metadata": {"annotations": {ANNOTATION_FINISHED: value}}}
-        await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch)
+        self._wrote(job.metadata.uid, await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace,
+                                                                    job.metadata.name, patch))  # fmt: skip
         metadata = job.metadata.model_copy(update={"annotations": {**job.metadata.annotations,
                                                                     ANNOTATION_FINISHED: value}})  # fmt: skip
         return job.model_copy(update={"metadata": metadata})
@@ -437,16 +482,17 @@ class Reconciler:
     async def _read(
         self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]
     ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-        """Each child as it is under its name (``known``: read earlier in this pass)."""
-        out = []
-        for child in children:
+        """Each child as it is under its name (``known``: read earlier in this pass). The reads the cache cannot
+        answer (a new RLJob's first pass: one GET per child) go out together, one round trip rather than ten."""
+
+        async def read(child: dict[str, Any]) -> dict[str, Any] | None:
             key = (child["kind"], child["metadata"]["name"])
             if key in known:
-                out.append((child, known[key]))
-                continue
-            have = await self._get(child["kind"], child["metadata"].get("namespace"), key[1])
-            out.append((child, have))
-        return out
+                return known[key]
+            return await self._get(child["kind"], child["metadata"].get("namespace"), key[1])
+
+        found = await asyncio.gather(*(read(child) for child in children))
+        return list(zip(children, found, strict=True))
 
     async def _get(
         self, kind: str, namespace: str | None, name: str, *, absent_known: bool = False
@@ -529,12 +575,22 @@ class Reconciler:
         observed: dict[str, dict[str, Any] | None],
         outcome: Outcome,
     ) -> None:
+        # A finished RayJob is the record of the end: never re-run or changed.
+        todo = [(c, h, a) for c, h, a in plans if not (c["kind"] == "RayJob" and finished)]
+        # Two waves, each written at once: what the pods mount or run as, then the objects that make pods, so
+        # that no pod waits for its ConfigMap, claim or ServiceAccount. A refusal stops after its wave.
+        waves = ([p for p in todo if p[0]["kind"] not in _POD_MAKERS], [p for p in todo if p[0]["kind"] in _POD_MAKERS])
         try:
-            for child, have, action in plans:
-                if child["kind"] == "RayJob" and finished:
-                    continue  # a finished RayJob is the record of the end: never re-run or changed
-                result = await self._converge(child, have, action, outcome)
-                observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
+            for wave in waves:
+                notes: list[list[str]] = [[] for _ in wave]
+                results = await asyncio.gather(*(self._converge(c, h, a, n) for (c, h, a), n in zip(wave, notes,
+                                                 strict=True)), return_exceptions=True)  # fmt: skip
+                for (child, _, _), result, note in zip(wave, results, notes, strict=True):
+                    outcome.written += note
+                    if not isinstance(result, BaseException):
+                        observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
+                if failed := next((r for r in results if isinstance(r, BaseException)), None):
+                    raise failed
             await self._prune(job, plans, expired, outcome)
         except KubeError as exc:
             outcome.error = exc
@@ -556,8 +612,9 @@ class Reconciler:
         if not status_changed(job.status, new_status):
             return
         patch = status_patch(new_status)
-        await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
-                                      subresource="status")  # fmt: skip
+        written = await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
+                                                subresource="status")  # fmt: skip
+        self._wrote(job.metadata.uid, written)
         outcome.status_written = True
         for cond in transitions(job.status, new_status):
             kind = "Warning" if _bad_polarity(cond.type, cond.status) else "Normal"
@@ -565,7 +622,7 @@ class Reconciler:
             outcome.events.append(EventSpec(kind, cond.reason, message))
 
     async def _converge(
-        self, want: dict[str, Any], have: dict[str, Any] | None, action: Action, outcome: Outcome
+        self, want: dict[str, Any], have: dict[str, Any] | None, action: Action, written: list[str]
     ) -> dict[str, Any] | None:
         kind = kind_of(want)
         namespace, name = want["metadata"].get("namespace"), want["metadata"]["name"]
@@ -575,7 +632,7 @@ class Reconciler:
         if action.verb == "recreate":
             assert have is not None
             await self.client.delete(kind, namespace, name, uid=have["metadata"].get("uid"))
-            outcome.written.append(f"deleted {label} ({action.why})")
+            written.append(f"deleted {label} ({action.why})")
             if await self.client.get(kind, namespace, name) is not None:
                 return None  # still finalizing (KubeRay's finalizer); the next pass creates it
             have, action = None, plan_action(want, None, job_uid=None)
@@ -587,7 +644,7 @@ class Reconciler:
             have.get("metadata") or {}
         ).get("resourceVersion")
         if not unchanged:  # an apply the server found equal to what is there writes nothing
-            outcome.written.append(f"{'created' if have is None else 'updated'} {label}")
+            written.append(f"{'created' if have is None else 'updated'} {label}")
         return applied
 
     async def _prune(
