@@ -254,3 +254,21 @@ def operator_args(namespaces: list[str]) -> list[str]:
     for ns in namespaces:
         args += ["-n", ns]
     return args
+
+
+def wait_passes(
+    namespace: str, job: str, n: int, *, timeout: float = 20.0, also: Callable[[], None] | None = None
+) -> None:
+    """Wait for n more reconcile passes of the RLJob to end in the operator this process runs (running_operator,
+    KopfRunner): a clock that needs no sleep. ``also`` runs at every poll (e.g. an assertion that must hold)."""
+    from r3operator.operator import handlers
+
+    key = (namespace, job)
+    base = handlers.PASSES[key]
+
+    def done() -> bool:
+        if also is not None:
+            also()
+        return handlers.PASSES[key] >= base + n
+
+    wait_for(done, timeout=timeout, what=f"{n} reconcile passes of {namespace}/{job}")

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 from kopf.testing import KopfRunner
-from operator_harness import CANARY_PORT, REPO, Cluster, condition, paths, running_operator, wait_for
+from operator_harness import CANARY_PORT, REPO, Cluster, condition, paths, running_operator, wait_for, wait_passes
 
 pytestmark = pytest.mark.slow
 
@@ -131,19 +131,13 @@ def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:
 
 
 def _wait_passes(cluster: Cluster, job: str, n: int, *, never_true: bool = False) -> None:
-    """n more reconcile passes (each GETs its RLJob once); with never_true, RoutingReplayActive stays not True."""
+    """n more reconcile passes of the job; with never_true, RoutingReplayActive stays not True meanwhile."""
 
-    def count() -> int:
-        return len([r for r in cluster.requests() if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
-
-    base = count()
-
-    def done() -> bool:
+    def holds() -> None:
         cond = _replay(cluster, job)
         assert not never_true or cond is None or cond["status"] != "True", cond
-        return count() >= base + n
 
-    wait_for(done, what=f"{n} reconcile passes of {job}")
+    wait_passes(NS, job, n, also=holds)
 
 
 NO_PODS = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": 0}}}

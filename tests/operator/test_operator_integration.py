@@ -27,6 +27,7 @@ from operator_harness import (
     running_operator,
     wait_condition,
     wait_for,
+    wait_passes,
 )
 
 from r3operator.operator.hashing import engine_spec_hash
@@ -154,13 +155,8 @@ def test_python_only_rule_gives_valid_false_one_event_and_no_children_then_valid
 
 
 def _wait_passes(cluster: Cluster, job: str, n: int) -> None:
-    """Wait for n more reconcile passes: each pass GETs its RLJob once (a clock that needs no sleep)."""
-
-    def count() -> int:
-        return len([r for r in cluster.requests() if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
-
-    base = count()
-    wait_for(lambda: count() >= base + n, what=f"{n} reconcile passes of {job}")
+    """Wait for n more reconcile passes of the job (a clock that needs no sleep)."""
+    wait_passes(NS, job, n)
 
 
 def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cluster: Cluster, operator: KopfRunner):

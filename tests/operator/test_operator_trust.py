@@ -21,6 +21,7 @@ from operator_harness import (
     running_operator,
     wait_condition,
     wait_for,
+    wait_passes,
 )
 
 NS = "trust"
@@ -45,13 +46,8 @@ def _cond(cluster: Cluster, job: str, ctype: str, status: str, reason: str | Non
 
 
 def _passes(cluster: Cluster, job: str, n: int) -> None:
-    """Wait for n more reconcile passes: each pass GETs its RLJob once."""
-
-    def count() -> int:
-        return len([r for r in cluster.requests() if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
-
-    base = count()
-    wait_for(lambda: count() >= base + n, what=f"{n} reconcile passes of {job}")
+    """Wait for n more reconcile passes of the job."""
+    wait_passes(NS, job, n)
 
 
 def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
-from operator_harness import Cluster, example, paths, running_operator, wait_condition, wait_for
+from operator_harness import Cluster, example, paths, running_operator, wait_condition, wait_for, wait_passes
 
 NS = "status-out"
 OLD, NEW = "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1", "ghcr.io/r3operator/engine:0.2.0-vllm0.22.1"
@@ -37,13 +37,8 @@ def _as_trainer(cluster: Cluster, job: str, status: dict[str, Any]) -> None:
 
 
 def _passes(cluster: Cluster, job: str, n: int) -> None:
-    """Wait for n more reconcile passes: each pass GETs its RLJob once."""
-
-    def count() -> int:
-        return len([r for r in cluster.requests() if r.method == "GET" and r.path == paths(NS, job)["rljob"]])
-
-    base = count()
-    wait_for(lambda: count() >= base + n, timeout=60, what=f"{n} reconcile passes of {job}")
+    """Wait for n more reconcile passes of the job."""
+    wait_passes(NS, job, n, timeout=60)
 
 
 def _canary_job(cluster: Cluster, job: str) -> dict[str, Any] | None:
