@@ -168,15 +168,27 @@ def written_objects(cluster: Cluster, namespace: str, *, kueue: bool = False) ->
 
 
 def wait_condition(
-    cluster: Cluster, namespace: str, job: str, ctype: str, status: str, reason: str | None = None
+    cluster: Cluster,
+    namespace: str,
+    job: str,
+    ctype: str,
+    status: str,
+    reason: str | None = None,
+    *,
+    timeout: float = 20.0,
 ) -> dict[str, Any]:
+    seen: list[dict[str, Any] | None] = [None]
+
     def check() -> dict[str, Any] | None:
-        cond = condition(cluster.get(paths(namespace, job)["rljob"]), ctype)
+        cond = seen[0] = condition(cluster.get(paths(namespace, job)["rljob"]), ctype)
         if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
             return cond
         return None
 
-    return wait_for(check, what=f"{job} {ctype}={status} {reason or ''}")
+    try:
+        return wait_for(check, timeout=timeout, what=f"{job} {ctype}={status} {reason or ''}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the condition last read: {seen[0]!r}") from None
 
 
 def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:

@@ -161,7 +161,8 @@ def _surge_without_a_free_gpu(cluster: Cluster, node: str) -> None:
                                  "podTemplate": {"nodeSelector": {"kubernetes.io/hostname": node}}}}  # fmt: skip
     with running_operator(cluster, NS):
         cluster.apply(job)
-        wait_condition(cluster, NS, "up-nogpu", "EnginesReady", "True")
+        # The pods land on a node made a moment ago: under the suite's load its first pods take longer.
+        wait_condition(cluster, NS, "up-nogpu", "EnginesReady", "True", timeout=60)
         _set_image(cluster, "up-nogpu", NEW)
         upgrade = _wait_phase(cluster, "up-nogpu", "Canary")
         cond = wait_condition(cluster, NS, "up-nogpu", "UpgradeBlocked", "True", "CanaryUnschedulable")
