@@ -26,6 +26,7 @@ from operator_harness import Cluster, condition, example, paths, running_operato
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 
 NS = "upgrades"
+OWN_NODE_TAINT = "r3operator.io/test-node"
 OLD, NEW, BAD, NEWER = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2, 3, 4))
 
 
@@ -141,6 +142,8 @@ def _own_gpu_node(cluster: Cluster, name: str) -> Iterator[str]:
 
     node = Fleet(nodes=1, cpu_nodes=0).node(0)
     node["metadata"]["name"] = node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+    # Tainted for this test alone: pods earlier tests left Pending (the fleet full) would take a new node at once.
+    node["spec"]["taints"].append({"key": OWN_NODE_TAINT, "value": name, "effect": "NoSchedule"})
     cluster.api.add_node_objects([node])
     try:
         yield name
@@ -157,8 +160,10 @@ def test_a_surge_replica_without_a_free_gpu_is_reported_at_once_and_rolled_back(
 def _surge_without_a_free_gpu(cluster: Cluster, node: str) -> None:
     job = {**_job("up-nogpu")}
     job["spec"] = {**job["spec"], "upgradePolicy": {"timeoutSeconds": 600, "startTimeoutSeconds": 15},
-                   "inference": {**job["spec"]["inference"],
-                                 "podTemplate": {"nodeSelector": {"kubernetes.io/hostname": node}}}}  # fmt: skip
+                   "inference": {**job["spec"]["inference"], "podTemplate": {
+                       "nodeSelector": {"kubernetes.io/hostname": node},
+                       "tolerations": [{"key": OWN_NODE_TAINT, "operator": "Equal", "value": node,
+                                        "effect": "NoSchedule"}]}}}  # fmt: skip
     with running_operator(cluster, NS):
         cluster.apply(job)
         # The pods land on a node made a moment ago: under the suite's load its first pods take longer.
