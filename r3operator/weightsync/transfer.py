@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from r3operator.api.weight_transfer import TransferMethod
+from r3operator.rollout.base import NativeEndpoint
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
@@ -37,26 +38,6 @@ from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
 log = logging.getLogger(__name__)
 
 StateDictFn = Callable[[], Mapping[str, Any]]
-
-
-class NativeEndpoint(Protocol):
-    """One engine's native weight-transfer control plane (rollout/engines.py: `RayEngine`, `HTTPEngine`)."""
-
-    name: str
-
-    def native_world_size(self) -> int: ...
-
-    def native_init(self, init_info: dict[str, Any]) -> None: ...
-
-    def native_start(self) -> None: ...
-
-    def native_update(self, update_info: dict[str, Any]) -> None: ...
-
-    def native_finish(self, policy_tag: str | None) -> None: ...
-
-    def native_abort(self) -> None: ...
-
-    def policy_tag(self) -> str | None: ...
 
 
 class FanOutClient:
