@@ -166,7 +166,14 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
     before = _all_children(cluster, job)
     _cond(cluster, job, "Progressing", "True", "WaitingForWorkloads")
 
-    trainer_pods = wait_for(lambda: _pod_uids(cluster, job, "ray.io/node-type"), what="trainer pods (KubeRay)")
+    # KubeRay creates the head first and the workers after it: wait for the whole RayCluster.
+    rayjob = before["rayjob"]["spec"]["rayClusterSpec"]
+    want_trainer_pods = 1 + sum(g.get("replicas", 1) for g in rayjob.get("workerGroupSpecs") or [])
+    trainer_pods = wait_for(
+        lambda: (uids := _pod_uids(cluster, job, "ray.io/node-type")) and len(uids) == want_trainer_pods and uids,
+        timeout=60,
+        what=f"{want_trainer_pods} trainer pods (KubeRay)",
+    )
     engine_pods = wait_for(lambda: _pod_uids(cluster, job, "statefulset.kubernetes.io/pod-name"), what="engine pods")
 
     # Valid upgrade: only the engine pod template (its spec hash) changes.
