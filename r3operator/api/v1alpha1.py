@@ -274,6 +274,9 @@ class MegatronSpec(_Model):
 
 class TrainerSpec(_Model):
     image: ImageRef
+    """Trainer image (images/trainer/Dockerfile). A `-vllm<version>` part of its tag names the vLLM release it
+    carries for the native weight sender; equal to the engines' release, weight sync goes over NCCL, a
+    different one falls back to the packed path (`r3operator explain` says which and why)."""
     backend: TrainerBackend = TrainerBackend.FSDP
     """FSDP (transformers models) or Megatron (megatron-core). Exactly the matching block may be set."""
     fsdp: FSDPSpec | None = None

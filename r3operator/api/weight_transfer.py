@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports
+from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports, version_from_image
 
 
 class TransferMethod(StrEnum):
@@ -109,6 +109,30 @@ def weight_transfer_config_arg(method: TransferMethod) -> str:
 
 
 def cluster_transfer(spec: RLJobSpec) -> TransferChoice:
-    """The transport of the rendered topology: engine pods and trainer pods hold separate GPUs."""
-    version = resolve_engine_version(image=spec.inference.image, explicit=spec.inference.vllm_version)
-    return choose_transfer(Topology.SEPARATE_GPUS, version)
+    """The transport of the rendered topology: engine pods and trainer pods hold separate GPUs.
+
+    The native sender is vLLM's own code in the trainer process, so the trainer image must carry the engines'
+    vLLM release (the update-info wire format changes between releases). A trainer image whose tag names
+    another release falls back to packed here; one whose tag names none is left to the driver, which checks
+    the vLLM it can import at start (`weightsync/sync.py`) and reports a fallback in status and the report.
+    """
+    engine = resolve_engine_version(image=spec.inference.image, explicit=spec.inference.vllm_version)
+    choice = choose_transfer(Topology.SEPARATE_GPUS, engine)
+    if not choice.native or engine.version is None:
+        return choice
+    trainer = version_from_image(spec.trainer.image)
+    if trainer is None:
+        return TransferChoice(
+            choice.method,
+            f"{choice.reason} if the trainer image carries vLLM {engine}: its tag names no vLLM release, so the "
+            f"trainer checks at start and falls back to packed without it; images/trainer builds one with "
+            f"VLLM_VERSION={engine}",
+        )
+    if trainer.base_version != engine.version.base_version:
+        return TransferChoice(
+            TransferMethod.PACKED,
+            f"trainer image vLLM {trainer} != engine vLLM {engine}: the native sender must be the engines' "
+            f"release; a trainer image tagged -vllm{engine} restores {choice.method.value}",
+            fallback=True,
+        )
+    return TransferChoice(choice.method, f"{choice.reason}; the trainer image carries vLLM {trainer}")

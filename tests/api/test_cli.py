@@ -98,7 +98,8 @@ def test_explain_prints_plan() -> None:
     assert "0.22.1 (from image-tag)" in result.output
     assert "384 bytes/token" in result.output  # 48 layers x top-8 x uint8
     assert "engine EP size │ 4" in result.output
-    assert "weight sync    │ nccl (vLLM 0.22.1 native nccl weight transfer)" in result.output
+    assert "weight sync    │ nccl (vLLM 0.22.1 native nccl weight transfer; the trainer  │" in result.output
+    assert "│ image carries vLLM 0.22.1)" in result.output  # the table wraps the cell
     assert "│ model          │ hf://Qwen/Qwen3-30B-A3B fetched once by Job" in result.output
 
 

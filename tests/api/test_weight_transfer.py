@@ -40,7 +40,8 @@ def _doc(**edits: object) -> dict:
 
 
 def _spec(image: str) -> RLJobSpec:
-    return parse_rljob(_doc(**{"inference.image": image})).spec
+    """The example on engine ``image``, with a trainer image whose tag names no vLLM (the engines decide)."""
+    return parse_rljob(_doc(**{"inference.image": image, "trainer.image": "acme/trainer:1.0"})).spec
 
 
 @pytest.mark.parametrize(
@@ -102,13 +103,41 @@ def test_engine_flag_rendered_only_on_images_that_have_the_native_transfer(image
 
 
 def test_runtime_config_tells_the_trainer_the_rendered_method() -> None:
-    native = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.22.1"}))).to_json())
+    doc = _doc(**{"inference.image": "vllm/vllm-openai:v0.22.1", "trainer.image": "acme/trainer:1.0-vllm0.22.1"})
+    native = json.loads(runtime_config(parse_rljob(doc)).to_json())
     assert native["runtime"]["weightTransfer"] == {
-        "method": "nccl", "reason": "vLLM 0.22.1 native nccl weight transfer", "fallback": False,
-    }  # fmt: skip
+        "method": "nccl",
+        "reason": "vLLM 0.22.1 native nccl weight transfer; the trainer image carries vLLM 0.22.1",
+        "fallback": False,
+    }
     old = json.loads(runtime_config(parse_rljob(_doc(**{"inference.image": "vllm/vllm-openai:v0.16.0"}))).to_json())
     assert old["runtime"]["weightTransfer"]["method"] == "packed"
     assert old["runtime"]["weightTransfer"]["fallback"] is True
+
+
+@pytest.mark.parametrize(
+    ("trainer_image", "engine_image", "method", "fallback", "says"),
+    [
+        # the trainer image names the engines' release: the native sender matches, NCCL confirmed
+        ("acme/trainer:1.0-vllm0.22.1", "vllm/vllm-openai:v0.22.1", TransferMethod.NCCL, False, "carries vLLM 0.22.1"),
+        # another release: the update-info wire format differs, so the packed path, and what restores NCCL
+        ("acme/trainer:1.0-vllm0.22.1", "vllm/vllm-openai:v0.30.0", TransferMethod.PACKED, True, "tagged -vllm0.30.0"),
+        ("acme/trainer:1.0-vllm0.30.0", "vllm/vllm-openai:v0.22.1", TransferMethod.PACKED, True, "!= engine vLLM"),
+        # the tag says nothing: rendered for NCCL, and the driver decides at start from what it can import
+        ("acme/trainer:1.0", "vllm/vllm-openai:v0.22.1", TransferMethod.NCCL, False, "checks at start"),
+        # the engines cannot do it: the trainer image changes nothing
+        ("acme/trainer:1.0-vllm0.16.0", "vllm/vllm-openai:v0.16.0", TransferMethod.PACKED, True, "lacks native"),
+    ],
+)
+def test_cluster_transfer_needs_the_engines_vllm_release_in_the_trainer_image(
+    trainer_image: str, engine_image: str, method: TransferMethod, fallback: bool, says: str
+) -> None:
+    spec = parse_rljob(_doc(**{"inference.image": engine_image, "trainer.image": trainer_image})).spec
+    choice = cluster_transfer(spec)
+    assert (choice.method, choice.fallback) == (method, fallback)
+    assert says in choice.reason
+    rendered = vllm_serve_args(spec, model_path="m")
+    assert ("--weight-transfer-config" in rendered) is (method is TransferMethod.NCCL)
 
 
 def test_cluster_transfer_reads_the_explicit_version_over_the_tag() -> None:

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -133,3 +134,22 @@ def test_trainer_image_pins_torch_ray_megatron() -> None:
     assert Version(args["TORCH_VERSION"]) in pins["torch"].specifier
     assert Version(args["RAY_VERSION"]) in pins["ray"].specifier
     assert Version(args["MEGATRON_CORE_VERSION"]) in pins["megatron-core"].specifier
+
+
+def test_trainer_image_carries_the_engine_images_vllm_on_the_torch_that_release_pins() -> None:
+    # The native weight sender is vLLM's code in the trainer: the engine image's release (the update-info wire
+    # format changes between releases), on the torch the GPU tier tests (Makefile COMPAT_TORCH: the GPU image's).
+    trainer, engine = _args(IMAGES["trainer"]), _args(IMAGES["engine"])
+    assert Version(trainer["VLLM_VERSION"]) == version_from_image(f"vllm/vllm-openai:{engine['VLLM_VERSION']}")
+    makefile = (REPO / "Makefile").read_text()
+    compat_torch = re.search(r"^COMPAT_TORCH \?= (\S+)$", makefile, re.M)
+    assert compat_torch and trainer["TORCH_VERSION"] == compat_torch.group(1)
+    runs = " ".join(_resolve(rest, trainer) for op, rest in _instructions(IMAGES["trainer"]) if op == "RUN")
+    assert f"vllm=={trainer['VLLM_VERSION']}" in runs
+    labels = " ".join(rest for op, rest in _instructions(IMAGES["trainer"]) if op == "LABEL")
+    assert 'io.r3operator.vllm-version="${VLLM_VERSION}"' in labels
+    # The examples name a trainer built for their engines' release, so `explain` can confirm NCCL.
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        spec = yaml.safe_load(example.read_text())["spec"]
+        trainer_vllm = version_from_image(spec["trainer"]["image"])
+        assert trainer_vllm is not None and trainer_vllm == version_from_image(spec["inference"]["image"]), example

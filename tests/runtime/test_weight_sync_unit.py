@@ -103,7 +103,7 @@ def test_a_bad_block_in_the_mounted_config_names_the_file(tmp_path: Path) -> Non
     path = tmp_path / CONFIG_KEY
     path.write_text(json.dumps(data))
     assert build_settings(None, config=path, device="cpu").weight_transfer == TransferChoice(
-        TransferMethod.NCCL, "vLLM 0.22.1 native nccl weight transfer"
+        TransferMethod.NCCL, "vLLM 0.22.1 native nccl weight transfer; the trainer image carries vLLM 0.22.1"
     )
     data["runtime"]["weightTransfer"]["method"] = "rdma"
     path.write_text(json.dumps(data))
