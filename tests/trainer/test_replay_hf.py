@@ -55,12 +55,15 @@ def test_replayed_ids_are_the_ids_the_experts_use(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replaying_natural_ids_reproduces_the_model_exactly(family: str, dtype: torch.dtype) -> None:
-    """Same ids -> identical logits: the recomputed gate values match the family's router bit for bit."""
-    model = build_tiny_moe(family, dtype=dtype)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-autocast-bf16"])
+def test_replaying_natural_ids_reproduces_the_model_exactly(family: str, precision: str) -> None:
+    """Same ids -> identical logits: the recomputed gate values match the family's router bit for bit, also
+    under bf16 autocast over fp32 weights (the runtime trainer's precision), where the router's linear
+    returns bf16 whatever it casts its inputs to."""
+    model = build_tiny_moe(family, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     ids = tokens()
-    with torch.no_grad():
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.endswith("autocast-bf16"))
+    with torch.no_grad(), autocast:
         reference = model(ids).logits
         nat = natural_routing(model, ids)
         replay = RouterReplay().install(model)

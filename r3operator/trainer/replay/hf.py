@@ -68,8 +68,11 @@ def _softmax_norm_fp32(module: nn.Module, logits: torch.Tensor, idx: torch.Tenso
 
 def _sigmoid_bias(module: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     # DeepSeek-V3 / GLM-4-MoE: selection used sigmoid + e_score_correction_bias (+ group limits); the
-    # replayed ids replace all of that. Gate values come from the *unbiased* sigmoid scores.
-    scores = logits.float().sigmoid()
+    # replayed ids replace all of that. Gate values come from the *unbiased* sigmoid scores, computed as the
+    # router does, in the logits' own dtype: the router casts its inputs to fp32, but under bf16 autocast its
+    # linear still returns bf16, and a sigmoid taken in fp32 here would move every gate value off the
+    # natural one.
+    scores = logits.sigmoid()
     top = scores.gather(-1, idx)
     if module.norm_topk_prob:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
