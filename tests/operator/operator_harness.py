@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime as dt
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +34,13 @@ FIXTURES = Path(__file__).with_name("fixtures")
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-CANARY_PORT = _free_port()
+CANARY_PORT = free_port()
 OPERATOR_NAMESPACE = "r3operator-system"
 METRICS_NAMESPACE = "monitoring"
 os.environ.update(
@@ -47,6 +52,51 @@ os.environ.update(
     R3OPERATOR_OPERATOR_NAMESPACE=OPERATOR_NAMESPACE,
     R3OPERATOR_ENGINE_INGRESS_NAMESPACES=METRICS_NAMESPACE,
 )
+
+
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+class OperatorProcess:
+    """``r3operator operator`` as its own process on the test control plane (as the chart runs it), its
+    output kept line by line. The in-process runner (conftest's ``KopfRunner``) shares the test's settings;
+    this one takes its own through ``env``."""
+
+    def __init__(self, cluster: Cluster, namespace: str, *args: str, env: Mapping[str, str] | None = None) -> None:
+        full_env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO),
+                    "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
+        argv = [sys.executable, "-m", "r3operator", "operator", "-n", namespace, *args]
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=REPO)  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def log(self, last: int | None = None) -> str:
+        return "\n".join(self.lines[-last:] if last else self.lines)
+
+    def stamped(self, pattern: str) -> list[dt.datetime]:
+        """Timestamps of the log lines matching ``pattern``."""
+        out = []
+        for line in self.lines:
+            m = _STAMP.match(line)
+            if m and re.search(pattern, line):
+                out.append(dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
+        return out
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """SIGTERM (graceful) or SIGKILL, and wait for the exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 def kubectl_path() -> str | None:

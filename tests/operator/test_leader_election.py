@@ -15,54 +15,26 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from kubecluster.controlplane import ApiError
-from operator_harness import REPO, Cluster, all_children, example, wait_for
+from operator_harness import REPO, Cluster, OperatorProcess, all_children, example, free_port, wait_for
 
 NS = "rl-ha"
 LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/r3operator-leader"
-_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 
 
-def _free_port() -> int:
-    import socket
+class Replica(OperatorProcess):
+    """One operator replica with leader election, and the endpoints it serves."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Replica:
-    name: str
-    proc: subprocess.Popen[str]
-    health: str
-    metrics: str
-    lines: list[str] = field(default_factory=list)
-
-    def read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def stamped(self, pattern: str) -> list[dt.datetime]:
-        """Timestamps of this replica's log lines matching `pattern`."""
-        out = []
-        for line in self.lines:
-            m = _STAMP.match(line)
-            if m and re.search(pattern, line):
-                out.append(dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
-        return out
+    def __init__(self, cluster: Cluster, name: str, health: str, metrics_port: int, *args: str) -> None:
+        env = {"R3OPERATOR_POD_NAME": name, "R3OPERATOR_METRICS_PORT": str(metrics_port)}
+        super().__init__(cluster, NS, *args, "--liveness", health, env=env)
+        self.name, self.health, self.metrics = name, health, f"http://127.0.0.1:{metrics_port}/metrics"
 
     def reconciled(self, job: str) -> list[dt.datetime]:
         return self.stamped(rf"\[{NS}/{job}\]")
@@ -91,22 +63,14 @@ def replicas(cluster: Cluster) -> Iterator[list[Replica]]:
     started: list[Replica] = []
     yield started
     for replica in started:
-        if replica.proc.poll() is None:
-            replica.proc.kill()
-            replica.proc.wait(timeout=30)
+        replica.stop(graceful=False)
 
 
 def _start(cluster: Cluster, replicas: list[Replica], name: str) -> Replica:
-    port, metrics_port = _free_port(), _free_port()
-    health = f"http://127.0.0.1:{port}/healthz"
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO), "R3OPERATOR_POD_NAME": name,
-           "PYTHONUNBUFFERED": "1", "R3OPERATOR_METRICS_PORT": str(metrics_port)}  # fmt: skip
-    args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect",
-            "--leader-election-namespace", NS, "--liveness", health,
-            "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5"]  # fmt: skip
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    replica = Replica(name, proc, health, f"http://127.0.0.1:{metrics_port}/metrics")
-    threading.Thread(target=replica.read, daemon=True).start()
+    port, metrics_port = free_port(), free_port()
+    replica = Replica(cluster, name, f"http://127.0.0.1:{port}/healthz", metrics_port, "--leader-elect",
+                      "--leader-election-namespace", NS, "--lease-duration", "4", "--renew-deadline", "3",
+                      "--retry-period", "0.5")  # fmt: skip
     replicas.append(replica)
     return replica
 

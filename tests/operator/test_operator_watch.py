@@ -10,18 +10,13 @@ the real API server too (a watch from resourceVersion 1, long compacted out of i
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from operator_harness import REPO, WRITE_VERBS, Cluster, all_children, condition, example, paths, wait_for
+from operator_harness import WRITE_VERBS, Cluster, OperatorProcess, all_children, condition, example, paths, wait_for
 
 from r3operator.operator.informer import ChildCache
 from r3operator.operator.kube import KubeClient
@@ -33,40 +28,21 @@ REACT_S = 10.0
 plane); the resync is sixty times longer."""
 
 
-class OperatorProcess:
-    def __init__(self, cluster: Cluster) -> None:
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO),
-               "PYTHONUNBUFFERED": "1", "R3OPERATOR_RESYNC_SECONDS": RESYNC_S}  # fmt: skip
-        args = [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--liveness", ""]
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+def _start(cluster: Cluster) -> OperatorProcess:
+    return OperatorProcess(cluster, NS, "--liveness", "", env={"R3OPERATOR_RESYNC_SECONDS": RESYNC_S})
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
 
-    def log(self) -> str:
-        return "\n".join(self.lines[-80:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        assert "Traceback" not in "\n".join(self.lines), self.log()
+def _stop(op: OperatorProcess) -> None:
+    op.stop()
+    assert "Traceback" not in op.log(), op.log(80)
 
 
 @pytest.fixture
 def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
     cluster.namespace(NS)
-    op = OperatorProcess(cluster)
+    op = _start(cluster)
     yield op
-    op.stop()
+    _stop(op)
 
 
 def _operator_requests(cluster: Cluster, since: int) -> list[Any]:
@@ -126,7 +102,7 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
     p = paths(NS, job)
     cluster.apply(example(job, NS))
     kids = all_children(cluster, NS, job)
-    wait_for(lambda: condition(cluster.get(p["rljob"]), "Valid"), timeout=60, what=f"status\n{operator.log()}")
+    wait_for(lambda: condition(cluster.get(p["rljob"]), "Valid"), timeout=60, what=f"status\n{operator.log(80)}")
 
     # At rest: in a window in which nobody else wrote anything in the namespace (kwok and the controllers
     # settle the children for a while after the create, and each change they make is a watch event the
@@ -161,7 +137,7 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
         started = time.monotonic()
         cluster.patch_status(p["rayjob"], {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"})
         wait_for(lambda: (c := condition(cluster.get(p["rljob"]), "Succeeded")) and c["status"] == "True",
-                 timeout=REACT_S, what=f"Succeeded=True\n{operator.log()}")  # fmt: skip
+                 timeout=REACT_S, what=f"Succeeded=True\n{operator.log(80)}")  # fmt: skip
         assert time.monotonic() - started < REACT_S
 
 
@@ -177,23 +153,23 @@ def test_watches_survive_an_api_server_restart_and_edits_made_while_the_operator
     cluster.api.restart_apiserver()
     cluster.kubectl("delete", "service", f"{job}-engine", "-n", NS)
     wait_for(lambda: _uid(cluster.get(p["svc"])) not in ("", _uid(kids["svc"])), timeout=4 * REACT_S,
-             what=f"the Service re-created after the restart\n{operator.log()}")  # fmt: skip
+             what=f"the Service re-created after the restart\n{operator.log(80)}")  # fmt: skip
 
     # Down: a child deleted, another edited. Up again: both converge, nothing duplicated.
-    operator.stop()
+    _stop(operator)
     cluster.kubectl("delete", "networkpolicy", f"{job}-engine", "-n", NS)
     cluster.http("PATCH", p["cm"], {"data": {"edited": "by hand"}}, "application/merge-patch+json")
     cm_data = kids["cm"]["data"]
-    restarted = OperatorProcess(cluster)
+    restarted = _start(cluster)
     try:
-        wait_for(lambda: cluster.get(p["np"]) is not None, timeout=60, what=f"NetworkPolicy\n{restarted.log()}")
+        wait_for(lambda: cluster.get(p["np"]) is not None, timeout=60, what=f"NetworkPolicy\n{restarted.log(80)}")
         # The hand-added key is not ours (server-side apply leaves it); every key we set is as we set it.
         wait_for(lambda: all(cluster.get(p["cm"])["data"].get(k) == v for k, v in cm_data.items()), timeout=60,
                  what="the ConfigMap as the operator set it")  # fmt: skip
         items = cluster.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets?labelSelector=r3operator.io/job={job}")
         assert len(items["items"]) == 1
     finally:
-        restarted.stop()
+        _stop(restarted)
 
 
 def test_the_informer_lists_again_after_410_gone_and_drops_what_vanished(cluster: Cluster) -> None:
