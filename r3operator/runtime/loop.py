@@ -130,7 +130,7 @@ class GRPORun:
     num_experts: int
     task: TaskSource
     pool: Any
-    canary_prompts: list[list[int]]
+    canary_prompts: list[tuple[int, ...]]
     canary_tokens: int
     trainer: Trainer
     checkpoints: ckpt.AsyncCheckpoints
@@ -268,9 +268,10 @@ class GRPORun:
             routes.append(sample_routes)
         if not kept:
             return None
-        have_all = all(r is not None for r in routes)
-        return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
-                           device=self.trainer.batch_device, temperature=self.spec.rollout.temperature)  # fmt: skip
+        present = [r for r in routes if r is not None]  # R3 kept only samples with routes: all or none
+        return build_batch(kept, kept_adv, routes=present if len(present) == len(routes) else None,
+                           pad_id=self.trainer.pad_id, device=self.trainer.batch_device,
+                           temperature=self.spec.rollout.temperature)  # fmt: skip
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""

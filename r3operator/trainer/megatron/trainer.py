@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from r3operator.trainer.logprobs import logprobs_from_logits
 from r3operator.trainer.megatron.config import transformer_config
@@ -40,7 +40,13 @@ from r3operator.trainer.replay.megatron import (
     replay_schedule,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    import torch.utils.hooks
+
 Mode = Literal["off", "R3", "R2"]
+# The router hook's action in a no-grad pass: R2 records there (and replays in the update's passes).
+_NO_GRAD_HOOK_MODE: dict[Mode, ReplayMode] = {"off": "off", "R3": "R3", "R2": "R2-record"}
 LossFn = Callable[[Any, Any], tuple[Any, dict[str, float]]]  # (logprobs [b, S-1], micro-batch) -> (loss, stats)
 
 
@@ -178,6 +184,8 @@ class MegatronTrainer:
         if self.stage.size == 1:
             return value
         if self.stage.last:  # on the device: NCCL broadcasts device tensors only
+            if value is None:
+                raise RuntimeError("the last pipeline stage has no output to broadcast")
             buf = value.to(device=self.device, dtype=torch.float32).contiguous()
         else:
             buf = torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -218,7 +226,7 @@ class MegatronTrainer:
         if replay_mode == "R3" and routes is None:
             raise MegatronReplayError("R3 needs the rollout's routes")
         pad = batch.route_pad if routes is not None else None
-        mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
+        mode = _NO_GRAD_HOOK_MODE[replay_mode]
         self.model.eval()
         temperature = float(getattr(batch, "temperature", 1.0))  # TrainBatch: the rollout's (batch.py)
         parts = self._split(batch.input_ids.shape[0])
@@ -364,7 +372,9 @@ class RoutingProbe:
     """Forward hooks on every TopKRouter: the routing_map the dispatcher receives, as sorted ids."""
 
     def __init__(self, model: Any, *, enabled: bool) -> None:
-        self.model, self.enabled, self.maps, self.handles = model, enabled, [], []
+        self.model, self.enabled = model, enabled
+        self.maps: list[torch.Tensor] = []  # one routing_map [tokens, experts] per router call
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> RoutingProbe:
         if self.enabled:
