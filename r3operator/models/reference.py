@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # optional dependencies, imported lazily at run time
 
 # Bump when the generation procedure changes: it is part of the cache key.
 GENERATOR_VERSION = "1"
-ReferenceName = Literal["tiny", "small", "gpu", "a3b", "a3b-x16l"]
 
 
 class ReferenceModelSpec(BaseModel):
