@@ -135,3 +135,19 @@ FAIL_JOBS_NAMESPACE
 # unused on main today; that change uses or removes them (the lead checks at the merge).
 _created_at
 _audit
+
+# -- StepRecord's fields (runtime/step_record.py): metrics.csv's columns, read by column name (getattr).
+current_version_tokens
+env_tokens
+logprob_abs_diff_by_lag
+logprob_abs_diff_mean_stale
+partial_rollouts
+reward_std
+routing_natural_agreement
+samples_dropped
+stale_dropped
+staleness_max
+tokens_by_lag
+tokens_per_second
+trainer_idle_seconds
+trainer_peak_memory_gib
