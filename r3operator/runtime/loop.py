@@ -424,7 +424,7 @@ class GRPORun:
             stats = self.update(batch, old)
         canary_ok = self.sync_and_canary(timer)
         with timer("metrics"):
-            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
+            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
             self._update_columns(row, stats)
         with timer("checkpoint"):
             self._checkpoint(step)
@@ -478,8 +478,7 @@ class GRPORun:
         return self._finish_step(row, timer, begin)
 
     def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
-             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
-             begin: float) -> StepRecord:  # fmt: skip
+             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer) -> StepRecord:  # fmt: skip
         tokens, rows = self._fidelity_masks(samples, batch, old)
         # No token to measure (async: none the current version sampled): the cells stay empty and the
         # gauges lose their series, as NaN would read as a figure and blind avg_over_time() for its window.
