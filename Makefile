@@ -84,6 +84,7 @@ test:
 	$(MAKE) --no-print-directory -j4 venv compat-venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/vulture
 	@rm -f $(COMPAT_LOG); \
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TORCH_COMPAT_TESTS) > $(COMPAT_LOG) 2>&1 & compat=$$!; \
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); main=$$?; \
@@ -105,6 +106,8 @@ bench: venv tools cluster
 lint: venv
 	$(VENV)/bin/ruff check r3operator tests benchmarks
 	$(VENV)/bin/ruff format --check r3operator tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/vulture
 
 fmt: venv
 	$(VENV)/bin/ruff check --fix r3operator tests benchmarks

@@ -8,7 +8,7 @@ sample), `perf/max_memory_allocated_gb` (the trainer's torch peak, GiB), `critic
 `training/rollout_probs_diff_{mean,max}` (|Δp| in probability space) and `peer/logprob_abs_diff_{mean,max}`,
 `peer/kl_k3` (|Δlogprob| and k3 KL, added by verl_hook/sitecustomize.py).
 
-r3operator writes `metrics.csv` (r3operator/runtime/report.py COLUMNS), one row per step.
+r3operator writes `metrics.csv` (r3operator/runtime/step_record.py COLUMNS), one row per step.
 
 Every figure is computed the same way for both: the first step (engine and kernel warm-up) is left out when there
 are more; per-GPU figures divide by the GPUs of the machine, whatever each framework uses of them.

@@ -85,7 +85,7 @@ def _patch_cpu_moe_reprepack(state: PluginState) -> None:
 
     setattr(_setup_kernel, PATCH_MARKER, True)
     _setup_kernel.__wrapped__ = original  # type: ignore[attr-defined]
-    cls._setup_kernel = _setup_kernel
+    cls._setup_kernel = _setup_kernel  # type: ignore[method-assign]  # the patch this function installs
     state.patches.append("cpu_moe_reprepack")
 
 

@@ -127,13 +127,6 @@ class WeightSyncWorkerExtension:
             buffer = fh.get_tensor("buffer")
         return self.r3_load_packed(buffer, entries)
 
-    def r3_load_chunk_from_file(self, path: str) -> int:
-        """Load one chunk written as safetensors on a shared volume (engines reached over HTTP)."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(path, device="cpu")
-        return self.r3_load_chunk(sorted(tensors.items()))
-
     def r3_finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
         """Close the bracket (finalize the layerwise reload) and record `policy_tag` as what the engine serves."""
         if not self._r3_update_active:
@@ -219,10 +212,6 @@ class WeightSyncWorkerExtension:
     def _r3_untap_load_weights(self) -> None:
         self._r3_model().__dict__.pop("load_weights", None)
 
-    def r3_set_policy_tag(self, policy_tag: str | None = None) -> None:
-        """Record which policy the weights are (after vLLM's `finish_weight_update`)."""
-        self._r3_policy_tag = policy_tag
-
     def r3_after_native_weight_update(self, policy_tag: str | None = None) -> None:
         """Called right after vLLM's `finish_weight_update`: close the receipt, record the policy."""
         self._r3_untap_load_weights()
@@ -263,9 +252,6 @@ class WeightSyncWorkerExtension:
             return None
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
-    def r3_native_weight_update_active(self) -> bool:
-        return bool(getattr(self, "_weight_update_active", False))
-
     def r3_policy_tag(self) -> str | None:
         return self._r3_policy_tag
 
@@ -283,6 +269,3 @@ class WeightSyncWorkerExtension:
             digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
             digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
         return digest.hexdigest()
-
-    def r3_weight_update_active(self) -> bool:
-        return self._r3_update_active

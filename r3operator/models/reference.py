@@ -19,16 +19,19 @@ import shutil
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from r3operator.models.tokenizer import BOS, EOS, PAD, save_tokenizer, vocabulary
 from r3operator.settings import runtime_settings
 
+if TYPE_CHECKING:  # optional dependencies, imported lazily at run time
+    import torch
+    from transformers import Qwen3MoeConfig
+
 # Bump when the generation procedure changes: it is part of the cache key.
 GENERATOR_VERSION = "1"
-ReferenceName = Literal["tiny", "small", "gpu", "a3b", "a3b-x16l"]
 
 
 class ReferenceModelSpec(BaseModel):
@@ -59,7 +62,7 @@ class ReferenceModelSpec(BaseModel):
         payload = json.dumps({"v": GENERATOR_VERSION, **self.model_dump()}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
-    def hf_config(self):  # -> transformers.Qwen3MoeConfig
+    def hf_config(self) -> Qwen3MoeConfig:
         from transformers import Qwen3MoeConfig
 
         vocab = vocabulary(self.vocab_size)
@@ -71,7 +74,8 @@ class ReferenceModelSpec(BaseModel):
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
+            # Not a declared field of the config class; the attention layers read it (else hidden/heads).
+            head_dim=self.head_dim,  # type: ignore[call-arg]
             num_experts=self.num_experts,
             num_experts_per_tok=self.num_experts_per_tok,
             norm_topk_prob=self.norm_topk_prob,
@@ -164,7 +168,7 @@ def _std_for(name: str, spec: ReferenceModelSpec) -> float | None:
     return spec.init_std
 
 
-def build_state_dict(spec: ReferenceModelSpec, shapes: dict[str, tuple[int, ...]]):
+def build_state_dict(spec: ReferenceModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """bf16 tensors for every name in `shapes`, reproducible from (seed, name) alone."""
     import numpy as np
     import torch
@@ -190,7 +194,7 @@ def _write_model(spec: ReferenceModelSpec, directory: Path) -> None:
         model = Qwen3MoeForCausalLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     model.load_state_dict(build_state_dict(spec, shapes), assign=True, strict=True)
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' decorated `to`, as in hf_policy.py
     model.save_pretrained(directory, safe_serialization=True)
     save_tokenizer(directory, spec.vocab_size, spec.max_position_embeddings)
     # mkdtemp creates 0700; a shared cache must be readable by the engine's and trainer's users.

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # an optional dependency, imported lazily at run time
+    from tokenizers import Tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -42,7 +46,7 @@ def vocabulary(vocab_size: int) -> list[str]:
     return base + [f"<extra_{i}>" for i in range(vocab_size - len(base))]
 
 
-def build_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer (imported lazily: optional dependency)
+def build_tokenizer(vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import WordLevel
 

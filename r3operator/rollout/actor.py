@@ -49,9 +49,6 @@ class EngineActor:
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("r3_begin_weight_update")
 
-    def load_chunk(self, chunk: list[tuple[str, Any]]) -> int:
-        return int(sum(self.llm.collective_rpc("r3_load_chunk", args=(chunk,))))
-
     def load_packed(self, buffer: Any, entries: list[Any]) -> int:
         # `buffer` arrives as a read-only numpy view of the object store (zero-copy).
         return int(sum(self.llm.collective_rpc("r3_load_packed", args=(buffer, entries))))

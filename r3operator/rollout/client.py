@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -38,7 +38,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.store import RoutingStore
 
 
-FULL_DISTRIBUTION: dict[str, float | int] = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+class FullDistribution(TypedDict):
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+
+
+FULL_DISTRIBUTION = FullDistribution(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
 """Sampling parameters that leave softmax(logits / T) untouched: what the trainer's logprobs assume."""
 
 

@@ -12,6 +12,7 @@ import os
 import tempfile
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ from r3operator.wire.retry import Backoff, http_transient, ray_transient, ready_
 from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases, chunk_seconds
 from r3operator.wire.weights import PackedChunk
+
+
+def _submitted(ref: Any) -> Any:
+    """What `RayEngine._call` waits for when the task was submitted already: its reference."""
+    return ref
 
 
 class RayEngine:
@@ -54,7 +60,10 @@ class RayEngine:
         if device.startswith("cuda"):
             options["num_gpus"] = 0.5  # trainer (the driver) and engine share one GPU locally
         actor_cls = ray.remote(EngineActor).options(**options, runtime_env={"env_vars": env})
-        self._actor = actor_cls.remote(
+        # Ray types a handle's methods as the class's plain methods (`.remote` is typed only for methods
+        # declared with @ray.method, which would type EngineActor's direct calls wrongly): this façade's
+        # signatures carry the types instead.
+        self._actor: Any = actor_cls.remote(
             str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
             weight_transfer_backend=weight_transfer_backend, gpu_memory_utilization=gpu_memory_utilization,
         )  # fmt: skip
@@ -102,8 +111,7 @@ class RayEngine:
             chunk.handles["ray"] = self._ray.put(chunk.buffer)
         self._in_flight.append(self._actor.load_packed.remote(chunk.handles["ray"], chunk.entries))
         while len(self._in_flight) > MAX_CHUNKS_IN_FLIGHT:
-            ref = self._in_flight.pop(0)
-            self._call("load weight chunk", lambda ref=ref: ref, retry=False)
+            self._call("load weight chunk", partial(_submitted, self._in_flight.pop(0)), retry=False)
 
     def release(self, chunk: PackedChunk) -> None:
         chunk.handles.pop("ray", None)  # submitted tasks keep their argument alive until they ran

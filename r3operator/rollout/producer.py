@@ -52,10 +52,6 @@ class EngineGate:
         self._recovery_needed = False
         self.version = version
 
-    @property
-    def recovery_needed(self) -> bool:
-        return self._recovery_needed
-
     def request_recovery(self) -> None:
         """The producer found an engine off the current policy: no segment runs until `recover`."""
         with self._cond:

@@ -44,6 +44,7 @@ from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.runtime.config import RunSettings
 from r3operator.runtime.loop import GRPORun, PhaseTimer
 from r3operator.runtime.progress import StepTable
+from r3operator.runtime.step_record import StepRecord
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
@@ -202,33 +203,31 @@ class AsyncGRPORun(GRPORun):
         self.step_current_tokens = int(current.sum())
         return current, torch.from_numpy(rows).to(device)
 
-    def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
-        row.update({"importance_weight_mean": stats.importance_weight_mean,
-                    "importance_truncated_fraction": stats.importance_truncated_fraction,
-                    "current_version_tokens": self.step_current_tokens,
-                    "logprob_abs_diff_mean_stale": self.step_stale_diff,
-                    "logprob_abs_diff_by_lag": self.step_by_lag[0], "tokens_by_lag": self.step_by_lag[1]})  # fmt: skip
+    def _update_columns(self, row: StepRecord, stats: UpdateStats) -> None:
+        row.importance_weight_mean = stats.importance_weight_mean
+        row.importance_truncated_fraction = stats.importance_truncated_fraction
+        row.current_version_tokens = self.step_current_tokens
+        row.logprob_abs_diff_mean_stale = self.step_stale_diff
+        row.logprob_abs_diff_by_lag, row.tokens_by_lag = self.step_by_lag
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
-                         timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
+                         timer: PhaseTimer) -> StepRecord:  # fmt: skip
         """The synchronous columns, with throughput from the producer (the rollout phase here is the time the
         trainer waited for it) and the asynchronous ones: staleness, partial rollouts, stale drops."""
-        columns = super()._rollout_columns(step, samples, rewards, timer)
+        record = super()._rollout_columns(step, samples, rewards, timer)
         assert self.producer is not None
         now, produced = time.perf_counter(), self.producer.tokens_generated
-        columns["tokens_per_second"] = (produced - self._tokens_seen) / max(now - self._clock, 1e-9)
+        record.tokens_per_second = (produced - self._tokens_seen) / max(now - self._clock, 1e-9)
         self._tokens_seen, self._clock = produced, now
         ages = np.asarray(self.step_staleness or [0])
-        columns.update({
-            "staleness_mean": float(ages.mean()), "staleness_max": int(ages.max()),
-            "partial_rollouts": self.step_partial, "stale_dropped": self.step_stale_dropped,
-            "trainer_idle_seconds": timer.seconds["rollout"],
-        })  # fmt: skip
-        return columns
+        record.staleness_mean, record.staleness_max = float(ages.mean()), int(ages.max())
+        record.partial_rollouts, record.stale_dropped = self.step_partial, self.step_stale_dropped
+        record.trainer_idle_seconds = timer.seconds["rollout"]
+        return record
 
     # -- the loop -----------------------------------------------------------------------------------
-    def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
+    def run(self, *, table: StepTable | None = None) -> list[StepRecord]:
         try:
             return super().run(table=table)
         finally:

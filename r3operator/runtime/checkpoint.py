@@ -64,10 +64,6 @@ class AsyncCheckpoints:
         self.root, self.trainer, self.keep_last, self.ranks = root, trainer, keep_last, ranks
         self._in_flight: _InFlight | None = None
 
-    @property
-    def in_flight_step(self) -> int | None:
-        return None if self._in_flight is None else self._in_flight.step
-
     def start(self, *, step: int, policy_version: int) -> CheckpointInfo | None:
         """Commit the checkpoint in flight (if any; returned), then start writing this step's."""
         import torch

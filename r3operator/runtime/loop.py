@@ -47,6 +47,7 @@ from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts
+from r3operator.runtime.step_record import StepRecord
 from r3operator.tasks import envs
 from r3operator.tasks import toy as tasks
 from r3operator.tasks.source import TaskSource
@@ -119,7 +120,7 @@ class GRPORun:
         self.policy_version = 0
         self.start_step = 1
         self.last_checkpoint_step: int | None = None
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[StepRecord] = []
         self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
         self.sync_phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
 
@@ -130,7 +131,7 @@ class GRPORun:
     num_experts: int
     task: TaskSource
     pool: Any
-    canary_prompts: list[list[int]]
+    canary_prompts: list[tuple[int, ...]]
     canary_tokens: int
     trainer: Trainer
     checkpoints: ckpt.AsyncCheckpoints
@@ -268,9 +269,10 @@ class GRPORun:
             routes.append(sample_routes)
         if not kept:
             return None
-        have_all = all(r is not None for r in routes)
-        return build_batch(kept, kept_adv, routes=routes if have_all else None, pad_id=self.trainer.pad_id,
-                           device=self.trainer.batch_device, temperature=self.spec.rollout.temperature)  # fmt: skip
+        present = [r for r in routes if r is not None]  # R3 kept only samples with routes: all or none
+        return build_batch(kept, kept_adv, routes=present if len(present) == len(routes) else None,
+                           pad_id=self.trainer.pad_id, device=self.trainer.batch_device,
+                           temperature=self.spec.rollout.temperature)  # fmt: skip
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
@@ -402,7 +404,7 @@ class GRPORun:
         self.metrics.set("r3operator_weight_sync_canary_ok", 1.0)
 
     # -- one step -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> StepRecord:
         timer = PhaseTimer()
         self.dropped: list[tuple[str, str]] = []
         begin = time.perf_counter()
@@ -422,7 +424,7 @@ class GRPORun:
             stats = self.update(batch, old)
         canary_ok = self.sync_and_canary(timer)
         with timer("metrics"):
-            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer, begin)
+            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
             self._update_columns(row, stats)
         with timer("checkpoint"):
             self._checkpoint(step)
@@ -447,14 +449,13 @@ class GRPORun:
 
         return int(torch.cuda.max_memory_allocated()) / 2**30  # the trainer runs in this process
 
-    def _update_columns(self, row: dict[str, Any], stats: UpdateStats) -> None:
-        """Columns a driver adds from the update's figures (none in the synchronous loop)."""
+    def _update_columns(self, row: StepRecord, stats: UpdateStats) -> None:
+        """Figures a driver adds from the update's (none in the synchronous loop)."""
 
-    def _finish_step(self, row: dict[str, Any], timer: PhaseTimer, begin: float) -> dict[str, Any]:
-        row["t_metrics"] = timer.seconds["metrics"]
-        row["t_checkpoint"] = timer.seconds["checkpoint"]
-        row["step_seconds"] = time.perf_counter() - begin
-        row["trainer_peak_memory_gib"] = self._trainer_peak_gib()
+    def _finish_step(self, row: StepRecord, timer: PhaseTimer, begin: float) -> StepRecord:
+        row.phase_seconds = dict(timer.seconds)  # every phase the step ran, metrics and checkpoint included
+        row.step_seconds = time.perf_counter() - begin
+        row.trainer_peak_memory_gib = self._trainer_peak_gib()
         self.metrics.observe_step(row, timer.seconds)
         append_row(self.run_dir / "metrics.csv", row)
         self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step,
@@ -463,34 +464,29 @@ class GRPORun:
         return row
 
     def _skip_step(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer,
-                   begin: float) -> dict[str, Any]:  # fmt: skip
+                   begin: float) -> StepRecord:  # fmt: skip
         """Every sample was dropped: no update, so the engines keep the current policy (no sync, no new
         policy version). The step is counted (`r3operator_steps_skipped_total`, `skipped` in metrics.csv, the
         progress line) and checkpointed like any other, so a resume does not repeat it."""
         log.error("step %d skipped: all %d samples were dropped (%s)", step, len(samples),
                   ", ".join(sorted({reason for _, reason in self.dropped})))  # fmt: skip
         self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
-        nan = float("nan")
         with timer("metrics"):
-            row = self._rollout_columns(step, samples, rewards, timer)
-            row.update({
-                "logprob_abs_diff_mean": nan, "logprob_abs_diff_max": nan, "kl_k3": nan, "replay_applied": nan,
-                "routing_natural_agreement": nan, "loss": nan, "clip_fraction": nan, "grad_norm": nan,
-                "canary_ok": 0, "canary_near_ties": 0, "skipped": 1,
-            })  # fmt: skip
-            row.update({f"t_{k}": v for k, v in timer.seconds.items()})
+            row = self._rollout_columns(step, samples, rewards, timer)  # StepRecord's defaults: a skipped step
         with timer("checkpoint"):
             self._checkpoint(step)
         return self._finish_step(row, timer, begin)
 
     def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
-             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer,
-             begin: float) -> dict[str, Any]:  # fmt: skip
+             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer) -> StepRecord:  # fmt: skip
         tokens, rows = self._fidelity_masks(samples, batch, old)
         # No token to measure (async: none the current version sampled): the cells stay empty and the
         # gauges lose their series, as NaN would read as a figure and blind avg_over_time() for its window.
         measured = bool(tokens.any())
-        lp_mean = lp_max = kl = natural = None
+        lp_mean: float | None = None
+        lp_max: float | None = None
+        kl: float | None = None
+        natural: float | None = None
         if measured:
             lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
             lp_mean, lp_max, kl = lp.abs_diff_mean, lp.abs_diff_max, lp.kl_k3
@@ -513,16 +509,12 @@ class GRPORun:
             natural = float("nan")
         row = self._rollout_columns(step, samples, rewards, timer)
         if self.spec.rollout.multi_turn:
-            row["routing_agreement_by_turn"] = self._agreement_by_turn(samples, batch, old)
-        row.update({
-            "logprob_abs_diff_mean": lp_mean, "logprob_abs_diff_max": lp_max, "kl_k3": kl,
-            "replay_applied": applied, "routing_natural_agreement": natural, "loss": stats.loss,
-            "clip_fraction": stats.clip_fraction, "grad_norm": stats.grad_norm, "canary_ok": int(canary_ok),
-            "canary_near_ties": self.canary_near_ties, "skipped": 0,
-            "step_seconds": time.perf_counter() - begin,
-        })  # fmt: skip
-        row.update({f"t_{k}": v for k, v in timer.seconds.items()})
-        row.update({f"sync_{k}": v for k, v in self.sync_phases.seconds.items()})
+            row.routing_agreement_by_turn = self._agreement_by_turn(samples, batch, old)
+        row.logprob_abs_diff_mean, row.logprob_abs_diff_max, row.kl_k3 = lp_mean, lp_max, kl
+        row.replay_applied, row.routing_natural_agreement = applied, natural
+        row.loss, row.clip_fraction, row.grad_norm = stats.loss, stats.clip_fraction, stats.grad_norm
+        row.canary_ok, row.canary_near_ties, row.skipped = int(canary_ok), self.canary_near_ties, 0
+        row.sync_seconds = dict(self.sync_phases.seconds)
         return row
 
     def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
@@ -533,19 +525,19 @@ class GRPORun:
         return batch.response_mask, None
 
     def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
-                         timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
-        """The metrics.csv columns every step has, trained or skipped: what the rollout produced."""
+                         timer: PhaseTimer) -> StepRecord:  # fmt: skip
+        """The figures every step has, trained or skipped: what the rollout produced."""
         tokens = sum(len(s.token_ids) for s in samples)
-        columns: dict[str, Any] = {
-            "step": step, "policy_version": self.policy_version, "replay_mode": self.mode.value,
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), "samples": len(samples),
-            "samples_dropped": len(self.dropped), "tokens": tokens,
-            "tokens_per_second": tokens / max(timer.seconds["rollout"], 1e-9),
-        }  # fmt: skip
+        record = StepRecord(
+            step=step, policy_version=self.policy_version, replay_mode=self.mode.value,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()), samples=len(samples),
+            samples_dropped=len(self.dropped), tokens=tokens,
+            tokens_per_second=tokens / max(timer.seconds["rollout"], 1e-9),
+        )  # fmt: skip
         if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
-            columns["turns_mean"] = float(np.mean([s.extra["turns"] for s in samples]))
-            columns["env_tokens"] = int(sum(s.extra["env_tokens"] for s in samples))
-        return columns
+            record.turns_mean = float(np.mean([s.extra["turns"] for s in samples]))
+            record.env_tokens = int(sum(s.extra["env_tokens"] for s in samples))
+        return record
 
     def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
         """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; rollout/multiturn.py)."""
@@ -574,7 +566,7 @@ class GRPORun:
             self.last_checkpoint_step = committed.step
 
     # -- the loop -----------------------------------------------------------------------------------
-    def run(self, *, table: StepTable | None = None) -> list[dict[str, Any]]:
+    def run(self, *, table: StepTable | None = None) -> list[StepRecord]:
         self.setup()
         try:
             for step in range(self.start_step, self.s.steps + 1):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from r3operator.runtime.step_record import step_progress
 from r3operator.settings import runtime_settings
 from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
 
@@ -118,34 +119,18 @@ class RuntimeMetrics:
 # ----------------------------------------------------------------------------- RLJob status.progress
 
 
-def _finite(value: Any) -> float | None:
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        return None
-    return f if f == f and f not in (float("inf"), float("-inf")) else None
-
-
 def progress_patch(
     row: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None, now: dt.datetime | None = None,
     weight_sync: str | None = None,
 ) -> dict[str, Any]:
-    """JSON merge-patch body for the RLJob `/status` subresource (camelCase, as in `Progress`)."""
+    """JSON merge-patch body for the RLJob `/status` subresource: `Progress` after the step `row` (a
+    StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` is
+    left out when not known, so the one already there stays."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    progress = {
-        "step": int(row["step"]),
-        "totalSteps": int(total_steps),
-        "rewardMean": _finite(row.get("reward_mean")),
-        "logprobAbsDiffMean": _finite(row.get("logprob_abs_diff_mean")),
-        "logprobAbsDiffMax": _finite(row.get("logprob_abs_diff_max")),
-        "klK3": _finite(row.get("kl_k3")),
-        "routingAgreement": _finite(row.get("routing_natural_agreement")),
-        "lastCheckpointStep": last_checkpoint_step,
-        "updatedAt": stamp,
-    }
-    if weight_sync is not None:
-        progress["weightSync"] = weight_sync[:512]
-    return {"status": {"progress": progress}}
+    progress = step_progress(row, total_steps=total_steps, last_checkpoint_step=last_checkpoint_step,
+                             updated_at=stamp, weight_sync=weight_sync)  # fmt: skip
+    body = progress.model_dump(mode="json", by_alias=True, exclude={"weight_sync"} if weight_sync is None else None)
+    return {"status": {"progress": body}}
 
 
 

@@ -9,24 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.runtime.step_record import COLUMNS
 from r3operator.wire.sync_phases import SYNC_PHASES
-
-COLUMNS = (
-    "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
-    "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
-    "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
-    "canary_near_ties",
-    "step_seconds", "t_rollout", "t_reward", "t_advantages", "t_routes", "t_old_logprob", "t_update",
-    "t_weight_sync", "t_canary", "t_metrics", "t_checkpoint", "skipped", "trainer_peak_memory_gib",
-    "turns_mean", "env_tokens", "routing_agreement_by_turn",  # multi-turn jobs only; empty otherwise
-    "staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds",
-    "importance_weight_mean", "importance_truncated_fraction", "t_pause",  # algorithm.mode async only
-    # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
-    # mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart,
-    # also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts
-    "current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag",
-    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
-)  # fmt: skip
 
 
 def append_row(path: Path, row: Mapping[str, Any]) -> None:

@@ -95,18 +95,17 @@ def stager_is_reusable() -> bool:
 def start_save(state: dict[str, Any], directory: Path, *, stager: Any, process_group: Any) -> SaveInFlight:
     """`dcp.async_save` through `stager`, the write in a thread of this process."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
 
     if state_on_cuda(state):
         # DefaultStager's side stream does not wait for the compute stream: the last optimizer step's
         # kernels must be done before the copy reads the weights they write.
         torch.cuda.current_stream().synchronize()
-    response = dcp.async_save(
+    response = async_save(
         state, checkpoint_id=str(directory), process_group=process_group,
         async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager,
     )  # fmt: skip
-    if hasattr(response, "staging_completion"):  # AsyncSaveResponse: the stager staged in its thread
+    if isinstance(response, AsyncSaveResponse):  # the stager staged in its thread
         return SaveInFlight(staged=response.staging_completion, written=response.upload_completion)
     staged: Future[Any] = Future()  # a synchronous stager: the copy is done when async_save returns
     staged.set_result(None)

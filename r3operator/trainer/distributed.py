@@ -53,7 +53,10 @@ class RankRole:
 class RankBuilder(Protocol):
     """What a rank builds once its process group is up (picklable: it travels to the rank actors)."""
 
-    compute_dtype: str  # of the training forwards (bfloat16 autocast or float32)
+    @property
+    def compute_dtype(self) -> str:
+        """Of the training forwards (bfloat16 autocast or float32)."""
+        ...
 
     def build(self, model_dir: Path, device: str, *, rank: int, world_size: int) -> tuple[Any, RankRole]:
         """This rank's trainer (`update_shares`, `sft_share` and the `Trainer` state calls) and its role."""

@@ -68,7 +68,8 @@ class PolicyTrainer(UpdateByShares):
         self.device_type = "cuda" if device.startswith("cuda") else "cpu"
         self.compute_dtype = compute_dtype
         # transformers >= 4.56 / 5.x take `dtype=` (`torch_dtype=` is deprecated): fp32 master weights.
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        # transformers types `PreTrainedModel.to` through a decorator that mypy reads as taking the model.
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)  # type: ignore[arg-type]
         self.model.config.use_cache = False
         self.use_fsdp = use_fsdp
         if use_fsdp:

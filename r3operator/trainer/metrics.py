@@ -249,9 +249,5 @@ class R3Metrics:
             else:
                 self._get("r3operator_routes_invalid_total").inc()
 
-    def count_invalid_routes(self, n: int = 1) -> None:
-        """A sample's routes were refused after the rollout (e.g. its routing file failed its checksum)."""
-        self._get("r3operator_routes_invalid_total").inc(n)
-
     def set_replay_active(self, active: bool) -> None:
         self._get("r3operator_replay_active").set(1.0 if active else 0.0)

@@ -138,12 +138,12 @@ class ShardedCheckpointer:
         """Fill `state` (a `policy_state` template) in place from `directory`; restore this rank's RNG if
         the checkpoint has one for it (a resume on more ranks than were saved has none for the new ones)."""
         import torch
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         self.wait()  # a save in flight still reads the live tensors that the load overwrites
         if not (directory / ".metadata").is_file():
             raise FileNotFoundError(f"{directory}: not a sharded checkpoint (no .metadata)")
-        dcp.load(state, checkpoint_id=str(directory), process_group=self._group)
+        load(state, checkpoint_id=str(directory), process_group=self._group)
         rng_file = directory / f"rng-rank{_rank():05d}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))

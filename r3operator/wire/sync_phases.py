@@ -79,10 +79,6 @@ class SyncPhases:
             self.add(phase, time.perf_counter() - begin)
             yield item
 
-    def rounded(self) -> dict[str, float]:
-        return {phase: round(self.seconds[phase], 4) for phase in (*SYNC_PHASES, *self.seconds)
-                if phase in self.seconds}  # fmt: skip
-
 
 def chunk_seconds(chunk: Any) -> Mapping[str, float]:
     """The trainer-side phases a packed chunk measured where it was built (wire/weights.py)."""

@@ -60,6 +60,7 @@ def test_vllm_rollout_replayed_through_hf_and_megatron() -> None:
 
 def _worker(out: Path) -> None:
     """torchrun --nproc_per_node 2: TP=2 (sequence parallel) + EP=2 Megatron vs HF replay on rank 0."""
+    from r3operator.api.enums import ReplayMode
     from r3operator.api.v1alpha1 import MegatronSpec
     from r3operator.models import ensure_reference_model
     from r3operator.trainer.megatron import build_megatron_trainer
@@ -69,8 +70,8 @@ def _worker(out: Path) -> None:
     spec = MegatronSpec(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True)
     tr = build_megatron_trainer(spec, model_dir, "cuda")
     batch, routes = synthetic_batch(model_dir)
-    on = tr.logprobs(batch, routes, "R3", probe=True)
-    rec = tr.logprobs(batch, None, "R2", probe=True)
+    on = tr.logprobs(batch, routes, ReplayMode.R3, probe=True)
+    rec = tr.logprobs(batch, None, ReplayMode.R2, probe=True)
     def loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
         mask = mb.response_mask.to(lp.device)
         return -(lp * mask).sum() / mask.sum(), {}

@@ -30,7 +30,6 @@ import yaml
 from spec_edits import apply_edits
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = Path(__file__).with_name("fixtures")
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
 

@@ -16,8 +16,6 @@ from r3operator.wire.sample import RolloutSample
 
 pytestmark = pytest.mark.slow
 
-PROMPT_TOKENS = 5
-
 
 def test_a_partial_rollout_keeps_its_rows_across_a_weight_update_and_appends_the_new_tail(
     tmp_path: Path, engines: Any

@@ -17,7 +17,6 @@ from r3operator.models.tokenizer import vocabulary
 from r3operator.routing.codec import decode
 
 VOCAB = vocabulary(512)
-ENV_WORDS = {"<", ">", "no", "A", ":"}
 MULTI_TURN = {"rollout": {"multiTurn": True, "promptsPerStep": 2, "groupSize": 3, "maxTokens": 3},
               "task": {"name": "guess"}, "weightSync": {"canary": False}}  # fmt: skip
 

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
+from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch, build_batch  # noqa: E402
@@ -93,7 +94,7 @@ def hf_replay(hf: Any, batch: TrainBatch, routes: torch.Tensor) -> tuple[torch.T
 
 def test_natural_logprobs_match_hf(trainer: Any, hf: Any) -> None:
     batch, _ = make_batch()
-    out = trainer.logprobs(batch, None, "off")
+    out = trainer.logprobs(batch, None, ReplayMode.DISABLED)
     diff = (out.logprobs - hf_logprobs(hf, batch))[batch.response_mask].abs()
     assert diff.max() < 1e-4, diff.max()
 
@@ -105,7 +106,7 @@ def test_logprobs_are_scored_at_the_rollout_temperature(trainer: Any, hf: Any) -
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
     expected = torch.log_softmax(logits / 0.6, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    out = trainer.logprobs(batch, None, "off")
+    out = trainer.logprobs(batch, None, ReplayMode.DISABLED)
     assert (out.logprobs - expected)[batch.response_mask].abs().max() < 1e-4
 
 
@@ -118,11 +119,11 @@ def test_hf_state_dict_round_trips_before_training(trainer: Any, hf: Any) -> Non
 
 def test_r3_dispatches_exactly_the_replayed_routes_and_matches_hf_replay(trainer: Any, hf: Any) -> None:
     batch, routes = make_batch(1)
-    out = trainer.logprobs(batch, routes, "R3", probe=True)
+    out = trainer.logprobs(batch, routes, ReplayMode.R3, probe=True)
     captured = ~batch.route_pad
     for layer in (1, 2):  # MoE layers; layer 0 is dense
         assert torch.equal(out.used[:, :, layer][captured], routes[:, :, layer].sort(-1).values[captured])
-    natural = trainer.logprobs(batch, None, "off").logprobs
+    natural = trainer.logprobs(batch, None, ReplayMode.DISABLED).logprobs
     ref, _ = hf_replay(hf, batch, routes)
     cols = batch.response_mask
     assert (out.logprobs - ref)[cols].abs().max() < 1e-4
@@ -133,8 +134,8 @@ def test_uncaptured_prefix_routes_naturally_as_on_hf(trainer: Any, hf: Any) -> N
     """Rows without a route (sample 1's 3-token prefix, every last token) take the router's own choice on
     both backends, so HF and Megatron agree on every real token, not only where routes were captured."""
     batch, routes = make_batch(2)
-    out = trainer.logprobs(batch, routes, "R3", probe=True)
-    off = trainer.logprobs(batch, None, "off", probe=True)
+    out = trainer.logprobs(batch, routes, ReplayMode.R3, probe=True)
+    off = trainer.logprobs(batch, None, ReplayMode.DISABLED, probe=True)
     ref_lp, ref_used = hf_replay(hf, batch, routes)
     real = batch.attention_mask.bool()
     moe = [1, 2]
@@ -149,15 +150,15 @@ def test_uncaptured_prefix_routes_naturally_as_on_hf(trainer: Any, hf: Any) -> N
 
 def test_r2_records_natural_routes_and_replaying_them_is_exact(trainer: Any) -> None:
     batch, routes = make_batch(2)
-    rec = trainer.logprobs(batch, None, "R2", probe=True)
+    rec = trainer.logprobs(batch, None, ReplayMode.R2, probe=True)
     assert torch.equal(rec.recorded.sort(-1).values, rec.used)
     assert rec.recorded[:, :, 0].eq(0).all()  # dense layer
     batch.route_pad = torch.zeros_like(batch.route_pad)  # every recorded row replays (pads route naturally)
-    again = trainer.logprobs(batch, rec.recorded, "R3")
+    again = trainer.logprobs(batch, rec.recorded, ReplayMode.R3)
     cols = batch.response_mask
     assert (again.logprobs[cols] - rec.logprobs[cols]).abs().max() < 1e-5
     with pytest.raises(MegatronReplayError, match="must not be given rollout routes"):
-        trainer.logprobs(batch, routes, "R2")
+        trainer.logprobs(batch, routes, ReplayMode.R2)
 
 
 def _assert_clear() -> None:
@@ -174,13 +175,13 @@ def test_global_replay_state_is_cleared_before_and_after_each_schedule(trainer: 
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     batch, routes = make_batch(3)
-    natural = trainer.logprobs(batch, None, "off").logprobs
-    trainer.logprobs(batch, routes, "R3")
+    natural = trainer.logprobs(batch, None, ReplayMode.DISABLED).logprobs
+    trainer.logprobs(batch, routes, ReplayMode.R3)
     _assert_clear()
     # Stale state from elsewhere (a crashed schedule) must not leak into the next natural forward.
     RouterReplay.set_replay_data([r.reshape(-1, TOPK)[:30] for r in routes[:, :, 1:].unbind(2)])
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    assert torch.equal(trainer.logprobs(batch, None, "off").logprobs, natural)
+    assert torch.equal(trainer.logprobs(batch, None, ReplayMode.DISABLED).logprobs, natural)
     with pytest.raises(ValueError, match="does not match instances"):  # megatron's own length check
         RouterReplay.set_replay_data([routes[0, :, 1]])
     trainer.train_step(batch, routes, loss_fn)
@@ -199,7 +200,7 @@ def test_recompute_replays_in_forward_order_and_rebuild_invalidates_old_model(tr
     plain = build_megatron_trainer(MegatronSpec(recompute=False), model_dir, "cpu", micro_batch_size=2)
     s_plain = plain.train_step(batch, routes, loss_fn)
     with pytest.raises(MegatronReplayError, match="global RouterReplay list changed"):
-        trainer.logprobs(batch, None, "off")  # `plain` replaced the process-global instance list
+        trainer.logprobs(batch, None, ReplayMode.DISABLED)  # `plain` replaced the process-global instance list
     recompute = build_megatron_trainer(MegatronSpec(recompute=True), model_dir, "cpu", micro_batch_size=2)
     s_re = recompute.train_step(batch, routes, loss_fn)
     _assert_clear()
@@ -223,11 +224,11 @@ def test_canary_forward_replays_the_engines_routes_and_reports_the_natural_ones(
     seq_routes, pad = routes[row : row + 1, :length], batch.route_pad[row : row + 1, :length]
     forward = MegatronPolicyTrainer(trainer).canary_forward(sequence, seq_routes, pad)
 
-    replayed = trainer.logprobs(batch, routes, "R3").logprobs[row, : length - 1]
+    replayed = trainer.logprobs(batch, routes, ReplayMode.R3).logprobs[row, : length - 1]
     ids = torch.as_tensor(sequence[1:])
     lp = torch.log_softmax(forward.logits[:-1], -1).gather(-1, ids[:, None])[:, 0]
     assert (lp - replayed).abs().max() < 1e-4
-    natural = trainer.logprobs(batch, None, "off", probe=True).used[row, :length]
+    natural = trainer.logprobs(batch, None, ReplayMode.DISABLED, probe=True).used[row, :length]
     assert torch.equal(forward.natural_ids.sort(-1).values, natural.sort(-1).values)
 
 
@@ -251,7 +252,6 @@ def test_micro_batches_weigh_every_token_like_the_global_token_mean(model_dir: P
     is -sum_i A_i n_i / sum_i n_i over rows with n_i response tokens. Reference 2: the same update without
     micro-batches (one micro-batch) has the same gradient norm. A mean of per-micro-batch token-means gives
     -(1 - 0.5) / 2 and a gradient norm ~1.8x off on these rows of 12 and 2 tokens."""
-    from r3operator.api.enums import ReplayMode
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
 
     batch = _two_rows(12, 2)

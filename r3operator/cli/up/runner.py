@@ -298,7 +298,7 @@ def exit_status(code: int) -> int:
 
 
 def raise_on_sigterm() -> None:
-    def handler(signum: int, frame: Any) -> None:
+    def handler(_signum: int, _frame: Any) -> None:
         raise Stopped()
 
     signal.signal(signal.SIGTERM, handler)

@@ -46,7 +46,8 @@ def write_entry_point(directory: Path, python: str = sys.executable) -> Path:
 def main() -> int | None:
     original = metadata.version
 
-    def version(name: str) -> str:
+    def version(distribution_name: str) -> str:  # importlib.metadata.version's own parameter name
+        name = distribution_name
         if name == _DIST:
             try:
                 return original(_DIST)

@@ -13,7 +13,6 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class LossStats:
     clip_fraction: float
-    ratio_mean: float
     approx_kl: float
     dual_clip_fraction: float = 0.0  # masked tokens whose loss the dual-clip bound -A·c replaced
 
@@ -101,7 +100,6 @@ def ppo_clip_loss(
     with torch.no_grad():
         stats = LossStats(
             clip_fraction=float(((clipped > unclipped).to(mask_f.dtype) * mask_f).sum() / tokens),
-            ratio_mean=float((ratio * mask_f).sum() / tokens),
             approx_kl=float((((ratio - 1) - log_ratio) * mask_f).sum() / tokens),
             dual_clip_fraction=float((dual.to(mask_f.dtype) * mask_f).sum() / tokens),
         )

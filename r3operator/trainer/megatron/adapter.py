@@ -5,9 +5,9 @@ Mapping (docs/megatron.md):
 
 | runtime call | Megatron backend |
 |---|---|
-| `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, "R3", probe=True)`; natural ids: extra `"off"` pass |
-| `old_logprobs(batch, R2)` | `logprobs(batch, None, "R2", probe=True)`; `.recorded` is replayed by the update |
-| `old_logprobs(batch, Disabled)` | `logprobs(batch, None, "off", probe=True)` |
+| `old_logprobs(batch, R3)` | `logprobs(batch, engine_routes, R3, probe=True)`; natural ids: extra `Disabled` pass |
+| `old_logprobs(batch, R2)` | `logprobs(batch, None, R2, probe=True)`; `.recorded` is replayed by the update |
+| `old_logprobs(batch, Disabled)` | `logprobs(batch, None, Disabled, probe=True)` |
 | `update`, `update_shares` | per share (mini-batch) `train_step(mb, routes, PPO-clip, loss_scale=weight, row_tokens)` |
 | `model_state_dict()` | `hf_state_dict()` (HF names; `runtime.weights` unfuses the experts) |
 | `optimizer_state_dict`, `load_state` | AdamW state by full Megatron name (`optimizer_full_state`), any TP/EP |
@@ -111,17 +111,17 @@ class MegatronPolicyTrainer(UpdateByShares):
             if batch.engine_routes is None:
                 raise ValueError("R3 needs engine routes in the batch")
             with self._compute():
-                out = self.mt.logprobs(batch, batch.engine_routes, "R3", probe=True)
-                natural = self.mt.logprobs(batch, None, "off", probe=True).used
+                out = self.mt.logprobs(batch, batch.engine_routes, ReplayMode.R3, probe=True)
+                natural = self.mt.logprobs(batch, None, ReplayMode.DISABLED, probe=True).used
             return OldPass(out.logprobs.to(dev), natural.to(dev), out.used.to(dev), batch.engine_routes,
                            batch.route_pad, mode)  # fmt: skip
         if mode is ReplayMode.R2:
             with self._compute():
-                out = self.mt.logprobs(batch, None, "R2", probe=True)
+                out = self.mt.logprobs(batch, None, ReplayMode.R2, probe=True)
             recorded = out.recorded.to(dev)
             return OldPass(out.logprobs.to(dev), recorded, out.used.to(dev), recorded, None, mode)
         with self._compute():
-            out = self.mt.logprobs(batch, None, "off", probe=True)
+            out = self.mt.logprobs(batch, None, ReplayMode.DISABLED, probe=True)
         used = out.used.to(dev)
         return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
 
@@ -138,7 +138,7 @@ class MegatronPolicyTrainer(UpdateByShares):
 
         full = _PPOBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
                          old_logprobs=old_logprobs)  # fmt: skip
-        replay_mode = "R2" if replay_ids is not None and replay_pad is None else None
+        replay_mode = ReplayMode.R2 if replay_ids is not None and replay_pad is None else None
 
         def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
             mask = mb.response_mask.to(lp.device)

@@ -25,7 +25,9 @@ class TaggedRMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = bool(config.sequence_parallel and config.tensor_model_parallel_size > 1)
+        # Megatron tags sequence-parallel parameters by attribute (its grad all-reduce reads the tag).
+        tagged = bool(config.sequence_parallel and config.tensor_model_parallel_size > 1)
+        self.weight.sequence_parallel = tagged  # type: ignore[attr-defined]  # Megatron's own attribute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

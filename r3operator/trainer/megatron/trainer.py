@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from r3operator.api.enums import ReplayMode
 from r3operator.trainer.logprobs import logprobs_from_logits
 from r3operator.trainer.megatron.config import transformer_config
 from r3operator.trainer.megatron.convert import (
@@ -33,14 +34,21 @@ from r3operator.trainer.megatron.pipeline import Stage, StageLink, run_forward_o
 from r3operator.trainer.replay.megatron import (
     MegatronReplayError,
     ParallelLayout,
-    ReplayMode,
     ReplaySession,
+    RouterAction,
     adopt_layer_numbers,
     check_replay_config,
     replay_schedule,
 )
 
-Mode = Literal["off", "R3", "R2"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    import torch.utils.hooks
+
+# The routers' action in a no-grad pass of each replay mode: R2 records there (and replays in the update's).
+_NO_GRAD_ACTION: dict[ReplayMode, RouterAction] = {
+    ReplayMode.DISABLED: "off", ReplayMode.R3: "R3", ReplayMode.R2: "R2-record",
+}
 LossFn = Callable[[Any, Any], tuple[Any, dict[str, float]]]  # (logprobs [b, S-1], micro-batch) -> (loss, stats)
 
 
@@ -112,7 +120,7 @@ class MegatronTrainer:
         rows, n = padded
         return (n // self.sizes.tp if self.sizes.sequence_parallel else n, rows, int(self.hf_config.hidden_size))
 
-    def _forward(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any,
+    def _forward(self, mode: RouterAction, ids: Any, attn: Any, routes: Any, route_pad: Any,
                  received: Any = None, padded: tuple[int, int] | None = None) -> Any:  # fmt: skip
         """This stage's part of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
         indices, as in vLLM) with the replay state set for `mode`: logits [B, S, V] on the last stage, the
@@ -144,7 +152,7 @@ class MegatronTrainer:
         self._last_layout = (rows, n, b, s)
         return out[:b, :s] if self.stage.last else out
 
-    def forward_logits(self, mode: ReplayMode, ids: Any, attn: Any, routes: Any, route_pad: Any, *,
+    def forward_logits(self, mode: RouterAction, ids: Any, attn: Any, routes: Any, route_pad: Any, *,
                        probe: bool = False) -> tuple[Any, Any | None]:  # fmt: skip
         """One micro-batch through every stage without gradients (call inside `replay_schedule()` and
         `torch.no_grad()`): logits [B, S, V] on every rank, and with `probe` the ids the dispatchers
@@ -178,6 +186,8 @@ class MegatronTrainer:
         if self.stage.size == 1:
             return value
         if self.stage.last:  # on the device: NCCL broadcasts device tensors only
+            if value is None:
+                raise RuntimeError("the last pipeline stage has no output to broadcast")
             buf = value.to(device=self.device, dtype=torch.float32).contiguous()
         else:
             buf = torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -205,7 +215,7 @@ class MegatronTrainer:
         size = self.micro_batch_size or b
         return [torch.arange(i, min(i + size, b)) for i in range(0, b, size)]
 
-    def logprobs(self, batch: Any, routes: Any | None = None, replay_mode: Mode = "off", *,
+    def logprobs(self, batch: Any, routes: Any | None = None, replay_mode: ReplayMode = ReplayMode.DISABLED, *,
                  probe: bool = False) -> LogprobOutput:  # fmt: skip
         """No-grad [B, S-1] logprobs of a `TrainBatch`. R3: replay `routes` (engine routes [B, S, L, K]; rows
         flagged in `batch.route_pad` route naturally); R2: route naturally and RECORD (R2 never consumes
@@ -213,12 +223,12 @@ class MegatronTrainer:
         (routing_map)."""
         import torch
 
-        if replay_mode == "R2" and routes is not None:
+        if replay_mode is ReplayMode.R2 and routes is not None:
             raise MegatronReplayError("R2 records the trainer's own routes; it must not be given rollout routes")
-        if replay_mode == "R3" and routes is None:
+        if replay_mode is ReplayMode.R3 and routes is None:
             raise MegatronReplayError("R3 needs the rollout's routes")
         pad = batch.route_pad if routes is not None else None
-        mode: ReplayMode = {"off": "off", "R3": "R3", "R2": "R2-record"}[replay_mode]
+        mode = _NO_GRAD_ACTION[replay_mode]
         self.model.eval()
         temperature = float(getattr(batch, "temperature", 1.0))  # TrainBatch: the rollout's (batch.py)
         parts = self._split(batch.input_ids.shape[0])
@@ -284,7 +294,7 @@ class MegatronTrainer:
         return out
 
     # -- training -----------------------------------------------------------------------------------------
-    def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: Mode | None = None,
+    def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: ReplayMode | None = None,
                    grad_clip: float = 1.0, loss_scale: float = 1.0,
                    row_tokens: Any | None = None) -> dict[str, float]:  # fmt: skip
         """One optimizer step over `batch` (split in micro-batches; `loss_fn` gets `batch.select(rows)`).
@@ -297,7 +307,7 @@ class MegatronTrainer:
         batch when `loss_fn` returns a token-mean: micro-batch i's loss weighs its tokens / the batch's
         tokens, so a token weighs the same whatever the lengths of the rows it shares a micro-batch with
         (`micro_batch_weights`). None: every micro-batch weighs 1 / their count (a per-row-mean loss)."""
-        mode: ReplayMode = "off" if routes is None else ("R2-replay" if replay_mode == "R2" else "R3")
+        mode: RouterAction = "off" if routes is None else ("R2-replay" if replay_mode is ReplayMode.R2 else "R3")
         pad = batch.route_pad if (routes is not None and mode == "R3") else None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -364,7 +374,9 @@ class RoutingProbe:
     """Forward hooks on every TopKRouter: the routing_map the dispatcher receives, as sorted ids."""
 
     def __init__(self, model: Any, *, enabled: bool) -> None:
-        self.model, self.enabled, self.maps, self.handles = model, enabled, [], []
+        self.model, self.enabled = model, enabled
+        self.maps: list[torch.Tensor] = []  # one routing_map [tokens, experts] per router call
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> RoutingProbe:
         if self.enabled:

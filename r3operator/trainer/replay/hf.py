@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from r3operator.trainer.replay.rows import first_unreplayable
 
@@ -76,7 +76,8 @@ def _sigmoid_bias(module: nn.Module, logits: torch.Tensor, idx: torch.Tensor) ->
     top = scores.gather(-1, idx)
     if module.norm_topk_prob:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
-    return top * module.routed_scaling_factor
+    # A float the router copied from its config (nn.Module types unknown attributes as Tensor | Module).
+    return top * cast(float, module.routed_scaling_factor)
 
 
 @dataclass(frozen=True)

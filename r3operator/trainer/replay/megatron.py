@@ -44,7 +44,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 UNCAPTURED = -1  # replay id of a row without a captured route: that row routes naturally
 ROUTER_FUSION_FIELD = "trainer.megatron.routerFusion"
-ReplayMode = Literal["off", "R3", "R2-record", "R2-replay"]
+# What the routers do in one forward (not the job's replay mode, api.enums.ReplayMode, which picks them
+# per pass): route naturally, replay the engine's routes, record their own (R2's old-logprob pass), or
+# replay what they recorded (R2's update).
+RouterAction = Literal["off", "R3", "R2-record", "R2-replay"]
 
 
 class MegatronReplayError(ValueError):
@@ -336,7 +339,7 @@ class ReplaySession:
 
     def before_forward(
         self,
-        mode: ReplayMode,
+        mode: RouterAction,
         indices: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
         *,
@@ -364,7 +367,7 @@ class ReplaySession:
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         return plan.padding_mask
 
-    def after_forward(self, mode: ReplayMode) -> None:
+    def after_forward(self, mode: RouterAction) -> None:
         """Recompute in backward must pop the FIFO in forward order: switch to REPLAY_BACKWARD."""
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 

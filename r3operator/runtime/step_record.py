@@ -1,0 +1,175 @@
+"""One RL step's figures, typed: `StepRecord`.
+
+The step loop (runtime/loop.py, runtime/async_loop.py) fills one record per step; metrics.csv and report.md
+(runtime/report.py), the Prometheus step gauges (runtime/metrics.py), the progress line (runtime/progress.py)
+and the RLJob's `status.progress` (`api.v1alpha1.Progress`) all read it. Its column names are declared here
+once (`COLUMNS`, metrics.csv's header, in order).
+
+A record is also a read-only mapping from column name to value, the row as the CSV has it, so that
+readers of metrics.csv rows and of records are one code. A column is in the mapping when the step had it:
+the multi-turn and asynchronous ones only in such jobs, `t_<phase>` and `sync_<phase>` for the phases that
+ran. Empty cells are None (nothing to measure: async without a current-version token); a skipped step's
+fidelity figures are NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from r3operator.api.v1alpha1 import Progress
+from r3operator.wire.sync_phases import SYNC_PHASES
+
+NAN = math.nan
+
+# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `pause` is the
+# asynchronous driver's wait for the rollout segment in flight before a weight sync.
+STEP_PHASES = ("rollout", "reward", "advantages", "routes", "old_logprob", "update", "weight_sync", "canary",
+               "metrics", "checkpoint")  # fmt: skip
+ASYNC_PHASES = ("pause",)
+
+_EVERY_STEP = (
+    "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
+    "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
+    "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
+    "canary_near_ties", "step_seconds",
+)  # fmt: skip
+_AFTER_PHASES = ("skipped", "trainer_peak_memory_gib")
+_MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
+_BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
+_ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
+_ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
+# async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
+# mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart, also
+# per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts.
+_ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag",
+                   "tokens_by_lag")  # fmt: skip
+
+COLUMNS: tuple[str, ...] = (
+    *_EVERY_STEP,
+    *(f"t_{phase}" for phase in STEP_PHASES),
+    *_AFTER_PHASES,
+    *_MULTI_TURN, *_BY_TURN,
+    *_ASYNC_ROLLOUT, *_ASYNC_UPDATE, *(f"t_{phase}" for phase in ASYNC_PHASES),
+    *_ASYNC_FIDELITY,
+    *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
+)  # fmt: skip
+"""metrics.csv's header, in order."""
+
+
+@dataclass(eq=False)  # compared as the mapping it is (a row), like the dict rows read back from the CSV
+class StepRecord(Mapping[str, Any]):
+    """What one step measured. The defaults are a skipped step's: no update, so no fidelity figure (NaN)."""
+
+    # -- every step, trained or skipped: what the rollout produced
+    step: int
+    policy_version: int
+    replay_mode: str
+    reward_mean: float
+    reward_std: float
+    samples: int
+    samples_dropped: int
+    tokens: int
+    tokens_per_second: float
+    # -- the old-logprob pass and the update (None: no token to measure, the cell stays empty)
+    logprob_abs_diff_mean: float | None = NAN
+    logprob_abs_diff_max: float | None = NAN
+    kl_k3: float | None = NAN
+    replay_applied: float = NAN
+    routing_natural_agreement: float | None = NAN
+    loss: float = NAN
+    clip_fraction: float = NAN
+    grad_norm: float = NAN
+    canary_ok: int = 0
+    canary_near_ties: int = 0
+    skipped: int = 1
+    step_seconds: float = 0.0
+    trainer_peak_memory_gib: float | None = None  # GPU runs only
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # t_<phase>
+    sync_seconds: dict[str, float] = field(default_factory=dict)  # sync_<phase>: the step's weight sync
+    # -- multi-turn jobs
+    turns_mean: float | None = None
+    env_tokens: int | None = None
+    routing_agreement_by_turn: str | None = None
+    # -- algorithm.mode async
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    partial_rollouts: int | None = None
+    stale_dropped: int | None = None
+    trainer_idle_seconds: float | None = None
+    importance_weight_mean: float | None = None
+    importance_truncated_fraction: float | None = None
+    current_version_tokens: int | None = None
+    logprob_abs_diff_mean_stale: float | None = None
+    logprob_abs_diff_by_lag: str | None = None
+    tokens_by_lag: str | None = None
+
+    def _present(self) -> dict[str, Any]:
+        """The step's columns and values, in metrics.csv's order."""
+        out: dict[str, Any] = {}
+        groups: list[tuple[tuple[str, ...], bool]] = [
+            (_EVERY_STEP, True),
+            (_AFTER_PHASES, True),
+            (_MULTI_TURN, self.turns_mean is not None),
+            (_BY_TURN, self.routing_agreement_by_turn is not None),
+            (_ASYNC_ROLLOUT, self.staleness_mean is not None),
+            (_ASYNC_UPDATE + _ASYNC_FIDELITY, self.importance_weight_mean is not None),
+        ]
+        have = {name for names, present in groups if present for name in names}
+        have.update(f"t_{phase}" for phase in self.phase_seconds)
+        have.update(f"sync_{phase}" for phase in self.sync_seconds)
+        for column in COLUMNS:
+            if column in have:
+                out[column] = self._value(column)
+        return out
+
+    def _value(self, column: str) -> Any:
+        if column.startswith("t_"):
+            return self.phase_seconds[column.removeprefix("t_")]
+        if column.startswith("sync_"):
+            return self.sync_seconds[column.removeprefix("sync_")]
+        return getattr(self, column)
+
+    def row(self) -> dict[str, Any]:
+        """metrics.csv's row: every column, "" where the step had none (csv writes None as "")."""
+        present = self._present()
+        return {column: present.get(column, "") for column in COLUMNS}
+
+    # -- Mapping: the row as a reader of metrics.csv sees it
+    def __getitem__(self, column: str) -> Any:
+        present = self._present()
+        if column not in present:
+            raise KeyError(column)
+        return present[column]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._present())
+
+    def __len__(self) -> int:
+        return len(self._present())
+
+
+def _finite(value: Any) -> float | None:
+    """A figure for the RLJob status: None for an empty cell, NaN or an infinity (JSON has neither)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def step_progress(record: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None,
+                  updated_at: str, weight_sync: str | None = None) -> Progress:  # fmt: skip
+    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row)."""
+    return Progress(
+        step=int(record["step"]), total_steps=int(total_steps),
+        reward_mean=_finite(record.get("reward_mean")),
+        logprob_abs_diff_mean=_finite(record.get("logprob_abs_diff_mean")),
+        logprob_abs_diff_max=_finite(record.get("logprob_abs_diff_max")),
+        kl_k3=_finite(record.get("kl_k3")),
+        routing_agreement=_finite(record.get("routing_natural_agreement")),
+        last_checkpoint_step=last_checkpoint_step, updated_at=updated_at,
+        weight_sync=None if weight_sync is None else weight_sync[:512],
+    )  # fmt: skip
