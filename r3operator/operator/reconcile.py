@@ -346,7 +346,8 @@ class Reconciler:
             raw_engine_set = await self._get(engine_kind, job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
             own_cache = await self._own_model_cache(job)
-            cache_holder = await self._model_cache_holder(job, outcome, own=own_cache, finished=finish is not None)
+            if not missing_refs:  # nothing, the claim included, is created before the references exist
+                cache_holder = await self._model_cache_holder(job, outcome, own=own_cache, finished=finish is not None)
             if cache_holder is not None:
                 fetched, observed_fetch = False, ("running", False)
             # Engines down while the model cache fills: no upgrade canary can run against them.
