@@ -29,6 +29,7 @@ from r3operator.api.enums import (
     RewardKind,
     RouterType,
     TrainerBackend,
+    WhenHeld,
 )
 from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
 from r3operator.api.pods import PodTemplate
@@ -130,6 +131,11 @@ class ModelCacheSpec(_Model):
     Retain (default): it stays, with the model in it, and the next RLJob in the namespace with the same source
     and revision mounts it (the claim's name derives from them; its fetch finds the verified copy and downloads
     nothing); deleting an RLJob never deletes it. Delete: the claim is this RLJob's own and goes with it."""
+    when_held: WhenHeld = WhenHeld.WAIT
+    """Only for a kept ReadWriteOnce cache, which one RLJob mounts at a time: while another live RLJob holds it,
+    Wait (default) until that one is deleted or finishes, then reuse the copy (Progressing=False ModelCacheHeld
+    meanwhile); OwnClaim: fetch into <job>-model-cache, this RLJob's own claim, kept by retainPolicy and reused
+    only by an RLJob applied again under this name."""
 
 
 class ModelSpec(_Model):

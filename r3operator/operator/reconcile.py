@@ -30,7 +30,7 @@ from typing import Any
 
 from r3operator.api.context import RuleContext
 from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_layout
-from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy
+from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy, WhenHeld
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
@@ -39,6 +39,7 @@ from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.builders.model_cache import (
+    cache_spec,
     held_one_at_a_time,
     model_fetch_complete,
     model_fetch_failed,
@@ -348,6 +349,9 @@ class Reconciler:
             own_cache = await self._own_model_cache(job)
             if not missing_refs:  # nothing, the claim included, is created before the references exist
                 cache_holder = await self._model_cache_holder(job, outcome, own=own_cache, finished=finish is not None)
+            if cache_holder is not None and cache_spec(job).when_held is WhenHeld.OWN_CLAIM:
+                # Its own <job>-model-cache instead; the next pass finds it (_own_model_cache) and keeps it.
+                own_cache, cache_holder = True, None
             if cache_holder is not None:
                 fetched, observed_fetch = False, ("running", False)
             # Engines down while the model cache fills: no upgrade canary can run against them.

@@ -311,6 +311,12 @@ def test_a_kept_read_write_once_cache_is_reused_by_the_next_job_and_mounted_by_o
         assert cluster.get(paths(NS, third)["sts"])["spec"]["replicas"] == 0
         assert cluster.get(paths(NS, third)["rayjob"])["spec"]["suspend"] is True
         assert len(_events(cluster, third, "ModelCacheHeld")) == 1  # posted once, not on every pass
+        # whenHeld: OwnClaim does not wait: it fetches into a claim of its own, and keeps it.
+        own = "rwo-own"
+        cluster.apply(small(own, **{**rwo, "model.cache": {"accessMode": "ReadWriteOnce", "whenHeld": "OwnClaim"}}))
+        assert _mounted_claim(_filled(cluster, own)) == f"{own}-model-cache"
+        wait_for(lambda: len(_engine_pods(cluster, own)) == 2, timeout=60, what="the OwnClaim job's engines")
+        assert _fetch_job(cluster, third) is None
         # ...and goes on with the same copy once the holder is deleted.
         cluster.kubectl("delete", "rljob", second, "-n", NS, "--wait=true", "--timeout=60s")
         assert _mounted_claim(_filled(cluster, third)) == claim
