@@ -54,6 +54,15 @@ class AccessMode(StrEnum):
     READ_WRITE_ONCE = "ReadWriteOnce"
 
 
+class WhenHeld(StrEnum):
+    """What an RLJob does while another live RLJob holds the kept ReadWriteOnce model cache it would reuse."""
+
+    WAIT = "Wait"
+    """Wait until that RLJob is deleted or finishes, then reuse the copy (one download, one copy kept)."""
+    OWN_CLAIM = "OwnClaim"
+    """Fetch the model into <job>-model-cache, a claim of this RLJob's own (another download and copy)."""
+
+
 class RetainPolicy(StrEnum):
     """What happens to a claim the operator created (routing data, model cache) when the RLJob is deleted."""
 

@@ -29,6 +29,7 @@ from r3operator.api.enums import (
     RewardKind,
     RouterType,
     TrainerBackend,
+    WhenHeld,
 )
 from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
 from r3operator.api.pods import PodTemplate
@@ -113,20 +114,28 @@ class ModelCacheSpec(_Model):
 
     claim_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """A claim the user owns, shared by RLJobs (a model already in it is not fetched again); unset: the
-    operator creates one: model-cache-<hash of the source and revision>, shared by the namespace's RLJobs of that
-    model (with retainPolicy Retain and accessMode ReadWriteMany, the defaults), else <job>-model-cache."""
+    operator creates one: with retainPolicy Retain (the default) model-cache-<hash of the source and revision>
+    (-rwo appended for ReadWriteOnce), kept and reused by the namespace's RLJobs of that model; with Delete
+    <job>-model-cache."""
     size: Quantity = "200Gi"
     """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
     storage_class_name: str | None = Field(default=None, max_length=253)
     """StorageClass of the created claim; unset: the cluster's default class."""
     access_mode: AccessMode = AccessMode.READ_WRITE_MANY
-    """ReadWriteMany lets engine and trainer pods on several nodes, and several RLJobs, read it; ReadWriteOnce fits
-    one node, so the claim is this RLJob's own <job>-model-cache, never shared with another RLJob."""
+    """ReadWriteMany lets engine and trainer pods on several nodes, and several RLJobs at once, read it.
+    ReadWriteOnce fits one node: a kept one is mounted by one RLJob at a time, and another RLJob of the same
+    source and revision waits (Progressing=False, reason ModelCacheHeld, naming the holder) until that RLJob is
+    deleted or finishes, then reuses the copy."""
     retain_policy: RetainPolicy = RetainPolicy.RETAIN
     """What happens to the created claim when the RLJob is deleted (or its ttlSecondsAfterFinished passes).
     Retain (default): it stays, with the model in it, and the next RLJob in the namespace with the same source
     and revision mounts it (the claim's name derives from them; its fetch finds the verified copy and downloads
     nothing); deleting an RLJob never deletes it. Delete: the claim is this RLJob's own and goes with it."""
+    when_held: WhenHeld = WhenHeld.WAIT
+    """Only for a kept ReadWriteOnce cache, which one RLJob mounts at a time: while another live RLJob holds it,
+    Wait (default) until that one is deleted or finishes, then reuse the copy (Progressing=False ModelCacheHeld
+    meanwhile); OwnClaim: fetch into <job>-model-cache, this RLJob's own claim, kept by retainPolicy and reused
+    only by an RLJob applied again under this name."""
 
 
 class ModelSpec(_Model):

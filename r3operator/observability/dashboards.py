@@ -167,6 +167,13 @@ def _async_panels(x: _Exprs) -> list[Panel]:
               description="Samples per second taken from the rollout queue whose tokens span several policy "
                           "versions (a weight update interrupted them; they kept their routes), and samples "
                           "dropped as older than algorithm.maxStaleness."),
+        Panel("|Δ logprob| by staleness lag",
+              [Target(x.value("r3operator_logprob_abs_diff_mean_by_lag", by=f"{BY_JOB}, lag"), "lag {{lag}}")],
+              description="Mean |rollout - trainer| logprob of the last step's tokens per staleness lag (the step's "
+                          "policy version minus the one that sampled the token; \">=N\" pools the rest, N = "
+                          "algorithm.maxStaleness up to 8). lag 0 is the engine/trainer mismatch (alert "
+                          "R3LogprobDiffSpike); higher lags add policy drift, which the importance weights "
+                          "correct. A lag without tokens has no point."),
         Panel("Importance weight (TIS)", [Target(x.value("r3operator_importance_weight_mean"), "{{rljob}}")],
               description="Mean truncated importance weight min(pi_old / pi_rollout, cap) over trained tokens: 1 "
                           "on-policy; it falls as samples grow stale."),

@@ -163,6 +163,11 @@ class SyntheticFeed:
         if step % 10 == 0:
             driver.inc("r3operator_samples_dropped_total", reason="stale")
         driver.set("r3operator_importance_weight_mean", 0.95 + 0.03 * math.sin(step / 11.0))
+        from r3operator.runtime.metrics import LagGap
+
+        # The gap per staleness lag: the mismatch at lag 0, policy drift growing with the lag.
+        lags = [LagGap(lag, int(rng.integers(50, 200)), 0.004 + 0.06 * lag) for lag in range(3)]
+        driver.observe_lags(lags, max_staleness=2)
         # Multi-turn rollouts: natural agreement per turn, a little lower at later turns.
         for turn in (1, 2, 3):
             driver.set("r3operator_routing_agreement_by_turn_ratio", 0.985 - 0.004 * turn, turn=str(turn))

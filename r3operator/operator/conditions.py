@@ -60,6 +60,10 @@ class Reason(StrEnum):
     """The model-fetch Job is filling the model cache; engines and trainer wait for it."""
     MODEL_FETCH_FAILED = "ModelFetchFailed"
     """The model-fetch Job failed (its backoffLimit is spent); its pod's log says why."""
+    MODEL_CACHE_HELD = "ModelCacheHeld"
+    """The kept ReadWriteOnce model cache is mounted by another live RLJob; this one starts when it is free."""
+    MODEL_CACHE_TAKEN_OVER = "ModelCacheTakenOver"
+    """Event: this RLJob now holds a kept ReadWriteOnce model cache another RLJob held before."""
     WORKLOADS_DELETED = "WorkloadsDeleted"
     # RoutingReplayActive
     REPLAY_DISABLED = "ReplayDisabled"

@@ -86,6 +86,9 @@ class Facts:
     model_fetched: bool = True
     """The model-fetch Job completed (builders/model_cache.py); only read when the model is fetched.
     Until then engines stay at 0 replicas and the RayJob suspended: nothing reads a cache being filled."""
+    model_cache_holder: str | None = None
+    """Another live RLJob holds this job's kept ReadWriteOnce model cache (operator/model_cache_hold.py): no
+    claim or fetch Job is written, the engines stay at 0 replicas and the RayJob suspended until it is free."""
     own_model_cache: bool = False
     """The RLJob's own ``<job>-model-cache`` exists (made by an operator before model caches were shared by source
     and revision, or kept from a deleted RLJob of this name): it keeps that claim, with its copy, instead of the
@@ -99,13 +102,14 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         keep = claim is not None and job.spec.storage.retain_policy is RetainPolicy.RETAIN
         return [claim] if keep and claim is not None else []
     # Created suspended like every job Kueue gates: its pod runs only while the job may run.
-    fetch = build_model_fetch_job(job, suspend=is_suspended(job) or not facts.admitted)
-    filling = fetch is not None and not facts.model_fetched
+    held = facts.model_cache_holder is not None
+    fetch = None if held else build_model_fetch_job(job, suspend=is_suspended(job) or not facts.admitted)
+    filling = held or (fetch is not None and not facts.model_fetched)
     stopped = is_suspended(job) or facts.finished or not facts.admitted or filling
     children: list[dict[str, Any]] = []
     if claim is not None:
         children.append(claim)
-    cache = build_model_cache_claim(job, own=facts.own_model_cache)
+    cache = None if held else build_model_cache_claim(job, own=facts.own_model_cache)
     if cache is not None:
         children.append(cache)
     if fetch is not None:

@@ -221,3 +221,5 @@ async def on_delete(body: kopf.Body, name: str, namespace: str | None, logger: k
             logger.info("retained PVC %s: ownerReference removed", claim)
     reconciler().forget(str(body.get("metadata", {}).get("uid", "")))
     metrics.forget_job(namespace, name)
+    # A job waiting for a kept ReadWriteOnce model cache this one held takes it over now (model_cache_hold.py).
+    _state["wakeups"].wake_namespace(namespace)

@@ -29,6 +29,9 @@ ANNOTATION_MODEL_SOURCE = f"{PREFIX}/model-source"
 LABEL_MODEL_CACHE = f"{PREFIX}/model-cache"
 """On a model cache claim shared by source and revision: the hash its name ends with (builders/model_cache.py);
 ``kubectl get pvc -l r3operator.io/model-cache`` lists them. Their ``r3operator.io/job`` label is empty."""
+ANNOTATION_MODEL_CACHE_HOLDER = f"{PREFIX}/model-cache-holder"
+"""On a kept ReadWriteOnce model cache claim: the RLJob that mounts it now (``<name>/<uid>``), written by the
+operator alone (operator/model_cache_hold.py); another RLJob of that model waits until it is deleted or ends."""
 FINALIZER = f"{PREFIX}/finalizer"
 
 # GPU nodes carry the taint nvidia.com/gpu:NoSchedule (the NVIDIA GPU Operator's and the managed clouds'

@@ -48,6 +48,8 @@ class Observed:
     model_fetch: str | None = None
     """While the model cache is not filled: ``"running"``, or the failed model-fetch Job's message."""
     model_fetch_failed: bool = False
+    model_cache_holder: str | None = None
+    """Another live RLJob that holds this job's kept ReadWriteOnce model cache (operator/model_cache_hold.py)."""
     namespace_terminating: bool = False
     upgrade: UpgradeStatus | None = None
     """The engine image upgrade as operator/upgrade.py planned it this pass (None: never upgraded)."""

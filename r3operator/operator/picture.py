@@ -16,7 +16,13 @@ from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
-from r3operator.operator.builders.model_cache import cache_spec, model_cache_claim_name, shares_model_cache, store
+from r3operator.operator.builders.model_cache import (
+    cache_spec,
+    held_one_at_a_time,
+    model_cache_claim_name,
+    shares_model_cache,
+    store,
+)
 from r3operator.operator.builders.workload import (
     POD_SET_ENGINE,
     POD_SET_ENGINE_LEADERS,
@@ -120,6 +126,9 @@ def _model(job: RLJob) -> str:
             claim = f"shared claim {model_cache_claim_name(job)}"
         elif shares_model_cache(job):
             claim = f"claim {model_cache_claim_name(job)} (kept, shared by source and revision)"
+            if held_one_at_a_time(job):
+                claim = (f"claim {model_cache_claim_name(job)} (kept, reused by source and revision; ReadWriteOnce: "
+                         "one RLJob at a time, the next waits)")  # fmt: skip
         how = f"fetched once by Job {meta.child_name(job, meta.ROLE_MODEL_FETCH)} into the model cache"
         return (f"{model.uri}{revision}: {how} ({credentials}); {claim} "
                 f"mounted read-only at {source.directory}")  # fmt: skip

@@ -30,7 +30,7 @@ from typing import Any
 
 from r3operator.api.context import RuleContext
 from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_layout
-from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy
+from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy, WhenHeld
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
@@ -39,6 +39,8 @@ from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
 from r3operator.operator.builders.model_cache import (
+    cache_spec,
+    held_one_at_a_time,
     model_fetch_complete,
     model_fetch_failed,
     own_claim_name,
@@ -63,6 +65,7 @@ from r3operator.operator.lifecycle import (
     status_says_finished,
     ttl_expired,
 )
+from r3operator.operator.model_cache_hold import hold_model_cache
 from r3operator.operator.observed import Observed
 from r3operator.operator.references import check_references
 from r3operator.operator.scheduling import config_errors_by_role, unschedulable_by_role
@@ -326,6 +329,7 @@ class Reconciler:
         observed: dict[str, dict[str, Any] | None] = {"RayJob": ray_job}
         conflict: str | None = None
         missing: tuple[str, ...] = ()
+        cache_holder: str | None = None
         upgrade = UpgradePlan(None)
         missing_refs: tuple[str, ...] = ()
         observed_fetch: tuple[str | None, bool] = (None, False)
@@ -342,12 +346,21 @@ class Reconciler:
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
             raw_engine_set = await self._get(engine_kind, job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
+            own_cache = await self._own_model_cache(job)
+            if not missing_refs:  # nothing, the claim included, is created before the references exist
+                cache_holder = await self._model_cache_holder(job, outcome, own=own_cache, finished=finish is not None)
+            if cache_holder is not None and cache_spec(job).when_held is WhenHeld.OWN_CLAIM:
+                # Its own <job>-model-cache instead; the next pass finds it (_own_model_cache) and keeps it.
+                own_cache, cache_holder = True, None
+            if cache_holder is not None:
+                fetched, observed_fetch = False, ("running", False)
             # Engines down while the model cache fills: no upgrade canary can run against them.
             stopped = finish is not None or not fetched
             upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=stopped, now=now)
             facts = Facts(
                 model_fetched=fetched,
-                own_model_cache=await self._own_model_cache(job),
+                own_model_cache=own_cache,
+                model_cache_holder=cache_holder,
                 pod_monitor_crd=pod_monitor,
                 finished=finish is not None,
                 expired=expired,
@@ -403,6 +416,7 @@ class Reconciler:
             admission=admission,
             model_fetch=observed_fetch[0],
             model_fetch_failed=observed_fetch[1],
+            model_cache_holder=cache_holder,
             namespace_terminating=outcome.error is not None and outcome.error.namespace_terminating,
             api_error=self._reported_error(job, outcome.error),
             upgrade=upgrade.status,
@@ -553,6 +567,18 @@ class Reconciler:
         name = own_claim_name(job)
         have = await self._get("PersistentVolumeClaim", job.metadata.namespace, name, absent_known=True)
         return have is not None and is_ours(have, job.metadata.uid) and not have["metadata"].get("deletionTimestamp")
+
+    async def _model_cache_holder(self, job: RLJob, outcome: Outcome, *, own: bool, finished: bool) -> str | None:
+        """Another live RLJob that holds this job's kept ReadWriteOnce model cache, which it then waits for
+        (operator/model_cache_hold.py); None when this job holds it (taken over now: one Event) or shares none."""
+        if finished or own or not held_one_at_a_time(job):
+            return None
+        hold = await hold_model_cache(self.client, job)
+        if hold.taken_from is not None:
+            outcome.events.append(EventSpec("Normal", Reason.MODEL_CACHE_TAKEN_OVER,
+                                            f"mounts the kept model cache PersistentVolumeClaim/{hold.claim}, "
+                                            f"held until now by RLJob/{hold.taken_from}"))  # fmt: skip
+        return hold.holder
 
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
         """Claims the spec names but the operator does not create: checked before any pod mounts them."""

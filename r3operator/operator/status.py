@@ -19,6 +19,7 @@ from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus, WorkloadCounts
 from r3operator.operator import meta
 from r3operator.operator.admission import AdmissionState
+from r3operator.operator.builders.model_cache import model_cache_claim_name
 from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended, recorded_end
@@ -271,6 +272,15 @@ def _terminal(old: dict[str, Condition], obs: Observed) -> tuple[Desired, Desire
 
 def _model_fetch(job: RLJob, obs: Observed) -> Desired:
     fetch = meta.child_name(job, meta.ROLE_MODEL_FETCH)
+    if obs.model_cache_holder is not None:
+        return Desired(
+            T.PROGRESSING,
+            S.FALSE,
+            Reason.MODEL_CACHE_HELD,
+            f"the kept model cache PersistentVolumeClaim/{model_cache_claim_name(job)} is ReadWriteOnce and "
+            f"mounted by RLJob/{obs.model_cache_holder}; this job fetches nothing and starts when that RLJob is "
+            "deleted or finishes",
+        )
     if obs.model_fetch_failed:
         return Desired(
             T.PROGRESSING,
@@ -449,8 +459,9 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
     """Conditions whose status flipped (absent counts as Unknown): one Event each.
 
     Absent → Unknown is not a transition; absent → False is one only for Valid (so an invalid RLJob
-    gets exactly one IncompatibleSettings event) and for a refused write (APIError,
-    NamespaceTerminating on Progressing); absent → True always is.
+    gets exactly one IncompatibleSettings event), for a refused write (APIError, NamespaceTerminating
+    on Progressing) and for a job that starts out waiting for a model cache another holds (ModelCacheHeld);
+    absent → True always is.
     """
     before = {c.type: c.status for c in (old.conditions if old else [])}
     out = []
@@ -458,7 +469,7 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
         prev = before.get(cond.type)
         if prev is None:
             reported = cond.type == T.VALID.value or (
-                cond.type == T.PROGRESSING.value and cond.reason in _REFUSED_WRITE
+                cond.type == T.PROGRESSING.value and cond.reason in (*_REFUSED_WRITE, Reason.MODEL_CACHE_HELD)
             )
             if cond.status is S.TRUE or (reported and cond.status is S.FALSE):
                 out.append(cond)

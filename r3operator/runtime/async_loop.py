@@ -195,6 +195,7 @@ class AsyncGRPORun(GRPORun):
         engine, trainer = batch.rollout_logprobs.float().cpu().numpy(), old.logprobs.float().cpu().numpy()
         gaps = abs_diff_by_lag(engine, trainer, lags, max_lag=max_lag)
         self.step_by_lag = format_by_lag(gaps)
+        self.metrics.observe_lags(gaps, max_staleness=self.spec.algorithm.max_staleness)
         stale = [g for g in gaps if g.lag > 0 and g.tokens]
         self.step_stale_diff = (sum(g.tokens * (g.abs_diff_mean or 0.0) for g in stale)
                                 / sum(g.tokens for g in stale)) if stale else None  # fmt: skip

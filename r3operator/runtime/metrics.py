@@ -9,10 +9,11 @@ import json
 import logging
 import ssl
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.rollout.partial import LagGap as LagGap  # what observe_lags takes, for the layers above
 from r3operator.runtime.step_record import step_progress
 from r3operator.settings import runtime_settings
 from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
@@ -45,6 +46,15 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_importance_weight_mean", "gauge", _ID,
                "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last "
                "step."),
+    MetricSpec("r3operator_logprob_abs_diff_mean_by_lag", "gauge", (*_ID, "lag"),
+               "Asynchronous mode: mean |rollout - trainer| logprob over the response tokens of each staleness lag "
+               "(the step's policy version minus the one that sampled the token), last step. lag=\"0\" is the "
+               "engine/trainer mismatch (r3operator_logprob_abs_diff_mean); each further lag adds one update's "
+               "policy drift. Labels 0 .. N-1 and \">=N\", N = algorithm.maxStaleness (1 to 8); a lag without "
+               "tokens has no series."),
+    MetricSpec("r3operator_response_tokens_by_lag", "gauge", (*_ID, "lag"),
+               "Asynchronous mode: response tokens trained per staleness lag, last step (labels as "
+               "r3operator_logprob_abs_diff_mean_by_lag; 0 where a lag had none)."),
     MetricSpec("r3operator_routing_agreement_by_turn_ratio", "gauge", (*_ID, "turn"),
                "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the rows each "
                "turn's request returned (turn 1 = the prompt and the first reply but its last token), last step."),
@@ -58,6 +68,30 @@ METRICS: list[MetricSpec] = [
                "found restarted or unsynced, re-synced), engine_call / stale_result (a rollout or canary "
                "decode repeated)."),
 ]  # fmt: skip
+
+LAG_LABELS_MAX = 8
+"""At most this many exact lag labels ("0" .. "7") and one ">=8": maxStaleness may be up to 1000, and each
+label value is a series per job."""
+
+
+def lag_label_bound(max_staleness: int) -> int:
+    """N of the lag labels "0" .. "N-1", ">=N": maxStaleness, at least 1 (lag 0 apart from the rest) and at
+    most LAG_LABELS_MAX. No trained token is older than maxStaleness, so below the cap ">=N" holds lag N alone."""
+    return min(max(max_staleness, 1), LAG_LABELS_MAX)
+
+
+def fold_lags(gaps: Sequence[LagGap], bound: int) -> dict[str, tuple[int, float | None]]:
+    """lag label -> (tokens, token-weighted mean |Δlogprob|, None without tokens), every label of `bound`
+    present: the per-lag split of metrics.csv with lags from `bound` on pooled under ">=bound"."""
+    labels = [str(lag) for lag in range(bound)] + [f">={bound}"]
+    tokens = dict.fromkeys(labels, 0)
+    sums = dict.fromkeys(labels, 0.0)
+    for gap in gaps:
+        label = labels[min(gap.lag, bound)]
+        tokens[label] += gap.tokens
+        sums[label] += gap.tokens * (gap.abs_diff_mean or 0.0)
+    return {label: (n, sums[label] / n if n else None) for label, n in tokens.items()}
+
 
 # Policy versions; the only histogram of this list. A sample older than maxStaleness lands in a bucket too.
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
@@ -109,6 +143,16 @@ class RuntimeMetrics:
         self.set("r3operator_step_seconds", row["step_seconds"])
         for phase, seconds in phases.items():
             self.set("r3operator_step_phase_seconds", seconds, phase=phase)
+
+    def observe_lags(self, gaps: Sequence[LagGap], *, max_staleness: int) -> None:
+        """The step's |Δlogprob| split by staleness lag (metrics.csv's `*_by_lag`), under bounded lag labels.
+        A label without tokens loses its mean series: a NaN would read as a figure (as clear_fidelity)."""
+        for label, (tokens, mean) in fold_lags(gaps, lag_label_bound(max_staleness)).items():
+            self.set("r3operator_response_tokens_by_lag", tokens, lag=label)
+            if mean is None:
+                self._m["r3operator_logprob_abs_diff_mean_by_lag"].remove(self.namespace, self.rljob, label)
+            else:
+                self.set("r3operator_logprob_abs_diff_mean_by_lag", mean, lag=label)
 
     def exposition(self) -> str:
         from prometheus_client import generate_latest

@@ -687,13 +687,31 @@ def test_another_revision_or_store_endpoint_is_another_cache_claim():
     assert _model_claims_mounted(at_minio) == {_shared_name("s3/models/qwen3", "http://minio.storage:9000")}
 
 
-def test_a_read_write_once_cache_is_never_shared_it_is_the_jobs_own():
-    # One node mounts a ReadWriteOnce volume: two jobs' pods on different nodes could not both use it.
+def test_a_kept_read_write_once_cache_is_named_by_source_and_revision_apart_from_the_read_write_many_one():
+    # Kept, so the next job of the model finds it by name; a claim of its own access mode (-rwo), which a
+    # ReadWriteMany job never mounts. Which job holds it is recorded on the claim apart (model_cache_hold.py).
     children = desired(_job(**{"model.cache": {"accessMode": "ReadWriteOnce"}}))
-    own = _claims(children)["qwen3-30b-a3b-r3-model-cache"]
-    assert own["metadata"]["annotations"]["r3operator.io/retained-from-uid"] == "uid-1"
-    assert "r3operator.io/model-cache" not in own["metadata"]["labels"]
-    assert _model_claims_mounted(children) == {"qwen3-30b-a3b-r3-model-cache"}
+    name = _shared_name("hf/Qwen/Qwen3-30B-A3B/main") + "-rwo"
+    claim = _claims(children)[name]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and "ownerReferences" not in claim["metadata"]
+    assert claim["metadata"]["labels"]["r3operator.io/job"] == ""
+    assert "r3operator.io/model-cache-holder" not in claim["metadata"]["annotations"]
+    assert _model_claims_mounted(children) == {name}
+    # A job that already has its own <job>-model-cache (an operator before kept ReadWriteOnce caches) keeps it.
+    own = desired(_job(**{"model.cache": {"accessMode": "ReadWriteOnce"}}), Facts(own_model_cache=True))
+    assert _model_claims_mounted(own) == {"qwen3-30b-a3b-r3-model-cache"} and name not in _claims(own)
+    # retainPolicy Delete: the job's own claim, which goes with it.
+    gone = desired(_job(**{"model.cache": {"accessMode": "ReadWriteOnce", "retainPolicy": "Delete"}}))
+    assert _model_claims_mounted(gone) == {"qwen3-30b-a3b-r3-model-cache"}
+    assert _claims(gone)["qwen3-30b-a3b-r3-model-cache"]["metadata"]["ownerReferences"]
+
+
+def test_a_job_whose_read_write_once_cache_another_job_holds_writes_no_claim_or_fetch_and_runs_nothing():
+    children = desired(_job(**{"model.cache": {"accessMode": "ReadWriteOnce"}}), Facts(model_cache_holder="first"))
+    by_kind = _by_kind(children)
+    assert not any(c["metadata"]["name"].startswith("model-cache-") for c in children)
+    assert "Job" not in by_kind  # no fetch pod mounts the claim another node holds
+    assert by_kind["StatefulSet"]["spec"]["replicas"] == 0 and by_kind["RayJob"]["spec"]["suspend"] is True
 
 
 def test_a_job_that_has_its_own_cache_claim_keeps_reading_it_and_its_pods_keep_their_template():

@@ -254,3 +254,73 @@ def test_a_kept_model_cache_is_reused_by_the_next_job_of_the_same_source_and_rev
         for name, uid in ((claim, kept["metadata"]["uid"]), (other_claim, made["metadata"]["uid"])):
             left = _cache_claim(cluster, name)
             assert left is not None and left["metadata"]["uid"] == uid and not left["metadata"].get("deletionTimestamp")
+
+
+def _uid(cluster: Cluster, job: str) -> str:
+    return str(cluster.get(paths(NS, job)["rljob"])["metadata"]["uid"])
+
+
+def _events(cluster: Cluster, job: str, reason: str) -> list[dict[str, Any]]:
+    selector = f"involvedObject.name={job},reason={reason}"
+    return (cluster.get(f"/api/v1/namespaces/{NS}/events?fieldSelector={selector}") or {}).get("items") or []
+
+
+def test_a_kept_read_write_once_cache_is_reused_by_the_next_job_and_mounted_by_one_job_at_a_time(
+    cluster: Cluster,
+) -> None:
+    first, second, third = "rwo-first", "rwo-second", "rwo-third"
+    rwo = {"model.revision": "rwo", "model.cache": {"accessMode": "ReadWriteOnce"}}
+    holder = "r3operator.io/model-cache-holder"
+    with running_operator(cluster, NS):
+        cluster.apply(small(first, **rwo))
+        claim = _mounted_claim(_filled(cluster, first))
+        kept = _cache_claim(cluster, claim)
+        assert kept is not None and claim.endswith("-rwo") and kept["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert kept["metadata"]["annotations"][holder] == f"{first}/{_uid(cluster, first)}"
+        assert not kept["metadata"].get("ownerReferences")
+        cluster.kubectl("delete", "rljob", first, "-n", NS, "--wait=true", "--timeout=60s")
+        wait_for(lambda: _fetch_job(cluster, first) is None, timeout=60, what="the first fetch Job collected")
+
+        # The next job of the same source and revision mounts the same claim (the same PVC), not one of its own.
+        cluster.apply(small(second, **rwo))
+        fetch = _filled(cluster, second)
+        assert _mounted_claim(fetch) == claim and _cache_claim(cluster, f"{second}-model-cache") is None
+        reused = _cache_claim(cluster, claim)
+        assert reused is not None and reused["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert reused["metadata"]["annotations"][holder] == f"{second}/{_uid(cluster, second)}"
+        engines = wait_for(lambda: len(p := _engine_pods(cluster, second)) == 2 and p, timeout=60, what="engines")
+        assert all(
+            v["persistentVolumeClaim"]["claimName"] == claim
+            for pod in engines
+            for v in pod["spec"]["volumes"]
+            if v["name"] == "model"
+        )
+        [taken] = wait_for(lambda: _events(cluster, second, "ModelCacheTakenOver"), what="the takeover Event")
+        assert f"RLJob/{first}" in taken["message"] and claim in taken["message"]
+
+        # A third while the second lives: it waits, naming the holder, with nothing that mounts the claim...
+        cluster.apply(small(third, **rwo))
+        held = wait_for(
+            lambda: (c := condition(cluster.get(paths(NS, third)["rljob"]), "Progressing"))
+            and c["reason"] == "ModelCacheHeld" and c,
+            timeout=60,
+            what="Progressing=False ModelCacheHeld",
+        )  # fmt: skip
+        assert held["status"] == "False" and f"RLJob/{second}" in held["message"] and claim in held["message"]
+        assert _fetch_job(cluster, third) is None
+        assert cluster.get(paths(NS, third)["sts"])["spec"]["replicas"] == 0
+        assert cluster.get(paths(NS, third)["rayjob"])["spec"]["suspend"] is True
+        assert len(_events(cluster, third, "ModelCacheHeld")) == 1  # posted once, not on every pass
+        # whenHeld: OwnClaim does not wait: it fetches into a claim of its own, and keeps it.
+        own = "rwo-own"
+        cluster.apply(small(own, **{**rwo, "model.cache": {"accessMode": "ReadWriteOnce", "whenHeld": "OwnClaim"}}))
+        assert _mounted_claim(_filled(cluster, own)) == f"{own}-model-cache"
+        wait_for(lambda: len(_engine_pods(cluster, own)) == 2, timeout=60, what="the OwnClaim job's engines")
+        assert _fetch_job(cluster, third) is None
+        # ...and goes on with the same copy once the holder is deleted.
+        cluster.kubectl("delete", "rljob", second, "-n", NS, "--wait=true", "--timeout=60s")
+        assert _mounted_claim(_filled(cluster, third)) == claim
+        last = _cache_claim(cluster, claim)
+        assert last is not None and last["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert last["metadata"]["annotations"][holder] == f"{third}/{_uid(cluster, third)}"
+        wait_for(lambda: len(_engine_pods(cluster, third)) == 2, timeout=60, what="the third job's engines")

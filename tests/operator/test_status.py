@@ -254,6 +254,20 @@ def test_a_filling_model_cache_is_progress_and_a_failed_fetch_stops_the_job_nami
     assert (failed["TrainerReady"].status, failed["Ready"].reason) == ("False", "ModelFetchFailed")
 
 
+def test_a_job_waiting_for_a_read_write_once_cache_another_job_holds_names_the_claim_and_the_holder():
+    job = _job(**{"model.cache": {"accessMode": "ReadWriteOnce"}})
+    c = _conds(compute_status(job, Observed(model_fetch="running", model_cache_holder="first-job"), T0))
+    assert (c["Progressing"].status, c["Progressing"].reason) == ("False", "ModelCacheHeld")
+    message = c["Progressing"].message
+    assert "RLJob/first-job" in message and "PersistentVolumeClaim/model-cache-" in message
+    assert (c["EnginesReady"].status, c["Ready"].status, c["Ready"].reason) == ("False", "False", "ModelCacheHeld")
+    # One Event when a new job starts out waiting (absent -> False is otherwise no transition), none after.
+    status = compute_status(job, Observed(model_fetch="running", model_cache_holder="first-job"), T0)
+    held = [t.reason for t in transitions(None, status) if t.status.value == "False"]
+    assert held == ["ModelCacheHeld"]  # Valid, Admitted and the like are True
+    assert transitions(status, status) == []
+
+
 def test_a_queued_job_without_kueue_says_kueue_missing_and_neither_waiting_nor_suspended():
     job = _job(**{"queueName": "gpu-research"})
     obs = Observed(kueue_installed=False, admission=read_admission("gpu-research", None))

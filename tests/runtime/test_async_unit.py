@@ -210,6 +210,11 @@ def _series(exposition: str, name: str) -> list[tuple[str, float]]:
     ]
 
 
+def _by_lag_label(exposition: str, name: str) -> dict[str, float]:
+    """lag label -> value of the series `name` (one job in the exposition)."""
+    return {labels.split('lag="', 1)[1].split('"', 1)[0]: value for labels, value in _series(exposition, name)}
+
+
 def _replace_no(sample: RolloutSample, no: int, j: int) -> RolloutSample:
     from dataclasses import replace
 
@@ -268,6 +273,18 @@ def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, st
     assert not [line for line in exposition.splitlines() if line.startswith(names) and "NaN" in line]
     if rows[-1]["current_version_tokens"] == 0:  # the gauges describe the last step: not measured, no series
         assert not _series(exposition, "r3operator_logprob_abs_diff_mean")
+    # Prometheus shows the last step's split as metrics.csv wrote it: maxStaleness 1, so lag "0" and ">=1"
+    # (lag 1 alone); a lag without tokens has a token count of 0 and no mean series.
+    last = written[-1]
+    counts = [int(c) for c in last["tokens_by_lag"].split(";")]
+    diffs = last["logprob_abs_diff_by_lag"].split(";")
+    shown_tokens = _by_lag_label(exposition, "r3operator_response_tokens_by_lag")
+    shown_diffs = _by_lag_label(exposition, "r3operator_logprob_abs_diff_mean_by_lag")
+    assert shown_tokens == {"0": counts[0], ">=1": counts[1]}
+    expected = {label: float(d) for label, d in zip(("0", ">=1"), diffs, strict=True) if d != "-"}
+    assert shown_diffs.keys() == expected.keys()
+    for label, value in expected.items():
+        assert shown_diffs[label] == pytest.approx(value, rel=1e-3)  # the csv keeps 4 significant digits
     print("current-version tokens per step:", [r["current_version_tokens"] for r in rows])
 
 

@@ -1,10 +1,12 @@
 """The model cache: hf://, s3:// and gs:// models are fetched ONCE into a claim that every engine and trainer pod
 then mounts read-only, instead of each pod downloading its own copy.
 
-- the claim: ``model.cache.claimName`` (the user's, shared by RLJobs), or one created here: with the defaults
-  (``retainPolicy: Retain``, ``accessMode: ReadWriteMany``) ``model-cache-<hash of source and revision>``,
-  shared by every RLJob of the namespace that fetches the same model (see ``build_model_cache_claim``);
-  otherwise ``<job>-model-cache``, this RLJob's own;
+- the claim: ``model.cache.claimName`` (the user's, shared by RLJobs), or one created here: with
+  ``retainPolicy: Retain`` (the default) ``model-cache-<hash of source and revision>`` (``…-rwo`` for
+  ``accessMode: ReadWriteOnce``), kept and reused by every RLJob of the namespace that fetches the same model
+  (see ``build_model_cache_claim``): a ReadWriteMany one by all at once, a ReadWriteOnce one by one RLJob at a
+  time (operator/model_cache_hold.py: the next waits, ``ModelCacheHeld``); with ``Delete``
+  ``<job>-model-cache``, this RLJob's own;
 - the fill: the Job ``<job>-model-fetch``, one pod running ``r3operator fetch <uri> MODEL_MOUNT`` in the
   trainer image (it ships huggingface_hub and boto3) with the claim mounted read-write. The fetch writes
   a complete copy with a ready marker or nothing (runtime/fetch.py); a copy already in a shared claim is
@@ -72,16 +74,16 @@ role suffix), and two RLJobs of the same model applied at once both name, so cre
 
 
 def shares_model_cache(job: RLJob) -> bool:
-    """The created claim is shared by source and revision: it is kept (``Retain``) and every node may mount it
-    (``ReadWriteMany``). A ReadWriteOnce claim mounts on one node only, so the pods of two RLJobs on different
-    nodes could not both use it: each RLJob gets its own ``<job>-model-cache``, never mounted by another."""
+    """The created claim is kept (``Retain``) and named by source and revision, so the next RLJob of that model
+    finds the copy. ReadWriteMany: every RLJob of the model mounts it at once. ReadWriteOnce mounts on one node,
+    so the pods of two RLJobs on different nodes could not both use it: ``held_one_at_a_time``."""
     cache = cache_spec(job)
-    return (
-        uses_model_cache(job)
-        and not cache.claim_name
-        and cache.retain_policy is RetainPolicy.RETAIN
-        and cache.access_mode is AccessMode.READ_WRITE_MANY
-    )
+    return uses_model_cache(job) and not cache.claim_name and cache.retain_policy is RetainPolicy.RETAIN
+
+
+def held_one_at_a_time(job: RLJob) -> bool:
+    """A kept ReadWriteOnce cache: one live RLJob at a time mounts it (its holder, operator/model_cache_hold.py)."""
+    return shares_model_cache(job) and cache_spec(job).access_mode is AccessMode.READ_WRITE_ONCE
 
 
 def model_cache_key(job: RLJob) -> str:
@@ -103,14 +105,22 @@ def model_cache_claim_name(job: RLJob) -> str:
     if cache_spec(job).claim_name:
         return str(cache_spec(job).claim_name)
     if shares_model_cache(job):
-        return SHARED_CLAIM_PREFIX + model_cache_key(job)
+        return shared_claim_name(job)
     return own_claim_name(job)
+
+
+def shared_claim_name(job: RLJob) -> str:
+    """``model-cache-<key>``; ``model-cache-<key>-rwo`` for a ReadWriteOnce one: the access mode of a claim is
+    fixed, and an RLJob that asked for ReadWriteMany must not wait for (or get) a one-node claim."""
+    suffix = "-rwo" if cache_spec(job).access_mode is AccessMode.READ_WRITE_ONCE else ""
+    return SHARED_CLAIM_PREFIX + model_cache_key(job) + suffix
 
 
 def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] | None:
     """The model cache claim to create, or None when the model is not fetched or the user names a claim.
 
-    Shared (``shares_model_cache``): ``model-cache-<key>``, with no ownerReference and nothing of any one RLJob
+    Shared (``shares_model_cache``): ``model-cache-<key>`` (``-rwo`` appended for ReadWriteOnce, whose holder
+    is recorded apart, operator/model_cache_hold.py), with no ownerReference and nothing of any one RLJob
     in its metadata (the label ``r3operator.io/model-cache: <key>``, ``r3operator.io/job`` empty, the model in
     ``r3operator.io/model-source``),
     so RLJobs of the same model in the namespace all find it by name, none rewrites it, and deleting any of them
@@ -142,7 +152,7 @@ def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] 
         # r3operator.io/job is there, empty (no one RLJob's): the operator's labelled watch holds the claim, so
         # the passes of the jobs that mount it read it from the cache (operator/informer.py), and it wakes none.
         metadata: dict[str, Any] = {
-            "name": SHARED_CLAIM_PREFIX + hashed,
+            "name": shared_claim_name(job),
             "labels": {**labels, meta.LABEL_JOB: "", key: hashed},
             "annotations": annotations,
         }
