@@ -18,7 +18,7 @@ QWEN3_VOCAB = 151936  # the rounding of a log-sum-exp grows with the vocabulary:
 
 def vllm_processed_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     rows = logits.reshape(-1, logits.shape[-1]).to(torch.float32).clone()
-    temp = torch.full((rows.shape[0],), temperature, dtype=torch.float32)
+    temp = torch.full((rows.shape[0],), temperature, dtype=torch.float32, device=rows.device)
     rows.div_(temp.unsqueeze(dim=1))
     logprobs = rows.log_softmax(dim=-1, dtype=torch.float32)
     return logprobs.gather(-1, labels.reshape(-1, 1)).reshape(labels.shape)
