@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.load import load_rljob  # noqa: E402
+from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
 from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -23,23 +24,23 @@ def checkpointing(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def _r3_update(trainer: object) -> tuple[float, float, dict[str, torch.Tensor]]:
+def _r3_update(trainer: PolicyTrainer) -> tuple[float, float, dict[str, torch.Tensor]]:
     batch = r3_batch()
-    old = trainer.old_logprobs(batch, ReplayMode.R3)  # type: ignore[attr-defined]
-    stats = trainer.update(batch, old, mini_batches=2, clip_low=0.2, clip_high=0.28)  # type: ignore[attr-defined]
-    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}  # type: ignore[attr-defined]
+    old = trainer.old_logprobs(batch, ReplayMode.R3)
+    stats = trainer.update(batch, old, mini_batches=2, clip_low=0.2, clip_high=0.28)
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return stats.loss, stats.grad_norm, state
 
 
 def test_the_spec_field_turns_checkpointing_on_and_the_r3_update_is_unchanged(tiny_moe_dir: Path) -> None:
     from r3operator.trainer.factory import build_trainer
-    from r3operator.trainer.hf_policy import PolicyTrainer
 
     spec = load_rljob(EXAMPLES / "qwen3-30b-a3b-r3-fsdp.yaml").spec
     assert spec.trainer.fsdp is not None and spec.trainer.fsdp.gradient_checkpointing
     spec.trainer.fsdp.param_dtype = "float32"  # exact comparison: no bf16 autocast on either side
     checkpointed = build_trainer(spec, tiny_moe_dir, device="cpu")
-    assert checkpointing(checkpointed.model)  # type: ignore[attr-defined]
+    assert isinstance(checkpointed, PolicyTrainer)
+    assert checkpointing(checkpointed.model)
     plain = PolicyTrainer(tiny_moe_dir, device="cpu", learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
                           compute_dtype="float32")  # fmt: skip
     assert not checkpointing(plain.model)
