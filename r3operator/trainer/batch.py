@@ -65,12 +65,18 @@ class TrainBatch:
         )
 
 
+GREEDY_BELOW = 1e-5
+"""vLLM's `_SAMPLING_EPS` (vllm/sampling_params.py, v1/sample/sampler.py): a request whose temperature is below
+it is sampled greedily, and its processed logprobs are those of the unscaled logits (temperature 1)."""
+
+
 def scoring_temperature(rollout_temperature: float) -> float:
     """The logits divisor that scores a token like the engine's `processed_logprobs` (api/vllm_args.py):
-    the sampling temperature; 1 for greedy rollouts (T = 0), whose logprobs vLLM reports unscaled."""
+    the sampling temperature; 1 for greedy rollouts (T < `GREEDY_BELOW`, T = 0 included), whose logprobs
+    vLLM reports unscaled."""
     if rollout_temperature < 0:
         raise ValueError(f"rollout.temperature must be >= 0, got {rollout_temperature}")
-    return rollout_temperature if rollout_temperature > 0 else 1.0
+    return rollout_temperature if rollout_temperature >= GREEDY_BELOW else 1.0
 
 
 def place_routes(

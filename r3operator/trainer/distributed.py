@@ -71,6 +71,7 @@ class PolicyOptions:
     seed: int
     compute_dtype: str = "bfloat16"
     reshard_after_forward: bool = True
+    gradient_checkpointing: bool = False
 
     def build(self, model_dir: Path, device: str, *, rank: int, world_size: int) -> tuple[Any, RankRole]:
         from r3operator.trainer.hf_policy import PolicyTrainer
@@ -78,6 +79,7 @@ class PolicyOptions:
         trainer = PolicyTrainer(
             model_dir, device=device, learning_rate=self.learning_rate, seed=self.seed, use_fsdp=True,
             compute_dtype=self.compute_dtype, fsdp_options={"reshard_after_forward": self.reshard_after_forward},
+            gradient_checkpointing=self.gradient_checkpointing,
         )  # fmt: skip
         return trainer, RankRole(dp_rank=rank, dp_size=world_size, answers=True)
 

@@ -29,6 +29,7 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
     fsdp = spec.trainer.fsdp
     compute_dtype = fsdp.param_dtype if fsdp is not None else "bfloat16"
     reshard = fsdp.reshard_after_forward if fsdp is not None else True
+    checkpointing = fsdp.gradient_checkpointing if fsdp is not None else False
     if spec.trainer.backend is TrainerBackend.MEGATRON:
         from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer, require_megatron
         from r3operator.trainer.megatron.parallel import ParallelSizes, check_world
@@ -48,7 +49,8 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
         from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
 
         options = PolicyOptions(learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
-                                compute_dtype=compute_dtype, reshard_after_forward=reshard)  # fmt: skip
+                                compute_dtype=compute_dtype, reshard_after_forward=reshard,
+                                gradient_checkpointing=checkpointing)  # fmt: skip
         return DistributedTrainer(model_dir, world_size=ranks, device=device, options=options)
     from r3operator.trainer.hf_policy import PolicyTrainer
 
@@ -60,4 +62,5 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
         use_fsdp=device.startswith("cuda"),
         compute_dtype=compute_dtype,
         fsdp_options={"reshard_after_forward": reshard} if fsdp is not None else None,
+        gradient_checkpointing=checkpointing,
     )

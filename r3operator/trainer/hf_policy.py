@@ -56,6 +56,7 @@ class PolicyTrainer(UpdateByShares):
         use_fsdp: bool = False,
         compute_dtype: str = "bfloat16",
         fsdp_options: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -71,6 +72,16 @@ class PolicyTrainer(UpdateByShares):
         # transformers types `PreTrainedModel.to` through a decorator that mypy reads as taking the model.
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)  # type: ignore[arg-type]
         self.model.config.use_cache = False
+        if gradient_checkpointing:
+            # `trainer.fsdp.gradientCheckpointing`: the update's backward recomputes each decoder layer (only
+            # in train mode: the no-grad passes run as before). Non-reentrant, so the replay hooks run again
+            # in the recompute and see the ids still armed (replay/hf.py); enabled before FSDP2 wraps layers.
+            # transformers 5.24 renamed the call (the old name warns); our floor, 5.0, has only the old one.
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.use_fsdp = use_fsdp
         if use_fsdp:
             from r3operator.trainer import fsdp

@@ -6,6 +6,11 @@ api/vllm_args.py: the default, raw, ignores the temperature) and applies `log_so
 fp32 `log_softmax` over the logits the model produced divided by the rollout temperature
 (`TrainBatch.temperature`), gathered at the next token. Top-k/top-p/min-p would also shape vLLM's
 processed logprobs; our requests turn them off (`FULL_DISTRIBUTION` in rollout/client.py), so there is no mask.
+
+The operations are vLLM's own (v1/sample/sampler.py: `logits.to(float32)`, `div_` by a float32 temperature
+TENSOR, `log_softmax(dim=-1, dtype=float32)`), so equal logits give bit-equal logprobs: `x - logsumexp(x)`
+rounds differently (up to 5e-5 apart over a 152k vocabulary), and on CUDA dividing by a Python float is a
+multiplication by its reciprocal (one bit off the division vLLM does).
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperat
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
-    scaled = logits.float()
+    scaled = logits.to(torch.float32)
     if temperature != 1.0:
-        scaled = scaled / temperature
-    # gather(logit) - logsumexp avoids materialising the full [.., V] log_softmax twice.
-    picked = scaled.gather(-1, labels.unsqueeze(-1).to(torch.int64)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+        # Out of place: `.to` returns fp32 logits themselves, which belong to the caller.
+        scaled = scaled / torch.tensor(temperature, dtype=torch.float32, device=scaled.device)
+    # Autograd keeps the [.., V] log_softmax output, as it would keep `scaled` for logsumexp: no more memory.
+    logprobs = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)
+    return logprobs.gather(-1, labels.unsqueeze(-1).to(torch.int64)).squeeze(-1)
 
 
 def token_logprobs(

@@ -48,6 +48,11 @@ def build_tiny_moe(family: str, *, seed: int = 0, dtype: Any = None, layers: int
             qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
             norm_topk_prob=True))  # fmt: skip
         model = tf.DeepseekV3ForCausalLM(cfg)
+    elif family == "glm4_moe":
+        cfg = tf.Glm4MoeConfig(**_common(
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True))  # fmt: skip
+        model = tf.Glm4MoeForCausalLM(cfg)
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -87,5 +87,8 @@ def test_greedy_rollouts_are_scored_unscaled_as_vllm_reports_them() -> None:
 
     assert scoring_temperature(0.6) == 0.6
     assert scoring_temperature(0.0) == 1.0  # vLLM's processed logprobs of a greedy request: plain log_softmax
+    # vLLM samples greedily (and reports unscaled logprobs) below its _SAMPLING_EPS = 1e-5, not only at 0.
+    assert scoring_temperature(9e-6) == 1.0
+    assert scoring_temperature(1e-5) == 1e-5
     with pytest.raises(ValueError, match=r"rollout\.temperature"):
         scoring_temperature(-1.0)

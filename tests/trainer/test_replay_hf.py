@@ -72,6 +72,37 @@ def test_replaying_natural_ids_reproduces_the_model_exactly(family: str, precisi
     assert torch.equal(reference, replayed)
 
 
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe"])
+def test_replaying_natural_ids_gives_the_natural_gradient_under_the_trainers_autocast(family: str) -> None:
+    """The update's forward and backward (bf16 autocast over fp32 weights, train mode): with the ids the
+    routers choose themselves replayed, the logits and every parameter's gradient, the gate weights'
+    included, are the natural forward's bit for bit. The reference is the library's own forward and
+    backward without the hook armed."""
+    model = build_tiny_moe(family).train()
+    ids = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nat = natural_routing(model, ids)
+    replay = RouterReplay().install(model)
+    grads, outputs = [], []
+    for armed in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if armed:
+                with replay.armed(nat):
+                    logits = model(ids).logits
+            else:
+                logits = model(ids).logits
+        outputs.append(logits.detach())
+        logprobs = logits.float().log_softmax(-1)
+        (logprobs * torch.linspace(-1, 1, logprobs.shape[-1])).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    natural, replayed = grads
+    assert torch.equal(outputs[0], outputs[1])
+    assert any(n.endswith("mlp.gate.weight") for n in natural)
+    assert natural.keys() == replayed.keys()
+    assert [n for n in natural if not torch.equal(natural[n], replayed[n])] == []
+
+
 def _qwen3_block_reference(block: Any, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Independent Qwen3-MoE block with given ids: softmax gate values at idx, renormalised."""
     probs = torch.softmax(h @ block.gate.weight.T, dim=-1)
