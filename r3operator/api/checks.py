@@ -305,6 +305,24 @@ def backend_union(c: RuleContext) -> str | None:
     return None
 
 
+def fsdp_unimplemented(c: RuleContext) -> str | None:
+    fsdp = c.spec.trainer.fsdp
+    if fsdp is None:
+        return None
+    if fsdp.ulysses_sequence_parallel_size != 1:
+        return (
+            f"trainer.fsdp.ulyssesSequenceParallelSize is {fsdp.ulysses_sequence_parallel_size}, not 1, but the "
+            "FSDP trainer has no Ulysses sequence parallelism: set it to 1, or use trainer.backend Megatron "
+            "(tensorParallelSize with sequence parallelism, contextParallelSize)"
+        )
+    if fsdp.sample_packing:
+        return (
+            "trainer.fsdp.samplePacking is true, but the FSDP trainer does not pack samples (it pads each "
+            "micro-batch to its longest row): set it to false"
+        )
+    return None
+
+
 def fsdp_family(c: RuleContext) -> str | None:
     t, arch = c.spec.trainer, c.spec.model.architecture
     if t.backend is not TrainerBackend.FSDP or not _replay(c.spec) or arch is None:

@@ -437,6 +437,25 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "FSDP-UNIMPLEMENTED",
+        E,
+        "spec.trainer.fsdp",
+        ("trainer.fsdp.ulyssesSequenceParallelSize", "trainer.fsdp.samplePacking"),
+        "FSDP settings the trainer does not implement are refused, not ignored",
+        ("r3operator: trainer/hf_policy.py (padded micro-batches, no sequence parallelism)",),
+        checks.fsdp_unimplemented,
+        CelRule(
+            "!has(self.trainer.fsdp) || ((!has(self.trainer.fsdp.ulyssesSequenceParallelSize) || "
+            "self.trainer.fsdp.ulyssesSequenceParallelSize == 1) && (!has(self.trainer.fsdp.samplePacking) || "
+            "!self.trainer.fsdp.samplePacking))",
+            "'trainer.fsdp.' + (self.trainer.fsdp.ulyssesSequenceParallelSize != 1 ? "
+            "'ulyssesSequenceParallelSize is not 1, but the FSDP trainer has no Ulysses sequence parallelism: set "
+            "it to 1, or use trainer.backend Megatron' : 'samplePacking is true, but the FSDP trainer does not "
+            "pack samples (it pads each micro-batch to its longest row): set it to false')",
+            ".trainer.fsdp",
+        ),
+    ),
+    Rule(
         "FSDP-ROUTER-FAMILY",
         E,
         "spec.model.architecture.family",

@@ -259,9 +259,15 @@ class FSDPSpec(_Model):
     reshard_after_forward: bool = True
     """FSDP2 fully_shard(reshard_after_forward): ZeRO-3 style when true, ZeRO-2 style when false."""
     ulysses_sequence_parallel_size: int = Field(default=1, ge=1, le=64)
-    sample_packing: bool = True
-    """Pack variable-length samples into one row (varlen attention); routes are packed alike."""
+    """Ulysses sequence parallelism. Not implemented by the FSDP trainer: only 1 is admitted (rule
+    FSDP-UNIMPLEMENTED); long sequences go to trainer.backend Megatron (tensorParallelSize with sequence
+    parallelism, contextParallelSize)."""
+    sample_packing: bool = False
+    """Pack variable-length samples into one row (varlen attention). Not implemented by the FSDP trainer, which
+    pads each micro-batch to its longest row: only false is admitted (rule FSDP-UNIMPLEMENTED)."""
     gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (transformers' non-reentrant
+    checkpointing); the replayed routes are kept for the recompute."""
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
 

@@ -162,6 +162,10 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.modelRunnerV2": True}),
         sets(**{"inference.image": "vllm/vllm-openai:v0.22.1", "inference.modelRunnerV2": True}),
     ),
+    "FSDP-UNIMPLEMENTED": (
+        sets(**{"trainer.fsdp": {"samplePacking": False, "ulyssesSequenceParallelSize": 1}}),
+        sets(**{"trainer.fsdp": {"samplePacking": True}}),
+    ),
     "KL-REFERENCE-UNSUPPORTED": (
         sets(**{"algorithm.useKLLoss": False, "algorithm.klCoef": 0.001}),
         sets(**{"algorithm.klInReward": True}),

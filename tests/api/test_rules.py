@@ -108,3 +108,13 @@ def test_errors_sort_before_warnings() -> None:
     job = build(sets(**{"inference.image": "vllm/vllm-openai:latest"}))
     severities = [f.severity for f in evaluate(job.spec)]
     assert severities == sorted(severities, key=lambda s: s is not Severity.ERROR)
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "names"),
+    [({"ulyssesSequenceParallelSize": 2}, "ulyssesSequenceParallelSize is 2, not 1"),
+     ({"samplePacking": True}, "samplePacking is true")],
+)  # fmt: skip
+def test_fsdp_settings_the_trainer_does_not_implement_are_refused_naming_the_field(fsdp: dict, names: str) -> None:
+    [finding] = [f for f in evaluate(build(sets(**{"trainer.fsdp": fsdp})).spec) if f.rule == "FSDP-UNIMPLEMENTED"]
+    assert finding.severity is Severity.ERROR and f"trainer.fsdp.{names}" in finding.message
