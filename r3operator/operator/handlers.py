@@ -108,7 +108,8 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+async def _run(body: kopf.Body, logger: kopf.Logger) -> dict[str, float]:
+    """One pass; when it reached each step (Outcome.marks)."""
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body), live=True)
@@ -143,6 +144,7 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         metrics.RECONCILE_ERRORS.labels(error.reason or str(error.status)).inc()
         raise kopf.TemporaryError(f"API error: {error}", delay=5)
     metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
+    return outcome.marks
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -165,9 +167,11 @@ async def reconcile_loop(
 ) -> None:
     """The RLJob's passes, one at a time (module docstring)."""
     key = (namespace or "", name)
+    spawned = time.time()
     wakeups: Wakeups = _state["wakeups"]
     wake = wakeups.subscribe(key)
     wake.set()  # the first pass
+    first = True
     loop = asyncio.get_running_loop()
     stop = asyncio.ensure_future(_stopping(stopped))
     try:
@@ -179,7 +183,12 @@ async def reconcile_loop(
                 break
             wake.clear()
             try:
-                await _run(body, logger)
+                marks = await _run(body, logger)
+                if first:
+                    # One line per RLJob and operator start: where a new RLJob's time to its children goes.
+                    steps = " ".join(f"{step}={at:.3f}" for step, at in marks.items())
+                    logger.info("first pass timeline: daemon=%.3f %s", spawned, steps)
+                first = False
             except kopf.TemporaryError as exc:
                 logger.warning("%s; again in %.0f s", exc, exc.delay or RETRY_S)
                 loop.call_later(exc.delay or RETRY_S, wake.set)

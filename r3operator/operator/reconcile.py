@@ -19,6 +19,7 @@ status is output, never an input; see "Security model" in docs/operator.md.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import datetime as dt
 import json
@@ -109,6 +110,12 @@ _CHILD_KINDS = (
     (meta.ROLE_UPGRADE_CANARY, "Job"),
 )
 
+_PASS_READS: contextvars.ContextVar[dict[tuple[str, str, str], dict[str, Any] | None] | None] = contextvars.ContextVar(
+    "r3operator_pass_reads", default=None
+)
+"""What this pass read by GET ahead of need ((kind, namespace, name) → the object or None), see
+Reconciler._prefetch; each pass (one per RLJob at a time, in its daemon's task) sets its own."""
+
 _POD_MAKERS = frozenset({"StatefulSet", "LeaderWorkerSet", "RayJob", "Job", "Workload"})
 """Children whose controllers make pods (a Workload admits them): written after what those pods need."""
 
@@ -137,6 +144,9 @@ class Outcome:
     valid: bool = True
     error: KubeError | None = None
     """A write the API server refused: the handler retries after posting the events."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """When (``time.time()``) the pass reached each step (start, synced, desired, read, written, status): the
+    first pass's timeline, which the handler logs and the scale benchmark lines up with the audit log."""
 
 
 class Capabilities:
@@ -215,11 +225,13 @@ class Reconciler:
         uid = str(body.get("metadata", {}).get("uid", ""))
         lock = self._locks.setdefault(uid, asyncio.Lock())
         async with lock:
+            marks = {"start": time.time()}
             namespace = body["metadata"].get("namespace")
             if self.cache is not None and namespace:
                 self.cache.watch_namespace(namespace)
                 # A namespace's first pass after a start waits for its lists rather than GET every child.
                 await self.cache.wait_synced(namespace, CACHE_SYNC_WAIT_S)
+            marks["synced"] = time.time()
             # The RLJob must include this operator's last status write, which kopf's watch may not have delivered.
             if live:
                 fresh: dict[str, Any] | None = self._newest(uid, body)
@@ -231,7 +243,13 @@ class Reconciler:
                 job = parse_rljob(fresh, source=f"rljob {body['metadata']['name']}")
             except RLJobLoadError as exc:
                 return await self._unparsable(fresh, exc)
-            return await self._reconcile(job)
+            token = _PASS_READS.set({})
+            try:
+                outcome = await self._reconcile(job)
+            finally:
+                _PASS_READS.reset(token)
+            outcome.marks = {**marks, **outcome.marks}
+            return outcome
 
     def _desired(self, job: RLJob, facts: Facts) -> list[dict[str, Any]]:
         """desired(), rendered again only when what it reads changed (the spec, the job's name, uid, labels and
@@ -308,6 +326,8 @@ class Reconciler:
         kueue = await self.capabilities.serves(*KUEUE_WORKLOADS) if queued else True
         outcome = Outcome(job=job, valid=not rule_errors and kuberay and kueue)
         trainer = meta.child_name(job, meta.ROLE_TRAINER)
+        if outcome.valid:
+            await self._prefetch(job, engine_kind, queued)
         raw_ray_job = await self._get("RayJob", job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
         ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
@@ -361,6 +381,7 @@ class Reconciler:
                 priority=refs.priority,
             )
             children = self._desired(job, facts)
+            outcome.marks["desired"] = time.time()
             known = {
                 ("RayJob", trainer): raw_ray_job,
                 (engine_kind, engine_name): raw_engine_set,
@@ -377,7 +398,9 @@ class Reconciler:
                 observed[engine_kind] = next((h for c, h, a in plans if c["kind"] == engine_kind
                                               and a.verb != "conflict"), None)  # fmt: skip
             else:
+                outcome.marks["read"] = time.time()
                 await self._write_all(job, plans, finish is not None, expired, observed, outcome)
+                outcome.marks["written"] = time.time()
                 if queued and outcome.error is None:
                     await self._settle_workload(job, observed, finish, outcome)
         else:
@@ -415,6 +438,7 @@ class Reconciler:
         if outcome.valid:
             obs = await self._with_canary(job, obs)
         await self._write_status(job, compute_status(job, obs, now), outcome)
+        outcome.marks["status"] = time.time()
         return outcome
 
     async def _plan_upgrade(
@@ -494,6 +518,37 @@ class Reconciler:
         found = await asyncio.gather(*(read(child) for child in children))
         return list(zip(children, found, strict=True))
 
+    async def _prefetch(self, job: RLJob, engine_kind: str, queued: bool) -> None:
+        """A new RLJob's first pass reads every name it will write before its first write (the cache holds no
+        labelled object there, so only a GET shows a foreign one): the RayJob, engines and model-fetch Job the
+        pass reads first, and the names of the children desired() renders. Sent together, one round trip rather
+        than one per read, and kept for this pass (``_PASS_READS``), where :meth:`_get` finds them. The names come
+        from desired() with the facts of a job that has no children yet, which the pass then renders again from
+        what it read: a child only that render has is read on its own, as before."""
+        namespace = job.metadata.namespace
+        if self.cache is None or not namespace:
+            return
+        reads = _PASS_READS.get()
+        if reads is None:
+            return
+        names = {("RayJob", meta.child_name(job, meta.ROLE_TRAINER)),
+                 (engine_kind, meta.child_name(job, meta.ROLE_ENGINE))}  # fmt: skip
+        if uses_model_cache(job):
+            names.add(("Job", meta.child_name(job, meta.ROLE_MODEL_FETCH)))
+        if queued:
+            names.add(("Workload", meta.child_name(job, meta.ROLE_WORKLOAD)))
+        absent = {(k, n) for k, n in names if self.cache.lookup(k, namespace, n) is None}
+        if absent != names:
+            return  # a child exists: not a new RLJob, and its pass reads (almost) everything from the cache
+        pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
+        facts = Facts(pod_monitor_crd=pod_monitor, operator_namespace=self.settings.operator_namespace,
+                      engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
+                      model_fetched=not uses_model_cache(job), admitted=not queued)  # fmt: skip
+        names |= {(c["kind"], c["metadata"]["name"]) for c in self._desired(job, facts)}
+        todo = sorted((k, n) for k, n in names if k in KINDS and self.cache.lookup(k, namespace, n) is None)
+        found = await asyncio.gather(*(self.client.get(KINDS[k], namespace, n) for k, n in todo))
+        reads.update({(k, namespace, n): obj for (k, n), obj in zip(todo, found, strict=True)})
+
     async def _get(
         self, kind: str, namespace: str | None, name: str, *, absent_known: bool = False
     ) -> dict[str, Any] | None:
@@ -507,6 +562,8 @@ class Reconciler:
                 return hit
             if hit is None and absent_known:
                 return None
+            if hit is None and (reads := _PASS_READS.get()) is not None and (kind, namespace, name) in reads:
+                return reads[(kind, namespace, name)]
         return await self.client.get(KINDS[kind], namespace, name)
 
     async def _pods(self, job: RLJob) -> list[dict[str, Any]]:
