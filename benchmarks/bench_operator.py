@@ -451,7 +451,10 @@ def run_size(
             deadline, running = time.monotonic() + 600, (0, jobs)
             # Polled every 2 s, one labelled LIST: the benchmark's own reads are load on the box it measures.
             engines_running_s: float | None = None
-            while engines_running_s is None and time.monotonic() < deadline:
+            # Once an RLJob has ended its engines stop: every engine pod running at once can no longer happen.
+            ended = lambda: any(_condition_true("Failed")(o) or _condition_true("Succeeded")(o)  # noqa: E731
+                                for _, o in list(rljobs.events))  # fmt: skip
+            while engines_running_s is None and time.monotonic() < deadline and not ended():
                 if (running := _engine_pods_running(plane))[0] >= jobs:
                     engines_running_s = time.monotonic() - t0
                 time.sleep(2)

@@ -24,7 +24,7 @@ import aiohttp
 import kopf
 
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
-from r3operator.operator import meta, metrics
+from r3operator.operator import allocator, meta, metrics
 from r3operator.operator.informer import ChildCache, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
@@ -42,6 +42,7 @@ RETRY_S = 5.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     _state["wakeups"] = Wakeups()  # its asyncio.Events belong to this run's event loop
+    _state["trimmer"] = asyncio.create_task(allocator.trim_periodically(), name="malloc_trim")
     settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
@@ -80,6 +81,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    if (trimmer := _state.pop("trimmer", None)) is not None:
+        trimmer.cancel()
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
         if reconciler.cache is not None:

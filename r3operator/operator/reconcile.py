@@ -22,9 +22,11 @@ import asyncio
 import contextvars
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,8 +208,9 @@ class Reconciler:
         self._canaries: dict[str, tuple[float, CanaryResult]] = {}
         self._failures: dict[str, int] = {}
         self._written: dict[str, dict[str, Any]] = {}
-        self._rendered: dict[str, tuple[tuple[str, ...], list[dict[str, Any]]]] = {}
-        """Per RLJob uid, the last desired() and what it was rendered from."""
+        self._rendered: dict[str, tuple[bytes, bytes]] = {}
+        """Per RLJob uid, the last desired(): a digest of what it was rendered from, and the children as compressed
+        JSON (~4 KB rather than ~60 KB of dicts per RLJob; loading them again costs a fifth of a render)."""
         """Per RLJob uid, the RLJob as this operator's last write of it returned, until a live body catches up."""
 
     def forget(self, uid: str) -> None:
@@ -254,17 +257,18 @@ class Reconciler:
     def _desired(self, job: RLJob, facts: Facts) -> list[dict[str, Any]]:
         """desired(), rendered again only when what it reads changed (the spec, the job's name, uid, labels and
         annotations, the facts): most passes are woken by a child's status and would render the same children.
-        Nothing downstream changes the children it returns."""
+        Each call returns children of its own (a held render is loaded again), so a caller may change them."""
         meta_ = job.metadata
         labels, annotations = json.dumps(meta_.labels, sort_keys=True), json.dumps(meta_.annotations, sort_keys=True)
         key = (job.spec.model_dump_json(), meta_.name, meta_.namespace or "", meta_.uid or "", labels, annotations,
                repr(facts))  # fmt: skip
+        digest = hashlib.sha256(json.dumps(key).encode()).digest()
         held = self._rendered.get(meta_.uid or "")
-        if held is not None and held[0] == key:
-            return held[1]
+        if held is not None and held[0] == digest:
+            return list(json.loads(zlib.decompress(held[1])))
         children = desired(job, facts)
         if meta_.uid:
-            self._rendered[meta_.uid] = (key, children)
+            self._rendered[meta_.uid] = (digest, zlib.compress(json.dumps(children, separators=(",", ":")).encode()))
         return children
 
     def _newest(self, uid: str, body: dict[str, Any]) -> dict[str, Any]:

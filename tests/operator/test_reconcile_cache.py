@@ -153,3 +153,22 @@ def test_a_new_rljobs_first_pass_reads_every_child_name_in_one_round_trip_before
     assert {(KINDS[kind].plural, name) for kind, name in created} <= read, (created, read)
     # ... and all of them in one round trip, not one for the RayJob, one for the engines, one for the rest.
     assert client.read_rounds_before_write == 1, client.reads
+
+
+def test_a_held_render_is_the_same_children_as_a_fresh_desired_and_each_pass_gets_its_own_copy():
+    from r3operator.api.load import parse_rljob
+    from r3operator.operator.desired import Facts, desired
+
+    body = _rljob()
+    body["metadata"]["uid"] = "uid-1"
+    job = parse_rljob(body, source="test")
+    reconciler = Reconciler(WatchedClient(), clock=lambda: NOW)  # type: ignore[arg-type]
+    facts = Facts(model_fetched=False)
+    reference = desired(job, facts)  # rendered here, not through the reconciler's cache
+    assert reconciler._desired(job, facts) == reference
+    held = reconciler._desired(job, facts)  # from what the reconciler holds
+    assert held == reference
+    held[0]["metadata"]["name"] = "changed by a caller"
+    assert reconciler._desired(job, facts) == reference
+    # Another fact renders again.
+    assert reconciler._desired(job, Facts(model_fetched=True)) == desired(job, Facts(model_fetched=True))
