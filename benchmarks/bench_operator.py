@@ -447,6 +447,9 @@ def run_size(
             for i, name in enumerate(names):
                 plane.request("POST", path, small_job(name))
                 time.sleep(max(0.0, t0 + (i + 1) / rate_per_s - time.monotonic()))
+            # The operator is one Python thread: a share near 1.0 while the RLJobs arrive means it was CPU-bound,
+            # and every step of a first pass waited for the event loop.
+            creating_s, cpu_creating = time.monotonic() - t0, sum(operator.cpu_times()[:2]) - cpu0
             # Past a deadline the run goes on and records what it saw: a figure is None, never a crash.
             deadline, running = time.monotonic() + 600, (0, jobs)
             # Polled every 2 s, one labelled LIST: the benchmark's own reads are load on the box it measures.
@@ -539,6 +542,7 @@ def run_size(
         "operator_rss_mb": round(rss_mb, 1),
         "standby_first_passes_after_failover_s": _round(standby_passes_s),
         "standby_rss_mb_after_its_first_passes": round(rss_standby_mb, 1),
+        "operator_cpu_share_while_creating": round(cpu_creating / creating_s, 2),
         "operator_cpu_s_converging": round(cpu_converge, 1),
         "operator_cpu_s_per_min_steady": round(cpu_steady / steady_minutes, 2),
         "memory_probe": memory,

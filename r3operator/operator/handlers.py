@@ -25,6 +25,7 @@ import kopf
 
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import allocator, meta, metrics
+from r3operator.operator.diffbase import LeanDiffBaseStorage
 from r3operator.operator.informer import ChildCache, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
@@ -51,9 +52,8 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     # kopf looks again: every 60 s by default, which made a deletion wait a minute for a pass of a second.
     settings.background.cancellation_polling = 2.0
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=meta.PREFIX, key="last-handled-configuration"
-    )
+    # kopf's own, but without deep-copying the managedFields and status it then drops (diffbase.py).
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(prefix=meta.PREFIX, key="last-handled-configuration")
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
