@@ -111,8 +111,10 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger) -> dict[str, float]:
-    """One pass; when it reached each step (Outcome.marks)."""
+async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> dict[str, float]:
+    """One pass; when it reached each step (Outcome.marks). The RLJob's series are set on its daemon's first pass
+    and then when its status changes: they are read from the spec's name and the status, and most passes (a child's
+    event) change neither."""
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body), live=True)
@@ -138,7 +140,7 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> dict[str, float]:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if outcome.written:
         logger.info("reconciled: %s", "; ".join(outcome.written))
-    if outcome.job is not None:
+    if outcome.job is not None and (first or outcome.status_written):
         metrics.observe_job(outcome.job, outcome.status)
     error = outcome.error
     if error is not None and not error.namespace_terminating:
@@ -186,7 +188,7 @@ async def reconcile_loop(
                 break
             wake.clear()
             try:
-                marks = await _run(body, logger)
+                marks = await _run(body, logger, first=first)
                 if first:
                     # One line per RLJob and operator start: where a new RLJob's time to its children goes.
                     steps = " ".join(f"{step}={at:.3f}" for step, at in marks.items())
