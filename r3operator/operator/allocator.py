@@ -34,7 +34,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     except (OSError, AttributeError):  # not glibc
         return None
     function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 def trim() -> bool:

@@ -12,7 +12,7 @@ the copy was the largest single cost of the operator's CPU. :class:`LeanDiffBase
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -29,4 +29,4 @@ class LeanDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         metadata = body.get("metadata") or {}
         lean: dict[str, Any] = {k: v for k, v in body.items() if k not in _DROPPED}
         lean["metadata"] = {k: metadata[k] for k in _KEPT_METADATA if k in metadata}
-        return super().build(body=kopf.Body(lean))
+        return super().build(body=kopf.Body(cast(kopf.RawBody, lean)))
