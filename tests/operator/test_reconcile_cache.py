@@ -172,3 +172,12 @@ def test_a_held_render_is_the_same_children_as_a_fresh_desired_and_each_pass_get
     assert reconciler._desired(job, facts) == reference
     # Another fact renders again.
     assert reconciler._desired(job, Facts(model_fetched=True)) == desired(job, Facts(model_fetched=True))
+
+
+def test_the_rljob_held_from_the_operators_own_write_keeps_no_managed_fields():
+    reconciler = Reconciler(WatchedClient(), clock=lambda: NOW)  # type: ignore[arg-type]
+    returned = {"metadata": {"name": "job", "resourceVersion": "7", "managedFields": [{"manager": "r3operator"}]},
+                "status": {"phase": "x"}}  # fmt: skip
+    reconciler._wrote("uid-1", returned)
+    held = reconciler._newest("uid-1", {"metadata": {"name": "job", "resourceVersion": "6"}})  # the live body is older
+    assert held == {"metadata": {"name": "job", "resourceVersion": "7"}, "status": {"phase": "x"}}
