@@ -207,8 +207,21 @@ def _stamp_of(event: dict[str, Any], key: str) -> float:
     return datetime.fromisoformat(str(event.get(key) or event["stageTimestamp"]).replace("Z", "+00:00")).timestamp()
 
 
+def _list(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
+    """A LIST the benchmark polls, tried again when the loaded API server does not answer within the client's 30 s
+    (a 500-RLJob run died of one): a poll that is late is no failure of what it measures."""
+    for attempt in range(5):
+        try:
+            return list(plane.request("GET", path)["items"])
+        except (TimeoutError, OSError):
+            if attempt == 4:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def _engine_pods_running(plane: ControlPlane) -> tuple[int, int]:
-    pods = plane.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=r3operator.io/role=engine")["items"]
+    pods = _list(plane, f"/api/v1/namespaces/{NS}/pods?labelSelector=r3operator.io/role=engine")
     return sum(1 for p in pods if p["status"].get("phase") == "Running"), len(pods)
 
 
@@ -261,7 +274,7 @@ def _resource(event: dict[str, Any]) -> str:
 
 def _rljob_versions(plane: ControlPlane) -> tuple[dict[str, str], int]:
     """Each RLJob's resourceVersion, and how many have ended (Failed or Succeeded True)."""
-    items = plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")["items"]
+    items = _list(plane, f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")
     ended = sum(1 for i in items if _condition_true("Failed")(i) or _condition_true("Succeeded")(i))
     return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}, ended
 
