@@ -28,10 +28,12 @@ failover ≤ 15 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -114,15 +116,124 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> tuple[list[float]
     return latencies, max(last_child[j] for j in jobs) if all(j in last_child for j in jobs) else None
 
 
+TIMELINE_STEPS = ("daemon", "start", "synced", "desired", "read", "written", "status")
+"""The operator's first-pass timeline line (handlers.reconcile_loop, Outcome.marks), in the order a pass reaches
+them: its daemon spawned (kopf saw the RLJob), the pass began, the caches synced, desired() rendered, every
+child read (the writes go out next), the writes answered, the status written."""
+TIMELINE_LINE = re.compile(r"\[([^/\]]+)/([^\]]+)\] first pass timeline: (.*)$")
+
+
+def _first_pass_marks(log_path: Path) -> dict[str, dict[str, float]]:
+    """Per RLJob, the first timeline line its operator logged (a standby that takes over logs its own later)."""
+    marks: dict[str, dict[str, float]] = {}
+    with contextlib.suppress(FileNotFoundError), open(log_path, errors="replace") as log:
+        for line in log:
+            if (found := TIMELINE_LINE.search(line.rstrip("\n"))) is not None and found[2] not in marks:
+                steps = dict(pair.split("=", 1) for pair in found[3].split())
+                marks[found[2]] = {step: float(at) for step, at in steps.items()}
+    return marks
+
+
+def _timeline(
+    plane: ControlPlane, jobs: list[str], log_path: Path, client_saw: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Where an RLJob's apply → children time goes: the audit log's stamps (its create, the operator's requests
+    naming the job or its children: when each was received, when answered) lined up with the operator's own
+    first-pass marks (same host, same clock). p50/p95 of each segment, over the RLJobs that have all of them."""
+    created: dict[str, float] = {}
+    kopf_first: dict[str, float] = {}
+    op_first: dict[str, float] = {}
+    first_write: dict[str, float] = {}
+    last_write: dict[str, float] = {}
+    before_write: Counter[str] = Counter()
+    write_server: list[float] = []
+    read_server: list[float] = []
+    wanted = set(jobs)
+    for event in _audit(plane, b'"name":"job-'):  # node heartbeats and the rest, most of the log, skipped unparsed
+        ref = event.get("objectRef") or {}
+        if ref.get("namespace") != NS or event.get("verb") == "watch":
+            continue
+        name = str(ref.get("name") or "")
+        job = "-".join(name.split("-")[:2])
+        if job not in wanted:
+            continue
+        received, answered = _stamp_of(event, "requestReceivedTimestamp"), _stamp(event)
+        code = (event.get("responseStatus") or {}).get("code")
+        if ref.get("resource") == "rljobs" and not ref.get("subresource"):
+            if event.get("verb") == "create" and code == 201:
+                created[job] = answered
+            elif str(event.get("userAgent", "")).startswith("kopf/"):
+                kopf_first.setdefault(job, received)
+            continue
+        if not str(event.get("userAgent", "")).startswith("r3operator/") or ref.get("resource") not in CHILD_RESOURCES:
+            continue
+        op_first.setdefault(job, received)
+        if event.get("verb") in ("create", "patch") and code == 201 and name not in last_write:
+            first_write.setdefault(job, received)
+            last_write[name] = answered
+            last_write[job] = max(last_write.get(job, 0.0), answered)
+            write_server.append(answered - received)
+        elif event.get("verb") == "get":
+            read_server.append(answered - received)
+            if job not in first_write:
+                before_write[job] += 1
+    marks = _first_pass_marks(log_path)
+
+    def segment(start: Any, end: Any) -> dict[str, Any]:
+        gaps = [end(j) - start(j) for j in jobs if start(j) is not None and end(j) is not None]
+        return _latencies(gaps)
+
+    def mark(step: str) -> Any:
+        return lambda j: (marks.get(j) or {}).get(step)
+
+    return {
+        "create → kopf's first request on the RLJob (its finalizer)": segment(created.get, kopf_first.get),
+        # Another watcher of the same RLJobs (the benchmark's own, in another process): late too, the API server's
+        # delivery is slow; on time, the wait is kopf's.
+        "create → the benchmark's own RLJob watch got it": segment(created.get, (client_saw or {}).get),
+        "create → daemon spawned (kopf saw the RLJob)": segment(created.get, mark("daemon")),
+        "daemon spawned → pass began": segment(mark("daemon"), mark("start")),
+        "pass began → caches synced": segment(mark("start"), mark("synced")),
+        "caches synced → desired() (discovery, references, the reads of every child name)": segment(mark("synced"),
+                                                                                         mark("desired")),
+        "desired() → every child read (names the first reads missed, claims)": segment(mark("desired"), mark("read")),
+        "every child read → first child write received (audit)": segment(mark("read"), first_write.get),
+        "first child write received → last child answered (audit)": segment(first_write.get, last_write.get),
+        "writes answered → status written": segment(mark("written"), mark("status")),
+        "create → last child answered (audit)": segment(created.get, last_write.get),
+        "child write, API server time (received → answered)": _latencies(write_server),
+        "child GET, API server time (received → answered)": _latencies(read_server),
+        "child GETs before the first write, per RLJob": _latencies([float(before_write[j]) for j in jobs]),
+        "rljobs with a first-pass timeline line": len([j for j in jobs if j in marks]),
+    }  # fmt: skip
+
+
+def _stamp_of(event: dict[str, Any], key: str) -> float:
+    return datetime.fromisoformat(str(event.get(key) or event["stageTimestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def _list(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
+    """A LIST the benchmark polls, tried again when the loaded API server does not answer within the client's 30 s
+    (a 500-RLJob run died of one): a poll that is late is no failure of what it measures."""
+    for attempt in range(5):
+        try:
+            return list(plane.request("GET", path)["items"])
+        except (TimeoutError, OSError):
+            if attempt == 4:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def _engine_pods_running(plane: ControlPlane) -> tuple[int, int]:
-    pods = plane.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=r3operator.io/role=engine")["items"]
+    pods = _list(plane, f"/api/v1/namespaces/{NS}/pods?labelSelector=r3operator.io/role=engine")
     return sum(1 for p in pods if p["status"].get("phase") == "Running"), len(pods)
 
 
-def _audit(plane: ControlPlane) -> Iterator[dict[str, Any]]:
-    with open(plane.audit_log) as log:
+def _audit(plane: ControlPlane, containing: bytes = b"") -> Iterator[dict[str, Any]]:
+    with open(plane.audit_log, "rb") as log:
         for line in log:
-            if line.endswith("\n"):
+            if line.endswith(b"\n") and containing in line:
                 yield json.loads(line)
 
 
@@ -168,7 +279,7 @@ def _resource(event: dict[str, Any]) -> str:
 
 def _rljob_versions(plane: ControlPlane) -> tuple[dict[str, str], int]:
     """Each RLJob's resourceVersion, and how many have ended (Failed or Succeeded True)."""
-    items = plane.request("GET", f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")["items"]
+    items = _list(plane, f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")
     ended = sum(1 for i in items if _condition_true("Failed")(i) or _condition_true("Succeeded")(i))
     return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}, ended
 
@@ -256,9 +367,14 @@ def _ray_job_failed(obj: dict[str, Any]) -> bool:
     return (obj.get("status") or {}).get("jobDeploymentStatus") == "Failed"
 
 
-def _start_operator(plane: ControlPlane, name: str, retry_s: float, profile: Path | None) -> subprocess.Popen[bytes]:
+def _start_operator(
+    plane: ControlPlane, name: str, retry_s: float, profile: Path | None, probe: str = "off"
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "R3OPERATOR_METRICS_PORT": "0",
-           "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO)}  # fmt: skip
+           "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO),
+           "R3_PROBE_OUT": str(_probe_path(plane, name))}  # fmt: skip
+    if probe == "tracemalloc":
+        env["R3_PROBE_TRACEMALLOC"] = "1"
     for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
         env.pop(variable, None)  # production defaults
     # Lease duration and renew deadline 60/40 s rather than the defaults' 15/10: on the shared 2-core box the API
@@ -266,11 +382,29 @@ def _start_operator(plane: ControlPlane, name: str, retry_s: float, profile: Pat
     # (--lease-retry, the chart's 2 s by default) is how often the standby asks: it bounds the takeover. The
     # failover below is a SIGTERM, which releases the Lease: no wait for the lease duration.
     prefix = [sys.executable] if profile is None else [sys.executable, "-m", "cProfile", "-o", str(profile)]
-    cmd = [*prefix, "-m", "r3operator", "operator", "-n", NS, "--liveness", "", "--leader-elect",
+    main = ["-m", "benchmarks.operator_probe"] if probe != "off" else ["-m", "r3operator"]
+    cmd = [*prefix, *main, "operator", "-n", NS, "--liveness", "", "--leader-elect",
            "--leader-election-namespace", NS, "--lease-duration", "60", "--renew-deadline", "40",
            "--retry-period", str(retry_s)]  # fmt: skip
     log = open(plane.logs / f"operator-{name}.log", "wb")  # noqa: SIM115 (the process owns it)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _probe_path(plane: ControlPlane, name: str) -> Path:
+    return plane.logs / f"memory-{name}.json"
+
+
+def _probe(plane: ControlPlane, proc: subprocess.Popen[bytes], name: str) -> dict[str, Any] | None:
+    """operator_probe.py's snapshot of a running operator (SIGUSR1), or None when it wrote none within 120 s."""
+    path = _probe_path(plane, name)
+    path.unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return dict(json.loads(path.read_text()))
+        time.sleep(0.5)
+    return None
 
 
 def _holder(plane: ControlPlane) -> str:
@@ -296,7 +430,13 @@ def _waited(predicate: Any, timeout: float, since: float) -> float | None:
 
 
 def run_size(
-    jobs: int, nodes: int, rate_per_s: float, retry_s: float, profile: Path | None, converge_timeout_s: float
+    jobs: int,
+    nodes: int,
+    rate_per_s: float,
+    retry_s: float,
+    profile: Path | None,
+    converge_timeout_s: float,
+    probe: str = "off",
 ) -> dict[str, Any]:
     fleet = Fleet(nodes=nodes, gpus_per_node=8, cpu_nodes=2)
     with control_plane(fleet=fleet) as plane:
@@ -306,11 +446,12 @@ def run_size(
             env={**os.environ, "KUBECONFIG": str(plane.kubeconfig)}, check=True, capture_output=True,
         )  # fmt: skip
         plane.wait_established("rljobs.r3operator.io")
-        leader = _start_operator(plane, "op-a", retry_s, profile.resolve() / f"op-a-{jobs}.prof" if profile else None)
+        leader = _start_operator(plane, "op-a", retry_s, profile.resolve() / f"op-a-{jobs}.prof" if profile else None,
+                                 probe)  # fmt: skip
         procs = [leader]
         try:
             _wait(lambda: _holder(plane).startswith("op-a_"), 60, "op-a never took the Lease")
-            standby = _start_operator(plane, "op-b", retry_s, None)
+            standby = _start_operator(plane, "op-b", retry_s, None, "gc" if probe != "off" else "off")
             procs.append(standby)
             operator = psutil.Process(leader.pid)
             sts = Recorder(plane, f"/apis/apps/v1/namespaces/{NS}/statefulsets")
@@ -324,11 +465,17 @@ def run_size(
             for i, name in enumerate(names):
                 plane.request("POST", path, small_job(name))
                 time.sleep(max(0.0, t0 + (i + 1) / rate_per_s - time.monotonic()))
+            # The operator is one Python thread: a share near 1.0 while the RLJobs arrive means it was CPU-bound,
+            # and every step of a first pass waited for the event loop.
+            creating_s, cpu_creating = time.monotonic() - t0, sum(operator.cpu_times()[:2]) - cpu0
             # Past a deadline the run goes on and records what it saw: a figure is None, never a crash.
             deadline, running = time.monotonic() + 600, (0, jobs)
             # Polled every 2 s, one labelled LIST: the benchmark's own reads are load on the box it measures.
             engines_running_s: float | None = None
-            while engines_running_s is None and time.monotonic() < deadline:
+            # Once an RLJob has ended its engines stop: every engine pod running at once can no longer happen.
+            ended = lambda: any(_condition_true("Failed")(o) or _condition_true("Succeeded")(o)  # noqa: E731
+                                for _, o in list(rljobs.events))  # fmt: skip
+            while engines_running_s is None and time.monotonic() < deadline and not ended():
                 if (running := _engine_pods_running(plane))[0] >= jobs:
                     engines_running_s = time.monotonic() - t0
                 time.sleep(2)
@@ -344,6 +491,9 @@ def run_size(
             steady_writes = [e for e in steady if e.get("verb") in WRITES and _resource(e) != "events"]
             rss_mb = operator.memory_info().rss / 2**20
             cpu_steady = sum(operator.cpu_times()[:2]) - cpu1
+            memory: dict[str, dict[str, Any] | None] = {}
+            if probe != "off":
+                memory["leader"] = _probe(plane, leader, "op-a")
             engines_to_status = _gaps(
                 [
                     (sts.first(f"{n}-engine", _sts_ready), rljobs.first(n, _condition_true("EnginesReady")))
@@ -364,7 +514,13 @@ def run_size(
             lease_after_s = _waited(lambda: _holder(plane).startswith("op-b_"), 120, t_fail)
             uid = lambda: ((plane.request("GET", victim) or {}).get("metadata") or {}).get("uid")  # noqa: E731
             failover_s = _waited(lambda: uid() not in (None, old_uid), 180, t_fail)
+            # The standby's state once it holds what the leader held: a first pass over every RLJob (its own
+            # timeline lines), not the moment it took the Lease.
+            standby_log = plane.logs / "operator-op-b.log"
+            standby_passes_s = _waited(lambda: len(_first_pass_marks(standby_log)) >= jobs, 300, t_fail)
             rss_standby_mb = psutil.Process(standby.pid).memory_info().rss / 2**20
+            if probe != "off":
+                memory["standby_after_taking_over"] = _probe(plane, standby, "op-b")
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -374,6 +530,8 @@ def run_size(
                     except subprocess.TimeoutExpired:
                         proc.kill()
         latencies, last_child_at = _children_latency(plane, names)
+        client_saw = {n: at for n in names if (at := rljobs.first(n, lambda _: True)) is not None}
+        timeline = _timeline(plane, names, plane.logs / "operator-op-a.log", client_saw)
     by_verb = Counter(e["verb"] for e in converge_requests)
     by_resource = Counter(f"{e['verb']} {_resource(e)}" for e in steady)
     return {
@@ -382,6 +540,7 @@ def run_size(
         "lease_retry_period_s": retry_s,
         "create_rate_per_s": rate_per_s,
         "apply_to_children": _latencies(latencies),
+        "apply_to_children_timeline": timeline,
         "all_children_after_s": _round(last_child_at - t0_wall if last_child_at is not None else None),
         "all_engine_pods_running_after_s": _round(engines_running_s),
         "converged_after_s": _round(converged_after_s),
@@ -400,9 +559,12 @@ def run_size(
         "failover_lease_taken_after_s": _round(lease_after_s),
         "failover_child_recreated_after_s": _round(failover_s),
         "operator_rss_mb": round(rss_mb, 1),
-        "standby_rss_mb_after_taking_over": round(rss_standby_mb, 1),
+        "standby_first_passes_after_failover_s": _round(standby_passes_s),
+        "standby_rss_mb_after_its_first_passes": round(rss_standby_mb, 1),
+        "operator_cpu_share_while_creating": round(cpu_creating / creating_s, 2),
         "operator_cpu_s_converging": round(cpu_converge, 1),
         "operator_cpu_s_per_min_steady": round(cpu_steady / steady_minutes, 2),
+        "memory_probe": memory,
     }
 
 
@@ -415,14 +577,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--converge-timeout", type=float, default=900.0, help="s after the first create")
     parser.add_argument("--lease-retry", type=float, default=2.0, help="the operators' --retry-period (s)")
     parser.add_argument("--profile", type=Path, help="run the leader under cProfile, its stats in this folder")
+    parser.add_argument("--memory-probe", choices=("off", "gc", "tracemalloc"), default="off",
+                        help="snapshot both operators' memory (benchmarks/operator_probe.py); tracemalloc: the "
+                             "leader's heap by line too (slow)")  # fmt: skip
     args = parser.parse_args(argv or [])
     # A SIGTERM stops the run through its finally blocks: the operators and the control plane go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    sizes = [run_size(n, args.nodes, args.rate, args.lease_retry, args.profile, args.converge_timeout)
-             for n in args.jobs]  # fmt: skip
+    sizes = [run_size(n, args.nodes, args.rate, args.lease_retry, args.profile, args.converge_timeout,
+                      args.memory_probe) for n in args.jobs]  # fmt: skip
     result = {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",

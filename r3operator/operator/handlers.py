@@ -24,7 +24,8 @@ import aiohttp
 import kopf
 
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
-from r3operator.operator import meta, metrics
+from r3operator.operator import allocator, meta, metrics
+from r3operator.operator.diffbase import LeanDiffBaseStorage
 from r3operator.operator.informer import ChildCache, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
@@ -42,6 +43,7 @@ RETRY_S = 5.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     _state["wakeups"] = Wakeups()  # its asyncio.Events belong to this run's event loop
+    _state["trimmer"] = asyncio.create_task(allocator.trim_periodically(), name="malloc_trim")
     settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
     settings.watching.connect_timeout = 30
@@ -50,9 +52,8 @@ async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: A
     # kopf looks again: every 60 s by default, which made a deletion wait a minute for a pass of a second.
     settings.background.cancellation_polling = 2.0
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=meta.PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=meta.PREFIX, key="last-handled-configuration"
-    )
+    # kopf's own, but without deep-copying the managedFields and status it then drops (diffbase.py).
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(prefix=meta.PREFIX, key="last-handled-configuration")
     # Our own Events are posted explicitly (one per condition transition); kopf's log-to-event
     # bridge is limited to warnings so a reconcile never floods the Event stream.
     settings.posting.level = logging.WARNING
@@ -80,6 +81,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    if (trimmer := _state.pop("trimmer", None)) is not None:
+        trimmer.cancel()
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
         if reconciler.cache is not None:
@@ -108,7 +111,10 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> dict[str, float]:
+    """One pass; when it reached each step (Outcome.marks). The RLJob's series are set on its daemon's first pass
+    and then when its status changes: they are read from the spec's name and the status, and most passes (a child's
+    event) change neither."""
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body), live=True)
@@ -134,7 +140,7 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if outcome.written:
         logger.info("reconciled: %s", "; ".join(outcome.written))
-    if outcome.job is not None:
+    if outcome.job is not None and (first or outcome.status_written):
         metrics.observe_job(outcome.job, outcome.status)
     error = outcome.error
     if error is not None and not error.namespace_terminating:
@@ -143,6 +149,7 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         metrics.RECONCILE_ERRORS.labels(error.reason or str(error.status)).inc()
         raise kopf.TemporaryError(f"API error: {error}", delay=5)
     metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
+    return outcome.marks
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -165,9 +172,11 @@ async def reconcile_loop(
 ) -> None:
     """The RLJob's passes, one at a time (module docstring)."""
     key = (namespace or "", name)
+    spawned = time.time()
     wakeups: Wakeups = _state["wakeups"]
     wake = wakeups.subscribe(key)
     wake.set()  # the first pass
+    first = True
     loop = asyncio.get_running_loop()
     stop = asyncio.ensure_future(_stopping(stopped))
     try:
@@ -179,7 +188,12 @@ async def reconcile_loop(
                 break
             wake.clear()
             try:
-                await _run(body, logger)
+                marks = await _run(body, logger, first=first)
+                if first:
+                    # One line per RLJob and operator start: where a new RLJob's time to its children goes.
+                    steps = " ".join(f"{step}={at:.3f}" for step, at in marks.items())
+                    logger.info("first pass timeline: daemon=%.3f %s", spawned, steps)
+                first = False
             except kopf.TemporaryError as exc:
                 logger.warning("%s; again in %.0f s", exc, exc.delay or RETRY_S)
                 loop.call_later(exc.delay or RETRY_S, wake.set)

@@ -30,6 +30,11 @@ USER_AGENT = f"r3operator/{__version__}"
 APPLY_PATCH = "application/apply-patch+yaml"
 FIELD_MANAGER = "r3operator"
 """The server-side-apply field manager of every child the operator writes."""
+MAX_CONNECTIONS = 64
+"""Requests (watches aside) in flight at once; more wait for a free connection. Each connection is a TLS session
+holding ~0.3 MB (asyncio's 256 KiB read buffer and OpenSSL's): aiohttp's default of 100, with kopf's own session
+beside it, let a standby's first passes over 100 RLJobs hold 131 of them (benchmarks/operator_probe.py). 64 is
+about twice what a 5-RLJobs-a-second burst keeps in flight on the benchmark's control plane."""
 
 
 class KubeError(Exception):
@@ -140,7 +145,10 @@ class KubeClient:
     async def _request(self, method: str, path: str, *, json: Any = None, content_type: str | None = None) -> Any:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=aiohttp.ClientTimeout(total=30, connect=10)
+                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+                headers=self._headers,
+                # sock_connect, not connect: a wait for a free connection in the pool is no connect timeout.
+                timeout=aiohttp.ClientTimeout(total=60, sock_connect=10),
             )
         headers = {"Accept": "application/json"}
         if content_type:

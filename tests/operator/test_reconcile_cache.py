@@ -111,3 +111,73 @@ def test_an_unlabelled_object_under_a_child_name_is_read_from_the_api_server_and
     assert ("configmaps", "job-config") in client.reads
     assert _condition(client, "Valid")["reason"] == "NameConflict"
     assert not [w for w in client.writes if w[0] == "apply"], client.writes
+
+
+class RoundTripClient(WatchedClient):
+    """Each GET takes a moment; counts the round trips of child reads before the first write (a round trip: the
+    GETs in flight together, from none in flight to none again; the RLJob's own GET, which a daemon's pass does not
+    make, aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.read_rounds_before_write = 0
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        if kind.plural == "rljobs":
+            return await super().get(kind, namespace, name)
+        if self.in_flight == 0 and not any(w[0] == "apply" for w in self.writes):
+            self.read_rounds_before_write += 1
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(0.01)
+            return await super().get(kind, namespace, name)
+        finally:
+            self.in_flight -= 1
+
+
+def test_a_new_rljobs_first_pass_reads_every_child_name_in_one_round_trip_before_its_writes():
+    client = RoundTripClient()
+    body = client.put(_rljob())
+
+    async def scenario() -> None:
+        reconciler = await _passes(client, body, [])
+        assert reconciler.cache is not None
+        await reconciler.cache.close()
+
+    asyncio.run(scenario())
+    created = {(kind, name) for verb, kind, name in client.writes if verb == "apply"}
+    assert len(created) >= 8, client.writes  # the job's children, all created by this first pass
+    # Every name it writes was read (only a GET shows an object without the operator's label there) ...
+    read = set(client.reads)
+    assert {(KINDS[kind].plural, name) for kind, name in created} <= read, (created, read)
+    # ... and all of them in one round trip, not one for the RayJob, one for the engines, one for the rest.
+    assert client.read_rounds_before_write == 1, client.reads
+
+
+def test_a_held_render_is_the_same_children_as_a_fresh_desired_and_each_pass_gets_its_own_copy():
+    from r3operator.api.load import parse_rljob
+    from r3operator.operator.desired import Facts, desired
+
+    body = _rljob()
+    body["metadata"]["uid"] = "uid-1"
+    job = parse_rljob(body, source="test")
+    reconciler = Reconciler(WatchedClient(), clock=lambda: NOW)  # type: ignore[arg-type]
+    facts = Facts(model_fetched=False)
+    reference = desired(job, facts)  # rendered here, not through the reconciler's cache
+    assert reconciler._desired(job, facts) == reference
+    held = reconciler._desired(job, facts)  # from what the reconciler holds
+    assert held == reference
+    held[0]["metadata"]["name"] = "changed by a caller"
+    assert reconciler._desired(job, facts) == reference
+    # Another fact renders again.
+    assert reconciler._desired(job, Facts(model_fetched=True)) == desired(job, Facts(model_fetched=True))
+
+
+def test_the_rljob_held_from_the_operators_own_write_keeps_no_managed_fields():
+    reconciler = Reconciler(WatchedClient(), clock=lambda: NOW)  # type: ignore[arg-type]
+    returned = {"metadata": {"name": "job", "resourceVersion": "7", "managedFields": [{"manager": "r3operator"}]},
+                "status": {"phase": "x"}}  # fmt: skip
+    reconciler._wrote("uid-1", returned)
+    held = reconciler._newest("uid-1", {"metadata": {"name": "job", "resourceVersion": "6"}})  # the live body is older
+    assert held == {"metadata": {"name": "job", "resourceVersion": "7"}, "status": {"phase": "x"}}
