@@ -77,10 +77,6 @@ def small_job(name: str) -> dict[str, Any]:
     return doc
 
 
-def _created_at(obj: dict[str, Any]) -> float:
-    return datetime.fromisoformat(obj["metadata"]["creationTimestamp"].replace("Z", "+00:00")).timestamp()
-
-
 CHILD_RESOURCES = ("statefulsets", "services", "configmaps", "persistentvolumeclaims", "rayjobs", "jobs",
                    "networkpolicies", "serviceaccounts", "roles", "rolebindings")  # fmt: skip
 """Every child the operator creates for the benchmark's RLJob."""
@@ -130,7 +126,7 @@ def _first_pass_marks(log_path: Path) -> dict[str, dict[str, float]]:
         for line in log:
             if (found := TIMELINE_LINE.search(line.rstrip("\n"))) is not None and found[2] not in marks:
                 steps = dict(pair.split("=", 1) for pair in found[3].split())
-                marks[found[2]] = {step: float(at) for step, at in steps.items()}
+                marks[found[2]] = {step: float(at) for step, at in steps.items() if step in TIMELINE_STEPS}
     return marks
 
 

@@ -131,11 +131,6 @@ fingerprint_path
 FAIL_LABEL
 FAIL_JOBS_NAMESPACE
 
-# -- benchmarks/bench_operator.py is being rewritten under #26 (SCALE) in parallel: these two helpers are
-# unused on main today; that change uses or removes them (the lead checks at the merge).
-_created_at
-_audit
-
 # -- StepRecord's fields (runtime/step_record.py): metrics.csv's columns, read by column name (getattr).
 current_version_tokens
 env_tokens

@@ -14,7 +14,7 @@ from r3operator.operator.diffbase import LeanDiffBaseStorage
 class NoCopy:
     """A value that refuses to be deep-copied: where kopf's build copies it, the build fails."""
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+    def __deepcopy__(self, _memo: dict[int, Any]) -> Any:
         raise AssertionError("deep-copied")
 
 
