@@ -82,7 +82,8 @@ run-async: venv
 # output follows the main suite's, and either failing fails the target.
 test:
 	$(MAKE) --no-print-directory -j4 venv compat-venv tools cluster
-	$(VENV)/bin/ruff check r3operator tests benchmarks
+	$(VENV)/bin/ruff check r3operator tests benchmarks scripts
+	$(VENV)/bin/ruff format --check r3operator tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/vulture
 	@rm -f $(COMPAT_LOG); \
@@ -104,14 +105,14 @@ bench: venv tools cluster
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m benchmarks
 
 lint: venv
-	$(VENV)/bin/ruff check r3operator tests benchmarks
-	$(VENV)/bin/ruff format --check r3operator tests benchmarks
+	$(VENV)/bin/ruff check r3operator tests benchmarks scripts
+	$(VENV)/bin/ruff format --check r3operator tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/vulture
 
 fmt: venv
-	$(VENV)/bin/ruff check --fix r3operator tests benchmarks
-	$(VENV)/bin/ruff format r3operator tests benchmarks
+	$(VENV)/bin/ruff check --fix r3operator tests benchmarks scripts
+	$(VENV)/bin/ruff format r3operator tests benchmarks scripts
 
 crd: venv
 	$(VENV)/bin/r3operator crd > crds/rljob.yaml

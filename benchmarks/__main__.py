@@ -23,8 +23,10 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "fidelity": ("benchmarks.bench_fidelity", ["--model", "tiny", "--device", "cpu"]),
     "replay_overhead": ("benchmarks.bench_replay_overhead", ["--model", "tiny", "--device", "cpu"]),
     "megatron": ("benchmarks.bench_megatron", ["--device", "cpu"]),
-    "trainer_ranks": ("benchmarks.bench_trainer_ranks", ["--model", "tiny", "--device", "cpu", "--ranks", "1", "2",
-                                                         "--steps", "2"]),
+    "trainer_ranks": (
+        "benchmarks.bench_trainer_ranks",
+        ["--model", "tiny", "--device", "cpu", "--ranks", "1", "2", "--steps", "2"],
+    ),
     "async": ("benchmarks.bench_async", ["--device", "cpu"]),
     "partial_routes": ("benchmarks.bench_partial_routes", ["--device", "cpu"]),
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
@@ -57,8 +59,13 @@ def main(names: list[str]) -> int:
             print(f"   FAILED: {type(exc).__name__}: {exc}", flush=True)
             failed.append(name)
             continue
-        record = {"benchmark": name, "argv": argv, "wall_seconds": round(time.perf_counter() - start, 1),
-                  "date": time.strftime("%Y-%m-%d"), "result": result}
+        record = {
+            "benchmark": name,
+            "argv": argv,
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "date": time.strftime("%Y-%m-%d"),
+            "result": result,
+        }
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -34,8 +34,14 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local-async.
 def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
     from r3operator.runtime.app import build_settings
 
-    settings = build_settings(args.job, out_dir=out / mode, device=args.device, steps=args.steps, resume=False,
-                              model=None if args.model == "tiny" else args.model)  # fmt: skip
+    settings = build_settings(
+        args.job,
+        out_dir=out / mode,
+        device=args.device,
+        steps=args.steps,
+        resume=False,
+        model=None if args.model == "tiny" else args.model,
+    )
     if args.trainer_device:  # the engine was started on the first GPU Ray hands out (GPU 0)
         settings.device = args.trainer_device
     spec = settings.job.spec
@@ -68,24 +74,30 @@ def throughput(args: argparse.Namespace, engines: Any, out: Path, mode: str) -> 
         generated, busy = trained, sum(r["t_rollout"] for r in rows)
     idle = sum(r["t_rollout"] for r in rows)
     result = {
-        "mode": mode, "steps": args.steps, "wall_seconds": round(wall, 2),
+        "mode": mode,
+        "steps": args.steps,
+        "wall_seconds": round(wall, 2),
         "generated_tokens_per_second": round(generated / wall, 1),
         "trained_tokens_per_second": round(trained / wall, 1),
-        "trainer_idle_seconds": round(idle, 2), "trainer_idle_fraction": round(idle / wall, 3),
+        "trainer_idle_seconds": round(idle, 2),
+        "trainer_idle_fraction": round(idle / wall, 3),
         "engine_idle_fraction": round(max(0.0, 1 - busy / wall), 3),
-        "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
-    }  # fmt: skip
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last": rows[-1]["reward_mean"],
+    }
     # Over the steps that measured it (async: a step without a current-version token has None).
     measured = [float(r["logprob_abs_diff_mean"]) for r in rows if r["logprob_abs_diff_mean"] is not None]
     result["logprob_abs_diff_mean"] = sum(measured) / len(measured) if measured else None
     if mode == "async":
-        result.update({
-            "staleness_mean": float(sum(r["staleness_mean"] for r in rows) / len(rows)),
-            "staleness_max": max(int(r["staleness_max"]) for r in rows),
-            "partial_rollouts": sum(int(r["partial_rollouts"]) for r in rows),
-            "stale_dropped": sum(int(r["stale_dropped"]) for r in rows),
-            "importance_weight_mean": float(sum(r["importance_weight_mean"] for r in rows) / len(rows)),
-        })  # fmt: skip
+        result.update(
+            {
+                "staleness_mean": float(sum(r["staleness_mean"] for r in rows) / len(rows)),
+                "staleness_max": max(int(r["staleness_max"]) for r in rows),
+                "partial_rollouts": sum(int(r["partial_rollouts"]) for r in rows),
+                "stale_dropped": sum(int(r["stale_dropped"]) for r in rows),
+                "importance_weight_mean": float(sum(r["importance_weight_mean"] for r in rows) / len(rows)),
+            }
+        )
     return result
 
 
@@ -113,12 +125,18 @@ def staleness_sweep(args: argparse.Namespace, engines: Any, out: Path) -> list[d
         with_r3 = logprob_stats(batch.rollout_logprobs, r3.logprobs, batch.response_mask)
         without = logprob_stats(batch.rollout_logprobs, natural.logprobs, batch.response_mask)
         agreement = routing_agreement(natural.natural_ids, batch.engine_routes, has_route)
-        table.append({
-            "staleness": stale, "policy_version": run.policy_version,
-            "abs_dlogprob_mean_r3": with_r3.abs_diff_mean, "abs_dlogprob_mean_no_replay": without.abs_diff_mean,
-            "kl_k3_r3": with_r3.kl_k3, "kl_k3_no_replay": without.kl_k3,
-            "routing_mismatch_no_replay": 1.0 - agreement.agreement_ratio, "routing_mismatch_r3": 0.0,
-        })  # fmt: skip
+        table.append(
+            {
+                "staleness": stale,
+                "policy_version": run.policy_version,
+                "abs_dlogprob_mean_r3": with_r3.abs_diff_mean,
+                "abs_dlogprob_mean_no_replay": without.abs_diff_mean,
+                "kl_k3_r3": with_r3.kl_k3,
+                "kl_k3_no_replay": without.kl_k3,
+                "routing_mismatch_no_replay": 1.0 - agreement.agreement_ratio,
+                "routing_mismatch_r3": 0.0,
+            }
+        )
         print(json.dumps(table[-1]), flush=True)
     return table
 

@@ -45,8 +45,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_saves(saves: int, device: str, start: Callable[[Path], None], staged: Callable[[], None],
-                 written: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+def _timed_saves(
+    saves: int, device: str, start: Callable[[Path], None], staged: Callable[[], None], written: Callable[[], None]
+) -> dict[str, Any]:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-staging-") as root:
         for i in range(saves + 1):
@@ -79,18 +80,26 @@ def measure(*, params_m: float, device: str, saves: int) -> dict[str, Any]:
 
     checkpointer = ShardedCheckpointer()
     try:
-        ours = _timed_saves(saves, device, lambda d: checkpointer.save_async(d, state), checkpointer.wait_staged,
-                            checkpointer.wait)  # fmt: skip
+        ours = _timed_saves(
+            saves, device, lambda d: checkpointer.save_async(d, state), checkpointer.wait_staged, checkpointer.wait
+        )
     finally:
         checkpointer.close()
 
     pending: list[Any] = []
     plain = _timed_saves(
-        saves, device, lambda d: pending.append(dcp.async_save(state, checkpoint_id=str(d))), lambda: None,
+        saves,
+        device,
+        lambda d: pending.append(dcp.async_save(state, checkpoint_id=str(d))),
+        lambda: None,
         lambda: pending.pop().result(),
-    )  # fmt: skip
-    return {"parameters": n_params, "state_gib": round(n_params * 12 / 2**30, 3), "sharded_checkpointer": ours,
-            "plain_async_save": plain}  # fmt: skip
+    )
+    return {
+        "parameters": n_params,
+        "state_gib": round(n_params * 12 / 2**30, 3),
+        "sharded_checkpointer": ours,
+        "plain_async_save": plain,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -105,13 +114,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     result = measure(params_m=args.params_m, device=device, saves=args.saves)
-    report = {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-              "torch": torch.__version__, **result}  # fmt: skip
+    report = {
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "torch": torch.__version__,
+        **result,
+    }
     for name in ("sharded_checkpointer", "plain_async_save"):
         m = report[name]["median_seconds"]
-        print(f"{name}: {report['state_gib']} GiB state, in step {m['in_step']:.3f} s, then copy "
-              f"{m['copy_after']:.3f} s, write {m['write_after']:.3f} s (first save: "
-              f"{report[name]['first_save_seconds']})", flush=True)  # fmt: skip
+        print(
+            f"{name}: {report['state_gib']} GiB state, in step {m['in_step']:.3f} s, then copy "
+            f"{m['copy_after']:.3f} s, write {m['write_after']:.3f} s (first save: "
+            f"{report[name]['first_save_seconds']})",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report

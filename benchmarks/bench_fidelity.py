@@ -101,9 +101,12 @@ def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -
         used.remove()
     captured = ~pad  # token positions with an engine route
     return ReplayPass(
-        off, on, routing_agreement(natural_off, engine_ids, captured),
-        routing_agreement(natural_on, engine_ids, captured), routing_agreement(replay_used, engine_ids, captured),
-    )  # fmt: skip
+        off,
+        on,
+        routing_agreement(natural_off, engine_ids, captured),
+        routing_agreement(natural_on, engine_ids, captured),
+        routing_agreement(replay_used, engine_ids, captured),
+    )
 
 
 def fidelity_batch(samples: Sequence[RolloutSample], pad_id: int | None) -> TrainBatch:

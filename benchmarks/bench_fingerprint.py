@@ -40,8 +40,9 @@ def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
 
     with torch.device("meta"):
         hf = Qwen3MoeForCausalLM(get_spec(model).hf_config())
-    return [(name, tuple(t.shape)) for name, t in checkpoint_tensors(hf.state_dict(), dtype=torch.bfloat16,
-                                                                      device=None)]  # fmt: skip
+    return [
+        (name, tuple(t.shape)) for name, t in checkpoint_tensors(hf.state_dict(), dtype=torch.bfloat16, device=None)
+    ]
 
 
 def counted_ops(run: Callable[[], Any]) -> tuple[int, float]:
@@ -123,8 +124,10 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str
     out: dict[str, Any] = {"model": model, "tensors": len(tensors), "bytes": nbytes, "device": device}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
-        for side, make in (("trainer", lambda r, b=bucket: _trainer(tensors, b, r)),
-                           ("engine", lambda r, b=bucket: _engine(tensors, b, batch_mb << 20, r))):  # fmt: skip
+        for side, make in (
+            ("trainer", lambda r, b=bucket: _trainer(tensors, b, r)),
+            ("engine", lambda r, b=bucket: _engine(tensors, b, batch_mb << 20, r)),
+        ):
             ops, host = counted_ops(make(False))
             row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
             if device != "meta":
@@ -141,8 +144,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = {"models": [measure(m, device=args.device, batch_mb=args.batch_mb, repeats=args.repeats)
-                         for m in args.models.split(",")]}  # fmt: skip
+    result = {
+        "models": [
+            measure(m, device=args.device, batch_mb=args.batch_mb, repeats=args.repeats) for m in args.models.split(",")
+        ]
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.json is not None:

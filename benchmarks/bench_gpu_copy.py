@@ -47,9 +47,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("needs CUDA")
     nbytes = args.mib * 2**20
     count = torch.cuda.device_count()
-    result: dict[str, Any] = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
-                              "mib": args.mib, "device_copy_gbps": [], "peer_copy_gbps": None,
-                              "host_to_device_gbps": None}  # fmt: skip
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
+        "mib": args.mib,
+        "device_copy_gbps": [],
+        "peer_copy_gbps": None,
+        "host_to_device_gbps": None,
+    }
 
     def sync_all() -> None:
         for i in range(count):
@@ -68,8 +73,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del src, dst
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    result["host_to_device_gbps"] = _median_gbps(lambda: dev.copy_(host, non_blocking=True), nbytes, args.iters,
-                                                 sync_all)  # fmt: skip
+    result["host_to_device_gbps"] = _median_gbps(
+        lambda: dev.copy_(host, non_blocking=True), nbytes, args.iters, sync_all
+    )
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -90,8 +90,9 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     return _summary(batch, p.off, p.on, p.agree_off, p.replay_applied, t_off, t_on, logprob_stats)
 
 
-def _summary(batch: Any, off: Any, on: Any, agree_off: Any, applied: Any, t_off: float, t_on: float,
-             stats_fn: Any) -> dict[str, Any]:  # fmt: skip
+def _summary(
+    batch: Any, off: Any, on: Any, agree_off: Any, applied: Any, t_off: float, t_on: float, stats_fn: Any
+) -> dict[str, Any]:
     s_off = stats_fn(batch.rollout_logprobs, off, batch.response_mask)
     s_on = stats_fn(batch.rollout_logprobs, on, batch.response_mask)
     return {
@@ -135,11 +136,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cross = (hf.pop("_logprobs_replay") - mg.pop("_logprobs_replay"))[batch.response_mask].abs()
     result = {
         "label": "CPU" if args.device == "cpu" else f"GPU ({torch.cuda.get_device_name()})",
-        "model": args.model, "trainer_dtype": args.trainer_dtype, "prompts": args.prompts,
-        "max_tokens": args.max_tokens, "rollout_seconds": round(rollout_s, 2),
-        "hf": hf, "megatron": mg,
+        "model": args.model,
+        "trainer_dtype": args.trainer_dtype,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "rollout_seconds": round(rollout_s, 2),
+        "hf": hf,
+        "megatron": mg,
         "hf_vs_megatron_replay_abs_diff": {"mean": float(cross.mean()), "max": float(cross.max())},
-    }  # fmt: skip
+    }
     print(format_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

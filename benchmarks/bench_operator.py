@@ -77,8 +77,18 @@ def small_job(name: str) -> dict[str, Any]:
     return doc
 
 
-CHILD_RESOURCES = ("statefulsets", "services", "configmaps", "persistentvolumeclaims", "rayjobs", "jobs",
-                   "networkpolicies", "serviceaccounts", "roles", "rolebindings")  # fmt: skip
+CHILD_RESOURCES = (
+    "statefulsets",
+    "services",
+    "configmaps",
+    "persistentvolumeclaims",
+    "rayjobs",
+    "jobs",
+    "networkpolicies",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+)
 """Every child the operator creates for the benchmark's RLJob."""
 
 
@@ -190,8 +200,9 @@ def _timeline(
         "create → daemon spawned (kopf saw the RLJob)": segment(created.get, mark("daemon")),
         "daemon spawned → pass began": segment(mark("daemon"), mark("start")),
         "pass began → caches synced": segment(mark("start"), mark("synced")),
-        "caches synced → desired() (discovery, references, the reads of every child name)": segment(mark("synced"),
-                                                                                         mark("desired")),
+        "caches synced → desired() (discovery, references, the reads of every child name)": segment(
+            mark("synced"), mark("desired")
+        ),
         "desired() → every child read (names the first reads missed, claims)": segment(mark("desired"), mark("read")),
         "every child read → first child write received (audit)": segment(mark("read"), first_write.get),
         "first child write received → last child answered (audit)": segment(first_write.get, last_write.get),
@@ -201,7 +212,7 @@ def _timeline(
         "child GET, API server time (received → answered)": _latencies(read_server),
         "child GETs before the first write, per RLJob": _latencies([float(before_write[j]) for j in jobs]),
         "rljobs with a first-pass timeline line": len([j for j in jobs if j in marks]),
-    }  # fmt: skip
+    }
 
 
 def _stamp_of(event: dict[str, Any], key: str) -> float:
@@ -289,8 +300,9 @@ def _wait_converged(plane: ControlPlane, since: float, jobs: int, timeout_s: flo
     while time.time() - since < timeout_s:
         time.sleep(5)
         now_versions, ended = _rljob_versions(plane)
-        writes = [e for e in _operator_requests(plane, quiet_from)
-                  if e.get("verb") in WRITES and _resource(e) != "events"]  # fmt: skip
+        writes = [
+            e for e in _operator_requests(plane, quiet_from) if e.get("verb") in WRITES and _resource(e) != "events"
+        ]
         if now_versions != versions or writes or ended < jobs:
             versions, quiet_from = now_versions, time.time()
         elif time.time() - quiet_from >= QUIET_S:
@@ -366,9 +378,14 @@ def _ray_job_failed(obj: dict[str, Any]) -> bool:
 def _start_operator(
     plane: ControlPlane, name: str, retry_s: float, profile: Path | None, probe: str = "off"
 ) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "R3OPERATOR_METRICS_PORT": "0",
-           "R3OPERATOR_POD_NAME": name, "PYTHONPATH": str(REPO),
-           "R3_PROBE_OUT": str(_probe_path(plane, name))}  # fmt: skip
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(plane.kubeconfig),
+        "R3OPERATOR_METRICS_PORT": "0",
+        "R3OPERATOR_POD_NAME": name,
+        "PYTHONPATH": str(REPO),
+        "R3_PROBE_OUT": str(_probe_path(plane, name)),
+    }
     if probe == "tracemalloc":
         env["R3_PROBE_TRACEMALLOC"] = "1"
     for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
@@ -379,9 +396,24 @@ def _start_operator(
     # failover below is a SIGTERM, which releases the Lease: no wait for the lease duration.
     prefix = [sys.executable] if profile is None else [sys.executable, "-m", "cProfile", "-o", str(profile)]
     main = ["-m", "benchmarks.operator_probe"] if probe != "off" else ["-m", "r3operator"]
-    cmd = [*prefix, *main, "operator", "-n", NS, "--liveness", "", "--leader-elect",
-           "--leader-election-namespace", NS, "--lease-duration", "60", "--renew-deadline", "40",
-           "--retry-period", str(retry_s)]  # fmt: skip
+    cmd = [
+        *prefix,
+        *main,
+        "operator",
+        "-n",
+        NS,
+        "--liveness",
+        "",
+        "--leader-elect",
+        "--leader-election-namespace",
+        NS,
+        "--lease-duration",
+        "60",
+        "--renew-deadline",
+        "40",
+        "--retry-period",
+        str(retry_s),
+    ]
     log = open(plane.logs / f"operator-{name}.log", "wb")  # noqa: SIM115 (the process owns it)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -439,11 +471,14 @@ def run_size(
         plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS}})
         subprocess.run(
             [str(REPO / ".tools" / "bin" / "kubectl"), "apply", "--server-side", "-f", str(REPO / "crds")],
-            env={**os.environ, "KUBECONFIG": str(plane.kubeconfig)}, check=True, capture_output=True,
-        )  # fmt: skip
+            env={**os.environ, "KUBECONFIG": str(plane.kubeconfig)},
+            check=True,
+            capture_output=True,
+        )
         plane.wait_established("rljobs.r3operator.io")
-        leader = _start_operator(plane, "op-a", retry_s, profile.resolve() / f"op-a-{jobs}.prof" if profile else None,
-                                 probe)  # fmt: skip
+        leader = _start_operator(
+            plane, "op-a", retry_s, profile.resolve() / f"op-a-{jobs}.prof" if profile else None, probe
+        )
         procs = [leader]
         try:
             _wait(lambda: _holder(plane).startswith("op-a_"), 60, "op-a never took the Lease")
@@ -468,9 +503,13 @@ def run_size(
             deadline, running = time.monotonic() + 600, (0, jobs)
             # Polled every 2 s, one labelled LIST: the benchmark's own reads are load on the box it measures.
             engines_running_s: float | None = None
+
             # Once an RLJob has ended its engines stop: every engine pod running at once can no longer happen.
-            ended = lambda: any(_condition_true("Failed")(o) or _condition_true("Succeeded")(o)  # noqa: E731
-                                for _, o in list(rljobs.events))  # fmt: skip
+            def ended() -> bool:
+                return any(
+                    _condition_true("Failed")(o) or _condition_true("Succeeded")(o) for _, o in list(rljobs.events)
+                )
+
             while engines_running_s is None and time.monotonic() < deadline and not ended():
                 if (running := _engine_pods_running(plane))[0] >= jobs:
                     engines_running_s = time.monotonic() - t0
@@ -497,9 +536,11 @@ def run_size(
                 ]
             )
             failed_to_status = _gaps(
-                [(rayjobs.first(f"{n}-trainer", _ray_job_failed), rljobs.first(n, _condition_true("Failed")))
-                 for n in names]
-            )  # fmt: skip
+                [
+                    (rayjobs.first(f"{n}-trainer", _ray_job_failed), rljobs.first(n, _condition_true("Failed")))
+                    for n in names
+                ]
+            )
             # Leader failover: SIGTERM (a rolling update), then a child deleted at once.
             victim = f"/api/v1/namespaces/{NS}/configmaps/{names[-1]}-config"
             old_uid = plane.request("GET", victim)["metadata"]["uid"]
@@ -573,26 +614,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--converge-timeout", type=float, default=900.0, help="s after the first create")
     parser.add_argument("--lease-retry", type=float, default=2.0, help="the operators' --retry-period (s)")
     parser.add_argument("--profile", type=Path, help="run the leader under cProfile, its stats in this folder")
-    parser.add_argument("--memory-probe", choices=("off", "gc", "tracemalloc"), default="off",
-                        help="snapshot both operators' memory (benchmarks/operator_probe.py); tracemalloc: the "
-                             "leader's heap by line too (slow)")  # fmt: skip
+    parser.add_argument(
+        "--memory-probe",
+        choices=("off", "gc", "tracemalloc"),
+        default="off",
+        help="snapshot both operators' memory (benchmarks/operator_probe.py); tracemalloc: the "
+        "leader's heap by line too (slow)",
+    )
     args = parser.parse_args(argv or [])
     # A SIGTERM stops the run through its finally blocks: the operators and the control plane go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    sizes = [run_size(n, args.nodes, args.rate, args.lease_retry, args.profile, args.converge_timeout,
-                      args.memory_probe) for n in args.jobs]  # fmt: skip
+    sizes = [
+        run_size(n, args.nodes, args.rate, args.lease_retry, args.profile, args.converge_timeout, args.memory_probe)
+        for n in args.jobs
+    ]
     result = {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "sizes": sizes,
-        "targets": {"p50_s": 1.0, "p95_s": 3.0, "change_to_status_p95_s": 2.0, "rss_mb": 250,
-                    "steady_writes_per_min": 0, "steady_requests_per_min_per_rljob": 1, "failover_s": 15},
-    }  # fmt: skip
+        "targets": {
+            "p50_s": 1.0,
+            "p95_s": 3.0,
+            "change_to_status_p95_s": 2.0,
+            "rss_mb": 250,
+            "steady_writes_per_min": 0,
+            "steady_requests_per_min_per_rljob": 1,
+            "failover_s": 15,
+        },
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

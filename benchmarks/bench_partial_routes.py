@@ -53,8 +53,14 @@ def changed_slots(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 def _settings(args: argparse.Namespace, out: Path, lr: float) -> Any:
     from r3operator.runtime.app import build_settings
 
-    settings = build_settings(args.job, out_dir=out, device=args.device, steps=args.updates + 1, resume=False,
-                              model=None if args.model == "tiny" else args.model)  # fmt: skip
+    settings = build_settings(
+        args.job,
+        out_dir=out,
+        device=args.device,
+        steps=args.updates + 1,
+        resume=False,
+        model=None if args.model == "tiny" else args.model,
+    )
     spec = settings.job.spec
     spec.algorithm.mode = "sync"  # the update is the synchronous driver's step; the producer is driven by hand
     spec.rollout.partial_rollout = False
@@ -78,14 +84,27 @@ def measure(args: argparse.Namespace, engines: Any, lr: float) -> list[dict[str,
     segment = segment_tokens(ro.max_tokens, True, ro.partial_rollout_segment)
 
     def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[Any]:
-        return engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed, n=1,
-                                routed_experts_prompt_start=starts)  # fmt: skip
+        return engines.generate(
+            prompts,
+            max_tokens=max_tokens,
+            temperature=ro.temperature,
+            seed=seed,
+            n=1,
+            routed_experts_prompt_start=starts,
+        )
 
-    producer = RolloutProducer(generate=generate, next_prompt=lambda no: problems[no].prompt_ids,
-                               gate=EngineGate(version=run.policy_version), group_size=ro.group_size,
-                               max_tokens=ro.max_tokens, segment_tokens=segment,
-                               groups_in_flight=ro.prompts_per_step, queue_groups=ro.prompts_per_step,
-                               num_experts=run.num_experts, seed=run.spec.seed)  # fmt: skip
+    producer = RolloutProducer(
+        generate=generate,
+        next_prompt=lambda no: problems[no].prompt_ids,
+        gate=EngineGate(version=run.policy_version),
+        group_size=ro.group_size,
+        max_tokens=ro.max_tokens,
+        segment_tokens=segment,
+        groups_in_flight=ro.prompts_per_step,
+        queue_groups=ro.prompts_per_step,
+        num_experts=run.num_experts,
+        seed=run.spec.seed,
+    )
     producer.run_segment()  # the first segment of every trajectory, under policy v
     open_ = [t for group in producer.open.values() for t in group if not t.done and t.routes_error is None]
     if not open_:
@@ -114,16 +133,20 @@ def measure(args: argparse.Namespace, engines: Any, lr: float) -> list[dict[str,
         in_prompt = np.concatenate(prompt_rows)
         top_k = before[0].shape[-1]
         result = {
-            "learning_rate": lr, "updates": update if lr > 0 else 0, "policy_versions": [first_version,
-                                                                                        run.policy_version],
-            "trajectories": len(open_), "prefix_rows": len(slots), "prompt_rows": int(in_prompt.sum()),
+            "learning_rate": lr,
+            "updates": update if lr > 0 else 0,
+            "policy_versions": [first_version, run.policy_version],
+            "trajectories": len(open_),
+            "prefix_rows": len(slots),
+            "prompt_rows": int(in_prompt.sum()),
             "slots_changed": float(slots.sum() / (slots.size * top_k)),
             "slots_changed_per_layer": [round(float(x), 4) for x in slots.sum(axis=0) / (len(slots) * top_k)],
             "slots_changed_prompt_rows": float(slots[in_prompt].sum() / (in_prompt.sum() * slots.shape[1] * top_k)),
-            "slots_changed_generated_rows": float(slots[~in_prompt].sum()
-                                                  / max((~in_prompt).sum() * slots.shape[1] * top_k, 1)),
+            "slots_changed_generated_rows": float(
+                slots[~in_prompt].sum() / max((~in_prompt).sum() * slots.shape[1] * top_k, 1)
+            ),
             "tokens_any_layer_changed": float((slots > 0).any(axis=1).mean()),
-        }  # fmt: skip
+        }
         print(json.dumps(result), flush=True)
         results.append(result)
         if lr == 0:
@@ -138,8 +161,10 @@ def _check_stitching(trajectory: Any, sample: Any, before: np.ndarray, after: np
     stitched = trajectory.routes.array()
     held = len(before)
     if not (np.array_equal(stitched[:held], before) and np.array_equal(stitched[held:], after[held:])):
-        raise AssertionError(f"trajectory {trajectory.problem_no}/{trajectory.choice_index}: the stitched routes "
-                             "are not the pre-update prefix plus the re-prefill's tail")  # fmt: skip
+        raise AssertionError(
+            f"trajectory {trajectory.problem_no}/{trajectory.choice_index}: the stitched routes "
+            "are not the pre-update prefix plus the re-prefill's tail"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -147,8 +172,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--job", type=Path, default=EXAMPLE)
     parser.add_argument("--model", default="tiny", help="reference model name or model directory")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--lr", type=float, nargs="+", default=[0.0, 3e-4, 3e-3],
-                        help="learning rates of the update (0: re-sync the same weights, the noise floor)")  # fmt: skip
+    parser.add_argument(
+        "--lr",
+        type=float,
+        nargs="+",
+        default=[0.0, 3e-4, 3e-3],
+        help="learning rates of the update (0: re-sync the same weights, the noise floor)",
+    )
     parser.add_argument("--updates", type=int, default=2, help="updates between the two segments, measured after each")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/partial_routes"))
     args = parser.parse_args(argv)

@@ -174,8 +174,9 @@ def _roundtrip(root: Path, routes: list[Any], num_experts: int) -> tuple[float, 
 def bench_roundtrip(root: Path, *, passes: int = 3) -> dict[str, float]:
     figures: dict[str, float] = {}
     for label, tokens, layers, top_k, num_experts, samples in ROUNDTRIP_SHAPES:
-        distinct = [encode(_random_sets(tokens, layers, top_k, num_experts, seed), num_experts=num_experts)
-                    for seed in range(4)]  # fmt: skip
+        distinct = [
+            encode(_random_sets(tokens, layers, top_k, num_experts, seed), num_experts=num_experts) for seed in range(4)
+        ]
         routes = [distinct[i % 4] for i in range(samples)]
         write_s, read_s, nbytes = min(
             (_roundtrip(root, routes, num_experts) for _ in range(passes)), key=lambda got: got[0] + got[1]

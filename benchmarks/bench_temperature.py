@@ -35,8 +35,9 @@ def main() -> None:
     t = args.temperature
     model_dir = ensure_reference_model("tiny", args.models)
     apply_engine_env("cpu")
-    client = InProcessLLMClient(**llm_kwargs(model_dir, device="cpu", seed=0, max_model_len=512,
-                                             extra={"logprobs_mode": args.logprobs_mode}))  # fmt: skip
+    client = InProcessLLMClient(
+        **llm_kwargs(model_dir, device="cpu", seed=0, max_model_len=512, extra={"logprobs_mode": args.logprobs_mode})
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     samples = client.generate([tok(p).input_ids for p in PROMPTS], max_tokens=16, temperature=t, seed=11)
     batch = build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=0, temperature=t)

@@ -42,15 +42,20 @@ def r3_batch(*, rows: int, seq: int, vocab: int, layers: int, experts: int, top_
     resp[:, seq // 2 - 1 :] = True
     routes = torch.rand(rows, seq, layers, experts, generator=g).argsort(-1)[..., :top_k]
     return TrainBatch(
-        input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=resp,
-        rollout_logprobs=torch.zeros(rows, seq - 1), advantages=torch.randn(rows, generator=g),
-        engine_routes=routes, route_pad=torch.zeros(rows, seq, dtype=torch.bool),
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=resp,
+        rollout_logprobs=torch.zeros(rows, seq - 1),
+        advantages=torch.randn(rows, generator=g),
+        engine_routes=routes,
+        route_pad=torch.zeros(rows, seq, dtype=torch.bool),
         sample_ids=[f"b{i}" for i in range(rows)],
-    )  # fmt: skip
+    )
 
 
-def measure(model_dir: Path, *, ranks: int, device: str, batch: Any, steps: int, mini_batches: int,
-            compute_dtype: str) -> dict[str, Any]:  # fmt: skip
+def measure(
+    model_dir: Path, *, ranks: int, device: str, batch: Any, steps: int, mini_batches: int, compute_dtype: str
+) -> dict[str, Any]:
     import torch
 
     from r3operator.api.enums import ReplayMode
@@ -133,8 +138,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     seq = args.seq or (512 if device == "cuda" else 64)
     model_dir = ensure_reference_model(args.model)
     cfg = AutoConfig.from_pretrained(model_dir)
-    batch = r3_batch(rows=rows, seq=seq, vocab=int(cfg.vocab_size), layers=int(cfg.num_hidden_layers),
-                     experts=int(cfg.num_experts), top_k=int(cfg.num_experts_per_tok))  # fmt: skip
+    batch = r3_batch(
+        rows=rows,
+        seq=seq,
+        vocab=int(cfg.vocab_size),
+        layers=int(cfg.num_hidden_layers),
+        experts=int(cfg.num_experts),
+        top_k=int(cfg.num_experts_per_tok),
+    )
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
@@ -146,21 +157,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             skipped.append(f"{ranks} ranks: only {gpus} GPU(s) here")
             print(f"-- {ranks} ranks skipped: only {gpus} GPU(s) here", flush=True)
             continue
-        result = measure(model_dir, ranks=ranks, device=device, batch=batch, steps=args.steps,
-                         mini_batches=args.mini_batches, compute_dtype=args.compute_dtype)  # fmt: skip
+        result = measure(
+            model_dir,
+            ranks=ranks,
+            device=device,
+            batch=batch,
+            steps=args.steps,
+            mini_batches=args.mini_batches,
+            compute_dtype=args.compute_dtype,
+        )
         results.append(result)
         m = result["median_seconds"]
-        print(f"{ranks} rank(s): step {m['step']:.3f} s = old_logprob {m['old_logprob']:.3f} + update "
-              f"{m['update']:.3f} + weight_sync {m['weight_sync']:.3f} + checkpoint staging "
-              f"{m['checkpoint_stage']:.3f} (after the step: copy {m['checkpoint_copy_after_step']:.3f}, write "
-              f"{m['checkpoint_write_after_step']:.3f}); "
-              f"{result['tokens_per_second_per_rank']:.0f} tokens/s per rank; peak memory per rank "
-              f"{result['peak_memory_gib_per_rank']} GiB", flush=True)  # fmt: skip
+        print(
+            f"{ranks} rank(s): step {m['step']:.3f} s = old_logprob {m['old_logprob']:.3f} + update "
+            f"{m['update']:.3f} + weight_sync {m['weight_sync']:.3f} + checkpoint staging "
+            f"{m['checkpoint_stage']:.3f} (after the step: copy {m['checkpoint_copy_after_step']:.3f}, write "
+            f"{m['checkpoint_write_after_step']:.3f}); "
+            f"{result['tokens_per_second_per_rank']:.0f} tokens/s per rank; peak memory per rank "
+            f"{result['peak_memory_gib_per_rank']} GiB",
+            flush=True,
+        )
     report = {
-        "model": args.model, "device": device, "gpu": torch.cuda.get_device_name(0) if gpus else None,
-        "torch": torch.__version__, "batch_rows": rows, "seq": seq, "compute_dtype": args.compute_dtype,
-        "mini_batches": args.mini_batches, "results": results, "skipped": skipped,
-    }  # fmt: skip
+        "model": args.model,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "torch": torch.__version__,
+        "batch_rows": rows,
+        "seq": seq,
+        "compute_dtype": args.compute_dtype,
+        "mini_batches": args.mini_batches,
+        "results": results,
+        "skipped": skipped,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report

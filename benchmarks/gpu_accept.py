@@ -149,8 +149,11 @@ def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
             problems.append(f"{mode}: checkpoints {checkpoints}, expected the last step's (keepLast 1)")
         if _canary(final) != "3/3":
             problems.append(f"{mode}: canary {_canary(final)}")
-        data[mode] = {"mean_abs_dlogprob": _mean(final, "logprob_abs_diff_mean"),
-                      "replay_applied": _mean(final, "replay_applied"), "canary": _canary(final)}  # fmt: skip
+        data[mode] = {
+            "mean_abs_dlogprob": _mean(final, "logprob_abs_diff_mean"),
+            "replay_applied": _mean(final, "replay_applied"),
+            "canary": _canary(final),
+        }
     if not problems and data["r3"]["replay_applied"] != 1.0:
         problems.append(f"r3: replay applied {data['r3']['replay_applied']:.4f}, expected 1")
     off, on = data.get("disabled", {}), data.get("r3", {})
@@ -211,8 +214,7 @@ def a3b_command(ctx: Context) -> str:
     # The checkpoint after step 10 is ~30 GB: removed once the row is judged (see `cleanup`).
     if ctx.gpus >= 2:  # engine on GPU 0, trainer on GPU 1, weight sync over NCCL (up picks it)
         return f"{dataset} && r3operator up {A3B_JOB} --steps 10 --gpus 0,1 --out-dir {ctx.path('up')}"
-    return (f"{dataset} && python3 -m r3operator run {A3B_JOB} --device cuda --no-resume "
-            f"--out-dir {ctx.path('up')}")  # fmt: skip
+    return f"{dataset} && python3 -m r3operator run {A3B_JOB} --device cuda --no-resume --out-dir {ctx.path('up')}"
 
 
 def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
@@ -239,16 +241,20 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
 
 def fsdp_command(ctx: Context) -> str:
     ranks = " ".join(str(r) for r in (1, 2, 4) if r <= ctx.gpus)
-    return (f"python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks {ranks} --steps 2 "
-            f"--json {ctx.path('trainer_ranks.json')}")  # fmt: skip
+    return (
+        f"python3 -m benchmarks.bench_trainer_ranks --model gpu --device cuda --ranks {ranks} --steps 2 "
+        f"--json {ctx.path('trainer_ranks.json')}"
+    )
 
 
 def judge_fsdp(ctx: Context, code: int, log: str) -> Verdict:
     report = json.loads((ctx.work / "trainer_ranks.json").read_text())
     results = report.get("results", [])
-    parts = [f"{r['ranks']} rank(s): {r['tokens_per_second_per_rank']:.0f} tok/s per rank, step "
-             f"{r['median_seconds']['step']:.2f} s, peak {max(r['peak_memory_gib_per_rank']):.1f} GiB"
-             for r in results]  # fmt: skip
+    parts = [
+        f"{r['ranks']} rank(s): {r['tokens_per_second_per_rank']:.0f} tok/s per rank, step "
+        f"{r['median_seconds']['step']:.2f} s, peak {max(r['peak_memory_gib_per_rank']):.1f} GiB"
+        for r in results
+    ]
     want = [r for r in (1, 2, 4) if r <= ctx.gpus]
     got = [r["ranks"] for r in results]
     figure = "; ".join(parts) if parts else "no rank count measured"
@@ -278,8 +284,10 @@ def judge_weight_sync(ctx: Context, code: int, log: str) -> Verdict:
     if raw:
         parts.append(f"raw NCCL broadcast {raw} GB/s")
     if copy:
-        parts.append(f"device copy {copy.get('device_copy_gbps')} GB/s, peer copy {copy.get('peer_copy_gbps')} GB/s, "
-                     f"host→device {copy.get('host_to_device_gbps')} GB/s")  # fmt: skip
+        parts.append(
+            f"device copy {copy.get('device_copy_gbps')} GB/s, peer copy {copy.get('peer_copy_gbps')} GB/s, "
+            f"host→device {copy.get('host_to_device_gbps')} GB/s"
+        )
     canaries_ok = all(v["canary_ok"].split("/")[0] == v["canary_ok"].split("/")[1] for v in methods.values())
     native = [m for m in methods if m != "packed"]
     met = None
@@ -287,8 +295,9 @@ def judge_weight_sync(ctx: Context, code: int, log: str) -> Verdict:
         met = methods[native[0]]["gbps"] >= 0.5 * raw
     if not sync_file.is_file():
         parts.insert(0, "bench_weight_sync wrote no JSON (see the log tail)")
-    return Verdict(code == 0 and bool(methods) and canaries_ok, "; ".join(parts), met,
-                   {"weight_sync": report, "gpu_copy": copy})  # fmt: skip
+    return Verdict(
+        code == 0 and bool(methods) and canaries_ok, "; ".join(parts), met, {"weight_sync": report, "gpu_copy": copy}
+    )
 
 
 def pytest_command(*files: str) -> Callable[[Context], str]:
@@ -300,8 +309,16 @@ def pytest_command(*files: str) -> Callable[[Context], str]:
 
 # Each case of tests/gpu/test_megatron_ranks_gpu.py by its pytest id, with the GPUs it needs, in its CASES
 # order (tests/test_gpu_accept.py checks that the two agree).
-MEGATRON_CASES = (("2gpu-tp2-sp", 2), ("2gpu-ep2", 2), ("4gpu-tp2-sp-ep2", 4), ("4gpu-tp2-sp-dp2", 4),
-                  ("4gpu-ep4", 4), ("2gpu-pp2", 2), ("4gpu-pp2-tp2-sp", 4), ("4gpu-pp2-ep2", 4))  # fmt: skip
+MEGATRON_CASES = (
+    ("2gpu-tp2-sp", 2),
+    ("2gpu-ep2", 2),
+    ("4gpu-tp2-sp-ep2", 4),
+    ("4gpu-tp2-sp-dp2", 4),
+    ("4gpu-ep4", 4),
+    ("2gpu-pp2", 2),
+    ("4gpu-pp2-tp2-sp", 4),
+    ("4gpu-pp2-ep2", 4),
+)
 # One row per group: on 4 H200s a case takes ~150-190 s (Ray actors and Megatron's set-up per case), so the
 # eight cases of one file overran a row's budget; three cases at most keep a row under one device call.
 MEGATRON_GROUPS = (
@@ -450,15 +467,22 @@ def render_markdown(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
         return str(value if value is not None else "—").replace("|", "\\|").replace("\n", " ")
 
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in (PASS, FAIL, NOT_RUN)}
-    lines = [f"# GPU acceptance run, {header['date']}", "",
-             f"- device: {header['device']} ({header['gpus']} GPU(s))",
-             "- versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
-             f"- rows: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[NOT_RUN]} not run", "",
-             "| row | result | figure | target | target met | seconds |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# GPU acceptance run, {header['date']}",
+        "",
+        f"- device: {header['device']} ({header['gpus']} GPU(s))",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
+        f"- rows: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[NOT_RUN]} not run",
+        "",
+        "| row | result | figure | target | target met | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         met = {True: "yes", False: "no"}.get(r.get("target_met"), "—")
-        lines.append(f"| {r['name']} | **{r['status']}** | {cell(r.get('figure') or r.get('reason'))} | "
-                     f"{cell(r['target'])} | {met} | {cell(r.get('seconds'))} |")  # fmt: skip
+        lines.append(
+            f"| {r['name']} | **{r['status']}** | {cell(r.get('figure') or r.get('reason'))} | "
+            f"{cell(r['target'])} | {met} | {cell(r.get('seconds'))} |"
+        )
     lines += ["", "## Commands and reasons", ""]
     for r in rows:
         lines.append(f"- `{r['name']}` (part {r['part']}): {r['what']}")
@@ -475,8 +499,10 @@ def write_record(out: Path, header: Mapping[str, Any], rows: Sequence[Mapping[st
     path = out / "accept.json"
     existing = json.loads(path.read_text()).get("rows", []) if path.is_file() else []
     merged = merge_rows(existing, rows)
-    for name, text in (("accept.json", json.dumps({**header, "rows": merged}, indent=2) + "\n"),
-                       ("accept.md", render_markdown(header, merged))):  # fmt: skip
+    for name, text in (
+        ("accept.json", json.dumps({**header, "rows": merged}, indent=2) + "\n"),
+        ("accept.md", render_markdown(header, merged)),
+    ):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)
@@ -493,15 +519,21 @@ def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
 def gpu_facts() -> tuple[int, str]:
     """(GPU count, their names): nvidia-smi's, else torch's (a machine without nvidia-smi on PATH)."""
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")  # fmt: skip
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         probe = (
             "import torch; print(*(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), sep='\\n')"
         )
         try:
-            names = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                                   check=True).stdout.split("\n")  # fmt: skip
+            names = subprocess.run(
+                [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+            ).stdout.split("\n")
         except (OSError, subprocess.SubprocessError):
             return 0, "no GPU (neither nvidia-smi nor torch.cuda sees one)"
     names = [n.strip() for n in names if n.strip()]
@@ -514,8 +546,11 @@ def budget_left_over(out: Path, chosen: Sequence[Row]) -> list[Row]:
     path = out / "accept.json"
     if not path.is_file():
         return []
-    skipped = {r["name"] for r in json.loads(path.read_text()).get("rows", [])
-               if r["status"] == NOT_RUN and (r.get("reason") or "").startswith(BUDGET_REASON)}  # fmt: skip
+    skipped = {
+        r["name"]
+        for r in json.loads(path.read_text()).get("rows", [])
+        if r["status"] == NOT_RUN and (r.get("reason") or "").startswith(BUDGET_REASON)
+    }
     return [r for r in ROWS if r.name in skipped and r not in chosen]
 
 
@@ -527,8 +562,9 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     try:
-        found["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                         text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        found["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         found["commit"] = "unknown (no git checkout)"
     return found
@@ -559,8 +595,9 @@ def run_row(row: Row, ctx: Context, command: str, timeout_s: float) -> tuple[int
     with log_path.open("wb") as log:
         log.write(f"$ {command}\n".encode())
         log.flush()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "-c", command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         timed_out = False
         try:
             code = proc.wait(timeout=timeout_s)
@@ -581,8 +618,15 @@ def cleanup(ctx: Context) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def pack_logs(work: Path, out: Path, part_label: str, rows: Sequence[str], *, max_file_bytes: int = 4 * 2**20,
-              max_total_bytes: int = 24 * 2**20) -> Path:  # fmt: skip
+def pack_logs(
+    work: Path,
+    out: Path,
+    part_label: str,
+    rows: Sequence[str],
+    *,
+    max_file_bytes: int = 4 * 2**20,
+    max_total_bytes: int = 24 * 2**20,
+) -> Path:
     """Logs, JSON, CSV and reports of `rows` (model weights, checkpoints and large files left out), the rows'
     own logs first; at most `max_total_bytes` before compression, so the archive comes back whole."""
     target = out / f"logs-{part_label}.tar.gz"
@@ -601,10 +645,24 @@ def pack_logs(work: Path, out: Path, part_label: str, rows: Sequence[str], *, ma
 
 
 def record_for(row: Row, command: str) -> dict[str, Any]:
-    return {"name": row.name, "part": row.part, "what": row.what, "target": row.target, "command": command,
-            "min_gpus": row.min_gpus, "estimate_s": row.est_s, "status": NOT_RUN, "started": None, "figure": None,
-            "target_met": None, "seconds": None, "exit_code": None, "reason": None, "log_tail": None,
-            "data": None}  # fmt: skip
+    return {
+        "name": row.name,
+        "part": row.part,
+        "what": row.what,
+        "target": row.target,
+        "command": command,
+        "min_gpus": row.min_gpus,
+        "estimate_s": row.est_s,
+        "status": NOT_RUN,
+        "started": None,
+        "figure": None,
+        "target_met": None,
+        "seconds": None,
+        "exit_code": None,
+        "reason": None,
+        "log_tail": None,
+        "data": None,
+    }
 
 
 def select(rows: Sequence[Row], parts: Sequence[int] | None, names: Sequence[str] | None) -> list[Row]:
@@ -641,13 +699,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpus = int(os.environ.get("ACCEPT_DRY_GPUS", "2"))
     elif os.environ.get("ACCEPT_GPUS"):  # use fewer GPUs than the machine has (e.g. the 1-GPU rows on 2)
         gpus = min(gpus, int(os.environ["ACCEPT_GPUS"]))
-    header = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device, "gpus": gpus,
-              "versions": versions(), "budget_s": args.budget}  # fmt: skip
+    header = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device,
+        "gpus": gpus,
+        "versions": versions(),
+        "budget_s": args.budget,
+    }
     chosen = select(ROWS, args.part, args.rows.split(",") if args.rows else None)
     if not args.rows and not args.dry:
         chosen += budget_left_over(args.out, chosen)
-    label = ("rows-" + "-".join(r.name for r in chosen) if args.rows
-             else "part" + "-".join(map(str, args.part)) if args.part else "all")  # fmt: skip
+    label = (
+        "rows-" + "-".join(r.name for r in chosen)
+        if args.rows
+        else "part" + "-".join(map(str, args.part))
+        if args.part
+        else "all"
+    )
     done: list[dict[str, Any]] = []
     for row in chosen:
         ctx = Context(gpus=gpus, work=args.work / row.name)
@@ -660,8 +728,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif gpus < row.min_gpus:
             record["reason"] = f"needs {row.min_gpus} GPUs, this machine has {gpus}"
         elif row.est_s > left:
-            record["reason"] = (f"{BUDGET_REASON} ({row.est_s} s) exceeds what is left of this "
-                                f"invocation's budget ({left:.0f} s); run it with --rows {row.name}")  # fmt: skip
+            record["reason"] = (
+                f"{BUDGET_REASON} ({row.est_s} s) exceeds what is left of this "
+                f"invocation's budget ({left:.0f} s); run it with --rows {row.name}"
+            )
         else:
             record["started"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
             code, log, seconds, timed_out = run_row(row, ctx, command, min(row.timeout_s, max(left - 5, 30)))
@@ -673,8 +743,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as exc:  # a missing output file is this row's failure, never the run's
                 record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
             else:
-                record.update(status=PASS if verdict.passed and not timed_out else FAIL, figure=verdict.figure,
-                              target_met=verdict.target_met, data=verdict.data)  # fmt: skip
+                record.update(
+                    status=PASS if verdict.passed and not timed_out else FAIL,
+                    figure=verdict.figure,
+                    target_met=verdict.target_met,
+                    data=verdict.data,
+                )
             cleanup(ctx)
         print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
         done.append(record)

@@ -38,8 +38,10 @@ def repack(root: Path, limit: int) -> list[Path]:
         for f in sorted(part.iterdir()):
             if f.stat().st_size > limit:
                 if not any(marker in f.name for marker in SPLITTABLE):
-                    sys.exit(f"{f}: {f.stat().st_size} bytes is over the {limit}-byte part limit and is not a "
-                             f"byte-split piece; raise --max-mib or split it where it is built")
+                    sys.exit(
+                        f"{f}: {f.stat().st_size} bytes is over the {limit}-byte part limit and is not a "
+                        f"byte-split piece; raise --max-mib or split it where it is built"
+                    )
                 files += split_file(f, limit)
             else:
                 files.append(f)

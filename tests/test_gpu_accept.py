@@ -20,13 +20,23 @@ from benchmarks.gpu_accept import Context, Row, Verdict
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _row(name: str, command: str, *, part: int = 1, min_gpus: int = 1, est_s: int = 1, timeout_s: int = 30,
-         judge: Any = None) -> Row:  # fmt: skip
+def _row(
+    name: str, command: str, *, part: int = 1, min_gpus: int = 1, est_s: int = 1, timeout_s: int = 30, judge: Any = None
+) -> Row:
     def default_judge(ctx: Context, code: int, log: str) -> Verdict:
         return Verdict(code == 0, f"said {log.splitlines()[-1]!r}", data={"code": code})
 
-    return Row(name, part, f"what {name}", f"target {name}", min_gpus, est_s, timeout_s, lambda ctx: command,
-               judge or default_judge)  # fmt: skip
+    return Row(
+        name,
+        part,
+        f"what {name}",
+        f"target {name}",
+        min_gpus,
+        est_s,
+        timeout_s,
+        lambda ctx: command,
+        judge or default_judge,
+    )
 
 
 @pytest.fixture
@@ -137,8 +147,16 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def _main_job_outputs(work: Path, *, recompute: bool) -> None:
     for mode, dlp in (("disabled", 0.005), ("r3", 0.004)):
-        rows = [{"step": s, "canary_ok": 1, "replay_applied": 1.0 if mode == "r3" else 0.97,
-                 "logprob_abs_diff_mean": dlp, "step_seconds": 1.0 + s} for s in (1, 2, 3)]  # fmt: skip
+        rows = [
+            {
+                "step": s,
+                "canary_ok": 1,
+                "replay_applied": 1.0 if mode == "r3" else 0.97,
+                "logprob_abs_diff_mean": dlp,
+                "step_seconds": 1.0 + s,
+            }
+            for s in (1, 2, 3)
+        ]
         _write_csv(work / "first" / f"{mode}.csv", rows[:2])
         if recompute:
             rows[1] = {**rows[1], "step_seconds": 9.9}
@@ -162,8 +180,7 @@ def test_pytest_rows_allow_only_the_skips_the_gpu_count_explains() -> None:
     assert judge(Context(gpus=2, work=Path()), 0, log).passed
     assert not judge(Context(gpus=4, work=Path()), 0, log).passed
     assert not judge(Context(gpus=2, work=Path()), 1, "1 failed, 2 passed, 5 skipped in 9.0s").passed
-    assert gpu_accept.pytest_counts("1 failed, 2 passed, 5 skipped in 9.0s") == {"failed": 1, "passed": 2,
-                                                                               "skipped": 5}  # fmt: skip
+    assert gpu_accept.pytest_counts("1 failed, 2 passed, 5 skipped in 9.0s") == {"failed": 1, "passed": 2, "skipped": 5}
 
 
 def test_the_megatron_rows_split_the_tests_cases_with_their_gpu_counts() -> None:

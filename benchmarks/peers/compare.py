@@ -26,10 +26,18 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("rollout", "old_logprob", "update", "weight_sync", "other")
-VERL_PHASES = {"rollout": "timing_s/gen", "old_logprob": "timing_s/old_log_prob", "update": "timing_s/update_actor",
-               "weight_sync": "timing_s/update_weights"}  # fmt: skip
-R3_PHASES = {"rollout": "t_rollout", "old_logprob": "t_old_logprob", "update": "t_update",
-             "weight_sync": "t_weight_sync"}  # fmt: skip
+VERL_PHASES = {
+    "rollout": "timing_s/gen",
+    "old_logprob": "timing_s/old_log_prob",
+    "update": "timing_s/update_actor",
+    "weight_sync": "timing_s/update_weights",
+}
+R3_PHASES = {
+    "rollout": "t_rollout",
+    "old_logprob": "t_old_logprob",
+    "update": "t_update",
+    "weight_sync": "t_weight_sync",
+}
 _CONSOLE = re.compile(r"^step:(\d+)\s+-\s+(.*)$")
 
 
@@ -156,8 +164,9 @@ def _max(values: Iterable[float | None]) -> float | None:
     return max(kept) if kept else None
 
 
-def summarize_verl(path: Path, *, replay: str, gpus: int, samples_per_step: int,
-                   gpu_peaks: list[float] | None = None) -> RunSummary:  # fmt: skip
+def summarize_verl(
+    path: Path, *, replay: str, gpus: int, samples_per_step: int, gpu_peaks: list[float] | None = None
+) -> RunSummary:
     """`samples_per_step`: prompts × n (verl logs the mean response length, not the sum)."""
     steps = read_verl_log(path)
     needed = [*VERL_PHASES.values(), "timing_s/step", "response_length/mean"]
@@ -172,17 +181,27 @@ def summarize_verl(path: Path, *, replay: str, gpus: int, samples_per_step: int,
     split = {phase: sum(steps[s][key] for s in measured) / len(measured) for phase, key in VERL_PHASES.items()}
     split["other"] = step_s / len(measured) - sum(split.values())
     extra = {}
-    for key, label in (("training/rollout_probs_diff_mean", "prob_abs_diff_mean"),
-                       ("training/rollout_probs_diff_max", "prob_abs_diff_max")):  # fmt: skip
-        value = _mean(steps[s].get(key) for s in measured) if label.endswith("mean") else \
-            _max(steps[s].get(key) for s in measured)  # fmt: skip
+    for key, label in (
+        ("training/rollout_probs_diff_mean", "prob_abs_diff_mean"),
+        ("training/rollout_probs_diff_max", "prob_abs_diff_max"),
+    ):
+        value = (
+            _mean(steps[s].get(key) for s in measured)
+            if label.endswith("mean")
+            else _max(steps[s].get(key) for s in measured)
+        )
         if value is not None:
             extra[label] = value
     return RunSummary(
-        framework="verl", replay=replay, gpus=gpus, steps=len(steps), measured_steps=len(measured),
+        framework="verl",
+        replay=replay,
+        gpus=gpus,
+        steps=len(steps),
+        measured_steps=len(measured),
         generated_tokens_per_s_per_gpu=tokens / max(rollout_s, 1e-9) / gpus,
         trained_tokens_per_s_per_gpu=tokens / max(step_s, 1e-9) / gpus,
-        step_seconds=step_s / len(measured), split=split,
+        step_seconds=step_s / len(measured),
+        split=split,
         trainer_peak_gib=_max(steps[s].get("perf/max_memory_allocated_gb") for s in steps),
         gpu_peak_gib=gpu_peaks,
         logprob_abs_diff_mean=_mean(steps[s].get("peer/logprob_abs_diff_mean") for s in measured),
@@ -191,7 +210,7 @@ def summarize_verl(path: Path, *, replay: str, gpus: int, samples_per_step: int,
         routing_agreement=None,  # verl 0.9.1 logs no agreement between rollout and trainer routes
         reward=[steps[s].get("critic/score/mean", math.nan) for s in sorted(steps)],
         extra=extra,
-    )  # fmt: skip
+    )
 
 
 def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] | None = None) -> RunSummary:
@@ -219,10 +238,15 @@ def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] |
     split["other"] = step_s / len(measured) - sum(split.values())
     checkpoint = sum(col(s, "t_checkpoint") for s in by_step)
     return RunSummary(
-        framework="r3operator", replay=replay, gpus=gpus, steps=len(by_step), measured_steps=len(measured),
+        framework="r3operator",
+        replay=replay,
+        gpus=gpus,
+        steps=len(by_step),
+        measured_steps=len(measured),
         generated_tokens_per_s_per_gpu=tokens / max(rollout_s, 1e-9) / gpus,
         trained_tokens_per_s_per_gpu=tokens / max(step_s, 1e-9) / gpus,
-        step_seconds=step_s / len(measured), split=split,
+        step_seconds=step_s / len(measured),
+        split=split,
         trainer_peak_gib=_max(opt(s, "trainer_peak_memory_gib") for s in by_step),
         gpu_peak_gib=gpu_peaks,
         logprob_abs_diff_mean=_mean(opt(s, "logprob_abs_diff_mean") for s in measured),
@@ -231,7 +255,7 @@ def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] |
         routing_agreement=_mean(opt(s, "routing_natural_agreement") for s in measured),
         reward=[col(s, "reward_mean") for s in sorted(by_step)],
         extra={"checkpoint_seconds_total": checkpoint} if checkpoint else {},
-    )  # fmt: skip
+    )
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -262,17 +286,24 @@ def table(runs: Sequence[RunSummary | None], labels: Sequence[str]) -> str:
         ("step time (s)", lambda r: _fmt(r.step_seconds)),
         *[(f"  {phase} (s)", lambda r, p=phase: _fmt(r.split.get(p))) for phase in PHASES],
         ("trainer peak memory (GiB, torch)", lambda r: _fmt(r.trainer_peak_gib)),
-        ("GPU peak memory per GPU (GiB, nvidia-smi)",
-         lambda r: " / ".join(_fmt(g) for g in r.gpu_peak_gib) if r.gpu_peak_gib else "—"),
+        (
+            "GPU peak memory per GPU (GiB, nvidia-smi)",
+            lambda r: " / ".join(_fmt(g) for g in r.gpu_peak_gib) if r.gpu_peak_gib else "—",
+        ),
         ("mean \\|Δlogprob\\| rollout vs trainer", lambda r: _fmt(r.logprob_abs_diff_mean)),
         ("max \\|Δlogprob\\|", lambda r: _fmt(r.logprob_abs_diff_max)),
         ("k3 KL rollout vs trainer", lambda r: _fmt(r.kl_k3)),
         ("routing agreement (trainer's own routes vs rollout's)", lambda r: _fmt(r.routing_agreement)),
-        ("mean / max \\|Δp\\| (verl's training/rollout_probs_diff)",
-         lambda r: (f"{_fmt(r.extra.get('prob_abs_diff_mean'))} / {_fmt(r.extra.get('prob_abs_diff_max'))}"
-                    if "prob_abs_diff_mean" in r.extra else "—")),
+        (
+            "mean / max \\|Δp\\| (verl's training/rollout_probs_diff)",
+            lambda r: (
+                f"{_fmt(r.extra.get('prob_abs_diff_mean'))} / {_fmt(r.extra.get('prob_abs_diff_max'))}"
+                if "prob_abs_diff_mean" in r.extra
+                else "—"
+            ),
+        ),
         ("reward", lambda r: _reward_cell(r.reward)),
-    ]  # fmt: skip
+    ]
     lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join("not run" if r is None else cell(r) for r in runs) + " |")

@@ -44,16 +44,26 @@ class Workload:
         return self.prompts_per_step * self.group_size
 
 
-def verl_overrides(*, model_dir: Path, data_dir: Path, reward_file: Path, gpus: int, steps: int, replay: str,
-                   log_file: Path, work: Workload = Workload()) -> list[str]:  # fmt: skip
+def verl_overrides(
+    *,
+    model_dir: Path,
+    data_dir: Path,
+    reward_file: Path,
+    gpus: int,
+    steps: int,
+    replay: str,
+    log_file: Path,
+    work: Workload = Workload(),
+) -> list[str]:
     """The full override list (Hydra `key=value`) for one verl run."""
     if replay not in REPLAY_MODES:
         raise ValueError(f"replay: expected one of {REPLAY_MODES}, got {replay!r}")
     if gpus < 1:
         raise ValueError(f"gpus: expected at least 1, got {gpus}")
     if work.prompts_per_step % work.mini_batches:
-        raise ValueError(f"prompts_per_step {work.prompts_per_step} is not divisible by mini_batches "
-                         f"{work.mini_batches}")  # fmt: skip
+        raise ValueError(
+            f"prompts_per_step {work.prompts_per_step} is not divisible by mini_batches {work.mini_batches}"
+        )
     r3 = replay == "R3"
     actor = "actor_rollout_ref.actor"
     rollout = "actor_rollout_ref.rollout"

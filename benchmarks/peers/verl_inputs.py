@@ -104,8 +104,9 @@ def check_hf_layout(model_dir: Path) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "what is 1 plus 3 ?"}],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 1 plus 3 ?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(input_ids=ids).logits

@@ -14,8 +14,7 @@ from r3operator.tasks.math_answer import answers_match
 DATA_SOURCE = "r3operator/arith"
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None,
-                  **_: Any) -> float:  # fmt: skip
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any) -> float:
     if data_source != DATA_SOURCE:
         raise ValueError(f"verl_reward.compute_score: data_source {data_source!r} is not {DATA_SOURCE!r}")
     return 1.0 if answers_match(solution_str, str(ground_truth)) else 0.0

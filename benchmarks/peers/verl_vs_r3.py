@@ -38,8 +38,14 @@ JOB_NAME = "a3b-verl-peer"
 PARTS = ("prepare", "r3", "verl-R3", "verl-disabled", "table")
 # Kept set for every program on the lent multi-GPU hosts (NVLink multicast can take the host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-COMMON_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-              "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **SAFE_ENV}  # fmt: skip
+COMMON_ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    **SAFE_ENV,
+}
 
 
 class GpuMemorySampler:
@@ -64,8 +70,12 @@ class GpuMemorySampler:
     def _run(self) -> None:
         with self.path.open("a") as fh:
             while not self._stop.wait(self.period_s):
-                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, check=False).stdout  # fmt: skip
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
                 fh.write(out)
                 fh.flush()
 
@@ -76,8 +86,9 @@ def run_logged(name: str, cmd: list[str], env: dict[str, str], out: Path, timeou
     begin = time.perf_counter()
     with (out / "console.log").open("w") as log, GpuMemorySampler(out / "gpu_memory.csv"):
         try:
-            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO,
-                                  check=False)  # fmt: skip
+            proc = subprocess.run(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO, check=False
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -110,8 +121,22 @@ def place_dataset() -> None:
 
 
 def r3_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "r3operator", "run", str(JOB), "--device", args.device, "--no-resume",
-           "--compare-replay", "--steps", str(args.steps), "--out-dir", str(args.out / "r3"), "--quiet"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "r3operator",
+        "run",
+        str(JOB),
+        "--device",
+        args.device,
+        "--no-resume",
+        "--compare-replay",
+        "--steps",
+        str(args.steps),
+        "--out-dir",
+        str(args.out / "r3"),
+        "--quiet",
+    ]
     if args.model != "a3b":  # a smoke test on a smaller reference model
         cmd += ["--model", args.model]
     if args.gpus > 2:
@@ -139,9 +164,15 @@ def run_part(part: str, args: argparse.Namespace) -> int:
             if not needed.is_file():
                 print(f"== {part}: {needed} is missing; run --parts prepare first", flush=True)
                 return 2
-        overrides = verl_overrides(model_dir=inputs / "model", data_dir=inputs / "data",
-                                   reward_file=PEERS / "verl_reward.py", gpus=args.gpus, steps=args.steps,
-                                   replay=replay, log_file=run_dir / "metrics.jsonl")  # fmt: skip
+        overrides = verl_overrides(
+            model_dir=inputs / "model",
+            data_dir=inputs / "data",
+            reward_file=PEERS / "verl_reward.py",
+            gpus=args.gpus,
+            steps=args.steps,
+            replay=replay,
+            log_file=run_dir / "metrics.jsonl",
+        )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
@@ -182,21 +213,40 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
 
     for replay in ("R3", "disabled"):
         run_dir = out / f"verl-{replay}"
-        attempt(f"verl {replay}", lambda d=run_dir, r=replay: summarize_verl(
-            _verl_log(d), replay=r, gpus=gpus, samples_per_step=work.samples_per_step,
-            gpu_peaks=read_gpu_peaks(d / "gpu_memory.csv")))  # fmt: skip
+        attempt(
+            f"verl {replay}",
+            lambda d=run_dir, r=replay: summarize_verl(
+                _verl_log(d),
+                replay=r,
+                gpus=gpus,
+                samples_per_step=work.samples_per_step,
+                gpu_peaks=read_gpu_peaks(d / "gpu_memory.csv"),
+            ),
+        )
     # --compare-replay shares one engine and one nvidia-smi log between its two runs: the peak covers both.
     r3_peaks = read_gpu_peaks(out / "r3" / "gpu_memory.csv")
     for replay, sub in (("R3", "r3"), ("disabled", "disabled")):
         path = out / "r3" / JOB_NAME / sub / "metrics.csv"
-        attempt(f"r3operator {replay}", lambda p=path, r=replay: summarize_r3(p, replay=r, gpus=gpus,
-                                                                             gpu_peaks=r3_peaks))  # fmt: skip
+        attempt(
+            f"r3operator {replay}", lambda p=path, r=replay: summarize_r3(p, replay=r, gpus=gpus, gpu_peaks=r3_peaks)
+        )
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
     ordered = [runs[label] for label in labels]
-    header = [f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, arith, {work.prompts_per_step}×{work.group_size} "
-              f"samples of ≤ {work.max_response_tokens} tokens", ""]  # fmt: skip
-    lines = [*header, make_table(ordered, labels), "", ratio_line(runs["r3operator R3"], runs["verl R3"]), "",
-             "### Reward per step", "", reward_table(ordered, labels)]  # fmt: skip
+    header = [
+        f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, arith, {work.prompts_per_step}×{work.group_size} "
+        f"samples of ≤ {work.max_response_tokens} tokens",
+        "",
+    ]
+    lines = [
+        *header,
+        make_table(ordered, labels),
+        "",
+        ratio_line(runs["r3operator R3"], runs["verl R3"]),
+        "",
+        "### Reward per step",
+        "",
+        reward_table(ordered, labels),
+    ]
     if problems:
         lines += ["", "### Not in the table", "", *(f"- {p}" for p in problems)]
     text = "\n".join(lines)

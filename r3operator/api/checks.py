@@ -556,10 +556,16 @@ def _set_only_with(kind: RewardKind, value: object, field: str, what: str, c: Ru
 
 
 def reward_function_ref(c: RuleContext) -> str | None:
-    return _set_only_with(RewardKind.FUNCTION, c.spec.task.reward_function, "rewardFunction",
-                          "module:function, importable in the trainer image", c)  # fmt: skip
+    return _set_only_with(
+        RewardKind.FUNCTION,
+        c.spec.task.reward_function,
+        "rewardFunction",
+        "module:function, importable in the trainer image",
+        c,
+    )
 
 
 def reward_url(c: RuleContext) -> str | None:
-    return _set_only_with(RewardKind.HTTP, c.spec.task.reward_url, "rewardURL",
-                          "the endpoint the samples are POSTed to", c)  # fmt: skip
+    return _set_only_with(
+        RewardKind.HTTP, c.spec.task.reward_url, "rewardURL", "the endpoint the samples are POSTed to", c
+    )

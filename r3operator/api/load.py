@@ -87,9 +87,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"duplicate key {key!r} (first at line {first.start_mark.line + 1})", key_node.start_mark,
-                )  # fmt: skip
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
 

@@ -57,12 +57,20 @@ CHILD_NAMES: tuple[ChildName, ...] = (
     ),
     ChildName(ROLE_TRAINER, "trainer", KUBERAY_RAYJOB_NAME_MAX, "RayJob (KubeRay), ServiceAccount, Role, RoleBinding"),
     ChildName(ROLE_METRICS, "metrics", DNS_SUBDOMAIN_MAX, "PodMonitor"),
-    ChildName(ROLE_UPGRADE_CANARY, "upgrade-canary", DNS_LABEL_MAX - JOB_POD_SUFFIX,
-              "Job of the engine-upgrade canary (its pods are <job>-<5 characters>)"),
+    ChildName(
+        ROLE_UPGRADE_CANARY,
+        "upgrade-canary",
+        DNS_LABEL_MAX - JOB_POD_SUFFIX,
+        "Job of the engine-upgrade canary (its pods are <job>-<5 characters>)",
+    ),
     ChildName(ROLE_WORKLOAD, "workload", DNS_SUBDOMAIN_MAX, "Kueue Workload"),
     ChildName(ROLE_MODEL_CACHE, "model-cache", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
-    ChildName(ROLE_MODEL_FETCH, "model-fetch", DNS_LABEL_MAX - JOB_POD_SUFFIX,
-              "Job that fills the model cache (its pods are <job>-<5 characters>)"),
+    ChildName(
+        ROLE_MODEL_FETCH,
+        "model-fetch",
+        DNS_LABEL_MAX - JOB_POD_SUFFIX,
+        "Job that fills the model cache (its pods are <job>-<5 characters>)",
+    ),
 )
 SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
 

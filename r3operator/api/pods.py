@@ -189,9 +189,7 @@ class SeccompProfile(ApiModel):
 
 class Capabilities(ApiModel):
     add: list[Annotated[str, Field(max_length=64, pattern=r"^[A-Z_]+$")]] = Field(default_factory=list, max_length=64)
-    drop: list[Annotated[str, Field(max_length=64, pattern=r"^[A-Z_]+$")]] = Field(
-        default_factory=list, max_length=64
-    )
+    drop: list[Annotated[str, Field(max_length=64, pattern=r"^[A-Z_]+$")]] = Field(default_factory=list, max_length=64)
 
 
 class PodSecurityContext(ApiModel):
@@ -342,8 +340,15 @@ class Volume(ApiModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> Volume:
-        sources = [self.persistent_volume_claim, self.config_map, self.secret, self.empty_dir, self.host_path,
-                   self.nfs, self.csi]  # fmt: skip
+        sources = [
+            self.persistent_volume_claim,
+            self.config_map,
+            self.secret,
+            self.empty_dir,
+            self.host_path,
+            self.nfs,
+            self.csi,
+        ]
         if sum(s is not None for s in sources) != 1:
             raise ValueError("a volume sets exactly one of " + ", ".join(_VOLUME_SOURCES))
         return self

@@ -57,7 +57,6 @@ class Rule:
     cel: CelRule | None = None
 
 
-
 @dataclass(frozen=True, slots=True)
 class Finding:
     rule: str

@@ -91,8 +91,11 @@ def _trie_regex(words: Iterable[str]) -> str:
 
     def emit(node: _Trie) -> str:
         ends = "" in node
-        branches = ["[-_]" + emit(child) if char == "-" else re.escape(char) + emit(child)
-                    for char, child in sorted(node.items()) if char]  # fmt: skip
+        branches = [
+            "[-_]" + emit(child) if char == "-" else re.escape(char) + emit(child)
+            for char, child in sorted(node.items())
+            if char
+        ]
         if not branches:
             return ""
         body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"

@@ -24,8 +24,11 @@ def plan_json(source: str, job: RLJob, plan: Plan, findings: list[Finding]) -> d
     inf, tr = job.spec.inference, job.spec.trainer
     replay: dict[str, Any] = {"mode": job.spec.routing_replay.mode.value, "path": plan.replay_path}
     if routed_experts_needed(job):
-        replay |= {"routingBytesPerToken": plan.routing_bytes_per_token, "routeDtype": plan.route_dtype,
-                   "vllmFeatures": dict(plan.features)}  # fmt: skip
+        replay |= {
+            "routingBytesPerToken": plan.routing_bytes_per_token,
+            "routeDtype": plan.route_dtype,
+            "vllmFeatures": dict(plan.features),
+        }
     version = plan.engine_version
     layout = engine_layout(job.spec)
     return {

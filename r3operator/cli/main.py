@@ -134,9 +134,18 @@ def rules(
         sys.stdout.write(rules_markdown())
         return
     if output_format is not OutputFormat.TEXT:
-        rows = [{"id": r.id, "severity": r.severity.value, "field": r.field, "reads": list(r.reads),
-                 "enforcedBy": ["operator", "CEL"] if r.cel is not None else ["operator"], "summary": r.summary,
-                 "sources": list(r.sources)} for r in RULES]  # fmt: skip
+        rows = [
+            {
+                "id": r.id,
+                "severity": r.severity.value,
+                "field": r.field,
+                "reads": list(r.reads),
+                "enforcedBy": ["operator", "CEL"] if r.cel is not None else ["operator"],
+                "summary": r.summary,
+                "sources": list(r.sources),
+            }
+            for r in RULES
+        ]
         _print_data(rows, output_format)
         return
     for r in RULES:

@@ -25,8 +25,10 @@ def dashboard_preview(
     seconds: Annotated[float, typer.Option(help="How long to let Prometheus scrape before drawing.")] = 75.0,
     target: Annotated[
         list[str] | None,
-        typer.Option(help="host:port of a real exporter to scrape too (e.g. the local run's driver), "
-                          "as `job=host:port` or `host:port`; repeatable."),
+        typer.Option(
+            help="host:port of a real exporter to scrape too (e.g. the local run's driver), "
+            "as `job=host:port` or `host:port`; repeatable."
+        ),
     ] = None,
     synthetic: Annotated[bool, typer.Option(help="Also run the synthetic feed (real exporter classes).")] = True,
     namespace: Annotated[str, typer.Option(help="Value of the $namespace variable (regex).")] = ".*",
@@ -41,8 +43,9 @@ def dashboard_preview(
 
     bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
     if dashboard != "all" and dashboard not in bodies:
-        raise typer.BadParameter(f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all",
-                                 param_hint="--dashboard")  # fmt: skip
+        raise typer.BadParameter(
+            f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all", param_hint="--dashboard"
+        )
     targets = []
     for i, spec in enumerate(target or []):
         job, _, address = spec.rpartition("=")
@@ -71,8 +74,14 @@ def dashboard_preview(
             chosen = bodies if dashboard == "all" else {dashboard: bodies[dashboard]}
             for uid, body in chosen.items():
                 path = out / f"{uid}-preview.png" if dashboard == "all" else out
-                render_dashboard(prom, body, path, window=seconds, variables={"namespace": namespace, "rljob": rljob},
-                                 footnote=footnote)  # fmt: skip
+                render_dashboard(
+                    prom,
+                    body,
+                    path,
+                    window=seconds,
+                    variables={"namespace": namespace, "rljob": rljob},
+                    footnote=footnote,
+                )
                 typer.echo(f"wrote {path}")
     except PrometheusNotFound as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -114,8 +114,13 @@ def run_operator(
             typer.echo("--leader-elect needs --leader-election-namespace or R3OPERATOR_OPERATOR_NAMESPACE", err=True)
             raise typer.Exit(2)
         try:
-            lease = LeaseConfig(lease_namespace, leader_election_id, lease_duration_s=lease_duration,
-                                renew_deadline_s=renew_deadline, retry_period_s=retry_period)  # fmt: skip
+            lease = LeaseConfig(
+                lease_namespace,
+                leader_election_id,
+                lease_duration_s=lease_duration,
+                renew_deadline_s=renew_deadline,
+                retry_period_s=retry_period,
+            )
         except ValueError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
@@ -127,4 +132,3 @@ def run_operator(
         verbose=verbose,
         lease=lease,
     )
-

@@ -122,4 +122,3 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-

@@ -43,8 +43,11 @@ def run(
     ] = None,
     trainer_ranks: Annotated[
         int | None,
-        typer.Option(min=1, help="Trainer ranks, one Ray actor each, FSDP2 across them (env R3OPERATOR_TRAINER_RANKS; "
-                     "default: trainer.nodes × gpusPerNode on CUDA, 1 on CPU)."),
+        typer.Option(
+            min=1,
+            help="Trainer ranks, one Ray actor each, FSDP2 across them (env R3OPERATOR_TRAINER_RANKS; "
+            "default: trainer.nodes × gpusPerNode on CUDA, 1 on CPU).",
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No live step table, no report on stdout.")] = False,
 ) -> None:
@@ -58,9 +61,16 @@ def run(
         raise typer.Exit(2)
     try:
         settings = build_settings(
-            file, config=config, steps=steps, out_dir=out_dir, resume=resume, device=device, model=model,
-            metrics_port=metrics_port, trainer_ranks=trainer_ranks,
-        )  # fmt: skip
+            file,
+            config=config,
+            steps=steps,
+            out_dir=out_dir,
+            resume=resume,
+            device=device,
+            model=model,
+            metrics_port=metrics_port,
+            trainer_ranks=trainer_ranks,
+        )
     except (RLJobLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

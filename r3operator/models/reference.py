@@ -202,8 +202,7 @@ def _write_model(spec: ReferenceModelSpec, directory: Path) -> None:
     for path in directory.iterdir():
         path.chmod(0o644)
     (directory / "r3_reference_spec.json").write_text(
-        json.dumps({"generator_version": GENERATOR_VERSION, **spec.model_dump()}, indent=2, sort_keys=True)
-        + "\n"
+        json.dumps({"generator_version": GENERATOR_VERSION, **spec.model_dump()}, indent=2, sort_keys=True) + "\n"
     )
 
 

@@ -20,12 +20,62 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 _DIGITS = tuple(str(d) for d in range(10))
 _SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",", ".", "?", ":", "<", ">", "%")
 _WORDS = (
-    "add", "sum", "plus", "minus", "times", "divided", "by", "equals", "is", "what", "count",
-    "to", "from", "the", "of", "and", "answer", "question", "Q", "A", "next", "number", "after",
-    "before", "even", "odd", "yes", "no", "one", "two", "three", "four", "five", "six", "seven",
-    "eight", "nine", "ten", "zero", "double", "half", "apples", "has", "gives", "left", "total",
-    "step", "first", "then", "so", "result", "user", "assistant", "think", "done",
-)  # fmt: skip
+    "add",
+    "sum",
+    "plus",
+    "minus",
+    "times",
+    "divided",
+    "by",
+    "equals",
+    "is",
+    "what",
+    "count",
+    "to",
+    "from",
+    "the",
+    "of",
+    "and",
+    "answer",
+    "question",
+    "Q",
+    "A",
+    "next",
+    "number",
+    "after",
+    "before",
+    "even",
+    "odd",
+    "yes",
+    "no",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "zero",
+    "double",
+    "half",
+    "apples",
+    "has",
+    "gives",
+    "left",
+    "total",
+    "step",
+    "first",
+    "then",
+    "so",
+    "result",
+    "user",
+    "assistant",
+    "think",
+    "done",
+)
 
 # Jinja chat template: "<bos>user: ... \nassistant:" — enough for /v1/chat/completions to work.
 CHAT_TEMPLATE = (
@@ -54,9 +104,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     # Digits one by one (so any number is representable), punctuation split off, words on whitespace.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.Punctuation()]
-    )  # fmt: skip
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Punctuation()]
+    )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]

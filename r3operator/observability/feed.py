@@ -85,23 +85,29 @@ class SyntheticFeed:
         rng = np.random.default_rng(self.seed)
         driver = RuntimeMetrics(self.rljob, namespace=self.namespace)
         # The driver labels its series with namespace/rljob itself; the PodMonitor honours them.
-        self._add("driver", driver.registry, "r3operator.runtime.metrics.RuntimeMetrics (real class)",
-                  honor_labels=True)  # fmt: skip
+        self._add(
+            "driver", driver.registry, "r3operator.runtime.metrics.RuntimeMetrics (real class)", honor_labels=True
+        )
         self._tickers.append(lambda step: self._feed_driver(driver, rng, step))
 
         from r3operator.operator import metrics as operator_metrics
 
         job = _example_rljob(self.namespace, self.rljob)
-        self._add("operator", operator_metrics.REGISTRY, "r3operator.operator.metrics (real collectors)",
-                  honor_labels=True)  # fmt: skip
+        self._add(
+            "operator", operator_metrics.REGISTRY, "r3operator.operator.metrics (real collectors)", honor_labels=True
+        )
         self._tickers.append(lambda step: _feed_operator(operator_metrics, job, step))
 
         for variant, metrics in (("vllm-0.30", _vllm_metrics(legacy=False)), ("vllm-legacy", _vllm_metrics(True))):
             registry = CollectorRegistry()
             fake = _FakeVllm(metrics, registry, engine_label=variant == "vllm-0.30")
             self._tickers.append(fake.tick)
-            self._add(variant, registry, "FAKE vLLM exporter: real vLLM metric names, synthetic values",
-                      extra={"pod": f"{self.rljob}-engine-{variant}"})  # fmt: skip
+            self._add(
+                variant,
+                registry,
+                "FAKE vLLM exporter: real vLLM metric names, synthetic values",
+                extra={"pod": f"{self.rljob}-engine-{variant}"},
+            )
 
         for exporter in self.exporters:
             exporter.start()
@@ -110,8 +116,9 @@ class SyntheticFeed:
         self._thread.start()
         return self
 
-    def _add(self, name: str, registry: Any, source: str, *, honor_labels: bool = False,
-             extra: dict[str, str] | None = None) -> None:  # fmt: skip
+    def _add(
+        self, name: str, registry: Any, source: str, *, honor_labels: bool = False, extra: dict[str, str] | None = None
+    ) -> None:
         labels = {} if honor_labels else {**self.identity, **(extra or {})}
         self.exporters.append(_Exporter(name, registry, labels, honor_labels))
         self.sources[name] = source
@@ -126,8 +133,9 @@ class SyntheticFeed:
             self.tick()
 
     def targets(self) -> list[ScrapeTarget]:
-        return [ScrapeTarget(f"r3-{e.name}", f"127.0.0.1:{e.port}", e.target_labels, e.honor_labels)
-                for e in self.exporters]  # fmt: skip
+        return [
+            ScrapeTarget(f"r3-{e.name}", f"127.0.0.1:{e.port}", e.target_labels, e.honor_labels) for e in self.exporters
+        ]
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,19 +147,29 @@ class SyntheticFeed:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def _feed_driver(self, driver: Any, rng: np.random.Generator, step: int) -> None:
         self._feed_trainer(driver.r3, rng, step)
-        phases = {"rollout": 4.0 + math.sin(step / 7.0), "logprobs": 1.2, "train": 3.0 + 0.5 * math.cos(step / 5.0),
-                  "weight_sync": 0.8}  # fmt: skip
+        phases = {
+            "rollout": 4.0 + math.sin(step / 7.0),
+            "logprobs": 1.2,
+            "train": 3.0 + 0.5 * math.cos(step / 5.0),
+            "weight_sync": 0.8,
+        }
         driver.observe_step(
-            {"step": step, "policy_version": step, "reward_mean": 0.2 + 0.5 * (1 - math.exp(-step / 60.0)),
-             "tokens_per_second": 9000 + 800 * math.sin(step / 9.0), "step_seconds": sum(phases.values())},
+            {
+                "step": step,
+                "policy_version": step,
+                "reward_mean": 0.2 + 0.5 * (1 - math.exp(-step / 60.0)),
+                "tokens_per_second": 9000 + 800 * math.sin(step / 9.0),
+                "step_seconds": sum(phases.values()),
+            },
             phases,
-        )  # fmt: skip
+        )
         driver.set("r3operator_weight_sync_seconds", phases["weight_sync"])
         driver.set("r3operator_weight_sync_canary_ok", 1.0)
         if step % 25 == 0:
@@ -203,8 +221,10 @@ def _feed_operator(metrics: Any, job: Any, step: int) -> None:
     from r3operator.api.v1alpha1 import Condition, Progress, RLJobStatus
 
     stamp = "2026-01-01T00:00:00Z"
-    conditions = [Condition(type=t, status="True", reason="Running", last_transition_time=stamp)
-                  for t in ("Ready", "Valid", "EnginesReady", "TrainerReady", "RoutingReplayActive")]  # fmt: skip
+    conditions = [
+        Condition(type=t, status="True", reason="Running", last_transition_time=stamp)
+        for t in ("Ready", "Valid", "EnginesReady", "TrainerReady", "RoutingReplayActive")
+    ]
     metrics.observe_job(job, RLJobStatus(conditions=conditions, progress=Progress(step=step)))
     metrics.RECONCILE_TOTAL.labels(result="ok").inc()
     metrics.RECONCILE_DURATION.observe(0.02 + 0.01 * math.sin(step / 3.0))

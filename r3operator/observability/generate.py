@@ -55,8 +55,10 @@ def render_metrics_doc() -> str:
             out += [f"_Not available when this file was generated: {contract.missing[source]}._", ""]
             continue
         out += ["| Metric | Type | Labels | Meaning |", "|---|---|---|---|"]
-        out += [f"| `{m.name}` | {m.type} | {', '.join(f'`{lbl}`' for lbl in m.labels) or '-'} | {_cell(m.help)} |"
-                for m in rows]  # fmt: skip
+        out += [
+            f"| `{m.name}` | {m.type} | {', '.join(f'`{lbl}`' for lbl in m.labels) or '-'} | {_cell(m.help)} |"
+            for m in rows
+        ]
         out.append("")
     out += [
         "## vLLM engine metrics read by the recording rules",
@@ -70,8 +72,11 @@ def render_metrics_doc() -> str:
         "| vLLM metric | Type | 0.30.0 | Replaced by | Note |",
         "|---|---|---|---|---|",
     ]
-    out += [f"| `{m.name}` | {m.type} | {'yes' if m.current else 'no'} | "
-            f"{f'`{m.replaced_by}`' if m.replaced_by else '-'} | {_cell(m.note)} |" for m in VLLM_METRICS]  # fmt: skip
+    out += [
+        f"| `{m.name}` | {m.type} | {'yes' if m.current else 'no'} | "
+        f"{f'`{m.replaced_by}`' if m.replaced_by else '-'} | {_cell(m.note)} |"
+        for m in VLLM_METRICS
+    ]
     out += [
         "",
         "## Stable engine series (recording rules)",
@@ -84,10 +89,19 @@ def render_metrics_doc() -> str:
         "|---|---|---|",
     ]
     out += [f"| `{r.record}` | {_cell(r.help)} | `{_cell(r.expr)}` |" for r in rules.RECORDINGS]
-    out += ["", "## Alerts", "", "Each alert's `runbook_url` annotation links its section below.", "",
-            "| Alert | Severity | For | Expression | Summary |", "|---|---|---|---|---|"]  # fmt: skip
-    out += [f"| [`{a.alert}`](#{a.anchor}) | {a.severity} | {a.for_} | `{_cell(a.expr)}` | {_cell(a.summary)} |"
-            for a in rules.ALERTS]  # fmt: skip
+    out += [
+        "",
+        "## Alerts",
+        "",
+        "Each alert's `runbook_url` annotation links its section below.",
+        "",
+        "| Alert | Severity | For | Expression | Summary |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| [`{a.alert}`](#{a.anchor}) | {a.severity} | {a.for_} | `{_cell(a.expr)}` | {_cell(a.summary)} |"
+        for a in rules.ALERTS
+    ]
     out += ["", "## Runbooks", ""]
     for a in rules.ALERTS:
         out += [f"### {a.alert}", "", a.runbook, ""]
@@ -110,8 +124,9 @@ def render_metrics_doc() -> str:
     ]
     for d in dashboards.dashboards():
         body = dashboards.dashboard_json(d)
-        out.append(f"| `charts/r3operator/dashboards/{d.uid}.json` | {d.title} | "
-                   f"{len(dashboards.dashboard_exprs(body))} |")  # fmt: skip
+        out.append(
+            f"| `charts/r3operator/dashboards/{d.uid}.json` | {d.title} | {len(dashboards.dashboard_exprs(body))} |"
+        )
     out.append("")
     return "\n".join(out)
 

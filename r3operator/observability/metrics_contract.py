@@ -104,31 +104,75 @@ _ENGINE = ("model_name", "engine")
 VLLM_METRICS: tuple[VllmMetric, ...] = (
     VllmMetric("vllm:num_requests_running", "gauge", _ENGINE, True, "Requests in model execution batches."),
     VllmMetric("vllm:num_requests_waiting", "gauge", _ENGINE, True, "Requests waiting to be scheduled."),
-    VllmMetric("vllm:kv_cache_usage_perc", "gauge", _ENGINE, True,
-               "KV-cache usage, 1 = 100 %. Replaced vllm:gpu_cache_usage_perc (#18354)."),
-    VllmMetric("vllm:gpu_cache_usage_perc", "gauge", _ENGINE, False,
-               "Legacy name of vllm:kv_cache_usage_perc; removed by #29330.", "vllm:kv_cache_usage_perc"),
+    VllmMetric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        _ENGINE,
+        True,
+        "KV-cache usage, 1 = 100 %. Replaced vllm:gpu_cache_usage_perc (#18354).",
+    ),
+    VllmMetric(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        _ENGINE,
+        False,
+        "Legacy name of vllm:kv_cache_usage_perc; removed by #29330.",
+        "vllm:kv_cache_usage_perc",
+    ),
     VllmMetric("vllm:prompt_tokens", "counter", _ENGINE, True, "Prefill tokens processed."),
     VllmMetric("vllm:generation_tokens", "counter", _ENGINE, True, "Generation tokens processed."),
-    VllmMetric("vllm:request_success", "counter", (*_ENGINE, "finished_reason"), True,
-               "Finished requests by finish reason."),
+    VllmMetric(
+        "vllm:request_success", "counter", (*_ENGINE, "finished_reason"), True, "Finished requests by finish reason."
+    ),
     VllmMetric("vllm:num_preemptions", "counter", _ENGINE, True, "Cumulative preemptions."),
-    VllmMetric("vllm:prefix_cache_queries", "counter", _ENGINE, True,
-               "Prefix-cache queried tokens. Replaced vllm:gpu_prefix_cache_queries (#18354)."),
-    VllmMetric("vllm:prefix_cache_hits", "counter", _ENGINE, True,
-               "Prefix-cache hit tokens. Replaced vllm:gpu_prefix_cache_hits (#18354)."),
-    VllmMetric("vllm:gpu_prefix_cache_queries", "counter", _ENGINE, False,
-               "Legacy name of vllm:prefix_cache_queries; removed by #29330.", "vllm:prefix_cache_queries"),
-    VllmMetric("vllm:gpu_prefix_cache_hits", "counter", _ENGINE, False,
-               "Legacy name of vllm:prefix_cache_hits; removed by #29330.", "vllm:prefix_cache_hits"),
+    VllmMetric(
+        "vllm:prefix_cache_queries",
+        "counter",
+        _ENGINE,
+        True,
+        "Prefix-cache queried tokens. Replaced vllm:gpu_prefix_cache_queries (#18354).",
+    ),
+    VllmMetric(
+        "vllm:prefix_cache_hits",
+        "counter",
+        _ENGINE,
+        True,
+        "Prefix-cache hit tokens. Replaced vllm:gpu_prefix_cache_hits (#18354).",
+    ),
+    VllmMetric(
+        "vllm:gpu_prefix_cache_queries",
+        "counter",
+        _ENGINE,
+        False,
+        "Legacy name of vllm:prefix_cache_queries; removed by #29330.",
+        "vllm:prefix_cache_queries",
+    ),
+    VllmMetric(
+        "vllm:gpu_prefix_cache_hits",
+        "counter",
+        _ENGINE,
+        False,
+        "Legacy name of vllm:prefix_cache_hits; removed by #29330.",
+        "vllm:prefix_cache_hits",
+    ),
     VllmMetric("vllm:e2e_request_latency_seconds", "histogram", _ENGINE, True, "End-to-end request latency."),
     VllmMetric("vllm:time_to_first_token_seconds", "histogram", _ENGINE, True, "Time to first token."),
-    VllmMetric("vllm:inter_token_latency_seconds", "histogram", _ENGINE, True,
-               "Inter-token latency. Replaced vllm:time_per_output_token_seconds (#24110)."),
-    VllmMetric("vllm:time_per_output_token_seconds", "histogram", _ENGINE, False,
-               "Legacy name of vllm:inter_token_latency_seconds; hidden, then removed.",
-               "vllm:inter_token_latency_seconds"),
-)  # fmt: skip
+    VllmMetric(
+        "vllm:inter_token_latency_seconds",
+        "histogram",
+        _ENGINE,
+        True,
+        "Inter-token latency. Replaced vllm:time_per_output_token_seconds (#24110).",
+    ),
+    VllmMetric(
+        "vllm:time_per_output_token_seconds",
+        "histogram",
+        _ENGINE,
+        False,
+        "Legacy name of vllm:inter_token_latency_seconds; hidden, then removed.",
+        "vllm:inter_token_latency_seconds",
+    ),
+)
 
 
 def vllm_series(*, current_only: bool = False) -> set[str]:
@@ -151,9 +195,27 @@ _BRACKETS = re.compile(r"\[[^\[\]]*\]")
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
 _IDENT = re.compile(r"(?<![\w.:])([A-Za-z_:][A-Za-z0-9_:]*)(?![\w:])")
 _KEYWORDS = frozenset(
-    {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-     "offset", "inf", "nan", "Inf", "NaN", "start", "end", "atan2"}
-)  # fmt: skip
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "inf",
+        "nan",
+        "Inf",
+        "NaN",
+        "start",
+        "end",
+        "atan2",
+    }
+)
 GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__interval": "15s", "$__range": "1h"}
 
 

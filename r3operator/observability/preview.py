@@ -26,8 +26,14 @@ def _legend(fmt: str, labels: Mapping[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
 
 
-def query_panel(prom: PrometheusServer, panel: Mapping[str, Any], start: float, end: float, step: float,
-                variables: Mapping[str, str] | None = None) -> list[tuple[str, list[float], list[float]]]:  # fmt: skip
+def query_panel(
+    prom: PrometheusServer,
+    panel: Mapping[str, Any],
+    start: float,
+    end: float,
+    step: float,
+    variables: Mapping[str, str] | None = None,
+) -> list[tuple[str, list[float], list[float]]]:
     """(legend, times relative to `end` in s, values) for every series of every target of the panel."""
     lines: list[tuple[str, list[float], list[float]]] = []
     for target in panel.get("targets", []):
@@ -40,8 +46,14 @@ def query_panel(prom: PrometheusServer, panel: Mapping[str, Any], start: float, 
 
 
 def render_dashboard(
-    prom: PrometheusServer, dashboard: Mapping[str, Any], out: Path, *, window: float = 120.0, step: float = 1.0,
-    variables: Mapping[str, str] | None = None, footnote: str = "",
+    prom: PrometheusServer,
+    dashboard: Mapping[str, Any],
+    out: Path,
+    *,
+    window: float = 120.0,
+    step: float = 1.0,
+    variables: Mapping[str, str] | None = None,
+    footnote: str = "",
 ) -> Path:
     import matplotlib
 

@@ -88,11 +88,15 @@ class PrometheusServer:
             "global": {"scrape_interval": self.interval, "evaluation_interval": self.interval},
             "rule_files": [str(p.resolve()) for p in self.rule_files],
             "scrape_configs": [
-                {"job_name": t.job, "honor_labels": t.honor_labels, "scrape_interval": self.interval,
-                 "static_configs": [{"targets": [t.address], "labels": t.labels}]}
+                {
+                    "job_name": t.job,
+                    "honor_labels": t.honor_labels,
+                    "scrape_interval": self.interval,
+                    "static_configs": [{"targets": [t.address], "labels": t.labels}],
+                }
                 for t in self.targets
             ],
-        }  # fmt: skip
+        }
 
     def start(self, timeout: float = 30.0) -> Self:
         self._dir = tempfile.TemporaryDirectory(prefix="r3-prometheus-")
@@ -102,11 +106,17 @@ class PrometheusServer:
         self.port = free_port()
         log = (root / "prometheus.log").open("wb")
         self._proc = subprocess.Popen(
-            [self.binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", f"--storage.tsdb.retention.time={self.retention}",
-             "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={root / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--storage.tsdb.retention.time={self.retention}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -143,8 +153,9 @@ class PrometheusServer:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # --- HTTP API ----------------------------------------------------------------------------------------

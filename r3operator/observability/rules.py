@@ -70,9 +70,8 @@ class Alert:
             "expr": self.expr,
             "for": self.for_,
             "labels": {"severity": self.severity, **self.labels},
-            "annotations": {"summary": self.summary, "description": self.description,
-                            "runbook_url": self.runbook_url},
-        }  # fmt: skip
+            "annotations": {"summary": self.summary, "description": self.description, "runbook_url": self.runbook_url},
+        }
 
 
 def vllm(series: str) -> str:
@@ -99,41 +98,70 @@ def _quantile(q: float, current: str, legacy: str | None = None) -> str:
 
 
 _READABLE: tuple[Recording, ...] = (
-    Recording("r3operator:engine_requests_running", _by_engine("sum", "vllm:num_requests_running"),
-              "Requests in model execution batches, per engine pod."),
-    Recording("r3operator:engine_requests_waiting", _by_engine("sum", "vllm:num_requests_waiting"),
-              "Requests waiting to be scheduled, per engine pod."),
-    Recording("r3operator:engine_kv_cache_usage_ratio",
-              _current_or_legacy("max", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-              "KV-cache usage (0..1), max over the pod's DP ranks."),
-    Recording("r3operator:engine_generation_tokens:" + RATE_SUFFIX,
-              _by_engine("sum", f"rate(vllm:generation_tokens_total[{RATE}])"),
-              "Generated tokens per second, per engine pod."),
-    Recording("r3operator:engine_prompt_tokens:" + RATE_SUFFIX,
-              _by_engine("sum", f"rate(vllm:prompt_tokens_total[{RATE}])"),
-              "Prefill tokens per second, per engine pod."),
-    Recording("r3operator:engine_requests_finished:" + RATE_SUFFIX,
-              f"sum without (engine, finished_reason) (rate(vllm:request_success_total[{RATE}]))",
-              "Finished requests per second, per engine pod."),
-    Recording("r3operator:engine_preemptions:" + RATE_SUFFIX,
-              _by_engine("sum", f"rate(vllm:num_preemptions_total[{RATE}])"),
-              "Preemptions per second (KV-cache pressure), per engine pod."),
-    Recording("r3operator:engine_prefix_cache_hit_ratio",
-              f"({_by_engine('sum', f'rate(vllm:prefix_cache_hits_total[{RATE}])')}"
-              f" / {_by_engine('sum', f'rate(vllm:prefix_cache_queries_total[{RATE}])')})"
-              f" or ({_by_engine('sum', f'rate(vllm:gpu_prefix_cache_hits_total[{RATE}])')}"
-              f" / {_by_engine('sum', f'rate(vllm:gpu_prefix_cache_queries_total[{RATE}])')})",
-              f"Prefix-cache hit ratio over {RATE} (NaN while idle)."),
-    Recording("r3operator:engine_e2e_latency_seconds:p50", _quantile(0.5, "vllm:e2e_request_latency_seconds"),
-              "Median end-to-end request latency."),
-    Recording("r3operator:engine_e2e_latency_seconds:p95", _quantile(0.95, "vllm:e2e_request_latency_seconds"),
-              "95th percentile end-to-end request latency."),
-    Recording("r3operator:engine_ttft_seconds:p95", _quantile(0.95, "vllm:time_to_first_token_seconds"),
-              "95th percentile time to first token."),
-    Recording("r3operator:engine_itl_seconds:p95",
-              _quantile(0.95, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-              "95th percentile inter-token latency."),
-)  # fmt: skip
+    Recording(
+        "r3operator:engine_requests_running",
+        _by_engine("sum", "vllm:num_requests_running"),
+        "Requests in model execution batches, per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_requests_waiting",
+        _by_engine("sum", "vllm:num_requests_waiting"),
+        "Requests waiting to be scheduled, per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_kv_cache_usage_ratio",
+        _current_or_legacy("max", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "KV-cache usage (0..1), max over the pod's DP ranks.",
+    ),
+    Recording(
+        "r3operator:engine_generation_tokens:" + RATE_SUFFIX,
+        _by_engine("sum", f"rate(vllm:generation_tokens_total[{RATE}])"),
+        "Generated tokens per second, per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_prompt_tokens:" + RATE_SUFFIX,
+        _by_engine("sum", f"rate(vllm:prompt_tokens_total[{RATE}])"),
+        "Prefill tokens per second, per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_requests_finished:" + RATE_SUFFIX,
+        f"sum without (engine, finished_reason) (rate(vllm:request_success_total[{RATE}]))",
+        "Finished requests per second, per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_preemptions:" + RATE_SUFFIX,
+        _by_engine("sum", f"rate(vllm:num_preemptions_total[{RATE}])"),
+        "Preemptions per second (KV-cache pressure), per engine pod.",
+    ),
+    Recording(
+        "r3operator:engine_prefix_cache_hit_ratio",
+        f"({_by_engine('sum', f'rate(vllm:prefix_cache_hits_total[{RATE}])')}"
+        f" / {_by_engine('sum', f'rate(vllm:prefix_cache_queries_total[{RATE}])')})"
+        f" or ({_by_engine('sum', f'rate(vllm:gpu_prefix_cache_hits_total[{RATE}])')}"
+        f" / {_by_engine('sum', f'rate(vllm:gpu_prefix_cache_queries_total[{RATE}])')})",
+        f"Prefix-cache hit ratio over {RATE} (NaN while idle).",
+    ),
+    Recording(
+        "r3operator:engine_e2e_latency_seconds:p50",
+        _quantile(0.5, "vllm:e2e_request_latency_seconds"),
+        "Median end-to-end request latency.",
+    ),
+    Recording(
+        "r3operator:engine_e2e_latency_seconds:p95",
+        _quantile(0.95, "vllm:e2e_request_latency_seconds"),
+        "95th percentile end-to-end request latency.",
+    ),
+    Recording(
+        "r3operator:engine_ttft_seconds:p95",
+        _quantile(0.95, "vllm:time_to_first_token_seconds"),
+        "95th percentile time to first token.",
+    ),
+    Recording(
+        "r3operator:engine_itl_seconds:p95",
+        _quantile(0.95, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        "95th percentile inter-token latency.",
+    ),
+)
 
 _VLLM_NAME = re.compile(r"vllm:[a-z0-9_]+")
 # What ships: every vLLM name also matches its underscored form (see `vllm`).
@@ -149,28 +177,30 @@ ALERTS: tuple[Alert, ...] = (
         f"r3operator_logprob_abs_diff_mean > {LOGPROB_DIFF_SPIKE_FACTOR}"
         " * avg_over_time(r3operator_logprob_abs_diff_mean[1h] offset 10m)"
         f" and r3operator_logprob_abs_diff_mean > {LOGPROB_DIFF_FLOOR}",
-        "5m", "warning",
+        "5m",
+        "warning",
         "Rollout-vs-trainer logprob mismatch spiked for {{ $labels.namespace }}/{{ $labels.rljob }}",
-        "Mean |Δlogprob| is {{ $value | printf \"%.3f\" }}, over "
+        'Mean |Δlogprob| is {{ $value | printf "%.3f" }}, over '
         f"{LOGPROB_DIFF_SPIKE_FACTOR:g}x its 1 h baseline. Check weight sync (r3operator_weight_sync_canary_ok), the "
         "vLLM version and whether routing replay is active.",
         "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
         "baseline, under the same weights: in algorithm.mode async the figure covers only tokens of the policy "
         "version the step trained from, and a step without any leaves the series out (not NaN). The older "
-        "tokens' gap is staleness (`r3operator_logprob_abs_diff_mean_by_lag{lag!=\"0\"}`, `logprob_abs_diff_by_lag` "
-        "in metrics.csv; corrected by the importance weights, never a weight-sync fault): the series is lag=\"0\" "
+        'tokens\' gap is staleness (`r3operator_logprob_abs_diff_mean_by_lag{lag!="0"}`, `logprob_abs_diff_by_lag` '
+        'in metrics.csv; corrected by the importance weights, never a weight-sync fault): the series is lag="0" '
         "of that split. In order: (1) "
         "`r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
         "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
         "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "
         "`spec.inference.vllmVersion` (kernels changed numerics). `kubectl get rljob <job> -o "
-        "jsonpath='{.status.resolved}'` shows the resolved version."
+        "jsonpath='{.status.resolved}'` shows the resolved version.",
     ),
     Alert(
         "R3RoutingAgreementLow",
         f"avg without (layer) (r3operator_routing_agreement_ratio) < {ROUTING_AGREEMENT_MIN}"
         f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1)",
-        "10m", "warning",
+        "10m",
+        "warning",
         "Routing agreement {{ $value | humanizePercentage }} under R3 for {{ $labels.namespace }}/{{ $labels.rljob }}",
         "The trainer's routers agree with the engine's routes on ~98% of token-layers when the routes sit on the "
         "right tokens. This low, the replayed routes land on the wrong tokens (a misaligned batch) or the "
@@ -179,31 +209,33 @@ ALERTS: tuple[Alert, ...] = (
         "Replayed routes no longer match what the trainer's routers would choose. A sudden drop to near 0 means "
         "routes are applied to the wrong tokens (a misaligned batch: check the driver log for retokenization or "
         "truncation warnings and `r3operator_routes_invalid_total`); a slow decline means the policies drifted "
-        "(check `r3operator_weight_sync_canary_ok` and the weight-sync timings)."
+        "(check `r3operator_weight_sync_canary_ok` and the weight-sync timings).",
     ),
     Alert(
         "R3RoutesMissing",
         f"sum by ({_JOB}) (increase(r3operator_routes_missing_total[10m])) > 0"
         f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1)",
-        "0m", "warning",
+        "0m",
+        "warning",
         "Samples without routed experts under R3 in {{ $labels.namespace }}/{{ $labels.rljob }}",
-        "{{ $value | printf \"%.0f\" }} samples in 10 m came back without routes; they train without replay. "
+        '{{ $value | printf "%.0f" }} samples in 10 m came back without routes; they train without replay. '
         "Check the engine's routed-experts capture and aborted requests.",
         "Samples came back from the engines without routed experts and trained without replay. Check that the "
         "engines were started with routed-experts capture (`r3operator render <job.yaml>` shows the engine "
-        "arguments), that no `extraArgs` override it, and the engine log for aborted requests."
+        "arguments), that no `extraArgs` override it, and the engine log for aborted requests.",
     ),
     Alert(
         "R3RoutesInvalid",
         f"sum by ({_JOB}) (increase(r3operator_routes_invalid_total[10m])) > 0",
-        "0m", "critical",
+        "0m",
+        "critical",
         "Invalid routed experts in {{ $labels.namespace }}/{{ $labels.rljob }}",
-        "{{ $value | printf \"%.0f\" }} samples in 10 m had routes that failed validation (row count, id range, "
+        '{{ $value | printf "%.0f" }} samples in 10 m had routes that failed validation (row count, id range, '
         "duplicates): the engine and trainer disagree on the model layout.",
         "Routes failed validation (row count, expert id range, duplicates): the engine's model and the "
         "trainer's model disagree on the layout. Check that `spec.model` points at the same checkpoint for both "
         "and that the engine's `--max-model-len` and tokenizer match; the driver drops these samples "
-        "(`r3operator_samples_dropped_total`)."
+        "(`r3operator_samples_dropped_total`).",
     ),
     Alert(
         "RLJobNoProgress",
@@ -211,19 +243,21 @@ ALERTS: tuple[Alert, ...] = (
         f"(time() - max by ({_JOB}) (r3operator_rljob_last_progress_timestamp_seconds))"
         f" > on ({_JOB}) max by ({_JOB}) (r3operator_rljob_no_progress_threshold_seconds)"
         f' and on ({_JOB}) (max by ({_JOB}) (r3operator_rljob_condition{{type="Ready",status="True"}}) == 1)',
-        NO_PROGRESS_FOR, "warning",
+        NO_PROGRESS_FOR,
+        "warning",
         "RLJob {{ $labels.namespace }}/{{ $labels.rljob }} made no step in {{ $value | humanizeDuration }}",
         "The job is Ready but no step completed for longer than its spec.monitoring.noProgressSeconds. Look at "
         "the trainer logs and r3operator_step_phase_seconds.",
         "The job is Ready but no step completed for longer than `spec.monitoring.noProgressSeconds` (default "
         "900; raise it for models whose steps take longer). Check the trainer head pod's log, "
         "`r3operator_step_phase_seconds` for the phase that stalled, engine readiness "
-        "(`kubectl get rljob <job> -o yaml` conditions) and `r3operator_engine_faults_total`."
+        "(`kubectl get rljob <job> -o yaml` conditions) and `r3operator_engine_faults_total`.",
     ),
     Alert(
         "RLJobUpgradeBlocked",
-        f"max by ({_JOB}) (r3operator_rljob_condition{{type=\"UpgradeBlocked\",status=\"True\"}}) == 1",
-        "0m", "warning",
+        f'max by ({_JOB}) (r3operator_rljob_condition{{type="UpgradeBlocked",status="True"}}) == 1',
+        "0m",
+        "warning",
         "Engine upgrade of {{ $labels.namespace }}/{{ $labels.rljob }} blocked by its fidelity canary",
         "The new engine image failed the canary and the engines are back on the old one; spec.inference.image "
         "still names the new image. `kubectl describe rlj` shows the figures (condition UpgradeBlocked).",
@@ -237,13 +271,14 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "R3OperatorReconcileErrors",
         "sum by (reason) (rate(r3operator_reconcile_errors_total[5m])) > 0",
-        f"{RECONCILE_ERROR_MINUTES}m", "warning",
+        f"{RECONCILE_ERROR_MINUTES}m",
+        "warning",
         "r3operator reconcile errors ({{ $labels.reason }})",
-        f"Reconciles have failed for {RECONCILE_ERROR_MINUTES} m at {{{{ $value | printf \"%.2f\" }}}}/s "
+        f'Reconciles have failed for {RECONCILE_ERROR_MINUTES} m at {{{{ $value | printf "%.2f" }}}}/s '
         "(reason {{ $labels.reason }}). See the operator logs and RLJob events.",
         "Reconcile passes raise. The `reason` label names the exception class; the operator's log and the "
         "RLJob's events (`kubectl describe rljob <job>`) carry the message. `Forbidden` usually means the "
-        "operator's Role lacks a verb in a watched namespace; `Conflict` that resolves by itself is harmless."
+        "operator's Role lacks a verb in a watched namespace; `Conflict` that resolves by itself is harmless.",
     ),
 )
 

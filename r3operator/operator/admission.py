@@ -74,8 +74,9 @@ def read_admission(queue: str | None, workload: dict[str, Any] | None) -> Admiss
     evicted = conds.get("Evicted")
     if _true(evicted) and has_quota_reservation(workload):
         assert evicted is not None
-        return Admission(AdmissionState.EVICTED, str(evicted.get("message") or ""), str(evicted.get("reason") or ""),
-                         cluster_queue)  # fmt: skip
+        return Admission(
+            AdmissionState.EVICTED, str(evicted.get("message") or ""), str(evicted.get("reason") or ""), cluster_queue
+        )
     if _true(conds.get("Admitted")):
         where = f"ClusterQueue {cluster_queue}" if cluster_queue else "its ClusterQueue"
         message = f"admitted by {where} (LocalQueue {queue})"
@@ -134,8 +135,10 @@ def release_patch(workload: dict[str, Any], now: dt.datetime) -> dict[str, Any] 
     conditions = _set(conditions, _condition(workload, "Requeued", requeue, reason, message, stamp))
     conditions = _set(conditions, _condition(workload, "QuotaReserved", False, "Pending", message, stamp))
     if "Admitted" in conds:
-        conditions = _set(conditions, _condition(workload, "Admitted", False, "NoReservation",
-                                                 "The workload has no reservation", stamp))  # fmt: skip
+        conditions = _set(
+            conditions,
+            _condition(workload, "Admitted", False, "NoReservation", "The workload has no reservation", stamp),
+        )
     return _status_patch(workload, {"conditions": conditions, "admission": None})
 
 
@@ -171,6 +174,7 @@ async def settle(
     if patch is None:
         return None
     metadata = workload["metadata"]
-    await client.merge_patch(KINDS["Workload"], metadata.get("namespace"), metadata["name"], patch,
-                             subresource="status")  # fmt: skip
+    await client.merge_patch(
+        KINDS["Workload"], metadata.get("namespace"), metadata["name"], patch, subresource="status"
+    )
     return done

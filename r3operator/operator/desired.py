@@ -130,8 +130,11 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         children.append(build_trainer_service_account(job))
     children.append(build_trainer_role(job))
     children.append(build_trainer_role_binding(job))
-    children.append(build_ray_job(_with_trainer_image(job, facts.trainer_image),
-                                  suspend=is_suspended(job) or not facts.admitted or filling))
+    children.append(
+        build_ray_job(
+            _with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job) or not facts.admitted or filling
+        )
+    )
     if job.spec.queue_name is not None:
         children.append(build_workload(job, priority=facts.priority))
     if facts.pod_monitor_crd and wants_pod_monitor(job):

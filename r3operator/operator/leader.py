@@ -88,12 +88,18 @@ class LeaderElector:
         c = self.config
         lease = await self.client.get(LEASE, c.namespace, c.name)
         self.last_contact = time.monotonic()
-        spec_now = {"holderIdentity": self.identity, "leaseDurationSeconds": int(c.lease_duration_s),
-                    "renewTime": _now()}  # fmt: skip
+        spec_now = {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": int(c.lease_duration_s),
+            "renewTime": _now(),
+        }
         if lease is None:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": c.name, "namespace": c.namespace},
-                    "spec": {**spec_now, "acquireTime": spec_now["renewTime"], "leaseTransitions": 0}}  # fmt: skip
+            body = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": c.name, "namespace": c.namespace},
+                "spec": {**spec_now, "acquireTime": spec_now["renewTime"], "leaseTransitions": 0},
+            }
             return await self._write("POST", LEASE.path(c.namespace), body)
         spec = lease.get("spec") or {}
         holder, renewed = spec.get("holderIdentity"), spec.get("renewTime")
@@ -158,8 +164,9 @@ class LeaderElector:
             elif time.monotonic() - last_renewal >= c.renew_deadline_s or self._lost_to_another():
                 self.leading = False
                 self._on_leading(False)
-                log.error("leader election: lost lease %s/%s; exiting so no two replicas reconcile",
-                          c.namespace, c.name)  # fmt: skip
+                log.error(
+                    "leader election: lost lease %s/%s; exiting so no two replicas reconcile", c.namespace, c.name
+                )
                 self._exit_on_loss()
                 return
 

@@ -78,8 +78,11 @@ async def _run_elected(
         kopf_task.append(asyncio.ensure_future(start_kopf()))
         await kopf_task[0]
 
-    health = await serve_health(health_app(elector, lambda: bool(kopf_task) and not kopf_task[0].done()),
-                                liveness) if liveness else None  # fmt: skip
+    health = (
+        await serve_health(health_app(elector, lambda: bool(kopf_task) and not kopf_task[0].done()), liveness)
+        if liveness
+        else None
+    )
     try:
         await run_as_leader(elector, operate)
     finally:

@@ -127,11 +127,12 @@ def _model(job: RLJob) -> str:
         elif shares_model_cache(job):
             claim = f"claim {model_cache_claim_name(job)} (kept, shared by source and revision)"
             if held_one_at_a_time(job):
-                claim = (f"claim {model_cache_claim_name(job)} (kept, reused by source and revision; ReadWriteOnce: "
-                         "one RLJob at a time, the next waits)")  # fmt: skip
+                claim = (
+                    f"claim {model_cache_claim_name(job)} (kept, reused by source and revision; ReadWriteOnce: "
+                    "one RLJob at a time, the next waits)"
+                )
         how = f"fetched once by Job {meta.child_name(job, meta.ROLE_MODEL_FETCH)} into the model cache"
-        return (f"{model.uri}{revision}: {how} ({credentials}); {claim} "
-                f"mounted read-only at {source.directory}")  # fmt: skip
+        return f"{model.uri}{revision}: {how} ({credentials}); {claim} mounted read-only at {source.directory}"
     return f"{model.uri}: {source.directory}"
 
 

@@ -263,8 +263,15 @@ class Reconciler:
         Each call returns children of its own (a held render is loaded again), so a caller may change them."""
         meta_ = job.metadata
         labels, annotations = json.dumps(meta_.labels, sort_keys=True), json.dumps(meta_.annotations, sort_keys=True)
-        key = (job.spec.model_dump_json(), meta_.name, meta_.namespace or "", meta_.uid or "", labels, annotations,
-               repr(facts))  # fmt: skip
+        key = (
+            job.spec.model_dump_json(),
+            meta_.name,
+            meta_.namespace or "",
+            meta_.uid or "",
+            labels,
+            annotations,
+            repr(facts),
+        )
         digest = hashlib.sha256(json.dumps(key).encode()).digest()
         held = self._rendered.get(meta_.uid or "")
         if held is not None and held[0] == digest:
@@ -316,8 +323,9 @@ class Reconciler:
                 ],
             }
         }
-        written = await self.client.merge_patch(KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch,
-                                                subresource="status")  # fmt: skip
+        written = await self.client.merge_patch(
+            KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch, subresource="status"
+        )
         self._wrote(metadata.get("uid"), written)
         outcome.status_written = True
         outcome.events.append(EventSpec("Warning", reason, f"Valid=False: {message}"[:1024]))
@@ -415,8 +423,9 @@ class Reconciler:
             missing = await self._missing_claims(job) if finish is None else ()
             if conflict is not None or missing or missing_refs:
                 outcome.valid = False
-                observed[engine_kind] = next((h for c, h, a in plans if c["kind"] == engine_kind
-                                              and a.verb != "conflict"), None)  # fmt: skip
+                observed[engine_kind] = next(
+                    (h for c, h, a in plans if c["kind"] == engine_kind and a.verb != "conflict"), None
+                )
             else:
                 outcome.marks["read"] = time.time()
                 await self._write_all(job, plans, finish is not None, expired, observed, outcome)
@@ -480,12 +489,22 @@ class Reconciler:
         stopped = stopped or is_suspended(job)
         plan = plan_upgrade(job, engine_set, prev=prev, canary=canary, ray_job=ray_job, stopped=stopped, now=now)
         plan = refuse_unknown_images(plan, allowed_images(job, prev, engine_set, ray_job))
-        changed = prev is None or (prev.attempt, prev.phase) != (plan.status.attempt, plan.status.phase) \
-            if plan.status is not None else False  # fmt: skip
+        changed = (
+            prev is None or (prev.attempt, prev.phase) != (plan.status.attempt, plan.status.phase)
+            if plan.status is not None
+            else False
+        )
         if plan.status is not None and changed:
-            log.info("%s/%s: %s upgrade %s → %s: %s (%s)", job.metadata.namespace, job.metadata.name,
-                     plan.status.component, plan.status.from_image, plan.status.to, plan.status.phase,
-                     plan.status.message)  # fmt: skip
+            log.info(
+                "%s/%s: %s upgrade %s → %s: %s (%s)",
+                job.metadata.namespace,
+                job.metadata.name,
+                plan.status.component,
+                plan.status.from_image,
+                plan.status.to,
+                plan.status.phase,
+                plan.status.message,
+            )
         return plan
 
     async def _read_canary(self, job: RLJob, prev: UpgradeStatus) -> CanaryInputs:
@@ -508,10 +527,13 @@ class Reconciler:
         """Write ANNOTATION_FINISHED on the RLJob once the RayJob ended: metadata, which no /status patch changes."""
         value = finish_annotation(finish, now)
         patch = {"metadata": {"annotations": {ANNOTATION_FINISHED: value}}}
-        self._wrote(job.metadata.uid, await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace,
-                                                                    job.metadata.name, patch))  # fmt: skip
-        metadata = job.metadata.model_copy(update={"annotations": {**job.metadata.annotations,
-                                                                    ANNOTATION_FINISHED: value}})  # fmt: skip
+        self._wrote(
+            job.metadata.uid,
+            await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch),
+        )
+        metadata = job.metadata.model_copy(
+            update={"annotations": {**job.metadata.annotations, ANNOTATION_FINISHED: value}}
+        )
         return job.model_copy(update={"metadata": metadata})
 
     async def _ended_before(self, job: RLJob, engine_kind: str) -> bool:
@@ -552,8 +574,10 @@ class Reconciler:
         reads = _PASS_READS.get()
         if reads is None:
             return
-        names = {("RayJob", meta.child_name(job, meta.ROLE_TRAINER)),
-                 (engine_kind, meta.child_name(job, meta.ROLE_ENGINE))}  # fmt: skip
+        names = {
+            ("RayJob", meta.child_name(job, meta.ROLE_TRAINER)),
+            (engine_kind, meta.child_name(job, meta.ROLE_ENGINE)),
+        }
         if uses_model_cache(job):
             names.add(("Job", meta.child_name(job, meta.ROLE_MODEL_FETCH)))
         if queued:
@@ -562,9 +586,13 @@ class Reconciler:
         if absent != names:
             return  # a child exists: not a new RLJob, and its pass reads (almost) everything from the cache
         pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-        facts = Facts(pod_monitor_crd=pod_monitor, operator_namespace=self.settings.operator_namespace,
-                      engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
-                      model_fetched=not uses_model_cache(job), admitted=not queued)  # fmt: skip
+        facts = Facts(
+            pod_monitor_crd=pod_monitor,
+            operator_namespace=self.settings.operator_namespace,
+            engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
+            model_fetched=not uses_model_cache(job),
+            admitted=not queued,
+        )
         names |= {(c["kind"], c["metadata"]["name"]) for c in self._desired(job, facts)}
         todo = sorted((k, n) for k, n in names if k in KINDS and self.cache.lookup(k, namespace, n) is None)
         found = await asyncio.gather(*(self.client.get(KINDS[k], namespace, n) for k, n in todo))
@@ -605,8 +633,11 @@ class Reconciler:
         """The job controller's part of Kueue's protocol (operator/admission.py), after the children converged."""
         workload = observed.get("Workload")
         fetch = observed.get(f"Job/{meta.child_name(job, meta.ROLE_MODEL_FETCH)}")
-        active = (_engines_running(observed.get(_engine_kind(job))) or _trainer_running(observed.get("RayJob"))
-                  or _fetch_running(fetch))  # fmt: skip
+        active = (
+            _engines_running(observed.get(_engine_kind(job)))
+            or _trainer_running(observed.get("RayJob"))
+            or _fetch_running(fetch)
+        )
         try:
             done = await settle(self.client, workload, active=active, finish=finish, now=self.clock())
         except KubeError as exc:
@@ -639,9 +670,14 @@ class Reconciler:
             return None
         hold = await hold_model_cache(self.client, job)
         if hold.taken_from is not None:
-            outcome.events.append(EventSpec("Normal", Reason.MODEL_CACHE_TAKEN_OVER,
-                                            f"mounts the kept model cache PersistentVolumeClaim/{hold.claim}, "
-                                            f"held until now by RLJob/{hold.taken_from}"))  # fmt: skip
+            outcome.events.append(
+                EventSpec(
+                    "Normal",
+                    Reason.MODEL_CACHE_TAKEN_OVER,
+                    f"mounts the kept model cache PersistentVolumeClaim/{hold.claim}, "
+                    f"held until now by RLJob/{hold.taken_from}",
+                )
+            )
         return hold.holder
 
     async def _missing_claims(self, job: RLJob) -> tuple[str, ...]:
@@ -673,8 +709,10 @@ class Reconciler:
         try:
             for wave in waves:
                 notes: list[list[str]] = [[] for _ in wave]
-                results = await asyncio.gather(*(self._converge(c, h, a, n) for (c, h, a), n in zip(wave, notes,
-                                                 strict=True)), return_exceptions=True)  # fmt: skip
+                results = await asyncio.gather(
+                    *(self._converge(c, h, a, n) for (c, h, a), n in zip(wave, notes, strict=True)),
+                    return_exceptions=True,
+                )
                 for (child, _, _), result, note in zip(wave, results, notes, strict=True):
                     outcome.written += note
                     if not isinstance(result, BaseException):
@@ -702,8 +740,9 @@ class Reconciler:
         if not status_changed(job.status, new_status):
             return
         patch = status_patch(new_status)
-        written = await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch,
-                                                subresource="status")  # fmt: skip
+        written = await self.client.merge_patch(
+            KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch, subresource="status"
+        )
         self._wrote(job.metadata.uid, written)
         outcome.status_written = True
         for cond in transitions(job.status, new_status):
@@ -746,8 +785,14 @@ class Reconciler:
     ) -> None:
         wanted = {(c["kind"], c["metadata"]["name"]) for c, _, _ in plans}
         engine_name = meta.child_name(job, meta.ROLE_ENGINE)
-        record = next((read_record(c) for c, _, _ in plans if c["metadata"]["name"] == engine_name
-                       and c["kind"] in ("StatefulSet", "LeaderWorkerSet")), None)  # fmt: skip
+        record = next(
+            (
+                read_record(c)
+                for c, _, _ in plans
+                if c["metadata"]["name"] == engine_name and c["kind"] in ("StatefulSet", "LeaderWorkerSet")
+            ),
+            None,
+        )
         upgrade_phase = record.phase if record is not None else None
         for role, kind in _CHILD_KINDS:
             name = meta.child_name(job, role)

@@ -74,8 +74,9 @@ def _template_references(template: PodTemplate, where: str) -> list[Reference]:
         if volume.config_map is not None and not volume.config_map.optional:
             refs.append(Reference("ConfigMap", volume.config_map.name, where=f"{where}.volumes"))
         if volume.persistent_volume_claim is not None:
-            refs.append(Reference("PersistentVolumeClaim", volume.persistent_volume_claim.claim_name,
-                                  where=f"{where}.volumes"))  # fmt: skip
+            refs.append(
+                Reference("PersistentVolumeClaim", volume.persistent_volume_claim.claim_name, where=f"{where}.volumes")
+            )
     refs += [Reference("Secret", s.name, where=f"{where}.imagePullSecrets") for s in template.image_pull_secrets]
     if template.service_account_name:
         refs.append(Reference("ServiceAccount", template.service_account_name, where=f"{where}.serviceAccountName"))

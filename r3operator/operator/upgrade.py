@@ -137,8 +137,9 @@ def _groups_rolled_out(lws: dict[str, Any], *, groups: int) -> tuple[bool, int]:
     status.replicas above ``groups`` until the controller has seen the partition lifted."""
     status = lws.get("status") or {}
     updated = int(status.get("updatedReplicas") or 0)
-    updating = any(c.get("type") == "UpdateInProgress" and c.get("status") == "True"
-                   for c in status.get("conditions") or [])  # fmt: skip
+    updating = any(
+        c.get("type") == "UpdateInProgress" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
     done = (
         not updating
         and int(status.get("replicas") or 0) == groups
@@ -161,7 +162,7 @@ ACTIVE = ("Canary", "Rolling", "Blocked")
 
 def trainer_image(ray_job: dict[str, Any] | None) -> str | None:
     """The trainer image of the RayJob's head as the cluster has it."""
-    head = ((((ray_job or {}).get("spec") or {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {})
+    head = (((ray_job or {}).get("spec") or {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {}
     containers = ((head.get("template") or {}).get("spec") or {}).get("containers") or []
     return str(containers[0].get("image") or "") or None if containers else None
 
@@ -217,8 +218,12 @@ def _plan_engines(
         return _continue(job, prev, statefulset, canary, force, stopped, now)
     if active and prev is not None and prev.phase in ("Canary", "Blocked") and spec_image == prev.from_image:
         # The user went back to the image that is running: nothing to roll, the attempt is over.
-        cancelled = prev.model_copy(update={"phase": "Cancelled", "message": f"spec.inference.image is "
-                                            f"{spec_image} again; the upgrade to {prev.to} was abandoned"})  # fmt: skip
+        cancelled = prev.model_copy(
+            update={
+                "phase": "Cancelled",
+                "message": f"spec.inference.image is {spec_image} again; the upgrade to {prev.to} was abandoned",
+            }
+        )
         return UpgradePlan(cancelled)
     if running is None or (running == spec_image and not active):
         return UpgradePlan(prev)  # first creation, or nothing changed
@@ -227,21 +232,34 @@ def _plan_engines(
     if active and prev is not None and prev.phase == "Rolling":
         good = prev.to  # it passed its canary; pods not rolled yet still run the one before
     attempt = f"{job.metadata.generation or 0}"
-    status = UpgradeStatus.model_validate({
-        "from": good, "to": spec_image, "phase": "Canary", "attempt": attempt, "startedAt": format_time(now),
-    })  # fmt: skip
+    status = UpgradeStatus.model_validate(
+        {
+            "from": good,
+            "to": spec_image,
+            "phase": "Canary",
+            "attempt": attempt,
+            "startedAt": format_time(now),
+        }
+    )
     if force or not policy.canary or replicas == 0 or stopped:
-        why = ("forced by the r3operator.io/upgrade=force annotation" if force
-               else "upgradePolicy.canary is false" if not policy.canary else "no engine replica runs")  # fmt: skip
+        why = (
+            "forced by the r3operator.io/upgrade=force annotation"
+            if force
+            else "upgradePolicy.canary is false"
+            if not policy.canary
+            else "no engine replica runs"
+        )
         status = status.model_copy(update={"phase": "Rolling", "message": f"rolling every replica: {why}"})
         return UpgradePlan(status, EngineRollout(image=spec_image))
     return _canary(status, replicas)
 
 
 def _canary(status: UpgradeStatus, replicas: int) -> UpgradePlan:
-    status = status.model_copy(update={
-        "message": f"canary: one extra replica on {status.to} is scored against one on {status.from_image}",
-    })  # fmt: skip
+    status = status.model_copy(
+        update={
+            "message": f"canary: one extra replica on {status.to} is scored against one on {status.from_image}",
+        }
+    )
     rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas)
     target = CanaryTarget(
         attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0, new_replica=replicas
@@ -277,8 +295,9 @@ def _continue(
         return UpgradePlan(prev, EngineRollout(image=prev.from_image), blocked_message=prev.message)
     done, replicas_updated = rolled_out(statefulset, pods=pods)
     if done:
-        status = prev.model_copy(update={"phase": "Complete", "replicas_updated": replicas,
-                                         "message": f"every replica runs {prev.to}"})  # fmt: skip
+        status = prev.model_copy(
+            update={"phase": "Complete", "replicas_updated": replicas, "message": f"every replica runs {prev.to}"}
+        )
         return UpgradePlan(status)
     status = prev.model_copy(update={"replicas_updated": min(replicas_updated, replicas)})
     return UpgradePlan(status, EngineRollout(image=prev.to))
@@ -296,14 +315,17 @@ def canary_outcome(job: RLJob, prev: UpgradeStatus, canary: CanaryInputs, now: d
     policy = job.spec.upgrade_policy
     ran = parse_time(prev.canary_started_at)
     if ran is not None and (now - ran).total_seconds() > policy.timeout_seconds:
-        return False, (f"canary timed out: no verdict {policy.timeout_seconds} s after its pods ran "
-                       "(upgradePolicy.timeoutSeconds)")  # fmt: skip
+        return False, (
+            f"canary timed out: no verdict {policy.timeout_seconds} s after its pods ran (upgradePolicy.timeoutSeconds)"
+        )
     started = parse_time(prev.started_at)
     waited = (now - started).total_seconds() if started is not None else 0.0
     if ran is None and not canary.pods.running and waited > policy.start_timeout_seconds:
         why = canary.pods.unschedulable or "its pods are not running (image pull, crash or no node)"
-        return False, (f"the canary did not start within {policy.start_timeout_seconds} s "
-                       f"(upgradePolicy.startTimeoutSeconds): {why}")  # fmt: skip
+        return False, (
+            f"the canary did not start within {policy.start_timeout_seconds} s "
+            f"(upgradePolicy.startTimeoutSeconds): {why}"
+        )
     return None, ""
 
 
@@ -329,25 +351,43 @@ def _trainer_attempt(job: RLJob, good: str, now: dt.datetime) -> UpgradePlan:
     """A new trainer image: the RayJob keeps `good` while the canary Job scores one engine replica with
     both images; without a canary (not wanted, forced, no engine to score) the RayJob is replaced now."""
     to = job.spec.trainer.image
-    status = UpgradeStatus.model_validate({
-        "component": "trainer", "from": good, "to": to, "phase": "Canary",
-        "attempt": f"{job.metadata.generation or 0}", "startedAt": format_time(now),
-    })  # fmt: skip
+    status = UpgradeStatus.model_validate(
+        {
+            "component": "trainer",
+            "from": good,
+            "to": to,
+            "phase": "Canary",
+            "attempt": f"{job.metadata.generation or 0}",
+            "startedAt": format_time(now),
+        }
+    )
     force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
     if force or not job.spec.upgrade_policy.canary or job.spec.inference.replicas == 0:
-        why = ("forced by the r3operator.io/upgrade=force annotation" if force
-               else "upgradePolicy.canary is false" if job.spec.upgrade_policy.canary is False
-               else "no engine replica to score")  # fmt: skip
+        why = (
+            "forced by the r3operator.io/upgrade=force annotation"
+            if force
+            else "upgradePolicy.canary is false"
+            if job.spec.upgrade_policy.canary is False
+            else "no engine replica to score"
+        )
         return UpgradePlan(status.model_copy(update={"phase": "Rolling", "message": f"replacing the RayJob: {why}"}))
     return _trainer_canary(status)
 
 
 def _trainer_canary(status: UpgradeStatus) -> UpgradePlan:
-    status = status.model_copy(update={
-        "message": f"canary: trainer images {status.to} and {status.from_image} score the same engine replica",
-    })  # fmt: skip
-    target = CanaryTarget(attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0,
-                          new_replica=0, component="trainer")  # fmt: skip
+    status = status.model_copy(
+        update={
+            "message": f"canary: trainer images {status.to} and {status.from_image} score the same engine replica",
+        }
+    )
+    target = CanaryTarget(
+        attempt=status.attempt,
+        old_image=status.from_image,
+        new_image=status.to,
+        old_replica=0,
+        new_replica=0,
+        component="trainer",
+    )
     return UpgradePlan(status, canary=target, trainer_image=status.from_image)
 
 
@@ -438,7 +478,9 @@ def refuse_unknown_images(plan: UpgradePlan, allowed: dict[str, set[str]]) -> Up
     if not refused:
         return plan
     component, image = refused[0]
-    message = (f"refused to render {component} image {image}: it is neither in the spec nor in the operator's "
-               "record of the previous spec nor running; the spec is rendered as it is")  # fmt: skip
+    message = (
+        f"refused to render {component} image {image}: it is neither in the spec nor in the operator's "
+        "record of the previous spec nor running; the spec is rendered as it is"
+    )
     status = plan.status.model_copy(update={"phase": "Blocked", "message": message}) if plan.status else None
     return UpgradePlan(status, blocked_message=message)

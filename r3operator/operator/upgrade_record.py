@@ -34,8 +34,9 @@ ATTEMPT_LABEL = f"{meta.PREFIX}/upgrade-attempt"
 
 def record_annotation(upgrade: UpgradeStatus) -> str:
     """The annotation value for ``upgrade``, the verdict with its figures included (a few KiB at most)."""
-    return json.dumps(upgrade.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"),
-                      sort_keys=True)  # fmt: skip
+    return json.dumps(
+        upgrade.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"), sort_keys=True
+    )
 
 
 def read_record(engine_set: dict[str, Any] | None) -> UpgradeStatus | None:
@@ -89,16 +90,23 @@ def _labels(pod: dict[str, Any]) -> dict[str, str]:
 
 def canary_pods(pods: list[dict[str, Any]], attempt: str) -> list[dict[str, Any]]:
     """The upgrade canary's pods of ``attempt`` among a job's pods."""
-    return [p for p in pods if _labels(p).get(meta.LABEL_ROLE) == meta.ROLE_UPGRADE_CANARY
-            and _labels(p).get(ATTEMPT_LABEL) == attempt]  # fmt: skip
+    return [
+        p
+        for p in pods
+        if _labels(p).get(meta.LABEL_ROLE) == meta.ROLE_UPGRADE_CANARY and _labels(p).get(ATTEMPT_LABEL) == attempt
+    ]
 
 
 def surge_pods(pods: list[dict[str, Any]], engine_name: str, replicas: int) -> list[dict[str, Any]]:
     """The surge replica's pods: StatefulSet ordinal ``replicas`` (``<engine>-<replicas>``), or the
     LeaderWorkerSet group ``replicas`` (its leader of that name, its workers ``<engine>-<replicas>-<i>``)."""
     surge = f"{engine_name}-{replicas}"
-    return [p for p in pods if _labels(p).get(meta.LABEL_ROLE) == meta.ROLE_ENGINE
-            and (p["metadata"]["name"] == surge or p["metadata"]["name"].startswith(f"{surge}-"))]  # fmt: skip
+    return [
+        p
+        for p in pods
+        if _labels(p).get(meta.LABEL_ROLE) == meta.ROLE_ENGINE
+        and (p["metadata"]["name"] == surge or p["metadata"]["name"].startswith(f"{surge}-"))
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,16 @@ class EngineActor:
     """Ray actor body: one in-process vLLM `LLM` with routed-expert capture and the r3_ worker extension."""
 
     def __init__(
-        self, model_dir: str, *, device: str, dtype: str, seed: int, max_model_len: int,
-        weight_transfer_backend: str | None = None, gpu_memory_utilization: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model_dir: str,
+        *,
+        device: str,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        weight_transfer_backend: str | None = None,
+        gpu_memory_utilization: float | None = None,
+    ) -> None:
         from r3operator.engine.llm import apply_engine_env, llm_kwargs
         from r3operator.engine.plugin import register, self_check
 
@@ -32,19 +39,32 @@ class EngineActor:
             max_model_len=max_model_len,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
-            extra={"skip_tokenizer_init": True, "worker_extension_cls": WORKER_EXTENSION_CLS,
-                   **({"weight_transfer_config": {"backend": weight_transfer_backend}}
-                      if weight_transfer_backend else {})},
-        )  # fmt: skip
+            extra={
+                "skip_tokenizer_init": True,
+                "worker_extension_cls": WORKER_EXTENSION_CLS,
+                **({"weight_transfer_config": {"backend": weight_transfer_backend}} if weight_transfer_backend else {}),
+            },
+        )
         self.client = InProcessLLMClient(**kwargs)
         self.llm = self.client.llm
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
-        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
-                                    routed_experts_prompt_start=routed_experts_prompt_start or 0)  # fmt: skip
+    ) -> list[RolloutSample]:
+        return self.client.generate(
+            prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            n=n,
+            routed_experts_prompt_start=routed_experts_prompt_start or 0,
+        )
 
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("r3_begin_weight_update")

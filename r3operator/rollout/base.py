@@ -57,9 +57,15 @@ class Engine(NativeEndpoint, Protocol):
     name: str
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
+    ) -> list[RolloutSample]:
         """`routed_experts_prompt_start[i]`: the rows of prompt i's first tokens that the caller already holds
         (a multi-turn conversation's earlier turns) are not returned; None: every row."""
         ...

@@ -64,9 +64,14 @@ class RayEngine:
         # declared with @ray.method, which would type EngineActor's direct calls wrongly): this façade's
         # signatures carry the types instead.
         self._actor: Any = actor_cls.remote(
-            str(model_dir), device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            weight_transfer_backend=weight_transfer_backend, gpu_memory_utilization=gpu_memory_utilization,
-        )  # fmt: skip
+            str(model_dir),
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            weight_transfer_backend=weight_transfer_backend,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
         self.weight_transfer_backend = weight_transfer_backend
         self._ray = ray
         self.name = name
@@ -88,14 +93,23 @@ class RayEngine:
         return retry_call(once, what=f"{self.name}: {what}", backoff=backoff, transient=ray_transient)
 
     def wait_ready(self) -> None:
-        retry_call(lambda: self._ray.get(self._actor.vllm_version.remote(), timeout=self.call_timeout_s),
-                   what=f"{self.name}: waiting for the engine to start", backoff=self.ready,
-                   transient=ray_transient)  # fmt: skip
+        retry_call(
+            lambda: self._ray.get(self._actor.vllm_version.remote(), timeout=self.call_timeout_s),
+            what=f"{self.name}: waiting for the engine to start",
+            backoff=self.ready,
+            transient=ray_transient,
+        )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
+    ) -> list[RolloutSample]:
         batch = list(map(list, prompts))
         starts = None if routed_experts_prompt_start is None else [int(s) for s in routed_experts_prompt_start]
         remote = self._actor.generate.remote
@@ -121,8 +135,9 @@ class RayEngine:
         # finalize, and the caller aborts the bracket.
         pending, self._in_flight = self._in_flight, []
         self._call("load weight chunks", lambda: pending, retry=False)
-        return self._call("finish weight update", lambda: self._actor.finish_weight_update.remote(policy_tag),
-                          retry=False)  # fmt: skip
+        return self._call(
+            "finish weight update", lambda: self._actor.finish_weight_update.remote(policy_tag), retry=False
+        )
 
     def abort_weight_update(self) -> None:
         self._in_flight = []
@@ -220,11 +235,23 @@ class HTTPEngine:
         retry_call(healthy, what=f"{self.name}: waiting for GET /health", backoff=self.ready, transient=http_transient)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
-        return self.client.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
-                                    routed_experts_prompt_start=routed_experts_prompt_start or 0)  # fmt: skip
+    ) -> list[RolloutSample]:
+        return self.client.generate(
+            prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            n=n,
+            routed_experts_prompt_start=routed_experts_prompt_start or 0,
+        )
 
     def begin_weight_update(self) -> None:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -329,9 +356,15 @@ class EngineGroup:
         self.engines = list(engines)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
+    ) -> list[RolloutSample]:
         """Every prompt's samples; `routed_experts_prompt_start` is passed on only when given, so an engine
         that predates multi-turn rollouts still serves single-turn ones."""
         starts = routed_experts_prompt_start
@@ -339,8 +372,9 @@ class EngineGroup:
             raise ValueError(f"{len(starts)} routed_experts_prompt_start values for {len(prompts)} prompts")
         if len(self.engines) == 1:
             extra: dict[str, Any] = {} if starts is None else {"routed_experts_prompt_start": starts}
-            return self.engines[0].generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n,
-                                            **extra)  # fmt: skip
+            return self.engines[0].generate(
+                prompts, max_tokens=max_tokens, temperature=temperature, seed=seed, n=n, **extra
+            )
         from concurrent.futures import ThreadPoolExecutor
         from dataclasses import replace
 
@@ -349,7 +383,11 @@ class EngineGroup:
             engine = self.engines[global_i % len(self.engines)]
             extra: dict[str, Any] = {} if starts is None else {"routed_experts_prompt_start": [starts[global_i]]}
             part = engine.generate(
-                [prompts[global_i]], max_tokens=max_tokens, temperature=temperature, seed=seed + global_i * n, n=n,
+                [prompts[global_i]],
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed + global_i * n,
+                n=n,
                 **extra,
             )
             return [replace(s, prompt_index=global_i, sample_id=f"p{global_i}-c{s.choice_index}") for s in part]
@@ -394,8 +432,9 @@ class EngineGroup:
                 except Exception as exc:  # keep the original error; the engine is probably gone
                     import logging
 
-                    logging.getLogger(__name__).error("aborting the weight update on %s failed: %s",
-                                                      getattr(engine, "name", "an engine"), exc)  # fmt: skip
+                    logging.getLogger(__name__).error(
+                        "aborting the weight update on %s failed: %s", getattr(engine, "name", "an engine"), exc
+                    )
             raise
         return {**(results[0] if results else {}), "chunks": count, "bytes": nbytes}
 

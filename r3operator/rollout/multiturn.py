@@ -145,8 +145,12 @@ def roll_out_conversations(
         turn += 1
     for conversation in conversations:
         if conversation.routes_error is not None:
-            log.warning("conversation p%d-c%d has no usable routes: %s", conversation.prompt_index,
-                        conversation.choice_index, conversation.routes_error)  # fmt: skip
+            log.warning(
+                "conversation p%d-c%d has no usable routes: %s",
+                conversation.prompt_index,
+                conversation.choice_index,
+                conversation.routes_error,
+            )
     return [c.sample(num_experts=num_experts) for c in conversations]
 
 

@@ -130,8 +130,10 @@ def staleness(sample: RolloutSample, *, current_version: int) -> int:
         return 0
     oldest = int(versions.min())
     if oldest > current_version:
-        raise ValueError(f"sample {sample.sample_id!r} has a token of policy version {oldest}, newer than the "
-                         f"current version {current_version}")  # fmt: skip
+        raise ValueError(
+            f"sample {sample.sample_id!r} has a token of policy version {oldest}, newer than the "
+            f"current version {current_version}"
+        )
     return current_version - oldest
 
 
@@ -207,8 +209,9 @@ class LagGap:
     abs_diff_mean: float | None
 
 
-def abs_diff_by_lag(rollout_logprobs: np.ndarray, trainer_logprobs: np.ndarray, lags: np.ndarray,
-                    *, max_lag: int) -> list[LagGap]:  # fmt: skip
+def abs_diff_by_lag(
+    rollout_logprobs: np.ndarray, trainer_logprobs: np.ndarray, lags: np.ndarray, *, max_lag: int
+) -> list[LagGap]:
     """One `LagGap` per lag 0..max_lag (every column with a lag; `lags` -1 elsewhere, see `token_lags`)."""
     gaps = []
     diff = np.abs(np.asarray(rollout_logprobs, dtype=np.float64) - np.asarray(trainer_logprobs, dtype=np.float64))

@@ -259,8 +259,9 @@ class RolloutProducer:
             samples = [t.sample(num_experts=self.num_experts) for t in group]
             for t in group:
                 if t.routes_error is not None:
-                    log.warning("trajectory q%d-c%d has no usable routes: %s", t.problem_no, t.choice_index,
-                                t.routes_error)  # fmt: skip
+                    log.warning(
+                        "trajectory q%d-c%d has no usable routes: %s", t.problem_no, t.choice_index, t.routes_error
+                    )
             while not self._stop.is_set():
                 try:
                     self.queue.put(samples, timeout=QUEUE_POLL_S)

@@ -148,8 +148,9 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "wall time (s, this invocation)": wall_time_fact(time.perf_counter() - begin, engines_started_here),
         "plot": plot_problem or "plot.png",
     }
-    text = write_report(out / "report.md", job_name=settings.name, runs=runs, facts=facts,
-                        canary=settings.job.spec.weight_sync.canary)  # fmt: skip
+    text = write_report(
+        out / "report.md", job_name=settings.name, runs=runs, facts=facts, canary=settings.job.spec.weight_sync.canary
+    )
     if settings.show_progress:
         print(text, flush=True)  # plain: readable in a CI log, markdown on a terminal
     if plot_problem:
@@ -169,8 +170,11 @@ def canary_fact(settings: RunSettings, run: Any) -> str:
         return "off (spec.weightSync.canary: false): no check after the syncs"
     from r3operator.settings import runtime_settings
 
-    receipt = ("every engine worker's receipt matched the trainer's fingerprints of each tensor sent"
-               if runtime_settings().sync_receipt else "receipt check off (R3OPERATOR_SYNC_RECEIPT=false)")  # fmt: skip
+    receipt = (
+        "every engine worker's receipt matched the trainer's fingerprints of each tensor sent"
+        if runtime_settings().sync_receipt
+        else "receipt check off (R3OPERATOR_SYNC_RECEIPT=false)"
+    )
     return f"{receipt}; greedy decode: {run.canary_tol.describe()}"
 
 
@@ -181,5 +185,7 @@ def _trainer_fact(settings: RunSettings, run: Any) -> str:
     ranks = getattr(trainer, "world_size", 1)
     # The canary's forward matches the engine: fp32 against an fp32 engine, the trainer's compute otherwise.
     canary = f"{compute} autocast" if run.canary_tol.autocast else "fp32"
-    return (f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
-            f"canary forward {canary} with the engine's routes replayed")  # fmt: skip
+    return (
+        f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
+        f"canary forward {canary} with the engine's routes replayed"
+    )

@@ -85,8 +85,14 @@ class AsyncGRPORun(GRPORun):
 
         def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
             def call() -> list[RolloutSample]:
-                return engines.generate(prompts, max_tokens=max_tokens, temperature=ro.temperature, seed=seed,
-                                        n=1, routed_experts_prompt_start=starts)  # fmt: skip
+                return engines.generate(
+                    prompts,
+                    max_tokens=max_tokens,
+                    temperature=ro.temperature,
+                    seed=seed,
+                    n=1,
+                    routed_experts_prompt_start=starts,
+                )
 
             # Never re-syncs from this thread: a stale engine is recovered by the trainer thread (rollout()).
             return self.supervisor.current_only(call, what="asynchronous rollout segment")
@@ -98,12 +104,17 @@ class AsyncGRPORun(GRPORun):
             return problem.prompt_ids
 
         self.producer = RolloutProducer(
-            generate=generate, next_prompt=next_prompt, gate=self.gate, group_size=ro.group_size,
+            generate=generate,
+            next_prompt=next_prompt,
+            gate=self.gate,
+            group_size=ro.group_size,
             max_tokens=ro.max_tokens,
             segment_tokens=segment_tokens(ro.max_tokens, ro.partial_rollout, ro.partial_rollout_segment),
-            groups_in_flight=ro.prompts_per_step, queue_groups=ro.prompts_per_step * max(1, alg.max_staleness),
-            num_experts=self.num_experts, seed=self.spec.seed,
-        )  # fmt: skip
+            groups_in_flight=ro.prompts_per_step,
+            queue_groups=ro.prompts_per_step * max(1, alg.max_staleness),
+            num_experts=self.num_experts,
+            seed=self.spec.seed,
+        )
         self._clock = time.perf_counter()
         self.producer.start()
 
@@ -134,8 +145,12 @@ class AsyncGRPORun(GRPORun):
                 self.problems.pop(group[0].prompt_index, None)
             kept.extend(fresh)
         if self.step_stale_dropped:
-            log.info("step %d: %d samples older than algorithm.maxStaleness=%d policy versions dropped", step,
-                     self.step_stale_dropped, limit)  # fmt: skip
+            log.info(
+                "step %d: %d samples older than algorithm.maxStaleness=%d policy versions dropped",
+                step,
+                self.step_stale_dropped,
+                limit,
+            )
         for sample in (s for group in kept for s in group):  # the step's columns describe what it trains on
             self.step_staleness.append(staleness(sample, current_version=self.policy_version))
             self.step_partial += int(sample.extra["partial"])
@@ -159,9 +174,15 @@ class AsyncGRPORun(GRPORun):
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip with truncated importance weights pi_old / pi_rollout per token."""
         alg = self.spec.algorithm
-        return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high, importance_cap=alg.importance_weight_cap,
-                                   clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
+        return self.trainer.update(
+            batch,
+            old,
+            mini_batches=alg.mini_batches,
+            clip_low=alg.clip_ratio_low,
+            clip_high=alg.clip_ratio_high,
+            importance_cap=alg.importance_weight_cap,
+            clip_ratio_c=alg.clip_ratio_c,
+        )
 
     def sync_and_canary(self, timer: PhaseTimer) -> bool:
         """7-8. With the engines paused: sync, canary, then publish the new version and resume. `pause` is
@@ -176,8 +197,9 @@ class AsyncGRPORun(GRPORun):
         timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
         return canary_ok
 
-    def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
-                        old: OldPass) -> tuple[Any, Any | None]:  # fmt: skip
+    def _fidelity_masks(
+        self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass
+    ) -> tuple[Any, Any | None]:
         """Only the tokens and route rows of the current policy version: the old-logprob pass runs under its
         weights, so there engine vs trainer is the mismatch alone. A step with none of them has no mismatch
         figure (empty cells, no Prometheus series: loop.py). The gap per staleness lag goes apart
@@ -197,8 +219,9 @@ class AsyncGRPORun(GRPORun):
         self.step_by_lag = format_by_lag(gaps)
         self.metrics.observe_lags(gaps, max_staleness=self.spec.algorithm.max_staleness)
         stale = [g for g in gaps if g.lag > 0 and g.tokens]
-        self.step_stale_diff = (sum(g.tokens * (g.abs_diff_mean or 0.0) for g in stale)
-                                / sum(g.tokens for g in stale)) if stale else None  # fmt: skip
+        self.step_stale_diff = (
+            (sum(g.tokens * (g.abs_diff_mean or 0.0) for g in stale) / sum(g.tokens for g in stale)) if stale else None
+        )
         device = batch.response_mask.device
         current = batch.response_mask & torch.from_numpy(tokens).to(device)
         self.step_current_tokens = int(current.sum())
@@ -212,8 +235,9 @@ class AsyncGRPORun(GRPORun):
         row.logprob_abs_diff_by_lag, row.tokens_by_lag = self.step_by_lag
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 
-    def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
-                         timer: PhaseTimer) -> StepRecord:  # fmt: skip
+    def _rollout_columns(
+        self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer
+    ) -> StepRecord:
         """The synchronous columns, with throughput from the producer (the rollout phase here is the time the
         trainer waited for it) and the asynchronous ones: staleness, partial rollouts, stale drops."""
         record = super()._rollout_columns(step, samples, rewards, timer)

@@ -37,8 +37,7 @@ POLICY = "policy"
 DRIVER_STATE = "driver.pt"
 META = "meta.json"
 
-__all__ = ["AsyncCheckpoints", "CheckpointInfo", "find_latest", "list_checkpoints", "load_checkpoint",
-           "set_rng_state"]  # fmt: skip
+__all__ = ["AsyncCheckpoints", "CheckpointInfo", "find_latest", "list_checkpoints", "load_checkpoint", "set_rng_state"]
 
 
 @dataclass(frozen=True)

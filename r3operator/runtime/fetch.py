@@ -114,9 +114,12 @@ def fetch(
         shutil.rmtree(partial, ignore_errors=True)
     done = verify(target)
     log.info(
-        "fetched %s: %d files, %.2f GB in %.1f s", uri, len(marker["files"]), done.bytes / 1e9,
+        "fetched %s: %d files, %.2f GB in %.1f s",
+        uri,
+        len(marker["files"]),
+        done.bytes / 1e9,
         time.monotonic() - started,
-    )  # fmt: skip
+    )
     return done
 
 
@@ -171,8 +174,9 @@ def _fetch_s3(source: SourceURI, dest: Path, options: S3Options) -> str:
     options, only_required_checksums = _store_options(source, options)
     config = Config(retries={"max_attempts": 10, "mode": "standard"})
     if only_required_checksums:
-        config = config.merge(Config(request_checksum_calculation="when_required",
-                                     response_checksum_validation="when_required"))  # fmt: skip
+        config = config.merge(
+            Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        )
     # A session of its own: boto3's default session keeps the credentials it resolved first, and a fetch must
     # use the environment it runs with.
     client = boto3.session.Session().client(

@@ -1,26 +1,26 @@
 """The GRPO driver: one RL step = the numbered, individually timed phases below.
 
-    1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
-                    (multiTurn: group_size conversations per prompt against an environment, each
-                    turn asking only for the new rows, routes stitched per trajectory)
-                    (routes cross the process boundary once, in the engine's answer; R3: the
-                    step's routes are recorded on the volume in the background, never read back)
-    2 reward        rule-based reward per sample
-    3 advantages    GRPO, normalised within each prompt's group
-    4 routes        R3: each sample's routes, validated when they arrived, into the batch; a sample
-                    whose routes are missing or invalid is dropped loudly and counted, never replayed
-    5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
-    6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
-    7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
-                    then prefix-cache reset
-    8 canary        every engine worker's receipt of the sync == what the trainer sent (exact
-                    fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
-                    position (teacher-forced; ε and δ from the engine's dtype and device), else
-                    CanaryMismatchError
-    9 metrics       Prometheus, metrics.csv, RLJob status.progress
-   10 checkpoint    sharded (one file per trainer rank), written in the background and committed
-                    atomically once every rank has finished (runtime/checkpoint.py); the step waits
-                    only for the state to be staged in memory
+ 1 rollout       vLLM engines generate group_size samples per prompt, with routed experts
+                 (multiTurn: group_size conversations per prompt against an environment, each
+                 turn asking only for the new rows, routes stitched per trajectory)
+                 (routes cross the process boundary once, in the engine's answer; R3: the
+                 step's routes are recorded on the volume in the background, never read back)
+ 2 reward        rule-based reward per sample
+ 3 advantages    GRPO, normalised within each prompt's group
+ 4 routes        R3: each sample's routes, validated when they arrived, into the batch; a sample
+                 whose routes are missing or invalid is dropped loudly and counted, never replayed
+ 5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
+ 6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
+ 7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
+                 then prefix-cache reset
+ 8 canary        every engine worker's receipt of the sync == what the trainer sent (exact
+                 fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
+                 position (teacher-forced; ε and δ from the engine's dtype and device), else
+                 CanaryMismatchError
+ 9 metrics       Prometheus, metrics.csv, RLJob status.progress
+10 checkpoint    sharded (one file per trainer rank), written in the background and committed
+                 atomically once every rank has finished (runtime/checkpoint.py); the step waits
+                 only for the state to be staged in memory
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ class GRPORun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         multi_turn_task = spec.task.name in envs.ENVIRONMENTS
         if spec.rollout.multi_turn and not multi_turn_task:
-            raise ValueError(f"spec.rollout.multiTurn: task {spec.task.name!r} has no multi-turn environment; "
-                             f"set spec.task.name to one of {sorted(envs.ENVIRONMENTS)}")  # fmt: skip
+            raise ValueError(
+                f"spec.rollout.multiTurn: task {spec.task.name!r} has no multi-turn environment; "
+                f"set spec.task.name to one of {sorted(envs.ENVIRONMENTS)}"
+            )
         if multi_turn_task and not spec.rollout.multi_turn:
             raise ValueError(
                 f"spec.task.name: {spec.task.name!r} is a multi-turn game; set spec.rollout.multiTurn: true"
@@ -155,10 +157,13 @@ class GRPORun:
         self.canary_near_ties = 0
         self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
         self.supervisor = EngineSupervisor(
-            self.engines, chunks=self._weight_chunks, canary=self._canary_engines,
+            self.engines,
+            chunks=self._weight_chunks,
+            canary=self._canary_engines,
             on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
-            install=self._native_install(), phases=self.sync_phases,
-        )  # fmt: skip
+            install=self._native_install(),
+            phases=self.sync_phases,
+        )
         self._start_recorder()
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
@@ -203,9 +208,11 @@ class GRPORun:
     def _start_recorder(self) -> None:
         if self.mode is ReplayMode.R3 and self.recorder is None:
             self.recorder = RouteRecorder(
-                self.store, num_experts=self.num_experts, retention_steps=self.spec.storage.retention_steps,
+                self.store,
+                num_experts=self.num_experts,
+                retention_steps=self.spec.storage.retention_steps,
                 on_failure=lambda what: self.metrics.inc("r3operator_route_record_failures_total", operation=what),
-            )  # fmt: skip
+            )
 
     def _single_turn_rollout(self, step: int, problems: Sequence[tasks.Problem]) -> list[RolloutSample]:
         ro = self.spec.rollout
@@ -228,17 +235,28 @@ class GRPORun:
         ro = self.spec.rollout
         engines = self.engines
         conversations = [
-            Conversation(prompt_index=i, choice_index=j, prompt=problem.prompt_ids,
-                         env=envs.environment(self.spec.task.name, problem, vocab_size=self.vocab_size))
+            Conversation(
+                prompt_index=i,
+                choice_index=j,
+                prompt=problem.prompt_ids,
+                env=envs.environment(self.spec.task.name, problem, vocab_size=self.vocab_size),
+            )
             for i, problem in enumerate(problems)
             for j in range(ro.group_size)
-        ]  # fmt: skip
+        ]
 
         def turn(prompts: list[list[int]], starts: list[int], turn_no: int) -> list[RolloutSample]:
             seed = self.spec.seed * 1_000_003 + step * 10_007 + turn_no * 100_003
+
             def call() -> list[RolloutSample]:
-                return engines.generate(prompts, max_tokens=ro.max_tokens, temperature=ro.temperature, seed=seed,
-                                        n=1, routed_experts_prompt_start=starts)  # fmt: skip
+                return engines.generate(
+                    prompts,
+                    max_tokens=ro.max_tokens,
+                    temperature=ro.temperature,
+                    seed=seed,
+                    n=1,
+                    routed_experts_prompt_start=starts,
+                )
 
             return self.supervisor.on_policy(call, what=f"step {step} rollout, turn {turn_no + 1}")
 
@@ -270,9 +288,14 @@ class GRPORun:
         if not kept:
             return None
         present = [r for r in routes if r is not None]  # R3 kept only samples with routes: all or none
-        return build_batch(kept, kept_adv, routes=present if len(present) == len(routes) else None,
-                           pad_id=self.trainer.pad_id, device=self.trainer.batch_device,
-                           temperature=self.spec.rollout.temperature)  # fmt: skip
+        return build_batch(
+            kept,
+            kept_adv,
+            routes=present if len(present) == len(routes) else None,
+            pad_id=self.trainer.pad_id,
+            device=self.trainer.batch_device,
+            temperature=self.spec.rollout.temperature,
+        )
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
         """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
@@ -293,8 +316,14 @@ class GRPORun:
     def update(self, batch: TrainBatch, old: OldPass) -> UpdateStats:
         """6. PPO-clip update with the same replay as the old-logprob pass."""
         alg = self.spec.algorithm
-        return self.trainer.update(batch, old, mini_batches=alg.mini_batches, clip_low=alg.clip_ratio_low,
-                                   clip_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)  # fmt: skip
+        return self.trainer.update(
+            batch,
+            old,
+            mini_batches=alg.mini_batches,
+            clip_low=alg.clip_ratio_low,
+            clip_high=alg.clip_ratio_high,
+            clip_ratio_c=alg.clip_ratio_c,
+        )
 
     def sync_weights(self, *, new_version: bool = True) -> dict[str, int]:
         """7. Chunked weight sync to every engine, one layerwise-reload bracket each; a failed sync is
@@ -332,11 +361,14 @@ class GRPORun:
         import torch
 
         return weight_sync.NativeInstall(
-            self.weight_transfer.method, state_dict=self.trainer.sync_state_dict,
+            self.weight_transfer.method,
+            state_dict=self.trainer.sync_state_dict,
             dtype=getattr(torch, self.s.engine_dtype, None),
             buffer_size_bytes=self.spec.weight_sync.chunk_size_mb * 1024 * 1024,
-            master_address=weight_sync.master_address_for(self.engines), sent=self.sent, phases=self.sync_phases,
-        )  # fmt: skip
+            master_address=weight_sync.master_address_for(self.engines),
+            sent=self.sent,
+            phases=self.sync_phases,
+        )
 
     def canary(self) -> bool:
         """8. Each engine's receipt of the sync, then engine greedy decode == trainer argmax at every position
@@ -386,20 +418,28 @@ class GRPORun:
         for engine_no, got in zip(names, outputs, strict=True):
             where = self._where(engine_no)
             try:
-                forwards = canary_forwards(self.trainer, self.canary_prompts, got,
-                                           compute=self.canary_tol.autocast)  # fmt: skip
+                forwards = canary_forwards(self.trainer, self.canary_prompts, got, compute=self.canary_tol.autocast)
                 result = check_engine_greedy(
-                    forwards.logits_fn, self.canary_prompts, [g.tokens for g in got],
-                    engine_logprobs=[g.logprobs for g in got], tolerance=self.canary_tol,
-                    eos_id=self.trainer.eos_id, max_tokens=self.canary_tokens, where=where,
-                )  # fmt: skip
+                    forwards.logits_fn,
+                    self.canary_prompts,
+                    [g.tokens for g in got],
+                    engine_logprobs=[g.logprobs for g in got],
+                    tolerance=self.canary_tol,
+                    eos_id=self.trainer.eos_id,
+                    max_tokens=self.canary_tokens,
+                    where=where,
+                )
                 check_routing_agreement(forwards.routing_agreement, where=where)
             except CanaryMismatchError:
                 self.metrics.set("r3operator_weight_sync_canary_ok", 0.0)
                 raise
             if result.near_ties:
-                log.info("canary: %d near-tie position(s) within ε=%g: %s", result.near_ties, self.canary_tol.epsilon,
-                         "; ".join(result.details))  # fmt: skip
+                log.info(
+                    "canary: %d near-tie position(s) within ε=%g: %s",
+                    result.near_ties,
+                    self.canary_tol.epsilon,
+                    "; ".join(result.details),
+                )
             self.canary_near_ties += result.near_ties
         self.metrics.set("r3operator_weight_sync_canary_ok", 1.0)
 
@@ -458,18 +498,29 @@ class GRPORun:
         row.trainer_peak_memory_gib = self._trainer_peak_gib()
         self.metrics.observe_step(row, timer.seconds)
         append_row(self.run_dir / "metrics.csv", row)
-        self.status.push(progress_patch(row, total_steps=self.s.steps, last_checkpoint_step=self.last_checkpoint_step,
-                                        weight_sync=self.weight_transfer.describe()))  # fmt: skip
+        self.status.push(
+            progress_patch(
+                row,
+                total_steps=self.s.steps,
+                last_checkpoint_step=self.last_checkpoint_step,
+                weight_sync=self.weight_transfer.describe(),
+            )
+        )
         self.rows.append(row)
         return row
 
-    def _skip_step(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer,
-                   begin: float) -> StepRecord:  # fmt: skip
+    def _skip_step(
+        self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer, begin: float
+    ) -> StepRecord:
         """Every sample was dropped: no update, so the engines keep the current policy (no sync, no new
         policy version). The step is counted (`r3operator_steps_skipped_total`, `skipped` in metrics.csv, the
         progress line) and checkpointed like any other, so a resume does not repeat it."""
-        log.error("step %d skipped: all %d samples were dropped (%s)", step, len(samples),
-                  ", ".join(sorted({reason for _, reason in self.dropped})))  # fmt: skip
+        log.error(
+            "step %d skipped: all %d samples were dropped (%s)",
+            step,
+            len(samples),
+            ", ".join(sorted({reason for _, reason in self.dropped})),
+        )
         self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
         with timer("metrics"):
             row = self._rollout_columns(step, samples, rewards, timer)  # StepRecord's defaults: a skipped step
@@ -477,8 +528,17 @@ class GRPORun:
             self._checkpoint(step)
         return self._finish_step(row, timer, begin)
 
-    def _row(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, batch: TrainBatch,
-             old: OldPass, stats: UpdateStats, canary_ok: bool, timer: PhaseTimer) -> StepRecord:  # fmt: skip
+    def _row(
+        self,
+        step: int,
+        samples: Sequence[RolloutSample],
+        rewards: np.ndarray,
+        batch: TrainBatch,
+        old: OldPass,
+        stats: UpdateStats,
+        canary_ok: bool,
+        timer: PhaseTimer,
+    ) -> StepRecord:
         tokens, rows = self._fidelity_masks(samples, batch, old)
         # No token to measure (async: none the current version sampled): the cells stay empty and the
         # gauges lose their series, as NaN would read as a figure and blind avg_over_time() for its window.
@@ -501,8 +561,9 @@ class GRPORun:
             applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
             fidelity_rows = mask if rows is None else mask & rows
             if measured and bool(fidelity_rows.any()):
-                natural = self.metrics.r3.observe_routing(old.natural_ids, batch.engine_routes,
-                                                          fidelity_rows).agreement_ratio  # fmt: skip
+                natural = self.metrics.r3.observe_routing(
+                    old.natural_ids, batch.engine_routes, fidelity_rows
+                ).agreement_ratio
             elif measured:
                 self.metrics.r3.clear_fidelity(routing_only=True)
         elif measured:
@@ -517,23 +578,30 @@ class GRPORun:
         row.sync_seconds = dict(self.sync_phases.seconds)
         return row
 
-    def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch,
-                        old: OldPass) -> tuple[Any, Any | None]:  # fmt: skip
+    def _fidelity_masks(
+        self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass
+    ) -> tuple[Any, Any | None]:
         """The response tokens and route rows the engine/trainer fidelity metrics run over (None: every
         captured row): all of them here, where every token was sampled by the weights the old-logprob pass
         runs (async_loop.py narrows them to the current version's)."""
         return batch.response_mask, None
 
-    def _rollout_columns(self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray,
-                         timer: PhaseTimer) -> StepRecord:  # fmt: skip
+    def _rollout_columns(
+        self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer
+    ) -> StepRecord:
         """The figures every step has, trained or skipped: what the rollout produced."""
         tokens = sum(len(s.token_ids) for s in samples)
         record = StepRecord(
-            step=step, policy_version=self.policy_version, replay_mode=self.mode.value,
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()), samples=len(samples),
-            samples_dropped=len(self.dropped), tokens=tokens,
+            step=step,
+            policy_version=self.policy_version,
+            replay_mode=self.mode.value,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std()),
+            samples=len(samples),
+            samples_dropped=len(self.dropped),
+            tokens=tokens,
             tokens_per_second=tokens / max(timer.seconds["rollout"], 1e-9),
-        )  # fmt: skip
+        )
         if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
             record.turns_mean = float(np.mean([s.extra["turns"] for s in samples]))
             record.env_tokens = int(sum(s.extra["env_tokens"] for s in samples))
@@ -585,4 +653,3 @@ class GRPORun:
                 self.recorder.close()
             self.trainer.close()
         return self.rows
-

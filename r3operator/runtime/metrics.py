@@ -30,44 +30,87 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_step_seconds", "gauge", _ID, "Wall time of the last step."),
     MetricSpec("r3operator_step_phase_seconds", "gauge", (*_ID, "phase"), "Wall time of each phase of the last step."),
     MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
-    MetricSpec("r3operator_weight_sync_phase_seconds", "gauge", (*_ID, "phase"),
-               "Seconds of each phase of the last weight sync (gather, pack, fingerprint, begin, transfer, finish; "
-               "docs/runtime.md)."),
+    MetricSpec(
+        "r3operator_weight_sync_phase_seconds",
+        "gauge",
+        (*_ID, "phase"),
+        "Seconds of each phase of the last weight sync (gather, pack, fingerprint, begin, transfer, finish; "
+        "docs/runtime.md).",
+    ),
     MetricSpec("r3operator_weight_sync_canary_ok", "gauge", _ID, "1 if the last post-sync canary matched, else 0."),
-    MetricSpec("r3operator_samples_dropped_total", "counter", (*_ID, "reason"),
-               "Samples left out of training (routes invalid or missing under R3; stale: older than "
-               "algorithm.maxStaleness in the asynchronous mode)."),
-    MetricSpec("r3operator_rollout_staleness", "histogram", _ID,
-               "Asynchronous mode: policy versions between a sample's oldest token and the update that takes it "
-               "(every sample taken from the rollout queue, kept or dropped as stale)."),
-    MetricSpec("r3operator_partial_rollouts_total", "counter", _ID,
-               "Asynchronous mode: samples taken from the rollout queue whose tokens were sampled under more "
-               "than one policy version (a weight update interrupted them; they kept their routes)."),
-    MetricSpec("r3operator_importance_weight_mean", "gauge", _ID,
-               "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last "
-               "step."),
-    MetricSpec("r3operator_logprob_abs_diff_mean_by_lag", "gauge", (*_ID, "lag"),
-               "Asynchronous mode: mean |rollout - trainer| logprob over the response tokens of each staleness lag "
-               "(the step's policy version minus the one that sampled the token), last step. lag=\"0\" is the "
-               "engine/trainer mismatch (r3operator_logprob_abs_diff_mean); each further lag adds one update's "
-               "policy drift. Labels 0 .. N-1 and \">=N\", N = algorithm.maxStaleness (1 to 8); a lag without "
-               "tokens has no series."),
-    MetricSpec("r3operator_response_tokens_by_lag", "gauge", (*_ID, "lag"),
-               "Asynchronous mode: response tokens trained per staleness lag, last step (labels as "
-               "r3operator_logprob_abs_diff_mean_by_lag; 0 where a lag had none)."),
-    MetricSpec("r3operator_routing_agreement_by_turn_ratio", "gauge", (*_ID, "turn"),
-               "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the rows each "
-               "turn's request returned (turn 1 = the prompt and the first reply but its last token), last step."),
-    MetricSpec("r3operator_route_record_failures_total", "counter", (*_ID, "operation"),
-               "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
-               "goes on without it."),
-    MetricSpec("r3operator_steps_skipped_total", "counter", (*_ID, "reason"),
-               "Steps skipped without an update because no sample was usable (every one dropped)."),
-    MetricSpec("r3operator_engine_faults_total", "counter", (*_ID, "kind"),
-               "Engine faults ridden out: weight_sync (a sync aborted and repeated), stale_engine (an engine "
-               "found restarted or unsynced, re-synced), engine_call / stale_result (a rollout or canary "
-               "decode repeated)."),
-]  # fmt: skip
+    MetricSpec(
+        "r3operator_samples_dropped_total",
+        "counter",
+        (*_ID, "reason"),
+        "Samples left out of training (routes invalid or missing under R3; stale: older than "
+        "algorithm.maxStaleness in the asynchronous mode).",
+    ),
+    MetricSpec(
+        "r3operator_rollout_staleness",
+        "histogram",
+        _ID,
+        "Asynchronous mode: policy versions between a sample's oldest token and the update that takes it "
+        "(every sample taken from the rollout queue, kept or dropped as stale).",
+    ),
+    MetricSpec(
+        "r3operator_partial_rollouts_total",
+        "counter",
+        _ID,
+        "Asynchronous mode: samples taken from the rollout queue whose tokens were sampled under more "
+        "than one policy version (a weight update interrupted them; they kept their routes).",
+    ),
+    MetricSpec(
+        "r3operator_importance_weight_mean",
+        "gauge",
+        _ID,
+        "Asynchronous mode: mean truncated importance weight pi_old/pi_rollout over trained tokens, last step.",
+    ),
+    MetricSpec(
+        "r3operator_logprob_abs_diff_mean_by_lag",
+        "gauge",
+        (*_ID, "lag"),
+        "Asynchronous mode: mean |rollout - trainer| logprob over the response tokens of each staleness lag "
+        '(the step\'s policy version minus the one that sampled the token), last step. lag="0" is the '
+        "engine/trainer mismatch (r3operator_logprob_abs_diff_mean); each further lag adds one update's "
+        'policy drift. Labels 0 .. N-1 and ">=N", N = algorithm.maxStaleness (1 to 8); a lag without '
+        "tokens has no series.",
+    ),
+    MetricSpec(
+        "r3operator_response_tokens_by_lag",
+        "gauge",
+        (*_ID, "lag"),
+        "Asynchronous mode: response tokens trained per staleness lag, last step (labels as "
+        "r3operator_logprob_abs_diff_mean_by_lag; 0 where a lag had none).",
+    ),
+    MetricSpec(
+        "r3operator_routing_agreement_by_turn_ratio",
+        "gauge",
+        (*_ID, "turn"),
+        "Multi-turn rollouts: the trainer's natural routing agreement with the engine over the rows each "
+        "turn's request returned (turn 1 = the prompt and the first reply but its last token), last step.",
+    ),
+    MetricSpec(
+        "r3operator_route_record_failures_total",
+        "counter",
+        (*_ID, "operation"),
+        "Failed writes (operation=write) or prunes (gc) of the routing record on the volume; training "
+        "goes on without it.",
+    ),
+    MetricSpec(
+        "r3operator_steps_skipped_total",
+        "counter",
+        (*_ID, "reason"),
+        "Steps skipped without an update because no sample was usable (every one dropped).",
+    ),
+    MetricSpec(
+        "r3operator_engine_faults_total",
+        "counter",
+        (*_ID, "kind"),
+        "Engine faults ridden out: weight_sync (a sync aborted and repeated), stale_engine (an engine "
+        "found restarted or unsynced, re-synced), engine_call / stale_result (a rollout or canary "
+        "decode repeated).",
+    ),
+]
 
 LAG_LABELS_MAX = 8
 """At most this many exact lag labels ("0" .. "7") and one ">=8": maxStaleness may be up to 1000, and each
@@ -111,8 +154,9 @@ class RuntimeMetrics:
         for spec in METRICS:
             base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
             if spec.type == "histogram":
-                self._m[spec.name] = Histogram(base, spec.help, list(spec.labels), registry=self.registry,
-                                               buckets=STALENESS_BUCKETS)  # fmt: skip
+                self._m[spec.name] = Histogram(
+                    base, spec.help, list(spec.labels), registry=self.registry, buckets=STALENESS_BUCKETS
+                )
                 continue
             cls = Counter if spec.type == "counter" else Gauge
             self._m[spec.name] = cls(base, spec.help, list(spec.labels), registry=self.registry)
@@ -164,19 +208,26 @@ class RuntimeMetrics:
 
 
 def progress_patch(
-    row: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None, now: dt.datetime | None = None,
+    row: Mapping[str, Any],
+    *,
+    total_steps: int,
+    last_checkpoint_step: int | None,
+    now: dt.datetime | None = None,
     weight_sync: str | None = None,
 ) -> dict[str, Any]:
     """JSON merge-patch body for the RLJob `/status` subresource: `Progress` after the step `row` (a
     StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` is
     left out when not known, so the one already there stays."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    progress = step_progress(row, total_steps=total_steps, last_checkpoint_step=last_checkpoint_step,
-                             updated_at=stamp, weight_sync=weight_sync)  # fmt: skip
+    progress = step_progress(
+        row,
+        total_steps=total_steps,
+        last_checkpoint_step=last_checkpoint_step,
+        updated_at=stamp,
+        weight_sync=weight_sync,
+    )
     body = progress.model_dump(mode="json", by_alias=True, exclude={"weight_sync"} if weight_sync is None else None)
     return {"status": {"progress": body}}
-
-
 
 
 class StatusPusher:

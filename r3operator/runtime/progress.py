@@ -13,8 +13,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-PHASES = (("rollout", "rollout"), ("old_logprob", "old-lp"), ("update", "update"), ("weight_sync", "sync"),
-          ("canary", "canary"))  # fmt: skip
+PHASES = (
+    ("rollout", "rollout"),
+    ("old_logprob", "old-lp"),
+    ("update", "update"),
+    ("weight_sync", "sync"),
+    ("canary", "canary"),
+)
 
 
 def _pct(value: Any) -> str:
@@ -58,16 +63,28 @@ class StepTable:
 
     def _table(self) -> Table:
         table = Table(title=f"{self.title}  ({len(self.rows)}/{self.total_steps} steps)")
-        for col in ("step", "reward", "|Δlogprob|", "routing natural", "replay", "canary",
-                    *[f"{label} s" for _, label in PHASES], "step s"):  # fmt: skip
+        for col in (
+            "step",
+            "reward",
+            "|Δlogprob|",
+            "routing natural",
+            "replay",
+            "canary",
+            *[f"{label} s" for _, label in PHASES],
+            "step s",
+        ):
             table.add_column(col, justify="right", no_wrap=True)
         for r in self.rows[-25:]:
             table.add_row(
-                str(r["step"]), f"{r['reward_mean']:.3f}", _num(r["logprob_abs_diff_mean"]),
-                _pct(r.get("routing_natural_agreement")), _pct(r.get("replay_applied")),
+                str(r["step"]),
+                f"{r['reward_mean']:.3f}",
+                _num(r["logprob_abs_diff_mean"]),
+                _pct(r.get("routing_natural_agreement")),
+                _pct(r.get("replay_applied")),
                 "skipped" if r.get("skipped") else "ok" if r["canary_ok"] else "-",
-                *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES], f"{r['step_seconds']:.2f}",
-            )  # fmt: skip
+                *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES],
+                f"{r['step_seconds']:.2f}",
+            )
         return table
 
     def __enter__(self) -> StepTable:

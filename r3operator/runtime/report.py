@@ -122,8 +122,9 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> s
     for ax, (title, lines) in zip(axes, panels, strict=True):
         for label, rows in runs.items():
             for key, suffix, style in lines:
-                ax.plot([int(r["step"]) for r in rows], [_f(r, key) for r in rows], style, marker="o",
-                        label=label + suffix)  # fmt: skip
+                ax.plot(
+                    [int(r["step"]) for r in rows], [_f(r, key) for r in rows], style, marker="o", label=label + suffix
+                )
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -209,8 +210,10 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     applied = f"replay applied (experts got the engine's ids): {_mean(rows, 'replay_applied'):.4f}"
     scope = ""
     if lagged:
-        scope = (f" (tokens the current policy version sampled, {len(measured)} of {len(rows)} steps had them; "
-                 "the rest is staleness, by lag below)")  # fmt: skip
+        scope = (
+            f" (tokens the current policy version sampled, {len(measured)} of {len(rows)} steps had them; "
+            "the rest is staleness, by lag below)"
+        )
     if measured:
         lines = [
             f"- mean |Δlogprob| rollout vs trainer (mean over steps){scope}: "
@@ -220,15 +223,21 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{applied}",
         ]
     else:
-        why = ("no step trained a token of the current policy version (the rollout queue ran ahead of the "
-               "trainer), so nothing compares engine and trainer under the same weights but the weight-sync "
-               "canary" if lagged else "no step trained a token")  # fmt: skip
+        why = (
+            "no step trained a token of the current policy version (the rollout queue ran ahead of the "
+            "trainer), so nothing compares engine and trainer under the same weights but the weight-sync "
+            "canary"
+            if lagged
+            else "no step trained a token"
+        )
         lines = [f"- mean |Δlogprob| and routing agreement, rollout vs trainer: not measured: {why}; {applied}"]
     if lagged:
         shown = ", ".join(f"lag {lag} {diff:.3g} ({tokens} tokens)" for lag, (tokens, diff) in lagged.items())
-        lines.append(f"- mean |Δlogprob| by staleness lag (policy updates between sampling and training; lag 0 is "
-                     f"the mismatch alone, lag ≥ 1 adds the policy's drift, which the importance weights correct): "
-                     f"{shown}")  # fmt: skip
+        lines.append(
+            f"- mean |Δlogprob| by staleness lag (policy updates between sampling and training; lag 0 is "
+            f"the mismatch alone, lag ≥ 1 adds the policy's drift, which the importance weights correct): "
+            f"{shown}"
+        )
     return lines
 
 

@@ -29,9 +29,13 @@ class RouteRecorder:
     """Writes each step's routes to `store` on one background thread, in submission order."""
 
     def __init__(
-        self, store: RoutingStore, *, num_experts: int, retention_steps: int,
+        self,
+        store: RoutingStore,
+        *,
+        num_experts: int,
+        retention_steps: int,
         on_failure: Callable[[str], None] = lambda reason: None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store = store
         self.num_experts = num_experts
         self.retention_steps = retention_steps
@@ -45,8 +49,9 @@ class RouteRecorder:
 
         def write() -> None:
             try:
-                write_samples(self.store, snapshot, step=step, num_experts=self.num_experts,
-                              policy_version=policy_version)  # fmt: skip
+                write_samples(
+                    self.store, snapshot, step=step, num_experts=self.num_experts, policy_version=policy_version
+                )
             except Exception as exc:  # the record is for people; training must not stop for it
                 log.error("step %d: writing the routing record to %s failed: %s", step, self.store.root, exc)
                 self.on_failure("write")

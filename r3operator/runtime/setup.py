@@ -46,8 +46,9 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
     if not settings.model_override:
         check_architecture(settings.job, hf_config)
     vocab_size = int(hf_config.vocab_size)
-    task = build_task_source(spec, model_dir=model_dir, vocab_size=vocab_size,
-                             dataset_file=resolve_dataset_file(settings.job))  # fmt: skip
+    task = build_task_source(
+        spec, model_dir=model_dir, vocab_size=vocab_size, dataset_file=resolve_dataset_file(settings.job)
+    )
     ranks = world_size(spec, device=settings.device, override=settings.trainer_ranks)
     if ranks > 1:  # the ranks are Ray actors: in a pod, on the RayJob's cluster
         from r3operator.settings import runtime_settings
@@ -58,8 +59,9 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
     if engines is None:
         engines = start_engines(settings, model_dir)
     vllm_version = engines.vllm_version()
-    transfer = weight_sync.resolve(device=settings.device, engines=engines, configured=settings.weight_transfer,
-                                   engine_vllm=vllm_version)  # fmt: skip
+    transfer = weight_sync.resolve(
+        device=settings.device, engines=engines, configured=settings.weight_transfer, engine_vllm=vllm_version
+    )
     return RunParts(
         vocab_size=vocab_size,
         num_experts=int(hf_config.num_experts),
@@ -92,16 +94,27 @@ def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
         from transformers import AutoConfig
 
         experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
-        return EngineGroup([
-            HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
-            for url in settings.engine_urls
-        ])  # fmt: skip
+        return EngineGroup(
+            [
+                HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
+                for url in settings.engine_urls
+            ]
+        )
     start_ray(in_cluster=False)
     backend = weight_sync.local_engine_backend(settings.device)
     inference = settings.job.spec.inference
     # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
     share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
-    return EngineGroup([
-        RayEngine(model_dir, device=settings.device, dtype=settings.engine_dtype, seed=settings.job.spec.seed,
-                  max_model_len=512, weight_transfer_backend=backend, gpu_memory_utilization=share)
-    ])  # fmt: skip
+    return EngineGroup(
+        [
+            RayEngine(
+                model_dir,
+                device=settings.device,
+                dtype=settings.engine_dtype,
+                seed=settings.job.spec.seed,
+                max_model_len=512,
+                weight_transfer_backend=backend,
+                gpu_memory_utilization=share,
+            )
+        ]
+    )

@@ -26,16 +26,42 @@ NAN = math.nan
 
 # The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `pause` is the
 # asynchronous driver's wait for the rollout segment in flight before a weight sync.
-STEP_PHASES = ("rollout", "reward", "advantages", "routes", "old_logprob", "update", "weight_sync", "canary",
-               "metrics", "checkpoint")  # fmt: skip
+STEP_PHASES = (
+    "rollout",
+    "reward",
+    "advantages",
+    "routes",
+    "old_logprob",
+    "update",
+    "weight_sync",
+    "canary",
+    "metrics",
+    "checkpoint",
+)
 ASYNC_PHASES = ("pause",)
 
 _EVERY_STEP = (
-    "step", "policy_version", "replay_mode", "reward_mean", "reward_std", "samples", "samples_dropped",
-    "tokens", "tokens_per_second", "logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3",
-    "replay_applied", "routing_natural_agreement", "loss", "clip_fraction", "grad_norm", "canary_ok",
-    "canary_near_ties", "step_seconds",
-)  # fmt: skip
+    "step",
+    "policy_version",
+    "replay_mode",
+    "reward_mean",
+    "reward_std",
+    "samples",
+    "samples_dropped",
+    "tokens",
+    "tokens_per_second",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+    "kl_k3",
+    "replay_applied",
+    "routing_natural_agreement",
+    "loss",
+    "clip_fraction",
+    "grad_norm",
+    "canary_ok",
+    "canary_near_ties",
+    "step_seconds",
+)
 _AFTER_PHASES = ("skipped", "trainer_peak_memory_gib")
 _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
@@ -44,18 +70,20 @@ _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
 # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
 # mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart, also
 # per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts.
-_ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag",
-                   "tokens_by_lag")  # fmt: skip
+_ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag")
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
     *(f"t_{phase}" for phase in STEP_PHASES),
     *_AFTER_PHASES,
-    *_MULTI_TURN, *_BY_TURN,
-    *_ASYNC_ROLLOUT, *_ASYNC_UPDATE, *(f"t_{phase}" for phase in ASYNC_PHASES),
+    *_MULTI_TURN,
+    *_BY_TURN,
+    *_ASYNC_ROLLOUT,
+    *_ASYNC_UPDATE,
+    *(f"t_{phase}" for phase in ASYNC_PHASES),
     *_ASYNC_FIDELITY,
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
-)  # fmt: skip
+)
 """metrics.csv's header, in order."""
 
 
@@ -160,16 +188,24 @@ def _finite(value: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def step_progress(record: Mapping[str, Any], *, total_steps: int, last_checkpoint_step: int | None,
-                  updated_at: str, weight_sync: str | None = None) -> Progress:  # fmt: skip
+def step_progress(
+    record: Mapping[str, Any],
+    *,
+    total_steps: int,
+    last_checkpoint_step: int | None,
+    updated_at: str,
+    weight_sync: str | None = None,
+) -> Progress:
     """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row)."""
     return Progress(
-        step=int(record["step"]), total_steps=int(total_steps),
+        step=int(record["step"]),
+        total_steps=int(total_steps),
         reward_mean=_finite(record.get("reward_mean")),
         logprob_abs_diff_mean=_finite(record.get("logprob_abs_diff_mean")),
         logprob_abs_diff_max=_finite(record.get("logprob_abs_diff_max")),
         kl_k3=_finite(record.get("kl_k3")),
         routing_agreement=_finite(record.get("routing_natural_agreement")),
-        last_checkpoint_step=last_checkpoint_step, updated_at=updated_at,
+        last_checkpoint_step=last_checkpoint_step,
+        updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
-    )  # fmt: skip
+    )

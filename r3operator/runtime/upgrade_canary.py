@@ -77,13 +77,16 @@ def check_samples(samples: list[RolloutSample], shape: ModelShape) -> str | None
         except RoutingDataError as exc:
             return f"sample {sample.sample_id}: {exc}"
         if rows.shape[1:] != (shape.num_layers, shape.top_k):
-            return f"sample {sample.sample_id}: routed experts {list(rows.shape)}, expected [*, " \
-                   f"{shape.num_layers}, {shape.top_k}]"  # fmt: skip
+            return (
+                f"sample {sample.sample_id}: routed experts {list(rows.shape)}, expected [*, "
+                f"{shape.num_layers}, {shape.top_k}]"
+            )
     return None
 
 
-def score_engine(trainer: Trainer, samples: list[RolloutSample], *, image: str, shape: ModelShape,
-                 device: str) -> EngineFidelity:  # fmt: skip
+def score_engine(
+    trainer: Trainer, samples: list[RolloutSample], *, image: str, shape: ModelShape, device: str
+) -> EngineFidelity:
     problem = check_samples(samples, shape)
     if problem is not None:
         return EngineFidelity(image=image, routes_valid=False, message=problem[:1024])
@@ -112,8 +115,10 @@ def verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec)
     def figures(e: EngineFidelity) -> str:
         if not e.routes_valid:
             return f"{e.image}: routes invalid ({e.message})"
-        return (f"{e.image}: replay agreement {e.replay_agreement:.4f}, natural mismatch {e.natural_mismatch:.4f}, "
-                f"mean |Δlogprob| off {e.logprob_abs_diff_off:.5f} → R3 {e.logprob_abs_diff_r3:.5f}")  # fmt: skip
+        return (
+            f"{e.image}: replay agreement {e.replay_agreement:.4f}, natural mismatch {e.natural_mismatch:.4f}, "
+            f"mean |Δlogprob| off {e.logprob_abs_diff_off:.5f} → R3 {e.logprob_abs_diff_r3:.5f}"
+        )
 
     side_by_side = f"new {figures(new)}; old {figures(old)}"
     if not new.routes_valid:
@@ -128,12 +133,16 @@ def verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec)
         failures.append(f"replay agreement {new.replay_agreement:.4f} < 1")
     mismatch_limit = max(old.natural_mismatch, FLOOR) * policy.max_mismatch_factor
     if new.natural_mismatch > mismatch_limit:
-        failures.append(f"natural mismatch {new.natural_mismatch:.4f} > {mismatch_limit:.4f} "
-                        f"(old × maxMismatchFactor {policy.max_mismatch_factor:g})")  # fmt: skip
+        failures.append(
+            f"natural mismatch {new.natural_mismatch:.4f} > {mismatch_limit:.4f} "
+            f"(old × maxMismatchFactor {policy.max_mismatch_factor:g})"
+        )
     diff_limit = max(old.logprob_abs_diff_off, FLOOR) * policy.max_logprob_diff_factor
     if new.logprob_abs_diff_off > diff_limit:
-        failures.append(f"mean |Δlogprob| {new.logprob_abs_diff_off:.5f} > {diff_limit:.5f} "
-                        f"(old × maxLogprobDiffFactor {policy.max_logprob_diff_factor:g})")  # fmt: skip
+        failures.append(
+            f"mean |Δlogprob| {new.logprob_abs_diff_off:.5f} > {diff_limit:.5f} "
+            f"(old × maxLogprobDiffFactor {policy.max_logprob_diff_factor:g})"
+        )
     if failures:
         return False, f"{'; '.join(failures)}; {side_by_side}"
     return True, side_by_side
@@ -166,8 +175,9 @@ def canary_context(settings: RunSettings) -> CanaryContext:
     spec = settings.job.spec
     model_dir = resolve_model_dir(settings.job, settings.model_override)
     config = AutoConfig.from_pretrained(model_dir)
-    shape = ModelShape(int(config.vocab_size), int(config.num_hidden_layers), int(config.num_experts_per_tok),
-                       int(config.num_experts))  # fmt: skip
+    shape = ModelShape(
+        int(config.vocab_size), int(config.num_hidden_layers), int(config.num_experts_per_tok), int(config.num_experts)
+    )
     prompts = canary_prompts(spec.upgrade_policy.prompts, vocab_size=shape.vocab_size, seed=spec.seed)
     return CanaryContext(settings, shape, load_policy(settings, model_dir), prompts)
 
@@ -177,8 +187,9 @@ def score_url(ctx: CanaryContext, url: str, *, image: str) -> EngineFidelity:
     spec = ctx.settings.job.spec
     try:
         client = OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
-        samples = client.generate(ctx.prompts, max_tokens=spec.upgrade_policy.max_tokens, temperature=1.0,
-                                  seed=spec.seed, n=1)  # fmt: skip
+        samples = client.generate(
+            ctx.prompts, max_tokens=spec.upgrade_policy.max_tokens, temperature=1.0, seed=spec.seed, n=1
+        )
         return score_engine(ctx.trainer, samples, image=image, shape=ctx.shape, device=ctx.settings.device)
     except Exception as exc:  # the canary fails with the reason instead of crashing without a verdict
         log.error("engine %s: %s", url, exc)
@@ -198,9 +209,13 @@ def run_upgrade_canary(
 def make_verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec, *, attempt: str) -> UpgradeCanary:
     passed, message = verdict(old, new, policy)
     return UpgradeCanary(
-        attempt=attempt, passed=passed, message=message[:2048], old=old, new=new,
+        attempt=attempt,
+        passed=passed,
+        message=message[:2048],
+        old=old,
+        new=new,
         finished_at=dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    )  # fmt: skip
+    )
 
 
 def write_score(path: Path, fidelity: EngineFidelity) -> None:

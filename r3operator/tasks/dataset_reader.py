@@ -73,8 +73,9 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(f"{path}: reading Parquet needs pyarrow in the trainer image; install it, or convert "
-                           "the file to JSONL") from None  # fmt: skip
+        raise DatasetError(
+            f"{path}: reading Parquet needs pyarrow in the trainer image; install it, or convert the file to JSONL"
+        ) from None
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError subclasses for a corrupt file
@@ -85,8 +86,9 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 def parse_row(record: Any, *, where: str, index: int) -> DatasetRow:
     if not isinstance(record, dict):
-        raise DatasetError(f"{where}: expected an object with {PROMPT!r} or {MESSAGES!r} and {ANSWER!r}, "
-                           f"got {type(record).__name__}")  # fmt: skip
+        raise DatasetError(
+            f"{where}: expected an object with {PROMPT!r} or {MESSAGES!r} and {ANSWER!r}, got {type(record).__name__}"
+        )
     # A Parquet column missing from a row reads as None: treat it as absent.
     present = {key: value for key, value in record.items() if value is not None}
     has_prompt, has_messages = PROMPT in present, MESSAGES in present
@@ -128,7 +130,8 @@ def _messages(value: Any, where: str) -> tuple[Mapping[str, str], ...]:
             or not isinstance(message.get("role"), str)
             or not isinstance(message.get("content"), str)
         ):
-            raise DatasetError(f"{where}: {MESSAGES}[{n}] must be an object with string 'role' and 'content', "
-                               f"got {message!r}")  # fmt: skip
+            raise DatasetError(
+                f"{where}: {MESSAGES}[{n}] must be an object with string 'role' and 'content', got {message!r}"
+            )
         out.append({"role": message["role"], "content": message["content"]})
     return tuple(out)

@@ -56,8 +56,10 @@ def encode_prompt(row: DatasetRow, tokenizer: Any) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if row.messages:
-        raise DatasetError(f"{row.where}: 'messages' need a tokenizer with a chat_template, and the model's has none; "
-                           "give plain 'prompt' rows")  # fmt: skip
+        raise DatasetError(
+            f"{row.where}: 'messages' need a tokenizer with a chat_template, and the model's has none; "
+            "give plain 'prompt' rows"
+        )
     return list(tokenizer(row.prompt)["input_ids"])
 
 
@@ -74,17 +76,31 @@ def load_problems(path: Path, tokenizer: Any, *, max_prompt_tokens: int | None) 
         # The answer's ids are the supervised warm-up's target and size the canary; rewards compare text.
         answer_ids = [*tokenizer(row.answer, add_special_tokens=False)["input_ids"], eos]
         prompt_text = row.prompt if row.prompt is not None else row.messages[-1]["content"]  # type: ignore[index]
-        problems.append(DatasetProblem(
-            prompt_ids=tuple(prompt_ids), answer_ids=tuple(answer_ids), problem_id=row.id,
-            prompt_text=prompt_text, answer=row.answer, metadata=row.metadata,
-        ))  # fmt: skip
+        problems.append(
+            DatasetProblem(
+                prompt_ids=tuple(prompt_ids),
+                answer_ids=tuple(answer_ids),
+                problem_id=row.id,
+                prompt_text=prompt_text,
+                answer=row.answer,
+                metadata=row.metadata,
+            )
+        )
     if too_long:
-        log.warning("%s: dropped %d of %d prompts longer than %d tokens: %s%s", path, len(too_long),
-                    len(too_long) + len(problems), max_prompt_tokens, ", ".join(too_long[:DROPPED_NAMED]),
-                    ", ..." if len(too_long) > DROPPED_NAMED else "")  # fmt: skip
+        log.warning(
+            "%s: dropped %d of %d prompts longer than %d tokens: %s%s",
+            path,
+            len(too_long),
+            len(too_long) + len(problems),
+            max_prompt_tokens,
+            ", ".join(too_long[:DROPPED_NAMED]),
+            ", ..." if len(too_long) > DROPPED_NAMED else "",
+        )
     if not problems:
-        raise DatasetError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens "
-                           "(spec.task.maxPromptTokens, or inference.maxModelLen - rollout.maxTokens)")  # fmt: skip
+        raise DatasetError(
+            f"{path}: every prompt is longer than {max_prompt_tokens} tokens "
+            "(spec.task.maxPromptTokens, or inference.maxModelLen - rollout.maxTokens)"
+        )
     return problems
 
 
@@ -122,9 +138,13 @@ class DatasetTask:
         for sample in samples:
             problem = problems[sample.prompt_index]
             assert isinstance(problem, DatasetProblem)
-            inputs.append(RewardInput(
-                sample_id=sample.sample_id, prompt=problem.prompt_text,
-                completion=self.tokenizer.decode(list(sample.token_ids), skip_special_tokens=True),
-                answer=problem.answer, metadata=problem.metadata or {},
-            ))  # fmt: skip
+            inputs.append(
+                RewardInput(
+                    sample_id=sample.sample_id,
+                    prompt=problem.prompt_text,
+                    completion=self.tokenizer.decode(list(sample.token_ids), skip_special_tokens=True),
+                    answer=problem.answer,
+                    metadata=problem.metadata or {},
+                )
+            )
         return np.asarray(self.reward.score(inputs), dtype=np.float32)

@@ -44,11 +44,16 @@ class HTTPReward:
     def _score_batch(self, batch: Sequence[RewardInput]) -> list[float]:
         body = {
             "samples": [
-                {"id": i.sample_id, "prompt": i.prompt, "completion": i.completion, "answer": i.answer,
-                 "metadata": dict(i.metadata)}
+                {
+                    "id": i.sample_id,
+                    "prompt": i.prompt,
+                    "completion": i.completion,
+                    "answer": i.answer,
+                    "metadata": dict(i.metadata),
+                }
                 for i in batch
             ]
-        }  # fmt: skip
+        }
         # default=str: Parquet columns may hold dates or decimals, which JSON has no type for.
         payload = json.dumps(body, default=str).encode()
         what = f"reward endpoint {self.url}"

@@ -25,8 +25,17 @@ from r3operator.tasks.http_reward import HTTPReward
 from r3operator.tasks.math_answer import answers_match
 from r3operator.tasks.reward_base import RewardError, RewardInput, checked_score
 
-__all__ = ["ExactMatchReward", "FunctionReward", "HTTPReward", "MathReward", "RewardError", "RewardInput",
-           "TextReward", "build_reward", "load_reward_function"]  # fmt: skip
+__all__ = [
+    "ExactMatchReward",
+    "FunctionReward",
+    "HTTPReward",
+    "MathReward",
+    "RewardError",
+    "RewardInput",
+    "TextReward",
+    "build_reward",
+    "load_reward_function",
+]
 
 RewardFunction = Callable[[str, str, str, Mapping[str, Any]], float]
 
@@ -74,10 +83,12 @@ class FunctionReward:
 
     def score(self, inputs: Sequence[RewardInput]) -> list[float]:
         return [
-            checked_score(self.function(i.prompt, i.completion, i.answer, i.metadata),
-                          what=f"reward function {self.reference} on sample {i.sample_id}")
+            checked_score(
+                self.function(i.prompt, i.completion, i.answer, i.metadata),
+                what=f"reward function {self.reference} on sample {i.sample_id}",
+            )
             for i in inputs
-        ]  # fmt: skip
+        ]
 
 
 def build_reward(task: TaskSpec) -> TextReward:
@@ -94,5 +105,7 @@ def build_reward(task: TaskSpec) -> TextReward:
         if task.reward_url is None:
             raise RewardError("spec.task.rewardURL: task.reward http needs the endpoint's URL")
         return HTTPReward(task.reward_url, timeout_s=task.reward_timeout_seconds)
-    raise RewardError(f"spec.task.reward: {task.reward} compares token ids; a dataset task scores text with "
-                      "exact-match, math, function or http")  # fmt: skip
+    raise RewardError(
+        f"spec.task.reward: {task.reward} compares token ids; a dataset task scores text with "
+        "exact-match, math, function or http"
+    )

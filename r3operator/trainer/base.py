@@ -101,9 +101,16 @@ class Trainer(Protocol):
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass: ...
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old: OldPass,
+        *,
+        mini_batches: int,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> UpdateStats:
         """`importance_cap`: weight each token by min(pi_old / pi_rollout, cap) (asynchronous mode);
         `clip_ratio_c`: the dual-clip bound of negative-advantage tokens (`grpo.loss.ppo_clip_loss`)."""
         ...
@@ -114,8 +121,9 @@ class Trainer(Protocol):
 
     def canary_logits(self, sequence: Sequence[int]) -> Any: ...
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
-                       compute: bool = False) -> CanaryForward:  # fmt: skip
+    def canary_forward(
+        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+    ) -> CanaryForward:
         """Logits of `sequence` with `routes` ([1, S, L, K]; rows flagged in `route_pad` [1, S] route
         naturally) replayed, and the routers' natural choices on the same forward. fp32 without autocast;
         `compute=True`: under the trainer's compute context (bf16 autocast by default), the precision of a

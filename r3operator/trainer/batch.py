@@ -134,8 +134,10 @@ def build_batch(
         begin = len(sample.prompt_token_ids) - 1
         trained = np.ones(len(sample.token_ids), dtype=bool) if sample.loss_mask is None else sample.loss_mask
         if trained.shape != (len(sample.token_ids),):
-            raise ValueError(f"build_batch: sample {sample.sample_id!r} has a loss mask of {trained.shape[0]} "
-                             f"entries for {len(sample.token_ids)} generated tokens")  # fmt: skip
+            raise ValueError(
+                f"build_batch: sample {sample.sample_id!r} has a loss mask of {trained.shape[0]} "
+                f"entries for {len(sample.token_ids)} generated tokens"
+            )
         resp[i, begin : begin + len(sample.token_ids)] = trained
         roll[i, begin : begin + len(sample.token_ids)] = np.where(trained, sample.logprobs, 0.0)
     engine_routes = route_pad = None

@@ -102,9 +102,12 @@ def start_save(state: dict[str, Any], directory: Path, *, stager: Any, process_g
         # kernels must be done before the copy reads the weights they write.
         torch.cuda.current_stream().synchronize()
     response = async_save(
-        state, checkpoint_id=str(directory), process_group=process_group,
-        async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager,
-    )  # fmt: skip
+        state,
+        checkpoint_id=str(directory),
+        process_group=process_group,
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        async_stager=stager,
+    )
     if isinstance(response, AsyncSaveResponse):  # the stager staged in its thread
         return SaveInFlight(staged=response.staging_completion, written=response.upload_completion)
     staged: Future[Any] = Future()  # a synchronous stager: the copy is done when async_save returns

@@ -77,10 +77,15 @@ class PolicyOptions:
         from r3operator.trainer.hf_policy import PolicyTrainer
 
         trainer = PolicyTrainer(
-            model_dir, device=device, learning_rate=self.learning_rate, seed=self.seed, use_fsdp=True,
-            compute_dtype=self.compute_dtype, fsdp_options={"reshard_after_forward": self.reshard_after_forward},
+            model_dir,
+            device=device,
+            learning_rate=self.learning_rate,
+            seed=self.seed,
+            use_fsdp=True,
+            compute_dtype=self.compute_dtype,
+            fsdp_options={"reshard_after_forward": self.reshard_after_forward},
             gradient_checkpointing=self.gradient_checkpointing,
-        )  # fmt: skip
+        )
         return trainer, RankRole(dp_rank=rank, dp_size=world_size, answers=True)
 
 
@@ -95,8 +100,9 @@ class UpdateSlice:
 
 
 def batch_to(batch: TrainBatch, device: str) -> TrainBatch:
-    changes = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-               if hasattr(getattr(batch, f.name), "to")}  # fmt: skip
+    changes = {
+        f.name: getattr(batch, f.name).to(device) for f in fields(batch) if hasattr(getattr(batch, f.name), "to")
+    }
     return replace(batch, **changes)
 
 
@@ -130,28 +136,48 @@ class TrainerRank:
             import torch
 
             torch.cuda.set_device(0)  # Ray gave this actor one GPU: CUDA_VISIBLE_DEVICES holds only it
-        fsdp.init_rank(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                       master_port=master_port, device=self.device)  # fmt: skip
-        self.trainer, self.role = options.build(Path(model_dir), self.device, rank=self.rank,
-                                                world_size=self.world_size)  # fmt: skip
+        fsdp.init_rank(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            device=self.device,
+        )
+        self.trainer, self.role = options.build(
+            Path(model_dir), self.device, rank=self.rank, world_size=self.world_size
+        )
         return {"pad_id": self.trainer.pad_id, "eos_id": self.trainer.eos_id, "role": self.role}
 
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
         old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
         return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode)
 
-    def update(self, part: UpdateSlice, shares: Sequence[Share], clip_low: float, clip_high: float,
-               importance_cap: float | None = None, clip_ratio_c: float | None = None) -> list[ShareStats]:  # fmt: skip
+    def update(
+        self,
+        part: UpdateSlice,
+        shares: Sequence[Share],
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> list[ShareStats]:
         return self.trainer.update_shares(
-            batch_to(part.batch, self.device), _to(part.old_logprobs, self.device), _to(part.replay_ids, self.device),
-            _to(part.replay_pad, self.device), shares, clip_low=clip_low, clip_high=clip_high,
-            importance_cap=importance_cap, clip_ratio_c=clip_ratio_c,
-        )  # fmt: skip
+            batch_to(part.batch, self.device),
+            _to(part.old_logprobs, self.device),
+            _to(part.replay_ids, self.device),
+            _to(part.replay_pad, self.device),
+            shares,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            importance_cap=importance_cap,
+            clip_ratio_c=clip_ratio_c,
+        )
 
     def sft(self, part: tuple[list[list[int]], list[list[int]], bool], total_tokens: int) -> tuple[float, int]:
         prompts, answers, padding = part
-        return self.trainer.sft_share(prompts, answers, total_tokens=total_tokens, world=self.role.dp_size,
-                                      padding=padding)  # fmt: skip
+        return self.trainer.sft_share(
+            prompts, answers, total_tokens=total_tokens, world=self.role.dp_size, padding=padding
+        )
 
     def canary_logits(self, sequence: list[int]) -> Any:
         return self.trainer.canary_logits(sequence)
@@ -227,10 +253,17 @@ class DistributedTrainer:
         # No Ray CPU for a rank: a local Ray has as few as 2 (setup.start_ray) and the ranks share the
         # cores with the engines; GPUs are the resource that places them.
         actor_options: dict[str, Any] = {
-            "num_cpus": 0, "max_restarts": 0, "max_concurrency": 1,
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-                                         "RAY_USAGE_STATS_ENABLED": "0"}},
-        }  # fmt: skip
+            "num_cpus": 0,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+            "runtime_env": {
+                "env_vars": {
+                    "OMP_NUM_THREADS": threads,
+                    "TOKENIZERS_PARALLELISM": "false",
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                }
+            },
+        }
         if device.startswith("cuda"):
             self._placement = self._reserve_gpus(world_size)
             actor_options["num_gpus"] = 1
@@ -274,8 +307,10 @@ class DistributedTrainer:
         try:
             self._ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except self._ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{world_size} trainer GPUs were not free within {PLACEMENT_TIMEOUT_S:.0f} s "
-                               f"(engines on the same Ray cluster hold some?)") from None  # fmt: skip
+            raise RuntimeError(
+                f"{world_size} trainer GPUs were not free within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(engines on the same Ray cluster hold some?)"
+            ) from None
         return group
 
     # -- fan-out ------------------------------------------------------------------------------------
@@ -295,8 +330,9 @@ class DistributedTrainer:
         """`call(rank, replica, ref)` on every rank with its replica's object (put once per replica); the
         answering ranks' results, in replica order."""
         refs = [self._ray.put(obj) for obj in objects]
-        results = self._gather([call(rank, self._replica_of[i], refs[self._replica_of[i]])
-                                for i, rank in enumerate(self.ranks)])  # fmt: skip
+        results = self._gather(
+            [call(rank, self._replica_of[i], refs[self._replica_of[i]]) for i, rank in enumerate(self.ranks)]
+        )
         return [results[i] for i in self._answering]
 
     # -- Trainer ------------------------------------------------------------------------------------
@@ -306,40 +342,59 @@ class DistributedTrainer:
         if mode is ReplayMode.R3 and batch.engine_routes is None:
             raise ValueError("R3 needs engine routes in the batch")
         split = forward_rows(batch.size, self.dp_size)
-        answers = self._per_replica([batch_to(batch.select(rows), "cpu") for rows, _padding in split],
-                                    lambda rank, _replica, ref: rank.old_logprobs.remote(ref, mode))  # fmt: skip
+        answers = self._per_replica(
+            [batch_to(batch.select(rows), "cpu") for rows, _padding in split],
+            lambda rank, _replica, ref: rank.old_logprobs.remote(ref, mode),
+        )
         parts = [part for part, (_rows, padding) in zip(answers, split, strict=True) if not padding]
         return old_pass_for(
-            mode, batch, torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
-            torch.cat([p.natural_ids for p in parts]), torch.cat([p.used_ids for p in parts]),
-        )  # fmt: skip
+            mode,
+            batch,
+            torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
+            torch.cat([p.natural_ids for p in parts]),
+            torch.cat([p.used_ids for p in parts]),
+        )
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old: OldPass,
+        *,
+        mini_batches: int,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> UpdateStats:
         import torch
 
-        plans = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches,
-                            world=self.dp_size)  # fmt: skip
+        plans = update_plan(batch.response_mask.sum(dim=1).tolist(), mini_batches=mini_batches, world=self.dp_size)
         parts = []
         for plan in plans:
             idx = torch.as_tensor(plan.rows, dtype=torch.int64)
-            parts.append(UpdateSlice(
-                batch_to(batch.select(plan.rows), "cpu"), old.logprobs.cpu()[idx],
-                None if old.replay_ids is None else old.replay_ids.cpu()[idx],
-                None if old.replay_pad is None else old.replay_pad.cpu()[idx],
-            ))  # fmt: skip
-        return combine_update(self._per_replica(
-            parts, lambda rank, replica, ref: rank.update.remote(ref, plans[replica].shares, clip_low, clip_high,
-                                                                 importance_cap, clip_ratio_c),
-        ))  # fmt: skip
+            parts.append(
+                UpdateSlice(
+                    batch_to(batch.select(plan.rows), "cpu"),
+                    old.logprobs.cpu()[idx],
+                    None if old.replay_ids is None else old.replay_ids.cpu()[idx],
+                    None if old.replay_pad is None else old.replay_pad.cpu()[idx],
+                )
+            )
+        return combine_update(
+            self._per_replica(
+                parts,
+                lambda rank, replica, ref: rank.update.remote(
+                    ref, plans[replica].shares, clip_low, clip_high, importance_cap, clip_ratio_c
+                ),
+            )
+        )
 
     def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
         total = sum(len(a) for a in answers)
         split = forward_rows(len(prompts), self.dp_size)
-        rows_of = [([list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], padding)
-                   for rows, padding in split]  # fmt: skip
+        rows_of = [
+            ([list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], padding) for rows, padding in split
+        ]
         parts = self._per_replica(rows_of, lambda rank, _replica, ref: rank.sft.remote(ref, total))
         return sum(loss * tokens for loss, tokens in parts) / max(total, 1)
 
@@ -350,15 +405,17 @@ class DistributedTrainer:
         """Every rank runs the forward (it gathers the shards); rank 0's logits are the answer."""
         return self._all(lambda r: r.canary_logits.remote(list(sequence)))[0]
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
-                       compute: bool = False) -> CanaryForward:  # fmt: skip
+    def canary_forward(
+        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+    ) -> CanaryForward:
         """Like `canary_logits`: every rank runs it, rank 0 answers."""
         return self._all(lambda r: r.canary_forward.remote(list(sequence), routes, route_pad, compute))[0]
 
     def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
-        streams = [rank.sync_chunks.options(num_returns="streaming").remote(chunk_size_mb, dtype_name)
-                   for rank in self.ranks]  # fmt: skip
+        streams = [
+            rank.sync_chunks.options(num_returns="streaming").remote(chunk_size_mb, dtype_name) for rank in self.ranks
+        ]
         for ref in streams[0]:
             yield self._ray.get(ref)
         for follower in streams[1:]:

@@ -42,15 +42,23 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
         from r3operator.trainer.megatron.ranks import MegatronOptions
 
         block = spec.trainer.megatron
-        megatron = MegatronOptions(block, learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
-                                   micro_batch_size=None if block is None else block.micro_batch_size)  # fmt: skip
+        megatron = MegatronOptions(
+            block,
+            learning_rate=spec.algorithm.learning_rate,
+            seed=spec.seed,
+            micro_batch_size=None if block is None else block.micro_batch_size,
+        )
         return DistributedTrainer(model_dir, world_size=ranks, device=device, options=megatron)
     if ranks > 1:
         from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
 
-        options = PolicyOptions(learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
-                                compute_dtype=compute_dtype, reshard_after_forward=reshard,
-                                gradient_checkpointing=checkpointing)  # fmt: skip
+        options = PolicyOptions(
+            learning_rate=spec.algorithm.learning_rate,
+            seed=spec.seed,
+            compute_dtype=compute_dtype,
+            reshard_after_forward=reshard,
+            gradient_checkpointing=checkpointing,
+        )
         return DistributedTrainer(model_dir, world_size=ranks, device=device, options=options)
     from r3operator.trainer.hf_policy import PolicyTrainer
 

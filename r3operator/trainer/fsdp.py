@@ -50,10 +50,16 @@ def init_rank(*, rank: int, world_size: int, master_addr: str, master_port: int,
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # fmt: skip
-    dist.init_process_group(backend=process_group_backend(device), rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=30))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
+    dist.init_process_group(
+        backend=process_group_backend(device), rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+    )
 
 
 def wrap_fsdp2(model: Any, *, reshard_after_forward: bool = True, param_dtype: str = "float32") -> Any:
@@ -82,9 +88,7 @@ def full_state_dict(model: Any) -> dict[str, Any]:
 def full_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_state(model: Any, optimizer: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:

@@ -119,11 +119,13 @@ class PolicyTrainer(UpdateByShares):
             with torch.no_grad(), self._compute():
                 if mode is ReplayMode.R3:
                     with self.replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
-                        lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                            temperature=batch.temperature)  # fmt: skip
+                        lp = token_logprobs(
+                            self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
+                        )
                 else:
-                    lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                        temperature=batch.temperature)  # fmt: skip
+                    lp = token_logprobs(
+                        self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
+                    )
             natural_ids, used_ids = self._stacked(natural, batch), self._stacked(used, batch)
         finally:
             natural.remove()
@@ -131,9 +133,18 @@ class PolicyTrainer(UpdateByShares):
         return old_pass_for(mode, batch, lp, natural_ids, used_ids)
 
     def update_shares(
-        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> list[ShareStats]:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old_logprobs: Any,
+        replay_ids: Any,
+        replay_pad: Any,
+        shares: Sequence[Share],
+        *,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> list[ShareStats]:
         """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
         and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
         ranks' averaged gradients are the whole mini-batch's (trainer/shards.py)."""
@@ -151,13 +162,20 @@ class PolicyTrainer(UpdateByShares):
             try:
                 old_lp, weights, iw = old_logprobs[idx], None, None
                 if importance_cap is not None:
-                    weights, iw = truncated_importance_weights(old_lp, mb.rollout_logprobs, mb.response_mask,
-                                                               cap=importance_cap)  # fmt: skip
+                    weights, iw = truncated_importance_weights(
+                        old_lp, mb.rollout_logprobs, mb.response_mask, cap=importance_cap
+                    )
                 with self._compute():
                     lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature=mb.temperature)
                 loss, stats = ppo_clip_loss(
-                    lp, old_lp, mb.advantages, mb.response_mask, clip_low=clip_low, clip_high=clip_high,
-                    importance_weights=weights, clip_ratio_c=clip_ratio_c,
+                    lp,
+                    old_lp,
+                    mb.advantages,
+                    mb.response_mask,
+                    clip_low=clip_low,
+                    clip_high=clip_high,
+                    importance_weights=weights,
+                    clip_ratio_c=clip_ratio_c,
                 )
                 (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:
@@ -165,8 +183,16 @@ class PolicyTrainer(UpdateByShares):
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
             self.optimizer.step()
             tokens = 0 if share.padding else int(mb.response_mask.sum())
-            out.append(ShareStats(float(loss.detach()), stats.clip_fraction, stats.approx_kl, tokens, _scalar(norm),
-                                  *((iw.weight_mean, iw.truncated_fraction) if iw is not None else ())))  # fmt: skip
+            out.append(
+                ShareStats(
+                    float(loss.detach()),
+                    stats.clip_fraction,
+                    stats.approx_kl,
+                    tokens,
+                    _scalar(norm),
+                    *((iw.weight_mean, iw.truncated_fraction) if iw is not None else ()),
+                )
+            )
         self.model.eval()
         return out
 
@@ -175,9 +201,14 @@ class PolicyTrainer(UpdateByShares):
         return self.sft_share(prompts, answers, total_tokens=None)[0]
 
     def sft_share(
-        self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, total_tokens: int | None,
-        world: int = 1, padding: bool = False,
-    ) -> tuple[float, int]:  # fmt: skip
+        self,
+        prompts: Sequence[Sequence[int]],
+        answers: Sequence[Sequence[int]],
+        *,
+        total_tokens: int | None,
+        world: int = 1,
+        padding: bool = False,
+    ) -> tuple[float, int]:
         """This rank's part of one SFT step: (its token-mean loss, its answer tokens). `total_tokens`
         (all ranks' answer tokens; None: this rank has them all) scales the loss as in `update_shares`."""
         import torch
@@ -209,15 +240,16 @@ class PolicyTrainer(UpdateByShares):
         with torch.no_grad():
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
-                       compute: bool = False) -> CanaryForward:  # fmt: skip
+    def canary_forward(
+        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+    ) -> CanaryForward:
         import torch
 
         ids = torch.as_tensor([list(sequence)], dtype=torch.int64, device=self.device)
         natural = RouterRecorder(natural=True).install(self.model)
         armed = self.replay.armed(routes.to(self.device), padding_mask=route_pad.to(self.device))
         try:
-            with torch.no_grad(), armed, (self._compute() if compute else nullcontext()):
+            with torch.no_grad(), armed, self._compute() if compute else nullcontext():
                 logits = self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
             natural_ids = natural.stacked(self.num_layers).cpu()
         finally:

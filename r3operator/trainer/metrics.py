@@ -130,36 +130,79 @@ IDENTITY_LABELS = ("namespace", "rljob")
 _ID = IDENTITY_LABELS
 
 METRICS: list[MetricSpec] = [
-    MetricSpec("r3operator_logprob_abs_diff_mean", "gauge", _ID,
-               "Mean |rollout - trainer| sampled-token logprob over response tokens, last step (async: only tokens "
-               "of the current policy version, so it measures the mismatch, not the staleness)."),
-    MetricSpec("r3operator_logprob_abs_diff_std", "gauge", _ID,
-               "Std of |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3operator_logprob_abs_diff_max", "gauge", _ID,
-               "Max |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3operator_logprob_abs_diff_min", "gauge", _ID,
-               "Min |rollout - trainer| logprob over response tokens, last step."),
-    MetricSpec("r3operator_kl_k3", "gauge", _ID,
-               "k3 estimate of KL(pi_rollout || pi_train) per response token, last step."),
-    MetricSpec("r3operator_extreme_token_ratio", "gauge", _ID,
-               "Fraction of response tokens with max(p_train/p_roll, p_roll/p_train) > 2, last step."),
-    MetricSpec("r3operator_routing_agreement_ratio", "gauge", (*_ID, "layer"),
-               "Alignment health: tokens whose trainer router's own top-k expert set equals the engine's routes, "
-               "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens; async: "
-               "rows of the current policy version only)."),
-    MetricSpec("r3operator_routing_tokens_any_diff_ratio", "gauge", _ID,
-               "Tokens whose natural trainer routing differs from the engine's in at least one MoE layer."),
-    MetricSpec("r3operator_routing_bytes_total", "counter", _ID,
-               "Bytes of routed-expert payload received from the engine."),
-    MetricSpec("r3operator_routes_missing_total", "counter", _ID,
-               "Samples that came back without routed experts (capture off, aborted request)."),
-    MetricSpec("r3operator_routes_invalid_total", "counter", _ID,
-               "Samples whose routed experts failed validation (row count, id range, duplicates)."),
-    MetricSpec("r3operator_replay_active", "gauge", _ID,
-               "1 while the job replays rollout routes (routingReplay.mode R3), else 0 (R2, Disabled)."),
-    MetricSpec("r3operator_routes_per_sample_bytes", "histogram", _ID,
-               "Routed-expert payload bytes per sample with routes."),
-]  # fmt: skip
+    MetricSpec(
+        "r3operator_logprob_abs_diff_mean",
+        "gauge",
+        _ID,
+        "Mean |rollout - trainer| sampled-token logprob over response tokens, last step (async: only tokens "
+        "of the current policy version, so it measures the mismatch, not the staleness).",
+    ),
+    MetricSpec(
+        "r3operator_logprob_abs_diff_std",
+        "gauge",
+        _ID,
+        "Std of |rollout - trainer| logprob over response tokens, last step.",
+    ),
+    MetricSpec(
+        "r3operator_logprob_abs_diff_max",
+        "gauge",
+        _ID,
+        "Max |rollout - trainer| logprob over response tokens, last step.",
+    ),
+    MetricSpec(
+        "r3operator_logprob_abs_diff_min",
+        "gauge",
+        _ID,
+        "Min |rollout - trainer| logprob over response tokens, last step.",
+    ),
+    MetricSpec(
+        "r3operator_kl_k3", "gauge", _ID, "k3 estimate of KL(pi_rollout || pi_train) per response token, last step."
+    ),
+    MetricSpec(
+        "r3operator_extreme_token_ratio",
+        "gauge",
+        _ID,
+        "Fraction of response tokens with max(p_train/p_roll, p_roll/p_train) > 2, last step.",
+    ),
+    MetricSpec(
+        "r3operator_routing_agreement_ratio",
+        "gauge",
+        (*_ID, "layer"),
+        "Alignment health: tokens whose trainer router's own top-k expert set equals the engine's routes, "
+        "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens; async: "
+        "rows of the current policy version only).",
+    ),
+    MetricSpec(
+        "r3operator_routing_tokens_any_diff_ratio",
+        "gauge",
+        _ID,
+        "Tokens whose natural trainer routing differs from the engine's in at least one MoE layer.",
+    ),
+    MetricSpec(
+        "r3operator_routing_bytes_total", "counter", _ID, "Bytes of routed-expert payload received from the engine."
+    ),
+    MetricSpec(
+        "r3operator_routes_missing_total",
+        "counter",
+        _ID,
+        "Samples that came back without routed experts (capture off, aborted request).",
+    ),
+    MetricSpec(
+        "r3operator_routes_invalid_total",
+        "counter",
+        _ID,
+        "Samples whose routed experts failed validation (row count, id range, duplicates).",
+    ),
+    MetricSpec(
+        "r3operator_replay_active",
+        "gauge",
+        _ID,
+        "1 while the job replays rollout routes (routingReplay.mode R3), else 0 (R2, Disabled).",
+    ),
+    MetricSpec(
+        "r3operator_routes_per_sample_bytes", "histogram", _ID, "Routed-expert payload bytes per sample with routes."
+    ),
+]
 
 _BYTES_BUCKETS = tuple(float(4**i) for i in range(4, 14))  # 256 B .. 64 MiB
 
@@ -229,8 +272,10 @@ class R3Metrics:
         and in an alert, where NaN would be a sample that blinds avg_over_time() for its whole window."""
         names = ["r3operator_routing_tokens_any_diff_ratio"]
         if not routing_only:
-            names += [f"r3operator_logprob_{field}" for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max",
-                                                                   "abs_diff_min")]  # fmt: skip
+            names += [
+                f"r3operator_logprob_{field}"
+                for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max", "abs_diff_min")
+            ]
             names += ["r3operator_kl_k3", "r3operator_extreme_token_ratio"]
         for name in names:
             self._m[name].remove(self.namespace, self.rljob)

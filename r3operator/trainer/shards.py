@@ -110,8 +110,9 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
             truncated.append(sum(p.importance_truncated_fraction * p.tokens for p in weighted) / n)
     count = max(len(losses), 1)
     importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
-    return UpdateStats(sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens,
-                       *importance)  # fmt: skip
+    return UpdateStats(
+        sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens, *importance
+    )
 
 
 class UpdateByShares(ABC):
@@ -120,15 +121,31 @@ class UpdateByShares(ABC):
 
     @abstractmethod
     def update_shares(
-        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> list[ShareStats]:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old_logprobs: Any,
+        replay_ids: Any,
+        replay_pad: Any,
+        shares: Sequence[Share],
+        *,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> list[ShareStats]:
         """One optimizer step per share of this process's rows (`hf_policy`, `megatron/adapter`)."""
 
     def update(
-        self, batch: TrainBatch, old: OldPass, *, mini_batches: int, clip_low: float, clip_high: float,
-        importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> UpdateStats:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old: OldPass,
+        *,
+        mini_batches: int,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> UpdateStats:
         """PPO-clip over `mini_batch_rows` (strided) slices, one optimizer step each; replay (if any) through
         backward. With `importance_cap`, each token is weighted by its truncated pi_old / pi_rollout."""
         import torch
@@ -137,7 +154,15 @@ class UpdateByShares(ABC):
         idx = torch.as_tensor(plan.rows, dtype=torch.int64, device=old.logprobs.device)
         replay_ids = None if old.replay_ids is None else old.replay_ids[idx]
         replay_pad = None if old.replay_pad is None else old.replay_pad[idx]
-        stats = self.update_shares(batch.select(plan.rows), old.logprobs[idx], replay_ids, replay_pad, plan.shares,
-                                   clip_low=clip_low, clip_high=clip_high, importance_cap=importance_cap,
-                                   clip_ratio_c=clip_ratio_c)  # fmt: skip
+        stats = self.update_shares(
+            batch.select(plan.rows),
+            old.logprobs[idx],
+            replay_ids,
+            replay_pad,
+            plan.shares,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            importance_cap=importance_cap,
+            clip_ratio_c=clip_ratio_c,
+        )
         return combine_update([stats])

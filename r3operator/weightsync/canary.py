@@ -87,8 +87,10 @@ class CanaryTolerance:
     basis: str = ""  # where the numbers come from, for reports
 
     def describe(self) -> str:
-        text = (f"engine token = trainer argmax, or within ε = {self.epsilon:.2g} logits of it; |Δlogprob| <= "
-                f"δ = {self.logprob:.2g}")  # fmt: skip
+        text = (
+            f"engine token = trainer argmax, or within ε = {self.epsilon:.2g} logits of it; |Δlogprob| <= "
+            f"δ = {self.logprob:.2g}"
+        )
         return f"{text} ({self.basis})" if self.basis else text
 
 
@@ -219,8 +221,9 @@ def canary_forwards(
         if got.routes is None:
             logits[sequence] = trainer.canary_logits(list(sequence))
             continue
-        placed, no_route = place_routes([got.routes], lengths=[len(sequence)], width=len(sequence),
-                                        sample_ids=[f"canary prompt {i}"])  # fmt: skip
+        placed, no_route = place_routes(
+            [got.routes], lengths=[len(sequence)], width=len(sequence), sample_ids=[f"canary prompt {i}"]
+        )
         routes, pad = torch.from_numpy(placed), torch.from_numpy(no_route)
         forward = trainer.canary_forward(list(sequence), routes, pad, compute=compute)
         logits[sequence] = forward.logits

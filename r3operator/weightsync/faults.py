@@ -103,9 +103,15 @@ class EngineSupervisor:
                         f"engines serve no complete policy; last error: {exc}"
                     ) from exc
                 pause = self.backoff.delay(attempt)
-                log.warning("weight sync of policy %s failed (attempt %d/%d), aborted without finalising; "
-                            "repeating it in full in %.2f s: %s", tag, attempt + 1, self.backoff.attempts, pause,
-                            exc)  # fmt: skip
+                log.warning(
+                    "weight sync of policy %s failed (attempt %d/%d), aborted without finalising; "
+                    "repeating it in full in %.2f s: %s",
+                    tag,
+                    attempt + 1,
+                    self.backoff.attempts,
+                    pause,
+                    exc,
+                )
                 self.backoff.sleep(pause)
         raise AssertionError("unreachable: attempts >= 1")
 
@@ -130,9 +136,12 @@ class EngineSupervisor:
         if stale and self.tag is not None:
             for engine in stale:
                 self.on_fault("stale_engine")
-                log.warning("%s does not serve policy %s (restarted or an aborted sync): waiting for it, "
-                            "re-syncing the current weights and checking the canary before it gets rollouts",
-                            engine.name, self.tag)  # fmt: skip
+                log.warning(
+                    "%s does not serve policy %s (restarted or an aborted sync): waiting for it, "
+                    "re-syncing the current weights and checking the canary before it gets rollouts",
+                    engine.name,
+                    self.tag,
+                )
                 engine.wait_ready()
             self._install(stale, self.tag)
             self.canary(stale)

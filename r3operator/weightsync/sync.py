@@ -77,23 +77,30 @@ def check_runtime(
     if not device.startswith("cuda"):
         return fallback(f"native {method} transfer needs the trainer on CUDA, it runs on {device}")
     if trainer_api is None:
-        return fallback(f"native {method} transfer sends with vLLM's trainer-side code, and the trainer's "
-                        "environment has no vLLM weight-transfer sender (install the engine's vLLM release "
-                        "there)")  # fmt: skip
+        return fallback(
+            f"native {method} transfer sends with vLLM's trainer-side code, and the trainer's "
+            "environment has no vLLM weight-transfer sender (install the engine's vLLM release "
+            "there)"
+        )
     if wanted.method is TransferMethod.NCCL and engine_on_trainer_gpu:
-        return fallback("an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU, and the "
-                        "engine was started for nccl, not ipc")  # fmt: skip
+        return fallback(
+            "an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU, and the "
+            "engine was started for nccl, not ipc"
+        )
     engine = _version(engine_vllm)
     topology = Topology.SEPARATE_GPUS if wanted.method is TransferMethod.NCCL else Topology.SHARED_GPU
     by_engine = choose_transfer(topology, engine)
     if not by_engine.native:
         return fallback(f"the engine answers as vLLM {engine_vllm or 'unknown'}: {by_engine.reason}")
     trainer = _version(trainer_vllm)
-    if over_http and (trainer.version is None or engine.version is None
-                      or _release(trainer.version) != _release(engine.version)):  # fmt: skip
-        return fallback(f"native {method} transfer needs the trainer's vLLM release to be the engine's "
-                        f"(trainer {trainer_vllm}, engine {engine_vllm}): the update-info format changed between "
-                        "releases")  # fmt: skip
+    if over_http and (
+        trainer.version is None or engine.version is None or _release(trainer.version) != _release(engine.version)
+    ):
+        return fallback(
+            f"native {method} transfer needs the trainer's vLLM release to be the engine's "
+            f"(trainer {trainer_vllm}, engine {engine_vllm}): the update-info format changed between "
+            "releases"
+        )
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
 
 
@@ -158,9 +165,15 @@ class NativeInstall:
         if rendezvous:
             self.close()
             client = FanOutClient(endpoints, phases=self.phases)
-            self._sender = NativeSender(self.method, client, self.state_dict, dtype=self.dtype,
-                                        buffer_size_bytes=self.buffer_size_bytes,
-                                        master_address=self.master_address, sent=self.sent)  # fmt: skip
+            self._sender = NativeSender(
+                self.method,
+                client,
+                self.state_dict,
+                dtype=self.dtype,
+                buffer_size_bytes=self.buffer_size_bytes,
+                master_address=self.master_address,
+                sent=self.sent,
+            )
             self._engines = tuple(id(e) for e in engines)
         sender = self._sender
         assert sender is not None  # set just above
@@ -216,19 +229,27 @@ def resolve(
     if configured is not None:
         wanted = configured
     elif over_http:  # engines named by URL without the operator's choice: assume the cluster shape
-        wanted = choose_transfer(Topology.SEPARATE_GPUS if device.startswith("cuda") else Topology.CPU,
-                                 _version(engine_vllm))  # fmt: skip
+        wanted = choose_transfer(
+            Topology.SEPARATE_GPUS if device.startswith("cuda") else Topology.CPU, _version(engine_vllm)
+        )
     else:
         wanted = choose_transfer(local_topology(device), _version(engine_vllm))
     if not over_http and wanted.method is TransferMethod.IPC:
         started = {getattr(e, "weight_transfer_backend", None) for e in engines.engines}
         if started != {"ipc"}:
-            wanted = TransferChoice(TransferMethod.PACKED, "the engines were started without the ipc backend",
-                                    fallback=True)  # fmt: skip
+            wanted = TransferChoice(
+                TransferMethod.PACKED, "the engines were started without the ipc backend", fallback=True
+            )
     shared = wanted.method is TransferMethod.NCCL and device.startswith("cuda") and engine_on_gpu_of(device, engines)
-    choice = check_runtime(wanted, device=device, engine_vllm=engine_vllm, trainer_vllm=trainer_vllm_version(),
-                           trainer_api=trainer_vllm_api(), over_http=over_http,
-                           engine_on_trainer_gpu=shared)  # fmt: skip
+    choice = check_runtime(
+        wanted,
+        device=device,
+        engine_vllm=engine_vllm,
+        trainer_vllm=trainer_vllm_version(),
+        trainer_api=trainer_vllm_api(),
+        over_http=over_http,
+        engine_on_trainer_gpu=shared,
+    )
     if choice.fallback:
         log.warning("weight sync: %s", choice.describe())
     else:

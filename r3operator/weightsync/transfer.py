@@ -198,8 +198,9 @@ class NativeSender:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
         on the CPU), cast to the engine's dtype first; each fingerprinted on the way (wire/receipt.py)."""
         phases = self.client.phases
-        for name, tensor in phases.timed("gather", checkpoint_tensors(self._state_dict(), dtype=self.dtype,
-                                                                      device="cuda")):  # fmt: skip
+        for name, tensor in phases.timed(
+            "gather", checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
+        ):
             with phases("fingerprint"):
                 self.sent.add(name, tensor)
             yield name, tensor
@@ -220,8 +221,7 @@ class NativeSender:
         self._engine = self._group = None
 
     def _nccl_endpoint(self) -> dict[str, Any]:
-        return {"master_address": self.master_address, "master_port": free_port(),
-                "world_size": self.client.world_size}  # fmt: skip
+        return {"master_address": self.master_address, "master_port": free_port(), "world_size": self.client.world_size}
 
     def _static_nccl_init(self) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -239,8 +239,9 @@ class NativeSender:
         if self.method is TransferMethod.NCCL:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info: Any = NCCLTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.packed_buffer_bytes(),
-                                            **self._nccl_endpoint())  # fmt: skip
+            info: Any = NCCLTrainerInitInfo(
+                rank=0, packed=True, packed_buffer_size_bytes=self.packed_buffer_bytes(), **self._nccl_endpoint()
+            )
         else:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 

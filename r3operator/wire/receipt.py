@@ -330,9 +330,13 @@ class SyncReceipt:
 
     def report(self) -> dict[str, Any]:
         """JSON-safe: what the driver compares with the sent fingerprints."""
-        return {"closed": self.closed, "received": {k: list(v) for k, v in self.received.result().items()},
-                "unchanged": list(self.unchanged), "checked": self.checked,
-                "duplicates": sorted(set(self.duplicates))}  # fmt: skip
+        return {
+            "closed": self.closed,
+            "received": {k: list(v) for k, v in self.received.result().items()},
+            "unchanged": list(self.unchanged),
+            "checked": self.checked,
+            "duplicates": sorted(set(self.duplicates)),
+        }
 
 
 class ReceiptMismatchError(RuntimeError):
@@ -354,18 +358,22 @@ def compare_receipt(sent: Mapping[str, Fingerprint], receipt: Mapping[str, Any] 
         raise ReceiptMismatchError(f"{where}: the engine's last sync loaded no tensor ({len(sent)} were sent)")
     missing = [n for n in sent if n not in received]
     if missing:
-        raise ReceiptMismatchError(f"{where}: the engine received {len(received)} of the {len(sent)} tensors "
-                                   f"sent; missing: {_listing(missing)}")  # fmt: skip
+        raise ReceiptMismatchError(
+            f"{where}: the engine received {len(received)} of the {len(sent)} tensors "
+            f"sent; missing: {_listing(missing)}"
+        )
     extra = [n for n in received if n not in sent]
     if extra:
         raise ReceiptMismatchError(f"{where}: the engine loaded tensors that were not sent: {_listing(extra)}")
     if duplicates := list(receipt.get("duplicates") or []):
-        raise ReceiptMismatchError(f"{where}: the engine was handed these tensors more than once: "
-                                   f"{_listing(duplicates)}")  # fmt: skip
+        raise ReceiptMismatchError(
+            f"{where}: the engine was handed these tensors more than once: {_listing(duplicates)}"
+        )
     differ = [n for n in sent if received[n] != sent[n]]
     if differ:
-        raise ReceiptMismatchError(f"{where}: {len(differ)} tensor(s) arrived with other bytes than the trainer "
-                                   f"sent: {_listing(differ)}")  # fmt: skip
+        raise ReceiptMismatchError(
+            f"{where}: {len(differ)} tensor(s) arrived with other bytes than the trainer sent: {_listing(differ)}"
+        )
     if unchanged := list(receipt.get("unchanged") or []):
         raise ReceiptMismatchError(
             f"{where}: the engine kept its previous values in {len(unchanged)} of the {receipt.get('checked')} "

@@ -96,8 +96,15 @@ def retry_call(fn: Callable[[], T], *, what: str, backoff: Backoff, transient: C
                 tries = f"{backoff.attempts} times over {waited:.1f} s of backoff" if attempt else "(not retried)"
                 raise EngineUnavailableError(f"{what} failed {tries}; last error: {type(exc).__name__}: {exc}") from exc
             pause = backoff.delay(attempt)
-            log.warning("%s failed (try %d/%d): %s: %s; retrying in %.2f s", what, attempt + 1, backoff.attempts,
-                        type(exc).__name__, exc, pause)  # fmt: skip
+            log.warning(
+                "%s failed (try %d/%d): %s: %s; retrying in %.2f s",
+                what,
+                attempt + 1,
+                backoff.attempts,
+                type(exc).__name__,
+                exc,
+                pause,
+            )
             backoff.sleep(pause)
             waited += pause
     raise AssertionError("unreachable: the loop returns or raises")  # attempts >= 1

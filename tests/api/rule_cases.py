@@ -40,8 +40,14 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
     "MP-SINGLE-NODE": (
         # 16 GPUs a replica, 8 a node: split along DP into two pods (a LeaderWorkerSet), not refused.
         sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8}),
-        sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4,
-                "inference.dataParallelSizeLocal": 4, "inference.gpusPerNode": 8}),
+        sets(
+            **{
+                "inference.tensorParallelSize": 4,
+                "inference.dataParallelSize": 4,
+                "inference.dataParallelSizeLocal": 4,
+                "inference.gpusPerNode": 8,
+            }
+        ),
     ),
     "ENGINE-LWS": (
         sets(**{"inference.tensorParallelSize": 8, "inference.gpusPerNode": 8}),

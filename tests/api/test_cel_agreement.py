@@ -183,8 +183,11 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     s["rollout"] = {
         k: draw(st.booleans()) for k in ("retokenizeChatHistory", "stepWiseTrajectories", "partialRollout", "multiTurn")
     }
-    s["algorithm"] = {"useKLLoss": draw(st.booleans()), "klInReward": draw(st.booleans()),
-                      "mode": draw(st.sampled_from(["sync", "async"]))}  # fmt: skip
+    s["algorithm"] = {
+        "useKLLoss": draw(st.booleans()),
+        "klInReward": draw(st.booleans()),
+        "mode": draw(st.sampled_from(["sync", "async"])),
+    }
     task: dict[str, Any] = {
         "name": draw(st.sampled_from(["count", "guess", "dataset"])),
         "reward": draw(st.sampled_from(["exact-match", "prefix-match", "math", "function", "http"])),

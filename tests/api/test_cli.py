@@ -108,8 +108,12 @@ def test_explain_names_the_model_cache_claim_and_the_credentials_secret() -> Non
     from r3operator.cli.sources_view import model_summary
 
     doc = yaml.safe_load((ROOT / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
-    doc["spec"]["model"] |= {"uri": "s3://models/qwen3", "revision": None, "s3": {"credentialsSecret": "store"},
-                             "cache": {"claimName": "team-models"}}  # fmt: skip
+    doc["spec"]["model"] |= {
+        "uri": "s3://models/qwen3",
+        "revision": None,
+        "s3": {"credentialsSecret": "store"},
+        "cache": {"claimName": "team-models"},
+    }
     assert model_summary(parse_rljob(doc)) == (
         "s3://models/qwen3 fetched once by Job qwen3-30b-a3b-r3-model-fetch into claim team-models, read-only at "
         "/mnt/model/s3/models/qwen3 in every engine and trainer pod; AWS credentials from Secret store"
@@ -144,9 +148,7 @@ QWEN = ROOT / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
 
 @pytest.mark.parametrize("command", ["validate", "explain", "render"])
-def test_two_manifests_pasted_without_a_separator_exit_2_naming_the_duplicate_key(
-    tmp_path: Path, command: str
-) -> None:
+def test_two_manifests_pasted_without_a_separator_exit_2_naming_the_duplicate_key(tmp_path: Path, command: str) -> None:
     pasted = _write(tmp_path, "pasted.yaml", LOCAL.read_text() + QWEN.read_text())
     result = runner.invoke(app, [command, str(pasted)])
     assert result.exit_code == 2, result.output

@@ -194,8 +194,9 @@ def _with_unknown(dotted: str) -> dict[str, Any]:
 @pytest.mark.parametrize("field", UNKNOWN_FIELDS)
 def test_unknown_field_is_refused_with_strict_validation(rljob_api: RLJobApi, field: str) -> None:
     manifest = rljob_api.here(_with_unknown(field))
-    result = kubectl(rljob_api.plane, "apply", "--dry-run=server", "--validate=strict", "-f", "-",
-                     stdin=yaml.safe_dump(manifest))  # fmt: skip
+    result = kubectl(
+        rljob_api.plane, "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=yaml.safe_dump(manifest)
+    )
     assert result.returncode != 0
     assert f'strict decoding error: unknown field "{field}"' in result.stderr
 
@@ -203,8 +204,17 @@ def test_unknown_field_is_refused_with_strict_validation(rljob_api: RLJobApi, fi
 @pytest.mark.parametrize("field", UNKNOWN_FIELDS)
 def test_unknown_field_is_pruned_with_a_warning_otherwise(rljob_api: RLJobApi, field: str) -> None:
     manifest = rljob_api.here(_with_unknown(field))
-    result = kubectl(rljob_api.plane, "apply", "--dry-run=server", "--validate=warn", "-o", "json", "-f", "-",
-                     stdin=yaml.safe_dump(manifest))  # fmt: skip
+    result = kubectl(
+        rljob_api.plane,
+        "apply",
+        "--dry-run=server",
+        "--validate=warn",
+        "-o",
+        "json",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(manifest),
+    )
     assert result.returncode == 0, result.stderr
     assert f'unknown field "{field}"' in result.stderr
     stored = _leaves(json.loads(result.stdout))
@@ -228,31 +238,77 @@ ROOT_RULE_MESSAGE = re.compile(
     "|".join(f"(?:{message_pattern(r['messageExpression']).pattern})" for r in ROOT_RULES if "messageExpression" in r)
 )
 BAD_INPUT = [
-    pytest.param(_set("spec.inference.tensorParallelSize", "two"), "FieldValueTypeInvalid",
-                 "spec.inference.tensorParallelSize", "must be of type integer", id="string-for-integer"),
-    pytest.param(_set("spec.routingReplay.replayRef", "maybe"), "FieldValueTypeInvalid",
-                 "spec.routingReplay.replayRef", "must be of type boolean", id="string-for-boolean"),
-    pytest.param(_set("spec.model", "Qwen3"), "FieldValueTypeInvalid", "spec.model", "must be of type object",
-                 id="string-for-object"),
-    pytest.param(_set("spec.inference.extraArgs", "--enforce-eager"), "FieldValueTypeInvalid",
-                 "spec.inference.extraArgs", "must be of type array", id="string-for-list"),
-    pytest.param(_set("spec.model.uri", "hf://org/" + "x" * MB), "FieldValueTooLong", "spec.model.uri",
-                 "Too long: may not be more than 1024 bytes", id="1MB-string"),
-    pytest.param(_set("spec.inference.extraArgs", ["--enforce-eager"] * 10_000), "FieldValueTooMany",
-                 "spec.inference.extraArgs", "Too many: 10000: must have at most 32 items", id="10k-element-list"),
+    pytest.param(
+        _set("spec.inference.tensorParallelSize", "two"),
+        "FieldValueTypeInvalid",
+        "spec.inference.tensorParallelSize",
+        "must be of type integer",
+        id="string-for-integer",
+    ),
+    pytest.param(
+        _set("spec.routingReplay.replayRef", "maybe"),
+        "FieldValueTypeInvalid",
+        "spec.routingReplay.replayRef",
+        "must be of type boolean",
+        id="string-for-boolean",
+    ),
+    pytest.param(
+        _set("spec.model", "Qwen3"),
+        "FieldValueTypeInvalid",
+        "spec.model",
+        "must be of type object",
+        id="string-for-object",
+    ),
+    pytest.param(
+        _set("spec.inference.extraArgs", "--enforce-eager"),
+        "FieldValueTypeInvalid",
+        "spec.inference.extraArgs",
+        "must be of type array",
+        id="string-for-list",
+    ),
+    pytest.param(
+        _set("spec.model.uri", "hf://org/" + "x" * MB),
+        "FieldValueTooLong",
+        "spec.model.uri",
+        "Too long: may not be more than 1024 bytes",
+        id="1MB-string",
+    ),
+    pytest.param(
+        _set("spec.inference.extraArgs", ["--enforce-eager"] * 10_000),
+        "FieldValueTooMany",
+        "spec.inference.extraArgs",
+        "Too many: 10000: must have at most 32 items",
+        id="10k-element-list",
+    ),
     # Refused by the CRD's root rule (child names append suffixes to the RLJob's, so it is capped below 63);
     # its fieldPath names metadata.name (kubectl showed `<nil>` for a root rule without one).
-    pytest.param(_set("metadata.name", "a" * 63), "FieldValueInvalid", "metadata.name", ROOT_RULE_MESSAGE,
-                 id="63-char-name"),
+    pytest.param(
+        _set("metadata.name", "a" * 63), "FieldValueInvalid", "metadata.name", ROOT_RULE_MESSAGE, id="63-char-name"
+    ),
     # One past the longest name whose RayJob <job>-trainer fits KubeRay's 47 characters.
-    pytest.param(_set("metadata.name", "a" * 40), "FieldValueInvalid", "metadata.name",
-                 "at most 39 characters, got 40: <job>-trainer names a RayJob", id="40-char-name"),
+    pytest.param(
+        _set("metadata.name", "a" * 40),
+        "FieldValueInvalid",
+        "metadata.name",
+        "at most 39 characters, got 40: <job>-trainer names a RayJob",
+        id="40-char-name",
+    ),
     # Not a DNS-1035 label: the engine Service <job>-engine could not be created.
-    pytest.param(_set("metadata.name", "1job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
-                 id="name-starts-with-a-digit"),
-    pytest.param(_set("metadata.name", "my.job"), "FieldValueInvalid", "metadata.name", "must be a DNS-1035 label",
-                 id="name-with-a-dot"),
-]  # fmt: skip
+    pytest.param(
+        _set("metadata.name", "1job"),
+        "FieldValueInvalid",
+        "metadata.name",
+        "must be a DNS-1035 label",
+        id="name-starts-with-a-digit",
+    ),
+    pytest.param(
+        _set("metadata.name", "my.job"),
+        "FieldValueInvalid",
+        "metadata.name",
+        "must be a DNS-1035 label",
+        id="name-with-a-dot",
+    ),
+]
 
 
 @pytest.mark.parametrize(("mutate", "reason", "field", "message"), BAD_INPUT)

@@ -20,17 +20,37 @@ def _with(path: str, template: dict[str, Any]) -> dict[str, Any]:
 
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     # (template path, template, the field the apiserver names, words of its message)
-    ("trainer.podTemplate", {"tolerations": [{"key": f"k{i}", "operator": "Exists"} for i in range(10_000)]},
-     "spec.trainer.podTemplate.tolerations", "must have at most 64 items"),
-    ("inference.podTemplate", {"tolerations": [{"key": "a", "operator": "Exists", "value": "b"}]},
-     "spec.inference.podTemplate.tolerations[0]", "a toleration with operator Exists has no value"),
-    ("podTemplate", {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]},
-     "spec.podTemplate.env[0]", "env sets value or valueFrom, not both"),
-    ("inference.podTemplate", {"volumes": [{"name": "v", "emptyDir": {}, "secret": {"secretName": "s"}}]},
-     "spec.inference.podTemplate.volumes[0]", "a volume sets exactly one of"),
-    ("trainer.podTemplate", {"labels": {"not a key!": "x"}},
-     "spec.trainer.podTemplate.labels", "keys must be qualified names"),
-]  # fmt: skip
+    (
+        "trainer.podTemplate",
+        {"tolerations": [{"key": f"k{i}", "operator": "Exists"} for i in range(10_000)]},
+        "spec.trainer.podTemplate.tolerations",
+        "must have at most 64 items",
+    ),
+    (
+        "inference.podTemplate",
+        {"tolerations": [{"key": "a", "operator": "Exists", "value": "b"}]},
+        "spec.inference.podTemplate.tolerations[0]",
+        "a toleration with operator Exists has no value",
+    ),
+    (
+        "podTemplate",
+        {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]},
+        "spec.podTemplate.env[0]",
+        "env sets value or valueFrom, not both",
+    ),
+    (
+        "inference.podTemplate",
+        {"volumes": [{"name": "v", "emptyDir": {}, "secret": {"secretName": "s"}}]},
+        "spec.inference.podTemplate.volumes[0]",
+        "a volume sets exactly one of",
+    ),
+    (
+        "trainer.podTemplate",
+        {"labels": {"not a key!": "x"}},
+        "spec.trainer.podTemplate.labels",
+        "keys must be qualified names",
+    ),
+]
 
 
 @pytest.mark.parametrize(("path", "template", "field", "words"), BAD, ids=[b[2] + ":" + b[3][:20] for b in BAD])
@@ -50,11 +70,22 @@ def test_a_full_template_is_accepted_by_the_apiserver(rljob_api: RLJobApi) -> No
         "annotations": {"example.com/cost-center": "42"},
         "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
-        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-            {"weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                               "labelSelector": {"matchLabels": {"team": "rl"}}}}]}},
-        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                                       "whenUnsatisfiable": "ScheduleAnyway"}],
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 50,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"team": "rl"}},
+                        },
+                    }
+                ]
+            }
+        },
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
         "priorityClassName": "rl-batch",
         "imagePullSecrets": [{"name": "registry"}],
         "serviceAccountName": "rl-runner",
@@ -64,7 +95,7 @@ def test_a_full_template_is_accepted_by_the_apiserver(rljob_api: RLJobApi) -> No
         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}}],
         "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
         "resources": {"limits": {"cpu": "32", "rdma/ib": "1"}},
-    }  # fmt: skip
+    }
     manifest = _with("inference.podTemplate", template)
     assert rljob_api.refusal(manifest, strict=True) == []
     parsed = parse_rljob(manifest).spec.inference.pod_template

@@ -56,8 +56,11 @@ def test_rule_fails_with_its_id_only(rule_id: str) -> None:
 def test_messages_quote_actual_values() -> None:
     [f] = [f for f in evaluate(build(sets(**{"inference.pipelineParallelSize": 3})).spec)]
     assert f.rule == "R3-INFERENCE-PP" and "3" in f.message
-    mp = build(sets(**{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4,
-                       "inference.dataParallelSizeLocal": 4}))  # fmt: skip
+    mp = build(
+        sets(
+            **{"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.dataParallelSizeLocal": 4}
+        )
+    )
     [f] = [f for f in evaluate(mp.spec) if f.rule == "MP-SINGLE-NODE"]
     assert "16 GPUs > gpusPerNode 8" in f.message
 
@@ -112,9 +115,11 @@ def test_errors_sort_before_warnings() -> None:
 
 @pytest.mark.parametrize(
     ("fsdp", "names"),
-    [({"ulyssesSequenceParallelSize": 2}, "ulyssesSequenceParallelSize is 2, not 1"),
-     ({"samplePacking": True}, "samplePacking is true")],
-)  # fmt: skip
+    [
+        ({"ulyssesSequenceParallelSize": 2}, "ulyssesSequenceParallelSize is 2, not 1"),
+        ({"samplePacking": True}, "samplePacking is true"),
+    ],
+)
 def test_fsdp_settings_the_trainer_does_not_implement_are_refused_naming_the_field(fsdp: dict, names: str) -> None:
     [finding] = [f for f in evaluate(build(sets(**{"trainer.fsdp": fsdp})).spec) if f.rule == "FSDP-UNIMPLEMENTED"]
     assert finding.severity is Severity.ERROR and f"trainer.fsdp.{names}" in finding.message

@@ -125,9 +125,13 @@ def _installed() -> str:
 
 @pytest.mark.parametrize(
     ("argument", "dest"),
-    [("-tp4", "tensor_parallel_size"), ("--served_model=x", "served_model_name"),
-     ("--no-enable-return-routed-experts", "enable_return_routed_experts"),
-     ("--kv-transfer-config.kv_connector=X", "kv_transfer_config"), ("-dpl=1", "data_parallel_size_local")],
-)  # fmt: skip
+    [
+        ("-tp4", "tensor_parallel_size"),
+        ("--served_model=x", "served_model_name"),
+        ("--no-enable-return-routed-experts", "enable_return_routed_experts"),
+        ("--kv-transfer-config.kv_connector=X", "kv_transfer_config"),
+        ("-dpl=1", "data_parallel_size_local"),
+    ],
+)
 def test_the_message_names_what_a_spelling_sets(argument: str, dest: str) -> None:
     assert vllm_cli.dest_of(argument) == dest

@@ -32,22 +32,52 @@ SAMPLES = 128  # 16 prompts × 8
 
 # Three verl steps as its trainer logs them (values picked so every figure below is checkable by hand).
 VERL_STEPS = {
-    1: {"timing_s/gen": 9.0, "timing_s/old_log_prob": 2.0, "timing_s/update_actor": 5.0,
-        "timing_s/update_weights": 3.0, "timing_s/step": 20.0, "response_length/mean": 50.0,
-        "perf/max_memory_allocated_gb": 30.5, "critic/score/mean": 0.0,
-        "training/rollout_probs_diff_mean": 0.01, "training/rollout_probs_diff_max": 0.9,
-        "peer/logprob_abs_diff_mean": 0.5, "peer/logprob_abs_diff_max": 9.0, "peer/kl_k3": 0.3},
-    2: {"timing_s/gen": 1.0, "timing_s/old_log_prob": 0.5, "timing_s/update_actor": 1.5,
-        "timing_s/update_weights": 0.25, "timing_s/step": 4.0, "response_length/mean": 64.0,
-        "perf/max_memory_allocated_gb": 31.0, "critic/score/mean": 0.125,
-        "training/rollout_probs_diff_mean": 0.002, "training/rollout_probs_diff_max": 0.2,
-        "peer/logprob_abs_diff_mean": 0.004, "peer/logprob_abs_diff_max": 0.3, "peer/kl_k3": 0.001},
-    3: {"timing_s/gen": 3.0, "timing_s/old_log_prob": 0.5, "timing_s/update_actor": 2.5,
-        "timing_s/update_weights": 0.75, "timing_s/step": 8.0, "response_length/mean": 32.0,
-        "perf/max_memory_allocated_gb": 30.0, "critic/score/mean": 0.25,
-        "training/rollout_probs_diff_mean": 0.004, "training/rollout_probs_diff_max": 0.4,
-        "peer/logprob_abs_diff_mean": 0.006, "peer/logprob_abs_diff_max": 0.5, "peer/kl_k3": 0.003},
-}  # fmt: skip
+    1: {
+        "timing_s/gen": 9.0,
+        "timing_s/old_log_prob": 2.0,
+        "timing_s/update_actor": 5.0,
+        "timing_s/update_weights": 3.0,
+        "timing_s/step": 20.0,
+        "response_length/mean": 50.0,
+        "perf/max_memory_allocated_gb": 30.5,
+        "critic/score/mean": 0.0,
+        "training/rollout_probs_diff_mean": 0.01,
+        "training/rollout_probs_diff_max": 0.9,
+        "peer/logprob_abs_diff_mean": 0.5,
+        "peer/logprob_abs_diff_max": 9.0,
+        "peer/kl_k3": 0.3,
+    },
+    2: {
+        "timing_s/gen": 1.0,
+        "timing_s/old_log_prob": 0.5,
+        "timing_s/update_actor": 1.5,
+        "timing_s/update_weights": 0.25,
+        "timing_s/step": 4.0,
+        "response_length/mean": 64.0,
+        "perf/max_memory_allocated_gb": 31.0,
+        "critic/score/mean": 0.125,
+        "training/rollout_probs_diff_mean": 0.002,
+        "training/rollout_probs_diff_max": 0.2,
+        "peer/logprob_abs_diff_mean": 0.004,
+        "peer/logprob_abs_diff_max": 0.3,
+        "peer/kl_k3": 0.001,
+    },
+    3: {
+        "timing_s/gen": 3.0,
+        "timing_s/old_log_prob": 0.5,
+        "timing_s/update_actor": 2.5,
+        "timing_s/update_weights": 0.75,
+        "timing_s/step": 8.0,
+        "response_length/mean": 32.0,
+        "perf/max_memory_allocated_gb": 30.0,
+        "critic/score/mean": 0.25,
+        "training/rollout_probs_diff_mean": 0.004,
+        "training/rollout_probs_diff_max": 0.4,
+        "peer/logprob_abs_diff_mean": 0.006,
+        "peer/logprob_abs_diff_max": 0.5,
+        "peer/kl_k3": 0.003,
+    },
+}
 
 
 def write_verl_jsonl(path: Path, steps: dict[int, dict[str, float]]) -> Path:
@@ -64,15 +94,17 @@ def write_verl_console(path: Path, steps: dict[int, dict[str, float]]) -> Path:
 
 
 def test_verl_summary_leaves_step_one_out_and_divides_by_gpus(tmp_path: Path) -> None:
-    s = summarize_verl(write_verl_jsonl(tmp_path / "m.jsonl", VERL_STEPS), replay="R3", gpus=2,
-                       samples_per_step=SAMPLES)  # fmt: skip
+    s = summarize_verl(
+        write_verl_jsonl(tmp_path / "m.jsonl", VERL_STEPS), replay="R3", gpus=2, samples_per_step=SAMPLES
+    )
     tokens = (64 + 32) * SAMPLES  # steps 2 and 3
     assert s.steps == 3 and s.measured_steps == 2
     assert s.generated_tokens_per_s_per_gpu == pytest.approx(tokens / (1.0 + 3.0) / 2)
     assert s.trained_tokens_per_s_per_gpu == pytest.approx(tokens / (4.0 + 8.0) / 2)
     assert s.step_seconds == pytest.approx(6.0)
-    assert s.split == pytest.approx({"rollout": 2.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5,
-                                     "other": 6.0 - 5.0})  # fmt: skip
+    assert s.split == pytest.approx(
+        {"rollout": 2.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5, "other": 6.0 - 5.0}
+    )
     assert s.trainer_peak_gib == 31.0  # the peak over every step, the first included
     assert s.logprob_abs_diff_mean == pytest.approx(0.005)
     assert s.logprob_abs_diff_max == pytest.approx(0.5)
@@ -114,28 +146,44 @@ def write_r3_metrics(path: Path, rows: list[dict[str, float | int | str]]) -> Pa
 
 def r3_row(step: int, **overrides: float | int | str) -> dict[str, float | int | str]:
     row: dict[str, float | int | str] = {
-        "step": step, "replay_mode": "R3", "reward_mean": 0.1 * step, "tokens": 1000, "step_seconds": 5.0,
-        "t_rollout": 1.0, "t_old_logprob": 0.5, "t_update": 2.0, "t_weight_sync": 0.5, "t_checkpoint": 0.0,
-        "logprob_abs_diff_mean": 0.002, "logprob_abs_diff_max": 0.1, "kl_k3": 1e-4,
-        "routing_natural_agreement": 0.9, "trainer_peak_memory_gib": 40.0, "skipped": 0,
-    }  # fmt: skip
+        "step": step,
+        "replay_mode": "R3",
+        "reward_mean": 0.1 * step,
+        "tokens": 1000,
+        "step_seconds": 5.0,
+        "t_rollout": 1.0,
+        "t_old_logprob": 0.5,
+        "t_update": 2.0,
+        "t_weight_sync": 0.5,
+        "t_checkpoint": 0.0,
+        "logprob_abs_diff_mean": 0.002,
+        "logprob_abs_diff_max": 0.1,
+        "kl_k3": 1e-4,
+        "routing_natural_agreement": 0.9,
+        "trainer_peak_memory_gib": 40.0,
+        "skipped": 0,
+    }
     row.update(overrides)
     return row
 
 
 def test_r3_summary_leaves_out_skipped_steps_and_the_final_checkpoint(tmp_path: Path) -> None:
-    path = write_r3_metrics(tmp_path / "metrics.csv", [
-        r3_row(1, step_seconds=30.0, t_rollout=20.0, tokens=900, trainer_peak_memory_gib=38.0),
-        r3_row(2, routing_natural_agreement=0.8, logprob_abs_diff_max=0.3),
-        r3_row(3, skipped=1, tokens=1000, step_seconds=0.5),
-        r3_row(4, step_seconds=29.0, t_checkpoint=24.0, tokens=600, trainer_peak_memory_gib=41.5),
-    ])  # fmt: skip
+    path = write_r3_metrics(
+        tmp_path / "metrics.csv",
+        [
+            r3_row(1, step_seconds=30.0, t_rollout=20.0, tokens=900, trainer_peak_memory_gib=38.0),
+            r3_row(2, routing_natural_agreement=0.8, logprob_abs_diff_max=0.3),
+            r3_row(3, skipped=1, tokens=1000, step_seconds=0.5),
+            r3_row(4, step_seconds=29.0, t_checkpoint=24.0, tokens=600, trainer_peak_memory_gib=41.5),
+        ],
+    )
     s = summarize_r3(path, replay="R3", gpus=2)
     assert s.steps == 3 and s.measured_steps == 2  # step 3 skipped, step 1 warm-up
     assert s.generated_tokens_per_s_per_gpu == pytest.approx((1000 + 600) / (1.0 + 1.0) / 2)
     assert s.trained_tokens_per_s_per_gpu == pytest.approx((1000 + 600) / (5.0 + 5.0) / 2)
-    assert s.split == pytest.approx({"rollout": 1.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5,
-                                     "other": 1.0})  # fmt: skip
+    assert s.split == pytest.approx(
+        {"rollout": 1.0, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5, "other": 1.0}
+    )
     assert s.trainer_peak_gib == 41.5
     assert s.routing_agreement == pytest.approx(0.85)
     assert s.logprob_abs_diff_max == pytest.approx(0.3)
@@ -224,17 +272,33 @@ def test_verl_config_matches_the_rljob_and_switches_both_r3_halves() -> None:
     spec = load_rljob(JOB).spec
     work = Workload()
     assert (work.prompts_per_step, work.group_size, work.max_response_tokens) == (
-        spec.rollout.prompts_per_step, spec.rollout.group_size, spec.rollout.max_tokens)  # fmt: skip
+        spec.rollout.prompts_per_step,
+        spec.rollout.group_size,
+        spec.rollout.max_tokens,
+    )
     assert (work.learning_rate, work.clip_low, work.clip_high, work.mini_batches) == (
-        spec.algorithm.learning_rate, spec.algorithm.clip_ratio_low, spec.algorithm.clip_ratio_high,
-        spec.algorithm.mini_batches)  # fmt: skip
+        spec.algorithm.learning_rate,
+        spec.algorithm.clip_ratio_low,
+        spec.algorithm.clip_ratio_high,
+        spec.algorithm.mini_batches,
+    )
     assert (work.temperature, work.seed, work.engine_memory_fraction) == (
-        spec.rollout.temperature, spec.seed, spec.inference.gpu_memory_utilization)  # fmt: skip
+        spec.rollout.temperature,
+        spec.seed,
+        spec.inference.gpu_memory_utilization,
+    )
     assert spec.algorithm.sft_warmup_steps == 0  # verl has no SFT warm-up
 
     def overrides(replay: str) -> dict[str, str]:
-        items = verl_overrides(model_dir=Path("/m"), data_dir=Path("/d"), reward_file=Path("/r.py"), gpus=2,
-                               steps=30, replay=replay, log_file=Path("/o/metrics.jsonl"))  # fmt: skip
+        items = verl_overrides(
+            model_dir=Path("/m"),
+            data_dir=Path("/d"),
+            reward_file=Path("/r.py"),
+            gpus=2,
+            steps=30,
+            replay=replay,
+            log_file=Path("/o/metrics.jsonl"),
+        )
         return dict(item.split("=", 1) for item in items)
 
     on, off = overrides("R3"), overrides("disabled")
@@ -329,8 +393,12 @@ def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkey
     rollout = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-0.5, -0.5, -0.5, -0.5]])
     trainer = torch.tensor([[0.0, -1.5, -2.0, -9.0], [-0.25, -0.5, -0.5, -0.5]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # -9.0 is padding and must not count
-    batch = {"rollout_log_probs": rollout, "old_log_probs": trainer, "response_mask": mask,
-             "responses": torch.zeros(2, 4)}  # fmt: skip
+    batch = {
+        "rollout_log_probs": rollout,
+        "old_log_probs": trainer,
+        "response_mask": mask,
+        "responses": torch.zeros(2, 4),
+    }
     got = metrics.calculate_debug_metrics(type("Data", (), {"batch": batch})())
     log_ratios = [0.0, -0.5, 0.0, 0.25, 0.0]  # trainer - rollout over the 5 unmasked tokens
     assert got["training/rollout_probs_diff_mean"] == 0.5  # verl's own metrics stay

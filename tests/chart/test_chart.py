@@ -40,8 +40,10 @@ def test_rendered_manifests_validate_strict_for_min_kubernetes(render, tmp_path:
     manifest.write_text(render(*sets).text)
     proc = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", MIN_KUBERNETES, str(manifest)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "passed for resource deployment/" in proc.stdout
 
@@ -108,7 +110,8 @@ def test_rbac_has_no_wildcards_and_only_the_operators_permissions(render, sets: 
         | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in crud}  # engines wider than a node
         | {("batch", "jobs", v) for v in crud}  # the engine-upgrade canary and the model-fetch Job
         | {("monitoring.coreos.com", "podmonitors", v) for v in crud}
-        | {("kueue.x-k8s.io", "workloads", v) for v in crud} | {("kueue.x-k8s.io", "workloads/status", "patch")}
+        | {("kueue.x-k8s.io", "workloads", v) for v in crud}
+        | {("kueue.x-k8s.io", "workloads/status", "patch")}
         | {("scheduling.k8s.io", "priorityclasses", "get")}  # a pod template's PriorityClass must exist
         | {("networking.k8s.io", "networkpolicies", v) for v in crud}  # the engine port's fence
         | {("", "serviceaccounts", v) for v in crud}  # per RLJob: the trainer's identity
@@ -143,7 +146,9 @@ def test_secret_access_is_get_by_name_and_only_with_check_secret_references(rend
 def test_namespaced_is_the_default_and_watches_the_release_namespace(render) -> None:
     docs = render()
     assert {d["metadata"]["name"]: d["metadata"]["namespace"] for d in docs.kind("Role")} == {
-        "r3-r3operator": "r3-system", "r3-r3operator-leader-election": "r3-system"}  # fmt: skip
+        "r3-r3operator": "r3-system",
+        "r3-r3operator-leader-election": "r3-system",
+    }
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" not in args and "--namespace=r3-system" in args
     operator_cluster_roles = {d["metadata"]["name"] for d in docs.kind("ClusterRole") if not _aggregated(d)}
@@ -155,12 +160,20 @@ def test_namespaced_is_the_default_and_watches_the_release_namespace(render) -> 
 def test_rbac_matches_docs_operator_md(render) -> None:
     # docs/operator.md (the operator's own table) is the source of truth; every row is granted.
     doc = (REPO / "docs/operator.md").read_text().split("## RBAC the operator needs", 1)[1].split("\n## ", 1)[0]
-    granted = {(g, r, v) for rule in _rbac_rules(render(*CLUSTER)) for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}  # fmt: skip
+    granted = {
+        (g, r, v)
+        for rule in _rbac_rules(render(*CLUSTER))
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \| ([a-z, ]+)", doc, re.M)
     assert len(rows) >= 10
-    documented = {("" if group == '""' else group, resource, verb.strip())
-                  for group, resource, verbs in rows for verb in verbs.split(",")}  # fmt: skip
+    documented = {
+        ("" if group == '""' else group, resource, verb.strip())
+        for group, resource, verbs in rows
+        for verb in verbs.split(",")
+    }
     assert documented == granted  # every row is granted, and nothing undocumented is
     # docs/install.md points at that table instead of keeping a copy that goes stale.
     install = (REPO / "docs/install.md").read_text().split("### What the operator may do", 1)[1].split("\n#", 1)[0]
@@ -170,7 +183,9 @@ def test_rbac_matches_docs_operator_md(render) -> None:
 def test_cluster_mode_uses_cluster_roles_and_watches_all_namespaces(render) -> None:
     docs = render(*CLUSTER)
     assert {d["metadata"]["name"] for d in docs.kind("ClusterRole") if not _aggregated(d)} == {
-        "r3-r3operator", "r3-r3operator-crd-reader"}  # fmt: skip
+        "r3-r3operator",
+        "r3-r3operator-crd-reader",
+    }
     # Only the leader-election Role stays namespaced.
     assert [d["metadata"]["name"] for d in docs.kind("Role")] == ["r3-r3operator-leader-election"]
     args = docs.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -217,8 +232,14 @@ def test_deployment_is_ha_with_leader_election_non_root_read_only(render) -> Non
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
     health = next(p for p in container["ports"] if p["name"] == "healthz")["containerPort"]
     assert f"--liveness=http://0.0.0.0:{health}/healthz" in container["args"]
-    assert {"--leader-elect", "--leader-election-namespace=r3-system", "--leader-election-id=r3-r3operator-leader",
-            "--lease-duration=15", "--renew-deadline=10", "--retry-period=2"} <= set(container["args"])  # fmt: skip
+    assert {
+        "--leader-elect",
+        "--leader-election-namespace=r3-system",
+        "--leader-election-id=r3-r3operator-leader",
+        "--lease-duration=15",
+        "--renew-deadline=10",
+        "--retry-period=2",
+    } <= set(container["args"])
     [lease_role] = [r for r in docs.kind("Role") if r["metadata"]["name"].endswith("-leader-election")]
     named = next(rule for rule in lease_role["rules"] if "resourceNames" in rule)
     assert named["resourceNames"] == ["r3-r3operator-leader"]  # the --leader-election-id above
@@ -242,8 +263,11 @@ def test_one_replica_without_leader_election_is_recreate_and_has_no_pdb(render, 
 
 
 def test_security_contexts_are_overridable(render) -> None:
-    docs = render("podSecurityContext.runAsNonRoot=true", "podSecurityContext.fsGroup=1000680000",
-                  "securityContext.runAsUser=1000680000")  # fmt: skip
+    docs = render(
+        "podSecurityContext.runAsNonRoot=true",
+        "podSecurityContext.fsGroup=1000680000",
+        "securityContext.runAsUser=1000680000",
+    )
     pod = docs.one("Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["fsGroup"] == 1000680000
     assert pod["containers"][0]["securityContext"]["runAsUser"] == 1000680000
@@ -345,9 +369,22 @@ def test_prometheus_rule_and_monitors_render_only_when_enabled(render) -> None:
 
 def test_notes_tell_the_next_commands(helm: str) -> None:
     proc = subprocess.run(
-        [helm, "install", "r3", str(CHART), "--dry-run=client", "-n", "r3-system", *("--set", IMAGE),
-         *("--set", NAMESPACED[0]), *("--set", NAMESPACED[1])], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            helm,
+            "install",
+            "r3",
+            str(CHART),
+            "--dry-run=client",
+            "-n",
+            "r3-system",
+            *("--set", IMAGE),
+            *("--set", NAMESPACED[0]),
+            *("--set", NAMESPACED[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "kubectl apply -f examples/qwen3-30b-a3b-r3-fsdp.yaml" in notes

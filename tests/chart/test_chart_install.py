@@ -342,17 +342,22 @@ def test_namespace_editors_manage_rljobs_and_viewers_read_them(
     control_plane: ControlPlane, namespaced_release: Release, jobs_namespace: str
 ) -> None:
     for user, role in (("alice", "edit"), ("bob", "view")):
-        binding = {"metadata": {"name": f"{user}-{role}"}, "subjects": [
-            {"kind": "User", "name": user, "apiGroup": "rbac.authorization.k8s.io"}],
-            "roleRef": {"kind": "ClusterRole", "name": role, "apiGroup": "rbac.authorization.k8s.io"}}  # fmt: skip
+        binding = {
+            "metadata": {"name": f"{user}-{role}"},
+            "subjects": [{"kind": "User", "name": user, "apiGroup": "rbac.authorization.k8s.io"}],
+            "roleRef": {"kind": "ClusterRole", "name": role, "apiGroup": "rbac.authorization.k8s.io"},
+        }
         with contextlib.suppress(ApiError):
             control_plane.request(
                 "POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_namespace}/rolebindings", binding
             )
     # The controller manager folds the chart's labelled ClusterRoles into edit and view.
     harness = _operator_harness()
-    harness.wait_for(lambda: _can(control_plane, "alice", "create", jobs_namespace), timeout=60,
-                     what="edit aggregates the chart's RLJob rules")  # fmt: skip
+    harness.wait_for(
+        lambda: _can(control_plane, "alice", "create", jobs_namespace),
+        timeout=60,
+        what="edit aggregates the chart's RLJob rules",
+    )
     assert all(_can(control_plane, "alice", v, jobs_namespace) for v in ("create", "update", "delete", "list"))
     assert all(_can(control_plane, "bob", v, jobs_namespace) for v in ("get", "list", "watch"))
     assert not any(_can(control_plane, "bob", v, jobs_namespace) for v in ("create", "patch", "delete"))

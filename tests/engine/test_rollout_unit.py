@@ -26,9 +26,15 @@ def _npy_b64(arr: np.ndarray) -> str:
 
 def _sample(routed: object, *, prompt: int = 4, gen: int = 3, start: int = 0) -> RolloutSample:
     return build_sample(
-        prompt_index=0, choice_index=1, prompt_token_ids=list(range(prompt)), token_ids=list(range(gen)),
-        logprobs=[-0.5] * gen, routed_experts=routed, routed_experts_prompt_start=start, num_experts=8,
-    )  # fmt: skip
+        prompt_index=0,
+        choice_index=1,
+        prompt_token_ids=list(range(prompt)),
+        token_ids=list(range(gen)),
+        logprobs=[-0.5] * gen,
+        routed_experts=routed,
+        routed_experts_prompt_start=start,
+        num_experts=8,
+    )
 
 
 @pytest.mark.parametrize("as_b64", [False, True])

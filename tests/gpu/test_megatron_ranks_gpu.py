@@ -69,25 +69,34 @@ def r3_batch(cfg: Any, seed: int = 0) -> Any:
     pad = attn == 0
     routes[pad] = 0
     return TrainBatch(
-        input_ids=ids, attention_mask=attn, response_mask=resp, rollout_logprobs=torch.zeros(ROWS, WIDTH - 1),
-        advantages=torch.randn(ROWS, generator=g), engine_routes=routes, route_pad=pad,
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=resp,
+        rollout_logprobs=torch.zeros(ROWS, WIDTH - 1),
+        advantages=torch.randn(ROWS, generator=g),
+        engine_routes=routes,
+        route_pad=pad,
         sample_ids=[f"s{i}" for i in range(ROWS)],
-    )  # fmt: skip
+    )
 
 
 def one_process(model_dir: Path) -> Any:
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
 
-    return MegatronPolicyTrainer(build_megatron_trainer(None, model_dir, "cuda", learning_rate=LR),
-                                 compute_dtype="float32")  # fmt: skip
+    return MegatronPolicyTrainer(
+        build_megatron_trainer(None, model_dir, "cuda", learning_rate=LR), compute_dtype="float32"
+    )
 
 
 def synced(trainer: Any) -> dict[str, Any]:
     from r3operator.wire.weights import unpack_chunk
 
-    return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=64, dtype=None)
-            for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip
+    return {
+        name: t.clone()
+        for chunk in trainer.weight_chunks(chunk_size_mb=64, dtype=None)
+        for name, t in unpack_chunk(chunk.buffer, chunk.entries)
+    }
 
 
 def largest_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
@@ -128,13 +137,32 @@ def reference() -> dict[str, Any]:
     old = single.old_logprobs(batch, ReplayMode.R3)
     stats = single.update(batch, old, mini_batches=2, **CLIP)
     after = {k: v.clone() for k, v in single.model_state_dict().items()}
-    return {"model_dir": model_dir, "batch": batch, "old": old, "stats": stats, "before": before, "after": after,
-            "synced": synced(single), "synced_before": synced_before}  # fmt: skip
+    return {
+        "model_dir": model_dir,
+        "batch": batch,
+        "old": old,
+        "stats": stats,
+        "before": before,
+        "after": after,
+        "synced": synced(single),
+        "synced_before": synced_before,
+    }
 
 
-@pytest.mark.parametrize(("gpus", "megatron"), CASES,
-                         ids=["2gpu-tp2-sp", "2gpu-ep2", "4gpu-tp2-sp-ep2", "4gpu-tp2-sp-dp2", "4gpu-ep4", "2gpu-pp2",
-                              "4gpu-pp2-tp2-sp", "4gpu-pp2-ep2"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("gpus", "megatron"),
+    CASES,
+    ids=[
+        "2gpu-tp2-sp",
+        "2gpu-ep2",
+        "4gpu-tp2-sp-ep2",
+        "4gpu-tp2-sp-dp2",
+        "4gpu-ep4",
+        "2gpu-pp2",
+        "4gpu-pp2-tp2-sp",
+        "4gpu-pp2-ep2",
+    ],
+)
 def test_megatron_over_ray_ranks_trains_like_one_process(
     gpus: int, megatron: dict[str, Any], reference: dict[str, Any], tmp_path: Path
 ) -> None:

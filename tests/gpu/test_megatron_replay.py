@@ -36,10 +36,15 @@ def synthetic_batch(model_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     routes = torch.rand(4, 64, cfg.num_hidden_layers, cfg.num_experts, generator=g).argsort(-1)
     routes = routes[..., : cfg.num_experts_per_tok]
     batch = TrainBatch(
-        input_ids=ids * attn, attention_mask=attn, response_mask=(attn[:, 1:] * attn[:, :-1]).bool(),
-        rollout_logprobs=torch.zeros(4, 63), advantages=torch.zeros(4), engine_routes=routes, route_pad=pad,
+        input_ids=ids * attn,
+        attention_mask=attn,
+        response_mask=(attn[:, 1:] * attn[:, :-1]).bool(),
+        rollout_logprobs=torch.zeros(4, 63),
+        advantages=torch.zeros(4),
+        engine_routes=routes,
+        route_pad=pad,
         sample_ids=[f"s{i}" for i in range(4)],
-    )  # fmt: skip
+    )
     return batch, routes
 
 
@@ -72,6 +77,7 @@ def _worker(out: Path) -> None:
     batch, routes = synthetic_batch(model_dir)
     on = tr.logprobs(batch, routes, ReplayMode.R3, probe=True)
     rec = tr.logprobs(batch, None, ReplayMode.R2, probe=True)
+
     def loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
         mask = mb.response_mask.to(lp.device)
         return -(lp * mask).sum() / mask.sum(), {}

@@ -57,8 +57,9 @@ def test_nccl_engine_on_its_own_gpu(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from benchmarks.bench_weight_sync import main
 
-    r = main(["--model", "gpu", "--methods", "nccl,packed", "--engine-gpu", "1", "--syncs", "2",
-              "--log-dir", str(tmp_path)])  # fmt: skip
+    r = main(
+        ["--model", "gpu", "--methods", "nccl,packed", "--engine-gpu", "1", "--syncs", "2", "--log-dir", str(tmp_path)]
+    )
     assert r["weight_transfer"].startswith("nccl (vLLM "), r["weight_transfer"]
     for method in ("nccl", "packed"):
         assert r["methods"][method]["canary_ok"] == "2/2", (method, r["methods"][method])

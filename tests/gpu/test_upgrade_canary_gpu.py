@@ -34,8 +34,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     try:
         for role, model in (("good", tiny), ("bad", bad)):
             # One at a time: each sizes its KV cache from the GPU memory free when it starts.
-            started[role] = VLLMServer(model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log",
-                                       max_model_len=256, extra_args=share)  # fmt: skip
+            started[role] = VLLMServer(
+                model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log", max_model_len=256, extra_args=share
+            )
             started[role].wait_healthy()
         yield {"urls": {role: server.url for role, server in started.items()}, "model": tiny}
     finally:
@@ -61,8 +62,9 @@ def test_an_engine_that_routes_differently_fails_on_the_gpu(servers: dict[str, A
     from r3operator.runtime.upgrade_canary import run_upgrade_canary
 
     urls = servers["urls"]
-    result = run_upgrade_canary(settings, old_url=urls["good"], new_url=urls["bad"], old_image="good:1",
-                                new_image="bad:2", attempt="2")  # fmt: skip
+    result = run_upgrade_canary(
+        settings, old_url=urls["good"], new_url=urls["bad"], old_image="good:1", new_image="bad:2", attempt="2"
+    )
     assert not result.passed
     assert result.new is not None and result.old is not None
     assert result.new.natural_mismatch is not None and result.old.natural_mismatch is not None

@@ -288,17 +288,24 @@ class ControlPlane:
             "etcd",
             [
                 str(self.bin_dir / "etcd"),
-                "--data-dir", str(data),
-                "--listen-client-urls", client,
-                "--advertise-client-urls", client,
-                "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"default={peer}",
+                "--data-dir",
+                str(data),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"default={peer}",
                 # A throwaway test store: durability buys nothing and fsync dominates write latency.
                 "--unsafe-no-fsync",
-                "--log-level", "warn",
+                "--log-level",
+                "warn",
             ],
-        )  # fmt: skip
+        )
         self._wait("etcd", proc, lambda: _http_ok(f"{client}/health"))
 
     def start_apiserver(self) -> None:
@@ -307,30 +314,47 @@ class ControlPlane:
             "kube-apiserver",
             [
                 str(self.bin_dir / "kube-apiserver"),
-                "--etcd-servers", f"http://127.0.0.1:{self.etcd_port}",
-                "--bind-address", "127.0.0.1",
-                "--advertise-address", "127.0.0.1",
-                "--secure-port", str(self.api_port),
-                "--cert-dir", str(certs),
-                "--token-auth-file", str(self.pki / "tokens.csv"),
-                "--authorization-mode", "RBAC",
-                "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
-                "--service-account-key-file", str(self.pki / "sa.pub"),
-                "--service-account-signing-key-file", str(self.pki / "sa.key"),
-                "--service-cluster-ip-range", "10.96.0.0/16",
+                "--etcd-servers",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.api_port),
+                "--cert-dir",
+                str(certs),
+                "--token-auth-file",
+                str(self.pki / "tokens.csv"),
+                "--authorization-mode",
+                "RBAC",
+                "--service-account-issuer",
+                "https://kubernetes.default.svc.cluster.local",
+                "--service-account-key-file",
+                str(self.pki / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(self.pki / "sa.key"),
+                "--service-cluster-ip-range",
+                "10.96.0.0/16",
                 "--allow-privileged=true",
                 # Endpoints may not name a loopback address, and this apiserver has no other.
-                "--endpoint-reconciler-type", "none",
+                "--endpoint-reconciler-type",
+                "none",
                 "--profiling=false",
                 # Every request, with its user and user agent: what tests count (reconcile passes, status
                 # writes) and what the scale benchmark reports as API requests per RLJob.
-                "--audit-policy-file", str(self._audit_policy()),
-                "--audit-log-path", str(self.audit_log),
-                "--audit-log-format", "json",
-                "--audit-log-mode", "blocking",
-                "--v", "1",
+                "--audit-policy-file",
+                str(self._audit_policy()),
+                "--audit-log-path",
+                str(self.audit_log),
+                "--audit-log-format",
+                "json",
+                "--audit-log-mode",
+                "blocking",
+                "--v",
+                "1",
             ],
-        )  # fmt: skip
+        )
         self._wait("kube-apiserver", proc, lambda: self.request("GET", "/readyz") == "ok", timeout=120)
 
     @property
@@ -384,14 +408,20 @@ class ControlPlane:
         their own authn/authz delegation, one instance (no leader election), a local serving port."""
         kc = str(self.kubeconfig)
         return [
-            "--kubeconfig", kc,
-            "--authentication-kubeconfig", kc,
-            "--authorization-kubeconfig", kc,
+            "--kubeconfig",
+            kc,
+            "--authentication-kubeconfig",
+            kc,
+            "--authorization-kubeconfig",
+            kc,
             "--leader-elect=false",
-            "--bind-address", "127.0.0.1",
-            "--secure-port", str(_free_port()),
-            "--v", "1",
-        ]  # fmt: skip
+            "--bind-address",
+            "127.0.0.1",
+            "--secure-port",
+            str(_free_port()),
+            "--v",
+            "1",
+        ]
 
     def _start_controllers(self) -> None:
         kc = str(self.kubeconfig)
@@ -400,30 +430,41 @@ class ControlPlane:
             [
                 str(self.bin_dir / "kube-controller-manager"),
                 *self._control_loop_flags(),
-                "--service-account-private-key-file", str(self.pki / "sa.key"),
-                "--root-ca-file", str(self.ca),
+                "--service-account-private-key-file",
+                str(self.pki / "sa.key"),
+                "--root-ca-file",
+                str(self.ca),
                 "--use-service-account-credentials=false",
                 # No cloud, no pod CIDRs to hand out, no real kubelets to evict from.
-                "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
-                "--concurrent-gc-syncs", "10",
+                "--controllers",
+                "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
+                "--concurrent-gc-syncs",
+                "10",
             ],
-        )  # fmt: skip
+        )
         self._spawn("kube-scheduler", [str(self.bin_dir / "kube-scheduler"), *self._control_loop_flags()])
         self._spawn(
             "kwok",
             [
                 str(self.bin_dir / "kwok"),
-                "--kubeconfig", kc,
-                "--config", str(self._stages()),
+                "--kubeconfig",
+                kc,
+                "--config",
+                str(self._stages()),
                 "--manage-all-nodes=false",
-                "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
-                "--node-ip", "10.200.0.1",
-                "--cidr", "10.201.0.0/16",
-                "--server-address", f"127.0.0.1:{_free_port()}",
+                "--manage-nodes-with-annotation-selector",
+                "kwok.x-k8s.io/node=fake",
+                "--node-ip",
+                "10.200.0.1",
+                "--cidr",
+                "10.201.0.0/16",
+                "--server-address",
+                f"127.0.0.1:{_free_port()}",
                 # kwok renews each node's Lease, so the node-lifecycle controller keeps them Ready.
-                "--node-lease-duration-seconds", "40",
+                "--node-lease-duration-seconds",
+                "40",
             ],
-        )  # fmt: skip
+        )
 
     def _stages(self) -> Path:
         path = self.workdir / "kwok-stages.yaml"
@@ -481,12 +522,14 @@ class ControlPlane:
             "kuberay-operator",
             [
                 str(self.bin_dir / "kuberay-operator"),
-                "--metrics-addr", "0",
-                "--health-probe-bind-address", f"127.0.0.1:{(probe := _free_port())}",
+                "--metrics-addr",
+                "0",
+                "--health-probe-bind-address",
+                f"127.0.0.1:{(probe := _free_port())}",
                 "--enable-leader-election=false",
             ],
             env={"KUBECONFIG": str(self.kubeconfig)},
-        )  # fmt: skip
+        )
         self._wait("kuberay-operator", proc, lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"))
 
     def _webhook_service(self, namespace: str, name: str, cert_secret: str, port: int) -> dict[str, Any]:
@@ -498,12 +541,23 @@ class ControlPlane:
             secret = {"metadata": {"name": cert_secret}, "type": "Opaque"}
             self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", secret)
             external = {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]}
-            self.request("POST", f"/api/v1/namespaces/{namespace}/services",
-                         {"metadata": {"name": name}, "spec": external})  # fmt: skip
+            self.request(
+                "POST", f"/api/v1/namespaces/{namespace}/services", {"metadata": {"name": name}, "spec": external}
+            )
         return {"namespace": namespace, "name": name, "port": port}
 
-    def _manager_config(self, name: str, api_version: str, *, probe: int, port: int, cert_dir: Path, service: str,
-                        cert_secret: str, **extra: Any) -> Path:  # fmt: skip
+    def _manager_config(
+        self,
+        name: str,
+        api_version: str,
+        *,
+        probe: int,
+        port: int,
+        cert_dir: Path,
+        service: str,
+        cert_secret: str,
+        **extra: Any,
+    ) -> Path:
         """The Configuration file of a controller-runtime manager with webhooks (Kueue, LWS): probes and
         webhooks on localhost, no metrics, no leader election, and its own cert rotation into `cert_secret`
         for `service`; `extra` holds the controller's own fields."""
@@ -545,9 +599,11 @@ class ControlPlane:
             if crd["spec"]["names"]["plural"] in KUEUE_CONVERTED:
                 crd["spec"]["conversion"] = {
                     "strategy": "Webhook",
-                    "webhook": {"clientConfig": {"service": {**service, "path": "/convert"}},
-                                "conversionReviewVersions": ["v1"]},
-                }  # fmt: skip
+                    "webhook": {
+                        "clientConfig": {"service": {**service, "path": "/convert"}},
+                        "conversionReviewVersions": ["v1"],
+                    },
+                }
             (manifests / path.name).write_text(yaml.safe_dump(crd))
         for config in yaml.safe_load_all((kueue_dir / "webhooks.yaml").read_text()):
             if not config:
@@ -564,10 +620,17 @@ class ControlPlane:
         self.wait_established("workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io")
         cert_dir = self.workdir / "kueue-certs"
         config_path = self._manager_config(
-            "kueue", "config.kueue.x-k8s.io/v1beta2", probe=probe, port=port, cert_dir=cert_dir,
-            service=KUEUE_WEBHOOK_SERVICE, cert_secret=KUEUE_CERT_SECRET,
-            namespace=KUEUE_NAMESPACE, manageJobsWithoutQueueName=False, integrations={"frameworks": ["batch/job"]},
-        )  # fmt: skip
+            "kueue",
+            "config.kueue.x-k8s.io/v1beta2",
+            probe=probe,
+            port=port,
+            cert_dir=cert_dir,
+            service=KUEUE_WEBHOOK_SERVICE,
+            cert_secret=KUEUE_CERT_SECRET,
+            namespace=KUEUE_NAMESPACE,
+            manageJobsWithoutQueueName=False,
+            integrations={"frameworks": ["batch/job"]},
+        )
         proc = self._spawn(
             "kueue",
             [str(self.bin_dir / "kueue"), "--config", str(config_path), "--feature-gates", "VisibilityOnDemand=false"],
@@ -619,11 +682,17 @@ class ControlPlane:
         self.wait_established("leaderworkersets.leaderworkerset.x-k8s.io")
         cert_dir = self.workdir / "lws-certs"
         config_path = self._manager_config(
-            "lws", "config.lws.x-k8s.io/v1alpha1", probe=probe, port=port, cert_dir=cert_dir,
-            service=LWS_WEBHOOK_SERVICE, cert_secret=LWS_CERT_SECRET,
-        )  # fmt: skip
-        proc = self._spawn("lws", [str(self.bin_dir / "lws"), "--config", str(config_path)],
-                           env={"KUBECONFIG": str(self.kubeconfig)})  # fmt: skip
+            "lws",
+            "config.lws.x-k8s.io/v1alpha1",
+            probe=probe,
+            port=port,
+            cert_dir=cert_dir,
+            service=LWS_WEBHOOK_SERVICE,
+            cert_secret=LWS_CERT_SECRET,
+        )
+        proc = self._spawn(
+            "lws", [str(self.bin_dir / "lws"), "--config", str(config_path)], env={"KUBECONFIG": str(self.kubeconfig)}
+        )
 
         def ready() -> bool:
             self._mount_secret(LWS_NAMESPACE, LWS_CERT_SECRET, cert_dir)
@@ -721,8 +790,16 @@ class ControlPlane:
         return str(review["status"]["token"])
 
 
-_HTTP_METHOD = {"get": "GET", "list": "GET", "watch": "GET", "create": "POST", "update": "PUT",
-                "patch": "PATCH", "delete": "DELETE", "deletecollection": "DELETE"}  # fmt: skip
+_HTTP_METHOD = {
+    "get": "GET",
+    "list": "GET",
+    "watch": "GET",
+    "create": "POST",
+    "update": "PUT",
+    "patch": "PATCH",
+    "delete": "DELETE",
+    "deletecollection": "DELETE",
+}
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ def test_a3b_has_qwen3_30b_a3b_layer_shape() -> None:
 def test_a3b_layers_are_the_real_models_layers() -> None:
     """With the real depth and vocabulary the same spec has the real model's parameter count, so the layer
     (attention, router, 128 experts) is Qwen3-30B-A3B's, not just its config numbers."""
-    spec = get_spec("a3b").model_copy(update={"num_hidden_layers": QWEN3_30B_A3B_LAYERS,
-                                              "vocab_size": QWEN3_30B_A3B_VOCAB})  # fmt: skip
+    spec = get_spec("a3b").model_copy(
+        update={"num_hidden_layers": QWEN3_30B_A3B_LAYERS, "vocab_size": QWEN3_30B_A3B_VOCAB}
+    )
     assert _params(spec) == pytest.approx(QWEN3_30B_A3B_PARAMS, rel=0.01)
 
 

@@ -169,4 +169,4 @@ def test_dashboards_select_a_cluster_and_their_variables_need_no_operator_scrape
             if var["type"] == "query":
                 assert not metric_names(var["definition"].split("label_values(", 1)[1]) & operator_series
         for _, expr in dashboards.dashboard_exprs(body):
-            assert '$cluster' in expr, (path.name, expr)
+            assert "$cluster" in expr, (path.name, expr)

@@ -13,8 +13,9 @@ from r3operator.observability.prom import PromQLError
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "charts/r3operator/dashboards").glob("*.json"))
-EXPRS = [(p.stem, title, expr)
-         for p in DASHBOARDS for title, expr in dashboards.dashboard_exprs(json.loads(p.read_text()))]  # fmt: skip
+EXPRS = [
+    (p.stem, title, expr) for p in DASHBOARDS for title, expr in dashboards.dashboard_exprs(json.loads(p.read_text()))
+]
 
 
 def test_prometheus_rejects_a_broken_expression(live) -> None:

@@ -18,14 +18,20 @@ def test_promtool_check_rules() -> None:
 
 
 def test_promtool_unit_tests() -> None:
-    proc = subprocess.run([tool("promtool"), "test", "rules", str(HERE / "rules_test.yaml")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [tool("promtool"), "test", "rules", str(HERE / "rules_test.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_every_alert_has_a_unit_test() -> None:
     text = (HERE / "rules_test.yaml").read_text()
     alerts = {a.alert for a in rules.ALERTS}
-    assert {"R3LogprobDiffSpike", "R3RoutingAgreementLow", "R3RoutesMissing", "RLJobNoProgress",
-            "R3OperatorReconcileErrors"} <= alerts  # fmt: skip
+    assert {
+        "R3LogprobDiffSpike",
+        "R3RoutingAgreementLow",
+        "R3RoutesMissing",
+        "RLJobNoProgress",
+        "R3OperatorReconcileErrors",
+    } <= alerts
     assert all(f"alertname: {name}" in text for name in alerts)

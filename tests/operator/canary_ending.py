@@ -31,5 +31,6 @@ def end_canary(cluster: Cluster, namespace: str, job: str, verdict: UpgradeCanar
     """The canary container of ``job`` ends with ``verdict`` as its termination message."""
     pod = running_canary_pod(cluster, namespace, job)
     patch = {"metadata": {"annotations": {MESSAGE_ANNOTATION: termination_message(verdict)}}}
-    cluster.http("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}", patch,
-                 "application/merge-patch+json")  # fmt: skip
+    cluster.http(
+        "PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}", patch, "application/merge-patch+json"
+    )

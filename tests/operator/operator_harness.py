@@ -62,11 +62,17 @@ class OperatorProcess:
     this one takes its own through ``env``."""
 
     def __init__(self, cluster: Cluster, namespace: str, *args: str, env: Mapping[str, str] | None = None) -> None:
-        full_env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO),
-                    "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
+        full_env = {
+            **os.environ,
+            "KUBECONFIG": str(cluster.kubeconfig),
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         argv = [sys.executable, "-m", "r3operator", "operator", "-n", namespace, *args]
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=REPO)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 

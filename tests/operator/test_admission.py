@@ -22,8 +22,10 @@ def _workload(*conditions: dict[str, Any], admission: dict[str, Any] | None = No
     status: dict[str, Any] = {"conditions": list(conditions)}
     if admission is not None:
         status["admission"] = admission
-    return {"metadata": {"name": "j-workload", "namespace": "rl", "generation": 1, "resourceVersion": "42"},
-            "status": status}  # fmt: skip
+    return {
+        "metadata": {"name": "j-workload", "namespace": "rl", "generation": 1, "resourceVersion": "42"},
+        "status": status,
+    }
 
 
 ADMISSION = {"clusterQueue": "gpus", "podSetAssignments": [{"name": "engine", "count": 4}]}
@@ -40,15 +42,23 @@ def test_pending_carries_kueues_reason_and_admitted_names_the_cluster_queue():
     why = "couldn't assign flavors to pod set engine: insufficient unused quota for nvidia.com/gpu in flavor h100"
     pending = read_admission("q", _workload(_cond("QuotaReserved", "False", "Pending", why)))
     assert (pending.state, pending.message, pending.runs) == (AdmissionState.PENDING, why, False)
-    admitted = read_admission("q", _workload(_cond("QuotaReserved", "True", "QuotaReserved"),
-                                             _cond("Admitted", "True", "Admitted"), admission=ADMISSION))  # fmt: skip
+    admitted = read_admission(
+        "q",
+        _workload(
+            _cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"), admission=ADMISSION
+        ),
+    )
     assert admitted.state is AdmissionState.ADMITTED and admitted.runs
     assert admitted.message == "admitted by ClusterQueue gpus (LocalQueue q)"
 
 
 def test_evicted_stops_the_job_until_released_then_it_waits_again():
-    held = _workload(_cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"), PREEMPTED,
-                     admission=ADMISSION)  # fmt: skip
+    held = _workload(
+        _cond("QuotaReserved", "True", "QuotaReserved"),
+        _cond("Admitted", "True", "Admitted"),
+        PREEMPTED,
+        admission=ADMISSION,
+    )
     evicted = read_admission("q", held)
     assert (evicted.state, evicted.reason, evicted.runs) == (AdmissionState.EVICTED, "Preempted", False)
 
@@ -69,14 +79,16 @@ def test_evicted_stops_the_job_until_released_then_it_waits_again():
 
 
 def test_a_workload_that_is_not_evicted_is_never_released():
-    admitted = _workload(_cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"),
-                         admission=ADMISSION)  # fmt: skip
+    admitted = _workload(
+        _cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"), admission=ADMISSION
+    )
     assert release_patch(admitted, NOW) is None
 
 
 def test_the_end_of_the_job_marks_the_workload_finished_once():
-    admitted = _workload(_cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"),
-                         admission=ADMISSION)  # fmt: skip
+    admitted = _workload(
+        _cond("QuotaReserved", "True", "QuotaReserved"), _cond("Admitted", "True", "Admitted"), admission=ADMISSION
+    )
     patch = finish_patch(admitted, Finish(False, "the trainer RayJob failed", None), NOW)
     assert patch is not None
     [finished] = [c for c in patch["status"]["conditions"] if c["type"] == "Finished"]

@@ -50,6 +50,7 @@ def test_kuberay_runs_the_trainer_and_its_failure_fails_the_rljob(cluster: Clust
         # A model in the image: kwok would fail the model-fetch Job's pod here too, and the trainer would wait.
         in_image = {"model.uri": "file:///models/Qwen3-30B-A3B", "model.revision": None}
         cluster.apply(small(job, FAIL_NS, **{"runPolicy.backoffLimit": 0}, **in_image))
+
         # KubeRay turns our RayJob into a RayCluster whose head pod kwok runs on a GPU node.
         def ray_cluster_seen() -> str | None:
             rayjob = cluster.get(paths(FAIL_NS, job)["rayjob"]) or {}
@@ -102,13 +103,22 @@ def test_on_kwok_the_trainer_keeps_running_only_where_a_test_opts_in(cluster: Cl
             cluster.apply(_plain_job("submitter-elsewhere", other, SUBMITTER_CONTAINER))
             cluster.apply(_plain_job("worker-here", ns, "worker"))
             _cond(cluster, ns, job, "TrainerReady", "True", timeout=90)
-            pod = wait_for(lambda: _pod_of_job(cluster, ns, f"{job}-trainer", "Running"), timeout=60,
-                           what="KubeRay's submitter pod running")  # fmt: skip
+            pod = wait_for(
+                lambda: _pod_of_job(cluster, ns, f"{job}-trainer", "Running"),
+                timeout=60,
+                what="KubeRay's submitter pod running",
+            )
             assert pod["spec"]["containers"][0]["name"] == SUBMITTER_CONTAINER
-            wait_for(lambda: _pod_of_job(cluster, other, "submitter-elsewhere", "Succeeded"), timeout=60,
-                     what="a submitter outside the opt-in namespace completed")  # fmt: skip
-            wait_for(lambda: _pod_of_job(cluster, ns, "worker-here", "Succeeded"), timeout=60,
-                     what="another Job's pod in the opt-in namespace completed")  # fmt: skip
+            wait_for(
+                lambda: _pod_of_job(cluster, other, "submitter-elsewhere", "Succeeded"),
+                timeout=60,
+                what="a submitter outside the opt-in namespace completed",
+            )
+            wait_for(
+                lambda: _pod_of_job(cluster, ns, "worker-here", "Succeeded"),
+                timeout=60,
+                what="another Job's pod in the opt-in namespace completed",
+            )
             # Past the point where a completed submitter would have failed the RayJob, all still runs.
             time.sleep(KUBERAY_SUBMITTER_GRACE_S + 5)
             assert _pod_of_job(cluster, ns, f"{job}-trainer", "Running") is not None
@@ -196,10 +206,12 @@ def test_a_job_larger_than_the_fleet_stays_pending_and_says_why(cluster: Cluster
     with running_operator(cluster, ns):
         cluster.apply(example(job, ns, **edits))
         cond = wait_for(
-            lambda: (c := condition(cluster.get(paths(ns, job)["rljob"]), "EnginesReady"))
-            and c["reason"] == "Unschedulable"
-            and "Insufficient nvidia.com/gpu" in c["message"]  # first the volume may not be bound yet
-            and c,
+            lambda: (
+                (c := condition(cluster.get(paths(ns, job)["rljob"]), "EnginesReady"))
+                and c["reason"] == "Unschedulable"
+                and "Insufficient nvidia.com/gpu" in c["message"]  # first the volume may not be bound yet
+                and c
+            ),
             timeout=90,
             what="EnginesReady=False Unschedulable for want of GPUs",
         )
@@ -212,8 +224,12 @@ def test_engine_and_trainer_pods_are_admitted_under_the_restricted_pod_security_
     ns, job = "restricted", "locked-down"
     cluster.namespace(ns)
     cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
-    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bare", "namespace": ns},
-            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}  # fmt: skip
+    bare = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "bare", "namespace": ns},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
     refused = cluster.apply(bare, check=False)
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr  # enforcement is on
     with running_operator(cluster, ns):

@@ -74,17 +74,36 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
     (container,) = pod["containers"]
     assert container["command"] == [
         # hf://Qwen/Qwen3-30B-A3B (revision main) is fetched into the model cache; vLLM loads that copy.
-        "vllm", "serve", "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main", "--port", "8000",
-        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
-        "--data-parallel-size", "2", "--data-parallel-size-local", "2", "--enable-expert-parallel",
-        "--distributed-executor-backend", "mp", "--max-model-len", "8192", "--gpu-memory-utilization", "0.85",
+        "vllm",
+        "serve",
+        "/mnt/model/hf/Qwen/Qwen3-30B-A3B/main",
+        "--port",
+        "8000",
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "1",
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "2",
+        "--enable-expert-parallel",
+        "--distributed-executor-backend",
+        "mp",
+        "--max-model-len",
+        "8192",
+        "--gpu-memory-utilization",
+        "0.85",
         # logprobs of the distribution sampled from (after temperature): what the trainer scores
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
         "--enable-return-routed-experts",
         # vLLM 0.22.1 (the image tag) has the native NCCL transfer; engines and trainer hold separate GPUs
-        "--weight-transfer-config", '{"backend":"nccl"}',
-        "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension",
-    ]  # fmt: skip
+        "--weight-transfer-config",
+        '{"backend":"nccl"}',
+        "--worker-extension-cls",
+        "r3operator.engine.worker.WeightSyncWorkerExtension",
+    ]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 2 x pp 1 x dp-local 2
     assert container["env"] == [
         {"name": "VLLM_PLUGINS", "value": "r3operator"},
@@ -144,8 +163,14 @@ def test_trainer_pods_run_as_a_per_job_service_account_whose_role_names_only_its
     name, namespace = job.metadata.name, job.metadata.namespace
     kids = _by_kind(desired(job))
     sa, role, rb, ray = kids["ServiceAccount"], kids["Role"], kids["RoleBinding"], kids["RayJob"]
-    owner = {"apiVersion": "r3operator.io/v1alpha1", "kind": "RLJob", "name": name, "uid": "uid-1",
-             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+    owner = {
+        "apiVersion": "r3operator.io/v1alpha1",
+        "kind": "RLJob",
+        "name": name,
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     for child in (sa, role, rb):
         assert child["metadata"]["name"] == f"{name}-trainer" and child["metadata"]["namespace"] == namespace
         assert child["metadata"]["ownerReferences"] == [owner]
@@ -154,9 +179,13 @@ def test_trainer_pods_run_as_a_per_job_service_account_whose_role_names_only_its
     # Every rule is limited to this RLJob by name: another job's pods cannot patch this job's status.
     assert role["rules"] == [
         {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "resourceNames": [name], "verbs": ["get"]},
-        {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "resourceNames": [name],
-         "verbs": ["get", "patch"]},
-    ]  # fmt: skip
+        {
+            "apiGroups": ["r3operator.io"],
+            "resources": ["rljobs/status"],
+            "resourceNames": [name],
+            "verbs": ["get", "patch"],
+        },
+    ]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-trainer"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-trainer", "namespace": namespace}]
     cluster = ray["spec"]["rayClusterSpec"]
@@ -184,8 +213,10 @@ def test_engine_and_trainer_pods_meet_the_restricted_pod_security_level():
             }
         # restricted allows only these volume types
         assert {next(k for k in v if k != "name") for v in spec["volumes"]} <= {
-            "persistentVolumeClaim", "configMap", "emptyDir",
-        }  # fmt: skip
+            "persistentVolumeClaim",
+            "configMap",
+            "emptyDir",
+        }
 
 
 def _observed(obj: dict[str, Any], **metadata: Any) -> dict[str, Any]:
@@ -435,8 +466,12 @@ def test_trust_remote_code_left_at_false_keeps_the_hashes_of_existing_jobs():
     assert "trustRemoteCode" not in trainer_hash_input(spec)["model"]
     trusted = _job(**{"model.trustRemoteCode": True})
     assert _template_hash(trusted) != _template_hash(_job()) and _trainer_hash(trusted) != _trainer_hash(_job())
-    assert "--trust-remote-code" in _by_kind(desired(trusted))["StatefulSet"]["spec"]["template"]["spec"][
-        "containers"][0]["command"]  # fmt: skip
+    assert (
+        "--trust-remote-code"
+        in _by_kind(desired(trusted))["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    )
+
+
 def test_engine_network_policy_admits_the_engine_port_only_from_this_job_and_the_operator_namespace():
     job = _job()
     facts = Facts(operator_namespace="r3operator-system", engine_ingress_namespaces=("monitoring",))
@@ -523,11 +558,12 @@ def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_
     fetch_pod = by_kind["Job"]["spec"]["template"]["spec"]
     (fetch,) = fetch_pod["containers"]
     assert fetch["command"] == ["r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main"]
-    assert fetch["image"] == by_kind["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
-        "containers"][0]["image"]  # the trainer image ships the fetch clients
+    assert (
+        fetch["image"]
+        == by_kind["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    )  # the trainer image ships the fetch clients
     assert {"name": "model", "mountPath": "/mnt/model"} in fetch["volumeMounts"]  # writable for the fill
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": cache["metadata"]["name"]}} in fetch_pod[
-        "volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": cache["metadata"]["name"]}} in fetch_pod["volumes"]
     assert fetch_pod["restartPolicy"] == "Never" and fetch_pod["automountServiceAccountToken"] is False
     env = _env(fetch)
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "hf"}}
@@ -538,8 +574,14 @@ def test_hf_model_is_fetched_once_into_a_cache_claim_that_every_pod_mounts_read_
         (verify,) = pod["initContainers"]
         assert verify["image"] == pod["containers"][0]["image"]  # an engine edit never touches trainer pods
         assert verify["command"] == [
-            "r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main", "--verify"
-        ]  # fmt: skip
+            "r3operator",
+            "fetch",
+            "hf://Qwen/Qwen3-30B-A3B",
+            "/mnt/model",
+            "--revision",
+            "main",
+            "--verify",
+        ]
         assert {"name": "model", "mountPath": "/mnt/model", "readOnly": True} in verify["volumeMounts"], role
         assert "env" not in verify, role  # no credentials outside the fetch Job
         assert verify["securityContext"] == pod["containers"][0]["securityContext"]
@@ -575,9 +617,15 @@ def test_s3_model_credentials_reach_only_the_fetch_container_as_secret_reference
     children = _by_kind(desired(_job(**{"model.uri": "s3://models/qwen3", "model.revision": None, "model.s3": s3})))
     (fetch,) = children["Job"]["spec"]["template"]["spec"]["containers"]
     assert fetch["command"] == [
-        "r3operator", "fetch", "s3://models/qwen3", "/mnt/model",
-        "--endpoint-url", "http://minio.storage:9000", "--region", "eu-1",
-    ]  # fmt: skip
+        "r3operator",
+        "fetch",
+        "s3://models/qwen3",
+        "/mnt/model",
+        "--endpoint-url",
+        "http://minio.storage:9000",
+        "--region",
+        "eu-1",
+    ]
     env = _env(fetch)
     assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "store-creds", "key": "AWS_ACCESS_KEY_ID"}}
     assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "store-creds", "key": "AWS_SECRET_ACCESS_KEY"}}
@@ -593,9 +641,19 @@ def test_s3_model_credentials_reach_only_the_fetch_container_as_secret_reference
 
 def test_gs_model_and_dataset_fetch_with_the_hmac_key_and_cloud_storages_endpoint():
     gcs = {"credentialsSecret": "gcs-hmac"}
-    children = _by_kind(desired(_job(**{"model.uri": "gs://models/qwen3", "model.revision": None, "model.gcs": gcs,
-                                        "task.datasetPath": "gs://data/train.jsonl",
-                                        "task.gcs": {**gcs, "endpointURL": "https://storage-psc.p.googleapis.com"}})))
+    children = _by_kind(
+        desired(
+            _job(
+                **{
+                    "model.uri": "gs://models/qwen3",
+                    "model.revision": None,
+                    "model.gcs": gcs,
+                    "task.datasetPath": "gs://data/train.jsonl",
+                    "task.gcs": {**gcs, "endpointURL": "https://storage-psc.p.googleapis.com"},
+                }
+            )
+        )
+    )
     (fetch,) = children["Job"]["spec"]["template"]["spec"]["containers"]
     # No endpoint flag: the fetch's own default is https://storage.googleapis.com.
     assert fetch["command"] == ["r3operator", "fetch", "gs://models/qwen3", "/mnt/model"]
@@ -606,8 +664,14 @@ def test_gs_model_and_dataset_fetch_with_the_hmac_key_and_cloud_storages_endpoin
     head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert _env(head["containers"][0])["R3OPERATOR_MODEL_DIR"] == "/mnt/model/gs/models/qwen3"
     data = next(c for c in head["initContainers"] if c["name"] == "fetch-dataset")
-    assert data["command"] == ["r3operator", "fetch", "gs://data/train.jsonl", "/mnt/data",
-                               "--endpoint-url", "https://storage-psc.p.googleapis.com"]  # fmt: skip
+    assert data["command"] == [
+        "r3operator",
+        "fetch",
+        "gs://data/train.jsonl",
+        "/mnt/data",
+        "--endpoint-url",
+        "https://storage-psc.p.googleapis.com",
+    ]
     assert _env(data)["AWS_ACCESS_KEY_ID"]["secretKeyRef"]["name"] == "gcs-hmac"
 
 

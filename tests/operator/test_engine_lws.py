@@ -29,8 +29,12 @@ from r3operator.operator.upgrade import EngineRollout, rolled_out, template_imag
 REPO = Path(__file__).resolve().parents[2]
 QWEN = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 # 16 GPUs a replica (tp 4 x dp 4) on 8-GPU nodes: two pods of two DP ranks each.
-TWO_NODES = {"inference.tensorParallelSize": 4, "inference.dataParallelSize": 4, "inference.gpusPerNode": 8,
-             "inference.replicas": 3}  # fmt: skip
+TWO_NODES = {
+    "inference.tensorParallelSize": 4,
+    "inference.dataParallelSize": 4,
+    "inference.gpusPerNode": 8,
+    "inference.replicas": 3,
+}
 
 
 def _job(**edits: Any) -> RLJob:
@@ -63,8 +67,12 @@ def _containers(lws: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def test_a_replica_wider_than_a_node_splits_along_dp_into_equal_pods(
     tp: int, dp: int, dp_local: int | None, gpus_per_node: int, pods: int, ranks: int
 ) -> None:
-    edits = {"inference.tensorParallelSize": tp, "inference.dataParallelSize": dp,
-             "inference.gpusPerNode": gpus_per_node, "inference.enableExpertParallel": False}  # fmt: skip
+    edits = {
+        "inference.tensorParallelSize": tp,
+        "inference.dataParallelSize": dp,
+        "inference.gpusPerNode": gpus_per_node,
+        "inference.enableExpertParallel": False,
+    }
     if dp_local is not None:
         edits["inference.dataParallelSizeLocal"] = dp_local
     layout = engine_layout(_job(**edits).spec)
@@ -105,9 +113,19 @@ def _argv(container: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> lis
 
 
 def test_each_pod_runs_its_own_dp_ranks_against_the_leader_address_lws_injects(tmp_path: Path) -> None:
-    leader, worker = _containers(_engines(desired(_job(**{"inference.dataParallelSize": 6,
-                                                           "inference.tensorParallelSize": 2,
-                                                           "inference.enableExpertParallel": False}))))  # fmt: skip
+    leader, worker = _containers(
+        _engines(
+            desired(
+                _job(
+                    **{
+                        "inference.dataParallelSize": 6,
+                        "inference.tensorParallelSize": 2,
+                        "inference.enableExpertParallel": False,
+                    }
+                )
+            )
+        )
+    )
     address = "qwen3-30b-a3b-r3-engine-1.qwen3-30b-a3b-r3-engine.rl"
     lead = _argv(leader, tmp_path, {"LWS_LEADER_ADDRESS": address, "LWS_WORKER_INDEX": "0"})
     follow = _argv(worker, tmp_path, {"LWS_LEADER_ADDRESS": address, "LWS_WORKER_INDEX": "1"})
@@ -128,8 +146,10 @@ def test_stopped_engines_are_zero_groups_and_the_trainer_reaches_each_replicas_l
     assert _engines(desired(_job(**{"runPolicy.suspend": True})))["spec"]["replicas"] == 0
     urls = runtime_config(job).runtime.engine_urls
     # Group i's leader is pod <lws>-i: the replica's API, as a StatefulSet's ordinal i is.
-    assert urls == [f"http://qwen3-30b-a3b-r3-engine-{i}.qwen3-30b-a3b-r3-engine.{job.metadata.namespace or 'default'}"
-                    f".svc:8000" for i in range(3)]  # fmt: skip
+    assert urls == [
+        f"http://qwen3-30b-a3b-r3-engine-{i}.qwen3-30b-a3b-r3-engine.{job.metadata.namespace or 'default'}.svc:8000"
+        for i in range(3)
+    ]
 
 
 def test_kueue_pod_sets_count_every_leader_and_worker_with_their_own_templates() -> None:
@@ -182,8 +202,9 @@ def test_rules_refuse_a_multi_node_replica_without_lws_and_a_rank_wider_than_a_n
     assert evaluate(spec, context=RuleContext.for_spec(spec, leader_worker_set=True)) == []
     [assumed] = evaluate(spec)  # offline: rendered as an LWS, with a warning that the cluster must have it
     assert assumed.rule == "ENGINE-LWS-ASSUMED" and assumed.severity.value == "warning"
-    wide = _job(**{"inference.tensorParallelSize": 16, "inference.dataParallelSize": 1,
-                   "inference.gpusPerNode": 8}).spec  # fmt: skip
+    wide = _job(
+        **{"inference.tensorParallelSize": 16, "inference.dataParallelSize": 1, "inference.gpusPerNode": 8}
+    ).spec
     assert [f.rule for f in errors(evaluate(wide))] == ["MP-SINGLE-NODE"]  # TP cannot span nodes with mp
 
 

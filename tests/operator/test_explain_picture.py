@@ -18,8 +18,10 @@ def test_the_picture_has_each_roles_pods_gpus_and_constraints_in_force():
     picture = scheduling_picture(load_rljob(QUEUED))
     roles = {r.role: r for r in picture.roles}
     assert {name: (r.pods, r.gpus_per_pod) for name, r in roles.items()} == {
-        "engines": (4, 4), "trainer head": (1, 8), "trainer workers": (1, 8),
-    }  # fmt: skip
+        "engines": (4, 4),
+        "trainer head": (1, 8),
+        "trainer workers": (1, 8),
+    }
     assert picture.gpus == 32
     for role in roles.values():
         assert role.node_selector == "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"
@@ -41,8 +43,13 @@ def test_an_unqueued_job_says_so_and_keeps_the_gpu_toleration():
 
 
 def test_explain_prints_the_picture_after_the_plan():
-    result = subprocess.run([sys.executable, "-m", "r3operator", "explain", str(QUEUED)],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "r3operator", "explain", str(QUEUED)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     plan_at, picture_at = result.stdout.index("resolved plan"), result.stdout.index("scheduling: 32 GPUs in all")
     assert plan_at < picture_at

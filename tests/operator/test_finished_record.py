@@ -23,11 +23,13 @@ SEEN = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 def _job(annotations: dict[str, str] | None = None, completion: str | None = None) -> RLJob:
     job = load_rljob(EXAMPLE)
-    spec = job.spec.model_copy(update={"run_policy": job.spec.run_policy.model_copy(
-        update={"ttl_seconds_after_finished": 60})})  # fmt: skip
+    spec = job.spec.model_copy(
+        update={"run_policy": job.spec.run_policy.model_copy(update={"ttl_seconds_after_finished": 60})}
+    )
     metadata = job.metadata.model_copy(update={"annotations": annotations or {}})
-    return job.model_copy(update={"spec": spec, "metadata": metadata,
-                                  "status": RLJobStatus(completion_time=completion)})  # fmt: skip
+    return job.model_copy(
+        update={"spec": spec, "metadata": metadata, "status": RLJobStatus(completion_time=completion)}
+    )
 
 
 def _failed_without_end_time() -> Any:
@@ -46,8 +48,9 @@ def test_without_an_end_time_the_ttl_counts_from_the_operators_annotation_not_th
 
 
 def test_the_record_names_the_outcome_and_the_rayjobs_end_time_when_there_is_one() -> None:
-    ended = observed_finish({"status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
-                                        "endTime": "2025-12-31T23:00:00Z"}})  # fmt: skip
+    ended = observed_finish(
+        {"status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2025-12-31T23:00:00Z"}}
+    )
     assert ended is not None and finish_annotation(ended, SEEN) == "Succeeded 2025-12-31T23:00:00Z"
     assert finish_annotation(_failed_without_end_time(), SEEN) == "Failed 2026-01-01T00:00:00Z"
     assert recorded_end(_job({ANNOTATION_FINISHED: "Failed garbage"})) is None

@@ -27,8 +27,9 @@ def operator(cluster: Cluster) -> Iterator[KopfRunner]:
     flavor = gpu_resource_flavor()
     cluster.apply(flavor)
     for name, value in (("rl-low", 10), ("rl-high", 1000)):
-        cluster.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
-                       "value": value})  # fmt: skip
+        cluster.apply(
+            {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name}, "value": value}
+        )
     with running_operator(cluster, NS) as runner:
         yield runner
 
@@ -36,8 +37,14 @@ def operator(cluster: Cluster) -> Iterator[KopfRunner]:
 def _queue(cluster: Cluster, name: str, gpus: int) -> str:
     """A ClusterQueue of `gpus` GPUs that preempts lower priorities, and a LocalQueue `name` in NS for it."""
     cluster.apply(_cluster_queue(name, gpus))
-    cluster.apply({"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-                   "metadata": {"name": name, "namespace": NS}, "spec": {"clusterQueue": name}})  # fmt: skip
+    cluster.apply(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta1",
+            "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"clusterQueue": name},
+        }
+    )
     return name
 
 
@@ -120,8 +127,11 @@ def test_job_waits_for_quota_suspended_then_runs_when_admitted(cluster: Cluster,
     assert workload["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == queue
     # One unit: the engine pods and the trainer's head are pod sets of one Workload.
     assert {(p["name"], p["count"]) for p in workload["spec"]["podSets"]} == {("engine", 1), ("trainer-head", 1)}
-    assert not [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
-                if p["metadata"]["labels"].get("r3operator.io/job") == job]  # fmt: skip
+    assert not [
+        p
+        for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+        if p["metadata"]["labels"].get("r3operator.io/job") == job
+    ]
     # The model fetch is gated like the rest: its Job waits suspended, no fetch pod runs outside the quota.
     assert _fetch_job(cluster, job)["spec"]["suspend"] is True
 
@@ -133,11 +143,15 @@ def test_job_waits_for_quota_suspended_then_runs_when_admitted(cluster: Cluster,
     _cond(cluster, job, "Suspended", "False", "Active")
     # The engine pods land on the tainted fake GPU nodes (the default toleration, and Kueue's flavor).
     pods = wait_for(
-        lambda: [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
-                 if p["metadata"]["labels"].get("r3operator.io/job") == job and p["spec"].get("nodeName")
-                     and p["metadata"]["labels"].get("r3operator.io/role") == "engine"],
+        lambda: [
+            p
+            for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+            if p["metadata"]["labels"].get("r3operator.io/job") == job
+            and p["spec"].get("nodeName")
+            and p["metadata"]["labels"].get("r3operator.io/role") == "engine"
+        ],
         what="scheduled engine pods",
-    )  # fmt: skip
+    )
     assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in pods)
 
 
@@ -196,8 +210,10 @@ def test_an_eviction_during_the_model_fetch_stops_the_fetch_before_the_quota_is_
         cluster.apply(_job(high, queue, podTemplate={"priorityClassName": "rl-high"}))
         _says(cluster, low, "Admitted", "Evicted", "Preempted")
         wait_for(lambda: _fetch_job(cluster, low)["spec"]["suspend"] is True, what=f"{low}'s fetch suspended")
-        wait_for(lambda: all(p["metadata"].get("deletionTimestamp") for p in _fetch_pods(cluster, low)),
-                 what="the fetch pod deleted by the Job controller")  # fmt: skip
+        wait_for(
+            lambda: all(p["metadata"].get("deletionTimestamp") for p in _fetch_pods(cluster, low)),
+            what="the fetch pod deleted by the Job controller",
+        )
         # Its pod is still there (terminating): the operator keeps the quota, the preemptor waits.
         assert condition(_workload(cluster, low), "QuotaReserved")["status"] == "True"
         assert cluster.get(paths(NS, high)["sts"])["spec"]["replicas"] == 0

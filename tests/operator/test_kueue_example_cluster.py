@@ -49,11 +49,16 @@ def _delete_the_job(cluster: Cluster) -> None:
     this one's): KubeRay's submitter pod carries none of our labels, hence the name."""
     cluster.kubectl("delete", "rljob", JOB, "-n", NS, "--ignore-not-found", "--wait=false")
     wait_for(
-        lambda: not [p for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
-                     if p["metadata"]["name"].startswith(JOB)],
+        lambda: (
+            not [
+                p
+                for p in cluster.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+                if p["metadata"]["name"].startswith(JOB)
+            ]
+        ),
         timeout=60,
         what=f"the pods of {JOB} gone",
-    )  # fmt: skip
+    )
 
 
 def test_the_shipped_kueue_example_waits_for_quota_then_runs_on_tainted_gpu_nodes(cluster: Cluster) -> None:

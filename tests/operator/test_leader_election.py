@@ -68,9 +68,21 @@ def replicas(cluster: Cluster) -> Iterator[list[Replica]]:
 
 def _start(cluster: Cluster, replicas: list[Replica], name: str) -> Replica:
     port, metrics_port = free_port(), free_port()
-    replica = Replica(cluster, name, f"http://127.0.0.1:{port}/healthz", metrics_port, "--leader-elect",
-                      "--leader-election-namespace", NS, "--lease-duration", "4", "--renew-deadline", "3",
-                      "--retry-period", "0.5")  # fmt: skip
+    replica = Replica(
+        cluster,
+        name,
+        f"http://127.0.0.1:{port}/healthz",
+        metrics_port,
+        "--leader-elect",
+        "--leader-election-namespace",
+        NS,
+        "--lease-duration",
+        "4",
+        "--renew-deadline",
+        "3",
+        "--retry-period",
+        "0.5",
+    )
     replicas.append(replica)
     return replica
 
@@ -135,8 +147,25 @@ def _take_lease(cluster: Cluster, holder: str) -> None:
 
 def test_leader_election_flags_are_checked(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "r3operator", "operator", "-n", NS, "--leader-elect", "--leader-election-namespace",
-         NS, "--lease-duration", "2", "--renew-deadline", "5"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "r3operator",
+            "operator",
+            "-n",
+            NS,
+            "--leader-elect",
+            "--leader-election-namespace",
+            NS,
+            "--lease-duration",
+            "2",
+            "--renew-deadline",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 2 and "renew deadline < lease duration" in proc.stderr

@@ -20,14 +20,21 @@ SLOW_S = 0.8
 
 def _client(cluster: Cluster) -> KubeClient:
     plane = cluster.api
-    return KubeClient(plane.url, headers={"Authorization": f"Bearer {plane.admin_token}"},
-                      ssl_context=plane.ssl_context())  # fmt: skip
+    return KubeClient(
+        plane.url, headers={"Authorization": f"Bearer {plane.admin_token}"}, ssl_context=plane.ssl_context()
+    )
 
 
 def test_a_renewal_slower_than_the_retry_period_keeps_the_lease(cluster: Cluster) -> None:
     cluster.namespace(NS)
-    config = LeaseConfig(namespace=NS, name="slow-renewals", identity="slow-leader", lease_duration_s=8.0,
-                         renew_deadline_s=5.0, retry_period_s=0.5)  # fmt: skip
+    config = LeaseConfig(
+        namespace=NS,
+        name="slow-renewals",
+        identity="slow-leader",
+        lease_duration_s=8.0,
+        renew_deadline_s=5.0,
+        retry_period_s=0.5,
+    )
 
     async def scenario() -> tuple[list[float], dict[str, Any], dict[str, Any], bool]:
         client, reader = _client(cluster), _client(cluster)

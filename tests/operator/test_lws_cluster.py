@@ -77,8 +77,14 @@ def _queue(cluster: Cluster, ns: str, name: str, gpus: int) -> None:
     }
     cluster.apply(flavor)
     cluster.apply(cluster_queue)
-    cluster.apply({"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-                   "metadata": {"name": name, "namespace": ns}, "spec": {"clusterQueue": name}})  # fmt: skip
+    cluster.apply(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta1",
+            "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"clusterQueue": name},
+        }
+    )
 
 
 def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_separate_gpu_nodes(
@@ -92,8 +98,9 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
     with running_operator(cluster, ns):
         cluster.apply(example(job, ns, queueName=queue, **TWO_NODE_REPLICA))
         admitted = wait_condition(cluster, ns, job, "Admitted", "False", "WaitingForAdmission")
-        workload = wait_for(lambda: cluster.get(f"{KUEUE}/namespaces/{ns}/workloads/{job}-workload"),
-                            what="the Workload")  # fmt: skip
+        workload = wait_for(
+            lambda: cluster.get(f"{KUEUE}/namespaces/{ns}/workloads/{job}-workload"), what="the Workload"
+        )
         # Gang admission covers the whole group: the leader and the worker are pod sets of the job's Workload.
         counts = {(p["name"], p["count"]) for p in workload["spec"]["podSets"]}
         assert counts == {("engine-leaders", 1), ("engine-workers", 1), ("trainer-head", 1)}, admitted
@@ -104,11 +111,14 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
         _queue(cluster, ns, queue, gpus=24)
         _cond(cluster, ns, job, "Admitted", "True", timeout=60)
         pods = wait_for(
-            lambda: (found := [p for p in _engine_pods(cluster, ns, job) if p["spec"].get("nodeName")])
-            and len(found) == 2 and found,
+            lambda: (
+                (found := [p for p in _engine_pods(cluster, ns, job) if p["spec"].get("nodeName")])
+                and len(found) == 2
+                and found
+            ),
             timeout=90,
             what="the LWS controller's leader and worker pods, scheduled",
-        )  # fmt: skip
+        )
         by_name = {p["metadata"]["name"]: p for p in pods}
         leader, worker = by_name[f"{job}-engine-0"], by_name[f"{job}-engine-0-1"]
         # 8 GPUs each on 8-GPU nodes: one pod a node, both on the tainted fake GPU nodes.
@@ -129,11 +139,18 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
 
 def _passing_verdict(attempt: str, old: str, new: str) -> UpgradeCanary:
     def engine(image: str) -> EngineFidelity:
-        return EngineFidelity(image=image, routes_valid=True, replay_agreement=1.0, natural_mismatch=0.02,
-                              logprob_abs_diff_off=0.005, logprob_abs_diff_r3=0.004)  # fmt: skip
+        return EngineFidelity(
+            image=image,
+            routes_valid=True,
+            replay_agreement=1.0,
+            natural_mismatch=0.02,
+            logprob_abs_diff_off=0.005,
+            logprob_abs_diff_r3=0.004,
+        )
 
-    return UpgradeCanary(attempt=attempt, passed=True, message="natural mismatch 0.02 vs 0.02", old=engine(old),
-                         new=engine(new))  # fmt: skip
+    return UpgradeCanary(
+        attempt=attempt, passed=True, message="natural mismatch 0.02 vs 0.02", old=engine(old), new=engine(new)
+    )
 
 
 def _pod_images(cluster: Cluster, ns: str, job: str) -> dict[str, str]:
@@ -152,13 +169,18 @@ def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_roll
     cluster.api.start_lws()
     ns, job = UPGRADE_NS, "wide-up"
     old, new = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2))
-    edits = {**TWO_NODE_REPLICA, "inference.replicas": 2, "inference.image": old,
-             "upgradePolicy": {"timeoutSeconds": 600}}  # fmt: skip
+    edits = {
+        **TWO_NODE_REPLICA,
+        "inference.replicas": 2,
+        "inference.image": old,
+        "upgradePolicy": {"timeoutSeconds": 600},
+    }
     with running_operator(cluster, ns):
         cluster.apply(example(job, ns, **edits))
         _cond(cluster, ns, job, "EnginesReady", "True", timeout=120)
-        cluster.kubectl("-n", ns, "patch", "rlj", job, "--type=merge", "-p",
-                        f'{{"spec":{{"inference":{{"image":"{new}"}}}}}}')  # fmt: skip
+        cluster.kubectl(
+            "-n", ns, "patch", "rlj", job, "--type=merge", "-p", f'{{"spec":{{"inference":{{"image":"{new}"}}}}}}'
+        )
         upgrade = _upgrade_phase(cluster, ns, job, "Canary", timeout=60)
         lws = cluster.get(_lws_path(ns, job))
         assert lws["spec"]["replicas"] == 3
@@ -167,8 +189,9 @@ def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_roll
         # groups 0 and 1 where they are.
         want = {f"{job}-engine-{g}{w}": (new if g == 2 else old) for g in range(3) for w in ("", "-1")}
         assert wait_for(lambda: _pod_images(cluster, ns, job) == want, timeout=90, what="the canary group")
-        canary = wait_for(lambda: cluster.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-upgrade-canary"),
-                          what="the canary Job")  # fmt: skip
+        canary = wait_for(
+            lambda: cluster.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-upgrade-canary"), what="the canary Job"
+        )
         args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--new") + 1].startswith(f"http://{job}-engine-2.{job}-engine.{ns}.svc")
 

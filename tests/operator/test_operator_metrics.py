@@ -38,11 +38,14 @@ def _sample(name: str, job_name: str) -> float | None:
 
 def test_each_job_exports_its_own_no_progress_threshold_and_forgets_it_when_deleted() -> None:
     base = load_rljob(EXAMPLE)
-    job = base.model_copy(update={
-        "metadata": base.metadata.model_copy(update={"namespace": "rl", "name": "slow-30b"}),
-        "spec": base.spec.model_copy(update={
-            "monitoring": base.spec.monitoring.model_copy(update={"no_progress_seconds": 3600})}),
-    })  # fmt: skip
+    job = base.model_copy(
+        update={
+            "metadata": base.metadata.model_copy(update={"namespace": "rl", "name": "slow-30b"}),
+            "spec": base.spec.model_copy(
+                update={"monitoring": base.spec.monitoring.model_copy(update={"no_progress_seconds": 3600})}
+            ),
+        }
+    )
     metrics.observe_job(job, _status("2026-01-01T00:00:00Z", "2026-01-01T00:30:00Z"))
     assert _sample("r3operator_rljob_no_progress_threshold_seconds", "slow-30b") == 3600
     assert _sample("r3operator_rljob_last_progress_timestamp_seconds", "slow-30b") == _unix("2026-01-01T00:30:00Z")

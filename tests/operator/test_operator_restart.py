@@ -72,8 +72,9 @@ def test_kuberay_missing_gives_valid_false_and_no_children_until_installed(bare_
         # Installing KubeRay's CRDs later is enough: the next pass sees them and creates everything.
         cluster.kubectl("apply", "--server-side", "-f", str(cluster.api.bin_dir.parent / "crds"))
         # Discovery is cached for 15 s and the next pass comes from the resync timer: allow for both on a busy box.
-        wait_for(lambda: all(cluster.get(p) for p in _child_paths(job)), timeout=60.0,
-                 what="children after KubeRay install")  # fmt: skip
+        wait_for(
+            lambda: all(cluster.get(p) for p in _child_paths(job)), timeout=60.0, what="children after KubeRay install"
+        )
         wait_for(
             lambda: (c := condition(cluster.get(paths(NS, job)["rljob"]), "Valid")) and c["status"] == "True",
             what="Valid=True",

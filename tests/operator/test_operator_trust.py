@@ -85,8 +85,9 @@ def test_a_forged_terminal_status_deletes_nothing_and_is_overwritten(cluster: Cl
     }
     rljob = cluster.get(paths(NS, job)["rljob"])
     others = [c for c in rljob["status"]["conditions"] if c["type"] != "Succeeded"]
-    cluster.patch_status(paths(NS, job)["rljob"], {"conditions": [*others, forged],
-                                                   "completionTime": "2020-01-01T00:00:00Z"})  # fmt: skip
+    cluster.patch_status(
+        paths(NS, job)["rljob"], {"conditions": [*others, forged], "completionTime": "2020-01-01T00:00:00Z"}
+    )
     _passes(cluster, job, 3)
     after = _children(cluster, job)
     for kind, obj in before.items():
@@ -102,15 +103,26 @@ def test_names_held_by_foreign_objects_are_reported_and_never_touched(cluster: C
     job = "team"
     cluster.namespace(NS)
     foreign = [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": {"name": f"{job}-trainer", "namespace": NS},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
-         "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{job}-engine", "namespace": NS},
-         "spec": {"ports": [{"port": 80}], "selector": {"app": "theirs"}}},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job}-config", "namespace": NS},
-         "data": {"theirs": "1"}},
-    ]  # fmt: skip
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{job}-trainer", "namespace": NS},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
+            "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": f"{job}-engine", "namespace": NS},
+            "spec": {"ports": [{"port": 80}], "selector": {"app": "theirs"}},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{job}-config", "namespace": NS},
+            "data": {"theirs": "1"},
+        },
+    ]
     for obj in foreign:
         cluster.apply(obj)
     theirs = {key: cluster.get(paths(NS, job)[key]) for key in ("rb", "svc", "cm")}
@@ -133,8 +145,12 @@ def test_foreign_keys_cause_no_write_loop_and_a_hand_edited_image_is_reverted(cl
     cluster.apply(example(job, NS))
     kids = _all_children(cluster, job)
     cm_path, sts_path = paths(NS, job)["cm"], paths(NS, job)["sts"]
-    cluster.http("PATCH", cm_path, {"data": {"stray.json": "{}"}, "metadata": {"annotations": {"team/note": "x"}}},
-                 "application/merge-patch+json")  # fmt: skip
+    cluster.http(
+        "PATCH",
+        cm_path,
+        {"data": {"stray.json": "{}"}, "metadata": {"annotations": {"team/note": "x"}}},
+        "application/merge-patch+json",
+    )
     patched_rv = cluster.get(cm_path)["metadata"]["resourceVersion"]
     _passes(cluster, job, 3)
     cm = cluster.get(cm_path)
@@ -157,8 +173,14 @@ def test_a_missing_existing_claim_is_reported_before_any_pod_would_mount_it(clus
     _passes(cluster, job, 2)
     assert cluster.get(paths(NS, job)["sts"]) is None
     spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}
-    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                   "metadata": {"name": "byo-data", "namespace": NS}, "spec": spec})  # fmt: skip
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "byo-data", "namespace": NS},
+            "spec": spec,
+        }
+    )
     _cond(cluster, job, "Valid", "True", "SpecValid")
     sts = wait_for(lambda: cluster.get(paths(NS, job)["sts"]), what="engines created once the claim exists")
     mount = next(m for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == "routing")
@@ -183,8 +205,9 @@ def test_a_jobs_trainer_may_patch_only_its_own_rljob_status(cluster: Cluster, op
 
     def can(verb: str, target: str, trainer_of: str, *extra: str) -> str:
         who = f"system:serviceaccount:{NS}:{trainer_of}-trainer"
-        result = cluster.kubectl("auth", "can-i", verb, f"rljobs.r3operator.io/{target}", *extra, "-n", NS,
-                                 f"--as={who}", check=False)  # fmt: skip
+        result = cluster.kubectl(
+            "auth", "can-i", verb, f"rljobs.r3operator.io/{target}", *extra, "-n", NS, f"--as={who}", check=False
+        )
         return result.stdout.strip()
 
     if can("patch", "rbac-a", "rbac-a", "--subresource=status") not in ("yes", "no"):

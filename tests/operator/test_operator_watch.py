@@ -112,17 +112,26 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
 
     # A child deleted by hand comes back, a hand edit of a field the operator sets is taken back.
     cluster.kubectl("delete", "configmap", f"{job}-config", "-n", NS)
-    healed = wait_for(lambda: (cm := cluster.get(p["cm"])) and _uid(cm) != _uid(kids["cm"]) and cm,
-                      timeout=REACT_S, what="the ConfigMap re-created")  # fmt: skip
+    healed = wait_for(
+        lambda: (cm := cluster.get(p["cm"])) and _uid(cm) != _uid(kids["cm"]) and cm,
+        timeout=REACT_S,
+        what="the ConfigMap re-created",
+    )
     assert healed["data"] == kids["cm"]["data"]
-    wait_for(lambda: _quiet_window(cluster, 5.0, require_silent_operator=True), timeout=60,
-             what="the operator at rest after the re-create")  # fmt: skip
+    wait_for(
+        lambda: _quiet_window(cluster, 5.0, require_silent_operator=True),
+        timeout=60,
+        what="the operator at rest after the re-create",
+    )
     mark = len(cluster.requests())
     patch = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "example.com/edited:1"}]}}}}
     cluster.http("PATCH", p["sts"], patch, "application/strategic-merge-patch+json")
     want = kids["sts"]["spec"]["template"]["spec"]["containers"][0]["image"]
-    wait_for(lambda: cluster.get(p["sts"])["spec"]["template"]["spec"]["containers"][0]["image"] == want,
-             timeout=REACT_S, what="the engine image taken back")  # fmt: skip
+    wait_for(
+        lambda: cluster.get(p["sts"])["spec"]["template"]["spec"]["containers"][0]["image"] == want,
+        timeout=REACT_S,
+        what="the engine image taken back",
+    )
     # The passes that took it back read the RLJob from kopf's watch and the StatefulSet from the cache: no GET
     # of either (a GET is left only for a name the cache holds nothing under: the canary Job the edited image
     # starts, which someone else's object could hold).
@@ -136,8 +145,11 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
     with cluster.api.paused("kuberay-operator"):
         started = time.monotonic()
         cluster.patch_status(p["rayjob"], {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"})
-        wait_for(lambda: (c := condition(cluster.get(p["rljob"]), "Succeeded")) and c["status"] == "True",
-                 timeout=REACT_S, what=f"Succeeded=True\n{operator.log(80)}")  # fmt: skip
+        wait_for(
+            lambda: (c := condition(cluster.get(p["rljob"]), "Succeeded")) and c["status"] == "True",
+            timeout=REACT_S,
+            what=f"Succeeded=True\n{operator.log(80)}",
+        )
         assert time.monotonic() - started < REACT_S
 
 
@@ -152,8 +164,11 @@ def test_watches_survive_an_api_server_restart_and_edits_made_while_the_operator
     # The API server restarts: every watch breaks; the operator lists again and keeps reacting.
     cluster.api.restart_apiserver()
     cluster.kubectl("delete", "service", f"{job}-engine", "-n", NS)
-    wait_for(lambda: _uid(cluster.get(p["svc"])) not in ("", _uid(kids["svc"])), timeout=4 * REACT_S,
-             what=f"the Service re-created after the restart\n{operator.log(80)}")  # fmt: skip
+    wait_for(
+        lambda: _uid(cluster.get(p["svc"])) not in ("", _uid(kids["svc"])),
+        timeout=4 * REACT_S,
+        what=f"the Service re-created after the restart\n{operator.log(80)}",
+    )
 
     # Down: a child deleted, another edited. Up again: both converge, nothing duplicated.
     _stop(operator)
@@ -164,8 +179,11 @@ def test_watches_survive_an_api_server_restart_and_edits_made_while_the_operator
     try:
         wait_for(lambda: cluster.get(p["np"]) is not None, timeout=60, what=f"NetworkPolicy\n{restarted.log(80)}")
         # The hand-added key is not ours (server-side apply leaves it); every key we set is as we set it.
-        wait_for(lambda: all(cluster.get(p["cm"])["data"].get(k) == v for k, v in cm_data.items()), timeout=60,
-                 what="the ConfigMap as the operator set it")  # fmt: skip
+        wait_for(
+            lambda: all(cluster.get(p["cm"])["data"].get(k) == v for k, v in cm_data.items()),
+            timeout=60,
+            what="the ConfigMap as the operator set it",
+        )
         items = cluster.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets?labelSelector=r3operator.io/job={job}")
         assert len(items["items"]) == 1
     finally:

@@ -80,12 +80,19 @@ def test_engine_pods_get_the_job_wide_and_engine_templates_with_the_role_winning
     assert {v["name"] for v in spec["volumes"]} >= {"routing", "config", "dshm", "datasets"}
     assert {"name": "datasets", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
     # GPUs stay derived (TP2 x DP2 = 4); the template adds a CPU limit and ephemeral storage.
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4", "memory": "200Gi", "cpu": "32",
-                                                "ephemeral-storage": "100Gi"}  # fmt: skip
+    assert container["resources"]["limits"] == {
+        "nvidia.com/gpu": "4",
+        "memory": "200Gi",
+        "cpu": "32",
+        "ephemeral-storage": "100Gi",
+    }
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
     # securityContext fields merge one by one over the restricted defaults.
-    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                                            "readOnlyRootFilesystem": True}  # fmt: skip
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+    }
     labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
     assert labels["team"] == "post-training" and labels["r3operator.io/role"] == "engine"
     assert annotations["example.com/owner"] == "rl" and "r3operator.io/spec-hash" in annotations
@@ -113,8 +120,15 @@ def test_without_templates_pods_keep_the_gpu_toleration_and_nothing_else_is_adde
 TRAINER_ONLY = {
     "nodeSelector": {"pool": "training"},
     "tolerations": [{"key": "team", "operator": "Exists", "effect": "NoSchedule"}],
-    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}
+                ]
+            }
+        }
+    },
     "serviceAccountName": "store-reader",
     "podSecurityContext": {"fsGroup": 2000},
     "securityContext": {"readOnlyRootFilesystem": True},
@@ -123,7 +137,7 @@ TRAINER_ONLY = {
     "volumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
     "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
     "resources": {"requests": {"cpu": "64", "rdma/ib": "1"}},
-}  # fmt: skip
+}
 
 
 def _fetch_job(job: RLJob, facts: Facts | None = None) -> dict[str, Any]:
@@ -131,8 +145,14 @@ def _fetch_job(job: RLJob, facts: Facts | None = None) -> dict[str, Any]:
 
 
 def test_the_model_fetch_pod_gets_the_trainers_template_but_keeps_its_own_env_and_resources():
-    job = _job(podTemplate=JOB_WIDE, **{"trainer.podTemplate": TRAINER_ONLY, "inference.podTemplate": ENGINE_ONLY,
-                                        "model.tokenSecretRef": {"name": "hf", "key": "token"}})  # fmt: skip
+    job = _job(
+        podTemplate=JOB_WIDE,
+        **{
+            "trainer.podTemplate": TRAINER_ONLY,
+            "inference.podTemplate": ENGINE_ONLY,
+            "model.tokenSecretRef": {"name": "hf", "key": "token"},
+        },
+    )
     pod = _fetch_job(job)["spec"]["template"]
     spec, [container] = pod["spec"], pod["spec"]["containers"]
     # Pulls the trainer image from the private registry and lands where the trainer pods land.
@@ -183,8 +203,9 @@ def test_a_fetch_job_follows_admission_and_its_pod_template_until_it_completes()
     running = _fetch_job(job)
     assert plan_action(running, _observed_job(running), job_uid="uid-1").verb == "none"
     # Kueue evicts: only suspend is written, under its own field manager.
-    held = _fetch_job(job.model_copy(update={"spec": job.spec.model_copy(update={"queue_name": "q"})}),
-                      Facts(admitted=False))  # fmt: skip
+    held = _fetch_job(
+        job.model_copy(update={"spec": job.spec.model_copy(update={"queue_name": "q"})}), Facts(admitted=False)
+    )
     action = plan_action(held, _observed_job(running), job_uid="uid-1")
     assert action.verb == "apply" and action.body is not None and action.body["spec"] == {"suspend": True}
     assert action.manager != "r3operator"
@@ -225,16 +246,29 @@ def test_hashes_move_only_for_the_templates_a_component_reads():
 
 def test_merge_replaces_named_entries_and_whole_blocks_by_the_more_specific_template():
     default = PodTemplate.model_validate(
-        {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "1"}],
-         "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-             {"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}]}},
-         "podSecurityContext": {"runAsUser": 2000, "fsGroup": 2000},
-         "resources": {"limits": {"cpu": "8", "memory": "1Gi"}}}
-    )  # fmt: skip
+        {
+            "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "1"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 1,
+                            "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                        }
+                    ]
+                }
+            },
+            "podSecurityContext": {"runAsUser": 2000, "fsGroup": 2000},
+            "resources": {"limits": {"cpu": "8", "memory": "1Gi"}},
+        }
+    )
     own = PodTemplate.model_validate(
-        {"env": [{"name": "B", "value": "2"}], "podSecurityContext": {"fsGroup": 3000},
-         "resources": {"limits": {"cpu": "16"}}}
-    )  # fmt: skip
+        {
+            "env": [{"name": "B", "value": "2"}],
+            "podSecurityContext": {"fsGroup": 3000},
+            "resources": {"limits": {"cpu": "16"}},
+        }
+    )
     merged = merge_templates(default, own)
     assert [(e.name, e.value) for e in merged.env] == [("A", "1"), ("B", "2")]
     assert merged.affinity == default.affinity
@@ -253,12 +287,11 @@ CONFIG_SUBDIR = {"name": "x", "mountPath": "/etc/r3operator/c"}
         ({"env": [{"name": "R3OPERATOR_RLJOB_NAME", "value": "x"}]}, "env R3OPERATOR_RLJOB_NAME"),
         ({"resources": {"limits": {"nvidia.com/gpu": "8"}}}, "resources.limits nvidia.com/gpu"),
         ({"volumes": [{"name": "routing", "emptyDir": {}}]}, "volume routing"),
-        ({"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [CONFIG_SUBDIR]},
-         "mountPath /etc/r3operator/c"),
+        ({"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [CONFIG_SUBDIR]}, "mountPath /etc/r3operator/c"),
         ({"labels": {"r3operator.io/job": "other"}}, "label r3operator.io/job"),
         ({"annotations": {"kueue.x-k8s.io/queue-name": "q"}}, "annotation kueue.x-k8s.io/queue-name"),
     ],
-)  # fmt: skip
+)
 def test_a_template_that_sets_a_derived_field_is_refused_naming_it(template: dict[str, Any], named: str):
     job = _job(**{"inference.podTemplate": template})
     [finding] = [f for f in evaluate(job.spec) if f.rule == "ENGINE-POD-TEMPLATE-DERIVED"]
@@ -308,9 +341,10 @@ def test_the_workload_has_a_pod_set_per_role_with_the_pods_templates_and_the_pri
     assert workload["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team"
     # Another replica count is another pod set: a new spec hash (the Workload is re-created).
     bigger = build_workload(_job(queueName="gpu-team", **{"inference.replicas": 5}), priority=None)
-    assert bigger["metadata"]["annotations"] != build_workload(_job(queueName="gpu-team"), priority=None)["metadata"][
-        "annotations"
-    ]
+    assert (
+        bigger["metadata"]["annotations"]
+        != build_workload(_job(queueName="gpu-team"), priority=None)["metadata"]["annotations"]
+    )
 
 
 def test_not_admitted_holds_the_children_like_a_suspended_job():

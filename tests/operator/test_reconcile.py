@@ -47,8 +47,11 @@ class FakeClient:
         def matches(obj: dict[str, Any]) -> bool:
             return wanted.items() <= (obj["metadata"].get("labels") or {}).items()
 
-        return [copy.deepcopy(o) for (p, ns, _), o in self.objects.items() if (p, ns) == (kind.plural, namespace)
-                and matches(o)]  # fmt: skip
+        return [
+            copy.deepcopy(o)
+            for (p, ns, _), o in self.objects.items()
+            if (p, ns) == (kind.plural, namespace) and matches(o)
+        ]
 
     async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
         self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
@@ -59,8 +62,9 @@ class FakeClient:
         merged.update(copy.deepcopy(obj))
         return self.put(merged)
 
-    async def merge_patch(self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *,
-                          subresource: str | None = None) -> dict[str, Any]:  # fmt: skip
+    async def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
         self.writes.append(("patch" + (f"/{subresource}" if subresource else ""), kind.plural, name))
         obj = self.objects[(kind.plural, namespace, name)]
         obj.setdefault("status", {}).update(patch.get("status") or {})
@@ -109,9 +113,14 @@ def test_an_rljob_that_does_not_parse_gets_valid_false_and_one_event_once():
 def test_a_foreign_rayjob_under_the_trainer_name_is_not_believed_and_not_touched():
     client = FakeClient()
     body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete"}))
-    client.put({"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "job-trainer", "namespace": "rl"},
-                "status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
-                           "endTime": "2020-01-01T00:00:00Z"}})  # fmt: skip
+    client.put(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "job-trainer", "namespace": "rl"},
+            "status": {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2020-01-01T00:00:00Z"},
+        }
+    )
     _, outcome = _reconcile(client, body)
     assert not [w for w in client.writes if w[0] != "patch/status"], client.writes
     assert (_condition(client, "Valid")["reason"], _condition(client, "Succeeded")["status"]) == (
@@ -143,8 +152,15 @@ def test_the_ttl_keeps_the_model_cache_by_default():
 
 def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_last():
     client = FakeClient()
-    body = client.put(_rljob(**{"runPolicy.ttlSecondsAfterFinished": 0, "storage.retainPolicy": "Delete",
-                                "model.cache": {"retainPolicy": "Delete"}}))  # fmt: skip
+    body = client.put(
+        _rljob(
+            **{
+                "runPolicy.ttlSecondsAfterFinished": 0,
+                "storage.retainPolicy": "Delete",
+                "model.cache": {"retainPolicy": "Delete"},
+            }
+        )
+    )
     _reconcile(client, body)
     ray = client.objects[("rayjobs", "rl", "job-trainer")]
     ray["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": "2025-12-31T23:00:00Z"}
@@ -153,8 +169,18 @@ def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_la
     deletes = [w[1] for w in client.writes if w[0] == "delete"]
     assert deletes[-1] == "rayjobs" and "persistentvolumeclaims" in deletes
     # The example's hf:// model also has a model-fetch Job and a model cache claim.
-    assert set(deletes) == {"rolebindings", "roles", "serviceaccounts", "statefulsets", "networkpolicies", "services",
-                            "configmaps", "persistentvolumeclaims", "jobs", "rayjobs"}  # fmt: skip
+    assert set(deletes) == {
+        "rolebindings",
+        "roles",
+        "serviceaccounts",
+        "statefulsets",
+        "networkpolicies",
+        "services",
+        "configmaps",
+        "persistentvolumeclaims",
+        "jobs",
+        "rayjobs",
+    }
     assert deletes.count("persistentvolumeclaims") == 2
     assert _condition(client, "Succeeded")["status"] == "True"
     # The RayJob is gone; the recorded end keeps the operator from training again.
@@ -167,8 +193,12 @@ def test_after_the_rayjob_ends_and_the_ttl_passes_children_are_deleted_rayjob_la
 def test_a_namespace_being_deleted_is_reported_without_retrying_as_an_error():
     client = FakeClient()
     body = client.put(_rljob())
-    client.refuse = KubeError(403, 'unable to create new content in namespace rl because it is being terminated',
-                              "Forbidden", ("NamespaceTerminating",))  # fmt: skip
+    client.refuse = KubeError(
+        403,
+        "unable to create new content in namespace rl because it is being terminated",
+        "Forbidden",
+        ("NamespaceTerminating",),
+    )
     _, outcome = _reconcile(client, body)
     assert outcome.error is client.refuse and outcome.error.namespace_terminating
     assert (_condition(client, "Progressing")["reason"], _condition(client, "Ready")["reason"]) == (
@@ -177,10 +207,13 @@ def test_a_namespace_being_deleted_is_reported_without_retrying_as_an_error():
     )
 
 
-@pytest.mark.parametrize(("error", "passes_until_reported"), [
-    (KubeError(422, "spec.template: Invalid value", "Invalid"), 1),
-    (KubeError(500, "etcdserver: request timed out", "InternalError"), API_ERROR_PASSES),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("error", "passes_until_reported"),
+    [
+        (KubeError(422, "spec.template: Invalid value", "Invalid"), 1),
+        (KubeError(500, "etcdserver: request timed out", "InternalError"), API_ERROR_PASSES),
+    ],
+)
 def test_a_refused_write_is_in_status_once_it_persists(error: KubeError, passes_until_reported: int):
     client = FakeClient()
     client.put(_rljob())
@@ -224,7 +257,9 @@ def test_a_multi_node_replica_without_the_lws_crd_is_refused_naming_the_rule_and
 
 def test_a_multi_node_replica_with_the_lws_crd_gets_a_leader_worker_set_and_its_groups_make_it_ready():
     client = LeaderWorkerSetClient()
-    body = client.put(_rljob(**TWO_NODE_REPLICAS, **{"inference.replicas": 2, "model.uri": "file:///models/Qwen3-30B-A3B"}))
+    body = client.put(
+        _rljob(**TWO_NODE_REPLICAS, **{"inference.replicas": 2, "model.uri": "file:///models/Qwen3-30B-A3B"})
+    )
     _reconcile(client, body)
     created = {w[1] for w in client.writes if w[0] == "apply"}
     assert "LeaderWorkerSet" in created and "StatefulSet" not in created

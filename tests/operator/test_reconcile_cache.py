@@ -16,8 +16,18 @@ from r3operator.operator.informer import ChildCache
 from r3operator.operator.kube import KINDS, Kind
 from r3operator.operator.reconcile import Reconciler
 
-CHILD_KINDS = ("StatefulSet", "RayJob", "ConfigMap", "Service", "PersistentVolumeClaim", "ServiceAccount", "Role",
-               "RoleBinding", "NetworkPolicy", "Job")  # fmt: skip
+CHILD_KINDS = (
+    "StatefulSet",
+    "RayJob",
+    "ConfigMap",
+    "Service",
+    "PersistentVolumeClaim",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "Job",
+)
 CHILD_PLURALS = {KINDS[k].plural for k in CHILD_KINDS}
 
 
@@ -176,8 +186,10 @@ def test_a_held_render_is_the_same_children_as_a_fresh_desired_and_each_pass_get
 
 def test_the_rljob_held_from_the_operators_own_write_keeps_no_managed_fields():
     reconciler = Reconciler(WatchedClient(), clock=lambda: NOW)  # type: ignore[arg-type]
-    returned = {"metadata": {"name": "job", "resourceVersion": "7", "managedFields": [{"manager": "r3operator"}]},
-                "status": {"phase": "x"}}  # fmt: skip
+    returned = {
+        "metadata": {"name": "job", "resourceVersion": "7", "managedFields": [{"manager": "r3operator"}]},
+        "status": {"phase": "x"},
+    }
     reconciler._wrote("uid-1", returned)
     held = reconciler._newest("uid-1", {"metadata": {"name": "job", "resourceVersion": "6"}})  # the live body is older
     assert held == {"metadata": {"name": "job", "resourceVersion": "7"}, "status": {"phase": "x"}}

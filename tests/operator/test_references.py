@@ -54,17 +54,25 @@ def test_the_credentials_of_fetched_sources_are_required_references():
         ("data", "AWS_SECRET_ACCESS_KEY", "task.s3.credentialsSecret"),
     }
     s3_model = _job(**{"model.uri": "s3://models/qwen3", "model.revision": None, "model.s3": S3})
-    assert {(r.name, r.key) for r in references(s3_model)} == {("store", "AWS_ACCESS_KEY_ID"),
-                                                              ("store", "AWS_SECRET_ACCESS_KEY")}  # fmt: skip
-    gs_model = _job(**{"model.uri": "gs://models/qwen3", "model.revision": None,
-                       "model.gcs": {"credentialsSecret": "hmac"}})  # fmt: skip
+    assert {(r.name, r.key) for r in references(s3_model)} == {
+        ("store", "AWS_ACCESS_KEY_ID"),
+        ("store", "AWS_SECRET_ACCESS_KEY"),
+    }
+    gs_model = _job(
+        **{"model.uri": "gs://models/qwen3", "model.revision": None, "model.gcs": {"credentialsSecret": "hmac"}}
+    )
     assert {(r.name, r.key, r.where) for r in references(gs_model)} == {
         ("hmac", "AWS_ACCESS_KEY_ID", "model.gcs.credentialsSecret"),
         ("hmac", "AWS_SECRET_ACCESS_KEY", "model.gcs.credentialsSecret"),
     }
     # A model that is not fetched reads no token: nothing to require.
-    pvc = _job(**{"model.uri": "pvc://weights/qwen3", "model.revision": None,
-                  "model.tokenSecretRef": {"name": "hf", "key": "token"}})  # fmt: skip
+    pvc = _job(
+        **{
+            "model.uri": "pvc://weights/qwen3",
+            "model.revision": None,
+            "model.tokenSecretRef": {"name": "hf", "key": "token"},
+        }
+    )
     assert references(pvc) == []
 
 
@@ -112,13 +120,16 @@ def test_the_kubelets_config_errors_name_the_secret_per_role():
 
 def test_a_fetch_pod_stuck_on_a_missing_secret_stops_progress_with_the_secrets_name():
     job = _job(**{"model.tokenSecretRef": {"name": "hf", "key": "token"}})
-    obs = Observed(model_fetch="running", config_errors={"model-fetch": '1 pod: container fetch-model: secret "hf" '
-                                                                        "not found"})  # fmt: skip
+    obs = Observed(
+        model_fetch="running", config_errors={"model-fetch": '1 pod: container fetch-model: secret "hf" not found'}
+    )
     progressing = compute_conditions(job, obs)[ConditionType.PROGRESSING]
     assert (progressing.status.value, progressing.reason) == ("False", "ReferenceNotFound")
     assert 'secret "hf" not found' in progressing.message and "job-model-fetch" in progressing.message
-    pending = Observed(model_fetch="running", unschedulable={"model-fetch": "1 pod: 0/18 nodes are available: "
-                                                                             "16 node(s) had untolerated taint."})
+    pending = Observed(
+        model_fetch="running",
+        unschedulable={"model-fetch": "1 pod: 0/18 nodes are available: 16 node(s) had untolerated taint."},
+    )
     progressing = compute_conditions(job, pending)[ConditionType.PROGRESSING]
     assert (progressing.status.value, progressing.reason) == ("False", "Unschedulable")
     assert "untolerated taint" in progressing.message

@@ -21,16 +21,29 @@ def test_render_prints_the_children_as_a_yaml_stream():
     assert result.exit_code == 0, result.output
     docs = list(yaml.safe_load_all(result.stdout))
     assert [d["kind"] for d in docs] == [
-        "PersistentVolumeClaim", "PersistentVolumeClaim", "Job", "ConfigMap", "Service", "StatefulSet",
-        "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding", "RayJob", "PodMonitor",
-    ]  # fmt: skip
+        "PersistentVolumeClaim",
+        "PersistentVolumeClaim",
+        "Job",
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "NetworkPolicy",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "RayJob",
+        "PodMonitor",
+    ]
     assert '"numLayers": 48' in docs[3]["data"]["config.json"]
 
 
 def test_render_shows_the_model_fetch_its_secret_references_and_the_read_only_cache_mounts(tmp_path: Path):
     doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
-    doc["spec"]["model"] |= {"uri": "s3://models/qwen3-30b-a3b", "revision": None,
-                             "s3": {"credentialsSecret": "store", "endpointURL": "http://minio:9000"}}  # fmt: skip
+    doc["spec"]["model"] |= {
+        "uri": "s3://models/qwen3-30b-a3b",
+        "revision": None,
+        "s3": {"credentialsSecret": "store", "endpointURL": "http://minio:9000"},
+    }
     path = tmp_path / "s3.yaml"
     path.write_text(yaml.safe_dump(doc))
     result = CliRunner().invoke(app, ["render", str(path)])
@@ -38,8 +51,13 @@ def test_render_shows_the_model_fetch_its_secret_references_and_the_read_only_ca
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout)}
     fetch = docs[("Job", "qwen3-30b-a3b-r3-model-fetch")]["spec"]["template"]["spec"]["containers"][0]
     assert fetch["command"] == [
-        "r3operator", "fetch", "s3://models/qwen3-30b-a3b", "/mnt/model", "--endpoint-url", "http://minio:9000"
-    ]  # fmt: skip
+        "r3operator",
+        "fetch",
+        "s3://models/qwen3-30b-a3b",
+        "/mnt/model",
+        "--endpoint-url",
+        "http://minio:9000",
+    ]
     secret_ref = {"secretKeyRef": {"name": "store", "key": "AWS_SECRET_ACCESS_KEY"}}
     assert {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": secret_ref} in fetch["env"]
     [claim] = [name for kind, name in docs if kind == "PersistentVolumeClaim" and name.startswith("model-cache-")]

@@ -147,13 +147,17 @@ def test_a_terminal_status_written_while_the_rayjob_runs_is_overwritten():
 @pytest.mark.parametrize(
     ("observed", "ctype", "reason", "named"),
     [
-        (Observed(name_conflict="ConfigMap/team-config not controlled by this RLJob"), "Valid", "NameConflict",
-         "ConfigMap/team-config"),
+        (
+            Observed(name_conflict="ConfigMap/team-config not controlled by this RLJob"),
+            "Valid",
+            "NameConflict",
+            "ConfigMap/team-config",
+        ),
         (Observed(missing_claims=("shared",)), "Valid", "ClaimNotFound", "PersistentVolumeClaim/shared"),
         (Observed(namespace_terminating=True), "Progressing", "NamespaceTerminating", "namespace"),
         (Observed(api_error="HTTP 403 Forbidden: no"), "Progressing", "APIError", "HTTP 403 Forbidden"),
     ],
-)  # fmt: skip
+)
 def test_every_failure_the_operator_meets_is_a_condition_and_rolls_up_to_ready(
     observed: Observed, ctype: str, reason: str, named: str
 ):

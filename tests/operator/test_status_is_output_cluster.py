@@ -32,8 +32,18 @@ def _as_trainer(cluster: Cluster, job: str, status: dict[str, Any]) -> None:
     import json
 
     who = f"system:serviceaccount:{NS}:{job}-trainer"
-    cluster.kubectl("-n", NS, "patch", "rlj", job, "--subresource=status", "--type=merge", f"--as={who}",
-                    "-p", json.dumps({"status": status}))  # fmt: skip
+    cluster.kubectl(
+        "-n",
+        NS,
+        "patch",
+        "rlj",
+        job,
+        "--subresource=status",
+        "--type=merge",
+        f"--as={who}",
+        "-p",
+        json.dumps({"status": status}),
+    )
 
 
 def _passes(cluster: Cluster, job: str, n: int) -> None:
@@ -71,17 +81,27 @@ def _forged_upgrades(image: str) -> list[dict[str, Any]]:
         {"component": "engine", "phase": "Blocked", "from": EVIL, "to": image, **base},
         {"component": "engine", "phase": "Rolling", "from": image, "to": EVIL, **base},
         {"component": "engine", "phase": "Canary", "from": image, "to": EVIL, "canary": verdict, **base},
-        {"component": "engine", "phase": "Canary", "from": EVIL, "to": image, "canaryStartedAt": "2020-01-01T00:00:00Z",
-         **base},
+        {
+            "component": "engine",
+            "phase": "Canary",
+            "from": EVIL,
+            "to": image,
+            "canaryStartedAt": "2020-01-01T00:00:00Z",
+            **base,
+        },
         {"component": "trainer", "phase": "Canary", "from": EVIL, "to": "ghcr.io/r3operator/trainer:0.1.0", **base},
         {"component": "trainer", "phase": "Rolling", "from": "ghcr.io/r3operator/trainer:0.1.0", "to": EVIL, **base},
-    ]  # fmt: skip
+    ]
 
 
 def _forged_fields() -> list[dict[str, Any]]:
     """Every other status field, with values that would stop, scale or delete something if believed."""
-    ended = {"status": "True", "reason": "TrainerSucceeded", "message": "forged",
-             "lastTransitionTime": "2020-01-01T00:00:00Z"}  # fmt: skip
+    ended = {
+        "status": "True",
+        "reason": "TrainerSucceeded",
+        "message": "forged",
+        "lastTransitionTime": "2020-01-01T00:00:00Z",
+    }
     return [
         {"conditions": [{"type": "Succeeded", **ended}], "completionTime": "2020-01-01T00:00:00Z"},
         {"conditions": [{"type": "Failed", **ended, "reason": "TrainerFailed"}]},
@@ -98,11 +118,15 @@ def test_what_the_trainer_writes_in_status_changes_nothing_the_operator_renders(
     cluster: Cluster, operator: KopfRunner
 ) -> None:
     job = "forge"
-    cluster.apply(example(job, NS, **{"inference.image": OLD, "inference.replicas": 2,
-                                      "runPolicy.ttlSecondsAfterFinished": 0}))  # fmt: skip
+    cluster.apply(
+        example(job, NS, **{"inference.image": OLD, "inference.replicas": 2, "runPolicy.ttlSecondsAfterFinished": 0})
+    )
     wait_condition(cluster, NS, job, "EnginesReady", "True")
-    wait_for(lambda: (r := cluster.get(paths(NS, job)["rayjob"])) and not r["spec"].get("suspend"),
-             timeout=60, what="a running RayJob")  # fmt: skip
+    wait_for(
+        lambda: (r := cluster.get(paths(NS, job)["rayjob"])) and not r["spec"].get("suspend"),
+        timeout=60,
+        what="a running RayJob",
+    )
     before = _rendered(cluster, job)
     for forged in [{"upgrade": u} for u in _forged_upgrades(OLD)] + _forged_fields():
         _as_trainer(cluster, job, forged)
@@ -126,10 +150,15 @@ def test_a_verdict_and_a_from_image_forged_during_an_upgrade_are_ignored(
     job = "forge-up"
     cluster.apply(example(job, NS, **{"inference.image": OLD, "inference.replicas": 2}))
     wait_condition(cluster, NS, job, "EnginesReady", "True")
-    cluster.kubectl("-n", NS, "patch", "rlj", job, "--type=merge", "-p",
-                    f'{{"spec":{{"inference":{{"image":"{NEW}"}}}}}}')  # fmt: skip
-    upgrade = wait_for(lambda: (u := (cluster.get(paths(NS, job)["rljob"])["status"].get("upgrade") or {}))
-                       .get("phase") == "Canary" and u, what="the canary")  # fmt: skip
+    cluster.kubectl(
+        "-n", NS, "patch", "rlj", job, "--type=merge", "-p", f'{{"spec":{{"inference":{{"image":"{NEW}"}}}}}}'
+    )
+    upgrade = wait_for(
+        lambda: (
+            (u := (cluster.get(paths(NS, job)["rljob"])["status"].get("upgrade") or {})).get("phase") == "Canary" and u
+        ),
+        what="the canary",
+    )
     wait_for(lambda: _canary_job(cluster, job), what="the canary Job")
     canary = _rendered(cluster, job)
     assert canary["engine image"] == [NEW] and canary["engine replicas"] == 3

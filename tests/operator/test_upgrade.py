@@ -17,13 +17,22 @@ from r3operator.operator.upgrade import ANNOTATION_UPGRADE, CanaryInputs, plan_u
 from r3operator.operator.upgrade_record import PodProgress
 
 REPO = Path(__file__).resolve().parents[2]
-OLD, NEW, NEWER = ("ghcr.io/r3operator/engine:0.1.0-vllm0.22.1", "ghcr.io/r3operator/engine:0.2.0-vllm0.22.1",
-                   "ghcr.io/r3operator/engine:0.3.0-vllm0.22.1")  # fmt: skip
+OLD, NEW, NEWER = (
+    "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1",
+    "ghcr.io/r3operator/engine:0.2.0-vllm0.22.1",
+    "ghcr.io/r3operator/engine:0.3.0-vllm0.22.1",
+)
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
 
-def job(image: str = NEW, *, replicas: int = 2, generation: int = 7, annotations: dict[str, str] | None = None,
-        **policy: Any) -> RLJob:  # fmt: skip
+def job(
+    image: str = NEW,
+    *,
+    replicas: int = 2,
+    generation: int = 7,
+    annotations: dict[str, str] | None = None,
+    **policy: Any,
+) -> RLJob:
     doc = yaml.safe_load((REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml").read_text())
     doc["metadata"].update(uid="uid-1", namespace="ml", generation=generation, annotations=annotations or {})
     doc["spec"]["inference"].update(image=image, replicas=replicas)
@@ -41,9 +50,14 @@ def engines(image: str, *, pods: int = 2, updated: int | None = None, same_revis
     return {
         "metadata": {"generation": 3},
         "spec": {"replicas": pods, "template": {"spec": {"containers": [{"name": "vllm", "image": image}]}}},
-        "status": {"observedGeneration": 3, "replicas": pods, "updatedReplicas": pods if updated is None else updated,
-                   "currentRevision": "a", "updateRevision": "a" if same_revision else "b"},
-    }  # fmt: skip
+        "status": {
+            "observedGeneration": 3,
+            "replicas": pods,
+            "updatedReplicas": pods if updated is None else updated,
+            "currentRevision": "a",
+            "updateRevision": "a" if same_revision else "b",
+        },
+    }
 
 
 def canary_status(**extra: Any) -> dict[str, Any]:
@@ -97,15 +111,15 @@ def test_no_canary_wanted_or_forced_rolls_every_replica(kwargs: dict[str, Any], 
 
 def test_a_passing_verdict_rolls_on_and_completion_is_read_from_the_statefulset() -> None:
     upgrade = canary_status()
-    plan = plan_upgrade(job(), engines(NEW, pods=3, updated=1), prev=rec(upgrade), canary=said("7", passed=True),
-                        now=NOW)  # fmt: skip
+    plan = plan_upgrade(
+        job(), engines(NEW, pods=3, updated=1), prev=rec(upgrade), canary=said("7", passed=True), now=NOW
+    )
     assert plan.status is not None and plan.status.phase == "Rolling" and plan.canary is None
     assert plan.status.canary is not None and plan.status.canary.passed  # the verdict, for status
     sts = statefulset_of(desired(job(), Facts(engine_rollout=plan.rollout)))
     assert sts["spec"]["replicas"] == 2 and "updateStrategy" not in sts["spec"]
     rolling = plan.status.model_dump(mode="json", by_alias=True)
-    midway = plan_upgrade(job(), engines(NEW, updated=1, same_revision=False), prev=rec(rolling),
-                          now=NOW)  # fmt: skip
+    midway = plan_upgrade(job(), engines(NEW, updated=1, same_revision=False), prev=rec(rolling), now=NOW)
     assert midway.status is not None and (midway.status.phase, midway.status.replicas_updated) == ("Rolling", 1)
     done = plan_upgrade(job(), engines(NEW), prev=rec(rolling), now=NOW)
     assert done.status is not None and (done.status.phase, done.status.replicas_updated) == ("Complete", 2)
@@ -122,24 +136,33 @@ def test_a_failing_verdict_rolls_back_and_blocks_until_the_image_changes_or_forc
     blocked = plan.status.model_dump(mode="json", by_alias=True)
     again = plan_upgrade(job(), engines(OLD), prev=rec(blocked), now=NOW)
     assert again.status is not None and again.status.phase == "Blocked" and again.rollout.image == OLD  # type: ignore[union-attr]
-    forced = plan_upgrade(job(annotations={ANNOTATION_UPGRADE: "force"}), engines(OLD), prev=rec(blocked),
-                          now=NOW)  # fmt: skip
+    forced = plan_upgrade(job(annotations={ANNOTATION_UPGRADE: "force"}), engines(OLD), prev=rec(blocked), now=NOW)
     assert forced.status is not None and forced.status.phase == "Rolling" and forced.rollout.image == NEW  # type: ignore[union-attr]
     retry = plan_upgrade(job(NEWER, generation=9), engines(OLD), prev=rec(blocked), now=NOW)
-    assert retry.status is not None and (retry.status.phase, retry.status.from_image, retry.status.to,
-                                         retry.status.attempt) == ("Canary", OLD, NEWER, "9")  # fmt: skip
+    assert retry.status is not None and (
+        retry.status.phase,
+        retry.status.from_image,
+        retry.status.to,
+        retry.status.attempt,
+    ) == ("Canary", OLD, NEWER, "9")
 
 
 def test_a_verdict_for_another_attempt_is_ignored_and_a_missing_one_times_out() -> None:
     ran = canary_status(canaryStartedAt="2026-11-23T11:58:00Z")
     plan = plan_upgrade(job(), engines(NEW, pods=3), prev=rec(ran), canary=said("6", passed=True), now=NOW)
     assert plan.status is not None and plan.status.phase == "Canary"
-    late = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=rec(ran), canary=said("6", passed=True),
-                        now=NOW + dt.timedelta(minutes=10))  # fmt: skip
+    late = plan_upgrade(
+        job(timeoutSeconds=60),
+        engines(NEW, pods=3),
+        prev=rec(ran),
+        canary=said("6", passed=True),
+        now=NOW + dt.timedelta(minutes=10),
+    )
     assert late.status is not None and late.status.phase == "Blocked" and "timed out" in late.status.message
     failed_job = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
-    crashed = plan_upgrade(job(), engines(NEW, pods=3), prev=rec(canary_status()),
-                           canary=CanaryInputs(job=failed_job), now=NOW)  # fmt: skip
+    crashed = plan_upgrade(
+        job(), engines(NEW, pods=3), prev=rec(canary_status()), canary=CanaryInputs(job=failed_job), now=NOW
+    )
     assert crashed.status is not None and crashed.status.phase == "Blocked"
     assert "BackoffLimitExceeded" in crashed.status.message
 
@@ -148,7 +171,10 @@ def test_a_second_image_change_supersedes_a_canary_and_reverting_cancels_it() ->
     upgrade = canary_status()
     newer = plan_upgrade(job(NEWER, generation=8), engines(NEW, pods=3), prev=rec(upgrade), now=NOW)
     assert newer.status is not None and (newer.status.from_image, newer.status.to, newer.status.attempt) == (
-        OLD, NEWER, "8")  # fmt: skip
+        OLD,
+        NEWER,
+        "8",
+    )
     assert newer.canary is not None and newer.canary.attempt == "8"
     back = plan_upgrade(job(OLD, generation=8), engines(NEW, pods=3), prev=rec(upgrade), now=NOW)
     assert back.status is not None and back.status.phase == "Cancelled" and back.rollout is None
@@ -158,8 +184,13 @@ def test_a_canary_job_of_another_attempt_is_replaced_and_partition_changes_are_a
     plan = plan_upgrade(job(), engines(OLD), now=NOW)
     children = desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
     (canary,) = [c for c in children if c["metadata"]["name"].endswith("-upgrade-canary")]
-    earlier = {**canary, "metadata": {**canary["metadata"],
-                                      "labels": {**canary["metadata"]["labels"], "r3operator.io/upgrade-attempt": "6"}}}
+    earlier = {
+        **canary,
+        "metadata": {
+            **canary["metadata"],
+            "labels": {**canary["metadata"]["labels"], "r3operator.io/upgrade-attempt": "6"},
+        },
+    }
     assert plan_action(canary, earlier, job_uid="uid-1").verb == "recreate"
     assert plan_action(canary, canary, job_uid="uid-1").verb == "none"
     sts = statefulset_of(children)
@@ -174,8 +205,14 @@ def test_upgrade_policy_edits_restart_no_engine() -> None:
 
 
 def fidelity(image: str, *, mismatch: float, diff: float, agreement: float = 1.0) -> EngineFidelity:
-    return EngineFidelity(image=image, routes_valid=True, replay_agreement=agreement, natural_mismatch=mismatch,
-                          logprob_abs_diff_off=diff, logprob_abs_diff_r3=diff / 2)  # fmt: skip
+    return EngineFidelity(
+        image=image,
+        routes_valid=True,
+        replay_agreement=agreement,
+        natural_mismatch=mismatch,
+        logprob_abs_diff_off=diff,
+        logprob_abs_diff_r3=diff / 2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -188,8 +225,9 @@ def fidelity(image: str, *, mismatch: float, diff: float, agreement: float = 1.0
         (EngineFidelity(image=NEW, routes_valid=False, message="shape [5, 4, 2]"), False, "unusable"),
     ],
 )
-def test_the_verdict_compares_the_new_engine_with_the_old_in_the_same_run(new: EngineFidelity, passed: bool,
-                                                                         says: str) -> None:  # fmt: skip
+def test_the_verdict_compares_the_new_engine_with_the_old_in_the_same_run(
+    new: EngineFidelity, passed: bool, says: str
+) -> None:
     pytest.importorskip("torch")  # the runtime module imports the trainer's metrics
     from r3operator.runtime.upgrade_canary import verdict
 
@@ -233,24 +271,37 @@ def test_a_trainer_image_change_keeps_the_rayjob_while_both_images_score_one_eng
 
 
 def test_a_trainer_canary_verdict_replaces_the_rayjob_or_keeps_the_old_image() -> None:
-    canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
-              "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
-    passed = plan_upgrade(trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=True),
-                          ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+    canary = {
+        "component": "trainer",
+        "from": T_OLD,
+        "to": T_NEW,
+        "phase": "Canary",
+        "attempt": "7",
+        "startedAt": "2026-11-23T11:55:00Z",
+    }
+    passed = plan_upgrade(
+        trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=True), ray_job=ray_job(T_OLD), now=NOW
+    )
     assert passed.status is not None and passed.status.phase == "Rolling" and passed.trainer_image is None
     rolling = passed.status.model_dump(mode="json", by_alias=True)
-    done = plan_upgrade(trainer_job(), engines(OLD), prev=rec(rolling), ray_job=ray_job(T_NEW),
-                        now=NOW)  # fmt: skip
+    done = plan_upgrade(trainer_job(), engines(OLD), prev=rec(rolling), ray_job=ray_job(T_NEW), now=NOW)
     assert done.status is not None and done.status.phase == "Complete"
-    failed = plan_upgrade(trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=False),
-                          ray_job=ray_job(T_OLD), now=NOW)  # fmt: skip
+    failed = plan_upgrade(
+        trainer_job(), engines(OLD), prev=rec(canary), canary=said("7", passed=False), ray_job=ray_job(T_OLD), now=NOW
+    )
     assert failed.status is not None and failed.status.phase == "Blocked" and failed.trainer_image == T_OLD
     assert "spec.trainer.image still says" in failed.status.message
 
 
 def test_an_engine_change_waits_for_a_trainer_upgrade_under_way() -> None:
-    canary = {"component": "trainer", "from": T_OLD, "to": T_NEW, "phase": "Canary", "attempt": "7",
-              "startedAt": "2026-11-23T11:55:00Z"}  # fmt: skip
+    canary = {
+        "component": "trainer",
+        "from": T_OLD,
+        "to": T_NEW,
+        "phase": "Canary",
+        "attempt": "7",
+        "startedAt": "2026-11-23T11:55:00Z",
+    }
     doc = trainer_job().model_dump(mode="json", by_alias=True, exclude_none=True)
     doc["spec"]["inference"]["image"] = NEW
     plan = plan_upgrade(RLJob.model_validate(doc), engines(OLD), prev=rec(canary), ray_job=ray_job(T_OLD), now=NOW)

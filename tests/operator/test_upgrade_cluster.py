@@ -31,8 +31,9 @@ OLD, NEW, BAD, NEWER = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in
 
 
 def _job(name: str) -> dict[str, Any]:
-    return example(name, NS, **{"inference.image": OLD, "inference.replicas": 2, "upgradePolicy": {
-        "timeoutSeconds": 600}})  # fmt: skip
+    return example(
+        name, NS, **{"inference.image": OLD, "inference.replicas": 2, "upgradePolicy": {"timeoutSeconds": 600}}
+    )
 
 
 def _pod_images(cluster: Cluster, job: str) -> dict[str, str]:
@@ -45,8 +46,11 @@ def _upgrade(cluster: Cluster, job: str) -> dict[str, Any]:
 
 
 def _wait_phase(cluster: Cluster, job: str, phase: str, timeout: float = 60.0) -> dict[str, Any]:
-    return wait_for(lambda: (u := _upgrade(cluster, job)).get("phase") == phase and u, timeout=timeout,
-                    what=f"{job} upgrade phase {phase}")  # fmt: skip
+    return wait_for(
+        lambda: (u := _upgrade(cluster, job)).get("phase") == phase and u,
+        timeout=timeout,
+        what=f"{job} upgrade phase {phase}",
+    )
 
 
 def _canary_job(cluster: Cluster, job: str) -> dict[str, Any] | None:
@@ -54,18 +58,30 @@ def _canary_job(cluster: Cluster, job: str) -> dict[str, Any] | None:
 
 
 def _set_image(cluster: Cluster, job: str, image: str) -> None:
-    cluster.kubectl("-n", NS, "patch", "rlj", job, "--type=merge", "-p",
-                    f'{{"spec":{{"inference":{{"image":"{image}"}}}}}}')  # fmt: skip
+    cluster.kubectl(
+        "-n", NS, "patch", "rlj", job, "--type=merge", "-p", f'{{"spec":{{"inference":{{"image":"{image}"}}}}}}'
+    )
 
 
 def _verdict(attempt: str, *, passed: bool) -> UpgradeCanary:
     def engine(image: str, mismatch: float) -> EngineFidelity:
-        return EngineFidelity(image=image, routes_valid=True, replay_agreement=1.0, natural_mismatch=mismatch,
-                              logprob_abs_diff_off=0.005, logprob_abs_diff_r3=0.004)  # fmt: skip
+        return EngineFidelity(
+            image=image,
+            routes_valid=True,
+            replay_agreement=1.0,
+            natural_mismatch=mismatch,
+            logprob_abs_diff_off=0.005,
+            logprob_abs_diff_r3=0.004,
+        )
 
     new_mismatch = 0.02 if passed else 0.09
-    return UpgradeCanary(attempt=attempt, passed=passed, message=f"natural mismatch {new_mismatch} vs 0.02",
-                         old=engine(OLD, 0.02), new=engine(NEW, new_mismatch))  # fmt: skip
+    return UpgradeCanary(
+        attempt=attempt,
+        passed=passed,
+        message=f"natural mismatch {new_mismatch} vs 0.02",
+        old=engine(OLD, 0.02),
+        new=engine(NEW, new_mismatch),
+    )
 
 
 def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
@@ -90,8 +106,11 @@ def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
         end_canary(cluster, NS, "up-pass", _verdict(upgrade["attempt"], passed=True))
         done = _wait_phase(cluster, "up-pass", "Complete", timeout=120)
         assert done["replicasUpdated"] == 2 and done["canary"]["passed"] is True
-        assert wait_for(lambda: _pod_images(cluster, "up-pass") == {"up-pass-engine-0": NEW, "up-pass-engine-1": NEW},
-                        timeout=60, what="every engine pod on the new image")  # fmt: skip
+        assert wait_for(
+            lambda: _pod_images(cluster, "up-pass") == {"up-pass-engine-0": NEW, "up-pass-engine-1": NEW},
+            timeout=60,
+            what="every engine pod on the new image",
+        )
         wait_for(lambda: _canary_job(cluster, "up-pass") is None, what="canary Job deleted")
         blocked = condition(cluster.get(paths(NS, "up-pass")["rljob"]), "UpgradeBlocked")
         assert blocked is not None and (blocked["status"], blocked["reason"]) == ("False", "UpgradeComplete")
@@ -116,21 +135,33 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
         assert "r3operator.io/upgrade=force" in cond["message"]
         sts = cluster.get(paths(NS, "up-fail")["sts"])
         assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD and sts["spec"]["replicas"] == 2
-        assert wait_for(lambda: _pod_images(cluster, "up-fail") == {"up-fail-engine-0": OLD, "up-fail-engine-1": OLD},
-                        what="surge pod gone, the others untouched")  # fmt: skip
+        assert wait_for(
+            lambda: _pod_images(cluster, "up-fail") == {"up-fail-engine-0": OLD, "up-fail-engine-1": OLD},
+            what="surge pod gone, the others untouched",
+        )
         assert cluster.get(paths(NS, "up-fail")["rljob"])["spec"]["inference"]["image"] == BAD  # the user's to change
         events = cluster.get(f"/api/v1/namespaces/{NS}/events")["items"]
-        blocked = [e for e in events if e["involvedObject"]["name"] == "up-fail"
-                   and e["message"].startswith("UpgradeBlocked=True")]  # fmt: skip
+        blocked = [
+            e
+            for e in events
+            if e["involvedObject"]["name"] == "up-fail" and e["message"].startswith("UpgradeBlocked=True")
+        ]
         assert [(e["type"], e["reason"]) for e in blocked] == [("Warning", "CanaryFailed")]
 
         _set_image(cluster, "up-fail", NEWER)
-        retry = wait_for(lambda: (u := _upgrade(cluster, "up-fail")).get("to") == NEWER and u.get("phase") == "Canary"
-                         and u, what="a new attempt")  # fmt: skip
+        retry = wait_for(
+            lambda: (u := _upgrade(cluster, "up-fail")).get("to") == NEWER and u.get("phase") == "Canary" and u,
+            what="a new attempt",
+        )
         assert retry["from"] == OLD and retry["attempt"] != upgrade["attempt"] and "canary" not in retry
-        job = wait_for(lambda: (j := _canary_job(cluster, "up-fail")) and
-                       j["metadata"]["labels"]["r3operator.io/upgrade-attempt"] == retry["attempt"] and j,
-                       what="the new attempt's canary Job")  # fmt: skip
+        job = wait_for(
+            lambda: (
+                (j := _canary_job(cluster, "up-fail"))
+                and j["metadata"]["labels"]["r3operator.io/upgrade-attempt"] == retry["attempt"]
+                and j
+            ),
+            what="the new attempt's canary Job",
+        )
         assert BAD not in job["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
@@ -159,11 +190,17 @@ def test_a_surge_replica_without_a_free_gpu_is_reported_at_once_and_rolled_back(
 
 def _surge_without_a_free_gpu(cluster: Cluster, node: str) -> None:
     job = {**_job("up-nogpu")}
-    job["spec"] = {**job["spec"], "upgradePolicy": {"timeoutSeconds": 600, "startTimeoutSeconds": 15},
-                   "inference": {**job["spec"]["inference"], "podTemplate": {
-                       "nodeSelector": {"kubernetes.io/hostname": node},
-                       "tolerations": [{"key": OWN_NODE_TAINT, "operator": "Equal", "value": node,
-                                        "effect": "NoSchedule"}]}}}  # fmt: skip
+    job["spec"] = {
+        **job["spec"],
+        "upgradePolicy": {"timeoutSeconds": 600, "startTimeoutSeconds": 15},
+        "inference": {
+            **job["spec"]["inference"],
+            "podTemplate": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "tolerations": [{"key": OWN_NODE_TAINT, "operator": "Equal", "value": node, "effect": "NoSchedule"}],
+            },
+        },
+    }
     with running_operator(cluster, NS):
         cluster.apply(job)
         # The pods land on a node made a moment ago: under the suite's load its first pods take longer.
@@ -175,12 +212,16 @@ def _surge_without_a_free_gpu(cluster: Cluster, node: str) -> None:
         assert "canaryStartedAt" not in _upgrade(cluster, "up-nogpu")  # the clock has not started
         blocked = _wait_phase(cluster, "up-nogpu", "Blocked", timeout=60)
         assert blocked["attempt"] == upgrade["attempt"] and "did not start within 15 s" in blocked["message"]
-        sts = wait_for(lambda: (s := cluster.get(paths(NS, "up-nogpu")["sts"]))["spec"]["replicas"] == 2 and s,
-                       what="the surge replica removed")  # fmt: skip
+        sts = wait_for(
+            lambda: (s := cluster.get(paths(NS, "up-nogpu")["sts"]))["spec"]["replicas"] == 2 and s,
+            what="the surge replica removed",
+        )
         assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == OLD
         wait_for(lambda: _canary_job(cluster, "up-nogpu") is None, what="the canary Job deleted (its GPU released)")
-        assert wait_for(lambda: set(_pod_images(cluster, "up-nogpu")) == {"up-nogpu-engine-0", "up-nogpu-engine-1"},
-                        what="the surge pod gone")  # fmt: skip
+        assert wait_for(
+            lambda: set(_pod_images(cluster, "up-nogpu")) == {"up-nogpu-engine-0", "up-nogpu-engine-1"},
+            what="the surge pod gone",
+        )
         wait_condition(cluster, NS, "up-nogpu", "UpgradeBlocked", "True", "CanaryFailed")
         record = json.loads(sts["metadata"]["annotations"]["r3operator.io/upgrade-state"])
         assert record["phase"] == "Blocked"
@@ -195,15 +236,32 @@ def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluste
         return rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
 
     with running_operator(cluster, NS):
-        cluster.apply({**_job("up-trainer"), "spec": {**_job("up-trainer")["spec"],
-                                                      "trainer": {**_job("up-trainer")["spec"]["trainer"],
-                                                                  "image": t_old}}})  # fmt: skip
+        cluster.apply(
+            {
+                **_job("up-trainer"),
+                "spec": {
+                    **_job("up-trainer")["spec"],
+                    "trainer": {**_job("up-trainer")["spec"]["trainer"], "image": t_old},
+                },
+            }
+        )
         # A running trainer: the model cache is filled and the RayJob no longer suspended (a trainer image
         # changed while nothing runs yet just replaces the suspended RayJob: nothing to canary against).
-        first = wait_for(lambda: (r := cluster.get(rayjob_path)) and not r["spec"].get("suspend") and r,
-                         timeout=60, what="a running RayJob")  # fmt: skip
-        cluster.kubectl("-n", NS, "patch", "rlj", "up-trainer", "--type=merge", "-p",
-                        f'{{"spec":{{"trainer":{{"image":"{t_new}"}}}}}}')  # fmt: skip
+        first = wait_for(
+            lambda: (r := cluster.get(rayjob_path)) and not r["spec"].get("suspend") and r,
+            timeout=60,
+            what="a running RayJob",
+        )
+        cluster.kubectl(
+            "-n",
+            NS,
+            "patch",
+            "rlj",
+            "up-trainer",
+            "--type=merge",
+            "-p",
+            f'{{"spec":{{"trainer":{{"image":"{t_new}"}}}}}}',
+        )
         upgrade = _wait_phase(cluster, "up-trainer", "Canary")
         assert (upgrade["component"], upgrade["from"], upgrade["to"]) == ("trainer", t_old, t_new)
         job = wait_for(lambda: _canary_job(cluster, "up-trainer"), what="canary Job")

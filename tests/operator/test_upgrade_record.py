@@ -42,9 +42,12 @@ def canary_job(attempt: str = "7") -> dict[str, Any]:
 def canary_pod(message: str, *, exit_code: int = 0, owner: str = JOB_UID) -> dict[str, Any]:
     return {
         "metadata": {"name": "j-upgrade-canary-x1", "ownerReferences": [{"controller": True, "uid": owner}]},
-        "status": {"containerStatuses": [{"name": "upgrade-canary", "state": {"terminated": {
-            "exitCode": exit_code, "message": message}}}]},
-    }  # fmt: skip
+        "status": {
+            "containerStatuses": [
+                {"name": "upgrade-canary", "state": {"terminated": {"exitCode": exit_code, "message": message}}}
+            ]
+        },
+    }
 
 
 def test_the_record_round_trips_through_the_rendered_statefulset() -> None:
@@ -61,10 +64,13 @@ def test_the_verdict_is_the_termination_message_of_a_pod_the_canary_job_controls
     text = termination_message(verdict)
     assert verdict_from_pods([canary_pod(text)], canary_job(), container="upgrade-canary", attempt="7") == verdict
     # A pod someone else controls, a crashed container, another attempt's Job or verdict: no verdict.
-    assert verdict_from_pods([canary_pod(text, owner="x")], canary_job(), container="upgrade-canary",
-                             attempt="7") is None  # fmt: skip
-    assert verdict_from_pods([canary_pod(text, exit_code=1)], canary_job(), container="upgrade-canary",
-                             attempt="7") is None  # fmt: skip
+    assert (
+        verdict_from_pods([canary_pod(text, owner="x")], canary_job(), container="upgrade-canary", attempt="7") is None
+    )
+    assert (
+        verdict_from_pods([canary_pod(text, exit_code=1)], canary_job(), container="upgrade-canary", attempt="7")
+        is None
+    )
     assert verdict_from_pods([canary_pod(text)], canary_job("6"), container="upgrade-canary", attempt="7") is None
     assert verdict_from_pods([canary_pod(text)], canary_job(), container="upgrade-canary", attempt="8") is None
     assert verdict_from_pods([canary_pod("not json")], canary_job(), container="upgrade-canary", attempt="7") is None
@@ -86,8 +92,10 @@ def running(name: str) -> dict[str, Any]:
 
 def pending(name: str, why: str) -> dict[str, Any]:
     cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
-    return {"metadata": {"name": name, "labels": {"r3operator.io/role": "engine"}},
-            "status": {"phase": "Pending", "conditions": [cond]}}  # fmt: skip
+    return {
+        "metadata": {"name": name, "labels": {"r3operator.io/role": "engine"}},
+        "status": {"phase": "Pending", "conditions": [cond]},
+    }
 
 
 def test_the_surge_replica_is_ordinal_replicas_or_its_leaderworkerset_group() -> None:
@@ -106,20 +114,27 @@ def test_the_canary_clock_starts_when_its_pods_run_not_when_the_upgrade_starts()
     ran = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=rec(started), canary=up, now=NOW)
     assert ran.status is not None and ran.status.phase == "Canary"
     assert ran.status.canary_started_at == "2026-11-23T12:00:00Z"
-    later = plan_upgrade(job(timeoutSeconds=60), engines(NEW, pods=3), prev=ran.status, canary=up,
-                         now=NOW + dt.timedelta(seconds=61))  # fmt: skip
+    later = plan_upgrade(
+        job(timeoutSeconds=60), engines(NEW, pods=3), prev=ran.status, canary=up, now=NOW + dt.timedelta(seconds=61)
+    )
     assert later.status is not None and later.status.phase == "Blocked" and "after its pods ran" in later.status.message
 
 
 def test_a_canary_that_cannot_be_scheduled_is_reported_at_once_and_rolled_back_after_the_start_timeout() -> None:
     stuck = CanaryInputs(pods=PodProgress(running=False, unschedulable="pod j-engine-2 cannot be scheduled: no GPU"))
     now = dt.datetime(2026, 11, 23, 11, 55, 30, tzinfo=dt.UTC)
-    plan = plan_upgrade(job(startTimeoutSeconds=60), engines(NEW, pods=3), prev=rec(canary_status()), canary=stuck,
-                        now=now)  # fmt: skip
+    plan = plan_upgrade(
+        job(startTimeoutSeconds=60), engines(NEW, pods=3), prev=rec(canary_status()), canary=stuck, now=now
+    )
     assert plan.status is not None and plan.status.phase == "Canary" and plan.unschedulable is not None
     assert "no GPU" in plan.status.message and plan.rollout is not None and plan.rollout.surge_replicas == 1
-    late = plan_upgrade(job(startTimeoutSeconds=60), engines(NEW, pods=3), prev=rec(canary_status()), canary=stuck,
-                        now=now + dt.timedelta(seconds=31))  # fmt: skip
+    late = plan_upgrade(
+        job(startTimeoutSeconds=60),
+        engines(NEW, pods=3),
+        prev=rec(canary_status()),
+        canary=stuck,
+        now=now + dt.timedelta(seconds=31),
+    )
     assert late.status is not None and late.status.phase == "Blocked"
     assert "did not start within 60 s" in late.status.message
     assert late.rollout is not None and (late.rollout.image, late.rollout.surge_replicas) == (OLD, 0)  # GPUs released
@@ -139,12 +154,17 @@ def test_an_image_neither_in_the_spec_nor_the_record_nor_running_is_refused() ->
 
 def test_the_canary_pod_writes_its_verdict_as_its_termination_message_and_has_no_api_token(tmp_path: Any) -> None:
     plan = plan_upgrade(job(), engines(OLD), now=NOW)
-    (canary,) = [c for c in desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
-                 if c["metadata"]["name"].endswith("-upgrade-canary")]  # fmt: skip
+    (canary,) = [
+        c
+        for c in desired(job(), Facts(engine_rollout=plan.rollout, upgrade_canary=plan.canary))
+        if c["metadata"]["name"].endswith("-upgrade-canary")
+    ]
     pod = canary["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert (container["terminationMessagePath"], container["terminationMessagePolicy"]) == ("/dev/termination-log",
-                                                                                             "File")  # fmt: skip
+    assert (container["terminationMessagePath"], container["terminationMessagePolicy"]) == (
+        "/dev/termination-log",
+        "File",
+    )
     assert pod["automountServiceAccountToken"] is False
 
     pytest.importorskip("torch")  # the runtime module imports the trainer

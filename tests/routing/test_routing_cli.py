@@ -103,8 +103,9 @@ def test_inspect_refuses_a_fifo_instead_of_hanging(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     for args in (["inspect", str(fifo)], ["decode", str(fifo), "--npy", str(tmp_path / "o.npy")]):
         # A reader that opens the FIFO blocks until a writer appears: the timeout turns a hang into a failure.
-        proc = subprocess.run([sys.executable, "-m", "r3operator", "routing", *args], capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "r3operator", "routing", *args], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines() == [f"error: {fifo}: not a regular file (a FIFO)"]
     fifo_npy = tmp_path / "in.npy"

@@ -211,8 +211,9 @@ def test_ids_out_of_range_are_refused_on_read(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("err", "text"), [(errno.EACCES, "Permission denied"), (errno.EIO, "Input/output error")])
-def test_unreadable_file_is_a_routing_file_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int,
-                                                 text: str) -> None:  # fmt: skip
+def test_unreadable_file_is_a_routing_file_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, text: str
+) -> None:
     from r3operator.routing import RoutingFileUnreadableError, fileformat
 
     path = tmp_path / "s.r3r"

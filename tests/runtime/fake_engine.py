@@ -64,9 +64,15 @@ class FakeEngine:
         return ((base + np.arange(self.top_k)[None, :]) % self.num_experts).astype(np.int32)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int, n: int,
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        n: int,
         routed_experts_prompt_start: Sequence[int] | None = None,
-    ) -> list[RolloutSample]:  # fmt: skip
+    ) -> list[RolloutSample]:
         self._call("generate")
         starts = [0] * len(prompts) if routed_experts_prompt_start is None else list(routed_experts_prompt_start)
         self.starts_seen.append(starts)
@@ -82,11 +88,18 @@ class FakeEngine:
                 sequence = [*prompt, *tokens.tolist()]
                 # Rows for positions [start, P + G - 1): the last sampled token is never fed back.
                 ids = np.stack([self.route_row(p, sequence[p], self.tag) for p in range(starts[i], len(sequence) - 1)])
-                samples.append(build_sample(
-                    prompt_index=i, choice_index=j, prompt_token_ids=prompt, token_ids=tokens.tolist(),
-                    logprobs=np.full(len(tokens), -1.0), routed_experts=ids if self.routes else None,
-                    routed_experts_prompt_start=starts[i], num_experts=self.num_experts,
-                ))  # fmt: skip
+                samples.append(
+                    build_sample(
+                        prompt_index=i,
+                        choice_index=j,
+                        prompt_token_ids=prompt,
+                        token_ids=tokens.tolist(),
+                        logprobs=np.full(len(tokens), -1.0),
+                        routed_experts=ids if self.routes else None,
+                        routed_experts_prompt_start=starts[i],
+                        num_experts=self.num_experts,
+                    )
+                )
         return samples
 
     def begin_weight_update(self) -> None:

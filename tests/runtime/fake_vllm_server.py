@@ -114,11 +114,17 @@ class FakeVLLMServer:
             base = rng.integers(0, 32, size=(len(prompt) + max_tokens - 1 - start, 4, 1))
             buf = io.BytesIO()
             np.save(buf, ((base + np.arange(4)) % 32).astype(np.int32))
-            choices.append({
-                "index": j, "token_ids": tokens, "prompt_token_ids": prompt, "finish_reason": "length",
-                "logprobs": {"token_logprobs": [-1.0] * max_tokens},
-                "routed_experts": base64.b64encode(buf.getvalue()).decode(), "tag": self.tag,
-            })  # fmt: skip
+            choices.append(
+                {
+                    "index": j,
+                    "token_ids": tokens,
+                    "prompt_token_ids": prompt,
+                    "finish_reason": "length",
+                    "logprobs": {"token_logprobs": [-1.0] * max_tokens},
+                    "routed_experts": base64.b64encode(buf.getvalue()).decode(),
+                    "tag": self.tag,
+                }
+            )
         return web.json_response({"choices": choices})
 
     async def _rpc(self, request: web.Request) -> web.StreamResponse:

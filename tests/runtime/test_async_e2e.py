@@ -33,15 +33,24 @@ def test_a_partial_rollout_keeps_its_rows_across_a_weight_update_and_appends_the
     returned: list[list[RolloutSample]] = []
 
     def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
-        samples = engines.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed, n=1,
-                                   routed_experts_prompt_start=starts)  # fmt: skip
+        samples = engines.generate(
+            prompts, max_tokens=max_tokens, temperature=1.0, seed=seed, n=1, routed_experts_prompt_start=starts
+        )
         returned.append(samples)
         return samples
 
     prompt = run.pool[0].prompt_ids
-    producer = RolloutProducer(generate=generate, next_prompt=lambda no: prompt, gate=gate, group_size=3,
-                               max_tokens=8, segment_tokens=3, groups_in_flight=1, queue_groups=1,
-                               num_experts=run.num_experts)  # fmt: skip
+    producer = RolloutProducer(
+        generate=generate,
+        next_prompt=lambda no: prompt,
+        gate=gate,
+        group_size=3,
+        max_tokens=8,
+        segment_tokens=3,
+        groups_in_flight=1,
+        queue_groups=1,
+        num_experts=run.num_experts,
+    )
     producer.run_segment()  # 3 tokens of each trajectory under policy 1
     trajectories = producer.open[0]
     if any(t.done for t in trajectories):
@@ -106,9 +115,11 @@ def test_a_partial_rollout_keeps_its_rows_across_a_weight_update_and_appends_the
     engine_routes_diff = float(np.concatenate(tail_diffs["engine_routes"]).mean())
     stitched_diff = float(np.concatenate(tail_diffs["stitched"]).mean())
     assert engine_routes_diff < 0.05
-    print(f"partial rollout: tail agreement {tail_same / tail_total:.4f}, old rows the update re-routed "
-          f"{old_changed}, tail |dlogprob| replaying the engine's routes {engine_routes_diff:.4f}, replaying the "
-          f"stitched routes {stitched_diff:.4f}")
+    print(
+        f"partial rollout: tail agreement {tail_same / tail_total:.4f}, old rows the update re-routed "
+        f"{old_changed}, tail |dlogprob| replaying the engine's routes {engine_routes_diff:.4f}, replaying the "
+        f"stitched routes {stitched_diff:.4f}"
+    )
 
 
 def _cut(routes: list[Any], samples: list[RolloutSample]) -> list[Any]:

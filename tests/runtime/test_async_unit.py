@@ -23,11 +23,19 @@ PROMPT = (5, 6, 7, 8)
 
 def _producer(engine: FakeEngine, gate: EngineGate, **kwargs: Any) -> RolloutProducer:
     def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
-        return engine.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed, n=1,
-                               routed_experts_prompt_start=starts)  # fmt: skip
+        return engine.generate(
+            prompts, max_tokens=max_tokens, temperature=1.0, seed=seed, n=1, routed_experts_prompt_start=starts
+        )
 
-    options = {"group_size": 2, "max_tokens": 7, "segment_tokens": 3, "groups_in_flight": 1, "queue_groups": 4,
-               "num_experts": engine.num_experts, **kwargs}  # fmt: skip
+    options = {
+        "group_size": 2,
+        "max_tokens": 7,
+        "segment_tokens": 3,
+        "groups_in_flight": 1,
+        "queue_groups": 4,
+        "num_experts": engine.num_experts,
+        **kwargs,
+    }
     return RolloutProducer(generate=generate, next_prompt=lambda no: PROMPT, gate=gate, **options)
 
 
@@ -85,9 +93,16 @@ def test_a_trajectory_ends_at_a_stop_before_its_budget() -> None:
 
 def _sample(versions: list[int], sid: str = "x") -> RolloutSample:
     extra = {"token_versions": np.asarray(versions), "partial": len(set(versions)) > 1}
-    return RolloutSample(sample_id=sid, prompt_index=0, choice_index=0, prompt_token_ids=(1,),
-                         token_ids=tuple(range(len(versions))), logprobs=np.zeros(len(versions), np.float32),
-                         routes=None, extra=extra)  # fmt: skip
+    return RolloutSample(
+        sample_id=sid,
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=(1,),
+        token_ids=tuple(range(len(versions))),
+        logprobs=np.zeros(len(versions), np.float32),
+        routes=None,
+        extra=extra,
+    )
 
 
 def test_staleness_counts_from_the_oldest_token() -> None:
@@ -95,8 +110,15 @@ def test_staleness_counts_from_the_oldest_token() -> None:
     assert staleness(_sample([5, 5]), current_version=5) == 0
     with pytest.raises(ValueError, match="newer than the current version"):
         staleness(_sample([6]), current_version=5)
-    untagged = RolloutSample(sample_id="s", prompt_index=0, choice_index=0, prompt_token_ids=(1,), token_ids=(2,),
-                             logprobs=np.zeros(1, np.float32), routes=None)  # fmt: skip
+    untagged = RolloutSample(
+        sample_id="s",
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=(1,),
+        token_ids=(2,),
+        logprobs=np.zeros(1, np.float32),
+        routes=None,
+    )
     with pytest.raises(ValueError, match="records no policy version"):
         staleness(untagged, current_version=1)
 
@@ -116,8 +138,10 @@ def test_the_staleness_bound_drops_whole_groups_older_than_k() -> None:
 def test_renumber_makes_group_i_prompt_i() -> None:
     samples = renumber([[_sample([1]), _sample([1])], [_sample([1])]])
     assert [(s.sample_id, s.prompt_index, s.choice_index) for s in samples] == [
-        ("p0-c0", 0, 0), ("p0-c1", 0, 1), ("p1-c0", 1, 0)
-    ]  # fmt: skip
+        ("p0-c0", 0, 0),
+        ("p0-c1", 0, 1),
+        ("p1-c0", 1, 0),
+    ]
 
 
 def test_a_pause_waits_for_the_segment_in_flight_and_holds_the_next_one() -> None:
@@ -167,8 +191,11 @@ def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_pa
     from r3operator.runtime.async_loop import AsyncGRPORun
     from r3operator.tasks import toy as tasks
 
-    job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "partialRollout": True},
-                    algorithm={"mode": "async", "maxStaleness": 1})  # fmt: skip
+    job = write_job(
+        tmp_path,
+        rollout={"promptsPerStep": 2, "groupSize": 2, "partialRollout": True},
+        algorithm={"mode": "async", "maxStaleness": 1},
+    )
     run = AsyncGRPORun(settings_for(job, tmp_path / "runs"), engines=EngineGroup([FakeEngine()]))
     run.policy_version = 7
     problem = tasks.Problem(prompt_ids=[1, 2], answer_ids=[3])
@@ -177,12 +204,14 @@ def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_pa
     def group(no: int, versions: list[list[int]]) -> list[RolloutSample]:
         return [_replace_no(_sample(v, f"q{no}-c{j}"), no, j) for j, v in enumerate(versions)]
 
-    run.producer = _QueuedGroups([  # type: ignore[assignment]
-        group(0, [[7, 7], [6, 7]]),  # staleness 1: kept (one member a partial rollout)
-        group(1, [[5, 6], [7]]),  # staleness 2 > 1: dropped, both members
-        group(2, [[6], [6]]),  # kept, taken in place of group 1
-        group(3, [[7], [7]]),  # not needed this step
-    ])  # fmt: skip
+    run.producer = _QueuedGroups(
+        [  # type: ignore[assignment]
+            group(0, [[7, 7], [6, 7]]),  # staleness 1: kept (one member a partial rollout)
+            group(1, [[5, 6], [7]]),  # staleness 2 > 1: dropped, both members
+            group(2, [[6], [6]]),  # kept, taken in place of group 1
+            group(3, [[7], [7]]),  # not needed this step
+        ]
+    )
     run.dropped = []
     samples, problems = run.rollout(1)
 
@@ -196,8 +225,10 @@ def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_pa
     [(labels, dropped)] = _series(exposition, "r3operator_samples_dropped_total")
     assert 'reason="stale"' in labels and dropped == 2
     assert [v for _, v in _series(exposition, "r3operator_partial_rollouts_total")] == [2]  # kept or dropped
-    histogram = {labels.split('le="')[1].split('"')[0]: v
-                 for labels, v in _series(exposition, "r3operator_rollout_staleness_bucket")}  # fmt: skip
+    histogram = {
+        labels.split('le="')[1].split('"')[0]: v
+        for labels, v in _series(exposition, "r3operator_rollout_staleness_bucket")
+    }
     assert histogram["0.0"] == 2 and histogram["1.0"] == 5 and histogram["2.0"] == 6
 
 
@@ -228,10 +259,18 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
     from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.async_loop import AsyncGRPORun
 
-    job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "maxTokens": 4, "partialRollout": True,
-                                       "partialRolloutSegment": 2},
-                    algorithm={"mode": "async", "maxStaleness": 1, "importanceWeightCap": 2.0},
-                    weightSync={"canary": False})  # fmt: skip
+    job = write_job(
+        tmp_path,
+        rollout={
+            "promptsPerStep": 2,
+            "groupSize": 2,
+            "maxTokens": 4,
+            "partialRollout": True,
+            "partialRolloutSegment": 2,
+        },
+        algorithm={"mode": "async", "maxStaleness": 1, "importanceWeightCap": 2.0},
+        weightSync={"canary": False},
+    )
     run = AsyncGRPORun(settings_for(job, tmp_path / "runs", steps=3), engines=EngineGroup([FakeEngine()]))
     rows = run.run()
 
@@ -268,8 +307,12 @@ def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, st
             assert all(np.isfinite(float(cells[key])) for key in fidelity)
         else:
             assert diffs[0] == "-" and all(row[key] is None and cells[key] == "" for key in fidelity)
-    names = ("r3operator_logprob_", "r3operator_kl_k3", "r3operator_routing_agreement_ratio",
-             "r3operator_routing_tokens_any_diff_ratio")  # fmt: skip
+    names = (
+        "r3operator_logprob_",
+        "r3operator_kl_k3",
+        "r3operator_routing_agreement_ratio",
+        "r3operator_routing_tokens_any_diff_ratio",
+    )
     assert not [line for line in exposition.splitlines() if line.startswith(names) and "NaN" in line]
     if rows[-1]["current_version_tokens"] == 0:  # the gauges describe the last step: not measured, no series
         assert not _series(exposition, "r3operator_logprob_abs_diff_mean")
@@ -309,10 +352,18 @@ def test_a_restarted_engine_is_recovered_only_on_the_trainer_thread_inside_the_g
     from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.async_loop import AsyncGRPORun
 
-    job = write_job(tmp_path, rollout={"promptsPerStep": 2, "groupSize": 2, "maxTokens": 4, "partialRollout": True,
-                                       "partialRolloutSegment": 2},
-                    algorithm={"mode": "async", "maxStaleness": 1, "importanceWeightCap": 2.0},
-                    weightSync={"canary": False})  # fmt: skip
+    job = write_job(
+        tmp_path,
+        rollout={
+            "promptsPerStep": 2,
+            "groupSize": 2,
+            "maxTokens": 4,
+            "partialRollout": True,
+            "partialRolloutSegment": 2,
+        },
+        algorithm={"mode": "async", "maxStaleness": 1, "importanceWeightCap": 2.0},
+        weightSync={"canary": False},
+    )
     engine = _ThreadRecordingEngine(die_on={"generate": {2}})
     run = AsyncGRPORun(settings_for(job, tmp_path / "runs", steps=2), engines=EngineGroup([engine]))
     engine.gate = run.gate

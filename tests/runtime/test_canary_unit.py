@@ -70,20 +70,23 @@ def test_engine_logprobs_must_match_the_trainers_within_delta() -> None:
     fn = logits_table({}, 4)
     row = fn([0, 0, 0, 0])[1].astype(np.float64)
     lp = float(row[5] - np.log(np.exp(row).sum()))
-    ok = check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp]], tolerance=EXACT, eos_id=EOS,
-                             max_tokens=2)  # fmt: skip
+    ok = check_engine_greedy(
+        fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp]], tolerance=EXACT, eos_id=EOS, max_tokens=2
+    )
     assert ok.max_logprob_diff < 1e-6
     with pytest.raises(CanaryMismatchError, match=r"generated token 1 \(5\): engine logprob .* > δ 0\.001"):
-        check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp - 0.01]], tolerance=EXACT,
-                            eos_id=EOS, max_tokens=2)  # fmt: skip
+        check_engine_greedy(
+            fn, [[1, 1]], [[5, 5]], engine_logprobs=[[lp, lp - 0.01]], tolerance=EXACT, eos_id=EOS, max_tokens=2
+        )
 
 
 def test_a_nan_engine_logprob_fails() -> None:
     # NaN compares False with anything: "diff > δ" would let corrupt weights that produce NaN through
     fn = logits_table({}, 4)
     with pytest.raises(CanaryMismatchError, match=r"generated token 0 \(5\): engine logprob nan"):
-        check_engine_greedy(fn, [[1, 1]], [[5, 5]], engine_logprobs=[[float("nan"), 0.0]], tolerance=EXACT,
-                            eos_id=EOS, max_tokens=2)  # fmt: skip
+        check_engine_greedy(
+            fn, [[1, 1]], [[5, 5]], engine_logprobs=[[float("nan"), 0.0]], tolerance=EXACT, eos_id=EOS, max_tokens=2
+        )
 
 
 def test_canary_tolerance_by_engine_dtype_and_env(monkeypatch) -> None:

@@ -28,8 +28,12 @@ def _run(tmp_path: Path, engine: FakeEngine, **task: Any) -> Any:
     from r3operator.rollout.engines import EngineGroup
     from r3operator.runtime.loop import GRPORun
 
-    job = write_job(tmp_path, task={"name": "dataset", "datasetPath": str(ARITH), "reward": "math", **task},
-                    rollout={"promptsPerStep": 3, "groupSize": GROUP}, weightSync={"canary": False})  # fmt: skip
+    job = write_job(
+        tmp_path,
+        task={"name": "dataset", "datasetPath": str(ARITH), "reward": "math", **task},
+        rollout={"promptsPerStep": 3, "groupSize": GROUP},
+        weightSync={"canary": False},
+    )
     return GRPORun(settings_for(job, tmp_path / "runs", steps=2), engines=EngineGroup([engine]))
 
 

@@ -90,10 +90,12 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
         resumed.trainer.close()
 
 
-@pytest.mark.parametrize(("megatron", "replicas"), [({"expertParallelSize": 2}, 2), ({"pipelineParallelSize": 2}, 1)],
-                         ids=["ep2", "pp2"])  # fmt: skip
-def test_a_megatron_run_on_two_ranks_syncs_and_checkpoints(tmp_path: Path, megatron: dict[str, Any],
-                                                           replicas: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("megatron", "replicas"), [({"expertParallelSize": 2}, 2), ({"pipelineParallelSize": 2}, 1)], ids=["ep2", "pp2"]
+)
+def test_a_megatron_run_on_two_ranks_syncs_and_checkpoints(
+    tmp_path: Path, megatron: dict[str, Any], replicas: int
+) -> None:
     """EP=2 over the 2 ranks (two data-parallel replicas) or two pipeline stages (one replica; rank 0, the
     first stage, streams the sync): the loop does not know; the engine receives the weights the ranks
     gathered, equal to the checkpoint's."""
@@ -139,8 +141,9 @@ def test_more_ranks_than_the_backend_or_the_cluster_can_take_is_refused(tmp_path
 
     spec = settings_for(write_job(tmp_path), tmp_path / "runs").job.spec
     tp2 = MegatronSpec(tensor_parallel_size=2, sequence_parallel=True)
-    megatron = spec.model_copy(update={"trainer": spec.trainer.model_copy(
-        update={"backend": TrainerBackend.MEGATRON, "megatron": tp2})})  # fmt: skip
+    megatron = spec.model_copy(
+        update={"trainer": spec.trainer.model_copy(update={"backend": TrainerBackend.MEGATRON, "megatron": tp2})}
+    )
     with pytest.raises(ValueError, match=r"tensorParallelSize × .* = 2 does not divide the trainer's 3 ranks"):
         build_trainer(megatron, tmp_path, device="cpu", ranks=3)
     start_ray(in_cluster=False)  # a CPU-only Ray cluster: no GPU for any rank

@@ -105,8 +105,11 @@ def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_pat
     assert row["policy_version"] == 2 and engine.policy_tag() == run.supervisor.tag_for(2)
     exposition = run.metrics.exposition()
     identity = 'namespace="default",rljob="tiny-count-r3"'
-    faults = {kind for kind in ("engine_call", "stale_result", "stale_engine", "weight_sync")
-              if f'r3operator_engine_faults_total{{kind="{kind}",{identity}}}' in exposition}  # fmt: skip
+    faults = {
+        kind
+        for kind in ("engine_call", "stale_result", "stale_engine", "weight_sync")
+        if f'r3operator_engine_faults_total{{kind="{kind}",{identity}}}' in exposition
+    }
     # The rollout either failed on the dying engine or ran on the restarted one (Ray queues calls to a
     # restarting actor) and was discarded; either way the engine was re-synced, and the sync repeated.
     assert {"stale_engine", "weight_sync"} <= faults and faults & {"engine_call", "stale_result"}

@@ -49,8 +49,9 @@ def test_retries_end_in_one_error_naming_the_call_the_tries_and_the_last_error()
         raise ConnectionRefusedError(111, "Connection refused")
 
     with pytest.raises(EngineUnavailableError) as info:
-        retry_call(refused, what="POST http://engine-0/v1/completions", backoff=_backoff(slept, 3),
-                   transient=http_transient)  # fmt: skip
+        retry_call(
+            refused, what="POST http://engine-0/v1/completions", backoff=_backoff(slept, 3), transient=http_transient
+        )
     assert str(info.value) == (
         "POST http://engine-0/v1/completions failed 3 times over 3.0 s of backoff; last error: "
         "ConnectionRefusedError: [Errno 111] Connection refused"
@@ -95,8 +96,11 @@ def test_a_dead_engine_ends_in_a_clear_error(server: FakeVLLMServer) -> None:
     slept: list[float] = []
     client = _client(server, slept)
     server.script["/v1/completions"].extend([503] * 10)
-    with pytest.raises(EngineUnavailableError, match=rf"POST {server.url}/v1/completions failed 4 times over 7.0 s "
-                       r"of backoff; last error: HTTPError: HTTP Error 503"):  # fmt: skip
+    with pytest.raises(
+        EngineUnavailableError,
+        match=rf"POST {server.url}/v1/completions failed 4 times over 7.0 s "
+        r"of backoff; last error: HTTPError: HTTP Error 503",
+    ):
         client.generate([[1, 5, 6]], max_tokens=3, temperature=1.0, seed=3)  # type: ignore[attr-defined]
     assert slept == [1.0, 2.0, 4.0]
 
@@ -124,8 +128,13 @@ def test_a_refused_request_is_not_retried(server: FakeVLLMServer) -> None:
 def _engine(server: FakeVLLMServer, tmp_path: Path, slept: list[float]) -> object:
     from r3operator.rollout.engines import HTTPEngine
 
-    return HTTPEngine(server.url, staging_dir=tmp_path / "staging", num_experts=32, backoff=_backoff(slept),
-                      ready=_backoff(slept, attempts=10))  # fmt: skip
+    return HTTPEngine(
+        server.url,
+        staging_dir=tmp_path / "staging",
+        num_experts=32,
+        backoff=_backoff(slept),
+        ready=_backoff(slept, attempts=10),
+    )
 
 
 def _chunks() -> list[object]:
@@ -165,12 +174,17 @@ def test_sync_failing_half_way_is_aborted_not_finished_then_repeated(server: Fak
     rpcs = [e.removeprefix("/collective_rpc:") for e in server.log if e.startswith("/collective_rpc")]
     assert rpcs == [
         "r3_abort_weight_update",  # every attempt first closes any bracket the engine may still hold
-        "r3_begin_weight_update", "r3_load_packed_file", "r3_load_packed_file",  # the 2nd chunk fails
+        "r3_begin_weight_update",
+        "r3_load_packed_file",
+        "r3_load_packed_file",  # the 2nd chunk fails
         "r3_abort_weight_update",  # never r3_finish_weight_update on a partial load
-        "r3_abort_weight_update", "r3_begin_weight_update",
-        "r3_load_packed_file", "r3_load_packed_file", "r3_load_packed_file",
+        "r3_abort_weight_update",
+        "r3_begin_weight_update",
+        "r3_load_packed_file",
+        "r3_load_packed_file",
+        "r3_load_packed_file",
         "r3_finish_weight_update",
-    ]  # fmt: skip
+    ]
     assert server.tag == "run1:1" and not server.bracket_open
     assert not list((tmp_path / "staging").iterdir())  # staged chunks are removed, failed attempt included
 
@@ -198,12 +212,19 @@ def test_engine_restarted_mid_rollout_is_resynced_and_canaried_before_the_rollou
     )
     events = [e.removeprefix("/collective_rpc:") for e in server.log if e != "/reset_prefix_cache"]
     assert events == [
-        "r3_policy_tag", "/v1/completions",  # served, but by an engine that restarted meanwhile:
+        "r3_policy_tag",
+        "/v1/completions",  # served, but by an engine that restarted meanwhile:
         "r3_policy_tag",  # ... found after the call, so its result is discarded
-        "r3_policy_tag", "/health", "r3_abort_weight_update", "r3_begin_weight_update",
-        "r3_load_packed_file", "r3_load_packed_file", "r3_load_packed_file",
+        "r3_policy_tag",
+        "/health",
+        "r3_abort_weight_update",
+        "r3_begin_weight_update",
+        "r3_load_packed_file",
+        "r3_load_packed_file",
+        "r3_load_packed_file",
         "r3_finish_weight_update",  # re-synced with the current weights
-        "/v1/completions", "r3_policy_tag",  # the rollout again, on the current policy
-    ]  # fmt: skip
+        "/v1/completions",
+        "r3_policy_tag",  # the rollout again, on the current policy
+    ]
     assert canaried == [[server.url]]  # the re-synced engine passed the canary before its rollout
     assert server.tag == "run1:1" and len(samples) == 1

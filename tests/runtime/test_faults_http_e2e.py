@@ -31,10 +31,25 @@ class Server:
     def __init__(self, model_dir: Path, log_dir: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--enable-return-routed-experts", "--dtype", "float32", "--enforce-eager",
-                    "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--worker-extension-cls", "r3operator.engine.worker.WeightSyncWorkerExtension"]  # fmt: skip
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--enable-return-routed-experts",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--worker-extension-cls",
+            "r3operator.engine.worker.WeightSyncWorkerExtension",
+        ]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
         self.log_dir = log_dir
         self.starts = 0
@@ -43,8 +58,9 @@ class Server:
     def start(self) -> None:
         self.starts += 1
         log = (self.log_dir / f"server-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
 
     def kill_and_restart(self) -> None:
         """SIGKILL the server (and its engine-core process), then start a fresh one, as a pod restart."""
@@ -71,9 +87,13 @@ def test_http_engine_killed_mid_rollout_and_mid_sync(tmp_path: Path) -> None:
     try:
         job = write_job(tmp_path)
         settings = settings_for(job, tmp_path / "runs")
-        engine = HTTPEngine(server.url, staging_dir=settings.run_dir / "weight-staging", num_experts=32,
-                            backoff=Backoff(attempts=4, base_s=0.5, cap_s=2.0),
-                            ready=Backoff(attempts=120, base_s=1.0, cap_s=2.0))  # fmt: skip
+        engine = HTTPEngine(
+            server.url,
+            staging_dir=settings.run_dir / "weight-staging",
+            num_experts=32,
+            backoff=Backoff(attempts=4, base_s=0.5, cap_s=2.0),
+            ready=Backoff(attempts=120, base_s=1.0, cap_s=2.0),
+        )
         run = GRPORun(settings, engines=EngineGroup([engine]))
         run.setup()  # a real HTTP sync + the exact canary
         assert engine.policy_tag() == run.supervisor.tag_for(1)

@@ -23,8 +23,7 @@ def _instant_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     from r3operator.weightsync import faults
 
     def make(kind: str = "retry", **defaults: Any) -> Backoff:
-        return Backoff(attempts=int(defaults.get("attempts", 4)), base_s=1.0, cap_s=8.0, jitter=0.0,
-                       sleep=slept.append)  # fmt: skip
+        return Backoff(attempts=int(defaults.get("attempts", 4)), base_s=1.0, cap_s=8.0, jitter=0.0, sleep=slept.append)
 
     monkeypatch.setattr(faults.Backoff, "from_env", staticmethod(make))
     return slept
@@ -51,8 +50,18 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
     # The failed bracket is aborted, never finished; the sync is then repeated from its first chunk.
     sync = [c for c in engine.calls if c != "vllm_version"]
     chunks = sync.count("load") - 1  # one failed load, then every chunk
-    assert sync == ["abort", "begin", "load", "load", "abort", "wait_ready", "abort", "begin",
-                    *["load"] * (chunks - 1), "finish"]  # fmt: skip
+    assert sync == [
+        "abort",
+        "begin",
+        "load",
+        "load",
+        "abort",
+        "wait_ready",
+        "abort",
+        "begin",
+        *["load"] * (chunks - 1),
+        "finish",
+    ]
     assert chunks > 2
     assert engine.tag == run.supervisor.tag == run.supervisor.tag_for(1) and run.policy_version == 1
 
@@ -63,7 +72,7 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
     rollout_to_rollout = engine.calls[: [i for i, c in enumerate(engine.calls) if c == "generate"][1] + 1]
     assert rollout_to_rollout.count("generate") == 2
     # Re-synced (a full bracket, tagged with the current policy) before the rollout was repeated.
-    resync = rollout_to_rollout[rollout_to_rollout.index("generate") + 1:]
+    resync = rollout_to_rollout[rollout_to_rollout.index("generate") + 1 :]
     assert "begin" in resync and "finish" in resync and resync.index("finish") < resync.index("generate")
     assert row["samples"] == 16 and row["samples_dropped"] == 0 and row["policy_version"] == 2
     exposition = run.metrics.exposition()
@@ -77,8 +86,11 @@ def test_sync_that_never_succeeds_ends_with_a_clear_error(tmp_path: Path, _insta
 
     engine = FakeEngine(die_on={"load": set(range(1, 100))})
     run = _run(tmp_path, engine)
-    with pytest.raises(EngineUnavailableError, match=r"weight sync of policy \w+:1 to fake engine failed 4 times; "
-                       r"each attempt was aborted without finalising"):  # fmt: skip
+    with pytest.raises(
+        EngineUnavailableError,
+        match=r"weight sync of policy \w+:1 to fake engine failed 4 times; "
+        r"each attempt was aborted without finalising",
+    ):
         run.setup()
     assert "finish" not in engine.calls and engine.calls.count("begin") == 4
     assert engine.calls.count("abort") == 8  # each attempt: one before its bracket, one after its failure

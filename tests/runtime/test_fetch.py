@@ -64,9 +64,12 @@ def s3_endpoint(reference: Path) -> Iterator[str]:
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
         aws_secret_access_key=SECRET_KEY,
-    )  # fmt: skip
+    )
     client.create_bucket(Bucket="models")
     for path in sorted(reference.rglob("*")):
         if path.is_file():
@@ -209,8 +212,13 @@ def test_the_driver_fetches_locally_with_the_spec_endpoint_and_reads_the_mounted
     # only verifies it (the endpoint is unreachable from here on).
     monkeypatch.setattr(args, "MODEL_MOUNT", str(tmp_path / "cache" / "sources"))
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
-    stale = _job(**{"model.uri": "s3://models/ref/tiny", "model.revision": None,
-                    "model.s3": {**s3, "endpointURL": "http://127.0.0.1:9"}})  # fmt: skip
+    stale = _job(
+        **{
+            "model.uri": "s3://models/ref/tiny",
+            "model.revision": None,
+            "model.s3": {**s3, "endpointURL": "http://127.0.0.1:9"},
+        }
+    )
     assert resolve_model_dir(stale) == local
     (local / READY_FILE).unlink()
     with pytest.raises(SourceNotReady):
@@ -226,8 +234,12 @@ def test_dataset_path_resolves_plain_paths_as_they_are_and_fetches_s3(
     assert sources.resolve_dataset_path(_job(**{"task.datasetPath": None})) is None
     plain = tmp_path / "train.jsonl"
     assert sources.resolve_dataset_path(_job(**{"task.datasetPath": str(plain)})) == plain
-    job = _job(**{"task.datasetPath": "s3://data/math/train.jsonl", "task.s3": {"credentialsSecret": "x",
-                                                                                 "endpointURL": s3_endpoint}})
+    job = _job(
+        **{
+            "task.datasetPath": "s3://data/math/train.jsonl",
+            "task.s3": {"credentialsSecret": "x", "endpointURL": s3_endpoint},
+        }
+    )
     path = sources.resolve_dataset_path(job)
     assert path is not None and path.read_text().startswith('{"prompt": "1+1"')
 
@@ -236,7 +248,9 @@ def test_gs_goes_to_cloud_storages_xml_api_unless_an_endpoint_is_given():
     gs, s3 = parse_source_uri("gs://models/ref/tiny"), parse_source_uri("s3://models/ref/tiny")
     assert _store_options(gs, S3Options()) == (S3Options(GCS_ENDPOINT, "auto"), True)
     assert _store_options(gs, S3Options("https://storage-psc.p.googleapis.com")) == (
-        S3Options("https://storage-psc.p.googleapis.com", "auto"), True)  # fmt: skip
+        S3Options("https://storage-psc.p.googleapis.com", "auto"),
+        True,
+    )
     assert GCS_ENDPOINT == "https://storage.googleapis.com"
     assert _store_options(s3, S3Options()) == (S3Options(), False)  # AWS S3 keeps boto3's checksums
 
@@ -274,18 +288,25 @@ def test_a_local_hf_layout_directory_and_a_pvc_path_are_used_where_they_are(
 
 def _cli(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "r3operator", "fetch", *argv], env=env, capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "r3operator", "fetch", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_cli_fetch_and_verify_exit_codes_and_never_print_the_credentials(s3_endpoint: str, tmp_path: Path) -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
         "PYTHONPATH": os.pathsep.join(sys.path),
-    }  # fmt: skip
+    }
     root = tmp_path / "cache"
     missing = _cli("s3://models/ref/tiny", str(root), "--verify", env=env)
     assert missing.returncode == 1 and "is absent" in missing.stderr
@@ -309,8 +330,13 @@ def test_cli_fetch_and_verify_exit_codes_and_never_print_the_credentials(s3_endp
 def test_cli_hf_fetch_goes_through_huggingface_hub_and_leaves_nothing_when_it_fails(tmp_path: Path) -> None:
     """Offline, the Hub client refuses: the fetch fails naming the repository and the revision, and leaves
     neither a marker nor a partial directory that a reader could take for a copy."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "HF_TOKEN": SECRET_KEY,
-           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "home"),
+        "HF_TOKEN": SECRET_KEY,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
     run = _cli("hf://org/absent-model@v1.0", str(tmp_path / "cache"), env=env)
     assert run.returncode == 1
     assert "hf://org/absent-model (revision v1.0)" in run.stderr

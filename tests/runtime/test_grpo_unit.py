@@ -52,18 +52,31 @@ def test_count_task_problems_decode_to_the_rule() -> None:
 
 
 def test_progress_patch_body() -> None:
-    row = {"step": 3, "reward_mean": 0.25, "logprob_abs_diff_mean": 0.01, "logprob_abs_diff_max": float("nan"),
-           "kl_k3": 1e-4, "replay_applied": 1.0, "routing_natural_agreement": 0.97}  # fmt: skip
+    row = {
+        "step": 3,
+        "reward_mean": 0.25,
+        "logprob_abs_diff_mean": 0.01,
+        "logprob_abs_diff_max": float("nan"),
+        "kl_k3": 1e-4,
+        "replay_applied": 1.0,
+        "routing_natural_agreement": 0.97,
+    }
     body = progress_patch(row, total_steps=10, last_checkpoint_step=2, now=dt.datetime(2026, 1, 2, 3, 4, 5))
     assert body == {
         "status": {
             "progress": {
-                "step": 3, "totalSteps": 10, "rewardMean": 0.25, "logprobAbsDiffMean": 0.01,
-                "logprobAbsDiffMax": None, "klK3": 1e-4, "routingAgreement": 0.97, "lastCheckpointStep": 2,
+                "step": 3,
+                "totalSteps": 10,
+                "rewardMean": 0.25,
+                "logprobAbsDiffMean": 0.01,
+                "logprobAbsDiffMax": None,
+                "klK3": 1e-4,
+                "routingAgreement": 0.97,
+                "lastCheckpointStep": 2,
                 "updatedAt": "2026-01-02T03:04:05Z",
             }
         }
-    }  # fmt: skip
+    }
     # The body validates against the API's Progress model (camelCase aliases).
     from r3operator.api.v1alpha1 import Progress
 

@@ -14,8 +14,10 @@ from r3operator.routing.codec import decode
 
 pytestmark = pytest.mark.slow
 
-MULTI_TURN = {"rollout": {"multiTurn": True, "promptsPerStep": 4, "groupSize": 4, "maxTokens": 2},
-              "task": {"name": "guess"}}  # fmt: skip
+MULTI_TURN = {
+    "rollout": {"multiTurn": True, "promptsPerStep": 4, "groupSize": 4, "maxTokens": 2},
+    "task": {"name": "guess"},
+}
 
 
 def test_two_multi_turn_r3_steps_replay_stitched_routes(tmp_path: Path, engines: Any) -> None:

@@ -17,8 +17,11 @@ from r3operator.models.tokenizer import vocabulary
 from r3operator.routing.codec import decode
 
 VOCAB = vocabulary(512)
-MULTI_TURN = {"rollout": {"multiTurn": True, "promptsPerStep": 2, "groupSize": 3, "maxTokens": 3},
-              "task": {"name": "guess"}, "weightSync": {"canary": False}}  # fmt: skip
+MULTI_TURN = {
+    "rollout": {"multiTurn": True, "promptsPerStep": 2, "groupSize": 3, "maxTokens": 3},
+    "task": {"name": "guess"},
+    "weightSync": {"canary": False},
+}
 
 
 def _run(tmp_path: Path, engine: FakeEngine, **spec: Any) -> Any:
@@ -86,9 +89,7 @@ def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tm
             np.testing.assert_array_equal(rows[begin - 1], engine.route_row(begin - 1, sequence[begin - 1]))
 
     run.recorder.flush()  # the record holds stitched trajectories, not per-turn arrays
-    assert [run.store.get(step=1, sample_id=s.sample_id).routes.end for s in samples] == [
-        s.routes.end for s in samples
-    ]
+    assert [run.store.get(step=1, sample_id=s.sample_id).routes.end for s in samples] == [s.routes.end for s in samples]
 
     rewards = run.score(samples, problems)
     batch = run.load_routes(1, samples, run.advantages(rewards))
@@ -102,8 +103,9 @@ def test_multi_turn_routes_land_on_their_tokens_and_env_tokens_leave_the_loss(tm
         # ...but keep their routes for the context every later token was computed in.
         assert not batch.route_pad[i, sorted(env_positions)].any()
         for position in range(len(sequence) - 1):
-            np.testing.assert_array_equal(batch.engine_routes[i, position].numpy(),
-                                          engine.route_row(position, sequence[position]))  # fmt: skip
+            np.testing.assert_array_equal(
+                batch.engine_routes[i, position].numpy(), engine.route_row(position, sequence[position])
+            )
         assert batch.route_pad[i, len(sequence) - 1 :].all()  # the last sampled token and the pad
 
 
@@ -137,8 +139,10 @@ def test_agreement_by_turn_shows_the_turn_whose_routes_disagree() -> None:
     natural[0, 3:5] = (natural[0, 3:5] + 7) % 32  # sample 0's turn-2 positions disagree
     route_pad = torch.zeros(2, 6, dtype=torch.bool)
     route_pad[:, 5] = True  # the last sampled token
-    samples = [SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 1, 2, 2, 2])}),
-               SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 2, 2])})]  # fmt: skip
+    samples = [
+        SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 1, 2, 2, 2])}),
+        SimpleNamespace(extra={"turn_of": np.asarray([1, 1, 2, 2])}),
+    ]
     # Turn 1: 5 positions, all agree. Turn 2: sample 0's two routed positions disagree, sample 1's agree.
     assert agreement_by_turn(natural, engine, route_pad, samples) == [1.0, 0.5]  # type: ignore[arg-type]
 
@@ -161,9 +165,19 @@ def test_an_engine_that_rewrites_the_conversation_is_refused() -> None:
 
     def generate(prompts: list[list[int]], starts: list[int], turn: int) -> list[Any]:
         echoed = [p if turn == 0 else [p[0], 99, *p[2:]] for p in prompts]  # turn 2 sees other history ids
-        return [build_sample(prompt_index=i, choice_index=0, prompt_token_ids=e, token_ids=[60, 2],
-                             logprobs=[-1.0, -1.0], routed_experts=None, routed_experts_prompt_start=s,
-                             num_experts=32) for i, (e, s) in enumerate(zip(echoed, starts, strict=True))]  # fmt: skip
+        return [
+            build_sample(
+                prompt_index=i,
+                choice_index=0,
+                prompt_token_ids=e,
+                token_ids=[60, 2],
+                logprobs=[-1.0, -1.0],
+                routed_experts=None,
+                routed_experts_prompt_start=s,
+                num_experts=32,
+            )
+            for i, (e, s) in enumerate(zip(echoed, starts, strict=True))
+        ]
 
     conversation = Conversation(prompt_index=0, choice_index=0, prompt=(1, 20, 21), env=GuessGame(3, vocab_size=512))
     with pytest.raises(RoutingDataError, match=r"turn 2: the engine's prompt token ids differ .*R3-RETOKENIZE"):
@@ -175,8 +189,9 @@ def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
     run = _run(tmp_path, engine)
     run.setup()
     samples, _ = run.rollout(1)
-    assert all(s.routes is None and s.routes_error.startswith("turn 1: engine returned no routed_experts")
-               for s in samples)  # fmt: skip
+    assert all(
+        s.routes is None and s.routes_error.startswith("turn 1: engine returned no routed_experts") for s in samples
+    )
     assert run.train_step(1)["skipped"] == 1
 
 
@@ -197,8 +212,9 @@ def test_engine_group_sends_each_prompt_its_own_start() -> None:
 
     first, second = FakeEngine(name="a"), FakeEngine(name="b")
     prompts = [[1, 5, 6], [1, 5, 6, 7, 8], [1, 9]]
-    samples = EngineGroup([first, second]).generate(prompts, max_tokens=2, temperature=1.0, seed=0, n=1,
-                                                    routed_experts_prompt_start=[0, 3, 1])  # fmt: skip
+    samples = EngineGroup([first, second]).generate(
+        prompts, max_tokens=2, temperature=1.0, seed=0, n=1, routed_experts_prompt_start=[0, 3, 1]
+    )
     assert first.starts_seen == [[0], [1]] and second.starts_seen == [[3]]  # prompts 0, 2 and 1
     assert [(s.sample_id, s.routes.start) for s in samples] == [("p0-c0", 0), ("p1-c0", 3), ("p2-c0", 1)]
 
@@ -212,8 +228,9 @@ def test_http_engine_sends_each_prompt_its_own_start(tmp_path: Path) -> None:
     with FakeVLLMServer() as server:
         engine = HTTPEngine(server.url, staging_dir=tmp_path, num_experts=32)
         prompts = [[1, 5, 6], [1, 5, 6, 7, 8]]
-        samples = engine.generate(prompts, max_tokens=2, temperature=1.0, seed=0, n=1,
-                                  routed_experts_prompt_start=[0, 3])  # fmt: skip
+        samples = engine.generate(
+            prompts, max_tokens=2, temperature=1.0, seed=0, n=1, routed_experts_prompt_start=[0, 3]
+        )
     assert sorted(server.starts) == [0, 3]  # one request per prompt, in parallel
     assert [(s.routes.start, s.routes.num_tokens) for s in samples] == [(0, 3 + 2 - 1), (3, 5 + 2 - 1 - 3)]
 
@@ -231,9 +248,18 @@ def test_each_row_is_attributed_to_the_turn_whose_request_returned_it() -> None:
         out = []
         for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
             rows = np.tile(np.asarray([turn + 1, turn + 11], dtype=np.int64), (len(prompt) + 2 - 1 - start, 1, 1))
-            out.append(build_sample(prompt_index=i, choice_index=0, prompt_token_ids=prompt, token_ids=[60, 61],
-                                    logprobs=[-1.0, -1.0], routed_experts=rows, routed_experts_prompt_start=start,
-                                    num_experts=32))  # fmt: skip
+            out.append(
+                build_sample(
+                    prompt_index=i,
+                    choice_index=0,
+                    prompt_token_ids=prompt,
+                    token_ids=[60, 61],
+                    logprobs=[-1.0, -1.0],
+                    routed_experts=rows,
+                    routed_experts_prompt_start=start,
+                    num_experts=32,
+                )
+            )
         return out
 
     conversation = Conversation(prompt_index=0, choice_index=0, prompt=(1, 20, 21), env=GuessGame(3, vocab_size=512))

@@ -32,9 +32,13 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
     try:
         settings = settings_for(write_job(tmp_path), tmp_path / "runs")
         settings.weight_transfer = TransferChoice(TransferMethod.NCCL, "rendered by the operator")  # the ConfigMap's
-        engine = HTTPEngine(server.url, staging_dir=settings.run_dir / "weight-staging", num_experts=32,
-                            backoff=Backoff(attempts=2, base_s=0.5, cap_s=1.0),
-                            ready=Backoff(attempts=180, base_s=1.0, cap_s=2.0))  # fmt: skip
+        engine = HTTPEngine(
+            server.url,
+            staging_dir=settings.run_dir / "weight-staging",
+            num_experts=32,
+            backoff=Backoff(attempts=2, base_s=0.5, cap_s=1.0),
+            ready=Backoff(attempts=180, base_s=1.0, cap_s=2.0),
+        )
         run = GRPORun(settings, engines=EngineGroup([engine]))
         run.setup()  # the trainer is on CPU: the packed path syncs, the exact canary passes
         assert run.weight_transfer.describe() == (

@@ -28,8 +28,10 @@ def test_a_resumed_run_rewrites_an_older_header_so_new_rows_line_up(tmp_path: Pa
 
 
 def test_the_report_names_the_largest_peak_and_leaves_it_out_on_cpu(tmp_path: Path) -> None:
-    gpu_rows = [{"step": "1", "reward_mean": "0", "trainer_peak_memory_gib": "40.25"},
-                {"step": "2", "reward_mean": "1", "trainer_peak_memory_gib": "41.75"}]  # fmt: skip
+    gpu_rows = [
+        {"step": "1", "reward_mean": "0", "trainer_peak_memory_gib": "40.25"},
+        {"step": "2", "reward_mean": "1", "trainer_peak_memory_gib": "41.75"},
+    ]
     text = write_report(tmp_path / "gpu.md", job_name="j", runs={"R3": gpu_rows}, facts={})
     assert "trainer peak GPU memory (largest rank): 41.8 GiB" in text
     cpu_rows = [{"step": "1", "reward_mean": "0", "trainer_peak_memory_gib": ""}]
@@ -37,8 +39,10 @@ def test_the_report_names_the_largest_peak_and_leaves_it_out_on_cpu(tmp_path: Pa
 
 
 def test_the_canary_line_says_off_when_it_never_ran_and_counts_only_steps_that_synced(tmp_path: Path) -> None:
-    rows = [{"step": "1", "reward_mean": "0", "canary_ok": "0", "skipped": "0"},
-            {"step": "2", "reward_mean": "1", "canary_ok": "0", "skipped": "0"}]  # fmt: skip
+    rows = [
+        {"step": "1", "reward_mean": "0", "canary_ok": "0", "skipped": "0"},
+        {"step": "2", "reward_mean": "1", "canary_ok": "0", "skipped": "0"},
+    ]
     off = write_report(tmp_path / "off.md", job_name="j", runs={"R3": rows}, facts={}, canary=False)
     assert "- weight-sync canary: off (spec.weightSync.canary: false)" in off and "0/2" not in off
     ran = [{**rows[0], "canary_ok": "1"}, {**rows[1], "skipped": "1"}]  # a skipped step has no sync
@@ -51,19 +55,43 @@ def test_an_async_report_without_current_version_tokens_says_so_and_splits_the_g
     """metrics.csv rows of an asynchronous run (strings, as read back). Lag 1 over both steps: (30 x 0.1 +
     10 x 0.2) / 40 = 0.125; lag 2: 0.4 over 10 tokens; no lag-0 token, so no mismatch figure (not NaN)."""
     empty = {"logprob_abs_diff_mean": "", "logprob_abs_diff_max": "", "kl_k3": "", "routing_natural_agreement": ""}
-    rows = [{"step": "1", "reward_mean": "0", "replay_applied": "1.0", "current_version_tokens": "0", **empty,
-             "logprob_abs_diff_by_lag": "-;0.1;0.4", "tokens_by_lag": "0;30;10"},
-            {"step": "2", "reward_mean": "1", "replay_applied": "1.0", "current_version_tokens": "0", **empty,
-             "logprob_abs_diff_by_lag": "-;0.2;-", "tokens_by_lag": "0;10;0"}]  # fmt: skip
+    rows = [
+        {
+            "step": "1",
+            "reward_mean": "0",
+            "replay_applied": "1.0",
+            "current_version_tokens": "0",
+            **empty,
+            "logprob_abs_diff_by_lag": "-;0.1;0.4",
+            "tokens_by_lag": "0;30;10",
+        },
+        {
+            "step": "2",
+            "reward_mean": "1",
+            "replay_applied": "1.0",
+            "current_version_tokens": "0",
+            **empty,
+            "logprob_abs_diff_by_lag": "-;0.2;-",
+            "tokens_by_lag": "0;10;0",
+        },
+    ]
     text = write_report(tmp_path / "async.md", job_name="j", runs={"R3": rows}, facts={})
     assert "nan" not in _fidelity(text)
     assert "rollout vs trainer: not measured: no step trained a token of the current policy version" in text
     assert "lag 1 0.125 (40 tokens), lag 2 0.4 (10 tokens)" in text
 
-    measured = {"step": "3", "reward_mean": "1", "replay_applied": "1.0", "current_version_tokens": "8",
-                "logprob_abs_diff_mean": "0.004", "logprob_abs_diff_max": "0.05", "kl_k3": "1e-5",
-                "routing_natural_agreement": "0.99", "logprob_abs_diff_by_lag": "0.004;0.3;-",
-                "tokens_by_lag": "8;20;0"}  # fmt: skip
+    measured = {
+        "step": "3",
+        "reward_mean": "1",
+        "replay_applied": "1.0",
+        "current_version_tokens": "8",
+        "logprob_abs_diff_mean": "0.004",
+        "logprob_abs_diff_max": "0.05",
+        "kl_k3": "1e-5",
+        "routing_natural_agreement": "0.99",
+        "logprob_abs_diff_by_lag": "0.004;0.3;-",
+        "tokens_by_lag": "8;20;0",
+    }
     text = write_report(tmp_path / "mixed.md", job_name="j", runs={"R3": [*rows, measured]}, facts={})
     assert "nan" not in _fidelity(text)
     assert "(tokens the current policy version sampled, 1 of 3 steps had them" in text

@@ -25,8 +25,14 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     def run_once(settings: RunSettings, *, engines: Any = None, label: str | None = None) -> tuple[list, Any]:
         handed.append(engines)
         described = SimpleNamespace(describe=lambda: "-", mode="exact", autocast=False)
-        run = SimpleNamespace(model_dir="m", vllm_version="v", weight_transfer=described, canary_tol=described,
-                              trainer=SimpleNamespace(), engines=object())  # fmt: skip
+        run = SimpleNamespace(
+            model_dir="m",
+            vllm_version="v",
+            weight_transfer=described,
+            canary_tol=described,
+            trainer=SimpleNamespace(),
+            engines=object(),
+        )
         return [], run
 
     monkeypatch.setattr("r3operator.runtime.app.run_once", run_once)

@@ -32,10 +32,17 @@ def make_samples() -> list[RolloutSample]:
     out = []
     for i in range(2):
         rows = rng.random((5, L, E)).argsort(-1)[..., :K]  # prompt 3 + 3 generated - 1
-        out.append(RolloutSample(
-            sample_id=f"p{i}-c0", prompt_index=i, choice_index=0, prompt_token_ids=(5, 6, 7), token_ids=(8, 9, 10),
-            logprobs=np.zeros(3, dtype=np.float32), routes=encode(rows, num_experts=E),
-        ))  # fmt: skip
+        out.append(
+            RolloutSample(
+                sample_id=f"p{i}-c0",
+                prompt_index=i,
+                choice_index=0,
+                prompt_token_ids=(5, 6, 7),
+                token_ids=(8, 9, 10),
+                logprobs=np.zeros(3, dtype=np.float32),
+                routes=encode(rows, num_experts=E),
+            )
+        )
     return out
 
 

@@ -59,8 +59,9 @@ def test_a_file_runs_locally_with_overrides_from_flags_over_the_environment(
 ) -> None:
     monkeypatch.setenv("R3OPERATOR_STEPS", "7")
     monkeypatch.setenv("R3OPERATOR_MODEL", "small")
-    result = CliRunner().invoke(app, ["run", str(LOCAL), "--device", "cpu", "--model", "tiny",
-                                      "--out-dir", str(tmp_path), "--compare-replay"])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["run", str(LOCAL), "--device", "cpu", "--model", "tiny", "--out-dir", str(tmp_path), "--compare-replay"]
+    )
     assert result.exit_code == 0, result.output
     [(settings, compare)] = started
     assert (settings.steps, settings.model_override, compare) == (7, "tiny", True)

@@ -54,8 +54,9 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
 def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None:
     from r3operator.runtime.loop import GRPORun
 
-    job = write_job(tmp_path, routingReplay={"mode": mode}, algorithm={"steps": 1},
-                    trainer={"fsdp": {"paramDtype": param_dtype}})  # fmt: skip
+    job = write_job(
+        tmp_path, routingReplay={"mode": mode}, algorithm={"steps": 1}, trainer={"fsdp": {"paramDtype": param_dtype}}
+    )
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
     rows = run.run()
     assert [r["step"] for r in rows] == [1]
@@ -90,8 +91,11 @@ def test_resume_after_kill_between_steps(tmp_path, engines) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "r3operator", "run", str(job), "--out-dir", str(out), "--device", "cpu", "--quiet"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest = out / "tiny-count-r3" / "checkpoints" / "latest"
     deadline = time.monotonic() + 240
     try:

@@ -31,15 +31,23 @@ def trainer_identity(control_plane: Any, namespace: str, tmp_path: Path) -> Path
     for name in ("mine", "theirs"):
         post("POST", f"/apis/r3operator.io/v1alpha1/namespaces/{namespace}/rljobs", _rljob(name, namespace))
     post("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "trainer"}})
-    rule = {"apiGroups": ["r3operator.io"], "resources": ["rljobs/status"], "resourceNames": ["mine"],
-            "verbs": ["get", "patch"]}  # fmt: skip
+    rule = {
+        "apiGroups": ["r3operator.io"],
+        "resources": ["rljobs/status"],
+        "resourceNames": ["mine"],
+        "verbs": ["get", "patch"],
+    }
     rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
     post("POST", f"{rbac}/roles", {"metadata": {"name": "trainer"}, "rules": [rule]})
-    post("POST", f"{rbac}/rolebindings", {
-        "metadata": {"name": "trainer"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "trainer"},
-        "subjects": [{"kind": "ServiceAccount", "name": "trainer", "namespace": namespace}],
-    })  # fmt: skip
+    post(
+        "POST",
+        f"{rbac}/rolebindings",
+        {
+            "metadata": {"name": "trainer"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "trainer"},
+            "subjects": [{"kind": "ServiceAccount", "name": "trainer", "namespace": namespace}],
+        },
+    )
     account = tmp_path / "serviceaccount"
     account.mkdir()
     (account / "token").write_text(control_plane.token_for(namespace, "trainer"))

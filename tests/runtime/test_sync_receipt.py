@@ -33,8 +33,14 @@ def _reference_fingerprint(tensor: torch.Tensor) -> tuple[int, int, int]:
     return len(values), sum(values), sum(v * (i % 251 + 1) for i, v in enumerate(values))
 
 
-TENSORS = [torch.randn(7, 300).to(torch.bfloat16), torch.randn(503), torch.arange(5, dtype=torch.uint8),
-           torch.ones(()), torch.empty(0), torch.randn(3, 4, 5).to(torch.float16)]  # fmt: skip
+TENSORS = [
+    torch.randn(7, 300).to(torch.bfloat16),
+    torch.randn(503),
+    torch.arange(5, dtype=torch.uint8),
+    torch.ones(()),
+    torch.empty(0),
+    torch.randn(3, 4, 5).to(torch.float16),
+]
 
 
 @pytest.mark.parametrize("tensor", TENSORS, ids=["bf16", "fp32", "odd-bytes", "scalar", "empty", "fp16-3d"])
@@ -58,10 +64,17 @@ def test_fingerprint_tells_a_sign_flip_a_shift_and_a_single_changed_value() -> N
 
 
 BLOCK = GROUP_ROWS * WEIGHT_PERIOD  # words per group of rows in a bucket's slot
-BUCKET_TENSORS = [torch.randn(7, 300).to(torch.bfloat16), torch.randn(503), torch.ones(()), torch.empty(0),
-                  torch.randn(3, 4, 5).to(torch.float16), torch.randn(2 * BLOCK + 5).to(torch.bfloat16),
-                  torch.randn(BLOCK).to(torch.float16), torch.randn(40, 30).t(),
-                  torch.randn(BLOCK // 2 - 1)]  # fmt: skip
+BUCKET_TENSORS = [
+    torch.randn(7, 300).to(torch.bfloat16),
+    torch.randn(503),
+    torch.ones(()),
+    torch.empty(0),
+    torch.randn(3, 4, 5).to(torch.float16),
+    torch.randn(2 * BLOCK + 5).to(torch.bfloat16),
+    torch.randn(BLOCK).to(torch.float16),
+    torch.randn(40, 30).t(),
+    torch.randn(BLOCK // 2 - 1),
+]
 
 
 def test_a_bucket_fingerprints_each_tensor_as_the_written_out_definition() -> None:
@@ -159,9 +172,11 @@ def test_a_bucket_costs_the_same_operators_for_ten_tensors_as_for_a_thousand() -
         return [(f"e{i}", torch.empty(96, 256, dtype=torch.bfloat16, device="meta")) for i in range(count)]
 
     ten, thousand = experts(10), experts(1000)
-    assert _counted_ops(lambda: FingerprintLog().add_many(ten)) == _counted_ops(
-        lambda: FingerprintLog().add_many(thousand)) < _counted_ops(
-        lambda: FingerprintLog(bucket_bytes=0).add_many(ten))  # fmt: skip
+    assert (
+        _counted_ops(lambda: FingerprintLog().add_many(ten))
+        == _counted_ops(lambda: FingerprintLog().add_many(thousand))
+        < _counted_ops(lambda: FingerprintLog(bucket_bytes=0).add_many(ten))
+    )
 
 
 class _Engine:
@@ -192,14 +207,24 @@ class _Engine:
 
 def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    state = {"model.norm.weight": 1 + 0.01 * torch.randn(8, generator=g),
-             "model.layers.0.mlp.gate.weight": torch.randn(4, 8, generator=g)}  # fmt: skip
+    state = {
+        "model.norm.weight": 1 + 0.01 * torch.randn(8, generator=g),
+        "model.layers.0.mlp.gate.weight": torch.randn(4, 8, generator=g),
+    }
     state.update({f"model.layers.0.mlp.experts.{e}.w13.weight": torch.randn(6, 8, generator=g) for e in range(4)})
     return state
 
 
-def _sync(engine: _Engine, receipt: SyncReceipt, state: dict[str, torch.Tensor], *, mode: str = "ok",
-          skip: str | None = None, flip: str | None = None, nothing: bool = False) -> dict[str, Any]:  # fmt: skip
+def _sync(
+    engine: _Engine,
+    receipt: SyncReceipt,
+    state: dict[str, torch.Tensor],
+    *,
+    mode: str = "ok",
+    skip: str | None = None,
+    flip: str | None = None,
+    nothing: bool = False,
+) -> dict[str, Any]:
     receipt.begin(engine.named_parameters())
     delivered = [(n, -t if n == flip else t) for n, t in state.items() if n != skip]
     if not nothing:
@@ -221,12 +246,16 @@ def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync(finge
 
     cases = {
         "keep": (dict(mode="keep"), r"kept its previous values in 2 of the 2 parameters .*model.layers.0.mlp.gate"),
-        "skip": (dict(skip="model.layers.0.mlp.experts.3.w13.weight"),
-                 r"received 5 of the 6 tensors sent; missing: model.layers.0.mlp.experts.3.w13.weight"),
-        "flip": (dict(flip="model.layers.0.mlp.experts.2.w13.weight"),
-                 r"1 tensor\(s\) arrived with other bytes .*experts.2.w13.weight"),
+        "skip": (
+            dict(skip="model.layers.0.mlp.experts.3.w13.weight"),
+            r"received 5 of the 6 tensors sent; missing: model.layers.0.mlp.experts.3.w13.weight",
+        ),
+        "flip": (
+            dict(flip="model.layers.0.mlp.experts.2.w13.weight"),
+            r"1 tensor\(s\) arrived with other bytes .*experts.2.w13.weight",
+        ),
         "nothing": (dict(nothing=True), r"loaded no tensor \(6 were sent\)"),
-    }  # fmt: skip
+    }
     for what, (broken, message) in cases.items():
         engine, receipt = _Engine(), SyncReceipt()
         with pytest.raises(CanaryMismatchError, match=message):
@@ -251,16 +280,21 @@ def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_r
     with pytest.raises(CanaryMismatchError, match="no receipt of a finished weight sync"):
         check_receipts(_sent(state), [receipt.report()], where="engine 0")
     with pytest.raises(CanaryMismatchError, match=r"worker 1: .*loaded no tensor"):
-        check_receipts(_sent(state), [_sync(engine, receipt, state), {"closed": True, "received": {}}],
-                       where="engine 0")  # fmt: skip
+        check_receipts(
+            _sent(state), [_sync(engine, receipt, state), {"closed": True, "received": {}}], where="engine 0"
+        )
 
 
 def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
     # The written-out rule: δ = 64·u + 2^-13, ε = 128·u, u the engine's unit roundoff on its device.
-    for dtype, device, u in [("float32", "cpu", 2.0**-24), ("float32", "cuda", 2.0**-11),
-                             ("bfloat16", "cuda", 2.0**-8), ("float16", "cuda:1", 2.0**-11)]:  # fmt: skip
+    for dtype, device, u in [
+        ("float32", "cpu", 2.0**-24),
+        ("float32", "cuda", 2.0**-11),
+        ("bfloat16", "cuda", 2.0**-8),
+        ("float16", "cuda:1", 2.0**-11),
+    ]:
         tol = canary_tolerance(dtype, device)
         assert tol.logprob == pytest.approx(64 * u + 2.0**-13) and tol.epsilon == pytest.approx(128 * u)
         assert tol.autocast == (dtype != "float32")
@@ -285,8 +319,16 @@ def test_fp32_engine_on_cuda_passes_its_rounding_and_fails_a_real_mismatch(monke
     logits = _one_token_logits(-2.38422)
     check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38534]], tolerance=gpu, eos_id=3, max_tokens=1)
     with pytest.raises(CanaryMismatchError, match=r"\|Δ\| 0.12"):
-        check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38422 - 0.12]], tolerance=gpu, eos_id=3,
-                            max_tokens=1)  # fmt: skip
+        check_engine_greedy(
+            logits, [[0]], [[1]], engine_logprobs=[[-2.38422 - 0.12]], tolerance=gpu, eos_id=3, max_tokens=1
+        )
     with pytest.raises(CanaryMismatchError):  # on the CPU the same gap is far beyond fp32 rounding
-        check_engine_greedy(logits, [[0]], [[1]], engine_logprobs=[[-2.38534]], tolerance=canary_tolerance("float32"),
-                            eos_id=3, max_tokens=1)  # fmt: skip
+        check_engine_greedy(
+            logits,
+            [[0]],
+            [[1]],
+            engine_logprobs=[[-2.38534]],
+            tolerance=canary_tolerance("float32"),
+            eos_id=3,
+            max_tokens=1,
+        )

@@ -24,8 +24,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
     tiny = ensure_reference_model("tiny", tmp_path_factory.mktemp("models"))
     bad = perturbed_router_copy(tiny, tmp_path_factory.mktemp("bad") / "model")
-    started = {role: VLLMServer(model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log", max_model_len=256)
-               for role, model in (("good", tiny), ("bad", bad))}  # fmt: skip
+    started = {
+        role: VLLMServer(model, tmp_path_factory.mktemp(f"serve-{role}") / "server.log", max_model_len=256)
+        for role, model in (("good", tiny), ("bad", bad))
+    }
     try:
         for server in started.values():
             server.wait_healthy()
@@ -58,8 +60,9 @@ def test_an_engine_that_routes_differently_fails_with_its_figures(servers: dict[
     from r3operator.runtime.upgrade_canary import run_upgrade_canary
 
     urls = servers["urls"]
-    result = run_upgrade_canary(settings, old_url=urls["good"], new_url=urls["bad"], old_image="good:1",
-                                new_image="bad:2", attempt="2")  # fmt: skip
+    result = run_upgrade_canary(
+        settings, old_url=urls["good"], new_url=urls["bad"], old_image="good:1", new_image="bad:2", attempt="2"
+    )
     assert not result.passed
     assert result.new is not None and result.old is not None
     assert result.new.natural_mismatch is not None and result.old.natural_mismatch is not None

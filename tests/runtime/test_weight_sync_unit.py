@@ -26,8 +26,14 @@ IPC = TransferChoice(TransferMethod.IPC, "local GPU")
 
 
 def _check(wanted: TransferChoice = NCCL, **overrides: Any) -> TransferChoice:
-    facts: dict[str, Any] = {"device": "cuda", "engine_vllm": "0.22.1", "trainer_vllm": "0.22.1",
-                             "trainer_api": "static", "over_http": True, **overrides}  # fmt: skip
+    facts: dict[str, Any] = {
+        "device": "cuda",
+        "engine_vllm": "0.22.1",
+        "trainer_vllm": "0.22.1",
+        "trainer_api": "static",
+        "over_http": True,
+        **overrides,
+    }
     return check_runtime(wanted, **facts)
 
 
@@ -42,15 +48,19 @@ def test_every_precondition_holds_native_is_used() -> None:
     [
         ({"device": "cpu"}, "native nccl transfer needs the trainer on CUDA, it runs on cpu"),
         ({"trainer_api": None}, "the trainer's environment has no vLLM weight-transfer sender"),
-        ({"engine_vllm": "0.16.0", "trainer_vllm": "0.16.0"},
-         "the engine answers as vLLM 0.16.0: engine vLLM 0.16.0 lacks native nccl transfer "
-         "(weight-transfer-bracket needs >= 0.22.1)"),
+        (
+            {"engine_vllm": "0.16.0", "trainer_vllm": "0.16.0"},
+            "the engine answers as vLLM 0.16.0: engine vLLM 0.16.0 lacks native nccl transfer "
+            "(weight-transfer-bracket needs >= 0.22.1)",
+        ),
         ({"engine_vllm": None}, "the engine answers as vLLM unknown"),
         ({"engine_on_trainer_gpu": True}, "an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU"),
-        ({"trainer_vllm": "0.30.0"},
-         "needs the trainer's vLLM release to be the engine's (trainer 0.30.0, engine 0.22.1)"),
+        (
+            {"trainer_vllm": "0.30.0"},
+            "needs the trainer's vLLM release to be the engine's (trainer 0.30.0, engine 0.22.1)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_missing_precondition_falls_back_to_packed_and_says_which(overrides: dict[str, Any], says: str) -> None:
     choice = _check(**overrides)
     assert (choice.method, choice.fallback) == (TransferMethod.PACKED, True)
@@ -193,8 +203,9 @@ def test_nccl_ranks_follow_each_engines_world_size() -> None:
     a, b = _Endpoint("a", world_size=2), _Endpoint("b", world_size=1)
     client = FanOutClient([a, b])
     assert client.world_size == 4
-    client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 1, "world_size": 4,
-                                        "rank_offset": 1})  # fmt: skip
+    client.init_weight_transfer_engine(
+        {"master_address": "10.0.0.1", "master_port": 1, "world_size": 4, "rank_offset": 1}
+    )
     assert [a.calls[0][1]["rank_offset"], b.calls[0][1]["rank_offset"]] == [1, 3]
     client.init_weight_transfer_engine({"packed": True})  # IPC: no ranks, the same payload to everyone
     assert a.calls[1] == b.calls[1] == ("init", {"packed": True})
@@ -274,8 +285,9 @@ def test_a_failed_native_send_aborts_every_bracket_and_stamps_no_tag() -> None:
     if trainer_vllm_api() is None:
         pytest.skip("this vLLM has no trainer-side sender")
     a, b = _Endpoint("a"), _Endpoint("b")
-    install = NativeInstall(TransferMethod.IPC, state_dict=lambda: {"w": torch.zeros(2)}, dtype=torch.float32,
-                            buffer_size_bytes=1 << 20)  # fmt: skip
+    install = NativeInstall(
+        TransferMethod.IPC, state_dict=lambda: {"w": torch.zeros(2)}, dtype=torch.float32, buffer_size_bytes=1 << 20
+    )
     with pytest.raises(RuntimeError, match=r"NVIDIA|CUDA"):
         install([a, b], "run:1")  # type: ignore[list-item]
     for endpoint in (a, b):
@@ -306,8 +318,13 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
     state = {"model.embed_tokens.weight": torch.zeros(64, 32), "model.norm.weight": torch.zeros(32)}
 
     def sender(buffer: int) -> NativeSender:
-        return NativeSender(TransferMethod.IPC, FanOutClient([_Endpoint("a")]), lambda: state,  # type: ignore[list-item]
-                            dtype=torch.bfloat16, buffer_size_bytes=buffer)  # fmt: skip
+        return NativeSender(
+            TransferMethod.IPC,
+            FanOutClient([_Endpoint("a")]),
+            lambda: state,  # type: ignore[list-item]
+            dtype=torch.bfloat16,
+            buffer_size_bytes=buffer,
+        )
 
     assert sender(1024).packed_buffer_bytes() == 64 * 32 * 2
     assert sender(1 << 20).packed_buffer_bytes() == 1 << 20

@@ -61,10 +61,17 @@ def test_routes_one_token_off_drop_the_agreement_and_fire_the_alert(trainer, tmp
         prompt, gen = rng.integers(3, VOCAB, 8), rng.integers(3, VOCAB, 8)
         seq = torch.as_tensor(np.concatenate([prompt, gen]))[None]
         rows = natural_routing(trainer.model, seq)[0, :-1].numpy()  # the engine's rows for [0, P+G-1)
-        samples.append(RolloutSample(
-            sample_id=f"s{i}", prompt_index=i, choice_index=0, prompt_token_ids=tuple(map(int, prompt)),
-            token_ids=tuple(map(int, gen)), logprobs=np.zeros(len(gen), dtype=np.float32), routes=None,
-        ))  # fmt: skip
+        samples.append(
+            RolloutSample(
+                sample_id=f"s{i}",
+                prompt_index=i,
+                choice_index=0,
+                prompt_token_ids=tuple(map(int, prompt)),
+                token_ids=tuple(map(int, gen)),
+                logprobs=np.zeros(len(gen), dtype=np.float32),
+                routes=None,
+            )
+        )
         aligned.append(encode(rows, num_experts=8))
         shifted.append(encode(rows[1:], num_experts=8))  # rows of [1, P+G-1) placed from position 0
     good = exported_agreement(trainer, samples, aligned)

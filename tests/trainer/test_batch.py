@@ -21,10 +21,15 @@ def distinct_routes(rows: int, *, seed: int, num_experts: int = E) -> np.ndarray
 
 def sample(sid: str, prompt: list[int], gen: list[int], routes: RoutedExperts | None) -> RolloutSample:
     return RolloutSample(
-        sample_id=sid, prompt_index=0, choice_index=0, prompt_token_ids=tuple(prompt), token_ids=tuple(gen),
-        logprobs=np.linspace(-1.0, -0.1, len(gen), dtype=np.float32), routes=routes,
+        sample_id=sid,
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=tuple(prompt),
+        token_ids=tuple(gen),
+        logprobs=np.linspace(-1.0, -0.1, len(gen), dtype=np.float32),
+        routes=routes,
         routed_experts_prompt_start=0 if routes is None else routes.start,
-    )  # fmt: skip
+    )
 
 
 def test_right_padding_and_response_columns() -> None:
@@ -103,10 +108,15 @@ def test_loss_mask_takes_env_tokens_out_of_the_loss_but_not_out_of_the_routes() 
     prompt, gen = [5, 6, 7], [8, 9, 40, 41, 10]
     rows = distinct_routes(len(prompt) + len(gen) - 1, seed=4)
     traj = RolloutSample(
-        sample_id="t", prompt_index=0, choice_index=0, prompt_token_ids=tuple(prompt), token_ids=tuple(gen),
-        logprobs=np.asarray([-0.5, -0.4, 0.0, 0.0, -0.3], dtype=np.float32), routes=encode(rows, num_experts=E),
+        sample_id="t",
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=tuple(prompt),
+        token_ids=tuple(gen),
+        logprobs=np.asarray([-0.5, -0.4, 0.0, 0.0, -0.3], dtype=np.float32),
+        routes=encode(rows, num_experts=E),
         loss_mask=np.asarray([True, True, False, False, True]),
-    )  # fmt: skip
+    )
     batch = build_batch([traj], [1.0], routes=[traj.routes], pad_id=0)
     # Column c predicts token c + 1: targets 8, 9 and 10 are trained, the env's 40 and 41 are not.
     assert batch.response_mask.tolist() == [[False, False, True, True, False, False, True]]
@@ -118,8 +128,14 @@ def test_loss_mask_takes_env_tokens_out_of_the_loss_but_not_out_of_the_routes() 
 
 def test_loss_mask_of_the_wrong_length_is_refused() -> None:
     bad = RolloutSample(
-        sample_id="bad", prompt_index=0, choice_index=0, prompt_token_ids=(5, 6), token_ids=(7, 8),
-        logprobs=np.zeros(2, dtype=np.float32), routes=None, loss_mask=np.asarray([True]),
-    )  # fmt: skip
+        sample_id="bad",
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=(5, 6),
+        token_ids=(7, 8),
+        logprobs=np.zeros(2, dtype=np.float32),
+        routes=None,
+        loss_mask=np.asarray([True]),
+    )
     with pytest.raises(ValueError, match="sample 'bad' has a loss mask of 1 entries for 2 generated tokens"):
         build_batch([bad], [1.0], routes=None, pad_id=0)

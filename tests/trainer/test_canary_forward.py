@@ -44,8 +44,9 @@ def test_own_routes_replayed_give_the_natural_logits(trainer: PolicyTrainer) -> 
 def test_other_routes_change_the_logits_but_not_the_recorded_natural_choice(trainer: PolicyTrainer) -> None:
     natural = natural_routes(trainer, SEQUENCE)
     other = (natural + 3) % EXPERTS  # a different expert set at every token-layer
-    forward = trainer.canary_forward(SEQUENCE, torch.from_numpy(other)[None],
-                                     torch.zeros(1, len(SEQUENCE), dtype=torch.bool))  # fmt: skip
+    forward = trainer.canary_forward(
+        SEQUENCE, torch.from_numpy(other)[None], torch.zeros(1, len(SEQUENCE), dtype=torch.bool)
+    )
     assert not torch.allclose(forward.logits, trainer.canary_logits(SEQUENCE), atol=1e-3)
     assert np.array_equal(np.sort(np.asarray(forward.natural_ids), -1), np.sort(natural, -1))
 

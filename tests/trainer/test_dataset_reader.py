@@ -73,8 +73,10 @@ def test_parquet_rows_and_a_malformed_row_named_by_its_number(tmp_path: Path) ->
     import pyarrow.parquet as pq
 
     good = tmp_path / "train.parquet"
-    pq.write_table(pa.table({"prompt": ["what is 3 plus 4 ?", "what is 2 times 3 ?"], "answer": ["7", "6"],
-                             "source": ["a", "b"]}), good)  # fmt: skip
+    pq.write_table(
+        pa.table({"prompt": ["what is 3 plus 4 ?", "what is 2 times 3 ?"], "answer": ["7", "6"], "source": ["a", "b"]}),
+        good,
+    )
     rows = read_rows(good)
     assert [(r.id, r.prompt, r.answer, r.metadata["source"]) for r in rows] == [
         ("row-0", "what is 3 plus 4 ?", "7", "a"),

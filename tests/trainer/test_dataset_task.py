@@ -45,11 +45,20 @@ def _jsonl(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def test_chat_template_is_applied_once_to_prompt_and_messages_rows(tmp_path: Path, tokenizer: Any) -> None:
-    path = _jsonl(tmp_path, [
-        {"prompt": "what is 3 plus 4 ?", "answer": "7"},
-        {"messages": [{"role": "user", "content": "what is 2 times 3 ?"}, {"role": "assistant", "content": "6"},
-                      {"role": "user", "content": "and double 3 ?"}], "answer": "6"},
-    ])  # fmt: skip
+    path = _jsonl(
+        tmp_path,
+        [
+            {"prompt": "what is 3 plus 4 ?", "answer": "7"},
+            {
+                "messages": [
+                    {"role": "user", "content": "what is 2 times 3 ?"},
+                    {"role": "assistant", "content": "6"},
+                    {"role": "user", "content": "and double 3 ?"},
+                ],
+                "answer": "6",
+            },
+        ],
+    )
     plus, chat = load_problems(path, tokenizer, max_prompt_tokens=None)
     # The template: "<bos>{role} : {content} \n" per message, then "assistant :"; one <bos>, never two.
     assert plus.prompt_ids == ids(f"{BOS} user : what is 3 plus 4 ? assistant :")
@@ -59,26 +68,30 @@ def test_chat_template_is_applied_once_to_prompt_and_messages_rows(tmp_path: Pat
     assert (plus.answer, chat.problem_id, chat.metadata) == ("7", "row-1", {"id": "row-1"})
 
 
-def test_without_a_chat_template_prompts_are_plain_text_and_messages_are_refused(tmp_path: Path,
-                                                                                   tokenizer: Any) -> None:  # fmt: skip
+def test_without_a_chat_template_prompts_are_plain_text_and_messages_are_refused(
+    tmp_path: Path, tokenizer: Any
+) -> None:
     import copy
 
     plain = copy.copy(tokenizer)
     plain.chat_template = None
-    [problem] = load_problems(_jsonl(tmp_path, [{"prompt": "what is 3 plus 4 ?", "answer": "7"}]), plain,
-                              max_prompt_tokens=None)  # fmt: skip
+    [problem] = load_problems(
+        _jsonl(tmp_path, [{"prompt": "what is 3 plus 4 ?", "answer": "7"}]), plain, max_prompt_tokens=None
+    )
     assert problem.prompt_ids == ids(f"{BOS} what is 3 plus 4 ?")
     chat = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": "hi"}], "answer": "1"}])
     with pytest.raises(DatasetError, match=rf"{chat}:1: 'messages' need a tokenizer with a chat_template"):
         load_problems(chat, plain, max_prompt_tokens=None)
 
 
-def test_prompts_over_the_limit_are_dropped_and_counted(tmp_path: Path, tokenizer: Any,
-                                                       caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_prompts_over_the_limit_are_dropped_and_counted(
+    tmp_path: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     short = "what is 1 plus 1 ?"  # 11 tokens with the template
     long = "what is 1 plus 1 plus 1 plus 1 ?"  # 15
-    path = _jsonl(tmp_path, [{"prompt": short, "answer": "2"}, {"prompt": long, "answer": "4"},
-                             {"prompt": long, "answer": "4"}])  # fmt: skip
+    path = _jsonl(
+        tmp_path, [{"prompt": short, "answer": "2"}, {"prompt": long, "answer": "4"}, {"prompt": long, "answer": "4"}]
+    )
     with caplog.at_level(logging.WARNING):
         [kept] = load_problems(path, tokenizer, max_prompt_tokens=11)
     assert kept.prompt_text == short
@@ -113,16 +126,27 @@ class _NoEncoding:
 
 
 def _sample(prompt_index: int, choice: int, tokens: tuple[int, ...]) -> RolloutSample:
-    return RolloutSample(sample_id=f"p{prompt_index}-c{choice}", prompt_index=prompt_index, choice_index=choice,
-                         prompt_token_ids=(), token_ids=tokens, logprobs=np.zeros(len(tokens), np.float32),
-                         routes=None)  # fmt: skip
+    return RolloutSample(
+        sample_id=f"p{prompt_index}-c{choice}",
+        prompt_index=prompt_index,
+        choice_index=choice,
+        prompt_token_ids=(),
+        token_ids=tokens,
+        logprobs=np.zeros(len(tokens), np.float32),
+        routes=None,
+    )
 
 
 def test_the_math_reward_scores_decoded_completions_without_re_tokenising(tmp_path: Path, tokenizer: Any) -> None:
-    path = _jsonl(tmp_path, [{"prompt": "what is 3 plus 4 ?", "answer": "7"},
-                             {"prompt": "what is 2 times 3 ?", "answer": "6"}])  # fmt: skip
-    task = DatasetTask(load_problems(path, tokenizer, max_prompt_tokens=None), tokenizer=_NoEncoding(tokenizer),
-                       reward=MathReward(), seed=0)  # fmt: skip
+    path = _jsonl(
+        tmp_path, [{"prompt": "what is 3 plus 4 ?", "answer": "7"}, {"prompt": "what is 2 times 3 ?", "answer": "6"}]
+    )
+    task = DatasetTask(
+        load_problems(path, tokenizer, max_prompt_tokens=None),
+        tokenizer=_NoEncoding(tokenizer),
+        reward=MathReward(),
+        seed=0,
+    )
     problems = task.batch(1, 2)
     by_answer = {p.answer: n for n, p in enumerate(problems)}
     seven, six = by_answer["7"], by_answer["6"]

@@ -53,8 +53,13 @@ def test_two_ranks_train_like_one_process_with_r3_replay(tiny_moe_dir: Path, ray
         torch.testing.assert_close(two.logprobs, one.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(two.natural_ids, one.natural_ids, atol=0, rtol=0)
         # Routes handed to the wrong rows change the logprobs far beyond that tolerance.
-        swapped = TrainBatch(**{**batch.__dict__, "engine_routes": batch.engine_routes.roll(1, dims=0),
-                                "route_pad": batch.route_pad.roll(1, dims=0)})  # fmt: skip
+        swapped = TrainBatch(
+            **{
+                **batch.__dict__,
+                "engine_routes": batch.engine_routes.roll(1, dims=0),
+                "route_pad": batch.route_pad.roll(1, dims=0),
+            }
+        )
         off = single.old_logprobs(swapped, ReplayMode.R3).logprobs
         assert (off - one.logprobs)[batch.response_mask].abs().max() > 1e-2
 
@@ -95,8 +100,12 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(
     finally:
         first.close()
     assert sorted(p.name for p in checkpoint.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank00000.pt", "rng-rank00001.pt"
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng-rank00000.pt",
+        "rng-rank00001.pt",
+    ]
 
     resumed = two_ranks(tiny_moe_dir)  # a fresh driver's ranks: the first ones are gone
     try:

@@ -41,8 +41,9 @@ def test_the_spec_field_turns_checkpointing_on_and_the_r3_update_is_unchanged(ti
     checkpointed = build_trainer(spec, tiny_moe_dir, device="cpu")
     assert isinstance(checkpointed, PolicyTrainer)
     assert checkpointing(checkpointed.model)
-    plain = PolicyTrainer(tiny_moe_dir, device="cpu", learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
-                          compute_dtype="float32")  # fmt: skip
+    plain = PolicyTrainer(
+        tiny_moe_dir, device="cpu", learning_rate=spec.algorithm.learning_rate, seed=spec.seed, compute_dtype="float32"
+    )
     assert not checkpointing(plain.model)
 
     loss, norm, state = _r3_update(checkpointed)

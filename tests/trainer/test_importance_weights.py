@@ -38,14 +38,16 @@ def test_loss_scales_each_tokens_term_by_its_weight() -> None:
     mask = torch.tensor([[True, True, False]])
     weights = torch.tensor([[2.0, 0.5, 7.0]])
     # A = +1: token0 -1.28 (clipped) * 2.0 = -2.56; token1 -0.5 * 0.5 = -0.25; token2 masked -> mean -1.405
-    loss, stats = ppo_clip_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28,
-                                importance_weights=weights)  # fmt: skip
+    loss, stats = ppo_clip_loss(
+        new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28, importance_weights=weights
+    )
     assert float(loss) == pytest.approx(-1.405, abs=1e-6)
     assert stats.clip_fraction == pytest.approx(0.5)  # the clip decision is PPO's, not the weight's
     # gradient: only token1 is unclipped; d/dlp of -A*r*w = -r*w = -0.25
     new = new.clone().requires_grad_(True)
-    loss, _ = ppo_clip_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28,
-                            importance_weights=weights)  # fmt: skip
+    loss, _ = ppo_clip_loss(
+        new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28, importance_weights=weights
+    )
     loss.backward()
     np.testing.assert_allclose(new.grad.numpy(), [[0.0, -0.125, 0.0]], atol=1e-6)
 
@@ -55,8 +57,7 @@ def test_unit_weights_give_the_on_policy_loss() -> None:
     new, old = torch.randn(3, 5, generator=gen) * 0.3, torch.randn(3, 5, generator=gen) * 0.3
     adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.rand(3, 5, generator=gen) > 0.3
     plain, _ = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28)
-    weighted, _ = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28,
-                                importance_weights=torch.ones(3, 5))  # fmt: skip
+    weighted, _ = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, importance_weights=torch.ones(3, 5))
     assert float(weighted) == pytest.approx(float(plain), abs=1e-7)
 
 
@@ -67,15 +68,29 @@ def test_stale_tokens_from_a_much_likelier_rollout_are_damped() -> None:
     rollout = torch.log(torch.tensor([[0.8]]))
     weights, _ = truncated_importance_weights(old, rollout, torch.ones(1, 1, dtype=torch.bool), cap=2.0)
     assert float(weights) == pytest.approx(0.125)
-    loss, _ = ppo_clip_loss(old, old, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), clip_low=0.2,
-                            clip_high=0.28, importance_weights=weights)  # fmt: skip
+    loss, _ = ppo_clip_loss(
+        old,
+        old,
+        torch.tensor([1.0]),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_low=0.2,
+        clip_high=0.28,
+        importance_weights=weights,
+    )
     assert float(loss) == pytest.approx(-0.125)
 
 
 def test_shape_mismatch_is_named() -> None:
     with pytest.raises(ValueError, match="importance_weights has shape"):
-        ppo_clip_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool),
-                      clip_low=0.2, clip_high=0.2, importance_weights=torch.ones(1, 2))  # fmt: skip
+        ppo_clip_loss(
+            torch.zeros(1, 3),
+            torch.zeros(1, 3),
+            torch.tensor([1.0]),
+            torch.ones(1, 3, dtype=torch.bool),
+            clip_low=0.2,
+            clip_high=0.2,
+            importance_weights=torch.ones(1, 2),
+        )
 
 
 def test_ranks_importance_figures_combine_token_weighted_and_stay_nan_without_weights() -> None:

@@ -61,12 +61,18 @@ def make_batch(seed: int = 0) -> tuple[TrainBatch, torch.Tensor]:
         rows = rng.random((prompt + gen - 1 - start, LAYERS, EXPERTS)).argsort(-1)[..., :TOPK]
         rows[:, 0] = 0  # dense layer: vLLM reports zeros
         r = encode(rows, start=start, num_experts=EXPERTS)
-        samples.append(RolloutSample(
-            sample_id=f"s{i}", prompt_index=i, choice_index=0,
-            prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, prompt)),
-            token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
-            logprobs=np.zeros(gen, dtype=np.float32), routes=r, routed_experts_prompt_start=start,
-        ))  # fmt: skip
+        samples.append(
+            RolloutSample(
+                sample_id=f"s{i}",
+                prompt_index=i,
+                choice_index=0,
+                prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, prompt)),
+                token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
+                logprobs=np.zeros(gen, dtype=np.float32),
+                routes=r,
+                routed_experts_prompt_start=start,
+            )
+        )
         routes.append(r)
     batch = build_batch(samples, [1.0, -0.5, 0.25], routes=routes, pad_id=0)
     assert batch.engine_routes is not None
@@ -237,12 +243,17 @@ def _two_rows(long: int, short: int) -> TrainBatch:
     rng = np.random.default_rng(7)
     samples = []
     for i, gen in enumerate((long, short)):
-        samples.append(RolloutSample(
-            sample_id=f"r{i}", prompt_index=i, choice_index=0,
-            prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, 4)),
-            token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
-            logprobs=np.zeros(gen, dtype=np.float32), routes=None,
-        ))  # fmt: skip
+        samples.append(
+            RolloutSample(
+                sample_id=f"r{i}",
+                prompt_index=i,
+                choice_index=0,
+                prompt_token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, 4)),
+                token_ids=tuple(int(t) for t in rng.integers(3, VOCAB, gen)),
+                logprobs=np.zeros(gen, dtype=np.float32),
+                routes=None,
+            )
+        )
     return build_batch(samples, [1.0, -0.5], routes=None, pad_id=0)
 
 
@@ -260,8 +271,9 @@ def test_micro_batches_weigh_every_token_like_the_global_token_mean(model_dir: P
     expected_loss = -(1.0 * 12 - 0.5 * 2) / (12 + 2)
     results = {}
     for micro in (None, 1):  # built one after the other: megatron's replay instances are process-global
-        policy = MegatronPolicyTrainer(build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=micro),
-                                       compute_dtype="float32")  # fmt: skip
+        policy = MegatronPolicyTrainer(
+            build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=micro), compute_dtype="float32"
+        )
         old = policy.old_logprobs(batch, ReplayMode.DISABLED)
         results[micro] = policy.update(batch, old, mini_batches=1, clip_low=0.2, clip_high=0.28)
     for stats in results.values():

@@ -23,8 +23,9 @@ def test_megatron_checkpoint_is_staged_at_save_and_resumes_exactly(tmp_path: Pat
     build_tiny_moe("qwen3_moe").save_pretrained(model_dir)
 
     def fresh() -> MegatronPolicyTrainer:
-        return MegatronPolicyTrainer(build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2),
-                                     compute_dtype="float32")  # fmt: skip
+        return MegatronPolicyTrainer(
+            build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2), compute_dtype="float32"
+        )
 
     first = fresh()
     first.sft_step(PROMPTS, ANSWERS)

@@ -55,14 +55,20 @@ def one_process(model_dir: Path, micro_batch_size: int | None = MICRO_BATCH) -> 
     return MegatronPolicyTrainer(trainer, compute_dtype="float32")
 
 
-def two_stages(model_dir: Path, stages: int = 2, spec: MegatronSpec | None = None, ranks: int | None = None,
-               micro_batch_size: int | None = MICRO_BATCH) -> Any:  # fmt: skip
+def two_stages(
+    model_dir: Path,
+    stages: int = 2,
+    spec: MegatronSpec | None = None,
+    ranks: int | None = None,
+    micro_batch_size: int | None = MICRO_BATCH,
+) -> Any:
     from r3operator.trainer.distributed import DistributedTrainer
     from r3operator.trainer.megatron.ranks import MegatronOptions
 
     spec = spec or MegatronSpec(pipeline_parallel_size=stages, recompute=True)
-    options = MegatronOptions(spec, learning_rate=LR, seed=0, compute_dtype="float32",
-                              micro_batch_size=micro_batch_size)  # fmt: skip
+    options = MegatronOptions(
+        spec, learning_rate=LR, seed=0, compute_dtype="float32", micro_batch_size=micro_batch_size
+    )
     return DistributedTrainer(model_dir, world_size=ranks or stages, device="cpu", options=options)
 
 
@@ -77,8 +83,7 @@ def test_two_pipeline_stages_train_like_one_process_under_r3_then_r2(
         # stage) streams a weight sync that holds the last stage's layers too.
         _, two = assert_r3_step_matches(single, ranks, r3_batch(layers=LAYERS), mini_batches=2)
         assert two.used_ids.shape[2] == LAYERS
-        torch.testing.assert_close(ranks.canary_logits(PROMPTS[0]), single.canary_logits(PROMPTS[0]),
-                                   atol=1e-5, rtol=0)  # fmt: skip
+        torch.testing.assert_close(ranks.canary_logits(PROMPTS[0]), single.canary_logits(PROMPTS[0]), atol=1e-5, rtol=0)
         assert ranks.sft_step(PROMPTS, ANSWERS) == pytest.approx(single.sft_step(PROMPTS, ANSWERS), rel=1e-5)
 
         # R2 on both stages' layers.
@@ -116,11 +121,13 @@ def test_three_stages_with_a_router_less_first_stage_replay_and_train_like_one_p
 
 @pytest.mark.parametrize(
     ("spec", "micro_batch_size", "replicas"),
-    [(MegatronSpec(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), MICRO_BATCH, 1),
-     # EP across 2 replicas per stage: one micro-batch per share (build_megatron_trainer refuses more).
-     (MegatronSpec(pipeline_parallel_size=2, expert_parallel_size=2), None, 2)],
+    [
+        (MegatronSpec(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), MICRO_BATCH, 1),
+        # EP across 2 replicas per stage: one micro-batch per share (build_megatron_trainer refuses more).
+        (MegatronSpec(pipeline_parallel_size=2, expert_parallel_size=2), None, 2),
+    ],
     ids=["pp2-tp2-sp", "pp2-ep2-dp2"],
-)  # fmt: skip
+)
 def test_two_stages_with_tensor_or_expert_parallelism_over_four_ranks(
     four_layer_moe_dir: Path, ray_started: None, spec: MegatronSpec, micro_batch_size: int | None, replicas: int
 ) -> None:

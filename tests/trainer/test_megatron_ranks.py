@@ -30,8 +30,9 @@ def one_process(model_dir: Path) -> Any:
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
 
-    return MegatronPolicyTrainer(build_megatron_trainer(None, model_dir, "cpu", learning_rate=LR),
-                                 compute_dtype="float32")  # fmt: skip
+    return MegatronPolicyTrainer(
+        build_megatron_trainer(None, model_dir, "cpu", learning_rate=LR), compute_dtype="float32"
+    )
 
 
 def two_ranks(model_dir: Path, spec: MegatronSpec) -> Any:
@@ -45,8 +46,11 @@ def two_ranks(model_dir: Path, spec: MegatronSpec) -> Any:
 def synced(trainer: Any) -> dict[str, Any]:
     from r3operator.wire.weights import unpack_chunk
 
-    return {name: t.clone() for chunk in trainer.weight_chunks(chunk_size_mb=1, dtype=None)
-            for name, t in unpack_chunk(chunk.buffer, chunk.entries)}  # fmt: skip
+    return {
+        name: t.clone()
+        for chunk in trainer.weight_chunks(chunk_size_mb=1, dtype=None)
+        for name, t in unpack_chunk(chunk.buffer, chunk.entries)
+    }
 
 
 def largest_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
@@ -110,10 +114,12 @@ def assert_trains_like_one_process(model_dir: Path, spec: MegatronSpec, *, mini_
 
 @pytest.mark.parametrize(
     "spec",
-    [MegatronSpec(tensor_parallel_size=2, sequence_parallel=True),
-     MegatronSpec(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)],
+    [
+        MegatronSpec(tensor_parallel_size=2, sequence_parallel=True),
+        MegatronSpec(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2),
+    ],
     ids=["tp2-sp", "tp2-sp-ep2"],
-)  # fmt: skip
+)
 def test_tensor_parallel_over_two_ranks_trains_like_one_process_under_r3_then_r2(
     tiny_moe_dir: Path, ray_started: None, spec: MegatronSpec
 ) -> None:

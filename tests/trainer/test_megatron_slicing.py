@@ -172,15 +172,31 @@ def _worker(rank: int, port: int, queue: object) -> None:
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     hf = SimpleNamespace(
-        model_type="qwen3_moe", num_hidden_layers=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, intermediate_size=48, moe_intermediate_size=16, num_experts=16, num_experts_per_tok=3,
-        norm_topk_prob=True, rms_norm_eps=1e-6, mlp_only_layers=[0], decoder_sparse_step=1,
-    )  # fmt: skip
+        model_type="qwen3_moe",
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=16,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+    )
     cfg = transformer_config(hf, ParallelSizes(pp=2), dtype=torch.float32, device="cpu")
     RouterReplay.clear_global_router_replay_instances()
-    stage = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, False, "RMSNorm"),
-                     vocab_size=64, max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())  # fmt: skip
+    stage = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_decoder_block_spec(cfg, False, "RMSNorm"),
+        vocab_size=64,
+        max_sequence_length=64,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     adopt_layer_numbers(stage)
     layers = instance_layers(RouterReplay.global_router_replay_instances)
     out["pp_layers"] = layers

@@ -17,15 +17,21 @@ def test_sizes_that_fit_the_ranks_pass() -> None:
 
 
 def test_model_parallel_sizes_must_divide_the_ranks() -> None:
-    with pytest.raises(ValueError, match=r"tensorParallelSize × pipelineParallelSize × contextParallelSize = "
-                                         r"2 × 1 × 1 = 2 does not divide the trainer's 3 ranks \(trainer\.nodes × "
-                                         r"trainer\.gpusPerNode"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"tensorParallelSize × pipelineParallelSize × contextParallelSize = "
+        r"2 × 1 × 1 = 2 does not divide the trainer's 3 ranks \(trainer\.nodes × "
+        r"trainer\.gpusPerNode",
+    ):
         check_world(ParallelSizes(tp=2, sequence_parallel=True), 3)
 
 
 def test_expert_sizes_must_divide_the_ranks_and_the_experts() -> None:
-    with pytest.raises(ValueError, match=r"expertParallelSize × expertTensorParallelSize × pipelineParallelSize = "
-                                         r"4 × 1 × 1 = 4 does not divide the trainer's 2 ranks"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"expertParallelSize × expertTensorParallelSize × pipelineParallelSize = "
+        r"4 × 1 × 1 = 4 does not divide the trainer's 2 ranks",
+    ):
         check_world(ParallelSizes(ep=4), 2)
     with pytest.raises(ValueError, match=r"expertParallelSize 3 does not divide the model's 8 experts"):
         check_world(ParallelSizes(ep=3), 3, num_experts=8)

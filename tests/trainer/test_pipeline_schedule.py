@@ -38,8 +38,13 @@ def _worker(rank: int, port: int, queue: object) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
-    stage = Stage(index=rank, size=STAGES, prev_rank=rank - 1 if rank else None,
-                  next_rank=rank + 1 if rank < STAGES - 1 else None, last_rank=STAGES - 1)  # fmt: skip
+    stage = Stage(
+        index=rank,
+        size=STAGES,
+        prev_rank=rank - 1 if rank else None,
+        next_rank=rank + 1 if rank < STAGES - 1 else None,
+        last_rank=STAGES - 1,
+    )
     link = StageLink(stage, "cpu", torch.float32)
     part, inputs = _network()[rank], _inputs()
     events: list[str] = []
@@ -62,8 +67,14 @@ def _worker(rank: int, port: int, queue: object) -> None:
         run_forward_only(MICRO_BATCHES, link, forward, lambda i: tuple(inputs[i].shape))
     dist.destroy_process_group()
     # Plain lists: a tensor sent through the queue is shared memory the exiting child takes with it.
-    queue.put((rank, events[: 2 * MICRO_BATCHES], [g.tolist() for g in grads],  # type: ignore[attr-defined]
-               [o.tolist() for o in outputs]))  # fmt: skip
+    queue.put(
+        (
+            rank,
+            events[: 2 * MICRO_BATCHES],
+            [g.tolist() for g in grads],  # type: ignore[attr-defined]
+            [o.tolist() for o in outputs],
+        )
+    )
 
 
 def test_one_f_one_b_order_and_gradients_on_three_stages() -> None:

@@ -243,9 +243,16 @@ def test_reference_model_replay_is_a_second_install() -> None:
 def test_unsupported_router_family_points_to_megatron() -> None:
     import transformers as tf
 
-    cfg = tf.GraniteMoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
-                              num_experts_per_tok=2)  # fmt: skip
+    cfg = tf.GraniteMoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     model = tf.GraniteMoeForCausalLM(cfg)
     with pytest.raises(UnsupportedRouterError, match=r"GraniteMoeTopKRouter.*Megatron"):
         RouterReplay().install(model)

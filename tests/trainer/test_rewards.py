@@ -26,8 +26,13 @@ from r3operator.wire.retry import Backoff
 
 
 def _input(completion: str, answer: str, n: int = 0, **metadata: Any) -> RewardInput:
-    return RewardInput(sample_id=f"p0-c{n}", prompt="what is 3 plus 4 ?", completion=completion, answer=answer,
-                       metadata={"id": "row-0", **metadata})  # fmt: skip
+    return RewardInput(
+        sample_id=f"p0-c{n}",
+        prompt="what is 3 plus 4 ?",
+        completion=completion,
+        answer=answer,
+        metadata={"id": "row-0", **metadata},
+    )
 
 
 def test_exact_match_collapses_whitespace_only() -> None:
@@ -61,8 +66,9 @@ def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_function_reward_gets_prompt_completion_answer_metadata(reward_module: str) -> None:
-    reward = build_reward(TaskSpec(name="dataset", dataset_path="/d.jsonl", reward="function",
-                                   reward_function=f"{reward_module}:judge"))  # fmt: skip
+    reward = build_reward(
+        TaskSpec(name="dataset", dataset_path="/d.jsonl", reward="function", reward_function=f"{reward_module}:judge")
+    )
     assert reward.score([_input("7", "7"), _input("8", "7")]) == [1.0, 0.5]
 
 
@@ -143,8 +149,13 @@ def test_http_reward_posts_the_batch_and_reads_scores(reward_server: Callable[[H
     inputs = [_input("7", "7", 0), _input("8", "7", 1, level=3), _input("7", "7", 2)]
     assert reward.score(inputs) == [1.0, 0.0, 1.0]
     assert [len(b["samples"]) for b in seen] == [2, 1]  # batches of batch_size, in order
-    assert seen[0]["samples"][1] == {"id": "p0-c1", "prompt": "what is 3 plus 4 ?", "completion": "8",
-                                     "answer": "7", "metadata": {"id": "row-0", "level": 3}}  # fmt: skip
+    assert seen[0]["samples"][1] == {
+        "id": "p0-c1",
+        "prompt": "what is 3 plus 4 ?",
+        "completion": "8",
+        "answer": "7",
+        "metadata": {"id": "row-0", "level": 3},
+    }
 
 
 def test_http_reward_retries_a_transient_failure(reward_server: Callable[[Handler], str]) -> None:
@@ -209,14 +220,22 @@ def test_http_reward_endpoint_that_is_down_fails_naming_it() -> None:
         ({"scores": [None]}, r"\(score 0\) returned None"),
     ],
 )
-def test_http_reward_refuses_a_malformed_answer(reward_server: Callable[[Handler], str], payload: Any,
-                                                message: str) -> None:  # fmt: skip
+def test_http_reward_refuses_a_malformed_answer(
+    reward_server: Callable[[Handler], str], payload: Any, message: str
+) -> None:
     url = reward_server(lambda handler, body: _answer(handler, 200, payload))
     with pytest.raises(RewardError, match=message):
         HTTPReward(url, timeout_s=5, backoff=_backoff([])).score([_input("7", "7")])
 
 
 def test_build_reward_takes_the_endpoint_and_timeout_from_the_spec() -> None:
-    reward = build_reward(TaskSpec(name="dataset", dataset_path="/d.jsonl", reward="http",
-                                   reward_url="http://reward.rl.svc/score", reward_timeout_seconds=7))  # fmt: skip
+    reward = build_reward(
+        TaskSpec(
+            name="dataset",
+            dataset_path="/d.jsonl",
+            reward="http",
+            reward_url="http://reward.rl.svc/score",
+            reward_timeout_seconds=7,
+        )
+    )
     assert isinstance(reward, HTTPReward) and (reward.url, reward.timeout_s) == ("http://reward.rl.svc/score", 7)

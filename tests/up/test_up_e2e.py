@@ -89,9 +89,11 @@ def test_up_runs_the_rendered_topology_and_survives_an_engine_kill(tmp_path: Pat
     # The kill lands between steps (a stale engine, re-synced), inside a weight sync (aborted and repeated in
     # full once the engine is back), or just before a sync (its first engine call retries until the engine is
     # back, then the whole sync goes to it): each way the next canary passed on the restarted engine (rows above).
-    assert ("re-syncing the current weights and checking the canary" in trainer_log
-            or "aborted without finalising; repeating it in full" in trainer_log
-            or "/collective_rpc failed (try 1/" in trainer_log), trainer_log[-3000:]  # fmt: skip
+    assert (
+        "re-syncing the current weights and checking the canary" in trainer_log
+        or "aborted without finalising; repeating it in full" in trainer_log
+        or "/collective_rpc failed (try 1/" in trainer_log
+    ), trainer_log[-3000:]
     said = up_output(tmp_path)
     assert "engine-0 exited with code -9; restarting it" in said and "engine-0 healthy again" in said
     # The driver's report times the driver alone: the engine was serving before it started.

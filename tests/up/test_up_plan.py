@@ -41,8 +41,9 @@ def _write(tmp_path: Path, doc: dict[str, Any]) -> Path:
 
 
 def _dry_run(tmp_path: Path, job: Path, *options: str) -> dict[str, Any]:
-    result = CliRunner().invoke(app, ["up", str(job), "--dry-run", "-o", "json", "--out-dir", str(tmp_path / "runs"),
-                                      *options])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["up", str(job), "--dry-run", "-o", "json", "--out-dir", str(tmp_path / "runs"), *options]
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -84,8 +85,11 @@ def test_processes_run_the_rendered_containers_modulo_the_documented_substitutio
     assert engine["env"]["HOSTNAME"] == "tiny-count-r3-engine-0" and "CUDA_VISIBLE_DEVICES" not in engine["env"]
     assert engine["env"]["PATH"].split(":")[0].endswith("/bin")
 
-    assert trainer["argv"] == shlex.split(trainer_c["entrypoint"]) == ["r3operator", "run", "--config",
-                                                                        f"{CONFIG}/config.json"]  # fmt: skip
+    assert (
+        trainer["argv"]
+        == shlex.split(trainer_c["entrypoint"])
+        == ["r3operator", "run", "--config", f"{CONFIG}/config.json"]
+    )
     added = {k: v for k, v in trainer["env"].items() if k not in _env(trainer_c)}
     assert {k: v for k, v in trainer["env"].items() if k in _env(trainer_c)} == _env(trainer_c)
     # The example's engine runs --dtype float32: the driver is told, for the canary's tolerance.
@@ -123,16 +127,20 @@ def test_leader_worker_set_groups_run_as_leaders_and_headless_workers(tmp_path: 
     doc = _doc(**{"inference.replicas": 2, "inference.dataParallelSize": 2, "inference.dataParallelSizeLocal": 1})
     lws = next(c for c in desired(parse_rljob(doc)) if c["kind"] == "LeaderWorkerSet")
     template = lws["spec"]["leaderWorkerTemplate"]
-    rendered = {"leader": template["leaderTemplate"]["spec"]["containers"][0],
-                "worker": template["workerTemplate"]["spec"]["containers"][0]}  # fmt: skip
+    rendered = {
+        "leader": template["leaderTemplate"]["spec"]["containers"][0],
+        "worker": template["workerTemplate"]["spec"]["containers"][0],
+    }
     plan = _dry_run(tmp_path, _write(tmp_path, doc), "--gpus", "0,1,2,3,4", "--port-offset", "7")
     *engines, trainer = plan["processes"]
     routing_host = plan["hostDirs"][ROUTING]
     name = lws["metadata"]["name"]
     assert [(e["name"], e["pod"], e["group"]) for e in engines] == [
-        ("engine-0", f"{name}-0", f"{name}-0"), ("engine-0-1", f"{name}-0-1", f"{name}-0"),
-        ("engine-1", f"{name}-1", f"{name}-1"), ("engine-1-1", f"{name}-1-1", f"{name}-1"),
-    ]  # fmt: skip
+        ("engine-0", f"{name}-0", f"{name}-0"),
+        ("engine-0-1", f"{name}-0-1", f"{name}-0"),
+        ("engine-1", f"{name}-1", f"{name}-1"),
+        ("engine-1-1", f"{name}-1-1", f"{name}-1"),
+    ]
     assert [e["port"] for e in engines] == [8007, None, 8008, None]  # a --headless worker serves no HTTP
     assert [e["gpus"] for e in [*engines, trainer]] == [["0"], ["1"], ["2"], ["3"], ["4"]]
     for engine, group, role in zip(engines, [0, 0, 1, 1], ["leader", "worker"] * 2, strict=True):

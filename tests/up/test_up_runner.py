@@ -64,15 +64,31 @@ def _plan(tmp_path: Path, trainer_script: str, *, exit_code: int = 0, engine_scr
     port = _free_port()
     env = {"GRANDCHILD_FILE": str(tmp_path / "grandchildren")}
     engine = ProcessSpec(
-        name="engine-0", role="engine", pod="job-engine-0", container="vllm",
-        argv=[sys.executable, "-c", engine_script, str(port)], env=env, rendered_argv=[], rendered_env={},
-        gpus=[], port=port, startup_budget_s=60, grace_s=5,
-    )  # fmt: skip
+        name="engine-0",
+        role="engine",
+        pod="job-engine-0",
+        container="vllm",
+        argv=[sys.executable, "-c", engine_script, str(port)],
+        env=env,
+        rendered_argv=[],
+        rendered_env={},
+        gpus=[],
+        port=port,
+        startup_budget_s=60,
+        grace_s=5,
+    )
     trainer = ProcessSpec(
-        name="trainer", role="trainer", pod="job-trainer-head", container="ray-head",
+        name="trainer",
+        role="trainer",
+        pod="job-trainer-head",
+        container="ray-head",
         argv=[sys.executable, "-c", trainer_script, str(tmp_path), f"http://127.0.0.1:{port}/health"],
-        env={"TRAINER_EXIT": str(exit_code)}, rendered_argv=[], rendered_env={}, gpus=[], grace_s=5,
-    )  # fmt: skip
+        env={"TRAINER_EXIT": str(exit_code)},
+        rendered_argv=[],
+        rendered_env={},
+        gpus=[],
+        grace_s=5,
+    )
     return UpPlan(job="job", run_dir=tmp_path, config_files={}, host_dirs={}, engines=[engine], trainer=trainer)
 
 
@@ -168,8 +184,9 @@ def test_a_dead_group_member_restarts_its_whole_leader_worker_group(tmp_path: Pa
 
 def test_engines_outside_a_group_restart_alone(tmp_path: Path) -> None:
     plan = _plan(tmp_path, TRAINER_KILLS_WORKER)
-    worker = replace(plan.engines[0], name="engine-1", pod="job-engine-1", argv=[sys.executable, "-c", WORKER],
-                     port=None)  # fmt: skip
+    worker = replace(
+        plan.engines[0], name="engine-1", pod="job-engine-1", argv=[sys.executable, "-c", WORKER], port=None
+    )
     code, *_ = _run(replace(plan, engines=[plan.engines[0], worker]))
     assert code == 0
     manifest = json.loads((tmp_path / "up.json").read_text())

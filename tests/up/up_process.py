@@ -54,16 +54,34 @@ def up_output(tmp_path: Path) -> str:
 
 
 @contextmanager
-def up_process(tmp_path: Path, job: Path, *, steps: int, port_offset: int,
-               env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+def up_process(
+    tmp_path: Path, job: Path, *, steps: int, port_offset: int, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`r3operator up JOB` on CPU into ``tmp_path/runs``, its output in ``tmp_path/up.out``; stopped with
     SIGTERM (its whole session) if it still runs when the block ends."""
     with (tmp_path / "up.out").open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "r3operator", "up", str(job), "--out-dir", str(tmp_path / "runs"),
-             "--steps", str(steps), "--port-offset", str(port_offset), "--gpus", "none"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "r3operator",
+                "up",
+                str(job),
+                "--out-dir",
+                str(tmp_path / "runs"),
+                "--steps",
+                str(steps),
+                "--port-offset",
+                str(port_offset),
+                "--gpus",
+                "none",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             yield up
         finally:

@@ -42,8 +42,9 @@ def local_gpus(spec: str | None) -> list[str]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
-    result = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, check=False
+    )
     return [line.strip() for line in result.stdout.splitlines() if line.strip()] if result.returncode == 0 else []
 
 
@@ -107,10 +108,16 @@ def up(
         raise typer.Exit(1)
     try:
         plan = plan_up(
-            job, run_dir=out_dir / job.metadata.name, gpus=local_gpus(gpus), bin_dir=Path(sys.prefix) / "bin",
-            host_path=process_environment().get("PATH", ""), vllm_entry_point=vllm_cli.needed(),
-            port_offset=port_offset, steps=steps, volumes=_parse_volumes(volume or []),
-        )  # fmt: skip
+            job,
+            run_dir=out_dir / job.metadata.name,
+            gpus=local_gpus(gpus),
+            bin_dir=Path(sys.prefix) / "bin",
+            host_path=process_environment().get("PATH", ""),
+            vllm_entry_point=vllm_cli.needed(),
+            port_offset=port_offset,
+            steps=steps,
+            volumes=_parse_volumes(volume or []),
+        )
     except (UpError, ValueError) as exc:
         output.err.print(f"error: {exc}", markup=False)
         raise typer.Exit(2) from None
@@ -133,8 +140,10 @@ def _print_plan(plan: object) -> None:
         _say(f"  volume {mount} -> {host}")
     for proc in [*plan.engines, plan.trainer]:
         added = {k: v for k, v in proc.env.items() if proc.rendered_env.get(k) != v}
-        _say(f"\n{proc.name} (pod {proc.pod}, container {proc.container}) GPUs {','.join(proc.gpus) or '-'}"
-             + (f" port {proc.port}" if proc.port else ""))  # fmt: skip
+        _say(
+            f"\n{proc.name} (pod {proc.pod}, container {proc.container}) GPUs {','.join(proc.gpus) or '-'}"
+            + (f" port {proc.port}" if proc.port else "")
+        )
         _say("  argv: " + " ".join(proc.argv))
         for key, value in sorted(proc.rendered_env.items()):
             _say(f"  env {key}={value}")
@@ -175,8 +184,10 @@ def _run(plan: object, *, max_restarts: int) -> int:
 
             hf_logging.disable_progress_bar()  # one line per event here; the bar is the model's shard writes
 
-            _say(f"  reference model {plan.reference_model}: generating onto the routing volume (the driver's "
-                 f"job in a pod; done first here so that the engines find it)")  # fmt: skip
+            _say(
+                f"  reference model {plan.reference_model}: generating onto the routing volume (the driver's "
+                f"job in a pod; done first here so that the engines find it)"
+            )
             path = place_reference_model(plan.reference_model, plan.routing_dir / REFERENCE_MODELS_SUBDIR)
             _say(f"  reference model at {path}")
         _say(f"  starting {len(plan.engines)} engine(s); waiting for /health")
@@ -185,8 +196,10 @@ def _run(plan: object, *, max_restarts: int) -> int:
         code = exit_status(runner.run_trainer())
         verdict = "finished" if code == 0 else f"failed (exit code {code})"
         # The trainer's report times the driver alone: the engines were serving before it started.
-        _say(f"r3operator up {plan.job}: trainer {verdict} after {time.monotonic() - begin:.0f} s in all "
-             f"(engines healthy after {engines_up:.0f} s of it); logs in {runner.log_dir}")  # fmt: skip
+        _say(
+            f"r3operator up {plan.job}: trainer {verdict} after {time.monotonic() - begin:.0f} s in all "
+            f"(engines healthy after {engines_up:.0f} s of it); logs in {runner.log_dir}"
+        )
     except UpFailed as exc:
         output.err.print(f"error: {exc}", markup=False)
         code = 1

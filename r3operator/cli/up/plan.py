@@ -153,8 +153,10 @@ def _engine_pods(children: list[dict[str, Any]]) -> list[_EnginePod]:
         pod_spec = statefulset["spec"]["template"]["spec"]
         (container,) = pod_spec["containers"]
         name = statefulset["metadata"]["name"]
-        return [_EnginePod(f"{name}-{i}", f"engine-{i}", i, pod_spec, container)
-                for i in range(int(statefulset["spec"]["replicas"]))]  # fmt: skip
+        return [
+            _EnginePod(f"{name}-{i}", f"engine-{i}", i, pod_spec, container)
+            for i in range(int(statefulset["spec"]["replicas"]))
+        ]
     (group_set,) = lws
     name = group_set["metadata"]["name"]
     size = int(group_set["spec"]["leaderWorkerTemplate"]["size"])
@@ -166,9 +168,18 @@ def _engine_pods(children: list[dict[str, Any]]) -> list[_EnginePod]:
             (container,) = template["spec"]["containers"]
             pod = f"{name}-{group}" if index == 0 else f"{name}-{group}-{index}"
             lws_env = {LEADER_ADDRESS_ENV: "127.0.0.1", GROUP_SIZE_ENV: str(size), WORKER_INDEX_ENV: str(index)}
-            pods.append(_EnginePod(pod, f"engine-{group}" if index == 0 else f"engine-{group}-{index}", group,
-                                   template["spec"], container, serves_api=index == 0, group=f"{name}-{group}",
-                                   lws_env=lws_env))  # fmt: skip
+            pods.append(
+                _EnginePod(
+                    pod,
+                    f"engine-{group}" if index == 0 else f"engine-{group}-{index}",
+                    group,
+                    template["spec"],
+                    container,
+                    serves_api=index == 0,
+                    group=f"{name}-{group}",
+                    lws_env=lws_env,
+                )
+            )
     return pods
 
 
@@ -188,8 +199,9 @@ def _env(container: dict[str, Any], pod: str) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in container.get("env", []):
         if "value" not in item:
-            raise UpError(f"pod {pod}: env {item['name']} comes from {sorted(set(item) - {'name'})}; up sets only "
-                          f"literal values")  # fmt: skip
+            raise UpError(
+                f"pod {pod}: env {item['name']} comes from {sorted(set(item) - {'name'})}; up sets only literal values"
+            )
         env[item["name"]] = str(item["value"])
     return env
 
@@ -203,8 +215,13 @@ class _Volumes:
     directory, claims a directory per claim (shared by every pod, as an RWX claim is), Memory emptyDirs at
     /dev/shm the host's own; ``overrides`` (``--volume MOUNT_PATH=DIR``) win."""
 
-    def __init__(self, run_dir: Path, overrides: dict[str, Path], config_maps: dict[str, dict[str, str]],
-                 filled_by_jobs: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        overrides: dict[str, Path],
+        config_maps: dict[str, dict[str, str]],
+        filled_by_jobs: dict[str, str] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.overrides = {k.rstrip("/"): v for k, v in overrides.items()}
         self.config_maps = config_maps
@@ -226,9 +243,11 @@ class _Volumes:
         if "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
             if claim in self.filled_by_jobs:
-                raise UpError(f"pod {pod}: volume {mount['name']!r} at {path} is claim {claim}, filled by Job "
-                              f"{self.filled_by_jobs[claim]} (up runs no Jobs); fetch it with `r3operator fetch "
-                              f"URI DIR` and give --volume {path}=DIR")  # fmt: skip
+                raise UpError(
+                    f"pod {pod}: volume {mount['name']!r} at {path} is claim {claim}, filled by Job "
+                    f"{self.filled_by_jobs[claim]} (up runs no Jobs); fetch it with `r3operator fetch "
+                    f"URI DIR` and give --volume {path}=DIR"
+                )
             return str(self.run_dir / "volumes" / claim)
         empty = volume.get("emptyDir")
         if empty is not None and path == "/dev/shm":
@@ -236,8 +255,10 @@ class _Volumes:
         if empty is not None and not pod_spec.get("initContainers"):
             return str(self.run_dir / "volumes" / f"{pod}-{mount['name']}")
         filled_by = [c["name"] for c in pod_spec.get("initContainers", [])]
-        raise UpError(f"pod {pod}: volume {mount['name']!r} at {path} is filled by init container(s) {filled_by} "
-                      f"(up runs no init containers); give --volume {path}=DIR with its content there")  # fmt: skip
+        raise UpError(
+            f"pod {pod}: volume {mount['name']!r} at {path} is filled by init container(s) {filled_by} "
+            f"(up runs no init containers); give --volume {path}=DIR with its content there"
+        )
 
     def mount_table(self, pod: str, pod_spec: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         return {m["mountPath"].rstrip("/"): self.host_dir(pod, pod_spec, m) for m in container.get("volumeMounts", [])}
@@ -250,8 +271,9 @@ def _remap_path(arg: str, table: dict[str, str]) -> str:
     return arg
 
 
-def _substitute_argv(argv: list[str], *, port: int, local_port: int, table: dict[str, str],
-                     rpc_shift: int | None = None) -> list[str]:  # fmt: skip
+def _substitute_argv(
+    argv: list[str], *, port: int, local_port: int, table: dict[str, str], rpc_shift: int | None = None
+) -> list[str]:
     """``rpc_shift``: a LeaderWorkerSet pod's ``--data-parallel-rpc-port`` is moved by this much (its group's
     own port on this host)."""
     out = [_remap_path(a, table) for a in argv]
@@ -303,9 +325,11 @@ def plan_up(
     run_dir = run_dir.absolute()
     filled_by_jobs = {
         v["persistentVolumeClaim"]["claimName"]: c["metadata"]["name"]
-        for c in children if c["kind"] == "Job"
-        for v in c["spec"]["template"]["spec"].get("volumes", []) if "persistentVolumeClaim" in v
-    }  # fmt: skip
+        for c in children
+        if c["kind"] == "Job"
+        for v in c["spec"]["template"]["spec"].get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
     vols = _Volumes(run_dir, volumes or {}, {config_map["metadata"]["name"]: config_map["data"]}, filled_by_jobs)
     bins = [str(run_dir / "bin")] if vllm_entry_point else []
     path_env = ":".join([*bins, str(bin_dir), *([host_path] if host_path else [])])
@@ -314,8 +338,10 @@ def plan_up(
     cluster = ray_job["spec"]["rayClusterSpec"]
     workers = sum(int(g.get("replicas", 0)) for g in cluster.get("workerGroupSpecs", []))
     if workers:
-        raise UpError(f"spec.trainer.nodes={job.spec.trainer.nodes}: up runs the trainer's head pod only; "
-                      f"set spec.trainer.nodes: 1")  # fmt: skip
+        raise UpError(
+            f"spec.trainer.nodes={job.spec.trainer.nodes}: up runs the trainer's head pod only; "
+            f"set spec.trainer.nodes: 1"
+        )
     head = cluster["headGroupSpec"]["template"]
     (trainer_container,) = head["spec"]["containers"]
     trainer_gpus = _gpu_count(trainer_container)
@@ -324,8 +350,10 @@ def plan_up(
     if gpus and len(gpus) < needed:
         per_pod = "/".join(sorted({str(n) for n in engine_gpus})) or "0"
         have = f"{len(gpus)} ({','.join(gpus)})"
-        raise UpError(f"the rendered pods request {needed} GPUs ({len(engine_pods)} engine pod(s) × {per_pod} + "
-                      f"trainer {trainer_gpus}); this machine has {have}; see --gpus")  # fmt: skip
+        raise UpError(
+            f"the rendered pods request {needed} GPUs ({len(engine_pods)} engine pod(s) × {per_pod} + "
+            f"trainer {trainer_gpus}); this machine has {have}; see --gpus"
+        )
     if not gpus:
         notes.append(f"no GPUs: the {needed} GPU(s) the pods request are not assigned; everything runs on CPU")
     free = list(gpus)
@@ -353,18 +381,30 @@ def plan_up(
             budget = float(probe["periodSeconds"]) * float(probe["failureThreshold"])
         local_port = container_port + port_offset + engine_pod.replica
         rpc_shift = None if engine_pod.group is None else port_offset + engine_pod.replica
-        argv = _substitute_argv(rendered_argv, port=container_port, local_port=local_port, table=table,
-                                rpc_shift=rpc_shift)  # fmt: skip
+        argv = _substitute_argv(
+            rendered_argv, port=container_port, local_port=local_port, table=table, rpc_shift=rpc_shift
+        )
         assigned = take(_gpu_count(container))
         env = {**rendered_env, **engine_pod.lws_env, "PATH": path_env, "HOSTNAME": engine_pod.pod}
         if assigned:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
-        engines.append(ProcessSpec(
-            name=engine_pod.name, role="engine", pod=engine_pod.pod, container=container["name"], argv=argv,
-            env=env, rendered_argv=rendered_argv, rendered_env=rendered_env, gpus=assigned,
-            port=local_port if engine_pod.serves_api else None, startup_budget_s=budget,
-            grace_s=_grace(engine_pod.pod_spec), group=engine_pod.group,
-        ))  # fmt: skip
+        engines.append(
+            ProcessSpec(
+                name=engine_pod.name,
+                role="engine",
+                pod=engine_pod.pod,
+                container=container["name"],
+                argv=argv,
+                env=env,
+                rendered_argv=rendered_argv,
+                rendered_env=rendered_env,
+                gpus=assigned,
+                port=local_port if engine_pod.serves_api else None,
+                startup_budget_s=budget,
+                grace_s=_grace(engine_pod.pod_spec),
+                group=engine_pod.group,
+            )
+        )
         if engine_pod.serves_api:
             local_ports[engine_pod.pod] = local_port
 
@@ -391,10 +431,17 @@ def plan_up(
     if engines and (dtype := _flag_value(engines[0].argv, "--dtype")) is not None and dtype != "auto":
         trainer_env[RuntimeSettings.env_name("engine_dtype")] = dtype
     trainer = ProcessSpec(
-        name="trainer", role="trainer", pod=trainer_pod, container=trainer_container["name"],
-        argv=list(rendered_trainer_argv), env=trainer_env, rendered_argv=rendered_trainer_argv,
-        rendered_env=rendered_trainer_env, gpus=assigned, grace_s=_grace(head["spec"]),
-    )  # fmt: skip
+        name="trainer",
+        role="trainer",
+        pod=trainer_pod,
+        container=trainer_container["name"],
+        argv=list(rendered_trainer_argv),
+        env=trainer_env,
+        rendered_argv=rendered_trainer_argv,
+        rendered_env=rendered_trainer_env,
+        gpus=assigned,
+        grace_s=_grace(head["spec"]),
+    )
     model = parse_source_uri(job.spec.model.uri, revision=job.spec.model.revision)
     reference = model.location if model.scheme == "r3operator" else None
     routing = table.get(ROUTING_MOUNT.rstrip("/"))
@@ -402,17 +449,24 @@ def plan_up(
     if CONFIG_DIR not in host_dirs:
         raise UpError(f"the trainer pod does not mount the ConfigMap at {CONFIG_DIR}")
     return UpPlan(
-        job=job.metadata.name, run_dir=run_dir, config_files=dict(vols.config_files), host_dirs=host_dirs,
-        engines=engines, trainer=trainer, reference_model=reference,
-        routing_dir=Path(routing) if routing else None, notes=notes,
+        job=job.metadata.name,
+        run_dir=run_dir,
+        config_files=dict(vols.config_files),
+        host_dirs=host_dirs,
+        engines=engines,
+        trainer=trainer,
+        reference_model=reference,
+        routing_dir=Path(routing) if routing else None,
+        notes=notes,
         vllm_entry_point=run_dir / "bin" if vllm_entry_point else None,
-    )  # fmt: skip
+    )
 
 
 def _local_url(url: str, local_ports: dict[str, int]) -> str:
     """``http://<pod>.<service>.<ns>.svc:<port>`` (the ConfigMap's engineURLs) → that pod's local port."""
     pod = (urlsplit(url).hostname or "").split(".", 1)[0]
     if pod not in local_ports:
-        raise UpError(f"ConfigMap engineURLs names {url}, which is no engine pod serving the API "
-                      f"({sorted(local_ports)})")  # fmt: skip
+        raise UpError(
+            f"ConfigMap engineURLs names {url}, which is no engine pod serving the API ({sorted(local_ports)})"
+        )
     return f"http://127.0.0.1:{local_ports[pod]}"

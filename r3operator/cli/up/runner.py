@@ -75,8 +75,9 @@ class Child:
 
 
 class Runner:
-    def __init__(self, plan: UpPlan, *, environ: dict[str, str], say: Say, echo: Callable[[bytes], None],
-                 max_restarts: int = 5) -> None:  # fmt: skip
+    def __init__(
+        self, plan: UpPlan, *, environ: dict[str, str], say: Say, echo: Callable[[bytes], None], max_restarts: int = 5
+    ) -> None:
         self.plan = plan
         self.base_env = host_environment(environ)
         self.say = say
@@ -118,14 +119,21 @@ class Runner:
     def _start(self, child: Child, *, pipe: bool = False) -> None:
         child.starts += 1
         log = child.log_path.open("ab")
-        log.write(f"==> start {child.starts} of {child.spec.name} ({child.spec.pod}) at "
-                  f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode())  # fmt: skip
+        log.write(
+            f"==> start {child.starts} of {child.spec.name} ({child.spec.pod}) at "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
+        )
         log.flush()
         child.proc = subprocess.Popen(
-            child.spec.argv, env={**self.base_env, **child.spec.env}, cwd=self.plan.run_dir,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            child.spec.argv,
+            env={**self.base_env, **child.spec.env},
+            cwd=self.plan.run_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipe else log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         if pipe:
             self._trainer_log = log
             assert child.proc.stdout is not None
@@ -155,16 +163,20 @@ class Runner:
             self._start(child)
             gpus = ",".join(child.spec.gpus) or "-"
             port = f"port {child.spec.port}" if child.spec.port is not None else f"no HTTP (group {child.spec.group})"
-            self.say(f"  started {child.spec.name} ({child.spec.pod}) pid {child.proc.pid if child.proc else '?'} "
-                     f"{port} GPUs {gpus}  log {child.log_path}")  # fmt: skip
+            self.say(
+                f"  started {child.spec.name} ({child.spec.pod}) pid {child.proc.pid if child.proc else '?'} "
+                f"{port} GPUs {gpus}  log {child.log_path}"
+            )
         waiting = list(self.engines)
         while waiting:
             for child in list(waiting):
                 assert child.proc is not None
                 code = child.proc.poll()
                 if code is not None:
-                    raise UpFailed(f"{child.spec.name} exited with code {code} before it was healthy; last lines of "
-                                   f"{child.log_path}:\n{child.tail()}")  # fmt: skip
+                    raise UpFailed(
+                        f"{child.spec.name} exited with code {code} before it was healthy; last lines of "
+                        f"{child.log_path}:\n{child.tail()}"
+                    )
                 elapsed = time.monotonic() - child.started_at
                 if self._healthy(child):
                     child.healthy = True
@@ -172,8 +184,10 @@ class Runner:
                     if child.spec.health_url is not None:
                         self.say(f"  {child.spec.name} healthy after {elapsed:.1f} s ({child.spec.health_url})")
                 elif elapsed > child.spec.startup_budget_s:
-                    raise UpFailed(f"{child.spec.name} not healthy after {elapsed:.0f} s (the rendered startupProbe's "
-                                   f"budget); last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
+                    raise UpFailed(
+                        f"{child.spec.name} not healthy after {elapsed:.0f} s (the rendered startupProbe's "
+                        f"budget); last lines of {child.log_path}:\n{child.tail()}"
+                    )
             time.sleep(0.5 if waiting else 0)
 
     def run_trainer(self) -> int:
@@ -241,8 +255,10 @@ class Runner:
         _signal_group(child, signal.SIGKILL)  # what it forked dies with it, as with a container
         restarts = child.starts - 1
         if restarts >= self.max_restarts:
-            raise UpFailed(f"{child.spec.name} exited with code {code} after {self.max_restarts} restarts; "
-                           f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
+            raise UpFailed(
+                f"{child.spec.name} exited with code {code} after {self.max_restarts} restarts; "
+                f"last lines of {child.log_path}:\n{child.tail()}"
+            )
         delay = min(RESTART_CAP_S, RESTART_BASE_S * 2**restarts)
         child.restart_at = now + delay
         child.history[-1]["exitCode"] = code

@@ -108,8 +108,9 @@ def build_engine_service(job: RLJob) -> dict[str, Any]:
     }
 
 
-def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], args: list[str] | None,
-                      serves_api: bool) -> dict[str, Any]:  # fmt: skip
+def _engine_container(
+    job: RLJob, model: ModelMount, *, command: list[str], args: list[str] | None, serves_api: bool
+) -> dict[str, Any]:
     """The vLLM container; ``serves_api`` False for a ``--headless`` DP follower, which has no HTTP to probe
     (its engine cores exit when they lose the leader, which restarts the container)."""
     inf = job.spec.inference
@@ -128,8 +129,9 @@ def _engine_container(job: RLJob, model: ModelMount, *, command: list[str], args
     }
 
 
-def engine_pod_template(job: RLJob, *, command: list[str], args: list[str] | None = None,
-                        serves_api: bool = True) -> dict[str, Any]:  # fmt: skip
+def engine_pod_template(
+    job: RLJob, *, command: list[str], args: list[str] | None = None, serves_api: bool = True
+) -> dict[str, Any]:
     """The engine pod template with the user's pod templates merged (builders/overrides.py)."""
     model = model_mount(job, image=job.spec.inference.image)
     volumes, _ = _volumes(job, model)

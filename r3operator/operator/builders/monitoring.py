@@ -39,8 +39,13 @@ def build_pod_monitor(job: RLJob) -> dict[str, Any]:
             "selector": {"matchLabels": {meta.LABEL_JOB: job.metadata.name}},
             "podMetricsEndpoints": [
                 {"port": "http", "path": "/metrics", "interval": SCRAPE_INTERVAL, "relabelings": _RLJOB_LABEL},
-                {"port": DRIVER_METRICS_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL,
-                 "honorLabels": True, "relabelings": _RLJOB_LABEL},
+                {
+                    "port": DRIVER_METRICS_PORT_NAME,
+                    "path": "/metrics",
+                    "interval": SCRAPE_INTERVAL,
+                    "honorLabels": True,
+                    "relabelings": _RLJOB_LABEL,
+                },
             ],
         },
     }

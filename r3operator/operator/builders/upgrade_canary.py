@@ -42,18 +42,39 @@ def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]
     container["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
     if target.component == "trainer":
         container["image"] = target.new_image
-        container["args"] = [*common, "--new-image", target.new_image, "--baseline", BASELINE,
-                             "--old-image", target.old_image, "--attempt", target.attempt]  # fmt: skip
+        container["args"] = [
+            *common,
+            "--new-image",
+            target.new_image,
+            "--baseline",
+            BASELINE,
+            "--old-image",
+            target.old_image,
+            "--attempt",
+            target.attempt,
+        ]
         scratch = {"name": "canary", "mountPath": BASELINE_DIR}
         container["volumeMounts"] = [*container["volumeMounts"], scratch]
-        old = {**container, "name": "score-old-trainer", "image": target.old_image,
-               "args": [*common, "--new-image", target.old_image, "--score-only", BASELINE]}  # fmt: skip
+        old = {
+            **container,
+            "name": "score-old-trainer",
+            "image": target.old_image,
+            "args": [*common, "--new-image", target.old_image, "--score-only", BASELINE],
+        }
         template["spec"]["initContainers"] = [*template["spec"].get("initContainers", []), old]
         template["spec"]["volumes"] = [*template["spec"]["volumes"], {"name": "canary", "emptyDir": {}}]
     else:
-        container["args"] = [*common, "--new-image", target.new_image, "--old",
-                             engine_replica_url(job, target.old_replica), "--old-image", target.old_image,
-                             "--attempt", target.attempt]  # fmt: skip
+        container["args"] = [
+            *common,
+            "--new-image",
+            target.new_image,
+            "--old",
+            engine_replica_url(job, target.old_replica),
+            "--old-image",
+            target.old_image,
+            "--attempt",
+            target.attempt,
+        ]
     labels = {**meta.labels(job, meta.ROLE_UPGRADE_CANARY), LABEL_ATTEMPT: target.attempt}
     template["metadata"] = {"labels": labels}
     template["spec"]["restartPolicy"] = "Never"

@@ -85,8 +85,11 @@ def build_workload(job: RLJob, *, priority: int | None) -> dict[str, Any]:
     spec: dict[str, Any] = {"queueName": job.spec.queue_name, "podSets": sets}
     priority_class = _priority_class(sets)
     if priority_class is not None and priority is not None:
-        spec |= {"priorityClassName": priority_class, "priorityClassSource": PRIORITY_CLASS_SOURCE,
-                 "priority": priority}  # fmt: skip
+        spec |= {
+            "priorityClassName": priority_class,
+            "priorityClassSource": PRIORITY_CLASS_SOURCE,
+            "priority": priority,
+        }
     hashed = {"queueName": job.spec.queue_name, "podSets": _admission_view(sets), "priority": priority}
     metadata = meta.object_meta(job, meta.ROLE_WORKLOAD, annotations={meta.ANNOTATION_SPEC_HASH: digest(hashed)})
     metadata["labels"][QUEUE_LABEL] = job.spec.queue_name

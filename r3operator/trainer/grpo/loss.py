@@ -92,8 +92,10 @@ def ppo_clip_loss(
         per_token = torch.where(dual, bound.expand_as(per_token), per_token)
     if importance_weights is not None:
         if importance_weights.shape != per_token.shape:
-            raise ValueError(f"importance_weights has shape {tuple(importance_weights.shape)}, "
-                             f"the loss's tokens {tuple(per_token.shape)}")  # fmt: skip
+            raise ValueError(
+                f"importance_weights has shape {tuple(importance_weights.shape)}, "
+                f"the loss's tokens {tuple(per_token.shape)}"
+            )
         per_token = per_token * importance_weights.detach().to(per_token.dtype)
     tokens = mask_f.sum().clamp(min=1.0)
     loss = (per_token * mask_f).sum() / tokens

@@ -67,8 +67,10 @@ class _PPOBatch(TrainBatch):
         picked = [int(i) for i in rows]
         base = TrainBatch.select(self, picked)
         idx = torch.as_tensor(picked, dtype=torch.int64, device=self.old_logprobs.device)
-        return _PPOBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
-                         old_logprobs=self.old_logprobs[idx])  # fmt: skip
+        return _PPOBatch(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(TrainBatch)},
+            old_logprobs=self.old_logprobs[idx],
+        )
 
 
 @dataclass
@@ -113,8 +115,9 @@ class MegatronPolicyTrainer(UpdateByShares):
             with self._compute():
                 out = self.mt.logprobs(batch, batch.engine_routes, ReplayMode.R3, probe=True)
                 natural = self.mt.logprobs(batch, None, ReplayMode.DISABLED, probe=True).used
-            return OldPass(out.logprobs.to(dev), natural.to(dev), out.used.to(dev), batch.engine_routes,
-                           batch.route_pad, mode)  # fmt: skip
+            return OldPass(
+                out.logprobs.to(dev), natural.to(dev), out.used.to(dev), batch.engine_routes, batch.route_pad, mode
+            )
         if mode is ReplayMode.R2:
             with self._compute():
                 out = self.mt.logprobs(batch, None, ReplayMode.R2, probe=True)
@@ -126,9 +129,18 @@ class MegatronPolicyTrainer(UpdateByShares):
         return OldPass(out.logprobs.to(dev), used, used, None, None, mode)
 
     def update_shares(
-        self, batch: TrainBatch, old_logprobs: Any, replay_ids: Any, replay_pad: Any, shares: Sequence[Share], *,
-        clip_low: float, clip_high: float, importance_cap: float | None = None, clip_ratio_c: float | None = None,
-    ) -> list[ShareStats]:  # fmt: skip
+        self,
+        batch: TrainBatch,
+        old_logprobs: Any,
+        replay_ids: Any,
+        replay_pad: Any,
+        shares: Sequence[Share],
+        *,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None = None,
+        clip_ratio_c: float | None = None,
+    ) -> list[ShareStats]:
         """One `train_step` per share (this data-parallel replica's part of one mini-batch), its loss scaled
         by the share's weight (trainer/shards.py; the DP mean happens in `megatron/grads.py`). Replay ids
         without a pad mask are R2's recorded routes (every row replays); with one, R3's engine routes."""
@@ -136,8 +148,9 @@ class MegatronPolicyTrainer(UpdateByShares):
 
         import torch
 
-        full = _PPOBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)},
-                         old_logprobs=old_logprobs)  # fmt: skip
+        full = _PPOBatch(
+            **{f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}, old_logprobs=old_logprobs
+        )
         replay_mode = ReplayMode.R2 if replay_ids is not None and replay_pad is None else None
 
         def loss_fn(lp: Any, mb: _PPOBatch) -> tuple[Any, dict[str, float]]:
@@ -145,14 +158,23 @@ class MegatronPolicyTrainer(UpdateByShares):
             old_lp = mb.old_logprobs.to(lp.device)
             weights, extra = None, {}
             if importance_cap is not None:
-                weights, iw = truncated_importance_weights(old_lp, mb.rollout_logprobs.to(lp.device), mask,
-                                                           cap=importance_cap)  # fmt: skip
-                extra = {"importance_weight_mean": iw.weight_mean,
-                         "importance_truncated_fraction": iw.truncated_fraction}  # fmt: skip
+                weights, iw = truncated_importance_weights(
+                    old_lp, mb.rollout_logprobs.to(lp.device), mask, cap=importance_cap
+                )
+                extra = {
+                    "importance_weight_mean": iw.weight_mean,
+                    "importance_truncated_fraction": iw.truncated_fraction,
+                }
             loss, stats = ppo_clip_loss(
-                lp, old_lp, mb.advantages.to(lp.device), mask,
-                clip_low=clip_low, clip_high=clip_high, importance_weights=weights, clip_ratio_c=clip_ratio_c,
-            )  # fmt: skip
+                lp,
+                old_lp,
+                mb.advantages.to(lp.device),
+                mask,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                importance_weights=weights,
+                clip_ratio_c=clip_ratio_c,
+            )
             return loss, {"clip_fraction": stats.clip_fraction, "approx_kl": stats.approx_kl, **extra}
 
         out = []
@@ -160,9 +182,15 @@ class MegatronPolicyTrainer(UpdateByShares):
             mb = full.select(share.rows)
             routes = None if replay_ids is None else replay_ids[torch.as_tensor(share.rows)]
             with self._compute():
-                r = self.mt.train_step(mb, routes, loss_fn, replay_mode=replay_mode, grad_clip=GRAD_CLIP_NORM,
-                                       loss_scale=share.weight,
-                                       row_tokens=mb.response_mask.sum(dim=1).tolist())  # fmt: skip
+                r = self.mt.train_step(
+                    mb,
+                    routes,
+                    loss_fn,
+                    replay_mode=replay_mode,
+                    grad_clip=GRAD_CLIP_NORM,
+                    loss_scale=share.weight,
+                    row_tokens=mb.response_mask.sum(dim=1).tolist(),
+                )
             tokens = 0 if share.padding else int(mb.response_mask.sum())
             iw = (r["importance_weight_mean"], r["importance_truncated_fraction"]) if importance_cap is not None else ()
             out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
@@ -172,9 +200,14 @@ class MegatronPolicyTrainer(UpdateByShares):
         return self.sft_share(prompts, answers, total_tokens=None)[0]
 
     def sft_share(
-        self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, total_tokens: int | None,
-        world: int = 1, padding: bool = False,
-    ) -> tuple[float, int]:  # fmt: skip
+        self,
+        prompts: Sequence[Sequence[int]],
+        answers: Sequence[Sequence[int]],
+        *,
+        total_tokens: int | None,
+        world: int = 1,
+        padding: bool = False,
+    ) -> tuple[float, int]:
         """This data-parallel replica's part of one SFT step, weighted like `hf_policy.PolicyTrainer.sft_share`
         (`world`: the data-parallel size)."""
         ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
@@ -186,8 +219,14 @@ class MegatronPolicyTrainer(UpdateByShares):
             return -(lp * m).sum() / m.sum().clamp(min=1), {}
 
         with self._compute():
-            stats = self.mt.train_step(_SFTBatch(ids, attn, mask), None, loss_fn, grad_clip=GRAD_CLIP_NORM,
-                                       loss_scale=weight, row_tokens=mask.sum(dim=1).tolist())  # fmt: skip
+            stats = self.mt.train_step(
+                _SFTBatch(ids, attn, mask),
+                None,
+                loss_fn,
+                grad_clip=GRAD_CLIP_NORM,
+                loss_scale=weight,
+                row_tokens=mask.sum(dim=1).tolist(),
+            )
         return float(stats["loss"]), 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
@@ -205,8 +244,9 @@ class MegatronPolicyTrainer(UpdateByShares):
             logits, _ = self.mt.forward_logits("off", ids, torch.ones_like(ids), None, None)
         return logits[0].float().cpu()
 
-    def canary_forward(self, sequence: Sequence[int], routes: Any, route_pad: Any, *,
-                       compute: bool = False) -> CanaryForward:  # fmt: skip
+    def canary_forward(
+        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+    ) -> CanaryForward:
         """The replayed forward, then a natural one under the routing probe (the HF path records the natural
         choices inside its replayed forward; Megatron's replay replaces the router's top-k)."""
         import torch
@@ -217,7 +257,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         attn = torch.ones_like(ids)
         self.mt.model.eval()
         with torch.no_grad():
-            with replay_schedule(), (self._compute() if compute else nullcontext()):
+            with replay_schedule(), self._compute() if compute else nullcontext():
                 logits, _ = self.mt.forward_logits("R3", ids, attn, routes, route_pad)
             with replay_schedule():
                 _, natural = self.mt.forward_logits("off", ids, attn, None, None, probe=True)
@@ -286,7 +326,11 @@ def build_megatron_policy_trainer(spec: Any, model_dir: Path, *, device: str) ->
 
     megatron = spec.trainer.megatron
     trainer = build_megatron_trainer(
-        megatron, model_dir, device, learning_rate=spec.algorithm.learning_rate, seed=spec.seed,
+        megatron,
+        model_dir,
+        device,
+        learning_rate=spec.algorithm.learning_rate,
+        seed=spec.seed,
         micro_batch_size=None if megatron is None else megatron.micro_batch_size,
-    )  # fmt: skip
+    )
     return MegatronPolicyTrainer(trainer)

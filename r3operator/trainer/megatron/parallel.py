@@ -130,8 +130,14 @@ def init_parallel(sizes: ParallelSizes, device: str, *, seed: int = 0) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
-def check_world(sizes: ParallelSizes, world: int, *, num_experts: int | None = None, num_layers: int | None = None,
-                tied_embeddings: bool = False) -> None:  # fmt: skip
+def check_world(
+    sizes: ParallelSizes,
+    world: int,
+    *,
+    num_experts: int | None = None,
+    num_layers: int | None = None,
+    tied_embeddings: bool = False,
+) -> None:
     """Refuse a rank count the parallel sizes do not fit, naming the fields (before any process starts; the
     model's fields once its config is read)."""
     ranks = f"the trainer's {world} ranks (trainer.nodes × trainer.gpusPerNode, or --trainer-ranks)"
@@ -148,12 +154,15 @@ def check_world(sizes: ParallelSizes, world: int, *, num_experts: int | None = N
             f"{sizes.etp} × {sizes.pp} = {expert} does not divide {ranks}"
         )
     if num_experts is not None and num_experts % sizes.ep:
-        raise ValueError(f"trainer.megatron.expertParallelSize {sizes.ep} does not divide the model's "
-                         f"{num_experts} experts")  # fmt: skip
+        raise ValueError(
+            f"trainer.megatron.expertParallelSize {sizes.ep} does not divide the model's {num_experts} experts"
+        )
     if num_layers is not None and num_layers % sizes.pp:
         # Megatron splits the decoder evenly unless told otherwise; uneven first/last stages are not exposed.
-        raise ValueError(f"trainer.megatron.pipelineParallelSize {sizes.pp} does not divide the model's "
-                         f"{num_layers} decoder layers (num_hidden_layers)")  # fmt: skip
+        raise ValueError(
+            f"trainer.megatron.pipelineParallelSize {sizes.pp} does not divide the model's "
+            f"{num_layers} decoder layers (num_hidden_layers)"
+        )
     if sizes.pp > 1 and tied_embeddings:
         # The last stage would hold a copy of the input embedding whose gradient must be summed with the
         # first stage's (megatron's embedding group); this backend does not do that reduction.
@@ -162,5 +171,7 @@ def check_world(sizes: ParallelSizes, world: int, *, num_experts: int | None = N
             "and output embeddings (tie_word_embeddings) is not supported; use pipelineParallelSize 1"
         )
     if sizes.tp > 1 and not sizes.sequence_parallel:
-        raise ValueError(f"trainer.megatron.tensorParallelSize {sizes.tp} on an MoE model needs "
-                         f"trainer.megatron.sequenceParallel: true")  # fmt: skip
+        raise ValueError(
+            f"trainer.megatron.tensorParallelSize {sizes.tp} on an MoE model needs "
+            f"trainer.megatron.sequenceParallel: true"
+        )

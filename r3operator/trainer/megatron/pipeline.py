@@ -57,11 +57,13 @@ class Stage:
         size = ps.get_pipeline_model_parallel_world_size()
         index = ps.get_pipeline_model_parallel_rank()
         return cls(
-            index=index, size=size,
+            index=index,
+            size=size,
             prev_rank=None if index == 0 else ps.get_pipeline_model_parallel_prev_rank(),
             next_rank=None if index == size - 1 else ps.get_pipeline_model_parallel_next_rank(),
-            last_rank=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group(),
-        )  # fmt: skip
+            last_rank=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
 
 
 @dataclass

@@ -34,9 +34,18 @@ class MegatronOptions:
         from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
         from r3operator.trainer.megatron.trainer import build_megatron_trainer
 
-        trainer = build_megatron_trainer(self.megatron, model_dir, device, learning_rate=self.learning_rate,
-                                         seed=self.seed, micro_batch_size=self.micro_batch_size)  # fmt: skip
-        answers = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-                   and ps.is_pipeline_last_stage())  # fmt: skip
+        trainer = build_megatron_trainer(
+            self.megatron,
+            model_dir,
+            device,
+            learning_rate=self.learning_rate,
+            seed=self.seed,
+            micro_batch_size=self.micro_batch_size,
+        )
+        answers = (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+            and ps.is_pipeline_last_stage()
+        )
         role = RankRole(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(), answers=answers)
         return MegatronPolicyTrainer(trainer, compute_dtype=self.compute_dtype), role

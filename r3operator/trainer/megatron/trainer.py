@@ -47,7 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # The routers' action in a no-grad pass of each replay mode: R2 records there (and replays in the update's).
 _NO_GRAD_ACTION: dict[ReplayMode, RouterAction] = {
-    ReplayMode.DISABLED: "off", ReplayMode.R3: "R3", ReplayMode.R2: "R2-record",
+    ReplayMode.DISABLED: "off",
+    ReplayMode.R3: "R3",
+    ReplayMode.R2: "R2-record",
 }
 LossFn = Callable[[Any, Any], tuple[Any, dict[str, float]]]  # (logprobs [b, S-1], micro-batch) -> (loss, stats)
 
@@ -70,9 +72,11 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         self.layout = ParallelLayout(
-            tp_size=sizes.tp, tp_rank=ps.get_tensor_model_parallel_rank(), sequence_parallel=sizes.sequence_parallel,
+            tp_size=sizes.tp,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            sequence_parallel=sizes.sequence_parallel,
             first_pp_stage=ps.is_pipeline_first_stage(),
-        )  # fmt: skip
+        )
         self.session = ReplaySession(self.layout, num_experts=int(hf_config.num_experts), num_layers=self.num_layers)
         self.micro_batch_size: int | None = None
         self.stage = Stage.current()
@@ -120,8 +124,16 @@ class MegatronTrainer:
         rows, n = padded
         return (n // self.sizes.tp if self.sizes.sequence_parallel else n, rows, int(self.hf_config.hidden_size))
 
-    def _forward(self, mode: RouterAction, ids: Any, attn: Any, routes: Any, route_pad: Any,
-                 received: Any = None, padded: tuple[int, int] | None = None) -> Any:  # fmt: skip
+    def _forward(
+        self,
+        mode: RouterAction,
+        ids: Any,
+        attn: Any,
+        routes: Any,
+        route_pad: Any,
+        received: Any = None,
+        padded: tuple[int, int] | None = None,
+    ) -> Any:
         """This stage's part of one right-padded micro-batch (`trainer.batch`: RoPE positions are the column
         indices, as in vLLM) with the replay state set for `mode`: logits [B, S, V] on the last stage, the
         hidden states to send on (`_activation_shape`) on the others. `received`: the previous stage's
@@ -132,8 +144,7 @@ class MegatronTrainer:
         b, s = ids.shape
         if routes is not None and route_pad is None:
             route_pad = torch.zeros(routes.shape[:2], dtype=torch.bool)
-        ids, attn, routes, route_pad = self._pad_to(*(padded or self._padded_shape(b, s)), ids, attn, routes,
-                                                    route_pad)  # fmt: skip
+        ids, attn, routes, route_pad = self._pad_to(*(padded or self._padded_shape(b, s)), ids, attn, routes, route_pad)
         if route_pad is not None:  # attention padding never has a route either
             route_pad = route_pad.bool() | ~attn.bool().to(route_pad.device)
         dev = self.device
@@ -152,8 +163,9 @@ class MegatronTrainer:
         self._last_layout = (rows, n, b, s)
         return out[:b, :s] if self.stage.last else out
 
-    def forward_logits(self, mode: RouterAction, ids: Any, attn: Any, routes: Any, route_pad: Any, *,
-                       probe: bool = False) -> tuple[Any, Any | None]:  # fmt: skip
+    def forward_logits(
+        self, mode: RouterAction, ids: Any, attn: Any, routes: Any, route_pad: Any, *, probe: bool = False
+    ) -> tuple[Any, Any | None]:
         """One micro-batch through every stage without gradients (call inside `replay_schedule()` and
         `torch.no_grad()`): logits [B, S, V] on every rank, and with `probe` the ids the dispatchers
         received ([B, S, L, K], dense layers 0)."""
@@ -215,8 +227,14 @@ class MegatronTrainer:
         size = self.micro_batch_size or b
         return [torch.arange(i, min(i + size, b)) for i in range(0, b, size)]
 
-    def logprobs(self, batch: Any, routes: Any | None = None, replay_mode: ReplayMode = ReplayMode.DISABLED, *,
-                 probe: bool = False) -> LogprobOutput:  # fmt: skip
+    def logprobs(
+        self,
+        batch: Any,
+        routes: Any | None = None,
+        replay_mode: ReplayMode = ReplayMode.DISABLED,
+        *,
+        probe: bool = False,
+    ) -> LogprobOutput:
         """No-grad [B, S-1] logprobs of a `TrainBatch`. R3: replay `routes` (engine routes [B, S, L, K]; rows
         flagged in `batch.route_pad` route naturally); R2: route naturally and RECORD (R2 never consumes
         rollout routes); off: natural routing. `probe=True` also returns the ids the dispatcher received
@@ -238,8 +256,15 @@ class MegatronTrainer:
         def forward(i: int, received: Any) -> Any:
             rows = parts[i]
             ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-            out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
+            out = self._forward(
+                mode,
+                ids,
+                attn,
+                None if routes is None else routes[rows],
+                None if pad is None else pad[rows],
+                received,
+                padded[i],
+            )
             if self.stage.last:
                 lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
                 outs.append(lp.cpu())
@@ -253,8 +278,11 @@ class MegatronTrainer:
             run_forward_only(len(parts), self.link, forward, lambda i: self._activation_shape(padded[i]))
         b, s = batch.input_ids.shape
         logprobs = self._from_last_stage(torch.cat(outs) if outs else None, (b, s - 1)).cpu()
-        return LogprobOutput(logprobs, self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
-                             self._sum_over_stages(torch.cat(used)[:, :s]) if used else None)  # fmt: skip
+        return LogprobOutput(
+            logprobs,
+            self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
+            self._sum_over_stages(torch.cat(used)[:, :s]) if used else None,
+        )
 
     def _stage_ids(self, take: Callable[[int, int], Any]) -> Any:
         """The last forward's per-router ids on this stage (`take(rows, local seq)`: probed or recorded) in the
@@ -294,9 +322,17 @@ class MegatronTrainer:
         return out
 
     # -- training -----------------------------------------------------------------------------------------
-    def train_step(self, batch: Any, routes: Any | None, loss_fn: LossFn, *, replay_mode: ReplayMode | None = None,
-                   grad_clip: float = 1.0, loss_scale: float = 1.0,
-                   row_tokens: Any | None = None) -> dict[str, float]:  # fmt: skip
+    def train_step(
+        self,
+        batch: Any,
+        routes: Any | None,
+        loss_fn: LossFn,
+        *,
+        replay_mode: ReplayMode | None = None,
+        grad_clip: float = 1.0,
+        loss_scale: float = 1.0,
+        row_tokens: Any | None = None,
+    ) -> dict[str, float]:
         """One optimizer step over `batch` (split in micro-batches; `loss_fn` gets `batch.select(rows)`).
         `routes` ([B, S, L, K]) are replayed (R3: the engine's, rows flagged in `batch.route_pad` routing
         naturally; R2: those `logprobs(..., "R2")` recorded); None routes naturally. `loss_scale`
@@ -320,8 +356,15 @@ class MegatronTrainer:
         def forward(i: int, received: Any) -> Any:
             rows = parts[i]
             ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-            out = self._forward(mode, ids, attn, None if routes is None else routes[rows],
-                                None if pad is None else pad[rows], received, padded[i])  # fmt: skip
+            out = self._forward(
+                mode,
+                ids,
+                attn,
+                None if routes is None else routes[rows],
+                None if pad is None else pad[rows],
+                received,
+                padded[i],
+            )
             if not self.stage.last:
                 return out
             lp = logprobs_from_logits(out[:, :-1], ids[:, 1:].to(out.device), temperature=temperature)
@@ -501,9 +544,12 @@ def optimizer_full_state(model: Any, tconfig: Any, optimizer: Any) -> dict[str, 
 
         out[slot] = gather_full_megatron(model, tconfig, moment)
     layer_off, expert_off = _offsets(model, tconfig)
-    steps = {local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off):
-             torch.as_tensor(float(state[p]["step"]) if p in state else 0.0)
-             for name, p in model.named_parameters()}  # fmt: skip
+    steps = {
+        local_to_global_name(name, layer_offset=layer_off, expert_offset=expert_off): torch.as_tensor(
+            float(state[p]["step"]) if p in state else 0.0
+        )
+        for name, p in model.named_parameters()
+    }
     out["step"] = merge_over_expert_and_pipeline(steps)
     out["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return out
@@ -551,20 +597,30 @@ def build_megatron_trainer(
     dtype = dtype or torch.float32
     sizes = ParallelSizes.from_spec(spec)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    check_world(sizes, _world_size(), num_experts=int(hf_config.num_experts),
-                num_layers=int(hf_config.num_hidden_layers),
-                tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))  # fmt: skip
+    check_world(
+        sizes,
+        _world_size(),
+        num_experts=int(hf_config.num_experts),
+        num_layers=int(hf_config.num_hidden_layers),
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
     tconfig = transformer_config(
-        hf_config, sizes, dtype=dtype, device=device, router_fusion=bool(getattr(spec, "router_fusion", False)),
+        hf_config,
+        sizes,
+        dtype=dtype,
+        device=device,
+        router_fusion=bool(getattr(spec, "router_fusion", False)),
         recompute=bool(getattr(spec, "recompute", False)),
-    )  # fmt: skip
+    )
     check_replay_config(tconfig)
     init_parallel(sizes, device, seed=seed)
     if micro_batch_size is not None and sizes.ep * sizes.etp > 1 and ps.get_data_parallel_world_size() > 1:
         # The expert-parallel group spans replicas whose shares have different row counts: their micro-batch
         # counts would differ, and a forward one replica runs alone would wait in the dispatcher's gather.
-        raise ValueError("micro_batch_size with trainer.megatron.expertParallelSize > 1 across data-parallel "
-                         "replicas: leave it unset (one micro-batch per share)")  # fmt: skip
+        raise ValueError(
+            "micro_batch_size with trainer.megatron.expertParallelSize > 1 across data-parallel "
+            "replicas: leave it unset (one micro-batch per share)"
+        )
     RouterReplay.clear_global_router_replay_instances()  # the instance list is process-global
     torch.manual_seed(seed)
     block_spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")

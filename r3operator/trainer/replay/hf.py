@@ -42,8 +42,9 @@ class RouterReplayError(ValueError):
 # --- score functions: (module, live logits [N, E], ids [N, K] int64) -> gate values --------------------
 
 
-def _softmax_scores(module: nn.Module, logits: torch.Tensor, idx: torch.Tensor, *, norm: bool | None,
-                    cast_back: bool) -> torch.Tensor:  # fmt: skip
+def _softmax_scores(
+    module: nn.Module, logits: torch.Tensor, idx: torch.Tensor, *, norm: bool | None, cast_back: bool
+) -> torch.Tensor:
     import torch
 
     # Qwen2/3-MoE, OLMoE, Qwen3.5: softmax(logits, dtype=float); Mixtral: softmax(logits.float()) (same).

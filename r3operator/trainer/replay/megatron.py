@@ -358,9 +358,14 @@ class ReplaySession:
         if indices is None:
             raise MegatronReplayError(f"replay mode {mode} needs routes for the micro-batch")
         plan = plan_micro_batch(
-            indices, padding_mask, self.layers, self.layout, attention_mask=attention_mask,
-            num_experts=self.num_experts, num_layers=self.num_layers,
-        )  # fmt: skip
+            indices,
+            padding_mask,
+            self.layers,
+            self.layout,
+            attention_mask=attention_mask,
+            num_experts=self.num_experts,
+            num_layers=self.num_layers,
+        )
         if len(plan.per_layer) != len(self.instances):  # set_replay_data checks too; say why here
             raise MegatronReplayError(f"{len(plan.per_layer)} replay tensors for {len(self.instances)} routers")
         RouterReplay.set_replay_data(plan.per_layer)
