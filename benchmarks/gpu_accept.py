@@ -426,6 +426,17 @@ ROWS: list[Row] = [
         judge_pytest(lambda g: 1 if g < 2 else 0),
     ),
     Row(
+        "logprobs_cuda",
+        3,
+        "tests/gpu/test_logprobs_cuda.py: the trainer's logprobs against vLLM's sampler formula on CUDA",
+        "bit-equal",
+        1,
+        60,
+        180,
+        pytest_command("tests/gpu/test_logprobs_cuda.py"),
+        judge_pytest(lambda g: 0),
+    ),
+    Row(
         "native_weight_sync_tests",
         4,
         "tests/gpu/test_native_weight_sync.py: IPC, the local run, NCCL",
