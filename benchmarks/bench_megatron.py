@@ -39,13 +39,14 @@ def _loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
 def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
     import torch
 
+    from r3operator.api.enums import ReplayMode
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.metrics import logprob_stats, routing_agreement
 
     tr = build_megatron_trainer(None, model_dir, device, dtype=dtype, learning_rate=0.0)
     routes = batch.engine_routes
-    off = tr.logprobs(batch, None, "off", probe=True)
-    on = tr.logprobs(batch, routes, "R3", probe=True)
+    off = tr.logprobs(batch, None, ReplayMode.DISABLED, probe=True)
+    on = tr.logprobs(batch, routes, ReplayMode.R3, probe=True)
     captured = ~batch.route_pad
     moe = [layer for layer in range(routes.shape[2]) if layer in tr.session.layers]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
