@@ -47,6 +47,8 @@ def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat:
     routes = batch.engine_routes
     off = tr.logprobs(batch, None, ReplayMode.DISABLED, probe=True)
     on = tr.logprobs(batch, routes, ReplayMode.R3, probe=True)
+    if off.used is None or on.used is None:
+        raise RuntimeError("the Megatron trainer's probe returned no dispatched expert ids")
     captured = ~batch.route_pad
     moe = [layer for layer in range(routes.shape[2]) if layer in tr.session.layers]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -66,7 +68,8 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     from r3operator.trainer.metrics import logprob_stats
     from r3operator.trainer.replay.hf import RouterReplay
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = hf.to(device).eval()  # type: ignore[arg-type]  # mypy reads transformers' decorated .to as taking a model
     to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask")}
     routes, pad = batch.engine_routes, batch.route_pad
     replay = RouterReplay().install(model)
