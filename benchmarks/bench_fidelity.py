@@ -31,6 +31,7 @@ from r3operator.trainer.batch import TrainBatch, build_batch
 if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.codec import RoutedExperts
     from r3operator.trainer.metrics import RoutingAgreement
+    from r3operator.trainer.replay.hf import RouterReplay
     from r3operator.wire.sample import RolloutSample
 
 DEFAULT_VARIANTS = (
@@ -74,7 +75,7 @@ class ReplayPass:
     replay_applied: RoutingAgreement  # ids the experts received under replay vs the engine (wiring check)
 
 
-def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -> ReplayPass:
+def hf_off_and_replay(model: Any, replay: RouterReplay, batch: TrainBatch, device: str) -> ReplayPass:
     """Score `batch` with `model` (RouterReplay `replay` installed) without and with its engine routes."""
     import torch
 
