@@ -26,12 +26,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
+if TYPE_CHECKING:
+    from r3operator.rollout.engines import EngineGroup
+    from r3operator.runtime.config import RunSettings
+
+Mode = Literal["sync", "async"]  # spec.algorithm.mode
+MODES: tuple[Mode, ...] = ("sync", "async")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local-async.yaml"
 
 
-def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
+def _settings(args: argparse.Namespace, *, mode: Mode, out: Path) -> RunSettings:
     from r3operator.runtime.app import build_settings
 
     settings = build_settings(
@@ -55,7 +61,7 @@ def _settings(args: argparse.Namespace, *, mode: str, out: Path) -> Any:
     return settings
 
 
-def throughput(args: argparse.Namespace, engines: Any, out: Path, mode: str) -> dict[str, Any]:
+def throughput(args: argparse.Namespace, engines: EngineGroup, out: Path, mode: Mode) -> dict[str, Any]:
     from r3operator.runtime.async_loop import AsyncGRPORun
     from r3operator.runtime.loop import GRPORun
 
@@ -101,7 +107,7 @@ def throughput(args: argparse.Namespace, engines: Any, out: Path, mode: str) -> 
     return result
 
 
-def staleness_sweep(args: argparse.Namespace, engines: Any, out: Path) -> list[dict[str, Any]]:
+def staleness_sweep(args: argparse.Namespace, engines: EngineGroup, out: Path) -> list[dict[str, Any]]:
     import numpy as np
 
     from r3operator.api.enums import ReplayMode
@@ -174,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"device": args.device, "model": args.model, "engine": engines.vllm_version()}
     try:
         if args.skip != "throughput":
-            result["throughput"] = [throughput(args, engines, args.out, mode) for mode in ("sync", "async")]
+            result["throughput"] = [throughput(args, engines, args.out, mode) for mode in MODES]
             for row in result["throughput"]:
                 print(json.dumps(row), flush=True)
         if args.skip != "staleness":

@@ -70,7 +70,7 @@ def _timed_saves(
 
 
 def measure(*, params_m: float, device: str, saves: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import async_save
 
     from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, policy_state
 
@@ -90,7 +90,7 @@ def measure(*, params_m: float, device: str, saves: int) -> dict[str, Any]:
     plain = _timed_saves(
         saves,
         device,
-        lambda d: pending.append(dcp.async_save(state, checkpoint_id=str(d))),
+        lambda d: pending.append(async_save(state, checkpoint_id=str(d))),
         lambda: None,
         lambda: pending.pop().result(),
     )

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 from r3operator.trainer.batch import TrainBatch, build_batch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from r3operator.routing.codec import RoutedExperts
     from r3operator.trainer.metrics import RoutingAgreement
+    from r3operator.trainer.replay.hf import RouterReplay
     from r3operator.wire.sample import RolloutSample
 
 DEFAULT_VARIANTS = (
@@ -73,7 +75,7 @@ class ReplayPass:
     replay_applied: RoutingAgreement  # ids the experts received under replay vs the engine (wiring check)
 
 
-def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -> ReplayPass:
+def hf_off_and_replay(model: Any, replay: RouterReplay, batch: TrainBatch, device: str) -> ReplayPass:
     """Score `batch` with `model` (RouterReplay `replay` installed) without and with its engine routes."""
     import torch
 
@@ -90,10 +92,10 @@ def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -
     used = RouterRecorder(natural=False).install(model)
     try:
         with torch.no_grad():
-            off = token_logprobs(model, **inputs).cpu()
+            off = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"]).cpu()
             natural_off = natural.stacked(layers).cpu().reshape(engine_ids.shape)
             with replay.armed(engine_ids.to(device), padding_mask=pad.to(device)):
-                on = token_logprobs(model, **inputs).cpu()
+                on = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"]).cpu()
             natural_on = natural.stacked(layers).cpu().reshape(engine_ids.shape)
             replay_used = used.stacked(layers).cpu().reshape(engine_ids.shape)
     finally:
@@ -111,7 +113,16 @@ def hf_off_and_replay(model: Any, replay: Any, batch: TrainBatch, device: str) -
 
 def fidelity_batch(samples: Sequence[RolloutSample], pad_id: int | None) -> TrainBatch:
     """The runtime's batch of `samples` with every sample's routes (advantages are irrelevant here)."""
-    return build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=pad_id or 0)
+    return build_batch(samples, [0.0] * len(samples), routes=sample_routes(samples), pad_id=pad_id or 0)
+
+
+def sample_routes(samples: Sequence[RolloutSample]) -> list[RoutedExperts]:
+    """Every sample's engine routes; a sample without them (the engine did not return routed experts) is an
+    error naming it, not a batch that fails deep in the route decoder."""
+    missing = {s.sample_id: s.routes_error for s in samples if s.routes is None}
+    if missing:
+        raise ValueError(f"samples without engine routes (sample id: why): {missing}")
+    return [s.routes for s in samples if s.routes is not None]
 
 
 def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device: str) -> dict[str, Any]:
@@ -127,7 +138,7 @@ def score_variant(model_dir: Path, samples: Sequence[Any], variant: str, device:
         dtype=torch.bfloat16 if v["dtype"] == "bf16" else torch.float32,
         attn_implementation=v["attn"],
         experts_implementation=v["experts"],
-    ).to(device)
+    ).to(device)  # type: ignore[arg-type]  # mypy reads transformers' decorated .to as taking a model
     model.eval()
     batch = fidelity_batch(samples, model.config.pad_token_id)
     replay = RouterReplay(gate_dtype=torch.float32 if v["fp32_gate"] else None).install(model)

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,9 @@ def counted_ops(run: Callable[[], Any]) -> tuple[int, float]:
 
     class Count(TorchDispatchMode):
         ops = 0
+
+        def __init__(self) -> None:  # typed: TorchDispatchMode's own __init__ carries no annotations
+            TorchDispatchMode.__init__(self)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             Count.ops += 0 if func.is_view else 1
@@ -125,8 +129,8 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
         for side, make in (
-            ("trainer", lambda r, b=bucket: _trainer(tensors, b, r)),
-            ("engine", lambda r, b=bucket: _engine(tensors, b, batch_mb << 20, r)),
+            ("trainer", partial(_trainer, tensors, bucket)),
+            ("engine", partial(_engine, tensors, bucket, batch_mb << 20)),
         ):
             ops, host = counted_ops(make(False))
             row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}

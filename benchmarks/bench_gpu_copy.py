@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for i in range(count):
         src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}")
         dst = torch.empty_like(src)
-        result["device_copy_gbps"].append(_median_gbps(lambda s=src, d=dst: d.copy_(s), nbytes, args.iters, sync_all))
+        result["device_copy_gbps"].append(_median_gbps(partial(dst.copy_, src), nbytes, args.iters, sync_all))
         del src, dst
     if count >= 2:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")

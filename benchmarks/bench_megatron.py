@@ -18,7 +18,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from r3operator.trainer.batch import TrainBatch
 
 
 def _timed(fn: Any, repeat: int, sync: Any) -> float:
@@ -36,7 +41,14 @@ def _loss(lp: Any, mb: Any) -> tuple[Any, dict[str, float]]:
     return -(lp * mask).sum() / mask.sum().clamp(min=1), {}
 
 
-def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
+def _engine_routes(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(engine routes, no-route mask) of `batch`; `fidelity_batch` gives every sample its routes."""
+    if batch.engine_routes is None or batch.route_pad is None:
+        raise ValueError("the scored batch has no engine routes (build it with bench_fidelity.fidelity_batch)")
+    return batch.engine_routes, batch.route_pad
+
+
+def score_megatron(model_dir: Path, batch: TrainBatch, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
     import torch
 
     from r3operator.api.enums import ReplayMode
@@ -44,10 +56,12 @@ def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat:
     from r3operator.trainer.metrics import logprob_stats, routing_agreement
 
     tr = build_megatron_trainer(None, model_dir, device, dtype=dtype, learning_rate=0.0)
-    routes = batch.engine_routes
+    routes, pad = _engine_routes(batch)
     off = tr.logprobs(batch, None, ReplayMode.DISABLED, probe=True)
     on = tr.logprobs(batch, routes, ReplayMode.R3, probe=True)
-    captured = ~batch.route_pad
+    if off.used is None or on.used is None:
+        raise RuntimeError("the Megatron trainer's probe returned no dispatched expert ids")
+    captured = ~pad
     moe = [layer for layer in range(routes.shape[2]) if layer in tr.session.layers]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     t_off = _timed(lambda: tr.train_step(batch, None, _loss), repeat, sync)
@@ -57,7 +71,7 @@ def score_megatron(model_dir: Path, batch: Any, device: str, dtype: Any, repeat:
     return _summary(batch, off.logprobs, on.logprobs, agree_off, applied, t_off, t_on, logprob_stats)
 
 
-def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
+def score_hf(model_dir: Path, batch: TrainBatch, device: str, dtype: Any, repeat: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -66,9 +80,10 @@ def score_hf(model_dir: Path, batch: Any, device: str, dtype: Any, repeat: int) 
     from r3operator.trainer.metrics import logprob_stats
     from r3operator.trainer.replay.hf import RouterReplay
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = hf.to(device).eval()  # type: ignore[arg-type]  # mypy reads transformers' decorated .to as taking a model
     to = {k: getattr(batch, k).to(device) for k in ("input_ids", "attention_mask")}
-    routes, pad = batch.engine_routes, batch.route_pad
+    routes, pad = _engine_routes(batch)
     replay = RouterReplay().install(model)
     p = hf_off_and_replay(model, replay, batch, device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)

@@ -35,9 +35,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from r3operator.rollout.engines import EngineGroup
+    from r3operator.rollout.partial import Trajectory
+    from r3operator.runtime.config import RunSettings
+    from r3operator.wire.sample import RolloutSample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local-async.yaml"
 
@@ -50,7 +56,7 @@ def changed_slots(before: np.ndarray, after: np.ndarray) -> np.ndarray:
     return k - same
 
 
-def _settings(args: argparse.Namespace, out: Path, lr: float) -> Any:
+def _settings(args: argparse.Namespace, out: Path, lr: float) -> RunSettings:
     from r3operator.runtime.app import build_settings
 
     settings = build_settings(
@@ -69,7 +75,7 @@ def _settings(args: argparse.Namespace, out: Path, lr: float) -> Any:
     return settings
 
 
-def measure(args: argparse.Namespace, engines: Any, lr: float) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, engines: EngineGroup, lr: float) -> list[dict[str, Any]]:
     from r3operator.rollout.producer import EngineGate, RolloutProducer
     from r3operator.routing.codec import decode
     from r3operator.runtime.async_loop import segment_tokens
@@ -154,10 +160,17 @@ def measure(args: argparse.Namespace, engines: Any, lr: float) -> list[dict[str,
     return results
 
 
-def _check_stitching(trajectory: Any, sample: Any, before: np.ndarray, after: np.ndarray, *, version: int) -> None:
+def _check_stitching(
+    trajectory: Trajectory, sample: RolloutSample, before: np.ndarray, after: np.ndarray, *, version: int
+) -> None:
     """What `Trajectory.add_segment` does with the continued request: the step-1 rows for the prefix, the
     re-prefill's rows from the boundary row on."""
     trajectory.add_segment(sample, version=version, requested=len(sample.token_ids) or 1)
+    if trajectory.routes is None:
+        raise AssertionError(
+            f"trajectory {trajectory.problem_no}/{trajectory.choice_index}: no routes after the continued "
+            f"request ({trajectory.routes_error})"
+        )
     stitched = trajectory.routes.array()
     held = len(before)
     if not (np.array_equal(stitched[:held], before) and np.array_equal(stitched[held:], after[held:])):

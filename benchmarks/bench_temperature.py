@@ -26,6 +26,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.bench_fidelity import sample_routes
     from r3operator.engine.llm import apply_engine_env, llm_kwargs
     from r3operator.models import ensure_reference_model
     from r3operator.rollout.client import InProcessLLMClient
@@ -40,7 +41,7 @@ def main() -> None:
     )
     tok = AutoTokenizer.from_pretrained(model_dir)
     samples = client.generate([tok(p).input_ids for p in PROMPTS], max_tokens=16, temperature=t, seed=11)
-    batch = build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=0, temperature=t)
+    batch = build_batch(samples, [0.0] * len(samples), routes=sample_routes(samples), pad_id=0, temperature=t)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     replay = RouterReplay().install(model)
     assert batch.engine_routes is not None

@@ -41,9 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from r3operator.rollout.base import Engine
+    from r3operator.rollout.engines import HTTPEngine
+    from r3operator.runtime.loop import GRPORun
+    from r3operator.weightsync.sync import NativeInstall
+
+    Install = Callable[[Sequence[Engine], str], dict[str, int]]  # EngineSupervisor.install
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local.yaml"
 
@@ -127,11 +135,11 @@ def _broadcast_rank(rank: int, port: int, nbytes: int, iters: int, out: str) -> 
 
 def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
     """Broadcast bandwidth GPU 0 → GPU 1 (torch.distributed NCCL, two fresh processes), GB/s."""
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "nccl.json")
-        mp.spawn(_broadcast_rank, args=(_free_port(), nbytes, iters, out), nprocs=2, join=True)
+        spawn(_broadcast_rank, args=(_free_port(), nbytes, iters, out), nprocs=2, join=True)
         result = json.loads(Path(out).read_text())
     return result["bytes"] / result["seconds"] / 1e9
 
@@ -160,32 +168,40 @@ class _FailingHalfway(Mapping[str, Any]):
             yield key
 
 
-def _greedy_tokens(run: Any) -> list[list[int]]:
+def _greedy_tokens(run: GRPORun) -> list[list[list[int]]]:
+    """Every engine's greedy tokens of every canary prompt: [engine][prompt][token]."""
     outputs = run.engines.greedy_all(run.canary_prompts, max_tokens=run.canary_tokens)
     return [[list(g.tokens) for g in per_engine] for per_engine in outputs]
 
 
-def new_policy(run: Any, sft_steps: int) -> None:
+def new_policy(run: GRPORun, sft_steps: int) -> None:
     """SFT steps, or (0) every trainer weight moved by a little noise: either way the sync moves new bytes."""
     import torch
+
+    from r3operator.trainer.hf_policy import PolicyTrainer
 
     if sft_steps:
         run.sft_warmup(sft_steps)
         return
+    if not isinstance(run.trainer, PolicyTrainer):  # the job is examples/rljob-local.yaml: FSDP, one process
+        raise TypeError(f"--sft-steps 0 moves an HF trainer's weights in place, not a {type(run.trainer).__name__}'s")
     with torch.no_grad():
         for param in run.trainer.model.parameters():
             param.add_(torch.randn_like(param), alpha=1e-3)
 
 
-def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -> dict[str, Any]:
-    """`syncs` timed syncs of a new policy each with `method`, each followed by the canary."""
+def measure(
+    run: GRPORun, method: str, *, native_install: Install, syncs: int, sft_steps: int, nbytes: int
+) -> dict[str, Any]:
+    """`syncs` timed syncs of a new policy each with `method` (`native_install`: the install setup() built
+    for the first method, a NativeInstall when that is a native one), each followed by the canary."""
     import torch
 
     cuda = run.s.device.startswith("cuda")
     if method == "packed":
         run.supervisor.install = run.supervisor._install_packed
     else:
-        run.supervisor.install = run.native_install
+        run.supervisor.install = native_install
     seconds, changed, canary_ok = [], 0, 0
     phases: dict[str, list[float]] = {}
     previous = _greedy_tokens(run)
@@ -218,7 +234,7 @@ def measure(run: Any, method: str, *, syncs: int, sft_steps: int, nbytes: int) -
     }
 
 
-def measure_one_engine(run: Any, method: str, **kwargs: Any) -> dict[str, Any]:
+def measure_one_engine(run: GRPORun, method: str, **kwargs: Any) -> dict[str, Any]:
     """The same syncs to the first engine alone (the multi-engine target compares against it)."""
     from r3operator.rollout.engines import EngineGroup
 
@@ -230,9 +246,9 @@ def measure_one_engine(run: Any, method: str, **kwargs: Any) -> dict[str, Any]:
         run.engines = run.supervisor.group = group
 
 
-def fault_mid_sync(run: Any, engine: Any) -> dict[str, Any]:
-    """A trainer failure in the middle of a native sync: aborted, no policy served, re-synced, canaried."""
-    install = run.native_install
+def fault_mid_sync(run: GRPORun, engine: HTTPEngine, install: NativeInstall) -> dict[str, Any]:
+    """A trainer failure in the middle of a native sync of `install`: aborted, no policy served, re-synced,
+    canaried."""
     healthy = install.state_dict
     keep = len(healthy()) // 2
 
@@ -319,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from r3operator.rollout.engines import EngineGroup, HTTPEngine
     from r3operator.runtime.app import build_settings
     from r3operator.runtime.loop import GRPORun
+    from r3operator.weightsync.sync import NativeInstall
     from r3operator.wire.retry import Backoff
     from r3operator.wire.weights import checkpoint_metadata
 
@@ -381,23 +398,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["weight_transfer"] = run.weight_transfer.describe()
         if native and not run.weight_transfer.native:
             raise RuntimeError(f"the native {first} transfer was not used: {run.weight_transfer.describe()}")
-        run.native_install = run.supervisor.install  # the NativeInstall setup() built for `first`
+        native_install = run.supervisor.install  # what setup() built for `first`: a NativeInstall if native
         wire = getattr(torch, dtype)
         meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=wire)
         nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
         result["bytes_per_sync"] = nbytes
         for method in methods:
-            result["methods"][method] = measure(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
+            result["methods"][method] = measure(
+                run, method, native_install=native_install, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes
+            )
             print(method, json.dumps(result["methods"][method]), flush=True)
             if args.engines > 1:
-                alone = measure_one_engine(run, method, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes)
+                alone = measure_one_engine(
+                    run,
+                    method,
+                    native_install=native_install,
+                    syncs=args.syncs,
+                    sft_steps=args.sft_steps,
+                    nbytes=nbytes,
+                )
                 result["methods"][method]["one_engine"] = alone
                 result["methods"][method]["multi_engine_ratio"] = round(
                     result["methods"][method]["median_s"] / alone["median_s"], 3
                 )
                 print(method, "one engine", json.dumps(alone), flush=True)
         if "ipc" in native:
-            result["fault_mid_sync"] = fault_mid_sync(run, engine)
+            if not isinstance(native_install, NativeInstall):
+                raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")
+            result["fault_mid_sync"] = fault_mid_sync(run, engine, native_install)
             print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
     finally:
         for server in servers:

@@ -135,7 +135,8 @@ def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
     """Both modes: steps 1-2, then a resume that adds step 3 and keeps rows 1-2 as they were (nothing
     recomputed); a checkpoint after every step (the resume found step 2's); canary on every step; R3's
     experts are the engine's on every token and its |Δlogprob| is below Disabled's."""
-    problems, data = [], {}
+    problems: list[str] = []
+    data: dict[str, dict[str, Any]] = {}
     for mode in ("disabled", "r3"):
         first = read_csv(ctx.work / "first" / f"{mode}.csv")
         final = read_csv(ctx.work / "runs" / MAIN_NAME / mode / "metrics.csv")
@@ -489,7 +490,8 @@ def render_markdown(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        met = {True: "yes", False: "no"}.get(r.get("target_met"), "—")
+        target_met = r.get("target_met")
+        met = "—" if target_met is None else {True: "yes", False: "no"}[target_met]
         lines.append(
             f"| {r['name']} | **{r['status']}** | {cell(r.get('figure') or r.get('reason'))} | "
             f"{cell(r['target'])} | {met} | {cell(r.get('seconds'))} |"

@@ -24,7 +24,7 @@ def serve_parser() -> argparse.ArgumentParser:
     try:  # vLLM >= 0.2x keeps the server's parser under entrypoints/launchers
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
     except ImportError:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef]
+        from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found]  # older vLLM
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from benchmarks.peers.compare import MetricsError, RunSummary, ratio_line, reward_table, summarize_r3, summarize_verl
@@ -211,25 +212,22 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
             runs[label] = None
             problems.append(f"{label}: {exc}")
 
-    for replay in ("R3", "disabled"):
-        run_dir = out / f"verl-{replay}"
-        attempt(
-            f"verl {replay}",
-            lambda d=run_dir, r=replay: summarize_verl(
-                _verl_log(d),
-                replay=r,
-                gpus=gpus,
-                samples_per_step=work.samples_per_step,
-                gpu_peaks=read_gpu_peaks(d / "gpu_memory.csv"),
-            ),
+    def verl_run(run_dir: Path, replay: str) -> RunSummary:  # read inside attempt(): a MetricsError is a problem
+        return summarize_verl(
+            _verl_log(run_dir),
+            replay=replay,
+            gpus=gpus,
+            samples_per_step=work.samples_per_step,
+            gpu_peaks=read_gpu_peaks(run_dir / "gpu_memory.csv"),
         )
+
+    for replay in ("R3", "disabled"):
+        attempt(f"verl {replay}", partial(verl_run, out / f"verl-{replay}", replay))
     # --compare-replay shares one engine and one nvidia-smi log between its two runs: the peak covers both.
     r3_peaks = read_gpu_peaks(out / "r3" / "gpu_memory.csv")
     for replay, sub in (("R3", "r3"), ("disabled", "disabled")):
         path = out / "r3" / JOB_NAME / sub / "metrics.csv"
-        attempt(
-            f"r3operator {replay}", lambda p=path, r=replay: summarize_r3(p, replay=r, gpus=gpus, gpu_peaks=r3_peaks)
-        )
+        attempt(f"r3operator {replay}", partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=r3_peaks))
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
     ordered = [runs[label] for label in labels]
     header = [

@@ -39,7 +39,7 @@ def logprob_metrics(batch: Any) -> dict[str, float]:
 def _wrap_debug_metrics(module: Any) -> None:
     original = module.calculate_debug_metrics
 
-    def calculate_debug_metrics(data: Any) -> dict:
+    def calculate_debug_metrics(data: Any) -> dict[str, Any]:
         metrics = original(data)
         try:
             metrics.update(logprob_metrics(data.batch))
@@ -61,7 +61,7 @@ def with_rope_theta(hf_config: Any) -> Any:
 def _wrap_auto_bridge(module: Any) -> None:
     original = module.AutoBridge.from_config.__func__
 
-    def from_config(cls: Any, hf_config: Any, **kwargs: Any) -> Any:
+    def from_config(cls: Any, /, hf_config: Any, **kwargs: Any) -> Any:
         return original(cls, with_rope_theta(hf_config), **kwargs)
 
     module.AutoBridge.from_config = classmethod(from_config)
