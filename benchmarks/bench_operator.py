@@ -394,12 +394,23 @@ APISERVER_SERIES = (
     "etcd_request_duration_seconds",
     "etcd_bookmark_counts",
     "process_cpu_seconds_total",
+    "go_sched_latencies_seconds",
 )
 """kube-apiserver's series on a create's way to a watcher: etcd's watch into the watch cache (events received),
 the cache's dispatch to each watcher (dispatched, terminated watchers: a watcher too slow to take its events),
 what consistent reads waited for the cache to catch up with etcd (read wait), the request and priority-and-fairness
-queues, the audit backend, etcd's request time, and the process's CPU."""
-ETCD_SERIES = ("etcd_server_", "etcd_mvcc_", "etcd_debugging_mvcc_current_revision", "process_cpu_seconds_total")
+queues, the audit backend, etcd's request time, the process's CPU, and how long its runnable goroutines waited
+for a thread (Go's scheduler latency: what CPU starvation looks like from inside)."""
+ETCD_SERIES = (
+    "etcd_server_",
+    "etcd_mvcc_",
+    "etcd_debugging_mvcc_current_revision",
+    "etcd_debugging_mvcc_slow_watcher_total",
+    "etcd_debugging_mvcc_pending_events_total",
+    "etcd_debugging_mvcc_watcher_total",
+    "process_cpu_seconds_total",
+    "go_sched_latencies_seconds",
+)
 REQUEST_RESOURCES = ("rljobs", "statefulsets", "configmaps", "pods", "rayjobs", "leases", "jobs", "services")
 """apiserver_request_* are kept for these resources only (every node's heartbeat and lease is the rest)."""
 
