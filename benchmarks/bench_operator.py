@@ -152,6 +152,7 @@ def _timeline(
     first_write: dict[str, float] = {}
     last_write: dict[str, float] = {}
     before_write: Counter[str] = Counter()
+    rljob_writes: Counter[str] = Counter()
     write_server: list[float] = []
     read_server: list[float] = []
     wanted = set(jobs)
@@ -165,6 +166,11 @@ def _timeline(
             continue
         received, answered = _stamp_of(event, "requestReceivedTimestamp"), _stamp(event)
         code = (event.get("responseStatus") or {}).get("code")
+        if ref.get("resource") == "rljobs" and event.get("verb") in WRITES:
+            # Each write of an RLJob is one more event the API server's RLJob watch cache decodes and sends to
+            # every RLJob watcher, in order: a create's event waits behind the writes before it.
+            agent = str(event.get("userAgent", "")).split("/", 1)[0]
+            rljob_writes[f"{agent} {event.get('verb')} {ref.get('subresource') or ''}".strip()] += 1
         if ref.get("resource") == "rljobs" and not ref.get("subresource"):
             if event.get("verb") == "create" and code == 201:
                 created[job] = answered
@@ -212,6 +218,9 @@ def _timeline(
         "child GET, API server time (received → answered)": _latencies(read_server),
         "child GETs before the first write, per RLJob": _latencies([float(before_write[j]) for j in jobs]),
         "rljobs with a first-pass timeline line": len([j for j in jobs if j in marks]),
+        "RLJob writes per RLJob over the run, by user agent, verb and subresource": {
+            key: round(count / max(len(jobs), 1), 2) for key, count in sorted(rljob_writes.items())
+        },
     }
 
 
@@ -734,6 +743,16 @@ def run_size(
         "apply_to_children": _latencies(latencies),
         "apply_to_children_timeline": timeline,
         "create_answered_to_own_watch_event": _latencies(create_answered_to_own_watch),
+        # In creation order, a tenth of the RLJobs each: a delay that grows with the load the run has built.
+        "create_answered_to_own_watch_event_p50_by_tenth": [
+            _pct(part, 0.5)
+            for k in range(10)
+            if (
+                part := [
+                    client_saw[n] - answered[n] for n in names[k * jobs // 10 : (k + 1) * jobs // 10] if n in client_saw
+                ]
+            )
+        ],
         "audit_log_mode": audit_mode,
         "apiserver_metrics": {
             "while creating": _window(scrapes[0], scrapes[1]),
