@@ -19,6 +19,13 @@ RLJobs created one after another at a fixed rate, it measures:
 - leader failover under load: the leader gets SIGTERM, a child is deleted at once; the time until the
   standby has taken the Lease and re-created it.
 
+- with ``--apiserver-metrics``, where a create's watch event waits: kube-apiserver's and etcd's /metrics
+  scraped before the creates, after them and once the engine pods run (watch cache events received and
+  dispatched, watch events sent, terminated watchers, priority-and-fairness waits, the audit backend, etcd's
+  request time, Go's scheduler latency) with each process's CPU and the whole box's busy share, next to each
+  create answered → the benchmark's own watch event (one clock); ``--audit-mode batch`` runs the API server
+  with its audit log written off the request path, to compare with the default ``blocking``.
+
     python -m benchmarks.bench_operator [--jobs 100 500] [--nodes 256] [--out benchmarks/results/x.json]
 
 Targets: p50 ≤ 1 s, p95 ≤ 3 s, child change → status p95 ≤ 2 s, RSS ≤ 250 MB at 500, zero writes at rest,
