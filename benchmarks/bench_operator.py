@@ -19,6 +19,13 @@ RLJobs created one after another at a fixed rate, it measures:
 - leader failover under load: the leader gets SIGTERM, a child is deleted at once; the time until the
   standby has taken the Lease and re-created it.
 
+- with ``--apiserver-metrics``, where a create's watch event waits: kube-apiserver's and etcd's /metrics
+  scraped before the creates, after them and once the engine pods run (watch cache events received and
+  dispatched, watch events sent, terminated watchers, priority-and-fairness waits, the audit backend, etcd's
+  request time, Go's scheduler latency) with each process's CPU and the whole box's busy share, next to each
+  create answered → the benchmark's own watch event (one clock); ``--audit-mode batch`` runs the API server
+  with its audit log written off the request path, to compare with the default ``blocking``.
+
     python -m benchmarks.bench_operator [--jobs 100 500] [--nodes 256] [--out benchmarks/results/x.json]
 
 Targets: p50 ≤ 1 s, p95 ≤ 3 s, child change → status p95 ≤ 2 s, RSS ≤ 250 MB at 500, zero writes at rest,
@@ -152,6 +159,7 @@ def _timeline(
     first_write: dict[str, float] = {}
     last_write: dict[str, float] = {}
     before_write: Counter[str] = Counter()
+    rljob_writes: Counter[str] = Counter()
     write_server: list[float] = []
     read_server: list[float] = []
     wanted = set(jobs)
@@ -165,6 +173,11 @@ def _timeline(
             continue
         received, answered = _stamp_of(event, "requestReceivedTimestamp"), _stamp(event)
         code = (event.get("responseStatus") or {}).get("code")
+        if ref.get("resource") == "rljobs" and event.get("verb") in WRITES:
+            # Each write of an RLJob is one more event the API server's RLJob watch cache decodes and sends to
+            # every RLJob watcher, in order: a create's event waits behind the writes before it.
+            agent = str(event.get("userAgent", "")).split("/", 1)[0]
+            rljob_writes[f"{agent} {event.get('verb')} {ref.get('subresource') or ''}".strip()] += 1
         if ref.get("resource") == "rljobs" and not ref.get("subresource"):
             if event.get("verb") == "create" and code == 201:
                 created[job] = answered
@@ -212,6 +225,9 @@ def _timeline(
         "child GET, API server time (received → answered)": _latencies(read_server),
         "child GETs before the first write, per RLJob": _latencies([float(before_write[j]) for j in jobs]),
         "rljobs with a first-pass timeline line": len([j for j in jobs if j in marks]),
+        "RLJob writes per RLJob over the run, by user agent, verb and subresource": {
+            key: round(count / max(len(jobs), 1), 2) for key, count in sorted(rljob_writes.items())
+        },
     }
 
 
@@ -375,6 +391,148 @@ def _ray_job_failed(obj: dict[str, Any]) -> bool:
     return (obj.get("status") or {}).get("jobDeploymentStatus") == "Failed"
 
 
+APISERVER_SERIES = (
+    "apiserver_watch_events_total",
+    "apiserver_watch_events_sizes",
+    "apiserver_watch_cache_",
+    "apiserver_terminated_watchers_total",
+    "apiserver_registered_watchers",
+    "apiserver_longrunning_requests",
+    "apiserver_request_duration_seconds",
+    "apiserver_request_total",
+    "apiserver_flowcontrol_request_wait_duration_seconds",
+    "apiserver_flowcontrol_rejected_requests_total",
+    "apiserver_flowcontrol_current_inqueue_requests",
+    "apiserver_flowcontrol_current_executing_seats",
+    "apiserver_current_inflight_requests",
+    "apiserver_audit_",
+    "apiserver_storage_events_received_total",
+    "etcd_request_duration_seconds",
+    "etcd_bookmark_counts",
+    "process_cpu_seconds_total",
+    "go_sched_latencies_seconds",
+)
+"""kube-apiserver's series on a create's way to a watcher: etcd's watch into the watch cache (events received),
+the cache's dispatch to each watcher (dispatched, terminated watchers: a watcher too slow to take its events),
+what consistent reads waited for the cache to catch up with etcd (read wait), the request and priority-and-fairness
+queues, the audit backend, etcd's request time, the process's CPU, and how long its runnable goroutines waited
+for a thread (Go's scheduler latency: what CPU starvation looks like from inside)."""
+ETCD_SERIES = (
+    "etcd_server_",
+    "etcd_mvcc_",
+    "etcd_debugging_mvcc_current_revision",
+    "etcd_debugging_mvcc_slow_watcher_total",
+    "etcd_debugging_mvcc_pending_events_total",
+    "etcd_debugging_mvcc_watcher_total",
+    "process_cpu_seconds_total",
+    "go_sched_latencies_seconds",
+)
+REQUEST_RESOURCES = ("rljobs", "statefulsets", "configmaps", "pods", "rayjobs", "leases", "jobs", "services")
+"""apiserver_request_* are kept for these resources only (every node's heartbeat and lease is the rest)."""
+
+
+def _scrape(plane: ControlPlane, operators: dict[str, int]) -> dict[str, Any]:
+    """Raw /metrics texts and CPU times now; parsed after the run, so the parse costs the measured box nothing."""
+    cpu = {}
+    pids = {name: proc.popen.pid for name, proc in plane.processes.items()} | operators
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            cpu[name] = sum(psutil.Process(pid).cpu_times()[:2])
+    return {
+        "at": time.time(),
+        "kube-apiserver": plane.metrics_text("kube-apiserver"),
+        "etcd": plane.metrics_text("etcd"),
+        "process_cpu_s": cpu,
+        "system_cpu": psutil.cpu_times()._asdict(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def _samples(text: str, prefixes: tuple[str, ...]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith(prefixes):
+                continue
+            resource = sample.labels.get("resource")
+            if sample.name.startswith("apiserver_request_") and resource not in REQUEST_RESOURCES:
+                continue
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+def _bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile q of (le, cumulative count) pairs: an upper estimate."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0.0
+    for le, count in buckets:
+        if total > 0 and count >= q * total:
+            return le
+    return None
+
+
+def _bucket_text(le: float | None) -> float | str | None:
+    return "+Inf" if le == float("inf") else le  # JSON has no infinity
+
+
+def _metrics_delta(before: str, after: str, prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """What changed between two scrapes: counters and histograms as deltas (a histogram as count, mean and the
+    buckets holding its p50/p95), gauges as their value after; unchanged series left out."""
+    old, new = _samples(before, prefixes), _samples(after, prefixes)
+    histograms: dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, Any]] = {}
+    histogram_names = {name.removesuffix("_bucket") for name, _ in new if name.endswith("_bucket")}
+    plain: dict[str, Any] = {}
+    for (name, labels), value in new.items():
+        delta = value - old.get((name, labels), 0.0)
+        if name.endswith(("_bucket", "_sum", "_count")) and name.rsplit("_", 1)[0] in histogram_names:
+            base, part = name.rsplit("_", 1)
+            key = (base, tuple((k, v) for k, v in labels if k != "le"))
+            entry = histograms.setdefault(key, {"buckets": []})
+            if part == "bucket":
+                entry["buckets"].append((float(dict(labels)["le"]), delta))
+            else:
+                entry[part] = delta
+            continue
+        label_text = ",".join(f"{k}={v}" for k, v in labels)
+        is_counter = name.endswith(("_total", "_seconds_total"))
+        if is_counter and delta == 0:
+            continue
+        plain[f"{name}{{{label_text}}}"] = round(delta if is_counter else value, 3)
+    for (base, labels), entry in sorted(histograms.items()):
+        count = entry.get("count", 0.0)
+        if count <= 0:
+            continue
+        label_text = ",".join(f"{k}={v}" for k, v in labels)
+        plain[f"{base}{{{label_text}}}"] = {
+            "count": round(count, 1),
+            "mean_s": round(entry.get("sum", 0.0) / count, 4),
+            "p50_bucket_le": _bucket_text(_bucket_quantile(entry["buckets"], 0.5)),
+            "p95_bucket_le": _bucket_text(_bucket_quantile(entry["buckets"], 0.95)),
+        }
+    return plain
+
+
+def _window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One window between two scrapes: the API server's and etcd's series, each process's CPU seconds, and how
+    busy the whole box was (1.0 = both cores)."""
+    seconds = after["at"] - before["at"]
+    system = {k: after["system_cpu"][k] - before["system_cpu"][k] for k in after["system_cpu"]}
+    idle = system.get("idle", 0.0) + system.get("iowait", 0.0)
+    return {
+        "seconds": round(seconds, 1),
+        "box_cpu_busy_share": round(1 - idle / max(sum(system.values()), 1e-9), 3),
+        "load_average_after": [round(x, 2) for x in after["load_average"]],
+        "process_cpu_share": {
+            name: round((after["process_cpu_s"][name] - before["process_cpu_s"].get(name, 0.0)) / seconds, 3)
+            for name in after["process_cpu_s"]
+        },
+        "kube-apiserver": _metrics_delta(before["kube-apiserver"], after["kube-apiserver"], APISERVER_SERIES),
+        "etcd": _metrics_delta(before["etcd"], after["etcd"], ETCD_SERIES),
+    }
+
+
 def _start_operator(
     plane: ControlPlane, name: str, retry_s: float, profile: Path | None, probe: str = "off"
 ) -> subprocess.Popen[bytes]:
@@ -465,9 +623,11 @@ def run_size(
     profile: Path | None,
     converge_timeout_s: float,
     probe: str = "off",
+    audit_mode: str = "blocking",
+    apiserver_metrics: bool = False,
 ) -> dict[str, Any]:
     fleet = Fleet(nodes=nodes, gpus_per_node=8, cpu_nodes=2)
-    with control_plane(fleet=fleet) as plane:
+    with control_plane(fleet=fleet, audit_mode=audit_mode) as plane:
         plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS}})
         subprocess.run(
             [str(REPO / ".tools" / "bin" / "kubectl"), "apply", "--server-side", "-f", str(REPO / "crds")],
@@ -489,13 +649,20 @@ def run_size(
             rljobs = Recorder(plane, f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs")
             rayjobs = Recorder(plane, f"/apis/ray.io/v1/namespaces/{NS}/rayjobs")
             time.sleep(5)  # start-up (imports, login, first list/watch) is not part of the figures
+            pids = {"operator-leader": leader.pid, "operator-standby": standby.pid}
+            scrapes = [_scrape(plane, pids)] if apiserver_metrics else []
             cpu0, t0_wall = sum(operator.cpu_times()[:2]), time.time()
             names = [f"job-{i:03d}" for i in range(jobs)]
             t0 = time.monotonic()
             path = f"/apis/r3operator.io/v1alpha1/namespaces/{NS}/rljobs"
+            # When the benchmark had each create's answer (its own clock, as its watch's arrivals are).
+            answered: dict[str, float] = {}
             for i, name in enumerate(names):
                 plane.request("POST", path, small_job(name))
+                answered[name] = time.time()
                 time.sleep(max(0.0, t0 + (i + 1) / rate_per_s - time.monotonic()))
+            if apiserver_metrics:
+                scrapes.append(_scrape(plane, pids))
             # The operator is one Python thread: a share near 1.0 while the RLJobs arrive means it was CPU-bound,
             # and every step of a first pass waited for the event loop.
             creating_s, cpu_creating = time.monotonic() - t0, sum(operator.cpu_times()[:2]) - cpu0
@@ -514,6 +681,8 @@ def run_size(
                 if (running := _engine_pods_running(plane))[0] >= jobs:
                     engines_running_s = time.monotonic() - t0
                 time.sleep(2)
+            if apiserver_metrics:
+                scrapes.append(_scrape(plane, pids))
             converged_after_s = _wait_converged(plane, t0_wall, jobs, converge_timeout_s)
             converge_requests = _operator_requests(plane, t0_wall)
             cpu_converge = sum(operator.cpu_times()[:2]) - cpu0
@@ -568,6 +737,8 @@ def run_size(
                         proc.kill()
         latencies, last_child_at = _children_latency(plane, names)
         client_saw = {n: at for n in names if (at := rljobs.first(n, lambda _: True)) is not None}
+        # Both stamps are the benchmark's: no clock but its own between the answer and the event.
+        create_answered_to_own_watch = [client_saw[n] - answered[n] for n in names if n in client_saw]
         timeline = _timeline(plane, names, plane.logs / "operator-op-a.log", client_saw)
     by_verb = Counter(e["verb"] for e in converge_requests)
     by_resource = Counter(f"{e['verb']} {_resource(e)}" for e in steady)
@@ -578,6 +749,24 @@ def run_size(
         "create_rate_per_s": rate_per_s,
         "apply_to_children": _latencies(latencies),
         "apply_to_children_timeline": timeline,
+        "create_answered_to_own_watch_event": _latencies(create_answered_to_own_watch),
+        # In creation order, a tenth of the RLJobs each: a delay that grows with the load the run has built.
+        "create_answered_to_own_watch_event_p50_by_tenth": [
+            _pct(part, 0.5)
+            for k in range(10)
+            if (
+                part := [
+                    client_saw[n] - answered[n] for n in names[k * jobs // 10 : (k + 1) * jobs // 10] if n in client_saw
+                ]
+            )
+        ],
+        "audit_log_mode": audit_mode,
+        "apiserver_metrics": {
+            "while creating": _window(scrapes[0], scrapes[1]),
+            "creates done → engine pods running or an RLJob ended": _window(scrapes[1], scrapes[2]),
+        }
+        if len(scrapes) == 3
+        else {},
         "all_children_after_s": _round(last_child_at - t0_wall if last_child_at is not None else None),
         "all_engine_pods_running_after_s": _round(engines_running_s),
         "converged_after_s": _round(converged_after_s),
@@ -621,6 +810,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="snapshot both operators' memory (benchmarks/operator_probe.py); tracemalloc: the "
         "leader's heap by line too (slow)",
     )
+    parser.add_argument(
+        "--audit-mode",
+        choices=("blocking", "batch"),
+        default="blocking",
+        help="kube-apiserver's --audit-log-mode (the timelines read the log either way)",
+    )
+    parser.add_argument(
+        "--apiserver-metrics",
+        action="store_true",
+        help="scrape kube-apiserver's and etcd's /metrics before and after the creates: the watch path's series",
+    )
     args = parser.parse_args(argv or [])
     # A SIGTERM stops the run through its finally blocks: the operators and the control plane go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -628,7 +828,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     sizes = [
-        run_size(n, args.nodes, args.rate, args.lease_retry, args.profile, args.converge_timeout, args.memory_probe)
+        run_size(
+            n,
+            args.nodes,
+            args.rate,
+            args.lease_retry,
+            args.profile,
+            args.converge_timeout,
+            args.memory_probe,
+            args.audit_mode,
+            args.apiserver_metrics,
+        )
         for n in args.jobs
     ]
     result = {

@@ -174,6 +174,10 @@ class ControlPlane:
     keep_submitters_running: bool = False
     """KubeRay's submitter pods keep running in every namespace, so every RayJob stays Running until deleted (what
     a person's cluster wants); off, only in `KEEP_TRAINING_NAMESPACE` (what a test opts into)."""
+    audit_mode: str = "blocking"
+    """kube-apiserver's --audit-log-mode: "blocking" writes each request's audit event before answering it (what
+    tests that count requests right after making them rely on); "batch" writes from a buffer, off the request
+    (the scale benchmark's comparison: the log is complete once the apiserver has flushed it)."""
     processes: dict[str, _Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -350,7 +354,7 @@ class ControlPlane:
                 "--audit-log-format",
                 "json",
                 "--audit-log-mode",
-                "blocking",
+                self.audit_mode,
                 "--v",
                 "1",
             ],
@@ -752,6 +756,15 @@ class ControlPlane:
 
     # ------------------------------------------------------------------------------------------ API access
 
+    def metrics_text(self, component: str) -> str:
+        """The Prometheus text of "kube-apiserver" (/metrics, as the admin) or "etcd" (its client URL)."""
+        if component == "kube-apiserver":
+            return str(self.request("GET", "/metrics"))
+        if component == "etcd":
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.etcd_port}/metrics", timeout=30) as resp:
+                return str(resp.read().decode())
+        raise ValueError(f"component: {component!r} is neither 'kube-apiserver' nor 'etcd'")
+
     def ssl_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca))
 
@@ -853,12 +866,14 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 @contextlib.contextmanager
 def control_plane(
-    workdir: Path | None = None, fleet: Fleet | None = None, with_kuberay: bool = True
+    workdir: Path | None = None, fleet: Fleet | None = None, with_kuberay: bool = True, audit_mode: str = "blocking"
 ) -> Iterator[ControlPlane]:
     """A started control plane in `workdir` (a fresh temporary directory by default), stopped on exit."""
+    if audit_mode not in ("blocking", "batch"):
+        raise ValueError(f"audit_mode: {audit_mode!r} is neither 'blocking' nor 'batch'")
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="r3-cluster-")) if workdir is None else workdir
-    plane = ControlPlane(root, binaries_dir(), fleet=fleet or Fleet(), with_kuberay=with_kuberay)
+    plane = ControlPlane(root, binaries_dir(), fleet=fleet or Fleet(), with_kuberay=with_kuberay, audit_mode=audit_mode)
     try:
         plane.start()
         yield plane
