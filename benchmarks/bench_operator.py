@@ -718,7 +718,10 @@ def run_size(
             leader.send_signal(signal.SIGTERM)
             plane.request("DELETE", victim)
             lease_after_s = _waited(lambda: _holder(plane).startswith("op-b_"), 120, t_fail)
-            uid = lambda: ((plane.request("GET", victim) or {}).get("metadata") or {}).get("uid")  # noqa: E731
+
+            def uid() -> str | None:
+                return ((plane.request("GET", victim) or {}).get("metadata") or {}).get("uid")
+
             failover_s = _waited(lambda: uid() not in (None, old_uid), 180, t_fail)
             # The standby's state once it holds what the leader held: a first pass over every RLJob (its own
             # timeline lines), not the moment it took the Lease.
