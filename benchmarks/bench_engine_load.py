@@ -4,6 +4,8 @@
     python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device meta --json OUT/engine_load.json
     # CPU with real bytes (a model that fits the box): the same load plus the copies
     python3 -m benchmarks.bench_engine_load --models gpu --device cpu
+    # GPU: the same load with the copies on the device (a3b-x16l: ~40 GB, model + one sync's tensors)
+    python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device cuda
 
 What it runs: vLLM's own `Qwen3MoeForCausalLM` (the engine's model class, built from the reference model's
 config; no weights read from disk) and the checkpoint tensors the trainer sends in a sync (experts unfused,
@@ -116,8 +118,10 @@ def build_engine_model(config: Any, device: str) -> Any:
     import torch
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
+    # Typed as Any: vLLM's mixins declare attributes (lora_manager) that mypy takes for abstract ones.
+    model_class: Any = Qwen3MoeForCausalLM
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(vllm_config=config, prefix="")
+        model = model_class(vllm_config=config, prefix="")
     return model.to(torch.bfloat16)
 
 
@@ -131,7 +135,8 @@ def make_batches(
 
 
 def load_sync(model: Any, batches: Sequence[Sequence[tuple[str, Any]]], bracket: Any = None) -> int:
-    """One sync's engine load: `load_weights` once per received batch; returns the names loaded.
+    """One sync's engine load: `load_weights` once per received batch; returns how many of the model's
+    parameters were loaded (a fused parameter whose experts span two batches counts once).
 
     `bracket`: the model config, to load inside vLLM's layerwise-reload bracket as the native
     `start_weight_update` / `finish_weight_update` do (each layer's weights buffered, then replayed into a
@@ -141,12 +146,12 @@ def load_sync(model: Any, batches: Sequence[Sequence[tuple[str, Any]]], bracket:
 
     if bracket is not None:
         initialize_layerwise_reload(model)
-    loaded = 0
+    loaded: set[str] = set()
     for batch in batches:
-        loaded += len(model.load_weights(iter(list(batch))))
+        loaded |= model.load_weights(iter(list(batch)))
     if bracket is not None:
         finalize_layerwise_reload(model, bracket)
-    return loaded
+    return len(loaded)
 
 
 # Where a profiled load's seconds go: (label, predicate on cProfile's (file, line, function) key). The first
@@ -219,6 +224,8 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bo
         for _ in range(repeats):
             start = time.perf_counter()
             load_sync(engine, batches, model_config)
+            if device.startswith("cuda"):  # the copies too, not only the host's part
+                torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
         split = profile_split(engine, batches, model_config)
         receipt_s = receipt_seconds(batches, repeats)
