@@ -109,7 +109,10 @@ def meta_safe_cpu_prepack(device: str) -> Iterator[None]:
 
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
-    with mock.patch.object(cpu_moe, "cpu_prepack_moe_weight", lambda weight, isa: weight):
+    def unchanged(weight: Any, *_isa: Any) -> Any:
+        return weight
+
+    with mock.patch.object(cpu_moe, "cpu_prepack_moe_weight", unchanged):
         yield
 
 
