@@ -18,7 +18,8 @@ each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from t
 HTTP; `runtime/weights.pack_chunk`), unpacked into views and passed to `r3_load_chunk`.
 
 Every bracket also keeps a receipt (`wire/receipt.py`): the fingerprint of every tensor `load_weights` was
-handed, and whether the parameters named like them changed; `r3_sync_receipt` returns it for the canary.
+handed, and whether the parameters named like them changed; `r3_sync_receipt` returns it for the canary,
+with the host seconds the engine spent in `load_weights` and in the receipt (`engine_seconds`).
 
 Every attribute here is prefixed `r3_` / `_r3_`: vLLM >= 0.22 asserts that an extension never shadows a
 `Worker` attribute (SkyRL's `start_weight_update` collided with the native method and killed every
@@ -28,11 +29,30 @@ worker).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 WORKER_EXTENSION_CLS = f"{__name__}.WeightSyncWorkerExtension"
+
+# Host clock of the engine-side timing (a module attribute, so that a test can drive it).
+_clock: Callable[[], float] = time.perf_counter
+
+
+def _timed_load(receipt: Any, batch: list[tuple[str, Any]], load: Callable[[], Any]) -> Any:
+    """Record `batch` in the receipt, then `load()` it; the host seconds of each part go into the receipt's
+    `engine_seconds` ("receipt", "load"). Measurement only: nothing waits for the device here, so on a GPU
+    "load" is the host's part (name matching, loaders, launching the copies), the part a sync cannot
+    overlap with the transfer."""
+    start = _clock()
+    receipt.record(batch)
+    recorded = _clock()
+    receipt.add_engine_seconds("receipt", recorded - start)
+    try:
+        return load()
+    finally:
+        receipt.add_engine_seconds("load", _clock() - recorded)
 
 
 class WeightUpdateStateError(RuntimeError):
@@ -97,12 +117,16 @@ class WeightSyncWorkerExtension:
         """Load one chunk of checkpoint-format (HF names) tensors; returns how many were loaded."""
         if not self._r3_update_active:
             raise WeightUpdateStateError("r3_load_chunk outside r3_begin_weight_update/r3_finish_weight_update")
-        named_tensors = list(named_tensors)
-        self._r3_receipt().record(named_tensors)
-        with self._r3_context():
-            loaded = self._r3_model().load_weights(iter(list(named_tensors)))
+        batch = list(named_tensors)
+        model = self._r3_model()
+
+        def load() -> Any:
+            with self._r3_context():
+                return model.load_weights(iter(list(batch)))
+
+        loaded = _timed_load(self._r3_receipt(), batch, load)
         self._r3_chunks_loaded += 1
-        count = len(loaded) if loaded is not None else len(named_tensors)
+        count = len(loaded) if loaded is not None else len(batch)
         self._r3_tensors_loaded += count
         return count
 
@@ -196,7 +220,8 @@ class WeightSyncWorkerExtension:
 
     def _r3_tap_load_weights(self) -> None:
         """vLLM's receivers hand each unpacked batch to `model.load_weights` (looked up on the model at every
-        call): an instance attribute in front of the class's method records the batch in the receipt."""
+        call): an instance attribute in front of the class's method records the batch in the receipt and
+        times the receipt and the load (`_timed_load`)."""
         model = self._r3_model()
         model.__dict__.pop("load_weights", None)
         original = model.load_weights
@@ -204,8 +229,7 @@ class WeightSyncWorkerExtension:
 
         def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
             batch = list(weights)
-            receipt.record(batch)
-            return original(iter(batch), *args, **kwargs)
+            return _timed_load(receipt, batch, lambda: original(iter(batch), *args, **kwargs))
 
         model.load_weights = load_weights
 

@@ -285,6 +285,9 @@ class SyncReceipt:
     checked: int = 0
     duplicates: list[str] = field(default_factory=list)
     closed: bool = False
+    # Host seconds the engine spent in this bracket, by part ("load": vLLM's `load_weights`, "receipt": the
+    # records above), as the worker extension measured them: where a sync's `transfer` goes on the engine.
+    engine_seconds: dict[str, float] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
 
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
@@ -296,6 +299,7 @@ class SyncReceipt:
         self.before = log.result()
         self.received.clear()
         self.unchanged, self.checked, self.duplicates, self.closed = [], 0, [], False
+        self.engine_seconds = {}
         self._seen = set()
 
     def record(self, named: Sequence[tuple[str, Any]]) -> None:
@@ -305,6 +309,9 @@ class SyncReceipt:
             self._seen.add(name)
             self.received.add(name, tensor)
         self.received.flush()  # a receiver reuses its buffer for the next batch
+
+    def add_engine_seconds(self, part: str, seconds: float) -> None:
+        self.engine_seconds[part] = self.engine_seconds.get(part, 0.0) + seconds
 
     def finish(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's close: every parameter named like a received tensor, of its shape and dtype, must
@@ -336,6 +343,7 @@ class SyncReceipt:
             "unchanged": list(self.unchanged),
             "checked": self.checked,
             "duplicates": sorted(set(self.duplicates)),
+            "engine_seconds": dict(self.engine_seconds),
         }
 
 
