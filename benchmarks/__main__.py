@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "partial_routes": ("benchmarks.bench_partial_routes", ["--device", "cpu"]),
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
     "fingerprint": ("benchmarks.bench_fingerprint", ["--models", "a3b"]),
+    "engine_load": ("benchmarks.bench_engine_load", ["--models", "gpu,a3b"]),
 }
 
 
