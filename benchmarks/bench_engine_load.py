@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
 import pstats
 import statistics
 import sys
@@ -46,24 +47,6 @@ def checkpoint_metadata_for(model: str) -> list[tuple[str, Any, tuple[int, ...]]
     with torch.device("meta"):
         hf = Qwen3MoeForCausalLM(get_spec(model).hf_config())
     return checkpoint_metadata(hf.state_dict(), dtype=torch.bfloat16)
-
-
-def packed_batches(
-    metadata: Sequence[tuple[str, Any, tuple[int, ...]]], batch_bytes: int
-) -> list[list[tuple[str, Any, tuple[int, ...]]]]:
-    """Group tensors as vLLM's packed producer does: a new batch once the buffer would overflow."""
-    import math
-
-    batches: list[list[tuple[str, Any, tuple[int, ...]]]] = [[]]
-    held = 0
-    for name, dtype, shape in metadata:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if batches[-1] and held + nbytes > batch_bytes:
-            batches.append([])
-            held = 0
-        batches[-1].append((name, dtype, shape))
-        held += nbytes
-    return batches
 
 
 _distributed_ready = False
@@ -128,13 +111,18 @@ def build_engine_model(config: Any, device: str) -> Any:
     return model.to(torch.bfloat16)
 
 
-def make_batches(
-    batches: Sequence[Sequence[tuple[str, Any, tuple[int, ...]]]], device: str
+def sync_batches(
+    metadata: Sequence[tuple[str, Any, tuple[int, ...]]], device: str, batch_mb: int
 ) -> list[list[tuple[str, Any]]]:
+    """One sync's tensors on `device`, in the batches vLLM's packed producer sends (the runtime's own
+    `chunk_tensors`: a new batch once the buffer would overflow)."""
     import torch
 
+    from r3operator.wire.weights import chunk_tensors
+
     fill = torch.zeros if device != "meta" else torch.empty
-    return [[(name, fill(shape, dtype=dtype, device=device)) for name, dtype, shape in batch] for batch in batches]
+    tensors = ((name, fill(shape, dtype=dtype, device=device)) for name, dtype, shape in metadata)
+    return list(chunk_tensors(tensors, chunk_size_mb=batch_mb))
 
 
 def load_sync(model: Any, batches: Sequence[Sequence[tuple[str, Any]]], bracket: Any = None) -> int:
@@ -211,8 +199,7 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bo
     import torch
 
     metadata = checkpoint_metadata_for(model)
-    grouped = packed_batches(metadata, batch_mb << 20)
-    total_bytes = sum(__import__("math").prod(shape) * dtype.itemsize for _, dtype, shape in metadata)
+    total_bytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in metadata)
     with engine_config(model) as config, meta_safe_cpu_prepack(device):
         engine = build_engine_model(config, device)
         model_config = config.model_config if bracket else None
@@ -221,7 +208,8 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bo
 
             with torch.device(device):
                 record_metadata_for_reloading(engine)
-        batches = make_batches(grouped, device)
+        batches = sync_batches(metadata, device, batch_mb)
+        batch_count = len(batches)
         loaded = load_sync(engine, batches, model_config)  # warm-up (first-call imports and caches)
         seconds = []
         for _ in range(repeats):
@@ -240,7 +228,7 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bo
         "bracket": bracket,
         "tensors": len(metadata),
         "bytes_bf16": total_bytes,
-        "batches": len(grouped),
+        "batches": batch_count,
         "batch_mb": batch_mb,
         "params_loaded": loaded,
         "sync_s": [round(s, 4) for s in seconds],

@@ -80,18 +80,12 @@ def _trainer(tensors: list[tuple[str, Any]], bucket_bytes: int, read: bool) -> C
     return run
 
 
-def _engine(tensors: list[tuple[str, Any]], bucket_bytes: int, batch_bytes: int, read: bool) -> Callable[[], Any]:
+def _engine(tensors: list[tuple[str, Any]], bucket_bytes: int, batch_mb: int, read: bool) -> Callable[[], Any]:
     from r3operator.wire.receipt import FingerprintLog
+    from r3operator.wire.weights import chunk_tensors
 
-    batches: list[list[tuple[str, Any]]] = [[]]
-    held = 0
-    for name, tensor in tensors:  # vLLM's packed producer: a new batch once the buffer would overflow
-        nbytes = tensor.numel() * tensor.element_size()
-        if batches[-1] and held + nbytes > batch_bytes:
-            batches.append([])
-            held = 0
-        batches[-1].append((name, tensor))
-        held += nbytes
+    # vLLM's packed producer batches as the runtime's own chunker does: a new batch once the buffer would overflow
+    batches = list(chunk_tensors(iter(tensors), chunk_size_mb=batch_mb))
 
     def run() -> Any:
         log = FingerprintLog(bucket_bytes=bucket_bytes)
@@ -130,7 +124,7 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str
     for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
         for side, make in (
             ("trainer", partial(_trainer, tensors, bucket)),
-            ("engine", partial(_engine, tensors, bucket, batch_mb << 20)),
+            ("engine", partial(_engine, tensors, bucket, batch_mb)),
         ):
             ops, host = counted_ops(make(False))
             row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
