@@ -741,7 +741,7 @@ def run_size(
         latencies, last_child_at = _children_latency(plane, names)
         client_saw = {n: at for n in names if (at := rljobs.first(n, lambda _: True)) is not None}
         # Both stamps are the benchmark's: no clock but its own between the answer and the event.
-        create_answered_to_own_watch = [client_saw[n] - answered[n] for n in names if n in client_saw]
+        own_watch_delay = {n: client_saw[n] - answered[n] for n in names if n in client_saw}
         timeline = _timeline(plane, names, plane.logs / "operator-op-a.log", client_saw)
     by_verb = Counter(e["verb"] for e in converge_requests)
     by_resource = Counter(f"{e['verb']} {_resource(e)}" for e in steady)
@@ -752,14 +752,14 @@ def run_size(
         "create_rate_per_s": rate_per_s,
         "apply_to_children": _latencies(latencies),
         "apply_to_children_timeline": timeline,
-        "create_answered_to_own_watch_event": _latencies(create_answered_to_own_watch),
+        "create_answered_to_own_watch_event": _latencies(list(own_watch_delay.values())),
         # In creation order, a tenth of the RLJobs each: a delay that grows with the load the run has built.
         "create_answered_to_own_watch_event_p50_by_tenth": [
             _pct(part, 0.5)
             for k in range(10)
             if (
                 part := [
-                    client_saw[n] - answered[n] for n in names[k * jobs // 10 : (k + 1) * jobs // 10] if n in client_saw
+                    own_watch_delay[n] for n in names[k * jobs // 10 : (k + 1) * jobs // 10] if n in own_watch_delay
                 ]
             )
         ],
