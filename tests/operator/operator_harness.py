@@ -230,8 +230,11 @@ def wait_condition(
     status: str,
     reason: str | None = None,
     *,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
 ) -> dict[str, Any]:
+    # A condition waits on a chain of controllers (volume binding, the model fetch Job's pod, the StatefulSet's
+    # pods on kwok), each a few seconds on a 2-core CI box that runs the suite beside them: a condition that
+    # holds returns at once, so the bound only decides how long a broken chain takes to fail.
     seen: list[dict[str, Any] | None] = [None]
 
     def check() -> dict[str, Any] | None:
