@@ -52,13 +52,25 @@ def checkpoint_metadata_for(model: str) -> list[tuple[str, Any, tuple[int, ...]]
 _distributed_ready = False
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @contextmanager
 def engine_config(model: str) -> Iterator[Any]:
     """vLLM's config for reference model `model` (config + tokenizer only, no weights) made current, with
     vLLM's single-rank process groups initialised once per process (gloo: CPU)."""
     global _distributed_ready
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import EngineArgs
 
     from r3operator.models.reference import get_spec
@@ -71,9 +83,13 @@ def engine_config(model: str) -> Iterator[Any]:
         args = EngineArgs(model=tmp, dtype="bfloat16", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True)
         config = args.create_engine_config()
         with set_current_vllm_config(config):
-            if not _distributed_ready:
+            if not _distributed_ready and not model_parallel_is_initialized():
                 init_distributed_environment(
-                    world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:29533", backend="gloo"
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                    backend="gloo",
                 )
                 ensure_model_parallel_initialized(1, 1)
                 _distributed_ready = True
