@@ -28,8 +28,8 @@ from r3operator.api.enums import (
     RetainPolicy,
     RewardKind,
     RouterType,
-    WeightSyncLayout,
     TrainerBackend,
+    WeightSyncLayout,
     WhenHeld,
 )
 from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH

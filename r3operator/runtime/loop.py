@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.api.enums import ReplayMode
+from r3operator.api.enums import ReplayMode, WeightSyncLayout
 from r3operator.api.weight_transfer import TransferChoice
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
@@ -355,8 +355,15 @@ class GRPORun:
             yield chunk
 
     def _native_install(self) -> weight_sync.NativeInstall | None:
-        """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks."""
+        """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks. The kernel
+        layout exists only on the native path: on the packed one it is refused, naming the field."""
+        layout = self.spec.weight_sync.layout
         if not self.weight_transfer.native:
+            if layout is not WeightSyncLayout.CHECKPOINT:
+                raise ValueError(
+                    f"spec.weightSync.layout {layout.value} needs vLLM's native transfer, but this run syncs "
+                    f"over {self.weight_transfer.describe()}: use layout checkpoint"
+                )
             return None
         import torch
 
@@ -368,6 +375,7 @@ class GRPORun:
             master_address=weight_sync.master_address_for(self.engines),
             sent=self.sent,
             phases=self.sync_phases,
+            layout=layout,
         )
 
     def canary(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
 from r3operator.rollout.base import Engine
@@ -139,8 +140,9 @@ class NativeInstall:
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,
         phases: SyncPhases | None = None,
+        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
     ) -> None:
-        self.method = method
+        self.method, self.layout = method, layout
         self.sent = sent if sent is not None else FingerprintLog()
         self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
@@ -164,7 +166,7 @@ class NativeInstall:
                 engine.native_abort()
         if rendezvous:
             self.close()
-            client = FanOutClient(endpoints, phases=self.phases)
+            client = FanOutClient(endpoints, phases=self.phases, layout=self.layout)
             self._sender = NativeSender(
                 self.method,
                 client,
