@@ -149,12 +149,16 @@ def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
 
 class _FailingHalfway(Mapping[str, Any]):
     """A state dict whose second pass (the tensors; the first announces the metadata) fails after `keep`
-    tensors: a trainer dying in the middle of a sync."""
+    tensors: a trainer dying in the middle of a sync. The kernel layout reads its tensors by name (one pass
+    of shapes for the plan, then a read per source tensor), so a read past the first pass + `keep` fails too."""
 
     def __init__(self, inner: Mapping[str, Any], keep: int) -> None:
-        self.inner, self.keep, self.passes = inner, keep, 0
+        self.inner, self.keep, self.passes, self.reads = inner, keep, 0, 0
 
     def __getitem__(self, key: str) -> Any:
+        self.reads += 1
+        if self.reads > len(self.inner) + self.keep:
+            raise RuntimeError(f"injected: the trainer failed after {self.keep} tensors of the sync")
         return self.inner[key]
 
     def __len__(self) -> int:
