@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.api.enums import ReplayMode, WeightSyncLayout
+from r3operator.api.enums import ReplayMode
 from r3operator.api.weight_transfer import TransferChoice
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
@@ -358,12 +358,8 @@ class GRPORun:
         """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks. The kernel
         layout exists only on the native path: on the packed one it is refused, naming the field."""
         layout = self.spec.weight_sync.layout
+        weight_sync.check_layout(layout, self.weight_transfer)
         if not self.weight_transfer.native:
-            if layout is not WeightSyncLayout.CHECKPOINT:
-                raise ValueError(
-                    f"spec.weightSync.layout {layout.value} needs vLLM's native transfer, but this run syncs "
-                    f"over {self.weight_transfer.describe()}: use layout checkpoint"
-                )
             return None
         import torch
 

@@ -105,6 +105,16 @@ def check_runtime(
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
 
 
+def check_layout(layout: WeightSyncLayout, choice: TransferChoice) -> None:
+    """`weightSync.layout` kernel exists only on vLLM's native transfer: on the packed path (CPU engines, a
+    fallback) it is refused, naming the field, instead of silently syncing checkpoint format."""
+    if layout is not WeightSyncLayout.CHECKPOINT and not choice.native:
+        raise ValueError(
+            f"spec.weightSync.layout {layout.value} needs vLLM's native transfer, but this run syncs over "
+            f"{choice.describe()}: use layout checkpoint"
+        )
+
+
 def trainer_vllm_version() -> str | None:
     try:
         import vllm

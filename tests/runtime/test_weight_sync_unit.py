@@ -297,6 +297,17 @@ def test_the_kernel_layout_is_refused_with_the_0_30_sender() -> None:
         NativeSender(TransferMethod.NCCL, client, dict, dtype=torch.bfloat16, buffer_size_bytes=1)
 
 
+def test_the_kernel_layout_is_refused_on_the_packed_path() -> None:
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync.sync import check_layout
+
+    cpu = TransferChoice(TransferMethod.PACKED, "engines on CPU: vLLM's NCCL and IPC backends need CUDA")
+    with pytest.raises(ValueError, match=r"spec\.weightSync\.layout kernel needs vLLM's native transfer.*on CPU"):
+        check_layout(WeightSyncLayout.KERNEL, cpu)
+    check_layout(WeightSyncLayout.CHECKPOINT, cpu)
+    check_layout(WeightSyncLayout.KERNEL, TransferChoice(TransferMethod.NCCL, "vLLM 0.22.1 native nccl"))
+
+
 def test_abort_reaches_every_engine_even_if_one_is_gone(caplog: pytest.LogCaptureFixture) -> None:
     a, b = _Endpoint("a", fail_abort=True), _Endpoint("b")
     with caplog.at_level(logging.ERROR):
