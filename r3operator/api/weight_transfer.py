@@ -157,7 +157,7 @@ def kernel_layout_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None
     quantized engine (repacked scales and weights), a tensor-, pipeline- or expert-parallel engine (each rank
     holds a shard, the trainer sends whole parameters) and a release without the flag are refused. CPU engines
     never get here: the native transfer needs CUDA (`choose_transfer`), and the driver refuses the layout on
-    the packed path (`weightsync/sync.py`)."""
+    the packed path (`weightsync/sync.check_layout`)."""
     if spec.weight_sync.layout is not WeightSyncLayout.KERNEL:
         return None
     what = "spec.weightSync.layout kernel"
