@@ -55,6 +55,31 @@ def _timed_load(receipt: Any, batch: list[tuple[str, Any]], load: Callable[[], A
         receipt.add_engine_seconds("load", _clock() - recorded)
 
 
+# vLLM's unquantized MoE backends that serve w13/w2 as they were loaded. The others lay them out again after
+# loading (read in vLLM 0.22.1's fused_moe/oracle/unquantized.py: FlashInfer TRT-LLM and CUTLASS swap w13's
+# halves to [up; gate], TRT-LLM also re-blocks, AITER shuffles, CPU prepacks, XPU transposes), so a
+# kernel-format copy would be served in the wrong layout.
+SERVED_AS_LOADED_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
+def kernel_layout_refusal(model: Any) -> str | None:
+    """Why a kernel-format sync (one `copy_` per parameter, nothing processed after it) cannot be right for
+    this engine model, or None: a quantized layer, or an MoE backend that re-lays out its weights."""
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        kind = type(method).__name__
+        if not kind.startswith("Unquantized"):
+            return f"{name or 'model'} is loaded by {kind}: quantized weights are repacked after loading"
+        backend = getattr(method, "unquantized_backend", None)
+        label = getattr(backend, "name", None)
+        if backend is not None and label not in SERVED_AS_LOADED_MOE_BACKENDS:
+            shown = getattr(backend, "value", label)
+            return f"{name} runs the {shown} MoE backend, which lays w13/w2 out again after loading"
+    return None
+
+
 class WeightUpdateStateError(RuntimeError):
     """A weight-update call came out of order (chunk outside a bracket, nested begin, finish without begin)."""
 
@@ -219,6 +244,8 @@ class WeightSyncWorkerExtension:
 
         if layout not in ("checkpoint", "kernel"):
             raise ValueError(f"weightSync.layout must be checkpoint or kernel, got {layout!r}")
+        if layout == "kernel":
+            self._r3_check_kernel_layout()
         self_check()
         self._r3_policy_tag = None
         self._r3_receipt().begin(self._r3_parameters())
@@ -228,9 +255,15 @@ class WeightSyncWorkerExtension:
         else:
             self._r3_tap_load_weights()
 
+    def _r3_check_kernel_layout(self) -> None:
+        if reason := kernel_layout_refusal(self._r3_model()):
+            raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")
+
     def r3_parameter_metadata(self) -> list[list[Any]]:
         """[name, dtype, shape] of every parameter of this worker's model, as loaded: what a kernel-format
-        sender must send (wire/kernel_layout.py plans from it and names any mismatch)."""
+        sender must send (wire/kernel_layout.py plans from it and names any mismatch). Only asked for that
+        layout, so an engine whose served layout is not its loaded one refuses here, before any bracket."""
+        self._r3_check_kernel_layout()
         return [
             [name, str(param.dtype).removeprefix("torch."), list(param.shape)]
             for name, param in self._r3_model().named_parameters()

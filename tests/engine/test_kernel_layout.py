@@ -142,3 +142,16 @@ def test_a_parameter_without_source_and_a_tensor_without_parameter_are_named(tra
     engine = [EngineParameter("model.norm.weight", "bfloat16", shapes["model.norm.weight"])]
     with pytest.raises(KernelLayoutError, match=r"trainer tensor .* goes into no engine parameter"):
         plan_kernel_layout(shapes, engine)
+
+
+def test_vllm_cpu_engines_refuse_the_kernel_layout() -> None:
+    """On CPU, vLLM's MoE backend prepacks w13/w2 after loading: the served layout is not the loaded one, and
+    the worker extension says so (engine/worker.py `kernel_layout_refusal`), on vLLM's real model."""
+    pytest.importorskip("vllm")
+    from benchmarks.bench_engine_load import build_engine_model, engine_config
+    from r3operator.engine.worker import kernel_layout_refusal
+
+    with engine_config("tiny") as config:
+        model = build_engine_model(config, "meta")
+    reason = kernel_layout_refusal(model)
+    assert reason is not None and "CPU MoE backend" in reason and "mlp.experts" in reason

@@ -6,6 +6,7 @@ see every tensor, the driver's comparison must catch one that never arrived, and
 
 from __future__ import annotations
 
+import enum
 from contextlib import ExitStack
 from typing import Any
 
@@ -149,3 +150,40 @@ def test_the_parameter_metadata_is_what_the_planner_reads() -> None:
     assert sorted(worker.r3_parameter_metadata()) == [["norm", "bfloat16", [4]], ["qkv.weight", "bfloat16", [6, 4]]]
     with pytest.raises(ValueError, match=r"weightSync\.layout must be checkpoint or kernel"):
         worker.r3_before_native_weight_update("fused")
+
+
+class _Backend(enum.Enum):  # vLLM's UnquantizedMoeBackend members (names and values as in 0.22.1)
+    TRITON = "TRITON"
+    FLASHINFER_CUTLASS = "FlashInfer CUTLASS"
+
+
+class UnquantizedFusedMoEMethod:
+    def __init__(self, backend: _Backend) -> None:
+        self.unquantized_backend = backend
+
+
+class Fp8MoEMethod:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("method", "named"),
+    [
+        (UnquantizedFusedMoEMethod(_Backend.TRITON), None),
+        (UnquantizedFusedMoEMethod(_Backend.FLASHINFER_CUTLASS), "experts runs the FlashInfer CUTLASS MoE backend"),
+        (Fp8MoEMethod(), "experts is loaded by Fp8MoEMethod"),
+    ],
+)
+def test_an_engine_that_lays_weights_out_again_refuses_the_kernel_layout(method: Any, named: str | None) -> None:
+    worker, model = _worker(Receiver([]))
+    model.experts = torch.nn.Module()
+    model.experts.quant_method = method
+    if named is None:
+        assert worker.r3_parameter_metadata()
+        worker.r3_before_native_weight_update("kernel")
+        return
+    with pytest.raises(WeightUpdateStateError, match=named):
+        worker.r3_parameter_metadata()
+    with pytest.raises(WeightUpdateStateError, match=named):
+        worker.r3_before_native_weight_update("kernel")
+    worker.r3_before_native_weight_update("checkpoint")  # the checkpoint layout is right everywhere
