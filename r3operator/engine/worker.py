@@ -66,7 +66,8 @@ def kernel_layout_refusal(model: Any) -> str | None:
     """Why a kernel-format sync (one `copy_` per parameter, nothing processed after it) cannot be right for
     this engine model, or None: a quantized layer, or an MoE backend that re-lays out its weights."""
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
+        # A FusedMoE layer may wrap its method in a modular one (all2all); the weights are the base method's.
+        method = getattr(module, "base_quant_method", None) or getattr(module, "quant_method", None)
         if method is None:
             continue
         kind = type(method).__name__
