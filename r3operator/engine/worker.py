@@ -260,15 +260,20 @@ class WeightSyncWorkerExtension:
         if reason := kernel_layout_refusal(self._r3_model()):
             raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")
 
-    def r3_parameter_metadata(self) -> list[list[Any]]:
-        """[name, dtype, shape] of every parameter of this worker's model, as loaded: what a kernel-format
-        sender must send (wire/kernel_layout.py plans from it and names any mismatch). Only asked for that
-        layout, so an engine whose served layout is not its loaded one refuses here, before any bracket."""
-        self._r3_check_kernel_layout()
-        return [
-            [name, str(param.dtype).removeprefix("torch."), list(param.shape)]
-            for name, param in self._r3_model().named_parameters()
-        ]
+    def r3_parameter_metadata(self) -> dict[str, Any]:
+        """{"parameters": [name, dtype, shape] of every parameter of this worker's model, as loaded: what a
+        kernel-format sender must send (wire/kernel_layout.py plans from it and names any mismatch);
+        "refused": why this engine's served layout is not its loaded one, or None}. Answered, not raised, so
+        that the reason reaches the trainer whatever the transport (an RPC error over HTTP is retried as a
+        server error); the sender refuses before any bracket opens."""
+        model = self._r3_model()
+        return {
+            "parameters": [
+                [name, str(param.dtype).removeprefix("torch."), list(param.shape)]
+                for name, param in model.named_parameters()
+            ],
+            "refused": kernel_layout_refusal(model),
+        }
 
     def _r3_tap_kernel_receive(self) -> None:
         """Kernel format (vLLM 0.22 `Worker.update_weights`): the receiver gets vLLM's direct-copy loader as

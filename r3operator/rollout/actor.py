@@ -96,8 +96,8 @@ class EngineActor:
         else:
             self.llm.start_weight_update()
 
-    def native_parameters(self) -> list[list[Any]]:
-        return list(self.llm.collective_rpc("r3_parameter_metadata")[0])
+    def native_parameters(self) -> dict[str, Any]:
+        return dict(self.llm.collective_rpc("r3_parameter_metadata")[0])
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})

@@ -42,8 +42,8 @@ class NativeEndpoint(Protocol):
         """Open the bracket; `layout` is `weightSync.layout` ("kernel": vLLM 0.22's is_checkpoint_format=False)."""
         ...
 
-    def native_parameters(self) -> list[list[Any]]:
-        """[name, dtype, shape] of the engine model's parameters (the worker's `r3_parameter_metadata`)."""
+    def native_parameters(self) -> dict[str, Any]:
+        """The engine model's parameters and whether it refuses the kernel layout (`r3_parameter_metadata`)."""
         ...
 
     def native_update(self, update_info: dict[str, Any]) -> None: ...

@@ -73,7 +73,14 @@ class FanOutClient:
     def engine_parameters(self) -> list[EngineParameter]:
         """The engines' model parameters (name, dtype, shape), asked of every engine: a kernel-format
         broadcast goes to all of them at once, so they must hold the same parameters."""
-        reported = [engine_parameters(e.native_parameters()) for e in self.endpoints]
+        answers = [e.native_parameters() for e in self.endpoints]
+        for endpoint, answer in zip(self.endpoints, answers, strict=True):
+            if answer.get("refused"):
+                raise KernelLayoutError(
+                    f"weightSync.layout kernel cannot be right on engine {endpoint.name}: {answer['refused']}; "
+                    "use layout checkpoint"
+                )
+        reported = [engine_parameters(answer.get("parameters") or []) for answer in answers]
         for endpoint, params in zip(self.endpoints[1:], reported[1:], strict=True):
             if params != reported[0]:
                 raise KernelLayoutError(

@@ -147,7 +147,9 @@ def test_an_abort_removes_the_tap_and_keeps_the_tag_stale() -> None:
 
 def test_the_parameter_metadata_is_what_the_planner_reads() -> None:
     worker, _ = _worker(Receiver([]))
-    assert sorted(worker.r3_parameter_metadata()) == [["norm", "bfloat16", [4]], ["qkv.weight", "bfloat16", [6, 4]]]
+    answer = worker.r3_parameter_metadata()
+    assert sorted(answer["parameters"]) == [["norm", "bfloat16", [4]], ["qkv.weight", "bfloat16", [6, 4]]]
+    assert answer["refused"] is None
     with pytest.raises(ValueError, match=r"weightSync\.layout must be checkpoint or kernel"):
         worker.r3_before_native_weight_update("fused")
 
@@ -178,12 +180,12 @@ def test_an_engine_that_lays_weights_out_again_refuses_the_kernel_layout(method:
     worker, model = _worker(Receiver([]))
     model.experts = torch.nn.Module()
     model.experts.quant_method = method
+    answer = worker.r3_parameter_metadata()
     if named is None:
-        assert worker.r3_parameter_metadata()
+        assert answer["refused"] is None
         worker.r3_before_native_weight_update("kernel")
         return
-    with pytest.raises(WeightUpdateStateError, match=named):
-        worker.r3_parameter_metadata()
+    assert named in answer["refused"]  # answered to the sender, which refuses before any bracket
     with pytest.raises(WeightUpdateStateError, match=named):
         worker.r3_before_native_weight_update("kernel")
     worker.r3_before_native_weight_update("checkpoint")  # the checkpoint layout is right everywhere

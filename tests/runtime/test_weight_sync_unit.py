@@ -173,6 +173,7 @@ class _Endpoint:
     barrier: threading.Barrier | None = None
     fail_abort: bool = False
     parameters: list[list[Any]] = field(default_factory=list)  # what r3_parameter_metadata reports
+    refused: str | None = None
 
     def native_world_size(self) -> int:
         return self.world_size
@@ -183,8 +184,8 @@ class _Endpoint:
     def native_start(self, layout: str = "checkpoint") -> None:
         self.calls.append(("start", layout))
 
-    def native_parameters(self) -> list[list[Any]]:
-        return self.parameters
+    def native_parameters(self) -> dict[str, Any]:
+        return {"parameters": self.parameters, "refused": self.refused}
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         if self.barrier is not None:  # an NCCL broadcast completes only with every receiver inside it
@@ -282,6 +283,10 @@ def test_a_kernel_layout_mismatch_is_named_before_any_bracket_opens(monkeypatch:
     b, c = _Endpoint("b", parameters=_ENGINE), _Endpoint("c", parameters=sharded)
     with pytest.raises(KernelLayoutError, match=r"engine c reports other parameters than engine b"):
         _kernel_sender(monkeypatch, b, c).metadata()
+    d = _Endpoint("d", parameters=_ENGINE, refused="mlp.experts runs the FlashInfer CUTLASS MoE backend")
+    with pytest.raises(KernelLayoutError, match=r"cannot be right on engine d: mlp\.experts runs the FlashInfer"):
+        _kernel_sender(monkeypatch, d).metadata()
+    assert d.calls == []
 
 
 def test_the_kernel_layout_is_refused_with_the_0_30_sender() -> None:
