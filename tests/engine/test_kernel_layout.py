@@ -95,6 +95,27 @@ def test_every_parameter_is_bit_equal_to_vllms_load_weights(
     assert any(".w13_weight" in n for n in built) and len(built) < len(trainer_state) * 2
 
 
+def test_vllm_022s_direct_copy_of_the_kernel_tensors_gives_vllms_own_load(
+    trainer_state: dict[str, Any], vllm_loaded: dict[str, Any]
+) -> None:
+    """What the engine does with them (vLLM 0.22.1 `update_weights`, kernel format: `model.get_parameter(name)
+    .copy_(weight)` per tensor, under the worker extension's `no_grad`) into a fresh vLLM model: every name
+    resolves and the result is vLLM's own `load_weights` of the checkpoint tensors."""
+    import torch
+
+    from benchmarks.bench_engine_load import build_engine_model, engine_config, load_sync_kernel
+
+    plan = plan_kernel_layout(trainer_shapes(trainer_state), _engine(vllm_loaded))
+    with engine_config("tiny") as config:
+        model = build_engine_model(config, "cpu")
+        for param in model.parameters():
+            param.data.fill_(SENTINEL)
+        written = load_sync_kernel(model, [list(kernel_tensors(trainer_state, plan, dtype=torch.bfloat16))])
+        params = {name: p.detach() for name, p in model.named_parameters()}
+    assert written == len(vllm_loaded)
+    assert _mismatches(params, vllm_loaded) == []
+
+
 def test_per_expert_trainer_tensors_give_the_same_parameters(
     trainer_state: dict[str, Any], vllm_loaded: dict[str, Any]
 ) -> None:
