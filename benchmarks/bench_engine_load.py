@@ -6,6 +6,8 @@
     python3 -m benchmarks.bench_engine_load --models gpu --device cpu
     # GPU: the same load with the copies on the device (a3b-x16l: ~40 GB, model + one sync's tensors)
     python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device cuda
+    # the kernel layout next to it: one copy_ per vLLM parameter (wire/kernel_layout.py), no bracket
+    python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device meta --layout both
 
 What it runs: vLLM's own `Qwen3MoeForCausalLM` (the engine's model class, built from the reference model's
 config; no weights read from disk) and the checkpoint tensors the trainer sends in a sync (experts unfused,
@@ -52,13 +54,25 @@ def checkpoint_metadata_for(model: str) -> list[tuple[str, Any, tuple[int, ...]]
 _distributed_ready = False
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @contextmanager
 def engine_config(model: str) -> Iterator[Any]:
     """vLLM's config for reference model `model` (config + tokenizer only, no weights) made current, with
     vLLM's single-rank process groups initialised once per process (gloo: CPU)."""
     global _distributed_ready
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import EngineArgs
 
     from r3operator.models.reference import get_spec
@@ -71,9 +85,13 @@ def engine_config(model: str) -> Iterator[Any]:
         args = EngineArgs(model=tmp, dtype="bfloat16", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True)
         config = args.create_engine_config()
         with set_current_vllm_config(config):
-            if not _distributed_ready:
+            if not _distributed_ready and not model_parallel_is_initialized():
                 init_distributed_environment(
-                    world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:29533", backend="gloo"
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                    backend="gloo",
                 )
                 ensure_model_parallel_initialized(1, 1)
                 _distributed_ready = True
@@ -123,6 +141,44 @@ def sync_batches(
     fill = torch.zeros if device != "meta" else torch.empty
     tensors = ((name, fill(shape, dtype=dtype, device=device)) for name, dtype, shape in metadata)
     return list(chunk_tensors(tensors, chunk_size_mb=batch_mb))
+
+
+def kernel_sync_batches(
+    model: str, engine: Any, device: str, batch_mb: int
+) -> tuple[list[list[tuple[str, Any]]], list[tuple[str, Any, tuple[int, ...]]]]:
+    """One kernel-format sync (wire/kernel_layout.py: one tensor per vLLM parameter, planned from the
+    engine's own `named_parameters` and the trainer's state-dict shapes) on `device`, batched as
+    `sync_batches` does; and its metadata."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from r3operator.models.reference import get_spec
+    from r3operator.wire.kernel_layout import engine_parameters, kernel_metadata, plan_kernel_layout, trainer_shapes
+    from r3operator.wire.weights import chunk_tensors
+
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(get_spec(model).hf_config())
+    reported = engine_parameters([(n, str(p.dtype), tuple(p.shape)) for n, p in engine.named_parameters()])
+    metadata = kernel_metadata(plan_kernel_layout(trainer_shapes(hf.state_dict()), reported), dtype=torch.bfloat16)
+    fill = torch.zeros if device != "meta" else torch.empty
+    tensors = ((name, fill(shape, dtype=dtype, device=device)) for name, dtype, shape in metadata)
+    return list(chunk_tensors(tensors, chunk_size_mb=batch_mb)), metadata
+
+
+def load_sync_kernel(model: Any, batches: Sequence[Sequence[tuple[str, Any]]]) -> int:
+    """One kernel-format sync's engine load, as vLLM 0.22.1's `update_weights` does it with
+    `is_checkpoint_format=False` (`load_weights_direct`): per received tensor `model.get_parameter(name)`
+    and one `param.copy_`, no bracket, no loader; under `no_grad`, as the worker extension calls it (an
+    RMSNorm weight is a plain `nn.Parameter` that requires grad). Returns how many parameters were written."""
+    import torch
+
+    written = 0
+    with torch.no_grad():
+        for batch in batches:
+            for name, weight in batch:
+                model.get_parameter(name).copy_(weight)
+                written += 1
+    return written
 
 
 def load_sync(model: Any, batches: Sequence[Sequence[tuple[str, Any]]], bracket: Any = None) -> int:
@@ -195,11 +251,18 @@ def receipt_seconds(batches: Sequence[Sequence[tuple[str, Any]]], repeats: int) 
     return statistics.median(seconds)
 
 
-def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bool) -> dict[str, Any]:
+def _load(engine: Any, batches: Sequence[Sequence[tuple[str, Any]]], model_config: Any, kernel: bool) -> int:
+    return load_sync_kernel(engine, batches) if kernel else load_sync(engine, batches, model_config)
+
+
+def measure(
+    model: str, *, device: str, batch_mb: int, repeats: int, bracket: bool, layout: str = "checkpoint"
+) -> dict[str, Any]:
     import torch
 
-    metadata = checkpoint_metadata_for(model)
-    total_bytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in metadata)
+    kernel = layout == "kernel"
+    bracket = bracket and not kernel  # vLLM skips the bracket for kernel-format weights
+    checkpoint_meta = checkpoint_metadata_for(model)
     with engine_config(model) as config, meta_safe_cpu_prepack(device):
         engine = build_engine_model(config, device)
         model_config = config.model_config if bracket else None
@@ -208,23 +271,31 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int, bracket: bo
 
             with torch.device(device):
                 record_metadata_for_reloading(engine)
-        batches = sync_batches(metadata, device, batch_mb)
+        if kernel:
+            batches, metadata = kernel_sync_batches(model, engine, device, batch_mb)
+        else:
+            metadata = checkpoint_meta
+            batches = sync_batches(metadata, device, batch_mb)
+
         batch_count = len(batches)
-        loaded = load_sync(engine, batches, model_config)  # warm-up (first-call imports and caches)
+        loaded = _load(engine, batches, model_config, kernel)  # warm-up (first-call imports and caches)
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            load_sync(engine, batches, model_config)
+            _load(engine, batches, model_config, kernel)
             if device.startswith("cuda"):  # the copies too, not only the host's part
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
-        split = profile_split(engine, batches, model_config)
+        split = {} if kernel else profile_split(engine, batches, model_config)
         receipt_s = receipt_seconds(batches, repeats)
         del engine, batches
+    total_bytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in metadata)
     median = statistics.median(seconds)
     return {
         "model": model,
         "device": device,
+        "layout": layout,
+        "checkpoint_tensors": len(checkpoint_meta),
         "bracket": bracket,
         "tensors": len(metadata),
         "bytes_bf16": total_bytes,
@@ -248,15 +319,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-bracket", action="store_true", help="plain load_weights, without vLLM's layerwise-reload bracket"
     )
+    parser.add_argument(
+        "--layout",
+        default="checkpoint",
+        choices=("checkpoint", "kernel", "both"),
+        help="checkpoint: HF tensors through load_weights; kernel: one copy_ per vLLM parameter "
+        "(wire/kernel_layout.py, vLLM 0.22's is_checkpoint_format=False); both: one after the other",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.batch_mb < 1:
         parser.error(f"--batch-mb must be >= 1, got {args.batch_mb}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    layouts = ("checkpoint", "kernel") if args.layout == "both" else (args.layout,)
     results = [
-        measure(m, device=args.device, batch_mb=args.batch_mb, repeats=args.repeats, bracket=not args.no_bracket)
+        measure(
+            m,
+            device=args.device,
+            batch_mb=args.batch_mb,
+            repeats=args.repeats,
+            bracket=not args.no_bracket,
+            layout=layout,
+        )
         for m in args.models.split(",")
+        for layout in layouts
     ]
     text = json.dumps(results, indent=2)
     print(text)

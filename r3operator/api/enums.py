@@ -42,6 +42,17 @@ class RouterType(StrEnum):
     selection, grouped top-k, a routed scaling factor."""
 
 
+class WeightSyncLayout(StrEnum):
+    """What a native weight sync sends (docs/runtime.md, "Sync layout")."""
+
+    CHECKPOINT = "checkpoint"
+    """HF checkpoint tensors (experts unfused), loaded by vLLM's `load_weights` inside its layerwise-reload
+    bracket: right for every engine the native transfer serves, one engine loader call per tensor."""
+    KERNEL = "kernel"
+    """vLLM's own parameters (fused qkv, gate_up, w13/w2 expert blocks), each copied in with one `copy_`
+    (vLLM 0.22's `is_checkpoint_format=False`): right only where the loaded layout is the served one."""
+
+
 class KVConnector(StrEnum):
     NONE = "none"
     NIXL = "nixl"

@@ -743,6 +743,24 @@ RULES: tuple[Rule, ...] = (
             ".algorithm.useKLLoss",
         ),
     ),
+    Rule(
+        "WEIGHT-SYNC-KERNEL-LAYOUT",
+        E,
+        "spec.weightSync.layout",
+        (
+            "weightSync.layout",
+            "inference.image",
+            "inference.vllmVersion",
+            "inference.tensorParallelSize",
+            "inference.pipelineParallelSize",
+            "inference.decodeContextParallelSize",
+            "inference.enableExpertParallel",
+            "inference.extraArgs",
+        ),
+        "the kernel sync layout needs vLLM 0.22.x, whole unquantized parameters on each engine rank",
+        ("r3operator: wire/kernel_layout.py", "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)"),
+        checks.weight_sync_kernel_layout,
+    ),
     # Warnings: legal but risky.
     Rule(
         "R3-PARTIAL-ROLLOUT",

@@ -29,6 +29,7 @@ from r3operator.api.enums import (
     RewardKind,
     RouterType,
     TrainerBackend,
+    WeightSyncLayout,
     WhenHeld,
 )
 from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
@@ -384,6 +385,10 @@ class WeightSyncSpec(_Model):
     """Weights are streamed in chunks of this size inside one layerwise-reload bracket."""
     canary: bool = True
     """After each sync, greedy-decode fixed prompts on the engine and on the trainer; they must match."""
+    layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT
+    """What vLLM's native transfer sends: checkpoint (HF tensors through the engine's loader, always right)
+    or kernel (one tensor per engine parameter, one copy each: vLLM 0.22.x, unquantized, whole parameters
+    on each engine rank; not yet verified on a GPU, docs/runtime.md)."""
 
 
 class CheckpointSpec(_Model):

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports, version_from_image
 
@@ -136,3 +137,61 @@ def cluster_transfer(spec: RLJobSpec) -> TransferChoice:
             fallback=True,
         )
     return TransferChoice(choice.method, f"{choice.reason}; the trainer image carries vLLM {trainer}")
+
+
+# -------------------------------------------------------------------------------- sync layout
+
+KERNEL_LAYOUT_RELEASES = ("0.22",)
+"""vLLM minor releases whose native `start_weight_update` takes `is_checkpoint_format=False` (checked in the
+0.22.1 wheel: `Worker.update_weights` then copies each received tensor into `model.get_parameter(name)`);
+0.30 dropped the flag from its NCCL engine (it always brackets)."""
+
+QUANTIZATION_FLAGS = ("--quantization", "-q")
+
+
+def kernel_layout_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
+    """Why `weightSync.layout: kernel` cannot be right for `spec`'s engines, or None.
+
+    The kernel layout copies each sent tensor over an engine parameter as it is loaded, so it is only right
+    where that is the layout the engine serves: vLLM processes nothing after the copy (no bracket), so a
+    quantized engine (repacked scales and weights), a tensor-, pipeline- or expert-parallel engine (each rank
+    holds a shard, the trainer sends whole parameters) and a release without the flag are refused. CPU engines
+    never get here: the native transfer needs CUDA (`choose_transfer`), and the driver refuses the layout on
+    the packed path (`weightsync/sync.check_layout`)."""
+    if spec.weight_sync.layout is not WeightSyncLayout.KERNEL:
+        return None
+    what = "spec.weightSync.layout kernel"
+    inference = spec.inference
+    if version.version is None:
+        return (
+            f"{what} needs an engine vLLM of a release with start_weight_update(is_checkpoint_format=False) "
+            f"({', '.join(r + '.x' for r in KERNEL_LAYOUT_RELEASES)}), but the vLLM version of inference.image "
+            f"{inference.image} is unknown (set spec.inference.vllmVersion)"
+        )
+    minor = ".".join(str(part) for part in version.version.release[:2])
+    if minor not in KERNEL_LAYOUT_RELEASES:
+        return (
+            f"{what} needs an engine vLLM {' or '.join(r + '.x' for r in KERNEL_LAYOUT_RELEASES)} (its native "
+            f"start_weight_update(is_checkpoint_format=False)); engine vLLM {version} has no such flag: use "
+            "layout checkpoint"
+        )
+    sharded = {
+        "inference.tensorParallelSize": inference.tensor_parallel_size,
+        "inference.pipelineParallelSize": inference.pipeline_parallel_size,
+        "inference.decodeContextParallelSize": inference.decode_context_parallel_size,
+    }
+    for field, size in sharded.items():
+        if size > 1:
+            return (
+                f"{what} sends whole parameters, but {field} is {size}: each engine rank holds a shard; "
+                "use layout checkpoint"
+            )
+    if inference.enable_expert_parallel:
+        return f"{what} sends whole expert blocks, but inference.enableExpertParallel shards them; use checkpoint"
+    quantized = [a for a in inference.extra_args if a.split("=", 1)[0] in QUANTIZATION_FLAGS]
+    if quantized:
+        return (
+            f"{what} copies bf16 tensors over the served parameters, but inference.extraArgs quantizes the "
+            f"engine ({quantized[0]}): its served layout is not the loaded one; use layout checkpoint"
+        )
+    return None

@@ -55,6 +55,32 @@ def _timed_load(receipt: Any, batch: list[tuple[str, Any]], load: Callable[[], A
         receipt.add_engine_seconds("load", _clock() - recorded)
 
 
+# vLLM's unquantized MoE backends that serve w13/w2 as they were loaded. The others lay them out again after
+# loading (read in vLLM 0.22.1's fused_moe/oracle/unquantized.py: FlashInfer TRT-LLM and CUTLASS swap w13's
+# halves to [up; gate], TRT-LLM also re-blocks, AITER shuffles, CPU prepacks, XPU transposes), so a
+# kernel-format copy would be served in the wrong layout.
+SERVED_AS_LOADED_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
+def kernel_layout_refusal(model: Any) -> str | None:
+    """Why a kernel-format sync (one `copy_` per parameter, nothing processed after it) cannot be right for
+    this engine model, or None: a quantized layer, or an MoE backend that re-lays out its weights."""
+    for name, module in model.named_modules():
+        # A FusedMoE layer may wrap its method in a modular one (all2all); the weights are the base method's.
+        method = getattr(module, "base_quant_method", None) or getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        kind = type(method).__name__
+        if not kind.startswith("Unquantized"):
+            return f"{name or 'model'} is loaded by {kind}: quantized weights are repacked after loading"
+        backend = getattr(method, "unquantized_backend", None)
+        label = getattr(backend, "name", None)
+        if backend is not None and label not in SERVED_AS_LOADED_MOE_BACKENDS:
+            shown = getattr(backend, "value", label)
+            return f"{name} runs the {shown} MoE backend, which lays w13/w2 out again after loading"
+    return None
+
+
 class WeightUpdateStateError(RuntimeError):
     """A weight-update call came out of order (chunk outside a bracket, nested begin, finish without begin)."""
 
@@ -207,16 +233,84 @@ class WeightSyncWorkerExtension:
 
     # -- around vLLM's native weight transfer (start/update/finish_weight_update of the Worker) ------
     # vLLM's bracket has no abort and no notion of which policy the weights are; these two add that.
-    def r3_before_native_weight_update(self) -> None:
+    def r3_before_native_weight_update(self, layout: str = "checkpoint") -> None:
         """Called right before vLLM's `start_weight_update`: the weights are in flux until a finished sync
         stamps them, and the plugin's patches must be in force in this worker (`self_check` registers it
-        where vLLM did not load general plugins, e.g. r3operator not installed as a package)."""
+        where vLLM did not load general plugins, e.g. r3operator not installed as a package).
+
+        `layout`: "checkpoint" (vLLM's receiver hands each batch to `model.load_weights`, tapped there) or
+        "kernel" (`start_weight_update(is_checkpoint_format=False)`: vLLM 0.22 hands each batch to its own
+        direct-copy loader instead, so the tap goes on the transfer engine's `receive_weights`)."""
         from r3operator.engine.plugin import self_check
 
+        if layout not in ("checkpoint", "kernel"):
+            raise ValueError(f"weightSync.layout must be checkpoint or kernel, got {layout!r}")
+        if layout == "kernel":
+            self._r3_check_kernel_layout()
         self_check()
         self._r3_policy_tag = None
         self._r3_receipt().begin(self._r3_parameters())
-        self._r3_tap_load_weights()
+        self._r3_untap_load_weights()
+        if layout == "kernel":
+            self._r3_tap_kernel_receive()
+        else:
+            self._r3_tap_load_weights()
+
+    def _r3_check_kernel_layout(self) -> None:
+        if reason := kernel_layout_refusal(self._r3_model()):
+            raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")
+
+    def r3_parameter_metadata(self) -> dict[str, Any]:
+        """{"parameters": [name, dtype, shape] of every parameter of this worker's model, as loaded: what a
+        kernel-format sender must send (wire/kernel_layout.py plans from it and names any mismatch);
+        "refused": why this engine's served layout is not its loaded one, or None}. Answered, not raised, so
+        that the reason reaches the trainer whatever the transport (an RPC error over HTTP is retried as a
+        server error); the sender refuses before any bracket opens."""
+        model = self._r3_model()
+        return {
+            "parameters": [
+                [name, str(param.dtype).removeprefix("torch."), list(param.shape)]
+                for name, param in model.named_parameters()
+            ],
+            "refused": kernel_layout_refusal(model),
+        }
+
+    def _r3_tap_kernel_receive(self) -> None:
+        """Kernel format (vLLM 0.22 `Worker.update_weights`): the receiver gets vLLM's direct-copy loader as
+        `load_weights=` (`model.get_parameter(name).copy_(weight)` per tensor, not `model.load_weights`). An
+        instance attribute in front of the transfer engine's `receive_weights` wraps that loader: every
+        batch is recorded in the receipt and timed as on the checkpoint path, and loaded under `no_grad`
+        (an RMSNorm weight is a plain `nn.Parameter` that requires grad, and `copy_` into it otherwise
+        fails). The bytes and the copies are vLLM's."""
+        import torch
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise WeightUpdateStateError("kernel-format weight sync: this worker has no weight transfer engine")
+        engine.__dict__.pop("receive_weights", None)
+        original = engine.receive_weights
+        receipt = self._r3_receipt()
+
+        def receive_weights(update_info: Any, *args: Any, **kwargs: Any) -> Any:
+            direct = kwargs.pop("load_weights", None)
+            if direct is None:
+                raise WeightUpdateStateError(
+                    "kernel-format weight sync needs vLLM 0.22's receiver, which takes the loader as "
+                    "load_weights=; this vLLM's does not (weightSync.layout: use checkpoint)"
+                )
+
+            def load_weights(weights: Iterable[tuple[str, Any]]) -> Any:
+                batch = list(weights)
+
+                def load() -> Any:
+                    with torch.no_grad():
+                        return direct(batch)
+
+                return _timed_load(receipt, batch, load)
+
+            return original(update_info, *args, load_weights=load_weights, **kwargs)
+
+        engine.receive_weights = receive_weights
 
     def _r3_tap_load_weights(self) -> None:
         """vLLM's receivers hand each unpacked batch to `model.load_weights` (looked up on the model at every
@@ -235,6 +329,9 @@ class WeightSyncWorkerExtension:
 
     def _r3_untap_load_weights(self) -> None:
         self._r3_model().__dict__.pop("load_weights", None)
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "__dict__"):
+            engine.__dict__.pop("receive_weights", None)
 
     def r3_after_native_weight_update(self, policy_tag: str | None = None) -> None:
         """Called right after vLLM's `finish_weight_update`: close the receipt, record the policy."""
@@ -252,7 +349,8 @@ class WeightSyncWorkerExtension:
         The same restoration as `r3_abort_weight_update`, then vLLM's own "update active" state is cleared
         so that the next `start_weight_update` is accepted. The weights may mix two policies (layers that
         completed hold the new ones): the tag stays None until a complete sync. Outside a bracket it
-        restores nothing and leaves the tag alone.
+        restores nothing and leaves the tag alone. A kernel-format sync has no layers to restore: what it
+        copied before the failure is served until the re-sync, which the None tag (set at its start) forces.
         """
         # Restore by layer state, not by vLLM's flag: vLLM 0.30 clears the flag itself when an update
         # fails, leaving the layers that were loading on meta tensors.
@@ -260,6 +358,8 @@ class WeightSyncWorkerExtension:
         self._r3_receipt().closed = False
         restored = self._r3_restore_loading_layers()
         self._weight_update_active = False
+        if hasattr(self, "_is_checkpoint_format"):  # vLLM 0.22: its default, as its own finish leaves it
+            self._is_checkpoint_format = True
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None and hasattr(engine, "reset_weight_update_target"):  # vLLM >= 0.30
             engine.reset_weight_update_target()

@@ -89,9 +89,15 @@ class EngineActor:
     def native_init(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def native_start(self) -> None:
-        self.llm.collective_rpc("r3_before_native_weight_update")  # weights in flux until the finish
-        self.llm.start_weight_update()
+    def native_start(self, layout: str = "checkpoint") -> None:
+        self.llm.collective_rpc("r3_before_native_weight_update", args=(layout,))  # weights in flux until the finish
+        if layout == "kernel":  # vLLM 0.22's flag (the rules refuse the layout on releases without it)
+            self.llm.start_weight_update(is_checkpoint_format=False)  # vLLM 0.22.1 takes it (0.30 is refused earlier)
+        else:
+            self.llm.start_weight_update()
+
+    def native_parameters(self) -> dict[str, Any]:
+        return dict(self.llm.collective_rpc("r3_parameter_metadata")[0])
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})

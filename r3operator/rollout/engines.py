@@ -150,8 +150,11 @@ class RayEngine:
     def native_init(self, init_info: dict[str, Any]) -> None:
         self._call("init weight transfer", lambda: self._actor.native_init.remote(init_info), retry=False)
 
-    def native_start(self) -> None:
-        self._call("start weight update", self._actor.native_start.remote, retry=False)
+    def native_start(self, layout: str = "checkpoint") -> None:
+        self._call("start weight update", lambda: self._actor.native_start.remote(layout), retry=False)
+
+    def native_parameters(self) -> dict[str, Any]:
+        return dict(self._call("parameter metadata", self._actor.native_parameters.remote))
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self._call("update weights", lambda: self._actor.native_update.remote(update_info), retry=False)
@@ -289,10 +292,13 @@ class HTTPEngine:
     def native_init(self, init_info: dict[str, Any]) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info}, retry=False)
 
-    def native_start(self) -> None:
-        self._rpc("r3_before_native_weight_update", retry=False)  # weights in flux until the finish
-        # vLLM 0.22 parses this body (is_checkpoint_format); 0.30 ignores it.
-        self._post("/start_weight_update", {"is_checkpoint_format": True}, retry=False)
+    def native_start(self, layout: str = "checkpoint") -> None:
+        self._rpc("r3_before_native_weight_update", layout, retry=False)  # weights in flux until the finish
+        # vLLM 0.22 parses this body (is_checkpoint_format); 0.30 ignores it (the kernel layout is refused there).
+        self._post("/start_weight_update", {"is_checkpoint_format": layout != "kernel"}, retry=False)
+
+    def native_parameters(self) -> dict[str, Any]:
+        return dict(self._rpc("r3_parameter_metadata") or {})
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)

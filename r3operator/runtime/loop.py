@@ -355,7 +355,10 @@ class GRPORun:
             yield chunk
 
     def _native_install(self) -> weight_sync.NativeInstall | None:
-        """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks."""
+        """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks. The kernel
+        layout exists only on the native path: on the packed one it is refused, naming the field."""
+        layout = self.spec.weight_sync.layout
+        weight_sync.check_layout(layout, self.weight_transfer)
         if not self.weight_transfer.native:
             return None
         import torch
@@ -368,6 +371,7 @@ class GRPORun:
             master_address=weight_sync.master_address_for(self.engines),
             sent=self.sent,
             phases=self.sync_phases,
+            layout=layout,
         )
 
     def canary(self) -> bool:

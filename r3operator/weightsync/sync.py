@@ -21,6 +21,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
 from r3operator.rollout.base import Engine
@@ -104,6 +105,16 @@ def check_runtime(
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
 
 
+def check_layout(layout: WeightSyncLayout, choice: TransferChoice) -> None:
+    """`weightSync.layout` kernel exists only on vLLM's native transfer: on the packed path (CPU engines, a
+    fallback) it is refused, naming the field, instead of silently syncing checkpoint format."""
+    if layout is not WeightSyncLayout.CHECKPOINT and not choice.native:
+        raise ValueError(
+            f"spec.weightSync.layout {layout.value} needs vLLM's native transfer, but this run syncs over "
+            f"{choice.describe()}: use layout checkpoint"
+        )
+
+
 def trainer_vllm_version() -> str | None:
     try:
         import vllm
@@ -139,8 +150,9 @@ class NativeInstall:
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,
         phases: SyncPhases | None = None,
+        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
     ) -> None:
-        self.method = method
+        self.method, self.layout = method, layout
         self.sent = sent if sent is not None else FingerprintLog()
         self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
@@ -164,7 +176,7 @@ class NativeInstall:
                 engine.native_abort()
         if rendezvous:
             self.close()
-            client = FanOutClient(endpoints, phases=self.phases)
+            client = FanOutClient(endpoints, phases=self.phases, layout=self.layout)
             self._sender = NativeSender(
                 self.method,
                 client,

@@ -30,8 +30,19 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
+from r3operator.wire.kernel_layout import (
+    EngineParameter,
+    KernelLayoutError,
+    Source,
+    engine_parameters,
+    kernel_metadata,
+    kernel_tensors,
+    plan_kernel_layout,
+    trainer_shapes,
+)
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
@@ -44,13 +55,39 @@ StateDictFn = Callable[[], Mapping[str, Any]]
 class FanOutClient:
     """vLLM's `VLLMWeightSyncClient` over every engine of the job (see the module doc)."""
 
-    def __init__(self, endpoints: Sequence[NativeEndpoint], *, phases: SyncPhases | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[NativeEndpoint],
+        *,
+        phases: SyncPhases | None = None,
+        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+    ) -> None:
         if not endpoints:
             raise ValueError("no engines to transfer weights to")
         self.endpoints = list(endpoints)
         self.phases = phases if phases is not None else SyncPhases()
+        self.layout = layout  # what every engine's bracket is opened for (weightSync.layout)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
+
+    def engine_parameters(self) -> list[EngineParameter]:
+        """The engines' model parameters (name, dtype, shape), asked of every engine: a kernel-format
+        broadcast goes to all of them at once, so they must hold the same parameters."""
+        answers = [e.native_parameters() for e in self.endpoints]
+        for endpoint, answer in zip(self.endpoints, answers, strict=True):
+            if answer.get("refused"):
+                raise KernelLayoutError(
+                    f"weightSync.layout kernel cannot be right on engine {endpoint.name}: {answer['refused']}; "
+                    "use layout checkpoint"
+                )
+        reported = [engine_parameters(answer.get("parameters") or []) for answer in answers]
+        for endpoint, params in zip(self.endpoints[1:], reported[1:], strict=True):
+            if params != reported[0]:
+                raise KernelLayoutError(
+                    f"weightSync.layout kernel: engine {endpoint.name} reports other parameters than engine "
+                    f"{self.endpoints[0].name}; one broadcast cannot serve both"
+                )
+        return reported[0]
 
     @property
     def world_sizes(self) -> list[int]:
@@ -91,7 +128,7 @@ class FanOutClient:
     def start_weight_update(self) -> None:
         with self.phases("begin"):
             for endpoint in self.endpoints:
-                endpoint.native_start()
+                endpoint.native_start(self.layout.value)
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -152,8 +189,10 @@ class SendStats:
 class NativeSender:
     """Sends the trainer's weights to `client`'s engines with vLLM's sender (see the module doc).
 
-    `state_dict()` is called at every sync; tensors go out in checkpoint format (experts unfused, the
-    engine's `load_weights` names), cast to `dtype`, from the trainer's GPU.
+    `state_dict()` is called at every sync; tensors go out cast to `dtype`, from the trainer's GPU, in the
+    client's layout: checkpoint format (experts unfused, the engine's `load_weights` names) or kernel format
+    (one tensor per engine parameter, wire/kernel_layout.py, planned from the parameters the engines report
+    at the rendezvous: a mismatch fails there, naming the parameter, before any byte is sent).
     """
 
     def __init__(
@@ -172,6 +211,12 @@ class NativeSender:
         api = trainer_vllm_api()
         if api is None:
             raise RuntimeError("this process's vLLM has no trainer-side weight-transfer sender")
+        if client.layout is WeightSyncLayout.KERNEL and api != "static":
+            raise ValueError(
+                "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
+                "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
+                "load checkpoint format: use layout checkpoint"
+            )
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
@@ -179,6 +224,7 @@ class NativeSender:
         self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
+        self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
 
     # -- what goes out ----------------------------------------------------------------------------
     def _state_dict(self) -> Mapping[str, Any]:
@@ -186,7 +232,23 @@ class NativeSender:
         return self._state if self._state is not None else self.state_dict()
 
     def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
+        if self.client.layout is WeightSyncLayout.KERNEL:
+            return kernel_metadata(self.kernel_plan(), dtype=self.dtype)
         return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
+
+    def kernel_plan(self) -> list[Source]:
+        """Which trainer tensors make each engine parameter: planned once per rendezvous from what the engines
+        report, checked against the trainer's shapes (`KernelLayoutError` names a mismatch)."""
+        if self._plan is None:
+            self._plan = plan_kernel_layout(trainer_shapes(self._state_dict()), self.client.engine_parameters())
+            dtypes = {p.parameter.dtype for p in self._plan}
+            wanted = str(self.dtype).removeprefix("torch.")
+            if self.dtype is not None and dtypes != {wanted}:
+                raise KernelLayoutError(
+                    f"weightSync.layout kernel sends {wanted}, but the engine's parameters are {sorted(dtypes)}: "
+                    "a copy_ would cast them; use layout checkpoint"
+                )
+        return self._plan
 
     def packed_buffer_bytes(self) -> int:
         """`weightSync.chunkSizeMB`, or the largest tensor when that is bigger: vLLM's packed senders refuse
@@ -198,17 +260,21 @@ class NativeSender:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
         on the CPU), cast to the engine's dtype first; each fingerprinted on the way (wire/receipt.py)."""
         phases = self.client.phases
-        for name, tensor in phases.timed(
-            "gather", checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
-        ):
+        if self.client.layout is WeightSyncLayout.KERNEL:
+            source = kernel_tensors(self._state_dict(), self.kernel_plan(), dtype=self.dtype, device="cuda")
+        else:
+            source = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
+        for name, tensor in phases.timed("gather", source):
             with phases("fingerprint"):
                 self.sent.add(name, tensor)
             yield name, tensor
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Rendezvous with every engine (again after a failure or an engine restart)."""
+        """Rendezvous with every engine (again after a failure or an engine restart); the kernel layout's
+        plan is made again too (a restarted engine may be another model)."""
         self.close()
+        self._plan = None
         if self.api == "factory":
             self._engine = self._factory_init()
         elif self.method is TransferMethod.NCCL:

@@ -241,6 +241,16 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"routingReplay.mode": "Disabled", "model.architecture": None}),
         sets(**{"model.architecture": None}),
     ),
+    "WEIGHT-SYNC-KERNEL-LAYOUT": (
+        sets(
+            **{
+                "weightSync.layout": "kernel",
+                "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1",
+                "inference.tensorParallelSize": 1,
+            }
+        ),
+        sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
+    ),
     "R3-ASYNC-SCHEDULING": (
         sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
         sets(**{"inference.asyncScheduling": True}),

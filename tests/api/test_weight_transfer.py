@@ -155,3 +155,37 @@ def test_the_packed_path_has_no_engine_flag() -> None:
     assert json.loads(weight_transfer_config_arg(TransferMethod.IPC)) == {"backend": "ipc"}
     with pytest.raises(ValueError, match="packed path needs no --weight-transfer-config"):
         weight_transfer_config_arg(TransferMethod.PACKED)
+
+
+_KERNEL_OK = {
+    "weightSync.layout": "kernel",
+    "inference.tensorParallelSize": 1,
+    "inference.enableExpertParallel": False,
+}
+
+
+def _kernel_findings(**edits: object) -> list[str]:
+    spec = parse_rljob(_doc(**{**_KERNEL_OK, **edits})).spec
+    return [f.message for f in evaluate(spec) if f.rule == "WEIGHT-SYNC-KERNEL-LAYOUT"]
+
+
+def test_the_kernel_layout_is_accepted_on_whole_unquantized_parameters_of_vllm_0_22() -> None:
+    assert _kernel_findings() == []
+    assert _kernel_findings(**{"weightSync.layout": "checkpoint", "inference.tensorParallelSize": 2}) == []
+    default = parse_rljob(_doc()).spec.weight_sync.layout
+    assert default.value == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("edits", "named"),
+    [
+        ({"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.30.0"}, "engine vLLM 0.30.0 has no such flag"),
+        ({"inference.image": "acme/engine:latest"}, "is unknown"),
+        ({"inference.tensorParallelSize": 2}, "inference.tensorParallelSize is 2"),
+        ({"inference.enableExpertParallel": True}, "inference.enableExpertParallel"),
+        ({"inference.extraArgs": ["--quantization=fp8"]}, "--quantization=fp8"),
+    ],
+)
+def test_the_kernel_layout_is_refused_where_it_cannot_be_right(edits: dict[str, object], named: str) -> None:
+    [message] = _kernel_findings(**edits)
+    assert message.startswith("spec.weightSync.layout kernel") and named in message

