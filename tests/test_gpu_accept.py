@@ -206,3 +206,54 @@ def test_each_megatron_row_selects_exactly_its_cases(name: str, ids: tuple[str, 
     assert selected == [n for n in node_ids if n.endswith(tuple(f"[{i}]" for i in ids))]
     assert row.min_gpus == min(dict(gpu_accept.MEGATRON_CASES)[i] for i in ids)
     assert row.judge(Context(gpus=row.min_gpus, work=tmp_path), 0, f"{len(ids)} passed in 9.0s").passed
+
+
+def _sync_report(nbytes: int, seconds: float, raw: float, canary: str = "3/3") -> dict[str, Any]:
+    return {
+        "bytes_per_sync": nbytes,
+        "nccl_broadcast_gbps": raw,
+        "methods": {
+            "nccl": {
+                "median_s": seconds,
+                "gbps": round(nbytes / seconds / 1e9, 3),
+                "canary_ok": canary,
+                "phases_median_s": {"transfer": seconds - 0.01},
+            }
+        },
+    }
+
+
+def test_the_sync_layouts_row_takes_the_fixed_cost_from_two_model_sizes(tmp_path: Path) -> None:
+    """Two sizes on a line t = fixed + bytes / rate: the intercept is the fixed cost, written out here."""
+    fixed, rate, raw = 0.030, 200e9, 300.0  # a3b-x16l: 20 GB in 0.13 s = 154 GB/s ≥ 0.5 × 300
+    small, large = 5_000_000_000, 20_000_000_000
+
+    def write(work: Path, kernel_fixed: float, canary: str = "3/3") -> Context:
+        work.mkdir()
+        for model, nbytes in (("a3b", small), ("a3b-x16l", large)):
+            for layout, f in (("checkpoint", 0.4), ("kernel", kernel_fixed)):
+                report = _sync_report(nbytes, f + nbytes / rate, raw, canary if layout == "kernel" else "3/3")
+                (work / f"sync_{model}_{layout}.json").write_text(json.dumps(report))
+        return Context(gpus=2, work=work)
+
+    assert gpu_accept.fixed_cost_s(
+        _sync_report(small, fixed + small / rate, raw), _sync_report(large, fixed + large / rate, raw)
+    ) == pytest.approx(fixed)
+    met = gpu_accept.judge_sync_layouts(write(tmp_path / "met", fixed), 0, "")
+    assert met.passed and met.target_met and "kernel fixed cost per sync 30 ms" in met.figure
+    slow = gpu_accept.judge_sync_layouts(write(tmp_path / "slow", 0.4), 0, "")
+    assert slow.passed and slow.target_met is False  # 400 ms of fixed cost: the run passes, the target is missed
+    broken = gpu_accept.judge_sync_layouts(write(tmp_path / "broken", fixed, canary="2/3"), 0, "")
+    assert not broken.passed
+    (tmp_path / "met" / "sync_a3b-x16l_kernel.json").unlink()
+    missing = gpu_accept.judge_sync_layouts(Context(gpus=2, work=tmp_path / "met"), 0, "")
+    assert not missing.passed and "a3b-x16l kernel: no JSON" in missing.figure and missing.target_met is None
+
+
+def test_the_sync_layouts_row_runs_both_sizes_in_both_layouts() -> None:
+    two = gpu_accept.sync_layouts_command(Context(gpus=2, work=Path("/w")))
+    one = gpu_accept.sync_layouts_command(Context(gpus=1, work=Path("/w")))
+    for model, layout in gpu_accept.SYNC_LAYOUT_RUNS:
+        assert f"--model {model} --syncs 3 --layout {layout}" in two
+    assert two.count("--methods nccl --engine-gpu 1") == 4 and one.count("--methods ipc") == 4
+    assert "bench_engine_load" in two and "--device cuda --layout both" in two
