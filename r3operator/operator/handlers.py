@@ -173,14 +173,14 @@ async def _stopping(stopped: kopf.DaemonStopped) -> None:
     await stopped.wait()
 
 
-async def _settle(wake: Wake, stop: asyncio.Future[None]) -> None:
+async def _settle(wake: Wake, stop: asyncio.Future[Any]) -> None:
     """Wait ``R3OPERATOR_SETTLE_SECONDS`` after a child's event before the pass, so that one pass (and at most one
     status write) takes the burst it starts: a StatefulSet's status moves one field per write (replicas, current,
-    updated, ready, available) and the children a pass wrote echo back as events of their own. The wait starts at
+    updated, ready, available), and the controllers answer a pass's own writes with several. The wait starts at
     the first event and is not extended by the next; a change of the RLJob itself (``urgent``) or a stop ends it."""
     if CONFIG.settle_seconds <= 0:
         return
-    urgent = asyncio.ensure_future(wake.urgent.wait())
+    urgent: asyncio.Future[Any] = asyncio.ensure_future(wake.urgent.wait())
     await asyncio.wait({urgent, stop}, timeout=CONFIG.settle_seconds, return_when=asyncio.FIRST_COMPLETED)
     urgent.cancel()
 
