@@ -546,7 +546,7 @@ def _start_operator(
     }
     if probe == "tracemalloc":
         env["R3_PROBE_TRACEMALLOC"] = "1"
-    for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS"):
+    for variable in ("R3OPERATOR_RESYNC_SECONDS", "R3OPERATOR_DISCOVERY_TTL_SECONDS", "R3OPERATOR_SETTLE_SECONDS"):
         env.pop(variable, None)  # production defaults
     # Lease duration and renew deadline 60/40 s rather than the defaults' 15/10: on the shared 2-core box the API
     # server can stall for seconds, and a leader that cannot renew within the deadline exits. The retry period

@@ -82,6 +82,10 @@ class OperatorSettings(_Settings):
     resync_seconds: float = Field(300.0, gt=0)
     """The longest an RLJob goes without a pass: the safety net under the watches, which wake a pass
     within a second of a child's change."""
+    settle_seconds: float = Field(0.5, ge=0, le=10)
+    """How long a pass woken by a child's event waits first, so that the rest of that burst (a StatefulSet's status
+    written one field at a time, the echoes of the pass's own writes) goes into the same pass and status write.
+    A change of the RLJob itself, its first pass and a retry do not wait; 0 turns the wait off."""
     discovery_ttl_seconds: float = Field(15.0, ge=0)
     """Cache of 'is KubeRay / the PodMonitor CRD installed'."""
     watch_server_timeout_seconds: int = Field(600, gt=0)

@@ -5,7 +5,8 @@
   ``R3OPERATOR_RESYNC_SECONDS`` (the level-based safety net, minutes);
 - it is woken by a change of one of the RLJob's children (the watches of informer.py: an engine pod
   ready, the RayJob finished, a child deleted or edited by hand) and by create / update / resume of the
-  RLJob itself (a spec edit); wake-ups during a pass make one more pass, not one each;
+  RLJob itself (a spec edit); wake-ups during a pass make one more pass, not one each; a child's event waits
+  ``R3OPERATOR_SETTLE_SECONDS`` first, so that the rest of its burst goes into the same pass (``_settle``);
 - delete (optional) → keep a Retain PVC free of ownerReferences, forget per-job state.
 
 Run with ``r3operator operator`` or ``kopf run -m r3operator.operator.handlers --standalone``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import socket
 import time
@@ -26,7 +28,7 @@ import kopf
 from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from r3operator.operator import allocator, meta, metrics
 from r3operator.operator.diffbase import LeanDiffBaseStorage
-from r3operator.operator.informer import ChildCache, Wakeups
+from r3operator.operator.informer import ChildCache, Wake, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
 from r3operator.settings import operator_settings, unknown_variables
@@ -154,14 +156,33 @@ async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
+async def on_new(name: str, namespace: str | None, **_: Any) -> None:
+    """A new RLJob, or every RLJob when the operator starts: the daemon's first pass, which does not wait, reads
+    the same body. This wake-up (kopf may call it before or during that pass) waits as a child's event does, so
+    that it does not add an immediate second pass that only sees the first pass's own writes half-applied."""
+    _state["wakeups"].wake((namespace or "", name))
+
+
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def on_change(name: str, namespace: str | None, **_: Any) -> None:
-    """The spec (or labels, annotations) changed: the RLJob's daemon makes a pass (it makes its first on start)."""
-    _state["wakeups"].wake((namespace or "", name))
+    """The spec (or labels, annotations) changed: the RLJob's daemon makes a pass at once."""
+    _state["wakeups"].wake((namespace or "", name), urgent=True)
 
 
 async def _stopping(stopped: kopf.DaemonStopped) -> None:
     await stopped.wait()
+
+
+async def _settle(wake: Wake, stop: asyncio.Future[Any]) -> None:
+    """Wait ``R3OPERATOR_SETTLE_SECONDS`` after a child's event before the pass, so that one pass (and at most one
+    status write) takes the burst it starts: a StatefulSet's status moves one field per write (replicas, current,
+    updated, ready, available), and the controllers answer a pass's own writes with several. The wait starts at
+    the first event and is not extended by the next; a change of the RLJob itself (``urgent``) or a stop ends it."""
+    if CONFIG.settle_seconds <= 0:
+        return
+    urgent: asyncio.Future[Any] = asyncio.ensure_future(wake.urgent.wait())
+    await asyncio.wait({urgent, stop}, timeout=CONFIG.settle_seconds, return_when=asyncio.FIRST_COMPLETED)
+    urgent.cancel()
 
 
 # On stop (the RLJob deleted, the operator exiting or losing the Lease) a pass under way finishes first
@@ -175,15 +196,17 @@ async def reconcile_loop(
     spawned = time.time()
     wakeups: Wakeups = _state["wakeups"]
     wake = wakeups.subscribe(key)
-    wake.set()  # the first pass
+    wake.set(urgent=True)  # the first pass
     first = True
     loop = asyncio.get_running_loop()
     stop = asyncio.ensure_future(_stopping(stopped))
     try:
         while not stopped:
-            woken = asyncio.ensure_future(wake.wait())
+            woken = asyncio.ensure_future(wake.any.wait())
             await asyncio.wait({woken, stop}, timeout=CONFIG.resync_seconds, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
+            if not stopped and wake.any.is_set() and not wake.urgent.is_set():
+                await _settle(wake, stop)
             if stopped:
                 break
             wake.clear()
@@ -196,10 +219,10 @@ async def reconcile_loop(
                 first = False
             except kopf.TemporaryError as exc:
                 logger.warning("%s; again in %.0f s", exc, exc.delay or RETRY_S)
-                loop.call_later(exc.delay or RETRY_S, wake.set)
+                loop.call_later(exc.delay or RETRY_S, functools.partial(wake.set, urgent=True))
             except Exception:
                 logger.exception("reconcile failed; again in %.0f s", RETRY_S)
-                loop.call_later(RETRY_S, wake.set)
+                loop.call_later(RETRY_S, functools.partial(wake.set, urgent=True))
     finally:
         stop.cancel()
         wakeups.unsubscribe(key)

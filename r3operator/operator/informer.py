@@ -130,23 +130,42 @@ class _Store:
             self.set(name, obj)
 
 
-class Wakeups:
-    """One asyncio.Event per RLJob that its reconcile loop (handlers.py) waits on."""
+class Wake:
+    """What an RLJob's reconcile loop (handlers.py) waits on: ``any`` is set by every wake-up, ``urgent`` also by
+    those that must not wait for a burst of child events to settle (a change of the RLJob itself)."""
 
     def __init__(self) -> None:
-        self._events: dict[Key, asyncio.Event] = {}
+        self.any = asyncio.Event()
+        self.urgent = asyncio.Event()
 
-    def subscribe(self, key: Key) -> asyncio.Event:
-        return self._events.setdefault(key, asyncio.Event())
+    def set(self, *, urgent: bool = False) -> None:
+        self.any.set()
+        if urgent:
+            self.urgent.set()
+
+    def clear(self) -> None:
+        self.any.clear()
+        self.urgent.clear()
+
+
+class Wakeups:
+    """One :class:`Wake` per RLJob, which its reconcile loop (handlers.py) waits on."""
+
+    def __init__(self) -> None:
+        self._events: dict[Key, Wake] = {}
+
+    def subscribe(self, key: Key) -> Wake:
+        return self._events.setdefault(key, Wake())
 
     def unsubscribe(self, key: Key) -> None:
         self._events.pop(key, None)
 
-    def wake(self, key: Key) -> None:
-        """No-op for an RLJob without a loop (not handled by this operator, or gone)."""
+    def wake(self, key: Key, *, urgent: bool = False) -> None:
+        """No-op for an RLJob without a loop (not handled by this operator, or gone). ``urgent``: a change of the
+        RLJob itself, passed on without the settle delay a child's event waits (handlers.py)."""
         event = self._events.get(key)
         if event is not None:
-            event.set()
+            event.set(urgent=urgent)
 
     def wake_namespace(self, namespace: str) -> None:
         for (ns, _), event in self._events.items():

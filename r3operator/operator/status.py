@@ -201,6 +201,11 @@ def _ray_status(obs: Observed) -> tuple[str, str, str]:
     return str(st.get("jobDeploymentStatus") or ""), str(st.get("jobStatus") or ""), str(st.get("message") or "")
 
 
+_STARTING = ("", "New", "Initializing")
+"""KubeRay's jobDeploymentStatus on the way to Running (RayCluster coming up, then the submitter)."""
+_STARTING_MESSAGE = "the RayJob is starting (its Ray cluster, then the submitter): jobDeploymentStatus is on the RayJob"
+
+
 def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
     if stopped is not None:
         return Desired(T.TRAINER_READY, S.FALSE, stopped.reason, stopped.message)
@@ -218,9 +223,11 @@ def _trainer(obs: Observed, stopped: Desired | None) -> Desired:
     if meta.ROLE_TRAINER in obs.config_errors:
         why = obs.config_errors[meta.ROLE_TRAINER]
         return Desired(T.TRAINER_READY, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"trainer pods cannot start: {why}")
-    return Desired(
-        T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, f"RayJob jobDeploymentStatus {deployment or 'unset'}"
-    )
+    if deployment in _STARTING:
+        # One message for KubeRay's way up (unset → Initializing, seconds apart): each step would be a status
+        # write, and the RayJob shows it.
+        return Desired(T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, _STARTING_MESSAGE)
+    return Desired(T.TRAINER_READY, S.FALSE, Reason.TRAINER_STARTING, f"RayJob jobDeploymentStatus {deployment}")
 
 
 def _replay(job: RLJob, obs: Observed, engines: Desired) -> Desired:

@@ -293,3 +293,26 @@ def test_trainer_ready_says_when_the_ray_job_has_no_status_yet_instead_of_empty_
     assert message == "RayJob running (the Ray job has reported no jobStatus yet)"
     running = _conds(compute_status(job, Observed(engine_set=_ready_sts(job), ray_job=_running_rayjob()), T0))
     assert running["TrainerReady"].message == "RayJob running (jobStatus RUNNING)"
+
+
+def test_the_rayjob_on_its_way_up_is_one_status_not_one_per_step():
+    """KubeRay moves a new RayJob unset → Initializing seconds apart; each step written would be one more RLJob
+    status write (a watch event to every RLJob watcher) that tells a user nothing the RayJob does not show."""
+    job = _job()
+    first = compute_status(job, Observed(engine_set=_ready_sts(job), ray_job={"spec": {}, "status": {}}), T0)
+    job = _with(job, first)
+    for deployment in ("New", "Initializing"):
+        ray_job = {"spec": {"suspend": False}, "status": {"jobDeploymentStatus": deployment}}
+        again = compute_status(job, Observed(engine_set=_ready_sts(job), ray_job=ray_job), T1)
+        assert not status_changed(job.status, again), deployment
+        assert _conds(again)["TrainerReady"].reason == "TrainerStarting"
+    # A RayJob held (suspended) or retrying is another state, and so is Running.
+    for deployment, reason in (
+        ("Suspended", "TrainerStarting"),
+        ("Retrying", "TrainerStarting"),
+        ("Running", "Running"),
+    ):
+        ray_job = {"spec": {"suspend": False}, "status": {"jobDeploymentStatus": deployment}}
+        other = compute_status(job, Observed(engine_set=_ready_sts(job), ray_job=ray_job), T1)
+        assert status_changed(job.status, other), deployment
+        assert _conds(other)["TrainerReady"].reason == reason
