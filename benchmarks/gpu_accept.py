@@ -323,20 +323,20 @@ def sync_layouts_command(ctx: Context) -> str:
     return "; ".join([*runs, load])  # each run's figures are wanted even where another fails
 
 
+def _native(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The native method's figures in a bench_weight_sync report (NCCL or IPC: the one that is not `packed`)."""
+    return next((v for m, v in report.get("methods", {}).items() if m != "packed"), None)
+
+
 def fixed_cost_s(small: Mapping[str, Any], large: Mapping[str, Any]) -> float | None:
     """The per-sync cost that does not grow with bytes: the intercept of the line through two model sizes'
     (bytes, median seconds), issue 24's "fixed cost per sync"."""
-    b1, t1 = small.get("bytes_per_sync"), _native_median(small)
-    b2, t2 = large.get("bytes_per_sync"), _native_median(large)
-    if not (b1 and b2 and t1 is not None and t2 is not None) or b1 == b2:
+    b1, n1 = small.get("bytes_per_sync"), _native(small)
+    b2, n2 = large.get("bytes_per_sync"), _native(large)
+    if not (b1 and b2 and n1 and n2) or b1 == b2:
         return None
-    slope = (t2 - t1) / (b2 - b1)
-    return float(t1 - slope * b1)
-
-
-def _native_median(report: Mapping[str, Any]) -> float | None:
-    native = [v for m, v in report.get("methods", {}).items() if m != "packed"]
-    return float(native[0]["median_s"]) if native else None
+    t1, t2 = float(n1["median_s"]), float(n2["median_s"])
+    return t1 - (t2 - t1) / (b2 - b1) * b1
 
 
 def judge_sync_layouts(ctx: Context, code: int, log: str) -> Verdict:
@@ -361,12 +361,11 @@ def judge_sync_layouts(ctx: Context, code: int, log: str) -> Verdict:
     kernel_small, kernel_large = reports.get(("a3b", "kernel")), reports.get(("a3b-x16l", "kernel"))
     if kernel_small and kernel_large:
         fixed = fixed_cost_s(kernel_small, kernel_large)
-        large = [v for m, v in kernel_large.get("methods", {}).items() if m != "packed"]
-        raw = kernel_large.get("nccl_broadcast_gbps")
+        large, raw = _native(kernel_large), kernel_large.get("nccl_broadcast_gbps")
         if fixed is not None:
             parts.append(f"kernel fixed cost per sync {fixed * 1000:.0f} ms")
-        if raw and large and fixed is not None:
-            met = large[0]["gbps"] >= 0.5 * raw and fixed <= 0.050
+            if raw and large:
+                met = large["gbps"] >= 0.5 * raw and fixed <= 0.050
     canaries = [v["canary_ok"] for r in reports.values() for v in r.get("methods", {}).values()]
     canaries_ok = bool(canaries) and all(c.split("/")[0] == c.split("/")[1] for c in canaries)
     load_file = ctx.work / "engine_load.json"

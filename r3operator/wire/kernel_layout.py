@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.wire.weights import full_tensor
+
 _QKV = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.(?P<leaf>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.gate_up_proj\.weight$")
 _W13 = re.compile(r"^(?P<experts>.*\.mlp\.experts)(?:\.[A-Za-z_]+)?\.w13_weight$")
@@ -175,17 +177,6 @@ def kernel_metadata(plan: Sequence[Source], *, dtype: Any) -> list[tuple[str, An
     return [(s.parameter.name, dtype, s.parameter.shape) for s in plan]
 
 
-def _full(tensor: Any, dtype: Any, device: Any) -> Any:
-    t = tensor.detach()
-    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
-        t = t.full_tensor()
-    if dtype is not None:
-        t = t.to(dtype)
-    if device is not None:
-        t = t.to(device)
-    return t
-
-
 def kernel_tensors(
     state_dict: Mapping[str, Any], plan: Sequence[Source], *, dtype: Any = None, device: Any = "cpu"
 ) -> Iterator[tuple[str, Any]]:
@@ -194,7 +185,7 @@ def kernel_tensors(
     import torch
 
     for source in plan:
-        parts = [_full(state_dict[p], dtype, device) for p in source.parts]
+        parts = [full_tensor(state_dict[p], dtype=dtype, device=device) for p in source.parts]
         if source.kind in ("same", "fused_w2"):
             out = parts[0]
         elif source.kind == "fused_w13":

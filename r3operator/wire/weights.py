@@ -23,6 +23,19 @@ _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
 
 
+def full_tensor(tensor: Any, *, dtype: Any = None, device: Any = None) -> Any:
+    """One trainer tensor, detached and whole (an FSDP2 DTensor gathered with `full_tensor()`), cast to `dtype`
+    on its own device before the move to `device` (None: leave either as it is)."""
+    t = tensor.detach()
+    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
+        t = t.full_tensor()
+    if dtype is not None:
+        t = t.to(dtype)
+    if device is not None:
+        t = t.to(device)
+    return t
+
+
 def checkpoint_tensors(
     state_dict: Mapping[str, Any], *, dtype: Any = None, device: Any = "cpu"
 ) -> Iterator[tuple[str, Any]]:
@@ -33,13 +46,7 @@ def checkpoint_tensors(
     `device` (None: stay there), so a bf16 engine costs half the device-to-host bytes.
     """
     for name, tensor in state_dict.items():
-        t = tensor.detach()
-        if hasattr(t, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
-            t = t.full_tensor()
-        if dtype is not None:
-            t = t.to(dtype)
-        if device is not None:
-            t = t.to(device)
+        t = full_tensor(tensor, dtype=dtype, device=device)
         if match := _FUSED_GATE_UP.match(name):
             half = t.shape[1] // 2
             for e in range(t.shape[0]):
