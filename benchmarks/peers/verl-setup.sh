@@ -23,10 +23,14 @@ echo "verl wheels installed in $((SECONDS - t0)) s"
 export PYTHONPATH=$site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if [ "${2:-}" != "--skip-te" ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
   sdist=$(ls "$stash"/transformer_engine_torch-*.tar.gz /root/verl-joined/transformer_engine_torch-*.tar.gz \
-          2>/dev/null | head -1)
+          2>/dev/null | head -1 || true)
   t0=$SECONDS
+  # Built into a folder of its own, then merged: `pip --target` skips a package folder that exists already, and
+  # the extension's files go into transformer_engine/, which the core wheel installed above.
+  rm -rf /tmp/te-build
   NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-16} NVTE_CUDA_ARCHS=90 python3 -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-cache-dir --target "$site" "$sdist"
+    --no-build-isolation --no-cache-dir --target /tmp/te-build "$sdist"
+  cp -r /tmp/te-build/. "$site/"
   echo "transformer-engine-torch built in $((SECONDS - t0)) s"
 fi
 python3 - <<'PY'

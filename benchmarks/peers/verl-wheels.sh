@@ -30,7 +30,9 @@ done
 # (numpy, accelerate, packaging, dill, ray, torch, pydantic, fastapi, uvicorn, cachetools, pyzmq, msgspec), plus
 # their needs that are not on the image either. wandb/tensorboard are imported only for those loggers (we log to
 # console + file), flash-attn only for the FSDP engine's remove-padding path (the Megatron engine does not import it).
-pkgs=(verl==0.9.1 transformers==5.9.0 tokenizers==0.23.2 huggingface-hub==1.33.0
+# transformers 5.9.0 wants tokenizers <= 0.23.0; tensordict 0.10 imports pyvers; verl 0.9.1's main_ppo imports
+# transfer_queue (transferqueue) on every run (all three found missing on the GPU machine, 2026-11-27).
+pkgs=(verl==0.9.1 transformers==5.9.0 tokenizers==0.22.2 pyvers==0.2.3 transferqueue==0.1.11 huggingface-hub==1.33.0
   hydra-core==1.3.2 omegaconf==2.3.0 codetiming tensordict==0.10.0 torchdata
   pybind11 pylatexenc peft datasets pyarrow pandas pytz tzdata xxhash multiprocess fsspec orjson
   mbridge==0.15.1 einops transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 nvtx

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +47,16 @@ COMMON_ENV = {
     "PYTHONUNBUFFERED": "1",
     **SAFE_ENV,
 }
+
+
+def nvidia_smi_memory_query(env: Mapping[str, str]) -> list[str]:
+    """nvidia-smi ignores CUDA_VISIBLE_DEVICES: a run given some GPUs of a bigger machine (another job on the others)
+    samples only its own, by physical index."""
+    cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    visible = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if visible and all(g.isdigit() for g in visible):
+        cmd.append(f"--id={','.join(visible)}")
+    return cmd
 
 
 class GpuMemorySampler:
@@ -72,7 +82,7 @@ class GpuMemorySampler:
         with self.path.open("a") as fh:
             while not self._stop.wait(self.period_s):
                 out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                    nvidia_smi_memory_query(os.environ),
                     capture_output=True,
                     text=True,
                     check=False,

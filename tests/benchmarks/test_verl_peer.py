@@ -372,6 +372,24 @@ def test_hook_gives_mbridge_the_rope_theta_transformers_5_moved(
     assert AutoBridge.from_config(legacy)[1] == 5.0  # a config that has it keeps its own
 
 
+def test_hook_gives_mbridge_the_model_type_megatron_core_0_19_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mbridge 0.15.1's get_model, as it reads against megatron-core 0.19's ModelType (no encoder_and_decoder).
+    util = (
+        "import enum\n"
+        "class ModelType(enum.Enum):\n"
+        "    encoder_or_decoder = 1\n"
+        "def build_model(model_type):\n"
+        "    return 'encoder-decoder' if model_type == ModelType.encoder_and_decoder else 'decoder'\n"
+    )
+    load_hook(tmp_path, monkeypatch, {"mbridge.core.util": util})
+    from mbridge.core.util import ModelType, build_model  # type: ignore[import-not-found]
+
+    assert build_model(ModelType.encoder_or_decoder) == "decoder"
+    assert list(ModelType) == [ModelType.encoder_or_decoder]  # no member added: iteration and lookup unchanged
+
+
 def test_hook_still_runs_the_sitecustomize_it_shadows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     image_site = tmp_path / "image-site"
     image_site.mkdir()
@@ -405,3 +423,13 @@ def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkey
     assert got["peer/logprob_abs_diff_mean"] == pytest.approx(sum(abs(x) for x in log_ratios) / 5)
     assert got["peer/logprob_abs_diff_max"] == pytest.approx(0.5)
     assert got["peer/kl_k3"] == pytest.approx(sum(math.expm1(x) - x for x in log_ratios) / 5)
+
+
+def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
+    from benchmarks.peers.verl_vs_r3 import nvidia_smi_memory_query
+
+    base = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    assert nvidia_smi_memory_query({}) == base
+    assert nvidia_smi_memory_query({"CUDA_VISIBLE_DEVICES": "2, 3"}) == [*base, "--id=2,3"]
+    # UUIDs or MIG names are not indices nvidia-smi's index column would show: sample every GPU, as before.
+    assert nvidia_smi_memory_query({"CUDA_VISIBLE_DEVICES": "GPU-8a1f"}) == base

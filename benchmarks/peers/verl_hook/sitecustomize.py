@@ -8,6 +8,8 @@ changes, each made when its module is first imported; nothing else of verl chang
    and `_max` (token-level, over response tokens) and `peer/kl_k3`. A failure there leaves verl's metrics as they are.
 2. mbridge 0.15.1 (verl's `vanilla_mbridge` path) reads `hf_config.rope_theta`, which transformers 5 no longer sets
    (it keeps the value in `rope_parameters`); `AutoBridge.from_config` is wrapped to set it from there first.
+3. mbridge 0.15.1's `get_model` compares with `ModelType.encoder_and_decoder`, which megatron-core 0.19 removed
+   (encoder-decoder models went with it); the name is given back as a value no model type equals.
 """
 
 from __future__ import annotations
@@ -67,7 +69,21 @@ def _wrap_auto_bridge(module: Any) -> None:
     module.AutoBridge.from_config = classmethod(from_config)
 
 
-PATCHES = {"verl.utils.debug.metrics": _wrap_debug_metrics, "mbridge.core.auto_bridge": _wrap_auto_bridge}
+class _NoSuchModelType:
+    """megatron-core 0.19 has no encoder-decoder model type: nothing compares equal to this."""
+
+
+def _give_back_encoder_and_decoder(module: Any) -> None:
+    model_type = getattr(module, "ModelType", None)
+    if model_type is not None and not hasattr(model_type, "encoder_and_decoder"):
+        setattr(model_type, "encoder_and_decoder", _NoSuchModelType())  # noqa: B010 (an Enum class: no member)
+
+
+PATCHES = {
+    "verl.utils.debug.metrics": _wrap_debug_metrics,
+    "mbridge.core.auto_bridge": _wrap_auto_bridge,
+    "mbridge.core.util": _give_back_encoder_and_decoder,
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
