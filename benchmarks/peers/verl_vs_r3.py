@@ -8,7 +8,9 @@ benchmarks/peers/verl-setup.sh (verl into /tmp/verl-site), from the repository r
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --out DIR --parts table               # the table again
 
 Parts: `prepare` (the a3b model in the HF layout + the arith parquet, benchmarks/peers/verl_inputs.py), `r3`
-(benchmarks/jobs/a3b-verl-peer.yaml with --compare-replay: replay off, then R3, same seed), `verl-R3`,
+(benchmarks/jobs/a3b-verl-peer.yaml, replay off then R3, same seed: on 2 or more GPUs through `r3operator up`, the
+engine on GPU 0 and the trainer on the others with NCCL weight sync; on 1 GPU or the CPU `r3operator run
+--compare-replay`, engine beside the trainer), `verl-R3`,
 `verl-disabled` (benchmarks/peers/verl_config.py), `table` (benchmarks/peers/compare.py). Each run's console goes
 to DIR/<part>/console.log, nvidia-smi's memory samples to DIR/<part>/gpu_memory.csv; the table to DIR/table.md
 and DIR/summary.json. A part that fails or times out is reported, and the table shows it as not run.
@@ -132,6 +134,8 @@ def place_dataset() -> None:
 
 
 def r3_command(args: argparse.Namespace) -> list[str]:
+    """One process, engine beside the trainer: the CPU smoke test and 1-GPU machines (the `a3b` trainer and engine
+    do not fit one 80 GB GPU at 16×8 samples of 64 tokens: 2026-11-27, out of memory at 0.3 and at 0.15 of it)."""
     cmd = [
         sys.executable,
         "-m",
@@ -150,10 +154,58 @@ def r3_command(args: argparse.Namespace) -> list[str]:
     ]
     if args.model != "a3b":  # a smoke test on a smaller reference model
         cmd += ["--model", args.model]
-    if args.gpus > 2:
-        # The local runtime gives the engine half a GPU and each trainer rank a whole one (docs: "Against verl").
-        cmd += ["--trainer-ranks", str(args.gpus - 1)]
     return cmd
+
+
+def uses_up(args: argparse.Namespace) -> bool:
+    return args.device != "cpu" and args.gpus >= 2
+
+
+def r3_job_variant(base: Path, dest: Path, *, sub: str, replay: str, gpus: int) -> Path:
+    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer."""
+    import yaml
+
+    doc = yaml.safe_load(base.read_text())
+    doc["metadata"]["name"] = f"{JOB_NAME}-{sub}"
+    doc["spec"]["routingReplay"]["mode"] = replay
+    doc["spec"]["trainer"]["gpusPerNode"] = gpus - int(doc["spec"]["inference"]["replicas"])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return dest
+
+
+def r3_up_commands(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
+    """(run, argv, its metrics.csv's place for the table), replay off first, as --compare-replay runs them."""
+    runs: list[tuple[str, list[str], Path]] = []
+    for sub, replay in (("disabled", "Disabled"), ("r3", "R3")):
+        job = r3_job_variant(JOB, args.out / "r3" / "jobs" / f"{sub}.yaml", sub=sub, replay=replay, gpus=args.gpus)
+        cmd = [
+            "r3operator",
+            "up",
+            str(job),
+            "--gpus",
+            ",".join(str(g) for g in range(args.gpus)),
+            "--steps",
+            str(args.steps),
+            "--out-dir",
+            str(args.out / "r3" / f"up-{sub}"),
+        ]
+        runs.append((sub, cmd, args.out / "r3" / JOB_NAME / sub / "metrics.csv"))
+    return runs
+
+
+def run_r3_up(args: argparse.Namespace, env: dict[str, str]) -> int:
+    rc = 0
+    for sub, cmd, metrics in r3_up_commands(args):
+        code = run_logged(f"r3operator up ({sub})", cmd, env, args.out / "r3" / f"log-{sub}", args.timeout_s)
+        found = sorted((args.out / "r3" / f"up-{sub}").rglob("metrics.csv"))
+        if found:  # where the table reads it, whatever up named its run folder
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(found[0], metrics)
+        for checkpoints in (args.out / "r3" / f"up-{sub}").rglob("checkpoints"):
+            shutil.rmtree(checkpoints, ignore_errors=True)
+        rc = rc or code
+    return rc
 
 
 def run_part(part: str, args: argparse.Namespace) -> int:
@@ -163,6 +215,9 @@ def run_part(part: str, args: argparse.Namespace) -> int:
     if part == "r3":
         place_dataset()
         env = environment([args.site, str(REPO)])
+        env["PATH"] = os.pathsep.join([str(Path(args.site) / "bin"), env.get("PATH", "")])  # `up` runs `vllm`
+        if uses_up(args):
+            return run_r3_up(args, env)
         rc = run_logged("r3operator (off, then R3)", r3_command(args), env, args.out / "r3", args.timeout_s)
         shutil.rmtree(args.out / "r3" / JOB_NAME / "disabled" / "checkpoints", ignore_errors=True)
         shutil.rmtree(args.out / "r3" / JOB_NAME / "r3" / "checkpoints", ignore_errors=True)
@@ -233,11 +288,13 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
 
     for replay in ("R3", "disabled"):
         attempt(f"verl {replay}", partial(verl_run, out / f"verl-{replay}", replay))
-    # --compare-replay shares one engine and one nvidia-smi log between its two runs: the peak covers both.
-    r3_peaks = read_gpu_peaks(out / "r3" / "gpu_memory.csv")
     for replay, sub in (("R3", "r3"), ("disabled", "disabled")):
         path = out / "r3" / JOB_NAME / sub / "metrics.csv"
-        attempt(f"r3operator {replay}", partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=r3_peaks))
+        # `up` runs each mode on its own, with its own nvidia-smi log; --compare-replay shares one engine and one log
+        # between its two runs, so there the peak covers both.
+        own = out / "r3" / f"log-{sub}" / "gpu_memory.csv"
+        peaks = read_gpu_peaks(own if own.is_file() else out / "r3" / "gpu_memory.csv")
+        attempt(f"r3operator {replay}", partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=peaks))
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
     ordered = [runs[label] for label in labels]
     header = [

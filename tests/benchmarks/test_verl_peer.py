@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.peers.compare import (
     MetricsError,
@@ -390,6 +391,44 @@ def test_hook_gives_mbridge_the_model_type_megatron_core_0_19_removed(
     assert list(ModelType) == [ModelType.encoder_or_decoder]  # no member added: iteration and lookup unchanged
 
 
+def test_hook_gives_a_tokenizer_without_chatml_verls_generic_token_builder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from r3operator.models.tokenizer import build_tokenizer
+
+    # verl 0.9.1's wiring, reduced to what decides: model_type qwen3_moe → the Qwen builder, which checks the newline.
+    wiring = (
+        "def create_continuous_token_builder(tokenizer, *, model_family='auto', hf_model_type=None, **kw):\n"
+        "    if model_family == 'auto' and hf_model_type == 'qwen3_moe':\n"
+        "        if len(tokenizer.encode('\\n', add_special_tokens=False)) != 1:\n"
+        "            raise ValueError('Expected Qwen newline to tokenize to one token')\n"
+        "        return 'qwen'\n"
+        "    return model_family\n"
+    )
+    load_hook(tmp_path, monkeypatch, {"verl.utils.tokenizer.continuous_token_wiring": wiring})
+    from verl.utils.tokenizer.continuous_token_wiring import (  # type: ignore[import-not-found]
+        create_continuous_token_builder,
+    )
+
+    class HFTokenizer:  # the two calls verl makes, over the reference models' own tokenizer
+        def __init__(self, vocab: dict[str, int]) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            if text in self.vocab:
+                return [self.vocab[text]]
+            return [self.vocab[t] for t in text.split() if t in self.vocab]  # word-level: "\n" alone is nothing
+
+    reference = HFTokenizer(build_tokenizer(256).get_vocab())
+    assert create_continuous_token_builder(reference, hf_model_type="qwen3_moe") == "default"
+    chatml = HFTokenizer({"<|im_end|>": 0, "\n": 1})
+    assert create_continuous_token_builder(chatml, hf_model_type="qwen3_moe") == "qwen"  # a real Qwen keeps its own
+    assert create_continuous_token_builder(reference, model_family="qwen", hf_model_type="x") == "qwen"  # explicit
+
+
 def test_hook_still_runs_the_sitecustomize_it_shadows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     image_site = tmp_path / "image-site"
     image_site.mkdir()
@@ -433,3 +472,36 @@ def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
     assert nvidia_smi_memory_query({"CUDA_VISIBLE_DEVICES": "2, 3"}) == [*base, "--id=2,3"]
     # UUIDs or MIG names are not indices nvidia-smi's index column would show: sample every GPU, as before.
     assert nvidia_smi_memory_query({"CUDA_VISIBLE_DEVICES": "GPU-8a1f"}) == base
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp_path: Path, gpus: int) -> None:
+    import argparse
+
+    from benchmarks.peers.verl_vs_r3 import r3_up_commands
+    from r3operator.api.load import load_rljob, parse_rljob
+    from r3operator.cli.up.plan import plan_up
+
+    args = argparse.Namespace(out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b")
+    runs = r3_up_commands(args)
+    assert [sub for sub, _, _ in runs] == ["disabled", "r3"]  # replay off first, as --compare-replay orders them
+    base = load_rljob(JOB).spec.model_dump()
+    for sub, cmd, metrics in runs:
+        assert cmd[:2] == ["r3operator", "up"] and cmd[cmd.index("--gpus") + 1] == ",".join(map(str, range(gpus)))
+        assert metrics == tmp_path / "r3" / JOB_NAME / sub / "metrics.csv"  # where build_table reads it
+        job = load_rljob(Path(cmd[2]))
+        spec = job.spec.model_dump()
+        assert job.spec.routing_replay.mode.value == ("R3" if sub == "r3" else "Disabled")
+        # Everything verl's configuration is matched against stays as the committed RLJob has it.
+        for key in ("rollout", "algorithm", "task", "seed", "weight_sync", "model"):
+            assert spec[key] == base[key], key
+        assert spec["inference"] == base["inference"]
+        plan = plan_up(
+            parse_rljob(yaml.safe_load(Path(cmd[2]).read_text())),
+            run_dir=tmp_path / "plan",
+            gpus=[str(g) for g in range(gpus)],
+            bin_dir=tmp_path,
+            host_path="",
+        )
+        engine_gpus = [g for e in plan.engines for g in e.gpus]
+        assert len(engine_gpus) == 1 and sorted(engine_gpus + plan.trainer.gpus) == [str(g) for g in range(gpus)]

@@ -10,6 +10,11 @@ changes, each made when its module is first imported; nothing else of verl chang
    (it keeps the value in `rope_parameters`); `AutoBridge.from_config` is wrapped to set it from there first.
 3. mbridge 0.15.1's `get_model` compares with `ModelType.encoder_and_decoder`, which megatron-core 0.19 removed
    (encoder-decoder models went with it); the name is given back as a value no model type equals.
+4. verl's agent loop picks its token builder from `config.json`'s `model_type`: `qwen3_moe` gets the Qwen (ChatML)
+   builder, which needs `<|im_end|>` and a one-token newline to mend turn boundaries. The reference models keep
+   Qwen3-MoE's architecture but have their own word-level tokenizer and chat template (no ChatML), so a tokenizer
+   without `<|im_end|>` gets verl's generic builder instead; single-turn prompts render through the same chat
+   template either way.
 """
 
 from __future__ import annotations
@@ -79,10 +84,25 @@ def _give_back_encoder_and_decoder(module: Any) -> None:
         setattr(model_type, "encoder_and_decoder", _NoSuchModelType())  # noqa: B010 (an Enum class: no member)
 
 
+CHATML_END = "<|im_end|>"
+
+
+def _generic_builder_without_chatml(module: Any) -> None:
+    original = module.create_continuous_token_builder
+
+    def create_continuous_token_builder(tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("model_family", "auto") == "auto" and CHATML_END not in tokenizer.get_vocab():
+            kwargs["model_family"] = "default"
+        return original(tokenizer, *args, **kwargs)
+
+    module.create_continuous_token_builder = create_continuous_token_builder
+
+
 PATCHES = {
     "verl.utils.debug.metrics": _wrap_debug_metrics,
     "mbridge.core.auto_bridge": _wrap_auto_bridge,
     "mbridge.core.util": _give_back_encoder_and_decoder,
+    "verl.utils.tokenizer.continuous_token_wiring": _generic_builder_without_chatml,
 }
 
 
