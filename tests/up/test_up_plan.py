@@ -118,6 +118,25 @@ def test_replicas_get_distinct_ports_gpus_and_engine_urls(tmp_path: Path) -> Non
     assert engine1["env"]["HOSTNAME"] == "tiny-count-r3-engine-1"
 
 
+def test_gpus_count_within_the_cuda_visible_devices_up_itself_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lane of a bigger machine: this process may use GPUs 2 and 3, and `--gpus 0,1` means those two, as in any
+    # CUDA program. Each child's CUDA_VISIBLE_DEVICES is written out, so it must name the physical GPUs.
+    job = _write(tmp_path, _doc())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    engine, trainer = _dry_run(tmp_path, job, "--gpus", "0,1")["processes"]
+    assert (engine["env"]["CUDA_VISIBLE_DEVICES"], trainer["env"]["CUDA_VISIBLE_DEVICES"]) == ("2", "3")
+    engine, trainer = _dry_run(tmp_path, job)["processes"]  # no --gpus: what this process was given
+    assert (engine["gpus"], trainer["gpus"]) == (["2"], ["3"])
+    result = CliRunner().invoke(app, ["up", str(job), "--dry-run", "--gpus", "1,2", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--gpus 1,2: 2 not among the 2 GPU(s) CUDA_VISIBLE_DEVICES='2,3'" in result.output
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    engine, trainer = _dry_run(tmp_path, job, "--gpus", "0,1")["processes"]
+    assert (engine["gpus"], trainer["gpus"]) == (["0"], ["1"])
+
+
 LWS_ADDED = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 
 

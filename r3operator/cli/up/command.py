@@ -35,10 +35,29 @@ def _echo(data: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
-def local_gpus(spec: str | None) -> list[str]:
-    """``--gpus``: ``0,1``, ``none``; unset: the GPUs nvidia-smi lists (none without nvidia-smi)."""
+def local_gpus(spec: str | None, visible: str | None = None) -> list[str]:
+    """The physical GPU ids to hand out. ``--gpus``: ``0,1``, ``none``; unset: every GPU this process may use.
+
+    ``visible`` is this process's own ``CUDA_VISIBLE_DEVICES``: when set, ``--gpus`` counts within it, as every
+    CUDA program does (``CUDA_VISIBLE_DEVICES=2,3 … --gpus 0,1`` runs on GPUs 2 and 3; each child gets its
+    ``CUDA_VISIBLE_DEVICES`` written out, so it must name the GPUs themselves), and unset ``--gpus`` means all of
+    it. Without it: nvidia-smi's list (none without nvidia-smi)."""
+    given = None
     if spec is not None:
-        return [] if spec.strip().lower() in ("", "none") else [g.strip() for g in spec.split(",") if g.strip()]
+        given = [] if spec.strip().lower() in ("", "none") else [g.strip() for g in spec.split(",") if g.strip()]
+    if visible is not None:
+        allowed = [g.strip() for g in visible.split(",") if g.strip()]
+        if given is None:
+            return allowed
+        outside = [g for g in given if not (g.isdigit() and int(g) < len(allowed))]
+        if outside:
+            raise ValueError(
+                f"--gpus {spec}: {', '.join(outside)} not among the {len(allowed)} GPU(s) CUDA_VISIBLE_DEVICES="
+                f"{visible!r} leaves this process (count from 0 within it)"
+            )
+        return [allowed[int(g)] for g in given]
+    if given is not None:
+        return given
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
@@ -78,7 +97,11 @@ def up(
     ),
     out_dir: Annotated[Path, typer.Option(help="The run directory is OUT_DIR/<job name>.")] = Path("runs/up"),
     gpus: Annotated[
-        str | None, typer.Option(help="GPU ids to hand out, e.g. 0,1, or none (default: what nvidia-smi lists).")
+        str | None,
+        typer.Option(
+            help="GPUs to hand out, e.g. 0,1, or none; counted within CUDA_VISIBLE_DEVICES when that is set "
+            "(default: all of those, or what nvidia-smi lists)."
+        ),
     ] = None,
     port_offset: Annotated[
         int, typer.Option(min=0, help="Added to every rendered port (engine N listens on containerPort+offset+N).")
@@ -110,7 +133,7 @@ def up(
         plan = plan_up(
             job,
             run_dir=out_dir / job.metadata.name,
-            gpus=local_gpus(gpus),
+            gpus=local_gpus(gpus, process_environment().get("CUDA_VISIBLE_DEVICES")),
             bin_dir=Path(sys.prefix) / "bin",
             host_path=process_environment().get("PATH", ""),
             vllm_entry_point=vllm_cli.needed(),
