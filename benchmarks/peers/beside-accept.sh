@@ -1,57 +1,75 @@
 #!/usr/bin/env bash
-# One 4-GPU reservation for two jobs at once, after scripts/gpu-setup.sh and `verl-setup.sh --skip-te`:
-#   GPUs 0,1 (cores 0-15):  the verl comparison: r3operator's run and verl's inputs first (no Transformer Engine needed), then verl
-#                           R3 and replay off once TE's torch extension has built, then the table;
-#   GPUs 2,3 (cores 16-31): acceptance rows (scripts/gpu-accept-lanes.sh);
+# One 4-GPU reservation for the verl comparison and acceptance rows at once, after scripts/gpu-setup.sh and
+# `verl-setup.sh --skip-te` (docs/benchmarks.md, "Against verl / Commands on the GPU machine"):
+#   GPUs 0,1, cores 0-15:   verl's inputs, then (once Transformer Engine's torch extension has built) verl with R3
+#                           and with replay off, the table, then acceptance rows ROWS_A;
+#   GPUs 2,3, cores 16-31:  r3operator's side (both replay modes through `r3operator up`, engine and trainer on a
+#                           GPU each), the table, then acceptance rows ROWS_B;
 #   cores 32-63:            the TE build (verl-setup.sh without --skip-te).
-# Each job runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
+# The two frameworks run at the same time on two GPUs each of the same host, each pinned to 16 cores. Every job
+# runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
 #
-#   bash benchmarks/peers/beside-accept.sh start ROWS STEPS   # e.g. sync_layouts,weight_sync 20
-#   bash benchmarks/peers/beside-accept.sh collect OUT        # copies what is there so far into OUT, prints progress
+#   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B   # e.g. 20 sync_layouts_a3b up_2gpu,a3b_math
+#   bash benchmarks/peers/beside-accept.sh collect OUT                  # what is there so far into OUT, and progress
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bg=/root/bg
 peer=/root/peer
-accept=/root/accept
+
+rows_on() {  # GPUS NAME ROWS: acceptance rows on those GPUs, with work, cache and Ray folders of their own
+  local gpus=$1 name=$2 rows=$3
+  [ -n "$rows" ] || return 0
+  mkdir -p "/tmp/ray-$name"
+  CUDA_VISIBLE_DEVICES=$gpus ACCEPT_GPUS=2 ACCEPT_BUDGET_S=3000 ACCEPT_WORK=/tmp/r3-accept-$name \
+    RAY_TMPDIR=/tmp/ray-$name R3OPERATOR_CACHE_DIR=/root/r3cache-$name \
+    bash scripts/gpu-accept.sh "/root/accept-$name" --rows "$rows"
+}
+
+peer_part() {  # PART: one part of the comparison on the GPUs this process was given
+  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 --parts "$1"
+}
+
 case "${1:-}" in
 start)
-  rows=${2:?rows for GPUs 2,3}
-  steps=${3:-20}
-  mkdir -p "$bg"
-  export PATH=/tmp/site/bin:$PATH
+  steps=${2:?STEPS} rows_a=${3:-} rows_b=${4:-}
+  mkdir -p "$bg" "$peer"
+  export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD steps
+  export -f rows_on peer_part
+  export bg peer
   setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash benchmarks/peers/verl-setup.sh /root/verl-stash \
     > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
-  setsid bash -c "ACCEPT_BUDGET_S=3000 taskset -c 16-31 bash scripts/gpu-accept-lanes.sh $accept 2,3:$rows \
-    > $bg/accept.log 2>&1; echo \$? > $bg/accept.rc" < /dev/null > /dev/null 2>&1 &
-  setsid bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=/tmp/ray-peer PYTHONPATH=/tmp/site:$PWD
-    mkdir -p /tmp/ray-peer
-    peer() { taskset -c 0-15 python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps $steps --out $peer \
-      --timeout-s 900 --parts \"\$1\"; }
-    peer r3; peer prepare
-    while [ ! -f $bg/te.rc ]; do sleep 5; done
-    peer verl-R3; peer verl-disabled; peer table
-    echo done > $bg/peer.rc" < /dev/null > "$bg/peer.log" 2>&1 &
+  setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=/tmp/ray-verl; mkdir -p \$RAY_TMPDIR
+    peer_part prepare
+    while [ ! -f $bg/te.rc ]; do sleep 3; done
+    peer_part verl-R3; peer_part verl-disabled; peer_part table; echo done > $bg/verl.rc
+    rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
+  setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=/tmp/ray-r3; mkdir -p \$RAY_TMPDIR
+    peer_part r3; peer_part table; echo done > $bg/r3.rc
+    rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
   sleep 2
-  echo "started: te, accept (GPUs 2,3: $rows), peer (GPUs 0,1, $steps steps)"
+  echo "started: TE build; GPUs 0,1: verl then rows '$rows_a'; GPUs 2,3: r3operator then rows '$rows_b'; $steps steps"
   ;;
 collect)
   out=${2:?OUT}
   mkdir -p "$out"
   for f in "$bg"/*; do [ -f "$f" ] && cp "$f" "$out/"; done
-  cp /tmp/r3-accept-lane0.log "$out/accept-lane.log" 2>/dev/null
-  [ -d "$accept" ] && tar czf "$out/accept.tgz" -C "$accept" . 2>/dev/null
-  [ -d "$peer" ] && tar czf "$out/peer.tgz" -C "$peer" --exclude=inputs --exclude=checkpoints . 2>/dev/null
-  echo "== rc files: $(cd "$bg" && grep -H . ./*.rc 2>/dev/null | tr '\n' ' ')"
-  echo "== te";     tail -n 5 "$bg/te.log" 2>/dev/null
-  echo "== peer";   tail -n 8 "$bg/peer.log" 2>/dev/null
-  for d in "$peer"/verl-R3 "$peer"/verl-disabled "$peer"/r3; do
-    [ -f "$d/console.log" ] && { echo "== $d"; tail -n 6 "$d/console.log"; }
+  for lane in A B; do
+    [ -d "/root/accept-$lane" ] && tar czf "$out/accept-$lane.tgz" -C "/root/accept-$lane" .
+    [ -d "/tmp/r3-accept-$lane" ] && tar czf "$out/work-$lane.tgz" -C "/tmp/r3-accept-$lane" \
+      --exclude='*.safetensors' --exclude=checkpoints --exclude=tmp .
   done
-  echo "== accept"; grep -E '^(==|   )' /tmp/r3-accept-lane0.log 2>/dev/null | tail -n 12
+  [ -d "$peer" ] && tar czf "$out/peer.tgz" -C "$peer" --exclude=inputs --exclude=checkpoints --exclude=up-r3 \
+    --exclude=up-disabled .
+  echo "== done: $(cd "$bg" && ls ./*.rc 2>/dev/null | tr '\n' ' ')"
+  echo "== te";      tail -n 3 "$bg/te.log" 2>/dev/null
+  for lane in A B; do echo "== chain $lane"; grep -E '^(==|   |failed)' "$bg/chain-$lane.log" 2>/dev/null | tail -n 8; done
+  for d in "$peer"/verl-R3 "$peer"/verl-disabled; do
+    [ -f "$d/console.log" ] && { echo "== $d"; grep -a "step:" "$d/console.log" | tail -n 1 | cut -c1-300; }
+  done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
 *)
-  echo "usage: beside-accept.sh start ROWS [STEPS] | collect OUT" >&2
+  echo "usage: beside-accept.sh start STEPS ROWS_A ROWS_B | collect OUT" >&2
   exit 2
   ;;
 esac
