@@ -66,31 +66,37 @@ def fingerprint_device(tensor: Any) -> Any:
 
 
 def _group_sums(words: Any) -> Any:
-    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int32.
+    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int64
+    [groups, WEIGHT_PERIOD] (1/16 of the words' bytes).
 
     torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16
-    words writes an int64 copy of them, 4x their bytes): int32 is the narrowest exact type for 64 rows
-    (64 x 2^15 < 2^31), so the copy is 2x, and the caller keeps `words` to at most `SLICE_BYTES`."""
+    words writes an int64 copy of them, 4x their bytes): the groups are summed in int32, the narrowest
+    exact type for 64 rows (64 x 2^15 < 2^31), in slices of at most `SLICE_BYTES` of words, so that copy
+    is at most 2x a slice whatever the size of `words` (an a3b expert block is 805 MB)."""
     import torch
 
-    return words.view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
+    block = GROUP_ROWS * WEIGHT_PERIOD
+    step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
+    n = words.numel()
+    pieces = [
+        words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
+        for start in range(0, n, step)
+    ]
+    if not pieces:
+        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int64, device=words.device)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64)
 
 
 def _fingerprint_torch(words: Any) -> Any:
-    """`fingerprint_device` with torch's reductions, in slices of at most `SLICE_BYTES` of words (whole
-    groups of rows, so a word's column is still its position mod `WEIGHT_PERIOD`): a few kernels per
-    slice, and the temporary widened copy is bounded by the slice, not by the tensor (an a3b expert
-    block is 805 MB)."""
+    """`fingerprint_device` with torch's reductions: the whole groups of rows through `_group_sums` (a
+    slice starts at a whole row, so a word's column is still its position mod `WEIGHT_PERIOD`), then the
+    rest; a few kernels per `SLICE_BYTES` and no temporary bigger than 2x a slice."""
     import torch
 
     n = words.numel()
     device = words.device
-    block = GROUP_ROWS * WEIGHT_PERIOD
-    whole = n - n % block
-    step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
-    columns = torch.zeros(WEIGHT_PERIOD, dtype=torch.int64, device=device)
-    for start in range(0, whole, step):
-        columns += _group_sums(words[start : min(start + step, whole)]).sum(dim=0, dtype=torch.int64)
+    whole = n - n % (GROUP_ROWS * WEIGHT_PERIOD)
+    columns = _group_sums(words[:whole]).sum(dim=0)
     if n > whole:  # fewer than a group of rows: padded with zeros to whole rows, which add nothing
         rest = words[whole:].to(torch.int64)
         rest = torch.nn.functional.pad(rest, (0, -rest.numel() % WEIGHT_PERIOD))
@@ -120,7 +126,7 @@ BUCKET_BYTES = 256 << 20
 """How many bytes of tensors `FingerprintLog` fingerprints together: the bucket's flat copy is this big."""
 
 SLICE_BYTES = 256 << 20
-"""At most this many bytes of one tensor's words are reduced at once (`_fingerprint_torch`): the widened
+"""At most this many bytes of words are reduced at once (`_group_sums`, a big tensor or a bucket): the widened
 int32 copy torch makes of a reduction's input is then at most 2x this, reused from the allocator's cache,
 instead of an int64 copy of the whole tensor (3.2 GB for an 805 MB expert block, allocated anew on each of
 vLLM's producer streams)."""
@@ -170,7 +176,7 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     slots = [(flat[s * block : s * block + n], w) for s, n, w in zip(starts, counts, words, strict=True) if n]
     if slots:
         torch._foreach_copy_([slot for slot, _ in slots], [w for _, w in slots])
-    partial = _group_sums(flat).to(torch.int64)  # 1/32 of the words' count
+    partial = _group_sums(flat)
     running = torch.nn.functional.pad(partial, (0, 0, 1, 0)).cumsum_(dim=0)  # row g: groups [0, g)
     # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
     # until the copy is done). From pageable memory the driver may first wait for the stream, which here
