@@ -126,9 +126,9 @@ class FanOutClient:
         self._concurrently([partial(e.native_init, i) for e, i in zip(self.endpoints, infos, strict=True)])
 
     def start_weight_update(self) -> None:
+        """Every engine's bracket opens at once: its round trips and receipt fingerprints overlap."""
         with self.phases("begin"):
-            for endpoint in self.endpoints:
-                endpoint.native_start(self.layout.value)
+            self._concurrently([partial(e.native_start, self.layout.value) for e in self.endpoints])
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -136,9 +136,10 @@ class FanOutClient:
         self._concurrently([partial(e.native_update, update_info) for e in self.endpoints])
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Every engine's bracket closes at once (as `start_weight_update`); the first failure is raised
+        after every engine has answered, and the caller aborts them all."""
         with self.phases("finish"):
-            for endpoint in self.endpoints:
-                endpoint.native_finish(self.policy_tag)
+            self._concurrently([partial(e.native_finish, self.policy_tag) for e in self.endpoints])
 
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
