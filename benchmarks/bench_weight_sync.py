@@ -30,8 +30,8 @@ pack, fingerprint, begin, transfer, finish) next to the canary's receipt check a
 `--layout kernel,checkpoint` (or `both`) measures the native method in each `weightSync.layout` on the SAME
 engine start (vLLM 0.22 opens every bracket for one layout: `start_weight_update(is_checkpoint_format=…)`),
 in the order given: `by_layout[layout][method]`, `methods` being the first layout's. A layout after the
-first gets one untimed sync first (its rendezvous and plan; `warmup_s`). The JSON is rewritten after every
-layout and method measured, so a run killed at a time limit leaves what it measured before.
+first keeps the rendezvous and gets one untimed sync first (its kernel plan; `warmup_s`). The JSON is
+rewritten after every layout and method measured, so a run killed at a time limit keeps what it measured.
 
 With a native method it also injects a trainer failure in the middle of a sync (IPC only: an NCCL sender
 that dies inside a broadcast leaves the engine's receive blocked until the engine restarts) and checks
@@ -514,10 +514,10 @@ def write_json(path: Path, result: Mapping[str, Any]) -> None:
 
 
 def switch_layout(run: GRPORun, install: NativeInstall, layout: Any, sft_steps: int) -> float:
-    """Open the next syncs' brackets for `layout` (vLLM 0.22 takes it per bracket) and make one untimed sync
-    with it, canaried: its rendezvous and kernel plan stay out of the measured syncs. Its seconds."""
-    install.layout = layout
-    install.close()  # the next sync makes a new sender: a rendezvous, and the layout's plan
+    """Open the next syncs' brackets for `layout` (vLLM 0.22 takes it per bracket; the NCCL group stays) and
+    make one untimed sync with it, canaried: its kernel plan (the engines asked for their parameters) stays
+    out of the measured syncs. Its seconds."""
+    install.set_layout(layout)
     run.supervisor.install = install
     new_policy(run, sft_steps)
     begin = time.perf_counter()

@@ -212,12 +212,7 @@ class NativeSender:
         api = trainer_vllm_api()
         if api is None:
             raise RuntimeError("this process's vLLM has no trainer-side weight-transfer sender")
-        if client.layout is WeightSyncLayout.KERNEL and api != "static":
-            raise ValueError(
-                "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
-                "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
-                "load checkpoint format: use layout checkpoint"
-            )
+        _check_layout(client.layout, api)
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
@@ -269,6 +264,12 @@ class NativeSender:
             with phases("fingerprint"):
                 self.sent.add(name, tensor)
             yield name, tensor
+
+    def set_layout(self, layout: WeightSyncLayout) -> None:
+        """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
+        `start_weight_update(is_checkpoint_format=…)`); the kernel plan is made again at the next sync."""
+        _check_layout(layout, self.api)
+        self.client.layout, self._plan = layout, None
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -393,6 +394,15 @@ class NativeSender:
             raise
         finally:
             pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+
+def _check_layout(layout: WeightSyncLayout, api: str) -> None:
+    if layout is WeightSyncLayout.KERNEL and api != "static":
+        raise ValueError(
+            "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
+            "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
+            "load checkpoint format: use layout checkpoint"
+        )
 
 
 def _numel(shape: Sequence[int]) -> int:

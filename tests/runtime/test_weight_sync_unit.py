@@ -435,6 +435,34 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
     assert sender(1 << 20).packed_buffer_bytes() == 1 << 20
 
 
+def test_the_layout_changes_between_syncs_on_the_same_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_weight_sync measures both layouts on one engine start: the next bracket opens for the new
+    layout, the kernel plan is asked for again, and a sender that cannot send kernel format refuses it."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync import transfer
+    from r3operator.weightsync.sync import NativeInstall
+    from r3operator.weightsync.transfer import FanOutClient, NativeSender
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22's sender
+    endpoint = _Endpoint("a")
+    sender = NativeSender(
+        TransferMethod.IPC, FanOutClient([endpoint]), lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
+    )
+    sender._plan = []  # a plan made for the earlier layout
+    install = NativeInstall(TransferMethod.IPC, state_dict=lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1)
+    install._sender = sender
+    install.set_layout(WeightSyncLayout.KERNEL)
+    assert install._sender is sender and sender._plan is None  # the same sender: no new rendezvous
+    sender.client.start_weight_update()
+    assert endpoint.calls == [("start", "kernel")]
+    monkeypatch.setattr(sender, "api", "factory")  # vLLM >= 0.30: engines load checkpoint format only
+    with pytest.raises(ValueError, match=r"layout kernel needs vLLM 0\.22"):
+        install.set_layout(WeightSyncLayout.KERNEL)
+
+
 class _TaggedEndpoint(_Endpoint):
     tag: str | None = None
 
