@@ -333,22 +333,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     layouts = ("checkpoint", "kernel") if args.layout == "both" else (args.layout,)
-    results = [
-        measure(
-            m,
-            device=args.device,
-            batch_mb=args.batch_mb,
-            repeats=args.repeats,
-            bracket=not args.no_bracket,
-            layout=layout,
-        )
-        for m in args.models.split(",")
-        for layout in layouts
-    ]
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text + "\n")
+    results: list[dict[str, Any]] = []
+    for m in args.models.split(","):
+        for layout in layouts:
+            results.append(
+                measure(
+                    m,
+                    device=args.device,
+                    batch_mb=args.batch_mb,
+                    repeats=args.repeats,
+                    bracket=not args.no_bracket,
+                    layout=layout,
+                )
+            )
+            if args.json is not None:  # after every model and layout: a run killed at a time limit keeps them
+                partial = args.json.with_name(args.json.name + ".partial")
+                partial.write_text(json.dumps(results, indent=2) + "\n")
+                partial.replace(args.json)
+    print(json.dumps(results, indent=2))
     return 0
 
 

@@ -9,6 +9,12 @@ What a sync fingerprints, per side, as the runtime does it:
 - trainer: every checkpoint tensor it sends (experts unfused, bf16), one `FingerprintLog` per sync;
 - engine: the same tensors in the batches vLLM's packed receiver hands `load_weights` (`--batch-mb`, the
   job's `weightSync.chunkSizeMB`), `SyncReceipt.record` once per batch.
+`--layout kernel` takes the engine's parameters instead (wire/kernel_layout.py: 39 tensors for a3b, its
+fused expert blocks 805 MB each), as a kernel-layout sync sends them. `--experts N` shrinks the model's
+expert count (a CPU run of the kernel layout in a few GB). On `--device cpu` the GPU's torch path runs
+(not the CPU's numpy), and each row also has the largest block allocated at once (`largest_alloc_bytes`,
+torch's profiler): the temporary a fingerprint makes beside the weights.
+
 "one_by_one" is the path before buckets (`FingerprintLog(bucket_bytes=0)`: every tensor through
 `_fingerprint_torch`, as every tensor was before); "buckets" is the default (`BUCKET_BYTES`).
 
@@ -44,6 +50,49 @@ def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
     return [
         (name, tuple(t.shape)) for name, t in checkpoint_tensors(hf.state_dict(), dtype=torch.bfloat16, device=None)
     ]
+
+
+def kernel_shapes(model: str, experts: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(vLLM parameter name, shape) of every tensor a kernel-layout sync sends for reference model `model`:
+    vLLM's Qwen3-MoE parameters (q/k/v fused, experts fused per layer), as its engine reports them."""
+    config = _spec(model, experts).hf_config()
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    e, inter, vocab = config.num_experts, config.moe_intermediate_size, config.vocab_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        shapes += [
+            (f"{prefix}.input_layernorm.weight", (h,)),
+            (f"{prefix}.self_attn.qkv_proj.weight", ((heads + 2 * kv) * d, h)),
+            (f"{prefix}.self_attn.o_proj.weight", (h, heads * d)),
+            (f"{prefix}.self_attn.q_norm.weight", (d,)),
+            (f"{prefix}.self_attn.k_norm.weight", (d,)),
+            (f"{prefix}.post_attention_layernorm.weight", (h,)),
+            (f"{prefix}.mlp.gate.weight", (e, h)),
+            (f"{prefix}.mlp.experts.w13_weight", (e, 2 * inter, h)),
+            (f"{prefix}.mlp.experts.w2_weight", (e, h, inter)),
+        ]
+    return [*shapes, ("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def _spec(model: str, experts: int | None) -> Any:
+    from r3operator.models.reference import get_spec
+
+    spec = get_spec(model)
+    if experts is None:
+        return spec
+    return spec.model_copy(
+        update={"num_experts": experts, "num_experts_per_tok": min(spec.num_experts_per_tok, experts)}
+    )
+
+
+def largest_alloc_bytes(run: Callable[[], Any]) -> int:
+    """The largest block allocated at once while `run()` runs on the CPU (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max((int(event.self_cpu_memory_usage) for event in prof.events()), default=0)
 
 
 def counted_ops(run: Callable[[], Any]) -> tuple[int, float]:
@@ -108,18 +157,34 @@ def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
     return round(statistics.median(seconds), 4)
 
 
-def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str, Any]:
+def measure(
+    model: str, *, device: str, batch_mb: int, repeats: int, layout: str = "checkpoint", experts: int | None = None
+) -> dict[str, Any]:
     import torch
 
+    from r3operator.wire import receipt
     from r3operator.wire.receipt import BUCKET_BYTES
 
-    shapes = checkpoint_shapes(model)
+    if layout == "kernel":
+        shapes = kernel_shapes(model, experts)
+    elif experts is not None:
+        raise ValueError("--experts: only with --layout kernel")
+    else:
+        shapes = checkpoint_shapes(model)
+    receipt.NUMPY_ON_CPU = False  # the GPU's path, on whichever device
     if device == "meta":
         tensors = [(name, torch.empty(shape, dtype=torch.bfloat16, device="meta")) for name, shape in shapes]
     else:
         tensors = [(name, torch.randn(shape, dtype=torch.bfloat16, device=device)) for name, shape in shapes]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    out: dict[str, Any] = {"model": model, "tensors": len(tensors), "bytes": nbytes, "device": device}
+    out: dict[str, Any] = {
+        "model": model,
+        "layout": layout,
+        "experts": experts,
+        "tensors": len(tensors),
+        "bytes": nbytes,
+        "device": device,
+    }
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
         for side, make in (
@@ -130,6 +195,8 @@ def measure(model: str, *, device: str, batch_mb: int, repeats: int) -> dict[str
             row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
             if device != "meta":
                 row["seconds"] = _timed(make(True), repeats, sync)
+            if device == "cpu":
+                row["largest_alloc_bytes"] = largest_alloc_bytes(make(True))
             out[f"{side}_{way}"] = row
     return out
 
@@ -140,11 +207,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="meta", help="meta (shapes only: operator counts), cuda, cuda:1 …")
     parser.add_argument("--batch-mb", type=int, default=512, help="the engine's receive batch (chunkSizeMB)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layout", default="checkpoint", choices=("checkpoint", "kernel"))
+    parser.add_argument("--experts", type=int, default=None, help="--layout kernel: this many experts per layer")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.experts is not None and (args.experts < 1 or args.layout != "kernel"):
+        parser.error(f"--experts needs --layout kernel and a count >= 1, got {args.experts}")
     result = {
         "models": [
-            measure(m, device=args.device, batch_mb=args.batch_mb, repeats=args.repeats) for m in args.models.split(",")
+            measure(
+                m,
+                device=args.device,
+                batch_mb=args.batch_mb,
+                repeats=args.repeats,
+                layout=args.layout,
+                experts=args.experts,
+            )
+            for m in args.models.split(",")
         ]
     }
     text = json.dumps(result, indent=2)

@@ -8,6 +8,8 @@
     # its optimizer state would not fit), each phase timed with a device synchronize at its boundaries
     python3 -m benchmarks.bench_weight_sync --model a3b-x16l --methods nccl --engine-gpu 1 --sft-steps 0 \
         --phase-sync --gpu-memory-utilization 0.6
+    # both weightSync.layouts on one engine start, the kernel layout first
+    python3 -m benchmarks.bench_weight_sync --model a3b --methods nccl --engine-gpu 1 --layout kernel,checkpoint
     # two engine replicas receiving one sync, next to one of them alone (IPC: both on the trainer's GPU;
     # NCCL needs a GPU per engine: --engine-gpu 1,2)
     python3 -m benchmarks.bench_weight_sync --model gpu --methods ipc --engines 2 --gpu-memory-utilization 0.2
@@ -24,6 +26,12 @@ safetensors chunks staged on the shared volume and loaded through `/collective_r
 The JSON has, per method, every sync's seconds and the median of each phase (wire/sync_phases.py: gather,
 pack, fingerprint, begin, transfer, finish) next to the canary's receipt check and decode; with
 `--engines 2` also the same syncs to the first engine alone (`multi_engine_ratio`, target <= 1.2).
+
+`--layout kernel,checkpoint` (or `both`) measures the native method in each `weightSync.layout` on the SAME
+engine start (vLLM 0.22 opens every bracket for one layout: `start_weight_update(is_checkpoint_format=…)`),
+in the order given: `by_layout[layout][method]`, `methods` being the first layout's. A layout after the
+first keeps the rendezvous and gets one untimed sync first (its kernel plan; `warmup_s`). The JSON is
+rewritten after every layout and method measured, so a run killed at a time limit keeps what it measured.
 
 With a native method it also injects a trainer failure in the middle of a sync (IPC only: an NCCL sender
 that dies inside a broadcast leaves the engine's receive blocked until the engine restarts) and checks
@@ -314,8 +322,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--layout",
         default="checkpoint",
-        choices=("checkpoint", "kernel"),
-        help="weightSync.layout of the native syncs: kernel sends one tensor per vLLM parameter (vLLM 0.22.x)",
+        help="weightSync.layout(s) of the native syncs, comma-separated, measured in this order on one engine "
+        "start: checkpoint, kernel (one tensor per vLLM parameter, vLLM 0.22.x); both = checkpoint,kernel",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -331,7 +339,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
     if "nccl" in native and (0 in engine_gpus or len(set(engine_gpus)) < len(engine_gpus)):
         parser.error("--methods nccl: NCCL joins one rank per GPU: every engine on a GPU of its own, none on 0")
-    if args.layout == "kernel" and not native:
+    try:
+        layouts = parse_layouts(args.layout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if layouts != ["checkpoint"] and not native:
         parser.error("--layout kernel is a native sync layout: name ipc or nccl in --methods")
     if args.device == "cpu" and native:
         parser.error("--device cpu: vLLM's native backends need CUDA; use --methods packed")
@@ -363,14 +375,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "engine_gpus": engine_gpus,
         "engines": args.engines,
         "phase_sync": args.phase_sync,
-        "layout": args.layout,
+        "layout": layouts[0],
+        "layouts": layouts,
         "syncs": args.syncs,
         "methods": {},
+        "by_layout": {},
     }
+
+    def save() -> None:  # after every figure: a run killed at its time limit keeps what it measured
+        if args.json:
+            write_json(args.json, result)
 
     settings = build_settings(EXAMPLE, out_dir=log_dir / "runs", device=args.device, model=args.model, resume=False)
     settings.show_progress = False
-    settings.job.spec.weight_sync.layout = WeightSyncLayout(args.layout)  # the packed path ignores it below
+    settings.job.spec.weight_sync.layout = WeightSyncLayout(layouts[0])  # the packed path ignores it below
     if args.sft_steps == 0:  # the model's optimizer state would not fit: no training at all
         settings.job.spec.algorithm.sft_warmup_steps = 0
     dtype = "bfloat16" if args.device == "cuda" else "float32"  # fp32 on CPU: the exact canary
@@ -418,13 +436,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=wire)
         nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
         result["bytes_per_sync"] = nbytes
-        for method in methods:
-            result["methods"][method] = measure(
-                run, method, native_install=native_install, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes
-            )
-            print(method, json.dumps(result["methods"][method]), flush=True)
-            if args.engines > 1:
-                alone = measure_one_engine(
+        save()
+        for layout_index, layout in enumerate(layouts):
+            figures = result["by_layout"].setdefault(layout, {})
+            if layout_index == 0:
+                result["methods"] = figures
+            else:
+                if not isinstance(native_install, NativeInstall):
+                    raise RuntimeError(f"--layout {layout}: setup() installed {native_install!r}, not a NativeInstall")
+                figures["warmup_s"] = switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
+            # the packed path has no layout: measured once, with the first
+            for method in methods if layout_index == 0 else native:
+                figures[method] = measure(
                     run,
                     method,
                     native_install=native_install,
@@ -432,16 +455,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     sft_steps=args.sft_steps,
                     nbytes=nbytes,
                 )
-                result["methods"][method]["one_engine"] = alone
-                result["methods"][method]["multi_engine_ratio"] = round(
-                    result["methods"][method]["median_s"] / alone["median_s"], 3
-                )
-                print(method, "one engine", json.dumps(alone), flush=True)
+                print(layout, method, json.dumps(figures[method]), flush=True)
+                save()
+                if args.engines > 1:
+                    alone = measure_one_engine(
+                        run,
+                        method,
+                        native_install=native_install,
+                        syncs=args.syncs,
+                        sft_steps=args.sft_steps,
+                        nbytes=nbytes,
+                    )
+                    figures[method]["one_engine"] = alone
+                    figures[method]["multi_engine_ratio"] = round(figures[method]["median_s"] / alone["median_s"], 3)
+                    print(layout, method, "one engine", json.dumps(alone), flush=True)
+                    save()
         if "ipc" in native:
             if not isinstance(native_install, NativeInstall):
                 raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")
             result["fault_mid_sync"] = fault_mid_sync(run, engine, native_install)
             print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
+            save()
     finally:
         for server in servers:
             os.killpg(server.pid, 9)
@@ -454,9 +488,44 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         fast, slow = result["methods"][native[0]]["gbps"], result["methods"]["packed"]["gbps"]
         result["native_vs_packed"] = round(fast / slow, 2) if slow else None
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save()
     return result
+
+
+def parse_layouts(text: str) -> list[str]:
+    """`--layout`: weightSync.layouts in the order to measure them, each once."""
+    from r3operator.api.enums import WeightSyncLayout
+
+    names = ["checkpoint", "kernel"] if text.strip() == "both" else [n.strip() for n in text.split(",") if n.strip()]
+    known = [layout.value for layout in WeightSyncLayout]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--layout: {', '.join(unknown) or 'nothing'} is not a layout; choose from {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--layout: {text!r} names a layout twice")
+    return names
+
+
+def write_json(path: Path, result: Mapping[str, Any]) -> None:
+    """Whole or not at all: a reader (gpu_accept's judge, after a time-out kill) never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(path)
+
+
+def switch_layout(run: GRPORun, install: NativeInstall, layout: Any, sft_steps: int) -> float:
+    """Open the next syncs' brackets for `layout` (vLLM 0.22 takes it per bracket; the NCCL group stays) and
+    make one untimed sync with it, canaried: its kernel plan (the engines asked for their parameters) stays
+    out of the measured syncs. Its seconds."""
+    install.set_layout(layout)
+    run.supervisor.install = install
+    new_policy(run, sft_steps)
+    begin = time.perf_counter()
+    run.sync_weights()
+    seconds = time.perf_counter() - begin
+    run._check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
+    run.canary()  # raises CanaryMismatchError on a wrong sync
+    return round(seconds, 4)
 
 
 if __name__ == "__main__":

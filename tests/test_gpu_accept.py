@@ -208,52 +208,110 @@ def test_each_megatron_row_selects_exactly_its_cases(name: str, ids: tuple[str, 
     assert row.judge(Context(gpus=row.min_gpus, work=tmp_path), 0, f"{len(ids)} passed in 9.0s").passed
 
 
-def _sync_report(nbytes: int, seconds: float, raw: float, canary: str = "3/3") -> dict[str, Any]:
+def _sync_report(nbytes: int, seconds: dict[str, float], raw: float, canary: str = "3/3") -> dict[str, Any]:
+    """bench_weight_sync's JSON of one engine start, `seconds` per layout in the order measured."""
+
+    def figures(s: float) -> dict[str, Any]:
+        return {
+            "median_s": s,
+            "gbps": round(nbytes / s / 1e9, 3),
+            "canary_ok": canary,
+            "phases_median_s": {"transfer": s - 0.01},
+        }
+
+    by_layout: dict[str, Any] = {
+        layout: {"nccl": figures(s), **({"warmup_s": 1.0} if i else {})}
+        for i, (layout, s) in enumerate(seconds.items())
+    }
     return {
         "bytes_per_sync": nbytes,
         "nccl_broadcast_gbps": raw,
-        "methods": {
-            "nccl": {
-                "median_s": seconds,
-                "gbps": round(nbytes / seconds / 1e9, 3),
-                "canary_ok": canary,
-                "phases_median_s": {"transfer": seconds - 0.01},
-            }
-        },
+        "layouts": list(seconds),
+        "by_layout": by_layout,
+        "methods": by_layout[next(iter(seconds))],
     }
 
 
-def test_the_sync_layouts_row_takes_the_fixed_cost_from_two_model_sizes(tmp_path: Path) -> None:
+SMALL, LARGE = 5_000_000_000, 20_000_000_000
+
+
+def _write_sync(work: Path, model: str, report: dict[str, Any]) -> None:
+    row = work / gpu_accept.SYNC_LAYOUT_ROWS[model]
+    row.mkdir(parents=True, exist_ok=True)
+    (row / f"sync_{model}.json").write_text(json.dumps(report))
+
+
+def test_the_x16l_row_takes_the_fixed_cost_from_its_own_and_the_a3b_rows_json(tmp_path: Path) -> None:
     """Two sizes on a line t = fixed + bytes / rate: the intercept is the fixed cost, written out here."""
     fixed, rate, raw = 0.030, 200e9, 300.0  # a3b-x16l: 20 GB in 0.13 s = 154 GB/s ≥ 0.5 × 300
-    small, large = 5_000_000_000, 20_000_000_000
 
-    def write(work: Path, kernel_fixed: float, canary: str = "3/3") -> Context:
-        work.mkdir()
-        for model, nbytes in (("a3b", small), ("a3b-x16l", large)):
-            for layout, f in (("checkpoint", 0.4), ("kernel", kernel_fixed)):
-                report = _sync_report(nbytes, f + nbytes / rate, raw, canary if layout == "kernel" else "3/3")
-                (work / f"sync_{model}_{layout}.json").write_text(json.dumps(report))
-        return Context(gpus=2, work=work)
+    def kernel_first(nbytes: int, kernel_fixed: float) -> dict[str, float]:
+        return {"kernel": kernel_fixed + nbytes / rate, "checkpoint": 0.4 + nbytes / 6e9}
 
-    assert gpu_accept.fixed_cost_s(
-        _sync_report(small, fixed + small / rate, raw), _sync_report(large, fixed + large / rate, raw)
-    ) == pytest.approx(fixed)
-    met = gpu_accept.judge_sync_layouts(write(tmp_path / "met", fixed), 0, "")
+    def judge(work: Path, kernel_fixed: float, canary: str = "3/3") -> Verdict:
+        for model, nbytes in (("a3b", SMALL), ("a3b-x16l", LARGE)):
+            _write_sync(work, model, _sync_report(nbytes, kernel_first(nbytes, kernel_fixed), raw, canary))
+        ctx = Context(gpus=2, work=work / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
+        return gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+
+    small = _sync_report(SMALL, {"kernel": fixed + SMALL / rate}, raw)
+    large = _sync_report(LARGE, {"kernel": fixed + LARGE / rate}, raw)
+    assert gpu_accept.fixed_cost_s(small, large) == pytest.approx(fixed)
+    assert gpu_accept.fixed_cost_s(small, large, "checkpoint") is None  # not measured in that layout
+    met = judge(tmp_path / "met", fixed)
     assert met.passed and met.target_met and "kernel fixed cost per sync 30 ms" in met.figure
-    slow = gpu_accept.judge_sync_layouts(write(tmp_path / "slow", 0.4), 0, "")
+    assert "a3b-x16l checkpoint nccl" in met.figure and "a3b-x16l kernel nccl" in met.figure
+    slow = judge(tmp_path / "slow", 0.4)
     assert slow.passed and slow.target_met is False  # 400 ms of fixed cost: the run passes, the target is missed
-    broken = gpu_accept.judge_sync_layouts(write(tmp_path / "broken", fixed, canary="2/3"), 0, "")
-    assert not broken.passed
-    (tmp_path / "met" / "sync_a3b-x16l_kernel.json").unlink()
-    missing = gpu_accept.judge_sync_layouts(Context(gpus=2, work=tmp_path / "met"), 0, "")
-    assert not missing.passed and "a3b-x16l kernel: no JSON" in missing.figure and missing.target_met is None
+    assert not judge(tmp_path / "broken", fixed, canary="2/3").passed
 
 
-def test_the_sync_layouts_row_runs_both_sizes_in_both_layouts() -> None:
-    two = gpu_accept.sync_layouts_command(Context(gpus=2, work=Path("/w")))
-    one = gpu_accept.sync_layouts_command(Context(gpus=1, work=Path("/w")))
-    for model, layout in gpu_accept.SYNC_LAYOUT_RUNS:
-        assert f"--model {model} --syncs 3 --layout {layout}" in two
-    assert two.count("--methods nccl --engine-gpu 1") == 4 and one.count("--methods ipc") == 4
-    assert "bench_engine_load" in two and "--device cuda --layout both" in two
+def test_the_x16l_row_finds_the_a3b_json_of_another_lane_and_says_when_there_is_none(tmp_path: Path) -> None:
+    rate, raw = 200e9, 300.0
+    lane0, lane1 = tmp_path / "r3-accept-lane0", tmp_path / "r3-accept-lane1"
+    _write_sync(lane1, "a3b-x16l", _sync_report(LARGE, {"kernel": 0.02 + LARGE / rate}, raw))
+    ctx = Context(gpus=2, work=lane1 / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
+    alone = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert alone.target_met is None and "no sync_layouts_a3b JSON found" in alone.figure
+    _write_sync(lane0, "a3b", _sync_report(SMALL, {"kernel": 0.02 + SMALL / rate}, raw))
+    found = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert "kernel fixed cost per sync 20 ms" in found.figure and str(lane0) in found.figure
+
+
+def test_a_row_killed_at_its_limit_still_reports_the_layouts_it_measured(tmp_path: Path) -> None:
+    """bench_weight_sync rewrites its JSON after each layout: the kernel layout (measured first) survives a
+    kill during the checkpoint layout, and the row says what is missing."""
+    report = _sync_report(LARGE, {"kernel": 0.13}, 300.0)
+    _write_sync(tmp_path, "a3b-x16l", report)
+    ctx = Context(gpus=2, work=tmp_path / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
+    verdict = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, -9, "")
+    assert not verdict.passed
+    assert "a3b-x16l kernel nccl: 153.846 GB/s" in verdict.figure
+    assert "a3b-x16l checkpoint: not measured" in verdict.figure
+
+
+def test_the_sync_rows_run_both_layouts_on_one_engine_start_each() -> None:
+    for model, row_name in gpu_accept.SYNC_LAYOUT_ROWS.items():
+        [row] = [r for r in gpu_accept.ROWS if r.name == row_name]
+        two = row.command(Context(gpus=2, work=Path("/w") / row_name))
+        one = row.command(Context(gpus=1, work=Path("/w") / row_name))
+        assert two.count("bench_weight_sync") == 1 and "--methods nccl --engine-gpu 1" in two
+        assert "--methods ipc" in one
+        assert f"--model {model} --syncs 3 --layout kernel,checkpoint" in two
+        assert two.endswith(f"--json /w/{row_name}/sync_{model}.json")
+        assert row.est_s < row.timeout_s <= 590
+    [load] = [r for r in gpu_accept.ROWS if r.name == "engine_load_cuda"]
+    assert "bench_engine_load" in load.command(Context(gpus=1, work=Path("/w")))
+    [two_engines] = [r for r in gpu_accept.ROWS if r.name == "sync_two_engines"]
+    assert two_engines.min_gpus == 3
+    assert "--engine-gpu 1,2 --engines 2" in two_engines.command(Context(gpus=3, work=Path("/w")))
+
+
+def test_the_two_engine_row_compares_with_one_engine(tmp_path: Path) -> None:
+    report = _sync_report(SMALL, {"kernel": 0.15}, 300.0)
+    report["by_layout"]["kernel"]["nccl"].update(
+        one_engine={"median_s": 0.14, "canary_ok": "3/3"}, multi_engine_ratio=round(0.15 / 0.14, 3)
+    )
+    (tmp_path / "sync_two_engines.json").write_text(json.dumps(report))
+    verdict = gpu_accept.judge_two_engines(Context(gpus=3, work=tmp_path), 0, "")
+    assert verdict.passed and verdict.target_met and "1.071×" in verdict.figure

@@ -198,6 +198,13 @@ class NativeInstall:
         self._last_tag = tag
         return {"tensors": stats.tensors, "bytes": stats.bytes}
 
+    def set_layout(self, layout: WeightSyncLayout) -> None:
+        """Open the next syncs' brackets for `layout`, keeping the rendezvous (bench_weight_sync measures
+        both layouts on one engine start)."""
+        if self._sender is not None:
+            self._sender.set_layout(layout)
+        self.layout = layout
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()

@@ -126,9 +126,9 @@ class FanOutClient:
         self._concurrently([partial(e.native_init, i) for e, i in zip(self.endpoints, infos, strict=True)])
 
     def start_weight_update(self) -> None:
+        """Every engine's bracket opens at once: its round trips and receipt fingerprints overlap."""
         with self.phases("begin"):
-            for endpoint in self.endpoints:
-                endpoint.native_start(self.layout.value)
+            self._concurrently([partial(e.native_start, self.layout.value) for e in self.endpoints])
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -136,9 +136,10 @@ class FanOutClient:
         self._concurrently([partial(e.native_update, update_info) for e in self.endpoints])
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Every engine's bracket closes at once (as `start_weight_update`); the first failure is raised
+        after every engine has answered, and the caller aborts them all."""
         with self.phases("finish"):
-            for endpoint in self.endpoints:
-                endpoint.native_finish(self.policy_tag)
+            self._concurrently([partial(e.native_finish, self.policy_tag) for e in self.endpoints])
 
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
@@ -211,12 +212,7 @@ class NativeSender:
         api = trainer_vllm_api()
         if api is None:
             raise RuntimeError("this process's vLLM has no trainer-side weight-transfer sender")
-        if client.layout is WeightSyncLayout.KERNEL and api != "static":
-            raise ValueError(
-                "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
-                "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
-                "load checkpoint format: use layout checkpoint"
-            )
+        _check_layout(client.layout, api)
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
@@ -268,6 +264,12 @@ class NativeSender:
             with phases("fingerprint"):
                 self.sent.add(name, tensor)
             yield name, tensor
+
+    def set_layout(self, layout: WeightSyncLayout) -> None:
+        """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
+        `start_weight_update(is_checkpoint_format=…)`); the kernel plan is made again at the next sync."""
+        _check_layout(layout, self.api)
+        self.client.layout, self._plan = layout, None
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -392,6 +394,15 @@ class NativeSender:
             raise
         finally:
             pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+
+def _check_layout(layout: WeightSyncLayout, api: str) -> None:
+    if layout is WeightSyncLayout.KERNEL and api != "static":
+        raise ValueError(
+            "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
+            "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
+            "load checkpoint format: use layout checkpoint"
+        )
 
 
 def _numel(shape: Sequence[int]) -> int:

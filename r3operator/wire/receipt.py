@@ -14,13 +14,19 @@ logprobs less than any tolerance that also accepts the engine's rounding. A rece
 
 A fingerprint is exact and independent of summation order: the tensor's bytes read as 16-bit integers
 (8-bit when the byte count is odd), summed plainly and weighted by position (mod 251, so a shifted or
-permuted tensor fingerprints differently), in int64 on the tensor's own device: no device-to-host copy
+permuted tensor fingerprints differently), in integers on the tensor's own device: no device-to-host copy
 of the weights, and the same result on the trainer's GPU and on the engine's.
 
-On a GPU the cost is the number of kernels, not the bytes (an MoE sync is thousands of small expert
-tensors): `FingerprintLog` gathers tensors into buckets of up to `BUCKET_BYTES` and fingerprints each
-bucket with a fixed number of kernels (`fingerprint_bucket`), whatever the tensors in it; the values are
-the same as one tensor at a time.
+On a GPU a sync's fingerprints must cost neither kernels nor waits:
+- an MoE sync in checkpoint layout is thousands of small expert tensors: `FingerprintLog` gathers them
+  into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of kernels
+  (`fingerprint_bucket`), whatever the tensors in it;
+- a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each is reduced in
+  slices of `SLICE_BYTES` (`_fingerprint_torch`), so torch's widened copy of a reduction's input stays a
+  cached slice-sized block instead of a new 4x-sized one per tensor and stream;
+- nothing waits for the device until `FingerprintLog.result` reads every fingerprint back in one copy
+  (the buckets' small index table goes up from pinned memory).
+The values are the same whichever way: the tests compare every path with the definition written out.
 """
 
 from __future__ import annotations
@@ -48,35 +54,58 @@ def _words(tensor: Any) -> Any:
 def fingerprint_device(tensor: Any) -> Any:
     """The fingerprint as an int64 tensor [count, sum, weighted] on the tensor's device (no host sync).
 
-    One read of the tensor: the words are laid out as rows of `WEIGHT_PERIOD` columns and summed per
-    column in int64 (no int64 copy of the tensor); the weighted sum is then over the column sums. On the
-    CPU numpy does the sums (torch's integer reductions there are ~40x slower)."""
+    The words are laid out as rows of `WEIGHT_PERIOD` columns and summed per column (`_fingerprint_torch`);
+    the weighted sum is then over the column sums. On the CPU numpy does the sums (torch's integer
+    reductions there are ~40x slower)."""
     import torch
 
     words = _words(tensor)
-    if words.device.type == "cpu":
+    if words.device.type == "cpu" and NUMPY_ON_CPU:
         return torch.tensor(_fingerprint_numpy(words.numpy()), dtype=torch.int64)
     return _fingerprint_torch(words)
 
 
+def _group_sums(words: Any) -> Any:
+    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int64
+    [groups, WEIGHT_PERIOD] (1/16 of the words' bytes).
+
+    torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16
+    words writes an int64 copy of them, 4x their bytes): the groups are summed in int32, the narrowest
+    exact type for 64 rows (64 x 2^15 < 2^31), in slices of at most `SLICE_BYTES` of words, so that copy
+    is at most 2x a slice whatever the size of `words` (an a3b expert block is 805 MB)."""
+    import torch
+
+    block = GROUP_ROWS * WEIGHT_PERIOD
+    step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
+    n = words.numel()
+    pieces = [
+        words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
+        for start in range(0, n, step)
+    ]
+    if not pieces:
+        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int64, device=words.device)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64)
+
+
 def _fingerprint_torch(words: Any) -> Any:
+    """`fingerprint_device` with torch's reductions: the whole groups of rows through `_group_sums` (a
+    slice starts at a whole row, so a word's column is still its position mod `WEIGHT_PERIOD`), then the
+    rest; a few kernels per `SLICE_BYTES` and no temporary bigger than 2x a slice."""
     import torch
 
     n = words.numel()
-    full = n - n % WEIGHT_PERIOD
     device = words.device
+    whole = n - n % (GROUP_ROWS * WEIGHT_PERIOD)
+    columns = _group_sums(words[:whole]).sum(dim=0)
+    if n > whole:  # fewer than a group of rows: padded with zeros to whole rows, which add nothing
+        rest = words[whole:].to(torch.int64)
+        rest = torch.nn.functional.pad(rest, (0, -rest.numel() % WEIGHT_PERIOD))
+        columns += rest.view(-1, WEIGHT_PERIOD).sum(dim=0)
+    weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=device)
     out = torch.zeros(3, dtype=torch.int64, device=device)
     out[0] = n
-    if full:
-        columns = words[:full].view(-1, WEIGHT_PERIOD).sum(dim=0, dtype=torch.int64)
-        weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=device)
-        out[1] += columns.sum()
-        out[2] += (columns * weights).sum()
-    if n > full:  # the last, partial row
-        tail = words[full:].to(torch.int64)
-        weights = torch.arange(1, n - full + 1, dtype=torch.int64, device=device)
-        out[1] += tail.sum()
-        out[2] += (tail * weights).sum()
+    out[1] = columns.sum()
+    out[2] = (columns * weights).sum()
     return out
 
 
@@ -95,6 +124,12 @@ def _fingerprint_numpy(words: np.ndarray) -> list[int]:
 
 BUCKET_BYTES = 256 << 20
 """How many bytes of tensors `FingerprintLog` fingerprints together: the bucket's flat copy is this big."""
+
+SLICE_BYTES = 256 << 20
+"""At most this many bytes of words are reduced at once (`_group_sums`, a big tensor or a bucket): the widened
+int32 copy torch makes of a reduction's input is then at most 2x this, reused from the allocator's cache,
+instead of an int64 copy of the whole tensor (3.2 GB for an 805 MB expert block, allocated anew on each of
+vLLM's producer streams)."""
 
 NUMPY_ON_CPU = True
 """CPU tensors are fingerprinted one by one with numpy: torch's integer reductions there are ~10x slower
@@ -117,7 +152,7 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
       `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
       word's column is its position in its tensor mod `WEIGHT_PERIOD`);
-    - the column sums of each group of `GROUP_ROWS` rows, in int64 (1/16 of the words' bytes);
+    - the column sums of each group of `GROUP_ROWS` rows (`_group_sums`; then int64, 1/16 of the words' bytes);
     - per tensor, the column sums of its groups as a difference of two rows of their running sum (exact in
       integers, deterministic, no atomics), then count, plain and weighted sum as in `_fingerprint_torch`.
     """
@@ -141,10 +176,13 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     slots = [(flat[s * block : s * block + n], w) for s, n, w in zip(starts, counts, words, strict=True) if n]
     if slots:
         torch._foreach_copy_([slot for slot, _ in slots], [w for _, w in slots])
-    partial = flat.view(groups, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int64)
+    partial = _group_sums(flat)
     running = torch.nn.functional.pad(partial, (0, 0, 1, 0)).cumsum_(dim=0)  # row g: groups [0, g)
-    # One small host-to-device copy, not waited for (pageable memory is staged before the call returns).
-    table = torch.tensor([counts, starts, ends], dtype=torch.int64).to(device, non_blocking=True)
+    # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
+    # until the copy is done). From pageable memory the driver may first wait for the stream, which here
+    # holds vLLM's previous broadcast.
+    pinned = device.type == "cuda"
+    table = torch.tensor([counts, starts, ends], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
     columns = running.index_select(0, table[2]) - running.index_select(0, table[1])
     weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=device)
     return torch.stack([table[0], columns.sum(dim=1), (columns * weights).sum(dim=1)], dim=1)

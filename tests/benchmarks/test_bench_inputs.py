@@ -59,3 +59,15 @@ def test_weight_sync_bench_refuses_to_perturb_a_trainer_it_cannot_reach() -> Non
     run: Any = SimpleNamespace(trainer=SimpleNamespace(pad_id=0))  # a trainer with no in-process HF model
     with pytest.raises(TypeError, match="--sft-steps 0"):
         new_policy(run, sft_steps=0)
+
+
+def test_weight_sync_bench_measures_the_layouts_named_in_their_order_and_refuses_others() -> None:
+    from benchmarks.bench_weight_sync import parse_layouts
+
+    assert parse_layouts("kernel,checkpoint") == ["kernel", "checkpoint"]
+    assert parse_layouts("both") == ["checkpoint", "kernel"]
+    assert parse_layouts("checkpoint") == ["checkpoint"]
+    with pytest.raises(ValueError, match="--layout: fused is not a layout"):
+        parse_layouts("kernel,fused")
+    with pytest.raises(ValueError, match="names a layout twice"):
+        parse_layouts("kernel,kernel")

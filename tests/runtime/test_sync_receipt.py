@@ -85,6 +85,22 @@ def test_a_bucket_fingerprints_each_tensor_as_the_written_out_definition() -> No
         fingerprint_bucket([torch.randn(4), torch.arange(5, dtype=torch.uint8)])
 
 
+def test_a_big_tensor_is_reduced_in_slices_never_widening_a_copy_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch widens a reduction's input to its output dtype before reducing (a full copy); a fused expert
+    block (805 MB in a3b) must not get a 4x int64 twin on the GPU: the largest block allocated while
+    fingerprinting is bounded by the slice, and the value is still the definition's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block_bytes = GROUP_ROWS * WEIGHT_PERIOD * 2  # one group of rows of 16-bit words
+    monkeypatch.setattr(receipt_module, "SLICE_BYTES", block_bytes, raising=False)
+    tensor = torch.randn(5 * block_bytes // 2 + 100).to(torch.bfloat16)  # 5 slices and a partial row group
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = _fingerprint_torch(_words(tensor))
+    assert tuple(int(v) for v in got.tolist()) == _reference_fingerprint(tensor)
+    largest = max(event.self_cpu_memory_usage for event in prof.events())
+    assert 0 < largest <= 2 * block_bytes + 1024, f"{largest} bytes at once for {tensor.nbytes} bytes of words"
+
+
 @pytest.fixture(params=["numpy", "buckets"])
 def fingerprint_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The CPU's path (numpy, one tensor at a time) or the GPU's (`fingerprint_bucket`), here on the CPU."""

@@ -171,6 +171,7 @@ class _Endpoint:
     world_size: int = 1
     calls: list[tuple[str, Any]] = field(default_factory=list)
     barrier: threading.Barrier | None = None
+    bracket_barrier: threading.Barrier | None = None  # in start and finish: met only if engines are called at once
     fail_abort: bool = False
     parameters: list[list[Any]] = field(default_factory=list)  # what r3_parameter_metadata reports
     refused: str | None = None
@@ -182,6 +183,8 @@ class _Endpoint:
         self.calls.append(("init", init_info))
 
     def native_start(self, layout: str = "checkpoint") -> None:
+        if self.bracket_barrier is not None:
+            self.bracket_barrier.wait()
         self.calls.append(("start", layout))
 
     def native_parameters(self) -> dict[str, Any]:
@@ -193,6 +196,8 @@ class _Endpoint:
         self.calls.append(("update", update_info))
 
     def native_finish(self, policy_tag: str | None) -> None:
+        if self.bracket_barrier is not None:
+            self.bracket_barrier.wait()
         self.calls.append(("finish", policy_tag))
 
     def native_abort(self) -> None:
@@ -229,6 +234,19 @@ def test_one_bracket_per_engine_and_the_update_reaches_all_at_once() -> None:
         assert endpoint.calls[-1] == ("finish", "run:3")
     with pytest.raises(ValueError, match="per-engine update payloads"):
         client.update_weights([{"names": ["w"]}, {"names": ["w"]}])
+
+
+def test_every_engines_bracket_opens_and_closes_at_once_not_in_turn() -> None:
+    """Two engines' begin and finish (HTTP round trips, the receipt's fingerprints) overlap: in turn, two
+    engines would cost twice one engine's fixed cost (issue 24: two engines <= 1.2x one)."""
+    barrier = threading.Barrier(2, timeout=5)
+    a, b = _Endpoint("a", bracket_barrier=barrier), _Endpoint("b", bracket_barrier=barrier)
+    client = FanOutClient([a, b])
+    client.policy_tag = "run:4"
+    client.start_weight_update()  # in turn: the first engine waits at the barrier for 5 s, then it breaks
+    client.finish_weight_update()
+    assert a.calls == b.calls == [("start", "checkpoint"), ("finish", "run:4")]
+    assert set(client.phases.seconds) == {"begin", "finish"}
 
 
 # A two-layer-free MoE block: q/k/v, fused experts (transformers 5) and what a vLLM 0.22 engine reports for it.
@@ -415,6 +433,34 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
 
     assert sender(1024).packed_buffer_bytes() == 64 * 32 * 2
     assert sender(1 << 20).packed_buffer_bytes() == 1 << 20
+
+
+def test_the_layout_changes_between_syncs_on_the_same_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_weight_sync measures both layouts on one engine start: the next bracket opens for the new
+    layout, the kernel plan is asked for again, and a sender that cannot send kernel format refuses it."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync import transfer
+    from r3operator.weightsync.sync import NativeInstall
+    from r3operator.weightsync.transfer import FanOutClient, NativeSender
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22's sender
+    endpoint = _Endpoint("a")
+    sender = NativeSender(
+        TransferMethod.IPC, FanOutClient([endpoint]), lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
+    )
+    sender._plan = []  # a plan made for the earlier layout
+    install = NativeInstall(TransferMethod.IPC, state_dict=lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1)
+    install._sender = sender
+    install.set_layout(WeightSyncLayout.KERNEL)
+    assert install._sender is sender and sender._plan is None  # the same sender: no new rendezvous
+    sender.client.start_weight_update()
+    assert endpoint.calls == [("start", "kernel")]
+    monkeypatch.setattr(sender, "api", "factory")  # vLLM >= 0.30: engines load checkpoint format only
+    with pytest.raises(ValueError, match=r"layout kernel needs vLLM 0\.22"):
+        install.set_layout(WeightSyncLayout.KERNEL)
 
 
 class _TaggedEndpoint(_Endpoint):
