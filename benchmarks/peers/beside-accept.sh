@@ -9,7 +9,7 @@
 # The two frameworks run at the same time on two GPUs each of the same host, each pinned to 16 cores. Every job
 # runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
 #
-#   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B   # e.g. 20 sync_layouts_a3b up_2gpu,a3b_math
+#   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B   # e.g. 20 sync_layouts_a3b,sync_layouts_x16l up_2gpu,a3b_math
 #   bash benchmarks/peers/beside-accept.sh collect OUT                  # what is there so far into OUT, and progress
 set -uo pipefail
 cd "$(dirname "$0")/../.."
