@@ -4,7 +4,7 @@
 #   GPUs 0,1, cores 0-15:   verl's inputs, then (once Transformer Engine's torch extension has built) verl with R3
 #                           and with replay off, the table, then acceptance rows ROWS_A;
 #   GPUs 2,3, cores 16-31:  r3operator's side (both replay modes through `r3operator up`, engine and trainer on a
-#                           GPU each), the table, then acceptance rows ROWS_B;
+#                           GPU each, then its fast settings: --r3-fast), the table, then acceptance rows ROWS_B;
 #   cores 32-63:            the TE build (verl-setup.sh without --skip-te).
 # The two frameworks run at the same time on two GPUs each of the same host, each pinned to 16 cores. Every job
 # runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
@@ -25,8 +25,8 @@ rows_on() {  # GPUS NAME ROWS: acceptance rows on those GPUs, with work, cache a
     bash scripts/gpu-accept.sh "/root/accept-$name" --rows "$rows"
 }
 
-peer_part() {  # PART: one part of the comparison on the GPUs this process was given
-  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 --parts "$1"
+peer_part() {  # PART [OPTION…]: one part of the comparison on the GPUs this process was given
+  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 --parts "$@"
 }
 
 case "${1:-}" in
@@ -44,7 +44,7 @@ start)
     peer_part verl-R3; peer_part verl-disabled; peer_part table; echo done > $bg/verl.rc
     rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
   setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=/tmp/ray-r3; mkdir -p \$RAY_TMPDIR
-    peer_part r3; peer_part table; echo done > $bg/r3.rc
+    peer_part r3 --r3-fast; peer_part table; echo done > $bg/r3.rc
     rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
   sleep 2
   echo "started: TE build; GPUs 0,1: verl then rows '$rows_a'; GPUs 2,3: r3operator then rows '$rows_b'; $steps steps"

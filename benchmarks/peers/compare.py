@@ -310,12 +310,12 @@ def table(runs: Sequence[RunSummary | None], labels: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def ratio_line(ours: RunSummary | None, theirs: RunSummary | None) -> str:
+def ratio_line(ours: RunSummary | None, theirs: RunSummary | None, *, who: str = "r3operator") -> str:
     """r3operator's trained tokens/s/GPU over verl's, R3 on both (the issue's target: ≥ 1.0×)."""
     if ours is None or theirs is None or theirs.trained_tokens_per_s_per_gpu <= 0:
-        return "r3operator / verl trained tokens/s/GPU with R3: not measured (a run is missing)"
+        return f"{who} / verl trained tokens/s/GPU with R3: not measured (a run is missing)"
     ratio = ours.trained_tokens_per_s_per_gpu / theirs.trained_tokens_per_s_per_gpu
-    return f"r3operator / verl trained tokens/s/GPU with R3: {ratio:.2f}× (target ≥ 1.0×, moonshot ≥ 1.2×)"
+    return f"{who} / verl trained tokens/s/GPU with R3: {ratio:.2f}× (target ≥ 1.0×, moonshot ≥ 1.2×)"
 
 
 def reward_table(runs: Sequence[RunSummary | None], labels: Sequence[str], every: int = 5) -> str:

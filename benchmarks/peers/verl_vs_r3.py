@@ -39,6 +39,7 @@ PEERS = Path(__file__).resolve().parent
 JOB = REPO / "benchmarks" / "jobs" / "a3b-verl-peer.yaml"
 JOB_NAME = "a3b-verl-peer"
 PARTS = ("prepare", "r3", "verl-R3", "verl-disabled", "table")
+FAST_LABEL = "r3operator R3, kernel sync, async"
 # Kept set for every program on the lent multi-GPU hosts (NVLink multicast can take the host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 COMMON_ENV = {
@@ -161,14 +162,23 @@ def uses_up(args: argparse.Namespace) -> bool:
     return args.device != "cpu" and args.gpus >= 2
 
 
+FAST = "r3-fast"
+"""r3operator's own fast settings beside the like-for-like runs: R3 with the kernel-format weight sync and the
+asynchronous mode (rollouts of the next step while the trainer updates, one policy version of staleness)."""
+
+
 def r3_job_variant(base: Path, dest: Path, *, sub: str, replay: str, gpus: int) -> Path:
-    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer."""
+    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer;
+    the `FAST` variant also syncs in the kernel layout and runs asynchronously."""
     import yaml
 
     doc = yaml.safe_load(base.read_text())
     doc["metadata"]["name"] = f"{JOB_NAME}-{sub}"
     doc["spec"]["routingReplay"]["mode"] = replay
     doc["spec"]["trainer"]["gpusPerNode"] = gpus - int(doc["spec"]["inference"]["replicas"])
+    if sub == FAST:
+        doc["spec"]["weightSync"]["layout"] = "kernel"
+        doc["spec"]["algorithm"]["mode"] = "async"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dest
@@ -177,7 +187,8 @@ def r3_job_variant(base: Path, dest: Path, *, sub: str, replay: str, gpus: int) 
 def r3_up_commands(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
     """(run, argv, its metrics.csv's place for the table), replay off first, as --compare-replay runs them."""
     runs: list[tuple[str, list[str], Path]] = []
-    for sub, replay in (("disabled", "Disabled"), ("r3", "R3")):
+    variants = [("disabled", "Disabled"), ("r3", "R3"), *([(FAST, "R3")] if args.r3_fast else [])]
+    for sub, replay in variants:
         job = r3_job_variant(JOB, args.out / "r3" / "jobs" / f"{sub}.yaml", sub=sub, replay=replay, gpus=args.gpus)
         cmd = [
             "r3operator",
@@ -295,7 +306,12 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
         own = out / "r3" / f"log-{sub}" / "gpu_memory.csv"
         peaks = read_gpu_peaks(own if own.is_file() else out / "r3" / "gpu_memory.csv")
         attempt(f"r3operator {replay}", partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=peaks))
+    fast = out / "r3" / JOB_NAME / FAST / "metrics.csv"
+    if fast.is_file() or (out / "r3" / f"log-{FAST}").is_dir():
+        own = out / "r3" / f"log-{FAST}" / "gpu_memory.csv"
+        attempt(FAST_LABEL, partial(summarize_r3, fast, replay="R3", gpus=gpus, gpu_peaks=read_gpu_peaks(own)))
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
+    labels += [FAST_LABEL] if FAST_LABEL in runs else []
     ordered = [runs[label] for label in labels]
     header = [
         f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, arith, {work.prompts_per_step}×{work.group_size} "
@@ -307,6 +323,7 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
         make_table(ordered, labels),
         "",
         ratio_line(runs["r3operator R3"], runs["verl R3"]),
+        *(["", ratio_line(runs[FAST_LABEL], runs["verl R3"], who=FAST_LABEL)] if FAST_LABEL in runs else []),
         "",
         "### Reward per step",
         "",
@@ -331,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", default="/tmp/site", help="r3operator's GPU packages (scripts/gpu-setup.sh)")
     parser.add_argument("--verl-site", default="/tmp/verl-site", help="verl's packages (verl-setup.sh)")
     parser.add_argument("--timeout-s", type=int, default=540, help="limit for each framework's run")
+    parser.add_argument(
+        "--r3-fast",
+        action="store_true",
+        help="the r3 part also runs R3 with the kernel-format weight sync and the asynchronous mode (2+ GPUs)",
+    )
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.steps < 1:
         parser.error("--gpus and --steps must be at least 1")

@@ -231,6 +231,25 @@ def test_table_from_a_run_directory(tmp_path: Path) -> None:
     assert math.isclose(summary["r3operator R3"]["trained_tokens_per_s_per_gpu"], ours)  # type: ignore[index]
 
 
+def test_table_adds_r3operators_fast_run_beside_the_like_for_like_ones(tmp_path: Path) -> None:
+    from benchmarks.peers.verl_vs_r3 import FAST, FAST_LABEL
+
+    (tmp_path / "verl-R3").mkdir()
+    write_verl_jsonl(tmp_path / "verl-R3" / "metrics.jsonl", VERL_STEPS)
+    runs = tmp_path / "r3" / JOB_NAME
+    write_r3_metrics(runs / "r3" / "metrics.csv", [r3_row(1), r3_row(2), r3_row(3)])
+    text, _ = build_table(tmp_path, gpus=2)
+    assert FAST_LABEL not in text  # not asked for: the four like-for-like columns only
+    write_r3_metrics(runs / FAST / "metrics.csv", [r3_row(1), r3_row(2, step_seconds=2.5), r3_row(3, step_seconds=2.5)])
+    text, summary = build_table(tmp_path, gpus=2)
+    header = text.split("\n\n")[1].splitlines()[0]
+    assert header.endswith(f"| r3operator disabled | {FAST_LABEL} |")
+    theirs = (64 + 32) * SAMPLES / (4.0 + 8.0) / 2
+    fast = (1000 + 1000) / (2.5 + 2.5) / 2
+    assert f"{FAST_LABEL} / verl trained tokens/s/GPU with R3: {fast / theirs:.2f}×" in text
+    assert math.isclose(summary[FAST_LABEL]["trained_tokens_per_s_per_gpu"], fast)  # type: ignore[index]
+
+
 # ---- the inputs verl reads ------------------------------------------------------------------------------------
 
 
@@ -480,21 +499,30 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
 
     from benchmarks.peers.verl_vs_r3 import r3_up_commands
     from r3operator.api.load import load_rljob, parse_rljob
+    from r3operator.api.rules import errors, evaluate
     from r3operator.cli.up.plan import plan_up
 
-    args = argparse.Namespace(out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b")
+    args = argparse.Namespace(out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b", r3_fast=False)
+    assert [sub for sub, _, _ in r3_up_commands(args)] == ["disabled", "r3"]  # replay off first, as compare-replay
+    args.r3_fast = True
     runs = r3_up_commands(args)
-    assert [sub for sub, _, _ in runs] == ["disabled", "r3"]  # replay off first, as --compare-replay orders them
+    assert [sub for sub, _, _ in runs] == ["disabled", "r3", "r3-fast"]
     base = load_rljob(JOB).spec.model_dump()
     for sub, cmd, metrics in runs:
         assert cmd[:2] == ["r3operator", "up"] and cmd[cmd.index("--gpus") + 1] == ",".join(map(str, range(gpus)))
         assert metrics == tmp_path / "r3" / JOB_NAME / sub / "metrics.csv"  # where build_table reads it
         job = load_rljob(Path(cmd[2]))
         spec = job.spec.model_dump()
-        assert job.spec.routing_replay.mode.value == ("R3" if sub == "r3" else "Disabled")
-        # Everything verl's configuration is matched against stays as the committed RLJob has it.
+        assert errors(evaluate(job.spec)) == []  # the rules would start it, the fast settings included
+        assert job.spec.routing_replay.mode.value == ("Disabled" if sub == "disabled" else "R3")
+        # Everything verl's configuration is matched against stays as the committed RLJob has it, but in the fast
+        # run the sync's layout and the algorithm's mode.
+        fast = {"weight_sync": {"layout": "kernel"}, "algorithm": {"mode": "async"}} if sub == "r3-fast" else {}
         for key in ("rollout", "algorithm", "task", "seed", "weight_sync", "model"):
-            assert spec[key] == base[key], key
+            assert spec[key] == ({**base[key], **fast[key]} if key in fast else base[key]), key
+        assert (job.spec.weight_sync.layout.value, job.spec.algorithm.mode) == (
+            ("kernel", "async") if sub == "r3-fast" else ("checkpoint", "sync")
+        )
         assert spec["inference"] == base["inference"]
         plan = plan_up(
             parse_rljob(yaml.safe_load(Path(cmd[2]).read_text())),
