@@ -21,6 +21,7 @@ and most of an object's bytes); a Pod keeps its metadata and status only (schedu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -137,15 +138,20 @@ class Wake:
     def __init__(self) -> None:
         self.any = asyncio.Event()
         self.urgent = asyncio.Event()
+        self.by_child = False
+        """A child's event (not the RLJob's own) woke it since the last clear: a new leader's first passes take
+        such an RLJob before the others (takeover.py)."""
 
-    def set(self, *, urgent: bool = False) -> None:
+    def set(self, *, urgent: bool = False, by_child: bool = False) -> None:
         self.any.set()
+        self.by_child = self.by_child or by_child
         if urgent:
             self.urgent.set()
 
     def clear(self) -> None:
         self.any.clear()
         self.urgent.clear()
+        self.by_child = False
 
 
 class Wakeups:
@@ -166,6 +172,12 @@ class Wakeups:
         event = self._events.get(key)
         if event is not None:
             event.set(urgent=urgent)
+
+    def wake_by_child(self, key: Key) -> None:
+        """A child's event (ChildCache's ``on_change``)."""
+        event = self._events.get(key)
+        if event is not None:
+            event.set(by_child=True)
 
     def wake_namespace(self, namespace: str) -> None:
         for (ns, _), event in self._events.items():
@@ -192,6 +204,9 @@ class ChildCache:
         self._watch_timeout_s = watch_timeout_s
         self._stores: dict[tuple[str, str], _Store] = {}
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._synced: dict[str, asyncio.Event] = {}
+        """Per namespace, set once every kind has listed or is known unserved: what a pass waiting for its
+        namespace's lists awaits (hundreds at once when a leader takes over), rather than polling."""
 
     def watch_namespace(self, namespace: str) -> None:
         """Start the watches of ``namespace`` (once; idempotent)."""
@@ -207,11 +222,17 @@ class ChildCache:
         return all(s.synced or s.unserved for s in stores)
 
     async def wait_synced(self, namespace: str, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not self.synced(namespace) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        if self.synced(namespace):
+            return True
+        event = self._synced.setdefault(namespace, asyncio.Event())
+        event.clear()  # set by an earlier sync that a refused list has undone since
+        with contextlib.suppress(TimeoutError):  # the caller reads from the API server then
+            await asyncio.wait_for(event.wait(), timeout_s)
         return self.synced(namespace)
+
+    def _check_synced(self, namespace: str) -> None:
+        if (event := self._synced.get(namespace)) is not None and self.synced(namespace):
+            event.set()
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, Any] | _Unknown | None:
         """The child as last seen, None when the cache knows it absent (among the labelled objects), or
@@ -271,6 +292,7 @@ class ChildCache:
         new = {str(o["metadata"]["name"]): _slim(kind, o) for o in items}
         store.reset(new)
         was_synced, store.synced = store.synced, True
+        self._check_synced(namespace)
         if store.unserved:  # a CRD installed meanwhile (KubeRay after the RLJob): every RLJob looks again
             store.unserved = False
             self._on_served(namespace)
@@ -301,6 +323,7 @@ class ChildCache:
                         log.warning("no list/watch of %s in %s (%s): its reads are GETs", kind, namespace, exc)
                     store.synced, store.unserved = False, True
                     store.reset({})
+                    self._check_synced(namespace)
                     await asyncio.sleep(UNSERVED_RETRY_S)
                     continue
                 log.warning("watch of %s in %s: %s; listing again", kind, namespace, exc)
