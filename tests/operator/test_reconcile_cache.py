@@ -6,6 +6,7 @@ watch cannot hold, is still a NameConflict. No server, no kopf."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -193,3 +194,42 @@ def test_the_rljob_held_from_the_operators_own_write_keeps_no_managed_fields():
     reconciler._wrote("uid-1", returned)
     held = reconciler._newest("uid-1", {"metadata": {"name": "job", "resourceVersion": "6"}})  # the live body is older
     assert held == {"metadata": {"name": "job", "resourceVersion": "7"}, "status": {"phase": "x"}}
+
+
+class VersionedPatchClient(WatchedClient):
+    """A status PATCH makes a new resourceVersion, as the API server's does (FakeClient's keeps the old one)."""
+
+    async def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
+        await super().merge_patch(kind, namespace, name, patch, subresource=subresource)
+        obj = self.objects[(kind.plural, namespace, name)]
+        self._rv += 1
+        obj["metadata"]["resourceVersion"] = str(self._rv)
+        return copy.deepcopy(obj)
+
+
+def test_a_pass_on_a_live_body_older_than_its_own_status_write_reads_that_write_and_writes_nothing_again():
+    client = VersionedPatchClient()
+    stale = client.put(_rljob())  # kopf's live body, before any status: its watch lags behind the pass's writes
+    stale["metadata"]["managedFields"] = [{"manager": "kubectl", "operation": "Update"}]
+
+    async def scenario() -> None:
+        cache = ChildCache(client, lambda key: None)  # type: ignore[arg-type]
+        reconciler = Reconciler(client, clock=lambda: NOW, cache=cache)  # type: ignore[arg-type]
+        first = await reconciler.reconcile(copy.deepcopy(stale), live=True)
+        assert first.status_written
+        await asyncio.sleep(0.05)
+        client.writes.clear()
+        again = await reconciler.reconcile(copy.deepcopy(stale), live=True)
+        # It parsed the RLJob as its own write returned it (status included), not the stale body: no write.
+        assert not again.status_written and client.writes == [], client.writes
+        assert again.job is not None and again.job.status is not None
+        assert again.job.status.observed_generation == 1
+        # Once kopf's body is as new as the write, that body is taken and the held write let go.
+        live = copy.deepcopy(client.objects[("rljobs", "rl", "job")])
+        await reconciler.reconcile(live, live=True)
+        assert reconciler._written == {}
+        await cache.close()
+
+    asyncio.run(scenario())
