@@ -105,7 +105,13 @@ def reconciler() -> Reconciler:
             first_passes.hurry(key)
 
         timeout_s = CONFIG.watch_server_timeout_seconds
-        cache = ChildCache(client, on_change, wakeups.wake_namespace, watch_timeout_s=timeout_s)
+        cache = ChildCache(
+            client,
+            on_change,
+            wakeups.wake_namespace,
+            on_end=functools.partial(wakeups.wake, urgent=True),
+            watch_timeout_s=timeout_s,
+        )
         _state["reconciler"] = Reconciler(
             client,
             ReconcilerSettings(

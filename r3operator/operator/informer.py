@@ -32,6 +32,7 @@ import aiohttp
 
 from r3operator.operator import meta
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
+from r3operator.operator.lifecycle import observed_finish
 
 log = logging.getLogger("r3operator.informer")
 
@@ -194,11 +195,15 @@ class ChildCache:
         on_change: Callable[[Key], None],
         on_served: Callable[[str], None] = lambda namespace: None,
         *,
+        on_end: Callable[[Key], None] = lambda key: None,
         kinds: tuple[str, ...] = WATCHED_KINDS,
         watch_timeout_s: int = 600,
     ) -> None:
         self._client = client
         self._on_change = on_change
+        self._on_end = on_end
+        """Called, after ``on_change``, when an RLJob's RayJob has just ended (Complete or Failed): a state the user
+        waits for, which the pass takes without waiting for the rest of the burst (handlers.py, ``urgent``)."""
         self._on_served = on_served
         self._kinds = kinds
         self._watch_timeout_s = watch_timeout_s
@@ -278,6 +283,9 @@ class ChildCache:
             store.set(name, _slim(kind, obj))
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))
+        ended = kind == "RayJob" and observed_finish(obj) is not None and observed_finish(old) is None
+        if ended and (job := _owner(obj)) is not None:
+            self._on_end((namespace, job))
 
     def _drop(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]

@@ -233,3 +233,35 @@ def test_a_pass_on_a_live_body_older_than_its_own_status_write_reads_that_write_
         await cache.close()
 
     asyncio.run(scenario())
+
+
+def test_the_rayjob_ending_is_passed_on_as_an_end_once_and_other_child_events_are_not():
+    client = WatchedClient()
+    changed: list[Any] = []
+    ended: list[Any] = []
+    labels = {meta.LABEL_JOB: "job"}
+    ray_job = client.put(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "job-trainer", "namespace": "rl", "labels": labels},
+        }
+    )
+
+    async def scenario() -> None:
+        cache = ChildCache(client, changed.append, on_end=ended.append)  # type: ignore[arg-type]
+        cache.watch_namespace("rl")
+        assert await cache.wait_synced("rl", 5.0)
+        running = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+        failed = {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "message": "the submitter exited"}
+        for status in (running, failed, {**failed, "endTime": "2026-11-27T03:00:00Z"}):
+            client.put({**ray_job, "status": status})
+            await asyncio.sleep(0.02)
+        sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "job-engine", "namespace": "rl"}}
+        client.put({**sts, "metadata": {**sts["metadata"], "labels": labels}, "status": {"replicas": 0}})
+        await asyncio.sleep(0.02)
+        await cache.close()
+
+    asyncio.run(scenario())
+    assert changed == [("rl", "job")] * 4  # every event wakes the RLJob
+    assert ended == [("rl", "job")]  # the RayJob's end once, at its Failed
