@@ -15,6 +15,7 @@ first passes waiting than ``limit`` (an operator already running, RLJobs arrivin
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import heapq
 import itertools
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from typing import Any, Final
 
 from r3operator.operator.desired import standing_children
 from r3operator.operator.informer import ChildCache, Key
-from r3operator.operator.lifecycle import ANNOTATION_FINISHED
+from r3operator.operator.lifecycle import ANNOTATION_FINISHED, parse_time
 
 DEFAULT_LIMIT: Final = 32
 """First passes at a time: enough that the API round trips of a pass (references, a missing child) overlap,
@@ -34,15 +35,25 @@ def _condition_true(status: dict[str, Any], ctype: str) -> bool:
     return any(c.get("type") == ctype and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def missing_child(body: Mapping[str, Any], cache: ChildCache) -> str | None:
-    """A child every valid, unexpired RLJob has (desired.standing_children) that the cache knows absent, for an
-    RLJob whose status says a leader made its children (Valid) and that has not ended (its children then go
-    with the TTL): ``Kind/name``, or None. A kind the cache cannot answer for (not listed, not served) is
-    taken as present."""
+def _expired(body: Mapping[str, Any], now: dt.datetime) -> bool:
+    """The RLJob ended (the operator's finished annotation, which holds the RayJob's endTime) and its
+    ``ttlSecondsAfterFinished`` has run: its children are gone by design (lifecycle.ttl_expired)."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    ended = parse_time(str(annotations.get(ANNOTATION_FINISHED, "")).rpartition(" ")[2])
+    ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    if ended is None or not isinstance(ttl, int):
+        return False
+    return (now - (ended if ended.tzinfo else ended.replace(tzinfo=dt.UTC))).total_seconds() >= ttl
+
+
+def missing_child(body: Mapping[str, Any], cache: ChildCache, now: dt.datetime | None = None) -> str | None:
+    """A child every RLJob has until its TTL runs (desired.standing_children) that the cache knows absent, for an
+    RLJob whose status says a leader made its children (Valid) and whose TTL has not run: ``Kind/name``, or
+    None. A kind the cache cannot answer for (not listed, not served) is taken as present."""
     metadata = body.get("metadata") or {}
     namespace, name = str(metadata.get("namespace") or ""), str(metadata.get("name") or "")
     status = body.get("status") or {}
-    if not _condition_true(status, "Valid") or ANNOTATION_FINISHED in (metadata.get("annotations") or {}):
+    if not _condition_true(status, "Valid") or _expired(body, now or dt.datetime.now(dt.UTC)):
         return None
     for kinds, child in standing_children(name):
         found = [cache.lookup(kind, namespace, child) for kind in kinds]

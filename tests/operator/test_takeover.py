@@ -5,6 +5,8 @@ the standing children against desired(). No server, no kopf."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -15,8 +17,9 @@ from test_reconcile_cache import WatchedClient
 from r3operator.api.load import parse_rljob
 from r3operator.operator.desired import Facts, desired, standing_children
 from r3operator.operator.informer import ChildCache
+from r3operator.operator.lifecycle import ANNOTATION_FINISHED
 from r3operator.operator.reconcile import Reconciler
-from r3operator.operator.takeover import FirstPasses, first_turn, needs_pass_first
+from r3operator.operator.takeover import FirstPasses, first_turn, missing_child, needs_pass_first
 
 JOBS = 24
 LIMIT = 4
@@ -103,6 +106,12 @@ def test_an_untouched_rljob_needs_no_early_pass_and_a_missing_engine_set_is_seen
         fresh.watch_namespace("rl")
         assert await fresh.wait_synced("rl", 5.0)
         assert needs_pass_first(live, fresh, child_event=False) == "StatefulSet/job-00-engine missing"
+        # Ended: its children stay until the TTL (the example's 3600 s) has run from the recorded end, then go.
+        ended = copy.deepcopy(live)
+        ended["metadata"].setdefault("annotations", {})[ANNOTATION_FINISHED] = "Failed 2026-11-27T03:00:00Z"
+        at = dt.datetime(2026, 11, 27, 3, 30, tzinfo=dt.UTC)
+        assert missing_child(ended, fresh, at) == "StatefulSet/job-00-engine"
+        assert missing_child(ended, fresh, at + dt.timedelta(hours=1)) is None
         await fresh.close()
         client.put(sts)
         await cache.close()
