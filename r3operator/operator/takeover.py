@@ -6,7 +6,8 @@ changed while no leader ran, a child's event since the informers listed, a spec 
 would otherwise wait for their turn in no useful order: at 500 RLJobs, up to the 30 s all first passes take.
 :class:`FirstPasses` lets at most ``limit`` first passes run at a time and hands the next turn to an RLJob
 that needs it before any other; a new RLJob's first pass is such one (nothing observed yet). With fewer
-first passes waiting than ``limit`` (an operator already running, RLJobs arriving) nobody waits.
+first passes under way than ``limit`` (an operator already running, RLJobs arriving) a turn comes at the
+event loop's next round.
 
 :func:`needs_pass_first` decides from what is in memory only: the RLJob's live body, the informer cache
 (informer.py) and the wake-ups its daemon got; no request, no render of desired().
@@ -80,7 +81,10 @@ def needs_pass_first(body: Mapping[str, Any], cache: ChildCache | None, *, child
 
 
 class FirstPasses:
-    """At most ``limit`` first passes at a time; the next turn goes to an urgent one, then first come."""
+    """At most ``limit`` first passes at a time; the next turn goes to an urgent one, then first come. Turns are
+    handed out on the event loop's next round, not within :meth:`turn`: when a leader's informers have listed,
+    every waiting daemon resumes in the same round and asks, so the urgent ones among hundreds are seen before
+    the first turn goes."""
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         if limit < 1:
@@ -91,6 +95,7 @@ class FirstPasses:
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._futures: dict[Key, asyncio.Future[None]] = {}
         self._pending = 0
+        self._grant_scheduled = False
 
     @property
     def running(self) -> int:
@@ -102,13 +107,11 @@ class FirstPasses:
 
     async def turn(self, key: Key, *, urgent: bool) -> None:
         """Wait for a turn; :meth:`done` gives it back (also when the wait is cancelled after the grant)."""
-        if self._running < self._limit and not self.waiting:
-            self._running += 1
-            return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[key] = granted
         self._pending += 1
         heapq.heappush(self._waiting, (0 if urgent else 1, next(self._order), granted))
+        self._schedule()
         try:
             await granted
         except asyncio.CancelledError:
@@ -130,6 +133,15 @@ class FirstPasses:
 
     def done(self) -> None:
         self._running -= 1
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._grant_scheduled:
+            self._grant_scheduled = True
+            asyncio.get_running_loop().call_soon(self._grant)
+
+    def _grant(self) -> None:
+        self._grant_scheduled = False
         while self._waiting and self._running < self._limit:
             *_, granted = heapq.heappop(self._waiting)
             if not granted.done():
