@@ -15,7 +15,8 @@ does not serve (no LeaderWorkerSet, Kueue or Prometheus Operator CRD) is tried a
 reconciler reads from the API server instead.
 
 What is kept is each object whole but for ``metadata.managedFields`` (the apply bookkeeping no pass reads,
-and most of an object's bytes); a Pod keeps its metadata and status only (scheduling.py reads nothing else).
+and most of an object's bytes); a Pod keeps its metadata and status only (scheduling.py reads nothing else);
+a RayJob's status lacks KubeRay's copy of its RayCluster's status (``_DROPPED_STATUS``).
 """
 
 from __future__ import annotations
@@ -74,12 +75,20 @@ Key = tuple[str, str]
 """(namespace, name)."""
 
 
+_DROPPED_STATUS: Final = {"RayJob": ("rayClusterStatus",)}
+"""Status fields no pass reads, by kind: KubeRay's copy of the RayCluster's status in the RayJob (its resources,
+endpoints, head pod and conditions); lifecycle.py and status.py read the job's own fields only."""
+
+
 def _slim(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
     metadata = dict(obj.get("metadata") or {})
     metadata.pop("managedFields", None)
     if kind == "Pod":
         return {"kind": "Pod", "apiVersion": "v1", "metadata": metadata, "status": obj.get("status") or {}}
-    return {**obj, "metadata": metadata}
+    slim = {**obj, "metadata": metadata}
+    if (dropped := _DROPPED_STATUS.get(kind)) and isinstance(status := obj.get("status"), dict):
+        slim["status"] = {k: v for k, v in status.items() if k not in dropped}
+    return slim
 
 
 def _version(obj: dict[str, Any]) -> str | None:

@@ -15,6 +15,7 @@ from test_reconcile import NOW, FakeClient, _condition, _rljob
 from r3operator.operator import meta
 from r3operator.operator.informer import ChildCache
 from r3operator.operator.kube import KINDS, Kind
+from r3operator.operator.lifecycle import observed_finish
 from r3operator.operator.reconcile import Reconciler
 
 CHILD_KINDS = (
@@ -265,3 +266,45 @@ def test_the_rayjob_ending_is_passed_on_as_an_end_once_and_other_child_events_ar
     asyncio.run(scenario())
     assert changed == [("rl", "job")] * 4  # every event wakes the RLJob
     assert ended == [("rl", "job")]  # the RayJob's end once, at its Failed
+
+
+def test_the_cache_holds_no_managed_fields_nor_the_rayclusters_status_and_the_rayjobs_end_still_reads():
+    client = WatchedClient()
+    labels = {meta.LABEL_JOB: "job"}
+    status = {
+        "jobDeploymentStatus": "Failed",
+        "jobStatus": "FAILED",
+        "message": "the submitter exited",
+        "endTime": "2026-11-27T03:00:00Z",
+        "rayClusterStatus": {"desiredGPU": "1", "head": {"podName": "h"}, "conditions": [{"type": "HeadPodReady"}]},
+    }
+    managed = [{"manager": "kuberay-operator", "operation": "Update", "fieldsV1": {"f:status": {}}}]
+    client.put(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "job-trainer", "namespace": "rl", "labels": labels, "managedFields": managed},
+            "spec": {"entrypoint": "python -m train"},
+            "status": status,
+        }
+    )
+
+    async def scenario() -> dict[str, Any]:
+        cache = ChildCache(client, lambda key: None)  # type: ignore[arg-type]
+        cache.watch_namespace("rl")
+        assert await cache.wait_synced("rl", 5.0)
+        held = cache.lookup("RayJob", "rl", "job-trainer")
+        await cache.close()
+        assert isinstance(held, dict)
+        return held
+
+    held = asyncio.run(scenario())
+    assert "managedFields" not in held["metadata"] and "rayClusterStatus" not in held["status"]
+    assert held["spec"] == {"entrypoint": "python -m train"}
+    # What the pass reads of it (lifecycle.observed_finish: the end and when; status.py: the job's own fields).
+    finish = observed_finish(held)
+    assert finish is not None and not finish.succeeded and finish.message == "the submitter exited"
+    assert finish.ended_at is not None and finish.ended_at.hour == 3
+    assert {k: held["status"][k] for k in ("jobDeploymentStatus", "jobStatus", "message")} == {
+        k: status[k] for k in ("jobDeploymentStatus", "jobStatus", "message")
+    }
