@@ -4,10 +4,9 @@ A new leader makes a first pass over every RLJob (kopf's ``resume``), hundreds a
 children as the old leader left them and write nothing; the few that need the pass (a child deleted or
 changed while no leader ran, a child's event since the informers listed, a spec edit not yet observed)
 would otherwise wait for their turn in no useful order: at 500 RLJobs, up to the 30 s all first passes take.
-:class:`FirstPasses` lets at most ``limit`` first passes run at a time and hands the next turn to an RLJob
-that needs it before any other; a new RLJob's first pass is such one (nothing observed yet). With fewer
-first passes under way than ``limit`` (an operator already running, RLJobs arriving) a turn comes at the
-event loop's next round.
+:class:`FirstPasses` lets the first pass of an RLJob that needs it start at once, and at most ``limit``
+of the others run at a time, in the order they asked; a new RLJob's first pass is an urgent one (nothing
+observed yet), so an operator already running, with RLJobs arriving, makes none of them wait.
 
 :func:`needs_pass_first` decides from what is in memory only: the RLJob's live body, the informer cache
 (informer.py) and the wake-ups its daemon got; no request, no render of desired().
@@ -16,9 +15,8 @@ event loop's next round.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime as dt
-import heapq
-import itertools
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -81,18 +79,17 @@ def needs_pass_first(body: Mapping[str, Any], cache: ChildCache | None, *, child
 
 
 class FirstPasses:
-    """At most ``limit`` first passes at a time; the next turn goes to an urgent one, then first come. Turns are
-    handed out on the event loop's next round, not within :meth:`turn`: when a leader's informers have listed,
-    every waiting daemon resumes in the same round and asks, so the urgent ones among hundreds are seen before
-    the first turn goes."""
+    """Urgent first passes never wait; at most ``limit`` of the others run at a time (the urgent ones count), first
+    come first served. Their turns are handed out on the event loop's next round, not within :meth:`turn`: when a
+    leader's informers have listed, every daemon waiting for that resumes in the same round and asks, so the
+    urgent among them start before any other."""
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         if limit < 1:
             raise ValueError(f"first passes at a time: {limit} (at least 1)")
         self._limit = limit
         self._running = 0
-        self._order = itertools.count()
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._futures: dict[Key, asyncio.Future[None]] = {}
         self._pending = 0
         self._grant_scheduled = False
@@ -106,11 +103,16 @@ class FirstPasses:
         return self._pending
 
     async def turn(self, key: Key, *, urgent: bool) -> None:
-        """Wait for a turn; :meth:`done` gives it back (also when the wait is cancelled after the grant)."""
+        """Wait for a turn; :meth:`done` gives it back (also when the wait is cancelled after the grant). An urgent
+        first pass does not wait: kopf spawns a new leader's daemons one after another, and the one that needs its
+        pass may ask after the limit's worth of others have their turns."""
+        if urgent:
+            self._running += 1
+            return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[key] = granted
         self._pending += 1
-        heapq.heappush(self._waiting, (0 if urgent else 1, next(self._order), granted))
+        self._waiting.append(granted)
         self._schedule()
         try:
             await granted
@@ -126,10 +128,12 @@ class FirstPasses:
                 del self._futures[key]
 
     def hurry(self, key: Key) -> None:
-        """A child's event for an RLJob still waiting for its first pass: its turn comes before the others'."""
+        """A child's event for an RLJob still waiting for its first pass: its turn comes now, as an urgent one's."""
         granted = self._futures.get(key)
         if granted is not None and not granted.done():
-            heapq.heappush(self._waiting, (0, next(self._order), granted))  # its first entry is skipped once granted
+            granted.set_result(None)  # its entry in the queue is skipped when it comes up
+            self._running += 1
+            self._pending -= 1
 
     def done(self) -> None:
         self._running -= 1
@@ -143,7 +147,7 @@ class FirstPasses:
     def _grant(self) -> None:
         self._grant_scheduled = False
         while self._waiting and self._running < self._limit:
-            *_, granted = heapq.heappop(self._waiting)
+            granted = self._waiting.popleft()
             if not granted.done():
                 granted.set_result(None)
                 self._running += 1
