@@ -728,6 +728,23 @@ def run_size(
             standby_log = plane.logs / "operator-op-b.log"
             standby_passes_s = _waited(lambda: len(_first_pass_marks(standby_log)) >= jobs, 300, t_fail)
             rss_standby_mb = psutil.Process(standby.pid).memory_info().rss / 2**20
+            # Where the RLJob whose child went missing came in the new leader's first passes (takeover.py orders
+            # them): how many of the others began theirs before it.
+            # Which operator re-created the child: the new leader, or the old one in a pass before it stopped (its
+            # log holds the first create too).
+            created = f"created ConfigMap/{names[-1]}-config"
+            recreated_by = [
+                who
+                for who, before in (("op-a", 1), ("op-b", 0))
+                if (plane.logs / f"operator-{who}.log").read_text(errors="replace").count(created) > before
+            ]
+            taken = _first_pass_marks(standby_log)
+            victim_start = taken.get(names[-1], {}).get("start")
+            passes_before_victim = (
+                sum(1 for n, m in taken.items() if n != names[-1] and m.get("start", 0.0) < victim_start)
+                if victim_start is not None
+                else None
+            )
             if probe != "off":
                 memory["standby_after_taking_over"] = _probe(plane, standby, "op-b")
         finally:
@@ -789,6 +806,8 @@ def run_size(
         "failover_child_recreated_after_s": _round(failover_s),
         "operator_rss_mb": round(rss_mb, 1),
         "standby_first_passes_after_failover_s": _round(standby_passes_s),
+        "failover_first_passes_before_the_one_with_the_deleted_child": passes_before_victim,
+        "failover_child_recreated_by": recreated_by,
         "standby_rss_mb_after_its_first_passes": round(rss_standby_mb, 1),
         "operator_cpu_share_while_creating": round(cpu_creating / creating_s, 2),
         "operator_cpu_s_converging": round(cpu_converge, 1),

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.api import names
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import RetainPolicy
 from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
@@ -145,6 +146,23 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
         for child in children:
             _rename_claim(child, model_cache_claim_name(job), own_claim_name(job))
     return children
+
+
+def standing_children(job_name: str) -> tuple[tuple[tuple[str, ...], str], ...]:
+    """The children desired() renders for every job whose TTL has not expired, whatever its spec and facts, as
+    (the kinds it may be, name): what a new leader can check in its cache without parsing or rendering the RLJob
+    (operator/takeover.py). The engines are a StatefulSet or a LeaderWorkerSet by layout."""
+    engine = names.child_name(job_name, names.ROLE_ENGINE)
+    trainer = names.child_name(job_name, names.ROLE_TRAINER)
+    return (
+        (("ConfigMap",), names.child_name(job_name, names.ROLE_CONFIG)),
+        (("Service",), engine),
+        (("StatefulSet", "LeaderWorkerSet"), engine),
+        (("NetworkPolicy",), engine),
+        (("Role",), trainer),
+        (("RoleBinding",), trainer),
+        (("RayJob",), trainer),
+    )
 
 
 def _rename_claim(node: Any, old: str, new: str) -> None:

@@ -31,10 +31,11 @@ from r3operator.operator.diffbase import LeanDiffBaseStorage
 from r3operator.operator.informer import ChildCache, Wake, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
 from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
+from r3operator.operator.takeover import FirstPasses, first_turn
 from r3operator.settings import operator_settings, unknown_variables
 
 CONFIG = operator_settings()
-_state: dict[str, Any] = {"connection": None, "reconciler": None, "wakeups": Wakeups()}
+_state: dict[str, Any] = {"connection": None, "reconciler": None, "wakeups": Wakeups(), "first_passes": FirstPasses()}
 # Passes ended (ok or not) per RLJob, (namespace, name): a clock for whoever runs the operator in its process
 # (the tests' "n more passes") now that a pass reads its RLJob from kopf's live body, not with a GET.
 PASSES: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -45,6 +46,7 @@ RETRY_S = 5.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     _state["wakeups"] = Wakeups()  # its asyncio.Events belong to this run's event loop
+    _state["first_passes"] = FirstPasses()
     _state["trimmer"] = asyncio.create_task(allocator.trim_periodically(), name="malloc_trim")
     settings.watching.server_timeout = CONFIG.watch_server_timeout_seconds
     settings.watching.client_timeout = CONFIG.watch_client_timeout_seconds
@@ -96,8 +98,19 @@ def reconciler() -> Reconciler:
     if _state["reconciler"] is None:
         client = KubeClient.from_connection_info(_state["connection"])
         wakeups: Wakeups = _state["wakeups"]
+        first_passes: FirstPasses = _state["first_passes"]
+
+        def on_change(key: tuple[str, str]) -> None:
+            wakeups.wake_by_child(key)
+            first_passes.hurry(key)
+
+        timeout_s = CONFIG.watch_server_timeout_seconds
         cache = ChildCache(
-            client, wakeups.wake, wakeups.wake_namespace, watch_timeout_s=CONFIG.watch_server_timeout_seconds
+            client,
+            on_change,
+            wakeups.wake_namespace,
+            on_end=functools.partial(wakeups.wake, urgent=True),
+            watch_timeout_s=timeout_s,
         )
         _state["reconciler"] = Reconciler(
             client,
@@ -195,12 +208,25 @@ async def reconcile_loop(
     key = (namespace or "", name)
     spawned = time.time()
     wakeups: Wakeups = _state["wakeups"]
+    first_passes: FirstPasses = _state["first_passes"]
     wake = wakeups.subscribe(key)
-    wake.set(urgent=True)  # the first pass
     first = True
     loop = asyncio.get_running_loop()
     stop = asyncio.ensure_future(_stopping(stopped))
+    turn = False
     try:
+        # The first pass waits its turn: when a leader takes over, those that need it go first (takeover.py).
+        waiting = asyncio.ensure_future(
+            first_turn(first_passes, key, body, reconciler().cache, child_event=lambda: wake.by_child)
+        )
+        await asyncio.wait({waiting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()  # stopped while waiting (the RLJob deleted, the Lease lost): its turn goes to another
+            await asyncio.gather(waiting, return_exceptions=True)
+        turn = waiting.done() and not waiting.cancelled() and waiting.exception() is None
+        if turn and (why := waiting.result()) is not None and first_passes.waiting:
+            logger.info("first pass before %d others: %s", first_passes.waiting, why)
+        wake.set(urgent=True)  # the first pass
         while not stopped:
             woken = asyncio.ensure_future(wake.any.wait())
             await asyncio.wait({woken, stop}, timeout=CONFIG.resync_seconds, return_when=asyncio.FIRST_COMPLETED)
@@ -211,7 +237,12 @@ async def reconcile_loop(
                 break
             wake.clear()
             try:
-                marks = await _run(body, logger, first=first)
+                try:
+                    marks = await _run(body, logger, first=first)
+                finally:
+                    if turn:
+                        turn = False
+                        first_passes.done()
                 if first:
                     # One line per RLJob and operator start: where a new RLJob's time to its children goes.
                     steps = " ".join(f"{step}={at:.3f}" for step, at in marks.items())
@@ -224,6 +255,8 @@ async def reconcile_loop(
                 logger.exception("reconcile failed; again in %.0f s", RETRY_S)
                 loop.call_later(RETRY_S, functools.partial(wake.set, urgent=True))
     finally:
+        if turn:
+            first_passes.done()
         stop.cancel()
         wakeups.unsubscribe(key)
 

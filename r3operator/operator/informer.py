@@ -15,12 +15,14 @@ does not serve (no LeaderWorkerSet, Kueue or Prometheus Operator CRD) is tried a
 reconciler reads from the API server instead.
 
 What is kept is each object whole but for ``metadata.managedFields`` (the apply bookkeeping no pass reads,
-and most of an object's bytes); a Pod keeps its metadata and status only (scheduling.py reads nothing else).
+and most of an object's bytes); a Pod keeps its metadata and status only (scheduling.py reads nothing else);
+a RayJob's status lacks KubeRay's copy of its RayCluster's status (``_DROPPED_STATUS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -31,6 +33,7 @@ import aiohttp
 
 from r3operator.operator import meta
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
+from r3operator.operator.lifecycle import observed_finish
 
 log = logging.getLogger("r3operator.informer")
 
@@ -72,12 +75,20 @@ Key = tuple[str, str]
 """(namespace, name)."""
 
 
+_DROPPED_STATUS: Final = {"RayJob": ("rayClusterStatus",)}
+"""Status fields no pass reads, by kind: KubeRay's copy of the RayCluster's status in the RayJob (its resources,
+endpoints, head pod and conditions); lifecycle.py and status.py read the job's own fields only."""
+
+
 def _slim(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
     metadata = dict(obj.get("metadata") or {})
     metadata.pop("managedFields", None)
     if kind == "Pod":
         return {"kind": "Pod", "apiVersion": "v1", "metadata": metadata, "status": obj.get("status") or {}}
-    return {**obj, "metadata": metadata}
+    slim = {**obj, "metadata": metadata}
+    if (dropped := _DROPPED_STATUS.get(kind)) and isinstance(status := obj.get("status"), dict):
+        slim["status"] = {k: v for k, v in status.items() if k not in dropped}
+    return slim
 
 
 def _version(obj: dict[str, Any]) -> str | None:
@@ -137,15 +148,20 @@ class Wake:
     def __init__(self) -> None:
         self.any = asyncio.Event()
         self.urgent = asyncio.Event()
+        self.by_child = False
+        """A child's event (not the RLJob's own) woke it since the last clear: a new leader's first passes take
+        such an RLJob before the others (takeover.py)."""
 
-    def set(self, *, urgent: bool = False) -> None:
+    def set(self, *, urgent: bool = False, by_child: bool = False) -> None:
         self.any.set()
+        self.by_child = self.by_child or by_child
         if urgent:
             self.urgent.set()
 
     def clear(self) -> None:
         self.any.clear()
         self.urgent.clear()
+        self.by_child = False
 
 
 class Wakeups:
@@ -167,6 +183,12 @@ class Wakeups:
         if event is not None:
             event.set(urgent=urgent)
 
+    def wake_by_child(self, key: Key) -> None:
+        """A child's event (ChildCache's ``on_change``)."""
+        event = self._events.get(key)
+        if event is not None:
+            event.set(by_child=True)
+
     def wake_namespace(self, namespace: str) -> None:
         for (ns, _), event in self._events.items():
             if ns == namespace:
@@ -182,16 +204,23 @@ class ChildCache:
         on_change: Callable[[Key], None],
         on_served: Callable[[str], None] = lambda namespace: None,
         *,
+        on_end: Callable[[Key], None] = lambda key: None,
         kinds: tuple[str, ...] = WATCHED_KINDS,
         watch_timeout_s: int = 600,
     ) -> None:
         self._client = client
         self._on_change = on_change
+        self._on_end = on_end
+        """Called, after ``on_change``, when an RLJob's RayJob has just ended (Complete or Failed): a state the user
+        waits for, which the pass takes without waiting for the rest of the burst (handlers.py, ``urgent``)."""
         self._on_served = on_served
         self._kinds = kinds
         self._watch_timeout_s = watch_timeout_s
         self._stores: dict[tuple[str, str], _Store] = {}
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._synced: dict[str, asyncio.Event] = {}
+        """Per namespace, set once every kind has listed or is known unserved: what a pass waiting for its
+        namespace's lists awaits (hundreds at once when a leader takes over), rather than polling."""
 
     def watch_namespace(self, namespace: str) -> None:
         """Start the watches of ``namespace`` (once; idempotent)."""
@@ -207,11 +236,17 @@ class ChildCache:
         return all(s.synced or s.unserved for s in stores)
 
     async def wait_synced(self, namespace: str, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not self.synced(namespace) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        if self.synced(namespace):
+            return True
+        event = self._synced.setdefault(namespace, asyncio.Event())
+        event.clear()  # set by an earlier sync that a refused list has undone since
+        with contextlib.suppress(TimeoutError):  # the caller reads from the API server then
+            await asyncio.wait_for(event.wait(), timeout_s)
         return self.synced(namespace)
+
+    def _check_synced(self, namespace: str) -> None:
+        if (event := self._synced.get(namespace)) is not None and self.synced(namespace):
+            event.set()
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, Any] | _Unknown | None:
         """The child as last seen, None when the cache knows it absent (among the labelled objects), or
@@ -257,6 +292,9 @@ class ChildCache:
             store.set(name, _slim(kind, obj))
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))
+        ended = kind == "RayJob" and observed_finish(obj) is not None and observed_finish(old) is None
+        if ended and (job := _owner(obj)) is not None:
+            self._on_end((namespace, job))
 
     def _drop(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
@@ -271,6 +309,7 @@ class ChildCache:
         new = {str(o["metadata"]["name"]): _slim(kind, o) for o in items}
         store.reset(new)
         was_synced, store.synced = store.synced, True
+        self._check_synced(namespace)
         if store.unserved:  # a CRD installed meanwhile (KubeRay after the RLJob): every RLJob looks again
             store.unserved = False
             self._on_served(namespace)
@@ -301,6 +340,7 @@ class ChildCache:
                         log.warning("no list/watch of %s in %s (%s): its reads are GETs", kind, namespace, exc)
                     store.synced, store.unserved = False, True
                     store.reset({})
+                    self._check_synced(namespace)
                     await asyncio.sleep(UNSERVED_RETRY_S)
                     continue
                 log.warning("watch of %s in %s: %s; listing again", kind, namespace, exc)

@@ -6,6 +6,7 @@ watch cannot hold, is still a NameConflict. No server, no kopf."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from test_reconcile import NOW, FakeClient, _condition, _rljob
 from r3operator.operator import meta
 from r3operator.operator.informer import ChildCache
 from r3operator.operator.kube import KINDS, Kind
+from r3operator.operator.lifecycle import observed_finish
 from r3operator.operator.reconcile import Reconciler
 
 CHILD_KINDS = (
@@ -193,3 +195,116 @@ def test_the_rljob_held_from_the_operators_own_write_keeps_no_managed_fields():
     reconciler._wrote("uid-1", returned)
     held = reconciler._newest("uid-1", {"metadata": {"name": "job", "resourceVersion": "6"}})  # the live body is older
     assert held == {"metadata": {"name": "job", "resourceVersion": "7"}, "status": {"phase": "x"}}
+
+
+class VersionedPatchClient(WatchedClient):
+    """A status PATCH makes a new resourceVersion, as the API server's does (FakeClient's keeps the old one)."""
+
+    async def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
+        await super().merge_patch(kind, namespace, name, patch, subresource=subresource)
+        obj = self.objects[(kind.plural, namespace, name)]
+        self._rv += 1
+        obj["metadata"]["resourceVersion"] = str(self._rv)
+        return copy.deepcopy(obj)
+
+
+def test_a_pass_on_a_live_body_older_than_its_own_status_write_reads_that_write_and_writes_nothing_again():
+    client = VersionedPatchClient()
+    stale = client.put(_rljob())  # kopf's live body, before any status: its watch lags behind the pass's writes
+    stale["metadata"]["managedFields"] = [{"manager": "kubectl", "operation": "Update"}]
+
+    async def scenario() -> None:
+        cache = ChildCache(client, lambda key: None)  # type: ignore[arg-type]
+        reconciler = Reconciler(client, clock=lambda: NOW, cache=cache)  # type: ignore[arg-type]
+        first = await reconciler.reconcile(copy.deepcopy(stale), live=True)
+        assert first.status_written
+        await asyncio.sleep(0.05)
+        client.writes.clear()
+        again = await reconciler.reconcile(copy.deepcopy(stale), live=True)
+        # It parsed the RLJob as its own write returned it (status included), not the stale body: no write.
+        assert not again.status_written and client.writes == [], client.writes
+        assert again.job is not None and again.job.status is not None
+        assert again.job.status.observed_generation == 1
+        # Once kopf's body is as new as the write, that body is taken and the held write let go.
+        live = copy.deepcopy(client.objects[("rljobs", "rl", "job")])
+        await reconciler.reconcile(live, live=True)
+        assert reconciler._written == {}
+        await cache.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_rayjob_ending_is_passed_on_as_an_end_once_and_other_child_events_are_not():
+    client = WatchedClient()
+    changed: list[Any] = []
+    ended: list[Any] = []
+    labels = {meta.LABEL_JOB: "job"}
+    ray_job = client.put(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "job-trainer", "namespace": "rl", "labels": labels},
+        }
+    )
+
+    async def scenario() -> None:
+        cache = ChildCache(client, changed.append, on_end=ended.append)  # type: ignore[arg-type]
+        cache.watch_namespace("rl")
+        assert await cache.wait_synced("rl", 5.0)
+        running = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+        failed = {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "message": "the submitter exited"}
+        for status in (running, failed, {**failed, "endTime": "2026-11-27T03:00:00Z"}):
+            client.put({**ray_job, "status": status})
+            await asyncio.sleep(0.02)
+        sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "job-engine", "namespace": "rl"}}
+        client.put({**sts, "metadata": {**sts["metadata"], "labels": labels}, "status": {"replicas": 0}})
+        await asyncio.sleep(0.02)
+        await cache.close()
+
+    asyncio.run(scenario())
+    assert changed == [("rl", "job")] * 4  # every event wakes the RLJob
+    assert ended == [("rl", "job")]  # the RayJob's end once, at its Failed
+
+
+def test_the_cache_holds_no_managed_fields_nor_the_rayclusters_status_and_the_rayjobs_end_still_reads():
+    client = WatchedClient()
+    labels = {meta.LABEL_JOB: "job"}
+    status = {
+        "jobDeploymentStatus": "Failed",
+        "jobStatus": "FAILED",
+        "message": "the submitter exited",
+        "endTime": "2026-11-27T03:00:00Z",
+        "rayClusterStatus": {"desiredGPU": "1", "head": {"podName": "h"}, "conditions": [{"type": "HeadPodReady"}]},
+    }
+    managed = [{"manager": "kuberay-operator", "operation": "Update", "fieldsV1": {"f:status": {}}}]
+    client.put(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "job-trainer", "namespace": "rl", "labels": labels, "managedFields": managed},
+            "spec": {"entrypoint": "python -m train"},
+            "status": status,
+        }
+    )
+
+    async def scenario() -> dict[str, Any]:
+        cache = ChildCache(client, lambda key: None)  # type: ignore[arg-type]
+        cache.watch_namespace("rl")
+        assert await cache.wait_synced("rl", 5.0)
+        held = cache.lookup("RayJob", "rl", "job-trainer")
+        await cache.close()
+        assert isinstance(held, dict)
+        return held
+
+    held = asyncio.run(scenario())
+    assert "managedFields" not in held["metadata"] and "rayClusterStatus" not in held["status"]
+    assert held["spec"] == {"entrypoint": "python -m train"}
+    # What the pass reads of it (lifecycle.observed_finish: the end and when; status.py: the job's own fields).
+    finish = observed_finish(held)
+    assert finish is not None and not finish.succeeded and finish.message == "the submitter exited"
+    assert finish.ended_at is not None and finish.ended_at.hour == 3
+    assert {k: held["status"][k] for k in ("jobDeploymentStatus", "jobStatus", "message")} == {
+        k: status[k] for k in ("jobDeploymentStatus", "jobStatus", "message")
+    }
