@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_weight_sync import write_json
+
 
 def checkpoint_metadata_for(model: str) -> list[tuple[str, Any, tuple[int, ...]]]:
     """(checkpoint name, dtype, shape) of every tensor the trainer sends for reference model `model`."""
@@ -347,9 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             if args.json is not None:  # after every model and layout: a run killed at a time limit keeps them
-                partial = args.json.with_name(args.json.name + ".partial")
-                partial.write_text(json.dumps(results, indent=2) + "\n")
-                partial.replace(args.json)
+                write_json(args.json, results)
     print(json.dumps(results, indent=2))
     return 0
 

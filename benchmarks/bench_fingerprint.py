@@ -171,7 +171,6 @@ def measure(
         raise ValueError("--experts: only with --layout kernel")
     else:
         shapes = checkpoint_shapes(model)
-    receipt.NUMPY_ON_CPU = False  # the GPU's path, on whichever device
     if device == "meta":
         tensors = [(name, torch.empty(shape, dtype=torch.bfloat16, device="meta")) for name, shape in shapes]
     else:
@@ -186,18 +185,22 @@ def measure(
         "device": device,
     }
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
-        for side, make in (
-            ("trainer", partial(_trainer, tensors, bucket)),
-            ("engine", partial(_engine, tensors, bucket, batch_mb)),
-        ):
-            ops, host = counted_ops(make(False))
-            row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
-            if device != "meta":
-                row["seconds"] = _timed(make(True), repeats, sync)
-            if device == "cpu":
-                row["largest_alloc_bytes"] = largest_alloc_bytes(make(True))
-            out[f"{side}_{way}"] = row
+    numpy_on_cpu, receipt.NUMPY_ON_CPU = receipt.NUMPY_ON_CPU, False  # the GPU's path, on whichever device
+    try:
+        for way, bucket in (("one_by_one", 0), ("buckets", BUCKET_BYTES)):
+            for side, make in (
+                ("trainer", partial(_trainer, tensors, bucket)),
+                ("engine", partial(_engine, tensors, bucket, batch_mb)),
+            ):
+                ops, host = counted_ops(make(False))
+                row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
+                if device != "meta":
+                    row["seconds"] = _timed(make(True), repeats, sync)
+                if device == "cpu":
+                    row["largest_alloc_bytes"] = largest_alloc_bytes(make(True))
+                out[f"{side}_{way}"] = row
+    finally:  # `make bench` runs the other benchmarks in this process after it
+        receipt.NUMPY_ON_CPU = numpy_on_cpu
     return out
 
 

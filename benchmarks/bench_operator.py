@@ -728,8 +728,6 @@ def run_size(
             standby_log = plane.logs / "operator-op-b.log"
             standby_passes_s = _waited(lambda: len(_first_pass_marks(standby_log)) >= jobs, 300, t_fail)
             rss_standby_mb = psutil.Process(standby.pid).memory_info().rss / 2**20
-            # Where the RLJob whose child went missing came in the new leader's first passes (takeover.py orders
-            # them): how many of the others began theirs before it.
             # Which operator re-created the child: the new leader, or the old one in a pass before it stopped (its
             # log holds the first create too).
             created = f"created ConfigMap/{names[-1]}-config"
@@ -738,6 +736,8 @@ def run_size(
                 for who, before in (("op-a", 1), ("op-b", 0))
                 if (plane.logs / f"operator-{who}.log").read_text(errors="replace").count(created) > before
             ]
+            # Where the RLJob whose child went missing came in the new leader's first passes (takeover.py orders
+            # them): how many of the others began theirs before it.
             taken = _first_pass_marks(standby_log)
             victim_start = taken.get(names[-1], {}).get("start")
             passes_before_victim = (

@@ -91,6 +91,12 @@ def _canary(rows: Sequence[Mapping[str, str]]) -> str:
     return f"{sum(1 for r in rows if r.get('canary_ok') in ('1', 'True'))}/{len(rows)}"
 
 
+def _all_passed(fraction: str) -> bool:
+    """A canary tally such as "3/3" (bench_weight_sync's `canary_ok`): every one passed."""
+    done, _, of = fraction.partition("/")
+    return done == of
+
+
 def pytest_counts(log: str) -> dict[str, int]:
     """pytest's closing line (`2 passed, 1 skipped in 3.1s`) as counts."""
     counts: dict[str, int] = {}
@@ -289,7 +295,7 @@ def judge_weight_sync(ctx: Context, code: int, log: str) -> Verdict:
             f"device copy {copy.get('device_copy_gbps')} GB/s, peer copy {copy.get('peer_copy_gbps')} GB/s, "
             f"host→device {copy.get('host_to_device_gbps')} GB/s"
         )
-    canaries_ok = all(v["canary_ok"].split("/")[0] == v["canary_ok"].split("/")[1] for v in methods.values())
+    canaries_ok = all(_all_passed(v["canary_ok"]) for v in methods.values())
     native = [m for m in methods if m != "packed"]
     met = None
     if raw and native:
@@ -387,8 +393,7 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
                 f"{model} {layout} {method}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}), "
                 f"canary {v['canary_ok']}"
             )
-            done, of = v["canary_ok"].split("/")
-            complete = complete and done == of
+            complete = complete and _all_passed(v["canary_ok"])
     return parts, complete
 
 
@@ -467,7 +472,7 @@ def judge_two_engines(ctx: Context, code: int, log: str) -> Verdict:
     if alone:
         figure += f", one engine {alone['median_s']} s (canary {alone['canary_ok']}): {ratio}×"
     canaries = [native["canary_ok"], *([alone["canary_ok"]] if alone else [])]
-    ok = code == 0 and alone is not None and all(c.split("/")[0] == c.split("/")[1] for c in canaries)
+    ok = code == 0 and alone is not None and all(_all_passed(c) for c in canaries)
     return Verdict(ok, figure, None if ratio is None else ratio <= 1.2, {"sync": report})
 
 

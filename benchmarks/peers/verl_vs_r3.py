@@ -39,6 +39,9 @@ PEERS = Path(__file__).resolve().parent
 JOB = REPO / "benchmarks" / "jobs" / "a3b-verl-peer.yaml"
 JOB_NAME = "a3b-verl-peer"
 PARTS = ("prepare", "r3", "verl-R3", "verl-disabled", "table")
+FAST = "r3-fast"
+"""r3operator's own fast settings beside the like-for-like runs: R3 with the kernel-format weight sync and the
+asynchronous mode (rollouts of the next step while the trainer updates, one policy version of staleness)."""
 FAST_LABEL = "r3operator R3, kernel sync, async"
 # Kept set for every program on the lent multi-GPU hosts (NVLink multicast can take the host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -160,11 +163,6 @@ def r3_command(args: argparse.Namespace) -> list[str]:
 
 def uses_up(args: argparse.Namespace) -> bool:
     return args.device != "cpu" and args.gpus >= 2
-
-
-FAST = "r3-fast"
-"""r3operator's own fast settings beside the like-for-like runs: R3 with the kernel-format weight sync and the
-asynchronous mode (rollouts of the next step while the trainer updates, one policy version of staleness)."""
 
 
 def r3_job_variant(base: Path, dest: Path, *, sub: str, replay: str, gpus: int) -> Path:
@@ -299,17 +297,16 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
 
     for replay in ("R3", "disabled"):
         attempt(f"verl {replay}", partial(verl_run, out / f"verl-{replay}", replay))
-    for replay, sub in (("R3", "r3"), ("disabled", "disabled")):
+    r3_runs = [("r3operator R3", "R3", "r3"), ("r3operator disabled", "disabled", "disabled")]
+    if (out / "r3" / f"log-{FAST}").is_dir() or (out / "r3" / JOB_NAME / FAST / "metrics.csv").is_file():
+        r3_runs.append((FAST_LABEL, "R3", FAST))
+    for label, replay, sub in r3_runs:
         path = out / "r3" / JOB_NAME / sub / "metrics.csv"
         # `up` runs each mode on its own, with its own nvidia-smi log; --compare-replay shares one engine and one log
         # between its two runs, so there the peak covers both.
         own = out / "r3" / f"log-{sub}" / "gpu_memory.csv"
         peaks = read_gpu_peaks(own if own.is_file() else out / "r3" / "gpu_memory.csv")
-        attempt(f"r3operator {replay}", partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=peaks))
-    fast = out / "r3" / JOB_NAME / FAST / "metrics.csv"
-    if fast.is_file() or (out / "r3" / f"log-{FAST}").is_dir():
-        own = out / "r3" / f"log-{FAST}" / "gpu_memory.csv"
-        attempt(FAST_LABEL, partial(summarize_r3, fast, replay="R3", gpus=gpus, gpu_peaks=read_gpu_peaks(own)))
+        attempt(label, partial(summarize_r3, path, replay=replay, gpus=gpus, gpu_peaks=peaks))
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
     labels += [FAST_LABEL] if FAST_LABEL in runs else []
     ordered = [runs[label] for label in labels]
