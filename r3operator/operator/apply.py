@@ -148,7 +148,7 @@ def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
         return Action("recreate", want, why="another upgrade attempt")
     if _hash(want, "metadata") != _hash(have, "metadata"):
         return Action("recreate", want, why="spec changed")
-    if _job_condition(have, "Complete"):
+    if meta.has_true_condition(have, "Complete"):
         return Action("none")
     pod_hash = _annotation(have, meta.ANNOTATION_POD_HASH)
     # No annotation: a Job of an operator version before it; an operator upgrade restarts no fetch. A failed
@@ -156,7 +156,7 @@ def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
     if pod_hash is not None and pod_hash != _annotation(want, meta.ANNOTATION_POD_HASH):
         return Action("recreate", want, why="pod template changed before the fetch completed")
     suspend = (want.get("spec") or {}).get("suspend")
-    if _job_condition(have, "Failed"):
+    if meta.has_true_condition(have, "Failed"):
         return Action("none")
     if suspend is not None and bool(suspend) != bool((have.get("spec") or {}).get("suspend")):
         return Action("apply", _partial(want, {"suspend": suspend}), force=True, manager=SCALE_MANAGER)
@@ -165,11 +165,6 @@ def _job(want: dict[str, Any], have: dict[str, Any]) -> Action:
 
 def _annotation(obj: dict[str, Any], key: str) -> str | None:
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
-
-
-def _job_condition(job: dict[str, Any], ctype: str) -> bool:
-    conditions = (job.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == ctype and c.get("status") == "True" for c in conditions)
 
 
 def _ray_job(want: dict[str, Any], have: dict[str, Any]) -> Action:

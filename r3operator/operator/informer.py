@@ -80,7 +80,8 @@ _DROPPED_STATUS: Final = {"RayJob": ("rayClusterStatus",)}
 endpoints, head pod and conditions); lifecycle.py and status.py read the job's own fields only."""
 
 
-def _slim(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+def slim(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as held in memory: without what no pass reads (the module docstring)."""
     metadata = dict(obj.get("metadata") or {})
     metadata.pop("managedFields", None)
     if kind == "Pod":
@@ -280,7 +281,7 @@ class ChildCache:
         if store is not None and store.synced:
             name = str((obj.get("metadata") or {}).get("name") or "")
             if is_newer(obj, store.objects.get(name)):
-                store.set(name, _slim(kind, obj))
+                store.set(name, slim(kind, obj))
 
     def _put(self, kind: str, namespace: str, obj: dict[str, Any]) -> None:
         store = self._stores[(kind, namespace)]
@@ -289,7 +290,7 @@ class ChildCache:
         if old is not None and _version(old) is not None and _version(old) == _version(obj):
             return  # held already: the echo of this operator's own write (remember), which its pass has seen
         if is_newer(obj, old):
-            store.set(name, _slim(kind, obj))
+            store.set(name, slim(kind, obj))
         for job in {_owner(obj), _owner(old) if old is not None else None} - {None}:
             self._on_change((namespace, str(job)))
         ended = kind == "RayJob" and observed_finish(obj) is not None and observed_finish(old) is None
@@ -306,7 +307,7 @@ class ChildCache:
         """A fresh list: whatever differs from what the store held (added, changed, gone) wakes its RLJob."""
         store = self._stores[(kind, namespace)]
         old = store.objects
-        new = {str(o["metadata"]["name"]): _slim(kind, o) for o in items}
+        new = {str(o["metadata"]["name"]): slim(kind, o) for o in items}
         store.reset(new)
         was_synced, store.synced = store.synced, True
         self._check_synced(namespace)

@@ -13,6 +13,7 @@ first sees the end: metadata, which a ``/status`` patch cannot change.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +67,12 @@ def finish_annotation(finish: Finish, now: dt.datetime) -> str:
 
 def recorded_end(job: RLJob) -> dt.datetime | None:
     """When the end the operator recorded in ANNOTATION_FINISHED happened; None without a (readable) record."""
-    return parse_time(job.metadata.annotations.get(ANNOTATION_FINISHED, "").rpartition(" ")[2])
+    return recorded_end_in(job.metadata.annotations)
+
+
+def recorded_end_in(annotations: Mapping[str, Any]) -> dt.datetime | None:
+    """`recorded_end` from an RLJob's raw annotations (a body not parsed)."""
+    return parse_time(str(annotations.get(ANNOTATION_FINISHED, "")).rpartition(" ")[2])
 
 
 def is_suspended(job: RLJob) -> bool:
@@ -74,12 +80,15 @@ def is_suspended(job: RLJob) -> bool:
 
 
 def parse_time(text: str | None) -> dt.datetime | None:
+    """An RFC 3339 time as the API writes it; one without a zone (written by hand) is taken as UTC, so every
+    result compares with ``now`` in UTC."""
     if not text:
         return None
     try:
-        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+        when = dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
     except ValueError:
         return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 def format_time(when: dt.datetime) -> str:

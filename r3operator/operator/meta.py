@@ -6,6 +6,7 @@ can only ever find or create the *same* objects: duplicates are impossible by co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from r3operator.api import names
@@ -109,3 +110,10 @@ def controller_uid(obj: dict[str, Any]) -> str | None:
         if ref.get("controller"):
             return str(ref.get("uid") or "") or None
     return None
+
+
+def has_true_condition(obj: Mapping[str, Any], ctype: str) -> bool:
+    """The object's ``status.conditions`` hold ``ctype`` with status "True" (a raw object: a child as read, or an
+    RLJob's body before it is parsed)."""
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == ctype and c.get("status") == "True" for c in conditions)

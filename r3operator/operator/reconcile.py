@@ -36,7 +36,7 @@ from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_lay
 from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy, WhenHeld
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
-from r3operator.api.v1alpha1 import RLJob, RLJobStatus, UpgradeStatus
+from r3operator.api.v1alpha1 import KIND, RLJob, RLJobStatus, UpgradeStatus
 from r3operator.api.vllm_args import model_path, model_source
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
@@ -56,7 +56,7 @@ from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
 from r3operator.operator.hashing import engine_spec_hash
-from r3operator.operator.informer import UNKNOWN, ChildCache, is_newer
+from r3operator.operator.informer import UNKNOWN, ChildCache, is_newer, slim
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
 from r3operator.operator.lifecycle import (
     ANNOTATION_FINISHED,
@@ -277,10 +277,10 @@ class Reconciler:
         digest = hashlib.sha256(json.dumps(key).encode()).digest()
         held = self._rendered.get(meta_.uid or "")
         if held is not None and held[0] == digest:
-            return list(json.loads(zlib.decompress(held[1])))
+            return list(_unpack(held[1]))
         children = desired(job, facts)
         if meta_.uid:
-            self._rendered[meta_.uid] = (digest, zlib.compress(json.dumps(children, separators=(",", ":")).encode()))
+            self._rendered[meta_.uid] = (digest, _pack(children))
         return children
 
     def _newest(self, uid: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -288,16 +288,14 @@ class Reconciler:
         if mine is None or is_newer(body, _at_version(mine[0])):
             self._written.pop(uid, None)  # the live body holds the write now
             return body
-        held: dict[str, Any] = json.loads(zlib.decompress(mine[1]))
+        held: dict[str, Any] = _unpack(mine[1])
         return held
 
     def _wrote(self, uid: str | None, returned: dict[str, Any]) -> None:
         held = self._written.get(uid or "")
         if uid and is_newer(returned, _at_version(held[0]) if held is not None else None):
             # Without the managedFields, which no pass reads (~40 % of an RLJob).
-            metadata = {k: v for k, v in (returned.get("metadata") or {}).items() if k != "managedFields"}
-            packed = json.dumps({**returned, "metadata": metadata}, separators=(",", ":")).encode()
-            self._written[uid] = (metadata.get("resourceVersion"), zlib.compress(packed))
+            self._written[uid] = ((returned.get("metadata") or {}).get("resourceVersion"), _pack(slim(KIND, returned)))
 
     async def _unparsable(self, raw: dict[str, Any], exc: RLJobLoadError) -> Outcome:
         """Valid=False (ParseError) and one Event, written once; nothing else is read or changed."""
@@ -855,6 +853,15 @@ class Reconciler:
         self._canaries[uid] = (time.monotonic(), result)
         log.info("canary for %s/%s: %s", job.metadata.namespace, job.metadata.name, result.message)
         return _replace(obs, canary=result)
+
+
+def _pack(obj: Any) -> bytes:
+    """A JSON object held in memory between passes: compressed, ~1/6 of its dicts' size."""
+    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _unpack(blob: bytes) -> Any:
+    return json.loads(zlib.decompress(blob))
 
 
 def _at_version(version: str | None) -> dict[str, Any]:

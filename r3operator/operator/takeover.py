@@ -22,7 +22,8 @@ from typing import Any, Final
 
 from r3operator.operator.desired import standing_children
 from r3operator.operator.informer import ChildCache, Key
-from r3operator.operator.lifecycle import ANNOTATION_FINISHED, parse_time
+from r3operator.operator.lifecycle import recorded_end_in
+from r3operator.operator.meta import has_true_condition
 
 DEFAULT_LIMIT: Final = 32
 """First passes at a time: enough that the API round trips of a pass (references, a missing child) overlap,
@@ -30,19 +31,14 @@ few enough that a turn handed out by urgency comes soon."""
 CACHE_SYNC_WAIT_S: Final = 10.0
 
 
-def _condition_true(status: dict[str, Any], ctype: str) -> bool:
-    return any(c.get("type") == ctype and c.get("status") == "True" for c in status.get("conditions") or [])
-
-
 def _expired(body: Mapping[str, Any], now: dt.datetime) -> bool:
     """The RLJob ended (the operator's finished annotation, which holds the RayJob's endTime) and its
     ``ttlSecondsAfterFinished`` has run: its children are gone by design (lifecycle.ttl_expired)."""
-    annotations = (body.get("metadata") or {}).get("annotations") or {}
-    ended = parse_time(str(annotations.get(ANNOTATION_FINISHED, "")).rpartition(" ")[2])
+    ended = recorded_end_in((body.get("metadata") or {}).get("annotations") or {})
     ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
     if ended is None or not isinstance(ttl, int):
         return False
-    return (now - (ended if ended.tzinfo else ended.replace(tzinfo=dt.UTC))).total_seconds() >= ttl
+    return (now - ended).total_seconds() >= ttl
 
 
 def missing_child(body: Mapping[str, Any], cache: ChildCache, now: dt.datetime | None = None) -> str | None:
@@ -51,8 +47,7 @@ def missing_child(body: Mapping[str, Any], cache: ChildCache, now: dt.datetime |
     None. A kind the cache cannot answer for (not listed, not served) is taken as present."""
     metadata = body.get("metadata") or {}
     namespace, name = str(metadata.get("namespace") or ""), str(metadata.get("name") or "")
-    status = body.get("status") or {}
-    if not _condition_true(status, "Valid") or _expired(body, now or dt.datetime.now(dt.UTC)):
+    if not has_true_condition(body, "Valid") or _expired(body, now or dt.datetime.now(dt.UTC)):
         return None
     for kinds, child in standing_children(name):
         found = [cache.lookup(kind, namespace, child) for kind in kinds]
@@ -91,7 +86,6 @@ class FirstPasses:
         self._running = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._futures: dict[Key, asyncio.Future[None]] = {}
-        self._pending = 0
         self._grant_scheduled = False
 
     @property
@@ -100,7 +94,9 @@ class FirstPasses:
 
     @property
     def waiting(self) -> int:
-        return self._pending
+        """First passes waiting for a turn (a turn granted early, or a wait cancelled, leaves its entry in the
+        queue, done)."""
+        return sum(1 for granted in self._waiting if not granted.done())
 
     async def turn(self, key: Key, *, urgent: bool) -> None:
         """Wait for a turn; :meth:`done` gives it back (also when the wait is cancelled after the grant). An urgent
@@ -111,7 +107,6 @@ class FirstPasses:
             return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[key] = granted
-        self._pending += 1
         self._waiting.append(granted)
         self._schedule()
         try:
@@ -121,7 +116,6 @@ class FirstPasses:
                 self.done()  # granted, then cancelled before it ran: pass the turn on
             else:
                 granted.cancel()
-                self._pending -= 1
             raise
         finally:
             if self._futures.get(key) is granted:
@@ -133,7 +127,6 @@ class FirstPasses:
         if granted is not None and not granted.done():
             granted.set_result(None)  # its entry in the queue is skipped when it comes up
             self._running += 1
-            self._pending -= 1
 
     def done(self) -> None:
         self._running -= 1
@@ -151,7 +144,6 @@ class FirstPasses:
             if not granted.done():
                 granted.set_result(None)
                 self._running += 1
-                self._pending -= 1
 
 
 async def first_turn(
