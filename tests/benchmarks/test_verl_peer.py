@@ -503,10 +503,10 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
     from r3operator.cli.up.plan import plan_up
 
     args = argparse.Namespace(out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b", r3_fast=False)
-    assert [sub for sub, _, _ in r3_up_commands(args)] == ["disabled", "r3"]  # replay off first, as compare-replay
+    assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3", "disabled"]  # the target's column first
     args.r3_fast = True
     runs = r3_up_commands(args)
-    assert [sub for sub, _, _ in runs] == ["disabled", "r3", "r3-fast"]
+    assert [sub for sub, _, _ in runs] == ["r3", "r3-fast", "disabled"]
     base = load_rljob(JOB).spec.model_dump()
     for sub, cmd, metrics in runs:
         assert cmd[:2] == ["r3operator", "up"] and cmd[cmd.index("--gpus") + 1] == ",".join(map(str, range(gpus)))
