@@ -221,6 +221,13 @@ class InProcessLLMClient:
         return samples
 
 
+MAX_CONCURRENT_REQUESTS = 512
+"""Requests one `generate` keeps in flight to one server. vLLM batches whatever has arrived (continuous batching,
+up to its `max_num_seqs`, queueing the rest), so a request held back here is a sequence the engine could have
+decoded beside the others: a rollout of 128 one-sample requests, 8 at a time, decodes 16 small batches one after
+another instead of one. The cap only bounds this process's threads; the server's own limit does the rest."""
+
+
 class OpenAIHTTPClient:
     """`RolloutClient` over a vLLM OpenAI server's `/v1/completions` (non-streaming; R3 needs that)."""
 
@@ -231,7 +238,7 @@ class OpenAIHTTPClient:
         model: str | None = None,
         num_experts: int | None = None,
         timeout_s: float = 300.0,
-        max_concurrency: int = 8,
+        max_concurrency: int = MAX_CONCURRENT_REQUESTS,
         api_key: str | None = None,
         backoff: Backoff | None = None,
     ) -> None:

@@ -100,3 +100,64 @@ def test_http_requests_sample_the_full_softmax_whatever_the_models_generation_co
     body = client.completion_body([1, 2], max_tokens=4, temperature=0.6, seed=0, n=1, start=0)
     assert (body["top_k"], body["top_p"], body["min_p"], body["repetition_penalty"]) == (-1, 1.0, 0.0, 1.0)
     assert body["temperature"] == 0.6
+
+
+def test_http_rollout_keeps_every_request_of_a_batch_in_flight_at_once() -> None:
+    """vLLM decodes together only the requests that have arrived: the server here answers no completion until
+    all of a rollout's requests are in flight (a barrier of that many), so a client that holds requests back
+    (8 at a time, as it once did) never gets an answer and fails instead of rolling out in small batches."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from r3operator.rollout.client import OpenAIHTTPClient
+    from r3operator.wire.retry import Backoff, EngineUnavailableError
+
+    prompts = [[1, 2, i] for i in range(64)]
+    arrived = threading.Barrier(len(prompts), timeout=10)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _json(self, status: int, payload: object) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:
+            self._json(200, {"data": [{"id": "m"}]})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            try:
+                arrived.wait()
+            except threading.BrokenBarrierError:
+                self._json(503, {"error": "not every request of the rollout arrived"})
+                return
+            choice = {
+                "index": 0,
+                "prompt_token_ids": body["prompt"],
+                "token_ids": [7],
+                "logprobs": {"token_logprobs": [-0.5]},
+                "finish_reason": "length",
+            }
+            self._json(200, {"choices": [choice]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAIHTTPClient(
+            f"http://127.0.0.1:{server.server_address[1]}", num_experts=4, backoff=Backoff(attempts=1)
+        )
+        try:
+            samples = client.generate(prompts, max_tokens=1, temperature=1.0, seed=0)
+        except EngineUnavailableError as exc:
+            pytest.fail(f"the client held requests back: {exc}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [s.prompt_token_ids for s in samples] == [tuple(p) for p in prompts]
