@@ -247,6 +247,39 @@ def measure(
     }
 
 
+def profile_one_sync(run: Any, sft_steps: int, out: Path) -> dict[str, str]:
+    """One more sync of a new policy, outside the timed ones, under torch's profiler (host and, on a GPU, CUDA
+    activity), each sync phase a named span (`SyncPhases.label`): OUT.trace.json (chrome://tracing, Perfetto)
+    and OUT.txt (the operators by device time, then by host time). Says where a phase's time goes, which the
+    phase clock cannot: GPU work lands in whichever phase waits for it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available() and str(run.s.device).startswith("cuda")
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    new_policy(run, sft_steps)
+    if cuda:
+        torch.cuda.synchronize()
+    run.sync_phases.label = record_function
+    try:
+        with profile(activities=activities) as prof:
+            run.sync_weights()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        run.sync_phases.label = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    trace, table = out.with_name(out.name + ".trace.json"), out.with_name(out.name + ".txt")
+    prof.export_chrome_trace(str(trace))
+    averages = prof.key_averages()
+    sections = [("device time", "cuda_time_total")] if cuda else []
+    sections.append(("host time", "cpu_time_total"))
+    table.write_text(
+        "\n\n".join(f"== by {what}\n{averages.table(sort_by=key, row_limit=40)}" for what, key in sections) + "\n"
+    )
+    return {"trace": str(trace), "table": str(table)}
+
+
 def measure_one_engine(run: GRPORun, timed: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`timed()` (`measure` of the same syncs) to the first engine alone (the multi-engine target compares
     against it)."""
@@ -328,6 +361,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "start: checkpoint, kernel (one tensor per vLLM parameter, vLLM 0.22.x); both = checkpoint,kernel",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after each layout and method's timed syncs, one more under torch's profiler: "
+        "DIR/<layout>-<method>.trace.json and .txt (not counted in the figures)",
+    )
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     native = [m for m in methods if m != "packed"]
@@ -455,6 +496,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 figures[method] = timed(method)
                 print(layout, method, json.dumps(figures[method]), flush=True)
                 save()
+                if args.profile is not None:
+                    figures[method]["profile"] = profile_one_sync(
+                        run, args.sft_steps, args.profile / f"{layout}-{method}"
+                    )
+                    save()
                 if args.engines > 1:
                     alone = measure_one_engine(run, partial(timed, method))
                     figures[method]["one_engine"] = alone

@@ -340,7 +340,8 @@ def sync_layouts_command(model: str) -> Callable[[Context], str]:
         sft = " --sft-steps 0" if model == "a3b-x16l" else ""
         return (
             f"python3 -m benchmarks.bench_weight_sync {method} --model {model} --syncs 3 --layout {SYNC_LAYOUTS}{sft} "
-            f"--log-dir {ctx.path(f'log_{model}')} --json {shlex.quote(str(sync_json(ctx, model)))}"
+            f"--log-dir {ctx.path(f'log_{model}')} --json {shlex.quote(str(sync_json(ctx, model)))} "
+            f"--profile {ctx.path(f'profile_{model}')}"
         )
 
     return command

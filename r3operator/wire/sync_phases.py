@@ -15,14 +15,16 @@ Phases (seconds, summed over the sync's chunks; `SYNC_PHASES` is the order repor
 
 On a GPU, work is asynchronous: a phase's seconds are the host's, and GPU work lands in the phase that waits
 for it, unless the clock synchronizes at every phase boundary (`synchronize=True`, bench_weight_sync
-`--phase-sync`), which itself costs a little.
+`--phase-sync`), which itself costs a little. Where GPU time goes inside a phase is a profiler's question:
+`label` (e.g. `torch.profiler.record_function`, set by bench_weight_sync `--profile`) names each phase's span in
+the trace.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -36,6 +38,10 @@ class SyncPhases:
     def __init__(self, *, synchronize: bool = False) -> None:
         self.synchronize = synchronize
         self.seconds: dict[str, float] = {}
+        self.label: Callable[[str], AbstractContextManager[Any]] | None = None  # a span per phase (profiling)
+
+    def _span(self, phase: str) -> AbstractContextManager[Any]:
+        return self.label(phase) if self.label is not None else nullcontext()
 
     def reset(self) -> None:
         self.seconds = {}
@@ -59,7 +65,8 @@ class SyncPhases:
         self._sync()
         begin = time.perf_counter()
         try:
-            yield
+            with self._span(phase):
+                yield
         finally:
             self._sync()
             self.add(phase, time.perf_counter() - begin)
@@ -71,7 +78,8 @@ class SyncPhases:
             self._sync()
             begin = time.perf_counter()
             try:
-                item = next(iterator)
+                with self._span(phase):
+                    item = next(iterator)
             except StopIteration:
                 self.add(phase, time.perf_counter() - begin)
                 return
