@@ -125,8 +125,9 @@ def chosen_backend(backends: Mapping[str, Any]) -> str | None:
 
 
 def te_reasons(lines: list[str]) -> list[str]:
-    """TE's debug lines that say why a backend was left out, and what was left (kept in TE's order, once each)."""
-    keep = ("Disabling", "Available backends", "Selected backend", "flash-attn")
+    """TE's debug lines that give its run config (cuDNN version, compute capability, …), why a backend was left
+    out, and what was left; in TE's order, once each."""
+    keep = ("Running with", "Disabling", "Available backends", "Selected backend", "flash-attn")
     seen: dict[str, None] = {}
     for line in lines:
         if any(word in line for word in keep):
@@ -239,7 +240,8 @@ def _run_passes(shape: AttentionShape, lengths: list[int], verdict: Verdict, dev
         inputs = [t.detach().clone().requires_grad_(training) for t in (q, k, v)]
         with torch.set_grad_enabled(training):
             out = attention(*inputs, None, **packed)
-            verdict.passes[name] = chosen_backend(te_dpa._attention_backends)
+            cache = getattr(te_dpa, "_attention_backends", None)  # TE's module-level record of its choice
+            verdict.passes[name] = chosen_backend(cache) if cache is not None else "a backend (TE's record unread)"
             if training:
                 out.float().square().mean().backward()
                 if not all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in inputs):
