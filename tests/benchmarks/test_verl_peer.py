@@ -810,10 +810,16 @@ def install_fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) 
 def test_probe_runs_both_passes_and_reports_tes_choice_or_reasons(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, mode: str, ok: bool, words: str
 ) -> None:
-    from benchmarks.peers.te_preflight import AttentionShape, probe
+    from benchmarks.peers.te_preflight import AttentionShape, megatron_attention_env, probe
 
+    # megatron-core imported before the stand-in is on the path: it asks an importable TE for its wheel's version
+    megatron_attention_env("fused")
     install_fake_te(tmp_path, monkeypatch, mode)
-    verdict = probe(AttentionShape(heads=4, kv_heads=2, head_dim=16), [9, 5, 1], backend, device="cpu")
+    try:
+        verdict = probe(AttentionShape(heads=4, kv_heads=2, head_dim=16), [9, 5, 1], backend, device="cpu")
+    finally:  # the stand-in's modules go with the test: later tests in this process must not find them
+        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+            del sys.modules[name]
     assert verdict.ok is ok
     assert words in (" ".join(verdict.te_log) + verdict.reason + str(verdict.passes))
     if ok:
