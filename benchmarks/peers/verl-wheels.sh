@@ -29,7 +29,9 @@ done
 # verl's own Requires-Dist (unzip -p verl-0.9.1-*.whl '*/METADATA'), less what the image or r3operator's set has
 # (numpy, accelerate, packaging, dill, ray, torch, pydantic, fastapi, uvicorn, cachetools, pyzmq, msgspec), plus
 # their needs that are not on the image either. wandb/tensorboard are imported only for those loggers (we log to
-# console + file), flash-attn only for the FSDP engine's remove-padding path (the Megatron engine does not import it).
+# console + file). flash-attn is left out (no wheel for torch 2.11 + CUDA 13): verl's FSDP engine imports it for
+# remove-padding, and its Megatron engine needs it only with its default `attention_backend: flash`, which
+# verl_config.py replaces with `fused` (Transformer Engine's cuDNN attention; te_preflight.py checks it on the GPU).
 # transformers 5.9.0 wants tokenizers <= 0.23.0; tensordict 0.10 imports pyvers; verl 0.9.1's main_ppo imports
 # transfer_queue (transferqueue) on every run (all three found missing on the GPU machine, 2026-11-27).
 pkgs=(verl==0.9.1 transformers==5.9.0 tokenizers==0.22.2 pyvers==0.2.3 transferqueue==0.1.11 huggingface-hub==1.33.0

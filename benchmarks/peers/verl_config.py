@@ -21,6 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPLAY_MODES = ("R3", "disabled")
+ATTENTION_BACKEND = "fused"
+"""verl's Megatron attention: TE's FusedAttention (cuDNN). verl 0.9.1 defaults to `flash`, for which megatron-core
+sets NVTE_FUSED_ATTN=0 and NVTE_UNFUSED_ATTN=0 and leaves TE only flash-attn, which has no wheel for torch 2.11 +
+CUDA 13 (2026-11-27: "No dot product attention backend is available" in the first `compute_log_prob`). On Hopper
+TE prefers FusedAttention over flash-attn when it may choose (`auto`), and verl's own Megatron examples set
+`fused` (examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh). benchmarks/peers/te_preflight.py checks
+it on the GPU before verl starts."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,8 @@ def verl_overrides(
         f"{actor}.megatron.vanilla_mbridge=True",  # mbridge, not Megatron-Bridge (one dependency fewer)
         f"{actor}.megatron.seed={work.seed}",
         f"{actor}.megatron.router_replay.mode={replay}",
+        # the reference model's Megatron config follows the actor's (verl's ref/megatron_ref.yaml)
+        f"{actor}.megatron.override_transformer_config.attention_backend={ATTENTION_BACKEND}",
         # rollout: vLLM (the release r3operator uses), one replica per GPU, eager like r3operator's engine
         f"{rollout}.name=vllm",
         f"{rollout}.mode=async",

@@ -14,6 +14,10 @@ engine on GPU 0 and the trainer on the others with NCCL weight sync; on 1 GPU or
 `verl-disabled` (benchmarks/peers/verl_config.py), `table` (benchmarks/peers/compare.py). Each run's console goes
 to DIR/<part>/console.log, nvidia-smi's memory samples to DIR/<part>/gpu_memory.csv; the table to DIR/table.md
 and DIR/summary.json. A part that fails or times out is reported, and the table shows it as not run.
+
+Each verl part first runs benchmarks/peers/te_preflight.py on one of its GPUs (seconds; DIR/<part>/preflight.log):
+Transformer Engine's attention with verl's inputs and attention backend. When TE has no backend for them, verl is
+not started (it would reach the same failure after ~5 minutes) and the part fails with TE's reasons.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from benchmarks.peers.compare import MetricsError, RunSummary, ratio_line, reward_table, summarize_r3, summarize_verl
 from benchmarks.peers.compare import table as make_table
-from benchmarks.peers.verl_config import Workload, verl_command, verl_overrides
+from benchmarks.peers.te_preflight import MARKER as PREFLIGHT_MARKER
+from benchmarks.peers.verl_config import ATTENTION_BACKEND, Workload, verl_command, verl_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parent
@@ -111,6 +117,72 @@ def run_logged(name: str, cmd: list[str], env: dict[str, str], out: Path, timeou
             rc = 124
     print(f"   rc={rc} in {time.perf_counter() - begin:.0f} s", flush=True)
     return rc
+
+
+PREFLIGHT_TIMEOUT_S = 300
+NOT_STARTED = "not-started.txt"
+"""Written in a verl part's folder when its preflight stopped it: the table says why the column is empty."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    ok: bool
+    message: str
+
+
+def preflight_command(python: str, model_dir: Path, backend: str = ATTENTION_BACKEND) -> list[str]:
+    return [python, "-m", "benchmarks.peers.te_preflight", "--model", str(model_dir), "--attention-backend", backend]
+
+
+def read_preflight(output: str, rc: int) -> Preflight:
+    """The probe's last `TE_PREFLIGHT {json}` line, trusted only with exit status 0; anything else is a failure
+    whose message carries TE's reasons, or the output's last line when the probe died before its verdict."""
+    verdict: dict[str, object] | None = None
+    for line in output.splitlines():
+        if line.startswith(PREFLIGHT_MARKER):
+            try:
+                parsed = json.loads(line.removeprefix(PREFLIGHT_MARKER))
+            except json.JSONDecodeError:
+                continue
+            verdict = parsed if isinstance(parsed, dict) else None
+    if verdict is None:
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
+        return Preflight(False, f"no verdict (exit status {rc}): {last}")
+    passes = verdict.get("passes")
+    chosen = "; ".join(f"{k}: {v or 'no backend'}" for k, v in passes.items()) if isinstance(passes, dict) else ""
+    setting = f"attention_backend={verdict.get('attention_backend')} {verdict.get('switches')}"
+    if rc == 0 and verdict.get("ok") is True:
+        return Preflight(True, f"{chosen} ({setting})")
+    te_log = verdict.get("te_log")
+    why = " | ".join(str(x) for x in te_log) if isinstance(te_log, list) and te_log else "TE logged no reason"
+    return Preflight(False, f"{verdict.get('reason') or f'exit status {rc}'} ({setting}); TE: {why}")
+
+
+def run_preflight(env: Mapping[str, str], run_dir: Path, model_dir: Path, python: str = sys.executable) -> Preflight:
+    """The probe on the first of the run's GPUs, its output in run_dir/preflight.log."""
+    pre_env = dict(env)
+    visible = [g.strip() for g in pre_env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if visible:
+        pre_env["CUDA_VISIBLE_DEVICES"] = visible[0]
+    try:
+        proc = subprocess.run(
+            preflight_command(python, model_dir),
+            env=pre_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=PREFLIGHT_TIMEOUT_S,
+            cwd=REPO,
+            check=False,
+        )
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        partial_out = exc.stdout
+        output = partial_out.decode(errors="replace") if isinstance(partial_out, bytes) else (partial_out or "")
+        output += f"\ntimed out after {PREFLIGHT_TIMEOUT_S} s\n"
+        rc = 124
+    (run_dir / "preflight.log").write_text(output)
+    return read_preflight(output, rc)
 
 
 def environment(pythonpath: list[str]) -> dict[str, str]:
@@ -250,11 +322,18 @@ def run_part(part: str, args: argparse.Namespace) -> int:
             log_file=run_dir / "metrics.jsonl",
         )
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        for stale in ("metrics.jsonl", "console.log", NOT_STARTED):
+            (run_dir / stale).unlink(missing_ok=True)
         (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
         env = environment([str(PEERS / "verl_hook"), args.verl_site, args.site, str(REPO)])
         env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's overlap of communication and compute
+        check = run_preflight(env, run_dir, inputs / "model")
+        print(f"== {part}: Transformer Engine preflight: {check.message}", flush=True)
+        if not check.ok:
+            (run_dir / NOT_STARTED).write_text(f"Transformer Engine preflight failed: {check.message}\n")
+            print(f"== {part}: verl not started (see {run_dir / 'preflight.log'})", flush=True)
+            return 3
         rc = run_logged(f"verl ({replay})", verl_command(sys.executable, overrides), env, run_dir, args.timeout_s)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return rc
@@ -288,6 +367,8 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
             problems.append(f"{label}: {exc}")
 
     def verl_run(run_dir: Path, replay: str) -> RunSummary:  # read inside attempt(): a MetricsError is a problem
+        if (run_dir / NOT_STARTED).is_file():
+            raise MetricsError(f"not started: {(run_dir / NOT_STARTED).read_text().strip()}")
         return summarize_verl(
             _verl_log(run_dir),
             replay=replay,

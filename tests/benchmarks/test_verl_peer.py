@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -533,3 +534,297 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
         )
         engine_gpus = [g for e in plan.engines for g in e.gpus]
         assert len(engine_gpus) == 1 and sorted(engine_gpus + plan.trainer.gpus) == [str(g) for g in range(gpus)]
+
+
+# ---- Transformer Engine's attention: verl's backend and the preflight that checks it before verl starts ----------
+
+ATTENTION_KEY = "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
+# TE 2.x's words (transformer_engine/pytorch/attention/dot_product_attention/{utils,dot_product_attention}.py).
+TE_NO_BACKEND = (
+    "No dot product attention backend is available for the provided inputs. Please run with NVTE_DEBUG=1 "
+    "NVTE_DEBUG_LEVEL=2 to find out the reasons for disabling all backends."
+)
+
+
+def wheel_set() -> list[str]:
+    """The package specs of verl-wheels.sh's `pkgs=( … )` array: what verl's site dir can hold."""
+    text = (REPO / "benchmarks" / "peers" / "verl-wheels.sh").read_text()
+    body = text.split("pkgs=(", 1)[1].split(")", 1)[0]
+    return [word.split("==")[0].lower() for word in body.split()]
+
+
+def test_verl_runs_with_an_attention_backend_its_wheels_provide() -> None:
+    from benchmarks.peers.verl_config import ATTENTION_BACKEND
+    from benchmarks.peers.verl_vs_r3 import preflight_command
+
+    items = dict(
+        item.split("=", 1)
+        for item in verl_overrides(
+            model_dir=Path("/m"),
+            data_dir=Path("/d"),
+            reward_file=Path("/r.py"),
+            gpus=2,
+            steps=3,
+            replay="R3",
+            log_file=Path("/o/metrics.jsonl"),
+        )
+    )
+    # verl 0.9.1 defaults to `flash` (its engine/megatron.yaml); megatron-core then turns TE's fused and unfused
+    # backends off, and flash-attn is not among verl's wheels (no build for torch 2.11 + CUDA 13).
+    assert not {"flash-attn", "flash_attn", "flash-attn-3"} & set(wheel_set())
+    assert items[ATTENTION_KEY] not in {"flash", "local"}
+    assert items[ATTENTION_KEY] == ATTENTION_BACKEND in {"fused", "auto", "unfused"}
+    # the preflight checks the very setting verl runs with
+    cmd = preflight_command("/py", Path("/m"))
+    assert cmd[cmd.index("--attention-backend") + 1] == items[ATTENTION_KEY]
+    assert cmd[:3] == ["/py", "-m", "benchmarks.peers.te_preflight"] and cmd[cmd.index("--model") + 1] == "/m"
+
+
+def test_preflight_reads_heads_from_the_model_config(tmp_path: Path) -> None:
+    from benchmarks.peers.te_preflight import AttentionShape, PreflightError, attention_shape, packed_lengths
+
+    config = tmp_path / "config.json"
+    # the a3b export's attention (r3operator/models/reference.py: Qwen3-30B-A3B's layer)
+    config.write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}))
+    assert attention_shape(config) == AttentionShape(heads=32, kv_heads=4, head_dim=128)
+    config.write_text(json.dumps({"num_attention_heads": 12, "hidden_size": 768}))  # no head_dim, no GQA
+    assert attention_shape(config) == AttentionShape(heads=12, kv_heads=12, head_dim=64)
+    config.write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": "4", "head_dim": 128}))
+    with pytest.raises(PreflightError, match=r"config\.json: field 'num_key_value_heads'"):
+        attention_shape(config)
+    config.write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 128}))
+    with pytest.raises(PreflightError, match="not a multiple"):
+        attention_shape(config)
+    with pytest.raises(PreflightError, match=r"missing\.json"):
+        attention_shape(tmp_path / "missing.json")
+    # one micro-batch of verl's: 8 sequences of prompt (≤ 64) + response (≤ 64) tokens, the longest at the limit
+    lengths = packed_lengths(8, 128)
+    assert lengths == [128, 112, 96, 80, 64, 48, 32, 16]
+    assert packed_lengths(3, 2) == [2, 2, 1]  # never empty
+
+
+def verdict_line(**fields: object) -> str:
+    """A probe's last line as te_preflight prints it: `TE_PREFLIGHT ` + its JSON."""
+    return "TE_PREFLIGHT " + json.dumps(fields)
+
+
+def test_preflight_decision_on_the_probes_output() -> None:
+    from benchmarks.peers.verl_vs_r3 import read_preflight
+
+    fused = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"}
+    passed = verdict_line(
+        ok=True,
+        attention_backend="fused",
+        switches=fused,
+        passes={"compute_log_prob (eval forward)": "FusedAttention (sub-backend 1)"},
+        reason="",
+        te_log=[],
+    )
+    ok = read_preflight(f"shape …\n{passed}\n", 0)
+    assert ok.ok and "FusedAttention (sub-backend 1)" in ok.message and "attention_backend=fused" in ok.message
+    assert not read_preflight(f"{passed}\n", 1).ok  # a verdict is trusted only with exit status 0
+
+    failed = verdict_line(
+        ok=False,
+        attention_backend="flash",
+        switches={"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+        passes={},
+        reason=f"ValueError: {TE_NO_BACKEND}",
+        te_log=[
+            "Disabling FusedAttention due to NVTE_FUSED_ATTN=0",
+            "Disabling UnfusedDotProductAttention due to NVTE_UNFUSED_ATTN=0",
+        ],
+    )
+    no = read_preflight(f"[TE DEBUG] …\n{failed}\n", 1)
+    assert not no.ok
+    for words in (
+        "No dot product attention backend",
+        "attention_backend=flash",
+        "NVTE_FUSED_ATTN=0",
+        "NVTE_UNFUSED_ATTN=0",
+    ):
+        assert words in no.message
+    died = read_preflight("Traceback (most recent call last):\nImportError: libcudnn.so.9: cannot open\n", 1)
+    assert not died.ok and died.message == "no verdict (exit status 1): ImportError: libcudnn.so.9: cannot open"
+    assert read_preflight("", 124).message == "no verdict (exit status 124): no output"
+    assert not read_preflight("TE_PREFLIGHT {not json\n", 0).ok
+
+
+# A stand-in for the probe: prints what te_preflight prints and exits as it does, and shows which GPU it was given.
+FAKE_PROBE = """
+import os, sys
+print("gpu=" + os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+print({line!r})
+sys.exit({rc})
+"""
+
+
+def verl_part_args(tmp_path: Path) -> Any:
+    import argparse
+
+    (tmp_path / "inputs" / "model").mkdir(parents=True)
+    (tmp_path / "inputs" / "model" / "config.json").write_text("{}")
+    (tmp_path / "inputs" / "data").mkdir(parents=True)
+    (tmp_path / "inputs" / "data" / "train.parquet").write_bytes(b"")
+    return argparse.Namespace(
+        out=tmp_path, gpus=2, steps=3, model="a3b", site="/s", verl_site="/v", timeout_s=5, device="cuda"
+    )
+
+
+@pytest.mark.parametrize("passes", [False, True])
+def test_verl_part_starts_verl_only_after_the_preflight_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passes: bool
+) -> None:
+    from benchmarks.peers import verl_vs_r3
+
+    line = verdict_line(
+        ok=passes,
+        attention_backend="fused",
+        switches={},
+        passes={"update_actor": "FusedAttention (sub-backend 1)" if passes else None},
+        reason="" if passes else f"ValueError: {TE_NO_BACKEND}",
+        te_log=[] if passes else ["Disabling FusedAttention due to NVTE_FUSED_ATTN=0"],
+    )
+    script = FAKE_PROBE.format(line=line, rc=0 if passes else 1)
+    monkeypatch.setattr(verl_vs_r3, "preflight_command", lambda python, model: [sys.executable, "-c", script])
+    started: list[list[str]] = []
+
+    def run_logged(name: str, cmd: list[str], env: dict[str, str], out: Path, timeout_s: int) -> int:
+        started.append(cmd)
+        return 0
+
+    monkeypatch.setattr(verl_vs_r3, "run_logged", run_logged)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    args = verl_part_args(tmp_path)
+    run_dir = tmp_path / "verl-R3"
+    run_dir.mkdir()
+    (run_dir / "console.log").write_text("step:1 - timing_s/step:1.0\n")  # an earlier run's log: not read again
+
+    rc = verl_vs_r3.run_part("verl-R3", args)
+
+    log = (run_dir / "preflight.log").read_text()
+    assert "gpu=2\n" in log and line in log  # on the first of the run's GPUs, its output kept
+    if passes:
+        assert rc == 0 and len(started) == 1 and "verl.trainer.main_ppo" in started[0]
+        assert not (run_dir / "not-started.txt").exists()
+        return
+    assert rc != 0 and started == []  # verl never started
+    assert not (run_dir / "console.log").exists()
+    _text, summary = build_table(tmp_path, gpus=2)
+    assert summary["verl R3"] is None
+    problem = next(p for p in summary["problems"] if str(p).startswith("verl R3:"))
+    assert "not started: Transformer Engine preflight failed" in str(problem)
+    assert "NVTE_FUSED_ATTN=0" in str(problem) and "No dot product attention backend" in str(problem)
+
+
+@pytest.mark.slow
+def test_megatron_turns_verls_default_flash_into_flash_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's own switch setting, read through te_preflight; the expected values are Megatron's opt-out
+    semantics written out: `flash` keeps only flash-attn, `fused` only cuDNN."""
+    from benchmarks.peers.te_preflight import PreflightError, megatron_attention_env
+    from benchmarks.peers.verl_config import ATTENTION_BACKEND
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")  # whatever the caller's process has, it keeps
+    assert megatron_attention_env("flash") == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
+    assert megatron_attention_env("fused") == {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"}
+    assert megatron_attention_env(ATTENTION_BACKEND)["NVTE_FUSED_ATTN"] == "1"
+    assert os.environ["NVTE_FUSED_ATTN"] == "1" and "NVTE_UNFUSED_ATTN" not in os.environ
+    with pytest.raises(PreflightError, match="--attention-backend"):
+        megatron_attention_env("flash3")
+
+
+# A stand-in for Transformer Engine's torch package at its import paths: DotProductAttention that picks its backend
+# from the NVTE_* switches the way TE does when flash-attn is absent, logs its reasons on the logger TE uses, and
+# computes packed (thd) attention per sequence; MODE = "causal" or "broken" (ignores the causal mask).
+FAKE_TE = """
+import logging, os
+import torch
+import torch.nn.functional as F
+from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _attention_backends
+
+MODE = {mode!r}
+log = logging.getLogger("DotProductAttention")
+log.setLevel(logging.DEBUG if os.environ.get("NVTE_DEBUG") == "1" else logging.WARNING)
+
+
+class DotProductAttention(torch.nn.Module):
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
+                 attn_mask_type, layer_number, attention_type):
+        super().__init__()
+        self.heads, self.groups = num_attention_heads, num_gqa_groups
+
+    def forward(self, q, k, v, mask, *, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv):
+        assert (qkv_format, attn_mask_type) == ("thd", "padding_causal") and mask is None
+        fused = os.environ.get("NVTE_FUSED_ATTN", "1") == "1"
+        unfused = os.environ.get("NVTE_UNFUSED_ATTN", "1") == "1"
+        if not fused:
+            log.debug("Disabling FusedAttention due to NVTE_FUSED_ATTN=0")
+        if not unfused:
+            log.debug("Disabling UnfusedDotProductAttention due to NVTE_UNFUSED_ATTN=0")
+        _attention_backends.update(use_flash_attention=False, use_fused_attention=fused,
+                                   fused_attention_backend=1 if fused else None,
+                                   use_unfused_attention=unfused and not fused)
+        if not (fused or unfused):
+            raise ValueError({no_backend!r})
+        bounds = cu_seqlens_q.tolist()
+        outs = []
+        for start, end in zip(bounds, bounds[1:]):
+            group = self.heads // self.groups
+            qs = q[start:end].transpose(0, 1).float()
+            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).float()
+            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).float()
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=MODE == "causal")
+            outs.append(o.transpose(0, 1).reshape(end - start, -1))
+        return torch.cat(outs).to(q.dtype)
+"""
+
+
+def install_fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    root = tmp_path / f"te-{mode}"
+    pkg = root / "transformer_engine" / "pytorch" / "attention" / "dot_product_attention"
+    pkg.mkdir(parents=True)
+    for folder in (root / "transformer_engine", root / "transformer_engine" / "pytorch" / "attention", pkg):
+        (folder / "__init__.py").touch()
+    (pkg / "dot_product_attention.py").write_text("_attention_backends = {}\n")
+    (root / "transformer_engine" / "pytorch" / "__init__.py").write_text(
+        FAKE_TE.format(mode=mode, no_backend=TE_NO_BACKEND)
+    )
+    monkeypatch.syspath_prepend(str(root))
+    for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.setenv(name, "")  # recorded, so what the probe sets goes at the test's end
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "mode", "ok", "words"),
+    [
+        ("fused", "causal", True, "FusedAttention (sub-backend 1)"),
+        ("flash", "causal", False, "Disabling FusedAttention due to NVTE_FUSED_ATTN=0"),  # verl's default
+        ("fused", "broken", False, "differs from PyTorch's attention"),  # a backend that computes the wrong thing
+    ],
+)
+def test_probe_runs_both_passes_and_reports_tes_choice_or_reasons(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, mode: str, ok: bool, words: str
+) -> None:
+    from benchmarks.peers.te_preflight import AttentionShape, megatron_attention_env, probe
+
+    # megatron-core imported before the stand-in is on the path: it asks an importable TE for its wheel's version
+    megatron_attention_env("fused")
+    install_fake_te(tmp_path, monkeypatch, mode)
+    try:
+        verdict = probe(AttentionShape(heads=4, kv_heads=2, head_dim=16), [9, 5, 1], backend, device="cpu")
+    finally:  # the stand-in's modules go with the test: later tests in this process must not find them
+        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+            del sys.modules[name]
+    assert verdict.ok is ok
+    assert words in (" ".join(verdict.te_log) + verdict.reason + str(verdict.passes))
+    if ok:
+        assert list(verdict.passes) == ["compute_log_prob (eval forward)", "update_actor (train forward+backward)"]
+        assert verdict.max_abs_error is not None and verdict.max_abs_error <= 0.1
+    if backend == "flash":
+        assert "No dot product attention backend" in verdict.reason
+        assert "Disabling UnfusedDotProductAttention due to NVTE_UNFUSED_ATTN=0" in verdict.te_log
