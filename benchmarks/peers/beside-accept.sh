@@ -53,18 +53,27 @@ collect)
   out=${2:?OUT}
   mkdir -p "$out"
   for f in "$bg"/*; do [ -f "$f" ] && cp "$f" "$out/"; done
+  # Only what is read back (logs, metrics, JSON, tables) and no file over 20 MB: a run folder holds model copies
+  # and checkpoints of many GB, and a poll that packs them outlives its call and the machine's idle release.
+  small() {  # DIR TGZ
+    [ -d "$1" ] || return 0
+    (cd "$1" && find . \( -name inputs -o -name checkpoints -o -name 'models' \) -prune -o -type f \
+      \( -name '*.log' -o -name '*.csv' -o -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' \
+      -o -name '*.yaml' -o -name '*.tar.gz' \) -size -20M -print | timeout 60 tar czf "$2" -T -)
+  }
   for lane in A B; do
-    [ -d "/root/accept-$lane" ] && tar czf "$out/accept-$lane.tgz" -C "/root/accept-$lane" .
-    [ -d "/tmp/r3-accept-$lane" ] && tar czf "$out/work-$lane.tgz" -C "/tmp/r3-accept-$lane" \
-      --exclude='*.safetensors' --exclude=checkpoints --exclude=tmp .
+    small "/root/accept-$lane" "$out/accept-$lane.tgz"
+    small "/tmp/r3-accept-$lane" "$out/work-$lane.tgz"
   done
-  [ -d "$peer" ] && tar czf "$out/peer.tgz" -C "$peer" --exclude=inputs --exclude=checkpoints --exclude=up-r3 \
-    --exclude=up-disabled .
+  small "$peer" "$out/peer.tgz"
   echo "== done: $(cd "$bg" && ls ./*.rc 2>/dev/null | tr '\n' ' ')"
   echo "== te";      tail -n 3 "$bg/te.log" 2>/dev/null
   for lane in A B; do echo "== chain $lane"; grep -E '^(==|   |failed)' "$bg/chain-$lane.log" 2>/dev/null | tail -n 8; done
   for d in "$peer"/verl-R3 "$peer"/verl-disabled; do
     [ -f "$d/console.log" ] && { echo "== $d"; grep -a "step:" "$d/console.log" | tail -n 1 | cut -c1-300; }
+  done
+  for d in "$peer"/r3/log-*; do
+    [ -f "$d/console.log" ] && { echo "== $d"; grep -a "^step" "$d/console.log" | tail -n 1 | cut -c1-300; }
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;

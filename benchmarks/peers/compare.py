@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PHASES = ("rollout", "old_logprob", "update", "weight_sync", "other")
+PHASES = ("rollout", "old_logprob", "update", "weight_sync", "pause", "other")
+"""`pause`: the asynchronous mode's wait for the rollout segment in flight before a weight sync (r3operator's
+`t_pause`); synchronous runs have none."""
 VERL_PHASES = {
     "rollout": "timing_s/gen",
     "old_logprob": "timing_s/old_log_prob",
@@ -232,9 +234,15 @@ def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] |
 
     step_times = {s: col(s, "step_seconds") - col(s, "t_checkpoint") for s in measured}
     tokens = sum(col(s, "tokens") for s in measured)
-    rollout_s = sum(col(s, "t_rollout") for s in measured)
     step_s = sum(step_times.values())
-    split = {phase: sum(col(s, key) for s in measured) / len(measured) for phase, key in R3_PHASES.items()}
+    phases = dict(R3_PHASES)
+    # The asynchronous mode generates while the trainer trains: its `rollout` phase is only the trainer's wait
+    # for finished groups, so the engine's rate is what it delivers per step, not per rollout phase.
+    asynchronous = any(opt(s, "t_pause") is not None for s in measured)
+    if asynchronous:
+        phases["pause"] = "t_pause"
+    generating_s = step_s if asynchronous else sum(col(s, "t_rollout") for s in measured)
+    split = {phase: sum(col(s, key) for s in measured) / len(measured) for phase, key in phases.items()}
     split["other"] = step_s / len(measured) - sum(split.values())
     checkpoint = sum(col(s, "t_checkpoint") for s in by_step)
     return RunSummary(
@@ -243,7 +251,7 @@ def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] |
         gpus=gpus,
         steps=len(by_step),
         measured_steps=len(measured),
-        generated_tokens_per_s_per_gpu=tokens / max(rollout_s, 1e-9) / gpus,
+        generated_tokens_per_s_per_gpu=tokens / max(generating_s, 1e-9) / gpus,
         trained_tokens_per_s_per_gpu=tokens / max(step_s, 1e-9) / gpus,
         step_seconds=step_s / len(measured),
         split=split,

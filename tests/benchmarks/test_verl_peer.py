@@ -23,6 +23,7 @@ from benchmarks.peers.compare import (
     read_verl_log,
     summarize_r3,
     summarize_verl,
+    table,
 )
 from benchmarks.peers.verl_config import Workload, verl_overrides
 from benchmarks.peers.verl_inputs import ConversionError, convert_arith, read_jsonl
@@ -191,6 +192,19 @@ def test_r3_summary_leaves_out_skipped_steps_and_the_final_checkpoint(tmp_path: 
     assert s.logprob_abs_diff_max == pytest.approx(0.3)
     assert s.reward == pytest.approx([0.1, 0.2, 0.4])
     assert s.extra == {"checkpoint_seconds_total": 24.0}
+
+
+def test_r3_summary_of_an_asynchronous_run_counts_generation_over_the_whole_step(tmp_path: Path) -> None:
+    """The asynchronous mode generates while the trainer trains: its `t_rollout` is the trainer's wait for
+    finished groups (milliseconds), so generated tokens/s is what the engine delivers per step, and the
+    wait for the segment in flight (`t_pause`) has a row of its own instead of hiding in "other"."""
+    rows = [r3_row(step, t_rollout=0.01, t_pause=1.5, step_seconds=4.51, tokens=1000) for step in (1, 2, 3)]
+    s = summarize_r3(write_r3_metrics(tmp_path / "metrics.csv", rows), replay="R3", gpus=2)
+    assert s.generated_tokens_per_s_per_gpu == pytest.approx(2 * 1000 / (2 * 4.51) / 2)
+    assert s.split == pytest.approx(
+        {"rollout": 0.01, "old_logprob": 0.5, "update": 2.0, "weight_sync": 0.5, "pause": 1.5, "other": 0.0}
+    )
+    assert "|   pause (s) | 1.5 |" in table([s], ["async"])
 
 
 def test_r3_metrics_errors_name_the_file(tmp_path: Path) -> None:
