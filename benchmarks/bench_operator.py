@@ -99,12 +99,16 @@ CHILD_RESOURCES = (
 """Every child the operator creates for the benchmark's RLJob."""
 
 
-def _children_latency(plane: ControlPlane, jobs: list[str]) -> tuple[list[float], float | None]:
+def _children_latency(plane: ControlPlane, jobs: list[str]) -> tuple[list[float], float | None, list[float]]:
     """Per RLJob: its last child's create - its own, from the audit log's sub-second stage timestamps (the
-    apiserver's clock); and when the last child of all was created (wall clock; None unless every RLJob has one)."""
+    apiserver's clock); when the last child of all was created (wall clock; None unless every RLJob has one); and
+    the first figure as runs before 2026-11-27 07:00 UTC computed it, one create per child *name* (the first
+    kind's under a shared name), to compare with them."""
     created: dict[str, float] = {}
     last_child: dict[str, float] = {}
-    first_create: dict[str, float] = {}
+    first_create: dict[tuple[str, str], float] = {}
+    first_by_name: dict[str, float] = {}
+    last_by_name: dict[str, float] = {}
     with open(plane.audit_log, "rb") as log:
         for line in log:
             if b'"code":201' not in line:  # a create; the others are most of a log of hundreds of MB
@@ -122,11 +126,17 @@ def _children_latency(plane: ControlPlane, jobs: list[str]) -> tuple[list[float]
                 created[name] = at
             elif ref.get("resource") in CHILD_RESOURCES and _by_operator(event):  # not KubeRay's Job and Services
                 job = "-".join(name.split("-")[:2])  # job-NNN-engine, job-NNN-model-cache, ...
-                # Each child's first create: the failover below deletes one and the operator creates it again.
-                first_create.setdefault(name, at)
-                last_child[job] = max(last_child.get(job, 0.0), first_create[name])
+                # Each child's first create: the failover below deletes one and the operator creates it again. By
+                # resource and name: the engine Service, StatefulSet and NetworkPolicy share a name, as do the
+                # trainer's ServiceAccount, Role, RoleBinding and RayJob.
+                child = (str(ref.get("resource")), name)
+                first_create.setdefault(child, at)
+                last_child[job] = max(last_child.get(job, 0.0), first_create[child])
+                first_by_name.setdefault(name, at)
+                last_by_name[job] = max(last_by_name.get(job, 0.0), first_by_name[name])
     latencies = [last_child[j] - created[j] for j in jobs if j in created and j in last_child]
-    return latencies, max(last_child[j] for j in jobs) if all(j in last_child for j in jobs) else None
+    by_name = [last_by_name[j] - created[j] for j in jobs if j in created and j in last_by_name]
+    return latencies, max(last_child[j] for j in jobs) if all(j in last_child for j in jobs) else None, by_name
 
 
 TIMELINE_STEPS = ("daemon", "start", "synced", "desired", "read", "written", "status")
@@ -148,11 +158,17 @@ def _first_pass_marks(log_path: Path) -> dict[str, dict[str, float]]:
 
 
 def _timeline(
-    plane: ControlPlane, jobs: list[str], log_path: Path, client_saw: dict[str, float] | None = None
+    plane: ControlPlane,
+    jobs: list[str],
+    log_path: Path,
+    client_saw: dict[str, float] | None = None,
+    ends: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """Where an RLJob's apply → children time goes: the audit log's stamps (its create, the operator's requests
     naming the job or its children: when each was received, when answered) lined up with the operator's own
-    first-pass marks (same host, same clock). p50/p95 of each segment, over the RLJobs that have all of them."""
+    first-pass marks (same host, same clock). p50/p95 of each segment, over the RLJobs that have all of them.
+    ``ends``: per RLJob, when the benchmark's watches saw its RayJob fail and the RLJob's Failed; that way split
+    at the operator's end record (its patch of the RLJob's annotations) and the status write after it."""
     created: dict[str, float] = {}
     kopf_first: dict[str, float] = {}
     op_first: dict[str, float] = {}
@@ -162,6 +178,8 @@ def _timeline(
     rljob_writes: Counter[str] = Counter()
     write_server: list[float] = []
     read_server: list[float] = []
+    end_record: dict[str, float] = {}
+    status_answered: dict[str, list[float]] = {}
     wanted = set(jobs)
     for event in _audit(plane, b'"name":"job-'):  # node heartbeats and the rest, most of the log, skipped unparsed
         ref = event.get("objectRef") or {}
@@ -178,6 +196,11 @@ def _timeline(
             # every RLJob watcher, in order: a create's event waits behind the writes before it.
             agent = str(event.get("userAgent", "")).split("/", 1)[0]
             rljob_writes[f"{agent} {event.get('verb')} {ref.get('subresource') or ''}".strip()] += 1
+            if agent == "r3operator" and event.get("verb") == "patch":
+                if ref.get("subresource") == "status":
+                    status_answered.setdefault(job, []).append(answered)
+                else:  # the end record (reconcile.Reconciler._record_finish): the operator's only RLJob patch
+                    end_record.setdefault(job, received)
         if ref.get("resource") == "rljobs" and not ref.get("subresource"):
             if event.get("verb") == "create" and code == 201:
                 created[job] = answered
@@ -187,9 +210,10 @@ def _timeline(
         if not str(event.get("userAgent", "")).startswith("r3operator/") or ref.get("resource") not in CHILD_RESOURCES:
             continue
         op_first.setdefault(job, received)
-        if event.get("verb") in ("create", "patch") and code == 201 and name not in last_write:
+        child = f"{ref.get('resource')}/{name}"  # several kinds share a child's name (_children_latency)
+        if event.get("verb") in ("create", "patch") and code == 201 and child not in last_write:
             first_write.setdefault(job, received)
-            last_write[name] = answered
+            last_write[child] = answered
             last_write[job] = max(last_write.get(job, 0.0), answered)
             write_server.append(answered - received)
         elif event.get("verb") == "get":
@@ -204,6 +228,14 @@ def _timeline(
 
     def mark(step: str) -> Any:
         return lambda j: (marks.get(j) or {}).get(step)
+
+    def status_after_record(job: str) -> float | None:
+        if job not in end_record:
+            return None
+        return min((at for at in status_answered.get(job, []) if at >= end_record[job]), default=None)
+
+    ray_failed = {j: ray for j, (ray, _) in (ends or {}).items()}
+    rljob_failed = {j: failed for j, (_, failed) in (ends or {}).items()}
 
     return {
         "create → kopf's first request on the RLJob (its finalizer)": segment(created.get, kopf_first.get),
@@ -224,6 +256,11 @@ def _timeline(
         "child write, API server time (received → answered)": _latencies(write_server),
         "child GET, API server time (received → answered)": _latencies(read_server),
         "child GETs before the first write, per RLJob": _latencies([float(before_write[j]) for j in jobs]),
+        "RayJob Failed (the benchmark's watch) → the operator's end record received (audit)": segment(
+            ray_failed.get, end_record.get
+        ),
+        "end record received → the next status write answered (audit)": segment(end_record.get, status_after_record),
+        "that status write answered → the benchmark's watch saw Failed": segment(status_after_record, rljob_failed.get),
         "rljobs with a first-pass timeline line": len([j for j in jobs if j in marks]),
         "RLJob writes per RLJob over the run, by user agent, verb and subresource": {
             key: round(count / max(len(jobs), 1), 2) for key, count in sorted(rljob_writes.items())
@@ -704,12 +741,13 @@ def run_size(
                     for n in names
                 ]
             )
-            failed_to_status = _gaps(
-                [
-                    (rayjobs.first(f"{n}-trainer", _ray_job_failed), rljobs.first(n, _condition_true("Failed")))
-                    for n in names
-                ]
-            )
+            ends = {
+                n: (ray, failed)
+                for n in names
+                if (ray := rayjobs.first(f"{n}-trainer", _ray_job_failed)) is not None
+                and (failed := rljobs.first(n, _condition_true("Failed"))) is not None
+            }
+            failed_to_status = [failed - ray for ray, failed in ends.values()]
             # Leader failover: SIGTERM (a rolling update), then a child deleted at once.
             victim = f"/api/v1/namespaces/{NS}/configmaps/{names[-1]}-config"
             old_uid = plane.request("GET", victim)["metadata"]["uid"]
@@ -755,11 +793,11 @@ def run_size(
                         proc.wait(timeout=60)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-        latencies, last_child_at = _children_latency(plane, names)
+        latencies, last_child_at, latencies_by_name = _children_latency(plane, names)
         client_saw = {n: at for n in names if (at := rljobs.first(n, lambda _: True)) is not None}
         # Both stamps are the benchmark's: no clock but its own between the answer and the event.
         own_watch_delay = {n: client_saw[n] - answered[n] for n in names if n in client_saw}
-        timeline = _timeline(plane, names, plane.logs / "operator-op-a.log", client_saw)
+        timeline = _timeline(plane, names, plane.logs / "operator-op-a.log", client_saw, ends)
     by_verb = Counter(e["verb"] for e in converge_requests)
     by_resource = Counter(f"{e['verb']} {_resource(e)}" for e in steady)
     return {
@@ -768,6 +806,7 @@ def run_size(
         "lease_retry_period_s": retry_s,
         "create_rate_per_s": rate_per_s,
         "apply_to_children": _latencies(latencies),
+        "apply_to_children_one_create_per_name": _latencies(latencies_by_name),
         "apply_to_children_timeline": timeline,
         "create_answered_to_own_watch_event": _latencies(list(own_watch_delay.values())),
         # In creation order, a tenth of the RLJobs each: a delay that grows with the load the run has built.

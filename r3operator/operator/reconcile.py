@@ -121,9 +121,6 @@ _PASS_READS: contextvars.ContextVar[dict[tuple[str, str, str], dict[str, Any] | 
 """What this pass read by GET ahead of need ((kind, namespace, name) → the object or None), see
 Reconciler._prefetch; each pass (one per RLJob at a time, in its daemon's task) sets its own."""
 
-_POD_MAKERS = frozenset({"StatefulSet", "LeaderWorkerSet", "RayJob", "Job", "Workload"})
-"""Children whose controllers make pods (a Workload admits them): written after what those pods need."""
-
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
 # a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
 API_ERROR_PASSES = 3
@@ -359,8 +356,12 @@ class Reconciler:
         ours = raw_workload if raw_workload is not None and is_ours(raw_workload, uid) else None
         admission = read_admission(job.spec.queue_name, ours)
         finish = observed_finish(ray_job)
+        # The end's record goes out beside this pass's child writes, not before them: the pass that sees the
+        # RayJob's end writes the status one round trip after it, not two. Only pruning (the RayJob deleted once
+        # the TTL ran) and the status wait for it.
+        recording: asyncio.Task[None] | None = None
         if finish is not None and ANNOTATION_FINISHED not in job.metadata.annotations:
-            job = await self._record_finish(job, finish, now)
+            job, recording = self._record_finish(job, finish, now)
         recorded = ray_job is None and await self._ended_before(job, engine_kind)
         expired = ttl_expired(job, finish, now)
         observed: dict[str, dict[str, Any] | None] = {"RayJob": ray_job}
@@ -430,7 +431,7 @@ class Reconciler:
                 )
             else:
                 outcome.marks["read"] = time.time()
-                await self._write_all(job, plans, finish is not None, expired, observed, outcome)
+                await self._write_all(job, plans, finish is not None, expired, observed, outcome, recording)
                 outcome.marks["written"] = time.time()
                 if queued and outcome.error is None:
                     await self._settle_workload(job, observed, finish, outcome)
@@ -469,6 +470,8 @@ class Reconciler:
             obs = _replace(obs, unschedulable=unschedulable_by_role(pods), config_errors=config_errors_by_role(pods))
         if outcome.valid:
             obs = await self._with_canary(job, obs)
+        if recording is not None:
+            await recording  # refused: the pass fails here, as it did when the record went first
         await self._write_status(job, compute_status(job, obs, now), outcome)
         outcome.marks["status"] = time.time()
         return outcome
@@ -525,18 +528,23 @@ class Reconciler:
             progress = PodProgress(progress.running and surge.running, surge.unschedulable or progress.unschedulable)
         return CanaryInputs(job=canary_job, verdict=verdict, pods=progress)
 
-    async def _record_finish(self, job: RLJob, finish: Finish, now: dt.datetime) -> RLJob:
-        """Write ANNOTATION_FINISHED on the RLJob once the RayJob ended: metadata, which no /status patch changes."""
+    def _record_finish(self, job: RLJob, finish: Finish, now: dt.datetime) -> tuple[RLJob, asyncio.Task[None]]:
+        """Start writing ANNOTATION_FINISHED on the RLJob once the RayJob ended (metadata, which no /status patch
+        changes); the job as it is with it, and the write under way."""
         value = finish_annotation(finish, now)
         patch = {"metadata": {"annotations": {ANNOTATION_FINISHED: value}}}
-        self._wrote(
-            job.metadata.uid,
-            await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch),
-        )
+
+        async def record() -> None:
+            written = await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch)
+            self._wrote(job.metadata.uid, written)
+
+        task = asyncio.ensure_future(record())
+        # A pass that fails before it awaits the record (a refused read) leaves it to finish on its own.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
         metadata = job.metadata.model_copy(
             update={"annotations": {**job.metadata.annotations, ANNOTATION_FINISHED: value}}
         )
-        return job.model_copy(update={"metadata": metadata})
+        return job.model_copy(update={"metadata": metadata}), task
 
     async def _ended_before(self, job: RLJob, engine_kind: str) -> bool:
         """No RayJob: did this job end before? The operator's annotation says so; a job that ended under an
@@ -702,25 +710,28 @@ class Reconciler:
         expired: bool,
         observed: dict[str, dict[str, Any] | None],
         outcome: Outcome,
+        recording: asyncio.Task[None] | None = None,
     ) -> None:
         # A finished RayJob is the record of the end: never re-run or changed.
         todo = [(c, h, a) for c, h, a in plans if not (c["kind"] == "RayJob" and finished)]
-        # Two waves, each written at once: what the pods mount or run as, then the objects that make pods, so
-        # that no pod waits for its ConfigMap, claim or ServiceAccount. A refusal stops after its wave.
-        waves = ([p for p in todo if p[0]["kind"] not in _POD_MAKERS], [p for p in todo if p[0]["kind"] in _POD_MAKERS])
+        # One wave, every write at once: each child is its own object and its ownerReference names the RLJob only,
+        # so none waits for another's answer. A pod maker may be answered before what its pods mount or run as
+        # (its ConfigMap, claim, ServiceAccount): its controller's pod then waits (the kubelet retries the mount,
+        # the scheduler the claim) or is refused and retried (no ServiceAccount yet); both are sent together.
+        notes: list[list[str]] = [[] for _ in todo]
         try:
-            for wave in waves:
-                notes: list[list[str]] = [[] for _ in wave]
-                results = await asyncio.gather(
-                    *(self._converge(c, h, a, n) for (c, h, a), n in zip(wave, notes, strict=True)),
-                    return_exceptions=True,
-                )
-                for (child, _, _), result, note in zip(wave, results, notes, strict=True):
-                    outcome.written += note
-                    if not isinstance(result, BaseException):
-                        observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
-                if failed := next((r for r in results if isinstance(r, BaseException)), None):
-                    raise failed
+            results = await asyncio.gather(
+                *(self._converge(c, h, a, n) for (c, h, a), n in zip(todo, notes, strict=True)),
+                return_exceptions=True,
+            )
+            for (child, _, _), result, note in zip(todo, results, notes, strict=True):
+                outcome.written += note
+                if not isinstance(result, BaseException):
+                    observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
+            if failed := next((r for r in results if isinstance(r, BaseException)), None):
+                raise failed
+            if recording is not None:
+                await recording  # the record of the end before any child goes (the RayJob's deletion)
             await self._prune(job, plans, expired, outcome)
         except KubeError as exc:
             outcome.error = exc

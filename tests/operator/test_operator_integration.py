@@ -31,6 +31,7 @@ from operator_harness import (
 )
 
 from r3operator.operator.hashing import engine_spec_hash
+from r3operator.operator.upgrade_record import read_record
 
 NS = "rl"
 
@@ -202,6 +203,12 @@ def test_image_upgrade_rolls_only_engines_and_invalid_upgrade_changes_nothing(cl
     # The real StatefulSet controller replaces every engine pod; KubeRay's trainer pods keep their UIDs.
     new_image = {"vllm/vllm-openai:v0.30.0"}
     wait_for(lambda: _engine_images(cluster, job) == new_image, timeout=60, what="engine pods rolled")
+    # Its record of the rollout, Complete, goes on the StatefulSet once the new pods are ready: a write that must not
+    # land in the invalid upgrade's window below (it did, now and then, when the test got there first).
+    wait_for(
+        lambda: (record := read_record(cluster.get(paths(NS, job)["sts"]))) is not None and record.phase == "Complete",
+        what="the upgrade recorded Complete",
+    )
     assert not set(_pod_uids(cluster, job, "statefulset.kubernetes.io/pod-name")) & set(engine_pods)
     assert _pod_uids(cluster, job, "ray.io/node-type") == trainer_pods
     after = _children(cluster, job)
