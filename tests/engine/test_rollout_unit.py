@@ -128,9 +128,6 @@ def test_http_rollout_keeps_every_request_of_a_batch_in_flight_at_once() -> None
             self.end_headers()
             self.wfile.write(raw)
 
-        def do_GET(self) -> None:
-            self._json(200, {"data": [{"id": "m"}]})
-
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             try:
@@ -151,7 +148,7 @@ def test_http_rollout_keeps_every_request_of_a_batch_in_flight_at_once() -> None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = OpenAIHTTPClient(
-            f"http://127.0.0.1:{server.server_address[1]}", num_experts=4, backoff=Backoff(attempts=1)
+            f"http://127.0.0.1:{server.server_address[1]}", model="m", num_experts=4, backoff=Backoff(attempts=1)
         )
         try:
             samples = client.generate(prompts, max_tokens=1, temperature=1.0, seed=0)
