@@ -369,12 +369,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="after each layout and method's timed syncs, one more under torch's profiler: "
         "DIR/<layout>-<method>.trace.json and .txt (not counted in the figures)",
     )
-    parser.add_argument(
-        "--also-producer-stream",
-        action="store_true",
-        help="after each native method's timed syncs, time as many again with the sender's fingerprints on "
-        "vLLM's producer streams (the default before they had a stream of their own): <method>.producer_stream",
-    )
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     native = [m for m in methods if m != "packed"]
@@ -502,14 +496,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 figures[method] = timed(method)
                 print(layout, method, json.dumps(figures[method]), flush=True)
                 save()
-                if args.also_producer_stream and method != "packed":
-                    run.sent.own_stream = False
-                    try:
-                        figures[method]["producer_stream"] = timed(method)
-                    finally:
-                        run.sent.own_stream = True
-                    print(layout, method, "producer stream", json.dumps(figures[method]["producer_stream"]), flush=True)
-                    save()
                 if args.profile is not None:
                     figures[method]["profile"] = profile_one_sync(
                         run, args.sft_steps, args.profile / f"{layout}-{method}"

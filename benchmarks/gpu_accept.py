@@ -341,7 +341,7 @@ def sync_layouts_command(model: str) -> Callable[[Context], str]:
         return (
             f"python3 -m benchmarks.bench_weight_sync {method} --model {model} --syncs 3 --layout {SYNC_LAYOUTS}{sft} "
             f"--log-dir {ctx.path(f'log_{model}')} --json {shlex.quote(str(sync_json(ctx, model)))} "
-            f"--also-producer-stream --profile {ctx.path(f'profile_{model}')}"
+            f"--profile {ctx.path(f'profile_{model}')}"
         )
 
     return command
@@ -390,13 +390,11 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
         for method, v in figures.items():
             phases = v.get("phases_median_s", {})
             shown = ", ".join(f"{k} {phases[k]}" for k in ("fingerprint", "begin", "transfer", "finish") if k in phases)
-            before = v.get("producer_stream")  # the same syncs, fingerprints on vLLM's producer streams
-            versus = f"; fingerprints on the producer's streams {before['median_s']} s" if before else ""
             parts.append(
                 f"{model} {layout} {method}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}), "
-                f"canary {v['canary_ok']}{versus}"
+                f"canary {v['canary_ok']}"
             )
-            complete = complete and _all_passed(v["canary_ok"]) and (not before or _all_passed(before["canary_ok"]))
+            complete = complete and _all_passed(v["canary_ok"])
     return parts, complete
 
 
@@ -647,18 +645,6 @@ ROWS: list[Row] = [
         60,
         180,
         pytest_command("tests/gpu/test_logprobs_cuda.py"),
-        judge_pytest(lambda g: 0),
-    ),
-    Row(
-        "fingerprint_cuda",
-        4,
-        "tests/gpu/test_fingerprint_cuda.py: a sender's fingerprints on their own stream while the producer "
-        "reuses its memory",
-        "all pass",
-        1,
-        30,
-        120,
-        pytest_command("tests/gpu/test_fingerprint_cuda.py"),
         judge_pytest(lambda g: 0),
     ),
     Row(

@@ -123,7 +123,7 @@ class GRPORun:
         self.start_step = 1
         self.last_checkpoint_step: int | None = None
         self.rows: list[StepRecord] = []
-        self.sent = FingerprintLog(own_stream=True)  # what the last sync attempt sent, for the canary's receipt check
+        self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
         self.sync_phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
 
     # -- setup --------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ class NativeInstall:
         layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
     ) -> None:
         self.method, self.layout = method, layout
-        self.sent = sent if sent is not None else FingerprintLog(own_stream=True)
+        self.sent = sent if sent is not None else FingerprintLog()
         self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address

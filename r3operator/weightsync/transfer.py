@@ -216,7 +216,7 @@ class NativeSender:
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
-        self.sent = sent if sent is not None else FingerprintLog(own_stream=True)  # fingerprints of what went out
+        self.sent = sent if sent is not None else FingerprintLog()  # fingerprints of what went out
         self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send

@@ -225,20 +225,13 @@ class FingerprintLog:
     buffer: flush at the end of each batch, as `add_many` does). Tensors on the CPU (numpy), of an odd byte
     count or bigger than a bucket are fingerprinted at once, one by one.
 
-    A bucket closes when the current CUDA stream changes: vLLM's packed NCCL producer runs the sender's
-    iterator (the cast, this log) on one side stream per buffer, so a tensor is only ready, and its memory
-    only safe to reuse, in its own stream's order. Its kernels go on that stream, or, with `own_stream`, on a
-    stream of the log's own that waits for it: then the producer's packing and broadcast of the next buffer
-    do not queue behind the fingerprints (36 % of an `a3b-x16l` kernel-layout sync on one stream,
-    docs/benchmarks.md). `own_stream` is for a sender, whose tensors are fresh casts or parameters nobody
-    writes during the sync: the allocator keeps a dropped tensor's memory until the log's kernels have read
-    it (`record_stream`), but nothing stops an in-place overwrite, so a receiver, whose buffer the next
-    broadcast overwrites, keeps the default."""
+    A bucket is fingerprinted on the CUDA stream its tensors were added under, and closes when the current
+    stream changes: vLLM's packed NCCL producer runs the sender's iterator (the cast, this log) on one side
+    stream per buffer, so a tensor is only ready, and its memory only safe to reuse, in its own stream's
+    order."""
 
-    def __init__(self, bucket_bytes: int = BUCKET_BYTES, *, own_stream: bool = False) -> None:
+    def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
-        self.own_stream = own_stream
-        self._own: dict[Any, Any] = {}  # device -> this log's CUDA stream (own_stream)
         self._pending: list[tuple[list[str], Any]] = []  # (names, their fingerprints [k, 3] on a device)
         self._streams: list[Any] = []  # the CUDA streams fingerprints were computed on
         self._done: dict[str, Fingerprint] = {}
@@ -254,10 +247,8 @@ class FingerprintLog:
         if (device.type == "cpu" and NUMPY_ON_CPU) or nbytes % 2 or nbytes > self.bucket_bytes:
             if device in self._open:  # keep the order added (a name added twice keeps the last)
                 self._close(device)
-            on = self._launch_stream(stream, [tensor])
-            with _on_stream(on):
-                self._pending.append(([name], fingerprint_device(tensor).unsqueeze(0)))
-            self._note(on)
+            self._pending.append(([name], fingerprint_device(tensor).unsqueeze(0)))
+            self._note(stream)
             return
         bucket = self._open.setdefault(device, _Bucket(stream=stream))
         bucket.names.append(name)
@@ -268,26 +259,9 @@ class FingerprintLog:
 
     def _close(self, device: Any) -> None:
         bucket = self._open.pop(device)
-        on = self._launch_stream(bucket.stream, bucket.tensors)
-        with _on_stream(on):
+        with _on_stream(bucket.stream):
             self._pending.append((bucket.names, fingerprint_bucket(bucket.tensors)))
-        self._note(on)
-
-    def _launch_stream(self, produced_on: Any, tensors: Sequence[Any]) -> Any:
-        """Where to queue the fingerprints of `tensors`, made on `produced_on` (None off CUDA): that stream, or
-        with `own_stream` the log's stream for its device, ordered after everything queued on `produced_on` so
-        far, with each tensor's memory held from reuse until the kernels queued there next have run."""
-        if produced_on is None or not self.own_stream:
-            return produced_on
-        import torch
-
-        own = self._own.get(produced_on.device)
-        if own is None:
-            own = self._own[produced_on.device] = torch.cuda.Stream(produced_on.device)
-        own.wait_stream(produced_on)
-        for tensor in tensors:
-            tensor.record_stream(own)
-        return own
+        self._note(bucket.stream)
 
     def _note(self, stream: Any) -> None:
         if stream is not None and stream not in self._streams:
