@@ -66,6 +66,7 @@ class RunSummary:
     routing_agreement: float | None
     reward: list[float] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)
+    logprob_abs_diff_by_step: dict[int, float] = field(default_factory=dict)  # every logged step, step 1 too
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,6 +213,11 @@ def summarize_verl(
         routing_agreement=None,  # verl 0.9.1 logs no agreement between rollout and trainer routes
         reward=[steps[s].get("critic/score/mean", math.nan) for s in sorted(steps)],
         extra=extra,
+        logprob_abs_diff_by_step={
+            s: v
+            for s in sorted(steps)
+            if (v := steps[s].get("peer/logprob_abs_diff_mean")) is not None and not math.isnan(v)
+        },
     )
 
 
@@ -263,6 +269,9 @@ def summarize_r3(path: Path, *, replay: str, gpus: int, gpu_peaks: list[float] |
         routing_agreement=_mean(opt(s, "routing_natural_agreement") for s in measured),
         reward=[col(s, "reward_mean") for s in sorted(by_step)],
         extra={"checkpoint_seconds_total": checkpoint} if checkpoint else {},
+        logprob_abs_diff_by_step={
+            s: v for s in sorted(by_step) if (v := opt(s, "logprob_abs_diff_mean")) is not None and not math.isnan(v)
+        },
     )
 
 
@@ -283,10 +292,34 @@ def _reward_cell(reward: Sequence[float]) -> str:
     return f"{_fmt(first)} → {_fmt(last)} (first/last {k})"
 
 
+def initial_weights_steps(runs: Sequence[RunSummary | None]) -> list[int]:
+    """The steps every run rolled out from the shared initial weights, step 1 left out as elsewhere.
+
+    A step's rollout comes before its update, and GRPO's advantages are all 0 while every reward of a step is 0,
+    so no run's policy moves (but for AdamW's weight decay, ~1e-7 of a weight a step) before the update of its
+    first step with a reward. Up to that step in every run, both frameworks score the same prompts with the
+    same weights, and |Δlogprob| compares their engine-vs-trainer numerics alone; after it, each run's policy
+    has gone its own way (a policy that collapses to certain tokens has |Δlogprob| near 0 whatever its
+    numerics). Runs with |Δlogprob| logged after step 1 only (the asynchronous mode logs it at step 1 alone); [] when
+    there are none."""
+    ends = []
+    for run in runs:
+        if run is None or not any(step > 1 for step in run.logprob_abs_diff_by_step):
+            continue
+        rewarded = [i + 1 for i, r in enumerate(run.reward) if not math.isnan(r) and r > 0]
+        ends.append(rewarded[0] if rewarded else len(run.reward))
+    if not ends:
+        return []
+    end = min(ends)
+    return list(range(2, end + 1)) if end > 1 else [1]
+
+
 def table(runs: Sequence[RunSummary | None], labels: Sequence[str]) -> str:
     """One markdown table: a column per run (None: not run), a row per figure."""
     if len(runs) != len(labels):
         raise ValueError("one label per run")
+    initial = initial_weights_steps(runs)
+    span = f"{initial[0]}–{initial[-1]}" if len(initial) > 1 else (str(initial[0]) if initial else "")
     rows: list[tuple[str, Any]] = [
         ("steps (measured)", lambda r: f"{r.steps} ({r.measured_steps})"),
         ("generated tokens/s/GPU", lambda r: _fmt(r.generated_tokens_per_s_per_gpu)),
@@ -300,6 +333,16 @@ def table(runs: Sequence[RunSummary | None], labels: Sequence[str]) -> str:
         ),
         ("mean \\|Δlogprob\\| rollout vs trainer", lambda r: _fmt(r.logprob_abs_diff_mean)),
         ("max \\|Δlogprob\\|", lambda r: _fmt(r.logprob_abs_diff_max)),
+        *(
+            [
+                (
+                    f"mean \\|Δlogprob\\|, steps {span} (every run still on the shared initial weights)",
+                    lambda r: _fmt(_mean(r.logprob_abs_diff_by_step.get(s) for s in initial)),
+                )
+            ]
+            if initial
+            else []
+        ),
         ("k3 KL rollout vs trainer", lambda r: _fmt(r.kl_k3)),
         ("routing agreement (trainer's own routes vs rollout's)", lambda r: _fmt(r.routing_agreement)),
         (

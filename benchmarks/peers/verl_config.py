@@ -114,12 +114,13 @@ def verl_overrides(
         f"{actor}.megatron.router_replay.mode={replay}",
         # the reference model's Megatron config follows the actor's (verl's ref/megatron_ref.yaml)
         f"{actor}.megatron.override_transformer_config.attention_backend={ATTENTION_BACKEND}",
-        # rollout: vLLM (the release r3operator uses), one replica per GPU, eager like r3operator's engine
+        # rollout: vLLM (the release r3operator uses), one replica per GPU, with CUDA graphs and compilation as
+        # r3operator's engine has them (`vllm serve` without --enforce-eager: api/vllm_args.py)
         f"{rollout}.name=vllm",
         f"{rollout}.mode=async",
         f"{rollout}.tensor_model_parallel_size=1",
         f"{rollout}.gpu_memory_utilization={work.engine_memory_fraction}",
-        f"{rollout}.enforce_eager=True",
+        f"{rollout}.enforce_eager=False",
         f"{rollout}.n={work.group_size}",
         f"{rollout}.temperature={work.temperature}",
         f"{rollout}.top_p=1.0",

@@ -19,6 +19,8 @@ import yaml
 
 from benchmarks.peers.compare import (
     MetricsError,
+    RunSummary,
+    initial_weights_steps,
     read_gpu_peaks,
     read_verl_log,
     summarize_r3,
@@ -351,6 +353,11 @@ def test_verl_config_matches_the_rljob_and_switches_both_r3_halves() -> None:
     assert on["trainer.n_gpus_per_node"] == "2" and on["trainer.total_training_steps"] == "30"
     with pytest.raises(ValueError, match="replay"):
         overrides("R2")
+    # both engines decode alike: verl's vLLM is eager exactly when r3operator's `vllm serve` is
+    from r3operator.api.vllm_args import vllm_serve_args
+
+    ours_eager = "--enforce-eager" in vllm_serve_args(spec, model_path="/m")
+    assert on["actor_rollout_ref.rollout.enforce_eager"] == str(ours_eager)
 
 
 # ---- torch: the model export and verl's metrics hook ------------------------------------------------------------
@@ -842,3 +849,29 @@ def test_probe_runs_both_passes_and_reports_tes_choice_or_reasons(
     if backend == "flash":
         assert "No dot product attention backend" in verdict.reason
         assert "Disabling UnfusedDotProductAttention due to NVTE_UNFUSED_ATTN=0" in verdict.te_log
+
+
+def _run(reward: list[float], diffs: dict[int, float]) -> RunSummary:
+    return RunSummary(
+        framework="x", replay="R3", gpus=2, steps=len(reward), measured_steps=len(reward) - 1,
+        generated_tokens_per_s_per_gpu=1.0, trained_tokens_per_s_per_gpu=1.0, step_seconds=1.0, split={},
+        trainer_peak_gib=None, gpu_peak_gib=None, logprob_abs_diff_mean=None, logprob_abs_diff_max=None,
+        kl_k3=None, routing_agreement=None, reward=reward, logprob_abs_diff_by_step=diffs,
+    )  # fmt: skip
+
+
+def test_fidelity_on_the_initial_weights_stops_at_the_first_rewarded_step_of_any_run() -> None:
+    """A run's policy first moves in the update of its first step with a reward: that step's rollout still came
+    from the initial weights. The asynchronous run (|Δlogprob| at step 1 only) does not bound the window."""
+    a = _run([0, 0, 0, 0.5, 0, 0.2], {s: 0.01 * s for s in range(1, 7)})
+    b = _run([0, 0, 0, 0, 0, 0.1], {s: 0.001 for s in range(1, 7)})
+    asynchronous = _run([0, 0.5, 0, 0, 0, 0], {1: 0.5})
+    runs = [a, b, asynchronous, None]
+    assert initial_weights_steps(runs) == [2, 3, 4]  # a's first reward at step 4; step 1 left out
+    text = table(runs, ["a", "b", "async", "absent"])
+    row = next(line for line in text.splitlines() if "initial weights" in line)
+    assert row.startswith("| mean \\|Δlogprob\\|, steps 2–4 ")
+    assert row.endswith("| 0.03 | 0.001 | — | not run |")  # a: (0.02 + 0.03 + 0.04) / 3; async: none logged
+    assert initial_weights_steps([_run([0.3, 0], {1: 0.1, 2: 0.2})]) == [1]
+    assert initial_weights_steps([asynchronous]) == []
+    assert "initial weights" not in table([asynchronous], ["async"])
