@@ -905,7 +905,8 @@ def select(rows: Sequence[Row], parts: Sequence[int] | None, names: Sequence[str
         unknown = sorted(set(names) - {r.name for r in rows})
         if unknown:
             raise SystemExit(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(r.name for r in rows)}")
-        return [r for r in rows if r.name in names]
+        by_name = {r.name: r for r in rows}
+        return [by_name[name] for name in dict.fromkeys(names)]  # in the order named: the caller's priorities
     return [r for r in rows if parts is None or r.part in parts]
 
 
@@ -913,7 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="where accept.json, accept.md and the logs' archive go")
     parser.add_argument("--part", type=int, action="append", help="run this part's rows (repeatable); default all")
-    parser.add_argument("--rows", help="comma-separated row names instead of parts")
+    parser.add_argument("--rows", help="comma-separated row names instead of parts, run in the order named")
     parser.add_argument(
         "--budget",
         type=float,

@@ -316,3 +316,14 @@ def test_the_two_engine_row_compares_with_one_engine(tmp_path: Path) -> None:
     (tmp_path / "sync_two_engines.json").write_text(json.dumps(report))
     verdict = gpu_accept.judge_two_engines(Context(gpus=3, work=tmp_path), 0, "")
     assert verdict.passed and verdict.target_met and "1.071×" in verdict.figure
+
+
+def test_rows_named_run_in_the_order_named_once_each() -> None:
+    """A reservation that may end early runs what its caller put first (2026-11-27: rows named
+    `fingerprint_cuda,sync_layouts_a3b,sync_layouts_x16l,up_2gpu` ran in the table's order, `up_2gpu` first)."""
+    picked = gpu_accept.select(
+        gpu_accept.ROWS, None, ["sync_layouts_x16l", "up_2gpu", "sync_layouts_x16l", "weight_sync"]
+    )
+    assert [r.name for r in picked] == ["sync_layouts_x16l", "up_2gpu", "weight_sync"]
+    with pytest.raises(SystemExit, match="unknown nope"):
+        gpu_accept.select(gpu_accept.ROWS, None, ["up_2gpu", "nope"])
