@@ -65,28 +65,32 @@ def fingerprint_device(tensor: Any) -> Any:
     return _fingerprint_torch(words)
 
 
-def _group_sums(words: Any) -> Any:
+def _group_sum_pieces(words: Any) -> list[Any]:
     """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int32
-    [groups, WEIGHT_PERIOD] (1/32 of 16-bit words' bytes), one operator per slice.
+    [groups, WEIGHT_PERIOD] (1/32 of 16-bit words' bytes) in pieces, one operator per slice.
 
     torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16
     words writes an int64 copy of them, 4x their bytes): the groups are summed in int32, the narrowest
-    exact type for 64 rows (64 x 2^15 < 2^31), in slices of at most `SLICE_BYTES` of words written
-    straight into their rows of the result, so that copy is at most 2x a slice whatever the size of
-    `words` (an a3b expert block is 805 MB)."""
+    exact type for 64 rows (64 x 2^15 < 2^31), in slices of at most `SLICE_BYTES` of words, so that copy
+    is at most 2x a slice whatever the size of `words` (an a3b expert block is 805 MB)."""
     import torch
 
     block = GROUP_ROWS * WEIGHT_PERIOD
     step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
-    n = words.numel()
-    if n <= step:
-        return words.view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
-    out = torch.empty(n // block, WEIGHT_PERIOD, dtype=torch.int32, device=words.device)
-    rows = step // block
-    for first, start in enumerate(range(0, n, step)):
-        piece = words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD)
-        torch.sum(piece, dim=1, dtype=torch.int32, out=out[first * rows : first * rows + piece.shape[0]])
-    return out
+    return [
+        words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
+        for start in range(0, words.numel(), step)
+    ]
+
+
+def _group_sums(words: Any) -> Any:
+    """`_group_sum_pieces` as one tensor."""
+    import torch
+
+    pieces = _group_sum_pieces(words)
+    if not pieces:
+        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int32, device=words.device)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _columns_torch(words: Any) -> Any:
@@ -139,7 +143,7 @@ BUCKET_BYTES = 256 << 20
 """How many bytes of tensors `FingerprintLog` fingerprints together: the bucket's flat copy is this big."""
 
 SLICE_BYTES = 256 << 20
-"""At most this many bytes of words are reduced at once (`_group_sums`, a big tensor or a bucket): the widened
+"""At most this many bytes of words are reduced at once (`_group_sum_pieces`, a big tensor or a bucket): the widened
 int32 copy torch makes of a reduction's input is then at most 2x this, reused from the allocator's cache,
 instead of an int64 copy of the whole tensor (3.2 GB for an 805 MB expert block, allocated anew on each of
 vLLM's producer streams)."""
@@ -171,44 +175,44 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     return torch.cat([counts.to(columns.device), _sums(columns)], dim=1)
 
 
-def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Any] = ()) -> Any:
+def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] = ()) -> Any:
     """The column sums of each of `tensors` (all on one device, every one an even number of bytes), then of
-    each of `group_sums` (a big tensor's body already reduced by `_group_sums`), as int64
+    each of `group_sums` (a big tensor's body already reduced by `_group_sum_pieces`), as int64
     [len(tensors) + len(group_sums), WEIGHT_PERIOD], with a fixed number of operators whatever their count:
 
     - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
       `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
-      word's column is its position in its tensor mod `WEIGHT_PERIOD`);
-    - the column sums of each group of `GROUP_ROWS` rows (`_group_sums`, int32, 1/32 of the words' bytes),
-      followed by `group_sums`;
+      word's column is its position in its tensor mod `WEIGHT_PERIOD`), after one group of zeros;
+    - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int32, 1/32 of the words'
+      bytes), followed by `group_sums`, in one tensor;
     - per tensor, the column sums of its groups as a difference of two rows of their running sum (int64:
-      exact, deterministic, no atomics).
+      exact, deterministic, no atomics; the leading group of zeros is the running sum's row "none yet").
     """
     import torch
 
     words = [_words(t) for t in tensors]
-    device = (words[0] if words else group_sums[0]).device
+    device = (words[0] if words else group_sums[0][0]).device
     odd = [i for i, w in enumerate(words) if w.dtype != torch.int16]
     if odd:
         raise ValueError(f"fingerprint_bucket: tensor {odd[0]} has an odd number of bytes; use fingerprint_device")
     block = GROUP_ROWS * WEIGHT_PERIOD
-    starts, ends, groups = [], [], 0
+    starts, ends, groups = [], [], 1  # group 0: zeros
     for w in words:
-        starts.append(groups)
+        starts.append(groups - 1)
         groups += -(-w.numel() // block)
-        ends.append(groups)
+        ends.append(groups - 1)
     flat = torch.zeros(groups * block, dtype=torch.int16, device=device)
-    slots = [(flat[s * block : s * block + w.numel()], w) for s, w in zip(starts, words, strict=True) if w.numel()]
+    slots = [(flat[(s + 1) * block :][: w.numel()], w) for s, w in zip(starts, words, strict=True) if w.numel()]
     if slots:
         torch._foreach_copy_([slot for slot, _ in slots], [w for _, w in slots])
-    partial = _group_sums(flat)
-    for sums in group_sums:
-        starts.append(groups)
-        groups += sums.shape[0]
-        ends.append(groups)
-    if group_sums:
-        partial = torch.cat([partial, *group_sums])
-    running = torch.nn.functional.pad(partial, (0, 0, 1, 0)).cumsum(dim=0, dtype=torch.int64)  # row g: groups [0, g)
+    pieces = _group_sum_pieces(flat)
+    for body in group_sums:
+        starts.append(groups - 1)
+        groups += sum(piece.shape[0] for piece in body)
+        ends.append(groups - 1)
+        pieces += body
+    partial = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    running = partial.cumsum(dim=0, dtype=torch.int64)  # row g: groups [0, g], row 0 zeros
     # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
     # until the copy is done). From pageable memory the driver may first wait for the stream, which here
     # holds vLLM's previous broadcast.
@@ -223,7 +227,7 @@ class _Bucket:
     owners: list[int] = field(default_factory=list)  # the entry (`FingerprintLog._entries`) of each tensor
     tensors: list[Any] = field(default_factory=list)
     group_owners: list[int] = field(default_factory=list)  # the entry of each of `group_sums`
-    group_sums: list[Any] = field(default_factory=list)  # big tensors' bodies, reduced (`_group_sums`)
+    group_sums: list[list[Any]] = field(default_factory=list)  # big tensors' bodies (`_group_sum_pieces`)
     nbytes: int = 0
     stream: Any = None  # the CUDA stream current when its tensors were added (None off CUDA)
 
@@ -272,9 +276,9 @@ class FingerprintLog:
     - a tensor of at most `bucket_bytes` goes into an open bucket, fingerprinted in one go when it fills or
       at `flush` (`_bucket_columns`): the caller must not change or reuse a tensor's memory before then (a
       receiver's buffer: flush at the end of each batch, as `add_many` does);
-    - a bigger one's whole groups of rows are summed at once, one operator per `SLICE_BYTES` into one int32
-      result (`_group_sums`, 1/32 of its bytes), which waits in the open bucket: the bucket's running sum
-      takes it with its own groups; the words after the last whole group (less than 32 KiB) are copied
+    - a bigger one's whole groups of rows are summed at once, one operator per `SLICE_BYTES`
+      (`_group_sum_pieces`, int32, 1/32 of its bytes), and wait in the open bucket: the bucket's running
+      sum takes them with its own groups; the words after the last whole group (less than 32 KiB) are copied
       and go into the bucket like a small tensor, and the fingerprint is the two parts' sums added;
     - a tensor on the CPU (numpy) or of an odd byte count is fingerprinted at once, on its own.
 
@@ -313,7 +317,7 @@ class FingerprintLog:
             whole = count - count % (GROUP_ROWS * WEIGHT_PERIOD)
             if whole:  # its groups' sums (1/32 of its bytes, not counted) wait in the bucket for its running sum
                 bucket.group_owners.append(owner)
-                bucket.group_sums.append(_group_sums(words[:whole]))
+                bucket.group_sums.append(_group_sum_pieces(words[:whole]))
             if whole < count:
                 # The rest is fewer than a group of rows: a copy (so that the bucket does not keep the whole
                 # tensor's memory alive) costs one small operator, its own sums would cost ~8.
