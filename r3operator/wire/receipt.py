@@ -17,15 +17,18 @@ A fingerprint is exact and independent of summation order: the tensor's bytes re
 permuted tensor fingerprints differently), in integers on the tensor's own device: no device-to-host copy
 of the weights, and the same result on the trainer's GPU and on the engine's.
 
-On a GPU a sync's fingerprints must cost neither kernels nor waits:
+On a GPU a sync's fingerprints must cost neither kernels nor host time nor waits (a kernel-layout sync is
+host-bound: the host issues each buffer's operators between two broadcasts):
 - an MoE sync in checkpoint layout is thousands of small expert tensors: `FingerprintLog` gathers them
-  into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of kernels
-  (`fingerprint_bucket`), whatever the tensors in it;
-- a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each is reduced in
-  slices of `SLICE_BYTES` (`_fingerprint_torch`), so torch's widened copy of a reduction's input stays a
-  cached slice-sized block instead of a new 4x-sized one per tensor and stream;
-- nothing waits for the device until `FingerprintLog.result` reads every fingerprint back in one copy
-  (the buckets' small index table goes up from pinned memory).
+  into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of operators
+  (`_bucket_columns`), whatever the tensors in it;
+- a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each costs one reduction
+  per `SLICE_BYTES` (`_group_sum_pieces`; torch's widened copy of a reduction's input stays a cached
+  slice-sized block instead of a new 4x-sized one per tensor and stream) and one small copy of its rest;
+  the rest of its work waits for the open bucket;
+- what can be done for every tensor at once (the plain and weighted sums) waits for
+  `FingerprintLog.result`, and nothing waits for the device until it reads every fingerprint back in one
+  copy (the buckets' small index table goes up from pinned memory).
 The values are the same whichever way: the tests compare every path with the definition written out.
 """
 
