@@ -271,9 +271,9 @@ def _wait_for(streams: Iterable[Any]) -> None:
 class FingerprintLog:
     """Fingerprints of named tensors, computed on their device and read back once (`result`).
 
-    On a GPU each tensor costs the host a few operators, whatever its size, and everything that can be done
-    for all tensors at once waits for `result`: what is computed per tensor is only its column sums
-    (`WEIGHT_PERIOD` int64 values), and `result` turns every device's column sums into the plain and
+    On a GPU a tensor costs the host only the operators that must read its bytes at once (none for a small
+    one, one per slice and a small copy for a big one); the rest waits for its bucket (`WEIGHT_PERIOD`
+    column sums per tensor) and for `result`, which turns every device's column sums into the plain and
     weighted sums with a handful of operators and reads them back in one copy.
 
     - a tensor of at most `bucket_bytes` goes into an open bucket, fingerprinted in one go when it fills or
