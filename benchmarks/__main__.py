@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "checkpoint_staging": ("benchmarks.bench_checkpoint_staging", ["--device", "cpu", "--params-m", "50"]),
     "fingerprint": ("benchmarks.bench_fingerprint", ["--models", "a3b"]),
     "engine_load": ("benchmarks.bench_engine_load", ["--models", "gpu,a3b"]),
+    "sync_host": ("benchmarks.bench_sync_host", ["--model", "a3b-x16l", "--repeats", "10"]),
 }
 
 

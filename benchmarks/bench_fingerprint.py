@@ -15,8 +15,9 @@ expert count (a CPU run of the kernel layout in a few GB). On `--device cpu` the
 (not the CPU's numpy), and each row also has the largest block allocated at once (`largest_alloc_bytes`,
 torch's profiler): the temporary a fingerprint makes beside the weights.
 
-"one_by_one" is the path before buckets (`FingerprintLog(bucket_bytes=0)`: every tensor through
-`_fingerprint_torch`, as every tensor was before); "buckets" is the default (`BUCKET_BYTES`).
+"one_by_one" is `FingerprintLog(bucket_bytes=0)`: every tensor takes the big tensors' path (its slices
+reduced at once, a bucket of its own for the rest; before 2026-11-27 it was `_fingerprint_torch` one tensor
+at a time, as every tensor was before buckets); "buckets" is the default (`BUCKET_BYTES`).
 
 For each: the aten operators that do work (views left out; on a GPU each launches one kernel or more, and
 an MoE sync is launch-bound), the host seconds spent issuing them (on `meta` that is all there is: no data

@@ -648,6 +648,17 @@ ROWS: list[Row] = [
         judge_pytest(lambda g: 0),
     ),
     Row(
+        "receipt_cuda",
+        4,
+        "tests/gpu/test_receipt_cuda.py: the receipt's fingerprints on alternating side streams",
+        "all pass",
+        1,
+        30,
+        120,
+        pytest_command("tests/gpu/test_receipt_cuda.py"),
+        judge_pytest(lambda g: 0),
+    ),
+    Row(
         "native_weight_sync_tests",
         4,
         "tests/gpu/test_native_weight_sync.py: IPC, the local run, NCCL",

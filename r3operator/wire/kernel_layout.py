@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from r3operator.wire.weights import full_tensor
+from r3operator.wire.weights import cast, full_tensor
 
 _QKV = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.(?P<leaf>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.gate_up_proj\.weight$")
@@ -181,11 +181,12 @@ def kernel_tensors(
     state_dict: Mapping[str, Any], plan: Sequence[Source], *, dtype: Any = None, device: Any = "cpu"
 ) -> Iterator[tuple[str, Any]]:
     """Yield (engine parameter name, tensor) for every parameter of `plan`, contiguous, in `dtype` on
-    `device` (cast on the source device first, as `checkpoint_tensors` does)."""
+    `device`: built from the whole trainer tensors in their own dtype, then cast on the source device and
+    moved (as `checkpoint_tensors` does), so a fused parameter costs one cast, not one per part."""
     import torch
 
     for source in plan:
-        parts = [full_tensor(state_dict[p], dtype=dtype, device=device) for p in source.parts]
+        parts = [full_tensor(state_dict[p]) for p in source.parts]
         if source.kind in ("same", "fused_w2"):
             out = parts[0]
         elif source.kind == "fused_w13":
@@ -198,4 +199,4 @@ def kernel_tensors(
         else:
             per = len(parts) // source.experts
             out = torch.stack([torch.cat(parts[i : i + per], 0) for i in range(0, len(parts), per)])
-        yield source.parameter.name, out.contiguous()
+        yield source.parameter.name, cast(out, dtype=dtype, device=device).contiguous()

@@ -17,15 +17,18 @@ A fingerprint is exact and independent of summation order: the tensor's bytes re
 permuted tensor fingerprints differently), in integers on the tensor's own device: no device-to-host copy
 of the weights, and the same result on the trainer's GPU and on the engine's.
 
-On a GPU a sync's fingerprints must cost neither kernels nor waits:
+On a GPU a sync's fingerprints must cost neither kernels nor host time nor waits (a kernel-layout sync is
+host-bound: the host issues each buffer's operators between two broadcasts):
 - an MoE sync in checkpoint layout is thousands of small expert tensors: `FingerprintLog` gathers them
-  into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of kernels
-  (`fingerprint_bucket`), whatever the tensors in it;
-- a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each is reduced in
-  slices of `SLICE_BYTES` (`_fingerprint_torch`), so torch's widened copy of a reduction's input stays a
-  cached slice-sized block instead of a new 4x-sized one per tensor and stream;
-- nothing waits for the device until `FingerprintLog.result` reads every fingerprint back in one copy
-  (the buckets' small index table goes up from pinned memory).
+  into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of operators
+  (`_bucket_columns`), whatever the tensors in it;
+- a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each costs one reduction
+  per `SLICE_BYTES` (`_group_sum_pieces`; torch's widened copy of a reduction's input stays a cached
+  slice-sized block instead of a new 4x-sized one per tensor and stream) and one small copy of its rest;
+  the rest of its work waits for the open bucket;
+- what can be done for every tensor at once (the plain and weighted sums) waits for
+  `FingerprintLog.result`, and nothing waits for the device until it reads every fingerprint back in one
+  copy (the buckets' small index table goes up from pinned memory).
 The values are the same whichever way: the tests compare every path with the definition written out.
 """
 
@@ -54,7 +57,7 @@ def _words(tensor: Any) -> Any:
 def fingerprint_device(tensor: Any) -> Any:
     """The fingerprint as an int64 tensor [count, sum, weighted] on the tensor's device (no host sync).
 
-    The words are laid out as rows of `WEIGHT_PERIOD` columns and summed per column (`_fingerprint_torch`);
+    The words are laid out as rows of `WEIGHT_PERIOD` columns and summed per column (`_columns_torch`);
     the weighted sum is then over the column sums. On the CPU numpy does the sums (torch's integer
     reductions there are ~40x slower)."""
     import torch
@@ -65,9 +68,9 @@ def fingerprint_device(tensor: Any) -> Any:
     return _fingerprint_torch(words)
 
 
-def _group_sums(words: Any) -> Any:
-    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int64
-    [groups, WEIGHT_PERIOD] (1/16 of the words' bytes).
+def _group_sum_pieces(words: Any) -> list[Any]:
+    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int32
+    [groups, WEIGHT_PERIOD] (1/32 of 16-bit words' bytes) in pieces, one operator per slice.
 
     torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16
     words writes an int64 copy of them, 4x their bytes): the groups are summed in int32, the narrowest
@@ -77,36 +80,53 @@ def _group_sums(words: Any) -> Any:
 
     block = GROUP_ROWS * WEIGHT_PERIOD
     step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
-    n = words.numel()
-    pieces = [
+    return [
         words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
-        for start in range(0, n, step)
+        for start in range(0, words.numel(), step)
     ]
+
+
+def _group_sums(words: Any) -> Any:
+    """`_group_sum_pieces` as one tensor."""
+    import torch
+
+    pieces = _group_sum_pieces(words)
     if not pieces:
-        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int64, device=words.device)
-    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64)
+        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int32, device=words.device)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _fingerprint_torch(words: Any) -> Any:
-    """`fingerprint_device` with torch's reductions: the whole groups of rows through `_group_sums` (a
-    slice starts at a whole row, so a word's column is still its position mod `WEIGHT_PERIOD`), then the
-    rest; a few kernels per `SLICE_BYTES` and no temporary bigger than 2x a slice."""
+def _columns_torch(words: Any) -> Any:
+    """The column sums of `words` as int64 [1, WEIGHT_PERIOD]: the whole groups of rows through
+    `_group_sums` (a slice starts at a whole row, so a word's column is still its position mod
+    `WEIGHT_PERIOD`), then the rest, padded with zeros to whole rows (zeros add nothing)."""
     import torch
 
     n = words.numel()
-    device = words.device
     whole = n - n % (GROUP_ROWS * WEIGHT_PERIOD)
-    columns = _group_sums(words[:whole]).sum(dim=0)
-    if n > whole:  # fewer than a group of rows: padded with zeros to whole rows, which add nothing
+    columns = _group_sums(words[:whole]).sum(dim=0, keepdim=True, dtype=torch.int64)
+    if n > whole:
         rest = words[whole:].to(torch.int64)
         rest = torch.nn.functional.pad(rest, (0, -rest.numel() % WEIGHT_PERIOD))
-        columns += rest.view(-1, WEIGHT_PERIOD).sum(dim=0)
-    weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=device)
-    out = torch.zeros(3, dtype=torch.int64, device=device)
-    out[0] = n
-    out[1] = columns.sum()
-    out[2] = (columns * weights).sum()
-    return out
+        columns = columns + rest.view(-1, WEIGHT_PERIOD).sum(dim=0, keepdim=True)
+    return columns
+
+
+def _sums(columns: Any) -> Any:
+    """[plain sum, weighted sum] of each row of column sums [k, WEIGHT_PERIOD], int64 [k, 2]: the
+    weight of column c is c + 1."""
+    import torch
+
+    weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=columns.device)
+    return torch.stack([columns.sum(dim=1), (columns * weights).sum(dim=1)], dim=1)
+
+
+def _fingerprint_torch(words: Any) -> Any:
+    """`fingerprint_device` with torch's reductions (`_columns_torch`), as int64 [count, sum, weighted]."""
+    import torch
+
+    count = torch.tensor([words.numel()], dtype=torch.int64, device=words.device)
+    return torch.cat([count, _sums(_columns_torch(words))[0]])
 
 
 def _fingerprint_numpy(words: np.ndarray) -> list[int]:
@@ -126,7 +146,7 @@ BUCKET_BYTES = 256 << 20
 """How many bytes of tensors `FingerprintLog` fingerprints together: the bucket's flat copy is this big."""
 
 SLICE_BYTES = 256 << 20
-"""At most this many bytes of words are reduced at once (`_group_sums`, a big tensor or a bucket): the widened
+"""At most this many bytes of words are reduced at once (`_group_sum_pieces`, a big tensor or a bucket): the widened
 int32 copy torch makes of a reduction's input is then at most 2x this, reused from the allocator's cache,
 instead of an int64 copy of the whole tensor (3.2 GB for an 805 MB expert block, allocated anew on each of
 vLLM's producer streams)."""
@@ -147,53 +167,84 @@ def fingerprint(tensor: Any) -> Fingerprint:
 
 def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
     """The fingerprints of `tensors` (all on one device, every one an even number of bytes) as an int64
-    tensor [len(tensors), 3] on that device, with a fixed number of kernels whatever their count:
-
-    - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
-      `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
-      word's column is its position in its tensor mod `WEIGHT_PERIOD`);
-    - the column sums of each group of `GROUP_ROWS` rows (`_group_sums`; then int64, 1/16 of the words' bytes);
-    - per tensor, the column sums of its groups as a difference of two rows of their running sum (exact in
-      integers, deterministic, no atomics), then count, plain and weighted sum as in `_fingerprint_torch`.
-    """
+    tensor [len(tensors), 3] on that device, with a fixed number of kernels whatever their count
+    (`_bucket_columns`, then the sums)."""
     import torch
 
     if not tensors:
         return torch.zeros(0, 3, dtype=torch.int64)
+    columns = _bucket_columns(tensors)
+    counts = torch.tensor([[t.numel() * t.element_size() // 2] for t in tensors], dtype=torch.int64)
+    return torch.cat([counts.to(columns.device), _sums(columns)], dim=1)
+
+
+def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] = ()) -> Any:
+    """The column sums of each of `tensors` (all on one device, every one an even number of bytes), then of
+    each of `group_sums` (a big tensor's body already reduced by `_group_sum_pieces`), as int64
+    [len(tensors) + len(group_sums), WEIGHT_PERIOD], with a fixed number of operators whatever their count:
+
+    - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
+      `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
+      word's column is its position in its tensor mod `WEIGHT_PERIOD`), after one group of zeros;
+    - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int32, 1/32 of the words'
+      bytes), followed by `group_sums`, in one tensor;
+    - per tensor, the column sums of its groups as a difference of two rows of their running sum (int64:
+      exact, deterministic, no atomics; the leading group of zeros is the running sum's row "none yet").
+    """
+    import torch
+
     words = [_words(t) for t in tensors]
-    device = words[0].device
+    device = (words[0] if words else group_sums[0][0]).device
     odd = [i for i, w in enumerate(words) if w.dtype != torch.int16]
     if odd:
         raise ValueError(f"fingerprint_bucket: tensor {odd[0]} has an odd number of bytes; use fingerprint_device")
     block = GROUP_ROWS * WEIGHT_PERIOD
-    counts = [int(w.numel()) for w in words]
-    starts, ends, groups = [], [], 0
-    for n in counts:
-        starts.append(groups)
-        groups += -(-n // block)
-        ends.append(groups)
+    starts, ends, groups = [], [], 1  # group 0: zeros
+    for w in words:
+        starts.append(groups - 1)
+        groups += -(-w.numel() // block)
+        ends.append(groups - 1)
     flat = torch.zeros(groups * block, dtype=torch.int16, device=device)
-    slots = [(flat[s * block : s * block + n], w) for s, n, w in zip(starts, counts, words, strict=True) if n]
+    slots = [(flat[(s + 1) * block :][: w.numel()], w) for s, w in zip(starts, words, strict=True) if w.numel()]
     if slots:
         torch._foreach_copy_([slot for slot, _ in slots], [w for _, w in slots])
-    partial = _group_sums(flat)
-    running = torch.nn.functional.pad(partial, (0, 0, 1, 0)).cumsum_(dim=0)  # row g: groups [0, g)
+    pieces = _group_sum_pieces(flat)
+    for body in group_sums:
+        starts.append(groups - 1)
+        groups += sum(piece.shape[0] for piece in body)
+        ends.append(groups - 1)
+        pieces += body
+    partial = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    running = partial.cumsum(dim=0, dtype=torch.int64)  # row g: groups [0, g], row 0 zeros
     # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
     # until the copy is done). From pageable memory the driver may first wait for the stream, which here
     # holds vLLM's previous broadcast.
     pinned = device.type == "cuda"
-    table = torch.tensor([counts, starts, ends], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-    columns = running.index_select(0, table[2]) - running.index_select(0, table[1])
-    weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=device)
-    return torch.stack([table[0], columns.sum(dim=1), (columns * weights).sum(dim=1)], dim=1)
+    table = torch.tensor(starts + ends, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    first, last = running.index_select(0, table).view(2, len(starts), WEIGHT_PERIOD).unbind(0)
+    return last - first
 
 
 @dataclass
 class _Bucket:
-    names: list[str] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # the entry (`FingerprintLog._entries`) of each tensor
     tensors: list[Any] = field(default_factory=list)
+    group_owners: list[int] = field(default_factory=list)  # the entry of each of `group_sums`
+    group_sums: list[list[Any]] = field(default_factory=list)  # big tensors' bodies (`_group_sum_pieces`)
     nbytes: int = 0
     stream: Any = None  # the CUDA stream current when its tensors were added (None off CUDA)
+
+
+@dataclass
+class _Entry:
+    """One tensor added to a `FingerprintLog`: its fingerprint is (count, plain, weighted) plus, for each of
+    `rows`, the sums of that row of column sums on the device (a big tensor's body and its tail)."""
+
+    name: str
+    count: int
+    plain: int = 0
+    weighted: int = 0
+    rows: list[tuple[Any, int]] = field(default_factory=list)  # (device, row of the device's column sums)
 
 
 def _current_stream(device: Any) -> Any:
@@ -220,48 +271,84 @@ def _wait_for(streams: Iterable[Any]) -> None:
 class FingerprintLog:
     """Fingerprints of named tensors, computed on their device and read back once (`result`).
 
-    On a GPU `add` only takes the tensor into an open bucket (`BUCKET_BYTES`), fingerprinted in one go when
-    it fills or at `flush`: the caller must not change or reuse a tensor's memory before then (a receiver's
-    buffer: flush at the end of each batch, as `add_many` does). Tensors on the CPU (numpy), of an odd byte
-    count or bigger than a bucket are fingerprinted at once, one by one.
+    On a GPU a tensor costs the host only the operators that must read its bytes at once (none for a small
+    one, one per slice and a small copy for a big one); the rest waits for its bucket (`WEIGHT_PERIOD`
+    column sums per tensor) and for `result`, which turns every device's column sums into the plain and
+    weighted sums with a handful of operators and reads them back in one copy.
+
+    - a tensor of at most `bucket_bytes` goes into an open bucket, fingerprinted in one go when it fills or
+      at `flush` (`_bucket_columns`): the caller must not change or reuse a tensor's memory before then (a
+      receiver's buffer: flush at the end of each batch, as `add_many` does);
+    - a bigger one's whole groups of rows are summed at once, one operator per `SLICE_BYTES`
+      (`_group_sum_pieces`, int32, 1/32 of its bytes), and wait in the open bucket: the bucket's running
+      sum takes them with its own groups; the words after the last whole group (less than 32 KiB) are copied
+      and go into the bucket like a small tensor, and the fingerprint is the two parts' sums added;
+    - a tensor on the CPU (numpy) or of an odd byte count is fingerprinted at once, on its own.
 
     A bucket is fingerprinted on the CUDA stream its tensors were added under, and closes when the current
     stream changes: vLLM's packed NCCL producer runs the sender's iterator (the cast, this log) on one side
     stream per buffer, so a tensor is only ready, and its memory only safe to reuse, in its own stream's
-    order."""
+    order. `result` orders the current stream after every stream used before it reads anything."""
 
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
-        self._pending: list[tuple[list[str], Any]] = []  # (names, their fingerprints [k, 3] on a device)
-        self._streams: list[Any] = []  # the CUDA streams fingerprints were computed on
+        self._entries: list[_Entry] = []  # in the order added (a name added twice keeps the last)
+        self._columns: dict[Any, list[Any]] = {}  # by device: column sums [k, WEIGHT_PERIOD] int64, in order
+        self._rows: dict[Any, int] = {}  # by device: how many rows `_columns` holds
+        self._streams: list[Any] = []  # the CUDA streams column sums were computed on
         self._done: dict[str, Fingerprint] = {}
         self._open: dict[Any, _Bucket] = {}  # by device
 
     def add(self, name: str, tensor: Any) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        device = tensor.device
+        words = _words(tensor)
+        count, device = words.numel(), words.device
+        owner = len(self._entries)
+        self._entries.append(_Entry(name, count))
+        if device.type == "cpu" and NUMPY_ON_CPU:
+            _, self._entries[owner].plain, self._entries[owner].weighted = _fingerprint_numpy(words.numpy())
+            return
         stream = _current_stream(device)
         bucket = self._open.get(device)
         if bucket is not None and bucket.stream != stream:
             self._close(device)
-        if (device.type == "cpu" and NUMPY_ON_CPU) or nbytes % 2 or nbytes > self.bucket_bytes:
-            if device in self._open:  # keep the order added (a name added twice keeps the last)
-                self._close(device)
-            self._pending.append(([name], fingerprint_device(tensor).unsqueeze(0)))
-            self._note(stream)
+        self._note(stream)
+        if words.element_size() == 1:  # an odd byte count: no 16-bit words to share a bucket with
+            self._push(device, _columns_torch(words), [owner])
             return
         bucket = self._open.setdefault(device, _Bucket(stream=stream))
-        bucket.names.append(name)
-        bucket.tensors.append(tensor.detach())
-        bucket.nbytes += nbytes
+        if 2 * count > self.bucket_bytes:
+            whole = count - count % (GROUP_ROWS * WEIGHT_PERIOD)
+            if whole:  # its groups' sums (1/32 of its bytes, not counted) wait in the bucket for its running sum
+                bucket.group_owners.append(owner)
+                bucket.group_sums.append(_group_sum_pieces(words[:whole]))
+            if whole < count:
+                # The rest is fewer than a group of rows: a copy (so that the bucket does not keep the whole
+                # tensor's memory alive) costs one small operator, its own sums would cost ~8.
+                self._into(bucket, owner, words[whole:].clone() if whole else words)
+        else:
+            self._into(bucket, owner, words)
         if bucket.nbytes >= self.bucket_bytes:
             self._close(device)
+
+    @staticmethod
+    def _into(bucket: _Bucket, owner: int, words: Any) -> None:
+        bucket.owners.append(owner)
+        bucket.tensors.append(words)
+        bucket.nbytes += 2 * words.numel()
+
+    def _push(self, device: Any, columns: Any, owners: Sequence[int]) -> None:
+        """Queue `columns` [len(owners), WEIGHT_PERIOD], row i a part of entry `owners[i]`."""
+        first = self._rows.get(device, 0)
+        self._columns.setdefault(device, []).append(columns)
+        self._rows[device] = first + len(owners)
+        for i, owner in enumerate(owners):
+            self._entries[owner].rows.append((device, first + i))
 
     def _close(self, device: Any) -> None:
         bucket = self._open.pop(device)
         with _on_stream(bucket.stream):
-            self._pending.append((bucket.names, fingerprint_bucket(bucket.tensors)))
-        self._note(bucket.stream)
+            columns = _bucket_columns(bucket.tensors, bucket.group_sums)
+        self._push(device, columns, bucket.owners + bucket.group_owners)
 
     def _note(self, stream: Any) -> None:
         if stream is not None and stream not in self._streams:
@@ -283,27 +370,22 @@ class FingerprintLog:
     def result(self) -> dict[str, Fingerprint]:
         self.flush()
         _wait_for(self._streams)
-        self._streams = []
-        if self._pending:
+        sums: dict[Any, list[list[int]]] = {}
+        if self._columns:
             import torch
 
-            by_device: dict[Any, list[int]] = {}
-            for i, (_, fps) in enumerate(self._pending):
-                by_device.setdefault(fps.device, []).append(i)
-            rows_of: dict[int, list[list[int]]] = {}
-            for indices in by_device.values():  # one host sync per device
-                rows, at = torch.cat([self._pending[i][1] for i in indices]).tolist(), 0
-                for i in indices:
-                    count = len(self._pending[i][0])
-                    rows_of[i], at = rows[at : at + count], at + count
-            for i, (names, _) in enumerate(self._pending):  # in the order added: a name added twice keeps the last
-                for name, row in zip(names, rows_of[i], strict=True):
-                    self._done[name] = _as_fp(row)
-            self._pending = []
+            for device, columns in self._columns.items():  # one host sync per device
+                sums[device] = _sums(columns[0] if len(columns) == 1 else torch.cat(columns)).tolist()
+        for entry in self._entries:  # in the order added: a name added twice keeps the last
+            plain, weighted = entry.plain, entry.weighted
+            for device, row in entry.rows:
+                plain, weighted = plain + sums[device][row][0], weighted + sums[device][row][1]
+            self._done[entry.name] = (entry.count, plain, weighted)
+        self._entries, self._columns, self._rows, self._streams = [], {}, {}, []
         return dict(self._done)
 
     def clear(self) -> None:
-        self._pending, self._done, self._open, self._streams = [], {}, {}, []
+        self._entries, self._columns, self._rows, self._done, self._open, self._streams = [], {}, {}, {}, {}, []
 
 
 def _as_fp(values: Sequence[int]) -> Fingerprint:

@@ -71,3 +71,12 @@ def test_weight_sync_bench_measures_the_layouts_named_in_their_order_and_refuses
         parse_layouts("kernel,fused")
     with pytest.raises(ValueError, match="names a layout twice"):
         parse_layouts("kernel,kernel")
+
+
+def test_sync_host_bench_names_a_bad_scale_or_repeat_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.bench_sync_host import main
+
+    for argv in (["--scale", "0"], ["--repeats", "-1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--scale and --repeats must be >= 1" in capsys.readouterr().err

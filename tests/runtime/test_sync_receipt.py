@@ -118,6 +118,57 @@ def test_a_log_of_buckets_keeps_every_name_in_order(fingerprint_path: str) -> No
     assert log.result() == {name: _reference_fingerprint(t) for name, t in named}  # "t0" twice: the last
 
 
+def _big_and_small(generator: torch.Generator) -> list[tuple[str, torch.Tensor]]:
+    """With a bucket of 4 KiB and slices of two groups of rows: big tensors in many slices with and without
+    a rest after their last whole group, odd bytes, empties, views, buckets between them, a name twice."""
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    return [
+        ("small", bf16(300)),
+        ("slices-and-rest", bf16(7 * BLOCK + 300)),  # 4 slices, then a row and 49 words
+        ("whole-groups", bf16(3 * BLOCK)),  # no rest
+        ("less-than-a-group", bf16(BLOCK - 1)),  # bigger than a bucket, no whole group
+        ("odd-bytes", torch.randint(0, 255, (4 * BLOCK + 7,), dtype=torch.uint8, generator=generator)),
+        ("empty", torch.empty(0)),
+        ("fp32-rest", torch.randn(2 * BLOCK + 1, generator=generator)),  # 2 words an element
+        ("transposed", torch.randn(300, 200, generator=generator).t()),
+        ("small", -bf16(300)),  # added twice: the last
+        ("rest-of-whole-rows", bf16(BLOCK + 5 * WEIGHT_PERIOD)),
+        ("one-slice-and-rest", bf16(BLOCK + 3)),
+    ]
+
+
+def test_big_tensors_summed_alone_with_their_rest_in_a_bucket_are_the_written_out_definition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", False)
+    monkeypatch.setattr(receipt_module, "SLICE_BYTES", 2 * BLOCK * 2)
+    named = _big_and_small(torch.Generator().manual_seed(3))
+    log = FingerprintLog(bucket_bytes=4096)
+    for name, tensor in named:
+        log.add(name, tensor)
+    assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
+    # The same log again, flushed in between: a bucket of rests and small tensors closes mid-way.
+    for i, (name, tensor) in enumerate(named):
+        log.add(name, tensor)
+        if i % 3 == 2:
+            log.flush()
+    assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
+
+
+def test_a_big_tensors_memory_may_be_reused_as_soon_as_it_is_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its body is summed at once and its rest copied into the bucket: the bucket keeps no view of it.
+    monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", False)
+    tensor = torch.randn(3 * BLOCK + 77).to(torch.bfloat16)
+    expected = _reference_fingerprint(tensor)
+    log = FingerprintLog(bucket_bytes=4096)
+    log.add("big", tensor)
+    tensor.copy_(torch.randn(tensor.shape))
+    assert log.result() == {"big": expected}
+
+
 def test_a_receiver_that_reuses_its_buffer_gets_the_fingerprints_of_what_it_was_handed(fingerprint_path: str) -> None:
     # vLLM's receivers hand `load_weights` views of one buffer and overwrite it with the next batch.
     buffer = torch.randn(2 * BLOCK).to(torch.bfloat16)
@@ -139,17 +190,17 @@ def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(mo
     current = ["s0"]
     monkeypatch.setattr(receipt_module, "_current_stream", lambda device: current[0])
     fingerprinted: list[tuple[str, list[str]]] = []
-    real_bucket = receipt_module.fingerprint_bucket
+    real_bucket = receipt_module._bucket_columns
 
     @contextmanager
     def on_stream(stream: Any) -> Any:
-        def bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+        def bucket(tensors: list[torch.Tensor], *rest: Any) -> torch.Tensor:
             fingerprinted.append((stream, [added[t.data_ptr()] for t in tensors]))
-            return real_bucket(tensors)
+            return real_bucket(tensors, *rest)
 
-        monkeypatch.setattr(receipt_module, "fingerprint_bucket", bucket)
+        monkeypatch.setattr(receipt_module, "_bucket_columns", bucket)
         yield
-        monkeypatch.setattr(receipt_module, "fingerprint_bucket", real_bucket)
+        monkeypatch.setattr(receipt_module, "_bucket_columns", real_bucket)
 
     monkeypatch.setattr(receipt_module, "_on_stream", on_stream)
     waited: list[Any] = []  # the streams the reader waits for before reading the fingerprints back
@@ -193,6 +244,24 @@ def test_a_bucket_costs_the_same_operators_for_ten_tensors_as_for_a_thousand() -
         == _counted_ops(lambda: FingerprintLog().add_many(thousand))
         < _counted_ops(lambda: FingerprintLog(bucket_bytes=0).add_many(ten))
     )
+
+
+def test_a_big_tensor_costs_a_few_operators_per_slice_whatever_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the meta device (shapes only): what a GPU would launch. Each tensor is bigger than the bucket and
+    # reduced in 3 slices of 4 groups of rows; its rest shares one bucket with the others' rests.
+    monkeypatch.setattr(receipt_module, "SLICE_BYTES", 4 * BLOCK * 2)
+    slices = 3
+
+    def added(count: int) -> tuple[FingerprintLog, int]:
+        log = FingerprintLog(bucket_bytes=1 << 16)
+        tensors = [torch.empty(10 * BLOCK + 5, dtype=torch.bfloat16, device="meta") for _ in range(count)]
+        return log, _counted_ops(lambda: [log.add(f"w{i}", t) for i, t in enumerate(tensors)])
+
+    (log, ten), (_, twenty) = added(10), added(20)
+    assert twenty - ten == ten  # the same operators for each tensor, nothing else
+    assert ten / 10 <= slices + 3  # its slices into one int32 result, its column sums, the rest's copy
+    # The one bucket of rests: a fixed set, plus one per slice of it (a rest takes a group of rows).
+    assert _counted_ops(log.flush) <= 8 + 1 + 3
 
 
 class _Engine:
