@@ -2,8 +2,8 @@
 
 Why: the engines hold the weights the sync sent, each fp32 master rounded to bf16. Autocast casts the
 weight of a matmul to bf16 (the same round-to-nearest), but the operations it leaves in fp32 (the embedding
-lookup, the RMSNorm weight's product, a router or expert module that is not an `nn.Linear`) would read the
-unrounded fp32 value. Before the first update the masters are the bf16 checkpoint's and the two agree; after
+lookup, the RMSNorm weight's product, anything else off autocast's bf16 list) would read the unrounded fp32
+value. Before the first update the masters are the bf16 checkpoint's and the two agree; after
 it they do not, and the trainer's logprobs drift from the engine's (docs/runtime.md, "Numerics").
 
 How: a forward pre-hook on every module that owns parameters swaps each fp32 parameter for
