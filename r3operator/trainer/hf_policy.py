@@ -2,10 +2,12 @@
 
 Numerics, like a production bf16 trainer: fp32 master weights and AdamW state; the old-logprob and
 update forwards (and the SFT warm-up) run under `torch.autocast(device_type, dtype=bfloat16)` when
-`compute_dtype` (RLJob `trainer.fsdp.paramDtype`, default bfloat16) is bfloat16. The weight-sync
-canary's forward (`canary_logits`) runs in fp32 WITHOUT autocast, so against an fp32 engine it can
-demand exact greedy equality. On CUDA the FSDP2 MixedPrecisionPolicy keeps param_dtype fp32 for the
-same reason (bf16 compute comes from autocast, not from FSDP's cast), see docs/runtime.md.
+`compute_dtype` (RLJob `trainer.fsdp.paramDtype`, default bfloat16) is bfloat16, and under that autocast
+every parameter is read at its bf16 value, the engine's (`bf16_params`: straight-through, the gradient
+reaches the fp32 master). The weight-sync canary's forward (`canary_logits`) runs in fp32 WITHOUT
+autocast, so against an fp32 engine it can demand exact greedy equality. On CUDA the FSDP2
+MixedPrecisionPolicy keeps param_dtype fp32 for the same reason (bf16 compute comes from autocast and
+`bf16_params`, not from FSDP's cast), see docs/runtime.md.
 
 One process (FSDP2 over a group of one on CUDA), or one rank of `distributed.DistributedTrainer`
 (FSDP2 over all ranks; `update_shares`/`sft_share` take the rank's part of the batch, `trainer/shards.py`).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from r3operator.api.enums import ReplayMode
+from r3operator.trainer import bf16_params
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
@@ -93,6 +96,9 @@ class PolicyTrainer(UpdateByShares):
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.eos_id = int(self.model.config.eos_token_id)
+        if compute_dtype == "bfloat16":
+            # After the wrap: the hooks go on the leaf modules, inside FSDP2's unshard/reshard.
+            bf16_params.install(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
         self.replay = RouterReplay().install(self.model)
         self.checkpointer = ShardedCheckpointer()

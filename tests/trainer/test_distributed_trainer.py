@@ -126,3 +126,29 @@ def test_async_sharded_checkpoint_resumes_two_ranks_exactly(
     single = single_trainer(tiny_moe_dir)
     single.load_checkpoint(checkpoint)
     assert_states_close(single.model_state_dict(), at_save, atol=0.0)
+
+
+def test_two_fsdp_ranks_read_the_parameters_at_their_bf16_values(tiny_moe_dir: Path, ray_started: None) -> None:
+    """Under bf16 compute, FSDP2's unsharded parameters are rounded too: the two ranks' R3 old logprobs are
+    the one-process trainer's (whose rounding tests/trainer/test_bf16_params.py checks bit for bit against
+    a copy rounded by the test), not those of the same trainer reading its unrounded fp32 masters."""
+    from r3operator.trainer import bf16_params
+    from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
+    from r3operator.trainer.hf_policy import PolicyTrainer
+
+    batch = r3_batch()
+    mask = batch.response_mask
+    single = PolicyTrainer(tiny_moe_dir, device="cpu", learning_rate=LR, seed=0)
+    rounded = single.old_logprobs(batch, ReplayMode.R3).logprobs
+    bf16_params.uninstall(single.model)
+    unrounded = single.old_logprobs(batch, ReplayMode.R3).logprobs
+    gap = float((rounded - unrounded)[mask].abs().max())
+    ranks = DistributedTrainer(
+        tiny_moe_dir, world_size=2, device="cpu", options=PolicyOptions(learning_rate=LR, seed=0)
+    )
+    try:
+        two = ranks.old_logprobs(batch, ReplayMode.R3).logprobs
+    finally:
+        ranks.close()
+    assert gap > 1e-4  # the embedding is off the bf16 grid
+    assert float((two - rounded)[mask].abs().max()) < gap / 10

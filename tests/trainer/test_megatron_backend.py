@@ -279,3 +279,35 @@ def test_micro_batches_weigh_every_token_like_the_global_token_mean(model_dir: P
     for stats in results.values():
         assert stats.loss == pytest.approx(expected_loss, rel=1e-5)
     assert results[1].grad_norm == pytest.approx(results[None].grad_norm, rel=1e-4)
+
+
+def test_bf16_compute_reads_every_parameter_at_its_bf16_value(model_dir: Path) -> None:
+    """Off the bf16 grid (the random embedding; RMSNorm weights moved as an update moves them), the bf16
+    old-logprob pass equals the pass of the same model with its parameters rounded to bf16 here and the
+    rounding hooks taken off (the engine's view), and differs from the unrounded fp32 weights under
+    autocast (what it computed before). The fp32 canary forward still reads the unrounded weights."""
+    from r3operator.trainer import bf16_params
+    from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
+
+    mt = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2)
+    policy = MegatronPolicyTrainer(mt)
+    with torch.no_grad():
+        for name, param in mt.model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.linspace(-3e-3, 3e-3, param.numel()).reshape(param.shape))
+    batch, _ = make_batch(3)
+    mask = batch.response_mask
+    sequence = batch.input_ids[0, : int(batch.attention_mask[0].sum())].tolist()
+    rounded_pass = policy.old_logprobs(batch, ReplayMode.DISABLED).logprobs * mask
+    fp32_canary = policy.canary_logits(sequence)
+
+    bf16_params.uninstall(mt.model)
+    unrounded = policy.old_logprobs(batch, ReplayMode.DISABLED).logprobs * mask
+    assert torch.equal(policy.canary_logits(sequence), fp32_canary)
+    with torch.no_grad():
+        for param in mt.model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(torch.float32))
+    engine_view = policy.old_logprobs(batch, ReplayMode.DISABLED).logprobs * mask
+    assert torch.equal(rounded_pass, engine_view)
+    assert not torch.equal(unrounded, engine_view)
+    assert not torch.equal(policy.canary_logits(sequence), fp32_canary)

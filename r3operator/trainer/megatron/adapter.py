@@ -18,9 +18,10 @@ The same object is one rank of `distributed.DistributedTrainer` (`megatron/ranks
 `sft_share` then take its data-parallel replica's rows.
 
 Numerics: fp32 parameters and AdamW state (the backend's default), forwards of the old-logprob pass, the
-update and the SFT warm-up under bf16 autocast like the FSDP path; the canary forward in fp32 without
-autocast. Under R3 the natural-routing ids come from a separate no-replay forward (the HF path records them
-inside the replayed forward), so `routing_natural_agreement` can differ slightly between backends.
+update and the SFT warm-up under bf16 autocast like the FSDP path, every parameter read at its bf16 value
+there (`trainer.bf16_params`); the canary forward in fp32 without autocast. Under R3 the natural-routing
+ids come from a separate no-replay forward (the HF path records them inside the replayed forward), so
+`routing_natural_agreement` can differ slightly between backends.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from r3operator.api.enums import ReplayMode
+from r3operator.trainer import bf16_params
 from r3operator.trainer.base import (
     GRAD_CLIP_NORM,
     CanaryForward,
@@ -97,6 +99,8 @@ class MegatronPolicyTrainer(UpdateByShares):
         self.checkpointer.guard(trainer.optimizer)
         self.device_type = "cuda" if str(trainer.device).startswith("cuda") else "cpu"
         self.compute_dtype = compute_dtype
+        if compute_dtype == "bfloat16":
+            bf16_params.install(trainer.model)
         cfg = trainer.hf_config
         self.num_layers = int(cfg.num_hidden_layers)
         self.pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
