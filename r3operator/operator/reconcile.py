@@ -735,7 +735,7 @@ class Reconciler:
                     (child, result)
                     for (child, _, action), result in zip(todo, results, strict=True)
                     # A claim shared by source and revision is no child of this RLJob's: other RLJobs may use it.
-                    if action.create and isinstance(result, dict) and meta.controller_uid(result) == job.metadata.uid
+                    if action.create and isinstance(result, dict) and not _shared_claim(result)
                 ]
                 await self._undo(job, created, outcome)
                 return "; ".join(conflicts)
@@ -898,6 +898,12 @@ class _Taken:
     """A create refused because the name is taken: what the API server holds there (None: gone again since)."""
 
     have: dict[str, Any] | None
+
+
+def _shared_claim(obj: dict[str, Any]) -> bool:
+    return obj.get("kind") == "PersistentVolumeClaim" and meta.LABEL_MODEL_CACHE in (
+        (obj.get("metadata") or {}).get("labels") or {}
+    )
 
 
 def _ours_or_none(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any] | None:
