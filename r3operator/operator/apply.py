@@ -9,7 +9,9 @@ name is someone else's: the verdict is ``conflict`` and the reconciler touches n
 Writes are server-side apply with the field manager ``r3operator`` (``kube.FIELD_MANAGER``). The
 comparison is on the fields we set (``is_subset``): keys, labels and annotations that others add
 never make an object look different, so they never cause a write, and the apply leaves them alone.
-A field we set that someone changed (an image edited by hand) is taken back with ``force``.
+A field we set that someone changed (an image edited by hand) is taken back with ``force``. Nothing known under
+a child's name (the cache holds no labelled object there, which it cannot for someone else's) means a
+create-only apply (``create_only``): refused by the server when the name is taken after all.
 
 Rules per kind:
 - StatefulSet: the whole object is applied when the pod template's spec-hash annotation differs, or
