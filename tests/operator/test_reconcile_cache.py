@@ -143,6 +143,35 @@ def test_an_unlabelled_object_under_a_child_name_is_a_name_conflict_untouched_an
     assert {n for _, n in left} == {n for _, n in left if n.startswith("model-cache-")}, left
 
 
+def test_an_object_of_the_rljobs_the_cache_does_not_hold_is_applied_after_its_refused_create():
+    client = WatchedClient()
+    body = client.put(_rljob())
+    # The job's own ConfigMap (its controller reference), its labels stripped by hand: the watch does not hold it.
+    owner = {
+        "apiVersion": "r3operator.io/v1alpha1",
+        "kind": "RLJob",
+        "name": "job",
+        "uid": "job-uid",
+        "controller": True,
+    }
+    config = {"name": "job-config", "namespace": "rl", "ownerReferences": [owner]}
+    client.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": config, "data": {"stale": "1"}})
+
+    async def scenario() -> None:
+        reconciler = await _passes(client, body, [])
+        assert reconciler.cache is not None
+        await reconciler.cache.close()
+
+    asyncio.run(scenario())
+    applies = [w for w in client.writes if w == ("apply", "ConfigMap", "job-config")]
+    assert len(applies) == 2, client.writes  # the create refused, then the apply of what the GET showed
+    assert ("configmaps", "job-config") in client.reads
+    assert not [w for w in client.writes if w[0] == "delete"], client.writes
+    assert _condition(client, "Valid")["status"] == "True"
+    held = client.objects[("configmaps", "rl", "job-config")]
+    assert held["metadata"]["labels"][meta.LABEL_JOB] == "job" and "config.json" in held["data"], held
+
+
 class RoundTripClient(WatchedClient):
     """Every request (GET, apply, delete, PATCH) takes a moment; ``rounds`` holds (round, verb, plural, name) of
     each, a round being the requests in flight together, from none in flight to none again."""
