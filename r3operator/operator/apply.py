@@ -9,7 +9,9 @@ name is someone else's: the verdict is ``conflict`` and the reconciler touches n
 Writes are server-side apply with the field manager ``r3operator`` (``kube.FIELD_MANAGER``). The
 comparison is on the fields we set (``is_subset``): keys, labels and annotations that others add
 never make an object look different, so they never cause a write, and the apply leaves them alone.
-A field we set that someone changed (an image edited by hand) is taken back with ``force``.
+A field we set that someone changed (an image edited by hand) is taken back with ``force``. Nothing known under
+a child's name (the cache holds no labelled object there, which it cannot for someone else's) means a
+create-only apply (``create_only``): refused by the server when the name is taken after all.
 
 Rules per kind:
 - StatefulSet: the whole object is applied when the pod template's spec-hash annotation differs, or
@@ -53,6 +55,9 @@ class Action:
     force: bool = False
     manager: str = FIELD_MANAGER
     why: str = ""
+    create: bool = False
+    """Nothing is known under the name: create it, only if nothing is there (``create_only``); refused with
+    409 when anything is, which the reconciler then reads and plans again."""
 
 
 def is_subset(want: Any, have: Any) -> bool:
@@ -197,11 +202,27 @@ def _claim(want: dict[str, Any], have: dict[str, Any]) -> Action:
     return Action("apply", {**want, "spec": as_is}, force=True, why="ownerReference follows retainPolicy")
 
 
+CREATE_ONLY_VERSION = "1"
+"""A resourceVersion no stored object has (etcd's first write is revision 2), sent as an apply's precondition."""
+
+
+def create_only(want: dict[str, Any]) -> dict[str, Any]:
+    """The server-side apply of ``want`` that creates it and never touches an object already under its name.
+
+    ``metadata.resourceVersion`` in an apply is a precondition: the API server compares it with the stored
+    object's and answers 409 Conflict, writing nothing, when they differ, whoever's object it is. When nothing is
+    there the apply creates the object as any apply does (the version is not stored), so its managedFields hold
+    the ``Apply`` entry of ``r3operator``, exactly as before. A plain create (POST) would record an ``Update``
+    entry instead, a manager of its own in server-side apply's bookkeeping: later applies would then share every
+    field with it, and a field a later render drops would stay, still owned by the create."""
+    return {**want, "metadata": {**want["metadata"], "resourceVersion": CREATE_ONLY_VERSION}}
+
+
 def plan_action(want: dict[str, Any], have: dict[str, Any] | None, *, job_uid: str | None) -> Action:
     if have is None:
-        # Not forced: should the name be taken between our read and this write, the apply does not
-        # take over fields someone else set.
-        return Action("apply", want, force=False, why="created")
+        # Create-only: should the name be taken (someone else's object, which the labelled cache cannot hold,
+        # or one taken between our read and this write), the server refuses and changes nothing.
+        return Action("apply", create_only(want), force=False, why="created", create=True)
     if not is_ours(have, job_uid):
         return Action("conflict", why=describe_owner(have))
     kind = want["kind"]

@@ -115,11 +115,10 @@ _CHILD_KINDS = (
     (meta.ROLE_UPGRADE_CANARY, "Job"),
 )
 
-_PASS_READS: contextvars.ContextVar[dict[tuple[str, str, str], dict[str, Any] | None] | None] = contextvars.ContextVar(
-    "r3operator_pass_reads", default=None
-)
-"""What this pass read by GET ahead of need ((kind, namespace, name) → the object or None), see
-Reconciler._prefetch; each pass (one per RLJob at a time, in its daemon's task) sets its own."""
+_VERIFY_ABSENT: contextvars.ContextVar[bool] = contextvars.ContextVar("r3operator_verify_absent", default=False)
+"""This pass reads by GET every child name the cache holds no labelled object under, before any write (see
+Reconciler._get): set for an RLJob a create found a name of taken; each pass (one per RLJob at a time, in its
+daemon's task) sets its own."""
 
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
 # a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
@@ -214,6 +213,9 @@ class Reconciler:
         self._rendered: dict[str, tuple[bytes, bytes]] = {}
         """Per RLJob uid, the last desired(): a digest of what it was rendered from, and the children as compressed
         JSON (~4 KB rather than ~60 KB of dicts per RLJob; loading them again costs a fifth of a render)."""
+        self._taken: set[str] = set()
+        """RLJob uids of which a create found a child's name taken by an object the cache did not hold: their
+        passes read such names by GET before writing (a NameConflict then writes nothing), not create and undo."""
 
     def forget(self, uid: str) -> None:
         self._locks.pop(uid, None)
@@ -221,6 +223,7 @@ class Reconciler:
         self._rendered.pop(uid, None)
         self._canaries.pop(uid, None)
         self._failures.pop(uid, None)
+        self._taken.discard(uid)
 
     async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
         """One pass over the RLJob ``body``. ``live``: the body is kopf's live view of it (a daemon's), as current
@@ -248,11 +251,11 @@ class Reconciler:
                 job = parse_rljob(fresh, source=f"rljob {body['metadata']['name']}")
             except RLJobLoadError as exc:
                 return await self._unparsable(fresh, exc)
-            token = _PASS_READS.set({})
+            token = _VERIFY_ABSENT.set(uid in self._taken)
             try:
                 outcome = await self._reconcile(job)
             finally:
-                _PASS_READS.reset(token)
+                _VERIFY_ABSENT.reset(token)
             outcome.marks = {**marks, **outcome.marks}
             return outcome
 
@@ -343,8 +346,6 @@ class Reconciler:
         kueue = await self.capabilities.serves(*KUEUE_WORKLOADS) if queued else True
         outcome = Outcome(job=job, valid=not rule_errors and kuberay and kueue)
         trainer = meta.child_name(job, meta.ROLE_TRAINER)
-        if outcome.valid:
-            await self._prefetch(job, engine_kind, queued)
         raw_ray_job = await self._get("RayJob", job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
         ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
@@ -431,9 +432,12 @@ class Reconciler:
                 )
             else:
                 outcome.marks["read"] = time.time()
-                await self._write_all(job, plans, finish is not None, expired, observed, outcome, recording)
+                conflict = await self._write_all(job, plans, finish is not None, expired, observed, outcome, recording)
                 outcome.marks["written"] = time.time()
-                if queued and outcome.error is None:
+                if conflict is not None:  # a create found a name taken: what this pass created is gone again
+                    outcome.valid = False
+                    observed[engine_kind] = _ours_or_none(observed.get(engine_kind), uid)
+                elif queued and outcome.error is None:
                     await self._settle_workload(job, observed, finish, outcome)
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
@@ -554,7 +558,8 @@ class Reconciler:
             return True
         if not status_says_finished(job):
             return False
-        return await self._get(engine_kind, job.metadata.namespace, meta.child_name(job, meta.ROLE_ENGINE)) is None
+        engines = meta.child_name(job, meta.ROLE_ENGINE)
+        return await self._get(engine_kind, job.metadata.namespace, engines, verify=True) is None
 
     async def _read(
         self, children: list[dict[str, Any]], *, known: dict[tuple[str, str], dict[str, Any] | None]
@@ -571,58 +576,19 @@ class Reconciler:
         found = await asyncio.gather(*(read(child) for child in children))
         return list(zip(children, found, strict=True))
 
-    async def _prefetch(self, job: RLJob, engine_kind: str, queued: bool) -> None:
-        """A new RLJob's first pass reads every name it will write before its first write (the cache holds no
-        labelled object there, so only a GET shows a foreign one): the RayJob, engines and model-fetch Job the
-        pass reads first, and the names of the children desired() renders. Sent together, one round trip rather
-        than one per read, and kept for this pass (``_PASS_READS``), where :meth:`_get` finds them. The names come
-        from desired() with the facts of a job that has no children yet, which the pass then renders again from
-        what it read: a child only that render has is read on its own, as before."""
-        namespace = job.metadata.namespace
-        if self.cache is None or not namespace:
-            return
-        reads = _PASS_READS.get()
-        if reads is None:
-            return
-        names = {
-            ("RayJob", meta.child_name(job, meta.ROLE_TRAINER)),
-            (engine_kind, meta.child_name(job, meta.ROLE_ENGINE)),
-        }
-        if uses_model_cache(job):
-            names.add(("Job", meta.child_name(job, meta.ROLE_MODEL_FETCH)))
-        if queued:
-            names.add(("Workload", meta.child_name(job, meta.ROLE_WORKLOAD)))
-        absent = {(k, n) for k, n in names if self.cache.lookup(k, namespace, n) is None}
-        if absent != names:
-            return  # a child exists: not a new RLJob, and its pass reads (almost) everything from the cache
-        pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-        facts = Facts(
-            pod_monitor_crd=pod_monitor,
-            operator_namespace=self.settings.operator_namespace,
-            engine_ingress_namespaces=self.settings.engine_ingress_namespaces,
-            model_fetched=not uses_model_cache(job),
-            admitted=not queued,
-        )
-        names |= {(c["kind"], c["metadata"]["name"]) for c in self._desired(job, facts)}
-        todo = sorted((k, n) for k, n in names if k in KINDS and self.cache.lookup(k, namespace, n) is None)
-        found = await asyncio.gather(*(self.client.get(KINDS[k], namespace, n) for k, n in todo))
-        reads.update({(k, namespace, n): obj for (k, n), obj in zip(todo, found, strict=True)})
-
-    async def _get(
-        self, kind: str, namespace: str | None, name: str, *, absent_known: bool = False
-    ) -> dict[str, Any] | None:
-        """A child from the cache when it holds it; from the API server when the cache cannot say and, unless
-        ``absent_known``, when no labelled object has that name: an object someone else put under a child's
-        name lacks the operator's label, so only a GET shows it (a NameConflict, never overwritten). With
-        ``absent_known`` (pruning) an unlabelled object is not ours to delete anyway."""
+    async def _get(self, kind: str, namespace: str | None, name: str, *, verify: bool = False) -> dict[str, Any] | None:
+        """A child from the cache when it holds it; from the API server when the cache cannot say. None when the
+        cache holds no labelled object under the name, without a GET: someone else's object there lacks the
+        operator's label, but every use of the answer either takes only objects this RLJob controls (so a foreign
+        one reads as absent) or plans a create, which is create-only (apply.create_only): the server refuses it
+        when the name is taken, and the pass then reads the name and plans again (``_write_all``). ``verify``
+        (and a pass of an RLJob in ``_taken``) reads such a name by GET instead."""
         if self.cache is not None and namespace:
             hit = self.cache.lookup(kind, namespace, name)
             if isinstance(hit, dict):
                 return hit
-            if hit is None and absent_known:
+            if hit is None and not (verify or _VERIFY_ABSENT.get()):
                 return None
-            if hit is None and (reads := _PASS_READS.get()) is not None and (kind, namespace, name) in reads:
-                return reads[(kind, namespace, name)]
         return await self.client.get(KINDS[kind], namespace, name)
 
     async def _pods(self, job: RLJob) -> list[dict[str, Any]]:
@@ -670,7 +636,7 @@ class Reconciler:
         if not shares_model_cache(job):
             return False
         name = own_claim_name(job)
-        have = await self._get("PersistentVolumeClaim", job.metadata.namespace, name, absent_known=True)
+        have = await self._get("PersistentVolumeClaim", job.metadata.namespace, name)
         return have is not None and is_ours(have, job.metadata.uid) and not have["metadata"].get("deletionTimestamp")
 
     async def _model_cache_holder(self, job: RLJob, outcome: Outcome, *, own: bool, finished: bool) -> str | None:
@@ -711,32 +677,87 @@ class Reconciler:
         observed: dict[str, dict[str, Any] | None],
         outcome: Outcome,
         recording: asyncio.Task[None] | None = None,
-    ) -> None:
+    ) -> str | None:
+        """The writes of ``plans``, then pruning. The NameConflict a create found, if any: then nothing else is
+        written, and what this pass created is deleted again (the RLJob is left as it was, no child made)."""
         # A finished RayJob is the record of the end: never re-run or changed.
         todo = [(c, h, a) for c, h, a in plans if not (c["kind"] == "RayJob" and finished)]
-        # One wave, every write at once: each child is its own object and its ownerReference names the RLJob only,
-        # so none waits for another's answer. A pod maker may be answered before what its pods mount or run as
-        # (its ConfigMap, claim, ServiceAccount): its controller's pod then waits (the kubelet retries the mount,
-        # the scheduler the claim) or is refused and retried (no ServiceAccount yet); both are sent together.
-        notes: list[list[str]] = [[] for _ in todo]
         try:
-            results = await asyncio.gather(
-                *(self._converge(c, h, a, n) for (c, h, a), n in zip(todo, notes, strict=True)),
-                return_exceptions=True,
-            )
-            for (child, _, _), result, note in zip(todo, results, notes, strict=True):
-                outcome.written += note
-                if not isinstance(result, BaseException):
-                    observed[child["kind"]] = observed[f"{child['kind']}/{child['metadata']['name']}"] = result
-            if failed := next((r for r in results if isinstance(r, BaseException)), None):
-                raise failed
+            conflict = await self._write_wave(job, todo, observed, outcome)
+            if conflict is not None:
+                return conflict
             if recording is not None:
                 await recording  # the record of the end before any child goes (the RayJob's deletion)
             await self._prune(job, plans, expired, outcome)
         except KubeError as exc:
             outcome.error = exc
-            return
+            return None
         self._failures.pop(job.metadata.uid or "", None)
+        return None
+
+    async def _write_wave(
+        self,
+        job: RLJob,
+        todo: list[tuple[dict[str, Any], dict[str, Any] | None, Action]],
+        observed: dict[str, dict[str, Any] | None],
+        outcome: Outcome,
+        *,
+        first: bool = True,
+    ) -> str | None:
+        # One wave, every write at once: each child is its own object and its ownerReference names the RLJob only,
+        # so none waits for another's answer. A pod maker may be answered before what its pods mount or run as
+        # (its ConfigMap, claim, ServiceAccount): its controller's pod then waits (the kubelet retries the mount,
+        # the scheduler the claim) or is refused and retried (no ServiceAccount yet); both are sent together.
+        notes: list[list[str]] = [[] for _ in todo]
+        results = await asyncio.gather(
+            *(self._converge(c, h, a, n) for (c, h, a), n in zip(todo, notes, strict=True)),
+            return_exceptions=True,
+        )
+        taken: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+        failed: BaseException | None = None
+        for (child, _, _), result, note in zip(todo, results, notes, strict=True):
+            outcome.written += note
+            label = f"{child['kind']}/{child['metadata']['name']}"
+            if isinstance(result, _Taken) and first:
+                taken.append((child, result.have))
+            elif isinstance(result, _Taken):  # taken again since this pass read it: the next pass plans it
+                failed = failed or KubeError(409, f"{label} was created meanwhile", "Conflict")
+            elif isinstance(result, BaseException):
+                failed = failed or result
+            else:
+                observed[child["kind"]] = observed[label] = result
+        if taken:
+            # Under a name the cache held nothing: planned again from what is there, as a pass that had read it.
+            again = [(child, have, plan_action(child, have, job_uid=job.metadata.uid)) for child, have in taken]
+            conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in again if a.verb == "conflict"]
+            if conflicts:
+                created = [
+                    (child, result)
+                    for (child, _, action), result in zip(todo, results, strict=True)
+                    # A claim shared by source and revision is no child of this RLJob's: other RLJobs may use it.
+                    if action.create and isinstance(result, dict) and not _shared_claim(result)
+                ]
+                await self._undo(job, created, outcome)
+                return "; ".join(conflicts)
+            # Objects of this RLJob the cache had not seen yet: applied as usual, one more round.
+            if (conflict := await self._write_wave(job, again, observed, outcome, first=False)) is not None:
+                return conflict
+        if failed is not None:
+            raise failed
+        return None
+
+    async def _undo(self, job: RLJob, created: list[tuple[dict[str, Any], dict[str, Any]]], outcome: Outcome) -> None:
+        """Delete what this pass created, by uid: a child's name is taken, and an RLJob with a NameConflict makes
+        no child. Its later passes read every name the cache does not hold before writing (``_taken``)."""
+        self._taken.add(job.metadata.uid or "")
+
+        async def delete(child: dict[str, Any], obj: dict[str, Any]) -> None:
+            name = child["metadata"]["name"]
+            uid = (obj.get("metadata") or {}).get("uid")
+            await self.client.delete(kind_of(child), job.metadata.namespace, name, uid=uid)
+            outcome.written.append(f"deleted {child['kind']}/{name} (created beside a name taken: NameConflict)")
+
+        await asyncio.gather(*(delete(child, obj) for child, obj in created))
 
     def _reported_error(self, job: RLJob, error: KubeError | None) -> str | None:
         """The API error for status once it persists (see API_ERROR_PASSES); None while it may pass."""
@@ -765,7 +786,7 @@ class Reconciler:
 
     async def _converge(
         self, want: dict[str, Any], have: dict[str, Any] | None, action: Action, written: list[str]
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any] | _Taken | None:
         kind = kind_of(want)
         namespace, name = want["metadata"].get("namespace"), want["metadata"]["name"]
         label = f"{want['kind']}/{name}"
@@ -779,7 +800,13 @@ class Reconciler:
                 return None  # still finalizing (KubeRay's finalizer); the next pass creates it
             have, action = None, plan_action(want, None, job_uid=None)
         assert action.body is not None
-        applied = await self.client.apply(action.body, force=action.force, field_manager=action.manager)
+        try:
+            applied = await self.client.apply(action.body, force=action.force, field_manager=action.manager)
+        except KubeError as exc:
+            if not (action.create and exc.status == 409):
+                raise
+            # Something is under the name after all (not labelled as ours, or not yet in the cache): read it.
+            return _Taken(await self.client.get(kind, namespace, name))
         if self.cache is not None and namespace:
             self.cache.remember(want["kind"], namespace, applied)
         unchanged = have is not None and (applied.get("metadata") or {}).get("resourceVersion") == (
@@ -831,7 +858,7 @@ class Reconciler:
                 continue  # the canary Job outlives its verdict only until the next pass; no GET otherwise
             if kind == "Workload" and not await self.capabilities.serves(*KUEUE_WORKLOADS):
                 continue
-            have = await self._get(kind, job.metadata.namespace, name, absent_known=True)
+            have = await self._get(kind, job.metadata.namespace, name)
             if have is None or not is_ours(have, job.metadata.uid):
                 continue  # absent, or not ours: never delete what this RLJob does not control
             if kind == "PersistentVolumeClaim" and meta.controller_uid(have) != job.metadata.uid:
@@ -864,6 +891,23 @@ class Reconciler:
         self._canaries[uid] = (time.monotonic(), result)
         log.info("canary for %s/%s: %s", job.metadata.namespace, job.metadata.name, result.message)
         return _replace(obs, canary=result)
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """A create refused because the name is taken: what the API server holds there (None: gone again since)."""
+
+    have: dict[str, Any] | None
+
+
+def _shared_claim(obj: dict[str, Any]) -> bool:
+    return obj.get("kind") == "PersistentVolumeClaim" and meta.LABEL_MODEL_CACHE in (
+        (obj.get("metadata") or {}).get("labels") or {}
+    )
+
+
+def _ours_or_none(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any] | None:
+    return obj if obj is not None and is_ours(obj, uid) else None
 
 
 def _pack(obj: Any) -> bytes:

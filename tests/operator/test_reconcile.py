@@ -53,10 +53,23 @@ class FakeClient:
             if (p, ns) == (kind.plural, namespace) and matches(o)
         ]
 
+    def precondition(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """As the API server treats an apply's ``metadata.resourceVersion``: a precondition (409 Conflict when
+        an object is there at another version), never stored."""
+        key = (KINDS[obj["kind"]].plural, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        version = obj["metadata"].get("resourceVersion")
+        if version is None:
+            return obj
+        have = self.objects.get(key)
+        if have is not None and have["metadata"]["resourceVersion"] != version:
+            raise KubeError(409, "the object has been modified", "Conflict")
+        return {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}}
+
     async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
         self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
         if self.refuse is not None:
             raise self.refuse
+        obj = self.precondition(obj)
         key = (KINDS[obj["kind"]].plural, obj["metadata"].get("namespace"), obj["metadata"]["name"])
         merged = copy.deepcopy(self.objects.get(key) or {})
         merged.update(copy.deepcopy(obj))

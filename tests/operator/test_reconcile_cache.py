@@ -107,50 +107,55 @@ def test_a_pass_reads_its_children_from_the_cache_and_reacts_to_their_events():
     asyncio.run(scenario())
 
 
-def test_an_unlabelled_object_under_a_child_name_is_read_from_the_api_server_and_is_a_name_conflict():
+def test_an_unlabelled_object_under_a_child_name_is_a_name_conflict_untouched_and_no_child_is_left():
     client = WatchedClient()
     body = client.put(_rljob())
     # Someone else's ConfigMap under the job's config name, without the operator's label: the watch never sees it.
-    client.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "job-config", "namespace": "rl"}})
+    theirs = client.put(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "job-config", "namespace": "rl"}, "data": {}}
+    )
 
     async def scenario() -> None:
         reconciler = await _passes(client, body, [])
         assert reconciler.cache is not None
         assert reconciler.cache.lookup("ConfigMap", "rl", "job-config") is None
+        first = list(client.writes)
+        client.writes.clear()
+        client.reads.clear()
+        # The next pass reads the names the cache does not hold before writing: it writes nothing at all.
+        await reconciler.reconcile(client.objects[("rljobs", "rl", "job")])
+        assert client.writes == [], client.writes
+        assert ("configmaps", "job-config") in client.reads
         await reconciler.cache.close()
+        # The first pass: its creates went out at once (no read before); the ConfigMap's was refused (409), the
+        # name then read, and what it had created was deleted again.
+        created = {(KINDS[k].plural, n) for verb, k, n in first if verb == "apply" and not n.startswith("model-cache-")}
+        deleted = {(p, n) for verb, p, n in first if verb == "delete"}
+        assert created - {("configmaps", "job-config")} == deleted, (created, deleted)
 
     asyncio.run(scenario())
     assert ("configmaps", "job-config") in client.reads
     assert _condition(client, "Valid")["reason"] == "NameConflict"
-    assert not [w for w in client.writes if w[0] == "apply"], client.writes
+    assert "ConfigMap/job-config" in _condition(client, "Valid")["message"]
+    assert client.objects[("configmaps", "rl", "job-config")] == theirs  # untouched
+    # No child of the job is left: only its RLJob, their ConfigMap, and the model cache claim no RLJob controls.
+    left = {(p, n) for (p, _, n) in client.objects if (p, n) not in {("rljobs", "job"), ("configmaps", "job-config")}}
+    assert {n for _, n in left} == {n for _, n in left if n.startswith("model-cache-")}, left
 
 
-class RoundTripClient(WatchedClient):
-    """Each GET takes a moment; counts the round trips of child reads before the first write (a round trip: the
-    GETs in flight together, from none in flight to none again; the RLJob's own GET, which a daemon's pass does not
-    make, aside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_flight = 0
-        self.read_rounds_before_write = 0
-
-    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
-        if kind.plural == "rljobs":
-            return await super().get(kind, namespace, name)
-        if self.in_flight == 0 and not any(w[0] == "apply" for w in self.writes):
-            self.read_rounds_before_write += 1
-        self.in_flight += 1
-        try:
-            await asyncio.sleep(0.01)
-            return await super().get(kind, namespace, name)
-        finally:
-            self.in_flight -= 1
-
-
-def test_a_new_rljobs_first_pass_reads_every_child_name_in_one_round_trip_before_its_writes():
-    client = RoundTripClient()
+def test_an_object_of_the_rljobs_the_cache_does_not_hold_is_applied_after_its_refused_create():
+    client = WatchedClient()
     body = client.put(_rljob())
+    # The job's own ConfigMap (its controller reference), its labels stripped by hand: the watch does not hold it.
+    owner = {
+        "apiVersion": "r3operator.io/v1alpha1",
+        "kind": "RLJob",
+        "name": "job",
+        "uid": "job-uid",
+        "controller": True,
+    }
+    config = {"name": "job-config", "namespace": "rl", "ownerReferences": [owner]}
+    client.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": config, "data": {"stale": "1"}})
 
     async def scenario() -> None:
         reconciler = await _passes(client, body, [])
@@ -158,13 +163,70 @@ def test_a_new_rljobs_first_pass_reads_every_child_name_in_one_round_trip_before
         await reconciler.cache.close()
 
     asyncio.run(scenario())
-    created = {(kind, name) for verb, kind, name in client.writes if verb == "apply"}
-    assert len(created) >= 8, client.writes  # the job's children, all created by this first pass
-    # Every name it writes was read (only a GET shows an object without the operator's label there) ...
-    read = set(client.reads)
-    assert {(KINDS[kind].plural, name) for kind, name in created} <= read, (created, read)
-    # ... and all of them in one round trip, not one for the RayJob, one for the engines, one for the rest.
-    assert client.read_rounds_before_write == 1, client.reads
+    applies = [w for w in client.writes if w == ("apply", "ConfigMap", "job-config")]
+    assert len(applies) == 2, client.writes  # the create refused, then the apply of what the GET showed
+    assert ("configmaps", "job-config") in client.reads
+    assert not [w for w in client.writes if w[0] == "delete"], client.writes
+    assert _condition(client, "Valid")["status"] == "True"
+    held = client.objects[("configmaps", "rl", "job-config")]
+    assert held["metadata"]["labels"][meta.LABEL_JOB] == "job" and "config.json" in held["data"], held
+
+
+class RoundTripClient(WatchedClient):
+    """Every request (GET, apply, delete, PATCH) takes a moment; ``rounds`` holds (round, verb, plural, name) of
+    each, a round being the requests in flight together, from none in flight to none again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.round = 0
+        self.rounds: list[tuple[int, str, str, str]] = []
+
+    async def _trip(self, verb: str, plural: str, name: str, answer: Any) -> Any:
+        if self.in_flight == 0:
+            self.round += 1
+        self.rounds.append((self.round, verb, plural, name))
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(0.01)
+            return await answer
+        finally:
+            self.in_flight -= 1
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return await self._trip("get", kind.plural, name, super().get(kind, namespace, name))  # type: ignore[no-any-return]
+
+    async def apply(self, obj: dict[str, Any], *, force: bool, field_manager: str = "r3operator") -> dict[str, Any]:
+        answer = super().apply(obj, force=force, field_manager=field_manager)
+        return await self._trip("apply", KINDS[obj["kind"]].plural, obj["metadata"]["name"], answer)  # type: ignore[no-any-return]
+
+    async def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
+        answer = super().merge_patch(kind, namespace, name, patch, subresource=subresource)
+        return await self._trip("patch" + (f"/{subresource}" if subresource else ""), kind.plural, name, answer)  # type: ignore[no-any-return]
+
+
+def test_a_new_rljobs_first_pass_reads_no_child_and_creates_them_all_in_one_round_trip_then_its_status():
+    client = RoundTripClient()
+    body = client.put(_rljob())
+
+    async def scenario() -> None:
+        cache = ChildCache(client, lambda key: None)  # type: ignore[arg-type]
+        reconciler = Reconciler(client, clock=lambda: NOW, cache=cache)  # type: ignore[arg-type]
+        await reconciler.reconcile(copy.deepcopy(body), live=True)  # a daemon's pass: kopf's body, no GET of it
+        await cache.close()
+
+    asyncio.run(scenario())
+    rounds = client.rounds
+    children = [(r, p, n) for r, verb, p, n in rounds if verb == "apply"]
+    assert len(children) >= 8, rounds  # the job's children, all created by this first pass
+    # No child's name is read: the cache holds none of them, and each create is refused if the name is taken.
+    assert not [t for t in rounds if t[1] == "get" and t[2] in CHILD_PLURALS], rounds
+    # Every create in the first round trip, the status in the second; nothing else.
+    assert {r for r, _, _ in children} == {1}, rounds
+    assert [(r, verb) for r, verb, _, _ in rounds if verb != "apply"] == [(2, "patch/status")], rounds
+    assert {(p, n) for _, p, n in children} <= {(p, n) for p, _, n in client.objects}  # and they were made
 
 
 def test_a_held_render_is_the_same_children_as_a_fresh_desired_and_each_pass_gets_its_own_copy():

@@ -53,6 +53,9 @@ def _first_passes(
                 if beside is not None:
                     beside[key[1]] = gate.running
                 await reconciler.reconcile(body, live=True)
+                # A pass holds its turn a while (its status write, at least, is a round trip): the in-memory client
+                # answers at once, and an untouched RLJob's pass makes no request, so it would end in no time.
+                await asyncio.sleep(0.01)
             finally:
                 gate.done()
 

@@ -50,7 +50,7 @@ class WriteRoundClient(FakeClient):
         key = (KINDS[obj["kind"]].plural, obj["metadata"].get("namespace"), obj["metadata"]["name"])
 
         async def merged() -> dict[str, Any]:
-            return self.put(_merge(self.objects.get(key) or {}, obj))
+            return self.put(_merge(self.objects.get(key) or {}, self.precondition(obj)))
 
         result: dict[str, Any] = await self._write(("apply", obj["kind"], obj["metadata"]["name"]), merged())
         return result
