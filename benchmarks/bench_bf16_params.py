@@ -28,32 +28,17 @@ from typing import Any
 
 
 def a3b_shaped(layers: int) -> Any:
+    """The `a3b` reference model's layer (r3operator/models/reference.py, the one source of its shape), `layers`
+    of it, randomly initialised by transformers and put on the bf16 grid (W0)."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
+
+    from r3operator.models.reference import REFERENCE_SPECS
 
     torch.manual_seed(0)
-    shape: dict[str, Any] = dict(
-        vocab_size=2048,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        pad_token_id=0,
-        eos_token_id=1,
-        max_position_embeddings=512,
-    )
-    # W0: on the bf16 grid. (mypy reads transformers' `to` as taking the model, as in hf_policy.)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    config = REFERENCE_SPECS["a3b"].model_copy(update={"num_hidden_layers": layers}).hf_config()
+    # (mypy reads transformers' `to` as taking the model, as in hf_policy.)
+    return Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
 
 
 def passes(trainer: Any, batch: Any, w: Any) -> dict[str, Any]:
