@@ -18,7 +18,7 @@ import asyncio
 import time
 from typing import Any
 
-from canary_ending import end_canary
+from canary_ending import canary_verdict, end_canary
 from operator_harness import (
     WRITE_VERBS,
     Cluster,
@@ -31,7 +31,6 @@ from operator_harness import (
     wait_for,
 )
 
-from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 from r3operator.operator.apply import create_only
 from r3operator.operator.kube import KubeClient, KubeError
 
@@ -98,22 +97,6 @@ def test_a_create_only_apply_creates_with_an_apply_entry_and_refuses_whatever_ho
     assert _entries(got["posted_later"]) == [("r3operator", "Apply"), ("r3operator", "Update")]
 
 
-def _verdict(attempt: str) -> UpgradeCanary:
-    def engine(image: str) -> EngineFidelity:
-        return EngineFidelity(
-            image=image,
-            routes_valid=True,
-            replay_agreement=1.0,
-            natural_mismatch=0.02,
-            logprob_abs_diff_off=0.005,
-            logprob_abs_diff_r3=0.004,
-        )
-
-    return UpgradeCanary(
-        attempt=attempt, passed=True, message="natural mismatch 0.02 vs 0.02", old=engine(OLD), new=engine(NEW)
-    )
-
-
 def _upgrade(cluster: Cluster, job: str) -> dict[str, Any]:
     return ((cluster.get(paths(NS, job)["rljob"]) or {}).get("status") or {}).get("upgrade") or {}
 
@@ -167,7 +150,7 @@ def test_children_made_by_create_only_take_a_scale_change_and_an_image_upgrade_w
             lambda: (u := _upgrade(cluster, job)).get("phase") == "Canary" and u, timeout=60, what="the canary"
         )
         wait_for(lambda: _upgrade(cluster, job).get("canaryStartedAt"), what="the canary's clock")
-        end_canary(cluster, NS, job, _verdict(upgrade["attempt"]))
+        end_canary(cluster, NS, job, canary_verdict(upgrade["attempt"], OLD, NEW))
         wait_for(lambda: _upgrade(cluster, job).get("phase") == "Complete", timeout=120, what="the upgrade complete")
         sts = cluster.get(p["sts"])
         assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == NEW and sts["spec"]["replicas"] == 2

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from canary_ending import end_canary
+from canary_ending import canary_verdict, end_canary
 from kubecluster.controlplane import gpu_resource_flavor
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
-
-from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 
 LWS_CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/leaderworkersets.leaderworkerset.x-k8s.io"
 KUEUE = "/apis/kueue.x-k8s.io/v1beta1"
@@ -137,22 +135,6 @@ def test_a_multi_node_replica_is_a_leader_worker_set_gang_admitted_by_kueue_on_s
         assert condition(cluster.get(paths(ns, job)["rljob"]), "Valid")["status"] == "True"
 
 
-def _passing_verdict(attempt: str, old: str, new: str) -> UpgradeCanary:
-    def engine(image: str) -> EngineFidelity:
-        return EngineFidelity(
-            image=image,
-            routes_valid=True,
-            replay_agreement=1.0,
-            natural_mismatch=0.02,
-            logprob_abs_diff_off=0.005,
-            logprob_abs_diff_r3=0.004,
-        )
-
-    return UpgradeCanary(
-        attempt=attempt, passed=True, message="natural mismatch 0.02 vs 0.02", old=engine(old), new=engine(new)
-    )
-
-
 def _pod_images(cluster: Cluster, ns: str, job: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["spec"]["containers"][0]["image"] for p in _engine_pods(cluster, ns, job)}
 
@@ -195,7 +177,7 @@ def test_an_engine_upgrade_canaries_one_lws_group_behind_the_partition_then_roll
         args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--new") + 1].startswith(f"http://{job}-engine-2.{job}-engine.{ns}.svc")
 
-        end_canary(cluster, UPGRADE_NS, job, _passing_verdict(upgrade["attempt"], old, new))
+        end_canary(cluster, UPGRADE_NS, job, canary_verdict(upgrade["attempt"], old, new))
         done = _upgrade_phase(cluster, ns, job, "Complete", timeout=180)
         assert done["replicasUpdated"] == 2
         every = {f"{job}-engine-{g}{w}": new for g in range(2) for w in ("", "-1")}

@@ -20,10 +20,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from canary_ending import end_canary
+from canary_ending import canary_verdict, end_canary
 from operator_harness import Cluster, condition, example, paths, running_operator, wait_condition, wait_for
-
-from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary
 
 NS = "upgrades"
 OWN_NODE_TAINT = "r3operator.io/test-node"
@@ -63,27 +61,6 @@ def _set_image(cluster: Cluster, job: str, image: str) -> None:
     )
 
 
-def _verdict(attempt: str, *, passed: bool) -> UpgradeCanary:
-    def engine(image: str, mismatch: float) -> EngineFidelity:
-        return EngineFidelity(
-            image=image,
-            routes_valid=True,
-            replay_agreement=1.0,
-            natural_mismatch=mismatch,
-            logprob_abs_diff_off=0.005,
-            logprob_abs_diff_r3=0.004,
-        )
-
-    new_mismatch = 0.02 if passed else 0.09
-    return UpgradeCanary(
-        attempt=attempt,
-        passed=passed,
-        message=f"natural mismatch {new_mismatch} vs 0.02",
-        old=engine(OLD, 0.02),
-        new=engine(NEW, new_mismatch),
-    )
-
-
 def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
     with running_operator(cluster, NS):
         cluster.apply(_job("up-pass"))
@@ -103,7 +80,7 @@ def test_a_passing_canary_rolls_every_replica(cluster: Cluster) -> None:
 
         ran = wait_for(lambda: _upgrade(cluster, "up-pass").get("canaryStartedAt"), what="the canary's clock")
         assert ran >= upgrade["startedAt"]
-        end_canary(cluster, NS, "up-pass", _verdict(upgrade["attempt"], passed=True))
+        end_canary(cluster, NS, "up-pass", canary_verdict(upgrade["attempt"], OLD, NEW))
         done = _wait_phase(cluster, "up-pass", "Complete", timeout=120)
         assert done["replicasUpdated"] == 2 and done["canary"]["passed"] is True
         assert wait_for(
@@ -127,7 +104,7 @@ def test_a_failing_canary_rolls_back_across_an_operator_restart_and_a_new_image_
         wait_for(lambda: _canary_job(cluster, "up-fail"), what="canary Job")
     # The operator is down when the verdict arrives; the next one reads it from the pod, the upgrade's
     # state from the engine StatefulSet.
-    end_canary(cluster, NS, "up-fail", _verdict(upgrade["attempt"], passed=False))
+    end_canary(cluster, NS, "up-fail", canary_verdict(upgrade["attempt"], OLD, NEW, passed=False))
     with running_operator(cluster, NS):
         blocked = _wait_phase(cluster, "up-fail", "Blocked")
         assert OLD in blocked["message"] and "natural mismatch 0.09" in blocked["message"]
@@ -270,6 +247,6 @@ def test_a_trainer_image_change_keeps_the_trainer_until_its_canary_passes(cluste
         assert head_image() == t_old
         assert cluster.get(rayjob_path)["metadata"]["uid"] == first["metadata"]["uid"]  # not replaced meanwhile
 
-        end_canary(cluster, NS, "up-trainer", _verdict(upgrade["attempt"], passed=True))
+        end_canary(cluster, NS, "up-trainer", canary_verdict(upgrade["attempt"], OLD, NEW))
         _wait_phase(cluster, "up-trainer", "Complete", timeout=120)
         assert head_image() == t_new and cluster.get(rayjob_path)["metadata"]["uid"] != first["metadata"]["uid"]
