@@ -650,12 +650,13 @@ ROWS: list[Row] = [
     Row(
         "receipt_cuda",
         4,
-        "tests/gpu/test_receipt_cuda.py: the receipt's fingerprints on alternating side streams",
+        "tests/gpu/test_receipt_cuda.py, test_cuda_cache_gpu.py: the receipt's fingerprints on alternating side "
+        "streams; a sync's cached buffers given back",
         "all pass",
         1,
         30,
         120,
-        pytest_command("tests/gpu/test_receipt_cuda.py"),
+        pytest_command("tests/gpu/test_receipt_cuda.py", "tests/gpu/test_cuda_cache_gpu.py"),
         judge_pytest(lambda g: 0),
     ),
     Row(

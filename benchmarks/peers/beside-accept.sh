@@ -5,16 +5,21 @@
 #                           and with replay off, the table, then acceptance rows ROWS_A;
 #   GPUs 2,3, cores 16-31:  r3operator's side (both replay modes through `r3operator up`, engine and trainer on a
 #                           GPU each, then its fast settings: --r3-fast), the table, then acceptance rows ROWS_B;
-#   cores 32-63:            the TE build (verl-setup.sh without --skip-te).
+#   cores 32-63:            the TE build (verl-setup.sh without --skip-te);
+#   all four GPUs, when STEPS4 is given and both chains above have ended: verl with R3, then r3operator with R3,
+#                           STEPS4 steps each on 4 GPUs (the same inputs), and their table.
 # The two frameworks run at the same time on two GPUs each of the same host, each pinned to 16 cores. Every job
 # runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
+# VERL_PARTS (default verl-R3,verl-disabled) and R3_OPTS (default --r3-fast; add --skip-r3-disabled) choose the
+# 2-GPU columns, so that a reservation short of time measures the R3 columns the target compares.
 #
-#   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B   # e.g. 20 sync_layouts_a3b,sync_layouts_x16l up_2gpu,a3b_math
-#   bash benchmarks/peers/beside-accept.sh collect OUT                  # what is there so far into OUT, and progress
+#   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4]  # e.g. 20 sync_layouts_a3b up_2gpu 12
+#   bash benchmarks/peers/beside-accept.sh collect OUT                          # what is there so far, and progress
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bg=/root/bg
 peer=/root/peer
+peer4=/root/peer4
 
 rows_on() {  # GPUS NAME ROWS: acceptance rows on those GPUs, with work, cache and Ray folders of their own
   local gpus=$1 name=$2 rows=$3
@@ -31,23 +36,32 @@ peer_part() {  # PART [OPTION…]: one part of the comparison on the GPUs this p
 
 case "${1:-}" in
 start)
-  steps=${2:?STEPS} rows_a=${3:-} rows_b=${4:-}
+  steps=${2:?STEPS} rows_a=${3:-} rows_b=${4:-} steps4=${5:-}
+  verl_parts=${VERL_PARTS:-verl-R3,verl-disabled} r3_opts=${R3_OPTS:---r3-fast}
   mkdir -p "$bg" "$peer"
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD steps
   export -f rows_on peer_part
-  export bg peer
+  export bg peer peer4
   setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash benchmarks/peers/verl-setup.sh /root/verl-stash \
     > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
   setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=/tmp/ray-verl; mkdir -p \$RAY_TMPDIR
     peer_part prepare
     while [ ! -f $bg/te.rc ]; do sleep 3; done
-    peer_part verl-R3; peer_part verl-disabled; peer_part table; echo done > $bg/verl.rc
+    for part in ${verl_parts//,/ }; do peer_part \$part; done; peer_part table; echo done > $bg/verl.rc
     rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
   setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=/tmp/ray-r3; mkdir -p \$RAY_TMPDIR
-    peer_part r3 --r3-fast; peer_part table; echo done > $bg/r3.rc
+    peer_part r3 $r3_opts; peer_part table; echo done > $bg/r3.rc
     rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
+  if [ -n "$steps4" ]; then
+    setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=/tmp/ray-four; mkdir -p \$RAY_TMPDIR
+      while [ ! -f $bg/rows-A.rc ] || [ ! -f $bg/rows-B.rc ]; do sleep 3; done
+      mkdir -p $peer4 && cp -r $peer/inputs $peer4/
+      four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 --parts \"\$@\"; }
+      four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
+  fi
   sleep 2
-  echo "started: TE build; GPUs 0,1: verl then rows '$rows_a'; GPUs 2,3: r3operator then rows '$rows_b'; $steps steps"
+  echo "started: TE build; GPUs 0,1: $verl_parts then rows '$rows_a'; GPUs 2,3: r3operator ($r3_opts) then rows" \
+    "'$rows_b'; $steps steps; 4 GPUs after both: ${steps4:-not run} steps"
   ;;
 collect)
   out=${2:?OUT}
@@ -66,13 +80,14 @@ collect)
     small "/tmp/r3-accept-$lane" "$out/work-$lane.tgz"
   done
   small "$peer" "$out/peer.tgz"
+  small "$peer4" "$out/peer4.tgz"
   echo "== done: $(cd "$bg" && ls ./*.rc 2>/dev/null | tr '\n' ' ')"
   echo "== te";      tail -n 3 "$bg/te.log" 2>/dev/null
-  for lane in A B; do echo "== chain $lane"; grep -E '^(==|   |failed)' "$bg/chain-$lane.log" 2>/dev/null | tail -n 8; done
-  for d in "$peer"/verl-R3 "$peer"/verl-disabled; do
+  for lane in A B 4; do echo "== chain $lane"; grep -E '^(==|   |failed)' "$bg/chain-$lane.log" 2>/dev/null | tail -n 8; done
+  for d in "$peer"/verl-R3 "$peer"/verl-disabled "$peer4"/verl-R3; do
     [ -f "$d/console.log" ] && { echo "== $d"; grep -a "step:" "$d/console.log" | tail -n 1 | cut -c1-300; }
   done
-  for d in "$peer"/r3/log-*; do
+  for d in "$peer"/r3/log-* "$peer4"/r3/log-*; do
     [ -f "$d/console.log" ] && { echo "== $d"; grep -a "^step" "$d/console.log" | tail -n 1 | cut -c1-300; }
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader

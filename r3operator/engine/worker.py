@@ -191,6 +191,7 @@ class WeightSyncWorkerExtension:
             self._r3_update_active = False
         self._r3_receipt().finish(self._r3_parameters())
         self._r3_policy_tag = policy_tag
+        self._r3_release_sync_buffers()
         return {"chunks": self._r3_chunks_loaded, "tensors": self._r3_tensors_loaded}
 
     def r3_abort_weight_update(self) -> dict[str, int]:
@@ -338,6 +339,16 @@ class WeightSyncWorkerExtension:
         self._r3_untap_load_weights()
         self._r3_receipt().finish(self._r3_parameters())
         self._r3_policy_tag = policy_tag
+        self._r3_release_sync_buffers()
+
+    def _r3_release_sync_buffers(self) -> None:
+        """The receive buffers a sync left in torch's cache go back to the device (wire/cuda_cache.py)."""
+        from r3operator.wire.cuda_cache import release_cached_blocks
+
+        receipt = self._r3_receipt()
+        released = release_cached_blocks()
+        receipt.released_bytes = released.freed_bytes
+        receipt.add_engine_seconds("release", released.seconds)
 
     def r3_sync_receipt(self) -> dict[str, Any]:
         """What the last bracket delivered (wire/receipt.py `SyncReceipt.report`)."""

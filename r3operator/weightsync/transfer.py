@@ -33,6 +33,7 @@ from typing import Any
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
+from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
     EngineParameter,
     KernelLayoutError,
@@ -221,6 +222,7 @@ class NativeSender:
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
+        self.released_bytes = 0  # CUDA cache given back after the last sync
 
     # -- what goes out ----------------------------------------------------------------------------
     def _state_dict(self) -> Mapping[str, Any]:
@@ -333,8 +335,10 @@ class NativeSender:
             return stats
         finally:
             self._state = None
-            if self.method is TransferMethod.IPC:
-                _release_ipc_buffers()
+            with phases("finish"):  # the buffers this sync left cached go back (wire/cuda_cache.py)
+                if self.method is TransferMethod.IPC:
+                    _release_ipc_buffers()
+                self.released_bytes = release_cached_blocks().freed_bytes
 
     def _send(self, policy_tag: str) -> SendStats:
         meta = self.metadata()

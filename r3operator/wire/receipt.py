@@ -408,6 +408,8 @@ class SyncReceipt:
     # Host seconds the engine spent in this bracket, by part ("load": vLLM's `load_weights`, "receipt": the
     # records above), as the worker extension measured them: where a sync's `transfer` goes on the engine.
     engine_seconds: dict[str, float] = field(default_factory=dict)
+    # CUDA cache the worker gave back after the bracket (wire/cuda_cache.py): what the sync's buffers left.
+    released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
 
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
@@ -420,6 +422,7 @@ class SyncReceipt:
         self.received.clear()
         self.unchanged, self.checked, self.duplicates, self.closed = [], 0, [], False
         self.engine_seconds = {}
+        self.released_bytes = 0
         self._seen = set()
 
     def record(self, named: Sequence[tuple[str, Any]]) -> None:
@@ -464,6 +467,7 @@ class SyncReceipt:
             "checked": self.checked,
             "duplicates": sorted(set(self.duplicates)),
             "engine_seconds": dict(self.engine_seconds),
+            "released_bytes": self.released_bytes,
         }
 
 

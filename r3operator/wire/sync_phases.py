@@ -11,7 +11,8 @@ Phases (seconds, summed over the sync's chunks; `SYNC_PHASES` is the order repor
 - transfer    moving the bytes: the packed path's staging and load RPCs (which include the engine's
               `load_weights` of each chunk over HTTP), or vLLM's NCCL / IPC sender
 - finish      closing every bracket: the chunks still loading, the engine's layerwise post-processing
-              (kernel layouts), the receipt, the prefix-cache reset, and the HTTP/RPC round trips
+              (kernel layouts), the receipt, the prefix-cache reset, the HTTP/RPC round trips, and giving
+              the buffers the sync left cached back to the device (wire/cuda_cache.py), on both sides
 
 On a GPU, work is asynchronous: a phase's seconds are the host's, and GPU work lands in the phase that waits
 for it, unless the clock synchronizes at every phase boundary (`synchronize=True`, bench_weight_sync

@@ -524,9 +524,13 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
     from r3operator.api.rules import errors, evaluate
     from r3operator.cli.up.plan import plan_up
 
-    args = argparse.Namespace(out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b", r3_fast=False)
+    args = argparse.Namespace(
+        out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b", r3_fast=False, skip_r3_disabled=False
+    )
     assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3", "disabled"]  # the target's column first
-    args.r3_fast = True
+    args.skip_r3_disabled = True
+    assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3"]
+    args.r3_fast, args.skip_r3_disabled = True, False
     runs = r3_up_commands(args)
     assert [sub for sub, _, _ in runs] == ["r3", "r3-fast", "disabled"]
     base = load_rljob(JOB).spec.model_dump()

@@ -123,3 +123,30 @@ def test_a_failing_load_still_counts_its_seconds(clock: Clock) -> None:
     with pytest.raises(RuntimeError, match="out of memory"):
         model.load_weights(BATCHES[0])
     assert receipt.engine_seconds == {"receipt": RECORD_S, "load": LOAD_S}
+
+
+def test_the_bracket_close_gives_the_sync_buffers_back_and_reports_it(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from r3operator.wire import cuda_cache
+
+    released: list[int] = []
+
+    def release(min_idle_bytes: int = cuda_cache.DEFAULT_MIN_IDLE_BYTES) -> cuda_cache.Release:
+        released.append(min_idle_bytes)
+        return cuda_cache.Release(freed_bytes=5 << 30, seconds=0.125)
+
+    monkeypatch.setattr(cuda_cache, "release_cached_blocks", release)
+    worker, model, _ = _worker(clock)
+    monkeypatch.setattr("r3operator.engine.plugin.self_check", lambda: None)  # the plugin's vLLM patches
+    monkeypatch.setattr(worker, "_r3_parameters", lambda: [])  # the test model has none to fingerprint
+    worker.r3_before_native_weight_update("checkpoint")
+    model.load_weights(BATCHES[0])
+    worker.r3_after_native_weight_update("policy-1")
+    report = worker.r3_sync_receipt()
+    assert released == [cuda_cache.DEFAULT_MIN_IDLE_BYTES]  # once per bracket, after it closed
+    assert report["released_bytes"] == 5 << 30
+    assert report["engine_seconds"]["release"] == 0.125
+
+    worker.r3_before_native_weight_update("checkpoint")  # the next bracket starts from nothing released
+    assert worker.r3_sync_receipt()["released_bytes"] == 0

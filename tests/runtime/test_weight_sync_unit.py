@@ -374,6 +374,21 @@ def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
     assert streamed[1] == ("model.layers.0.mlp.experts.0.gate_proj.weight", torch.bfloat16, (3, 8))
 
 
+def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from r3operator.weightsync import transfer
+    from r3operator.weightsync.transfer import SendStats
+    from r3operator.wire.cuda_cache import Release
+
+    order: list[str] = []
+    sender = _kernel_sender(monkeypatch, _Endpoint("a", parameters=_ENGINE))
+    monkeypatch.setattr(sender, "_send", lambda tag: order.append("send") or SendStats(tensors=0, bytes=0))
+    monkeypatch.setattr(transfer, "release_cached_blocks", lambda: order.append("release") or Release(7 << 30, 0.0))
+    sender.send("run:1")
+    assert order == ["send", "release"]
+    assert sender.released_bytes == 7 << 30
+    assert "finish" in sender.client.phases.seconds  # the release is counted in the sync's finish
+
+
 # ------------------------------------------------------------------------------- abort on a failed send
 
 
