@@ -188,8 +188,8 @@ def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] 
       word's column is its position in its tensor mod `WEIGHT_PERIOD`), after one group of zeros;
     - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int32, 1/32 of the words'
       bytes), followed by `group_sums`, in one tensor;
-    - per tensor, the column sums of its groups as a difference of two rows of their running sum (int64:
-      exact, deterministic, no atomics; the leading group of zeros is the running sum's row "none yet").
+    - per tensor, the column sums of its groups added into one int64 row (`index_add_`: exact, as integer
+      sums are in any order); the leading group of zeros belongs to no tensor.
     """
     import torch
 
@@ -215,14 +215,19 @@ def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] 
         ends.append(groups - 1)
         pieces += body
     partial = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    running = partial.cumsum(dim=0, dtype=torch.int64)  # row g: groups [0, g], row 0 zeros
+    # Every entry's rows of `partial` added into a row of its own: an integer index_add_ is exact in whatever
+    # order its atomics land. Not a running sum over the rows differenced per entry: on a GPU that scan goes
+    # down the long axis a row at a time (14 ms per bucket of an a3b-x16l sync, 2026-11-27, longer than the
+    # broadcast beside it).
+    lengths = [end - start for start, end in zip(starts, ends, strict=True)]
     # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
     # until the copy is done). From pageable memory the driver may first wait for the stream, which here
     # holds vLLM's previous broadcast.
     pinned = device.type == "cuda"
-    table = torch.tensor(starts + ends, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-    first, last = running.index_select(0, table).view(2, len(starts), WEIGHT_PERIOD).unbind(0)
-    return last - first
+    counts = torch.tensor(lengths, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    owners = torch.repeat_interleave(counts, output_size=groups - 1)  # entry i, counts[i] times
+    columns = torch.zeros(len(lengths), WEIGHT_PERIOD, dtype=torch.int64, device=device)
+    return columns.index_add_(0, owners, partial[1:].to(torch.int64))
 
 
 @dataclass

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 
-from r3operator.wire import cuda_cache
 from r3operator.wire.cuda_cache import Release, release_cached_blocks
 
 GIB = 1 << 30
@@ -51,10 +50,23 @@ def test_below_the_threshold_nothing_is_emptied(allocator: Any) -> None:
     assert fake.emptied == 0 and fake.reserved == 42 * GIB + GIB - 1
 
 
-def test_the_default_threshold_is_one_gib(allocator: Any) -> None:
-    assert cuda_cache.DEFAULT_MIN_IDLE_BYTES == GIB
-    fake = allocator(reserved=3 * GIB, allocated=2 * GIB)
-    assert release_cached_blocks().freed_bytes == GIB and fake.emptied == 1
+@pytest.mark.parametrize(
+    ("device_gib", "threshold_gib"),
+    [(141, 141 / 8), (80, 10), (4, 1)],  # an eighth of the device, and never under 1 GiB
+)
+def test_the_default_threshold_is_an_eighth_of_the_device(
+    allocator: Any, monkeypatch: pytest.MonkeyPatch, device_gib: int, threshold_gib: float
+) -> None:
+    class Properties:
+        total_memory = device_gib * GIB
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    threshold = int(threshold_gib * GIB)
+    fake = allocator(reserved=40 * GIB + threshold - 1, allocated=40 * GIB)
+    assert release_cached_blocks().freed_bytes == 0 and fake.emptied == 0  # one byte short
+    fake.reserved += 1
+    assert release_cached_blocks().freed_bytes == threshold and fake.emptied == 1
 
 
 def test_a_process_that_never_touched_cuda_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
