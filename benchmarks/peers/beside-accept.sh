@@ -14,20 +14,25 @@
 # 2-GPU columns, so that a reservation short of time measures the R3 columns the target compares.
 #
 #   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4]  # e.g. 20 sync_layouts_a3b up_2gpu 12
+#   bash benchmarks/peers/beside-accept.sh four STEPS4                          # only the 4-GPU comparison, at once
 #   bash benchmarks/peers/beside-accept.sh collect OUT                          # what is there so far, and progress
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-bg=/root/bg
-peer=/root/peer
-peer4=/root/peer4
+# BESIDE_ROOT, BESIDE_TMP and VERL_SETUP move the folders and the TE build elsewhere (tests/benchmarks/test_beside_accept.py).
+root=${BESIDE_ROOT:-/root}
+tmp=${BESIDE_TMP:-/tmp}
+verl_setup=${VERL_SETUP:-benchmarks/peers/verl-setup.sh}
+bg=$root/bg
+peer=$root/peer
+peer4=$root/peer4
 
 rows_on() {  # GPUS NAME ROWS: acceptance rows on those GPUs, with work, cache and Ray folders of their own
   local gpus=$1 name=$2 rows=$3
   [ -n "$rows" ] || return 0
-  mkdir -p "/tmp/ray-$name"
-  CUDA_VISIBLE_DEVICES=$gpus ACCEPT_GPUS=2 ACCEPT_BUDGET_S=3000 ACCEPT_WORK=/tmp/r3-accept-$name \
-    RAY_TMPDIR=/tmp/ray-$name R3OPERATOR_CACHE_DIR=/root/r3cache-$name \
-    bash scripts/gpu-accept.sh "/root/accept-$name" --rows "$rows"
+  mkdir -p "$tmp/ray-$name"
+  CUDA_VISIBLE_DEVICES=$gpus ACCEPT_GPUS=2 ACCEPT_BUDGET_S=3000 ACCEPT_WORK=$tmp/r3-accept-$name \
+    RAY_TMPDIR=$tmp/ray-$name R3OPERATOR_CACHE_DIR=$root/r3cache-$name \
+    bash scripts/gpu-accept.sh "$root/accept-$name" --rows "$rows"
 }
 
 peer_part() {  # PART [OPTION…]: one part of the comparison on the GPUs this process was given
@@ -41,19 +46,19 @@ start)
   mkdir -p "$bg" "$peer"
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD steps
   export -f rows_on peer_part
-  export bg peer peer4
-  setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash benchmarks/peers/verl-setup.sh /root/verl-stash \
+  export bg peer peer4 root tmp
+  setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
     > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
-  setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=/tmp/ray-verl; mkdir -p \$RAY_TMPDIR
+  setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=$tmp/ray-verl; mkdir -p \$RAY_TMPDIR
     peer_part prepare
     while [ ! -f $bg/te.rc ]; do sleep 3; done
     for part in ${verl_parts//,/ }; do peer_part \$part; done; peer_part table; echo done > $bg/verl.rc
     rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
-  setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=/tmp/ray-r3; mkdir -p \$RAY_TMPDIR
+  setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=$tmp/ray-r3; mkdir -p \$RAY_TMPDIR
     peer_part r3 $r3_opts; peer_part table; echo done > $bg/r3.rc
     rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
   if [ -n "$steps4" ]; then
-    setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=/tmp/ray-four; mkdir -p \$RAY_TMPDIR
+    setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
       while [ ! -f $bg/rows-A.rc ] || [ ! -f $bg/rows-B.rc ]; do sleep 3; done
       mkdir -p $peer4 && cp -r $peer/inputs $peer4/
       four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 --parts \"\$@\"; }
@@ -62,6 +67,19 @@ start)
   sleep 2
   echo "started: TE build; GPUs 0,1: $verl_parts then rows '$rows_a'; GPUs 2,3: r3operator ($r3_opts) then rows" \
     "'$rows_b'; $steps steps; 4 GPUs after both: ${steps4:-not run} steps"
+  ;;
+four)
+  steps4=${2:?STEPS4}
+  mkdir -p "$bg" "$peer4"
+  export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
+  setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
+    > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
+  setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
+    four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 --parts \"\$@\"; }
+    four prepare; while [ ! -f $bg/te.rc ]; do sleep 3; done
+    four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
+  sleep 2
+  echo "started: TE build; GPUs 0-3: verl with R3, then r3operator with R3, $steps4 steps each"
   ;;
 collect)
   out=${2:?OUT}
@@ -76,8 +94,8 @@ collect)
       -o -name '*.yaml' -o -name '*.tar.gz' \) -size -20M -print | timeout 60 tar czf "$2" -T -)
   }
   for lane in A B; do
-    small "/root/accept-$lane" "$out/accept-$lane.tgz"
-    small "/tmp/r3-accept-$lane" "$out/work-$lane.tgz"
+    small "$root/accept-$lane" "$out/accept-$lane.tgz"
+    small "$tmp/r3-accept-$lane" "$out/work-$lane.tgz"
   done
   small "$peer" "$out/peer.tgz"
   small "$peer4" "$out/peer4.tgz"
@@ -93,7 +111,7 @@ collect)
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
 *)
-  echo "usage: beside-accept.sh start STEPS ROWS_A ROWS_B | collect OUT" >&2
+  echo "usage: beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4] | four STEPS4 | collect OUT" >&2
   exit 2
   ;;
 esac
