@@ -18,13 +18,14 @@ It reports mean and max |Δlogprob| of `rounded` and of `unrounded` against `eng
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 
 def a3b_shaped(layers: int) -> Any:
@@ -127,10 +128,7 @@ def main() -> None:
         "rows": rows,
         "wall_s": round(time.time() - start, 1),
     }
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

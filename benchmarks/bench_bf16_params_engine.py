@@ -16,7 +16,6 @@ once per `--lr`.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import tempfile
@@ -24,6 +23,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 PROMPTS = ["Q : what is 12 plus 7 ? A :", "count from 3 to 9 :", "add 5 + 8 =", "Q : double 21 ? A :"]
 SFT = [("Q : what is 2 plus 3 ? A :", " 5"), ("add 4 + 4 =", " 8"), ("count from 1 to 3 :", " 1 2 3")] * 3
@@ -107,10 +108,7 @@ def main() -> None:
         "trainer_fp32_params_under_autocast": delta(engine, unrounded, mask),
         "wall_s": round(time.time() - start, 1),
     }
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ figures are medians over the other `--saves`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 HIDDEN = 4096
 
@@ -128,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{report[name]['first_save_seconds']})",
             flush=True,
         )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json, echo=False)
     return report
 
 

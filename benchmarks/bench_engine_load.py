@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_weight_sync import write_json
+from benchmarks.report_json import write_json
 
 
 def checkpoint_metadata_for(model: str) -> list[tuple[str, Any, tuple[int, ...]]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.report_json import emit
 from r3operator.trainer.batch import TrainBatch, build_batch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -226,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "variants": [score_variant(model_dir, samples, v, args.device) for v in args.variants.split(",") if v],
     }
     print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json, echo=False)
     return result
 
 

@@ -28,7 +28,6 @@ to the fingerprints on the host (median of `--repeats`, after one warm-up).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 
 def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -230,11 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for m in args.models.split(",")
         ]
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return result
 
 

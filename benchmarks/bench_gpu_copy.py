@@ -13,7 +13,6 @@ second). The raw NCCL broadcast between two GPUs is `bench_weight_sync --methods
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,6 +20,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 
 def _median_gbps(copy: Callable[[], Any], nbytes: int, iters: int, sync: Callable[[], None]) -> float:
@@ -77,9 +78,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["host_to_device_gbps"] = _median_gbps(
         lambda: dev.copy_(host, non_blocking=True), nbytes, args.iters, sync_all
     )
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json)
     return result
 
 

@@ -13,12 +13,13 @@ without replay: the replay overhead per step. Both backends get the runtime's ba
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from benchmarks.report_json import emit
 
 if TYPE_CHECKING:
     import torch
@@ -162,8 +163,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "hf_vs_megatron_replay_abs_diff": {"mean": float(cross.mean()), "max": float(cross.max())},
     }
     print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json, echo=False)
     return result
 
 

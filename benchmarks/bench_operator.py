@@ -56,6 +56,8 @@ from typing import Any
 import psutil
 import yaml
 
+from benchmarks.report_json import emit
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -918,11 +920,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "failover_s": 15,
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

@@ -26,7 +26,6 @@ For each: aten operators that do work (views left out: on a GPU each launches a 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_fingerprint import counted_ops, kernel_shapes
+from benchmarks.report_json import emit
 
 
 def _median_seconds(run: Callable[[], Any], repeats: int) -> float:
@@ -210,11 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         }
     finally:
         torch.set_num_threads(threads)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return result
 
 

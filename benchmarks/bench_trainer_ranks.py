@@ -18,7 +18,6 @@ skipped and said so.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -27,6 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report_json import emit
 
 PHASES = ("old_logprob", "update", "weight_sync", "checkpoint_stage")
 
@@ -189,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "results": results,
         "skipped": skipped,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json, echo=False)
     return report
 
 

@@ -54,6 +54,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.report_json import write_json
+
 if TYPE_CHECKING:
     from r3operator.rollout.base import Engine
     from r3operator.rollout.engines import HTTPEngine
@@ -558,13 +560,6 @@ def parse_layouts(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"--layout: {text!r} names a layout twice")
     return names
-
-
-def write_json(path: Path, result: Any) -> None:
-    """Whole or not at all: a reader (gpu_accept's judge, after a time-out kill) never sees half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    partial.replace(path)
 
 
 def switch_layout(run: GRPORun, install: NativeInstall, layout: Any, sft_steps: int) -> float:
