@@ -257,6 +257,24 @@ class WeightSyncWorkerExtension:
         else:
             self._r3_tap_load_weights()
 
+    def r3_native_begin(self, layout: str = "checkpoint") -> None:
+        """Open a native bracket in ONE round trip: `r3_before_native_weight_update`, then this worker's own vLLM
+        `start_weight_update`. That is all vLLM's `/start_weight_update` does (its AsyncLLM sends
+        `collective_rpc("start_weight_update", ...)` to every worker: read in 0.22.1 and 0.30), so the bracket is
+        vLLM's own; the HTTP round trip and engine-core hop it saves are a sync's fixed cost (issue 24)."""
+        self.r3_before_native_weight_update(layout)
+        if layout == "kernel":
+            self.start_weight_update(is_checkpoint_format=False)  # type: ignore[attr-defined]  # vLLM 0.22.1's Worker
+        else:
+            self.start_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+
+    def r3_native_end(self, policy_tag: str | None = None) -> None:
+        """Close a native bracket in one round trip: this worker's vLLM `finish_weight_update` (as vLLM's
+        `/finish_weight_update` runs it), then `r3_after_native_weight_update`. A failure of the first leaves the
+        policy unstamped and the bracket to the caller's abort, as before."""
+        self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+        self.r3_after_native_weight_update(policy_tag)
+
     def _r3_check_kernel_layout(self) -> None:
         if reason := kernel_layout_refusal(self._r3_model()):
             raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")

@@ -90,11 +90,7 @@ class EngineActor:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def native_start(self, layout: str = "checkpoint") -> None:
-        self.llm.collective_rpc("r3_before_native_weight_update", args=(layout,))  # weights in flux until the finish
-        if layout == "kernel":  # vLLM 0.22's flag (the rules refuse the layout on releases without it)
-            self.llm.start_weight_update(is_checkpoint_format=False)  # vLLM 0.22.1 takes it (0.30 is refused earlier)
-        else:
-            self.llm.start_weight_update()
+        self.llm.collective_rpc("r3_native_begin", args=(layout,))  # our hook, then vLLM's start (engine/worker.py)
 
     def native_parameters(self) -> dict[str, Any]:
         return dict(self.llm.collective_rpc("r3_parameter_metadata")[0])
@@ -103,8 +99,7 @@ class EngineActor:
         self.llm.update_weights({"update_info": update_info})
 
     def native_finish(self, policy_tag: str | None) -> None:
-        self.llm.finish_weight_update()
-        self.llm.collective_rpc("r3_after_native_weight_update", args=(policy_tag,))
+        self.llm.collective_rpc("r3_native_end", args=(policy_tag,))  # vLLM's finish, then ours
         self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
 
     def device_uuids(self) -> list[str | None]:

@@ -293,9 +293,8 @@ class HTTPEngine:
         self._post("/init_weight_transfer_engine", {"init_info": init_info}, retry=False)
 
     def native_start(self, layout: str = "checkpoint") -> None:
-        self._rpc("r3_before_native_weight_update", layout, retry=False)  # weights in flux until the finish
-        # vLLM 0.22 parses this body (is_checkpoint_format); 0.30 ignores it (the kernel layout is refused there).
-        self._post("/start_weight_update", {"is_checkpoint_format": layout != "kernel"}, retry=False)
+        # One round trip: our hook (weights in flux until the finish), then vLLM's own start on every worker.
+        self._rpc("r3_native_begin", layout, retry=False)
 
     def native_parameters(self) -> dict[str, Any]:
         return dict(self._rpc("r3_parameter_metadata") or {})
@@ -304,9 +303,8 @@ class HTTPEngine:
         self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)
 
     def native_finish(self, policy_tag: str | None) -> None:
-        self._post("/finish_weight_update", {}, retry=False)
-        self._rpc("r3_after_native_weight_update", *([policy_tag] if policy_tag else []), retry=False)
-        self._post("/reset_prefix_cache")
+        self._rpc("r3_native_end", *([policy_tag] if policy_tag else []), retry=False)  # vLLM's finish, then ours
+        self._post("/reset_prefix_cache")  # the scheduler's, not a worker's: its own round trip
 
     def native_abort(self) -> None:
         self._rpc("r3_abort_native_weight_update")

@@ -189,3 +189,72 @@ def test_an_engine_that_lays_weights_out_again_refuses_the_kernel_layout(method:
     with pytest.raises(WeightUpdateStateError, match=named):
         worker.r3_before_native_weight_update("kernel")
     worker.r3_before_native_weight_update("checkpoint")  # the checkpoint layout is right everywhere
+
+
+class VllmBracket:
+    """vLLM 0.22.1's `Worker.start_weight_update` / `finish_weight_update` state, written out from its source
+    (v1/worker/gpu_worker.py): one bracket at a time, its format remembered until the finish."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        self._weight_update_active = False
+        self._is_checkpoint_format = True
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        if self._weight_update_active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self._weight_update_active, self._is_checkpoint_format = True, is_checkpoint_format
+        self.calls.append(("start", is_checkpoint_format))
+
+    def finish_weight_update(self) -> None:
+        if not self._weight_update_active:
+            raise RuntimeError("start_weight_update must be called before finish_weight_update.")
+        self.calls.append(("finish", self._is_checkpoint_format))
+        self._weight_update_active, self._is_checkpoint_format = False, True
+
+
+def _bracketed_worker(receiver: Any) -> tuple[Any, Model]:
+    worker, model = _worker(receiver)
+
+    class Worker(type(worker), VllmBracket):
+        def __init__(self) -> None:
+            VllmBracket.__init__(self)
+
+    return Worker(), model
+
+
+def test_one_round_trip_opens_vllms_kernel_bracket_after_our_hook_and_one_closes_it() -> None:
+    sent = _sent()
+    worker, model = _bracketed_worker(Receiver([sent]))
+    worker._r3_policy_tag = "policy-0"
+    worker.r3_native_begin("kernel")
+    assert worker.calls == [("start", False)]  # vLLM's bracket, in the kernel format
+    assert worker.r3_policy_tag() is None  # in flux from the start
+    assert "receive_weights" in worker.weight_transfer_engine.__dict__  # our tap is in place for the receive
+    update_weights_022(worker, model)
+    worker.r3_native_end("policy-1")
+    assert worker.calls == [("start", False), ("finish", False)]
+    assert worker.r3_policy_tag() == "policy-1"
+    compare_receipt(_fingerprints(sent), worker.r3_sync_receipt(), where="engine 0")
+    assert torch.equal(model.norm, sent[1][1])
+
+
+def test_the_checkpoint_layout_opens_vllms_default_bracket() -> None:
+    worker, _ = _bracketed_worker(Receiver([]))
+    worker.r3_native_begin("checkpoint")
+    assert worker.calls == [("start", True)]
+    assert "load_weights" in worker._r3_model().__dict__  # the checkpoint tap, in front of load_weights
+    worker.r3_native_end(None)
+    assert worker.calls == [("start", True), ("finish", True)]
+
+
+def test_a_refused_finish_stamps_no_policy() -> None:
+    worker, _ = _bracketed_worker(Receiver([]))
+    worker._r3_policy_tag = "policy-0"
+    with pytest.raises(RuntimeError, match="before finish_weight_update"):
+        worker.r3_native_end("policy-1")  # no bracket open: vLLM refuses, ours never runs
+    assert worker.r3_policy_tag() == "policy-0"
+    worker.r3_native_begin("kernel")
+    with pytest.raises(RuntimeError, match="already active"):
+        worker.r3_native_begin("kernel")  # vLLM refuses a second bracket; the weights stay unstamped
+    assert worker.r3_policy_tag() is None
