@@ -118,7 +118,8 @@ FEATURES: dict[str, Feature] = {
         ),
         _f(
             "weight-transfer-bracket",
-            "/start_weight_update and /finish_weight_update: the layerwise-reload bracket around native "
+            "the workers' start_weight_update and finish_weight_update (behind /start_weight_update and "
+            "/finish_weight_update; called by r3_native_begin/end): the layerwise-reload bracket around native "
             "/update_weights chunks (checkpoint-format weights, MoE experts unfused)",
             "0.22.1",
             ("vllm-project/vllm#32133",),
