@@ -6,7 +6,7 @@ freed block for the stream it was allocated on, and the pool hands out the next 
 sync, so no later sync reuses those blocks: in the 2026-11-27 verl comparison the engine's GPU grew ~4.5 GiB per
 sync (42 → 132 GiB in 20 syncs) and the trainer's from 24 to 106 GiB against a torch peak of 46.7 GiB. Nothing
 leaks (the blocks are free); but a GPU shared with other work, or an engine whose KV cache was sized at start,
-cannot use them. Releasing after each sync bounds the growth to one sync's buffers.
+cannot use them. Releasing them once enough sits cached bounds the growth.
 
 The release costs `cudaFree` per cached segment (each waits for the device): ~30 ms of an `a3b` sync's finish on
 an H200 (2026-11-27). So it runs only when at least `min_idle_bytes` sit cached and unused, by default an eighth
