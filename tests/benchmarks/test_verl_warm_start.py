@@ -168,6 +168,9 @@ def test_without_a_warm_start_nothing_changes(tmp_path: Path) -> None:
     one = r3_command(runner_args(tmp_path, warm=0, gpus=1, model="tiny"))
     assert one[4] == str(JOB) and one[one.index("--model") + 1] == "tiny"
     assert load_rljob(Path(one[4])).spec.model.uri == "r3operator://reference/a3b"
+    text, summary = build_table(tmp_path, gpus=2)
+    assert text.splitlines()[0].startswith("## verl 0.9.1 vs r3operator, 2 GPU(s), a3b, random init, arith, ")
+    assert summary["start"] is None
 
 
 def test_verl_overrides_are_the_same_for_either_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
