@@ -6,6 +6,7 @@ benchmarks/peers/verl-setup.sh (verl into /tmp/verl-site), from the repository r
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR                 # everything
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR --parts verl-R3  # one part per call
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --out DIR --parts table               # the table again
+    python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 50 --out DIR --warm-start-steps 50  # a warmed-up start
 
 Parts: `prepare` (the a3b model in the HF layout + the arith parquet, benchmarks/peers/verl_inputs.py; with
 `--warm-start-steps N`, the model then warmed by N steps of r3operator's SFT warm-up, benchmarks/peers/warm_start.py,
