@@ -12,6 +12,9 @@
 # runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
 # VERL_PARTS (default verl-R3,verl-disabled) and R3_OPTS (default --r3-fast; add --skip-r3-disabled) choose the
 # 2-GPU columns, so that a reservation short of time measures the R3 columns the target compares.
+# WARM_START_STEPS (default 0: the random-init model) warms the model both frameworks load by that many steps of
+# r3operator's SFT warm-up in `prepare` (on GPU 0, lr WARM_START_LR, default the runner's); every part is told, and
+# r3operator's lane waits for `prepare` before it starts.
 #
 #   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4]  # e.g. 20 sync_layouts_a3b up_2gpu 12
 #   bash benchmarks/peers/beside-accept.sh four STEPS4                          # only the 4-GPU comparison, at once
@@ -35,8 +38,14 @@ rows_on() {  # GPUS NAME ROWS: acceptance rows on those GPUs, with work, cache a
     bash scripts/gpu-accept.sh "$root/accept-$name" --rows "$rows"
 }
 
+warm_opts() {  # the start every part is given (prepare makes it, the others check the inputs hold it)
+  echo "--warm-start-steps ${WARM_START_STEPS:-0}${WARM_START_LR:+ --warm-start-lr $WARM_START_LR}"
+}
+
 peer_part() {  # PART [OPTION…]: one part of the comparison on the GPUs this process was given
-  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 --parts "$@"
+  # shellcheck disable=SC2046  # warm_opts's words are options, split on purpose
+  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 $(warm_opts) \
+    --parts "$@"
 }
 
 case "${1:-}" in
@@ -44,38 +53,43 @@ start)
   steps=${2:?STEPS} rows_a=${3:-} rows_b=${4:-} steps4=${5:-}
   verl_parts=${VERL_PARTS:-verl-R3,verl-disabled} r3_opts=${R3_OPTS:---r3-fast}
   mkdir -p "$bg" "$peer"
+  rm -f "$bg/prepare.rc"  # an earlier start's: r3operator's lane must wait for this start's prepare
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD steps
-  export -f rows_on peer_part
+  export -f rows_on peer_part warm_opts
+  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
   export bg peer peer4 root tmp
   setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
     > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
   setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=$tmp/ray-verl; mkdir -p \$RAY_TMPDIR
-    peer_part prepare
+    peer_part prepare; echo \$? > $bg/prepare.rc
     while [ ! -f $bg/te.rc ]; do sleep 3; done
     for part in ${verl_parts//,/ }; do peer_part \$part; done; peer_part table; echo done > $bg/verl.rc
     rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
   setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=$tmp/ray-r3; mkdir -p \$RAY_TMPDIR
+    if [ \"\$WARM_START_STEPS\" != 0 ]; then while [ ! -f $bg/prepare.rc ]; do sleep 3; done; fi
     peer_part r3 $r3_opts; peer_part table; echo done > $bg/r3.rc
     rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
   if [ -n "$steps4" ]; then
     setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
       while [ ! -f $bg/rows-A.rc ] || [ ! -f $bg/rows-B.rc ]; do sleep 3; done
       mkdir -p $peer4 && cp -r $peer/inputs $peer4/
-      four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 --parts \"\$@\"; }
+      four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 \$(warm_opts) --parts \"\$@\"; }
       four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
   fi
   sleep 2
   echo "started: TE build; GPUs 0,1: $verl_parts then rows '$rows_a'; GPUs 2,3: r3operator ($r3_opts) then rows" \
-    "'$rows_b'; $steps steps; 4 GPUs after both: ${steps4:-not run} steps"
+    "'$rows_b'; $steps steps; 4 GPUs after both: ${steps4:-not run} steps; start: ${WARM_START_STEPS} SFT steps"
   ;;
 four)
   steps4=${2:?STEPS4}
   mkdir -p "$bg" "$peer4"
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
+  export -f warm_opts
+  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
   setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
     > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
   setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
-    four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 --parts \"\$@\"; }
+    four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 \$(warm_opts) --parts \"\$@\"; }
     four prepare; while [ ! -f $bg/te.rc ]; do sleep 3; done
     four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
   sleep 2
@@ -98,6 +112,7 @@ collect)
     small "$tmp/r3-accept-$lane" "$out/work-$lane.tgz"
   done
   small "$peer" "$out/peer.tgz"
+  [ -f "$peer/inputs/warm_start.json" ] && cp "$peer/inputs/warm_start.json" "$out/"  # the inputs are pruned above
   small "$peer4" "$out/peer4.tgz"
   echo "== done: $(cd "$bg" && ls ./*.rc 2>/dev/null | tr '\n' ' ')"
   echo "== te";      tail -n 3 "$bg/te.log" 2>/dev/null

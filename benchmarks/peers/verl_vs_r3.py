@@ -6,8 +6,11 @@ benchmarks/peers/verl-setup.sh (verl into /tmp/verl-site), from the repository r
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR                 # everything
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 30 --out DIR --parts verl-R3  # one part per call
     python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --out DIR --parts table               # the table again
+    python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps 50 --out DIR --warm-start-steps 50  # a warmed-up start
 
-Parts: `prepare` (the a3b model in the HF layout + the arith parquet, benchmarks/peers/verl_inputs.py), `r3`
+Parts: `prepare` (the a3b model in the HF layout + the arith parquet, benchmarks/peers/verl_inputs.py; with
+`--warm-start-steps N`, the model then warmed by N steps of r3operator's SFT warm-up, benchmarks/peers/warm_start.py,
+which every later part must be given too), `r3`
 (benchmarks/jobs/a3b-verl-peer.yaml, replay off then R3, same seed: on 2 or more GPUs through `r3operator up`, the
 engine on GPU 0 and the trainer on the others with NCCL weight sync; on 1 GPU or the CPU `r3operator run
 --compare-replay`, engine beside the trainer), `verl-R3`,
@@ -31,14 +34,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from benchmarks.peers.compare import MetricsError, RunSummary, ratio_line, reward_table, summarize_r3, summarize_verl
 from benchmarks.peers.compare import table as make_table
 from benchmarks.peers.te_preflight import MARKER as PREFLIGHT_MARKER
 from benchmarks.peers.verl_config import ATTENTION_BACKEND, Workload, verl_command, verl_overrides
+from benchmarks.peers.warm_start import (
+    DEFAULT_LEARNING_RATE,
+    WARM_START_FILE,
+    WarmStartError,
+    check_start,
+    read_warm_start,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parent
@@ -192,12 +203,41 @@ def environment(pythonpath: list[str]) -> dict[str, str]:
     return env
 
 
-def prepare(out: Path, model: str) -> None:
+def prepare(args: argparse.Namespace) -> int:
+    """The random-init export and the parquet; with --warm-start-steps N, the export then warmed in a process of its
+    own (the trainer's GPU memory and process group end with it, before any later part in this call starts)."""
     from benchmarks.peers.verl_inputs import ARITH, convert_arith, export_model
 
-    export_model(model, out / "inputs" / "model")
-    convert_arith(ARITH, out / "inputs" / "data")
-    print(f"== prepare: {out / 'inputs'}", flush=True)
+    inputs = args.out / "inputs"
+    (inputs / WARM_START_FILE).unlink(missing_ok=True)  # an earlier warm start must not outlive its weights
+    export_model(args.model, inputs / "model")
+    convert_arith(ARITH, inputs / "data")
+    print(f"== prepare: {inputs}", flush=True)
+    if not args.warm_start_steps:
+        return 0
+    return run_logged(
+        f"warm start ({args.warm_start_steps} SFT steps, {args.device})",
+        warm_start_command(args),
+        environment([args.site, str(REPO)]),
+        args.out / "warm-start",
+        args.timeout_s,
+    )
+
+
+def warm_start_command(args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.peers.warm_start",
+        "--model-dir",
+        str(args.out / "inputs" / "model"),
+        "--steps",
+        str(args.warm_start_steps),
+        "--lr",
+        repr(args.warm_start_lr),
+        "--device",
+        args.device,
+    ]
 
 
 def place_dataset() -> None:
@@ -212,12 +252,15 @@ def place_dataset() -> None:
 def r3_command(args: argparse.Namespace) -> list[str]:
     """One process, engine beside the trainer: the CPU smoke test and 1-GPU machines (the `a3b` trainer and engine
     do not fit one 80 GB GPU at 16×8 samples of 64 tokens: 2026-11-27, out of memory at 0.3 and at 0.15 of it)."""
+    job = JOB
+    if args.warm_start_steps:  # the RLJob as committed (R3; --compare-replay runs replay off first) on the warm model
+        job = r3_job_variant(JOB, args.out / "r3" / "jobs" / "warm.yaml", sub="r3", replay="R3", gpus=0, args=args)
     cmd = [
         sys.executable,
         "-m",
         "r3operator",
         "run",
-        str(JOB),
+        str(job),
         "--device",
         args.device,
         "--no-resume",
@@ -228,7 +271,7 @@ def r3_command(args: argparse.Namespace) -> list[str]:
         str(args.out / "r3"),
         "--quiet",
     ]
-    if args.model != "a3b":  # a smoke test on a smaller reference model
+    if args.model != "a3b" and not args.warm_start_steps:  # a smoke test on a smaller reference model
         cmd += ["--model", args.model]
     return cmd
 
@@ -237,21 +280,43 @@ def uses_up(args: argparse.Namespace) -> bool:
     return args.device != "cpu" and args.gpus >= 2
 
 
-def r3_job_variant(base: Path, dest: Path, *, sub: str, replay: str, gpus: int) -> Path:
-    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer;
-    the `FAST` variant also syncs in the kernel layout and runs asynchronously."""
+def r3_job_variant(
+    base: Path, dest: Path, *, sub: str, replay: str, gpus: int, args: argparse.Namespace | None = None
+) -> Path:
+    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer (`gpus`
+    0: the committed count, one process); the `FAST` variant also syncs in the kernel layout and runs asynchronously.
+    With a warm start (`args.warm_start_steps`), the model is the warmed directory verl reads."""
     import yaml
 
     doc = yaml.safe_load(base.read_text())
     doc["metadata"]["name"] = f"{JOB_NAME}-{sub}"
     doc["spec"]["routingReplay"]["mode"] = replay
-    doc["spec"]["trainer"]["gpusPerNode"] = gpus - int(doc["spec"]["inference"]["replicas"])
+    if gpus:
+        doc["spec"]["trainer"]["gpusPerNode"] = gpus - int(doc["spec"]["inference"]["replicas"])
+    if args is not None and args.warm_start_steps:
+        doc["spec"]["model"] = warm_model_block(doc["spec"]["model"], args.out / "inputs" / "model")
+        doc["spec"]["algorithm"]["sftWarmupSteps"] = 0  # warmed once, in `prepare`, for both frameworks
     if sub == FAST:
         doc["spec"]["weightSync"]["layout"] = "kernel"
         doc["spec"]["algorithm"]["mode"] = "async"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dest
+
+
+def warm_model_block(block: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """`spec.model` for the warmed directory: a file:// URI (the API's form for a directory already on the machine:
+    `up` hands it to `vllm serve` as it is, the driver loads it from there), and the architecture read from its
+    config.json, so that the driver's check compares against the model actually loaded (the `tiny` smoke test)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    architecture = dict(block.get("architecture") or {})
+    architecture.update(
+        numLayers=int(config["num_hidden_layers"]),
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; 4.x wrote num_experts
+        numExperts=int(config.get("num_experts") or config["num_local_experts"]),
+        topK=int(config["num_experts_per_tok"]),
+    )
+    return {**block, "uri": model_dir.resolve().as_uri(), "architecture": architecture}
 
 
 def r3_up_commands(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
@@ -264,7 +329,9 @@ def r3_up_commands(args: argparse.Namespace) -> list[tuple[str, list[str], Path]
         *([] if args.skip_r3_disabled else [("disabled", "Disabled")]),
     ]
     for sub, replay in variants:
-        job = r3_job_variant(JOB, args.out / "r3" / "jobs" / f"{sub}.yaml", sub=sub, replay=replay, gpus=args.gpus)
+        job = r3_job_variant(
+            JOB, args.out / "r3" / "jobs" / f"{sub}.yaml", sub=sub, replay=replay, gpus=args.gpus, args=args
+        )
         cmd = [
             "r3operator",
             "up",
@@ -296,8 +363,15 @@ def run_r3_up(args: argparse.Namespace, env: dict[str, str]) -> int:
 
 def run_part(part: str, args: argparse.Namespace) -> int:
     if part == "prepare":
-        prepare(args.out, args.model)
-        return 0
+        return prepare(args)
+    # verl always reads the inputs' model; r3operator only with a warm start (else the reference model, as the
+    # committed RLJob names it, which may run before `prepare` has finished)
+    if part.startswith("verl-") or (part == "r3" and args.warm_start_steps):
+        try:
+            check_start(args.out / "inputs", args.warm_start_steps)
+        except WarmStartError as exc:
+            print(f"== {part}: {exc}", flush=True)
+            return 2
     if part == "r3":
         place_dataset()
         env = environment([args.site, str(REPO)])
@@ -396,8 +470,14 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
     labels = ["verl R3", "r3operator R3", "verl disabled", "r3operator disabled"]
     labels += [FAST_LABEL] if FAST_LABEL in runs else []
     ordered = [runs[label] for label in labels]
+    try:
+        warm = read_warm_start(out / "inputs")
+        start = "random init" if warm is None else warm.label()
+    except WarmStartError as exc:
+        warm, start = None, "start unknown"
+        problems.append(f"start: {exc}")
     header = [
-        f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, arith, {work.prompts_per_step}×{work.group_size} "
+        f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, {start}, arith, {work.prompts_per_step}×{work.group_size} "
         f"samples of ≤ {work.max_response_tokens} tokens",
         "",
     ]
@@ -417,6 +497,7 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
     text = "\n".join(lines)
     summary: dict[str, object] = {label: (None if r is None else r.to_json()) for label, r in runs.items()}
     summary["problems"] = problems
+    summary["start"] = None if warm is None else asdict(warm)
     return text, summary
 
 
@@ -441,9 +522,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the r3 part runs no replay-off column (a reservation short of time: the target compares R3)",
     )
+    parser.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=0,
+        help="prepare: warm the model by N steps of r3operator's SFT warm-up for both frameworks; every other part: "
+        "the start the inputs must hold (0: the random-init model)",
+    )
+    parser.add_argument(
+        "--warm-start-lr", type=float, default=DEFAULT_LEARNING_RATE, help="the warm-up's learning rate (prepare)"
+    )
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.steps < 1:
         parser.error("--gpus and --steps must be at least 1")
+    if args.warm_start_steps < 0:
+        parser.error(f"--warm-start-steps: expected 0 or more, got {args.warm_start_steps}")
+    if not args.warm_start_lr > 0:
+        parser.error(f"--warm-start-lr: expected a positive learning rate, got {args.warm_start_lr}")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:

@@ -47,6 +47,7 @@ from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts
+from r3operator.runtime.sft import sft_warmup
 from r3operator.runtime.step_record import StepRecord
 from r3operator.tasks import envs
 from r3operator.tasks import toy as tasks
@@ -71,7 +72,6 @@ from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
 
 log = logging.getLogger("r3operator.runtime")
-SFT_BATCH = 32
 
 
 __all__ = ["CanaryMismatchError", "GRPORun"]
@@ -184,12 +184,7 @@ class GRPORun:
         self.canary()
 
     def sft_warmup(self, steps: int) -> list[float]:
-        rng = np.random.default_rng([self.spec.seed, 7])
-        losses = []
-        for _ in range(steps):
-            batch = tasks.sample_problems(self.pool, count=SFT_BATCH, rng=rng)
-            losses.append(self.trainer.sft_step([p.prompt_ids for p in batch], [p.answer_ids for p in batch]))
-        return losses
+        return sft_warmup(self.trainer, self.pool, steps=steps, seed=self.spec.seed)
 
     # -- the numbered phases ------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[RolloutSample], list[tasks.Problem]]:

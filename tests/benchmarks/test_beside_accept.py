@@ -19,8 +19,11 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    # Each "python3" records its GPUs and arguments, and takes a little time, as a real part would.
-    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$CUDA_VISIBLE_DEVICES|$*" >> {calls}\nsleep 0.2\n')
+    # Each "python3" records its GPUs and arguments when it ends; `prepare` takes longest, as the real one does.
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\ncase "$*" in *"--parts prepare"*) sleep 1 ;; *) sleep 0.2 ;; esac\n'
+        f'echo "$CUDA_VISIBLE_DEVICES|$*" >> {calls}\n'
+    )
     (bin_dir / "taskset").write_text('#!/bin/bash\nshift 2\nexec "$@"\n')  # bash keeps the exported functions
     setup = tmp_path / "verl-setup.sh"
     setup.write_text("#!/bin/bash\nexit 0\n")
@@ -98,3 +101,17 @@ def test_four_runs_only_the_four_gpu_comparison(tmp_path: Path) -> None:
 def test_an_unknown_command_says_how_to_call_it(tmp_path: Path) -> None:
     out = subprocess.run(["bash", str(SCRIPT), "go"], cwd=REPO, env=_fakes(tmp_path), capture_output=True, text=True)
     assert out.returncode == 2 and "four STEPS4" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_start_reaches_every_part_and_r3operator_waits_for_prepare(tmp_path: Path) -> None:
+    env = _fakes(tmp_path)
+    env.update(VERL_PARTS="verl-R3", R3_OPTS="--skip-r3-disabled", WARM_START_STEPS="3", WARM_START_LR="5e-05")
+    subprocess.run(
+        ["bash", str(SCRIPT), "start", "20", "", "", "12"], cwd=REPO, env=env, capture_output=True, check=True
+    )
+    calls = _calls(tmp_path, "four.rc")
+    comparison = [a for _, a in calls if "verl_vs_r3" in a]
+    assert comparison and all("--warm-start-steps 3 --warm-start-lr 5e-05" in a for a in comparison)
+    parts = [_part(a) for _, a in calls]
+    assert parts.index("prepare") < parts.index("r3 --skip-r3-disabled")  # the warmed model exists first

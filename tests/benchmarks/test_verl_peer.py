@@ -525,7 +525,14 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
     from r3operator.cli.up.plan import plan_up
 
     args = argparse.Namespace(
-        out=tmp_path, gpus=gpus, steps=20, device="cuda", model="a3b", r3_fast=False, skip_r3_disabled=False
+        out=tmp_path,
+        gpus=gpus,
+        steps=20,
+        device="cuda",
+        model="a3b",
+        r3_fast=False,
+        skip_r3_disabled=False,
+        warm_start_steps=0,
     )
     assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3", "disabled"]  # the target's column first
     args.skip_r3_disabled = True
@@ -692,7 +699,15 @@ def verl_part_args(tmp_path: Path) -> Any:
     (tmp_path / "inputs" / "data").mkdir(parents=True)
     (tmp_path / "inputs" / "data" / "train.parquet").write_bytes(b"")
     return argparse.Namespace(
-        out=tmp_path, gpus=2, steps=3, model="a3b", site="/s", verl_site="/v", timeout_s=5, device="cuda"
+        out=tmp_path,
+        gpus=2,
+        steps=3,
+        model="a3b",
+        site="/s",
+        verl_site="/v",
+        timeout_s=5,
+        device="cuda",
+        warm_start_steps=0,
     )
 
 
