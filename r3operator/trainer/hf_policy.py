@@ -202,10 +202,6 @@ class PolicyTrainer(UpdateByShares):
         self.model.eval()
         return out
 
-    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
-        """One supervised step (cross-entropy on answer tokens), natural routing: the toy-task warm-up."""
-        return self.sft_share(prompts, answers, total_tokens=None)[0]
-
     def sft_share(
         self,
         prompts: Sequence[Sequence[int]],

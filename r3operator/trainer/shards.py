@@ -116,8 +116,9 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
 
 
 class UpdateByShares(ABC):
-    """`Trainer.update` of a one-process trainer through its own `update_shares` (a world of one: every
-    share weighs 1), the code path a rank of a distributed trainer runs on its part of the batch."""
+    """`Trainer.update` and `Trainer.sft_step` of a one-process trainer through its own `update_shares` and
+    `sft_share` (a world of one: every share weighs 1), the code paths a rank of a distributed trainer runs on its
+    part of the batch."""
 
     @abstractmethod
     def update_shares(
@@ -134,6 +135,23 @@ class UpdateByShares(ABC):
         clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:
         """One optimizer step per share of this process's rows (`hf_policy`, `megatron/adapter`)."""
+
+    @abstractmethod
+    def sft_share(
+        self,
+        prompts: Sequence[Sequence[int]],
+        answers: Sequence[Sequence[int]],
+        *,
+        total_tokens: int | None,
+        world: int = 1,
+        padding: bool = False,
+    ) -> tuple[float, int]:
+        """This rank's part of one SFT step: (its token-mean loss, its answer tokens). `total_tokens` (all ranks'
+        answer tokens; None: this rank has them all) scales the loss as in `update_shares`."""
+
+    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+        """One supervised step (cross-entropy on answer tokens), natural routing: the toy-task warm-up."""
+        return self.sft_share(prompts, answers, total_tokens=None)[0]
 
     def update(
         self,

@@ -200,9 +200,6 @@ class MegatronPolicyTrainer(UpdateByShares):
             out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
         return out
 
-    def sft_step(self, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
-        return self.sft_share(prompts, answers, total_tokens=None)[0]
-
     def sft_share(
         self,
         prompts: Sequence[Sequence[int]],
