@@ -406,6 +406,8 @@ class SyncReceipt:
     received: FingerprintLog = field(default_factory=FingerprintLog)
     before: dict[str, Fingerprint] = field(default_factory=dict)
     last_received: dict[str, Fingerprint] = field(default_factory=dict)
+    # What the last finished bracket read of the parameters after its load: their values until the next bracket.
+    held: dict[str, Fingerprint] = field(default_factory=dict)
     unchanged: list[str] = field(default_factory=list)
     checked: int = 0
     duplicates: list[str] = field(default_factory=list)
@@ -420,10 +422,16 @@ class SyncReceipt:
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
         ones that can be named like a checkpoint tensor; a fused 3-D expert block never is, and skipping
-        those skips most of an MoE's bytes)."""
+        those skips most of an MoE's bytes).
+
+        Those the last bracket read at its finish are not read again: only a bracket changes an engine's
+        weights, so what the finish read is what they hold. That holds only after a FINISHED bracket (an
+        aborted one may have left some layers loaded: `closed` is False then, and everything is read). A
+        kernel-layout sync sends every parameter, so after its first it reads nothing here."""
+        known = self.held if self.closed else {}
         log = FingerprintLog()
-        log.add_many((name, p) for name, p in parameters if p.dim() <= 2)
-        self.before = log.result()
+        log.add_many((name, p) for name, p in parameters if p.dim() <= 2 and name not in known)
+        self.before = {**known, **log.result()}
         self.received.clear()
         self.unchanged, self.checked, self.duplicates, self.closed = [], 0, [], False
         self.engine_seconds = {}
@@ -443,8 +451,8 @@ class SyncReceipt:
 
     def finish(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's close: every parameter named like a received tensor, of its shape and dtype, must
-        have changed where the received bytes differ from what came last time (or, at an engine's first
-        sync, from what the parameter held): else the engine kept its previous weights."""
+        have changed where the received bytes differ both from what came last time and from what the parameter
+        held at the bracket's start: else the engine kept its previous weights."""
         received = self.received.result()
         wanted = {name: tensor for name, tensor in parameters if name in received and name in self.before}
         after = FingerprintLog()
@@ -454,13 +462,14 @@ class SyncReceipt:
         for name in sorted(now):
             if now[name][0] != received[name][0]:  # another layout (padded, fused): not comparable here
                 continue
-            baseline = self.last_received.get(name, self.before[name])
-            if received[name] == baseline:
-                continue  # the same bytes as last time: nothing had to change
+            if received[name] in (self.last_received.get(name), self.before[name]):
+                # The same bytes as last time, or the very bytes the parameter already held: nothing had to
+                # change. The second is a re-sync after an aborted bracket that had loaded this layer already.
+                continue
             self.checked += 1
             if now[name] == self.before[name]:
                 self.unchanged.append(name)
-        self.last_received = received
+        self.last_received, self.held = received, now
         self.closed = True
 
     def report(self) -> dict[str, Any]:

@@ -370,6 +370,73 @@ def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_r
         )
 
 
+class _EngineWithFusedAttention(_Engine):
+    """Plus a 2-D parameter no checkpoint tensor is named like (vLLM's fused qkv_proj, loaded from q, k and v)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params["model.layers.0.self_attn.qkv_proj.weight"] = torch.randn(12, 8)
+
+
+def _reads_at_begin(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The parameter names each `SyncReceipt.begin` fingerprints (the sums' reads of the weights)."""
+    reads: list[list[str]] = []
+    real_begin = SyncReceipt.begin
+
+    def begin(self: SyncReceipt, parameters: Any) -> None:
+        names: list[str] = []
+        real_add = receipt_module.FingerprintLog.add
+
+        def add(log: Any, name: str, tensor: Any) -> None:
+            names.append(name)
+            real_add(log, name, tensor)
+
+        monkeypatch.setattr(receipt_module.FingerprintLog, "add", add)
+        try:
+            real_begin(self, parameters)
+        finally:
+            monkeypatch.setattr(receipt_module.FingerprintLog, "add", real_add)
+        reads.append(sorted(names))
+
+    monkeypatch.setattr(SyncReceipt, "begin", begin)
+    return reads
+
+
+def test_a_bracket_after_a_finished_one_reads_only_what_that_finish_did_not(
+    fingerprint_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = _reads_at_begin(monkeypatch)
+    engine, receipt = _EngineWithFusedAttention(), SyncReceipt()
+    states = [_checkpoint(seed) for seed in range(4)]
+    for state in states[:3]:
+        check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    everything = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight", fused])
+    assert reads == [everything, [fused], [fused]]  # the norm and the gate: as the last finish read them
+    # the values it relies on are the engine's: an engine that stops applying is still caught at once
+    with pytest.raises(CanaryMismatchError, match="kept its previous values in 2 of the 2"):
+        check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
+
+
+def test_after_an_aborted_bracket_all_is_read_again_and_a_layer_it_loaded_passes_the_resync(
+    fingerprint_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = _reads_at_begin(monkeypatch)
+    engine, receipt = _Engine(), SyncReceipt()
+    first, second = _checkpoint(1), _checkpoint(2)
+    _sync(engine, receipt, first)
+    receipt.begin(engine.named_parameters())
+    engine.load([("model.norm.weight", second["model.norm.weight"])], "ok")  # a layer loaded, then the abort
+    receipt.closed = False  # what the worker's abort does (engine/worker.py)
+    # The re-sync of the same weights: the norm already holds them (its layer finished before the abort), so it
+    # need not change; the gate must, and does.
+    check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
+    both = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight"])
+    assert reads == [both, [], both]
+    # the same sync once more changes nothing: no parameter had to change, none is reported kept
+    assert _sync(engine, receipt, second)["unchanged"] == []
+
+
 def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
