@@ -348,13 +348,13 @@ class Reconciler:
         trainer = meta.child_name(job, meta.ROLE_TRAINER)
         raw_ray_job = await self._get("RayJob", job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
-        ray_job = raw_ray_job if raw_ray_job is not None and is_ours(raw_ray_job, uid) else None
+        ray_job = _ours_or_none(raw_ray_job, uid)
         workload_name = meta.child_name(job, meta.ROLE_WORKLOAD)
         raw_workload = None
         if queued and kueue:
             raw_workload = await self._get("Workload", job.metadata.namespace, workload_name)
         # Only a Workload this RLJob controls admits it; a foreign one is a NameConflict.
-        ours = raw_workload if raw_workload is not None and is_ours(raw_workload, uid) else None
+        ours = _ours_or_none(raw_workload, uid)
         admission = read_admission(job.spec.queue_name, ours)
         finish = observed_finish(ray_job)
         # The end's record goes out beside this pass's child writes, not before them: the pass that sees the
@@ -444,7 +444,7 @@ class Reconciler:
             engines = None
             if lws:  # without the CRD there is no LeaderWorkerSet to read
                 engines = await self._get(engine_kind, job.metadata.namespace, meta.child_name(job, meta.ROLE_ENGINE))
-            observed[engine_kind] = engines if engines is not None and is_ours(engines, uid) else None
+            observed[engine_kind] = _ours_or_none(engines, uid)
             upgrade = UpgradePlan(read_record(observed[engine_kind]))
         obs = Observed(
             rule_errors=rule_errors,
@@ -522,7 +522,7 @@ class Reconciler:
         kubelet, none by the trainer pods."""
         namespace = job.metadata.namespace
         raw = await self._get("Job", namespace, meta.child_name(job, meta.ROLE_UPGRADE_CANARY))
-        canary_job = raw if raw is not None and is_ours(raw, job.metadata.uid) else None
+        canary_job = _ours_or_none(raw, job.metadata.uid)
         pods = await self._pods(job)
         canary = canary_pods(pods, prev.attempt)
         verdict = verdict_from_pods(canary, canary_job, container=CANARY_CONTAINER, attempt=prev.attempt)
