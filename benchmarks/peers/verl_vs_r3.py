@@ -39,6 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_memory import nvidia_smi_memory_query
 from benchmarks.peers.compare import MetricsError, RunSummary, ratio_line, reward_table, summarize_r3, summarize_verl
 from benchmarks.peers.compare import table as make_table
 from benchmarks.peers.te_preflight import MARKER as PREFLIGHT_MARKER
@@ -70,16 +71,6 @@ COMMON_ENV = {
     "PYTHONUNBUFFERED": "1",
     **SAFE_ENV,
 }
-
-
-def nvidia_smi_memory_query(env: Mapping[str, str]) -> list[str]:
-    """nvidia-smi ignores CUDA_VISIBLE_DEVICES: a run given some GPUs of a bigger machine (another job on the others)
-    samples only its own, by physical index."""
-    cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
-    visible = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    if visible and all(g.isdigit() for g in visible):
-        cmd.append(f"--id={','.join(visible)}")
-    return cmd
 
 
 class GpuMemorySampler:
@@ -307,16 +298,14 @@ def r3_job_variant(
 def warm_model_block(block: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     """`spec.model` for the warmed directory: a file:// URI (the API's form for a directory already on the machine:
     `up` hands it to `vllm serve` as it is, the driver loads it from there), and the architecture read from its
-    config.json, so that the driver's check compares against the model actually loaded (the `tiny` smoke test)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    architecture = dict(block.get("architecture") or {})
-    architecture.update(
-        numLayers=int(config["num_hidden_layers"]),
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; 4.x wrote num_experts
-        numExperts=int(config.get("num_experts") or config["num_local_experts"]),
-        topK=int(config["num_experts_per_tok"]),
-    )
-    return {**block, "uri": model_dir.resolve().as_uri(), "architecture": architecture}
+    config as the runtime reads it (models/architecture.py), so that the driver's check compares against the model
+    actually loaded (the `tiny` smoke test)."""
+    from transformers import AutoConfig
+
+    from r3operator.models.architecture import architecture
+
+    stated = {**(block.get("architecture") or {}), **architecture(AutoConfig.from_pretrained(model_dir))}
+    return {**block, "uri": model_dir.resolve().as_uri(), "architecture": stated}
 
 
 def r3_up_commands(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:

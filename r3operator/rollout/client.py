@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
+from r3operator.models.architecture import num_experts as experts_of
 from r3operator.routing.codec import RoutedExperts, from_vllm
 from r3operator.routing.errors import RoutingDataError
 from r3operator.wire.retry import Backoff, http_transient, retry_call
@@ -169,8 +170,7 @@ class InProcessLLMClient:
             llm = LLM(**llm_kwargs)
         self.llm = llm
         if num_experts is None:
-            hf_config = llm.llm_engine.model_config.hf_config
-            num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+            num_experts = experts_of(llm.llm_engine.model_config.hf_config)
         self.num_experts = num_experts
 
     def generate(

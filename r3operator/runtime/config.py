@@ -24,6 +24,7 @@ from r3operator.api.runtime_config import RuntimeConfig
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.api.vllm_args import model_source
 from r3operator.api.weight_transfer import TransferChoice
+from r3operator.models.architecture import architecture
 from r3operator.runtime.sources import fetched_model_dir
 from r3operator.settings import REFERENCE_MODELS_SUBDIR, RuntimeSettings, runtime_settings
 
@@ -117,11 +118,7 @@ def check_architecture(job: RLJob, hf_config: Any) -> None:
     arch = job.spec.model.architecture
     if arch is None:
         return
-    actual = {
-        "numLayers": hf_config.num_hidden_layers,
-        "numExperts": getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None),
-        "topK": hf_config.num_experts_per_tok,
-    }
+    actual = architecture(hf_config)
     declared = {"numLayers": arch.num_layers, "numExperts": arch.num_experts, "topK": arch.top_k}
     wrong = [f"{k}={declared[k]} (model has {actual[k]})" for k in declared if declared[k] != actual[k]]
     if wrong:
