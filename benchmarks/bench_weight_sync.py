@@ -54,6 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.gpu_memory import used_mib
 from benchmarks.report_json import write_json
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ def measure(
         run.supervisor.install = native_install
     seconds, changed, canary_ok = [], 0, 0
     phases: dict[str, list[float]] = {}
-    gpu_used_mib: list[list[int]] = []  # each host GPU's memory in use after each sync (nvidia-smi), off the clock
+    gpu_used_mib: list[list[int]] = []  # each visible GPU's memory in use after each sync (nvidia-smi), off the clock
     previous = _greedy_tokens(run)
     for _ in range(syncs):
         new_policy(run, sft_steps)
@@ -237,7 +238,7 @@ def measure(
         canary_ok += int(run.canary())  # raises CanaryMismatchError on a wrong sync
         phases.setdefault("canary", []).append(time.perf_counter() - begin)
         if cuda:
-            gpu_used_mib.append(gpu_memory_used_mib())
+            gpu_used_mib.append(used_mib(os.environ))
         now = _greedy_tokens(run)
         changed += int(now != previous)
         previous = now
@@ -251,19 +252,6 @@ def measure(
         "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},
         "gpu_used_mib_after_each_sync": gpu_used_mib,
     }
-
-
-def gpu_memory_used_mib() -> list[int]:
-    """Memory in use on every GPU of the host, as nvidia-smi reports it (the engine's process included, which torch in
-    this process cannot see): whether a sync's buffers stay behind shows as growth from one sync to the next."""
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    return [int(line) for line in out.stdout.split() if line.strip().isdigit()]
 
 
 def profile_one_sync(run: Any, sft_steps: int, out: Path) -> dict[str, str]:

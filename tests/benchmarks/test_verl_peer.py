@@ -506,7 +506,7 @@ def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkey
 
 
 def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
-    from benchmarks.peers.verl_vs_r3 import nvidia_smi_memory_query
+    from benchmarks.gpu_memory import nvidia_smi_memory_query
 
     base = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
     assert nvidia_smi_memory_query({}) == base
