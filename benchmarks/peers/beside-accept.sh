@@ -42,10 +42,39 @@ warm_opts() {  # the start every part is given (prepare makes it, the others che
   echo "--warm-start-steps ${WARM_START_STEPS:-0}${WARM_START_LR:+ --warm-start-lr $WARM_START_LR}"
 }
 
-peer_part() {  # PART [OPTION…]: one part of the comparison on the GPUs this process was given
+compare() {  # GPUS STEPS OUT PART [OPTION…]: one part of the comparison on the GPUs this process was given
+  local gpus=$1 steps=$2 out=$3
+  shift 3
   # shellcheck disable=SC2046  # warm_opts's words are options, split on purpose
-  python3 -m benchmarks.peers.verl_vs_r3 --gpus 2 --steps "$steps" --out "$peer" --timeout-s 900 $(warm_opts) \
+  python3 -m benchmarks.peers.verl_vs_r3 --gpus "$gpus" --steps "$steps" --out "$out" --timeout-s 900 $(warm_opts) \
     --parts "$@"
+}
+
+peer_part() { compare 2 "$steps" "$peer" "$@"; }  # PART [OPTION…] on two GPUs
+
+four_chain() {  # STEPS4: verl, then r3operator, with R3 on all four GPUs, and their table
+  local steps4=$1
+  export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four
+  mkdir -p "$RAY_TMPDIR"
+  compare 4 "$steps4" "$peer4" verl-R3
+  compare 4 "$steps4" "$peer4" r3 --skip-r3-disabled
+  compare 4 "$steps4" "$peer4" table
+  echo done > "$bg/four.rc"
+}
+
+detach() {  # LOG COMMAND: run COMMAND (a bash script) detached from this call, so it outlives it
+  local log=$1
+  shift
+  setsid bash -c "$1" < /dev/null > "$log" 2>&1 &
+}
+
+export_all() {  # what the detached chains call and read
+  export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
+  export -f rows_on warm_opts compare peer_part four_chain
+  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
+  export bg peer peer4 root tmp
+  detach /dev/null "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash > $bg/te.log 2>&1
+    echo \$? > $bg/te.rc"  # the TE build, beside everything else
 }
 
 case "${1:-}" in
@@ -54,27 +83,24 @@ start)
   verl_parts=${VERL_PARTS:-verl-R3,verl-disabled} r3_opts=${R3_OPTS:---r3-fast}
   mkdir -p "$bg" "$peer"
   rm -f "$bg/prepare.rc"  # an earlier start's: r3operator's lane must wait for this start's prepare
-  export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD steps
-  export -f rows_on peer_part warm_opts
-  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
-  export bg peer peer4 root tmp
-  setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
-    > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
-  setsid taskset -c 0-15 bash -c "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=$tmp/ray-verl; mkdir -p \$RAY_TMPDIR
+  export steps
+  export_all
+  detach "$bg/chain-A.log" "export CUDA_VISIBLE_DEVICES=0,1 RAY_TMPDIR=$tmp/ray-verl; mkdir -p \$RAY_TMPDIR
+    taskset -c 0-15 bash -c '
     peer_part prepare; echo \$? > $bg/prepare.rc
     while [ ! -f $bg/te.rc ]; do sleep 3; done
     for part in ${verl_parts//,/ }; do peer_part \$part; done; peer_part table; echo done > $bg/verl.rc
-    rows_on 0,1 A '$rows_a'; echo done > $bg/rows-A.rc" < /dev/null > "$bg/chain-A.log" 2>&1 &
-  setsid taskset -c 16-31 bash -c "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=$tmp/ray-r3; mkdir -p \$RAY_TMPDIR
+    rows_on 0,1 A \"$rows_a\"; echo done > $bg/rows-A.rc'"
+  detach "$bg/chain-B.log" "export CUDA_VISIBLE_DEVICES=2,3 RAY_TMPDIR=$tmp/ray-r3; mkdir -p \$RAY_TMPDIR
+    taskset -c 16-31 bash -c '
     if [ \"\$WARM_START_STEPS\" != 0 ]; then while [ ! -f $bg/prepare.rc ]; do sleep 3; done; fi
     peer_part r3 $r3_opts; peer_part table; echo done > $bg/r3.rc
-    rows_on 2,3 B '$rows_b'; echo done > $bg/rows-B.rc" < /dev/null > "$bg/chain-B.log" 2>&1 &
+    rows_on 2,3 B \"$rows_b\"; echo done > $bg/rows-B.rc'"
   if [ -n "$steps4" ]; then
-    setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
+    detach "$bg/chain-4.log" "taskset -c 0-31 bash -c '
       while [ ! -f $bg/rows-A.rc ] || [ ! -f $bg/rows-B.rc ]; do sleep 3; done
       mkdir -p $peer4 && cp -r $peer/inputs $peer4/
-      four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 \$(warm_opts) --parts \"\$@\"; }
-      four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
+      four_chain $steps4'"
   fi
   sleep 2
   echo "started: TE build; GPUs 0,1: $verl_parts then rows '$rows_a'; GPUs 2,3: r3operator ($r3_opts) then rows" \
@@ -83,15 +109,11 @@ start)
 four)
   steps4=${2:?STEPS4}
   mkdir -p "$bg" "$peer4"
-  export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
-  export -f warm_opts
-  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
-  setsid bash -c "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash \
-    > $bg/te.log 2>&1; echo \$? > $bg/te.rc" < /dev/null > /dev/null 2>&1 &
-  setsid taskset -c 0-31 bash -c "export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four; mkdir -p \$RAY_TMPDIR
-    four() { python3 -m benchmarks.peers.verl_vs_r3 --gpus 4 --steps $steps4 --out $peer4 --timeout-s 900 \$(warm_opts) --parts \"\$@\"; }
-    four prepare; while [ ! -f $bg/te.rc ]; do sleep 3; done
-    four verl-R3; four r3 --skip-r3-disabled; four table; echo done > $bg/four.rc" < /dev/null > "$bg/chain-4.log" 2>&1 &
+  export_all
+  detach "$bg/chain-4.log" "taskset -c 0-31 bash -c '
+    CUDA_VISIBLE_DEVICES=0,1,2,3 compare 4 $steps4 $peer4 prepare
+    while [ ! -f $bg/te.rc ]; do sleep 3; done
+    four_chain $steps4'"
   sleep 2
   echo "started: TE build; GPUs 0-3: verl with R3, then r3operator with R3, $steps4 steps each"
   ;;
