@@ -24,10 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from spec_edits import apply_edits
+
+if TYPE_CHECKING:
+    from r3operator.operator.kube import KubeClient
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
@@ -129,6 +132,15 @@ class Cluster:
         assert self.kubectl_bin is not None
         self.kubeconfig = plane.kubeconfig
         self.env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig)}
+
+    def client(self) -> KubeClient:
+        """The operator's own API client with the admin's token."""
+        from r3operator.operator.kube import KubeClient
+
+        plane = self.api
+        return KubeClient(
+            plane.url, headers={"Authorization": f"Bearer {plane.admin_token}"}, ssl_context=plane.ssl_context()
+        )
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(

@@ -32,17 +32,10 @@ from operator_harness import (
 )
 
 from r3operator.operator.apply import create_only
-from r3operator.operator.kube import KubeClient, KubeError
+from r3operator.operator.kube import KubeError
 
 NS = "create-only"
 OLD, NEW = (f"ghcr.io/r3operator/engine:0.{i}.0-vllm0.22.1" for i in (1, 2))
-
-
-def _client(cluster: Cluster) -> KubeClient:
-    plane = cluster.api
-    return KubeClient(
-        plane.url, headers={"Authorization": f"Bearer {plane.admin_token}"}, ssl_context=plane.ssl_context()
-    )
 
 
 def _config_map(name: str, data: dict[str, str]) -> dict[str, Any]:
@@ -63,7 +56,7 @@ def test_a_create_only_apply_creates_with_an_apply_entry_and_refuses_whatever_ho
     theirs = cluster.get(f"{base}/theirs")
 
     async def scenario() -> dict[str, Any]:
-        client = _client(cluster)
+        client = cluster.client()
         refused: dict[str, int] = {}
         try:
             made = await client.apply(create_only(_config_map("made", {"a": "1", "b": "2"})), force=False)

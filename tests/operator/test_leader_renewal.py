@@ -10,19 +10,11 @@ from typing import Any
 
 from operator_harness import Cluster
 
-from r3operator.operator.kube import KubeClient
 from r3operator.operator.leader import LEASE, LeaderElector, LeaseConfig
 
 NS = "rl-lease"
 SLOW_S = 0.8
 """Each request's added delay: a GET + PUT round takes 1.6 s, over three retry periods."""
-
-
-def _client(cluster: Cluster) -> KubeClient:
-    plane = cluster.api
-    return KubeClient(
-        plane.url, headers={"Authorization": f"Bearer {plane.admin_token}"}, ssl_context=plane.ssl_context()
-    )
 
 
 def test_a_renewal_slower_than_the_retry_period_keeps_the_lease(cluster: Cluster) -> None:
@@ -37,7 +29,7 @@ def test_a_renewal_slower_than_the_retry_period_keeps_the_lease(cluster: Cluster
     )
 
     async def scenario() -> tuple[list[float], dict[str, Any], dict[str, Any], bool]:
-        client, reader = _client(cluster), _client(cluster)
+        client, reader = cluster.client(), cluster.client()
         exits: list[float] = []
         elector = LeaderElector(client, config, exit_on_loss=lambda: exits.append(time.monotonic()))
         try:
