@@ -13,9 +13,14 @@ logprobs less than any tolerance that also accepts the engine's rounding. A rece
   parameter that kept its old values is a failed sync, on the first sync it happens.
 
 A fingerprint is exact and independent of summation order: the tensor's bytes read as 16-bit integers
-(8-bit when the byte count is odd), summed plainly and weighted by position (mod 251, so a shifted or
-permuted tensor fingerprints differently), in integers on the tensor's own device: no device-to-host copy
-of the weights, and the same result on the trainer's GPU and on the engine's.
+(8-bit when the byte count is odd), laid out as rows of 251 columns, summed per column within each group of
+`GROUP_ROWS` rows, then over the groups, plainly and weighted by column (so a shifted or permuted tensor
+fingerprints differently), in integers on the tensor's own device: no device-to-host copy of the weights,
+and the same result on the trainer's GPU and on the engine's. A group's column sums of 16-bit words are
+kept modulo 2^16 (as int16): summed in the words' own dtype, a reduction needs no widened copy of its input
+(torch widens before reducing: in an a3b-x16l kernel-layout sync on an H200 that copy took 20.7 of the
+fingerprints' 33 ms of device time),
+and one changed word still changes its group's sum (a difference of one word is never a multiple of 2^16).
 
 On a GPU a sync's fingerprints must cost neither kernels nor host time nor waits (a kernel-layout sync is
 host-bound: the host issues each buffer's operators between two broadcasts):
@@ -23,8 +28,8 @@ host-bound: the host issues each buffer's operators between two broadcasts):
   into buckets of up to `BUCKET_BYTES`, each fingerprinted with a fixed number of operators
   (`_bucket_columns`), whatever the tensors in it;
 - a kernel-layout sync is a few big ones (a fused expert block of a3b is 805 MB): each costs one reduction
-  per `SLICE_BYTES` (`_group_sum_pieces`; torch's widened copy of a reduction's input stays a cached
-  slice-sized block instead of a new 4x-sized one per tensor and stream) and one small copy of its rest;
+  per `SLICE_BYTES` (`_group_sum_pieces`, reading its words in place, with no widened copy) and one small
+  copy of its rest;
   the rest of its work waits for the open bucket;
 - what can be done for every tensor at once (the plain and weighted sums) waits for
   `FingerprintLog.result`, and nothing waits for the device until it reads every fingerprint back in one
@@ -68,20 +73,27 @@ def fingerprint_device(tensor: Any) -> Any:
     return _fingerprint_torch(words)
 
 
-def _group_sum_pieces(words: Any) -> list[Any]:
-    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups), int32
-    [groups, WEIGHT_PERIOD] (1/32 of 16-bit words' bytes) in pieces, one operator per slice.
-
-    torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16
-    words writes an int64 copy of them, 4x their bytes): the groups are summed in int32, the narrowest
-    exact type for 64 rows (64 x 2^15 < 2^31), in slices of at most `SLICE_BYTES` of words, so that copy
-    is at most 2x a slice whatever the size of `words` (an a3b expert block is 805 MB)."""
+def _group_dtype(words: Any) -> Any:
+    """The dtype of a group's column sums: int16 (modulo 2^16, see the module doc) for 16-bit words; exact
+    int32 for 8-bit ones (64 x 255 fits), which only odd byte counts use, always small."""
     import torch
 
+    return torch.int16 if words.dtype == torch.int16 else torch.int32
+
+
+def _group_sum_pieces(words: Any) -> list[Any]:
+    """Column sums of each group of `GROUP_ROWS` rows of `words` (a whole number of groups),
+    [groups, WEIGHT_PERIOD] of `_group_dtype` (1/64 of 16-bit words' bytes) in pieces, one operator per slice
+    of at most `SLICE_BYTES` of words.
+
+    torch widens a reduction's input to the output dtype before reducing (`sum(dtype=int64)` of int16 words
+    writes an int64 copy of them, 4x their bytes); summed in their own dtype, 16-bit words are read once, in
+    place. The slices bound the 8-bit words' widened copy, and keep each operator's output small."""
     block = GROUP_ROWS * WEIGHT_PERIOD
     step = max(1, SLICE_BYTES // (words.element_size() * block)) * block
+    dtype = _group_dtype(words)
     return [
-        words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=torch.int32)
+        words[start : start + step].view(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(dim=1, dtype=dtype)
         for start in range(0, words.numel(), step)
     ]
 
@@ -92,23 +104,23 @@ def _group_sums(words: Any) -> Any:
 
     pieces = _group_sum_pieces(words)
     if not pieces:
-        return torch.zeros(0, WEIGHT_PERIOD, dtype=torch.int32, device=words.device)
+        return torch.zeros(0, WEIGHT_PERIOD, dtype=_group_dtype(words), device=words.device)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _columns_torch(words: Any) -> Any:
     """The column sums of `words` as int64 [1, WEIGHT_PERIOD]: the whole groups of rows through
     `_group_sums` (a slice starts at a whole row, so a word's column is still its position mod
-    `WEIGHT_PERIOD`), then the rest, padded with zeros to whole rows (zeros add nothing)."""
+    `WEIGHT_PERIOD`), then the rest, the last group, padded with zeros to whole rows (zeros add nothing)."""
     import torch
 
     n = words.numel()
     whole = n - n % (GROUP_ROWS * WEIGHT_PERIOD)
     columns = _group_sums(words[:whole]).sum(dim=0, keepdim=True, dtype=torch.int64)
     if n > whole:
-        rest = words[whole:].to(torch.int64)
-        rest = torch.nn.functional.pad(rest, (0, -rest.numel() % WEIGHT_PERIOD))
-        columns = columns + rest.view(-1, WEIGHT_PERIOD).sum(dim=0, keepdim=True)
+        rest = torch.nn.functional.pad(words[whole:], (0, -(n - whole) % WEIGHT_PERIOD))
+        last = rest.view(-1, WEIGHT_PERIOD).sum(dim=0, keepdim=True, dtype=_group_dtype(words))
+        columns = columns + last.to(torch.int64)
     return columns
 
 
@@ -130,34 +142,38 @@ def _fingerprint_torch(words: Any) -> Any:
 
 
 def _fingerprint_numpy(words: np.ndarray) -> list[int]:
+    """`fingerprint_device`'s [count, sum, weighted] with numpy: the same groups, each group's column sums
+    in the same dtype (numpy's integer sums wrap as torch's do)."""
     n = int(words.size)
-    full = n - n % WEIGHT_PERIOD
+    block = GROUP_ROWS * WEIGHT_PERIOD
+    whole = n - n % block
+    group_dtype = np.int16 if words.dtype == np.int16 else np.int32
     columns = np.zeros(WEIGHT_PERIOD, dtype=np.int64)
-    if full:
-        columns = words[:full].reshape(-1, WEIGHT_PERIOD).sum(axis=0, dtype=np.int64)
-    tail = words[full:].astype(np.int64)
+    if whole:
+        groups = words[:whole].reshape(-1, GROUP_ROWS, WEIGHT_PERIOD).sum(axis=1, dtype=group_dtype)
+        columns += groups.sum(axis=0, dtype=np.int64)
+    if n > whole:
+        last = np.zeros(-(-(n - whole) // WEIGHT_PERIOD) * WEIGHT_PERIOD, dtype=words.dtype)
+        last[: n - whole] = words[whole:]
+        columns += last.reshape(-1, WEIGHT_PERIOD).sum(axis=0, dtype=group_dtype).astype(np.int64)
     weights = np.arange(1, WEIGHT_PERIOD + 1, dtype=np.int64)
-    plain = int(columns.sum()) + int(tail.sum())
-    weighted = int((columns * weights).sum()) + int((tail * weights[: tail.size]).sum())
-    return [n, plain, weighted]
+    return [n, int(columns.sum()), int((columns * weights).sum())]
 
 
 BUCKET_BYTES = 256 << 20
 """How many bytes of tensors `FingerprintLog` fingerprints together: the bucket's flat copy is this big."""
 
 SLICE_BYTES = 256 << 20
-"""At most this many bytes of words are reduced at once (`_group_sum_pieces`, a big tensor or a bucket): the widened
-int32 copy torch makes of a reduction's input is then at most 2x this, reused from the allocator's cache,
-instead of an int64 copy of the whole tensor (3.2 GB for an 805 MB expert block, allocated anew on each of
-vLLM's producer streams)."""
+"""At most this many bytes of words are reduced at once (`_group_sum_pieces`, a big tensor or a bucket): 8-bit
+words' widened copy is then at most 4x this, and no operator's output outgrows a slice's 1/64."""
 
 NUMPY_ON_CPU = True
 """CPU tensors are fingerprinted one by one with numpy: torch's integer reductions there are ~10x slower
 (a bucket of 32 expert tensors, 100 MB bf16: numpy 0.32 s, `fingerprint_bucket` 3.5 s on 2 cores)."""
 
 GROUP_ROWS = 64
-"""Rows of `WEIGHT_PERIOD` words summed per tensor before the segment sums: each tensor's slot in a bucket
-is padded to a whole number of such groups, so no group straddles two tensors."""
+"""Rows of `WEIGHT_PERIOD` words per group (the fingerprint's definition, see the module doc): each tensor's slot
+in a bucket is padded to a whole number of groups, so no group straddles two tensors."""
 
 
 def fingerprint(tensor: Any) -> Fingerprint:
@@ -186,7 +202,7 @@ def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] 
     - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
       `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
       word's column is its position in its tensor mod `WEIGHT_PERIOD`), after one group of zeros;
-    - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int32, 1/32 of the words'
+    - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int16, 1/64 of the words'
       bytes), followed by `group_sums`, in one tensor;
     - per tensor, the column sums of its groups added into one int64 row (`index_add_`: exact, as integer
       sums are in any order); the leading group of zeros belongs to no tensor.
@@ -285,7 +301,7 @@ class FingerprintLog:
       at `flush` (`_bucket_columns`): the caller must not change or reuse a tensor's memory before then (a
       receiver's buffer: flush at the end of each batch, as `add_many` does);
     - a bigger one's whole groups of rows are summed at once, one operator per `SLICE_BYTES`
-      (`_group_sum_pieces`, int32, 1/32 of its bytes), and wait in the open bucket: the bucket's running
+      (`_group_sum_pieces`, int16, 1/64 of its bytes), and wait in the open bucket: the bucket's running
       sum takes them with its own groups; the words after the last whole group (less than 32 KiB) are copied
       and go into the bucket like a small tensor, and the fingerprint is the two parts' sums added;
     - a tensor on the CPU (numpy) or of an odd byte count is fingerprinted at once, on its own.
@@ -323,7 +339,7 @@ class FingerprintLog:
         bucket = self._open.setdefault(device, _Bucket(stream=stream))
         if 2 * count > self.bucket_bytes:
             whole = count - count % (GROUP_ROWS * WEIGHT_PERIOD)
-            if whole:  # its groups' sums (1/32 of its bytes, not counted) wait in the bucket for its running sum
+            if whole:  # its groups' sums (1/64 of its bytes, not counted) wait in the bucket for its running sum
                 bucket.group_owners.append(owner)
                 bucket.group_sums.append(_group_sum_pieces(words[:whole]))
             if whole < count:
