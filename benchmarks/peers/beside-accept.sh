@@ -17,7 +17,7 @@
 # r3operator's lane waits for `prepare` before it starts.
 #
 #   bash benchmarks/peers/beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4]  # e.g. 20 sync_layouts_a3b up_2gpu 12
-#   bash benchmarks/peers/beside-accept.sh four STEPS4                          # only the 4-GPU comparison, at once
+#   bash benchmarks/peers/beside-accept.sh four STEPS4 [ROWS_A ROWS_B]          # the 4-GPU comparison at once, then rows
 #   bash benchmarks/peers/beside-accept.sh collect OUT                          # what is there so far, and progress
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -107,15 +107,22 @@ start)
     "'$rows_b'; $steps steps; 4 GPUs after both: ${steps4:-not run} steps; start: ${WARM_START_STEPS} SFT steps"
   ;;
 four)
-  steps4=${2:?STEPS4}
+  steps4=${2:?STEPS4} rows_a=${3:-} rows_b=${4:-}
   mkdir -p "$bg" "$peer4"
+  rm -f "$bg/four.rc"  # an earlier run's: the rows must wait for this comparison
   export_all
   detach "$bg/chain-4.log" "taskset -c 0-31 bash -c '
     CUDA_VISIBLE_DEVICES=0,1,2,3 compare 4 $steps4 $peer4 prepare
     while [ ! -f $bg/te.rc ]; do sleep 3; done
     four_chain $steps4'"
+  # Then acceptance rows on two GPUs each, at the same time: nothing else on the GPUs while the comparison runs.
+  detach "$bg/chain-A.log" "while [ ! -f $bg/four.rc ]; do sleep 3; done
+    taskset -c 0-15 bash -c 'rows_on 0,1 A \"$rows_a\"'; echo done > $bg/rows-A.rc"
+  detach "$bg/chain-B.log" "while [ ! -f $bg/four.rc ]; do sleep 3; done
+    taskset -c 16-31 bash -c 'rows_on 2,3 B \"$rows_b\"'; echo done > $bg/rows-B.rc"
   sleep 2
-  echo "started: TE build; GPUs 0-3: verl with R3, then r3operator with R3, $steps4 steps each"
+  echo "started: TE build; GPUs 0-3: verl with R3, then r3operator with R3, $steps4 steps each; then rows" \
+    "'$rows_a' on GPUs 0,1 and '$rows_b' on GPUs 2,3"
   ;;
 collect)
   out=${2:?OUT}
@@ -148,7 +155,7 @@ collect)
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
 *)
-  echo "usage: beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4] | four STEPS4 | collect OUT" >&2
+  echo "usage: beside-accept.sh start STEPS ROWS_A ROWS_B [STEPS4] | four STEPS4 [ROWS_A ROWS_B] | collect OUT" >&2
   exit 2
   ;;
 esac

@@ -89,13 +89,33 @@ def test_start_runs_both_lanes_then_the_four_gpu_comparison_after_both(tmp_path:
 def test_four_runs_only_the_four_gpu_comparison(tmp_path: Path) -> None:
     env = _fakes(tmp_path)
     subprocess.run(["bash", str(SCRIPT), "four", "12"], cwd=REPO, env=env, capture_output=True, check=True)
-    calls = _calls(tmp_path, "four.rc")
+    _calls(tmp_path, "rows-A.rc")
+    calls = _calls(tmp_path, "rows-B.rc")
     assert [(g, _part(a)) for g, a in calls] == [
         ("0,1,2,3", "prepare"),
         ("0,1,2,3", "verl-R3"),
         ("0,1,2,3", "r3 --skip-r3-disabled"),
         ("0,1,2,3", "table"),
     ]
+
+
+@pytest.mark.timeout(120)
+def test_four_then_rows_on_two_gpus_each_only_after_the_comparison(tmp_path: Path) -> None:
+    env = _fakes(tmp_path)
+    started = subprocess.run(
+        ["bash", str(SCRIPT), "four", "12", "sync_layouts_x16l,receipt_cuda", "sync_layouts_a3b"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "'sync_layouts_x16l,receipt_cuda' on GPUs 0,1" in started.stdout
+    _calls(tmp_path, "rows-A.rc")
+    calls = _calls(tmp_path, "rows-B.rc")
+    parts = [(g, _part(a)) for g, a in calls]
+    assert parts[:4] == [("0,1,2,3", p) for p in ("prepare", "verl-R3", "r3 --skip-r3-disabled", "table")]
+    assert sorted(parts[4:]) == [("0,1", "rows sync_layouts_x16l,receipt_cuda"), ("2,3", "rows sync_layouts_a3b")]
 
 
 def test_an_unknown_command_says_how_to_call_it(tmp_path: Path) -> None:
