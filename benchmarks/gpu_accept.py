@@ -205,7 +205,9 @@ def judge_up(job_name: str, steps: int) -> Callable[[Context, int, str], Verdict
             else (
                 f"{steps} steps, canary {_canary(rows)}, reward {_mean(rows[:1], 'reward_mean'):.3f} → "
                 f"{_mean(rows[-1:], 'reward_mean'):.3f}, replay applied {_mean(rows, 'replay_applied'):.3f}, "
-                f"step {_mean(rows, 'step_seconds'):.2f} s mean; {done[-1].split(': ', 1)[-1] if done else ''}"
+                f"step {_mean(rows, 'step_seconds'):.2f} s mean, "
+                f"weight sync {_mean(rows, 't_weight_sync'):.2f} s mean; "
+                f"{done[-1].split(': ', 1)[-1] if done else ''}"
             )
         )
         return Verdict(code == 0 and not problems, figure, data={"rows": len(rows), "wall": wall})
@@ -680,6 +682,18 @@ ROWS: list[Row] = [
         360,
         up_command("benchmarks/jobs/gpu-accept-two-engines.yaml", "0,1,2", 3),
         judge_up("gpu-accept-two-engines", 3),
+    ),
+    Row(
+        "up_trainer_ranks",
+        4,
+        "`r3operator up` with the engine on GPU 0 and the trainer over two FSDP ranks on GPUs 1 and 2: vLLM's NCCL "
+        "sync sent from rank 0 (weightsync/rank_sync.py)",
+        "3 steps, canary 3/3 (every engine receipt equal to what rank 0 sent)",
+        3,
+        200,
+        360,
+        up_command("benchmarks/jobs/gpu-accept-trainer-ranks.yaml", "0,1,2", 3),
+        judge_up("gpu-accept-trainer-ranks", 3),
     ),
     Row(
         "sync_two_engines",

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from r3operator.api.enums import ReplayMode
-from r3operator.api.weight_transfer import TransferChoice
+from r3operator.api.weight_transfer import TransferChoice, TransferMethod
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
@@ -54,6 +54,7 @@ from r3operator.tasks import toy as tasks
 from r3operator.tasks.source import TaskSource
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
+from r3operator.trainer.distributed import DistributedTrainer
 from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.trainer.metrics import routing_agreement
 from r3operator.weightsync import sync as weight_sync
@@ -66,6 +67,7 @@ from r3operator.weightsync.canary import (
     check_routing_agreement,
 )
 from r3operator.weightsync.faults import EngineSupervisor
+from r3operator.weightsync.rank_sync import RankNativeInstall
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases
@@ -349,20 +351,33 @@ class GRPORun:
             self.sent.merge(chunk.fingerprints)
             yield chunk
 
-    def _native_install(self) -> weight_sync.NativeInstall | None:
+    def _native_install(self) -> weight_sync.NativeInstall | RankNativeInstall | None:
         """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks. The kernel
-        layout exists only on the native path: on the packed one it is refused, naming the field."""
+        layout exists only on the native path: on the packed one it is refused, naming the field. A trainer
+        over ranks sends over NCCL from its rank 0 (weightsync/rank_sync.py), not through this process."""
         layout = self.spec.weight_sync.layout
         weight_sync.check_layout(layout, self.weight_transfer)
         if not self.weight_transfer.native:
             return None
         import torch
 
+        dtype = getattr(torch, self.s.engine_dtype, None)
+        buffer_size_bytes = self.spec.weight_sync.chunk_size_mb * 1024 * 1024
+        if isinstance(self.trainer, DistributedTrainer) and self.weight_transfer.method is TransferMethod.NCCL:
+            return RankNativeInstall(
+                TransferMethod.NCCL,
+                ranks=self.trainer,
+                dtype=dtype,
+                buffer_size_bytes=buffer_size_bytes,
+                sent=self.sent,
+                phases=self.sync_phases,
+                layout=layout,
+            )
         return weight_sync.NativeInstall(
             self.weight_transfer.method,
             state_dict=self.trainer.sync_state_dict,
-            dtype=getattr(torch, self.s.engine_dtype, None),
-            buffer_size_bytes=self.spec.weight_sync.chunk_size_mb * 1024 * 1024,
+            dtype=dtype,
+            buffer_size_bytes=buffer_size_bytes,
             master_address=weight_sync.master_address_for(self.engines),
             sent=self.sent,
             phases=self.sync_phases,

@@ -17,8 +17,10 @@ how many ranks there are.
   rows go where and how the per-replica losses are weighted so that the update equals the
   single-process one.
 - Weight sync: every rank takes part in gathering each parameter (FSDP: `DTensor.full_tensor`, one at a
-  time; Megatron: `hf_state_dict`); rank 0 packs the full tensors exactly as the single-process trainer
-  does (wire/weights.py) and streams the chunks back to the driver (a Ray streaming generator).
+  time; Megatron: `hf_state_dict`). On the packed path rank 0 packs the full tensors exactly as the
+  single-process trainer does (wire/weights.py) and streams the chunks back to the driver (a Ray streaming
+  generator); on vLLM's native NCCL path rank 0 sends them to the engines itself (`on_every_rank` runs
+  weightsync/rank_sync.py's part on each rank).
 - Checkpoints: each rank writes its part of a DCP checkpoint asynchronously (`sharded_checkpoint.py`;
   FSDP: its shard; Megatron: the gathered state, each tensor written once).
 """
@@ -197,6 +199,11 @@ class TrainerRank:
             return
         for chunk in chunk_tensors(tensors, chunk_size_mb=chunk_size_mb):
             yield pack_chunk(chunk)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`fn(trainer, rank, *args)` in this rank's process: work of a higher layer that must run where the
+        weights are (weightsync/rank_sync.py sends them from here)."""
+        return fn(self.trainer, self.rank, *args)
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.trainer.model_state_dict()  # full on rank 0 (FSDP: empty elsewhere, cpu_offload)
@@ -421,6 +428,11 @@ class DistributedTrainer:
         for follower in streams[1:]:
             for ref in follower:  # none: a follower's stream only ends (or carries its error)
                 self._ray.get(ref)
+
+    def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(trainer, rank, *args)` on every rank at once (a module-level function: Ray sends it by name),
+        each rank's result in rank order; the first rank's failure is raised."""
+        return self._all(lambda r: r.run.remote(fn, args))
 
     def model_state_dict(self) -> dict[str, Any]:
         return dict(self._all(lambda r: r.model_state_dict.remote())[0])

@@ -1,0 +1,247 @@
+"""vLLM's native transfer sent from the trainer rank that holds the weights, for a trainer over many ranks.
+
+A one-process trainer hands its live tensors to `NativeInstall` in the driver. A trainer over ranks
+(`trainer/distributed.py`) holds them sharded in its rank actors: reading them into the driver copies the
+whole model to host memory and through Ray's object store at every sync (a3b on three FSDP ranks, H200s,
+2026-11-27: 50 s a sync, 0.7 s with one rank). So the sync runs in the ranks (`RankNativeInstall`):
+
+- every rank reads each tensor of the trainer's sync state dict in the same order (FSDP: `full_tensor`, a
+  collective), cast to the engine's dtype; rank 0 keeps them on its GPU, the others let them go;
+- rank 0 sends them with the same `NativeInstall` the driver would use (rendezvous, one bracket per engine,
+  the receipt's fingerprints), kept in its process across syncs, where its NCCL group lives;
+- the driver gets back the counts, the sent fingerprints (the canary compares them with the engines'
+  receipts) and the phases, and adds them to its own records.
+
+Every rank has finished its collectives before rank 0 sends anything, so a send that fails leaves no rank
+waiting in one: the supervisor's retry finds them all free. The price is one copy of the weights in the
+engine's dtype on rank 0's GPU while it sends (5 GB for a3b in bf16). Streaming them instead (each rank
+gathering in the sender's order, bucket by bucket) is the next step where a model does not fit that copy.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from r3operator.api.enums import WeightSyncLayout
+from r3operator.api.weight_transfer import TransferMethod
+from r3operator.rollout.base import Engine
+from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.sync import NativeInstall, master_address_for
+from r3operator.wire.receipt import Fingerprint, FingerprintLog
+from r3operator.wire.sync_phases import SyncPhases
+from r3operator.wire.weights import full_tensor
+
+
+class RankRunner(Protocol):
+    """A trainer over ranks (`DistributedTrainer`): runs `fn(trainer, rank, *args)` on every rank."""
+
+    def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
+
+
+class NativeSyncLike(Protocol):
+    """What rank 0 sends with: `NativeInstall`, or a stand-in of the same shape in tests."""
+
+    sent: FingerprintLog
+    phases: SyncPhases
+    layout: WeightSyncLayout
+
+    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]: ...
+
+    def set_layout(self, layout: WeightSyncLayout) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def native_install(
+    method: TransferMethod,
+    *,
+    state_dict: Callable[[], Mapping[str, Any]],
+    dtype: Any,
+    buffer_size_bytes: int,
+    master_address: str,
+    phases: SyncPhases,
+    layout: WeightSyncLayout,
+) -> NativeSyncLike:
+    """rank 0's sender: vLLM's native transfer, as in a one-process run."""
+    return NativeInstall(
+        method,
+        state_dict=state_dict,
+        dtype=dtype,
+        buffer_size_bytes=buffer_size_bytes,
+        master_address=master_address,
+        sent=FingerprintLog(),
+        phases=phases,
+        layout=layout,
+    )
+
+
+@dataclass(frozen=True)
+class RankSyncRequest:
+    """One sync, as every rank is handed it (pickled by Ray)."""
+
+    install: str  # which `RankNativeInstall`: its sender in rank 0's process
+    method: TransferMethod
+    engines: tuple[Engine, ...]
+    tag: str
+    dtype: str | None  # the engine's, as torch names it ("bfloat16"); None: the trainer's own
+    buffer_size_bytes: int
+    layout: WeightSyncLayout
+    synchronize: bool = False  # the driver's phases wait for the device (profiling)
+    make: Callable[..., NativeSyncLike] = native_install
+
+
+@dataclass(frozen=True)
+class RankSyncResult:
+    """What rank 0 sent, for the driver's records."""
+
+    tensors: int
+    bytes: int
+    fingerprints: dict[str, Fingerprint]
+    phase_seconds: dict[str, float]
+
+
+def engines_key(engines: Sequence[Engine]) -> tuple[tuple[str, str], ...]:
+    """The engines a rendezvous was made with, by what survives pickling: name and address."""
+    return tuple((str(getattr(e, "name", "")), str(getattr(e, "base_url", "") or "")) for e in engines)
+
+
+@dataclass
+class _RankSender:
+    """rank 0's sender of one install, kept across syncs in its process."""
+
+    engines_key: tuple[tuple[str, str], ...]
+    engines: list[Engine]
+    sync: NativeSyncLike
+    weights: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.weights
+
+
+_SENDERS: dict[str, _RankSender] = {}  # by install, in rank 0's process
+
+
+def _sender_for(request: RankSyncRequest, dtype: Any) -> _RankSender:
+    """The sender `request.install` made before, when it was for the same engines; else a new one (the old
+    one's group closed). The engines kept from its first sync are the ones it sends to: the same objects, so
+    `NativeInstall` keeps its rendezvous (it compares them by identity)."""
+    key = engines_key(request.engines)
+    sender = _SENDERS.get(request.install)
+    if sender is not None and sender.engines_key == key:
+        if sender.sync.layout != request.layout:
+            sender.sync.set_layout(request.layout)
+        sender.sync.phases.synchronize = request.synchronize
+        return sender
+    if sender is not None:
+        sender.sync.close()
+    engines = list(request.engines)
+    made: list[_RankSender] = []
+    sync = request.make(
+        request.method,
+        state_dict=lambda: made[0].state_dict(),
+        dtype=dtype,
+        buffer_size_bytes=request.buffer_size_bytes,
+        # Where the engines reach this rank's NCCL store: its own address, not the driver's (another pod).
+        master_address=master_address_for(EngineGroup(engines)),
+        phases=SyncPhases(synchronize=request.synchronize),
+        layout=request.layout,
+    )
+    made.append(_RankSender(key, engines, sync))
+    _SENDERS[request.install] = made[0]
+    return made[0]
+
+
+def gather_weights(state_dict: Mapping[str, Any], *, dtype: Any, keep: bool) -> dict[str, Any]:
+    """Every tensor of `state_dict` whole, in its order (each an FSDP collective: every rank must call this),
+    cast to `dtype` where it was gathered (the rank's GPU); kept when `keep`, else let go at once (an empty
+    dict). The sender moves a tensor still on the host (a Megatron state dict) to its GPU as it sends."""
+    kept: dict[str, Any] = {}
+    for name, tensor in state_dict.items():
+        whole = full_tensor(tensor, dtype=dtype if keep else None)
+        if keep:
+            kept[name] = whole
+    return kept
+
+
+def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncResult | None:
+    """A sync as one rank takes part in it (`DistributedTrainer.on_every_rank`): rank 0's result, None elsewhere."""
+    import torch
+
+    dtype = None if request.dtype is None else getattr(torch, request.dtype)
+    gathered = SyncPhases(synchronize=request.synchronize)
+    with gathered("gather"):
+        weights = gather_weights(trainer.sync_state_dict(), dtype=dtype, keep=rank == 0)
+    if rank != 0:
+        return None
+    sender = _sender_for(request, dtype)
+    sender.sync.phases.reset()
+    sender.weights = weights
+    del weights
+    try:
+        counts = sender.sync(sender.engines, request.tag)
+    finally:
+        sender.weights = {}  # the copy goes back to the allocator before the next step's update
+    seconds = dict(sender.sync.phases.seconds)
+    seconds["gather"] = seconds.get("gather", 0.0) + gathered.seconds["gather"]
+    return RankSyncResult(counts["tensors"], counts["bytes"], sender.sync.sent.result(), seconds)
+
+
+def close_on_rank(_trainer: Any, rank: int, install: str) -> None:
+    """Close `install`'s sender (its NCCL group) where it lives."""
+    sender = _SENDERS.pop(install, None) if rank == 0 else None
+    if sender is not None:
+        sender.sync.close()
+
+
+class RankNativeInstall:
+    """`NativeInstall`'s part in the supervisor (`EngineSupervisor.install`), for a trainer over ranks: the
+    sync runs in the ranks, sent from rank 0 (see the module doc). Brackets, aborts on failure, the
+    rendezvous kept across syncs and made again when the engines change: all as `NativeInstall` does them,
+    there."""
+
+    closes_open_brackets = True
+
+    def __init__(
+        self,
+        method: TransferMethod,
+        *,
+        ranks: RankRunner,
+        dtype: Any,
+        buffer_size_bytes: int,
+        sent: FingerprintLog,
+        phases: SyncPhases,
+        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+        make: Callable[..., NativeSyncLike] = native_install,
+    ) -> None:
+        self.method, self.ranks, self.layout = method, ranks, layout
+        self.dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+        self.buffer_size_bytes, self.sent, self.phases, self.make = buffer_size_bytes, sent, phases, make
+        self.install = uuid.uuid4().hex
+
+    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+        request = RankSyncRequest(
+            install=self.install,
+            method=self.method,
+            engines=tuple(engines),
+            tag=tag,
+            dtype=self.dtype_name,
+            buffer_size_bytes=self.buffer_size_bytes,
+            layout=self.layout,
+            synchronize=self.phases.synchronize,
+            make=self.make,
+        )
+        result: RankSyncResult = self.ranks.on_every_rank(send_on_rank, request)[0]
+        self.sent.clear()
+        self.sent.merge(result.fingerprints)
+        self.phases.merge(result.phase_seconds)
+        return {"tensors": result.tensors, "bytes": result.bytes}
+
+    def set_layout(self, layout: WeightSyncLayout) -> None:
+        """The layout of the next syncs' brackets (the sender on rank 0 takes it with the next request)."""
+        self.layout = layout
+
+    def close(self) -> None:
+        self.ranks.on_every_rank(close_on_rank, self.install)

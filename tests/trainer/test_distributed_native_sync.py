@@ -1,0 +1,150 @@
+"""vLLM's native sync from a trainer over ranks (weightsync/rank_sync.py), on 2 gloo ranks: every rank takes
+part in the gather, rank 0 sends what a one-process read of the same weights holds, its sender (where the NCCL
+group would live) is kept across syncs and made again for other engines, and a send that fails leaves every
+rank free for the retry. vLLM's NCCL sender itself needs GPUs: rank 0 sends with a recording stand-in of
+`NativeInstall`'s shape here, and with `NativeInstall` in the GPU rows (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from r3operator.api.enums import ReplayMode, WeightSyncLayout  # noqa: E402
+from r3operator.api.weight_transfer import TransferMethod  # noqa: E402
+from r3operator.weightsync import rank_sync  # noqa: E402
+from r3operator.weightsync.rank_sync import RankNativeInstall  # noqa: E402
+from r3operator.wire.receipt import FingerprintLog, fingerprint  # noqa: E402
+from r3operator.wire.sync_phases import SyncPhases  # noqa: E402
+from tests.trainer.conftest import r3_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An engine as the rank sees it: only its name and address matter to the sender's bookkeeping."""
+
+    name: str
+    base_url: str
+
+
+class RecordingSync:
+    """`NativeInstall`'s shape: fingerprints what it would send, fails on the tag "fail"."""
+
+    def __init__(
+        self,
+        method: TransferMethod,
+        *,
+        state_dict: Callable[[], Mapping[str, Any]],
+        dtype: Any,
+        buffer_size_bytes: int,
+        master_address: str,
+        phases: SyncPhases,
+        layout: WeightSyncLayout,
+    ) -> None:
+        self.serial = uuid.uuid4().hex
+        self.state_dict, self.dtype, self.phases, self.layout = state_dict, dtype, phases, layout
+        self.sent = FingerprintLog()
+        self.master_address = master_address
+        self.syncs: list[tuple[tuple[str, ...], str]] = []
+        self.closed = False
+
+    def __call__(self, engines: Sequence[Any], tag: str) -> dict[str, int]:
+        self.syncs.append((tuple(e.name for e in engines), tag))
+        if tag == "fail":
+            raise RuntimeError("engine-1 went away mid-sync")
+        state = self.state_dict()
+        with self.phases("transfer"):
+            self.sent.clear()
+            for name, tensor in state.items():
+                assert tensor.dtype == self.dtype, name
+                self.sent.add(name, tensor)
+            self.sent.result()
+        return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+    def set_layout(self, layout: WeightSyncLayout) -> None:
+        self.layout = layout
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def rank0_sender(_trainer: Any, rank: int, install: str) -> dict[str, Any] | None:
+    """What rank 0's process holds for `install`."""
+    if rank != 0:
+        return None
+    sender = rank_sync._SENDERS.get(install)
+    if sender is None:
+        return {"sender": None}
+    sync: Any = sender.sync
+    return {"serial": sync.serial, "syncs": list(sync.syncs), "layout": sync.layout, "kept": sender.weights}
+
+
+def expected(state: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
+    return {name: fingerprint(t.to(torch.bfloat16)) for name, t in state.items()}
+
+
+def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_failed_send(
+    tiny_moe_dir: Path, ray_started: None
+) -> None:
+    from ray import cloudpickle
+
+    from r3operator.trainer.distributed import DistributedTrainer, PolicyOptions
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins travel to the rank actors
+    options = PolicyOptions(learning_rate=1e-3, seed=0, compute_dtype="float32")
+    ranks = DistributedTrainer(tiny_moe_dir, world_size=2, device="cpu", options=options)
+    sent, phases = FingerprintLog(), SyncPhases()
+    install = RankNativeInstall(
+        TransferMethod.NCCL,
+        ranks=ranks,
+        dtype=torch.bfloat16,
+        buffer_size_bytes=1 << 20,
+        sent=sent,
+        phases=phases,
+        make=RecordingSync,
+    )
+    engines = [Endpoint("engine-0", "http://127.0.0.1:8000"), Endpoint("engine-1", "http://127.0.0.1:8001")]
+    try:
+        before = ranks.model_state_dict()  # the whole weights, read another way (FSDP's full state dict)
+        assert install(engines, "v1") == {
+            "tensors": len(before),
+            "bytes": sum(t.numel() * 2 for t in before.values()),
+        }
+        assert sent.result() == expected(before)
+        assert phases.seconds["gather"] > 0 and "transfer" in phases.seconds
+
+        batch = r3_batch()
+        old = ranks.old_logprobs(batch, ReplayMode.R3)
+        ranks.update(batch, old, mini_batches=1, clip_low=0.2, clip_high=0.28)
+        after = ranks.model_state_dict()
+        assert expected(after) != expected(before)  # it trained
+        with pytest.raises(RuntimeError, match="engine-1 went away mid-sync"):
+            install(engines, "fail")
+        # Every rank had finished its gather before rank 0 sent: the retry's collectives find them all free.
+        install.set_layout(WeightSyncLayout.KERNEL)
+        install(engines, "v2")
+        assert sent.result() == expected(after)
+        held = ranks.on_every_rank(rank0_sender, install.install)
+        assert held[1] is None
+        # One sender made all three syncs: the rendezvous is kept (the failed one's sender closes and remakes
+        # its own group, as in a one-process run).
+        assert held[0]["syncs"] == [(("engine-0", "engine-1"), t) for t in ("v1", "fail", "v2")]
+        assert held[0]["layout"] is WeightSyncLayout.KERNEL
+        assert held[0]["kept"] == {}  # the copy is let go after each sync
+
+        install(engines[:1], "v3")  # another set of engines: a new sender
+        first, held = held[0]["serial"], ranks.on_every_rank(rank0_sender, install.install)
+        assert held[0]["serial"] != first and held[0]["syncs"] == [(("engine-0",), "v3")]
+        install.close()
+        assert ranks.on_every_rank(rank0_sender, install.install)[0]["sender"] is None
+    finally:
+        ranks.close()
