@@ -148,3 +148,35 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         assert ranks.on_every_rank(rank0_sender, install.install)[0]["sender"] is None
     finally:
         ranks.close()
+
+
+def test_an_engine_reached_over_http_travels_to_rank_zero_whole() -> None:
+    """The request carries the driver's engines to rank 0 by pickle (Ray): an `HTTPEngine` must survive it."""
+    import http.server
+    import json
+    import pickle
+    import threading
+
+    from ray import cloudpickle
+
+    from r3operator.rollout.engines import HTTPEngine
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # /health and /v1/models
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"data": [{"id": "tiny"}]}).encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = HTTPEngine(f"http://127.0.0.1:{server.server_address[1]}", staging_dir=Path("/unused"), num_experts=8)
+        copy = pickle.loads(cloudpickle.dumps(engine))
+        assert rank_sync.engines_key([copy]) == rank_sync.engines_key([engine]) == ((engine.name, engine.base_url),)
+        assert copy.client.model == "tiny" and copy.client.base_url == engine.client.base_url
+    finally:
+        server.shutdown()
