@@ -14,8 +14,10 @@ whole model to host memory and through Ray's object store at every sync (a3b on 
 
 Every rank has finished its collectives before rank 0 sends anything, so a send that fails leaves no rank
 waiting in one: the supervisor's retry finds them all free. The price is one copy of the weights in the
-engine's dtype on rank 0's GPU while it sends (5 GB for a3b in bf16). Streaming them instead (each rank
-gathering in the sender's order, bucket by bucket) is the next step where a model does not fit that copy.
+engine's dtype on rank 0's GPU while it sends (5 GB for a3b in bf16); when that would take more than
+`COPY_HEADROOM` of its free GPU memory, the copy is kept in host memory instead and each tensor goes back to
+the GPU as it is sent (slower; no out-of-memory error mid-step). Streaming them (each rank gathering in the
+sender's order, bucket by bucket) would need neither.
 """
 
 from __future__ import annotations
@@ -154,16 +156,43 @@ def _sender_for(request: RankSyncRequest, dtype: Any) -> _RankSender:
     return made[0]
 
 
-def gather_weights(state_dict: Mapping[str, Any], *, dtype: Any, keep: bool) -> dict[str, Any]:
+COPY_HEADROOM = 0.8
+"""The share of rank 0's free GPU memory the copy of the weights may take; beyond it the copy goes to host memory."""
+
+
+def copy_device(need_bytes: int, free_bytes: int | None) -> str | None:
+    """Where rank 0 keeps the gathered weights: where they were gathered (None: its GPU, or the CPU of a CPU
+    run) when they fit `COPY_HEADROOM` of its free GPU memory, else "cpu" (the sender moves each tensor back to
+    the GPU as it sends it: slower, and no out-of-memory error in the middle of a step)."""
+    if free_bytes is None or need_bytes <= COPY_HEADROOM * free_bytes:
+        return None
+    return "cpu"
+
+
+def nbytes(state_dict: Mapping[str, Any], dtype: Any) -> int:
+    """The bytes of every tensor of `state_dict` whole (an FSDP2 DTensor's shape is the global one) in `dtype`."""
+    return sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in state_dict.values())
+
+
+def gather_weights(
+    state_dict: Mapping[str, Any], *, dtype: Any, keep: bool, device: str | None = None
+) -> dict[str, Any]:
     """Every tensor of `state_dict` whole, in its order (each an FSDP collective: every rank must call this),
-    cast to `dtype` where it was gathered (the rank's GPU); kept when `keep`, else let go at once (an empty
-    dict). The sender moves a tensor still on the host (a Megatron state dict) to its GPU as it sends."""
+    cast to `dtype` where it was gathered (the rank's GPU) and moved to `device` (None: left there); kept when
+    `keep`, else let go at once (an empty dict). The sender moves a tensor on the host (a Megatron state dict,
+    or a copy that did not fit the GPU) to its GPU as it sends it."""
     kept: dict[str, Any] = {}
     for name, tensor in state_dict.items():
-        whole = full_tensor(tensor, dtype=dtype if keep else None)
+        whole = full_tensor(tensor, dtype=dtype if keep else None, device=device if keep else None)
         if keep:
             kept[name] = whole
     return kept
+
+
+def _free_gpu_bytes() -> int | None:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
 
 
 def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncResult | None:
@@ -173,7 +202,10 @@ def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncR
     dtype = None if request.dtype is None else getattr(torch, request.dtype)
     gathered = SyncPhases(synchronize=request.synchronize)
     with gathered("gather"):
-        weights = gather_weights(trainer.sync_state_dict(), dtype=dtype, keep=rank == 0)
+        state = trainer.sync_state_dict()
+        device = copy_device(nbytes(state, dtype), _free_gpu_bytes()) if rank == 0 else None
+        weights = gather_weights(state, dtype=dtype, keep=rank == 0, device=device)
+        del state
     if rank != 0:
         return None
     sender = _sender_for(request, dtype)

@@ -180,3 +180,18 @@ def test_an_engine_reached_over_http_travels_to_rank_zero_whole() -> None:
         assert copy.client.model == "tiny" and copy.client.base_url == engine.client.base_url
     finally:
         server.shutdown()
+
+
+def test_the_copy_stays_on_the_gpu_only_while_it_fits_its_free_memory() -> None:
+    state = {"a": torch.zeros(1000, dtype=torch.float32), "b": torch.zeros(24, 10, dtype=torch.float32)}
+    assert rank_sync.nbytes(state, torch.bfloat16) == 2 * 1240
+    assert rank_sync.nbytes(state, None) == 4 * 1240
+    assert rank_sync.copy_device(8_000, 10_000) is None  # within the headroom: where it was gathered
+    assert rank_sync.copy_device(8_001, 10_000) == "cpu"
+    assert rank_sync.copy_device(10**12, None) is None  # no GPU: a CPU run keeps it where it is
+    kept = rank_sync.gather_weights(state, dtype=torch.bfloat16, keep=True, device="cpu")
+    assert {n: (t.dtype, t.shape) for n, t in kept.items()} == {
+        "a": (torch.bfloat16, (1000,)),
+        "b": (torch.bfloat16, (24, 10)),
+    }
+    assert rank_sync.gather_weights(state, dtype=torch.bfloat16, keep=False) == {}
