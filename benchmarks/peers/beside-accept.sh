@@ -11,7 +11,8 @@
 # The two frameworks run at the same time on two GPUs each of the same host, each pinned to 16 cores. Every job
 # runs detached (setsid), so it outlives the call that starts it; later calls run `collect`.
 # VERL_PARTS (default verl-R3,verl-disabled) and R3_OPTS (default --r3-fast; add --skip-r3-disabled) choose the
-# 2-GPU columns, so that a reservation short of time measures the R3 columns the target compares.
+# 2-GPU columns, so that a reservation short of time measures the R3 columns the target compares. R3_OPTS4 (default
+# --skip-r3-disabled) is r3operator's options on four GPUs (add --r3-fast for the moonshot's column, ~5 min more).
 # WARM_START_STEPS (default 0: the random-init model) warms the model both frameworks load by that many steps of
 # r3operator's SFT warm-up in `prepare` (on GPU 0, lr WARM_START_LR, default the runner's); every part is told, and
 # r3operator's lane waits for `prepare` before it starts.
@@ -57,7 +58,8 @@ four_chain() {  # STEPS4: verl, then r3operator, with R3 on all four GPUs, and t
   export CUDA_VISIBLE_DEVICES=0,1,2,3 RAY_TMPDIR=$tmp/ray-four
   mkdir -p "$RAY_TMPDIR"
   compare 4 "$steps4" "$peer4" verl-R3
-  compare 4 "$steps4" "$peer4" r3 --skip-r3-disabled
+  # shellcheck disable=SC2086  # R3_OPTS4's words are options, split on purpose
+  compare 4 "$steps4" "$peer4" r3 ${R3_OPTS4:---skip-r3-disabled}
   compare 4 "$steps4" "$peer4" table
   echo done > "$bg/four.rc"
 }
@@ -71,7 +73,7 @@ detach() {  # LOG COMMAND: run COMMAND (a bash script) detached from this call, 
 export_all() {  # what the detached chains call and read
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
   export -f rows_on warm_opts compare peer_part four_chain
-  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-}
+  export WARM_START_STEPS=${WARM_START_STEPS:-0} WARM_START_LR=${WARM_START_LR:-} R3_OPTS4=${R3_OPTS4:-}
   export bg peer peer4 root tmp
   detach /dev/null "taskset -c 32-63 env MAX_JOBS=32 bash $verl_setup $root/verl-stash > $bg/te.log 2>&1
     echo \$? > $bg/te.rc"  # the TE build, beside everything else

@@ -102,6 +102,7 @@ def test_four_runs_only_the_four_gpu_comparison(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_four_then_rows_on_two_gpus_each_only_after_the_comparison(tmp_path: Path) -> None:
     env = _fakes(tmp_path)
+    env["R3_OPTS4"] = "--r3-fast --skip-r3-disabled"
     started = subprocess.run(
         ["bash", str(SCRIPT), "four", "12", "sync_layouts_x16l,receipt_cuda", "sync_layouts_a3b"],
         cwd=REPO,
@@ -114,7 +115,7 @@ def test_four_then_rows_on_two_gpus_each_only_after_the_comparison(tmp_path: Pat
     _calls(tmp_path, "rows-A.rc")
     calls = _calls(tmp_path, "rows-B.rc")
     parts = [(g, _part(a)) for g, a in calls]
-    assert parts[:4] == [("0,1,2,3", p) for p in ("prepare", "verl-R3", "r3 --skip-r3-disabled", "table")]
+    assert parts[:4] == [("0,1,2,3", p) for p in ("prepare", "verl-R3", "r3 --r3-fast --skip-r3-disabled", "table")]
     assert sorted(parts[4:]) == [("0,1", "rows sync_layouts_x16l,receipt_cuda"), ("2,3", "rows sync_layouts_a3b")]
 
 
