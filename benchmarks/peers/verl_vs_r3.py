@@ -274,14 +274,17 @@ def uses_up(args: argparse.Namespace) -> bool:
 def r3_job_variant(
     base: Path, dest: Path, *, sub: str, replay: str, gpus: int, args: argparse.Namespace | None = None
 ) -> Path:
-    """The RLJob with its replay mode set, its own name, and every GPU but the engine's given to the trainer (`gpus`
-    0: the committed count, one process); the `FAST` variant also syncs in the kernel layout and runs asynchronously.
+    """The RLJob with its replay mode set, its own name, `args.r3_engines` engine replicas (None: the committed count)
+    and every other GPU given to the trainer (`gpus` 0: the committed count, one process); the `FAST` variant also
+    syncs in the kernel layout and runs asynchronously.
     With a warm start (`args.warm_start_steps`), the model is the warmed directory verl reads."""
     import yaml
 
     doc = yaml.safe_load(base.read_text())
     doc["metadata"]["name"] = f"{JOB_NAME}-{sub}"
     doc["spec"]["routingReplay"]["mode"] = replay
+    if args is not None and args.r3_engines:
+        doc["spec"]["inference"]["replicas"] = args.r3_engines
     if gpus:
         doc["spec"]["trainer"]["gpusPerNode"] = gpus - int(doc["spec"]["inference"]["replicas"])
     if args is not None and args.warm_start_steps:
@@ -418,6 +421,17 @@ def _verl_log(run_dir: Path) -> Path:
     return jsonl if jsonl.is_file() and jsonl.stat().st_size else run_dir / "console.log"
 
 
+def r3_layout_line(job: Path) -> list[str]:
+    """How r3operator split its GPUs, from the RLJob its R3 run used (none: no line)."""
+    import yaml
+
+    if not job.is_file():
+        return []
+    spec = yaml.safe_load(job.read_text())["spec"]
+    engines, ranks = int(spec["inference"]["replicas"]), int(spec["trainer"]["gpusPerNode"])
+    return [f"r3operator's GPUs: {engines} engine replica(s), a GPU each; the trainer over {ranks} rank(s).", ""]
+
+
 def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[str, dict[str, object]]:
     """The table from whatever runs under `out` finished; a missing or unreadable run is a 'not run' column and a
     line saying why."""
@@ -469,6 +483,7 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
         f"## verl 0.9.1 vs r3operator, {gpus} GPU(s), a3b, {start}, arith, {work.prompts_per_step}×{work.group_size} "
         f"samples of ≤ {work.max_response_tokens} tokens",
         "",
+        *r3_layout_line(out / "r3" / "jobs" / "r3.yaml"),
     ]
     lines = [
         *header,
@@ -507,6 +522,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the r3 part also runs R3 with the kernel-format weight sync and the asynchronous mode (2+ GPUs)",
     )
     parser.add_argument(
+        "--r3-engines",
+        type=int,
+        default=None,
+        help="r3operator's engine replicas, one GPU each (default: the committed RLJob's, 1); the trainer's ranks "
+        "take the other GPUs",
+    )
+    parser.add_argument(
         "--skip-r3-disabled",
         action="store_true",
         help="the r3 part runs no replay-off column (a reservation short of time: the target compares R3)",
@@ -522,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-start-lr", type=float, default=DEFAULT_LEARNING_RATE, help="the warm-up's learning rate (prepare)"
     )
     args = parser.parse_args(argv)
+    if args.r3_engines is not None and not 1 <= args.r3_engines < args.gpus:
+        parser.error(f"--r3-engines {args.r3_engines}: between 1 and {args.gpus - 1} (the trainer needs a GPU)")
     if args.gpus < 1 or args.steps < 1:
         parser.error("--gpus and --steps must be at least 1")
     if args.warm_start_steps < 0:

@@ -533,6 +533,7 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
         r3_fast=False,
         skip_r3_disabled=False,
         warm_start_steps=0,
+        r3_engines=None,
     )
     assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3", "disabled"]  # the target's column first
     args.skip_r3_disabled = True
@@ -566,6 +567,42 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
         )
         engine_gpus = [g for e in plan.engines for g in e.gpus]
         assert len(engine_gpus) == 1 and sorted(engine_gpus + plan.trainer.gpus) == [str(g) for g in range(gpus)]
+
+
+def test_r3_engines_takes_gpus_from_the_trainer_and_the_table_says_so(tmp_path: Path) -> None:
+    import argparse
+
+    from benchmarks.peers.verl_vs_r3 import main, r3_layout_line, r3_up_commands
+    from r3operator.api.load import parse_rljob
+    from r3operator.cli.up.plan import plan_up
+
+    args = argparse.Namespace(
+        out=tmp_path,
+        gpus=4,
+        steps=12,
+        device="cuda",
+        model="a3b",
+        r3_fast=False,
+        skip_r3_disabled=True,
+        warm_start_steps=0,
+        r3_engines=3,
+    )
+    [(_, cmd, _)] = r3_up_commands(args)
+    plan = plan_up(
+        parse_rljob(yaml.safe_load(Path(cmd[2]).read_text())),
+        run_dir=tmp_path / "plan",
+        gpus=["0", "1", "2", "3"],
+        bin_dir=tmp_path,
+        host_path="",
+    )
+    assert [g for e in plan.engines for g in e.gpus] == ["0", "1", "2"] and plan.trainer.gpus == ["3"]
+    assert r3_layout_line(Path(cmd[2])) == [
+        "r3operator's GPUs: 3 engine replica(s), a GPU each; the trainer over 1 rank(s).",
+        "",
+    ]
+    assert r3_layout_line(tmp_path / "missing.yaml") == []
+    with pytest.raises(SystemExit):
+        main(["--gpus", "4", "--out", str(tmp_path), "--r3-engines", "4", "--parts", "table"])
 
 
 # ---- Transformer Engine's attention: verl's backend and the preflight that checks it before verl starts ----------
