@@ -104,6 +104,7 @@ _.diffbase_storage
 _.reporting_component
 _.reporting_instance
 _.do_POST
+_.do_GET
 _.log_message
 _.daemon_threads
 _.all_gatherv
