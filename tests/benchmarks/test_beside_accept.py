@@ -40,6 +40,13 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _run(env: dict[str, str], *args: str) -> str:
+    """The script's output; it returns at once, its chains run on detached."""
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
 def _calls(tmp_path: Path, done: str, timeout_s: float = 60) -> list[tuple[str, str]]:
     marker = tmp_path / "root" / "bg" / done
     deadline = time.monotonic() + timeout_s
@@ -62,15 +69,8 @@ def test_start_runs_both_lanes_then_the_four_gpu_comparison_after_both(tmp_path:
     env = _fakes(tmp_path)
     env.update(VERL_PARTS="verl-R3", R3_OPTS="--r3-fast --skip-r3-disabled")
     (tmp_path / "root" / "peer" / "inputs").mkdir(parents=True)
-    started = subprocess.run(
-        ["bash", str(SCRIPT), "start", "20", "receipt_cuda", "sync_layouts_a3b", "12"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "4 GPUs after both: 12 steps" in started.stdout
+    started = _run(env, "start", "20", "receipt_cuda", "sync_layouts_a3b", "12")
+    assert "4 GPUs after both: 12 steps" in started
     calls = _calls(tmp_path, "four.rc")
     lane_a = [_part(a) for g, a in calls if g == "0,1"]
     lane_b = [_part(a) for g, a in calls if g == "2,3"]
@@ -88,7 +88,7 @@ def test_start_runs_both_lanes_then_the_four_gpu_comparison_after_both(tmp_path:
 @pytest.mark.timeout(120)
 def test_four_runs_only_the_four_gpu_comparison(tmp_path: Path) -> None:
     env = _fakes(tmp_path)
-    subprocess.run(["bash", str(SCRIPT), "four", "12"], cwd=REPO, env=env, capture_output=True, check=True)
+    _run(env, "four", "12")
     _calls(tmp_path, "rows-A.rc")
     calls = _calls(tmp_path, "rows-B.rc")
     assert [(g, _part(a)) for g, a in calls] == [
@@ -103,15 +103,8 @@ def test_four_runs_only_the_four_gpu_comparison(tmp_path: Path) -> None:
 def test_four_then_rows_on_two_gpus_each_only_after_the_comparison(tmp_path: Path) -> None:
     env = _fakes(tmp_path)
     env["R3_OPTS4"] = "--r3-fast --skip-r3-disabled"
-    started = subprocess.run(
-        ["bash", str(SCRIPT), "four", "12", "sync_layouts_x16l,receipt_cuda", "sync_layouts_a3b"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "'sync_layouts_x16l,receipt_cuda' on GPUs 0,1" in started.stdout
+    started = _run(env, "four", "12", "sync_layouts_x16l,receipt_cuda", "sync_layouts_a3b")
+    assert "'sync_layouts_x16l,receipt_cuda' on GPUs 0,1" in started
     _calls(tmp_path, "rows-A.rc")
     calls = _calls(tmp_path, "rows-B.rc")
     parts = [(g, _part(a)) for g, a in calls]
@@ -128,9 +121,7 @@ def test_an_unknown_command_says_how_to_call_it(tmp_path: Path) -> None:
 def test_a_warm_start_reaches_every_part_and_r3operator_waits_for_prepare(tmp_path: Path) -> None:
     env = _fakes(tmp_path)
     env.update(VERL_PARTS="verl-R3", R3_OPTS="--skip-r3-disabled", WARM_START_STEPS="3", WARM_START_LR="5e-05")
-    subprocess.run(
-        ["bash", str(SCRIPT), "start", "20", "", "", "12"], cwd=REPO, env=env, capture_output=True, check=True
-    )
+    _run(env, "start", "20", "", "", "12")
     calls = _calls(tmp_path, "four.rc")
     comparison = [a for _, a in calls if "verl_vs_r3" in a]
     assert comparison and all("--warm-start-steps 3 --warm-start-lr 5e-05" in a for a in comparison)

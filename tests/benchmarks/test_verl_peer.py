@@ -515,26 +515,24 @@ def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
     assert nvidia_smi_memory_query({"CUDA_VISIBLE_DEVICES": "GPU-8a1f"}) == base
 
 
-@pytest.mark.parametrize("gpus", [2, 4])
-def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp_path: Path, gpus: int) -> None:
+def r3_args(out: Path, gpus: int, **given: Any) -> Any:
+    """verl_vs_r3's options for the r3 part on GPUs, as its parser leaves them, with `given` changed."""
     import argparse
 
+    parsed = dict(
+        steps=20, device="cuda", model="a3b", r3_fast=False, skip_r3_disabled=False, warm_start_steps=0, r3_engines=None
+    )
+    return argparse.Namespace(out=out, gpus=gpus, **{**parsed, **given})
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp_path: Path, gpus: int) -> None:
     from benchmarks.peers.verl_vs_r3 import r3_up_commands
     from r3operator.api.load import load_rljob, parse_rljob
     from r3operator.api.rules import errors, evaluate
     from r3operator.cli.up.plan import plan_up
 
-    args = argparse.Namespace(
-        out=tmp_path,
-        gpus=gpus,
-        steps=20,
-        device="cuda",
-        model="a3b",
-        r3_fast=False,
-        skip_r3_disabled=False,
-        warm_start_steps=0,
-        r3_engines=None,
-    )
+    args = r3_args(tmp_path, gpus)
     assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3", "disabled"]  # the target's column first
     args.skip_r3_disabled = True
     assert [sub for sub, _, _ in r3_up_commands(args)] == ["r3"]
@@ -570,23 +568,11 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
 
 
 def test_r3_engines_takes_gpus_from_the_trainer_and_the_table_says_so(tmp_path: Path) -> None:
-    import argparse
-
     from benchmarks.peers.verl_vs_r3 import main, r3_layout_line, r3_up_commands
     from r3operator.api.load import parse_rljob
     from r3operator.cli.up.plan import plan_up
 
-    args = argparse.Namespace(
-        out=tmp_path,
-        gpus=4,
-        steps=12,
-        device="cuda",
-        model="a3b",
-        r3_fast=False,
-        skip_r3_disabled=True,
-        warm_start_steps=0,
-        r3_engines=3,
-    )
+    args = r3_args(tmp_path, 4, skip_r3_disabled=True, r3_engines=3)
     [(_, cmd, _)] = r3_up_commands(args)
     plan = plan_up(
         parse_rljob(yaml.safe_load(Path(cmd[2]).read_text())),
