@@ -36,6 +36,18 @@ def _median_gbps(copy: Callable[[], Any], nbytes: int, iters: int, sync: Callabl
     return round(nbytes / statistics.median(seconds) / 1e9, 2)
 
 
+def device_copy_gbps(nbytes: int, *, device: str = "cuda:0", iters: int = 10) -> float:
+    """One GPU copying a buffer of `nbytes` into another of its own: the ceiling of a colocated (IPC) sync."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    try:
+        return _median_gbps(partial(dst.copy_, src), nbytes, iters, partial(torch.cuda.synchronize, device))
+    finally:
+        del src, dst
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="buffer size")
@@ -63,10 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize(i)
 
     for i in range(count):
-        src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}")
-        dst = torch.empty_like(src)
-        result["device_copy_gbps"].append(_median_gbps(partial(dst.copy_, src), nbytes, args.iters, sync_all))
-        del src, dst
+        result["device_copy_gbps"].append(device_copy_gbps(nbytes, device=f"cuda:{i}", iters=args.iters))
     if count >= 2:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")

@@ -149,6 +149,10 @@ def _broadcast_rank(rank: int, port: int, nbytes: int, iters: int, out: str) -> 
     dist.destroy_process_group()
 
 
+DEVICE_COPY_BYTES = 2 << 30
+"""The device copy's buffer (twice this in memory): enough to reach an H100's or H200's copy bandwidth."""
+
+
 def nccl_broadcast_gbps(nbytes: int, *, iters: int = 5) -> float:
     """Broadcast bandwidth GPU 0 → GPU 1 (torch.distributed NCCL, two fresh processes), GB/s."""
     from torch.multiprocessing.spawn import spawn
@@ -532,6 +536,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()  # the next engine (a test after this one) sizes its KV cache from free memory
     if "nccl" in native:  # after the engine is gone: the GPUs are free for the two broadcast processes
         result["nccl_broadcast_gbps"] = round(nccl_broadcast_gbps(result["bytes_per_sync"]), 3)
+    if "ipc" in native:  # the colocated ceiling (issue 24: IPC >= 0.25x of it), a buffer big enough to saturate
+        from benchmarks.bench_gpu_copy import device_copy_gbps
+
+        result["device_copy_gbps"] = device_copy_gbps(min(result["bytes_per_sync"], DEVICE_COPY_BYTES))
     if native and "packed" in methods:
         fast, slow = result["methods"][native[0]]["gbps"], result["methods"]["packed"]["gbps"]
         result["native_vs_packed"] = round(fast / slow, 2) if slow else None

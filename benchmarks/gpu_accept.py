@@ -412,6 +412,9 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
         raw = report.get("nccl_broadcast_gbps")
         if raw:
             parts.append(f"raw NCCL broadcast {raw} GB/s")
+        copy = report.get("device_copy_gbps")
+        if copy:
+            parts.append(f"device copy {copy} GB/s")
         met = None
         data: dict[str, Any] = {"sync": report}
         if model == "a3b-x16l":
@@ -431,6 +434,8 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
                 )
                 if raw and large:
                     met = large["gbps"] >= 0.5 * raw and fixed <= 0.050
+            if copy and large:  # colocated: IPC at >= 0.25x the device copy (issue 24)
+                met = large["gbps"] >= 0.25 * copy
         return Verdict(code == 0 and complete, "; ".join(parts), met, data)
 
     return judge
@@ -587,7 +592,8 @@ ROWS: list[Row] = [
         2,
         "weight sync of `a3b-x16l` (20 GB) in both weightSync.layouts on one engine start, and the fixed cost "
         "per sync through both sizes (a3b from sync_layouts_a3b)",
-        "kernel layout: a3b-x16l ≥ 0.5 × raw NCCL broadcast, fixed cost ≤ 50 ms (issue 24); canary on every sync",
+        "kernel layout: a3b-x16l ≥ 0.5 × raw NCCL broadcast, fixed cost ≤ 50 ms; on 1 GPU (IPC) ≥ 0.25 × the "
+        "device copy (issue 24); canary on every sync",
         1,
         420,
         590,

@@ -278,6 +278,24 @@ def test_the_x16l_row_finds_the_a3b_json_of_another_lane_and_says_when_there_is_
     assert "kernel fixed cost per sync 20 ms" in found.figure and str(lane0) in found.figure
 
 
+def test_on_one_gpu_the_x16l_row_judges_ipc_against_the_device_copy(tmp_path: Path) -> None:
+    """Colocated, issue 24's target is the IPC sync at ≥ 0.25 × the device's own copy bandwidth."""
+
+    def ipc_report(nbytes: int, seconds: float, copy: float) -> dict[str, Any]:
+        report = _sync_report(nbytes, {"kernel": seconds}, None)
+        report["by_layout"]["kernel"] = {"ipc": report["by_layout"]["kernel"].pop("nccl")}
+        return {**report, "device_copy_gbps": copy, "methods": report["by_layout"]["kernel"]}
+
+    def judge(work: Path, seconds: float) -> Verdict:
+        _write_sync(work, "a3b", ipc_report(SMALL, 0.03, 1400.0))
+        _write_sync(work, "a3b-x16l", ipc_report(LARGE, seconds, 1400.0))
+        return gpu_accept.judge_sync_layouts("a3b-x16l")(Context(gpus=1, work=work / "sync_layouts_x16l"), 0, "")
+
+    fast = judge(tmp_path / "fast", LARGE / 400e9)  # 400 GB/s ≥ 0.25 × 1,400
+    assert fast.target_met is True and "device copy 1400.0 GB/s" in fast.figure and "kernel ipc" in fast.figure
+    assert judge(tmp_path / "slow", LARGE / 300e9).target_met is False  # 300 < 350
+
+
 def test_a_row_killed_at_its_limit_still_reports_the_layouts_it_measured(tmp_path: Path) -> None:
     """bench_weight_sync rewrites its JSON after each layout: the kernel layout (measured first) survives a
     kill during the checkpoint layout, and the row says what is missing."""
