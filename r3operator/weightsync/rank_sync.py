@@ -116,7 +116,7 @@ class _RankSender:
 
     engines_key: tuple[tuple[str, str], ...]
     engines: list[Engine]
-    sync: NativeSyncLike
+    sync: NativeSyncLike = field(init=False)  # made with this sender's `state_dict`
     weights: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,21 +139,19 @@ def _sender_for(request: RankSyncRequest, dtype: Any) -> _RankSender:
         return sender
     if sender is not None:
         sender.sync.close()
-    engines = list(request.engines)
-    made: list[_RankSender] = []
-    sync = request.make(
+    sender = _RankSender(key, list(request.engines))
+    sender.sync = request.make(
         request.method,
-        state_dict=lambda: made[0].state_dict(),
+        state_dict=sender.state_dict,
         dtype=dtype,
         buffer_size_bytes=request.buffer_size_bytes,
         # Where the engines reach this rank's NCCL store: its own address, not the driver's (another pod).
-        master_address=master_address_for(EngineGroup(engines)),
+        master_address=master_address_for(EngineGroup(sender.engines)),
         phases=SyncPhases(synchronize=request.synchronize),
         layout=request.layout,
     )
-    made.append(_RankSender(key, engines, sync))
-    _SENDERS[request.install] = made[0]
-    return made[0]
+    _SENDERS[request.install] = sender
+    return sender
 
 
 COPY_HEADROOM = 0.8
