@@ -505,7 +505,8 @@ def build_table(out: Path, *, gpus: int, work: Workload = Workload()) -> tuple[s
     return text, summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; tests read their options through it too, so none of them misses an option."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, required=True, help="GPUs both frameworks use (2, or 4 where lent)")
     parser.add_argument("--steps", type=int, default=30)
@@ -543,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warm-start-lr", type=float, default=DEFAULT_LEARNING_RATE, help="the warm-up's learning rate (prepare)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.r3_engines is not None and not 1 <= args.r3_engines < args.gpus:
         parser.error(f"--r3-engines {args.r3_engines}: between 1 and {args.gpus - 1} (the trainer needs a GPU)")

@@ -516,13 +516,13 @@ def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
 
 
 def r3_args(out: Path, gpus: int, **given: Any) -> Any:
-    """verl_vs_r3's options for the r3 part on GPUs, as its parser leaves them, with `given` changed."""
-    import argparse
+    """verl_vs_r3's options for the r3 part on GPUs, as its parser reads `--steps 20`, with `given` changed."""
+    from benchmarks.peers.verl_vs_r3 import build_parser
 
-    parsed = dict(
-        steps=20, device="cuda", model="a3b", r3_fast=False, skip_r3_disabled=False, warm_start_steps=0, r3_engines=None
-    )
-    return argparse.Namespace(out=out, gpus=gpus, **{**parsed, **given})
+    args = build_parser().parse_args(["--gpus", str(gpus), "--out", str(out), "--steps", "20"])
+    for name, value in given.items():
+        setattr(args, name, value)
+    return args
 
 
 @pytest.mark.parametrize("gpus", [2, 4])

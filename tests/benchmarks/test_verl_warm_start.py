@@ -27,20 +27,11 @@ WARM_LR = 1e-3  # large for the tiny model, so that 4 steps move its loss well p
 
 
 def runner_args(out: Path, *, warm: int, gpus: int = 2, model: str = "a3b") -> argparse.Namespace:
-    return argparse.Namespace(
-        out=out,
-        gpus=gpus,
-        steps=3,
-        model=model,
-        device="cuda",
-        site="/s",
-        verl_site="/v",
-        timeout_s=5,
-        r3_fast=True,
-        skip_r3_disabled=False,
-        warm_start_steps=warm,
-        warm_start_lr=WARM_LR,
-    )
+    from benchmarks.peers.verl_vs_r3 import build_parser
+
+    argv = ["--gpus", str(gpus), "--out", str(out), "--steps", "3", "--model", model, "--site", "/s"]
+    argv += ["--verl-site", "/v", "--timeout-s", "5", "--r3-fast", "--warm-start-steps", str(warm)]
+    return build_parser().parse_args([*argv, "--warm-start-lr", str(WARM_LR)])
 
 
 @pytest.fixture(scope="module")
