@@ -141,7 +141,7 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "vLLM": run.vllm_version,
         "engine dtype": settings.engine_dtype,
         "trainer": _trainer_fact(settings, run),
-        "weight sync": run.weight_transfer.describe(),
+        "weight sync": run.weight_sync_described,
         "weight-sync canary": canary_fact(settings, run),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
         "steps": settings.steps,

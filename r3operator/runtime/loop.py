@@ -158,12 +158,17 @@ class GRPORun:
         self.canary_tol = parts.canary_tol
         self.canary_near_ties = 0
         self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
+        install = self._native_install()
+        # What the report and status.progress.weightSync say: the method, why, and where it is sent from.
+        self.weight_sync_described = self.weight_transfer.describe() + (
+            f"; {install.describe()}" if isinstance(install, RankNativeInstall) else ""
+        )
         self.supervisor = EngineSupervisor(
             self.engines,
             chunks=self._weight_chunks,
             canary=self._canary_engines,
             on_fault=lambda kind: self.metrics.inc("r3operator_engine_faults_total", kind=kind),
-            install=self._native_install(),
+            install=install,
             phases=self.sync_phases,
         )
         self._start_recorder()
@@ -517,7 +522,7 @@ class GRPORun:
                 row,
                 total_steps=self.s.steps,
                 last_checkpoint_step=self.last_checkpoint_step,
-                weight_sync=self.weight_transfer.describe(),
+                weight_sync=self.weight_sync_described,
             )
         )
         self.rows.append(row)

@@ -40,6 +40,8 @@ from r3operator.wire.weights import full_tensor
 class RankRunner(Protocol):
     """A trainer over ranks (`DistributedTrainer`): runs `fn(trainer, rank, *args)` on every rank."""
 
+    world_size: int
+
     def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
 
 
@@ -268,6 +270,10 @@ class RankNativeInstall:
         self.sent.merge(result.fingerprints)
         self.phases.merge(result.phase_seconds)
         return {"tensors": result.tensors, "bytes": result.bytes}
+
+    def describe(self) -> str:
+        """Where the sync is sent from, for the report and status.progress.weightSync."""
+        return f"sent from trainer rank 0 of {self.ranks.world_size}"
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """The layout of the next syncs' brackets (the sender on rank 0 takes it with the next request)."""

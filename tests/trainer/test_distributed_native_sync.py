@@ -113,6 +113,7 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         make=RecordingSync,
     )
     engines = [Endpoint("engine-0", "http://127.0.0.1:8000"), Endpoint("engine-1", "http://127.0.0.1:8001")]
+    assert install.describe() == "sent from trainer rank 0 of 2"
     try:
         before = ranks.model_state_dict()  # the whole weights, read another way (FSDP's full state dict)
         assert install(engines, "v1") == {
