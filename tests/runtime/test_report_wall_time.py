@@ -29,6 +29,7 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             model_dir="m",
             vllm_version="v",
             weight_transfer=described,
+            weight_sync_described="-",
             canary_tol=described,
             trainer=SimpleNamespace(),
             engines=object(),
