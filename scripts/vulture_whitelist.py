@@ -105,6 +105,7 @@ _.reporting_component
 _.reporting_instance
 _.do_POST
 _.do_GET
+_.request_queue_size
 _.log_message
 _.daemon_threads
 _.all_gatherv

@@ -144,7 +144,12 @@ def test_http_rollout_keeps_every_request_of_a_batch_in_flight_at_once() -> None
             }
             self._json(200, {"choices": [choice]})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # listen()'s backlog: the default 5 drops some of 32 simultaneous connects on a loaded box, and their
+        # SYN retries (1, 2, 4 … s) can outlast the barrier.
+        request_queue_size = 128
+
+    server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = OpenAIHTTPClient(
