@@ -46,7 +46,8 @@ class RankRunner(Protocol):
 
 
 class NativeSyncLike(Protocol):
-    """What rank 0 sends with: `NativeInstall`, or a stand-in of the same shape in tests."""
+    """What rank 0 sends with: `NativeInstall` (made with its own receipt log), or a stand-in of the same
+    shape in tests."""
 
     sent: FingerprintLog
     phases: SyncPhases
@@ -57,29 +58,6 @@ class NativeSyncLike(Protocol):
     def set_layout(self, layout: WeightSyncLayout) -> None: ...
 
     def close(self) -> None: ...
-
-
-def native_install(
-    method: TransferMethod,
-    *,
-    state_dict: Callable[[], Mapping[str, Any]],
-    dtype: Any,
-    buffer_size_bytes: int,
-    master_address: str,
-    phases: SyncPhases,
-    layout: WeightSyncLayout,
-) -> NativeSyncLike:
-    """rank 0's sender: vLLM's native transfer, as in a one-process run."""
-    return NativeInstall(
-        method,
-        state_dict=state_dict,
-        dtype=dtype,
-        buffer_size_bytes=buffer_size_bytes,
-        master_address=master_address,
-        sent=FingerprintLog(),
-        phases=phases,
-        layout=layout,
-    )
 
 
 @dataclass(frozen=True)
@@ -94,7 +72,7 @@ class RankSyncRequest:
     buffer_size_bytes: int
     layout: WeightSyncLayout
     synchronize: bool = False  # the driver's phases wait for the device (profiling)
-    make: Callable[..., NativeSyncLike] = native_install
+    make: Callable[..., NativeSyncLike] = NativeInstall
 
 
 @dataclass(frozen=True)
@@ -246,7 +224,7 @@ class RankNativeInstall:
         sent: FingerprintLog,
         phases: SyncPhases,
         layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
-        make: Callable[..., NativeSyncLike] = native_install,
+        make: Callable[..., NativeSyncLike] = NativeInstall,
     ) -> None:
         self.method, self.ranks, self.layout = method, ranks, layout
         self.dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")

