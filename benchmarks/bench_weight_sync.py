@@ -357,6 +357,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--engines", type=int, default=1, help="engine replicas receiving every sync")
     parser.add_argument(
+        "--nccl-fault",
+        action="store_true",
+        help="after the figures, a trainer failure in the middle of an NCCL sync in every --layout: the engines "
+        "must leave the broadcast, stay unstamped, and be re-synced and canaried",
+    )
+    parser.add_argument(
         "--phase-sync",
         action="store_true",
         help="synchronize the device at every sync-phase boundary (exact phase times, a little slower)",
@@ -528,6 +534,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result["fault_mid_sync"] = fault_mid_sync(run, engine, native_install)
             print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
             save()
+        if "nccl" in native and args.nccl_fault:
+            if not isinstance(native_install, NativeInstall):
+                raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")
+            faults = result.setdefault("fault_mid_sync_nccl", {})
+            for index, layout in enumerate(reversed(layouts)):  # the layout in force first: no switch
+                if index:
+                    switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
+                faults[layout] = fault_mid_sync(run, engine, native_install)
+                print("fault_mid_sync nccl", layout, json.dumps(faults[layout]), flush=True)
+                save()
     finally:
         for server in servers:
             os.killpg(server.pid, 9)

@@ -340,6 +340,7 @@ def sync_layouts_command(model: str) -> Callable[[Context], str]:
         method = "--methods nccl --engine-gpu 1" if ctx.gpus >= 2 else "--methods ipc"
         # a3b-x16l's optimizer state would not fit beside its engine: its trainer is perturbed, not trained.
         sft = " --sft-steps 0" if model == "a3b-x16l" else ""
+        sft += " --nccl-fault" if ctx.gpus >= 2 else ""  # a trainer failure mid-sync in each layout, after the figures
         return (
             f"python3 -m benchmarks.bench_weight_sync {method} --model {model} --syncs 3 --layout {SYNC_LAYOUTS}{sft} "
             f"--log-dir {ctx.path(f'log_{model}')} --json {shlex.quote(str(sync_json(ctx, model)))} "
@@ -409,6 +410,10 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
         if report is None:
             return Verdict(False, f"{model}: bench_weight_sync wrote no JSON (see the log tail)")
         parts, complete = _sync_parts(model, report)
+        for layout, fault in (report.get("fault_mid_sync_nccl") or {}).items():
+            recovered = fault.get("tag_after_failure") is None and bool(fault.get("tag_after_resync_is_current"))
+            parts.append(f"{layout} NCCL fault mid-sync: {'aborted and re-synced' if recovered else fault}")
+            complete = complete and recovered
         raw = report.get("nccl_broadcast_gbps")
         if raw:
             parts.append(f"raw NCCL broadcast {raw} GB/s")

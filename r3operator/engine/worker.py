@@ -81,6 +81,74 @@ def kernel_layout_refusal(model: Any) -> str | None:
     return None
 
 
+def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: Any) -> None:
+    """A kernel-format sync over NCCL sent unpacked (weightsync/direct.py): one broadcast per announced tensor,
+    each received straight into the parameter of its name, so no buffer is allocated and no byte copied again.
+
+    Every announced tensor is received, in order, whatever happens: the trainer is inside each broadcast. A
+    tensor whose parameter is missing or of another dtype, shape or layout goes into a scratch tensor, and the
+    error naming it is raised after the last one (the trainer then aborts the bracket). The receipt
+    fingerprints each parameter once its broadcast is done, on a side stream so the next broadcast need not
+    wait; vLLM's `update_weights` waits for the device after this returns."""
+    import torch
+
+    device = next(model.parameters()).device
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    side = _fingerprint_stream() if stream is not None else None
+    wrong: list[str] = []
+    begin, receipt_seconds = _clock(), 0.0
+    for name, shape, dtype_name in zip(update_info.names, update_info.shapes, update_info.dtype_names, strict=True):
+        dtype = getattr(torch, dtype_name)
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            param = None
+        into = param is not None and param.dtype == dtype and list(param.shape) == list(shape)
+        direct = into and param is not None and param.is_contiguous()
+        target = param.data if direct and param is not None else torch.empty(shape, dtype=dtype, device=device)
+        if not direct:
+            wrong.append(name)
+        group.broadcast(target, src=0, stream=stream)
+        if direct:
+            started = _clock()
+            if side is not None:
+                side.wait_stream(stream)
+            with _on_stream(side):
+                receipt.record([(name, target)], flush=False)
+            receipt_seconds += _clock() - started
+    started = _clock()
+    with _on_stream(side):
+        receipt.received.flush()
+    if side is not None and stream is not None:
+        stream.wait_stream(side)
+    receipt_seconds += _clock() - started
+    receipt.add_engine_seconds("receipt", receipt_seconds)
+    receipt.add_engine_seconds("load", _clock() - begin - receipt_seconds)
+    if wrong:
+        raise WeightUpdateStateError(
+            f"kernel-format weight sync: {len(wrong)} announced tensor(s) match no parameter of this engine by "
+            f"name, dtype, shape and layout, e.g. {wrong[0]}; they were received and dropped"
+        )
+
+
+_FINGERPRINT_STREAM: list[Any] = []
+
+
+def _fingerprint_stream() -> Any:
+    """The side stream the engine's receipt fingerprints a direct receive on (one per process, kept)."""
+    import torch
+
+    if not _FINGERPRINT_STREAM:
+        _FINGERPRINT_STREAM.append(torch.cuda.Stream())
+    return _FINGERPRINT_STREAM[0]
+
+
+def _on_stream(stream: Any) -> Any:
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else ExitStack()
+
+
 class WeightUpdateStateError(RuntimeError):
     """A weight-update call came out of order (chunk outside a bracket, nested begin, finish without begin)."""
 
@@ -317,6 +385,9 @@ class WeightSyncWorkerExtension:
                     "kernel-format weight sync needs vLLM 0.22's receiver, which takes the loader as "
                     "load_weights=; this vLLM's does not (weightSync.layout: use checkpoint)"
                 )
+            group = getattr(engine, "model_update_group", None)
+            if not getattr(update_info, "packed", True) and group is not None:
+                return receive_into_parameters(self._r3_model(), group, update_info, receipt)
 
             def load_weights(weights: Iterable[tuple[str, Any]]) -> Any:
                 batch = list(weights)

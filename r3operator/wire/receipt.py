@@ -454,13 +454,17 @@ class SyncReceipt:
         self.released_bytes = 0
         self._seen = set()
 
-    def record(self, named: Sequence[tuple[str, Any]]) -> None:
+    def record(self, named: Sequence[tuple[str, Any]], *, flush: bool = True) -> None:
+        """Fingerprint what `load_weights` was handed. `flush`: now, because a receiver reuses its buffer for
+        the next batch; False only for tensors that stay (a parameter received into directly), which then
+        share buckets until `received.flush()`."""
         for name, tensor in named:
             if name in self._seen:
                 self.duplicates.append(name)
             self._seen.add(name)
             self.received.add(name, tensor)
-        self.received.flush()  # a receiver reuses its buffer for the next batch
+        if flush:
+            self.received.flush()
 
     def add_engine_seconds(self, part: str, seconds: float) -> None:
         self.engine_seconds[part] = self.engine_seconds.get(part, 0.0) + seconds

@@ -1,0 +1,296 @@
+"""The kernel layout sent one broadcast per engine parameter and received straight into it (weightsync/direct.py,
+engine/worker.py `receive_into_parameters`), on the CPU.
+
+The NCCL communicator is replaced by a pair of stand-ins joined by a queue: the sender's broadcast hands over a
+copy of the bytes as they are at that moment (a staging buffer reused too early would show), the receiver's
+writes them into its target and checks the byte count (a mismatch hangs or corrupts real NCCL). Trainer and
+engine run in two threads, as they do in two processes. The references are written out here (a cat, a stack, a
+cast) or are vLLM's own `load_weights` of the checkpoint tensors (the slow test).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from r3operator.engine.worker import WeightUpdateStateError, receive_into_parameters
+from r3operator.weightsync.direct import DirectKernelSend
+from r3operator.wire.kernel_layout import (
+    engine_parameters,
+    kernel_metadata,
+    plan_kernel_layout,
+    trainer_shapes,
+)
+from r3operator.wire.receipt import FingerprintLog, SyncReceipt, compare_receipt
+from r3operator.wire.sync_phases import SyncPhases
+
+
+class Wire:
+    """Both ends of one broadcast group (src 0 sends, the other receives), in order, one tensor at a time."""
+
+    def __init__(self) -> None:
+        self.bytes: queue.Queue[torch.Tensor] = queue.Queue()
+        self.sent = 0
+
+    def sender(self) -> Any:
+        wire = self
+
+        class Send:
+            def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+                assert src == 0 and tensor.is_contiguous()
+                wire.sent += 1
+                wire.bytes.put(tensor.detach().clone())
+
+        return Send()
+
+    def receiver(self) -> Any:
+        wire = self
+
+        class Receive:
+            def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+                got = wire.bytes.get(timeout=30)
+                sent = got.reshape(-1).view(torch.uint8)
+                assert sent.numel() == tensor.numel() * tensor.element_size(), "byte counts differ: NCCL would hang"
+                tensor.view(-1).view(torch.uint8).copy_(sent)
+
+        return Receive()
+
+
+class Info:
+    def __init__(self, meta: list[tuple[str, Any, tuple[int, ...]]]) -> None:
+        self.names = [n for n, _, _ in meta]
+        self.dtype_names = [str(d).removeprefix("torch.") for _, d, _ in meta]
+        self.shapes = [list(s) for _, _, s in meta]
+        self.packed = False
+
+
+E, INTER, H = 4, 3, 8
+TRAINER = {
+    "model.layers.0.self_attn.q_proj.weight": (8, H),
+    "model.layers.0.self_attn.k_proj.weight": (4, H),
+    "model.layers.0.self_attn.v_proj.weight": (4, H),
+    "model.layers.0.mlp.experts.gate_up_proj": (E, 2 * INTER, H),
+    "model.layers.0.mlp.experts.down_proj": (E, H, INTER),
+    "model.norm.weight": (H,),
+}
+
+
+class Engine(torch.nn.Module):
+    """The parameters a vLLM 0.22 engine reports for `TRAINER`, bf16, filled with a value nothing sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shapes = {
+            "qkv": (16, H),
+            "w13": (E, 2 * INTER, H),
+            "w2": (E, H, INTER),
+            "norm": (H,),
+        }
+        for name, shape in shapes.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.full(shape, 7.0, dtype=torch.bfloat16)))
+
+    NAMES: ClassVar[dict[str, str]] = {
+        "qkv": "model.layers.0.self_attn.qkv_proj.weight",
+        "w13": "model.layers.0.mlp.experts.w13_weight",
+        "w2": "model.layers.0.mlp.experts.w2_weight",
+        "norm": "model.norm.weight",
+    }
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        short = {v: k for k, v in self.NAMES.items()}
+        if target not in short:
+            raise AttributeError(target)
+        return super().get_parameter(short[target])
+
+    def reported(self) -> list[list[Any]]:
+        return [[self.NAMES[n], "bfloat16", list(p.shape)] for n, p in self.named_parameters()]
+
+
+def _trainer_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in TRAINER.items()}  # fp32: cast on send
+
+
+def _expected(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The engine's parameters written out: vLLM's fusions (q,k,v rows; gate rows before up) in bf16."""
+    attn = "model.layers.0.self_attn"
+    return {
+        "qkv": torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16),
+        "w13": state["model.layers.0.mlp.experts.gate_up_proj"].to(torch.bfloat16),
+        "w2": state["model.layers.0.mlp.experts.down_proj"].to(torch.bfloat16),
+        "norm": state["model.norm.weight"].to(torch.bfloat16),
+    }
+
+
+def _sync(
+    state: Mapping[str, torch.Tensor],
+    engine: Engine,
+    *,
+    sender: DirectKernelSend | None = None,
+    bucket_bytes: int = 64,
+    reported: list[list[Any]] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> tuple[FingerprintLog, SyncReceipt, BaseException | None, BaseException | None, Wire]:
+    """One sync, trainer and engine in two threads; returns what each side raised (or None)."""
+    plan = plan_kernel_layout(shapes or trainer_shapes(state), engine_parameters(reported or engine.reported()))
+    wire, sent, receipt = Wire(), FingerprintLog(bucket_bytes=bucket_bytes), SyncReceipt()
+    receipt.begin(list(engine.named_parameters()))
+    errors: dict[str, BaseException | None] = {"send": None, "receive": None}
+
+    def run(side: str, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors[side] = exc
+
+    send = sender or DirectKernelSend()
+    info = Info(kernel_metadata(plan, dtype=torch.bfloat16))
+    threads = [
+        threading.Thread(
+            target=run,
+            args=(
+                "send",
+                lambda: send.send(
+                    wire.sender(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases()
+                ),
+            ),
+        ),
+        threading.Thread(
+            target=run, args=("receive", lambda: receive_into_parameters(engine, wire.receiver(), info, receipt))
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert wire.bytes.empty(), "a broadcast was sent that nobody received"
+    return sent, receipt, errors["send"], errors["receive"], wire
+
+
+def test_every_parameter_arrives_in_place_as_vllm_fuses_it_and_the_receipt_matches() -> None:
+    """Small buckets: the big tensors go through the two staging buffers in turn, so a buffer reused before its
+    broadcast would hand over the next tensor's bytes."""
+    engine, state = Engine(), _trainer_state()
+    held = {name: p.data.data_ptr() for name, p in engine.named_parameters()}
+    sent, receipt, send_error, receive_error, wire = _sync(state, engine, bucket_bytes=64)
+    assert send_error is None and receive_error is None
+    for name, want in _expected(state).items():
+        assert torch.equal(getattr(engine, name).data.view(torch.int16), want.view(torch.int16)), name
+    assert {name: p.data.data_ptr() for name, p in engine.named_parameters()} == held  # received in place
+    assert wire.sent == 4
+    receipt.finish(list(engine.named_parameters()))
+    compare_receipt(sent.result(), receipt.report(), where="engine")
+    assert set(receipt.engine_seconds) == {"receipt", "load"}
+
+
+def test_the_staging_buffers_are_kept_across_syncs_and_the_second_sync_sends_the_new_values() -> None:
+    engine, sender = Engine(), DirectKernelSend()
+    _sync(_trainer_state(1), engine, sender=sender, bucket_bytes=64)
+    staging = [b.data_ptr() for b in sender._staging]
+    assert len(staging) == 2 and sender.staged_bytes == E * 2 * INTER * H * 2  # the largest staged tensor, bf16
+    state = _trainer_state(2)
+    _sync(state, engine, sender=sender, bucket_bytes=64)
+    assert [b.data_ptr() for b in sender._staging] == staging
+    assert torch.equal(engine.w13.data, _expected(state)["w13"])
+    sender.close()
+    assert sender._staging == [] and sender.staged_bytes == 0
+
+
+def test_a_tensor_that_already_is_the_parameter_goes_as_it_is() -> None:
+    """A ranked trainer's gathered copy is in the engine's dtype: nothing is built or staged."""
+    engine, sender = Engine(), DirectKernelSend()
+    state = {name: t.to(torch.bfloat16) for name, t in _trainer_state(3).items()}
+    _sync(state, engine, sender=sender, bucket_bytes=300)  # q,k,v (256 bytes built) small, the experts big
+    assert sender._staging == []  # the fused experts and the norm went as they were; q,k,v built on its own
+    assert torch.equal(engine.w2.data, state["model.layers.0.mlp.experts.down_proj"])
+
+
+class _FailingAfter(Mapping[str, torch.Tensor]):
+    """A trainer whose tensors cannot be read past the first `keep` reads (it died mid-sync)."""
+
+    def __init__(self, inner: Mapping[str, torch.Tensor], keep: int) -> None:
+        self.inner, self.left = inner, keep
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self.left <= 0:
+            raise RuntimeError("injected: the trainer lost its tensors")
+        self.left -= 1
+        return self.inner[key]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inner)
+
+
+def test_a_failure_mid_sync_still_sends_every_announced_broadcast_then_raises() -> None:
+    """Otherwise the engine (and the trainer) would wait inside a broadcast forever and the bracket could not be
+    aborted. The engine receives zeros for what the trainer could not build; its tag stays unstamped (the caller
+    aborts)."""
+    engine, state = Engine(), _trainer_state(4)
+    failing = _FailingAfter(state, keep=3)  # q, k, v: the qkv parameter is built, the experts are not
+    _, _, send_error, receive_error, wire = _sync(failing, engine, shapes=trainer_shapes(state))
+    assert isinstance(send_error, RuntimeError) and "injected" in str(send_error)
+    assert receive_error is None and wire.sent == 4
+    assert torch.equal(engine.qkv.data, _expected(state)["qkv"])
+    assert not engine.w13.data.any() and not engine.norm.data.any()  # zeros, never served: the tag stays None
+
+
+def test_an_announced_tensor_the_engine_lacks_is_received_and_named() -> None:
+    engine = Engine()
+    reported = [*engine.reported(), ["model.layers.0.mlp.gate.weight", "bfloat16", [E, H]]]
+    state = {**_trainer_state(5), "model.layers.0.mlp.gate.weight": torch.ones(E, H)}
+    _, _, send_error, receive_error, wire = _sync(state, engine, reported=reported)
+    assert send_error is None and wire.sent == 5  # every broadcast was met
+    assert isinstance(receive_error, WeightUpdateStateError)
+    assert "model.layers.0.mlp.gate.weight" in str(receive_error)
+
+
+@pytest.mark.slow
+def test_vllms_own_model_receives_what_its_load_weights_makes() -> None:
+    """vLLM's `Qwen3MoeForCausalLM` (tiny reference config, CPU) receives a sync from an fp32 trainer state, and
+    every parameter equals what vLLM's own `load_weights` makes of the same state's checkpoint tensors."""
+    pytest.importorskip("vllm")
+    from transformers import Qwen3MoeForCausalLM
+
+    from benchmarks.bench_engine_load import build_engine_model, engine_config
+    from r3operator.models.reference import get_spec
+    from r3operator.wire.weights import checkpoint_tensors
+
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(get_spec("tiny").hf_config())
+    generator = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(tuple(t.shape), generator=generator) for n, t in hf.state_dict().items()}
+    with engine_config("tiny") as config:
+        reference = build_engine_model(config, "cpu")
+        reference.load_weights(checkpoint_tensors(state, dtype=torch.bfloat16))
+        want = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    with engine_config("tiny") as config:
+        engine = build_engine_model(config, "cpu")
+        for param in engine.parameters():
+            param.data.fill_(1234.0)
+        reported = [[n, str(p.dtype), list(p.shape)] for n, p in engine.named_parameters()]
+        plan = plan_kernel_layout(trainer_shapes(state), engine_parameters(reported))
+        wire, sent, receipt = Wire(), FingerprintLog(bucket_bytes=1 << 16), SyncReceipt()
+        info = Info(kernel_metadata(plan, dtype=torch.bfloat16))
+        receipt.begin(list(engine.named_parameters()))
+        receiving = threading.Thread(target=receive_into_parameters, args=(engine, wire.receiver(), info, receipt))
+        receiving.start()
+        DirectKernelSend().send(
+            wire.sender(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases()
+        )
+        receiving.join(timeout=120)
+        receipt.finish(list(engine.named_parameters()))
+        wrong = [
+            n
+            for n, p in engine.named_parameters()
+            if not torch.equal(p.data.view(torch.int16), want[n].view(torch.int16))
+        ]
+    assert wrong == []
+    compare_receipt(sent.result(), receipt.report(), where="engine")
