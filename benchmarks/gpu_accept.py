@@ -833,13 +833,26 @@ def versions() -> dict[str, str]:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-    try:
-        found["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        found["commit"] = "unknown (no git checkout)"
+    found["commit"] = source_commit(REPO)
     return found
+
+
+def source_commit(repo: Path) -> str:
+    """The checkout's commit, with "+modified (N files)" when tracked files differ from it: the GPU machine runs a
+    copy of the working tree whose git metadata may be older than its files, so the bare commit would name code that
+    did not run."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git checkout)"
+    return f"{commit}+modified ({len(changed)} files)" if changed else commit
 
 
 def end_stragglers(name: str) -> None:

@@ -345,3 +345,23 @@ def test_rows_named_run_in_the_order_named_once_each() -> None:
     assert [r.name for r in picked] == ["sync_layouts_x16l", "up_2gpu", "weight_sync"]
     with pytest.raises(SystemExit, match="unknown nope"):
         gpu_accept.select(gpu_accept.ROWS, None, ["up_2gpu", "nope"])
+
+
+def test_the_recorded_commit_says_when_the_files_are_not_that_commit(tmp_path: Path) -> None:
+    """The GPU machine's copy may carry older git metadata than its files: the JSON must not name that commit bare."""
+    import subprocess
+
+    from benchmarks.gpu_accept import source_commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert source_commit(tmp_path) == f"{head}+modified (1 files)"
+    assert source_commit(tmp_path / "missing").startswith("unknown")
