@@ -35,3 +35,15 @@ def settings_for(job_path: Path, run_dir: Path, **kwargs: Any) -> Any:
     settings = build_settings(job_path, out_dir=run_dir, device="cpu", **kwargs)
     settings.show_progress = False
     return copy.copy(settings)
+
+
+# One MoE layer's trainer tensors (transformers 5: experts fused), experts E, intermediate I, hidden H; what a vLLM
+# 0.22 engine makes of them: qkv_proj [16, H], experts.w13_weight [E, 2I, H], experts.w2_weight [E, H, I].
+MOE_E, MOE_I, MOE_H = 4, 3, 8
+MOE_LAYER_SHAPES: dict[str, tuple[int, ...]] = {
+    "model.layers.0.self_attn.q_proj.weight": (8, MOE_H),
+    "model.layers.0.self_attn.k_proj.weight": (4, MOE_H),
+    "model.layers.0.self_attn.v_proj.weight": (4, MOE_H),
+    "model.layers.0.mlp.experts.gate_up_proj": (MOE_E, 2 * MOE_I, MOE_H),
+    "model.layers.0.mlp.experts.down_proj": (MOE_E, MOE_H, MOE_I),
+}

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from runtime_test_helpers import MOE_E, MOE_H, MOE_I, MOE_LAYER_SHAPES
 
 from r3operator.engine.worker import WeightUpdateStateError, receive_into_parameters
 from r3operator.weightsync.direct import DirectKernelSend
@@ -69,15 +70,8 @@ class Info:
         self.packed = False
 
 
-E, INTER, H = 4, 3, 8
-TRAINER = {
-    "model.layers.0.self_attn.q_proj.weight": (8, H),
-    "model.layers.0.self_attn.k_proj.weight": (4, H),
-    "model.layers.0.self_attn.v_proj.weight": (4, H),
-    "model.layers.0.mlp.experts.gate_up_proj": (E, 2 * INTER, H),
-    "model.layers.0.mlp.experts.down_proj": (E, H, INTER),
-    "model.norm.weight": (H,),
-}
+E, INTER, H = MOE_E, MOE_I, MOE_H
+TRAINER = {**MOE_LAYER_SHAPES, "model.norm.weight": (H,)}
 
 
 class Engine(torch.nn.Module):

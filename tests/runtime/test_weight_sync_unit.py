@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from runtime_test_helpers import MOE_E, MOE_H, MOE_I, MOE_LAYER_SHAPES
 
 from r3operator.api.load import RLJobLoadError
 from r3operator.api.runtime_config import RuntimeConfig, WeightTransferConfig
@@ -250,14 +251,8 @@ def test_every_engines_bracket_opens_and_closes_at_once_not_in_turn() -> None:
 
 
 # A two-layer-free MoE block: q/k/v, fused experts (transformers 5) and what a vLLM 0.22 engine reports for it.
-_E, _I, _H = 4, 3, 8
-_TRAINER_SHAPES = {
-    "model.layers.0.self_attn.q_proj.weight": (8, _H),
-    "model.layers.0.self_attn.k_proj.weight": (4, _H),
-    "model.layers.0.self_attn.v_proj.weight": (4, _H),
-    "model.layers.0.mlp.experts.gate_up_proj": (_E, 2 * _I, _H),
-    "model.layers.0.mlp.experts.down_proj": (_E, _H, _I),
-}
+_E, _I, _H = MOE_E, MOE_I, MOE_H
+_TRAINER_SHAPES = MOE_LAYER_SHAPES
 _ENGINE = [
     ["model.layers.0.self_attn.qkv_proj.weight", "bfloat16", [16, _H]],
     ["model.layers.0.mlp.experts.w13_weight", "bfloat16", [_E, 2 * _I, _H]],
