@@ -370,6 +370,7 @@ def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
 
 
 def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from r3operator.api.enums import WeightSyncLayout
     from r3operator.weightsync import transfer
     from r3operator.weightsync.transfer import SendStats
     from r3operator.wire.cuda_cache import Release
@@ -378,8 +379,11 @@ def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypat
     sender = _kernel_sender(monkeypatch, _Endpoint("a", parameters=_ENGINE))
     monkeypatch.setattr(sender, "_send", lambda tag: order.append("send") or SendStats(tensors=0, bytes=0))
     monkeypatch.setattr(transfer, "release_cached_blocks", lambda: order.append("release") or Release(7 << 30, 0.0))
-    sender.send("run:1")
-    assert order == ["send", "release"]
+    sender.send("run:1")  # the kernel layout over NCCL: our own sender, whose buffers are kept, not released
+    assert order == ["send"] and sender.released_bytes == 0
+    sender.set_layout(WeightSyncLayout.CHECKPOINT)  # vLLM's packed sender: new streams and buffers every sync
+    sender.send("run:2")
+    assert order == ["send", "send", "release"]
     assert sender.released_bytes == 7 << 30
     assert "finish" in sender.client.phases.seconds  # the release is counted in the sync's finish
 
