@@ -228,6 +228,7 @@ def measure(
         run.supervisor.install = native_install
     seconds, changed, canary_ok = [], 0, 0
     phases: dict[str, list[float]] = {}
+    engine_parts: dict[str, list[float]] = {}
     gpu_used_mib: list[list[int]] = []  # each visible GPU's memory in use after each sync (nvidia-smi), off the clock
     previous = _greedy_tokens(run)
     for _ in range(syncs):
@@ -242,6 +243,8 @@ def measure(
         begin = time.perf_counter()
         run._check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
         phases.setdefault("canary_receipt", []).append(time.perf_counter() - begin)
+        for part, value in engine_seconds(run.engines.engines).items():  # off the clock: one more round trip
+            engine_parts.setdefault(part, []).append(value)
         begin = time.perf_counter()
         canary_ok += int(run.canary())  # raises CanaryMismatchError on a wrong sync
         phases.setdefault("canary", []).append(time.perf_counter() - begin)
@@ -258,8 +261,38 @@ def measure(
         "canary_ok": f"{canary_ok}/{syncs}",
         "greedy_changed": f"{changed}/{syncs}",
         "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},
+        "engine_seconds_median": {k: round(statistics.median(v), 4) for k, v in engine_parts.items()},
         "gpu_used_mib_after_each_sync": gpu_used_mib,
     }
+
+
+def engine_seconds(engines: Sequence[Any]) -> dict[str, float]:
+    """The engine's own host seconds in the last sync, by part (the receipt's `engine_seconds`: "load", the receive
+    and load loop; "receipt", its fingerprints; "release", the cache given back), the slowest worker of any engine."""
+    worst: dict[str, float] = {}
+    for engine in engines:
+        for receipt in engine.sync_receipts():
+            for part, value in (receipt.get("engine_seconds") or {}).items():
+                worst[part] = max(worst.get(part, 0.0), float(value))
+    return worst
+
+
+def round_trips(engine: Any, *, times: int = 5) -> dict[str, float]:
+    """Median seconds of the two bare round trips a native sync's `finish` makes to an engine besides its work: a
+    worker call through `/collective_rpc` (the policy tag) and `/reset_prefix_cache`."""
+    calls = {
+        "collective_rpc": engine.policy_tag,
+        "reset_prefix_cache": lambda: engine.client.request("POST", "/reset_prefix_cache", {}),
+    }
+    out = {}
+    for name, call in calls.items():
+        seconds = []
+        for _ in range(times):
+            begin = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - begin)
+        out[name] = round(statistics.median(seconds), 4)
+    return out
 
 
 def profile_one_sync(run: Any, sft_steps: int, out: Path) -> dict[str, str]:
@@ -528,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     figures[method]["multi_engine_ratio"] = round(figures[method]["median_s"] / alone["median_s"], 3)
                     print(layout, method, "one engine", json.dumps(alone), flush=True)
                     save()
+        result["round_trips_s"] = round_trips(engine)  # what `finish` pays besides the engines' work
+        save()
         if "ipc" in native:
             if not isinstance(native_install, NativeInstall):
                 raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")

@@ -393,9 +393,10 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
         for method, v in figures.items():
             phases = v.get("phases_median_s", {})
             shown = ", ".join(f"{k} {phases[k]}" for k in ("fingerprint", "begin", "transfer", "finish") if k in phases)
+            engine = ", ".join(f"{k} {x}" for k, x in (v.get("engine_seconds_median") or {}).items())
             parts.append(
-                f"{model} {layout} {method}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}), "
-                f"canary {v['canary_ok']}"
+                f"{model} {layout} {method}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}"
+                f"{'; engine ' + engine if engine else ''}), canary {v['canary_ok']}"
             )
             complete = complete and _all_passed(v["canary_ok"])
     return parts, complete
@@ -414,6 +415,9 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
             recovered = fault.get("tag_after_failure") is None and bool(fault.get("tag_after_resync_is_current"))
             parts.append(f"{layout} NCCL fault mid-sync: {'aborted and re-synced' if recovered else fault}")
             complete = complete and recovered
+        trips = report.get("round_trips_s")
+        if trips:
+            parts.append("bare round trips " + ", ".join(f"{k} {x} s" for k, x in trips.items()))
         raw = report.get("nccl_broadcast_gbps")
         if raw:
             parts.append(f"raw NCCL broadcast {raw} GB/s")

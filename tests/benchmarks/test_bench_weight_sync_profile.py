@@ -76,3 +76,20 @@ def test_the_engine_gpu_counts_within_this_process_mask(monkeypatch: pytest.Monk
         engine_env(2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert engine_env(1)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_the_engines_own_seconds_are_the_slowest_worker_of_any_engine_by_part() -> None:
+    """A sync waits for its slowest engine worker: that one's host seconds are the figure, part by part."""
+    from benchmarks.bench_weight_sync import engine_seconds
+
+    class Engine:
+        def __init__(self, *receipts: dict[str, object]) -> None:
+            self.receipts = list(receipts)
+
+        def sync_receipts(self) -> list[dict[str, object]]:
+            return self.receipts
+
+    tp2 = Engine({"engine_seconds": {"load": 0.010, "receipt": 0.004}}, {"engine_seconds": {"load": 0.012}})
+    other = Engine({"engine_seconds": {"load": 0.011, "release": 0.030}}, {"closed": False})
+    assert engine_seconds([tp2, other]) == {"load": 0.012, "receipt": 0.004, "release": 0.030}
+    assert engine_seconds([]) == {}
