@@ -17,7 +17,11 @@ that host work on the CPU, as a proxy (a CUDA launch costs the host a few µs mo
   the CPU's sums of that data;
 - gather: `kernel_tensors` over a trainer state dict of the same model with small dimensions (same layers,
   same tensors), cast from fp32 to bf16, as plain tensors and as FSDP2 DTensors on a one-rank mesh (the
-  single-GPU trainer's layout).
+  single-GPU trainer's layout);
+- direct send: one whole sync of that state dict through the kernel layout's own NCCL sender
+  (`weightsync/direct.py`: gather, the casting build into staging, fingerprints, the broadcast call) to a
+  broadcaster that does nothing, the small model's bucket set so that the same tensors are staged as in the real
+  one.
 
 For each: aten operators that do work (views left out: on a GPU each launches a kernel or more), and host
 µs (median of `--repeats`).
@@ -138,7 +142,11 @@ def gather_rows(model: str, *, repeats: int) -> dict[str, Any]:
     def gather(sd: dict[str, Any]) -> Callable[[], Any]:
         return lambda: list(kernel_tensors(sd, plan, dtype=torch.bfloat16, device="cpu"))
 
+    def direct(sd: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: _direct_send(sd, plan, big_over=_BIG_OVER_BYTES)
+
     rows: dict[str, Any] = {"trainer_tensors": len(state), "tensor_fp32": _row(gather(state), len(plan), repeats)}
+    rows["direct_send_fp32"] = _row(direct(state), len(plan), repeats)
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -146,10 +154,34 @@ def gather_rows(model: str, *, repeats: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (1,))
         sharded = {name: distribute_tensor(t, mesh, [Shard(0)]).requires_grad_() for name, t in state.items()}
         rows["dtensor_fp32_one_rank"] = _row(gather(sharded), len(plan), repeats)
+        rows["direct_send_dtensor_fp32_one_rank"] = _row(direct(sharded), len(plan), repeats)
     finally:
         if own_group:  # `make bench` runs other benchmarks in this process
             dist.destroy_process_group()
     return rows
+
+
+_BIG_OVER_BYTES = 24 << 10
+"""The small model's fingerprint bucket: its embedding, lm_head and expert blocks are bigger (staged, fingerprinted
+by slices), its q/k/v and the rest smaller (own tensors, bucketed), as the real model's are against 256 MB."""
+
+
+def _direct_send(state: dict[str, Any], plan: Sequence[Any], *, big_over: int) -> None:
+    """One sync through the kernel layout's own sender (weightsync/direct.py) to a broadcaster that does nothing:
+    its per-parameter host work (gather, build, fingerprint, the broadcast call), no bytes moved anywhere."""
+    import torch
+
+    from r3operator.weightsync.direct import DirectKernelSend
+    from r3operator.wire.receipt import FingerprintLog
+    from r3operator.wire.sync_phases import SyncPhases
+
+    class Nowhere:
+        def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None:
+            return None
+
+    sent = FingerprintLog(bucket_bytes=big_over)
+    DirectKernelSend().send(Nowhere(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases())
+    sent.flush()
 
 
 def _engine_names(config: Any) -> list[str]:
