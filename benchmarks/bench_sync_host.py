@@ -169,7 +169,6 @@ by slices), its q/k/v and the rest smaller (own tensors, bucketed), as the real 
 def _direct_send(state: dict[str, Any], plan: Sequence[Any], *, big_over: int) -> None:
     """One sync through the kernel layout's own sender (weightsync/direct.py) to a broadcaster that does nothing:
     its per-parameter host work (gather, build, fingerprint, the broadcast call), no bytes moved anywhere."""
-    import torch
 
     from r3operator.weightsync.direct import DirectKernelSend
     from r3operator.wire.receipt import FingerprintLog
@@ -180,7 +179,7 @@ def _direct_send(state: dict[str, Any], plan: Sequence[Any], *, big_over: int) -
             return None
 
     sent = FingerprintLog(bucket_bytes=big_over)
-    DirectKernelSend().send(Nowhere(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases())
+    DirectKernelSend().send(Nowhere(), state, plan, device="cpu", sent=sent, phases=SyncPhases())
     sent.flush()
 
 

@@ -339,10 +339,10 @@ def sync_layouts_command(model: str) -> Callable[[Context], str]:
     def command(ctx: Context) -> str:
         method = "--methods nccl --engine-gpu 1" if ctx.gpus >= 2 else "--methods ipc"
         # a3b-x16l's optimizer state would not fit beside its engine: its trainer is perturbed, not trained.
-        sft = " --sft-steps 0" if model == "a3b-x16l" else ""
-        sft += " --nccl-fault" if ctx.gpus >= 2 else ""  # a trainer failure mid-sync in each layout, after the figures
+        opts = " --sft-steps 0" if model == "a3b-x16l" else ""
+        opts += " --nccl-fault" if ctx.gpus >= 2 else ""  # a trainer failure mid-sync in each layout, after the figures
         return (
-            f"python3 -m benchmarks.bench_weight_sync {method} --model {model} --syncs 3 --layout {SYNC_LAYOUTS}{sft} "
+            f"python3 -m benchmarks.bench_weight_sync {method} --model {model} --syncs 3 --layout {SYNC_LAYOUTS}{opts} "
             f"--log-dir {ctx.path(f'log_{model}')} --json {shlex.quote(str(sync_json(ctx, model)))} "
             f"--profile {ctx.path(f'profile_{model}')}"
         )

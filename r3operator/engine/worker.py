@@ -28,6 +28,7 @@ worker).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -92,32 +93,31 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
     wait; vLLM's `update_weights` waits for the device after this returns."""
     import torch
 
+    from r3operator.wire.streams import on_stream
+
     device = next(model.parameters()).device
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     side = _fingerprint_stream() if stream is not None else None
     wrong: list[str] = []
     begin, receipt_seconds = _clock(), 0.0
     for name, shape, dtype_name in zip(update_info.names, update_info.shapes, update_info.dtype_names, strict=True):
-        dtype = getattr(torch, dtype_name)
-        try:
-            param = model.get_parameter(name)
-        except AttributeError:
-            param = None
-        into = param is not None and param.dtype == dtype and list(param.shape) == list(shape)
-        direct = into and param is not None and param.is_contiguous()
-        target = param.data if direct and param is not None else torch.empty(shape, dtype=dtype, device=device)
+        dtype, param = getattr(torch, dtype_name), _parameter(model, name)
+        direct = (
+            param is not None and param.dtype == dtype and list(param.shape) == list(shape) and param.is_contiguous()
+        )
+        target = param.data if direct else torch.empty(shape, dtype=dtype, device=device)
+        group.broadcast(target, src=0, stream=stream)
         if not direct:
             wrong.append(name)
-        group.broadcast(target, src=0, stream=stream)
-        if direct:
-            started = _clock()
-            if side is not None:
-                side.wait_stream(stream)
-            with _on_stream(side):
-                receipt.record([(name, target)], flush=False)
-            receipt_seconds += _clock() - started
+            continue
+        started = _clock()
+        if side is not None:
+            side.wait_stream(stream)
+        with on_stream(side):
+            receipt.record([(name, target)], flush=False)
+        receipt_seconds += _clock() - started
     started = _clock()
-    with _on_stream(side):
+    with on_stream(side):
         receipt.received.flush()
     if side is not None and stream is not None:
         stream.wait_stream(side)
@@ -131,22 +131,19 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
         )
 
 
-_FINGERPRINT_STREAM: list[Any] = []
+def _parameter(model: Any, name: str) -> Any:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
 
 
+@functools.cache
 def _fingerprint_stream() -> Any:
     """The side stream the engine's receipt fingerprints a direct receive on (one per process, kept)."""
     import torch
 
-    if not _FINGERPRINT_STREAM:
-        _FINGERPRINT_STREAM.append(torch.cuda.Stream())
-    return _FINGERPRINT_STREAM[0]
-
-
-def _on_stream(stream: Any) -> Any:
-    import torch
-
-    return torch.cuda.stream(stream) if stream is not None else ExitStack()
+    return torch.cuda.Stream()
 
 
 class WeightUpdateStateError(RuntimeError):

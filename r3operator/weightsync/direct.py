@@ -26,20 +26,46 @@ into its parameter (engine/worker.py, `receive_into_parameters`). On the trainer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from r3operator.wire.kernel_layout import Source, as_parameter, build_parameter
 from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
-from r3operator.wire.weights import full_tensor
+from r3operator.wire.weights import full_tensor, tensor_nbytes
+
+Announced = tuple[str, Any, tuple[int, ...]]
+"""(name, torch dtype, shape) of one tensor a sync announced to the engines."""
 
 
 class Broadcaster(Protocol):
     """What the sender needs of vLLM's `PyNcclCommunicator` (a test gives a stand-in)."""
 
     def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None: ...
+
+
+def announced_zeros(announced: Sequence[Announced], device: Any) -> Iterator[tuple[str, Any]]:
+    """Views of ONE zero buffer, as big as the largest of `announced`, one per announced (name, dtype, shape): what
+    a failed NCCL sync still sends, so that the engines' receive, sized from the announcement, ends."""
+    import torch
+
+    sizes = [tensor_nbytes(shape, dtype) for _, dtype, shape in announced]
+    zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
+    for (name, dtype, shape), size in zip(announced, sizes, strict=True):
+        yield name, zeros[:size].view(dtype).view(shape)
+
+
+@dataclass
+class _Built:
+    """One parameter ready to go: the tensor, the staging slot it occupies (None: not staged), the event its build
+    recorded on the copy stream (None: nothing built), and whether it is a tensor of its own made on that stream."""
+
+    tensor: Any
+    slot: int | None = None
+    ready: Any = None
+    own: bool = False
 
 
 class DirectKernelSend:
@@ -51,7 +77,8 @@ class DirectKernelSend:
         self._copy: Any = None  # CUDA streams, made at the first sync on CUDA
         self._comm: Any = None
         self.staged_bytes = 0  # the size of each staging buffer (0 until one is needed)
-        self._filler: Any = None  # zeros sent in place of what a failed sync could not build
+        self._slot = 0  # within one sync: the staging buffer the next staged parameter goes into,
+        self._freed: list[Any] = [None, None]  # and per buffer the event of the broadcast that last read it
 
     def send(
         self,
@@ -59,85 +86,88 @@ class DirectKernelSend:
         state_dict: Mapping[str, Any],
         plan: Sequence[Source],
         *,
-        dtype: Any,
         device: Any,
         sent: FingerprintLog,
         phases: SyncPhases,
     ) -> None:
         """Broadcast every parameter of `plan` from `state_dict` in the plan's order (what the engines were
-        announced), each fingerprinted into `sent`; returns once every broadcast is queued (the caller's
-        `finish` is after the engines' receive, which waits for them). Raises the first building error after
-        the last broadcast."""
+        announced), in the dtype each engine parameter has, each fingerprinted into `sent`; returns once every
+        broadcast is queued (the caller's `finish` is after the engines' receive, which waits for them). A
+        failure to build one stops the building: the rest of the plan goes out as zeros, then it is raised."""
         import torch
 
         cuda = torch.device(device).type == "cuda"
-        if cuda:
-            self._make_streams()
-            current = torch.cuda.current_stream()
+        if cuda and self._copy is None:
+            self._copy, self._comm = torch.cuda.Stream(), torch.cuda.Stream()
+        current = torch.cuda.current_stream() if cuda else None
+        if current is not None:
             self._copy.wait_stream(current)  # the trainer's last update wrote what the copies read
             self._comm.wait_stream(current)
-        freed: list[Any] = [None, None]  # per staging slot: the broadcast that last read it
-        slot, error = 0, None
-        for source in plan:
-            shape, wanted = source.parameter.shape, _dtype(source.parameter.dtype, dtype)
-            tensor, staged, ready, fresh = None, None, None, False
-            if error is None:
-                try:
-                    with phases("gather"):
-                        parts = [full_tensor(state_dict[name]) for name in source.parts]
-                        tensor = as_parameter(source, parts, dtype=wanted, device=device)
-                        with self._on(self._copy):
-                            if tensor is None:
-                                nbytes = _nbytes(shape, wanted)
-                                if nbytes > sent.bucket_bytes:  # see the module doc: small ones get their own
-                                    staged = slot
-                                    if freed[slot] is not None:
-                                        self._copy.wait_event(freed[slot])
-                                    out = self._stage(slot, nbytes, device).view(wanted).view(shape)
-                                    slot ^= 1
-                                else:
-                                    out, fresh = torch.empty(shape, dtype=wanted, device=device), True
-                                tensor = build_parameter(out, source, parts)
-                                ready = _event(self._copy) if cuda else None  # the broadcast waits for the build
-                    with phases("fingerprint"), self._on(self._copy):
-                        sent.add(source.parameter.name, tensor)
-                except Exception as exc:  # re-raised after the last broadcast (see the module doc)
-                    error, tensor = exc, None
-            if tensor is None:  # after a failure: the announced bytes, zeros
-                tensor = self._zeros(plan, dtype, device)[: _nbytes(shape, wanted)].view(wanted).view(shape)
-                staged, fresh = None, False
-            if cuda:
-                if ready is not None:
-                    self._comm.wait_event(ready)
-                if fresh:  # made on the copy stream: its memory must not be reused before the broadcast is done
-                    tensor.record_stream(self._comm)
-            group.broadcast(tensor, src=0, stream=self._comm)
-            if cuda and staged is not None:
-                freed[staged] = _event(self._comm)
-        if cuda:
+        self._slot, self._freed = 0, [None, None]
+        error, failed_at = None, len(plan)
+        for index, source in enumerate(plan):
+            try:
+                built = self._build(source, state_dict, device=device, sent=sent, phases=phases)
+            except Exception as exc:  # raised below, after the rest of the announced broadcasts
+                error, failed_at = exc, index
+                break
+            if built.ready is not None:
+                self._comm.wait_event(built.ready)
+            if built.own and cuda:  # made on the copy stream: not reused before its broadcast is done
+                built.tensor.record_stream(self._comm)
+            group.broadcast(built.tensor, src=0, stream=self._comm)
+            if built.slot is not None and cuda:
+                self._freed[built.slot] = recorded_event(self._comm)
+        rest = [(s.parameter.name, getattr(torch, s.parameter.dtype), s.parameter.shape) for s in plan[failed_at:]]
+        for _, zeros in announced_zeros(rest, device):
+            if cuda:  # made on the current stream, dropped before the broadcast is done
+                zeros.record_stream(self._comm)
+            group.broadcast(zeros, src=0, stream=self._comm)
+        if current is not None:
             current.wait_stream(self._comm)  # the next update must not write what a broadcast still reads
             current.wait_stream(self._copy)
         if error is not None:
             raise error
+
+    def _build(
+        self,
+        source: Source,
+        state_dict: Mapping[str, Any],
+        *,
+        device: Any,
+        sent: FingerprintLog,
+        phases: SyncPhases,
+    ) -> _Built:
+        """`source`'s parameter, as it is or built on the copy stream (into the next staging slot when it is bigger
+        than a fingerprint bucket, see the module doc), then fingerprinted there."""
+        import torch
+
+        shape, dtype = source.parameter.shape, getattr(torch, source.parameter.dtype)
+        with phases("gather"):
+            parts = [full_tensor(state_dict[name]) for name in source.parts]
+            built = _Built(as_parameter(source, parts, dtype=dtype, device=device))
+            if built.tensor is None:
+                with on_stream(self._copy):
+                    nbytes = tensor_nbytes(shape, dtype)
+                    if nbytes > sent.bucket_bytes:
+                        built.slot, self._slot = self._slot, self._slot ^ 1
+                        if self._freed[built.slot] is not None:
+                            self._copy.wait_event(self._freed[built.slot])
+                        out = self._stage(built.slot, nbytes, device).view(dtype).view(shape)
+                    else:
+                        out, built.own = torch.empty(shape, dtype=dtype, device=device), True
+                    built.tensor = build_parameter(out, source, parts)
+                    built.ready = recorded_event(self._copy) if self._copy is not None else None
+        with phases("fingerprint"), on_stream(self._copy):
+            sent.add(source.parameter.name, built.tensor)
+        return built
 
     def close(self) -> None:
         """Give the staging buffers back (once the streams are done with them)."""
         if self._copy is not None:
             self._copy.synchronize()
             self._comm.synchronize()
-        self._staging, self.staged_bytes, self._filler = [], 0, None
-
-    # -- helpers ----------------------------------------------------------------------------------
-    def _make_streams(self) -> None:
-        import torch
-
-        if self._copy is None:
-            self._copy, self._comm = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def _on(self, stream: Any) -> AbstractContextManager[Any]:
-        import torch
-
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        self._staging, self.staged_bytes = [], 0
 
     def _stage(self, slot: int, nbytes: int, device: Any) -> Any:
         """Staging buffer `slot`, at least `nbytes`; made again (both) when a bigger tensor comes."""
@@ -150,37 +180,3 @@ class DirectKernelSend:
             self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
             self.staged_bytes = nbytes
         return self._staging[slot][:nbytes]
-
-    def _zeros(self, plan: Sequence[Source], dtype: Any, device: Any) -> Any:
-        """A zero buffer as big as the plan's largest tensor, made at the first failure of a sync."""
-        import torch
-
-        largest = max(_nbytes(s.parameter.shape, _dtype(s.parameter.dtype, dtype)) for s in plan)
-        if self._filler is None or self._filler.numel() < largest:
-            self._filler = torch.zeros(largest, dtype=torch.uint8, device=device)
-        return self._filler
-
-
-def _dtype(name: str, fallback: Any) -> Any:
-    """The engine parameter's dtype (the plan checked it is the sync's), as a torch dtype."""
-    import torch
-
-    value = getattr(torch, name, None)
-    return value if isinstance(value, torch.dtype) else fallback
-
-
-def _nbytes(shape: Sequence[int], dtype: Any) -> int:
-    import torch
-
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * torch.empty((), dtype=dtype).element_size()
-
-
-def _event(stream: Any) -> Any:
-    import torch
-
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event

@@ -36,7 +36,7 @@ from typing import Any
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
-from r3operator.weightsync.direct import DirectKernelSend
+from r3operator.weightsync.direct import DirectKernelSend, announced_zeros
 from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
     EngineParameter,
@@ -50,7 +50,7 @@ from r3operator.wire.kernel_layout import (
 )
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
-from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors
+from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,7 @@ class NativeSender:
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
         self._direct: DirectKernelSend | None = None  # kernel layout over static NCCL (weightsync/direct.py)
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
+        self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
 
     # -- what goes out ----------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class NativeSender:
     def packed_buffer_bytes(self) -> int:
         """`weightSync.chunkSizeMB`, or the largest tensor when that is bigger: vLLM's packed senders refuse
         a tensor that does not fit one buffer (an embedding or expert block can exceed a small chunk)."""
-        largest = max((_numel(shape) * _itemsize(dtype) for _, dtype, shape in self.metadata()), default=0)
+        largest = max((tensor_nbytes(shape, dtype) for _, dtype, shape in self.metadata()), default=0)
         return max(self.buffer_size_bytes, largest)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
@@ -276,7 +277,7 @@ class NativeSender:
             source = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
         # vLLM >= 0.30's sender finishes the bracket itself after the last tensor: there a failure must raise
         drains = self.method is TransferMethod.NCCL and self.api == "static"
-        announced, count = self.metadata() if drains else [], 0
+        announced, count = self._announced if drains else [], 0
         try:
             for name, tensor in phases.timed("gather", source):
                 with phases("fingerprint"):
@@ -290,7 +291,7 @@ class NativeSender:
             log.error(
                 "weight sync failed after %d of %d tensors (%s); sending zeros for the rest", count, len(announced), exc
             )
-            yield from _zeros(announced[count:], self.device)
+            yield from announced_zeros(announced[count:], self.device)
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
@@ -381,7 +382,7 @@ class NativeSender:
     def _send(self, policy_tag: str) -> SendStats:
         meta = self.metadata()
         self.client.policy_tag = policy_tag
-        self._failure = None
+        self._announced, self._failure = meta, None
         if self.api == "factory":
             if self._engine is None:
                 self.connect()
@@ -454,7 +455,6 @@ class NativeSender:
                 self._group,
                 self._state_dict(),
                 self.kernel_plan(),
-                dtype=self.dtype,
                 device=self.device,
                 sent=self.sent,
                 phases=self.client.phases,
@@ -485,28 +485,7 @@ def _check_layout(layout: WeightSyncLayout, api: str) -> None:
 
 def _nbytes(meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> int:
     """The bytes of a sync's (name, dtype, shape) metadata."""
-    return sum(_numel(shape) * _itemsize(dtype) for _, dtype, shape in meta)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count
-
-
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return int(torch.empty((), dtype=dtype).element_size())
-
-
-def _zeros(announced: Sequence[tuple[str, Any, tuple[int, ...]]], device: str) -> Iterator[tuple[str, Any]]:
-    """Zeros of every announced (name, dtype, shape): what a failed NCCL sync still broadcasts."""
-    import torch
-
-    for name, dtype, shape in announced:
-        yield name, torch.zeros(shape, dtype=dtype, device=device)
+    return sum(tensor_nbytes(shape, dtype) for _, dtype, shape in meta)
 
 
 def _weight_source(sender: NativeSender) -> Any:

@@ -40,11 +40,12 @@ The values are the same whichever way: the tests compare every path with the def
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from r3operator.wire.streams import on_stream
 
 Fingerprint = tuple[int, int, int]
 """(element count of the 16/8-bit view, plain sum, position-weighted sum)."""
@@ -274,12 +275,6 @@ def _current_stream(device: Any) -> Any:
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-def _on_stream(stream: Any) -> AbstractContextManager[Any]:
-    import torch
-
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
 def _wait_for(streams: Iterable[Any]) -> None:
     """Order the current stream after everything queued so far on `streams` (reading fingerprints that
     were computed there: vLLM 0.22's producer returns without synchronizing its side streams)."""
@@ -367,7 +362,7 @@ class FingerprintLog:
 
     def _close(self, device: Any) -> None:
         bucket = self._open.pop(device)
-        with _on_stream(bucket.stream):
+        with on_stream(bucket.stream):
             columns = _bucket_columns(bucket.tensors, bucket.group_sums)
         self._push(device, columns, bucket.owners + bucket.group_owners)
 

@@ -8,6 +8,7 @@ load-time fusion (gate rows first, then up rows), checked in tests against the f
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -167,6 +168,11 @@ def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:
     return PackedChunk(host, entries, fingerprints=fingerprints, seconds=seconds)
 
 
+def tensor_nbytes(shape: Sequence[int], dtype: Any) -> int:
+    """The bytes of a tensor of `shape` in the torch `dtype`, without making one."""
+    return math.prod(int(dim) for dim in shape) * int(dtype.itemsize)
+
+
 def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[str, Any]]:
     """(name, tensor) views into `buffer` (numpy or torch uint8; read-only object-store memory is fine:
     `load_weights` only reads them)."""
@@ -181,8 +187,7 @@ def unpack_chunk(buffer: Any, entries: Sequence[Sequence[Any]]) -> list[tuple[st
     out = []
     for name, dtype, shape, start in entries:
         dt = getattr(torch, str(dtype))
-        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-        nbytes = count * torch.empty((), dtype=dt).element_size()
+        nbytes = tensor_nbytes(shape, dt)
         out.append((str(name), buffer[int(start) : int(start) + nbytes].view(dt).view(tuple(shape))))
     return out
 

@@ -149,9 +149,7 @@ def _sync(
             target=run,
             args=(
                 "send",
-                lambda: send.send(
-                    wire.sender(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases()
-                ),
+                lambda: send.send(wire.sender(), state, plan, device="cpu", sent=sent, phases=SyncPhases()),
             ),
         ),
         threading.Thread(
@@ -276,9 +274,7 @@ def test_vllms_own_model_receives_what_its_load_weights_makes() -> None:
         receipt.begin(list(engine.named_parameters()))
         receiving = threading.Thread(target=receive_into_parameters, args=(engine, wire.receiver(), info, receipt))
         receiving.start()
-        DirectKernelSend().send(
-            wire.sender(), state, plan, dtype=torch.bfloat16, device="cpu", sent=sent, phases=SyncPhases()
-        )
+        DirectKernelSend().send(wire.sender(), state, plan, device="cpu", sent=sent, phases=SyncPhases())
         receiving.join(timeout=120)
         receipt.finish(list(engine.named_parameters()))
         wrong = [

@@ -212,7 +212,7 @@ def test_a_bucket_is_fingerprinted_on_the_stream_its_tensors_were_added_under(mo
         yield
         monkeypatch.setattr(receipt_module, "_bucket_columns", real_bucket)
 
-    monkeypatch.setattr(receipt_module, "_on_stream", on_stream)
+    monkeypatch.setattr(receipt_module, "on_stream", on_stream)
     waited: list[Any] = []  # the streams the reader waits for before reading the fingerprints back
     monkeypatch.setattr(receipt_module, "_wait_for", lambda streams: waited.extend(streams))
     log, added, named = FingerprintLog(bucket_bytes=1 << 20), {}, []

@@ -540,3 +540,43 @@ def test_unpacked_ipc_handles_travel_over_http_as_one_pickled_list() -> None:
     json.dumps(safe)
     assert "ipc_handles" not in safe and safe["packed"] is False
     assert pickle.loads(base64.b64decode(safe["ipc_handles_pickled"])) == handles
+
+
+def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tensor_then_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checkpoint layout over NCCL: vLLM's packed producer reads `tensors()`, and the engines receive as many bytes
+    as were announced. A trainer whose tensors cannot be read past the first few must still hand over every one
+    (zeros for the rest), and the sync must then fail before any bracket is finished."""
+    import torch
+
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.wire.weights import checkpoint_tensors
+
+    class Failing(dict[str, Any]):
+        """Its shapes can be read (the announcement), its tensors only the first two (the send)."""
+
+        passes = 0
+
+        def items(self) -> Any:
+            self.passes += 1
+            for position, (name, tensor) in enumerate(super().items()):
+                if self.passes > 1 and position == 2:
+                    raise RuntimeError("injected: the trainer lost its tensors")
+                yield name, tensor
+
+    state = {name: torch.ones(shape) for name, shape in _TRAINER_SHAPES.items()}
+    endpoint = _Endpoint("a", parameters=_ENGINE)
+    sender = _kernel_sender(monkeypatch, endpoint)
+    sender.set_layout(WeightSyncLayout.CHECKPOINT)
+    sender.state_dict, sender.device, sender._group = (lambda: Failing(state)), "cpu", object()
+    streamed: list[tuple[str, Any]] = []
+    monkeypatch.setattr(sender, "_static_nccl_send", lambda meta: streamed.extend(sender.tensors()))
+    with pytest.raises(RuntimeError, match="injected"):
+        sender.send("run:1")
+    want = [(n, t.dtype, tuple(t.shape)) for n, t in checkpoint_tensors(state, dtype=torch.bfloat16)]
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in streamed] == want  # every announced tensor, in order
+    before = 2  # q and k came from the trainer (ones); everything after the failure is zeros
+    assert all(bool((t == 1).all()) for _, t in streamed[:before])
+    assert all(not t.any() for _, t in streamed[before:])
+    assert [call for call, _ in endpoint.calls] == ["start"]  # opened, never finished: the caller aborts
