@@ -354,7 +354,7 @@ def fault_mid_sync(run: GRPORun, engine: HTTPEngine, install: NativeInstall) -> 
     install.close()  # a fresh rendezvous with small buffers: several chunks land before the failure
     buffer = install.buffer_size_bytes
     install.state_dict, install.buffer_size_bytes = failing, 32 * 1024 * 1024
-    error = ""
+    error, tag_before = "", engine.policy_tag()
     try:
         run.supervisor.install(run.engines.engines, run.supervisor.tag_for(10_000))
     except RuntimeError as exc:
@@ -365,6 +365,7 @@ def fault_mid_sync(run: GRPORun, engine: HTTPEngine, install: NativeInstall) -> 
     resynced = [e.name for e in run.supervisor.ensure_current()]  # re-sync + canary of the stale engine
     return {
         "error": error,
+        "tag_before": tag_before,
         "tag_after_failure": tag_after_failure,
         "resynced": resynced,
         "tag_after_resync_is_current": engine.policy_tag() == run.supervisor.tag,
@@ -563,21 +564,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     save()
         result["round_trips_s"] = round_trips(engine)  # what `finish` pays besides the engines' work
         save()
-        if "ipc" in native:
+        if "ipc" in native or ("nccl" in native and args.nccl_fault):
             if not isinstance(native_install, NativeInstall):
                 raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")
-            result["fault_mid_sync"] = fault_mid_sync(run, engine, native_install)
-            print("fault_mid_sync", json.dumps(result["fault_mid_sync"]), flush=True)
-            save()
-        if "nccl" in native and args.nccl_fault:
-            if not isinstance(native_install, NativeInstall):
-                raise RuntimeError(f"setup() installed {native_install!r} for {first}, not a NativeInstall")
-            faults = result.setdefault("fault_mid_sync_nccl", {})
+            faults = result.setdefault(f"fault_mid_sync_{native[0]}", {})
             for index, layout in enumerate(reversed(layouts)):  # the layout in force first: no switch
                 if index:
                     switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
                 faults[layout] = fault_mid_sync(run, engine, native_install)
-                print("fault_mid_sync nccl", layout, json.dumps(faults[layout]), flush=True)
+                print("fault_mid_sync", native[0], layout, json.dumps(faults[layout]), flush=True)
                 save()
     finally:
         for server in servers:

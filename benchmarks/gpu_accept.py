@@ -402,6 +402,18 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
     return parts, complete
 
 
+def fault_recovered(method: str, layout: str, fault: Mapping[str, Any]) -> tuple[str, bool]:
+    """What a trainer failure mid-sync left, and whether that is right: a bracket the engines were inside is aborted
+    (no tag) and re-synced; the staged kernel sync over IPC fails before any engine is asked, so the engine still
+    serves the whole previous policy under its tag (weightsync/staged.py)."""
+    current = bool(fault.get("tag_after_resync_is_current"))
+    if fault.get("tag_after_failure") is None:
+        return "aborted and re-synced", current
+    staged = method == "ipc" and layout == "kernel"
+    kept = staged and fault.get("tag_before") is not None and fault.get("tag_after_failure") == fault.get("tag_before")
+    return "no engine asked, the previous policy kept", kept and current
+
+
 def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
     """One model's row: its figures in both layouts; the x16l row also the issue 24 target, with the a3b
     row's JSON for the fixed cost (wherever that row ran into the same ACCEPT_WORK)."""
@@ -411,10 +423,11 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
         if report is None:
             return Verdict(False, f"{model}: bench_weight_sync wrote no JSON (see the log tail)")
         parts, complete = _sync_parts(model, report)
-        for layout, fault in (report.get("fault_mid_sync_nccl") or {}).items():
-            recovered = fault.get("tag_after_failure") is None and bool(fault.get("tag_after_resync_is_current"))
-            parts.append(f"{layout} NCCL fault mid-sync: {'aborted and re-synced' if recovered else fault}")
-            complete = complete and recovered
+        for method in ("nccl", "ipc"):
+            for layout, fault in (report.get(f"fault_mid_sync_{method}") or {}).items():
+                said, recovered = fault_recovered(method, layout, fault)
+                parts.append(f"{layout} {method.upper()} fault mid-sync: {said if recovered else fault}")
+                complete = complete and recovered
         trips = report.get("round_trips_s")
         if trips:
             parts.append("bare round trips " + ", ".join(f"{k} {x} s" for k, x in trips.items()))

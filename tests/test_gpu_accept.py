@@ -296,6 +296,28 @@ def test_on_one_gpu_the_x16l_row_judges_ipc_against_the_device_copy(tmp_path: Pa
     assert judge(tmp_path / "slow", LARGE / 300e9).target_met is False  # 300 < 350
 
 
+def test_a_fault_mid_sync_passes_only_where_what_it_left_is_right_for_its_path(tmp_path: Path) -> None:
+    """A bracket the engines were inside must end aborted (no tag); only the staged kernel sync over IPC, which asks
+    no engine before every byte is built, may leave the previous policy's tag, and only that one."""
+
+    def fault(after: str | None, before: str | None = "run:3") -> dict[str, Any]:
+        return {"tag_before": before, "tag_after_failure": after, "tag_after_resync_is_current": True}
+
+    assert gpu_accept.fault_recovered("nccl", "kernel", fault(None)) == ("aborted and re-synced", True)
+    assert gpu_accept.fault_recovered("ipc", "kernel", fault("run:3"))[1] is True
+    assert gpu_accept.fault_recovered("ipc", "kernel", fault("run:9"))[1] is False  # a tag it never held
+    assert gpu_accept.fault_recovered("nccl", "kernel", fault("run:3"))[1] is False  # half-received, still tagged
+    assert gpu_accept.fault_recovered("ipc", "checkpoint", fault("run:3"))[1] is False
+    stale = {**fault(None), "tag_after_resync_is_current": False}
+    assert gpu_accept.fault_recovered("ipc", "checkpoint", stale)[1] is False
+
+    report = _sync_report(SMALL, {"kernel": 0.03, "checkpoint": 0.5}, None)
+    report["fault_mid_sync_ipc"] = {"kernel": fault("run:3"), "checkpoint": fault(None)}
+    _write_sync(tmp_path, "a3b", report)
+    verdict = gpu_accept.judge_sync_layouts("a3b")(Context(gpus=1, work=tmp_path / "sync_layouts_a3b"), 0, "")
+    assert "kernel IPC fault mid-sync: no engine asked" in verdict.figure and verdict.passed
+
+
 def test_a_row_killed_at_its_limit_still_reports_the_layouts_it_measured(tmp_path: Path) -> None:
     """bench_weight_sync rewrites its JSON after each layout: the kernel layout (measured first) survives a
     kill during the checkpoint layout, and the row says what is missing."""

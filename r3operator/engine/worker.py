@@ -131,6 +131,49 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
         )
 
 
+def staged_targets(model: Any, entries: Sequence[Any], views: Sequence[Any]) -> list[tuple[str, Any, Any]]:
+    """(name, staging slot, parameter data) for every slot of a staging buffer the trainer shares
+    (weightsync/staged.py), each checked against this engine's parameter of its name: dtype, shape and a contiguous
+    layout, as `receive_into_parameters` checks a broadcast. Raises `WeightUpdateStateError` naming the first
+    mismatch, before any sync uses the buffer."""
+    targets, wrong = [], []
+    for entry, view in zip(entries, views, strict=True):
+        param = _parameter(model, entry.name)
+        if param is None or param.dtype != view.dtype or param.shape != view.shape or not param.is_contiguous():
+            held = "none" if param is None else f"{str(param.dtype).removeprefix('torch.')} {list(param.shape)}"
+            wrong.append(f"{entry.name} (staged {entry.dtype} {list(entry.shape)}, engine holds {held})")
+            continue
+        targets.append((entry.name, view, param.data))
+    if wrong:
+        raise WeightUpdateStateError(
+            f"kernel-format staging buffer: {len(wrong)} slot(s) match no parameter of this engine by name, dtype, "
+            f"shape and layout, e.g. {wrong[0]}"
+        )
+    return targets
+
+
+def copy_staged(targets: Sequence[tuple[str, Any, Any]], receipt: Any) -> None:
+    """Copy every staging slot into its parameter and fingerprint the parameter for the receipt (what the engine
+    now holds, compared with what the trainer staged); returns once the device is done, because the trainer
+    writes the slots again at its next sync as soon as this returns."""
+    import torch
+
+    begin, receipt_seconds = _clock(), 0.0
+    with torch.no_grad():
+        for name, slot, target in targets:
+            target.copy_(slot)
+            started = _clock()
+            receipt.record([(name, target)], flush=False)
+            receipt_seconds += _clock() - started
+        started = _clock()
+        receipt.received.flush()
+        receipt_seconds += _clock() - started
+    if targets and targets[0][2].is_cuda:
+        torch.cuda.current_stream(targets[0][2].device).synchronize()
+    receipt.add_engine_seconds("receipt", receipt_seconds)
+    receipt.add_engine_seconds("load", _clock() - begin - receipt_seconds)
+
+
 def _parameter(model: Any, name: str) -> Any:
     try:
         return model.get_parameter(name)
@@ -161,6 +204,7 @@ class WeightSyncWorkerExtension:
     # starts at None, which is how the driver tells that it must be re-synced before it gets rollouts.
     _r3_policy_tag: str | None = None
     _r3_receipt_state: Any = None  # wire/receipt.py SyncReceipt, created at the first bracket
+    _r3_staged: Any = None  # (OpenedBuffer, staged_targets) of the trainer's staging buffer, once attached
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -475,6 +519,53 @@ class WeightSyncWorkerExtension:
 
     def r3_policy_tag(self) -> str | None:
         return self._r3_policy_tag
+
+    # -- the kernel layout from a staging buffer the trainer shares (weightsync/staged.py) ---------------
+    def r3_staged_attach(self, share: dict[str, Any]) -> dict[str, int]:
+        """Map the trainer's staging buffer ({"buffer": wire/shared_buffer description, "entries": slots}) and check
+        every slot against this worker's parameters; replaces an earlier attachment. Returns the slot and byte
+        counts."""
+        from r3operator.wire.shared_buffer import SharedBufferError, StagedEntry, entry_views, open_shared
+
+        self.r3_staged_detach()
+        if not isinstance(share, dict) or "buffer" not in share:
+            raise SharedBufferError("r3_staged_attach expects {'buffer': ..., 'entries': [...]}")
+        entries = [StagedEntry.from_json(e) for e in share.get("entries") or []]
+        opened = open_shared(share["buffer"])
+        try:
+            targets = staged_targets(self._r3_model(), entries, entry_views(opened.tensor, entries))
+        except BaseException:
+            opened.close()
+            raise
+        self._r3_staged = (opened, targets)
+        return {"tensors": len(targets), "bytes": int(opened.tensor.numel())}
+
+    def r3_staged_detach(self) -> None:
+        """Let go of the trainer's staging buffer (its memory returns to the trainer once it collects)."""
+        if self._r3_staged is not None:
+            opened, _ = self._r3_staged
+            self._r3_staged = None
+            opened.close()
+
+    def r3_staged_sync(self, policy_tag: str | None = None) -> dict[str, int]:
+        """One kernel-format sync from the attached staging buffer, in this one call: vLLM's bracket opened
+        (`r3_native_begin`), every slot copied into its parameter and fingerprinted (`copy_staged`), the bracket
+        closed and `policy_tag` stamped (`r3_native_end`). A failure inside aborts the bracket here (the tag stays
+        None) and is raised."""
+        if self._r3_staged is None:
+            raise WeightUpdateStateError(
+                "r3_staged_sync: no staging buffer attached (r3_staged_attach first; a restarted engine is attached "
+                "again at the trainer's next rendezvous)"
+            )
+        _, targets = self._r3_staged
+        self.r3_native_begin("kernel")
+        try:
+            copy_staged(targets, self._r3_receipt())
+            self.r3_native_end(policy_tag)
+        except BaseException:
+            self.r3_abort_native_weight_update()
+            raise
+        return {"tensors": len(targets)}
 
     # -- diagnostics ------------------------------------------------------------------------------
     def r3_weights_digest(self, names: Iterable[str] | None = None) -> str:

@@ -109,6 +109,13 @@ class EngineActor:
         self.llm.collective_rpc("r3_abort_native_weight_update")
         self.llm.reset_prefix_cache()
 
+    def native_staged_attach(self, share: dict[str, Any]) -> None:
+        self.llm.collective_rpc("r3_staged_attach", args=(share,))
+
+    def native_staged_sync(self, policy_tag: str | None) -> None:
+        self.llm.collective_rpc("r3_staged_sync", args=(policy_tag,))  # bracket, copies, receipt, tag: one call
+        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+
     def policy_tag(self) -> str | None:
         """The tag of the last finished sync if every worker holds it, else None (see the worker extension)."""
         tags = set(self.llm.collective_rpc("r3_policy_tag"))

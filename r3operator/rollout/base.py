@@ -52,6 +52,15 @@ class NativeEndpoint(Protocol):
 
     def native_abort(self) -> None: ...
 
+    def native_staged_attach(self, share: dict[str, Any]) -> None:
+        """Map the trainer's staging buffer (weightsync/staged.py) on every worker, checked against its parameters."""
+        ...
+
+    def native_staged_sync(self, policy_tag: str | None) -> None:
+        """One kernel-format sync from the mapped staging buffer (bracket, copies, receipt, tag in one call), then
+        the prefix-cache reset."""
+        ...
+
     def policy_tag(self) -> str | None: ...
 
 

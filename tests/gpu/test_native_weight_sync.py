@@ -30,7 +30,7 @@ def test_ipc_over_http_vs_the_file_path_with_the_canary_and_a_fault(tmp_path: Pa
     assert r["weight_transfer"].startswith("ipc (vLLM "), r["weight_transfer"]
     for method in ("ipc", "packed"):
         assert r["methods"][method]["canary_ok"] == "2/2", (method, r["methods"][method])
-    fault = r["fault_mid_sync"]
+    fault = r["fault_mid_sync_ipc"]["checkpoint"]
     assert "injected" in fault["error"], fault
     assert fault["tag_after_failure"] is None  # no policy served from a half-loaded engine
     assert len(fault["resynced"]) == 1 and fault["tag_after_resync_is_current"], fault

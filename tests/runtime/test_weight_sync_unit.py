@@ -519,15 +519,13 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     assert aborts() == 6
 
 
-def test_an_ipc_sync_goes_unpacked_only_in_the_kernel_layout_and_while_it_fits() -> None:
-    from r3operator.api.enums import WeightSyncLayout
-    from r3operator.weightsync.transfer import ipc_packed
+def test_a_kernel_ipc_sync_is_staged_only_while_its_buffer_takes_at_most_half_the_free_memory() -> None:
+    from r3operator.weightsync.transfer import staging_fits
 
     gib = 1 << 30
-    assert ipc_packed(WeightSyncLayout.CHECKPOINT, 1, 80 * gib)  # thousands of handles: always one buffer
-    assert not ipc_packed(WeightSyncLayout.KERNEL, 5 * gib, 40 * gib)  # a3b on a shared H100: each tensor shared
-    assert not ipc_packed(WeightSyncLayout.KERNEL, 20 * gib, 40 * gib)
-    assert ipc_packed(WeightSyncLayout.KERNEL, 20 * gib + 1, 40 * gib)  # over half the free memory: packed
+    assert staging_fits(5 * gib, 40 * gib)  # a3b on a shared H100
+    assert staging_fits(20 * gib, 40 * gib)
+    assert not staging_fits(20 * gib + 1, 40 * gib)  # over half the free memory: vLLM's packed buffer
 
 
 def test_unpacked_ipc_handles_travel_over_http_as_one_pickled_list() -> None:
