@@ -33,6 +33,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 WORKER_EXTENSION_CLS = f"{__name__}.WeightSyncWorkerExtension"
@@ -82,17 +83,47 @@ def kernel_layout_refusal(model: Any) -> str | None:
     return None
 
 
-def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: Any) -> None:
-    """A kernel-format sync over NCCL sent unpacked (weightsync/direct.py): one broadcast per announced tensor,
-    each received straight into the parameter of its name, so no buffer is allocated and no byte copied again.
+@dataclass(frozen=True)
+class DirectUpdate:
+    """What a direct kernel-format sync announces (weightsync/direct.py): its tensors in broadcast order."""
 
-    Every announced tensor is received, in order, whatever happens: the trainer is inside each broadcast. A
-    tensor whose parameter is missing or of another dtype, shape or layout goes into a scratch tensor, and the
-    error naming it is raised after the last one (the trainer then aborts the bracket). The receipt
-    fingerprints each parameter once its broadcast is done, on a side stream so the next broadcast need not
-    wait; vLLM's `update_weights` waits for the device after this returns."""
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    @classmethod
+    def from_json(cls, value: Any) -> DirectUpdate:
+        try:
+            update = cls(
+                [str(n) for n in value["names"]],
+                [str(d) for d in value["dtype_names"]],
+                [[int(x) for x in shape] for shape in value["shapes"]],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightUpdateStateError(
+                f"direct weight sync: the update must hold names, dtype_names and shapes: {exc}"
+            ) from exc
+        if not len(update.names) == len(update.dtype_names) == len(update.shapes):
+            raise WeightUpdateStateError(
+                f"direct weight sync: {len(update.names)} names, {len(update.dtype_names)} dtype names, "
+                f"{len(update.shapes)} shapes"
+            )
+        return update
+
+
+def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -> bool:
+    """A kernel-format sync over NCCL sent unpacked (weightsync/direct.py): one broadcast per announced tensor,
+    each received straight into the parameter of its name, so no buffer is allocated and no byte copied again;
+    then the trainer's commit flag, returned (False: the trainer failed and sent zeros for the rest).
+
+    Every announced tensor and the flag are received, in order, whatever happens: the trainer is inside each
+    broadcast. A tensor whose parameter is missing or of another dtype, shape or layout goes into a scratch tensor,
+    and the error naming it is raised after the flag (the caller then aborts the bracket). The receipt fingerprints
+    each parameter once its broadcast is done, on a side stream so the next broadcast need not wait. Returns once
+    the device is done (the flag is read)."""
     import torch
 
+    from r3operator.wire.kernel_layout import COMMIT_DTYPE
     from r3operator.wire.streams import on_stream
 
     device = next(model.parameters()).device
@@ -100,7 +131,7 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
     side = _fingerprint_stream() if stream is not None else None
     wrong: list[str] = []
     begin, receipt_seconds = _clock(), 0.0
-    for name, shape, dtype_name in zip(update_info.names, update_info.shapes, update_info.dtype_names, strict=True):
+    for name, shape, dtype_name in zip(update.names, update.shapes, update.dtype_names, strict=True):
         dtype, param = getattr(torch, dtype_name), _parameter(model, name)
         direct = (
             param is not None and param.dtype == dtype and list(param.shape) == list(shape) and param.is_contiguous()
@@ -116,12 +147,15 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
         with on_stream(side):
             receipt.record([(name, target)], flush=False)
         receipt_seconds += _clock() - started
+    flag = torch.empty(1, dtype=getattr(torch, COMMIT_DTYPE), device=device)
+    group.broadcast(flag, src=0, stream=stream)
     started = _clock()
     with on_stream(side):
         receipt.received.flush()
     if side is not None and stream is not None:
         stream.wait_stream(side)
     receipt_seconds += _clock() - started
+    committed = bool(flag.item())  # the host waits here for every receive
     receipt.add_engine_seconds("receipt", receipt_seconds)
     receipt.add_engine_seconds("load", _clock() - begin - receipt_seconds)
     if wrong:
@@ -129,6 +163,27 @@ def receive_into_parameters(model: Any, group: Any, update_info: Any, receipt: A
             f"kernel-format weight sync: {len(wrong)} announced tensor(s) match no parameter of this engine by "
             f"name, dtype, shape and layout, e.g. {wrong[0]}; they were received and dropped"
         )
+    return committed
+
+
+def drain_direct(group: Any, update: Any, device: Any) -> None:
+    """Receive every announced tensor and the flag into one scratch buffer: what an engine that cannot open its
+    bracket still owes the trainer, which is inside each broadcast."""
+    import torch
+
+    from r3operator.wire.kernel_layout import COMMIT_DTYPE
+    from r3operator.wire.weights import tensor_nbytes
+
+    sizes = [
+        tensor_nbytes(shape, getattr(torch, d)) for shape, d in zip(update.shapes, update.dtype_names, strict=True)
+    ]
+    scratch = torch.empty(max(sizes, default=4), dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device) if scratch.is_cuda else None
+    for shape, dtype_name, size in zip(update.shapes, update.dtype_names, sizes, strict=True):
+        group.broadcast(scratch[:size].view(getattr(torch, dtype_name)).view(shape), src=0, stream=stream)
+    group.broadcast(scratch[:4].view(getattr(torch, COMMIT_DTYPE)), src=0, stream=stream)
+    if stream is not None:
+        stream.synchronize()
 
 
 def staged_targets(model: Any, entries: Sequence[Any], views: Sequence[Any]) -> list[tuple[str, Any, Any]]:
@@ -426,9 +481,6 @@ class WeightSyncWorkerExtension:
                     "kernel-format weight sync needs vLLM 0.22's receiver, which takes the loader as "
                     "load_weights=; this vLLM's does not (weightSync.layout: use checkpoint)"
                 )
-            group = getattr(engine, "model_update_group", None)
-            if not getattr(update_info, "packed", True) and group is not None:
-                return receive_into_parameters(self._r3_model(), group, update_info, receipt)
 
             def load_weights(weights: Iterable[tuple[str, Any]]) -> Any:
                 batch = list(weights)
@@ -519,6 +571,37 @@ class WeightSyncWorkerExtension:
 
     def r3_policy_tag(self) -> str | None:
         return self._r3_policy_tag
+
+    # -- the kernel layout over NCCL in one call (weightsync/direct.py) ----------------------------------
+    def r3_direct_sync(self, update: dict[str, Any], policy_tag: str | None = None) -> dict[str, int]:
+        """One kernel-format NCCL sync, in this one call: vLLM's bracket opened (`r3_native_begin`), every announced
+        tensor received into its parameter and the trainer's commit flag (`receive_into_parameters`), the bracket
+        closed and `policy_tag` stamped (`r3_native_end`) when the flag is 1. A bracket that cannot open still
+        receives every broadcast (`drain_direct`); a flag of 0 or any failure aborts the bracket here (the tag stays
+        None) and is raised."""
+        info = DirectUpdate.from_json(update)
+        engine = getattr(self, "weight_transfer_engine", None)
+        group = getattr(engine, "model_update_group", None)
+        if group is None:
+            raise WeightUpdateStateError(
+                "direct weight sync: this worker has no NCCL weight-transfer group (init_weight_transfer_engine first)"
+            )
+        try:
+            self.r3_native_begin("kernel")
+        except BaseException:
+            drain_direct(group, info, self.device)  # type: ignore[attr-defined]  # vLLM's Worker
+            raise
+        try:
+            if not receive_into_parameters(self._r3_model(), group, info, self._r3_receipt()):
+                raise WeightUpdateStateError(
+                    "direct weight sync: the trainer failed mid-sync (its commit flag is 0): the bracket is aborted "
+                    "and the engine serves no policy until the next complete sync"
+                )
+            self.r3_native_end(policy_tag)
+        except BaseException:
+            self.r3_abort_native_weight_update()
+            raise
+        return {"tensors": len(info.names)}
 
     # -- the kernel layout from a staging buffer the trainer shares (weightsync/staged.py) ---------------
     def r3_staged_attach(self, share: dict[str, Any]) -> dict[str, int]:

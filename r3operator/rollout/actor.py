@@ -109,6 +109,10 @@ class EngineActor:
         self.llm.collective_rpc("r3_abort_native_weight_update")
         self.llm.reset_prefix_cache()
 
+    def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+        self.llm.collective_rpc("r3_direct_sync", args=(update, policy_tag))  # bracket, receive, flag, tag: one call
+        self.llm.reset_prefix_cache()
+
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self.llm.collective_rpc("r3_staged_attach", args=(share,))
 

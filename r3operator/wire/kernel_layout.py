@@ -45,6 +45,12 @@ class KernelLayoutError(ValueError):
     """The trainer's tensors cannot be laid out as the engine's parameters (the message names which)."""
 
 
+COMMIT_DTYPE = "int32"
+"""The torch dtype (by name) of the commit flag a direct kernel-layout sync ends with (weightsync/direct.py): one
+element, 1 when every parameter went out, 0 when the trainer failed and sent zeros instead, so that the engine
+aborts its bracket instead of stamping the policy."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineParameter:
     """One parameter as the engine reports it (`r3_parameter_metadata` of the worker extension)."""

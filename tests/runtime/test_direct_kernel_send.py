@@ -19,7 +19,7 @@ import pytest
 import torch
 from runtime_test_helpers import MOE_E, MOE_H, MOE_I, MOE_LAYER_SHAPES
 
-from r3operator.engine.worker import WeightUpdateStateError, receive_into_parameters
+from r3operator.engine.worker import WeightSyncWorkerExtension, WeightUpdateStateError, receive_into_parameters
 from r3operator.weightsync.direct import DirectKernelSend
 from r3operator.wire.kernel_layout import (
     engine_parameters,
@@ -37,6 +37,7 @@ class Wire:
     def __init__(self) -> None:
         self.bytes: queue.Queue[torch.Tensor] = queue.Queue()
         self.sent = 0
+        self.committed: bool | None = None
 
     def sender(self) -> Any:
         wire = self
@@ -134,11 +135,12 @@ def _sync(
     plan = plan_kernel_layout(shapes or trainer_shapes(state), engine_parameters(reported or engine.reported()))
     wire, sent, receipt = Wire(), FingerprintLog(bucket_bytes=bucket_bytes), SyncReceipt()
     receipt.begin(list(engine.named_parameters()))
+    outcome: dict[str, object] = {}
     errors: dict[str, BaseException | None] = {"send": None, "receive": None}
 
-    def run(side: str, call: Callable[[], None]) -> None:
+    def run(side: str, call: Callable[[], object]) -> None:
         try:
-            call()
+            outcome[side] = call()
         except BaseException as exc:
             errors[side] = exc
 
@@ -161,6 +163,7 @@ def _sync(
     for thread in threads:
         thread.join(timeout=60)
     assert wire.bytes.empty(), "a broadcast was sent that nobody received"
+    wire.committed = outcome.get("receive")  # type: ignore[assignment]  # the flag the engine received
     return sent, receipt, errors["send"], errors["receive"], wire
 
 
@@ -174,7 +177,7 @@ def test_every_parameter_arrives_in_place_as_vllm_fuses_it_and_the_receipt_match
     for name, want in _expected(state).items():
         assert torch.equal(getattr(engine, name).data.view(torch.int16), want.view(torch.int16)), name
     assert {name: p.data.data_ptr() for name, p in engine.named_parameters()} == held  # received in place
-    assert wire.sent == 4
+    assert wire.sent == 4 + 1 and wire.committed is True  # one broadcast per parameter, then the commit flag
     receipt.finish(list(engine.named_parameters()))
     compare_receipt(sent.result(), receipt.report(), where="engine")
     assert set(receipt.engine_seconds) == {"receipt", "load"}
@@ -223,13 +226,13 @@ class _FailingAfter(Mapping[str, torch.Tensor]):
 
 def test_a_failure_mid_sync_still_sends_every_announced_broadcast_then_raises() -> None:
     """Otherwise the engine (and the trainer) would wait inside a broadcast forever and the bracket could not be
-    aborted. The engine receives zeros for what the trainer could not build; its tag stays unstamped (the caller
-    aborts)."""
+    aborted. The engine receives zeros for what the trainer could not build, and a commit flag of 0: it aborts
+    instead of stamping the policy."""
     engine, state = Engine(), _trainer_state(4)
     failing = _FailingAfter(state, keep=3)  # q, k, v: the qkv parameter is built, the experts are not
     _, _, send_error, receive_error, wire = _sync(failing, engine, shapes=trainer_shapes(state))
     assert isinstance(send_error, RuntimeError) and "injected" in str(send_error)
-    assert receive_error is None and wire.sent == 4
+    assert receive_error is None and wire.sent == 4 + 1 and wire.committed is False
     assert torch.equal(engine.qkv.data, _expected(state)["qkv"])
     assert not engine.w13.data.any() and not engine.norm.data.any()  # zeros, never served: the tag stays None
 
@@ -239,7 +242,7 @@ def test_an_announced_tensor_the_engine_lacks_is_received_and_named() -> None:
     reported = [*engine.reported(), ["model.layers.0.mlp.gate.weight", "bfloat16", [E, H]]]
     state = {**_trainer_state(5), "model.layers.0.mlp.gate.weight": torch.ones(E, H)}
     _, _, send_error, receive_error, wire = _sync(state, engine, reported=reported)
-    assert send_error is None and wire.sent == 5  # every broadcast was met
+    assert send_error is None and wire.sent == 5 + 1  # every broadcast was met, the flag too
     assert isinstance(receive_error, WeightUpdateStateError)
     assert "model.layers.0.mlp.gate.weight" in str(receive_error)
 
@@ -284,3 +287,134 @@ def test_vllms_own_model_receives_what_its_load_weights_makes() -> None:
         ]
     assert wrong == []
     compare_receipt(sent.result(), receipt.report(), where="engine")
+
+
+# ------------------------------------------------------------------ the whole sync in one engine call
+
+
+class _Worker(WeightSyncWorkerExtension):
+    """The worker extension's `r3_direct_sync` on a CPU module: vLLM's bracket calls stand in (recorded), the
+    receive, the commit flag and the receipt are the extension's own."""
+
+    def __init__(self, wire: Wire, *, refuse_begin: bool = False) -> None:
+        self.engine, self.refuse_begin, self.calls = Engine(), refuse_begin, []
+        self.weight_transfer_engine = type("NCCLEngine", (), {"model_update_group": wire.receiver()})()
+        self.device = "cpu"
+
+    def _r3_model(self) -> Any:
+        return self.engine
+
+    def r3_native_begin(self, layout: str = "checkpoint") -> None:
+        if self.refuse_begin:
+            raise WeightUpdateStateError("start_weight_update called while a weight update is already active")
+        self.calls.append(f"begin {layout}")
+        self._r3_receipt().begin(list(self.engine.named_parameters()))
+
+    def r3_native_end(self, policy_tag: str | None = None) -> None:
+        self.calls.append(f"end {policy_tag}")
+        self._r3_receipt().finish(list(self.engine.named_parameters()))
+        self._r3_policy_tag = policy_tag
+
+    def r3_abort_native_weight_update(self) -> dict[str, int]:
+        self.calls.append("abort")
+        self._r3_policy_tag = None
+        return {"layers_restored": 0}
+
+
+def _direct_sync(
+    state: Mapping[str, torch.Tensor], worker: _Worker, wire: Wire, *, shapes: Mapping[str, Any] | None = None
+) -> tuple[FingerprintLog, BaseException | None, BaseException | None]:
+    plan = plan_kernel_layout(shapes or trainer_shapes(state), engine_parameters(worker.engine.reported()))
+    meta = kernel_metadata(plan, dtype=torch.bfloat16)
+    update = {
+        "names": [n for n, _, _ in meta],
+        "dtype_names": ["bfloat16"] * len(meta),
+        "shapes": [list(s) for _, _, s in meta],
+    }
+    sent, errors = FingerprintLog(), {}
+    engine_side = threading.Thread(
+        target=lambda: errors.setdefault("engine", _raised(lambda: worker.r3_direct_sync(update, "run:7")))
+    )
+    engine_side.start()
+    trainer = _raised(
+        lambda: DirectKernelSend().send(wire.sender(), state, plan, device="cpu", sent=sent, phases=SyncPhases())
+    )
+    engine_side.join(timeout=60)
+    assert wire.bytes.empty(), "a broadcast was sent that nobody received"
+    return sent, trainer, errors["engine"]
+
+
+def _raised(call: Callable[[], object]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def test_one_engine_call_opens_receives_commits_and_stamps() -> None:
+    wire = Wire()
+    worker, state = _Worker(wire), _trainer_state(11)
+    sent, trainer_error, engine_error = _direct_sync(state, worker, wire)
+    assert trainer_error is None and engine_error is None
+    assert worker.calls == ["begin kernel", "end run:7"] and worker.r3_policy_tag() == "run:7"
+    compare_receipt(sent.result(), worker.r3_sync_receipt(), where="engine")
+    assert torch.equal(worker.engine.w13.data, _expected(state)["w13"])
+
+
+def test_a_trainer_failure_reaches_the_engine_as_the_commit_flag_and_it_aborts_unstamped() -> None:
+    wire = Wire()
+    worker, state = _Worker(wire), _trainer_state(12)
+    _, trainer_error, engine_error = _direct_sync(
+        _FailingAfter(state, keep=3), worker, wire, shapes=trainer_shapes(state)
+    )
+    assert isinstance(trainer_error, RuntimeError) and "injected" in str(trainer_error)
+    assert isinstance(engine_error, WeightUpdateStateError) and "commit flag is 0" in str(engine_error)
+    assert worker.calls == ["begin kernel", "abort"] and worker.r3_policy_tag() is None
+
+
+def test_an_engine_that_cannot_open_its_bracket_still_meets_every_broadcast() -> None:
+    """Else the trainer would wait inside its broadcasts forever."""
+    wire = Wire()
+    worker = _Worker(wire, refuse_begin=True)
+    _, trainer_error, engine_error = _direct_sync(_trainer_state(13), worker, wire)
+    assert trainer_error is None and wire.sent == 4 + 1  # every broadcast met, the flag too
+    assert isinstance(engine_error, WeightUpdateStateError) and "already active" in str(engine_error)
+    assert worker.calls == [] and not worker.engine.w13.data.ne(7.0).any()  # nothing received into the model
+
+
+def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed build is met broadcast for broadcast (zeros, flag 0): the engines' errors are theirs to answer, the
+    trainer's is the one raised, and no new rendezvous is needed."""
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.api.weight_transfer import TransferMethod
+    from r3operator.weightsync import transfer
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
+    wire = Wire()
+    worker = _Worker(wire)
+
+    class Endpoint:
+        name = "engine-0"
+
+        def native_parameters(self) -> dict[str, Any]:
+            return {"parameters": worker.engine.reported(), "refused": None}
+
+        def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+            worker.r3_direct_sync(update, policy_tag)
+
+    current: dict[str, Mapping[str, torch.Tensor]] = {"state": _trainer_state(14)}
+    client = transfer.FanOutClient([Endpoint()], layout=WeightSyncLayout.KERNEL)  # type: ignore[list-item]
+    sender = transfer.NativeSender(
+        TransferMethod.NCCL, client, lambda: current["state"], dtype=torch.bfloat16, buffer_size_bytes=1
+    )
+    sender.device, sender._group = "cpu", wire.sender()
+    group = sender._group
+    sender.send("run:1")
+    assert worker.r3_policy_tag() == "run:1"
+    compare_receipt(sender.sent.result(), worker.r3_sync_receipt(), where="engine")
+    current["state"] = _FailingAfter(_trainer_state(15), keep=3)
+    with pytest.raises(RuntimeError, match="injected"):
+        sender.send("run:2")
+    assert sender._group is group and worker.r3_policy_tag() is None and worker.calls[-1] == "abort"
+    assert wire.bytes.empty()

@@ -578,3 +578,46 @@ def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tenso
     assert all(bool((t == 1).all()) for _, t in streamed[:before])
     assert all(not t.any() for _, t in streamed[before:])
     assert [call for call, _ in endpoint.calls] == ["start"]  # opened, never finished: the caller aborts
+
+
+def test_a_brackets_close_and_the_prefix_cache_reset_are_sent_at_once_and_the_close_error_wins() -> None:
+    """Both must be inside the engine at the same time to pass the barrier: sent in turn, the first waits for the
+    second until the barrier breaks."""
+    from r3operator.rollout.engines import HTTPEngine
+
+    engine = object.__new__(HTTPEngine)  # no server: the two calls are stood in for
+    barrier = threading.Barrier(2, timeout=5)
+    sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    def rpc(method: str, *args: Any, retry: bool = True) -> None:
+        barrier.wait()
+        sent.append((method, args))
+
+    def post(path: str, body: Any = None, *, retry: bool = True) -> None:
+        barrier.wait()
+        sent.append((path, ()))
+
+    engine._rpc, engine._post = rpc, post  # type: ignore[method-assign]
+    engine.native_finish("run:5")
+    engine.native_staged_sync(None)
+    assert sorted(sent) == sorted(
+        [
+            ("r3_native_end", ("run:5",)),
+            ("/reset_prefix_cache", ()),
+            ("r3_staged_sync", ()),
+            ("/reset_prefix_cache", ()),
+        ]
+    )
+
+    def failing_rpc(method: str, *args: Any, retry: bool = True) -> None:
+        raise RuntimeError("finish_weight_update failed on the engine")
+
+    def failing_post(path: str, body: Any = None, *, retry: bool = True) -> None:
+        raise ConnectionError("reset refused")
+
+    engine._rpc, engine._post = failing_rpc, failing_post  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="finish_weight_update failed"):
+        engine.native_finish("run:6")
+    engine._rpc = lambda method, *args, retry=True: None  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError, match="reset refused"):  # a close that went through: the reset's own error
+        engine.native_finish("run:7")
