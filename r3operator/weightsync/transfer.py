@@ -246,6 +246,7 @@ class NativeSender:
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
         self._direct: DirectKernelSend | None = None  # kernel layout over static NCCL (weightsync/direct.py)
         self._staged: StagedKernelSend | None = None  # kernel layout over static IPC (weightsync/staged.py)
+        self.staging_refused: str | None = None  # why the staging buffer is not used (then vLLM's packed IPC)
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
@@ -403,28 +404,34 @@ class NativeSender:
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
+        stats = SendStats(tensors=len(meta), bytes=_nbytes(meta))
         if self.api == "factory":
             if self._engine is None:
                 self.connect()
             self._engine.send_weights()  # start, update(s), finish through `self.client`
-        elif self._stages(meta):
-            self._send_staged()
-        elif self.sends_direct:
+            return stats
+        if self._stages(meta) and self._send_staged():  # the staging buffer, else vLLM's packed IPC below
+            return stats
+        if self.sends_direct:
             if self._group is None:
                 self.connect()
             self._direct_sync(meta)
         else:
-            if self.method is TransferMethod.NCCL and self._group is None:
-                self.connect()
-            self.client.start_weight_update()
-            if self.method is TransferMethod.NCCL:
-                self._static_nccl_send(meta)
-            else:
-                self._static_ipc_send()
-            if self._failure is not None:  # every announced byte went out (zeros after the failure): abort
-                raise self._failure
-            self.client.finish_weight_update()
-        return SendStats(tensors=len(meta), bytes=_nbytes(meta))
+            self._bracketed_send(meta)
+        return stats
+
+    def _bracketed_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        """vLLM 0.22's packed senders inside the engines' bracket calls (start, update(s), finish)."""
+        if self.method is TransferMethod.NCCL and self._group is None:
+            self.connect()
+        self.client.start_weight_update()
+        if self.method is TransferMethod.NCCL:
+            self._static_nccl_send(meta)
+        else:
+            self._static_ipc_send()
+        if self._failure is not None:  # every announced byte went out (zeros after the failure): abort
+            raise self._failure
+        self.client.finish_weight_update()
 
     def _stages(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> bool:
         """Whether this sync goes through the staging buffer (weightsync/staged.py): the kernel layout over vLLM 0.22's
@@ -433,26 +440,40 @@ class NativeSender:
             return False
         if self.api != "static":
             return False
+        if self.staging_refused is not None:
+            return False
         if self._staged is not None and self._staged.staged_bytes:
             return True
         return staging_fits(_nbytes(meta), _free_bytes(self.device))
 
-    def _send_staged(self) -> None:
-        """Every parameter built into the staging buffer, then ONE call per engine (the module doc of staged.py)."""
+    def _send_staged(self) -> bool:
+        """Every parameter built into the staging buffer, then ONE call per engine (the module doc of staged.py).
+        False when the buffer cannot be made, shared or mapped by every engine: nothing was asked of an engine's
+        weights, so this sync and the later ones go through vLLM's packed IPC (`staging_refused` says why)."""
         if self._staged is None:
             self._staged = StagedKernelSend()
         plan = self.kernel_plan()
-        share = self._staged.attachment(plan, device=self.device)
-        if share is not None:
-            self.client.staged_attach(share)
-            self._staged.attached = True
-            _release_ipc_buffers()  # an earlier buffer the engines have now let go of
+        try:
+            share = self._staged.attachment(plan, device=self.device)
+            if share is not None:
+                self.client.staged_attach(share)
+                self._staged.attached = True
+                _release_ipc_buffers()  # an earlier buffer the engines have now let go of
+        except Exception as exc:
+            self.staging_refused = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "weight sync: no IPC staging buffer (%s); the kernel layout goes through vLLM's packed IPC", exc
+            )
+            self._staged.close()
+            self._staged = None
+            return False
         self._staged.fill(self._state_dict(), plan, sent=self.sent, phases=self.client.phases)
         try:
             self.client.staged_sync()
         except BaseException:
             self._staged.attached = False  # a restarted engine maps nothing: attach again at the next sync
             raise
+        return True
 
     def _static_ipc_send(self) -> None:
         from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]

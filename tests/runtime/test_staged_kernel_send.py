@@ -218,3 +218,25 @@ def test_the_checkpoint_layout_over_ipc_is_not_staged(monkeypatch: pytest.Monkey
     assert not sender._stages([("w", torch.bfloat16, (4,))])
     sender.set_layout(WeightSyncLayout.KERNEL)
     assert sender._stages([("w", torch.bfloat16, (4,))])
+
+
+def test_a_buffer_an_engine_cannot_map_sends_this_sync_and_the_next_through_vllms_packed_ipc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused before any engine's weights were touched (another GPU, an allocator without IPC): the sync goes on
+    in vLLM's bracket, and the reason is kept."""
+    a = _StagedEndpoint("a")
+
+    def refuse(share: dict[str, Any]) -> None:
+        a.calls.append("attach")
+        raise SharedBufferError("the staging buffer is on GPU GPU-1, this engine worker on GPU GPU-2")
+
+    a.native_staged_attach = refuse  # type: ignore[method-assign]
+    sender = _staged_sender(monkeypatch, lambda: _trainer_state(10), a)
+    bracketed: list[str] = []
+    monkeypatch.setattr(sender, "_bracketed_send", lambda meta: bracketed.append("vllm packed ipc"))
+    sender.send("run:1")
+    sender.send("run:2")
+    assert bracketed == ["vllm packed ipc"] * 2 and a.calls == ["attach"]
+    assert sender.staging_refused is not None and "GPU-2" in sender.staging_refused
+    assert sender._staged is None
