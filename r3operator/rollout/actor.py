@@ -7,6 +7,7 @@ from typing import Any
 
 from r3operator.engine.worker import WORKER_EXTENSION_CLS
 from r3operator.rollout.base import Greedy
+from r3operator.rollout.client import salted
 from r3operator.wire.sample import RolloutSample
 
 
@@ -75,8 +76,14 @@ class EngineActor:
 
     def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
         result = self.llm.collective_rpc("r3_finish_weight_update", args=(policy_tag,))[0]
-        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+        self._new_policy(policy_tag)
         return result
+
+    def _new_policy(self, policy_tag: str | None) -> None:
+        """Cached blocks (and their routes) predate the new weights: the next requests salt the prefix cache with
+        the new policy (rollout/client.py `salted`), or without a tag the cache is reset."""
+        if not salted(self.client, policy_tag):
+            self.llm.reset_prefix_cache()
 
     def abort_weight_update(self) -> None:
         self.llm.collective_rpc("r3_abort_weight_update")
@@ -100,7 +107,7 @@ class EngineActor:
 
     def native_finish(self, policy_tag: str | None) -> None:
         self.llm.collective_rpc("r3_native_end", args=(policy_tag,))  # vLLM's finish, then ours
-        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+        self._new_policy(policy_tag)
 
     def device_uuids(self) -> list[str | None]:
         return list(self.llm.collective_rpc("r3_device_uuid"))
@@ -111,14 +118,14 @@ class EngineActor:
 
     def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
         self.llm.collective_rpc("r3_direct_sync", args=(update, policy_tag))  # bracket, receive, flag, tag: one call
-        self.llm.reset_prefix_cache()
+        self._new_policy(policy_tag)
 
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self.llm.collective_rpc("r3_staged_attach", args=(share,))
 
     def native_staged_sync(self, policy_tag: str | None) -> None:
         self.llm.collective_rpc("r3_staged_sync", args=(policy_tag,))  # bracket, copies, receipt, tag: one call
-        self.llm.reset_prefix_cache()  # cached blocks (and their routes) predate the new weights
+        self._new_policy(policy_tag)
 
     def policy_tag(self) -> str | None:
         """The tag of the last finished sync if every worker holds it, else None (see the worker extension)."""

@@ -159,6 +159,20 @@ def write_samples(
     return paths
 
 
+def salted(client: Any, policy_tag: str | None) -> bool:
+    """Make `client`'s requests carry `policy_tag` as vLLM's `cache_salt` from now on; False when there is no tag
+    (the caller resets the prefix cache instead).
+
+    The salt goes into the hash of every prefix-cache block, so blocks computed under an earlier policy are never
+    hit again and a finished sync need not reset the prefix cache: vLLM's reset walks every block of the KV pool in
+    Python, 20-23 ms a sync on an H200 with 35 % of its memory for the engine (2026-11-27), more with a bigger cache,
+    a whole round trip of a sync's fixed cost. The old blocks stay free and are evicted as any other."""
+    if not policy_tag:
+        return False
+    client.cache_salt = policy_tag
+    return True
+
+
 class InProcessLLMClient:
     """`RolloutClient` over an in-process `vllm.LLM` (built from `llm_kwargs` or passed in)."""
 
@@ -172,6 +186,7 @@ class InProcessLLMClient:
         if num_experts is None:
             num_experts = experts_of(llm.llm_engine.model_config.hf_config)
         self.num_experts = num_experts
+        self.cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
 
     def generate(
         self,
@@ -198,7 +213,8 @@ class InProcessLLMClient:
             )
             for i in range(len(prompts))
         ]
-        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        salt = {"cache_salt": self.cache_salt} if self.cache_salt else {}
+        inputs = [{"prompt_token_ids": [int(t) for t in p], **salt} for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         samples = []
         for i, out in enumerate(outputs):
@@ -247,6 +263,7 @@ class OpenAIHTTPClient:
             self.base_url = self.base_url[: -len("/v1")]
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
+        self.cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
         self.api_key = api_key
         self.num_experts = num_experts
         self.backoff = backoff or Backoff.from_env()
@@ -302,6 +319,7 @@ class OpenAIHTTPClient:
             "return_token_ids": True,  # exact prompt_token_ids / token_ids, no detokenise round trip
             "routed_experts_prompt_start": start,
             "stream": False,
+            **({"cache_salt": self.cache_salt} if self.cache_salt else {}),
         }
 
     def generate(

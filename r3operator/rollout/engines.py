@@ -12,13 +12,13 @@ import os
 import tempfile
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from r3operator.rollout.actor import EngineActor
 from r3operator.rollout.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
+from r3operator.rollout.client import salted
 from r3operator.wire.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
 from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases, chunk_seconds
@@ -290,7 +290,7 @@ class HTTPEngine:
 
     def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
         result = self._rpc("r3_finish_weight_update", *([policy_tag] if policy_tag else []), retry=False)
-        self._post("/reset_prefix_cache")
+        self._new_policy(policy_tag)
         return result if isinstance(result, dict) else {}
 
     def abort_weight_update(self) -> None:
@@ -315,34 +315,29 @@ class HTTPEngine:
         self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)
 
     def native_finish(self, policy_tag: str | None) -> None:
-        self._closing("r3_native_end", *([policy_tag] if policy_tag else []))  # vLLM's finish, then ours
+        self._rpc("r3_native_end", *([policy_tag] if policy_tag else []), retry=False)  # vLLM's finish, then ours
+        self._new_policy(policy_tag)
+
+    def _new_policy(self, policy_tag: str | None) -> None:
+        """After a finished sync: the next requests salt the prefix cache with the new policy (rollout/client.py
+        `salted`: no stale block is hit again), or without a tag the scheduler's cache is reset (its own route)."""
+        if not salted(self.client, policy_tag):
+            self._post("/reset_prefix_cache")
 
     def native_abort(self) -> None:
         self._rpc("r3_abort_native_weight_update")
         self._post("/reset_prefix_cache")
 
     def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
-        self._closing("r3_direct_sync", update, policy_tag)  # the whole bracket in one call
+        self._rpc("r3_direct_sync", update, policy_tag, retry=False)  # the whole bracket in one call
+        self._new_policy(policy_tag)
 
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self._rpc("r3_staged_attach", share, retry=False)
 
     def native_staged_sync(self, policy_tag: str | None) -> None:
-        self._closing("r3_staged_sync", *([policy_tag] if policy_tag else []))  # the whole bracket in one call
-
-    def _closing(self, method: str, *args: Any) -> None:
-        """The extension call that closes a bracket, and the prefix-cache reset (the scheduler's, not a worker's:
-        a route of its own) sent at once: the driver pauses the engines around a sync, so no request runs
-        between the two and their order in the engine core does not matter; one round trip of a sync's fixed
-        cost instead of two in a row. The closing call's error is the one raised."""
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            reset = pool.submit(self._post, "/reset_prefix_cache")
-            try:
-                self._rpc(method, *args, retry=False)
-            except BaseException:
-                reset.exception()  # waited for, not raised: the bracket's own failure is what the caller acts on
-                raise
-            reset.result()
+        self._rpc("r3_staged_sync", *([policy_tag] if policy_tag else []), retry=False)  # the bracket in one call
+        self._new_policy(policy_tag)
 
     def device_uuids(self) -> list[str | None]:
         result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})

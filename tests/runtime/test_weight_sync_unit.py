@@ -580,44 +580,51 @@ def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tenso
     assert [call for call, _ in endpoint.calls] == ["start"]  # opened, never finished: the caller aborts
 
 
-def test_a_brackets_close_and_the_prefix_cache_reset_are_sent_at_once_and_the_close_error_wins() -> None:
-    """Both must be inside the engine at the same time to pass the barrier: sent in turn, the first waits for the
-    second until the barrier breaks."""
+def test_a_finished_sync_salts_the_next_requests_with_its_policy_instead_of_resetting_the_cache() -> None:
+    """vLLM hashes `cache_salt` into every prefix-cache block: blocks of an earlier policy are never hit again, so
+    no reset (20+ ms of the scheduler walking its blocks) is needed. Without a tag, and after an abort, the cache is
+    reset as before."""
+    from r3operator.rollout.client import OpenAIHTTPClient
     from r3operator.rollout.engines import HTTPEngine
 
-    engine = object.__new__(HTTPEngine)  # no server: the two calls are stood in for
-    barrier = threading.Barrier(2, timeout=5)
-    sent: list[tuple[str, tuple[Any, ...]]] = []
+    engine = object.__new__(HTTPEngine)  # no server: the calls are recorded
+    engine.client = object.__new__(OpenAIHTTPClient)  # its constructor asks the server for the model
+    engine.client.model, engine.client.cache_salt = "m", None
+    sent: list[str] = []
+    engine._rpc = lambda method, *args, retry=True: sent.append(method)  # type: ignore[method-assign]
+    engine._post = lambda path, body=None, *, retry=True: sent.append(path)  # type: ignore[method-assign]
 
-    def rpc(method: str, *args: Any, retry: bool = True) -> None:
-        barrier.wait()
-        sent.append((method, args))
+    def body() -> dict[str, Any]:
+        return engine.client.completion_body([1, 2], max_tokens=1, temperature=1.0, seed=0, n=1, start=0)
 
-    def post(path: str, body: Any = None, *, retry: bool = True) -> None:
-        barrier.wait()
-        sent.append((path, ()))
+    assert "cache_salt" not in body()  # before any sync: the engine's own weights, no salt
+    engine.native_direct_sync({"names": []}, "run:5")
+    assert sent == ["r3_direct_sync"] and body()["cache_salt"] == "run:5"
+    engine.native_staged_sync("run:6")
+    engine.native_finish("run:7")
+    engine.finish_weight_update("run:8")
+    assert sent[1:] == ["r3_staged_sync", "r3_native_end", "r3_finish_weight_update"]
+    assert body()["cache_salt"] == "run:8"
+    engine.native_finish(None)
+    assert sent[-2:] == ["r3_native_end", "/reset_prefix_cache"]
+    engine.native_abort()
+    assert sent[-1] == "/reset_prefix_cache"
 
-    engine._rpc, engine._post = rpc, post  # type: ignore[method-assign]
-    engine.native_finish("run:5")
-    engine.native_staged_sync(None)
-    assert sorted(sent) == sorted(
-        [
-            ("r3_native_end", ("run:5",)),
-            ("/reset_prefix_cache", ()),
-            ("r3_staged_sync", ()),
-            ("/reset_prefix_cache", ()),
-        ]
-    )
 
-    def failing_rpc(method: str, *args: Any, retry: bool = True) -> None:
-        raise RuntimeError("finish_weight_update failed on the engine")
+def test_the_in_process_client_salts_every_prompt_with_the_policy() -> None:
+    from r3operator.rollout.client import InProcessLLMClient, salted
 
-    def failing_post(path: str, body: Any = None, *, retry: bool = True) -> None:
-        raise ConnectionError("reset refused")
+    seen: list[Any] = []
 
-    engine._rpc, engine._post = failing_rpc, failing_post  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="finish_weight_update failed"):
-        engine.native_finish("run:6")
-    engine._rpc = lambda method, *args, retry=True: None  # type: ignore[method-assign]
-    with pytest.raises(ConnectionError, match="reset refused"):  # a close that went through: the reset's own error
-        engine.native_finish("run:7")
+    class LLM:
+        def generate(self, inputs: Any, params: Any, use_tqdm: bool = False) -> list[Any]:
+            seen.extend(inputs)
+            return []
+
+    client = InProcessLLMClient(LLM(), num_experts=4)
+    client.generate([[1, 2], [3]], max_tokens=1, temperature=1.0, seed=0)
+    assert all("cache_salt" not in i for i in seen)
+    assert salted(client, "run:3") and not salted(client, None)
+    seen.clear()
+    client.generate([[1, 2], [3]], max_tokens=1, temperature=1.0, seed=0)
+    assert [i["cache_salt"] for i in seen] == ["run:3", "run:3"]
