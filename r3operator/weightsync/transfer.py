@@ -521,6 +521,7 @@ class NativeSender:
         runs alongside our broadcasts. A failure to build the trainer's tensors is sent as the commit flag 0, the
         engines abort their brackets and answer with an error, and the trainer's own error is raised: every
         broadcast was met, so the communicator is kept."""
+        self.kernel_plan()  # asked of the engines NOW: once inside their call, their engine cores answer nothing else
         update = {
             "names": [name for name, _, _ in meta],
             "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],

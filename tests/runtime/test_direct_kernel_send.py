@@ -418,3 +418,43 @@ def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatc
         sender.send("run:2")
     assert sender._group is group and worker.r3_policy_tag() is None and worker.calls[-1] == "abort"
     assert wire.bytes.empty()
+
+
+def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside its one call an engine's core answers nothing else: a parameter query sent then (the plan made again
+    after a new rendezvous) would wait for the sync, which waits for it (2026-11-27 H200: the first a3b-x16l sync
+    and the first sync to two engines hung so)."""
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.api.weight_transfer import TransferMethod
+    from r3operator.weightsync import transfer
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
+    wire = Wire()
+    worker = _Worker(wire)
+    inside = threading.Event()
+
+    class Endpoint:
+        name = "engine-0"
+
+        def native_parameters(self) -> dict[str, Any]:
+            if inside.is_set():
+                raise RuntimeError("the engine core is inside r3_direct_sync: this query would never be answered")
+            return {"parameters": worker.engine.reported(), "refused": None}
+
+        def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+            inside.set()
+            try:
+                worker.r3_direct_sync(update, policy_tag)
+            finally:
+                inside.clear()
+
+    client = transfer.FanOutClient([Endpoint()], layout=WeightSyncLayout.KERNEL)  # type: ignore[list-item]
+    state = _trainer_state(16)
+    sender = transfer.NativeSender(
+        TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1
+    )
+    sender.device = "cpu"
+    monkeypatch.setattr(sender, "_static_nccl_init", wire.sender)  # the rendezvous: a new plan is made after it
+    sender.send("run:1")
+    assert worker.r3_policy_tag() == "run:1" and wire.bytes.empty()
+    assert torch.equal(worker.engine.w13.data, _expected(state)["w13"])
