@@ -401,6 +401,8 @@ class NativeSender:
         return kernel and self.method is TransferMethod.NCCL and self.api == "static"
 
     def _send(self, policy_tag: str) -> SendStats:
+        if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
+            self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
@@ -413,8 +415,6 @@ class NativeSender:
         if self._stages(meta) and self._send_staged():  # the staging buffer, else vLLM's packed IPC below
             return stats
         if self.sends_direct:
-            if self._group is None:
-                self.connect()
             self._direct_sync(meta)
         else:
             self._bracketed_send(meta)
@@ -422,8 +422,6 @@ class NativeSender:
 
     def _bracketed_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         """vLLM 0.22's packed senders inside the engines' bracket calls (start, update(s), finish)."""
-        if self.method is TransferMethod.NCCL and self._group is None:
-            self.connect()
         self.client.start_weight_update()
         if self.method is TransferMethod.NCCL:
             self._static_nccl_send(meta)

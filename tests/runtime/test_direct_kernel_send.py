@@ -431,7 +431,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
     wire = Wire()
     worker = _Worker(wire)
-    inside = threading.Event()
+    inside, asked = threading.Event(), []
 
     class Endpoint:
         name = "engine-0"
@@ -439,6 +439,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
         def native_parameters(self) -> dict[str, Any]:
             if inside.is_set():
                 raise RuntimeError("the engine core is inside r3_direct_sync: this query would never be answered")
+            asked.append(1)
             return {"parameters": worker.engine.reported(), "refused": None}
 
         def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
@@ -458,3 +459,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
     sender.send("run:1")
     assert worker.r3_policy_tag() == "run:1" and wire.bytes.empty()
     assert torch.equal(worker.engine.w13.data, _expected(state)["w13"])
+    assert len(asked) == 1  # the rendezvous first, then the plan once: not made, dropped and made again
+    sender._group = None  # a broken broadcast: the next sync meets the engines again and plans again, once
+    sender.send("run:2")
+    assert len(asked) == 2 and worker.r3_policy_tag() == "run:2"
