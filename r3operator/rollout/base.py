@@ -53,8 +53,8 @@ class NativeEndpoint(Protocol):
     def native_abort(self) -> None: ...
 
     def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
-        """One kernel-format NCCL sync (weightsync/direct.py) in one call: bracket, receive, commit flag, tag; then
-        the prefix-cache reset."""
+        """One kernel-format NCCL sync (weightsync/direct.py) in one call: bracket, receive, commit flag, tag; the next
+        requests are salted with the new policy (rollout/client.py `salted`)."""
         ...
 
     def native_staged_attach(self, share: dict[str, Any]) -> None:
@@ -62,8 +62,8 @@ class NativeEndpoint(Protocol):
         ...
 
     def native_staged_sync(self, policy_tag: str | None) -> None:
-        """One kernel-format sync from the mapped staging buffer (bracket, copies, receipt, tag in one call), then
-        the prefix-cache reset."""
+        """One kernel-format sync from the mapped staging buffer (bracket, copies, receipt, tag in one call); the next
+        requests are salted with the new policy."""
         ...
 
     def policy_tag(self) -> str | None: ...

@@ -2,7 +2,7 @@
 
 The driver never passes method names as strings to Ray: `RayEngine` exposes typed methods that call
 the actor's methods (`self._actor.generate.remote(...)`). Weight sync goes through the worker extension
-(`r3operator.engine.worker`) inside ONE layerwise-reload bracket, then the prefix cache is reset.
+(`r3operator.engine.worker`) inside ONE layerwise-reload bracket, then the next requests are salted with the new policy.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class HTTPEngine:
 
     Rollouts use `/v1/completions` (`OpenAIHTTPClient`). Weight sync writes each chunk as safetensors on
     the shared volume (`staging_dir`) and calls the extension via vLLM's `/collective_rpc` dev route
-    (served only with `VLLM_SERVER_DEV_MODE=1` in the engine's environment), then `/reset_prefix_cache`.
+    (served only with `VLLM_SERVER_DEV_MODE=1` in the engine's environment); aborts also `/reset_prefix_cache`.
     Readiness is vLLM's `GET /health`; a restarted pod serves the model's original weights with policy tag
     None.
     """
@@ -431,8 +431,8 @@ class EngineGroup:
     def update_weights(
         self, chunks: Iterable[PackedChunk], *, policy_tag: str | None = None, phases: SyncPhases | None = None
     ) -> dict[str, int]:
-        """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (+ prefix-cache
-        reset), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
+        """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (then the
+        requests salted with the new policy), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
         engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`). `phases`
         gets the seconds of each phase (wire/sync_phases.py)."""
         clock = phases if phases is not None else SyncPhases()

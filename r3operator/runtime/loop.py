@@ -12,7 +12,7 @@
  5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
  6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
  7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
-                 then prefix-cache reset
+                 then the next requests salted with the new policy
  8 canary        every engine worker's receipt of the sync == what the trainer sent (exact
                  fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
                  position (teacher-forced; ε and δ from the engine's dtype and device), else

@@ -13,7 +13,7 @@ device copy). Here (`StagedKernelSend`):
   fingerprints the slots for the receipt, waits for the builds, and asks every engine ONCE
   (`r3_staged_sync`, engine/worker.py): the engine opens vLLM's bracket, copies each slot into its parameter,
   fingerprints the parameters, closes the bracket and stamps the policy, all inside one RPC, which vLLM's engine
-  core runs between two forward steps; the driver then resets the prefix cache.
+  core runs between two forward steps; the driver's next requests carry the new policy as their prefix-cache salt.
 
 What a failure leaves: one while building is before any engine is asked, so every engine still serves the whole
 previous policy under its tag; one inside the engine's copies aborts its bracket there (the tag stays None until

@@ -160,7 +160,7 @@ class FanOutClient:
 
     def staged_sync(self) -> None:
         """Every engine runs its whole kernel-format sync from the staging buffer at once (bracket, copies, receipt,
-        the policy tag), then its prefix-cache reset; the first failure is raised after every engine answered."""
+        the policy tag); the first failure is raised after every engine answered."""
         self._concurrently([partial(e.native_staged_sync, self.policy_tag) for e in self.endpoints])
 
     def abort(self) -> None:
