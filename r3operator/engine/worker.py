@@ -13,8 +13,8 @@ a kernel layout in place while keeping the checkpoint-format `weight_loader`; a 
                                      a layer is processed when all its weights arrived)
     r3_finish_weight_update()       finalize_layerwise_reload(model, model_config) once
 
-then the driver's requests salt the prefix cache with the new policy (cached KV and routes predate it). The runtime sends
-each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from the shared volume over
+then the driver's requests salt the prefix cache with the new policy (cached KV and routes predate it). The
+runtime sends each chunk as ONE flat buffer (`r3_load_packed`, or `r3_load_packed_file` from the shared volume over
 HTTP; `runtime/weights.pack_chunk`), unpacked into views and passed to `r3_load_chunk`.
 
 Every bracket also keeps a receipt (`wire/receipt.py`): the fingerprint of every tensor `load_weights` was

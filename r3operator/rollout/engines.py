@@ -431,10 +431,10 @@ class EngineGroup:
     def update_weights(
         self, chunks: Iterable[PackedChunk], *, policy_tag: str | None = None, phases: SyncPhases | None = None
     ) -> dict[str, int]:
-        """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once (then the
-        requests salted with the new policy), which stamps the engine with `policy_tag`. Each chunk is packed once and shipped to every
-        engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`). `phases`
-        gets the seconds of each phase (wire/sync_phases.py)."""
+        """ONE layerwise-reload bracket per engine: begin once, every chunk, finish once, which stamps the engine
+        with `policy_tag` (then its requests are salted with it). Each chunk is packed once and shipped to every
+        engine; a failure aborts every bracket without finalising it (`r3_abort_weight_update`). `phases` gets
+        the seconds of each phase (wire/sync_phases.py)."""
         clock = phases if phases is not None else SyncPhases()
         with clock("begin"):
             for engine in self.engines:

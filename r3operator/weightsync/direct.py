@@ -14,8 +14,8 @@ Here the wire is vLLM's unpacked NCCL layout (one broadcast per announced tensor
 vLLM's communicator) followed by a commit flag, and the whole sync is ONE call per engine (`r3_direct_sync`,
 engine/worker.py): the engine opens vLLM's bracket, receives each tensor straight into its parameter
 (`receive_into_parameters`), then the flag, and closes the bracket and stamps the policy only when the flag says
-every tensor went out; the driver's next requests carry the new policy as their prefix-cache salt. The bracket's round trips (begin,
-update, finish) were a sync's fixed cost. On the trainer (`DirectKernelSend`):
+every tensor went out; the driver's next requests carry the new policy as their prefix-cache salt. The bracket's
+round trips (begin, update, finish) were a sync's fixed cost. On the trainer (`DirectKernelSend`):
 - a tensor that already is the parameter (`as_parameter`: a ranked trainer's gathered copy, a bf16 trainer's
   own tensor) is broadcast as it is;
 - one bigger than the fingerprint bucket is built (cast, experts fused, halves swapped: `build_parameter`) by
