@@ -434,11 +434,8 @@ class NativeSender:
     def _stages(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> bool:
         """Whether this sync goes through the staging buffer (weightsync/staged.py): the kernel layout over vLLM 0.22's
         IPC, with a buffer kept from an earlier sync or room for one (`staging_fits`)."""
-        if self.client.layout is not WeightSyncLayout.KERNEL or self.method is not TransferMethod.IPC:
-            return False
-        if self.api != "static":
-            return False
-        if self.staging_refused is not None:
+        kernel_ipc = self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.IPC
+        if not kernel_ipc or self.api != "static" or self.staging_refused is not None:
             return False
         if self._staged is not None and self._staged.staged_bytes:
             return True
