@@ -617,7 +617,7 @@ def test_the_in_process_client_salts_every_prompt_with_the_policy() -> None:
     seen: list[Any] = []
 
     class LLM:
-        def generate(self, inputs: Any, params: Any, use_tqdm: bool = False) -> list[Any]:
+        def generate(self, inputs: Any, params: Any, **_: Any) -> list[Any]:
             seen.extend(inputs)
             return []
 
