@@ -176,6 +176,8 @@ def salted(client: Any, policy_tag: str | None) -> bool:
 class InProcessLLMClient:
     """`RolloutClient` over an in-process `vllm.LLM` (built from `llm_kwargs` or passed in)."""
 
+    cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
+
     def __init__(self, llm: Any = None, *, num_experts: int | None = None, **llm_kwargs: Any) -> None:
         if llm is None:
             from vllm import LLM  # lazy: vLLM is heavy and optional
@@ -186,7 +188,6 @@ class InProcessLLMClient:
         if num_experts is None:
             num_experts = experts_of(llm.llm_engine.model_config.hf_config)
         self.num_experts = num_experts
-        self.cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
 
     def generate(
         self,
@@ -247,6 +248,8 @@ another instead of one. The cap only bounds this process's threads; the server's
 class OpenAIHTTPClient:
     """`RolloutClient` over a vLLM OpenAI server's `/v1/completions` (non-streaming; R3 needs that)."""
 
+    cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
+
     def __init__(
         self,
         base_url: str,
@@ -263,7 +266,6 @@ class OpenAIHTTPClient:
             self.base_url = self.base_url[: -len("/v1")]
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
-        self.cache_salt: str | None = None  # the policy of the engine's last finished sync (`salted`)
         self.api_key = api_key
         self.num_experts = num_experts
         self.backoff = backoff or Backoff.from_env()

@@ -589,7 +589,7 @@ def test_a_finished_sync_salts_the_next_requests_with_its_policy_instead_of_rese
 
     engine = object.__new__(HTTPEngine)  # no server: the calls are recorded
     engine.client = object.__new__(OpenAIHTTPClient)  # its constructor asks the server for the model
-    engine.client.model, engine.client.cache_salt = "m", None
+    engine.client.model = "m"
     sent: list[str] = []
     engine._rpc = lambda method, *args, retry=True: sent.append(method)  # type: ignore[method-assign]
     engine._post = lambda path, body=None, *, retry=True: sent.append(path)  # type: ignore[method-assign]
@@ -612,6 +612,7 @@ def test_a_finished_sync_salts_the_next_requests_with_its_policy_instead_of_rese
 
 
 def test_the_in_process_client_salts_every_prompt_with_the_policy() -> None:
+    pytest.importorskip("vllm")  # its SamplingParams (the torch-compat environment hides vLLM)
     from r3operator.rollout.client import InProcessLLMClient, salted
 
     seen: list[Any] = []
