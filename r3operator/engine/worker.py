@@ -167,21 +167,21 @@ def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -
 
 
 def drain_direct(group: Any, update: Any, device: Any) -> None:
-    """Receive every announced tensor and the flag into one scratch buffer: what an engine that cannot open its
-    bracket still owes the trainer, which is inside each broadcast."""
+    """Receive every announced tensor and the flag into one scratch buffer (`announced_zeros`): what an engine that
+    cannot open its bracket still owes the trainer, which is inside each broadcast."""
     import torch
 
     from r3operator.wire.kernel_layout import COMMIT_DTYPE
-    from r3operator.wire.weights import tensor_nbytes
+    from r3operator.wire.weights import announced_zeros
 
-    sizes = [
-        tensor_nbytes(shape, getattr(torch, d)) for shape, d in zip(update.shapes, update.dtype_names, strict=True)
+    announced = [
+        (name, getattr(torch, dtype_name), tuple(shape))
+        for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes, strict=True)
     ]
-    scratch = torch.empty(max(sizes, default=4), dtype=torch.uint8, device=device)
-    stream = torch.cuda.current_stream(device) if scratch.is_cuda else None
-    for shape, dtype_name, size in zip(update.shapes, update.dtype_names, sizes, strict=True):
-        group.broadcast(scratch[:size].view(getattr(torch, dtype_name)).view(shape), src=0, stream=stream)
-    group.broadcast(scratch[:4].view(getattr(torch, COMMIT_DTYPE)), src=0, stream=stream)
+    announced.append(("commit flag", getattr(torch, COMMIT_DTYPE), (1,)))
+    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
+    for _, scratch in announced_zeros(announced, device):
+        group.broadcast(scratch, src=0, stream=stream)
     if stream is not None:
         stream.synchronize()
 

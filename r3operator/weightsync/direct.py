@@ -29,7 +29,7 @@ round trips (begin, update, finish) were a sync's fixed cost. On the trainer (`D
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,27 +37,13 @@ from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, as_parameter, bu
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
-from r3operator.wire.weights import full_tensor, tensor_nbytes
-
-Announced = tuple[str, Any, tuple[int, ...]]
-"""(name, torch dtype, shape) of one tensor a sync announced to the engines."""
+from r3operator.wire.weights import announced_zeros, full_tensor, tensor_nbytes
 
 
 class Broadcaster(Protocol):
     """What the sender needs of vLLM's `PyNcclCommunicator` (a test gives a stand-in)."""
 
     def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None: ...
-
-
-def announced_zeros(announced: Sequence[Announced], device: Any) -> Iterator[tuple[str, Any]]:
-    """Views of ONE zero buffer, as big as the largest of `announced`, one per announced (name, dtype, shape): what
-    a failed NCCL sync still sends, so that the engines' receive, sized from the announcement, ends."""
-    import torch
-
-    sizes = [tensor_nbytes(shape, dtype) for _, dtype, shape in announced]
-    zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
-    for (name, dtype, shape), size in zip(announced, sizes, strict=True):
-        yield name, zeros[:size].view(dtype).view(shape)
 
 
 @dataclass

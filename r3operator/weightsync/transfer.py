@@ -36,7 +36,7 @@ from typing import Any
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
-from r3operator.weightsync.direct import DirectKernelSend, announced_zeros
+from r3operator.weightsync.direct import DirectKernelSend
 from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
@@ -51,7 +51,7 @@ from r3operator.wire.kernel_layout import (
 )
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
-from r3operator.wire.weights import checkpoint_metadata, checkpoint_tensors, tensor_nbytes
+from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, tensor_nbytes
 
 log = logging.getLogger(__name__)
 

@@ -168,6 +168,22 @@ def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:
     return PackedChunk(host, entries, fingerprints=fingerprints, seconds=seconds)
 
 
+Announced = tuple[str, Any, tuple[int, ...]]
+"""(name, torch dtype, shape) of one tensor a sync announced to the engines."""
+
+
+def announced_zeros(announced: Sequence[Announced], device: Any) -> Iterator[tuple[str, Any]]:
+    """Views of ONE zero buffer, as big as the largest of `announced`, one per announced (name, dtype, shape): what
+    a failed NCCL sync still sends, so that the engines' receive, sized from the announcement, ends; and what an
+    engine that cannot take a sync receives into, so that the trainer's broadcasts end."""
+    import torch
+
+    sizes = [tensor_nbytes(shape, dtype) for _, dtype, shape in announced]
+    zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
+    for (name, dtype, shape), size in zip(announced, sizes, strict=True):
+        yield name, zeros[:size].view(dtype).view(shape)
+
+
 def tensor_nbytes(shape: Sequence[int], dtype: Any) -> int:
     """The bytes of a tensor of `shape` in the torch `dtype`, without making one."""
     return math.prod(int(dim) for dim in shape) * int(dtype.itemsize)
