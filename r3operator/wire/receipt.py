@@ -198,20 +198,26 @@ def fingerprint_bucket(tensors: Sequence[Any]) -> Any:
 def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] = ()) -> Any:
     """The column sums of each of `tensors` (all on one device, every one an even number of bytes), then of
     each of `group_sums` (a big tensor's body already reduced by `_group_sum_pieces`), as int64
-    [len(tensors) + len(group_sums), WEIGHT_PERIOD], with a fixed number of operators whatever their count:
+    [len(tensors) + len(group_sums), WEIGHT_PERIOD], with a fixed number of operators whatever the count of
+    `tensors`, and two per big tensor:
 
     - one flat int16 copy of every tensor's words, each in a slot padded with zeros to a whole number of
       `GROUP_ROWS` x `WEIGHT_PERIOD` (zeros add nothing to either sum; a slot starts at column 0, so a
       word's column is its position in its tensor mod `WEIGHT_PERIOD`), after one group of zeros;
     - the column sums of each group of `GROUP_ROWS` rows (`_group_sum_pieces`, int16, 1/64 of the words'
-      bytes), followed by `group_sums`, in one tensor;
-    - per tensor, the column sums of its groups added into one int64 row (`index_add_`: exact, as integer
-      sums are in any order); the leading group of zeros belongs to no tensor.
+      bytes), in one tensor;
+    - per small tensor, the column sums of its groups added into one int64 row (`index_add_`: exact, as integer
+      sums are in any order); the leading group of zeros belongs to no tensor;
+    - per big tensor, its body's group sums reduced down the rows at once (`_body_columns`): an `index_add_` of
+      one long run of rows into a single row serialises on that row's atomics (5.4 ms of an a3b-x16l
+      kernel-layout sync's 17.5 ms of trainer fingerprints on an H200, 2026-11-27).
     """
     import torch
 
     words = [_words(t) for t in tensors]
-    device = (words[0] if words else group_sums[0][0]).device
+    if not words:
+        return torch.cat([_body_columns(body) for body in group_sums])
+    device = words[0].device
     odd = [i for i, w in enumerate(words) if w.dtype != torch.int16]
     if odd:
         raise ValueError(f"fingerprint_bucket: tensor {odd[0]} has an odd number of bytes; use fingerprint_device")
@@ -226,16 +232,10 @@ def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] 
     if slots:
         torch._foreach_copy_([slot for slot, _ in slots], [w for _, w in slots])
     pieces = _group_sum_pieces(flat)
-    for body in group_sums:
-        starts.append(groups - 1)
-        groups += sum(piece.shape[0] for piece in body)
-        ends.append(groups - 1)
-        pieces += body
     partial = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    # Every entry's rows of `partial` added into a row of its own: an integer index_add_ is exact in whatever
-    # order its atomics land. Not a running sum over the rows differenced per entry: on a GPU that scan goes
-    # down the long axis a row at a time (14 ms per bucket of an a3b-x16l sync, 2026-11-27, longer than the
-    # broadcast beside it).
+    # Every small tensor's rows of `partial` added into a row of its own: an integer index_add_ is exact in
+    # whatever order its atomics land. Not a running sum over the rows differenced per entry: on a GPU that scan
+    # goes down the long axis a row at a time (14 ms per bucket of an a3b-x16l sync, 2026-11-27).
     lengths = [end - start for start, end in zip(starts, ends, strict=True)]
     # One small host-to-device copy the host does not wait for: from pinned memory (the allocator keeps it
     # until the copy is done). From pageable memory the driver may first wait for the stream, which here
@@ -244,7 +244,19 @@ def _bucket_columns(tensors: Sequence[Any], group_sums: Sequence[Sequence[Any]] 
     counts = torch.tensor(lengths, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
     owners = torch.repeat_interleave(counts, output_size=groups - 1)  # entry i, counts[i] times
     columns = torch.zeros(len(lengths), WEIGHT_PERIOD, dtype=torch.int64, device=device)
-    return columns.index_add_(0, owners, partial[1:].to(torch.int64))
+    columns.index_add_(0, owners, partial[1:].to(torch.int64))
+    if not group_sums:
+        return columns
+    return torch.cat([columns, *(_body_columns(body) for body in group_sums)])
+
+
+def _body_columns(body: Sequence[Any]) -> Any:
+    """The column sums [1, WEIGHT_PERIOD] int64 of a big tensor's body from its groups' sums (`_group_sum_pieces`,
+    int16, 1/64 of its bytes): one reduction down the rows, whose widened int64 input is 1/16 of the tensor's bytes."""
+    import torch
+
+    sums = body[0] if len(body) == 1 else torch.cat(list(body))
+    return sums.sum(dim=0, keepdim=True, dtype=torch.int64)
 
 
 @dataclass
