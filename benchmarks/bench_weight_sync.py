@@ -254,10 +254,14 @@ def measure(
         changed += int(now != previous)
         previous = now
     median = statistics.median(seconds)
+    with_receipt = statistics.median(s + r for s, r in zip(seconds, phases["canary_receipt"], strict=True))
     return {
         "seconds": [round(s, 4) for s in seconds],
         "median_s": round(median, 4),
         "gbps": round(nbytes / median / 1e9, 3),
+        # the sync and the exact check of its receipt: a mapped IPC sync reads its fingerprints back with the receipt
+        "with_receipt_median_s": round(with_receipt, 4),
+        "ipc": getattr(native_install, "ipc_path", None) if method == "ipc" else None,
         "canary_ok": f"{canary_ok}/{syncs}",
         "greedy_changed": f"{changed}/{syncs}",
         "phases_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},

@@ -394,8 +394,10 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
             phases = v.get("phases_median_s", {})
             shown = ", ".join(f"{k} {phases[k]}" for k in ("fingerprint", "begin", "transfer", "finish") if k in phases)
             engine = ", ".join(f"{k} {x}" for k, x in (v.get("engine_seconds_median") or {}).items())
+            path = (v.get("ipc") or {}).get("path")
+            via = f" {path}" if path else ""
             parts.append(
-                f"{model} {layout} {method}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}"
+                f"{model} {layout} {method}{via}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}"
                 f"{'; engine ' + engine if engine else ''}), canary {v['canary_ok']}"
             )
             complete = complete and _all_passed(v["canary_ok"])
@@ -404,8 +406,9 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
 
 def fault_recovered(method: str, layout: str, fault: Mapping[str, Any]) -> tuple[str, bool]:
     """What a trainer failure mid-sync left, and whether that is right: a bracket the engines were inside is aborted
-    (no tag) and re-synced; the staged kernel sync over IPC fails before any engine is asked, so the engine still
-    serves the whole previous policy under its tag (weightsync/staged.py)."""
+    (no tag) and re-synced (the mapped kernel sync over IPC too: the engine is inside its call while the trainer
+    writes, weightsync/mapped.py); the staged kernel sync over IPC, the fallback, fails before any engine is asked, so
+    the engine still serves the whole previous policy under its tag (weightsync/staged.py)."""
     current = bool(fault.get("tag_after_resync_is_current"))
     if fault.get("tag_after_failure") is None:
         return "aborted and re-synced", current

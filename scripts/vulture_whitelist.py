@@ -151,3 +151,5 @@ tokens_by_lag
 tokens_per_second
 trainer_idle_seconds
 trainer_peak_memory_gib
+_.r3_mapped_attach  # called by name over /collective_rpc (weightsync/mapped.py)
+_.r3_mapped_sync

@@ -260,6 +260,7 @@ class WeightSyncWorkerExtension:
     _r3_policy_tag: str | None = None
     _r3_receipt_state: Any = None  # wire/receipt.py SyncReceipt, created at the first bracket
     _r3_staged: Any = None  # (OpenedBuffer, staged_targets) of the trainer's staging buffer, once attached
+    _r3_mapped: Any = None  # engine/mapped.py MappedParameters, once the trainer mapped this worker's parameters
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -374,7 +375,7 @@ class WeightSyncWorkerExtension:
         restored = self._r3_restore_loading_layers()
         self._r3_update_active = False
         self._r3_policy_tag = None
-        self._r3_receipt().closed = False
+        self._r3_receipt().abandon()
         return {"layers_restored": restored}
 
     def _r3_restore_loading_layers(self) -> int:
@@ -548,7 +549,7 @@ class WeightSyncWorkerExtension:
         # Restore by layer state, not by vLLM's flag: vLLM 0.30 clears the flag itself when an update
         # fails, leaving the layers that were loading on meta tensors.
         self._r3_untap_load_weights()
-        self._r3_receipt().closed = False
+        self._r3_receipt().abandon()
         restored = self._r3_restore_loading_layers()
         self._weight_update_active = False
         if hasattr(self, "_is_checkpoint_format"):  # vLLM 0.22: its default, as its own finish leaves it
@@ -649,6 +650,76 @@ class WeightSyncWorkerExtension:
             self.r3_abort_native_weight_update()
             raise
         return {"tensors": len(targets)}
+
+    # -- the kernel layout written by the colocated trainer into the parameters (weightsync/mapped.py) ---------
+    def r3_mapped_attach(self, share: dict[str, Any]) -> dict[str, Any]:
+        """Share this worker's parameters with the trainer ({"doorbell": wire/doorbell description, "slot_base": int})
+        and map its doorbell; replaces an earlier attachment. Answers {"slot", "buffers", "entries"}
+        (engine/mapped.py `share_parameters`); raises `SharedBufferError` when they cannot be shared."""
+        from r3operator.engine.mapped import MappedParameters, share_parameters
+        from r3operator.wire.doorbell import Doorbell
+        from r3operator.wire.shared_buffer import SharedBufferError
+
+        self.r3_mapped_detach()
+        if not isinstance(share, dict) or "doorbell" not in share:
+            raise SharedBufferError("r3_mapped_attach expects {'doorbell': ..., 'slot_base': int}")
+        self._r3_check_kernel_layout()
+        named = [(name, param) for name, param in self._r3_model().named_parameters()]
+        answer, owned = share_parameters(named)
+        doorbell = Doorbell.attach(share["doorbell"])
+        slot = int(share.get("slot_base") or 0) + int(getattr(self, "local_rank", 0) or 0)
+        try:
+            doorbell.ring_opened(slot, 0)  # checks the slot is inside the doorbell
+        except BaseException:
+            doorbell.close()
+            raise
+        parameters = [(name, param.data, param.data_ptr()) for name, param in named]
+        self._r3_mapped = MappedParameters(doorbell, slot, parameters, owned)
+        return {"slot": slot, **answer}
+
+    def r3_mapped_detach(self) -> None:
+        if self._r3_mapped is not None:
+            state, self._r3_mapped = self._r3_mapped, None
+            state.close()
+
+    def r3_mapped_sync(self, number: int, policy_tag: str | None = None, timeout_s: float = 300.0) -> dict[str, int]:
+        """Mapped sync `number`, in this one call: the parameters checked where they were shared, vLLM's bracket
+        opened (`r3_native_begin`), the trainer's writes awaited (engine/mapped.py `take_mapped_sync`), the bracket
+        closed and `policy_tag` stamped; the receipt is finished when it is read. A failure inside aborts the bracket
+        here (the tag stays None) and is raised."""
+        from r3operator.engine.mapped import take_mapped_sync
+
+        state = self._r3_mapped
+        if state is None:
+            raise WeightUpdateStateError(
+                "r3_mapped_sync: the trainer has not mapped this worker's parameters (r3_mapped_attach first; a "
+                "restarted engine is mapped again at the trainer's next sync)"
+            )
+        if moved := state.moved(self._r3_model()):
+            self.r3_mapped_detach()
+            raise WeightUpdateStateError(
+                f"r3_mapped_sync: {len(moved)} parameter(s) are no longer where the trainer mapped them, e.g. "
+                f"{moved[0]}: the trainer maps them again at its next sync"
+            )
+        self.r3_native_begin("kernel")
+        receipt = self._r3_receipt()
+        try:
+            cuda = bool(state.parameters) and state.parameters[0][1].is_cuda
+            take_mapped_sync(
+                state,
+                int(number),
+                timeout_s=float(timeout_s),
+                receipt=receipt,
+                side_stream=_fingerprint_stream() if cuda else None,
+            )
+            self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+            self._r3_untap_load_weights()
+            receipt.finish_later(self._r3_parameters())
+            self._r3_policy_tag = policy_tag
+        except BaseException:
+            self.r3_abort_native_weight_update()
+            raise
+        return {"tensors": len(state.parameters)}
 
     # -- diagnostics ------------------------------------------------------------------------------
     def r3_weights_digest(self, names: Iterable[str] | None = None) -> str:

@@ -127,6 +127,15 @@ class EngineActor:
         self.llm.collective_rpc("r3_staged_sync", args=(policy_tag,))  # bracket, copies, receipt, tag: one call
         self._new_policy(policy_tag)
 
+    def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("r3_mapped_attach", args=(share,)))
+
+    def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
+        self.llm.collective_rpc(
+            "r3_mapped_sync", args=(number, policy_tag, timeout_s)
+        )  # returns once the trainer wrote
+        self._new_policy(policy_tag)
+
     def policy_tag(self) -> str | None:
         """The tag of the last finished sync if every worker holds it, else None (see the worker extension)."""
         tags = set(self.llm.collective_rpc("r3_policy_tag"))

@@ -66,6 +66,15 @@ class NativeEndpoint(Protocol):
         requests are salted with the new policy."""
         ...
 
+    def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker shares its parameters' memory with the trainer (weightsync/mapped.py); one answer per worker."""
+        ...
+
+    def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
+        """Mapped sync `number` in one call, which returns once the trainer has written the parameters (bracket, wait,
+        tag); the next requests are salted with the new policy."""
+        ...
+
     def policy_tag(self) -> str | None: ...
 
 

@@ -177,6 +177,16 @@ class RayEngine:
     def native_staged_sync(self, policy_tag: str | None) -> None:
         self._call("staged weight update", lambda: self._actor.native_staged_sync.remote(policy_tag), retry=False)
 
+    def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._call("map parameters", lambda: self._actor.native_mapped_attach.remote(share), retry=False)
+
+    def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
+        self._call(
+            "mapped weight update",
+            lambda: self._actor.native_mapped_sync.remote(number, policy_tag, timeout_s),
+            retry=False,
+        )
+
     def device_uuids(self) -> list[str | None]:
         return self._call("device uuids", self._actor.device_uuids.remote)
 
@@ -337,6 +347,14 @@ class HTTPEngine:
 
     def native_staged_sync(self, policy_tag: str | None) -> None:
         self._rpc("r3_staged_sync", *([policy_tag] if policy_tag else []), retry=False)  # the bracket in one call
+        self._new_policy(policy_tag)
+
+    def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
+        result = self._post("/collective_rpc", {"method": "r3_mapped_attach", "args": [share]}, retry=False)
+        return list(result.get("results") or []) if isinstance(result, dict) else []
+
+    def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
+        self._rpc("r3_mapped_sync", number, policy_tag, timeout_s, retry=False)  # returns once the trainer wrote
         self._new_policy(policy_tag)
 
     def device_uuids(self) -> list[str | None]:

@@ -198,6 +198,18 @@ class NativeInstall:
         self._last_tag = tag
         return {"tensors": stats.tensors, "bytes": stats.bytes}
 
+    @property
+    def ipc_path(self) -> dict[str, str | None]:
+        """How the last IPC sync went ("mapped", "staged", "packed"; None otherwise), and why not a faster way."""
+        sender = self._sender
+        if sender is None:
+            return {"path": None, "mapping_refused": None, "staging_refused": None}
+        return {
+            "path": sender.ipc_path,
+            "mapping_refused": sender.mapping_refused,
+            "staging_refused": sender.staging_refused,
+        }
+
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """Open the next syncs' brackets for `layout`, keeping the rendezvous (bench_weight_sync measures
         both layouts on one engine start)."""

@@ -28,7 +28,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +37,7 @@ from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import NativeEndpoint
 from r3operator.weightsync.direct import DirectKernelSend
+from r3operator.weightsync.mapped import MappedKernelSend
 from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.cuda_cache import release_cached_blocks
 from r3operator.wire.kernel_layout import (
@@ -75,6 +76,7 @@ class FanOutClient:
         self.layout = layout  # what every engine's bracket is opened for (weightSync.layout)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
+        self._calls: ThreadPoolExecutor | None = None  # the engines' mapped-sync calls, which outlive one method
 
     def engine_parameters(self) -> list[EngineParameter]:
         """The engines' model parameters (name, dtype, shape), asked of every engine: a kernel-format
@@ -163,6 +165,18 @@ class FanOutClient:
         the policy tag); the first failure is raised after every engine answered."""
         self._concurrently([partial(e.native_staged_sync, self.policy_tag) for e in self.endpoints])
 
+    def mapped_attach(self, engine: int, share: dict[str, Any]) -> list[dict[str, Any]]:
+        """Engine `engine` shares its parameters with the trainer (weightsync/mapped.py): one answer per worker."""
+        with self.phases("begin"):
+            return self.endpoints[engine].native_mapped_attach(share)
+
+    def mapped_sync_start(self, number: int, policy_tag: str | None, timeout_s: float) -> list[Future[None]]:
+        """Every engine's one call of mapped sync `number`, sent at once and NOT awaited: each returns only once the
+        trainer has written the parameters (weightsync/mapped.py)."""
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="r3-mapped-sync")
+        return [self._calls.submit(e.native_mapped_sync, number, policy_tag, timeout_s) for e in self.endpoints]
+
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
         (the caller re-raises the sync's own error, and the supervisor re-syncs the engine later)."""
@@ -245,8 +259,11 @@ class NativeSender:
         self._state: Mapping[str, Any] | None = None  # the trainer's state dict during one send
         self._plan: list[Source] | None = None  # kernel layout: the engines' parameters, asked at connect
         self._direct: DirectKernelSend | None = None  # kernel layout over static NCCL (weightsync/direct.py)
+        self._mapped: MappedKernelSend | None = None  # kernel layout over static IPC, in place (weightsync/mapped.py)
+        self.mapping_refused: str | None = None  # why the engines' parameters are not mapped (then the staging buffer)
         self._staged: StagedKernelSend | None = None  # kernel layout over static IPC (weightsync/staged.py)
         self.staging_refused: str | None = None  # why the staging buffer is not used (then vLLM's packed IPC)
+        self.ipc_path: str | None = None  # how the last IPC sync went: "mapped", "staged" or "packed"
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
@@ -337,7 +354,9 @@ class NativeSender:
             self._direct.close()
         if self._staged is not None:
             self._staged.close()
-        self._engine = self._group = self._direct = self._staged = None
+        if self._mapped is not None:
+            self._mapped.close()
+        self._engine = self._group = self._direct = self._staged = self._mapped = None
 
     def _nccl_endpoint(self) -> dict[str, Any]:
         return {"master_address": self.master_address, "master_port": free_port(), "world_size": self.client.world_size}
@@ -377,14 +396,15 @@ class NativeSender:
         counted, begin = sum(phases.seconds.values()), time.perf_counter()
         try:
             stats = self._send(policy_tag)
-            with phases("fingerprint"):
-                self.sent.result()  # the fingerprints' one host sync, outside the transfer
+            if self.ipc_path != "mapped":  # a mapped sync's fingerprints are read with the receipt, off its path
+                with phases("fingerprint"):
+                    self.sent.result()  # the fingerprints' one host sync, outside the transfer
             # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
             phases.add("transfer", time.perf_counter() - begin - (sum(phases.seconds.values()) - counted))
             return stats
         finally:
             self._state = None
-            if not (self.sends_direct or self._staged is not None):  # our senders keep their buffers: nothing cached
+            if not (self.sends_direct or self.ipc_path in ("mapped", "staged")):  # ours keep their buffers
                 with phases("finish"):  # the buffers vLLM's sender left cached go back (wire/cuda_cache.py)
                     if self.method is TransferMethod.IPC:
                         _release_ipc_buffers()
@@ -412,7 +432,17 @@ class NativeSender:
                 self.connect()
             self._engine.send_weights()  # start, update(s), finish through `self.client`
             return stats
-        if self._stages(meta) and self._send_staged():  # the staging buffer, else vLLM's packed IPC below
+        previous, self.ipc_path = self.ipc_path, None
+        if self._kernel_ipc() and self.mapping_refused is None and self._send_mapped():
+            self.ipc_path = "mapped"
+        elif self._stages(meta) and self._send_staged():  # the staging buffer, else vLLM's packed IPC below
+            self.ipc_path = "staged"
+        elif self.method is TransferMethod.IPC:
+            self.ipc_path = "packed"
+        if self.ipc_path is not None and self.ipc_path != previous:
+            why = self.mapping_refused if self.ipc_path != "mapped" else None
+            log.info("weight sync over IPC: %s%s", self.ipc_path, f" (not mapped: {why})" if why else "")
+        if self.ipc_path in ("mapped", "staged"):
             return stats
         if self.sends_direct:
             self._direct_sync(meta)
@@ -431,11 +461,40 @@ class NativeSender:
             raise self._failure
         self.client.finish_weight_update()
 
+    def _kernel_ipc(self) -> bool:
+        """The kernel layout over vLLM 0.22's IPC: the engines take it in one call (mapped, else staged)."""
+        kernel = self.client.layout is WeightSyncLayout.KERNEL
+        return kernel and self.method is TransferMethod.IPC and self.api == "static"
+
+    def _send_mapped(self) -> bool:
+        """Every parameter written by the trainer into the engines' own memory (weightsync/mapped.py). False when an
+        engine's parameters cannot be shared or mapped: nothing was asked of an engine's weights, so this sync and the
+        later ones take the staging buffer (`mapping_refused` says why)."""
+        if self._mapped is None:
+            self._mapped = MappedKernelSend()
+        plan = self.kernel_plan()
+        if not self._mapped.attached:
+            try:
+                self._mapped.attach(len(self.client.endpoints), self.client.mapped_attach, plan)
+            except Exception as exc:
+                self.mapping_refused = f"{type(exc).__name__}: {exc}"
+                log.warning("weight sync: the engines' parameters are not mapped (%s); using the staging buffer", exc)
+                self._mapped = None
+                return False
+        self._mapped.sync(
+            self._state_dict(),
+            plan,
+            start=self.client.mapped_sync_start,
+            policy_tag=self.client.policy_tag,
+            sent=self.sent,
+            phases=self.client.phases,
+        )
+        return True
+
     def _stages(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> bool:
         """Whether this sync goes through the staging buffer (weightsync/staged.py): the kernel layout over vLLM 0.22's
         IPC, with a buffer kept from an earlier sync or room for one (`staging_fits`)."""
-        kernel_ipc = self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.IPC
-        if not kernel_ipc or self.api != "static" or self.staging_refused is not None:
+        if not self._kernel_ipc() or self.staging_refused is not None:
             return False
         if self._staged is not None and self._staged.staged_bytes:
             return True

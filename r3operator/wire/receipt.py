@@ -441,6 +441,7 @@ class SyncReceipt:
     # CUDA cache the worker gave back after the bracket (wire/cuda_cache.py): what the sync's buffers left.
     released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
+    _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
 
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
@@ -451,6 +452,7 @@ class SyncReceipt:
         weights, so what the finish read is what they hold. That holds only after a FINISHED bracket (an
         aborted one may have left some layers loaded: `closed` is False then, and everything is read). A
         kernel-layout sync sends every parameter, so after its first it reads nothing here."""
+        self._settle()
         known = self.held if self.closed else {}
         log = FingerprintLog()
         log.add_many((name, p) for name, p in parameters if p.dim() <= 2 and name not in known)
@@ -499,8 +501,25 @@ class SyncReceipt:
         self.last_received, self.held = received, now
         self.closed = True
 
+    def finish_later(self, parameters: Iterable[tuple[str, Any]]) -> None:
+        """`finish`, run when the receipt is next read (`report`) or a bracket begins: a mapped sync (engine/mapped.py)
+        returns as soon as the parameters are written, and its fingerprints, queued on a side stream, are read back
+        then, off the sync's path. The parameters must not change before that: only the next bracket changes them."""
+        self._pending = list(parameters)
+
+    def abandon(self) -> None:
+        """An aborted bracket: no finished sync to report (a finish still pending is dropped)."""
+        self._pending = None
+        self.closed = False
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.finish(pending)
+
     def report(self) -> dict[str, Any]:
         """JSON-safe: what the driver compares with the sent fingerprints."""
+        self._settle()
         return {
             "closed": self.closed,
             "received": {k: list(v) for k, v in self.received.result().items()},

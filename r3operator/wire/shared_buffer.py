@@ -124,28 +124,7 @@ class SharedBuffer:
         """What `open_shared` needs to map this buffer in another process (JSON-safe)."""
         if self._shm is not None:
             return {"kind": "shm", "name": self._shm.name, "nbytes": self.nbytes}
-        import torch
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        _, args = reduce_tensor(self.tensor)
-        size, stride, offset = args[1:4]
-        handle, storage_bytes, storage_offset = args[7:10]
-        counter, counter_offset, event, sync = args[11:15]
-        return {
-            "kind": "cuda_ipc",
-            "gpu_uuid": str(torch.cuda.get_device_properties(self.device).uuid),
-            "nbytes": self.nbytes,
-            "tensor_offset": int(offset),
-            "handle": _b64(handle),
-            "storage_bytes": int(storage_bytes),
-            "storage_offset": int(storage_offset),
-            "ref_counter_handle": _b64(counter),
-            "ref_counter_offset": int(counter_offset),
-            "event_handle": _b64(event),
-            "event_sync_required": bool(sync),
-            "shape": list(size),
-            "stride": list(stride),
-        }
+        return describe_cuda(self.tensor)
 
     def close(self) -> None:
         """Drop the owner's reference (a CUDA allocation an engine still maps is freed by torch once that engine
@@ -156,6 +135,37 @@ class SharedBuffer:
                 self._shm.close()
             self._shm.unlink()
             self._shm = None
+
+
+def describe_cuda(tensor: Any) -> dict[str, Any]:
+    """The JSON-safe CUDA IPC description (`open_shared`) of `tensor`, a flat contiguous uint8 CUDA tensor (a view
+    of a bigger allocation is described as that view). The caller keeps `tensor` alive while it is mapped."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if tensor.device.type != "cuda" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise SharedBufferError(
+            f"describe_cuda takes a flat contiguous uint8 CUDA tensor, not {tensor.dtype} on {tensor.device}"
+        )
+    _, args = reduce_tensor(tensor)
+    size, stride, offset = args[1:4]
+    handle, storage_bytes, storage_offset = args[7:10]
+    counter, counter_offset, event, sync = args[11:15]
+    return {
+        "kind": "cuda_ipc",
+        "gpu_uuid": str(torch.cuda.get_device_properties(tensor.device).uuid),
+        "nbytes": int(tensor.numel()),
+        "tensor_offset": int(offset),
+        "handle": _b64(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_counter_handle": _b64(counter),
+        "ref_counter_offset": int(counter_offset),
+        "event_handle": _b64(event),
+        "event_sync_required": bool(sync),
+        "shape": list(size),
+        "stride": list(stride),
+    }
 
 
 class OpenedBuffer:
@@ -185,7 +195,7 @@ def open_shared(description: Mapping[str, Any]) -> OpenedBuffer:
         import torch
 
         try:
-            shm = _attach_shm(str(description["name"]))
+            shm = attach_shm(str(description["name"]))
         except FileNotFoundError as exc:
             raise SharedBufferError(f"shared memory segment {description.get('name')!r} does not exist") from exc
         return OpenedBuffer(torch.frombuffer(shm, dtype=torch.uint8, count=nbytes), shm)
@@ -194,7 +204,7 @@ def open_shared(description: Mapping[str, Any]) -> OpenedBuffer:
     raise SharedBufferError(f"shared buffer kind {kind!r}: expected cuda_ipc or shm")
 
 
-def _attach_shm(name: str) -> Any:
+def attach_shm(name: str) -> Any:
     """An existing segment mapped without `multiprocessing.shared_memory`, whose attach (before Python 3.13)
     registers the segment with this process's resource tracker: that would unlink the owner's segment when this
     process exits, or unregister the owner's own record when both ends are one process."""

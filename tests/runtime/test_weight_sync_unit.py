@@ -601,9 +601,12 @@ def test_a_finished_sync_salts_the_next_requests_with_its_policy_instead_of_rese
     engine.native_direct_sync({"names": []}, "run:5")
     assert sent == ["r3_direct_sync"] and body()["cache_salt"] == "run:5"
     engine.native_staged_sync("run:6")
+    assert body()["cache_salt"] == "run:6"
+    engine.native_mapped_sync(1, "run:6m", 30.0)
+    assert body()["cache_salt"] == "run:6m"
     engine.native_finish("run:7")
     engine.finish_weight_update("run:8")
-    assert sent[1:] == ["r3_staged_sync", "r3_native_end", "r3_finish_weight_update"]
+    assert sent[1:] == ["r3_staged_sync", "r3_mapped_sync", "r3_native_end", "r3_finish_weight_update"]
     assert body()["cache_salt"] == "run:8"
     engine.native_finish(None)
     assert sent[-2:] == ["r3_native_end", "/reset_prefix_cache"]
