@@ -875,10 +875,11 @@ def source_commit(repo: Path) -> str:
     return f"{commit}+modified ({len(changed)} files)" if changed else commit
 
 
-def end_stragglers(name: str) -> None:
+def end_stragglers(mark: str) -> None:
     """Processes a row left behind (Ray's daemons, an engine that outlived its parent): found by the
-    MARKER the row's environment carries, ended by pid."""
-    needle = f"{MARKER}={name}".encode()
+    MARKER the row's environment carries (its work directory: two invocations side by side on other GPUs may run
+    the same row, and must not end each other's), ended by pid."""
+    needle = f"{MARKER}={mark}".encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
@@ -895,7 +896,7 @@ def run_row(row: Row, ctx: Context, command: str, timeout_s: float) -> tuple[int
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
     log_path = ctx.work.parent / f"{row.name}.log"
-    env = {**os.environ, MARKER: row.name}
+    env = {**os.environ, MARKER: str(ctx.work)}
     begin = time.monotonic()
     with log_path.open("wb") as log:
         log.write(f"$ {command}\n".encode())
@@ -913,7 +914,7 @@ def run_row(row: Row, ctx: Context, command: str, timeout_s: float) -> tuple[int
     seconds = time.monotonic() - begin
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    end_stragglers(row.name)
+    end_stragglers(str(ctx.work))
     return code, log_path.read_text(errors="replace"), seconds, timed_out
 
 

@@ -9,9 +9,8 @@
 
 `take_mapped_sync` is one sync, inside the worker's one call (engine/worker.py `r3_mapped_sync`), with vLLM's bracket
 open: it waits for the GPU (a forward step queued before the call must not read a half-written parameter), rings
-`opened`, waits for the trainer's `written` (wire/doorbell.py), and queues the receipt's fingerprints of the parameters
-on a side stream, read when the driver asks for the receipt (`SyncReceipt.finish_later`): the sync itself waits for
-no fingerprint.
+`opened` and waits for the trainer's `written` (wire/doorbell.py). The receipt fingerprints the parameters when the
+driver reads it (`SyncReceipt.finish_later`): the sync itself computes no fingerprint.
 
 Nothing here trusts that a parameter is where it was mapped: every sync first checks that each parameter's data
 pointer, dtype and shape are still the ones shared (`moved`); a parameter vLLM reallocated (a reload, a sleep and wake)
@@ -91,16 +90,13 @@ def share_parameters(named: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], 
     )
 
 
-def take_mapped_sync(
-    state: MappedParameters, number: int, *, timeout_s: float, receipt: Any, side_stream: Any = None
-) -> None:
+def take_mapped_sync(state: MappedParameters, number: int, *, timeout_s: float) -> None:
     """Sync `number` of `state` (see the module doc), with the bracket already open: returns once the trainer has rung
     `written`; raises `MappedSyncFailed` when it rang `failed`, and `DoorbellTimeout` when it rang nothing within
-    `timeout_s`. On a GPU the receipt's fingerprints are queued on `side_stream`, not waited for."""
+    `timeout_s`."""
     import torch
 
-    cuda = bool(state.parameters) and state.parameters[0][1].is_cuda
-    if cuda:
+    if state.parameters and state.parameters[0][1].is_cuda:
         torch.cuda.current_stream(state.parameters[0][1].device).synchronize()
     state.doorbell.ring_opened(state.slot, number)
     if not state.doorbell.wait_written(state.slot, number, timeout_s=timeout_s):
@@ -108,13 +104,6 @@ def take_mapped_sync(
             f"mapped weight sync {number}: the trainer failed while writing the parameters: the bracket is aborted and "
             "the engine serves no policy until the next complete sync"
         )
-    named = [(name, data) for name, data, _ in state.parameters]
-    if cuda and side_stream is not None:
-        with torch.cuda.stream(side_stream):  # the trainer's writes are complete: it waited for its GPU before ringing
-            receipt.record(named, flush=False)
-            receipt.received.flush()
-    else:
-        receipt.record(named)
 
 
 class MappedSyncFailed(RuntimeError):

@@ -702,19 +702,12 @@ class WeightSyncWorkerExtension:
                 f"{moved[0]}: the trainer maps them again at its next sync"
             )
         self.r3_native_begin("kernel")
-        receipt = self._r3_receipt()
         try:
-            cuda = bool(state.parameters) and state.parameters[0][1].is_cuda
-            take_mapped_sync(
-                state,
-                int(number),
-                timeout_s=float(timeout_s),
-                receipt=receipt,
-                side_stream=_fingerprint_stream() if cuda else None,
-            )
+            take_mapped_sync(state, int(number), timeout_s=float(timeout_s))
             self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
             self._r3_untap_load_weights()
-            receipt.finish_later(self._r3_parameters())
+            received = [(name, data) for name, data, _ in state.parameters]
+            self._r3_receipt().finish_later(self._r3_parameters(), received)
             self._r3_policy_tag = policy_tag
         except BaseException:
             self.r3_abort_native_weight_update()

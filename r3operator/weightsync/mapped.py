@@ -12,9 +12,9 @@ one pass. `MappedKernelSend`:
 - `sync`: every engine is asked ONCE (`r3_mapped_sync`); inside that call the engine opens vLLM's bracket, waits for
   its GPU and rings `opened`, so that no forward step runs while the trainer writes; the trainer builds every
   parameter into each worker's memory (`build_parameter`: one casting `copy_` per part), waits for its GPU and rings
-  `written`; the engine closes the bracket and stamps the policy. The fingerprints of the sync (the trainer's, read
-  through its mapping, and the engine's, of its own parameters) are queued on side streams and read back with the
-  receipt (`FingerprintLog.result`, `SyncReceipt.finish_later`), off the sync's path.
+  `written`; the engine closes the bracket and stamps the policy. The written bytes stay as they are until the next
+  sync, so both sides fingerprint them when the driver checks the receipt (the trainer's, read through its mapping:
+  `FingerprintLog.add_later`; the engine's, of its own parameters: `SyncReceipt.finish_later`), off the sync's path.
 
 What a failure leaves: an engine that cannot open its bracket (or whose parameters moved since they were mapped)
 fails its call before the trainer writes anything, so it keeps the whole previous policy under its tag; a trainer that
@@ -125,9 +125,8 @@ class MappedKernelSend:
                 raise
             for worker in self._workers:
                 doorbell.ring_written(worker.slot, number)
-            with phases("fingerprint"), on_stream(self._copy):  # read back with the receipt (`sent.result()`)
-                for source, view in zip(plan, self._workers[0].views, strict=True):
-                    sent.add(source.parameter.name, view)
+            for source, view in zip(plan, self._workers[0].views, strict=True):  # read with the receipt
+                sent.add_later(source.parameter.name, view)
             with phases("finish"):
                 _wait_all(calls)
         except DoorbellTimeout as exc:

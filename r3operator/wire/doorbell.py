@@ -18,6 +18,7 @@ milliseconds), then sleeps `POLL_S` between reads.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -114,6 +115,10 @@ class Doorbell:
             f"the trainer never wrote sync {number}",
         )
         return self.written(slot) == number
+
+    def __del__(self) -> None:  # a doorbell nobody closed (a sender dropped at exit): no BufferError from its segment
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         """The mapping goes; the owner also unlinks the segment."""

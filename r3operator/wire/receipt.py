@@ -326,6 +326,7 @@ class FingerprintLog:
         self._streams: list[Any] = []  # the CUDA streams column sums were computed on
         self._done: dict[str, Fingerprint] = {}
         self._open: dict[Any, _Bucket] = {}  # by device
+        self._later: list[tuple[str, Any]] = []  # `add_later`'s tensors, added at `result`
 
     def add(self, name: str, tensor: Any) -> None:
         words = _words(tensor)
@@ -387,6 +388,11 @@ class FingerprintLog:
         for device in list(self._open):
             self._close(device)
 
+    def add_later(self, name: str, tensor: Any) -> None:
+        """`add`, when the fingerprints are read (`result`): for a tensor whose memory stays as it is until then (a
+        parameter a mapped sync wrote in place, weightsync/mapped.py), so that the sync itself queues nothing."""
+        self._later.append((name, tensor))
+
     def add_many(self, named: Iterable[tuple[str, Any]]) -> None:
         for name, tensor in named:
             self.add(name, tensor)
@@ -396,6 +402,9 @@ class FingerprintLog:
         self._done.update({name: _as_fp(fp) for name, fp in fingerprints.items()})
 
     def result(self) -> dict[str, Fingerprint]:
+        later, self._later = self._later, []
+        for name, tensor in later:
+            self.add(name, tensor)
         self.flush()
         _wait_for(self._streams)
         sums: dict[Any, list[list[int]]] = {}
@@ -414,6 +423,7 @@ class FingerprintLog:
 
     def clear(self) -> None:
         self._entries, self._columns, self._rows, self._done, self._open, self._streams = [], {}, {}, {}, {}, []
+        self._later = []
 
 
 def _as_fp(values: Sequence[int]) -> Fingerprint:
@@ -441,7 +451,8 @@ class SyncReceipt:
     # CUDA cache the worker gave back after the bracket (wire/cuda_cache.py): what the sync's buffers left.
     released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
-    _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
+    # `finish_later`'s (parameters, received), recorded and finished when the receipt is read
+    _pending: tuple[list[tuple[str, Any]], list[tuple[str, Any]]] | None = None
 
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
@@ -501,11 +512,12 @@ class SyncReceipt:
         self.last_received, self.held = received, now
         self.closed = True
 
-    def finish_later(self, parameters: Iterable[tuple[str, Any]]) -> None:
-        """`finish`, run when the receipt is next read (`report`) or a bracket begins: a mapped sync (engine/mapped.py)
-        returns as soon as the parameters are written, and its fingerprints, queued on a side stream, are read back
-        then, off the sync's path. The parameters must not change before that: only the next bracket changes them."""
-        self._pending = list(parameters)
+    def finish_later(self, parameters: Iterable[tuple[str, Any]], received: Iterable[tuple[str, Any]] = ()) -> None:
+        """`record(received)` and `finish(parameters)`, run when the receipt is next read (`report`) or a bracket
+        begins: a mapped sync (engine/mapped.py) returns as soon as the trainer has written the parameters in place,
+        and what they hold is fingerprinted then, off the sync's path. Nothing changes them before that: only the
+        next bracket does."""
+        self._pending = (list(parameters), list(received))
 
     def abandon(self) -> None:
         """An aborted bracket: no finished sync to report (a finish still pending is dropped)."""
@@ -514,8 +526,10 @@ class SyncReceipt:
 
     def _settle(self) -> None:
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.finish(pending)
+            (parameters, received), self._pending = self._pending, None
+            if received:
+                self.record(received)
+            self.finish(parameters)
 
     def report(self) -> dict[str, Any]:
         """JSON-safe: what the driver compares with the sent fingerprints."""

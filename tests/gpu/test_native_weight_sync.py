@@ -37,6 +37,22 @@ def test_ipc_over_http_vs_the_file_path_with_the_canary_and_a_fault(tmp_path: Pa
 
 
 @needs_cuda
+def test_the_kernel_layout_over_ipc_is_written_into_the_engines_parameters(tmp_path: Path) -> None:
+    """The trainer maps the engine's parameters and writes them in place (weightsync/mapped.py): each sync passes the
+    receipt and the canary, and a trainer failure mid-write leaves the engine unstamped until it is re-synced."""
+    pytest.importorskip("vllm")
+    from benchmarks.bench_weight_sync import main
+
+    r = main(["--model", "gpu", "--methods", "ipc", "--layout", "kernel", "--syncs", "2", "--log-dir", str(tmp_path)])
+    ipc = r["methods"]["ipc"]
+    assert ipc["ipc"]["path"] == "mapped", ipc["ipc"]
+    assert ipc["canary_ok"] == "2/2", ipc
+    fault = r["fault_mid_sync_ipc"]["kernel"]
+    assert fault["tag_before"] is not None and fault["tag_after_failure"] is None, fault
+    assert fault["tag_after_resync_is_current"], fault
+
+
+@needs_cuda
 def test_local_run_engine_actor_on_the_trainers_gpu_syncs_over_ipc(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     pytest.importorskip("ray")

@@ -58,12 +58,12 @@ def _engine_process(requests: Any, answers: Any) -> None:
     while (number := requests.get(timeout=120)) is not None:
         receipt.begin(_named(engine))
         try:
-            take_mapped_sync(state, number, timeout_s=60, receipt=receipt)
+            take_mapped_sync(state, number, timeout_s=60)
         except MappedSyncFailed as exc:
             receipt.abandon()
             answers.put(("failed", str(exc), _held(engine)))
             continue
-        receipt.finish_later(_named(engine))
+        receipt.finish_later(_named(engine), [(n, d) for n, d, _ in state.parameters])
         answers.put(("ok", receipt.report(), _held(engine)))
     state.close()
 
@@ -190,8 +190,8 @@ class _MappedEndpoint(_StagedEndpoint):
     def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
         self.calls.append("mapped sync")
         self.receipt.begin(_named(self.engine))
-        take_mapped_sync(self.state, number, timeout_s=timeout_s, receipt=self.receipt)
-        self.receipt.finish_later(_named(self.engine))
+        take_mapped_sync(self.state, number, timeout_s=timeout_s)
+        self.receipt.finish_later(_named(self.engine), [(n, d) for n, d, _ in self.state.parameters])
         self.tag = policy_tag
 
 

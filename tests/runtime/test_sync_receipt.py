@@ -495,3 +495,19 @@ def test_fp32_engine_on_cuda_passes_its_rounding_and_fails_a_real_mismatch(monke
             eos_id=3,
             max_tokens=1,
         )
+
+
+def test_a_finish_left_for_the_read_is_taken_then_and_dropped_by_an_abort() -> None:
+    """A mapped sync leaves its receipt's fingerprints for the read (`finish_later`): the read takes what the
+    parameters hold then; an abort before the read leaves no finished sync to report."""
+    engine = _Engine()
+    receipt = SyncReceipt()
+    receipt.begin(engine.named_parameters())
+    receipt.finish_later(engine.named_parameters(), engine.named_parameters())
+    report = receipt.report()
+    assert report["closed"] and set(report["received"]) == set(engine.params)
+    assert report["received"]["model.norm.weight"] == list(fingerprint(engine.params["model.norm.weight"]))
+    receipt.begin(engine.named_parameters())
+    receipt.finish_later(engine.named_parameters(), engine.named_parameters())
+    receipt.abandon()
+    assert not receipt.report()["closed"]
