@@ -28,7 +28,6 @@ worker).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -118,19 +117,17 @@ def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -
 
     Every announced tensor and the flag are received, in order, whatever happens: the trainer is inside each
     broadcast. A tensor whose parameter is missing or of another dtype, shape or layout goes into a scratch tensor,
-    and the error naming it is raised after the flag (the caller then aborts the bracket). The receipt fingerprints
-    each parameter once its broadcast is done, on a side stream so the next broadcast need not wait. Returns once
-    the device is done (the flag is read)."""
+    and the error naming it is raised after the flag (the caller then aborts the bracket). Each parameter received
+    is left to the receipt's finish (`record_later`): it holds the received bytes until the next bracket, and the
+    receive queues no fingerprint beside the broadcasts. Returns once the device is done (the flag is read)."""
     import torch
 
     from r3operator.wire.kernel_layout import COMMIT_DTYPE
-    from r3operator.wire.streams import on_stream
 
     device = next(model.parameters()).device
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    side = _fingerprint_stream() if stream is not None else None
     wrong: list[str] = []
-    begin, receipt_seconds = _clock(), 0.0
+    begin = _clock()
     for name, shape, dtype_name in zip(update.names, update.shapes, update.dtype_names, strict=True):
         dtype, param = getattr(torch, dtype_name), _parameter(model, name)
         direct = (
@@ -141,23 +138,11 @@ def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -
         if not direct:
             wrong.append(name)
             continue
-        started = _clock()
-        if side is not None:
-            side.wait_stream(stream)
-        with on_stream(side):
-            receipt.record([(name, target)], flush=False)
-        receipt_seconds += _clock() - started
+        receipt.record_later([(name, target)])
     flag = torch.empty(1, dtype=getattr(torch, COMMIT_DTYPE), device=device)
     group.broadcast(flag, src=0, stream=stream)
-    started = _clock()
-    with on_stream(side):
-        receipt.received.flush()
-    if side is not None and stream is not None:
-        stream.wait_stream(side)
-    receipt_seconds += _clock() - started
     committed = bool(flag.item())  # the host waits here for every receive
-    receipt.add_engine_seconds("receipt", receipt_seconds)
-    receipt.add_engine_seconds("load", _clock() - begin - receipt_seconds)
+    receipt.add_engine_seconds("load", _clock() - begin)
     if wrong:
         raise WeightUpdateStateError(
             f"kernel-format weight sync: {len(wrong)} announced tensor(s) match no parameter of this engine by "
@@ -234,14 +219,6 @@ def _parameter(model: Any, name: str) -> Any:
         return model.get_parameter(name)
     except AttributeError:
         return None
-
-
-@functools.cache
-def _fingerprint_stream() -> Any:
-    """The side stream the engine's receipt fingerprints a direct receive on (one per process, kept)."""
-    import torch
-
-    return torch.cuda.Stream()
 
 
 class WeightUpdateStateError(RuntimeError):
@@ -440,6 +417,15 @@ class WeightSyncWorkerExtension:
         self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
         self.r3_after_native_weight_update(policy_tag)
 
+    def _r3_native_end_receipt_later(self, policy_tag: str | None) -> None:
+        """`r3_native_end` for a sync whose tensors landed in the parameters themselves: the receipt is finished when
+        it is read (`SyncReceipt.finish_later`), so the call returns once vLLM's bracket is closed and the tag
+        stamped."""
+        self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+        self._r3_untap_load_weights()
+        self._r3_receipt().finish_later(self._r3_parameters())
+        self._r3_policy_tag = policy_tag
+
     def _r3_check_kernel_layout(self) -> None:
         if reason := kernel_layout_refusal(self._r3_model()):
             raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")
@@ -598,7 +584,8 @@ class WeightSyncWorkerExtension:
                     "direct weight sync: the trainer failed mid-sync (its commit flag is 0): the bracket is aborted "
                     "and the engine serves no policy until the next complete sync"
                 )
-            self.r3_native_end(policy_tag)
+            self._r3_native_end_receipt_later(policy_tag)
+            self._r3_release_sync_buffers()
         except BaseException:
             self.r3_abort_native_weight_update()
             raise
@@ -704,11 +691,8 @@ class WeightSyncWorkerExtension:
         self.r3_native_begin("kernel")
         try:
             take_mapped_sync(state, int(number), timeout_s=float(timeout_s))
-            self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
-            self._r3_untap_load_weights()
-            received = [(name, data) for name, data, _ in state.parameters]
-            self._r3_receipt().finish_later(self._r3_parameters(), received)
-            self._r3_policy_tag = policy_tag
+            self._r3_receipt().record_later([(name, data) for name, data, _ in state.parameters])
+            self._r3_native_end_receipt_later(policy_tag)
         except BaseException:
             self.r3_abort_native_weight_update()
             raise

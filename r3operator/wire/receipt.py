@@ -39,6 +39,7 @@ The values are the same whichever way: the tests compare every path with the def
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -451,8 +452,8 @@ class SyncReceipt:
     # CUDA cache the worker gave back after the bracket (wire/cuda_cache.py): what the sync's buffers left.
     released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
-    # `finish_later`'s (parameters, received), recorded and finished when the receipt is read
-    _pending: tuple[list[tuple[str, Any]], list[tuple[str, Any]]] | None = None
+    _later: list[tuple[str, Any]] = field(default_factory=list)  # `record_later`'s tensors, recorded at the finish
+    _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
 
     def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
         """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
@@ -473,6 +474,7 @@ class SyncReceipt:
         self.engine_seconds = {}
         self.released_bytes = 0
         self._seen = set()
+        self._later = []
 
     def record(self, named: Sequence[tuple[str, Any]], *, flush: bool = True) -> None:
         """Fingerprint what `load_weights` was handed. `flush`: now, because a receiver reuses its buffer for
@@ -486,6 +488,11 @@ class SyncReceipt:
         if flush:
             self.received.flush()
 
+    def record_later(self, named: Sequence[tuple[str, Any]]) -> None:
+        """`record`, at the bracket's finish: for tensors that stay as they are until then (a parameter received or
+        written into in place), so that the transfer itself queues no fingerprint."""
+        self._later.extend(named)
+
     def add_engine_seconds(self, part: str, seconds: float) -> None:
         self.engine_seconds[part] = self.engine_seconds.get(part, 0.0) + seconds
 
@@ -493,7 +500,13 @@ class SyncReceipt:
         """At the bracket's close: every parameter named like a received tensor, of its shape and dtype, must
         have changed where the received bytes differ both from what came last time and from what the parameter
         held at the bracket's start: else the engine kept its previous weights."""
+        later, self._later = self._later, []
+        started = time.perf_counter()
+        if later:
+            self.record(later)
         received = self.received.result()
+        if later:  # what the transfer left to the finish (`record_later`) is the receipt's cost, counted here
+            self.add_engine_seconds("receipt", time.perf_counter() - started)
         wanted = {name: tensor for name, tensor in parameters if name in received and name in self.before}
         after = FingerprintLog()
         after.add_many(wanted.items())
@@ -512,23 +525,21 @@ class SyncReceipt:
         self.last_received, self.held = received, now
         self.closed = True
 
-    def finish_later(self, parameters: Iterable[tuple[str, Any]], received: Iterable[tuple[str, Any]] = ()) -> None:
-        """`record(received)` and `finish(parameters)`, run when the receipt is next read (`report`) or a bracket
-        begins: a mapped sync (engine/mapped.py) returns as soon as the trainer has written the parameters in place,
-        and what they hold is fingerprinted then, off the sync's path. Nothing changes them before that: only the
-        next bracket does."""
-        self._pending = (list(parameters), list(received))
+    def finish_later(self, parameters: Iterable[tuple[str, Any]]) -> None:
+        """`finish(parameters)` when the receipt is next read (`report`) or a bracket begins: a sync whose tensors
+        landed in the parameters themselves (received into them over NCCL, or written by a colocated trainer: both
+        `record_later`) returns as soon as they are there, and what they hold is fingerprinted then, off the sync's
+        path. Nothing changes them before that: only the next bracket does."""
+        self._pending = list(parameters)
 
     def abandon(self) -> None:
         """An aborted bracket: no finished sync to report (a finish still pending is dropped)."""
-        self._pending = None
+        self._pending, self._later = None, []
         self.closed = False
 
     def _settle(self) -> None:
         if self._pending is not None:
-            (parameters, received), self._pending = self._pending, None
-            if received:
-                self.record(received)
+            parameters, self._pending = self._pending, None
             self.finish(parameters)
 
     def report(self) -> dict[str, Any]:

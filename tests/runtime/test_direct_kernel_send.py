@@ -310,10 +310,8 @@ class _Worker(WeightSyncWorkerExtension):
         self.calls.append(f"begin {layout}")
         self._r3_receipt().begin(list(self.engine.named_parameters()))
 
-    def r3_native_end(self, policy_tag: str | None = None) -> None:
-        self.calls.append(f"end {policy_tag}")
-        self._r3_receipt().finish(list(self.engine.named_parameters()))
-        self._r3_policy_tag = policy_tag
+    def finish_weight_update(self) -> None:  # vLLM's Worker: closes its bracket
+        self.calls.append("finish")
 
     def r3_abort_native_weight_update(self) -> dict[str, int]:
         self.calls.append("abort")
@@ -357,7 +355,7 @@ def test_one_engine_call_opens_receives_commits_and_stamps() -> None:
     worker, state = _Worker(wire), _trainer_state(11)
     sent, trainer_error, engine_error = _direct_sync(state, worker, wire)
     assert trainer_error is None and engine_error is None
-    assert worker.calls == ["begin kernel", "end run:7"] and worker.r3_policy_tag() == "run:7"
+    assert worker.calls == ["begin kernel", "finish"] and worker.r3_policy_tag() == "run:7"
     compare_receipt(sent.result(), worker.r3_sync_receipt(), where="engine")
     assert torch.equal(worker.engine.w13.data, _expected(state)["w13"])
 

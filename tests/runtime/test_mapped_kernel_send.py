@@ -63,7 +63,8 @@ def _engine_process(requests: Any, answers: Any) -> None:
             receipt.abandon()
             answers.put(("failed", str(exc), _held(engine)))
             continue
-        receipt.finish_later(_named(engine), [(n, d) for n, d, _ in state.parameters])
+        receipt.record_later([(n, d) for n, d, _ in state.parameters])
+        receipt.finish_later(_named(engine))
         answers.put(("ok", receipt.report(), _held(engine)))
     state.close()
 
@@ -191,7 +192,8 @@ class _MappedEndpoint(_StagedEndpoint):
         self.calls.append("mapped sync")
         self.receipt.begin(_named(self.engine))
         take_mapped_sync(self.state, number, timeout_s=timeout_s)
-        self.receipt.finish_later(_named(self.engine), [(n, d) for n, d, _ in self.state.parameters])
+        self.receipt.record_later([(n, d) for n, d, _ in self.state.parameters])
+        self.receipt.finish_later(_named(self.engine))
         self.tag = policy_tag
 
 
