@@ -20,7 +20,7 @@ fails the sync before the bracket opens, and the trainer maps again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from r3operator.wire.doorbell import Doorbell
@@ -35,7 +35,6 @@ class MappedParameters:
     slot: int
     parameters: list[tuple[str, Any, int]]  # (name, param.data, data pointer when shared)
     owned: SharedBuffer | None = None  # the CPU segment the parameters were moved into
-    share: dict[str, Any] = field(default_factory=dict)  # what the trainer was answered
 
     def moved(self, model: Any) -> list[str]:
         """The parameters that are no longer at the memory shared (reallocated, replaced, resized)."""

@@ -13,10 +13,12 @@ vLLM ships the trainer-side senders; this module only wires them to the job's en
   - vLLM 0.22 (static, verified in the 0.22.1 wheel): `NCCLWeightTransferEngine.trainer_init` once and
     `trainer_send_weights(iterator, args)` per sync, with start / finish around it here.
   Both send packed: vLLM's `packed_tensor` producers copy the tensors into `packed_buffer_size_bytes`
-  buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk). One exception
-  (`ipc_packed`): an IPC sync in the kernel layout, a few large tensors, goes unpacked when they fit the
-  GPU at once: vLLM's unpacked mode shares each tensor's own memory (no copy where the trainer's tensor is
-  already the engine's) in ONE update call, where packed pays a copy and an engine round trip per buffer.
+  buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk).
+
+The kernel layout (vLLM 0.22) has senders of our own, each the whole sync in one engine call: over NCCL one
+broadcast per parameter received into it (weightsync/direct.py); over IPC the trainer writing the engine's
+parameters in place (weightsync/mapped.py), else, where they cannot be mapped, one staging buffer the engines copy
+from (weightsync/staged.py), else vLLM's packed IPC above.
 
 The trainer's vLLM must be the engine's release: the update-info wire format moved between them
 (packed flags left the per-round payload in vllm#48981). `weightsync/sync.py` checks that.
