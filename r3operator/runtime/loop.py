@@ -163,6 +163,7 @@ class GRPORun:
         self.weight_sync_described = self.weight_transfer.describe() + (
             f"; {install.describe()}" if isinstance(install, RankNativeInstall) else ""
         )
+        self._weight_sync_chosen = self.weight_sync_described  # before a sync says how IPC went
         self.supervisor = EngineSupervisor(
             self.engines,
             chunks=self._weight_chunks,
@@ -335,6 +336,9 @@ class GRPORun:
         self.sync_phases.reset()
         result = self.supervisor.sync(version)
         self.policy_version = version
+        path = getattr(self.supervisor.install, "ipc_path", None)
+        if isinstance(path, dict) and (said := weight_sync.describe_ipc_path(path)):
+            self.weight_sync_described = f"{self._weight_sync_chosen}; {said}"
         self.metrics.set("r3operator_weight_sync_seconds", time.perf_counter() - begin)
         for phase, seconds in self.sync_phases.seconds.items():
             self.metrics.set("r3operator_weight_sync_phase_seconds", seconds, phase=phase)

@@ -223,6 +223,22 @@ class NativeInstall:
         self._sender = None
 
 
+def describe_ipc_path(path: Mapping[str, str | None]) -> str | None:
+    """What the report says of how the last IPC sync went (`NativeInstall.ipc_path`), with the reason a faster way
+    was not taken; None when no sync went over IPC."""
+    how, unmapped, unstaged = path.get("path"), path.get("mapping_refused"), path.get("staging_refused")
+    if how == "mapped":
+        return "kernel layout over IPC: the trainer writes the engine's parameters in place"
+    if how == "staged":
+        return (
+            f"kernel layout over IPC through a staging buffer (the engine's parameters could not be mapped: {unmapped})"
+        )
+    if how == "packed":
+        why = [reason for reason in (unmapped, unstaged) if reason]
+        return "over IPC through vLLM's packed buffers" + (f" ({'; '.join(why)})" if why else "")
+    return None
+
+
 def reached_by_url(engines: EngineGroup) -> bool:
     """Some engine is a separate `vllm serve` process reached over HTTP (`HTTPEngine.base_url`), with a vLLM
     of its own; an engine in a Ray actor of this driver shares the driver's environment."""

@@ -632,3 +632,15 @@ def test_the_in_process_client_salts_every_prompt_with_the_policy() -> None:
     seen.clear()
     client.generate([[1, 2], [3]], max_tokens=1, temperature=1.0, seed=0)
     assert [i["cache_salt"] for i in seen] == ["run:3", "run:3"]
+
+
+def test_the_report_says_which_ipc_way_the_last_sync_took_and_why_not_a_faster_one() -> None:
+    from r3operator.weightsync.sync import describe_ipc_path
+
+    unmapped = "SharedBufferError: cudaIpcGetMemHandle refused"
+    assert describe_ipc_path({"path": None, "mapping_refused": None, "staging_refused": None}) is None
+    assert "writes the engine's parameters in place" in (describe_ipc_path({"path": "mapped"}) or "")
+    staged = describe_ipc_path({"path": "staged", "mapping_refused": unmapped, "staging_refused": None}) or ""
+    assert "staging buffer" in staged and unmapped in staged
+    packed = describe_ipc_path({"path": "packed", "mapping_refused": unmapped, "staging_refused": "no room"}) or ""
+    assert "vLLM's packed buffers" in packed and unmapped in packed and "no room" in packed
