@@ -376,7 +376,7 @@ class WeightSyncWorkerExtension:
 
     # -- around vLLM's native weight transfer (start/update/finish_weight_update of the Worker) ------
     # vLLM's bracket has no abort and no notion of which policy the weights are; these two add that.
-    def r3_before_native_weight_update(self, layout: str = "checkpoint") -> None:
+    def r3_before_native_weight_update(self, layout: str = "checkpoint", in_place: bool = False) -> None:
         """Called right before vLLM's `start_weight_update`: the weights are in flux until a finished sync
         stamps them, and the plugin's patches must be in force in this worker (`self_check` registers it
         where vLLM did not load general plugins, e.g. r3operator not installed as a package).
@@ -392,19 +392,19 @@ class WeightSyncWorkerExtension:
             self._r3_check_kernel_layout()
         self_check()
         self._r3_policy_tag = None
-        self._r3_receipt().begin(self._r3_parameters())
+        self._r3_receipt().begin(self._r3_parameters(), in_place=in_place)
         self._r3_untap_load_weights()
         if layout == "kernel":
             self._r3_tap_kernel_receive()
         else:
             self._r3_tap_load_weights()
 
-    def r3_native_begin(self, layout: str = "checkpoint") -> None:
+    def r3_native_begin(self, layout: str = "checkpoint", in_place: bool = False) -> None:
         """Open a native bracket in ONE round trip: `r3_before_native_weight_update`, then this worker's own vLLM
         `start_weight_update`. That is all vLLM's `/start_weight_update` does (its AsyncLLM sends
         `collective_rpc("start_weight_update", ...)` to every worker: read in 0.22.1 and 0.30), so the bracket is
         vLLM's own; the HTTP round trip and engine-core hop it saves are a sync's fixed cost (issue 24)."""
-        self.r3_before_native_weight_update(layout)
+        self.r3_before_native_weight_update(layout, in_place)
         if layout == "kernel":
             self.start_weight_update(is_checkpoint_format=False)  # type: ignore[attr-defined]  # vLLM 0.22.1's Worker
         else:
@@ -574,7 +574,7 @@ class WeightSyncWorkerExtension:
                 "direct weight sync: this worker has no NCCL weight-transfer group (init_weight_transfer_engine first)"
             )
         try:
-            self.r3_native_begin("kernel")
+            self.r3_native_begin("kernel", in_place=True)
         except BaseException:
             drain_direct(group, info, self.device)  # type: ignore[attr-defined]  # vLLM's Worker
             raise
@@ -688,7 +688,7 @@ class WeightSyncWorkerExtension:
                 f"r3_mapped_sync: {len(moved)} parameter(s) are no longer where the trainer mapped them, e.g. "
                 f"{moved[0]}: the trainer maps them again at its next sync"
             )
-        self.r3_native_begin("kernel")
+        self.r3_native_begin("kernel", in_place=True)
         try:
             take_mapped_sync(state, int(number), timeout_s=float(timeout_s))
             self._r3_receipt().record_later([(name, data) for name, data, _ in state.parameters])

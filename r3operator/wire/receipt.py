@@ -455,7 +455,7 @@ class SyncReceipt:
     _later: list[tuple[str, Any]] = field(default_factory=list)  # `record_later`'s tensors, recorded at the finish
     _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
 
-    def begin(self, parameters: Iterable[tuple[str, Any]]) -> None:
+    def begin(self, parameters: Iterable[tuple[str, Any]], *, in_place: bool = False) -> None:
         """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
         ones that can be named like a checkpoint tensor; a fused 3-D expert block never is, and skipping
         those skips most of an MoE's bytes).
@@ -463,12 +463,21 @@ class SyncReceipt:
         Those the last bracket read at its finish are not read again: only a bracket changes an engine's
         weights, so what the finish read is what they hold. That holds only after a FINISHED bracket (an
         aborted one may have left some layers loaded: `closed` is False then, and everything is read). A
-        kernel-layout sync sends every parameter, so after its first it reads nothing here."""
-        self._settle()
-        known = self.held if self.closed else {}
-        log = FingerprintLog()
-        log.add_many((name, p) for name, p in parameters if p.dim() <= 2 and name not in known)
-        self.before = {**known, **log.result()}
+        kernel-layout sync sends every parameter, so after its first it reads nothing here.
+
+        `in_place`: the bracket's tensors land in the parameters themselves (`record_later`: received into them
+        over NCCL, or written by a colocated trainer), so what is received IS what the parameters hold after it,
+        and the check of parameters that kept their values has nothing to compare: nothing is read, and a finish
+        of the last bracket that nobody read (`finish_later`, the canary off) is dropped, not computed."""
+        if in_place:
+            self._pending = None
+            self.before = {}
+        else:
+            self._settle()
+            known = self.held if self.closed else {}
+            log = FingerprintLog()
+            log.add_many((name, p) for name, p in parameters if p.dim() <= 2 and name not in known)
+            self.before = {**known, **log.result()}
         self.received.clear()
         self.unchanged, self.checked, self.duplicates, self.closed = [], 0, [], False
         self.engine_seconds = {}

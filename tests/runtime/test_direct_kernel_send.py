@@ -304,11 +304,11 @@ class _Worker(WeightSyncWorkerExtension):
     def _r3_model(self) -> Any:
         return self.engine
 
-    def r3_native_begin(self, layout: str = "checkpoint") -> None:
+    def r3_native_begin(self, layout: str = "checkpoint", in_place: bool = False) -> None:
         if self.refuse_begin:
             raise WeightUpdateStateError("start_weight_update called while a weight update is already active")
         self.calls.append(f"begin {layout}")
-        self._r3_receipt().begin(list(self.engine.named_parameters()))
+        self._r3_receipt().begin(list(self.engine.named_parameters()), in_place=in_place)
 
     def finish_weight_update(self) -> None:  # vLLM's Worker: closes its bracket
         self.calls.append("finish")

@@ -513,3 +513,28 @@ def test_a_finish_left_for_the_read_is_taken_then_and_dropped_by_an_abort() -> N
     receipt.finish_later(engine.named_parameters())
     receipt.abandon()
     assert not receipt.report()["closed"]
+
+
+def test_an_in_place_bracket_reads_nothing_at_its_start_and_drops_a_finish_nobody_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the canary off nobody reads a receipt: the next in-place bracket must not pay for the last one's
+    fingerprints, nor read the parameters to compare with (what is received IS what they hold)."""
+    engine = _Engine()
+    receipt = SyncReceipt()
+    receipt.begin(engine.named_parameters(), in_place=True)
+    receipt.record_later(engine.named_parameters())
+    receipt.finish_later(engine.named_parameters())  # never read
+
+    def no_reading(*_: object, **__: object) -> None:
+        raise AssertionError("an in-place bracket's start read a fingerprint")
+
+    monkeypatch.setattr(FingerprintLog, "add", no_reading)
+    receipt.begin(engine.named_parameters(), in_place=True)
+    monkeypatch.undo()
+    engine.params["model.norm.weight"] = torch.full((8,), 3.0)
+    receipt.record_later(engine.named_parameters())
+    receipt.finish_later(engine.named_parameters())
+    report = receipt.report()
+    assert report["closed"] and report["checked"] == 0 and report["unchanged"] == []
+    assert report["received"]["model.norm.weight"] == list(fingerprint(torch.full((8,), 3.0)))
