@@ -19,7 +19,7 @@ fails the sync before the bracket opens, and the trainer maps again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,27 @@ def share_parameters(named: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], 
     raise SharedBufferError(
         f"parameters on {sorted(devices)}: a mapped sync needs them all on one CUDA device or the CPU"
     )
+
+
+def map_parameters(
+    named: Sequence[tuple[str, Any]], share: Mapping[str, Any], *, rank: int = 0
+) -> tuple[MappedParameters, dict[str, Any]]:
+    """What a worker keeps and what it answers the trainer ({"slot", "buffers", "entries"}) when the trainer asks to
+    map its parameters `named` (`share`: {"doorbell": wire/doorbell description, "slot_base": int}); the worker's
+    slot is `slot_base` + `rank`. Raises `SharedBufferError` when the parameters cannot be shared or the share is
+    malformed."""
+    if not isinstance(share, Mapping) or "doorbell" not in share:
+        raise SharedBufferError("a mapping request is {'doorbell': ..., 'slot_base': int}")
+    answer, owned = share_parameters(named)
+    doorbell = Doorbell.attach(share["doorbell"])
+    slot = int(share.get("slot_base") or 0) + rank
+    try:
+        doorbell.check(slot)
+    except BaseException:
+        doorbell.close()
+        raise
+    state = MappedParameters(doorbell, slot, [(name, param.data, param.data_ptr()) for name, param in named], owned)
+    return state, {"slot": slot, **answer}
 
 
 def take_mapped_sync(state: MappedParameters, number: int, *, timeout_s: float) -> None:

@@ -410,21 +410,12 @@ class WeightSyncWorkerExtension:
         else:
             self.start_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
 
-    def r3_native_end(self, policy_tag: str | None = None) -> None:
+    def r3_native_end(self, policy_tag: str | None = None, in_place: bool = False) -> None:
         """Close a native bracket in one round trip: this worker's vLLM `finish_weight_update` (as vLLM's
         `/finish_weight_update` runs it), then `r3_after_native_weight_update`. A failure of the first leaves the
         policy unstamped and the bracket to the caller's abort, as before."""
         self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
-        self.r3_after_native_weight_update(policy_tag)
-
-    def _r3_native_end_receipt_later(self, policy_tag: str | None) -> None:
-        """`r3_native_end` for a sync whose tensors landed in the parameters themselves: the receipt is finished when
-        it is read (`SyncReceipt.finish_later`), so the call returns once vLLM's bracket is closed and the tag
-        stamped."""
-        self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
-        self._r3_untap_load_weights()
-        self._r3_receipt().finish_later(self._r3_parameters())
-        self._r3_policy_tag = policy_tag
+        self.r3_after_native_weight_update(policy_tag, in_place)
 
     def _r3_check_kernel_layout(self) -> None:
         if reason := kernel_layout_refusal(self._r3_model()):
@@ -503,10 +494,16 @@ class WeightSyncWorkerExtension:
         if engine is not None and hasattr(engine, "__dict__"):
             engine.__dict__.pop("receive_weights", None)
 
-    def r3_after_native_weight_update(self, policy_tag: str | None = None) -> None:
-        """Called right after vLLM's `finish_weight_update`: close the receipt, record the policy."""
+    def r3_after_native_weight_update(self, policy_tag: str | None = None, in_place: bool = False) -> None:
+        """Called right after vLLM's `finish_weight_update`: close the receipt, record the policy. `in_place` (the
+        bracket's tensors landed in the parameters themselves, as its begin said): the receipt is finished when it is
+        read (`SyncReceipt.finish_later`), so the call returns once the tag is stamped."""
         self._r3_untap_load_weights()
-        self._r3_receipt().finish(self._r3_parameters())
+        receipt = self._r3_receipt()
+        if in_place:
+            receipt.finish_later(self._r3_parameters())
+        else:
+            receipt.finish(self._r3_parameters())
         self._r3_policy_tag = policy_tag
         self._r3_release_sync_buffers()
 
@@ -584,8 +581,7 @@ class WeightSyncWorkerExtension:
                     "direct weight sync: the trainer failed mid-sync (its commit flag is 0): the bracket is aborted "
                     "and the engine serves no policy until the next complete sync"
                 )
-            self._r3_native_end_receipt_later(policy_tag)
-            self._r3_release_sync_buffers()
+            self.r3_native_end(policy_tag, in_place=True)
         except BaseException:
             self.r3_abort_native_weight_update()
             raise
@@ -642,27 +638,14 @@ class WeightSyncWorkerExtension:
     def r3_mapped_attach(self, share: dict[str, Any]) -> dict[str, Any]:
         """Share this worker's parameters with the trainer ({"doorbell": wire/doorbell description, "slot_base": int})
         and map its doorbell; replaces an earlier attachment. Answers {"slot", "buffers", "entries"}
-        (engine/mapped.py `share_parameters`); raises `SharedBufferError` when they cannot be shared."""
-        from r3operator.engine.mapped import MappedParameters, share_parameters
-        from r3operator.wire.doorbell import Doorbell
-        from r3operator.wire.shared_buffer import SharedBufferError
+        (engine/mapped.py `map_parameters`); raises `SharedBufferError` when they cannot be shared."""
+        from r3operator.engine.mapped import map_parameters
 
         self.r3_mapped_detach()
-        if not isinstance(share, dict) or "doorbell" not in share:
-            raise SharedBufferError("r3_mapped_attach expects {'doorbell': ..., 'slot_base': int}")
         self._r3_check_kernel_layout()
-        named = [(name, param) for name, param in self._r3_model().named_parameters()]
-        answer, owned = share_parameters(named)
-        doorbell = Doorbell.attach(share["doorbell"])
-        slot = int(share.get("slot_base") or 0) + int(getattr(self, "local_rank", 0) or 0)
-        try:
-            doorbell.ring_opened(slot, 0)  # checks the slot is inside the doorbell
-        except BaseException:
-            doorbell.close()
-            raise
-        parameters = [(name, param.data, param.data_ptr()) for name, param in named]
-        self._r3_mapped = MappedParameters(doorbell, slot, parameters, owned)
-        return {"slot": slot, **answer}
+        named = list(self._r3_model().named_parameters())
+        self._r3_mapped, answer = map_parameters(named, share, rank=int(getattr(self, "local_rank", 0) or 0))
+        return answer
 
     def r3_mapped_detach(self) -> None:
         if self._r3_mapped is not None:
@@ -692,7 +675,7 @@ class WeightSyncWorkerExtension:
         try:
             take_mapped_sync(state, int(number), timeout_s=float(timeout_s))
             self._r3_receipt().record_later([(name, data) for name, data, _ in state.parameters])
-            self._r3_native_end_receipt_later(policy_tag)
+            self.r3_native_end(policy_tag, in_place=True)
         except BaseException:
             self.r3_abort_native_weight_update()
             raise

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +60,8 @@ class _Worker:
 AttachFn = Callable[[int, dict[str, Any]], list[dict[str, Any]]]
 """(engine index, {"doorbell", "slot_base"}) → that engine's workers' answers (`r3_mapped_attach`)."""
 
-SyncFn = Callable[[int, str | None, float], list[Future[None]]]
-"""(sync number, policy tag, timeout) → one future per engine, each its `r3_mapped_sync` call, already sent."""
+SyncFn = Callable[[int, str | None, float], list[Callable[[], None]]]
+"""(sync number, policy tag, timeout) → one call per engine, its `r3_mapped_sync`, for `sync` to send."""
 
 
 class MappedKernelSend:
@@ -71,7 +71,8 @@ class MappedKernelSend:
         self._doorbell: Doorbell | None = None
         self._workers: list[_Worker] = []
         self._number = 0
-        self._copy: Any = None  # the CUDA stream the builds and the fingerprints run on, made at the first sync
+        self._copy: Any = None  # the CUDA stream the builds run on, made at the first sync
+        self._calls: ThreadPoolExecutor | None = None  # the engines' calls, answered only once the trainer wrote
         self.attached = False
 
     def attach(self, engines: int, ask: AttachFn, plan: Sequence[Source]) -> None:
@@ -109,7 +110,10 @@ class MappedKernelSend:
         doorbell = self._doorbell
         self._number += 1
         number = self._number
-        calls = start(number, policy_tag, timeout_s)
+        engine_calls = start(number, policy_tag, timeout_s)
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=len(engine_calls), thread_name_prefix="r3-mapped-sync")
+        calls = [self._calls.submit(call) for call in engine_calls]
         try:
             with phases("begin"):
                 for worker in self._workers:
@@ -171,6 +175,9 @@ class MappedKernelSend:
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
+        if self._calls is not None:
+            self._calls.shutdown(wait=False)  # a call still waiting ends at its engine's own timeout
+            self._calls = None
         self.attached = False
 
 

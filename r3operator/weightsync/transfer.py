@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -78,7 +78,6 @@ class FanOutClient:
         self.layout = layout  # what every engine's bracket is opened for (weightSync.layout)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
-        self._calls: ThreadPoolExecutor | None = None  # the engines' mapped-sync calls, which outlive one method
 
     def engine_parameters(self) -> list[EngineParameter]:
         """The engines' model parameters (name, dtype, shape), asked of every engine: a kernel-format
@@ -172,12 +171,10 @@ class FanOutClient:
         with self.phases("begin"):
             return self.endpoints[engine].native_mapped_attach(share)
 
-    def mapped_sync_start(self, number: int, policy_tag: str | None, timeout_s: float) -> list[Future[None]]:
-        """Every engine's one call of mapped sync `number`, sent at once and NOT awaited: each returns only once the
-        trainer has written the parameters (weightsync/mapped.py)."""
-        if self._calls is None:
-            self._calls = ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="r3-mapped-sync")
-        return [self._calls.submit(e.native_mapped_sync, number, policy_tag, timeout_s) for e in self.endpoints]
+    def mapped_sync_calls(self, number: int, policy_tag: str | None, timeout_s: float) -> list[Callable[[], None]]:
+        """Every engine's one call of mapped sync `number`, for the sender to send at once without awaiting them:
+        each returns only once the trainer has written the parameters (weightsync/mapped.py)."""
+        return [partial(e.native_mapped_sync, number, policy_tag, timeout_s) for e in self.endpoints]
 
     def abort(self) -> None:
         """Close every engine's bracket unfinalised; an engine that does not answer is logged, not raised
@@ -486,7 +483,7 @@ class NativeSender:
         self._mapped.sync(
             self._state_dict(),
             plan,
-            start=self.client.mapped_sync_start,
+            start=self.client.mapped_sync_calls,
             policy_tag=self.client.policy_tag,
             sent=self.sent,
             phases=self.client.phases,

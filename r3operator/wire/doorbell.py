@@ -72,28 +72,29 @@ class Doorbell:
             raise SharedBufferError(f"doorbell segment {description['name']!r} does not exist") from exc
         return cls(_attached=mapping)
 
-    def _check(self, slot: int) -> None:
+    def check(self, slot: int) -> None:
+        """Raise `SharedBufferError` when `slot` is not one of this doorbell's."""
         if not 0 <= slot < self.slots:
             raise SharedBufferError(f"doorbell slot {slot} outside its {self.slots} slot(s)")
 
     def ring_opened(self, slot: int, number: int) -> None:
-        self._check(slot)
+        self.check(slot)
         self._words[2 * slot + _OPENED] = number
 
     def ring_written(self, slot: int, number: int) -> None:
-        self._check(slot)
+        self.check(slot)
         self._words[2 * slot + _WRITTEN] = number
 
     def ring_failed(self, slot: int, number: int) -> None:
-        self._check(slot)
+        self.check(slot)
         self._words[2 * slot + _WRITTEN] = -number
 
     def opened(self, slot: int) -> int:
-        self._check(slot)
+        self.check(slot)
         return int(self._words[2 * slot + _OPENED])
 
     def written(self, slot: int) -> int:
-        self._check(slot)
+        self.check(slot)
         return int(self._words[2 * slot + _WRITTEN])
 
     def wait_opened(self, slot: int, number: int, *, timeout_s: float, give_up: Callable[[], bool]) -> None:

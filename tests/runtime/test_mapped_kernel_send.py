@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,8 @@ import torch
 from test_direct_kernel_send import Engine, _expected, _trainer_state
 from test_staged_kernel_send import _staged_sender, _StagedEndpoint, _Unreadable
 
-from r3operator.engine.mapped import MappedParameters, MappedSyncFailed, share_parameters, take_mapped_sync
+from r3operator.engine.mapped import MappedParameters, MappedSyncFailed, map_parameters, take_mapped_sync
+from r3operator.engine.worker import WeightSyncWorkerExtension
 from r3operator.weightsync.mapped import MappedKernelSend
 from r3operator.wire.doorbell import Doorbell, DoorbellTimeout
 from r3operator.wire.kernel_layout import engine_parameters, plan_kernel_layout, trainer_shapes
@@ -38,12 +38,8 @@ def _named(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _map(engine: Engine, share: Mapping[str, Any]) -> tuple[MappedParameters, dict[str, Any]]:
-    """What `r3_mapped_attach` does, on `engine`."""
-    named = _named(engine)
-    answer, owned = share_parameters(named)
-    doorbell = Doorbell.attach(share["doorbell"])
-    state = MappedParameters(doorbell, int(share["slot_base"]), [(n, p.data, p.data_ptr()) for n, p in named], owned)
-    return state, {"slot": state.slot, **answer}
+    """What `r3_mapped_attach` does, on `engine`: the same function."""
+    return map_parameters(_named(engine), share)
 
 
 def _held(engine: Engine) -> dict[str, tuple[bytes, tuple[int, ...]]]:
@@ -79,16 +75,16 @@ def test_an_engine_process_is_written_in_place_and_a_failed_write_is_rung_as_fai
     requests, answers = context.Queue(), context.Queue()
     process = context.Process(target=_engine_process, args=(requests, answers))
     process.start()
-    pool, replies = ThreadPoolExecutor(max_workers=1), []
+    replies: list[Any] = []
 
     def ask(engine: int, share: dict[str, Any]) -> list[dict[str, Any]]:
         assert engine == 0
         requests.put(share)
         return list(answers.get(timeout=120))
 
-    def start(number: int, policy_tag: str | None, timeout_s: float) -> list[Future[None]]:
+    def start(number: int, policy_tag: str | None, timeout_s: float) -> list[Callable[[], None]]:
         requests.put(number)
-        return [pool.submit(lambda: replies.append(answers.get(timeout=120)))]
+        return [lambda: replies.append(answers.get(timeout=120))]
 
     try:
         state, sender, sent = _trainer_state(5), MappedKernelSend(), FingerprintLog(bucket_bytes=64)
@@ -119,7 +115,6 @@ def test_an_engine_process_is_written_in_place_and_a_failed_write_is_rung_as_fai
     finally:
         requests.put(None)
         process.join(timeout=60)
-        pool.shutdown()
     assert process.exitcode == 0
 
 
@@ -172,29 +167,68 @@ def test_the_doorbell_waits_for_the_other_side_and_gives_up_when_it_stopped() ->
 # ------------------------------------------------------------------------------ through the sender
 
 
+class _Served:
+    """The engine module as vLLM's model runner serves it: its parameters under their vLLM names."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return _named(self.engine)
+
+    def named_modules(self) -> Any:
+        return self.engine.named_modules()
+
+    def get_parameter(self, name: str) -> torch.nn.Parameter:
+        return self.engine.get_parameter(name)
+
+
+class _MappedWorker(WeightSyncWorkerExtension):
+    """The worker extension's `r3_mapped_attach` / `r3_mapped_sync` on a CPU module: vLLM's bracket calls stand in
+    (recorded); the mapping, the wait for the trainer, the receipt and the tag are the extension's own."""
+
+    def __init__(self, engine: Engine, receipt: SyncReceipt) -> None:
+        self.served, self.calls = _Served(engine), []
+        self._r3_receipt_state = receipt
+
+    def _r3_model(self) -> Any:
+        return self.served
+
+    def r3_native_begin(self, layout: str = "checkpoint", in_place: bool = False) -> None:
+        self.calls.append(f"begin {layout}")
+        self._r3_receipt().begin(self._r3_parameters(), in_place=in_place)
+
+    def finish_weight_update(self) -> None:  # vLLM's Worker: closes its bracket
+        self.calls.append("finish")
+
+    def r3_abort_native_weight_update(self) -> dict[str, int]:
+        self.calls.append("abort")
+        self._r3_receipt().abandon()
+        self._r3_policy_tag = None
+        return {"layers_restored": 0}
+
+
 @dataclass
 class _MappedEndpoint(_StagedEndpoint):
-    """A colocated engine that shares its parameters: its mapped attach and sync run engine/mapped.py on a real
-    module, in the sender's threads."""
+    """A colocated engine that shares its parameters: its mapped attach and sync are the worker extension's own
+    (`_MappedWorker`), run in the sender's threads."""
 
-    state: Any = None
     refuse: bool = False
-    log: list[str] = field(default_factory=list)
+    worker: _MappedWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = _MappedWorker(self.engine, self.receipt)
 
     def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
         self.calls.append("map")
         if self.refuse:
             raise SharedBufferError("cudaIpcGetMemHandle: the allocation cannot be shared (a VMM allocator)")
-        self.state, answer = _map(self.engine, share)
-        return [answer]
+        return [self.worker.r3_mapped_attach(share)]
 
     def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
         self.calls.append("mapped sync")
-        self.receipt.begin(_named(self.engine))
-        take_mapped_sync(self.state, number, timeout_s=timeout_s)
-        self.receipt.record_later([(n, d) for n, d, _ in self.state.parameters])
-        self.receipt.finish_later(_named(self.engine))
-        self.tag = policy_tag
+        self.worker.r3_mapped_sync(number, policy_tag, timeout_s)
+        self.tag = self.worker.r3_policy_tag()
 
 
 def test_the_sender_writes_every_engine_in_place_and_falls_back_to_the_staging_buffer_when_refused(
@@ -209,6 +243,7 @@ def test_the_sender_writes_every_engine_in_place_and_falls_back_to_the_staging_b
     assert sender.ipc_path == "mapped" and sender.mapping_refused is None
     for endpoint in (a, b):
         assert endpoint.calls == ["map", "mapped sync", "mapped sync"] and endpoint.tag == "run:2"
+        assert endpoint.worker.calls == ["begin kernel", "finish"] * 2
         compare_receipt(sender.sent.result(), endpoint.receipt.report(), where=endpoint.name)
         for name, want in _expected(current["state"]).items():
             assert torch.equal(getattr(endpoint.engine, name).data, want), name
