@@ -247,10 +247,15 @@ class HTTPEngine:
     def _post(self, path: str, body: dict[str, Any] | None = None, *, retry: bool = True) -> Any:
         return self.client.request("POST", path, body or {}, retry=retry)
 
-    def _rpc(self, method: str, *args: Any, retry: bool = True) -> Any:
-        """The extension method's result on the first worker (vLLM answers {"results": [one per worker]})."""
+    def _rpc_all(self, method: str, *args: Any, retry: bool = True) -> list[Any]:
+        """The extension method's result on every worker (vLLM answers {"results": [one per worker]})."""
         result = self._post("/collective_rpc", {"method": method, "args": list(args)}, retry=retry)
-        return result["results"][0] if isinstance(result, dict) and result.get("results") else None
+        return list(result.get("results") or []) if isinstance(result, dict) else []
+
+    def _rpc(self, method: str, *args: Any, retry: bool = True) -> Any:
+        """The extension method's result on the first worker."""
+        results = self._rpc_all(method, *args, retry=retry)
+        return results[0] if results else None
 
     def wait_ready(self) -> None:
         def healthy() -> None:
@@ -350,20 +355,17 @@ class HTTPEngine:
         self._new_policy(policy_tag)
 
     def native_mapped_attach(self, share: dict[str, Any]) -> list[dict[str, Any]]:
-        result = self._post("/collective_rpc", {"method": "r3_mapped_attach", "args": [share]}, retry=False)
-        return list(result.get("results") or []) if isinstance(result, dict) else []
+        return self._rpc_all("r3_mapped_attach", share, retry=False)
 
     def native_mapped_sync(self, number: int, policy_tag: str | None, timeout_s: float) -> None:
         self._rpc("r3_mapped_sync", number, policy_tag, timeout_s, retry=False)  # returns once the trainer wrote
         self._new_policy(policy_tag)
 
     def device_uuids(self) -> list[str | None]:
-        result = self._post("/collective_rpc", {"method": "r3_device_uuid", "args": []})
-        return list(result.get("results") or []) if isinstance(result, dict) else []
+        return self._rpc_all("r3_device_uuid")
 
     def policy_tag(self) -> str | None:
-        result = self._post("/collective_rpc", {"method": "r3_policy_tag", "args": []})
-        tags = set(result.get("results") or [None]) if isinstance(result, dict) else {None}
+        tags = set(self._rpc_all("r3_policy_tag") or [None])
         return tags.pop() if len(tags) == 1 else None  # every worker must hold the same policy
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[Greedy]:
@@ -372,8 +374,7 @@ class HTTPEngine:
 
     def sync_receipts(self) -> list[dict[str, Any]]:
         """Every worker's receipt of the last sync (a TP engine has one per worker)."""
-        result = self._post("/collective_rpc", {"method": "r3_sync_receipt", "args": []})
-        return list(result.get("results") or []) if isinstance(result, dict) else []
+        return self._rpc_all("r3_sync_receipt")
 
     def weights_digest(self) -> str:
         return str(self._rpc("r3_weights_digest"))
