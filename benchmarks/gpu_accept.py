@@ -323,16 +323,17 @@ def sync_json(ctx: Context, model: str) -> Path:
     return ctx.work.parent / SYNC_LAYOUT_ROWS[model] / f"sync_{model}.json"
 
 
-def find_sync_json(ctx: Context, model: str) -> Path | None:
-    """`model`'s JSON for another row's judge: in this ACCEPT_WORK, else the newest in a sibling one (the
-    lanes of scripts/gpu-accept-lanes.sh each have their own: /tmp/r3-accept-lane<i>)."""
+def find_sync_json(ctx: Context, model: str, method: str | None = None) -> Path | None:
+    """`model`'s JSON for another row's judge, measured with `method` (any, when None): in this ACCEPT_WORK, else
+    the newest in a sibling one (the lanes of scripts/gpu-accept-lanes.sh each have their own:
+    /tmp/r3-accept-lane<i>). Lanes run one after another may share a folder with a row of the other method: an
+    NCCL a3b beside an IPC a3b-x16l says nothing of the IPC sync's fixed cost."""
     own = sync_json(ctx, model)
-    if own.is_file():
-        return own
     found = sorted(
         ctx.work.parent.parent.glob(f"*/{SYNC_LAYOUT_ROWS[model]}/{own.name}"), key=lambda p: p.stat().st_mtime
     )
-    return found[-1] if found else None
+    candidates = ([own] if own.is_file() else []) + [p for p in reversed(found) if p != own]
+    return next((p for p in candidates if method is None or native_method(_read_json(p) or {}) == method), None)
 
 
 def sync_layouts_command(model: str) -> Callable[[Context], str]:
@@ -365,12 +366,17 @@ def _native(report: Mapping[str, Any], layout: str = "checkpoint") -> dict[str, 
     return next((v for m, v in _figures(report, layout).items() if m != "packed"), None)
 
 
+def native_method(report: Mapping[str, Any], layout: str = "kernel") -> str | None:
+    """Which native method (nccl, ipc) a bench_weight_sync report measured in `layout`."""
+    return next((m for m in _figures(report, layout) if m != "packed"), None)
+
+
 def fixed_cost_s(small: Mapping[str, Any], large: Mapping[str, Any], layout: str = "kernel") -> float | None:
     """The per-sync cost that does not grow with bytes: the intercept of the line through two model sizes'
-    (bytes, median seconds), issue 24's "fixed cost per sync"."""
+    (bytes, median seconds), issue 24's "fixed cost per sync"; None unless both measured the same native method."""
     b1, n1 = small.get("bytes_per_sync"), _native(small, layout)
     b2, n2 = large.get("bytes_per_sync"), _native(large, layout)
-    if not (b1 and b2 and n1 and n2) or b1 == b2:
+    if not (b1 and b2 and n1 and n2) or b1 == b2 or native_method(small, layout) != native_method(large, layout):
         return None
     t1, t2 = float(n1["median_s"]), float(n2["median_s"])
     return t1 - (t2 - t1) / (b2 - b1) * b1
@@ -443,13 +449,18 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
         met = None
         data: dict[str, Any] = {"sync": report}
         if model == "a3b-x16l":
-            small_path = find_sync_json(ctx, "a3b")
+            native = native_method(report)
+            small_path = find_sync_json(ctx, "a3b", native)
             small = _read_json(small_path) if small_path else None
             data["a3b"] = small
             fixed = fixed_cost_s(small, report) if small else None
             large = _native(report, "kernel")
             if fixed is None:
-                where = f"a3b from {small_path}" if small_path else f"no {SYNC_LAYOUT_ROWS['a3b']} JSON found"
+                where = (
+                    f"a3b from {small_path}"
+                    if small_path
+                    else f"no {SYNC_LAYOUT_ROWS['a3b']} JSON of the {native or 'same'} method found"
+                )
                 parts.append(f"kernel fixed cost: needs both sizes' kernel figures ({where})")
             else:
                 assert small_path is not None  # `small` came from it

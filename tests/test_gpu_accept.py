@@ -272,10 +272,35 @@ def test_the_x16l_row_finds_the_a3b_json_of_another_lane_and_says_when_there_is_
     _write_sync(lane1, "a3b-x16l", _sync_report(LARGE, {"kernel": 0.02 + LARGE / rate}, raw))
     ctx = Context(gpus=2, work=lane1 / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
     alone = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
-    assert alone.target_met is None and "no sync_layouts_a3b JSON found" in alone.figure
+    assert alone.target_met is None and "no sync_layouts_a3b JSON of the nccl method found" in alone.figure
     _write_sync(lane0, "a3b", _sync_report(SMALL, {"kernel": 0.02 + SMALL / rate}, raw))
     found = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
     assert "kernel fixed cost per sync 20 ms" in found.figure and str(lane0) in found.figure
+
+
+def test_the_fixed_cost_pairs_only_syncs_of_one_method(tmp_path: Path) -> None:
+    """Lanes run one after the other share /tmp/r3-accept-lane0: an IPC a3b-x16l must not take its fixed cost from
+    the NCCL a3b left there (the 2026-11-28 run printed 32 ms that way), but from an IPC a3b in another lane."""
+    rate, raw = 200e9, 300.0
+    lane0, lane1 = tmp_path / "r3-accept-lane0", tmp_path / "r3-accept-lane1"
+
+    def as_ipc(report: dict[str, Any]) -> dict[str, Any]:
+        report["by_layout"]["kernel"] = {"ipc": report["by_layout"]["kernel"].pop("nccl")}
+        return {**report, "methods": report["by_layout"]["kernel"]}
+
+    nccl_small = _sync_report(SMALL, {"kernel": 0.01 + SMALL / rate}, raw)
+    ipc_large = as_ipc(_sync_report(LARGE, {"kernel": 0.04 + LARGE / rate}, raw))
+    assert gpu_accept.native_method(ipc_large) == "ipc" and gpu_accept.native_method(nccl_small) == "nccl"
+    assert gpu_accept.fixed_cost_s(nccl_small, ipc_large) is None
+    _write_sync(lane0, "a3b", nccl_small)
+    _write_sync(lane0, "a3b-x16l", ipc_large)
+    ctx = Context(gpus=1, work=lane0 / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
+    mixed = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert "no sync_layouts_a3b JSON of the ipc method found" in mixed.figure
+    assert "fixed cost per sync" not in mixed.figure
+    _write_sync(lane1, "a3b", as_ipc(_sync_report(SMALL, {"kernel": 0.04 + SMALL / rate}, raw)))
+    paired = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert "kernel fixed cost per sync 40 ms" in paired.figure and str(lane1) in paired.figure
 
 
 def test_on_one_gpu_the_x16l_row_judges_ipc_against_the_device_copy(tmp_path: Path) -> None:
