@@ -1014,7 +1014,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     begin = time.monotonic()
     gpus, device = (0, "dry run: nothing executed") if args.dry else gpu_facts()
     if args.dry:
-        gpus = int(os.environ.get("ACCEPT_DRY_GPUS", "2"))
+        # a lane of scripts/gpu-accept-lanes.sh says its count in ACCEPT_GPUS: its dry run prints that lane's commands
+        gpus = int(os.environ.get("ACCEPT_DRY_GPUS") or os.environ.get("ACCEPT_GPUS") or "2")
     elif os.environ.get("ACCEPT_GPUS"):  # use fewer GPUs than the machine has (e.g. the 1-GPU rows on 2)
         gpus = min(gpus, int(os.environ["ACCEPT_GPUS"]))
     header = {
