@@ -323,17 +323,20 @@ def sync_json(ctx: Context, model: str) -> Path:
     return ctx.work.parent / SYNC_LAYOUT_ROWS[model] / f"sync_{model}.json"
 
 
-def find_sync_json(ctx: Context, model: str, method: str | None = None) -> Path | None:
-    """`model`'s JSON for another row's judge, measured with `method` (any, when None): in this ACCEPT_WORK, else
-    the newest in a sibling one (the lanes of scripts/gpu-accept-lanes.sh each have their own:
-    /tmp/r3-accept-lane<i>). Lanes run one after another may share a folder with a row of the other method: an
-    NCCL a3b beside an IPC a3b-x16l says nothing of the IPC sync's fixed cost."""
+def find_sync_report(ctx: Context, model: str, method: str | None = None) -> tuple[Path, Any] | None:
+    """`model`'s JSON for another row's judge, measured with `method` (any, when None), and what it holds: in this
+    ACCEPT_WORK, else the newest in a sibling one (each lane of scripts/gpu-accept-lanes.sh has its own,
+    /tmp/r3-accept-<OUT's name>-lane<i>). A folder may also hold a row of the other method, left by an earlier
+    invocation: an NCCL a3b says nothing of an IPC sync's fixed cost."""
     own = sync_json(ctx, model)
     found = sorted(
         ctx.work.parent.parent.glob(f"*/{SYNC_LAYOUT_ROWS[model]}/{own.name}"), key=lambda p: p.stat().st_mtime
     )
-    candidates = ([own] if own.is_file() else []) + [p for p in reversed(found) if p != own]
-    return next((p for p in candidates if method is None or native_method(_read_json(p) or {}) == method), None)
+    for path in ([own] if own.is_file() else []) + [p for p in reversed(found) if p != own]:
+        report = _read_json(path)
+        if report is not None and (method is None or native_method(report) == method):
+            return path, report
+    return None
 
 
 def sync_layouts_command(model: str) -> Callable[[Context], str]:
@@ -361,14 +364,16 @@ def _figures(report: Mapping[str, Any], layout: str) -> dict[str, Any]:
     return {method: v for method, v in figures.items() if isinstance(v, dict)}  # not its `warmup_s`
 
 
-def _native(report: Mapping[str, Any], layout: str = "checkpoint") -> dict[str, Any] | None:
-    """The native method's figures in a bench_weight_sync report (NCCL or IPC: the one that is not `packed`)."""
-    return next((v for m, v in _figures(report, layout).items() if m != "packed"), None)
-
-
 def native_method(report: Mapping[str, Any], layout: str = "kernel") -> str | None:
-    """Which native method (nccl, ipc) a bench_weight_sync report measured in `layout`."""
+    """Which native method a bench_weight_sync report measured in `layout` (NCCL or IPC: the one that is not
+    `packed`)."""
     return next((m for m in _figures(report, layout) if m != "packed"), None)
+
+
+def _native(report: Mapping[str, Any], layout: str = "checkpoint") -> dict[str, Any] | None:
+    """The native method's figures in a bench_weight_sync report."""
+    method = native_method(report, layout)
+    return None if method is None else _figures(report, layout)[method]
 
 
 def fixed_cost_s(small: Mapping[str, Any], large: Mapping[str, Any], layout: str = "kernel") -> float | None:
@@ -450,12 +455,12 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
         data: dict[str, Any] = {"sync": report}
         if model == "a3b-x16l":
             native = native_method(report)
-            small_path = find_sync_json(ctx, "a3b", native)
-            small = _read_json(small_path) if small_path else None
+            found = find_sync_report(ctx, "a3b", native)
+            small_path, small = found if found else (None, None)
             data["a3b"] = small
             fixed = fixed_cost_s(small, report) if small else None
             large = _native(report, "kernel")
-            if fixed is None:
+            if fixed is None or small_path is None:
                 where = (
                     f"a3b from {small_path}"
                     if small_path
@@ -463,7 +468,6 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
                 )
                 parts.append(f"kernel fixed cost: needs both sizes' kernel figures ({where})")
             else:
-                assert small_path is not None  # `small` came from it
                 age_min = (time.time() - small_path.stat().st_mtime) / 60
                 parts.append(
                     f"kernel fixed cost per sync {fixed * 1000:.0f} ms (a3b from {small_path}, {age_min:.0f} min old)"

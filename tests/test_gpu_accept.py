@@ -137,6 +137,20 @@ def test_dry_mode_runs_nothing_and_records_every_row_with_its_command(
     assert "--steps 2 --no-resume" in main_job["command"] and main_job["command"].endswith("--steps 3")
 
 
+@pytest.mark.parametrize(("lane_gpus", "method"), [("1", "--methods ipc"), ("2", "--methods nccl --engine-gpu 1")])
+def test_a_dry_lane_prints_the_commands_of_its_own_gpu_count(
+    machine: Path, monkeypatch: pytest.MonkeyPatch, lane_gpus: str, method: str
+) -> None:
+    """scripts/gpu-accept-lanes.sh hands each lane its count in ACCEPT_GPUS; a dry run of a 1-GPU lane must show the
+    IPC command that lane would run, not the 2-GPU default's NCCL one."""
+    monkeypatch.setenv("ACCEPT_DRY", "1")
+    monkeypatch.delenv("ACCEPT_DRY_GPUS", raising=False)
+    monkeypatch.setenv("ACCEPT_GPUS", lane_gpus)
+    gpu_accept.main([str(machine), "--rows", "sync_layouts_a3b"])
+    (row,) = json.loads((machine / "accept.json").read_text())["rows"]
+    assert row["status"] == "not run" and f"bench_weight_sync {method} --model a3b" in row["command"]
+
+
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
