@@ -248,6 +248,35 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
     return Verdict(code == 0 and not problems, figure, data={"topology": topology, "median_step_s": median})
 
 
+def learning_command(ctx: Context) -> str:
+    """The learning proof (benchmarks/learning.py): warm start, then Disabled, R2 and R3 side by side on GPU 0.
+    Resumable by part: a later invocation with the same work folder skips the data and the warm start."""
+    return f"python3 -m benchmarks.learning --out {ctx.path('learning')} --device cuda"
+
+
+def judge_learning(ctx: Context, code: int, log: str) -> Verdict:
+    found = sorted((ctx.work / "learning").glob("learning-*.json"))
+    if not found:
+        return Verdict(False, f"no learning JSON (exit {code})")
+    report = json.loads(found[-1].read_text())
+    targets = report.get("targets", {})
+    modes = report.get("modes", {})
+    parts = []
+    for mode in ("Disabled", "R2", "R3"):
+        m = modes.get(mode, {})
+        if "error" in m or not m:
+            parts.append(f"{mode}: {m.get('error', 'not run')}")
+            continue
+        parts.append(
+            f"{mode}: {m['steps']} steps, held-out {m.get('eval_reward_first')} → {m.get('eval_reward_last')}, "
+            f"k3 {m.get('k3_kl_mean')}, extreme {m.get('extreme_token_fraction_mean')}, "
+            f"step {m.get('step_seconds_mean')} s"
+        )
+    rise = targets.get("learning_eval_rise", {})
+    steps_ok = all(modes.get(m, {}).get("steps", 0) >= 100 for m in ("Disabled", "R2", "R3"))
+    return Verdict(code == 0 and steps_ok and rise.get("met") is True, "; ".join(parts), data={"targets": targets})
+
+
 def fsdp_command(ctx: Context) -> str:
     ranks = " ".join(str(r) for r in (1, 2, 4) if r <= ctx.gpus)
     return (
@@ -661,6 +690,18 @@ ROWS: list[Row] = [
         480,
         a3b_command,
         judge_a3b,
+    ),
+    Row(
+        "learning",
+        3,
+        "benchmarks/learning.py: warm-started `gpu` model on arith-chain, 64×8 samples ≤ 512 tokens, 4 mini-batches, "
+        "100 steps each of Disabled, R2 and R3 side by side, held-out eval every 10 steps",
+        "R3's held-out reward +0.2 from step 0; R3's k3 KL ≤ 0.5× Disabled's, extreme tokens ≤ 0.2×; step ≤ 1.05×",
+        1,
+        1100,
+        1500,
+        learning_command,
+        judge_learning,
     ),
     Row(
         "upgrade_canary",

@@ -270,6 +270,12 @@ class FSDPSpec(_Model):
     """Recompute each decoder layer's activations in the backward pass (transformers' non-reentrant
     checkpointing); the replayed routes are kept for the recompute."""
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    micro_batch_tokens: int | None = Field(default=None, ge=1, le=1 << 30)
+    """Token budget of one forward (and backward) of the old-logprob pass and of each update mini-batch: the
+    rows are grouped by length into micro-batches of at most this many padded tokens (rows × the longest row),
+    each trimmed to its longest row, and a mini-batch's micro-batches add their gradients before its one
+    optimizer step (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu). Bounds the trainer's activation
+    memory at long responses; unset: a mini-batch in one forward."""
 
 
 class MegatronSpec(_Model):

@@ -155,10 +155,11 @@ def rules(
 
 def _mount_optional() -> None:
     # Sub-apps live in their own modules so `r3operator validate` stays import-light.
-    from r3operator.cli import fetch_cmd, observe_cmds, operator_cmds, routing, run_cmd
+    from r3operator.cli import fetch_cmd, observe_cmds, operator_cmds, routing, run_cmd, tasks_cmd
     from r3operator.cli.up import command as up_command
 
     app.add_typer(routing.app, name="routing")
+    app.add_typer(tasks_cmd.app, name="tasks")
     app.command("render")(operator_cmds.render)
     app.command("operator")(operator_cmds.run_operator)
     app.command("run")(run_cmd.run)

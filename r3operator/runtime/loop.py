@@ -79,6 +79,14 @@ log = logging.getLogger("r3operator.runtime")
 __all__ = ["CanaryMismatchError", "GRPORun"]
 
 
+def _masked_mean(values: Any | None, mask: Any) -> float:
+    """The mean of `values` where `mask` is set; NaN when there are no values or no masked entries."""
+    if values is None:
+        return float("nan")
+    count = int(mask.sum())
+    return float((values * mask).sum()) / count if count else float("nan")
+
+
 class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -569,10 +577,11 @@ class GRPORun:
         lp_mean: float | None = None
         lp_max: float | None = None
         kl: float | None = None
+        extreme: float | None = None
         natural: float | None = None
         if measured:
             lp = self.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
-            lp_mean, lp_max, kl = lp.abs_diff_mean, lp.abs_diff_max, lp.kl_k3
+            lp_mean, lp_max, kl, extreme = lp.abs_diff_mean, lp.abs_diff_max, lp.kl_k3, lp.extreme_token_fraction
         else:
             self.metrics.r3.clear_fidelity()
         applied = float("nan")
@@ -595,8 +604,11 @@ class GRPORun:
         if self.spec.rollout.multi_turn:
             row.routing_agreement_by_turn = self._agreement_by_turn(samples, batch, old)
         row.logprob_abs_diff_mean, row.logprob_abs_diff_max, row.kl_k3 = lp_mean, lp_max, kl
+        row.extreme_token_fraction = extreme
         row.replay_applied, row.routing_natural_agreement = applied, natural
         row.loss, row.clip_fraction, row.grad_norm = stats.loss, stats.clip_fraction, stats.grad_norm
+        row.dual_clip_fraction = stats.dual_clip_fraction
+        row.entropy_mean = _masked_mean(old.entropy, batch.response_mask)
         row.canary_ok, row.canary_near_ties, row.skipped = int(canary_ok), self.canary_near_ties, 0
         row.sync_seconds = dict(self.sync_phases.seconds)
         return row
@@ -624,6 +636,7 @@ class GRPORun:
             samples_dropped=len(self.dropped),
             tokens=tokens,
             tokens_per_second=tokens / max(timer.seconds["rollout"], 1e-9),
+            prompt_tokens=sum(len(s.prompt_token_ids) for s in samples),
         )
         if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
             record.turns_mean = float(np.mean([s.extra["turns"] for s in samples]))

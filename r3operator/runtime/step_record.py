@@ -49,15 +49,19 @@ _EVERY_STEP = (
     "samples",
     "samples_dropped",
     "tokens",
+    "prompt_tokens",
     "tokens_per_second",
     "logprob_abs_diff_mean",
     "logprob_abs_diff_max",
     "kl_k3",
+    "extreme_token_fraction",
     "replay_applied",
     "routing_natural_agreement",
     "loss",
     "clip_fraction",
     "grad_norm",
+    "entropy_mean",
+    "dual_clip_fraction",
     "canary_ok",
     "canary_near_ties",
     "step_seconds",
@@ -100,16 +104,24 @@ class StepRecord(Mapping[str, Any]):
     samples: int
     samples_dropped: int
     tokens: int
+    """Generated tokens of the step's samples."""
     tokens_per_second: float
+    prompt_tokens: int = 0
+    """Prompt tokens of the step's samples (each sample counts its prompt): with `tokens`, what the trainer reads."""
     # -- the old-logprob pass and the update (None: no token to measure, the cell stays empty)
     logprob_abs_diff_mean: float | None = NAN
     logprob_abs_diff_max: float | None = NAN
     kl_k3: float | None = NAN
+    extreme_token_fraction: float | None = NAN
+    """Response tokens whose trainer/rollout probability ratio is outside [0.5, 2] (trainer/metrics.py)."""
     replay_applied: float = NAN
     routing_natural_agreement: float | None = NAN
     loss: float = NAN
     clip_fraction: float = NAN
     grad_norm: float = NAN
+    entropy_mean: float = NAN
+    """Mean entropy (nats) of the policy's next-token distribution over the response tokens, old-logprob pass."""
+    dual_clip_fraction: float = NAN
     canary_ok: int = 0
     canary_near_ties: int = 0
     skipped: int = 1

@@ -27,15 +27,16 @@ class OldPass:
     replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
     replay_pad: Any | None
     mode: ReplayMode | None = None
+    entropy: Any | None = None  # [B, S-1] fp32 entropy of each next-token distribution; None: not computed
 
 
 def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids: Any, used_ids: Any) -> OldPass:
     """The old-logprob pass result for `mode`: what the update replays (R3: the engine's routes; R2:
-    the trainer's own natural choices, every row; Disabled: nothing)."""
+    the trainer's own natural choices, every real token; Disabled: nothing)."""
     if mode is ReplayMode.R3:
         replay_ids, replay_pad = batch.engine_routes, batch.route_pad
-    elif mode is ReplayMode.R2:
-        replay_ids, replay_pad = natural_ids, None
+    elif mode is ReplayMode.R2:  # the pad routes naturally, as the engine's pad does under R3
+        replay_ids, replay_pad = natural_ids, batch.attention_mask == 0
     else:
         replay_ids = replay_pad = None
     return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode)
@@ -58,6 +59,7 @@ class UpdateStats:
     tokens: int
     importance_weight_mean: float = float("nan")  # with importance_cap: mean truncated weight, else NaN
     importance_truncated_fraction: float = float("nan")
+    dual_clip_fraction: float = float("nan")  # tokens whose loss the dual-clip bound replaced; NaN: not reported
 
 
 def compute_context(compute_dtype: str, device_type: str) -> Any:

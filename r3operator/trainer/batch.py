@@ -64,6 +64,29 @@ class TrainBatch:
             temperature=self.temperature,
         )
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's real length (prompt + response tokens; the rest is right padding)."""
+        return [int(n) for n in self.attention_mask.sum(dim=1).tolist()]
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows cut to the longest one: the columns after it are padding in every row, and with right
+        padding no real token attends to them, so the logprobs and routes of the real tokens do not change."""
+        width = max(max(self.lengths), 2)
+        if width >= self.input_ids.shape[1]:
+            return self
+        return TrainBatch(
+            input_ids=self.input_ids[:, :width],
+            attention_mask=self.attention_mask[:, :width],
+            response_mask=self.response_mask[:, : width - 1],
+            rollout_logprobs=self.rollout_logprobs[:, : width - 1],
+            advantages=self.advantages,
+            engine_routes=None if self.engine_routes is None else self.engine_routes[:, :width],
+            route_pad=None if self.route_pad is None else self.route_pad[:, :width],
+            sample_ids=self.sample_ids,
+            temperature=self.temperature,
+        )
+
 
 GREEDY_BELOW = 1e-5
 """vLLM's `_SAMPLING_EPS` (vllm/sampling_params.py, v1/sample/sampler.py): a request whose temperature is below

@@ -74,6 +74,7 @@ class PolicyOptions:
     compute_dtype: str = "bfloat16"
     reshard_after_forward: bool = True
     gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = None
 
     def build(self, model_dir: Path, device: str, *, rank: int, world_size: int) -> tuple[Any, RankRole]:
         from r3operator.trainer.hf_policy import PolicyTrainer
@@ -87,6 +88,7 @@ class PolicyOptions:
             compute_dtype=self.compute_dtype,
             fsdp_options={"reshard_after_forward": self.reshard_after_forward},
             gradient_checkpointing=self.gradient_checkpointing,
+            micro_batch_tokens=self.micro_batch_tokens,
         )
         return trainer, RankRole(dp_rank=rank, dp_size=world_size, answers=True)
 
@@ -152,7 +154,8 @@ class TrainerRank:
 
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
         old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
-        return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode)
+        entropy = None if old.entropy is None else old.entropy.cpu()
+        return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode, entropy)
 
     def update(
         self,
@@ -354,13 +357,16 @@ class DistributedTrainer:
             lambda rank, _replica, ref: rank.old_logprobs.remote(ref, mode),
         )
         parts = [part for part, (_rows, padding) in zip(answers, split, strict=True) if not padding]
-        return old_pass_for(
+        old = old_pass_for(
             mode,
             batch,
             torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
             torch.cat([p.natural_ids for p in parts]),
             torch.cat([p.used_ids for p in parts]),
         )
+        if all(p.entropy is not None for p in parts):
+            old.entropy = torch.cat([p.entropy for p in parts]).to(batch.input_ids.device)
+        return old
 
     def update(
         self,

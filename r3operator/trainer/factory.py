@@ -30,6 +30,7 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
     compute_dtype = fsdp.param_dtype if fsdp is not None else "bfloat16"
     reshard = fsdp.reshard_after_forward if fsdp is not None else True
     checkpointing = fsdp.gradient_checkpointing if fsdp is not None else False
+    micro_tokens = fsdp.micro_batch_tokens if fsdp is not None else None
     if spec.trainer.backend is TrainerBackend.MEGATRON:
         from r3operator.trainer.megatron.adapter import build_megatron_policy_trainer, require_megatron
         from r3operator.trainer.megatron.parallel import ParallelSizes, check_world
@@ -58,6 +59,7 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
             compute_dtype=compute_dtype,
             reshard_after_forward=reshard,
             gradient_checkpointing=checkpointing,
+            micro_batch_tokens=micro_tokens,
         )
         return DistributedTrainer(model_dir, world_size=ranks, device=device, options=options)
     from r3operator.trainer.hf_policy import PolicyTrainer
@@ -71,4 +73,5 @@ def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) ->
         compute_dtype=compute_dtype,
         fsdp_options={"reshard_after_forward": reshard} if fsdp is not None else None,
         gradient_checkpointing=checkpointing,
+        micro_batch_tokens=micro_tokens,
     )

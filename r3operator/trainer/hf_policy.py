@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,9 @@ from r3operator.trainer.base import (
     old_pass_for,
 )
 from r3operator.trainer.batch import TrainBatch, sft_tensors
-from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
+from r3operator.trainer.grpo.loss import ImportanceStats, LossStats, ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.logprobs import token_logprobs
+from r3operator.trainer.micro import micro_batches, micro_weights
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
@@ -60,6 +62,7 @@ class PolicyTrainer(UpdateByShares):
         compute_dtype: str = "bfloat16",
         fsdp_options: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -85,6 +88,7 @@ class PolicyTrainer(UpdateByShares):
                 enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.micro_batch_tokens = micro_batch_tokens
         self.use_fsdp = use_fsdp
         if use_fsdp:
             from r3operator.trainer import fsdp
@@ -114,29 +118,63 @@ class PolicyTrainer(UpdateByShares):
         return ids.reshape(b, s, ids.shape[1], ids.shape[2])
 
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
-        """No-grad forward under the mode's routing; records natural and used ids."""
+        """No-grad forward under the mode's routing, one micro-batch at a time; records natural and used ids,
+        and each token's entropy (of the distribution the rollout sampled from, at its temperature)."""
         import torch
 
         if mode is ReplayMode.R3 and batch.engine_routes is None:
             raise ValueError("R3 needs engine routes in the batch")
+        b, s = batch.input_ids.shape
+        logprobs = torch.zeros((b, s - 1), dtype=torch.float32, device=batch.input_ids.device)
+        entropy = torch.zeros_like(logprobs)
+        natural_ids: Any = None
+        used_ids: Any = None
+        groups = micro_batches(batch.lengths, budget=self.micro_batch_tokens)
+        for n in range(self._agreed_micro_batches(len(groups))):
+            rows = groups[min(n, len(groups) - 1)]
+            part = batch.select(rows).trimmed() if len(rows) < b else batch.trimmed()
+            lp, ent, natural, used = self._old_pass(part, mode)
+            if n >= len(groups):
+                continue  # a forward every FSDP2 rank must run; this rank had its rows already
+            width = part.input_ids.shape[1]
+            idx = torch.as_tensor(rows, dtype=torch.int64, device=logprobs.device)
+            logprobs[idx, : width - 1] = lp
+            entropy[idx, : width - 1] = ent
+            if natural_ids is None:
+                natural_ids = natural.new_zeros((b, s, *natural.shape[2:]))
+                used_ids = used.new_zeros((b, s, *used.shape[2:]))
+            natural_ids[idx, :width] = natural
+            used_ids[idx, :width] = used
+        # Pad columns hold nothing: 0, whatever width a micro-batch (or another rank) computed them at.
+        pad = batch.attention_mask == 0
+        logprobs[pad[:, 1:]] = 0.0
+        entropy[pad[:, 1:]] = 0.0
+        natural_ids[pad] = 0
+        used_ids[pad] = 0
+        old = old_pass_for(mode, batch, logprobs, natural_ids, used_ids)
+        old.entropy = entropy
+        return old
+
+    def _old_pass(self, part: TrainBatch, mode: ReplayMode) -> tuple[Any, Any, Any, Any]:
+        """One micro-batch's (logprobs, entropy, natural ids, used ids), shaped as `part`."""
+        import torch
+
         natural = RouterRecorder(natural=True).install(self.model)
         used = RouterRecorder(natural=False).install(self.model)
         try:
-            with torch.no_grad(), self._compute():
-                if mode is ReplayMode.R3:
-                    with self.replay.armed(batch.engine_routes, padding_mask=batch.route_pad):
-                        lp = token_logprobs(
-                            self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
-                        )
-                else:
-                    lp = token_logprobs(
-                        self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
-                    )
-            natural_ids, used_ids = self._stacked(natural, batch), self._stacked(used, batch)
+            replay = (
+                self.replay.armed(part.engine_routes, padding_mask=part.route_pad)
+                if mode is ReplayMode.R3
+                else nullcontext()
+            )
+            with torch.no_grad(), self._compute(), replay:
+                lp, ent = token_logprobs(
+                    self.model, part.input_ids, part.attention_mask, temperature=part.temperature, entropy=True
+                )
+            return lp, ent, self._stacked(natural, part), self._stacked(used, part)
         finally:
             natural.remove()
             used.remove()
-        return old_pass_for(mode, batch, lp, natural_ids, used_ids)
 
     def update_shares(
         self,
@@ -151,56 +189,98 @@ class PolicyTrainer(UpdateByShares):
         importance_cap: float | None = None,
         clip_ratio_c: float | None = None,
     ) -> list[ShareStats]:
-        """One optimizer step per share (this rank's part of one mini-batch). `batch`, `old_logprobs`
-        and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so that the
-        ranks' averaged gradients are the whole mini-batch's (trainer/shards.py)."""
+        """One optimizer step per share (this rank's part of one mini-batch), its rows in micro-batches of at
+        most `micro_batch_tokens` (trainer/micro.py) whose gradients add up before the step. `batch`,
+        `old_logprobs` and the replay ids hold this rank's rows only; a share's loss is scaled by its weight so
+        that the ranks' averaged gradients are the whole mini-batch's (trainer/shards.py)."""
         import torch
 
         self.model.train()
+        lengths, tokens = batch.lengths, [int(t) for t in batch.response_mask.sum(dim=1).tolist()]
         out = []
         for share in shares:
-            mb = batch.select(share.rows)
-            idx = torch.as_tensor(share.rows, dtype=torch.int64, device=old_logprobs.device)
             self.optimizer.zero_grad(set_to_none=True)
-            if replay_ids is not None:
-                pad = None if replay_pad is None else replay_pad[idx]
-                self.replay.arm(replay_ids[idx], padding_mask=pad)
-            try:
-                old_lp, weights, iw = old_logprobs[idx], None, None
-                if importance_cap is not None:
-                    weights, iw = truncated_importance_weights(
-                        old_lp, mb.rollout_logprobs, mb.response_mask, cap=importance_cap
-                    )
-                with self._compute():
-                    lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature=mb.temperature)
-                loss, stats = ppo_clip_loss(
-                    lp,
-                    old_lp,
-                    mb.advantages,
-                    mb.response_mask,
+            groups = micro_batches([lengths[i] for i in share.rows], budget=self.micro_batch_tokens)
+            weights = micro_weights([tokens[i] for i in share.rows], groups)
+            extra = self._agreed_micro_batches(len(groups)) - len(groups)
+            groups, weights = groups + [groups[-1]] * extra, weights + [0.0] * extra  # forwards that add nothing
+            parts = [
+                self._micro_update(
+                    batch,
+                    [share.rows[i] for i in group],
+                    old_logprobs,
+                    replay_ids,
+                    replay_pad,
+                    weight=share.weight * weight,
                     clip_low=clip_low,
                     clip_high=clip_high,
-                    importance_weights=weights,
+                    importance_cap=importance_cap,
                     clip_ratio_c=clip_ratio_c,
                 )
-                (loss if share.weight == 1.0 else loss * share.weight).backward()
-            finally:
-                self.replay.disarm()
+                for group, weight in zip(groups, weights, strict=True)
+            ]
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
             self.optimizer.step()
-            tokens = 0 if share.padding else int(mb.response_mask.sum())
-            out.append(
-                ShareStats(
-                    float(loss.detach()),
-                    stats.clip_fraction,
-                    stats.approx_kl,
-                    tokens,
-                    _scalar(norm),
-                    *((iw.weight_mean, iw.truncated_fraction) if iw is not None else ()),
-                )
-            )
+            out.append(_share_stats(parts, weights, padding=share.padding, grad_norm=_scalar(norm)))
         self.model.eval()
         return out
+
+    def _agreed_micro_batches(self, count: int) -> int:
+        """The most micro-batches any rank has for this share: every rank runs as many forwards and backwards
+        (each all-gathers FSDP2's shards), the ones beyond its own with weight 0."""
+        import torch
+
+        if not self.use_fsdp or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return count
+        agreed = torch.tensor([count], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        return int(agreed.item())
+
+    def _micro_update(
+        self,
+        batch: TrainBatch,
+        rows: Sequence[int],
+        old_logprobs: Any,
+        replay_ids: Any,
+        replay_pad: Any,
+        *,
+        weight: float,
+        clip_low: float,
+        clip_high: float,
+        importance_cap: float | None,
+        clip_ratio_c: float | None,
+    ) -> _MicroStats:
+        """Forward and backward of one micro-batch, its token-mean loss scaled by `weight`."""
+        import torch
+
+        mb = batch.select(rows).trimmed()
+        width = mb.input_ids.shape[1]
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=old_logprobs.device)
+        if replay_ids is not None:
+            pad = None if replay_pad is None else replay_pad[idx, :width]
+            self.replay.arm(replay_ids[idx, :width], padding_mask=pad)
+        try:
+            old_lp, weights, iw = old_logprobs[idx, : width - 1], None, None
+            if importance_cap is not None:
+                weights, iw = truncated_importance_weights(
+                    old_lp, mb.rollout_logprobs, mb.response_mask, cap=importance_cap
+                )
+            with self._compute():
+                lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature=mb.temperature)
+            loss, stats = ppo_clip_loss(
+                lp,
+                old_lp,
+                mb.advantages,
+                mb.response_mask,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                importance_weights=weights,
+                clip_ratio_c=clip_ratio_c,
+            )
+            (loss if weight == 1.0 else loss * weight).backward()
+        finally:
+            self.replay.disarm()
+        return _MicroStats(float(loss.detach()), stats, iw, int(mb.response_mask.sum()))
 
     def sft_share(
         self,
@@ -310,6 +390,42 @@ class PolicyTrainer(UpdateByShares):
     def close(self) -> None:
         """Finish the save in flight and release the checkpoint's staging buffers."""
         self.checkpointer.close()
+
+
+@dataclass(frozen=True)
+class _MicroStats:
+    loss: float  # the micro-batch's token-mean, unweighted
+    stats: LossStats
+    importance: ImportanceStats | None
+    tokens: int
+
+
+def _share_stats(
+    parts: Sequence[_MicroStats], weights: Sequence[float], *, padding: bool, grad_norm: float
+) -> ShareStats:
+    """A share's figures from its micro-batches': token-weighted means (`weights` are their token shares), so
+    they read as the one forward's would."""
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(v * w for v, w in zip(values, weights, strict=True))
+
+    nan = float("nan")
+    has_importance = parts[0].importance is not None
+    real = [p for p, w in zip(parts, weights, strict=True) if w > 0]
+    return ShareStats(
+        mean([p.loss for p in parts]),
+        mean([p.stats.clip_fraction for p in parts]),
+        mean([p.stats.approx_kl for p in parts]),
+        0 if padding else sum(p.tokens for p in real),
+        grad_norm,
+        importance_weight_mean=mean([p.importance.weight_mean if p.importance else 0.0 for p in parts])
+        if has_importance
+        else nan,
+        importance_truncated_fraction=mean([p.importance.truncated_fraction if p.importance else 0.0 for p in parts])
+        if has_importance
+        else nan,
+        dual_clip_fraction=mean([p.stats.dual_clip_fraction for p in parts]),
+    )
 
 
 def _scalar(value: Any) -> float:

@@ -15,7 +15,7 @@ multiplication by its reciprocal (one bit off the division vLLM does).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -37,6 +37,44 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperat
     return logprobs.gather(-1, labels.unsqueeze(-1).to(torch.int64)).squeeze(-1)
 
 
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy (nats) of softmax(logits / temperature) over the last dimension, in fp32, without grad."""
+    import torch
+
+    with torch.no_grad():
+        scaled = logits.to(torch.float32)
+        if temperature != 1.0:
+            scaled = scaled / torch.tensor(temperature, dtype=torch.float32, device=scaled.device)
+        logp = torch.log_softmax(scaled, dim=-1)
+        return -(logp.exp() * logp).sum(dim=-1)
+
+
+@overload
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = ...,
+    *,
+    position_ids: torch.Tensor | None = ...,
+    temperature: float = ...,
+    entropy: Literal[False] = ...,
+    **forward_kwargs: Any,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = ...,
+    *,
+    position_ids: torch.Tensor | None = ...,
+    temperature: float = ...,
+    entropy: Literal[True],
+    **forward_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -44,9 +82,11 @@ def token_logprobs(
     *,
     position_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
+    entropy: bool = False,
     **forward_kwargs: Any,
-) -> torch.Tensor:
-    """[B, S-1] fp32: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[B, S-1] fp32: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]); with `entropy`, also the
+    [B, S-1] entropy of each of those next-token distributions (no grad).
 
     Response token i of a sample whose prompt has P tokens sits at column `P - 1 + i` (right padding,
     `trainer.batch`). Runs under the caller's grad mode (use `torch.no_grad()` for old-logprob
@@ -59,4 +99,8 @@ def token_logprobs(
         use_cache=False,
         **forward_kwargs,
     )
-    return logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature=temperature)
+    logits = out.logits[:, :-1]
+    lp = logprobs_from_logits(logits, input_ids[:, 1:], temperature=temperature)
+    if not entropy:
+        return lp
+    return lp, entropy_from_logits(logits, temperature=temperature)

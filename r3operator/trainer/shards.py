@@ -47,6 +47,7 @@ class ShareStats:
     grad_norm: float  # of the whole (all-rank) gradient: the same on every rank
     importance_weight_mean: float = float("nan")  # asynchronous mode (importance_cap): token-mean TIS weight
     importance_truncated_fraction: float = float("nan")
+    dual_clip_fraction: float = float("nan")  # token-mean; NaN where the backend does not report it
 
 
 def forward_rows(n: int, world: int) -> list[tuple[list[int], bool]]:
@@ -85,22 +86,29 @@ def update_plan(tokens: Sequence[int], *, mini_batches: int, world: int) -> list
 def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     """The single-process `UpdateStats` from every rank's per-mini-batch results: token-weighted means
     within a mini-batch, plain means over mini-batches (as the single-process update reports them)."""
-    losses, clips, kls, norms, tokens = [], [], [], [], 0
+    losses, clips, kls, duals, norms, tokens = [], [], [], [], [], 0
     weights: list[float] = []
     truncated: list[float] = []
     for parts in zip(*per_rank, strict=True):
         total = sum(p.tokens for p in parts)
         if len(parts) == 1:
-            loss, clip, kl = parts[0].loss, parts[0].clip_fraction, parts[0].approx_kl
+            loss, clip, kl, dual = (
+                parts[0].loss,
+                parts[0].clip_fraction,
+                parts[0].approx_kl,
+                parts[0].dual_clip_fraction,
+            )
         elif total:
             loss = sum(p.loss * p.tokens for p in parts) / total
             clip = sum(p.clip_fraction * p.tokens for p in parts) / total
             kl = sum(p.approx_kl * p.tokens for p in parts) / total
+            dual = sum(p.dual_clip_fraction * p.tokens for p in parts) / total
         else:
-            loss = clip = kl = 0.0
+            loss = clip = kl = dual = 0.0
         losses.append(loss)
         clips.append(clip)
         kls.append(kl)
+        duals.append(dual)
         norms.append(parts[0].grad_norm)
         tokens += total
         weighted = [p for p in parts if p.tokens and p.importance_weight_mean == p.importance_weight_mean]
@@ -109,9 +117,16 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
             weights.append(sum(p.importance_weight_mean * p.tokens for p in weighted) / n)
             truncated.append(sum(p.importance_truncated_fraction * p.tokens for p in weighted) / n)
     count = max(len(losses), 1)
-    importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
+    nan = float("nan")
     return UpdateStats(
-        sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens, *importance
+        sum(losses) / count,
+        sum(clips) / count,
+        sum(kls) / count,
+        sum(norms) / count,
+        tokens,
+        importance_weight_mean=sum(weights) / len(weights) if weights else nan,
+        importance_truncated_fraction=sum(truncated) / len(truncated) if truncated else nan,
+        dual_clip_fraction=sum(duals) / count,
     )
 
 
