@@ -12,11 +12,7 @@
 # fits is recorded "not run" with that reason. Exit code 1 when a row failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-site=${R3_SITE:-/tmp/site}
-# What gpu-setup.sh installed (--target): on the path for Python and, as executables, for `r3operator up`.
-export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 RAY_USAGE_STATS_ENABLED=0
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 R3OPERATOR_CACHE_DIR=${R3OPERATOR_CACHE_DIR:-/root/r3cache}
 py=python3
 if [ "${ACCEPT_DRY:-0}" = 1 ] && [ -x .venv/bin/python ]; then py=.venv/bin/python; fi
-exec "$py" -m benchmarks.gpu_accept "$@"
+# What gpu-setup.sh installed (--target), vLLM's settings, the model cache: scripts/gpu-env.sh.
+exec bash scripts/gpu-env.sh "$py" -m benchmarks.gpu_accept "$@"
