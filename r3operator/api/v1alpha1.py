@@ -310,7 +310,8 @@ class TrainerSpec(_Model):
 class RolloutSpec(_Model):
     prompts_per_step: int = Field(default=32, ge=1, le=65536)
     group_size: int = Field(default=8, ge=1, le=1024)
-    """Samples per prompt; GRPO advantages are normalised within a group."""
+    """Samples per prompt; GRPO advantages are normalised within a group. 1: no group baseline, each sample's
+    advantage is its own reward (verl's behaviour; rule GROUP-SIZE-ONE warns)."""
     max_tokens: int = Field(default=256, ge=1, le=1_048_576)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     multi_turn: bool = False
