@@ -238,6 +238,28 @@ ALERTS: tuple[Alert, ...] = (
         "(`r3operator_samples_dropped_total`).",
     ),
     Alert(
+        "R3NonFiniteUpdate",
+        f"sum by ({_JOB}) (increase(r3operator_nonfinite_steps_total[10m])) > 0",
+        "0m",
+        "warning",
+        "Non-finite loss or gradient in {{ $labels.namespace }}/{{ $labels.rljob }}: updates not applied",
+        '{{ $value | printf "%.0f" }} step(s) in 10 m had an update whose loss or gradient was not finite; the '
+        "trainer skipped it on every rank, nothing non-finite reached an engine or a checkpoint. "
+        "spec.algorithm.maxNonFiniteSteps of them in a row fail the job.",
+        "The non-finite guard skipped an optimizer step: its loss or some gradient was NaN or infinite on a "
+        'trainer rank (docs/runtime.md, "What the loss is"). The weights, AdamW\'s state, the engines and the '
+        "checkpoints kept the last applied update; a step that applied none was not synced (no new policy "
+        "version) nor checkpointed. `kubectl get rljob <job> -o jsonpath='{.status.progress}'` shows "
+        "`nonFiniteSteps` and `lastNonFiniteStep`, the RLJob has a `NonFiniteStep` Warning event, and the driver "
+        "log names the step. In metrics.csv look at that step's `reward_mean`, `loss` and `grad_norm`, and the "
+        "steps before: (1) a reward (a `task.rewardFunction` or `rewardURL`) that returned NaN or infinity makes "
+        "its group's advantages NaN; (2) a `grad_norm` growing over the previous steps means the policy is "
+        "diverging (lower `algorithm.learningRate`); a stale or off-policy token alone does not cause it (the "
+        "log-ratio is clamped at ±20 before exp, the asynchronous importance weights are truncated). "
+        "`spec.algorithm.maxNonFiniteSteps` steps in a row fail the job (condition Failed, the message names "
+        "the steps); it resumes from the last checkpoint once the cause is fixed.",
+    ),
+    Alert(
         "RLJobNoProgress",
         # max by: a standby replica of the operator (leader election) could still hold a job's series.
         f"(time() - max by ({_JOB}) (r3operator_rljob_last_progress_timestamp_seconds))"

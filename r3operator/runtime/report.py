@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.runtime.nonfinite import nonfinite_updates
 from r3operator.runtime.step_record import COLUMNS
 from r3operator.wire.sync_phases import SYNC_PHASES
 
@@ -245,9 +246,27 @@ def _canary_line(rows: Sequence[Mapping[str, Any]], canary: bool) -> str:
     """How many of the steps' syncs passed the canary; "off" when it never ran (not "0/N ok")."""
     if not canary:
         return "- weight-sync canary: off (spec.weightSync.canary: false)"
-    synced = [r for r in rows if str(r.get("skipped")) not in ("1", "True")]  # a skipped step has no sync
+    # A skipped step, and one whose update was not applied (non-finite), had no sync: no weight_sync phase.
+    synced = [r for r in rows if _synced(r)]
     ok = sum(1 for r in synced if str(r.get("canary_ok")) in ("1", "True"))
     return f"- weight-sync canary: passed after {ok} of {len(synced)} step syncs"
+
+
+def _synced(row: Mapping[str, Any]) -> bool:
+    """A skipped step has no sync, nor has a non-finite one that applied no update (no weight_sync phase)."""
+    if str(row.get("skipped")) in ("1", "True"):
+        return False
+    return not nonfinite_updates(row) or row.get("t_weight_sync") not in (None, "")
+
+
+def _nonfinite_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The steps whose update had a non-finite loss or gradient (runtime/nonfinite.py)."""
+    steps = [str(r["step"]) for r in rows if nonfinite_updates(r)]
+    listed = f" (steps {', '.join(steps)})" if steps else ""
+    return (
+        f"- steps with a non-finite loss or gradient (those updates not applied; no sync or checkpoint when "
+        f"none was): {len(steps)}{listed}"
+    )
 
 
 def write_report(
@@ -277,6 +296,7 @@ def write_report(
             *fidelity_lines(rows),
             _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
+            _nonfinite_line(rows),
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
             *_sync_phase_line(rows),

@@ -62,7 +62,7 @@ _EVERY_STEP = (
     "canary_near_ties",
     "step_seconds",
 )
-_AFTER_PHASES = ("skipped", "trainer_peak_memory_gib")
+_AFTER_PHASES = ("skipped", "trainer_peak_memory_gib", "nonfinite_updates")
 _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
 _ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
@@ -115,6 +115,8 @@ class StepRecord(Mapping[str, Any]):
     skipped: int = 1
     step_seconds: float = 0.0
     trainer_peak_memory_gib: float | None = None  # GPU runs only
+    # mini-batch updates whose loss or gradient was not finite, not applied (runtime/nonfinite.py)
+    nonfinite_updates: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # t_<phase>
     sync_seconds: dict[str, float] = field(default_factory=dict)  # sync_<phase>: the step's weight sync
     # -- multi-turn jobs
@@ -195,8 +197,11 @@ def step_progress(
     last_checkpoint_step: int | None,
     updated_at: str,
     weight_sync: str | None = None,
+    non_finite_steps: int | None = None,
+    last_non_finite_step: int | None = None,
 ) -> Progress:
-    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row)."""
+    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row);
+    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one."""
     return Progress(
         step=int(record["step"]),
         total_steps=int(total_steps),
@@ -206,6 +211,8 @@ def step_progress(
         kl_k3=_finite(record.get("kl_k3")),
         routing_agreement=_finite(record.get("routing_natural_agreement")),
         last_checkpoint_step=last_checkpoint_step,
+        non_finite_steps=non_finite_steps,
+        last_non_finite_step=last_non_finite_step,
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
     )
