@@ -185,10 +185,14 @@ ALERTS: tuple[Alert, ...] = (
         "vLLM version and whether routing replay is active.",
         "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
         "baseline, under the same weights: in algorithm.mode async the figure covers only tokens of the policy "
-        "version the step trained from, and a step without any leaves the series out (not NaN). The older "
-        'tokens\' gap is staleness (`r3operator_logprob_abs_diff_mean_by_lag{lag!="0"}`, `logprob_abs_diff_by_lag` '
-        'in metrics.csv; corrected by the importance weights, never a weight-sync fault): the series is lag="0" '
-        "of that split. In order: (1) "
+        "version the step trained from, in trajectories that version sampled alone (fresh ones), and a step "
+        "without any leaves the series out (not NaN). The older tokens' gap is staleness "
+        '(`r3operator_logprob_abs_diff_mean_by_lag{lag!="0"}`, `logprob_abs_diff_by_lag` in metrics.csv; '
+        "corrected by the importance weights, never a weight-sync fault). The current-version tokens of "
+        "resumed trajectories (`rollout.partialRollout`) are left out too: the engine sampled them after "
+        "re-reading the earlier tokens under the new weights while the trainer replays those tokens' old "
+        'routes, a gap that is no mismatch (`logprob_abs_diff_mean_resumed` in metrics.csv; lag="0" of the '
+        "split counts them). In order: (1) "
         "`r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
         "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
         "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "

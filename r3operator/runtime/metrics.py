@@ -71,9 +71,10 @@ METRICS: list[MetricSpec] = [
         (*_ID, "lag"),
         "Asynchronous mode: mean |rollout - trainer| logprob over the response tokens of each staleness lag "
         '(the step\'s policy version minus the one that sampled the token), last step. lag="0" is the '
-        "engine/trainer mismatch (r3operator_logprob_abs_diff_mean); each further lag adds one update's "
-        'policy drift. Labels 0 .. N-1 and ">=N", N = algorithm.maxStaleness (1 to 8); a lag without '
-        "tokens has no series.",
+        "engine/trainer mismatch (r3operator_logprob_abs_diff_mean) plus the current-version tokens of "
+        "resumed (partial-rollout) trajectories, which that gauge leaves out; each further lag adds one "
+        'update\'s policy drift. Labels 0 .. N-1 and ">=N", N = algorithm.maxStaleness (1 to 8); a lag '
+        "without tokens has no series.",
     ),
     MetricSpec(
         "r3operator_response_tokens_by_lag",

@@ -212,8 +212,8 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     scope = ""
     if lagged:
         scope = (
-            f" (tokens the current policy version sampled, {len(measured)} of {len(rows)} steps had them; "
-            "the rest is staleness, by lag below)"
+            f" (tokens the current policy version sampled in trajectories it sampled alone, {len(measured)} of "
+            f"{len(rows)} steps had them; the rest is staleness, by lag below)"
         )
     if measured:
         lines = [
@@ -236,8 +236,16 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         shown = ", ".join(f"lag {lag} {diff:.3g} ({tokens} tokens)" for lag, (tokens, diff) in lagged.items())
         lines.append(
             f"- mean |Δlogprob| by staleness lag (policy updates between sampling and training; lag 0 is "
-            f"the mismatch alone, lag ≥ 1 adds the policy's drift, which the importance weights correct): "
-            f"{shown}"
+            f"the mismatch and the resumed trajectories' context, lag ≥ 1 adds the policy's drift, which the "
+            f"importance weights correct): {shown}"
+        )
+    resumed = [r for r in rows if not math.isnan(_f(r, "logprob_abs_diff_mean_resumed"))]
+    if resumed:
+        lines.append(
+            f"- mean |Δlogprob| of resumed trajectories' current-version tokens (partial rollouts: the engine "
+            f"re-read their earlier tokens under the new weights, the trainer replays those tokens' old routes; "
+            f"not in the figure above), mean over {len(resumed)} steps: "
+            f"{_mean(resumed, 'logprob_abs_diff_mean_resumed'):.3g}"
         )
     return lines
 

@@ -67,10 +67,17 @@ _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
 _ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
 _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
-# async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
-# mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart, also
-# per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts.
-_ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag")
+# async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens of fresh
+# trajectories (the mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness)
+# is apart, also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token
+# counts, and so are the current-version tokens of resumed (partial-rollout) trajectories.
+_ASYNC_FIDELITY = (
+    "current_version_tokens",
+    "logprob_abs_diff_mean_stale",
+    "logprob_abs_diff_by_lag",
+    "tokens_by_lag",
+    "logprob_abs_diff_mean_resumed",
+)
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
@@ -135,6 +142,7 @@ class StepRecord(Mapping[str, Any]):
     logprob_abs_diff_mean_stale: float | None = None
     logprob_abs_diff_by_lag: str | None = None
     tokens_by_lag: str | None = None
+    logprob_abs_diff_mean_resumed: float | None = None  # current-version tokens of resumed trajectories
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
