@@ -153,8 +153,9 @@ class RuntimeSettings(_Settings):
     loaded, parameters that kept old values) with what the trainer sent; false skips that comparison."""
     fault_nonfinite_steps: Annotated[list[int], NoDecode] = Field(default_factory=list)
     """Fault injection, for tests and the GPU acceptance run: comma-separated step numbers on which the driver
-    makes the first sample's advantage NaN, so that step's loss and gradients are not finite (the non-finite
-    guard must keep it off the engines and the checkpoints). Never set it on a real job."""
+    makes the first ``miniBatches`` samples' advantages NaN (one in each mini-batch), so none of that step's
+    updates is finite (the non-finite guard must keep them off the engines and the checkpoints). Never set it
+    on a real job."""
     rljob_name: str | None = None
     """The RLJob whose ``status.progress`` the driver patches (set by the operator on trainer pods)."""
     rljob_namespace: str | None = None

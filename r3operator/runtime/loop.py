@@ -483,7 +483,9 @@ class GRPORun:
         with timer("reward"):
             rewards = self.score(samples, problems)
         with timer("advantages"):
-            adv = poison(step, self.advantages(rewards), self._fault_steps)
+            adv = poison(
+                step, self.advantages(rewards), self._fault_steps, mini_batches=self.spec.algorithm.mini_batches
+            )
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
         if batch is None:

@@ -87,13 +87,17 @@ class NonFiniteTally:
             )
 
 
-def poison(step: int, advantages: np.ndarray, fault_steps: frozenset[int]) -> np.ndarray:
-    """Fault injection (R3OPERATOR_FAULT_NONFINITE_STEPS): on a listed step, the first sample's advantage
-    becomes NaN, so that sample's loss and every gradient of its update are NaN (on every backend and
-    rank: the rank that trains it, and the others through the gradient reduction and the guard's flag)."""
+def poison(step: int, advantages: np.ndarray, fault_steps: frozenset[int], *, mini_batches: int) -> np.ndarray:
+    """Fault injection (R3OPERATOR_FAULT_NONFINITE_STEPS): on a listed step, the first `mini_batches` samples'
+    advantages become NaN, one in each mini-batch (they are strided, `trainer.base.mini_batch_rows`), so no
+    update of the step is finite. Each NaN row lands on one rank (the first of its mini-batch's share): the
+    other ranks learn of it through the gradient reduction and the guard's flag."""
     if step not in fault_steps:
         return advantages
-    log.warning("fault injection (R3OPERATOR_FAULT_NONFINITE_STEPS): step %d's first advantage is NaN", step)
+    count = min(mini_batches, len(advantages))
+    log.warning(
+        "fault injection (R3OPERATOR_FAULT_NONFINITE_STEPS): step %d's first %d advantage(s) are NaN", step, count
+    )
     poisoned = np.array(advantages, dtype=np.float32, copy=True)
-    poisoned[0] = np.nan
+    poisoned[:count] = np.nan
     return poisoned

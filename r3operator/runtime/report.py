@@ -270,7 +270,7 @@ def _synced(row: Mapping[str, Any]) -> bool:
 def _nonfinite_line(rows: Sequence[Mapping[str, Any]]) -> str:
     """The steps whose update had a non-finite loss or gradient (runtime/nonfinite.py)."""
     steps = [str(r["step"]) for r in rows if nonfinite_updates(r)]
-    listed = f" (steps {', '.join(steps)})" if steps else ""
+    listed = f" ({'step' if len(steps) == 1 else 'steps'} {', '.join(steps)})" if steps else ""
     return (
         f"- steps with a non-finite loss or gradient (those updates not applied; no sync or checkpoint when "
         f"none was): {len(steps)}{listed}"
