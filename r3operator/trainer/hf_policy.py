@@ -42,6 +42,7 @@ from r3operator.trainer.base import (
 from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.logprobs import token_logprobs
+from r3operator.trainer.nonfinite import step_or_skip
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
@@ -186,17 +187,21 @@ class PolicyTrainer(UpdateByShares):
                 (loss if share.weight == 1.0 else loss * share.weight).backward()
             finally:
                 self.replay.disarm()
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-            self.optimizer.step()
+            norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM))
+            value = float(loss.detach())
+            applied = step_or_skip(self.optimizer, value, norm, what="update")
             tokens = 0 if share.padding else int(mb.response_mask.sum())
+            nan = float("nan")
             out.append(
                 ShareStats(
-                    float(loss.detach()),
+                    value,
                     stats.clip_fraction,
                     stats.approx_kl,
                     tokens,
-                    _scalar(norm),
-                    *((iw.weight_mean, iw.truncated_fraction) if iw is not None else ()),
+                    norm,
+                    importance_weight_mean=iw.weight_mean if iw is not None else nan,
+                    importance_truncated_fraction=iw.truncated_fraction if iw is not None else nan,
+                    applied=applied,
                 )
             )
         self.model.eval()
@@ -225,10 +230,11 @@ class PolicyTrainer(UpdateByShares):
         loss = -(lp * mask).sum() / mask.sum()
         weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
         (loss if weight == 1.0 else loss * weight).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-        self.optimizer.step()
+        norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM))
+        value = float(loss.detach())
+        step_or_skip(self.optimizer, value, norm, what="SFT warm-up")
         self.model.eval()
-        return float(loss.detach()), 0 if padding else tokens
+        return value, 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         """fp32 greedy decode (no autocast) with natural routing, full re-forward per token (diagnostics)."""

@@ -47,6 +47,7 @@ class ShareStats:
     grad_norm: float  # of the whole (all-rank) gradient: the same on every rank
     importance_weight_mean: float = float("nan")  # asynchronous mode (importance_cap): token-mean TIS weight
     importance_truncated_fraction: float = float("nan")
+    applied: bool = True  # False: the non-finite guard skipped the optimizer step (the same on every rank)
 
 
 def forward_rows(n: int, world: int) -> list[tuple[list[int], bool]]:
@@ -85,10 +86,13 @@ def update_plan(tokens: Sequence[int], *, mini_batches: int, world: int) -> list
 def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     """The single-process `UpdateStats` from every rank's per-mini-batch results: token-weighted means
     within a mini-batch, plain means over mini-batches (as the single-process update reports them)."""
-    losses, clips, kls, norms, tokens = [], [], [], [], 0
+    losses, clips, kls, norms, tokens, skipped = [], [], [], [], 0, 0
     weights: list[float] = []
     truncated: list[float] = []
-    for parts in zip(*per_rank, strict=True):
+    for number, parts in enumerate(zip(*per_rank, strict=True), start=1):
+        if len({p.applied for p in parts}) > 1:  # the guard's all-reduce makes this impossible
+            raise RuntimeError(f"mini-batch {number}: the ranks disagree whether its optimizer step was applied")
+        skipped += int(not parts[0].applied)
         total = sum(p.tokens for p in parts)
         if len(parts) == 1:
             loss, clip, kl = parts[0].loss, parts[0].clip_fraction, parts[0].approx_kl
@@ -109,9 +113,20 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
             weights.append(sum(p.importance_weight_mean * p.tokens for p in weighted) / n)
             truncated.append(sum(p.importance_truncated_fraction * p.tokens for p in weighted) / n)
     count = max(len(losses), 1)
-    importance = (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else ()
+    nan = float("nan")
+    weight_mean, truncated_fraction = (
+        (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else (nan, nan)
+    )
     return UpdateStats(
-        sum(losses) / count, sum(clips) / count, sum(kls) / count, sum(norms) / count, tokens, *importance
+        sum(losses) / count,
+        sum(clips) / count,
+        sum(kls) / count,
+        sum(norms) / count,
+        tokens,
+        importance_weight_mean=weight_mean,
+        importance_truncated_fraction=truncated_fraction,
+        updates=len(losses),
+        updates_skipped=skipped,
     )
 
 
