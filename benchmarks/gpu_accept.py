@@ -128,38 +128,82 @@ def judge_pytest(expected_skips: Callable[[int], int]) -> Callable[[Context, int
 
 MAIN_JOB = "benchmarks/jobs/gpu-accept-main.yaml"
 MAIN_NAME = "gpu-accept-main"
+MAIN_NAN_STEP = 3  # the resumed invocation's step whose updates are made non-finite (R3OPERATOR_FAULT_NONFINITE_STEPS)
+MAIN_MINI_BATCHES = 2  # the job's algorithm.miniBatches: the fault makes each of them NaN
 
 
 def main_job_command(ctx: Context) -> str:
     runs, first = ctx.path("runs"), ctx.path("first")
     run = f"python3 -m r3operator run {MAIN_JOB} --model gpu --device cuda --compare-replay --out-dir {runs}"
     copy = " && ".join(f"cp {runs}/{MAIN_NAME}/{m}/metrics.csv {first}/{m}.csv" for m in ("disabled", "r3"))
-    return f"{run} --steps 2 --no-resume && mkdir -p {first} && {copy} && {run} --steps 3"
+    fault = f"R3OPERATOR_FAULT_NONFINITE_STEPS={MAIN_NAN_STEP}"
+    return f"{run} --steps 2 --no-resume && mkdir -p {first} && {copy} && {fault} {run} --steps {MAIN_NAN_STEP + 1}"
+
+
+def _finite(row: Mapping[str, str], key: str) -> bool:
+    try:
+        value = float(row.get(key) or "nan")
+    except ValueError:
+        return False
+    return value == value and abs(value) != float("inf")
+
+
+def _guard_held(mode: str, final: Sequence[Mapping[str, str]]) -> list[str]:
+    """The non-finite guard on the NaN step (every mini-batch's advantage NaN): no update applied, so no new
+    policy version, no sync (no weight_sync phase, no canary) and no checkpoint phase; the step after trains
+    on the same weights: finite loss, gradient norm and |Δlogprob|, one more policy version, canary passed."""
+    before, nan_step, after = final[MAIN_NAN_STEP - 2], final[MAIN_NAN_STEP - 1], final[MAIN_NAN_STEP]
+    problems = []
+    if nan_step.get("nonfinite_updates") != str(MAIN_MINI_BATCHES):
+        problems.append(f"nonfinite_updates {nan_step.get('nonfinite_updates')!r}, expected {MAIN_MINI_BATCHES}")
+    if nan_step["policy_version"] != before["policy_version"] or nan_step.get("canary_ok") != "0":
+        problems.append(
+            f"policy version {before['policy_version']} → {nan_step['policy_version']}, canary "
+            f"{nan_step.get('canary_ok')}: the NaN step synced"
+        )
+    if nan_step.get("t_weight_sync") or nan_step.get("t_checkpoint"):
+        problems.append("the NaN step has a weight_sync or checkpoint phase")
+    if after.get("nonfinite_updates") != "0" or int(after["policy_version"]) != int(before["policy_version"]) + 1:
+        problems.append(
+            f"the step after: nonfinite_updates {after.get('nonfinite_updates')!r}, policy version "
+            f"{after['policy_version']} (expected 0, {int(before['policy_version']) + 1})"
+        )
+    if not all(_finite(after, key) for key in ("loss", "grad_norm", "logprob_abs_diff_mean")):
+        problems.append(
+            f"the step after has non-finite figures: loss {after.get('loss')}, grad_norm "
+            f"{after.get('grad_norm')}, |Δlogprob| {after.get('logprob_abs_diff_mean')}"
+        )
+    return [f"{mode}: step {MAIN_NAN_STEP} (NaN injected): {p}" for p in problems]
 
 
 def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
-    """Both modes: steps 1-2, then a resume that adds step 3 and keeps rows 1-2 as they were (nothing
-    recomputed); a checkpoint after every step (the resume found step 2's); canary on every step; R3's
-    experts are the engine's on every token and its |Δlogprob| is below Disabled's."""
+    """Both modes: steps 1-2, then a resume that adds steps 3-4 and keeps rows 1-2 as they were (nothing
+    recomputed); a checkpoint after every step (the resume found step 2's); step 3's updates made NaN on
+    purpose and the guard held (`_guard_held`); canary after every sync; R3's experts are the engine's on
+    every token and its |Δlogprob| is below Disabled's."""
     problems: list[str] = []
     data: dict[str, dict[str, Any]] = {}
+    want = list(range(1, MAIN_NAN_STEP + 2))
     for mode in ("disabled", "r3"):
         first = read_csv(ctx.work / "first" / f"{mode}.csv")
         final = read_csv(ctx.work / "runs" / MAIN_NAME / mode / "metrics.csv")
         steps = [int(r["step"]) for r in final]
-        if [int(r["step"]) for r in first] != [1, 2] or steps != [1, 2, 3]:
-            problems.append(f"{mode}: steps {[r['step'] for r in first]} then {steps}, expected [1, 2] then [1, 2, 3]")
+        if [int(r["step"]) for r in first] != [1, 2] or steps != want:
+            problems.append(f"{mode}: steps {[r['step'] for r in first]} then {steps}, expected [1, 2] then {want}")
         elif final[:2] != first:
             problems.append(f"{mode}: the resume changed the rows of steps 1-2 (recomputed)")
+        else:
+            problems += _guard_held(mode, final)
         checkpoints = sorted(p.name for p in (ctx.work / "runs" / MAIN_NAME / mode / "checkpoints").glob("step-*"))
-        if checkpoints != ["step-000003"]:
+        if checkpoints != [f"step-{want[-1]:06d}"]:
             problems.append(f"{mode}: checkpoints {checkpoints}, expected the last step's (keepLast 1)")
-        if _canary(final) != "3/3":
-            problems.append(f"{mode}: canary {_canary(final)}")
+        synced = [r for r in final if r.get("nonfinite_updates", "0") in ("", "0")]
+        if _canary(synced) != f"{len(want) - 1}/{len(want) - 1}":
+            problems.append(f"{mode}: canary {_canary(synced)} of the steps that synced")
         data[mode] = {
             "mean_abs_dlogprob": _mean(final, "logprob_abs_diff_mean"),
             "replay_applied": _mean(final, "replay_applied"),
-            "canary": _canary(final),
+            "canary": _canary(synced),
         }
     if not problems and data["r3"]["replay_applied"] != 1.0:
         problems.append(f"r3: replay applied {data['r3']['replay_applied']:.4f}, expected 1")
@@ -169,8 +213,8 @@ def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
         if problems
         else (
             f"|Δlogprob| Disabled {off['mean_abs_dlogprob']:.5f} → R3 {on['mean_abs_dlogprob']:.5f} "
-            f"({on['mean_abs_dlogprob'] / off['mean_abs_dlogprob']:.2f}×); canary 3/3 each; resumed at step 3, "
-            f"steps 1-2 kept"
+            f"({on['mean_abs_dlogprob'] / off['mean_abs_dlogprob']:.2f}×); canary {on['canary']} each; resumed at "
+            f"step 3, steps 1-2 kept; step {MAIN_NAN_STEP}'s NaN updates not applied, synced or checkpointed"
         )
     )
     met = bool(on) and bool(off) and on["mean_abs_dlogprob"] < off["mean_abs_dlogprob"]
@@ -601,12 +645,14 @@ ROWS: list[Row] = [
     Row(
         "main_job",
         1,
-        "`gpu` model, Disabled vs R3 in one run, a checkpoint every step, then a resume from the last",
-        "both modes finish; the resume continues at step 3 with steps 1-2 unchanged; canary every step; "
+        "`gpu` model, Disabled vs R3 in one run, a checkpoint every step, then a resume from the last whose "
+        "first step's updates are made NaN (R3OPERATOR_FAULT_NONFINITE_STEPS)",
+        "both modes finish; the resume continues at step 3 with steps 1-2 unchanged; step 3 neither applied, "
+        "synced nor checkpointed, step 4 trains finite on the same weights; canary after every sync; "
         "R3 |Δlogprob| < Disabled",
         1,
-        300,
-        480,
+        330,
+        540,
         main_job_command,
         judge_main_job,
     ),

@@ -151,6 +151,11 @@ class RuntimeSettings(_Settings):
     sync_receipt: bool = True
     """Weight-sync canary: compare every engine worker's receipt of a sync (fingerprints of each tensor it
     loaded, parameters that kept old values) with what the trainer sent; false skips that comparison."""
+    fault_nonfinite_steps: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """Fault injection, for tests and the GPU acceptance run: comma-separated step numbers on which the driver
+    makes the first ``miniBatches`` samples' advantages NaN (one in each mini-batch), so none of that step's
+    updates is finite (the non-finite guard must keep them off the engines and the checkpoints). Never set it
+    on a real job."""
     rljob_name: str | None = None
     """The RLJob whose ``status.progress`` the driver patches (set by the operator on trainer pods)."""
     rljob_namespace: str | None = None
@@ -176,7 +181,7 @@ class RuntimeSettings(_Settings):
     """Set by Kubernetes beside the host: the API server's port inside the cluster."""
     """Set by Kubernetes in every pod: the driver only talks to the API server when it is there."""
 
-    @field_validator("engine_urls", mode="before")
+    @field_validator("engine_urls", "fault_nonfinite_steps", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         return _comma_list(value)

@@ -140,6 +140,7 @@ FAIL_JOBS_NAMESPACE
 current_version_tokens
 env_tokens
 logprob_abs_diff_by_lag
+logprob_abs_diff_mean_resumed
 logprob_abs_diff_mean_stale
 partial_rollouts
 reward_std

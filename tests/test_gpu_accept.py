@@ -134,7 +134,11 @@ def test_dry_mode_runs_nothing_and_records_every_row_with_its_command(
     assert all(r["status"] == "not run" and "dry run" in r["reason"] for r in record["rows"])
     assert not (tmp_path / "work").exists()
     main_job = next(r for r in record["rows"] if r["name"] == "main_job")
-    assert "--steps 2 --no-resume" in main_job["command"] and main_job["command"].endswith("--steps 3")
+    assert "--steps 2 --no-resume" in main_job["command"]
+    assert (
+        main_job["command"].endswith("--steps 4")
+        and "R3OPERATOR_FAULT_NONFINITE_STEPS=3 python3" in main_job["command"]
+    )
 
 
 @pytest.mark.parametrize(("lane_gpus", "method"), [("1", "--methods ipc"), ("2", "--methods nccl --engine-gpu 1")])
@@ -159,33 +163,68 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def _main_job_outputs(work: Path, *, recompute: bool) -> None:
+def _main_job_outputs(work: Path, *, recompute: bool = False, nan_step: dict[str, Any] | None = None) -> None:
+    """metrics.csv as the main job writes it: steps 1-4, step 3's two mini-batch updates NaN and not applied
+    (no sync: the policy version stays, no weight_sync or checkpoint phase), `nan_step` overriding that row."""
     for mode, dlp in (("disabled", 0.005), ("r3", 0.004)):
         rows = [
             {
                 "step": s,
-                "canary_ok": 1,
+                "policy_version": {1: 2, 2: 3, 3: 3, 4: 4}[s],
+                "canary_ok": 0 if s == 3 else 1,
                 "replay_applied": 1.0 if mode == "r3" else 0.97,
                 "logprob_abs_diff_mean": dlp,
+                "loss": "nan" if s == 3 else -0.01,
+                "grad_norm": "nan" if s == 3 else 0.5,
                 "step_seconds": 1.0 + s,
+                "t_weight_sync": "" if s == 3 else 0.2,
+                "t_checkpoint": "" if s == 3 else 0.1,
+                "nonfinite_updates": 2 if s == 3 else 0,
             }
-            for s in (1, 2, 3)
+            for s in (1, 2, 3, 4)
         ]
+        rows[2] = {**rows[2], **(nan_step or {})}
         _write_csv(work / "first" / f"{mode}.csv", rows[:2])
         if recompute:
             rows[1] = {**rows[1], "step_seconds": 9.9}
         _write_csv(work / "runs" / gpu_accept.MAIN_NAME / mode / "metrics.csv", rows)
-        (work / "runs" / gpu_accept.MAIN_NAME / mode / "checkpoints" / "step-000003").mkdir(parents=True)
+        (work / "runs" / gpu_accept.MAIN_NAME / mode / "checkpoints" / "step-000004").mkdir(parents=True)
 
 
 def test_the_main_job_passes_only_when_the_resume_kept_the_earlier_steps(tmp_path: Path) -> None:
     kept, recomputed = Context(gpus=1, work=tmp_path / "kept"), Context(gpus=1, work=tmp_path / "recomputed")
-    _main_job_outputs(kept.work, recompute=False)
+    _main_job_outputs(kept.work)
     _main_job_outputs(recomputed.work, recompute=True)
     good = gpu_accept.judge_main_job(kept, 0, "")
     assert good.passed and good.target_met and "Disabled 0.00500 → R3 0.00400 (0.80×)" in good.figure
+    assert (
+        "canary 3/3 each" in good.figure and "step 3's NaN updates not applied, synced or checkpointed" in good.figure
+    )
     bad = gpu_accept.judge_main_job(recomputed, 0, "")
     assert not bad.passed and "recomputed" in bad.figure
+
+
+@pytest.mark.parametrize(
+    ("nan_step", "said"),
+    [
+        ({"nonfinite_updates": 0}, "nonfinite_updates '0', expected 2"),
+        ({"policy_version": 4, "canary_ok": 1, "t_weight_sync": 0.2}, "the NaN step synced"),
+        ({"t_checkpoint": 0.1}, "weight_sync or checkpoint phase"),
+    ],
+    ids=["not-counted", "synced", "checkpointed"],
+)
+def test_the_main_job_fails_when_the_guard_did_not_hold(tmp_path: Path, nan_step: dict[str, Any], said: str) -> None:
+    ctx = Context(gpus=1, work=tmp_path)
+    _main_job_outputs(tmp_path, nan_step=nan_step)
+    verdict = gpu_accept.judge_main_job(ctx, 0, "")
+    assert not verdict.passed and "step 3 (NaN injected)" in verdict.figure and said in verdict.figure
+
+
+def test_the_main_jobs_mini_batches_are_the_ones_its_fault_poisons() -> None:
+    import yaml
+
+    job = yaml.safe_load((Path(gpu_accept.REPO) / gpu_accept.MAIN_JOB).read_text())
+    assert job["spec"]["algorithm"]["miniBatches"] == gpu_accept.MAIN_MINI_BATCHES
 
 
 def test_pytest_rows_allow_only_the_skips_the_gpu_count_explains() -> None:

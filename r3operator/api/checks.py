@@ -447,6 +447,16 @@ def partial_rollout_sync(c: RuleContext) -> str | None:
     return None
 
 
+def group_of_one(c: RuleContext) -> str | None:
+    if c.spec.rollout.group_size == 1:
+        return (
+            "rollout.groupSize 1: a group of one has no baseline, so each sample's advantage is its own reward "
+            "(r / (1 + 1e-6), verl's compute_grpo_outcome_advantage: mean 0, std 1): REINFORCE without a "
+            "baseline, every sample pushed by its raw reward; use groupSize >= 2 for GRPO's group-relative signal"
+        )
+    return None
+
+
 def partial_rollout(c: RuleContext) -> str | None:
     if _r3(c.spec) and c.spec.rollout.partial_rollout:
         return (

@@ -772,6 +772,15 @@ RULES: tuple[Rule, ...] = (
         checks.partial_rollout,
     ),
     Rule(
+        "GROUP-SIZE-ONE",
+        W,
+        "spec.rollout.groupSize",
+        ("rollout.groupSize",),
+        "a group of one trains on raw rewards (no group baseline)",
+        ("verl: verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage",),
+        checks.group_of_one,
+    ),
+    Rule(
         "IMAGE-TAG-UNPINNED",
         W,
         "spec.inference.image",

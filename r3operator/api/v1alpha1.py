@@ -316,7 +316,8 @@ class TrainerSpec(_Model):
 class RolloutSpec(_Model):
     prompts_per_step: int = Field(default=32, ge=1, le=65536)
     group_size: int = Field(default=8, ge=1, le=1024)
-    """Samples per prompt; GRPO advantages are normalised within a group."""
+    """Samples per prompt; GRPO advantages are normalised within a group. 1: no group baseline, each sample's
+    advantage is its own reward (verl's behaviour; rule GROUP-SIZE-ONE warns)."""
     max_tokens: int = Field(default=256, ge=1, le=1_048_576)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     multi_turn: bool = False
@@ -359,6 +360,10 @@ class AlgorithmSpec(_Model):
     would train on it is dropped (and counted)."""
     importance_weight_cap: float = Field(default=2.0, gt=0.0, le=1000.0)
     """async: token-level importance weights pi_old/pi_rollout are truncated at this value (TIS)."""
+    max_non_finite_steps: int = Field(default=3, ge=1, le=1000)
+    """An update whose loss or gradient is not finite on some rank is not applied (no optimizer step; a step
+    that applied none is not synced or checkpointed) and is counted; this many such steps in a row fail the
+    job, naming them."""
 
 
 class TaskSpec(_Model):
@@ -511,6 +516,9 @@ class Progress(_Model):
     kl_k3: float | None = None
     routing_agreement: float | None = None
     last_checkpoint_step: int | None = None
+    non_finite_steps: int | None = None
+    """Steps so far with an update whose loss or gradient was not finite (not applied: algorithm.maxNonFiniteSteps)."""
+    last_non_finite_step: int | None = None
     weight_sync: str | None = Field(default=None, max_length=512)
     """The weight-sync transport in use (nccl, ipc or packed) and why ("fallback:" when native was not usable)."""
     updated_at: str | None = Field(default=None, max_length=64)

@@ -185,10 +185,14 @@ ALERTS: tuple[Alert, ...] = (
         "vLLM version and whether routing replay is active.",
         "The engine and the trainer disagree on the sampled tokens' logprobs far more than their own recent "
         "baseline, under the same weights: in algorithm.mode async the figure covers only tokens of the policy "
-        "version the step trained from, and a step without any leaves the series out (not NaN). The older "
-        'tokens\' gap is staleness (`r3operator_logprob_abs_diff_mean_by_lag{lag!="0"}`, `logprob_abs_diff_by_lag` '
-        'in metrics.csv; corrected by the importance weights, never a weight-sync fault): the series is lag="0" '
-        "of that split. In order: (1) "
+        "version the step trained from, in trajectories that version sampled alone (fresh ones), and a step "
+        "without any leaves the series out (not NaN). The older tokens' gap is staleness "
+        '(`r3operator_logprob_abs_diff_mean_by_lag{lag!="0"}`, `logprob_abs_diff_by_lag` in metrics.csv; '
+        "corrected by the importance weights, never a weight-sync fault). The current-version tokens of "
+        "resumed trajectories (`rollout.partialRollout`) are left out too: the engine sampled them after "
+        "re-reading the earlier tokens under the new weights while the trainer replays those tokens' old "
+        'routes, a gap that is no mismatch (`logprob_abs_diff_mean_resumed` in metrics.csv; lag="0" of the '
+        "split counts them). In order: (1) "
         "`r3operator_weight_sync_canary_ok` is 0 or the driver log shows weight-sync "
         "faults: the engines serve stale weights; (2) `r3operator_replay_active` is 0 on an MoE model: routing "
         "replay is off, so router flips show up here; (3) the engine image's vLLM differs from the pinned "
@@ -236,6 +240,28 @@ ALERTS: tuple[Alert, ...] = (
         "trainer's model disagree on the layout. Check that `spec.model` points at the same checkpoint for both "
         "and that the engine's `--max-model-len` and tokenizer match; the driver drops these samples "
         "(`r3operator_samples_dropped_total`).",
+    ),
+    Alert(
+        "R3NonFiniteUpdate",
+        f"sum by ({_JOB}) (increase(r3operator_nonfinite_steps_total[10m])) > 0",
+        "0m",
+        "warning",
+        "Non-finite loss or gradient in {{ $labels.namespace }}/{{ $labels.rljob }}: updates not applied",
+        '{{ $value | printf "%.0f" }} step(s) in 10 m had an update whose loss or gradient was not finite; the '
+        "trainer skipped it on every rank, nothing non-finite reached an engine or a checkpoint. "
+        "spec.algorithm.maxNonFiniteSteps of them in a row fail the job.",
+        "The non-finite guard skipped an optimizer step: its loss or some gradient was NaN or infinite on a "
+        'trainer rank (docs/runtime.md, "What the loss is"). The weights, AdamW\'s state, the engines and the '
+        "checkpoints kept the last applied update; a step that applied none was not synced (no new policy "
+        "version) nor checkpointed. `kubectl get rljob <job> -o jsonpath='{.status.progress}'` shows "
+        "`nonFiniteSteps` and `lastNonFiniteStep`, the RLJob has a `NonFiniteStep` Warning event, and the driver "
+        "log names the step. In metrics.csv look at that step's `reward_mean`, `loss` and `grad_norm`, and the "
+        "steps before: (1) a reward (a `task.rewardFunction` or `rewardURL`) that returned NaN or infinity makes "
+        "its group's advantages NaN; (2) a `grad_norm` growing over the previous steps means the policy is "
+        "diverging (lower `algorithm.learningRate`); a stale or off-policy token alone does not cause it (the "
+        "log-ratio is clamped at ±20 before exp, the asynchronous importance weights are truncated). "
+        "`spec.algorithm.maxNonFiniteSteps` steps in a row fail the job (condition Failed, the message names "
+        "the steps); it resumes from the last checkpoint once the cause is fixed.",
     ),
     Alert(
         "RLJobNoProgress",

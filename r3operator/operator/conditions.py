@@ -65,6 +65,8 @@ class Reason(StrEnum):
     MODEL_CACHE_TAKEN_OVER = "ModelCacheTakenOver"
     """Event: this RLJob now holds a kept ReadWriteOnce model cache another RLJob held before."""
     WORKLOADS_DELETED = "WorkloadsDeleted"
+    NON_FINITE_STEP = "NonFiniteStep"
+    """Warning event: status.progress.nonFiniteSteps rose (the trainer did not apply a non-finite update)."""
     # RoutingReplayActive
     REPLAY_DISABLED = "ReplayDisabled"
     TRAINER_SIDE_REPLAY = "TrainerSideReplay"

@@ -72,7 +72,14 @@ from r3operator.operator.model_cache_hold import hold_model_cache
 from r3operator.operator.observed import Observed
 from r3operator.operator.references import check_references
 from r3operator.operator.scheduling import config_errors_by_role, unschedulable_by_role
-from r3operator.operator.status import compute_conditions, compute_status, status_changed, status_patch, transitions
+from r3operator.operator.status import (
+    compute_conditions,
+    compute_status,
+    nonfinite_warning,
+    status_changed,
+    status_patch,
+    transitions,
+)
 from r3operator.operator.upgrade import (
     CanaryInputs,
     UpgradePlan,
@@ -214,6 +221,8 @@ class Reconciler:
         """Per RLJob uid, the last desired(): a digest of what it was rendered from, and the children as compressed
         JSON (~4 KB rather than ~60 KB of dicts per RLJob; loading them again costs a fifth of a render)."""
         self._taken: set[str] = set()
+        self._nonfinite_seen: dict[str, int] = {}
+        """Per RLJob uid, status.progress.nonFiniteSteps as the last pass saw it (status.nonfinite_warning)."""
         """RLJob uids of which a create found a child's name taken by an object the cache did not hold: their
         passes read such names by GET before writing (a NameConflict then writes nothing), not create and undo."""
 
@@ -224,6 +233,7 @@ class Reconciler:
         self._canaries.pop(uid, None)
         self._failures.pop(uid, None)
         self._taken.discard(uid)
+        self._nonfinite_seen.pop(uid, None)
 
     async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
         """One pass over the RLJob ``body``. ``live``: the body is kopf's live view of it (a daemon's), as current
@@ -477,8 +487,18 @@ class Reconciler:
         if recording is not None:
             await recording  # refused: the pass fails here, as it did when the record went first
         await self._write_status(job, compute_status(job, obs, now), outcome)
+        self._warn_nonfinite(job, outcome)
         outcome.marks["status"] = time.time()
         return outcome
+
+    def _warn_nonfinite(self, job: RLJob, outcome: Outcome) -> None:
+        """A Warning event when the trainer's count of non-finite steps rose since this operator last looked."""
+        uid = job.metadata.uid or ""
+        count, message = nonfinite_warning(job, self._nonfinite_seen.get(uid))
+        if count is not None:
+            self._nonfinite_seen[uid] = count
+        if message is not None:
+            outcome.events.append(EventSpec("Warning", Reason.NON_FINITE_STEP, message[:1024]))
 
     async def _plan_upgrade(
         self,

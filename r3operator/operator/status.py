@@ -483,3 +483,24 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
         elif prev is not cond.status:
             out.append(cond)
     return out
+
+
+def nonfinite_warning(job: RLJob, seen: int | None) -> tuple[int | None, str | None]:
+    """What the pass says about `status.progress.nonFiniteSteps` (the trainer's count of steps whose update
+    had a non-finite loss or gradient and was not applied): (the count to remember, a Warning event's message
+    or None). `seen`: the count this operator saw last, None since it started; a first sight warns only when
+    the latest reported step is the non-finite one, so an operator restart does not repeat old warnings."""
+    progress = job.status.progress if job.status else None
+    count = progress.non_finite_steps if progress is not None else None
+    if progress is None or count is None:
+        return seen, None
+    # Not seen since this operator started: news only if the latest step is the non-finite one.
+    rose = count > seen if seen is not None else count > 0 and progress.last_non_finite_step == progress.step
+    if not rose:
+        return count, None
+    last = progress.last_non_finite_step
+    return count, (
+        f"step {last}: an update had a non-finite loss or gradient and was not applied (no optimizer step; the "
+        f"engines and checkpoints keep the last applied weights); {count} such step(s) so far, "
+        f"spec.algorithm.maxNonFiniteSteps {job.spec.algorithm.max_non_finite_steps} in a row fail the job"
+    )

@@ -187,6 +187,16 @@ def current_version_masks(
     return tokens, rows
 
 
+def resumed(samples: Sequence[RolloutSample]) -> np.ndarray:
+    """[B] bool: the samples a weight update interrupted (tokens of more than one policy version).
+
+    Their current-version tokens do not measure the mismatch alone: the resumed request's prompt (the earlier
+    tokens) was prefilled by the engine under the new weights, with the new weights' routing, while the
+    trainer replays the stitched routes, which keep the old weights' rows there (verl #6046). The context the
+    engine sampled in differs from the one the trainer scores in, even where the two compute alike (fp32)."""
+    return np.asarray([bool(s.extra.get("partial")) for s in samples], dtype=bool)
+
+
 def token_lags(samples: Sequence[RolloutSample], *, width: int, version: int) -> np.ndarray:
     """[B, S-1] logprob columns: `version` minus the version that sampled the response token there (0: the
     current policy), -1 where there is no response token. Columns as in `current_version_masks`."""

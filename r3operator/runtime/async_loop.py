@@ -36,6 +36,7 @@ from r3operator.rollout.partial import (
     current_version_masks,
     format_by_lag,
     renumber,
+    resumed,
     split_stale,
     staleness,
     token_lags,
@@ -200,21 +201,33 @@ class AsyncGRPORun(GRPORun):
     def _fidelity_masks(
         self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass
     ) -> tuple[Any, Any | None]:
-        """Only the tokens and route rows of the current policy version: the old-logprob pass runs under its
-        weights, so there engine vs trainer is the mismatch alone. A step with none of them has no mismatch
-        figure (empty cells, no Prometheus series: loop.py). The gap per staleness lag goes apart
-        (`logprob_abs_diff_by_lag`, `tokens_by_lag`): lag 0 is the mismatch again, lag L > 0 adds what L
-        updates moved the policy, which the importance weights correct and a weight sync did not cause."""
+        """Only the tokens and route rows of the current policy version in trajectories it sampled alone (fresh
+        ones): the old-logprob pass runs under its weights, so there engine vs trainer is the mismatch alone. A
+        step with none of them has no mismatch figure (empty cells, no Prometheus series: loop.py). A resumed
+        trajectory's current-version tokens go apart (`logprob_abs_diff_mean_resumed`): the engine sampled them
+        after re-reading the earlier tokens under the new weights, while the trainer replays those tokens' old
+        routes (rollout/partial.py, `resumed`). The gap per staleness lag, every trajectory's tokens, goes apart
+        too (`logprob_abs_diff_by_lag`, `tokens_by_lag`): lag 0 adds the resumed trajectories' current-version
+        tokens to the mismatch, lag L > 0 adds what L updates moved the policy, which the importance weights
+        correct and a weight sync did not cause."""
         import torch
 
         by_id = {s.sample_id: s for s in samples}
         rows_in_batch = [by_id[sid] for sid in batch.sample_ids]
         width = int(batch.input_ids.shape[1])
         tokens, rows = current_version_masks(rows_in_batch, width=width, version=self.step_version)
+        interrupted = resumed(rows_in_batch)[:, None]
+        resumed_tokens = tokens & interrupted & batch.response_mask.cpu().numpy()
+        tokens, rows = tokens & ~interrupted, rows & ~interrupted
         lags = token_lags(rows_in_batch, width=width, version=self.step_version)
         lags[~batch.response_mask.cpu().numpy()] = -1
         max_lag = max(self.spec.algorithm.max_staleness, int(lags.max(initial=0)))
         engine, trainer = batch.rollout_logprobs.float().cpu().numpy(), old.logprobs.float().cpu().numpy()
+        self.step_resumed_diff = (
+            float(np.abs(engine[resumed_tokens].astype(np.float64) - trainer[resumed_tokens]).mean())
+            if resumed_tokens.any()
+            else None
+        )
         gaps = abs_diff_by_lag(engine, trainer, lags, max_lag=max_lag)
         self.step_by_lag = format_by_lag(gaps)
         self.metrics.observe_lags(gaps, max_staleness=self.spec.algorithm.max_staleness)
@@ -232,6 +245,7 @@ class AsyncGRPORun(GRPORun):
         row.importance_truncated_fraction = stats.importance_truncated_fraction
         row.current_version_tokens = self.step_current_tokens
         row.logprob_abs_diff_mean_stale = self.step_stale_diff
+        row.logprob_abs_diff_mean_resumed = self.step_resumed_diff
         row.logprob_abs_diff_by_lag, row.tokens_by_lag = self.step_by_lag
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
 

@@ -43,8 +43,9 @@ from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import append_row, keep_rows_through
+from r3operator.runtime.report import append_row, keep_rows_through, read_rows
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts
 from r3operator.runtime.sft import sft_warmup
@@ -135,6 +136,11 @@ class GRPORun:
         self.rows: list[StepRecord] = []
         self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
         self.sync_phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
+        self.nonfinite = NonFiniteTally(limit=spec.algorithm.max_non_finite_steps)
+        self.metrics.inc("r3operator_nonfinite_steps_total", 0)  # a series from the start: increase() sees the first
+        from r3operator.settings import runtime_settings
+
+        self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
 
     # -- setup --------------------------------------------------------------------------------------
     # What setup() puts in place (runtime/setup.py builds it): typed as present, since nothing of the
@@ -191,6 +197,7 @@ class GRPORun:
             self.last_checkpoint_step = info.step
             # Steps finished after this checkpoint run again: their rows must not appear twice.
             keep_rows_through(self.run_dir / "metrics.csv", info.step)
+            self.nonfinite.resume(read_rows(self.run_dir / "metrics.csv"))
             log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
         elif self.spec.algorithm.sft_warmup_steps:
             self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
@@ -484,7 +491,9 @@ class GRPORun:
         with timer("reward"):
             rewards = self.score(samples, problems)
         with timer("advantages"):
-            adv = self.advantages(rewards)
+            adv = poison(
+                step, self.advantages(rewards), self._fault_steps, mini_batches=self.spec.algorithm.mini_batches
+            )
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
         if batch is None:
@@ -493,13 +502,28 @@ class GRPORun:
             old = self.old_logprobs(batch)
         with timer("update"):
             stats = self.update(batch, old)
-        canary_ok = self.sync_and_canary(timer)
+        # The non-finite guard (runtime/nonfinite.py): an update that changed nothing is neither synced nor
+        # checkpointed.
+        changed = self.nonfinite.record(step, stats)
+        if stats.updates_skipped:
+            self.metrics.inc("r3operator_nonfinite_steps_total")
+        canary_ok = self.sync_and_canary(timer) if changed else self._no_sync()
         with timer("metrics"):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
+            row.nonfinite_updates = stats.updates_skipped
             self._update_columns(row, stats)
-        with timer("checkpoint"):
-            self._checkpoint(step)
-        return self._finish_step(row, timer, begin)
+        if changed:
+            with timer("checkpoint"):
+                self._checkpoint(step)
+        row = self._finish_step(row, timer, begin)
+        self.nonfinite.check()
+        return row
+
+    def _no_sync(self) -> bool:
+        """A step whose update was not applied: the engines keep the policy they have (no canary to run)."""
+        self.sync_phases.reset()
+        self.canary_near_ties = 0
+        return False
 
     def sync_and_canary(self, timer: PhaseTimer) -> bool:
         """7-8. Weight sync, then the canary (the asynchronous driver pauses the engines around both)."""
@@ -535,6 +559,8 @@ class GRPORun:
                 total_steps=self.s.steps,
                 last_checkpoint_step=self.last_checkpoint_step,
                 weight_sync=self.weight_sync_described,
+                non_finite_steps=self.nonfinite.total,
+                last_non_finite_step=self.nonfinite.last,
             )
         )
         self.rows.append(row)

@@ -71,9 +71,10 @@ METRICS: list[MetricSpec] = [
         (*_ID, "lag"),
         "Asynchronous mode: mean |rollout - trainer| logprob over the response tokens of each staleness lag "
         '(the step\'s policy version minus the one that sampled the token), last step. lag="0" is the '
-        "engine/trainer mismatch (r3operator_logprob_abs_diff_mean); each further lag adds one update's "
-        'policy drift. Labels 0 .. N-1 and ">=N", N = algorithm.maxStaleness (1 to 8); a lag without '
-        "tokens has no series.",
+        "engine/trainer mismatch (r3operator_logprob_abs_diff_mean) plus the current-version tokens of "
+        "resumed (partial-rollout) trajectories, which that gauge leaves out; each further lag adds one "
+        'update\'s policy drift. Labels 0 .. N-1 and ">=N", N = algorithm.maxStaleness (1 to 8); a lag '
+        "without tokens has no series.",
     ),
     MetricSpec(
         "r3operator_response_tokens_by_lag",
@@ -101,6 +102,13 @@ METRICS: list[MetricSpec] = [
         "counter",
         (*_ID, "reason"),
         "Steps skipped without an update because no sample was usable (every one dropped).",
+    ),
+    MetricSpec(
+        "r3operator_nonfinite_steps_total",
+        "counter",
+        _ID,
+        "Steps with an update whose loss or gradient was not finite on some trainer rank: that optimizer step "
+        "was skipped on every rank; a step with no update applied was neither synced nor checkpointed.",
     ),
     MetricSpec(
         "r3operator_engine_faults_total",
@@ -214,10 +222,13 @@ def progress_patch(
     last_checkpoint_step: int | None,
     now: dt.datetime | None = None,
     weight_sync: str | None = None,
+    non_finite_steps: int | None = None,
+    last_non_finite_step: int | None = None,
 ) -> dict[str, Any]:
     """JSON merge-patch body for the RLJob `/status` subresource: `Progress` after the step `row` (a
-    StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` is
-    left out when not known, so the one already there stays."""
+    StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` and
+    `nonFiniteSteps` are left out when not known, so the ones already there stay (`lastNonFiniteStep` goes
+    with its count)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = step_progress(
         row,
@@ -225,8 +236,15 @@ def progress_patch(
         last_checkpoint_step=last_checkpoint_step,
         updated_at=stamp,
         weight_sync=weight_sync,
+        non_finite_steps=non_finite_steps,
+        last_non_finite_step=last_non_finite_step,
     )
-    body = progress.model_dump(mode="json", by_alias=True, exclude={"weight_sync"} if weight_sync is None else None)
+    # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count.
+    unknown = {"weight_sync": weight_sync, "non_finite_steps": non_finite_steps}
+    left_out = {k for k, v in unknown.items() if v is None}
+    if non_finite_steps is None:
+        left_out.add("last_non_finite_step")
+    body = progress.model_dump(mode="json", by_alias=True, exclude=left_out or None)
     return {"status": {"progress": body}}
 
 

@@ -43,6 +43,8 @@ def step_line(row: Mapping[str, Any], total_steps: int) -> str:
             f"{row.get('samples')} dropped), no update  reward {row['reward_mean']:.3f}  "
             f"step {row['step_seconds']:.2f}s"
         )
+    if row.get("nonfinite_updates"):
+        times += f"  NON-FINITE: {row['nonfinite_updates']} update(s) not applied"
     return (
         f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
         f"|dlogprob| mean {_num(row['logprob_abs_diff_mean'])} max {_num(row['logprob_abs_diff_max'])}  "

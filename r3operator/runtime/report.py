@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.runtime.nonfinite import nonfinite_updates
 from r3operator.runtime.step_record import COLUMNS
 from r3operator.wire.sync_phases import SYNC_PHASES
 
@@ -211,8 +212,8 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     scope = ""
     if lagged:
         scope = (
-            f" (tokens the current policy version sampled, {len(measured)} of {len(rows)} steps had them; "
-            "the rest is staleness, by lag below)"
+            f" (tokens the current policy version sampled in trajectories it sampled alone, {len(measured)} of "
+            f"{len(rows)} steps had them; the rest is staleness, by lag below)"
         )
     if measured:
         lines = [
@@ -235,8 +236,16 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         shown = ", ".join(f"lag {lag} {diff:.3g} ({tokens} tokens)" for lag, (tokens, diff) in lagged.items())
         lines.append(
             f"- mean |Δlogprob| by staleness lag (policy updates between sampling and training; lag 0 is "
-            f"the mismatch alone, lag ≥ 1 adds the policy's drift, which the importance weights correct): "
-            f"{shown}"
+            f"the mismatch and the resumed trajectories' context, lag ≥ 1 adds the policy's drift, which the "
+            f"importance weights correct): {shown}"
+        )
+    resumed = [r for r in rows if not math.isnan(_f(r, "logprob_abs_diff_mean_resumed"))]
+    if resumed:
+        lines.append(
+            f"- mean |Δlogprob| of resumed trajectories' current-version tokens (partial rollouts: the engine "
+            f"re-read their earlier tokens under the new weights, the trainer replays those tokens' old routes; "
+            f"not in the figure above), mean over {len(resumed)} steps: "
+            f"{_mean(resumed, 'logprob_abs_diff_mean_resumed'):.3g}"
         )
     return lines
 
@@ -245,9 +254,27 @@ def _canary_line(rows: Sequence[Mapping[str, Any]], canary: bool) -> str:
     """How many of the steps' syncs passed the canary; "off" when it never ran (not "0/N ok")."""
     if not canary:
         return "- weight-sync canary: off (spec.weightSync.canary: false)"
-    synced = [r for r in rows if str(r.get("skipped")) not in ("1", "True")]  # a skipped step has no sync
+    # A skipped step, and one whose update was not applied (non-finite), had no sync: no weight_sync phase.
+    synced = [r for r in rows if _synced(r)]
     ok = sum(1 for r in synced if str(r.get("canary_ok")) in ("1", "True"))
     return f"- weight-sync canary: passed after {ok} of {len(synced)} step syncs"
+
+
+def _synced(row: Mapping[str, Any]) -> bool:
+    """A skipped step has no sync, nor has a non-finite one that applied no update (no weight_sync phase)."""
+    if str(row.get("skipped")) in ("1", "True"):
+        return False
+    return not nonfinite_updates(row) or row.get("t_weight_sync") not in (None, "")
+
+
+def _nonfinite_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The steps whose update had a non-finite loss or gradient (runtime/nonfinite.py)."""
+    steps = [str(r["step"]) for r in rows if nonfinite_updates(r)]
+    listed = f" ({'step' if len(steps) == 1 else 'steps'} {', '.join(steps)})" if steps else ""
+    return (
+        f"- steps with a non-finite loss or gradient (those updates not applied; no sync or checkpoint when "
+        f"none was): {len(steps)}{listed}"
+    )
 
 
 def write_report(
@@ -277,6 +304,7 @@ def write_report(
             *fidelity_lines(rows),
             _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
+            _nonfinite_line(rows),
             "- mean phase seconds: "
             + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
             *_sync_phase_line(rows),

@@ -66,15 +66,22 @@ _EVERY_STEP = (
     "canary_near_ties",
     "step_seconds",
 )
-_AFTER_PHASES = ("skipped", "trainer_peak_memory_gib")
+_AFTER_PHASES = ("skipped", "trainer_peak_memory_gib", "nonfinite_updates")
 _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
 _ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
 _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
-# async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens (the
-# mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart, also
-# per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts.
-_ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag")
+# async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens of fresh
+# trajectories (the mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness)
+# is apart, also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token
+# counts, and so are the current-version tokens of resumed (partial-rollout) trajectories.
+_ASYNC_FIDELITY = (
+    "current_version_tokens",
+    "logprob_abs_diff_mean_stale",
+    "logprob_abs_diff_by_lag",
+    "tokens_by_lag",
+    "logprob_abs_diff_mean_resumed",
+)
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
@@ -127,6 +134,8 @@ class StepRecord(Mapping[str, Any]):
     skipped: int = 1
     step_seconds: float = 0.0
     trainer_peak_memory_gib: float | None = None  # GPU runs only
+    # mini-batch updates whose loss or gradient was not finite, not applied (runtime/nonfinite.py)
+    nonfinite_updates: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # t_<phase>
     sync_seconds: dict[str, float] = field(default_factory=dict)  # sync_<phase>: the step's weight sync
     # -- multi-turn jobs
@@ -145,6 +154,7 @@ class StepRecord(Mapping[str, Any]):
     logprob_abs_diff_mean_stale: float | None = None
     logprob_abs_diff_by_lag: str | None = None
     tokens_by_lag: str | None = None
+    logprob_abs_diff_mean_resumed: float | None = None  # current-version tokens of resumed trajectories
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
@@ -207,8 +217,11 @@ def step_progress(
     last_checkpoint_step: int | None,
     updated_at: str,
     weight_sync: str | None = None,
+    non_finite_steps: int | None = None,
+    last_non_finite_step: int | None = None,
 ) -> Progress:
-    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row)."""
+    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row);
+    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one."""
     return Progress(
         step=int(record["step"]),
         total_steps=int(total_steps),
@@ -218,6 +231,8 @@ def step_progress(
         kl_k3=_finite(record.get("kl_k3")),
         routing_agreement=_finite(record.get("routing_natural_agreement")),
         last_checkpoint_step=last_checkpoint_step,
+        non_finite_steps=non_finite_steps,
+        last_non_finite_step=last_non_finite_step,
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
     )

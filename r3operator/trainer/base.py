@@ -60,6 +60,13 @@ class UpdateStats:
     importance_weight_mean: float = float("nan")  # with importance_cap: mean truncated weight, else NaN
     importance_truncated_fraction: float = float("nan")
     dual_clip_fraction: float = float("nan")  # tokens whose loss the dual-clip bound replaced; NaN: not reported
+    updates: int = 1  # optimizer steps attempted (one per mini-batch)
+    updates_skipped: int = 0  # of those, skipped by the non-finite guard (trainer/nonfinite.py)
+
+    @property
+    def applied_any(self) -> bool:
+        """Whether any mini-batch's optimizer step changed the weights."""
+        return self.updates_skipped < self.updates
 
 
 def compute_context(compute_dtype: str, device_type: str) -> Any:

@@ -24,6 +24,7 @@ ids the experts actually received, for the routing-agreement metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from r3operator.trainer.batch import TrainBatch, sft_tensors
 from r3operator.trainer.grpo.loss import ImportanceStats, LossStats, ppo_clip_loss, truncated_importance_weights
 from r3operator.trainer.logprobs import token_logprobs
 from r3operator.trainer.micro import micro_batches, micro_weights
+from r3operator.trainer.nonfinite import step_or_skip
 from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
@@ -219,9 +221,10 @@ class PolicyTrainer(UpdateByShares):
                 )
                 for group, weight in zip(groups, weights, strict=True)
             ]
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-            self.optimizer.step()
-            out.append(_share_stats(parts, weights, padding=share.padding, grad_norm=_scalar(norm)))
+            norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM))
+            stats = _share_stats(parts, weights, padding=share.padding, grad_norm=norm)
+            applied = step_or_skip(self.optimizer, stats.loss, norm, what="update")
+            out.append(dataclasses.replace(stats, applied=applied))
         self.model.eval()
         return out
 
@@ -305,10 +308,11 @@ class PolicyTrainer(UpdateByShares):
         loss = -(lp * mask).sum() / mask.sum()
         weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
         (loss if weight == 1.0 else loss * weight).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-        self.optimizer.step()
+        norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM))
+        value = float(loss.detach())
+        step_or_skip(self.optimizer, value, norm, what="SFT warm-up")
         self.model.eval()
-        return float(loss.detach()), 0 if padding else tokens
+        return value, 0 if padding else tokens
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         """fp32 greedy decode (no autocast) with natural routing, full re-forward per token (diagnostics)."""

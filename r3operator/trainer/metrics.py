@@ -135,7 +135,8 @@ METRICS: list[MetricSpec] = [
         "gauge",
         _ID,
         "Mean |rollout - trainer| sampled-token logprob over response tokens, last step (async: only tokens "
-        "of the current policy version, so it measures the mismatch, not the staleness).",
+        "of the current policy version in trajectories no weight update interrupted, so it measures the "
+        "mismatch, not the staleness nor a resumed trajectory's context).",
     ),
     MetricSpec(
         "r3operator_logprob_abs_diff_std",
@@ -170,7 +171,7 @@ METRICS: list[MetricSpec] = [
         (*_ID, "layer"),
         "Alignment health: tokens whose trainer router's own top-k expert set equals the engine's routes, "
         "per MoE layer, last step (about 0.98 aligned; near 0 when routes land on the wrong tokens; async: "
-        "rows of the current policy version only).",
+        "rows of the current policy version in trajectories no weight update interrupted).",
     ),
     MetricSpec(
         "r3operator_routing_tokens_any_diff_ratio",

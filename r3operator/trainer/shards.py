@@ -48,6 +48,7 @@ class ShareStats:
     importance_weight_mean: float = float("nan")  # asynchronous mode (importance_cap): token-mean TIS weight
     importance_truncated_fraction: float = float("nan")
     dual_clip_fraction: float = float("nan")  # token-mean; NaN where the backend does not report it
+    applied: bool = True  # False: the non-finite guard skipped the optimizer step (the same on every rank)
 
 
 def forward_rows(n: int, world: int) -> list[tuple[list[int], bool]]:
@@ -86,10 +87,13 @@ def update_plan(tokens: Sequence[int], *, mini_batches: int, world: int) -> list
 def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
     """The single-process `UpdateStats` from every rank's per-mini-batch results: token-weighted means
     within a mini-batch, plain means over mini-batches (as the single-process update reports them)."""
-    losses, clips, kls, duals, norms, tokens = [], [], [], [], [], 0
+    losses, clips, kls, duals, norms, tokens, skipped = [], [], [], [], [], 0, 0
     weights: list[float] = []
     truncated: list[float] = []
-    for parts in zip(*per_rank, strict=True):
+    for number, parts in enumerate(zip(*per_rank, strict=True), start=1):
+        if len({p.applied for p in parts}) > 1:  # the guard's all-reduce makes this impossible
+            raise RuntimeError(f"mini-batch {number}: the ranks disagree whether its optimizer step was applied")
+        skipped += int(not parts[0].applied)
         total = sum(p.tokens for p in parts)
         if len(parts) == 1:
             loss, clip, kl, dual = (
@@ -118,14 +122,19 @@ def combine_update(per_rank: Sequence[Sequence[ShareStats]]) -> UpdateStats:
             truncated.append(sum(p.importance_truncated_fraction * p.tokens for p in weighted) / n)
     count = max(len(losses), 1)
     nan = float("nan")
+    weight_mean, truncated_fraction = (
+        (sum(weights) / len(weights), sum(truncated) / len(truncated)) if weights else (nan, nan)
+    )
     return UpdateStats(
         sum(losses) / count,
         sum(clips) / count,
         sum(kls) / count,
         sum(norms) / count,
         tokens,
-        importance_weight_mean=sum(weights) / len(weights) if weights else nan,
-        importance_truncated_fraction=sum(truncated) / len(truncated) if truncated else nan,
+        importance_weight_mean=weight_mean,
+        importance_truncated_fraction=truncated_fraction,
+        updates=len(losses),
+        updates_skipped=skipped,
         dual_clip_fraction=sum(duals) / count,
     )
 

@@ -251,6 +251,7 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         ),
         sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
     ),
+    "GROUP-SIZE-ONE": (sets(**{"rollout.groupSize": 2}), sets(**{"rollout.groupSize": 1})),
     "R3-ASYNC-SCHEDULING": (
         sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
         sets(**{"inference.asyncScheduling": True}),

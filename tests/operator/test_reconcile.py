@@ -286,3 +286,32 @@ def test_a_multi_node_replica_with_the_lws_crd_gets_a_leader_worker_set_and_its_
     lws["status"]["readyReplicas"] = 2  # groups, not pods: each group is a leader and a worker
     _reconcile(client, client.objects[("rljobs", "rl", "job")])
     assert _condition(client, "EnginesReady")["message"] == "2/2 engine replicas ready"
+
+
+def test_a_rise_in_the_trainers_non_finite_steps_posts_one_warning_naming_the_step():
+    """The trainer reports `status.progress.nonFiniteSteps`; each rise is one Warning event naming the last such
+    step. After an operator restart only a non-finite latest step is news (an older count is not repeated)."""
+    client = FakeClient()
+    client.put(_rljob())
+    job = client.objects[("rljobs", "rl", "job")]
+
+    def pass_with(reconciler: Reconciler, **progress: int) -> list[tuple[str, str, str]]:
+        if progress:
+            job.setdefault("status", {})["progress"] = progress  # what the driver's status patch writes
+        outcome = asyncio.run(reconciler.reconcile(copy.deepcopy(job)))
+        return [(e.type, e.reason, e.message) for e in outcome.events if e.reason == "NonFiniteStep"]
+
+    operator = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    assert pass_with(operator) == []
+    assert pass_with(operator, step=3, nonFiniteSteps=0) == []
+    ((kind, _, message),) = pass_with(operator, step=4, nonFiniteSteps=1, lastNonFiniteStep=4)
+    assert kind == "Warning" and message.startswith("step 4: an update had a non-finite loss or gradient")
+    assert "1 such step(s) so far, spec.algorithm.maxNonFiniteSteps 3 in a row fail the job" in message
+    assert pass_with(operator, step=5, nonFiniteSteps=1, lastNonFiniteStep=4) == []
+
+    restarted = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    assert pass_with(restarted, step=6, nonFiniteSteps=1, lastNonFiniteStep=4) == []
+    ((_, _, message),) = pass_with(restarted, step=8, nonFiniteSteps=3, lastNonFiniteStep=8)
+    assert message.startswith("step 8:") and "3 such step(s) so far" in message
+    fresh = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    assert len(pass_with(fresh, step=8, nonFiniteSteps=3, lastNonFiniteStep=8)) == 1  # the latest step is the one

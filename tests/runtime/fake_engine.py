@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from r3operator.rollout.base import Greedy
 from r3operator.rollout.client import build_sample
 from r3operator.wire.retry import EngineUnavailableError
 from r3operator.wire.sample import RolloutSample
-from r3operator.wire.weights import PackedChunk
+from r3operator.wire.weights import PackedChunk, unpack_chunk
 
 
 @dataclass
@@ -144,3 +145,24 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+class RecordingEngine(FakeEngine):
+    """Keeps a copy of every tensor of the last finished weight sync (`weights`, as the engine would load it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading: dict[str, Any] = {}
+        self.weights: dict[str, Any] = {}
+
+    def begin_weight_update(self) -> None:
+        super().begin_weight_update()
+        self.loading = {}
+
+    def load_packed(self, chunk: PackedChunk) -> None:
+        super().load_packed(chunk)
+        self.loading.update((name, tensor.clone()) for name, tensor in unpack_chunk(chunk.buffer, chunk.entries))
+
+    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
+        self.weights = self.loading
+        return super().finish_weight_update(policy_tag)

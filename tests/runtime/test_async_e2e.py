@@ -127,3 +127,88 @@ def _cut(routes: list[Any], samples: list[RolloutSample]) -> list[Any]:
     from r3operator.routing.codec import encode
 
     return [encode(decode(r)[: len(s.sequence) - 1]) for r, s in zip(routes, samples, strict=True)]
+
+
+def test_the_current_version_gap_leaves_resumed_trajectories_out(tmp_path: Path, engines: Any) -> None:
+    """fp32 engine and fp32 trainer under R3, where engine and trainer compute alike: a group interrupted by a
+    weight update (every router perturbed) and a group sampled after it. The gap the driver reports as the
+    current version's mismatch must be the fresh group's (~0: the reference computed here from the logprobs
+    directly); the resumed group's current-version tokens, sampled after the engine re-read the earlier tokens
+    under the new routing, read far more and go to their own figure. Before the split they were averaged in."""
+    import torch
+
+    from r3operator.api.enums import ReplayMode
+    from r3operator.rollout.partial import renumber
+    from r3operator.rollout.producer import EngineGate, RolloutProducer
+    from r3operator.runtime.async_loop import AsyncGRPORun
+    from r3operator.runtime.loop import GRPORun
+    from r3operator.trainer.batch import build_batch
+
+    job = write_job(
+        tmp_path,
+        algorithm={"mode": "async"},
+        rollout={"partialRollout": True},
+        trainer={"fsdp": {"paramDtype": "float32"}},
+    )
+    run = AsyncGRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
+    GRPORun.setup(run)  # trainer and engine on policy 1, canary passed; the driver's own producer is not started
+    gate = EngineGate(version=run.policy_version)
+
+    def generate(prompts: list[list[int]], starts: list[int], max_tokens: int, seed: int) -> list[RolloutSample]:
+        return engines.generate(
+            prompts, max_tokens=max_tokens, temperature=1.0, seed=seed, n=1, routed_experts_prompt_start=starts
+        )
+
+    producer = RolloutProducer(
+        generate=generate,
+        next_prompt=lambda no: run.pool[no].prompt_ids,
+        gate=gate,
+        group_size=4,
+        max_tokens=8,
+        segment_tokens=3,
+        groups_in_flight=1,
+        queue_groups=2,
+        num_experts=run.num_experts,
+    )
+    producer.run_segment()  # 3 tokens of each trajectory of group 0 under policy 1
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in run.trainer.model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * 2)
+    with gate.paused():
+        run.sync_weights()
+        run.canary()
+        gate.set_version(run.policy_version)
+    while producer.open:
+        producer.run_segment()
+    [interrupted] = producer.take(1)
+    producer.run_segment()  # group 1, all under policy 2
+    while producer.open:
+        producer.run_segment()
+    [fresh] = producer.take(1)
+    if not any(s.extra["partial"] for s in interrupted):
+        pytest.skip("every trajectory of group 0 sampled <eos> within its first segment: nothing was resumed")
+    assert not any(s.extra["partial"] for s in fresh)
+
+    samples = renumber([interrupted, fresh])
+    batch = build_batch(samples, [0.0] * len(samples), routes=[s.routes for s in samples], pad_id=run.trainer.pad_id)
+    old = run.trainer.old_logprobs(batch, ReplayMode.R3)
+    # The reference: |engine - trainer| over the tokens policy 2 sampled, per group, straight from the arrays.
+    gaps: dict[bool, list[np.ndarray]] = {True: [], False: []}
+    for i, sample in enumerate(samples):
+        begin = len(sample.prompt_token_ids) - 1
+        lp = old.logprobs[i, begin : begin + len(sample.token_ids)].float().numpy()
+        now = sample.extra["token_versions"] == run.policy_version
+        gaps[bool(sample.extra["partial"])].append(np.abs(lp[now] - sample.logprobs[now]))
+    fresh_gap = float(np.concatenate(gaps[False]).mean())
+    resumed_gap = float(np.concatenate(gaps[True]).mean())
+
+    run.step_version = run.policy_version  # what rollout() sets: the version the step trains from
+    tokens, _rows = run._fidelity_masks(samples, batch, old)
+    reported = run.metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens).abs_diff_mean
+    assert fresh_gap < 1e-4, f"fp32 engine vs fp32 trainer should agree on fresh trajectories: {fresh_gap}"
+    assert resumed_gap > 1e-3 and resumed_gap > 20 * fresh_gap, (fresh_gap, resumed_gap)
+    assert reported == pytest.approx(fresh_gap, rel=1e-4, abs=1e-7)
+    assert run.step_resumed_diff == pytest.approx(resumed_gap, rel=1e-4)
+    print(f"current-version |dlogprob|: fresh {fresh_gap:.2e}, resumed {resumed_gap:.2e}")

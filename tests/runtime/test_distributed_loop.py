@@ -9,33 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, RecordingEngine
 from runtime_test_helpers import settings_for, write_job
 
-from r3operator.wire.weights import PackedChunk, unpack_chunk
-
 pytestmark = pytest.mark.slow
-
-
-class RecordingEngine(FakeEngine):
-    """Keeps a copy of every tensor of the last finished weight sync."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loading: dict[str, Any] = {}
-        self.weights: dict[str, Any] = {}
-
-    def begin_weight_update(self) -> None:
-        super().begin_weight_update()
-        self.loading = {}
-
-    def load_packed(self, chunk: PackedChunk) -> None:
-        super().load_packed(chunk)
-        self.loading.update((name, tensor.clone()) for name, tensor in unpack_chunk(chunk.buffer, chunk.entries))
-
-    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
-        self.weights = self.loading
-        return super().finish_weight_update(policy_tag)
 
 
 def assert_two_replayed_steps(run: Any) -> None:

@@ -24,6 +24,49 @@ def test_group_advantages_hand_values() -> None:
     np.testing.assert_array_equal(adv[4:], 0.0)
 
 
+def verl_grpo_advantages(scores: list[float], index: list[int], *, norm_adv_by_std_in_grpo: bool) -> list[float]:
+    """verl `compute_grpo_outcome_advantage` (verl/trainer/ppo/core_algos.py), written out for one scalar
+    reward per sample: a group of one gets mean 0 and std 1; larger groups torch.mean / torch.std
+    (unbiased); epsilon 1e-6 added to the std."""
+    torch = pytest.importorskip("torch")
+    epsilon = 1e-6
+    t = torch.tensor(scores, dtype=torch.float32)
+    id2score: dict[int, list[torch.Tensor]] = {}
+    for i, idx in enumerate(index):
+        id2score.setdefault(idx, []).append(t[i])
+    id2mean, id2std = {}, {}
+    for idx, group in id2score.items():
+        if len(group) == 1:
+            id2mean[idx], id2std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            stacked = torch.stack(group)
+            id2mean[idx], id2std[idx] = torch.mean(stacked), torch.std(stacked)
+    out = t.clone()
+    for i, idx in enumerate(index):
+        if norm_adv_by_std_in_grpo:
+            out[i] = (t[i] - id2mean[idx]) / (id2std[idx] + epsilon)
+        else:
+            out[i] = t[i] - id2mean[idx]
+    return [float(x) for x in out]
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["std-normalised", "dr-grpo"])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_group_advantages_are_verls(group_size: int, normalize: bool) -> None:
+    """rollout.groupSize 1 included: a group of one is trained on its raw reward (verl), not given 0."""
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.25, 0.75, 0.5, 0.5]
+    index = [i // group_size for i in range(len(rewards))]
+    want = verl_grpo_advantages(rewards, index, norm_adv_by_std_in_grpo=normalize)
+    got = group_advantages(np.array(rewards), group_size=group_size, normalize_std=normalize)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_groups_of_one_get_their_raw_reward() -> None:
+    """The review's case: rewards [1, 0, 1, 1] in four groups of one."""
+    adv = group_advantages(np.array([1.0, 0.0, 1.0, 1.0]), group_size=1)
+    np.testing.assert_allclose(adv, [1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6), 1 / (1 + 1e-6)], rtol=1e-7)
+
+
 def test_group_advantages_rejects_partial_group() -> None:
     with pytest.raises(ValueError, match="groupSize=4"):
         group_advantages(np.zeros(6), group_size=4)

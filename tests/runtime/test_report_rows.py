@@ -91,10 +91,12 @@ def test_an_async_report_without_current_version_tokens_says_so_and_splits_the_g
         "routing_natural_agreement": "0.99",
         "logprob_abs_diff_by_lag": "0.004;0.3;-",
         "tokens_by_lag": "8;20;0",
+        "logprob_abs_diff_mean_resumed": "0.0021",
     }
     text = write_report(tmp_path / "mixed.md", job_name="j", runs={"R3": [*rows, measured]}, facts={})
+    assert "resumed trajectories' current-version tokens" in text and "mean over 1 steps: 0.0021" in text
     assert "nan" not in _fidelity(text)
-    assert "(tokens the current policy version sampled, 1 of 3 steps had them" in text
+    assert "(tokens the current policy version sampled in trajectories it sampled alone, 1 of 3 steps" in text
     assert ": 0.004; max over steps: 0.05" in text and "natural vs engine: 0.9900" in text
     assert "lag 0 0.004 (8 tokens), lag 1 0.183 (60 tokens), lag 2 0.4 (10 tokens)" in text
 

@@ -113,6 +113,7 @@ def test_a_record_round_trips_through_metrics_csv_column_by_column(tmp_path: Pat
         "t_pause": "0.5",
         "skipped": "0",
         "trainer_peak_memory_gib": "",
+        "nonfinite_updates": "0",
         "staleness_mean": "0.5",
         "staleness_max": "1",
         "partial_rollouts": "2",

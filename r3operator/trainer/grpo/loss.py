@@ -10,6 +10,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
+LOG_RATIO_CLAMP = 20.0
+"""|log(pi / pi_old)| is clamped to this before exp, as verl's `compute_policy_loss_vanilla`: a token whose
+ratio passes e^20 has left the clip range anyway, and past it contributes no gradient."""
+
+
 @dataclass(frozen=True)
 class LossStats:
     clip_fraction: float
@@ -63,7 +68,8 @@ def ppo_clip_loss(
     importance_weights: torch.Tensor | None = None,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Token-mean of w·max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)), r = exp(logprobs - old_logprobs).
+    """Token-mean of w·max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)), r = exp(clamp(logprobs - old_logprobs,
+    ±LOG_RATIO_CLAMP)).
 
     `clip_ratio_c` (dual-clip, Ye et al. 2020, verl's `clip_ratio_c`): a token with A < 0 contributes at
     most -A·c, so a ratio far above 1 on a stale sample cannot make its loss (and gradient) unbounded;
@@ -78,7 +84,11 @@ def ppo_clip_loss(
 
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     mask_f = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - old_logprobs) * mask_f
+    # verl's clamp before exp: e^x overflows fp32 past x ≈ 88.7, and then the unclipped branch's gradient is
+    # inf × 0 = NaN even where the clip or the dual-clip bound chose the other branch (the loss stays finite).
+    # Padding is 0 by `where`, not by a product: an infinite gap there would make inf × 0 = NaN.
+    gap = torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio = torch.clamp(gap, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)

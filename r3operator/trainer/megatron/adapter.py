@@ -196,8 +196,21 @@ class MegatronPolicyTrainer(UpdateByShares):
                     row_tokens=mb.response_mask.sum(dim=1).tolist(),
                 )
             tokens = 0 if share.padding else int(mb.response_mask.sum())
-            iw = (r["importance_weight_mean"], r["importance_truncated_fraction"]) if importance_cap is not None else ()
-            out.append(ShareStats(r["loss"], r["clip_fraction"], r["approx_kl"], tokens, r["grad_norm"], *iw))
+            nan = float("nan")
+            out.append(
+                ShareStats(
+                    r["loss"],
+                    r["clip_fraction"],
+                    r["approx_kl"],
+                    tokens,
+                    r["grad_norm"],
+                    importance_weight_mean=r["importance_weight_mean"] if importance_cap is not None else nan,
+                    importance_truncated_fraction=r["importance_truncated_fraction"]
+                    if importance_cap is not None
+                    else nan,
+                    applied=bool(r["applied"]),
+                )
+            )
         return out
 
     def sft_share(

@@ -31,6 +31,7 @@ from r3operator.trainer.megatron.grads import clip_global_grad_norm, finalize_gr
 from r3operator.trainer.megatron.norms import use_tagged_norms
 from r3operator.trainer.megatron.parallel import ParallelSizes, check_world, init_parallel
 from r3operator.trainer.megatron.pipeline import Stage, StageLink, run_forward_only, run_one_f_one_b
+from r3operator.trainer.nonfinite import step_or_skip
 from r3operator.trainer.replay.megatron import (
     MegatronReplayError,
     ParallelLayout,
@@ -379,7 +380,8 @@ class MegatronTrainer:
         stats = self._stats_from_last_stage(stats)
         finalize_grads(self.model)
         stats["grad_norm"] = clip_global_grad_norm(self.model, grad_clip)
-        self.optimizer.step()
+        loss = stats.get("loss", float("nan"))  # every rank has it (_stats_from_last_stage)
+        stats["applied"] = float(step_or_skip(self.optimizer, loss, stats["grad_norm"], what="Megatron train step"))
         self.model.eval()
         return stats
 
