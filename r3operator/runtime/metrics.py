@@ -103,6 +103,26 @@ METRICS: list[MetricSpec] = [
         "Steps skipped without an update because no sample was usable (every one dropped).",
     ),
     MetricSpec(
+        "r3operator_replayed_fraction",
+        "gauge",
+        _ID,
+        "R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each "
+        "sample's tokens but its last); 1.0 when every sample trained with its routes.",
+    ),
+    MetricSpec(
+        "r3operator_replay_fallback_fraction",
+        "gauge",
+        _ID,
+        "R3, last step: rows of the trained samples that routed naturally for want of an engine route.",
+    ),
+    MetricSpec(
+        "r3operator_route_check_failures_total",
+        "counter",
+        (*_ID, "rule"),
+        "R3: samples whose routes failed a route check, by rule (routes-missing, routes-invalid, route-shape, "
+        "expert-range, zero-route, pad-replayed, constant-layer, hooks-not-fired; docs/rules.md).",
+    ),
+    MetricSpec(
         "r3operator_engine_faults_total",
         "counter",
         (*_ID, "kind"),
