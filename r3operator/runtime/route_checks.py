@@ -120,7 +120,7 @@ class RouteChecks:
         """Count `failure`; raise under Fail (and for a model rule). Under SkipSample the caller drops it."""
         self.step.failures.append(failure)
         log.error("%s", failure)
-        fatal = self.policy is RouteCheckPolicy.FAIL or failure.rule in checks.MODEL_RULES
+        fatal = self.policy is not RouteCheckPolicy.SKIP_SAMPLE or failure.rule in checks.MODEL_RULES
         if self.on_failure is not None:
             self.on_failure(failure, fatal)
         if fatal:

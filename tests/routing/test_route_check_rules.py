@@ -77,7 +77,9 @@ def test_a_constant_layer_fails_only_where_the_trainers_own_routing_varies() -> 
     replayed = np.ones((1, 5), dtype=bool)
     [failure] = checks.check_constant_layers(["s"], engine, natural, replayed, MODEL.moe_layers)
     assert (failure.rule, failure.layer) == ("constant-layer", 2)
-    assert "all 5 replayed rows route to experts [4, 6]" in failure.detail and "5 different expert sets" in failure.detail
+    assert (
+        "all 5 replayed rows route to experts [4, 6]" in failure.detail and "5 different expert sets" in failure.detail
+    )
     natural[0, :, 2] = [6, 4]  # the trainer's routers are constant there too: nothing silent
     assert checks.check_constant_layers(["s"], engine, natural, replayed, MODEL.moe_layers) == []
     one_row = np.array([[True, False, False, False, False]])

@@ -83,7 +83,10 @@ def test_a_capture_that_never_ran_stops_the_job_before_the_update(tmp_path, engi
     assert "capture never ran" in str(err.value)
     assert _unchanged(before, run) and run.policy_version == version  # no update, no sync
     exposition = run.metrics.exposition()
-    assert 'r3operator_route_check_failures_total{namespace="default",rljob="tiny-count-r3",rule="zero-route"}' in exposition
+    assert (
+        'r3operator_route_check_failures_total{namespace="default",rljob="tiny-count-r3",rule="zero-route"}'
+        in exposition
+    )
 
 
 def test_skip_sample_leaves_every_uncaptured_sample_out_and_trains_nothing(tmp_path, engines, broken_capture) -> None:
