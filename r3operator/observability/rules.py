@@ -247,8 +247,8 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "R3ReplayUnhealthy",
         f"(sum by ({_JOB}) (increase(r3operator_route_check_failures_total[10m])) > 0)"
-        f" or (max by ({_JOB}) (r3operator_replayed_fraction) < {REPLAYED_FRACTION_MIN})"
-        f" or (max by ({_JOB}) (r3operator_replay_fallback_fraction) > {FALLBACK_FRACTION_MAX})"
+        f" or (max by ({_JOB}) (r3operator_replayed_rows_ratio) < {REPLAYED_FRACTION_MIN})"
+        f" or (max by ({_JOB}) (r3operator_replay_fallback_rows_ratio) > {FALLBACK_FRACTION_MAX})"
         f" or ((max by ({_JOB}) (r3operator_extreme_token_ratio) > {EXTREME_TOKEN_FRACTION_MAX})"
         f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1))",
         "0m",

@@ -698,8 +698,8 @@ class GRPORun:
         record.replayed_fraction, record.fallback_fraction = fractions.replayed, fractions.fallback
         record.route_check_failures, record.route_check_message = len(tally.failures), tally.message
         for name, value in (
-            ("r3operator_replayed_fraction", fractions.replayed),
-            ("r3operator_replay_fallback_fraction", fractions.fallback),
+            ("r3operator_replayed_rows_ratio", fractions.replayed),
+            ("r3operator_replay_fallback_rows_ratio", fractions.fallback),
         ):
             if value == value:  # NaN: nothing to measure, the series keeps its last value
                 self.metrics.set(name, value)

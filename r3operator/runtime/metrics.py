@@ -103,14 +103,14 @@ METRICS: list[MetricSpec] = [
         "Steps skipped without an update because no sample was usable (every one dropped).",
     ),
     MetricSpec(
-        "r3operator_replayed_fraction",
+        "r3operator_replayed_rows_ratio",
         "gauge",
         _ID,
         "R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each "
         "sample's tokens but its last); 1.0 when every sample trained with its routes.",
     ),
     MetricSpec(
-        "r3operator_replay_fallback_fraction",
+        "r3operator_replay_fallback_rows_ratio",
         "gauge",
         _ID,
         "R3, last step: rows of the trained samples that routed naturally for want of an engine route.",

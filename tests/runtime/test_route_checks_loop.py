@@ -81,7 +81,7 @@ def test_skip_sample_drops_constant_layer_samples_and_counts_them(tmp_path: Path
         'r3operator_route_check_failures_total{namespace="default",rljob="tiny-count-r3",rule="constant-layer"} 16.0'
         in exposition
     )
-    assert 'r3operator_replayed_fraction{namespace="default",rljob="tiny-count-r3"} 0.0' in exposition
+    assert 'r3operator_replayed_rows_ratio{namespace="default",rljob="tiny-count-r3"} 0.0' in exposition
 
 
 def test_a_batch_that_replays_its_pad_stops_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
