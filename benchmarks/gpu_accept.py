@@ -228,8 +228,8 @@ def judge_capture(required: str, runs: Sequence[str]) -> Callable[[Context, int,
                 bad = result["failures"] or "none"
                 said.append(f"{name}: {result['samples']} samples, failures {bad}, max id {result['max_expert_id']}")
         needed = data.get(required)
-        ok = bool(needed) and not needed["failures"] and needed["samples"] > 0
-        ok = ok and needed["max_expert_id"] < needed["num_experts"]
+        ok = needed is not None and not needed["failures"] and needed["samples"] > 0
+        ok = ok and needed is not None and needed["max_expert_id"] < needed["num_experts"]
         return Verdict(ok, "; ".join(said), ok, data)
 
     return judge
