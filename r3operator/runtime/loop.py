@@ -322,15 +322,14 @@ class GRPORun:
         return sample.routes
 
     def check_routes(
-        self, batch: TrainBatch | None, old: OldPass | None = None
+        self, batch: TrainBatch, samples: Sequence[RolloutSample], old: OldPass | None = None
     ) -> tuple[TrainBatch, OldPass | None] | None:
         """R3's route checks (runtime/route_checks.py) before the old-logprob pass (`old` None) or after it:
         the batch (and pass) without the samples that failed under SkipSample; None when none is left."""
         checker = self.route_checks
-        if batch is None or checker is None:
-            return None if batch is None else (batch, old)
+        assert checker is not None  # R3 only
         before = len(checker.step.failures)
-        rows = checker.before_forward(batch, self._samples) if old is None else checker.after_forward(batch, old)
+        rows = checker.before_forward(batch, samples) if old is None else checker.after_forward(batch, old)
         for failure in checker.step.failures[before:]:  # SkipSample: Fail raised in `failed`
             self.metrics.inc("r3operator_samples_dropped_total", reason=failure.rule)
             self.dropped.append((str(failure.sample_id), failure.rule))
@@ -519,14 +518,13 @@ class GRPORun:
             rewards = self.score(samples, problems)
         with timer("advantages"):
             adv = self.advantages(rewards)
-        self._samples = samples
         if self.route_checks is not None:
             self.route_checks.begin_step(samples)
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
         if self.route_checks is not None and batch is not None:
             with timer("route_checks"):
-                checked = self.check_routes(batch)
+                checked = self.check_routes(batch, samples)
             batch = None if checked is None else checked[0]
         if batch is None:
             return self._skip_step(step, samples, rewards, timer, begin)
@@ -534,7 +532,7 @@ class GRPORun:
             old = self.old_logprobs(batch)
         if self.route_checks is not None:
             with timer("route_checks"):
-                checked = self.check_routes(batch, old)
+                checked = self.check_routes(batch, samples, old)
             if checked is None or checked[1] is None:
                 return self._skip_step(step, samples, rewards, timer, begin)
             batch, old = checked[0], checked[1]
