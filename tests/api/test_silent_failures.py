@@ -45,3 +45,18 @@ def test_r3_pins_the_triton_moe_kernel_only_where_capture_needs_it(image: str, m
         if pinned
         else ("--moe-backend" not in args)
     )
+
+
+def test_every_named_test_file_and_gpu_row_exists() -> None:
+    from pathlib import Path
+
+    from benchmarks.gpu_accept import ROWS
+
+    root = Path(__file__).resolve().parents[2]
+    rows = {row.name for row in ROWS}
+    for mode in SILENT_FAILURES:
+        for where in mode.tests:
+            if where.startswith("gpu-accept row "):
+                assert where.removeprefix("gpu-accept row ") in rows, where
+            else:
+                assert (root / where.split(" (")[0]).is_file(), where
