@@ -27,6 +27,7 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replay", "type": "string", "jsonPath": ".spec.routingReplay.mode"},
+    {"name": "Healthy", "type": "string", "jsonPath": '.status.conditions[?(@.type=="ReplayHealthy")].status'},
     {"name": "Engines", "type": "string", "jsonPath": ".status.enginesReady"},
     {"name": "Trainer", "type": "string", "jsonPath": ".spec.trainer.backend"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},

@@ -27,6 +27,7 @@ from r3operator.api.enums import (
     ReplayMode,
     RetainPolicy,
     RewardKind,
+    RouteCheckPolicy,
     RouterType,
     TrainerBackend,
     WeightSyncLayout,
@@ -171,6 +172,10 @@ class RoutingReplaySpec(_Model):
     """Disabled, R2 (trainer records then replays its own routing) or R3 (replay the engines')."""
     replay_ref: bool = Field(default=False, alias="replayRef")
     """Also replay routes in the reference-model forward used by KL-to-ref."""
+    on_route_check_failure: RouteCheckPolicy = RouteCheckPolicy.FAIL
+    """R3: a sample whose routes fail a route check (missing, wrong shape, ids outside numExperts, uncaptured
+    rows, replayed pad, a constant layer) stops the job (Fail) or is left out of its step and counted
+    (SkipSample). A replay hook that did not run fails the job either way."""
 
 
 # ------------------------------------------------------------------------------------ inference
@@ -516,6 +521,17 @@ class Progress(_Model):
     weight_sync: str | None = Field(default=None, max_length=512)
     """The weight-sync transport in use (nccl, ipc or packed) and why ("fallback:" when native was not usable)."""
     updated_at: str | None = Field(default=None, max_length=64)
+    replayed_fraction: float | None = None
+    """R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each
+    sample's tokens but its last): 1.0 when every sample trained with its routes."""
+    fallback_fraction: float | None = None
+    """R3, last step: rows of the trained samples that routed naturally for want of an engine route."""
+    extreme_token_fraction: float | None = None
+    """Last step: response tokens whose trainer/rollout probability ratio is outside [0.5, 2]."""
+    route_check_failures: int | None = None
+    """R3: samples that failed a route check in the last step (left out under SkipSample)."""
+    route_check_message: str | None = Field(default=None, max_length=1024)
+    """R3: the last step's first route-check failure: the rule, the sample and the layer."""
 
 
 class EngineFidelity(_Model):

@@ -74,6 +74,15 @@ class Reason(StrEnum):
     CANARY_PENDING = "CanaryPending"
     CANARY_PASSED = "CanaryPassed"
     CANARY_FAILED = "CanaryFailed"
+    # ReplayHealthy (operator/replay_health.py)
+    NO_STEP_YET = "NoStepYet"
+    ROUTES_REPLAYED = "RoutesReplayed"
+    ROUTE_CHECK_FAILED = "RouteCheckFailed"
+    """A sample's routes failed a route check (docs/rules.md, "Silent failures"); the message names it."""
+    REPLAYED_FRACTION_LOW = "ReplayedFractionLow"
+    FALLBACK_HIGH = "FallbackHigh"
+    NATURAL_AGREEMENT_LOW = "NaturalAgreementLow"
+    EXTREME_TOKENS = "ExtremeTokens"
     # UpgradeBlocked (False while no engine upgrade is blocked, with the upgrade's phase as reason)
     NO_UPGRADE = "NoUpgrade"
     UPGRADE_CANARY = "CanaryRunning"

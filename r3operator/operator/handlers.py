@@ -182,6 +182,13 @@ async def on_change(name: str, namespace: str | None, **_: Any) -> None:
     _state["wakeups"].wake((namespace or "", name), urgent=True)
 
 
+@kopf.on.field(GROUP, VERSION, PLURAL, field="status.progress")
+async def on_progress(name: str, namespace: str | None, **_: Any) -> None:
+    """The trainer pushed a step's progress: a pass (after the settle wait, like a child's event) recomputes
+    ReplayHealthy from it (operator/replay_health.py); it writes only when the condition changed."""
+    _state["wakeups"].wake((namespace or "", name))
+
+
 async def _stopping(stopped: kopf.DaemonStopped) -> None:
     await stopped.wait()
 

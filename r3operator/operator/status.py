@@ -24,6 +24,7 @@ from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended, recorded_end
 from r3operator.operator.observed import Observed
+from r3operator.operator.replay_health import replay_healthy
 
 _REFUSED_WRITE = (Reason.API_ERROR, Reason.NAMESPACE_TERMINATING)
 
@@ -39,6 +40,7 @@ CONDITION_ORDER = (
     T.SUCCEEDED,
     T.FAILED,
     T.UPGRADE_BLOCKED,
+    T.REPLAY_HEALTHY,
 )
 
 _UPGRADE_REASONS = {
@@ -397,6 +399,7 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         T.SUCCEEDED: succeeded,
         T.FAILED: failed,
         T.UPGRADE_BLOCKED: _upgrade_blocked(obs),
+        T.REPLAY_HEALTHY: replay_healthy(job),
     }
     by_type[T.READY] = _ready(job, by_type)
     return by_type

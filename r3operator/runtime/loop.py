@@ -8,7 +8,11 @@
  2 reward        rule-based reward per sample
  3 advantages    GRPO, normalised within each prompt's group
  4 routes        R3: each sample's routes, validated when they arrived, into the batch; a sample
-                 whose routes are missing or invalid is dropped loudly and counted, never replayed
+                 whose routes are missing or invalid fails the job or is dropped loudly and counted
+                 (routingReplay.onRouteCheckFailure), never replayed
+   route_checks  R3: shape, logical id range, uncaptured rows, replayed pad (before 5), then a constant
+                 layer against the trainer's own routing and the replay hooks' counts (after 5, before 6):
+                 runtime/route_checks.py; timed as one phase
  5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
  6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
  7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
@@ -38,6 +42,7 @@ from r3operator.api.weight_transfer import TransferChoice, TransferMethod
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
+from r3operator.routing.checks import RouteCheckFailure
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
@@ -46,6 +51,7 @@ from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_pa
 from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through, read_rows
+from r3operator.runtime.route_checks import RouteChecks, model_routing, select_old
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts
 from r3operator.runtime.sft import sft_warmup
@@ -117,6 +123,7 @@ class GRPORun:
         self._given_engines = engines  # None: setup() starts them
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.recorder: RouteRecorder | None = None  # R3: the step's routes on the volume (setup())
+        self.route_checks: RouteChecks | None = None  # R3: the step's route checks (setup())
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(
             settings.name, namespace=settings.job.metadata.namespace or "default", port=settings.metrics_port
@@ -179,6 +186,9 @@ class GRPORun:
             phases=self.sync_phases,
         )
         self._start_recorder()
+        if self.mode is ReplayMode.R3:
+            policy = self.spec.routing_replay.on_route_check_failure
+            self.route_checks = RouteChecks(model_routing(self.model_dir), policy, on_failure=self._route_check_failed)
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
             (self.run_dir / "metrics.csv").unlink(missing_ok=True)
@@ -308,11 +318,42 @@ class GRPORun:
         )
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
-        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
-        if sample.routes_status != "ok":
+        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows); a
+        missing or invalid one fails the job or is dropped (routingReplay.onRouteCheckFailure)."""
+        failure = RouteChecks.arrival_failure(sample)
+        if failure is not None:
+            if self.route_checks is not None:
+                self.route_checks.failed(failure)  # raises under Fail
             self._drop(sample, sample.routes_status, sample.routes_error or "")
             return None
         return sample.routes
+
+    def check_routes(
+        self, batch: TrainBatch, samples: Sequence[RolloutSample], old: OldPass | None = None
+    ) -> tuple[TrainBatch, OldPass | None] | None:
+        """R3's route checks (runtime/route_checks.py) before the old-logprob pass (`old` None) or after it:
+        the batch (and pass) without the samples that failed under SkipSample; None when none is left."""
+        checker = self.route_checks
+        assert checker is not None  # R3 only
+        before = len(checker.step.failures)
+        rows = checker.before_forward(batch, samples) if old is None else checker.after_forward(batch, old)
+        for failure in checker.step.failures[before:]:  # SkipSample: Fail raised in `failed`
+            self.metrics.inc("r3operator_samples_dropped_total", reason=failure.rule)
+            self.dropped.append((str(failure.sample_id), failure.rule))
+        if not rows:
+            return None
+        if len(rows) < batch.size:
+            batch, old = batch.select(rows), (None if old is None else select_old(old, rows))
+        return batch, old
+
+    def _route_check_failed(self, failure: RouteCheckFailure, fatal: bool) -> None:
+        """Count a route-check failure; before a fatal one stops the job, status.progress says why."""
+        self.metrics.inc("r3operator_route_check_failures_total", rule=failure.rule)
+        if fatal and self.route_checks is not None:
+            failures = len(self.route_checks.step.failures)
+            self.status.push(
+                {"status": {"progress": {"routeCheckFailures": failures, "routeCheckMessage": str(failure)[:1024]}}}
+            )
 
     def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)
@@ -486,12 +527,25 @@ class GRPORun:
             adv = poison(
                 step, self.advantages(rewards), self._fault_steps, mini_batches=self.spec.algorithm.mini_batches
             )
+        if self.route_checks is not None:
+            self.route_checks.begin_step(samples)
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
+        if self.route_checks is not None and batch is not None:
+            with timer("route_checks"):
+                checked = self.check_routes(batch, samples)
+            batch = None if checked is None else checked[0]
         if batch is None:
             return self._skip_step(step, samples, rewards, timer, begin)
         with timer("old_logprob"):
             old = self.old_logprobs(batch)
+        if self.route_checks is not None:
+            with timer("route_checks"):
+                checked = self.check_routes(batch, samples, old)
+            if checked is None or checked[1] is None:
+                return self._skip_step(step, samples, rewards, timer, begin)
+            batch, old = checked[0], checked[1]
+            self.route_checks.tally(batch)
         with timer("update"):
             stats = self.update(batch, old)
         # The non-finite guard (runtime/nonfinite.py): an update that changed nothing is neither synced nor
@@ -621,6 +675,8 @@ class GRPORun:
         if self.spec.rollout.multi_turn:
             row.routing_agreement_by_turn = self._agreement_by_turn(samples, batch, old)
         row.logprob_abs_diff_mean, row.logprob_abs_diff_max, row.kl_k3 = lp_mean, lp_max, kl
+        if measured and self.route_checks is not None:
+            row.extreme_token_fraction = lp.extreme_token_fraction
         row.replay_applied, row.routing_natural_agreement = applied, natural
         row.loss, row.clip_fraction, row.grad_norm = stats.loss, stats.clip_fraction, stats.grad_norm
         row.canary_ok, row.canary_near_ties, row.skipped = int(canary_ok), self.canary_near_ties, 0
@@ -651,10 +707,26 @@ class GRPORun:
             tokens=tokens,
             tokens_per_second=tokens / max(timer.seconds["rollout"], 1e-9),
         )
+        if self.route_checks is not None:
+            self._replay_columns(record)
         if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
             record.turns_mean = float(np.mean([s.extra["turns"] for s in samples]))
             record.env_tokens = int(sum(s.extra["env_tokens"] for s in samples))
         return record
+
+    def _replay_columns(self, record: StepRecord) -> None:
+        """R3: the replayed and fallback fractions and the route checks' count of the step (and their gauges)."""
+        assert self.route_checks is not None
+        tally = self.route_checks.step
+        fractions = tally.fractions
+        record.replayed_fraction, record.fallback_fraction = fractions.replayed, fractions.fallback
+        record.route_check_failures, record.route_check_message = len(tally.failures), tally.message
+        for name, value in (
+            ("r3operator_replayed_rows_ratio", fractions.replayed),
+            ("r3operator_replay_fallback_rows_ratio", fractions.fallback),
+        ):
+            if value == value:  # NaN: nothing to measure, the series keeps its last value
+                self.metrics.set(name, value)
 
     def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
         """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; rollout/multiturn.py)."""

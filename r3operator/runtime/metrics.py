@@ -111,6 +111,26 @@ METRICS: list[MetricSpec] = [
         "was skipped on every rank; a step with no update applied was neither synced nor checkpointed.",
     ),
     MetricSpec(
+        "r3operator_replayed_rows_ratio",
+        "gauge",
+        _ID,
+        "R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each "
+        "sample's tokens but its last); 1.0 when every sample trained with its routes.",
+    ),
+    MetricSpec(
+        "r3operator_replay_fallback_rows_ratio",
+        "gauge",
+        _ID,
+        "R3, last step: rows of the trained samples that routed naturally for want of an engine route.",
+    ),
+    MetricSpec(
+        "r3operator_route_check_failures_total",
+        "counter",
+        (*_ID, "rule"),
+        "R3: samples whose routes failed a route check, by rule (routes-missing, routes-invalid, route-shape, "
+        "expert-range, zero-route, pad-replayed, constant-layer, hooks-not-fired; docs/rules.md).",
+    ),
+    MetricSpec(
         "r3operator_engine_faults_total",
         "counter",
         (*_ID, "kind"),

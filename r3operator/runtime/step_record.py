@@ -31,6 +31,7 @@ STEP_PHASES = (
     "reward",
     "advantages",
     "routes",
+    "route_checks",
     "old_logprob",
     "update",
     "weight_sync",
@@ -67,6 +68,14 @@ _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
 _ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
 _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
+# R3 jobs: how much of the step replayed, and what the route checks found (runtime/route_checks.py)
+_REPLAY_HEALTH = (
+    "replayed_fraction",
+    "fallback_fraction",
+    "extreme_token_fraction",
+    "route_check_failures",
+    "route_check_message",
+)
 # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens of fresh
 # trajectories (the mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness)
 # is apart, also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token
@@ -90,6 +99,7 @@ COLUMNS: tuple[str, ...] = (
     *(f"t_{phase}" for phase in ASYNC_PHASES),
     *_ASYNC_FIDELITY,
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
+    *_REPLAY_HEALTH,
 )
 """metrics.csv's header, in order."""
 
@@ -143,6 +153,12 @@ class StepRecord(Mapping[str, Any]):
     logprob_abs_diff_by_lag: str | None = None
     tokens_by_lag: str | None = None
     logprob_abs_diff_mean_resumed: float | None = None  # current-version tokens of resumed trajectories
+    # -- R3 jobs
+    replayed_fraction: float | None = None
+    fallback_fraction: float | None = None
+    extreme_token_fraction: float | None = None
+    route_check_failures: int | None = None
+    route_check_message: str | None = None
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
@@ -154,6 +170,7 @@ class StepRecord(Mapping[str, Any]):
             (_BY_TURN, self.routing_agreement_by_turn is not None),
             (_ASYNC_ROLLOUT, self.staleness_mean is not None),
             (_ASYNC_UPDATE + _ASYNC_FIDELITY, self.importance_weight_mean is not None),
+            (_REPLAY_HEALTH, self.route_check_failures is not None),
         ]
         have = {name for names, present in groups if present for name in names}
         have.update(f"t_{phase}" for phase in self.phase_seconds)
@@ -223,4 +240,17 @@ def step_progress(
         last_non_finite_step=last_non_finite_step,
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
+        replayed_fraction=_finite(record.get("replayed_fraction")),
+        fallback_fraction=_finite(record.get("fallback_fraction")),
+        extreme_token_fraction=_finite(record.get("extreme_token_fraction")),
+        route_check_failures=_count(record.get("route_check_failures")),
+        route_check_message=(str(record.get("route_check_message") or "") or None),
     )
+
+
+def _count(value: Any) -> int | None:
+    """An integer cell for the RLJob status (None for an empty one)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -27,9 +27,20 @@ class OldPass:
     replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
     replay_pad: Any | None
     mode: ReplayMode | None = None
+    hook_calls: dict[int, dict[int, int]] | None = None
+    """R3: per trainer rank, per MoE layer it holds, how many times the replay hook ran in this pass (the
+    step loop's hooks-not-fired check, routing/checks.py); None where the pass did not replay."""
 
 
-def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids: Any, used_ids: Any) -> OldPass:
+def old_pass_for(
+    mode: ReplayMode,
+    batch: TrainBatch,
+    logprobs: Any,
+    natural_ids: Any,
+    used_ids: Any,
+    *,
+    hook_calls: dict[int, dict[int, int]] | None = None,
+) -> OldPass:
     """The old-logprob pass result for `mode`: what the update replays (R3: the engine's routes; R2:
     the trainer's own natural choices, every row; Disabled: nothing)."""
     if mode is ReplayMode.R3:
@@ -38,7 +49,7 @@ def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids
         replay_ids, replay_pad = natural_ids, None
     else:
         replay_ids = replay_pad = None
-    return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode)
+    return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode, hook_calls)
 
 
 @dataclass

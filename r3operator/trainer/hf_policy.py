@@ -122,6 +122,7 @@ class PolicyTrainer(UpdateByShares):
             raise ValueError("R3 needs engine routes in the batch")
         natural = RouterRecorder(natural=True).install(self.model)
         used = RouterRecorder(natural=False).install(self.model)
+        hook_calls = None
         try:
             with torch.no_grad(), self._compute():
                 if mode is ReplayMode.R3:
@@ -129,6 +130,7 @@ class PolicyTrainer(UpdateByShares):
                         lp = token_logprobs(
                             self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
                         )
+                    hook_calls = {0: dict(self.replay.calls)}  # this process; a rank actor re-keys it
                 else:
                     lp = token_logprobs(
                         self.model, batch.input_ids, batch.attention_mask, temperature=batch.temperature
@@ -137,7 +139,7 @@ class PolicyTrainer(UpdateByShares):
         finally:
             natural.remove()
             used.remove()
-        return old_pass_for(mode, batch, lp, natural_ids, used_ids)
+        return old_pass_for(mode, batch, lp, natural_ids, used_ids, hook_calls=hook_calls)
 
     def update_shares(
         self,

@@ -252,6 +252,19 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
     ),
     "GROUP-SIZE-ONE": (sets(**{"rollout.groupSize": 2}), sets(**{"rollout.groupSize": 1})),
+    "R3-EPLB-VLLM": (
+        sets(**{"inference.extraArgs": ["--enable-eplb"]}),  # 0.30.0 captures logical ids
+        sets(**{"inference.image": "vllm/vllm-openai:v0.21.0", "inference.extraArgs": ["--enable-eplb"]}),
+    ),
+    "R3-MOE-BACKEND": (
+        sets(**{"inference.extraArgs": ["--moe-backend", "flashinfer_trtllm"]}),  # 0.30.0: capture or refusal
+        sets(
+            **{
+                "inference.image": "vllm/vllm-openai:v0.22.1",
+                "inference.extraArgs": ["--moe-backend=flashinfer_trtllm"],
+            }
+        ),
+    ),
     "R3-ASYNC-SCHEDULING": (
         sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
         sets(**{"inference.asyncScheduling": True}),
