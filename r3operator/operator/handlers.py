@@ -186,16 +186,16 @@ async def on_change(name: str, namespace: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def on_event(event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None, **_: Any) -> None:
+async def on_event(
+    event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
+) -> None:
     """A status the operator did not write (a namespace user's, anyone's with rljobs/status): the RLJob's daemon
     makes a pass at once, which writes the operator's status back whole. The echo of the operator's own writes
     carries the status it wrote and wakes nothing."""
     if event.get("type") != "MODIFIED" or _state["reconciler"] is None:
         return
     if reconciler().foreign_status(body):
-        logging.getLogger("r3operator.handlers").info(
-            "%s/%s: status written by someone else: writing it back", namespace, name
-        )
+        logger.info("status written by someone else: writing the operator's back")
         _state["wakeups"].wake((namespace or "", name), urgent=True)
 
 
