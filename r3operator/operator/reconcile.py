@@ -244,11 +244,12 @@ class Reconciler:
         """RLJob uids of which a pass found a child's name taken (in the cache, or by a refused create): their passes
         read every name the cache holds nothing under by GET before writing, so a pass that finds any name still
         taken creates nothing (no create and undo)."""
-        self._own: dict[str, tuple[str, bytes]] = {}
-        """Per RLJob uid, the status this operator last wrote (or found written as it computed it): a digest of it
-        and the status as compressed JSON. A pass builds on it rather than on the live status, which someone else
-        may have written (startTime, conditions and their times are carried over from it), and a watch event whose
-        status differs from it wakes a pass that writes it back (``foreign_status``)."""
+        self._own: dict[str, tuple[str, bytes, str | None]] = {}
+        """Per RLJob uid, the status this operator last wrote (or found written as it computed it): a digest of it,
+        the status as compressed JSON, and the resourceVersion of its last status write. A pass builds on it rather
+        than on the live status, which someone else may have written (startTime, conditions and their times are
+        carried over from it), and a later watch event whose status differs from it wakes a pass that writes it
+        back (``foreign_status``)."""
         self._progress_problem: dict[str, str] = {}
         """Per RLJob uid, the last reason a progress report was refused or trimmed: one Event per new reason."""
 
@@ -265,10 +266,10 @@ class Reconciler:
     def foreign_status(self, body: Mapping[str, Any]) -> bool:
         """The RLJob ``body`` (a watch event's) carries a status this operator did not write: someone else's
         write, which its next pass, made now, writes back. False for an RLJob it has not written yet."""
-        uid = str((body.get("metadata") or {}).get("uid") or "")
-        own = self._own.get(uid)
-        if own is None:
-            return False
+        metadata = body.get("metadata") or {}
+        own = self._own.get(str(metadata.get("uid") or ""))
+        if own is None or not _after(metadata.get("resourceVersion"), own[2]):
+            return False  # not written yet, or the echo of a write of its own (a later one may have overtaken it)
         return status_digest(body.get("status")) != own[0]
 
     async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
@@ -894,16 +895,17 @@ class Reconciler:
         Events for the conditions that flipped since the operator's own last status (``job.status``)."""
         outcome.status = new_status
         uid = job.metadata.uid or ""
-        own = (status_digest(new_status), _pack(new_status.model_dump(mode="json", by_alias=True)))
+        digest, packed = status_digest(new_status), _pack(new_status.model_dump(mode="json", by_alias=True))
         if not status_changed(live, new_status):
-            self._own[uid] = own
+            held = self._own.get(uid)
+            self._own[uid] = (digest, packed, held[2] if held is not None else None)
             return
         patch = status_patch(new_status)
         written = await self.client.merge_patch(
             KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch, subresource="status"
         )
         self._wrote(job.metadata.uid, written)
-        self._own[uid] = own
+        self._own[uid] = (digest, packed, (written.get("metadata") or {}).get("resourceVersion"))
         outcome.status_written = True
         for cond in transitions(job.status, new_status):
             kind = "Warning" if _bad_polarity(cond.type, cond.status) else "Normal"
@@ -1090,6 +1092,14 @@ def _waiting_for_pods(job: RLJob, obs: Observed) -> bool:
 
 def _replace(obs: Observed, **changes: Any) -> Observed:
     return dataclasses.replace(obs, **changes)
+
+
+def _after(version: Any, than: str | None) -> bool:
+    """resourceVersion ``version`` is later than ``than`` (etcd revisions, integers, in every kube-apiserver; were
+    one not, or is there none to compare with, it counts as later)."""
+    if than is None or not str(version or "").isdigit() or not than.isdigit():
+        return True
+    return int(str(version)) > int(than)
 
 
 def _says_name_conflict(raw: dict[str, Any]) -> bool:
