@@ -562,7 +562,7 @@ class Reconciler:
         self, job: RLJob, plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]], outcome: Outcome
     ) -> ProgressReport | None:
         """The trainer's report from ``<job>-progress`` as this pass read it (None: not this RLJob's, so the status
-        keeps its progress); a new reason it was refused or trimmed goes out as one Warning Event."""
+        keeps its progress); a new reason it was refused (Warning) or trimmed (Normal) goes out as one Event."""
         name = meta.child_name(job, meta.ROLE_PROGRESS)
         have = next((h for c, h, _ in plans if c["kind"] == "ConfigMap" and c["metadata"]["name"] == name), None)
         if have is not None and not is_ours(have, job.metadata.uid):
