@@ -78,6 +78,14 @@ ROOT_RULES: list[JSON] = [
         "fieldPath": ".metadata.name",
         "reason": "FieldValueInvalid",
     },
+    {
+        "rule": f"!self.metadata.name.startsWith('{names.RESERVED_NAME_PREFIX}')",
+        "messageExpression": f"'metadata.name %s starts with {names.RESERVED_NAME_PREFIX}, which Kubernetes "
+        "reserves for its own components: its children (<job>-trainer, <job>-engine and the rest) would read as "
+        "system objects; choose another name'.format([self.metadata.name])",
+        "fieldPath": ".metadata.name",
+        "reason": "FieldValueForbidden",
+    },
 ]
 
 

@@ -27,7 +27,15 @@ from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_PATTERN
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
 from r3operator.api.families import HF_REPLAY_FAMILIES
-from r3operator.api.pod_rules import SITES, check_derived, check_mounts, derived_cel, mounts_cel
+from r3operator.api.pod_rules import (
+    SITES,
+    check_derived,
+    check_identity,
+    check_mounts,
+    derived_cel,
+    identity_cel,
+    mounts_cel,
+)
 from r3operator.api.v1alpha1 import RLJobSpec
 
 
@@ -93,7 +101,7 @@ def _cel_string(regex: str) -> str:
 
 
 def _pod_template_rules() -> tuple[Rule, ...]:
-    """Two rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
+    """Three rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
     rules: list[Rule] = []
     for site in SITES:
         derived, derived_message = derived_cel(site)
@@ -120,6 +128,19 @@ def _pod_template_rules() -> tuple[Rule, ...]:
                 ("Kubernetes: PodSpec validation (volumeMounts[].name must be a volume)",),
                 check_mounts(site),
                 CelRule(mounts, mounts_message, f".{site.path}.volumeMounts", "FieldValueInvalid"),
+            )
+        )
+        identity, identity_message = identity_cel(site)
+        rules.append(
+            Rule(
+                f"{site.rule_prefix}-IDENTITY",
+                Severity.ERROR,
+                f"spec.{site.path}.serviceAccountName",
+                (f"{site.path}.serviceAccountName",),
+                "a pod template may not run as a ServiceAccount r3operator manages (<job>-trainer)",
+                ("r3operator: builders/trainer_rbac.py (the per-RLJob identity)",),
+                check_identity(site),
+                CelRule(identity, identity_message, f".{site.path}.serviceAccountName"),
             )
         )
     return tuple(rules)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from r3operator.api.base import ApiModel as _Model
@@ -33,7 +33,7 @@ from r3operator.api.enums import (
     WeightSyncLayout,
     WhenHeld,
 )
-from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
+from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH, RESERVED_NAME_PREFIX
 from r3operator.api.pods import PodTemplate
 
 GROUP = "r3operator.io"
@@ -122,7 +122,7 @@ class ModelCacheSpec(_Model):
     size: Quantity = "200Gi"
     """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
     storage_class_name: str | None = Field(default=None, max_length=253)
-    """StorageClass of the created claim; unset: the cluster's default class."""
+    """StorageClass of the created claim; unset: ``storage.storageClassName``, else the cluster's default class."""
     access_mode: AccessMode = AccessMode.READ_WRITE_MANY
     """ReadWriteMany lets engine and trainer pods on several nodes, and several RLJobs at once, read it.
     ReadWriteOnce fits one node: a kept one is mounted by one RLJob at a time, and another RLJob of the same
@@ -611,6 +611,16 @@ class ObjectMeta(BaseModel):
     annotations: dict[str, str] = Field(default_factory=dict)
     generation: int | None = None
     uid: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name.startswith(RESERVED_NAME_PREFIX):
+            raise ValueError(
+                f"{name} starts with {RESERVED_NAME_PREFIX}, which Kubernetes reserves for its own components: its "
+                "children (<job>-trainer, <job>-engine and the rest) would read as system objects; choose another name"
+            )
+        return name
 
 
 class RLJob(_Model):

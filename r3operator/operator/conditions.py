@@ -26,6 +26,8 @@ class Reason(StrEnum):
     """A Secret, ConfigMap, claim, ServiceAccount or PriorityClass the spec names does not exist (Valid=False,
     nothing created), or, where Secrets cannot be read, the pods' CreateContainerConfigError says so."""
     PARSE_ERROR = "ParseError"
+    FOREIGN_SERVICE_ACCOUNT = "ForeignServiceAccount"
+    """A pod template names a ServiceAccount that is another's identity (another RLJob's, the operator's own)."""
     """The RLJob does not parse (a field the CRD schema let through); the message names the fields."""
     # Progressing / Ready: the operator cannot write
     NAMESPACE_TERMINATING = "NamespaceTerminating"
@@ -99,6 +101,14 @@ class Reason(StrEnum):
     NOT_FINISHED = "NotFinished"
     # Ready
     READY = "Ready"
+    # Events
+    PROGRESS_REJECTED = "ProgressRejected"
+    """Event: the trainer's progress report was refused (not JSON, a non-finite number, a value status.progress
+    cannot hold); status.progress keeps the last report taken (operator/progress.py)."""
+    PROGRESS_TRIMMED = "ProgressTrimmed"
+    """Event: keys of the trainer's progress report that status.progress does not know were left out."""
+    UPGRADE_FORCED = "UpgradeForced"
+    """Event: the one-shot r3operator.io/upgrade=force annotation was used (or found nothing to force) and removed."""
 
 
 @dataclass(frozen=True, slots=True)

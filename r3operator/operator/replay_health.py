@@ -23,11 +23,11 @@ NATURAL_AGREEMENT_MIN = 0.5
 """The trainer routers' own choice vs the engine's: ~0.98 aligned, near 0 with routes on the wrong tokens."""
 
 
-def replay_healthy(job: RLJob) -> Desired:
+def replay_healthy(job: RLJob, progress: Progress | None) -> Desired:
+    """The verdict on `progress`, the trainer's report this pass takes into the status."""
     mode = job.spec.routing_replay.mode
     if mode is not ReplayMode.R3:
         return Desired(T.REPLAY_HEALTHY, S.FALSE, Reason.REPLAY_DISABLED, f"routingReplay.mode is {mode.value}")
-    progress = job.status.progress if job.status is not None else None
     if progress is None or progress.step == 0:
         return Desired(T.REPLAY_HEALTHY, S.UNKNOWN, Reason.NO_STEP_YET, "no training step has reported yet")
     return _verdict(progress)

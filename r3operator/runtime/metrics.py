@@ -1,5 +1,5 @@
 """Driver metrics: the data-plane fidelity and routing set (`R3Metrics`) plus step/reward/throughput/phase timings,
-on one Prometheus registry; and the RLJob `status.progress` merge-patch.
+on one Prometheus registry; and the progress report the operator copies into the RLJob's `status.progress`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from r3operator.rollout.partial import LagGap as LagGap  # what observe_lags takes, for the layers above
 from r3operator.runtime.step_record import step_progress
-from r3operator.settings import runtime_settings
+from r3operator.settings import PROGRESS_KEY, runtime_settings
 from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
 
 log = logging.getLogger(__name__)
@@ -245,10 +245,10 @@ def progress_patch(
     non_finite_steps: int | None = None,
     last_non_finite_step: int | None = None,
 ) -> dict[str, Any]:
-    """JSON merge-patch body for the RLJob `/status` subresource: `Progress` after the step `row` (a
-    StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` and
-    `nonFiniteSteps` are left out when not known, so the ones already there stay (`lastNonFiniteStep` goes
-    with its count)."""
+    """The progress report after the step `row` (a StepRecord), shaped as the RLJob status it becomes:
+    `{"status": {"progress": Progress}}` (`StatusPusher.push` sends it; the operator copies it into the status).
+    Figures the step lacks are null, which clears the last step's; `weightSync` and `nonFiniteSteps` are left
+    out when not known, so the ones already reported stay (`lastNonFiniteStep` goes with its count)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = step_progress(
         row,
@@ -268,12 +268,25 @@ def progress_patch(
     return {"status": {"progress": body}}
 
 
-class StatusPusher:
-    """Merge-patches `status.progress` of the RLJob named by R3OPERATOR_RLJOB_NAME / _NAMESPACE.
+def merged_report(last: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """`last` with `patch` applied as a JSON merge patch (a null removes the key, a missing key keeps it)."""
+    merged = dict(last)
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
 
-    Disabled (no-op) outside a cluster. One HTTPS PATCH with the pod's own ServiceAccount token, whose Role
-    allows exactly this RLJob's status: no Kubernetes client library for one call. A failed patch is logged,
-    never fatal: training goes on.
+
+class StatusPusher:
+    """Reports progress for the RLJob named by R3OPERATOR_RLJOB_NAME / _NAMESPACE: the ConfigMap `<job>-progress`,
+    which the operator created for it, checks and copies into the RLJob's `status.progress`.
+
+    Disabled (no-op) outside a cluster. One HTTPS merge PATCH of the ConfigMap's `progress` key with the pod's
+    own ServiceAccount token, whose Role allows exactly that ConfigMap (the trainer has no right on the RLJob or
+    its status): no Kubernetes client library for one call. The key holds the whole report, each push merged
+    over the last one (`merged_report`). A failed patch is logged, never fatal: training goes on.
     """
 
     def __init__(
@@ -284,14 +297,15 @@ class StatusPusher:
         self.namespace = namespace or env.rljob_namespace
         self._url: str | None = None
         self._account_dir = account_dir or env.service_account_dir
+        self._last: dict[str, Any] = {}
         if self.name and self.namespace and env.in_cluster:
-            from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+            from r3operator.api.names import ROLE_PROGRESS, child_name
 
             host = env.kubernetes_service_host or ""
             host = f"[{host}]" if ":" in host else host  # an IPv6 service address
             self._url = (
-                f"https://{host}:{env.kubernetes_service_port}/apis/{GROUP}/{VERSION}"
-                f"/namespaces/{self.namespace}/{PLURAL}/{self.name}/status"
+                f"https://{host}:{env.kubernetes_service_port}/api/v1"
+                f"/namespaces/{self.namespace}/configmaps/{child_name(self.name, ROLE_PROGRESS)}"
             )
 
     @property
@@ -299,19 +313,23 @@ class StatusPusher:
         return self._url is not None
 
     def push(self, body: dict[str, Any]) -> bool:
-        """True when the API server took the patch (False: logged, or not in a cluster)."""
+        """Report `body["status"]["progress"]` (`progress_patch`'s shape). True when the API server took it
+        (False: logged, or not in a cluster)."""
         if self._url is None:
             return False
+        # What the next push merges over, taken or not: each push sends the whole report.
+        report = self._last = merged_report(self._last, body["status"]["progress"])
         try:
             # The token is re-read each time: the kubelet rotates projected tokens in place.
             token = (self._account_dir / "token").read_text().strip()
             context = ssl.create_default_context(cafile=str(self._account_dir / "ca.crt"))
-            request = urllib.request.Request(self._url, data=json.dumps(body).encode(), method="PATCH")
+            patch = {"data": {PROGRESS_KEY: json.dumps(report, separators=(",", ":"), allow_nan=False)}}
+            request = urllib.request.Request(self._url, data=json.dumps(patch).encode(), method="PATCH")
             request.add_header("Authorization", f"Bearer {token}")
             request.add_header("Content-Type", "application/merge-patch+json")
             with urllib.request.urlopen(request, timeout=10, context=context) as response:
                 response.read()
-        except Exception as exc:  # the API server being away must not kill a training step
-            log.warning("status patch of rljob %s/%s failed: %s", self.namespace, self.name, exc)
+        except Exception as exc:  # the API server being away (or a NaN) must not kill a training step
+            log.warning("progress report of rljob %s/%s failed: %s", self.namespace, self.name, exc)
             return False
         return True

@@ -283,6 +283,13 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         )
         for prefix, path in _POD_TEMPLATES
     },
+    **{
+        f"{prefix}-IDENTITY": (
+            sets(**{path: {"serviceAccountName": "trainer-identity"}}),
+            sets(**{path: {"serviceAccountName": "other-job-trainer"}}),
+        )
+        for prefix, path in _POD_TEMPLATES
+    },
 }
 
 

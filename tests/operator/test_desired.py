@@ -45,8 +45,11 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     first, second = desired(job), desired(_job(path))
     assert first == second
     name = job.metadata.name
-    kinds = {c["kind"]: c["metadata"]["name"] for c in first}
+    kinds = {c["kind"]: c["metadata"]["name"] for c in first if c["metadata"]["name"] != f"{name}-progress"}
     assert kinds["ConfigMap"] == f"{name}-config"
+    # The trainer's progress report: a ConfigMap the operator makes empty (operator/progress.py).
+    [report] = [c for c in first if c["metadata"]["name"] == f"{name}-progress"]
+    assert report["kind"] == "ConfigMap" and "data" not in report
     # One StatefulSet of single-pod replicas, or a LeaderWorkerSet when a replica spans pods (never both).
     workload = "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
     assert kinds[workload] == kinds["Service"] == f"{name}-engine"
@@ -176,16 +179,9 @@ def test_trainer_pods_run_as_a_per_job_service_account_whose_role_names_only_its
         assert child["metadata"]["ownerReferences"] == [owner]
         assert child["metadata"]["labels"]["r3operator.io/job"] == name
     assert sa["apiVersion"] == "v1" and set(sa) == {"apiVersion", "kind", "metadata"}
-    # Every rule is limited to this RLJob by name: another job's pods cannot patch this job's status.
-    assert role["rules"] == [
-        {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "resourceNames": [name], "verbs": ["get"]},
-        {
-            "apiGroups": ["r3operator.io"],
-            "resources": ["rljobs/status"],
-            "resourceNames": [name],
-            "verbs": ["get", "patch"],
-        },
-    ]
+    # One rule: this job's progress report, by name. Nothing on any RLJob or its status, nothing of another job.
+    report = {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [f"{name}-progress"]}
+    assert role["rules"] == [{**report, "verbs": ["get", "patch"]}]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-trainer"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-trainer", "namespace": namespace}]
     cluster = ray["spec"]["rayClusterSpec"]

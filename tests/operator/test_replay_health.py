@@ -10,6 +10,11 @@ from r3operator.api.v1alpha1 import Progress, RLJob, RLJobStatus
 from r3operator.operator.replay_health import replay_healthy
 
 
+def _healthy(job: RLJob) -> Any:
+    """The verdict on the progress the job's status holds (what a pass takes from the trainer's report)."""
+    return replay_healthy(job, job.status.progress if job.status is not None else None)
+
+
 def _job(mode: str = "R3", progress: Progress | None = None) -> RLJob:
     job = RLJob.model_validate(
         {
@@ -41,8 +46,8 @@ HEALTHY: dict[str, Any] = {
 
 
 def test_a_step_that_replayed_everything_is_healthy_with_a_message_that_does_not_change_per_step() -> None:
-    one = replay_healthy(_job(progress=Progress(**HEALTHY)))
-    two = replay_healthy(_job(progress=Progress(**{**HEALTHY, "step": 4, "extreme_token_fraction": 0.004})))
+    one = _healthy(_job(progress=Progress(**HEALTHY)))
+    two = _healthy(_job(progress=Progress(**{**HEALTHY, "step": 4, "extreme_token_fraction": 0.004})))
     assert (one.status.value, one.reason) == ("True", "RoutesReplayed") and one == two
 
 
@@ -64,11 +69,11 @@ def test_a_step_that_replayed_everything_is_healthy_with_a_message_that_does_not
     ],
 )
 def test_each_unhealthy_figure_is_its_own_reason(change: dict[str, Any], reason: str, named: str) -> None:
-    cond = replay_healthy(_job(progress=Progress(**{**HEALTHY, **change})))
+    cond = _healthy(_job(progress=Progress(**{**HEALTHY, **change})))
     assert (cond.status.value, cond.reason) == ("False", reason) and named in cond.message
 
 
 def test_before_the_first_step_it_is_unknown_and_without_r3_it_is_false() -> None:
-    assert replay_healthy(_job()).reason == "NoStepYet" and replay_healthy(_job()).status.value == "Unknown"
-    disabled = replay_healthy(_job("Disabled", Progress(**HEALTHY)))
+    assert _healthy(_job()).reason == "NoStepYet" and _healthy(_job()).status.value == "Unknown"
+    disabled = _healthy(_job("Disabled", Progress(**HEALTHY)))
     assert (disabled.status.value, disabled.reason) == ("False", "ReplayDisabled")
