@@ -24,8 +24,9 @@ from r3operator.wire.sync_phases import SYNC_PHASES
 
 NAN = math.nan
 
-# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `pause` is the
-# asynchronous driver's wait for the rollout segment in flight before a weight sync.
+# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `eval` only on the steps that ran
+# the held-out evaluation (runtime/evaluation.py); `pause` is the asynchronous driver's wait for the rollout
+# segment in flight before a weight sync.
 STEP_PHASES = (
     "rollout",
     "reward",
@@ -35,6 +36,7 @@ STEP_PHASES = (
     "update",
     "weight_sync",
     "canary",
+    "eval",
     "metrics",
     "checkpoint",
 )
@@ -71,6 +73,7 @@ _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
 # mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness) is apart, also
 # per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token counts.
 _ASYNC_FIDELITY = ("current_version_tokens", "logprob_abs_diff_mean_stale", "logprob_abs_diff_by_lag", "tokens_by_lag")
+_EVAL = ("eval_reward",)  # spec.evaluation: the held-out reward, on the steps that evaluated (runtime/evaluation.py)
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
@@ -83,6 +86,7 @@ COLUMNS: tuple[str, ...] = (
     *(f"t_{phase}" for phase in ASYNC_PHASES),
     *_ASYNC_FIDELITY,
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
+    *_EVAL,
 )
 """metrics.csv's header, in order."""
 
@@ -133,6 +137,8 @@ class StepRecord(Mapping[str, Any]):
     logprob_abs_diff_mean_stale: float | None = None
     logprob_abs_diff_by_lag: str | None = None
     tokens_by_lag: str | None = None
+    # -- spec.evaluation, on the steps that evaluated
+    eval_reward: float | None = None
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
@@ -144,6 +150,7 @@ class StepRecord(Mapping[str, Any]):
             (_BY_TURN, self.routing_agreement_by_turn is not None),
             (_ASYNC_ROLLOUT, self.staleness_mean is not None),
             (_ASYNC_UPDATE + _ASYNC_FIDELITY, self.importance_weight_mean is not None),
+            (_EVAL, self.eval_reward is not None),
         ]
         have = {name for names, present in groups if present for name in names}
         have.update(f"t_{phase}" for phase in self.phase_seconds)
@@ -196,7 +203,9 @@ def step_progress(
     updated_at: str,
     weight_sync: str | None = None,
 ) -> Progress:
-    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row)."""
+    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row); the eval figures
+    only when the step evaluated (None otherwise: the status keeps the last evaluation's)."""
+    eval_reward = _finite(record.get("eval_reward"))
     return Progress(
         step=int(record["step"]),
         total_steps=int(total_steps),
@@ -206,6 +215,8 @@ def step_progress(
         kl_k3=_finite(record.get("kl_k3")),
         routing_agreement=_finite(record.get("routing_natural_agreement")),
         last_checkpoint_step=last_checkpoint_step,
+        eval_reward=eval_reward,
+        eval_step=None if eval_reward is None else int(record["step"]),
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
     )
