@@ -161,11 +161,27 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_figure(runs, evals)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+REWARD_PANEL = "reward (mean)"
+
+
+def plot_figure(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], evals: Mapping[str, Sequence[Mapping[str, Any]]] | None = None
+) -> Any:
+    """The plot's matplotlib Figure (matplotlib imported, Agg): reward (with the held-out eval reward, step 0
+    included), mean |Δlogprob| and routing agreement per step."""
+    import matplotlib.pyplot as plt
+
     # Each panel: (title, [(column, line label suffix, style)]). The routing panel shows what the trainer's
     # routers would choose by themselves (the alignment signal) and whether replay handed the experts the
     # engine's ids (100 % under R3 whenever the hook fires, aligned or not).
     panels = [
-        ("reward (mean)", [("reward_mean", "", "-")]),
+        (REWARD_PANEL, [("reward_mean", "", "-")]),
         ("mean |Δlogprob| rollout vs trainer", [("logprob_abs_diff_mean", "", "-")]),
         (
             "routing agreement with the engine",
@@ -179,24 +195,18 @@ def write_plot(
                 ax.plot(
                     [int(r["step"]) for r in rows], [_f(r, key) for r in rows], style, marker="o", label=label + suffix
                 )
-        if key_of(lines) == "reward_mean":
+        if title == REWARD_PANEL:
             for label, rows in (evals or {}).items():
-                if rows:  # the held-out eval reward, step 0 (before training) included
+                if rows:
                     steps = [int(r["step"]) for r in rows]
-                    ax.plot(steps, [_f(r, "eval_reward_mean") for r in rows], "--", marker="s", label=f"{label} eval")
+                    values = [_f(r, "eval_reward_mean") for r in rows]
+                    ax.plot(steps, values, "--", marker="s", label=f"{label} held-out eval")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return None
-
-
-def key_of(lines: Sequence[tuple[str, str, str]]) -> str:
-    """The first column a plot panel draws."""
-    return lines[0][0]
+    return fig
 
 
 def eval_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
