@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubecluster.clients import apply_crd
 
-from r3operator.runtime.metrics import StatusPusher
+from r3operator.runtime.metrics import StatusPusher, eval_progress_patch, progress_patch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,6 +73,23 @@ def test_the_driver_patches_its_own_rljob_progress(
     assert pusher.enabled
     pusher.push({"status": {"progress": {"step": 3, "totalSteps": 12}}})
     assert _progress(control_plane, namespace, "mine") == {"step": 3, "totalSteps": 12}
+
+
+def test_the_last_evaluation_stays_in_the_status_until_the_next_one(
+    control_plane: Any, namespace: str, trainer_identity: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evaluation before training, a step without an evaluation, a step with one: merge patches the real API
+    server applies to the CRD's schema, the eval figures kept between evaluations."""
+    _in_cluster(monkeypatch, control_plane)
+    pusher = StatusPusher("mine", namespace, account_dir=trainer_identity)
+    assert pusher.push(eval_progress_patch(0, 0.25))
+    assert pusher.push(progress_patch({"step": 1, "reward_mean": 0.5}, total_steps=2, last_checkpoint_step=None))
+    progress = _progress(control_plane, namespace, "mine")
+    assert (progress["step"], progress["evalReward"], progress["evalStep"]) == (1, 0.25, 0)
+    row = {"step": 2, "reward_mean": 0.5, "eval_reward": 0.375}
+    assert pusher.push(progress_patch(row, total_steps=2, last_checkpoint_step=2))
+    progress = _progress(control_plane, namespace, "mine")
+    assert (progress["step"], progress["evalReward"], progress["evalStep"]) == (2, 0.375, 2)
 
 
 def test_a_push_to_another_rljob_is_refused_and_only_logged(
