@@ -76,10 +76,11 @@ class StepTable:
 
     def _table(self) -> Table:
         table = Table(title=f"{self.title}  ({len(self.rows)}/{self.total_steps} steps)")
+        evaluated = any(_eval_reward(r) for r in self.rows)  # spec.evaluation: a column once a step evaluated
         for col in (
             "step",
             "reward",
-            "eval reward",
+            *(["eval reward"] if evaluated else []),
             "|Δlogprob|",
             "routing natural",
             "replay",
@@ -92,7 +93,7 @@ class StepTable:
             table.add_row(
                 str(r["step"]),
                 f"{r['reward_mean']:.3f}",
-                _eval_reward(r),
+                *([_eval_reward(r)] if evaluated else []),
                 _num(r["logprob_abs_diff_mean"]),
                 _pct(r.get("routing_natural_agreement")),
                 _pct(r.get("replay_applied")),

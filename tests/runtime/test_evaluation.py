@@ -307,3 +307,22 @@ def test_a_resumed_run_keeps_the_evaluations_through_its_checkpoint(tmp_path: Pa
     assert [int(r["step"]) for r in read_eval_rows(path)] == [0, 2, 4]
     keep_eval_rows_through(path, 3)  # resumed from the step-3 checkpoint: step 4 runs (and evaluates) again
     assert [(int(r["step"]), float(r["eval_reward_mean"])) for r in read_eval_rows(path)] == [(0, 0.0), (2, 0.2)]
+
+
+def test_the_live_table_gets_an_eval_column_once_a_step_evaluated() -> None:
+    from r3operator.runtime.progress import StepTable
+
+    row = {
+        "step": 1,
+        "reward_mean": 0.5,
+        "logprob_abs_diff_mean": 0.01,
+        "canary_ok": 1,
+        "step_seconds": 1.0,
+    }
+    table = StepTable("t", total_steps=2, enabled=False)
+    table.add(row)
+    assert "eval reward" not in [c.header for c in table._table().columns]
+    table.add({**row, "step": 2, "eval_reward": 0.375})
+    rendered = table._table()
+    [column] = [c for c in rendered.columns if c.header == "eval reward"]
+    assert list(column.cells) == ["", "0.375"]
