@@ -345,3 +345,37 @@ def test_the_live_table_gets_an_eval_column_once_a_step_evaluated() -> None:
     rendered = table._table()
     [column] = [c for c in rendered.columns if c.header == "eval reward"]
     assert list(column.cells) == ["", "0.375"]
+
+
+def test_the_defaults_follow_verl_but_sample_at_the_rollouts_temperature(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from r3operator.api import load_rljob
+    from r3operator.models import ensure_reference_model
+    from r3operator.runtime.evaluation import build_evaluation
+    from r3operator.tasks.dataset_task import DatasetTask, load_problems
+    from r3operator.tasks.rewards import MathReward
+
+    held_out = _held_out_file(tmp_path)
+    job = load_rljob(
+        write_job(
+            tmp_path,
+            task={"name": "dataset", "datasetPath": str(ARITH), "reward": "math"},
+            rollout={"temperature": 0.7, "maxTokens": 6},
+            evaluation={"datasetPath": str(held_out)},
+        )
+    )
+    tokenizer = AutoTokenizer.from_pretrained(ensure_reference_model("tiny"))
+    task = DatasetTask(
+        load_problems(ARITH, tokenizer, max_prompt_tokens=None), tokenizer=tokenizer, reward=MathReward(), seed=0
+    )
+    evaluation = build_evaluation(job.spec, task, held_out, last_step=25, run_dir=tmp_path)
+    assert evaluation is not None and evaluation.before_training  # verl's val_before_train
+    assert [s for s in range(26) if evaluation.due(s)] == [10, 20, 25]  # test_freq 10, and the last step
+    request = evaluation.request
+    assert (request.temperature, request.n, request.max_tokens) == (0.7, 1, 6)  # rollout's temperature, n 1
+    assert list(request.prompts) == [_ids(f"{BOS} user : what is {a} plus {b} ? assistant :") for a, b in HELD_OUT]
+    assert (
+        build_evaluation(job.spec.model_copy(update={"evaluation": None}), task, None, last_step=25, run_dir=tmp_path)
+        is None
+    )
