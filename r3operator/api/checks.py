@@ -579,6 +579,15 @@ def dataset_path(c: RuleContext) -> str | None:
     return None
 
 
+def evaluation_task(c: RuleContext) -> str | None:
+    if c.spec.evaluation is not None and c.spec.task.name != DATASET_TASK:
+        return (
+            "evaluation needs task.name dataset (its rows are read with the task reader and scored by the task "
+            f"reward), got task.name {c.spec.task.name}"
+        )
+    return None
+
+
 def reward_fits_task(c: RuleContext) -> str | None:
     task = c.spec.task
     if task.name == DATASET_TASK and task.reward not in TEXT_REWARDS:

@@ -36,6 +36,7 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "vLLM", "type": "string", "jsonPath": ".status.resolved.vllmVersion", "priority": 1},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.resolved.engineGpusTotal", "priority": 1},
     {"name": "Image", "type": "string", "jsonPath": ".spec.inference.image", "priority": 1},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.progress.evalReward", "priority": 1},
 ]
 
 # Transition rules (need oldSelf): settings that cannot change under a running job.

@@ -682,6 +682,59 @@ RULES: tuple[Rule, ...] = (
             "FieldValueRequired",
         ),
     ),
+    Rule(
+        "EVAL-TASK-DATASET",
+        E,
+        "spec.evaluation",
+        ("evaluation", "task.name"),
+        "held-out evaluation reads a dataset with the task's reader and reward: task.name dataset",
+        ("r3operator: runtime/evaluation.py",),
+        checks.evaluation_task,
+        CelRule(
+            "!has(self.evaluation) || self.task.name == 'dataset'",
+            "'evaluation needs task.name dataset (its rows are read with the task reader and scored by the task "
+            "reward), got task.name ' + self.task.name",
+            ".evaluation",
+            "FieldValueInvalid",
+        ),
+    ),
+    Rule(
+        "EVAL-DATASET-URI-SCHEME",
+        E,
+        "spec.evaluation.datasetPath",
+        ("evaluation.datasetPath",),
+        "an eval dataset is a path, s3:// or gs://",
+        ("r3operator: docs/models.md",),
+        source_checks.eval_dataset_uri_scheme,
+        CelRule(
+            "!has(self.evaluation) || !self.evaluation.datasetPath.contains('://') || "
+            "self.evaluation.datasetPath.startsWith('s3://') || self.evaluation.datasetPath.startsWith('gs://') || "
+            "self.evaluation.datasetPath.startsWith('file://')",
+            "'evaluation.datasetPath ' + self.evaluation.datasetPath + ': use a path (on the routing volume or in the "
+            "image), s3://bucket/key or gs://bucket/key'",
+            ".evaluation.datasetPath",
+        ),
+    ),
+    Rule(
+        "EVAL-DATASET-CREDENTIALS",
+        E,
+        "spec.evaluation.datasetPath",
+        ("evaluation.datasetPath", "task.s3", "task.gcs"),
+        "an s3:// or gs:// eval dataset is fetched with task.s3 or task.gcs",
+        ("r3operator: docs/models.md", "Cloud Storage: simple migration from Amazon S3 (HMAC keys)"),
+        source_checks.eval_dataset_credentials,
+        CelRule(
+            "!has(self.evaluation) || (self.evaluation.datasetPath.startsWith('s3://') ? has(self.task.s3) : "
+            "(!self.evaluation.datasetPath.startsWith('gs://') || has(self.task.gcs)))",
+            "'evaluation.datasetPath ' + self.evaluation.datasetPath + "
+            "(self.evaluation.datasetPath.startsWith('s3://') ? ' needs task.s3.credentialsSecret: a Secret with "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)' : "
+            "' needs task.gcs.credentialsSecret: a Secret with an HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as "
+            "AWS_SECRET_ACCESS_KEY)')",
+            ".evaluation.datasetPath",
+            "FieldValueRequired",
+        ),
+    ),
     # Python-only: the resolver's own parse (api/sources.py), which CEL cannot repeat.
     Rule(
         "MODEL-URI-FORM",

@@ -23,9 +23,9 @@ from typing import Any
 
 from r3operator.api.pod_rules import SITES
 from r3operator.api.pods import PodTemplate
-from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.dataset import fetched_datasets
 from r3operator.operator.builders.model_cache import credential_keys, uses_model_cache
 from r3operator.operator.builders.overrides import role_template
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
@@ -105,8 +105,8 @@ def _source_references(job: RLJob) -> list[Reference]:
         keys = credential_keys(model.uri, model.s3, model.gcs, "model")
         refs += [Reference("Secret", name, key, where) for name, key, where in keys]
     task = job.spec.task
-    if task.dataset_path and parse_source_uri(task.dataset_path).fetched:
-        keys = credential_keys(task.dataset_path, task.s3, task.gcs, "task")
+    for _, path in fetched_datasets(job):  # the eval file too, with the task's store credentials
+        keys = credential_keys(path, task.s3, task.gcs, "task")
         refs += [Reference("Secret", name, key, where) for name, key, where in keys]
     return refs
 

@@ -21,6 +21,8 @@
                  fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
                  position (teacher-forced; ε and δ from the engine's dtype and device), else
                  CanaryMismatchError
+   eval          spec.evaluation, every intervalSteps and at the last step: the held-out eval reward of the new
+                 policy on the same engines (runtime/evaluation.py); never trained on
  9 metrics       Prometheus, metrics.csv, RLJob status.progress
 10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                  atomically once every rank has finished (runtime/checkpoint.py); the step waits
@@ -47,7 +49,8 @@ from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
-from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.evaluation import EvalResult, Evaluation
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, eval_progress_patch, progress_patch
 from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through, read_rows
@@ -140,6 +143,8 @@ class GRPORun:
         from r3operator.settings import runtime_settings
 
         self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
+        self.evaluation: Evaluation | None = None  # spec.evaluation (setup())
+        self.step_eval: EvalResult | None = None  # the last evaluation
 
     # -- setup --------------------------------------------------------------------------------------
     # What setup() puts in place (runtime/setup.py builds it): typed as present, since nothing of the
@@ -171,6 +176,7 @@ class GRPORun:
         self.canary_tol = parts.canary_tol
         self.canary_near_ties = 0
         self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
+        self.evaluation = parts.evaluation
         install = self._native_install()
         # What the report and status.progress.weightSync say: the method, why, and where it is sent from.
         self.weight_sync_described = self.weight_transfer.describe() + (
@@ -203,10 +209,15 @@ class GRPORun:
             log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
         elif self.spec.algorithm.sft_warmup_steps:
             self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
+        if self.evaluation is not None:
+            self.evaluation.start(resumed_through=None if info is None else info.step)
         # Engines may hold other weights (a fresh start, a previous run): sync once before step 1. On a
         # resume that sync installs the checkpoint's policy again; it is not a new policy version.
         self.sync_weights(new_version=info is None)
         self.canary()
+        if info is None and self.evaluation is not None and self.evaluation.before_training:
+            self.step_eval = self._run_evaluation(0)
+            self.status.push(eval_progress_patch(0, self.step_eval.reward_mean))
 
     def sft_warmup(self, steps: int) -> list[float]:
         return sft_warmup(self.trainer, self.pool, steps=steps, seed=self.spec.seed)
@@ -553,7 +564,7 @@ class GRPORun:
         changed = self.nonfinite.record(step, stats)
         if stats.updates_skipped:
             self.metrics.inc("r3operator_nonfinite_steps_total")
-        canary_ok = self.sync_and_canary(timer) if changed else self._no_sync()
+        canary_ok = self.sync_and_canary(timer, step) if changed else self._no_sync(step, timer)
         with timer("metrics"):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
             row.nonfinite_updates = stats.updates_skipped
@@ -565,18 +576,38 @@ class GRPORun:
         self.nonfinite.check()
         return row
 
-    def _no_sync(self) -> bool:
-        """A step whose update was not applied: the engines keep the policy they have (no canary to run)."""
+    def _no_sync(self, step: int, timer: PhaseTimer) -> bool:
+        """A step whose update was not applied: the engines keep the policy they have (no canary to run); a due
+        held-out evaluation still runs, on that policy."""
         self.sync_phases.reset()
         self.canary_near_ties = 0
+        self.evaluate(step, timer)
         return False
 
-    def sync_and_canary(self, timer: PhaseTimer) -> bool:
-        """7-8. Weight sync, then the canary (the asynchronous driver pauses the engines around both)."""
+    def sync_and_canary(self, timer: PhaseTimer, step: int) -> bool:
+        """7-8. Weight sync, then the canary, then the held-out evaluation when due (the asynchronous driver pauses
+        the engines around all three)."""
         with timer("weight_sync"):
             self.sync_weights()
         with timer("canary"):
-            return self.canary()
+            canary_ok = self.canary()
+        self.evaluate(step, timer)
+        return canary_ok
+
+    def evaluate(self, step: int, timer: PhaseTimer) -> None:
+        """spec.evaluation, when due after `step`: the eval reward of the policy the engines hold (`eval` phase)."""
+        if self.evaluation is not None and self.evaluation.due(step):
+            with timer("eval"):
+                self.step_eval = self._run_evaluation(step)
+
+    def _run_evaluation(self, step: int) -> EvalResult:
+        assert self.evaluation is not None
+        result = self.evaluation.on_engines(
+            step, policy_version=self.policy_version, engines=self.engines, supervisor=self.supervisor
+        )
+        self.metrics.observe_eval(step, result.reward_mean)
+        log.info("%s", result.line())
+        return result
 
     def _trainer_peak_gib(self) -> float | None:
         """The largest peak GPU memory of any trainer rank so far (GiB); None on CPU, where the driver's
@@ -594,6 +625,8 @@ class GRPORun:
         """Figures a driver adds from the update's (none in the synchronous loop)."""
 
     def _finish_step(self, row: StepRecord, timer: PhaseTimer, begin: float) -> StepRecord:
+        if self.step_eval is not None and self.step_eval.step == row.step:
+            row.eval_reward = self.step_eval.reward_mean
         row.phase_seconds = dict(timer.seconds)  # every phase the step ran, metrics and checkpoint included
         row.step_seconds = time.perf_counter() - begin
         row.trainer_peak_memory_gib = self._trainer_peak_gib()
@@ -625,6 +658,7 @@ class GRPORun:
             ", ".join(sorted({reason for _, reason in self.dropped})),
         )
         self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
+        self.evaluate(step, timer)  # a due evaluation still runs, on the unchanged policy
         with timer("metrics"):
             row = self._rollout_columns(step, samples, rewards, timer)  # StepRecord's defaults: a skipped step
         with timer("checkpoint"):
@@ -757,6 +791,8 @@ class GRPORun:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[StepRecord]:
         self.setup()
+        if table is not None and self.step_eval is not None:  # the evaluation before training
+            table.note(self.step_eval.line())
         try:
             for step in range(self.start_step, self.s.steps + 1):
                 row = self.train_step(step)

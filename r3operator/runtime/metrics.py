@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.api.v1alpha1 import Progress
 from r3operator.rollout.partial import LagGap as LagGap  # what observe_lags takes, for the layers above
 from r3operator.runtime.step_record import step_progress
 from r3operator.settings import PROGRESS_KEY, runtime_settings
@@ -27,6 +28,18 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_policy_version", "gauge", _ID, "Policy version on the engines (weight syncs so far)."),
     MetricSpec("r3operator_reward_mean", "gauge", _ID, "Mean rollout reward of the last step."),
     MetricSpec("r3operator_tokens_per_second", "gauge", _ID, "Generated tokens per second of rollout, last step."),
+    MetricSpec(
+        "r3operator_eval_reward",
+        "gauge",
+        _ID,
+        "Mean held-out eval reward of the last evaluation (spec.evaluation; absent without one).",
+    ),
+    MetricSpec(
+        "r3operator_eval_step",
+        "gauge",
+        _ID,
+        "The step after which the last evaluation ran (0: before training).",
+    ),
     MetricSpec("r3operator_step_seconds", "gauge", _ID, "Wall time of the last step."),
     MetricSpec("r3operator_step_phase_seconds", "gauge", (*_ID, "phase"), "Wall time of each phase of the last step."),
     MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
@@ -216,6 +229,11 @@ class RuntimeMetrics:
         for phase, seconds in phases.items():
             self.set("r3operator_step_phase_seconds", seconds, phase=phase)
 
+    def observe_eval(self, step: int, reward_mean: float) -> None:
+        """One held-out evaluation (runtime/evaluation.py): its reward and the step it was measured after."""
+        self.set("r3operator_eval_reward", reward_mean)
+        self.set("r3operator_eval_step", step)
+
     def observe_lags(self, gaps: Sequence[LagGap], *, max_staleness: int) -> None:
         """The step's |Δlogprob| split by staleness lag (metrics.csv's `*_by_lag`), under bounded lag labels.
         A label without tokens loses its mean series: a NaN would read as a figure (as clear_fidelity)."""
@@ -248,7 +266,8 @@ def progress_patch(
     """The progress report after the step `row` (a StepRecord), shaped as the RLJob status it becomes:
     `{"status": {"progress": Progress}}` (`StatusPusher.push` sends it; the operator copies it into the status).
     Figures the step lacks are null, which clears the last step's; `weightSync` and `nonFiniteSteps` are left
-    out when not known, so the ones already reported stay (`lastNonFiniteStep` goes with its count)."""
+    out when not known, and `evalReward`/`evalStep` on a step that did not evaluate, so the ones already
+    reported stay (`lastNonFiniteStep` goes with its count)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = step_progress(
         row,
@@ -259,13 +278,24 @@ def progress_patch(
         non_finite_steps=non_finite_steps,
         last_non_finite_step=last_non_finite_step,
     )
-    # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count.
+    # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count, the
+    # last evaluation's figures.
     unknown = {"weight_sync": weight_sync, "non_finite_steps": non_finite_steps}
     left_out = {k for k, v in unknown.items() if v is None}
     if non_finite_steps is None:
         left_out.add("last_non_finite_step")
+    if progress.eval_reward is None:
+        left_out |= {"eval_reward", "eval_step"}
     body = progress.model_dump(mode="json", by_alias=True, exclude=left_out or None)
     return {"status": {"progress": body}}
+
+
+def eval_progress_patch(step: int, reward_mean: float) -> dict[str, Any]:
+    """The report of an evaluation outside a step (before training, step 0): the eval figures alone."""
+    progress = Progress(eval_reward=reward_mean, eval_step=step)
+    return {
+        "status": {"progress": progress.model_dump(mode="json", by_alias=True, include={"eval_reward", "eval_step"})}
+    }
 
 
 def merged_report(last: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:

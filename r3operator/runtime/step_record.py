@@ -24,8 +24,9 @@ from r3operator.wire.sync_phases import SYNC_PHASES
 
 NAN = math.nan
 
-# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `pause` is the
-# asynchronous driver's wait for the rollout segment in flight before a weight sync.
+# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `eval` only on the steps that ran
+# the held-out evaluation (runtime/evaluation.py); `pause` is the asynchronous driver's wait for the rollout
+# segment in flight before a weight sync.
 STEP_PHASES = (
     "rollout",
     "reward",
@@ -36,6 +37,7 @@ STEP_PHASES = (
     "update",
     "weight_sync",
     "canary",
+    "eval",
     "metrics",
     "checkpoint",
 )
@@ -87,6 +89,7 @@ _ASYNC_FIDELITY = (
     "tokens_by_lag",
     "logprob_abs_diff_mean_resumed",
 )
+_EVAL = ("eval_reward",)  # spec.evaluation: the held-out reward, on the steps that evaluated (runtime/evaluation.py)
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
@@ -100,6 +103,7 @@ COLUMNS: tuple[str, ...] = (
     *_ASYNC_FIDELITY,
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
     *_REPLAY_HEALTH,
+    *_EVAL,
 )
 """metrics.csv's header, in order."""
 
@@ -159,6 +163,8 @@ class StepRecord(Mapping[str, Any]):
     extreme_token_fraction: float | None = None
     route_check_failures: int | None = None
     route_check_message: str | None = None
+    # -- spec.evaluation, on the steps that evaluated
+    eval_reward: float | None = None
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
@@ -171,6 +177,7 @@ class StepRecord(Mapping[str, Any]):
             (_ASYNC_ROLLOUT, self.staleness_mean is not None),
             (_ASYNC_UPDATE + _ASYNC_FIDELITY, self.importance_weight_mean is not None),
             (_REPLAY_HEALTH, self.route_check_failures is not None),
+            (_EVAL, self.eval_reward is not None),
         ]
         have = {name for names, present in groups if present for name in names}
         have.update(f"t_{phase}" for phase in self.phase_seconds)
@@ -226,7 +233,9 @@ def step_progress(
     last_non_finite_step: int | None = None,
 ) -> Progress:
     """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row);
-    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one."""
+    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one; the eval
+    figures only when the step evaluated (None otherwise: the status keeps the last evaluation's)."""
+    eval_reward = _finite(record.get("eval_reward"))
     return Progress(
         step=int(record["step"]),
         total_steps=int(total_steps),
@@ -238,6 +247,8 @@ def step_progress(
         last_checkpoint_step=last_checkpoint_step,
         non_finite_steps=non_finite_steps,
         last_non_finite_step=last_non_finite_step,
+        eval_reward=eval_reward,
+        eval_step=None if eval_reward is None else int(record["step"]),
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
         replayed_fraction=_finite(record.get("replayed_fraction")),

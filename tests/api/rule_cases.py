@@ -228,6 +228,24 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(task={**DATASET, "reward": "math", "datasetPath": "gs://d/t.jsonl", "gcs": {"credentialsSecret": "s"}}),
         sets(task={**DATASET, "reward": "math", "datasetPath": "gs://data/train.jsonl"}),
     ),
+    "EVAL-TASK-DATASET": (
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "/data/math/test.jsonl"}),
+        sets(evaluation={"datasetPath": "/data/math/test.jsonl"}),
+    ),
+    "EVAL-DATASET-URI-SCHEME": (
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "file:///data/math/test.jsonl"}),
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "hdfs://data/test.jsonl"}),
+    ),
+    "EVAL-DATASET-CREDENTIALS": (
+        sets(
+            task={**DATASET, "reward": "math", "gcs": {"credentialsSecret": "s"}},
+            evaluation={"datasetPath": "gs://data/test.jsonl"},
+        ),
+        sets(
+            task={**DATASET, "reward": "math", "gcs": {"credentialsSecret": "s"}},
+            evaluation={"datasetPath": "s3://data/test.jsonl"},
+        ),
+    ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build
         sets(**{"inference.image": "docker.io/vllm/vllm-openai:v0.30.0"}),

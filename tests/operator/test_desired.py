@@ -685,6 +685,42 @@ def test_s3_dataset_is_fetched_by_the_trainer_head_only():
     assert all(c["name"] != "fetch-dataset" for c in worker.get("initContainers", []))
 
 
+def test_an_s3_eval_dataset_is_fetched_beside_the_training_file_with_the_tasks_credentials():
+    s3 = {"credentialsSecret": "data-creds", "endpointURL": "http://minio.storage:9000"}
+    local_train = {"task.name": "dataset", "task.reward": "math", "task.datasetPath": "/data/train.jsonl"}
+    eval_s3 = {**local_train, "task.s3": s3, "evaluation": {"datasetPath": "s3://data/math/test.jsonl"}}
+    children = _by_kind(desired(_job(**eval_s3)))
+    head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    # The training file is a path: only the eval file is fetched, into the same emptyDir the driver reads.
+    [fetch] = [c for c in head["initContainers"] if c["name"].startswith("fetch-")]
+    assert fetch["name"] == "fetch-eval-dataset"
+    assert fetch["command"] == [
+        "r3operator",
+        "fetch",
+        "s3://data/math/test.jsonl",
+        "/mnt/data",
+        "--endpoint-url",
+        "http://minio.storage:9000",
+    ]
+    assert _env(fetch)["AWS_SECRET_ACCESS_KEY"] == {
+        "secretKeyRef": {"name": "data-creds", "key": "AWS_SECRET_ACCESS_KEY"}
+    }
+    assert {"name": "data", "mountPath": "/mnt/data", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    # Both fetched: one container each, the eval file from its own store (task.gcs).
+    both_fetched = {
+        **eval_s3,
+        "task.datasetPath": "s3://data/math/train.jsonl",
+        "task.gcs": {"credentialsSecret": "hmac"},
+        "evaluation": {"datasetPath": "gs://held/out.jsonl"},
+    }
+    both = _by_kind(desired(_job(**both_fetched)))
+    head = both["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    fetches = [c for c in head["initContainers"] if c["name"].startswith("fetch-")]
+    assert [c["name"] for c in fetches] == ["fetch-dataset", "fetch-eval-dataset"]
+    assert fetches[1]["command"] == ["r3operator", "fetch", "gs://held/out.jsonl", "/mnt/data"]
+    assert _env(fetches[1])["AWS_ACCESS_KEY_ID"]["secretKeyRef"]["name"] == "hmac"
+
+
 def test_reference_model_mounts_nothing_extra():
     children = _by_kind(desired(_job(REPO / "examples" / "rljob-local.yaml")))
     for pod in _pod_specs(children).values():

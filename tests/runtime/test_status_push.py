@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from r3operator.runtime.metrics import StatusPusher, merged_report
+from r3operator.runtime.metrics import StatusPusher, eval_progress_patch, merged_report, progress_patch
 
 
 @pytest.fixture
@@ -67,6 +67,23 @@ def test_the_driver_reports_its_own_progress_merged_over_the_last_report(
     # A merge patch's meaning: a null clears the last figure, a key left out keeps it.
     assert pusher.push({"status": {"progress": {"step": 4, "totalSteps": None}}})
     assert _report(control_plane, namespace, "mine") == {"step": 4, "weightSync": "nccl"}
+
+
+def test_the_last_evaluation_stays_in_the_report_until_the_next_one(
+    control_plane: Any, namespace: str, trainer_identity: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evaluation before training, a step without an evaluation, a step with one: the eval figures kept between
+    evaluations."""
+    _in_cluster(monkeypatch, control_plane)
+    pusher = StatusPusher("mine", namespace, account_dir=trainer_identity)
+    assert pusher.push(eval_progress_patch(0, 0.25))
+    assert pusher.push(progress_patch({"step": 1, "reward_mean": 0.5}, total_steps=2, last_checkpoint_step=None))
+    report = _report(control_plane, namespace, "mine")
+    assert (report["step"], report["evalReward"], report["evalStep"]) == (1, 0.25, 0)
+    row = {"step": 2, "reward_mean": 0.5, "eval_reward": 0.375}
+    assert pusher.push(progress_patch(row, total_steps=2, last_checkpoint_step=2))
+    report = _report(control_plane, namespace, "mine")
+    assert (report["step"], report["evalReward"], report["evalStep"]) == (2, 0.375, 2)
 
 
 def test_a_report_for_another_job_or_with_a_nan_is_refused_and_only_logged(
