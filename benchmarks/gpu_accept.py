@@ -207,6 +207,14 @@ def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
         }
     if not problems and data["r3"]["replay_applied"] != 1.0:
         problems.append(f"r3: replay applied {data['r3']['replay_applied']:.4f}, expected 1")
+    r3_rows = read_csv(ctx.work / "runs" / MAIN_NAME / "r3" / "metrics.csv") if "r3" in data else []
+    checks = route_checks_share(r3_rows)
+    if r3_rows:
+        data["r3"]["route_checks_share"] = checks
+        if not checks < ROUTE_CHECKS_SHARE_MAX:
+            problems.append(f"r3: route checks took {checks:.2%} of a step, over {ROUTE_CHECKS_SHARE_MAX:.0%}")
+        if any((r.get("route_check_failures") or "0") != "0" for r in r3_rows):
+            problems.append("r3: a route check failed on a healthy run")
     off, on = data.get("disabled", {}), data.get("r3", {})
     figure = (
         "; ".join(problems)
@@ -214,11 +222,62 @@ def judge_main_job(ctx: Context, code: int, log: str) -> Verdict:
         else (
             f"|Δlogprob| Disabled {off['mean_abs_dlogprob']:.5f} → R3 {on['mean_abs_dlogprob']:.5f} "
             f"({on['mean_abs_dlogprob'] / off['mean_abs_dlogprob']:.2f}×); canary {on['canary']} each; resumed at "
-            f"step 3, steps 1-2 kept; step {MAIN_NAN_STEP}'s NaN updates not applied, synced or checkpointed"
+            f"step 3, steps 1-2 kept; step {MAIN_NAN_STEP}'s NaN updates not applied, synced or checkpointed; "
+            f"route checks {on.get('route_checks_share', float('nan')):.2%} of an R3 step"
         )
     )
     met = bool(on) and bool(off) and on["mean_abs_dlogprob"] < off["mean_abs_dlogprob"]
     return Verdict(code == 0 and not problems, figure, met if not problems else None, data)
+
+
+ROUTE_CHECKS_SHARE_MAX = 0.02  # issue 43: the route checks cost at most 2 % of a step
+
+
+def route_checks_share(rows: Sequence[Mapping[str, str]]) -> float:
+    """The route checks' share of an R3 step: their `t_route_checks` over `step_seconds`, summed over the steps."""
+    spent = sum(float(r.get("t_route_checks") or 0.0) for r in rows)
+    total = sum(float(r.get("step_seconds") or 0.0) for r in rows)
+    return spent / total if total else float("nan")
+
+
+CAPTURE_BENCH = "python3 -m benchmarks.bench_route_capture --model gpu --device cuda"
+
+
+def capture_command(runs: Mapping[str, str]) -> Callable[[Context], str]:
+    """One bench_route_capture run per (name, vllm.LLM arguments as JSON), each into `<name>.json`; every run
+    is attempted (a failing one does not stop the next)."""
+
+    def command(ctx: Context) -> str:
+        parts = [
+            f"{CAPTURE_BENCH} --engine-args {shlex.quote(args)} --json {ctx.path(name + '.json')}"
+            for name, args in runs.items()
+        ]
+        return "; ".join(parts) + "; true"
+
+    return command
+
+
+def judge_capture(required: str, runs: Sequence[str]) -> Callable[[Context, int, str], Verdict]:
+    """`required`'s routes pass every route check; the other runs are reported (which kernel, which rule)."""
+
+    def judge(ctx: Context, code: int, log: str) -> Verdict:
+        data: dict[str, Any] = {}
+        for name in runs:
+            path = ctx.work / f"{name}.json"
+            data[name] = json.loads(path.read_text()) if path.exists() else None
+        said = []
+        for name, result in data.items():
+            if result is None:
+                said.append(f"{name}: did not run (log)")
+            else:
+                bad = result["failures"] or "none"
+                said.append(f"{name}: {result['samples']} samples, failures {bad}, max id {result['max_expert_id']}")
+        needed = data.get(required)
+        ok = needed is not None and not needed["failures"] and needed["samples"] > 0
+        ok = ok and needed is not None and needed["max_expert_id"] < needed["num_experts"]
+        return Verdict(ok, "; ".join(said), ok, data)
+
+    return judge
 
 
 def up_command(job: str, gpus: str, steps: int, extra: str = "") -> Callable[[Context], str]:
@@ -655,6 +714,36 @@ ROWS: list[Row] = [
         540,
         main_job_command,
         judge_main_job,
+    ),
+    Row(
+        "r3_moe_backend",
+        3,
+        "routed-experts capture under the MoE kernel R3 pins on vLLM < 0.30 (--moe-backend triton) and under "
+        "vLLM's own choice, every sample through the route checks (bench_route_capture)",
+        "the Triton kernel's routes pass every route check (the auto choice is reported: FlashInfer TRT-LLM, "
+        "which skips capture, is Blackwell-only)",
+        1,
+        120,
+        420,
+        capture_command({"triton": '{"moe_backend": "triton"}', "auto": "{}"}),
+        judge_capture("triton", ("triton", "auto")),
+    ),
+    Row(
+        "r3_eplb",
+        3,
+        "routed-experts capture with EPLB (TP 2, expert parallel, 8 redundant experts rearranged every 20 steps): "
+        "ids must be logical (bench_route_capture)",
+        "every sample's ids in [0, numExperts) and past the other route checks",
+        2,
+        180,
+        480,
+        capture_command(
+            {
+                "eplb": '{"tensor_parallel_size": 2, "enable_expert_parallel": true, "enable_eplb": true, '
+                '"eplb_config": {"num_redundant_experts": 8, "window_size": 10, "step_interval": 20}}'
+            }
+        ),
+        judge_capture("eplb", ("eplb",)),
     ),
     Row(
         "up_2gpu",

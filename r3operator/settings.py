@@ -36,6 +36,9 @@ CONFIG_KEY = "config.json"
 """The ConfigMap key holding the runtime config; the volume makes it the file CONFIG_PATH."""
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 """The resolved runtime config as seen inside every container (``r3operator run --config`` reads it)."""
+PROGRESS_KEY = "progress"
+"""The key of the ConfigMap ``<job>-progress`` the trainer driver writes its ``Progress`` JSON under (the operator
+copies it into the RLJob's ``status.progress``: operator/progress.py)."""
 REFERENCE_MODELS_SUBDIR = "models"
 REFERENCE_MODELS_DIR = f"{ROUTING_MOUNT}/{REFERENCE_MODELS_SUBDIR}"
 """r3operator://reference/<name> models are generated onto the shared volume by the trainer driver."""
@@ -102,6 +105,9 @@ class OperatorSettings(_Settings):
     operator_namespace: str | None = Field(None, min_length=1)
     """The operator's namespace (the chart sets it from the downward API): each RLJob's engine NetworkPolicy
     admits it to the engine port, for the canary. Unset outside a cluster: no namespace is admitted."""
+    service_account: str | None = Field(None, min_length=1)
+    """The operator's own ServiceAccount (the chart sets it from the downward API): an RLJob in the operator's
+    namespace whose pod template names it is refused (its pods would hold the operator's rights)."""
     pod_name: str | None = Field(None, min_length=1)
     """This replica's pod name (the chart sets it from the downward API): its leader-election identity."""
     engine_ingress_namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -426,6 +426,39 @@ def r3_mrv2(c: RuleContext) -> str | None:
     )
 
 
+def r3_eplb(c: RuleContext) -> str | None:
+    eplb = any(a == "--enable-eplb" or a.startswith("--enable-eplb=") for a in c.spec.inference.extra_args)
+    return _version_gate(
+        c,
+        "routed-experts-logical-ids",
+        applies=_r3(c.spec) and eplb,
+        what="R3 with --enable-eplb in inference.extraArgs (routes must be logical expert ids, not EPLB's physical)",
+    )
+
+
+def r3_moe_backend(c: RuleContext) -> str | None:
+    """On a vLLM whose capture misses monolithic MoE kernels the operator pins `--moe-backend triton`
+    (api/vllm_args.py); extraArgs come last, so another backend there would undo it."""
+    from r3operator.api.vllm_args import R3_MOE_BACKEND, capture_safe_moe_backend
+
+    if not capture_safe_moe_backend(c.spec):
+        return None
+    args = list(c.spec.inference.extra_args)
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--moe-backend" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--moe-backend="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.lower().replace("-", "_") != R3_MOE_BACKEND:
+            return (
+                f"inference.extraArgs sets --moe-backend {value}, but R3 on vLLM {c.engine_version} needs the "
+                f"{R3_MOE_BACKEND} MoE kernel: before 0.30.0 a monolithic kernel (FlashInfer TRT-LLM) skips "
+                "routed-experts capture and every route comes back zero; drop the flag or use vLLM >= 0.30.0"
+            )
+    return None
+
+
 # -------------------------------------------------------------------------------------- warnings
 
 
@@ -543,6 +576,15 @@ def dataset_path(c: RuleContext) -> str | None:
         return "task.name dataset needs task.datasetPath: a JSONL or Parquet file of prompt/messages + answer rows"
     if task.name != DATASET_TASK and task.dataset_path is not None:
         return f"task.name {task.name} reads no task.datasetPath (only task.name dataset does)"
+    return None
+
+
+def evaluation_task(c: RuleContext) -> str | None:
+    if c.spec.evaluation is not None and c.spec.task.name != DATASET_TASK:
+        return (
+            "evaluation needs task.name dataset (its rows are read with the task reader and scored by the task "
+            f"reward), got task.name {c.spec.task.name}"
+        )
     return None
 
 

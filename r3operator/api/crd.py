@@ -27,6 +27,7 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replay", "type": "string", "jsonPath": ".spec.routingReplay.mode"},
+    {"name": "Healthy", "type": "string", "jsonPath": '.status.conditions[?(@.type=="ReplayHealthy")].status'},
     {"name": "Engines", "type": "string", "jsonPath": ".status.enginesReady"},
     {"name": "Trainer", "type": "string", "jsonPath": ".spec.trainer.backend"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
@@ -35,6 +36,7 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "vLLM", "type": "string", "jsonPath": ".status.resolved.vllmVersion", "priority": 1},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.resolved.engineGpusTotal", "priority": 1},
     {"name": "Image", "type": "string", "jsonPath": ".spec.inference.image", "priority": 1},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.progress.evalReward", "priority": 1},
 ]
 
 # Transition rules (need oldSelf): settings that cannot change under a running job.
@@ -76,6 +78,14 @@ ROOT_RULES: list[JSON] = [
         f"{_limits_text()}'.format([self.metadata.name.size()])",
         "fieldPath": ".metadata.name",
         "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": f"!self.metadata.name.startsWith('{names.RESERVED_NAME_PREFIX}')",
+        "messageExpression": f"'metadata.name %s starts with {names.RESERVED_NAME_PREFIX}, which Kubernetes "
+        "reserves for its own components: its children (<job>-trainer, <job>-engine and the rest) would read as "
+        "system objects; choose another name'.format([self.metadata.name])",
+        "fieldPath": ".metadata.name",
+        "reason": "FieldValueForbidden",
     },
 ]
 

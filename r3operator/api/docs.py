@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from r3operator.api.rules import RULES
+from r3operator.api.silent_failures import SILENT_FAILURES
 from r3operator.api.versions import FEATURES
 
 
@@ -43,4 +44,48 @@ def rules_markdown() -> str:
         lines.append(
             f"| `{f.key}` | {f.since} | {_md_escape(f.description)} | {', '.join(f.sources)} | {_md_escape(f.note)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _silent_failures()) + "\n"
+
+
+def _silent_failures() -> list[str]:
+    lines = [
+        "",
+        "## Silent failures",
+        "",
+        "The ways routing replay is known to do nothing without an error, from the RL frameworks' trackers, each",
+        "checked in the vLLM 0.22.1 and 0.30.0 sources, and r3operator's answer: a rule above (refused before any",
+        "GPU is spent), a setting the operator forces, or a route check that runs on every step's routes before",
+        "the update (runtime/route_checks.py). A failed check names the sample, the layer and the rule;",
+        "`spec.routingReplay.onRouteCheckFailure` (default `Fail`) stops the job with nothing trained, or with",
+        "`SkipSample` leaves the sample out and counts it (`r3operator_route_check_failures_total{rule}`);",
+        "`hooks-not-fired` stops the job either way. The `ReplayHealthy` condition and the `R3ReplayUnhealthy`",
+        "alert report them (docs/metrics.md).",
+        "",
+        "| mode | what goes wrong | sources | vLLM 0.22.1 | vLLM 0.30.0 | rule | forced setting | route check "
+        "| tested by |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in SILENT_FAILURES:
+        cells = [
+            f"`{m.key}`",
+            _md_escape(m.what),
+            ", ".join(m.sources),
+            _md_escape(m.vllm_0_22_1),
+            _md_escape(m.vllm_0_30_0),
+            ", ".join(f"`{r}`" for r in m.rules) or "-",
+            _md_escape(m.setting) or "-",
+            ", ".join(f"`{c}`" for c in m.checks) or "-",
+            _md_escape("; ".join(m.tests)) or "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Route checks (routing/checks.py): `routes-missing` and `routes-invalid` (as the routes arrive),",
+        "`route-shape` (layers and top-k are the model's), `expert-range` (ids in `[0, numExperts)`: logical",
+        "ids), `zero-route` (a captured row of an MoE layer holding one expert top-k times), `pad-replayed` (a",
+        "replayed row the engine did not send: pad, a sample's last token), `constant-layer` (one expert set on",
+        "every replayed row of a layer while the trainer's own routers vary), `hooks-not-fired` (a replay hook",
+        "that ran no time on an MoE layer of a trainer rank). Their time is the step's `route_checks` phase",
+        "(`t_route_checks` in metrics.csv).",
+    ]
+    return lines

@@ -20,6 +20,16 @@ class ReplayMode(StrEnum):
     """Rollout Routing Replay: engines return the experts they chose, the trainer forces them."""
 
 
+class RouteCheckPolicy(StrEnum):
+    """What the trainer does with a sample whose routes fail a route check (docs/rules.md, "Silent failures")."""
+
+    FAIL = "Fail"
+    """Stop the job before the update, naming the sample, the layer and the rule: nothing is trained."""
+    SKIP_SAMPLE = "SkipSample"
+    """Leave the sample out of the step and count it (`r3operator_route_check_failures_total`); a step with no
+    sample left is skipped. A rule about the model itself (hooks-not-fired) fails the job either way."""
+
+
 class ExecutorBackend(StrEnum):
     """vLLM ``--distributed-executor-backend``."""
 
@@ -113,6 +123,8 @@ class ConditionType(StrEnum):
     """Terminal and sticky."""
     UPGRADE_BLOCKED = "UpgradeBlocked"
     """An engine image change failed its fidelity canary; the engines are back on the old image."""
+    REPLAY_HEALTHY = "ReplayHealthy"
+    """R3: the last step's routes passed every route check and were replayed, from status.progress."""
 
 
 class RewardKind(StrEnum):

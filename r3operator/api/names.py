@@ -45,6 +45,7 @@ JOB_POD_SUFFIX = 6
 ROLE_WORKLOAD = "workload"
 ROLE_MODEL_CACHE = "model-cache"
 ROLE_MODEL_FETCH = "model-fetch"
+ROLE_PROGRESS = "progress"
 
 CHILD_NAMES: tuple[ChildName, ...] = (
     ChildName(ROLE_STORAGE, "routing", DNS_SUBDOMAIN_MAX, "PersistentVolumeClaim"),
@@ -71,8 +72,17 @@ CHILD_NAMES: tuple[ChildName, ...] = (
         DNS_LABEL_MAX - JOB_POD_SUFFIX,
         "Job that fills the model cache (its pods are <job>-<5 characters>)",
     ),
+    ChildName(ROLE_PROGRESS, "progress", DNS_SUBDOMAIN_MAX, "ConfigMap the trainer reports its progress in"),
 )
 SUFFIXES: dict[str, str] = {c.role: c.suffix for c in CHILD_NAMES}
+
+RESERVED_NAME_PREFIX = "kube-"
+"""Kubernetes reserves ``kube-`` for its own namespaces and components: an RLJob ``kube-system`` would make a
+ServiceAccount, Role and RoleBinding ``kube-system-trainer`` that read as the cluster's own."""
+
+MANAGED_IDENTITY_SUFFIX = "-" + SUFFIXES[ROLE_TRAINER]
+"""Every ServiceAccount the operator manages is ``<job>-trainer`` (operator/builders/trainer_rbac.py): a pod
+template that named one would run its pods with another job's identity."""
 
 
 def child_name(job_name: str, role: str) -> str:

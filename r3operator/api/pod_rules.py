@@ -9,6 +9,10 @@ so that the API server's refusal names the template's own field path:
   the parallel sizes).
 - ``*-MOUNTS``: every volumeMount names a volume of its template or of ``spec.podTemplate``; the API
   server would otherwise refuse the StatefulSet or RayJob only after the job was accepted.
+- ``*-IDENTITY``: ``serviceAccountName`` may not name a ServiceAccount the operator manages (``<job>-trainer``,
+  of this job or another): its pods would run with that job's token. What the object alone cannot show (an
+  account another RLJob controls under another name, the operator's own) the operator refuses
+  (operator/identity.py).
 
 The reserved names live here because ``api`` imports nothing above it; tests/operator/test_pod_overrides.py
 checks that every name the builders use is reserved.
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3operator.api.context import RuleContext
+from r3operator.api.names import MANAGED_IDENTITY_SUFFIX
 from r3operator.api.pods import PodTemplate
 from r3operator.api.v1alpha1 import RLJobSpec
 
@@ -110,6 +115,25 @@ def check_mounts(site: TemplateSite) -> Callable[[RuleContext], str | None]:
     return check
 
 
+def check_identity(site: TemplateSite) -> Callable[[RuleContext], str | None]:
+    def check(c: RuleContext) -> str | None:
+        template = site.get(c.spec)
+        account = template.service_account_name if template is not None else None
+        if account is not None and account.endswith(MANAGED_IDENTITY_SUFFIX):
+            return identity_message(site.path, account)
+        return None
+
+    return check
+
+
+def identity_message(path: str, account: str) -> str:
+    return (
+        f"{path}.serviceAccountName {account} ends in {MANAGED_IDENTITY_SUFFIX}: ServiceAccounts <job>"
+        f"{MANAGED_IDENTITY_SUFFIX} are the per-RLJob identities r3operator manages, and a pod running as the account "
+        "of another job could act as that job; name another ServiceAccount, or none (then the job gets its own)"
+    )
+
+
 # ------------------------------------------------------------------------------------------- CEL
 
 
@@ -168,3 +192,11 @@ def mounts_cel(site: TemplateSite) -> tuple[str, str]:
     where = f"{site.path}.volumes" if site.is_default else f"{site.path}.volumes or podTemplate.volumes"
     message = f"'every {site.path}.volumeMounts entry must name a volume of {where}'"
     return rule, message
+
+
+def identity_cel(site: TemplateSite) -> tuple[str, str]:
+    t = f"self.{site.path}"
+    account = f"{t}.serviceAccountName"
+    rule = f"!has({t}) || !has({account}) || !{account}.endsWith('{MANAGED_IDENTITY_SUFFIX}')"
+    head, _, tail = identity_message(site.path, "\0").partition("\0")
+    return rule, f"'{head}' + {account} + '{tail}'"

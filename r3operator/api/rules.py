@@ -27,7 +27,15 @@ from r3operator.api.checks import CODE_LOADING_VLLM_FLAGS, DERIVED_VLLM_PATTERN
 from r3operator.api.context import RuleContext
 from r3operator.api.enums import Severity
 from r3operator.api.families import HF_REPLAY_FAMILIES
-from r3operator.api.pod_rules import SITES, check_derived, check_mounts, derived_cel, mounts_cel
+from r3operator.api.pod_rules import (
+    SITES,
+    check_derived,
+    check_identity,
+    check_mounts,
+    derived_cel,
+    identity_cel,
+    mounts_cel,
+)
 from r3operator.api.v1alpha1 import RLJobSpec
 
 
@@ -93,7 +101,7 @@ def _cel_string(regex: str) -> str:
 
 
 def _pod_template_rules() -> tuple[Rule, ...]:
-    """Two rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
+    """Three rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
     rules: list[Rule] = []
     for site in SITES:
         derived, derived_message = derived_cel(site)
@@ -120,6 +128,19 @@ def _pod_template_rules() -> tuple[Rule, ...]:
                 ("Kubernetes: PodSpec validation (volumeMounts[].name must be a volume)",),
                 check_mounts(site),
                 CelRule(mounts, mounts_message, f".{site.path}.volumeMounts", "FieldValueInvalid"),
+            )
+        )
+        identity, identity_message = identity_cel(site)
+        rules.append(
+            Rule(
+                f"{site.rule_prefix}-IDENTITY",
+                Severity.ERROR,
+                f"spec.{site.path}.serviceAccountName",
+                (f"{site.path}.serviceAccountName",),
+                "a pod template may not run as a ServiceAccount r3operator manages (<job>-trainer)",
+                ("r3operator: builders/trainer_rbac.py (the per-RLJob identity)",),
+                check_identity(site),
+                CelRule(identity, identity_message, f".{site.path}.serviceAccountName"),
             )
         )
     return tuple(rules)
@@ -661,6 +682,59 @@ RULES: tuple[Rule, ...] = (
             "FieldValueRequired",
         ),
     ),
+    Rule(
+        "EVAL-TASK-DATASET",
+        E,
+        "spec.evaluation",
+        ("evaluation", "task.name"),
+        "held-out evaluation reads a dataset with the task's reader and reward: task.name dataset",
+        ("r3operator: runtime/evaluation.py",),
+        checks.evaluation_task,
+        CelRule(
+            "!has(self.evaluation) || self.task.name == 'dataset'",
+            "'evaluation needs task.name dataset (its rows are read with the task reader and scored by the task "
+            "reward), got task.name ' + self.task.name",
+            ".evaluation",
+            "FieldValueInvalid",
+        ),
+    ),
+    Rule(
+        "EVAL-DATASET-URI-SCHEME",
+        E,
+        "spec.evaluation.datasetPath",
+        ("evaluation.datasetPath",),
+        "an eval dataset is a path, s3:// or gs://",
+        ("r3operator: docs/models.md",),
+        source_checks.eval_dataset_uri_scheme,
+        CelRule(
+            "!has(self.evaluation) || !self.evaluation.datasetPath.contains('://') || "
+            "self.evaluation.datasetPath.startsWith('s3://') || self.evaluation.datasetPath.startsWith('gs://') || "
+            "self.evaluation.datasetPath.startsWith('file://')",
+            "'evaluation.datasetPath ' + self.evaluation.datasetPath + ': use a path (on the routing volume or in the "
+            "image), s3://bucket/key or gs://bucket/key'",
+            ".evaluation.datasetPath",
+        ),
+    ),
+    Rule(
+        "EVAL-DATASET-CREDENTIALS",
+        E,
+        "spec.evaluation.datasetPath",
+        ("evaluation.datasetPath", "task.s3", "task.gcs"),
+        "an s3:// or gs:// eval dataset is fetched with task.s3 or task.gcs",
+        ("r3operator: docs/models.md", "Cloud Storage: simple migration from Amazon S3 (HMAC keys)"),
+        source_checks.eval_dataset_credentials,
+        CelRule(
+            "!has(self.evaluation) || (self.evaluation.datasetPath.startsWith('s3://') ? has(self.task.s3) : "
+            "(!self.evaluation.datasetPath.startsWith('gs://') || has(self.task.gcs)))",
+            "'evaluation.datasetPath ' + self.evaluation.datasetPath + "
+            "(self.evaluation.datasetPath.startsWith('s3://') ? ' needs task.s3.credentialsSecret: a Secret with "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)' : "
+            "' needs task.gcs.credentialsSecret: a Secret with an HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as "
+            "AWS_SECRET_ACCESS_KEY)')",
+            ".evaluation.datasetPath",
+            "FieldValueRequired",
+        ),
+    ),
     # Python-only: the resolver's own parse (api/sources.py), which CEL cannot repeat.
     Rule(
         "MODEL-URI-FORM",
@@ -712,6 +786,24 @@ RULES: tuple[Rule, ...] = (
         "R3 under Model Runner V2 needs MRV2 capture",
         ("vllm-project/vllm#50721",),
         checks.r3_mrv2,
+    ),
+    Rule(
+        "R3-EPLB-VLLM",
+        E,
+        "spec.inference.extraArgs",
+        ("routingReplay.mode", "inference.extraArgs", "inference.image", "inference.vllmVersion"),
+        "R3 with EPLB needs a vLLM that captures logical expert ids",
+        ("vllm-project/vllm#33013",),
+        checks.r3_eplb,
+    ),
+    Rule(
+        "R3-MOE-BACKEND",
+        E,
+        "spec.inference.extraArgs",
+        ("routingReplay.mode", "inference.extraArgs", "inference.image", "inference.vllmVersion"),
+        "R3 before vLLM 0.30.0 runs the Triton MoE kernel (the operator pins --moe-backend triton)",
+        ("vllm-project/vllm#44116", "vllm-project/vllm#44115"),
+        checks.r3_moe_backend,
     ),
     Rule(
         "PARTIAL-ROLLOUT-SYNC",

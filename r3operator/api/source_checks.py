@@ -9,6 +9,7 @@ from r3operator.api.sources import SourceURIError, parse_source_uri
 DATASET_SCHEMES = ("s3://", "gs://", "file://")
 """Besides a plain path (on the routing volume or in the image)."""
 GCS_SECRET = "a Secret with an HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as AWS_SECRET_ACCESS_KEY)"
+S3_SECRET = "a Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (task.s3.endpointURL for an S3-compatible store)"
 
 
 def model_gcs_credentials(c: RuleContext) -> str | None:
@@ -61,4 +62,28 @@ def dataset_gcs_credentials(c: RuleContext) -> str | None:
     task = c.spec.task
     if task.dataset_path and task.dataset_path.startswith("gs://") and task.gcs is None:
         return f"task.datasetPath {task.dataset_path} needs task.gcs.credentialsSecret: {GCS_SECRET}"
+    return None
+
+
+def eval_dataset_uri_scheme(c: RuleContext) -> str | None:
+    evaluation = c.spec.evaluation
+    path = evaluation.dataset_path if evaluation is not None else None
+    if path and "://" in path and not path.startswith(DATASET_SCHEMES):
+        return (
+            f"evaluation.datasetPath {path}: use a path (on the routing volume or in the image), s3://bucket/key or "
+            "gs://bucket/key"
+        )
+    return None
+
+
+def eval_dataset_credentials(c: RuleContext) -> str | None:
+    """An s3:// or gs:// eval file is fetched with the task's store credentials (task.s3, task.gcs)."""
+    evaluation, task = c.spec.evaluation, c.spec.task
+    if evaluation is None:
+        return None
+    path = evaluation.dataset_path
+    if path.startswith("s3://") and task.s3 is None:
+        return f"evaluation.datasetPath {path} needs task.s3.credentialsSecret: {S3_SECRET}"
+    if path.startswith("gs://") and task.gcs is None:
+        return f"evaluation.datasetPath {path} needs task.gcs.credentialsSecret: {GCS_SECRET}"
     return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from r3operator.api.base import ApiModel as _Model
@@ -27,12 +27,13 @@ from r3operator.api.enums import (
     ReplayMode,
     RetainPolicy,
     RewardKind,
+    RouteCheckPolicy,
     RouterType,
     TrainerBackend,
     WeightSyncLayout,
     WhenHeld,
 )
-from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH
+from r3operator.api.names import DNS1035_LABEL_PATTERN, MAX_JOB_NAME_LENGTH, RESERVED_NAME_PREFIX
 from r3operator.api.pods import PodTemplate
 
 GROUP = "r3operator.io"
@@ -121,7 +122,7 @@ class ModelCacheSpec(_Model):
     size: Quantity = "200Gi"
     """Size of the created claim: the model's files (about 2 bytes per parameter in bf16) plus headroom."""
     storage_class_name: str | None = Field(default=None, max_length=253)
-    """StorageClass of the created claim; unset: the cluster's default class."""
+    """StorageClass of the created claim; unset: ``storage.storageClassName``, else the cluster's default class."""
     access_mode: AccessMode = AccessMode.READ_WRITE_MANY
     """ReadWriteMany lets engine and trainer pods on several nodes, and several RLJobs at once, read it.
     ReadWriteOnce fits one node: a kept one is mounted by one RLJob at a time, and another RLJob of the same
@@ -171,6 +172,10 @@ class RoutingReplaySpec(_Model):
     """Disabled, R2 (trainer records then replays its own routing) or R3 (replay the engines')."""
     replay_ref: bool = Field(default=False, alias="replayRef")
     """Also replay routes in the reference-model forward used by KL-to-ref."""
+    on_route_check_failure: RouteCheckPolicy = RouteCheckPolicy.FAIL
+    """R3: a sample whose routes fail a route check (missing, wrong shape, ids outside numExperts, uncaptured
+    rows, replayed pad, a constant layer) stops the job (Fail) or is left out of its step and counted
+    (SkipSample). A replay hook that did not run fails the job either way."""
 
 
 # ------------------------------------------------------------------------------------ inference
@@ -351,7 +356,8 @@ class AlgorithmSpec(_Model):
     kl_in_reward: bool = Field(default=False, alias="klInReward")
     kl_coef: float = Field(default=0.0, ge=0.0, le=10.0)
     sft_warmup_steps: int = Field(default=0, ge=0, le=100_000, alias="sftWarmupSteps")
-    """Supervised steps on reference answers before RL (for toy tasks on random-init models)."""
+    """Supervised steps on reference answers before RL (for toy tasks on random-init models); a dataset row's
+    `solution`, where it has one, is the target instead of its `answer`."""
     mode: Literal["sync", "async"] = "sync"
     """sync: rollout, train, sync, repeat. async: rollouts run continuously while the trainer consumes
     finished trajectories; samples may be up to maxStaleness policy versions old."""
@@ -371,12 +377,16 @@ class TaskSpec(_Model):
     """Built-in verifiable task (`count`, `next`, the multi-turn `guess`) or `dataset` for datasetPath."""
     dataset_path: str | None = Field(default=None, max_length=1024)
     """A JSONL (.jsonl) or Parquet (.parquet) file whose rows hold `prompt` (a string) or `messages` (a chat
-    list), `answer` (a string) and optionally `id`; a path inside the trainer container, or s3://bucket/key or
-    gs://bucket/key, which the trainer's head pod fetches before it starts (DATASET-URI-SCHEME, docs/models.md)."""
+    list), `answer` (a string) and optionally `solution` (a worked solution the supervised warm-up trains on instead
+    of the answer; the reward still compares with `answer`) and `id`; a path inside the trainer container, or
+    s3://bucket/key or gs://bucket/key, which the trainer's head pod fetches before it starts (DATASET-URI-SCHEME,
+    docs/models.md)."""
     s3: S3Access | None = None
-    """Credentials and endpoint for an s3:// datasetPath (required with one: DATASET-S3-CREDENTIALS)."""
+    """Credentials and endpoint for an s3:// datasetPath or evaluation.datasetPath (required with one:
+    DATASET-S3-CREDENTIALS, EVAL-DATASET-CREDENTIALS)."""
     gcs: GCSAccess | None = None
-    """HMAC credentials for a gs:// datasetPath (required with one: DATASET-GCS-CREDENTIALS)."""
+    """HMAC credentials for a gs:// datasetPath or evaluation.datasetPath (required with one: DATASET-GCS-CREDENTIALS,
+    EVAL-DATASET-CREDENTIALS)."""
     reward: RewardKind = RewardKind.EXACT_MATCH
     """exact-match / prefix-match (built-in tasks); exact-match / math / function / http (dataset)."""
     reward_function: str | None = Field(default=None, max_length=256, pattern=REWARD_FUNCTION_PATTERN)
@@ -389,6 +399,37 @@ class TaskSpec(_Model):
     max_prompt_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Dataset prompts longer than this (chat template applied) are dropped with a counted warning.
     Default: inference.maxModelLen - rollout.maxTokens when maxModelLen is set, else no limit."""
+
+
+class EvaluationSpec(_Model):
+    """Held-out evaluation, as verl's `trainer.test_freq`: every `intervalSteps` steps, after the step's weight sync
+    and canary, the engines answer a fixed set of prompts from `datasetPath` under the new policy, and the task's
+    reward scores the answers. Nothing of it is trained on, and the training prompts and their order are the same
+    as without it. The eval reward goes to eval.csv in the run directory, the `eval_reward` column of metrics.csv,
+    report.md and its plot, `r3operator_eval_reward` and `status.progress.evalReward`."""
+
+    dataset_path: str = Field(min_length=1, max_length=1024)
+    """The held-out rows, in task.datasetPath's format (JSONL or Parquet: `prompt` or `messages`, `answer`), read with
+    the same reader, chat template and reward; prompts longer than task.maxPromptTokens are left out as in training.
+    A path inside the trainer container, or s3://bucket/key or gs://bucket/key, which the trainer's head pod fetches
+    before it starts with the credentials of task.s3 or task.gcs (EVAL-DATASET-CREDENTIALS)."""
+    interval_steps: int = Field(default=10, ge=1, le=1_000_000)
+    """Evaluate after every step that is a multiple of this (verl's trainer.test_freq); the last step always
+    evaluates."""
+    before_training: bool = True
+    """Also evaluate the starting policy, after the first weight sync (and the supervised warm-up), as step 0 (verl's
+    trainer.val_before_train). A resumed run does not repeat it."""
+    max_prompts: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Evaluate only the first this many rows of the file (after over-long prompts are left out): the same rows
+    at every evaluation. Unset: every row."""
+    samples_per_prompt: int = Field(default=1, ge=1, le=1024)
+    """Answers sampled per prompt (verl's val_kwargs.n); the eval reward is the mean over all of them."""
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    """Sampling temperature of the answers; 0 is greedy. Unset: rollout.temperature, so the eval reward measures
+    the policy as training samples it and sits beside the training reward (verl defaults to greedy,
+    val_kwargs.temperature 0, which scores the policy's mode instead, and with samplesPerPrompt > 1 gives the same
+    answer every time). The sampling seed is the same at every evaluation, so two evaluations differ by the policy
+    alone."""
 
 
 class WeightSyncSpec(_Model):
@@ -455,6 +496,9 @@ class RLJobSpec(_Model):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     task: TaskSpec = Field(default_factory=TaskSpec)
+    evaluation: EvaluationSpec | None = None
+    """Held-out evaluation every intervalSteps steps on a dataset training never sees (task.name dataset only;
+    docs/runtime.md, "Held-out evaluation"). Unset: none."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
@@ -519,9 +563,24 @@ class Progress(_Model):
     non_finite_steps: int | None = None
     """Steps so far with an update whose loss or gradient was not finite (not applied: algorithm.maxNonFiniteSteps)."""
     last_non_finite_step: int | None = None
+    eval_reward: float | None = None
+    """The held-out eval reward of the last evaluation (spec.evaluation), measured after step evalStep (0: before
+    training)."""
+    eval_step: int | None = None
     weight_sync: str | None = Field(default=None, max_length=512)
     """The weight-sync transport in use (nccl, ipc or packed) and why ("fallback:" when native was not usable)."""
     updated_at: str | None = Field(default=None, max_length=64)
+    replayed_fraction: float | None = None
+    """R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each
+    sample's tokens but its last): 1.0 when every sample trained with its routes."""
+    fallback_fraction: float | None = None
+    """R3, last step: rows of the trained samples that routed naturally for want of an engine route."""
+    extreme_token_fraction: float | None = None
+    """Last step: response tokens whose trainer/rollout probability ratio is outside [0.5, 2]."""
+    route_check_failures: int | None = None
+    """R3: samples that failed a route check in the last step (left out under SkipSample)."""
+    route_check_message: str | None = Field(default=None, max_length=1024)
+    """R3: the last step's first route-check failure: the rule, the sample and the layer."""
 
 
 class EngineFidelity(_Model):
@@ -601,6 +660,16 @@ class ObjectMeta(BaseModel):
     annotations: dict[str, str] = Field(default_factory=dict)
     generation: int | None = None
     uid: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name.startswith(RESERVED_NAME_PREFIX):
+            raise ValueError(
+                f"{name} starts with {RESERVED_NAME_PREFIX}, which Kubernetes reserves for its own components: its "
+                "children (<job>-trainer, <job>-engine and the rest) would read as system objects; choose another name"
+            )
+        return name
 
 
 class RLJob(_Model):

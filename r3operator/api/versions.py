@@ -95,6 +95,22 @@ FEATURES: dict[str, Feature] = {
             "0.26.0 lacks it (#54730); verified in the 0.30.0 source",
         ),
         _f(
+            "routed-experts-logical-ids",
+            "capture of logical expert ids before the EPLB logical-to-physical mapping (BaseRouter.select_experts)",
+            "0.22.1",
+            ("vllm-project/vllm#33013",),
+            "merged 2026-01; verified in the 0.22.1 wheel and the 0.30.0 source (router/base_router.py captures "
+            "before _apply_eplb_mapping); earlier releases unverified",
+        ),
+        _f(
+            "moe-backend-flag",
+            "--moe-backend (KernelConfig.moe_backend): pins the fused-MoE kernel, e.g. triton",
+            "0.22.1",
+            ("vllm-project/vllm#33807",),
+            "verified in the 0.22.1 wheel (engine/arg_utils.py, fused_moe/oracle/unquantized.py and fp8.py honour "
+            "it before any FlashInfer choice) and in the 0.30.0 source; earlier releases unverified",
+        ),
+        _f(
             "routed-experts-prompt-start",
             "SamplingParams.routed_experts_prompt_start (multi-turn deltas)",
             "0.22.0",

@@ -21,6 +21,7 @@ from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import KVConnector, ReplayMode
 from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.versions import resolve_engine_version, supports
 from r3operator.api.weight_transfer import cluster_transfer, weight_transfer_config_arg
 from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
 
@@ -99,6 +100,26 @@ def captures_routes(spec: RLJobSpec) -> bool:
     return spec.routing_replay.mode is ReplayMode.R3
 
 
+R3_MOE_BACKEND = "triton"
+"""The fused-MoE kernel R3 pins on a vLLM whose capture misses monolithic kernels (see below)."""
+
+
+def capture_safe_moe_backend(spec: RLJobSpec) -> list[str]:
+    """`--moe-backend triton` where R3's capture would silently miss a monolithic MoE kernel.
+
+    Before 0.30.0 vLLM captures routes in `BaseRouter.select_experts`, which a monolithic kernel (FlashInfer
+    TRT-LLM BF16/FP8/FP4, the first choice for unquantized MoE on Blackwell in 0.22.1's
+    fused_moe/oracle/unquantized.py) never calls: every route comes back zero. Triton routes through
+    `select_experts`. 0.30.0 binds capture into the monolithic kernels that support it and refuses the
+    others at start-up, so it needs no pin. Versions before `--moe-backend` get no flag (the zero-route check
+    at the first step is what catches it there).
+    """
+    version = resolve_engine_version(image=spec.inference.image, explicit=spec.inference.vllm_version)
+    if supports(version, "routed-experts-monolithic") is not False or not supports(version, "moe-backend-flag"):
+        return []
+    return ["--moe-backend", R3_MOE_BACKEND]
+
+
 def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod."""
     inf = spec.inference
@@ -126,6 +147,7 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     args += ["--logprobs-mode", LOGPROBS_MODE]
     if captures_routes(spec):
         args.append("--enable-return-routed-experts")
+        args += capture_safe_moe_backend(spec)
     if inf.async_scheduling:
         args.append("--async-scheduling")
     if inf.speculative_decoding is not None:

@@ -177,7 +177,15 @@ def _job_overview(x: _Exprs) -> Dashboard:
                 "Training",
                 [
                     Panel("Trainer step", [Target(x.value("r3operator_step"), "{{rljob}}")]),
-                    Panel("Mean reward", [Target(x.value("r3operator_reward_mean"), "{{rljob}}")]),
+                    Panel(
+                        "Reward",
+                        [
+                            Target(x.value("r3operator_reward_mean"), "{{rljob}} training"),
+                            Target(x.value("r3operator_eval_reward"), "{{rljob}} held-out eval"),
+                        ],
+                        description="Mean rollout reward of each step, and the held-out eval reward of the last "
+                        "evaluation (spec.evaluation; r3operator_eval_step says after which step it ran).",
+                    ),
                     Panel(
                         "Throughput",
                         [Target(x.value("r3operator_tokens_per_second"), "{{rljob}}")],

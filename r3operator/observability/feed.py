@@ -170,6 +170,8 @@ class SyntheticFeed:
             },
             phases,
         )
+        if step == 1 or step % 10 == 0:  # spec.evaluation: every 10 steps, rising slower than the training reward
+            driver.observe_eval(step, 0.15 + 0.4 * (1 - math.exp(-step / 80.0)))
         driver.set("r3operator_weight_sync_seconds", phases["weight_sync"])
         driver.set("r3operator_weight_sync_canary_ok", 1.0)
         if step % 25 == 0:

@@ -18,6 +18,13 @@ from typing import Any
 
 import yaml
 
+# ReplayHealthy's thresholds: the condition (operator/replay_health.py) and R3ReplayUnhealthy say the same.
+from r3operator.operator.replay_health import (
+    EXTREME_TOKEN_FRACTION_MAX,
+    FALLBACK_FRACTION_MAX,
+    REPLAYED_FRACTION_MIN,
+)
+
 # Alert thresholds. Why these values: see docs/metrics.md#alerts.
 LOGPROB_DIFF_SPIKE_FACTOR = 3.0  # mean |Δlogprob| vs. its own 1 h baseline
 LOGPROB_DIFF_FLOOR = 0.05  # below this a "spike" is noise (bf16 rollout-vs-train noise is ~0.01-0.03)
@@ -262,6 +269,32 @@ ALERTS: tuple[Alert, ...] = (
         "log-ratio is clamped at ±20 before exp, the asynchronous importance weights are truncated). "
         "`spec.algorithm.maxNonFiniteSteps` steps in a row fail the job (condition Failed, the message names "
         "the steps); it resumes from the last checkpoint once the cause is fixed.",
+    ),
+    Alert(
+        "R3ReplayUnhealthy",
+        f"(sum by ({_JOB}) (increase(r3operator_route_check_failures_total[10m])) > 0)"
+        f" or (max by ({_JOB}) (r3operator_replayed_rows_ratio) < {REPLAYED_FRACTION_MIN})"
+        f" or (max by ({_JOB}) (r3operator_replay_fallback_rows_ratio) > {FALLBACK_FRACTION_MAX})"
+        f" or ((max by ({_JOB}) (r3operator_extreme_token_ratio) > {EXTREME_TOKEN_FRACTION_MAX})"
+        f" and on ({_JOB}) (max by ({_JOB}) (r3operator_replay_active) == 1))",
+        "0m",
+        "critical",
+        "Routing replay is not replaying in {{ $labels.namespace }}/{{ $labels.rljob }}",
+        "Route checks failed, too few rows were replayed, or too many tokens are extreme "
+        '({{ $value | printf "%.3g" }}). '
+        "`kubectl get rlj` shows it under HEALTHY; the ReplayHealthy condition says which.",
+        "R3 ran a step that did not replay what it should have. Read the `ReplayHealthy` condition "
+        "(`kubectl get rlj <job> -o jsonpath='{.status.conditions[?(@.type==\"ReplayHealthy\")]}'`): its reason and "
+        "message name the rule, the sample and the layer. By reason: `RouteCheckFailed`: see "
+        '`r3operator_route_check_failures_total` by `rule` and the catalogue in docs/rules.md ("Silent '
+        'failures"): `zero-route` means the engines did not capture (a monolithic MoE kernel: check the engine '
+        "arguments with `r3operator render`, the `--moe-backend` pin, the vLLM version), `expert-range` means "
+        "physical or foreign expert ids (EPLB, a different checkpoint), `hooks-not-fired` means the trainer's "
+        "model replaced its routers after the replay hooks were placed, `routes-missing` means capture is off on "
+        "the engines; `ReplayedFractionLow`: samples were skipped (`onRouteCheckFailure: SkipSample`) or dropped; "
+        "`FallbackHigh`: trained rows routed naturally for want of routes (multi-turn stitching, partial "
+        "rollouts); `ExtremeTokens` or `NaturalAgreementLow`: replay runs but engine and trainer disagree (stale "
+        "weights: `r3operator_weight_sync_canary_ok`; misaligned routes: R3RoutingAgreementLow).",
     ),
     Alert(
         "RLJobNoProgress",

@@ -20,7 +20,8 @@ Rules per kind:
   changes an engine's image or command line. ``replicas`` alone goes through its own field manager,
   so scaling never rewrites the template.
 - RayJob: a different spec hash means delete-and-recreate (KubeRay fixes a RayJob's cluster per
-  run); ``suspend`` alone goes through its own field manager.
+  run); a container image edited by hand is applied back in place; ``suspend`` alone goes through its own
+  field manager.
 - PVC: the spec is immutable, so the apply carries the spec as it is; only labels, annotations and
   the ownerReference follow the RLJob (``retainPolicy``).
 - RoleBinding: ``roleRef`` is immutable: a different one means delete-and-recreate.
@@ -129,7 +130,7 @@ def _statefulset(want: dict[str, Any], have: dict[str, Any]) -> Action:
         return Action("apply", want, force=True, why="spec changed")
     drift = _engine_drift(want, have)
     if drift is not None or not is_subset(_owned_metadata(want), have.get("metadata")):
-        return Action("apply", want, force=True, why=drift or "labels or ownerReference changed")
+        return Action("apply", want, force=True, why=drift or "labels, annotations or ownerReference changed")
     if _partition(want) != _partition(have):  # an upgrade's canary partition set or lifted
         return Action("apply", want, force=True, why="rollout partition changed")
     replicas = want["spec"]["replicas"]
@@ -172,9 +173,25 @@ def _annotation(obj: dict[str, Any], key: str) -> str | None:
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
 
 
+def _ray_images(ray_job: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(container, image) of every container and init container of the RayJob's head and worker groups."""
+    cluster = (ray_job.get("spec") or {}).get("rayClusterSpec") or {}
+    groups = [cluster.get("headGroupSpec") or {}, *(cluster.get("workerGroupSpecs") or [])]
+    found = []
+    for group in groups:
+        pod = (group.get("template") or {}).get("spec") or {}
+        for container in [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]:
+            found.append((str(container.get("name")), container.get("image")))
+    return found
+
+
 def _ray_job(want: dict[str, Any], have: dict[str, Any]) -> Action:
     if _hash(want, "metadata") != _hash(have, "metadata"):
         return Action("recreate", want, why="spec changed")
+    if _ray_images(want) != _ray_images(have):
+        # Edited by hand: taken back in place. KubeRay made the running cluster from the RayJob as it was when the
+        # job started, so no pod ran the edited image; re-creating would restart training.
+        return Action("apply", want, force=True, why="a container image differs from the spec")
     suspend = bool(want["spec"]["suspend"])
     if suspend != bool((have.get("spec") or {}).get("suspend")):
         return Action("apply", _partial(want, {"suspend": suspend}), force=True, manager=SCALE_MANAGER)

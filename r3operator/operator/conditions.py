@@ -26,6 +26,8 @@ class Reason(StrEnum):
     """A Secret, ConfigMap, claim, ServiceAccount or PriorityClass the spec names does not exist (Valid=False,
     nothing created), or, where Secrets cannot be read, the pods' CreateContainerConfigError says so."""
     PARSE_ERROR = "ParseError"
+    FOREIGN_SERVICE_ACCOUNT = "ForeignServiceAccount"
+    """A pod template names a ServiceAccount that is another's identity (another RLJob's, the operator's own)."""
     """The RLJob does not parse (a field the CRD schema let through); the message names the fields."""
     # Progressing / Ready: the operator cannot write
     NAMESPACE_TERMINATING = "NamespaceTerminating"
@@ -74,6 +76,15 @@ class Reason(StrEnum):
     CANARY_PENDING = "CanaryPending"
     CANARY_PASSED = "CanaryPassed"
     CANARY_FAILED = "CanaryFailed"
+    # ReplayHealthy (operator/replay_health.py)
+    NO_STEP_YET = "NoStepYet"
+    ROUTES_REPLAYED = "RoutesReplayed"
+    ROUTE_CHECK_FAILED = "RouteCheckFailed"
+    """A sample's routes failed a route check (docs/rules.md, "Silent failures"); the message names it."""
+    REPLAYED_FRACTION_LOW = "ReplayedFractionLow"
+    FALLBACK_HIGH = "FallbackHigh"
+    NATURAL_AGREEMENT_LOW = "NaturalAgreementLow"
+    EXTREME_TOKENS = "ExtremeTokens"
     # UpgradeBlocked (False while no engine upgrade is blocked, with the upgrade's phase as reason)
     NO_UPGRADE = "NoUpgrade"
     UPGRADE_CANARY = "CanaryRunning"
@@ -90,6 +101,14 @@ class Reason(StrEnum):
     NOT_FINISHED = "NotFinished"
     # Ready
     READY = "Ready"
+    # Events
+    PROGRESS_REJECTED = "ProgressRejected"
+    """Event: the trainer's progress report was refused (not JSON, a non-finite number, a value status.progress
+    cannot hold); status.progress keeps the last report taken (operator/progress.py)."""
+    PROGRESS_TRIMMED = "ProgressTrimmed"
+    """Event: keys of the trainer's progress report that status.progress does not know were left out."""
+    UPGRADE_FORCED = "UpgradeForced"
+    """Event: the one-shot r3operator.io/upgrade=force annotation was used (or found nothing to force) and removed."""
 
 
 @dataclass(frozen=True, slots=True)

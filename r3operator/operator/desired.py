@@ -5,10 +5,11 @@ on outside facts the reconciler observed (:class:`Facts`: is the PodMonitor CRD 
 trainer RayJob finish, has the TTL after that passed) — never on the RLJob's status, which is output.
 
 Lifecycle:
-- running: PVC, ConfigMap, engine Service + StatefulSet (a LeaderWorkerSet when an engine replica spans
-  pods, api/engine_layout.py) + NetworkPolicy, trainer ServiceAccount + Role + RoleBinding, RayJob,
-  PodMonitor; for an hf://, s3:// or gs:// model also the model cache claim (shared by the namespace's RLJobs
-  of the same source and revision, builders/model_cache.py) and its fetch Job;
+- running: PVC, ConfigMap, the trainer's progress ConfigMap (operator/progress.py), engine Service +
+  StatefulSet (a LeaderWorkerSet when an engine replica spans pods, api/engine_layout.py) + NetworkPolicy,
+  trainer ServiceAccount + Role + RoleBinding, RayJob, PodMonitor; for an hf://, s3:// or gs:// model also the
+  model cache claim (shared by the namespace's RLJobs of the same source and revision, builders/model_cache.py)
+  and its fetch Job;
 - filling the model cache (the fetch Job has not completed): engines at 0 replicas, RayJob ``suspend: true``;
 - suspended: same children, engines at 0 replicas, RayJob ``suspend: true``;
 - queued (``spec.queueName``): one more child, the Kueue Workload of the whole job; until Kueue admits
@@ -31,6 +32,7 @@ from r3operator.api import names
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import RetainPolicy
 from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
+from r3operator.operator import meta
 from r3operator.operator.builders.config import build_config_map
 from r3operator.operator.builders.engine import build_engine_service, build_engine_statefulset
 from r3operator.operator.builders.engine_lws import build_engine_leader_worker_set
@@ -54,6 +56,7 @@ from r3operator.operator.builders.trainer_rbac import (
 from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
 from r3operator.operator.builders.workload import build_workload
 from r3operator.operator.lifecycle import is_suspended
+from r3operator.operator.progress import build_progress_config_map
 from r3operator.operator.upgrade import CanaryTarget, EngineRollout
 from r3operator.operator.upgrade_record import ANNOTATION_UPGRADE_STATE, record_annotation
 
@@ -116,10 +119,14 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     if fetch is not None:
         children.append(fetch)
     children.append(build_config_map(job))
+    children.append(build_progress_config_map(job))
     children.append(build_engine_service(job))
     engines = _engines(job, stopped=stopped, rollout=facts.engine_rollout)
+    annotations = engines["metadata"].setdefault("annotations", {})
+    # What the regular replicas are known good on (upgrade.py): the next upgrade starts from it.
+    verified = facts.engine_rollout.verified if facts.engine_rollout is not None else job.spec.inference.image
+    annotations[meta.ANNOTATION_VERIFIED_IMAGE] = verified
     if facts.upgrade_record is not None:
-        annotations = engines["metadata"].setdefault("annotations", {})
         annotations[ANNOTATION_UPGRADE_STATE] = record_annotation(facts.upgrade_record)
     children.append(engines)
     children.append(

@@ -4,8 +4,10 @@
   the operator starts or takes the lead), then each time it is woken, and at the latest every
   ``R3OPERATOR_RESYNC_SECONDS`` (the level-based safety net, minutes);
 - it is woken by a change of one of the RLJob's children (the watches of informer.py: an engine pod
-  ready, the RayJob finished, a child deleted or edited by hand) and by create / update / resume of the
-  RLJob itself (a spec edit); wake-ups during a pass make one more pass, not one each; a child's event waits
+  ready, the RayJob finished, a child deleted or edited by hand), by create / update / resume of the
+  RLJob itself (a spec edit), by a status someone else wrote (``on_event``: the pass writes the operator's
+  back), and a few seconds after a pass that found a NameConflict (no watch tells when a foreign object goes);
+  wake-ups during a pass make one more pass, not one each; a child's event waits
   ``R3OPERATOR_SETTLE_SECONDS`` first, so that the rest of its burst goes into the same pass (``_settle``);
 - delete (optional) → keep a Retain PVC free of ownerReferences, forget per-job state.
 
@@ -30,7 +32,7 @@ from r3operator.operator import allocator, meta, metrics
 from r3operator.operator.diffbase import LeanDiffBaseStorage
 from r3operator.operator.informer import ChildCache, Wake, Wakeups
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
-from r3operator.operator.reconcile import Reconciler, ReconcilerSettings
+from r3operator.operator.reconcile import Outcome, Reconciler, ReconcilerSettings
 from r3operator.operator.takeover import FirstPasses, first_turn
 from r3operator.settings import operator_settings, unknown_variables
 
@@ -120,16 +122,17 @@ def reconciler() -> Reconciler:
                 canary_url_template=CONFIG.canary_url,
                 operator_namespace=CONFIG.operator_namespace,
                 engine_ingress_namespaces=tuple(CONFIG.engine_ingress_namespaces),
+                service_account=CONFIG.service_account,
             ),
             cache=cache,
         )
     return _state["reconciler"]
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> dict[str, float]:
-    """One pass; when it reached each step (Outcome.marks). The RLJob's series are set on its daemon's first pass
-    and then when its status changes: they are read from the spec's name and the status, and most passes (a child's
-    event) change neither."""
+async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> Outcome:
+    """One pass and its outcome (Outcome.marks: when it reached each step). The RLJob's series are set on its
+    daemon's first pass and then when its status changes: they are read from the spec's name and the status, and
+    most passes (a child's event) change neither."""
     started = time.perf_counter()
     try:
         outcome = await reconciler().reconcile(dict(body), live=True)
@@ -164,7 +167,7 @@ async def _run(body: kopf.Body, logger: kopf.Logger, *, first: bool = False) -> 
         metrics.RECONCILE_ERRORS.labels(error.reason or str(error.status)).inc()
         raise kopf.TemporaryError(f"API error: {error}", delay=5)
     metrics.RECONCILE_TOTAL.labels("ok" if outcome.valid else "invalid").inc()
-    return outcome.marks
+    return outcome
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -180,6 +183,20 @@ async def on_new(name: str, namespace: str | None, **_: Any) -> None:
 async def on_change(name: str, namespace: str | None, **_: Any) -> None:
     """The spec (or labels, annotations) changed: the RLJob's daemon makes a pass at once."""
     _state["wakeups"].wake((namespace or "", name), urgent=True)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_event(
+    event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
+) -> None:
+    """A status the operator did not write (a namespace user's, anyone's with rljobs/status): the RLJob's daemon
+    makes a pass at once, which writes the operator's status back whole. The echo of the operator's own writes
+    carries the status it wrote and wakes nothing."""
+    if event.get("type") != "MODIFIED" or _state["reconciler"] is None:
+        return
+    if reconciler().foreign_status(body):
+        logger.info("status written by someone else: writing the operator's back")
+        _state["wakeups"].wake((namespace or "", name), urgent=True)
 
 
 async def _stopping(stopped: kopf.DaemonStopped) -> None:
@@ -238,14 +255,16 @@ async def reconcile_loop(
             wake.clear()
             try:
                 try:
-                    marks = await _run(body, logger, first=first)
+                    outcome = await _run(body, logger, first=first)
                 finally:
                     if turn:
                         turn = False
                         first_passes.done()
+                if outcome.recheck_s is not None:
+                    loop.call_later(outcome.recheck_s, wake.set)
                 if first:
                     # One line per RLJob and operator start: where a new RLJob's time to its children goes.
-                    steps = " ".join(f"{step}={at:.3f}" for step, at in marks.items())
+                    steps = " ".join(f"{step}={at:.3f}" for step, at in outcome.marks.items())
                     logger.info("first pass timeline: daemon=%.3f %s", spawned, steps)
                 first = False
             except kopf.TemporaryError as exc:

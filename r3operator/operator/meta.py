@@ -23,6 +23,10 @@ ANNOTATION_SPEC_HASH = f"{PREFIX}/spec-hash"
 """On engine pod templates and on the RayJob: hash of the spec fields that component depends on."""
 ANNOTATION_POD_HASH = f"{PREFIX}/pod-hash"
 """On the model-fetch Job: hash of the pod customisation it runs with; a new one replaces a Job not yet complete."""
+ANNOTATION_VERIFIED_IMAGE = f"{PREFIX}/verified-image"
+"""On the engine StatefulSet (LeaderWorkerSet) and the RayJob: the image the operator rendered for the regular
+replicas, the one they are known good on; an upgrade starts from it, never from what a live object carries
+(operator/upgrade.py)."""
 ANNOTATION_RETAINED_FROM = f"{PREFIX}/retained-from-uid"
 """On a Retain PVC: the uid of the RLJob that created it (the PVC has no ownerReference)."""
 ANNOTATION_MODEL_SOURCE = f"{PREFIX}/model-source"
@@ -49,6 +53,7 @@ ROLE_UPGRADE_CANARY = names.ROLE_UPGRADE_CANARY
 ROLE_WORKLOAD = names.ROLE_WORKLOAD
 ROLE_MODEL_CACHE = names.ROLE_MODEL_CACHE
 ROLE_MODEL_FETCH = names.ROLE_MODEL_FETCH
+ROLE_PROGRESS = names.ROLE_PROGRESS
 
 
 def routing_claim_name(job: RLJob) -> str:

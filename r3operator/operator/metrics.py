@@ -47,7 +47,7 @@ METRICS: tuple[MetricDef, ...] = (
         ("namespace", "rljob", "type", "status"),
         "1 for the condition's current status, 0 for the other two.",
     ),
-    MetricDef("r3operator_rljob_step", "gauge", ("namespace", "rljob"), "status.progress.step (pushed by the driver)."),
+    MetricDef("r3operator_rljob_step", "gauge", ("namespace", "rljob"), "status.progress.step (the driver's report)."),
     MetricDef(
         "r3operator_upgrade_phase",
         "gauge",

@@ -10,6 +10,7 @@ from r3operator.api.v1alpha1 import UpgradeStatus
 from r3operator.operator.admission import NOT_QUEUED, Admission
 from r3operator.operator.canary import CanaryResult
 from r3operator.operator.lifecycle import Finish
+from r3operator.operator.progress import ProgressReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,10 @@ class Observed:
     """PVCs the spec names (existingClaim, pvc:// model) that do not exist."""
     missing_references: tuple[str, ...] = ()
     """Secrets, ConfigMaps, claims, ServiceAccounts, PriorityClasses the pod templates name that do not exist."""
+    borrowed_identities: tuple[str, ...] = ()
+    """ServiceAccounts the pod templates name that are another's identity (operator/references.py)."""
+    progress: ProgressReport | None = None
+    """The trainer's progress report as this pass read it (None: not read, status.progress stays as it was)."""
     kueue_installed: bool = True
     """The Kueue Workload API is served (checked only for a job with spec.queueName)."""
     admission: Admission = NOT_QUEUED

@@ -11,9 +11,11 @@ claims do not exist gets ``Valid=False`` and **no child is created or changed**.
 of a previously valid spec are left exactly as they are (an invalid upgrade changes nothing).
 
 What the pass trusts: the spec, and what it reads of the objects it controls (the RayJob's status
-says when training ended; the engine StatefulSet's annotation holds the upgrade record; the canary
-pod's termination message, written by the kubelet, holds the canary's verdict). The RLJob's own
-status is output, never an input; see "Security model" in docs/operator.md.
+says when training ended; the engine StatefulSet's annotations hold the upgrade record and the image last
+verified; the canary pod's termination message, written by the kubelet, holds the canary's verdict; the
+trainer's progress report, checked, operator/progress.py). The RLJob's status is output, written by the
+operator alone: a pass builds it on its own record of what it wrote last (``_own``), and a status someone
+else wrote is written back whole; see "Security model" in docs/operator.md.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,7 @@ from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_lay
 from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy, WhenHeld
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
-from r3operator.api.v1alpha1 import KIND, RLJob, RLJobStatus, UpgradeStatus
+from r3operator.api.v1alpha1 import KIND, Progress, RLJob, RLJobStatus, UpgradeStatus
 from r3operator.api.vllm_args import model_path, model_source
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
@@ -70,6 +72,7 @@ from r3operator.operator.lifecycle import (
 )
 from r3operator.operator.model_cache_hold import hold_model_cache
 from r3operator.operator.observed import Observed
+from r3operator.operator.progress import ProgressReport, read_report
 from r3operator.operator.references import check_references
 from r3operator.operator.scheduling import config_errors_by_role, unschedulable_by_role
 from r3operator.operator.status import (
@@ -77,10 +80,13 @@ from r3operator.operator.status import (
     compute_status,
     nonfinite_warning,
     status_changed,
+    status_digest,
     status_patch,
     transitions,
 )
 from r3operator.operator.upgrade import (
+    ANNOTATION_UPGRADE,
+    FORCE,
     CanaryInputs,
     UpgradePlan,
     allowed_images,
@@ -115,6 +121,7 @@ _CHILD_KINDS = (
     (meta.ROLE_ENGINE, "NetworkPolicy"),
     (meta.ROLE_ENGINE, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
+    (meta.ROLE_PROGRESS, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
     (meta.ROLE_MODEL_FETCH, "Job"),
     (meta.ROLE_MODEL_CACHE, "PersistentVolumeClaim"),
@@ -130,6 +137,9 @@ daemon's task) sets its own."""
 # A write refused this many passes in a row is reported in status (Progressing/Ready=False, APIError);
 # a refusal that retrying cannot fix (bad request, forbidden, not found, invalid) is reported at once.
 API_ERROR_PASSES = 3
+NAME_CONFLICT_RECHECK_S = 5.0
+"""A NameConflict is looked at again this long after the pass that found it: the object holding the name is not
+the operator's, so no watch tells when it goes."""
 CACHE_SYNC_WAIT_S = 10.0
 _PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
 
@@ -155,6 +165,8 @@ class Outcome:
     marks: dict[str, float] = field(default_factory=dict)
     """When (``time.time()``) the pass reached each step (start, synced, desired, read, written, status): the
     first pass's timeline, which the handler logs and the scale benchmark lines up with the audit log."""
+    recheck_s: float | None = None
+    """Not None: make another pass this many seconds from now (a NameConflict, which no watch ends)."""
 
 
 class Capabilities:
@@ -185,6 +197,15 @@ class ReconcilerSettings:
     operator_namespace: str | None = None
     """The operator's own namespace (R3OPERATOR_OPERATOR_NAMESPACE), admitted to the engine port for the canary."""
     engine_ingress_namespaces: tuple[str, ...] = ()
+    service_account: str | None = None
+    """The operator's own ServiceAccount (R3OPERATOR_SERVICE_ACCOUNT), which no pod template in its namespace may
+    name."""
+
+    @property
+    def operator_account(self) -> tuple[str, str] | None:
+        if self.operator_namespace is None or self.service_account is None:
+            return None
+        return self.operator_namespace, self.service_account
 
 
 def _bad_polarity(cond_type: str, status: ConditionStatus) -> bool:
@@ -222,9 +243,18 @@ class Reconciler:
         JSON (~4 KB rather than ~60 KB of dicts per RLJob; loading them again costs a fifth of a render)."""
         self._taken: set[str] = set()
         self._nonfinite_seen: dict[str, int] = {}
-        """Per RLJob uid, status.progress.nonFiniteSteps as the last pass saw it (status.nonfinite_warning)."""
-        """RLJob uids of which a create found a child's name taken by an object the cache did not hold: their
-        passes read such names by GET before writing (a NameConflict then writes nothing), not create and undo."""
+        """Per RLJob uid, progress.nonFiniteSteps as the last pass saw it (status.nonfinite_warning)."""
+        """RLJob uids of which a pass found a child's name taken (in the cache, or by a refused create): their passes
+        read every name the cache holds nothing under by GET before writing, so a pass that finds any name still
+        taken creates nothing (no create and undo)."""
+        self._own: dict[str, tuple[str, bytes, str | None]] = {}
+        """Per RLJob uid, the status this operator last wrote (or found written as it computed it): a digest of it,
+        the status as compressed JSON, and the resourceVersion of its last status write. A pass builds on it rather
+        than on the live status, which someone else may have written (startTime, conditions and their times are
+        carried over from it), and a later watch event whose status differs from it wakes a pass that writes it
+        back (``foreign_status``)."""
+        self._progress_problem: dict[str, str] = {}
+        """Per RLJob uid, the last reason a progress report was refused or trimmed: one Event per new reason."""
 
     def forget(self, uid: str) -> None:
         self._locks.pop(uid, None)
@@ -234,6 +264,17 @@ class Reconciler:
         self._failures.pop(uid, None)
         self._taken.discard(uid)
         self._nonfinite_seen.pop(uid, None)
+        self._own.pop(uid, None)
+        self._progress_problem.pop(uid, None)
+
+    def foreign_status(self, body: Mapping[str, Any]) -> bool:
+        """The RLJob ``body`` (a watch event's) carries a status this operator did not write: someone else's
+        write, which its next pass, made now, writes back. False for an RLJob it has not written yet."""
+        metadata = body.get("metadata") or {}
+        own = self._own.get(str(metadata.get("uid") or ""))
+        if own is None or not _after(metadata.get("resourceVersion"), own[2]):
+            return False  # not written yet, or the echo of a write of its own (a later one may have overtaken it)
+        return status_digest(body.get("status")) != own[0]
 
     async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
         """One pass over the RLJob ``body``. ``live``: the body is kopf's live view of it (a daemon's), as current
@@ -261,7 +302,8 @@ class Reconciler:
                 job = parse_rljob(fresh, source=f"rljob {body['metadata']['name']}")
             except RLJobLoadError as exc:
                 return await self._unparsable(fresh, exc)
-            token = _VERIFY_ABSENT.set(uid in self._taken)
+            # After a restart, a status that says NameConflict is taken as a hint (it only adds reads).
+            token = _VERIFY_ABSENT.set(uid in self._taken or _says_name_conflict(fresh))
             try:
                 outcome = await self._reconcile(job)
             finally:
@@ -339,13 +381,25 @@ class Reconciler:
             KINDS["RLJob"], metadata.get("namespace"), metadata["name"], patch, subresource="status"
         )
         self._wrote(metadata.get("uid"), written)
+        self._own.pop(str(metadata.get("uid") or ""), None)  # this status is not built on the record
         outcome.status_written = True
         outcome.events.append(EventSpec("Warning", reason, f"Valid=False: {message}"[:1024]))
         return outcome
 
+    def _own_status(self, job: RLJob) -> RLJob:
+        """The job with the status this operator wrote last in place of the live one, which someone else may have
+        written since: what a pass carries over (startTime, conditions' times, a recorded end) comes from the
+        operator's own record. The live status stands where there is no record (a new leader's first pass)."""
+        own = self._own.get(job.metadata.uid or "")
+        if own is None:
+            return job
+        return job.model_copy(update={"status": RLJobStatus.model_validate(_unpack(own[1]))})
+
     async def _reconcile(self, job: RLJob) -> Outcome:
         now = self.clock()
         uid = job.metadata.uid
+        live_status = job.status
+        job = self._own_status(job)
         engine_kind = _engine_kind(job)
         # Discovery only for a job that needs LeaderWorkerSet; the rules know it is present otherwise.
         lws = engine_kind != "LeaderWorkerSet" or await self.capabilities.serves(LWS_API_VERSION, LWS_PLURAL)
@@ -381,11 +435,19 @@ class Reconciler:
         cache_holder: str | None = None
         upgrade = UpgradePlan(None)
         missing_refs: tuple[str, ...] = ()
+        borrowed: tuple[str, ...] = ()
+        report: ProgressReport | None = None
         observed_fetch: tuple[str | None, bool] = (None, False)
         if outcome.valid and not recorded:
             pod_monitor = await self.capabilities.serves("monitoring.coreos.com/v1", "podmonitors")
-            refs = await check_references(self.client, job, priority_class=priority_class_name(job))
+            refs = await check_references(
+                self.client,
+                job,
+                priority_class=priority_class_name(job),
+                operator_account=self.settings.operator_account,
+            )
             missing_refs = refs.missing if finish is None else ()
+            borrowed = refs.borrowed
             fetch_job = await self._read_fetch_job(job)
             fetch_ours = [o for o in fetch_job.values() if o is not None and is_ours(o, uid)]
             fetched = all(model_fetch_complete(o) for o in fetch_ours) and len(fetch_ours) == len(fetch_job)
@@ -396,7 +458,7 @@ class Reconciler:
             raw_engine_set = await self._get(engine_kind, job.metadata.namespace, engine_name)
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
             own_cache = await self._own_model_cache(job)
-            if not missing_refs:  # nothing, the claim included, is created before the references exist
+            if not missing_refs and not borrowed:  # nothing, the claim included, is made before the references exist
                 cache_holder = await self._model_cache_holder(job, outcome, own=own_cache, finished=finish is not None)
             if cache_holder is not None and cache_spec(job).when_held is WhenHeld.OWN_CLAIM:
                 # Its own <job>-model-cache instead; the next pass finds it (_own_model_cache) and keeps it.
@@ -432,10 +494,11 @@ class Reconciler:
             }
             read = await self._read(children, known=known)
             plans = [(child, have, plan_action(child, have, job_uid=uid)) for child, have in read]
+            report = self._progress_report(job, plans, outcome)
             conflicts = [f"{c['kind']}/{c['metadata']['name']} {a.why}" for c, _, a in plans if a.verb == "conflict"]
             conflict = "; ".join(conflicts) if conflicts else None
             missing = await self._missing_claims(job) if finish is None else ()
-            if conflict is not None or missing or missing_refs:
+            if conflict is not None or missing or missing_refs or borrowed:
                 outcome.valid = False
                 observed[engine_kind] = next(
                     (h for c, h, a in plans if c["kind"] == engine_kind and a.verb != "conflict"), None
@@ -447,8 +510,15 @@ class Reconciler:
                 if conflict is not None:  # a create found a name taken: what this pass created is gone again
                     outcome.valid = False
                     observed[engine_kind] = _ours_or_none(observed.get(engine_kind), uid)
-                elif queued and outcome.error is None:
-                    await self._settle_workload(job, observed, finish, outcome)
+                else:
+                    if queued and outcome.error is None:
+                        await self._settle_workload(job, observed, finish, outcome)
+                    if outcome.error is None:
+                        await self._consume_force(job, upgrade, outcome)
+            if conflict is not None:
+                # No watch tells when someone else's object goes: look again soon, every name read by GET first.
+                self._taken.add(uid or "")
+                outcome.recheck_s = NAME_CONFLICT_RECHECK_S
         else:
             # Nothing is created or changed; read what a previous valid spec left, for status only.
             engines = None
@@ -468,6 +538,8 @@ class Reconciler:
             name_conflict=conflict,
             missing_claims=missing,
             missing_references=missing_refs,
+            borrowed_identities=borrowed,
+            progress=report,
             kueue_installed=kueue,
             admission=admission,
             model_fetch=observed_fetch[0],
@@ -486,19 +558,61 @@ class Reconciler:
             obs = await self._with_canary(job, obs)
         if recording is not None:
             await recording  # refused: the pass fails here, as it did when the record went first
-        await self._write_status(job, compute_status(job, obs, now), outcome)
-        self._warn_nonfinite(job, outcome)
+        status = compute_status(job, obs, now)
+        await self._write_status(job, status, outcome, live=live_status)
+        self._warn_nonfinite(job, status.progress, outcome)
         outcome.marks["status"] = time.time()
         return outcome
 
-    def _warn_nonfinite(self, job: RLJob, outcome: Outcome) -> None:
+    def _warn_nonfinite(self, job: RLJob, progress: Progress | None, outcome: Outcome) -> None:
         """A Warning event when the trainer's count of non-finite steps rose since this operator last looked."""
         uid = job.metadata.uid or ""
-        count, message = nonfinite_warning(job, self._nonfinite_seen.get(uid))
+        count, message = nonfinite_warning(job, progress, self._nonfinite_seen.get(uid))
         if count is not None:
             self._nonfinite_seen[uid] = count
         if message is not None:
             outcome.events.append(EventSpec("Warning", Reason.NON_FINITE_STEP, message[:1024]))
+
+    def _progress_report(
+        self, job: RLJob, plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]], outcome: Outcome
+    ) -> ProgressReport | None:
+        """The trainer's report from ``<job>-progress`` as this pass read it (None: not this RLJob's, so the status
+        keeps its progress); a new reason it was refused (Warning) or trimmed (Normal) goes out as one Event."""
+        name = meta.child_name(job, meta.ROLE_PROGRESS)
+        have = next((h for c, h, _ in plans if c["kind"] == "ConfigMap" and c["metadata"]["name"] == name), None)
+        if have is not None and not is_ours(have, job.metadata.uid):
+            return None
+        report = read_report(have)
+        uid = job.metadata.uid or ""
+        if report.problem is None:
+            self._progress_problem.pop(uid, None)
+        elif self._progress_problem.get(uid) != report.problem:
+            self._progress_problem[uid] = report.problem
+            kind, reason = (
+                ("Warning", Reason.PROGRESS_REJECTED) if report.refused else ("Normal", Reason.PROGRESS_TRIMMED)
+            )
+            outcome.events.append(EventSpec(kind, reason, f"ConfigMap/{name}: {report.problem}"[:1024]))
+        return report
+
+    async def _consume_force(self, job: RLJob, upgrade: UpgradePlan, outcome: Outcome) -> None:
+        """``r3operator.io/upgrade=force`` is one-shot: the pass that finds it removes it once its children are
+        written, whether it forced the upgrade under way or found none to force, so it cannot skip a later canary."""
+        if job.metadata.annotations.get(ANNOTATION_UPGRADE) != FORCE:
+            return
+        patch = {"metadata": {"annotations": {ANNOTATION_UPGRADE: None}}}
+        written = await self.client.merge_patch(KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch)
+        self._wrote(job.metadata.uid, written)
+        outcome.written.append(f"removed the annotation {ANNOTATION_UPGRADE}={FORCE} (one-shot)")
+        if upgrade.forced and upgrade.status is not None:
+            what = f"{upgrade.status.component} upgrade {upgrade.status.from_image} → {upgrade.status.to}"
+            message = f"{ANNOTATION_UPGRADE}={FORCE} used for the {what}, and removed: a later image change is canaried"
+            outcome.events.append(EventSpec("Normal", Reason.UPGRADE_FORCED, message))
+        else:
+            message = (
+                f"{ANNOTATION_UPGRADE}={FORCE} removed unused: no upgrade to force (set it with the image change, or "
+                "while its canary runs or is blocked)"
+            )
+            outcome.events.append(EventSpec("Warning", Reason.UPGRADE_FORCED, message))
 
     async def _plan_upgrade(
         self,
@@ -789,15 +903,24 @@ class Reconciler:
             return f"{error} (refused {passes} pass(es) in a row)"
         return None
 
-    async def _write_status(self, job: RLJob, new_status: RLJobStatus, outcome: Outcome) -> None:
+    async def _write_status(
+        self, job: RLJob, new_status: RLJobStatus, outcome: Outcome, *, live: RLJobStatus | None
+    ) -> None:
+        """Write ``new_status`` when the live status differs from it (another writer's fields are overwritten whole);
+        Events for the conditions that flipped since the operator's own last status (``job.status``)."""
         outcome.status = new_status
-        if not status_changed(job.status, new_status):
+        uid = job.metadata.uid or ""
+        digest, packed = status_digest(new_status), _pack(new_status.model_dump(mode="json", by_alias=True))
+        if not status_changed(live, new_status):
+            held = self._own.get(uid)
+            self._own[uid] = (digest, packed, held[2] if held is not None else None)
             return
         patch = status_patch(new_status)
         written = await self.client.merge_patch(
             KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch, subresource="status"
         )
         self._wrote(job.metadata.uid, written)
+        self._own[uid] = (digest, packed, (written.get("metadata") or {}).get("resourceVersion"))
         outcome.status_written = True
         for cond in transitions(job.status, new_status):
             kind = "Warning" if _bad_polarity(cond.type, cond.status) else "Normal"
@@ -984,3 +1107,18 @@ def _waiting_for_pods(job: RLJob, obs: Observed) -> bool:
 
 def _replace(obs: Observed, **changes: Any) -> Observed:
     return dataclasses.replace(obs, **changes)
+
+
+def _after(version: Any, than: str | None) -> bool:
+    """resourceVersion ``version`` is later than ``than`` (etcd revisions, integers, in every kube-apiserver; were
+    one not, or is there none to compare with, it counts as later)."""
+    if than is None or not str(version or "").isdigit() or not than.isdigit():
+        return True
+    return int(str(version)) > int(than)
+
+
+def _says_name_conflict(raw: dict[str, Any]) -> bool:
+    conditions = (raw.get("status") or {}).get("conditions") or []
+    return any(
+        c.get("type") == ConditionType.VALID.value and c.get("reason") == Reason.NAME_CONFLICT for c in conditions
+    )

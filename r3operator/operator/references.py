@@ -6,6 +6,10 @@ the sources: ``model.tokenSecretRef`` and ``model.s3``/``model.gcs`` of a fetche
 FailedCreate, ...) long after the RLJob was accepted; checked here, it is ``Valid=False`` with the object's
 name and nothing is created. Optional references (``optional: true``) are not required.
 
+A ServiceAccount a pod template names must not be an identity someone else holds (``ReferenceCheck.borrowed``):
+one another RLJob controls (the CRD's CEL refuses every ``<job>-trainer`` name; this covers what the object alone
+cannot show), or the operator's own (its pods would hold the operator's rights).
+
 A Secret is read only for the names of its keys: the values are dropped as soon as the response is parsed,
 never kept, compared or logged. Where the operator may not read Secrets (the chart's
 ``rbac.checkSecretReferences: false``) Secret references are not checked here; the pods' own
@@ -17,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.api.pod_rules import SITES
 from r3operator.api.pods import PodTemplate
-from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
+from r3operator.operator.builders.dataset import fetched_datasets
 from r3operator.operator.builders.model_cache import credential_keys, uses_model_cache
 from r3operator.operator.builders.overrides import role_template
 from r3operator.operator.kube import KINDS, KubeClient, KubeError
@@ -32,6 +37,8 @@ class _Found:
 
     keys: frozenset[str] = frozenset()
     value: int | None = None
+    controller: str | None = None
+    """A ServiceAccount's controller ownerReference, ``Kind/name uid``."""
 
 
 _UNREADABLE = _Found()
@@ -55,6 +62,8 @@ class ReferenceCheck:
     missing: tuple[str, ...] = ()
     priority: int | None = None
     """The value of the PriorityClass the pods name (builders/workload.py), when it exists."""
+    borrowed: tuple[str, ...] = ()
+    """ServiceAccounts a pod template names that are another's identity, each with its field and why."""
 
 
 def _template_references(template: PodTemplate, where: str) -> list[Reference]:
@@ -96,8 +105,8 @@ def _source_references(job: RLJob) -> list[Reference]:
         keys = credential_keys(model.uri, model.s3, model.gcs, "model")
         refs += [Reference("Secret", name, key, where) for name, key, where in keys]
     task = job.spec.task
-    if task.dataset_path and parse_source_uri(task.dataset_path).fetched:
-        keys = credential_keys(task.dataset_path, task.s3, task.gcs, "task")
+    for _, path in fetched_datasets(job):  # the eval file too, with the task's store credentials
+        keys = credential_keys(path, task.s3, task.gcs, "task")
         refs += [Reference("Secret", name, key, where) for name, key, where in keys]
     return refs
 
@@ -121,10 +130,42 @@ def _kept(kind: str, obj: dict[str, Any]) -> _Found:
     """The key names, never the values; a PriorityClass's value."""
     if kind == "PriorityClass":
         return _Found(value=int(obj["value"]) if "value" in obj else None)
+    if kind == "ServiceAccount":
+        ref = next((r for r in (obj.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")), None)
+        return _Found(controller=f"{ref.get('kind')}/{ref.get('name')} {ref.get('uid')}" if ref else None)
     return _Found(keys=frozenset({**(obj.get("data") or {}), **(obj.get("binaryData") or {})}))
 
 
-async def check_references(client: KubeClient, job: RLJob, *, priority_class: str | None) -> ReferenceCheck:
+def _borrowed(job: RLJob, accounts: dict[str, _Found | None], operator_account: tuple[str, str] | None) -> list[str]:
+    """The pod templates' ServiceAccounts that are the operator's own or controlled by another RLJob."""
+    found: list[str] = []
+    for site in SITES:
+        template = site.get(job.spec)
+        name = template.service_account_name if template is not None else None
+        if name is None:
+            continue
+        field = f"spec.{site.path}.serviceAccountName {name}"
+        if operator_account == (job.metadata.namespace, name):
+            found.append(f"{field} is the operator's own ServiceAccount: its pods would hold the operator's rights")
+            continue
+        account = accounts.get(name)
+        owner = account.controller if account is not None else None
+        if owner is not None and owner.startswith("RLJob/") and not owner.endswith(f" {job.metadata.uid}"):
+            found.append(
+                f"{field} is controlled by {owner.partition(' ')[0]}: the identity of another job, whose pods "
+                "could then be acted as"
+            )
+    return found
+
+
+async def check_references(
+    client: KubeClient,
+    job: RLJob,
+    *,
+    priority_class: str | None,
+    operator_account: tuple[str, str] | None = None,
+) -> ReferenceCheck:
+    """``operator_account``: the operator's own (namespace, ServiceAccount), which no pod template may name."""
     missing: list[str] = []
     cache: dict[tuple[str, str], _Found | None] = {}
     for ref in references(job):
@@ -151,4 +192,5 @@ async def check_references(client: KubeClient, job: RLJob, *, priority_class: st
     if priority_class is not None:
         found = cache.get(("PriorityClass", priority_class))
         priority = found.value if found is not None else None
-    return ReferenceCheck(tuple(missing), priority)
+    accounts = {name: found for (kind, name), found in cache.items() if kind == "ServiceAccount"}
+    return ReferenceCheck(tuple(missing), priority, tuple(_borrowed(job, accounts, operator_account)))

@@ -2,21 +2,27 @@
 
 Conditions follow metav1: positive polarity, ``observedGeneration`` in each, ``lastTransitionTime``
 only on status flips. ``Succeeded``/``Failed`` are sticky. ``Ready`` is rolled up in a fixed order
-and carries the first failing reason. ``progress`` belongs to the trainer driver: it is copied
-through untouched and never included in what the operator writes.
+and carries the first failing reason. ``progress`` is the trainer's report as the operator took it
+(operator/progress.py). Every field is the operator's: it is written whole, so what anyone else wrote
+there is gone with the next write.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ConditionStatus as S
 from r3operator.api.enums import ConditionType as T
 from r3operator.api.enums import ReplayMode
 from r3operator.api.plan import plan
-from r3operator.api.v1alpha1 import Condition, RLJob, RLJobStatus, WorkloadCounts
+from r3operator.api.v1alpha1 import Condition, Progress, RLJob, RLJobStatus, WorkloadCounts
 from r3operator.operator import meta
 from r3operator.operator.admission import AdmissionState
 from r3operator.operator.builders.model_cache import model_cache_claim_name
@@ -24,6 +30,7 @@ from r3operator.operator.conditions import Desired, Reason, merge
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended, recorded_end
 from r3operator.operator.observed import Observed
+from r3operator.operator.replay_health import replay_healthy
 
 _REFUSED_WRITE = (Reason.API_ERROR, Reason.NAMESPACE_TERMINATING)
 
@@ -39,6 +46,7 @@ CONDITION_ORDER = (
     T.SUCCEEDED,
     T.FAILED,
     T.UPGRADE_BLOCKED,
+    T.REPLAY_HEALTHY,
 )
 
 _UPGRADE_REASONS = {
@@ -101,6 +109,14 @@ def _valid(job: RLJob, obs: Observed) -> Desired:
             Reason.KUEUE_MISSING,
             "spec.queueName is set but the Kueue Workload API (workloads.kueue.x-k8s.io, v1beta1) is not served: "
             "install Kueue or remove spec.queueName",
+        )
+    if obs.borrowed_identities:
+        return Desired(
+            T.VALID,
+            S.FALSE,
+            Reason.FOREIGN_SERVICE_ACCOUNT,
+            f"{'; '.join(obs.borrowed_identities)}; name another ServiceAccount, or none (then the job gets its own); "
+            "nothing was created",
         )
     if obs.missing_references:
         return Desired(
@@ -397,6 +413,7 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         T.SUCCEEDED: succeeded,
         T.FAILED: failed,
         T.UPGRADE_BLOCKED: _upgrade_blocked(obs),
+        T.REPLAY_HEALTHY: replay_healthy(job, _progress(job.status or RLJobStatus(), obs)),
     }
     by_type[T.READY] = _ready(job, by_type)
     return by_type
@@ -422,7 +439,7 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
         trainer=WorkloadCounts(replicas=1 if ray_job else 0, ready_replicas=trainer_ready, updated_replicas=0),
         # An upgrade's canary replica is not one of the job's engines: at most desired/desired.
         engines_ready=f"{min(engines.ready_replicas, job.spec.inference.replicas)}/{job.spec.inference.replicas}",
-        progress=old_status.progress,
+        progress=_progress(old_status, observed),
         start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
         completion_time=completion,
         upgrade=observed.upgrade,
@@ -438,27 +455,43 @@ def _completion_time(job: RLJob, obs: Observed, now: str) -> str:
     return format_time(recorded) if recorded is not None else now
 
 
+def _progress(old: RLJobStatus, obs: Observed) -> Progress | None:
+    """The trainer's report when this pass read one it takes; otherwise what the status had (a refused report, an
+    invalid spec: nothing was read)."""
+    report = obs.progress
+    return report.progress if report is not None and not report.refused else old.progress
+
+
 def _comparable(status: RLJobStatus | None) -> dict[str, Any]:
     data = (status or RLJobStatus()).model_dump(mode="json", by_alias=True)
-    data.pop("progress", None)
     for cond in data.get("conditions", []):
         cond.pop("lastTransitionTime", None)
     return data
 
 
 def status_changed(old: RLJobStatus | None, new: RLJobStatus) -> bool:
-    """True when anything but timestamps (and driver-owned progress) differs."""
+    """True when anything but the conditions' transition times differs."""
     return _comparable(old) != _comparable(new)
 
 
+def status_digest(status: RLJobStatus | Mapping[str, Any] | None) -> str:
+    """What ``status_changed`` compares, as a digest: of a status as computed, or as a watch event carries it
+    (one that does not parse has a digest of its own, so it differs from any the operator wrote)."""
+    if status is not None and not isinstance(status, RLJobStatus):
+        try:
+            status = RLJobStatus.model_validate(dict(status))
+        except ValidationError:
+            return "unparsable"
+    text = json.dumps(_comparable(status), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def status_patch(status: RLJobStatus) -> dict[str, Any]:
-    """The /status merge patch: every operator-owned field, never ``progress`` (the driver's). The upgrade
-    is written whole, unset fields as null, so that nothing another writer put there survives the patch."""
-    data = status.model_dump(mode="json", by_alias=True, exclude_none=True)
-    data.pop("progress", None)
-    data["upgrade"] = status.upgrade.model_dump(mode="json", by_alias=True) if status.upgrade else None
-    if status.completion_time is None:
-        data["completionTime"] = None  # a merge patch removes an end someone else wrote
+    """The /status merge patch: the whole status, every field the operator does not set as null, so that nothing
+    another writer put there (a forged startTime, a condition, an upgrade, progress) survives the patch. Lists
+    (conditions) are replaced whole by a merge patch."""
+    data = status.model_dump(mode="json", by_alias=True)
+    data["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in status.conditions]
     return {"status": data}
 
 
@@ -485,12 +518,12 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
     return out
 
 
-def nonfinite_warning(job: RLJob, seen: int | None) -> tuple[int | None, str | None]:
-    """What the pass says about `status.progress.nonFiniteSteps` (the trainer's count of steps whose update
-    had a non-finite loss or gradient and was not applied): (the count to remember, a Warning event's message
-    or None). `seen`: the count this operator saw last, None since it started; a first sight warns only when
-    the latest reported step is the non-finite one, so an operator restart does not repeat old warnings."""
-    progress = job.status.progress if job.status else None
+def nonfinite_warning(job: RLJob, progress: Progress | None, seen: int | None) -> tuple[int | None, str | None]:
+    """What the pass says about `progress.nonFiniteSteps` (the trainer's count of steps whose update had a
+    non-finite loss or gradient and was not applied; `progress`: the status this pass writes): (the count to
+    remember, a Warning event's message or None). `seen`: the count this operator saw last, None since it
+    started; a first sight warns only when the latest reported step is the non-finite one, so an operator
+    restart does not repeat old warnings."""
     count = progress.non_finite_steps if progress is not None else None
     if progress is None or count is None:
         return seen, None

@@ -19,13 +19,20 @@ a sampler change shifts logprobs). So an image change does not roll every replic
     Complete every pod runs the new revision.
     Blocked  failed or timed out: the template goes back to the old image (the surge pod goes, nobody
              else moved), condition UpgradeBlocked carries the figures; the spec keeps the new image until
-             the user changes it. `kubectl annotate rlj NAME r3operator.io/upgrade=force` skips the canary.
+             the user changes it. `kubectl annotate rlj NAME r3operator.io/upgrade=force` rolls it anyway.
 
 The state (from, to, phase, attempt, clocks, verdict) is the operator's own record on the engine
-StatefulSet (operator/upgrade_record.py), never read from the RLJob's status (which the trainer pods may
-patch), so an operator restarted mid-upgrade resumes in the same phase; a spec image change during an
-upgrade starts a new attempt from the last image that is known good. `allowed_images` is the last word
-before rendering: no image that is neither in the spec nor in that record nor running now.
+StatefulSet (operator/upgrade_record.py), never read from the RLJob's status, so an operator restarted
+mid-upgrade resumes in the same phase; a spec image change during an upgrade starts a new attempt from the
+last image that is known good. What the engines and the trainer are known good on is the operator's record too,
+never the image a live object carries: the annotation ``r3operator.io/verified-image`` on the engine StatefulSet
+(LeaderWorkerSet) and on the RayJob, the image the operator rendered there for the regular replicas (the spec's,
+one a canary passed on, or the one a blocked canary went back to). An image edited by hand into either object
+is no upgrade "from" anything: it differs from the render and is taken back (apply.py). `allowed_images` is the
+last word before rendering: no image that is neither in the spec nor in that record nor verified.
+
+`r3operator.io/upgrade=force` is one-shot: the pass that finds it removes it (reconcile.py), having used it for
+the upgrade it starts or finds in Canary or Blocked (``UpgradePlan.forced``), or for nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3operator.api.v1alpha1 import RLJob, UpgradeCanary, UpgradeStatus
+from r3operator.operator import meta
 from r3operator.operator.builders.engine_lws import leader_worker_templates
 from r3operator.operator.lifecycle import format_time, parse_time
 from r3operator.operator.upgrade_record import PodProgress
@@ -42,6 +50,7 @@ from r3operator.operator.upgrade_record import PodProgress
 ANNOTATION_UPGRADE = "r3operator.io/upgrade"
 FORCE = "force"
 ENGINE_CONTAINER = "vllm"
+ANNOTATION_VERIFIED_IMAGE = meta.ANNOTATION_VERIFIED_IMAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,13 @@ class EngineRollout:
     partition: int = 0
     """Replicas with a lower index stay on the current revision (StatefulSet rollingUpdate.partition over
     ordinals, LeaderWorkerSet rollingUpdateConfiguration.partition over groups: one replica each)."""
+    regular_image: str | None = None
+    """During a canary, the image the partition keeps the regular replicas on (None: ``image``)."""
+
+    @property
+    def verified(self) -> str:
+        """The image the regular replicas are known good on once this rollout is rendered."""
+        return self.regular_image or self.image
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +99,8 @@ class UpgradePlan:
     """Not None: render the RayJob with this trainer image (the old one, while its successor is canaried)."""
     unschedulable: str | None = None
     """The canary's surge replica or pod cannot be scheduled (the scheduler's reason): UpgradeBlocked now."""
+    forced: bool = False
+    """The r3operator.io/upgrade=force annotation decided this plan (the canary skipped or a block lifted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +126,32 @@ def template_image(statefulset: dict[str, Any] | None) -> str | None:
         if container.get("name") == ENGINE_CONTAINER:
             return str(container.get("image") or "") or None
     return None
+
+
+def _verified_annotation(obj: dict[str, Any] | None) -> str | None:
+    annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(ANNOTATION_VERIFIED_IMAGE) or "") or None
+
+
+def verified_engine_image(statefulset: dict[str, Any] | None, prev: UpgradeStatus | None) -> str | None:
+    """The image the engines are known good on: the operator's annotation; for engines made by an operator before
+    it, its upgrade record (``to`` once a canary passed, else ``from``), else the template's image. None: no
+    engines yet."""
+    if statefulset is None:
+        return None
+    if (annotated := _verified_annotation(statefulset)) is not None:
+        return annotated
+    if prev is not None and prev.component == "engine":
+        return prev.to if prev.phase in ("Rolling", "Complete") else prev.from_image
+    return template_image(statefulset)
+
+
+def verified_trainer_image(ray_job: dict[str, Any] | None) -> str | None:
+    """The image the trainer is known good on: the operator's annotation on the RayJob; for a RayJob made by an
+    operator before it, its head image. None: no RayJob."""
+    if ray_job is None:
+        return None
+    return _verified_annotation(ray_job) or trainer_image(ray_job)
 
 
 def rolled_out(statefulset: dict[str, Any] | None, *, pods: int) -> tuple[bool, int]:
@@ -184,15 +228,15 @@ def plan_upgrade(
     canary = canary or CanaryInputs()
     if prev is not None and prev.component == "trainer" and prev.phase in ACTIVE:
         plan = _plan_trainer(job, prev, ray_job, canary, stopped, now)
-        running = template_image(statefulset)
-        if running is not None and running != job.spec.inference.image:
-            plan = replace(plan, rollout=EngineRollout(image=running))  # the engine change waits its turn
+        verified = verified_engine_image(statefulset, None)
+        if verified is not None and verified != job.spec.inference.image:
+            plan = replace(plan, rollout=EngineRollout(image=verified))  # the engine change waits its turn
         return plan
     engine_prev = prev if prev is None or prev.component == "engine" else None
     engines = _plan_engines(job, statefulset, engine_prev, canary=canary, stopped=stopped, now=now)
     if engines.status is not None and engines.status.phase in ACTIVE:
         return engines
-    running_trainer = trainer_image(ray_job)
+    running_trainer = verified_trainer_image(ray_job)
     if not stopped and running_trainer is not None and running_trainer != job.spec.trainer.image:
         return _trainer_attempt(job, running_trainer, now)
     return engines if engines.status is not None else UpgradePlan(prev)
@@ -210,7 +254,7 @@ def _plan_engines(
     spec_image = job.spec.inference.image
     policy = job.spec.upgrade_policy
     replicas = job.spec.inference.replicas
-    running = template_image(statefulset)
+    running = verified_engine_image(statefulset, prev)  # never an image edited into the template by hand
     force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
     active = prev is not None and prev.phase in ("Canary", "Rolling", "Blocked")
 
@@ -250,7 +294,7 @@ def _plan_engines(
             else "no engine replica runs"
         )
         status = status.model_copy(update={"phase": "Rolling", "message": f"rolling every replica: {why}"})
-        return UpgradePlan(status, EngineRollout(image=spec_image))
+        return UpgradePlan(status, EngineRollout(image=spec_image), forced=force)
     return _canary(status, replicas)
 
 
@@ -260,7 +304,7 @@ def _canary(status: UpgradeStatus, replicas: int) -> UpgradePlan:
             "message": f"canary: one extra replica on {status.to} is scored against one on {status.from_image}",
         }
     )
-    rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas)
+    rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas, regular_image=status.from_image)
     target = CanaryTarget(
         attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0, new_replica=replicas
     )
@@ -281,7 +325,7 @@ def _continue(
     if prev.phase == "Canary":
         if force or stopped:
             why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
-            return _rolling(prev, f"canary skipped: {why}")
+            return replace(_rolling(prev, f"canary skipped: {why}"), forced=force)
         passed, why = canary_outcome(job, prev, canary, now)
         judged = prev.model_copy(update={"canary": canary.verdict}) if canary.verdict is not None else prev
         if passed is True:
@@ -291,7 +335,8 @@ def _continue(
         return _waiting(job, _canary(prev, replicas), canary, now)
     if prev.phase == "Blocked":
         if force:
-            return _rolling(prev, "forced by the r3operator.io/upgrade=force annotation after a failed canary")
+            plan = _rolling(prev, "forced by the r3operator.io/upgrade=force annotation after a failed canary")
+            return replace(plan, forced=True)
         return UpgradePlan(prev, EngineRollout(image=prev.from_image), blocked_message=prev.message)
     done, replicas_updated = rolled_out(statefulset, pods=pods)
     if done:
@@ -370,7 +415,8 @@ def _trainer_attempt(job: RLJob, good: str, now: dt.datetime) -> UpgradePlan:
             if job.spec.upgrade_policy.canary is False
             else "no engine replica to score"
         )
-        return UpgradePlan(status.model_copy(update={"phase": "Rolling", "message": f"replacing the RayJob: {why}"}))
+        rolling = status.model_copy(update={"phase": "Rolling", "message": f"replacing the RayJob: {why}"})
+        return UpgradePlan(rolling, forced=force)
     return _trainer_canary(status)
 
 
@@ -407,17 +453,18 @@ def _plan_trainer(
             return UpgradePlan(prev.model_copy(update={"phase": "Cancelled", "message": message}))
         return _trainer_attempt(job, prev.to if prev.phase == "Rolling" else prev.from_image, now)
     if prev.phase == "Rolling":
-        if trainer_image(ray_job) == prev.to:
+        if verified_trainer_image(ray_job) == prev.to:
             return UpgradePlan(prev.model_copy(update={"phase": "Complete", "message": f"the trainer runs {prev.to}"}))
         return UpgradePlan(prev)  # the RayJob is being replaced
     if prev.phase == "Blocked":
         if force:
             message = "forced by the r3operator.io/upgrade=force annotation after a failed canary"
-            return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": message}))
+            return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": message}), forced=True)
         return UpgradePlan(prev, trainer_image=prev.from_image, blocked_message=prev.message)
     if force or stopped:
         why = "forced by the r3operator.io/upgrade=force annotation" if force else "the job stopped"
-        return UpgradePlan(prev.model_copy(update={"phase": "Rolling", "message": f"canary skipped: {why}"}))
+        skipped = prev.model_copy(update={"phase": "Rolling", "message": f"canary skipped: {why}"})
+        return UpgradePlan(skipped, forced=force)
     passed, why = canary_outcome(job, prev, canary, now)
     judged = prev.model_copy(update={"canary": canary.verdict}) if canary.verdict is not None else prev
     if passed is True:
@@ -452,12 +499,17 @@ def _blocked(prev: UpgradeStatus, failure: str) -> UpgradePlan:
 def allowed_images(
     job: RLJob, prev: UpgradeStatus | None, statefulset: dict[str, Any] | None, ray_job: dict[str, Any] | None
 ) -> dict[str, set[str]]:
-    """Per component, the only images the operator may render: the spec's, what runs now, and the
-    from/to of its own record of the upgrade (which came from earlier specs and running objects)."""
+    """Per component, the only images the operator may render: the spec's, the one verified last, and the
+    from/to of its own record of the upgrade (which came from earlier specs and verified images). Not what a
+    live object carries: an image edited in by hand is no approval."""
     allowed = {"engine": {job.spec.inference.image}, "trainer": {job.spec.trainer.image}}
-    for component, running in (("engine", template_image(statefulset)), ("trainer", trainer_image(ray_job))):
-        if running is not None:
-            allowed[component].add(running)
+    engine_prev = prev if prev is not None and prev.component == "engine" else None
+    for component, verified in (
+        ("engine", verified_engine_image(statefulset, engine_prev)),
+        ("trainer", verified_trainer_image(ray_job)),
+    ):
+        if verified is not None:
+            allowed[component].add(verified)
     if prev is not None:
         allowed[prev.component] |= {prev.from_image, prev.to}
     return allowed

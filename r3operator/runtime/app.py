@@ -11,7 +11,7 @@ from typing import Any
 
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import read_rows, write_plot, write_report
+from r3operator.runtime.report import EVAL_CSV, read_eval_rows, read_rows, write_plot, write_report
 from r3operator.settings import RUNS_DIR, runtime_settings, unknown_variables
 
 
@@ -125,16 +125,20 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
     # started before this invocation: its wall time then does not contain their start.
     engines_started_here = engines is None and not settings.engine_urls
     runs: dict[str, list[dict[str, Any]]] = {}
+    evals: dict[str, list[dict[str, Any]]] = {}  # spec.evaluation: each run's eval.csv
     if compare_replay:
         for label, mode in (("replay off (Disabled)", "Disabled"), ("replay on (R3)", "R3")):
             sub = replace(settings, replay_override=mode, run_dir=settings.run_dir / mode.lower())
             runs[label], run = run_once(sub, engines=engines, label=label)
+            evals[label] = read_eval_rows(sub.run_dir / EVAL_CSV)
             engines = run.engines
     else:
-        runs[settings.job.spec.routing_replay.mode.value], run = run_once(settings, engines=engines)
+        label = settings.job.spec.routing_replay.mode.value
+        runs[label], run = run_once(settings, engines=engines)
+        evals[label] = read_eval_rows(settings.run_dir / EVAL_CSV)
     out = settings.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    plot_problem = write_plot(out / "plot.png", runs)
+    plot_problem = write_plot(out / "plot.png", runs, evals)
     facts = {
         "model": str(run.model_dir),
         "device": settings.device,
@@ -144,18 +148,37 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "weight sync": run.weight_sync_described,
         "weight-sync canary": canary_fact(settings, run),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
+        **({"held-out evaluation": evaluation_fact(settings)} if settings.job.spec.evaluation else {}),
         "steps": settings.steps,
         "wall time (s, this invocation)": wall_time_fact(time.perf_counter() - begin, engines_started_here),
         "plot": plot_problem or "plot.png",
     }
     text = write_report(
-        out / "report.md", job_name=settings.name, runs=runs, facts=facts, canary=settings.job.spec.weight_sync.canary
+        out / "report.md",
+        job_name=settings.name,
+        runs=runs,
+        facts=facts,
+        canary=settings.job.spec.weight_sync.canary,
+        evals=evals,
     )
     if settings.show_progress:
         print(text, flush=True)  # plain: readable in a CI log, markdown on a terminal
     if plot_problem:
         logging.getLogger("r3operator.runtime").warning(plot_problem)
     return out
+
+
+def evaluation_fact(settings: RunSettings) -> str:
+    """Where the eval reward comes from and how it is sampled."""
+    evaluation, rollout = settings.job.spec.evaluation, settings.job.spec.rollout
+    assert evaluation is not None
+    temperature = rollout.temperature if evaluation.temperature is None else evaluation.temperature
+    rows = "every row" if evaluation.max_prompts is None else f"the first {evaluation.max_prompts} rows"
+    when = "before training and " if evaluation.before_training else ""
+    return (
+        f"{rows} of {evaluation.dataset_path}, {evaluation.samples_per_prompt} sample(s) each at temperature "
+        f"{temperature:g}, {when}every {evaluation.interval_steps} steps and after the last (eval.csv)"
+    )
 
 
 def wall_time_fact(seconds: float, engines_started_here: bool) -> str:

@@ -12,8 +12,9 @@ step of this driver is
                     min(pi_old / pi_rollout, importanceWeightCap) (trainer/grpo/loss.py): the rollout
                     logprobs come from the (older) policies that sampled the tokens
     7 weight_sync   pause the producer at its next pause point (the segment in flight finishes), sync,
-    8 canary        check the canary, publish the new policy version, resume: unfinished trajectories
-                    continue under the new weights keeping their tokens and routes (partial rollouts)
+    8 canary        check the canary, run the held-out evaluation when due (spec.evaluation, on the new policy
+                    while nothing else is on the engines), publish the new policy version, resume: unfinished
+                    trajectories continue under the new weights keeping their tokens and routes (partial rollouts)
     9-10            metrics (staleness histogram, partial-rollout count), checkpoint
 
 Under R3 the stitched routes of a partial rollout hold each token's rows from the weights that routed it,
@@ -185,18 +186,28 @@ class AsyncGRPORun(GRPORun):
             clip_ratio_c=alg.clip_ratio_c,
         )
 
-    def sync_and_canary(self, timer: PhaseTimer) -> bool:
-        """7-8. With the engines paused: sync, canary, then publish the new version and resume. `pause` is
-        the wait for the segment in flight (the sync and the canary are timed on their own)."""
+    def sync_and_canary(self, timer: PhaseTimer, step: int) -> bool:
+        """7-8. With the engines paused: sync, canary, the held-out evaluation when due (on the new policy, with no
+        rollout segment beside it), then publish the new version and resume. `pause` is the wait for the segment
+        in flight (the sync, the canary and the evaluation are timed on their own)."""
         with timer("pause"), self.gate.paused():
             with timer("weight_sync"):
                 self.sync_weights()
             with timer("canary"):
                 canary_ok = self.canary()
+            super().evaluate(step, timer)
             self.gate.set_version(self.policy_version)
             self.gate.recovered()  # the sync installed the new version on every engine
-        timer.seconds["pause"] -= timer.seconds["weight_sync"] + timer.seconds["canary"]
+        timer.seconds["pause"] -= (
+            timer.seconds["weight_sync"] + timer.seconds["canary"] + timer.seconds.get("eval", 0.0)
+        )
         return canary_ok
+
+    def evaluate(self, step: int, timer: PhaseTimer) -> None:
+        """A skipped step's due evaluation: the producer pauses for it as for a weight sync."""
+        if self.evaluation is not None and self.evaluation.due(step):
+            with self.gate.paused():
+                super().evaluate(step, timer)
 
     def _fidelity_masks(
         self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass

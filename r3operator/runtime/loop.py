@@ -8,7 +8,11 @@
  2 reward        rule-based reward per sample
  3 advantages    GRPO, normalised within each prompt's group
  4 routes        R3: each sample's routes, validated when they arrived, into the batch; a sample
-                 whose routes are missing or invalid is dropped loudly and counted, never replayed
+                 whose routes are missing or invalid fails the job or is dropped loudly and counted
+                 (routingReplay.onRouteCheckFailure), never replayed
+   route_checks  R3: shape, logical id range, uncaptured rows, replayed pad (before 5), then a constant
+                 layer against the trainer's own routing and the replay hooks' counts (after 5, before 6):
+                 runtime/route_checks.py; timed as one phase
  5 old_logprob   no-grad forward: R3 replays engine routes, R2 records natural routes, Disabled neither
  6 update        PPO-clip with the same replay (R3: engine routes, R2: recorded routes)
  7 weight_sync   trainer weights → every engine, chunked, inside ONE layerwise-reload bracket,
@@ -17,6 +21,8 @@
                  fingerprints), then engine greedy decode of fixed prompts == trainer argmax at every
                  position (teacher-forced; ε and δ from the engine's dtype and device), else
                  CanaryMismatchError
+   eval          spec.evaluation, every intervalSteps and at the last step: the held-out eval reward of the new
+                 policy on the same engines (runtime/evaluation.py); never trained on
  9 metrics       Prometheus, metrics.csv, RLJob status.progress
 10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                  atomically once every rank has finished (runtime/checkpoint.py); the step waits
@@ -38,14 +44,17 @@ from r3operator.api.weight_transfer import TransferChoice, TransferMethod
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
+from r3operator.routing.checks import RouteCheckFailure
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
-from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
+from r3operator.runtime.evaluation import EvalResult, Evaluation
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, eval_progress_patch, progress_patch
 from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import append_row, keep_rows_through, read_rows
+from r3operator.runtime.route_checks import RouteChecks, model_routing, select_old
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts
 from r3operator.runtime.sft import sft_warmup
@@ -125,6 +134,7 @@ class GRPORun:
         self._given_engines = engines  # None: setup() starts them
         self.store = RoutingStore(self.run_dir / "routes", durable=False)
         self.recorder: RouteRecorder | None = None  # R3: the step's routes on the volume (setup())
+        self.route_checks: RouteChecks | None = None  # R3: the step's route checks (setup())
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = RuntimeMetrics(
             settings.name, namespace=settings.job.metadata.namespace or "default", port=settings.metrics_port
@@ -141,6 +151,8 @@ class GRPORun:
         from r3operator.settings import runtime_settings
 
         self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
+        self.evaluation: Evaluation | None = None  # spec.evaluation (setup())
+        self.step_eval: EvalResult | None = None  # the last evaluation
 
     # -- setup --------------------------------------------------------------------------------------
     # What setup() puts in place (runtime/setup.py builds it): typed as present, since nothing of the
@@ -172,6 +184,7 @@ class GRPORun:
         self.canary_tol = parts.canary_tol
         self.canary_near_ties = 0
         self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
+        self.evaluation = parts.evaluation
         install = self._native_install()
         # What the report and status.progress.weightSync say: the method, why, and where it is sent from.
         self.weight_sync_described = self.weight_transfer.describe() + (
@@ -187,6 +200,9 @@ class GRPORun:
             phases=self.sync_phases,
         )
         self._start_recorder()
+        if self.mode is ReplayMode.R3:
+            policy = self.spec.routing_replay.on_route_check_failure
+            self.route_checks = RouteChecks(model_routing(self.model_dir), policy, on_failure=self._route_check_failed)
         info = ckpt.find_latest(self.ckpt_root) if self.s.resume else None
         if info is None:  # a fresh start: rows of an earlier run in this directory must not mix in
             (self.run_dir / "metrics.csv").unlink(missing_ok=True)
@@ -201,10 +217,15 @@ class GRPORun:
             log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
         elif self.spec.algorithm.sft_warmup_steps:
             self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
+        if self.evaluation is not None:
+            self.evaluation.start(resumed_through=None if info is None else info.step)
         # Engines may hold other weights (a fresh start, a previous run): sync once before step 1. On a
         # resume that sync installs the checkpoint's policy again; it is not a new policy version.
         self.sync_weights(new_version=info is None)
         self.canary()
+        if info is None and self.evaluation is not None and self.evaluation.before_training:
+            self.step_eval = self._run_evaluation(0)
+            self.status.push(eval_progress_patch(0, self.step_eval.reward_mean))
 
     def sft_warmup(self, steps: int) -> list[float]:
         return sft_warmup(self.trainer, self.pool, steps=steps, seed=self.spec.seed)
@@ -316,11 +337,42 @@ class GRPORun:
         )
 
     def _read_routes(self, step: int, sample: RolloutSample) -> RoutedExperts | None:
-        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows)."""
-        if sample.routes_status != "ok":
+        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows); a
+        missing or invalid one fails the job or is dropped (routingReplay.onRouteCheckFailure)."""
+        failure = RouteChecks.arrival_failure(sample)
+        if failure is not None:
+            if self.route_checks is not None:
+                self.route_checks.failed(failure)  # raises under Fail
             self._drop(sample, sample.routes_status, sample.routes_error or "")
             return None
         return sample.routes
+
+    def check_routes(
+        self, batch: TrainBatch, samples: Sequence[RolloutSample], old: OldPass | None = None
+    ) -> tuple[TrainBatch, OldPass | None] | None:
+        """R3's route checks (runtime/route_checks.py) before the old-logprob pass (`old` None) or after it:
+        the batch (and pass) without the samples that failed under SkipSample; None when none is left."""
+        checker = self.route_checks
+        assert checker is not None  # R3 only
+        before = len(checker.step.failures)
+        rows = checker.before_forward(batch, samples) if old is None else checker.after_forward(batch, old)
+        for failure in checker.step.failures[before:]:  # SkipSample: Fail raised in `failed`
+            self.metrics.inc("r3operator_samples_dropped_total", reason=failure.rule)
+            self.dropped.append((str(failure.sample_id), failure.rule))
+        if not rows:
+            return None
+        if len(rows) < batch.size:
+            batch, old = batch.select(rows), (None if old is None else select_old(old, rows))
+        return batch, old
+
+    def _route_check_failed(self, failure: RouteCheckFailure, fatal: bool) -> None:
+        """Count a route-check failure; before a fatal one stops the job, status.progress says why."""
+        self.metrics.inc("r3operator_route_check_failures_total", rule=failure.rule)
+        if fatal and self.route_checks is not None:
+            failures = len(self.route_checks.step.failures)
+            self.status.push(
+                {"status": {"progress": {"routeCheckFailures": failures, "routeCheckMessage": str(failure)[:1024]}}}
+            )
 
     def _drop(self, sample: RolloutSample, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample.sample_id, reason, detail)
@@ -494,12 +546,25 @@ class GRPORun:
             adv = poison(
                 step, self.advantages(rewards), self._fault_steps, mini_batches=self.spec.algorithm.mini_batches
             )
+        if self.route_checks is not None:
+            self.route_checks.begin_step(samples)
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
+        if self.route_checks is not None and batch is not None:
+            with timer("route_checks"):
+                checked = self.check_routes(batch, samples)
+            batch = None if checked is None else checked[0]
         if batch is None:
             return self._skip_step(step, samples, rewards, timer, begin)
         with timer("old_logprob"):
             old = self.old_logprobs(batch)
+        if self.route_checks is not None:
+            with timer("route_checks"):
+                checked = self.check_routes(batch, samples, old)
+            if checked is None or checked[1] is None:
+                return self._skip_step(step, samples, rewards, timer, begin)
+            batch, old = checked[0], checked[1]
+            self.route_checks.tally(batch)
         with timer("update"):
             stats = self.update(batch, old)
         # The non-finite guard (runtime/nonfinite.py): an update that changed nothing is neither synced nor
@@ -507,7 +572,7 @@ class GRPORun:
         changed = self.nonfinite.record(step, stats)
         if stats.updates_skipped:
             self.metrics.inc("r3operator_nonfinite_steps_total")
-        canary_ok = self.sync_and_canary(timer) if changed else self._no_sync()
+        canary_ok = self.sync_and_canary(timer, step) if changed else self._no_sync(step, timer)
         with timer("metrics"):
             row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
             row.nonfinite_updates = stats.updates_skipped
@@ -519,18 +584,38 @@ class GRPORun:
         self.nonfinite.check()
         return row
 
-    def _no_sync(self) -> bool:
-        """A step whose update was not applied: the engines keep the policy they have (no canary to run)."""
+    def _no_sync(self, step: int, timer: PhaseTimer) -> bool:
+        """A step whose update was not applied: the engines keep the policy they have (no canary to run); a due
+        held-out evaluation still runs, on that policy."""
         self.sync_phases.reset()
         self.canary_near_ties = 0
+        self.evaluate(step, timer)
         return False
 
-    def sync_and_canary(self, timer: PhaseTimer) -> bool:
-        """7-8. Weight sync, then the canary (the asynchronous driver pauses the engines around both)."""
+    def sync_and_canary(self, timer: PhaseTimer, step: int) -> bool:
+        """7-8. Weight sync, then the canary, then the held-out evaluation when due (the asynchronous driver pauses
+        the engines around all three)."""
         with timer("weight_sync"):
             self.sync_weights()
         with timer("canary"):
-            return self.canary()
+            canary_ok = self.canary()
+        self.evaluate(step, timer)
+        return canary_ok
+
+    def evaluate(self, step: int, timer: PhaseTimer) -> None:
+        """spec.evaluation, when due after `step`: the eval reward of the policy the engines hold (`eval` phase)."""
+        if self.evaluation is not None and self.evaluation.due(step):
+            with timer("eval"):
+                self.step_eval = self._run_evaluation(step)
+
+    def _run_evaluation(self, step: int) -> EvalResult:
+        assert self.evaluation is not None
+        result = self.evaluation.on_engines(
+            step, policy_version=self.policy_version, engines=self.engines, supervisor=self.supervisor
+        )
+        self.metrics.observe_eval(step, result.reward_mean)
+        log.info("%s", result.line())
+        return result
 
     def _trainer_peak_gib(self) -> float | None:
         """The largest peak GPU memory of any trainer rank so far (GiB); None on CPU, where the driver's
@@ -548,6 +633,8 @@ class GRPORun:
         """Figures a driver adds from the update's (none in the synchronous loop)."""
 
     def _finish_step(self, row: StepRecord, timer: PhaseTimer, begin: float) -> StepRecord:
+        if self.step_eval is not None and self.step_eval.step == row.step:
+            row.eval_reward = self.step_eval.reward_mean
         row.phase_seconds = dict(timer.seconds)  # every phase the step ran, metrics and checkpoint included
         row.step_seconds = time.perf_counter() - begin
         row.trainer_peak_memory_gib = self._trainer_peak_gib()
@@ -579,6 +666,7 @@ class GRPORun:
             ", ".join(sorted({reason for _, reason in self.dropped})),
         )
         self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
+        self.evaluate(step, timer)  # a due evaluation still runs, on the unchanged policy
         with timer("metrics"):
             row = self._rollout_columns(step, samples, rewards, timer)  # StepRecord's defaults: a skipped step
         with timer("checkpoint"):
@@ -664,10 +752,26 @@ class GRPORun:
             tokens_per_second=tokens / max(timer.seconds["rollout"], 1e-9),
             prompt_tokens=sum(len(s.prompt_token_ids) for s in samples),
         )
+        if self.route_checks is not None:
+            self._replay_columns(record)
         if self.spec.rollout.multi_turn:  # model turns per conversation; the environment's tokens
             record.turns_mean = float(np.mean([s.extra["turns"] for s in samples]))
             record.env_tokens = int(sum(s.extra["env_tokens"] for s in samples))
         return record
+
+    def _replay_columns(self, record: StepRecord) -> None:
+        """R3: the replayed and fallback fractions and the route checks' count of the step (and their gauges)."""
+        assert self.route_checks is not None
+        tally = self.route_checks.step
+        fractions = tally.fractions
+        record.replayed_fraction, record.fallback_fraction = fractions.replayed, fractions.fallback
+        record.route_check_failures, record.route_check_message = len(tally.failures), tally.message
+        for name, value in (
+            ("r3operator_replayed_rows_ratio", fractions.replayed),
+            ("r3operator_replay_fallback_rows_ratio", fractions.fallback),
+        ):
+            if value == value:  # NaN: nothing to measure, the series keeps its last value
+                self.metrics.set(name, value)
 
     def _agreement_by_turn(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> str:
         """The natural routing agreement per turn, "0.991;0.985;…" (turn 1 first; rollout/multiturn.py)."""
@@ -698,6 +802,8 @@ class GRPORun:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[StepRecord]:
         self.setup()
+        if table is not None and self.step_eval is not None:  # the evaluation before training
+            table.note(self.step_eval.line())
         try:
             for step in range(self.start_step, self.s.steps + 1):
                 row = self.train_step(step)

@@ -1,5 +1,5 @@
 """Driver metrics: the data-plane fidelity and routing set (`R3Metrics`) plus step/reward/throughput/phase timings,
-on one Prometheus registry; and the RLJob `status.progress` merge-patch.
+on one Prometheus registry; and the progress report the operator copies into the RLJob's `status.progress`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from r3operator.api.v1alpha1 import Progress
 from r3operator.rollout.partial import LagGap as LagGap  # what observe_lags takes, for the layers above
 from r3operator.runtime.step_record import step_progress
-from r3operator.settings import runtime_settings
+from r3operator.settings import PROGRESS_KEY, runtime_settings
 from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,18 @@ METRICS: list[MetricSpec] = [
     MetricSpec("r3operator_policy_version", "gauge", _ID, "Policy version on the engines (weight syncs so far)."),
     MetricSpec("r3operator_reward_mean", "gauge", _ID, "Mean rollout reward of the last step."),
     MetricSpec("r3operator_tokens_per_second", "gauge", _ID, "Generated tokens per second of rollout, last step."),
+    MetricSpec(
+        "r3operator_eval_reward",
+        "gauge",
+        _ID,
+        "Mean held-out eval reward of the last evaluation (spec.evaluation; absent without one).",
+    ),
+    MetricSpec(
+        "r3operator_eval_step",
+        "gauge",
+        _ID,
+        "The step after which the last evaluation ran (0: before training).",
+    ),
     MetricSpec("r3operator_step_seconds", "gauge", _ID, "Wall time of the last step."),
     MetricSpec("r3operator_step_phase_seconds", "gauge", (*_ID, "phase"), "Wall time of each phase of the last step."),
     MetricSpec("r3operator_weight_sync_seconds", "gauge", _ID, "Wall time of the last weight sync (canary excluded)."),
@@ -109,6 +122,26 @@ METRICS: list[MetricSpec] = [
         _ID,
         "Steps with an update whose loss or gradient was not finite on some trainer rank: that optimizer step "
         "was skipped on every rank; a step with no update applied was neither synced nor checkpointed.",
+    ),
+    MetricSpec(
+        "r3operator_replayed_rows_ratio",
+        "gauge",
+        _ID,
+        "R3, last step: token rows replayed with the engine's routes over every row the rollout needed (each "
+        "sample's tokens but its last); 1.0 when every sample trained with its routes.",
+    ),
+    MetricSpec(
+        "r3operator_replay_fallback_rows_ratio",
+        "gauge",
+        _ID,
+        "R3, last step: rows of the trained samples that routed naturally for want of an engine route.",
+    ),
+    MetricSpec(
+        "r3operator_route_check_failures_total",
+        "counter",
+        (*_ID, "rule"),
+        "R3: samples whose routes failed a route check, by rule (routes-missing, routes-invalid, route-shape, "
+        "expert-range, zero-route, pad-replayed, constant-layer, hooks-not-fired; docs/rules.md).",
     ),
     MetricSpec(
         "r3operator_engine_faults_total",
@@ -196,6 +229,11 @@ class RuntimeMetrics:
         for phase, seconds in phases.items():
             self.set("r3operator_step_phase_seconds", seconds, phase=phase)
 
+    def observe_eval(self, step: int, reward_mean: float) -> None:
+        """One held-out evaluation (runtime/evaluation.py): its reward and the step it was measured after."""
+        self.set("r3operator_eval_reward", reward_mean)
+        self.set("r3operator_eval_step", step)
+
     def observe_lags(self, gaps: Sequence[LagGap], *, max_staleness: int) -> None:
         """The step's |Δlogprob| split by staleness lag (metrics.csv's `*_by_lag`), under bounded lag labels.
         A label without tokens loses its mean series: a NaN would read as a figure (as clear_fidelity)."""
@@ -225,10 +263,11 @@ def progress_patch(
     non_finite_steps: int | None = None,
     last_non_finite_step: int | None = None,
 ) -> dict[str, Any]:
-    """JSON merge-patch body for the RLJob `/status` subresource: `Progress` after the step `row` (a
-    StepRecord). Figures the step lacks are sent as null, which clears the last step's; `weightSync` and
-    `nonFiniteSteps` are left out when not known, so the ones already there stay (`lastNonFiniteStep` goes
-    with its count)."""
+    """The progress report after the step `row` (a StepRecord), shaped as the RLJob status it becomes:
+    `{"status": {"progress": Progress}}` (`StatusPusher.push` sends it; the operator copies it into the status).
+    Figures the step lacks are null, which clears the last step's; `weightSync` and `nonFiniteSteps` are left
+    out when not known, and `evalReward`/`evalStep` on a step that did not evaluate, so the ones already
+    reported stay (`lastNonFiniteStep` goes with its count)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = step_progress(
         row,
@@ -239,21 +278,45 @@ def progress_patch(
         non_finite_steps=non_finite_steps,
         last_non_finite_step=last_non_finite_step,
     )
-    # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count.
+    # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count, the
+    # last evaluation's figures.
     unknown = {"weight_sync": weight_sync, "non_finite_steps": non_finite_steps}
     left_out = {k for k, v in unknown.items() if v is None}
     if non_finite_steps is None:
         left_out.add("last_non_finite_step")
+    if progress.eval_reward is None:
+        left_out |= {"eval_reward", "eval_step"}
     body = progress.model_dump(mode="json", by_alias=True, exclude=left_out or None)
     return {"status": {"progress": body}}
 
 
-class StatusPusher:
-    """Merge-patches `status.progress` of the RLJob named by R3OPERATOR_RLJOB_NAME / _NAMESPACE.
+def eval_progress_patch(step: int, reward_mean: float) -> dict[str, Any]:
+    """The report of an evaluation outside a step (before training, step 0): the eval figures alone."""
+    progress = Progress(eval_reward=reward_mean, eval_step=step)
+    return {
+        "status": {"progress": progress.model_dump(mode="json", by_alias=True, include={"eval_reward", "eval_step"})}
+    }
 
-    Disabled (no-op) outside a cluster. One HTTPS PATCH with the pod's own ServiceAccount token, whose Role
-    allows exactly this RLJob's status: no Kubernetes client library for one call. A failed patch is logged,
-    never fatal: training goes on.
+
+def merged_report(last: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """`last` with `patch` applied as a JSON merge patch (a null removes the key, a missing key keeps it)."""
+    merged = dict(last)
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+class StatusPusher:
+    """Reports progress for the RLJob named by R3OPERATOR_RLJOB_NAME / _NAMESPACE: the ConfigMap `<job>-progress`,
+    which the operator created for it, checks and copies into the RLJob's `status.progress`.
+
+    Disabled (no-op) outside a cluster. One HTTPS merge PATCH of the ConfigMap's `progress` key with the pod's
+    own ServiceAccount token, whose Role allows exactly that ConfigMap (the trainer has no right on the RLJob or
+    its status): no Kubernetes client library for one call. The key holds the whole report, each push merged
+    over the last one (`merged_report`). A failed patch is logged, never fatal: training goes on.
     """
 
     def __init__(
@@ -264,14 +327,15 @@ class StatusPusher:
         self.namespace = namespace or env.rljob_namespace
         self._url: str | None = None
         self._account_dir = account_dir or env.service_account_dir
+        self._last: dict[str, Any] = {}
         if self.name and self.namespace and env.in_cluster:
-            from r3operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+            from r3operator.api.names import ROLE_PROGRESS, child_name
 
             host = env.kubernetes_service_host or ""
             host = f"[{host}]" if ":" in host else host  # an IPv6 service address
             self._url = (
-                f"https://{host}:{env.kubernetes_service_port}/apis/{GROUP}/{VERSION}"
-                f"/namespaces/{self.namespace}/{PLURAL}/{self.name}/status"
+                f"https://{host}:{env.kubernetes_service_port}/api/v1"
+                f"/namespaces/{self.namespace}/configmaps/{child_name(self.name, ROLE_PROGRESS)}"
             )
 
     @property
@@ -279,19 +343,23 @@ class StatusPusher:
         return self._url is not None
 
     def push(self, body: dict[str, Any]) -> bool:
-        """True when the API server took the patch (False: logged, or not in a cluster)."""
+        """Report `body["status"]["progress"]` (`progress_patch`'s shape). True when the API server took it
+        (False: logged, or not in a cluster)."""
         if self._url is None:
             return False
+        # What the next push merges over, taken or not: each push sends the whole report.
+        report = self._last = merged_report(self._last, body["status"]["progress"])
         try:
             # The token is re-read each time: the kubelet rotates projected tokens in place.
             token = (self._account_dir / "token").read_text().strip()
             context = ssl.create_default_context(cafile=str(self._account_dir / "ca.crt"))
-            request = urllib.request.Request(self._url, data=json.dumps(body).encode(), method="PATCH")
+            patch = {"data": {PROGRESS_KEY: json.dumps(report, separators=(",", ":"), allow_nan=False)}}
+            request = urllib.request.Request(self._url, data=json.dumps(patch).encode(), method="PATCH")
             request.add_header("Authorization", f"Bearer {token}")
             request.add_header("Content-Type", "application/merge-patch+json")
             with urllib.request.urlopen(request, timeout=10, context=context) as response:
                 response.read()
-        except Exception as exc:  # the API server being away must not kill a training step
-            log.warning("status patch of rljob %s/%s failed: %s", self.namespace, self.name, exc)
+        except Exception as exc:  # the API server being away (or a NaN) must not kill a training step
+            log.warning("progress report of rljob %s/%s failed: %s", self.namespace, self.name, exc)
             return False
         return True

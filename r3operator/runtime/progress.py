@@ -34,19 +34,32 @@ def _num(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3g}"
 
 
+def _eval_reward(row: Mapping[str, Any]) -> str:
+    """The held-out eval reward of a step that evaluated (spec.evaluation), else ""."""
+    value = row.get("eval_reward")
+    return "" if value is None or value == "" else f"{float(value):.3f}"
+
+
+def _eval(row: Mapping[str, Any]) -> str:
+    reward = _eval_reward(row)
+    return f"eval reward {reward}  " if reward else ""
+
+
 def step_line(row: Mapping[str, Any], total_steps: int) -> str:
     """One plain-text progress line (the non-TTY form), every field named."""
     times = " ".join(f"{label} {row.get('t_' + key, 0.0):.2f}s" for key, label in PHASES)
+    if row.get("t_eval") is not None:
+        times += f" eval {float(row['t_eval']):.2f}s"
     if row.get("skipped"):
         return (
             f"step {row['step']}/{total_steps}  SKIPPED: no usable samples ({row.get('samples_dropped')} of "
-            f"{row.get('samples')} dropped), no update  reward {row['reward_mean']:.3f}  "
+            f"{row.get('samples')} dropped), no update  reward {row['reward_mean']:.3f}  {_eval(row)}"
             f"step {row['step_seconds']:.2f}s"
         )
     if row.get("nonfinite_updates"):
         times += f"  NON-FINITE: {row['nonfinite_updates']} update(s) not applied"
     return (
-        f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  "
+        f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  {_eval(row)}"
         f"|dlogprob| mean {_num(row['logprob_abs_diff_mean'])} max {_num(row['logprob_abs_diff_max'])}  "
         f"routing natural {_pct(row.get('routing_natural_agreement'))} replay {_pct(row.get('replay_applied'))}  "
         f"canary {'ok' if row['canary_ok'] else '-'}  {times}  step {row['step_seconds']:.2f}s"
@@ -65,9 +78,11 @@ class StepTable:
 
     def _table(self) -> Table:
         table = Table(title=f"{self.title}  ({len(self.rows)}/{self.total_steps} steps)")
+        evaluated = any(_eval_reward(r) for r in self.rows)  # spec.evaluation: a column once a step evaluated
         for col in (
             "step",
             "reward",
+            *(["eval reward"] if evaluated else []),
             "|Δlogprob|",
             "routing natural",
             "replay",
@@ -80,6 +95,7 @@ class StepTable:
             table.add_row(
                 str(r["step"]),
                 f"{r['reward_mean']:.3f}",
+                *([_eval_reward(r)] if evaluated else []),
                 _num(r["logprob_abs_diff_mean"]),
                 _pct(r.get("routing_natural_agreement")),
                 _pct(r.get("replay_applied")),

@@ -1,5 +1,6 @@
 """Run outputs: metrics.csv (one row per step), report.md and a PNG plot (matplotlib, Agg; optional:
-without matplotlib the run still writes metrics.csv and report.md and says why there is no plot)."""
+without matplotlib the run still writes metrics.csv and report.md and says why there is no plot). A run with
+`spec.evaluation` also has eval.csv (runtime/evaluation.py): the report and the plot show its eval reward."""
 
 from __future__ import annotations
 
@@ -81,6 +82,54 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+EVAL_CSV = "eval.csv"
+EVAL_COLUMNS = (
+    "step",
+    "policy_version",
+    "eval_reward_mean",
+    "eval_reward_std",
+    "prompts",
+    "samples",
+    "response_tokens_mean",
+    "seconds",
+)
+"""eval.csv's header, in order: one row per held-out evaluation (runtime/evaluation.py), step 0 before training."""
+
+
+def append_eval_row(path: Path, row: Mapping[str, Any]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=EVAL_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow({column: row[column] for column in EVAL_COLUMNS})
+
+
+def read_eval_rows(path: Path) -> list[dict[str, Any]]:
+    """eval.csv's complete rows by step (a step evaluated again by a resumed run keeps its last row)."""
+    if not path.exists():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    with path.open() as fh:
+        for row in csv.DictReader(fh):
+            if None in row.values() or not row.get("step"):  # a row cut short by a crash mid-append
+                continue
+            by_step[int(row["step"])] = row
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def keep_eval_rows_through(path: Path, last_step: int) -> None:
+    """A resumed run keeps the evaluations through its checkpoint's step (it runs the later steps again);
+    rewritten atomically."""
+    kept = [row for row in read_eval_rows(path) if int(row["step"]) <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=EVAL_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(kept)
+    tmp.replace(path)
+
+
 def _f(row: Mapping[str, Any], key: str) -> float:
     try:
         return float(row[key])
@@ -98,8 +147,13 @@ def reward_trend(rows: Sequence[Mapping[str, Any]], window: int = 3) -> tuple[fl
 PLOT_MISSING = "plot.png not written: matplotlib is not installed (pip install matplotlib; extra `runtime`)"
 
 
-def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str | None:
-    """Draw the plot; returns None, or why no plot was written (matplotlib missing)."""
+def write_plot(
+    path: Path,
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    evals: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+) -> str | None:
+    """Draw the plot (`evals`: each run's eval.csv rows, drawn beside its training reward); returns None, or why no
+    plot was written (matplotlib missing)."""
     try:
         import matplotlib
     except ImportError:
@@ -108,11 +162,27 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_figure(runs, evals)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+REWARD_PANEL = "reward (mean)"
+
+
+def plot_figure(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], evals: Mapping[str, Sequence[Mapping[str, Any]]] | None = None
+) -> Any:
+    """The plot's matplotlib Figure (matplotlib imported, Agg): reward (with the held-out eval reward, step 0
+    included), mean |Δlogprob| and routing agreement per step."""
+    import matplotlib.pyplot as plt
+
     # Each panel: (title, [(column, line label suffix, style)]). The routing panel shows what the trainer's
     # routers would choose by themselves (the alignment signal) and whether replay handed the experts the
     # engine's ids (100 % under R3 whenever the hook fires, aligned or not).
     panels = [
-        ("reward (mean)", [("reward_mean", "", "-")]),
+        (REWARD_PANEL, [("reward_mean", "", "-")]),
         ("mean |Δlogprob| rollout vs trainer", [("logprob_abs_diff_mean", "", "-")]),
         (
             "routing agreement with the engine",
@@ -126,14 +196,37 @@ def write_plot(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> s
                 ax.plot(
                     [int(r["step"]) for r in rows], [_f(r, key) for r in rows], style, marker="o", label=label + suffix
                 )
+        if title == REWARD_PANEL:
+            for label, rows in (evals or {}).items():
+                if rows:
+                    steps = [int(r["step"]) for r in rows]
+                    values = [_f(r, "eval_reward_mean") for r in rows]
+                    ax.plot(steps, values, "--", marker="s", label=f"{label} held-out eval")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return None
+    return fig
+
+
+def eval_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The held-out evaluation of a run (its eval.csv rows): the first evaluation against the last, and the best."""
+    if not rows:
+        return []
+    first, last = rows[0], rows[-1]
+    start, end = _f(first, "eval_reward_mean"), _f(last, "eval_reward_mean")
+    best = max(rows, key=lambda r: _f(r, "eval_reward_mean"))
+
+    def when(row: Mapping[str, Any]) -> str:
+        return "before training" if int(row["step"]) == 0 else f"after step {row['step']}"
+
+    samples = int(_f(first, "samples") // max(_f(first, "prompts"), 1))
+    return [
+        f"- held-out eval reward ({first['prompts']} prompts × {samples}, {len(rows)} evaluations): "
+        f"{start:.3f} {when(first)} → {end:.3f} {when(last)} ({end - start:+.3f}); best "
+        f"{_f(best, 'eval_reward_mean'):.3f} {when(best)}"
+    ]
 
 
 def _mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
@@ -284,8 +377,10 @@ def write_report(
     runs: Mapping[str, Sequence[Mapping[str, Any]]],
     facts: Mapping[str, Any],
     canary: bool = True,
+    evals: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> str:
-    """report.md: per-run reward start → end and whether it rose, Δlogprob, routing, canary, phase times."""
+    """report.md: per-run reward start → end and whether it rose, the held-out eval reward (`evals`: each run's
+    eval.csv rows), Δlogprob, routing, canary, phase times."""
     lines = [f"# r3operator run report: {job_name}", ""]
     lines += [f"- {k}: {v}" for k, v in facts.items()]
     lines.append("")
@@ -301,6 +396,7 @@ def write_report(
             f"- reward: start {start:.3f} (mean of the first steps) → end {end:.3f} (mean of the last steps): "
             f"the reward {rose} ({end - start:+.3f}); per step {_f(rows[0], 'reward_mean'):.3f} → "
             f"{_f(rows[-1], 'reward_mean'):.3f}",
+            *eval_lines((evals or {}).get(label, ())),
             *fidelity_lines(rows),
             _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",

@@ -1,10 +1,11 @@
 """The run's set-up: what the step loop works with, built once before step 1.
 
-`build_parts` reads the model's config, builds the task source, the trainer (on Ray ranks when there are
-several), its checkpointer, the engines (unless the caller brought them) and the weight-sync method, in
-that order, and hands them back as one `RunParts`: the loop (runtime/loop.py) never sees a part that is
-not there yet. What needs the loop itself — resuming a checkpoint, the SFT warm-up, the first weight sync
-and canary — stays in `GRPORun.setup`, which calls this first.
+`build_parts` reads the model's config, builds the task source and the held-out evaluation (its rows read before
+any engine starts), the trainer (on Ray ranks when there are several), its checkpointer, the engines (unless the
+caller brought them) and the weight-sync method, in that order, and hands them back as one `RunParts`: the loop
+(runtime/loop.py) never sees a part that is not there yet. What needs the loop itself — resuming a checkpoint, the
+SFT warm-up, the first weight sync and canary, the evaluation before training — stays in `GRPORun.setup`, which
+calls this first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from r3operator.api.weight_transfer import TransferChoice
 from r3operator.rollout.engines import EngineGroup
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, check_architecture
-from r3operator.runtime.dataset_file import resolve_dataset_file
+from r3operator.runtime.dataset_file import resolve_dataset_file, resolve_eval_dataset_file
+from r3operator.runtime.evaluation import Evaluation, build_evaluation
 from r3operator.tasks.source import TaskSource, build_task_source
 from r3operator.trainer.base import Trainer
 from r3operator.trainer.factory import build_trainer, world_size
@@ -36,6 +38,7 @@ class RunParts:
     vllm_version: str
     weight_transfer: TransferChoice
     canary_tol: CanaryTolerance
+    evaluation: Evaluation | None = None
 
 
 def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup | None, ckpt_root: Path) -> RunParts:
@@ -48,6 +51,13 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
     vocab_size = int(hf_config.vocab_size)
     task = build_task_source(
         spec, model_dir=model_dir, vocab_size=vocab_size, dataset_file=resolve_dataset_file(settings.job)
+    )
+    evaluation = build_evaluation(
+        spec,
+        task,
+        resolve_eval_dataset_file(settings.job),
+        last_step=settings.steps,
+        run_dir=settings.run_dir,
     )
     ranks = world_size(spec, device=settings.device, override=settings.trainer_ranks)
     if ranks > 1:  # the ranks are Ray actors: in a pod, on the RayJob's cluster
@@ -72,6 +82,7 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
         vllm_version=vllm_version,
         weight_transfer=transfer,
         canary_tol=canary_tolerance(settings.engine_dtype, settings.device),
+        evaluation=evaluation,
     )
 
 

@@ -1,4 +1,5 @@
-"""The supervised warm-up (`algorithm.sftWarmupSteps`): cross-entropy on the task's answers, natural routing.
+"""The supervised warm-up (`algorithm.sftWarmupSteps`): cross-entropy on the task's answers (a dataset row's
+`solution` where it has one), natural routing.
 
 One function for the two places that run it: the driver on a fresh start (`GRPORun.setup`) and the verl
 comparison's common warmed-up start (benchmarks/peers/warm_start.py), which must train exactly what an RLJob
@@ -24,5 +25,5 @@ def sft_warmup(trainer: Trainer, pool: Sequence[tasks.Problem], *, steps: int, s
     losses = []
     for _ in range(steps):
         batch = tasks.sample_problems(pool, count=SFT_BATCH, rng=rng)
-        losses.append(trainer.sft_step([p.prompt_ids for p in batch], [p.answer_ids for p in batch]))
+        losses.append(trainer.sft_step([p.prompt_ids for p in batch], [p.target_ids for p in batch]))
     return losses

@@ -1,7 +1,8 @@
-"""The driver's side of the one resolver: the local path of ``spec.model.uri`` and ``spec.task.datasetPath``.
+"""The driver's side of the one resolver: the local path of ``spec.model.uri``, ``spec.task.datasetPath`` and
+``spec.evaluation.datasetPath``.
 
 In a pod the operator has fetched hf://, s3:// and gs:// sources already (the model cache at MODEL_MOUNT, the
-dataset at DATA_MOUNT): the driver verifies that copy and never fetches itself. Outside a cluster (a local
+dataset files at DATA_MOUNT): the driver verifies that copy and never fetches itself. Outside a cluster (a local
 ``r3operator run``) the same fetch fills ``<cache dir>/sources`` on first use, with the credentials of the
 environment.
 """
@@ -42,16 +43,27 @@ def fetched_model_dir(job: RLJob) -> Path:
 
 def resolve_dataset_path(job: RLJob) -> Path | None:
     """The local file or directory of ``task.datasetPath`` (None when the task has none)."""
+    return _data_path(job, job.spec.task.dataset_path, "spec.task.datasetPath")
+
+
+def resolve_eval_dataset_path(job: RLJob) -> Path | None:
+    """The local file of ``evaluation.datasetPath`` (None without an evaluation), fetched with the task's
+    store credentials."""
+    evaluation = job.spec.evaluation
+    return None if evaluation is None else _data_path(job, evaluation.dataset_path, "spec.evaluation.datasetPath")
+
+
+def _data_path(job: RLJob, path: str | None, field: str) -> Path | None:
     task = job.spec.task
-    if not task.dataset_path:
+    if not path:
         return None
-    source = parse_source_uri(task.dataset_path)
+    source = parse_source_uri(path)
     if source.scheme == "file":
         return Path(source.location)
     if not source.fetched:
-        raise ValueError(f"spec.task.datasetPath {task.dataset_path}: use a path, s3://bucket/key or gs://bucket/key")
+        raise ValueError(f"{field} {path}: use a path, s3://bucket/key or gs://bucket/key")
     env = runtime_settings()
     in_pod = env.host_path(target_directory(source, Path(DATA_MOUNT)))
     if in_pod.is_dir() or env.in_cluster:
         return verify(in_pod).path
-    return fetch(task.dataset_path, local_sources_root(), s3=store_options(task.dataset_path, task.s3, task.gcs)).path
+    return fetch(path, local_sources_root(), s3=store_options(path, task.s3, task.gcs)).path

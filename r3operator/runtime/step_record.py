@@ -24,17 +24,20 @@ from r3operator.wire.sync_phases import SYNC_PHASES
 
 NAN = math.nan
 
-# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `pause` is the
-# asynchronous driver's wait for the rollout segment in flight before a weight sync.
+# The timed phases of a step (`t_<phase>` columns), in the order of metrics.csv; `eval` only on the steps that ran
+# the held-out evaluation (runtime/evaluation.py); `pause` is the asynchronous driver's wait for the rollout
+# segment in flight before a weight sync.
 STEP_PHASES = (
     "rollout",
     "reward",
     "advantages",
     "routes",
+    "route_checks",
     "old_logprob",
     "update",
     "weight_sync",
     "canary",
+    "eval",
     "metrics",
     "checkpoint",
 )
@@ -71,6 +74,13 @@ _MULTI_TURN = ("turns_mean", "env_tokens")  # a multi-turn job's rollout
 _BY_TURN = ("routing_agreement_by_turn",)  # a multi-turn job's trained step
 _ASYNC_ROLLOUT = ("staleness_mean", "staleness_max", "partial_rollouts", "stale_dropped", "trainer_idle_seconds")
 _ASYNC_UPDATE = ("importance_weight_mean", "importance_truncated_fraction")
+# R3 jobs: how much of the step replayed, and what the route checks found (runtime/route_checks.py)
+_REPLAY_HEALTH = (
+    "replayed_fraction",
+    "fallback_fraction",
+    "route_check_failures",
+    "route_check_message",
+)
 # async: logprob_abs_diff_* and routing_natural_agreement run over the current version's tokens of fresh
 # trajectories (the mismatch; empty when the step trained none); the older tokens' |Δlogprob| (the staleness)
 # is apart, also per lag ("0.0041;0.0812;-": lag 0 first, "-" where the lag had no token) with its token
@@ -82,6 +92,7 @@ _ASYNC_FIDELITY = (
     "tokens_by_lag",
     "logprob_abs_diff_mean_resumed",
 )
+_EVAL = ("eval_reward",)  # spec.evaluation: the held-out reward, on the steps that evaluated (runtime/evaluation.py)
 
 COLUMNS: tuple[str, ...] = (
     *_EVERY_STEP,
@@ -94,6 +105,8 @@ COLUMNS: tuple[str, ...] = (
     *(f"t_{phase}" for phase in ASYNC_PHASES),
     *_ASYNC_FIDELITY,
     *(f"sync_{phase}" for phase in SYNC_PHASES),  # the weight sync's phases (wire/sync_phases.py)
+    *_REPLAY_HEALTH,
+    *_EVAL,
 )
 """metrics.csv's header, in order."""
 
@@ -155,6 +168,13 @@ class StepRecord(Mapping[str, Any]):
     logprob_abs_diff_by_lag: str | None = None
     tokens_by_lag: str | None = None
     logprob_abs_diff_mean_resumed: float | None = None  # current-version tokens of resumed trajectories
+    # -- R3 jobs
+    replayed_fraction: float | None = None
+    fallback_fraction: float | None = None
+    route_check_failures: int | None = None
+    route_check_message: str | None = None
+    # -- spec.evaluation, on the steps that evaluated
+    eval_reward: float | None = None
 
     def _present(self) -> dict[str, Any]:
         """The step's columns and values, in metrics.csv's order."""
@@ -166,6 +186,8 @@ class StepRecord(Mapping[str, Any]):
             (_BY_TURN, self.routing_agreement_by_turn is not None),
             (_ASYNC_ROLLOUT, self.staleness_mean is not None),
             (_ASYNC_UPDATE + _ASYNC_FIDELITY, self.importance_weight_mean is not None),
+            (_REPLAY_HEALTH, self.route_check_failures is not None),
+            (_EVAL, self.eval_reward is not None),
         ]
         have = {name for names, present in groups if present for name in names}
         have.update(f"t_{phase}" for phase in self.phase_seconds)
@@ -221,7 +243,9 @@ def step_progress(
     last_non_finite_step: int | None = None,
 ) -> Progress:
     """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row);
-    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one."""
+    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one; the eval
+    figures only when the step evaluated (None otherwise: the status keeps the last evaluation's)."""
+    eval_reward = _finite(record.get("eval_reward"))
     return Progress(
         step=int(record["step"]),
         total_steps=int(total_steps),
@@ -233,6 +257,21 @@ def step_progress(
         last_checkpoint_step=last_checkpoint_step,
         non_finite_steps=non_finite_steps,
         last_non_finite_step=last_non_finite_step,
+        eval_reward=eval_reward,
+        eval_step=None if eval_reward is None else int(record["step"]),
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
+        replayed_fraction=_finite(record.get("replayed_fraction")),
+        fallback_fraction=_finite(record.get("fallback_fraction")),
+        extreme_token_fraction=_finite(record.get("extreme_token_fraction")),
+        route_check_failures=_count(record.get("route_check_failures")),
+        route_check_message=(str(record.get("route_check_message") or "") or None),
     )
+
+
+def _count(value: Any) -> int | None:
+    """An integer cell for the RLJob status (None for an empty one)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

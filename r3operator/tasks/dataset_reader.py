@@ -4,9 +4,11 @@ A row is one JSON object (one line of a `.jsonl` file) or one row of a `.parquet
 
 - `prompt`: a non-empty string, or `messages`: a non-empty list of {"role": str, "content": str} (exactly
   one of the two);
-- `answer`: a string (a number is taken as its decimal text);
+- `answer`: a string (a number is taken as its decimal text): what the reward compares with;
+- `solution` (optional): a non-empty string, the worked solution the supervised warm-up (`algorithm.sftWarmupSteps`)
+  trains on instead of `answer`, e.g. the reasoning steps that end in the answer; the reward never reads it;
 - `id` (optional): a string or an integer, unique in the file; default `row-<n>` (n counts rows from 0);
-- any other column: kept as the row's metadata and handed to the reward.
+- any other column: kept as the row's metadata and handed to the reward (with `id`).
 
 Blank lines of a JSONL file are skipped. A malformed row stops the read with a DatasetError naming the
 file and the line (JSONL) or row (Parquet); nothing is skipped silently.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PROMPT, MESSAGES, ANSWER, ID = "prompt", "messages", "answer", "id"
+PROMPT, MESSAGES, ANSWER, SOLUTION, ID = "prompt", "messages", "answer", "solution", "id"
 SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -37,6 +39,8 @@ class DatasetRow:
     messages: tuple[Mapping[str, str], ...] | None
     answer: str
     metadata: Mapping[str, Any]
+    solution: str | None = None
+    """The supervised warm-up's target, where the row has one (else the answer is)."""
 
 
 def read_rows(path: Path) -> list[DatasetRow]:
@@ -100,10 +104,19 @@ def parse_row(record: Any, *, where: str, index: int) -> DatasetRow:
     if ANSWER not in present:
         raise DatasetError(f"{where}: missing {ANSWER!r}")
     answer = _text(present[ANSWER], where, ANSWER)
+    solution = _solution(present[SOLUTION], where) if SOLUTION in present else None
     row_id = _text(present[ID], where, ID) if ID in present else f"row-{index}"
-    metadata = {key: value for key, value in present.items() if key not in (PROMPT, MESSAGES, ANSWER)}
+    metadata = {key: value for key, value in present.items() if key not in (PROMPT, MESSAGES, ANSWER, SOLUTION)}
     metadata[ID] = row_id
-    return DatasetRow(where=where, id=row_id, prompt=prompt, messages=messages, answer=answer, metadata=metadata)
+    return DatasetRow(
+        where=where,
+        id=row_id,
+        prompt=prompt,
+        messages=messages,
+        answer=answer,
+        metadata=metadata,
+        solution=solution,
+    )
 
 
 def _text(value: Any, where: str, field: str) -> str:
@@ -112,6 +125,12 @@ def _text(value: Any, where: str, field: str) -> str:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     raise DatasetError(f"{where}: {field!r} must be a string, got {type(value).__name__} {value!r}")
+
+
+def _solution(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise DatasetError(f"{where}: {SOLUTION!r} must be a non-empty string (the warm-up's target), got {value!r}")
+    return value
 
 
 def _prompt(value: Any, where: str) -> str:

@@ -8,6 +8,10 @@ trains on the engines' ids, and the reward decodes the completion's ids to text.
 again, so the routes the engine returned stay on the tokens they were computed for. A tokenizer without
 a chat template encodes a `prompt` row as plain text with its special tokens, and refuses `messages` rows.
 
+The supervised warm-up trains on a row's `solution` where it has one (a worked solution ending in the answer),
+else on its `answer` (`DatasetProblem.target_ids`); the reward compares with `answer` either way. The weight-sync
+canary decodes as many tokens as the longest target, at most CANARY_MAX_TOKENS.
+
 Prompts longer than `max_prompt_tokens` are dropped at load with one warning that counts them and names
 the first few rows: a prompt the engine cannot fit beside `rollout.maxTokens` would fail the step, and
 one long row should not end a run over a large file. A file left with no prompt is an error.
@@ -47,6 +51,14 @@ class DatasetProblem(Problem):
     """What the reward gets as `prompt`: the row's prompt, or its last message's content."""
     answer: str = ""
     metadata: Mapping[str, Any] | None = None
+    solution_ids: tuple[int, ...] | None = None
+    """The row's `solution`, tokenised with <eos> appended; None: the row has none."""
+
+    @property
+    def target_ids(self) -> tuple[int, ...]:
+        """The supervised warm-up's target: the worked solution where the row has one, else the answer. The reward
+        compares the decoded completion with `answer` either way."""
+        return self.answer_ids if self.solution_ids is None else self.solution_ids
 
 
 def encode_prompt(row: DatasetRow, tokenizer: Any) -> list[int]:
@@ -73,8 +85,12 @@ def load_problems(path: Path, tokenizer: Any, *, max_prompt_tokens: int | None) 
         if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
             too_long.append(f"{row.where} ({len(prompt_ids)} tokens)")
             continue
-        # The answer's ids are the supervised warm-up's target and size the canary; rewards compare text.
+        # The warm-up trains on the solution's ids where the row has one, else the answer's; they also size the
+        # canary. Rewards compare text with the answer.
         answer_ids = [*tokenizer(row.answer, add_special_tokens=False)["input_ids"], eos]
+        solution_ids = None
+        if row.solution is not None:
+            solution_ids = (*tokenizer(row.solution, add_special_tokens=False)["input_ids"], eos)
         prompt_text = row.prompt if row.prompt is not None else row.messages[-1]["content"]  # type: ignore[index]
         problems.append(
             DatasetProblem(
@@ -84,6 +100,7 @@ def load_problems(path: Path, tokenizer: Any, *, max_prompt_tokens: int | None) 
                 prompt_text=prompt_text,
                 answer=row.answer,
                 metadata=row.metadata,
+                solution_ids=solution_ids,
             )
         )
     if too_long:
@@ -128,7 +145,9 @@ class DatasetTask:
         self.reward = reward
         self.seed = seed
         self.canary_prompts = [p.prompt_ids for p in self.pool[:CANARY_PROMPTS]]
-        self.canary_tokens = min(CANARY_MAX_TOKENS, max(len(p.answer_ids) for p in self.pool))
+        # The canary decodes as far as what the warm-up taught the model to write (a worked solution can be
+        # long), capped: every weight sync pays for it.
+        self.canary_tokens = min(CANARY_MAX_TOKENS, max(len(p.target_ids) for p in self.pool))
 
     def batch(self, step: int, count: int) -> list[DatasetProblem]:
         return [self.pool[i] for i in step_indices(len(self.pool), seed=self.seed, step=step, count=count)]

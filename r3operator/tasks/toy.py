@@ -34,6 +34,11 @@ class Problem:
     prompt_ids: tuple[int, ...]
     answer_ids: tuple[int, ...]  # ends with <eos>
 
+    @property
+    def target_ids(self) -> tuple[int, ...]:
+        """What the supervised warm-up trains the completion on (ends with <eos>): the answer."""
+        return self.answer_ids
+
 
 @cache
 def _vocab_index(vocab_size: int) -> dict[str, int]:

@@ -28,9 +28,20 @@ class OldPass:
     replay_pad: Any | None
     mode: ReplayMode | None = None
     entropy: Any | None = None  # [B, S-1] fp32 entropy of each next-token distribution; None: not computed
+    hook_calls: dict[int, dict[int, int]] | None = None
+    """R3: per trainer rank, per MoE layer it holds, how many times the replay hook ran in this pass (the
+    step loop's hooks-not-fired check, routing/checks.py); None where the pass did not replay."""
 
 
-def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids: Any, used_ids: Any) -> OldPass:
+def old_pass_for(
+    mode: ReplayMode,
+    batch: TrainBatch,
+    logprobs: Any,
+    natural_ids: Any,
+    used_ids: Any,
+    *,
+    hook_calls: dict[int, dict[int, int]] | None = None,
+) -> OldPass:
     """The old-logprob pass result for `mode`: what the update replays (R3: the engine's routes; R2:
     the trainer's own natural choices, every real token; Disabled: nothing)."""
     if mode is ReplayMode.R3:
@@ -39,7 +50,7 @@ def old_pass_for(mode: ReplayMode, batch: TrainBatch, logprobs: Any, natural_ids
         replay_ids, replay_pad = natural_ids, batch.attention_mask == 0
     else:
         replay_ids = replay_pad = None
-    return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode)
+    return OldPass(logprobs, natural_ids, used_ids, replay_ids, replay_pad, mode, hook_calls=hook_calls)
 
 
 @dataclass

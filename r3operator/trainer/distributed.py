@@ -155,7 +155,17 @@ class TrainerRank:
     def old_logprobs(self, batch: TrainBatch, mode: ReplayMode) -> OldPass:
         old = self.trainer.old_logprobs(batch_to(batch, self.device), mode)
         entropy = None if old.entropy is None else old.entropy.cpu()
-        return OldPass(old.logprobs.cpu(), old.natural_ids.cpu(), old.used_ids.cpu(), None, None, mode, entropy)
+        calls = None if old.hook_calls is None else {self.rank: dict(old.hook_calls[0])}
+        return OldPass(
+            old.logprobs.cpu(),
+            old.natural_ids.cpu(),
+            old.used_ids.cpu(),
+            None,
+            None,
+            mode,
+            entropy=entropy,
+            hook_calls=calls,
+        )
 
     def update(
         self,
@@ -363,6 +373,7 @@ class DistributedTrainer:
             torch.cat([p.logprobs for p in parts]).to(batch.input_ids.device),
             torch.cat([p.natural_ids for p in parts]),
             torch.cat([p.used_ids for p in parts]),
+            hook_calls=_merged_hook_calls(answers),
         )
         if all(p.entropy is not None for p in parts):
             old.entropy = torch.cat([p.entropy for p in parts]).to(batch.input_ids.device)
@@ -481,3 +492,11 @@ class DistributedTrainer:
 
             remove_placement_group(self._placement)
             self._placement = None
+
+
+def _merged_hook_calls(parts: Sequence[OldPass]) -> dict[int, dict[int, int]] | None:
+    """Every answering rank's replay-hook counts (ranks padded with a dummy batch included: their hooks ran too)."""
+    merged: dict[int, dict[int, int]] = {}
+    for part in parts:
+        merged.update(part.hook_calls or {})
+    return merged or None

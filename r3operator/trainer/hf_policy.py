@@ -131,11 +131,14 @@ class PolicyTrainer(UpdateByShares):
         entropy = torch.zeros_like(logprobs)
         natural_ids: Any = None
         used_ids: Any = None
+        hook_calls: dict[int, int] = {}
         groups = micro_batches(batch.lengths, budget=self.micro_batch_tokens)
         for n in range(self._agreed_micro_batches(len(groups))):
             rows = groups[min(n, len(groups) - 1)]
             part = batch.select(rows).trimmed() if len(rows) < b else batch.trimmed()
-            lp, ent, natural, used = self._old_pass(part, mode)
+            lp, ent, natural, used, calls = self._old_pass(part, mode)
+            if calls is not None:  # summed over the micro-batches: a layer's hook ran in some forward or in none
+                hook_calls = {layer: hook_calls.get(layer, 0) + n for layer, n in calls.items()}
             if n >= len(groups):
                 continue  # a forward every FSDP2 rank must run; this rank had its rows already
             width = part.input_ids.shape[1]
@@ -153,12 +156,15 @@ class PolicyTrainer(UpdateByShares):
         entropy[pad[:, 1:]] = 0.0
         natural_ids[pad] = 0
         used_ids[pad] = 0
-        old = old_pass_for(mode, batch, logprobs, natural_ids, used_ids)
+        old = old_pass_for(
+            mode, batch, logprobs, natural_ids, used_ids, hook_calls={0: hook_calls} if mode is ReplayMode.R3 else None
+        )
         old.entropy = entropy
         return old
 
-    def _old_pass(self, part: TrainBatch, mode: ReplayMode) -> tuple[Any, Any, Any, Any]:
-        """One micro-batch's (logprobs, entropy, natural ids, used ids), shaped as `part`."""
+    def _old_pass(self, part: TrainBatch, mode: ReplayMode) -> tuple[Any, Any, Any, Any, dict[int, int] | None]:
+        """One micro-batch's (logprobs, entropy, natural ids, used ids, the replay hooks' runs per layer under R3),
+        shaped as `part`; the hooks' count is this process's (a rank actor re-keys it)."""
         import torch
 
         natural = RouterRecorder(natural=True).install(self.model)
@@ -173,7 +179,8 @@ class PolicyTrainer(UpdateByShares):
                 lp, ent = token_logprobs(
                     self.model, part.input_ids, part.attention_mask, temperature=part.temperature, entropy=True
                 )
-            return lp, ent, self._stacked(natural, part), self._stacked(used, part)
+            calls = dict(self.replay.calls) if mode is ReplayMode.R3 else None  # the hooks' runs on this forward
+            return lp, ent, self._stacked(natural, part), self._stacked(used, part), calls
         finally:
             natural.remove()
             used.remove()

@@ -228,6 +228,24 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(task={**DATASET, "reward": "math", "datasetPath": "gs://d/t.jsonl", "gcs": {"credentialsSecret": "s"}}),
         sets(task={**DATASET, "reward": "math", "datasetPath": "gs://data/train.jsonl"}),
     ),
+    "EVAL-TASK-DATASET": (
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "/data/math/test.jsonl"}),
+        sets(evaluation={"datasetPath": "/data/math/test.jsonl"}),
+    ),
+    "EVAL-DATASET-URI-SCHEME": (
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "file:///data/math/test.jsonl"}),
+        sets(task={**DATASET, "reward": "math"}, evaluation={"datasetPath": "hdfs://data/test.jsonl"}),
+    ),
+    "EVAL-DATASET-CREDENTIALS": (
+        sets(
+            task={**DATASET, "reward": "math", "gcs": {"credentialsSecret": "s"}},
+            evaluation={"datasetPath": "gs://data/test.jsonl"},
+        ),
+        sets(
+            task={**DATASET, "reward": "math", "gcs": {"credentialsSecret": "s"}},
+            evaluation={"datasetPath": "s3://data/test.jsonl"},
+        ),
+    ),
     "ENGINE-IMAGE-PLUGIN": (
         sets(**{"inference.image": "registry.example.com/vllm/vllm-openai:v0.30.0"}),  # a mirror of our build
         sets(**{"inference.image": "docker.io/vllm/vllm-openai:v0.30.0"}),
@@ -252,6 +270,19 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
     ),
     "GROUP-SIZE-ONE": (sets(**{"rollout.groupSize": 2}), sets(**{"rollout.groupSize": 1})),
+    "R3-EPLB-VLLM": (
+        sets(**{"inference.extraArgs": ["--enable-eplb"]}),  # 0.30.0 captures logical ids
+        sets(**{"inference.image": "vllm/vllm-openai:v0.21.0", "inference.extraArgs": ["--enable-eplb"]}),
+    ),
+    "R3-MOE-BACKEND": (
+        sets(**{"inference.extraArgs": ["--moe-backend", "flashinfer_trtllm"]}),  # 0.30.0: capture or refusal
+        sets(
+            **{
+                "inference.image": "vllm/vllm-openai:v0.22.1",
+                "inference.extraArgs": ["--moe-backend=flashinfer_trtllm"],
+            }
+        ),
+    ),
     "R3-ASYNC-SCHEDULING": (
         sets(**{"routingReplay.mode": "Disabled", "inference.asyncScheduling": True}),
         sets(**{"inference.asyncScheduling": True}),
@@ -267,6 +298,13 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         f"{prefix}-MOUNTS": (
             sets(**{path: {"volumes": [_DATA_VOLUME], "volumeMounts": [_DATA_MOUNT]}}),
             sets(**{path: {"volumeMounts": [_DATA_MOUNT]}}),
+        )
+        for prefix, path in _POD_TEMPLATES
+    },
+    **{
+        f"{prefix}-IDENTITY": (
+            sets(**{path: {"serviceAccountName": "trainer-identity"}}),
+            sets(**{path: {"serviceAccountName": "other-job-trainer"}}),
         )
         for prefix, path in _POD_TEMPLATES
     },

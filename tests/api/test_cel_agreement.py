@@ -198,7 +198,13 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         task["rewardFunction"] = "my_rewards.score:judge"
     if draw(st.booleans()):
         task["rewardURL"] = "http://reward.rl.svc:8080/score"
+    for store in ("s3", "gcs"):
+        if draw(st.booleans()):
+            task[store] = {"credentialsSecret": "store"}
     s["task"] = task
+    if draw(st.booleans()):
+        path = draw(st.sampled_from(["/data/math/test.jsonl", "file:///d/t.jsonl", "s3://d/t.jsonl", "gs://d/t.jsonl"]))
+        s["evaluation"] = {"datasetPath": draw(st.sampled_from([path, "hdfs://d/t.jsonl"]))}
     return m
 
 

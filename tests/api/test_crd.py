@@ -72,7 +72,7 @@ def test_schema_is_structural_and_bounded() -> None:
 def test_printer_columns_follow_conventions() -> None:
     cols = crd()["spec"]["versions"][0]["additionalPrinterColumns"]
     names = [c["name"] for c in cols if not c.get("priority")]
-    assert names == ["Ready", "Reason", "Replay", "Engines", "Trainer", "Step", "Upgrade", "Age"]
+    assert names == ["Ready", "Reason", "Replay", "Healthy", "Engines", "Trainer", "Step", "Upgrade", "Age"]
     assert not any("[-1:]" in c["jsonPath"] for c in cols)
 
 

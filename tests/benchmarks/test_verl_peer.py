@@ -285,6 +285,19 @@ def test_arith_parquet_holds_every_row_in_verls_schema(tmp_path: Path) -> None:
         assert compute_score(row["data_source"], f"so the answer is {line['answer']}", line["answer"]) == 1.0
 
 
+def test_a_row_with_a_worked_solution_is_scored_against_its_answer_by_verl(tmp_path: Path) -> None:
+    """verl trains RL only here (no SFT): a row's `solution`, the r3operator warm-up's target, is not its reward."""
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "chain.jsonl"
+    row = {"prompt": "what is 3 plus 4 minus 2 ?", "answer": "5", "solution": "3 plus 4 is 7 , 7 minus 2 is 5"}
+    source.write_text(json.dumps(row) + "\n")
+    train, _ = convert_arith(source, tmp_path / "out")
+    [converted] = pq.read_table(train).to_pylist()
+    assert converted["reward_model"] == {"style": "rule", "ground_truth": "5"}
+    assert converted["prompt"] == [{"role": "user", "content": row["prompt"]}]
+
+
 def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "d.jsonl"
     bad.write_text('{"prompt": "what is 1 plus 1 ?", "answer": "2"}\n{"prompt": "x"}\n')

@@ -321,9 +321,16 @@ def test_deployment_sets_only_variables_the_operator_reads(render) -> None:
 
     container = render().one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     ours = {e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)}
-    assert ours == {"R3OPERATOR_METRICS_PORT", "R3OPERATOR_OPERATOR_NAMESPACE", "R3OPERATOR_POD_NAME"}
+    assert ours == {
+        "R3OPERATOR_METRICS_PORT",
+        "R3OPERATOR_OPERATOR_NAMESPACE",
+        "R3OPERATOR_POD_NAME",
+        "R3OPERATOR_SERVICE_ACCOUNT",
+    }
     namespace_env = next(e for e in container["env"] if e["name"] == "R3OPERATOR_OPERATOR_NAMESPACE")
     assert namespace_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    account_env = next(e for e in container["env"] if e["name"] == "R3OPERATOR_SERVICE_ACCOUNT")
+    assert account_env["valueFrom"] == {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}
     assert ours <= set(OperatorSettings.env_names())
 
 

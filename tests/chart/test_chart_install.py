@@ -7,7 +7,8 @@
 - The operator, run in this process with that ServiceAccount's token (RBAC is the chart's, not the
   admin's), turns an RLJob into all its children.
 - The per-job trainer ServiceAccount then can exactly what its RoleBinding's role grants, and with its
-  token reads its RLJob and patches its status, and nothing else.
+  token writes its progress report (the ConfigMap `<job>-progress`), and nothing else: not its RLJob, not
+  its status.
 
 Both releases take ownership of the RLJob CRD (`--take-ownership`): the CRD is cluster-scoped, and other
 modules of the session apply it too. The operator Deployment's pod stays Pending (every fake node is a
@@ -19,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import json
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -303,22 +306,26 @@ def test_trainer_service_account_can_exactly_its_roles_rules(
     )
     account = _trainer(reconciled, jobs_namespace)
     expected = declared([binding, role], account, jobs_namespace)
-    assert ("rljobs.r3operator.io/status", "", "", "patch") in {(r, u, "", v) for r, u, _, v in expected}
+    assert expected == {("configmaps", "", f"{JOB}-progress", verb) for verb in ("get", "patch")}
     assert_exactly(control_plane, account, jobs_namespace, expected)
 
 
-def test_trainer_token_reads_its_rljob_and_patches_its_status_and_nothing_else(
+def test_trainer_token_writes_its_progress_report_and_nothing_else(
     control_plane: ControlPlane, reconciled: dict[str, dict[str, Any]], jobs_namespace: str
 ) -> None:
     token = control_plane.token_for(jobs_namespace, reconciled["sa"]["metadata"]["name"])
     rljob = f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{JOB}"
-    assert control_plane.request("GET", rljob, token=token)["metadata"]["name"] == JOB
-    patch = progress_patch({"step": 3, "reward_mean": 0.5}, total_steps=10, last_checkpoint_step=None)
-    patched = control_plane.request("PATCH", rljob + "/status", patch, "application/merge-patch+json", token=token)
-    assert patched["status"]["progress"]["step"] == 3
+    report = f"/api/v1/namespaces/{jobs_namespace}/configmaps/{JOB}-progress"
+    progress = progress_patch({"step": 3, "reward_mean": 0.5}, total_steps=10, last_checkpoint_step=None)
+    patch = {"data": {"progress": json.dumps(progress["status"]["progress"])}}
+    patched = control_plane.request("PATCH", report, patch, "application/merge-patch+json", token=token)
+    assert json.loads(patched["data"]["progress"])["step"] == 3
     forbidden = [
+        ("GET", rljob, None),
+        ("PATCH", rljob + "/status", progress),
         ("PATCH", rljob, {"spec": {"rollout": {"promptsPerStep": 8}}}),
         ("DELETE", rljob, None),
+        ("PATCH", f"/api/v1/namespaces/{jobs_namespace}/configmaps/{JOB}-config", {"data": {"config.json": "{}"}}),
         ("GET", f"/api/v1/namespaces/{jobs_namespace}/secrets", None),
         ("POST", f"/api/v1/namespaces/{jobs_namespace}/pods", {"metadata": {"name": "x"}}),
         ("GET", f"/apis/apps/v1/namespaces/{jobs_namespace}/statefulsets", None),
@@ -361,3 +368,50 @@ def test_namespace_editors_manage_rljobs_and_viewers_read_them(
     assert all(_can(control_plane, "alice", v, jobs_namespace) for v in ("create", "update", "delete", "list"))
     assert all(_can(control_plane, "bob", v, jobs_namespace) for v in ("get", "list", "watch"))
     assert not any(_can(control_plane, "bob", v, jobs_namespace) for v in ("create", "patch", "delete"))
+
+
+# ----------------------------------------------------------------------------- the README's install
+
+
+def _readme_install(crds_applied: bool) -> list[str]:
+    """The README's `helm install` command, as its install block says to run it (with the CRD applied first by
+    `kubectl apply -f crds/`, the flags the block's comment gives for that case), as argv without `helm`."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("kubectl create namespace rl") :]
+    block = block[: block.index("```")]
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("helm install r3 "))
+    command = ""
+    for line in lines[start:]:
+        command += line.split("#", 1)[0].rstrip().removesuffix("\\") + " "
+        if not line.split("#", 1)[0].rstrip().endswith("\\"):
+            break
+    argv = shlex.split(command)[1:]
+    if crds_applied:
+        comment = " ".join(line for line in lines[:start] if line.startswith("#"))
+        assert "kubectl apply -f crds/" in comment, "the install block does not say what to do with the CRD applied"
+        argv += shlex.split(comment[comment.index("`--set") + 1 :].split("`")[0])
+    return argv
+
+
+def test_the_readmes_install_works_after_kubectl_apply_of_the_crds(helm: str, control_plane: ControlPlane) -> None:
+    """The README's first-hour path after `kubectl apply -f crds/` (issue #45): the CRD is the cluster's, not a
+    release's, and the command the README gives for that case installs; without its flag helm refuses."""
+    applied = kubectl(control_plane, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    assert applied.returncode == 0, applied.stderr
+    watched = create_namespace(control_plane, "readme-rl")
+    operator_ns = create_namespace(control_plane, "readme-r3-system")
+
+    def install(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        argv = [a.replace("{rl}", f"{{{watched}}}").replace("REGISTRY/", "registry.example.com/") for a in argv]
+        argv = [operator_ns if a == "r3-system" else a for a in argv]
+        argv[argv.index("r3")] = "readme"  # a release name of its own in the session's cluster
+        command = [helm, *argv, "--kubeconfig", str(control_plane.kubeconfig)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO)
+
+    plain = install(_readme_install(crds_applied=False))
+    assert plain.returncode != 0 and "cannot be imported" in plain.stderr, plain.stderr
+    _helm(helm, control_plane, "uninstall", "readme", "--namespace", operator_ns, "--ignore-not-found")
+    documented = install(_readme_install(crds_applied=True))
+    assert documented.returncode == 0, documented.stderr
+    _helm(helm, control_plane, "uninstall", "readme", "--namespace", operator_ns)

@@ -45,8 +45,11 @@ def test_every_example_builds_deterministic_children_with_labels_and_owners(path
     first, second = desired(job), desired(_job(path))
     assert first == second
     name = job.metadata.name
-    kinds = {c["kind"]: c["metadata"]["name"] for c in first}
+    kinds = {c["kind"]: c["metadata"]["name"] for c in first if c["metadata"]["name"] != f"{name}-progress"}
     assert kinds["ConfigMap"] == f"{name}-config"
+    # The trainer's progress report: a ConfigMap the operator makes empty (operator/progress.py).
+    [report] = [c for c in first if c["metadata"]["name"] == f"{name}-progress"]
+    assert report["kind"] == "ConfigMap" and "data" not in report
     # One StatefulSet of single-pod replicas, or a LeaderWorkerSet when a replica spans pods (never both).
     workload = "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
     assert kinds[workload] == kinds["Service"] == f"{name}-engine"
@@ -176,16 +179,9 @@ def test_trainer_pods_run_as_a_per_job_service_account_whose_role_names_only_its
         assert child["metadata"]["ownerReferences"] == [owner]
         assert child["metadata"]["labels"]["r3operator.io/job"] == name
     assert sa["apiVersion"] == "v1" and set(sa) == {"apiVersion", "kind", "metadata"}
-    # Every rule is limited to this RLJob by name: another job's pods cannot patch this job's status.
-    assert role["rules"] == [
-        {"apiGroups": ["r3operator.io"], "resources": ["rljobs"], "resourceNames": [name], "verbs": ["get"]},
-        {
-            "apiGroups": ["r3operator.io"],
-            "resources": ["rljobs/status"],
-            "resourceNames": [name],
-            "verbs": ["get", "patch"],
-        },
-    ]
+    # One rule: this job's progress report, by name. Nothing on any RLJob or its status, nothing of another job.
+    report = {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [f"{name}-progress"]}
+    assert role["rules"] == [{**report, "verbs": ["get", "patch"]}]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-trainer"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-trainer", "namespace": namespace}]
     cluster = ray["spec"]["rayClusterSpec"]
@@ -687,6 +683,42 @@ def test_s3_dataset_is_fetched_by_the_trainer_head_only():
     assert {"name": "data", "mountPath": "/mnt/data", "readOnly": True} in head["containers"][0]["volumeMounts"]
     worker = cluster["workerGroupSpecs"][0]["template"]["spec"]
     assert all(c["name"] != "fetch-dataset" for c in worker.get("initContainers", []))
+
+
+def test_an_s3_eval_dataset_is_fetched_beside_the_training_file_with_the_tasks_credentials():
+    s3 = {"credentialsSecret": "data-creds", "endpointURL": "http://minio.storage:9000"}
+    local_train = {"task.name": "dataset", "task.reward": "math", "task.datasetPath": "/data/train.jsonl"}
+    eval_s3 = {**local_train, "task.s3": s3, "evaluation": {"datasetPath": "s3://data/math/test.jsonl"}}
+    children = _by_kind(desired(_job(**eval_s3)))
+    head = children["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    # The training file is a path: only the eval file is fetched, into the same emptyDir the driver reads.
+    [fetch] = [c for c in head["initContainers"] if c["name"].startswith("fetch-")]
+    assert fetch["name"] == "fetch-eval-dataset"
+    assert fetch["command"] == [
+        "r3operator",
+        "fetch",
+        "s3://data/math/test.jsonl",
+        "/mnt/data",
+        "--endpoint-url",
+        "http://minio.storage:9000",
+    ]
+    assert _env(fetch)["AWS_SECRET_ACCESS_KEY"] == {
+        "secretKeyRef": {"name": "data-creds", "key": "AWS_SECRET_ACCESS_KEY"}
+    }
+    assert {"name": "data", "mountPath": "/mnt/data", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    # Both fetched: one container each, the eval file from its own store (task.gcs).
+    both_fetched = {
+        **eval_s3,
+        "task.datasetPath": "s3://data/math/train.jsonl",
+        "task.gcs": {"credentialsSecret": "hmac"},
+        "evaluation": {"datasetPath": "gs://held/out.jsonl"},
+    }
+    both = _by_kind(desired(_job(**both_fetched)))
+    head = both["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    fetches = [c for c in head["initContainers"] if c["name"].startswith("fetch-")]
+    assert [c["name"] for c in fetches] == ["fetch-dataset", "fetch-eval-dataset"]
+    assert fetches[1]["command"] == ["r3operator", "fetch", "gs://held/out.jsonl", "/mnt/data"]
+    assert _env(fetches[1])["AWS_ACCESS_KEY_ID"]["secretKeyRef"]["name"] == "hmac"
 
 
 def test_reference_model_mounts_nothing_extra():

@@ -8,6 +8,7 @@ status to the same objects.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterator
 from typing import Any
@@ -267,8 +268,9 @@ def test_suspend_and_resume(cluster: Cluster, operator: KopfRunner):
     job = "pause"
     cluster.apply(example(job, NS))
     _all_children(cluster, job)
-    # The trainer driver owns status.progress; the operator must never overwrite it.
-    cluster.patch_status(paths(NS, job)["rljob"], {"progress": {"step": 7, "totalSteps": 500}})
+    # The trainer driver reports its progress in <job>-progress; the operator copies it into status.progress.
+    report = {"data": {"progress": json.dumps({"step": 7, "totalSteps": 500})}}
+    cluster.http("PATCH", f"/api/v1/namespaces/{NS}/configmaps/{job}-progress", report, "application/merge-patch+json")
 
     cluster.apply(example(job, NS, **{"runPolicy.suspend": True}))
     _cond(cluster, job, "Suspended", "True", "Suspended")

@@ -128,8 +128,9 @@ def test_restart_writes_nothing_and_a_pass_cut_short_converges_without_duplicate
     creates = [r for r in operator_writes(after) if r.code == 201 and "/events" not in r.path]
     assert creates and all(r.code != 409 for r in operator_writes(after)), creates
     # One of each; the job's own claim is the routing volume: the hf:// model's cache is the one claim of that
-    # source and revision, which the stable job made and both mount.
-    for plural, count in (("statefulsets", 1), ("services", 1), ("configmaps", 1), ("persistentvolumeclaims", 1)):
+    # source and revision, which the stable job made and both mount. Two ConfigMaps: the runtime config and the
+    # trainer's progress report.
+    for plural, count in (("statefulsets", 1), ("services", 1), ("configmaps", 2), ("persistentvolumeclaims", 1)):
         group = "/apis/apps/v1" if plural == "statefulsets" else "/api/v1"
         items = cluster.get(f"{group}/namespaces/{NS}/{plural}?labelSelector=r3operator.io/job={cut}")["items"]
         assert len(items) == count, (plural, [i["metadata"]["name"] for i in items])

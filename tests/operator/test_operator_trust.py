@@ -2,7 +2,7 @@
 
 What others may write (the RLJob status, objects under a child's name, keys in our children, a
 hand-edited image) must never make the operator destroy, take over or loop; a job's trainer may
-patch its own RLJob's status and no other's.
+write its own progress report and nothing of any RLJob (issue #45: test_ownership_cluster.py).
 """
 
 from __future__ import annotations
@@ -207,21 +207,21 @@ def test_names_that_cannot_make_every_child_are_refused_by_kubectl_apply(
     assert result.returncode != 0 and refused_because in result.stderr, result.stderr
 
 
-def test_a_jobs_trainer_may_patch_only_its_own_rljob_status(cluster: Cluster, operator: KopfRunner):
+def test_a_jobs_trainer_may_write_only_its_own_progress_report(cluster: Cluster, operator: KopfRunner):
     for job in ("rbac-a", "rbac-b"):
         cluster.apply(example(job, NS))
         _all_children(cluster, job)
 
     def can(verb: str, target: str, trainer_of: str, *extra: str) -> str:
         who = f"system:serviceaccount:{NS}:{trainer_of}-trainer"
-        result = cluster.kubectl(
-            "auth", "can-i", verb, f"rljobs.r3operator.io/{target}", *extra, "-n", NS, f"--as={who}", check=False
-        )
+        result = cluster.kubectl("auth", "can-i", verb, target, *extra, "-n", NS, f"--as={who}", check=False)
         return result.stdout.strip()
 
-    if can("patch", "rbac-a", "rbac-a", "--subresource=status") not in ("yes", "no"):
+    if can("patch", "configmaps/rbac-a-progress", "rbac-a") not in ("yes", "no"):
         pytest.skip("this API server does not answer SelfSubjectAccessReviews (no RBAC)")
-    assert can("patch", "rbac-a", "rbac-a", "--subresource=status") == "yes"
-    assert can("patch", "rbac-a", "rbac-b", "--subresource=status") == "no"
-    assert can("patch", "rbac-a", "rbac-a") == "no"  # the spec is the author's
-    assert can("delete", "rbac-a", "rbac-a") == "no"
+    assert can("patch", "configmaps/rbac-a-progress", "rbac-a") == "yes"
+    assert can("patch", "configmaps/rbac-b-progress", "rbac-a") == "no"
+    assert can("patch", "configmaps/rbac-a-config", "rbac-a") == "no"  # the runtime config is the operator's
+    assert can("patch", "rljobs.r3operator.io/rbac-a", "rbac-a", "--subresource=status") == "no"
+    assert can("patch", "rljobs.r3operator.io/rbac-a", "rbac-a") == "no"  # the spec is the author's
+    assert can("delete", "rljobs.r3operator.io/rbac-a", "rbac-a") == "no"

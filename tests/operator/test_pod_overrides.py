@@ -224,11 +224,11 @@ def test_a_fetch_job_follows_admission_and_its_pod_template_until_it_completes()
 
 
 def test_a_chosen_trainer_service_account_gets_the_jobs_role_and_ours_is_not_created():
-    job = _job(**{"trainer.podTemplate": {"serviceAccountName": "team-trainer"}})
+    job = _job(**{"trainer.podTemplate": {"serviceAccountName": "team-rl"}})
     kids = _children(job)
     assert "ServiceAccount" not in kids
-    assert kids["RoleBinding"]["subjects"][0]["name"] == "team-trainer"
-    assert {p["spec"]["serviceAccountName"] for p in _trainer_pods(job)} == {"team-trainer"}
+    assert kids["RoleBinding"]["subjects"][0]["name"] == "team-rl"
+    assert {p["spec"]["serviceAccountName"] for p in _trainer_pods(job)} == {"team-rl"}
     # Without a choice: <job>-trainer, created and bound.
     plain = _children(_job())
     assert plain["ServiceAccount"]["metadata"]["name"] == plain["RoleBinding"]["subjects"][0]["name"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -289,15 +290,16 @@ def test_a_multi_node_replica_with_the_lws_crd_gets_a_leader_worker_set_and_its_
 
 
 def test_a_rise_in_the_trainers_non_finite_steps_posts_one_warning_naming_the_step():
-    """The trainer reports `status.progress.nonFiniteSteps`; each rise is one Warning event naming the last such
+    """The trainer reports `nonFiniteSteps` in its progress; each rise is one Warning event naming the last such
     step. After an operator restart only a non-finite latest step is news (an older count is not repeated)."""
     client = FakeClient()
     client.put(_rljob())
     job = client.objects[("rljobs", "rl", "job")]
 
     def pass_with(reconciler: Reconciler, **progress: int) -> list[tuple[str, str, str]]:
-        if progress:
-            job.setdefault("status", {})["progress"] = progress  # what the driver's status patch writes
+        if progress:  # what the driver's report writes into the ConfigMap the first pass created
+            report = client.objects[("configmaps", "rl", "job-progress")]
+            report["data"] = {"progress": json.dumps(progress)}
         outcome = asyncio.run(reconciler.reconcile(copy.deepcopy(job)))
         return [(e.type, e.reason, e.message) for e in outcome.events if e.reason == "NonFiniteStep"]
 

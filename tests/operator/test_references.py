@@ -53,6 +53,17 @@ def test_the_credentials_of_fetched_sources_are_required_references():
         ("data", "AWS_ACCESS_KEY_ID", "task.s3.credentialsSecret"),
         ("data", "AWS_SECRET_ACCESS_KEY", "task.s3.credentialsSecret"),
     }
+    # An eval file on a gs:// store is fetched with task.gcs: its key is required as well (a local training file).
+    held_out = {
+        "task.datasetPath": "/data/train.jsonl",
+        "task.s3": {"credentialsSecret": "data"},
+        "task.gcs": {"credentialsSecret": "hmac"},
+        "evaluation": {"datasetPath": "gs://held/out.jsonl"},
+    }
+    assert {(r.name, r.key, r.where) for r in references(_job(**held_out))} == {
+        ("hmac", "AWS_ACCESS_KEY_ID", "task.gcs.credentialsSecret"),
+        ("hmac", "AWS_SECRET_ACCESS_KEY", "task.gcs.credentialsSecret"),
+    }
     s3_model = _job(**{"model.uri": "s3://models/qwen3", "model.revision": None, "model.s3": S3})
     assert {(r.name, r.key) for r in references(s3_model)} == {
         ("store", "AWS_ACCESS_KEY_ID"),

@@ -25,6 +25,7 @@ def test_render_prints_the_children_as_a_yaml_stream():
         "PersistentVolumeClaim",
         "Job",
         "ConfigMap",
+        "ConfigMap",
         "Service",
         "StatefulSet",
         "NetworkPolicy",

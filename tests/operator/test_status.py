@@ -24,6 +24,7 @@ from r3operator.operator.desired import desired
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import observed_finish
 from r3operator.operator.observed import Observed
+from r3operator.operator.progress import ProgressReport
 from r3operator.operator.status import compute_status, status_changed, status_patch, transitions
 
 QWEN = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
@@ -167,14 +168,59 @@ def test_every_failure_the_operator_meets_is_a_condition_and_rolls_up_to_ready(
     assert (conds["Ready"].status, conds["Ready"].reason) == ("False", reason)
 
 
-def test_progress_is_preserved_and_never_written_by_the_operator():
+def test_progress_is_the_trainers_report_as_taken_and_kept_when_there_is_none_to_take():
     job = _job()
-    first = compute_status(job, Observed(), T0)
-    with_progress = first.model_copy(update={"progress": Progress(step=42)})
-    new = compute_status(_with(job, with_progress), Observed(), T1)
+    # The status a pass wrote when it took a report of step 42 (ReplayHealthy is computed from it too).
+    with_progress = compute_status(job, Observed(progress=ProgressReport(Progress(step=42))), T0)
+    # No report read (an invalid spec, a foreign progress ConfigMap) or a refused one: the progress stays.
+    for obs in (Observed(), Observed(progress=ProgressReport(None, "NaN is not a finite number", refused=True))):
+        kept = compute_status(_with(job, with_progress), obs, T1)
+        assert kept.progress == Progress(step=42) and not status_changed(with_progress, kept)
+    # A report taken replaces it whole; none yet clears it.
+    reported = compute_status(_with(job, with_progress), Observed(progress=ProgressReport(Progress(step=43))), T1)
+    assert reported.progress == Progress(step=43) and status_changed(with_progress, reported)
+    assert compute_status(_with(job, with_progress), Observed(progress=ProgressReport(None)), T1).progress is None
+
+
+def test_the_status_patch_overwrites_every_field_another_writer_put_there():
+    """A merge patch of the whole status, unset fields as null: applied over a forged status (RFC 7386 written out
+    here), it leaves exactly the operator's."""
+
+    def merge(target: Any, patch: Any) -> Any:
+        if not isinstance(patch, dict):
+            return patch
+        out = dict(target) if isinstance(target, dict) else {}
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = merge(out.get(key), value)
+        return out
+
+    ours = compute_status(_job(), Observed(progress=ProgressReport(Progress(step=3, reward_mean=0.5))), T0)
+    forged = {
+        "startTime": "2000-01-01T00:00:00Z",
+        "completionTime": "2000-01-01T00:00:00Z",
+        "observedGeneration": 999,
+        "conditions": [{"type": "Succeeded", "status": "True", "reason": "Forged", "lastTransitionTime": "x"}],
+        "resolved": {"vllmVersion": "0.1.0", "engineGpusTotal": 9999},
+        "progress": {"step": 10_000, "klK3": 7.0},
+        "upgrade": {"component": "engine", "from": "evil", "to": "x", "phase": "Blocked", "attempt": "1"},
+    }
+    after = RLJobStatus.model_validate(merge(forged, status_patch(ours)["status"]))
+    assert not status_changed(after, ours)
+    assert after.start_time == ours.start_time and after.completion_time is None and after.upgrade is None
+
+
+def test_a_settled_progress_report_writes_nothing_again() -> None:
+    """ReplayHealthy, computed from the progress the pass takes, is settled: the next pass with the same report
+    writes nothing."""
+    job = _job()
+    report = Observed(progress=ProgressReport(Progress(step=42)))
+    new = compute_status(job, report, T1)
     assert new.progress is not None and new.progress.step == 42
-    assert "progress" not in status_patch(new)["status"]
-    assert not status_changed(with_progress, new)
+    again = compute_status(_with(job, new), report, T1)
+    assert not status_changed(new, again)
 
 
 def test_transitions_fire_once_per_flip_and_once_for_an_invalid_spec():

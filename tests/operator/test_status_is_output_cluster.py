@@ -1,11 +1,12 @@
 """The RLJob's status is output only, on the real control plane: the real kopf operator, kube-apiserver with
 RBAC, the StatefulSet and Job controllers, KubeRay, kwok nodes.
 
-A job's trainer pods run as ``<job>-trainer``, which may patch its own RLJob's ``/status`` (progress). Whatever
-that identity writes there (the patch of issue #29 that rolled the engines to an attacker's image, and a
-variant for every status field) changes nothing the operator renders: engine image and replicas, the canary
-Job, the RayJob. During a real upgrade, a verdict and a "from" image forged in status are ignored: the
-verdict comes from the canary pod's termination message, the rollback goes to the image the engines ran.
+The trainer pods may no longer write the status at all (issue #45, test_ownership_cluster.py); whoever else may
+(a user granted ``patch`` on ``rljobs/status``, here ``status-writer``) writes nothing the operator acts on:
+the patch of issue #29 that rolled the engines to an attacker's image, and a variant for every status field,
+change nothing the operator renders (engine image and replicas, the canary Job, the RayJob). During a real
+upgrade, a verdict and a "from" image forged in status are ignored: the verdict comes from the canary pod's
+termination message, the rollback goes to the image the engines were verified on.
 """
 
 from __future__ import annotations
@@ -21,17 +22,23 @@ OLD, NEW = "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1", "ghcr.io/r3operator/eng
 EVIL = "evil.example.com/miner:1"
 
 
+WRITER = "status-writer"
+
+
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> Any:
     with running_operator(cluster, NS) as runner:
+        rule = ["--verb=get,patch", "--resource=rljobs.r3operator.io/status"]
+        cluster.kubectl("-n", NS, "create", "role", WRITER, *rule)
+        cluster.kubectl("-n", NS, "create", "rolebinding", WRITER, f"--role={WRITER}", f"--user={WRITER}")
         yield runner
 
 
-def _as_trainer(cluster: Cluster, job: str, status: dict[str, Any]) -> None:
-    """``kubectl patch --subresource=status`` as the job's trainer ServiceAccount, through RBAC."""
+def _as_status_writer(cluster: Cluster, job: str, status: dict[str, Any]) -> None:
+    """``kubectl patch --subresource=status`` as a user who may write RLJob status, through RBAC."""
     import json
 
-    who = f"system:serviceaccount:{NS}:{job}-trainer"
+    who = WRITER
     cluster.kubectl(
         "-n",
         NS,
@@ -129,7 +136,7 @@ def test_what_the_trainer_writes_in_status_changes_nothing_the_operator_renders(
     )
     before = _rendered(cluster, job)
     for forged in [{"upgrade": u} for u in _forged_upgrades(OLD)] + _forged_fields():
-        _as_trainer(cluster, job, forged)
+        _as_status_writer(cluster, job, forged)
         _passes(cluster, job, 2)
         assert _rendered(cluster, job) == before, forged
     # The status is output: the operator writes back what it observes, nothing of the forgeries.
@@ -163,7 +170,7 @@ def test_a_verdict_and_a_from_image_forged_during_an_upgrade_are_ignored(
     canary = _rendered(cluster, job)
     assert canary["engine image"] == [NEW] and canary["engine replicas"] == 3
     forged = {**upgrade, "from": EVIL, "canary": {"attempt": upgrade["attempt"], "passed": True, "message": "forged"}}
-    _as_trainer(cluster, job, {"upgrade": forged})
+    _as_status_writer(cluster, job, {"upgrade": forged})
     _passes(cluster, job, 3)
     assert _rendered(cluster, job) == canary  # no roll on a forged pass
     assert cluster.get(paths(NS, job)["rljob"])["status"]["upgrade"]["phase"] == "Canary"

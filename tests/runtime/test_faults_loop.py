@@ -99,7 +99,7 @@ def test_sync_that_never_succeeds_ends_with_a_clear_error(tmp_path: Path, _insta
 
 def test_step_with_no_usable_samples_is_skipped_and_counted(tmp_path: Path) -> None:
     engine = FakeEngine(routes=False)  # every sample comes back without routes: R3 drops them all
-    run = _run(tmp_path, engine, steps=1)
+    run = _run(tmp_path, engine, steps=1, routingReplay={"onRouteCheckFailure": "SkipSample"})
     run.setup()
     engine.calls.clear()
     row = run.train_step(1)

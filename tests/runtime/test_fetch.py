@@ -41,6 +41,7 @@ boto3 = pytest.importorskip("boto3")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 ACCESS_KEY = "AKIAFETCHTEST0000001"
 SECRET_KEY = "fetch-test-secret-7f3c9a1e5b"
+HELD_OUT = b'{"prompt": "2+3", "answer": "5"}\n'
 
 
 def _tree(directory: Path) -> dict[str, str]:
@@ -77,6 +78,7 @@ def s3_endpoint(reference: Path) -> Iterator[str]:
     client.put_object(Bucket="models", Key="ref/tiny-sibling/config.json", Body=b"{}")  # shares the prefix text
     client.create_bucket(Bucket="data")
     client.put_object(Bucket="data", Key="math/train.jsonl", Body=b'{"prompt": "1+1", "answer": "2"}\n')
+    client.put_object(Bucket="data", Key="math/test.jsonl", Body=HELD_OUT)
     yield endpoint
     server.stop()
 
@@ -242,6 +244,61 @@ def test_dataset_path_resolves_plain_paths_as_they_are_and_fetches_s3(
     )
     path = sources.resolve_dataset_path(job)
     assert path is not None and path.read_text().startswith('{"prompt": "1+1"')
+
+
+def test_an_s3_eval_dataset_is_fetched_by_the_head_pods_init_container_and_found_by_the_driver(
+    s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The init container the operator renders for evaluation.datasetPath (its command, with the task's store
+    credentials as env) fills the data mount; the driver in the pod finds that copy without reaching the store.
+    Outside a cluster the driver fetches the same file itself."""
+    from r3operator.operator.builders.dataset import FETCH_EVAL_DATASET_CONTAINER, dataset_mount
+    from r3operator.runtime.dataset_file import resolve_eval_dataset_file
+    from r3operator.settings import DATA_MOUNT
+
+    job = _job(
+        **{
+            "task.name": "dataset",
+            "task.reward": "math",
+            "task.datasetPath": str(tmp_path / "train.jsonl"),
+            "task.s3": {"credentialsSecret": "store", "endpointURL": s3_endpoint},
+            "evaluation": {"datasetPath": "s3://data/math/test.jsonl"},
+        }
+    )
+    [init] = dataset_mount(job, image="trainer", head=True).init_containers
+    assert init["name"] == FETCH_EVAL_DATASET_CONTAINER
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in init["env"]}["AWS_ACCESS_KEY_ID"] == "store"
+    mount = tmp_path / "data-mount"
+    argv = [str(mount) if arg == DATA_MOUNT else arg for arg in init["command"]]
+    assert argv[:2] == ["r3operator", "fetch"]
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    done = _cli(*argv[2:], env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    monkeypatch.setattr(sources, "DATA_MOUNT", str(mount))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    unreachable = job.model_copy(deep=True)
+    assert unreachable.spec.task.s3 is not None
+    unreachable.spec.task.s3.endpoint_url = "http://127.0.0.1:9"
+    in_pod = resolve_eval_dataset_file(unreachable)
+    assert in_pod is not None and in_pod.is_relative_to(mount) and in_pod.read_bytes() == HELD_OUT
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    monkeypatch.setattr(sources, "DATA_MOUNT", str(tmp_path / "not-mounted"))
+    monkeypatch.setenv("R3OPERATOR_CACHE_DIR", str(tmp_path / "cache"))
+    for key, value in env.items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    local = resolve_eval_dataset_file(job)
+    assert local is not None and local.is_relative_to(tmp_path / "cache") and local.read_bytes() == HELD_OUT
 
 
 def test_gs_goes_to_cloud_storages_xml_api_unless_an_endpoint_is_given():

@@ -117,6 +117,12 @@ def test_progress_patch_body() -> None:
                 "routingAgreement": 0.97,
                 "lastCheckpointStep": 2,
                 "updatedAt": "2026-01-02T03:04:05Z",
+                # Figures the step lacks are sent as null, clearing the last step's.
+                "replayedFraction": None,
+                "fallbackFraction": None,
+                "extremeTokenFraction": None,
+                "routeCheckFailures": None,
+                "routeCheckMessage": None,
             }
         }
     }

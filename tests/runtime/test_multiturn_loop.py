@@ -186,7 +186,7 @@ def test_an_engine_that_rewrites_the_conversation_is_refused() -> None:
 
 def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
     engine = FakeEngine(routes=False)
-    run = _run(tmp_path, engine)
+    run = _run(tmp_path, engine, routingReplay={"onRouteCheckFailure": "SkipSample"})
     run.setup()
     samples, _ = run.rollout(1)
     assert all(

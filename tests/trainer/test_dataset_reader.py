@@ -34,6 +34,18 @@ def test_jsonl_rows_keep_prompt_messages_answer_id_and_metadata(tmp_path: Path) 
     assert second.where == f"{path}:3"
 
 
+def test_a_solution_is_kept_apart_from_the_answer_and_the_metadata(tmp_path: Path) -> None:
+    path = _jsonl(
+        tmp_path,
+        {"prompt": "what is 3 plus 4 ?", "answer": "7", "solution": "3 plus 4 is 7", "level": 1},
+        {"prompt": "what is 2 plus 2 ?", "answer": "4"},
+    )
+    with_solution, without = read_rows(path)
+    assert (with_solution.answer, with_solution.solution) == ("7", "3 plus 4 is 7")
+    assert with_solution.metadata == {"id": "row-0", "level": 1}  # the reward gets the answer, not the solution
+    assert without.solution is None
+
+
 @pytest.mark.parametrize(
     ("bad_line", "message"),
     [
@@ -48,6 +60,8 @@ def test_jsonl_rows_keep_prompt_messages_answer_id_and_metadata(tmp_path: Path) 
         ({"messages": [], "answer": "1"}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "user"}], "answer": "1"}, "messages[0] must be an object with string 'role'"),
         ({"id": "ok-1", "prompt": "p", "answer": "1"}, "id 'ok-1' repeats the row at"),
+        ({"prompt": "p", "answer": "1", "solution": ""}, "'solution' must be a non-empty string"),
+        ({"prompt": "p", "answer": "1", "solution": 1}, "'solution' must be a non-empty string"),
     ],
 )
 def test_malformed_row_names_file_and_line(tmp_path: Path, bad_line: Any, message: str) -> None:

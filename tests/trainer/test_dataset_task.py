@@ -161,6 +161,48 @@ def test_the_math_reward_scores_decoded_completions_without_re_tokenising(tmp_pa
     assert task.canary_tokens == 2 and task.canary_prompts == [p.prompt_ids for p in task.pool[:4]]
 
 
+def test_the_warm_up_trains_on_the_solution_while_the_reward_compares_with_the_answer(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    from r3operator.runtime.sft import SFT_BATCH, sft_warmup
+
+    solution = "first 3 plus 4 is 7 then 7 minus 2 is 5 so the answer is 5"
+    path = _jsonl(
+        tmp_path,
+        [
+            {"prompt": "what is 3 plus 4 then minus 2 ?", "answer": "5", "solution": solution},
+            {"prompt": "what is 2 plus 2 ?", "answer": "4"},
+        ],
+    )
+    chained, plain = load_problems(path, tokenizer, max_prompt_tokens=None)
+    assert chained.target_ids == (*ids(solution), INDEX[EOS]) and chained.answer_ids == ids(f"5 {EOS}")
+    assert plain.target_ids == plain.answer_ids == ids(f"4 {EOS}")
+
+    class Recorder:
+        """A trainer that records what each supervised step is asked to fit."""
+
+        def __init__(self) -> None:
+            self.pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def sft_step(self, prompts: list[tuple[int, ...]], targets: list[tuple[int, ...]]) -> float:
+            self.pairs += [(tuple(p), tuple(t)) for p, t in zip(prompts, targets, strict=True)]
+            return 0.0
+
+    trainer = Recorder()
+    sft_warmup(trainer, [chained, plain], steps=2, seed=0)  # type: ignore[arg-type]
+    expected = {chained.prompt_ids: (*ids(solution), INDEX[EOS]), plain.prompt_ids: ids(f"4 {EOS}")}
+    assert len(trainer.pairs) == 2 * SFT_BATCH and {p for p, _ in trainer.pairs} == set(expected)
+    assert all(target == expected[prompt] for prompt, target in trainer.pairs)
+
+    task = DatasetTask([chained, plain], tokenizer=_NoEncoding(tokenizer), reward=MathReward(), seed=0)
+    # The model answers with the worked solution: the reward reads its final number against `answer`.
+    samples = [_sample(0, 0, ids(f"{solution} {EOS}")), _sample(0, 1, ids(f"3 plus 4 is 7 {EOS}"))]
+    assert task.score(samples, [chained]).tolist() == [1.0, 0.0]
+    # The canary decodes as far as the longest warm-up target, capped.
+    assert task.canary_tokens == 16 and len(chained.target_ids) > 16
+    assert DatasetTask([plain], tokenizer=tokenizer, reward=MathReward(), seed=0).canary_tokens == 2
+
+
 def test_the_example_dataset_is_generated_and_every_prompt_is_in_the_reference_vocabulary(tokenizer: Any) -> None:
     spec = importlib.util.spec_from_file_location("make_arith_dataset", ROOT / "scripts" / "make_arith_dataset.py")
     assert spec is not None and spec.loader is not None

@@ -311,3 +311,24 @@ def test_bf16_compute_reads_every_parameter_at_its_bf16_value(model_dir: Path) -
     assert torch.equal(rounded_pass, engine_view)
     assert not torch.equal(unrounded, engine_view)
     assert not torch.equal(policy.canary_logits(sequence), fp32_canary)
+
+
+def test_r3_counts_each_moe_layers_replay_and_a_router_whose_replay_is_not_the_listed_one_counts_none(
+    model_dir: Path,
+) -> None:
+    """The replay-hook count the step loop checks (hooks-not-fired): every MoE layer's RouterReplay asked once
+    per micro-batch forward. A router whose RouterReplay is not the one in Megatron's global list (verl#7340: a
+    decoder rebuilt after the list was filled) routes naturally, and its layer counts 0."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    trainer = build_megatron_trainer(None, model_dir, "cpu", micro_batch_size=2)
+    batch, routes = make_batch(2)
+    micro_batches = -(-batch.size // 2)  # 3 rows in micro-batches of 2
+    assert trainer.logprobs(batch, routes, ReplayMode.R3).hook_calls == {1: micro_batches, 2: micro_batches}
+    assert trainer.logprobs(batch, None, ReplayMode.DISABLED).hook_calls is None
+    router = next(m for m in trainer.model.modules() if getattr(m, "router_replay", None) and m.layer_number == 3)
+    orphaned = RouterReplay.__new__(RouterReplay)  # a live router's own replay, not in the global list
+    orphaned.__dict__.update(target_topk_idx=None, recorded_topk_idx=None, router_replay_action=None)
+    orphaned.replay_backward_list = []
+    router.router_replay = orphaned
+    assert trainer.logprobs(batch, routes, ReplayMode.R3).hook_calls == {1: micro_batches, 2: 0}

@@ -62,9 +62,9 @@ its cache, and written; pods are listed and watched, never written).
   resources: ["secrets"]
   verbs: ["get"]
 {{- end }}
-# Per RLJob: the trainer's ServiceAccount, a Role naming only that RLJob, and their RoleBinding.
-# The API server lets the operator grant in a Role only what it holds itself (get on rljobs,
-# get/patch on rljobs/status, above): no `bind` or `escalate` is needed.
+# Per RLJob: the trainer's ServiceAccount, a Role naming only that job's progress ConfigMap
+# (<job>-progress), and their RoleBinding. The API server lets the operator grant in a Role only what it
+# holds itself (get/patch on configmaps, above): no `bind` or `escalate` is needed.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from r3operator.api.runtime_config import RuntimeConfig
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
+from r3operator.operator import meta
 from r3operator.operator.builders.engine_lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, leader_worker_templates
 from r3operator.operator.builders.trainer import DRIVER_METRICS_PORT_NAME
 from r3operator.operator.desired import Facts, desired
@@ -319,7 +320,9 @@ def plan_up(
     where ``vllm`` and ``r3operator`` are found first; ``host_path``: the host's PATH after it;
     ``vllm_entry_point``: ``<run dir>/bin/vllm`` (cli/up/vllm_cli.py) comes before ``bin_dir``."""
     children = desired(job, Facts(pod_monitor_crd=False))
-    config_map = _one(children, "ConfigMap")
+    # The runtime config; the other ConfigMap, the trainer's progress report, is written only in a cluster.
+    runtime_config = meta.child_name(job, meta.ROLE_CONFIG)
+    config_map = _one([c for c in children if c["metadata"]["name"] == runtime_config], "ConfigMap")
     engine_pods = _engine_pods(children)
     ray_job = _one(children, "RayJob")
     run_dir = run_dir.absolute()

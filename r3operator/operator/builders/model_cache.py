@@ -41,7 +41,7 @@ from typing import Any
 
 from r3operator.api.enums import AccessMode, RetainPolicy
 from r3operator.api.pods import PodTemplate
-from r3operator.api.sources import parse_source_uri
+from r3operator.api.sources import DEFAULT_HF_REVISION, parse_source_uri
 from r3operator.api.v1alpha1 import GCSAccess, ModelCacheSpec, RLJob, S3Access, SecretKeyRef
 from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
@@ -137,14 +137,13 @@ def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] 
     if not uses_model_cache(job) or cache.claim_name:
         return None
     retain = cache.retain_policy is RetainPolicy.RETAIN
-    model = job.spec.model
-    annotations = {meta.ANNOTATION_MODEL_SOURCE: f"{model.uri}@{model.revision}" if model.revision else model.uri}
+    annotations = {meta.ANNOTATION_MODEL_SOURCE: model_source_annotation(job)}
     spec: dict[str, Any] = {
         "accessModes": [cache.access_mode.value],
         "resources": {"requests": {"storage": cache.size}},
     }
-    if cache.storage_class_name:
-        spec["storageClassName"] = cache.storage_class_name
+    if storage_class := cache_storage_class(job):
+        spec["storageClassName"] = storage_class
     if shares_model_cache(job) and not own:
         key = meta.LABEL_MODEL_CACHE
         hashed = model_cache_key(job)
@@ -167,6 +166,23 @@ def build_model_cache_claim(job: RLJob, *, own: bool = False) -> dict[str, Any] 
         "metadata": meta.object_meta(job, meta.ROLE_MODEL_CACHE, owned=not retain, annotations=annotations),
         "spec": spec,
     }
+
+
+def model_source_annotation(job: RLJob) -> str:
+    """The model a cache claim holds, in one form whatever the spec's spelling: ``hf://org/name@revision`` (``main``
+    when unpinned, the copy an unpinned URI fills; ``uri: hf://org/name`` with ``revision: r`` and
+    ``hf://org/name@r`` alike), ``s3://bucket/prefix``, ``gs://bucket/prefix``. RLJobs sharing a claim all render
+    the same value, so none rewrites it."""
+    source = model_source(job.spec).source
+    if source.scheme == "hf":
+        return f"hf://{source.location}@{source.revision or DEFAULT_HF_REVISION}"
+    return f"{source.scheme}://" + "/".join(p for p in (source.location, source.path) if p)
+
+
+def cache_storage_class(job: RLJob) -> str | None:
+    """``model.cache.storageClassName``, else the job's own ``storage.storageClassName`` (the class it chose for its
+    volumes), else None: the cluster's default."""
+    return cache_spec(job).storage_class_name or job.spec.storage.storage_class_name
 
 
 def store(uri: str, s3: S3Access | None, gcs: GCSAccess | None) -> S3Access | GCSAccess | None:

@@ -141,7 +141,13 @@ def build_ray_job(job: RLJob, *, suspend: bool) -> dict[str, Any]:
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
         "metadata": meta.object_meta(
-            job, meta.ROLE_TRAINER, annotations={meta.ANNOTATION_SPEC_HASH: trainer_spec_hash(job.spec)}
+            job,
+            meta.ROLE_TRAINER,
+            # The image this RayJob is rendered with is the one the trainer is known good on (upgrade.py).
+            annotations={
+                meta.ANNOTATION_SPEC_HASH: trainer_spec_hash(job.spec),
+                meta.ANNOTATION_VERIFIED_IMAGE: t.image,
+            },
         ),
         "spec": spec,
     }

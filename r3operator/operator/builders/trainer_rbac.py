@@ -1,20 +1,17 @@
 """The trainer's identity: ServiceAccount, Role and RoleBinding, all named ``<job>-trainer``.
 
-The trainer driver merge-patches ``status.progress`` of its RLJob from inside the RayJob pods
-(``runtime.metrics.StatusPusher``). Those pods run the job author's ``trainer.image``, so what they
-may do is scoped to their own RLJob by name: a Role per RLJob whose rules carry
-``resourceNames: [<job>]`` (``get`` on the RLJob, ``get``/``patch`` on its ``/status``). One job's
-pods cannot read or write another job's RLJob, which a namespace-wide grant would allow.
-
-RBAC cannot narrow a status patch to ``status.progress``; the operator therefore never acts on
-what the status says (terminal state comes from the RayJob it observes, see ``lifecycle.py``).
+The trainer driver reports its progress into the ConfigMap ``<job>-progress`` (``runtime.metrics.StatusPusher``),
+which the operator creates and copies, checked, into the RLJob's ``status.progress`` (operator/progress.py).
+Those pods run the job author's ``trainer.image``, so the Role grants them exactly ``get``/``patch`` on that one
+ConfigMap (``resourceNames``): nothing on any RLJob or its status, nothing of another job. The status is written
+by the operator alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from r3operator.api.v1alpha1 import GROUP, PLURAL, RLJob
+from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
 from r3operator.operator.builders.overrides import role_template
 
@@ -44,17 +41,16 @@ def build_trainer_service_account(job: RLJob) -> dict[str, Any]:
 
 
 def build_trainer_role(job: RLJob) -> dict[str, Any]:
-    only_this_job = [job.metadata.name]
+    only_its_report = [meta.child_name(job, meta.ROLE_PROGRESS)]
     return {
         "apiVersion": RBAC_API_VERSION,
         "kind": "Role",
         "metadata": meta.object_meta(job, meta.ROLE_TRAINER),
         "rules": [
-            {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": only_this_job, "verbs": ["get"]},
             {
-                "apiGroups": [GROUP],
-                "resources": [f"{PLURAL}/status"],
-                "resourceNames": only_this_job,
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": only_its_report,
                 "verbs": ["get", "patch"],
             },
         ],

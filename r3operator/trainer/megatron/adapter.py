@@ -119,8 +119,15 @@ class MegatronPolicyTrainer(UpdateByShares):
             with self._compute():
                 out = self.mt.logprobs(batch, batch.engine_routes, ReplayMode.R3, probe=True)
                 natural = self.mt.logprobs(batch, None, ReplayMode.DISABLED, probe=True).used
+            calls = None if out.hook_calls is None else {0: out.hook_calls}  # this process; a rank actor re-keys it
             return OldPass(
-                out.logprobs.to(dev), natural.to(dev), out.used.to(dev), batch.engine_routes, batch.route_pad, mode
+                out.logprobs.to(dev),
+                natural.to(dev),
+                out.used.to(dev),
+                batch.engine_routes,
+                batch.route_pad,
+                mode,
+                hook_calls=calls,
             )
         if mode is ReplayMode.R2:
             with self._compute():

@@ -60,6 +60,7 @@ class LogprobOutput:
     logprobs: Any  # [B, S-1] fp32 on CPU
     recorded: Any | None  # [B, S, L, K] int64 natural routes (R2 record / diagnostics); dense layers 0
     used: Any | None  # [B, S, L, K] ids the MoE dispatch received (from routing_map); dense layers 0
+    hook_calls: dict[int, int] | None = None  # R3: per MoE layer (every stage's), forwards that replayed
 
 
 class MegatronTrainer:
@@ -253,6 +254,7 @@ class MegatronTrainer:
         parts = self._split(batch.input_ids.shape[0])
         padded = self._padded_shapes(parts, batch.input_ids.shape[1])
         outs, recs, used = [], [], []
+        self.session.reset_hook_calls()
 
         def forward(i: int, received: Any) -> Any:
             rows = parts[i]
@@ -283,7 +285,21 @@ class MegatronTrainer:
             logprobs,
             self._sum_over_stages(torch.cat(recs)[:, :s]) if recs else None,
             self._sum_over_stages(torch.cat(used)[:, :s]) if used else None,
+            self._hook_calls_over_stages() if mode == "R3" else None,
         )
+
+    def _hook_calls_over_stages(self) -> dict[int, int]:
+        """This stage's replay-hook counts, summed with every other stage's (each fills its own layers)."""
+        import torch
+
+        counts = torch.zeros(self.num_layers, dtype=torch.int64)
+        mine = self.session.hook_calls()
+        for layer, calls in mine.items():
+            counts[layer] = calls
+        held = torch.zeros(self.num_layers, dtype=torch.int64)
+        held[list(mine)] = 1
+        counts, held = self._sum_over_stages(counts), self._sum_over_stages(held)
+        return {layer: int(counts[layer]) for layer in range(self.num_layers) if int(held[layer])}
 
     def _stage_ids(self, take: Callable[[int, int], Any]) -> Any:
         """The last forward's per-router ids on this stage (`take(rows, local seq)`: probed or recorded) in the

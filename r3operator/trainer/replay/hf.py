@@ -189,6 +189,10 @@ class RouterReplay:
         self._mask: torch.Tensor | None = None
         self.num_layers = 0  # decoder layers of the installed model (dense ones included)
         self.active = False
+        self.calls: dict[int, int] = {}
+        """Per MoE layer, how many forwards its hook replayed since the last `arm()`: a count the step loop
+        checks (routing/checks.py, hooks-not-fired), since a hook on a router the model no longer calls
+        never runs."""
 
     # -- lifetime ---------------------------------------------------------------------------------------
     def install(self, model: nn.Module) -> RouterReplay:
@@ -268,6 +272,7 @@ class RouterReplay:
                 raise RouterReplayError(problem)
         self._per_layer = checked
         self._mask = mask.to(torch.bool) if mask is not None else None
+        self.calls = dict.fromkeys(self.layers, 0)
         self.active = True
 
     def disarm(self) -> None:
@@ -300,6 +305,7 @@ class RouterReplay:
                     f"layer {site.layer}: router sees {logits.shape[0]} tokens but {ids.shape[0]} replay "
                     "rows were armed (check padding / packing alignment)"
                 )
+            self.calls[site.layer] = self.calls.get(site.layer, 0) + 1
             ids = ids.to(logits.device, non_blocking=True)
             if self._mask is not None:
                 ids = torch.where(self._mask.to(logits.device)[:, None], output[2].to(torch.int64), ids)

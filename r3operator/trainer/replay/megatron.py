@@ -274,6 +274,7 @@ def _replay_topk_with_natural_rows(
     action = replay.router_replay_action
     if action is RouterReplayAction.REPLAY_FORWARD:
         target = replay.target_topk_idx
+        replay.r3_forward_calls = getattr(replay, "r3_forward_calls", 0) + 1  # ReplaySession.hook_calls
     elif action is RouterReplayAction.REPLAY_BACKWARD:
         target = replay.replay_backward_list.pop(0)
     else:
@@ -327,6 +328,18 @@ class ReplaySession:
         self.instances = replay_instances()
         self.layers = instance_layers(self.instances)
         route_uncaptured_rows_naturally(self.instances)
+
+    def reset_hook_calls(self) -> None:
+        for inst in self.instances:
+            inst.r3_forward_calls = 0
+
+    def hook_calls(self) -> dict[int, int]:
+        """Per global layer of this rank's routers, the forwards that replayed since `reset_hook_calls()`: a
+        count the step loop checks (routing/checks.py, hooks-not-fired)."""
+        return {
+            layer: int(getattr(inst, "r3_forward_calls", 0))
+            for layer, inst in zip(self.layers, self.instances, strict=True)
+        }
 
     def _check_instances(self) -> None:
         current = replay_instances()

@@ -1,0 +1,195 @@
+"""R3's route checks in the step loop: every sample's routes before the old-logprob pass, the pass's replay
+against the trainer's own routing after it, and always before the update (routing/checks.py has the rules).
+
+`spec.routingReplay.onRouteCheckFailure` decides what a failing sample costs: `Fail` stops the job with
+`RouteCheckError` (nothing trained), `SkipSample` leaves it out of the step and counts it. A rule about the
+model (hooks-not-fired) stops the job either way. The step loop times all of it as the `route_checks`
+phase, so its cost shows in every step's time split (`t_route_checks`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3operator.api.enums import RouteCheckPolicy
+from r3operator.models.architecture import moe_layers
+from r3operator.models.architecture import num_experts as experts_of
+from r3operator.routing import checks
+from r3operator.routing.checks import ModelRouting, RouteCheckFailure
+from r3operator.routing.codec import decode
+from r3operator.trainer.base import OldPass
+from r3operator.trainer.batch import TrainBatch
+from r3operator.wire.sample import RolloutSample
+
+log = logging.getLogger("r3operator.runtime")
+
+
+class RouteCheckError(RuntimeError):
+    """A route check failed under `onRouteCheckFailure: Fail` (or a model rule failed): nothing was trained."""
+
+    def __init__(self, failure: RouteCheckFailure) -> None:
+        super().__init__(
+            f"{failure}; nothing was trained on these routes (spec.routingReplay.onRouteCheckFailure: "
+            f"{RouteCheckPolicy.FAIL.value}; docs/rules.md, 'Silent failures')"
+        )
+        self.failure = failure
+
+
+def model_routing(model_dir: Path) -> ModelRouting:
+    """What routes must look like for the model in `model_dir` (its Hugging Face config)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    experts = experts_of(cfg) or getattr(cfg, "n_routed_experts", None)
+    if experts is None:
+        raise ValueError(f"{model_dir}: the model has no routed experts; routingReplay.mode R3 needs an MoE model")
+    return ModelRouting(
+        num_layers=int(cfg.num_hidden_layers),
+        top_k=int(cfg.num_experts_per_tok),
+        num_experts=int(experts),
+        moe_layers=moe_layers(cfg),
+    )
+
+
+def _np(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def select_old(old: OldPass, rows: Sequence[int]) -> OldPass:
+    """The old pass of the batch rows `rows` (what `TrainBatch.select` does to its batch)."""
+    import torch
+
+    def pick(t: Any) -> Any:
+        return None if t is None else t[torch.as_tensor(list(rows), dtype=torch.int64, device=t.device)]
+
+    return replace(
+        old,
+        logprobs=pick(old.logprobs),
+        natural_ids=pick(old.natural_ids),
+        used_ids=pick(old.used_ids),
+        replay_ids=pick(old.replay_ids),
+        replay_pad=pick(old.replay_pad),
+    )
+
+
+@dataclass
+class StepTally:
+    """One step's route-check outcome, for its row (metrics.csv, status.progress) and the gauges."""
+
+    failures: list[RouteCheckFailure] = field(default_factory=list)
+    needed_rows: int = 0
+    replayed_rows: int = 0
+    trained_rows: int = 0
+
+    @property
+    def fractions(self) -> checks.ReplayFractions:
+        return checks.replay_fractions(
+            replayed_rows=self.replayed_rows, trained_rows=self.trained_rows, needed_rows=self.needed_rows
+        )
+
+    @property
+    def message(self) -> str | None:
+        return str(self.failures[0])[:1024] if self.failures else None
+
+
+class RouteChecks:
+    def __init__(
+        self,
+        model: ModelRouting,
+        policy: RouteCheckPolicy,
+        *,
+        on_failure: Callable[[RouteCheckFailure, bool], None] | None = None,
+    ) -> None:
+        """`on_failure(failure, fatal)` runs for every failure, before a fatal one is raised."""
+        self.model = model
+        self.policy = policy
+        self.on_failure = on_failure
+        self.step = StepTally()
+
+    def begin_step(self, samples: Sequence[RolloutSample]) -> None:
+        self.step = StepTally(needed_rows=sum(len(s.sequence) - 1 for s in samples))
+
+    def failed(self, failure: RouteCheckFailure) -> None:
+        """Count `failure`; raise under Fail (and for a model rule). Under SkipSample the caller drops it."""
+        self.step.failures.append(failure)
+        log.error("%s", failure)
+        fatal = self.policy is not RouteCheckPolicy.SKIP_SAMPLE or failure.rule in checks.MODEL_RULES
+        if self.on_failure is not None:
+            self.on_failure(failure, fatal)
+        if fatal:
+            raise RouteCheckError(failure)
+
+    @staticmethod
+    def arrival_failure(sample: RolloutSample) -> RouteCheckFailure | None:
+        """routes-missing / routes-invalid, as the routes arrived (wire/sample.py)."""
+        status = sample.routes_status
+        if status == "ok":
+            return None
+        rule = checks.ROUTES_MISSING if status == "missing" else checks.ROUTES_INVALID
+        return RouteCheckFailure(rule, sample.sample_id, None, sample.routes_error or "")
+
+    def before_forward(self, batch: TrainBatch, samples: Sequence[RolloutSample]) -> list[int]:
+        """Rows of `batch` whose samples passed route-shape, expert-range, zero-route and pad-replayed (each
+        failure counted, or raised under Fail)."""
+        by_id = {s.sample_id: s for s in samples}
+        kept_samples = [by_id[sid] for sid in batch.sample_ids]
+        bad: dict[int, RouteCheckFailure] = {}
+        for row, sample in enumerate(kept_samples):
+            assert sample.routes is not None  # phase 4 kept only samples with routes
+            failure = checks.check_sample_routes(sample.sample_id, decode(sample.routes, validate=False), self.model)
+            if failure is not None:
+                bad[row] = failure
+        if batch.route_pad is not None:
+            replayed = ~_np(batch.route_pad).astype(bool)
+            spans = [(s.routes.start, s.routes.end) if s.routes is not None else (0, 0) for s in kept_samples]
+            lengths = [len(s.sequence) for s in kept_samples]
+            for failure in checks.check_replay_mask(batch.sample_ids, lengths, replayed, spans):
+                bad.setdefault(batch.sample_ids.index(str(failure.sample_id)), failure)
+        for row in sorted(bad):
+            self.failed(bad[row])
+        return [row for row in range(batch.size) if row not in bad]
+
+    def after_forward(self, batch: TrainBatch, old: OldPass) -> list[int]:
+        """Rows of `batch` that passed constant-layer; raises for hooks-not-fired. Then tallies the rows
+        replayed for the step's fractions (call `tally` with the batch the update takes)."""
+        hooks = self._hooks_failure(old.hook_calls)
+        if hooks is not None:
+            self.failed(hooks)
+        if batch.engine_routes is None or batch.route_pad is None:
+            return list(range(batch.size))
+        replayed = ~_np(batch.route_pad).astype(bool)
+        failures = checks.check_constant_layers(
+            batch.sample_ids, _np(batch.engine_routes), _np(old.natural_ids), replayed, self.model.moe_layers
+        )
+        bad = {batch.sample_ids.index(str(f.sample_id)): f for f in failures}
+        for row in sorted(bad):
+            self.failed(bad[row])
+        return [row for row in range(batch.size) if row not in bad]
+
+    def _hooks_failure(self, hook_calls: dict[int, dict[int, int]] | None) -> RouteCheckFailure | None:
+        if not hook_calls:
+            return RouteCheckFailure(
+                checks.HOOKS_NOT_FIRED,
+                None,
+                None,
+                "the trainer reported no replay-hook counts for an R3 pass: it did not replay",
+            )
+        expected = {rank: self.model.moe_layers for rank in hook_calls}
+        return checks.check_hooks_fired(expected, hook_calls)
+
+    def tally(self, batch: TrainBatch | None) -> None:
+        """The rows the update replays (`batch`, None: a skipped step) against what the rollout needed."""
+        if batch is None or batch.route_pad is None:
+            self.step.replayed_rows = self.step.trained_rows = 0
+            return
+        lengths = _np(batch.attention_mask).sum(axis=1)
+        replayed = ~_np(batch.route_pad).astype(bool)
+        self.step.replayed_rows = int(replayed.sum())
+        self.step.trained_rows = int((lengths - 1).sum())
