@@ -436,6 +436,16 @@ class WeightSyncWorkerExtension:
             "refused": kernel_layout_refusal(model),
         }
 
+    def r3_parameter_fingerprints(self) -> dict[str, list[int]]:
+        """The fingerprint (wire/receipt.py) of every parameter of this worker's model as it holds them now: after a
+        checkpoint-layout sync, what vLLM's own `load_weights` made of the trainer's tensors, which the kernel
+        layout's reference check compares with what it would send (weightsync/transfer.py `_reference_sync`)."""
+        from r3operator.wire.receipt import FingerprintLog
+
+        log = FingerprintLog()
+        log.add_many(self._r3_parameters())
+        return {name: list(value) for name, value in log.result().items()}
+
     def _r3_tap_kernel_receive(self) -> None:
         """Kernel format (vLLM 0.22 `Worker.update_weights`): the receiver gets vLLM's direct-copy loader as
         `load_weights=` (`model.get_parameter(name).copy_(weight)` per tensor, not `model.load_weights`). An

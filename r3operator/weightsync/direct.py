@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, as_parameter, build_parameter
+from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, add_parameter_pieces, as_parameter, build_parameter
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
@@ -134,7 +134,8 @@ class DirectKernelSend:
         phases: SyncPhases,
     ) -> _Built:
         """`source`'s parameter, as it is or built on the copy stream (into the next staging slot when it is bigger
-        than a fingerprint bucket, see the module doc), then fingerprinted there."""
+        than a fingerprint bucket, see the module doc); its fingerprint is queued there, from the trainer tensors it
+        is built of (`add_parameter_pieces`), so that a build error fails the receipt."""
         import torch
 
         shape, dtype = source.parameter.shape, getattr(torch, source.parameter.dtype)
@@ -153,8 +154,8 @@ class DirectKernelSend:
                         out, built.own = torch.empty(shape, dtype=dtype, device=device), True
                     built.tensor = build_parameter(out, source, parts)
                     built.ready = recorded_event(self._copy) if self._copy is not None else None
-        with phases("fingerprint"), on_stream(self._copy):
-            sent.add(source.parameter.name, built.tensor)
+        with phases("fingerprint"), on_stream(self._copy):  # from the trainer's own tensors, not from what was built
+            add_parameter_pieces(sent, source, parts)
         return built
 
     def close(self) -> None:
