@@ -10,11 +10,12 @@ device copy). Here (`StagedKernelSend`):
   engines once per rendezvous (`attach`: the buffer's handle and the slots, checked by each engine against its
   parameters by name, dtype and shape before any sync);
 - a sync builds every parameter into its slot (`build_parameter`: one casting `copy_` per part), on a copy stream,
-  fingerprints for the receipt the trainer tensors each slot is built of (never the slots: a build error must fail
-  the receipt, wire/kernel_layout.py `add_parameter_pieces`), waits for the builds, and asks every engine ONCE
-  (`r3_staged_sync`, engine/worker.py): the engine opens vLLM's bracket, copies each slot into its parameter,
-  fingerprints the parameters, closes the bracket and stamps the policy, all inside one RPC, which vLLM's engine
-  core runs between two forward steps; the driver's next requests carry the new policy as their prefix-cache salt.
+  leaves to the receipt the trainer tensors each slot is built of (fingerprinted when it is read; never the slots: a
+  build error must fail the receipt, wire/kernel_layout.py `add_parameter_pieces`), waits for the builds, and asks
+  every engine ONCE (`r3_staged_sync`, engine/worker.py): the engine opens vLLM's bracket, copies each slot into its
+  parameter, fingerprints the parameters, closes the bracket and stamps the policy, all inside one RPC, which vLLM's
+  engine core runs between two forward steps; the driver's next requests carry the new policy as their prefix-cache
+  salt.
 
 What a failure leaves: one while building is before any engine is asked, so every engine still serves the whole
 previous policy under its tag; one inside the engine's copies aborts its bracket there (the tag stays None until
@@ -74,9 +75,9 @@ class StagedKernelSend:
         sent: FingerprintLog,
         phases: SyncPhases,
     ) -> None:
-        """Build every parameter of `plan` into its slot and fingerprint into `sent` the trainer tensors each is
-        built of (`add_parameter_pieces`); returns once every slot is written (the engines read them as soon as they
-        are asked). `attachment` must have been called for this plan."""
+        """Build every parameter of `plan` into its slot and leave to `sent` (fingerprinted when the receipt is read)
+        the trainer tensors each is built of (`add_parameter_pieces`); returns once every slot is written (the engines
+        read them as soon as they are asked). `attachment` must have been called for this plan."""
         import torch
 
         if self._buffer is None or len(self._views) != len(plan):
@@ -92,13 +93,12 @@ class StagedKernelSend:
             for source, view, built_from in zip(plan, self._views, parts, strict=True):
                 build_parameter(view, source, built_from)
             built = recorded_event(self._copy) if cuda else None
-        # From the trainer's own tensors, not from the slots (a build error must fail the receipt); queued after the
-        # builds, read back by `sent.result()`.
-        with phases("fingerprint"), on_stream(self._copy):
-            for source, built_from in zip(plan, parts, strict=True):
-                add_parameter_pieces(sent, source, built_from)
+        # The receipt's side: the trainer tensors each slot is built of, not the slots (a build error must fail the
+        # receipt), fingerprinted when the receipt is read.
+        for source, built_from in zip(plan, parts, strict=True):
+            add_parameter_pieces(sent, source, built_from, later=True)
         if current is not None:
-            current.wait_stream(self._copy)  # the next update must not write what a build or fingerprint reads
+            current.wait_stream(self._copy)  # the next update must not write what a build reads
         if built is not None:
             with phases("gather"):
                 built.synchronize()

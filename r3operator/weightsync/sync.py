@@ -27,6 +27,7 @@ from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMet
 from r3operator.rollout.base import Engine
 from r3operator.rollout.engines import EngineGroup
 from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
+from r3operator.wire.kernel_layout import Source
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
 
@@ -164,6 +165,10 @@ class NativeInstall:
         # (weightsync/transfer.py `_reference_sync`). Kept across rendezvous: later senders sync in the checkpoint
         # layout from their first sync, and the report and status say so.
         self.kernel_refused: str | None = None
+        # The kernel plan that check confirmed, kept across rendezvous (a restarted engine runs the same vLLM and
+        # model: the same plan needs no second reference; another plan gets one).
+        self.checked_plan: list[Source] | None = None
+        self.reference_seconds: float | None = None  # the last reference sync's seconds, its check included
 
     def _needs_rendezvous(self, engines: Sequence[Engine]) -> bool:
         if self._sender is None or self._engines != tuple(id(e) for e in engines):
@@ -191,6 +196,7 @@ class NativeInstall:
                 master_address=self.master_address,
                 sent=self.sent,
             )
+            self._sender.checked_plan = self.checked_plan
             self._engines = tuple(id(e) for e in engines)
         sender = self._sender
         assert sender is not None  # set just above
@@ -202,6 +208,8 @@ class NativeInstall:
             raise
         finally:
             self.kernel_refused = self.kernel_refused or sender.kernel_refused
+            self.checked_plan = sender.checked_plan
+            self.reference_seconds = sender.reference_seconds or self.reference_seconds
         self._last_tag = tag
         return {"tensors": stats.tensors, "bytes": stats.bytes}
 

@@ -267,7 +267,9 @@ class NativeSender:
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
-        self._checked_plan: list[Source] | None = None  # the kernel plan vLLM's own load_weights confirmed
+        # The kernel plan vLLM's own load_weights confirmed (`_reference_sync`), by any sender of these engines: a plan
+        # equal to it needs no reference again (the owner, weightsync/sync.py, hands it to the next rendezvous).
+        self.checked_plan: list[Source] | None = None
         self.kernel_refused: str | None = None  # why the kernel layout is not used (its reference check failed)
         self.reference_seconds: float | None = None  # what the last reference sync took, check included
         self._referenced = False  # this sync was a kernel plan's reference: vLLM's packed sender, checkpoint layout
@@ -321,10 +323,10 @@ class NativeSender:
         announced, count = self._announced if drains else [], 0
         try:
             for name, tensor, source, parts in phases.timed("gather", items):
-                with phases("fingerprint"):
-                    if source is not None:  # from the trainer tensors it was built of: a build error fails the receipt
-                        add_parameter_pieces(self.sent, source, parts)
-                    else:
+                if source is not None:  # the trainer tensors it was built of (a build error fails the receipt), later
+                    add_parameter_pieces(self.sent, source, parts, later=True)
+                else:
+                    with phases("fingerprint"):
                         self.sent.add(name, tensor)
                 count += 1
                 yield name, tensor
@@ -415,7 +417,9 @@ class NativeSender:
         counted, begin = sum(phases.seconds.values()), time.perf_counter()
         try:
             stats = self._send(policy_tag)
-            if self.ipc_path != "mapped":  # a mapped sync's fingerprints are read with the receipt, off its path
+            # A kernel-layout sync's fingerprints are taken when the receipt is read, off the sync's path (the trainer
+            # tensors it was built of stay as they are until then: the trainer's next update comes after the canary).
+            if self.client.layout is not WeightSyncLayout.KERNEL or self._referenced:
                 with phases("fingerprint"):
                     self.sent.result()  # the fingerprints' one host sync, outside the transfer
             # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
@@ -443,9 +447,8 @@ class NativeSender:
     def _send(self, policy_tag: str) -> SendStats:
         if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
             self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
-        kernel = self.client.layout is WeightSyncLayout.KERNEL
-        if kernel and (self._plan is None or self._plan is not self._checked_plan):  # a new plan: its reference first
-            return self._reference_sync(policy_tag)
+        if self.client.layout is WeightSyncLayout.KERNEL and self.kernel_plan() != self.checked_plan:
+            return self._reference_sync(policy_tag)  # a plan not confirmed yet: its reference first
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
@@ -494,7 +497,7 @@ class NativeSender:
         refused = self._reference_mismatch(plan)
         self.reference_seconds = time.perf_counter() - begin
         if refused is None:
-            self._checked_plan = plan
+            self.checked_plan = plan
             log.info("weight sync: the kernel layout matches vLLM's own load_weights (%.2f s)", self.reference_seconds)
             return stats
         self.kernel_refused = refused

@@ -106,7 +106,9 @@ class _Endpoint:
         self.worker = worker
 
     def native_parameters(self) -> dict[str, Any]:
-        rows = [[n, str(p.dtype).removeprefix("torch."), list(p.shape)] for n, p in self.worker.model.named_parameters()]
+        rows = [
+            [n, str(p.dtype).removeprefix("torch."), list(p.shape)] for n, p in self.worker.model.named_parameters()
+        ]
         return {"parameters": rows, "refused": None}
 
     def native_start(self, layout: str = "checkpoint") -> None:
@@ -173,9 +175,7 @@ def _sender(monkeypatch: pytest.MonkeyPatch, endpoint: _Endpoint, state: Callabl
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
     client = transfer.FanOutClient([endpoint], layout=WeightSyncLayout.KERNEL)  # type: ignore[list-item]
-    sender = transfer.NativeSender(
-        TransferMethod.IPC, client, state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
-    )
+    sender = transfer.NativeSender(TransferMethod.IPC, client, state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20)
     sender.device = "cpu"
 
     def vllm_packed_ipc(meta: Any) -> None:

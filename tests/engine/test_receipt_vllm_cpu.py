@@ -57,7 +57,8 @@ def engine(tiny_model_dir: Path) -> Iterator[Any]:
 
 
 def _checkpoint(model_dir: Path, noise_seed: int | None) -> dict[str, Any]:
-    """The tiny checkpoint the engine started from, moved by a little noise (a new policy) unless `noise_seed` is None."""
+    """The tiny checkpoint the engine started from, moved by a little noise (a new policy) unless `noise_seed` is
+    None."""
     import torch
     from safetensors.torch import load_file
 

@@ -409,7 +409,7 @@ def _plans_trusted(monkeypatch: pytest.MonkeyPatch, sender: Any) -> None:
     made, then the sync goes on in the kernel layout."""
 
     def passed(policy_tag: str) -> Any:
-        sender._checked_plan = sender.kernel_plan()
+        sender.checked_plan = sender.kernel_plan()
         return sender._send(policy_tag)
 
     monkeypatch.setattr(sender, "_reference_sync", passed)
