@@ -203,7 +203,7 @@ def copy_staged(targets: Sequence[tuple[str, Any, Any]], receipt: Any) -> None:
         for name, slot, target in targets:
             target.copy_(slot)
             started = _clock()
-            receipt.record([(name, target)], flush=False)
+            receipt.record([(name, target)], flush=False, parameters=True)
             receipt_seconds += _clock() - started
         started = _clock()
         receipt.received.flush()

@@ -555,6 +555,25 @@ def test_a_fused_block_held_in_another_layout_or_moved_out_is_not_called_kept(fi
         check_receipts(_sent(_checkpoint(2)), [_sync(engine, fresh, _checkpoint(2), mode="skip-experts")], where="e")
 
 
+def test_parameters_recorded_as_they_are_held_are_not_read_again_at_the_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged sync records each parameter itself after its copy (engine/worker.py `copy_staged`): its fingerprint is
+    what the parameter holds, so the finish reads the parameters no second time."""
+    params = [("model.norm.weight", torch.randn(8)), ("model.layers.0.mlp.gate.weight", torch.randn(4, 8))]
+    receipt = SyncReceipt()
+    receipt.begin(params)
+    for _, tensor in params:
+        tensor.add_(1.0)  # the copy of the new values into the parameter
+    receipt.record(params, flush=False, parameters=True)
+    receipt.received.flush()
+    read: list[str] = []
+    add = receipt_module.FingerprintLog.add
+    monkeypatch.setattr(receipt_module.FingerprintLog, "add", lambda log, n, t: read.append(n) or add(log, n, t))
+    receipt.finish(params)
+    assert read == []
+    report = receipt.report()
+    assert report["received"] == {n: list(fingerprint(t)) for n, t in params} and report["unchanged"] == []
+
+
 def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_EPSILON", raising=False)
     monkeypatch.delenv("R3OPERATOR_SYNC_CANARY_LOGPROB_TOL", raising=False)
