@@ -488,9 +488,15 @@ class FingerprintLog:
         columns: dict[int, np.ndarray] = {}
         for entry, target in zip(self._entries, owners, strict=True):
             if entry.columns is not None:
-                rotated = np.roll(entry.columns, (entry.offset or 0) % WEIGHT_PERIOD)
+                shift = (entry.offset or 0) % WEIGHT_PERIOD
+                rotated = np.roll(entry.columns, shift) if shift else entry.columns
                 columns[target] = columns[target] + rotated if target in columns else rotated
-        return {target: _sums_numpy(value) for target, value in columns.items()}
+        if not columns:
+            return {}
+        residues = np.remainder(np.stack(list(columns.values())), WORD_MODULUS)  # every target's `_sums` at once
+        plain = residues.sum(axis=1)
+        weighted = residues @ np.arange(1, WEIGHT_PERIOD + 1, dtype=np.int64)
+        return {target: (int(plain[i]), int(weighted[i])) for i, target in enumerate(columns)}
 
     def _device_sums(self, device: Any, columns: Sequence[Any], owners: Sequence[int]) -> dict[int, tuple[int, int]]:
         """The sums of every target with rows of column sums on `device`: each row rotated to its entry's offset
