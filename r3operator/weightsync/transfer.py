@@ -520,13 +520,16 @@ class NativeSender:
         for endpoint in self.client.endpoints:
             for worker, loaded in enumerate(endpoint.native_parameter_fingerprints()):
                 where = endpoint.name if worker == 0 else f"{endpoint.name} worker {worker}"
-                for what, fingerprints in (("the kernel builder", built_fp), ("the receipt", composed_fp)):
+                for how, fingerprints in (
+                    ("built by the kernel builder", built_fp),
+                    ("composed by the receipt", composed_fp),
+                ):
                     wrong = [name for name, value in fingerprints.items() if loaded.get(name) != value]
                     if wrong:
                         shown = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
                         return (
-                            f"on {where}, {len(wrong)} of {len(fingerprints)} parameter(s) built by {what} differ "
-                            f"from what vLLM's own load_weights made of the same checkpoint tensors: {shown}"
+                            f"on {where}, {len(wrong)} of {len(fingerprints)} parameter(s) {how} differ from what "
+                            f"vLLM's own load_weights made of the same checkpoint tensors: {shown}"
                         )
         return None
 

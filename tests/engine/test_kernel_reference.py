@@ -288,3 +288,25 @@ def test_an_engine_whose_mapped_writes_never_land_fails_the_receipt_of_that_sync
     with pytest.raises(ReceiptMismatchError, match=r"\d+ tensor\(s\) arrived with other bytes than the trainer sent"):
         compare_receipt(sender.sent.result(), engine.worker.r3_sync_receipt(), where="engine")
     sender.close()
+
+
+def test_a_receipt_that_composes_a_parameter_otherwise_than_vllm_loads_it_is_refused_too(
+    engine: _Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receipt's composition is checked against vLLM's load as the builder is: a wrong one would fail every
+    kernel-layout receipt; refused at the plan's first sync instead, naming the parameter."""
+    from r3operator.wire import kernel_layout
+
+    pieces = kernel_layout.parameter_pieces
+
+    def k_before_q(source: Any, parts: Any) -> list[Any]:
+        found = pieces(source, parts)
+        return [found[1], found[0], *found[2:]] if source.parameter.name.endswith("qkv_proj.weight") else found
+
+    monkeypatch.setattr(kernel_layout, "parameter_pieces", k_before_q)
+    sender = _sender(monkeypatch, engine, lambda: _trainer_state(10))
+    sender.send("run:1")
+    refused = sender.kernel_refused or ""
+    assert "composed by the receipt differ from what vLLM's own load_weights made" in refused, refused
+    assert "model.layers.0.self_attn.qkv_proj.weight" in refused, refused
+    sender.close()
