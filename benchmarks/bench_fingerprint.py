@@ -4,6 +4,8 @@
     python3 -m benchmarks.bench_fingerprint --models a3b,a3b-x16l --json OUT/fingerprint.json
     # GPU: the same sets as real bf16 tensors on cuda:0, each way timed with a synchronize
     python3 -m benchmarks.bench_fingerprint --models a3b,a3b-x16l --device cuda --repeats 5
+    # what issue 42's receipt adds (the engine reading every parameter; the trainer's composed fingerprints)
+    python3 -m benchmarks.bench_fingerprint --receipt --models a3b --experts 16 --device cpu
 
 What a sync fingerprints, per side, as the runtime does it:
 - trainer: every checkpoint tensor it sends (experts unfused, bf16), one `FingerprintLog` per sync;
@@ -206,6 +208,83 @@ def measure(
     return out
 
 
+def trainer_state(model: str, experts: int | None, device: str) -> dict[str, Any]:
+    """The trainer's state dict of reference model `model` (transformers 5: experts fused), fp32 master weights."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(_spec(model, experts).hf_config())
+    make = torch.empty if device == "meta" else torch.randn
+    return {name: make(tuple(t.shape), dtype=torch.float32, device=device) for name, t in hf.state_dict().items()}
+
+
+def measure_receipt(model: str, *, device: str, repeats: int, experts: int | None = None) -> dict[str, Any]:
+    """What issue 42's receipt adds to a sync, on `device`, with the runtime's own fingerprint path there (numpy on
+    the CPU):
+
+    - `unchanged_read`: the engine reading every parameter at a checkpoint-layout sync's finish, fused 3-D expert
+      blocks included, for the check that they changed (before: only parameters of at most 2 dimensions, `small_read`);
+    - `trainer_composed`: the trainer's side of a kernel-layout receipt, each parameter composed from the fp32 tensors
+      it trains, cast to bf16 piece by piece (`add_parameter_pieces`); `trainer_built` is what it replaced, the
+      fingerprints of the bf16 tensors the kernel builder made (their build not counted).
+    """
+    import torch
+
+    from r3operator.wire.kernel_layout import (
+        add_parameter_pieces,
+        engine_parameters,
+        kernel_tensors,
+        plan_kernel_layout,
+        trainer_shapes,
+    )
+    from r3operator.wire.receipt import FingerprintLog
+    from r3operator.wire.weights import full_tensor
+
+    state = trainer_state(model, experts, device)
+    rows = [(name, "bfloat16", shape) for name, shape in kernel_shapes(model, experts)]
+    plan = plan_kernel_layout(trainer_shapes(state), engine_parameters(rows))
+    params = list(kernel_tensors(state, plan, dtype=torch.bfloat16, device=device))
+    small = [(name, t) for name, t in params if t.dim() <= 2]
+
+    def read(named: list[tuple[str, Any]]) -> Callable[[], Any]:
+        def run() -> Any:
+            log = FingerprintLog()
+            log.add_many(named)
+            return log.result()
+
+        return run
+
+    def composed() -> Any:
+        log = FingerprintLog()
+        for source in plan:
+            add_parameter_pieces(log, source, [full_tensor(state[p]) for p in source.parts])
+        return log.result()
+
+    def built() -> Any:
+        log = FingerprintLog()
+        log.add_many(params)
+        return log.result()
+
+    out: dict[str, Any] = {
+        "model": model,
+        "experts": experts,
+        "device": device,
+        "parameters": len(params),
+        "bytes": sum(t.numel() * t.element_size() for _, t in params),
+    }
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for name, run in (
+        ("small_read", read(small)),
+        ("unchanged_read", read(params)),
+        ("trainer_built", built),
+        ("trainer_composed", composed),
+    ):
+        ops, _ = counted_ops(run)
+        out[name] = {"ops": ops, "seconds": _timed(run, repeats, sync)}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="a3b,a3b-x16l", help="reference models, comma-separated")
@@ -214,10 +293,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layout", default="checkpoint", choices=("checkpoint", "kernel"))
     parser.add_argument("--experts", type=int, default=None, help="--layout kernel: this many experts per layer")
+    parser.add_argument(
+        "--receipt",
+        action="store_true",
+        help="what issue 42's receipt adds (`measure_receipt`): the engine's read of every parameter, the trainer's "
+        "kernel-layout fingerprints composed from its fp32 tensors",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.experts is not None and (args.experts < 1 or args.layout != "kernel"):
-        parser.error(f"--experts needs --layout kernel and a count >= 1, got {args.experts}")
+    if args.experts is not None and (args.experts < 1 or (args.layout != "kernel" and not args.receipt)):
+        parser.error(f"--experts needs --layout kernel (or --receipt) and a count >= 1, got {args.experts}")
+    if args.receipt:
+        if args.device == "meta":
+            parser.error("--receipt reads fingerprints back: name a real device (cpu, cuda)")
+        receipts = {
+            "receipt": [
+                measure_receipt(m, device=args.device, repeats=args.repeats, experts=args.experts)
+                for m in args.models.split(",")
+            ]
+        }
+        emit(receipts, args.json)
+        return receipts
     result = {
         "models": [
             measure(

@@ -30,7 +30,9 @@ pack, fingerprint, begin, transfer, finish) next to the canary's receipt check a
 `--layout kernel,checkpoint` (or `both`) measures the native method in each `weightSync.layout` on the SAME
 engine start (vLLM 0.22 opens every bracket for one layout: `start_weight_update(is_checkpoint_format=…)`),
 in the order given: `by_layout[layout][method]`, `methods` being the first layout's. A layout after the
-first keeps the rendezvous and gets one untimed sync first (its kernel plan; `warmup_s`). The JSON is
+first keeps the rendezvous and gets one untimed sync first (its kernel plan; `warmup_s`). The kernel plan's first
+sync is its reference (the checkpoint layout through vLLM's own load_weights, then every parameter compared with the
+kernel builder's): `kernel_reference` has its one-off seconds and, if it refused the kernel layout, why. The JSON is
 rewritten after every layout and method measured, so a run killed at a time limit keeps what it measured.
 
 With a native method it also injects a trainer failure in the middle of a sync (IPC only: an NCCL sender
@@ -534,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if native and not run.weight_transfer.native:
             raise RuntimeError(f"the native {first} transfer was not used: {run.weight_transfer.describe()}")
         native_install = run.supervisor.install  # what setup() built for `first`: a NativeInstall if native
+        if isinstance(native_install, NativeInstall) and native_install.reference_seconds is not None:
+            result["kernel_reference"] = kernel_reference(native_install)  # setup()'s first sync, in the kernel layout
         wire = getattr(torch, dtype)
         meta = checkpoint_metadata(run.trainer.sync_state_dict(), dtype=wire)
         nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
@@ -550,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if not isinstance(native_install, NativeInstall):
                     raise RuntimeError(f"--layout {layout}: setup() installed {native_install!r}, not a NativeInstall")
                 figures["warmup_s"] = switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
+                if layout == "kernel":
+                    result["kernel_reference"] = kernel_reference(native_install)
             # the packed path has no layout: measured once, with the first
             for method in methods if layout_index == 0 else native:
                 figures[method] = timed(method)
@@ -596,6 +602,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(json.dumps(result, indent=2))
     save()
     return result
+
+
+def kernel_reference(install: NativeInstall) -> dict[str, Any]:
+    """The kernel plan's reference (weightsync/transfer.py `_reference_sync`: its first sync in the checkpoint layout
+    through vLLM's own load_weights, then every parameter compared): its one-off seconds, and why it refused the kernel
+    layout (None: confirmed; then every later kernel-layout sync is receipted against it)."""
+    seconds = install.reference_seconds
+    return {"seconds": None if seconds is None else round(seconds, 4), "refused": install.kernel_refused}
 
 
 def parse_layouts(text: str) -> list[str]:

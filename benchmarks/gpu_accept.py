@@ -450,6 +450,12 @@ SYNC_LAYOUT_ROWS = {"a3b": "sync_layouts_a3b", "a3b-x16l": "sync_layouts_x16l"}
 ~6 min (its model generated, its ~20 GB engine started), the four runs in one row overran its 590 s."""
 
 
+X16L_BEFORE = {"nccl": 0.573, "ipc": 0.277}
+"""The a3b-x16l kernel-layout sync before issue 42's receipt (2026-11-28, H200s, 55ba83c): the NCCL sync's share of the
+raw broadcast, the mapped IPC sync's of the device copy. Shown beside this run's; the receipt should keep them within
+10 % (on H200s: other cards have other ratios, docs/benchmarks.md)."""
+
+
 def sync_json(ctx: Context, model: str) -> Path:
     """Where `model`'s bench_weight_sync JSON lands: its row's directory, beside this row's (one ACCEPT_WORK)."""
     return ctx.work.parent / SYNC_LAYOUT_ROWS[model] / f"sync_{model}.json"
@@ -539,11 +545,22 @@ def _sync_parts(model: str, report: Mapping[str, Any]) -> tuple[list[str], bool]
             engine = ", ".join(f"{k} {x}" for k, x in (v.get("engine_seconds_median") or {}).items())
             path = (v.get("ipc") or {}).get("path")
             via = f" {path}" if path else ""
+            # The receipt's cost: the trainer's fingerprints inside the sync ("fingerprint"), the engine's reads of its
+            # parameters ("unchanged" of engine_seconds), and the exact check after the sync, where a mapped sync's
+            # fingerprints of both sides are taken (`canary_receipt`, `with_receipt_median_s`).
+            receipt = phases.get("canary_receipt")
+            checked = f"; receipt check {receipt} s, with it {v.get('with_receipt_median_s')} s" if receipt else ""
             parts.append(
                 f"{model} {layout} {method}{via}: {v['gbps']} GB/s, {v['median_s']} s per sync ({shown}"
-                f"{'; engine ' + engine if engine else ''}), canary {v['canary_ok']}"
+                f"{'; engine ' + engine if engine else ''}{checked}), canary {v['canary_ok']}"
             )
             complete = complete and _all_passed(v["canary_ok"])
+    reference = report.get("kernel_reference") or {}
+    if reference.get("refused"):
+        parts.append(f"{model}: kernel layout REFUSED by its reference check: {reference['refused']}")
+        complete = False
+    elif reference.get("seconds") is not None:
+        parts.append(f"{model}: kernel plan confirmed by vLLM's own load_weights in {reference['seconds']} s (one-off)")
     return parts, complete
 
 
@@ -585,13 +602,17 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
             parts.append(f"device copy {copy} GB/s")
         met = None
         data: dict[str, Any] = {"sync": report}
+        large = _native(report, "kernel")
+        for what, ceiling, before in (("raw", raw, X16L_BEFORE["nccl"]), ("the device copy", copy, X16L_BEFORE["ipc"])):
+            if model == "a3b-x16l" and ceiling and large:  # issue 42: the receipt with teeth within 10 % of these
+                ratio = large["gbps"] / ceiling
+                parts.append(f"kernel {ratio:.3f}× {what} (2026-11-28 H200, before issue 42's receipt: {before}×)")
         if model == "a3b-x16l":
             native = native_method(report)
             found = find_sync_report(ctx, "a3b", native)
             small_path, small = found if found else (None, None)
             data["a3b"] = small
             fixed = fixed_cost_s(small, report) if small else None
-            large = _native(report, "kernel")
             if fixed is None or small_path is None:
                 where = (
                     f"a3b from {small_path}"
@@ -805,6 +826,19 @@ ROWS: list[Row] = [
         judge_sync_layouts("a3b-x16l"),
     ),
     Row(
+        "receipt_build_errors",
+        3,
+        "tests/gpu/test_receipt_build_errors.py: deliberate kernel-layout build errors (gate and up swapped, every "
+        "expert block rolled, w2's experts rolled) at bf16 over IPC, the trainer writing a `vllm serve` engine",
+        "each refused at its plan's first sync, naming the parameter; each that breaks after its plan was confirmed "
+        "fails the receipt of its first sync; without a fault every sync passes receipt and canary",
+        1,
+        240,
+        540,
+        pytest_command("tests/gpu/test_receipt_build_errors.py"),
+        judge_pytest(lambda g: 0),
+    ),
+    Row(
         "engine_load_cuda",
         3,
         "the engine's load of one sync per layout on CUDA, gpu / a3b / a3b-x16l (bench_engine_load)",
@@ -875,7 +909,7 @@ ROWS: list[Row] = [
         "receipt_cuda",
         4,
         "tests/gpu/test_receipt_cuda.py, test_cuda_cache_gpu.py: the receipt's fingerprints on alternating side "
-        "streams; a sync's cached buffers given back",
+        "streams, and composed from cast pieces; a sync's cached buffers given back",
         "all pass",
         1,
         30,

@@ -80,6 +80,7 @@ _.r3_weights_digest
 _.r3_staged_attach  # called by name over /collective_rpc (weightsync/staged.py)
 _.r3_staged_sync
 _.r3_direct_sync  # called by name over /collective_rpc (weightsync/direct.py)
+_.r3_parameter_fingerprints  # called by name over /collective_rpc (weightsync/transfer.py `_reference_sync`)
 _._do_torchao_reload  # vLLM's layerwise reload calls the model's
 _._weight_update_active  # vLLM's worker flag of a native update in progress
 _.__wrapped__  # functools/inspect unwrap a patched method to its original (engine/plugin.py)

@@ -465,3 +465,36 @@ def test_the_recorded_commit_says_when_the_files_are_not_that_commit(tmp_path: P
     (tmp_path / "code.py").write_text("a = 2\n")
     assert source_commit(tmp_path) == f"{head}+modified (1 files)"
     assert source_commit(tmp_path / "missing").startswith("unknown")
+
+
+def test_the_x16l_row_shows_the_receipts_cost_and_fails_when_the_kernel_layout_is_refused(tmp_path: Path) -> None:
+    """Issue 42: the receipt's share of the time split (the check after the sync, the engine's reads), the share of
+    the raw broadcast beside 2026-11-28's, the reference's one-off seconds; a kernel layout refused by its reference
+    check is a failed row, whatever the figures (the syncs measured were checkpoint-layout ones)."""
+    raw = 300.0
+    report = _sync_report(LARGE, {"kernel": 0.1, "checkpoint": 4.0}, raw)
+    kernel = report["by_layout"]["kernel"]["nccl"]
+    kernel["phases_median_s"]["canary_receipt"] = 0.02
+    kernel["with_receipt_median_s"] = 0.12
+    kernel["engine_seconds_median"] = {"unchanged": 0.001}
+    report["kernel_reference"] = {"seconds": 4.5, "refused": None}
+    _write_sync(tmp_path, "a3b-x16l", report)
+    ctx = Context(gpus=2, work=tmp_path / gpu_accept.SYNC_LAYOUT_ROWS["a3b-x16l"])
+    confirmed = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert confirmed.passed, confirmed.figure
+    assert "receipt check 0.02 s, with it 0.12 s" in confirmed.figure and "engine unchanged 0.001" in confirmed.figure
+    ratio = LARGE / 0.1 / 1e9 / raw  # 200 GB/s of 300
+    assert f"kernel {ratio:.3f}× raw (2026-11-28 H200, before issue 42's receipt: 0.573×)" in confirmed.figure
+    assert "kernel plan confirmed by vLLM's own load_weights in 4.5 s (one-off)" in confirmed.figure
+    report["kernel_reference"] = {"seconds": 4.5, "refused": "on engine-0, 1 of 147 parameter(s) ...: w13_weight"}
+    _write_sync(tmp_path, "a3b-x16l", report)
+    refused = gpu_accept.judge_sync_layouts("a3b-x16l")(ctx, 0, "")
+    assert not refused.passed and "kernel layout REFUSED by its reference check" in refused.figure
+
+
+def test_the_receipt_build_errors_row_runs_its_gpu_test_on_one_gpu(tmp_path: Path) -> None:
+    [row] = [r for r in gpu_accept.ROWS if r.name == "receipt_build_errors"]
+    assert row.min_gpus == 1 and "tests/gpu/test_receipt_build_errors.py -m gpu" in row.command(Context(1, tmp_path))
+    assert (REPO / "tests" / "gpu" / "test_receipt_build_errors.py").is_file()
+    assert row.judge(Context(1, tmp_path), 0, "7 passed in 200.0s").passed
+    assert not row.judge(Context(1, tmp_path), 1, "1 failed, 6 passed in 200.0s").passed

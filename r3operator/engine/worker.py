@@ -203,7 +203,7 @@ def copy_staged(targets: Sequence[tuple[str, Any, Any]], receipt: Any) -> None:
         for name, slot, target in targets:
             target.copy_(slot)
             started = _clock()
-            receipt.record([(name, target)], flush=False)
+            receipt.record([(name, target)], flush=False, parameters=True)
             receipt_seconds += _clock() - started
         started = _clock()
         receipt.received.flush()
@@ -435,6 +435,16 @@ class WeightSyncWorkerExtension:
             ],
             "refused": kernel_layout_refusal(model),
         }
+
+    def r3_parameter_fingerprints(self) -> dict[str, list[int]]:
+        """The fingerprint (wire/receipt.py) of every parameter of this worker's model as it holds them now: after a
+        checkpoint-layout sync, what vLLM's own `load_weights` made of the trainer's tensors, which the kernel
+        layout's reference check compares with what it would send (weightsync/transfer.py `_reference_sync`)."""
+        from r3operator.wire.receipt import FingerprintLog
+
+        log = FingerprintLog()
+        log.add_many(self._r3_parameters())
+        return {name: list(value) for name, value in log.result().items()}
 
     def _r3_tap_kernel_receive(self) -> None:
         """Kernel format (vLLM 0.22 `Worker.update_weights`): the receiver gets vLLM's direct-copy loader as

@@ -102,6 +102,9 @@ class EngineActor:
     def native_parameters(self) -> dict[str, Any]:
         return dict(self.llm.collective_rpc("r3_parameter_metadata")[0])
 
+    def native_parameter_fingerprints(self) -> list[dict[str, list[int]]]:
+        return list(self.llm.collective_rpc("r3_parameter_fingerprints"))  # one per worker
+
     def native_update(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 

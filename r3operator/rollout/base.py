@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from r3operator.wire.receipt import Fingerprint
 from r3operator.wire.sample import RolloutSample
 from r3operator.wire.weights import PackedChunk
 
@@ -44,6 +45,11 @@ class NativeEndpoint(Protocol):
 
     def native_parameters(self) -> dict[str, Any]:
         """The engine model's parameters and whether it refuses the kernel layout (`r3_parameter_metadata`)."""
+        ...
+
+    def native_parameter_fingerprints(self) -> list[dict[str, Fingerprint]]:
+        """Every worker's fingerprint of every parameter it holds now (`r3_parameter_fingerprints`): the kernel
+        layout's reference check compares them with what it would send (weightsync/transfer.py)."""
         ...
 
     def native_update(self, update_info: dict[str, Any]) -> None: ...

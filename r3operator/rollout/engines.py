@@ -19,6 +19,7 @@ from typing import Any
 from r3operator.rollout.actor import EngineActor
 from r3operator.rollout.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
 from r3operator.rollout.client import salted
+from r3operator.wire.receipt import Fingerprint, parse_fingerprints
 from r3operator.wire.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
 from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases, chunk_seconds
@@ -156,6 +157,10 @@ class RayEngine:
 
     def native_parameters(self) -> dict[str, Any]:
         return dict(self._call("parameter metadata", self._actor.native_parameters.remote))
+
+    def native_parameter_fingerprints(self) -> list[dict[str, Fingerprint]]:
+        answers = self._call("parameter fingerprints", self._actor.native_parameter_fingerprints.remote)
+        return [parse_fingerprints(answer) for answer in answers]
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self._call("update weights", lambda: self._actor.native_update.remote(update_info), retry=False)
@@ -325,6 +330,9 @@ class HTTPEngine:
 
     def native_parameters(self) -> dict[str, Any]:
         return dict(self._rpc("r3_parameter_metadata") or {})
+
+    def native_parameter_fingerprints(self) -> list[dict[str, Fingerprint]]:
+        return [parse_fingerprints(answer) for answer in self._rpc_all("r3_parameter_fingerprints")]
 
     def native_update(self, update_info: dict[str, Any]) -> None:
         self._post("/update_weights", {"update_info": json_safe_update_info(update_info)}, retry=False)

@@ -403,8 +403,8 @@ class GRPORun:
         self.sync_phases.reset()
         result = self.supervisor.sync(version)
         self.policy_version = version
-        path = getattr(self.supervisor.install, "ipc_path", None)
-        if isinstance(path, dict) and (said := weight_sync.describe_ipc_path(path)):
+        install = self.supervisor.install
+        if isinstance(install, weight_sync.NativeInstall) and (said := install.described()):
             self.weight_sync_described = f"{self._weight_sync_chosen}; {said}"
         self.metrics.set("r3operator_weight_sync_seconds", time.perf_counter() - begin)
         for phase, seconds in self.sync_phases.seconds.items():

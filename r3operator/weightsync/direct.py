@@ -20,8 +20,11 @@ round trips (begin, update, finish) were a sync's fixed cost. On the trainer (`D
   own tensor) is broadcast as it is;
 - one bigger than the fingerprint bucket is built (cast, experts fused, halves swapped: `build_parameter`) by
   `copy_` into one of two staging buffers kept across syncs; a smaller one into a tensor of its own;
-- building and fingerprinting run on a copy stream, the broadcasts on a comm stream, ordered by events: the
-  copy of tensor k+1 overlaps the broadcast of tensor k, and the host never waits inside the sync;
+- building runs on a copy stream, the broadcasts on a comm stream, ordered by events: the copy of tensor k+1 overlaps
+  the broadcast of tensor k, and the host never waits inside the sync;
+- the receipt's side is the trainer tensors each parameter is built of, fingerprinted when the receipt is read
+  (wire/kernel_layout.py `add_parameter_pieces`): never what was built, so a build error fails the receipt, and the
+  sync itself queues no fingerprint;
 - a failure while building (the trainer's state dict) still sends every announced broadcast, zeros, and the flag
   0, so the engines' receive ends and each aborts its bracket (the tag stays None), instead of leaving every
   engine and the trainer inside a collective that never completes. The error is raised after the last broadcast.
@@ -33,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, as_parameter, build_parameter
+from r3operator.wire.kernel_layout import COMMIT_DTYPE, Source, add_parameter_pieces, as_parameter, build_parameter
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
@@ -81,10 +84,10 @@ class DirectKernelSend:
         phases: SyncPhases,
     ) -> None:
         """Broadcast every parameter of `plan` from `state_dict` in the plan's order (what the engines were
-        announced), in the dtype each engine parameter has, each fingerprinted into `sent`, then the commit flag
-        (`COMMIT_DTYPE` [1]: 1, or 0 after a failure); returns once every broadcast is queued (the engines' call
-        returns after their receive, which waits for them). A failure to build one stops the building: the rest of
-        the plan goes out as zeros, the flag as 0, then it is raised."""
+        announced), in the dtype each engine parameter has, each left to `sent` (read with the receipt), then the
+        commit flag (`COMMIT_DTYPE` [1]: 1, or 0 after a failure); returns once every broadcast is queued (the
+        engines' call returns after their receive, which waits for them). A failure to build one stops the building:
+        the rest of the plan goes out as zeros, the flag as 0, then it is raised."""
         import torch
 
         cuda = torch.device(device).type == "cuda"
@@ -134,7 +137,8 @@ class DirectKernelSend:
         phases: SyncPhases,
     ) -> _Built:
         """`source`'s parameter, as it is or built on the copy stream (into the next staging slot when it is bigger
-        than a fingerprint bucket, see the module doc), then fingerprinted there."""
+        than a fingerprint bucket, see the module doc). The receipt fingerprints the trainer tensors it is built of
+        (`add_parameter_pieces`) when it is read: a build error fails it, and the sync queues no fingerprint."""
         import torch
 
         shape, dtype = source.parameter.shape, getattr(torch, source.parameter.dtype)
@@ -153,8 +157,9 @@ class DirectKernelSend:
                         out, built.own = torch.empty(shape, dtype=dtype, device=device), True
                     built.tensor = build_parameter(out, source, parts)
                     built.ready = recorded_event(self._copy) if self._copy is not None else None
-        with phases("fingerprint"), on_stream(self._copy):
-            sent.add(source.parameter.name, built.tensor)
+        # The receipt's side of this parameter: the trainer tensors it is built of, not what was built (a build error
+        # must fail the receipt), fingerprinted when the receipt is read, so the sync itself queues none of it.
+        add_parameter_pieces(sent, source, parts, later=True)
         return built
 
     def close(self) -> None:

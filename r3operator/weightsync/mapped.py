@@ -12,9 +12,11 @@ one pass. `MappedKernelSend`:
 - `sync`: every engine is asked ONCE (`r3_mapped_sync`); inside that call the engine opens vLLM's bracket, waits for
   its GPU and rings `opened`, so that no forward step runs while the trainer writes; the trainer builds every
   parameter into each worker's memory (`build_parameter`: one casting `copy_` per part), waits for its GPU and rings
-  `written`; the engine closes the bracket and stamps the policy. The written bytes stay as they are until the next
-  sync, so both sides fingerprint them when the driver checks the receipt (the trainer's, read through its mapping:
-  `FingerprintLog.add_later`; the engine's, of its own parameters: `SyncReceipt.finish_later`), off the sync's path.
+  `written`; the engine closes the bracket and stamps the policy. Both sides fingerprint when the driver checks the
+  receipt, off the sync's path: the trainer the tensors it wrote from, in its own memory, each parameter composed from
+  its pieces (`add_parameter_pieces`, `FingerprintLog.add_part_later`: never through the mapping, which reads the
+  engine's memory and would agree with an engine whose writes never landed); the engine its own parameters
+  (`SyncReceipt.finish_later`). Neither changes before then: the trainer's next update and the next sync come after.
 
 What a failure leaves: an engine that cannot open its bracket (or whose parameters moved since they were mapped)
 fails its call before the trainer writes anything, so it keeps the whole previous policy under its tag; a trainer that
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3operator.wire.doorbell import Doorbell, DoorbellTimeout
-from r3operator.wire.kernel_layout import Source, build_parameter
+from r3operator.wire.kernel_layout import Source, add_parameter_pieces, build_parameter
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.shared_buffer import OpenedBuffer, SharedBufferError, StagedEntry, entry_views, open_shared
 from r3operator.wire.streams import on_stream
@@ -129,8 +131,12 @@ class MappedKernelSend:
                 raise
             for worker in self._workers:
                 doorbell.ring_written(worker.slot, number)
-            for source, view in zip(plan, self._workers[0].views, strict=True):  # read with the receipt
-                sent.add_later(source.parameter.name, view)
+            # What was sent is what the trainer holds, never what the mapping reads back (the engine's own memory: an
+            # engine whose writes never landed would agree with itself): the trainer tensors each parameter is built
+            # of, fingerprinted when the receipt is read (they stay as they are until the trainer's next update).
+            for source in plan:
+                parts = [full_tensor(state_dict[name]) for name in source.parts]
+                add_parameter_pieces(sent, source, parts, later=True)
             with phases("finish"):
                 _wait_all(calls)
         except DoorbellTimeout as exc:

@@ -194,9 +194,11 @@ def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncR
         counts = sender.sync(sender.engines, request.tag)
     finally:
         sender.weights = {}  # the copy goes back to the allocator before the next step's update
+    with sender.sync.phases("fingerprint"):  # a kernel-layout sync leaves its fingerprints to the read: here
+        fingerprints = sender.sync.sent.result()
     seconds = dict(sender.sync.phases.seconds)
     seconds["gather"] = seconds.get("gather", 0.0) + gathered.seconds["gather"]
-    return RankSyncResult(counts["tensors"], counts["bytes"], sender.sync.sent.result(), seconds)
+    return RankSyncResult(counts["tensors"], counts["bytes"], fingerprints, seconds)
 
 
 def close_on_rank(_trainer: Any, rank: int, install: str) -> None:

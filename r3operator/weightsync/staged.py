@@ -10,10 +10,12 @@ device copy). Here (`StagedKernelSend`):
   engines once per rendezvous (`attach`: the buffer's handle and the slots, checked by each engine against its
   parameters by name, dtype and shape before any sync);
 - a sync builds every parameter into its slot (`build_parameter`: one casting `copy_` per part), on a copy stream,
-  fingerprints the slots for the receipt, waits for the builds, and asks every engine ONCE
-  (`r3_staged_sync`, engine/worker.py): the engine opens vLLM's bracket, copies each slot into its parameter,
-  fingerprints the parameters, closes the bracket and stamps the policy, all inside one RPC, which vLLM's engine
-  core runs between two forward steps; the driver's next requests carry the new policy as their prefix-cache salt.
+  leaves to the receipt the trainer tensors each slot is built of (fingerprinted when it is read; never the slots: a
+  build error must fail the receipt, wire/kernel_layout.py `add_parameter_pieces`), waits for the builds, and asks
+  every engine ONCE (`r3_staged_sync`, engine/worker.py): the engine opens vLLM's bracket, copies each slot into its
+  parameter, fingerprints the parameters, closes the bracket and stamps the policy, all inside one RPC, which vLLM's
+  engine core runs between two forward steps; the driver's next requests carry the new policy as their prefix-cache
+  salt.
 
 What a failure leaves: one while building is before any engine is asked, so every engine still serves the whole
 previous policy under its tag; one inside the engine's copies aborts its bracket there (the tag stays None until
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from r3operator.wire.kernel_layout import Source, build_parameter
+from r3operator.wire.kernel_layout import Source, add_parameter_pieces, build_parameter
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.shared_buffer import SharedBuffer, StagedEntry, entry_views, staged_layout
 from r3operator.wire.streams import on_stream, recorded_event
@@ -73,9 +75,9 @@ class StagedKernelSend:
         sent: FingerprintLog,
         phases: SyncPhases,
     ) -> None:
-        """Build every parameter of `plan` into its slot and fingerprint the slots into `sent`; returns once every
-        slot is written (the engines read them as soon as they are asked). `attachment` must have been called for
-        this plan."""
+        """Build every parameter of `plan` into its slot and leave to `sent` (fingerprinted when the receipt is read)
+        the trainer tensors each is built of (`add_parameter_pieces`); returns once every slot is written (the engines
+        read them as soon as they are asked). `attachment` must have been called for this plan."""
         import torch
 
         if self._buffer is None or len(self._views) != len(plan):
@@ -87,14 +89,16 @@ class StagedKernelSend:
         if current is not None:
             self._copy.wait_stream(current)  # the trainer's last update wrote what the builds read
         with phases("gather"), on_stream(self._copy):
-            for source, view in zip(plan, self._views, strict=True):
-                build_parameter(view, source, [full_tensor(state_dict[name]) for name in source.parts])
+            parts = [[full_tensor(state_dict[name]) for name in source.parts] for source in plan]
+            for source, view, built_from in zip(plan, self._views, parts, strict=True):
+                build_parameter(view, source, built_from)
             built = recorded_event(self._copy) if cuda else None
-        with phases("fingerprint"), on_stream(self._copy):  # queued after the builds; read back by `sent.result()`
-            for source, view in zip(plan, self._views, strict=True):
-                sent.add(source.parameter.name, view)
+        # The receipt's side: the trainer tensors each slot is built of, not the slots (a build error must fail the
+        # receipt), fingerprinted when the receipt is read.
+        for source, built_from in zip(plan, parts, strict=True):
+            add_parameter_pieces(sent, source, built_from, later=True)
         if current is not None:
-            current.wait_stream(self._copy)  # the next update must not write what a build or fingerprint reads
+            current.wait_stream(self._copy)  # the next update must not write what a build reads
         if built is not None:
             with phases("gather"):
                 built.synchronize()

@@ -27,6 +27,7 @@ from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMet
 from r3operator.rollout.base import Engine
 from r3operator.rollout.engines import EngineGroup
 from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
+from r3operator.wire.kernel_layout import Source
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
 
@@ -160,6 +161,14 @@ class NativeInstall:
         self._sender: NativeSender | None = None
         self._engines: tuple[int, ...] = ()
         self._last_tag: str | None = None
+        # Why `weightSync.layout: kernel` is not used: its reference check against vLLM's own load_weights failed
+        # (weightsync/transfer.py `_reference_sync`). Kept across rendezvous: later senders sync in the checkpoint
+        # layout from their first sync, and the report and status say so.
+        self.kernel_refused: str | None = None
+        # The kernel plan that check confirmed, kept across rendezvous (a restarted engine runs the same vLLM and
+        # model: the same plan needs no second reference; another plan gets one).
+        self.checked_plan: list[Source] | None = None
+        self.reference_seconds: float | None = None  # the last reference sync's seconds, its check included
 
     def _needs_rendezvous(self, engines: Sequence[Engine]) -> bool:
         if self._sender is None or self._engines != tuple(id(e) for e in engines):
@@ -176,7 +185,8 @@ class NativeInstall:
                 engine.native_abort()
         if rendezvous:
             self.close()
-            client = FanOutClient(endpoints, phases=self.phases, layout=self.layout)
+            layout = WeightSyncLayout.CHECKPOINT if self.kernel_refused else self.layout
+            client = FanOutClient(endpoints, phases=self.phases, layout=layout)
             self._sender = NativeSender(
                 self.method,
                 client,
@@ -186,6 +196,7 @@ class NativeInstall:
                 master_address=self.master_address,
                 sent=self.sent,
             )
+            self._sender.checked_plan = self.checked_plan
             self._engines = tuple(id(e) for e in engines)
         sender = self._sender
         assert sender is not None  # set just above
@@ -195,6 +206,10 @@ class NativeInstall:
             sender.client.abort()
             self.close()  # the next attempt makes the rendezvous again
             raise
+        finally:
+            self.kernel_refused = self.kernel_refused or sender.kernel_refused
+            self.checked_plan = sender.checked_plan
+            self.reference_seconds = sender.reference_seconds or self.reference_seconds
         self._last_tag = tag
         return {"tensors": stats.tensors, "bytes": stats.bytes}
 
@@ -209,6 +224,15 @@ class NativeInstall:
             "mapping_refused": sender.mapping_refused,
             "staging_refused": sender.staging_refused,
         }
+
+    def described(self) -> str | None:
+        """What the report and status.progress.weightSync add to the method: a kernel layout refused, and how the last
+        IPC sync went (`describe_ipc_path`); None when there is nothing to add."""
+        said = [describe_ipc_path(self.ipc_path) or ""]
+        if self.kernel_refused:
+            refused = self.kernel_refused
+            said.insert(0, f"weightSync.layout kernel refused, syncing in the checkpoint layout ({refused})")
+        return "; ".join(part for part in said if part) or None
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """Open the next syncs' brackets for `layout`, keeping the rendezvous (bench_weight_sync measures

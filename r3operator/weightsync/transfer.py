@@ -46,6 +46,7 @@ from r3operator.wire.kernel_layout import (
     EngineParameter,
     KernelLayoutError,
     Source,
+    add_parameter_pieces,
     engine_parameters,
     kernel_metadata,
     kernel_tensors,
@@ -54,7 +55,7 @@ from r3operator.wire.kernel_layout import (
 )
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
-from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, tensor_nbytes
+from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, full_tensor, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +267,12 @@ class NativeSender:
         self._failure: Exception | None = None  # what stopped `tensors()` mid-sync (raised after the send)
         self._announced: list[tuple[str, Any, tuple[int, ...]]] = []  # this sync's metadata, as the engines got it
         self.released_bytes = 0  # CUDA cache given back after the last sync
+        # The kernel plan vLLM's own load_weights confirmed (`_reference_sync`), by any sender of these engines: a plan
+        # equal to it needs no reference again (the owner, weightsync/sync.py, hands it to the next rendezvous).
+        self.checked_plan: list[Source] | None = None
+        self.kernel_refused: str | None = None  # why the kernel layout is not used (its reference check failed)
+        self.reference_seconds: float | None = None  # what the last reference sync took, check included
+        self._referenced = False  # this sync was a kernel plan's reference: vLLM's packed sender, checkpoint layout
 
     # -- what goes out ----------------------------------------------------------------------------
     def _state_dict(self) -> Mapping[str, Any]:
@@ -307,16 +314,20 @@ class NativeSender:
         engines' brackets. Stopping here would leave every engine, and the trainer, in a collective forever."""
         phases = self.client.phases
         if self.client.layout is WeightSyncLayout.KERNEL:
-            source = kernel_tensors(self._state_dict(), self.kernel_plan(), dtype=self.dtype, device=self.device)
+            items = self._kernel_items()
         else:
-            source = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
+            plain = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
+            items = ((name, tensor, None, ()) for name, tensor in plain)
         # vLLM >= 0.30's sender finishes the bracket itself after the last tensor: there a failure must raise
         drains = self.method is TransferMethod.NCCL and self.api == "static"
         announced, count = self._announced if drains else [], 0
         try:
-            for name, tensor in phases.timed("gather", source):
-                with phases("fingerprint"):
-                    self.sent.add(name, tensor)
+            for name, tensor, source, parts in phases.timed("gather", items):
+                if source is not None:  # the trainer tensors it was built of (a build error fails the receipt), later
+                    add_parameter_pieces(self.sent, source, parts, later=True)
+                else:
+                    with phases("fingerprint"):
+                        self.sent.add(name, tensor)
                 count += 1
                 yield name, tensor
         except Exception as exc:
@@ -327,6 +338,16 @@ class NativeSender:
                 "weight sync failed after %d of %d tensors (%s); sending zeros for the rest", count, len(announced), exc
             )
             yield from announced_zeros(announced[count:], self.device)
+
+    def _kernel_items(self) -> Iterator[tuple[str, Any, Source | None, Sequence[Any]]]:
+        """(engine parameter, the tensor built for it, its source, the trainer tensors it is built of) per parameter of
+        the kernel plan: each trainer tensor read (gathered) once, for the build and the receipt's fingerprint."""
+        state = self._state_dict()
+        for source in self.kernel_plan():
+            parts = [full_tensor(state[name]) for name in source.parts]
+            whole = dict(zip(source.parts, parts, strict=True))
+            for name, tensor in kernel_tensors(whole, [source], dtype=self.dtype, device=self.device):
+                yield name, tensor, source, parts
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
@@ -392,10 +413,13 @@ class NativeSender:
         with phases("gather"):
             self._state = self.state_dict()
         self.sent.clear()
+        self._referenced = False
         counted, begin = sum(phases.seconds.values()), time.perf_counter()
         try:
             stats = self._send(policy_tag)
-            if self.ipc_path != "mapped":  # a mapped sync's fingerprints are read with the receipt, off its path
+            # A kernel-layout sync's fingerprints are taken when the receipt is read, off the sync's path (the trainer
+            # tensors it was built of stay as they are until then: the trainer's next update comes after the canary).
+            if self.client.layout is not WeightSyncLayout.KERNEL or self._referenced:
                 with phases("fingerprint"):
                     self.sent.result()  # the fingerprints' one host sync, outside the transfer
             # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
@@ -403,7 +427,8 @@ class NativeSender:
             return stats
         finally:
             self._state = None
-            if not (self.sends_direct or self.ipc_path in ("mapped", "staged")):  # ours keep their buffers
+            ours = self.sends_direct or self.ipc_path in ("mapped", "staged")
+            if self._referenced or not ours:  # ours keep their buffers
                 with phases("finish"):  # the buffers vLLM's sender left cached go back (wire/cuda_cache.py)
                     if self.method is TransferMethod.IPC:
                         _release_ipc_buffers()
@@ -422,6 +447,8 @@ class NativeSender:
     def _send(self, policy_tag: str) -> SendStats:
         if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
             self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
+        if self.client.layout is WeightSyncLayout.KERNEL and self.kernel_plan() != self.checked_plan:
+            return self._reference_sync(policy_tag)  # a plan not confirmed yet: its reference first
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
@@ -448,6 +475,63 @@ class NativeSender:
         else:
             self._bracketed_send(meta)
         return stats
+
+    # -- the kernel layout's reference: vLLM's own load_weights, once per plan ------------------------------------
+    def _reference_sync(self, policy_tag: str) -> SendStats:
+        """The first sync of a kernel plan, in the checkpoint layout: every engine loads the trainer's checkpoint
+        tensors with vLLM's own `load_weights` (the slow path, and the reference), then reports a fingerprint of every
+        parameter it holds, which must be, parameter by parameter, both what the kernel builder makes of the same
+        tensors (`kernel_tensors`) and what the receipt composes from them (`add_parameter_pieces`). The plan, the
+        builder and the receipt's composition are ours; this is where vLLM's loader checks them, at bf16 as in fp32,
+        before any kernel-layout byte is sent. A mismatch refuses the kernel layout for this sender (`kernel_refused`
+        names the parameters; the syncs go on in the checkpoint layout, with a warning); a match lets the next syncs
+        go in the kernel layout, receipted against the composition."""
+        begin = time.perf_counter()
+        plan = self.kernel_plan()
+        self._referenced = True
+        self.client.layout = WeightSyncLayout.CHECKPOINT
+        try:
+            stats = self._send(policy_tag)
+        finally:
+            self.client.layout = WeightSyncLayout.KERNEL
+        refused = self._reference_mismatch(plan)
+        self.reference_seconds = time.perf_counter() - begin
+        if refused is None:
+            self.checked_plan = plan
+            log.info("weight sync: the kernel layout matches vLLM's own load_weights (%.2f s)", self.reference_seconds)
+            return stats
+        self.kernel_refused = refused
+        self.client.layout, self._plan = WeightSyncLayout.CHECKPOINT, None
+        log.warning("weight sync: kernel layout refused, syncing in the checkpoint layout: %s", refused)
+        return stats
+
+    def _reference_mismatch(self, plan: Sequence[Source]) -> str | None:
+        """Why the engines' parameters after vLLM's own load of the checkpoint tensors are not what the kernel layout
+        would send (None: they are, on every worker of every engine)."""
+        state = self._state_dict()
+        built, composed = FingerprintLog(), FingerprintLog()
+        for source in plan:
+            parts = [full_tensor(state[name]) for name in source.parts]
+            add_parameter_pieces(composed, source, parts)
+            whole = dict(zip(source.parts, parts, strict=True))
+            for name, tensor in kernel_tensors(whole, [source], dtype=self.dtype, device=self.device):
+                built.add(name, tensor)
+        built_fp, composed_fp = built.result(), composed.result()
+        for endpoint in self.client.endpoints:
+            for worker, loaded in enumerate(endpoint.native_parameter_fingerprints()):
+                where = endpoint.name if worker == 0 else f"{endpoint.name} worker {worker}"
+                for how, fingerprints in (
+                    ("built by the kernel builder", built_fp),
+                    ("composed by the receipt", composed_fp),
+                ):
+                    wrong = [name for name, value in fingerprints.items() if loaded.get(name) != value]
+                    if wrong:
+                        shown = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+                        return (
+                            f"on {where}, {len(wrong)} of {len(fingerprints)} parameter(s) {how} differ from what "
+                            f"vLLM's own load_weights made of the same checkpoint tensors: {shown}"
+                        )
+        return None
 
     def _bracketed_send(self, meta: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         """vLLM 0.22's packed senders inside the engines' bracket calls (start, update(s), finish)."""

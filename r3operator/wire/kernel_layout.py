@@ -25,20 +25,12 @@ holding whole parameters, no post-load repack): `api/rules.py` refuses the layou
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from r3operator.wire.param_names import GATE_UP, checkpoint_parts
 from r3operator.wire.weights import full_tensor
-
-_QKV = re.compile(r"^(?P<prefix>.*)\.qkv_proj\.(?P<leaf>weight|bias)$")
-_GATE_UP = re.compile(r"^(?P<prefix>.*)\.gate_up_proj\.weight$")
-_W13 = re.compile(r"^(?P<experts>.*\.mlp\.experts)(?:\.[A-Za-z_]+)?\.w13_weight$")
-_W2 = re.compile(r"^(?P<experts>.*\.mlp\.experts)(?:\.[A-Za-z_]+)?\.w2_weight$")
-
-GATE_UP: tuple[str, str] = ("gate_proj", "up_proj")
-"""vLLM's row order inside `gate_up_proj` and `w13_weight` (its `stacked_params_mapping` shard ids 0, 1)."""
 
 
 class KernelLayoutError(ValueError):
@@ -95,25 +87,10 @@ def _numel_rows(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def _source_for(param: EngineParameter, trainer: Mapping[str, tuple[int, ...]], order: tuple[str, str]) -> Source:
-    name = param.name
-    if name in trainer:
-        return Source(param, "same", (name,))
-    if match := _QKV.match(name):
-        parts = tuple(f"{match['prefix']}.{p}.{match['leaf']}" for p in ("q_proj", "k_proj", "v_proj"))
-        return Source(param, "rows", parts)
-    if match := _GATE_UP.match(name):
-        return Source(param, "rows", tuple(f"{match['prefix']}.{p}.weight" for p in order))
-    for pattern, fused, per_expert in ((_W13, "gate_up_proj", order), (_W2, "down_proj", ("down_proj",))):
-        if match := pattern.match(name):
-            experts = match["experts"]
-            if f"{experts}.{fused}" in trainer:
-                kind = "fused_w13" if fused == "gate_up_proj" else "fused_w2"
-                return Source(param, kind, (f"{experts}.{fused}",), order=order)
-            count = param.shape[0] if param.shape else 0
-            parts = tuple(f"{experts}.{e}.{p}.weight" for e in range(count) for p in per_expert)
-            return Source(param, "experts_rows", parts, experts=count)
-    return Source(param, "same", (name,))
+def _source_for(param: EngineParameter, trainer: Container[str], order: tuple[str, str]) -> Source:
+    """`trainer`: the names of the trainer's tensors (only membership is asked)."""
+    kind, parts, experts = checkpoint_parts(param.name, param.shape, trainer, order)
+    return Source(param, kind, parts, experts=experts, order=order if kind == "fused_w13" else GATE_UP)
 
 
 def _built_shape(source: Source, trainer: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -234,6 +211,41 @@ def _rows_into(out: Any, parts: Sequence[Any]) -> None:
     for part in parts:
         out[row : row + part.shape[0]].copy_(part)
         row += part.shape[0]
+
+
+def parameter_pieces(source: Source, parts: Sequence[Any]) -> list[Any]:
+    """The trainer tensors (or views of them) whose concatenation, flat and in order, IS `source`'s engine parameter:
+    vLLM's fusions are all concatenations along rows (the module doc), so its pieces are the parts in the plan's order,
+    except a fused gate_up_proj wanted with its halves swapped, which is per expert its second half, then its first.
+
+    Written apart from `build_parameter`: the receipt fingerprints these pieces, where the trainer holds them, and
+    composes the parameter's fingerprint from theirs (`add_parameter_pieces`), so a builder that writes a piece
+    into the wrong place fails the receipt instead of fingerprinting its own mistake."""
+    if source.kind == "fused_w13" and source.order != GATE_UP:
+        fused = parts[0]
+        half = fused.shape[1] // 2
+        return [piece for expert in fused for piece in (expert[half:], expert[:half])]
+    return list(parts)
+
+
+def add_parameter_pieces(log: Any, source: Source, parts: Sequence[Any], *, later: bool = False) -> None:
+    """Fingerprint `source`'s engine parameter into `log` (wire/receipt.py `FingerprintLog`) from the trainer tensors
+    `parts` themselves: each piece (`parameter_pieces`) cast to the parameter's dtype, at its offset in words
+    (`add_part`). `later`: when the log is read (`add_part_later`), for tensors that stay as they are until then."""
+    import torch
+
+    dtype = getattr(torch, source.parameter.dtype)
+    words_per_element = dtype.itemsize // 2
+    if words_per_element < 1:
+        raise KernelLayoutError(
+            f"engine parameter {source.parameter.name} is {source.parameter.dtype}: the receipt places pieces by "
+            "16-bit words"
+        )
+    add = log.add_part_later if later else log.add_part
+    offset = 0
+    for piece in parameter_pieces(source, parts):
+        add(source.parameter.name, offset, piece, dtype=dtype)
+        offset += piece.numel() * words_per_element
 
 
 def kernel_tensors(

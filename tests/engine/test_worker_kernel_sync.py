@@ -105,7 +105,7 @@ def test_a_kernel_sync_is_received_copied_and_in_the_receipt() -> None:
     assert torch.equal(model.qkv.weight, sent[0][1]) and torch.equal(model.norm, sent[1][1])
     report = worker.r3_sync_receipt()
     compare_receipt(_fingerprints(sent), report, where="engine 0")  # every tensor, the same bytes, applied
-    assert report["checked"] == 2 and set(report["engine_seconds"]) == {"receipt", "load", "release"}
+    assert report["checked"] == 2 and set(report["engine_seconds"]) == {"receipt", "load", "release", "unchanged"}
     assert worker.r3_policy_tag() == "policy-1"
     assert "receive_weights" not in worker.weight_transfer_engine.__dict__  # untapped after the finish
 

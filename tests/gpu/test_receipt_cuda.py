@@ -34,3 +34,26 @@ def test_fingerprints_on_alternating_side_streams_are_the_written_out_definition
             if on_gpu.numel() * on_gpu.element_size() > log.bucket_bytes:  # a small one waits for its bucket
                 on_gpu.zero_()  # a big one's memory reused on its stream at once: its sums are already queued
     assert log.result() == expected
+
+
+def test_a_parameter_composed_from_cast_pieces_is_the_written_out_definition_of_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer's side of a kernel-layout receipt on CUDA (wire/kernel_layout.py `add_parameter_pieces`): fp32
+    pieces cast to bf16 as they are added, big and small, each rotated to its offset on the device, some at once on a
+    side stream, some when the log is read; the whole's fingerprint is the definition computed on the CPU."""
+    monkeypatch.setattr(receipt_module, "SLICE_BYTES", 2 * BLOCK * 2)
+    generator = torch.Generator().manual_seed(7)
+    pieces = [torch.randn(n, generator=generator) for n in (5 * 7, 3 * BLOCK + 17, BLOCK, 2 * 251, 9)]
+    whole = torch.cat([p.to(torch.bfloat16) for p in pieces])
+    log, offset, stream = FingerprintLog(bucket_bytes=4096), 0, torch.cuda.Stream()
+    for i, piece in enumerate(pieces):
+        on_gpu = piece.to("cuda")
+        if i % 2:
+            log.add_part_later("w13", offset, on_gpu, dtype=torch.bfloat16)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())  # the piece was copied to the GPU on the current stream
+            with torch.cuda.stream(stream):
+                log.add_part("w13", offset, on_gpu, dtype=torch.bfloat16)
+        offset += piece.numel()
+    assert log.result() == {"w13": _reference_fingerprint(whole)}

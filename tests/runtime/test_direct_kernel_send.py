@@ -105,6 +105,28 @@ class Engine(torch.nn.Module):
     def reported(self) -> list[list[Any]]:
         return [[self.NAMES[n], "bfloat16", list(p.shape)] for n, p in self.named_parameters()]
 
+    def vllm_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters under their vLLM names."""
+        return [(self.NAMES[short], param) for short, param in self.named_parameters()]
+
+    def load_checkpoint(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's `load_weights` of checkpoint tensors (experts unfused) into these parameters, written out: q, k, v
+        rows in turn; each expert's gate rows, then its up rows; each expert's down_proj."""
+        rows = {"q_proj": slice(0, 8), "k_proj": slice(8, 12), "v_proj": slice(12, 16)}
+        with torch.no_grad():
+            for name, tensor in named:
+                parts = name.split(".")
+                if name == "model.norm.weight":
+                    self.norm.copy_(tensor)
+                elif parts[3] == "self_attn":
+                    self.qkv[rows[parts[4]]] = tensor
+                elif parts[6] == "gate_proj":
+                    self.w13[int(parts[5]), :INTER] = tensor
+                elif parts[6] == "up_proj":
+                    self.w13[int(parts[5]), INTER:] = tensor
+                else:
+                    self.w2[int(parts[5])] = tensor
+
 
 def _trainer_state(seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
@@ -180,7 +202,7 @@ def test_every_parameter_arrives_in_place_as_vllm_fuses_it_and_the_receipt_match
     assert wire.sent == 4 + 1 and wire.committed is True  # one broadcast per parameter, then the commit flag
     receipt.finish(list(engine.named_parameters()))
     compare_receipt(sent.result(), receipt.report(), where="engine")
-    assert set(receipt.engine_seconds) == {"receipt", "load"}
+    assert set(receipt.engine_seconds) == {"receipt", "load", "unchanged"}
 
 
 def test_the_staging_buffers_are_kept_across_syncs_and_the_second_sync_sends_the_new_values() -> None:
@@ -381,6 +403,18 @@ def test_an_engine_that_cannot_open_its_bracket_still_meets_every_broadcast() ->
     assert worker.calls == [] and not worker.engine.w13.data.ne(7.0).any()  # nothing received into the model
 
 
+def _plans_trusted(monkeypatch: pytest.MonkeyPatch, sender: Any) -> None:
+    """Each new kernel plan's reference (a checkpoint-layout sync through vLLM's packed NCCL sender, CUDA only, then
+    the engines' parameters against the plan: tests/engine/test_kernel_reference.py) taken as passed: the plan is
+    made, then the sync goes on in the kernel layout."""
+
+    def passed(policy_tag: str) -> Any:
+        sender.checked_plan = sender.kernel_plan()
+        return sender._send(policy_tag)
+
+    monkeypatch.setattr(sender, "_reference_sync", passed)
+
+
 def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed build is met broadcast for broadcast (zeros, flag 0): the engines' errors are theirs to answer, the
     trainer's is the one raised, and no new rendezvous is needed."""
@@ -407,6 +441,7 @@ def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatc
         TransferMethod.NCCL, client, lambda: current["state"], dtype=torch.bfloat16, buffer_size_bytes=1
     )
     sender.device, sender._group = "cpu", wire.sender()
+    _plans_trusted(monkeypatch, sender)
     group = sender._group
     sender.send("run:1")
     assert worker.r3_policy_tag() == "run:1"
@@ -454,6 +489,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
     )
     sender.device = "cpu"
     monkeypatch.setattr(sender, "_static_nccl_init", wire.sender)  # the rendezvous: a new plan is made after it
+    _plans_trusted(monkeypatch, sender)
     sender.send("run:1")
     assert worker.r3_policy_tag() == "run:1" and wire.bytes.empty()
     assert torch.equal(worker.engine.w13.data, _expected(state)["w13"])

@@ -237,12 +237,14 @@ def test_the_sender_writes_every_engine_in_place_and_falls_back_to_the_staging_b
     current: dict[str, Any] = {"state": _trainer_state(7)}
     a, b = _MappedEndpoint("a"), _MappedEndpoint("b")
     sender = _staged_sender(monkeypatch, lambda: current["state"], a, b)
+    sender.send("run:0")  # the plan's reference, in the checkpoint layout
+    current["state"] = _trainer_state(6)
     sender.send("run:1")
     current["state"] = _trainer_state(8)
     sender.send("run:2")
     assert sender.ipc_path == "mapped" and sender.mapping_refused is None
     for endpoint in (a, b):
-        assert endpoint.calls == ["map", "mapped sync", "mapped sync"] and endpoint.tag == "run:2"
+        assert endpoint.calls == ["checkpoint", "map", "mapped sync", "mapped sync"] and endpoint.tag == "run:2"
         assert endpoint.worker.calls == ["begin kernel", "finish"] * 2
         compare_receipt(sender.sent.result(), endpoint.receipt.report(), where=endpoint.name)
         for name, want in _expected(current["state"]).items():
@@ -251,9 +253,10 @@ def test_the_sender_writes_every_engine_in_place_and_falls_back_to_the_staging_b
 
     refusing = _MappedEndpoint("c", refuse=True)
     sender = _staged_sender(monkeypatch, lambda: _trainer_state(9), refusing)
+    sender.send("run:0")
     sender.send("run:1")
     sender.send("run:2")
     assert sender.ipc_path == "staged" and "VMM allocator" in (sender.mapping_refused or "")
-    assert refusing.calls == ["map", "attach", "sync", "sync"] and refusing.tag == "run:2"
+    assert refusing.calls == ["checkpoint", "map", "attach", "sync", "sync"] and refusing.tag == "run:2"
     assert torch.equal(refusing.engine.w13.data, _expected(_trainer_state(9))["w13"])
     sender.close()

@@ -71,7 +71,7 @@ def test_an_engine_process_maps_the_buffer_and_holds_every_parameter_as_vllm_fus
         words, shape = held[name]
         assert torch.equal(torch.frombuffer(bytearray(words), dtype=torch.int16).view(shape), want.view(torch.int16))
     compare_receipt(sent.result(), report, where="engine process")
-    assert set(report["engine_seconds"]) == {"receipt", "load"}
+    assert set(report["engine_seconds"]) == {"receipt", "load", "unchanged"}
     sender.close()
 
 
@@ -143,6 +143,26 @@ class _StagedEndpoint:
     def native_parameters(self) -> dict[str, Any]:
         return {"parameters": self.engine.reported(), "refused": None}
 
+    # A checkpoint-layout bracket (the kernel layout's reference sync): vLLM's start, its receiver handing each batch
+    # to the (tapped) `load_weights`, its finish, as the worker extension records them.
+    def native_start(self, layout: str = "checkpoint") -> None:
+        assert layout == "checkpoint"
+        self.calls.append("checkpoint")
+        self.receipt.begin(self.engine.vllm_named())
+
+    def load_checkpoint(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self.receipt.record(batch)
+        self.engine.load_checkpoint(batch)
+
+    def native_finish(self, policy_tag: str | None) -> None:
+        self.receipt.finish(self.engine.vllm_named())
+        self.tag = policy_tag
+
+    def native_parameter_fingerprints(self) -> list[dict[str, tuple[int, int, int]]]:
+        log = FingerprintLog()
+        log.add_many(self.engine.vllm_named())
+        return [log.result()]
+
     def native_staged_attach(self, share: dict[str, Any]) -> None:
         self.calls.append("attach")
         self._mapped = _attach(self.engine, share)
@@ -172,6 +192,15 @@ def _staged_sender(monkeypatch: pytest.MonkeyPatch, state: Any, *endpoints: _Sta
         TransferMethod.IPC, client, lambda: state(), dtype=torch.bfloat16, buffer_size_bytes=1
     )
     sender.device = "cpu"
+
+    def bracketed_send(meta: Any) -> None:  # vLLM's packed IPC in the checkpoint layout: CUDA only, stood in for
+        client.start_weight_update()
+        batch = list(sender.tensors())
+        for endpoint in endpoints:
+            endpoint.load_checkpoint(batch)
+        client.finish_weight_update()
+
+    monkeypatch.setattr(sender, "_bracketed_send", bracketed_send)
     return sender
 
 
@@ -188,9 +217,15 @@ def test_every_engine_takes_each_sync_in_one_call_and_a_failed_build_asks_none(m
     current: dict[str, Any] = {"state": _trainer_state(7)}
     a, b = _StagedEndpoint("a"), _StagedEndpoint("b")
     sender = _staged_sender(monkeypatch, lambda: current["state"], a, b)
+    sender.send("run:0")  # the plan's first sync: the checkpoint layout, vLLM's load the reference of the kernel one
+    assert sender.kernel_refused is None and sender.reference_seconds is not None
+    for endpoint in (a, b):
+        assert endpoint.calls == ["checkpoint"] and endpoint.tag == "run:0"
+        compare_receipt(sender.sent.result(), endpoint.receipt.report(), where=endpoint.name)
+    current["state"] = _trainer_state(6)
     sender.send("run:1")
     for endpoint in (a, b):
-        assert endpoint.calls == ["attach", "sync"] and endpoint.tag == "run:1"
+        assert endpoint.calls == ["checkpoint", "attach", "sync"] and endpoint.tag == "run:1"
         compare_receipt(sender.sent.result(), endpoint.receipt.report(), where=endpoint.name)
         for name, want in _expected(current["state"]).items():
             assert torch.equal(getattr(endpoint.engine, name).data, want), name
@@ -199,7 +234,7 @@ def test_every_engine_takes_each_sync_in_one_call_and_a_failed_build_asks_none(m
     current["state"] = _Unreadable(_trainer_state(8))
     with pytest.raises(RuntimeError, match=r"experts\.gate_up_proj is gone"):
         sender.send("run:2")
-    assert a.calls == ["attach", "sync"] and a.tag == "run:1"  # never asked: the whole previous policy, tagged
+    assert a.calls[1:] == ["attach", "sync"] and a.tag == "run:1"  # never asked: the whole previous policy, tagged
     assert all(torch.equal(p, held[n]) for n, p in a.engine.named_parameters())
 
     b.restarted()  # a new engine process maps nothing: its sync fails, and the next one attaches again
@@ -233,10 +268,11 @@ def test_a_buffer_an_engine_cannot_map_sends_this_sync_and_the_next_through_vllm
 
     a.native_staged_attach = refuse  # type: ignore[method-assign]
     sender = _staged_sender(monkeypatch, lambda: _trainer_state(10), a)
+    sender.send("run:0")  # the reference, in the checkpoint layout
     bracketed: list[str] = []
     monkeypatch.setattr(sender, "_bracketed_send", lambda meta: bracketed.append("vllm packed ipc"))
     sender.send("run:1")
     sender.send("run:2")
-    assert bracketed == ["vllm packed ipc"] * 2 and a.calls == ["attach"]
+    assert bracketed == ["vllm packed ipc"] * 2 and a.calls == ["checkpoint", "attach"]
     assert sender.staging_refused is not None and "GPU-2" in sender.staging_refused
     assert sender._staged is None

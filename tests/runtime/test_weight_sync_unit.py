@@ -491,6 +491,8 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     from r3operator.weightsync.sync import NativeInstall
 
     class Sender:  # vLLM's sender needs CUDA; what it sends does not matter here
+        kernel_refused = checked_plan = reference_seconds = None
+
         def send(self, tag: str) -> Any:
             for endpoint in engines:
                 endpoint.tag = tag
@@ -517,6 +519,53 @@ def test_the_pre_sync_abort_runs_only_where_a_bracket_can_be_open(monkeypatch: p
     monkeypatch.setenv("R3OPERATOR_SYNC_PRE_ABORT", "always")
     install(engines, "run:4")  # type: ignore[arg-type]
     assert aborts() == 6
+
+
+def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused kernel layout is not tried again by the next sender (its first sync would be a checkpoint-layout
+    reference anyway): later rendezvous open checkpoint brackets, and the report says why. A confirmed plan is handed
+    to the next sender, whose first sync then needs no second reference."""
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.weightsync.sync import NativeInstall
+
+    made: list[dict[str, Any]] = []
+
+    class Sender:  # what each rendezvous makes (vLLM's sender needs CUDA)
+        reference_seconds = 1.5
+        ipc_path = mapping_refused = staging_refused = None
+
+        def __init__(self, method: Any, client: Any, *args: Any, **kwargs: Any) -> None:
+            self.client, self.kernel_refused, self.checked_plan = client, None, None
+            made.append({"layout": client.layout})
+
+        def send(self, tag: str) -> Any:
+            made[-1]["given"] = self.checked_plan
+            for endpoint in engines:
+                endpoint.tag = tag
+            if tag == "run:1":
+                self.checked_plan = ["the confirmed plan"]
+            if tag == "run:3":
+                self.kernel_refused = "on engine a, 1 of 2 parameter(s) built by the kernel builder differ: w13"
+            return type("Stats", (), {"tensors": 1, "bytes": 2})()
+
+        def close(self) -> None:
+            return None
+
+    engines = [_TaggedEndpoint("a")]
+    install = NativeInstall(
+        TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1, layout=WeightSyncLayout.KERNEL
+    )
+    monkeypatch.setattr("r3operator.weightsync.sync.NativeSender", Sender)
+    install(engines, "run:1")  # type: ignore[arg-type]
+    engines[0].tag = None  # restarted: a new rendezvous
+    install(engines, "run:2")  # type: ignore[arg-type]
+    assert made[1] == {"layout": WeightSyncLayout.KERNEL, "given": ["the confirmed plan"]}
+    engines[0].tag = None
+    install(engines, "run:3")  # type: ignore[arg-type]
+    assert install.kernel_refused and "w13" in (install.described() or "")
+    engines[0].tag = None
+    install(engines, "run:4")  # type: ignore[arg-type]
+    assert made[3]["layout"] is WeightSyncLayout.CHECKPOINT and install.reference_seconds == 1.5
 
 
 def test_a_kernel_ipc_sync_is_staged_only_while_its_buffer_takes_at_most_half_the_free_memory() -> None:
