@@ -38,7 +38,7 @@ MODES = ("Disabled", "R2", "R3")
 PARTS = ("data", "warm", "runs", "summary")
 WARM_HERE = "warm-in-this-process"  # what the `warm` part runs in a child process
 REWARD_FUNCTION = "r3operator.tasks.arith_chain:score"
-EXTREME_RATIO = 2.0  # trainer/metrics.EXTREME_RATIO_TAU: a ratio outside [1/2, 2]
+EVAL_COLUMN = "eval_reward_mean"  # eval.csv's (runtime/evaluation.py)
 
 
 @dataclass(frozen=True)
@@ -389,7 +389,7 @@ def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int) -> dict[str,
     step_seconds = [_float(r, "step_seconds") for r in rows]
     trained = [_float(r, "tokens") + _float(r, "prompt_tokens") for r in rows]
     per_s = [t / s for t, s in zip(trained, step_seconds, strict=True) if s > 0 and math.isfinite(t)]
-    eval_rewards = [_float(e, "eval_reward") for e in evals]
+    eval_rewards = [_float(e, EVAL_COLUMN) for e in evals]
     phases = sorted({k for r in rows for k in r if k.startswith("t_") and r[k] != ""})
     summary: dict[str, Any] = {
         "steps": len(rows),
@@ -519,7 +519,7 @@ def _finite_json(value: Any) -> Any:
 
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward (train mean) and held-out reward", ("reward_mean", "eval_reward")),
+    ("reward (train mean) and held-out reward", ("reward_mean", EVAL_COLUMN)),
     ("k3 KL(rollout || trainer) per token", ("kl_k3",)),
     ("extreme tokens (ratio outside [1/2, 2])", ("extreme_token_fraction",)),
     ("grad norm (before clipping at 1.0)", ("grad_norm",)),
@@ -548,10 +548,10 @@ def draw_plots(plan: Plan, out: Path) -> list[Path]:
                 rows, evals = data[mode]
                 color = COLORS.get(mode)
                 for column in columns:
-                    source = evals if column == "eval_reward" else rows
+                    held = column == EVAL_COLUMN
+                    source = evals if held else rows
                     steps = [int(_float(r, "step")) for r in source]
                     values = [_float(r, column) for r in source]
-                    held = column == "eval_reward"
                     ax.plot(
                         steps,
                         values,
@@ -565,7 +565,8 @@ def draw_plots(plan: Plan, out: Path) -> list[Path]:
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             if panel.startswith(("k3", "extreme")):
-                ax.set_yscale("symlog", linthresh=1e-6)
+                ax.set_yscale("symlog", linthresh=1e-5)  # zero stays on the axis, a log scale above it
+                ax.set_ylim(bottom=0)
             ax.legend(fontsize=8)
         fig.suptitle(
             f"GRPO on arith-chain, {plan.model} model, {plan.prompts}×{plan.group} samples, "

@@ -139,11 +139,13 @@ FAIL_JOBS_NAMESPACE
 
 # -- StepRecord's fields (runtime/step_record.py): metrics.csv's columns, read by column name (getattr).
 current_version_tokens
+entropy_mean
 env_tokens
 logprob_abs_diff_by_lag
 logprob_abs_diff_mean_resumed
 logprob_abs_diff_mean_stale
 partial_rollouts
+prompt_tokens
 reward_std
 routing_natural_agreement
 samples_dropped
