@@ -37,6 +37,7 @@ from typing import Any
 MODES = ("Disabled", "R2", "R3")
 PARTS = ("data", "warm", "runs", "summary")
 WARM_HERE = "warm-in-this-process"  # what the `warm` part runs in a child process
+STAGGER_S = 15.0  # between the side-by-side runs' starts: their engines load and capture CUDA graphs apart
 REWARD_FUNCTION = "r3operator.tasks.arith_chain:score"
 EVAL_COLUMN = "eval_reward_mean"  # eval.csv's (runtime/evaluation.py)
 
@@ -53,18 +54,21 @@ class Plan:
     max_tokens: int = 512
     max_prompt_tokens: int = 256
     mini_batches: int = 4
-    learning_rate: float = 1e-5
-    micro_batch_tokens: int | None = 32768
-    gpu_memory_utilization: float = 0.12
+    learning_rate: float = 2e-5
+    micro_batch_tokens: int | None = 16384
+    gpu_memory_utilization: float = 0.08
+    kv_cache_gib: int = 4
+    """A fixed KV cache per engine (`--kv-cache-memory-bytes`): engines that start beside other runs' processes
+    size their cache without profiling the free memory those processes are taking at the same time."""
     eval_prompts: int = 256
     eval_interval: int = 10
     min_terms: int = 2
     max_terms: int = 32
     train_rows: int = 20_000
-    warm_learning_rate: float = 1e-4
-    warm_batch: int = 64
-    warm_check: int = 50
-    warm_max_steps: int = 3000
+    warm_learning_rate: float = 2e-4
+    warm_batch: int = 128
+    warm_check: int = 100
+    warm_max_steps: int = 1200
     warm_target: float = 0.2
     modes: tuple[str, ...] = MODES
     seed: int = 0
@@ -95,7 +99,9 @@ def job_document(plan: Plan, *, mode: str, model_dir: Path, data: Path, name: st
     if plan.micro_batch_tokens is not None:
         fsdp["microBatchTokens"] = plan.micro_batch_tokens
     engine_args = ["--max-num-seqs", str(plan.prompts * plan.group), *plan.extra_engine_args]
-    if not plan.device.startswith("cuda"):
+    if plan.device.startswith("cuda"):
+        engine_args += ["--kv-cache-memory-bytes", str(plan.kv_cache_gib << 30)]
+    else:
         engine_args += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "1G"]
     return {
         "apiVersion": "r3operator.io/v1alpha1",
@@ -331,7 +337,9 @@ def run_modes(plan: Plan, out: Path) -> dict[str, int]:
         print(f"== {mode}: {' '.join(command)}", flush=True)
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         running.append((mode, process, log))
-        if not plan.concurrent:
+        if plan.concurrent:
+            time.sleep(STAGGER_S)
+        else:
             codes[mode] = process.wait()
             log.close()
             running.clear()
