@@ -73,7 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     settings.engine_dtype = "bfloat16"
     settings.weight_transfer = TransferChoice(TransferMethod.IPC, "tests/gpu/test_receipt_build_errors.py")
     port = _free_port()
-    cmd = engine_command(model_dir, port=port, backend="ipc", dtype="bfloat16", gpu_memory_utilization=0.35)
+    cmd = engine_command(model_dir, port=port, backend="ipc", dtype="bfloat16", gpu_memory_utilization=0.15)
     with (tmp / "engine.log").open("wb") as log:
         server = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(None), start_new_session=True
