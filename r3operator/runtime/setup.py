@@ -10,6 +10,7 @@ calls this first.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,10 @@ from r3operator.trainer.base import Trainer
 from r3operator.trainer.factory import build_trainer, world_size
 from r3operator.weightsync import sync as weight_sync
 from r3operator.weightsync.canary import CanaryTolerance, canary_tolerance
+
+log = logging.getLogger("r3operator.runtime")
+LOCAL_MAX_MODEL_LEN = 512
+"""The in-process engines' context when `spec.inference.maxModelLen` is unset: small, for a CPU's KV cache."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,13 @@ def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
     inference = settings.job.spec.inference
     # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
     share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
+    if inference.extra_args:
+        log.warning(
+            "spec.inference.extraArgs %s are the engine pods' `vllm serve` flags (`r3operator up` and a cluster apply "
+            "them); this run's in-process engines do not: they run with the dtype, KV cache and batch sizes "
+            '`r3operator run` chooses (docs/runtime.md, "Engines of a local run")',
+            " ".join(inference.extra_args),
+        )
     return EngineGroup(
         [
             RayEngine(
@@ -123,7 +135,7 @@ def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
                 device=settings.device,
                 dtype=settings.engine_dtype,
                 seed=settings.job.spec.seed,
-                max_model_len=512,
+                max_model_len=inference.max_model_len or LOCAL_MAX_MODEL_LEN,
                 weight_transfer_backend=backend,
                 gpu_memory_utilization=share,
             )

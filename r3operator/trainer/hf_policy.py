@@ -308,15 +308,25 @@ class PolicyTrainer(UpdateByShares):
         ids, attn, mask = sft_tensors(prompts, answers, pad_id=self.pad_id)
         ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
         tokens = int(mask.sum())
+        lengths = [int(n) for n in attn.sum(dim=1).tolist()]
+        groups = micro_batches(lengths, budget=self.micro_batch_tokens)
+        shares = micro_weights([int(n) for n in mask.sum(dim=1).tolist()], groups)
+        extra = self._agreed_micro_batches(len(groups)) - len(groups)
+        groups, shares = groups + [groups[-1]] * extra, shares + [0.0] * extra  # forwards that add nothing
+        weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        with self._compute():
-            lp = token_logprobs(self.model, ids, attn)
-        loss = -(lp * mask).sum() / mask.sum()
-        weight = 0.0 if padding else 1.0 if total_tokens is None else tokens / max(total_tokens, 1) * world
-        (loss if weight == 1.0 else loss * weight).backward()
+        value = 0.0
+        for group, share in zip(groups, shares, strict=True):
+            rows = torch.as_tensor(group, dtype=torch.int64, device=ids.device)
+            width = max(max(lengths[i] for i in group), 2)  # right padding: the columns after it are pad
+            part_ids, part_attn, part_mask = ids[rows, :width], attn[rows, :width], mask[rows, : width - 1]
+            with self._compute():
+                lp = token_logprobs(self.model, part_ids, part_attn)
+            loss = -(lp * part_mask).sum() / part_mask.sum().clamp(min=1)  # this micro-batch's token-mean
+            (loss * (weight * share)).backward()
+            value += float(loss.detach()) * share  # the step's token-mean, as one forward would report it
         norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM))
-        value = float(loss.detach())
         step_or_skip(self.optimizer, value, norm, what="SFT warm-up")
         self.model.eval()
         return value, 0 if padding else tokens

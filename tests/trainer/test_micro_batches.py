@@ -87,3 +87,20 @@ def test_the_entropy_is_the_distributions_own(tiny_moe_dir: Path) -> None:
     expected = -(p * p.log()).sum(-1)
     mask = batch.response_mask
     assert torch.allclose(old.entropy[mask].double(), expected[mask], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_supervised_step_in_micro_batches_is_the_one_forward_step(tiny_moe_dir: Path) -> None:
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    answers = [[20, 21, 22, 23, 2], [24, 2], [25, 26, 2]]
+    results = []
+    for budget in (None, 8):  # rows of 5 to 7 tokens: one or two rows per micro-batch
+        trainer = _trainer(tiny_moe_dir, budget)
+        loss = trainer.sft_step(prompts, answers)
+        grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss, grads))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert torch.allclose(grads[name], ref, rtol=1e-4, atol=1e-7), name
