@@ -62,6 +62,30 @@ def _np(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
+def constant_layer_suspects(engine: Any, natural: Any, replayed: Any, moe_layers: Sequence[int]) -> list[int]:
+    """The batch rows that may break `constant-layer` (routing/checks.py `check_constant_layers`, which decides),
+    found where the tensors are: engine and natural ids [B, S, L, K], `replayed` [B, S]. On a GPU the step's routes
+    (hundreds of MB at 64 × 8 samples of 600 tokens) then stay there; only a suspect's cross to the host."""
+    import torch
+
+    if not moe_layers:
+        return []
+    layers = torch.as_tensor(list(moe_layers), dtype=torch.int64, device=engine.device)
+    rows = replayed.to(torch.bool)
+    first = rows.to(torch.int64).argmax(dim=1)  # each sample's first replayed row (0 when none: masked below)
+    batch = torch.arange(rows.shape[0], device=rows.device)
+
+    def one_set(ids: Any) -> Any:
+        """[B, L_moe]: every replayed row of the sample holds the same expert set on that layer."""
+        sets = ids.index_select(2, layers).sort(dim=-1).values
+        same = (sets == sets[batch, first][:, None]).all(dim=-1) | ~rows[:, :, None]
+        return same.all(dim=1)
+
+    enough = rows.sum(dim=1) >= 2
+    suspect = (one_set(engine) & ~one_set(natural.to(engine.device)) & enough[:, None]).any(dim=1)
+    return [int(i) for i in suspect.nonzero().flatten().tolist()]
+
+
 def select_old(old: OldPass, rows: Sequence[int]) -> OldPass:
     """The old pass of the batch rows `rows` (what `TrainBatch.select` does to its batch)."""
     import torch
@@ -76,6 +100,7 @@ def select_old(old: OldPass, rows: Sequence[int]) -> OldPass:
         used_ids=pick(old.used_ids),
         replay_ids=pick(old.replay_ids),
         replay_pad=pick(old.replay_pad),
+        entropy=pick(old.entropy),
     )
 
 
@@ -164,10 +189,19 @@ class RouteChecks:
             self.failed(hooks)
         if batch.engine_routes is None or batch.route_pad is None:
             return list(range(batch.size))
-        replayed = ~_np(batch.route_pad).astype(bool)
-        failures = checks.check_constant_layers(
-            batch.sample_ids, _np(batch.engine_routes), _np(old.natural_ids), replayed, self.model.moe_layers
-        )
+        replayed = ~batch.route_pad
+        suspects = constant_layer_suspects(batch.engine_routes, old.natural_ids, replayed, self.model.moe_layers)
+        failures = []
+        if suspects:  # only their routes cross to the host, for the rule and its message
+            ids = [batch.sample_ids[i] for i in suspects]
+            sel = np.asarray(suspects)
+            failures = checks.check_constant_layers(
+                ids,
+                _np(batch.engine_routes)[sel],
+                _np(old.natural_ids)[sel],
+                ~_np(batch.route_pad).astype(bool)[sel],
+                self.model.moe_layers,
+            )
         bad = {batch.sample_ids.index(str(f.sample_id)): f for f in failures}
         for row in sorted(bad):
             self.failed(bad[row])

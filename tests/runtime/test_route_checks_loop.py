@@ -116,3 +116,34 @@ def test_a_healthy_step_replays_every_row_and_times_its_checks(tmp_path: Path) -
     # What the driver pushes into status.progress after the step, where the operator reads ReplayHealthy from.
     body = progress_patch(row, total_steps=1, last_checkpoint_step=None)["status"]["progress"]
     assert body["replayedFraction"] == 1.0 and body["fallbackFraction"] == 0.0 and body["routeCheckFailures"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_device_screen_flags_every_row_the_constant_layer_rule_fails(seed: int) -> None:
+    """`constant_layer_suspects` (torch, where the routes are) against routing/checks.py's numpy rule, on random
+    routes with constant engine layers planted in some rows (and in rows whose trainer routing is constant too,
+    which the rule lets pass): the screen must miss no failing row, and here it flags no other."""
+    import numpy as np
+    import torch
+
+    from r3operator.routing.checks import check_constant_layers
+    from r3operator.runtime.route_checks import constant_layer_suspects
+
+    rng = np.random.default_rng(seed)
+    b, s, layers, k, experts = 12, 9, 4, 2, 8
+    engine = rng.integers(0, experts, size=(b, s, layers, k))
+    natural = rng.integers(0, experts, size=(b, s, layers, k))
+    replayed = rng.random((b, s)) < 0.8
+    replayed[0] = False  # nothing replayed
+    replayed[1, 1:] = False  # one row: never constant by the rule
+    for row in (2, 5, 7):
+        engine[row, :, 1] = [3, 6]  # a planted constant capture
+    engine[9, :, 2] = [1, 4]
+    natural[9, :, 2] = [4, 1]  # the trainer's routing is that one set too: not a failure
+    moe = (0, 1, 2)  # layer 3 dense: never checked
+    engine[10, :, 3] = [2, 5]
+    ids = [f"s{i}" for i in range(b)]
+    expected = {int(f.sample_id[1:]) for f in check_constant_layers(ids, engine, natural, replayed, moe)}
+    got = constant_layer_suspects(torch.as_tensor(engine), torch.as_tensor(natural), torch.as_tensor(replayed), moe)
+    assert set(got) == expected
+    assert expected >= {2, 5, 7} and not expected & {0, 1, 9, 10}
