@@ -21,17 +21,20 @@ def generate(
     seed: Annotated[int, typer.Option(min=0)] = 0,
 ) -> None:
     """Write a task's train and held-out eval splits (the same bytes for the same options, everywhere)."""
-    from r3operator.tasks import arith_chain
+    from r3operator.runtime.task_files import generate as write
 
-    if name != arith_chain.NAME:
-        typer.echo(f"error: unknown task {name!r}; choose {arith_chain.NAME}", err=True)
-        raise typer.Exit(code=2)
     try:
-        spec = arith_chain.ChainSpec(
-            max_terms=max_terms, max_value=max_value, train_rows=train_rows, eval_rows=eval_rows, seed=seed
+        paths = write(
+            name,
+            directory,
+            max_terms=max_terms,
+            max_value=max_value,
+            train_rows=train_rows,
+            eval_rows=eval_rows,
+            seed=seed,
         )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
-    for split, path in arith_chain.write_splits(directory, spec).items():
+    for split, path in paths.items():
         typer.echo(f"{split}: {path}")

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.stitch import TrajectoryRoutes
 from r3operator.tasks.envs import Environment
-from r3operator.trainer.metrics import routing_agreement
 from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")

@@ -44,6 +44,7 @@ from r3operator.api.weight_transfer import TransferChoice, TransferMethod
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
 from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_out_conversations
+from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.checks import RouteCheckFailure
 from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.store import RoutingStore
@@ -66,7 +67,6 @@ from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch, build_batch
 from r3operator.trainer.distributed import DistributedTrainer
 from r3operator.trainer.grpo.advantages import group_advantages
-from r3operator.trainer.metrics import routing_agreement
 from r3operator.weightsync import sync as weight_sync
 from r3operator.weightsync.canary import (
     CanaryMismatchError,

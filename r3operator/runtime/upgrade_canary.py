@@ -36,6 +36,7 @@ from r3operator.api.canary_verdict import TERMINATION_LOG, termination_message
 from r3operator.api.enums import ReplayMode
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary, UpgradePolicySpec
 from r3operator.rollout.client import OpenAIHTTPClient
+from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
 from r3operator.runtime import checkpoint as ckpt
@@ -43,7 +44,7 @@ from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.trainer.base import Trainer
 from r3operator.trainer.batch import build_batch
 from r3operator.trainer.factory import build_trainer
-from r3operator.trainer.metrics import logprob_stats, routing_agreement
+from r3operator.trainer.metrics import logprob_stats
 from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3operator.routing.codec import RoutedExperts, decode
+from r3operator.routing.codec import RoutedExperts
+from r3operator.routing.placement import place_routes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -100,31 +101,6 @@ def scoring_temperature(rollout_temperature: float) -> float:
     if rollout_temperature < 0:
         raise ValueError(f"rollout.temperature must be >= 0, got {rollout_temperature}")
     return rollout_temperature if rollout_temperature >= GREEDY_BELOW else 1.0
-
-
-def place_routes(
-    routes: Sequence[RoutedExperts], *, lengths: Sequence[int], width: int, sample_ids: Sequence[str]
-) -> tuple[np.ndarray, np.ndarray]:
-    """([B, width, L, K] int64 ids, [B, width] bool no-route mask): row r of sample i at column start + r.
-
-    Rows outside a sample's captured span stay zero and masked; "no route" is said by the mask only.
-    """
-    arrays = [decode(r, validate=False) for r in routes]
-    shapes = {a.shape[1:] for a in arrays}
-    if len(shapes) != 1:
-        raise ValueError(f"build_batch: samples' routes differ in (layers, top_k): {sorted(shapes)}")
-    num_layers, top_k = shapes.pop()
-    ids = np.zeros((len(arrays), width, num_layers, top_k), dtype=np.int64)
-    no_route = np.ones((len(arrays), width), dtype=bool)
-    for i, (r, rows, length) in enumerate(zip(routes, arrays, lengths, strict=True)):
-        if r.end > length:
-            raise ValueError(
-                f"build_batch: routes of sample {sample_ids[i]!r} cover positions [{r.start}, {r.end}) "
-                f"but the sample has {length} tokens"
-            )
-        ids[i, r.start : r.end] = rows
-        no_route[i, r.start : r.end] = False
-    return ids, no_route
 
 
 def build_batch(

@@ -11,14 +11,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from r3operator.routing.agreement import RoutingAgreement, as_array, routing_agreement
+
 EXTREME_RATIO_TAU = 2.0
 
 
-def _np(x: Any, dtype: Any = None) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch tensor, duck-typed so torch stays optional here
-        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    return arr.astype(dtype, copy=False) if dtype is not None else arr
+_np = as_array
+__all__ = ["EXTREME_RATIO_TAU", "RoutingAgreement", "logprob_stats", "routing_agreement"]
 
 
 @dataclass(frozen=True)
@@ -62,52 +61,6 @@ def logprob_stats(
         abs_diff_min=float(absd.min()),
         kl_k3=float(k3.mean()),
         extreme_token_fraction=float((absd > np.log(tau)).mean()),
-    )
-
-
-@dataclass(frozen=True)
-class RoutingAgreement:
-    token_layers: int
-    agreement_ratio: float  # routed token-layers whose top-k id SETS are equal
-    tokens_any_diff_ratio: float  # tokens with >= 1 routed layer that differs
-    per_layer: tuple[float, ...]  # agreement per absolute layer; nan for a dense layer or no tokens
-
-
-def _sorted_ids(x: Any) -> np.ndarray:
-    arr = _np(x)
-    return np.sort(arr.astype(np.int64, copy=False), axis=-1)
-
-
-def routing_agreement(trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:
-    """Compare two [..., L, K] id arrays as sets per (token, layer); `mask` [...] selects tokens.
-
-    A layer whose engine rows are all zero over the selected tokens is dense (vLLM reports dense layers
-    that way): it has no routing to agree on, so it gets nan and stays out of the ratios, which would
-    otherwise read 1.0 there whatever the routes.
-    """
-    a, b = _sorted_ids(trainer_ids), _sorted_ids(engine_ids)
-    if a.shape != b.shape or a.ndim < 2:
-        raise ValueError(f"routing arrays must share shape [..., L, K]; got {a.shape} and {b.shape}")
-    num_layers = a.shape[-2]
-    equal = (a == b).all(axis=-1).reshape(-1, num_layers)  # [tokens, L]
-    routed_rows = b.any(axis=-1).reshape(-1, num_layers)
-    if mask is not None:
-        sel = _np(mask).astype(bool).reshape(-1)
-        if sel.shape[0] != equal.shape[0]:
-            raise ValueError(f"mask selects over {sel.shape[0]} tokens, routes have {equal.shape[0]}")
-        equal, routed_rows = equal[sel], routed_rows[sel]
-    routed = routed_rows.any(axis=0)  # [L]: MoE layers
-    if equal.shape[0] == 0 or not routed.any():
-        nan = float("nan")
-        return RoutingAgreement(0, nan, nan, tuple([nan] * num_layers))
-    moe = equal[:, routed]
-    per_layer = np.full(num_layers, np.nan)
-    per_layer[routed] = moe.mean(axis=0)
-    return RoutingAgreement(
-        token_layers=int(moe.size),
-        agreement_ratio=float(moe.mean()),
-        tokens_any_diff_ratio=float((~moe).any(axis=1).mean()),
-        per_layer=tuple(float(v) for v in per_layer),
     )
 
 

@@ -211,8 +211,8 @@ def canary_forwards(
     the trainer's compute precision (bf16 autocast), the precision of a bf16 engine."""
     import torch
 
-    from r3operator.trainer.batch import place_routes
-    from r3operator.trainer.metrics import routing_agreement
+    from r3operator.routing.agreement import routing_agreement
+    from r3operator.routing.placement import place_routes
 
     logits: dict[tuple[int, ...], Any] = {}
     natural, engine, masks = [], [], []

@@ -101,6 +101,9 @@ def test_engine_statefulset_runs_vllm_with_spec_args_gpus_probes_and_routing_vol
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-return-routed-experts",
+        # R3 before vLLM 0.30: the Triton fused MoE, whose routing the capture sees (docs/rules.md, R3-MOE-BACKEND)
+        "--moe-backend",
+        "triton",
         # vLLM 0.22.1 (the image tag) has the native NCCL transfer; engines and trainer hold separate GPUs
         "--weight-transfer-config",
         '{"backend":"nccl"}',

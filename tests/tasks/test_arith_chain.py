@@ -102,3 +102,17 @@ def test_every_word_is_in_the_reference_tokenizer(tmp_path: Path) -> None:
 def test_a_split_larger_than_its_problems_is_refused() -> None:
     with pytest.raises(ValueError, match="raise max_terms"):
         ChainSpec(min_terms=2, max_terms=2, train_rows=100, eval_rows=10)
+
+
+def test_the_cli_writes_both_splits_and_refuses_an_unknown_task(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from r3operator.cli.main import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["tasks", "generate", "arith-chain", str(tmp_path), "--train-rows", "50"])
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 50
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 512
+    refused = runner.invoke(app, ["tasks", "generate", "sort", str(tmp_path)])
+    assert refused.exit_code == 2 and "unknown task 'sort'" in refused.output
