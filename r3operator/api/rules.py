@@ -849,8 +849,13 @@ RULES: tuple[Rule, ...] = (
             "inference.enableExpertParallel",
             "inference.extraArgs",
         ),
-        "the kernel sync layout needs vLLM 0.22.x, whole unquantized parameters on each engine rank",
-        ("r3operator: wire/kernel_layout.py", "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)"),
+        "an explicit kernel sync layout needs vLLM 0.22.x or >= 0.30, whole unquantized parameters on each engine "
+        "rank (auto falls back to checkpoint instead)",
+        (
+            "r3operator: wire/kernel_layout.py",
+            "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)",
+            "r3operator: engine/worker.py (the kernel bracket of vLLM >= 0.30)",
+        ),
         checks.weight_sync_kernel_layout,
     ),
     # Warnings: legal but risky.

@@ -267,7 +267,8 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
                 "inference.tensorParallelSize": 1,
             }
         ),
-        sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
+        # vLLM 0.26.0: neither 0.22's is_checkpoint_format=False nor 0.30's trainer factory (checked in its wheel)
+        sets(**{"weightSync.layout": "kernel", "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.26.0"}),
     ),
     "GROUP-SIZE-ONE": (sets(**{"rollout.groupSize": 2}), sets(**{"rollout.groupSize": 1})),
     "R3-EPLB-VLLM": (
