@@ -634,6 +634,51 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
     return judge
 
 
+UPGRADE_RELEASE = os.environ.get("R3_UPGRADE_RELEASE", "0.26.0")
+UPGRADE_SITE = os.environ.get("R3_UPGRADE_SITE", f"/tmp/site-{UPGRADE_RELEASE}")
+
+
+def upgrade_command(ctx: Context) -> str:
+    """benchmarks/upgrade_row.py: 0.22.1 → `UPGRADE_RELEASE` on one GPU (site dir: scripts/gpu-setup-release.sh)."""
+    return (
+        f"python3 -m benchmarks.upgrade_row --work {shlex.quote(str(ctx.work))} --new-site {shlex.quote(UPGRADE_SITE)} "
+        f"--new-release {shlex.quote(UPGRADE_RELEASE)}"
+    )
+
+
+def judge_upgrade(ctx: Context, code: int, log: str) -> Verdict:
+    """Steps 1-2 on 0.22.1, the canary both ways (the new release passes, the broken one fails: a rollback), steps
+    3-4 resumed on the new release with every sync canaried; the reports name each release."""
+    try:
+        result = json.loads((ctx.work / "upgrade.json").read_text())
+    except (OSError, ValueError) as exc:
+        return Verdict(False, f"no upgrade.json: {exc}")
+    problems = []
+    before, after, canary = result.get("before", {}), result.get("after", {}), result.get("canary", {})
+    release = result.get("new_release", "?")
+    if before.get("steps") != [1, 2] or before.get("exit") != 0:
+        problems.append(f"before: exit {before.get('exit')}, steps {before.get('steps')} (expected 1, 2)")
+    if after.get("steps") != [1, 2, 3, 4] or after.get("exit") != 0:
+        problems.append(f"after: exit {after.get('exit')}, steps {after.get('steps')} (expected 1-2 kept, 3-4 new)")
+    if any(ok not in ("1", "True") for ok in after.get("canary_ok", [])):
+        problems.append(f"a sync's canary failed: {after.get('canary_ok')}")
+    for phase, wanted in ((before, "0.22.1"), (after, release)):
+        line = phase.get("report", {}).get("vLLM", "")
+        if wanted not in line:
+            problems.append(f"the report says {line!r}, not vLLM {wanted}")
+    new, broken = canary.get("new", {}), canary.get("broken", {})
+    if canary.get("error") or new.get("passed") is not True:
+        problems.append(f"the new release's canary did not pass: {canary.get('error') or new.get('message')}")
+    if broken.get("passed") is not False:
+        problems.append(f"the broken release was not rolled back: {broken.get('message') or broken.get('error')}")
+    figure = "; ".join(problems) or (
+        f"0.22.1 steps 1-2 → canary of {release}: passed ({new.get('message', '')[:160]}); broken release "
+        f"(norm_topk_prob false): rolled back ({broken.get('message', '')[:160]}); steps 3-4 on {release}, canary "
+        f"{after.get('canary_ok')}, {after.get('report', {}).get('weight sync', '')[:200]}"
+    )
+    return Verdict(code == 0 and not problems, figure, data={"upgrade": result})
+
+
 def engine_load_command(ctx: Context) -> str:
     return (
         "python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device cuda --layout both "
@@ -871,6 +916,20 @@ ROWS: list[Row] = [
         1500,
         learning_command,
         judge_learning,
+    ),
+    Row(
+        "upgrade_vllm",
+        3,
+        f"the engine image upgraded from vLLM 0.22.1 to {UPGRADE_RELEASE} on ONE GPU (`up --gpus 0,0`, engines side by "
+        "side): steps 1-2 on 0.22.1, the upgrade canary of the new release and of a broken one (router numerics "
+        "changed), then the run resumed on the new release (benchmarks/upgrade_row.py)",
+        "the new release's canary passes, the broken one fails (rollback), steps 3-4 on the new release with every "
+        "sync canaried; each report names its release",
+        1,
+        360,
+        600,
+        upgrade_command,
+        judge_upgrade,
     ),
     Row(
         "upgrade_canary",

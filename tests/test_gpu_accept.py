@@ -498,3 +498,36 @@ def test_the_receipt_build_errors_row_runs_its_gpu_test_on_one_gpu(tmp_path: Pat
     assert (REPO / "tests" / "gpu" / "test_receipt_build_errors.py").is_file()
     assert row.judge(Context(1, tmp_path), 0, "7 passed in 200.0s").passed
     assert not row.judge(Context(1, tmp_path), 1, "1 failed, 6 passed in 200.0s").passed
+
+
+def _upgrade(work: Path, *, new_passed: bool = True, broken_passed: bool = False, after_steps: int = 4) -> Context:
+    """What benchmarks/upgrade_row.py writes for the row's judge."""
+    work.mkdir(parents=True)
+    report = {"vLLM": "- vLLM: 0.22.1", "weight sync": "- weight sync: nccl (…); layout checkpoint (…)"}
+    result = {
+        "new_release": "0.26.0",
+        "before": {"exit": 0, "steps": [1, 2], "canary_ok": ["1", "1"], "report": report},
+        "canary": {
+            "new": {"passed": new_passed, "message": "new 0.26.0: replay agreement 1.0000"},
+            "broken": {"passed": broken_passed, "message": "mean |Δlogprob| 0.08 > 0.001"},
+        },
+        "after": {
+            "exit": 0,
+            "steps": list(range(1, after_steps + 1)),
+            "canary_ok": ["1"] * after_steps,
+            "report": {"vLLM": "- vLLM: 0.26.0", "weight sync": "- weight sync: packed (fallback: …)"},
+        },
+    }
+    (work / "upgrade.json").write_text(json.dumps(result))
+    return Context(gpus=1, work=work)
+
+
+def test_the_upgrade_row_passes_only_with_the_canary_judged_both_ways_and_the_run_resumed(tmp_path: Path) -> None:
+    assert gpu_accept.judge_upgrade(_upgrade(tmp_path / "ok"), 0, "").passed
+    not_rolled_back = gpu_accept.judge_upgrade(_upgrade(tmp_path / "broken", broken_passed=True), 0, "")
+    assert not not_rolled_back.passed and "the broken release was not rolled back" in not_rolled_back.figure
+    refused = gpu_accept.judge_upgrade(_upgrade(tmp_path / "new", new_passed=False), 0, "")
+    assert not refused.passed and "the new release's canary did not pass" in refused.figure
+    stopped = gpu_accept.judge_upgrade(_upgrade(tmp_path / "stopped", after_steps=2), 0, "")
+    assert not stopped.passed and "after: exit 0, steps [1, 2]" in stopped.figure
+    assert not gpu_accept.judge_upgrade(Context(gpus=1, work=tmp_path / "none"), 0, "").passed
