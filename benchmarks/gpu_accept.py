@@ -337,6 +337,11 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
     if rows and _canary(rows) != "10/10":
         problems.append(f"canary {_canary(rows)}")
     topology = "engine GPU 0 + trainer GPU 1 over NCCL (up)" if ctx.gpus >= 2 else "1 GPU, colocated (IPC)"
+    # weightSync.layout auto (the default) must take the kernel layout for a3b: one engine rank, unquantized, Triton.
+    report = next((p.read_text() for p in sorted((ctx.work / "up").rglob("report.md"))), "")
+    synced = next((ln for ln in report.splitlines() if ln.startswith("- weight sync:")), "")
+    if rows and "layout kernel (auto" not in synced:
+        problems.append(f"weightSync.layout auto did not take the kernel layout: {synced!r}")
     step_s = sorted(float(r["step_seconds"]) for r in rows if r.get("step_seconds")) if rows else []
     median = step_s[len(step_s) // 2] if step_s else float("nan")
     figure = (
@@ -345,10 +350,12 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
         else (
             f"{topology}: 10 R3 steps, median step {median:.2f} s, canary {_canary(rows)}, replay applied "
             f"{_mean(rows, 'replay_applied'):.3f}, reward {_mean(rows[:3], 'reward_mean'):.3f} → "
-            f"{_mean(rows[-3:], 'reward_mean'):.3f}"
+            f"{_mean(rows[-3:], 'reward_mean'):.3f}, weight sync {_mean(rows, 't_weight_sync'):.4f} s mean (the plan's "
+            f"reference sync is the one before step 1; {synced.removeprefix('- weight sync: ')[:240]})"
         )
     )
-    return Verdict(code == 0 and not problems, figure, data={"topology": topology, "median_step_s": median})
+    data = {"topology": topology, "median_step_s": median, "weight_sync": synced}
+    return Verdict(code == 0 and not problems, figure, data=data)
 
 
 def learning_command(ctx: Context) -> str:

@@ -531,3 +531,23 @@ def test_the_upgrade_row_passes_only_with_the_canary_judged_both_ways_and_the_ru
     stopped = gpu_accept.judge_upgrade(_upgrade(tmp_path / "stopped", after_steps=2), 0, "")
     assert not stopped.passed and "after: exit 0, steps [1, 2]" in stopped.figure
     assert not gpu_accept.judge_upgrade(Context(gpus=1, work=tmp_path / "none"), 0, "").passed
+
+
+def test_the_a3b_row_needs_auto_to_have_taken_the_kernel_layout(tmp_path: Path) -> None:
+    def a3b(work: Path, synced: str) -> Context:
+        run = work / "up" / "a3b-math"
+        run.mkdir(parents=True)
+        fields = ["step", "canary_ok", "step_seconds", "replay_applied", "reward_mean", "t_weight_sync"]
+        with (run / "metrics.csv").open("w", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=fields)
+            writer.writeheader()
+            for step in range(1, 11):
+                writer.writerow(dict(zip(fields, [step, 1, 2.5, 1.0, 0.5, 0.03], strict=True)))
+        (run / "report.md").write_text(f"# report\n- weight sync: {synced}\n")
+        return Context(gpus=1, work=work)
+
+    kernel = "ipc (vLLM 0.22.1 native ipc weight transfer); layout kernel (auto: engine vLLM 0.22.1 over ipc, …)"
+    assert gpu_accept.judge_a3b(a3b(tmp_path / "kernel", kernel), 0, "").passed
+    fallback = "ipc (…); layout checkpoint (fallback: kernel refused at run time: on engine-0, 3 of 39 …)"
+    verdict = gpu_accept.judge_a3b(a3b(tmp_path / "fallback", fallback), 0, "")
+    assert not verdict.passed and "auto did not take the kernel layout" in verdict.figure

@@ -486,7 +486,7 @@ class NativeSender:
             # vLLM >= 0.30 has no kernel-format receive of its own (its brackets always reload layerwise): with no
             # staging buffer either, this sync and the next go in the checkpoint layout, saying so.
             self._refuse_kernel(
-                f"no IPC staging buffer ({self.staging_refused}) and vLLM {self.api} senders have no kernel-format IPC"
+                f"no IPC staging buffer ({self.staging_refused}), and vLLM >= 0.30 has no kernel-format IPC of its own"
             )
             return self._send(policy_tag)
         else:
