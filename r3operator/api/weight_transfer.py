@@ -237,7 +237,8 @@ def choose_layout(spec: RLJobSpec, version: EngineVersion, transfer: TransferCho
         # The packed path has no kernel layout; on CPU engines that is by design, not a fallback.
         return LayoutChoice(
             WeightSyncLayout.CHECKPOINT,
-            f"{how}: the kernel layout needs vLLM's native transfer, this job syncs {transfer.describe()}",
+            f"{how}: the kernel layout needs vLLM's native transfer; this job syncs "
+            + (transfer.describe() if transfer.fallback else "packed"),
             fallback=transfer.fallback,
         )
     if reason := kernel_refusal(spec, version):
