@@ -443,6 +443,36 @@ def r3_eplb(c: RuleContext) -> str | None:
     )
 
 
+def r3_prefix_caching(c: RuleContext) -> str | None:
+    """From vLLM 0.31 the AuxOutput connector that captures routes refuses to start without prefix caching
+    (`_verify_aux_output_compatibility`): a disabling spelling in extraArgs (any pinned table's, e.g. 0.30's
+    `--no-enable-prefix-caching`, 0.33's `--disable-prefix-caching`) would fail the engine at start."""
+    from r3operator.api.vllm_cli import tables
+
+    disabling = {
+        option
+        for table in tables()
+        for option, dest in table.options.items()
+        if dest == "enable_prefix_caching" and option.startswith(("--no-", "--disable-"))
+    }
+    found = next((a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in disabling), None)
+    if not _r3(c.spec) or found is None:
+        return None
+    after = supports(c.engine_version, "routed-experts-aux-output")
+    if after is False:
+        return None
+    since = FEATURES["routed-experts-aux-output"].since
+    if after is None:
+        return (
+            f"R3 with {found} in inference.extraArgs: vLLM >= {since} refuses to capture routes without prefix "
+            f"caching, and the vLLM version of inference.image {c.spec.inference.image} is unknown: {_VERSION_HOWTO}"
+        )
+    return (
+        f"R3 with {found} in inference.extraArgs: vLLM {c.engine_version.version} (>= {since}) captures routes only "
+        "with prefix caching on (its AuxOutput connector refuses the engine at start); drop the flag"
+    )
+
+
 def r3_moe_backend(c: RuleContext) -> str | None:
     """On a vLLM whose capture misses monolithic MoE kernels the operator pins `--moe-backend triton`
     (api/vllm_args.py); extraArgs come last, so another backend there would undo it."""

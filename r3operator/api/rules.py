@@ -797,6 +797,15 @@ RULES: tuple[Rule, ...] = (
         checks.r3_eplb,
     ),
     Rule(
+        "R3-PREFIX-CACHING-VLLM",
+        E,
+        "spec.inference.extraArgs",
+        ("routingReplay.mode", "inference.extraArgs", "inference.image", "inference.vllmVersion"),
+        "R3 on vLLM >= 0.31 needs prefix caching on (the AuxOutput connector that captures routes)",
+        ("vllm-project/vllm#45635", "vLLM 0.33.0 config/vllm.py _verify_aux_output_compatibility"),
+        checks.r3_prefix_caching,
+    ),
+    Rule(
         "R3-MOE-BACKEND",
         E,
         "spec.inference.extraArgs",

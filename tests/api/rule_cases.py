@@ -275,6 +275,15 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"inference.extraArgs": ["--enable-eplb"]}),  # 0.30.0 captures logical ids
         sets(**{"inference.image": "vllm/vllm-openai:v0.21.0", "inference.extraArgs": ["--enable-eplb"]}),
     ),
+    "R3-PREFIX-CACHING-VLLM": (
+        sets(**{"inference.extraArgs": ["--no-enable-prefix-caching"]}),  # 0.30.0: capture without prefix caching
+        sets(
+            **{
+                "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.33.0",
+                "inference.extraArgs": ["--disable-prefix-caching"],
+            }
+        ),
+    ),
     "R3-MOE-BACKEND": (
         sets(**{"inference.extraArgs": ["--moe-backend", "flashinfer_trtllm"]}),  # 0.30.0: capture or refusal
         sets(
