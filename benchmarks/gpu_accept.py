@@ -337,6 +337,11 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
     if rows and _canary(rows) != "10/10":
         problems.append(f"canary {_canary(rows)}")
     topology = "engine GPU 0 + trainer GPU 1 over NCCL (up)" if ctx.gpus >= 2 else "1 GPU, colocated (IPC)"
+    # weightSync.layout auto (the default) must take the kernel layout for a3b: one engine rank, unquantized, Triton.
+    report = next((p.read_text() for p in sorted((ctx.work / "up").rglob("report.md"))), "")
+    synced = next((ln for ln in report.splitlines() if ln.startswith("- weight sync:")), "")
+    if rows and "layout kernel (auto" not in synced:
+        problems.append(f"weightSync.layout auto did not take the kernel layout: {synced!r}")
     step_s = sorted(float(r["step_seconds"]) for r in rows if r.get("step_seconds")) if rows else []
     median = step_s[len(step_s) // 2] if step_s else float("nan")
     figure = (
@@ -345,10 +350,12 @@ def judge_a3b(ctx: Context, code: int, log: str) -> Verdict:
         else (
             f"{topology}: 10 R3 steps, median step {median:.2f} s, canary {_canary(rows)}, replay applied "
             f"{_mean(rows, 'replay_applied'):.3f}, reward {_mean(rows[:3], 'reward_mean'):.3f} → "
-            f"{_mean(rows[-3:], 'reward_mean'):.3f}"
+            f"{_mean(rows[-3:], 'reward_mean'):.3f}, weight sync {_mean(rows, 't_weight_sync'):.4f} s mean (the plan's "
+            f"reference sync is the one before step 1; {synced.removeprefix('- weight sync: ')[:240]})"
         )
     )
-    return Verdict(code == 0 and not problems, figure, data={"topology": topology, "median_step_s": median})
+    data = {"topology": topology, "median_step_s": median, "weight_sync": synced}
+    return Verdict(code == 0 and not problems, figure, data=data)
 
 
 def learning_command(ctx: Context) -> str:
@@ -634,6 +641,51 @@ def judge_sync_layouts(model: str) -> Callable[[Context, int, str], Verdict]:
     return judge
 
 
+UPGRADE_RELEASE = os.environ.get("R3_UPGRADE_RELEASE", "0.26.0")
+UPGRADE_SITE = os.environ.get("R3_UPGRADE_SITE", f"/tmp/site-{UPGRADE_RELEASE}")
+
+
+def upgrade_command(ctx: Context) -> str:
+    """benchmarks/upgrade_row.py: 0.22.1 → `UPGRADE_RELEASE` on one GPU (site dir: scripts/gpu-setup-release.sh)."""
+    return (
+        f"python3 -m benchmarks.upgrade_row --work {shlex.quote(str(ctx.work))} --new-site {shlex.quote(UPGRADE_SITE)} "
+        f"--new-release {shlex.quote(UPGRADE_RELEASE)}"
+    )
+
+
+def judge_upgrade(ctx: Context, code: int, log: str) -> Verdict:
+    """Steps 1-2 on 0.22.1, the canary both ways (the new release passes, the broken one fails: a rollback), steps
+    3-4 resumed on the new release with every sync canaried; the reports name each release."""
+    try:
+        result = json.loads((ctx.work / "upgrade.json").read_text())
+    except (OSError, ValueError) as exc:
+        return Verdict(False, f"no upgrade.json: {exc}")
+    problems = []
+    before, after, canary = result.get("before", {}), result.get("after", {}), result.get("canary", {})
+    release = result.get("new_release", "?")
+    if before.get("steps") != [1, 2] or before.get("exit") != 0:
+        problems.append(f"before: exit {before.get('exit')}, steps {before.get('steps')} (expected 1, 2)")
+    if after.get("steps") != [1, 2, 3, 4] or after.get("exit") != 0:
+        problems.append(f"after: exit {after.get('exit')}, steps {after.get('steps')} (expected 1-2 kept, 3-4 new)")
+    if any(ok not in ("1", "True") for ok in after.get("canary_ok", [])):
+        problems.append(f"a sync's canary failed: {after.get('canary_ok')}")
+    for phase, wanted in ((before, "0.22.1"), (after, release)):
+        line = phase.get("report", {}).get("vLLM", "")
+        if wanted not in line:
+            problems.append(f"the report says {line!r}, not vLLM {wanted}")
+    new, broken = canary.get("new", {}), canary.get("broken", {})
+    if canary.get("error") or new.get("passed") is not True:
+        problems.append(f"the new release's canary did not pass: {canary.get('error') or new.get('message')}")
+    if broken.get("passed") is not False:
+        problems.append(f"the broken release was not rolled back: {broken.get('message') or broken.get('error')}")
+    figure = "; ".join(problems) or (
+        f"0.22.1 steps 1-2 → canary of {release}: passed ({new.get('message', '')[:160]}); broken release "
+        f"(norm_topk_prob false): rolled back ({broken.get('message', '')[:160]}); steps 3-4 on {release}, canary "
+        f"{after.get('canary_ok')}, {after.get('report', {}).get('weight sync', '')[:200]}"
+    )
+    return Verdict(code == 0 and not problems, figure, data={"upgrade": result})
+
+
 def engine_load_command(ctx: Context) -> str:
     return (
         "python3 -m benchmarks.bench_engine_load --models gpu,a3b,a3b-x16l --device cuda --layout both "
@@ -871,6 +923,20 @@ ROWS: list[Row] = [
         1500,
         learning_command,
         judge_learning,
+    ),
+    Row(
+        "upgrade_vllm",
+        3,
+        f"the engine image upgraded from vLLM 0.22.1 to {UPGRADE_RELEASE} on ONE GPU (`up --gpus 0,0`, engines side by "
+        "side): steps 1-2 on 0.22.1, the upgrade canary of the new release and of a broken one (router numerics "
+        "changed), then the run resumed on the new release (benchmarks/upgrade_row.py)",
+        "the new release's canary passes, the broken one fails (rollback), steps 3-4 on the new release with every "
+        "sync canaried; each report names its release",
+        1,
+        360,
+        600,
+        upgrade_command,
+        judge_upgrade,
     ),
     Row(
         "upgrade_canary",

@@ -7,6 +7,12 @@ environment with that vLLM installed:
 
     python scripts/gen-vllm-cli-table.py            # writes the table of the installed vLLM
     python scripts/gen-vllm-cli-table.py --check    # exit 1 when the checked-in table differs
+
+A GPU release's wheel can be read without installing it: unpack it and put it first on the path, on CPU
+(the option strings do not depend on the platform; without a GPU vLLM must be told to take the CPU one):
+
+    unzip -q vllm-0.33.0-*.whl -x '*.so' -d /tmp/v033/src
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=/tmp/v033/src python scripts/gen-vllm-cli-table.py
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ TABLES = Path(__file__).resolve().parents[1] / "r3operator" / "api" / "vllm_cli_
 def serve_parser() -> argparse.ArgumentParser:
     import vllm
 
-    try:  # vLLM >= 0.2x keeps the server's parser under entrypoints/launchers
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:  # vLLM >= 0.33 keeps the server's parser under entrypoints/common
+        from vllm.entrypoints.common.cli_args import make_arg_parser  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found]  # older vLLM
+        try:  # vLLM 0.2x-0.32: under entrypoints/launchers
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser  # type: ignore[no-redef,unused-ignore]
+        except ImportError:
+            from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef,import-not-found,unused-ignore]  # older vLLM
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:

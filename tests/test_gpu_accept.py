@@ -498,3 +498,56 @@ def test_the_receipt_build_errors_row_runs_its_gpu_test_on_one_gpu(tmp_path: Pat
     assert (REPO / "tests" / "gpu" / "test_receipt_build_errors.py").is_file()
     assert row.judge(Context(1, tmp_path), 0, "7 passed in 200.0s").passed
     assert not row.judge(Context(1, tmp_path), 1, "1 failed, 6 passed in 200.0s").passed
+
+
+def _upgrade(work: Path, *, new_passed: bool = True, broken_passed: bool = False, after_steps: int = 4) -> Context:
+    """What benchmarks/upgrade_row.py writes for the row's judge."""
+    work.mkdir(parents=True)
+    report = {"vLLM": "- vLLM: 0.22.1", "weight sync": "- weight sync: nccl (…); layout checkpoint (…)"}
+    result = {
+        "new_release": "0.26.0",
+        "before": {"exit": 0, "steps": [1, 2], "canary_ok": ["1", "1"], "report": report},
+        "canary": {
+            "new": {"passed": new_passed, "message": "new 0.26.0: replay agreement 1.0000"},
+            "broken": {"passed": broken_passed, "message": "mean |Δlogprob| 0.08 > 0.001"},
+        },
+        "after": {
+            "exit": 0,
+            "steps": list(range(1, after_steps + 1)),
+            "canary_ok": ["1"] * after_steps,
+            "report": {"vLLM": "- vLLM: 0.26.0", "weight sync": "- weight sync: packed (fallback: …)"},
+        },
+    }
+    (work / "upgrade.json").write_text(json.dumps(result))
+    return Context(gpus=1, work=work)
+
+
+def test_the_upgrade_row_passes_only_with_the_canary_judged_both_ways_and_the_run_resumed(tmp_path: Path) -> None:
+    assert gpu_accept.judge_upgrade(_upgrade(tmp_path / "ok"), 0, "").passed
+    not_rolled_back = gpu_accept.judge_upgrade(_upgrade(tmp_path / "broken", broken_passed=True), 0, "")
+    assert not not_rolled_back.passed and "the broken release was not rolled back" in not_rolled_back.figure
+    refused = gpu_accept.judge_upgrade(_upgrade(tmp_path / "new", new_passed=False), 0, "")
+    assert not refused.passed and "the new release's canary did not pass" in refused.figure
+    stopped = gpu_accept.judge_upgrade(_upgrade(tmp_path / "stopped", after_steps=2), 0, "")
+    assert not stopped.passed and "after: exit 0, steps [1, 2]" in stopped.figure
+    assert not gpu_accept.judge_upgrade(Context(gpus=1, work=tmp_path / "none"), 0, "").passed
+
+
+def test_the_a3b_row_needs_auto_to_have_taken_the_kernel_layout(tmp_path: Path) -> None:
+    def a3b(work: Path, synced: str) -> Context:
+        run = work / "up" / "a3b-math"
+        run.mkdir(parents=True)
+        fields = ["step", "canary_ok", "step_seconds", "replay_applied", "reward_mean", "t_weight_sync"]
+        with (run / "metrics.csv").open("w", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=fields)
+            writer.writeheader()
+            for step in range(1, 11):
+                writer.writerow(dict(zip(fields, [step, 1, 2.5, 1.0, 0.5, 0.03], strict=True)))
+        (run / "report.md").write_text(f"# report\n- weight sync: {synced}\n")
+        return Context(gpus=1, work=work)
+
+    kernel = "ipc (vLLM 0.22.1 native ipc weight transfer); layout kernel (auto: engine vLLM 0.22.1 over ipc, …)"
+    assert gpu_accept.judge_a3b(a3b(tmp_path / "kernel", kernel), 0, "").passed
+    fallback = "ipc (…); layout checkpoint (fallback: kernel refused at run time: on engine-0, 3 of 39 …)"
+    verdict = gpu_accept.judge_a3b(a3b(tmp_path / "fallback", fallback), 0, "")
+    assert not verdict.passed and "auto did not take the kernel layout" in verdict.figure

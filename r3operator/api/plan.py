@@ -12,6 +12,7 @@ from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ReplayMode, TrainerBackend
 from r3operator.api.v1alpha1 import ResolvedSpec, RLJob, RLJobSpec
 from r3operator.api.versions import FEATURES, EngineVersion, resolve_engine_version, supports
+from r3operator.api.weight_transfer import LayoutChoice, TransferChoice, choose_layout, cluster_transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,8 @@ class Plan:
     route_dtype: str | None
     replay_path: str
     features: dict[str, bool | None]
+    weight_transfer: TransferChoice
+    weight_sync_layout: LayoutChoice
 
     def to_resolved(self) -> ResolvedSpec:
         return ResolvedSpec(
@@ -39,6 +42,8 @@ class Plan:
             trainer_expert_parallel_size=self.trainer_expert_parallel_size,
             routing_bytes_per_token=self.routing_bytes_per_token,
             features=[k for k, v in self.features.items() if v],
+            weight_sync_layout=self.weight_sync_layout.layout,
+            weight_sync_layout_reason=self.weight_sync_layout.describe()[:1024],
         )
 
 
@@ -84,6 +89,7 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     bytes_per_token = None
     if arch is not None and spec.routing_replay.mode is ReplayMode.R3:
         bytes_per_token = arch.num_layers * arch.top_k * (1 if dtype == "uint8" else 2)
+    transfer = cluster_transfer(spec)
     return Plan(
         engine_version=version,
         engine_gpus_per_replica=per_replica,
@@ -96,4 +102,6 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
         route_dtype=dtype,
         replay_path=_replay_path(spec),
         features={k: supports(version, k) for k in FEATURES},
+        weight_transfer=transfer,
+        weight_sync_layout=choose_layout(spec, version, transfer),
     )

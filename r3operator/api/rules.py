@@ -797,6 +797,15 @@ RULES: tuple[Rule, ...] = (
         checks.r3_eplb,
     ),
     Rule(
+        "R3-PREFIX-CACHING-VLLM",
+        E,
+        "spec.inference.extraArgs",
+        ("routingReplay.mode", "inference.extraArgs", "inference.image", "inference.vllmVersion"),
+        "R3 on vLLM >= 0.31 needs prefix caching on (the AuxOutput connector that captures routes)",
+        ("vllm-project/vllm#45635", "vLLM 0.33.0 config/vllm.py _verify_aux_output_compatibility"),
+        checks.r3_prefix_caching,
+    ),
+    Rule(
         "R3-MOE-BACKEND",
         E,
         "spec.inference.extraArgs",
@@ -849,8 +858,13 @@ RULES: tuple[Rule, ...] = (
             "inference.enableExpertParallel",
             "inference.extraArgs",
         ),
-        "the kernel sync layout needs vLLM 0.22.x, whole unquantized parameters on each engine rank",
-        ("r3operator: wire/kernel_layout.py", "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)"),
+        "an explicit kernel sync layout needs vLLM 0.22.x or >= 0.30, whole unquantized parameters on each engine "
+        "rank (auto falls back to checkpoint instead)",
+        (
+            "r3operator: wire/kernel_layout.py",
+            "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)",
+            "r3operator: engine/worker.py (the kernel bracket of vLLM >= 0.30)",
+        ),
         checks.weight_sync_kernel_layout,
     ),
     # Warnings: legal but risky.

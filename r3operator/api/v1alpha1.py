@@ -437,10 +437,11 @@ class WeightSyncSpec(_Model):
     """Weights are streamed in chunks of this size inside one layerwise-reload bracket."""
     canary: bool = True
     """After each sync, greedy-decode fixed prompts on the engine and on the trainer; they must match."""
-    layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT
-    """What vLLM's native transfer sends: checkpoint (HF tensors through the engine's loader, always right)
-    or kernel (one tensor per engine parameter, one copy each: vLLM 0.22.x, unquantized, whole parameters
-    on each engine rank; not yet verified on a GPU, docs/runtime.md)."""
+    layout: WeightSyncLayout = WeightSyncLayout.AUTO
+    """What vLLM's native transfer sends: auto (the fastest the engines admit, shown in
+    status.resolved.weightSyncLayout), checkpoint (HF tensors through the engine's loader, always right) or kernel
+    (one tensor per engine parameter, one copy each: vLLM 0.22.x or >= 0.30, unquantized, whole parameters on each
+    engine rank; docs/runtime.md, "Sync layout")."""
 
 
 class CheckpointSpec(_Model):
@@ -541,6 +542,10 @@ class ResolvedSpec(_Model):
     routing_bytes_per_token: int | None = None
     features: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list, max_length=64)
     """vLLM feature gates in force for the resolved version."""
+    weight_sync_layout: WeightSyncLayout | None = None
+    """The layout the syncs are planned in (checkpoint or kernel): `weightSync.layout`, with `auto` resolved."""
+    weight_sync_layout_reason: str | None = Field(default=None, max_length=1024)
+    """Why that layout ("fallback: …" when the kernel layout was wanted and is not admitted)."""
 
 
 class WorkloadCounts(_Model):

@@ -141,40 +141,42 @@ def cluster_transfer(spec: RLJobSpec) -> TransferChoice:
 
 # -------------------------------------------------------------------------------- sync layout
 
-KERNEL_LAYOUT_RELEASES = ("0.22",)
-"""vLLM minor releases whose native `start_weight_update` takes `is_checkpoint_format=False` (checked in the
-0.22.1 wheel: `Worker.update_weights` then copies each received tensor into `model.get_parameter(name)`);
-0.30 dropped the flag from its NCCL engine (it always brackets)."""
+KERNEL_BRACKETS: tuple[tuple[str, str], ...] = (
+    ("0.22", "weight-transfer-kernel-format"),
+    ("", "weight-transfer-own-kernel-bracket"),
+)
+"""Where the kernel layout has a bracket: vLLM 0.22.x's own (`start_weight_update(is_checkpoint_format=False)`, gone
+from 0.30) for the minor release named, and from 0.30 the worker extension's (engine/worker.py), for every release
+the feature covers. 0.23 to 0.29 are unverified (0.26.0's wheel has neither the flag nor 0.30's trainer factory)."""
 
 QUANTIZATION_FLAGS = ("--quantization", "-q")
 
 
-def kernel_layout_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
-    """Why `weightSync.layout: kernel` cannot be right for `spec`'s engines, or None.
-
-    The kernel layout copies each sent tensor over an engine parameter as it is loaded, so it is only right
-    where that is the layout the engine serves: vLLM processes nothing after the copy (no bracket), so a
-    quantized engine (repacked scales and weights), a tensor-, pipeline- or expert-parallel engine (each rank
-    holds a shard, the trainer sends whole parameters) and a release without the flag are refused. CPU engines
-    never get here: the native transfer needs CUDA (`choose_transfer`), and the driver refuses the layout on
-    the packed path (`weightsync/sync.check_layout`)."""
-    if spec.weight_sync.layout is not WeightSyncLayout.KERNEL:
-        return None
-    what = "spec.weightSync.layout kernel"
-    inference = spec.inference
+def _has_kernel_bracket(version: EngineVersion) -> bool | None:
     if version.version is None:
-        return (
-            f"{what} needs an engine vLLM of a release with start_weight_update(is_checkpoint_format=False) "
-            f"({', '.join(r + '.x' for r in KERNEL_LAYOUT_RELEASES)}), but the vLLM version of inference.image "
-            f"{inference.image} is unknown (set spec.inference.vllmVersion)"
-        )
+        return None
     minor = ".".join(str(part) for part in version.version.release[:2])
-    if minor not in KERNEL_LAYOUT_RELEASES:
+    return any((not only or minor == only) and supports(version, key) for only, key in KERNEL_BRACKETS)
+
+
+def kernel_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
+    """Why the kernel layout cannot be right for `spec`'s engines, whatever `weightSync.layout` says; None when it can.
+
+    The kernel layout copies each sent tensor over an engine parameter as it is loaded, so it is only right where that
+    is the layout the engine serves: vLLM processes nothing after the copy, so a quantized engine (repacked scales and
+    weights), a tensor-, pipeline- or expert-parallel engine (each rank holds a shard, the trainer sends whole
+    parameters) and a release with no kernel bracket (`KERNEL_BRACKETS`) are refused. What the spec cannot show (the
+    MoE backend, the CPU) the engine refuses itself (engine/worker.py `kernel_layout_refusal`)."""
+    inference = spec.inference
+    brackets = "vLLM 0.22.x (its is_checkpoint_format=False) or >= 0.30 (the worker extension's own bracket)"
+    has = _has_kernel_bracket(version)
+    if has is None:
         return (
-            f"{what} needs an engine vLLM {' or '.join(r + '.x' for r in KERNEL_LAYOUT_RELEASES)} (its native "
-            f"start_weight_update(is_checkpoint_format=False)); engine vLLM {version} has no such flag: use "
-            "layout checkpoint"
+            f"the kernel layout needs {brackets}, but the vLLM version of inference.image {inference.image} is "
+            "unknown (set spec.inference.vllmVersion)"
         )
+    if not has:
+        return f"the kernel layout needs {brackets}; engine vLLM {version} has no kernel bracket we verified"
     sharded = {
         "inference.tensorParallelSize": inference.tensor_parallel_size,
         "inference.pipelineParallelSize": inference.pipeline_parallel_size,
@@ -182,16 +184,67 @@ def kernel_layout_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None
     }
     for field, size in sharded.items():
         if size > 1:
-            return (
-                f"{what} sends whole parameters, but {field} is {size}: each engine rank holds a shard; "
-                "use layout checkpoint"
-            )
+            return f"the kernel layout sends whole parameters, but {field} is {size}: each engine rank holds a shard"
     if inference.enable_expert_parallel:
-        return f"{what} sends whole expert blocks, but inference.enableExpertParallel shards them; use checkpoint"
+        return "the kernel layout sends whole expert blocks, but inference.enableExpertParallel shards them"
     quantized = [a for a in inference.extra_args if a.split("=", 1)[0] in QUANTIZATION_FLAGS]
     if quantized:
         return (
-            f"{what} copies bf16 tensors over the served parameters, but inference.extraArgs quantizes the "
-            f"engine ({quantized[0]}): its served layout is not the loaded one; use layout checkpoint"
+            f"the kernel layout copies unquantized tensors over the served parameters, but inference.extraArgs "
+            f"quantizes the engine ({quantized[0]}): its served layout is not the loaded one"
         )
     return None
+
+
+def kernel_layout_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
+    """Rule WEIGHT-SYNC-KERNEL-LAYOUT: an explicit `weightSync.layout: kernel` where `kernel_refusal` says no
+    (`auto` is never refused: it takes the checkpoint layout and says why, `choose_layout`)."""
+    if spec.weight_sync.layout is not WeightSyncLayout.KERNEL:
+        return None
+    reason = kernel_refusal(spec, version)
+    return f"spec.weightSync.layout kernel: {reason}; use layout auto or checkpoint" if reason else None
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutChoice:
+    """The layout a native sync sends in, and why: what `status.resolved`, `r3operator explain`, the run's report and
+    `status.progress.weightSync` say, in the same words, at admission and when the run falls back."""
+
+    layout: WeightSyncLayout
+    """CHECKPOINT or KERNEL, never AUTO."""
+    reason: str
+    fallback: bool = False
+    """True when the kernel layout was wanted (`auto` or `kernel`) and the checkpoint layout syncs instead."""
+
+    def describe(self) -> str:
+        return f"layout {self.layout.value} ({'fallback: ' if self.fallback else ''}{self.reason})"
+
+    def refused(self, reason: str) -> LayoutChoice:
+        """The checkpoint layout in place of this kernel one, for `reason` (the run's fallback: its reference check
+        against vLLM's own load_weights failed, or the engines refused the plan)."""
+        return LayoutChoice(WeightSyncLayout.CHECKPOINT, f"kernel refused at run time: {reason}", fallback=True)
+
+
+def choose_layout(spec: RLJobSpec, version: EngineVersion, transfer: TransferChoice) -> LayoutChoice:
+    """The layout of `spec`'s syncs over `transfer` to engines of `version`: `auto` (the default) takes the fastest the
+    engines admit, kernel where `kernel_refusal` has no objection and the transfer is native, else checkpoint, the
+    fallback the rule names. An explicit `kernel` the rule refused at admission is given as checkpoint here too."""
+    wanted = spec.weight_sync.layout
+    if wanted is WeightSyncLayout.CHECKPOINT:
+        return LayoutChoice(WeightSyncLayout.CHECKPOINT, "spec.weightSync.layout checkpoint")
+    how = "auto" if wanted is WeightSyncLayout.AUTO else "spec.weightSync.layout kernel"
+    if not transfer.native:
+        # The packed path has no kernel layout; on CPU engines that is by design, not a fallback.
+        return LayoutChoice(
+            WeightSyncLayout.CHECKPOINT,
+            f"{how}: the kernel layout needs vLLM's native transfer; this job syncs "
+            + (transfer.describe() if transfer.fallback else "packed"),
+            fallback=transfer.fallback,
+        )
+    if reason := kernel_refusal(spec, version):
+        return LayoutChoice(WeightSyncLayout.CHECKPOINT, f"{how}: {reason}", fallback=True)
+    return LayoutChoice(
+        WeightSyncLayout.KERNEL,
+        f"{how}: engine vLLM {version} over {transfer.method.value}, whole unquantized parameters on each engine rank; "
+        "the first sync checks the plan against vLLM's own load_weights",
+    )

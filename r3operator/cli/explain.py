@@ -59,5 +59,11 @@ def plan_json(source: str, job: RLJob, plan: Plan, findings: list[Finding]) -> d
             "expertParallelSize": plan.trainer_expert_parallel_size,
         },
         "replay": replay,
+        "weightSync": {
+            "method": plan.weight_transfer.method.value,
+            "methodReason": plan.weight_transfer.reason,
+            "layout": plan.weight_sync_layout.layout.value,
+            "layoutReason": plan.weight_sync_layout.describe(),
+        },
         "findings": [finding_json(f) for f in findings],
     }

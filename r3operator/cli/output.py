@@ -55,8 +55,6 @@ def print_scheduling(picture: SchedulingPicture) -> None:
 
 
 def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:
-    from r3operator.api.weight_transfer import cluster_transfer
-
     spec = job.spec
     t = Table(title=f"RLJob {job.metadata.name}: resolved plan", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -96,7 +94,7 @@ def print_plan(job: RLJob, plan: Plan, findings: list[Finding]) -> None:
             f"{k}={'yes' if ok else 'no' if ok is False else 'unknown'}" for k, ok in plan.features.items()
         )
         t.add_row("vLLM features", gates)
-    t.add_row("weight sync", cluster_transfer(spec).describe())
+    t.add_row("weight sync", f"{plan.weight_transfer.describe()}; {plan.weight_sync_layout.describe()}")
     out.print(t)
     for f in findings:
         out.print(f"[{_STYLE[f.severity.value]}]{f.severity.value}[/] {f.rule} {f.field}: ", end="")

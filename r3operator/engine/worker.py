@@ -29,6 +29,7 @@ worker).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
@@ -80,6 +81,12 @@ def kernel_layout_refusal(model: Any) -> str | None:
             shown = getattr(backend, "value", label)
             return f"{name} runs the {shown} MoE backend, which lays w13/w2 out again after loading"
     return None
+
+
+def vllm_brackets_kernel_format(start_weight_update: Callable[..., Any]) -> bool:
+    """Whether vLLM's `Worker.start_weight_update` opens a kernel-format bracket itself: vLLM 0.22's takes
+    `is_checkpoint_format` (read in its wheel); 0.26, 0.30 and 0.33 take no argument and always reload layerwise."""
+    return "is_checkpoint_format" in inspect.signature(start_weight_update).parameters
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,7 @@ class WeightSyncWorkerExtension:
     _r3_receipt_state: Any = None  # wire/receipt.py SyncReceipt, created at the first bracket
     _r3_staged: Any = None  # (OpenedBuffer, staged_targets) of the trainer's staging buffer, once attached
     _r3_mapped: Any = None  # engine/mapped.py MappedParameters, once the trainer mapped this worker's parameters
+    _r3_own_kernel_bracket: bool = False  # the kernel layout's bracket is this extension's own (vLLM >= 0.30)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -394,27 +402,49 @@ class WeightSyncWorkerExtension:
         self._r3_policy_tag = None
         self._r3_receipt().begin(self._r3_parameters(), in_place=in_place)
         self._r3_untap_load_weights()
-        if layout == "kernel":
-            self._r3_tap_kernel_receive()
-        else:
+        if layout != "kernel":
             self._r3_tap_load_weights()
+        elif vllm_brackets_kernel_format(self.start_weight_update):  # type: ignore[attr-defined]  # vLLM's Worker
+            self._r3_tap_kernel_receive()  # vLLM 0.22 may receive it itself (its packed IPC); >= 0.30 never does
 
     def r3_native_begin(self, layout: str = "checkpoint", in_place: bool = False) -> None:
         """Open a native bracket in ONE round trip: `r3_before_native_weight_update`, then this worker's own vLLM
         `start_weight_update`. That is all vLLM's `/start_weight_update` does (its AsyncLLM sends
         `collective_rpc("start_weight_update", ...)` to every worker: read in 0.22.1 and 0.30), so the bracket is
-        vLLM's own; the HTTP round trip and engine-core hop it saves are a sync's fixed cost (issue 24)."""
+        vLLM's own; the HTTP round trip and engine-core hop it saves are a sync's fixed cost (issue 24).
+
+        The kernel layout: vLLM 0.22's `start_weight_update(is_checkpoint_format=False)`, which only marks the update
+        active. vLLM >= 0.30 dropped the flag (its start always opens a layerwise reload, which would take the layers'
+        parameters away from the copies and process them again at the finish), so there the bracket is this
+        extension's own (`_r3_open_kernel_bracket`): vLLM's flag set, nothing else of vLLM's run."""
         self.r3_before_native_weight_update(layout, in_place)
-        if layout == "kernel":
+        if layout != "kernel":
+            self.start_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+        elif vllm_brackets_kernel_format(self.start_weight_update):  # type: ignore[attr-defined]  # vLLM's Worker
             self.start_weight_update(is_checkpoint_format=False)  # type: ignore[attr-defined]  # vLLM 0.22.1's Worker
         else:
-            self.start_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+            self._r3_open_kernel_bracket()
+
+    def _r3_open_kernel_bracket(self) -> None:
+        """The kernel layout's bracket on vLLM >= 0.30: vLLM's own "update active" flag, so that none of vLLM's
+        start/update/finish runs inside it (each refuses while it is set), and nothing else: the copies are the
+        sender's, the receipt and the policy tag this extension's."""
+        if getattr(self, "_weight_update_active", False):
+            raise WeightUpdateStateError(
+                "kernel-format weight sync: a weight update is already active on this worker (abort it first)"
+            )
+        self._weight_update_active = True
+        self._r3_own_kernel_bracket = True
 
     def r3_native_end(self, policy_tag: str | None = None, in_place: bool = False) -> None:
         """Close a native bracket in one round trip: this worker's vLLM `finish_weight_update` (as vLLM's
-        `/finish_weight_update` runs it), then `r3_after_native_weight_update`. A failure of the first leaves the
-        policy unstamped and the bracket to the caller's abort, as before."""
-        self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
+        `/finish_weight_update` runs it), or the kernel layout's own bracket on vLLM >= 0.30, then
+        `r3_after_native_weight_update`. A failure of the first leaves the policy unstamped and the bracket to the
+        caller's abort, as before."""
+        if self._r3_own_kernel_bracket:
+            self._weight_update_active = self._r3_own_kernel_bracket = False
+        else:
+            self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
         self.r3_after_native_weight_update(policy_tag, in_place)
 
     def _r3_check_kernel_layout(self) -> None:
@@ -544,7 +574,7 @@ class WeightSyncWorkerExtension:
         self._r3_untap_load_weights()
         self._r3_receipt().abandon()
         restored = self._r3_restore_loading_layers()
-        self._weight_update_active = False
+        self._weight_update_active = self._r3_own_kernel_bracket = False
         if hasattr(self, "_is_checkpoint_format"):  # vLLM 0.22: its default, as its own finish leaves it
             self._is_checkpoint_format = True
         engine = getattr(self, "weight_transfer_engine", None)

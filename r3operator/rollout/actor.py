@@ -24,6 +24,7 @@ class EngineActor:
         max_model_len: int,
         weight_transfer_backend: str | None = None,
         gpu_memory_utilization: float | None = None,
+        capture_routes: bool = True,
     ) -> None:
         from r3operator.engine.llm import apply_engine_env, llm_kwargs
         from r3operator.engine.plugin import register, self_check
@@ -43,6 +44,7 @@ class EngineActor:
             extra={
                 "skip_tokenizer_init": True,
                 "worker_extension_cls": WORKER_EXTENSION_CLS,
+                "enable_return_routed_experts": capture_routes,
                 **({"weight_transfer_config": {"backend": weight_transfer_backend}} if weight_transfer_backend else {}),
             },
         )

@@ -54,6 +54,7 @@ class RayEngine:
         name: str = "ray engine 0",
         weight_transfer_backend: str | None = None,
         gpu_memory_utilization: float | None = None,
+        capture_routes: bool = True,
     ) -> None:
         import ray
 
@@ -73,6 +74,7 @@ class RayEngine:
             max_model_len=max_model_len,
             weight_transfer_backend=weight_transfer_backend,
             gpu_memory_utilization=gpu_memory_utilization,
+            capture_routes=capture_routes,
         )
         self.weight_transfer_backend = weight_transfer_backend
         self._ray = ray

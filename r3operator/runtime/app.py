@@ -59,7 +59,7 @@ def build_settings(
     port = metrics_port if metrics_port is not None else env.driver_metrics_port
     if port is None:
         port = job.spec.monitoring.port if config else 0
-    return RunSettings(
+    settings = RunSettings(
         job=job,
         run_dir=run_dir or out_dir / job.metadata.name,
         routing_dir=routing_dir,
@@ -73,6 +73,11 @@ def build_settings(
         trainer_ranks=trainer_ranks or env.trainer_ranks,
         weight_transfer=weight_transfer,
     )
+    if not engine_urls:  # an engine this run starts itself: R3 on one that cannot capture is refused here
+        from r3operator.runtime.setup import check_local_capture
+
+        check_local_capture(settings)
+    return settings
 
 
 def default_engine_dtype(device: str) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from r3operator.api.enums import ReplayMode
+from r3operator.api.enums import ReplayMode, WeightSyncLayout
 from r3operator.api.weight_transfer import TransferChoice, TransferMethod
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
@@ -185,12 +185,12 @@ class GRPORun:
         self.canary_near_ties = 0
         self.engines, self.vllm_version, self.weight_transfer = parts.engines, parts.vllm_version, parts.weight_transfer
         self.evaluation = parts.evaluation
+        self.sync_layout = weight_sync.resolve_layout(self.spec, self.weight_transfer, self.vllm_version)
         install = self._native_install()
-        # What the report and status.progress.weightSync say: the method, why, and where it is sent from.
-        self.weight_sync_described = self.weight_transfer.describe() + (
+        # What the report and status.progress.weightSync say: the method, the layout, why, and where it is sent from.
+        self.weight_sync_described = f"{self.weight_transfer.describe()}; {self.sync_layout.describe()}" + (
             f"; {install.describe()}" if isinstance(install, RankNativeInstall) else ""
         )
-        self._weight_sync_chosen = self.weight_sync_described  # before a sync says how IPC went
         self.supervisor = EngineSupervisor(
             self.engines,
             chunks=self._weight_chunks,
@@ -404,8 +404,8 @@ class GRPORun:
         result = self.supervisor.sync(version)
         self.policy_version = version
         install = self.supervisor.install
-        if isinstance(install, weight_sync.NativeInstall) and (said := install.described()):
-            self.weight_sync_described = f"{self._weight_sync_chosen}; {said}"
+        if isinstance(install, weight_sync.NativeInstall):
+            self.weight_sync_described = f"{self.weight_transfer.describe()}; {install.described(self.sync_layout)}"
         self.metrics.set("r3operator_weight_sync_seconds", time.perf_counter() - begin)
         for phase, seconds in self.sync_phases.seconds.items():
             self.metrics.set("r3operator_weight_sync_phase_seconds", seconds, phase=phase)
@@ -431,8 +431,7 @@ class GRPORun:
         """vLLM's native transfer when `self.weight_transfer` chose it; None: the packed chunks. The kernel
         layout exists only on the native path: on the packed one it is refused, naming the field. A trainer
         over ranks sends over NCCL from its rank 0 (weightsync/rank_sync.py), not through this process."""
-        layout = self.spec.weight_sync.layout
-        weight_sync.check_layout(layout, self.weight_transfer)
+        layout = self.sync_layout.layout
         if not self.weight_transfer.native:
             return None
         import torch
@@ -458,6 +457,7 @@ class GRPORun:
             sent=self.sent,
             phases=self.sync_phases,
             layout=layout,
+            kernel_fallback=self.spec.weight_sync.layout is WeightSyncLayout.AUTO,
         )
 
     def canary(self) -> bool:

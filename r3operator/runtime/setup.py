@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from r3operator.api.enums import ReplayMode
 from r3operator.api.weight_transfer import TransferChoice
 from r3operator.rollout.engines import EngineGroup
 from r3operator.runtime import checkpoint as ckpt
@@ -50,6 +51,9 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
     from transformers import AutoConfig
 
     spec = settings.job.spec
+    capture = (
+        local_route_capture(settings) if engines is None and not settings.engine_urls else True
+    )  # R3 refused first
     hf_config = AutoConfig.from_pretrained(model_dir)
     if not settings.model_override:
         check_architecture(settings.job, hf_config)
@@ -72,7 +76,7 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
     trainer = build_trainer(spec, model_dir, device=settings.device, ranks=ranks)
     checkpoints = ckpt.AsyncCheckpoints(ckpt_root, trainer, keep_last=spec.checkpoint.keep_last, ranks=ranks)
     if engines is None:
-        engines = start_engines(settings, model_dir)
+        engines = start_engines(settings, model_dir, capture_routes=capture)
     vllm_version = engines.vllm_version()
     transfer = weight_sync.resolve(
         device=settings.device, engines=engines, configured=settings.weight_transfer, engine_vllm=vllm_version
@@ -103,7 +107,7 @@ def start_ray(*, in_cluster: bool) -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
-def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
+def start_engines(settings: RunSettings, model_dir: Path, *, capture_routes: bool = True) -> EngineGroup:
     from r3operator.rollout.engines import HTTPEngine, RayEngine
 
     if settings.engine_urls:
@@ -138,6 +142,40 @@ def start_engines(settings: RunSettings, model_dir: Path) -> EngineGroup:
                 max_model_len=inference.max_model_len or LOCAL_MAX_MODEL_LEN,
                 weight_transfer_backend=backend,
                 gpu_memory_utilization=share,
+                capture_routes=capture_routes,
             )
         ]
     )
+
+
+def local_route_capture(settings: RunSettings) -> bool:
+    """Whether the engine this run starts captures routed experts. Always on a GPU, and on a CPU engine of a vLLM that
+    can (the routing-agreement figures of Disabled and R2 come from them). A CPU engine of vLLM >= 0.31 cannot
+    (api/checks.py `cpu_route_capture_refusal`): R3 is refused there (`check_local_capture`, which `build_settings`
+    runs first); Disabled and R2 run without routes, their routing figures empty, with a warning."""
+    refused = check_local_capture(settings)
+    if refused is not None:
+        log.warning(
+            "routingReplay.mode %s: the engine captures no routes (%s); the routing figures stay empty",
+            _mode(settings).value,
+            refused,
+        )
+    return refused is None
+
+
+def check_local_capture(settings: RunSettings) -> str | None:
+    """Why the CPU engine this run would start cannot capture routes (None: it can, or it runs on a GPU); raises
+    `ValueError` naming `spec.routingReplay.mode` when the run is R3, before anything starts."""
+    from r3operator.api.checks import cpu_route_capture_refusal
+    from r3operator.api.versions import installed_engine_version
+
+    if settings.device.startswith("cuda"):
+        return None
+    refused = cpu_route_capture_refusal(installed_engine_version())
+    if refused is not None and _mode(settings) is ReplayMode.R3:
+        raise ValueError(f"spec.routingReplay.mode R3 cannot run here: {refused}")
+    return refused
+
+
+def _mode(settings: RunSettings) -> ReplayMode:
+    return ReplayMode(settings.replay_override) if settings.replay_override else settings.job.spec.routing_replay.mode

@@ -22,8 +22,16 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from r3operator.api.enums import WeightSyncLayout
+from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import EngineVersion, VersionSource
-from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod, choose_transfer
+from r3operator.api.weight_transfer import (
+    LayoutChoice,
+    Topology,
+    TransferChoice,
+    TransferMethod,
+    choose_layout,
+    choose_transfer,
+)
 from r3operator.rollout.base import Engine
 from r3operator.rollout.engines import EngineGroup
 from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
@@ -106,14 +114,15 @@ def check_runtime(
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
 
 
-def check_layout(layout: WeightSyncLayout, choice: TransferChoice) -> None:
-    """`weightSync.layout` kernel exists only on vLLM's native transfer: on the packed path (CPU engines, a
-    fallback) it is refused, naming the field, instead of silently syncing checkpoint format."""
-    if layout is not WeightSyncLayout.CHECKPOINT and not choice.native:
-        raise ValueError(
-            f"spec.weightSync.layout {layout.value} needs vLLM's native transfer, but this run syncs over "
-            f"{choice.describe()}: use layout checkpoint"
-        )
+def resolve_layout(spec: RLJobSpec, choice: TransferChoice, engine_vllm: str | None) -> LayoutChoice:
+    """The layout this run syncs in (`api/weight_transfer.choose_layout`, over the transfer as checked here and the
+    engines' own vLLM): `auto` takes the kernel layout where the engines admit it, else checkpoint saying why. An
+    explicit `kernel` the engines cannot take (the packed path: CPU engines, a fallback) is refused, naming the field,
+    instead of silently syncing in the checkpoint layout."""
+    chosen = choose_layout(spec, _version(engine_vllm), choice)
+    if spec.weight_sync.layout is WeightSyncLayout.KERNEL and chosen.layout is not WeightSyncLayout.KERNEL:
+        raise ValueError(f"spec.weightSync.layout kernel cannot be used here: {chosen.reason}; use layout auto")
+    return chosen
 
 
 def trainer_vllm_version() -> str | None:
@@ -152,8 +161,10 @@ class NativeInstall:
         sent: FingerprintLog | None = None,
         phases: SyncPhases | None = None,
         layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+        kernel_fallback: bool = False,
     ) -> None:
         self.method, self.layout = method, layout
+        self.kernel_fallback = kernel_fallback  # `auto`: a kernel plan the engines refuse takes the checkpoint layout
         self.sent = sent if sent is not None else FingerprintLog()
         self.phases = phases if phases is not None else SyncPhases()
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
@@ -195,6 +206,7 @@ class NativeInstall:
                 buffer_size_bytes=self.buffer_size_bytes,
                 master_address=self.master_address,
                 sent=self.sent,
+                kernel_fallback=self.kernel_fallback,
             )
             self._sender.checked_plan = self.checked_plan
             self._engines = tuple(id(e) for e in engines)
@@ -225,14 +237,12 @@ class NativeInstall:
             "staging_refused": sender.staging_refused,
         }
 
-    def described(self) -> str | None:
-        """What the report and status.progress.weightSync add to the method: a kernel layout refused, and how the last
-        IPC sync went (`describe_ipc_path`); None when there is nothing to add."""
-        said = [describe_ipc_path(self.ipc_path) or ""]
-        if self.kernel_refused:
-            refused = self.kernel_refused
-            said.insert(0, f"weightSync.layout kernel refused, syncing in the checkpoint layout ({refused})")
-        return "; ".join(part for part in said if part) or None
+    def described(self, chosen: LayoutChoice) -> str:
+        """What the report and status.progress.weightSync say of the layout: `chosen` (at admission, `auto` resolved),
+        or its fallback in the same words when the kernel layout was refused at run time, then how the last IPC sync
+        went (`describe_ipc_path`)."""
+        layout = chosen.refused(self.kernel_refused) if self.kernel_refused else chosen
+        return "; ".join(part for part in (layout.describe(), describe_ipc_path(self.ipc_path)) if part)
 
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """Open the next syncs' brackets for `layout`, keeping the rendezvous (bench_weight_sync measures

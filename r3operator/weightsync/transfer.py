@@ -15,10 +15,11 @@ vLLM ships the trainer-side senders; this module only wires them to the job's en
   Both send packed: vLLM's `packed_tensor` producers copy the tensors into `packed_buffer_size_bytes`
   buffers (double-buffered streams for NCCL; one CUDA IPC buffer reused per chunk).
 
-The kernel layout (vLLM 0.22) has senders of our own, each the whole sync in one engine call: over NCCL one
+The kernel layout (vLLM 0.22, and >= 0.30 where the worker extension opens the bracket itself) has senders of our
+own, each the whole sync in one engine call: over NCCL one
 broadcast per parameter received into it (weightsync/direct.py); over IPC the trainer writing the engine's
 parameters in place (weightsync/mapped.py), else, where they cannot be mapped, one staging buffer the engines copy
-from (weightsync/staged.py), else vLLM's packed IPC above.
+from (weightsync/staged.py), else vLLM 0.22's packed IPC above (>= 0.30 has none: the checkpoint layout, saying so).
 
 The trainer's vLLM must be the engine's release: the update-info wire format moved between them
 (packed flags left the per-round payload in vllm#48981). `weightsync/sync.py` checks that.
@@ -26,6 +27,7 @@ The trainer's vLLM must be the engine's release: the update-info wire format mov
 
 from __future__ import annotations
 
+import inspect
 import logging
 import socket
 import time
@@ -193,8 +195,12 @@ def trainer_vllm_api() -> str | None:
         from vllm.distributed.weight_transfer import factory
     except ImportError:
         return None
-    if hasattr(factory, "WeightTransferTrainerFactory"):
-        return "factory"
+    trainer_factory = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainer_factory is not None:
+        # 0.30's `trainer_init(init_info, *, client, source)`; 0.26's takes (backend, config, init_info, …) and its
+        # NCCL engine has no static trainer_init either (read in its wheel): neither API we drive, so none.
+        first = next(iter(inspect.signature(trainer_factory.trainer_init).parameters), None)
+        return "factory" if first == "init_info" else None
     try:
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     except ImportError:
@@ -242,14 +248,17 @@ class NativeSender:
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,
+        kernel_fallback: bool = False,
     ) -> None:
         if method is TransferMethod.PACKED:
             raise ValueError("NativeSender sends over vLLM's nccl or ipc backend, not the packed path")
         api = trainer_vllm_api()
         if api is None:
             raise RuntimeError("this process's vLLM has no trainer-side weight-transfer sender")
-        _check_layout(client.layout, api)
         self.method, self.client, self.api = method, client, api
+        # `weightSync.layout: auto`: a kernel plan the engines refuse (KernelLayoutError) takes the checkpoint layout,
+        # loudly, as a failed reference check does; an explicit `kernel` raises it.
+        self.kernel_fallback = kernel_fallback
         self.state_dict, self.dtype, self.buffer_size_bytes = state_dict, dtype, buffer_size_bytes
         self.master_address = master_address
         self.device = "cuda"  # where the tensors go out from (vLLM's senders share or broadcast CUDA memory)
@@ -352,7 +361,6 @@ class NativeSender:
     def set_layout(self, layout: WeightSyncLayout) -> None:
         """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
         `start_weight_update(is_checkpoint_format=…)`); the kernel plan is made again at the next sync."""
-        _check_layout(layout, self.api)
         self.client.layout, self._plan = layout, None
 
     # -- rendezvous -------------------------------------------------------------------------------
@@ -436,26 +444,28 @@ class NativeSender:
 
     @property
     def sends_direct(self) -> bool:
-        """Whether a sync goes through our own sender (weightsync/direct.py): the kernel layout over vLLM 0.22's NCCL.
+        """Whether a sync goes through our own sender (weightsync/direct.py): the kernel layout over NCCL (vLLM 0.22's
+        static communicator, or >= 0.30's trainer engine's `model_update_group`).
         It allocates its staging once and its small tensors on a stream it keeps, so the cache it leaves is reused
         at the next sync: the release vLLM's sender needs (new streams every sync) would only cost `cudaFree`
         waits, and what the trainer's own step leaves cached is the trainer's (2026-11-27 H200 run: 8.5 ms of
         `cudaFree` and 2.7 ms of `cudaMalloc` again in an `a3b` sync)."""
-        kernel = self.client.layout is WeightSyncLayout.KERNEL
-        return kernel and self.method is TransferMethod.NCCL and self.api == "static"
+        return self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.NCCL
 
     def _send(self, policy_tag: str) -> SendStats:
         if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
             self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
-        if self.client.layout is WeightSyncLayout.KERNEL and self.kernel_plan() != self.checked_plan:
+        kernel = self.client.layout is WeightSyncLayout.KERNEL
+        if kernel and self._kernel_plan_or_refuse() != self.checked_plan:
             return self._reference_sync(policy_tag)  # a plan not confirmed yet: its reference first
+        kernel = self.client.layout is WeightSyncLayout.KERNEL  # the plan may have been refused just above
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
         stats = SendStats(tensors=len(meta), bytes=_nbytes(meta))
-        if self.api == "factory":
-            if self._engine is None:
-                self.connect()
+        if self.api == "factory" and self._engine is None and (not kernel or self.method is TransferMethod.NCCL):
+            self.connect()  # vLLM's sender; in the kernel layout over NCCL only its communicator, which ours sends on
+        if self.api == "factory" and not kernel:
             self._engine.send_weights()  # start, update(s), finish through `self.client`
             return stats
         previous, self.ipc_path = self.ipc_path, None
@@ -472,9 +482,34 @@ class NativeSender:
             return stats
         if self.sends_direct:
             self._direct_sync(meta)
+        elif kernel and self.api == "factory":
+            # vLLM >= 0.30 has no kernel-format receive of its own (its brackets always reload layerwise): with no
+            # staging buffer either, this sync and the next go in the checkpoint layout, saying so.
+            self._refuse_kernel(
+                f"no IPC staging buffer ({self.staging_refused}), and vLLM >= 0.30 has no kernel-format IPC of its own"
+            )
+            return self._send(policy_tag)
         else:
             self._bracketed_send(meta)
         return stats
+
+    def _kernel_plan_or_refuse(self) -> list[Source] | None:
+        """The kernel plan; where the engines refuse it (`KernelLayoutError`: a backend or quantization that lays the
+        weights out again, parameters the trainer cannot make), under `auto` the checkpoint layout instead (None)."""
+        try:
+            return self.kernel_plan()
+        except KernelLayoutError as exc:
+            if not self.kernel_fallback:
+                raise
+            self._refuse_kernel(str(exc))
+            return self.checked_plan
+
+    def _refuse_kernel(self, reason: str) -> None:
+        """This sender's syncs go in the checkpoint layout from now on, for `reason` (`kernel_refused`, which the
+        owner keeps across rendezvous and the report and status show)."""
+        self.kernel_refused = reason
+        self.client.layout, self._plan = WeightSyncLayout.CHECKPOINT, None
+        log.warning("weight sync: kernel layout refused, syncing in the checkpoint layout: %s", reason)
 
     # -- the kernel layout's reference: vLLM's own load_weights, once per plan ------------------------------------
     def _reference_sync(self, policy_tag: str) -> SendStats:
@@ -500,9 +535,7 @@ class NativeSender:
             self.checked_plan = plan
             log.info("weight sync: the kernel layout matches vLLM's own load_weights (%.2f s)", self.reference_seconds)
             return stats
-        self.kernel_refused = refused
-        self.client.layout, self._plan = WeightSyncLayout.CHECKPOINT, None
-        log.warning("weight sync: kernel layout refused, syncing in the checkpoint layout: %s", refused)
+        self._refuse_kernel(refused)
         return stats
 
     def _reference_mismatch(self, plan: Sequence[Source]) -> str | None:
@@ -545,9 +578,8 @@ class NativeSender:
         self.client.finish_weight_update()
 
     def _kernel_ipc(self) -> bool:
-        """The kernel layout over vLLM 0.22's IPC: the engines take it in one call (mapped, else staged)."""
-        kernel = self.client.layout is WeightSyncLayout.KERNEL
-        return kernel and self.method is TransferMethod.IPC and self.api == "static"
+        """The kernel layout over IPC: the engines take it in one call (mapped, else staged), on any vLLM API."""
+        return self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.IPC
 
     def _send_mapped(self) -> bool:
         """Every parameter written by the trainer into the engines' own memory (weightsync/mapped.py). False when an
@@ -687,7 +719,7 @@ class NativeSender:
             self._direct = DirectKernelSend()
         try:
             self._direct.send(
-                self._group,
+                self._group if self.api == "static" else self._engine.model_update_group,
                 self._state_dict(),
                 self.kernel_plan(),
                 device=self.device,
@@ -706,15 +738,6 @@ it takes at most this share of the GPU's free memory; a bigger sync goes through
 def staging_fits(need_bytes: int, free_bytes: int) -> bool:
     """Whether a kernel-layout IPC sync of `need_bytes` gets a staging buffer (`STAGING_SHARE` of `free_bytes`)."""
     return need_bytes <= STAGING_SHARE * free_bytes
-
-
-def _check_layout(layout: WeightSyncLayout, api: str) -> None:
-    if layout is WeightSyncLayout.KERNEL and api != "static":
-        raise ValueError(
-            "weightSync.layout kernel needs vLLM 0.22's sender and engines (start_weight_update("
-            "is_checkpoint_format=False)); this process's vLLM has the >= 0.30 sender, whose engines always "
-            "load checkpoint format: use layout checkpoint"
-        )
 
 
 def _free_bytes(device: str) -> int:

@@ -267,12 +267,22 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
                 "inference.tensorParallelSize": 1,
             }
         ),
-        sets(**{"weightSync.layout": "kernel"}),  # vLLM 0.30.0: no is_checkpoint_format flag
+        # vLLM 0.26.0: neither 0.22's is_checkpoint_format=False nor 0.30's trainer factory (checked in its wheel)
+        sets(**{"weightSync.layout": "kernel", "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.26.0"}),
     ),
     "GROUP-SIZE-ONE": (sets(**{"rollout.groupSize": 2}), sets(**{"rollout.groupSize": 1})),
     "R3-EPLB-VLLM": (
         sets(**{"inference.extraArgs": ["--enable-eplb"]}),  # 0.30.0 captures logical ids
         sets(**{"inference.image": "vllm/vllm-openai:v0.21.0", "inference.extraArgs": ["--enable-eplb"]}),
+    ),
+    "R3-PREFIX-CACHING-VLLM": (
+        sets(**{"inference.extraArgs": ["--no-enable-prefix-caching"]}),  # 0.30.0: capture without prefix caching
+        sets(
+            **{
+                "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.33.0",
+                "inference.extraArgs": ["--disable-prefix-caching"],
+            }
+        ),
     ),
     "R3-MOE-BACKEND": (
         sets(**{"inference.extraArgs": ["--moe-backend", "flashinfer_trtllm"]}),  # 0.30.0: capture or refusal

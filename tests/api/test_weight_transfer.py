@@ -11,14 +11,18 @@ import yaml
 from packaging.version import Version
 from spec_edits import apply_edits
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.load import parse_rljob
+from r3operator.api.plan import plan
 from r3operator.api.rules import evaluate
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import EngineVersion, VersionSource
 from r3operator.api.vllm_args import vllm_serve_args
 from r3operator.api.weight_transfer import (
+    LayoutChoice,
     Topology,
     TransferMethod,
+    choose_layout,
     choose_transfer,
     cluster_transfer,
     native_since,
@@ -169,17 +173,31 @@ def _kernel_findings(**edits: object) -> list[str]:
     return [f.message for f in evaluate(spec) if f.rule == "WEIGHT-SYNC-KERNEL-LAYOUT"]
 
 
-def test_the_kernel_layout_is_accepted_on_whole_unquantized_parameters_of_vllm_0_22() -> None:
-    assert _kernel_findings() == []
-    assert _kernel_findings(**{"weightSync.layout": "checkpoint", "inference.tensorParallelSize": 2}) == []
-    default = parse_rljob(_doc()).spec.weight_sync.layout
-    assert default.value == "checkpoint"
+@pytest.mark.parametrize("release", ["0.22.1", "0.30.0", "0.33.0"])
+def test_the_kernel_layout_is_accepted_on_whole_unquantized_parameters_of_the_releases_with_a_kernel_bracket(
+    release: str,
+) -> None:
+    """vLLM 0.22.x brackets a kernel-format sync itself; from 0.30 the worker extension does (engine/worker.py)."""
+    image = f"ghcr.io/r3operator/engine:0.1.0-vllm{release}"
+    assert _kernel_findings(**{"inference.image": image}) == []
+    assert (
+        _kernel_findings(
+            **{"inference.image": image, "weightSync.layout": "checkpoint", "inference.tensorParallelSize": 2}
+        )
+        == []
+    )
+    assert (
+        _kernel_findings(**{"inference.image": image, "weightSync.layout": "auto", "inference.tensorParallelSize": 2})
+        == []
+    )
+    assert parse_rljob(_doc()).spec.weight_sync.layout.value == "auto"
 
 
 @pytest.mark.parametrize(
     ("edits", "named"),
     [
-        ({"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.30.0"}, "engine vLLM 0.30.0 has no such flag"),
+        # 0.26.0's wheel: its start_weight_update() takes no is_checkpoint_format and its trainer factory is not 0.30's
+        ({"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.26.0"}, "engine vLLM 0.26.0 has no kernel bracket"),
         ({"inference.image": "acme/engine:latest"}, "is unknown"),
         ({"inference.tensorParallelSize": 2}, "inference.tensorParallelSize is 2"),
         ({"inference.enableExpertParallel": True}, "inference.enableExpertParallel"),
@@ -189,3 +207,60 @@ def test_the_kernel_layout_is_accepted_on_whole_unquantized_parameters_of_vllm_0
 def test_the_kernel_layout_is_refused_where_it_cannot_be_right(edits: dict[str, object], named: str) -> None:
     [message] = _kernel_findings(**edits)
     assert message.startswith("spec.weightSync.layout kernel") and named in message
+
+
+def _layout(**edits: object) -> LayoutChoice:
+    job = parse_rljob(_doc(**{**_KERNEL_OK, "weightSync.layout": "auto", **edits}))
+    return plan(job).weight_sync_layout
+
+
+@pytest.mark.parametrize("release", ["0.22.1", "0.33.0"])
+def test_auto_takes_the_kernel_layout_for_the_a3b_shape_on_both_releases_and_status_resolved_says_so(
+    release: str,
+) -> None:
+    """The a3b GPU job's shape (one engine rank, unquantized) on the GPU acceptance run's two releases."""
+    tags = {"inference.image": f"ghcr.io/r3operator/engine:0.1.0-vllm{release}"}
+    tags["trainer.image"] = f"ghcr.io/r3operator/trainer:0.1.0-vllm{release}"
+    chosen = _layout(**tags)
+    assert chosen.layout is WeightSyncLayout.KERNEL and not chosen.fallback
+    assert f"engine vLLM {release} over nccl" in chosen.describe()
+    resolved = plan(parse_rljob(_doc(**{**_KERNEL_OK, "weightSync.layout": "auto", **tags}))).to_resolved()
+    assert resolved.weight_sync_layout is WeightSyncLayout.KERNEL
+    assert resolved.weight_sync_layout_reason == chosen.describe()
+
+
+@pytest.mark.parametrize(
+    ("edits", "named"),
+    [
+        ({"inference.tensorParallelSize": 2}, "inference.tensorParallelSize is 2"),
+        ({"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.26.0"}, "engine vLLM 0.26.0"),
+        # a trainer image of another release: the transfer itself falls back to packed, which has no kernel layout
+        ({"trainer.image": "ghcr.io/r3operator/trainer:0.1.0-vllm0.30.0"}, "needs vLLM's native transfer"),
+    ],
+)
+def test_auto_falls_back_to_checkpoint_naming_why_the_kernel_layout_is_not_admitted(
+    edits: dict[str, object], named: str
+) -> None:
+    chosen = _layout(**edits)
+    assert chosen.layout is WeightSyncLayout.CHECKPOINT and chosen.fallback
+    assert chosen.describe().startswith("layout checkpoint (fallback: auto: ") and named in chosen.describe()
+    assert _kernel_findings(**{**edits, "weightSync.layout": "auto"}) == []  # auto is never refused
+
+
+def test_checkpoint_is_taken_as_asked_and_the_run_time_fallback_says_the_same_words() -> None:
+    asked = _layout(**{"weightSync.layout": "checkpoint"})
+    assert asked == LayoutChoice(WeightSyncLayout.CHECKPOINT, "spec.weightSync.layout checkpoint")
+    kernel = _layout()
+    refused = kernel.refused("3 of 39 parameter(s) differ from vLLM's own load_weights")
+    assert refused.layout is WeightSyncLayout.CHECKPOINT and refused.fallback
+    assert refused.describe() == (
+        "layout checkpoint (fallback: kernel refused at run time: 3 of 39 parameter(s) differ from vLLM's own "
+        "load_weights)"
+    )
+
+
+def test_cpu_engines_sync_packed_in_the_checkpoint_layout_by_design() -> None:
+    spec = parse_rljob(_doc(**{**_KERNEL_OK, "weightSync.layout": "auto"})).spec
+    packed = choose_transfer(Topology.CPU, _version("0.30.0"))
+    chosen = choose_layout(spec, _version("0.30.0"), packed)
+    assert chosen.layout is WeightSyncLayout.CHECKPOINT and not chosen.fallback

@@ -73,6 +73,9 @@ def _worker(receiver: Any) -> tuple[Any, Model]:
         def _r3_context(self) -> ExitStack:
             return ExitStack()
 
+        def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+            """vLLM 0.22.1's signature: its own kernel-format bracket, whose receiver this file drives."""
+
     return Worker(), model
 
 
@@ -216,7 +219,7 @@ class VllmBracket:
 def _bracketed_worker(receiver: Any) -> tuple[Any, Model]:
     worker, model = _worker(receiver)
 
-    class Worker(type(worker), VllmBracket):
+    class Worker(VllmBracket, type(worker)):  # type: ignore[misc]  # vLLM's bracket over the stand-in's
         def __init__(self) -> None:
             VllmBracket.__init__(self)
 

@@ -497,3 +497,108 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
     sender._group = None  # a broken broadcast: the next sync meets the engines again and plans again, once
     sender.send("run:2")
     assert len(asked) == 2 and worker.r3_policy_tag() == "run:2"
+
+
+# ------------------------------------------------------------------ vLLM >= 0.30: no kernel bracket of vLLM's own
+
+
+class _Worker030(WeightSyncWorkerExtension):
+    """The worker extension on a vLLM >= 0.30 Worker: vLLM's bracket calls have 0.30's (and 0.33's) signatures, and
+    its `start_weight_update` stands for what it does there, a layerwise reload (the layers' parameters taken away
+    until the finish processes them again): a kernel-format sync must not call it. Recorded, as `_Worker`'s are."""
+
+    def __init__(self, wire: Wire) -> None:
+        self.engine, self.calls, self.during = Engine(), list[str](), list[bool]()
+        self.weight_transfer_engine = type("NCCLEngine", (), {"model_update_group": wire.receiver()})()
+        self.device = "cpu"
+        self._weight_update_active = False  # vLLM's Worker flag
+
+    def _r3_model(self) -> Any:
+        return self.engine
+
+    def _r3_context(self) -> Any:
+        from contextlib import ExitStack
+
+        return ExitStack()
+
+    def start_weight_update(self) -> None:  # vLLM >= 0.30: no is_checkpoint_format
+        if self._weight_update_active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self.calls.append("vLLM start: layerwise reload")
+        self._weight_update_active = True
+
+    def finish_weight_update(self) -> None:
+        self.calls.append("vLLM finish: process weights after loading")
+        self._weight_update_active = False
+
+    def _r3_restore_loading_layers(self) -> int:
+        return 0
+
+
+def test_on_vllm_0_30_the_kernel_layout_opens_its_own_bracket_and_broadcasts_on_the_factorys_communicator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer on vLLM >= 0.30's sender API ("factory": its NCCL trainer engine's `model_update_group` carries our
+    broadcasts) and an engine whose vLLM has no kernel-format bracket: every parameter arrives as vLLM fuses it (the
+    written-out `_expected`), no vLLM bracket call is made, vLLM's update flag is held through the sync so that none of
+    vLLM's own weight calls can run inside it, and the receipt matches."""
+    from r3operator.api.enums import WeightSyncLayout
+    from r3operator.api.weight_transfer import TransferMethod
+    from r3operator.engine import plugin
+    from r3operator.weightsync import transfer
+
+    monkeypatch.setattr(plugin, "self_check", lambda: None)  # the plugin's vLLM patches: not under test
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "factory")
+    wire = Wire()
+    worker = _Worker030(wire)
+
+    class Endpoint:
+        name = "engine-0"
+
+        def native_parameters(self) -> dict[str, Any]:
+            return {"parameters": worker.engine.reported(), "refused": None}
+
+        def native_direct_sync(self, update: dict[str, Any], policy_tag: str | None) -> None:
+            receive = receive_into_parameters
+
+            def watched(*args: Any) -> bool:
+                worker.during.append(worker._weight_update_active)
+                return receive(*args)
+
+            monkeypatch.setattr("r3operator.engine.worker.receive_into_parameters", watched)
+            worker.r3_direct_sync(update, policy_tag)
+
+    trainer_engine = type("NCCLTrainerWeightTransferEngine", (), {"model_update_group": wire.sender()})()
+    state = _trainer_state(21)
+    client = transfer.FanOutClient([Endpoint()], layout=WeightSyncLayout.KERNEL)  # type: ignore[list-item]
+    sender = transfer.NativeSender(
+        TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1
+    )
+    sender.device = "cpu"
+    monkeypatch.setattr(sender, "_factory_init", lambda: trainer_engine)
+    _plans_trusted(monkeypatch, sender)
+    sender.send("run:1")
+    assert worker.calls == [] and worker.during == [True] and worker._weight_update_active is False
+    assert worker.r3_policy_tag() == "run:1" and wire.bytes.empty()
+    for name, want in _expected(state).items():
+        assert torch.equal(getattr(worker.engine, name).data, want), name
+    compare_receipt(sender.sent.result(), worker.r3_sync_receipt(), where="engine")
+    worker.start_weight_update()  # vLLM's own bracket opens after ours closed
+    assert worker.calls == ["vLLM start: layerwise reload"]
+
+
+def test_on_vllm_0_30_a_failed_kernel_sync_leaves_vllms_update_flag_clear_and_the_engine_unstamped() -> None:
+    wire = Wire()
+    worker = _Worker030(wire)
+    from r3operator.engine import plugin
+
+    plugin_check, plugin.self_check = plugin.self_check, lambda: None  # type: ignore[assignment]
+    try:
+        _, trainer_error, engine_error = _direct_sync(
+            _FailingAfter(_trainer_state(22), keep=3), worker, wire, shapes=trainer_shapes(_trainer_state(22))
+        )
+    finally:
+        plugin.self_check = plugin_check  # type: ignore[assignment]
+    assert isinstance(trainer_error, RuntimeError) and isinstance(engine_error, WeightUpdateStateError)
+    assert worker.calls == [] and worker._weight_update_active is False and worker.r3_policy_tag() is None
+    worker.start_weight_update()  # the next bracket, vLLM's or ours, can open

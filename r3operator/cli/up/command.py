@@ -14,11 +14,14 @@ import subprocess
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from r3operator.cli import output
+
+if TYPE_CHECKING:
+    from r3operator.api.v1alpha1 import RLJobSpec
 
 
 class UpOutput(StrEnum):
@@ -130,10 +133,18 @@ def up(
             output.err.print(f"{file}: error {finding.rule} {finding.field}: {finding.message}", markup=False)
         raise typer.Exit(1)
     try:
+        handed = local_gpus(gpus, process_environment().get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        output.err.print(f"error: {exc}", markup=False)
+        raise typer.Exit(2) from None
+    if not handed and (refused := _cpu_r3_refusal(job.spec)):
+        output.err.print(f"{file}: error spec.routingReplay.mode: {refused}", markup=False)
+        raise typer.Exit(1)
+    try:
         plan = plan_up(
             job,
             run_dir=out_dir / job.metadata.name,
-            gpus=local_gpus(gpus, process_environment().get("CUDA_VISIBLE_DEVICES")),
+            gpus=handed,
             bin_dir=Path(sys.prefix) / "bin",
             host_path=process_environment().get("PATH", ""),
             vllm_entry_point=vllm_cli.needed(),
@@ -151,6 +162,18 @@ def up(
             _print_plan(plan)
         return
     raise typer.Exit(_run(plan, max_restarts=max_restarts))
+
+
+def _cpu_r3_refusal(spec: RLJobSpec) -> str | None:
+    """Why R3 cannot run on this machine's CPU engines (`vllm serve` of the vLLM installed here), or None."""
+    from r3operator.api.checks import cpu_route_capture_refusal
+    from r3operator.api.enums import ReplayMode
+    from r3operator.api.versions import installed_engine_version
+
+    if spec.routing_replay.mode is not ReplayMode.R3:
+        return None
+    reason = cpu_route_capture_refusal(installed_engine_version())
+    return f"R3 cannot run on this machine's CPU engines: {reason}" if reason else None
 
 
 def _print_plan(plan: object) -> None:
