@@ -295,8 +295,8 @@ RULES: tuple[Rule, ...] = (
             "!has(self.inference.disaggregation) || (self.inference.kvConnector == 'none' && "
             "!self.inference.kvCacheOffload)",
             "'inference.disaggregation sets each role KV connector itself: inference.kvConnector must be none and "
-            "inference.kvCacheOffload false, got kvConnector %s, kvCacheOffload %s'.format([self.inference.kvConnector, "
-            "string(self.inference.kvCacheOffload)])",
+            "inference.kvCacheOffload false, got kvConnector %s, kvCacheOffload %s'"
+            ".format([self.inference.kvConnector, string(self.inference.kvCacheOffload)])",
             ".inference.disaggregation",
         ),
     ),

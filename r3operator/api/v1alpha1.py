@@ -222,7 +222,8 @@ class EngineRoleSpec(_Model):
     """Engine replicas of this role (each one vLLM server with its own KV cache)."""
     tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
     data_parallel_size: int | None = Field(default=None, ge=1, le=512)
-    """vLLM data parallel size within one replica of this role; a replica of a role fits one pod (rules PD-PREFILL-ONE-POD, PD-DECODE-ONE-POD)."""
+    """vLLM data parallel size within one replica of this role; a replica of a role fits one pod (rules
+    PD-PREFILL-ONE-POD, PD-DECODE-ONE-POD)."""
 
 
 class DisaggregationSpec(_Model):

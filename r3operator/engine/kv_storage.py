@@ -64,9 +64,8 @@ class R3StorageConnector(ExampleConnector):  # type: ignore[misc]  # vLLM is unt
         # in the latter, so each transfer has its own folder whatever the prompt.
         import torch
 
-        return str(
-            self._generate_foldername_debug(torch.tensor(prompt)[: stored_tokens(len(prompt), self._block_size)], [transfer_id])
-        )
+        tokens = torch.tensor(prompt)[: stored_tokens(len(prompt), self._block_size)]
+        return str(self._generate_foldername_debug(tokens, [transfer_id]))
 
     # -- scheduler side ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -101,7 +100,8 @@ class R3StorageConnector(ExampleConnector):  # type: ignore[misc]  # vLLM is unt
 
     def _wants_store(self, new_req: Any, scheduler_output: SchedulerOutput, prompt_len: int) -> bool:
         params = (getattr(new_req.sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
-        whole_prompt = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0) >= prompt_len - new_req.num_computed_tokens
+        scheduled = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0)
+        whole_prompt = scheduled >= prompt_len - new_req.num_computed_tokens
         return bool(params.get("do_remote_decode")) and whole_prompt and stored_tokens(prompt_len, self._block_size) > 0
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
