@@ -4,7 +4,7 @@ A role is rendered as the engines of a spec whose `inference` carries the role's
 (`role_spec`), so the `vllm serve` flags, the pod layout and the probes are the ones a single-role job gets; the
 role adds `--kv-transfer-config` (`kv_transfer_config`). The decode role keeps the engine objects' names
 (`<job>-engine`: the upgrade record, the verified image and the trainer's engine URLs live there); the prefill
-role is `<job>-engine-prefill`.
+role is `<job>-prefill`.
 
 Where the routes come from (rollout/disaggregated.py): the prefill engine computes every prompt token and never
 loads KV; the decode engine loads the prompt's KV, recomputes the prompt's last token and generates. A sample's
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from r3operator.api.enums import EngineRole, PDConnector
-from r3operator.api.names import ROLE_ENGINE
+from r3operator.api.names import ROLE_ENGINE, ROLE_PREFILL
 from r3operator.api.v1alpha1 import EngineRoleSpec, RLJobSpec
 from r3operator.settings import ROUTING_MOUNT
 
@@ -28,7 +28,6 @@ STORAGE_SUBDIR = "kv-transfer"
 """Where the storage connector's transfers live, under the routing volume (engines mount it writable there)."""
 NIXL_SIDE_CHANNEL_PORT = 5600
 """vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT: the decode engine's handshake with a prefill engine."""
-PREFILL_SUFFIX = "prefill"
 
 
 def roles(spec: RLJobSpec) -> tuple[EngineRole, ...]:
@@ -60,9 +59,15 @@ def role_replicas(spec: RLJobSpec, role: EngineRole) -> int:
     return role_spec(spec, role).inference.replicas
 
 
+def engine_replicas(spec: RLJobSpec) -> int:
+    """The replicas of the engines named ``<job>-engine``: a disaggregated job's decode role, else every engine."""
+    return role_replicas(spec, EngineRole.DECODE) if roles(spec) else spec.inference.replicas
+
+
 def engine_role_name(role: EngineRole | None) -> str:
-    """The role's part of its children's names: the decode role keeps the single group's (`engine`)."""
-    return f"{ROLE_ENGINE}-{PREFILL_SUFFIX}" if role is EngineRole.PREFILL else ROLE_ENGINE
+    """The role of its children (their names' suffix and their role label): the decode role keeps the single
+    group's (`engine`)."""
+    return ROLE_PREFILL if role is EngineRole.PREFILL else ROLE_ENGINE
 
 
 def storage_path() -> str:

@@ -24,7 +24,7 @@ from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import resolve_engine_version, supports
 from r3operator.api.weight_transfer import cluster_transfer, weight_transfer_config_arg
-from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
+from r3operator.settings import ENGINE_IMAGE_ENV, MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
@@ -185,4 +185,7 @@ def vllm_env(spec: RLJobSpec) -> dict[str, str]:
     }
     if spec.inference.model_runner_v2:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if spec.inference.disaggregation is not None:
+        # The build a prefill engine must share with its decode engine (rollout/disaggregated.py).
+        env[ENGINE_IMAGE_ENV] = spec.inference.image
     return dict(sorted(env.items()))
