@@ -663,9 +663,12 @@ class RLJobStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, max_length=32)
     resolved: ResolvedSpec | None = None
     engines: WorkloadCounts | None = None
+    """The engines' replicas (a disaggregated job's decode engines)."""
+    prefill_engines: WorkloadCounts | None = None
+    """A disaggregated job's prefill engine replicas."""
     trainer: WorkloadCounts | None = None
     engines_ready: str | None = Field(default=None, max_length=32)
-    """"ready/desired" engine replicas, for `kubectl get`."""
+    """"ready/desired" engine replicas, for `kubectl get`; a disaggregated job's per role, "P 1/1 D 2/2"."""
     progress: Progress | None = None
     start_time: str | None = Field(default=None, max_length=64)
     completion_time: str | None = Field(default=None, max_length=64)

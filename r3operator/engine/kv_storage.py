@@ -50,7 +50,7 @@ def stored_tokens(prompt_len: int, block_size: int) -> int:
     return max(int(align_to_block_size(prompt_len, block_size)), 0)
 
 
-class R3StorageConnector(ExampleConnector):  # type: ignore[misc]  # vLLM is untyped
+class R3StorageConnector(ExampleConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._producer = bool(self._kv_transfer_config.is_kv_producer)

@@ -161,7 +161,7 @@ def _patch_routed_experts_with_pd_connector(state: PluginState) -> None:
     except ImportError as exc:
         state.problems.append(f"cannot import VllmConfig ({exc})")
         return
-    original = VllmConfig.__post_init__
+    original: Any = VllmConfig.__post_init__
     if getattr(original, PATCH_MARKER, False):
         state.patches.append("routed_experts_pd_connector")
         return

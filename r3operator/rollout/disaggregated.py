@@ -71,14 +71,15 @@ class DisaggregatedGroup(EngineGroup):
     def pairs(self) -> list[tuple[HTTPEngine, HTTPEngine]]:
         """(prefill, decode) pairs of one build, round robin over the decode engines; raises EngineUnavailableError
         when no two engines of the roles share a build (an upgrade has moved every engine of one role only)."""
-        builds = {id(e): e.engine_build() for e in self.engines}
+        everyone = [*self.prefill, *self.decode]
+        builds = {id(e): e.engine_build() for e in everyone}
         pairs = []
         for i, decode in enumerate(self.decode):
             same = [p for p in self.prefill if builds[id(p)] == builds[id(decode)]]
             if same:
                 pairs.append((same[i % len(same)], decode))
         if not pairs:
-            described = ", ".join(f"{e.name}: {builds[id(e)]}" for e in self.engines)
+            described = ", ".join(f"{e.name}: {builds[id(e)]}" for e in everyone)
             raise EngineUnavailableError(f"no prefill engine shares a build with a decode engine ({described})")
         skipped = len(self.decode) - len(pairs)
         if skipped:
