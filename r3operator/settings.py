@@ -54,6 +54,12 @@ ENGINE_IMAGE_ENV = f"{ENV_PREFIX}ENGINE_IMAGE"
 """Set on the engines of a disaggregated job to the image their pod runs: the driver pairs a prefill engine only with
 a decode engine of the same build (rollout/disaggregated.py), also while an upgrade rolls the two roles."""
 
+
+def engine_image() -> str | None:
+    """The image this engine's pod runs (ENGINE_IMAGE_ENV), where the operator set it."""
+    return os.environ.get(ENGINE_IMAGE_ENV) or None
+
+
 DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
 """The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
 

@@ -559,13 +559,11 @@ class WeightSyncWorkerExtension:
     def r3_engine_build(self) -> str:
         """This engine's vLLM release and the image its pod runs (ENGINE_IMAGE_ENV, set on a disaggregated job's
         engines): a prefill engine serves rollouts only with a decode engine of the same build."""
-        import os
-
         import vllm
 
-        from r3operator.settings import ENGINE_IMAGE_ENV
+        from r3operator.settings import engine_image
 
-        return f"vllm {vllm.__version__} image {os.environ.get(ENGINE_IMAGE_ENV) or 'unknown'}"
+        return f"vllm {vllm.__version__} image {engine_image() or 'unknown'}"
 
     # -- the kernel layout over NCCL in one call (weightsync/direct.py) ----------------------------------
     def r3_direct_sync(self, update: dict[str, Any], policy_tag: str | None = None) -> dict[str, int]:
