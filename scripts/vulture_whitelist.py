@@ -157,3 +157,5 @@ _.r3_mapped_attach  # called by name over /collective_rpc (weightsync/mapped.py)
 _.r3_mapped_sync
 _.request_finished  # R3StorageConnector (engine/kv_storage.py): vLLM's KV-connector scheduler calls it
 _.build_connector_meta  # R3StorageConnector: vLLM's scheduler calls it each step
+_.update_state_after_alloc  # R3StorageConnector: vLLM's scheduler calls it
+_.get_num_new_matched_tokens  # R3StorageConnector: vLLM's scheduler calls it
