@@ -159,3 +159,4 @@ _.request_finished  # R3StorageConnector (engine/kv_storage.py): vLLM's KV-conne
 _.build_connector_meta  # R3StorageConnector: vLLM's scheduler calls it each step
 _.update_state_after_alloc  # R3StorageConnector: vLLM's scheduler calls it
 _.get_num_new_matched_tokens  # R3StorageConnector: vLLM's scheduler calls it
+R3StorageConnector  # loaded by vLLM from kv_connector_module_path (api/disaggregation.py)
