@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 from r3operator.rollout.client import build_sample, prompt_starts, request_seed
@@ -64,8 +66,7 @@ class DisaggregatedGroup(EngineGroup):
         super().__init__([*prefill, *decode])
         self.prefill = list(prefill)
         self.decode = list(decode)
-        self.boundary_disagreements = 0  # samples whose decode engine routed the prompt's last token otherwise
-        self.loaded_tokens = 0  # prompt tokens whose KV decode engines loaded instead of computing
+        self.stats = PDStats()
         self._count = threading.Lock()
 
     def pairs(self) -> list[tuple[HTTPEngine, HTTPEngine]]:
@@ -116,8 +117,11 @@ class DisaggregatedGroup(EngineGroup):
             )
 
         workers = max(1, min(len(jobs), 4 * len(pairs)))
+        before = replace(self.stats)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, range(len(jobs))))
+            samples = list(pool.map(one, range(len(jobs))))
+        log.info("prefill/decode rollout: %s", self.stats.since(before))
+        return samples
 
     def one(
         self,
@@ -133,12 +137,14 @@ class DisaggregatedGroup(EngineGroup):
         start: int,
     ) -> RolloutSample:
         """One sample: prefill request, decode request, stitched routes."""
+        clock = time.perf_counter()
         body = prefill.client.completion_body(
             prompt, max_tokens=1, temperature=temperature, seed=seed, n=1, start=start
         )
         first = prefill.client.request(
             "POST", "/v1/completions", {**body, "kv_transfer_params": PREFILL_TRANSFER_PARAMS}
         )
+        prefill_s = time.perf_counter() - clock
         params = first.get("kv_transfer_params")
         if not params:
             raise RuntimeError(
@@ -150,6 +156,7 @@ class DisaggregatedGroup(EngineGroup):
             prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, n=1, start=last
         )
         second = decode.client.request("POST", "/v1/completions", {**body, "kv_transfer_params": params})
+        decode_s = time.perf_counter() - clock - prefill_s
         loaded = int((second.get("kv_transfer_params") or {}).get(LOADED_TOKENS) or 0)
         [choice] = second["choices"]
         [prefilled] = first["choices"]
@@ -173,13 +180,50 @@ class DisaggregatedGroup(EngineGroup):
             )
         except RoutingDataError as exc:
             return _with_routes(sample, None, f"prefill/decode routes: {exc}")
+        route_field = prefilled.get("routed_experts")
         with self._count:
-            self.loaded_tokens += loaded
-            self.boundary_disagreements += not boundary_agrees
+            self.stats.add(
+                loaded_tokens=loaded,
+                boundary_disagreements=int(not boundary_agrees),
+                prefill_s=prefill_s,
+                decode_s=decode_s,
+                prefill_route_bytes=len(route_field) if isinstance(route_field, str) else 0,
+            )
         return _with_routes(sample, routes, None)
 
 
 def _with_routes(sample: RolloutSample, routes: Any, error: str | None) -> RolloutSample:
-    from dataclasses import replace
-
     return replace(sample, routes=routes, routes_error=error)
+
+
+@dataclass
+class PDStats:
+    """What the prefill → decode path did, summed over the group's samples (logged after every rollout)."""
+
+    samples: int = 0
+    loaded_tokens: int = 0
+    """Prompt tokens whose KV decode engines loaded instead of computing (R3StorageConnector says; NIXL does not)."""
+    boundary_disagreements: int = 0
+    """Samples whose decode engine routed the prompt's last token otherwise than the prefill engine."""
+    prefill_s: float = 0.0
+    """Seconds of the prefill requests, each from send to answer (requests overlap: a sum, not wall time)."""
+    decode_s: float = 0.0
+    prefill_route_bytes: int = 0
+    """The prompt routes' field in the prefill answers (base64 .npy): the routes moved to the driver beside the
+    decode engine's."""
+
+    def add(self, **amounts: float) -> None:
+        self.samples += 1
+        for name, amount in amounts.items():
+            setattr(self, name, getattr(self, name) + amount)
+
+    def since(self, before: PDStats) -> str:
+        n = self.samples - before.samples
+        per = max(n, 1)
+        return (
+            f"{n} samples; per sample: prefill request {(self.prefill_s - before.prefill_s) / per * 1e3:.1f} ms, "
+            f"decode request {(self.decode_s - before.decode_s) / per * 1e3:.1f} ms, "
+            f"{(self.prefill_route_bytes - before.prefill_route_bytes) / per:.0f} bytes of prompt routes, "
+            f"{(self.loaded_tokens - before.loaded_tokens) / per:.1f} prompt tokens' KV loaded; "
+            f"{self.boundary_disagreements - before.boundary_disagreements} boundary disagreements"
+        )
