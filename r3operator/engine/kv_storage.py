@@ -44,6 +44,12 @@ TRANSFER_ID = "r3_transfer_id"
 LOADED_TOKENS = "r3_loaded_tokens"
 
 
+def _asks_transfer(new_req: Any) -> bool:
+    """A request sent with vLLM's disaggregated protocol's {"do_remote_decode": true}."""
+    params = (getattr(new_req.sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
+    return bool(params.get("do_remote_decode"))
+
+
 def stored_tokens(prompt_len: int, block_size: int) -> int:
     """The prompt tokens whose KV a transfer carries: whole blocks of all but the last token (ExampleConnector's
     `align_to_block_size`; the decode engine computes the rest, the last token always)."""
@@ -91,18 +97,22 @@ class R3StorageConnector(ExampleConnector):
             if new_req.req_id in self._requests_need_load:
                 transfer_id, _ = self._loads[new_req.req_id]
                 meta.add_request(prompt, new_req.block_ids[0], self._block_size, False, [transfer_id])
-            elif self._producer and self._wants_store(new_req, scheduler_output, len(prompt)):
-                meta.add_request(prompt, new_req.block_ids[0], self._block_size, True, [new_req.req_id])
-                self._stores[new_req.req_id] = stored_tokens(len(prompt), self._block_size)
+            elif self._producer and _asks_transfer(new_req):
+                # Answered whatever is stored: a prompt shorter than a block, or prefilled in chunks, moves no KV
+                # (remote_num_tokens 0) and its decode engine computes it.
+                stored = self._storable(new_req, scheduler_output, len(prompt))
+                if stored:
+                    meta.add_request(prompt, new_req.block_ids[0], self._block_size, True, [new_req.req_id])
+                self._stores[new_req.req_id] = stored
         # A request preempted before its load ran computes its prompt itself: nothing else to load.
         self._requests_need_load.clear()
         return meta
 
-    def _wants_store(self, new_req: Any, scheduler_output: SchedulerOutput, prompt_len: int) -> bool:
-        params = (getattr(new_req.sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
+    def _storable(self, new_req: Any, scheduler_output: SchedulerOutput, prompt_len: int) -> int:
+        """The tokens this step can store: whole blocks of the prompt, when the whole prompt runs in it."""
         scheduled = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0)
         whole_prompt = scheduled >= prompt_len - new_req.num_computed_tokens
-        return bool(params.get("do_remote_decode")) and whole_prompt and stored_tokens(prompt_len, self._block_size) > 0
+        return stored_tokens(prompt_len, self._block_size) if whole_prompt else 0
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
