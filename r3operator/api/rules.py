@@ -272,7 +272,7 @@ RULES: tuple[Rule, ...] = (
         E,
         "spec.inference.kvConnector",
         ("routingReplay.mode", "inference.kvConnector"),
-        "R3 rejects every KV connector",
+        "R3 rejects a KV connector on every engine (kv_both); a prefill/decode split is inference.disaggregation",
         ("vllm-project/vllm#39568", "PrimeIntellect-ai/prime-rl#2487"),
         checks.r3_kv_connector,
         CelRule(
