@@ -214,16 +214,6 @@ def pd_one_pod(role: str) -> Check:
     return check
 
 
-def r3_pd_version(c: RuleContext) -> str | None:
-    return _version_gate(
-        c,
-        "routed-experts-prompt-start",
-        applies=_r3(c.spec) and c.spec.inference.disaggregation is not None,
-        what="R3 with inference.disaggregation (the decode engine returns only the rows it computes: "
-        "routed_experts_prompt_start)",
-    )
-
-
 def r3_kv_offload(c: RuleContext) -> str | None:
     if _r3(c.spec) and c.spec.inference.kv_cache_offload:
         return (

@@ -806,15 +806,6 @@ RULES: tuple[Rule, ...] = (
         checks.r3_min_version,
     ),
     Rule(
-        "R3-PD-VLLM",
-        E,
-        "spec.inference.disaggregation",
-        ("routingReplay.mode", "inference.disaggregation", "inference.image", "inference.vllmVersion"),
-        "R3 across prefill and decode engines needs routed_experts_prompt_start on /v1/completions",
-        ("vllm-project/vllm#51906", "PrimeIntellect-ai/prime-rl#2487"),
-        checks.r3_pd_version,
-    ),
-    Rule(
         "R3-HYBRID-VLLM",
         E,
         "spec.inference.image",

@@ -9,7 +9,9 @@ routed experts of a P/D pair; one more hop would only add latency. Per sample:
    routes (rows `[start, P)`) and the `kv_transfer_params` for the decode engine;
 2. decode engine: the same prompt, the sample's own seed and `max_tokens`, those `kv_transfer_params` and
    `routed_experts_prompt_start` P - 1: it loads the prompt's KV, recomputes the last prompt token to sample from,
-   generates, and answers the routes of the rows it computed, `[P - 1, P + G - 1)`, and every logprob;
+   generates, and answers the routes of the rows it computed, `[P - 1, P + G - 1)`, and every logprob (a vLLM
+   that takes `routed_experts_prompt_start` only in `SamplingParams`, before 0.30, answers every row from 0: the
+   rows before P - 1, stale for the KV it loaded, are dropped here);
 3. `routing/stitch.stitch_disaggregated`: the prompt's rows from the prefill engine, the generated tokens' from the
    decode engine; the decode engine's row of the boundary token is compared with the prefill engine's.
 
@@ -35,7 +37,8 @@ from typing import Any
 
 from r3operator.rollout.client import build_sample, prompt_starts, request_seed
 from r3operator.rollout.engines import EngineGroup, HTTPEngine
-from r3operator.routing.codec import from_vllm
+from r3operator.routing.codec import decode as decode_routes
+from r3operator.routing.codec import encode, from_vllm
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.stitch import stitch_disaggregated
 from r3operator.wire.retry import EngineUnavailableError
@@ -175,6 +178,10 @@ class DisaggregatedGroup(EngineGroup):
             experts = decode.client.num_experts
             head = from_vllm(prefilled.get("routed_experts"), start=start, num_experts=experts)
             tail = from_vllm(choice.get("routed_experts"), start=last, num_experts=experts)
+            if tail.num_tokens == last + len(choice["token_ids"]):
+                # A vLLM without routed_experts_prompt_start on /v1/completions (before #51906, 0.30) answered every
+                # row from 0: its rows of the loaded prompt tokens are stale, only those from the last one are kept.
+                tail = encode(decode_routes(tail)[last:], start=last, num_experts=experts)
             routes, boundary_agrees = stitch_disaggregated(
                 head, tail, prompt_len=len(prompt), generated_len=len(choice["token_ids"]), num_experts=experts
             )

@@ -88,10 +88,6 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         ),
         sets(**{"inference.disaggregation": {"decode": {"tensorParallelSize": 16}}, "inference.gpusPerNode": 8}),
     ),
-    "R3-PD-VLLM": (
-        sets(**{"inference.disaggregation": {"connector": "nixl"}, "inference.image": "vllm/vllm-openai:v0.22.0"}),
-        sets(**{"inference.disaggregation": {"connector": "nixl"}, "inference.image": "vllm/vllm-openai:v0.20.2"}),
-    ),
     "R3-KV-CONNECTOR": (
         sets(**{"routingReplay.mode": "R2", "inference.kvConnector": "nixl"}),
         sets(**{"inference.kvConnector": "lmcache"}),

@@ -80,3 +80,81 @@ def test_a_prefill_engine_serves_only_with_a_decode_engine_of_its_build() -> Non
 def test_a_group_needs_both_roles() -> None:
     with pytest.raises(ValueError, match="needs both roles, got 0 prefill, 1 decode"):
         DisaggregatedGroup([], [BuiltEngine()])  # type: ignore[list-item]
+
+
+class _Client:
+    """What DisaggregatedGroup.one asks of an engine's HTTP client, answering from `answers` (one per request)."""
+
+    num_experts = 32
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        self.answers = answers
+        self.bodies: list[dict[str, Any]] = []
+
+    def completion_body(self, prompt: Any, **fields: Any) -> dict[str, Any]:
+        return {"prompt": list(prompt), **fields}
+
+    def request(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        return self.answers.pop(0)
+
+
+def _npy(rows: Any) -> str:
+    import base64
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(rows, dtype=np.int32))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_decode_engine_that_answers_every_row_has_its_stale_prompt_rows_dropped() -> None:
+    """vLLM before 0.30 takes routed_experts_prompt_start only in SamplingParams: over HTTP the decode engine answers
+    rows from 0, those of the loaded prompt tokens stale. The sample keeps the prefill engine's rows for the prompt."""
+    import numpy as np
+
+    from r3operator.routing import decode
+
+    rng = np.random.default_rng(0)
+    prompt, generated = [1, 5, 9, 4, 7], [11, 12, 13]
+    truth = np.stack([rng.permutation(32)[:4].reshape(1, 4).repeat(4, 0) for _ in range(7)])  # [P + G - 1, 4, 4]
+    stale = truth.copy()
+    stale[:4] = (truth[:4] + 1) % 32  # what the decode engine's slots held for the rows it loaded
+    prefill = _Client(
+        [{"choices": [{"token_ids": [11], "routed_experts": _npy(truth[:5])}], "kv_transfer_params": {"x": 1}}]
+    )
+    decode_client = _Client(
+        [
+            {
+                "choices": [
+                    {"token_ids": generated, "logprobs": {"token_logprobs": [-0.1] * 3}, "routed_experts": _npy(stale)}
+                ]
+            }
+        ]
+    )
+
+    @dataclass
+    class Engine:
+        client: Any
+        name: str
+
+    group = DisaggregatedGroup([Engine(prefill, "p")], [Engine(decode_client, "d")])  # type: ignore[list-item]
+    sample = group.one(
+        group.prefill[0],
+        group.decode[0],
+        prompt,
+        prompt_index=0,
+        choice_index=0,
+        max_tokens=3,
+        temperature=0.0,
+        seed=1,
+        start=0,
+    )
+    assert sample.routes is not None, sample.routes_error
+    np.testing.assert_array_equal(decode(sample.routes), truth)
+    assert decode_client.bodies[0]["start"] == len(prompt) - 1 and decode_client.bodies[0]["kv_transfer_params"] == {
+        "x": 1
+    }
+    assert prefill.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True and prefill.bodies[0]["max_tokens"] == 1
