@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from pd_check import check_pd_against_one_engine
 from vllm_server import VLLMServer
 
 pytestmark = pytest.mark.slow
@@ -68,59 +68,5 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             server.stop()
 
 
-def _prompts() -> list[list[int]]:
-    rng = np.random.default_rng(7)
-    return [[1, *map(int, rng.integers(3, 500, size=length - 1))] for length in (33, 70, 101)]
-
-
-def _rows(sample: Any) -> np.ndarray:
-    from r3operator.routing.codec import decode
-
-    assert sample.routes is not None, sample.routes_error
-    return decode(sample.routes)
-
-
 def test_prefill_decode_samples_and_routes_equal_one_engine(servers: dict[str, str], tmp_path: Path) -> None:
-    from r3operator.rollout.client import OpenAIHTTPClient
-    from r3operator.rollout.disaggregated import DisaggregatedGroup
-    from r3operator.rollout.engines import HTTPEngine
-
-    prefill = HTTPEngine(servers["prefill"], staging_dir=tmp_path, num_experts=32)
-    decode = HTTPEngine(servers["decode"], staging_dir=tmp_path, num_experts=32)
-    group = DisaggregatedGroup([prefill], [decode])
-    single = OpenAIHTTPClient(servers["single"], num_experts=32)
-    prompts = _prompts()
-
-    for temperature, n in ((0.0, 1), (1.0, 2)):
-        pd = group.generate(prompts, max_tokens=12, temperature=temperature, seed=5, n=n)
-        if temperature == 0.0:
-            # Each prompt's KV moved in whole blocks of all but its last token ((P - 1) // 32 * 32 tokens), which
-            # the decode engine did not compute. Later requests of these prompts hit its own prefix cache instead.
-            assert group.stats.loaded_tokens == sum((len(p) - 1) // 32 * 32 for p in prompts) == 32 + 64 + 96
-        one = single.generate(prompts, max_tokens=12, temperature=temperature, seed=5, n=n)
-        assert [(s.prompt_index, s.choice_index) for s in pd] == [(s.prompt_index, s.choice_index) for s in one]
-        for a, b in zip(pd, one, strict=True):
-            assert a.token_ids == b.token_ids, (temperature, a.sample_id)
-            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-            p = len(a.prompt_token_ids)
-            rows, reference = _rows(a), _rows(b)
-            assert rows.shape == reference.shape == (p + len(a.token_ids) - 1, 4, 4)
-            mismatched = [t for t in range(len(rows)) if not np.array_equal(rows[t], reference[t])]
-            assert mismatched == [], (a.sample_id, "rows differing from the single engine", mismatched)
-            # The boundary: the prompt's last token (prefill engine) and the first generated one (decode engine).
-            assert np.array_equal(rows[p - 1], reference[p - 1]) and np.array_equal(rows[p], reference[p])
-    assert group.stats.boundary_disagreements == 0
-
-    # A continuation (multi-turn turn, partial rollout's next segment): history as the prompt, held rows skipped.
-    [first] = group.generate(prompts[1:2], max_tokens=8, temperature=0.0, seed=9, n=1)
-    history = [*first.prompt_token_ids, *first.token_ids]
-    held = len(history) - 1  # the rows the first request returned; the last token's row comes now
-    [pd_next] = group.generate(
-        [history], max_tokens=8, temperature=0.0, seed=9, n=1, routed_experts_prompt_start=[held]
-    )
-    [one_next] = single.generate(
-        [history], max_tokens=8, temperature=0.0, seed=9, n=1, routed_experts_prompt_start=held
-    )
-    assert pd_next.token_ids == one_next.token_ids
-    assert pd_next.routes is not None and pd_next.routes.start == held
-    np.testing.assert_array_equal(_rows(pd_next), _rows(one_next))
+    check_pd_against_one_engine(servers, tmp_path, block=32)
