@@ -144,3 +144,18 @@ def test_readiness_is_per_role() -> None:
     assert engines_ready.status == "False" and "0/1 prefill engine replicas ready" in (engines_ready.message or "")
     status = compute_status(rljob, Observed(engine_set=ready(3, 3), prefill_set=ready(1, 1)), NOW)
     assert status.engines_ready == "P 1/1 D 3/3"
+
+
+def test_a_queued_disaggregated_job_asks_kueue_for_both_roles() -> None:
+    from r3operator.operator.builders.workload import pod_sets
+
+    base = pd_job()
+    queued = base.model_copy(update={"spec": base.spec.model_copy(update={"queue_name": "gpus"})})
+    sets = {s["name"]: s for s in pod_sets(queued)}
+    assert (sets["prefill"]["count"], sets["engine"]["count"]) == (1, 3)
+    gpus = {
+        name: s["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"]
+        for name, s in sets.items()
+        if name in ("prefill", "engine")
+    }
+    assert gpus == {"prefill": "2", "engine": "4"}
