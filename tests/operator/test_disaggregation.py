@@ -159,3 +159,11 @@ def test_a_queued_disaggregated_job_asks_kueue_for_both_roles() -> None:
         if name in ("prefill", "engine")
     }
     assert gpus == {"prefill": "2", "engine": "4"}
+
+
+def test_the_plan_counts_both_roles_gpus() -> None:
+    from r3operator.api.plan import plan
+
+    resolved = plan(pd_job())
+    # prefill: 1 replica x tp 2; decode: 3 replicas x tp 4 (inference's, dp 1)
+    assert (resolved.engine_gpus_total, resolved.engine_gpus_per_replica) == (1 * 2 + 3 * 4, 4)
