@@ -729,6 +729,57 @@ def judge_two_engines(ctx: Context, code: int, log: str) -> Verdict:
     return Verdict(ok, figure, None if ratio is None else ratio <= 1.2, {"sync": report})
 
 
+PD_JOB, PD_ONE_JOB = "benchmarks/jobs/gpu-accept-pd.yaml", "benchmarks/jobs/gpu-accept-pd-one.yaml"
+PD_STEPS = 3
+
+
+def pd_command(ctx: Context) -> str:
+    """NIXL installed from the carried parts, the stitched routes against one engine token by token, then the job
+    with a prefill and a decode engine on GPU 0 beside the trainer, then the same job on one engine."""
+    return (
+        "bash scripts/gpu-nixl-setup.sh && "
+        f"{pytest_command('tests/gpu/test_pd_nixl.py')(ctx)} && "
+        f"r3operator up {PD_JOB} --steps {PD_STEPS} --gpus 0,0,0 --out-dir {ctx.path('pd')} && "
+        f"r3operator up {PD_ONE_JOB} --steps {PD_STEPS} --gpus 0,0 --out-dir {ctx.path('one')}"
+    )
+
+
+def judge_pd(ctx: Context, code: int, log: str) -> Verdict:
+    """The routes test passed (not skipped: NIXL must be there); the P/D run trained every step with replay on every
+    token and the canary after every sync; its |Δlogprob| and natural routing agreement are no worse than one
+    engine's (fp32 engines: within 10 % and 0.005 of them)."""
+    counts = pytest_counts(log)
+    runs = {}
+    for name, job in (("pd", "gpu-accept-pd"), ("one", "gpu-accept-pd-one")):
+        metrics = sorted((ctx.work / name / job).rglob("metrics.csv"))
+        runs[name] = read_csv(metrics[0]) if metrics else []
+    pd, one = runs["pd"], runs["one"]
+    problems = []
+    if counts.get("passed", 0) != 1 or counts.get("skipped", 0):
+        problems.append(f"tests/gpu/test_pd_nixl.py: {counts or 'no pytest summary'}")
+    for name, rows in runs.items():
+        if [int(r["step"]) for r in rows] != list(range(1, PD_STEPS + 1)):
+            problems.append(f"{name}: metrics rows {[r['step'] for r in rows]}, expected steps 1..{PD_STEPS}")
+        elif _canary(rows) != f"{PD_STEPS}/{PD_STEPS}" or _mean(rows, "replay_applied") != 1.0:
+            problems.append(f"{name}: canary {_canary(rows)}, replay applied {_mean(rows, 'replay_applied')}")
+    gap = (_mean(pd, "logprob_abs_diff_mean"), _mean(one, "logprob_abs_diff_mean"))
+    agreement = (_mean(pd, "routing_natural_agreement"), _mean(one, "routing_natural_agreement"))
+    no_worse = gap[0] <= 1.1 * gap[1] + 1e-6 and agreement[0] >= agreement[1] - 0.005
+    figure = (
+        "; ".join(problems)
+        if problems
+        else (
+            f"stitched routes = one engine's (pytest); P/D {PD_STEPS} steps, canary {_canary(pd)}, replay "
+            f"{_mean(pd, 'replay_applied'):.3f}, |Δlogprob| {gap[0]:.5f} vs one engine {gap[1]:.5f}, routing "
+            f"agreement {agreement[0]:.4f} vs {agreement[1]:.4f}, rollout {_mean(pd, 't_rollout'):.2f} s vs "
+            f"{_mean(one, 't_rollout'):.2f} s, weight sync {_mean(pd, 't_weight_sync'):.2f} s vs "
+            f"{_mean(one, 't_weight_sync'):.2f} s"
+        )
+    )
+    data = {"pd": pd, "one": one, "pytest": counts}
+    return Verdict(code == 0 and not problems and no_worse, figure, no_worse if not problems else None, data)
+
+
 def pytest_command(*files: str) -> Callable[[Context], str]:
     def command(ctx: Context) -> str:
         return f"python3 -m pytest {' '.join(files)} -m gpu -q -p no:cacheprovider -rs --basetemp {ctx.path('tmp')}"
@@ -1016,6 +1067,20 @@ ROWS: list[Row] = [
         360,
         up_command("benchmarks/jobs/gpu-accept-trainer-ranks.yaml", "0,1,2", 3),
         judge_up("gpu-accept-trainer-ranks", 3),
+    ),
+    Row(
+        "pd_nixl",
+        3,
+        "prefill/decode disaggregation over vLLM's NixlConnector on one GPU (two `vllm serve` processes, split "
+        "memory; NIXL from scripts/gpu-nixl-wheels.sh): routes stitched across the engines vs one engine "
+        "(tests/gpu/test_pd_nixl.py), then 3 R3 steps with `r3operator up` against the same job on one engine",
+        "stitched routes equal one engine's token by token; 3 steps, canary 3/3, replay 1.0; |Δlogprob| and "
+        "routing agreement no worse than one engine's",
+        1,
+        330,
+        590,
+        pd_command,
+        judge_pd,
     ),
     Row(
         "sync_two_engines",

@@ -50,6 +50,16 @@ DATA_MOUNT = "/mnt/data"
 RUNS_DIR = "runs"
 """Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
 
+ENGINE_IMAGE_ENV = f"{ENV_PREFIX}ENGINE_IMAGE"
+"""Set on the engines of a disaggregated job to the image their pod runs: the driver pairs a prefill engine only with
+a decode engine of the same build (rollout/disaggregated.py), also while an upgrade rolls the two roles."""
+
+
+def engine_image() -> str | None:
+    """The image this engine's pod runs (ENGINE_IMAGE_ENV), where the operator set it."""
+    return os.environ.get(ENGINE_IMAGE_ENV) or None
+
+
 DEFAULT_CANARY_URL = "http://{service}-0.{service}.{namespace}.svc:{port}"
 """The first engine pod; ``{service}``, ``{namespace}``, ``{port}``, ``{name}`` are filled in."""
 
@@ -138,6 +148,8 @@ class RuntimeSettings(_Settings):
     """Trainer ranks (Ray actors, FSDP2 over all); default: trainer.nodes × trainer.gpusPerNode on CUDA, 1 on CPU."""
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated engine URLs; replaces the ConfigMap's ``engineURLs`` (HTTP engines)."""
+    prefill_engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated prefill engine URLs of a disaggregated job; replaces the ConfigMap's ``prefillEngineURLs``."""
     mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)
     """Comma-separated ``CONTAINER_PATH=HOST_PATH`` pairs: where a pod's volume lives outside a pod
     (``r3operator up``). Paths the driver reads from its argv, the ConfigMap and the environment
@@ -187,7 +199,7 @@ class RuntimeSettings(_Settings):
     """Set by Kubernetes beside the host: the API server's port inside the cluster."""
     """Set by Kubernetes in every pod: the driver only talks to the API server when it is there."""
 
-    @field_validator("engine_urls", "fault_nonfinite_steps", mode="before")
+    @field_validator("engine_urls", "prefill_engine_urls", "fault_nonfinite_steps", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         return _comma_list(value)

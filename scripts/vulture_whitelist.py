@@ -76,6 +76,7 @@ _.r3_sync_receipt
 _.r3_abort_native_weight_update
 _.r3_device_uuid
 _.r3_policy_tag
+_.r3_engine_build  # called by name over /collective_rpc (rollout/disaggregated.py pairs engines of one build)
 _.r3_weights_digest
 _.r3_staged_attach  # called by name over /collective_rpc (weightsync/staged.py)
 _.r3_staged_sync
@@ -157,3 +158,8 @@ trainer_idle_seconds
 trainer_peak_memory_gib
 _.r3_mapped_attach  # called by name over /collective_rpc (weightsync/mapped.py)
 _.r3_mapped_sync
+_.request_finished  # R3StorageConnector (engine/kv_storage.py): vLLM's KV-connector scheduler calls it
+_.build_connector_meta  # R3StorageConnector: vLLM's scheduler calls it each step
+_.update_state_after_alloc  # R3StorageConnector: vLLM's scheduler calls it
+_.get_num_new_matched_tokens  # R3StorageConnector: vLLM's scheduler calls it
+R3StorageConnector  # loaded by vLLM from kv_connector_module_path (api/disaggregation.py)

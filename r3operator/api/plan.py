@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from r3operator.api.disaggregation import role_spec, roles
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ReplayMode, TrainerBackend
 from r3operator.api.v1alpha1 import ResolvedSpec, RLJob, RLJobSpec
@@ -79,6 +80,11 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
     version = resolve_engine_version(image=inf.image, explicit=inf.vllm_version)
     pods_per_replica = engine_layout(spec).pods_per_replica
     per_replica = inf.tensor_parallel_size * inf.pipeline_parallel_size * inf.data_parallel_size
+    total = per_replica * inf.replicas
+    if roles(spec):  # a disaggregated job: both roles' GPUs; "per replica" is the decode role's
+        parts = [role_spec(spec, role).inference for role in roles(spec)]
+        gpus = [p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size for p in parts]
+        per_replica, total = gpus[-1], sum(g * p.replicas for g, p in zip(gpus, parts, strict=True))
     engine_ep = inf.tensor_parallel_size * inf.data_parallel_size if inf.enable_expert_parallel else 1
     trainer_ep = (
         trainer.megatron.expert_parallel_size
@@ -94,7 +100,7 @@ def plan(job: RLJob | RLJobSpec) -> Plan:
         engine_version=version,
         engine_gpus_per_replica=per_replica,
         engine_pods_per_replica=pods_per_replica,
-        engine_gpus_total=per_replica * inf.replicas,
+        engine_gpus_total=total,
         engine_expert_parallel_size=engine_ep,
         trainer_gpus_total=trainer.nodes * trainer.gpus_per_node,
         trainer_expert_parallel_size=trainer_ep,

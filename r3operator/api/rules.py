@@ -100,6 +100,36 @@ def _cel_string(regex: str) -> str:
     return f"r'{regex}'"
 
 
+def _pd_one_pod(role: str) -> Rule:
+    """A role's replica fits one pod: the roles are StatefulSets (no LeaderWorkerSet per role)."""
+    base = f"self.inference.disaggregation.{role}"
+    tp = f"(has({base}.tensorParallelSize) ? {base}.tensorParallelSize : self.inference.tensorParallelSize)"
+    dp = f"(has({base}.dataParallelSize) ? {base}.dataParallelSize : self.inference.dataParallelSize)"
+    gpus = f"{tp} * self.inference.pipelineParallelSize * {dp}"
+    return Rule(
+        f"PD-{role.upper()}-ONE-POD",
+        Severity.ERROR,
+        f"spec.inference.disaggregation.{role}",
+        (
+            f"inference.disaggregation.{role}",
+            "inference.tensorParallelSize",
+            "inference.pipelineParallelSize",
+            "inference.dataParallelSize",
+            "inference.gpusPerNode",
+        ),
+        f"a {role} replica of a disaggregated job fits one pod",
+        ("r3operator: api/disaggregation.py (one StatefulSet per role)",),
+        checks.pd_one_pod(role),
+        CelRule(
+            f"!has(self.inference.disaggregation) || !has({base}) || {gpus} <= self.inference.gpusPerNode",
+            f"'a {role} replica of inference.disaggregation needs %d GPUs (tensor x pipeline x data parallel), more "
+            "than inference.gpusPerNode %d: each role replica runs in one pod'"
+            f".format([{gpus}, self.inference.gpusPerNode])",
+            f".inference.disaggregation.{role}",
+        ),
+    )
+
+
 def _pod_template_rules() -> tuple[Rule, ...]:
     """Three rules per pod template (api/pod_rules.py), each refusing at that template's own path."""
     rules: list[Rule] = []
@@ -242,15 +272,35 @@ RULES: tuple[Rule, ...] = (
         E,
         "spec.inference.kvConnector",
         ("routingReplay.mode", "inference.kvConnector"),
-        "R3 rejects every KV connector",
+        "R3 rejects a KV connector on every engine (kv_both); a prefill/decode split is inference.disaggregation",
         ("vllm-project/vllm#39568", "PrimeIntellect-ai/prime-rl#2487"),
         checks.r3_kv_connector,
         CelRule(
             f"!({_CEL_R3} && self.inference.kvConnector != 'none')",
-            "'routingReplay.mode R3 is incompatible with inference.kvConnector ' + self.inference.kvConnector",
+            "'routingReplay.mode R3 is incompatible with inference.kvConnector %s: an engine that loads KV fills its "
+            "slots without an MoE forward, so the routes of those rows would be stale; "
+            f"{checks.PD_SUPPORTED}'.format([self.inference.kvConnector])",
             ".inference.kvConnector",
         ),
     ),
+    Rule(
+        "PD-ONE-CONNECTOR",
+        E,
+        "spec.inference.disaggregation",
+        ("inference.disaggregation", "inference.kvConnector", "inference.kvCacheOffload"),
+        "a disaggregated job's connector is inference.disaggregation.connector alone",
+        ("r3operator: api/disaggregation.py (one --kv-transfer-config per role)",),
+        checks.pd_one_connector,
+        CelRule(
+            "!has(self.inference.disaggregation) || (self.inference.kvConnector == 'none' && "
+            "!self.inference.kvCacheOffload)",
+            "'inference.disaggregation sets each role KV connector itself: inference.kvConnector must be none and "
+            "inference.kvCacheOffload false, got kvConnector %s, kvCacheOffload %s'"
+            ".format([self.inference.kvConnector, string(self.inference.kvCacheOffload)])",
+            ".inference.disaggregation",
+        ),
+    ),
+    *(_pd_one_pod(role) for role in ("prefill", "decode")),
     Rule(
         "R3-KV-OFFLOAD",
         E,

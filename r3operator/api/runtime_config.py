@@ -45,7 +45,10 @@ class RuntimeBlock(_Block):
     engine_stateful_set: str = Field(alias="engineStatefulSet")
     """The engines' StatefulSet, or their LeaderWorkerSet when a replica spans pods (same name)."""
     engine_urls: list[str] = Field(alias="engineURLs")
-    """One URL per engine replica: the DP leader pod of each replica serves the API."""
+    """One URL per engine replica: the DP leader pod of each replica serves the API (a disaggregated job's decode
+    engines)."""
+    prefill_engine_urls: list[str] = Field(default_factory=list, alias="prefillEngineURLs")
+    """A disaggregated job's prefill engines, one URL per replica; empty otherwise."""
     trainer_ray_job: str = Field(alias="trainerRayJob")
     weight_transfer: WeightTransferConfig | None = Field(default=None, alias="weightTransfer")
 

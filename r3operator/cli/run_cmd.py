@@ -105,6 +105,12 @@ def upgrade_canary(
     old: Annotated[str | None, typer.Option(help="Engine upgrade: URL of a replica on the current image.")] = None,
     old_image: Annotated[str, typer.Option(help="The current image (engine or trainer), for the figures.")] = "",
     attempt: Annotated[str, typer.Option(help="The upgrade attempt the verdict answers.")] = "",
+    new_prefill: Annotated[
+        str | None, typer.Option(help="Disaggregated job: the prefill replica paired with --new (on the new image).")
+    ] = None,
+    old_prefill: Annotated[
+        str | None, typer.Option(help="Disaggregated job: the prefill replica paired with --old.")
+    ] = None,
     score_only: Annotated[
         Path | None, typer.Option(help="Trainer upgrade, old image: write this trainer's figures here, no verdict.")
     ] = None,
@@ -140,8 +146,11 @@ def upgrade_canary(
         typer.echo(f"figures of {new_image or 'this trainer'} written to {score_only}", err=True)
         return
     policy = settings.job.spec.upgrade_policy
-    old_figures = prior if prior is not None else canary.score_url(ctx, str(old), image=old_image)
-    result = canary.make_verdict(old_figures, canary.score_url(ctx, new, image=new_image), policy, attempt=attempt)
+    old_figures = (
+        prior if prior is not None else canary.score_url(ctx, str(old), image=old_image, prefill_url=old_prefill)
+    )
+    new_figures = canary.score_url(ctx, new, image=new_image, prefill_url=new_prefill)
+    result = canary.make_verdict(old_figures, new_figures, policy, attempt=attempt)
     if not canary.publish(result):
         typer.echo("error: the verdict could not be written as the termination message", err=True)
         raise typer.Exit(1)

@@ -128,6 +128,68 @@ def _patch_native_bracket_config(state: PluginState) -> None:
         state.patches.append("native_bracket_config")
 
 
+STITCHED_CONNECTORS = ("NixlConnector", "R3StorageConnector")
+"""KV connectors whose prefill/decode split the rollout client stitches routes across (rollout/disaggregated.py):
+prompt rows from the prefill engine, which never loads KV, the rest from the decode engine."""
+DISAGGREGATED_ROLES = ("kv_producer", "kv_consumer")
+
+
+def stitchable_connector(kv_transfer_config: Any) -> bool:
+    """A prefill (kv_producer) or decode (kv_consumer) engine of a connector whose routes are stitched. vLLM refuses
+    routed-experts capture with every KV connector; these pass, offload and kv_both (an engine that loads KV for
+    its own requests, whose routes for those rows would be another request's) stay refused."""
+    return (
+        kv_transfer_config is not None
+        and getattr(kv_transfer_config, "kv_connector", None) in STITCHED_CONNECTORS
+        and getattr(kv_transfer_config, "kv_role", None) in DISAGGREGATED_ROLES
+    )
+
+
+def _patch_routed_experts_with_pd_connector(state: PluginState) -> None:
+    """Let `VllmConfig` take `--enable-return-routed-experts` with a stitched P/D connector (`stitchable_connector`).
+
+    vLLM 0.30 refuses routed experts with any KV connector in `VllmConfig.__post_init__`, because a decode engine's
+    rows for KV it loaded are stale and the prefill engine's routes do not reach it. The rollout client takes the
+    prompt's rows from the prefill engine and asks the decode engine only for the rows it computes
+    (`routed_experts_prompt_start`), which removes both reasons. As prime-rl does
+    (`monkey_patch_return_routed_experts_with_nixl_connector`), the flag is off while vLLM validates such a config;
+    vLLM's other refusals with routed experts (pipeline and context parallelism) are then raised here as vLLM words
+    them.
+    """
+    try:
+        from vllm.config import VllmConfig
+    except ImportError as exc:
+        state.problems.append(f"cannot import VllmConfig ({exc})")
+        return
+    original: Any = VllmConfig.__post_init__
+    if getattr(original, PATCH_MARKER, False):
+        state.patches.append("routed_experts_pd_connector")
+        return
+
+    def __post_init__(self: Any) -> None:
+        model = self.model_config
+        if model is None or not model.enable_return_routed_experts or not stitchable_connector(self.kv_transfer_config):
+            original(self)
+            return
+        model.enable_return_routed_experts = False
+        try:
+            original(self)
+        finally:
+            model.enable_return_routed_experts = True
+        parallel = self.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-return-routed-experts is incompatible with pipeline parallelism (PP > 1).")
+        if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+            raise ValueError(
+                "--enable-return-routed-experts is incompatible with context parallelism (DCP > 1 or PCP > 1)."
+            )
+
+    setattr(__post_init__, PATCH_MARKER, True)
+    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
+    VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]  # the patch this function installs
+    state.patches.append("routed_experts_pd_connector")
+
+
 def register() -> None:
     """vLLM general-plugin entry point. Safe to call any number of times in any process."""
     import vllm
@@ -140,6 +202,7 @@ def register() -> None:
     _resolve_reload_api(state)
     _patch_cpu_moe_reprepack(state)
     _patch_native_bracket_config(state)
+    _patch_routed_experts_with_pd_connector(state)
     setattr(vllm, MARKER, state)
 
 

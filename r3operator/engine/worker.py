@@ -596,6 +596,15 @@ class WeightSyncWorkerExtension:
     def r3_policy_tag(self) -> str | None:
         return self._r3_policy_tag
 
+    def r3_engine_build(self) -> str:
+        """This engine's vLLM release and the image its pod runs (ENGINE_IMAGE_ENV, set on a disaggregated job's
+        engines): a prefill engine serves rollouts only with a decode engine of the same build."""
+        import vllm
+
+        from r3operator.settings import engine_image
+
+        return f"vllm {vllm.__version__} image {engine_image() or 'unknown'}"
+
     # -- the kernel layout over NCCL in one call (weightsync/direct.py) ----------------------------------
     def r3_direct_sync(self, update: dict[str, Any], policy_tag: str | None = None) -> dict[str, int]:
         """One kernel-format NCCL sync, in this one call: vLLM's bracket opened (`r3_native_begin`), every announced

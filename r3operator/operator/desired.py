@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from r3operator.api import names
+from r3operator.api.disaggregation import role_replicas, roles
 from r3operator.api.engine_layout import engine_layout
-from r3operator.api.enums import RetainPolicy
+from r3operator.api.enums import EngineRole, RetainPolicy
 from r3operator.api.v1alpha1 import RLJob, UpgradeStatus
 from r3operator.operator import meta
 from r3operator.operator.builders.config import build_config_map
@@ -121,7 +122,12 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
     children.append(build_config_map(job))
     children.append(build_progress_config_map(job))
     children.append(build_engine_service(job))
-    engines = _engines(job, stopped=stopped, rollout=facts.engine_rollout)
+    for role in roles(job.spec)[:1]:  # the prefill role; the decode role is the engines below
+        children.append(build_engine_service(job, role=role))
+        children.append(_engines(job, stopped=stopped, rollout=facts.engine_rollout, role=role))
+    engines = _engines(
+        job, stopped=stopped, rollout=facts.engine_rollout, role=EngineRole.DECODE if roles(job.spec) else None
+    )
     annotations = engines["metadata"].setdefault("annotations", {})
     # What the regular replicas are known good on (upgrade.py): the next upgrade starts from it.
     verified = facts.engine_rollout.verified if facts.engine_rollout is not None else job.spec.inference.image
@@ -195,23 +201,27 @@ def _with_trainer_image(job: RLJob, image: str | None) -> RLJob:
     return job.model_copy(update={"spec": job.spec.model_copy(update={"trainer": trainer})})
 
 
-def _engines(job: RLJob, *, stopped: bool, rollout: EngineRollout | None) -> dict[str, Any]:
+def _engines(
+    job: RLJob, *, stopped: bool, rollout: EngineRollout | None, role: EngineRole | None = None
+) -> dict[str, Any]:
     """The spec's engines (a StatefulSet, or a LeaderWorkerSet when a replica spans pods), or, during an
     upgrade, the engines on the rollout's image plus its surge replica, with a partition that keeps the
-    existing replicas where they are."""
-    replicas = 0 if stopped else job.spec.inference.replicas
-    multi_pod = engine_layout(job.spec).multi_pod
+    existing replicas where they are. ``role``: one role of a disaggregated job, a StatefulSet (rule PD-*-ONE-POD);
+    an upgrade moves both roles alike (a surge replica each during the canary, its partition the role's replicas)."""
+    want = role_replicas(job.spec, role) if role is not None else job.spec.inference.replicas
+    replicas = 0 if stopped else want
+    multi_pod = role is None and engine_layout(job.spec).multi_pod
     if rollout is None:
         if multi_pod:
             return build_engine_leader_worker_set(job, replicas=replicas)
-        return build_engine_statefulset(job, replicas=replicas)
+        return build_engine_statefulset(job, replicas=replicas, role=role)
     inference = job.spec.inference.model_copy(update={"image": rollout.image})
     effective = job.model_copy(update={"spec": job.spec.model_copy(update={"inference": inference})})
     surge = 0 if stopped else rollout.surge_replicas
-    partition = 0 if stopped else rollout.partition
+    partition = 0 if stopped or not rollout.partition else want
     if multi_pod:
         return build_engine_leader_worker_set(effective, replicas=replicas + surge, partition=partition)
-    statefulset = build_engine_statefulset(effective, replicas=replicas + surge)
+    statefulset = build_engine_statefulset(effective, replicas=replicas + surge, role=role)
     if partition:
         statefulset["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     return statefulset

@@ -18,7 +18,10 @@ class Observed:
     rule_errors: tuple[Finding, ...] = ()
     kuberay_installed: bool = True
     engine_set: dict[str, Any] | None = None
-    """The engine StatefulSet, or LeaderWorkerSet, as read back (None when absent)."""
+    """The engine StatefulSet, or LeaderWorkerSet, as read back (None when absent); a disaggregated job's decode
+    engines."""
+    prefill_set: dict[str, Any] | None = None
+    """A disaggregated job's prefill StatefulSet as read back (None when absent or not disaggregated)."""
     ray_job: dict[str, Any] | None = None
     """The trainer RayJob as read back (None when absent)."""
     finish: Finish | None = None

@@ -33,9 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from r3operator.api import names
 from r3operator.api.context import RuleContext
+from r3operator.api.disaggregation import engine_replicas, role_replicas, roles
 from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL, engine_layout
-from r3operator.api.enums import ConditionStatus, ConditionType, ReplayMode, RetainPolicy, WhenHeld
+from r3operator.api.enums import ConditionStatus, ConditionType, EngineRole, ReplayMode, RetainPolicy, WhenHeld
 from r3operator.api.load import RLJobLoadError, parse_rljob
 from r3operator.api.rules import errors, evaluate
 from r3operator.api.v1alpha1 import KIND, Progress, RLJob, RLJobStatus, UpgradeStatus
@@ -120,6 +122,8 @@ _CHILD_KINDS = (
     (meta.ROLE_ENGINE, "LeaderWorkerSet"),
     (meta.ROLE_ENGINE, "NetworkPolicy"),
     (meta.ROLE_ENGINE, "Service"),
+    (names.ROLE_PREFILL, "StatefulSet"),
+    (names.ROLE_PREFILL, "Service"),
     (meta.ROLE_CONFIG, "ConfigMap"),
     (meta.ROLE_PROGRESS, "ConfigMap"),
     (meta.ROLE_STORAGE, "PersistentVolumeClaim"),
@@ -456,6 +460,10 @@ class Reconciler:
                 observed_fetch = (failed or "running", failed is not None)
             engine_name = meta.child_name(job, meta.ROLE_ENGINE)
             raw_engine_set = await self._get(engine_kind, job.metadata.namespace, engine_name)
+            prefill_name = meta.child_name(job, names.ROLE_PREFILL)
+            raw_prefill_set = (
+                await self._get("StatefulSet", job.metadata.namespace, prefill_name) if roles(job.spec) else None
+            )
             ours_ray_job = ray_job if finish is None else None  # a finished trainer is never replaced
             own_cache = await self._own_model_cache(job)
             if not missing_refs and not borrowed:  # nothing, the claim included, is made before the references exist
@@ -467,7 +475,9 @@ class Reconciler:
                 fetched, observed_fetch = False, ("running", False)
             # Engines down while the model cache fills: no upgrade canary can run against them.
             stopped = finish is not None or not fetched
-            upgrade = await self._plan_upgrade(job, raw_engine_set, ours_ray_job, stopped=stopped, now=now)
+            upgrade = await self._plan_upgrade(
+                job, raw_engine_set, ours_ray_job, stopped=stopped, now=now, raw_prefill_set=raw_prefill_set
+            )
             facts = Facts(
                 model_fetched=fetched,
                 own_model_cache=own_cache,
@@ -489,6 +499,7 @@ class Reconciler:
             known = {
                 ("RayJob", trainer): raw_ray_job,
                 (engine_kind, engine_name): raw_engine_set,
+                ("StatefulSet", prefill_name): raw_prefill_set,
                 ("Workload", workload_name): raw_workload,
                 **fetch_job,
             }
@@ -529,7 +540,10 @@ class Reconciler:
         obs = Observed(
             rule_errors=rule_errors,
             kuberay_installed=kuberay,
-            engine_set=observed.get(engine_kind),
+            engine_set=observed.get(
+                f"{engine_kind}/{meta.child_name(job, meta.ROLE_ENGINE)}", observed.get(engine_kind)
+            ),
+            prefill_set=observed.get(f"StatefulSet/{meta.child_name(job, names.ROLE_PREFILL)}"),
             ray_job=observed.get("RayJob"),
             finish=finish,
             finish_recorded=recorded,
@@ -622,15 +636,26 @@ class Reconciler:
         *,
         stopped: bool,
         now: dt.datetime,
+        raw_prefill_set: dict[str, Any] | None = None,
     ) -> UpgradePlan:
         """operator/upgrade.py's plan from the engines (StatefulSet or LeaderWorkerSet) as they are and, while a
         canary runs, its Job."""
         ours = raw_engine_set is not None and is_ours(raw_engine_set, job.metadata.uid)
         engine_set = raw_engine_set if ours else None
+        prefill_set = _ours_or_none(raw_prefill_set, job.metadata.uid)
         prev = read_record(engine_set)  # the operator's own record, never status.upgrade
         canary = await self._read_canary(job, prev) if prev is not None and prev.phase == "Canary" else None
         stopped = stopped or is_suspended(job)
-        plan = plan_upgrade(job, engine_set, prev=prev, canary=canary, ray_job=ray_job, stopped=stopped, now=now)
+        plan = plan_upgrade(
+            job,
+            engine_set,
+            prev=prev,
+            canary=canary,
+            ray_job=ray_job,
+            stopped=stopped,
+            now=now,
+            prefill_set=prefill_set,
+        )
         plan = refuse_unknown_images(plan, allowed_images(job, prev, engine_set, ray_job))
         changed = (
             prev is None or (prev.attempt, prev.phase) != (plan.status.attempt, plan.status.phase)
@@ -662,7 +687,12 @@ class Reconciler:
         verdict = verdict_from_pods(canary, canary_job, container=CANARY_CONTAINER, attempt=prev.attempt)
         progress = pod_progress(canary)
         if prev.component == "engine":
-            surge = pod_progress(surge_pods(pods, meta.child_name(job, meta.ROLE_ENGINE), job.spec.inference.replicas))
+            surging = surge_pods(pods, meta.child_name(job, meta.ROLE_ENGINE), engine_replicas(job.spec))
+            if roles(job.spec):  # and the prefill role's surge replica: the canary scores the new pair
+                prefill = role_replicas(job.spec, EngineRole.PREFILL)
+                name = meta.child_name(job, names.ROLE_PREFILL)
+                surging += surge_pods(pods, name, prefill, role=names.ROLE_PREFILL)
+            surge = pod_progress(surging)
             progress = PodProgress(progress.running and surge.running, surge.unschedulable or progress.unschedulable)
         return CanaryInputs(job=canary_job, verdict=verdict, pods=progress)
 

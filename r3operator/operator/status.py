@@ -17,10 +17,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from r3operator.api import names
+from r3operator.api.disaggregation import role_replicas, roles
 from r3operator.api.engine_layout import engine_layout
 from r3operator.api.enums import ConditionStatus as S
 from r3operator.api.enums import ConditionType as T
-from r3operator.api.enums import ReplayMode
+from r3operator.api.enums import EngineRole, ReplayMode
 from r3operator.api.plan import plan
 from r3operator.api.v1alpha1 import Condition, Progress, RLJob, RLJobStatus, WorkloadCounts
 from r3operator.operator import meta
@@ -181,11 +183,28 @@ def engine_counts(job: RLJob, sts: dict[str, Any] | None) -> WorkloadCounts:
 def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
     if stopped is not None:
         return Desired(T.ENGINES_READY, S.FALSE, stopped.reason, stopped.message)
-    sts = obs.engine_set
+    if not roles(job.spec):
+        return _engine_group(
+            job, obs, obs.engine_set, job.spec.inference.replicas, role=meta.ROLE_ENGINE, what="engine"
+        )
+    # A disaggregated job: both roles must be ready; the first that is not says why, naming its role.
+    parts = (
+        (obs.prefill_set, role_replicas(job.spec, EngineRole.PREFILL), names.ROLE_PREFILL, "prefill engine"),
+        (obs.engine_set, role_replicas(job.spec, EngineRole.DECODE), meta.ROLE_ENGINE, "decode engine"),
+    )
+    for sts, want, role, what in parts:
+        group = _engine_group(job, obs, sts, want, role=role, what=what)
+        if group.status is not S.TRUE:
+            return group
+    ready = ", ".join(f"{what} replicas {want}/{want} ready" for _, want, _, what in parts)
+    return Desired(T.ENGINES_READY, S.TRUE, Reason.ALL_REPLICAS_READY, ready)
+
+
+def _engine_group(job: RLJob, obs: Observed, sts: dict[str, Any] | None, want: int, *, role: str, what: str) -> Desired:
+    """One engine group's readiness: every engine, or one role of a disaggregated job."""
     if sts is None:
-        kind = "LeaderWorkerSet" if engine_layout(job.spec).multi_pod else "StatefulSet"
-        return Desired(T.ENGINES_READY, S.FALSE, Reason.NOT_CREATED, f"the engine {kind} does not exist yet")
-    want = job.spec.inference.replicas
+        kind = "LeaderWorkerSet" if role == meta.ROLE_ENGINE and engine_layout(job.spec).multi_pod else "StatefulSet"
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.NOT_CREATED, f"the {what} {kind} does not exist yet")
     if want == 0:
         return Desired(T.ENGINES_READY, S.TRUE, Reason.NO_REPLICAS, "inference.replicas is 0")
     counts = engine_counts(job, sts)
@@ -197,19 +216,19 @@ def _engines(job: RLJob, obs: Observed, stopped: Desired | None) -> Desired:
     held = obs.upgrade is not None and obs.upgrade.phase == "Canary"
     if (generation is not None and seen < generation) or (counts.updated_replicas < want and not held):
         return Desired(
-            T.ENGINES_READY, S.FALSE, Reason.UPDATING, f"{counts.updated_replicas}/{want} engine replicas updated"
+            T.ENGINES_READY, S.FALSE, Reason.UPDATING, f"{counts.updated_replicas}/{want} {what} replicas updated"
         )
-    if counts.ready_replicas < want and meta.ROLE_ENGINE in obs.unschedulable:
-        why = obs.unschedulable[meta.ROLE_ENGINE]
-        return Desired(T.ENGINES_READY, S.FALSE, Reason.UNSCHEDULABLE, f"engine pods cannot be scheduled: {why}")
-    if counts.ready_replicas < want and meta.ROLE_ENGINE in obs.config_errors:
-        why = obs.config_errors[meta.ROLE_ENGINE]
-        return Desired(T.ENGINES_READY, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"engine pods cannot start: {why}")
+    if counts.ready_replicas < want and role in obs.unschedulable:
+        why = obs.unschedulable[role]
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.UNSCHEDULABLE, f"{what} pods cannot be scheduled: {why}")
+    if counts.ready_replicas < want and role in obs.config_errors:
+        why = obs.config_errors[role]
+        return Desired(T.ENGINES_READY, S.FALSE, Reason.REFERENCE_NOT_FOUND, f"{what} pods cannot start: {why}")
     if counts.ready_replicas < want:
         return Desired(
-            T.ENGINES_READY, S.FALSE, Reason.PODS_NOT_READY, f"{counts.ready_replicas}/{want} engine replicas ready"
+            T.ENGINES_READY, S.FALSE, Reason.PODS_NOT_READY, f"{counts.ready_replicas}/{want} {what} replicas ready"
         )
-    return Desired(T.ENGINES_READY, S.TRUE, Reason.ALL_REPLICAS_READY, f"{want}/{want} engine replicas ready")
+    return Desired(T.ENGINES_READY, S.TRUE, Reason.ALL_REPLICAS_READY, f"{want}/{want} {what} replicas ready")
 
 
 def _ray_status(obs: Observed) -> tuple[str, str, str]:
@@ -438,12 +457,25 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
         engines=engines,
         trainer=WorkloadCounts(replicas=1 if ray_job else 0, ready_replicas=trainer_ready, updated_replicas=0),
         # An upgrade's canary replica is not one of the job's engines: at most desired/desired.
-        engines_ready=f"{min(engines.ready_replicas, job.spec.inference.replicas)}/{job.spec.inference.replicas}",
+        engines_ready=_engines_ready(job, engines, observed.prefill_set),
+        prefill_engines=engine_counts(job, observed.prefill_set) if roles(job.spec) else None,
         progress=_progress(old_status, observed),
         start_time=old_status.start_time or (stamp if by_type[T.VALID].status is S.TRUE else None),
         completion_time=completion,
         upgrade=observed.upgrade,
     )
+
+
+def _engines_ready(job: RLJob, engines: WorkloadCounts, prefill_set: dict[str, Any] | None) -> str:
+    """The ENGINES column: ready/desired replicas; a disaggregated job's per role (``P 1/1 D 2/2``)."""
+
+    def ready(counts: WorkloadCounts, want: int) -> str:
+        return f"{min(counts.ready_replicas, want)}/{want}"
+
+    if not roles(job.spec):
+        return ready(engines, job.spec.inference.replicas)
+    prefill = ready(engine_counts(job, prefill_set), role_replicas(job.spec, EngineRole.PREFILL))
+    return f"P {prefill} D {ready(engines, role_replicas(job.spec, EngineRole.DECODE))}"
 
 
 def _completion_time(job: RLJob, obs: Observed, now: str) -> str:

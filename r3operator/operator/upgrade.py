@@ -21,6 +21,11 @@ a sampler change shifts logprobs). So an image change does not roll every replic
              else moved), condition UpgradeBlocked carries the figures; the spec keeps the new image until
              the user changes it. `kubectl annotate rlj NAME r3operator.io/upgrade=force` rolls it anyway.
 
+A disaggregated job (`inference.disaggregation`) moves both roles alike: a surge replica each on the new image, each
+role's partition its replicas; the canary scores the new prefill → decode pair against an old pair; Rolling lifts
+both partitions and Complete waits for both StatefulSets. While the two roll, the trainer pairs a prefill engine
+only with a decode engine of its own image (rollout/disaggregated.py), so no rollout crosses images.
+
 The state (from, to, phase, attempt, clocks, verdict) is the operator's own record on the engine
 StatefulSet (operator/upgrade_record.py), never read from the RLJob's status, so an operator restarted
 mid-upgrade resumes in the same phase; a spec image change during an upgrade starts a new attempt from the
@@ -41,6 +46,8 @@ import datetime as dt
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from r3operator.api.disaggregation import engine_replicas, role_replicas, roles
+from r3operator.api.enums import EngineRole
 from r3operator.api.v1alpha1 import RLJob, UpgradeCanary, UpgradeStatus
 from r3operator.operator import meta
 from r3operator.operator.builders.engine_lws import leader_worker_templates
@@ -85,6 +92,8 @@ class CanaryTarget:
     old_replica: int
     new_replica: int
     component: str = "engine"
+    prefill: tuple[int, int] | None = None
+    """A disaggregated job's prefill replicas (old, new) of the pairs the canary scores (None: one engine each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +229,7 @@ def plan_upgrade(
     ray_job: dict[str, Any] | None = None,
     stopped: bool = False,
     now: dt.datetime,
+    prefill_set: dict[str, Any] | None = None,
 ) -> UpgradePlan:
     """What the engines and the trainer should run, given the spec, what the cluster runs and the
     operator's record of the upgrade (``prev``, upgrade_record.read_record). One upgrade at a time: an
@@ -233,7 +243,9 @@ def plan_upgrade(
             plan = replace(plan, rollout=EngineRollout(image=verified))  # the engine change waits its turn
         return plan
     engine_prev = prev if prev is None or prev.component == "engine" else None
-    engines = _plan_engines(job, statefulset, engine_prev, canary=canary, stopped=stopped, now=now)
+    engines = _plan_engines(
+        job, statefulset, engine_prev, canary=canary, stopped=stopped, now=now, prefill_set=prefill_set
+    )
     if engines.status is not None and engines.status.phase in ACTIVE:
         return engines
     running_trainer = verified_trainer_image(ray_job)
@@ -250,16 +262,17 @@ def _plan_engines(
     canary: CanaryInputs,
     stopped: bool,
     now: dt.datetime,
+    prefill_set: dict[str, Any] | None = None,
 ) -> UpgradePlan:
     spec_image = job.spec.inference.image
     policy = job.spec.upgrade_policy
-    replicas = job.spec.inference.replicas
+    replicas = engine_replicas(job.spec)
     running = verified_engine_image(statefulset, prev)  # never an image edited into the template by hand
     force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
     active = prev is not None and prev.phase in ("Canary", "Rolling", "Blocked")
 
     if active and prev is not None and prev.to == spec_image:
-        return _continue(job, prev, statefulset, canary, force, stopped, now)
+        return _continue(job, prev, statefulset, canary, force, stopped, now, prefill_set)
     if active and prev is not None and prev.phase in ("Canary", "Blocked") and spec_image == prev.from_image:
         # The user went back to the image that is running: nothing to roll, the attempt is over.
         cancelled = prev.model_copy(
@@ -295,10 +308,14 @@ def _plan_engines(
         )
         status = status.model_copy(update={"phase": "Rolling", "message": f"rolling every replica: {why}"})
         return UpgradePlan(status, EngineRollout(image=spec_image), forced=force)
-    return _canary(status, replicas)
+    return _canary(status, replicas, _prefill_replicas(job))
 
 
-def _canary(status: UpgradeStatus, replicas: int) -> UpgradePlan:
+def _prefill_replicas(job: RLJob) -> int | None:
+    return role_replicas(job.spec, EngineRole.PREFILL) if roles(job.spec) else None
+
+
+def _canary(status: UpgradeStatus, replicas: int, prefill: int | None = None) -> UpgradePlan:
     status = status.model_copy(
         update={
             "message": f"canary: one extra replica on {status.to} is scored against one on {status.from_image}",
@@ -306,7 +323,12 @@ def _canary(status: UpgradeStatus, replicas: int) -> UpgradePlan:
     )
     rollout = EngineRollout(image=status.to, surge_replicas=1, partition=replicas, regular_image=status.from_image)
     target = CanaryTarget(
-        attempt=status.attempt, old_image=status.from_image, new_image=status.to, old_replica=0, new_replica=replicas
+        attempt=status.attempt,
+        old_image=status.from_image,
+        new_image=status.to,
+        old_replica=0,
+        new_replica=replicas,
+        prefill=None if prefill is None else (0, prefill),  # the prefill role's surge ordinal is its replicas
     )
     return UpgradePlan(status, rollout, target)
 
@@ -319,8 +341,9 @@ def _continue(
     force: bool,
     stopped: bool,
     now: dt.datetime,
+    prefill_set: dict[str, Any] | None = None,
 ) -> UpgradePlan:
-    replicas = job.spec.inference.replicas
+    replicas = engine_replicas(job.spec)
     pods = 0 if stopped else replicas  # StatefulSet pods or LeaderWorkerSet groups: one per replica
     if prev.phase == "Canary":
         if force or stopped:
@@ -332,13 +355,15 @@ def _continue(
             return _rolling(judged, why)
         if passed is False:
             return _blocked(judged, why)
-        return _waiting(job, _canary(prev, replicas), canary, now)
+        return _waiting(job, _canary(prev, replicas, _prefill_replicas(job)), canary, now)
     if prev.phase == "Blocked":
         if force:
             plan = _rolling(prev, "forced by the r3operator.io/upgrade=force annotation after a failed canary")
             return replace(plan, forced=True)
         return UpgradePlan(prev, EngineRollout(image=prev.from_image), blocked_message=prev.message)
     done, replicas_updated = rolled_out(statefulset, pods=pods)
+    if (prefill := _prefill_replicas(job)) is not None:  # Complete once both roles run the new image
+        done = done and rolled_out(prefill_set, pods=0 if stopped else prefill)[0]
     if done:
         status = prev.model_copy(
             update={"phase": "Complete", "replicas_updated": replicas, "message": f"every replica runs {prev.to}"}
@@ -407,7 +432,7 @@ def _trainer_attempt(job: RLJob, good: str, now: dt.datetime) -> UpgradePlan:
         }
     )
     force = job.metadata.annotations.get(ANNOTATION_UPGRADE) == FORCE
-    if force or not job.spec.upgrade_policy.canary or job.spec.inference.replicas == 0:
+    if force or not job.spec.upgrade_policy.canary or engine_replicas(job.spec) == 0:
         why = (
             "forced by the r3operator.io/upgrade=force annotation"
             if force

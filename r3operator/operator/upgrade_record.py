@@ -97,14 +97,17 @@ def canary_pods(pods: list[dict[str, Any]], attempt: str) -> list[dict[str, Any]
     ]
 
 
-def surge_pods(pods: list[dict[str, Any]], engine_name: str, replicas: int) -> list[dict[str, Any]]:
+def surge_pods(
+    pods: list[dict[str, Any]], engine_name: str, replicas: int, *, role: str = meta.ROLE_ENGINE
+) -> list[dict[str, Any]]:
     """The surge replica's pods: StatefulSet ordinal ``replicas`` (``<engine>-<replicas>``), or the
-    LeaderWorkerSet group ``replicas`` (its leader of that name, its workers ``<engine>-<replicas>-<i>``)."""
+    LeaderWorkerSet group ``replicas`` (its leader of that name, its workers ``<engine>-<replicas>-<i>``).
+    ``role``: the pods' role label (a disaggregated job's prefill engines are ``prefill``)."""
     surge = f"{engine_name}-{replicas}"
     return [
         p
         for p in pods
-        if _labels(p).get(meta.LABEL_ROLE) == meta.ROLE_ENGINE
+        if _labels(p).get(meta.LABEL_ROLE) == role
         and (p["metadata"]["name"] == surge or p["metadata"]["name"].startswith(f"{surge}-"))
     ]
 

@@ -374,6 +374,10 @@ class HTTPEngine:
     def device_uuids(self) -> list[str | None]:
         return self._rpc_all("r3_device_uuid")
 
+    def engine_build(self) -> str:
+        """The engine's vLLM release and pod image (`r3_engine_build`): pairs a disaggregated job's roles."""
+        return str(self._rpc("r3_engine_build"))
+
     def policy_tag(self) -> str | None:
         tags = set(self._rpc_all("r3_policy_tag") or [None])
         return tags.pop() if len(tags) == 1 else None  # every worker must hold the same policy

@@ -140,3 +140,41 @@ class TrajectoryRoutes:
     def routes(self, *, num_experts: int | None = None) -> RoutedExperts:
         """The captured rows as compact :class:`RoutedExperts` starting at position 0."""
         return encode(self.array(), num_experts=num_experts)
+
+
+def stitch_disaggregated(
+    prefill: RoutedExperts,
+    decode_routes: RoutedExperts,
+    *,
+    prompt_len: int,
+    generated_len: int,
+    num_experts: int | None = None,
+) -> tuple[RoutedExperts, bool]:
+    """One request served by a prefill engine and a decode engine → the routes a single engine would return, and
+    whether the two engines routed the prompt's last token alike.
+
+    ``prefill``: rows ``[start, prompt_len)``, every prompt token, computed by the prefill engine (a request of one
+    generated token). ``decode_routes``: rows ``[prompt_len - 1, prompt_len + generated_len - 1)``, asked for with
+    ``routed_experts_prompt_start = prompt_len - 1``: the decode engine loaded the KV of the earlier prompt tokens
+    (its rows for them are whatever its slots held before, never returned), recomputed the last prompt token to
+    sample from, and generated. The result keeps the prefill engine's rows for the whole prompt, the boundary token
+    included, and takes the decode engine's from the first generated token on; the decode engine's own row of the
+    boundary token is compared with the prefill engine's (False: the KV it attended to was not the prefill's, or the
+    engines differ in their numerics). Raises RoutingDataError when either part does not cover its rows.
+    """
+    check_row_count(prefill, prompt_len=prompt_len, generated_len=1)
+    if decode_routes.start != prompt_len - 1:
+        raise RoutingDataError(
+            f"decode routes start at row {decode_routes.start}, expected the prompt's last token {prompt_len - 1}"
+        )
+    check_row_count(decode_routes, prompt_len=prompt_len, generated_len=generated_len)
+    if (prefill.num_layers, prefill.top_k) != (decode_routes.num_layers, decode_routes.top_k):
+        raise RoutingDataError(
+            f"prefill routes have (layers, top_k)=({prefill.num_layers}, {prefill.top_k}), decode routes "
+            f"({decode_routes.num_layers}, {decode_routes.top_k})"
+        )
+    head, tail = decode(prefill, validate=False), decode(decode_routes, validate=False)
+    boundary_agrees = bool(len(head) and len(tail)) and bool(np.array_equal(head[-1], tail[0]))
+    # np.concatenate promotes to the wider of the two compact dtypes: no id wraps (reference §8.8.3).
+    rows = np.concatenate([head, tail[1:]], axis=0)
+    return encode(rows, start=prefill.start, num_experts=num_experts), boundary_agrees

@@ -35,6 +35,7 @@ def build_settings(
             "ignored: %s (not a setting; see docs/runtime.md, Overrides)", ", ".join(unknown)
         )
     engine_urls: list[str] = []
+    prefill_urls: list[str] = []
     run_dir: Path | None = None
     routing_dir: Path | None = None
     weight_transfer = None
@@ -46,6 +47,7 @@ def build_settings(
         if runtime.weight_transfer is not None:
             weight_transfer = runtime.weight_transfer.choice()
         engine_urls = list(runtime.engine_urls)
+        prefill_urls = list(runtime.prefill_engine_urls)
         routing_dir = env.host_path(runtime.routing_dir)
         run_dir = routing_dir / RUNS_DIR / job.metadata.name
     elif file is not None:
@@ -54,6 +56,8 @@ def build_settings(
         raise ValueError("give an RLJob file or --config")
     if env.engine_urls:
         engine_urls = list(env.engine_urls)
+    if env.prefill_engine_urls:
+        prefill_urls = list(env.prefill_engine_urls)
     total = steps or env.steps or job.spec.algorithm.steps
     resolved = resolve_device(device)
     port = metrics_port if metrics_port is not None else env.driver_metrics_port
@@ -69,6 +73,7 @@ def build_settings(
         model_override=model or env.model,
         metrics_port=port or None,
         engine_urls=engine_urls,
+        prefill_engine_urls=prefill_urls,
         engine_dtype=env.engine_dtype or default_engine_dtype(resolved),
         trainer_ranks=trainer_ranks or env.trainer_ranks,
         weight_transfer=weight_transfer,

@@ -40,6 +40,8 @@ class RunSettings:
     replay_override: str | None = None  # "R3" / "R2" / "Disabled" (compare-replay)
     metrics_port: int | None = None
     engine_urls: list[str] = field(default_factory=list)
+    prefill_engine_urls: list[str] = field(default_factory=list)
+    """A disaggregated job's prefill engines (its decode engines are `engine_urls`)."""
     engine_dtype: str = "float32"
     show_progress: bool = True
     routing_dir: Path | None = None

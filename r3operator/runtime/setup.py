@@ -110,15 +110,31 @@ def start_ray(*, in_cluster: bool) -> None:
 def start_engines(settings: RunSettings, model_dir: Path, *, capture_routes: bool = True) -> EngineGroup:
     from r3operator.rollout.engines import HTTPEngine, RayEngine
 
+    disaggregated = settings.job.spec.inference.disaggregation is not None
     if settings.engine_urls:
         from transformers import AutoConfig
 
         experts = int(AutoConfig.from_pretrained(model_dir).num_experts)
-        return EngineGroup(
-            [
-                HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts)
-                for url in settings.engine_urls
+
+        def engines(urls: list[str]) -> list[HTTPEngine]:
+            return [
+                HTTPEngine(url, staging_dir=settings.run_dir / "weight-staging", num_experts=experts) for url in urls
             ]
+
+        if disaggregated:
+            from r3operator.rollout.disaggregated import DisaggregatedGroup
+
+            if not settings.prefill_engine_urls:
+                raise ValueError(
+                    "spec.inference.disaggregation is set but no prefill engine URL is given (the runtime config's "
+                    "prefillEngineURLs or R3OPERATOR_PREFILL_ENGINE_URLS)"
+                )
+            return DisaggregatedGroup(engines(settings.prefill_engine_urls), engines(settings.engine_urls))
+        return EngineGroup(engines(settings.engine_urls))
+    if disaggregated:
+        raise ValueError(
+            "spec.inference.disaggregation runs prefill and decode engines over HTTP: start the job with "
+            "`r3operator up` or on a cluster (`r3operator run` starts one in-process engine)"
         )
     start_ray(in_cluster=False)
     backend = weight_sync.local_engine_backend(settings.device)

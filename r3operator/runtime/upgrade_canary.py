@@ -36,6 +36,8 @@ from r3operator.api.canary_verdict import TERMINATION_LOG, termination_message
 from r3operator.api.enums import ReplayMode
 from r3operator.api.v1alpha1 import EngineFidelity, UpgradeCanary, UpgradePolicySpec
 from r3operator.rollout.client import OpenAIHTTPClient
+from r3operator.rollout.disaggregated import DisaggregatedGroup
+from r3operator.rollout.engines import HTTPEngine
 from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
@@ -183,18 +185,30 @@ def canary_context(settings: RunSettings) -> CanaryContext:
     return CanaryContext(settings, shape, load_policy(settings, model_dir), prompts)
 
 
-def score_url(ctx: CanaryContext, url: str, *, image: str) -> EngineFidelity:
-    """One engine's samples scored by this trainer; an engine that does not answer scores as invalid."""
+def score_url(ctx: CanaryContext, url: str, *, image: str, prefill_url: str | None = None) -> EngineFidelity:
+    """One engine's samples scored by this trainer; an engine that does not answer scores as invalid.
+    ``prefill_url``: a disaggregated job's prefill engine, which prefills every request decoded on ``url``
+    (rollout/disaggregated.py): the pair is scored as the trainer's rollouts would run on it."""
     spec = ctx.settings.job.spec
     try:
-        client = OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
-        samples = client.generate(
+        samples = _client(ctx, url, prefill_url).generate(
             ctx.prompts, max_tokens=spec.upgrade_policy.max_tokens, temperature=1.0, seed=spec.seed, n=1
         )
         return score_engine(ctx.trainer, samples, image=image, shape=ctx.shape, device=ctx.settings.device)
     except Exception as exc:  # the canary fails with the reason instead of crashing without a verdict
         log.error("engine %s: %s", url, exc)
         return EngineFidelity(image=image, routes_valid=False, message=f"{url}: {exc}"[:1024])
+
+
+def _client(ctx: CanaryContext, url: str, prefill_url: str | None) -> OpenAIHTTPClient | DisaggregatedGroup:
+    if prefill_url is None:
+        return OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
+    staging = ctx.settings.run_dir / "weight-staging"  # never written: the canary syncs no weights
+    experts = ctx.shape.num_experts
+    return DisaggregatedGroup(
+        [HTTPEngine(prefill_url, staging_dir=staging, num_experts=experts)],
+        [HTTPEngine(url, staging_dir=staging, num_experts=experts)],
+    )
 
 
 def run_upgrade_canary(

@@ -65,6 +65,29 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(**{"routingReplay.mode": "R2", "inference.decodeContextParallelSize": 2}),
         sets(**{"inference.decodeContextParallelSize": 2}),
     ),
+    "PD-ONE-CONNECTOR": (
+        sets(**{"inference.disaggregation": {"connector": "storage"}, "inference.kvCacheOffload": False}),
+        sets(**{"routingReplay.mode": "R2", "inference.disaggregation": {}, "inference.kvConnector": "nixl"}),
+    ),
+    "PD-PREFILL-ONE-POD": (
+        sets(**{"inference.disaggregation": {"prefill": {"tensorParallelSize": 8}}, "inference.gpusPerNode": 8}),
+        sets(
+            **{
+                "inference.disaggregation": {"prefill": {"dataParallelSize": 4}, "decode": {"dataParallelSize": 1}},
+                "inference.tensorParallelSize": 4,
+                "inference.gpusPerNode": 8,
+            }
+        ),
+    ),
+    "PD-DECODE-ONE-POD": (
+        sets(
+            **{
+                "inference.disaggregation": {"decode": {"replicas": 4, "tensorParallelSize": 1, "dataParallelSize": 2}},
+                "inference.gpusPerNode": 2,
+            }
+        ),
+        sets(**{"inference.disaggregation": {"decode": {"tensorParallelSize": 16}}, "inference.gpusPerNode": 8}),
+    ),
     "R3-KV-CONNECTOR": (
         sets(**{"routingReplay.mode": "R2", "inference.kvConnector": "nixl"}),
         sets(**{"inference.kvConnector": "lmcache"}),

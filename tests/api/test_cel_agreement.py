@@ -165,6 +165,13 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         inf["dataParallelSizeLocal"] = draw(st.integers(1, 4))
     if draw(st.booleans()):
+        role = st.fixed_dictionaries(
+            {}, optional={"tensorParallelSize": st.integers(1, 8), "dataParallelSize": st.integers(1, 4)}
+        )
+        inf["disaggregation"] = {"connector": draw(st.sampled_from(["nixl", "storage"])), "prefill": draw(role)}
+        if draw(st.booleans()):
+            inf["disaggregation"]["decode"] = draw(role)
+    if draw(st.booleans()):
         inf["speculativeDecoding"] = {"method": "mtp", "numSpeculativeTokens": draw(st.integers(1, 3))}
     tr = s["trainer"]
     tr["backend"] = draw(st.sampled_from(["FSDP", "Megatron"]))

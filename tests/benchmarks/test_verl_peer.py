@@ -566,7 +566,7 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
         for key in ("rollout", "algorithm", "task", "seed", "weight_sync", "model"):
             assert spec[key] == ({**base[key], **fast[key]} if key in fast else base[key]), key
         assert (job.spec.weight_sync.layout.value, job.spec.algorithm.mode) == (
-            ("kernel", "async") if sub == "r3-fast" else ("checkpoint", "sync")
+            ("kernel", "async") if sub == "r3-fast" else ("auto", "sync")  # the default layout: the fastest admitted
         )
         assert spec["inference"] == base["inference"]
         plan = plan_up(

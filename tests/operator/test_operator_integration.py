@@ -407,3 +407,53 @@ def test_engine_network_policy_selects_this_jobs_engine_pods_and_admits_its_trai
     assert namespaces["ports"] == [{"protocol": "TCP", "port": 8000}]
     # The API server labels every namespace with its name, which is what that selector matches on.
     assert cluster.get(f"/api/v1/namespaces/{NS}")["metadata"]["labels"]["kubernetes.io/metadata.name"] == NS
+
+
+def test_disaggregated_job_renders_both_roles_reports_each_and_upgrades_both(cluster: Cluster, operator: KopfRunner):
+    job = "pd"
+    one_gpu = {"inference.tensorParallelSize": 1, "inference.dataParallelSize": 1, "inference.replicas": 2}
+    disaggregated = {"inference.disaggregation": {"connector": "nixl", "prefill": {"replicas": 1}}}
+    # The only KV connector R3 stitches is a prefill/decode split: kubectl apply says so, naming the field.
+    refused = cluster.apply(example("pd-kv", NS, **{"inference.kvConnector": "nixl"}), check=False)
+    assert refused.returncode != 0 and "spec.inference.kvConnector" in refused.stderr
+    assert "set inference.disaggregation (connector nixl or storage)" in refused.stderr
+
+    cluster.apply(example(job, NS, **one_gpu, **disaggregated, **{"upgradePolicy.canary": False}))
+    prefill_path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/{job}-prefill"
+    wait_for(lambda: (cluster.get(prefill_path) or {}).get("spec", {}).get("replicas") == 1, what="the prefill role")
+    wait_for(lambda: cluster.get(paths(NS, job)["sts"])["spec"]["replicas"] == 2, what="the decode role")
+    prefill = cluster.get(prefill_path)
+    assert cluster.get(f"/api/v1/namespaces/{NS}/services/{job}-prefill") is not None
+    command = prefill["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}' in command
+    # Readiness per role: the real StatefulSet controller, scheduler and kwok's kubelets run both roles' pods.
+    table = wait_for(
+        lambda: (out := cluster.kubectl("get", "rlj", job, "-n", NS).stdout) and "P 1/1 D 2/2" in out and out,
+        timeout=90,
+        what="the ENGINES column per role",
+    )
+    assert "P 1/1 D 2/2" in table
+    status = cluster.get(paths(NS, job)["rljob"])["status"]
+    assert status["prefillEngines"]["readyReplicas"] == 1 and status["engines"]["readyReplicas"] == 2
+    fence = cluster.get(paths(NS, job)["np"])["spec"]["podSelector"]
+    assert fence["matchExpressions"][0]["values"] == ["engine", "prefill"]
+
+    # An image upgrade moves both roles; the record says Complete once both StatefulSets rolled.
+    new = "vllm/vllm-openai:v0.30.0"
+    cluster.apply(
+        example(job, NS, **one_gpu, **disaggregated, **{"upgradePolicy.canary": False, "inference.image": new})
+    )
+    for path in (prefill_path, paths(NS, job)["sts"]):
+        wait_for(
+            lambda path=path: cluster.get(path)["spec"]["template"]["spec"]["containers"][0]["image"] == new,
+            what=f"{path} on the new image",
+        )
+    wait_for(
+        lambda: (record := read_record(cluster.get(paths(NS, job)["sts"]))) is not None and record.phase == "Complete",
+        timeout=90,
+        what="the upgrade recorded Complete",
+    )
+    images = {
+        c["image"] for p in _pods(cluster, job, "statefulset.kubernetes.io/pod-name") for c in p["spec"]["containers"]
+    }
+    assert images == {new}

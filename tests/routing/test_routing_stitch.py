@@ -133,3 +133,59 @@ def test_missing_routes_invalidate() -> None:
     traj = TrajectoryRoutes(num_layers=L, top_k=K)
     traj.add_turn(prompt_ids=[1, 2], generated_ids=[3], routes=None)
     assert not traj.valid and "no routed experts" in (traj.invalid_reason or "")
+
+
+# ------------------------------------------------------------------------------------ prefill/decode
+
+
+def test_disaggregated_routes_are_the_prefill_rows_of_the_prompt_then_the_decode_rows() -> None:
+    from r3operator.routing.stitch import stitch_disaggregated
+
+    prompt, generated, start = 7, 5, 2
+    whole = make_routes(prompt + generated - 1, L, K, E, seed=3)  # what one engine returns for [0, P + G - 1)
+    prefill = encode(whole[start:prompt], start=start)  # a request of one token: rows [start, P)
+    decode = encode(whole[prompt - 1 :], start=prompt - 1)  # asked from the prompt's last token on
+    stitched, agrees = stitch_disaggregated(prefill, decode, prompt_len=prompt, generated_len=generated)
+    assert agrees and stitched.start == start
+    np.testing.assert_array_equal(decode_rows(stitched), whole[start:])
+
+    # The decode engine routed the boundary token otherwise: the prefill engine's row is kept, and it is said.
+    other = whole[prompt - 1 :].copy()
+    other[0] = make_routes(1, L, K, E, seed=99)[0]
+    stitched, agrees = stitch_disaggregated(
+        prefill, encode(other, start=prompt - 1), prompt_len=prompt, generated_len=generated
+    )
+    assert not agrees
+    np.testing.assert_array_equal(decode_rows(stitched)[prompt - 1 - start], whole[prompt - 1])
+
+
+def test_disaggregated_parts_that_do_not_cover_their_rows_are_refused() -> None:
+    from r3operator.routing.stitch import stitch_disaggregated
+
+    whole = make_routes(10, L, K, E, seed=4)  # prompt 6, generated 5
+    prefill, decode = encode(whole[:6]), encode(whole[5:], start=5)
+    with pytest.raises(RoutingDataError, match="decode routes start at row 6, expected the prompt's last token 5"):
+        stitch_disaggregated(prefill, encode(whole[6:], start=6), prompt_len=6, generated_len=5)
+    with pytest.raises(RoutingDataError, match="expected"):  # a prefill answer one row short (off by one)
+        stitch_disaggregated(encode(whole[:5]), decode, prompt_len=6, generated_len=5)
+    with pytest.raises(RoutingDataError, match="expected"):
+        stitch_disaggregated(prefill, decode, prompt_len=6, generated_len=4)
+
+
+def test_disaggregated_stitch_widens_instead_of_wrapping_ids() -> None:
+    from r3operator.routing.stitch import stitch_disaggregated
+
+    low = make_routes(6, L, K, 200, seed=5)  # fits uint8
+    high = make_routes(3, L, K, 300, seed=6) + 0  # ids past 255: uint16
+    high[-1, 0, 0] = 299
+    prefill = encode(low)
+    assert prefill.dtype == "uint8"
+    boundary_and_tail = np.concatenate([low[-1:], high[1:]])
+    stitched, _ = stitch_disaggregated(prefill, encode(boundary_and_tail, start=5), prompt_len=6, generated_len=3)
+    assert stitched.dtype == "uint16" and int(decode_rows(stitched).max()) == 299
+
+
+def decode_rows(routes: RoutedExperts) -> np.ndarray:
+    from r3operator.routing import decode
+
+    return decode(routes)

@@ -10,7 +10,12 @@ argv (engines only; the trainer's argv is the rendered entrypoint unchanged):
   - an argument that starts with a volume's ``mountPath`` → the same under that volume's host directory
     (vLLM is given its model as a path on the routing volume or the model volume);
   - ``--data-parallel-rpc-port R`` (a LeaderWorkerSet group's pods) → R + ``port_offset`` + the group's index:
-    every group meets on its own port of this one host.
+    every group meets on its own port of this one host;
+  - ``--kv-transfer-config``'s ``shared_storage_path`` (a disaggregated job's storage connector) → the same under
+    that volume's host directory (a claim's ``subPath`` is a directory under the claim's).
+A disaggregated job's engines are both StatefulSets' pods (``prefill-<i>`` first, then ``engine-<i>``), each on
+a port of its own; a ``status.podIP`` reference (NixlConnector's side-channel host) is 127.0.0.1 and
+``VLLM_NIXL_SIDE_CHANNEL_PORT`` moves as ``--port`` does.
 env, added (the host environment is inherited beneath, without ``KUBERNETES_SERVICE_HOST``/``_PORT``):
   - every process: ``PATH`` (this Python's bin directory first, so ``vllm``/``r3operator`` are this
     environment's), ``HOSTNAME`` (the pod's name), ``CUDA_VISIBLE_DEVICES`` (the GPUs its
@@ -28,6 +33,7 @@ Pure: no process is started and nothing is written (cli/up/runner.py does both).
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,13 +52,14 @@ from r3operator.settings import CONFIG_DIR, CONFIG_KEY, ROUTING_MOUNT, RuntimeSe
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_GRACE_S = 30
 """Kubernetes' terminationGracePeriodSeconds when a pod does not set one."""
-ARGV_SUBSTITUTIONS = ("--port", "mountPath prefixes", "--data-parallel-rpc-port")
+ARGV_SUBSTITUTIONS = ("--port", "mountPath prefixes", "--data-parallel-rpc-port", "--kv-transfer-config storage path")
 ENV_ADDED_EVERYWHERE = ("PATH", "HOSTNAME", "CUDA_VISIBLE_DEVICES")
 GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
 ENV_ADDED_LWS = (LEADER_ADDRESS_ENV, GROUP_SIZE_ENV, WORKER_INDEX_ENV)
 DP_RPC_PORT_FLAG = "--data-parallel-rpc-port"
 ENV_ADDED_TRAINER = tuple(
-    RuntimeSettings.env_name(f) for f in ("mounts", "engine_urls", "driver_metrics_port", "steps", "engine_dtype")
+    RuntimeSettings.env_name(f)
+    for f in ("mounts", "engine_urls", "prefill_engine_urls", "driver_metrics_port", "steps", "engine_dtype")
 )
 ENV_DROPPED = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 
@@ -150,14 +157,20 @@ def _engine_pods(children: list[dict[str, Any]]) -> list[_EnginePod]:
     controllers give them: ``<sts>-<ordinal>``; ``<lws>-<group>`` (leader) and ``<lws>-<group>-<index>``."""
     lws = [c for c in children if c["kind"] == "LeaderWorkerSet"]
     if not lws:
-        statefulset = _one(children, "StatefulSet")
-        pod_spec = statefulset["spec"]["template"]["spec"]
-        (container,) = pod_spec["containers"]
-        name = statefulset["metadata"]["name"]
-        return [
-            _EnginePod(f"{name}-{i}", f"engine-{i}", i, pod_spec, container)
-            for i in range(int(statefulset["spec"]["replicas"]))
-        ]
+        # One StatefulSet, or a disaggregated job's two (prefill first): every pod gets a port of its own.
+        pods: list[_EnginePod] = []
+        for statefulset in [c for c in children if c["kind"] == "StatefulSet"]:
+            pod_spec = statefulset["spec"]["template"]["spec"]
+            (container,) = pod_spec["containers"]
+            name = statefulset["metadata"]["name"]
+            role = statefulset["metadata"]["labels"].get(meta.LABEL_ROLE, meta.ROLE_ENGINE)
+            pods += [
+                _EnginePod(f"{name}-{i}", f"{role}-{i}", len(pods) + i, pod_spec, container)
+                for i in range(int(statefulset["spec"]["replicas"]))
+            ]
+        if not pods and not any(c["kind"] == "StatefulSet" for c in children):
+            _one(children, "StatefulSet")  # says what was rendered instead
+        return pods
     (group_set,) = lws
     name = group_set["metadata"]["name"]
     size = int(group_set["spec"]["leaderWorkerTemplate"]["size"])
@@ -196,9 +209,16 @@ def _one(children: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}
+NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
 def _env(container: dict[str, Any], pod: str) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in container.get("env", []):
+        if item.get("valueFrom") == POD_IP_REF:  # NixlConnector's side-channel host: every pod is this host
+            env[item["name"]] = "127.0.0.1"
+            continue
         if "value" not in item:
             raise UpError(
                 f"pod {pod}: env {item['name']} comes from {sorted(set(item) - {'name'})}; up sets only literal values"
@@ -249,7 +269,8 @@ class _Volumes:
                     f"{self.filled_by_jobs[claim]} (up runs no Jobs); fetch it with `r3operator fetch "
                     f"URI DIR` and give --volume {path}=DIR"
                 )
-            return str(self.run_dir / "volumes" / claim)
+            sub = mount.get("subPath")
+            return str(self.run_dir / "volumes" / claim / sub) if sub else str(self.run_dir / "volumes" / claim)
         empty = volume.get("emptyDir")
         if empty is not None and path == "/dev/shm":
             return path
@@ -272,12 +293,27 @@ def _remap_path(arg: str, table: dict[str, str]) -> str:
     return arg
 
 
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+
+def _remap_kv_storage(value: str, table: dict[str, str]) -> str:
+    config = json.loads(value)
+    extra = config.get("kv_connector_extra_config") or {}
+    if "shared_storage_path" not in extra:
+        return value
+    extra["shared_storage_path"] = _remap_path(str(extra["shared_storage_path"]), table)
+    return json.dumps(config, separators=(",", ":"))
+
+
 def _substitute_argv(
     argv: list[str], *, port: int, local_port: int, table: dict[str, str], rpc_shift: int | None = None
 ) -> list[str]:
     """``rpc_shift``: a LeaderWorkerSet pod's ``--data-parallel-rpc-port`` is moved by this much (its group's
     own port on this host)."""
     out = [_remap_path(a, table) for a in argv]
+    for i, a in enumerate(out[:-1]):
+        if a == KV_TRANSFER_FLAG:  # the storage connector's folder is a path inside the flag's JSON
+            out[i + 1] = _remap_kv_storage(out[i + 1], table)
     hits = [i for i, a in enumerate(out[:-1]) if a == "--port"]
     if any(out[i + 1] != str(port) for i in hits) or any(a.startswith("--port=") for a in out):
         raise UpError(f"engine argv names a port other than the containerPort {port}: {shlex.join(argv)}")
@@ -389,6 +425,8 @@ def plan_up(
         )
         assigned = take(_gpu_count(container))
         env = {**rendered_env, **engine_pod.lws_env, "PATH": path_env, "HOSTNAME": engine_pod.pod}
+        if NIXL_PORT_ENV in env:  # each prefill pod's side channel on a port of its own, as its HTTP port
+            env[NIXL_PORT_ENV] = str(int(env[NIXL_PORT_ENV]) + port_offset + engine_pod.replica)
         if assigned:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
         engines.append(
@@ -425,6 +463,11 @@ def plan_up(
         "HOSTNAME": trainer_pod,
         RuntimeSettings.env_name("mounts"): ",".join(f"{k}={v}" for k, v in sorted(mounts.items())),
         RuntimeSettings.env_name("engine_urls"): ",".join(urls),
+        **(
+            {RuntimeSettings.env_name("prefill_engine_urls"): ",".join(prefill_urls)}
+            if (prefill_urls := [_local_url(url, local_ports) for url in runtime.prefill_engine_urls])
+            else {}
+        ),
         RuntimeSettings.env_name("driver_metrics_port"): str(int(metrics_spec["containerPort"]) + port_offset),
     }
     if assigned := take(trainer_gpus):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api.disaggregation import engine_replicas, engine_role_name, role_replicas, roles
+from r3operator.api.enums import EngineRole
 from r3operator.api.plan import plan
 from r3operator.api.runtime_config import JobName, RuntimeBlock, RuntimeConfig, WeightTransferConfig
 from r3operator.api.v1alpha1 import RLJob
@@ -31,7 +33,11 @@ def runtime_config(job: RLJob) -> RuntimeConfig:
             routing_claim=meta.routing_claim_name(job),
             engine_service=engine_service,
             engine_stateful_set=engine_service,  # the LeaderWorkerSet's name too, when a replica spans pods
-            engine_urls=[engine_replica_url(job, i) for i in range(job.spec.inference.replicas)],
+            engine_urls=[engine_replica_url(job, i) for i in range(engine_replicas(job.spec))],
+            prefill_engine_urls=[
+                engine_replica_url(job, i, role=EngineRole.PREFILL)
+                for i in range(role_replicas(job.spec, EngineRole.PREFILL) if roles(job.spec) else 0)
+            ],
             trainer_ray_job=meta.child_name(job, meta.ROLE_TRAINER),
             weight_transfer=WeightTransferConfig(
                 method=transfer.method, reason=transfer.reason, fallback=transfer.fallback
@@ -40,10 +46,11 @@ def runtime_config(job: RLJob) -> RuntimeConfig:
     )
 
 
-def engine_replica_url(job: RLJob, replica: int) -> str:
+def engine_replica_url(job: RLJob, replica: int, *, role: EngineRole | None = None) -> str:
     """The API of engine replica ``replica``: pod ``<job>-engine-<replica>``, the StatefulSet's ordinal or the
-    LeaderWorkerSet group's leader (the DP leader), by its DNS name under the engine Service."""
-    service = meta.child_name(job, meta.ROLE_ENGINE)
+    LeaderWorkerSet group's leader (the DP leader), by its DNS name under the engine Service; a prefill replica's
+    pod is ``<job>-prefill-<replica>`` under its own Service."""
+    service = meta.child_name(job, engine_role_name(role))
     namespace = job.metadata.namespace or "default"
     return f"http://{service}-{replica}.{service}.{namespace}.svc:{job.spec.inference.port}"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from r3operator.api.canary_verdict import TERMINATION_LOG
+from r3operator.api.enums import EngineRole
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
 from r3operator.operator.builders.config import engine_replica_url
@@ -75,6 +76,14 @@ def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]
             "--attempt",
             target.attempt,
         ]
+        if target.prefill is not None:  # a disaggregated job: each side is a prefill → decode pair
+            old_prefill, new_prefill = target.prefill
+            container["args"] += [
+                "--old-prefill",
+                engine_replica_url(job, old_prefill, role=EngineRole.PREFILL),
+                "--new-prefill",
+                engine_replica_url(job, new_prefill, role=EngineRole.PREFILL),
+            ]
     labels = {**meta.labels(job, meta.ROLE_UPGRADE_CANARY), LABEL_ATTEMPT: target.attempt}
     template["metadata"] = {"labels": labels}
     template["spec"]["restartPolicy"] = "Never"

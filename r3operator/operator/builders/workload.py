@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from r3operator.api.disaggregation import role_replicas, roles
 from r3operator.api.engine_layout import engine_layout
+from r3operator.api.enums import EngineRole
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
 from r3operator.operator.builders.engine import build_engine_statefulset
@@ -32,6 +34,7 @@ KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_SOURCE = "scheduling.k8s.io/priorityclass"
 POD_SET_ENGINE = "engine"
+POD_SET_PREFILL = "prefill"
 POD_SET_ENGINE_LEADERS = "engine-leaders"
 POD_SET_ENGINE_WORKERS = "engine-workers"
 POD_SET_HEAD = "trainer-head"
@@ -42,7 +45,17 @@ _SCHEDULING_KEYS = ("nodeSelector", "tolerations", "affinity", "topologySpreadCo
 
 def _engine_sets(job: RLJob) -> list[tuple[str, int, dict[str, Any]]]:
     """One pod set of the StatefulSet's pods, or, for a LeaderWorkerSet, one of the leaders (a pod per
-    replica) and one of the workers (``podsPerReplica - 1`` per replica): their templates differ."""
+    replica) and one of the workers (``podsPerReplica - 1`` per replica): their templates differ. A disaggregated
+    job: one pod set per role's StatefulSet (``prefill``, and the decode role as ``engine``)."""
+    if roles(job.spec):
+        return [
+            (
+                POD_SET_PREFILL if role is EngineRole.PREFILL else POD_SET_ENGINE,
+                role_replicas(job.spec, role),
+                build_engine_statefulset(job, replicas=role_replicas(job.spec, role), role=role)["spec"]["template"],
+            )
+            for role in roles(job.spec)
+        ]
     replicas = job.spec.inference.replicas
     layout = engine_layout(job.spec)
     if not layout.multi_pod:

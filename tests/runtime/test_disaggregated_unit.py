@@ -1,0 +1,160 @@
+"""A disaggregated engine group under the weight-sync supervisor: both roles are synced, canaried and checked for the
+current policy; a prefill engine a version behind its decode engine is re-synced and canaried before a rollout; a
+prefill engine is paired only with decode engines of its own build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fake_engine import FakeEngine
+
+from r3operator.rollout.disaggregated import DisaggregatedGroup
+from r3operator.weightsync.faults import EngineSupervisor
+from r3operator.wire.retry import Backoff, EngineUnavailableError
+
+
+@dataclass
+class BuiltEngine(FakeEngine):
+    build: str = "vllm 0.30.0 image engine:a"
+
+    def engine_build(self) -> str:
+        return self.build
+
+
+def _chunks() -> list[Any]:
+    import torch
+
+    from r3operator.wire.weights import pack_chunk
+
+    return [pack_chunk([("layer.weight", torch.ones(2, 2))])]
+
+
+def _supervised(prefill: FakeEngine, decode: FakeEngine, canaried: list[list[str]]) -> EngineSupervisor:
+    group = DisaggregatedGroup([prefill], [decode])  # type: ignore[list-item]  # the fakes stand in for HTTPEngine
+
+    def canary(engines: Any) -> None:
+        canaried.append([e.name for e in engines])
+
+    backoff = Backoff(attempts=2, base_s=0.0, jitter=0.0, sleep=lambda s: None)
+    return EngineSupervisor(group, chunks=_chunks, canary=canary, backoff=backoff, nonce="run1")
+
+
+def test_a_sync_reaches_both_roles_and_a_prefill_engine_a_version_behind_is_resynced_before_a_rollout() -> None:
+    prefill, decode = BuiltEngine(name="prefill-0"), BuiltEngine(name="engine-0")
+    canaried: list[list[str]] = []
+    supervisor = _supervised(prefill, decode, canaried)
+    supervisor.sync(1)
+    supervisor.sync(2)
+    assert prefill.tag == decode.tag == "run1:2"
+    assert prefill.calls.count("finish") == decode.calls.count("finish") == 2  # one bracket each per sync
+
+    prefill.tag = "run1:1"  # the prefill engine serves the previous policy (its last sync did not hold)
+    served: list[str | None] = []
+    supervisor.on_policy(lambda: served.append(prefill.tag), what="rollout")
+    assert served == ["run1:2"]  # re-synced before the rollout ran, never after
+    assert canaried == [["prefill-0"]]  # and canaried alone: the decode engine was current
+
+    prefill.tag = "run1:1"
+    from r3operator.rollout.base import StaleEngineError
+
+    with pytest.raises(StaleEngineError):  # the asynchronous producer's calls refuse instead of re-syncing
+        supervisor.current_only(lambda: None, what="segment")
+
+
+def test_a_prefill_engine_serves_only_with_a_decode_engine_of_its_build() -> None:
+    old_p, new_p = BuiltEngine(name="prefill-0"), BuiltEngine(name="prefill-1", build="vllm 0.30.1 image engine:b")
+    old_d, new_d = BuiltEngine(name="engine-0"), BuiltEngine(name="engine-1", build="vllm 0.30.1 image engine:b")
+    group = DisaggregatedGroup([old_p, new_p], [old_d, new_d])  # type: ignore[list-item]
+    assert [(p.name, d.name) for p, d in group.pairs()] == [("prefill-0", "engine-0"), ("prefill-1", "engine-1")]
+
+    new_p.build = old_p.build  # the prefill role rolled back, the decode engine 1 did not: it gets no request
+    assert [(p.name, d.name) for p, d in group.pairs()] == [("prefill-0", "engine-0")]
+
+    old_d.build = new_d.build  # every decode engine on b, every prefill engine on a: nothing may serve
+    with pytest.raises(EngineUnavailableError, match="no prefill engine shares a build with a decode engine"):
+        group.pairs()
+
+
+def test_a_group_needs_both_roles() -> None:
+    with pytest.raises(ValueError, match="needs both roles, got 0 prefill, 1 decode"):
+        DisaggregatedGroup([], [BuiltEngine()])  # type: ignore[list-item]
+
+
+class _Client:
+    """What DisaggregatedGroup.one asks of an engine's HTTP client, answering from `answers` (one per request)."""
+
+    num_experts = 32
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        self.answers = answers
+        self.bodies: list[dict[str, Any]] = []
+
+    def completion_body(self, prompt: Any, **fields: Any) -> dict[str, Any]:
+        return {"prompt": list(prompt), **fields}
+
+    def request(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        return self.answers.pop(0)
+
+
+def _npy(rows: Any) -> str:
+    import base64
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(rows, dtype=np.int32))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_decode_engine_that_answers_every_row_has_its_stale_prompt_rows_dropped() -> None:
+    """vLLM before 0.30 takes routed_experts_prompt_start only in SamplingParams: over HTTP the decode engine answers
+    rows from 0, those of the loaded prompt tokens stale. The sample keeps the prefill engine's rows for the prompt."""
+    import numpy as np
+
+    from r3operator.routing import decode
+
+    rng = np.random.default_rng(0)
+    prompt, generated = [1, 5, 9, 4, 7], [11, 12, 13]
+    truth = np.stack([rng.permutation(32)[:4].reshape(1, 4).repeat(4, 0) for _ in range(7)])  # [P + G - 1, 4, 4]
+    stale = truth.copy()
+    stale[:4] = (truth[:4] + 1) % 32  # what the decode engine's slots held for the rows it loaded
+    prefill = _Client(
+        [{"choices": [{"token_ids": [11], "routed_experts": _npy(truth[:5])}], "kv_transfer_params": {"x": 1}}]
+    )
+    decode_client = _Client(
+        [
+            {
+                "choices": [
+                    {"token_ids": generated, "logprobs": {"token_logprobs": [-0.1] * 3}, "routed_experts": _npy(stale)}
+                ]
+            }
+        ]
+    )
+
+    @dataclass
+    class Engine:
+        client: Any
+        name: str
+
+    group = DisaggregatedGroup([Engine(prefill, "p")], [Engine(decode_client, "d")])  # type: ignore[list-item]
+    sample = group.one(
+        group.prefill[0],
+        group.decode[0],
+        prompt,
+        prompt_index=0,
+        choice_index=0,
+        max_tokens=3,
+        temperature=0.0,
+        seed=1,
+        start=0,
+    )
+    assert sample.routes is not None, sample.routes_error
+    np.testing.assert_array_equal(decode(sample.routes), truth)
+    assert decode_client.bodies[0]["start"] == len(prompt) - 1 and decode_client.bodies[0]["kv_transfer_params"] == {
+        "x": 1
+    }
+    assert prefill.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True and prefill.bodies[0]["max_tokens"] == 1
