@@ -127,8 +127,9 @@ def test_apply_example_creates_children_with_vllm_flags_and_gpu_requests(cluster
         what="printer columns with the engines Ready",
     )
     header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
-    assert header == ["NAME", "READY", "REASON", "REPLAY", "ENGINES", "TRAINER", "STEP", "UPGRADE", "AGE"]
-    assert row[:6] == ["qwen3-30b-a3b-r3", "False", row[2], "R3", "4/4", "FSDP"]
+    assert header == ["NAME", "READY", "REASON", "REPLAY", "HEALTHY", "ENGINES", "TRAINER", "STEP", "UPGRADE", "AGE"]
+    # HEALTHY: no step has reported yet, so ReplayHealthy is Unknown (NoStepYet)
+    assert row[:7] == ["qwen3-30b-a3b-r3", "False", row[2], "R3", "Unknown", "4/4", "FSDP"]
     engine_pods = _pods(cluster, "qwen3-30b-a3b-r3", "statefulset.kubernetes.io/pod-name")
     assert len(engine_pods) == 4
     assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in engine_pods)
@@ -284,7 +285,7 @@ def test_suspend_and_resume(cluster: Cluster, operator: KopfRunner):
     assert cluster.get(paths(NS, job)["rayjob"])["spec"]["suspend"] is False
     assert cluster.get(paths(NS, job)["rljob"])["status"]["progress"]["step"] == 7
     row = cluster.kubectl("get", "rlj", job, "-n", NS, "--no-headers").stdout.split()
-    assert row[6] == "7"  # the STEP printer column
+    assert row[7] == "7"  # the STEP printer column
 
 
 def test_child_deleted_by_hand_is_recreated(cluster: Cluster, operator: KopfRunner):
