@@ -30,9 +30,9 @@ from r3operator.trainer.batch import TrainBatch, build_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.codec import RoutedExperts
+    from r3operator.routing.sample import RolloutSample
     from r3operator.trainer.metrics import RoutingAgreement
     from r3operator.trainer.replay.hf import RouterReplay
-    from r3operator.wire.sample import RolloutSample
 
 DEFAULT_VARIANTS = (
     "bf16-sdpa-eager",

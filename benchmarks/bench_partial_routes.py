@@ -42,8 +42,8 @@ import numpy as np
 if TYPE_CHECKING:
     from r3operator.rollout.engines import EngineGroup
     from r3operator.rollout.partial import Trajectory
+    from r3operator.routing.sample import RolloutSample
     from r3operator.runtime.config import RunSettings
-    from r3operator.wire.sample import RolloutSample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local-async.yaml"
 

@@ -22,11 +22,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "r3operator"
 # Which of the package's parts each part may import (itself always). `r3operator` itself (the root
 # __init__, only __version__) is below everything. Two stacks share the bottom (settings, api, routing): the
 # control plane is `operator`; the data plane is grouped by where its code runs, from the bottom up:
-# `wire` (what crosses a process boundary: the sample, the weight chunk format, retried calls), `engine`
-# (inside vLLM), `tasks` and `trainer` (side by side: neither knows the other), `rollout` (the driver's handle
-# on engines), `weightsync` (trainer -> engines: it takes the trainer's tensors through the driver, never the
-# trainer package), `runtime` (the driver that runs the loop). What two of them share lives below both (the
-# routing agreement and the routes' placement in `routing`).
+# `routing` (numpy only: the routed experts, the rollout sample that carries them, the agreement metric and the
+# routes' placement, which every data-plane part reads), `wire` (what crosses a process boundary for weight sync:
+# the chunk format, the sync's typed messages, the receipt, the phase clock, shared buffers and the doorbell; and
+# `retry.py`, the retry policy of every call across a process boundary, because its users -- the HTTP reward of
+# `tasks`, the engine handles of `rollout`, the supervisor of `weightsync` -- share no part above `wire`),
+# `engine` (inside vLLM), `tasks` and `trainer` (side by side: neither knows the other), `rollout` (the driver's
+# handle on engines: generation and one transport call for the sync's messages), `weightsync` (trainer ->
+# engines: it takes the trainer's tensors through the driver, never the trainer package), `runtime` (the driver
+# that runs the loop). What two of them share lives below both.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "r3operator": frozenset(),
     "settings": frozenset(),
@@ -186,6 +190,28 @@ def test_only_the_command_line_and_observability_import_the_runtime() -> None:
     assert importers <= {"cli", "observability"}
 
 
+# Inside the control plane: the manifest builders are pure and below the controller's logic (reconcile, upgrade,
+# status, ...), which renders through them; a builder imports only other builders and these.
+BUILDERS_MAY_IMPORT = frozenset({"r3operator.operator.meta", "r3operator.operator.hashing"})
+
+
+def builder_violations(edges: list[Edge]) -> list[str]:
+    builders = "r3operator.operator.builders"
+    return [
+        f"{e.source} (line {e.line}) imports {e.target}: a builder imports only builders, meta and hashing"
+        for e in edges
+        if e.source.startswith(builders)
+        and e.target.startswith("r3operator.operator.")
+        and not e.target.startswith(builders)
+        and e.target not in BUILDERS_MAY_IMPORT
+    ]
+
+
+def test_the_operators_builders_import_no_controller_module() -> None:
+    violations = builder_violations(import_edges(_package_modules()))
+    assert violations == [], "\n".join(violations)
+
+
 def test_the_layers_form_no_cycle_and_settings_and_routing_import_nothing_of_ours() -> None:
     edges = [Edge(src, dst, 0) for src, targets in MAY_IMPORT.items() for dst in targets]
     assert cycles(edges) == []
@@ -232,7 +258,7 @@ MAY_LOAD: dict[str, set[str]] = {
     "r3operator.api.vllm_args": set(),
     # what the data plane's processes exchange loads no framework: the driver, a reward server or a test reads
     # a sample or a weight chunk's index without torch, vLLM or Ray
-    "r3operator.wire.sample": set(),
+    "r3operator.routing.sample": set(),
     "r3operator.wire.weights": set(),
     "r3operator.wire.retry": set(),
     "r3operator.wire.receipt": set(),

@@ -54,11 +54,11 @@ from r3operator.operator.builders.trainer_rbac import (
     build_trainer_service_account,
     chosen_service_account,
 )
-from r3operator.operator.builders.upgrade_canary import build_upgrade_canary_job
+from r3operator.operator.builders.upgrade_canary import CanaryTarget, build_upgrade_canary_job
 from r3operator.operator.builders.workload import build_workload
 from r3operator.operator.lifecycle import is_suspended
 from r3operator.operator.progress import build_progress_config_map
-from r3operator.operator.upgrade import CanaryTarget, EngineRollout
+from r3operator.operator.upgrade import EngineRollout
 from r3operator.operator.upgrade_record import ANNOTATION_UPGRADE_STATE, record_annotation
 
 

@@ -51,6 +51,7 @@ from r3operator.api.enums import EngineRole
 from r3operator.api.v1alpha1 import RLJob, UpgradeCanary, UpgradeStatus
 from r3operator.operator import meta
 from r3operator.operator.builders.engine_lws import leader_worker_templates
+from r3operator.operator.builders.upgrade_canary import CanaryTarget
 from r3operator.operator.lifecycle import format_time, parse_time
 from r3operator.operator.upgrade_record import PodProgress
 
@@ -78,22 +79,6 @@ class EngineRollout:
     def verified(self) -> str:
         """The image the regular replicas are known good on once this rollout is rendered."""
         return self.regular_image or self.image
-
-
-@dataclass(frozen=True, slots=True)
-class CanaryTarget:
-    """The canary Job's inputs: which replica is old, which is new, and the attempt it answers.
-
-    component "trainer": one engine replica (``old_replica``) scored by the old and the new trainer image."""
-
-    attempt: str
-    old_image: str
-    new_image: str
-    old_replica: int
-    new_replica: int
-    component: str = "engine"
-    prefill: tuple[int, int] | None = None
-    """A disaggregated job's prefill replicas (old, new) of the pairs the canary scores (None: one engine each)."""
 
 
 @dataclass(frozen=True, slots=True)

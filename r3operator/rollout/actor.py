@@ -8,7 +8,7 @@ from typing import Any
 from r3operator.engine.worker import WORKER_EXTENSION_CLS
 from r3operator.rollout.base import Greedy
 from r3operator.rollout.client import salted
-from r3operator.wire.sample import RolloutSample
+from r3operator.routing.sample import RolloutSample
 
 
 class EngineActor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from r3operator.routing.sample import RolloutSample
 from r3operator.wire.receipt import Fingerprint
-from r3operator.wire.sample import RolloutSample
 from r3operator.wire.weights import PackedChunk
 
 

@@ -32,8 +32,8 @@ import numpy as np
 from r3operator.models.architecture import num_experts as experts_of
 from r3operator.routing.codec import RoutedExperts, from_vllm
 from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.sample import ROUTES_MISSING, RolloutSample
 from r3operator.wire.retry import Backoff, http_transient, retry_call
-from r3operator.wire.sample import ROUTES_MISSING, RolloutSample
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3operator.routing.store import RoutingStore

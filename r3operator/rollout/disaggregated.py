@@ -40,9 +40,9 @@ from r3operator.rollout.engines import EngineGroup, HTTPEngine
 from r3operator.routing.codec import decode as decode_routes
 from r3operator.routing.codec import encode, from_vllm
 from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import stitch_disaggregated
 from r3operator.wire.retry import EngineUnavailableError
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 

@@ -19,9 +19,9 @@ from typing import Any
 from r3operator.rollout.actor import EngineActor
 from r3operator.rollout.base import MAX_CHUNKS_IN_FLIGHT, Engine, Greedy
 from r3operator.rollout.client import salted
+from r3operator.routing.sample import RolloutSample
 from r3operator.wire.receipt import Fingerprint, parse_fingerprints
 from r3operator.wire.retry import Backoff, http_transient, ray_transient, ready_backoff, retry_call
-from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases, chunk_seconds
 from r3operator.wire.weights import PackedChunk
 

@@ -25,9 +25,9 @@ import numpy as np
 
 from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import TrajectoryRoutes
 from r3operator.tasks.envs import Environment
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import TrajectoryRoutes
-from r3operator.wire.sample import RolloutSample
 
 
 @dataclass

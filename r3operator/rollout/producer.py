@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 from r3operator.rollout.base import StaleEngineError
 from r3operator.rollout.partial import Trajectory
+from r3operator.routing.sample import RolloutSample
 from r3operator.wire.retry import EngineUnavailableError
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 

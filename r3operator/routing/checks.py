@@ -17,7 +17,7 @@ The rules, in the order a step meets them:
   (a replay hook that did not run on an MoE layer of some trainer rank: the model is not replaying).
 
 Missing and undecodable routes (`routes-missing`, `routes-invalid`) are found where the routes arrive
-(wire/sample.py); they take the same policy.
+(routing/sample.py); they take the same policy.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from r3operator.rollout.partial import (
     token_lags,
 )
 from r3operator.rollout.producer import EngineGate, RolloutProducer
+from r3operator.routing.sample import RolloutSample
 from r3operator.runtime.config import RunSettings
 from r3operator.runtime.loop import GRPORun, PhaseTimer
 from r3operator.runtime.progress import StepTable
@@ -50,7 +51,6 @@ from r3operator.runtime.step_record import StepRecord
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws

@@ -33,11 +33,11 @@ import numpy as np
 
 from r3operator.api.v1alpha1 import EvaluationSpec, RLJobSpec
 from r3operator.rollout.engines import EngineGroup
+from r3operator.routing.sample import RolloutSample
 from r3operator.runtime.report import EVAL_CSV, append_eval_row, keep_eval_rows_through
 from r3operator.tasks.dataset_task import DatasetProblem, DatasetTask, load_problems
 from r3operator.tasks.source import TaskSource, max_prompt_tokens
 from r3operator.weightsync.faults import EngineSupervisor
-from r3operator.wire.sample import RolloutSample
 
 EVAL_SEED_OFFSET = 977_130_011
 """An evaluation's seed is `seed * 1_000_003 + EVAL_SEED_OFFSET`: not a multiple of the rollouts' 10_007 per step, so

@@ -47,6 +47,7 @@ from r3operator.rollout.multiturn import Conversation, agreement_by_turn, roll_o
 from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.checks import RouteCheckFailure
 from r3operator.routing.codec import RoutedExperts
+from r3operator.routing.sample import RolloutSample
 from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
@@ -79,7 +80,6 @@ from r3operator.weightsync.canary import (
 from r3operator.weightsync.faults import EngineSupervisor
 from r3operator.weightsync.rank_sync import RankNativeInstall
 from r3operator.wire.receipt import FingerprintLog
-from r3operator.wire.sample import RolloutSample
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
 

@@ -23,9 +23,9 @@ from r3operator.models.architecture import num_experts as experts_of
 from r3operator.routing import checks
 from r3operator.routing.checks import ModelRouting, RouteCheckFailure
 from r3operator.routing.codec import decode
+from r3operator.routing.sample import RolloutSample
 from r3operator.trainer.base import OldPass
 from r3operator.trainer.batch import TrainBatch
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger("r3operator.runtime")
 
@@ -153,7 +153,7 @@ class RouteChecks:
 
     @staticmethod
     def arrival_failure(sample: RolloutSample) -> RouteCheckFailure | None:
-        """routes-missing / routes-invalid, as the routes arrived (wire/sample.py)."""
+        """routes-missing / routes-invalid, as the routes arrived (routing/sample.py)."""
         status = sample.routes_status
         if status == "ok":
             return None

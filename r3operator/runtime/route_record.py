@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from r3operator.rollout.client import write_samples
+from r3operator.routing.sample import RolloutSample
 from r3operator.routing.store import RoutingStore
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 

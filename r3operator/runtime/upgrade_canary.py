@@ -41,13 +41,13 @@ from r3operator.rollout.engines import HTTPEngine
 from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.codec import decode
 from r3operator.routing.errors import RoutingDataError
+from r3operator.routing.sample import RolloutSample
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.trainer.base import Trainer
 from r3operator.trainer.batch import build_batch
 from r3operator.trainer.factory import build_trainer
 from r3operator.trainer.metrics import logprob_stats
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 PROMPT_LENGTH = 16

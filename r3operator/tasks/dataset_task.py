@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from r3operator.routing.sample import RolloutSample
 from r3operator.tasks.dataset_reader import DatasetError, DatasetRow, read_rows
 from r3operator.tasks.reward_base import RewardInput
 from r3operator.tasks.rewards import TextReward
 from r3operator.tasks.toy import Problem
-from r3operator.wire.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 CANARY_PROMPTS = 4  # as for the built-in tasks: the first rows of the file

@@ -15,8 +15,8 @@ import numpy as np
 
 from r3operator.api.checks import DATASET_TASK
 from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.routing.sample import RolloutSample
 from r3operator.tasks import toy as tasks
-from r3operator.wire.sample import RolloutSample
 
 CANARY_PROMPTS = 4
 

@@ -27,7 +27,7 @@ from r3operator.routing.placement import place_routes
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from r3operator.wire.sample import RolloutSample
+    from r3operator.routing.sample import RolloutSample
 
 
 @dataclass

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 
 from benchmarks.bench_fidelity import fidelity_batch  # noqa: E402
 from r3operator.routing.codec import RoutedExperts, encode  # noqa: E402
+from r3operator.routing.sample import RolloutSample  # noqa: E402
 from r3operator.trainer.batch import build_batch  # noqa: E402
-from r3operator.wire.sample import RolloutSample  # noqa: E402
 
 
 def _sample(sample_id: str, routes: RoutedExperts | None, routes_error: str | None = None) -> RolloutSample:

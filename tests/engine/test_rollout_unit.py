@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from r3operator.rollout.client import build_sample, request_seed, write_samples
+from r3operator.routing.sample import ROUTES_MISSING, RolloutSample
 from r3operator.routing.store import RoutingStore
-from r3operator.wire.sample import ROUTES_MISSING, RolloutSample
 
 
 def _routes(rows: int, layers: int = 2, k: int = 2) -> np.ndarray:

@@ -16,8 +16,8 @@ import numpy as np
 
 from r3operator.rollout.base import Greedy
 from r3operator.rollout.client import build_sample
+from r3operator.routing.sample import RolloutSample
 from r3operator.wire.retry import EngineUnavailableError
-from r3operator.wire.sample import RolloutSample
 from r3operator.wire.weights import PackedChunk, unpack_chunk
 
 

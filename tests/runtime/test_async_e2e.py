@@ -12,7 +12,7 @@ import pytest
 from runtime_test_helpers import settings_for, write_job
 
 from r3operator.routing.codec import decode
-from r3operator.wire.sample import RolloutSample
+from r3operator.routing.sample import RolloutSample
 
 pytestmark = pytest.mark.slow
 

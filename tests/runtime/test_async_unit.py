@@ -15,8 +15,8 @@ from runtime_test_helpers import settings_for, write_job
 from r3operator.rollout.partial import Trajectory, renumber, split_stale, staleness
 from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.routing.codec import decode
+from r3operator.routing.sample import RolloutSample
 from r3operator.runtime.async_loop import segment_tokens
-from r3operator.wire.sample import RolloutSample
 
 PROMPT = (5, 6, 7, 8)
 

@@ -18,7 +18,7 @@ from fake_engine import FakeEngine
 from runtime_test_helpers import settings_for, write_job
 
 from r3operator.models.tokenizer import BOS, EOS, vocabulary
-from r3operator.wire.sample import RolloutSample
+from r3operator.routing.sample import RolloutSample
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "examples" / "data" / "arith.jsonl"

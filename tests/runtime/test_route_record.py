@@ -13,7 +13,7 @@ import pytest
 from runtime_test_helpers import settings_for, write_job
 
 from r3operator.routing.codec import decode, encode
-from r3operator.wire.sample import RolloutSample
+from r3operator.routing.sample import RolloutSample
 
 pytestmark = pytest.mark.slow  # the batch builder needs torch
 E, L, K = 8, 2, 2

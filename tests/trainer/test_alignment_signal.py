@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.observability.rules import ROUTING_AGREEMENT_MIN  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
+from r3operator.routing.sample import RolloutSample  # noqa: E402
 from r3operator.trainer.batch import build_batch  # noqa: E402
 from r3operator.trainer.metrics import R3Metrics  # noqa: E402
 from r3operator.trainer.replay.hf import natural_routing  # noqa: E402
-from r3operator.wire.sample import RolloutSample  # noqa: E402
 from tests.observability.conftest import RULES, tool  # noqa: E402
 from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
 

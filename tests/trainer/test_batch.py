@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from r3operator.routing.codec import RoutedExperts, encode  # noqa: E402
+from r3operator.routing.sample import RolloutSample  # noqa: E402
 from r3operator.trainer.batch import build_batch  # noqa: E402
-from r3operator.wire.sample import RolloutSample  # noqa: E402
 
 L, K, E = 3, 2, 8
 

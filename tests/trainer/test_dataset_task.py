@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from r3operator.models.tokenizer import BOS, EOS, save_tokenizer, vocabulary
+from r3operator.routing.sample import RolloutSample
 from r3operator.tasks.dataset_reader import DatasetError
 from r3operator.tasks.dataset_task import DatasetTask, load_problems, step_indices
 from r3operator.tasks.rewards import MathReward
-from r3operator.wire.sample import RolloutSample
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "examples" / "data" / "arith.jsonl"

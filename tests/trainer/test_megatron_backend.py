@@ -20,13 +20,13 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip ex
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
+from r3operator.routing.sample import RolloutSample  # noqa: E402
 from r3operator.trainer.batch import TrainBatch, build_batch  # noqa: E402
 from r3operator.trainer.logprobs import token_logprobs  # noqa: E402
 from r3operator.trainer.megatron import build_megatron_trainer  # noqa: E402
 from r3operator.trainer.replay.hf import RouterRecorder  # noqa: E402
 from r3operator.trainer.replay.hf import RouterReplay as HFRouterReplay  # noqa: E402
 from r3operator.trainer.replay.megatron import MegatronReplayError, replay_instances  # noqa: E402
-from r3operator.wire.sample import RolloutSample  # noqa: E402
 from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow

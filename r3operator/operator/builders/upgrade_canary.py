@@ -12,6 +12,7 @@ arguments, and a Job of an earlier attempt is replaced.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from r3operator.api.canary_verdict import TERMINATION_LOG
@@ -20,13 +21,28 @@ from r3operator.api.v1alpha1 import RLJob
 from r3operator.operator import meta
 from r3operator.operator.builders.config import engine_replica_url
 from r3operator.operator.builders.trainer import trainer_pod_template
-from r3operator.operator.upgrade import CanaryTarget
 from r3operator.settings import CONFIG_PATH
 
 CONTAINER_NAME = "upgrade-canary"
 LABEL_ATTEMPT = f"{meta.PREFIX}/upgrade-attempt"
 BASELINE_DIR = "/var/run/r3operator-canary"
 BASELINE = f"{BASELINE_DIR}/old-trainer.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryTarget:
+    """The canary Job's inputs: which replica is old, which is new, and the attempt it answers.
+
+    component "trainer": one engine replica (``old_replica``) scored by the old and the new trainer image."""
+
+    attempt: str
+    old_image: str
+    new_image: str
+    old_replica: int
+    new_replica: int
+    component: str = "engine"
+    prefill: tuple[int, int] | None = None
+    """A disaggregated job's prefill replicas (old, new) of the pairs the canary scores (None: one engine each)."""
 
 
 def build_upgrade_canary_job(job: RLJob, target: CanaryTarget) -> dict[str, Any]:

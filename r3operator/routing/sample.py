@@ -1,7 +1,7 @@
 """The sample an engine hands back: prompt, generated tokens, their logprobs and routed experts.
 
-It is what the rollout clients build, the tasks score, the trainer batches and the route recorder writes, so
-it sits below all of them.
+It is what the rollout clients build, the tasks score, the trainer batches and the route recorder writes: it lives
+with the routes it carries, below all of them.
 """
 
 from __future__ import annotations
