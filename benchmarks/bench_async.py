@@ -71,14 +71,14 @@ def throughput(args: argparse.Namespace, engines: EngineGroup, out: Path, mode: 
     begin = time.perf_counter()
     rows = [run.train_step(step) for step in range(1, args.steps + 1)]
     wall = time.perf_counter() - begin
-    trained = sum(int(r["tokens"]) for r in rows)
+    trained = sum(int(r.tokens) for r in rows)
     if isinstance(run, AsyncGRPORun):
         assert run.producer is not None
         generated, busy = run.producer.tokens_generated, run.producer.engine_busy_seconds
         run.shutdown()
     else:
-        generated, busy = trained, sum(r["t_rollout"] for r in rows)
-    idle = sum(r["t_rollout"] for r in rows)
+        generated, busy = trained, sum(r.phase_seconds["rollout"] for r in rows)
+    idle = sum(r.phase_seconds["rollout"] for r in rows)
     result = {
         "mode": mode,
         "steps": args.steps,
@@ -88,20 +88,20 @@ def throughput(args: argparse.Namespace, engines: EngineGroup, out: Path, mode: 
         "trainer_idle_seconds": round(idle, 2),
         "trainer_idle_fraction": round(idle / wall, 3),
         "engine_idle_fraction": round(max(0.0, 1 - busy / wall), 3),
-        "reward_first": rows[0]["reward_mean"],
-        "reward_last": rows[-1]["reward_mean"],
+        "reward_first": rows[0].reward_mean,
+        "reward_last": rows[-1].reward_mean,
     }
     # Over the steps that measured it (async: a step without a current-version token has None).
-    measured = [float(r["logprob_abs_diff_mean"]) for r in rows if r["logprob_abs_diff_mean"] is not None]
+    measured = [float(r.logprob_abs_diff_mean) for r in rows if r.logprob_abs_diff_mean is not None]
     result["logprob_abs_diff_mean"] = sum(measured) / len(measured) if measured else None
     if mode == "async":
         result.update(
             {
-                "staleness_mean": float(sum(r["staleness_mean"] for r in rows) / len(rows)),
-                "staleness_max": max(int(r["staleness_max"]) for r in rows),
-                "partial_rollouts": sum(int(r["partial_rollouts"]) for r in rows),
-                "stale_dropped": sum(int(r["stale_dropped"]) for r in rows),
-                "importance_weight_mean": float(sum(r["importance_weight_mean"] for r in rows) / len(rows)),
+                "staleness_mean": float(sum(r.staleness_mean or 0.0 for r in rows) / len(rows)),
+                "staleness_max": max(int(r.staleness_max or 0) for r in rows),
+                "partial_rollouts": sum(int(r.partial_rollouts or 0) for r in rows),
+                "stale_dropped": sum(int(r.stale_dropped or 0) for r in rows),
+                "importance_weight_mean": float(sum(r.importance_weight_mean or 0.0 for r in rows) / len(rows)),
             }
         )
     return result

@@ -60,12 +60,11 @@ from benchmarks.gpu_memory import used_mib
 from benchmarks.report_json import write_json
 
 if TYPE_CHECKING:
-    from r3operator.rollout.base import Engine
     from r3operator.rollout.engines import HTTPEngine
     from r3operator.runtime.loop import GRPORun
+    from r3operator.weightsync.faults import Install
     from r3operator.weightsync.sync import NativeInstall
-
-    Install = Callable[[Sequence[Engine], str], dict[str, int]]  # EngineSupervisor.install
+    from r3operator.wire.sync_messages import BracketLayout
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local.yaml"
 
@@ -196,7 +195,8 @@ class _FailingHalfway(Mapping[str, Any]):
 
 def _greedy_tokens(run: GRPORun) -> list[list[list[int]]]:
     """Every engine's greedy tokens of every canary prompt: [engine][prompt][token]."""
-    outputs = run.engines.greedy_all(run.canary_prompts, max_tokens=run.canary_tokens)
+    plan = run.weight_sync.plan
+    outputs = run.engines.greedy_all(plan.prompts, max_tokens=plan.tokens)
     return [[list(g.tokens) for g in per_engine] for per_engine in outputs]
 
 
@@ -240,10 +240,10 @@ def measure(
         begin = time.perf_counter()
         run.sync_weights()
         seconds.append(time.perf_counter() - begin)
-        for phase, value in run.sync_phases.seconds.items():
+        for phase, value in run.weight_sync.phases.seconds.items():
             phases.setdefault(phase, []).append(value)
         begin = time.perf_counter()
-        run._check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
+        run.weight_sync.check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
         phases.setdefault("canary_receipt", []).append(time.perf_counter() - begin)
         for part, value in engine_seconds(run.engines.engines).items():  # off the clock: one more round trip
             engine_parts.setdefault(part, []).append(value)
@@ -275,19 +275,23 @@ def measure(
 def engine_seconds(engines: Sequence[Any]) -> dict[str, float]:
     """The engine's own host seconds in the last sync, by part (the receipt's `engine_seconds`: "load", the receive
     and load loop; "receipt", its fingerprints; "release", the cache given back), the slowest worker of any engine."""
+    from r3operator.weightsync.endpoints import EngineEndpoint
+
     worst: dict[str, float] = {}
     for engine in engines:
-        for receipt in engine.sync_receipts():
+        for receipt in EngineEndpoint(engine).sync_receipts():
             for part, value in (receipt.get("engine_seconds") or {}).items():
                 worst[part] = max(worst.get(part, 0.0), float(value))
     return worst
 
 
-def round_trips(engine: Any, *, times: int = 5) -> dict[str, float]:
+def round_trips(engine: HTTPEngine, *, times: int = 5) -> dict[str, float]:
     """Median seconds of the two bare round trips a native sync's `finish` makes to an engine besides its work: a
     worker call through `/collective_rpc` (the policy tag) and `/reset_prefix_cache`."""
-    calls = {
-        "collective_rpc": engine.policy_tag,
+    from r3operator.weightsync.endpoints import EngineEndpoint
+
+    calls: dict[str, Callable[[], object]] = {
+        "collective_rpc": EngineEndpoint(engine).policy_tag,
         "reset_prefix_cache": lambda: engine.client.request("POST", "/reset_prefix_cache", {}),
     }
     out = {}
@@ -314,14 +318,14 @@ def profile_one_sync(run: Any, sft_steps: int, out: Path) -> dict[str, str]:
     new_policy(run, sft_steps)
     if cuda:
         torch.cuda.synchronize()
-    run.sync_phases.label = record_function
+    run.weight_sync.phases.label = record_function
     try:
         with profile(activities=activities) as prof:
             run.sync_weights()
             if cuda:
                 torch.cuda.synchronize()
     finally:
-        run.sync_phases.label = None
+        run.weight_sync.phases.label = None
     out.parent.mkdir(parents=True, exist_ok=True)
     trace, table = out.with_name(out.name + ".trace.json"), out.with_name(out.name + ".txt")
     prof.export_chrome_trace(str(trace))
@@ -360,21 +364,24 @@ def fault_mid_sync(run: GRPORun, engine: HTTPEngine, install: NativeInstall) -> 
     install.close()  # a fresh rendezvous with small buffers: several chunks land before the failure
     buffer = install.buffer_size_bytes
     install.state_dict, install.buffer_size_bytes = failing, 32 * 1024 * 1024
-    error, tag_before = "", engine.policy_tag()
+    from r3operator.weightsync.endpoints import EngineEndpoint
+
+    endpoint = EngineEndpoint(engine)
+    error, tag_before = "", endpoint.policy_tag()
     try:
         run.supervisor.install(run.engines.engines, run.supervisor.tag_for(10_000))
     except RuntimeError as exc:
         error = str(exc)
     finally:
         install.state_dict, install.buffer_size_bytes = healthy, buffer
-    tag_after_failure = engine.policy_tag()
+    tag_after_failure = endpoint.policy_tag()
     resynced = [e.name for e in run.supervisor.ensure_current()]  # re-sync + canary of the stale engine
     return {
         "error": error,
         "tag_before": tag_before,
         "tag_after_failure": tag_after_failure,
         "resynced": resynced,
-        "tag_after_resync_is_current": engine.policy_tag() == run.supervisor.tag,
+        "tag_after_resync_is_current": endpoint.policy_tag() == run.supervisor.tag,
     }
 
 
@@ -466,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from r3operator.runtime.loop import GRPORun
     from r3operator.weightsync.sync import NativeInstall
     from r3operator.wire.retry import Backoff
+    from r3operator.wire.sync_messages import BracketLayout
     from r3operator.wire.weights import checkpoint_metadata
 
     model_dir = ensure_reference_model(args.model)
@@ -530,8 +538,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ]
         engine = engines[0]
         run = GRPORun(settings, engines=EngineGroup(engines))
-        run.sync_phases.synchronize = args.phase_sync
         run.setup()  # SFT warm-up, the first sync with the first method, the canary
+        run.weight_sync.phases.synchronize = args.phase_sync  # the measured syncs' clock (setup()'s is not measured)
         result["weight_transfer"] = run.weight_transfer.describe()
         if native and not run.weight_transfer.native:
             raise RuntimeError(f"the native {first} transfer was not used: {run.weight_transfer.describe()}")
@@ -543,9 +551,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         nbytes = sum(wire.itemsize * int(torch.Size(shape).numel()) for _, _, shape in meta)
         result["bytes_per_sync"] = nbytes
         save()
-        timed = partial(
-            measure, run, native_install=native_install, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes
-        )
         for layout_index, layout in enumerate(layouts):
             figures = result["by_layout"].setdefault(layout, {})
             if layout_index == 0:
@@ -553,9 +558,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else:
                 if not isinstance(native_install, NativeInstall):
                     raise RuntimeError(f"--layout {layout}: setup() installed {native_install!r}, not a NativeInstall")
-                figures["warmup_s"] = switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
+                native_install, figures["warmup_s"] = switch_layout(
+                    run, native_install, BracketLayout(layout), args.sft_steps
+                )
                 if layout == "kernel":
                     result["kernel_reference"] = kernel_reference(native_install)
+            timed = partial(
+                measure, run, native_install=native_install, syncs=args.syncs, sft_steps=args.sft_steps, nbytes=nbytes
+            )
             # the packed path has no layout: measured once, with the first
             for method in methods if layout_index == 0 else native:
                 figures[method] = timed(method)
@@ -580,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             faults = result.setdefault(f"fault_mid_sync_{native[0]}", {})
             for index, layout in enumerate(reversed(layouts)):  # the layout in force first: no switch
                 if index:
-                    switch_layout(run, native_install, WeightSyncLayout(layout), args.sft_steps)
+                    native_install, _ = switch_layout(run, native_install, BracketLayout(layout), args.sft_steps)
                 faults[layout] = fault_mid_sync(run, engine, native_install)
                 print("fault_mid_sync", native[0], layout, json.dumps(faults[layout]), flush=True)
                 save()
@@ -626,19 +636,35 @@ def parse_layouts(text: str) -> list[str]:
     return names
 
 
-def switch_layout(run: GRPORun, install: NativeInstall, layout: Any, sft_steps: int) -> float:
-    """Open the next syncs' brackets for `layout` (vLLM 0.22 takes it per bracket; the NCCL group stays) and
-    make one untimed sync with it, canaried: its kernel plan (the engines asked for their parameters) stays
-    out of the measured syncs. Its seconds."""
-    install.set_layout(layout)
-    run.supervisor.install = install
+def switch_layout(
+    run: GRPORun, install: NativeInstall, layout: BracketLayout, sft_steps: int
+) -> tuple[NativeInstall, float]:
+    """The next syncs in `layout`, on the same engines: a new install of the same method (its own rendezvous, as
+    after an engine restart; `install`'s is closed), made as setup() makes one, then one untimed sync with it,
+    canaried: its rendezvous and kernel plan (the engines asked for their parameters, a new plan's reference) stay
+    out of the measured syncs. The new install and that sync's seconds."""
+    from r3operator.weightsync.sync import NativeInstall
+
+    install.close()
+    fresh = NativeInstall(
+        install.method,
+        state_dict=install.state_dict,
+        dtype=install.dtype,
+        buffer_size_bytes=install.buffer_size_bytes,
+        master_address=install.master_address,
+        sent=install.sent,
+        phases=install.phases,
+        layout=layout,
+        kernel_fallback=install.kernel_fallback,
+    )
+    run.supervisor.install = run.weight_sync.install = fresh
     new_policy(run, sft_steps)
     begin = time.perf_counter()
     run.sync_weights()
     seconds = time.perf_counter() - begin
-    run._check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
+    run.weight_sync.check_receipts(run.engines.engines, names=[e.name for e in run.engines.engines])
     run.canary()  # raises CanaryMismatchError on a wrong sync
-    return round(seconds, 4)
+    return fresh, round(seconds, 4)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ YAML  # OutputFormat: `--output yaml`
 engine_stateful_set  # RuntimeConfig: the operator writes the ConfigMap, `up` and the runtime read it as JSON
 trainer_ray_job
 
+# -- A step's figure that metrics.csv reads by its column name (runtime/step_record.py `StepRecord.cells`).
+_.canary_near_ties
+
 # -- Settings read by name: Backoff.from_env(kind) reads `engine_{kind}_attempts/_base_s/_cap_s`.
 engine_retry_attempts
 engine_retry_base_s
@@ -65,23 +68,10 @@ engine_ready_attempts
 engine_ready_base_s
 engine_ready_cap_s
 
-# -- Inside vLLM: the worker extension's methods, called by name through collective_rpc (rollout/actor.py,
-# rollout/engines.py over HTTP), and the attributes vLLM reads.
-_.r3_begin_weight_update
-_.r3_finish_weight_update
-_.r3_abort_weight_update
-_.r3_before_native_weight_update
-_.r3_after_native_weight_update
-_.r3_sync_receipt
-_.r3_abort_native_weight_update
-_.r3_device_uuid
-_.r3_policy_tag
-_.r3_engine_build  # called by name over /collective_rpc (rollout/disaggregated.py pairs engines of one build)
-_.r3_weights_digest
-_.r3_staged_attach  # called by name over /collective_rpc (weightsync/staged.py)
-_.r3_staged_sync
-_.r3_direct_sync  # called by name over /collective_rpc (weightsync/direct.py)
-_.r3_parameter_fingerprints  # called by name over /collective_rpc (weightsync/transfer.py `_reference_sync`)
+# -- Inside vLLM: the worker extension's one entry point, called by name through collective_rpc with every
+# weight-sync message (wire/sync_messages.py; rollout/actor.py, rollout/engines.py over HTTP), and the
+# attributes vLLM reads.
+_.r3_handle
 _._do_torchao_reload  # vLLM's layerwise reload calls the model's
 _._weight_update_active  # vLLM's worker flag of a native update in progress
 _.__wrapped__  # functools/inspect unwrap a patched method to its original (engine/plugin.py)

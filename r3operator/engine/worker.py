@@ -1,7 +1,9 @@
 """vLLM worker extension for multi-chunk weight sync inside ONE layerwise-reload bracket.
 
 Pass `worker_extension_cls="r3operator.engine.worker.WeightSyncWorkerExtension"` to `vllm.LLM` (or
-`--worker-extension-cls` to `vllm serve`) and call the methods through `collective_rpc`.
+`--worker-extension-cls` to `vllm serve`). The driver sends each verb of a sync as a typed message
+(`wire/sync_messages.py`) through `collective_rpc` to `r3_handle`, which decodes it and dispatches on its type to
+the `r3_` method below.
 
 Why a bracket (reference §2.6, SkyRL #1737, vLLM #42821): after loading, vLLM converts MoE weights to
 a kernel layout in place while keeping the checkpoint-format `weight_loader`; a second raw
@@ -33,8 +35,34 @@ import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
+
+from r3operator.wire.sync_messages import (
+    AbortNative,
+    AbortPacked,
+    BeginNative,
+    BeginPacked,
+    BracketLayout,
+    DeviceUUIDs,
+    DirectSync,
+    DirectUpdate,
+    EngineBuild,
+    FinishNative,
+    FinishPacked,
+    LoadPacked,
+    LoadPackedFile,
+    MappedAttach,
+    MappedSync,
+    ParameterFingerprints,
+    ParameterMetadata,
+    PolicyTag,
+    Receipts,
+    StagedAttach,
+    StagedSync,
+    WeightsDigest,
+    WeightUpdateStateError,
+    decode,
+)
 
 WORKER_EXTENSION_CLS = f"{__name__}.WeightSyncWorkerExtension"
 
@@ -87,34 +115,6 @@ def vllm_brackets_kernel_format(start_weight_update: Callable[..., Any]) -> bool
     """Whether vLLM's `Worker.start_weight_update` opens a kernel-format bracket itself: vLLM 0.22's takes
     `is_checkpoint_format` (read in its wheel); 0.26, 0.30 and 0.33 take no argument and always reload layerwise."""
     return "is_checkpoint_format" in inspect.signature(start_weight_update).parameters
-
-
-@dataclass(frozen=True)
-class DirectUpdate:
-    """What a direct kernel-format sync announces (weightsync/direct.py): its tensors in broadcast order."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    @classmethod
-    def from_json(cls, value: Any) -> DirectUpdate:
-        try:
-            update = cls(
-                [str(n) for n in value["names"]],
-                [str(d) for d in value["dtype_names"]],
-                [[int(x) for x in shape] for shape in value["shapes"]],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightUpdateStateError(
-                f"direct weight sync: the update must hold names, dtype_names and shapes: {exc}"
-            ) from exc
-        if not len(update.names) == len(update.dtype_names) == len(update.shapes):
-            raise WeightUpdateStateError(
-                f"direct weight sync: {len(update.names)} names, {len(update.dtype_names)} dtype names, "
-                f"{len(update.shapes)} shapes"
-            )
-        return update
 
 
 def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -> bool:
@@ -228,10 +228,6 @@ def _parameter(model: Any, name: str) -> Any:
         return None
 
 
-class WeightUpdateStateError(RuntimeError):
-    """A weight-update call came out of order (chunk outside a bracket, nested begin, finish without begin)."""
-
-
 class WeightSyncWorkerExtension:
     """Mixed into vLLM's Worker by `worker_extension_cls`; `self` is the Worker."""
 
@@ -246,6 +242,54 @@ class WeightSyncWorkerExtension:
     _r3_staged: Any = None  # (OpenedBuffer, staged_targets) of the trainer's staging buffer, once attached
     _r3_mapped: Any = None  # engine/mapped.py MappedParameters, once the trainer mapped this worker's parameters
     _r3_own_kernel_bracket: bool = False  # the kernel layout's bracket is this extension's own (vLLM >= 0.30)
+
+    # -- the one entry point: a typed message per verb ----------------------------------------------
+    def r3_handle(self, payload: dict[str, Any]) -> Any:
+        """Decode one weight-sync message (`wire/sync_messages.py`) and run its verb on this worker; the answer is
+        JSON (the transport hands every worker's to the message's `answer`)."""
+        match decode(payload):
+            case BeginPacked():
+                return self.r3_begin_weight_update()
+            case LoadPacked(chunk=chunk):
+                return self.r3_load_packed(chunk.buffer, chunk.entries)
+            case LoadPackedFile(path=path):
+                return self.r3_load_packed_file(path)
+            case FinishPacked(policy_tag=tag):
+                return self.r3_finish_weight_update(tag)
+            case AbortPacked():
+                return self.r3_abort_weight_update()
+            case BeginNative(layout=layout, in_place=in_place):
+                return self.r3_native_begin(layout, in_place)
+            case FinishNative(policy_tag=tag):
+                return self.r3_native_end(tag)
+            case AbortNative():
+                return self.r3_abort_native_weight_update()
+            case ParameterMetadata():
+                return self.r3_parameter_metadata()
+            case ParameterFingerprints():
+                return self.r3_parameter_fingerprints()
+            case DirectSync(update=update, policy_tag=tag):
+                return self.r3_direct_sync(update, tag)
+            case StagedAttach(share=share):
+                return self.r3_staged_attach(share)
+            case StagedSync(policy_tag=tag):
+                return self.r3_staged_sync(tag)
+            case MappedAttach(share=share):
+                return self.r3_mapped_attach(share)
+            case MappedSync(number=number, policy_tag=tag, timeout_s=timeout_s):
+                return self.r3_mapped_sync(number, tag, timeout_s)
+            case Receipts():
+                return self.r3_sync_receipt()
+            case PolicyTag():
+                return self.r3_policy_tag()
+            case DeviceUUIDs():
+                return self.r3_device_uuid()
+            case WeightsDigest():
+                return self.r3_weights_digest()
+            case EngineBuild():
+                return self.r3_engine_build()
+            case other:  # vLLM's own API (init, update, world size): the transport sends those to vLLM
+                raise WeightUpdateStateError(f"{type(other).__name__} is vLLM's own call, not the worker extension's")
 
     # -- helpers ----------------------------------------------------------------------------------
     def _r3_model(self) -> Any:
@@ -384,7 +428,9 @@ class WeightSyncWorkerExtension:
 
     # -- around vLLM's native weight transfer (start/update/finish_weight_update of the Worker) ------
     # vLLM's bracket has no abort and no notion of which policy the weights are; these two add that.
-    def r3_before_native_weight_update(self, layout: str = "checkpoint", in_place: bool = False) -> None:
+    def r3_before_native_weight_update(
+        self, layout: BracketLayout = BracketLayout.CHECKPOINT, in_place: bool = False
+    ) -> None:
         """Called right before vLLM's `start_weight_update`: the weights are in flux until a finished sync
         stamps them, and the plugin's patches must be in force in this worker (`self_check` registers it
         where vLLM did not load general plugins, e.g. r3operator not installed as a package).
@@ -394,20 +440,19 @@ class WeightSyncWorkerExtension:
         direct-copy loader instead, so the tap goes on the transfer engine's `receive_weights`)."""
         from r3operator.engine.plugin import self_check
 
-        if layout not in ("checkpoint", "kernel"):
-            raise ValueError(f"weightSync.layout must be checkpoint or kernel, got {layout!r}")
-        if layout == "kernel":
+        layout = BracketLayout.parse(layout)  # a direct caller's value is refused here, naming the field
+        if layout is BracketLayout.KERNEL:
             self._r3_check_kernel_layout()
         self_check()
         self._r3_policy_tag = None
         self._r3_receipt().begin(self._r3_parameters(), in_place=in_place)
         self._r3_untap_load_weights()
-        if layout != "kernel":
+        if layout is not BracketLayout.KERNEL:
             self._r3_tap_load_weights()
         elif vllm_brackets_kernel_format(self.start_weight_update):  # type: ignore[attr-defined]  # vLLM's Worker
             self._r3_tap_kernel_receive()  # vLLM 0.22 may receive it itself (its packed IPC); >= 0.30 never does
 
-    def r3_native_begin(self, layout: str = "checkpoint", in_place: bool = False) -> None:
+    def r3_native_begin(self, layout: BracketLayout = BracketLayout.CHECKPOINT, in_place: bool = False) -> None:
         """Open a native bracket in ONE round trip: `r3_before_native_weight_update`, then this worker's own vLLM
         `start_weight_update`. That is all vLLM's `/start_weight_update` does (its AsyncLLM sends
         `collective_rpc("start_weight_update", ...)` to every worker: read in 0.22.1 and 0.30), so the bracket is
@@ -417,8 +462,9 @@ class WeightSyncWorkerExtension:
         active. vLLM >= 0.30 dropped the flag (its start always opens a layerwise reload, which would take the layers'
         parameters away from the copies and process them again at the finish), so there the bracket is this
         extension's own (`_r3_open_kernel_bracket`): vLLM's flag set, nothing else of vLLM's run."""
+        layout = BracketLayout.parse(layout)
         self.r3_before_native_weight_update(layout, in_place)
-        if layout != "kernel":
+        if layout is not BracketLayout.KERNEL:
             self.start_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker
         elif vllm_brackets_kernel_format(self.start_weight_update):  # type: ignore[attr-defined]  # vLLM's Worker
             self.start_weight_update(is_checkpoint_format=False)  # type: ignore[attr-defined]  # vLLM 0.22.1's Worker
@@ -606,13 +652,13 @@ class WeightSyncWorkerExtension:
         return f"vllm {vllm.__version__} image {engine_image() or 'unknown'}"
 
     # -- the kernel layout over NCCL in one call (weightsync/direct.py) ----------------------------------
-    def r3_direct_sync(self, update: dict[str, Any], policy_tag: str | None = None) -> dict[str, int]:
+    def r3_direct_sync(self, update: DirectUpdate | dict[str, Any], policy_tag: str | None = None) -> dict[str, int]:
         """One kernel-format NCCL sync, in this one call: vLLM's bracket opened (`r3_native_begin`), every announced
         tensor received into its parameter and the trainer's commit flag (`receive_into_parameters`), the bracket
         closed and `policy_tag` stamped (`r3_native_end`) when the flag is 1. A bracket that cannot open still
         receives every broadcast (`drain_direct`); a flag of 0 or any failure aborts the bracket here (the tag stays
         None) and is raised."""
-        info = DirectUpdate.from_json(update)
+        info = update if isinstance(update, DirectUpdate) else DirectUpdate.from_json(update)
         engine = getattr(self, "weight_transfer_engine", None)
         group = getattr(engine, "model_update_group", None)
         if group is None:
@@ -620,7 +666,7 @@ class WeightSyncWorkerExtension:
                 "direct weight sync: this worker has no NCCL weight-transfer group (init_weight_transfer_engine first)"
             )
         try:
-            self.r3_native_begin("kernel", in_place=True)
+            self.r3_native_begin(BracketLayout.KERNEL, in_place=True)
         except BaseException:
             drain_direct(group, info, self.device)  # type: ignore[attr-defined]  # vLLM's Worker
             raise
@@ -674,7 +720,7 @@ class WeightSyncWorkerExtension:
                 "again at the trainer's next rendezvous)"
             )
         _, targets = self._r3_staged
-        self.r3_native_begin("kernel")
+        self.r3_native_begin(BracketLayout.KERNEL)
         try:
             copy_staged(targets, self._r3_receipt())
             self.r3_native_end(policy_tag)
@@ -720,7 +766,7 @@ class WeightSyncWorkerExtension:
                 f"r3_mapped_sync: {len(moved)} parameter(s) are no longer where the trainer mapped them, e.g. "
                 f"{moved[0]}: the trainer maps them again at its next sync"
             )
-        self.r3_native_begin("kernel", in_place=True)
+        self.r3_native_begin(BracketLayout.KERNEL, in_place=True)
         try:
             take_mapped_sync(state, int(number), timeout_s=float(timeout_s))
             self._r3_receipt().record_later([(name, data) for name, data, _ in state.parameters])

@@ -160,16 +160,21 @@ class SyntheticFeed:
             "train": 3.0 + 0.5 * math.cos(step / 5.0),
             "weight_sync": 0.8,
         }
-        driver.observe_step(
-            {
-                "step": step,
-                "policy_version": step,
-                "reward_mean": 0.2 + 0.5 * (1 - math.exp(-step / 60.0)),
-                "tokens_per_second": 9000 + 800 * math.sin(step / 9.0),
-                "step_seconds": sum(phases.values()),
-            },
-            phases,
+        from r3operator.runtime.step_record import StepRecord
+
+        record = StepRecord(
+            step=step,
+            policy_version=step,
+            replay_mode="R3",
+            reward_mean=0.2 + 0.5 * (1 - math.exp(-step / 60.0)),
+            reward_std=0.0,
+            samples=0,
+            samples_dropped=0,
+            tokens=0,
+            tokens_per_second=9000 + 800 * math.sin(step / 9.0),
+            step_seconds=sum(phases.values()),
         )
+        driver.observe_step(record, phases)
         if step == 1 or step % 10 == 0:  # spec.evaluation: every 10 steps, rising slower than the training reward
             driver.observe_eval(step, 0.15 + 0.4 * (1 - math.exp(-step / 80.0)))
         driver.set("r3operator_weight_sync_seconds", phases["weight_sync"])

@@ -43,6 +43,7 @@ from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import stitch_disaggregated
 from r3operator.wire.retry import EngineUnavailableError
+from r3operator.wire.sync_messages import EngineBuild
 
 log = logging.getLogger("r3operator.runtime")
 
@@ -76,7 +77,7 @@ class DisaggregatedGroup(EngineGroup):
         """(prefill, decode) pairs of one build, round robin over the decode engines; raises EngineUnavailableError
         when no two engines of the roles share a build (an upgrade has moved every engine of one role only)."""
         everyone = [*self.prefill, *self.decode]
-        builds = {id(e): e.engine_build() for e in everyone}
+        builds = {id(e): e.send(EngineBuild()) for e in everyone}
         pairs = []
         for i, decode in enumerate(self.decode):
             same = [p for p in self.prefill if builds[id(p)] == builds[id(decode)]]

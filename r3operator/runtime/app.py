@@ -155,7 +155,7 @@ def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any
         "vLLM": run.vllm_version,
         "engine dtype": settings.engine_dtype,
         "trainer": _trainer_fact(settings, run),
-        "weight sync": run.weight_sync_described,
+        "weight sync": run.weight_sync.described,
         "weight-sync canary": canary_fact(settings, run),
         "task": f"{settings.job.spec.task.name} ({settings.job.spec.task.reward})",
         **({"held-out evaluation": evaluation_fact(settings)} if settings.job.spec.evaluation else {}),
@@ -208,7 +208,7 @@ def canary_fact(settings: RunSettings, run: Any) -> str:
         if runtime_settings().sync_receipt
         else "receipt check off (R3OPERATOR_SYNC_RECEIPT=false)"
     )
-    return f"{receipt}; greedy decode: {run.canary_tol.describe()}"
+    return f"{receipt}; greedy decode: {run.weight_sync.plan.tolerance.describe()}"
 
 
 def _trainer_fact(settings: RunSettings, run: Any) -> str:
@@ -217,7 +217,7 @@ def _trainer_fact(settings: RunSettings, run: Any) -> str:
     backend = settings.job.spec.trainer.backend.value
     ranks = getattr(trainer, "world_size", 1)
     # The canary's forward matches the engine: fp32 against an fp32 engine, the trainer's compute otherwise.
-    canary = f"{compute} autocast" if run.canary_tol.autocast else "fp32"
+    canary = f"{compute} autocast" if run.weight_sync.plan.tolerance.autocast else "fp32"
     return (
         f"{backend} on {ranks} rank(s), fp32 master weights + AdamW, forwards under {compute} autocast, "
         f"canary forward {canary} with the engine's routes replayed"

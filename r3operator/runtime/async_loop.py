@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,12 +46,13 @@ from r3operator.rollout.partial import (
 from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.routing.sample import RolloutSample
 from r3operator.runtime.config import RunSettings
-from r3operator.runtime.loop import GRPORun, PhaseTimer
+from r3operator.runtime.loop import GRPORun
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.step_record import StepRecord
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
+from r3operator.wire.sync_phases import PhaseTimer
 
 log = logging.getLogger("r3operator.runtime")
 PROBLEM_SEED = 1_000_000  # problem draws of the producer: apart from the synchronous steps' draws
@@ -251,14 +253,19 @@ class AsyncGRPORun(GRPORun):
         self.step_current_tokens = int(current.sum())
         return current, torch.from_numpy(rows).to(device)
 
-    def _update_columns(self, row: StepRecord, stats: UpdateStats) -> None:
-        row.importance_weight_mean = stats.importance_weight_mean
-        row.importance_truncated_fraction = stats.importance_truncated_fraction
-        row.current_version_tokens = self.step_current_tokens
-        row.logprob_abs_diff_mean_stale = self.step_stale_diff
-        row.logprob_abs_diff_mean_resumed = self.step_resumed_diff
-        row.logprob_abs_diff_by_lag, row.tokens_by_lag = self.step_by_lag
+    def _update_columns(self, row: StepRecord, stats: UpdateStats) -> StepRecord:
         self.metrics.set("r3operator_importance_weight_mean", stats.importance_weight_mean)
+        by_lag, tokens_by_lag = self.step_by_lag
+        return replace(
+            row,
+            importance_weight_mean=stats.importance_weight_mean,
+            importance_truncated_fraction=stats.importance_truncated_fraction,
+            current_version_tokens=self.step_current_tokens,
+            logprob_abs_diff_mean_stale=self.step_stale_diff,
+            logprob_abs_diff_mean_resumed=self.step_resumed_diff,
+            logprob_abs_diff_by_lag=by_lag,
+            tokens_by_lag=tokens_by_lag,
+        )
 
     def _rollout_columns(
         self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer
@@ -268,13 +275,18 @@ class AsyncGRPORun(GRPORun):
         record = super()._rollout_columns(step, samples, rewards, timer)
         assert self.producer is not None
         now, produced = time.perf_counter(), self.producer.tokens_generated
-        record.tokens_per_second = (produced - self._tokens_seen) / max(now - self._clock, 1e-9)
+        tokens_per_second = (produced - self._tokens_seen) / max(now - self._clock, 1e-9)
         self._tokens_seen, self._clock = produced, now
         ages = np.asarray(self.step_staleness or [0])
-        record.staleness_mean, record.staleness_max = float(ages.mean()), int(ages.max())
-        record.partial_rollouts, record.stale_dropped = self.step_partial, self.step_stale_dropped
-        record.trainer_idle_seconds = timer.seconds["rollout"]
-        return record
+        return replace(
+            record,
+            tokens_per_second=tokens_per_second,
+            staleness_mean=float(ages.mean()),
+            staleness_max=int(ages.max()),
+            partial_rollouts=self.step_partial,
+            stale_dropped=self.step_stale_dropped,
+            trainer_idle_seconds=timer.seconds["rollout"],
+        )
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[StepRecord]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from r3operator.api.v1alpha1 import Progress
 from r3operator.rollout.partial import LagGap as LagGap  # what observe_lags takes, for the layers above
-from r3operator.runtime.step_record import step_progress
+from r3operator.runtime.step_record import StepRecord, step_progress
 from r3operator.settings import PROGRESS_KEY, runtime_settings
 from r3operator.trainer.metrics import IDENTITY_LABELS, MetricSpec, R3Metrics, disable_created_series
 
@@ -220,12 +220,12 @@ class RuntimeMetrics:
     def observe(self, name: str, value: float, **labels: str) -> None:
         self._get(name, **labels).observe(value)
 
-    def observe_step(self, row: Mapping[str, Any], phases: Mapping[str, float]) -> None:
-        self.set("r3operator_step", row["step"])
-        self.set("r3operator_policy_version", row["policy_version"])
-        self.set("r3operator_reward_mean", row["reward_mean"])
-        self.set("r3operator_tokens_per_second", row["tokens_per_second"])
-        self.set("r3operator_step_seconds", row["step_seconds"])
+    def observe_step(self, record: StepRecord, phases: Mapping[str, float]) -> None:
+        self.set("r3operator_step", record.step)
+        self.set("r3operator_policy_version", record.policy_version)
+        self.set("r3operator_reward_mean", record.reward_mean)
+        self.set("r3operator_tokens_per_second", record.tokens_per_second)
+        self.set("r3operator_step_seconds", record.step_seconds)
         for phase, seconds in phases.items():
             self.set("r3operator_step_phase_seconds", seconds, phase=phase)
 
@@ -254,7 +254,7 @@ class RuntimeMetrics:
 
 
 def progress_patch(
-    row: Mapping[str, Any],
+    row: StepRecord,
     *,
     total_steps: int,
     last_checkpoint_step: int | None,

@@ -6,12 +6,13 @@ a CI log gets a header line and then one self-describing line per step instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from r3operator.runtime.step_record import StepRecord
 
 PHASES = (
     ("rollout", "rollout"),
@@ -34,35 +35,34 @@ def _num(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3g}"
 
 
-def _eval_reward(row: Mapping[str, Any]) -> str:
+def _eval_reward(row: StepRecord) -> str:
     """The held-out eval reward of a step that evaluated (spec.evaluation), else ""."""
-    value = row.get("eval_reward")
-    return "" if value is None or value == "" else f"{float(value):.3f}"
+    return "" if row.eval_reward is None else f"{float(row.eval_reward):.3f}"
 
 
-def _eval(row: Mapping[str, Any]) -> str:
+def _eval(row: StepRecord) -> str:
     reward = _eval_reward(row)
     return f"eval reward {reward}  " if reward else ""
 
 
-def step_line(row: Mapping[str, Any], total_steps: int) -> str:
+def step_line(row: StepRecord, total_steps: int) -> str:
     """One plain-text progress line (the non-TTY form), every field named."""
-    times = " ".join(f"{label} {row.get('t_' + key, 0.0):.2f}s" for key, label in PHASES)
-    if row.get("t_eval") is not None:
-        times += f" eval {float(row['t_eval']):.2f}s"
-    if row.get("skipped"):
+    times = " ".join(f"{label} {row.phase_seconds.get(key, 0.0):.2f}s" for key, label in PHASES)
+    if row.phase_seconds.get("eval") is not None:
+        times += f" eval {float(row.phase_seconds['eval']):.2f}s"
+    if row.skipped:
         return (
-            f"step {row['step']}/{total_steps}  SKIPPED: no usable samples ({row.get('samples_dropped')} of "
-            f"{row.get('samples')} dropped), no update  reward {row['reward_mean']:.3f}  {_eval(row)}"
-            f"step {row['step_seconds']:.2f}s"
+            f"step {row.step}/{total_steps}  SKIPPED: no usable samples ({row.samples_dropped} of "
+            f"{row.samples} dropped), no update  reward {row.reward_mean:.3f}  {_eval(row)}"
+            f"step {row.step_seconds:.2f}s"
         )
-    if row.get("nonfinite_updates"):
-        times += f"  NON-FINITE: {row['nonfinite_updates']} update(s) not applied"
+    if row.nonfinite_updates:
+        times += f"  NON-FINITE: {row.nonfinite_updates} update(s) not applied"
     return (
-        f"step {row['step']}/{total_steps}  reward {row['reward_mean']:.3f}  {_eval(row)}"
-        f"|dlogprob| mean {_num(row['logprob_abs_diff_mean'])} max {_num(row['logprob_abs_diff_max'])}  "
-        f"routing natural {_pct(row.get('routing_natural_agreement'))} replay {_pct(row.get('replay_applied'))}  "
-        f"canary {'ok' if row['canary_ok'] else '-'}  {times}  step {row['step_seconds']:.2f}s"
+        f"step {row.step}/{total_steps}  reward {row.reward_mean:.3f}  {_eval(row)}"
+        f"|dlogprob| mean {_num(row.logprob_abs_diff_mean)} max {_num(row.logprob_abs_diff_max)}  "
+        f"routing natural {_pct(row.routing_natural_agreement)} replay {_pct(row.replay_applied)}  "
+        f"canary {'ok' if row.canary_ok else '-'}  {times}  step {row.step_seconds:.2f}s"
     )
 
 
@@ -73,7 +73,7 @@ class StepTable:
         self.enabled = enabled
         self.console = console or Console()
         self.live_mode = self.console.is_terminal
-        self.rows: list[Mapping[str, Any]] = []
+        self.rows: list[StepRecord] = []
         self._live: Live | None = None
 
     def _table(self) -> Table:
@@ -93,15 +93,15 @@ class StepTable:
             table.add_column(col, justify="right", no_wrap=True)
         for r in self.rows[-25:]:
             table.add_row(
-                str(r["step"]),
-                f"{r['reward_mean']:.3f}",
+                str(r.step),
+                f"{r.reward_mean:.3f}",
                 *([_eval_reward(r)] if evaluated else []),
-                _num(r["logprob_abs_diff_mean"]),
-                _pct(r.get("routing_natural_agreement")),
-                _pct(r.get("replay_applied")),
-                "skipped" if r.get("skipped") else "ok" if r["canary_ok"] else "-",
-                *[f"{r.get('t_' + key, 0.0):.2f}" for key, _ in PHASES],
-                f"{r['step_seconds']:.2f}",
+                _num(r.logprob_abs_diff_mean),
+                _pct(r.routing_natural_agreement),
+                _pct(r.replay_applied),
+                "skipped" if r.skipped else "ok" if r.canary_ok else "-",
+                *[f"{r.phase_seconds.get(key, 0.0):.2f}" for key, _ in PHASES],
+                f"{r.step_seconds:.2f}",
             )
         return table
 
@@ -115,7 +115,7 @@ class StepTable:
             self.console.print(f"{self.title}: {self.total_steps} steps", markup=False, highlight=False)
         return self
 
-    def add(self, row: Mapping[str, Any]) -> None:
+    def add(self, row: StepRecord) -> None:
         self.rows.append(row)
         if self._live is not None:
             self._live.update(self._table())

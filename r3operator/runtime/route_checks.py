@@ -13,19 +13,20 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from r3operator.api.enums import RouteCheckPolicy
+from r3operator.api.enums import ReplayMode, RouteCheckPolicy
 from r3operator.models.architecture import moe_layers
 from r3operator.models.architecture import num_experts as experts_of
 from r3operator.routing import checks
 from r3operator.routing.checks import ModelRouting, RouteCheckFailure
-from r3operator.routing.codec import decode
+from r3operator.routing.codec import RoutedExperts, decode
 from r3operator.routing.sample import RolloutSample
+from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher
 from r3operator.trainer.base import OldPass
-from r3operator.trainer.batch import TrainBatch
+from r3operator.trainer.batch import TrainBatch, build_batch
 
 log = logging.getLogger("r3operator.runtime")
 
@@ -227,3 +228,97 @@ class RouteChecks:
         replayed = ~_np(batch.route_pad).astype(bool)
         self.step.replayed_rows = int(replayed.sum())
         self.step.trained_rows = int((lengths - 1).sum())
+
+
+class StepRoutes:
+    """Phase 4 and the route checks of one step: the batch from the step's samples (R3: each sample's routes as the
+    engine sent them; one missing or invalid fails the job or is dropped, `onRouteCheckFailure`), then `check`
+    before and after the old-logprob pass. `dropped` names each sample left out and why."""
+
+    def __init__(self, mode: ReplayMode, metrics: RuntimeMetrics, status: StatusPusher) -> None:
+        self.mode, self.metrics, self.status = mode, metrics, status
+        self.checks: RouteChecks | None = None  # R3: set up once the model is known (GRPORun.setup)
+        self.dropped: list[tuple[str, str]] = []
+
+    def enable_checks(self, model: ModelRouting, policy: RouteCheckPolicy) -> None:
+        self.checks = RouteChecks(model, policy, on_failure=self._failed)
+
+    def begin_step(self, samples: Sequence[RolloutSample]) -> None:
+        if self.checks is not None:
+            self.checks.begin_step(samples)
+
+    def batch(
+        self, samples: Sequence[RolloutSample], adv: np.ndarray, trainer: BatchTarget, *, temperature: float
+    ) -> TrainBatch | None:
+        """The step's batch; None when no sample is left (the step is skipped)."""
+        kept, kept_adv, routes = [], [], []
+        for sample, a in zip(samples, adv, strict=True):
+            sample_routes = sample.routes  # R2/Disabled: metrics only, never replayed
+            if self.mode is ReplayMode.R3:
+                sample_routes = self._arrived(sample)
+                if sample_routes is None:
+                    continue
+            kept.append(sample)
+            kept_adv.append(a)
+            routes.append(sample_routes)
+        if not kept:
+            return None
+        present = [r for r in routes if r is not None]  # R3 kept only samples with routes: all or none
+        return build_batch(
+            kept,
+            kept_adv,
+            routes=present if len(present) == len(routes) else None,
+            pad_id=trainer.pad_id,
+            device=trainer.batch_device,
+            temperature=temperature,
+        )
+
+    def _arrived(self, sample: RolloutSample) -> RoutedExperts | None:
+        """The sample's routes as they arrived from the engine (`build_sample` validated ids and rows); a missing or
+        invalid one fails the job or is dropped (routingReplay.onRouteCheckFailure)."""
+        failure = RouteChecks.arrival_failure(sample)
+        if failure is not None:
+            if self.checks is not None:
+                self.checks.failed(failure)  # raises under Fail
+            self.drop(sample.sample_id, sample.routes_status, sample.routes_error or "")
+            return None
+        return sample.routes
+
+    def check(
+        self, batch: TrainBatch, samples: Sequence[RolloutSample], old: OldPass | None = None
+    ) -> tuple[TrainBatch | None, OldPass | None]:
+        """The route checks before the old-logprob pass (`old` None) or after it: the batch (and pass) without the
+        samples that failed under SkipSample; (None, None) when none is left."""
+        checker = self.checks
+        assert checker is not None  # R3 only
+        before = len(checker.step.failures)
+        rows = checker.before_forward(batch, samples) if old is None else checker.after_forward(batch, old)
+        for failure in checker.step.failures[before:]:  # SkipSample: Fail raised in `failed`
+            self.metrics.inc("r3operator_samples_dropped_total", reason=failure.rule)
+            self.dropped.append((str(failure.sample_id), failure.rule))
+        if not rows:
+            return None, None
+        if len(rows) < batch.size:
+            batch, old = batch.select(rows), (None if old is None else select_old(old, rows))
+        return batch, old
+
+    def _failed(self, failure: RouteCheckFailure, fatal: bool) -> None:
+        """Count a route-check failure; before a fatal one stops the job, status.progress says why."""
+        self.metrics.inc("r3operator_route_check_failures_total", rule=failure.rule)
+        if fatal and self.checks is not None:
+            failures = len(self.checks.step.failures)
+            self.status.push(
+                {"status": {"progress": {"routeCheckFailures": failures, "routeCheckMessage": str(failure)[:1024]}}}
+            )
+
+    def drop(self, sample_id: str, reason: str, detail: str) -> None:
+        log.error("step sample %s dropped from training (routes %s): %s", sample_id, reason, detail)
+        self.metrics.inc("r3operator_samples_dropped_total", reason=reason)
+        self.dropped.append((sample_id, reason))
+
+
+class BatchTarget(Protocol):
+    """What the batch is built for: the trainer's pad token and the device its step reads the batch on."""
+
+    pad_id: int
+    batch_device: str

@@ -16,17 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from r3operator.api.enums import ReplayMode
+from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.api.weight_transfer import TransferChoice
 from r3operator.rollout.engines import EngineGroup
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, check_architecture
 from r3operator.runtime.dataset_file import resolve_dataset_file, resolve_eval_dataset_file
 from r3operator.runtime.evaluation import Evaluation, build_evaluation
+from r3operator.runtime.report import keep_rows_through
+from r3operator.tasks import envs
 from r3operator.tasks.source import TaskSource, build_task_source
 from r3operator.trainer.base import Trainer
+from r3operator.trainer.distributed import DistributedTrainer
 from r3operator.trainer.factory import build_trainer, world_size
 from r3operator.weightsync import sync as weight_sync
 from r3operator.weightsync.canary import CanaryTolerance, canary_tolerance
+from r3operator.weightsync.session import CanaryPlan, SyncMetrics, WeightSyncSession
 
 log = logging.getLogger("r3operator.runtime")
 LOCAL_MAX_MODEL_LEN = 512
@@ -93,6 +98,53 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
         canary_tol=canary_tolerance(settings.engine_dtype, settings.device),
         evaluation=evaluation,
     )
+
+
+def build_session(settings: RunSettings, parts: RunParts, metrics: SyncMetrics) -> WeightSyncSession:
+    """The run's weight sync and canary (weightsync/session.py), over the parts `build_parts` made."""
+    spec, task = settings.job.spec, parts.task
+    return WeightSyncSession(
+        spec,
+        engines=parts.engines,
+        trainer=parts.trainer,
+        transfer=parts.weight_transfer,
+        engine_vllm=parts.vllm_version,
+        engine_dtype=settings.engine_dtype,
+        canary=CanaryPlan(spec.weight_sync.canary, task.canary_prompts, task.canary_tokens, parts.canary_tol),
+        metrics=metrics,
+        ranks=parts.trainer if isinstance(parts.trainer, DistributedTrainer) else None,
+    )
+
+
+def resume(settings: RunSettings, ckpt_root: Path, trainer: Trainer) -> ckpt.CheckpointInfo | None:
+    """The checkpoint this run resumes from, loaded into `trainer` with the driver's RNG state, and metrics.csv kept
+    through its step (steps finished after it run again: their rows must not appear twice). None: a fresh start,
+    whose directory must not mix in the rows of an earlier run there (its metrics.csv is removed)."""
+    metrics_csv = settings.run_dir / "metrics.csv"
+    info = ckpt.find_latest(ckpt_root) if settings.resume else None
+    if info is None:
+        metrics_csv.unlink(missing_ok=True)
+        return None
+    state = ckpt.load_checkpoint(info, trainer)
+    ckpt.set_rng_state(state["rng"])
+    keep_rows_through(metrics_csv, info.step)
+    log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
+    return info
+
+
+def check_run_spec(spec: RLJobSpec) -> None:
+    """`spec.rollout.multiTurn` and the task agree: a multi-turn task is a game with an environment, and only such a
+    task runs multi-turn. (A KL term to a reference model is refused first: this runtime has none.)"""
+    if spec.algorithm.use_kl_loss or spec.algorithm.kl_in_reward:
+        raise ValueError("spec.algorithm.useKLLoss/klInReward: KL to a reference model is not in this runtime yet")
+    multi_turn_task = spec.task.name in envs.ENVIRONMENTS
+    if spec.rollout.multi_turn and not multi_turn_task:
+        raise ValueError(
+            f"spec.rollout.multiTurn: task {spec.task.name!r} has no multi-turn environment; "
+            f"set spec.task.name to one of {sorted(envs.ENVIRONMENTS)}"
+        )
+    if multi_turn_task and not spec.rollout.multi_turn:
+        raise ValueError(f"spec.task.name: {spec.task.name!r} is a multi-turn game; set spec.rollout.multiTurn: true")
 
 
 def start_ray(*, in_cluster: bool) -> None:

@@ -5,17 +5,15 @@ The step loop (runtime/loop.py, runtime/async_loop.py) fills one record per step
 and the RLJob's `status.progress` (`api.v1alpha1.Progress`) all read it. Its column names are declared here
 once (`COLUMNS`, metrics.csv's header, in order).
 
-A record is also a read-only mapping from column name to value, the row as the CSV has it, so that
-readers of metrics.csv rows and of records are one code. A column is in the mapping when the step had it:
-the multi-turn and asynchronous ones only in such jobs, `t_<phase>` and `sync_<phase>` for the phases that
-ran. Empty cells are None (nothing to measure: async without a current-version token); a skipped step's
-fidelity figures are NaN.
+A record is frozen and read by attribute. `cells()` is the row as metrics.csv has it, the columns the step had:
+the multi-turn and asynchronous ones only in such jobs, `t_<phase>` and `sync_<phase>` for the phases that ran.
+Empty cells are None (nothing to measure: async without a current-version token); a skipped step's fidelity
+figures are NaN.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,8 +109,8 @@ COLUMNS: tuple[str, ...] = (
 """metrics.csv's header, in order."""
 
 
-@dataclass(eq=False)  # compared as the mapping it is (a row), like the dict rows read back from the CSV
-class StepRecord(Mapping[str, Any]):
+@dataclass(frozen=True)
+class StepRecord:
     """What one step measured. The defaults are a skipped step's: no update, so no fidelity figure (NaN)."""
 
     # -- every step, trained or skipped: what the rollout produced
@@ -176,8 +174,8 @@ class StepRecord(Mapping[str, Any]):
     # -- spec.evaluation, on the steps that evaluated
     eval_reward: float | None = None
 
-    def _present(self) -> dict[str, Any]:
-        """The step's columns and values, in metrics.csv's order."""
+    def cells(self) -> dict[str, Any]:
+        """The step's columns and values, in metrics.csv's order (a column the step did not have is absent)."""
         out: dict[str, Any] = {}
         groups: list[tuple[tuple[str, ...], bool]] = [
             (_EVERY_STEP, True),
@@ -206,21 +204,8 @@ class StepRecord(Mapping[str, Any]):
 
     def row(self) -> dict[str, Any]:
         """metrics.csv's row: every column, "" where the step had none (csv writes None as "")."""
-        present = self._present()
+        present = self.cells()
         return {column: present.get(column, "") for column in COLUMNS}
-
-    # -- Mapping: the row as a reader of metrics.csv sees it
-    def __getitem__(self, column: str) -> Any:
-        present = self._present()
-        if column not in present:
-            raise KeyError(column)
-        return present[column]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._present())
-
-    def __len__(self) -> int:
-        return len(self._present())
 
 
 def _finite(value: Any) -> float | None:
@@ -233,7 +218,7 @@ def _finite(value: Any) -> float | None:
 
 
 def step_progress(
-    record: Mapping[str, Any],
+    record: StepRecord,
     *,
     total_steps: int,
     last_checkpoint_step: int | None,
@@ -242,36 +227,28 @@ def step_progress(
     non_finite_steps: int | None = None,
     last_non_finite_step: int | None = None,
 ) -> Progress:
-    """The RLJob's `status.progress` after the step `record` (a StepRecord or a metrics.csv row);
-    `non_finite_steps` / `last_non_finite_step`: the run's count of non-finite steps and the last one; the eval
-    figures only when the step evaluated (None otherwise: the status keeps the last evaluation's)."""
-    eval_reward = _finite(record.get("eval_reward"))
+    """The RLJob's `status.progress` after the step `record`; `non_finite_steps` / `last_non_finite_step`: the
+    run's count of non-finite steps and the last one; the eval figures only when the step evaluated (None
+    otherwise: the status keeps the last evaluation's)."""
+    eval_reward = _finite(record.eval_reward)
     return Progress(
-        step=int(record["step"]),
+        step=int(record.step),
         total_steps=int(total_steps),
-        reward_mean=_finite(record.get("reward_mean")),
-        logprob_abs_diff_mean=_finite(record.get("logprob_abs_diff_mean")),
-        logprob_abs_diff_max=_finite(record.get("logprob_abs_diff_max")),
-        kl_k3=_finite(record.get("kl_k3")),
-        routing_agreement=_finite(record.get("routing_natural_agreement")),
+        reward_mean=_finite(record.reward_mean),
+        logprob_abs_diff_mean=_finite(record.logprob_abs_diff_mean),
+        logprob_abs_diff_max=_finite(record.logprob_abs_diff_max),
+        kl_k3=_finite(record.kl_k3),
+        routing_agreement=_finite(record.routing_natural_agreement),
         last_checkpoint_step=last_checkpoint_step,
         non_finite_steps=non_finite_steps,
         last_non_finite_step=last_non_finite_step,
         eval_reward=eval_reward,
-        eval_step=None if eval_reward is None else int(record["step"]),
+        eval_step=None if eval_reward is None else int(record.step),
         updated_at=updated_at,
         weight_sync=None if weight_sync is None else weight_sync[:512],
-        replayed_fraction=_finite(record.get("replayed_fraction")),
-        fallback_fraction=_finite(record.get("fallback_fraction")),
-        extreme_token_fraction=_finite(record.get("extreme_token_fraction")),
-        route_check_failures=_count(record.get("route_check_failures")),
-        route_check_message=(str(record.get("route_check_message") or "") or None),
+        replayed_fraction=_finite(record.replayed_fraction),
+        fallback_fraction=_finite(record.fallback_fraction),
+        extreme_token_fraction=_finite(record.extreme_token_fraction),
+        route_check_failures=record.route_check_failures,
+        route_check_message=record.route_check_message or None,
     )
-
-
-def _count(value: Any) -> int | None:
-    """An integer cell for the RLJob status (None for an empty one)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None

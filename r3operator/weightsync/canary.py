@@ -45,10 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from r3operator.rollout.base import Greedy
 from r3operator.settings import runtime_settings
 from r3operator.wire.receipt import Fingerprint, ReceiptMismatchError, compare_receipt
 
@@ -203,8 +204,27 @@ class CanaryForwards:
         return self.logits[tuple(sequence)]
 
 
+class CanaryForwardResult(Protocol):
+    """One replayed canary forward (trainer/base.py `CanaryForward`)."""
+
+    logits: Any  # torch.Tensor [S, V] fp32: torch is imported lazily here, so the annotation stays open
+    natural_ids: Any  # torch.Tensor [S, L, K]: the same
+
+
+class CanaryModel(Protocol):
+    """What the canary takes of the trainer (trainer/base.py `Trainer` has it)."""
+
+    eos_id: int
+
+    def canary_logits(self, sequence: Sequence[int]) -> Any: ...
+
+    def canary_forward(
+        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+    ) -> CanaryForwardResult: ...
+
+
 def canary_forwards(
-    trainer: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Any], *, compute: bool = False
+    trainer: CanaryModel, prompts: Sequence[Sequence[int]], outputs: Sequence[Greedy], *, compute: bool = False
 ) -> CanaryForwards:
     """One trainer forward per engine continuation (`Greedy`), the engine's routes replayed where it sent
     them; the natural-vs-engine routing agreement over all of them. `compute`: the replayed forwards run in

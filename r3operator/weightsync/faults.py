@@ -28,6 +28,8 @@ from typing import TypeVar
 
 from r3operator.rollout.base import Engine, StaleEngineError
 from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.endpoints import EngineEndpoint, SyncCounts, endpoints
+from r3operator.weightsync.packed import install_packed
 from r3operator.wire.retry import Backoff, EngineUnavailableError
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
@@ -36,6 +38,8 @@ log = logging.getLogger("r3operator.runtime")
 T = TypeVar("T")
 
 FaultCounter = Callable[[str], None]  # called with the fault kind, e.g. "engine_call" (a metrics counter)
+Install = Callable[[Sequence[Engine], str], SyncCounts]
+"""How one attempt installs a policy on the given engines, stamped with the tag."""
 
 
 class EngineSupervisor:
@@ -54,14 +58,14 @@ class EngineSupervisor:
         backoff: Backoff | None = None,
         on_fault: FaultCounter | None = None,
         nonce: str | None = None,
-        install: Callable[[Sequence[Engine], str], dict[str, int]] | None = None,
+        install: Install | None = None,
         phases: SyncPhases | None = None,
     ) -> None:
         self.group = group
         self.chunks = chunks
         # How one attempt installs a policy: vLLM's native transfer (weightsync/sync.py) or, by
         # default, the packed chunks through our worker extension.
-        self.install = install or self._install_packed
+        self.install: Install = install or self._install_packed
         self.phases = phases if phases is not None else SyncPhases()  # of the packed path's syncs
         self.canary = canary
         self.backoff = backoff or Backoff.from_env()
@@ -73,16 +77,16 @@ class EngineSupervisor:
         return f"{self.nonce}:{version}"
 
     # -- weight sync --------------------------------------------------------------------------------
-    def sync(self, version: int) -> dict[str, int]:
+    def sync(self, version: int) -> SyncCounts:
         """Install the trainer's current weights as policy `version` on every engine."""
         result = self._install(self.group.engines, self.tag_for(version))
         self.tag = self.tag_for(version)
         return result
 
-    def _install_packed(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
-        return EngineGroup(engines).update_weights(self.chunks(), policy_tag=tag, phases=self.phases)
+    def _install_packed(self, engines: Sequence[Engine], tag: str) -> SyncCounts:
+        return install_packed(endpoints(engines), self.chunks(), policy_tag=tag, phases=self.phases)
 
-    def _install(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+    def _install(self, engines: Sequence[Engine], tag: str) -> SyncCounts:
         for attempt in range(self.backoff.attempts):
             try:
                 for engine in engines:
@@ -92,7 +96,7 @@ class EngineSupervisor:
                     # mid-sync) would make `begin` refuse; closing it unfinalised is a no-op otherwise. An
                     # install that closes open brackets itself (the native one) does it on a first attempt.
                     if attempt or not getattr(self.install, "closes_open_brackets", False):
-                        engine.abort_weight_update()
+                        EngineEndpoint(engine).abort_weight_update()
                 return self.install(engines, tag)
             except EngineUnavailableError as exc:
                 self.on_fault("weight_sync")
@@ -120,12 +124,13 @@ class EngineSupervisor:
         """Engines whose policy tag is not the current one (restarted, or their last sync was aborted)."""
         stale = []
         for engine in self.group.engines:
+            endpoint = EngineEndpoint(engine)
             try:
-                tag = engine.policy_tag()
+                tag = endpoint.policy_tag()
             except EngineUnavailableError as exc:
                 log.warning("%s does not answer (%s); waiting for it", engine.name, exc)
                 engine.wait_ready()
-                tag = engine.policy_tag()
+                tag = endpoint.policy_tag()
             if tag != self.tag:
                 stale.append(engine)
         return stale

@@ -27,12 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import Engine
 from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.endpoints import SyncCounts
 from r3operator.weightsync.sync import NativeInstall, master_address_for
 from r3operator.wire.receipt import Fingerprint, FingerprintLog
+from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import full_tensor
 
@@ -51,11 +52,9 @@ class NativeSyncLike(Protocol):
 
     sent: FingerprintLog
     phases: SyncPhases
-    layout: WeightSyncLayout
+    layout: BracketLayout
 
-    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]: ...
-
-    def set_layout(self, layout: WeightSyncLayout) -> None: ...
+    def __call__(self, engines: Sequence[Engine], tag: str) -> SyncCounts: ...
 
     def close(self) -> None: ...
 
@@ -70,7 +69,7 @@ class RankSyncRequest:
     tag: str
     dtype: str | None  # the engine's, as torch names it ("bfloat16"); None: the trainer's own
     buffer_size_bytes: int
-    layout: WeightSyncLayout
+    layout: BracketLayout
     synchronize: bool = False  # the driver's phases wait for the device (profiling)
     make: Callable[..., NativeSyncLike] = NativeInstall
 
@@ -109,12 +108,11 @@ _SENDERS: dict[str, _RankSender] = {}  # by install, in rank 0's process
 def _sender_for(request: RankSyncRequest, dtype: Any) -> _RankSender:
     """The sender `request.install` made before, when it was for the same engines; else a new one (the old
     one's group closed). The engines kept from its first sync are the ones it sends to: the same objects, so
-    `NativeInstall` keeps its rendezvous (it compares them by identity)."""
+    `NativeInstall` keeps its rendezvous (it compares them by identity). An install's layout is fixed when it is
+    made, so a sender kept is one of the request's layout."""
     key = engines_key(request.engines)
     sender = _SENDERS.get(request.install)
     if sender is not None and sender.engines_key == key:
-        if sender.sync.layout != request.layout:
-            sender.sync.set_layout(request.layout)
         sender.sync.phases.synchronize = request.synchronize
         return sender
     if sender is not None:
@@ -198,7 +196,7 @@ def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncR
         fingerprints = sender.sync.sent.result()
     seconds = dict(sender.sync.phases.seconds)
     seconds["gather"] = seconds.get("gather", 0.0) + gathered.seconds["gather"]
-    return RankSyncResult(counts["tensors"], counts["bytes"], fingerprints, seconds)
+    return RankSyncResult(counts.tensors, counts.bytes, fingerprints, seconds)
 
 
 def close_on_rank(_trainer: Any, rank: int, install: str) -> None:
@@ -225,7 +223,7 @@ class RankNativeInstall:
         buffer_size_bytes: int,
         sent: FingerprintLog,
         phases: SyncPhases,
-        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+        layout: BracketLayout = BracketLayout.CHECKPOINT,
         make: Callable[..., NativeSyncLike] = NativeInstall,
     ) -> None:
         self.method, self.ranks, self.layout = method, ranks, layout
@@ -233,7 +231,7 @@ class RankNativeInstall:
         self.buffer_size_bytes, self.sent, self.phases, self.make = buffer_size_bytes, sent, phases, make
         self.install = uuid.uuid4().hex
 
-    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+    def __call__(self, engines: Sequence[Engine], tag: str) -> SyncCounts:
         request = RankSyncRequest(
             install=self.install,
             method=self.method,
@@ -249,15 +247,11 @@ class RankNativeInstall:
         self.sent.clear()
         self.sent.merge(result.fingerprints)
         self.phases.merge(result.phase_seconds)
-        return {"tensors": result.tensors, "bytes": result.bytes}
+        return SyncCounts(tensors=result.tensors, bytes=result.bytes)
 
     def describe(self) -> str:
         """Where the sync is sent from, for the report and status.progress.weightSync."""
         return f"sent from trainer rank 0 of {self.ranks.world_size}"
-
-    def set_layout(self, layout: WeightSyncLayout) -> None:
-        """The layout of the next syncs' brackets (the sender on rank 0 takes it with the next request)."""
-        self.layout = layout
 
     def close(self) -> None:
         self.ranks.on_every_rank(close_on_rank, self.install)

@@ -34,9 +34,11 @@ from r3operator.api.weight_transfer import (
 )
 from r3operator.rollout.base import Engine
 from r3operator.rollout.engines import EngineGroup
+from r3operator.weightsync.endpoints import EngineEndpoint, SyncCounts, endpoints
 from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
 from r3operator.wire.kernel_layout import Source
 from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 
 log = logging.getLogger("r3operator.runtime")
@@ -160,7 +162,7 @@ class NativeInstall:
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,
         phases: SyncPhases | None = None,
-        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+        layout: BracketLayout = BracketLayout.CHECKPOINT,
         kernel_fallback: bool = False,
     ) -> None:
         self.method, self.layout = method, layout
@@ -181,23 +183,23 @@ class NativeInstall:
         self.checked_plan: list[Source] | None = None
         self.reference_seconds: float | None = None  # the last reference sync's seconds, its check included
 
-    def _needs_rendezvous(self, engines: Sequence[Engine]) -> bool:
+    def _needs_rendezvous(self, engines: Sequence[Engine], verbs: Sequence[EngineEndpoint]) -> bool:
         if self._sender is None or self._engines != tuple(id(e) for e in engines):
             return True
-        return any(engine.policy_tag() != self._last_tag for engine in engines)
+        return any(endpoint.policy_tag() != self._last_tag for endpoint in verbs)
 
-    def __call__(self, engines: Sequence[Engine], tag: str) -> dict[str, int]:
+    def __call__(self, engines: Sequence[Engine], tag: str) -> SyncCounts:
         from r3operator.settings import runtime_settings
 
-        endpoints: list[Any] = list(engines)
-        rendezvous = self._needs_rendezvous(engines)
+        verbs = endpoints(engines)
+        rendezvous = self._needs_rendezvous(engines, verbs)
         if rendezvous or runtime_settings().sync_pre_abort == "always":
-            for engine in endpoints:  # a native bracket left open by a driver that died mid-sync
-                engine.native_abort()
+            for endpoint in verbs:  # a native bracket left open by a driver that died mid-sync
+                endpoint.native_abort()
         if rendezvous:
             self.close()
-            layout = WeightSyncLayout.CHECKPOINT if self.kernel_refused else self.layout
-            client = FanOutClient(endpoints, phases=self.phases, layout=layout)
+            layout = BracketLayout.CHECKPOINT if self.kernel_refused else self.layout
+            client = FanOutClient(verbs, phases=self.phases, layout=layout)
             self._sender = NativeSender(
                 self.method,
                 client,
@@ -223,7 +225,7 @@ class NativeInstall:
             self.checked_plan = sender.checked_plan
             self.reference_seconds = sender.reference_seconds or self.reference_seconds
         self._last_tag = tag
-        return {"tensors": stats.tensors, "bytes": stats.bytes}
+        return SyncCounts(tensors=stats.tensors, bytes=stats.bytes)
 
     @property
     def ipc_path(self) -> dict[str, str | None]:
@@ -243,13 +245,6 @@ class NativeInstall:
         went (`describe_ipc_path`)."""
         layout = chosen.refused(self.kernel_refused) if self.kernel_refused else chosen
         return "; ".join(part for part in (layout.describe(), describe_ipc_path(self.ipc_path)) if part)
-
-    def set_layout(self, layout: WeightSyncLayout) -> None:
-        """Open the next syncs' brackets for `layout`, keeping the rendezvous (bench_weight_sync measures
-        both layouts on one engine start)."""
-        if self._sender is not None:
-            self._sender.set_layout(layout)
-        self.layout = layout
 
     def close(self) -> None:
         if self._sender is not None:
@@ -285,7 +280,7 @@ def engine_on_gpu_of(device: str, engines: EngineGroup) -> bool:
 
     index = torch.device(device).index
     mine = str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
-    return any(mine in engine.device_uuids() for engine in engines.engines)
+    return any(mine in endpoint.device_uuids() for endpoint in endpoints(engines.engines))
 
 
 def master_address_for(engines: EngineGroup) -> str:

@@ -37,10 +37,9 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
-from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
-from r3operator.rollout.base import NativeEndpoint
 from r3operator.weightsync.direct import DirectKernelSend
+from r3operator.weightsync.endpoints import NativeEndpoint
 from r3operator.weightsync.mapped import MappedKernelSend
 from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.cuda_cache import release_cached_blocks
@@ -56,6 +55,7 @@ from r3operator.wire.kernel_layout import (
     trainer_shapes,
 )
 from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.sync_messages import BracketLayout, DirectUpdate
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, full_tensor, tensor_nbytes
 
@@ -72,13 +72,13 @@ class FanOutClient:
         endpoints: Sequence[NativeEndpoint],
         *,
         phases: SyncPhases | None = None,
-        layout: WeightSyncLayout = WeightSyncLayout.CHECKPOINT,
+        layout: BracketLayout = BracketLayout.CHECKPOINT,
     ) -> None:
         if not endpoints:
             raise ValueError("no engines to transfer weights to")
         self.endpoints = list(endpoints)
         self.phases = phases if phases is not None else SyncPhases()
-        self.layout = layout  # what every engine's bracket is opened for (weightSync.layout)
+        self.layout = layout  # what every engine's bracket is opened for (weightSync.layout, `auto` resolved)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
 
@@ -140,7 +140,7 @@ class FanOutClient:
     def start_weight_update(self) -> None:
         """Every engine's bracket opens at once: its round trips and receipt fingerprints overlap."""
         with self.phases("begin"):
-            self._concurrently([partial(e.native_start, self.layout.value) for e in self.endpoints])
+            self._concurrently([partial(e.native_start, self.layout) for e in self.endpoints])
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -153,7 +153,7 @@ class FanOutClient:
         with self.phases("finish"):
             self._concurrently([partial(e.native_finish, self.policy_tag) for e in self.endpoints])
 
-    def direct_sync(self, update: dict[str, Any]) -> None:
+    def direct_sync(self, update: DirectUpdate) -> None:
         """Every engine runs its whole kernel-format NCCL sync at once (weightsync/direct.py: bracket, receive, commit
         flag, the policy tag), each inside the same broadcasts; the first failure is raised after every engine
         answered."""
@@ -289,7 +289,7 @@ class NativeSender:
         return self._state if self._state is not None else self.state_dict()
 
     def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        if self.client.layout is WeightSyncLayout.KERNEL:
+        if self.client.layout is BracketLayout.KERNEL:
             return kernel_metadata(self.kernel_plan(), dtype=self.dtype)
         return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
 
@@ -322,7 +322,7 @@ class NativeSender:
         is kept (`_failure`) for the send to raise once vLLM's sender has returned; the caller then aborts the
         engines' brackets. Stopping here would leave every engine, and the trainer, in a collective forever."""
         phases = self.client.phases
-        if self.client.layout is WeightSyncLayout.KERNEL:
+        if self.client.layout is BracketLayout.KERNEL:
             items = self._kernel_items()
         else:
             plain = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
@@ -357,11 +357,6 @@ class NativeSender:
             whole = dict(zip(source.parts, parts, strict=True))
             for name, tensor in kernel_tensors(whole, [source], dtype=self.dtype, device=self.device):
                 yield name, tensor, source, parts
-
-    def set_layout(self, layout: WeightSyncLayout) -> None:
-        """The layout of the next syncs' brackets, on the same rendezvous (vLLM 0.22 takes it per bracket:
-        `start_weight_update(is_checkpoint_format=…)`); the kernel plan is made again at the next sync."""
-        self.client.layout, self._plan = layout, None
 
     # -- rendezvous -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -427,7 +422,7 @@ class NativeSender:
             stats = self._send(policy_tag)
             # A kernel-layout sync's fingerprints are taken when the receipt is read, off the sync's path (the trainer
             # tensors it was built of stay as they are until then: the trainer's next update comes after the canary).
-            if self.client.layout is not WeightSyncLayout.KERNEL or self._referenced:
+            if self.client.layout is not BracketLayout.KERNEL or self._referenced:
                 with phases("fingerprint"):
                     self.sent.result()  # the fingerprints' one host sync, outside the transfer
             # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
@@ -450,15 +445,15 @@ class NativeSender:
         at the next sync: the release vLLM's sender needs (new streams every sync) would only cost `cudaFree`
         waits, and what the trainer's own step leaves cached is the trainer's (2026-11-27 H200 run: 8.5 ms of
         `cudaFree` and 2.7 ms of `cudaMalloc` again in an `a3b` sync)."""
-        return self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.NCCL
+        return self.client.layout is BracketLayout.KERNEL and self.method is TransferMethod.NCCL
 
     def _send(self, policy_tag: str) -> SendStats:
         if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
             self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
-        kernel = self.client.layout is WeightSyncLayout.KERNEL
+        kernel = self.client.layout is BracketLayout.KERNEL
         if kernel and self._kernel_plan_or_refuse() != self.checked_plan:
             return self._reference_sync(policy_tag)  # a plan not confirmed yet: its reference first
-        kernel = self.client.layout is WeightSyncLayout.KERNEL  # the plan may have been refused just above
+        kernel = self.client.layout is BracketLayout.KERNEL  # the plan may have been refused just above
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
@@ -508,7 +503,7 @@ class NativeSender:
         """This sender's syncs go in the checkpoint layout from now on, for `reason` (`kernel_refused`, which the
         owner keeps across rendezvous and the report and status show)."""
         self.kernel_refused = reason
-        self.client.layout, self._plan = WeightSyncLayout.CHECKPOINT, None
+        self.client.layout, self._plan = BracketLayout.CHECKPOINT, None
         log.warning("weight sync: kernel layout refused, syncing in the checkpoint layout: %s", reason)
 
     # -- the kernel layout's reference: vLLM's own load_weights, once per plan ------------------------------------
@@ -524,11 +519,11 @@ class NativeSender:
         begin = time.perf_counter()
         plan = self.kernel_plan()
         self._referenced = True
-        self.client.layout = WeightSyncLayout.CHECKPOINT
+        self.client.layout = BracketLayout.CHECKPOINT
         try:
             stats = self._send(policy_tag)
         finally:
-            self.client.layout = WeightSyncLayout.KERNEL
+            self.client.layout = BracketLayout.KERNEL
         refused = self._reference_mismatch(plan)
         self.reference_seconds = time.perf_counter() - begin
         if refused is None:
@@ -579,7 +574,7 @@ class NativeSender:
 
     def _kernel_ipc(self) -> bool:
         """The kernel layout over IPC: the engines take it in one call (mapped, else staged), on any vLLM API."""
-        return self.client.layout is WeightSyncLayout.KERNEL and self.method is TransferMethod.IPC
+        return self.client.layout is BracketLayout.KERNEL and self.method is TransferMethod.IPC
 
     def _send_mapped(self) -> bool:
         """Every parameter written by the trainer into the engines' own memory (weightsync/mapped.py). False when an
@@ -691,11 +686,11 @@ class NativeSender:
         engines abort their brackets and answer with an error, and the trainer's own error is raised: every
         broadcast was met, so the communicator is kept."""
         self.kernel_plan()  # asked of the engines NOW: once inside their call, their engine cores answer nothing else
-        update = {
-            "names": [name for name, _, _ in meta],
-            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
-            "shapes": [list(shape) for _, _, shape in meta],
-        }
+        update = DirectUpdate(
+            names=[name for name, _, _ in meta],
+            dtype_names=[str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
+            shapes=[list(shape) for _, _, shape in meta],
+        )
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             receiving = pool.submit(self.client.direct_sync, update)

@@ -33,26 +33,18 @@ T = TypeVar("T")
 SYNC_PHASES = ("gather", "pack", "fingerprint", "begin", "transfer", "finish")
 
 
-class SyncPhases:
-    """Seconds per phase of the current sync (`reset` before each)."""
+class PhaseTimer:
+    """Host seconds per named phase, summed over every time it ran: a GRPO step's phases (runtime/loop.py) and, with
+    the device clock and profiler spans of `SyncPhases`, a weight sync's."""
 
-    def __init__(self, *, synchronize: bool = False) -> None:
-        self.synchronize = synchronize
+    def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.label: Callable[[str], AbstractContextManager[Any]] | None = None  # a span per phase (profiling)
 
     def _span(self, phase: str) -> AbstractContextManager[Any]:
-        return self.label(phase) if self.label is not None else nullcontext()
-
-    def reset(self) -> None:
-        self.seconds = {}
+        return nullcontext()
 
     def _sync(self) -> None:
-        if self.synchronize:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+        return None
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -87,6 +79,28 @@ class SyncPhases:
             self._sync()
             self.add(phase, time.perf_counter() - begin)
             yield item
+
+
+class SyncPhases(PhaseTimer):
+    """Seconds per phase of the current sync (`reset` before each)."""
+
+    def __init__(self, *, synchronize: bool = False) -> None:
+        super().__init__()
+        self.synchronize = synchronize
+        self.label: Callable[[str], AbstractContextManager[Any]] | None = None  # a span per phase (profiling)
+
+    def _span(self, phase: str) -> AbstractContextManager[Any]:
+        return self.label(phase) if self.label is not None else nullcontext()
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def _sync(self) -> None:
+        if self.synchronize:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
 
 
 def chunk_seconds(chunk: Any) -> Mapping[str, float]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,13 +129,22 @@ class PackedChunk:
 
     buffer: np.ndarray
     entries: list[tuple[str, str, tuple[int, ...], int]]
-    handles: dict[str, Any] = field(default_factory=dict)  # per-transport memo (ray ref, staged file)
+    handles: dict[str, Any] = field(default_factory=dict)  # per-transport memo (ray ref, staged file), every engine's
     fingerprints: dict[str, Fingerprint] = field(default_factory=dict)  # of each tensor (wire/receipt.py)
     seconds: dict[str, float] = field(default_factory=dict)  # trainer-side sync phases (wire/sync_phases.py)
+    releases: list[Callable[[], None]] = field(default_factory=list)  # what a transport's `handles` need undone
 
     @property
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
+
+    def release(self) -> None:
+        """Let go of what the transports made of this chunk (a Ray object, a staged file) once every engine has had
+        it, whether it loaded or not."""
+        releases, self.releases = self.releases, []
+        self.handles.clear()  # submitted Ray tasks keep their argument alive until they ran
+        for undo in releases:
+            undo()
 
 
 def pack_chunk(chunk: Sequence[tuple[str, Any]]) -> PackedChunk:

@@ -28,7 +28,9 @@ def test_the_profiled_sync_names_each_phase_and_leaves_the_clock_unlabelled(
             with phases("fingerprint"):
                 torch.mm(weights[0], weights[1])
 
-    run = SimpleNamespace(s=SimpleNamespace(device="cpu"), sync_phases=phases, sync_weights=sync_weights)
+    run = SimpleNamespace(
+        s=SimpleNamespace(device="cpu"), weight_sync=SimpleNamespace(phases=phases), sync_weights=sync_weights
+    )
     monkeypatch.setattr(bench_weight_sync, "new_policy", lambda r, steps: policies.append(steps))
 
     paths = bench_weight_sync.profile_one_sync(run, 0, tmp_path / "profile" / "kernel-nccl")
@@ -80,9 +82,11 @@ def test_the_engine_gpu_counts_within_this_process_mask(monkeypatch: pytest.Monk
 
 def test_the_engines_own_seconds_are_the_slowest_worker_of_any_engine_by_part() -> None:
     """A sync waits for its slowest engine worker: that one's host seconds are the figure, part by part."""
+    from sync_fakes import SendsToVerbs
+
     from benchmarks.bench_weight_sync import engine_seconds
 
-    class Engine:
+    class Engine(SendsToVerbs):
         def __init__(self, *receipts: dict[str, object]) -> None:
             self.receipts = list(receipts)
 
@@ -93,3 +97,43 @@ def test_the_engines_own_seconds_are_the_slowest_worker_of_any_engine_by_part() 
     other = Engine({"engine_seconds": {"load": 0.011, "release": 0.030}}, {"closed": False})
     assert engine_seconds([tp2, other]) == {"load": 0.012, "receipt": 0.004, "release": 0.030}
     assert engine_seconds([]) == {}
+
+
+def test_a_layout_switch_makes_a_new_install_of_the_same_method_and_closes_the_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--layout kernel,checkpoint` measures both layouts on one engine start: the product has no way to change an
+    install's layout, so the benchmark makes a new install as setup() would (a new rendezvous, as after an engine
+    restart), closes the old one, and syncs once with the new layout before the timed syncs."""
+    from r3operator.api.weight_transfer import TransferMethod
+    from r3operator.weightsync.sync import NativeInstall
+    from r3operator.wire.sync_messages import BracketLayout
+
+    old = NativeInstall(
+        TransferMethod.NCCL,
+        state_dict=dict,
+        dtype=None,
+        buffer_size_bytes=7,
+        master_address="10.0.0.2",
+        layout=BracketLayout.CHECKPOINT,
+        kernel_fallback=True,
+    )
+    closed: list[int] = []
+    monkeypatch.setattr(old, "close", lambda: closed.append(1))
+    monkeypatch.setattr(bench_weight_sync, "new_policy", lambda r, steps: None)
+    synced: list[object] = []
+    checked: list[object] = []
+    run = SimpleNamespace(
+        supervisor=SimpleNamespace(install=old),
+        weight_sync=SimpleNamespace(install=old, check_receipts=lambda engines, names: checked.append(names)),
+        engines=SimpleNamespace(engines=[]),
+        canary=lambda: True,
+    )
+    run.sync_weights = lambda: synced.append((run.supervisor.install.layout, len(closed)))
+
+    fresh, _ = bench_weight_sync.switch_layout(run, old, BracketLayout.KERNEL, 0)  # type: ignore[arg-type]
+
+    assert fresh is not old and fresh is run.supervisor.install is run.weight_sync.install
+    assert synced == [(BracketLayout.KERNEL, 1)] and checked == [[]]  # the old one closed first, then one sync
+    same = ("method", "buffer_size_bytes", "master_address", "kernel_fallback", "sent", "phases", "state_dict")
+    assert all(getattr(fresh, name) == getattr(old, name) for name in same)

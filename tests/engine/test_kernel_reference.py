@@ -169,12 +169,12 @@ def _trainer_state(seed: int) -> dict[str, Any]:
 def _sender(monkeypatch: pytest.MonkeyPatch, endpoint: _Endpoint, state: Callable[[], Any]) -> Any:
     """The runtime's sender over IPC in the kernel layout (vLLM 0.22.1's static API), on the CPU; vLLM's packed IPC
     transport of the checkpoint layout stood in for (CUDA only)."""
-    from r3operator.api.enums import WeightSyncLayout
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.weightsync import transfer
+    from r3operator.wire.sync_messages import BracketLayout
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
-    client = transfer.FanOutClient([endpoint], layout=WeightSyncLayout.KERNEL)  # type: ignore[list-item]
+    client = transfer.FanOutClient([endpoint], layout=BracketLayout.KERNEL)  # type: ignore[list-item]
     sender = transfer.NativeSender(TransferMethod.IPC, client, state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20)
     sender.device = "cpu"
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from r3operator.weightsync.endpoints import EngineEndpoint
+
 pytestmark = pytest.mark.slow
 
 
@@ -72,18 +74,19 @@ def _checkpoint(model_dir: Path, noise_seed: int | None) -> dict[str, Any]:
 
 
 def _sync(engine: Any, state: dict[str, Any], tag: str) -> dict[str, tuple[int, int, int]]:
-    """One packed sync (what `EngineGroup.update_weights` does per engine); the trainer's fingerprints of it."""
+    """One packed sync (what `weightsync/packed.install_packed` does per engine); the trainer's fingerprints of it."""
     import torch
 
     from r3operator.wire.receipt import FingerprintLog
     from r3operator.wire.weights import packed_chunks
 
     sent = FingerprintLog()
-    engine.begin_weight_update()
+    verbs = EngineEndpoint(engine)
+    verbs.begin_weight_update()
     for chunk in packed_chunks(state, chunk_size_mb=4, dtype=torch.bfloat16):
         sent.merge(chunk.fingerprints)
-        engine.load_packed(chunk.buffer, chunk.entries)
-    engine.finish_weight_update(tag)
+        verbs.load_packed(chunk)
+    verbs.finish_weight_update(tag)
     return sent.result()
 
 
@@ -99,13 +102,13 @@ def test_a_load_that_skips_the_expert_blocks_fails_its_first_sync_naming_them(
         blocks = r"model\.layers\.\d\.mlp\.experts\.routed_experts\.w(13|2)_weight"
         kept = rf"kept its previous values in 8 of the \d+ parameters .*{blocks}"
         with pytest.raises(CanaryMismatchError, match=kept):
-            check_receipts(sent, engine.sync_receipts(), where="engine 0")
+            check_receipts(sent, EngineEndpoint(engine).sync_receipts(), where="engine 0")
     finally:
         engine.llm.collective_rpc(_load_everything)
     # The same policy again, every tensor applied this time: the 8 blocks that kept their values must change now
     # (the same bytes as last time excuse the rest).
     sent = _sync(engine, state, "run:2")
-    assert check_receipts(sent, engine.sync_receipts(), where="engine 0") == 8
+    assert check_receipts(sent, EngineEndpoint(engine).sync_receipts(), where="engine 0") == 8
 
 
 def test_the_engines_own_weights_sent_again_need_no_change_in_its_prepacked_blocks(
@@ -118,14 +121,14 @@ def test_the_engines_own_weights_sent_again_need_no_change_in_its_prepacked_bloc
 
     original = _checkpoint(tiny_model_dir, noise_seed=None)
     sent = _sync(engine, original, "run:1")
-    check_receipts(sent, engine.sync_receipts(), where="engine 0")
+    check_receipts(sent, EngineEndpoint(engine).sync_receipts(), where="engine 0")
 
     def forget(worker: WeightSyncWorkerExtension) -> None:
         worker._r3_receipt_state = None
 
     engine.llm.collective_rpc(forget)
     sent = _sync(engine, original, "run:2")
-    assert engine.sync_receipts()[0]["unchanged"] == []
-    check_receipts(sent, engine.sync_receipts(), where="engine 0")
+    assert EngineEndpoint(engine).sync_receipts()[0]["unchanged"] == []
+    check_receipts(sent, EngineEndpoint(engine).sync_receipts(), where="engine 0")
     sent = _sync(engine, _checkpoint(tiny_model_dir, noise_seed=2), "run:3")
-    assert check_receipts(sent, engine.sync_receipts(), where="engine 0") > 8
+    assert check_receipts(sent, EngineEndpoint(engine).sync_receipts(), where="engine 0") > 8

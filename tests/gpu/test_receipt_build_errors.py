@@ -133,7 +133,7 @@ def test_a_broken_builder_is_refused_at_its_plans_first_sync(
     refused = install.kernel_refused or ""
     assert "built by the kernel builder differ from what vLLM's own load_weights made" in refused, refused
     assert re.search(rf"mlp\.experts\.(\w+\.)?{_block(fault)}", refused), refused  # 0.30 adds `routed_experts.`
-    assert "kernel refused" in run.weight_sync_described, run.weight_sync_described
+    assert "kernel refused" in run.weight_sync.described, run.weight_sync.described
     assert run.canary()  # the checkpoint layout, vLLM's own load: right
     monkeypatch.undo()
     _forget_the_plan(run)

@@ -1,7 +1,8 @@
 """An in-process stand-in for a rollout engine, with scripted faults (not a test module).
 
 It keeps the engine-side state the runtime relies on: an open weight-update bracket and the policy tag of
-the last finished sync (None after a restart or an abort). Rollouts are random tokens seeded by the request
+the last finished sync (None after a restart or an abort); the sync's messages reach its verbs through `send`
+(tests/sync_fakes.py). Rollouts are random tokens seeded by the request
 seed like vLLM, with routes for the tiny model (4 layers, top-4 of 32 experts) that are a function of token
 and position (`route_row`), returned from each request's `routed_experts_prompt_start` on.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from sync_fakes import SendsToVerbs
 
 from r3operator.rollout.base import Greedy
 from r3operator.rollout.client import build_sample
@@ -22,7 +24,7 @@ from r3operator.wire.weights import PackedChunk, unpack_chunk
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(SendsToVerbs):
     name: str = "fake engine"
     num_layers: int = 4
     top_k: int = 4
@@ -112,9 +114,6 @@ class FakeEngine:
     def load_packed(self, chunk: PackedChunk) -> None:
         self._call("load")
         assert self.bracket_open, "chunk outside a bracket"
-
-    def release(self, chunk: PackedChunk) -> None:
-        return None
 
     def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
         self._call("finish")

@@ -22,6 +22,15 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+# The message kinds this stand-in answers, by the worker-extension method they run (engine/worker.py `r3_handle`).
+EXTENSION_METHOD = {
+    "begin_packed": "r3_begin_weight_update",
+    "load_packed_file": "r3_load_packed_file",
+    "finish_packed": "r3_finish_weight_update",
+    "abort_packed": "r3_abort_weight_update",
+    "policy_tag": "r3_policy_tag",
+}
+
 
 class FakeVLLMServer:
     def __init__(self) -> None:
@@ -128,8 +137,11 @@ class FakeVLLMServer:
         return web.json_response({"choices": choices})
 
     async def _rpc(self, request: web.Request) -> web.StreamResponse:
+        """The worker extension's one entry point: each message (wire/sync_messages.py) runs the `r3_` method the real
+        extension's `r3_handle` dispatches it to; the log and the fault script name that method."""
         body = await request.json()
-        method, args = body["method"], body.get("args", [])
+        message = body.get("args", [{}])[0] if body["method"] == "r3_handle" else {}
+        method = EXTENSION_METHOD.get(str(message.get("kind")), body["method"])
         if failed := await self._fault(request, f"/collective_rpc:{method}"):
             return failed
         result: Any = None
@@ -144,7 +156,7 @@ class FakeVLLMServer:
         elif method == "r3_finish_weight_update":
             if not self.bracket_open:
                 return web.json_response({"error": "finish without begin"}, status=500)
-            self.bracket_open, self.tag = False, (args[0] if args else None)
+            self.bracket_open, self.tag = False, message.get("policy_tag")
             result = {"chunks": 1, "tensors": 1}
         elif method == "r3_abort_weight_update":
             self.bracket_open, self.tag = False, None

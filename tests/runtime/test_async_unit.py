@@ -17,6 +17,7 @@ from r3operator.rollout.producer import EngineGate, RolloutProducer
 from r3operator.routing.codec import decode
 from r3operator.routing.sample import RolloutSample
 from r3operator.runtime.async_loop import segment_tokens
+from r3operator.runtime.step_record import StepRecord
 
 PROMPT = (5, 6, 7, 8)
 
@@ -274,39 +275,39 @@ def test_async_steps_train_only_samples_within_the_bound_and_stop_the_producer(t
     run = AsyncGRPORun(settings_for(job, tmp_path / "runs", steps=3), engines=EngineGroup([FakeEngine()]))
     rows = run.run()
 
-    assert [r["step"] for r in rows] == [1, 2, 3] and [r["policy_version"] for r in rows] == [2, 3, 4]
+    assert [r.step for r in rows] == [1, 2, 3] and [r.policy_version for r in rows] == [2, 3, 4]
     assert run.producer is not None and run.producer._thread is None  # stopped with the run
     for row in rows:
-        assert row["skipped"] == 0 and row["samples"] == 4 and row["samples_dropped"] == row["stale_dropped"]
-        assert 0 <= row["staleness_max"] <= 1
-        assert 0.0 < row["importance_weight_mean"] <= 2.0
-        assert row["trainer_idle_seconds"] == row["t_rollout"]
+        assert row.skipped == 0 and row.samples == 4 and row.samples_dropped == row.stale_dropped
+        assert 0 <= row.staleness_max <= 1
+        assert 0.0 < row.importance_weight_mean <= 2.0
+        assert row.trainer_idle_seconds == row.phase_seconds["rollout"]
     with (run.run_dir / "metrics.csv").open() as fh:
         written = list(csv.DictReader(fh))
-    assert [int(r["staleness_max"]) for r in written] == [r["staleness_max"] for r in rows]
+    assert [int(r["staleness_max"]) for r in written] == [r.staleness_max for r in rows]
     exposition = run.metrics.exposition()
     [(_, count)] = _series(exposition, "r3operator_rollout_staleness_count")
-    assert count == sum(r["samples"] + r["stale_dropped"] for r in rows)  # every sample taken was observed
+    assert count == sum(r.samples + r.stale_dropped for r in rows)  # every sample taken was observed
     _check_fidelity_split(rows, written, exposition)
 
 
-def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, str]], exposition: str) -> None:
+def _check_fidelity_split(rows: list[StepRecord], written: list[dict[str, str]], exposition: str) -> None:
     """Every trained token is counted under its lag; the mismatch figures are those of lag 0, and a step
     without a lag-0 token has empty cells and no Prometheus series, never NaN."""
     # Step 1 takes groups the producer generated under the weights of the setup's sync, which step 1's
     # old-logprob pass runs: every token is of the current version.
-    assert rows[0]["current_version_tokens"] == rows[0]["tokens"] > 0
+    assert rows[0].current_version_tokens == rows[0].tokens > 0
     fidelity = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3", "routing_natural_agreement")
     for row, cells in zip(rows, written, strict=True):
-        counts = [int(c) for c in row["tokens_by_lag"].split(";")]
-        diffs = row["logprob_abs_diff_by_lag"].split(";")
-        assert len(counts) == len(diffs) == 2 and sum(counts) == row["tokens"]  # maxStaleness 1: lags 0, 1
-        assert counts[0] == row["current_version_tokens"]
+        counts = [int(c) for c in row.tokens_by_lag.split(";")]
+        diffs = row.logprob_abs_diff_by_lag.split(";")
+        assert len(counts) == len(diffs) == 2 and sum(counts) == row.tokens  # maxStaleness 1: lags 0, 1
+        assert counts[0] == row.current_version_tokens
         if counts[0]:
-            assert float(diffs[0]) == pytest.approx(row["logprob_abs_diff_mean"], rel=1e-3)
+            assert float(diffs[0]) == pytest.approx(row.logprob_abs_diff_mean, rel=1e-3)
             assert all(np.isfinite(float(cells[key])) for key in fidelity)
         else:
-            assert diffs[0] == "-" and all(row[key] is None and cells[key] == "" for key in fidelity)
+            assert diffs[0] == "-" and all(getattr(row, key) is None and cells[key] == "" for key in fidelity)
     names = (
         "r3operator_logprob_",
         "r3operator_kl_k3",
@@ -314,7 +315,7 @@ def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, st
         "r3operator_routing_tokens_any_diff_ratio",
     )
     assert not [line for line in exposition.splitlines() if line.startswith(names) and "NaN" in line]
-    if rows[-1]["current_version_tokens"] == 0:  # the gauges describe the last step: not measured, no series
+    if rows[-1].current_version_tokens == 0:  # the gauges describe the last step: not measured, no series
         assert not _series(exposition, "r3operator_logprob_abs_diff_mean")
     # Prometheus shows the last step's split as metrics.csv wrote it: maxStaleness 1, so lag "0" and ">=1"
     # (lag 1 alone); a lag without tokens has a token count of 0 and no mean series.
@@ -328,7 +329,7 @@ def _check_fidelity_split(rows: list[dict[str, Any]], written: list[dict[str, st
     assert shown_diffs.keys() == expected.keys()
     for label, value in expected.items():
         assert shown_diffs[label] == pytest.approx(value, rel=1e-3)  # the csv keeps 4 significant digits
-    print("current-version tokens per step:", [r["current_version_tokens"] for r in rows])
+    print("current-version tokens per step:", [r.current_version_tokens for r in rows])
 
 
 class _ThreadRecordingEngine(FakeEngine):
@@ -370,7 +371,7 @@ def test_a_restarted_engine_is_recovered_only_on_the_trainer_thread_inside_the_g
     trainer_thread = threading.current_thread().name
     rows = run.run()
 
-    assert engine.restarts == 1 and [r["step"] for r in rows] == [1, 2]
+    assert engine.restarts == 1 and [r.step for r in rows] == [1, 2]
     installs = [(thread, paused) for method, thread, paused in engine.where if method in {"begin", "load", "finish"}]
     assert {thread for thread, _ in installs} == {trainer_thread}
     setup = next(i for i, (method, _, _) in enumerate(engine.where) if method == "finish")  # before the producer

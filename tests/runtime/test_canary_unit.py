@@ -4,6 +4,7 @@ and the packed weight-sync buffers."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,6 +136,7 @@ def test_http_engine_stages_one_packed_file_that_the_worker_extension_reads_back
 
     from r3operator.engine.worker import WeightSyncWorkerExtension
     from r3operator.rollout.engines import HTTPEngine
+    from r3operator.weightsync.endpoints import EngineEndpoint
     from r3operator.wire.weights import pack_chunk
 
     loaded: list[tuple[str, torch.Tensor]] = []
@@ -147,17 +149,17 @@ def test_http_engine_stages_one_packed_file_that_the_worker_extension_reads_back
     chunk = [("a.weight", torch.randn(3, 5, dtype=torch.bfloat16)), ("b.bias", torch.arange(7.0))]
     engine = HTTPEngine.__new__(HTTPEngine)  # no server: the constructor's client would connect
     engine.staging_dir = tmp_path
-    calls: list[tuple[str, tuple[str, ...]]] = []
+    calls: list[str] = []
 
-    def rpc(method: str, *args: str, retry: bool = True) -> int:  # what vLLM's /collective_rpc would call on the worker
-        calls.append((method, args))
-        return Worker().r3_load_packed_file(*args)
+    def rpc_all(message: Any, *, retry: bool) -> list[int]:  # what vLLM's /collective_rpc would run on the worker
+        calls.append(message.kind)
+        return [Worker().r3_handle(message.encode())]
 
-    engine._rpc = rpc  # type: ignore[method-assign]
+    engine._rpc_all = rpc_all  # type: ignore[method-assign]
     packed = pack_chunk(chunk)
-    engine.load_packed(packed)
-    assert [m for m, _ in calls] == ["r3_load_packed_file"]
+    EngineEndpoint(engine).load_packed(packed)
+    assert calls == ["load_packed_file"]
     assert [n for n, _ in loaded] == ["a.weight", "b.bias"]
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(loaded, chunk, strict=True))
-    engine.release(packed)
+    packed.release()
     assert not list(tmp_path.iterdir())

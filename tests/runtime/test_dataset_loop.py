@@ -56,8 +56,8 @@ def test_dataset_task_trains_two_steps_on_its_chat_prompts_with_the_math_reward(
     assert len(prompts) == 6 and len(set(prompts)) == 6 and set(prompts) <= set(answers)
     # Choice 0 is right (1), the others random tokens (0): the reward is the math reward's, not a stand-in.
     for row in rows:
-        assert row["samples"] == 3 * GROUP and row["skipped"] == 0
-        assert row["reward_mean"] == pytest.approx(1 / GROUP)
+        assert row.samples == 3 * GROUP and row.skipped == 0
+        assert row.reward_mean == pytest.approx(1 / GROUP)
     with (run.run_dir / "metrics.csv").open() as fh:
         assert [r["step"] for r in csv.DictReader(fh)] == ["1", "2"]
 

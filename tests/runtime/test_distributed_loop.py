@@ -60,7 +60,7 @@ def test_a_run_on_two_trainer_ranks_syncs_checkpoints_and_resumes(tmp_path: Path
     try:
         assert resumed.start_step == 3 and resumed.policy_version == run.policy_version
         row = resumed.train_step(3)
-        assert row["skipped"] == 0 and row["policy_version"] == run.policy_version + 1
+        assert row.skipped == 0 and row.policy_version == run.policy_version + 1
         resumed.finish_checkpoint()
         assert resumed.last_checkpoint_step == 3
     finally:

@@ -180,7 +180,7 @@ def test_the_eval_reward_is_the_tasks_reward_of_the_engines_answers_to_the_held_
         cells = list(csv.DictReader(fh))
     assert [c["eval_reward"] for c in cells] == ["", f"{means[1]}", f"{means[2]}"]
     assert cells[0]["t_eval"] == "" and all(float(c["t_eval"]) > 0 for c in cells[1:])
-    assert "eval_reward" not in rows[0] and rows[2]["eval_reward"] == pytest.approx(means[2])
+    assert rows[0].eval_reward is None and rows[2].eval_reward == pytest.approx(means[2])
 
     # Prometheus: the last evaluation's reward and step.
     exposition = run.metrics.exposition()
@@ -238,13 +238,13 @@ def test_a_run_with_evaluation_trains_exactly_the_samples_of_one_without(tmp_pat
         assert (mine.prompts, mine.seed, mine.temperature) == (reference.prompts, reference.seed, reference.temperature)
         assert [s.token_ids for s in mine.samples] == [s.token_ids for s in reference.samples]
     for mine, reference in zip(evaluated, plain, strict=True):
-        assert 0 < mine["reward_mean"] < 1 and mine["grad_norm"] > 0  # an update with something to learn
+        assert 0 < mine.reward_mean < 1 and mine.grad_norm > 0  # an update with something to learn
         for column in ("reward_mean", "samples", "tokens", "loss", "policy_version"):
-            assert mine[column] == reference[column], column
+            assert getattr(mine, column) == getattr(reference, column), column
         # The trainer's figures up to its own run-to-run noise on CPU (two identical runs differ by ~2e-4 relative;
         # one SFT step on an eval answer between steps moves them by 2-20 %).
         for column in ("logprob_abs_diff_mean", "kl_k3", "grad_norm"):
-            assert mine[column] == pytest.approx(reference[column], rel=5e-3), column
+            assert getattr(mine, column) == pytest.approx(getattr(reference, column), rel=5e-3), column
 
 
 def test_asynchronous_evaluations_run_inside_the_weight_syncs_pause(tmp_path: Path) -> None:
@@ -274,7 +274,7 @@ def test_asynchronous_evaluations_run_inside_the_weight_syncs_pause(tmp_path: Pa
     assert evaluations == [(trainer, False), (trainer, True), (trainer, True)]
     assert {thread for request, (thread, _) in calls if request.n == 1} == {"r3-rollout-producer"}
     for row in rows:
-        assert row["t_eval"] > 0 and row["t_pause"] >= 0 and "eval_reward" in row
+        assert row.phase_seconds["eval"] > 0 and row.phase_seconds["pause"] >= 0 and row.eval_reward is not None
     assert [int(r["step"]) for r in _eval_rows(run)] == [0, 1, 2]
 
 
@@ -329,19 +329,17 @@ def test_a_resumed_run_keeps_the_evaluations_through_its_checkpoint(tmp_path: Pa
 
 
 def test_the_live_table_gets_an_eval_column_once_a_step_evaluated() -> None:
+    from dataclasses import replace
+
+    from records import step_record
+
     from r3operator.runtime.progress import StepTable
 
-    row = {
-        "step": 1,
-        "reward_mean": 0.5,
-        "logprob_abs_diff_mean": 0.01,
-        "canary_ok": 1,
-        "step_seconds": 1.0,
-    }
+    row = step_record(1, reward_mean=0.5, logprob_abs_diff_mean=0.01, canary_ok=1, step_seconds=1.0)
     table = StepTable("t", total_steps=2, enabled=False)
     table.add(row)
     assert "eval reward" not in [c.header for c in table._table().columns]
-    table.add({**row, "step": 2, "eval_reward": 0.375})
+    table.add(replace(row, step=2, eval_reward=0.375))
     rendered = table._table()
     [column] = [c for c in rendered.columns if c.header == "eval reward"]
     assert list(column.cells) == ["", "0.375"]

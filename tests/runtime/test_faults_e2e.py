@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
+from r3operator.weightsync.endpoints import EngineEndpoint
+from r3operator.wire.sync_messages import LoadPacked
+
 pytestmark = pytest.mark.slow
 
 
@@ -38,29 +41,30 @@ def test_abort_puts_back_a_partially_loaded_layer_where_finish_would_corrupt_it(
     run = _run(tmp_path, engines)
     run.setup()
     engine = engines.engines[0]
-    synced = engine.weights_digest()
+    verbs = EngineEndpoint(engine)
+    synced = verbs.weights_digest()
     expert = "model.layers.1.mlp.experts.0.gate_proj.weight"
     q_name = "model.layers.0.self_attn.q_proj.weight"
     state = dict(checkpoint_tensors(run.trainer.sync_state_dict(), dtype=torch.float32))
     partial = pack_chunk([(expert, state[expert] * 2.0), (q_name, state[q_name] * 2.0)])
 
-    engine.begin_weight_update()
-    engine.load_packed(partial)
-    engine.abort_weight_update()
-    assert engine.weights_digest() == synced
-    assert engine.policy_tag() is None  # aborted: the driver re-syncs before the next rollout
+    verbs.begin_weight_update()
+    verbs.load_packed(partial)
+    verbs.abort_weight_update()
+    assert verbs.weights_digest() == synced
+    assert verbs.policy_tag() is None  # aborted: the driver re-syncs before the next rollout
     # ... yet the engine serves exactly the synced policy: the forwards say so. (Its receipt is of the
     # aborted bracket, which the canary refuses, rightly: only the forwards are the question here.)
     monkeypatch.setenv("R3OPERATOR_SYNC_RECEIPT", "false")
-    run._canary_engines([engine])
+    run.weight_sync.canary_engines([engine])
     monkeypatch.delenv("R3OPERATOR_SYNC_RECEIPT")
 
-    engine.begin_weight_update()
-    engine.load_packed(partial)
-    engine.finish_weight_update()
-    assert engine.weights_digest() != synced  # the partial MoE layer was processed: neither policy
+    verbs.begin_weight_update()
+    verbs.load_packed(partial)
+    verbs.finish_weight_update()
+    assert verbs.weights_digest() != synced  # the partial MoE layer was processed: neither policy
     assert run.supervisor.ensure_current() == [engine]  # tag None: found stale, re-synced, canaried
-    assert engine.weights_digest() == synced and engine.policy_tag() == run.supervisor.tag and run.canary()
+    assert verbs.weights_digest() == synced and verbs.policy_tag() == run.supervisor.tag and run.canary()
 
 
 def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_path: Path, engines: Any) -> None:
@@ -70,7 +74,7 @@ def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_pat
     run.setup()
     engine = engines.engines[0]
     kills: list[str] = []
-    original_generate, original_load = engine.generate, engine.load_packed
+    original_generate, original_send = engine.generate, engine.send
 
     def generate_then_die(*args: Any, **kwargs: Any) -> Any:
         if not kills:  # the first rollout call: the engine process dies as the request is sent
@@ -87,22 +91,24 @@ def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_pat
         loads.append(0)  # the step's own sync starts next (the recovery sync after the rollout is over)
         return stats
 
-    def load_then_die(chunk: Any) -> None:
+    def load_then_die(message: Any) -> Any:
+        if not isinstance(message, LoadPacked):
+            return original_send(message)
         if loads:
             loads.append(1)
         if len(loads) == 3 and kills == ["rollout"]:  # the step's sync, second chunk: dies mid-bracket
             kills.append("sync")
             ray.kill(engine._actor, no_restart=False)
-        original_load(chunk)
+        return original_send(message)
 
-    engine.generate, engine.load_packed, run.update = generate_then_die, load_then_die, update_then_count_loads
+    engine.generate, engine.send, run.update = generate_then_die, load_then_die, update_then_count_loads
     try:
         row = run.train_step(1)
     finally:
-        del engine.generate, engine.load_packed, run.update
+        del engine.generate, engine.send, run.update
     assert kills == ["rollout", "sync"]
-    assert row["samples_dropped"] == 0 and row["replay_applied"] == 1.0 and row["canary_ok"] == 1
-    assert row["policy_version"] == 2 and engine.policy_tag() == run.supervisor.tag_for(2)
+    assert row.samples_dropped == 0 and row.replay_applied == 1.0 and row.canary_ok == 1
+    assert row.policy_version == 2 and EngineEndpoint(engine).policy_tag() == run.supervisor.tag_for(2)
     exposition = run.metrics.exposition()
     identity = 'namespace="default",rljob="tiny-count-r3"'
     faults = {

@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
+from r3operator.weightsync.endpoints import EngineEndpoint
+from r3operator.wire.sync_messages import LoadPacked
+
 pytestmark = pytest.mark.slow
 
 
@@ -96,10 +99,10 @@ def test_http_engine_killed_mid_rollout_and_mid_sync(tmp_path: Path) -> None:
         )
         run = GRPORun(settings, engines=EngineGroup([engine]))
         run.setup()  # a real HTTP sync + the exact canary
-        assert engine.policy_tag() == run.supervisor.tag_for(1)
+        assert EngineEndpoint(engine).policy_tag() == run.supervisor.tag_for(1)
 
         kills: list[str] = []
-        original_generate, original_load, original_update = engine.generate, engine.load_packed, run.update
+        original_generate, original_send, original_update = engine.generate, engine.send, run.update
         loads: list[int] = []
 
         def generate_after_kill(*args: Any, **kwargs: Any) -> Any:
@@ -113,19 +116,21 @@ def test_http_engine_killed_mid_rollout_and_mid_sync(tmp_path: Path) -> None:
             loads.append(0)  # the step's own sync starts next
             return stats
 
-        def load_then_die(chunk: Any) -> None:
+        def load_then_die(message: Any) -> Any:
+            if not isinstance(message, LoadPacked):
+                return original_send(message)
             if loads:
                 loads.append(1)
             if len(loads) == 3 and kills == ["rollout"]:  # the step's sync, second chunk
                 kills.append("sync")
                 server.kill_and_restart()
-            original_load(chunk)
+            return original_send(message)
 
-        engine.generate, engine.load_packed, run.update = generate_after_kill, load_then_die, update_then_count_loads
+        engine.generate, engine.send, run.update = generate_after_kill, load_then_die, update_then_count_loads
         row = run.train_step(1)
         assert kills == ["rollout", "sync"] and server.starts == 3
-        assert row["samples_dropped"] == 0 and row["replay_applied"] == 1.0 and row["canary_ok"] == 1
-        assert engine.policy_tag() == run.supervisor.tag_for(2) and row["policy_version"] == 2
+        assert row.samples_dropped == 0 and row.replay_applied == 1.0 and row.canary_ok == 1
+        assert EngineEndpoint(engine).policy_tag() == run.supervisor.tag_for(2) and row.policy_version == 2
         exposition = run.metrics.exposition()
         assert 'kind="stale_engine"' in exposition and 'kind="weight_sync"' in exposition
     finally:

@@ -74,7 +74,7 @@ def test_engine_dying_mid_sync_and_restarting_mid_rollout_is_ridden_out(tmp_path
     # Re-synced (a full bracket, tagged with the current policy) before the rollout was repeated.
     resync = rollout_to_rollout[rollout_to_rollout.index("generate") + 1 :]
     assert "begin" in resync and "finish" in resync and resync.index("finish") < resync.index("generate")
-    assert row["samples"] == 16 and row["samples_dropped"] == 0 and row["policy_version"] == 2
+    assert row.samples == 16 and row.samples_dropped == 0 and row.policy_version == 2
     exposition = run.metrics.exposition()
     assert f'r3operator_engine_faults_total{{kind="weight_sync",{JOB}}} 1.0' in exposition
     assert f'r3operator_engine_faults_total{{kind="engine_call",{JOB}}} 1.0' in exposition
@@ -103,9 +103,9 @@ def test_step_with_no_usable_samples_is_skipped_and_counted(tmp_path: Path) -> N
     run.setup()
     engine.calls.clear()
     row = run.train_step(1)
-    assert row["skipped"] == 1 and row["samples_dropped"] == row["samples"] == 16
+    assert row.skipped == 1 and row.samples_dropped == row.samples == 16
     assert "begin" not in engine.calls  # no update, so no sync: the engines keep the current policy
-    assert run.policy_version == 1 and row["policy_version"] == 1
+    assert run.policy_version == 1 and row.policy_version == 1
     run.finish_checkpoint()  # its checkpoint was written in the background; committed now
     assert run.last_checkpoint_step == 1  # a resume does not redo it
     skipped = 'r3operator_steps_skipped_total{namespace="default",reason="no_usable_samples",rljob="tiny-count-r3"}'

@@ -95,15 +95,24 @@ def test_count_task_problems_decode_to_the_rule() -> None:
 
 
 def test_progress_patch_body() -> None:
-    row = {
-        "step": 3,
-        "reward_mean": 0.25,
-        "logprob_abs_diff_mean": 0.01,
-        "logprob_abs_diff_max": float("nan"),
-        "kl_k3": 1e-4,
-        "replay_applied": 1.0,
-        "routing_natural_agreement": 0.97,
-    }
+    from r3operator.runtime.step_record import StepRecord
+
+    row = StepRecord(
+        step=3,
+        policy_version=0,
+        replay_mode="R3",
+        reward_mean=0.25,
+        reward_std=0.0,
+        samples=0,
+        samples_dropped=0,
+        tokens=0,
+        tokens_per_second=0.0,
+        logprob_abs_diff_mean=0.01,
+        logprob_abs_diff_max=float("nan"),
+        kl_k3=1e-4,
+        replay_applied=1.0,
+        routing_natural_agreement=0.97,
+    )
     body = progress_patch(row, total_steps=10, last_checkpoint_step=2, now=dt.datetime(2026, 1, 2, 3, 4, 5))
     assert body == {
         "status": {

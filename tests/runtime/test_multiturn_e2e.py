@@ -55,14 +55,14 @@ def test_two_multi_turn_r3_steps_replay_stitched_routes(tmp_path: Path, engines:
     run.load_routes = keep  # type: ignore[method-assign]
     rows = [run.train_step(1), run.train_step(2)]
     for row in rows:
-        assert row["replay_mode"] == "R3" and row["samples_dropped"] == 0 and row["canary_ok"] == 1
-        assert row["replay_applied"] == 1.0
+        assert row.replay_mode == "R3" and row.samples_dropped == 0 and row.canary_ok == 1
+        assert row.replay_applied == 1.0
         # Natural routing of the trainer agrees with the stitched engine routes (a row shifted by one token
         # would put this near 0).
-        assert row["routing_natural_agreement"] > 0.9
-        assert row["logprob_abs_diff_mean"] < 0.05
+        assert row.routing_natural_agreement > 0.9
+        assert row.logprob_abs_diff_mean < 0.05
         # ...and keeps agreeing in every turn: later turns' rows were stitched, not recomputed.
-        assert all(float(x) > 0.8 for x in row["routing_agreement_by_turn"].split(";"))
+        assert all(float(x) > 0.8 for x in row.routing_agreement_by_turn.split(";"))
     for step_samples, batch in batches:
         for i, sample in enumerate(step_samples):
             env = np.flatnonzero(~sample.loss_mask) + len(sample.prompt_token_ids)

@@ -114,11 +114,11 @@ def test_a_multi_turn_r3_step_replays_every_route(tmp_path: Path) -> None:
     run = _run(tmp_path, engine)
     run.setup()
     row = run.train_step(1)
-    assert row["skipped"] == 0 and row["samples_dropped"] == 0
-    assert row["replay_applied"] == 1.0  # the trainer's experts are the stitched engine routes
-    assert np.isfinite(row["loss"])
-    by_turn = row["routing_agreement_by_turn"].split(";")
-    assert 1 < len(by_turn) <= 4 and row["turns_mean"] > 1 and row["env_tokens"] > 0
+    assert row.skipped == 0 and row.samples_dropped == 0
+    assert row.replay_applied == 1.0  # the trainer's experts are the stitched engine routes
+    assert np.isfinite(row.loss)
+    by_turn = row.routing_agreement_by_turn.split(";")
+    assert 1 < len(by_turn) <= 4 and row.turns_mean > 1 and row.env_tokens > 0
     assert all(0.0 <= float(x) <= 1.0 for x in by_turn)
     for turn, value in enumerate(by_turn, start=1):  # the same figures, one series per turn, for dashboards
         labels = {"namespace": "default", "rljob": "tiny-count-r3", "turn": str(turn)}
@@ -152,9 +152,9 @@ def test_multi_turn_runs_without_replay_too(tmp_path: Path, mode: str) -> None:
     run = _run(tmp_path, FakeEngine(), routingReplay={"mode": mode})
     run.setup()
     row = run.train_step(1)
-    assert row["replay_mode"] == mode and row["skipped"] == 0 and np.isfinite(row["loss"])
-    assert row["turns_mean"] > 1  # the routes still feed the per-turn agreement (metrics only)
-    assert len(row["routing_agreement_by_turn"].split(";")) > 1
+    assert row.replay_mode == mode and row.skipped == 0 and np.isfinite(row.loss)
+    assert row.turns_mean > 1  # the routes still feed the per-turn agreement (metrics only)
+    assert len(row.routing_agreement_by_turn.split(";")) > 1
 
 
 def test_an_engine_that_rewrites_the_conversation_is_refused() -> None:
@@ -192,7 +192,7 @@ def test_a_turn_without_routes_drops_that_conversation(tmp_path: Path) -> None:
     assert all(
         s.routes is None and s.routes_error.startswith("turn 1: engine returned no routed_experts") for s in samples
     )
-    assert run.train_step(1)["skipped"] == 1
+    assert run.train_step(1).skipped == 1
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ import pytest
 from runtime_test_helpers import settings_for, write_job
 from test_faults_http_e2e import Server
 
+from r3operator.weightsync.endpoints import EngineEndpoint
+
 pytestmark = pytest.mark.slow
 
 
@@ -45,27 +47,29 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
             "packed (fallback: native nccl transfer needs the trainer on CUDA, it runs on cpu)"
         )
         current = run.supervisor.tag_for(1)
-        assert engine.policy_tag() == current
+        verbs = EngineEndpoint(engine)
+        assert verbs.policy_tag() == current
 
         # vLLM's native routes are served and read our requests
-        assert engine.native_world_size() == 1
-        digest = engine.weights_digest()
-        greedy = [(g.tokens, g.logprobs) for g in engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens)]
-        engine.native_start()  # /start_weight_update: vLLM's layerwise-reload bracket is open
-        assert engine.policy_tag() is None  # weights in flux: no policy until a finished sync
+        assert verbs.native_world_size() == 1
+        digest = verbs.weights_digest()
+        prompts, tokens = run.task.canary_prompts, run.task.canary_tokens
+        greedy = [(g.tokens, g.logprobs) for g in engine.greedy(prompts, max_tokens=tokens)]
+        verbs.native_start()  # vLLM's layerwise-reload bracket is open (`r3_native_begin`: ours, then vLLM's start)
+        assert verbs.policy_tag() is None  # weights in flux: no policy until a finished sync
         update = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[256]]}
         with pytest.raises((EngineUnavailableError, RuntimeError)):
-            engine.native_update(update)  # no NCCL group on CPU: vLLM's receiver refuses mid-bracket
+            verbs.native_update(update)  # no NCCL group on CPU: vLLM's receiver refuses mid-bracket
 
-        engine.native_abort()  # our extension: every layer still loading gets its weights back
-        assert engine.weights_digest() == digest
-        after = engine.greedy(run.canary_prompts, max_tokens=run.canary_tokens)
+        verbs.native_abort()  # our extension: every layer still loading gets its weights back
+        assert verbs.weights_digest() == digest
+        after = engine.greedy(prompts, max_tokens=tokens)
         assert [(g.tokens, g.logprobs) for g in after] == greedy
-        engine.native_start()  # vLLM accepts a new bracket: the abort cleared its state too
-        engine.native_abort()
+        verbs.native_start()  # vLLM accepts a new bracket: the abort cleared its state too
+        verbs.native_abort()
 
         # the supervisor sees the aborted engine as stale, re-syncs it and checks the canary
         assert run.supervisor.ensure_current() == [engine]
-        assert engine.policy_tag() == current
+        assert verbs.policy_tag() == current
     finally:
         server.stop()

@@ -81,7 +81,7 @@ def test_a_nan_step_is_not_applied_synced_or_checkpointed_and_is_counted(
         }
 
         row = run.train_step(2)
-        assert row["nonfinite_updates"] == 1 and row["canary_ok"] == 0 and row["policy_version"] == version
+        assert row.nonfinite_updates == 1 and row.canary_ok == 0 and row.policy_version == version
         assert engine.counts["finish"] == syncs and engine.weights is before  # nothing was sent to the engine
         assert _equal_and_finite(_weights(run), before)  # the trainer kept the step-1 weights
         after = {(i, k): v for i, state in enumerate(run.trainer.optimizer.state.values()) for k, v in state.items()}
@@ -96,7 +96,7 @@ def test_a_nan_step_is_not_applied_synced_or_checkpointed_and_is_counted(
         assert _equal_and_finite(_checkpoint_weights(run, 1), before)
 
         row = run.train_step(3)  # the next step trains and syncs as usual
-        assert row["nonfinite_updates"] == 0 and row["policy_version"] == version + 1
+        assert row.nonfinite_updates == 0 and row.policy_version == version + 1
         assert engine.weights is not before and _equal_and_finite(_weights(run), engine.weights)
         assert pushed[-1]["status"]["progress"]["nonFiniteSteps"] == 1
     finally:
@@ -142,7 +142,7 @@ def test_the_guard_holds_on_two_trainer_ranks(tmp_path: Path, monkeypatch: pytes
         run.train_step(1)
         before = engine.weights
         row = run.train_step(2)
-        assert row["nonfinite_updates"] == 1 and engine.weights is before
+        assert row.nonfinite_updates == 1 and engine.weights is before
         assert _equal_and_finite(_weights(run), before)
         with pytest.raises(NonFiniteStepsError, match=r"steps 2, 3"):
             run.train_step(3)

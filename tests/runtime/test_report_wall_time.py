@@ -29,8 +29,7 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             model_dir="m",
             vllm_version="v",
             weight_transfer=described,
-            weight_sync_described="-",
-            canary_tol=described,
+            weight_sync=SimpleNamespace(described="-", plan=SimpleNamespace(tolerance=described)),
             trainer=SimpleNamespace(),
             engines=object(),
         )

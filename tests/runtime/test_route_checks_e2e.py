@@ -94,9 +94,9 @@ def test_skip_sample_leaves_every_uncaptured_sample_out_and_trains_nothing(tmp_p
     before, version = _weights(run), run.policy_version
     broken_capture("off")
     row = run.train_step(1)
-    assert row["skipped"] == 1 and row["samples_dropped"] == row["samples"] == 16
-    assert row["route_check_failures"] == 16 and row["replayed_fraction"] == 0.0
-    assert "zero-route" in row["route_check_message"]
+    assert row.skipped == 1 and row.samples_dropped == row.samples == 16
+    assert row.route_check_failures == 16 and row.replayed_fraction == 0.0
+    assert "zero-route" in row.route_check_message
     assert _unchanged(before, run) and run.policy_version == version
 
 
@@ -141,7 +141,7 @@ def test_replay_on_the_engine_side_only_stops_the_job(tmp_path, engines) -> None
 def test_a_healthy_step_reports_every_row_replayed(tmp_path, engines) -> None:
     run = _run(tmp_path, engines)
     row = run.train_step(1)
-    assert row["skipped"] == 0 and row["route_check_failures"] == 0
-    assert row["replayed_fraction"] == 1.0 and row["fallback_fraction"] == 0.0
-    assert 0.0 <= row["extreme_token_fraction"] < 0.05
-    assert row["t_route_checks"] > 0.0
+    assert row.skipped == 0 and row.route_check_failures == 0
+    assert row.replayed_fraction == 1.0 and row.fallback_fraction == 0.0
+    assert 0.0 <= row.extreme_token_fraction < 0.05
+    assert row.phase_seconds["route_checks"] > 0.0

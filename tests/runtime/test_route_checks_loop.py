@@ -74,8 +74,8 @@ def test_skip_sample_drops_constant_layer_samples_and_counts_them(tmp_path: Path
     run = _run(tmp_path, ConstantLayerEngine(), policy="SkipSample")
     before = _weights(run)
     row = run.train_step(1)
-    assert row["skipped"] == 1 and row["route_check_failures"] == row["samples_dropped"] == 16
-    assert row["replayed_fraction"] == 0.0 and _unchanged(before, run)
+    assert row.skipped == 1 and row.route_check_failures == row.samples_dropped == 16
+    assert row.replayed_fraction == 0.0 and _unchanged(before, run)
     exposition = run.metrics.exposition()
     assert (
         'r3operator_route_check_failures_total{namespace="default",rljob="tiny-count-r3",rule="constant-layer"} 16.0'
@@ -108,8 +108,8 @@ def test_a_batch_that_replays_its_pad_stops_the_job(tmp_path: Path, monkeypatch:
 def test_a_healthy_step_replays_every_row_and_times_its_checks(tmp_path: Path) -> None:
     run = _run(tmp_path, FakeEngine())
     row = run.train_step(1)
-    assert row["skipped"] == 0 and row["route_check_failures"] == 0 and row["route_check_message"] is None
-    assert row["replayed_fraction"] == 1.0 and row["fallback_fraction"] == 0.0
+    assert row.skipped == 0 and row.route_check_failures == 0 and row.route_check_message is None
+    assert row.replayed_fraction == 1.0 and row.fallback_fraction == 0.0
     assert "route_checks" in row.phase_seconds
     from r3operator.runtime.metrics import progress_patch
 

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 from runtime_test_helpers import settings_for, write_job
 
+from r3operator.weightsync.endpoints import EngineEndpoint, endpoints
+from r3operator.weightsync.packed import install_packed
+
 pytestmark = pytest.mark.slow
 
 
@@ -26,23 +29,24 @@ def _run(tmp_path: Path, engines, **spec_overrides):
 def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, engines) -> None:
     run = _run(tmp_path, engines)
     run.setup()  # syncs the trainer's (initial) weights and runs the canary once
-    before = engines.weights_digest()
+    digest = EngineEndpoint(engines.engines[0]).weights_digest
+    before = digest()
     rows = [run.train_step(1)]
-    after_one = engines.weights_digest()
+    after_one = digest()
     rows.append(run.train_step(2))
-    assert before != after_one != engines.weights_digest()  # every sync changed the engine's weights
+    assert before != after_one != digest()  # every sync changed the engine's weights
     for row in rows:
-        assert row["replay_mode"] == "R3"
-        assert row["replay_applied"] == 1.0  # the experts the trainer used are the engine's
-        assert row["canary_ok"] == 1
-        assert row["samples_dropped"] == 0
+        assert row.replay_mode == "R3"
+        assert row.replay_applied == 1.0  # the experts the trainer used are the engine's
+        assert row.canary_ok == 1
+        assert row.samples_dropped == 0
     assert run.policy_version == 3  # setup sync + one per step
     # The routes came over once (Ray's object store) and trained from memory; the volume keeps their record.
     run.recorder.flush()
-    assert run.store.steps() == [1, 2] and len(run.store.sample_ids(step=2)) == rows[1]["samples"]
+    assert run.store.steps() == [1, 2] and len(run.store.sample_ids(step=2)) == rows[1].samples
     # bf16-autocast trainer vs fp32 engine: a real numerics gap, which replay removes from the routing.
-    assert all(row["logprob_abs_diff_mean"] > 1e-4 for row in rows)
-    assert min(row["routing_natural_agreement"] for row in rows) < 1.0
+    assert all(row.logprob_abs_diff_mean > 1e-4 for row in rows)
+    assert min(row.routing_natural_agreement for row in rows) < 1.0
     csv = (run.run_dir / "metrics.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[0].startswith("step,")
     exposition = run.metrics.exposition()
@@ -59,14 +63,14 @@ def test_r2_and_disabled_modes_run(tmp_path, engines, mode, param_dtype) -> None
     )
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
     rows = run.run()
-    assert [r["step"] for r in rows] == [1]
-    assert rows[0]["replay_mode"] == mode
-    assert rows[0]["canary_ok"] == 1
+    assert [r.step for r in rows] == [1]
+    assert rows[0].replay_mode == mode
+    assert rows[0].canary_ok == 1
     assert not list((run.run_dir / "routes").rglob("*.r3r"))  # rollout routes are never stored/consumed
-    assert 0.0 < rows[0]["replay_applied"] <= 1.0
+    assert 0.0 < rows[0].replay_applied <= 1.0
     if param_dtype == "float32":  # fp32 trainer vs fp32 engine: the same numbers up to reduction order
-        assert rows[0]["logprob_abs_diff_max"] < 1e-4
-        assert rows[0]["routing_natural_agreement"] == 1.0
+        assert rows[0].logprob_abs_diff_max < 1e-4
+        assert rows[0].routing_natural_agreement == 1.0
 
 
 def test_canary_fails_loudly_when_engine_and_trainer_disagree(tmp_path, engines) -> None:
@@ -121,7 +125,7 @@ def _sync_state(run, engines, state) -> None:
     # Stamped with the current policy's tag: the engines serve "this version", with corrupted bytes, and the
     # trainer's record of what it sent says the same (the receipt matches): only the forwards can tell.
     chunks = packed_chunks(state, chunk_size_mb=run.spec.weight_sync.chunk_size_mb, dtype=torch.float32)
-    engines.update_weights(run._record_sent(chunks), policy_tag=run.supervisor.tag)
+    install_packed(endpoints(engines.engines), run.weight_sync.record_sent(chunks), policy_tag=run.supervisor.tag)
 
 
 def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> None:
@@ -142,7 +146,7 @@ def test_canary_fails_on_corrupted_syncs_in_both_modes(tmp_path, engines) -> Non
     with pytest.raises(CanaryMismatchError, match=r"engine logprob|first difference"):
         run.canary()
 
-    run.canary_tol = canary_tolerance("bfloat16")
+    run.weight_sync.plan.tolerance = canary_tolerance("bfloat16")
     _sync_state(run, engines, good)
     assert run.canary()
     shifted = {**good, "lm_head.weight": good["lm_head.weight"].roll(1, dims=0)}
@@ -159,7 +163,10 @@ class _LossyTransport:
     EXPERT = "model.layers.1.mlp.experts.5.down_proj.weight"
 
     def __init__(self, engine: Any) -> None:
+        from r3operator.weightsync.endpoints import EngineEndpoint
+
         self.engine, self.fault = engine, None
+        self.real = EngineEndpoint(engine)
         self.name = "lossy engine"
         self.kept: list[Any] = []
         self.sending: list[Any] = []
@@ -167,12 +174,22 @@ class _LossyTransport:
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self.engine, attribute)
 
+    def send(self, message: Any) -> Any:
+        """The packed path's verbs go through this transport's losses; every other message as it is."""
+        from sync_fakes import SendsToVerbs
+
+        from r3operator.wire.sync_messages import BeginPacked, FinishPacked, LoadPacked
+
+        if isinstance(message, (BeginPacked, LoadPacked, FinishPacked)):
+            return SendsToVerbs.send(self, message)
+        return self.engine.send(message)
+
     def begin_weight_update(self) -> None:
         self.sending = []
-        self.engine.begin_weight_update()
+        self.real.begin_weight_update()
         if self.fault == "stale":
             for chunk in self.kept:
-                self.engine.load_packed(chunk)
+                self.real.load_packed(chunk)
 
     def load_packed(self, chunk: Any) -> None:
         from r3operator.wire.weights import pack_chunk, unpack_chunk
@@ -187,10 +204,10 @@ class _LossyTransport:
         elif self.fault == "flip":
             tensors = [(n, -t if n == self.EXPERT else t) for n, t in tensors]
         if tensors:
-            self.engine.load_packed(pack_chunk(tensors))
+            self.real.load_packed(pack_chunk(tensors))
 
-    def finish_weight_update(self, policy_tag: str | None = None) -> dict[str, int]:
-        result = self.engine.finish_weight_update(policy_tag)
+    def finish_weight_update(self, policy_tag: str | None = None) -> Any:
+        result = self.real.finish_weight_update(policy_tag)
         if self.fault is None:
             self.kept = self.sending
         return result
@@ -232,7 +249,7 @@ def test_canary_fails_on_a_gate_that_routes_to_other_experts(tmp_path, engines) 
 
     run = _run(tmp_path, engines)
     run.setup()
-    run.canary_tol = canary_tolerance("bfloat16")
+    run.weight_sync.plan.tolerance = canary_tolerance("bfloat16")
     good = {k: v.detach().clone() for k, v in run.trainer.model_state_dict().items()}
     permuted = {k: (v.roll(1, dims=0) if k.endswith("mlp.gate.weight") else v) for k, v in good.items()}
     _sync_state(run, engines, permuted)
@@ -272,11 +289,11 @@ def test_megatron_backend_runs_one_r3_step(tmp_path, engines) -> None:
     job = write_job(tmp_path, trainer={"backend": "Megatron"}, algorithm={"steps": 1})
     run = GRPORun(settings_for(job, tmp_path / "runs"), engines=engines)
     run.setup()
-    before = engines.weights_digest()
+    before = EngineEndpoint(engines.engines[0]).weights_digest()
     row = run.train_step(1)
-    assert engines.weights_digest() != before  # the Megatron update reached the engine
-    assert row["replay_applied"] == 1.0 and row["canary_ok"] == 1 and row["samples_dropped"] == 0
-    assert row["grad_norm"] > 0
+    assert EngineEndpoint(engines.engines[0]).weights_digest() != before  # the Megatron update reached the engine
+    assert row.replay_applied == 1.0 and row.canary_ok == 1 and row.samples_dropped == 0
+    assert row.grad_norm > 0
 
 
 def test_dataset_task_runs_one_r3_step_with_the_canary_on_its_chat_prompts(tmp_path, engines) -> None:
@@ -284,5 +301,5 @@ def test_dataset_task_runs_one_r3_step_with_the_canary_on_its_chat_prompts(tmp_p
     run = _run(tmp_path, engines, task={"name": "dataset", "datasetPath": str(arith), "reward": "math"})
     run.setup()  # the canary decodes the first dataset prompts on the engine and on the trainer
     row = run.train_step(1)
-    assert row["canary_ok"] == 1 and row["replay_applied"] == 1.0 and row["samples_dropped"] == 0
-    assert row["samples"] == 4 * 4 and 0.0 <= row["reward_mean"] <= 1.0
+    assert row.canary_ok == 1 and row.replay_applied == 1.0 and row.samples_dropped == 0
+    assert row.samples == 4 * 4 and 0.0 <= row.reward_mean <= 1.0

@@ -18,13 +18,13 @@ import pytest
 import torch
 from test_direct_kernel_send import Engine, _expected, _trainer_state
 
-from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.engine.worker import WeightUpdateStateError, copy_staged, staged_targets
 from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.kernel_layout import engine_parameters, plan_kernel_layout, trainer_shapes
 from r3operator.wire.receipt import FingerprintLog, SyncReceipt, compare_receipt
 from r3operator.wire.shared_buffer import SharedBufferError, StagedEntry, entry_views, open_shared
+from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 
 
@@ -187,7 +187,7 @@ def _staged_sender(monkeypatch: pytest.MonkeyPatch, state: Any, *endpoints: _Sta
     from r3operator.weightsync import transfer
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
-    client = transfer.FanOutClient(list(endpoints), layout=WeightSyncLayout.KERNEL)
+    client = transfer.FanOutClient(list(endpoints), layout=BracketLayout.KERNEL)
     sender = transfer.NativeSender(
         TransferMethod.IPC, client, lambda: state(), dtype=torch.bfloat16, buffer_size_bytes=1
     )
@@ -249,9 +249,9 @@ def test_every_engine_takes_each_sync_in_one_call_and_a_failed_build_asks_none(m
 
 def test_the_checkpoint_layout_over_ipc_is_not_staged(monkeypatch: pytest.MonkeyPatch) -> None:
     sender = _staged_sender(monkeypatch, dict, _StagedEndpoint("a"))
-    sender.set_layout(WeightSyncLayout.CHECKPOINT)
+    sender.client.layout = BracketLayout.CHECKPOINT
     assert not sender._stages([("w", torch.bfloat16, (4,))])
-    sender.set_layout(WeightSyncLayout.KERNEL)
+    sender.client.layout = BracketLayout.KERNEL
     assert sender._stages([("w", torch.bfloat16, (4,))])
 
 

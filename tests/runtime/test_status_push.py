@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from records import step_record
 
 from r3operator.runtime.metrics import StatusPusher, eval_progress_patch, merged_report, progress_patch
 
@@ -77,10 +78,10 @@ def test_the_last_evaluation_stays_in_the_report_until_the_next_one(
     _in_cluster(monkeypatch, control_plane)
     pusher = StatusPusher("mine", namespace, account_dir=trainer_identity)
     assert pusher.push(eval_progress_patch(0, 0.25))
-    assert pusher.push(progress_patch({"step": 1, "reward_mean": 0.5}, total_steps=2, last_checkpoint_step=None))
+    assert pusher.push(progress_patch(step_record(1, reward_mean=0.5), total_steps=2, last_checkpoint_step=None))
     report = _report(control_plane, namespace, "mine")
     assert (report["step"], report["evalReward"], report["evalStep"]) == (1, 0.25, 0)
-    row = {"step": 2, "reward_mean": 0.5, "eval_reward": 0.375}
+    row = step_record(2, reward_mean=0.5, eval_reward=0.375)
     assert pusher.push(progress_patch(row, total_steps=2, last_checkpoint_step=2))
     report = _report(control_plane, namespace, "mine")
     assert (report["step"], report["evalReward"], report["evalStep"]) == (2, 0.375, 2)

@@ -1,4 +1,4 @@
-"""A step's figures, typed (runtime/step_record.py): one StepRecord is the metrics.csv row, the mapping the
+"""A step's figures, typed (runtime/step_record.py): one StepRecord is the metrics.csv row (its cells), what the
 progress line and the Prometheus gauges read, and the RLJob's status.progress."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_the_columns_are_the_ones_the_docs_list_in_their_order() -> None:
 def test_a_record_round_trips_through_metrics_csv_column_by_column(tmp_path: Path) -> None:
     record = _trained_async_record()
     path = tmp_path / "metrics.csv"
-    append_row(path, record)
+    append_row(path, record.row())
 
     (row,) = read_rows(path)
     assert list(row) == _documented_columns()
@@ -132,7 +132,7 @@ def test_a_record_round_trips_through_metrics_csv_column_by_column(tmp_path: Pat
 
 
 def test_a_record_reads_as_the_row_of_its_kind_of_step() -> None:
-    record = _trained_async_record()
+    record = _trained_async_record().cells()
     # Present: the step's columns, empty figures as None; absent: another kind of job's, phases not run.
     assert record["logprob_abs_diff_mean"] is None
     assert record["t_pause"] == 0.5 and record.get("t_canary", 0.0) == 0.0
@@ -149,7 +149,7 @@ def test_a_record_reads_as_the_row_of_its_kind_of_step() -> None:
         samples_dropped=8,
         tokens=64,
         tokens_per_second=10.0,
-    )
+    ).cells()
     assert skipped["skipped"] == 1 and skipped["canary_ok"] == 0
     assert all(math.isnan(skipped[c]) for c in ("logprob_abs_diff_mean", "kl_k3", "loss", "replay_applied"))
     assert "importance_weight_mean" not in skipped and "staleness_mean" not in skipped

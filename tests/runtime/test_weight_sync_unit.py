@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from runtime_test_helpers import MOE_E, MOE_H, MOE_I, MOE_LAYER_SHAPES
+from sync_fakes import SendsToVerbs
 
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.load import RLJobLoadError
@@ -21,8 +22,10 @@ from r3operator.api.runtime_config import RuntimeConfig, WeightTransferConfig
 from r3operator.api.weight_transfer import LayoutChoice, Topology, TransferChoice, TransferMethod
 from r3operator.rollout.engines import EngineGroup, json_safe_update_info
 from r3operator.runtime.metrics import progress_patch
+from r3operator.runtime.step_record import StepRecord
 from r3operator.weightsync.sync import check_runtime, resolve
 from r3operator.weightsync.transfer import FanOutClient
+from r3operator.wire.sync_messages import BracketLayout
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
@@ -138,6 +141,11 @@ class _HTTPish:
     base_url: str = "http://127.0.0.1:8000"
 
 
+def _record(step: int) -> StepRecord:
+    """A step's row with nothing measured (its figures are not under test here)."""
+    return StepRecord(step, 0, "R3", 0.0, 0.0, 0, 0, 0, 0.0)
+
+
 def test_fallback_is_logged_and_goes_to_status(caplog: pytest.LogCaptureFixture) -> None:
     group = EngineGroup([_HTTPish()])  # type: ignore[list-item]
     with caplog.at_level(logging.WARNING, logger="r3operator.runtime"):
@@ -145,7 +153,7 @@ def test_fallback_is_logged_and_goes_to_status(caplog: pytest.LogCaptureFixture)
     expected = "packed (fallback: native nccl transfer needs the trainer on CUDA, it runs on cpu)"
     assert choice.describe() == expected
     assert [r.getMessage() for r in caplog.records] == [f"weight sync: {expected}"]
-    body = progress_patch({"step": 1}, total_steps=2, last_checkpoint_step=None, weight_sync=choice.describe())
+    body = progress_patch(_record(step=1), total_steps=2, last_checkpoint_step=None, weight_sync=choice.describe())
     assert body["status"]["progress"]["weightSync"] == expected
 
 
@@ -160,7 +168,7 @@ def test_cpu_engines_without_a_config_use_packed_without_a_warning(caplog: pytes
 def test_status_progress_schema_accepts_the_weight_sync_line() -> None:
     from r3operator.api.v1alpha1 import Progress
 
-    body = progress_patch({"step": 1}, total_steps=2, last_checkpoint_step=None, weight_sync="x" * 600)
+    body = progress_patch(_record(step=1), total_steps=2, last_checkpoint_step=None, weight_sync="x" * 600)
     progress = Progress.model_validate(body["status"]["progress"])
     assert progress.weight_sync == "x" * 512
 
@@ -169,7 +177,7 @@ def test_status_progress_schema_accepts_the_weight_sync_line() -> None:
 
 
 @dataclass
-class _Endpoint:
+class _Endpoint(SendsToVerbs):
     """Records the control-plane calls an engine receives (the engine side runs in vLLM)."""
 
     name: str
@@ -271,7 +279,7 @@ def _kernel_sender(monkeypatch: pytest.MonkeyPatch, *endpoints: _Endpoint) -> An
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
     state = {name: torch.zeros(shape) for name, shape in _TRAINER_SHAPES.items()}
-    client = FanOutClient(list(endpoints), layout=WeightSyncLayout.KERNEL)
+    client = FanOutClient(list(endpoints), layout=BracketLayout.KERNEL)
     return transfer.NativeSender(
         TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
     )
@@ -421,7 +429,7 @@ def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypat
     monkeypatch.setattr(transfer, "release_cached_blocks", lambda: order.append("release") or Release(7 << 30, 0.0))
     sender.send("run:1")  # the kernel layout over NCCL: our own sender, whose buffers are kept, not released
     assert order == ["send"] and sender.released_bytes == 0
-    sender.set_layout(WeightSyncLayout.CHECKPOINT)  # vLLM's packed sender: new streams and buffers every sync
+    sender.client.layout = BracketLayout.CHECKPOINT  # vLLM's packed sender: new streams and buffers every sync
     sender.send("run:2")
     assert order == ["send", "send", "release"]
     assert sender.released_bytes == 7 << 30
@@ -487,33 +495,6 @@ def test_the_packed_buffer_grows_to_the_largest_tensor_but_never_shrinks() -> No
 
     assert sender(1024).packed_buffer_bytes() == 64 * 32 * 2
     assert sender(1 << 20).packed_buffer_bytes() == 1 << 20
-
-
-def test_the_layout_changes_between_syncs_on_the_same_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench_weight_sync measures both layouts on one engine start: the next bracket opens for the new
-    layout, the kernel plan is asked for again, and a sender that cannot send kernel format refuses it."""
-    pytest.importorskip("vllm")
-    import torch
-
-    from r3operator.weightsync import transfer
-    from r3operator.weightsync.sync import NativeInstall
-    from r3operator.weightsync.transfer import FanOutClient, NativeSender
-
-    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22's sender
-    endpoint = _Endpoint("a")
-    sender = NativeSender(
-        TransferMethod.IPC, FanOutClient([endpoint]), lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
-    )
-    sender._plan = []  # a plan made for the earlier layout
-    install = NativeInstall(TransferMethod.IPC, state_dict=lambda: {}, dtype=torch.bfloat16, buffer_size_bytes=1)
-    install._sender = sender
-    install.set_layout(WeightSyncLayout.KERNEL)
-    assert install._sender is sender and sender._plan is None  # the same sender: no new rendezvous
-    sender.client.start_weight_update()
-    assert endpoint.calls == [("start", "kernel")]
-    monkeypatch.setattr(sender, "api", "factory")  # vLLM >= 0.30: the worker extension brackets the kernel layout
-    install.set_layout(WeightSyncLayout.KERNEL)
-    assert install._sender is sender and sender.client.layout is WeightSyncLayout.KERNEL
 
 
 class _TaggedEndpoint(_Endpoint):
@@ -591,13 +572,13 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
 
     engines = [_TaggedEndpoint("a")]
     install = NativeInstall(
-        TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1, layout=WeightSyncLayout.KERNEL
+        TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1, layout=BracketLayout.KERNEL
     )
     monkeypatch.setattr("r3operator.weightsync.sync.NativeSender", Sender)
     install(engines, "run:1")  # type: ignore[arg-type]
     engines[0].tag = None  # restarted: a new rendezvous
     install(engines, "run:2")  # type: ignore[arg-type]
-    assert made[1] == {"layout": WeightSyncLayout.KERNEL, "given": ["the confirmed plan"]}
+    assert made[1] == {"layout": BracketLayout.KERNEL, "given": ["the confirmed plan"]}
     engines[0].tag = None
     install(engines, "run:3")  # type: ignore[arg-type]
     chosen = LayoutChoice(WeightSyncLayout.KERNEL, "auto: engine vLLM 0.22.1 over nccl")
@@ -607,7 +588,7 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
     )
     engines[0].tag = None
     install(engines, "run:4")  # type: ignore[arg-type]
-    assert made[3]["layout"] is WeightSyncLayout.CHECKPOINT and install.reference_seconds == 1.5
+    assert made[3]["layout"] is BracketLayout.CHECKPOINT and install.reference_seconds == 1.5
 
 
 def test_a_kernel_ipc_sync_is_staged_only_while_its_buffer_takes_at_most_half_the_free_memory() -> None:
@@ -656,7 +637,7 @@ def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tenso
     state = {name: torch.ones(shape) for name, shape in _TRAINER_SHAPES.items()}
     endpoint = _Endpoint("a", parameters=_ENGINE)
     sender = _kernel_sender(monkeypatch, endpoint)
-    sender.set_layout(WeightSyncLayout.CHECKPOINT)
+    sender.client.layout = BracketLayout.CHECKPOINT
     sender.state_dict, sender.device, sender._group = (lambda: Failing(state)), "cpu", object()
     streamed: list[tuple[str, Any]] = []
     monkeypatch.setattr(sender, "_static_nccl_send", lambda meta: streamed.extend(sender.tensors()))
@@ -676,31 +657,34 @@ def test_a_finished_sync_salts_the_next_requests_with_its_policy_instead_of_rese
     reset as before."""
     from r3operator.rollout.client import OpenAIHTTPClient
     from r3operator.rollout.engines import HTTPEngine
+    from r3operator.weightsync.endpoints import EngineEndpoint
+    from r3operator.wire.sync_messages import DirectUpdate
 
     engine = object.__new__(HTTPEngine)  # no server: the calls are recorded
     engine.client = object.__new__(OpenAIHTTPClient)  # its constructor asks the server for the model
     engine.client.model = "m"
     sent: list[str] = []
-    engine._rpc = lambda method, *args, retry=True: sent.append(method)  # type: ignore[method-assign]
+    engine._rpc_all = lambda message, *, retry: sent.append(message.kind) or []  # type: ignore[method-assign]
     engine._post = lambda path, body=None, *, retry=True: sent.append(path)  # type: ignore[method-assign]
+    endpoint = EngineEndpoint(engine)
 
     def body() -> dict[str, Any]:
         return engine.client.completion_body([1, 2], max_tokens=1, temperature=1.0, seed=0, n=1, start=0)
 
     assert "cache_salt" not in body()  # before any sync: the engine's own weights, no salt
-    engine.native_direct_sync({"names": []}, "run:5")
-    assert sent == ["r3_direct_sync"] and body()["cache_salt"] == "run:5"
-    engine.native_staged_sync("run:6")
+    endpoint.native_direct_sync(DirectUpdate([], [], []), "run:5")
+    assert sent == ["direct_sync"] and body()["cache_salt"] == "run:5"
+    endpoint.native_staged_sync("run:6")
     assert body()["cache_salt"] == "run:6"
-    engine.native_mapped_sync(1, "run:6m", 30.0)
+    endpoint.native_mapped_sync(1, "run:6m", 30.0)
     assert body()["cache_salt"] == "run:6m"
-    engine.native_finish("run:7")
-    engine.finish_weight_update("run:8")
-    assert sent[1:] == ["r3_staged_sync", "r3_mapped_sync", "r3_native_end", "r3_finish_weight_update"]
+    endpoint.native_finish("run:7")
+    endpoint.finish_weight_update("run:8")
+    assert sent[1:] == ["staged_sync", "mapped_sync", "finish_native", "finish_packed"]
     assert body()["cache_salt"] == "run:8"
-    engine.native_finish(None)
-    assert sent[-2:] == ["r3_native_end", "/reset_prefix_cache"]
-    engine.native_abort()
+    endpoint.native_finish(None)
+    assert sent[-2:] == ["finish_native", "/reset_prefix_cache"]
+    endpoint.native_abort()
     assert sent[-1] == "/reset_prefix_cache"
 
 

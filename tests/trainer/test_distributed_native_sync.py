@@ -17,11 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from r3operator.api.enums import ReplayMode, WeightSyncLayout  # noqa: E402
+from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.weight_transfer import TransferMethod  # noqa: E402
 from r3operator.weightsync import rank_sync  # noqa: E402
+from r3operator.weightsync.endpoints import SyncCounts  # noqa: E402
 from r3operator.weightsync.rank_sync import RankNativeInstall  # noqa: E402
 from r3operator.wire.receipt import FingerprintLog, fingerprint  # noqa: E402
+from r3operator.wire.sync_messages import BracketLayout  # noqa: E402
 from r3operator.wire.sync_phases import SyncPhases  # noqa: E402
 from tests.trainer.conftest import r3_batch  # noqa: E402
 
@@ -48,7 +50,7 @@ class RecordingSync:
         buffer_size_bytes: int,
         master_address: str,
         phases: SyncPhases,
-        layout: WeightSyncLayout,
+        layout: BracketLayout,
     ) -> None:
         self.serial = uuid.uuid4().hex
         self.state_dict, self.dtype, self.phases, self.layout = state_dict, dtype, phases, layout
@@ -57,7 +59,7 @@ class RecordingSync:
         self.syncs: list[tuple[tuple[str, ...], str]] = []
         self.closed = False
 
-    def __call__(self, engines: Sequence[Any], tag: str) -> dict[str, int]:
+    def __call__(self, engines: Sequence[Any], tag: str) -> SyncCounts:
         self.syncs.append((tuple(e.name for e in engines), tag))
         if tag == "fail":
             raise RuntimeError("engine-1 went away mid-sync")
@@ -68,10 +70,7 @@ class RecordingSync:
                 assert tensor.dtype == self.dtype, name
                 self.sent.add(name, tensor)
             self.sent.result()
-        return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
-
-    def set_layout(self, layout: WeightSyncLayout) -> None:
-        self.layout = layout
+        return SyncCounts(tensors=len(state), bytes=sum(t.numel() * t.element_size() for t in state.values()))
 
     def close(self) -> None:
         self.closed = True
@@ -110,16 +109,17 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         buffer_size_bytes=1 << 20,
         sent=sent,
         phases=phases,
+        layout=BracketLayout.KERNEL,
         make=RecordingSync,
     )
     engines = [Endpoint("engine-0", "http://127.0.0.1:8000"), Endpoint("engine-1", "http://127.0.0.1:8001")]
     assert install.describe() == "sent from trainer rank 0 of 2"
     try:
         before = ranks.model_state_dict()  # the whole weights, read another way (FSDP's full state dict)
-        assert install(engines, "v1") == {
-            "tensors": len(before),
-            "bytes": sum(t.numel() * 2 for t in before.values()),
-        }
+        assert install(engines, "v1") == SyncCounts(
+            tensors=len(before),
+            bytes=sum(t.numel() * 2 for t in before.values()),
+        )
         assert sent.result() == expected(before)
         assert phases.seconds["gather"] > 0 and "transfer" in phases.seconds
 
@@ -131,7 +131,6 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         with pytest.raises(RuntimeError, match="engine-1 went away mid-sync"):
             install(engines, "fail")
         # Every rank had finished its gather before rank 0 sent: the retry's collectives find them all free.
-        install.set_layout(WeightSyncLayout.KERNEL)
         install(engines, "v2")
         assert sent.result() == expected(after)
         held = ranks.on_every_rank(rank0_sender, install.install)
@@ -139,7 +138,7 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         # One sender made all three syncs: the rendezvous is kept (the failed one's sender closes and remakes
         # its own group, as in a one-process run).
         assert held[0]["syncs"] == [(("engine-0", "engine-1"), t) for t in ("v1", "fail", "v2")]
-        assert held[0]["layout"] is WeightSyncLayout.KERNEL
+        assert held[0]["layout"] is BracketLayout.KERNEL
         assert held[0]["kept"] == {}  # the copy is let go after each sync
 
         install(engines[:1], "v3")  # another set of engines: a new sender
