@@ -263,6 +263,7 @@ MAY_LOAD: dict[str, set[str]] = {
     "r3operator.wire.retry": set(),
     "r3operator.wire.receipt": set(),
     "r3operator.wire.sync_phases": set(),
+    "r3operator.wire.sync_messages": set(),
     # vLLM loads the plugin's module to find `register`; vLLM itself is imported inside it, on call
     "r3operator.engine.plugin": set(),
     "r3operator.tasks.source": set(),
