@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
+from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.sample import RolloutSample
 from r3operator.wire.sync_messages import SyncMessage
 
@@ -17,7 +18,7 @@ class Greedy(NamedTuple):
 
     tokens: list[int]
     logprobs: list[float]
-    routes: Any = None  # RoutedExperts of prompt + tokens
+    routes: RoutedExperts | None = None  # of prompt + tokens
 
 
 class StaleEngineError(RuntimeError):

@@ -37,8 +37,8 @@ from typing import Any
 
 from r3operator.rollout.client import build_sample, prompt_starts, request_seed
 from r3operator.rollout.engines import EngineGroup, HTTPEngine
+from r3operator.routing.codec import RoutedExperts, encode, from_vllm
 from r3operator.routing.codec import decode as decode_routes
-from r3operator.routing.codec import encode, from_vllm
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import stitch_disaggregated
@@ -200,7 +200,7 @@ class DisaggregatedGroup(EngineGroup):
         return _with_routes(sample, routes, None)
 
 
-def _with_routes(sample: RolloutSample, routes: Any, error: str | None) -> RolloutSample:
+def _with_routes(sample: RolloutSample, routes: RoutedExperts | None, error: str | None) -> RolloutSample:
     return replace(sample, routes=routes, routes_error=error)
 
 

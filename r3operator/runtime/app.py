@@ -7,12 +7,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3operator.runtime.config import RunSettings, load_job_config, load_job_file, resolve_device
 from r3operator.runtime.progress import StepTable
 from r3operator.runtime.report import EVAL_CSV, read_eval_rows, read_rows, write_plot, write_report
 from r3operator.settings import RUNS_DIR, runtime_settings, unknown_variables
+
+if TYPE_CHECKING:  # pragma: no cover (the run's modules load torch and Ray: imported when a run starts)
+    from r3operator.rollout.engines import EngineGroup
+    from r3operator.runtime.loop import GRPORun
 
 
 def build_settings(
@@ -106,8 +110,8 @@ def _prepare_env(device: str) -> None:
 
 
 def run_once(
-    settings: RunSettings, *, engines: Any = None, label: str | None = None
-) -> tuple[list[dict[str, Any]], Any]:
+    settings: RunSettings, *, engines: EngineGroup | None = None, label: str | None = None
+) -> tuple[list[dict[str, Any]], GRPORun]:
     """One training run; returns its metrics rows (from metrics.csv, resumed steps included) and the run."""
     from r3operator.runtime.async_loop import AsyncGRPORun
     from r3operator.runtime.loop import GRPORun
@@ -121,7 +125,7 @@ def run_once(
     return read_rows(settings.run_dir / "metrics.csv"), run
 
 
-def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: Any = None) -> Path:
+def run_job(settings: RunSettings, *, compare_replay: bool = False, engines: EngineGroup | None = None) -> Path:
     """Run (or compare replay off vs on) and write metrics.csv, report.md and plot.png; return the run dir.
 
     `--compare-replay`: Disabled then R3 with the same seed (same SFT warm-up, same rollout seeds, so step
@@ -197,7 +201,7 @@ def wall_time_fact(seconds: float, engines_started_here: bool) -> str:
     return f"{seconds:.1f}, excl. engine start (the engines were serving before this invocation)"
 
 
-def canary_fact(settings: RunSettings, run: Any) -> str:
+def canary_fact(settings: RunSettings, run: GRPORun) -> str:
     """What the canary checked after each sync, or that it did not run."""
     if not settings.job.spec.weight_sync.canary:
         return "off (spec.weightSync.canary: false): no check after the syncs"
@@ -211,7 +215,7 @@ def canary_fact(settings: RunSettings, run: Any) -> str:
     return f"{receipt}; greedy decode: {run.weight_sync.plan.tolerance.describe()}"
 
 
-def _trainer_fact(settings: RunSettings, run: Any) -> str:
+def _trainer_fact(settings: RunSettings, run: GRPORun) -> str:
     trainer = run.trainer
     compute = getattr(trainer, "compute_dtype", "float32")
     backend = settings.job.spec.trainer.backend.value

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,8 +27,11 @@ from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch
 from r3operator.trainer.distributed import DistributedTrainer
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
-def masked_mean(values: Any | None, mask: Any) -> float:
+
+def masked_mean(values: torch.Tensor | None, mask: torch.Tensor) -> float:
     """The mean of `values` where `mask` is set; NaN when there are no values or no masked entries (tensors)."""
     if values is None:
         return float("nan")

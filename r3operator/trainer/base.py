@@ -4,8 +4,8 @@ driver talks to."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -14,6 +14,8 @@ from r3operator.api.enums import ReplayMode
 from r3operator.trainer.batch import TrainBatch
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from r3operator.wire.weights import PackedChunk
 
 GRAD_CLIP_NORM = 1.0
@@ -21,13 +23,13 @@ GRAD_CLIP_NORM = 1.0
 
 @dataclass
 class OldPass:
-    logprobs: Any  # [B, S-1] fp32
-    natural_ids: Any  # [B, S, L, K]: what each router would pick on this forward
-    used_ids: Any  # [B, S, L, K]: what the experts received (replayed ids under R3)
-    replay_ids: Any | None  # what the update replays (engine routes for R3, natural_ids for R2)
-    replay_pad: Any | None
+    logprobs: torch.Tensor  # [B, S-1] fp32
+    natural_ids: torch.Tensor  # [B, S, L, K]: what each router would pick on this forward
+    used_ids: torch.Tensor  # [B, S, L, K]: what the experts received (replayed ids under R3)
+    replay_ids: torch.Tensor | None  # what the update replays (engine routes for R3, natural_ids for R2)
+    replay_pad: torch.Tensor | None  # [B, S] bool: rows the update routes naturally
     mode: ReplayMode | None = None
-    entropy: Any | None = None  # [B, S-1] fp32 entropy of each next-token distribution; None: not computed
+    entropy: torch.Tensor | None = None  # [B, S-1] fp32 entropy of each next-token distribution; None: not computed
     hook_calls: dict[int, dict[int, int]] | None = None
     """R3: per trainer rank, per MoE layer it holds, how many times the replay hook ran in this pass (the
     step loop's hooks-not-fired check, routing/checks.py); None where the pass did not replay."""
@@ -36,9 +38,9 @@ class OldPass:
 def old_pass_for(
     mode: ReplayMode,
     batch: TrainBatch,
-    logprobs: Any,
-    natural_ids: Any,
-    used_ids: Any,
+    logprobs: torch.Tensor,
+    natural_ids: torch.Tensor,
+    used_ids: torch.Tensor,
     *,
     hook_calls: dict[int, dict[int, int]] | None = None,
 ) -> OldPass:
@@ -57,8 +59,8 @@ def old_pass_for(
 class CanaryForward:
     """The weight canary's trainer forward of one sequence with the engine's routes replayed."""
 
-    logits: Any  # [S, V] fp32 next-token logits
-    natural_ids: Any  # [S, L, K] what the trainer's routers would have chosen on that forward
+    logits: torch.Tensor  # [S, V] fp32 next-token logits
+    natural_ids: torch.Tensor  # [S, L, K] what the trainer's routers would have chosen on that forward
 
 
 @dataclass
@@ -80,7 +82,7 @@ class UpdateStats:
         return self.updates_skipped < self.updates
 
 
-def compute_context(compute_dtype: str, device_type: str) -> Any:
+def compute_context(compute_dtype: str, device_type: str) -> AbstractContextManager[object]:
     """Autocast context of the training-side forwards (old-logprob, update, SFT): bf16 autocast when
     `compute_dtype` is bfloat16, none for float32. Shared by both trainer backends."""
     import torch
@@ -95,7 +97,13 @@ def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
     return [rows for rows in (list(range(n))[i::mini_batches] for i in range(mini_batches)) if rows]
 
 
-def greedy_decode(logits_fn: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int, eos_id: int) -> list[list[int]]:
+def greedy_decode(
+    logits_fn: Callable[[Sequence[int]], torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    eos_id: int,
+) -> list[list[int]]:
     """Greedy continuation of each prompt with `logits_fn(sequence) -> [len, V]`; stops after <eos>."""
     out: list[list[int]] = []
     for prompt in prompts:
@@ -139,10 +147,10 @@ class Trainer(Protocol):
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]: ...
 
-    def canary_logits(self, sequence: Sequence[int]) -> Any: ...
+    def canary_logits(self, sequence: Sequence[int]) -> torch.Tensor: ...
 
     def canary_forward(
-        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+        self, sequence: Sequence[int], routes: torch.Tensor, route_pad: torch.Tensor, *, compute: bool = False
     ) -> CanaryForward:
         """Logits of `sequence` with `routes` ([1, S, L, K]; rows flagged in `route_pad` [1, S] route
         naturally) replayed, and the routers' natural choices on the same forward. fp32 without autocast;
@@ -158,7 +166,7 @@ class Trainer(Protocol):
 
     def load_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None: ...
 
-    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: torch.dtype | None) -> Iterator[PackedChunk]:
         """The current weights for the engines: checkpoint names, `dtype`, packed (wire/weights.py)."""
         ...
 

@@ -31,13 +31,16 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from r3operator.api.enums import ReplayMode
 from r3operator.trainer.base import CanaryForward, OldPass, UpdateStats, greedy_decode, old_pass_for
 from r3operator.trainer.batch import TrainBatch
 from r3operator.trainer.shards import Share, ShareStats, combine_update, forward_rows, update_plan
 from r3operator.wire.weights import PackedChunk, checkpoint_tensors, chunk_tensors, pack_chunk
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 PLACEMENT_TIMEOUT_S = 600.0
 
@@ -98,9 +101,9 @@ class UpdateSlice:
     """One rank's input to the update: its rows of the batch and of the old-logprob pass."""
 
     batch: TrainBatch
-    old_logprobs: Any
-    replay_ids: Any
-    replay_pad: Any
+    old_logprobs: torch.Tensor
+    replay_ids: torch.Tensor | None
+    replay_pad: torch.Tensor | None
 
 
 def batch_to(batch: TrainBatch, device: str) -> TrainBatch:
@@ -194,10 +197,12 @@ class TrainerRank:
             prompts, answers, total_tokens=total_tokens, world=self.role.dp_size, padding=padding
         )
 
-    def canary_logits(self, sequence: list[int]) -> Any:
+    def canary_logits(self, sequence: list[int]) -> torch.Tensor:
         return self.trainer.canary_logits(sequence)
 
-    def canary_forward(self, sequence: list[int], routes: Any, route_pad: Any, compute: bool) -> CanaryForward:
+    def canary_forward(
+        self, sequence: list[int], routes: torch.Tensor, route_pad: torch.Tensor, compute: bool
+    ) -> CanaryForward:
         return self.trainer.canary_forward(sequence, routes, route_pad, compute=compute)
 
     def sync_chunks(self, chunk_size_mb: int, dtype_name: str | None) -> Iterator[PackedChunk]:
@@ -425,17 +430,17 @@ class DistributedTrainer:
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
 
-    def canary_logits(self, sequence: Sequence[int]) -> Any:
+    def canary_logits(self, sequence: Sequence[int]) -> torch.Tensor:
         """Every rank runs the forward (it gathers the shards); rank 0's logits are the answer."""
         return self._all(lambda r: r.canary_logits.remote(list(sequence)))[0]
 
     def canary_forward(
-        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+        self, sequence: Sequence[int], routes: torch.Tensor, route_pad: torch.Tensor, *, compute: bool = False
     ) -> CanaryForward:
         """Like `canary_logits`: every rank runs it, rank 0 answers."""
         return self._all(lambda r: r.canary_forward.remote(list(sequence), routes, route_pad, compute))[0]
 
-    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: torch.dtype | None) -> Iterator[PackedChunk]:
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
         streams = [
             rank.sync_chunks.options(num_returns="streaming").remote(chunk_size_mb, dtype_name) for rank in self.ranks

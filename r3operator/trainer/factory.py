@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from r3operator.api.v1alpha1 import RLJobSpec
 from r3operator.trainer.base import Trainer
 
 
-def world_size(spec: Any, *, device: str, override: int | None = None) -> int:
+def world_size(spec: RLJobSpec, *, device: str, override: int | None = None) -> int:
     """Trainer ranks: `override` (`r3operator run --trainer-ranks`) if given; on GPU one per GPU of the
     RayJob (`trainer.nodes × trainer.gpusPerNode`); on CPU one."""
     if override is not None:
@@ -20,7 +20,7 @@ def world_size(spec: Any, *, device: str, override: int | None = None) -> int:
     return 1
 
 
-def build_trainer(spec: Any, model_dir: Path, *, device: str, ranks: int = 1) -> Trainer:
+def build_trainer(spec: RLJobSpec, model_dir: Path, *, device: str, ranks: int = 1) -> Trainer:
     """The trainer for `spec.trainer.backend`, in this process for one rank, else
     `distributed.DistributedTrainer` over `ranks` Ray actors: FSDP (`hf_policy`, FSDP2 over the ranks) or
     Megatron (the adapter; TP/EP/SP groups and data parallel over the ranks, `megatron/ranks.py`)."""

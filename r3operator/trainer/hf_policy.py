@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3operator.api.enums import ReplayMode
 from r3operator.trainer import bf16_params
@@ -50,6 +50,9 @@ from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, load_policy_state, policy_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 from r3operator.wire.weights import PackedChunk, packed_chunks
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 class PolicyTrainer(UpdateByShares):
@@ -188,9 +191,9 @@ class PolicyTrainer(UpdateByShares):
     def update_shares(
         self,
         batch: TrainBatch,
-        old_logprobs: Any,
-        replay_ids: Any,
-        replay_pad: Any,
+        old_logprobs: torch.Tensor,
+        replay_ids: torch.Tensor | None,
+        replay_pad: torch.Tensor | None,
         shares: Sequence[Share],
         *,
         clip_low: float,
@@ -250,9 +253,9 @@ class PolicyTrainer(UpdateByShares):
         self,
         batch: TrainBatch,
         rows: Sequence[int],
-        old_logprobs: Any,
-        replay_ids: Any,
-        replay_pad: Any,
+        old_logprobs: torch.Tensor,
+        replay_ids: torch.Tensor | None,
+        replay_pad: torch.Tensor | None,
         *,
         weight: float,
         clip_low: float,
@@ -335,7 +338,7 @@ class PolicyTrainer(UpdateByShares):
         """fp32 greedy decode (no autocast) with natural routing, full re-forward per token (diagnostics)."""
         return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
 
-    def canary_logits(self, sequence: Sequence[int]) -> Any:
+    def canary_logits(self, sequence: Sequence[int]) -> torch.Tensor:
         """[len(sequence), V] fp32 next-token logits, fp32 weights, no autocast, natural routing."""
         import torch
 
@@ -344,7 +347,7 @@ class PolicyTrainer(UpdateByShares):
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
 
     def canary_forward(
-        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+        self, sequence: Sequence[int], routes: torch.Tensor, route_pad: torch.Tensor, *, compute: bool = False
     ) -> CanaryForward:
         import torch
 
@@ -389,7 +392,7 @@ class PolicyTrainer(UpdateByShares):
         self.model.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
 
-    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: torch.dtype | None) -> Iterator[PackedChunk]:
         return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
 
     def save_checkpoint_async(self, directory: Path) -> None:

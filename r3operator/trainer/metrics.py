@@ -6,12 +6,14 @@ All logprob statistics are over response tokens selected by a boolean mask.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from r3operator.routing.agreement import RoutingAgreement, as_array, routing_agreement
+from r3operator.routing.sample import RolloutSample
 
 EXTREME_RATIO_TAU = 2.0
 
@@ -237,10 +239,10 @@ class R3Metrics:
             self._m["r3operator_routing_agreement_ratio"].remove(self.namespace, self.rljob, layer)
         self._layers_exported.clear()
 
-    def observe_rollout(self, samples: Any) -> None:
+    def observe_rollout(self, samples: Sequence[RolloutSample]) -> None:
         """Count route bytes, missing and invalid routes of `RolloutSample`s."""
         for sample in samples:  # per sample, not per token
-            if sample.routes_status == "ok":
+            if sample.routes is not None:  # routes_status "ok"
                 self._get("r3operator_routing_bytes_total").inc(sample.routes.nbytes)
                 self._get("r3operator_routes_per_sample_bytes").observe(sample.routes.nbytes)
             elif sample.routes_status == "missing":

@@ -15,10 +15,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from r3operator.trainer.base import OldPass, UpdateStats, mini_batch_rows
 from r3operator.trainer.batch import TrainBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 @dataclass(frozen=True)
@@ -148,9 +151,9 @@ class UpdateByShares(ABC):
     def update_shares(
         self,
         batch: TrainBatch,
-        old_logprobs: Any,
-        replay_ids: Any,
-        replay_pad: Any,
+        old_logprobs: torch.Tensor,
+        replay_ids: torch.Tensor | None,
+        replay_pad: torch.Tensor | None,
         shares: Sequence[Share],
         *,
         clip_low: float,

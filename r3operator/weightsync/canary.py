@@ -45,12 +45,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from r3operator.rollout.base import Greedy
 from r3operator.settings import runtime_settings
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 from r3operator.wire.receipt import Fingerprint, ReceiptMismatchError, compare_receipt
 
 # The tolerances follow the engine's arithmetic: its unit roundoff u (dtype and device) times a fixed
@@ -207,8 +210,8 @@ class CanaryForwards:
 class CanaryForwardResult(Protocol):
     """One replayed canary forward (trainer/base.py `CanaryForward`)."""
 
-    logits: Any  # torch.Tensor [S, V] fp32: torch is imported lazily here, so the annotation stays open
-    natural_ids: Any  # torch.Tensor [S, L, K]: the same
+    logits: torch.Tensor  # [S, V] fp32
+    natural_ids: torch.Tensor  # [S, L, K]
 
 
 class CanaryModel(Protocol):
@@ -216,10 +219,10 @@ class CanaryModel(Protocol):
 
     eos_id: int
 
-    def canary_logits(self, sequence: Sequence[int]) -> Any: ...
+    def canary_logits(self, sequence: Sequence[int]) -> torch.Tensor: ...
 
     def canary_forward(
-        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+        self, sequence: Sequence[int], routes: torch.Tensor, route_pad: torch.Tensor, *, compute: bool = False
     ) -> CanaryForwardResult: ...
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.rollout.base import Engine
@@ -37,6 +37,9 @@ from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import full_tensor
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 
 class RankRunner(Protocol):
     """A trainer over ranks (`DistributedTrainer`): runs `fn(trainer, rank, *args)` on every rank."""
@@ -44,6 +47,12 @@ class RankRunner(Protocol):
     world_size: int
 
     def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
+
+
+class RankTrainer(Protocol):
+    """One rank's trainer as a sync takes it: the tensors the engines get (trainer/base.py `Trainer` has it)."""
+
+    def sync_state_dict(self) -> dict[str, Any]: ...
 
 
 class NativeSyncLike(Protocol):
@@ -105,7 +114,7 @@ class _RankSender:
 _SENDERS: dict[str, _RankSender] = {}  # by install, in rank 0's process
 
 
-def _sender_for(request: RankSyncRequest, dtype: Any) -> _RankSender:
+def _sender_for(request: RankSyncRequest, dtype: torch.dtype | None) -> _RankSender:
     """The sender `request.install` made before, when it was for the same engines; else a new one (the old
     one's group closed). The engines kept from its first sync are the ones it sends to: the same objects, so
     `NativeInstall` keeps its rendezvous (it compares them by identity). An install's layout is fixed when it is
@@ -145,13 +154,13 @@ def copy_device(need_bytes: int, free_bytes: int | None) -> str | None:
     return "cpu"
 
 
-def nbytes(state_dict: Mapping[str, Any], dtype: Any) -> int:
+def nbytes(state_dict: Mapping[str, Any], dtype: torch.dtype | None) -> int:
     """The bytes of every tensor of `state_dict` whole (an FSDP2 DTensor's shape is the global one) in `dtype`."""
     return sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in state_dict.values())
 
 
 def gather_weights(
-    state_dict: Mapping[str, Any], *, dtype: Any, keep: bool, device: str | None = None
+    state_dict: Mapping[str, Any], *, dtype: torch.dtype | None, keep: bool, device: str | None = None
 ) -> dict[str, Any]:
     """Every tensor of `state_dict` whole, in its order (each an FSDP collective: every rank must call this),
     cast to `dtype` where it was gathered (the rank's GPU) and moved to `device` (None: left there); kept when
@@ -171,7 +180,7 @@ def _free_gpu_bytes() -> int | None:
     return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
 
 
-def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncResult | None:
+def send_on_rank(trainer: RankTrainer, rank: int, request: RankSyncRequest) -> RankSyncResult | None:
     """A sync as one rank takes part in it (`DistributedTrainer.on_every_rank`): rank 0's result, None elsewhere."""
     import torch
 
@@ -199,7 +208,7 @@ def send_on_rank(trainer: Any, rank: int, request: RankSyncRequest) -> RankSyncR
     return RankSyncResult(counts.tensors, counts.bytes, fingerprints, seconds)
 
 
-def close_on_rank(_trainer: Any, rank: int, install: str) -> None:
+def close_on_rank(_trainer: RankTrainer, rank: int, install: str) -> None:
     """Close `install`'s sender (its NCCL group) where it lives."""
     sender = _SENDERS.pop(install, None) if rank == 0 else None
     if sender is not None:
@@ -219,7 +228,7 @@ class RankNativeInstall:
         method: TransferMethod,
         *,
         ranks: RankRunner,
-        dtype: Any,
+        dtype: torch.dtype | None,
         buffer_size_bytes: int,
         sent: FingerprintLog,
         phases: SyncPhases,

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.v1alpha1 import RLJobSpec
@@ -45,13 +45,16 @@ from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 log = logging.getLogger("r3operator.runtime")
 
 
 class SyncedTrainer(CanaryModel, Protocol):
     """What a sync and its canary take of the trainer (trainer/base.py `Trainer` has it)."""
 
-    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]: ...
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: torch.dtype | None) -> Iterator[PackedChunk]: ...
 
     def sync_state_dict(self) -> dict[str, Any]: ...
 

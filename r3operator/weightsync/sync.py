@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -40,6 +40,9 @@ from r3operator.wire.kernel_layout import Source
 from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_messages import BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 log = logging.getLogger("r3operator.runtime")
 
@@ -157,7 +160,7 @@ class NativeInstall:
         method: TransferMethod,
         *,
         state_dict: Callable[[], Mapping[str, Any]],
-        dtype: Any,
+        dtype: torch.dtype | None,
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3operator.api.weight_transfer import TransferMethod
 from r3operator.weightsync.direct import DirectKernelSend
@@ -58,6 +58,9 @@ from r3operator.wire.receipt import FingerprintLog
 from r3operator.wire.sync_messages import BracketLayout, DirectUpdate
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, full_tensor, tensor_nbytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +247,7 @@ class NativeSender:
         client: FanOutClient,
         state_dict: StateDictFn,
         *,
-        dtype: Any,
+        dtype: torch.dtype | None,
         buffer_size_bytes: int,
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,

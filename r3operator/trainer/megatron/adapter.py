@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3operator.api.enums import ReplayMode
 from r3operator.trainer import bf16_params
@@ -46,6 +46,9 @@ from r3operator.trainer.grpo.loss import ppo_clip_loss, truncated_importance_wei
 from r3operator.trainer.sharded_checkpoint import ShardedCheckpointer, read_full_state
 from r3operator.trainer.shards import Share, ShareStats, UpdateByShares
 from r3operator.wire.weights import PackedChunk, packed_chunks
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
@@ -143,8 +146,8 @@ class MegatronPolicyTrainer(UpdateByShares):
         self,
         batch: TrainBatch,
         old_logprobs: Any,
-        replay_ids: Any,
-        replay_pad: Any,
+        replay_ids: torch.Tensor | None,
+        replay_pad: torch.Tensor | None,
         shares: Sequence[Share],
         *,
         clip_low: float,
@@ -253,7 +256,7 @@ class MegatronPolicyTrainer(UpdateByShares):
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         return greedy_decode(self.canary_logits, prompts, max_tokens=max_tokens, eos_id=self.eos_id)
 
-    def canary_logits(self, sequence: Sequence[int]) -> Any:
+    def canary_logits(self, sequence: Sequence[int]) -> torch.Tensor:
         """[len, V] fp32 logits, fp32 weights, no autocast, natural routing (replay off)."""
         import torch
 
@@ -266,7 +269,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         return logits[0].float().cpu()
 
     def canary_forward(
-        self, sequence: Sequence[int], routes: Any, route_pad: Any, *, compute: bool = False
+        self, sequence: Sequence[int], routes: torch.Tensor, route_pad: torch.Tensor, *, compute: bool = False
     ) -> CanaryForward:
         """The replayed forward, then a natural one under the routing probe (the HF path records the natural
         choices inside its replayed forward; Megatron's replay replaces the router's top-k)."""
@@ -305,7 +308,7 @@ class MegatronPolicyTrainer(UpdateByShares):
         load_hf_weights(self.mt.model, self.mt.tconfig, model_sd, self.mt.hf_config)
         load_optimizer_full_state(self.mt.model, self.mt.tconfig, self.mt.optimizer, optim_sd)
 
-    def weight_chunks(self, *, chunk_size_mb: int, dtype: Any) -> Iterator[PackedChunk]:
+    def weight_chunks(self, *, chunk_size_mb: int, dtype: torch.dtype | None) -> Iterator[PackedChunk]:
         return packed_chunks(self.sync_state_dict(), chunk_size_mb=chunk_size_mb, dtype=dtype)
 
     def save_checkpoint_async(self, directory: Path) -> None:
