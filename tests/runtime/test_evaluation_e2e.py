@@ -80,7 +80,7 @@ def test_vllm_eval_reward_and_the_training_samples_with_and_without_evaluation(
     for mine, reference in zip(rollouts, plain_calls, strict=True):  # vLLM sampled the same tokens
         assert [s.token_ids for s in mine[3]] == [s.token_ids for s in reference[3]]
     for mine, reference in zip(evaluated, plain, strict=True):
-        assert mine["reward_mean"] == reference["reward_mean"] and mine["canary_ok"] == 1
+        assert mine.reward_mean == reference.reward_mean and mine.canary_ok == 1
 
     # The eval reward of each evaluation is the reward written here of what vLLM answered to the held-out rows.
     tokenizer = AutoTokenizer.from_pretrained(ensure_reference_model("tiny"))

@@ -120,4 +120,4 @@ def test_engine_killed_mid_rollout_and_mid_sync_the_step_still_completes(tmp_pat
     # restarting actor) and was discarded; either way the engine was re-synced, and the sync repeated.
     assert {"stale_engine", "weight_sync"} <= faults and faults & {"engine_call", "stale_result"}
     row2 = run.train_step(2)  # and the run goes on normally
-    assert row2["canary_ok"] == 1 and row2["policy_version"] == 3
+    assert row2.canary_ok == 1 and row2.policy_version == 3

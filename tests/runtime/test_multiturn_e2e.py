@@ -79,4 +79,6 @@ def test_two_multi_turn_r3_steps_replay_stitched_routes(tmp_path: Path, engines:
         "turns_mean",
         "env_tokens",
     )
-    print("multi-turn rows:", [{k: row[k] for k in keys} for row in rows], "single-shot agreement:", same / total)
+    print(
+        "multi-turn rows:", [{k: getattr(row, k) for k in keys} for row in rows], "single-shot agreement:", same / total
+    )
