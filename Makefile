@@ -19,8 +19,8 @@ TORCH_COMPAT_TESTS ?= tests/trainer/test_checkpoint_staging.py tests/trainer/tes
   tests/trainer/test_megatron_backend.py tests/trainer/test_batch.py tests/trainer/test_canary_forward.py \
   tests/trainer/test_importance_weights.py tests/trainer/test_replay_hf.py tests/trainer/test_metrics.py \
   tests/trainer/test_distributed_trainer.py::test_async_sharded_checkpoint_resumes_two_ranks_exactly \
-  tests/runtime/test_canary_unit.py tests/runtime/test_grpo_unit.py tests/runtime/test_weight_sync_unit.py \
-  tests/runtime/test_faults_loop.py tests/runtime/test_dataset_loop.py tests/runtime/test_multiturn_loop.py \
+  tests/weightsync/test_canary_unit.py tests/runtime/test_grpo_unit.py tests/weightsync/test_weight_sync_unit.py \
+  tests/weightsync/test_faults_loop.py tests/runtime/test_dataset_loop.py tests/runtime/test_multiturn_loop.py \
   tests/runtime/test_async_unit.py tests/runtime/test_route_record.py tests/runtime/test_report_rows.py \
   tests/runtime/test_report_wall_time.py
 

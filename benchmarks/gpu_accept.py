@@ -788,7 +788,7 @@ def pytest_command(*files: str) -> Callable[[Context], str]:
 
 
 # Each case of tests/gpu/test_megatron_ranks_gpu.py by its pytest id, with the GPUs it needs, in its CASES
-# order (tests/test_gpu_accept.py checks that the two agree).
+# order (tests/benchmarks/test_gpu_accept.py checks that the two agree).
 MEGATRON_CASES = (
     ("2gpu-tp2-sp", 2),
     ("2gpu-ep2", 2),

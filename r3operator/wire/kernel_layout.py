@@ -6,7 +6,7 @@ of engine host work per tensor (docs/benchmarks.md, "Where a sync's time goes"),
 A kernel-format sync sends each vLLM parameter whole, already fused, and the engine copies it in with one
 `param.copy_` (vLLM 0.22.1's `start_weight_update(is_checkpoint_format=False)`): 39 tensors for a3b.
 
-The fusions are vLLM's (its Qwen3-MoE `load_weights` builds them; tests/engine/test_kernel_layout.py
+The fusions are vLLM's (its Qwen3-MoE `load_weights` builds them; tests/wire/test_kernel_layout.py
 checks every parameter bit-equal against it):
 
 - `…self_attn.qkv_proj.{weight,bias}` = cat(q_proj, k_proj, v_proj) along rows;

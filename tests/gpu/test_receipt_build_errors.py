@@ -6,7 +6,7 @@
 One `vllm serve` engine (bf16, `--weight-transfer-config {"backend":"ipc"}`) shares the trainer's GPU; the trainer is
 the runtime's own (`GRPORun`, fp32 master weights sent as bf16) with `weightSync.layout: kernel`, so its syncs write
 the engine's parameters in place (weightsync/mapped.py). The engine is real; only the trainer's kernel builder is
-broken on purpose (`build_parameter`, with the faults of tests/engine/test_kernel_reference.py: gate and up swapped,
+broken on purpose (`build_parameter`, with the faults of tests/weightsync/test_kernel_reference.py: gate and up swapped,
 every expert block rolled, w2's experts rolled: the same shapes, the same bytes, in the wrong places; on the tiny
 model at bf16 the canary's forward passed each of them):
 
@@ -30,7 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.engine.test_kernel_reference import FAULTS, _broken  # noqa: E402  (the CPU test's faults, one list)
+from tests.weightsync.test_kernel_reference import FAULTS, _broken  # noqa: E402  (the CPU test's faults, one list)
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

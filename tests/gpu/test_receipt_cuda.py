@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from r3operator.wire import receipt as receipt_module  # noqa: E402
 from r3operator.wire.receipt import GROUP_ROWS, WEIGHT_PERIOD, FingerprintLog  # noqa: E402
-from tests.runtime.test_sync_receipt import _big_and_small, _reference_fingerprint  # noqa: E402
+from tests.wire.test_sync_receipt import _big_and_small, _reference_fingerprint  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import VOCAB, build_tiny_moe  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.observability.rules import ROUTING_AGREEMENT_MIN  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
@@ -24,7 +26,6 @@ from r3operator.trainer.batch import build_batch  # noqa: E402
 from r3operator.trainer.metrics import R3Metrics  # noqa: E402
 from r3operator.trainer.replay.hf import natural_routing  # noqa: E402
 from tests.observability.conftest import RULES, tool  # noqa: E402
-from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LAYERS = 3

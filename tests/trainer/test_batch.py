@@ -86,8 +86,9 @@ def test_routes_past_the_sample_and_mismatched_shapes_are_refused() -> None:
 @pytest.mark.slow
 def test_replayed_experts_follow_the_prompt_start_through_the_hf_hook() -> None:
     """End to end through RouterReplay: the token at absolute position p receives route row p - start."""
+    from tiny_moe import build_tiny_moe
+
     from r3operator.trainer.replay.hf import RouterRecorder, RouterReplay
-    from tests.trainer.conftest import build_tiny_moe
 
     model = build_tiny_moe("qwen3_moe")  # 3 layers, 8 experts, top-2: the shape of distinct_routes
     prompt, gen, start = [11, 12, 13, 14, 15], [16, 17, 18], 3

@@ -12,9 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 
 def reference(model_dir: Path, *, rounded: bool) -> Any:
@@ -45,7 +46,7 @@ def masked(lp: Any, mask: Any) -> Any:
 def off_grid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`build_tiny_moe("qwen3_moe")` with its RMSNorm weights (initialised to ones, which bf16 holds) moved
     off the grid like an update moves them; the random embedding is off it already."""
-    from tests.trainer.conftest import build_tiny_moe
+    from tiny_moe import build_tiny_moe
 
     model = build_tiny_moe("qwen3_moe")
     with torch.no_grad():

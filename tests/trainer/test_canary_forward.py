@@ -9,11 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import build_tiny_moe  # noqa: E402
+
 from r3operator.rollout.base import Greedy  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
 from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
 from r3operator.weightsync.canary import CanaryMismatchError, canary_forwards, check_routing_agreement  # noqa: E402
-from tests.trainer.conftest import build_tiny_moe  # noqa: E402
 
 LAYERS, EXPERTS, TOPK = 2, 8, 2  # build_tiny_moe("qwen3_moe") has 8 experts, top-2
 

@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.batch import TrainBatch  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3

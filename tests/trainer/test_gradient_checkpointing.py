@@ -9,10 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.load import load_rljob  # noqa: E402
 from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

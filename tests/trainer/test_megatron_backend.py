@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
+from tiny_moe import VOCAB, build_tiny_moe  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
 from r3operator.routing.codec import encode  # noqa: E402
@@ -27,7 +29,6 @@ from r3operator.trainer.megatron import build_megatron_trainer  # noqa: E402
 from r3operator.trainer.replay.hf import RouterRecorder  # noqa: E402
 from r3operator.trainer.replay.hf import RouterReplay as HFRouterReplay  # noqa: E402
 from r3operator.trainer.replay.megatron import MegatronReplayError, replay_instances  # noqa: E402
-from tests.trainer.conftest import VOCAB, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LAYERS, EXPERTS, TOPK = 3, 8, 2  # build_tiny_moe("qwen3_moe"): 8 experts, top-2

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
-from tests.trainer.conftest import build_tiny_moe  # noqa: E402
+from tiny_moe import build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS, ANSWERS = [[5, 6, 7], [8, 9, 10]], [[20, 21], [22, 23]]

@@ -17,8 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
+from tiny_moe import build_tiny_moe, r3_batch  # noqa: E402
+
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
-from tests.trainer.conftest import build_tiny_moe, r3_batch  # noqa: E402
 from tests.trainer.test_megatron_ranks import (  # noqa: E402
     ANSWERS,
     LR,

@@ -15,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.v1alpha1 import MegatronSpec  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-3

@@ -14,9 +14,10 @@ from r3operator.trainer.micro import micro_batches, micro_weights
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.hf_policy import PolicyTrainer  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 400))

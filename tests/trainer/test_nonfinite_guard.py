@@ -14,8 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -81,9 +82,10 @@ def test_the_sft_warm_up_skips_a_nan_step(tiny_moe_dir: Path, monkeypatch: pytes
 @pytest.mark.slow
 def test_a_nan_megatron_train_step_changes_nothing(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip extra `megatron`)")
+    from tiny_moe import build_tiny_moe
+
     from r3operator.trainer.megatron import build_megatron_trainer
     from r3operator.trainer.megatron.adapter import MegatronPolicyTrainer
-    from tests.trainer.conftest import build_tiny_moe
 
     build_tiny_moe("qwen3_moe").save_pretrained(tmp_path)
     policy = MegatronPolicyTrainer(

@@ -10,9 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.trainer.grpo.loss import ppo_clip_loss  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 
 def verl_dual_clip(log_ratio: float, adv: float, *, low: float, high: float, c: float) -> float:

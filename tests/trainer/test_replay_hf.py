@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import FAMILIES, VOCAB, build_tiny_moe  # noqa: E402
+
 from r3operator.trainer.replay.hf import (  # noqa: E402
     ROUTER_FAMILIES,
     RouterRecorder,
@@ -17,7 +19,6 @@ from r3operator.trainer.replay.hf import (  # noqa: E402
     find_routers,
     natural_routing,
 )
-from tests.trainer.conftest import FAMILIES, VOCAB, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

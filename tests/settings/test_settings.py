@@ -20,7 +20,7 @@ from r3operator.settings import (
     unknown_variables,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "r3operator"
 EXAMPLE = REPO / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 # Variables other programs define; reading them is part of talking to those programs.

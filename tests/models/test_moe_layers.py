@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from tiny_moe import build_tiny_moe
 
 from r3operator.models.architecture import moe_layers
 from r3operator.trainer.replay.hf import find_routers
-from tests.trainer.conftest import build_tiny_moe
 
 
 @pytest.mark.parametrize(

@@ -405,7 +405,7 @@ def test_an_engine_that_cannot_open_its_bracket_still_meets_every_broadcast() ->
 
 def _plans_trusted(monkeypatch: pytest.MonkeyPatch, sender: Any) -> None:
     """Each new kernel plan's reference (a checkpoint-layout sync through vLLM's packed NCCL sender, CUDA only, then
-    the engines' parameters against the plan: tests/engine/test_kernel_reference.py) taken as passed: the plan is
+    the engines' parameters against the plan: tests/weightsync/test_kernel_reference.py) taken as passed: the plan is
     made, then the sync goes on in the kernel layout."""
 
     def passed(policy_tag: str) -> Any:

@@ -1,11 +1,9 @@
-"""Tiny transformers MoE models of every router family the HF replay supports (built in-process)."""
+"""Tiny transformers MoE models of every router family the HF replay supports (built in-process), and a batch for
+them (not a test module: tests/conftest.py makes the fixtures of them)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 VOCAB = 96
 
@@ -151,24 +149,3 @@ def r3_batch(seed: int = 0, layers: int = LAYERS) -> Any:
 
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3"]
-
-
-@pytest.fixture
-def tiny_moe() -> Callable[..., Any]:
-    return build_tiny_moe
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A saved `build_tiny_moe("qwen3_moe")` (the shape `r3_batch` is for)."""
-    path = tmp_path_factory.mktemp("tiny-moe")
-    build_tiny_moe("qwen3_moe").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ray_started() -> None:
-    """A local Ray for the trainer's rank actors."""
-    from r3operator.runtime.setup import start_ray
-
-    start_ray(in_cluster=False)

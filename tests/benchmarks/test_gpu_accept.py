@@ -17,7 +17,7 @@ import pytest
 from benchmarks import gpu_accept
 from benchmarks.gpu_accept import Context, Row, Verdict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _row(

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rljob-local.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local.yaml"
 
 
 def small_job_manifest(**spec_overrides: Any) -> dict[str, Any]:
