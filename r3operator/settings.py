@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# Any: pydantic-settings' validators take the raw environment value before it is parsed: Any until parsed.
+
 ENV_PREFIX = "R3OPERATOR_"
 
 # Paths inside every engine and trainer container, and the ConfigMap that carries the runtime config.

@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Any: the patched objects are vLLM's classes and configs, imported inside the functions that patch them: they are Any
+# here.
+
 MARKER = "__r3operator_plugin__"
 REQUIRED_RELOAD_API = ("initialize_layerwise_reload", "finalize_layerwise_reload")
 

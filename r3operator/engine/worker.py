@@ -64,6 +64,9 @@ from r3operator.wire.sync_messages import (
     decode,
 )
 
+# Any: this class is mixed into vLLM's Worker, whose model, transfer engine and configs are vLLM's objects (vLLM is
+# imported inside methods): they, and the tensors they hold, are Any here.
+
 WORKER_EXTENSION_CLS = f"{__name__}.WeightSyncWorkerExtension"
 
 # Host clock of the engine-side timing (a module attribute, so that a test can drive it).

@@ -29,6 +29,9 @@ import numpy as np
 from r3operator.observability.metrics_contract import VLLM_METRICS, VllmMetric
 from r3operator.observability.prom import ScrapeTarget
 
+# Any: prometheus_client's registries and collectors, and the metric objects of our own drivers it feeds through their
+# untyped `_get`, are Any here.
+
 
 @dataclass
 class _Exporter:

@@ -36,6 +36,8 @@ from r3operator.operator.reconcile import Outcome, Reconciler, ReconcilerSetting
 from r3operator.operator.takeover import FirstPasses, first_turn
 from r3operator.settings import operator_settings, unknown_variables
 
+# Any: kopf passes its handlers' bodies, patches and memos as untyped keyword arguments: they are Any here.
+
 CONFIG = operator_settings()
 _state: dict[str, Any] = {"connection": None, "reconciler": None, "wakeups": Wakeups(), "first_passes": FirstPasses()}
 # Passes ended (ok or not) per RLJob, (namespace, name): a clock for whoever runs the operator in its process

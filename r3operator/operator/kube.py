@@ -25,6 +25,9 @@ import aiohttp
 from r3operator import __version__
 from r3operator.api.engine_layout import LWS_API_VERSION, LWS_PLURAL
 
+# Any: a Kubernetes API body is JSON of any kind's shape (the typed ones are in api/), and kubernetes_asyncio's
+# connection info is untyped: both are Any here.
+
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = f"r3operator/{__version__}"
 APPLY_PATCH = "application/apply-patch+yaml"

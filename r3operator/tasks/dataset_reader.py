@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Any: a dataset row is JSON or a Parquet record of the user's shape (pyarrow ships no types), checked field by field
+# here: Any until checked.
+
 PROMPT, MESSAGES, ANSWER, SOLUTION, ID = "prompt", "messages", "answer", "solution", "id"
 SUFFIXES = (".jsonl", ".parquet")
 

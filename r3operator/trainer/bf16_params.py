@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# Any: torch modules and their parameters, imported lazily (trainer/ loads torch when a trainer is built): Any here.
+
 
 def _round_to_bf16_function() -> Any:
     import torch

@@ -13,6 +13,8 @@ import os
 import socket
 from typing import Any
 
+# Any: FSDP2's wrapped modules and optimizers, imported lazily: Any here.
+
 
 def init_process_group_if_needed(device: str) -> tuple[int, int]:
     """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) from env, defaulting to a group of one."""

@@ -24,6 +24,8 @@ import numpy as np
 
 from r3operator.trainer.checkpoint_staging import SaveInFlight, new_stager, stager_is_reusable, start_save
 
+# Any: torch's distributed-checkpoint state (modules, optimizers, DTensors), imported lazily: Any here.
+
 
 def rng_state() -> dict[str, Any]:
     import torch

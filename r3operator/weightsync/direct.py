@@ -42,6 +42,9 @@ from r3operator.wire.streams import on_stream, recorded_event
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import announced_zeros, full_tensor, tensor_nbytes
 
+# Any: torch is imported when a sync runs (weightsync/ loads it lazily) and vLLM's NCCL communicator ships no types we
+# can name: tensors, CUDA streams and the communicator are Any here.
+
 
 class Broadcaster(Protocol):
     """What the sender needs of vLLM's `PyNcclCommunicator` (a test gives a stand-in)."""

@@ -25,6 +25,9 @@ from typing import Any
 
 from r3operator.wire.shared_buffer import SharedBufferError, attach_shm
 
+# Any: the shared-memory mapping and its numpy view over a foreign buffer are Any here (multiprocessing's SharedMemory
+# types its buffer as a memoryview of unknown layout).
+
 SPIN_S = 0.02
 POLL_S = 0.0002
 _OPENED, _WRITTEN = 0, 1

@@ -32,6 +32,8 @@ from typing import Any
 from r3operator.wire.param_names import GATE_UP, checkpoint_parts
 from r3operator.wire.weights import full_tensor
 
+# Any: wire/ loads no framework at import: the tensors a parameter is built of, their dtype and device are Any here.
+
 
 class KernelLayoutError(ValueError):
     """The trainer's tensors cannot be laid out as the engine's parameters (the message names which)."""

@@ -57,6 +57,9 @@ import numpy as np
 from r3operator.wire.param_names import checkpoint_feeds
 from r3operator.wire.streams import on_stream
 
+# Any: A fingerprinted tensor is a torch tensor or a numpy array, and this module loads no framework at import (the
+# driver and a reward server read a receipt without torch): tensors, device words and CUDA streams are Any here.
+
 Fingerprint = tuple[int, int, int]
 """(element count of the 16/8-bit view, plain sum, position-weighted sum)."""
 

@@ -26,6 +26,9 @@ from typing import Any
 
 from r3operator.wire.weights import tensor_nbytes
 
+# Any: wire/ loads no framework at import: the shared tensors, their device and the shared-memory segment are Any
+# here.
+
 ALIGN = 256
 """Each entry starts at a multiple of this many bytes: a copy from an aligned address runs at full width."""
 

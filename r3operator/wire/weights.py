@@ -20,6 +20,9 @@ import numpy as np
 from r3operator.wire.receipt import Fingerprint, FingerprintLog
 from r3operator.wire.sync_phases import SyncPhases
 
+# Any: wire/ loads no framework at import: the trainer's tensors (torch, FSDP's DTensor, or numpy views) and their
+# dtypes and devices are Any here.
+
 _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
 

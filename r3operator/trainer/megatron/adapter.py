@@ -50,6 +50,9 @@ from r3operator.wire.weights import PackedChunk, packed_chunks
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+# Any: Megatron-Core ships no type information: the Megatron trainer's objects (model, configs, local batches) are Any
+# here.
+
 MEGATRON_PACKAGE_HINT = (
     "megatron-core (pip install 'megatron-core==0.16.1' on Python < 3.12, 'megatron-core==0.19.2' on Python 3.12; "
     "extra `megatron`)"

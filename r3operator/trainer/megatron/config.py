@@ -22,6 +22,8 @@ from typing import Any
 
 from r3operator.trainer.megatron.parallel import ParallelSizes
 
+# Any: Megatron-Core ships no type information: its configs are Any here.
+
 
 def moe_layer_pattern(hf_config: Any) -> list[int]:
     """1 = MoE layer, 0 = dense, per Qwen3MoeDecoderLayer's own rule."""

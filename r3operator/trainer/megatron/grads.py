@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# Any: Megatron-Core ships no type information: its models and gradient buffers are Any here.
+
 
 def is_expert(name: str) -> bool:
     return "local_experts" in name

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# Any: Megatron-Core ships no type information: its schedules, models and the tensors they hand back are Any here.
+
 
 @dataclass(frozen=True)
 class Stage:

@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     import torch.utils.hooks
 
+# Any: Megatron-Core ships no type information (pyproject.toml's mypy overrides): its models, optimizers, process
+# groups and the tensors they hand back are Any here.
+
 # The routers' action in a no-grad pass of each replay mode: R2 records there (and replays in the update's).
 _NO_GRAD_ACTION: dict[ReplayMode, RouterAction] = {
     ReplayMode.DISABLED: "off",

@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
+# Any: transformers' MoE blocks and routers of every family are different classes with no common type: Any here.
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -42,6 +42,8 @@ from r3operator.trainer.replay.rows import first_unreplayable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+# Any: Megatron-Core ships no type information: its routers and layers are Any here.
+
 UNCAPTURED = -1  # replay id of a row without a captured route: that row routes naturally
 ROUTER_FUSION_FIELD = "trainer.megatron.routerFusion"
 # What the routers do in one forward (not the job's replay mode, api.enums.ReplayMode, which picks them
