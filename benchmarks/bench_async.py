@@ -117,7 +117,7 @@ def staleness_sweep(args: argparse.Namespace, engines: EngineGroup, out: Path) -
     run = GRPORun(_settings(args, mode="sync", out=out / "staleness"), engines=engines)
     run.setup()
     assert run.trainer is not None
-    run.dropped = []
+    run.routes.dropped = []
     samples, _ = run.rollout(1)  # sampled under the policy the engine serves now
     batch = run.load_routes(1, samples, np.zeros(len(samples), dtype=np.float32))
     assert batch is not None and batch.engine_routes is not None and batch.route_pad is not None

@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace, engines: EngineGroup, lr: float) -> list[d
     results = []
     for update in range(1, args.updates + 1):
         if lr > 0:
-            run.dropped = []
+            run.routes.dropped = []
             run.train_step(update)  # rollout, PPO-clip update at `lr`, weight sync, canary: policy v + update
         else:
             run.sync_weights(new_version=False)  # the same weights again (the sync empties the prefix cache)

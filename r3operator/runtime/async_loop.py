@@ -144,7 +144,7 @@ class AsyncGRPORun(GRPORun):
             fresh, stale = split_stale(taken, current_version=self.policy_version, max_staleness=limit)
             for group in stale:  # expected in this mode, so counted and summarised, not logged per sample
                 self.metrics.inc("r3operator_samples_dropped_total", len(group), reason="stale")
-                self.dropped.extend((sample.sample_id, "stale") for sample in group)
+                self.routes.dropped.extend((sample.sample_id, "stale") for sample in group)
                 self.step_stale_dropped += len(group)
                 self.problems.pop(group[0].prompt_index, None)
             kept.extend(fresh)

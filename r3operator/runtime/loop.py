@@ -176,15 +176,6 @@ class GRPORun:
         """4. The batch; R3: each sample's routes from the engine's answer (runtime/route_checks.py `StepRoutes`)."""
         return self.routes.batch(samples, adv, self.trainer, temperature=self.spec.rollout.temperature)
 
-    @property
-    def dropped(self) -> list[tuple[str, str]]:
-        """The step's samples dropped from training, with why (phase 4, the route checks, the async staleness)."""
-        return self.routes.dropped
-
-    @dropped.setter
-    def dropped(self, value: list[tuple[str, str]]) -> None:
-        self.routes.dropped = value
-
     def old_logprobs(self, batch: TrainBatch) -> OldPass:
         """5. Old-logprob forward under the mode's routing."""
         return self.trainer.old_logprobs(batch, self.mode)
@@ -214,7 +205,7 @@ class GRPORun:
     # -- one step -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> StepRecord:
         timer = PhaseTimer()
-        self.dropped = []
+        self.routes.dropped = []  # the step's samples left out, with why (phase 4, the route checks, staleness)
         begin = time.perf_counter()
         with timer("rollout"):
             samples, problems = self.rollout(step)
@@ -302,22 +293,17 @@ class GRPORun:
         canary_ok: bool,
         timer: PhaseTimer,
     ) -> StepRecord:
-        masks = self._fidelity_masks(samples, batch, old)
         record = with_training(
             self._rollout_columns(step, samples, rewards, timer),
-            samples=samples,
-            batch=batch,
-            old=old,
-            stats=stats,
-            masks=masks,
+            samples,
+            batch,
+            old,
+            stats,
+            masks=self._fidelity_masks(samples, batch, old),
+            sync=self.weight_sync,
+            canary_ok=canary_ok,
             multi_turn=self.spec.rollout.multi_turn,
             metrics=self.metrics,
-        )
-        record = replace(
-            record,
-            canary_ok=int(canary_ok),
-            canary_near_ties=self.weight_sync.near_ties,
-            sync_seconds=dict(self.weight_sync.phases.seconds),
         )
         return self._update_columns(record, stats)
 
@@ -337,7 +323,7 @@ class GRPORun:
             mode=self.mode,
             samples=samples,
             rewards=rewards,
-            dropped=len(self.dropped),
+            dropped=len(self.routes.dropped),
             rollout_seconds=timer.seconds["rollout"],
             multi_turn=self.spec.rollout.multi_turn,
         )
@@ -380,7 +366,7 @@ class GRPORun:
             "step %d skipped: all %d samples were dropped (%s)",
             step,
             len(samples),
-            ", ".join(sorted({reason for _, reason in self.dropped})),
+            ", ".join(sorted({reason for _, reason in self.routes.dropped})),
         )
         self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
         self.evaluate(step, timer)  # a due evaluation still runs, on the unchanged policy

@@ -26,6 +26,7 @@ from r3operator.runtime.step_record import StepRecord
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch
 from r3operator.trainer.distributed import DistributedTrainer
+from r3operator.weightsync.session import WeightSyncSession
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -93,17 +94,20 @@ def with_replay(record: StepRecord, tally: StepTally, metrics: RuntimeMetrics) -
 
 def with_training(
     record: StepRecord,
-    *,
     samples: Sequence[RolloutSample],
     batch: TrainBatch,
     old: OldPass,
     stats: UpdateStats,
+    *,
     masks: tuple[Any, Any | None],
+    sync: WeightSyncSession,
+    canary_ok: bool,
     multi_turn: bool,
     metrics: RuntimeMetrics,
 ) -> StepRecord:
     """A trained step's figures: the engine/trainer fidelity over `masks` (the response tokens and route rows
-    measured; None rows: every captured one), the update's statistics and the entropy of the old-logprob pass."""
+    measured; None rows: every captured one), the update's statistics, the entropy of the old-logprob pass, and the
+    step's sync and canary."""
     tokens, rows = masks
     # No token to measure (async: none the current version sampled): the cells stay empty and the gauges lose their
     # series, as NaN would read as a figure and blind avg_over_time() for its window.
@@ -148,6 +152,9 @@ def with_training(
         entropy_mean=masked_mean(old.entropy, batch.response_mask),
         nonfinite_updates=stats.updates_skipped,
         skipped=0,
+        canary_ok=int(canary_ok),
+        canary_near_ties=sync.near_ties,
+        sync_seconds=dict(sync.phases.seconds),
     )
 
 

@@ -213,13 +213,13 @@ def test_the_rollout_phase_drops_and_counts_stale_groups_and_takes_others(tmp_pa
             group(3, [[7], [7]]),  # not needed this step
         ]
     )
-    run.dropped = []
+    run.routes.dropped = []
     samples, problems = run.rollout(1)
 
     assert [s.sample_id for s in samples] == ["p0-c0", "p0-c1", "p1-c0", "p1-c1"]
     assert [list(s.extra["token_versions"]) for s in samples] == [[7, 7], [6, 7], [6], [6]]
     assert len(problems) == 2 and set(run.problems) == {3}  # taken problems leave, dropped ones too
-    assert run.step_stale_dropped == 2 and [r for _, r in run.dropped] == ["stale", "stale"]
+    assert run.step_stale_dropped == 2 and [r for _, r in run.routes.dropped] == ["stale", "stale"]
     assert sorted(run.step_staleness) == [0, 1, 1, 1]  # the samples kept (the histogram has them all)
     assert run.step_partial == 1  # q0-c1 spans two versions (q1-c0 too, but it was dropped)
     exposition = run.metrics.exposition()

@@ -58,7 +58,7 @@ def make_run(tmp_path: Path, *, mode: str = "R3", retention: int = 4) -> Any:
     run.supervisor = SimpleNamespace(on_policy=lambda call, what: call())  # no engine faults in these tests
     run.num_experts = E
     run.task = BuiltinTask("count", vocab_size=512, reward="exact-match", seed=0)
-    run.dropped = []
+    run.routes.dropped = []
     run._start_recorder()  # what setup() does once the model's expert count is known
     return run
 
@@ -70,7 +70,7 @@ def test_batch_routes_come_from_the_engine_answer_not_the_volume(tmp_path: Path)
     for path in (run.run_dir / "routes").rglob("*.r3r"):
         path.write_bytes(b"garbage")  # whatever happens to the record, training reads memory
     batch = run.load_routes(1, samples, np.zeros(len(samples)))
-    assert batch.sample_ids == ["p0-c0", "p1-c0"] and run.dropped == []
+    assert batch.sample_ids == ["p0-c0", "p1-c0"] and run.routes.dropped == []
     np.testing.assert_array_equal(batch.engine_routes[1, :5].numpy(), decode(samples[1].routes))
 
 
@@ -96,7 +96,7 @@ def test_a_failing_volume_is_counted_and_training_goes_on(tmp_path: Path, monkey
     samples, _ = run.rollout(1)
     run.recorder.flush()
     batch = run.load_routes(1, samples, np.zeros(len(samples)))
-    assert batch.size == 2 and run.dropped == []
+    assert batch.size == 2 and run.routes.dropped == []
     failures = 'r3operator_route_record_failures_total{namespace="default",operation="write",rljob="tiny-count-r3"}'
     assert f"{failures} 1.0" in run.metrics.exposition()
 
