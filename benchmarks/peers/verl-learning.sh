@@ -10,8 +10,9 @@
 #   bash benchmarks/peers/verl-learning.sh start GPUS STEPS   # e.g. `start 1 30`, `start 4 50`
 #   bash benchmarks/peers/verl-learning.sh collect OUT        # logs, metrics, summary so far, and progress
 #
-# PARTS (default: every part, verl_learning's order) picks the comparison's parts; WARM_OPTS the warm start's options
-# (default those of the 2026-12-06 learning run: SFT batch 32, at most 800 steps, held-out reward target 0.2).
+# PARTS (default: every part, verl_learning's order) picks the comparison's parts, R3_MODES (default R3,Disabled) the
+# modes of its `r3` part; WARM_OPTS the warm start's options (default those of the 2026-12-06 learning run: SFT batch
+# 32, at most 800 steps, held-out reward target 0.2).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # VLEARN_ROOT and VERL_SETUP move the folders and the TE build elsewhere (tests/benchmarks/test_verl_learning.py).
@@ -37,7 +38,8 @@ start)
     fi
     echo \$? > $bg/warm.rc
     while [ ! -f $bg/te.rc ]; do sleep 3; done
-    python3 -m benchmarks.peers.verl_learning --learning-dir $learn --gpus $gpus --steps $steps --out $out --parts $parts
+    python3 -m benchmarks.peers.verl_learning --learning-dir $learn --gpus $gpus --steps $steps --out $out \
+      --parts $parts --r3-modes ${R3_MODES:-R3,Disabled}
     echo \$? > $bg/peer.rc" < /dev/null > "$bg/chain.log" 2>&1 &
   sleep 2
   echo "started: TE build beside the warm start ($learn), then $parts on $gpus GPU(s), $steps steps each, in $out"

@@ -20,7 +20,8 @@ Parts (`--parts`, run in the order given; each reads what earlier ones left in O
 - `r3`: r3operator, R3 then replay off, each run alone on the GPUs: on 1 GPU the learning benchmark's own runs
   (`r3operator run`, the engine in the trainer's process on the same GPU, weights over IPC in the kernel layout); on
   more, `r3operator up` with the same RLJob, its engine on GPU 0 (`--r3-engines`) and the FSDP trainer on the rest.
-- `summary`: O/verl-peer-<date>-<machine>/ with summary.json (per framework and mode: `gpus`, `max_response_tokens`,
+- `summary` (on the GPU machine, or here on what `verl-learning.sh collect` brought back, unpacked into O):
+  O/verl-peer-<date>-<machine>/ with summary.json (per framework and mode: `gpus`, `max_response_tokens`,
   `samples_per_step`, `trained_tokens_per_s_per_gpu`, `kl_k3`, `extreme_token_fraction`, `eval_reward_first`,
   `eval_reward_last`, and the rest of benchmarks/learning.py's per-mode figures), table.md, one PNG per run and one of
   all four (benchmarks/learning.py's plots), and each run's per-step figures in the learning benchmark's CSV columns.
@@ -111,11 +112,13 @@ class Setup:
     site: str = "/tmp/site"
     verl_site: str = "/tmp/verl-site"
     timeout_s: int = 3600
+    r3_modes: tuple[str, ...] = MODES
+    """The modes the `r3` part runs (a session short of device time: R3 alone); the summary reads every mode's."""
 
     @property
     def plan(self) -> learning.Plan:
-        """The learning benchmark's plan of these runs: its defaults, these steps, both modes one after another."""
-        return learning.Plan(steps=self.steps, modes=MODES, concurrent=False)
+        """The learning benchmark's plan of these runs: its defaults, these steps, the modes one after another."""
+        return learning.Plan(steps=self.steps, modes=self.r3_modes, concurrent=False)
 
     @property
     def model_dir(self) -> Path:
@@ -302,12 +305,12 @@ def prepare(setup: Setup) -> int:
     check_learning_dir(setup.learning_dir)
     check_experts(setup.model_dir, setup.gpus)
     train, val = convert_learning(setup.learning_dir / "data", setup.data_dir)
-    start = {
+    start = {  # beside the inputs, not in them: `collect` leaves the inputs (parquet, model) on the machine
         "learning_dir": str(setup.learning_dir.resolve()),
         "model": str(setup.model_dir.resolve()),
         "warm": json.loads((setup.learning_dir / "warm" / "warm.json").read_text()),
     }
-    (setup.out / "inputs" / "start.json").write_text(json.dumps(start, indent=2) + "\n")
+    (setup.out / "start.json").write_text(json.dumps(start, indent=2) + "\n")
     print(f"== prepare: {train}, {val} (model {setup.model_dir})", flush=True)
     return 0
 
@@ -326,16 +329,20 @@ def run_r3(setup: Setup) -> int:
                 link.unlink()
             link.symlink_to((setup.learning_dir / name).resolve(), target_is_directory=True)
         rc = verl_vs_r3.run_logged(
-            "r3operator (R3, then replay off)", r3_run_command(setup), env, r3 / "log", 2 * setup.timeout_s
+            f"r3operator ({', '.join(setup.r3_modes)})",
+            r3_run_command(setup),
+            env,
+            r3 / "log",
+            len(setup.r3_modes) * setup.timeout_s,
         )
-        for mode in MODES:
+        for mode in setup.r3_modes:
             shutil.rmtree(r3_run_dir(setup, mode) / "checkpoints", ignore_errors=True)
         return rc
     rc = 0
     with model_config_dir(setup) as config_dir:
-        for mode in MODES:
+        for mode in setup.r3_modes:
             learning.write_job(job_document(setup, mode, config_dir), r3_job_path(setup, mode))
-    for mode in MODES:
+    for mode in setup.r3_modes:
         up_dir = r3 / f"up-{mode.lower()}"
         code = verl_vs_r3.run_logged(
             f"r3operator up ({mode})", r3_up_command(setup, mode), env, r3 / f"log-{mode.lower()}", setup.timeout_s
@@ -554,7 +561,7 @@ def results_dir(setup: Setup, machine: str | None = None) -> Path:
 def summarize(setup: Setup, *, machine: str | None = None) -> Path:
     """The folder to commit as benchmarks/results/verl-peer-<date>-<machine>/; its summary.json."""
     out = results_dir(setup, machine)
-    plan = setup.plan
+    plan = replace(setup.plan, modes=MODES)
     eval_samples = 1
     runs: dict[str, dict[str, dict[str, Any]]] = {framework: {} for framework in FRAMEWORKS}
     problems: list[str] = []
@@ -598,7 +605,7 @@ def summarize(setup: Setup, *, machine: str | None = None) -> Path:
             shown.append((framework, mode))
     plot_plan = replace(plan, modes=tuple(label(f, m) for f, m in shown))
     plots = [p.name for p in learning.draw_plots(plot_plan, out)] if shown else []
-    start = setup.out / "inputs" / "start.json"
+    start = setup.out / "start.json"
     record = {
         "benchmark": "verl-peer-learning",
         "gpus": setup.gpus,
@@ -678,10 +685,10 @@ def dry_run(setup: Setup, parts: Sequence[str], *, reference: Path | None) -> in
             )
         elif part == "r3":
             if setup.gpus == 1:
-                print("\n== r3: R3, then Disabled, one after the other on the GPU (benchmarks.learning's runs)")
+                print(f"\n== r3: {', '.join(setup.r3_modes)}, one after the other on the GPU (benchmarks.learning)")
                 print("   " + shlex.join(r3_run_command(setup)))
             else:
-                for mode in MODES:
+                for mode in setup.r3_modes:
                     spec = specs[mode]
                     print(
                         f"\n== r3 {mode}: {r3_job_path(setup, mode)} (routingReplay {spec.routing_replay.mode}, "
@@ -745,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engine-memory-fraction", type=float, default=ENGINE_MEMORY_FRACTION, help="verl's vLLM")
     parser.add_argument("--r3-engines", type=int, default=1, help="r3operator's engine GPUs (2 or more GPUs)")
+    parser.add_argument("--r3-modes", default=",".join(MODES), help="the modes the r3 part runs, in order")
     parser.add_argument("--site", default="/tmp/site", help="r3operator's GPU packages (scripts/gpu-setup.sh)")
     parser.add_argument("--verl-site", default="/tmp/verl-site", help="verl's packages (verl-setup.sh)")
     parser.add_argument("--timeout-s", type=int, default=3600, help="limit of each run")
@@ -761,6 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--r3-engines {args.r3_engines}: between 1 and {args.gpus - 1} (the trainer needs a GPU)")
     if not 0 < args.engine_memory_fraction < 1:
         parser.error(f"--engine-memory-fraction: expected a fraction of a GPU, got {args.engine_memory_fraction}")
+    r3_modes = tuple(m.strip() for m in args.r3_modes.split(",") if m.strip())
+    if not r3_modes or set(r3_modes) - set(MODES) or len(set(r3_modes)) != len(r3_modes):
+        parser.error(f"--r3-modes {args.r3_modes!r}: some of {', '.join(MODES)}, each once")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in parts if p not in PARTS]:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
@@ -774,6 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         site=args.site,
         verl_site=args.verl_site,
         timeout_s=args.timeout_s,
+        r3_modes=r3_modes,
     )
     try:
         if args.dry_run:

@@ -395,6 +395,8 @@ def test_r3operator_one_gpu_runs_are_the_learning_benchmarks_own() -> None:
     plan, out, parts = learning.parse(command[3:])  # the learning benchmark reads back the very plan
     assert (plan, out, parts) == (setup.plan, Path("/O/r3"), ["runs"])
     assert (plan.steps, plan.modes, plan.concurrent) == (30, ("R3", "Disabled"), False)  # alone on the GPU, R3 first
+    short = vl.Setup(learning_dir=Path("/L"), out=Path("/O"), gpus=1, steps=10, r3_modes=("R3",))
+    assert learning.parse(vl.r3_run_command(short)[3:])[0].modes == ("R3",)
 
 
 @pytest.mark.parametrize("gpus", [1, 4])
@@ -434,6 +436,7 @@ def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         (["--gpus", "4", "--r3-engines", "4"], "--r3-engines 4: between 1 and 3"),
         (["--gpus", "1", "--parts", "prepare,train"], "--parts: unknown train"),
         (["--gpus", "1", "--engine-memory-fraction", "1.5"], "--engine-memory-fraction"),
+        (["--gpus", "1", "--r3-modes", "R3,R2"], "--r3-modes 'R3,R2': some of R3, Disabled"),
     ):
         with pytest.raises(SystemExit):
             vl.main([*base, *extra])
@@ -483,7 +486,7 @@ def test_runner_builds_te_beside_the_warm_start_then_runs_every_part(tmp_path: P
     assert set(calls[:2]) == {f"te-build {root}/verl-stash", f"{warm} --warm-batch 32 --warm-max-steps 800"}
     assert calls[2] == (
         f"-m benchmarks.peers.verl_learning --learning-dir {root}/learn --gpus 1 --steps 30 --out {root}/vlearn "
-        "--parts prepare,verl-R3,r3,verl-Disabled,summary"
+        "--parts prepare,verl-R3,r3,verl-Disabled,summary --r3-modes R3,Disabled"
     )
 
 
@@ -492,6 +495,106 @@ def test_runner_keeps_a_warm_start_already_there(tmp_path: Path) -> None:
     warm = tmp_path / "root" / "learn" / "warm"
     warm.mkdir(parents=True)
     (warm / "warm.json").write_text("{}")
-    calls = _runner(tmp_path, "start", "4", "50", PARTS="verl-R3,summary")
+    calls = _runner(tmp_path, "start", "4", "50", PARTS="verl-R3,r3,summary", R3_MODES="R3")
     assert not any("benchmarks.learning" in call for call in calls)
-    assert calls[-1].endswith("--gpus 4 --steps 50 --out " + f"{tmp_path}/root/vlearn --parts verl-R3,summary")
+    assert calls[-1].endswith(
+        f"--gpus 4 --steps 50 --out {tmp_path}/root/vlearn --parts verl-R3,r3,summary --r3-modes R3"
+    )
+
+
+# ---- verl's wheels -------------------------------------------------------------------------------------------------
+
+VERL_091_REQUIRES = {
+    # verl 0.9.1's Requires-Dist (unzip -p verl-0.9.1-py3-none-any.whl '*/METADATA'), for what verl-wheels.sh pins
+    "transformers": "!=5.6.0,<5.11,>=5.5.3",
+    "tensordict": "!=0.9.0,<=0.10.0,>=0.8.0",
+    "transferqueue": ">=0.1.10",
+}
+
+
+def test_verls_pinned_wheels_meet_its_requirements() -> None:
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    text = (REPO / "benchmarks" / "peers" / "verl-wheels.sh").read_text()
+    pins = dict(
+        word.lower().split("==", 1) for word in text.split("pkgs=(", 1)[1].split(")", 1)[0].split() if "==" in word
+    )
+    assert pins["verl"] == "0.9.1"
+    for name, spec in VERL_091_REQUIRES.items():
+        assert pins[name] in SpecifierSet(spec), (name, pins[name], spec)
+    wheel = verl_wheel()
+    if wheel is None:
+        return
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read("verl-0.9.1.dist-info/METADATA").decode()
+    core = [Requirement(line.split(":", 1)[1]) for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    found = {r.name.lower(): str(r.specifier) for r in core if r.marker is None}  # no extra: what verl needs
+    found["transferqueue"] = next(str(r.specifier) for r in core if r.name.lower() == "transferqueue")  # verl-core's
+    for name, spec in VERL_091_REQUIRES.items():
+        assert SpecifierSet(found[name]) == SpecifierSet(spec), name
+
+
+# ---- the parts, with the programs they start replaced by recorders -------------------------------------------------
+
+
+def learning_dir(tmp_path: Path) -> Path:
+    """What benchmarks.learning's data and warm parts leave: the splits, a warm model's config, warm.json."""
+    from r3operator.models.reference import get_spec
+
+    root = tmp_path / "L"
+    chain_data(root / "data")
+    get_spec("gpu").hf_config().save_pretrained(root / "warm" / "model")
+    (root / "warm" / "warm.json").write_text(json.dumps({"reached": True}))
+    return root
+
+
+def test_parts_prepare_the_inputs_then_start_each_run_where_the_summary_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    from benchmarks.peers import verl_vs_r3
+
+    started: list[tuple[str, list[str], Path]] = []
+
+    def run_logged(name: str, cmd: list[str], env: dict[str, str], out: Path, timeout_s: int) -> int:
+        started.append((name, cmd, out))
+        if "up" in cmd:  # `up` leaves its run folder under --out-dir; the part copies its CSVs from there
+            run = Path(cmd[cmd.index("--out-dir") + 1]) / "some-run"
+            run.mkdir(parents=True)
+            (run / "metrics.csv").write_text("step\n1\n")
+            (run / "eval.csv").write_text("step,eval_reward_mean\n0,0.4\n")
+        return 0
+
+    launched: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(verl_vs_r3, "run_logged", run_logged)
+
+    def launch_verl(part: str, run_dir: Path, overrides: list[str], model_dir: Path, **_: object) -> int:
+        launched.append((part, overrides))
+        return 0
+
+    monkeypatch.setattr(verl_vs_r3, "launch_verl", launch_verl)
+    monkeypatch.setattr(learning, "machine", lambda: "h100")
+    root = learning_dir(tmp_path)
+    base = ["--learning-dir", str(root), "--steps", "7"]
+    assert vl.main([*base, "--gpus", "1", "--out", str(tmp_path / "O1"), "--parts", "verl-R3"]) == 1  # no parquet yet
+    assert vl.main([*base, "--gpus", "1", "--out", str(tmp_path / "O1"), "--parts", "prepare,verl-R3,r3"]) == 0
+    o1 = tmp_path / "O1"
+    assert (o1 / "inputs" / "data" / "val.parquet").is_file()
+    assert json.loads((o1 / "start.json").read_text())["warm"] == {"reached": True}
+    assert json.loads((o1 / vl.RUN_FILE).read_text())["machine"] == "h100"
+    ((part, overrides),) = launched
+    assert part == "verl-R3" and "trainer.total_training_steps=7" in overrides
+    assert f"data.val_files={o1 / 'inputs' / 'data' / 'val.parquet'}" in overrides
+    ((_name, cmd, log),) = started  # one GPU: the learning benchmark's runs, on the learning dir's data and warm start
+    assert cmd[1:3] == ["-m", "benchmarks.learning"] and log == o1 / "r3" / "log"
+    assert (o1 / "r3" / "warm").resolve() == (root / "warm").resolve()
+    assert (o1 / "r3" / "data").resolve() == (root / "data").resolve()
+    started.clear()
+    o4 = tmp_path / "O4"
+    assert vl.main([*base, "--gpus", "4", "--out", str(o4), "--parts", "r3", "--r3-modes", "R3"]) == 0
+    ((_name, cmd, log),) = started  # four GPUs: `up` of the learning RLJob, engine and trainer apart
+    assert cmd[1:4] == ["-m", "r3operator", "up"] and cmd[cmd.index("--gpus") + 1] == "0,1,2,3"
+    assert json.loads((o4 / vl.RUN_FILE).read_text())["machine"] == "h100x4"
+    run = vl.r3_run_dir(vl.Setup(learning_dir=root, out=o4, gpus=4, steps=7), "R3")
+    assert (run / "metrics.csv").read_text() == "step\n1\n" and (run / "eval.csv").is_file()
