@@ -562,7 +562,7 @@ def summarize(setup: Setup, *, machine: str | None = None) -> Path:
     """The folder to commit as benchmarks/results/verl-peer-<date>-<machine>/; its summary.json."""
     out = results_dir(setup, machine)
     plan = replace(setup.plan, modes=MODES)
-    eval_samples = 1
+    eval_samples = 1  # the learning RLJob's evaluation.samplesPerPrompt, verl's val_kwargs.n (learning_workload)
     runs: dict[str, dict[str, dict[str, Any]]] = {framework: {} for framework in FRAMEWORKS}
     problems: list[str] = []
     shown: list[tuple[str, str]] = []
