@@ -43,6 +43,7 @@ from r3operator.api.vllm_args import model_path, model_source
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
+from r3operator.operator.builders.export import export_claim
 from r3operator.operator.builders.model_cache import (
     cache_spec,
     held_one_at_a_time,
@@ -57,6 +58,7 @@ from r3operator.operator.builders.workload import priority_class_name
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
+from r3operator.operator.export_status import ExportSeen, export_events
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.informer import UNKNOWN, ChildCache, is_newer, slim
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
@@ -244,6 +246,8 @@ class Reconciler:
         self._taken: set[str] = set()
         self._nonfinite_seen: dict[str, int] = {}
         """Per RLJob uid, progress.nonFiniteSteps as the last pass saw it (status.nonfinite_warning)."""
+        self._export_seen: dict[str, ExportSeen] = {}
+        """Per RLJob uid, the exports and the failure the last pass reported (export_status.export_events)."""
         """RLJob uids of which a pass found a child's name taken (in the cache, or by a refused create): their passes
         read every name the cache holds nothing under by GET before writing, so a pass that finds any name still
         taken creates nothing (no create and undo)."""
@@ -264,6 +268,7 @@ class Reconciler:
         self._failures.pop(uid, None)
         self._taken.discard(uid)
         self._nonfinite_seen.pop(uid, None)
+        self._export_seen.pop(uid, None)
         self._own.pop(uid, None)
         self._progress_problem.pop(uid, None)
 
@@ -561,6 +566,7 @@ class Reconciler:
         status = compute_status(job, obs, now)
         await self._write_status(job, status, outcome, live=live_status)
         self._warn_nonfinite(job, status.progress, outcome)
+        self._export_events(job, status.progress, outcome)
         outcome.marks["status"] = time.time()
         return outcome
 
@@ -572,6 +578,14 @@ class Reconciler:
             self._nonfinite_seen[uid] = count
         if message is not None:
             outcome.events.append(EventSpec("Warning", Reason.NON_FINITE_STEP, message[:1024]))
+
+    def _export_events(self, job: RLJob, progress: Progress | None, outcome: Outcome) -> None:
+        """An Event per new export and per new export failure (operator/export_status.py)."""
+        uid = job.metadata.uid or ""
+        seen, events = export_events(job, progress, self._export_seen.get(uid))
+        if seen is not None:
+            self._export_seen[uid] = seen
+        outcome.events += [EventSpec(kind, reason, message[:1024]) for kind, reason, message in events]
 
     def _progress_report(
         self, job: RLJob, plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]], outcome: Outcome
@@ -797,6 +811,8 @@ class Reconciler:
             claims.append(claim)
         if uses_model_cache(job) and job.spec.model.cache is not None and job.spec.model.cache.claim_name:
             claims.append(job.spec.model.cache.claim_name)
+        if (claim := export_claim(job)) is not None:
+            claims.append(claim)
         kind = KINDS["PersistentVolumeClaim"]
         return tuple(
             [c for c in dict.fromkeys(claims) if await self.client.get(kind, job.metadata.namespace, c) is None]

@@ -266,6 +266,7 @@ def step_progress(
         extreme_token_fraction=_finite(record.get("extreme_token_fraction")),
         route_check_failures=_count(record.get("route_check_failures")),
         route_check_message=(str(record.get("route_check_message") or "") or None),
+        weight_sync_seconds=_finite(record.get("t_weight_sync")),
     )
 
 
