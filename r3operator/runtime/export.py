@@ -362,13 +362,9 @@ def classify(exc: BaseException) -> tuple[ExportFailureReason, str]:
             if status in (401, 403) or code in _DENIED_CODES:
                 return "AccessDenied", str(exc)
             return "WriteFailed", str(exc)
-        if isinstance(exc, S3UploadFailedError):
-            text = str(exc)
-            if any(code in text for code in _DENIED_CODES):
-                return "AccessDenied", text
-            if "Could not connect" in text or "Connect timeout" in text:
-                return "StoreUnreachable", text
-            return "WriteFailed", text
+        if isinstance(exc, S3UploadFailedError):  # boto3 wraps an upload's ClientError in it
+            cause = exc.__cause__ or exc.__context__
+            return (classify(cause)[0] if cause is not None else "WriteFailed"), str(exc)
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return "NoSpace", str(exc)
@@ -624,12 +620,15 @@ def _clear_leftovers(root: Path) -> None:
 
 def progress_patch(records: list[ExportRecord], failure: ExportFailure | None) -> dict[str, Any]:
     """The progress report's export fields (`StatusPusher.push`'s shape); a null clears the last failure."""
-    progress = Progress(
-        exports=records or None,
-        last_export_step=records[-1].step if records else None,
-        export_failure=failure,
-    )
-    body = progress.model_dump(mode="json", by_alias=True, include={"exports", "last_export_step", "export_failure"})
+    def plain(model: ExportRecord | ExportFailure) -> dict[str, Any]:
+        return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    body = {
+        "exports": [plain(r) for r in records] or None,
+        "lastExportStep": records[-1].step if records else None,
+        "exportFailure": plain(failure) if failure is not None else None,
+    }
+    Progress.model_validate({k: v for k, v in body.items() if v is not None})  # what the operator takes
     return {"status": {"progress": body}}
 
 
