@@ -620,6 +620,7 @@ def _clear_leftovers(root: Path) -> None:
 
 def progress_patch(records: list[ExportRecord], failure: ExportFailure | None) -> dict[str, Any]:
     """The progress report's export fields (`StatusPusher.push`'s shape); a null clears the last failure."""
+
     def plain(model: ExportRecord | ExportFailure) -> dict[str, Any]:
         return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
