@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from r3operator.api.enums import ConditionStatus as S
 from r3operator.api.enums import ConditionType as T
-from r3operator.api.v1alpha1 import ExportFailure, Progress, RLJob
+from r3operator.api.v1alpha1 import ExportFailure, ExportRecord, Progress, RLJob
 from r3operator.operator.conditions import Desired, Reason
 
 
@@ -32,12 +32,7 @@ def exported(job: RLJob, progress: Progress | None) -> Desired | None:
     failure = progress.export_failure if progress is not None else None
     last = records[-1] if records else None
     if failure is not None and (last is None or failure.step >= last.step):
-        kept = (
-            f"; the last complete export, step {last.step} at {last.uri}, is untouched"
-            if last is not None
-            else "; no export is complete yet"
-        )
-        return Desired(T.EXPORTED, S.FALSE, failure.reason, f"{describe_failure(failure)}{kept}")
+        return Desired(T.EXPORTED, S.FALSE, failure.reason, describe_failure(failure, last))
     if last is not None:
         return Desired(T.EXPORTED, S.TRUE, Reason.EXPORT_WRITTEN, f"step {last.step} exported to {last.uri}")
     due = f"every {export.interval_steps} steps" if export.interval_steps is not None else "after the last step"
@@ -48,13 +43,19 @@ def exported(job: RLJob, progress: Progress | None) -> Desired | None:
     )
 
 
-def describe_failure(failure: ExportFailure) -> str:
+def describe_failure(failure: ExportFailure, last: ExportRecord | None) -> str:
+    """The failure, and where the last complete export is (a failure never touches it)."""
     state = (
         f"attempt {failure.attempts} failed, retrying"
         if failure.retrying
         else f"given up after {failure.attempts} attempt(s)"
     )
-    return f"export of step {failure.step} ({state}): {failure.message}"
+    kept = (
+        f"the last complete export, step {last.step} at {last.uri}, is untouched"
+        if last is not None
+        else "no export is complete yet"
+    )
+    return f"export of step {failure.step} ({state}): {failure.message}; {kept}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,5 +90,6 @@ def export_events(
             reward = f", eval reward {record.eval_reward:.4g}" if record.eval_reward is not None else ""
             events.append(("Normal", Reason.EXPORTED, f"step {record.step} exported to {record.uri}{reward}"))
     if failure is not None and now.failure != seen.failure:
-        events.append(("Warning", Reason.EXPORT_FAILED, describe_failure(failure)[:1024]))
+        last = records[-1] if records else None
+        events.append(("Warning", Reason.EXPORT_FAILED, describe_failure(failure, last)[:1024]))
     return now, events

@@ -599,9 +599,7 @@ class Exporter:
         else:
             text = f"export of step {step} to {uri} failed after {attempts} attempt(s) ({reason}): "
             log.error("%s%s%s", text, message, kept)
-        failure = ExportFailure(
-            step=step, reason=reason, message=(message + kept)[:1024], attempts=attempts, retrying=retrying
-        )
+        failure = ExportFailure(step=step, reason=reason, message=message[:1024], attempts=attempts, retrying=retrying)
         with self._lock:
             self._failure = failure
             self._changed = True

@@ -87,7 +87,12 @@ def test_one_event_per_export_and_per_new_failure_none_repeated_after_a_restart(
     failure = ExportFailure(step=8, reason="NoSpace", message="[Errno 28] No space left on device", retrying=True)
     seen, events = export_events(job, Progress(step=8, exports=both, export_failure=failure), seen)
     assert events == [
-        ("Warning", "ExportFailed", "export of step 8 (attempt 1 failed, retrying): [Errno 28] No space left on device")
+        (
+            "Warning",
+            "ExportFailed",
+            "export of step 8 (attempt 1 failed, retrying): [Errno 28] No space left on device; the last complete "
+            "export, step 6 at s3://models/rl/step-000006, is untouched",
+        )
     ]
     retried = failure.model_copy(update={"attempts": 3})
     seen, events = export_events(job, Progress(step=8, exports=both, export_failure=retried), seen)

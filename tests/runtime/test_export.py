@@ -284,7 +284,6 @@ def test_a_full_claim_fails_the_export_with_no_space_and_keeps_the_last_one(tmp_
     failure = result["progress"]["exportFailure"]
     assert failure["reason"] == "NoSpace" and failure["step"] == 2 and failure["attempts"] == 2, failure
     assert failure["retrying"] is False and "No space left on device" in failure["message"]
-    assert "step-000001" in failure["message"] and "untouched" in failure["message"]
     assert result["progress"]["lastExportStep"] == 1
     assert result["after"] == result["first"]  # checked against its manifest, file by file
     assert result["left"] == ["step-000001"]  # the half-copied export went with its failed try
