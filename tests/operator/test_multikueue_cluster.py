@@ -20,6 +20,8 @@ import yaml
 from kubecluster.controlplane import ControlPlane, Fleet, binaries_dir, gpu_resource_flavor
 from operator_harness import REPO, Cluster, OperatorProcess, condition, example, get_columns, paths, wait_for
 
+from r3operator.operator.managed_by import MULTIKUEUE_ORIGIN_LABEL, PREBUILT_WORKLOAD_LABEL
+
 NS = "rl-multikueue"
 QUEUE = "mk-dispatch"
 GPU = "nvidia.com/gpu"
@@ -184,8 +186,8 @@ def test_multikueue_dispatches_an_rljob_to_the_worker_and_mirrors_its_status_bac
     # The worker: a copy without managedBy, on the Workload MultiKueue made, runs as any RLJob does.
     copy = wait_for(lambda: worker.get(paths(NS, job)["rljob"]), timeout=DISPATCH_S, what="the worker's copy")
     assert "managedBy" not in copy["spec"]
-    assert copy["metadata"]["labels"]["kueue.x-k8s.io/prebuilt-workload-name"] == f"{job}-workload"
-    assert copy["metadata"]["labels"]["kueue.x-k8s.io/multikueue-origin"]
+    assert copy["metadata"]["labels"][PREBUILT_WORKLOAD_LABEL] == f"{job}-workload"
+    assert copy["metadata"]["labels"][MULTIKUEUE_ORIGIN_LABEL]
     wait_for(
         lambda: _is(worker, job, "TrainerReady", "True"),
         timeout=DISPATCH_S,

@@ -2,7 +2,7 @@
 engine's logprob of every token of each probe sequence given the tokens before it (vLLM's prompt logprobs), as
 JSON: one list per model, one list per probe.
 
-    python tests/runtime/vllm_probe.py '[["MODEL_DIR", "DTYPE"], ...]' '[[1, 5, 9], ...]'
+    python tests/runtime/vllm_probe.py '[["MODEL_DIR", "DTYPE"], ...]' '[[1, 5, 9], ...]' [cpu|cuda]
 
 Run in a process of its own: nothing of the test's (Ray, a trainer, another engine) beside the engines."""
 
@@ -13,10 +13,11 @@ import json
 import sys
 
 
-def prompt_logprobs(model: str, dtype: str, probes: list[list[int]]) -> list[list[float]]:
+def prompt_logprobs(model: str, dtype: str, probes: list[list[int]], device: str) -> list[list[float]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0)
+    share = {"gpu_memory_utilization": 0.3} if device == "cuda" else {}  # a trainer may hold the rest
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0, **share)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": probe} for probe in probes], params)
     found = [
@@ -28,12 +29,12 @@ def prompt_logprobs(model: str, dtype: str, probes: list[list[int]]) -> list[lis
     return found
 
 
-def main(models: list[tuple[str, str]], probes: list[list[int]]) -> list[list[list[float]]]:
+def main(models: list[tuple[str, str]], probes: list[list[int]], device: str = "cpu") -> list[list[list[float]]]:
     from r3operator.engine.llm import apply_engine_env
 
-    apply_engine_env("cpu")
-    return [prompt_logprobs(model, dtype, probes) for model, dtype in models]
+    apply_engine_env(device)
+    return [prompt_logprobs(model, dtype, probes, device) for model, dtype in models]
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))
+    print(json.dumps(main(json.loads(sys.argv[1]), json.loads(sys.argv[2]), *sys.argv[3:4])))
