@@ -40,6 +40,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,6 +321,41 @@ def verify_export(directory: Path, *, checksums: bool = True) -> dict[str, Any]:
     return manifest
 
 
+def existing_exports(where: Destination, *, uid: str | None, name: str) -> list[ExportRecord]:
+    """The complete exports already at `where` that this RLJob made (its uid in the manifest, or its name where the
+    uid is not known), oldest first, at most RECORDS_KEPT."""
+    manifests: list[dict[str, Any]] = []
+    if where.local_root is not None:
+        for step in local_exports(where.local_root):
+            manifests.append(json.loads((where.local_root / step_name(step) / MANIFEST).read_text()))
+    else:
+        client = s3_client(
+            where.source,
+            where.s3,
+            attempts=_STORE_REQUEST_TRIES,
+            credentials=where.credentials,
+            timeout_s=_STORE_TIMEOUT_S,
+        )
+        prefix = f"{where.source.path}/" if where.source.path else ""
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=where.source.location, Prefix=prefix)
+        keys = sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith("/" + MANIFEST))
+        for key in keys[-4 * RECORDS_KEPT :]:
+            body = client.get_object(Bucket=where.source.location, Key=key)["Body"].read()
+            manifests.append(json.loads(body))
+    key, value = ("uid", uid) if uid is not None else ("name", name)
+    mine = [m for m in manifests if (m.get("rljob") or {}).get(key) == value]
+    records = [
+        ExportRecord(
+            step=int(m["step"]),
+            uri=where.uri_of(int(m["step"])),
+            eval_reward=m.get("evalReward"),
+            finished_at=m.get("createdAt"),
+        )
+        for m in mine
+    ]
+    return sorted(records, key=lambda r: r.step)[-RECORDS_KEPT:]
+
+
 def local_exports(root: Path) -> list[int]:
     """The steps of the complete exports under `root` (manifest present), oldest first."""
     if not root.is_dir():
@@ -420,6 +456,10 @@ class Exporter:
         shutil.rmtree(self.staging_root, ignore_errors=True)  # what a killed driver staged is not worth publishing
         if self.where.local_root is not None:
             _clear_leftovers(self.where.local_root)
+        # A driver that starts again (a resume, a RayJob retry) reports the exports its earlier runs made: the progress
+        # report starts empty. Read in the background: an object store may be slow or away.
+        self._seeding = threading.Thread(target=self._seed, name="export-seed", daemon=True)
+        self._seeding.start()
 
     # -- when
     def due(self, step: int) -> bool:
@@ -472,6 +512,7 @@ class Exporter:
             "model": {"uri": self.job.spec.model.uri, "revision": self.job.spec.model.revision},
             "createdAt": _now(),
         }
+        begin = time.perf_counter()
         try:
             staged = stage(
                 trainer,
@@ -486,6 +527,15 @@ class Exporter:
         except Exception as exc:  # the weights move on with the next update: there is nothing to retry with
             self._failed(step, exc, attempts=1, retrying=False)
             return
+        size = sum(int(f["size"]) for f in staged.manifest["files"].values())
+        log.info(
+            "staged the export of step %d: %d files, %.2f GB in %.1f s; publishing to %s",
+            step,
+            len(staged.files),
+            size / 1e9,
+            time.perf_counter() - begin,
+            self.where.uri_of(step),
+        )
         self._supersede(step)
         job = _Publish(staged, threading.Event())
         job.thread = threading.Thread(target=self._publish, args=(job,), name=f"export-{step}", daemon=True)
@@ -511,6 +561,7 @@ class Exporter:
     def finish(self, push: Callable[[dict[str, Any]], Any]) -> None:
         """Wait for the export being published (its retries included), report, and raise ExportError when an export
         failed for good under `onFailure: Fail`."""
+        self._seeding.join()
         with self._lock:
             current = self._current
         if current is not None and current.thread is not None:
@@ -536,6 +587,20 @@ class Exporter:
             return self._failure
 
     # -- the background part
+    def _seed(self) -> None:
+        try:
+            found = existing_exports(self.where, uid=self.job.metadata.uid, name=self.job.metadata.name)
+        except Exception as exc:  # the store away at the start: the next export is reported all the same
+            log.warning("the exports already in %s could not be listed: %s", self.where.uri, exc)
+            return
+        if not found:
+            return
+        with self._lock:
+            known = {r.step for r in self._records}
+            merged = sorted([*self._records, *(r for r in found if r.step not in known)], key=lambda r: r.step)
+            self._records = merged[-RECORDS_KEPT:]
+            self._changed = True
+
     def _supersede(self, step: int) -> None:
         with self._lock:
             older = self._current

@@ -26,6 +26,7 @@ from store_proxy import StoreProxy
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJob
 from r3operator.runtime import export as export_module
+from r3operator.runtime.evaluation import EvalResult
 from r3operator.runtime.export import MANIFEST, Exporter, ExportError, local_exports, verify_export
 from r3operator.runtime.metrics import merged_report
 from r3operator.settings import RuntimeSettings
@@ -162,11 +163,22 @@ def test_a_local_export_is_a_complete_hf_directory_with_its_manifest(
     exporter = _exporter(tmp_path, model_dir, destination=f"file://{root}", intervalSteps=2)
     reports = Reports()
     _step(trainer)
-    exporter.after_step(2, trainer, 7, evaluation=None, push=reports)
+    evaluation = EvalResult(
+        step=2,
+        policy_version=7,
+        reward_mean=0.375,
+        reward_std=0.1,
+        prompts=4,
+        samples=4,
+        response_tokens_mean=3.0,
+        seconds=1.0,
+    )
+    exporter.after_step(2, trainer, 7, evaluation=evaluation, push=reports)
     exporter.finish(reports)
 
     export = root / "step-000002"
     manifest = verify_export(export)
+    assert (manifest["evalReward"], manifest["evalStep"]) == (0.375, 2)
     assert {k: manifest[k] for k in ("format", "step", "policyVersion", "dtype", "trainerBackend")} == {
         "format": 1,
         "step": 2,
@@ -179,7 +191,7 @@ def test_a_local_export_is_a_complete_hf_directory_with_its_manifest(
         "namespace": "rl",
         "uid": "6b1f3c1e-0000-4000-8000-000000000049",
     }
-    assert manifest["evalReward"] is None and manifest["model"]["uri"].startswith("r3operator://")
+    assert manifest["model"]["uri"].startswith("r3operator://")
     assert set(manifest["files"]) == {p.name for p in export.iterdir()} - {MANIFEST}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(manifest["files"])
     assert "r3_reference_spec.json" not in manifest["files"]  # describes the reference's weights, not these
@@ -190,19 +202,29 @@ def test_a_local_export_is_a_complete_hf_directory_with_its_manifest(
     assert GenerationConfig.from_pretrained(export).eos_token_id == 2
     assert local_exports(root) == [2] and not list(root.glob(".tmp-*"))
     assert not list((tmp_path / "run" / "export-staging").iterdir())  # renamed into place: nothing copied
+    finished = reports.progress["exports"][0]["finishedAt"]
     assert reports.progress == {
-        "exports": [
-            {"step": 2, "uri": f"file://{root}/step-000002", "finishedAt": reports.progress["exports"][0]["finishedAt"]}
-        ],
+        "exports": [{"step": 2, "uri": f"file://{root}/step-000002", "evalReward": 0.375, "finishedAt": finished}],
         "lastExportStep": 2,
     }
+
+    # A driver that starts again reports this RLJob's exports already there (its progress report starts empty),
+    # not another RLJob's under the same destination.
+    other = root / "step-000001"
+    shutil.copytree(export, other)
+    stranger = json.loads((other / MANIFEST).read_text())
+    (other / MANIFEST).write_text(json.dumps({**stranger, "step": 1, "rljob": {**stranger["rljob"], "uid": "other"}}))
+    restarted, again = _exporter(tmp_path, model_dir, destination=f"file://{root}", intervalSteps=2), Reports()
+    restarted.finish(again)
+    assert [(r["step"], r["uri"]) for r in again.progress["exports"]] == [(2, f"file://{root}/step-000002")]
+    assert again.progress["lastExportStep"] == 2
 
     # A changed file, or a manifest missing, is not an export.
     (export / "tokenizer.json").write_text("{}")
     with pytest.raises(export_module.ExportNotComplete, match=r"tokenizer\.json does not match"):
         verify_export(export)
     (export / MANIFEST).unlink()
-    assert local_exports(root) == []
+    assert local_exports(root) == [1]  # only the one whose manifest is there
 
 
 def test_the_manifest_goes_last_a_failed_publish_is_never_an_export_and_the_retry_completes(
@@ -323,6 +345,13 @@ def test_s3_exports_survive_a_store_lost_mid_upload_and_never_show_a_partial_exp
     assert _complete_remote(_objects(endpoint, "lost/job/step-000003/"))["step"] == 3
     assert "exportFailure" not in reports.progress and reports.progress["lastExportStep"] == 3
     assert [r["step"] for r in reports.progress["exports"]] == [1, 3]
+    # A driver that starts again finds them in the store (a manifest each; step 2's has none).
+    restarted, again = (
+        _exporter(tmp_path, model_dir, destination=f"s3://{BUCKET}/lost/job", s3=s3, intervalSteps=1),
+        Reports(),
+    )
+    restarted.finish(again)
+    assert [r["step"] for r in again.progress["exports"]] == [1, 3]
 
 
 def test_an_unreachable_store_under_on_failure_fail_stops_the_run(
