@@ -98,5 +98,6 @@ def write_safetensors(
 
 
 def _refused(names: list[str]) -> NonFiniteWeightsError:
-    shown = ", ".join(names[:_NAMED_AT_MOST]) + (f" and {len(names) - _NAMED_AT_MOST} more" if len(names) > 5 else "")
+    more = len(names) - _NAMED_AT_MOST
+    shown = ", ".join(names[:_NAMED_AT_MOST]) + (f" and {more} more" if more > 0 else "")
     return NonFiniteWeightsError(f"{len(names)} weight tensor(s) hold NaN or infinity ({shown}): export refused")
