@@ -117,6 +117,12 @@ def destination(spec: ExportSpec, env: RuntimeSettings | None = None) -> Destina
     env = env or runtime_settings()
     source = parse_source_uri(spec.destination)
     if source.scheme == "pvc":
+        if not env.in_cluster and env.host_path(EXPORT_MOUNT) == Path(EXPORT_MOUNT):
+            raise ValueError(
+                f"spec.export.destination {spec.destination}: a claim is mounted at {EXPORT_MOUNT} in the trainer's "
+                f"head pod only; outside a pod use file:///path, or set {RuntimeSettings.env_name('mounts')}="
+                f"{EXPORT_MOUNT}=DIR to the claim's directory here"
+            )
         return Destination(spec.destination, source, local_root=env.host_path(Path(EXPORT_MOUNT) / source.path))
     if source.scheme == "file":
         return Destination(spec.destination, source, local_root=env.host_path(source.location))

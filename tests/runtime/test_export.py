@@ -154,6 +154,15 @@ def test_exports_are_due_every_interval_and_after_the_last_step(tmp_path: Path, 
     assert due(intervalSteps=5) == [5]
 
 
+def test_a_claim_outside_a_pod_is_refused_naming_the_field_unless_mapped(tmp_path: Path) -> None:
+    spec = _job(destination="pvc://models/rl/tiny").spec.export
+    assert spec is not None
+    with pytest.raises(ValueError, match=r"spec.export.destination pvc://models/rl/tiny: a claim is mounted at /mnt/"):
+        export_module.destination(spec, RuntimeSettings())
+    mapped = export_module.destination(spec, RuntimeSettings(mounts=f"/mnt/export={tmp_path}"))
+    assert mapped.local_root == tmp_path / "rl" / "tiny"
+
+
 def test_a_local_export_is_a_complete_hf_directory_with_its_manifest(
     tmp_path: Path, model_dir: Path, trainer: Any
 ) -> None:
@@ -317,7 +326,13 @@ def test_s3_exports_survive_a_store_lost_mid_upload_and_never_show_a_partial_exp
     endpoint, proxy = store
     s3 = {"credentialsSecret": "store", "endpointURL": proxy.endpoint, "region": "us-east-1"}
     exporter = _exporter(
-        tmp_path, model_dir, destination=f"s3://{BUCKET}/lost/job", s3=s3, intervalSteps=1, maxAttempts=3
+        tmp_path,
+        model_dir,
+        dtype="bfloat16",
+        destination=f"s3://{BUCKET}/lost/job",
+        s3=s3,
+        intervalSteps=1,
+        maxAttempts=3,
     )
     reports = Reports()
     exporter.after_step(1, trainer, 1, evaluation=None, push=reports)
@@ -326,7 +341,7 @@ def test_s3_exports_survive_a_store_lost_mid_upload_and_never_show_a_partial_exp
     assert _complete_remote(first)["step"] == 1
 
     _step(trainer)
-    proxy.cut_after(3 << 20)  # the store goes away 3 MB into the next upload (the weights are 27 MB)
+    proxy.cut_after(3 << 20)  # the store goes away 3 MB into the next upload (the bf16 weights are 27 MB)
     try:
         exporter.after_step(2, trainer, 2, evaluation=None, push=reports)
         exporter.finish(reports)
@@ -347,7 +362,7 @@ def test_s3_exports_survive_a_store_lost_mid_upload_and_never_show_a_partial_exp
     assert [r["step"] for r in reports.progress["exports"]] == [1, 3]
     # A driver that starts again finds them in the store (a manifest each; step 2's has none).
     restarted, again = (
-        _exporter(tmp_path, model_dir, destination=f"s3://{BUCKET}/lost/job", s3=s3, intervalSteps=1),
+        _exporter(tmp_path, model_dir, dtype="bfloat16", destination=f"s3://{BUCKET}/lost/job", s3=s3, intervalSteps=1),
         Reports(),
     )
     restarted.finish(again)
@@ -362,13 +377,21 @@ def test_an_unreachable_store_under_on_failure_fail_stops_the_run(
     reports = Reports()
     proxy.down()
     try:
-        going_on = _exporter(tmp_path, model_dir, destination=f"s3://{BUCKET}/down/a", s3=s3, maxAttempts=2)
+        going_on = _exporter(
+            tmp_path, model_dir, dtype="bfloat16", destination=f"s3://{BUCKET}/down/a", s3=s3, maxAttempts=2
+        )
         going_on.after_step(5, trainer, 5, evaluation=None, push=reports)
         going_on.finish(reports)  # Continue (the default): reported, not raised
         assert reports.progress["exportFailure"]["reason"] == "StoreUnreachable"
 
         stopping = _exporter(
-            tmp_path, model_dir, destination=f"s3://{BUCKET}/down/b", s3=s3, maxAttempts=2, onFailure="Fail"
+            tmp_path,
+            model_dir,
+            dtype="bfloat16",
+            destination=f"s3://{BUCKET}/down/b",
+            s3=s3,
+            maxAttempts=2,
+            onFailure="Fail",
         )
         stopping.after_step(5, trainer, 5, evaluation=None, push=reports)
         with pytest.raises(ExportError, match=r"export of step 5 to s3://exports/down/b/step-000005 failed after 2"):
@@ -393,14 +416,16 @@ def test_wrong_credentials_are_access_denied_and_leave_the_last_export(
     reports = Reports()
     _auth(endpoint, "0")  # from now on moto checks every request's signature against its IAM users
     try:
-        right = _exporter(tmp_path, model_dir, keys=good, destination=f"s3://{BUCKET}/auth/job", s3=s3)
+        right = _exporter(
+            tmp_path, model_dir, keys=good, dtype="bfloat16", destination=f"s3://{BUCKET}/auth/job", s3=s3
+        )
         right.after_step(5, trainer, 5, evaluation=None, push=reports)
         right.finish(reports)
         assert reports.progress["lastExportStep"] == 5
         first = _objects_as(endpoint, good, "auth/job/step-000005/")
         wrong = _exporter(
-            tmp_path, model_dir, keys=("AKIAWRONG", "nope"), destination=f"s3://{BUCKET}/auth/job", s3=s3,
-            maxAttempts=2, intervalSteps=3,
+            tmp_path, model_dir, keys=("AKIAWRONG", "nope"), dtype="bfloat16",
+            destination=f"s3://{BUCKET}/auth/job", s3=s3, maxAttempts=2, intervalSteps=3,
         )  # fmt: skip
         _step(trainer)
         wrong.after_step(6, trainer, 6, evaluation=None, push=reports)
@@ -451,7 +476,13 @@ def test_a_newer_export_gives_up_an_older_one_still_being_retried(
     s3 = {"credentialsSecret": "store", "endpointURL": proxy.endpoint, "region": "us-east-1"}
     slow = {"export_retry_base_s": 30.0, "export_retry_cap_s": 30.0}
     exporter = _exporter(
-        tmp_path, model_dir, backoff=slow, destination=f"s3://{BUCKET}/newer/job", s3=s3, intervalSteps=1
+        tmp_path,
+        model_dir,
+        backoff=slow,
+        dtype="bfloat16",
+        destination=f"s3://{BUCKET}/newer/job",
+        s3=s3,
+        intervalSteps=1,
     )
     reports = Reports()
     proxy.down()
