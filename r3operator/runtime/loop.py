@@ -27,6 +27,8 @@
 10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                  atomically once every rank has finished (runtime/checkpoint.py); the step waits
                  only for the state to be staged in memory
+   export        spec.export, every intervalSteps and after the last step: a Hugging Face directory, staged
+                 at the step boundary and published in the background (runtime/export.py)
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from r3operator.routing.store import RoutingStore
 from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.runtime.evaluation import EvalResult, Evaluation
+from r3operator.runtime.export import build_exporter
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, eval_progress_patch, progress_patch
 from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
@@ -153,6 +156,13 @@ class GRPORun:
         self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
         self.evaluation: Evaluation | None = None  # spec.evaluation (setup())
         self.step_eval: EvalResult | None = None  # the last evaluation
+        self.exporter = build_exporter(  # spec.export (runtime/export.py)
+            settings.job,
+            run_dir=self.run_dir,
+            model_dir=self.model_dir,
+            last_step=settings.steps,
+            engine_dtype=settings.engine_dtype,
+        )
 
     # -- setup --------------------------------------------------------------------------------------
     # What setup() puts in place (runtime/setup.py builds it): typed as present, since nothing of the
@@ -809,8 +819,16 @@ class GRPORun:
                 row = self.train_step(step)
                 if table is not None:
                     table.add(row)
+                if self.exporter is not None:  # at the step's checkpoint boundary, when due
+                    self.exporter.after_step(
+                        step, self.trainer, self.policy_version, evaluation=self.step_eval, push=self.status.push
+                    )
             self.finish_checkpoint()
+            if self.exporter is not None:
+                self.exporter.finish(self.status.push)
         except BaseException:
+            if self.exporter is not None:
+                self.exporter.abandon()
             try:  # a checkpoint already staged is still worth committing
                 self.finish_checkpoint()
             except Exception as exc:

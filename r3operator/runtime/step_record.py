@@ -266,7 +266,13 @@ def step_progress(
         extreme_token_fraction=_finite(record.get("extreme_token_fraction")),
         route_check_failures=_count(record.get("route_check_failures")),
         route_check_message=(str(record.get("route_check_message") or "") or None),
+        weight_sync_seconds=_milliseconds(_finite(record.get("t_weight_sync"))),
     )
+
+
+def _milliseconds(seconds: float | None) -> float | None:
+    """Seconds to the millisecond: what `kubectl get` shows of a sync, not 17 digits of timer noise."""
+    return None if seconds is None else round(seconds, 3)
 
 
 def _count(value: Any) -> int | None:
