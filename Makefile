@@ -22,7 +22,7 @@ TORCH_COMPAT_TESTS ?= tests/trainer/test_checkpoint_staging.py tests/trainer/tes
   tests/weightsync/test_canary_unit.py tests/runtime/test_grpo_unit.py tests/weightsync/test_weight_sync_unit.py \
   tests/weightsync/test_faults_loop.py tests/runtime/test_dataset_loop.py tests/runtime/test_multiturn_loop.py \
   tests/runtime/test_async_unit.py tests/runtime/test_route_record.py tests/runtime/test_report_rows.py \
-  tests/runtime/test_report_wall_time.py
+  tests/runtime/test_report_wall_time.py tests/trainer/test_hf_export.py
 
 .PHONY: venv compat-venv test-torch-compat tools cluster cluster-up cluster-down run run-multiturn run-dataset run-async test test-fast bench lint fmt crd clean
 

@@ -1012,6 +1012,19 @@ ROWS: list[Row] = [
         judge_pytest(lambda g: 1 if g < 2 else 0),
     ),
     Row(
+        "export_served",
+        3,
+        "tests/gpu/test_export_served_gpu.py: spec.export's Hugging Face directory of the trained `gpu` model, bf16 "
+        "and fp32, loaded by the image's vLLM from the directory alone",
+        "served logprobs = the trainer's within the canary's tolerance (bf16 0.25, fp32 0.031); the starting model's "
+        "are not",
+        1,
+        150,
+        420,
+        pytest_command("tests/gpu/test_export_served_gpu.py"),
+        judge_pytest(lambda g: 0),
+    ),
+    Row(
         "logprobs_cuda",
         3,
         "tests/gpu/test_logprobs_cuda.py: the trainer's logprobs against vLLM's sampler formula on CUDA",

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Any: pydantic-settings' validators take the raw environment value before it is parsed: Any until parsed.
@@ -49,6 +49,8 @@ MODEL_MOUNT = "/mnt/model"
 is (``MODEL_MOUNT/<cache key>``, api/sources.py)."""
 DATA_MOUNT = "/mnt/data"
 """An s3:// or gs:// ``task.datasetPath`` is fetched to ``DATA_MOUNT/<cache key>`` in the trainer's head pod."""
+EXPORT_MOUNT = "/mnt/export"
+"""A pvc:// ``export.destination``: the claim is mounted read-write here in the trainer's head pod."""
 RUNS_DIR = "runs"
 """Run outputs (routes, checkpoints, metrics.csv) go to ``<routingDir>/runs/<job>``."""
 
@@ -176,6 +178,16 @@ class RuntimeSettings(_Settings):
     makes the first ``miniBatches`` samples' advantages NaN (one in each mini-batch), so none of that step's
     updates is finite (the non-finite guard must keep them off the engines and the checkpoints). Never set it
     on a real job."""
+    export_aws_access_key_id: SecretStr | None = None
+    """spec.export to s3:// or gs://: the access key (an HMAC access ID for gs://), from export.s3 or export.gcs's
+    Secret (set by the operator on the trainer's head pod). Unset: the S3 client's own chain (AWS_* variables, a
+    web identity, an instance profile)."""
+    export_aws_secret_access_key: SecretStr | None = None
+    export_aws_session_token: SecretStr | None = None
+    export_retry_base_s: float = Field(1.0, ge=0)
+    """spec.export: the first backoff delay between tries of an export's upload or copy, doubled each retry."""
+    export_retry_cap_s: float = Field(60.0, ge=0)
+    """spec.export: the largest backoff delay between tries."""
     rljob_name: str | None = None
     """The RLJob whose ``status.progress`` the driver patches (set by the operator on trainer pods)."""
     rljob_namespace: str | None = None

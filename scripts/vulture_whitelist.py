@@ -53,6 +53,9 @@ vllm_version_source
 reward_mean  # Progress: written as camelCase JSON by the driver's status patch
 SIGMOID_BIAS
 READ_WRITE_ONCE
+BFLOAT16  # ExportDType: users write `export.dtype: bfloat16` (or float16, float32)
+FLOAT32
+FLOAT16
 YAML  # OutputFormat: `--output yaml`
 engine_stateful_set  # RuntimeConfig: the operator writes the ConfigMap, `up` and the runtime read it as JSON
 trainer_ray_job

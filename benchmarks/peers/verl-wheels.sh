@@ -17,6 +17,9 @@
 # verl/utils/megatron/router_replay_patch.py), built through mbridge with Transformer Engine layer specs: TE's core
 # library comes as a wheel, its torch extension (transformer-engine-torch) only as a source archive, built on the
 # GPU machine by verl-setup.sh (the one step of unknown length: see docs/benchmarks.md, "Against verl").
+# The learning workload (benchmarks/peers/verl_learning.py) needs nothing more: its reward is r3operator's own code
+# (pydantic, numpy: the image and r3operator's set), its parquet and plots the image's pyarrow and matplotlib; the pins
+# below meet verl 0.9.1's Requires-Dist (tests/benchmarks/test_verl_learning.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-.whl-verl}

@@ -9,6 +9,10 @@ messages, which verl renders with the tokenizer's chat template, as r3operator's
 `actor_rollout_ref.model.path` and vLLM load.
 
     python -m benchmarks.peers.verl_inputs --model a3b --out DIR    # DIR/model, DIR/data/{train,test}.parquet
+
+The learning benchmark's data (benchmarks/learning.py: the `arith-chain` splits, DIR/data/{train,eval}.jsonl) goes
+through `convert_learning`: read by r3operator's own dataset reader, so that each verl row holds the prompt, answer
+and metadata r3operator's `function` reward is handed, and the held-out split becomes verl's `val.parquet`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 DATA_SOURCE = "r3operator/arith"  # verl_reward.compute_score answers for this source
+CHAIN_SOURCE = "r3operator/arith-chain"  # the learning workload's task (verl_reward: r3operator's function reward)
 ARITH = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
 
 
@@ -58,6 +63,44 @@ def verl_rows(rows: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
         }
         for index, row in enumerate(rows)
     ]
+
+
+def learning_rows(path: Path, split: str) -> list[dict[str, Any]]:
+    """verl's rows for one split of a dataset file, read as r3operator's dataset task reads it
+    (r3operator/tasks/dataset_reader.py): the prompt as the messages r3operator renders through the chat template,
+    and in `extra_info` the row's id, prompt text and metadata, which verl hands back to `compute_score`."""
+    from r3operator.tasks.dataset_reader import DatasetError, read_rows
+
+    try:
+        rows = read_rows(path)
+    except DatasetError as exc:
+        raise ConversionError(str(exc)) from None
+    out = []
+    for index, row in enumerate(rows):
+        messages = [dict(m) for m in row.messages] if row.messages else [{"role": "user", "content": row.prompt}]
+        out.append(
+            {
+                "data_source": CHAIN_SOURCE,
+                "prompt": messages,
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": row.answer},
+                "extra_info": {
+                    "split": split,
+                    "index": index,
+                    "id": row.id,
+                    "prompt_text": row.prompt if row.prompt is not None else messages[-1]["content"],
+                    "metadata_json": json.dumps(dict(row.metadata), sort_keys=True),
+                },
+            }
+        )
+    return out
+
+
+def convert_learning(data_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """DIR/train.jsonl → `train.parquet`, DIR/eval.jsonl (the held-out split) → `val.parquet`."""
+    train = write_parquet(learning_rows(data_dir / "train.jsonl", "train"), out_dir / "train.parquet")
+    val = write_parquet(learning_rows(data_dir / "eval.jsonl", "eval"), out_dir / "val.parquet")
+    return train, val
 
 
 def write_parquet(rows: list[dict[str, Any]], path: Path) -> Path:

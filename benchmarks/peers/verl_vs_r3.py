@@ -18,6 +18,9 @@ engine on GPU 0 and the trainer on the others with NCCL weight sync; on 1 GPU or
 to DIR/<part>/console.log, nvidia-smi's memory samples to DIR/<part>/gpu_memory.csv; the table to DIR/table.md
 and DIR/summary.json. A part that fails or times out is reported, and the table shows it as not run.
 
+The learning workload (issue 44's warm start, `arith-chain` task, held-out eval; 64×8 samples of ≤ 512 tokens) has a
+runner of its own beside this one: benchmarks/peers/verl_learning.py.
+
 Each verl part first runs benchmarks/peers/te_preflight.py on one of its GPUs (seconds; DIR/<part>/preflight.log):
 Transformer Engine's attention with verl's inputs and attention backend. When TE has no backend for them, verl is
 not started (it would reach the same failure after ~5 minutes) and the part fails with TE's reasons.
@@ -391,22 +394,15 @@ def run_part(part: str, args: argparse.Namespace) -> int:
             replay=replay,
             log_file=run_dir / "metrics.jsonl",
         )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "console.log", NOT_STARTED):
-            (run_dir / stale).unlink(missing_ok=True)
-        (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
-        env = environment([str(PEERS / "verl_hook"), args.verl_site, args.site, str(REPO)])
-        env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's overlap of communication and compute
-        check = run_preflight(env, run_dir, inputs / "model")
-        print(f"== {part}: Transformer Engine preflight: {check.message}", flush=True)
-        if not check.ok:
-            (run_dir / NOT_STARTED).write_text(f"Transformer Engine preflight failed: {check.message}\n")
-            print(f"== {part}: verl not started (see {run_dir / 'preflight.log'})", flush=True)
-            return 3
-        rc = run_logged(f"verl ({replay})", verl_command(sys.executable, overrides), env, run_dir, args.timeout_s)
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        return rc
+        return launch_verl(
+            part,
+            run_dir,
+            overrides,
+            inputs / "model",
+            verl_site=args.verl_site,
+            site=args.site,
+            timeout_s=args.timeout_s,
+        )
     if part == "table":
         text, summary = build_table(args.out, gpus=args.gpus)
         (args.out / "table.md").write_text(text + "\n")
@@ -414,6 +410,35 @@ def run_part(part: str, args: argparse.Namespace) -> int:
         print(text, flush=True)
         return 0
     raise ValueError(f"--parts: unknown part {part!r}; choose from {', '.join(PARTS)}")
+
+
+def verl_environment(run_dir: Path, *, verl_site: str, site: str) -> dict[str, str]:
+    """verl's processes: the metrics hook first on the path, verl's site dir before r3operator's."""
+    env = environment([str(PEERS / "verl_hook"), verl_site, site, str(REPO)])
+    env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's overlap of communication and compute
+    return env
+
+
+def launch_verl(
+    part: str, run_dir: Path, overrides: list[str], model_dir: Path, *, verl_site: str, site: str, timeout_s: int
+) -> int:
+    """One verl run in `run_dir` (overrides.txt, preflight.log, console.log, metrics.jsonl): Transformer Engine's
+    preflight first, verl only when it passed (else NOT_STARTED says why, and 3)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "console.log", NOT_STARTED):
+        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
+    env = verl_environment(run_dir, verl_site=verl_site, site=site)
+    check = run_preflight(env, run_dir, model_dir)
+    print(f"== {part}: Transformer Engine preflight: {check.message}", flush=True)
+    if not check.ok:
+        (run_dir / NOT_STARTED).write_text(f"Transformer Engine preflight failed: {check.message}\n")
+        print(f"== {part}: verl not started (see {run_dir / 'preflight.log'})", flush=True)
+        return 3
+    rc = run_logged(f"verl ({part})", verl_command(sys.executable, overrides), env, run_dir, timeout_s)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return rc
 
 
 def _verl_log(run_dir: Path) -> Path:

@@ -15,7 +15,7 @@ from r3operator.api.engine_layout import LWS_CRD, engine_layout
 from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, RewardKind, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
-from r3operator.api.v1alpha1 import RLJobSpec
+from r3operator.api.v1alpha1 import MANAGED_BY_MULTIKUEUE, RLJobSpec
 from r3operator.api.versions import (
     FEATURES,
     STOCK_VLLM_REPOSITORIES,
@@ -658,6 +658,22 @@ def dataset_path(c: RuleContext) -> str | None:
         return "task.name dataset needs task.datasetPath: a JSONL or Parquet file of prompt/messages + answer rows"
     if task.name != DATASET_TASK and task.dataset_path is not None:
         return f"task.name {task.name} reads no task.datasetPath (only task.name dataset does)"
+    return None
+
+
+def export_when(c: RuleContext) -> str | None:
+    export = c.spec.export
+    if export is not None and export.interval_steps is None and not export.at_end:
+        return "export sets neither intervalSteps nor atEnd: nothing would ever be exported; set one of them"
+    return None
+
+
+def managed_by_queue(c: RuleContext) -> str | None:
+    if c.spec.managed_by == MANAGED_BY_MULTIKUEUE and c.spec.queue_name is None:
+        return (
+            f"managedBy {MANAGED_BY_MULTIKUEUE} needs queueName: MultiKueue dispatches the Workload of a LocalQueue "
+            "whose ClusterQueue has a MultiKueue admission check"
+        )
     return None
 
 

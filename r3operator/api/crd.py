@@ -37,6 +37,9 @@ PRINTER_COLUMNS: list[JSON] = [
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.resolved.engineGpusTotal", "priority": 1},
     {"name": "Image", "type": "string", "jsonPath": ".spec.inference.image", "priority": 1},
     {"name": "Eval", "type": "number", "jsonPath": ".status.progress.evalReward", "priority": 1},
+    {"name": "LogprobDiff", "type": "number", "jsonPath": ".status.progress.logprobAbsDiffMean", "priority": 1},
+    {"name": "SyncSeconds", "type": "number", "jsonPath": ".status.progress.weightSyncSeconds", "priority": 1},
+    {"name": "Exported", "type": "integer", "jsonPath": ".status.progress.lastExportStep", "priority": 1},
 ]
 
 # Transition rules (need oldSelf): settings that cannot change under a running job.
@@ -44,6 +47,13 @@ TRANSITION_RULES: dict[tuple[str, ...], JSON] = {
     ("spec", "trainer", "backend"): {
         "rule": "self == oldSelf",
         "message": "trainer.backend is immutable: create a new RLJob to switch trainer backends",
+        "reason": "FieldValueForbidden",
+    },
+    ("spec",): {
+        "rule": "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == "
+        "oldSelf.managedBy)",
+        "message": "managedBy is immutable: create a new RLJob to hand it to another controller",
+        "fieldPath": ".managedBy",
         "reason": "FieldValueForbidden",
     },
     ("spec", "storage", "accessMode"): {

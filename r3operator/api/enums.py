@@ -105,6 +105,23 @@ class WhenHeld(StrEnum):
     """Fetch the model into <job>-model-cache, a claim of this RLJob's own (another download and copy)."""
 
 
+class ExportFailurePolicy(StrEnum):
+    """What a failed export does to the job (spec.export.onFailure)."""
+
+    CONTINUE = "Continue"
+    """The export is retried, reported (Exported=False, a Warning event) and training goes on."""
+    FAIL = "Fail"
+    """An export that still fails after its retries fails the job."""
+
+
+class ExportDType(StrEnum):
+    """The dtype of the exported weights (spec.export.dtype)."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
 class RetainPolicy(StrEnum):
     """What happens to a claim the operator created (routing data, model cache) when the RLJob is deleted."""
 
@@ -146,6 +163,8 @@ class ConditionType(StrEnum):
     """An engine image change failed its fidelity canary; the engines are back on the old image."""
     REPLAY_HEALTHY = "ReplayHealthy"
     """R3: the last step's routes passed every route check and were replayed, from status.progress."""
+    EXPORTED = "Exported"
+    """spec.export: the last export attempt wrote a complete Hugging Face directory, from status.progress."""
 
 
 class RewardKind(StrEnum):

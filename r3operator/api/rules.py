@@ -785,6 +785,79 @@ RULES: tuple[Rule, ...] = (
             "FieldValueRequired",
         ),
     ),
+    Rule(
+        "EXPORT-S3-CREDENTIALS",
+        E,
+        "spec.export.s3",
+        ("export.destination", "export.s3"),
+        "an s3:// export destination needs a credentials Secret",
+        ("r3operator: docs/runtime.md",),
+        source_checks.export_s3_credentials,
+        CelRule(
+            "!has(self.export) || !self.export.destination.startsWith('s3://') || has(self.export.s3)",
+            "'export.destination ' + self.export.destination + ' needs export.s3.credentialsSecret: a Secret with "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (export.s3.endpointURL for an S3-compatible store)'",
+            ".export.s3",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
+        "EXPORT-GCS-CREDENTIALS",
+        E,
+        "spec.export.gcs",
+        ("export.destination", "export.gcs"),
+        "a gs:// export destination needs an HMAC key Secret",
+        ("r3operator: docs/runtime.md", "Cloud Storage: simple migration from Amazon S3 (HMAC keys)"),
+        source_checks.export_gcs_credentials,
+        CelRule(
+            "!has(self.export) || !self.export.destination.startsWith('gs://') || has(self.export.gcs)",
+            "'export.destination ' + self.export.destination + ' needs export.gcs.credentialsSecret: a Secret with an "
+            "HMAC key (access ID as AWS_ACCESS_KEY_ID, secret as AWS_SECRET_ACCESS_KEY)'",
+            ".export.gcs",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
+        "EXPORT-WHEN",
+        E,
+        "spec.export",
+        ("export.intervalSteps", "export.atEnd"),
+        "an export section exports at some step: intervalSteps, atEnd or both",
+        ("r3operator: docs/runtime.md",),
+        checks.export_when,
+        CelRule(
+            "!has(self.export) || has(self.export.intervalSteps) || self.export.atEnd",
+            "'export sets neither intervalSteps nor atEnd: nothing would ever be exported; set one of them'",
+            ".export",
+            "FieldValueRequired",
+        ),
+    ),
+    Rule(
+        "MANAGED-BY-QUEUE",
+        E,
+        "spec.managedBy",
+        ("managedBy", "queueName"),
+        "MultiKueue dispatches only a queued RLJob",
+        ("Kueue: Run External Framework Jobs in Multi-Cluster (MultiKueue)",),
+        checks.managed_by_queue,
+        CelRule(
+            "!has(self.managedBy) || self.managedBy != 'kueue.x-k8s.io/multikueue' || has(self.queueName)",
+            "'managedBy ' + self.managedBy + ' needs queueName: MultiKueue dispatches the Workload of a LocalQueue "
+            "whose ClusterQueue has a MultiKueue admission check'",
+            ".queueName",
+            "FieldValueRequired",
+        ),
+    ),
+    # Python-only: the resolver's own parse (api/sources.py), which CEL cannot repeat.
+    Rule(
+        "EXPORT-URI-FORM",
+        E,
+        "spec.export.destination",
+        ("export.destination",),
+        "the export destination parses: pvc://claim/path, s3://bucket/prefix, gs://bucket/prefix, file:///path",
+        ("r3operator: api/sources.py",),
+        source_checks.export_uri_form,
+    ),
     # Python-only: the resolver's own parse (api/sources.py), which CEL cannot repeat.
     Rule(
         "MODEL-URI-FORM",

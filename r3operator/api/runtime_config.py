@@ -56,6 +56,8 @@ class RuntimeBlock(_Block):
 class JobName(_Block):
     name: str
     namespace: str
+    uid: str | None = None
+    """The RLJob's uid (an export's manifest names it); None where the RLJob was never stored (a render)."""
 
 
 class RuntimeConfig(_Block):
@@ -72,7 +74,7 @@ class RuntimeConfig(_Block):
 
     @property
     def job(self) -> RLJob:
-        meta = ObjectMeta(name=self.metadata.name, namespace=self.metadata.namespace)
+        meta = ObjectMeta(name=self.metadata.name, namespace=self.metadata.namespace, uid=self.metadata.uid)
         return RLJob(api_version=API_VERSION, kind=KIND, metadata=meta, spec=self.spec)
 
     def to_json(self) -> str:

@@ -87,3 +87,31 @@ def eval_dataset_credentials(c: RuleContext) -> str | None:
     if path.startswith("gs://") and task.gcs is None:
         return f"evaluation.datasetPath {path} needs task.gcs.credentialsSecret: {GCS_SECRET}"
     return None
+
+
+def export_uri_form(c: RuleContext) -> str | None:
+    export = c.spec.export
+    if export is None:
+        return None
+    try:
+        parse_source_uri(export.destination)
+    except SourceURIError as exc:
+        return f"export.destination: {exc}"
+    return None
+
+
+def export_s3_credentials(c: RuleContext) -> str | None:
+    export = c.spec.export
+    if export is not None and export.destination.startswith("s3://") and export.s3 is None:
+        return (
+            f"export.destination {export.destination} needs export.s3.credentialsSecret: a Secret with "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (export.s3.endpointURL for an S3-compatible store)"
+        )
+    return None
+
+
+def export_gcs_credentials(c: RuleContext) -> str | None:
+    export = c.spec.export
+    if export is not None and export.destination.startswith("gs://") and export.gcs is None:
+        return f"export.destination {export.destination} needs export.gcs.credentialsSecret: {GCS_SECRET}"
+    return None

@@ -23,6 +23,8 @@ from r3operator.api.enums import (
     AccessMode,
     ConditionStatus,
     ExecutorBackend,
+    ExportDType,
+    ExportFailurePolicy,
     KVConnector,
     PDConnector,
     ReplayMode,
@@ -52,6 +54,12 @@ MODEL_URI_PATTERN = r"^(hf|s3|gs|pvc|file|r3operator)://[^\s]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 REWARD_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+EXPORT_URI_PATTERN = r"^(pvc|s3|gs|file)://[^\s]+$"
+MANAGED_BY_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+MANAGED_BY_OPERATOR = "r3operator.io/operator"
+"""spec.managedBy of an RLJob this operator runs (the same as leaving it unset)."""
+MANAGED_BY_MULTIKUEUE = "kueue.x-k8s.io/multikueue"
+"""spec.managedBy of an RLJob Kueue's MultiKueue dispatches to a worker cluster (Kueue's MultiKueueControllerName)."""
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
 ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
@@ -91,7 +99,8 @@ class S3Access(_Model):
 
     credentials_secret: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Secret in the RLJob's namespace with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and
-    AWS_SESSION_TOKEN for temporary credentials); only the fetch step gets them, as secretKeyRef env."""
+    AWS_SESSION_TOKEN for temporary credentials); only the container that uses them gets them, as secretKeyRef env
+    (the fetch step; for export.s3 the trainer's head pod)."""
     endpoint_url: str | None = Field(
         default=None, alias="endpointURL", max_length=512, pattern=r"^https?://[^\s/]+(/[^\s]*)?$"
     )
@@ -479,6 +488,35 @@ class CheckpointSpec(_Model):
     """Complete checkpoints kept; while a new one is written, keepLast + 1 are on the volume."""
 
 
+class ExportSpec(_Model):
+    """Where and when the trained policy is exported as a Hugging Face model directory (safetensors, config,
+    tokenizer, generation config) that `vllm serve` and transformers load as they are (docs/runtime.md, "Export").
+    Each export is the directory `<destination>/step-<step, 6 digits>` with the manifest `r3operator-export.json`
+    (step, eval reward, source RLJob and uid, each file's sha256), written last: a directory or prefix without
+    it is not an export."""
+
+    destination: str = Field(max_length=1024, pattern=EXPORT_URI_PATTERN)
+    """pvc://claim/path (the claim is mounted read-write in the trainer's head pod), s3://bucket/prefix,
+    gs://bucket/prefix, or file:///path inside the trainer container (e.g. on the routing volume)."""
+    s3: S3Access | None = None
+    """Credentials and endpoint for an s3:// destination (required with one: EXPORT-S3-CREDENTIALS); only the
+    trainer's head pod gets them."""
+    gcs: GCSAccess | None = None
+    """HMAC credentials for a gs:// destination (required with one: EXPORT-GCS-CREDENTIALS)."""
+    interval_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Export after every step that is a multiple of this. Unset: only at the end (atEnd)."""
+    at_end: bool = True
+    """Export after the last step."""
+    dtype: ExportDType | None = None
+    """The dtype of the exported weights. Unset: the engines' dtype (bfloat16 on GPUs), what the engines served."""
+    on_failure: ExportFailurePolicy = ExportFailurePolicy.CONTINUE
+    """Continue (default): a failed export is retried, reported (Exported=False with the reason, a Warning event)
+    and training goes on; Fail: an export that still fails after maxAttempts fails the job."""
+    max_attempts: int = Field(default=5, ge=1, le=100)
+    """Tries of one export's upload or copy, with exponential backoff between them (1 s, doubling, at most 60 s).
+    An export still being retried when the next one is due is given up for the newer one."""
+
+
 class StorageSpec(_Model):
     """The routing-data volume shared by engines and trainer (routes, checkpoints, run outputs)."""
 
@@ -529,6 +567,9 @@ class RLJobSpec(_Model):
     docs/runtime.md, "Held-out evaluation"). Unset: none."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    export: ExportSpec | None = None
+    """Export the trained policy as a Hugging Face directory every intervalSteps and at the end (docs/runtime.md,
+    "Export"). Unset: none; the checkpoints stay in the trainer's sharded format."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     """Suspend and resume, retries, a deadline and the clean-up after the end."""
@@ -539,6 +580,12 @@ class RLJobSpec(_Model):
     """Every engine and trainer pod; inference.podTemplate and trainer.podTemplate add to it and win on conflicts."""
     queue_name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
     """Kueue LocalQueue in the RLJob's namespace: engines and trainer are admitted as one workload, or not at all."""
+    managed_by: str | None = Field(default=None, max_length=63, pattern=MANAGED_BY_PATTERN)
+    """The controller that runs this RLJob, as batch/v1 Job's managedBy. Unset or r3operator.io/operator: this
+    operator. kueue.x-k8s.io/multikueue: Kueue's MultiKueue dispatches it to a worker cluster (needs queueName:
+    MANAGED-BY-QUEUE); here the operator creates only its Workload and Kueue mirrors the worker's status into this
+    one (docs/operator.md, "MultiKueue"). Any other value: another controller's; the operator leaves it alone.
+    Immutable."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
 
 
@@ -581,6 +628,33 @@ class WorkloadCounts(_Model):
     updated_replicas: int = 0
 
 
+ExportFailureReason = Literal["StoreUnreachable", "AccessDenied", "NoSpace", "NonFiniteWeights", "WriteFailed"]
+
+
+class ExportRecord(_Model):
+    """One complete export (spec.export): a Hugging Face directory with its manifest, written last."""
+
+    step: int = Field(ge=0)
+    uri: str = Field(max_length=1100)
+    """The export's directory: <destination>/step-<step>."""
+    eval_reward: float | None = None
+    """The held-out eval reward of the last evaluation at or before the step (spec.evaluation), in the manifest."""
+    finished_at: str | None = Field(default=None, max_length=64)
+
+
+class ExportFailure(_Model):
+    """The last export attempt that failed; gone once a later export succeeds."""
+
+    step: int = Field(ge=0)
+    reason: ExportFailureReason
+    """StoreUnreachable, AccessDenied (wrong or missing credentials), NoSpace (the claim or the volume is full),
+    NonFiniteWeights (refused: a weight is NaN or infinite) or WriteFailed."""
+    message: str = Field(default="", max_length=1024)
+    attempts: int = Field(default=1, ge=1)
+    retrying: bool = False
+    """True while the export is still being retried."""
+
+
 class Progress(_Model):
     """Pushed by the trainer driver at step boundaries."""
 
@@ -613,6 +687,14 @@ class Progress(_Model):
     """R3: samples that failed a route check in the last step (left out under SkipSample)."""
     route_check_message: str | None = Field(default=None, max_length=1024)
     """R3: the last step's first route-check failure: the rule, the sample and the layer."""
+    weight_sync_seconds: float | None = None
+    """Wall time of the last weight sync (canary excluded), in seconds."""
+    exports: list[ExportRecord] | None = Field(default=None, max_length=5)
+    """spec.export: the latest complete exports, oldest first (at most 5)."""
+    last_export_step: int | None = None
+    """spec.export: the step of the latest complete export."""
+    export_failure: ExportFailure | None = None
+    """spec.export: the last export attempt that failed, until an export succeeds."""
 
 
 class EngineFidelity(_Model):

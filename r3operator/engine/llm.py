@@ -20,6 +20,20 @@ CPU_ENV: Mapping[str, str] = {
 }
 # GPU: flashinfer is not installed in our image; vLLM then uses the PyTorch sampler.
 GPU_ENV: Mapping[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+RUN_FIXED_KWARGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "seed",
+        "logprobs_mode",
+        "enable_return_routed_experts",
+        "worker_extension_cls",
+        "weight_transfer_config",
+        "skip_tokenizer_init",
+    }
+)
+"""Engine settings a run fixes and a job's engine flags may not change locally: the trainer's reading of
+logprobs and routes, the weight sync and the canary's tolerance depend on them."""
 SHARED_GPU_FRACTION = 0.5
 """The engine's share of a GPU it shares with the trainer (`r3operator run`), unless the job sets its own."""
 

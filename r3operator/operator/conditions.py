@@ -85,6 +85,9 @@ class Reason(StrEnum):
     FALLBACK_HIGH = "FallbackHigh"
     NATURAL_AGREEMENT_LOW = "NaturalAgreementLow"
     EXTREME_TOKENS = "ExtremeTokens"
+    # Exported (operator/export_status.py); False carries the trainer's reason, api.v1alpha1.ExportFailureReason
+    NO_EXPORT_YET = "NoExportYet"
+    EXPORT_WRITTEN = "ExportWritten"
     # UpgradeBlocked (False while no engine upgrade is blocked, with the upgrade's phase as reason)
     NO_UPGRADE = "NoUpgrade"
     UPGRADE_CANARY = "CanaryRunning"
@@ -107,6 +110,10 @@ class Reason(StrEnum):
     cannot hold); status.progress keeps the last report taken (operator/progress.py)."""
     PROGRESS_TRIMMED = "ProgressTrimmed"
     """Event: keys of the trainer's progress report that status.progress does not know were left out."""
+    EXPORTED = "Exported"
+    """Event: an export is complete (its manifest written); the message has the step and where."""
+    EXPORT_FAILED = "ExportFailed"
+    """Warning event: an export attempt failed (being retried, or given up); the message says why."""
     UPGRADE_FORCED = "UpgradeForced"
     """Event: the one-shot r3operator.io/upgrade=force annotation was used (or found nothing to force) and removed."""
 

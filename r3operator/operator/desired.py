@@ -57,6 +57,7 @@ from r3operator.operator.builders.trainer_rbac import (
 from r3operator.operator.builders.upgrade_canary import CanaryTarget, build_upgrade_canary_job
 from r3operator.operator.builders.workload import build_workload
 from r3operator.operator.lifecycle import is_suspended
+from r3operator.operator.managed_by import prebuilt_workload
 from r3operator.operator.progress import build_progress_config_map
 from r3operator.operator.upgrade import EngineRollout
 from r3operator.operator.upgrade_record import ANNOTATION_UPGRADE_STATE, record_annotation
@@ -149,7 +150,7 @@ def desired(job: RLJob, facts: Facts | None = None) -> list[dict[str, Any]]:
             _with_trainer_image(job, facts.trainer_image), suspend=is_suspended(job) or not facts.admitted or filling
         )
     )
-    if job.spec.queue_name is not None:
+    if job.spec.queue_name is not None and prebuilt_workload(job) is None:  # MultiKueue's worker: it exists
         children.append(build_workload(job, priority=facts.priority))
     if facts.pod_monitor_crd and wants_pod_monitor(job):
         children.append(build_pod_monitor(job))

@@ -71,6 +71,8 @@ def trainer_hash_input(spec: RLJobSpec) -> dict[str, Any]:
         "monitoring": _dump(spec.monitoring),
         "seed": spec.seed,
         **_job_template(spec),
+        # Only when set: a job without an export keeps the hash it had before there were exports.
+        **({"export": _dump(spec.export)} if spec.export is not None else {}),
     }
 
 

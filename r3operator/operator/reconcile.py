@@ -45,6 +45,7 @@ from r3operator.api.vllm_args import model_path, model_source
 from r3operator.operator import meta
 from r3operator.operator.admission import read_admission, settle
 from r3operator.operator.apply import Action, is_ours, plan_action
+from r3operator.operator.builders.export import export_claim
 from r3operator.operator.builders.model_cache import (
     cache_spec,
     held_one_at_a_time,
@@ -55,10 +56,11 @@ from r3operator.operator.builders.model_cache import (
     uses_model_cache,
 )
 from r3operator.operator.builders.upgrade_canary import CONTAINER_NAME as CANARY_CONTAINER
-from r3operator.operator.builders.workload import priority_class_name
+from r3operator.operator.builders.workload import build_workload, priority_class_name
 from r3operator.operator.canary import CanaryResult, run_canary
 from r3operator.operator.conditions import Reason
 from r3operator.operator.desired import Facts, desired
+from r3operator.operator.export_status import ExportSeen, export_events
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.informer import UNKNOWN, ChildCache, is_newer, slim
 from r3operator.operator.kube import KINDS, KubeClient, KubeError, kind_of
@@ -72,6 +74,7 @@ from r3operator.operator.lifecycle import (
     status_says_finished,
     ttl_expired,
 )
+from r3operator.operator.managed_by import dispatched_by_multikueue, managed_here, prebuilt_workload
 from r3operator.operator.model_cache_hold import hold_model_cache
 from r3operator.operator.observed import Observed
 from r3operator.operator.progress import ProgressReport, read_report
@@ -248,6 +251,10 @@ class Reconciler:
         self._taken: set[str] = set()
         self._nonfinite_seen: dict[str, int] = {}
         """Per RLJob uid, progress.nonFiniteSteps as the last pass saw it (status.nonfinite_warning)."""
+        self._export_seen: dict[str, ExportSeen] = {}
+        """Per RLJob uid, the exports and the failure the last pass reported (export_status.export_events)."""
+        self._elsewhere_problem: dict[str, str] = {}
+        """Per RLJob uid managed elsewhere (MultiKueue's manager side), the last reason its Workload was not made."""
         """RLJob uids of which a pass found a child's name taken (in the cache, or by a refused create): their passes
         read every name the cache holds nothing under by GET before writing, so a pass that finds any name still
         taken creates nothing (no create and undo)."""
@@ -257,6 +264,8 @@ class Reconciler:
         than on the live status, which someone else may have written (startTime, conditions and their times are
         carried over from it), and a later watch event whose status differs from it wakes a pass that writes it
         back (``foreign_status``)."""
+        self._writing: dict[str, str] = {}
+        """Per RLJob uid, the digest of the status write in flight (its echo may come before its answer)."""
         self._progress_problem: dict[str, str] = {}
         """Per RLJob uid, the last reason a progress report was refused or trimmed: one Event per new reason."""
 
@@ -268,6 +277,8 @@ class Reconciler:
         self._failures.pop(uid, None)
         self._taken.discard(uid)
         self._nonfinite_seen.pop(uid, None)
+        self._export_seen.pop(uid, None)
+        self._elsewhere_problem.pop(uid, None)
         self._own.pop(uid, None)
         self._progress_problem.pop(uid, None)
 
@@ -275,10 +286,12 @@ class Reconciler:
         """The RLJob ``body`` (a watch event's) carries a status this operator did not write: someone else's
         write, which its next pass, made now, writes back. False for an RLJob it has not written yet."""
         metadata = body.get("metadata") or {}
-        own = self._own.get(str(metadata.get("uid") or ""))
+        uid = str(metadata.get("uid") or "")
+        own = self._own.get(uid)
         if own is None or not _after(metadata.get("resourceVersion"), own[2]):
             return False  # not written yet, or the echo of a write of its own (a later one may have overtaken it)
-        return status_digest(body.get("status")) != own[0]
+        digest = status_digest(body.get("status"))
+        return digest != own[0] and digest != self._writing.get(uid)  # the echo of a write still awaiting its answer
 
     async def reconcile(self, body: dict[str, Any], *, live: bool = False) -> Outcome:
         """One pass over the RLJob ``body``. ``live``: the body is kopf's live view of it (a daemon's), as current
@@ -400,6 +413,8 @@ class Reconciler:
         return job.model_copy(update={"status": RLJobStatus.model_validate(_unpack(own[1]))})
 
     async def _reconcile(self, job: RLJob) -> Outcome:
+        if not managed_here(job):
+            return await self._managed_elsewhere(job)
         now = self.clock()
         uid = job.metadata.uid
         live_status = job.status
@@ -417,12 +432,16 @@ class Reconciler:
         raw_ray_job = await self._get("RayJob", job.metadata.namespace, trainer) if kuberay else None
         # Only a RayJob this RLJob controls says when training ended; a foreign one is a NameConflict.
         ray_job = _ours_or_none(raw_ray_job, uid)
-        workload_name = meta.child_name(job, meta.ROLE_WORKLOAD)
+        prebuilt = prebuilt_workload(job)
+        workload_name = prebuilt or meta.child_name(job, meta.ROLE_WORKLOAD)
         raw_workload = None
         if queued and kueue:
-            raw_workload = await self._get("Workload", job.metadata.namespace, workload_name)
-        # Only a Workload this RLJob controls admits it; a foreign one is a NameConflict.
-        ours = _ours_or_none(raw_workload, uid)
+            raw_workload = await self._get(
+                "Workload", job.metadata.namespace, workload_name, verify=prebuilt is not None
+            )
+        # Only a Workload this RLJob controls admits it (a foreign one is a NameConflict), or the one MultiKueue made
+        # for it on this worker cluster (managed_by.py).
+        ours = raw_workload if prebuilt is not None else _ours_or_none(raw_workload, uid)
         admission = read_admission(job.spec.queue_name, ours)
         finish = observed_finish(ray_job)
         # The end's record goes out beside this pass's child writes, not before them: the pass that sees the
@@ -522,6 +541,8 @@ class Reconciler:
                     outcome.valid = False
                     observed[engine_kind] = _ours_or_none(observed.get(engine_kind), uid)
                 else:
+                    if prebuilt is not None:  # not a child: MultiKueue made it (managed_by.py)
+                        observed["Workload"] = ours
                     if queued and outcome.error is None:
                         await self._settle_workload(job, observed, finish, outcome)
                     if outcome.error is None:
@@ -575,8 +596,49 @@ class Reconciler:
         status = compute_status(job, obs, now)
         await self._write_status(job, status, outcome, live=live_status)
         self._warn_nonfinite(job, status.progress, outcome)
+        self._export_events(job, status.progress, outcome)
         outcome.marks["status"] = time.time()
         return outcome
+
+    async def _managed_elsewhere(self, job: RLJob) -> Outcome:
+        """A job another controller runs (managed_by.py): nothing is written, but for MultiKueue's manager side, the
+        job's Workload, which Kueue dispatches; the status is the worker's, copied by Kueue. A problem that keeps the
+        Workload from being made goes out as one Warning event per distinct message (the status is not ours)."""
+        outcome = Outcome(job=job)
+        uid = job.metadata.uid or ""
+        if not dispatched_by_multikueue(job):
+            return outcome
+        problem: tuple[str, str] | None = None
+        findings = errors(evaluate(job.spec, context=RuleContext.for_spec(job.spec, leader_worker_set=True)))
+        if findings:
+            text = "; ".join(f"{f.rule}: {f.message}" for f in findings)
+            problem = (Reason.INCOMPATIBLE_SETTINGS, f"no Workload is made for MultiKueue to dispatch: {text}")
+        elif not await self.capabilities.serves(*KUEUE_WORKLOADS):
+            problem = (Reason.KUEUE_MISSING, "spec.managedBy is Kueue's MultiKueue, but Kueue is not installed here")
+        else:
+            want = build_workload(job, priority=await self._priority_value(job))
+            have = await self._get("Workload", job.metadata.namespace, want["metadata"]["name"])
+            action = plan_action(want, have, job_uid=uid)
+            if action.verb == "conflict":
+                problem = (Reason.NAME_CONFLICT, f"Workload/{want['metadata']['name']} {action.why}")
+            else:
+                taken = await self._converge(want, have, action, outcome.written)
+                if isinstance(taken, _Taken):
+                    problem = (Reason.NAME_CONFLICT, f"Workload/{want['metadata']['name']} is taken")
+        outcome.valid = problem is None
+        if problem is None:
+            self._elsewhere_problem.pop(uid, None)
+        elif self._elsewhere_problem.get(uid) != problem[1]:
+            self._elsewhere_problem[uid] = problem[1]
+            outcome.events.append(EventSpec("Warning", problem[0], problem[1][:1024]))
+        return outcome
+
+    async def _priority_value(self, job: RLJob) -> int | None:
+        name = priority_class_name(job)
+        if name is None:
+            return None
+        found = await self.client.get(KINDS["PriorityClass"], None, name)
+        return int(found["value"]) if found is not None and "value" in found else None
 
     def _warn_nonfinite(self, job: RLJob, progress: Progress | None, outcome: Outcome) -> None:
         """A Warning event when the trainer's count of non-finite steps rose since this operator last looked."""
@@ -586,6 +648,14 @@ class Reconciler:
             self._nonfinite_seen[uid] = count
         if message is not None:
             outcome.events.append(EventSpec("Warning", Reason.NON_FINITE_STEP, message[:1024]))
+
+    def _export_events(self, job: RLJob, progress: Progress | None, outcome: Outcome) -> None:
+        """An Event per new export and per new export failure (operator/export_status.py)."""
+        uid = job.metadata.uid or ""
+        seen, events = export_events(job, progress, self._export_seen.get(uid))
+        if seen is not None:
+            self._export_seen[uid] = seen
+        outcome.events += [EventSpec(kind, reason, message[:1024]) for kind, reason, message in events]
 
     def _progress_report(
         self, job: RLJob, plans: list[tuple[dict[str, Any], dict[str, Any] | None, Action]], outcome: Outcome
@@ -784,8 +854,8 @@ class Reconciler:
             if exc.status != 409:  # 409: Kueue wrote the Workload meanwhile; the next pass reads it again
                 outcome.error = exc
             return
-        if done is not None:
-            outcome.written.append(f"{done} (Workload/{meta.child_name(job, meta.ROLE_WORKLOAD)})")
+        if done is not None and workload is not None:
+            outcome.written.append(f"{done} (Workload/{workload['metadata']['name']})")
 
     async def _read_fetch_job(self, job: RLJob) -> dict[tuple[str, str], dict[str, Any] | None]:
         """The model-fetch Job as it is now (nothing when the model is not fetched), keyed like ``_read``'s known."""
@@ -827,6 +897,8 @@ class Reconciler:
             claims.append(claim)
         if uses_model_cache(job) and job.spec.model.cache is not None and job.spec.model.cache.claim_name:
             claims.append(job.spec.model.cache.claim_name)
+        if (claim := export_claim(job)) is not None:
+            claims.append(claim)
         kind = KINDS["PersistentVolumeClaim"]
         return tuple(
             [c for c in dict.fromkeys(claims) if await self.client.get(kind, job.metadata.namespace, c) is None]
@@ -946,9 +1018,14 @@ class Reconciler:
             self._own[uid] = (digest, packed, held[2] if held is not None else None)
             return
         patch = status_patch(new_status)
-        written = await self.client.merge_patch(
-            KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch, subresource="status"
-        )
+        # The write's own watch event can arrive before its response: it must not read as someone else's write.
+        self._writing[uid] = digest
+        try:
+            written = await self.client.merge_patch(
+                KINDS["RLJob"], job.metadata.namespace, job.metadata.name, patch, subresource="status"
+            )
+        finally:
+            self._writing.pop(uid, None)
         self._wrote(job.metadata.uid, written)
         self._own[uid] = (digest, packed, (written.get("metadata") or {}).get("resourceVersion"))
         outcome.status_written = True

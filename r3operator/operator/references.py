@@ -108,6 +108,10 @@ def _source_references(job: RLJob) -> list[Reference]:
     for _, path in fetched_datasets(job):  # the eval file too, with the task's store credentials
         keys = credential_keys(path, task.s3, task.gcs, "task")
         refs += [Reference("Secret", name, key, where) for name, key, where in keys]
+    export = job.spec.export
+    if export is not None:  # the head pod's secretKeyRef env (builders/export.py)
+        keys = credential_keys(export.destination, export.s3, export.gcs, "export")
+        refs += [Reference("Secret", name, key, where) for name, key, where in keys]
     return refs
 
 

@@ -29,6 +29,7 @@ from r3operator.operator import meta
 from r3operator.operator.admission import AdmissionState
 from r3operator.operator.builders.model_cache import model_cache_claim_name
 from r3operator.operator.conditions import Desired, Reason, merge
+from r3operator.operator.export_status import exported
 from r3operator.operator.hashing import engine_spec_hash
 from r3operator.operator.lifecycle import format_time, is_suspended, recorded_end
 from r3operator.operator.observed import Observed
@@ -49,6 +50,7 @@ CONDITION_ORDER = (
     T.FAILED,
     T.UPGRADE_BLOCKED,
     T.REPLAY_HEALTHY,
+    T.EXPORTED,
 )
 
 _UPGRADE_REASONS = {
@@ -434,6 +436,8 @@ def compute_conditions(job: RLJob, obs: Observed) -> dict[T, Desired]:
         T.UPGRADE_BLOCKED: _upgrade_blocked(obs),
         T.REPLAY_HEALTHY: replay_healthy(job, _progress(job.status or RLJobStatus(), obs)),
     }
+    if (export := exported(job, _progress(job.status or RLJobStatus(), obs))) is not None:
+        by_type[T.EXPORTED] = export  # spec.export only
     by_type[T.READY] = _ready(job, by_type)
     return by_type
 
@@ -444,7 +448,9 @@ def compute_status(job: RLJob, observed: Observed, now: dt.datetime) -> RLJobSta
     old = _old(job)
     by_type = compute_conditions(job, observed)
     generation = job.metadata.generation
-    conditions = [merge(old.get(t.value), by_type[t], generation=generation, now=stamp) for t in CONDITION_ORDER]
+    conditions = [
+        merge(old.get(t.value), by_type[t], generation=generation, now=stamp) for t in CONDITION_ORDER if t in by_type
+    ]
     engines = engine_counts(job, observed.engine_set)
     terminal = any(by_type[t].status is S.TRUE for t in (T.SUCCEEDED, T.FAILED))
     completion = _completion_time(job, observed, stamp) if terminal else None
@@ -530,7 +536,8 @@ def status_patch(status: RLJobStatus) -> dict[str, Any]:
 def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
     """Conditions whose status flipped (absent counts as Unknown): one Event each.
 
-    Absent → Unknown is not a transition; absent → False is one only for Valid (so an invalid RLJob
+    Exported sends none (its Events are per export: operator/export_status.py). Absent → Unknown is not a
+    transition; absent → False is one only for Valid (so an invalid RLJob
     gets exactly one IncompatibleSettings event), for a refused write (APIError, NamespaceTerminating
     on Progressing) and for a job that starts out waiting for a model cache another holds (ModelCacheHeld);
     absent → True always is.
@@ -538,6 +545,8 @@ def transitions(old: RLJobStatus | None, new: RLJobStatus) -> list[Condition]:
     before = {c.type: c.status for c in (old.conditions if old else [])}
     out = []
     for cond in new.conditions:
+        if cond.type == T.EXPORTED.value:  # an Event per export and per failure instead (operator/export_status.py)
+            continue
         prev = before.get(cond.type)
         if prev is None:
             reported = cond.type == T.VALID.value or (

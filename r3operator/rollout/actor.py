@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
@@ -13,6 +14,8 @@ from r3operator.wire.sync_messages import STAMPING, InitTransfer, LoadPacked, Sy
 from r3operator.wire.weights import PackedChunk
 
 A = TypeVar("A")
+
+log = logging.getLogger(__name__)
 
 
 class EngineActor:
@@ -29,8 +32,10 @@ class EngineActor:
         weight_transfer_backend: str | None = None,
         gpu_memory_utilization: float | None = None,
         capture_routes: bool = True,
+        engine_flags: Sequence[str] = (),
     ) -> None:
-        from r3operator.engine.llm import apply_engine_env, llm_kwargs
+        from r3operator.engine.flags import engine_flag_kwargs
+        from r3operator.engine.llm import RUN_FIXED_KWARGS, apply_engine_env, llm_kwargs
         from r3operator.engine.plugin import register, self_check
 
         apply_engine_env(device)
@@ -38,6 +43,18 @@ class EngineActor:
         self_check()
         from r3operator.rollout.client import InProcessLLMClient
 
+        flags = engine_flag_kwargs(engine_flags, fixed=RUN_FIXED_KWARGS)
+        if flags.kept:
+            log.warning(
+                "spec.inference.extraArgs set %s, which the run sets itself (the trainer relies on them): not applied",
+                ", ".join(flags.kept),
+            )
+        if flags.serve_only:
+            log.warning(
+                "spec.inference.extraArgs %s are flags of the `vllm serve` server; an in-process engine has no use for "
+                "them",
+                " ".join(flags.serve_only),
+            )
         kwargs = llm_kwargs(
             model_dir,
             device=device,
@@ -46,6 +63,7 @@ class EngineActor:
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             extra={
+                **flags.kwargs,
                 "skip_tokenizer_init": True,
                 "worker_extension_cls": WORKER_EXTENSION_CLS,
                 "enable_return_routed_experts": capture_routes,

@@ -70,6 +70,7 @@ class RayEngine:
         weight_transfer_backend: str | None = None,
         gpu_memory_utilization: float | None = None,
         capture_routes: bool = True,
+        engine_flags: Sequence[str] = (),
     ) -> None:
         import ray
 
@@ -90,6 +91,7 @@ class RayEngine:
             weight_transfer_backend=weight_transfer_backend,
             gpu_memory_utilization=gpu_memory_utilization,
             capture_routes=capture_routes,
+            engine_flags=tuple(engine_flags),
         )
         self.weight_transfer_backend = weight_transfer_backend
         self._ray = ray

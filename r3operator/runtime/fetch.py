@@ -145,7 +145,7 @@ def verify(directory: Path, *, checksums: bool = False) -> Fetched:
         size = path.stat().st_size
         if size != facts["size"]:
             raise SourceNotReady(f"{path} has {size} bytes, {READY_FILE} says {facts['size']}")
-        if checksums and _sha256(path) != facts["sha256"]:
+        if checksums and file_sha256(path) != facts["sha256"]:
             raise SourceNotReady(f"{path} does not match its sha256 in {READY_FILE}")
         total += size
     entry = directory / marker["entry"] if marker["entry"] != "." else directory
@@ -165,23 +165,47 @@ def _fetch_hf(source: SourceURI, dest: Path) -> str:
     return "."
 
 
-def _fetch_s3(source: SourceURI, dest: Path, options: S3Options) -> str:
+def s3_client(
+    source: SourceURI,
+    options: S3Options,
+    *,
+    attempts: int = 10,
+    credentials: tuple[str, str, str | None] | None = None,
+    timeout_s: float | None = None,
+) -> Any:
+    """A boto3 S3 client for the store of ``source`` (s3:// or gs://, see the module docstring). ``attempts``: the
+    client's own tries of one request; ``credentials``: (access key, secret key, session token) to use instead of
+    the environment's; ``timeout_s``: connect and read timeouts (None: botocore's)."""
     import boto3
     from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
 
-    uri = f"{source.scheme}://{source.location}/{source.path}"
     options, only_required_checksums = _store_options(source, options)
-    config = Config(retries={"max_attempts": 10, "mode": "standard"})
+    config = Config(retries={"max_attempts": attempts, "mode": "standard"})
+    if timeout_s is not None:
+        config = config.merge(Config(connect_timeout=timeout_s, read_timeout=timeout_s))
     if only_required_checksums:
         config = config.merge(
             Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
         )
+    keys: dict[str, Any] = {}
+    if credentials is not None:
+        keys = {
+            "aws_access_key_id": credentials[0],
+            "aws_secret_access_key": credentials[1],
+            "aws_session_token": credentials[2],
+        }
     # A session of its own: boto3's default session keeps the credentials it resolved first, and a fetch must
     # use the environment it runs with.
-    client = boto3.session.Session().client(
+    return boto3.session.Session(**keys).client(
         "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
     )
+
+
+def _fetch_s3(source: SourceURI, dest: Path, options: S3Options) -> str:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    uri = f"{source.scheme}://{source.location}/{source.path}"
+    client = s3_client(source, options)
     prefix = source.path
     try:
         keys = [
@@ -214,7 +238,7 @@ def _inside(dest: Path, rel: str, uri: str) -> Path:
 
 def _write_marker(directory: Path, *, uri: str, source: SourceURI, entry: str) -> dict[str, Any]:
     files = {
-        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(directory.rglob("*"))
         if p.is_file()
     }
@@ -248,7 +272,7 @@ def _publish(partial: Path, target: Path, *, checksums: bool) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):

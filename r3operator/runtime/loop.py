@@ -27,6 +27,8 @@
 10 checkpoint    sharded (one file per trainer rank), written in the background and committed
                  atomically once every rank has finished (runtime/checkpoint.py); the step waits
                  only for the state to be staged in memory
+   export        spec.export, every intervalSteps and after the last step: a Hugging Face directory, staged
+                 at the step boundary and published in the background (runtime/export.py)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from r3operator.routing.store import RoutingStore
 from r3operator.runtime import rollouts
 from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.runtime.evaluation import EvalResult
+from r3operator.runtime.export import build_exporter
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, eval_progress_patch
 from r3operator.runtime.nonfinite import NonFiniteTally, poison
 from r3operator.runtime.progress import StepTable
@@ -98,6 +101,13 @@ class GRPORun:
 
         self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
         self.step_eval: EvalResult | None = None  # the last evaluation
+        self.exporter = build_exporter(  # spec.export (runtime/export.py)
+            settings.job,
+            run_dir=self.run_dir,
+            model_dir=self.model_dir,
+            last_step=settings.steps,
+            engine_dtype=settings.engine_dtype,
+        )
 
     # -- setup: what runtime/setup.py builds, then resume or warm up, sync, canary ---------------------
     def setup(self) -> None:
@@ -400,8 +410,16 @@ class GRPORun:
                 row = self.train_step(step)
                 if table is not None:
                     table.add(row)
+                if self.exporter is not None:  # at the step's checkpoint boundary, when due
+                    self.exporter.after_step(
+                        step, self.trainer, self.policy_version, evaluation=self.step_eval, push=self.status.push
+                    )
             self.finish_checkpoint()
+            if self.exporter is not None:
+                self.exporter.finish(self.status.push)
         except BaseException:
+            if self.exporter is not None:
+                self.exporter.abandon()
             try:  # a checkpoint already staged is still worth committing
                 self.finish_checkpoint()
             except Exception as exc:

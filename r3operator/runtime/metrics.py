@@ -266,8 +266,9 @@ def progress_patch(
     """The progress report after the step `row` (a StepRecord), shaped as the RLJob status it becomes:
     `{"status": {"progress": Progress}}` (`StatusPusher.push` sends it; the operator copies it into the status).
     Figures the step lacks are null, which clears the last step's; `weightSync` and `nonFiniteSteps` are left
-    out when not known, and `evalReward`/`evalStep` on a step that did not evaluate, so the ones already
-    reported stay (`lastNonFiniteStep` goes with its count)."""
+    out when not known, and `evalReward`/`evalStep` on a step that did not evaluate, `weightSyncSeconds` on a step
+    that did not sync, so the ones already reported stay (`lastNonFiniteStep` goes with its count); the export
+    fields are the exporter's (runtime/export.py)."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = step_progress(
         row,
@@ -280,8 +281,13 @@ def progress_patch(
     )
     # Left out when not known, so that the value already there stays: weightSync, the run's non-finite count, the
     # last evaluation's figures.
-    unknown = {"weight_sync": weight_sync, "non_finite_steps": non_finite_steps}
+    unknown = {
+        "weight_sync": weight_sync,
+        "non_finite_steps": non_finite_steps,
+        "weight_sync_seconds": progress.weight_sync_seconds,  # a step without a sync keeps the last sync's
+    }
     left_out = {k for k, v in unknown.items() if v is None}
+    left_out |= {"exports", "last_export_step", "export_failure"}  # the exporter's own report (runtime/export.py)
     if non_finite_steps is None:
         left_out.add("last_non_finite_step")
     if progress.eval_reward is None:

@@ -194,12 +194,7 @@ def start_engines(settings: RunSettings, model_dir: Path, *, capture_routes: boo
     # The API's default assumes a GPU of the engine's own; locally only a value the user wrote is taken.
     share = inference.gpu_memory_utilization if "gpu_memory_utilization" in inference.model_fields_set else None
     if inference.extra_args:
-        log.warning(
-            "spec.inference.extraArgs %s are the engine pods' `vllm serve` flags (`r3operator up` and a cluster apply "
-            "them); this run's in-process engines do not: they run with the dtype, KV cache and batch sizes "
-            '`r3operator run` chooses (docs/runtime.md, "Engines of a local run")',
-            " ".join(inference.extra_args),
-        )
+        log.info("in-process engine flags (spec.inference.extraArgs): %s", " ".join(inference.extra_args))
     return EngineGroup(
         [
             RayEngine(
@@ -211,6 +206,7 @@ def start_engines(settings: RunSettings, model_dir: Path, *, capture_routes: boo
                 weight_transfer_backend=backend,
                 gpu_memory_utilization=share,
                 capture_routes=capture_routes,
+                engine_flags=inference.extra_args,
             )
         ]
     )

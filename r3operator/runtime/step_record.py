@@ -251,4 +251,10 @@ def step_progress(
         extreme_token_fraction=_finite(record.extreme_token_fraction),
         route_check_failures=record.route_check_failures,
         route_check_message=record.route_check_message or None,
+        weight_sync_seconds=_milliseconds(_finite(record.phase_seconds.get("weight_sync"))),
     )
+
+
+def _milliseconds(seconds: float | None) -> float | None:
+    """Seconds to the millisecond: what `kubectl get` shows of a sync, not 17 digits of timer noise."""
+    return None if seconds is None else round(seconds, 3)

@@ -235,6 +235,26 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
         sets(task={**DATASET, "reward": "http", "rewardURL": "http://reward.rl.svc:8080/score"}),
         sets(task={**DATASET, "reward": "exact-match", "rewardURL": "http://reward.rl.svc:8080/score"}),
     ),
+    "EXPORT-S3-CREDENTIALS": (
+        sets(export={"destination": "s3://models/rl/qwen3", "s3": {"credentialsSecret": "store"}}),
+        sets(export={"destination": "s3://models/rl/qwen3", "gcs": {"credentialsSecret": "store"}}),
+    ),
+    "EXPORT-GCS-CREDENTIALS": (
+        sets(export={"destination": "gs://models/rl/qwen3", "gcs": {"credentialsSecret": "store"}}),
+        sets(export={"destination": "gs://models/rl/qwen3"}),
+    ),
+    "EXPORT-WHEN": (
+        sets(export={"destination": "pvc://models/rl", "intervalSteps": 100, "atEnd": False}),
+        sets(export={"destination": "pvc://models/rl", "atEnd": False}),
+    ),
+    "EXPORT-URI-FORM": (
+        sets(export={"destination": "pvc://models"}),
+        sets(export={"destination": "pvc://models/rl/../other"}),
+    ),
+    "MANAGED-BY-QUEUE": (
+        sets(managedBy="kueue.x-k8s.io/multikueue", queueName="gpu"),
+        sets(managedBy="kueue.x-k8s.io/multikueue"),
+    ),
     "MODEL-URI-FORM": (
         sets(**{"model.uri": "hf://Qwen/Qwen3-30B-A3B@abc123", "model.revision": "abc123"}),
         sets(**{"model.uri": "hf://Qwen/Qwen3-30B-A3B@abc123", "model.revision": "def456"}),

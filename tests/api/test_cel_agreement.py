@@ -212,6 +212,21 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         path = draw(st.sampled_from(["/data/math/test.jsonl", "file:///d/t.jsonl", "s3://d/t.jsonl", "gs://d/t.jsonl"]))
         s["evaluation"] = {"datasetPath": draw(st.sampled_from([path, "hdfs://d/t.jsonl"]))}
+    if draw(st.booleans()):
+        export: dict[str, Any] = {
+            "destination": draw(st.sampled_from(["pvc://models/rl", "s3://b/rl", "gs://b/rl", "file:///x/rl"])),
+            "atEnd": draw(st.booleans()),
+        }
+        if draw(st.booleans()):
+            export["intervalSteps"] = draw(st.integers(1, 100))
+        for store in ("s3", "gcs"):
+            if draw(st.booleans()):
+                export[store] = {"credentialsSecret": "store"}
+        s["export"] = export
+    if draw(st.booleans()):
+        s["managedBy"] = draw(st.sampled_from(["kueue.x-k8s.io/multikueue", "r3operator.io/operator"]))
+    if draw(st.booleans()):
+        s["queueName"] = "gpu"
     return m
 
 

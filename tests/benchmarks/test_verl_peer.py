@@ -516,6 +516,16 @@ def test_hook_adds_logprob_metrics_to_verls_debug_metrics(tmp_path: Path, monkey
     assert got["peer/logprob_abs_diff_mean"] == pytest.approx(sum(abs(x) for x in log_ratios) / 5)
     assert got["peer/logprob_abs_diff_max"] == pytest.approx(0.5)
     assert got["peer/kl_k3"] == pytest.approx(sum(math.expm1(x) - x for x in log_ratios) / 5)
+    assert got["peer/extreme_token_fraction"] == 0.0  # no |log r| above ln 2
+    # r3operator's extreme tokens: |log r| > ln 2 = 0.6931 (0.7, -0.7 and -5.0, not 0.69; 9.0 is padding)
+    batch = {
+        "rollout_log_probs": torch.zeros(1, 5),
+        "old_log_probs": torch.tensor([[0.7, -0.7, 0.69, -5.0, 9.0]]),
+        "response_mask": torch.tensor([[1, 1, 1, 1, 0]]),
+        "responses": torch.zeros(1, 5),
+    }
+    got = metrics.calculate_debug_metrics(type("Data", (), {"batch": batch})())
+    assert got["peer/extreme_token_fraction"] == pytest.approx(3 / 4)
 
 
 def test_memory_sampler_reads_only_the_gpus_the_run_was_given() -> None:
@@ -565,8 +575,9 @@ def test_r3_side_on_gpus_runs_both_modes_through_up_engine_and_trainer_apart(tmp
         fast = {"weight_sync": {"layout": "kernel"}, "algorithm": {"mode": "async"}} if sub == "r3-fast" else {}
         for key in ("rollout", "algorithm", "task", "seed", "weight_sync", "model"):
             assert spec[key] == ({**base[key], **fast[key]} if key in fast else base[key]), key
+        committed = load_rljob(JOB).spec.weight_sync.layout.value  # the API's default since vLLM >= 0.30: auto
         assert (job.spec.weight_sync.layout.value, job.spec.algorithm.mode) == (
-            ("kernel", "async") if sub == "r3-fast" else ("auto", "sync")  # the default layout: the fastest admitted
+            ("kernel", "async") if sub == "r3-fast" else (committed, "sync")
         )
         assert spec["inference"] == base["inference"]
         plan = plan_up(

@@ -53,6 +53,8 @@ ADMIN_USER = "r3-admin"
 KUEUE_NAMESPACE = "kueue-system"
 KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
 KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
+KUEUE_RLJOB_FRAMEWORK = "RLJob.v1alpha1.r3operator.io"
+"""The RLJob as Kueue's configuration names an external framework (Kind.version.group)."""
 KUEUE_CONVERTED = frozenset({"localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters"})
 """The CRDs Kueue converts by webhook (its config/components/crd kustomization; the others convert with None)."""
 
@@ -587,7 +589,8 @@ class ControlPlane:
         dials ``localhost:<port>`` and checks the certificate against the Service's DNS name, which Kueue's
         cert rotator puts in it). Kueue's admission webhooks are registered for its own API group only: the
         ones for Pods, Deployments and Jobs would reach into every other test. Kueue manages only what
-        carries a queue name, with the batch/job integration alone.
+        carries a queue name, with the batch/job integration alone, and MultiKueue's generic adapter knows the
+        RLJob (used only where a ClusterQueue has a MultiKueue admission check).
         """
         if "kueue" in self.processes:
             return
@@ -634,6 +637,9 @@ class ControlPlane:
             namespace=KUEUE_NAMESPACE,
             manageJobsWithoutQueueName=False,
             integrations={"frameworks": ["batch/job"]},
+            # MultiKueue's generic adapter for RLJobs (Kueue >= 0.15, docs/operator.md "MultiKueue"): it acts only on
+            # Workloads of a ClusterQueue with a MultiKueue admission check.
+            multiKueue={"externalFrameworks": [{"name": KUEUE_RLJOB_FRAMEWORK}]},
         )
         proc = self._spawn(
             "kueue",

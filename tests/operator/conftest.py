@@ -14,7 +14,7 @@ def cluster(control_plane: Any) -> Cluster:
     if kubectl_path() is None:
         pytest.fail("kubectl not found: run `make tools` (puts the pinned kubectl in .tools/bin)")
     c = Cluster(control_plane)
-    c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))  # helm may hold it (chart tests)
     control_plane.wait_established("rljobs.r3operator.io")
     return c
 

@@ -261,6 +261,15 @@ def wait_condition(
         raise AssertionError(f"{exc}; the condition last read: {seen[0]!r}") from None
 
 
+def get_columns(cluster: Cluster, namespace: str, job: str) -> dict[str, str]:
+    """`kubectl get rlj JOB -o wide` as a user reads it: header → value ("" where a column is empty), each value
+    under its header's first character (kubectl pads the columns to line up)."""
+    header, row = cluster.kubectl("-n", namespace, "get", "rlj", job, "-o", "wide").stdout.splitlines()[:2]
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    ends: list[int | None] = [*starts[1:], None]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, ends, strict=True)}
+
+
 def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
     for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
         if cond["type"] == ctype:

@@ -51,7 +51,7 @@ def bare_cluster() -> Iterator[Cluster]:
 
     with control_plane(fleet=Fleet(nodes=2), with_kuberay=False) as plane:
         c = Cluster(plane)
-        c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+        c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         plane.wait_established("rljobs.r3operator.io")
         yield c
 

@@ -146,7 +146,8 @@ def test_the_status_is_written_by_the_operator_alone(
         timeout=REACT_S,
         what=f"the report in status.progress\n{operator.log(30)}",
     )
-    assert cluster.kubectl("-n", NS, "get", "rlj", job, "--no-headers").stdout.split()[6] == "3"  # STEP column
+    out = cluster.kubectl("-n", NS, "get", "rlj", job).stdout.splitlines()
+    assert out[1].split()[out[0].split().index("STEP")] == "3"  # the STEP column
 
     # 3. A report the status cannot hold is refused with the reason; the status keeps the last one taken.
     nan = {"data": {"progress": '{"step": 4, "rewardMean": NaN}'}}

@@ -317,3 +317,35 @@ def test_a_rise_in_the_trainers_non_finite_steps_posts_one_warning_naming_the_st
     assert message.startswith("step 8:") and "3 such step(s) so far" in message
     fresh = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
     assert len(pass_with(fresh, step=8, nonFiniteSteps=3, lastNonFiniteStep=8)) == 1  # the latest step is the one
+
+
+def test_a_status_writes_own_echo_arriving_before_its_answer_is_not_someone_elses():
+    """The watch event of a status write can reach the operator before the write's response (the event loop runs
+    the event handler while the write is awaited): that echo is the operator's own, not a foreign status to write
+    back; a status no write of the operator's made still is."""
+    seen: list[bool] = []
+
+    class EchoFirst(FakeClient):
+        reconciler: Reconciler | None = None
+
+        async def merge_patch(self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], **kw: Any):
+            result = await super().merge_patch(kind, namespace, name, patch, **kw)
+            self._rv += 1
+            result["metadata"]["resourceVersion"] = str(self._rv)
+            if kind.plural == "rljobs" and kw.get("subresource") == "status" and self.reconciler is not None:
+                seen.append(self.reconciler.foreign_status(copy.deepcopy(result)))  # the echo, before the answer
+            return result
+
+    client = EchoFirst()
+    client.put(_rljob())
+    operator = Reconciler(client, clock=lambda: NOW)  # type: ignore[arg-type]
+    client.reconciler = operator
+    asyncio.run(operator.reconcile(copy.deepcopy(client.objects[("rljobs", "rl", "job")])))
+    sts = client.objects[("statefulsets", "rl", "job-engine")]
+    sts["status"] = {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 4}  # the next status differs
+    asyncio.run(operator.reconcile(copy.deepcopy(client.objects[("rljobs", "rl", "job")])))
+    assert len(seen) == 2 and not any(seen)  # two writes, each echo the operator's own
+    forged = copy.deepcopy(client.objects[("rljobs", "rl", "job")])
+    forged["metadata"]["resourceVersion"] = str(client._rv + 1)
+    forged["status"]["startTime"] = "2000-01-01T00:00:00Z"
+    assert operator.foreign_status(forged)

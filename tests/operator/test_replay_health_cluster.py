@@ -1,5 +1,6 @@
-"""ReplayHealthy on the real control plane: the trainer's progress (pushed as the trainer's ServiceAccount, through
-RBAC) becomes the condition with its reason, and `kubectl get rlj` shows it under HEALTHY."""
+"""ReplayHealthy on the real control plane: the trainer's progress (reported as the trainer's ServiceAccount, through
+RBAC, into the `<job>-progress` ConfigMap the operator copies from) becomes the condition with its reason, and
+`kubectl get rlj` shows it under HEALTHY."""
 
 from __future__ import annotations
 
@@ -24,13 +25,12 @@ def _push_progress(cluster: Cluster, job: str, progress: dict[str, Any]) -> None
         "-n",
         NS,
         "patch",
-        "rlj",
-        job,
-        "--subresource=status",
+        "configmap",
+        f"{job}-progress",
         "--type=merge",
         f"--as=system:serviceaccount:{NS}:{job}-trainer",
         "-p",
-        json.dumps({"status": {"progress": progress}}),
+        json.dumps({"data": {"progress": json.dumps(progress)}}),
     )
 
 

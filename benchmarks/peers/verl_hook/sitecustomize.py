@@ -5,7 +5,10 @@ changes, each made when its module is first imported; nothing else of verl chang
    `training/rollout_probs_diff_*` (verl/utils/debug/metrics.py) is |p_trainer − p_rollout| in probability space,
    which cannot be set next to r3operator's |logp_trainer − logp_rollout|. `calculate_debug_metrics` is wrapped to
    add, from the same batch (`rollout_log_probs`, `old_log_probs`, the response mask), `peer/logprob_abs_diff_mean`
-   and `_max` (token-level, over response tokens) and `peer/kl_k3`. A failure there leaves verl's metrics as they are.
+   and `_max` (token-level, over response tokens), `peer/kl_k3` (the formula of verl's own `rollout_corr/k3_kl`) and
+   `peer/extreme_token_fraction` (tokens whose trainer/rollout probability ratio is outside [1/2, 2], r3operator's
+   `extreme_token_fraction`; verl 0.9.1 counts such tokens only with importance sampling or rejection turned on,
+   `rollout_corr/rollout_is_ratio_fraction_*`). A failure there leaves verl's metrics as they are.
 2. mbridge 0.15.1 (verl's `vanilla_mbridge` path) reads `hf_config.rope_theta`, which transformers 5 no longer sets
    (it keeps the value in `rope_parameters`); `AutoBridge.from_config` is wrapped to set it from there first.
 3. mbridge 0.15.1's `get_model` compares with `ModelType.encoder_and_decoder`, which megatron-core 0.19 removed
@@ -22,9 +25,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Any
+
+EXTREME_LOG_RATIO = math.log(2.0)  # r3operator/trainer/metrics.py: EXTREME_RATIO_TAU
 
 
 def logprob_metrics(batch: Any) -> dict[str, float]:
@@ -40,6 +46,7 @@ def logprob_metrics(batch: Any) -> dict[str, float]:
         "peer/logprob_abs_diff_mean": float(log_ratio.abs().mean()),
         "peer/logprob_abs_diff_max": float(log_ratio.abs().max()),
         "peer/kl_k3": float(k3),
+        "peer/extreme_token_fraction": float((log_ratio.abs() > EXTREME_LOG_RATIO).float().mean()),
     }
 
 

@@ -24,7 +24,7 @@ def runtime_config(job: RLJob) -> RuntimeConfig:
     engine_service = meta.child_name(job, meta.ROLE_ENGINE)
     transfer = cluster_transfer(job.spec)
     return RuntimeConfig(
-        metadata=JobName(name=job.metadata.name, namespace=job.metadata.namespace or "default"),
+        metadata=JobName(name=job.metadata.name, namespace=job.metadata.namespace or "default", uid=job.metadata.uid),
         spec=job.spec,
         resolved=plan(job).to_resolved(),
         runtime=RuntimeBlock(

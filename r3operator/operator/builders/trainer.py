@@ -15,6 +15,7 @@ from r3operator.api.v1alpha1 import RLJob
 from r3operator.api.vllm_args import model_source
 from r3operator.operator import meta
 from r3operator.operator.builders.dataset import dataset_mount
+from r3operator.operator.builders.export import export_mount
 from r3operator.operator.builders.model import model_mount
 from r3operator.operator.builders.overrides import apply_template, role_template
 from r3operator.operator.builders.security import TRAINER_UID, container_security_context, pod_security_context
@@ -64,6 +65,8 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
     ]
     model = model_mount(job, image=job.spec.trainer.image)
     data = dataset_mount(job, image=job.spec.trainer.image, head=head)
+    export = export_mount(job, head=head)
+    env += export.env
     init_containers = model.init_containers + data.init_containers
     if model.volumes:
         env.append({"name": RuntimeSettings.env_name("model_dir"), "value": model_source(job.spec).directory})
@@ -83,6 +86,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model.mounts,
             *data.mounts,
+            *export.mounts,
         ],
         "securityContext": container_security_context(),
     }
@@ -103,6 +107,7 @@ def trainer_pod_template(job: RLJob, container_name: str, *, head: bool) -> dict
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                 *model.volumes,
                 *data.volumes,
+                *export.volumes,
             ],
         },
     }
