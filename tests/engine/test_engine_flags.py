@@ -14,12 +14,8 @@ import pytest
 from r3operator.engine.llm import RUN_FIXED_KWARGS
 
 
-@pytest.fixture(scope="module")
-def flags_parser() -> None:
+def test_the_flags_written_are_applied_and_the_parser_defaults_are_not() -> None:
     pytest.importorskip("vllm")
-
-
-def test_the_flags_written_are_applied_and_the_parser_defaults_are_not(flags_parser: None) -> None:
     from r3operator.engine.flags import engine_flag_kwargs
 
     flags = engine_flag_kwargs(
@@ -31,7 +27,8 @@ def test_the_flags_written_are_applied_and_the_parser_defaults_are_not(flags_par
     assert engine_flag_kwargs([], fixed=RUN_FIXED_KWARGS).kwargs == {}
 
 
-def test_a_flag_the_run_fixes_is_kept_and_a_server_flag_is_reported(flags_parser: None) -> None:
+def test_a_flag_the_run_fixes_is_kept_and_a_server_flag_is_reported() -> None:
+    pytest.importorskip("vllm")
     from r3operator.engine.flags import engine_flag_kwargs
 
     flags = engine_flag_kwargs(
@@ -43,7 +40,8 @@ def test_a_flag_the_run_fixes_is_kept_and_a_server_flag_is_reported(flags_parser
     assert flags.serve_only == ("--port", "8001")
 
 
-def test_a_value_vllm_refuses_is_an_error_naming_the_flag(flags_parser: None) -> None:
+def test_a_value_vllm_refuses_is_an_error_naming_the_flag() -> None:
+    pytest.importorskip("vllm")
     from r3operator.engine.flags import engine_flag_kwargs
 
     with pytest.raises(ValueError, match=r"spec.inference.extraArgs .*--max-num-seqs: invalid int value: 'x'"):
