@@ -55,8 +55,9 @@ class Plan:
     max_prompt_tokens: int = 256
     mini_batches: int = 4
     learning_rate: float = 2e-5
-    micro_batch_tokens: int | None = 8192
-    """Three trainers share the GPU side by side: 8,192 tokens a micro-batch keeps each one's activations ~5 GB."""
+    micro_batch_tokens: int | None = 4096
+    """Three trainers share an 80 GB GPU side by side: at 8,192 tokens a micro-batch each held ~19.7 GB and the third
+    ran out of memory in its first update (2026-12-06, H100)."""
     gpu_memory_utilization: float = 0.15
     kv_cache_gib: int = 4
     """A fixed KV cache per engine (`--kv-cache-memory-bytes`): engines that start beside other runs' processes
@@ -76,6 +77,8 @@ class Plan:
     concurrent: bool = True
     extra_engine_args: tuple[str, ...] = field(default=())
     cuda_graphs: bool = True
+    machine: str = ""
+    """The summary's machine (`h100`, `h200`): empty, the GPU this process sees (a summary made elsewhere names it)."""
     """GPU engines capture CUDA graphs (`--no-enforce-eager`): decoding 512 samples eagerly took ~45 % of a step."""
 
     def chain_spec(self) -> Any:
@@ -348,9 +351,18 @@ def run_modes(plan: Plan, out: Path) -> dict[str, int]:
             codes[mode] = process.wait()
             log.close()
             running.clear()
-    for mode, process, log in running:
-        codes[mode] = process.wait()
-        log.close()
+    while running:  # side by side: a run that stops is said at once, while the others go on
+        for entry in list(running):
+            mode, process, log = entry
+            code = process.poll()
+            if code is None:
+                continue
+            codes[mode] = code
+            log.close()
+            running.remove(entry)
+            if code:
+                print(f"== {mode} stopped (exit {code}){last_error(logs / f'{mode.lower()}.log')}", flush=True)
+        time.sleep(1.0)
     return codes
 
 
@@ -379,11 +391,24 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def collapsed(evals: Sequence[float], entropy: Sequence[float], grad_norm: Sequence[float]) -> str | None:
-    """Why a run collapsed, by the issue's definition, or None: the held-out reward fell to less than half its
-    peak by the end, the entropy fell below a tenth of its start, or the grad norm exceeded 10× its median."""
+    """Why a run collapsed, by the issue's definition, or None: the held-out reward fell below half the peak it had
+    reached (whether it came back later is said, not forgiven), the entropy fell below a tenth of its start, or the
+    grad norm exceeded 10× its median."""
     finite = [v for v in evals if math.isfinite(v)]
-    if len(finite) >= 2 and max(finite) > 0 and finite[-1] < 0.5 * max(finite):
-        return f"held-out reward fell from its peak {max(finite):.3f} to {finite[-1]:.3f}"
+    peak = -math.inf
+    for i, value in enumerate(finite):
+        if value > peak:
+            peak = value
+        elif peak > 0 and value < 0.5 * peak:
+            later = max(finite[i + 1 :], default=None)
+            after = (
+                " (the last evaluation)"
+                if later is None
+                else f", back to {later:.3f} later"
+                if later >= 0.5 * peak
+                else ", and did not come back"
+            )
+            return f"held-out reward fell from its peak {peak:.3f} to {value:.3f}{after}"
     ent = [v for v in entropy if math.isfinite(v)]
     if len(ent) >= 2 and ent[0] > 0 and ent[-1] < 0.1 * ent[0]:
         return f"entropy fell from {ent[0]:.3f} to {ent[-1]:.3f}"
@@ -393,12 +418,21 @@ def collapsed(evals: Sequence[float], entropy: Sequence[float], grad_norm: Seque
     return None
 
 
-def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int) -> dict[str, Any]:
-    """The figures of one mode's run, from its metrics.csv and eval.csv."""
+def last_error(log: Path | None) -> str:
+    """The last line of a run's log that names an exception (`; log: <line>`), or nothing."""
+    if log is None or not log.is_file():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if "Error" in line]
+    return f"; {log.name}: {lines[-1][:300]}" if lines else ""
+
+
+def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int, log: Path | None = None) -> dict[str, Any]:
+    """The figures of one mode's run, from its metrics.csv and eval.csv; `log`: the run's console log, whose last
+    error explains a run that trained nothing."""
     rows = [r for r in _read_csv(run_dir / "metrics.csv") if r.get("skipped") in ("0", "")]
     evals = _read_csv(run_dir / "eval.csv")
     if not rows:
-        return {"error": f"{run_dir}: no trained step in metrics.csv"}
+        return {"error": f"{run_dir}: no trained step in metrics.csv" + last_error(log)}
     step_seconds = [_float(r, "step_seconds") for r in rows]
     trained = [_float(r, "tokens") + _float(r, "prompt_tokens") for r in rows]
     per_s = [t / s for t, s in zip(trained, step_seconds, strict=True) if s > 0 and math.isfinite(t)]
@@ -442,6 +476,21 @@ def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int) -> dict[str,
         ),
     }
     return summary
+
+
+def command_line(plan: Plan, out: Path) -> str:
+    """The command that makes this plan: `--out` and every setting that differs from the defaults."""
+    words = ["python", "-m", "benchmarks.learning", "--out", str(out)]
+    for name, value in asdict(plan).items():
+        default = getattr(Plan(), name)
+        if value == default or name == "machine":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            words.append(f"{flag}={','.join(value) if isinstance(value, tuple) else value}")
+    return " ".join(words)
 
 
 def machine() -> str:
@@ -501,14 +550,19 @@ def targets(modes: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def summarize(plan: Plan, out: Path) -> Path:
     shared = len(plan.modes) if plan.concurrent else 1
-    modes = {mode: mode_summary(plan, out / "runs" / run_name(mode), gpus_shared_by=shared) for mode in plan.modes}
+    modes = {
+        mode: mode_summary(
+            plan, out / "runs" / run_name(mode), gpus_shared_by=shared, log=out / "logs" / f"{mode.lower()}.log"
+        )
+        for mode in plan.modes
+    }
     warm = json.loads((out / "warm" / "warm.json").read_text()) if (out / "warm" / "warm.json").is_file() else None
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     record = {
         "benchmark": "learning",
         "date": date,
-        "machine": machine(),
-        "command": f"python -m benchmarks.learning --out {out} --device {plan.device} --model {plan.model}",
+        "machine": plan.machine or machine(),
+        "command": command_line(plan, out),
         "plan": {**asdict(plan), "modes": list(plan.modes), "extra_engine_args": list(plan.extra_engine_args)},
         "warm_start": warm,
         "modes": modes,

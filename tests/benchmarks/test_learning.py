@@ -63,6 +63,7 @@ def test_the_summary_reads_each_mode_and_judges_the_targets(tmp_path: Path) -> N
     assert targets["step_time_r3_over_disabled"]["value"] == pytest.approx(1.025)
     # Disabled's held-out reward ended at a third of its peak: collapsed by the issue's definition; R3 did not.
     assert "fell from its peak 0.300 to 0.100" in off["collapse"] and r3["collapse"] is None
+    assert off["collapse"].endswith("(the last evaluation)")
     assert sorted(report["plots"]) == sorted(f"learning-{m.lower()}.png" for m in (*learning.MODES, "all-modes"))
     assert all((tmp_path / p).is_file() for p in report["plots"])
 
@@ -73,9 +74,34 @@ def test_collapse_reads_entropy_and_grad_norm_too() -> None:
     assert learning.collapsed([0.1, 0.2], [2.0, 1.9], [1.0, 1.2]) is None
 
 
-def test_a_mode_without_a_trained_step_says_so(tmp_path: Path) -> None:
+def test_a_fall_below_half_the_peak_is_a_collapse_even_when_the_reward_comes_back() -> None:
+    # The issue: "eval reward falls by more than half from its peak". R2 on 2026-12-06: 0.699 at step 40, 0.340 at 50.
+    evals = [0.199, 0.445, 0.570, 0.633, 0.699, 0.340, 0.477, 0.742, 0.5625]
+    flat = [1.0] * len(evals)
+    assert (
+        learning.collapsed(evals, flat, flat)
+        == "held-out reward fell from its peak 0.699 to 0.340, back to 0.742 later"
+    )
+    assert learning.collapsed([0.2, 0.6, 0.2, 0.25], flat, flat) == (
+        "held-out reward fell from its peak 0.600 to 0.200, and did not come back"
+    )
+    # A dip to exactly half, or a fall before any rise, is not one.
+    assert learning.collapsed([0.2, 0.6, 0.3, 0.6], flat, flat) is None
+    assert learning.collapsed([0.0, 0.0, 0.1], flat, flat) is None
+
+
+def test_a_mode_without_a_trained_step_says_so_with_its_logs_last_error(tmp_path: Path) -> None:
     plan = learning.Plan(modes=("R3",))
     assert "no trained step" in learning.mode_summary(plan, tmp_path / "nothing", gpus_shared_by=1)["error"]
+    log = tmp_path / "r3.log"
+    log.write_text(
+        "Traceback (most recent call last):\n[rank0]: RuntimeError: first\n"
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 190.00 MiB.\nshutdown\n"
+    )
+    error = learning.mode_summary(plan, tmp_path / "nothing", gpus_shared_by=1, log=log)["error"]
+    assert error.endswith(
+        "; r3.log: [rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 190.00 MiB."
+    )
 
 
 @pytest.mark.slow
@@ -95,3 +121,14 @@ def test_every_mode_s_job_is_a_valid_rljob_differing_only_in_replay(tmp_path: Pa
         assert doc["spec"]["algorithm"]["miniBatches"] == 4
     strip = [{**d["spec"], "routingReplay": None} for d in docs.values()]
     assert strip[0] == strip[1] == strip[2]
+
+
+def test_the_summary_s_command_makes_the_same_plan() -> None:
+    plan = learning.Plan(modes=("Disabled", "R3"), micro_batch_tokens=8192, cuda_graphs=False, machine="h100")
+    words = learning.command_line(plan, Path("/root/learn")).split()
+    assert words[:5] == ["python", "-m", "benchmarks.learning", "--out", "/root/learn"]
+    assert "--no-cuda-graphs" in words and "--micro-batch-tokens=8192" in words and "--modes=Disabled,R3" in words
+    parsed, out, _ = learning.parse(words[3:])
+    assert out == Path("/root/learn") and parsed == learning.Plan(
+        modes=("Disabled", "R3"), micro_batch_tokens=8192, cuda_graphs=False
+    )

@@ -92,7 +92,8 @@ def test_verl_runs_the_learning_workload_of_issue_44(workloads: dict[int, dict[s
         assert on[f"{ROLLOUT}.max_num_seqs"] == "512"  # the learning engine's --max-num-seqs
         # micro-batches by tokens, as the learning RLJob's fsdp.microBatchTokens
         assert on[f"{ACTOR}.use_dynamic_bsz"] == "True"
-        assert on[f"{ACTOR}.ppo_max_token_len_per_gpu"] == on[f"{ROLLOUT}.log_prob_max_token_len_per_gpu"] == "16384"
+        assert on[f"{ACTOR}.ppo_max_token_len_per_gpu"] == on[f"{ROLLOUT}.log_prob_max_token_len_per_gpu"]
+        assert on[f"{ACTOR}.ppo_max_token_len_per_gpu"] == str(learning.Plan().micro_batch_tokens)
         # held-out eval every 10 steps and before the first, one answer per prompt at the rollout temperature
         assert on["data.val_files"].endswith("/inputs/data/val.parquet")
         assert (on["trainer.test_freq"], on["trainer.val_before_train"]) == ("10", "True")

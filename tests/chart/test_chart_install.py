@@ -32,6 +32,7 @@ import pytest
 import yaml
 from kubecluster.clients import create_namespace, kubectl
 from kubecluster.controlplane import ApiError, ControlPlane
+from records import step_record
 
 from r3operator.runtime.metrics import progress_patch
 from r3operator.settings import ENV_PREFIX, operator_settings
@@ -316,7 +317,7 @@ def test_trainer_token_writes_its_progress_report_and_nothing_else(
     token = control_plane.token_for(jobs_namespace, reconciled["sa"]["metadata"]["name"])
     rljob = f"/apis/r3operator.io/v1alpha1/namespaces/{jobs_namespace}/rljobs/{JOB}"
     report = f"/api/v1/namespaces/{jobs_namespace}/configmaps/{JOB}-progress"
-    progress = progress_patch({"step": 3, "reward_mean": 0.5}, total_steps=10, last_checkpoint_step=None)
+    progress = progress_patch(step_record(3, reward_mean=0.5), total_steps=10, last_checkpoint_step=None)
     patch = {"data": {"progress": json.dumps(progress["status"]["progress"])}}
     patched = control_plane.request("PATCH", report, patch, "application/merge-patch+json", token=token)
     assert json.loads(patched["data"]["progress"])["step"] == 3

@@ -36,6 +36,7 @@ from operator_harness import (
     wait_condition,
     wait_for,
 )
+from records import step_record
 
 from r3operator.runtime.metrics import StatusPusher, progress_patch
 
@@ -140,7 +141,7 @@ def test_the_status_is_written_by_the_operator_alone(
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.api.api_port))
     pusher = StatusPusher(job, NS, account_dir=account)
-    assert pusher.push(progress_patch({"step": 3, "reward_mean": 0.25}, total_steps=10, last_checkpoint_step=None))
+    assert pusher.push(progress_patch(step_record(3, reward_mean=0.25), total_steps=10, last_checkpoint_step=None))
     wait_for(
         lambda: (_status(cluster, job).get("progress") or {}).get("rewardMean") == 0.25,
         timeout=REACT_S,

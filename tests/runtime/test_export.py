@@ -269,7 +269,7 @@ def test_the_manifest_goes_last_a_failed_publish_is_never_an_export_and_the_retr
 FULL_CLAIM = textwrap.dedent(
     """
     import json, sys
-    sys.path[:0] = [{tests!r}]
+    sys.path[:0] = [{here!r}, {tests!r}]  # this module, and the tests' shared helpers
     from test_export import _exporter, Reports
     from pathlib import Path
     from r3operator.trainer.hf_policy import PolicyTrainer
@@ -303,7 +303,11 @@ def test_a_full_claim_fails_the_export_with_no_space_and_keeps_the_last_one(tmp_
     claim = tmp_path / "claim"
     claim.mkdir()
     script = FULL_CLAIM.format(
-        tests=str(Path(__file__).parent), claim=str(claim), tmp=str(tmp_path), model=str(model_dir)
+        here=str(Path(__file__).parent),
+        tests=str(Path(__file__).parents[1]),
+        claim=str(claim),
+        tmp=str(tmp_path),
+        model=str(model_dir),
     )
     mount = f'mount -t tmpfs -o size=40m tmpfs {claim} && exec {sys.executable} -c "$0"'
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
