@@ -377,3 +377,23 @@ def test_the_defaults_follow_verl_but_sample_at_the_rollouts_temperature(tmp_pat
         build_evaluation(job.spec.model_copy(update={"evaluation": None}), task, None, last_step=25, run_dir=tmp_path)
         is None
     )
+
+
+def test_progress_says_the_trained_tokens_per_second_and_the_time_left() -> None:
+    from dataclasses import replace
+
+    from records import step_record
+
+    from r3operator.runtime.progress import StepTable, duration, step_line
+
+    first = step_record(1, tokens=1000, prompt_tokens=200, step_seconds=2.0, canary_ok=1, skipped=0)
+    # (1000 + 200) tokens / 2 s; 9 steps left at 2 s.
+    assert step_line(first, 10, eta=18.0).endswith("step 2.00s  tok/s 600  ETA 18s")
+    table = StepTable("t", total_steps=10, enabled=False)
+    table.add(first)
+    table.add(replace(first, step=2, step_seconds=4.0))
+    # 8 steps left at the mean of 2 s and 4 s.
+    assert table._table().title == "t  (step 2/10  ETA 24s)"
+    [column] = [c for c in table._table().columns if c.header == "tok/s"]
+    assert list(column.cells) == ["600", "300"]
+    assert [duration(s) for s in (44.6, 723, 3720)] == ["45s", "12m03s", "1h02m"]
