@@ -297,6 +297,26 @@ ALERTS: tuple[Alert, ...] = (
         "weights: `r3operator_weight_sync_canary_ok`; misaligned routes: R3RoutingAgreementLow).",
     ),
     Alert(
+        "R3WeightSyncKernelLayoutRefused",
+        f"max by ({_JOB}) (r3operator_weight_sync_kernel_refused) == 1",
+        "0m",
+        "warning",
+        "Kernel weight-sync layout refused for {{ $labels.namespace }}/{{ $labels.rljob }}: syncing in the checkpoint "
+        "layout",
+        "vLLM's own load_weights disagreed with the kernel layout's build of some parameters at the plan's reference "
+        "sync; the weights go on in the checkpoint layout, right and slower. The driver log and "
+        "status.progress.weightSync name the parameters.",
+        "With `weightSync.layout` `kernel` or `auto`, the first sync of a kernel plan goes in the checkpoint layout "
+        "through vLLM's own `load_weights`, and every engine parameter's fingerprint is compared with what the "
+        "kernel builder makes of the same tensors. A difference means the builder (or the plan) would have written "
+        "a parameter wrong: that sender's syncs stay in the checkpoint layout, so nothing wrong reached the "
+        "engines, but every sync pays the slower path (compare `r3operator_weight_sync_seconds` with the job's "
+        "earlier runs). `kubectl get rljob <job> -o jsonpath='{.status.progress.weightSync}'` and the driver log "
+        "(`weight sync: kernel layout refused`) name the parameters; usually a model or vLLM version whose fused "
+        "layout the builder does not know (docs/runtime.md, Weight sync). Report it with those names; set "
+        "`weightSync.layout: checkpoint` to make the choice explicit.",
+    ),
+    Alert(
         "RLJobNoProgress",
         # max by: a standby replica of the operator (leader election) could still hold a job's series.
         f"(time() - max by ({_JOB}) (r3operator_rljob_last_progress_timestamp_seconds))"

@@ -52,6 +52,13 @@ METRICS: list[MetricSpec] = [
     ),
     MetricSpec("r3operator_weight_sync_canary_ok", "gauge", _ID, "1 if the last post-sync canary matched, else 0."),
     MetricSpec(
+        "r3operator_weight_sync_kernel_refused",
+        "gauge",
+        _ID,
+        "1 if the kernel layout was chosen and vLLM's own load_weights refused its plan at the reference sync (the "
+        "syncs go on in the checkpoint layout), else 0; exported only where the kernel layout was chosen.",
+    ),
+    MetricSpec(
         "r3operator_samples_dropped_total",
         "counter",
         (*_ID, "reason"),

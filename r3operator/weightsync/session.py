@@ -147,6 +147,9 @@ class WeightSyncSession:
         self.policy_version = version
         if isinstance(self.install, NativeInstall):
             self.described = f"{self.transfer.describe()}; {self.install.described(self.layout)}"
+            refused = self.install.kernel_refused_gauge(self.layout)
+            if refused is not None:
+                self.metrics.set("r3operator_weight_sync_kernel_refused", refused)
         seconds = time.perf_counter() - begin
         self.metrics.set("r3operator_weight_sync_seconds", seconds)
         for phase, spent in self.phases.seconds.items():

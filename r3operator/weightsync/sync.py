@@ -249,6 +249,13 @@ class NativeInstall:
         layout = chosen.refused(self.kernel_refused) if self.kernel_refused else chosen
         return "; ".join(part for part in (layout.describe(), describe_ipc_path(self.ipc_path)) if part)
 
+    def kernel_refused_gauge(self, chosen: LayoutChoice) -> float | None:
+        """`r3operator_weight_sync_kernel_refused`: 1 once vLLM's loader refused the kernel plan, 0 while the kernel
+        layout holds, None where the run chose the checkpoint layout (no series)."""
+        if chosen.layout is not WeightSyncLayout.KERNEL:
+            return None
+        return 1.0 if self.kernel_refused else 0.0
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
