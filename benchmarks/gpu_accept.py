@@ -970,8 +970,8 @@ ROWS: list[Row] = [
         "100 steps each of Disabled, R2 and R3 side by side, held-out eval every 10 steps",
         "R3's held-out reward +0.2 from step 0; R3's k3 KL ≤ 0.5× Disabled's, extreme tokens ≤ 0.2×; step ≤ 1.05×",
         1,
-        1100,
-        1500,
+        1750,  # 2026-12-06, H100: warm start ~150 s; two runs side by side took 10.7 s a step, three ~16 s
+        2400,
         learning_command,
         judge_learning,
     ),
