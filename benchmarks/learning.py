@@ -481,9 +481,9 @@ def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int, log: Path | 
 def command_line(plan: Plan, out: Path) -> str:
     """The command that makes this plan: `--out` and every setting that differs from the defaults."""
     words = ["python", "-m", "benchmarks.learning", "--out", str(out)]
+    defaults = Plan()
     for name, value in asdict(plan).items():
-        default = getattr(Plan(), name)
-        if value == default or name == "machine":
+        if value == getattr(defaults, name) or name == "machine":
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -288,16 +288,17 @@ def _write_manifest_file(directory: Path, manifest: Mapping[str, Any]) -> None:
     os.replace(part, directory / MANIFEST)
 
 
+def _store_client(where: Destination) -> Any:
+    """The object store's client for an export's requests: bounded retries and timeouts, the job's credentials."""
+    return s3_client(
+        where.source, where.s3, attempts=_STORE_REQUEST_TRIES, credentials=where.credentials, timeout_s=_STORE_TIMEOUT_S
+    )
+
+
 def publish_object_store(staged: Staged, where: Destination, *, cancel: threading.Event | None = None) -> None:
     """`staged` as objects under `<prefix>/step-N/`: a manifest an earlier attempt left there is deleted first (the
     prefix stops being an export until this one is complete), every file is uploaded, the manifest last."""
-    client = s3_client(
-        where.source,
-        where.s3,
-        attempts=_STORE_REQUEST_TRIES,
-        credentials=where.credentials,
-        timeout_s=_STORE_TIMEOUT_S,
-    )
+    client = _store_client(where)
     bucket = where.source.location
     client.delete_object(Bucket=bucket, Key=where.key_of(staged.step, MANIFEST))
     for name in staged.files:
@@ -335,13 +336,7 @@ def existing_exports(where: Destination, *, uid: str | None, name: str) -> list[
         for step in local_exports(where.local_root):
             manifests.append(json.loads((where.local_root / step_name(step) / MANIFEST).read_text()))
     else:
-        client = s3_client(
-            where.source,
-            where.s3,
-            attempts=_STORE_REQUEST_TRIES,
-            credentials=where.credentials,
-            timeout_s=_STORE_TIMEOUT_S,
-        )
+        client = _store_client(where)
         prefix = f"{where.source.path}/" if where.source.path else ""
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=where.source.location, Prefix=prefix)
         keys = sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith("/" + MANIFEST))

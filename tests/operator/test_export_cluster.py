@@ -22,8 +22,8 @@ from operator_harness import REPO, Cluster, OperatorProcess, condition, get_colu
 
 pytest.importorskip("vllm")
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) serves S3 in these tests")
-from tests.runtime.store_proxy import StoreProxy  # noqa: E402
+pytest.importorskip("moto.server", reason="moto[server] (the dev extra) serves S3 in these tests")
+from tests.runtime.store_proxy import StoreProxy, served_store  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NS = "rl-export"
@@ -57,15 +57,8 @@ def engines() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[tuple[str, StoreProxy]]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    _client(endpoint).create_bucket(Bucket=BUCKET)
-    proxy = StoreProxy(host, port)
-    yield endpoint, proxy
-    proxy.close()
-    server.stop()
+    with served_store(lambda endpoint: _client(endpoint).create_bucket(Bucket=BUCKET)) as served:
+        yield served
 
 
 def _client(endpoint: str) -> Any:

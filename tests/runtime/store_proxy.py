@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable, Iterator
 
 
 class StoreProxy:
@@ -95,3 +96,22 @@ class StoreProxy:
                 return True
             self._budget -= size
             return self._budget >= 0
+
+
+@contextlib.contextmanager
+def served_store(prepare: Callable[[str], object]) -> Iterator[tuple[str, StoreProxy]]:
+    """A moto S3 server on a free port, `prepare(endpoint)` run once it listens (make its buckets), and a relay in
+    front of it: (the server's own endpoint, the relay). Callers importorskip `moto.server` first."""
+    from moto import server as moto_server
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    prepare(endpoint)
+    proxy = StoreProxy(host, port)
+    try:
+        yield endpoint, proxy
+    finally:
+        proxy.close()
+        server.stop()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from runtime_test_helpers import small_job_manifest
-from store_proxy import StoreProxy
+from store_proxy import StoreProxy, served_store
 
 from r3operator.api.load import parse_rljob
 from r3operator.api.v1alpha1 import RLJob
@@ -33,7 +33,7 @@ from r3operator.settings import RuntimeSettings
 
 torch = pytest.importorskip("torch")
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server", reason="moto[server] (the dev extra) serves S3 in these tests")
+pytest.importorskip("moto.server", reason="moto[server] (the dev extra) serves S3 in these tests")
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +58,8 @@ def trainer(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[tuple[str, StoreProxy]]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    _client(endpoint).create_bucket(Bucket=BUCKET)
-    proxy = StoreProxy(host, port)
-    yield endpoint, proxy
-    proxy.close()
-    server.stop()
+    with served_store(lambda endpoint: _client(endpoint).create_bucket(Bucket=BUCKET)) as served:
+        yield served
 
 
 def _client(endpoint: str, keys: tuple[str, str] = ADMIN) -> Any:
