@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from r3operator.runtime.loop import GRPORun
     from r3operator.weightsync.faults import Install
     from r3operator.weightsync.sync import NativeInstall
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-local.yaml"
 
@@ -473,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from r3operator.runtime.loop import GRPORun
     from r3operator.weightsync.sync import NativeInstall
     from r3operator.wire.retry import Backoff
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
     from r3operator.wire.weights import checkpoint_metadata
 
     model_dir = ensure_reference_model(args.model)
@@ -559,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if not isinstance(native_install, NativeInstall):
                     raise RuntimeError(f"--layout {layout}: setup() installed {native_install!r}, not a NativeInstall")
                 native_install, figures["warmup_s"] = switch_layout(
-                    run, native_install, BracketLayout(layout), args.sft_steps
+                    run, native_install, BeginNative(BracketLayout(layout)), args.sft_steps
                 )
                 if layout == "kernel":
                     result["kernel_reference"] = kernel_reference(native_install)
@@ -590,7 +590,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             faults = result.setdefault(f"fault_mid_sync_{native[0]}", {})
             for index, layout in enumerate(reversed(layouts)):  # the layout in force first: no switch
                 if index:
-                    native_install, _ = switch_layout(run, native_install, BracketLayout(layout), args.sft_steps)
+                    native_install, _ = switch_layout(
+                        run, native_install, BeginNative(BracketLayout(layout)), args.sft_steps
+                    )
                 faults[layout] = fault_mid_sync(run, engine, native_install)
                 print("fault_mid_sync", native[0], layout, json.dumps(faults[layout]), flush=True)
                 save()
@@ -637,10 +639,10 @@ def parse_layouts(text: str) -> list[str]:
 
 
 def switch_layout(
-    run: GRPORun, install: NativeInstall, layout: BracketLayout, sft_steps: int
+    run: GRPORun, install: NativeInstall, bracket: BeginNative, sft_steps: int
 ) -> tuple[NativeInstall, float]:
-    """The next syncs in `layout`, on the same engines: a new install of the same method (its own rendezvous, as
-    after an engine restart; `install`'s is closed), made as setup() makes one, then one untimed sync with it,
+    """The next syncs opening `bracket` (its layout), on the same engines: a new install of the same method (its own
+    rendezvous, as after an engine restart; `install`'s is closed), made as setup() makes one, then one untimed sync,
     canaried: its rendezvous and kernel plan (the engines asked for their parameters, a new plan's reference) stay
     out of the measured syncs. The new install and that sync's seconds."""
     from r3operator.weightsync.sync import NativeInstall
@@ -654,7 +656,7 @@ def switch_layout(
         master_address=install.master_address,
         sent=install.sent,
         phases=install.phases,
-        layout=layout,
+        bracket=bracket,
         kernel_fallback=install.kernel_fallback,
     )
     run.supervisor.install = run.weight_sync.install = fresh

@@ -53,8 +53,8 @@ class SendsToVerbs:
                 return counts if isinstance(counts, PackedCounts) else message.answer([counts])
             case AbortPacked():
                 return verbs.abort_weight_update()
-            case BeginNative(layout=layout):
-                return verbs.native_start(layout)
+            case BeginNative():
+                return verbs.native_start(message)
             case FinishNative(policy_tag=tag):
                 return verbs.native_finish(tag)
             case AbortNative():

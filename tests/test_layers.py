@@ -224,6 +224,39 @@ def test_the_package_has_no_import_cycle() -> None:
     assert found == [], "import cycles:\n" + "\n".join(found)
 
 
+# The weight-sync layout's walk on the data plane (docs/architecture.md): chosen in the API (`resolve_layout`, `auto`
+# resolved), made the bracket every engine opens by the session, read by the sender alone on the way, and branched
+# on by the worker. The layers between them (the installs, the fan-out, the endpoints, the engine handles) carry the
+# typed message and never name the layout: a module that starts to is a new stop on the walk, said here first.
+LAYOUT_NAMES = frozenset({"BracketLayout", "WeightSyncLayout", "LayoutChoice", "resolve_layout", "choose_layout"})
+LAYOUT_WALK = frozenset(
+    {
+        "r3operator.weightsync.session",
+        "r3operator.weightsync.transfer",
+        "r3operator.wire.sync_messages",
+        "r3operator.engine.worker",
+    }
+)
+
+
+def modules_naming(names: frozenset[str], modules: dict[str, Path]) -> set[str]:
+    """The modules whose code names one of `names` (an identifier or an attribute), wherever it is."""
+    found = set()
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            imported = {a.name for a in node.names} if isinstance(node, ast.ImportFrom | ast.Import) else set()
+            if named in names or imported & names:
+                found.add(module)
+                break
+    return found
+
+
+def test_the_layout_walks_from_the_api_to_the_worker_through_the_session_and_the_sender_alone() -> None:
+    data_plane = {m for m in modules_naming(LAYOUT_NAMES, _package_modules()) if part_of(m) not in {"api", "operator"}}
+    assert data_plane == LAYOUT_WALK, f"the layout is named outside its walk: {sorted(data_plane - LAYOUT_WALK)}"
+
+
 def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
     routing = tmp_path / "r3operator" / "routing"
     routing.mkdir(parents=True)

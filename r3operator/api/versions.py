@@ -222,6 +222,15 @@ class EngineVersion:
         return str(self.version) if self.version is not None else "unknown"
 
 
+def reported_version(text: str | None) -> EngineVersion:
+    """The version a running vLLM reports of itself (an engine's `/version`, the trainer's `vllm.__version__`); unknown
+    when it reports none or nothing a version can be read from."""
+    try:
+        return EngineVersion(Version(text), VersionSource.SPEC) if text else EngineVersion(None, VersionSource.UNKNOWN)
+    except InvalidVersion:
+        return EngineVersion(None, VersionSource.UNKNOWN)
+
+
 def image_tag(image: str) -> str | None:
     """The tag of an image reference, or None for a digest-only or untagged reference."""
     if "@" in image:

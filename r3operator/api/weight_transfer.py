@@ -248,3 +248,13 @@ def choose_layout(spec: RLJobSpec, version: EngineVersion, transfer: TransferCho
         f"{how}: engine vLLM {version} over {transfer.method.value}, whole unquantized parameters on each engine rank; "
         "the first sync checks the plan against vLLM's own load_weights",
     )
+
+
+def resolve_layout(spec: RLJobSpec, transfer: TransferChoice, engine: EngineVersion) -> LayoutChoice:
+    """The layout a run syncs in (`choose_layout`, over the transfer the run checked it has and the version its engines
+    report). An explicit `kernel` the engines cannot take here (the packed path: CPU engines, a fallback) is refused,
+    naming the field, instead of silently syncing in the checkpoint layout; `auto` never is."""
+    chosen = choose_layout(spec, engine, transfer)
+    if spec.weight_sync.layout is WeightSyncLayout.KERNEL and chosen.layout is not WeightSyncLayout.KERNEL:
+        raise ValueError(f"spec.weightSync.layout kernel cannot be used here: {chosen.reason}; use layout auto")
+    return chosen

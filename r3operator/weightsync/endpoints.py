@@ -19,7 +19,6 @@ from r3operator.wire.sync_messages import (
     AbortPacked,
     BeginNative,
     BeginPacked,
-    BracketLayout,
     DeviceUUIDs,
     DirectSync,
     DirectUpdate,
@@ -62,8 +61,8 @@ class NativeEndpoint(Protocol):
 
     def native_init(self, init_info: dict[str, Any]) -> None: ...
 
-    def native_start(self, layout: BracketLayout = BracketLayout.CHECKPOINT) -> None:
-        """Open the bracket for `layout` (kernel: vLLM 0.22's is_checkpoint_format=False, or our own on >= 0.30)."""
+    def native_start(self, bracket: BeginNative) -> None:
+        """Open `bracket` (in the kernel layout: vLLM 0.22's is_checkpoint_format=False, or our own on >= 0.30)."""
         ...
 
     def native_parameters(self) -> dict[str, Any]:
@@ -137,8 +136,8 @@ class EngineEndpoint:
     def native_init(self, init_info: dict[str, Any]) -> None:
         self.engine.send(InitTransfer(init_info))
 
-    def native_start(self, layout: BracketLayout = BracketLayout.CHECKPOINT) -> None:
-        self.engine.send(BeginNative(layout))
+    def native_start(self, bracket: BeginNative) -> None:
+        self.engine.send(bracket)
 
     def native_parameters(self) -> dict[str, Any]:
         return self.engine.send(ParameterMetadata())

@@ -33,7 +33,7 @@ from r3operator.rollout.engines import EngineGroup
 from r3operator.weightsync.endpoints import SyncCounts
 from r3operator.weightsync.sync import NativeInstall, master_address_for
 from r3operator.wire.receipt import Fingerprint, FingerprintLog
-from r3operator.wire.sync_messages import BracketLayout
+from r3operator.wire.sync_messages import BeginNative
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import full_tensor
 
@@ -61,7 +61,7 @@ class NativeSyncLike(Protocol):
 
     sent: FingerprintLog
     phases: SyncPhases
-    layout: BracketLayout
+    bracket: BeginNative
 
     def __call__(self, engines: Sequence[Engine], tag: str) -> SyncCounts: ...
 
@@ -78,7 +78,7 @@ class RankSyncRequest:
     tag: str
     dtype: str | None  # the engine's, as torch names it ("bfloat16"); None: the trainer's own
     buffer_size_bytes: int
-    layout: BracketLayout
+    bracket: BeginNative  # what every engine's bracket opens with (the session's layout)
     synchronize: bool = False  # the driver's phases wait for the device (profiling)
     make: Callable[..., NativeSyncLike] = NativeInstall
 
@@ -117,8 +117,8 @@ _SENDERS: dict[str, _RankSender] = {}  # by install, in rank 0's process
 def _sender_for(request: RankSyncRequest, dtype: torch.dtype | None) -> _RankSender:
     """The sender `request.install` made before, when it was for the same engines; else a new one (the old
     one's group closed). The engines kept from its first sync are the ones it sends to: the same objects, so
-    `NativeInstall` keeps its rendezvous (it compares them by identity). An install's layout is fixed when it is
-    made, so a sender kept is one of the request's layout."""
+    `NativeInstall` keeps its rendezvous (it compares them by identity). An install's bracket is fixed when it is
+    made, so a sender kept opens the request's."""
     key = engines_key(request.engines)
     sender = _SENDERS.get(request.install)
     if sender is not None and sender.engines_key == key:
@@ -135,7 +135,7 @@ def _sender_for(request: RankSyncRequest, dtype: torch.dtype | None) -> _RankSen
         # Where the engines reach this rank's NCCL store: its own address, not the driver's (another pod).
         master_address=master_address_for(EngineGroup(sender.engines)),
         phases=SyncPhases(synchronize=request.synchronize),
-        layout=request.layout,
+        bracket=request.bracket,
     )
     _SENDERS[request.install] = sender
     return sender
@@ -232,10 +232,10 @@ class RankNativeInstall:
         buffer_size_bytes: int,
         sent: FingerprintLog,
         phases: SyncPhases,
-        layout: BracketLayout = BracketLayout.CHECKPOINT,
+        bracket: BeginNative = BeginNative(),
         make: Callable[..., NativeSyncLike] = NativeInstall,
     ) -> None:
-        self.method, self.ranks, self.layout = method, ranks, layout
+        self.method, self.ranks, self.bracket = method, ranks, bracket
         self.dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
         self.buffer_size_bytes, self.sent, self.phases, self.make = buffer_size_bytes, sent, phases, make
         self.install = uuid.uuid4().hex
@@ -248,7 +248,7 @@ class RankNativeInstall:
             tag=tag,
             dtype=self.dtype_name,
             buffer_size_bytes=self.buffer_size_bytes,
-            layout=self.layout,
+            bracket=self.bracket,
             synchronize=self.phases.synchronize,
             make=self.make,
         )

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from r3operator.api.enums import WeightSyncLayout
 from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.weight_transfer import LayoutChoice, TransferChoice, TransferMethod
+from r3operator.api.versions import reported_version
+from r3operator.api.weight_transfer import LayoutChoice, TransferChoice, TransferMethod, resolve_layout
 from r3operator.rollout.base import Engine, Greedy
 from r3operator.rollout.engines import EngineGroup
 from r3operator.weightsync.canary import (
@@ -39,9 +40,9 @@ from r3operator.weightsync.canary import (
 from r3operator.weightsync.endpoints import SyncCounts, endpoints
 from r3operator.weightsync.faults import EngineSupervisor
 from r3operator.weightsync.rank_sync import RankNativeInstall, RankRunner
-from r3operator.weightsync.sync import NativeInstall, master_address_for, resolve_layout
+from r3operator.weightsync.sync import NativeInstall, describe_ipc_path, master_address_for
 from r3operator.wire.receipt import FingerprintLog
-from r3operator.wire.sync_messages import BracketLayout
+from r3operator.wire.sync_messages import BeginNative, BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import PackedChunk
 
@@ -95,9 +96,24 @@ class CanaryResult:
     near_ties: int = 0
 
 
-def bracket_layout(chosen: LayoutChoice) -> BracketLayout:
-    """The layout the brackets open in, `auto` resolved already (api/weight_transfer.py `choose_layout`)."""
-    return BracketLayout.KERNEL if chosen.layout is WeightSyncLayout.KERNEL else BracketLayout.CHECKPOINT
+def bracket_for(chosen: LayoutChoice) -> BeginNative:
+    """The bracket every engine opens for a sync in `chosen` (`auto` resolved already, api/weight_transfer.py): the
+    layout travels in this message from here to the worker's branch (engine/worker.py), read by the sender alone."""
+    return BeginNative(BracketLayout.KERNEL if chosen.layout is WeightSyncLayout.KERNEL else BracketLayout.CHECKPOINT)
+
+
+def layout_now(chosen: LayoutChoice, kernel_refused: str | None) -> LayoutChoice:
+    """The layout the syncs go in now: `chosen`, or its fallback in the same words once the kernel layout was refused at
+    run time (`NativeInstall.kernel_refused`: its reference check against vLLM's own load_weights failed)."""
+    return chosen.refused(kernel_refused) if kernel_refused else chosen
+
+
+def kernel_refused_gauge(chosen: LayoutChoice, kernel_refused: str | None) -> float | None:
+    """`r3operator_weight_sync_kernel_refused`: 1 once vLLM's loader refused the kernel plan, 0 while the kernel layout
+    holds, None where the run chose the checkpoint layout (no series)."""
+    if chosen.layout is not WeightSyncLayout.KERNEL:
+        return None
+    return 1.0 if kernel_refused else 0.0
 
 
 class WeightSyncSession:
@@ -118,7 +134,7 @@ class WeightSyncSession:
     ) -> None:
         self.spec, self.engines, self.trainer, self.transfer = spec, engines, trainer, transfer
         self.engine_dtype, self.plan, self.metrics = engine_dtype, canary, metrics
-        self.layout = resolve_layout(spec, transfer, engine_vllm)
+        self.layout = resolve_layout(spec, transfer, reported_version(engine_vllm))
         self.sent = FingerprintLog()  # what the last sync attempt sent, for the canary's receipt check
         self.phases = SyncPhases()  # where the last sync spent its time (wire/sync_phases.py)
         self.near_ties = 0  # the last canary's accepted near-tie positions
@@ -146,8 +162,10 @@ class WeightSyncSession:
         counts = self.supervisor.sync(version)
         self.policy_version = version
         if isinstance(self.install, NativeInstall):
-            self.described = f"{self.transfer.describe()}; {self.install.described(self.layout)}"
-            refused = self.install.kernel_refused_gauge(self.layout)
+            layout = layout_now(self.layout, self.install.kernel_refused)
+            ipc = describe_ipc_path(self.install.ipc_path)
+            self.described = "; ".join(part for part in (self.transfer.describe(), layout.describe(), ipc) if part)
+            refused = kernel_refused_gauge(self.layout, self.install.kernel_refused)
             if refused is not None:
                 self.metrics.set("r3operator_weight_sync_kernel_refused", refused)
         seconds = time.perf_counter() - begin
@@ -187,7 +205,7 @@ class WeightSyncSession:
 
         dtype = getattr(torch, self.engine_dtype, None)
         buffer_size_bytes = self.spec.weight_sync.chunk_size_mb * 1024 * 1024
-        layout = bracket_layout(self.layout)
+        bracket = bracket_for(self.layout)
         if ranks is not None and self.transfer.method is TransferMethod.NCCL:
             return RankNativeInstall(
                 TransferMethod.NCCL,
@@ -196,7 +214,7 @@ class WeightSyncSession:
                 buffer_size_bytes=buffer_size_bytes,
                 sent=self.sent,
                 phases=self.phases,
-                layout=layout,
+                bracket=bracket,
             )
         return NativeInstall(
             self.transfer.method,
@@ -206,7 +224,7 @@ class WeightSyncSession:
             master_address=master_address_for(self.engines),
             sent=self.sent,
             phases=self.phases,
-            layout=layout,
+            bracket=bracket,
             kernel_fallback=self.spec.weight_sync.layout is WeightSyncLayout.AUTO,
         )
 

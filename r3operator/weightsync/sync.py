@@ -19,17 +19,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from r3operator.api.enums import WeightSyncLayout
-from r3operator.api.v1alpha1 import RLJobSpec
-from r3operator.api.versions import EngineVersion, VersionSource
+from r3operator.api.versions import reported_version
 from r3operator.api.weight_transfer import (
-    LayoutChoice,
     Topology,
     TransferChoice,
     TransferMethod,
-    choose_layout,
     choose_transfer,
 )
 from r3operator.rollout.base import Engine
@@ -38,7 +34,7 @@ from r3operator.weightsync.endpoints import EngineEndpoint, SyncCounts, endpoint
 from r3operator.weightsync.transfer import FanOutClient, NativeSender, local_address_towards, trainer_vllm_api
 from r3operator.wire.kernel_layout import Source
 from r3operator.wire.receipt import FingerprintLog
-from r3operator.wire.sync_messages import BracketLayout
+from r3operator.wire.sync_messages import BeginNative
 from r3operator.wire.sync_phases import SyncPhases
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,15 +51,8 @@ def local_topology(device: str) -> Topology:
 def local_engine_backend(device: str) -> str | None:
     """The `weight_transfer_config` backend for an engine this driver starts (same vLLM as the driver's):
     "ipc" on a GPU whose vLLM has it, else None (the packed path needs no native engine)."""
-    choice = choose_transfer(local_topology(device), _version(trainer_vllm_version()))
+    choice = choose_transfer(local_topology(device), reported_version(trainer_vllm_version()))
     return choice.method.value if choice.native and trainer_vllm_api() is not None else None
-
-
-def _version(text: str | None) -> EngineVersion:
-    try:
-        return EngineVersion(Version(text), VersionSource.SPEC) if text else EngineVersion(None, VersionSource.UNKNOWN)
-    except InvalidVersion:
-        return EngineVersion(None, VersionSource.UNKNOWN)
 
 
 def _release(version: Version) -> tuple[int, int, int]:
@@ -102,12 +91,12 @@ def check_runtime(
             "an engine runs on the trainer's GPU: NCCL cannot join two ranks on one GPU, and the "
             "engine was started for nccl, not ipc"
         )
-    engine = _version(engine_vllm)
+    engine = reported_version(engine_vllm)
     topology = Topology.SEPARATE_GPUS if wanted.method is TransferMethod.NCCL else Topology.SHARED_GPU
     by_engine = choose_transfer(topology, engine)
     if not by_engine.native:
         return fallback(f"the engine answers as vLLM {engine_vllm or 'unknown'}: {by_engine.reason}")
-    trainer = _version(trainer_vllm)
+    trainer = reported_version(trainer_vllm)
     if over_http and (
         trainer.version is None or engine.version is None or _release(trainer.version) != _release(engine.version)
     ):
@@ -117,17 +106,6 @@ def check_runtime(
             "releases"
         )
     return TransferChoice(wanted.method, f"vLLM {engine_vllm} native {method} weight transfer")
-
-
-def resolve_layout(spec: RLJobSpec, choice: TransferChoice, engine_vllm: str | None) -> LayoutChoice:
-    """The layout this run syncs in (`api/weight_transfer.choose_layout`, over the transfer as checked here and the
-    engines' own vLLM): `auto` takes the kernel layout where the engines admit it, else checkpoint saying why. An
-    explicit `kernel` the engines cannot take (the packed path: CPU engines, a fallback) is refused, naming the field,
-    instead of silently syncing in the checkpoint layout."""
-    chosen = choose_layout(spec, _version(engine_vllm), choice)
-    if spec.weight_sync.layout is WeightSyncLayout.KERNEL and chosen.layout is not WeightSyncLayout.KERNEL:
-        raise ValueError(f"spec.weightSync.layout kernel cannot be used here: {chosen.reason}; use layout auto")
-    return chosen
 
 
 def trainer_vllm_version() -> str | None:
@@ -165,10 +143,10 @@ class NativeInstall:
         master_address: str = "127.0.0.1",
         sent: FingerprintLog | None = None,
         phases: SyncPhases | None = None,
-        layout: BracketLayout = BracketLayout.CHECKPOINT,
+        bracket: BeginNative = BeginNative(),
         kernel_fallback: bool = False,
     ) -> None:
-        self.method, self.layout = method, layout
+        self.method, self.bracket = method, bracket  # what every engine's bracket opens with (the session's layout)
         self.kernel_fallback = kernel_fallback  # `auto`: a kernel plan the engines refuse takes the checkpoint layout
         self.sent = sent if sent is not None else FingerprintLog()
         self.phases = phases if phases is not None else SyncPhases()
@@ -201,8 +179,8 @@ class NativeInstall:
                 endpoint.native_abort()
         if rendezvous:
             self.close()
-            layout = BracketLayout.CHECKPOINT if self.kernel_refused else self.layout
-            client = FanOutClient(verbs, phases=self.phases, layout=layout)
+            bracket = BeginNative() if self.kernel_refused else self.bracket  # refused: the checkpoint layout
+            client = FanOutClient(verbs, phases=self.phases, bracket=bracket)
             self._sender = NativeSender(
                 self.method,
                 client,
@@ -241,20 +219,6 @@ class NativeInstall:
             "mapping_refused": sender.mapping_refused,
             "staging_refused": sender.staging_refused,
         }
-
-    def described(self, chosen: LayoutChoice) -> str:
-        """What the report and status.progress.weightSync say of the layout: `chosen` (at admission, `auto` resolved),
-        or its fallback in the same words when the kernel layout was refused at run time, then how the last IPC sync
-        went (`describe_ipc_path`)."""
-        layout = chosen.refused(self.kernel_refused) if self.kernel_refused else chosen
-        return "; ".join(part for part in (layout.describe(), describe_ipc_path(self.ipc_path)) if part)
-
-    def kernel_refused_gauge(self, chosen: LayoutChoice) -> float | None:
-        """`r3operator_weight_sync_kernel_refused`: 1 once vLLM's loader refused the kernel plan, 0 while the kernel
-        layout holds, None where the run chose the checkpoint layout (no series)."""
-        if chosen.layout is not WeightSyncLayout.KERNEL:
-            return None
-        return 1.0 if self.kernel_refused else 0.0
 
     def close(self) -> None:
         if self._sender is not None:
@@ -316,10 +280,10 @@ def resolve(
         wanted = configured
     elif over_http:  # engines named by URL without the operator's choice: assume the cluster shape
         wanted = choose_transfer(
-            Topology.SEPARATE_GPUS if device.startswith("cuda") else Topology.CPU, _version(engine_vllm)
+            Topology.SEPARATE_GPUS if device.startswith("cuda") else Topology.CPU, reported_version(engine_vllm)
         )
     else:
-        wanted = choose_transfer(local_topology(device), _version(engine_vllm))
+        wanted = choose_transfer(local_topology(device), reported_version(engine_vllm))
     if not over_http and wanted.method is TransferMethod.IPC:
         started = {getattr(e, "weight_transfer_backend", None) for e in engines.engines}
         if started != {"ipc"}:

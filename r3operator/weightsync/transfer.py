@@ -55,7 +55,7 @@ from r3operator.wire.kernel_layout import (
     trainer_shapes,
 )
 from r3operator.wire.receipt import FingerprintLog
-from r3operator.wire.sync_messages import BracketLayout, DirectUpdate
+from r3operator.wire.sync_messages import BeginNative, BracketLayout, DirectUpdate
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, full_tensor, tensor_nbytes
 
@@ -75,13 +75,13 @@ class FanOutClient:
         endpoints: Sequence[NativeEndpoint],
         *,
         phases: SyncPhases | None = None,
-        layout: BracketLayout = BracketLayout.CHECKPOINT,
+        bracket: BeginNative = BeginNative(),
     ) -> None:
         if not endpoints:
             raise ValueError("no engines to transfer weights to")
         self.endpoints = list(endpoints)
         self.phases = phases if phases is not None else SyncPhases()
-        self.layout = layout  # what every engine's bracket is opened for (weightSync.layout, `auto` resolved)
+        self.bracket = bracket  # what every engine's bracket opens with (weightSync.layout, `auto` resolved)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
 
@@ -143,7 +143,7 @@ class FanOutClient:
     def start_weight_update(self) -> None:
         """Every engine's bracket opens at once: its round trips and receipt fingerprints overlap."""
         with self.phases("begin"):
-            self._concurrently([partial(e.native_start, self.layout) for e in self.endpoints])
+            self._concurrently([partial(e.native_start, self.bracket) for e in self.endpoints])
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(update_info, list):  # a per-engine payload list (vLLM >= 0.30 DP senders)
@@ -235,10 +235,10 @@ class SendStats:
 class NativeSender:
     """Sends the trainer's weights to `client`'s engines with vLLM's sender (see the module doc).
 
-    `state_dict()` is called at every sync; tensors go out cast to `dtype`, from the trainer's GPU, in the
-    client's layout: checkpoint format (experts unfused, the engine's `load_weights` names) or kernel format
-    (one tensor per engine parameter, wire/kernel_layout.py, planned from the parameters the engines report
-    at the rendezvous: a mismatch fails there, naming the parameter, before any byte is sent).
+    `state_dict()` is called at every sync; tensors go out cast to `dtype`, from the trainer's GPU, in the layout of
+    the client's bracket: checkpoint format (experts unfused, the engine's `load_weights` names) or kernel format (one
+    tensor per engine parameter, wire/kernel_layout.py, planned from the parameters the engines report at the
+    rendezvous: a mismatch fails there, naming the parameter, before any byte is sent).
     """
 
     def __init__(
@@ -292,7 +292,7 @@ class NativeSender:
         return self._state if self._state is not None else self.state_dict()
 
     def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        if self.client.layout is BracketLayout.KERNEL:
+        if self.client.bracket.kernel:
             return kernel_metadata(self.kernel_plan(), dtype=self.dtype)
         return checkpoint_metadata(self._state_dict(), dtype=self.dtype)
 
@@ -325,7 +325,7 @@ class NativeSender:
         is kept (`_failure`) for the send to raise once vLLM's sender has returned; the caller then aborts the
         engines' brackets. Stopping here would leave every engine, and the trainer, in a collective forever."""
         phases = self.client.phases
-        if self.client.layout is BracketLayout.KERNEL:
+        if self.client.bracket.kernel:
             items = self._kernel_items()
         else:
             plain = checkpoint_tensors(self._state_dict(), dtype=self.dtype, device=self.device)
@@ -425,7 +425,7 @@ class NativeSender:
             stats = self._send(policy_tag)
             # A kernel-layout sync's fingerprints are taken when the receipt is read, off the sync's path (the trainer
             # tensors it was built of stay as they are until then: the trainer's next update comes after the canary).
-            if self.client.layout is not BracketLayout.KERNEL or self._referenced:
+            if not self.client.bracket.kernel or self._referenced:
                 with phases("fingerprint"):
                     self.sent.result()  # the fingerprints' one host sync, outside the transfer
             # What the other phases did not take of the send is vLLM's sender: packing and moving the bytes.
@@ -448,15 +448,15 @@ class NativeSender:
         at the next sync: the release vLLM's sender needs (new streams every sync) would only cost `cudaFree`
         waits, and what the trainer's own step leaves cached is the trainer's (2026-11-27 H200 run: 8.5 ms of
         `cudaFree` and 2.7 ms of `cudaMalloc` again in an `a3b` sync)."""
-        return self.client.layout is BracketLayout.KERNEL and self.method is TransferMethod.NCCL
+        return self.client.bracket.kernel and self.method is TransferMethod.NCCL
 
     def _send(self, policy_tag: str) -> SendStats:
         if self.api == "static" and self.method is TransferMethod.NCCL and self._group is None:
             self.connect()  # first: a rendezvous makes the kernel plan again, which `metadata` then asks for once
-        kernel = self.client.layout is BracketLayout.KERNEL
+        kernel = self.client.bracket.kernel
         if kernel and self._kernel_plan_or_refuse() != self.checked_plan:
             return self._reference_sync(policy_tag)  # a plan not confirmed yet: its reference first
-        kernel = self.client.layout is BracketLayout.KERNEL  # the plan may have been refused just above
+        kernel = self.client.bracket.kernel  # the plan may have been refused just above
         meta = self.metadata()
         self.client.policy_tag = policy_tag
         self._announced, self._failure = meta, None
@@ -506,7 +506,7 @@ class NativeSender:
         """This sender's syncs go in the checkpoint layout from now on, for `reason` (`kernel_refused`, which the
         owner keeps across rendezvous and the report and status show)."""
         self.kernel_refused = reason
-        self.client.layout, self._plan = BracketLayout.CHECKPOINT, None
+        self.client.bracket, self._plan = BeginNative(), None
         log.warning("weight sync: kernel layout refused, syncing in the checkpoint layout: %s", reason)
 
     # -- the kernel layout's reference: vLLM's own load_weights, once per plan ------------------------------------
@@ -522,11 +522,11 @@ class NativeSender:
         begin = time.perf_counter()
         plan = self.kernel_plan()
         self._referenced = True
-        self.client.layout = BracketLayout.CHECKPOINT
+        self.client.bracket = BeginNative()  # the checkpoint layout
         try:
             stats = self._send(policy_tag)
         finally:
-            self.client.layout = BracketLayout.KERNEL
+            self.client.bracket = BeginNative(BracketLayout.KERNEL)
         refused = self._reference_mismatch(plan)
         self.reference_seconds = time.perf_counter() - begin
         if refused is None:
@@ -577,7 +577,7 @@ class NativeSender:
 
     def _kernel_ipc(self) -> bool:
         """The kernel layout over IPC: the engines take it in one call (mapped, else staged), on any vLLM API."""
-        return self.client.layout is BracketLayout.KERNEL and self.method is TransferMethod.IPC
+        return self.client.bracket.kernel and self.method is TransferMethod.IPC
 
     def _send_mapped(self) -> bool:
         """Every parameter written by the trainer into the engines' own memory (weightsync/mapped.py). False when an

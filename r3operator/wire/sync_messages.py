@@ -2,8 +2,9 @@
 
 The driver's weight-sync code (`weightsync/`) builds one message per verb; an engine handle (`rollout/`: a Ray actor,
 or `vllm serve` over HTTP) carries it with its one transport call, `send`; inside vLLM the worker extension
-(`engine/worker.py`, `r3_handle`) decodes it and dispatches on its type. No layer between them reads a field: the
-layout a bracket opens in stays a `BracketLayout` from the driver's choice to the worker's branch.
+(`engine/worker.py`, `r3_handle`) decodes it and dispatches on its type. The layout a bracket opens in is a
+`BracketLayout` in `BeginNative`, from the session's choice (weightsync/session.py `bracket_for`) to the worker's
+branch; between them the sender alone reads it (weightsync/transfer.py), the layers that carry the message do not.
 
 Each message says what the transport needs to know:
 
@@ -170,6 +171,11 @@ class BeginNative(SyncMessage[None]):
     what: ClassVar[str] = "start weight update"
     layout: BracketLayout = BracketLayout.CHECKPOINT
     in_place: bool = False
+
+    @property
+    def kernel(self) -> bool:
+        """The tensors arrive in the kernel layout (one per engine parameter), not vLLM's checkpoint one."""
+        return self.layout is BracketLayout.KERNEL
 
 
 @dataclass(frozen=True)

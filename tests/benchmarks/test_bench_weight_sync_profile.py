@@ -107,7 +107,7 @@ def test_a_layout_switch_makes_a_new_install_of_the_same_method_and_closes_the_o
     restart), closes the old one, and syncs once with the new layout before the timed syncs."""
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.weightsync.sync import NativeInstall
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
 
     old = NativeInstall(
         TransferMethod.NCCL,
@@ -115,7 +115,7 @@ def test_a_layout_switch_makes_a_new_install_of_the_same_method_and_closes_the_o
         dtype=None,
         buffer_size_bytes=7,
         master_address="10.0.0.2",
-        layout=BracketLayout.CHECKPOINT,
+        bracket=BeginNative(),
         kernel_fallback=True,
     )
     closed: list[int] = []
@@ -129,9 +129,9 @@ def test_a_layout_switch_makes_a_new_install_of_the_same_method_and_closes_the_o
         engines=SimpleNamespace(engines=[]),
         canary=lambda: True,
     )
-    run.sync_weights = lambda: synced.append((run.supervisor.install.layout, len(closed)))
+    run.sync_weights = lambda: synced.append((run.supervisor.install.bracket.layout, len(closed)))
 
-    fresh, _ = bench_weight_sync.switch_layout(run, old, BracketLayout.KERNEL, 0)  # type: ignore[arg-type]
+    fresh, _ = bench_weight_sync.switch_layout(run, old, BeginNative(BracketLayout.KERNEL), 0)  # type: ignore[arg-type]
 
     assert fresh is not old and fresh is run.supervisor.install is run.weight_sync.install
     assert synced == [(BracketLayout.KERNEL, 1)] and checked == [[]]  # the old one closed first, then one sync

@@ -420,7 +420,7 @@ def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatc
     trainer's is the one raised, and no new rendezvous is needed."""
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.weightsync import transfer
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
     wire = Wire()
@@ -436,7 +436,7 @@ def test_the_sender_raises_its_own_failure_and_keeps_the_communicator(monkeypatc
             worker.r3_direct_sync(update, policy_tag)
 
     current: dict[str, Mapping[str, torch.Tensor]] = {"state": _trainer_state(14)}
-    client = transfer.FanOutClient([Endpoint()], layout=BracketLayout.KERNEL)  # type: ignore[list-item]
+    client = transfer.FanOutClient([Endpoint()], bracket=BeginNative(BracketLayout.KERNEL))  # type: ignore[list-item]
     sender = transfer.NativeSender(
         TransferMethod.NCCL, client, lambda: current["state"], dtype=torch.bfloat16, buffer_size_bytes=1
     )
@@ -459,7 +459,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
     and the first sync to two engines hung so)."""
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.weightsync import transfer
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
     wire = Wire()
@@ -482,7 +482,7 @@ def test_the_engines_are_asked_for_their_parameters_before_they_enter_the_sync(m
             finally:
                 inside.clear()
 
-    client = transfer.FanOutClient([Endpoint()], layout=BracketLayout.KERNEL)  # type: ignore[list-item]
+    client = transfer.FanOutClient([Endpoint()], bracket=BeginNative(BracketLayout.KERNEL))  # type: ignore[list-item]
     state = _trainer_state(16)
     sender = transfer.NativeSender(
         TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1
@@ -545,7 +545,7 @@ def test_on_vllm_0_30_the_kernel_layout_opens_its_own_bracket_and_broadcasts_on_
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.engine import plugin
     from r3operator.weightsync import transfer
-    from r3operator.wire.sync_messages import BracketLayout
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
 
     monkeypatch.setattr(plugin, "self_check", lambda: None)  # the plugin's vLLM patches: not under test
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "factory")
@@ -570,7 +570,7 @@ def test_on_vllm_0_30_the_kernel_layout_opens_its_own_bracket_and_broadcasts_on_
 
     trainer_engine = type("NCCLTrainerWeightTransferEngine", (), {"model_update_group": wire.sender()})()
     state = _trainer_state(21)
-    client = transfer.FanOutClient([Endpoint()], layout=BracketLayout.KERNEL)  # type: ignore[list-item]
+    client = transfer.FanOutClient([Endpoint()], bracket=BeginNative(BracketLayout.KERNEL))  # type: ignore[list-item]
     sender = transfer.NativeSender(
         TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1
     )

@@ -25,7 +25,7 @@ from r3operator.weightsync import rank_sync  # noqa: E402
 from r3operator.weightsync.endpoints import SyncCounts  # noqa: E402
 from r3operator.weightsync.rank_sync import RankNativeInstall  # noqa: E402
 from r3operator.wire.receipt import FingerprintLog, fingerprint  # noqa: E402
-from r3operator.wire.sync_messages import BracketLayout  # noqa: E402
+from r3operator.wire.sync_messages import BeginNative, BracketLayout  # noqa: E402
 from r3operator.wire.sync_phases import SyncPhases  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,10 +51,10 @@ class RecordingSync:
         buffer_size_bytes: int,
         master_address: str,
         phases: SyncPhases,
-        layout: BracketLayout,
+        bracket: BeginNative,
     ) -> None:
         self.serial = uuid.uuid4().hex
-        self.state_dict, self.dtype, self.phases, self.layout = state_dict, dtype, phases, layout
+        self.state_dict, self.dtype, self.phases, self.bracket = state_dict, dtype, phases, bracket
         self.sent = FingerprintLog()
         self.master_address = master_address
         self.syncs: list[tuple[tuple[str, ...], str]] = []
@@ -85,7 +85,7 @@ def rank0_sender(_trainer: Any, rank: int, install: str) -> dict[str, Any] | Non
     if sender is None:
         return {"sender": None}
     sync: Any = sender.sync
-    return {"serial": sync.serial, "syncs": list(sync.syncs), "layout": sync.layout, "kept": sender.weights}
+    return {"serial": sync.serial, "syncs": list(sync.syncs), "layout": sync.bracket.layout, "kept": sender.weights}
 
 
 def expected(state: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
@@ -110,7 +110,7 @@ def test_rank_zero_sends_what_the_ranks_hold_keeps_its_sender_and_survives_a_fai
         buffer_size_bytes=1 << 20,
         sent=sent,
         phases=phases,
-        layout=BracketLayout.KERNEL,
+        bracket=BeginNative(BracketLayout.KERNEL),
         make=RecordingSync,
     )
     engines = [Endpoint("engine-0", "http://127.0.0.1:8000"), Endpoint("engine-1", "http://127.0.0.1:8001")]

@@ -31,6 +31,7 @@ torch = pytest.importorskip("torch")
 from r3operator.engine import plugin  # noqa: E402
 from r3operator.engine.worker import WeightSyncWorkerExtension  # noqa: E402
 from r3operator.wire.receipt import ReceiptMismatchError, compare_receipt, parse_fingerprints  # noqa: E402
+from r3operator.wire.sync_messages import BeginNative, BracketLayout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +112,8 @@ class _Endpoint:
         ]
         return {"parameters": rows, "refused": None}
 
-    def native_start(self, layout: str = "checkpoint") -> None:
-        self.worker.r3_native_begin(layout)
+    def native_start(self, bracket: BeginNative) -> None:
+        self.worker.r3_native_begin(bracket.layout, bracket.in_place)
 
     def load_checkpoint(self, batch: list[tuple[str, Any]]) -> None:
         """What vLLM's receiver does with each received batch of the checkpoint layout."""
@@ -171,10 +172,9 @@ def _sender(monkeypatch: pytest.MonkeyPatch, endpoint: _Endpoint, state: Callabl
     transport of the checkpoint layout stood in for (CUDA only)."""
     from r3operator.api.weight_transfer import TransferMethod
     from r3operator.weightsync import transfer
-    from r3operator.wire.sync_messages import BracketLayout
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
-    client = transfer.FanOutClient([endpoint], layout=BracketLayout.KERNEL)  # type: ignore[list-item]
+    client = transfer.FanOutClient([endpoint], bracket=BeginNative(BracketLayout.KERNEL))  # type: ignore[list-item]
     sender = transfer.NativeSender(TransferMethod.IPC, client, state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20)
     sender.device = "cpu"
 

@@ -16,6 +16,7 @@ from runtime_test_helpers import settings_for, write_job
 from test_faults_http_e2e import Server
 
 from r3operator.weightsync.endpoints import EngineEndpoint
+from r3operator.wire.sync_messages import BeginNative
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,9 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
         digest = verbs.weights_digest()
         prompts, tokens = run.task.canary_prompts, run.task.canary_tokens
         greedy = [(g.tokens, g.logprobs) for g in engine.greedy(prompts, max_tokens=tokens)]
-        verbs.native_start()  # vLLM's layerwise-reload bracket is open (`r3_native_begin`: ours, then vLLM's start)
+        verbs.native_start(
+            BeginNative()
+        )  # vLLM's layerwise-reload bracket is open (`r3_native_begin`: ours, then vLLM's start)
         assert verbs.policy_tag() is None  # weights in flux: no policy until a finished sync
         update = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[256]]}
         with pytest.raises((EngineUnavailableError, RuntimeError)):
@@ -65,7 +68,7 @@ def test_engine_with_the_rendered_native_flag_falls_back_aborts_and_recovers(tmp
         assert verbs.weights_digest() == digest
         after = engine.greedy(prompts, max_tokens=tokens)
         assert [(g.tokens, g.logprobs) for g in after] == greedy
-        verbs.native_start()  # vLLM accepts a new bracket: the abort cleared its state too
+        verbs.native_start(BeginNative())  # vLLM accepts a new bracket: the abort cleared its state too
         verbs.native_abort()
 
         # the supervisor sees the aborted engine as stale, re-syncs it and checks the canary

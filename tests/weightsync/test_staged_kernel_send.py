@@ -24,7 +24,7 @@ from r3operator.weightsync.staged import StagedKernelSend
 from r3operator.wire.kernel_layout import engine_parameters, plan_kernel_layout, trainer_shapes
 from r3operator.wire.receipt import FingerprintLog, SyncReceipt, compare_receipt
 from r3operator.wire.shared_buffer import SharedBufferError, StagedEntry, entry_views, open_shared
-from r3operator.wire.sync_messages import BracketLayout
+from r3operator.wire.sync_messages import BeginNative, BracketLayout
 from r3operator.wire.sync_phases import SyncPhases
 
 
@@ -145,8 +145,8 @@ class _StagedEndpoint:
 
     # A checkpoint-layout bracket (the kernel layout's reference sync): vLLM's start, its receiver handing each batch
     # to the (tapped) `load_weights`, its finish, as the worker extension records them.
-    def native_start(self, layout: str = "checkpoint") -> None:
-        assert layout == "checkpoint"
+    def native_start(self, bracket: BeginNative) -> None:
+        assert not bracket.kernel
         self.calls.append("checkpoint")
         self.receipt.begin(self.engine.vllm_named())
 
@@ -187,7 +187,7 @@ def _staged_sender(monkeypatch: pytest.MonkeyPatch, state: Any, *endpoints: _Sta
     from r3operator.weightsync import transfer
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
-    client = transfer.FanOutClient(list(endpoints), layout=BracketLayout.KERNEL)
+    client = transfer.FanOutClient(list(endpoints), bracket=BeginNative(BracketLayout.KERNEL))
     sender = transfer.NativeSender(
         TransferMethod.IPC, client, lambda: state(), dtype=torch.bfloat16, buffer_size_bytes=1
     )
@@ -249,9 +249,9 @@ def test_every_engine_takes_each_sync_in_one_call_and_a_failed_build_asks_none(m
 
 def test_the_checkpoint_layout_over_ipc_is_not_staged(monkeypatch: pytest.MonkeyPatch) -> None:
     sender = _staged_sender(monkeypatch, dict, _StagedEndpoint("a"))
-    sender.client.layout = BracketLayout.CHECKPOINT
+    sender.client.bracket = BeginNative()
     assert not sender._stages([("w", torch.bfloat16, (4,))])
-    sender.client.layout = BracketLayout.KERNEL
+    sender.client.bracket = BeginNative(BracketLayout.KERNEL)
     assert sender._stages([("w", torch.bfloat16, (4,))])
 
 

@@ -25,7 +25,7 @@ from r3operator.runtime.metrics import progress_patch
 from r3operator.runtime.step_record import StepRecord
 from r3operator.weightsync.sync import check_runtime, resolve
 from r3operator.weightsync.transfer import FanOutClient
-from r3operator.wire.sync_messages import BracketLayout
+from r3operator.wire.sync_messages import BeginNative, BracketLayout
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-30b-a3b-r3-fsdp.yaml"
 
@@ -196,10 +196,10 @@ class _Endpoint(SendsToVerbs):
     def native_init(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init", init_info))
 
-    def native_start(self, layout: str = "checkpoint") -> None:
+    def native_start(self, bracket: BeginNative) -> None:
         if self.bracket_barrier is not None:
             self.bracket_barrier.wait()
-        self.calls.append(("start", layout))
+        self.calls.append(("start", bracket.layout))
 
     def native_parameters(self) -> dict[str, Any]:
         return {"parameters": self.parameters, "refused": self.refused}
@@ -280,7 +280,7 @@ def _kernel_sender(monkeypatch: pytest.MonkeyPatch, *endpoints: _Endpoint) -> An
 
     monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")  # vLLM 0.22.1's sender (the GPU image)
     state = {name: torch.zeros(shape) for name, shape in _TRAINER_SHAPES.items()}
-    client = FanOutClient(list(endpoints), layout=BracketLayout.KERNEL)
+    client = FanOutClient(list(endpoints), bracket=BeginNative(BracketLayout.KERNEL))
     return transfer.NativeSender(
         TransferMethod.NCCL, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1 << 20
     )
@@ -355,7 +355,8 @@ def test_the_layout_a_run_syncs_in() -> None:
     """`auto` takes the kernel layout where the engines admit it and the transfer is native, else checkpoint, saying
     why; an explicit `kernel` on the packed path is refused, naming the field."""
     from r3operator.api.load import parse_rljob
-    from r3operator.weightsync.sync import resolve_layout
+    from r3operator.api.versions import reported_version
+    from r3operator.api.weight_transfer import resolve_layout
 
     def spec(layout: str) -> Any:
         doc = yaml.safe_load(EXAMPLE.read_text())
@@ -366,14 +367,14 @@ def test_the_layout_a_run_syncs_in() -> None:
     cpu = TransferChoice(TransferMethod.PACKED, "engines on CPU: vLLM's NCCL and IPC backends need CUDA")
     nccl = TransferChoice(TransferMethod.NCCL, "vLLM 0.33.0 native nccl")
     with pytest.raises(ValueError, match=r"spec\.weightSync\.layout kernel cannot be used here: .*native transfer"):
-        resolve_layout(spec("kernel"), cpu, "0.30.0")
-    on_cpu = resolve_layout(spec("auto"), cpu, "0.30.0")
+        resolve_layout(spec("kernel"), cpu, reported_version("0.30.0"))
+    on_cpu = resolve_layout(spec("auto"), cpu, reported_version("0.30.0"))
     assert on_cpu.layout is WeightSyncLayout.CHECKPOINT and not on_cpu.fallback
-    assert resolve_layout(spec("auto"), nccl, "0.33.0").layout is WeightSyncLayout.KERNEL
-    assert resolve_layout(spec("kernel"), nccl, "0.22.1").layout is WeightSyncLayout.KERNEL
-    unverified = resolve_layout(spec("auto"), nccl, "0.26.0")
+    assert resolve_layout(spec("auto"), nccl, reported_version("0.33.0")).layout is WeightSyncLayout.KERNEL
+    assert resolve_layout(spec("kernel"), nccl, reported_version("0.22.1")).layout is WeightSyncLayout.KERNEL
+    unverified = resolve_layout(spec("auto"), nccl, reported_version("0.26.0"))
     assert unverified.layout is WeightSyncLayout.CHECKPOINT and unverified.fallback
-    assert resolve_layout(spec("checkpoint"), nccl, "0.33.0").layout is WeightSyncLayout.CHECKPOINT
+    assert resolve_layout(spec("checkpoint"), nccl, reported_version("0.33.0")).layout is WeightSyncLayout.CHECKPOINT
 
 
 def test_abort_reaches_every_engine_even_if_one_is_gone(caplog: pytest.LogCaptureFixture) -> None:
@@ -430,7 +431,7 @@ def test_a_send_gives_the_trainers_sync_buffers_back_after_the_bracket(monkeypat
     monkeypatch.setattr(transfer, "release_cached_blocks", lambda: order.append("release") or Release(7 << 30, 0.0))
     sender.send("run:1")  # the kernel layout over NCCL: our own sender, whose buffers are kept, not released
     assert order == ["send"] and sender.released_bytes == 0
-    sender.client.layout = BracketLayout.CHECKPOINT  # vLLM's packed sender: new streams and buffers every sync
+    sender.client.bracket = BeginNative()  # vLLM's packed sender: new streams and buffers every sync
     sender.send("run:2")
     assert order == ["send", "send", "release"]
     assert sender.released_bytes == 7 << 30
@@ -546,6 +547,7 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
     """A refused kernel layout is not tried again by the next sender (its first sync would be a checkpoint-layout
     reference anyway): later rendezvous open checkpoint brackets, and the report says why. A confirmed plan is handed
     to the next sender, whose first sync then needs no second reference."""
+    from r3operator.weightsync.session import kernel_refused_gauge, layout_now
     from r3operator.weightsync.sync import NativeInstall
 
     made: list[dict[str, Any]] = []
@@ -556,7 +558,7 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
 
         def __init__(self, method: Any, client: Any, *args: Any, **kwargs: Any) -> None:
             self.client, self.kernel_refused, self.checked_plan = client, None, None
-            made.append({"layout": client.layout})
+            made.append({"layout": client.bracket.layout})
 
         def send(self, tag: str) -> Any:
             made[-1]["given"] = self.checked_plan
@@ -573,21 +575,21 @@ def test_a_kernel_layout_refused_or_confirmed_stays_so_across_rendezvous(monkeyp
 
     engines = [_TaggedEndpoint("a")]
     install = NativeInstall(
-        TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1, layout=BracketLayout.KERNEL
+        TransferMethod.NCCL, state_dict=dict, dtype=None, buffer_size_bytes=1, bracket=BeginNative(BracketLayout.KERNEL)
     )
     monkeypatch.setattr("r3operator.weightsync.sync.NativeSender", Sender)
     chosen = LayoutChoice(WeightSyncLayout.KERNEL, "auto: engine vLLM 0.22.1 over nccl")
     install(engines, "run:1")  # type: ignore[arg-type]
-    assert install.kernel_refused_gauge(chosen) == 0.0  # the Prometheus gauge while the kernel layout holds
+    assert kernel_refused_gauge(chosen, install.kernel_refused) == 0.0  # the Prometheus gauge while the kernel holds
     engines[0].tag = None  # restarted: a new rendezvous
     install(engines, "run:2")  # type: ignore[arg-type]
     assert made[1] == {"layout": BracketLayout.KERNEL, "given": ["the confirmed plan"]}
     engines[0].tag = None
     install(engines, "run:3")  # type: ignore[arg-type]
-    assert install.kernel_refused_gauge(chosen) == 1.0  # R3WeightSyncKernelLayoutRefused fires on it
+    assert kernel_refused_gauge(chosen, install.kernel_refused) == 1.0  # R3WeightSyncKernelLayoutRefused fires on it
     # A run that chose the checkpoint layout exports no series: nothing was refused.
-    assert install.kernel_refused_gauge(LayoutChoice(WeightSyncLayout.CHECKPOINT, "checkpoint")) is None
-    assert install.kernel_refused and install.described(chosen).startswith(
+    assert kernel_refused_gauge(LayoutChoice(WeightSyncLayout.CHECKPOINT, "checkpoint"), install.kernel_refused) is None
+    assert install.kernel_refused and layout_now(chosen, install.kernel_refused).describe().startswith(
         "layout checkpoint (fallback: kernel refused at run time: on engine a, 1 of 2 parameter(s) built by the kernel "
         "builder differ: w13"
     )
@@ -642,7 +644,7 @@ def test_a_failure_under_vllms_packed_sender_still_streams_every_announced_tenso
     state = {name: torch.ones(shape) for name, shape in _TRAINER_SHAPES.items()}
     endpoint = _Endpoint("a", parameters=_ENGINE)
     sender = _kernel_sender(monkeypatch, endpoint)
-    sender.client.layout = BracketLayout.CHECKPOINT
+    sender.client.bracket = BeginNative()
     sender.state_dict, sender.device, sender._group = (lambda: Failing(state)), "cpu", object()
     streamed: list[tuple[str, Any]] = []
     monkeypatch.setattr(sender, "_static_nccl_send", lambda meta: streamed.extend(sender.tensors()))
