@@ -16,11 +16,15 @@ the write proceed (each rank's next optimizer step waits for its copy). The comm
 next checkpoint, or at `finish` (end of the run). A reader (a restarted driver) sees a complete
 checkpoint or none; a killed writer leaves only a temp dir, removed at the next commit. `latest` is a
 hint; `find_latest` falls back to the newest complete `step-*` directory.
+
+`StepCheckpoints` is a run's: a checkpoint after every `checkpoint.intervalSteps`-th step and after the last, and the
+step of the newest one committed (`status.progress.lastCheckpointStep`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -37,7 +41,17 @@ POLICY = "policy"
 DRIVER_STATE = "driver.pt"
 META = "meta.json"
 
-__all__ = ["AsyncCheckpoints", "CheckpointInfo", "find_latest", "list_checkpoints", "load_checkpoint", "set_rng_state"]
+log = logging.getLogger("r3operator.runtime")
+
+__all__ = [
+    "AsyncCheckpoints",
+    "CheckpointInfo",
+    "StepCheckpoints",
+    "find_latest",
+    "list_checkpoints",
+    "load_checkpoint",
+    "set_rng_state",
+]
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,41 @@ class AsyncCheckpoints:
         os.replace(latest_tmp, self.root / LATEST)
         _prune(self.root, keep_last=self.keep_last)
         return CheckpointInfo(final, pending.step, pending.policy_version)
+
+
+class StepCheckpoints(AsyncCheckpoints):
+    """A run's checkpoints at its step boundaries (phase 10 of runtime/loop.py): due after every `interval_steps`-th
+    step and after the run's `last_step`. `committed_step` is the step of the newest one committed: the resumed
+    checkpoint's (set by runtime/setup.py `resume`) until this run commits one."""
+
+    def __init__(
+        self, root: Path, trainer: Trainer, *, keep_last: int, ranks: int, interval_steps: int, last_step: int
+    ) -> None:
+        super().__init__(root, trainer, keep_last=keep_last, ranks=ranks)
+        self.interval_steps, self.last_step = interval_steps, last_step
+        self.committed_step: int | None = None
+
+    def after_step(self, step: int, *, policy_version: int) -> None:
+        """Start `step`'s checkpoint when it is due (committing the one in flight first)."""
+        if step % self.interval_steps and step != self.last_step:
+            return
+        self._note(self.start(step=step, policy_version=policy_version))
+
+    def finish_run(self) -> None:
+        """Wait for the checkpoint in flight and commit it (the end of a run)."""
+        self._note(self.finish())
+
+    def finish_failed_run(self) -> None:
+        """The end of a run that failed: a checkpoint already staged is still worth committing; one that cannot be is
+        logged, not raised, so that the run's own error is the one that reaches the caller."""
+        try:
+            self.finish_run()
+        except Exception as exc:
+            log.error("the checkpoint in flight could not be committed: %s", exc)
+
+    def _note(self, committed: CheckpointInfo | None) -> None:
+        if committed is not None:
+            self.committed_step = committed.step
 
 
 def _complete(path: Path) -> CheckpointInfo | None:

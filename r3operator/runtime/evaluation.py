@@ -23,6 +23,7 @@ step's `eval` phase (`t_eval`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +35,13 @@ import numpy as np
 from r3operator.api.v1alpha1 import EvaluationSpec, RLJobSpec
 from r3operator.rollout.engines import EngineGroup
 from r3operator.routing.sample import RolloutSample
+from r3operator.runtime.metrics import RuntimeMetrics
 from r3operator.runtime.report import EVAL_CSV, append_eval_row, keep_eval_rows_through
 from r3operator.tasks.dataset_task import DatasetProblem, DatasetTask, load_problems
 from r3operator.tasks.source import TaskSource, max_prompt_tokens
 from r3operator.weightsync.faults import EngineSupervisor
+
+log = logging.getLogger("r3operator.runtime")
 
 EVAL_SEED_OFFSET = 977_130_011
 """An evaluation's seed is `seed * 1_000_003 + EVAL_SEED_OFFSET`: not a multiple of the rollouts' 10_007 per step, so
@@ -156,16 +160,26 @@ class Evaluation:
             keep_eval_rows_through(self.path, resumed_through)
 
     def on_engines(
-        self, step: int, *, policy_version: int, engines: EngineGroup, supervisor: EngineSupervisor
+        self,
+        step: int,
+        metrics: RuntimeMetrics,
+        *,
+        policy_version: int,
+        engines: EngineGroup,
+        supervisor: EngineSupervisor,
     ) -> EvalResult:
         """`run` through the rollouts' path: an engine that fails or turns stale is re-synced and the request
-        repeated, as for a rollout (weightsync/faults.py)."""
+        repeated, as for a rollout (weightsync/faults.py). The result goes to the eval gauges of `metrics` and to the
+        log as well as to eval.csv."""
 
         def generate(request: EvalRequest) -> list[RolloutSample]:
             where = "before training" if step == 0 else f"after step {step}"
             return supervisor.on_policy(lambda: request.send(engines), what=f"evaluation {where}")
 
-        return self.run(step, policy_version=policy_version, generate=generate)
+        result = self.run(step, policy_version=policy_version, generate=generate)
+        metrics.observe_eval(step, result.reward_mean)
+        log.info("%s", result.line())
+        return result
 
     def run(self, step: int, *, policy_version: int, generate: Generate) -> EvalResult:
         """Generate, score and record one evaluation (appended to eval.csv)."""

@@ -49,6 +49,7 @@ from typing import Any
 from r3operator.api.enums import ExportFailurePolicy
 from r3operator.api.sources import SourceURI, parse_source_uri
 from r3operator.api.v1alpha1 import ExportFailure, ExportFailureReason, ExportRecord, ExportSpec, Progress, RLJob
+from r3operator.runtime.config import RunSettings
 from r3operator.runtime.evaluation import EvalResult
 from r3operator.runtime.fetch import S3Options, file_sha256, s3_client
 from r3operator.settings import EXPORT_MOUNT, RuntimeSettings, runtime_settings
@@ -697,17 +698,18 @@ def progress_patch(records: list[ExportRecord], failure: ExportFailure | None) -
     return {"status": {"progress": body}}
 
 
-def build_exporter(job: RLJob, *, run_dir: Path, model_dir: Path, last_step: int, engine_dtype: str) -> Exporter | None:
+def build_exporter(settings: RunSettings, *, model_dir: Path) -> Exporter | None:
     """The run's Exporter, or None without spec.export."""
+    job = settings.job
     spec = job.spec.export
     if spec is None:
         return None
     return Exporter(
         spec,
         job=job,
-        run_dir=run_dir,
+        run_dir=settings.run_dir,
         model_dir=model_dir,
-        last_step=last_step,
-        engine_dtype=engine_dtype,
+        last_step=settings.steps,
+        engine_dtype=settings.engine_dtype,
         chunk_size_mb=job.spec.weight_sync.chunk_size_mb,
     )

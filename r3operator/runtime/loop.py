@@ -33,10 +33,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -50,15 +48,14 @@ from r3operator.runtime.config import RunSettings, resolve_model_dir
 from r3operator.runtime.evaluation import EvalResult
 from r3operator.runtime.export import build_exporter
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, eval_progress_patch
-from r3operator.runtime.nonfinite import NonFiniteTally, poison
+from r3operator.runtime.nonfinite import NonFiniteTally
 from r3operator.runtime.progress import StepTable
-from r3operator.runtime.report import read_rows
 from r3operator.runtime.route_checks import StepRoutes, model_routing
 from r3operator.runtime.route_record import RouteRecorder
 from r3operator.runtime.setup import build_parts, build_session, check_run_spec, resume
 from r3operator.runtime.sft import sft_warmup
 from r3operator.runtime.step_record import StepRecord
-from r3operator.runtime.step_rows import publish, rollout_record, trainer_peak_gib, with_replay, with_training
+from r3operator.runtime.step_rows import StepRows
 from r3operator.tasks import toy as tasks
 from r3operator.trainer.base import OldPass, UpdateStats
 from r3operator.trainer.batch import TrainBatch
@@ -66,9 +63,6 @@ from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.weightsync.canary import CanaryMismatchError
 from r3operator.weightsync.session import SyncResult
 from r3operator.wire.sync_phases import PhaseTimer
-
-log = logging.getLogger("r3operator.runtime")
-
 
 __all__ = ["CanaryMismatchError", "GRPORun"]
 
@@ -93,21 +87,10 @@ class GRPORun:
         self.routes = StepRoutes(self.mode, self.metrics, self.status)  # phase 4; R3's route checks (setup())
         self.policy_version = 0
         self.start_step = 1
-        self.last_checkpoint_step: int | None = None
         self.rows: list[StepRecord] = []
-        self.nonfinite = NonFiniteTally(limit=spec.algorithm.max_non_finite_steps)
-        self.metrics.inc("r3operator_nonfinite_steps_total", 0)  # a series from the start: increase() sees the first
-        from r3operator.settings import runtime_settings
-
-        self._fault_steps = frozenset(runtime_settings().fault_nonfinite_steps)
+        self.nonfinite = NonFiniteTally.for_run(spec.algorithm, self.metrics)  # the guard (runtime/nonfinite.py)
         self.step_eval: EvalResult | None = None  # the last evaluation
-        self.exporter = build_exporter(  # spec.export (runtime/export.py)
-            settings.job,
-            run_dir=self.run_dir,
-            model_dir=self.model_dir,
-            last_step=settings.steps,
-            engine_dtype=settings.engine_dtype,
-        )
+        self.exporter = build_exporter(settings, model_dir=self.model_dir)  # spec.export (runtime/export.py)
 
     # -- setup: what runtime/setup.py builds, then resume or warm up, sync, canary ---------------------
     def setup(self) -> None:
@@ -119,14 +102,15 @@ class GRPORun:
         self.metrics.r3.set_replay_active(self.mode is ReplayMode.R3)  # a property of the job, not of a pass
         self.weight_sync = build_session(self.s, parts, self.metrics)
         self.supervisor = self.weight_sync.supervisor
+        self.step_rows = StepRows(  # 9 (runtime/step_rows.py)
+            self.s, self.mode, self.metrics, self.status, self.nonfinite, trainer=self.trainer, sync=self.weight_sync
+        )
         self._start_recorder()
         if self.mode is ReplayMode.R3:
             self.routes.enable_checks(model_routing(self.model_dir), self.spec.routing_replay.on_route_check_failure)
-        info = resume(self.s, self.ckpt_root, self.trainer)
+        info = resume(self.s, self.checkpoints, self.nonfinite)  # also their committed step and non-finite count
         if info is not None:
             self.start_step, self.policy_version = info.step + 1, info.policy_version
-            self.last_checkpoint_step = info.step
-            self.nonfinite.resume(read_rows(self.run_dir / "metrics.csv"))
         elif self.spec.algorithm.sft_warmup_steps:
             self.sft_warmup(self.spec.algorithm.sft_warmup_steps)
         if self.evaluation is not None:
@@ -222,9 +206,7 @@ class GRPORun:
         with timer("reward"):
             rewards = self.score(samples, problems)
         with timer("advantages"):
-            adv = poison(
-                step, self.advantages(rewards), self._fault_steps, mini_batches=self.spec.algorithm.mini_batches
-            )
+            adv = self.nonfinite.poison(step, self.advantages(rewards))
         self.routes.begin_step(samples)
         with timer("routes"):
             batch = self.load_routes(step, samples, adv)
@@ -247,24 +229,24 @@ class GRPORun:
         # The non-finite guard (runtime/nonfinite.py): an update that changed nothing is neither synced nor
         # checkpointed.
         changed = self.nonfinite.record(step, stats)
-        if stats.updates_skipped:
-            self.metrics.inc("r3operator_nonfinite_steps_total")
-        canary_ok = self.sync_and_canary(timer, step) if changed else self._no_sync(step, timer)
-        with timer("metrics"):
-            row = self._row(step, samples, rewards, batch, old, stats, canary_ok, timer)
+        if changed:
+            canary_ok = self.sync_and_canary(timer, step)
+        else:  # the engines keep the policy they have (no canary to run); a due evaluation still runs, on it
+            self.weight_sync.skip()
+            self.evaluate(step, timer)
+            canary_ok = False
+        with timer("metrics"):  # 9. the step's row (runtime/step_rows.py)
+            record = self._rollout_columns(step, samples, rewards, timer)
+            masks = self._fidelity_masks(samples, batch, old)
+            row = self._update_columns(
+                self.step_rows.trained(record, samples, batch, old, stats, masks, canary_ok=canary_ok), stats
+            )
         if changed:
             with timer("checkpoint"):
-                self._checkpoint(step)
+                self.checkpoints.after_step(step, policy_version=self.policy_version)
         row = self._finish_step(row, timer, begin)
         self.nonfinite.check()
         return row
-
-    def _no_sync(self, step: int, timer: PhaseTimer) -> bool:
-        """A step whose update was not applied: the engines keep the policy they have (no canary to run); a due
-        held-out evaluation still runs, on that policy."""
-        self.weight_sync.skip()
-        self.evaluate(step, timer)
-        return False
 
     def sync_and_canary(self, timer: PhaseTimer, step: int) -> bool:
         """7-8. Weight sync, then the canary, then the held-out evaluation when due (the asynchronous driver pauses
@@ -284,39 +266,11 @@ class GRPORun:
 
     def _run_evaluation(self, step: int) -> EvalResult:
         assert self.evaluation is not None
-        result = self.evaluation.on_engines(
-            step, policy_version=self.policy_version, engines=self.engines, supervisor=self.supervisor
+        return self.evaluation.on_engines(  # runtime/evaluation.py
+            step, self.metrics, policy_version=self.policy_version, engines=self.engines, supervisor=self.supervisor
         )
-        self.metrics.observe_eval(step, result.reward_mean)
-        log.info("%s", result.line())
-        return result
 
-    # -- 9. the step's row ----------------------------------------------------------------------------
-    def _row(
-        self,
-        step: int,
-        samples: Sequence[RolloutSample],
-        rewards: np.ndarray,
-        batch: TrainBatch,
-        old: OldPass,
-        stats: UpdateStats,
-        canary_ok: bool,
-        timer: PhaseTimer,
-    ) -> StepRecord:
-        record = with_training(
-            self._rollout_columns(step, samples, rewards, timer),
-            samples,
-            batch,
-            old,
-            stats,
-            masks=self._fidelity_masks(samples, batch, old),
-            sync=self.weight_sync,
-            canary_ok=canary_ok,
-            multi_turn=self.spec.rollout.multi_turn,
-            metrics=self.metrics,
-        )
-        return self._update_columns(record, stats)
-
+    # -- 9. the step's row: what a driver adds to runtime/step_rows.py's ------------------------------
     def _fidelity_masks(self, samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass) -> tuple[Any, Any]:
         """The response tokens and route rows the engine/trainer fidelity metrics run over (None: every captured
         row): all of them here, where every token was sampled by the weights the old-logprob pass runs
@@ -327,41 +281,17 @@ class GRPORun:
         self, step: int, samples: Sequence[RolloutSample], rewards: np.ndarray, timer: PhaseTimer
     ) -> StepRecord:
         """The figures every step has, trained or skipped: what the rollout produced."""
-        record = rollout_record(
-            step,
-            policy_version=self.policy_version,
-            mode=self.mode,
-            samples=samples,
-            rewards=rewards,
-            dropped=len(self.routes.dropped),
-            rollout_seconds=timer.seconds["rollout"],
-            multi_turn=self.spec.rollout.multi_turn,
+        return self.step_rows.rollout(
+            step, self.policy_version, samples, rewards, self.routes, rollout_seconds=timer.seconds["rollout"]
         )
-        checks = self.routes.checks
-        return record if checks is None else with_replay(record, checks.step, self.metrics)
 
     def _update_columns(self, row: StepRecord, stats: UpdateStats) -> StepRecord:
         """Figures a driver adds from the update's (none in the synchronous loop)."""
         return row
 
     def _finish_step(self, row: StepRecord, timer: PhaseTimer, begin: float) -> StepRecord:
-        row = replace(
-            row,
-            eval_reward=self.step_eval.reward_mean if self.step_eval and self.step_eval.step == row.step else None,
-            phase_seconds=dict(timer.seconds),  # every phase the step ran, metrics and checkpoint included
-            step_seconds=time.perf_counter() - begin,
-            trainer_peak_memory_gib=trainer_peak_gib(self.trainer, self.s.device),
-        )
-        publish(
-            row,
-            timer.seconds,
-            metrics=self.metrics,
-            status=self.status,
-            metrics_csv=self.run_dir / "metrics.csv",
-            total_steps=self.s.steps,
-            last_checkpoint_step=self.last_checkpoint_step,
-            weight_sync=self.weight_sync.described,
-            nonfinite=self.nonfinite,
+        row = self.step_rows.finish(
+            row, timer.seconds, began=begin, evaluation=self.step_eval, last_checkpoint_step=self.last_checkpoint_step
         )
         self.rows.append(row)
         return row
@@ -372,33 +302,23 @@ class GRPORun:
         """Every sample was dropped: no update, so the engines keep the current policy (no sync, no new
         policy version). The step is counted (`r3operator_steps_skipped_total`, `skipped` in metrics.csv, the
         progress line) and checkpointed like any other, so a resume does not repeat it."""
-        log.error(
-            "step %d skipped: all %d samples were dropped (%s)",
-            step,
-            len(samples),
-            ", ".join(sorted({reason for _, reason in self.routes.dropped})),
-        )
-        self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
+        self.routes.none_left(step, len(samples))
         self.evaluate(step, timer)  # a due evaluation still runs, on the unchanged policy
         with timer("metrics"):
             row = self._rollout_columns(step, samples, rewards, timer)  # StepRecord's defaults: a skipped step
         with timer("checkpoint"):
-            self._checkpoint(step)
+            self.checkpoints.after_step(step, policy_version=self.policy_version)
         return self._finish_step(row, timer, begin)
 
-    # -- 10. checkpoint ------------------------------------------------------------------------------
-    def _checkpoint(self, step: int) -> None:
-        if step % self.spec.checkpoint.interval_steps and step != self.s.steps:
-            return
-        committed = self.checkpoints.start(step=step, policy_version=self.policy_version)
-        if committed is not None:
-            self.last_checkpoint_step = committed.step
+    # -- 10. checkpoint (runtime/checkpoint.py `StepCheckpoints`) --------------------------------------
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The step of the newest checkpoint committed (the resumed one's until this run commits one)."""
+        return self.checkpoints.committed_step
 
     def finish_checkpoint(self) -> None:
         """Wait for the checkpoint in flight and commit it (the end of a run)."""
-        committed = self.checkpoints.finish()
-        if committed is not None:
-            self.last_checkpoint_step = committed.step
+        self.checkpoints.finish_run()
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, *, table: StepTable | None = None) -> list[StepRecord]:
@@ -420,10 +340,7 @@ class GRPORun:
         except BaseException:
             if self.exporter is not None:
                 self.exporter.abandon()
-            try:  # a checkpoint already staged is still worth committing
-                self.finish_checkpoint()
-            except Exception as exc:
-                log.error("the checkpoint in flight could not be committed: %s", exc)
+            self.checkpoints.finish_failed_run()  # a checkpoint already staged is still worth committing
             raise
         finally:
             if self.recorder is not None:

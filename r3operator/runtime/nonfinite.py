@@ -8,6 +8,9 @@ mini-batches was applied the weights did not change, so the step is neither sync
 policy version) nor checkpointed. `algorithm.maxNonFiniteSteps` of them in a row fail the run with
 `NonFiniteStepsError`, naming the steps: the cause (a reward that is NaN, a model that diverged) is not one
 a retry of the same data fixes, and the last checkpoint holds the last weights that were applied.
+
+Fault injection (R3OPERATOR_FAULT_NONFINITE_STEPS) makes such steps on purpose, for the tests and the GPU acceptance
+run: `NonFiniteTally.poison` turns a listed step's advantages into NaN.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from r3operator.api.v1alpha1 import AlgorithmSpec
+from r3operator.runtime.metrics import RuntimeMetrics
+from r3operator.settings import runtime_settings
 from r3operator.trainer.base import UpdateStats
 
 log = logging.getLogger("r3operator.runtime")
@@ -38,12 +44,33 @@ def nonfinite_updates(row: Mapping[str, Any]) -> int:
 
 @dataclass
 class NonFiniteTally:
-    """The run's non-finite steps: how many, the last, and the current run of them."""
+    """The run's non-finite steps: how many (`r3operator_nonfinite_steps_total` in `metrics`), the last, and the
+    current run of them; and the steps fault injection makes non-finite (`poison`)."""
 
     limit: int  # algorithm.maxNonFiniteSteps
+    metrics: RuntimeMetrics
+    fault_steps: frozenset[int] = frozenset()  # R3OPERATOR_FAULT_NONFINITE_STEPS
+    mini_batches: int = 1  # algorithm.miniBatches: one NaN advantage in each poisons every update of a step
     total: int = 0
     last: int | None = None
     streak: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.metrics.inc("r3operator_nonfinite_steps_total", 0)  # a series from the start: increase() sees the first
+
+    @classmethod
+    def for_run(cls, algorithm: AlgorithmSpec, metrics: RuntimeMetrics) -> NonFiniteTally:
+        """The tally of a run of `algorithm`, with the fault steps of this process's settings."""
+        return cls(
+            limit=algorithm.max_non_finite_steps,
+            metrics=metrics,
+            fault_steps=frozenset(runtime_settings().fault_nonfinite_steps),
+            mini_batches=algorithm.mini_batches,
+        )
+
+    def poison(self, step: int, advantages: np.ndarray) -> np.ndarray:
+        """`advantages`, made NaN when fault injection lists `step` (module `poison`)."""
+        return poison(step, advantages, self.fault_steps, mini_batches=self.mini_batches)
 
     def resume(self, rows: Iterable[Mapping[str, Any]]) -> None:
         """Take the count back from the metrics.csv rows a resume keeps (steps up to its checkpoint)."""
@@ -56,7 +83,8 @@ class NonFiniteTally:
                 self.streak = []
 
     def record(self, step: int, stats: UpdateStats) -> bool:
-        """Count `step`'s update; True when it changed the weights (some mini-batch was applied)."""
+        """Count `step`'s update (and, when some of it was not applied, `r3operator_nonfinite_steps_total`); True when
+        it changed the weights (some mini-batch was applied)."""
         if not stats.updates_skipped:
             self.streak = []
             return True
@@ -73,6 +101,7 @@ class NonFiniteTally:
             len(self.streak),
             self.limit,
         )
+        self.metrics.inc("r3operator_nonfinite_steps_total")
         return applied
 
     def check(self) -> None:

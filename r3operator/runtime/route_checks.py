@@ -311,6 +311,13 @@ class StepRoutes:
                 {"status": {"progress": {"routeCheckFailures": failures, "routeCheckMessage": str(failure)[:1024]}}}
             )
 
+    def none_left(self, step: int, samples: int) -> None:
+        """Every one of the step's `samples` was dropped, so the step is skipped: logged with the reasons, counted
+        (`r3operator_steps_skipped_total`)."""
+        reasons = ", ".join(sorted({reason for _, reason in self.dropped}))
+        log.error("step %d skipped: all %d samples were dropped (%s)", step, samples, reasons)
+        self.metrics.inc("r3operator_steps_skipped_total", reason="no_usable_samples")
+
     def drop(self, sample_id: str, reason: str, detail: str) -> None:
         log.error("step sample %s dropped from training (routes %s): %s", sample_id, reason, detail)
         self.metrics.inc("r3operator_samples_dropped_total", reason=reason)

@@ -23,7 +23,8 @@ from r3operator.runtime import checkpoint as ckpt
 from r3operator.runtime.config import RunSettings, check_architecture
 from r3operator.runtime.dataset_file import resolve_dataset_file, resolve_eval_dataset_file
 from r3operator.runtime.evaluation import Evaluation, build_evaluation
-from r3operator.runtime.report import keep_rows_through
+from r3operator.runtime.nonfinite import NonFiniteTally
+from r3operator.runtime.report import keep_rows_through, read_rows
 from r3operator.tasks import envs
 from r3operator.tasks.source import TaskSource, build_task_source
 from r3operator.trainer.base import Trainer
@@ -44,7 +45,7 @@ class RunParts:
     num_experts: int
     task: TaskSource
     trainer: Trainer
-    checkpoints: ckpt.AsyncCheckpoints
+    checkpoints: ckpt.StepCheckpoints
     engines: EngineGroup
     vllm_version: str
     weight_transfer: TransferChoice
@@ -79,7 +80,14 @@ def build_parts(settings: RunSettings, model_dir: Path, *, engines: EngineGroup 
 
         start_ray(in_cluster=runtime_settings().in_cluster)
     trainer = build_trainer(spec, model_dir, device=settings.device, ranks=ranks)
-    checkpoints = ckpt.AsyncCheckpoints(ckpt_root, trainer, keep_last=spec.checkpoint.keep_last, ranks=ranks)
+    checkpoints = ckpt.StepCheckpoints(
+        ckpt_root,
+        trainer,
+        keep_last=spec.checkpoint.keep_last,
+        ranks=ranks,
+        interval_steps=spec.checkpoint.interval_steps,
+        last_step=settings.steps,
+    )
     if engines is None:
         engines = start_engines(settings, model_dir, capture_routes=capture)
     vllm_version = engines.vllm_version()
@@ -116,19 +124,24 @@ def build_session(settings: RunSettings, parts: RunParts, metrics: SyncMetrics) 
     )
 
 
-def resume(settings: RunSettings, ckpt_root: Path, trainer: Trainer) -> ckpt.CheckpointInfo | None:
-    """The checkpoint this run resumes from, loaded into `trainer` with the driver's RNG state, and metrics.csv kept
-    through its step (steps finished after it run again: their rows must not appear twice). None: a fresh start,
-    whose directory must not mix in the rows of an earlier run there (its metrics.csv is removed)."""
+def resume(
+    settings: RunSettings, checkpoints: ckpt.StepCheckpoints, nonfinite: NonFiniteTally
+) -> ckpt.CheckpointInfo | None:
+    """The checkpoint this run resumes from, loaded into the checkpoints' trainer with the driver's RNG state (and the
+    newest committed step of `checkpoints`), and metrics.csv kept through its step (steps finished after it run
+    again: their rows must not appear twice), the non-finite steps of those rows counted in `nonfinite` again. None:
+    a fresh start, whose directory must not mix in the rows of an earlier run there (its metrics.csv is removed)."""
     metrics_csv = settings.run_dir / "metrics.csv"
-    info = ckpt.find_latest(ckpt_root) if settings.resume else None
+    info = ckpt.find_latest(checkpoints.root) if settings.resume else None
     if info is None:
         metrics_csv.unlink(missing_ok=True)
         return None
-    state = ckpt.load_checkpoint(info, trainer)
+    state = ckpt.load_checkpoint(info, checkpoints.trainer)
     ckpt.set_rng_state(state["rng"])
     keep_rows_through(metrics_csv, info.step)
     log.info("resumed from %s (step %d, policy version %d)", info.path, info.step, info.policy_version)
+    checkpoints.committed_step = info.step
+    nonfinite.resume(read_rows(metrics_csv))
     return info
 
 

@@ -1,12 +1,14 @@
 """How a step's figures become its `StepRecord` (runtime/step_record.py), and the gauges that go with them.
 
-The step loop (runtime/loop.py) calls these after its phases: `rollout_record` for what every step has, trained or
-skipped; `with_replay` for an R3 job's replay health; `with_training` for a trained step's engine/trainer fidelity,
-update statistics, canary and sync. Each sets the Prometheus series of what it measures, as it measures it.
+The step loop (runtime/loop.py) hands a run's `StepRows` what each step measured: `rollout` for what every step has,
+trained or skipped (`rollout_record`, and `with_replay` for an R3 job's replay health); `trained` for a trained
+step's engine/trainer fidelity, update statistics, canary and sync (`with_training`); `finish` for the step's
+timings, then the row published (`publish`). Each sets the Prometheus series of what it measures, as it measures it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,10 +20,12 @@ from r3operator.api.enums import ReplayMode
 from r3operator.rollout.multiturn import agreement_by_turn
 from r3operator.routing.agreement import routing_agreement
 from r3operator.routing.sample import RolloutSample
+from r3operator.runtime.config import RunSettings
+from r3operator.runtime.evaluation import EvalResult
 from r3operator.runtime.metrics import RuntimeMetrics, StatusPusher, progress_patch
 from r3operator.runtime.nonfinite import NonFiniteTally
 from r3operator.runtime.report import append_row
-from r3operator.runtime.route_checks import StepTally
+from r3operator.runtime.route_checks import StepRoutes, StepTally
 from r3operator.runtime.step_record import StepRecord
 from r3operator.trainer.base import OldPass, Trainer, UpdateStats
 from r3operator.trainer.batch import TrainBatch
@@ -208,3 +212,108 @@ def by_turn(samples: Sequence[RolloutSample], batch: TrainBatch, old: OldPass, m
         if ratio == ratio:  # a turn no conversation reached this step is NaN: no sample, no series
             metrics.set("r3operator_routing_agreement_by_turn_ratio", float(ratio), turn=str(turn))
     return ";".join(f"{x:.4f}" for x in turns)
+
+
+class StepRows:
+    """One run's step rows: what a step measured, with what every row of the run shares (its replay mode, the shape
+    of its rollouts, its trainer and weight sync), into the step's `StepRecord`, then published. Bound once per run
+    (`GRPORun.setup`, once the trainer and the sync exist), so that the loop hands it only what the step measured."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        mode: ReplayMode,
+        metrics: RuntimeMetrics,
+        status: StatusPusher,
+        nonfinite: NonFiniteTally,
+        *,
+        trainer: Trainer,
+        sync: WeightSyncSession,
+    ) -> None:
+        self.mode, self.metrics, self.status, self.nonfinite = mode, metrics, status, nonfinite
+        self.trainer, self.sync = trainer, sync
+        self.multi_turn = settings.job.spec.rollout.multi_turn
+        self.device, self.total_steps = settings.device, settings.steps
+        self.metrics_csv = settings.run_dir / "metrics.csv"
+
+    def rollout(
+        self,
+        step: int,
+        policy_version: int,
+        samples: Sequence[RolloutSample],
+        rewards: np.ndarray,
+        routes: StepRoutes,
+        *,
+        rollout_seconds: float,
+    ) -> StepRecord:
+        """The figures every step has, trained or skipped: what the rollout produced, the samples phase 4 and the
+        route checks dropped (`routes.dropped`), and under R3 the replay's health (`with_replay`)."""
+        record = rollout_record(
+            step,
+            policy_version=policy_version,
+            mode=self.mode,
+            samples=samples,
+            rewards=rewards,
+            dropped=len(routes.dropped),
+            rollout_seconds=rollout_seconds,
+            multi_turn=self.multi_turn,
+        )
+        return record if routes.checks is None else with_replay(record, routes.checks.step, self.metrics)
+
+    def trained(
+        self,
+        record: StepRecord,
+        samples: Sequence[RolloutSample],
+        batch: TrainBatch,
+        old: OldPass,
+        stats: UpdateStats,
+        masks: tuple[Any, Any | None],
+        *,
+        canary_ok: bool,
+    ) -> StepRecord:
+        """`record` with a trained step's figures (`with_training`): the fidelity over `masks`, the update's
+        statistics, the step's sync and canary."""
+        return with_training(
+            record,
+            samples,
+            batch,
+            old,
+            stats,
+            masks=masks,
+            sync=self.sync,
+            canary_ok=canary_ok,
+            multi_turn=self.multi_turn,
+            metrics=self.metrics,
+        )
+
+    def finish(
+        self,
+        row: StepRecord,
+        phases: Mapping[str, float],
+        *,
+        began: float,
+        evaluation: EvalResult | None,
+        last_checkpoint_step: int | None,
+    ) -> StepRecord:
+        """The finished step's row, published (`publish`): with every phase the step ran (metrics and checkpoint
+        included), its wall time since `began`, the eval reward when `evaluation` is this step's, and the trainer's
+        peak memory."""
+        row = replace(
+            row,
+            eval_reward=evaluation.reward_mean if evaluation and evaluation.step == row.step else None,
+            phase_seconds=dict(phases),
+            step_seconds=time.perf_counter() - began,
+            trainer_peak_memory_gib=trainer_peak_gib(self.trainer, self.device),
+        )
+        publish(
+            row,
+            phases,
+            metrics=self.metrics,
+            status=self.status,
+            metrics_csv=self.metrics_csv,
+            total_steps=self.total_steps,
+            last_checkpoint_step=last_checkpoint_step,
+            weight_sync=self.sync.described,
+            nonfinite=self.nonfinite,
+        )
+        return row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import math
 import os
 from pathlib import Path
@@ -242,6 +243,39 @@ def test_checkpoint_async_commit_atomic_and_latest(tmp_path: Path, monkeypatch: 
     # An incomplete directory (no meta.json) is ignored.
     (root / "step-000010").mkdir()
     assert ckpt.find_latest(root).step == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_step_checkpoints_are_due_every_interval_and_after_the_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from r3operator.runtime import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    policy = LinearPolicy()
+    saver = ckpt.StepCheckpoints(root, policy, keep_last=10, ranks=1, interval_steps=3, last_step=7)  # type: ignore[arg-type]
+    saver.committed_step = 1  # a resume from step 1's checkpoint
+    committed = []
+    for step in range(2, 8):
+        saver.after_step(step, policy_version=step)
+        committed.append(saver.committed_step)
+    # Due after steps 3 and 6 (every third) and 7 (the last); each is committed when the next one starts.
+    assert committed == [1, 1, 1, 1, 3, 6]
+    saver.finish_run()
+    assert saver.committed_step == 7
+    assert [c.step for c in ckpt.list_checkpoints(root)] == [3, 6, 7]
+
+    # A failed run's end: a commit that fails is logged, not raised, and the newest committed step stays.
+    def no_rename(*args: object, **kwargs: object) -> None:
+        raise OSError("volume gone")
+
+    saver.after_step(9, policy_version=9)
+    policy.wait_checkpoint()  # the shards are written; only the commit's rename fails
+    monkeypatch.setattr(os, "rename", no_rename)
+    with caplog.at_level(logging.ERROR, logger="r3operator.runtime"):
+        saver.finish_failed_run()
+    assert saver.committed_step == 7 and "could not be committed: volume gone" in caplog.text
+    assert not list(root.glob(".tmp-*"))
 
 
 @pytest.mark.slow
