@@ -33,8 +33,19 @@ def dashboard_preview(
     synthetic: Annotated[bool, typer.Option(help="Also run the synthetic feed (real exporter classes).")] = True,
     namespace: Annotated[str, typer.Option(help="Value of the $namespace variable (regex).")] = ".*",
     rljob: Annotated[str, typer.Option(help="Value of the $rljob variable (regex).")] = ".*",
+    run: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A finished run to draw instead of live exporters: its directory or metrics.csv, as `name=PATH` or "
+            "`PATH` (the rljob label); repeatable, the runs drawn as started together. Its rows are played through "
+            "the driver's exporter into a real Prometheus (observability/backfill.py)."
+        ),
+    ] = None,
 ) -> None:
     """Render dashboard panels to PNG from a real Prometheus that scrapes real exporters (a preview)."""
+    if run:
+        _run_preview(run, dashboard=dashboard, out=out, namespace=namespace, rljob=rljob)
+        return
     from r3operator.observability import dashboards as dash
     from r3operator.observability.feed import SyntheticFeed
     from r3operator.observability.generate import RULES_FILE
@@ -89,6 +100,62 @@ def dashboard_preview(
     finally:
         if feed is not None:
             feed.stop()
+
+
+def _run_preview(runs: list[str], *, dashboard: str, out: Path, namespace: str, rljob: str) -> None:
+    """`dashboard-preview --run`: the dashboards over finished runs' metrics.csv (observability/backfill.py)."""
+    import tempfile
+
+    from r3operator.observability import dashboards as dash
+    from r3operator.observability.backfill import BackfillError, backfill, read_run
+    from r3operator.observability.preview import render_dashboard
+    from r3operator.observability.prom import PrometheusNotFound, PrometheusServer, find_binary
+
+    bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
+    if dashboard != "all" and dashboard not in bodies:
+        raise typer.BadParameter(
+            f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all", param_hint="--dashboard"
+        )
+    try:
+        played = []
+        for spec in runs:
+            name, _, where = spec.rpartition("=")
+            played.append(read_run(Path(where), name or None))
+    except BackfillError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--run") from None
+    promtool = find_binary("promtool")
+    if promtool is None:
+        typer.echo("error: promtool not found on PATH or in .tools/bin (run `make tools`)", err=True)
+        raise typer.Exit(2)
+    length = max(r.seconds for r in played)
+    end = float(int(time.time()) - 60)  # the runs end just before now: inside the server's retention
+    start = end - length
+    names = ", ".join(f"{r.rljob} ({len(r.rows)} steps, {r.path})" for r in played)
+    with tempfile.TemporaryDirectory(prefix="r3-backfill-") as tmp:
+        try:
+            blocks = backfill(played, start, Path(tmp) / "blocks", promtool=promtool)
+            with PrometheusServer([], blocks=blocks, retention=f"{int(length // 3600) + 2}h") as prom:
+                chosen = bodies if dashboard == "all" else {dashboard: bodies[dashboard]}
+                for uid, body in chosen.items():
+                    path = out / f"{uid}-run.png" if dashboard == "all" else out
+                    render_dashboard(
+                        prom,
+                        body,
+                        path,
+                        span=(start, end),
+                        step=max(1.0, length / 400),
+                        variables={"namespace": namespace, "rljob": rljob},
+                        banner="PREVIEW — finished runs' metrics.csv played through the driver's exporter into a "
+                        "real Prometheus, not a Grafana screenshot",
+                        footnote=f"Runs (started together; a step ends at the sum of its run's step_seconds): {names}",
+                    )
+                    typer.echo(f"wrote {path}")
+        except BackfillError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        except PrometheusNotFound as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
 
 
 def dashboards(

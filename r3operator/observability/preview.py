@@ -54,33 +54,42 @@ def render_dashboard(
     step: float = 1.0,
     variables: Mapping[str, str] | None = None,
     footnote: str = "",
+    span: tuple[float, float] | None = None,
+    banner: str = BANNER,
 ) -> Path:
+    """The dashboard's panels over the last `window` seconds (x: seconds before the render), or over `span`
+    (start, end: a finished run's, x: minutes into it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
-    end = time.time()
-    start = end - window
+    start, end = span if span is not None else (time.time() - window, time.time())
     cols = 3
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 5.2, rows * 3.0 + 1.2), squeeze=False)
-    fig.suptitle(f"{BANNER}\n{dashboard['title']}", fontsize=13, fontweight="bold", color="#b00020")
+    fig.suptitle(f"{banner}\n{dashboard['title']}", fontsize=13, fontweight="bold", color="#b00020")
     for ax, panel in zip(axes.flat, panels, strict=False):
         lines = query_panel(prom, panel, start, end, step, variables)
+        if span is not None:  # minutes into the run, not seconds before the render
+            lines = [(legend, [(x + end - start) / 60.0 for x in xs], ys) for legend, xs, ys in lines]
         ax.set_title(panel["title"], fontsize=10, loc="left")
         unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         if not lines:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+            ax.set_xticks([])
+            ax.set_yticks([])
         elif panel["type"] == "stat":
             ax.axis("off")
             text = "\n".join(f"{legend}: {ys[-1]:.4g}" for legend, _, ys in lines[:4] if ys)
             ax.text(0.5, 0.45, text, ha="center", va="center", transform=ax.transAxes, fontsize=14)
         else:
-            for legend, xs, ys in lines[:12]:
+            # At most 12 lines, the largest on average first: the step's rollout and update, not its checkpoint.
+            biggest = sorted(lines, key=lambda line: -sum(line[2]) / max(len(line[2]), 1))[:12]
+            for legend, xs, ys in sorted(biggest, key=lambda line: line[0]):
                 ax.plot(xs, ys, linewidth=1.2, label=legend[:40])
-            ax.set_xlabel("seconds before render", fontsize=8)
+            ax.set_xlabel("minutes into the run" if span is not None else "seconds before render", fontsize=8)
             ax.set_ylabel(_UNIT_LABEL.get(unit, unit), fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)

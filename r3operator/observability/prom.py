@@ -69,12 +69,14 @@ class PrometheusServer:
         interval: str = "1s",
         binary: str | None = None,
         retention: str = "1d",
+        blocks: Path | None = None,
     ) -> None:
         resolved = binary or find_binary("prometheus")
         if resolved is None:
             raise PrometheusNotFound("prometheus not found on PATH or in .tools/bin (run `make tools`)")
         self.binary = resolved
         self.targets, self.rule_files, self.interval, self.retention = targets, rule_files or [], interval, retention
+        self.blocks = blocks  # TSDB blocks to serve (observability/backfill.py), copied into the server's own storage
         self.port = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -103,6 +105,8 @@ class PrometheusServer:
         root = Path(self._dir.name)
         config = root / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        if self.blocks is not None:
+            shutil.copytree(self.blocks, root / "tsdb")
         self.port = free_port()
         log = (root / "prometheus.log").open("wb")
         self._proc = subprocess.Popen(

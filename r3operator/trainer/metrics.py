@@ -199,6 +199,10 @@ class R3Metrics:
     def _get(self, name: str, **labels: str) -> Any:
         return self._m[name].labels(namespace=self.namespace, rljob=self.rljob, **labels)
 
+    def set(self, name: str, value: float, **labels: str) -> None:
+        """One of METRICS' gauges set to a figure measured before (a finished run's, observability/backfill.py)."""
+        self._get(name, **labels).set(value)
+
     def observe_logprobs(self, rollout_logprobs: Any, trainer_logprobs: Any, mask: Any | None = None) -> LogprobStats:
         stats = logprob_stats(rollout_logprobs, trainer_logprobs, mask)
         for field in ("abs_diff_mean", "abs_diff_std", "abs_diff_max", "abs_diff_min"):
