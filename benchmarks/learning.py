@@ -13,7 +13,8 @@ Parts, each resumable from DIR:
    DIR/warm/model, with DIR/warm/warm.json saying how it was made.
 3. runs: one `r3operator run` per replay mode on the same RLJob but for `routingReplay.mode` (DIR/jobs/*.yaml), all
    at once on the one device (`--concurrent`, the default: three small jobs share a GPU better than they take
-   turns; each one's figures are its own, its step time is under that sharing, said in the summary).
+   turns; each one's figures are its own, its step time is under that sharing, said in the summary). `--modes` may
+   add `R3-async`: R3 with `algorithm.mode: async` (partial rollouts, staleness ≤ 1, truncated importance weights).
 4. summary: DIR/learning.json (per mode: the figures issue 44 names) and one PNG per mode plus one comparing
    them (reward and held-out reward, k3 KL, extreme-token fraction, grad norm per step).
 """
@@ -35,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("Disabled", "R2", "R3")
+ASYNC_MODES = ("R3-async",)
+"""R3 in `algorithm.mode: async` (partial rollouts, staleness ≤ `ASYNC_STALENESS`, TIS): asked for by name only."""
+ASYNC_STALENESS = 1
 PARTS = ("data", "warm", "runs", "summary")
 WARM_HERE = "warm-in-this-process"  # what the `warm` part runs in a child process
 STAGGER_S = 15.0  # between the side-by-side runs' starts: their engines load and capture CUDA graphs apart
@@ -97,7 +101,8 @@ class Plan:
 
 
 def job_document(plan: Plan, *, mode: str, model_dir: Path, data: Path, name: str) -> dict[str, Any]:
-    """The RLJob of one run: every mode the same but for `routingReplay.mode`."""
+    """The RLJob of one run: every mode the same but for `routingReplay.mode`, and for an asynchronous mode
+    (`R3-async`) `algorithm.mode: async` with its staleness bound and importance-weight cap."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -125,7 +130,7 @@ def job_document(plan: Plan, *, mode: str, model_dir: Path, data: Path, name: st
                     "family": "qwen3_moe",
                 },
             },
-            "routingReplay": {"mode": mode},
+            "routingReplay": {"mode": mode.removesuffix("-async")},
             "inference": {
                 "image": "ghcr.io/r3operator/engine:0.1.0-vllm0.22.1",
                 "replicas": 1,
@@ -152,6 +157,11 @@ def job_document(plan: Plan, *, mode: str, model_dir: Path, data: Path, name: st
                 "clipRatioLow": 0.2,
                 "clipRatioHigh": 0.28,
                 "miniBatches": plan.mini_batches,
+                **(
+                    {"mode": "async", "maxStaleness": ASYNC_STALENESS, "importanceWeightCap": 2.0}
+                    if mode in ASYNC_MODES
+                    else {}
+                ),
             },
             "task": {
                 "name": "dataset",
@@ -591,7 +601,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("extreme tokens (ratio outside [1/2, 2])", ("extreme_token_fraction",)),
     ("grad norm (before clipping at 1.0)", ("grad_norm",)),
 )
-COLORS = {"Disabled": "tab:red", "R2": "tab:orange", "R3": "tab:blue"}
+COLORS = {"Disabled": "tab:red", "R2": "tab:orange", "R3": "tab:blue", "R3-async": "tab:purple"}
 
 
 def draw_plots(plan: Plan, out: Path) -> list[Path]:
@@ -669,9 +679,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Plan, Path, list[str]]:
     values = {name: getattr(args, name) for name in asdict(defaults)}
     values["modes"] = tuple(m for m in str(values["modes"]).split(",") if m)
     values["extra_engine_args"] = tuple(a for a in str(values["extra_engine_args"]).split(",") if a)
-    unknown = [m for m in values["modes"] if m not in MODES]
+    unknown = [m for m in values["modes"] if m not in (*MODES, *ASYNC_MODES)]
     if unknown:
-        parser.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+        parser.error(f"--modes: unknown {unknown}; choose from {[*MODES, *ASYNC_MODES]}")
     parts = [p for p in str(args.parts).split(",") if p]
     if bad := [p for p in parts if p not in (*PARTS, WARM_HERE)]:
         parser.error(f"--parts: unknown {bad}; choose from {list(PARTS)}")

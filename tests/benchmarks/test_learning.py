@@ -121,6 +121,18 @@ def test_every_mode_s_job_is_a_valid_rljob_differing_only_in_replay(tmp_path: Pa
         assert doc["spec"]["algorithm"]["miniBatches"] == 4
     strip = [{**d["spec"], "routingReplay": None} for d in docs.values()]
     assert strip[0] == strip[1] == strip[2]
+    # R3 asynchronous (asked for by name): R3's job but for the asynchronous algorithm's three settings.
+    async_doc = learning.job_document(learning.Plan(), mode="R3-async", model_dir=model, data=tmp_path, name="x")
+    job = learning.write_job(async_doc, tmp_path / "r3-async.yaml")
+    from r3operator.api.load import load_rljob
+
+    spec = load_rljob(job).spec
+    assert (str(spec.routing_replay.mode), str(spec.algorithm.mode)) == ("R3", "async")
+    assert (spec.algorithm.max_staleness, spec.algorithm.importance_weight_cap) == (1, 2.0)
+    algorithm = dict(async_doc["spec"]["algorithm"])
+    assert {k: algorithm.pop(k) for k in ("mode", "maxStaleness", "importanceWeightCap")}
+    assert {**async_doc["spec"], "algorithm": algorithm} == docs["R3"]["spec"]
+    assert "R3-async" not in learning.Plan().modes  # three runs by default: the asynchronous one only by name
 
 
 def test_the_summary_s_command_makes_the_same_plan() -> None:
