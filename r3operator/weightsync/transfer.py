@@ -55,6 +55,7 @@ from r3operator.wire.kernel_layout import (
     trainer_shapes,
 )
 from r3operator.wire.receipt import FingerprintLog
+from r3operator.wire.shards import Shard, take
 from r3operator.wire.sync_messages import BeginNative, BracketLayout, DirectUpdate
 from r3operator.wire.sync_phases import SyncPhases
 from r3operator.wire.weights import announced_zeros, checkpoint_metadata, checkpoint_tensors, full_tensor, tensor_nbytes
@@ -84,10 +85,13 @@ class FanOutClient:
         self.bracket = bracket  # what every engine's bracket opens with (weightSync.layout, `auto` resolved)
         self.policy_tag: str | None = None  # stamped by finish_weight_update
         self._world_sizes: list[int] | None = None
+        # Per engine, per worker: the part of each whole parameter it holds (wire/shards.py), from `engine_parameters`.
+        self.shards: list[list[dict[str, Shard]]] = []
 
     def engine_parameters(self) -> list[EngineParameter]:
-        """The engines' model parameters (name, dtype, shape), asked of every engine: a kernel-format
-        broadcast goes to all of them at once, so they must hold the same parameters."""
+        """The engines' model parameters (name, dtype, whole shape), asked of every engine: a kernel-format
+        broadcast goes to all of them at once, so they must hold the same parameters; each worker's part of the
+        parameters it holds a part of is kept in `shards`."""
         answers = [e.native_parameters() for e in self.endpoints]
         for endpoint, answer in zip(self.endpoints, answers, strict=True):
             if answer.get("refused"):
@@ -102,7 +106,16 @@ class FanOutClient:
                     f"weightSync.layout kernel: engine {endpoint.name} reports other parameters than engine "
                     f"{self.endpoints[0].name}; one broadcast cannot serve both"
                 )
+        self.shards = [
+            [{name: Shard.from_wire(wire, name=name) for name, wire in dict(worker).items()} for worker in shards]
+            for shards in (answer.get("shards") or [{}] for answer in answers)
+        ]
         return reported[0]
+
+    @property
+    def sharded(self) -> bool:
+        """Some engine worker holds a part of some parameter (a tensor- or expert-parallel engine)."""
+        return any(worker for engine in self.shards for worker in engine)
 
     @property
     def world_sizes(self) -> list[int]:
@@ -301,6 +314,11 @@ class NativeSender:
         report, checked against the trainer's shapes (`KernelLayoutError` names a mismatch)."""
         if self._plan is None:
             self._plan = plan_kernel_layout(trainer_shapes(self._state_dict()), self.client.engine_parameters())
+            if self.client.sharded and self.method is TransferMethod.IPC:
+                raise KernelLayoutError(
+                    "weightSync.layout kernel over IPC writes whole parameters where a sharded engine's ranks each "
+                    "hold a part of them; a tensor- or expert-parallel engine takes the kernel layout over NCCL"
+                )
             dtypes = {p.parameter.dtype for p in self._plan}
             wanted = str(self.dtype).removeprefix("torch.")
             if self.dtype is not None and dtypes != {wanted}:
@@ -541,20 +559,35 @@ class NativeSender:
         would send (None: they are, on every worker of every engine)."""
         state = self._state_dict()
         built, composed = FingerprintLog(), FingerprintLog()
+        shards = self.client.shards or [[] for _ in self.client.endpoints]
+        # A worker holding parts of parameters: the part of what the builder makes of each, as the worker takes it.
+        parts_built = [[FingerprintLog() if held else None for held in engine] for engine in shards]
         for source in plan:
             parts = [full_tensor(state[name]) for name in source.parts]
             add_parameter_pieces(composed, source, parts)
             whole = dict(zip(source.parts, parts, strict=True))
             for name, tensor in kernel_tensors(whole, [source], dtype=self.dtype, device=self.device):
                 built.add(name, tensor)
+                for engine, logs in zip(shards, parts_built, strict=True):
+                    for held, log_of in zip(engine, logs, strict=True):
+                        if log_of is not None:
+                            log_of.add(name, take(tensor, held[name]) if name in held else tensor)
         built_fp, composed_fp = built.result(), composed.result()
-        for endpoint in self.client.endpoints:
+        sharded = any(worker for engine in shards for worker in engine)
+        if sharded and (wrong_composition := sorted(n for n in composed_fp if composed_fp[n] != built_fp.get(n))):
+            # A sharded worker's parameters are compared below with its part of the builder's whole, not with the
+            # whole that arrives (what the receipt composes): the composition is checked against that whole here.
+            return f"the receipt's composition of {wrong_composition[0]} is not what the kernel builder makes"
+        for endpoint, logs in zip(self.client.endpoints, parts_built, strict=True):
             for worker, loaded in enumerate(endpoint.native_parameter_fingerprints()):
                 where = endpoint.name if worker == 0 else f"{endpoint.name} worker {worker}"
-                for how, fingerprints in (
-                    ("built by the kernel builder", built_fp),
-                    ("composed by the receipt", composed_fp),
-                ):
+                part_log = logs[worker] if worker < len(logs) else None
+                expected = (
+                    [("as this rank's part of what the kernel builder makes", part_log.result())]
+                    if part_log is not None
+                    else [("built by the kernel builder", built_fp), ("composed by the receipt", composed_fp)]
+                )
+                for how, fingerprints in expected:
                     wrong = [name for name, value in fingerprints.items() if loaded.get(name) != value]
                     if wrong:
                         shown = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")

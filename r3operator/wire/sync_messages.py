@@ -199,15 +199,27 @@ class AbortNative(SyncMessage[None]):
 
 @dataclass(frozen=True)
 class ParameterMetadata(SyncMessage[dict[str, Any]]):
-    """{"parameters": [name, dtype, shape] of every parameter as loaded, "refused": why the kernel layout cannot be
-    right on this engine, or None} (the first worker's; the kernel layout's planner reads it)."""
+    """{"parameters": [name, dtype, shape] of every parameter, whole (the kernel layout's planner reads them), "shards":
+    each worker's part of the parameters it holds a part of (wire/shards.py; one dict per worker, empty on a rank
+    holding whole parameters), "refused": why the kernel layout cannot be right on this engine, or None}. The
+    workers of one engine must report the same whole parameters: the first that does not is a refusal."""
 
     kind: ClassVar[str] = "parameter_metadata"
     what: ClassVar[str] = "parameter metadata"
     retry: ClassVar[bool] = True
 
     def answer(self, results: Sequence[Any]) -> dict[str, Any]:
-        return dict(_first(results) or {})
+        workers = [dict(result or {}) for result in results]
+        first = workers[0] if workers else {}
+        refused = next((w["refused"] for w in workers if w.get("refused")), None)
+        for index, worker in enumerate(workers[1:], start=1):
+            if refused is None and worker.get("parameters") != first.get("parameters"):
+                refused = f"its worker {index} reports other whole parameters than worker 0"
+        return {
+            "parameters": first.get("parameters") or [],
+            "shards": [dict(w.get("shards") or {}) for w in workers],
+            "refused": refused,
+        }
 
 
 @dataclass(frozen=True)

@@ -199,14 +199,38 @@ def test_the_kernel_layout_is_accepted_on_whole_unquantized_parameters_of_the_re
         # 0.26.0's wheel: its start_weight_update() takes no is_checkpoint_format and its trainer factory is not 0.30's
         ({"inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.26.0"}, "engine vLLM 0.26.0 has no kernel bracket"),
         ({"inference.image": "acme/engine:latest"}, "is unknown"),
-        ({"inference.tensorParallelSize": 2}, "inference.tensorParallelSize is 2"),
-        ({"inference.enableExpertParallel": True}, "inference.enableExpertParallel"),
+        ({"inference.tensorParallelSize": 2}, "engine vLLM 0.22.1 is not verified"),
+        ({"inference.enableExpertParallel": True}, "inference.enableExpertParallel: each engine rank holds a part"),
         ({"inference.extraArgs": ["--quantization=fp8"]}, "--quantization=fp8"),
     ],
 )
 def test_the_kernel_layout_is_refused_where_it_cannot_be_right(edits: dict[str, object], named: str) -> None:
     [message] = _kernel_findings(**edits)
     assert message.startswith("spec.weightSync.layout kernel") and named in message
+
+
+@pytest.mark.parametrize("release", ["0.30.0", "0.33.0"])
+@pytest.mark.parametrize(
+    "sharding",
+    [{"inference.tensorParallelSize": 2}, {"inference.tensorParallelSize": 4, "inference.enableExpertParallel": True}],
+)
+def test_a_tensor_or_expert_parallel_engine_takes_the_kernel_layout_where_its_layers_sharding_is_read(
+    release: str, sharding: dict[str, object]
+) -> None:
+    """Each rank takes its part of the whole parameters (engine/shards.py), read off vLLM >= 0.30's layers."""
+    tags = {
+        "inference.image": f"ghcr.io/r3operator/engine:0.1.0-vllm{release}",
+        "trainer.image": f"ghcr.io/r3operator/trainer:0.1.0-vllm{release}",
+    }
+    assert _kernel_findings(**tags, **sharding) == []
+    chosen = _layout(**tags, **sharding)
+    assert chosen.layout is WeightSyncLayout.KERNEL and "each engine rank its part" in chosen.describe()
+    # Pipeline and context parallelism, and EPLB's redundant experts, stay refused on every release.
+    [staged] = _kernel_findings(**tags, **sharding, **{"inference.pipelineParallelSize": 2})
+    assert "inference.pipelineParallelSize is 2" in staged
+    if sharding.get("inference.enableExpertParallel"):
+        [eplb] = _kernel_findings(**tags, **sharding, **{"inference.extraArgs": ["--enable-eplb"]})
+        assert "enables EPLB" in eplb
 
 
 def _layout(**edits: object) -> LayoutChoice:

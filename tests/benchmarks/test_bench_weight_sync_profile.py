@@ -74,6 +74,7 @@ def test_the_engine_gpu_counts_within_this_process_mask(monkeypatch: pytest.Monk
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert engine_env(1)["CUDA_VISIBLE_DEVICES"] == "3"
+    assert engine_env([0, 1])["CUDA_VISIBLE_DEVICES"] == "2,3"  # a tensor-parallel engine (--engine-tp 2)
     with pytest.raises(ValueError, match="not among the 2 GPU"):
         engine_env(2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")

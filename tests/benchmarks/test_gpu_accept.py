@@ -436,6 +436,20 @@ def test_the_two_engine_row_compares_with_one_engine(tmp_path: Path) -> None:
     assert verdict.passed and verdict.target_met and "1.071×" in verdict.figure
 
 
+def test_the_tp_engine_row_wants_the_plan_confirmed_rank_by_rank_and_every_canary(tmp_path: Path) -> None:
+    [row] = [r for r in gpu_accept.ROWS if r.name == "sync_tp_engine"]
+    assert row.min_gpus == 3 and "--engine-gpu 1,2 --engine-tp 2" in row.command(Context(gpus=3, work=tmp_path))
+    report = _sync_report(SMALL, {"kernel": 0.05, "checkpoint": 0.9}, 300.0)
+    report["kernel_reference"] = {"seconds": 2.5, "refused": None}
+    (tmp_path / "sync_tp_engine.json").write_text(json.dumps(report))
+    verdict = gpu_accept.judge_tp_engine(Context(gpus=3, work=tmp_path), 0, "")
+    assert verdict.passed and verdict.target_met and "kernel 0.05 s vs checkpoint 0.9 s" in verdict.figure
+    report["kernel_reference"] = {"seconds": 2.5, "refused": "on engine-0 worker 1, 1 of 39 parameter(s) ..."}
+    (tmp_path / "sync_tp_engine.json").write_text(json.dumps(report))
+    refused = gpu_accept.judge_tp_engine(Context(gpus=3, work=tmp_path), 0, "")
+    assert not refused.passed and "REFUSED" in refused.figure
+
+
 def test_rows_named_run_in_the_order_named_once_each() -> None:
     """A reservation that may end early runs what its caller put first (2026-11-27: rows named
     `fingerprint_cuda,sync_layouts_a3b,sync_layouts_x16l,up_2gpu` ran in the table's order, `up_2gpu` first)."""

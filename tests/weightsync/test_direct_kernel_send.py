@@ -28,6 +28,7 @@ from r3operator.wire.kernel_layout import (
     trainer_shapes,
 )
 from r3operator.wire.receipt import FingerprintLog, SyncReceipt, compare_receipt
+from r3operator.wire.shards import Shard
 from r3operator.wire.sync_phases import SyncPhases
 
 
@@ -152,6 +153,7 @@ def _sync(
     bucket_bytes: int = 64,
     reported: list[list[Any]] | None = None,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    shards: Mapping[str, Shard] | None = None,
 ) -> tuple[FingerprintLog, SyncReceipt, BaseException | None, BaseException | None, Wire]:
     """One sync, trainer and engine in two threads; returns what each side raised (or None)."""
     plan = plan_kernel_layout(shapes or trainer_shapes(state), engine_parameters(reported or engine.reported()))
@@ -177,7 +179,8 @@ def _sync(
             ),
         ),
         threading.Thread(
-            target=run, args=("receive", lambda: receive_into_parameters(engine, wire.receiver(), info, receipt))
+            target=run,
+            args=("receive", lambda: receive_into_parameters(engine, wire.receiver(), info, receipt, shards)),
         ),
     ]
     for thread in threads:
@@ -203,6 +206,48 @@ def test_every_parameter_arrives_in_place_as_vllm_fuses_it_and_the_receipt_match
     receipt.finish(list(engine.named_parameters()))
     compare_receipt(sent.result(), receipt.report(), where="engine")
     assert set(receipt.engine_seconds) == {"receipt", "load", "unchanged"}
+
+
+class RankEngine(Engine):
+    """Rank 1 of an engine of two ranks holding `Engine`'s parameters in parts: q's second half of the rows and the
+    second kv head group of k and v (tensor-parallel attention), experts 2 and 3 of w13 and w2 (expert-parallel), the
+    norm whole."""
+
+    SHARDS: ClassVar[dict[str, Shard]] = {
+        "model.layers.0.self_attn.qkv_proj.weight": Shard((16, H), (((4, 4), (10, 2), (14, 2)), None)),
+        "model.layers.0.mlp.experts.w13_weight": Shard((E, 2 * INTER, H), (((2, 2),), None, None)),
+        "model.layers.0.mlp.experts.w2_weight": Shard((E, H, INTER), (((2, 2),), None, None)),
+    }
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        shapes = {"qkv": (8, H), "w13": (2, 2 * INTER, H), "w2": (2, H, INTER), "norm": (H,)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.full(shape, 7.0, dtype=torch.bfloat16)))
+
+
+def test_a_rank_of_a_sharded_engine_takes_its_part_of_each_whole_parameter_and_receipts_what_arrived() -> None:
+    engine, state = RankEngine(), _trainer_state()
+    whole = Engine().reported()  # what every rank reports: the whole parameters
+    sent, receipt, send_error, receive_error, wire = _sync(state, engine, reported=whole, shards=RankEngine.SHARDS)
+    assert send_error is None and receive_error is None and wire.committed is True
+    expected = _expected(state)
+    parts = {  # rank 1's part written out: rows 4:8 of q, 10:12 of k, 14:16 of v; experts 2 and 3
+        "qkv": torch.cat([expected["qkv"][4:8], expected["qkv"][10:12], expected["qkv"][14:16]]),
+        "w13": expected["w13"][2:4],
+        "w2": expected["w2"][2:4],
+        "norm": expected["norm"],
+    }
+    for name, want in parts.items():
+        assert torch.equal(getattr(engine, name).data.view(torch.int16), want.view(torch.int16)), name
+    receipt.finish(list(engine.named_parameters()))
+    compare_receipt(sent.result(), receipt.report(), where="engine rank 1")  # the whole tensors that arrived
+
+    # A part that does not fit the rank's parameter is received (the trainer is inside the broadcast) and named.
+    wrong = {**RankEngine.SHARDS, "model.layers.0.mlp.experts.w2_weight": Shard((E, H, INTER), (((1, 3),), None, None))}
+    *_, receive_error, wire = _sync(state, RankEngine(), reported=whole, shards=wrong)
+    assert isinstance(receive_error, WeightUpdateStateError) and "w2_weight" in str(receive_error)
+    assert wire.sent == 4 + 1
 
 
 def test_the_staging_buffers_are_kept_across_syncs_and_the_second_sync_sends_the_new_values() -> None:
@@ -602,3 +647,82 @@ def test_on_vllm_0_30_a_failed_kernel_sync_leaves_vllms_update_flag_clear_and_th
     assert isinstance(trainer_error, RuntimeError) and isinstance(engine_error, WeightUpdateStateError)
     assert worker.calls == [] and worker._weight_update_active is False and worker.r3_policy_tag() is None
     worker.start_weight_update()  # the next bracket, vLLM's or ours, can open
+
+
+def _rank_parts(whole: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank` of two (`RankEngine`'s split) of the engine parameters `whole`, written out by hand."""
+    q, k, v = (slice(4 * rank, 4 * rank + 4), slice(8 + 2 * rank, 10 + 2 * rank), slice(12 + 2 * rank, 14 + 2 * rank))
+    experts = slice(2 * rank, 2 * rank + 2)
+    return {
+        Engine.NAMES["qkv"]: torch.cat([whole["qkv"][q], whole["qkv"][k], whole["qkv"][v]]),
+        Engine.NAMES["w13"]: whole["w13"][experts],
+        Engine.NAMES["w2"]: whole["w2"][experts],
+        Engine.NAMES["norm"]: whole["norm"],
+    }
+
+
+def _rank_shards(rank: int) -> dict[str, Shard]:
+    q, k, v = (4 * rank, 4), (8 + 2 * rank, 2), (12 + 2 * rank, 2)
+    return {
+        Engine.NAMES["qkv"]: Shard((16, H), ((q, k, v), None)),
+        Engine.NAMES["w13"]: Shard((E, 2 * INTER, H), (((2 * rank, 2),), None, None)),
+        Engine.NAMES["w2"]: Shard((E, H, INTER), (((2 * rank, 2),), None, None)),
+    }
+
+
+class _ShardedEndpoint:
+    """An engine of two ranks after vLLM's own load of the checkpoint: each worker's parts (`_rank_parts` of what
+    vLLM's fusions make, written out in `_expected`), reported with the whole parameters and each worker's shards."""
+
+    name = "tp engine"
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.parts = [_rank_parts(_expected(state), rank) for rank in (0, 1)]
+
+    def native_parameters(self) -> dict[str, Any]:
+        shards = [{name: shard.to_wire() for name, shard in _rank_shards(rank).items()} for rank in (0, 1)]
+        return {"parameters": Engine().reported(), "shards": shards, "refused": None}
+
+    def native_parameter_fingerprints(self) -> list[dict[str, tuple[int, int, int]]]:
+        logs = []
+        for parts in self.parts:
+            log = FingerprintLog()
+            log.add_many(list(parts.items()))
+            logs.append(log.result())
+        return logs
+
+
+def _sharded_sender(monkeypatch: pytest.MonkeyPatch, endpoint: _ShardedEndpoint, method: Any, state: Any) -> Any:
+    from r3operator.weightsync import transfer
+    from r3operator.wire.sync_messages import BeginNative, BracketLayout
+
+    monkeypatch.setattr(transfer, "trainer_vllm_api", lambda: "static")
+    client = transfer.FanOutClient([endpoint], bracket=BeginNative(BracketLayout.KERNEL))  # type: ignore[list-item]
+    sender = transfer.NativeSender(method, client, lambda: state, dtype=torch.bfloat16, buffer_size_bytes=1)
+    sender.device = "cpu"
+    return sender
+
+
+def test_a_sharded_engines_reference_is_each_ranks_part_of_what_the_builder_makes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from r3operator.api.weight_transfer import TransferMethod
+    from r3operator.wire.kernel_layout import KernelLayoutError
+
+    state = _trainer_state(21)
+    endpoint = _ShardedEndpoint(state)
+    sender = _sharded_sender(monkeypatch, endpoint, TransferMethod.NCCL, state)
+    plan = sender.kernel_plan()  # planned on the whole parameters every rank reports
+    assert [s.parameter.shape for s in plan] == [tuple(r[2]) for r in Engine().reported()]
+    assert sender.client.sharded and sender._reference_mismatch(plan) is None
+
+    # Rank 1 holding other experts than its shard says (vLLM placed them otherwise): the reference names it.
+    w2 = Engine.NAMES["w2"]
+    endpoint.parts[1][w2] = _expected(state)["w2"][0:2]
+    refused = sender._reference_mismatch(plan)
+    assert refused is not None and refused.startswith("on tp engine worker 1, 1 of 4 parameter(s)") and w2 in refused
+
+    # Over IPC the trainer writes whole parameters into the engine's memory: a sharded engine is refused, saying so.
+    ipc = _sharded_sender(monkeypatch, _ShardedEndpoint(state), TransferMethod.IPC, state)
+    with pytest.raises(KernelLayoutError, match="tensor- or expert-parallel engine takes the kernel layout over NCCL"):
+        ipc.kernel_plan()
