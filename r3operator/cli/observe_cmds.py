@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -46,17 +46,12 @@ def dashboard_preview(
     if run:
         _run_preview(run, dashboard=dashboard, out=out, namespace=namespace, rljob=rljob)
         return
-    from r3operator.observability import dashboards as dash
     from r3operator.observability.feed import SyntheticFeed
     from r3operator.observability.generate import RULES_FILE
     from r3operator.observability.preview import render_dashboard
     from r3operator.observability.prom import PrometheusNotFound, PrometheusServer, ScrapeTarget
 
-    bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
-    if dashboard != "all" and dashboard not in bodies:
-        raise typer.BadParameter(
-            f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all", param_hint="--dashboard"
-        )
+    chosen = _chosen_dashboards(dashboard)
     targets = []
     for i, spec in enumerate(target or []):
         job, _, address = spec.rpartition("=")
@@ -82,7 +77,6 @@ def dashboard_preview(
             sources = "; ".join(f"{k}: {v}" for k, v in (feed.sources if feed else {}).items())
             external = ", ".join(t.address for t in targets if not t.job.startswith("r3-"))
             footnote = f"Scraped: {sources}" + (f"; external: {external}" if external else "")
-            chosen = bodies if dashboard == "all" else {dashboard: bodies[dashboard]}
             for uid, body in chosen.items():
                 path = out / f"{uid}-preview.png" if dashboard == "all" else out
                 render_dashboard(
@@ -102,20 +96,29 @@ def dashboard_preview(
             feed.stop()
 
 
+def _chosen_dashboards(dashboard: str) -> dict[str, Any]:
+    """`--dashboard`'s bodies by uid: one, or `all`; an unknown uid is refused naming the ones there are."""
+    from r3operator.observability import dashboards as dash
+
+    bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
+    if dashboard == "all":
+        return bodies
+    if dashboard not in bodies:
+        raise typer.BadParameter(
+            f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all", param_hint="--dashboard"
+        )
+    return {dashboard: bodies[dashboard]}
+
+
 def _run_preview(runs: list[str], *, dashboard: str, out: Path, namespace: str, rljob: str) -> None:
     """`dashboard-preview --run`: the dashboards over finished runs' metrics.csv (observability/backfill.py)."""
     import tempfile
 
-    from r3operator.observability import dashboards as dash
     from r3operator.observability.backfill import BackfillError, backfill, read_run
     from r3operator.observability.preview import render_dashboard
     from r3operator.observability.prom import PrometheusNotFound, PrometheusServer, find_binary
 
-    bodies = {d.uid: dash.dashboard_json(d) for d in dash.dashboards()}
-    if dashboard != "all" and dashboard not in bodies:
-        raise typer.BadParameter(
-            f"unknown dashboard {dashboard!r}; one of {', '.join(bodies)} or all", param_hint="--dashboard"
-        )
+    chosen = _chosen_dashboards(dashboard)
     try:
         played = []
         for spec in runs:
@@ -135,7 +138,6 @@ def _run_preview(runs: list[str], *, dashboard: str, out: Path, namespace: str, 
         try:
             blocks = backfill(played, start, Path(tmp) / "blocks", promtool=promtool)
             with PrometheusServer([], blocks=blocks, retention=f"{int(length // 3600) + 2}h") as prom:
-                chosen = bodies if dashboard == "all" else {dashboard: bodies[dashboard]}
                 for uid, body in chosen.items():
                     path = out / f"{uid}-run.png" if dashboard == "all" else out
                     render_dashboard(
