@@ -528,7 +528,7 @@ class WeightSyncWorkerExtension:
         the reason reaches the trainer whatever the transport (an RPC error over HTTP is retried as a server
         error); the sender refuses before any bracket opens."""
         model = self._r3_model()
-        shards, unsharded = parameter_shards(model)
+        shards, unsharded = self._r3_shards()
         return {
             "parameters": [
                 [
@@ -542,12 +542,14 @@ class WeightSyncWorkerExtension:
             "refused": kernel_layout_refusal(model) or unsharded,
         }
 
-    def _r3_shards(self) -> dict[str, Shard]:
-        """The part of each whole parameter this rank holds (engine/shards.py), read once: a model's layers keep
-        their sharding for the engine's life."""
-        if getattr(self, "_r3_shards_read", None) is None:
-            self._r3_shards_read: dict[str, Shard] | None = parameter_shards(self._r3_model())[0]
-        return self._r3_shards_read or {}
+    def _r3_shards(self) -> tuple[dict[str, Shard], str | None]:
+        """The part of each whole parameter this rank holds, and why the layout cannot be right if a sharding is not
+        served as loaded (engine/shards.py `parameter_shards`): read once, for the metadata and every receive alike,
+        since a model's layers keep their sharding for the engine's life."""
+        read: tuple[dict[str, Shard], str | None] | None = getattr(self, "_r3_shards_read", None)
+        if read is None:
+            read = self._r3_shards_read = parameter_shards(self._r3_model())
+        return read
 
     def r3_parameter_fingerprints(self) -> dict[str, list[int]]:
         """The fingerprint (wire/receipt.py) of every parameter of this worker's model as it holds them now: after a
@@ -708,7 +710,7 @@ class WeightSyncWorkerExtension:
             drain_direct(group, info, self.device)  # type: ignore[attr-defined]  # vLLM's Worker
             raise
         try:
-            if not receive_into_parameters(self._r3_model(), group, info, self._r3_receipt(), self._r3_shards()):
+            if not receive_into_parameters(self._r3_model(), group, info, self._r3_receipt(), self._r3_shards()[0]):
                 raise WeightUpdateStateError(
                     "direct weight sync: the trainer failed mid-sync (its commit flag is 0): the bracket is aborted "
                     "and the engine serves no policy until the next complete sync"
