@@ -33,6 +33,28 @@ def _sorted_ids(x: Any) -> np.ndarray:
     return np.sort(arr.astype(np.int64, copy=False), axis=-1)
 
 
+def _compared_sets(trainer_ids: Any, engine_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """[..., L] bools: the two rows hold the same id set, and the engine's row is routed (not vLLM's zero row).
+
+    Two torch tensors (duck-typed) are compared where they are: a step's routes are [B, S, L, K] int64, hundreds of
+    MB on the trainer's GPU, and only the [B, S, L] answer crosses to the host. Anything else is compared in numpy.
+    """
+    if hasattr(trainer_ids, "detach") and hasattr(engine_ids, "detach"):
+        if tuple(trainer_ids.shape) != tuple(engine_ids.shape) or engine_ids.dim() < 2:
+            raise ValueError(
+                "routing arrays must share shape [..., L, K]; "
+                f"got {tuple(trainer_ids.shape)} and {tuple(engine_ids.shape)}"
+            )
+        engine = engine_ids.detach().long()
+        trainer = trainer_ids.detach().to(engine.device).long()
+        equal = (trainer.sort(dim=-1).values == engine.sort(dim=-1).values).all(dim=-1)
+        return as_array(equal), as_array((engine != 0).any(dim=-1))
+    a, b = _sorted_ids(trainer_ids), _sorted_ids(engine_ids)
+    if a.shape != b.shape or a.ndim < 2:
+        raise ValueError(f"routing arrays must share shape [..., L, K]; got {a.shape} and {b.shape}")
+    return np.asarray((a == b).all(axis=-1)), np.asarray(b.any(axis=-1))
+
+
 def routing_agreement(trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:
     """Compare two [..., L, K] id arrays as sets per (token, layer); `mask` [...] selects tokens.
 
@@ -40,12 +62,10 @@ def routing_agreement(trainer_ids: Any, engine_ids: Any, mask: Any | None = None
     that way): it has no routing to agree on, so it gets nan and stays out of the ratios, which would
     otherwise read 1.0 there whatever the routes.
     """
-    a, b = _sorted_ids(trainer_ids), _sorted_ids(engine_ids)
-    if a.shape != b.shape or a.ndim < 2:
-        raise ValueError(f"routing arrays must share shape [..., L, K]; got {a.shape} and {b.shape}")
-    num_layers = a.shape[-2]
-    equal = (a == b).all(axis=-1).reshape(-1, num_layers)  # [tokens, L]
-    routed_rows = b.any(axis=-1).reshape(-1, num_layers)
+    equal_sets, routed_sets = _compared_sets(trainer_ids, engine_ids)
+    num_layers = equal_sets.shape[-1]
+    equal = equal_sets.reshape(-1, num_layers)  # [tokens, L]
+    routed_rows = routed_sets.reshape(-1, num_layers)
     if mask is not None:
         sel = as_array(mask).astype(bool).reshape(-1)
         if sel.shape[0] != equal.shape[0]:
