@@ -119,10 +119,12 @@ def test_a_healthy_step_replays_every_row_and_times_its_checks(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_device_screen_flags_every_row_the_constant_layer_rule_fails(seed: int) -> None:
+@pytest.mark.parametrize("moe", [(0, 1, 2), (0, 1, 2, 3)])
+def test_the_device_screen_flags_every_row_the_constant_layer_rule_fails(seed: int, moe: tuple[int, ...]) -> None:
     """`constant_layer_suspects` (torch, where the routes are) against routing/checks.py's numpy rule, on random
     routes with constant engine layers planted in some rows (and in rows whose trainer routing is constant too,
-    which the rule lets pass): the screen must miss no failing row, and here it flags no other."""
+    which the rule lets pass), one of them in a different order on every row, and rows whose sets all have one sum
+    but differ (the screen's candidates, not failures): the screen must miss no failing row, and flag no other."""
     import numpy as np
     import torch
 
@@ -139,11 +141,14 @@ def test_the_device_screen_flags_every_row_the_constant_layer_rule_fails(seed: i
     for row in (2, 5, 7):
         engine[row, :, 1] = [3, 6]  # a planted constant capture
     engine[9, :, 2] = [1, 4]
+    engine[5, ::2, 1] = [6, 3]  # the same set in another order
     natural[9, :, 2] = [4, 1]  # the trainer's routing is that one set too: not a failure
-    moe = (0, 1, 2)  # layer 3 dense: never checked
-    engine[10, :, 3] = [2, 5]
+    engine[10, :, 3] = [2, 5]  # a failure only where layer 3 is an MoE layer
+    engine[11, :, 0] = [1, 6]
+    engine[11, ::2, 0] = [3, 4]  # one sum (7) on every row, two sets: no failure
     ids = [f"s{i}" for i in range(b)]
     expected = {int(f.sample_id[1:]) for f in check_constant_layers(ids, engine, natural, replayed, moe)}
     got = constant_layer_suspects(torch.as_tensor(engine), torch.as_tensor(natural), torch.as_tensor(replayed), moe)
     assert set(got) == expected
-    assert expected >= {2, 5, 7} and not expected & {0, 1, 9, 10}
+    assert expected >= {2, 5, 7} and not expected & {0, 1, 9, 11}
+    assert (10 in expected) == (3 in moe)
