@@ -1,4 +1,4 @@
-"""The route checks' cost at a step's scale, part by part (runtime/route_checks.py), on the device the batch lives on.
+"""The route checks' and the routing agreement's cost at a step's scale, part by part, on the batch's device.
 
     python -m benchmarks.bench_route_checks --device cuda           # the learning workload: 512 samples, ≤ 552 tokens
     python -m benchmarks.bench_route_checks --device cpu --samples 128
@@ -6,10 +6,12 @@
 An R3 step runs the checks twice: before the old-logprob pass on each sample's routes as the engine sent them
 (`before_forward`: route-shape, expert-range, zero-route per sample, pad-replayed on the batch) and after it on the
 batch's engine and natural ids (`constant_layer_suspects`, on the batch's device; only suspects cross to the host),
-then tallies the replayed rows. The routes here are random top-k sets of the `gpu` reference MoE's shape (8 MoE
-layers, 64 experts, top-8), response lengths drawn uniformly up to `--max-response`; the natural ids are the engine's
-with a tenth of the rows re-drawn, as a trainer that mostly agrees. Seconds are medians over `--repeats`, with the
-device synchronised around each part, so a part is not charged for work another queued.
+then tallies the replayed rows. The step's row then compares the trainer's routers with the engine's routes
+(`routing_agreement`, twice a step: the ids replayed and the routers' own). The routes here are random top-k sets of
+the `gpu` reference MoE's shape (8 MoE layers, 64 experts, top-8), response lengths drawn uniformly up to
+`--max-response`; the natural ids are the engine's with a tenth of the rows re-drawn, as a trainer that mostly agrees.
+Seconds are medians over `--repeats`, with the device synchronised around each part, so a part is not charged for work
+another queued.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from r3operator.api.enums import RouteCheckPolicy
+    from r3operator.routing.agreement import routing_agreement
     from r3operator.routing.checks import ModelRouting
     from r3operator.routing.codec import RoutedExperts
     from r3operator.routing.sample import RolloutSample
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             batch.engine_routes, natural, replayed, model.moe_layers
         ),
         "tally": lambda: checks.tally(batch),
+        "routing_agreement": lambda: routing_agreement(natural, batch.engine_routes, replayed),
     }
     seconds = {name: _timed(fn, sync, args.repeats) for name, fn in parts.items()}
     kept = checks.before_forward(batch, samples)  # the timed path is the passing one: every sample kept, no suspect

@@ -29,4 +29,4 @@ def test_the_synthetic_step_passes_every_check_and_replays_the_engines_rows(tmp_
         rng.integers(1, 1000, response)
     assert result["route_tokens"] == rows
     assert result["samples_kept"] == 12 and result["suspects"] == 0
-    assert set(result["seconds"]) == {"before_forward", "constant_layer_suspects", "tally"}
+    assert set(result["seconds"]) == {"before_forward", "constant_layer_suspects", "tally", "routing_agreement"}
