@@ -280,6 +280,28 @@ def judge_capture(required: str, runs: Sequence[str]) -> Callable[[Context, int,
     return judge
 
 
+ROUTE_CHECKS_BENCH = "python3 -m benchmarks.bench_route_checks --device cuda"
+LEARNING_STEP_ROUTE_SECONDS = 0.59
+"""The route checks' seconds a step in the learning run (a) (H100, 2026-12-06), before the constant-layer screen."""
+
+
+def judge_route_checks(ctx: Context, code: int, log: str) -> Verdict:
+    """Every part measured on the passing path (every sample kept, no suspect); the figure is the seconds a part,
+    with the checks' total against the learning run's 0.59 s a step."""
+    path = ctx.work / "route-checks.json"
+    if code != 0 or not path.exists():
+        return Verdict(False, f"exit code {code}, no route-checks.json (log)")
+    data: dict[str, Any] = json.loads(path.read_text())
+    seconds: dict[str, float] = data["seconds"]
+    checks = sum(v for k, v in seconds.items() if k != "routing_agreement")
+    parts = ", ".join(f"{k} {v:.4f} s" for k, v in seconds.items())
+    ok = data["samples_kept"] == data["samples"] and data["suspects"] == 0
+    figure = f"{parts}; checks {checks:.3f} s a step against {LEARNING_STEP_ROUTE_SECONDS} s in the learning run (a)"
+    if not ok:
+        figure += f"; not the passing path: {data['samples_kept']}/{data['samples']} kept, {data['suspects']} suspects"
+    return Verdict(ok, figure, ok and checks < LEARNING_STEP_ROUTE_SECONDS, data)
+
+
 def up_command(job: str, gpus: str, steps: int, extra: str = "") -> Callable[[Context], str]:
     def command(ctx: Context) -> str:
         return f"r3operator up {job} --steps {steps} --gpus {gpus} --out-dir {ctx.path('up')} {extra}".strip()
@@ -1059,6 +1081,18 @@ ROWS: list[Row] = [
         180,
         pytest_command("tests/gpu/test_logprobs_cuda.py"),
         judge_pytest(lambda g: 0),
+    ),
+    Row(
+        "route_checks_cost",
+        3,
+        "bench_route_checks: the route checks and the routing agreement at the learning workload's scale (512 "
+        "samples of <= 552 tokens, the gpu model's routes) on the GPU, the device synchronised around each part",
+        "every part measured on the passing path; the checks under the learning run's 0.59 s a step",
+        1,
+        40,
+        180,
+        lambda ctx: f"{ROUTE_CHECKS_BENCH} --json {ctx.path('route-checks.json')}",
+        judge_route_checks,
     ),
     Row(
         "receipt_cuda",

@@ -588,3 +588,23 @@ def test_the_pd_row_passes_only_when_disaggregation_is_no_worse_than_one_engine(
     assert not judged("canary", pd_gap=0.004, canary="0").passed
     skipped = judged("skipped", pd_gap=0.004, log="1 skipped in 1.0s")  # NIXL missing: the routes test skipped
     assert not skipped.passed and "test_pd_nixl.py" in skipped.figure
+
+
+def test_the_route_checks_row_judges_the_benchmarks_own_json(tmp_path: Path) -> None:
+    """The row's command is the benchmark's (CPU here, small): its JSON passes on the passing path, with the checks'
+    seconds set against the learning run's; a run that kept fewer samples, or no JSON, fails."""
+    from benchmarks import bench_route_checks
+
+    [row] = [r for r in gpu_accept.ROWS if r.name == "route_checks_cost"]
+    ctx = Context(gpus=1, work=tmp_path)
+    assert row.command(ctx).startswith("python3 -m benchmarks.bench_route_checks --device cuda --json ")
+    assert not gpu_accept.judge_route_checks(ctx, 0, "").passed  # nothing written
+    argv = ["--device", "cpu", "--samples", "8", "--max-response", "16", "--repeats", "1"]
+    assert bench_route_checks.main([*argv, "--json", str(tmp_path / "route-checks.json")]) == 0
+    verdict = gpu_accept.judge_route_checks(ctx, 0, "")
+    assert verdict.passed and verdict.target_met
+    assert "constant_layer_suspects" in verdict.figure and "against 0.59 s" in verdict.figure
+    data = json.loads((tmp_path / "route-checks.json").read_text())
+    (tmp_path / "route-checks.json").write_text(json.dumps({**data, "samples_kept": data["samples"] - 1}))
+    failed = gpu_accept.judge_route_checks(ctx, 0, "")
+    assert not failed.passed and "not the passing path" in failed.figure
