@@ -30,7 +30,6 @@ to the fingerprints on the host (median of `--repeats`, after one warm-up).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report_json import emit
+from benchmarks.timing import median_seconds
 
 
 def checkpoint_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -149,18 +149,6 @@ def _engine(tensors: list[tuple[str, Any]], bucket_bytes: int, batch_mb: int, re
     return run
 
 
-def _timed(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    run()
-    sync()
-    seconds = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        run()  # `result()` reads the fingerprints back: the host waits for every kernel
-        sync()
-        seconds.append(time.perf_counter() - begin)
-    return round(statistics.median(seconds), 4)
-
-
 def measure(
     model: str, *, device: str, batch_mb: int, repeats: int, layout: str = "checkpoint", experts: int | None = None
 ) -> dict[str, Any]:
@@ -199,7 +187,8 @@ def measure(
                 ops, host = counted_ops(make(False))
                 row: dict[str, Any] = {"ops": ops, "host_s": round(host, 4)}
                 if device != "meta":
-                    row["seconds"] = _timed(make(True), repeats, sync)
+                    # `result()` reads the fingerprints back: the host waits for every kernel
+                    row["seconds"] = round(median_seconds(make(True), repeats, sync), 4)
                 if device == "cpu":
                     row["largest_alloc_bytes"] = largest_alloc_bytes(make(True))
                 out[f"{side}_{way}"] = row
@@ -281,7 +270,7 @@ def measure_receipt(model: str, *, device: str, repeats: int, experts: int | Non
         ("trainer_composed", composed),
     ):
         ops, _ = counted_ops(run)
-        out[name] = {"ops": ops, "seconds": _timed(run, repeats, sync)}
+        out[name] = {"ops": ops, "seconds": round(median_seconds(run, repeats, sync), 4)}
     return out
 
 

@@ -10,39 +10,27 @@ then tallies the replayed rows. The step's row then compares the trainer's route
 (`routing_agreement`, twice a step: the ids replayed and the routers' own). The routes here are random top-k sets of
 the `gpu` reference MoE's shape (8 MoE layers, 64 experts, top-8), response lengths drawn uniformly up to
 `--max-response`; the natural ids are the engine's with a tenth of the rows re-drawn, as a trainer that mostly agrees.
-Seconds are medians over `--repeats`, with the device synchronised around each part, so a part is not charged for work
-another queued.
+Seconds are medians over `--repeats` after a warm-up, the device synchronised around each part (benchmarks/timing.py).
+`agreement_matches_host` says whether the agreement computed where the routes are equals NumPy's over host copies.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from benchmarks.timing import median_seconds
 
 
 def _routes(rng: np.random.Generator, tokens: int, layers: int, top_k: int, experts: int) -> np.ndarray:
     """[tokens, layers, top_k] distinct expert ids per row, uint8 as the engine's wire sends them."""
     keys = rng.random((tokens * layers, experts))
     return np.argsort(keys, axis=1)[:, :top_k].reshape(tokens, layers, top_k).astype(np.uint8)
-
-
-def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
-    seconds = []
-    for _ in range(repeats):
-        sync()
-        begin = time.perf_counter()
-        fn()
-        sync()
-        seconds.append(time.perf_counter() - begin)
-    return statistics.median(seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 routes=routes[-1],
             )
         )
-    sync: Callable[[], None] = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    cuda = args.device.startswith("cuda")
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     batch = build_batch(samples, [0.0] * len(samples), routes=routes, pad_id=0, device=args.device)
     assert batch.engine_routes is not None and batch.route_pad is not None
     model = ModelRouting(args.layers, args.top_k, args.experts, tuple(range(args.layers)))
@@ -106,17 +95,21 @@ def main(argv: list[str] | None = None) -> int:
         "tally": lambda: checks.tally(batch),
         "routing_agreement": lambda: routing_agreement(natural, batch.engine_routes, replayed),
     }
-    seconds = {name: _timed(fn, sync, args.repeats) for name, fn in parts.items()}
+    seconds = {name: median_seconds(fn, args.repeats, sync) for name, fn in parts.items()}
     kept = checks.before_forward(batch, samples)  # the timed path is the passing one: every sample kept, no suspect
     suspects = constant_layer_suspects(batch.engine_routes, natural, replayed, model.moe_layers)
+    here = routing_agreement(natural, batch.engine_routes, replayed)
+    host = routing_agreement(natural.cpu().numpy(), batch.engine_routes.cpu().numpy(), replayed.cpu().numpy())
     result = {
         "benchmark": "route_checks",
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "samples": args.samples,
         "batch_shape": list(batch.engine_routes.shape),
         "route_tokens": int(replayed.sum()),
         "samples_kept": len(kept),
         "suspects": len(suspects),
+        "agreement_matches_host": (here.token_layers, here.agreement_ratio, here.per_layer)
+        == (host.token_layers, host.agreement_ratio, host.per_layer),
         "seconds": seconds,
         "total_seconds": sum(seconds.values()),
     }

@@ -608,3 +608,6 @@ def test_the_route_checks_row_judges_the_benchmarks_own_json(tmp_path: Path) -> 
     (tmp_path / "route-checks.json").write_text(json.dumps({**data, "samples_kept": data["samples"] - 1}))
     failed = gpu_accept.judge_route_checks(ctx, 0, "")
     assert not failed.passed and "not the passing path" in failed.figure
+    (tmp_path / "route-checks.json").write_text(json.dumps({**data, "agreement_matches_host": False}))
+    differs = gpu_accept.judge_route_checks(ctx, 0, "")
+    assert not differs.passed and "differs from NumPy's" in differs.figure
