@@ -75,28 +75,30 @@ def constant_layer_suspects(engine: Any, natural: Any, replayed: Any, moe_layers
 
     if not moe_layers:
         return []
-    layers = torch.as_tensor(list(moe_layers), dtype=torch.int64, device=engine.device)
-    rows = replayed.to(device=engine.device, dtype=torch.bool)
-
-    def one_set(values: Any, rows: Any) -> Any:
-        """[B, L_moe]: every replayed row of the sample holds the same `values` ([B, S, L_moe, ...]) on that layer."""
-        first = rows.to(torch.int64).argmax(dim=1)  # each sample's first replayed row (0 when none: masked below)
-        same = values == values[torch.arange(rows.shape[0], device=rows.device), first][:, None]
-        same = same.flatten(start_dim=3).all(dim=-1) if same.dim() > 3 else same
-        return (same | ~rows[:, :, None]).all(dim=1)
-
     every_layer = list(moe_layers) == list(range(engine.shape[2]))
-    ids = engine if every_layer else engine.index_select(2, layers)
-    enough = rows.sum(dim=1) >= 2
-    candidate = one_set(ids.sum(dim=-1), rows) & enough[:, None]  # [B, L_moe]
+    layers = torch.as_tensor(list(moe_layers), dtype=torch.int64, device=engine.device)
+
+    def moe(ids: Any) -> Any:
+        """[B', S, L_moe, K]: the MoE layers' ids."""
+        return ids if every_layer else ids.index_select(2, layers)
+
+    def one_set(values: Any, replayed_rows: Any) -> Any:
+        """[B', L_moe]: every replayed row of a sample holds the same `values` ([B', S, L_moe, ...]) on that layer."""
+        first = replayed_rows.to(torch.int64).argmax(dim=1)  # a sample's first replayed row (0 when none: masked)
+        same = values == values[torch.arange(values.shape[0], device=values.device), first][:, None]
+        same = same.flatten(start_dim=3).all(dim=-1) if same.dim() > 3 else same
+        return (same | ~replayed_rows[:, :, None]).all(dim=1)
+
+    rows = replayed.to(device=engine.device, dtype=torch.bool)
+    ids = moe(engine)
+    candidate = one_set(ids.sum(dim=-1), rows) & (rows.sum(dim=1) >= 2)[:, None]  # [B, L_moe]
     picked = candidate.any(dim=1).nonzero().flatten()
     if picked.numel() == 0:
         return []
     rows = rows[picked]
-    engine_sets = ids[picked].long().sort(dim=-1).values
-    natural_sets = natural.to(engine.device)[picked].index_select(2, layers).long().sort(dim=-1).values
-    suspect = (one_set(engine_sets, rows) & ~one_set(natural_sets, rows) & candidate[picked]).any(dim=1)
-    return [int(i) for i in picked[suspect].tolist()]
+    natural_picked = natural[picked.to(natural.device)].to(engine.device)
+    exact = one_set(ids[picked].sort(dim=-1).values, rows) & ~one_set(moe(natural_picked).sort(dim=-1).values, rows)
+    return [int(i) for i in picked[(exact & candidate[picked]).any(dim=1)].tolist()]
 
 
 def select_old(old: OldPass, rows: Sequence[int]) -> OldPass:
