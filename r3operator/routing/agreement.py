@@ -44,21 +44,21 @@ def _compared_sets(trainer_ids: Any, engine_ids: Any) -> tuple[np.ndarray, np.nd
     if on_device and hasattr(trainer_ids, "detach"):
         return _compared_in_torch(trainer_ids, engine_ids)
     a, b = _sorted_ids(trainer_ids), _sorted_ids(engine_ids)
-    if a.shape != b.shape or a.ndim < 2:
-        raise ValueError(f"routing arrays must share shape [..., L, K]; got {a.shape} and {b.shape}")
+    _same_shape(a.shape, b.shape)
     return np.asarray((a == b).all(axis=-1)), np.asarray(b.any(axis=-1))
 
 
 def _compared_in_torch(trainer_ids: Any, engine_ids: Any) -> tuple[np.ndarray, np.ndarray]:
     """`_compared_sets` of two torch tensors, computed on the engine ids' device."""
-    if tuple(trainer_ids.shape) != tuple(engine_ids.shape) or engine_ids.dim() < 2:
-        raise ValueError(
-            f"routing arrays must share shape [..., L, K]; got {tuple(trainer_ids.shape)} and {tuple(engine_ids.shape)}"
-        )
-    engine = engine_ids.detach().long()
-    trainer = trainer_ids.detach().to(engine.device).long()
-    equal = (trainer.sort(dim=-1).values == engine.sort(dim=-1).values).all(dim=-1)
-    return as_array(equal), as_array((engine != 0).any(dim=-1))
+    _same_shape(tuple(trainer_ids.shape), tuple(engine_ids.shape))
+    trainer = trainer_ids.detach().to(engine_ids.device)
+    equal = (trainer.sort(dim=-1).values == engine_ids.detach().sort(dim=-1).values).all(dim=-1)
+    return as_array(equal), as_array((engine_ids != 0).any(dim=-1))
+
+
+def _same_shape(trainer: tuple[int, ...], engine: tuple[int, ...]) -> None:
+    if trainer != engine or len(engine) < 2:
+        raise ValueError(f"routing arrays must share shape [..., L, K]; got {trainer} and {engine}")
 
 
 def routing_agreement(trainer_ids: Any, engine_ids: Any, mask: Any | None = None) -> RoutingAgreement:

@@ -1,6 +1,7 @@
 """routing/agreement.py compares two routings as expert sets per (token, layer). Tensors off the host are compared on
-their device (only the [..., L] answer crosses); the torch comparison runs here on CPU tensors and must give the numpy
-comparison's answer and the figures of a case worked out by hand."""
+their device (only the [..., L] answer crosses); the torch comparison runs here on CPU tensors and must give a case
+worked out by hand and the numpy comparison's answer (the gpu-accept row `route_checks_cost` compares the two on a
+GPU)."""
 
 from __future__ import annotations
 
@@ -18,21 +19,19 @@ ENGINE = [[[0, 0], [2, 3]], [[0, 0], [6, 7]], [[0, 0], [1, 4]]]  # [tokens=3, L=
 TRAINER = [[[5, 1], [3, 2]], [[0, 0], [6, 1]], [[2, 2], [4, 1]]]  # layer 1: the order alone differs, but for token 1
 
 
-def test_the_torch_comparison_gives_the_hand_worked_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through routing_agreement with the torch comparison taken for CPU tensors, as for a GPU's."""
-    calls = []
+def test_the_torch_comparison_gives_the_hand_worked_answer() -> None:
+    """The comparison a GPU's tensors take, run here on CPU tensors: per (token, layer), equal sets and routed rows."""
+    equal, routed = agreement._compared_in_torch(torch.tensor(TRAINER), torch.tensor(ENGINE))
+    np.testing.assert_array_equal(equal, [[False, True], [True, False], [False, True]])
+    np.testing.assert_array_equal(routed, [[False, True], [False, True], [False, True]])
 
-    def in_torch(a: object, b: object) -> tuple[np.ndarray, np.ndarray]:
-        calls.append(1)
-        return agreement._compared_in_torch(a, b)
 
-    monkeypatch.setattr(agreement, "_compared_sets", in_torch)
-    a = routing_agreement(torch.tensor(TRAINER), torch.tensor(ENGINE))
+def test_the_hand_worked_figures() -> None:
+    a = routing_agreement(np.array(TRAINER), np.array(ENGINE))
     assert math.isnan(a.per_layer[0]) and a.per_layer[1] == pytest.approx(2 / 3)
     assert a.token_layers == 3 and a.tokens_any_diff_ratio == pytest.approx(1 / 3)
-    masked = routing_agreement(torch.tensor(TRAINER), torch.tensor(ENGINE), mask=torch.tensor([True, False, True]))
+    masked = routing_agreement(np.array(TRAINER), np.array(ENGINE), mask=np.array([True, False, True]))
     assert masked.agreement_ratio == 1.0 and masked.token_layers == 2
-    assert calls == [1, 1]
 
 
 def test_the_torch_and_numpy_comparisons_agree_on_a_step_shaped_batch() -> None:
