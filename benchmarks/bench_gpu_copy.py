@@ -13,27 +13,18 @@ second). The raw NCCL broadcast between two GPUs is `bench_weight_sync --methods
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.report_json import emit
+from benchmarks.timing import median_seconds
 
 
 def _median_gbps(copy: Callable[[], Any], nbytes: int, iters: int, sync: Callable[[], None]) -> float:
-    copy()
-    sync()
-    seconds = []
-    for _ in range(iters):
-        begin = time.perf_counter()
-        copy()
-        sync()
-        seconds.append(time.perf_counter() - begin)
-    return round(nbytes / statistics.median(seconds) / 1e9, 2)
+    return round(nbytes / median_seconds(copy, iters, sync) / 1e9, 2)
 
 
 def device_copy_gbps(nbytes: int, *, device: str = "cuda:0", iters: int = 10) -> float:
