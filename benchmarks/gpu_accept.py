@@ -72,6 +72,7 @@ class Row:
     timeout_s: int
     command: Callable[[Context], str]
     judge: Callable[[Context, int, str], Verdict]  # (context, exit code, log text)
+    reads: tuple[str, ...] = ()  # rows whose outputs the judge also reads: judged again when one of them runs later
 
 
 # ---------------------------------------------------------------------------------------------- judges
@@ -978,6 +979,7 @@ ROWS: list[Row] = [
         590,
         sync_layouts_command("a3b-x16l"),
         judge_sync_layouts("a3b-x16l"),
+        reads=(SYNC_LAYOUT_ROWS["a3b"],),
     ),
     Row(
         "receipt_build_errors",
@@ -1417,6 +1419,21 @@ def record_for(row: Row, command: str) -> dict[str, Any]:
     }
 
 
+def judge_into(record: dict[str, Any], row: Row, ctx: Context, code: int, log: str, timed_out: bool) -> None:
+    """`row`'s verdict on what its run left, into its record (a judge's own error is the row's failure)."""
+    try:
+        verdict = row.judge(ctx, code, log)
+    except Exception as exc:  # a missing output file is this row's failure, never the run's
+        record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
+    else:
+        record.update(
+            status=PASS if verdict.passed and not timed_out else FAIL,
+            figure=verdict.figure,
+            target_met=verdict.target_met,
+            data=verdict.data,
+        )
+
+
 def select(rows: Sequence[Row], parts: Sequence[int] | None, names: Sequence[str] | None) -> list[Row]:
     if names:
         unknown = sorted(set(names) - {r.name for r in rows})
@@ -1471,6 +1488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "all"
     )
     done: list[dict[str, Any]] = []
+    ran: dict[str, tuple[Row, Context, int, str, bool, dict[str, Any]]] = {}  # for judging again (Row.reads)
     for row in chosen:
         ctx = Context(gpus=gpus, work=args.work / row.name)
         command = row.command(ctx)
@@ -1492,24 +1510,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             record.update(seconds=round(seconds, 1), exit_code=code, log_tail=log_tail(log))
             if timed_out:
                 record.update(status=FAIL, reason=f"timed out after {seconds:.0f} s")
-            try:
-                verdict = row.judge(ctx, code, log)
-            except Exception as exc:  # a missing output file is this row's failure, never the run's
-                record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
-            else:
-                record.update(
-                    status=PASS if verdict.passed and not timed_out else FAIL,
-                    figure=verdict.figure,
-                    target_met=verdict.target_met,
-                    data=verdict.data,
-                )
+            ran[row.name] = (row, ctx, code, log, timed_out, record)
+            judge_into(record, row, ctx, code, log, timed_out)
             cleanup(ctx)
         print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
         done.append(record)
+        for earlier, ectx, ecode, elog, etimed_out, erecord in list(ran.values()):
+            if row.name in ran and row.name in earlier.reads:
+                judge_into(erecord, earlier, ectx, ecode, elog, etimed_out)
+                print(
+                    f"   {earlier.name} judged again with {row.name}'s output: {erecord['status']}: "
+                    f"{erecord['figure'] or erecord['reason']}",
+                    flush=True,
+                )
         write_record(args.out, header, done)
-    ran = [r["name"] for r in done if r["exit_code"] is not None]
     if ran:
-        pack_logs(args.work, args.out, label, ran)
+        pack_logs(args.work, args.out, label, list(ran))
     merged = write_record(args.out, header, done)
     print(
         f"{sum(r['status'] == PASS for r in merged)} passed, {sum(r['status'] == FAIL for r in merged)} failed, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import dataclasses
 import json
 import re
 import tarfile
@@ -459,6 +460,37 @@ def test_rows_named_run_in_the_order_named_once_each() -> None:
     assert [r.name for r in picked] == ["sync_layouts_x16l", "up_2gpu", "weight_sync"]
     with pytest.raises(SystemExit, match="unknown nope"):
         gpu_accept.select(gpu_accept.ROWS, None, ["up_2gpu", "nope"])
+
+
+def test_a_row_is_judged_again_when_a_row_whose_output_it_reads_runs_after_it(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2026-12-07: `sync_layouts_x16l` named before `sync_layouts_a3b` recorded "needs both sizes' kernel figures"
+    although the a3b JSON was there a row later. A reader is judged again once the row it reads has run."""
+
+    def reader_judge(ctx: Context, code: int, log: str) -> Verdict:
+        written = ctx.work.parent / "writer" / "figure.txt"
+        return Verdict(True, f"read {written.read_text().strip()}" if written.exists() else "nothing to read yet")
+
+    def rows(reads: tuple[str, ...]) -> list[Row]:
+        reader = dataclasses.replace(_row("reader", "echo reading", judge=reader_judge), reads=reads)
+        writer = dataclasses.replace(
+            _row("writer", ""), command=lambda ctx: f"echo 42 > {ctx.path('figure.txt')} && echo wrote"
+        )
+        return [reader, writer]
+
+    def figures(out: Path, reads: tuple[str, ...]) -> dict[str, str]:
+        monkeypatch.setenv("ACCEPT_WORK", str(out / "work"))
+        monkeypatch.setattr(gpu_accept, "ROWS", rows(reads))
+        gpu_accept.main([str(out), "--rows", "reader,writer"])
+        return {r["name"]: r["figure"] for r in json.loads((out / "accept.json").read_text())["rows"]}
+
+    x16l = {r.name: r for r in gpu_accept.ROWS}["sync_layouts_x16l"]
+    assert x16l.reads == (gpu_accept.SYNC_LAYOUT_ROWS["a3b"],)
+    assert figures(machine / "unlinked", ())["reader"] == "nothing to read yet"  # the order alone does not do it
+    linked = figures(machine / "linked", ("writer",))
+    assert linked == {"reader": "read 42", "writer": "said 'wrote'"}
+    assert "| reader | **pass** | read 42 |" in (machine / "linked" / "accept.md").read_text()
 
 
 def test_the_recorded_commit_says_when_the_files_are_not_that_commit(tmp_path: Path) -> None:
