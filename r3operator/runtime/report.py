@@ -260,12 +260,21 @@ def compare_section(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
         lines += [
             "",
             f"- mean abs Δlogprob {on_label} / {off_label}: {on / off:.2f}× over all steps; step 1 (same seed and "
-            f"warm-up, so the same rollouts up to CPU-kernel nondeterminism): {first_on:.3g} vs {first_off:.3g} "
+            f"warm-up, so the same rollouts up to the kernels' nondeterminism): {first_on:.3g} vs {first_off:.3g} "
             f"({first_on / first_off:.2f}×)"
             if first_off > 0
             else "",
         ]
     return [*lines, ""]
+
+
+def _phase_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Each step phase's mean seconds; a phase no step ran (no evaluation, a synchronous run's pause) is named
+    apart instead of showing as nan."""
+    means = {c[2:]: _mean(rows, c) for c in COLUMNS if c.startswith("t_")}
+    line = "- mean phase seconds: " + ", ".join(f"{p} {v:.2f}" for p, v in means.items() if not math.isnan(v))
+    idle = [p for p, v in means.items() if math.isnan(v)]
+    return line + (f" (not run: {', '.join(idle)})" if idle else "")
 
 
 def _sync_phase_line(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -401,8 +410,7 @@ def write_report(
             _canary_line(rows, canary),
             f"- steps skipped (no usable samples): {sum(1 for r in rows if str(r.get('skipped')) in ('1', 'True'))}",
             _nonfinite_line(rows),
-            "- mean phase seconds: "
-            + ", ".join(f"{c[2:]} {_mean(rows, c):.2f}" for c in COLUMNS if c.startswith("t_")),
+            _phase_line(rows),
             *_sync_phase_line(rows),
             *_peak_memory_line(rows),
             "",

@@ -103,3 +103,19 @@ def test_an_async_report_without_current_version_tokens_says_so_and_splits_the_g
 
 def _fidelity(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if "Δlogprob" in line or "routing" in line).lower()
+
+
+def test_the_phase_line_names_the_phases_no_step_ran_instead_of_showing_nan(tmp_path: Path) -> None:
+    """A synchronous run without evaluation: `t_eval` and `t_pause` are empty in every row (2026-12-07, `make run`
+    printed "eval nan, … pause nan"). Means written out: rollout (0.25 + 0.75) / 2 = 0.50."""
+    rows = [
+        {"step": "1", "reward_mean": "0", "t_rollout": "0.25", "t_update": "1.0", "t_eval": "", "t_pause": ""},
+        {"step": "2", "reward_mean": "1", "t_rollout": "0.75", "t_update": "2.0", "t_eval": "", "t_pause": ""},
+    ]
+    text = write_report(tmp_path / "report.md", job_name="j", runs={"R3": rows}, facts={})
+    line = next(x for x in text.splitlines() if x.startswith("- mean phase seconds: "))
+    assert "rollout 0.50" in line and "update 1.50" in line and "nan" not in line
+    idle = line.split(" (not run: ", 1)[1].rstrip(")").split(", ")
+    assert {"eval", "pause"} <= set(idle) and "rollout" not in idle
+    ran = [{**r, "t_eval": "3.0", "t_pause": "0.5"} for r in rows]
+    assert "eval 3.00" in write_report(tmp_path / "ran.md", job_name="j", runs={"R3": ran}, facts={})
