@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,15 @@ def default_engine_dtype(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+SINGLE_PROCESS_DCP = (
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to (save|load) in a "
+    r"single process"
+)
+"""DCP's note on every checkpoint of a one-rank trainer, which saves without a process group on purpose."""
+
+
 def _prepare_env(device: str) -> None:
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_DCP, category=UserWarning)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not sys.stdout.isatty():  # CI log: no carriage-return progress bars between the step lines
