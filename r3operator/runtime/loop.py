@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,8 @@ from r3operator.trainer.grpo.advantages import group_advantages
 from r3operator.weightsync.canary import CanaryMismatchError
 from r3operator.weightsync.session import SyncResult
 from r3operator.wire.sync_phases import PhaseTimer
+
+log = logging.getLogger("r3operator.runtime")
 
 __all__ = ["CanaryMismatchError", "GRPORun"]
 
@@ -343,7 +346,15 @@ class GRPORun:
             self.checkpoints.finish_failed_run()  # a checkpoint already staged is still worth committing
             raise
         finally:
+            self._close_weight_sync()  # before the trainer: over ranks, the sender lives on rank 0
             if self.recorder is not None:
                 self.recorder.close()
             self.trainer.close()
         return self.rows
+
+    def _close_weight_sync(self) -> None:
+        """Close the weight sync; a failure to let go is logged, never raised over the run's own outcome."""
+        try:
+            self.weight_sync.close()
+        except Exception as exc:  # the run's result, or its own error, matters more than the release
+            log.warning("the weight sync did not close cleanly: %s: %s", type(exc).__name__, exc)

@@ -179,6 +179,13 @@ class WeightSyncSession:
         self.phases.reset()
         self.near_ties = 0
 
+    def close(self) -> None:
+        """Let go of the transfer at the end of a run: over IPC the trainer's mappings of the engines' parameters
+        (an engine that exits while the trainer still maps its memory leaves PyTorch warning that shared CUDA
+        tensors were not released), over NCCL the group. Engines that serve another run make a new rendezvous."""
+        if self.install is not None:
+            self.install.close()
+
     def _weight_chunks(self) -> Iterator[PackedChunk]:
         """The trainer's current weights as packed chunks, in the engine's dtype (the engine would cast anyway; a
         bf16 engine gets half the bytes)."""
