@@ -1419,19 +1419,32 @@ def record_for(row: Row, command: str) -> dict[str, Any]:
     }
 
 
-def judge_into(record: dict[str, Any], row: Row, ctx: Context, code: int, log: str, timed_out: bool) -> None:
-    """`row`'s verdict on what its run left, into its record (a judge's own error is the row's failure)."""
-    try:
-        verdict = row.judge(ctx, code, log)
-    except Exception as exc:  # a missing output file is this row's failure, never the run's
-        record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
-    else:
-        record.update(
-            status=PASS if verdict.passed and not timed_out else FAIL,
-            figure=verdict.figure,
-            target_met=verdict.target_met,
-            data=verdict.data,
-        )
+@dataclass
+class RowRun:
+    """A row that ran in this invocation: what its judge needs, kept to judge it again when a row whose output it
+    reads (`Row.reads`) runs after it."""
+
+    row: Row
+    ctx: Context
+    code: int
+    log: str
+    timed_out: bool
+    record: dict[str, Any]
+
+    def judge(self) -> None:
+        """The row's verdict on what its run left, into its record (a judge's own error is the row's failure)."""
+        record = self.record
+        try:
+            verdict = self.row.judge(self.ctx, self.code, self.log)
+        except Exception as exc:  # a missing output file is this row's failure, never the run's
+            record.update(status=FAIL, reason=(record["reason"] or "") + f" judging: {type(exc).__name__}: {exc}")
+        else:
+            record.update(
+                status=PASS if verdict.passed and not self.timed_out else FAIL,
+                figure=verdict.figure,
+                target_met=verdict.target_met,
+                data=verdict.data,
+            )
 
 
 def select(rows: Sequence[Row], parts: Sequence[int] | None, names: Sequence[str] | None) -> list[Row]:
@@ -1488,7 +1501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "all"
     )
     done: list[dict[str, Any]] = []
-    ran: dict[str, tuple[Row, Context, int, str, bool, dict[str, Any]]] = {}  # for judging again (Row.reads)
+    ran: dict[str, RowRun] = {}
     for row in chosen:
         ctx = Context(gpus=gpus, work=args.work / row.name)
         command = row.command(ctx)
@@ -1510,17 +1523,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             record.update(seconds=round(seconds, 1), exit_code=code, log_tail=log_tail(log))
             if timed_out:
                 record.update(status=FAIL, reason=f"timed out after {seconds:.0f} s")
-            ran[row.name] = (row, ctx, code, log, timed_out, record)
-            judge_into(record, row, ctx, code, log, timed_out)
+            ran[row.name] = RowRun(row, ctx, code, log, timed_out, record)
+            ran[row.name].judge()
             cleanup(ctx)
         print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
         done.append(record)
-        for earlier, ectx, ecode, elog, etimed_out, erecord in list(ran.values()):
-            if row.name in ran and row.name in earlier.reads:
-                judge_into(erecord, earlier, ectx, ecode, elog, etimed_out)
+        for earlier in ran.values():
+            if row.name in ran and row.name in earlier.row.reads:
+                earlier.judge()
                 print(
-                    f"   {earlier.name} judged again with {row.name}'s output: {erecord['status']}: "
-                    f"{erecord['figure'] or erecord['reason']}",
+                    f"   {earlier.row.name} judged again with {row.name}'s output: {earlier.record['status']}: "
+                    f"{earlier.record['figure'] or earlier.record['reason']}",
                     flush=True,
                 )
         write_record(args.out, header, done)
