@@ -468,6 +468,7 @@ def mode_summary(plan: Plan, run_dir: Path, *, gpus_shared_by: int, log: Path | 
             (v for r in rows if math.isfinite(v := _float(r, "logprob_abs_diff_max"))), default=None
         ),
         "routing_agreement_mean": _mean([_float(r, "routing_natural_agreement") for r in rows]),
+        "routing_tokens_any_diff_mean": _mean([_float(r, "routing_tokens_any_diff") for r in rows]),
         "replay_applied_mean": _mean([_float(r, "replay_applied") for r in rows]),
         "clip_fraction_mean": _mean([_float(r, "clip_fraction") for r in rows]),
         "dual_clip_fraction_mean": _mean([_float(r, "dual_clip_fraction") for r in rows]),

@@ -58,6 +58,7 @@ _EVERY_STEP = (
     "extreme_token_fraction",
     "replay_applied",
     "routing_natural_agreement",
+    "routing_tokens_any_diff",
     "loss",
     "clip_fraction",
     "grad_norm",
@@ -134,6 +135,9 @@ class StepRecord:
     """Response tokens whose trainer/rollout probability ratio is outside [0.5, 2] (trainer/metrics.py)."""
     replay_applied: float = NAN
     routing_natural_agreement: float | None = NAN
+    routing_tokens_any_diff: float | None = NAN
+    """Response tokens whose trainer-chosen experts differ from the engine's in at least one MoE layer (the figure
+    the R3 paper reports as 94 % for its models; `routing_natural_agreement` counts (token, layer) pairs)."""
     loss: float = NAN
     clip_fraction: float = NAN
     grad_norm: float = NAN

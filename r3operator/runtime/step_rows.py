@@ -121,6 +121,7 @@ def with_training(
     kl: float | None = None
     extreme: float | None = None
     natural: float | None = None
+    any_diff: float | None = None
     if measured:
         lp = metrics.r3.observe_logprobs(batch.rollout_logprobs, old.logprobs, tokens)
         lp_mean, lp_max, kl, extreme = lp.abs_diff_mean, lp.abs_diff_max, lp.kl_k3, lp.extreme_token_fraction
@@ -135,11 +136,12 @@ def with_training(
         applied = routing_agreement(old.used_ids, batch.engine_routes, mask).agreement_ratio
         fidelity_rows = mask if rows is None else mask & rows
         if measured and bool(fidelity_rows.any()):
-            natural = metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, fidelity_rows).agreement_ratio
+            agreement = metrics.r3.observe_routing(old.natural_ids, batch.engine_routes, fidelity_rows)
+            natural, any_diff = agreement.agreement_ratio, agreement.tokens_any_diff_ratio
         elif measured:
             metrics.r3.clear_fidelity(routing_only=True)
     elif measured:
-        natural = float("nan")
+        natural = any_diff = float("nan")
     return replace(
         record,
         routing_agreement_by_turn=by_turn(samples, batch, old, metrics) if multi_turn else None,
@@ -149,6 +151,7 @@ def with_training(
         extreme_token_fraction=extreme,
         replay_applied=applied,
         routing_natural_agreement=natural,
+        routing_tokens_any_diff=any_diff,
         loss=stats.loss,
         clip_fraction=stats.clip_fraction,
         grad_norm=stats.grad_norm,

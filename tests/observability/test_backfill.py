@@ -69,10 +69,10 @@ def test_a_runs_rows_give_back_every_series_the_driver_exported_that_a_row_keeps
     assert {"r3operator_eval_reward", "r3operator_kl_k3", "r3operator_step_phase_seconds"} <= {s.name for s in samples}
 
 
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+def _write_rows(path: Path, rows: list[dict[str, Any]], *, extra: tuple[str, ...] = ()) -> Path:
     columns = ["step", "policy_version", "replay_mode", "reward_mean", "tokens_per_second", "step_seconds", "t_rollout"]
     columns += ["logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3", "extreme_token_fraction", "canary_ok"]
-    columns += ["eval_reward"]
+    columns += ["eval_reward", *extra]
     with path.open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
@@ -107,6 +107,20 @@ def test_each_step_ends_at_the_sum_of_its_runs_step_seconds_and_an_unmeasured_st
     assert evals == [(113.5, 0.75)]
     armed = {s.value for s in samples if s.name == "r3operator_replay_active"}
     assert armed == {1.0}
+
+
+def test_the_share_of_tokens_with_a_routing_difference_is_played_where_the_file_has_it(tmp_path: Path) -> None:
+    name = "r3operator_routing_tokens_any_diff_ratio"
+    path = _write_rows(
+        tmp_path / "r3-metrics.csv",
+        [_row(1, 4.0, routing_tokens_any_diff=0.25), _row(2, 2.0, routing_tokens_any_diff="")],
+        extra=("routing_tokens_any_diff",),
+    )
+    played = [(s.timestamp, s.value) for s in play(read_run(path), start=100.0) if s.name == name]
+    # At 0 when the exporter starts; step 2 compared no routes, so the driver had removed the series.
+    assert played == [(100.0, 0.0), (104.0, 0.25)]
+    older = _write_rows(tmp_path / "old-metrics.csv", [_row(1, 4.0)])  # a run from before the column
+    assert [(s.timestamp, s.value) for s in play(read_run(older), start=100.0) if s.name == name] == [(100.0, 0.0)]
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,9 @@ def test_two_r3_steps_replay_exactly_and_sync_changes_engine_weights(tmp_path, e
     # bf16-autocast trainer vs fp32 engine: a real numerics gap, which replay removes from the routing.
     assert all(row.logprob_abs_diff_mean > 1e-4 for row in rows)
     assert min(row.routing_natural_agreement for row in rows) < 1.0
+    for row in rows:  # a share of tokens with a differing layer is at least the share of differing (token, layer)s
+        any_diff = row.routing_tokens_any_diff
+        assert 1 - row.routing_natural_agreement <= any_diff + 1e-12 and any_diff <= 1
     csv = (run.run_dir / "metrics.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[0].startswith("step,")
     exposition = run.metrics.exposition()
