@@ -136,8 +136,9 @@ class StepRecord:
     replay_applied: float = NAN
     routing_natural_agreement: float | None = NAN
     routing_tokens_any_diff: float | None = NAN
-    """Response tokens whose trainer-chosen experts differ from the engine's in at least one MoE layer (the figure
-    the R3 paper reports as 94 % for its models; `routing_natural_agreement` counts (token, layer) pairs)."""
+    """Tokens with a captured route (prompt and response) whose trainer-chosen experts differ from the engine's in at
+    least one MoE layer (the R3 paper reports 94 % for its models; `routing_natural_agreement` counts (token, layer)
+    pairs over the same rows)."""
     loss: float = NAN
     clip_fraction: float = NAN
     grad_norm: float = NAN
