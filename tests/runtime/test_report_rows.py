@@ -99,6 +99,25 @@ def test_an_async_report_without_current_version_tokens_says_so_and_splits_the_g
     assert "(tokens the current policy version sampled in trajectories it sampled alone, 1 of 3 steps" in text
     assert ": 0.004; max over steps: 0.05" in text and "natural vs engine: 0.9900" in text
     assert "lag 0 0.004 (8 tokens), lag 1 0.183 (60 tokens), lag 2 0.4 (10 tokens)" in text
+    assert "routed differently" not in text  # no row has the column (a file from before it): nothing said of it
+
+
+def test_the_routing_line_gives_the_share_of_tokens_with_a_layer_routed_differently(tmp_path: Path) -> None:
+    """The mean over the steps that measured it, as a percentage: (0.25 + 0.125) / 2 = 18.75 % -> "18.8%"; a step
+    that compared no routes (empty cell) is left out of the mean, not counted as 0."""
+    base = {"reward_mean": "0", "replay_applied": "1.0", "logprob_abs_diff_mean": "0.004"}
+    base |= {"logprob_abs_diff_max": "0.05", "routing_natural_agreement": "0.95"}
+    rows = [
+        {**base, "step": "1", "routing_tokens_any_diff": "0.25"},
+        {**base, "step": "2", "routing_tokens_any_diff": "0.125"},
+        {**base, "step": "3", "routing_tokens_any_diff": ""},
+    ]
+    text = write_report(tmp_path / "report.md", job_name="j", runs={"R3": rows}, facts={})
+    line = next(x for x in text.splitlines() if x.startswith("- routing agreement"))
+    assert line == (
+        "- routing agreement, trainer natural vs engine: 0.9500 (tokens with a layer routed differently: 18.8%); "
+        "replay applied (experts got the engine's ids): 1.0000"
+    )
 
 
 def _fidelity(text: str) -> str:
