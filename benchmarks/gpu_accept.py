@@ -1528,14 +1528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cleanup(ctx)
         print(f"   {record['status']}: {record['figure'] or record['reason']}", flush=True)
         done.append(record)
-        for earlier in ran.values():
-            if row.name in ran and row.name in earlier.row.reads:
-                earlier.judge()
-                print(
-                    f"   {earlier.row.name} judged again with {row.name}'s output: {earlier.record['status']}: "
-                    f"{earlier.record['figure'] or earlier.record['reason']}",
-                    flush=True,
-                )
+        readers = [earlier for earlier in ran.values() if row.name in earlier.row.reads] if row.name in ran else []
+        for earlier in readers:
+            earlier.judge()
+            print(
+                f"   {earlier.row.name} judged again with {row.name}'s output: {earlier.record['status']}: "
+                f"{earlier.record['figure'] or earlier.record['reason']}",
+                flush=True,
+            )
         write_record(args.out, header, done)
     if ran:
         pack_logs(args.work, args.out, label, list(ran))

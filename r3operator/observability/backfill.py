@@ -39,13 +39,13 @@ FIDELITY_COLUMNS: Mapping[str, str] = {
 """metrics.csv's fidelity columns and the gauges `R3Metrics.observe_logprobs` sets from the same figures."""
 STEP_COLUMNS = ("step", "policy_version", "reward_mean", "tokens_per_second", "step_seconds")
 """What `RuntimeMetrics.observe_step` exports of a row (with its phases, the `t_<phase>` columns)."""
-ROUTING_COLUMN = ("routing_tokens_any_diff", "r3operator_routing_tokens_any_diff_ratio")
-"""The routing figure a row keeps whole (the per-layer agreement it keeps only as a mean, so that is not played);
-absent from the files of runs before it was written."""
+ROUTING_COLUMNS: Mapping[str, str] = {"routing_tokens_any_diff": "r3operator_routing_tokens_any_diff_ratio"}
+"""The routing figures a row keeps whole, and their gauges (`R3Metrics.observe_routing`; the per-layer agreement a row
+keeps only as a mean, so that is not played). Absent from the files of runs before them."""
 BACKFILLED = frozenset(
     {
         *FIDELITY_COLUMNS.values(),
-        ROUTING_COLUMN[1],
+        *ROUTING_COLUMNS.values(),
         *(f"r3operator_{column}" for column in STEP_COLUMNS),
         "r3operator_step_phase_seconds",
         "r3operator_eval_reward",
@@ -173,11 +173,12 @@ def play(run: RunRows, start: float, *, namespace: str = "default") -> Iterator[
         else:
             for column, name in FIDELITY_COLUMNS.items():
                 metrics.r3.set(name, float(figures[column] or 0.0))
-            any_diff = _number(run.path, row, ROUTING_COLUMN[0])
-            if any_diff is None or math.isnan(any_diff):
-                metrics.r3.clear_fidelity(routing_only=True)  # no routes compared (or an older file): no series
-            else:
-                metrics.r3.set(ROUTING_COLUMN[1], any_diff)
+            for column, name in ROUTING_COLUMNS.items():
+                value = _number(run.path, row, column)
+                if value is None or math.isnan(value):
+                    metrics.r3.clear_fidelity(routing_only=True)  # no routes compared (or an older file): no series
+                else:
+                    metrics.r3.set(name, value)
         phases = {
             column.removeprefix("t_"): seconds
             for column in row

@@ -319,13 +319,13 @@ def fidelity_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         )
     if measured:
         any_diff = _mean(measured, "routing_tokens_any_diff")  # NaN: no routes compared, or a file from before it
-        tokens = "" if math.isnan(any_diff) else f" (tokens with a layer routed differently: {100 * any_diff:.1f}%)"
+        differing = "" if math.isnan(any_diff) else f" (tokens with a layer routed differently: {100 * any_diff:.1f}%)"
         lines = [
             f"- mean |Δlogprob| rollout vs trainer (mean over steps){scope}: "
             f"{_mean(measured, 'logprob_abs_diff_mean'):.3g}; max over steps: "
             f"{max(_f(r, 'logprob_abs_diff_max') for r in measured):.3g}",
             f"- routing agreement, trainer natural vs engine: {_mean(measured, 'routing_natural_agreement'):.4f}"
-            f"{tokens}; {applied}",
+            f"{differing}; {applied}",
         ]
     else:
         why = (

@@ -34,7 +34,7 @@ def _trained(engine_routes: Any, natural: Any, route_pad: Any) -> tuple[Any, Any
     from r3operator.api.enums import ReplayMode
     from r3operator.runtime.metrics import RuntimeMetrics
     from r3operator.runtime.step_rows import with_training
-    from r3operator.trainer.base import OldPass, UpdateStats
+    from r3operator.trainer.base import UpdateStats, old_pass_for
     from r3operator.trainer.batch import TrainBatch
 
     batch_size, seq = 2, 3
@@ -49,14 +49,7 @@ def _trained(engine_routes: Any, natural: Any, route_pad: Any) -> tuple[Any, Any
         route_pad=route_pad,
         sample_ids=["a", "b"],
     )
-    old = OldPass(
-        logprobs=torch.full((batch_size, seq - 1), -1.0),
-        natural_ids=natural,
-        used_ids=natural,
-        replay_ids=None,
-        replay_pad=None,
-        mode=ReplayMode.DISABLED,
-    )
+    old = old_pass_for(ReplayMode.DISABLED, batch, torch.full((batch_size, seq - 1), -1.0), natural, natural)
     stats = UpdateStats(loss=0.0, clip_fraction=0.0, approx_kl=0.0, grad_norm=1.0, tokens=4)
     sync = SimpleNamespace(near_ties=0, phases=SimpleNamespace(seconds={}))
     metrics = RuntimeMetrics("j", namespace="ns")
