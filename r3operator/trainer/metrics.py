@@ -191,9 +191,10 @@ class R3Metrics:
             # prometheus_client appends `_total` to counters itself: register the base name.
             base = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
             self._m[spec.name] = kinds[spec.type](base, spec.help, list(spec.labels), **kwargs)
-            if spec.labels == IDENTITY_LABELS:
-                # Create the job's series now, so counters read 0 (not "no data") until the first
-                # event and rate()/increase() see the start of the run.
+            if spec.labels == IDENTITY_LABELS and spec.type != "gauge":
+                # Create the job's counters and histograms now, so they read 0 (not "no data") until the first
+                # event and rate()/increase() see the start of the run. A gauge is a figure measured: it has no
+                # series until it is (a KL of 0 before step 1 would read as a perfect engine).
                 self._get(spec.name)
 
     def _get(self, name: str, **labels: str) -> Any:

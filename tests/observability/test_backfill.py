@@ -100,9 +100,9 @@ def test_each_step_ends_at_the_sum_of_its_runs_step_seconds_and_an_unmeasured_st
     reward = [(s.timestamp, s.value) for s in samples if s.name == "r3operator_reward_mean"]
     assert reward == [(104.0, 0.1), (110.5, 0.2), (113.5, 0.30000000000000004)]
     kl = [(s.timestamp, s.value) for s in samples if s.name == "r3operator_kl_k3"]
-    # The exporter makes its series at 0 when it starts (before step 1, as a live scrape reads it); step 2 measured no
-    # token, so the driver removed the series (clear_fidelity): no sample then.
-    assert kl == [(100.0, 0.0), (104.0, 1e-5), (113.5, 1e-5)]
+    # No series before step 1 measured one (a live scrape reads none either); step 2 measured no token, so the driver
+    # removed the series (clear_fidelity): no sample then.
+    assert kl == [(104.0, 1e-5), (113.5, 1e-5)]
     evals = [(s.timestamp, s.value) for s in samples if s.name == "r3operator_eval_reward"]
     assert evals == [(113.5, 0.75)]
     armed = {s.value for s in samples if s.name == "r3operator_replay_active"}
@@ -117,10 +117,10 @@ def test_the_share_of_tokens_with_a_routing_difference_is_played_where_the_file_
         extra=("routing_tokens_any_diff",),
     )
     played = [(s.timestamp, s.value) for s in play(read_run(path), start=100.0) if s.name == name]
-    # At 0 when the exporter starts; step 2 compared no routes, so the driver had removed the series.
-    assert played == [(100.0, 0.0), (104.0, 0.25)]
-    older = _write_rows(tmp_path / "old-metrics.csv", [_row(1, 4.0)])  # a run from before the column
-    assert [(s.timestamp, s.value) for s in play(read_run(older), start=100.0) if s.name == name] == [(100.0, 0.0)]
+    # No series before step 1 measured it; step 2 compared no routes, so the driver had removed the series.
+    assert played == [(104.0, 0.25)]
+    older = _write_rows(tmp_path / "old-metrics.csv", [_row(1, 4.0)])  # a run from before the column: no series
+    assert [s for s in play(read_run(older), start=100.0) if s.name == name] == []
 
 
 @pytest.mark.parametrize(

@@ -87,3 +87,19 @@ def test_job_series_exist_from_the_start_so_counters_read_zero_not_no_data():
     text = generate_latest(R3Metrics("job-b").registry).decode()
     assert 'r3operator_routes_missing_total{namespace="default",rljob="job-b"} 0.0' in text
     assert 'r3operator_routes_invalid_total{namespace="default",rljob="job-b"} 0.0' in text
+
+
+def test_measured_gauges_have_no_series_until_measured():
+    """Before step 1 nothing has been compared: a KL or |Δlogprob| of 0 there would read as a perfect engine on a
+    dashboard (and a finished run's file played from its start would show it too)."""
+    from prometheus_client import generate_latest
+
+    metrics = R3Metrics("job-c")
+    before = generate_latest(metrics.registry).decode()
+    for name in ("r3operator_kl_k3", "r3operator_logprob_abs_diff_mean", "r3operator_extreme_token_ratio",
+                 "r3operator_routing_tokens_any_diff_ratio", "r3operator_replay_active"):  # fmt: skip
+        assert f"\n{name}{{" not in before, name
+    metrics.observe_logprobs(np.array([-1.0, -2.0]), np.array([-1.0, -2.5]))
+    after = generate_latest(metrics.registry).decode()
+    # k3 of one token at log ratio r = -0.5 and one at 0: mean of (e^r - 1 - r) over the two
+    assert f'r3operator_kl_k3{{namespace="default",rljob="job-c"}} {(math.exp(-0.5) - 1 + 0.5) / 2}' in after
