@@ -1037,7 +1037,7 @@ ROWS: list[Row] = [
         "the new release's canary passes, the broken one fails (rollback), steps 3-4 on the new release with every "
         "sync canaried; each report names its release",
         1,
-        360,
+        450,
         600,
         upgrade_command,
         judge_upgrade,

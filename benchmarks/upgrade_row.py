@@ -126,8 +126,9 @@ def canary_verdicts(plan: Mapping[str, Any], *, old_site: str, new_site: str, wo
             wait_healthy(url, proc)  # one at a time: each sizes its KV cache from the memory free when it starts
         env = site_env({**os.environ, **trainer["env"]}, [old_site])
         for new in ("new", "broken"):
-            argv = [sys.executable, "-m", "benchmarks.upgrade_row", "canary", "--config", trainer["argv"][-1]]
-            argv += ["--old", servers["old"][1], "--new", servers[new][1], "--new-image", new]
+            argv = [sys.executable, "-m", "benchmarks.upgrade_row"]
+            urls = {"old_url": servers["old"][1], "new_url": servers[new][1]}
+            argv += canary_args(config=trainer["argv"][-1], image=new, **urls)
             done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=REPO)
             (work / f"canary-{new}.log").write_text(done.stdout + done.stderr)
             verdicts[new] = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-2000:]}
@@ -161,30 +162,43 @@ def run_summary(work: Path) -> dict[str, Any]:
     }
 
 
+def canary_args(*, config: str, old_url: str, new_url: str, image: str) -> list[str]:
+    """The `canary` subcommand's arguments: the verdict of the engine at `new_url` against the one at `old_url`."""
+    return ["canary", "--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
+
+
 def canary_main(args: argparse.Namespace) -> int:
-    """Inside the trainer's environment: the verdict of `--new` against `--old`, as JSON on stdout."""
+    """Inside the trainer's environment: the verdict of `--new-url` against `--old-url`, as JSON on stdout."""
     from r3operator.runtime.app import build_settings
     from r3operator.runtime.upgrade_canary import run_upgrade_canary
 
     settings = build_settings(None, config=Path(args.config), resume=True, device="cuda")
     result = run_upgrade_canary(
-        settings, old_url=args.old, new_url=args.new, old_image="old", new_image=args.new_image, attempt="1"
+        settings, old_url=args.old_url, new_url=args.new_url, old_image="old", new_image=args.new_image, attempt="1"
     )
     print(result.model_dump_json(by_alias=True))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    # No abbreviations: the top-level parser reads every `--…` argument, the subcommand's too, and would take a
+    # prefix of two of its own flags for an ambiguous one.
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command")
-    canary = sub.add_parser("canary")
-    for flag in ("--config", "--old", "--new", "--new-image"):
+    canary = sub.add_parser("canary", allow_abbrev=False)
+    for flag in ("--config", "--old-url", "--new-url", "--new-image"):
         canary.add_argument(flag, required=True)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--old-site", default="/tmp/site")
     parser.add_argument("--new-site", default="/tmp/site-0.26.0")
     parser.add_argument("--new-release", default="0.26.0")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
     if args.command == "canary":
         return canary_main(args)
     work: Path = args.work

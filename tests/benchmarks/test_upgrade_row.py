@@ -1,0 +1,23 @@
+"""benchmarks/upgrade_row.py's own command lines (its GPU run is the `upgrade_vllm` row of gpu_accept)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import upgrade_row
+
+
+def test_the_canary_command_the_row_builds_parses_to_the_urls_it_named() -> None:
+    # The row runs this as a subprocess: the top-level parser reads the subcommand's `--…` arguments too, and with
+    # abbreviations on it refused a `--new` that is a prefix of its --new-site and --new-release (no canary ran).
+    argv = upgrade_row.canary_args(config="/w/trainer.json", old_url="http://a:1", new_url="http://b:2", image="broken")
+    args = upgrade_row.parse(argv)
+    assert (args.command, args.config, args.old_url, args.new_url, args.new_image) == (
+        "canary", "/w/trainer.json", "http://a:1", "http://b:2", "broken",
+    )  # fmt: skip
+
+
+def test_the_row_itself_takes_its_sites_and_release() -> None:
+    args = upgrade_row.parse(["--work", "/tmp/w", "--new-site", "/tmp/site-0.33.0", "--new-release", "0.33.0"])
+    assert args.command is None and args.work == Path("/tmp/w")
+    assert (args.old_site, args.new_site, args.new_release) == ("/tmp/site", "/tmp/site-0.33.0", "0.33.0")
