@@ -346,15 +346,16 @@ class GRPORun:
             self.checkpoints.finish_failed_run()  # a checkpoint already staged is still worth committing
             raise
         finally:
-            self._close_weight_sync()  # before the trainer: over ranks, the sender lives on rank 0
-            if self.recorder is not None:
-                self.recorder.close()
-            self.trainer.close()
+            self.close()
         return self.rows
 
-    def _close_weight_sync(self) -> None:
-        """Close the weight sync; a failure to let go is logged, never raised over the run's own outcome."""
+    def close(self) -> None:
+        """Let go of what `setup` took: the weight sync first (over ranks, the sender lives on rank 0), the route
+        recorder, then the trainer. A failure to release the sync is logged, never raised over the run's outcome."""
         try:
             self.weight_sync.close()
         except Exception as exc:  # the run's result, or its own error, matters more than the release
             log.warning("the weight sync did not close cleanly: %s: %s", type(exc).__name__, exc)
+        if self.recorder is not None:
+            self.recorder.close()
+        self.trainer.close()
