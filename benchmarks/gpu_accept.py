@@ -696,7 +696,8 @@ def judge_upgrade(ctx: Context, code: int, log: str) -> Verdict:
         problems.append(f"after: exit {after.get('exit')}, steps {after.get('steps')} (expected 1-2 kept, 3-4 new)")
     if any(ok not in ("1", "True") for ok in after.get("canary_ok", [])):
         problems.append(f"a sync's canary failed: {after.get('canary_ok')}")
-    for phase, wanted in ((before, "0.22.1"), (after, release)):
+    old_release = result.get("old_release", "0.22.1")
+    for phase, wanted in ((before, old_release), (after, release)):
         line = phase.get("report", {}).get("vLLM", "")
         if wanted not in line:
             problems.append(f"the report says {line!r}, not vLLM {wanted}")
@@ -706,7 +707,7 @@ def judge_upgrade(ctx: Context, code: int, log: str) -> Verdict:
     if broken.get("passed") is not False:
         problems.append(f"the broken release was not rolled back: {broken.get('message') or broken.get('error')}")
     figure = "; ".join(problems) or (
-        f"0.22.1 steps 1-2 → canary of {release}: passed ({new.get('message', '')[:160]}); broken release "
+        f"{old_release} steps 1-2 → canary of {release}: passed ({new.get('message', '')[:160]}); broken release "
         f"(norm_topk_prob false): rolled back ({broken.get('message', '')[:160]}); steps 3-4 on {release}, canary "
         f"{after.get('canary_ok')}, {after.get('report', {}).get('weight sync', '')[:200]}"
     )

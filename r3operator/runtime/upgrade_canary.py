@@ -4,7 +4,11 @@ The operator (operator/upgrade.py) starts one replica on the new image and runs 
 trainer image (`r3operator upgrade-canary`). Both engines get the same fixed prompts and seed; each one's
 samples are checked (routed experts of shape [*, numLayers, topK], ids in range, no duplicate within a
 row) and scored by the trainer on its current weights (the latest checkpoint, else the model) twice:
-with the engine's routes replayed (R3) and with natural routing. Per engine that gives
+with the engine's routes replayed (R3) and with natural routing. Both engines must serve those weights: a
+new replica starts from the model's files, so the canary first loads the trainer's weights into it through
+the worker extension's packed path (as a sync would: the new release is judged receiving weights too); an
+old replica serves the policy the driver synced last, which the message names (a run that moved on since
+the checkpoint only widens the old engine's figures). Per engine that gives
 
 - replay agreement: experts the trainer used under replay = the engine's (must be 1.0: R3 works at all);
 - natural mismatch: token-layers where the trainer's own router differs from the engine's choice;
@@ -48,6 +52,8 @@ from r3operator.trainer.base import Trainer
 from r3operator.trainer.batch import build_batch
 from r3operator.trainer.factory import build_trainer
 from r3operator.trainer.metrics import logprob_stats
+from r3operator.weightsync.endpoints import EngineEndpoint
+from r3operator.weightsync.packed import install_packed
 
 log = logging.getLogger(__name__)
 PROMPT_LENGTH = 16
@@ -151,8 +157,8 @@ def verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec)
     return True, side_by_side
 
 
-def load_policy(settings: RunSettings, model_dir: Path) -> Trainer:
-    """The trainer on its latest checkpoint's weights (the model's own when there is none yet)."""
+def load_policy(settings: RunSettings, model_dir: Path) -> tuple[Trainer, ckpt.CheckpointInfo | None]:
+    """The trainer on its latest checkpoint's weights (the model's own when there is none yet), and that checkpoint."""
     trainer = build_trainer(settings.job.spec, model_dir, device=settings.device)
     info = ckpt.find_latest(settings.run_dir / "checkpoints")
     if info is not None:
@@ -160,7 +166,7 @@ def load_policy(settings: RunSettings, model_dir: Path) -> Trainer:
         log.info("scoring with the checkpoint of step %s", info.step)
     else:
         log.info("no checkpoint under %s: scoring with the model's weights", settings.run_dir / "checkpoints")
-    return trainer
+    return trainer, info
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +175,14 @@ class CanaryContext:
     shape: ModelShape
     trainer: Trainer
     prompts: list[list[int]]
+    checkpoint: ckpt.CheckpointInfo | None
+
+    @property
+    def weights(self) -> str:
+        """The weights the trainer scores with, as the verdict names them."""
+        if self.checkpoint is None:
+            return "the model's (no checkpoint yet)"
+        return f"the checkpoint of step {self.checkpoint.step} (policy {self.checkpoint.policy_version})"
 
 
 def canary_context(settings: RunSettings) -> CanaryContext:
@@ -182,7 +196,38 @@ def canary_context(settings: RunSettings) -> CanaryContext:
         int(config.vocab_size), int(config.num_hidden_layers), int(config.num_experts_per_tok), int(config.num_experts)
     )
     prompts = canary_prompts(spec.upgrade_policy.prompts, vocab_size=shape.vocab_size, seed=spec.seed)
-    return CanaryContext(settings, shape, load_policy(settings, model_dir), prompts)
+    trainer, checkpoint = load_policy(settings, model_dir)
+    return CanaryContext(settings, shape, trainer, prompts, checkpoint)
+
+
+def _engine(ctx: CanaryContext, url: str) -> HTTPEngine:
+    return HTTPEngine(url, staging_dir=ctx.settings.run_dir / "weight-staging", num_experts=ctx.shape.num_experts)
+
+
+def load_weights(ctx: CanaryContext, url: str) -> str:
+    """The trainer's weights into the engine at `url` (one packed bracket, stamped `canary:<policy>`), so that it is
+    scored on the weights the trainer scores with; what it now serves, for the verdict. None to load before a first
+    checkpoint: the trainer has the model's weights, which a new replica started from."""
+    if ctx.checkpoint is None:
+        return "the model's"
+    import torch
+
+    spec = ctx.settings.job.spec
+    wire = getattr(torch, ctx.settings.engine_dtype, None)  # the engine would cast anyway; its dtype halves bf16
+    chunks = ctx.trainer.weight_chunks(chunk_size_mb=spec.weight_sync.chunk_size_mb, dtype=wire)
+    install_packed([EngineEndpoint(_engine(ctx, url))], chunks, policy_tag=f"canary:{ctx.checkpoint.policy_version}")
+    return "loaded with them"
+
+
+def serving(ctx: CanaryContext, url: str) -> str:
+    """The policy a live replica says it serves (the tag of its last finished sync), for the verdict."""
+    try:
+        tag = EngineEndpoint(_engine(ctx, url)).policy_tag()
+    except Exception as exc:  # a verdict names what it could not read; it does not fail on it
+        return f"policy unknown ({type(exc).__name__})"
+    if tag is None:
+        return "the model's weights (no finished sync)"
+    return f"policy {tag.rpartition(':')[2]}"
 
 
 def score_url(ctx: CanaryContext, url: str, *, image: str, prefill_url: str | None = None) -> EngineFidelity:
@@ -203,7 +248,7 @@ def score_url(ctx: CanaryContext, url: str, *, image: str, prefill_url: str | No
 def _client(ctx: CanaryContext, url: str, prefill_url: str | None) -> OpenAIHTTPClient | DisaggregatedGroup:
     if prefill_url is None:
         return OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
-    staging = ctx.settings.run_dir / "weight-staging"  # never written: the canary syncs no weights
+    staging = ctx.settings.run_dir / "weight-staging"  # the canary loads weights through _engine, not this pair
     experts = ctx.shape.num_experts
     return DisaggregatedGroup(
         [HTTPEngine(prefill_url, staging_dir=staging, num_experts=experts)],
@@ -212,17 +257,60 @@ def _client(ctx: CanaryContext, url: str, prefill_url: str | None) -> OpenAIHTTP
 
 
 def run_upgrade_canary(
-    settings: RunSettings, *, old_url: str, new_url: str, old_image: str, new_image: str, attempt: str
+    settings: RunSettings,
+    *,
+    old_url: str,
+    new_url: str,
+    old_image: str,
+    new_image: str,
+    attempt: str,
+    load_old: bool = False,
 ) -> UpgradeCanary:
-    """Engine upgrade: the trainer scores an old and the new engine replica."""
-    ctx = canary_context(settings)
-    old = score_url(ctx, old_url, image=old_image)
-    new = score_url(ctx, new_url, image=new_image)
-    return make_verdict(old, new, settings.job.spec.upgrade_policy, attempt=attempt)
+    """Engine upgrade: the trainer scores an old and the new engine replica (`engine_upgrade_verdict`)."""
+    return engine_upgrade_verdict(
+        canary_context(settings), old_url=old_url, new_url=new_url, old_image=old_image, new_image=new_image,
+        attempt=attempt, load_old=load_old,
+    )  # fmt: skip
 
 
-def make_verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec, *, attempt: str) -> UpgradeCanary:
+def engine_upgrade_verdict(
+    ctx: CanaryContext,
+    *,
+    old_url: str,
+    new_url: str,
+    old_image: str,
+    new_image: str,
+    attempt: str,
+    old_prefill: str | None = None,
+    new_prefill: str | None = None,
+    load_old: bool = False,
+) -> UpgradeCanary:
+    """The trainer's weights loaded into the new replica (and its prefill partner), then both replicas scored.
+    `load_old`: load the old one too, for an old replica no driver syncs (a stand-in for a live one: the GPU row)."""
+    policy = ctx.settings.job.spec.upgrade_policy
+    try:
+        new_weights = ", ".join(load_weights(ctx, url) for url in filter(None, (new_prefill, new_url)))
+        old_weights = serving(ctx, old_url)
+        if load_old:
+            old_weights = ", ".join(load_weights(ctx, url) for url in filter(None, (old_prefill, old_url)))
+    except Exception as exc:  # a release that cannot take the trainer's weights fails, naming why
+        log.error("loading the trainer's weights into %s: %s", new_url, exc)
+        unloaded = EngineFidelity(image=new_image, routes_valid=False, message=f"{new_url}: {exc}"[:1024])
+        old = score_url(ctx, old_url, image=old_image, prefill_url=old_prefill)
+        weights = f"the trainer's weights ({ctx.weights}) could not be loaded"
+        return make_verdict(old, unloaded, policy, attempt=attempt, weights=weights)
+    old = score_url(ctx, old_url, image=old_image, prefill_url=old_prefill)
+    new = score_url(ctx, new_url, image=new_image, prefill_url=new_prefill)
+    weights = f"scored on {ctx.weights}: new {new_weights}, old {old_weights}"
+    return make_verdict(old, new, policy, attempt=attempt, weights=weights)
+
+
+def make_verdict(
+    old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec, *, attempt: str, weights: str = ""
+) -> UpgradeCanary:
     passed, message = verdict(old, new, policy)
+    if weights:
+        message = f"{message}; {weights}"
     return UpgradeCanary(
         attempt=attempt,
         passed=passed,

@@ -10,10 +10,11 @@ from benchmarks import upgrade_row
 def test_the_canary_command_the_row_builds_parses_to_the_urls_it_named() -> None:
     # The row runs this as a subprocess: the top-level parser reads the subcommand's `--…` arguments too, and with
     # abbreviations on it refused a `--new` that is a prefix of its --new-site and --new-release (no canary ran).
-    argv = upgrade_row.canary_args(config="/w/trainer.json", old_url="http://a:1", new_url="http://b:2", image="broken")
+    urls = {"old_url": "http://a:1", "new_url": "http://b:2"}
+    argv = upgrade_row.canary_args(config="/w/trainer.json", image="broken", device="cpu", **urls)
     args = upgrade_row.parse(argv)
-    assert (args.command, args.config, args.old_url, args.new_url, args.new_image) == (
-        "canary", "/w/trainer.json", "http://a:1", "http://b:2", "broken",
+    assert (args.command, args.config, args.old_url, args.new_url, args.new_image, args.device) == (
+        "canary", "/w/trainer.json", "http://a:1", "http://b:2", "broken", "cpu",
     )  # fmt: skip
 
 
@@ -21,3 +22,10 @@ def test_the_row_itself_takes_its_sites_and_release() -> None:
     args = upgrade_row.parse(["--work", "/tmp/w", "--new-site", "/tmp/site-0.33.0", "--new-release", "0.33.0"])
     assert args.command is None and args.work == Path("/tmp/w")
     assert (args.old_site, args.new_site, args.new_release) == ("/tmp/site", "/tmp/site-0.33.0", "0.33.0")
+    assert (args.gpus, args.device) == ("0,0", "cuda")  # the GPU row's; a CPU rehearsal names none and cpu
+
+
+def test_a_site_left_empty_is_the_release_this_python_has() -> None:
+    env = upgrade_row.site_env({"PATH": "/usr/bin"}, ["", "/tmp/site"])
+    assert env["PYTHONPATH"].split(":") == ["/tmp/site", str(upgrade_row.REPO)]
+    assert env["PATH"] == "/tmp/site/bin:/usr/bin"

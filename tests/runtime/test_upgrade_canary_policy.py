@@ -27,7 +27,9 @@ def test_the_canary_policy_is_the_latest_checkpoint(tmp_path: Path) -> None:
     assert saver.finish() is not None
     want = trainer.model_state_dict()
 
-    got = load_policy(settings, model_dir).model_state_dict()
+    policy, info = load_policy(settings, model_dir)
+    got = policy.model_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+    assert info is not None and (info.step, info.policy_version) == (3, 4)  # what the verdict names
     fresh = build_trainer(settings.job.spec, model_dir, device="cpu").model_state_dict()
     assert any(not torch.equal(fresh[k], want[k]) for k in want)
