@@ -54,6 +54,7 @@ from r3operator.trainer.factory import build_trainer
 from r3operator.trainer.metrics import logprob_stats
 from r3operator.weightsync.endpoints import EngineEndpoint
 from r3operator.weightsync.packed import install_packed
+from r3operator.wire.retry import Backoff
 
 log = logging.getLogger(__name__)
 PROMPT_LENGTH = 16
@@ -200,8 +201,11 @@ def canary_context(settings: RunSettings) -> CanaryContext:
     return CanaryContext(settings, shape, trainer, prompts, checkpoint)
 
 
-def _engine(ctx: CanaryContext, url: str) -> HTTPEngine:
-    return HTTPEngine(url, staging_dir=ctx.settings.run_dir / "weight-staging", num_experts=ctx.shape.num_experts)
+def _engine(ctx: CanaryContext, url: str, *, patient: bool = True) -> HTTPEngine:
+    """`patient`: wait for a replica that is still loading its model (the default patience), else one try each."""
+    once = None if patient else Backoff(attempts=1)
+    staging = ctx.settings.run_dir / "weight-staging"
+    return HTTPEngine(url, staging_dir=staging, num_experts=ctx.shape.num_experts, backoff=once, ready=once)
 
 
 def load_weights(ctx: CanaryContext, url: str) -> str:
@@ -222,7 +226,7 @@ def load_weights(ctx: CanaryContext, url: str) -> str:
 def serving(ctx: CanaryContext, url: str) -> str:
     """The policy a live replica says it serves (the tag of its last finished sync), for the verdict."""
     try:
-        tag = EngineEndpoint(_engine(ctx, url)).policy_tag()
+        tag = EngineEndpoint(_engine(ctx, url, patient=False)).policy_tag()  # it answered: scoring follows
     except Exception as exc:  # a verdict names what it could not read; it does not fail on it
         return f"policy unknown ({type(exc).__name__})"
     if tag is None:
