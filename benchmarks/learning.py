@@ -307,7 +307,7 @@ def warm_start(plan: Plan, out: Path) -> Path:
     tmp = target.with_name(".model.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(reference, run.trainer.model_state_dict(), tmp)
-    run.close()  # the weight sync too: an engine that exits while the trainer maps its memory leaves CUDA IPC warning
+    run.close()  # the weight sync too, not only the trainer: shared CUDA tensors are let go before the engine exits
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     record = {

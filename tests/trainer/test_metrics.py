@@ -101,5 +101,6 @@ def test_measured_gauges_have_no_series_until_measured():
         assert f"\n{name}{{" not in before, name
     metrics.observe_logprobs(np.array([-1.0, -2.0]), np.array([-1.0, -2.5]))
     after = generate_latest(metrics.registry).decode()
+    line = next(ln for ln in after.splitlines() if ln.startswith('r3operator_kl_k3{namespace="default",rljob="job-c"}'))
     # k3 of one token at log ratio r = -0.5 and one at 0: mean of (e^r - 1 - r) over the two
-    assert f'r3operator_kl_k3{{namespace="default",rljob="job-c"}} {(math.exp(-0.5) - 1 + 0.5) / 2}' in after
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2, rel=1e-12)
