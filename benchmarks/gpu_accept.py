@@ -1211,6 +1211,11 @@ def render_markdown(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
         f"# GPU acceptance run, {header['date']}",
         "",
         f"- device: {header['device']} ({header['gpus']} GPU(s))",
+        *(
+            [f"- shared: beside {header['beside']} (timings are not alone-on-the-GPU figures)"]
+            if header.get("beside")
+            else []
+        ),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
         f"- rows: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[NOT_RUN]} not run",
         "",
@@ -1476,6 +1481,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="print the commands and record every row as not run (also ACCEPT_DRY=1)",
     )
     parser.add_argument("--work", type=Path, default=Path(os.environ.get("ACCEPT_WORK", "/tmp/r3-accept")))
+    parser.add_argument(
+        "--beside",
+        metavar="WHAT",
+        help="the GPU is shared with another run (named in the record): rows get twice their timeouts, and the "
+        "record says its timings are not alone-on-the-GPU figures",
+    )
     args = parser.parse_args(argv)
     begin = time.monotonic()
     gpus, device = (0, "dry run: nothing executed") if args.dry else gpu_facts()
@@ -1490,7 +1501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gpus": gpus,
         "versions": versions(),
         "budget_s": args.budget,
+        **({"beside": args.beside} if args.beside else {}),
     }
+    timeout_scale = 2 if args.beside else 1
     chosen = select(ROWS, args.part, args.rows.split(",") if args.rows else None)
     if not args.rows and not args.dry:
         chosen += budget_left_over(args.out, chosen)
@@ -1520,7 +1533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             record["started"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-            code, log, seconds, timed_out = run_row(row, ctx, command, min(row.timeout_s, max(left - 5, 30)))
+            code, log, seconds, timed_out = run_row(
+                row, ctx, command, min(row.timeout_s * timeout_scale, max(left - 5, 30))
+            )
             record.update(seconds=round(seconds, 1), exit_code=code, log_tail=log_tail(log))
             if timed_out:
                 record.update(status=FAIL, reason=f"timed out after {seconds:.0f} s")

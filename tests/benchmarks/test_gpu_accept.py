@@ -643,3 +643,17 @@ def test_the_route_checks_row_judges_the_benchmarks_own_json(tmp_path: Path) -> 
     (tmp_path / "route-checks.json").write_text(json.dumps({**data, "agreement_matches_host": False}))
     differs = gpu_accept.judge_route_checks(ctx, 0, "")
     assert not differs.passed and "differs from NumPy's" in differs.figure
+
+
+def test_beside_another_run_rows_get_twice_their_timeouts_and_the_record_says_the_gpu_was_shared(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_accept, "ROWS", [_row("slow", "sleep 1.5; echo done", timeout_s=1)])
+    assert gpu_accept.main([str(machine), "--budget", "60"]) == 1  # alone: 1.5 s is past its 1 s
+    assert gpu_accept.main([str(machine), "--budget", "60", "--beside", "learning run (e)"]) == 0
+    record = json.loads((machine / "accept.json").read_text())
+    assert record["beside"] == "learning run (e)" and record["rows"][0]["status"] == "pass"
+    assert (
+        "- shared: beside learning run (e) (timings are not alone-on-the-GPU figures)"
+        in (machine / "accept.md").read_text()
+    )
