@@ -706,12 +706,27 @@ def judge_upgrade(ctx: Context, code: int, log: str) -> Verdict:
         problems.append(f"the new release's canary did not pass: {canary.get('error') or new.get('message')}")
     if broken.get("passed") is not False:
         problems.append(f"the broken release was not rolled back: {broken.get('message') or broken.get('error')}")
+    synced = after.get("report", {}).get("weight sync", "").removeprefix("- weight sync: ").partition(" (")[0]
+    canaried = sum(ok in ("1", "True") for ok in after.get("canary_ok", []))
     figure = "; ".join(problems) or (
-        f"{old_release} steps 1-2 → canary of {release}: passed ({new.get('message', '')[:160]}); broken release "
-        f"(norm_topk_prob false): rolled back ({broken.get('message', '')[:160]}); steps 3-4 on {release}, canary "
-        f"{after.get('canary_ok')}, {after.get('report', {}).get('weight sync', '')[:200]}"
+        f"{old_release} steps 1-2 → {release}'s canary passed ({_replica_figures(new)}); {release} with "
+        f"norm_topk_prob false rolled back ({_replica_figures(broken)}); steps 3-4 on {release}, "
+        f"{canaried}/{len(after.get('canary_ok', []))} syncs canaried, weight sync {synced or '?'}"
     )
     return Verdict(code == 0 and not problems, figure, data={"upgrade": result})
+
+
+def _replica_figures(canary: Mapping[str, Any]) -> str:
+    """An upgrade canary's new replica against its old one, from the figures the verdict was taken on."""
+    new, old = canary.get("new") or {}, canary.get("old") or {}
+    try:
+        return (
+            f"natural mismatch {new['naturalMismatch']:.4f} vs old {old['naturalMismatch']:.4f}, mean |Δlogprob| "
+            f"{new['logprobAbsDiffOff']:.5f} vs {old['logprobAbsDiffOff']:.5f}, replay agreement "
+            f"{new['replayAgreement']:.4f}"
+        )
+    except (KeyError, TypeError, ValueError):  # a replica without figures (routes invalid): its verdict says why
+        return str(canary.get("message", "no figures"))[:300]
 
 
 def engine_load_command(ctx: Context) -> str:

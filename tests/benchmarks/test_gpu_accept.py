@@ -550,12 +550,14 @@ def _upgrade(work: Path, *, new_passed: bool = True, broken_passed: bool = False
     """What benchmarks/upgrade_row.py writes for the row's judge."""
     work.mkdir(parents=True)
     report = {"vLLM": "- vLLM: 0.22.1", "weight sync": "- weight sync: nccl (…); layout checkpoint (…)"}
+    good = {"naturalMismatch": 0.0262, "logprobAbsDiffOff": 0.00551, "replayAgreement": 1.0}
+    bad = {"naturalMismatch": 0.1462, "logprobAbsDiffOff": 0.03897, "replayAgreement": 1.0}
     result = {
         "new_release": "0.26.0",
         "before": {"exit": 0, "steps": [1, 2], "canary_ok": ["1", "1"], "report": report},
         "canary": {
-            "new": {"passed": new_passed, "message": "new 0.26.0: replay agreement 1.0000"},
-            "broken": {"passed": broken_passed, "message": "mean |Δlogprob| 0.08 > 0.001"},
+            "new": {"passed": new_passed, "message": "new (0.26.0): replay agreement 1.0000", "new": good, "old": good},
+            "broken": {"passed": broken_passed, "message": "mean |Δlogprob| 0.08 > 0.001", "new": bad, "old": good},
         },
         "after": {
             "exit": 0,
@@ -569,7 +571,14 @@ def _upgrade(work: Path, *, new_passed: bool = True, broken_passed: bool = False
 
 
 def test_the_upgrade_row_passes_only_with_the_canary_judged_both_ways_and_the_run_resumed(tmp_path: Path) -> None:
-    assert gpu_accept.judge_upgrade(_upgrade(tmp_path / "ok"), 0, "").passed
+    ok = gpu_accept.judge_upgrade(_upgrade(tmp_path / "ok"), 0, "")
+    assert ok.passed
+    assert ok.figure == (
+        "0.22.1 steps 1-2 → 0.26.0's canary passed (natural mismatch 0.0262 vs old 0.0262, mean |Δlogprob| 0.00551 "
+        "vs 0.00551, replay agreement 1.0000); 0.26.0 with norm_topk_prob false rolled back (natural mismatch 0.1462 "
+        "vs old 0.0262, mean |Δlogprob| 0.03897 vs 0.00551, replay agreement 1.0000); steps 3-4 on 0.26.0, 4/4 syncs "
+        "canaried, weight sync packed"
+    )
     not_rolled_back = gpu_accept.judge_upgrade(_upgrade(tmp_path / "broken", broken_passed=True), 0, "")
     assert not not_rolled_back.passed and "the broken release was not rolled back" in not_rolled_back.figure
     refused = gpu_accept.judge_upgrade(_upgrade(tmp_path / "new", new_passed=False), 0, "")

@@ -11,11 +11,13 @@ def test_the_canary_command_the_row_builds_parses_to_the_urls_it_named() -> None
     # The row runs this as a subprocess: the top-level parser reads the subcommand's `--…` arguments too, and with
     # abbreviations on it refused a `--new` that is a prefix of its --new-site and --new-release (no canary ran).
     urls = {"old_url": "http://a:1", "new_url": "http://b:2"}
-    argv = upgrade_row.canary_args(config="/w/trainer.json", image="broken", device="cpu", **urls)
+    images = {"image": "vLLM 0.26.0, --no-norm", "old_image": "vLLM 0.22.1"}
+    argv = upgrade_row.canary_args(config="/w/trainer.json", device="cpu", **images, **urls)
     args = upgrade_row.parse(argv)
-    assert (args.command, args.config, args.old_url, args.new_url, args.new_image, args.device) == (
-        "canary", "/w/trainer.json", "http://a:1", "http://b:2", "broken", "cpu",
+    assert (args.command, args.config, args.old_url, args.new_url, args.device) == (
+        "canary", "/w/trainer.json", "http://a:1", "http://b:2", "cpu",
     )  # fmt: skip
+    assert (args.new_image, args.old_image) == ("vLLM 0.26.0, --no-norm", "vLLM 0.22.1")
 
 
 def test_the_row_itself_takes_its_sites_and_release() -> None:
