@@ -24,11 +24,13 @@ case "$release" in
   0.33.0)
     # torch 2.14.0 (the image has 2.11.0) with the CUDA libraries whose pins moved (cuda-toolkit 13.0.3 against the
     # image's 13.0.2 is taken as compatible: not verified), FlashInfer, which 0.33 requires, and the moved pins.
+    # scripts/rehearse-release.sh found what the metadata alone missed: huggingface_hub 2 imports httpx2 (not in
+    # 0.22.1's set), and the server imports orjson.
     pkgs=(torch==2.14.0 "triton~=3.8.0" nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7
       nvidia-cusparselt-cu13==0.8.1 flashinfer-python==0.7.2.post1 tilelang==0.1.12 apache-tvm-ffi==0.1.11
       compressed-tensors==0.17.0 nvtx==0.2.15 "fastapi>=0.133.0,<0.137.0" "starlette>=1.0.1"
-      "prometheus-fastapi-instrumentator>=8.0.0" "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0"
-      "tokenizers>=0.23.2") ;;
+      "prometheus-fastapi-instrumentator>=8.0.0" "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0,<2"
+      "tokenizers>=0.23.2" "orjson>=3.11.6") ;;
   *) echo "gpu-wheels-release.sh: no package list for $release (add one from its wheel's Requires-Dist)" >&2; exit 2 ;;
 esac
 mkdir -p "$dir/all"
