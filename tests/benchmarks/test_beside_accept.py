@@ -4,40 +4,37 @@ included) have ended. The GPU machine runs the same script with the real program
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.stand_ins import env_with_stand_ins
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "peers" / "beside-accept.sh"
 
 
 def _fakes(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     calls = tmp_path / "calls"
     # Each "python3" records its GPUs and arguments when it ends; `prepare` takes longest, as the real one does.
-    (bin_dir / "python3").write_text(
+    python3 = (
         '#!/bin/bash\ncase "$*" in *"--parts prepare"*) sleep 1 ;; *) sleep 0.2 ;; esac\n'
         f'echo "$CUDA_VISIBLE_DEVICES|$*" >> {calls}\n'
     )
-    (bin_dir / "taskset").write_text('#!/bin/bash\nshift 2\nexec "$@"\n')  # bash keeps the exported functions
+    taskset = '#!/bin/bash\nshift 2\nexec "$@"\n'  # bash keeps the exported functions
     setup = tmp_path / "verl-setup.sh"
     setup.write_text("#!/bin/bash\nexit 0\n")
-    for tool in (bin_dir / "python3", bin_dir / "taskset", setup):
-        tool.chmod(0o755)
-    env = dict(os.environ)
-    env.update(
-        PATH=f"{bin_dir}:{env['PATH']}",
+    setup.chmod(0o755)
+    return env_with_stand_ins(
+        tmp_path,
+        {"python3": python3, "taskset": taskset},
         BESIDE_ROOT=str(tmp_path / "root"),
         BESIDE_TMP=str(tmp_path / "tmp"),
         VERL_SETUP=str(setup),
         R3_SITE=str(tmp_path / "site"),
     )
-    return env
 
 
 def _run(env: dict[str, str], *args: str) -> str:

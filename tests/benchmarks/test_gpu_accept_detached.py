@@ -5,11 +5,12 @@ acceptance run."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tarfile
 import time
 from pathlib import Path
+
+from tests.benchmarks.stand_ins import env_with_stand_ins
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-accept-detached.sh"
@@ -28,21 +29,15 @@ exit 1
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text(FAKE_ACCEPT)
-    fake.chmod(0o755)
-    env = dict(os.environ)
-    env.update(
-        PATH=f"{bin_dir}:{env['PATH']}",
+    (tmp_path / "root").mkdir()
+    return env_with_stand_ins(
+        tmp_path,
+        {"python3": FAKE_ACCEPT},
         ACCEPT_DETACHED_ROOT=str(tmp_path / "root"),
         ACCEPT_WORK=str(tmp_path / "work"),
         R3_SITE=str(tmp_path / "site"),
         RELEASE=str(tmp_path / "release"),
     )
-    (tmp_path / "root").mkdir()
-    return env
 
 
 def _script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -5,11 +5,12 @@ benchmark."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tarfile
 import time
 from pathlib import Path
+
+from tests.benchmarks.stand_ins import env_with_stand_ins
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-learning.sh"
@@ -30,15 +31,10 @@ for i in $(seq 1 600); do echo "$i" >> "$out/runs/learning-disabled/metrics.csv"
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text(FAKE_LEARNING)
-    fake.chmod(0o755)
-    env = dict(os.environ)
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", LEARNING_ROOT=str(tmp_path / "root"), R3_SITE=str(tmp_path / "site"))
     (tmp_path / "root").mkdir()
-    return env
+    return env_with_stand_ins(
+        tmp_path, {"python3": FAKE_LEARNING}, LEARNING_ROOT=str(tmp_path / "root"), R3_SITE=str(tmp_path / "site")
+    )
 
 
 def _script(env: dict[str, str], *args: str) -> str:
