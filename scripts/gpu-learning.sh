@@ -3,7 +3,8 @@
 # run takes ~25, so it runs detached (setsid) from a copy of the tree (each call re-sends the working tree) and later
 # calls read its progress, then stop it and bring the figures back. After scripts/gpu-setup.sh:
 #   bash scripts/gpu-learning.sh start [flags of benchmarks.learning]   # returns at once
-#   bash scripts/gpu-learning.sh status                                 # steps and eval rewards per mode, stops
+#   bash scripts/gpu-learning.sh status [OUT]                           # steps and eval rewards per mode; OUT: the
+#                                                                       # figures so far, OUT/learning.tgz
 #   bash scripts/gpu-learning.sh collect OUT                            # stop it, summarise, OUT/learning.tgz
 # `collect` writes the summary of whatever steps are done (benchmarks.learning --parts summary, with the start's
 # flags), so a run the device budget cuts short still comes back whole. LEARNING_ROOT moves its folders (tests).
@@ -16,6 +17,13 @@ log=$root/learn.log
 
 learning() {  # ARGS...: benchmarks.learning in the copy, in the GPU commands' environment
   (cd "$copy" && PYTHONUNBUFFERED=1 bash scripts/gpu-env.sh python3 -m benchmarks.learning --out "$out" "$@")
+}
+
+pack() {  # DEST: the figures so far (CSVs, logs, plots, JSONs), not checkpoints or models, into DEST/learning.tgz
+  mkdir -p "$1"
+  (cd "$out" && find . \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name '*.yaml' -o -name '*.log' \
+    -o -name 'report.md' \) -size -20M -not -path '*/checkpoints/*' -not -path '*/model/*' \
+    | tar -czf "$1/learning.tgz" -T -)
 }
 
 stop() {  # the detached run's process group, then any run it started that left it (Ray workers stay with theirs)
@@ -51,6 +59,7 @@ case "${1:-}" in
       echo "$(basename "$run"): $steps steps; held-out $evals"
     done
     grep -E "^== " "$log" 2>/dev/null | tail -n 8
+    if [ -n "${2:-}" ] && [ -d "$out" ]; then pack "$2"; fi  # a machine taken back later still leaves these
     if [ -f "$root/learn.rc" ]; then echo "finished: exit $(cat "$root/learn.rc")"; else echo "running"; fi
     ;;
   collect)
@@ -58,15 +67,12 @@ case "${1:-}" in
     stop
     mapfile -t args < "$root/learn.args"
     learning "${args[@]}" --parts summary > "$root/summary.log" 2>&1 || tail -n 20 "$root/summary.log"
-    mkdir -p "$dest"
-    (cd "$out" && find . \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name '*.yaml' -o -name '*.log' \
-      -o -name 'report.md' \) -size -20M -not -path '*/checkpoints/*' -not -path '*/model/*' \
-      | tar -czf "$dest/learning.tgz" -T -)
+    pack "$dest"
     cp "$out"/learning-*.json "$dest/" 2>/dev/null
     ls -l "$dest"
     ;;
   *)
-    echo "usage: bash scripts/gpu-learning.sh start [flags] | status | collect OUT" >&2
+    echo "usage: bash scripts/gpu-learning.sh start [flags] | status [OUT] | collect OUT" >&2
     exit 2
     ;;
 esac

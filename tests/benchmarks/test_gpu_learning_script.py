@@ -53,9 +53,11 @@ def test_start_status_collect(tmp_path: Path) -> None:
     while not metrics.is_file() or len(metrics.read_text().splitlines()) < 3:
         assert time.monotonic() < deadline, "the detached run wrote no step"
         time.sleep(0.2)
-    status = _script(env, "status")
+    status = _script(env, "status", str(tmp_path / "so-far"))
     assert "learning-disabled: " in status and "held-out 0=0.25" in status and status.rstrip().endswith("running")
     assert "== Disabled: python3 -m r3operator run" in status
+    with tarfile.open(tmp_path / "so-far" / "learning.tgz") as tar:  # the figures so far, the run going on
+        assert "./runs/learning-disabled/metrics.csv" in tar.getnames()
 
     dest = tmp_path / "out"
     _script(env, "collect", str(dest))
