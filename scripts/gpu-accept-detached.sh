@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu-accept.sh detached from the device call, so that rows run past one call's 10 minutes and beside the
-# learning run (scripts/gpu-learning.sh): it runs from a copy of the tree (each call re-sends the working tree),
+# learning run (scripts/gpu-learning.sh): from a copy of the tree, in a session of its own (scripts/detached.sh),
 # and every `wait` packs what it has so far, so a machine taken back mid-run still leaves the last call's files.
 #
 #   bash scripts/gpu-accept-detached.sh start [gpu-accept.sh args, e.g. --rows upgrade_vllm,main_job --beside …]
@@ -10,6 +10,7 @@
 # ACCEPT_DETACHED_ROOT moves its folders (tests); ACCEPT_BUDGET_S passes through (default here 1500).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/detached.sh
 root=${ACCEPT_DETACHED_ROOT:-/root}
 copy=$root/accept-repo
 out=$root/accept
@@ -28,14 +29,11 @@ case "${1:-}" in
     shift
     [ -f "$root/accept.pid" ] && kill -0 "$(cat "$root/accept.pid")" 2>/dev/null && {
       echo "an acceptance run is already going (pid $(cat "$root/accept.pid"))" >&2; exit 2; }
-    rm -rf "$copy" "$out" "$log" "$root/accept.rc" && mkdir -p "$copy"
-    tar --exclude='./.whl*' --exclude=./.venv --exclude=./.venv-torch-compat --exclude=./.tools -cf - . \
-      | tar -xf - -C "$copy"
-    export ACCEPT_BUDGET_S=${ACCEPT_BUDGET_S:-1500} out log rc=$root/accept.rc
+    rm -rf "$out" "$log" "$root/accept.rc"
+    copy_tree "$copy"
+    export ACCEPT_BUDGET_S=${ACCEPT_BUDGET_S:-1500}
     cd "$copy" || exit 1
-    setsid bash -c 'bash scripts/gpu-accept.sh "$out" "$@" > "$log" 2>&1; echo $? > "$rc"' _ "$@" \
-      < /dev/null > /dev/null 2>&1 &
-    echo $! > "$root/accept.pid"
+    run_detached "$log" "$root/accept.rc" "$root/accept.pid" bash scripts/gpu-accept.sh "$out" "$@"
     echo "acceptance run started (pid $(cat "$root/accept.pid")): bash scripts/gpu-accept-detached.sh wait SECONDS OUT"
     ;;
   wait)

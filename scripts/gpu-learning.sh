@@ -10,6 +10,7 @@
 # flags), so a run the device budget cuts short still comes back whole. LEARNING_ROOT moves its folders (tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/detached.sh
 root=${LEARNING_ROOT:-/root}
 out=$root/learn
 copy=$root/learn-repo
@@ -39,16 +40,13 @@ stop() {  # the detached run's process group, then any run it started that left 
 case "${1:-}" in
   start)
     shift
-    rm -rf "$copy" "$out" "$root/learn.rc" && mkdir -p "$copy"
-    tar --exclude=./.whl --exclude=./.whl-verl --exclude=./.venv --exclude=./.venv-torch-compat --exclude=./.tools \
-      -cf - . | tar -xf - -C "$copy"
+    rm -rf "$out" "$root/learn.rc"
+    copy_tree "$copy"
     printf '%s\n' "$@" > "$root/learn.args"
     export -f learning
     export out copy
-    setsid bash -c 'learning "$@" > "$0" 2>&1; echo $? > "$(dirname "$0")/learn.rc"' "$log" "$@" \
-      < /dev/null > /dev/null 2>&1 &
-    echo $! > "$root/learn.pid"
-    echo "learning run started (pid $!): bash scripts/gpu-learning.sh status"
+    run_detached "$log" "$root/learn.rc" "$root/learn.pid" learning "$@"
+    echo "learning run started (pid $(cat "$root/learn.pid")): bash scripts/gpu-learning.sh status"
     ;;
   status)
     for run in "$out"/runs/learning-*/; do

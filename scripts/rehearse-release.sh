@@ -26,8 +26,9 @@ trap 'rm -rf /tmp/site "/tmp/site-$release" /root/stash "/root/stash-$release" /
   "/root/joined-$release" /root/vllm-0.22.1-*.whl /root/ray-*.whl' EXIT
 mkdir -p "$root"
 if [ ! -x "$root/venv/bin/python3" ]; then
-  py312=$(command -v python3.12 >/dev/null && python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null ||
-    ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+  # pyenv's own 3.12 first: its `python3.12` shim fails where 3.12 is installed but not selected
+  py312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+  [ -n "$py312" ] || py312=$(command -v python3.12 || true)
   [ -n "$py312" ] || { echo "needs a Python 3.12 (the GPU image's) for the stand-in" >&2; exit 2; }
   "$py312" -m venv "$root/venv"
   "$root/venv/bin/python3" -m pip install -q torch==2.11.0 transformers==5.17.0
