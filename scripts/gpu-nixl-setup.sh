@@ -8,7 +8,14 @@ stash=/root/nixl-stash
 mkdir -p "$stash"
 cp .whl/nixl-0*/* "$stash"/ 2>/dev/null || true
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+drop_nixl_ep() {
+  # nixl-cu13 also ships NIXL-EP (the MoE all-to-all), built for other torch releases than the image's 2.11
+  # (no nixl_ep_cpp_torch211): vLLM's fused-MoE layer imports nixl_ep whenever it is found, so every MoE engine in
+  # /tmp/site would fail to load. The KV connector needs only `nixl`.
+  rm -rf /tmp/site/nixl_ep /tmp/site/nixl_ep_cu13 /tmp/site/nixl_ep-*.dist-info
+}
 if python3 -c "import nixl_cu13, nixl" 2>/dev/null; then
+  drop_nixl_ep
   echo "nixl: installed"
   exit 0
 fi
@@ -21,4 +28,5 @@ mkdir -p "$wheels"
 cat "$stash"/nixl_cu13.whl.part.* > "$wheels/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl"
 cp "$stash/nixl.whl.part.00" "$wheels/nixl-1.5.1-py3-none-any.whl"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl
+drop_nixl_ep
 python3 -c "import nixl, nixl_cu13; print('nixl: installed', nixl.__file__)"

@@ -25,8 +25,9 @@ case "$release" in
     # torch 2.14.0 (the image has 2.11.0) with the CUDA libraries whose pins moved (cuda-toolkit 13.0.3 against the
     # image's 13.0.2 is taken as compatible: not verified), FlashInfer, which 0.33 requires, and the moved pins.
     # scripts/rehearse-release.sh found what the metadata alone missed: huggingface_hub 2 imports httpx2 (not in
-    # 0.22.1's set), and the server imports orjson.
-    pkgs=(torch==2.14.0 "triton~=3.8.0" nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7
+    # 0.22.1's set), and the server imports orjson. The H100 found torchvision: the image's 0.26.0 is built for
+    # torch 2.11, fails to import under 2.14 ("operator torchvision::nms does not exist"), and the server imports it.
+    pkgs=(torch==2.14.0 torchvision==0.29.2 "triton~=3.8.0" nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7
       nvidia-cusparselt-cu13==0.8.1 flashinfer-python==0.7.2.post1 tilelang==0.1.12 apache-tvm-ffi==0.1.11
       compressed-tensors==0.17.0 nvtx==0.2.15 "fastapi>=0.133.0,<0.137.0" "starlette>=1.0.1"
       "prometheus-fastapi-instrumentator>=8.0.0" "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0,<2"

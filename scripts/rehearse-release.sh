@@ -6,8 +6,8 @@
 #
 #   bash scripts/rehearse-release.sh 0.33.0      # after scripts/gpu-wheels.sh and gpu-wheels-release.sh 0.33.0
 #
-# The stand-in (a Python 3.12 venv): the image's torch 2.11.0 and transformers 5.17.0 from PyPI, with what they
-# need. Step 1 installs 0.22.1's set with .whl/gpu-setup.sh and imports its server: that baseline passes on the
+# The stand-in (a Python 3.12 venv): the image's torch 2.11.0, torchvision 0.26.0 and transformers 5.17.0 from
+# PyPI, with what they need. Step 1 installs 0.22.1's set with .whl/gpu-setup.sh and imports its server: that baseline passes on the
 # GPU, so a failure there is the stand-in's, and the script stops before judging the release. Step 2 installs the
 # release with scripts/gpu-setup-release.sh; its last line is the verdict. The setup scripts write /root/stash*,
 # /root/joined-*, /tmp/site and /tmp/site-RELEASE as on the machine: run this where those are free (not on the
@@ -31,7 +31,8 @@ if [ ! -x "$root/venv/bin/python3" ]; then
   [ -n "$py312" ] || py312=$(command -v python3.12 || true)
   [ -n "$py312" ] || { echo "needs a Python 3.12 (the GPU image's) for the stand-in" >&2; exit 2; }
   "$py312" -m venv "$root/venv"
-  "$root/venv/bin/python3" -m pip install -q torch==2.11.0 transformers==5.17.0
+  # torchvision as the image has it: a release that brings its own torch must bring a torchvision built for it.
+  "$root/venv/bin/python3" -m pip install -q torch==2.11.0 torchvision==0.26.0 transformers==5.17.0
   # What the image has beyond them that 0.22.1's server imports: found by the baseline below, which passes on the GPU.
   "$root/venv/bin/python3" -m pip install -q --no-deps uvloop psutil aiohttp multidict attrs yarl propcache \
     aiohappyeyeballs aiosignal frozenlist cloudpickle py-cpuinfo tiktoken

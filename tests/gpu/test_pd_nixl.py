@@ -55,4 +55,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
 @needs_cuda
 def test_prefill_decode_over_nixl_equals_one_engine(servers: dict[str, str], tmp_path: Path) -> None:
-    check_pd_against_one_engine(servers, tmp_path, block=None, logprob_atol=1e-4)
+    # NixlConnector moves the whole prompt's KV and the decode engine recomputes the last prompt token alone, a
+    # decode-shaped attention where the single engine prefills it with the rest: fp32 sums in another order, which
+    # the next tokens attend to. On an H100 that moved one logprob of 36 by 1.1e-4 (2026-12-07); tokens and routes
+    # must still be equal.
+    check_pd_against_one_engine(servers, tmp_path, block=None, logprob_atol=1e-3)
