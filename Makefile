@@ -13,6 +13,7 @@ COMPAT_TORCH ?= 2.11.0
 COMPAT_VENV ?= .venv-torch-compat
 COMPAT_STAMP := $(COMPAT_VENV)/.torch-$(COMPAT_TORCH)
 COMPAT_LOG := $(COMPAT_VENV)/last-test.log
+LINT_LOG := $(VENV)/last-lint.log
 # Chosen for the torch APIs they reach (DCP checkpoints and their staging, FSDP2/DTensor, Megatron's
 # checkpoint, the replay hooks, the weight packing, the canary forward) at a few minutes on 2 cores.
 TORCH_COMPAT_TESTS ?= tests/trainer/test_checkpoint_staging.py tests/trainer/test_megatron_checkpoint.py \
@@ -77,21 +78,22 @@ run-dataset: venv
 run-async: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-async.yaml
 
-# The installs run side by side (pip waits on the network while Go builds the control plane), and the
-# torch-compat tests run beside the main suite, whose cluster tests mostly wait on controllers; their
-# output follows the main suite's, and either failing fails the target.
+# The installs run side by side (pip waits on the network while Go builds the control plane), and mypy and
+# vulture (a minute of one core from a clean clone) and the torch-compat tests run beside the main suite,
+# whose cluster tests mostly wait on controllers; their output follows the main suite's, each under its own
+# heading, and any of them failing fails the target. ruff (a second) still runs first.
 test:
 	$(MAKE) --no-print-directory -j4 venv compat-venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks scripts
 	$(VENV)/bin/ruff format --check r3operator tests benchmarks scripts
-	$(VENV)/bin/mypy
-	$(VENV)/bin/vulture
-	@rm -f $(COMPAT_LOG); \
+	@rm -f $(COMPAT_LOG) $(LINT_LOG); \
+	{ $(VENV)/bin/mypy; mypy_rc=$$?; $(VENV)/bin/vulture && exit $$mypy_rc; } > $(LINT_LOG) 2>&1 & lint=$$!; \
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TORCH_COMPAT_TESTS) > $(COMPAT_LOG) 2>&1 & compat=$$!; \
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); main=$$?; \
-	wait $$compat; compat_rc=$$?; \
+	wait $$lint; lint_rc=$$?; wait $$compat; compat_rc=$$?; \
+	echo "== mypy, vulture (exit $$lint_rc) =="; cat $(LINT_LOG); \
 	echo "== torch $(COMPAT_TORCH) (tests/ on the GPU image's torch: $(COMPAT_VENV)) =="; cat $(COMPAT_LOG); \
-	[ $$main -eq 0 ] && [ $$compat_rc -eq 0 ]
+	[ $$main -eq 0 ] && [ $$lint_rc -eq 0 ] && [ $$compat_rc -eq 0 ]
 
 # The trainer and runtime tests that need no vLLM, on the GPU image's torch (also the last step of `make test`).
 test-torch-compat: compat-venv
