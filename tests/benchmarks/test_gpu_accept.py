@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import json
 import re
+import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -629,6 +630,21 @@ def test_the_pd_row_passes_only_when_disaggregation_is_no_worse_than_one_engine(
     assert not judged("canary", pd_gap=0.004, canary="0").passed
     skipped = judged("skipped", pd_gap=0.004, log="1 skipped in 1.0s")  # NIXL missing: the routes test skipped
     assert not skipped.passed and "test_pd_nixl.py" in skipped.figure
+
+
+def test_a_rows_independent_parts_all_run_and_any_failure_fails_the_row(tmp_path: Path) -> None:
+    def run(*parts: str) -> int:
+        return subprocess.run(["bash", "-c", gpu_accept.every_part(*parts)], cwd=tmp_path, check=False).returncode
+
+    assert run("false", "touch second", "touch third && false") == 1
+    assert (tmp_path / "second").exists() and (tmp_path / "third").exists()
+    assert run("true", "echo a | grep -q a") == 0
+    assert run("true", "exit 3", "touch after_exit") == 1 and (tmp_path / "after_exit").exists()
+
+    ctx = Context(gpus=1, work=tmp_path / "pd")
+    command = gpu_accept.pd_command(ctx)
+    assert command.startswith("bash scripts/gpu-nixl-setup.sh && {")  # without NIXL no part can run
+    assert command.count("|| rc=1") == 3 and "tests/gpu/test_pd_nixl.py" in command
 
 
 def test_the_route_checks_row_judges_the_benchmarks_own_json(tmp_path: Path) -> None:
