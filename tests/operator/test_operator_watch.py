@@ -49,9 +49,14 @@ def _operator_requests(cluster: Cluster, since: int) -> list[Any]:
     """The operator's requests after ``since`` (audit log), its long-running watches left out, and so are the
     lists of the kinds this cluster does not serve (LeaderWorkerSet, PodMonitor, Kueue Workload: answered 404,
     tried again every 30 s whatever the number of RLJobs, so that an installed CRD is picked up)."""
+    return _by_operator(cluster.requests()[since:])
+
+
+def _by_operator(records: list[Any]) -> list[Any]:
+    """``_operator_requests`` of these records."""
     return [
         r
-        for r in cluster.requests()[since:]
+        for r in records
         if r.user_agent.startswith(("r3operator/", "kopf/"))
         and r.verb != "watch"
         and "/leases/" not in r.path
@@ -66,29 +71,45 @@ class Window:
 
 
 def _quiet_window(
-    cluster: Cluster, seconds: float, *, lead: float = 5.0, require_silent_operator: bool = False
-) -> Window | None:
-    """Watch the audit log for ``lead`` + ``seconds``: the last ``seconds`` as a window, if nobody but the
-    operator wrote in ``NS`` during all of it (else None: something changed, so the operator's requests may
-    be its reaction, not a poll; the lead covers a reaction to a write made just before the window).
-    ``require_silent_operator``: also None while the operator is still finishing a reaction."""
-    start = len(cluster.requests())
-    time.sleep(lead)
-    mark = len(cluster.requests())
-    time.sleep(seconds)
-    others = [
-        r
-        for r in cluster.requests()[start:]
-        if r.verb in WRITE_VERBS
-        and f"/namespaces/{NS}/" in r.path
-        and not r.user_agent.startswith(("r3operator/", "kopf/"))
-    ]
-    if others:
-        return None
-    window = Window(operator=_operator_requests(cluster, mark))
-    if require_silent_operator and window.operator:
-        return None
-    return window
+    cluster: Cluster,
+    seconds: float,
+    *,
+    timeout: float,
+    what: str,
+    lead: float = 5.0,
+    require_silent_operator: bool = False,
+) -> Window:
+    """The first window of ``seconds``, after a ``lead``, in which nobody but the operator wrote in ``NS`` (a
+    write by anyone else means something changed, so the operator's requests may be its reaction, not a poll;
+    the lead covers a reaction to a write made just before the window). The audit log is read every second: a
+    write by anyone else starts the lead again from that reading, rather than after a whole window. The window
+    runs from the first reading at least ``lead`` after the start to the first at least ``seconds`` after that.
+    ``require_silent_operator``: the operator's requests in the window (it is still finishing a reaction) also
+    start the lead again. Fails after ``timeout`` seconds without such a window."""
+    deadline = time.monotonic() + timeout
+    started, start = time.monotonic(), len(cluster.requests())
+    mark: tuple[float, int] | None = None
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now, records = time.monotonic(), cluster.requests()
+        others = [
+            r
+            for r in records[start:]
+            if r.verb in WRITE_VERBS
+            and f"/namespaces/{NS}/" in r.path
+            and not r.user_agent.startswith(("r3operator/", "kopf/"))
+        ]
+        window = Window(operator=_by_operator(records[mark[1] :])) if mark is not None else None
+        if others or (require_silent_operator and window is not None and window.operator):
+            started, start, mark = now, len(records), None
+            continue
+        if mark is None:
+            if now - started >= lead:
+                mark = (now, len(records))
+        elif now - mark[0] >= seconds:
+            assert window is not None
+            return window
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _uid(obj: dict[str, Any] | None) -> str:
@@ -107,7 +128,7 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
     # At rest: in a window in which nobody else wrote anything in the namespace (kwok and the controllers
     # settle the children for a while after the create, and each change they make is a watch event the
     # operator rightly reacts to), the operator sends nothing but its open watches.
-    at_rest = wait_for(lambda: _quiet_window(cluster, 10.0), timeout=180, what="a window nobody else wrote in")
+    at_rest = _quiet_window(cluster, 10.0, timeout=180, what="a window nobody else wrote in")
     assert at_rest.operator == [], at_rest.operator
 
     # A child deleted by hand comes back, a hand edit of a field the operator sets is taken back.
@@ -118,10 +139,8 @@ def test_child_changes_reach_the_rljob_within_seconds_and_nothing_is_read_at_res
         what="the ConfigMap re-created",
     )
     assert healed["data"] == kids["cm"]["data"]
-    wait_for(
-        lambda: _quiet_window(cluster, 5.0, require_silent_operator=True),
-        timeout=60,
-        what="the operator at rest after the re-create",
+    _quiet_window(
+        cluster, 5.0, require_silent_operator=True, timeout=60, what="the operator at rest after the re-create"
     )
     mark = len(cluster.requests())
     patch = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "example.com/edited:1"}]}}}}
