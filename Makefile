@@ -79,16 +79,18 @@ run-async: venv
 	$(VENV)/bin/r3operator run examples/rljob-local-async.yaml
 
 # The installs run side by side (pip waits on the network while Go builds the control plane), and mypy and
-# vulture (a minute of one core from a clean clone) and the torch-compat tests run beside the main suite,
-# whose cluster tests mostly wait on controllers; their output follows the main suite's, each under its own
-# heading, and any of them failing fails the target. ruff (a second) still runs first.
+# vulture (a minute of one core from a clean clone) and the torch-compat environment's install (torch 2.11,
+# after .venv) and tests run beside the main suite, whose cluster tests mostly wait on controllers; their
+# output follows the main suite's, each under its own heading, and any of them failing fails the target.
+# ruff (a second) still runs first.
 test:
-	$(MAKE) --no-print-directory -j4 venv compat-venv tools cluster
+	$(MAKE) --no-print-directory -j4 venv tools cluster
 	$(VENV)/bin/ruff check r3operator tests benchmarks scripts
 	$(VENV)/bin/ruff format --check r3operator tests benchmarks scripts
-	@rm -f $(COMPAT_LOG) $(LINT_LOG); \
+	@mkdir -p $(COMPAT_VENV); rm -f $(COMPAT_LOG) $(LINT_LOG); \
 	{ $(VENV)/bin/mypy; mypy_rc=$$?; $(VENV)/bin/vulture && exit $$mypy_rc; } > $(LINT_LOG) 2>&1 & lint=$$!; \
-	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TORCH_COMPAT_TESTS) > $(COMPAT_LOG) 2>&1 & compat=$$!; \
+	{ $(MAKE) --no-print-directory compat-venv && \
+	  $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TORCH_COMPAT_TESTS); } > $(COMPAT_LOG) 2>&1 & compat=$$!; \
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); main=$$?; \
 	wait $$lint; lint_rc=$$?; wait $$compat; compat_rc=$$?; \
 	echo "== mypy, vulture (exit $$lint_rc) =="; cat $(LINT_LOG); \
