@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,22 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 1200
 
 
-def _free_port() -> int:
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_offsets() -> tuple[int, int]:
+    """Offsets for the two jobs run side by side: the disaggregated one's engines listen on 8000 + its offset and
+    the next port, the other's engine on 8002 + the same offset, and each driver's metrics on 9400 + its own."""
+    for offset in range(20000, 50000, 89):
+        if all(_free(port + offset) for port in (8000, 8001, 8002, 9400, 9402)):
+            return offset, offset + 2
+    raise AssertionError("no free ports")
 
 
 def _job(tmp_path: Path, *, disaggregated: bool) -> Path:
@@ -47,20 +60,26 @@ def _job(tmp_path: Path, *, disaggregated: bool) -> Path:
     return path
 
 
-def _run(tmp_path: Path, *, disaggregated: bool) -> tuple[dict[str, str], dict[str, Any]]:
-    tmp_path.mkdir()
-    job = _job(tmp_path, disaggregated=disaggregated)
-    with up_process(tmp_path, job, steps=1, port_offset=_free_port() - 8000) as up:
-        up.wait(timeout=RUN_TIMEOUT_S)
-        assert up.returncode == 0, up_output(tmp_path)[-3000:]
+def _results(tmp_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     [row] = metrics_rows(tmp_path)
     return row, json.loads((run_dir(tmp_path) / "up.json").read_text())
 
 
 def test_a_disaggregated_job_trains_as_one_engine_does(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    pd, manifest = _run(tmp_path / "pd", disaggregated=True)
-    one, _ = _run(tmp_path / "one", disaggregated=False)
+    # The two jobs run side by side (own run directories and ports): most of each is engine and trainer start-up.
+    offsets = dict(zip(("pd", "one"), _port_offsets(), strict=True))
+    with ExitStack() as stack:
+        ups = {}
+        for name, disaggregated in (("pd", True), ("one", False)):
+            (tmp_path / name).mkdir()
+            job = _job(tmp_path / name, disaggregated=disaggregated)
+            ups[name] = stack.enter_context(up_process(tmp_path / name, job, steps=1, port_offset=offsets[name]))
+        for name, up in ups.items():
+            up.wait(timeout=RUN_TIMEOUT_S)
+            assert up.returncode == 0, up_output(tmp_path / name)[-3000:]
+    pd, manifest = _results(tmp_path / "pd")
+    one, _ = _results(tmp_path / "one")
 
     # The rendered topology ran: a prefill and a decode engine, each with its connector role, and the trainer.
     processes = {p["name"]: p for p in manifest["processes"]}
