@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from up_process import REPO, metrics_rows, run_dir, small_local_job, up_output, up_process
+from up_process import REPO, free_port_offset, metrics_rows, run_dir, small_local_job, up_output, up_process
 
 pytestmark = pytest.mark.slow
 
@@ -26,23 +25,6 @@ CPU_DP = REPO / "tests" / "vllm_cpu_dp"
 RUN_TIMEOUT_S = 1800
 HTTP_PORT, DP_RPC_PORT = 8000, 13345
 SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', re.MULTILINE)
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _port_offset() -> int:
-    """An offset that frees both the leader's HTTP port and the group's DP RPC port."""
-    for offset in range(20000, 50000, 97):
-        if _free(HTTP_PORT + offset) and _free(DP_RPC_PORT + offset):
-            return offset
-    raise AssertionError("no free port pair")
 
 
 def _served_by_engine(url: str) -> dict[str, float]:
@@ -68,7 +50,7 @@ def _cmdline(pid: int) -> list[str] | None:
 def test_a_two_pod_engine_replica_serves_r3_training_from_both_dp_ranks(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     job, _ = small_local_job(tmp_path, dataParallelSize=2, dataParallelSizeLocal=1)
-    offset = _port_offset()
+    offset = free_port_offset(HTTP_PORT, DP_RPC_PORT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CPU_DP), os.environ.get("PYTHONPATH")]))}
     manifest = run_dir(tmp_path) / "up.json"
     served: dict[str, float] = {}

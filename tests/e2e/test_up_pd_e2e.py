@@ -10,35 +10,16 @@ their KV crosses the connector in whole blocks, which the decode engine's log sh
 from __future__ import annotations
 
 import json
-import socket
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from up_process import LOCAL, metrics_rows, run_dir, up_output, up_process
+from up_process import LOCAL, free_port_offset, metrics_rows, run_dir, up_output, up_process
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 1200
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _port_offsets() -> tuple[int, int]:
-    """Offsets for the two jobs run side by side: the disaggregated one's engines listen on 8000 + its offset and
-    the next port, the other's engine on 8002 + the same offset, and each driver's metrics on 9400 + its own."""
-    for offset in range(20000, 50000, 89):
-        if all(_free(port + offset) for port in (8000, 8001, 8002, 9400, 9402)):
-            return offset, offset + 2
-    raise AssertionError("no free ports")
 
 
 def _job(tmp_path: Path, *, disaggregated: bool) -> Path:
@@ -68,7 +49,10 @@ def _results(tmp_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
 def test_a_disaggregated_job_trains_as_one_engine_does(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     # The two jobs run side by side (own run directories and ports): most of each is engine and trainer start-up.
-    offsets = dict(zip(("pd", "one"), _port_offsets(), strict=True))
+    # The disaggregated job's engines listen on 8000 and 8001 + its offset, the other's on 8002 + the same offset,
+    # and each driver's metrics on 9400 + its own.
+    offset = free_port_offset(8000, 8001, 8002, 9400, 9402)
+    offsets = {"pd": offset, "one": offset + 2}
     with ExitStack() as stack:
         ups = {}
         for name, disaggregated in (("pd", True), ("one", False)):

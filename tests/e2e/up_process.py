@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,24 @@ def small_local_job(tmp_path: Path, **inference: Any) -> tuple[Path, dict[str, A
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path, doc
+
+
+def free_port_offset(*ports: int) -> int:
+    """An offset at which every one of ``ports`` is free on this host: a run started with ``port_offset`` listens
+    on its ports plus the offset."""
+    for offset in range(20000, 50000, 97):
+        if all(_free(port + offset) for port in ports):
+            return offset
+    raise AssertionError(f"no offset frees all of ports {ports}")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def run_dir(tmp_path: Path) -> Path:
