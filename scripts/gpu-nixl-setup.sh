@@ -12,7 +12,7 @@ drop_nixl_ep() {
   # nixl-cu13 also ships NIXL-EP (the MoE all-to-all), built for other torch releases than the image's 2.11
   # (no nixl_ep_cpp_torch211): vLLM's fused-MoE layer imports nixl_ep whenever it is found, so every MoE engine in
   # /tmp/site would fail to load. The KV connector needs only `nixl`.
-  rm -rf /tmp/site/nixl_ep /tmp/site/nixl_ep_cu13 /tmp/site/nixl_ep-*.dist-info
+  rm -rf /tmp/site/nixl_ep /tmp/site/nixl_ep_cu13
 }
 if python3 -c "import nixl_cu13, nixl" 2>/dev/null; then
   drop_nixl_ep

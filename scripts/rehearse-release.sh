@@ -7,11 +7,12 @@
 #   bash scripts/rehearse-release.sh 0.33.0      # after scripts/gpu-wheels.sh and gpu-wheels-release.sh 0.33.0
 #
 # The stand-in (a Python 3.12 venv): the image's torch 2.11.0, torchvision 0.26.0 and transformers 5.17.0 from
-# PyPI, with what they need. Step 1 installs 0.22.1's set with .whl/gpu-setup.sh and imports its server: that baseline passes on the
-# GPU, so a failure there is the stand-in's, and the script stops before judging the release. Step 2 installs the
-# release with scripts/gpu-setup-release.sh; its last line is the verdict. The setup scripts write /root/stash*,
-# /root/joined-*, /tmp/site and /tmp/site-RELEASE as on the machine: run this where those are free (not on the
-# GPU machine); they are removed when it ends. REHEARSE_ROOT (default /tmp/rehearse-RELEASE) keeps the venv and logs.
+# PyPI, with what they need. Step 1 installs 0.22.1's set with .whl/gpu-setup.sh and imports its server: that
+# baseline passes on the GPU, so a failure there is the stand-in's, and the script stops before judging the release.
+# Step 2 installs the release with scripts/gpu-setup-release.sh; its last line is the verdict. The setup scripts
+# write /root/stash*, /root/joined-*, /tmp/site and /tmp/site-RELEASE as on the machine: run this where those are
+# free (not on the GPU machine); they are removed when it ends. REHEARSE_ROOT (default /tmp/rehearse-RELEASE) keeps
+# the venv and logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 release=${1:?usage: rehearse-release.sh RELEASE}
