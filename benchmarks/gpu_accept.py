@@ -676,7 +676,7 @@ def upgrade_command(ctx: Context) -> str:
     """benchmarks/upgrade_row.py: 0.22.1 → `UPGRADE_RELEASE` on one GPU (site dir: scripts/gpu-setup-release.sh)."""
     return (
         f"python3 -m benchmarks.upgrade_row --work {shlex.quote(str(ctx.work))} --new-site {shlex.quote(UPGRADE_SITE)} "
-        f"--new-release {shlex.quote(UPGRADE_RELEASE)}"
+        f"--new-release {shlex.quote(UPGRADE_RELEASE)} --site-wait 600"
     )
 
 

@@ -52,6 +52,22 @@ def site_env(base: Mapping[str, str], sites: Sequence[str]) -> dict[str, str]:
     return env
 
 
+SITE_READY = ".ready"  # written by scripts/gpu-setup-release.sh once the release's server imports
+
+
+def wait_for_site(site: str, seconds: float, *, poll_s: float = 1.0) -> None:
+    """Return once `site` (a release's site directory) carries its READY mark; no wait for `seconds` 0 or the
+    release this Python already has (""). TimeoutError, naming the site, if the mark does not come in time."""
+    if not site or seconds <= 0:
+        return
+    mark = Path(site) / SITE_READY
+    deadline = time.monotonic() + seconds
+    while not mark.is_file():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{mark} did not appear within {seconds:g} s: was scripts/gpu-setup-release.sh run?")
+        time.sleep(poll_s)
+
+
 def job_on(release: str, out: Path) -> Path:
     """The job with its engine and trainer images tagged for `release` (what a user edits to upgrade)."""
     text = JOB.read_text().replace(f"vllm{JOB_RELEASE}", f"vllm{release}")
@@ -215,6 +231,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-site", default="/tmp/site-0.26.0")
     parser.add_argument("--old-release", default=JOB_RELEASE)
     parser.add_argument("--new-release", default="0.26.0")
+    parser.add_argument(
+        "--site-wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait, before the canary, for the new site's READY mark (scripts/gpu-setup-release.sh): "
+        "its wheels may still be arriving while steps 1-2 run on the old release",
+    )
     return parser.parse_args(argv)
 
 
@@ -231,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["before"] = {"exit": up(old_job, steps=2, work=work, env=old_env, log=work / "up-old.log", gpus=args.gpus)}
     result["before"] |= run_summary(work)
     try:
+        wait_for_site(args.new_site, args.site_wait)
         plan = up_plan(old_job, work=work, env=old_env, gpus=args.gpus)
         sites = {"old_site": args.old_site, "new_site": args.new_site}
         releases = (args.old_release, args.new_release)

@@ -10,6 +10,7 @@ release=${1:?usage: gpu-setup-release.sh RELEASE [STASH]}
 stash=${2:-/root/stash-$release}
 site=/tmp/site-$release
 mkdir -p "$site/bin" /root/joined-$release
+rm -f "$site/.ready"  # benchmarks/upgrade_row.py --site-wait: the release is there once the import below passed
 for parts in "$stash"/*.whl.part.00; do  # byte-split wheels, joined in their glob order
   [ -e "$parts" ] || continue
   whl=$(basename "${parts%.part.00}")
@@ -34,3 +35,4 @@ chmod +x "$site/bin/vllm"
 PYTHONPATH="$site:/tmp/site" python3 -c "
 import torch, vllm, vllm.entrypoints.openai.api_server  # the server's imports, as vllm serve makes them
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'from', vllm.__file__)"
+touch "$site/.ready"

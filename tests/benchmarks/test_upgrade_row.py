@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+import pytest
 
 from benchmarks import upgrade_row
 
@@ -31,3 +34,19 @@ def test_a_site_left_empty_is_the_release_this_python_has() -> None:
     env = upgrade_row.site_env({"PATH": "/usr/bin"}, ["", "/tmp/site"])
     assert env["PYTHONPATH"].split(":") == ["/tmp/site", str(upgrade_row.REPO)]
     assert env["PATH"] == "/tmp/site/bin:/usr/bin"
+
+
+def test_the_canary_waits_for_the_new_sites_mark_and_names_it_when_it_never_comes(tmp_path: Path) -> None:
+    site = tmp_path / "site-0.33.0"
+    site.mkdir()
+    with pytest.raises(TimeoutError, match=r"site-0\.33\.0/\.ready did not appear"):
+        upgrade_row.wait_for_site(str(site), 0.2, poll_s=0.05)
+    # The mark arriving while the row waits (the wheels still being set up during steps 1-2) ends the wait.
+    marker = threading.Timer(0.2, (site / ".ready").touch)
+    marker.start()
+    upgrade_row.wait_for_site(str(site), 30, poll_s=0.05)
+    marker.join()
+    upgrade_row.wait_for_site("", 30)  # this Python's own release: nothing to wait for
+    # The setup script writes the very mark the row waits for, after its import check.
+    script = (upgrade_row.REPO / "scripts" / "gpu-setup-release.sh").read_text()
+    assert script.rstrip().endswith(f'touch "$site/{upgrade_row.SITE_READY}"')
