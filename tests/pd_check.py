@@ -68,5 +68,6 @@ def check_pd_against_one_engine(
         [history], max_tokens=8, temperature=0.0, seed=9, n=1, routed_experts_prompt_start=held
     )
     assert pd_next.token_ids == one_next.token_ids
-    assert pd_next.routes is not None and pd_next.routes.start == held
+    assert pd_next.routes is not None and pd_next.routes.start == held, pd_next.routes_error
+    assert one_next.routes is not None and one_next.routes.start == held, one_next.routes_error
     np.testing.assert_array_equal(rows(pd_next), rows(one_next))

@@ -26,8 +26,10 @@ STORAGE_CONNECTOR_CLASS = "R3StorageConnector"
 STORAGE_CONNECTOR_MODULE = "r3operator.engine.kv_storage"
 STORAGE_SUBDIR = "kv-transfer"
 """Where the storage connector's transfers live, under the routing volume (engines mount it writable there)."""
+NIXL_CONNECTOR = "NixlConnector"
 NIXL_SIDE_CHANNEL_PORT = 5600
-"""vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT: the decode engine's handshake with a prefill engine."""
+"""vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT: the decode engine's handshake with a prefill engine (every NixlConnector
+engine core listens there, at this port + its DP index)."""
 
 
 def roles(spec: RLJobSpec) -> tuple[EngineRole, ...]:
@@ -81,7 +83,7 @@ def kv_transfer_config(spec: RLJobSpec, role: EngineRole, *, storage_dir: str | 
     if pd is None:
         raise ValueError("spec.inference.disaggregation is not set")
     if pd.connector is PDConnector.NIXL:
-        return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role]}
+        return {"kv_connector": NIXL_CONNECTOR, "kv_role": KV_ROLES[role]}
     return {
         "kv_connector": STORAGE_CONNECTOR_CLASS,
         "kv_connector_module_path": STORAGE_CONNECTOR_MODULE,

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 import numpy as np
 
 from r3operator.models.architecture import num_experts as experts_of
-from r3operator.routing.codec import RoutedExperts, from_vllm
+from r3operator.routing.codec import RoutedExperts, encode, from_vllm
+from r3operator.routing.codec import decode as decode_routes
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.sample import ROUTES_MISSING, RolloutSample
 from r3operator.wire.retry import Backoff, http_transient, retry_call
@@ -116,7 +117,8 @@ def build_sample(
         error = ROUTES_MISSING
     else:
         try:
-            routes = from_vllm(routed_experts, start=routed_experts_prompt_start, num_experts=num_experts)
+            rows = len(prompt_token_ids) + len(token_ids) - 1 - routed_experts_prompt_start
+            routes = routes_from(routed_experts, start=routed_experts_prompt_start, rows=rows, num_experts=num_experts)
             check_row_count(routes, prompt_len=len(prompt_token_ids), generated_len=len(token_ids))
         except RoutingDataError as exc:
             routes, error = None, str(exc)
@@ -132,6 +134,16 @@ def build_sample(
         finish_reason=finish_reason,
         routed_experts_prompt_start=routed_experts_prompt_start,
     )
+
+
+def routes_from(value: np.ndarray | str | bytes, *, start: int, rows: int, num_experts: int | None) -> RoutedExperts:
+    """An answer's routes asked from row `start`, `rows` of them. A vLLM before #51906 (0.30) takes
+    `routed_experts_prompt_start` in `SamplingParams` only, not on /v1/completions, and answers every row from 0
+    (`start` + `rows` of them): those before `start` are dropped here, so that both answer the same record."""
+    routes = from_vllm(value, start=start, num_experts=num_experts)
+    if start and routes.num_tokens == start + rows:
+        routes = encode(decode_routes(routes)[start:], start=start, num_experts=num_experts)
+    return routes
 
 
 def write_samples(

@@ -35,10 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from r3operator.rollout.client import build_sample, prompt_starts, request_seed
+from r3operator.rollout.client import build_sample, prompt_starts, request_seed, routes_from
 from r3operator.rollout.engines import EngineGroup, HTTPEngine
-from r3operator.routing.codec import RoutedExperts, encode, from_vllm
-from r3operator.routing.codec import decode as decode_routes
+from r3operator.routing.codec import RoutedExperts
 from r3operator.routing.errors import RoutingDataError
 from r3operator.routing.sample import RolloutSample
 from r3operator.routing.stitch import stitch_disaggregated
@@ -177,12 +176,14 @@ class DisaggregatedGroup(EngineGroup):
         )
         try:
             experts = decode.client.num_experts
-            head = from_vllm(prefilled.get("routed_experts"), start=start, num_experts=experts)
-            tail = from_vllm(choice.get("routed_experts"), start=last, num_experts=experts)
-            if tail.num_tokens == last + len(choice["token_ids"]):
-                # A vLLM without routed_experts_prompt_start on /v1/completions (before #51906, 0.30) answered every
-                # row from 0: its rows of the loaded prompt tokens are stale, only those from the last one are kept.
-                tail = encode(decode_routes(tail)[last:], start=last, num_experts=experts)
+            # A vLLM before 0.30 answers both requests' rows from 0 (`routes_from`): the decode engine's rows of the
+            # prompt tokens whose KV it loaded are stale, and are dropped with the rest before `last`.
+            head = routes_from(
+                prefilled.get("routed_experts"), start=start, rows=len(prompt) - start, num_experts=experts
+            )
+            tail = routes_from(
+                choice.get("routed_experts"), start=last, rows=len(choice["token_ids"]), num_experts=experts
+            )
             routes, boundary_agrees = stitch_disaggregated(
                 head, tail, prompt_len=len(prompt), generated_len=len(choice["token_ids"]), num_experts=experts
             )

@@ -229,3 +229,35 @@ def test_a_rule_error_starts_nothing(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["up", str(job), "--out-dir", str(tmp_path / "runs")])
     assert result.exit_code == 1 and "R3-EXECUTOR-RAY" in result.output
     assert not (tmp_path / "runs").exists()
+
+
+PD_NIXL = REPO / "benchmarks" / "jobs" / "gpu-accept-pd.yaml"
+
+
+@pytest.mark.parametrize(
+    ("roles", "offset"),
+    [({}, 0), ({"prefill": {"replicas": 1, "dataParallelSize": 2}, "decode": {"replicas": 2}}, 3)],
+    ids=["one-each", "prefill-dp2-two-decodes"],
+)
+def test_every_nixl_engine_listens_on_side_channel_ports_of_its_own(
+    roles: dict[str, Any], offset: int, tmp_path: Path
+) -> None:
+    # vLLM's NixlConnector: each engine core, decode role too, binds a handshake listener at
+    # VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600) + its DP index, and waits for ever if the bind fails. In a cluster
+    # each pod has its own network; on one host two engines at 5600 hung the GPU row's P/D job (2026-12-08).
+    doc = _doc(PD_NIXL, **{f"inference.disaggregation.{k}": v for k, v in roles.items()})
+    plan = _dry_run(tmp_path, _write(tmp_path, doc), "--gpus", "none", "--port-offset", str(offset))
+    engines = [p for p in plan["processes"] if p["role"] == "engine"]
+    listening: dict[int, str] = {}
+    for engine in engines:
+        config = json.loads(flag(engine["argv"], "--kv-transfer-config"))
+        assert config["kv_connector"] == "NixlConnector"
+        base = int(engine["env"].get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+        for dp_index in range(int(flag(engine["argv"], "--data-parallel-size"))):
+            taken = listening.setdefault(base + dp_index, engine["name"])
+            assert taken == engine["name"], f"{engine['name']} and {taken} both listen on {base + dp_index}"
+    ranks = sum(int(flag(e["argv"], "--data-parallel-size")) for e in engines)
+    assert len(listening) == ranks == len(engines) + (1 if roles else 0)
+    # The prefill engines' ports are the ones they hand the decode engines (their env, not vLLM's default).
+    assert all("VLLM_NIXL_SIDE_CHANNEL_PORT" in e["env"] for e in engines)
+    assert min(listening) == 5600 + offset  # moved with --port-offset, as the HTTP ports are

@@ -158,3 +158,73 @@ def test_a_decode_engine_that_answers_every_row_has_its_stale_prompt_rows_droppe
         "x": 1
     }
     assert prefill.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True and prefill.bodies[0]["max_tokens"] == 1
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["vllm-0.30+", "before-0.30"])
+def test_a_continuation_keeps_only_the_rows_it_asked_for_whichever_release_answers(honoured: bool) -> None:
+    """A multi-turn turn or a partial rollout's next segment asks for rows from `start` > 0. A vLLM before 0.30 ignores
+    that on /v1/completions and answers the prefill's and the decode's rows from 0 (on an H100 with vLLM 0.22.1 the
+    prefill's answer labelled from `start` made the sample's routes unusable, 2026-12-08): both releases must give
+    the record of rows [start, P + G - 1)."""
+    import numpy as np
+
+    from r3operator.routing import decode
+
+    rng = np.random.default_rng(1)
+    prompt, generated, start = [1, 5, 9, 4, 7, 2], [11, 12], 4
+    truth = np.stack([rng.permutation(32)[:4].reshape(1, 4).repeat(4, 0) for _ in range(7)])  # [P + G - 1, 4, 4]
+    last = len(prompt) - 1
+    prefill_rows = truth[start : len(prompt)] if honoured else truth[: len(prompt)]
+    decode_rows = truth[last:] if honoured else truth
+    prefill = _Client(
+        [{"choices": [{"token_ids": [11], "routed_experts": _npy(prefill_rows)}], "kv_transfer_params": {"x": 1}}]
+    )
+    choice = {"token_ids": generated, "logprobs": {"token_logprobs": [-0.1] * 2}, "routed_experts": _npy(decode_rows)}
+    decode_client = _Client([{"choices": [choice]}])
+
+    @dataclass
+    class Engine:
+        client: Any
+        name: str
+
+    group = DisaggregatedGroup([Engine(prefill, "p")], [Engine(decode_client, "d")])  # type: ignore[list-item]
+    sample = group.one(
+        group.prefill[0],
+        group.decode[0],
+        prompt,
+        prompt_index=0,
+        choice_index=0,
+        max_tokens=2,
+        temperature=0.0,
+        seed=1,
+        start=start,
+    )
+    assert sample.routes is not None, sample.routes_error
+    assert sample.routes.start == start
+    np.testing.assert_array_equal(decode(sample.routes), truth[start:])
+    assert prefill.bodies[0]["start"] == start
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["vllm-0.30+", "before-0.30"])
+def test_one_engines_continuation_keeps_only_the_rows_it_asked_for(honoured: bool) -> None:
+    import numpy as np
+
+    from r3operator.rollout.client import build_sample
+    from r3operator.routing import decode
+
+    rng = np.random.default_rng(2)
+    prompt, generated, start = [1, 5, 9, 4, 7, 2], [11, 12, 13], 3
+    truth = np.stack([[rng.permutation(32)[:4] for _ in range(4)] for _ in range(len(prompt) + len(generated) - 1)])
+    sample = build_sample(
+        prompt_index=0,
+        choice_index=0,
+        prompt_token_ids=prompt,
+        token_ids=generated,
+        logprobs=[-0.5] * 3,
+        routed_experts=_npy(truth[start:] if honoured else truth),
+        routed_experts_prompt_start=start,
+        num_experts=32,
+    )
+    assert sample.routes is not None, sample.routes_error
+    assert sample.routes.start == start
+    np.testing.assert_array_equal(decode(sample.routes), truth[start:])

@@ -14,8 +14,9 @@ argv (engines only; the trainer's argv is the rendered entrypoint unchanged):
   - ``--kv-transfer-config``'s ``shared_storage_path`` (a disaggregated job's storage connector) → the same under
     that volume's host directory (a claim's ``subPath`` is a directory under the claim's).
 A disaggregated job's engines are both StatefulSets' pods (``prefill-<i>`` first, then ``engine-<i>``), each on
-a port of its own; a ``status.podIP`` reference (NixlConnector's side-channel host) is 127.0.0.1 and
-``VLLM_NIXL_SIDE_CHANNEL_PORT`` moves as ``--port`` does.
+a port of its own; a ``status.podIP`` reference (NixlConnector's side-channel host) is 127.0.0.1, and every
+NixlConnector engine, decode role included, gets a ``VLLM_NIXL_SIDE_CHANNEL_PORT`` range of its own (the rendered
+port, vLLM's default where none is rendered, + ``port_offset`` + the DP ranks of the replicas before it).
 env, added (the host environment is inherited beneath, without ``KUBERNETES_SERVICE_HOST``/``_PORT``):
   - every process: ``PATH`` (this Python's bin directory first, so ``vllm``/``r3operator`` are this
     environment's), ``HOSTNAME`` (the pod's name), ``CUDA_VISIBLE_DEVICES`` (the GPUs its
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from r3operator.api.disaggregation import NIXL_CONNECTOR, NIXL_SIDE_CHANNEL_PORT
 from r3operator.api.runtime_config import RuntimeConfig
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
@@ -57,6 +59,7 @@ ENV_ADDED_EVERYWHERE = ("PATH", "HOSTNAME", "CUDA_VISIBLE_DEVICES")
 GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
 ENV_ADDED_LWS = (LEADER_ADDRESS_ENV, GROUP_SIZE_ENV, WORKER_INDEX_ENV)
 DP_RPC_PORT_FLAG = "--data-parallel-rpc-port"
+DP_SIZE_FLAG = "--data-parallel-size"
 ENV_ADDED_TRAINER = tuple(
     RuntimeSettings.env_name(f)
     for f in ("mounts", "engine_urls", "prefill_engine_urls", "driver_metrics_port", "steps", "engine_dtype")
@@ -327,6 +330,15 @@ def _substitute_argv(
     return out
 
 
+def _uses_nixl(argv: list[str]) -> bool:
+    """Whether the engine's ``--kv-transfer-config`` names vLLM's NixlConnector."""
+    value = _flag_value(argv, KV_TRANSFER_FLAG)
+    try:
+        return value is not None and json.loads(value).get("kv_connector") == NIXL_CONNECTOR
+    except (ValueError, AttributeError) as exc:
+        raise UpError(f"engine argv's {KV_TRANSFER_FLAG} is not a JSON object: {value!r}") from exc
+
+
 def _flag_value(argv: list[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -407,6 +419,7 @@ def plan_up(
     engines: list[ProcessSpec] = []
     local_ports: dict[str, int] = {}
     host_dirs: dict[str, str] = {}
+    nixl_base = nixl_next = 0  # NixlConnector side-channel ports handed out so far, past the rendered port
     for engine_pod in engine_pods:
         container = engine_pod.container
         (port_spec,) = [p for p in container["ports"] if p["name"] == "http"]
@@ -425,8 +438,15 @@ def plan_up(
         )
         assigned = take(_gpu_count(container))
         env = {**rendered_env, **engine_pod.lws_env, "PATH": path_env, "HOSTNAME": engine_pod.pod}
-        if NIXL_PORT_ENV in env:  # each prefill pod's side channel on a port of its own, as its HTTP port
-            env[NIXL_PORT_ENV] = str(int(env[NIXL_PORT_ENV]) + port_offset + engine_pod.replica)
+        if _uses_nixl(rendered_argv):
+            # Every NixlConnector engine core listens on a side channel, the decode role's too (vLLM's default port
+            # where the pod sets none), at the port + its DP index: pods each have a network of their own, one host
+            # does not, and a listener that cannot bind leaves vLLM's start waiting for ever. So each replica takes
+            # ports of its own, as many as its DP ranks; a LeaderWorkerSet worker shares its leader's (its ranks
+            # follow the leader's).
+            if engine_pod.serves_api:
+                nixl_base, nixl_next = nixl_next, nixl_next + int(_flag_value(rendered_argv, DP_SIZE_FLAG) or 1)
+            env[NIXL_PORT_ENV] = str(int(env.get(NIXL_PORT_ENV, NIXL_SIDE_CHANNEL_PORT)) + port_offset + nixl_base)
         if assigned:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
         engines.append(
