@@ -12,7 +12,7 @@ from collections.abc import Callable
 from r3operator.api import vllm_cli
 from r3operator.api.context import RuleContext
 from r3operator.api.engine_layout import LWS_CRD, engine_layout
-from r3operator.api.enums import ExecutorBackend, KVConnector, ReplayMode, RewardKind, TrainerBackend
+from r3operator.api.enums import ExecutorBackend, KVConnector, PDConnector, ReplayMode, RewardKind, TrainerBackend
 from r3operator.api.families import HF_REPLAY_FAMILIES, HF_REPLAY_ROUTER_TYPES
 from r3operator.api.sizing import checkpoint_bytes, gib, model_params_billions, quantity_bytes
 from r3operator.api.v1alpha1 import MANAGED_BY_MULTIKUEUE, RLJobSpec
@@ -515,6 +515,31 @@ def r3_prefix_caching(c: RuleContext) -> str | None:
     return (
         f"R3 with {found} in inference.extraArgs: vLLM {c.engine_version.version} (>= {since}) captures routes only "
         "with prefix caching on (its AuxOutput connector refuses the engine at start); drop the flag"
+    )
+
+
+def r3_pd_nixl_version(c: RuleContext) -> str | None:
+    """vLLM >= 0.31 captures routes in its AuxOutput connector and refuses it beside NixlConnector ('PD auxiliary
+    output is not supported', `_verify_aux_output_compatibility`, checked in the 0.33.0 wheel): the engines of such a
+    job would fail at start. Before 0.31 the engine plugin lets the pair through and the rollout stitches routes."""
+    pd = c.spec.inference.disaggregation
+    if not _r3(c.spec) or pd is None or pd.connector is not PDConnector.NIXL:
+        return None
+    after = supports(c.engine_version, "routed-experts-aux-output")
+    if after is False:
+        return None
+    since = FEATURES["routed-experts-aux-output"].since
+    if after is None:
+        return (
+            f"R3 with inference.disaggregation.connector nixl: vLLM >= {since} refuses routed experts beside "
+            f"NixlConnector, and the vLLM version of inference.image {c.spec.inference.image} is unknown: "
+            f"{_VERSION_HOWTO}"
+        )
+    return (
+        f"R3 with inference.disaggregation.connector nixl on vLLM {c.engine_version.version}: from {since} vLLM "
+        "captures routes in its AuxOutput connector and refuses it beside NixlConnector ('PD auxiliary output is not "
+        "supported'), so the engines would fail at start; use an engine image of vLLM 0.22.1-0.30.x for R3 with "
+        "disaggregated engines, or routingReplay.mode Disabled"
     )
 
 

@@ -929,6 +929,15 @@ RULES: tuple[Rule, ...] = (
         checks.r3_prefix_caching,
     ),
     Rule(
+        "R3-PD-NIXL-VLLM",
+        E,
+        "spec.inference.disaggregation.connector",
+        ("routingReplay.mode", "inference.disaggregation", "inference.image", "inference.vllmVersion"),
+        "R3 over NixlConnector needs a vLLM before 0.31 (later ones refuse routed experts beside it)",
+        ("vLLM 0.33.0 config/vllm.py _verify_aux_output_compatibility", "vllm-project/vllm#45635"),
+        checks.r3_pd_nixl_version,
+    ),
+    Rule(
         "R3-MOE-BACKEND",
         E,
         "spec.inference.extraArgs",

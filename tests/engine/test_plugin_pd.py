@@ -51,3 +51,26 @@ def test_capture_is_admitted_only_for_a_stitched_connector_role(tiny_model_dir: 
     ):
         with pytest.raises(ValueError, match="incompatible with KV connectors"):
             _config(tiny_model_dir, refused)
+
+
+def test_a_release_whose_model_config_has_no_capture_flag_gets_vllms_own_validation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM >= 0.31 moved the flag to AuxOutputConfig and refuses NixlConnector in its own AuxOutput check. On an H100
+    # with vLLM 0.33.0 the patch read ModelConfig.enable_return_routed_experts and every engine failed at start
+    # with an AttributeError (2026-12-08); it must hand such a config to vLLM's validation untouched.
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    from r3operator.engine.plugin import PluginState, _patch_routed_experts_with_pd_connector
+
+    validated: list[Any] = []
+    monkeypatch.setattr(VllmConfig, "__post_init__", lambda self: validated.append(self))
+    _patch_routed_experts_with_pd_connector(PluginState(vllm_version="0.33.0", calls=1))
+    producer = SimpleNamespace(kv_connector="NixlConnector", kv_role="kv_producer")
+    aux = SimpleNamespace(enable_return_routed_experts=True)
+    config = SimpleNamespace(model_config=SimpleNamespace(), kv_transfer_config=producer, aux_output_config=aux)
+    VllmConfig.__post_init__(config)  # type: ignore[arg-type]  # the shape of a 0.33 VllmConfig, as far as read
+    assert validated == [config] and aux.enable_return_routed_experts
