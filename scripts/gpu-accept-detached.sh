@@ -20,7 +20,7 @@ work=${ACCEPT_WORK:-/tmp/r3-accept}
 pack() {  # DEST: the record, the invocation's log, and every row's logs and small outputs so far
   mkdir -p "$1"
   { find "$out" "$log" -maxdepth 1 -type f 2>/dev/null
-    find "$work" -maxdepth 4 -type f \( -name '*.log' -o -name '*.json' -o -name '*.csv' -o -name '*.md' \
+    find "$work" -maxdepth 6 -type f \( -name '*.log' -o -name '*.json' -o -name '*.csv' -o -name '*.md' \
       -o -name '*.yaml' \) -size -5M 2>/dev/null; } | tar -czf "$1/accept.tgz" -T - 2>/dev/null
 }
 
