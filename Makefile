@@ -14,6 +14,12 @@ COMPAT_VENV ?= .venv-torch-compat
 COMPAT_STAMP := $(COMPAT_VENV)/.torch-$(COMPAT_TORCH)
 COMPAT_LOG := $(COMPAT_VENV)/last-test.log
 LINT_LOG := $(VENV)/last-lint.log
+# tests/e2e (`r3operator up`: real engine and trainer processes, ~6 min) runs in a pytest of its own beside the main
+# suite, whose cluster tests leave a core mostly idle: measured on 2 cores beside tests/operator, that part took 17%
+# longer and the two ~300 s less than one after the other. Only for the whole suite: with PYTEST_ARGS, the one
+# process runs what they select.
+E2E_LANE := $(if $(strip $(PYTEST_ARGS)),,tests/e2e)
+E2E_LOG := $(VENV)/last-e2e.log
 # Chosen for the torch APIs they reach (DCP checkpoints and their staging, FSDP2/DTensor, Megatron's
 # checkpoint, the replay hooks, the weight packing, the canary forward) at a few minutes on 2 cores.
 TORCH_COMPAT_TESTS ?= tests/trainer/test_checkpoint_staging.py tests/trainer/test_megatron_checkpoint.py \
@@ -91,11 +97,18 @@ test:
 	{ $(VENV)/bin/mypy; mypy_rc=$$?; $(VENV)/bin/vulture && exit $$mypy_rc; } > $(LINT_LOG) 2>&1 & lint=$$!; \
 	{ $(MAKE) --no-print-directory compat-venv && \
 	  $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TORCH_COMPAT_TESTS); } > $(COMPAT_LOG) 2>&1 & compat=$$!; \
-	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); main=$$?; \
+	rm -f $(E2E_LOG); e2e_rc=0; \
+	if [ -n "$(E2E_LANE)" ]; then \
+	  PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=5 \
+	    $(E2E_LANE) > $(E2E_LOG) 2>&1 & e2e=$$!; fi; \
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q --durations=25 $(addprefix --ignore=,$(E2E_LANE)) \
+	  $(PYTEST_ARGS); main=$$?; \
 	wait $$lint; lint_rc=$$?; wait $$compat; compat_rc=$$?; \
+	if [ -n "$(E2E_LANE)" ]; then wait $$e2e; e2e_rc=$$?; fi; \
 	echo "== mypy, vulture (exit $$lint_rc) =="; cat $(LINT_LOG); \
 	echo "== torch $(COMPAT_TORCH) (tests/ on the GPU image's torch: $(COMPAT_VENV)) =="; cat $(COMPAT_LOG); \
-	[ $$main -eq 0 ] && [ $$lint_rc -eq 0 ] && [ $$compat_rc -eq 0 ]
+	if [ -n "$(E2E_LANE)" ]; then echo "== $(E2E_LANE) (beside the main suite) =="; cat $(E2E_LOG); fi; \
+	[ $$main -eq 0 ] && [ $$lint_rc -eq 0 ] && [ $$compat_rc -eq 0 ] && [ $$e2e_rc -eq 0 ]
 
 # The trainer and runtime tests that need no vLLM, on the GPU image's torch (also the last step of `make test`).
 test-torch-compat: compat-venv
