@@ -144,6 +144,25 @@ def test_an_engine_that_dies_before_it_is_healthy_fails_up_with_its_log(tmp_path
     assert not (tmp_path / "logs" / "trainer.log").exists()  # the trainer never started
 
 
+def test_an_engine_that_never_gets_healthy_is_reported_while_up_waits_and_then_fails_up(tmp_path: Path) -> None:
+    # vLLM's NixlConnector waits for ever on a side-channel listener that cannot bind: the wait must say what it
+    # waits for, with the engine's last line, long before the startup budget runs out.
+    stuck = "import time; print('NIXL handshake listener on 127.0.0.1:5600', flush=True); time.sleep(600)"
+    plan = _plan(tmp_path, "import sys; sys.exit(0)", engine_script=stuck)
+    plan = replace(plan, engines=[replace(plan.engines[0], startup_budget_s=3)])
+    said: list[str] = []
+    runner = Runner(plan, environ={"PATH": "/usr/bin:/bin"}, say=said.append, echo=lambda b: None, waiting_report_s=0.5)
+    runner.prepare()
+    try:
+        with pytest.raises(UpFailed, match=r"engine-0 not healthy after \d+ s(.|\n)*listener on 127.0.0.1:5600"):
+            runner.start_engines()
+    finally:
+        runner.shutdown()
+    reports = [line for line in said if "still waiting for engine-0" in line]
+    assert reports and all(line.endswith("NIXL handshake listener on 127.0.0.1:5600") for line in reports[1:])
+    assert "of its 3 s" in reports[0]
+
+
 # A worker stand-in of a LeaderWorkerSet group: no HTTP (a --headless vLLM), it only lives.
 WORKER = "import time; time.sleep(600)"
 

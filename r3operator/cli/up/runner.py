@@ -32,6 +32,7 @@ RESTART_CAP_S = 30.0
 """Back-off between restarts of a dead engine (the kubelet's starts at 10 s; a local run waits less)."""
 HEALTH_TIMEOUT_S = 2.0
 TAIL_LINES = 20
+WAITING_REPORT_S = 60.0  # how often `up` says which engines it still waits for, and the last line each logged
 PR_SET_PDEATHSIG = 1
 
 Say = Callable[[str], None]
@@ -76,9 +77,17 @@ class Child:
 
 class Runner:
     def __init__(
-        self, plan: UpPlan, *, environ: dict[str, str], say: Say, echo: Callable[[bytes], None], max_restarts: int = 5
+        self,
+        plan: UpPlan,
+        *,
+        environ: dict[str, str],
+        say: Say,
+        echo: Callable[[bytes], None],
+        max_restarts: int = 5,
+        waiting_report_s: float = WAITING_REPORT_S,
     ) -> None:
         self.plan = plan
+        self.waiting_report_s = waiting_report_s
         self.base_env = host_environment(environ)
         self.say = say
         self.echo = echo
@@ -168,7 +177,17 @@ class Runner:
                 f"{port} GPUs {gpus}  log {child.log_path}"
             )
         waiting = list(self.engines)
+        report_at = time.monotonic() + self.waiting_report_s
         while waiting:
+            if time.monotonic() >= report_at:  # a start that hangs (a port taken, a download) shows while it does
+                report_at += self.waiting_report_s
+                for child in waiting:
+                    last = child.tail(1) or "(nothing logged yet)"
+                    elapsed = time.monotonic() - child.started_at
+                    self.say(
+                        f"  still waiting for {child.spec.name} ({elapsed:.0f} s of its "
+                        f"{child.spec.startup_budget_s:.0f} s): {last}"
+                    )
             for child in list(waiting):
                 assert child.proc is not None
                 code = child.proc.poll()
