@@ -488,6 +488,22 @@ def r3_eplb(c: RuleContext) -> str | None:
     )
 
 
+def _aux_output_refusal(c: RuleContext, what: str, *, refused: str, known: str) -> str | None:
+    """The message of a setting (`what`) that vLLM's AuxOutput connector, which captures routes from 0.31, refuses at
+    the engine's start: None before 0.31; for an unknown version, `refused` (the refusal, said of vLLM >= 0.31)
+    and how to name the version; else `known` (said of the job's version)."""
+    after = supports(c.engine_version, "routed-experts-aux-output")
+    if after is False:
+        return None
+    since = FEATURES["routed-experts-aux-output"].since
+    if after is None:
+        return (
+            f"R3 with {what}: vLLM >= {since} {refused}, and the vLLM version of inference.image "
+            f"{c.spec.inference.image} is unknown: {_VERSION_HOWTO}"
+        )
+    return f"R3 with {what}: vLLM {c.engine_version.version} (>= {since}) {known}"
+
+
 def r3_prefix_caching(c: RuleContext) -> str | None:
     """From vLLM 0.31 the AuxOutput connector that captures routes refuses to start without prefix caching
     (`_verify_aux_output_compatibility`): a disabling spelling in extraArgs (any pinned table's, e.g. 0.30's
@@ -503,18 +519,12 @@ def r3_prefix_caching(c: RuleContext) -> str | None:
     found = next((a for a in c.spec.inference.extra_args if a.split("=", 1)[0] in disabling), None)
     if not _r3(c.spec) or found is None:
         return None
-    after = supports(c.engine_version, "routed-experts-aux-output")
-    if after is False:
-        return None
-    since = FEATURES["routed-experts-aux-output"].since
-    if after is None:
-        return (
-            f"R3 with {found} in inference.extraArgs: vLLM >= {since} refuses to capture routes without prefix "
-            f"caching, and the vLLM version of inference.image {c.spec.inference.image} is unknown: {_VERSION_HOWTO}"
-        )
-    return (
-        f"R3 with {found} in inference.extraArgs: vLLM {c.engine_version.version} (>= {since}) captures routes only "
-        "with prefix caching on (its AuxOutput connector refuses the engine at start); drop the flag"
+    return _aux_output_refusal(
+        c,
+        f"{found} in inference.extraArgs",
+        refused="refuses to capture routes without prefix caching",
+        known="captures routes only with prefix caching on (its AuxOutput connector refuses the engine at start); "
+        "drop the flag",
     )
 
 
@@ -525,21 +535,13 @@ def r3_pd_nixl_version(c: RuleContext) -> str | None:
     pd = c.spec.inference.disaggregation
     if not _r3(c.spec) or pd is None or pd.connector is not PDConnector.NIXL:
         return None
-    after = supports(c.engine_version, "routed-experts-aux-output")
-    if after is False:
-        return None
-    since = FEATURES["routed-experts-aux-output"].since
-    if after is None:
-        return (
-            f"R3 with inference.disaggregation.connector nixl: vLLM >= {since} refuses routed experts beside "
-            f"NixlConnector, and the vLLM version of inference.image {c.spec.inference.image} is unknown: "
-            f"{_VERSION_HOWTO}"
-        )
-    return (
-        f"R3 with inference.disaggregation.connector nixl on vLLM {c.engine_version.version}: from {since} vLLM "
-        "captures routes in its AuxOutput connector and refuses it beside NixlConnector ('PD auxiliary output is not "
-        "supported'), so the engines would fail at start; use an engine image of vLLM 0.22.1-0.30.x for R3 with "
-        "disaggregated engines, or routingReplay.mode Disabled"
+    return _aux_output_refusal(
+        c,
+        "inference.disaggregation.connector nixl",
+        refused="refuses routed experts beside NixlConnector",
+        known="captures routes in its AuxOutput connector and refuses it beside NixlConnector ('PD auxiliary output "
+        "is not supported'), so the engines would fail at start; use an engine image of vLLM 0.22.1-0.30.x for R3 "
+        "with disaggregated engines, or routingReplay.mode Disabled",
     )
 
 

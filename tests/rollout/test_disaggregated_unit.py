@@ -110,6 +110,38 @@ def _npy(rows: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+@dataclass
+class _Engine:
+    client: Any
+    name: str
+
+
+def _pd_sample(
+    prompt: list[int], generated: list[int], *, prefill_rows: Any, decode_rows: Any, start: int
+) -> tuple[Any, _Client, _Client]:
+    """`DisaggregatedGroup.one` over a prefill and a decode engine answering these rows; the sample and both clients."""
+    prefill = _Client(
+        [{"choices": [{"token_ids": [11], "routed_experts": _npy(prefill_rows)}], "kv_transfer_params": {"x": 1}}]
+    )
+    logprobs = {"token_logprobs": [-0.1] * len(generated)}
+    decode_client = _Client(
+        [{"choices": [{"token_ids": generated, "logprobs": logprobs, "routed_experts": _npy(decode_rows)}]}]
+    )
+    group = DisaggregatedGroup([_Engine(prefill, "p")], [_Engine(decode_client, "d")])  # type: ignore[list-item]
+    sample = group.one(
+        group.prefill[0],
+        group.decode[0],
+        prompt,
+        prompt_index=0,
+        choice_index=0,
+        max_tokens=len(generated),
+        temperature=0.0,
+        seed=1,
+        start=start,
+    )
+    return sample, prefill, decode_client
+
+
 def test_a_decode_engine_that_answers_every_row_has_its_stale_prompt_rows_dropped() -> None:
     """vLLM before 0.30 takes routed_experts_prompt_start only in SamplingParams: over HTTP the decode engine answers
     rows from 0, those of the loaded prompt tokens stale. The sample keeps the prefill engine's rows for the prompt."""
@@ -122,36 +154,7 @@ def test_a_decode_engine_that_answers_every_row_has_its_stale_prompt_rows_droppe
     truth = np.stack([rng.permutation(32)[:4].reshape(1, 4).repeat(4, 0) for _ in range(7)])  # [P + G - 1, 4, 4]
     stale = truth.copy()
     stale[:4] = (truth[:4] + 1) % 32  # what the decode engine's slots held for the rows it loaded
-    prefill = _Client(
-        [{"choices": [{"token_ids": [11], "routed_experts": _npy(truth[:5])}], "kv_transfer_params": {"x": 1}}]
-    )
-    decode_client = _Client(
-        [
-            {
-                "choices": [
-                    {"token_ids": generated, "logprobs": {"token_logprobs": [-0.1] * 3}, "routed_experts": _npy(stale)}
-                ]
-            }
-        ]
-    )
-
-    @dataclass
-    class Engine:
-        client: Any
-        name: str
-
-    group = DisaggregatedGroup([Engine(prefill, "p")], [Engine(decode_client, "d")])  # type: ignore[list-item]
-    sample = group.one(
-        group.prefill[0],
-        group.decode[0],
-        prompt,
-        prompt_index=0,
-        choice_index=0,
-        max_tokens=3,
-        temperature=0.0,
-        seed=1,
-        start=0,
-    )
+    sample, prefill, decode_client = _pd_sample(prompt, generated, prefill_rows=truth[:5], decode_rows=stale, start=0)
     assert sample.routes is not None, sample.routes_error
     np.testing.assert_array_equal(decode(sample.routes), truth)
     assert decode_client.bodies[0]["start"] == len(prompt) - 1 and decode_client.bodies[0]["kv_transfer_params"] == {
@@ -176,29 +179,7 @@ def test_a_continuation_keeps_only_the_rows_it_asked_for_whichever_release_answe
     last = len(prompt) - 1
     prefill_rows = truth[start : len(prompt)] if honoured else truth[: len(prompt)]
     decode_rows = truth[last:] if honoured else truth
-    prefill = _Client(
-        [{"choices": [{"token_ids": [11], "routed_experts": _npy(prefill_rows)}], "kv_transfer_params": {"x": 1}}]
-    )
-    choice = {"token_ids": generated, "logprobs": {"token_logprobs": [-0.1] * 2}, "routed_experts": _npy(decode_rows)}
-    decode_client = _Client([{"choices": [choice]}])
-
-    @dataclass
-    class Engine:
-        client: Any
-        name: str
-
-    group = DisaggregatedGroup([Engine(prefill, "p")], [Engine(decode_client, "d")])  # type: ignore[list-item]
-    sample = group.one(
-        group.prefill[0],
-        group.decode[0],
-        prompt,
-        prompt_index=0,
-        choice_index=0,
-        max_tokens=2,
-        temperature=0.0,
-        seed=1,
-        start=start,
-    )
+    sample, prefill, _ = _pd_sample(prompt, generated, prefill_rows=prefill_rows, decode_rows=decode_rows, start=start)
     assert sample.routes is not None, sample.routes_error
     assert sample.routes.start == start
     np.testing.assert_array_equal(decode(sample.routes), truth[start:])
