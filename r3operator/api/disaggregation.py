@@ -27,6 +27,7 @@ STORAGE_CONNECTOR_MODULE = "r3operator.engine.kv_storage"
 STORAGE_SUBDIR = "kv-transfer"
 """Where the storage connector's transfers live, under the routing volume (engines mount it writable there)."""
 NIXL_CONNECTOR = "NixlConnector"
+NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 NIXL_SIDE_CHANNEL_PORT = 5600
 """vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT: the decode engine's handshake with a prefill engine (every NixlConnector
 engine core listens there, at this port + its DP index)."""

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from r3operator.api.disaggregation import NIXL_CONNECTOR, NIXL_SIDE_CHANNEL_PORT
+from r3operator.api.disaggregation import NIXL_CONNECTOR, NIXL_PORT_ENV, NIXL_SIDE_CHANNEL_PORT
 from r3operator.api.runtime_config import RuntimeConfig
 from r3operator.api.sources import parse_source_uri
 from r3operator.api.v1alpha1 import RLJob
@@ -213,7 +213,6 @@ def _one(children: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}
-NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
 def _env(container: dict[str, Any], pod: str) -> dict[str, str]:

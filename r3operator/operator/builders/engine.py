@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from r3operator.api.disaggregation import (
+    NIXL_PORT_ENV,
     NIXL_SIDE_CHANNEL_PORT,
     STORAGE_SUBDIR,
     engine_role_name,
@@ -163,7 +164,7 @@ def _engine_container(
         # NixlConnector hands the decode engine this host in kv_transfer_params (its default is localhost).
         env += [
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
+            {"name": NIXL_PORT_ENV, "value": str(NIXL_SIDE_CHANNEL_PORT)},
         ]
     if _kv_storage(job, role):
         mounts.append({"name": KV_TRANSFER_VOLUME, "mountPath": storage_path(), "subPath": STORAGE_SUBDIR})
